@@ -1,0 +1,43 @@
+# tileattn: `make demo` and `make test` each set up .venv on first use, then run.
+# `make gpu-check` runs on a GPU machine with its own python3 (nothing is installed there).
+
+PYTHON   ?= python3
+VENV     := .venv
+PY       := $(VENV)/bin/python
+# CPU machines: the CPU build of torch, installed explicitly first so nothing pulls a multi-GB
+# CUDA build. On a machine with an NVIDIA GPU, `make TORCH=torch==2.11.0 ...` (any torch in
+# pyproject's range works).
+TORCH    ?= torch==2.13.0
+STAMP    := $(VENV)/.installed
+REPORT_DIR ?= gpu-report
+BENCH    ?= vector_add
+TESTS    ?= tests
+
+.PHONY: demo test check gpu-check bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m tileattn.cli info
+	$(PY) -m labs.attention
+	$(PY) -m tileattn.cli demo
+
+check: $(STAMP)
+	$(PY) -m tileattn.cli check
+
+test: check
+	$(PY) -m pytest -q -rs
+
+gpu-check:
+	PYTHONPATH=src:. $(PYTHON) scripts/gpu_check.py --report-dir $(REPORT_DIR) --bench $(BENCH) --tests $(TESTS)
+
+bench:
+	PYTHONPATH=src:. $(PYTHON) -m tileattn.cli bench attention
+
+clean:
+	rm -rf $(VENV) gpu-report .pytest_cache

@@ -1,0 +1,135 @@
+"""`make gpu-check`: the one command for a device run. Uses the machine's own python3, nothing installed.
+
+Steps (each logged into REPORT_DIR, a summary table printed last):
+  1. environment (tileattn info)
+  2. pytest -m gpu                       -> junit-gpu.xml
+  3. compute-sanitizer memcheck, racecheck, synccheck, initcheck over `pytest -m sanitize`
+     (the GPU tests' small cases)        -> sanitizer-<tool>.log
+  4. benchmarks named with --bench (vector_add always): each a `python3 -m MODULE --json ...`
+                                          -> bench-<name>.json
+Exit status is non-zero when a test fails, a GPU test was skipped, or a sanitizer reports errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+# Benchmarks runnable by name: module and its arguments (the JSON path is appended).
+BENCHES = {
+    "vector_add": ["-m", "labs.vector_add"],
+    "attention": ["-m", "tileattn.cli", "bench", "attention"],
+    "attention-quick": ["-m", "tileattn.cli", "bench", "attention", "--quick"],
+    "reduction": ["-m", "labs.reduction"],
+    "transpose": ["-m", "labs.transpose"],
+    "gemm": ["-m", "labs.gemm"],
+    "pipeline": ["-m", "labs.pipeline"],
+    "triton": ["-m", "labs.triton_lab"],
+}
+
+
+def run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
+    start = time.perf_counter()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with log.open("w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env).returncode
+        except subprocess.TimeoutExpired:
+            f.write(f"\nTIMEOUT after {timeout} s\n")
+            rc = 124
+    return rc, time.perf_counter() - start
+
+
+def junit_counts(path: Path) -> dict:
+    if not path.exists():
+        return {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    root = ET.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+
+
+def sanitizer_summary(log: Path) -> str:
+    text = log.read_text(errors="replace")
+    # memcheck/synccheck/initcheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: ...
+    # (N errors, M warnings)"
+    m = re.search(r"ERROR SUMMARY: (\d+) error", text) or re.search(r"SUMMARY: .*\((\d+) errors?", text)
+    if m:
+        return f"{m.group(1)} errors"
+    return "no summary (see log)"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--report-dir", default="gpu-report")
+    ap.add_argument("--bench", default="vector_add", help=f"comma-separated, from {sorted(BENCHES)}")
+    ap.add_argument("--tests", default="tests", help="pytest targets, comma-separated (files or directories)")
+    ap.add_argument("-k", dest="keyword", help="pytest -k expression for the GPU tests")
+    ap.add_argument("--no-sanitizer", action="store_true")
+    ap.add_argument("--sanitizer-tools", default=",".join(SANITIZER_TOOLS))
+    args = ap.parse_args(argv)
+    out = Path(args.report_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    targets = [t for t in args.tests.split(",") if t]
+    rows: list[tuple[str, str, float]] = []
+    failed = False
+
+    rc, sec = run([py, "-m", "tileattn.cli", "info"], out / "info.log", 120)
+    rows.append(("tileattn info", "ok" if rc == 0 else f"rc={rc}", sec))
+
+    junit = out / "junit-gpu.xml"
+    kw = ["-k", args.keyword] if args.keyword else []
+    rc, sec = run([py, "-m", "pytest", *targets, "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
+                   f"--junitxml={junit}", *kw], out / "pytest-gpu.log", 1800)
+    c = junit_counts(junit)
+    passed = c["tests"] - c["failures"] - c["errors"] - c["skipped"]
+    status = f"{passed} passed, {c['failures'] + c['errors']} failed, {c['skipped']} skipped"
+    failed |= rc != 0 or c["skipped"] > 0 or c["tests"] == 0
+    rows.append(("pytest -m gpu", status, sec))
+
+    tools = [] if args.no_sanitizer else [t for t in args.sanitizer_tools.split(",") if t]
+    sanitizer = {}
+    for tool in tools:
+        log = out / f"sanitizer-{tool}.log"
+        cmd = ["compute-sanitizer", "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "1",
+               py, "-m", "pytest", *targets, "-m", "sanitize", "-q", "-p", "no:cacheprovider", *kw]
+        rc, sec = run(cmd, log, 900)
+        summary = sanitizer_summary(log)
+        sanitizer[tool] = {"rc": rc, "summary": summary, "seconds": sec}
+        failed |= rc != 0
+        rows.append((f"sanitizer {tool}", f"{summary}, rc={rc}", sec))
+
+    benches = {}
+    for name in [b for b in args.bench.split(",") if b]:
+        if name not in BENCHES:
+            raise SystemExit(f"unknown benchmark {name!r}; known: {sorted(BENCHES)}")
+        path = out / f"bench-{name}.json"
+        rc, sec = run([py, *BENCHES[name], "--json", str(path)], out / f"bench-{name}.log", 1200)
+        benches[name] = {"rc": rc, "seconds": sec, "json": path.name if path.exists() else None}
+        failed |= rc != 0
+        rows.append((f"bench {name}", "ok" if rc == 0 else f"rc={rc}", sec))
+
+    (out / "summary.json").write_text(json.dumps(
+        {"pytest": c, "sanitizer": sanitizer, "benches": benches, "ok": not failed}, indent=1))
+    lines = ["| step | result | seconds |", "|---|---|---|"] + [f"| {a} | {b} | {s:.0f} |" for a, b, s in rows]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    for name in benches:  # the tail of each benchmark's own table, for the reader of this output
+        log = (out / f"bench-{name}.log").read_text(errors="replace").splitlines()
+        print(f"\n--- bench {name} (last lines) ---\n" + "\n".join(log[-25:]))
+    print("\n" + "\n".join(lines))
+    print("\nGPU CHECK " + ("FAILED" if failed else "PASSED") + f" (report in {out})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

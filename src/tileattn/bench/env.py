@@ -1,0 +1,64 @@
+"""The environment every benchmark record carries: GPU, driver, versions, date, command."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import shlex
+import subprocess
+import sys
+from importlib import metadata
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20,
+        )
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment() -> dict:
+    """A dict of facts about this machine and process (no GPU needed; GPU fields are None then)."""
+    import torch
+
+    env = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in sys.argv),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "triton": _version("triton"),
+        "cuda_core": _version("cuda-core"),
+        "cuda_bindings": _version("cuda-bindings"),
+        "gpu": None,
+        "compute_capability": None,
+        "sm_count": None,
+        "driver": None,
+    }
+    try:
+        from ..runtime import nvrtc_version
+
+        env["nvrtc"] = "%d.%d" % nvrtc_version()
+    except Exception as exc:  # NVRTC missing is a fact worth recording, not a crash
+        env["nvrtc"] = f"unavailable ({exc.__class__.__name__})"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env.update(
+            gpu=props.name,
+            compute_capability=f"{props.major}.{props.minor}",
+            sm_count=props.multi_processor_count,
+            driver=_driver_version(),
+        )
+    return env

@@ -1,0 +1,128 @@
+"""The one timing harness: warm-up, CUDA events, many repetitions, median and spread, L2 flushed.
+
+Every benchmark in tileattn and the labs times through `measure`, so their numbers are comparable:
+- warm-up calls first (module load, compilation, allocator growth stay out of the numbers);
+- each repetition is bracketed by its own pair of CUDA events on torch's current stream;
+- before each repetition the L2 is flushed by writing a buffer twice the L2 size (outside the
+  events), so a small input cannot be served from cache across repetitions;
+- peak extra memory is read from torch's allocator in a separate call: max_memory_allocated during
+  the call minus memory_allocated before it (the call's temporaries and outputs).
+Cold start (first call, compile included) is measured separately by `cold_start`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+
+@dataclass
+class Timing:
+    """Times in milliseconds over `reps` repetitions; peak extra memory in bytes."""
+
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    q1_ms: float
+    q3_ms: float
+    reps: int
+    peak_extra_bytes: int | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+_flush_buffer = None
+
+
+def _flush_l2() -> None:
+    import torch
+
+    global _flush_buffer
+    if _flush_buffer is None:
+        l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+        _flush_buffer = torch.empty(max(2 * l2, 1 << 20), dtype=torch.uint8, device="cuda")
+    _flush_buffer.fill_(1)  # a write pass evicts every line the timed call could reuse
+
+
+def peak_extra_memory(fn: Callable[[], object]) -> int:
+    """Bytes allocated at the peak of one call of `fn`, above what was allocated before it."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del result
+    return int(peak)
+
+
+def measure(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 3,
+    reps: int = 20,
+    flush_l2: bool = True,
+    memory: bool = True,
+    max_seconds: float | None = 10.0,
+) -> Timing:
+    """Time `fn` (device work enqueued on torch's current stream) with CUDA events.
+
+    `reps` repetitions (fewer if `max_seconds` of measured time would be exceeded, at least 3);
+    returns median, min/max and the interquartile range, plus the peak extra memory of one call.
+    """
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times: list[float] = []
+    spent = 0.0
+    for _ in range(reps):
+        if flush_l2:
+            _flush_l2()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end)
+        times.append(ms)
+        spent += ms / 1e3
+        if max_seconds is not None and spent > max_seconds and len(times) >= 3:
+            break
+    return summarize(times, peak_extra_memory(fn) if memory else None)
+
+
+def summarize(times_ms: list[float], peak_extra_bytes: int | None = None) -> Timing:
+    if not times_ms:
+        raise ValueError("no timings to summarize")
+    ordered = sorted(times_ms)
+    if len(ordered) >= 4:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    else:
+        q1, q3 = ordered[0], ordered[-1]
+    return Timing(
+        median_ms=statistics.median(ordered),
+        min_ms=ordered[0],
+        max_ms=ordered[-1],
+        q1_ms=q1,
+        q3_ms=q3,
+        reps=len(ordered),
+        peak_extra_bytes=peak_extra_bytes,
+    )
+
+
+def cold_start(fn: Callable[[], object]) -> float:
+    """Wall-clock seconds of the first call of `fn`, compilation and module load included."""
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start

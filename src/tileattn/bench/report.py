@@ -1,0 +1,100 @@
+"""Turn recorded runs into Markdown tables and PNG plots (never from anything but the JSON).
+
+    python -m tileattn.bench.report RUN.json --rows n --cols impl --value tflops [--plot out.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .records import read_run
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def environment_line(env: dict) -> str:
+    keys = ("gpu", "driver", "torch", "torch_cuda", "nvrtc", "cuda_core", "triton", "date_utc")
+    return "; ".join(f"{k}: {env.get(k)}" for k in keys if env.get(k) is not None) + f"; command: `{env.get('command')}`"
+
+
+def pivot(records: list[dict], rows: list[str], col: str, value: str, where: dict | None = None):
+    """(row keys, column names, {row: {col: value}}) in first-seen order."""
+    where = where or {}
+    table: dict[tuple, dict] = {}
+    cols: list = []
+    for r in records:
+        if any(r.get(k) != v for k, v in where.items()):
+            continue
+        key = tuple(r.get(k) for k in rows)
+        c = r.get(col)
+        if c not in cols:
+            cols.append(c)
+        table.setdefault(key, {})[c] = r.get(value)
+    return rows, cols, table
+
+
+def markdown_table(records: list[dict], rows: list[str], col: str, value: str, where: dict | None = None) -> str:
+    row_keys, cols, table = pivot(records, rows, col, value, where)
+    lines = ["| " + " | ".join(row_keys + [str(c) for c in cols]) + " |",
+             "|" + "---|" * (len(row_keys) + len(cols))]
+    for key, cells in table.items():
+        lines.append("| " + " | ".join([_fmt(k) for k in key] + [_fmt(cells.get(c)) for c in cols]) + " |")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], x: str, series: str, value: str, path: str | Path, *, where: dict | None = None,
+         title: str = "", logx: bool = True, ylabel: str | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _, names, table = pivot(records, [x], series, value, where)
+    xs = [k[0] for k in table]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name in names:
+        ys = [table[(xv,)].get(name) for xv in xs]
+        pts = [(a, b) for a, b in zip(xs, ys) if b is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=str(name))
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(x)
+    ax.set_ylabel(ylabel or value)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", help="JSON written by a tileattn benchmark")
+    ap.add_argument("--rows", default="n", help="comma-separated keys that identify a row")
+    ap.add_argument("--cols", default="impl", help="key whose values become columns")
+    ap.add_argument("--value", default="tflops", help="key shown in the cells")
+    ap.add_argument("--plot", help="also write a PNG line plot (x = first row key)")
+    args = ap.parse_args(argv)
+    env, records = read_run(args.run)
+    rows = args.rows.split(",")
+    print(environment_line(env) + "\n")
+    print(markdown_table(records, rows, args.cols, args.value))
+    if args.plot:
+        print(f"\nplot: {plot(records, rows[0], args.cols, args.value, args.plot)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""`tileattn check`: compile every registered instantiation without a GPU and audit its resources.
+
+A kernel passes when NVRTC compiles it and ptxas reports zero spill bytes and a zero-byte stack
+frame (a stack frame means a register array went to local memory). Deliberately broken lab
+versions are compiled and listed, but their resource use does not fail the check.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from .kernels import Family, families
+from .runtime import CompileError, compile_cuda
+
+
+@dataclass
+class Row:
+    family: str
+    expression: str
+    arch: str
+    registers: int | None = None
+    stack: int | None = None
+    spills: int | None = None
+    static_smem: int | None = None
+    seconds: float | None = None
+    broken: bool = False
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and (self.broken or (self.stack == 0 and self.spills == 0))
+
+
+def _compile_one(fam: Family, expr: str, arch: str, use_cache: bool) -> Row:
+    row = Row(fam.name, expr, arch, broken=expr in fam.broken)
+    try:
+        module = compile_cuda(fam.path, [expr], arch, use_cache=use_cache)
+    except CompileError as exc:
+        row.error = str(exc)
+        return row
+    res = module.resources.get(expr)
+    if res is None:
+        row.error = "ptxas reported no resources for this kernel (was it instantiated?)"
+        return row
+    row.registers, row.stack, row.spills = res.registers, res.stack_bytes, res.spills
+    row.static_smem, row.seconds = res.static_smem_bytes, module.compile_seconds
+    return row
+
+
+def run_check(archs: list[str] | None = None, *, family_filter: str | None = None, use_cache: bool = True,
+              jobs: int | None = None) -> list[Row]:
+    """Compile everything registered (optionally only families whose name contains `family_filter`)."""
+    work = []
+    for fam in families().values():
+        if family_filter and family_filter not in fam.name:
+            continue
+        if not fam.path.exists():
+            work.append((fam, None, None))
+            continue
+        for arch in fam.archs:
+            if archs and arch not in archs:
+                continue
+            work.extend((fam, expr, arch) for expr in fam.instantiations)
+    rows: list[Row] = []
+    # NVRTC compiles of distinct programs run in parallel threads (the compile releases the GIL).
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as pool:
+        futures = []
+        for fam, expr, arch in work:
+            if expr is None:
+                rows.append(Row(fam.name, "*", "-", error=f"source {fam.path} not found"))
+            else:
+                futures.append(pool.submit(_compile_one, fam, expr, arch, use_cache))
+        rows.extend(f.result() for f in futures)
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    head = f"{'kernel':<64} {'arch':<7} {'regs':>4} {'stack':>5} {'spill':>5} {'smem':>6} {'sec':>6}  status"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        name = f"{r.family}:{r.expression}"
+        if len(name) > 64:
+            name = name[:61] + "..."
+        if r.error:
+            lines.append(f"{name:<64} {r.arch:<7} {'':>4} {'':>5} {'':>5} {'':>6} {'':>6}  COMPILE ERROR")
+            continue
+        status = "ok" if r.ok and not r.broken else ("broken (lab)" if r.broken else "FAIL: spill/stack")
+        lines.append(
+            f"{name:<64} {r.arch:<7} {r.registers:>4} {r.stack:>5} {r.spills:>5} {r.static_smem:>6} "
+            f"{r.seconds:>6.2f}  {status}"
+        )
+    return "\n".join(lines)
