@@ -1,0 +1,272 @@
+"""`tileattn bench attention`: the seed table, tileattn beside every peer in one process.
+
+    tileattn bench attention [--dtype bf16|fp16] [--head-dim 128] [--quick] [--json out.json]
+                             [--markdown out.md] [--plot out.png] [--tune] [--demo]
+
+Workload: B=4, H=32, d=128, N = 1024 ... 32768, forward and backward, causal and not.
+Peers: PyTorch naive (matmul, softmax in fp32, matmul) until it runs out of memory, and each SDPA
+backend (flash = FlashAttention-2, cudnn, efficient). FLOPs: forward 4*B*H*N^2*d, halved when
+causal; backward 2.5x forward (the convention of every attention benchmark). Backward is timed
+alone: the forward runs once outside the timed region and torch.autograd.grad replays the graph.
+Peak extra memory: the allocator's peak during one call above what was allocated before it.
+`--tune` times every registered tile configuration of the tileattn kernels instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+
+import torch
+
+from .harness import measure
+from .records import write_run
+from .report import environment_line, markdown_table, plot
+
+SEQ_LENS = (1024, 2048, 4096, 8192, 16384, 32768)
+QUICK_SEQ_LENS = (1024, 4096, 16384)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def flops(batch: int, heads: int, n_q: int, n_k: int, d: int, causal: bool, backward: bool) -> float:
+    f = 4.0 * batch * heads * n_q * n_k * d * (0.5 if causal else 1.0)
+    return f * (2.5 if backward else 1.0)
+
+
+def naive_attention(q, k, v, causal: bool):
+    """The unfused baseline: scores materialized as [B, H, N, N] in fp32."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.matmul(q, k.transpose(-2, -1)).float() * scale  # [B, H, Nq, Nk] fp32
+    if causal:
+        n_q, n_k = scores.shape[-2:]
+        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v)
+
+
+def _sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def implementations() -> dict[str, Callable]:
+    from torch.nn.attention import SDPBackend
+
+    import tileattn
+
+    return {
+        "naive": naive_attention,
+        "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
+        "sdpa_efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
+        "tileattn": lambda q, k, v, causal: tileattn.attention(q, k, v, causal=causal),
+    }
+
+
+def _inputs(b, h, n, d, dtype, grad: bool):
+    return [torch.randn(b, h, n, d, device="cuda", dtype=dtype, requires_grad=grad) for _ in range(3)]
+
+
+def bench_case(impl: str, fn, *, b, h, n, d, dtype, causal, backward, reps) -> dict:
+    rec = {"suite": "attention", "impl": impl, "pass": "bwd" if backward else "fwd", "b": b, "h": h, "n": n,
+           "d": d, "dtype": str(dtype).removeprefix("torch."), "causal": causal}
+    try:
+        q, k, v = _inputs(b, h, n, d, dtype, backward)
+        if backward:
+            out = fn(q, k, v, causal)
+            dout = torch.randn_like(out)
+            call = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+        else:
+            call = lambda: fn(q, k, v, causal)  # noqa: E731
+        with torch.no_grad() if not backward else torch.enable_grad():
+            t = measure(call, warmup=2, reps=reps, max_seconds=3.0)
+    except torch.OutOfMemoryError:
+        rec.update(status="out of memory")
+        return rec
+    except RuntimeError as exc:  # e.g. an SDPA backend that refuses this shape
+        rec.update(status=f"error: {str(exc).splitlines()[0][:120]}")
+        return rec
+    finally:
+        torch.cuda.empty_cache()
+    rec.update(status="ok", tflops=flops(b, h, n, n, d, causal, backward) / (t.median_ms * 1e-3) / 1e12,
+               peak_extra_mib=t.peak_extra_bytes / 2**20, **t.as_dict())
+    return rec
+
+
+def correctness_check(dtype) -> list[str]:
+    """tileattn against the float64 reference on a few irregular shapes before anything is timed."""
+    import tileattn
+    from tileattn import reference
+
+    lines = []
+    for (b, h, hkv, nq, nk, d, causal) in ((2, 8, 2, 129, 1000, 128, True), (1, 4, 4, 1000, 1000, 64, False),
+                                             (1, 8, 1, 33, 4097, 128, False)):
+        q = torch.randn(b, h, nq, d, device="cuda", dtype=dtype)
+        k = torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype)
+        v = torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype)
+        out = tileattn.attention(q, k, v, causal=causal)
+        ref, _ = reference.attention(q, k, v, causal=causal, compute_dtype=torch.float64)
+        err = float((out.double() - ref).norm() / ref.norm())
+        tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+        lines.append(f"check B={b} H={h} Hkv={hkv} Nq={nq} Nk={nk} d={d} causal={causal}: rel. error {err:.2e} "
+                     f"({'ok' if err <= tol else 'FAIL'}, tol {tol:g})")
+        if not err <= tol:
+            raise SystemExit("\n".join(lines) + "\ntileattn disagrees with the reference: not benchmarking")
+    return lines
+
+
+def tune(dtype, head_dim: int, seq_lens, reps: int) -> list[dict]:
+    """Time every registered candidate tile config of the forward and backward kernels."""
+    from tileattn import reference
+    from tileattn.kernels import attention_bwd, attention_fwd
+
+    records = []
+    b, h = 4, 32
+    for causal in (False, True):
+        for n in seq_lens:
+            q, k, v = _inputs(b, h, n, head_dim, dtype, False)
+            out = torch.empty_like(q)
+            lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)
+            dout = torch.randn_like(q)
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            scale = 1.0 / math.sqrt(head_dim)
+            small = [t[:1, :2, :257] for t in (q, k, v)]
+            ref, _ = reference.attention(*small, causal=causal, compute_dtype=torch.float64)
+            for cfg in attention_fwd.tuning_candidates(head_dim, causal, dtype):
+                o_small = torch.full_like(small[0], float("nan"))
+                l_small = torch.empty(1, 2, 257, device="cuda", dtype=torch.float32)
+                attention_fwd.launch_forward(*small, o_small, l_small, causal=causal, scale=scale, config=cfg)
+                err = float((o_small.double() - ref).norm() / ref.norm())
+                t = measure(lambda: attention_fwd.launch_forward(q, k, v, out, lse, causal=causal, scale=scale,
+                                                                 config=cfg), reps=reps, memory=False)
+                records.append({"suite": "tune", "pass": "fwd", "config": str(cfg), "n": n, "causal": causal,
+                                "rel_err": err, "tflops": flops(b, h, n, n, head_dim, causal, False) / (t.median_ms * 1e-3) / 1e12,
+                                **t.as_dict()})
+            attention_fwd.launch_forward(q, k, v, out, lse, causal=causal, scale=scale)
+            for cfg in attention_bwd.tuning_candidates(head_dim, causal, dtype):
+                t = measure(lambda: attention_bwd.launch_backward(q, k, v, out, lse, dout, dq, dk, dv, causal=causal,
+                                                                  scale=scale, deterministic=False, config=cfg),
+                            reps=reps, memory=False)
+                records.append({"suite": "tune", "pass": "bwd", "config": str(cfg), "n": n, "causal": causal,
+                                "tflops": flops(b, h, n, n, head_dim, causal, True) / (t.median_ms * 1e-3) / 1e12,
+                                **t.as_dict()})
+            del q, k, v, out, lse, dout, dq, dk, dv
+            torch.cuda.empty_cache()
+    return records
+
+
+def main(argv=None) -> int:
+    from tileattn.runtime import require_gpu
+
+    from .env import environment
+
+    ap = argparse.ArgumentParser(prog="tileattn bench attention", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--seq", type=int, action="append", help="sequence length (repeatable)")
+    ap.add_argument("--quick", action="store_true", help=f"N in {QUICK_SEQ_LENS}")
+    ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument("--impl", action="append", help="only these implementations (repeatable)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json", help="write records here")
+    ap.add_argument("--markdown", help="write the Markdown tables here")
+    ap.add_argument("--plot", help="write a PNG plot of forward TFLOP/s here")
+    ap.add_argument("--tune", action="store_true", help="time every registered tileattn tile configuration")
+    ap.add_argument("--demo", action="store_true", help="correctness check + a quick forward table")
+    args = ap.parse_args(argv)
+    require_gpu()
+    dtype = DTYPES[args.dtype]
+    env = environment()
+    print(environment_line(env))
+    for line in correctness_check(dtype):
+        print(line)
+    seq_lens = tuple(args.seq or (QUICK_SEQ_LENS if args.quick or args.demo else SEQ_LENS))
+    if args.tune:
+        records = tune(dtype, args.head_dim, seq_lens, args.reps)
+        if args.json:
+            write_run(args.json, records, env)
+        for p in ("fwd", "bwd"):
+            for causal in (False, True):
+                print(f"\n{p} causal={causal}: TFLOP/s by config")
+                print(markdown_table(records, ["config"], "n", "tflops", where={"pass": p, "causal": causal}))
+        return 0
+
+    impls = implementations()
+    if args.impl:
+        unknown = set(args.impl) - set(impls)
+        if unknown:
+            raise SystemExit(f"unknown implementation(s) {sorted(unknown)}; known: {sorted(impls)}")
+        impls = {k: v for k, v in impls.items() if k in args.impl}
+    passes = (False,) if args.forward_only or args.demo else (False, True)
+    records = []
+    oom_naive: set[tuple] = set()
+    for backward in passes:
+        for causal in (False, True):
+            for n in seq_lens:
+                for name, fn in impls.items():
+                    if name == "naive" and (backward, causal) in oom_naive:
+                        records.append({"suite": "attention", "impl": name, "pass": "bwd" if backward else "fwd",
+                                        "n": n, "causal": causal, "status": "out of memory (smaller N did)"})
+                        continue
+                    rec = bench_case(name, fn, b=args.batch, h=args.heads, n=n, d=args.head_dim, dtype=dtype,
+                                     causal=causal, backward=backward, reps=args.reps)
+                    if name == "naive" and rec["status"] == "out of memory":
+                        oom_naive.add((backward, causal))
+                    records.append(rec)
+    if args.json:
+        write_run(args.json, records, env)
+    text = render(records, args)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(environment_line(env) + "\n\n" + text + "\n")
+    if args.plot:
+        plot(records, "n", "impl", "tflops", args.plot, where={"pass": "fwd", "causal": False, "status": "ok"},
+             title=f"attention forward, B={args.batch} H={args.heads} d={args.head_dim} {args.dtype}",
+             ylabel="TFLOP/s")
+    print(text)
+    return 0
+
+
+def render(records: list[dict], args) -> str:
+    parts = []
+    for p in ("fwd", "bwd"):
+        for causal in (False, True):
+            sel = {"pass": p, "causal": causal}
+            if not any(all(r.get(k) == v for k, v in sel.items()) for r in records):
+                continue
+            rows = [dict(r, tflops=r.get("tflops"), cell=_cell(r)) for r in records if all(r.get(k) == v for k, v in sel.items())]
+            title = f"{'forward' if p == 'fwd' else 'backward'}, causal={causal}, B={args.batch} H={args.heads} d={args.head_dim} {args.dtype}"
+            parts.append(f"### {title}: TFLOP/s (median ms [min-max], peak extra MiB)\n\n" + markdown_table(rows, ["n"], "impl", "cell"))
+            parts.append(_ratio_table(rows))
+    return "\n\n".join(parts)
+
+
+def _cell(r: dict) -> str:
+    if r.get("status") != "ok":
+        return r.get("status", "-")
+    return f"{r['tflops']:.0f} ({r['median_ms']:.3g} [{r['min_ms']:.3g}-{r['max_ms']:.3g}], {r['peak_extra_mib']:.0f})"
+
+
+def _ratio_table(rows: list[dict]) -> str:
+    by_n: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if r.get("status") == "ok":
+            by_n.setdefault(r["n"], {})[r["impl"]] = r["tflops"]
+    lines = ["| n | tileattn / flash | tileattn / cudnn | tileattn / best peer |", "|---|---|---|---|"]
+    for n, t in by_n.items():
+        if "tileattn" not in t:
+            continue
+        peers = [v for k, v in t.items() if k != "tileattn"]
+        f = lambda key: f"{t['tileattn'] / t[key]:.2f}" if key in t else "-"  # noqa: E731
+        best = f"{t['tileattn'] / max(peers):.2f}" if peers else "-"
+        lines.append(f"| {n} | {f('sdpa_flash')} | {f('sdpa_cudnn')} | {best} |")
+    return "\n".join(lines)
