@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from .kernels import Family, families
 from .runtime import CompileError, compile_cuda
+from .runtime.compiler import prepare
 
 
 @dataclass
@@ -64,6 +65,7 @@ def run_check(archs: list[str] | None = None, *, family_filter: str | None = Non
                 continue
             work.extend((fam, expr, arch) for expr in fam.instantiations)
     rows: list[Row] = []
+    prepare()
     # NVRTC compiles of distinct programs run in parallel threads (the compile releases the GIL).
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as pool:
         futures = []
