@@ -23,16 +23,18 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
-# Benchmarks runnable by name: module and its arguments (the JSON path is appended).
+# Benchmarks runnable by name: module and its arguments ("{out}" = the report directory; the
+# JSON path is appended).
 BENCHES = {
     "vector_add": ["-m", "labs.vector_add"],
     "attention": ["-m", "tileattn.cli", "bench", "attention"],
     "attention-quick": ["-m", "tileattn.cli", "bench", "attention", "--quick"],
     "reduction": ["-m", "labs.reduction"],
-    "transpose": ["-m", "labs.transpose"],
+    "transpose": ["-m", "labs.transpose", "--ncu"],
+    "sanitize": ["-m", "labs.sanitize"],
     "gemm": ["-m", "labs.gemm"],
     "pipeline": ["-m", "labs.pipeline"],
-    "triton": ["-m", "labs.triton_lab"],
+    "triton": ["-m", "labs.triton_lab", "--ir-dir", "{out}/triton_ir"],
 }
 
 
@@ -114,7 +116,8 @@ def main(argv=None) -> int:
         if name not in BENCHES:
             raise SystemExit(f"unknown benchmark {name!r}; known: {sorted(BENCHES)}")
         path = out / f"bench-{name}.json"
-        rc, sec = run([py, *BENCHES[name], "--json", str(path)], out / f"bench-{name}.log", 1200)
+        cmd = [a.replace("{out}", str(out)) for a in BENCHES[name]]
+        rc, sec = run([py, *cmd, "--json", str(path)], out / f"bench-{name}.log", 1200)
         benches[name] = {"rc": rc, "seconds": sec, "json": path.name if path.exists() else None}
         failed |= rc != 0
         rows.append((f"bench {name}", "ok" if rc == 0 else f"rc={rc}", sec))

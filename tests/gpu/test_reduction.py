@@ -29,10 +29,10 @@ VEC4_VERSIONS = tuple(k for k in lab.CORRECT if k.startswith(("v5", "v6")))
 
 @pytest.fixture
 def gen():
+    """A fresh CUDA generator; its seed (for failure messages) is g.initial_seed()."""
     seed = int(os.environ.get("TILEATTN_TEST_SEED", torch.randint(0, 2**31 - 1, ()).item()))
     g = torch.Generator(device="cuda")
     g.manual_seed(seed)
-    g.seed_value = seed
     return g
 
 
@@ -58,7 +58,7 @@ def _check(x, op, got, seed, what):
 def test_lab_lengths(version, op, gen):
     for n in lab.CHECK_LENGTHS:
         x = lab.random_input(n, generator=gen)
-        _check(x, op, _run(x, op, version), gen.seed_value, f"{version} {op} n={n}")
+        _check(x, op, _run(x, op, version), gen.initial_seed(), f"{version} {op} n={n}")
 
 
 @pytest.mark.parametrize("op", ["sum", "max"])
@@ -66,7 +66,7 @@ def test_lab_lengths(version, op, gen):
 def test_edge_and_multi_block_lengths(version, op, gen):
     for n in EDGE_LENGTHS + (1 << 20, (1 << 20) + 3, 3 * (1 << 20) + 7):
         x = lab.random_input(n, generator=gen)
-        _check(x, op, _run(x, op, version), gen.seed_value, f"{version} {op} n={n}")
+        _check(x, op, _run(x, op, version), gen.initial_seed(), f"{version} {op} n={n}")
 
 
 @pytest.mark.sanitize
@@ -75,7 +75,7 @@ def test_max_of_negative_values_uses_minus_inf(version, gen):
     # Lanes past the end must hold -inf, not 0: with all-negative data a 0 would win.
     for n in (1, 33, 1003):
         x = -1.0 - torch.rand(n, device="cuda", generator=gen)
-        _check(x, "max", _run(x, "max", version), gen.seed_value, f"{version} max of negatives n={n}")
+        _check(x, "max", _run(x, "max", version), gen.initial_seed(), f"{version} max of negatives n={n}")
 
 
 @pytest.mark.sanitize
@@ -87,7 +87,7 @@ def test_misaligned_views(version, gen):
         for n in (1, 2, 3, 5, 1003, 4990):
             x = base[offset:offset + n]
             for op in ("sum", "max"):
-                _check(x, op, _run(x, op, version), gen.seed_value, f"{version} {op} offset={offset} n={n}")
+                _check(x, op, _run(x, op, version), gen.initial_seed(), f"{version} {op} offset={offset} n={n}")
 
 
 @pytest.mark.parametrize("version", [k for k in VEC4_VERSIONS if k.startswith("v6")])
@@ -95,7 +95,7 @@ def test_onepass_counter_returns_to_zero(version, gen):
     # Different grid sizes back to back: each launch must leave the ticket counter at 0.
     for n in (5, 70_000, 1 << 22, 300, (1 << 22) + 1, 1):
         x = lab.random_input(n, generator=gen)
-        _check(x, "sum", _run(x, "sum", version), gen.seed_value, f"{version} n={n}")
+        _check(x, "sum", _run(x, "sum", version), gen.initial_seed(), f"{version} n={n}")
         torch.cuda.synchronize()
         assert int(lab._counter(x.device).item()) == 0, f"{version} left the counter non-zero after n={n}"
 
@@ -104,7 +104,7 @@ def test_large_sum_is_accurate(gen):
     n = (1 << 28) + 5
     x = lab.random_input(n, generator=gen)
     for version in (lab.DEFAULT_VERSION, lab.TWO_PASS_DEFAULT, "v4_warp_shuffle"):
-        _check(x, "sum", _run(x, "sum", version), gen.seed_value, f"{version} n={n}")
+        _check(x, "sum", _run(x, "sum", version), gen.initial_seed(), f"{version} n={n}")
     got = _run(x, "max", lab.DEFAULT_VERSION)
     assert float(got) == float(torch.amax(x))
 

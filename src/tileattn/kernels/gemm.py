@@ -109,6 +109,11 @@ class TensorMap:
         return ctypes.string_at(self.address, 128)
 
 
+def _row_stride(tensor) -> int:
+    """Elements between rows; a one-row tensor's stride(0) is arbitrary in torch, so use its width."""
+    return tensor.stride(0) if tensor.shape[0] > 1 else tensor.shape[1]
+
+
 def tma_requirements(tensor) -> str | None:
     """Why a 2-D 16-bit CUDA tensor cannot be a TMA source, or None when it can."""
     import torch
@@ -119,9 +124,9 @@ def tma_requirements(tensor) -> str | None:
         return f"TMA tensor must be bf16 or fp16 here, got {tensor.dtype}"
     if tensor.stride(1) != 1:
         return f"TMA tensor must have a contiguous inner dimension, got strides {tensor.stride()}"
-    row_bytes = tensor.stride(0) * tensor.element_size()
+    row_bytes = _row_stride(tensor) * tensor.element_size()
     if row_bytes % 16:
-        return (f"TMA needs the row stride to be a multiple of 16 bytes; got {tensor.stride(0)} elements "
+        return (f"TMA needs the row stride to be a multiple of 16 bytes; got {_row_stride(tensor)} elements "
                 f"= {row_bytes} bytes (K must be a multiple of 8 for 16-bit data: pad K)")
     if tensor.data_ptr() % 16:
         return f"TMA needs a 16-byte aligned base address, got {tensor.data_ptr():#x}"
@@ -156,7 +161,7 @@ def tensor_map_2d(tensor, box_rows: int, box_cols: int, *, swizzle_128b: bool = 
         2,
         tensor.data_ptr(),
         [u64(cols), u64(rows)],  # innermost first
-        [u64(tensor.stride(0) * tensor.element_size())],  # rank-1 byte strides (dims 1..)
+        [u64(_row_stride(tensor) * tensor.element_size())],  # rank-1 byte strides (dims 1..)
         [u32(box_cols), u32(box_rows)],
         [u32(1), u32(1)],
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
