@@ -65,33 +65,72 @@ def vector_add(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
 
 
 def main(argv=None) -> int:
-    from tileattn.bench import measure, write_run
+    import os
+    import tempfile
+
+    from tileattn.bench import cold_start, measure, write_run
+    from tileattn.bench.report import markdown_table, plot
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=1 << 28)
+    ap.add_argument("--sweep", default="16,20,24,28", help="log2 lengths for the bandwidth-vs-length plot")
     ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--markdown", help="write the Markdown table here")
+    ap.add_argument("--plot", help="write the bandwidth-vs-length PNG here")
     args = ap.parse_args(argv)
     require_gpu()
     a, b = torch.randn(args.n, device="cuda"), torch.randn(args.n, device="cuda")
     expected = a + b
     records = []
+
+    # Cold start: a private, empty kernel cache, so the first call includes the NVRTC compile.
+    os.environ["TILEATTN_CACHE"] = tempfile.mkdtemp(prefix="tileattn-cold-")
+    cold_s = cold_start(lambda: vector_add(a, b))
+    compiled = kernels.load("vector_add", VERSIONS[-1]).module
+    records.append({"suite": "vector_add_cold", "impl": VERSIONS[-1], "first_call_s": cold_s,
+                    "nvrtc_compile_s": compiled.compile_seconds, "from_cache": compiled.from_cache})
+    print(f"cold start of {VERSIONS[-1]}: first call {cold_s * 1e3:.1f} ms, of which NVRTC compile "
+          f"{compiled.compile_seconds * 1e3:.1f} ms (empty cache)")
+
     nbytes = 3 * 4 * args.n
     impls = {v: (lambda v=v: vector_add(a, b, version=v)) for v in VERSIONS}
     impls[VERSIONS[-1] + " persistent"] = lambda: vector_add(a, b, version=VERSIONS[-1], persistent=True)
     impls["torch a + b"] = lambda: a + b
-    print(f"vector add, n = {args.n}, {nbytes / 1e9:.2f} GB moved per call")
-    print(f"{'version':<30}{'median ms':>11}{'min-max ms':>18}{'TB/s':>8}  check")
+    copy_dst = torch.empty_like(a)
+    copy_t = measure(lambda: copy_dst.copy_(a), reps=30)
+    copy_tbs = 2 * 4 * args.n / (copy_t.median_ms * 1e-3) / 1e12  # read + write
+    print(f"vector add, n = {args.n}, {nbytes / 1e9:.2f} GB moved per call; device copy ceiling in this run "
+          f"{copy_tbs:.3f} TB/s")
+    print(f"{'version':<30}{'median ms':>11}{'min-max ms':>18}{'TB/s':>8}{'% copy':>8}  check")
     for name, fn in impls.items():
         got = fn()
         ok = torch.equal(got, expected)  # fp32 add is exact-to-rounding: same op, same result
         t = measure(fn, reps=30)
         tbs = nbytes / (t.median_ms * 1e-3) / 1e12
-        records.append({"suite": "vector_add", "impl": name, "n": args.n, "tbps": tbs, "correct": ok, **t.as_dict()})
-        print(f"{name:<30}{t.median_ms:>11.4f}{t.min_ms:>9.4f}-{t.max_ms:<8.4f}{tbs:>8.3f}  {'ok' if ok else 'WRONG'}")
+        records.append({"suite": "vector_add", "impl": name, "n": args.n, "tbps": tbs, "pct_of_copy": 100 * tbs / copy_tbs,
+                        "copy_tbps": copy_tbs, "correct": ok, **t.as_dict()})
+        print(f"{name:<30}{t.median_ms:>11.4f}{t.min_ms:>9.4f}-{t.max_ms:<8.4f}{tbs:>8.3f}{100 * tbs / copy_tbs:>8.1f}  "
+              f"{'ok' if ok else 'WRONG'}")
         if not ok:
             raise SystemExit(f"{name} gave a wrong result")
+
+    for log2n in (int(x) for x in args.sweep.split(",") if x):
+        n = 1 << log2n
+        if n > args.n:
+            continue
+        x, y = a[:n], b[:n]
+        for name, fn in ((VERSIONS[-1], lambda: vector_add(x, y)), ("torch a + b", lambda: x + y)):  # noqa: B023
+            t = measure(fn, reps=30, memory=False)
+            records.append({"suite": "vector_add_sweep", "impl": name, "n": n,
+                            "tbps": 12 * n / (t.median_ms * 1e-3) / 1e12, **t.as_dict()})
     if args.json:
         write_run(args.json, records)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown_table(records, ["impl"], "n", "tbps", where={"suite": "vector_add"}) + "\n")
+    if args.plot:
+        plot(records, "n", "impl", "tbps", args.plot, where={"suite": "vector_add_sweep"},
+             title="vector add fp32: useful bandwidth", ylabel="TB/s (12 bytes per element)")
     return 0
 
 

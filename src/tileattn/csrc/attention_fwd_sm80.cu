@@ -1,0 +1,532 @@
+// Fused attention forward, FlashAttention-2 style, on the sm_80 tensor-core path (mma.sync
+// m16n8k16 + ldmatrix + cp.async). Also the baseline kernel on Hopper (sm_90a) until the
+// wgmma/TMA kernel lands.
+//
+//   O[b, h, i, :] = sum_j softmax_j(scale * Q[b, h, i, :] . K[b, h / kv_group, j, :]) V[b, h / kv_group, j, :]
+//   lse[b, h, i]  = log sum_j exp(scale * Q[b, h, i, :] . K[b, h / kv_group, j, :])   (natural log)
+//
+// Causal masking is aligned bottom-right: query i sees key j iff j <= i + Nk - Nq. A query that
+// sees no key at all (causal with Nq > Nk) gets O = 0 and lse = -inf, never NaN.
+//
+// ---- Work decomposition -------------------------------------------------------------------------
+// grid = (ceil(Nq / kBlockM), heads, batch); one CTA owns a kBlockM x kHeadDim tile of Q and O.
+// kWarps warps split the tile by rows: warp w owns rows [w * kRowsPerWarp, (w + 1) * kRowsPerWarp),
+// kRowsPerWarp = 16 * kMTiles (one or two m16 mma tiles). Every warp walks all K/V blocks of
+// kBlockN keys; nothing about the softmax is shared between warps (a row lives in one warp), so
+// the only CTA-wide synchronisation is the one barrier per K/V block that guards the smem ring.
+//
+// ---- Per-thread register budget (fp32 = one 32-bit register per element) ----------------------
+// For a warp that owns R = 16 * kMTiles rows, with d = kHeadDim and N = kBlockN:
+//   O accumulator  R * d / 32 regs   (d=128: 64 per m-tile)             lives for the whole CTA
+//   S = Q K^T      R * N / 32 regs   (N=32: 16 per m-tile)              lives for one K/V block
+//   P (16-bit)     S / 2 regs, packed from S two columns at a time while S dies
+//   Q fragments    R * d / 64 regs when held in registers (kQInRegs: one m-tile and d <= 128),
+//                  otherwise re-read from smem with ldmatrix for every K block (2 m-tiles or d=256)
+//   K/V fragments  4 regs per ldmatrix.x4 in flight (ptxas keeps ~1 k-step of them ahead)
+//   softmax state  shift + partial sum per row half per m-tile: 4 * kMTiles
+//   ldmatrix offset tables 2 x 4, a few pointers and loop counters
+// d=128 default (kBlockM=128, 4 warps -> R=32, N=32): O 128 + S 32 + Q/K fragments ~16-24 + the
+// rest -> 236-239 of the 255 that __launch_bounds__(128, 1) allows; 2 CTAs (8 warps) fit in the
+// 64K-register file. N=64 at R=32 (FA2's tile) needs O 128 + S 64 and lands right at 255 with a
+// few spilled words under NVRTC's ptxas, so it is not registered; N=48 is (251-255, no spill).
+// Thread-specific address arithmetic is re-derived inside the main loop from an opaque thread
+// index (see opaque()): a few integer ops per block instead of registers held across the loop.
+// ptxas must report 0 spills and 0 stack for every registered instantiation (`tileattn check`,
+// sm_90a and sm_80).
+//
+// ---- Shared memory ----------------------------------------------------------------------------
+//   sQ  [kBlockM][d]            Q tile, loaded once; reused to stage O for coalesced 16-B stores
+//   sK  [kStages][kBlockN][d]   ring of K blocks (cp.async, kStages - 1 blocks in flight)
+//   sV  [kStages][kBlockN][d]   ring of V blocks (same commit group as the K block)
+// bytes = 2 * d * (kBlockM + 2 * kStages * kBlockN). d=128 default: 32 KB + 32 KB = 64 KB -> three
+// CTAs' worth of smem per SM on an H100/H200 (228 KB); registers cap it at two. The Python side
+// computes the same number (FwdConfig.smem_bytes).
+//
+// ---- Bank conflicts: XOR swizzle of 16-byte chunks ---------------------------------------------
+// A row of d 16-bit elements is C = d / 8 chunks of 16 bytes. ldmatrix and cp.async both move
+// 16-byte chunks, and a warp's shared-memory access is served 8 chunks (128 B = 32 banks) per
+// phase. ldmatrix reads the same logical chunk c of 8 consecutive rows; with a plain row-major
+// layout and a row pitch that is a multiple of 128 B, those 8 chunks sit in the same 4 banks
+// (8-way conflict). We store chunk c of row r at position c ^ f(r) inside its row:
+//   C % 8 == 0 (d = 64, 128, 256): f(r) = r & 7 -> the 8 rows hit 8 different chunk slots of the
+//                                   128-byte bank window.
+//   C == 4     (d = 32, 64-B rows): two rows share a 128-B window, so f(r) = (r >> 1) & 3 and the
+//                                   row parity supplies the fourth bit.
+//   C == 12    (d = 96, 192-B rows): chunks 0..7 use r & 7, chunks 8..11 use (r >> 1) & 3 (rows
+//                                   start at 0 or 64 B mod 128). ldmatrix is conflict-free; some
+//                                   cp.async phases that straddle two rows are 2-way (writes only).
+// The swizzle permutes chunks inside a row, so a warp's cp.async writes of 8 consecutive chunks of
+// one row and the epilogue's 16-B reads stay conflict-free too. No padding, so no smem is wasted.
+//
+// ---- Pipeline -------------------------------------------------------------------------------
+// K/V blocks are visited from the last one down to the first (as FA2 does): the blocks that need
+// masking (the Nk edge block and, when causal, the blocks crossing the diagonal) come first, and
+// the loop runs `n_masked` masked iterations followed by unmasked ones. Iteration `it`:
+//   cp.async.wait_group(kStages - 2); __syncthreads()   K/V block `it` has landed for every thread,
+//                                                       and every warp is done with block it - 1
+//   issue cp.async for block it + kStages - 1 into the slot block it - 1 used; commit
+//   S = Q K^T (mma), mask (first n_masked iterations only), online softmax, O += P V (mma)
+// so kStages - 1 blocks are in flight while one is consumed, with one barrier per block. Commit
+// groups: Q, then one per K/V block (K and V together), empty groups past the end, so "block `it`
+// has landed" is always wait_group(kStages - 2). Only the first block visited can be partial: the
+// prologue loads with row bounds checks and zero fill, the main loop without (load_block, 32-bit
+// per-thread offsets: the host guarantees row_stride(K, V) < 2^24 elements).
+//
+// ---- Online softmax (fp32, base 2) ------------------------------------------------------------
+// scale_log2 = scale * log2(e) is folded into one FFMA per score: p = 2^(s * scale_log2 - shift),
+// shift = (running row max of s) * scale_log2. The shift only moves (and O, l are rescaled) when
+// some row of the warp would otherwise see p > 2^8 (warp vote): a stale max is exact because the
+// same shift is used for O, l and lse, and p <= 256 is far from fp16/bf16 overflow. After the
+// first block this skips almost every O rescale (64-128 FMULs per thread per block).
+// A row that has seen no key keeps shift = -inf; its exponent uses 0 instead, so its all -inf
+// scores give p = 0 (never -inf - -inf = NaN), and its rescale factor is 0 (O and l are still 0).
+// Extreme logits stay exact: scores are fp32 (|s| ~ 1e4 is fine) and every p is <= 2^8.
+// The final row sum l = 0 marks a fully masked row: O = 0, lse = -inf; otherwise
+// lse = (shift + log2 l) * ln 2 (natural log, what the backward expects).
+#include "common/sm80.cuh"
+
+namespace tileattn {
+namespace fwd {
+
+constexpr float kLn2 = 0.693147180559945309417f;
+// Largest growth of the row max (in log2 units) that is absorbed without rescaling O.
+constexpr float kRescaleThreshold = 8.0f;
+// -inf without <cmath> (NVRTC has no INFINITY macro without it).
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
+// Identity the optimiser cannot see through. Used on loop-invariant inputs of address arithmetic
+// in the main loop, so that the (cheap, integer) addresses are recomputed per iteration instead
+// of being hoisted and kept live in registers that the 32-row configs need for O and S.
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][kHeadDim] tile.
+template <int kHeadDim>
+__device__ __forceinline__ int swizzle(int row, int chunk) {
+  constexpr int kChunks = kHeadDim / 8;
+  int c;
+  if constexpr (kChunks % 8 == 0) {
+    c = chunk ^ (row & 7);
+  } else if constexpr (kChunks == 4) {
+    c = chunk ^ ((row >> 1) & 3);
+  } else {
+    static_assert(kChunks == 12, "head dim must be 32, 64, 96, 128 or 256");
+    c = chunk < 8 ? (chunk ^ (row & 7)) : (8 + ((chunk - 8) ^ ((row >> 1) & 3)));
+  }
+  return row * kHeadDim + c * 8;
+}
+
+// ldmatrix reads chunk pairs (2j, 2j + 1) of rows lane_row + 16 R. For a lane, the swizzled offset
+// of pair j repeats with period 4 in j (d = 64, 128, 256: the XOR only touches the low 3 bits of
+// the chunk index) or does not repeat at all (d = 32: 2 pairs, d = 96: 6 pairs), and never depends
+// on R (f(row) only reads row bits 0..2). So each lane keeps kCount offsets in registers and every
+// ldmatrix address is `tile base + table[index(j)] + compile-time immediate` (folded into LDSM).
+template <int kHeadDim>
+struct LdsmTable {
+  static constexpr int kChunks = kHeadDim / 8;
+  static constexpr int kPairs = kHeadDim / 16;
+  static constexpr int kCount = kChunks % 8 == 0 ? (kPairs < 4 ? kPairs : 4) : kPairs;
+  static __device__ __forceinline__ constexpr int index(int pair) { return kChunks % 8 == 0 ? (pair & 3) : pair; }
+  static __device__ __forceinline__ constexpr int extra(int pair) { return kChunks % 8 == 0 ? (pair >> 2) * 64 : 0; }
+  int off[kCount];
+  __device__ __forceinline__ LdsmTable(int lane_row, int lane_chunk) {
+#pragma unroll
+    for (int j = 0; j < kCount; ++j) off[j] = swizzle<kHeadDim>(lane_row, 2 * j + lane_chunk);
+  }
+  // Element offset of chunk pair `pair` (+ lane_chunk) of row lane_row + 16 * rtile.
+  __device__ __forceinline__ int operator()(int rtile, int pair) const {
+    return rtile * 16 * kHeadDim + off[index(pair)] + extra(pair);
+  }
+};
+
+// cp.async a [kRows][kHeadDim] tile, global rows row_begin.. (pitch `row_stride` elements), into
+// swizzled smem. Rows >= row_limit are zero-filled (src-size 0) and their source address is
+// clamped to row 0, which always exists (N >= 1), so no out-of-range address is ever formed.
+// Used for the Q tile and the prologue's K/V blocks (only the first K/V block visited, the last
+// one, can be partial; the main loop uses load_block).
+template <int kHeadDim, int kRows, int kThreads>
+__device__ __forceinline__ void load_tile(u16* smem_tile, const u16* gmem, int64_t row_stride, int row_begin,
+                                          int row_limit, int tid) {
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kTotal = kRows * kChunks;
+  if constexpr (kThreads % kChunks == 0 && kTotal % kThreads == 0) {
+    // Each thread owns one chunk column; its rows step by kThreads / kChunks (a multiple of 8 for
+    // d <= 128, so the swizzle term is the same for all of them and folds into an immediate).
+    constexpr int kRowStep = kThreads / kChunks;
+    const int c = tid % kChunks;
+    const int r0 = tid / kChunks;
+    const u16* src = gmem + static_cast<int64_t>(row_begin + r0) * row_stride + c * 8;
+#pragma unroll
+    for (int i = 0; i < kTotal / kThreads; ++i) {
+      const int r = r0 + i * kRowStep;
+      const bool valid = row_begin + r < row_limit;
+      const u16* src_i = src + static_cast<int64_t>(i * kRowStep) * row_stride;
+      cp_async_16(smem_tile + swizzle<kHeadDim>(r, c), valid ? src_i : gmem + c * 8, valid);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
+      const int id = tid + i * kThreads;
+      if (kTotal % kThreads == 0 || id < kTotal) {
+        const int r = id / kChunks, c = id % kChunks;
+        const int gr = row_begin + r;
+        const bool valid = gr < row_limit;
+        const u16* src = gmem + static_cast<int64_t>(valid ? gr : 0) * row_stride + c * 8;
+        cp_async_16(smem_tile + swizzle<kHeadDim>(r, c), src, valid);
+      }
+    }
+  }
+}
+
+// cp.async one full [kRows][kHeadDim] K or V block in the main loop (every row in range).
+// `block` points at the block's first row: it is CTA-uniform, so its 64-bit arithmetic lives in
+// uniform registers. The per-thread part is a 32-bit element offset (the host guarantees
+// kRows * row_stride < 2^31), recomputed from an opaque thread index each iteration: nothing
+// thread-specific and 64-bit stays live across the main loop, where the 32-row configs have no
+// register to spare.
+template <int kHeadDim, int kRows, int kThreads>
+__device__ __forceinline__ void load_block(u16* smem_tile, const u16* block, int row_stride, int tid) {
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kTotal = kRows * kChunks;
+  tid = opaque(tid);
+#pragma unroll
+  for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
+    const int id = tid + i * kThreads;
+    if (kTotal % kThreads == 0 || id < kTotal) {
+      const int r = id / kChunks, c = id % kChunks;
+      cp_async_16(smem_tile + swizzle<kHeadDim>(r, c), block + (r * row_stride + c * 8), true);
+    }
+  }
+}
+
+}  // namespace fwd
+
+// q: [B, H, Nq, d], k/v: [B, H / kv_group, Nk, d], o: [B, H, Nq, d] (16-bit, strides in elements,
+// last dim contiguous, 16-byte aligned rows); lse: [B, H, Nq] fp32 contiguous, natural log.
+template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kCausal, bool kIsBF16>
+__global__ void __launch_bounds__(kWarps * 32, 1)
+    attention_fwd_sm80(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                       u16* __restrict__ o, float* __restrict__ lse, int64_t q_sb, int64_t q_sh, int64_t q_sr,
+                       int64_t k_sb, int64_t k_sh, int64_t k_sr, int64_t v_sb, int64_t v_sh, int64_t v_sr,
+                       int64_t o_sb, int64_t o_sh, int64_t o_sr, int heads, int kv_group, int seqlen_q,
+                       int seqlen_k, float scale_log2) {
+  using namespace fwd;
+  constexpr int kThreads = kWarps * 32;
+  constexpr int kRowsPerWarp = kBlockM / kWarps;
+  constexpr int kMTiles = kRowsPerWarp / 16;  // m16 tiles per warp
+  constexpr int kChunks = kHeadDim / 8;       // 16-byte chunks per row
+  constexpr int kKSteps = kHeadDim / 16;      // k16 steps of S = Q K^T
+  constexpr int kNBlocks = kBlockN / 8;       // n8 blocks of S
+  constexpr int kPSteps = kBlockN / 16;       // k16 steps of O += P V
+  constexpr int kDBlocks = kHeadDim / 8;      // n8 blocks of O
+  constexpr bool kQInRegs = kMTiles == 1 && kHeadDim <= 128;
+  static_assert(kHeadDim == 32 || kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 256,
+                "unsupported head dim");
+  static_assert(kBlockM % (16 * kWarps) == 0 && (kMTiles == 1 || kMTiles == 2), "16 or 32 rows per warp");
+  static_assert(kBlockN % 16 == 0 && kStages >= 2, "kBlockN multiple of 16, at least double buffering");
+  static_assert((kRowsPerWarp * kChunks) % 32 == 0, "epilogue: whole chunks per lane");
+
+  extern __shared__ __align__(128) u16 smem[];
+  u16* const sQ = smem;                                   // [kBlockM][kHeadDim], swizzled
+  u16* const sK = sQ + kBlockM * kHeadDim;                // [kStages][kBlockN][kHeadDim], swizzled
+  u16* const sV = sK + kStages * kBlockN * kHeadDim;      // [kStages][kBlockN][kHeadDim], swizzled
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int m_block = blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int kv_head = head / kv_group;
+  const int row0 = m_block * kBlockM;
+  const int warp_row0 = warp * kRowsPerWarp;  // first row of this warp inside the tile
+
+  const u16* const q_g = q + batch * q_sb + head * q_sh;       // [Nq, d] of this (b, h)
+  const u16* const k_g = k + batch * k_sb + kv_head * k_sh;    // [Nk, d]
+  const u16* const v_g = v + batch * v_sb + kv_head * v_sh;    // [Nk, d]
+  u16* const o_g = o + batch * o_sb + head * o_sh;             // [Nq, d]
+  float* const lse_g = lse + (static_cast<int64_t>(batch) * heads + head) * seqlen_q;  // [Nq]
+
+  // ---- Which K/V blocks this query tile visits, and how many of them need masking -------------
+  const int n_total = (seqlen_k + kBlockN - 1) / kBlockN;
+  int n_end = n_total;                                  // visit blocks [0, n_end)
+  int n_masked = (seqlen_k % kBlockN) != 0 ? 1 : 0;     // the Nk edge block is visited first
+  const int diag = seqlen_k - seqlen_q;                 // query i sees keys j <= i + diag
+  if constexpr (kCausal) {
+    const int last_row = min(row0 + kBlockM, seqlen_q) - 1;
+    const int last_key = last_row + diag;               // last key any row of the tile sees
+    if (last_key < 0) {
+      // Every row of the tile is fully masked: O = 0, lse = -inf. No smem, no mma.
+      const int rows = last_row - row0 + 1;
+      for (int id = tid; id < rows * kChunks; id += kThreads) {
+        const int r = id / kChunks, c = id % kChunks;
+        *reinterpret_cast<uint4*>(o_g + (row0 + r) * o_sr + c * 8) = make_uint4(0u, 0u, 0u, 0u);
+      }
+      for (int r = tid; r < rows; r += kThreads) lse_g[row0 + r] = neg_inf();
+      return;
+    }
+    n_end = min(n_total, last_key / kBlockN + 1);
+    // Block n is unmasked for the whole tile iff its last key n * kBlockN + kBlockN - 1 is visible
+    // to the tile's first row, i.e. <= row0 + diag.
+    const int first_limit = row0 + diag;
+    const int n_unmasked = first_limit + 1 <= 0 ? 0 : (first_limit + 1) / kBlockN;
+    const int edge = (n_end == n_total) ? n_masked : 0;
+    n_masked = max(n_end - n_unmasked, edge);
+  }
+
+  // ---- Prologue: Q (own commit group), then kStages - 1 K/V blocks ----------------------------
+  load_tile<kHeadDim, kBlockM, kThreads>(sQ, q_g, q_sr, row0, seqlen_q, tid);
+  cp_async_commit();
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_end) {
+      const int n = n_end - 1 - s;
+      // Only block n_total - 1 can be partial, and it is visited first: edge-checked loads here.
+      load_tile<kHeadDim, kBlockN, kThreads>(sK + s * kBlockN * kHeadDim, k_g, k_sr, n * kBlockN, seqlen_k, tid);
+      load_tile<kHeadDim, kBlockN, kThreads>(sV + s * kBlockN * kHeadDim, v_g, v_sr, n * kBlockN, seqlen_k, tid);
+    }
+    cp_async_commit();  // empty groups keep the wait_group arithmetic uniform
+  }
+
+  // Per-lane constant parts of the ldmatrix addresses. Lane l supplies the row address of row
+  // (l & 7) of 8x8 matrix (l >> 3), and matrix m lands in register m.
+  //  Pattern A (Q without .trans, V with .trans): matrices (rows 0-7, chunk c), (rows 8-15, c),
+  //  (rows 0-7, c+1), (rows 8-15, c+1): lane row (l & 7) + 8 ((l >> 3) & 1), chunk c + (l >> 4).
+  //    Q: regs = a0..a3 of the mma A operand (rows g / g+8 x k 0-7, then k 8-15)
+  //    V: a lane gets keys 2t, 2t+1 of dim g of each matrix -> regs {0, 1} = B fragment of
+  //       d-block 2c', regs {2, 3} = d-block 2c' + 1
+  //  Pattern B (K without .trans): matrices (keys 0-7, chunk c), (keys 0-7, c+1), (keys 8-15, c),
+  //  (keys 8-15, c+1): lane row (l & 7) + 8 (l >> 4), chunk c + ((l >> 3) & 1). A lane gets key g,
+  //  dims 2t, 2t+1 of each matrix -> regs {0, 1} = B fragment of keys 0-7, {2, 3} = keys 8-15.
+  //  (B fragments must be register pairs, so K cannot reuse pattern A without register moves.)
+  // The tables of both patterns (LdsmTable) are rebuilt inside the main loop, see there.
+
+  // Q fragments: [kKSteps][4] A-operand registers for this warp's 16 rows (kQInRegs only).
+  u32 q_frag[kQInRegs ? kKSteps : 1][4];
+  if constexpr (kQInRegs) {
+    cp_async_wait<kStages - 1>();  // the Q group (committed first) has landed for this thread
+    __syncthreads();               // ... and for every thread
+    const LdsmTable<kHeadDim> tab_a((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4);
+    const u16* const sQw = sQ + warp_row0 * kHeadDim;  // this warp's rows of sQ
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) ldmatrix_x4(q_frag[ks], sQw + tab_a(0, ks));
+  }
+
+  float o_acc[kMTiles][kDBlocks][4];  // O accumulator, fp32: [m-tile][d-block][c0..c3]
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int db = 0; db < kDBlocks; ++db)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[mt][db][e] = 0.f;
+  // Softmax state per (m-tile, row half): half 0 = row g, half 1 = row g + 8.
+  float row_shift[kMTiles][2];  // running row max * scale_log2 (log2 units); -inf: no key seen yet
+  float row_sum[kMTiles][2];    // this thread's partial sum of p (its 2 columns per n8 block)
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_shift[mt][h] = neg_inf();
+      row_sum[mt][h] = 0.f;
+    }
+
+  // ---- Main loop over K/V blocks, last to first --------------------------------------------
+  for (int it = 0; it < n_end; ++it) {
+    const int n = n_end - 1 - it;  // K/V block index
+    const int stage = it % kStages;
+    cp_async_wait<kStages - 2>();  // block `it` (and Q) landed for this thread
+    __syncthreads();               // ... for all threads; all warps finished block it - 1
+    {
+      const int pf = it + kStages - 1;  // prefetch into the slot block it - 1 used
+      if (pf < n_end) {
+        const int pn = n_end - 1 - pf;
+        const int ps = pf % kStages;
+        // pn <= n_end - 2 < n_total - 1: a full block, no bounds checks.
+        load_block<kHeadDim, kBlockN, kThreads>(sK + ps * kBlockN * kHeadDim, k_g + pn * kBlockN * k_sr,
+                                                static_cast<int>(k_sr), tid);
+        load_block<kHeadDim, kBlockN, kThreads>(sV + ps * kBlockN * kHeadDim, v_g + pn * kBlockN * v_sr,
+                                                static_cast<int>(v_sr), tid);
+      }
+      cp_async_commit();
+    }
+    // Thread-dependent addressing is re-derived from an opaque thread index in every iteration (a
+    // handful of integer ops): hoisted out of the loop it would occupy registers across the whole
+    // loop, and the 32-row configs need every register for O (128 at d = 128) and S.
+    const int tid_l = opaque(tid);
+    const int lane_l = tid_l & 31;
+    const LdsmTable<kHeadDim> tab_a_l((lane_l & 7) + ((lane_l >> 3) & 1) * 8, lane_l >> 4);
+    const LdsmTable<kHeadDim> tab_b_l((lane_l & 7) + (lane_l >> 4) * 8, (lane_l >> 3) & 1);
+    const u16* const sQw_l = sQ + (tid_l >> 5) * kRowsPerWarp * kHeadDim;  // this warp's rows of sQ
+    const u16* const sKs = sK + stage * kBlockN * kHeadDim;  // [kBlockN][kHeadDim]
+    const u16* const sVs = sV + stage * kBlockN * kHeadDim;  // [kBlockN][kHeadDim]
+
+    // S = Q K^T: [kMTiles][kNBlocks][4] fp32, row g / g+8, key columns 2t, 2t+1 of each n8 block.
+    float s_acc[kMTiles][kNBlocks][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nb = 0; nb < kNBlocks; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s_acc[mt][nb][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      u32 a[kMTiles][4];
+      if constexpr (kQInRegs) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[0][e] = q_frag[ks][e];
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+          ldmatrix_x4(a[mt], sQw_l + tab_a_l(mt, ks));
+      }
+#pragma unroll
+      for (int np = 0; np < kNBlocks / 2; ++np) {
+        u32 bk[4];
+        ldmatrix_x4(bk, sKs + tab_b_l(np, ks));
+        const u32 b0[2] = {bk[0], bk[1]};  // keys 16 np + 0..7
+        const u32 b1[2] = {bk[2], bk[3]};  // keys 16 np + 8..15
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16816<kIsBF16>(s_acc[mt][2 * np], a[mt], b0);
+          mma_16816<kIsBF16>(s_acc[mt][2 * np + 1], a[mt], b1);
+        }
+      }
+    }
+
+    // Mask: only the Nk edge block and blocks crossing the diagonal (the first n_masked visited).
+    if (it < n_masked) {
+      // mma accumulator ownership: rows g and g + 8, columns 2t, 2t + 1 of each n8 block.
+      const int g = lane_l >> 2, t = lane_l & 3, wrow0 = (tid_l >> 5) * kRowsPerWarp;
+      const int key0 = n * kBlockN + 2 * t;
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row0 + wrow0 + mt * 16 + g + 8 * h;
+          // last visible key of this row (may be < 0: the row sees nothing)
+          const int limit = kCausal ? min(seqlen_k - 1, row + diag) : seqlen_k - 1;
+#pragma unroll
+          for (int nb = 0; nb < kNBlocks; ++nb)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (key0 + nb * 8 + e > limit) s_acc[mt][nb][2 * h + e] = neg_inf();
+        }
+    }
+
+    // Online softmax. Block max per row (the quad of 4 lanes that shares a row reduces it), in
+    // log2 units. The max only moves when some row of the warp would otherwise see
+    // p > 2^kRescaleThreshold: blk - shift is +inf for a row's first visible key (shift = -inf),
+    // and NaN (false) while a row has seen nothing (-inf - -inf).
+    float blk_max[kMTiles][2];
+    bool grow = false;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = neg_inf();
+#pragma unroll
+        for (int nb = 0; nb < kNBlocks; ++nb) mx = fmaxf(mx, fmaxf(s_acc[mt][nb][2 * h], s_acc[mt][nb][2 * h + 1]));
+        blk_max[mt][h] = quad_max(mx) * scale_log2;  // scale_log2 > 0: max commutes with the scale
+        grow |= blk_max[mt][h] - row_shift[mt][h] > kRescaleThreshold;
+      }
+    if (__any_sync(0xffffffffu, grow)) {  // warp-uniform: rescale all rows of the warp together
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float shift_new = fmaxf(row_shift[mt][h], blk_max[mt][h]);
+          // O and l are still 0 for a row that has seen nothing: alpha = 0 there (never NaN).
+          const float alpha = shift_new == neg_inf() ? 0.f : fast_exp2(row_shift[mt][h] - shift_new);
+          row_shift[mt][h] = shift_new;
+          row_sum[mt][h] *= alpha;
+#pragma unroll
+          for (int db = 0; db < kDBlocks; ++db) {
+            o_acc[mt][db][2 * h] *= alpha;
+            o_acc[mt][db][2 * h + 1] *= alpha;
+          }
+        }
+    }
+    // p = 2^(s * scale_log2 - shift): one FFMA + one MUFU.EX2 per score; s = -inf gives 0. A row
+    // that has seen nothing uses shift 0, so its (all -inf) scores give 0, not NaN.
+    float shift_use[kMTiles][2];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) shift_use[mt][h] = row_shift[mt][h] == neg_inf() ? 0.f : row_shift[mt][h];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nb = 0; nb < kNBlocks; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = fast_exp2(fmaf(s_acc[mt][nb][e], scale_log2, -shift_use[mt][e >> 1]));
+          s_acc[mt][nb][e] = p;
+          row_sum[mt][e >> 1] += p;
+        }
+
+    // O += P V. The S accumulator of key blocks 2kk, 2kk+1 is exactly the A fragment of k-step kk
+    // (a0 = row g keys 2t.., a1 = row g+8, a2/a3 = same rows, keys 8 + 2t..): repack in registers.
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk) {
+      u32 pa[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        pa[mt][0] = pack2<kIsBF16>(s_acc[mt][2 * kk][0], s_acc[mt][2 * kk][1]);
+        pa[mt][1] = pack2<kIsBF16>(s_acc[mt][2 * kk][2], s_acc[mt][2 * kk][3]);
+        pa[mt][2] = pack2<kIsBF16>(s_acc[mt][2 * kk + 1][0], s_acc[mt][2 * kk + 1][1]);
+        pa[mt][3] = pack2<kIsBF16>(s_acc[mt][2 * kk + 1][2], s_acc[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < kDBlocks / 2; ++dp) {
+        u32 bv[4];
+        ldmatrix_x4_trans(bv, sVs + tab_a_l(kk, dp));
+        const u32 b0[2] = {bv[0], bv[1]};
+        const u32 b1[2] = {bv[2], bv[3]};
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16816<kIsBF16>(o_acc[mt][2 * dp], pa[mt], b0);
+          mma_16816<kIsBF16>(o_acc[mt][2 * dp + 1], pa[mt], b1);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();  // only empty groups can be left; keep the invariant explicit
+
+  // ---- Epilogue: normalise, lse, stage O through this warp's rows of sQ, 16-byte stores -------
+  // sQ rows [warp_row0, warp_row0 + kRowsPerWarp) are read (Q fragments) and written (O) only by
+  // this warp, so a __syncwarp orders the reuse; no CTA barrier is needed.
+  {
+    const int tid_e = opaque(tid);  // see the main loop: nothing thread-specific lives across it
+    const int lane_e = tid_e & 31, g_e = lane_e >> 2, t_e = lane_e & 3;
+    const int wrow0 = (tid_e >> 5) * kRowsPerWarp;
+    __syncwarp();
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float l = quad_sum(row_sum[mt][h]);
+        const float inv = l > 0.f ? 1.f / l : 0.f;  // l == 0 <=> the row saw no key: O = 0
+        const int r = wrow0 + mt * 16 + g_e + 8 * h;
+        if (t_e == 0 && row0 + r < seqlen_q)
+          lse_g[row0 + r] = l > 0.f ? (row_shift[mt][h] + log2f(l)) * kLn2 : neg_inf();
+#pragma unroll
+        for (int db = 0; db < kDBlocks; ++db) {
+          const u32 packed = pack2<kIsBF16>(o_acc[mt][db][2 * h] * inv, o_acc[mt][db][2 * h + 1] * inv);
+          *reinterpret_cast<u32*>(sQ + swizzle<kHeadDim>(r, db) + 2 * t_e) = packed;
+        }
+      }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp * kChunks / 32; ++i) {
+      const int id = lane_e + i * 32;
+      const int r = id / kChunks, c = id % kChunks;
+      const int row = row0 + wrow0 + r;
+      const uint4 val = *reinterpret_cast<const uint4*>(sQ + swizzle<kHeadDim>(wrow0 + r, c));
+      if (row < seqlen_q) *reinterpret_cast<uint4*>(o_g + row * o_sr + c * 8) = val;
+    }
+  }
+}
+
+}  // namespace tileattn

@@ -1,0 +1,229 @@
+"""Attention forward on the sm_80 tensor-core path (csrc/attention_fwd_sm80.cu): configs and launch.
+
+One table says which tile configuration each (head dim, causal) uses; every config is built for
+fp16 and bf16. A few extra bf16 candidates for d=128 and d=64 are registered too, so the tuning
+benchmark (`tileattn bench attention --tune`) can time them all in one GPU run and the winner can
+be moved into DEFAULTS.
+
+Kernel conventions (shared with the backward): q [B, H, Nq, d], k/v [B, Hkv, Nk, d], out
+[B, H, Nq, d], all 16-bit with strides in elements, a contiguous last dim and 16-byte aligned rows;
+lse [B, H, Nq] fp32 contiguous in natural-log units. kv head = h // (H // Hkv). Grid
+(ceil(Nq / BLOCK_M), H, B), dynamic shared memory 2 * d * (BLOCK_M + 2 * STAGES * BLOCK_N) bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import Family
+
+FAMILY_NAME = "attention_fwd_sm80"
+SOURCE = "attention_fwd_sm80.cu"
+HEAD_DIMS = (32, 64, 96, 128, 256)
+LOG2E = 1.4426950408889634
+# Grid y = heads and z = batch: CUDA caps both at 65535.
+MAX_GRID_YZ = 65535
+# The main loop addresses a K/V block with 32-bit per-thread offsets (row * row_stride < 2^31 for
+# row < BLOCK_N <= 128), which keeps 64-bit pointers out of the registers. K or V with a larger
+# row stride (keys more than 32 MB apart) is copied to a contiguous tensor first.
+MAX_KV_ROW_STRIDE = 1 << 24
+# Every registered config needs <= 160 KB of dynamic shared memory, so each also fits an A100
+# (163 KB per block); H100/H200 allow 227 KB.
+
+
+@dataclass(frozen=True, order=True)
+class FwdConfig:
+    """A tile configuration: BLOCK_M query rows per CTA, BLOCK_N keys per K/V block, warps, stages."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def rows_per_warp(self) -> int:
+        return self.block_m // self.warps
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Dynamic shared memory: Q tile + kStages K and V blocks, 16-bit elements."""
+        return 2 * head_dim * (self.block_m + 2 * self.stages * self.block_n)
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}/w{self.warps}/s{self.stages}"
+
+
+C = FwdConfig
+
+# The table: default config per (head dim, causal), for fp16 and bf16 alike. Register/smem notes
+# (sm_90a, ptxas -v; 32 rows per warp keep O and S in ~192 registers at d=128, see the .cu header
+# and docs/attention_fwd.md):
+DEFAULTS: dict[tuple[int, bool], FwdConfig] = {
+    (32, False): C(128, 64, 4, 2),   # 32 rows/warp: O 32 + S 64 regs/thread; 40 KB smem
+    (32, True): C(128, 64, 4, 2),
+    (64, False): C(128, 64, 4, 2),   # O 64 + S 64; 48 KB smem (N=128 spills at 255 regs)
+    (64, True): C(128, 64, 4, 2),
+    (96, False): C(128, 64, 8, 2),   # 16 rows/warp, Q in registers (32 rows x d=96 spills)
+    (96, True): C(128, 64, 8, 2),
+    (128, False): C(128, 32, 4, 2),  # 32 rows/warp: O 128 + S 32; 64 KB -> 2 CTAs (8 warps)/SM
+    (128, True): C(128, 32, 4, 2),
+    (256, False): C(64, 32, 4, 2),   # 16 rows/warp (O alone is 128 regs); 96 KB -> 2 CTAs/SM
+    (256, True): C(64, 32, 4, 2),
+}
+
+# Extra candidates timed by the tuning benchmark (bf16 only, to keep CI compile time moderate;
+# the winner goes into DEFAULTS and is then built for fp16 too). d=128: BLOCK_N=48 keeps the
+# FA2-like 32 rows/warp with fewer barriers per key (251-255 registers: at the edge); 3 stages
+# hide more load latency (80 KB, still 2 CTAs/SM); the 8-warp configs hold Q in registers at
+# 16 rows/warp; 64x64 4-warp is the small-tile point.
+_EXTRA_D128 = (
+    C(128, 48, 4, 2), C(128, 32, 4, 3), C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 128, 8, 2), C(64, 64, 4, 2),
+)
+_EXTRA_D64 = (C(128, 32, 4, 2), C(128, 64, 4, 3), C(128, 128, 8, 2), C(64, 64, 4, 2))
+EXTRA_BF16: dict[tuple[int, bool], tuple[FwdConfig, ...]] = {
+    (128, False): _EXTRA_D128,
+    (128, True): _EXTRA_D128,
+    (64, False): _EXTRA_D64,
+    (64, True): _EXTRA_D64,
+}
+
+
+def _dtype_is_bf16(dtype) -> bool:
+    """torch.bfloat16 / "bf16" / "bfloat16" -> True, torch.float16 / "fp16" / "float16" -> False."""
+    name = str(dtype).removeprefix("torch.")
+    if name in ("bfloat16", "bf16"):
+        return True
+    if name in ("float16", "fp16", "half"):
+        return False
+    raise ValueError(f"attention forward supports float16 and bfloat16, got {dtype}")
+
+
+def expression(head_dim: int, config: FwdConfig, causal: bool, bf16: bool) -> str:
+    """The NVRTC name expression of one instantiation (must match the registry string exactly)."""
+    return (
+        f"tileattn::attention_fwd_sm80<{head_dim}, {config.block_m}, {config.block_n}, {config.warps}, "
+        f"{config.stages}, {'true' if causal else 'false'}, {'true' if bf16 else 'false'}>"
+    )
+
+
+def configs_for(head_dim: int, causal: bool, bf16: bool) -> tuple[FwdConfig, ...]:
+    """Every registered config for one (head dim, causal, dtype), the default first."""
+    out = [DEFAULTS[(head_dim, causal)]]
+    if bf16:
+        out += [c for c in EXTRA_BF16.get((head_dim, causal), ()) if c not in out]
+    return tuple(out)
+
+
+def _instantiations() -> tuple[str, ...]:
+    exprs = []
+    for d in HEAD_DIMS:
+        for causal in (False, True):
+            for bf16 in (False, True):
+                exprs += [expression(d, cfg, causal, bf16) for cfg in configs_for(d, causal, bf16)]
+    return tuple(exprs)
+
+
+INSTANTIATIONS = _instantiations()
+
+FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a", "sm_80")),)
+
+
+def default_config(head_dim: int, causal: bool, dtype=None) -> FwdConfig:
+    """The config `launch_forward` uses when none is forced."""
+    try:
+        return DEFAULTS[(int(head_dim), bool(causal))]
+    except KeyError:
+        raise ValueError(f"head dim {head_dim} is not supported; supported: {HEAD_DIMS}") from None
+
+
+def tuning_candidates(head_dim: int, causal: bool, dtype) -> tuple[FwdConfig, ...]:
+    """Configs registered for (head dim, causal, dtype), default first: what the tuning bench times."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim} is not supported; supported: {HEAD_DIMS}")
+    return configs_for(head_dim, bool(causal), _dtype_is_bf16(dtype))
+
+
+# (device index, expression) -> (LoadedKernel, block, smem bytes). Filled on first use; a hit costs
+# one dict lookup per call.
+_loaded: dict[tuple[int, str], tuple] = {}
+
+
+def _kernel(device_index: int, head_dim: int, config: FwdConfig, causal: bool, bf16: bool):
+    expr = expression(head_dim, config, causal, bf16)
+    hit = _loaded.get((device_index, expr))
+    if hit is None:
+        from . import family
+        from ..runtime import load_kernel
+
+        fam = family(FAMILY_NAME)
+        with torch.cuda.device(device_index):
+            kern = load_kernel(fam.path, fam.require(expr))
+            smem = config.smem_bytes(head_dim)
+            kern.reserve_dynamic_smem(smem)  # > 48 KB needs the opt-in attribute, once
+        hit = (kern, (config.threads, 1, 1), smem)
+        _loaded[(device_index, expr)] = hit
+    return hit
+
+
+def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float, config: FwdConfig | None = None) -> None:
+    """out, lse <- attention(q, k, v) on the current CUDA stream of q's device.
+
+    q [B, H, Nq, d], k/v [B, Hkv, Nk, d], out [B, H, Nq, d]: one 16-bit dtype (fp16 or bf16), any
+    strides with stride(-1) == 1 and 16-byte aligned rows (pointers and strides multiples of 8
+    elements); lse [B, H, Nq] fp32 contiguous, written in natural-log units. `scale` multiplies
+    q . k. `config` forces a tile configuration (it must be registered: see tuning_candidates).
+    K/V with a row stride >= 2^24 elements are copied contiguous first (see MAX_KV_ROW_STRIDE).
+    This is the launch layer: it trusts its caller (tileattn.api.attention checks arguments).
+    """
+    batch, heads, seqlen_q, head_dim = q.shape
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    if k.stride(2) >= MAX_KV_ROW_STRIDE:
+        k = k.contiguous()
+    if v.stride(2) >= MAX_KV_ROW_STRIDE:
+        v = v.contiguous()
+    bf16 = q.dtype == torch.bfloat16
+    if config is None:
+        config = DEFAULTS[(head_dim, causal)]
+    device_index = q.device.index
+    kern, block, smem = _kernel(device_index, head_dim, config, causal, bf16)
+    grid = ((seqlen_q + config.block_m - 1) // config.block_m, heads, batch)
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
+    i64 = np.int64
+    args = (
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        i64(qs[0]), i64(qs[1]), i64(qs[2]),
+        i64(ks[0]), i64(ks[1]), i64(ks[2]),
+        i64(vs[0]), i64(vs[1]), i64(vs[2]),
+        i64(os_[0]), i64(os_[1]), i64(os_[2]),
+        np.int32(heads), np.int32(heads // kv_heads), np.int32(seqlen_q), np.int32(seqlen_k),
+        np.float32(scale * LOG2E),
+    )
+    from ..runtime import launch
+
+    launch(kern, grid, block, args, smem=smem)
+
+
+def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
+    """Forward FLOPs by the benchmark convention: 4 * B * H * Nq * Nk * d, halved when causal."""
+    return 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0)
+
+
+__all__ = [
+    "DEFAULTS",
+    "EXTRA_BF16",
+    "FAMILIES",
+    "FwdConfig",
+    "HEAD_DIMS",
+    "INSTANTIATIONS",
+    "configs_for",
+    "default_config",
+    "expression",
+    "launch_forward",
+    "tuning_candidates",
+]

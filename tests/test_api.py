@@ -1,0 +1,333 @@
+"""CPU tests of tileattn.attention's public surface: argument checks, the forward kernel registry,
+config selection, and the custom op's fake (meta) implementation and autograd wiring.
+
+Nothing here needs a GPU: the checks run on CPU and meta tensors (see the order of checks in
+tileattn/api.py: metadata errors are reported for CPU tensors before the "needs a CUDA tensor"
+error), and shapes are checked with FakeTensorMode / meta tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import tileattn
+from tileattn import api
+from tileattn.kernels import attention_fwd, family
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+def qkv(b=2, h=4, hkv=2, nq=16, nk=24, d=64, dtype=BF16, device="cpu"):
+    q = torch.randn(b, h, nq, d, dtype=dtype, device=device)
+    k = torch.randn(b, hkv, nk, d, dtype=dtype, device=device)
+    v = torch.randn(b, hkv, nk, d, dtype=dtype, device=device)
+    return q, k, v
+
+
+def raises(match, *args, **kwargs):
+    with pytest.raises(ValueError, match=match):
+        tileattn.attention(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks, in the documented order
+# ---------------------------------------------------------------------------------------------
+def test_public_surface():
+    assert tileattn.__all__ == ["__version__", "attention"]
+    assert isinstance(tileattn.__version__, str)
+    assert not torch.cuda.is_initialized()  # importing tileattn must not initialise CUDA
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_not_a_tensor(name):
+    args = dict(zip("qkv", qkv()))
+    args[name] = args[name].float().numpy()
+    raises(rf"^{name} must be a torch.Tensor", args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_rank(name):
+    args = dict(zip("qkv", qkv()))
+    args[name] = args[name][0]
+    raises(rf"^{name} must be rank-4", args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("name,dim", [("q", 0), ("q", 1), ("q", 2), ("k", 2), ("v", 0), ("q", 3)])
+def test_empty_dimension(name, dim):
+    args = dict(zip("qkv", qkv()))
+    t = args[name]
+    args[name] = t.narrow(dim, 0, 0)
+    raises(rf"^{name} has an empty dimension", args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.float8_e4m3fn])
+def test_unsupported_dtype_reported_for_cpu_tensors(dtype):
+    q, k, v = (t.to(dtype) for t in qkv())
+    raises(r"^q has dtype .*float16 and torch.bfloat16", q, k, v)
+
+
+def test_mixed_dtypes():
+    q, k, v = qkv()
+    raises(r"^q, k, v must share one dtype", q, k.to(FP16), v)
+
+
+def test_batch_mismatch():
+    q, k, v = qkv()
+    raises(r"^batch sizes differ", q, k[:1], v[:1])
+
+
+def test_kv_shape_mismatch():
+    q, k, v = qkv()
+    raises(r"^k and v must have the same shape", q, k, v[:, :, :5])
+
+
+def test_head_dim_mismatch():
+    q, k, v = qkv(d=64)
+    k2, v2 = torch.randn(2, 2, 24, 128, dtype=BF16), torch.randn(2, 2, 24, 128, dtype=BF16)
+    raises(r"^head dims differ: q has d=64, k and v have d=128", q, k2, v2)
+
+
+@pytest.mark.parametrize("d", [16, 48, 80, 160, 512])
+def test_unsupported_head_dim(d):
+    raises(r"^q head dim d=%d is not supported" % d, *qkv(d=d))
+
+
+@pytest.mark.parametrize("h,hkv", [(4, 3), (6, 4), (1, 2)])
+def test_kv_heads_must_divide_heads(h, hkv):
+    raises(rf"^k/v heads Hkv={hkv} must divide q heads H={h}", *qkv(h=h, hkv=hkv))
+
+
+def test_grid_limits_batch_and_heads():
+    q, k, v = qkv(b=65536, h=1, hkv=1, nq=1, nk=1, device="meta")
+    raises(r"B=65536, H=1; the launch grid allows at most 65535", q, k, v)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
+def test_bad_scale_value(scale):
+    raises(r"^scale must be finite and > 0", *qkv(), scale=scale)
+
+
+@pytest.mark.parametrize("scale", ["0.1", True, torch.tensor(0.1)])
+def test_bad_scale_type(scale):
+    raises(r"^scale must be a positive finite number or None", *qkv(), scale=scale)
+
+
+@pytest.mark.parametrize("scale", [1, 0.1, np.float32(0.1)])
+def test_good_scale_passes(scale):
+    raises(r"must be CUDA tensors", *qkv(), scale=scale)  # only the device check is left
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_last_dim_must_be_contiguous(name):
+    args = dict(zip("qkv", qkv()))
+    t = args[name]
+    args[name] = t.transpose(-1, -2).contiguous().transpose(-1, -2)  # same shape, stride(-1) != 1
+    raises(rf"^{name} must have a contiguous last dim", args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_row_stride_must_be_16_byte_aligned(name):
+    args = dict(zip("qkv", qkv(d=64)))
+    t = args[name]
+    padded = torch.randn(*t.shape[:-1], 68, dtype=t.dtype)[..., :64]  # row pitch 68 elements
+    args[name] = padded
+    raises(rf"^{name}.stride\(2\) = 68 is not a multiple of 8 elements.*16-byte", args["q"], args["k"], args["v"])
+
+
+def test_stride_of_size_one_dims_is_ignored():
+    q, k, v = qkv(b=1)
+    # A size-1 batch dim may carry any stride (torch does not normalise it); it is never used.
+    q = torch.as_strided(q, q.shape, (3, *q.stride()[1:]))
+    raises(r"must be CUDA tensors", q, k, v)  # passes the layout checks, fails only on the device
+
+
+def test_padded_rows_with_aligned_pitch_pass_layout_checks():
+    buf = torch.randn(2, 4, 16, 72, dtype=BF16)  # d=64 inside a 72-wide buffer: pitch 144 bytes
+    q = buf[..., :64]
+    k, v = buf[:, :2, :, :64], buf[:, 2:, :, :64]
+    raises(r"must be CUDA tensors", q, k, v)
+
+
+def test_transposed_bnhd_layout_passes_layout_checks():
+    q = torch.randn(2, 16, 4, 64, dtype=BF16).transpose(1, 2)  # [B, H, N, d] view of [B, N, H, d]
+    k = torch.randn(2, 24, 2, 64, dtype=BF16).transpose(1, 2)
+    raises(r"must be CUDA tensors", q, k, k)
+
+
+def test_devices_differ():
+    q, k, v = qkv()
+    raises(r"^q, k, v must be on one device, got q cpu, k meta", q, k.to("meta"), v)
+
+
+def test_cpu_tensors_need_cuda():
+    raises(r"^q, k, v must be CUDA tensors .*got device cpu", *qkv())
+
+
+def test_pointer_alignment_check():
+    n = 2 * 4 * 16 * 64
+    buf = torch.randn(n + 8, dtype=BF16)
+    assert buf.data_ptr() % 16 == 0
+    misaligned = buf[1:1 + n].view(2, 4, 16, 64)  # data pointer 2 bytes past a 16-byte boundary
+    with pytest.raises(ValueError, match=r"^q.data_ptr\(\) = 0x[0-9a-f]+ is not 16-byte aligned"):
+        api._check_pointer("q", misaligned)
+    api._check_pointer("q", buf[8:].view(2, 4, 16, 64))  # 16 bytes in: fine
+    assert not api._kernel_layout_ok(misaligned)
+    assert api._kernel_layout_ok(buf[8:].view(2, 4, 16, 64))
+    assert not api._kernel_layout_ok(torch.ones(1, dtype=BF16).expand(2, 4, 16, 64))  # stride(-1) 0
+    assert not api._kernel_layout_ok(torch.ones(2, 4, 16, 64, dtype=BF16).expand(2, 4, 16, 64).transpose(2, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry and config selection
+# ---------------------------------------------------------------------------------------------
+def expected_instantiations():
+    out = []
+    for d in (32, 64, 96, 128, 256):
+        for causal in (False, True):
+            for bf16 in (False, True):
+                cfgs = [attention_fwd.DEFAULTS[(d, causal)]]
+                if bf16:
+                    cfgs += [c for c in attention_fwd.EXTRA_BF16.get((d, causal), ()) if c not in cfgs]
+                for c in cfgs:
+                    out.append(
+                        f"tileattn::attention_fwd_sm80<{d}, {c.block_m}, {c.block_n}, {c.warps}, {c.stages}, "
+                        f"{str(causal).lower()}, {str(bf16).lower()}>"
+                    )
+    return out
+
+
+def test_registry_lists_the_forward_instantiations():
+    fam = family("attention_fwd_sm80")
+    assert fam.source == "attention_fwd_sm80.cu" and fam.path.exists()
+    assert fam.archs == ("sm_90a", "sm_80")
+    assert list(fam.instantiations) == expected_instantiations()
+    assert len(set(fam.instantiations)) == len(fam.instantiations)
+    # 5 head dims x causal x {fp16, bf16} defaults + the bf16 tuning candidates: moderate.
+    assert 20 <= len(fam.instantiations) <= 48
+
+
+def test_every_config_is_valid_for_the_kernel():
+    """The kernel's static_asserts, checked here so a bad table entry fails without a compiler."""
+    for (d, _), cfgs in [(k, (v,)) for k, v in attention_fwd.DEFAULTS.items()] + list(attention_fwd.EXTRA_BF16.items()):
+        for c in cfgs:
+            rows = c.block_m // c.warps
+            assert c.block_m % (16 * c.warps) == 0 and rows in (16, 32), c
+            assert c.block_n % 16 == 0 and c.stages >= 2, c
+            assert (rows * d // 8) % 32 == 0, c
+            assert not (rows == 32 and d == 256), "O alone would need 256 registers"
+            assert c.smem_bytes(d) <= 160 * 1024, "must fit an A100 (163 KB) as well as an H100/H200"
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [FP16, BF16])
+def test_a_config_is_picked_for_every_case(d, causal, dtype):
+    fam = family("attention_fwd_sm80")
+    cfg = attention_fwd.default_config(d, causal, dtype)
+    expr = attention_fwd.expression(d, cfg, causal, dtype == BF16)
+    assert fam.require(expr) == expr
+    cands = attention_fwd.tuning_candidates(d, causal, dtype)
+    assert cands[0] == cfg
+    for c in cands:
+        fam.require(attention_fwd.expression(d, c, causal, dtype == BF16))
+    if dtype == BF16 and d in (64, 128):
+        assert len(cands) > 1  # tuning candidates for the benchmarked head dims
+
+
+def test_tuning_candidates_reject_bad_arguments():
+    with pytest.raises(ValueError, match="head dim 80"):
+        attention_fwd.tuning_candidates(80, False, BF16)
+    with pytest.raises(ValueError, match="float16 and bfloat16"):
+        attention_fwd.tuning_candidates(128, False, torch.float32)
+    assert attention_fwd.tuning_candidates(128, True, "bf16") == attention_fwd.tuning_candidates(128, True, BF16)
+
+
+def test_config_geometry():
+    c = attention_fwd.FwdConfig(128, 32, 4, 2)
+    assert c.threads == 128 and c.rows_per_warp == 32
+    assert c.smem_bytes(128) == 2 * 128 * (128 + 2 * 2 * 32)
+    assert str(c) == "128x32/w4/s2"
+
+
+def test_default_d128_compiles_without_spills_for_sm90a():
+    """Smoke test of the benchmark instantiation (`tileattn check` covers all of them)."""
+    from tileattn.runtime import compile_cuda
+
+    fam = family("attention_fwd_sm80")
+    expr = attention_fwd.expression(128, attention_fwd.DEFAULTS[(128, False)], False, True)
+    mod = compile_cuda(fam.path, [expr], "sm_90a")
+    res = mod.resources[expr]
+    assert res.spills == 0 and res.stack_bytes == 0, res
+    assert res.registers <= 255
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom op: fake implementation, torch.compile tracing, autograd wiring
+# ---------------------------------------------------------------------------------------------
+def test_ops_are_registered():
+    assert hasattr(torch.ops.tileattn, "attention_fwd")
+    assert hasattr(torch.ops.tileattn, "attention_bwd")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fake_shapes_dtypes_and_layout(causal):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = qkv(b=2, h=8, hkv=2, nq=100, nk=70, d=128, dtype=BF16, device="cuda")
+        out, lse = tileattn.attention(q, k, v, causal=causal, return_lse=True)
+        assert out.shape == (2, 8, 100, 128) and out.dtype == BF16 and out.device.type == "cuda"
+        assert lse.shape == (2, 8, 100) and lse.dtype == torch.float32 and lse.is_contiguous()
+        assert out.is_contiguous()
+        # A [B, N, H, d] tensor seen through transpose(1, 2): the output keeps that layout.
+        qt = torch.empty(2, 100, 8, 64, dtype=FP16, device="cuda").transpose(1, 2)
+        kt = torch.empty(2, 70, 2, 64, dtype=FP16, device="cuda").transpose(1, 2)
+        o = tileattn.attention(qt, kt, kt)
+        assert o.shape == qt.shape and o.stride() == qt.stride() and o.dtype == FP16
+        assert isinstance(tileattn.attention(q, k, v), torch.Tensor)  # no lse unless asked
+
+
+def test_torch_compile_fullgraph_traces_one_opaque_op():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(q, k, v):
+        return tileattn.attention(q, k, v, causal=True, scale=0.125) * 2
+
+    compiled = torch.compile(f, backend=capture, fullgraph=True)
+    with FakeTensorMode():
+        q, k, v = qkv(b=1, h=4, hkv=1, nq=33, nk=40, d=64, device="cuda")
+        out = compiled(q, k, v)
+        assert out.shape == q.shape
+    code = graphs[0].code
+    assert len(re.findall(r"tileattn\.attention_fwd", code)) == 1, code
+
+
+def test_autograd_wiring_on_meta_tensors():
+    """The op's backward calls tileattn::attention_bwd (its fake runs on meta); lse has no grad."""
+    q, k, v = (t.requires_grad_() for t in qkv(b=2, h=8, hkv=2, nq=20, nk=30, d=64, device="meta"))
+    out, lse = torch.ops.tileattn.attention_fwd(q, k, v, True, 0.125, False)
+    assert out.requires_grad and not lse.requires_grad
+    out.float().sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    assert q.grad.dtype == BF16
+
+
+def test_default_scale_is_inverse_sqrt_d():
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = qkv(d=96, device="cuda")
+        gm = make_fx(lambda q, k, v: tileattn.attention(q, k, v))(q, k, v)
+    assert repr(1 / math.sqrt(96)) in gm.code
