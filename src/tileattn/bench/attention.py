@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from .harness import measure
+from .harness import host_overhead_us, measure
 from .records import write_run
 from .report import environment_line, markdown_table, plot
 
@@ -208,13 +208,18 @@ def main(argv=None) -> int:
         return 0
 
     impls = implementations()
+    records = []
+    q, k, v = _inputs(1, 1, 128, args.head_dim, dtype, False)
+    for name in ("sdpa_flash", "tileattn"):
+        us = host_overhead_us(lambda: impls[name](q, k, v, False))  # noqa: B023
+        records.append({"suite": "host_overhead", "impl": name, "host_us_per_call": us})
+        print(f"host time per forward call, {name}: {us:.1f} us (B=1 H=1 N=128)")
     if args.impl:
         unknown = set(args.impl) - set(impls)
         if unknown:
             raise SystemExit(f"unknown implementation(s) {sorted(unknown)}; known: {sorted(impls)}")
         impls = {k: v for k, v in impls.items() if k in args.impl}
     passes = (False,) if args.forward_only or args.demo else (False, True)
-    records = []
     oom_naive: set[tuple] = set()
     for backward in passes:
         for causal in (False, True):

@@ -2,12 +2,14 @@
 
 Every benchmark in tileattn and the labs times through `measure`, so their numbers are comparable:
 - warm-up calls first (module load, compilation, allocator growth stay out of the numbers);
-- each repetition is bracketed by its own pair of CUDA events on torch's current stream;
+- each repetition is bracketed by its own pair of CUDA events on torch's current stream, and all
+  repetitions are enqueued before one synchronization (the host runs ahead as in real use);
 - before each repetition the L2 is flushed by writing a buffer twice the L2 size (outside the
   events), so a small input cannot be served from cache across repetitions;
 - peak extra memory is read from torch's allocator in a separate call: max_memory_allocated during
   the call minus memory_allocated before it (the call's temporaries and outputs).
-Cold start (first call, compile included) is measured separately by `cold_start`.
+Cold start (first call, compile included) is measured separately by `cold_start`, and the host
+time of one call by `host_overhead_us`.
 """
 
 from __future__ import annotations
@@ -72,30 +74,50 @@ def measure(
 ) -> Timing:
     """Time `fn` (device work enqueued on torch's current stream) with CUDA events.
 
-    `reps` repetitions (fewer if `max_seconds` of measured time would be exceeded, at least 3);
-    returns median, min/max and the interquartile range, plus the peak extra memory of one call.
+    `reps` repetitions (fewer if they would take more than `max_seconds` of device time, at
+    least 3); returns median, min/max and the interquartile range, plus the peak extra memory of
+    one call. All repetitions are enqueued before the one synchronization at the end, so the host
+    runs ahead of the device as it does in a real workload: a call's Python/launch overhead is
+    hidden behind the previous repetition's device work unless it is longer than that work.
     """
     import torch
 
-    for _ in range(warmup):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(max(warmup, 1)):
         fn()
-    torch.cuda.synchronize()
-    times: list[float] = []
-    spent = 0.0
+    end.record()
+    end.synchronize()
+    estimate_s = start.elapsed_time(end) / 1e3 / max(warmup, 1)
+    if max_seconds is not None and estimate_s > 0:
+        reps = max(3, min(reps, int(max_seconds / estimate_s)))
+    events = []
     for _ in range(reps):
         if flush_l2:
             _flush_l2()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        pair[0].record()
         fn()
-        end.record()
-        end.synchronize()
-        ms = start.elapsed_time(end)
-        times.append(ms)
-        spent += ms / 1e3
-        if max_seconds is not None and spent > max_seconds and len(times) >= 3:
-            break
+        pair[1].record()
+        events.append(pair)
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) for s, e in events]
     return summarize(times, peak_extra_memory(fn) if memory else None)
+
+
+def host_overhead_us(fn: Callable[[], object], calls: int = 200) -> float:
+    """Host (CPU) microseconds per call of `fn`, measured on a problem small enough that the
+    device keeps up: wall time of `calls` back-to-back calls, no synchronization inside."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - begin
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def summarize(times_ms: list[float], peak_extra_bytes: int | None = None) -> Timing:
