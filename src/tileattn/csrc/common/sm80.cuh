@@ -133,4 +133,20 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x;
 }
 
+// ---- fp32 reductions into global memory (RED: no value comes back, so no round trip) --------
+// Used for fp32 gradient accumulators that several blocks add into (attention backward dQ).
+__device__ __forceinline__ void red_add_f32(float* gmem, float v) {
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem), "f"(v));
+}
+// Two adjacent floats; `gmem` must be 8-byte aligned. sm_90 has a vector RED (one L2 request
+// for both values, half the atomic traffic); older archs issue two scalar REDs.
+__device__ __forceinline__ void red_add_f32x2(float* gmem, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.v2.f32.add [%0], {%1, %2};\n" ::"l"(gmem), "f"(a), "f"(b));
+#else
+  red_add_f32(gmem, a);
+  red_add_f32(gmem + 1, b);
+#endif
+}
+
 }  // namespace tileattn

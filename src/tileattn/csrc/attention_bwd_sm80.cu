@@ -1,0 +1,706 @@
+// Fused attention backward for sm_80+ (mma.sync m16n8k16 + ldmatrix + cp.async), FlashAttention-2
+// style: probabilities are recomputed from the forward's log-sum-exp, never stored in device memory.
+//
+// Shapes (elements; every tensor has its own batch / head / row strides and a contiguous last dim):
+//   q, out, dout, dq   [B, H,   Nq, d]     16-bit (fp16 or bf16 by kIsBF16), raw uint16_t
+//   k, v, dk, dv       [B, Hkv, Nk, d]     kv head of query head h: h / group, group = H / Hkv
+//   lse                [B, H, Nq]          fp32, natural log, -inf for fully masked rows
+//   workspace lse2     [B, H, NqPad]       fp32: lse * log2(e); +inf for fully masked / padded rows
+//   workspace delta    [B, H, NqPad]       fp32: D_i = sum_c dO[i,c] * O[i,c]; 0 for padded rows
+//   dq_accum           [B, H, Nq, d]       fp32, contiguous (atomic mode only)
+//   NqPad = Nq rounded up to 128, so every query block reads lse2/delta without a bounds check.
+// Causal masking is aligned bottom-right: query i sees key j iff j <= i + Nk - Nq.
+//
+// Math (S = scale * Q K^T, P = softmax(S), O = P V; dO given):
+//   dV = P^T dO                   dP = dO V^T            dS = P o (dP - D)
+//   dQ = scale * dS K             dK = scale * dS^T Q
+// with P recomputed as exp2(QK^T * scale*log2(e) - lse2): one FFMA + one MUFU.EX2 per score.
+//
+// Kernels (one launch each, in this order, all on the caller's stream):
+//   1. attn_bwd_preprocess_kernel: delta, lse2 (and zeroes dq_accum in atomic mode).
+//   2. attn_bwd_main_kernel: one block per (key block of kBN keys, kv head, batch). K and V stay in
+//      shared memory; the block walks over the query heads of its GQA group and their query blocks
+//      of kBM rows, keeping dK and dV in fp32 registers for the whole walk (no atomics for dK/dV,
+//      and GQA's sum over the group's heads happens in those registers). dQ contributions go to
+//      dq_accum through fp32 RED (kDq) or are left to kernel 3b (deterministic mode).
+//   3a. attn_bwd_convert_dq_kernel: dq = scale * dq_accum in the input dtype (atomic mode).
+//   3b. attn_bwd_dq_kernel: deterministic mode. One block per (query block, head, batch) walks over
+//      the key blocks in a fixed order, recomputes P and dS, and accumulates dQ in registers: no
+//      atomics, so dq is bit-identical run to run (dk/dv are deterministic in both modes).
+//
+// Shared-memory tiles are row-major with 16-byte chunks XOR-swizzled (SwizzledTile below), so
+// every ldmatrix phase (8 rows x 16 bytes), every cp.async row write and every 32-bit fragment
+// store touches 8 distinct 16-byte bank groups: conflict-free without padding.
+#include "common/sm80.cuh"
+
+namespace tileattn {
+namespace bwd {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// ---- swizzled shared-memory tiles -------------------------------------------------------------
+// A tile of kCols 16-bit elements per row (kCols in {32, 64, 96, 128, 256}); a row is
+// kChunks = kCols / 8 chunks of 16 bytes. The 32 banks are 8 groups of 16 bytes, and ldmatrix reads
+// 8 rows at the same logical chunk per phase, so the physical chunk must differ in its bank group
+// across any 8 consecutive rows (our tiles always start those 8-row groups at a multiple of 8):
+//   * kChunks % 8 == 0 (rows of 128*n bytes): bank group = phys % 8, so phys = c ^ (r % 8).
+//   * kChunks == 4 (64-byte rows): two rows share one 128-byte line; group = 4*(r%2) + phys, so
+//     phys = c ^ ((r/2) % 4) makes (r%2, (r/2)%4) -> group a bijection over 8 rows.
+//   * kChunks == 12 (d = 96, 192-byte rows): group = (4*r + phys) % 8. The first 8 chunks use
+//     c ^ (r % 8): group = c ^ (r%8) ^ (4*(r%2)), and r -> (r%8) ^ 4(r%2) is a bijection on 0..7.
+//     The 4 tail chunks use the 64-byte rule, (c - 8) ^ ((r/2)%4): group = 4(r%2) + that.
+// A warp's 32-bit stores of mma accumulator pairs (rows g and g+8, word t of one chunk) and the
+// cp.async fills (8 consecutive chunks of one 128-byte line per 8 threads) are conflict-free by the
+// same argument.
+template <int kCols>
+struct SwizzledTile {
+  static_assert(kCols % 32 == 0 && kCols >= 32, "tile width must be a multiple of 32 elements");
+  static constexpr int kChunks = kCols / 8;
+  static constexpr int kRowBytes = kCols * 2;
+  static_assert(kChunks % 8 == 0 || kChunks % 8 == 4, "");
+  // Byte offset of 16-byte chunk c of row r.
+  __device__ __forceinline__ static int chunk(int r, int c) {
+    int phys;
+    if constexpr (kChunks % 8 == 0) {
+      phys = c ^ (r & 7);
+    } else {
+      phys = (c < (kChunks & ~7)) ? (c ^ (r & 7)) : (c ^ ((r >> 1) & 3));
+    }
+    return r * kRowBytes + phys * 16;
+  }
+  // Byte offset of element (r, col).
+  __device__ __forceinline__ static int elem(int r, int col) { return chunk(r, col >> 3) + (col & 7) * 2; }
+};
+
+// ---- global -> shared tile loads --------------------------------------------------------------
+// kRows x kCols tile from rows [0, valid_rows) of a row-strided global matrix; rows at or past
+// valid_rows are zero-filled (cp.async with source size 0), so edge tiles compute on zeros.
+// valid_rows >= 1 always (blocks start inside the matrix), so the clamped source row 0 is valid.
+template <int kRows, int kCols, int kThreads>
+__device__ __forceinline__ void load_tile_async(char* smem_tile, const u16* gmem, int64_t row_stride, int valid_rows,
+                                                int tid) {
+  using T = SwizzledTile<kCols>;
+  constexpr int kTotal = kRows * T::kChunks;
+  constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int idx = tid + it * kThreads;
+    if (kTotal % kThreads == 0 || idx < kTotal) {
+      const int r = idx / T::kChunks;
+      const int c = idx - r * T::kChunks;
+      const bool ok = r < valid_rows;
+      const u16* src = gmem + (ok ? static_cast<int64_t>(r) * row_stride : 0) + c * 8;
+      cp_async_16(smem_tile + T::chunk(r, c), src, ok);
+    }
+  }
+}
+
+// kRows x kCols tile from shared memory (swizzled) to global rows [0, valid_rows), 16 B per thread.
+template <int kRows, int kCols, int kThreads>
+__device__ __forceinline__ void store_tile(u16* gmem, int64_t row_stride, int valid_rows, const char* smem_tile,
+                                           int tid) {
+  using T = SwizzledTile<kCols>;
+  constexpr int kTotal = kRows * T::kChunks;
+  constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int idx = tid + it * kThreads;
+    if (kTotal % kThreads == 0 || idx < kTotal) {
+      const int r = idx / T::kChunks;
+      const int c = idx - r * T::kChunks;
+      if (r < valid_rows) {
+        const uint4 val = *reinterpret_cast<const uint4*>(smem_tile + T::chunk(r, c));
+        *reinterpret_cast<uint4*>(gmem + static_cast<int64_t>(r) * row_stride + c * 8) = val;
+      }
+    }
+  }
+}
+
+// ---- warp-level GEMM from swizzled shared memory ------------------------------------------------
+// acc[MT][NT] (a (16*MT) x (8*NT) fp32 tile in mma C layout) += A (16*MT x 16*KS) * B (16*KS x 8*NT).
+//   A: kATrans == false: A(m, k) = tileA[a_m0 + m][a_k0 + k]   (rows = m, "row-major A")
+//      kATrans == true:  A(m, k) = tileA[a_k0 + k][a_m0 + m]   (tile holds A^T)
+//   B: kBTrans == false: B(k, n) = tileB[b_n0 + n][b_k0 + k]   (tile rows = n, e.g. K for Q K^T)
+//      kBTrans == true:  B(k, n) = tileB[b_k0 + k][b_n0 + n]   (tile rows = k, e.g. V for P V)
+// Fragment facts (PTX ISA, mma.m16n8k16 .f16/.bf16; g = lane/4, t = lane%4):
+//   A regs: a0 = (row g, cols 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
+//   B regs: b0 = (rows k 2t..2t+1, col g), b1 = (k 2t+8..2t+9, col g)
+//   C regs: c0,c1 = (row g, cols 2t, 2t+1), c2,c3 = (row g+8, same cols)
+// ldmatrix (x4): lanes 8i..8i+7 give the 8 row addresses of matrix i, which lands in register i;
+// without .trans a lane receives (row l/4, cols 2(l%4)..+1) of each 8x8 matrix, with .trans it
+// receives (rows 2(l%4)..+1, col l/4), i.e. the fragment of the transposed matrix.
+//   A, no trans: matrices (m0-7,k0-7) (m8-15,k0-7) (m0-7,k8-15) (m8-15,k8-15) = a0..a3
+//                -> lane row m = l%16, chunk k = l/16.
+//   A, trans:    tile rows are k: matrices (k0-7,m0-7) (k0-7,m8-15) (k8-15,m0-7) (k8-15,m8-15)
+//                -> lane row k = l%8 + 8*(l/16), chunk m = (l/8)%2; .trans gives a0..a3.
+//   B, no trans: tile rows are n: (n0-7,k0-7) (n0-7,k8-15) (n8-15,k0-7) (n8-15,k8-15)
+//                = b0,b1 of n-tile 0 and b0,b1 of n-tile 1 -> lane row n = l%8 + 8*(l/16),
+//                chunk k = (l/8)%2.
+//   B, trans:    tile rows are k: (k0-7,n0-7) (k8-15,n0-7) (k0-7,n8-15) (k8-15,n8-15) with .trans
+//                = the same four registers -> lane row k = l%16, chunk n = l/16.
+// kUnroll < KS keeps the k loop partly rolled: a fully unrolled loop lets ptxas hoist every k
+// step's fragment loads early, which is what pushed the d=128 kernels past 255 registers.
+// Each ldmatrix phase reads 8 consecutive rows (aligned to 8) at one logical chunk, so the
+// SwizzledTile rule makes all of them conflict-free.
+template <bool kIsBF16, int MT, int NT, int KS, bool kATrans, bool kBTrans, int kACols, int kBCols, int kUnroll = KS>
+__device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const char* tile_a, int a_m0, int a_k0,
+                                         const char* tile_b, int b_n0, int b_k0, int lane) {
+  static_assert(NT % 2 == 0, "B fragments are loaded two n8 tiles at a time");
+  using TA = SwizzledTile<kACols>;
+  using TB = SwizzledTile<kBCols>;
+  const int a_row = kATrans ? ((lane & 7) + ((lane >> 4) << 3)) : (lane & 15);
+  const int a_chk = kATrans ? ((lane >> 3) & 1) : (lane >> 4);
+  const int b_row = kBTrans ? (lane & 15) : ((lane & 7) + ((lane >> 4) << 3));
+  const int b_chk = kBTrans ? (lane >> 4) : ((lane >> 3) & 1);
+#pragma unroll kUnroll
+  for (int ks = 0; ks < KS; ++ks) {
+    u32 a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      if constexpr (kATrans) {
+        ldmatrix_x4_trans(a[mt], tile_a + TA::chunk(a_k0 + ks * 16 + a_row, ((a_m0 + mt * 16) >> 3) + a_chk));
+      } else {
+        ldmatrix_x4(a[mt], tile_a + TA::chunk(a_m0 + mt * 16 + a_row, ((a_k0 + ks * 16) >> 3) + a_chk));
+      }
+    }
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      u32 b[4];
+      if constexpr (kBTrans) {
+        ldmatrix_x4_trans(b, tile_b + TB::chunk(b_k0 + ks * 16 + b_row, ((b_n0 + np * 16) >> 3) + b_chk));
+      } else {
+        ldmatrix_x4(b, tile_b + TB::chunk(b_n0 + np * 16 + b_row, ((b_k0 + ks * 16) >> 3) + b_chk));
+      }
+      const u32 b_lo[2] = {b[0], b[1]};
+      const u32 b_hi[2] = {b[2], b[3]};
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_16816<kIsBF16>(acc[mt][2 * np], a[mt], b_lo);
+        mma_16816<kIsBF16>(acc[mt][2 * np + 1], a[mt], b_hi);
+      }
+    }
+  }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[MT][NT][4]) {
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+}
+
+// Store a C-layout fp32 accumulator (rows r0.., cols c0..) as 16-bit pairs into a swizzled tile,
+// multiplied by `mul`.
+template <bool kIsBF16, int kCols, int MT, int NT>
+__device__ __forceinline__ void store_acc_to_smem(char* tile, const float (&acc)[MT][NT][4], int r0, int c0, float mul,
+                                                  int lane) {
+  using T = SwizzledTile<kCols>;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = r0 + mt * 16 + g + 8 * half;
+        const int c = c0 + nt * 8 + 2 * t;
+        *reinterpret_cast<u32*>(tile + T::elem(r, c)) =
+            pack2<kIsBF16>(acc[mt][nt][2 * half] * mul, acc[mt][nt][2 * half + 1] * mul);
+      }
+}
+
+// %laneid through volatile asm: the compiler cannot hoist what it computes out of a loop, so the
+// per-lane ldmatrix addresses of a phase are rebuilt inside the loop and die with the phase
+// instead of pinning dozens of registers across the whole query-block walk.
+__device__ __forceinline__ int opaque_lane() {
+  int l;
+  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(l));
+  return l;
+}
+
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(r));
+  return r;
+}
+
+// ================================================================================================
+// 1. Preprocess: delta = rowsum(dO * O), lse2 = lse * log2(e) (+inf where lse = -inf or the row is
+//    padding), dq_accum = 0. Grid (NqPad / 64, H, B), 128 threads; kLanes lanes share one row, each
+//    lane reading 16-byte chunks of O and dO (memory bound: 4 bytes read per fp32 product).
+// ================================================================================================
+template <int kD, bool kIsBF16>
+__global__ void __launch_bounds__(128) attn_bwd_preprocess_kernel(
+    const u16* __restrict__ out, const u16* __restrict__ dout, const float* __restrict__ lse,
+    float* __restrict__ lse2, float* __restrict__ delta, float* __restrict__ dq_accum,  // dq_accum may be null
+    int64_t o_sb, int64_t o_sh, int64_t o_sr, int64_t do_sb, int64_t do_sh, int64_t do_sr, int nq, int heads,
+    int nq_pad) {
+  constexpr int kChunks = kD / 8;
+  constexpr int kLanes = kChunks <= 4 ? 4 : kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
+  constexpr int kRowsPerPass = 4 * (32 / kLanes);  // 4 warps
+  constexpr int kRowsPerBlock = 64;
+  static_assert(kRowsPerBlock % kRowsPerPass == 0, "");
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int sub = lane % kLanes;
+  const int64_t bh = static_cast<int64_t>(b) * heads + h;
+  const u16* o_bh = out + b * o_sb + h * o_sh;
+  const u16* do_bh = dout + b * do_sb + h * do_sh;
+#pragma unroll 1
+  for (int pass = 0; pass < kRowsPerBlock / kRowsPerPass; ++pass) {
+    const int row = blockIdx.x * kRowsPerBlock + pass * kRowsPerPass + warp * (32 / kLanes) + lane / kLanes;
+    const bool valid = row < nq;
+    float sum = 0.f;
+    if (valid) {
+#pragma unroll
+      for (int c = sub; c < kChunks; c += kLanes) {
+        const uint4 ov = *reinterpret_cast<const uint4*>(o_bh + row * o_sr + c * 8);
+        const uint4 dv = *reinterpret_cast<const uint4*>(do_bh + row * do_sr + c * 8);
+        const u32 o4[4] = {ov.x, ov.y, ov.z, ov.w};
+        const u32 d4[4] = {dv.x, dv.y, dv.z, dv.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float o0, o1, d0, d1;
+          unpack2<kIsBF16>(o4[e], o0, o1);
+          unpack2<kIsBF16>(d4[e], d0, d1);
+          sum = fmaf(o0, d0, sum);
+          sum = fmaf(o1, d1, sum);
+        }
+        if (dq_accum != nullptr) {
+          float4* dst = reinterpret_cast<float4*>(dq_accum + (bh * nq + row) * kD + c * 8);
+          dst[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+          dst[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      }
+    }
+#pragma unroll
+    for (int off = kLanes / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (sub == 0 && row < nq_pad) {
+      float l2 = pos_inf();
+      if (valid) {
+        const float l = lse[bh * nq + row];
+        l2 = (l == neg_inf()) ? pos_inf() : l * kLog2e;
+      }
+      lse2[bh * nq_pad + row] = l2;
+      delta[bh * nq_pad + row] = valid ? sum : 0.f;
+    }
+  }
+}
+
+// ================================================================================================
+// 3a. dq = scale * dq_accum, cast to the input dtype. Grid (ceil(Nq / 64), H, B), 128 threads.
+// ================================================================================================
+template <int kD, bool kIsBF16>
+__global__ void __launch_bounds__(128) attn_bwd_convert_dq_kernel(const float* __restrict__ dq_accum,
+                                                                  u16* __restrict__ dq, int64_t dq_sb, int64_t dq_sh,
+                                                                  int64_t dq_sr, int nq, int heads, float scale) {
+  constexpr int kChunks = kD / 8;
+  constexpr int kRows = 64;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int m0 = blockIdx.x * kRows;
+  const int64_t bh = static_cast<int64_t>(b) * heads + h;
+  const float* src = dq_accum + (bh * nq + m0) * kD;
+  u16* dst = dq + b * dq_sb + h * dq_sh + static_cast<int64_t>(m0) * dq_sr;
+#pragma unroll 1
+  for (int idx = threadIdx.x; idx < kRows * kChunks; idx += 128) {
+    const int r = idx / kChunks, c = idx - (idx / kChunks) * kChunks;
+    if (m0 + r < nq) {
+      const float4 a = *reinterpret_cast<const float4*>(src + r * kD + c * 8);
+      const float4 bb = *reinterpret_cast<const float4*>(src + r * kD + c * 8 + 4);
+      uint4 o;
+      o.x = pack2<kIsBF16>(a.x * scale, a.y * scale);
+      o.y = pack2<kIsBF16>(a.z * scale, a.w * scale);
+      o.z = pack2<kIsBF16>(bb.x * scale, bb.y * scale);
+      o.w = pack2<kIsBF16>(bb.z * scale, bb.w * scale);
+      *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(r) * dq_sr + c * 8) = o;
+    }
+  }
+}
+
+// ================================================================================================
+// 2. Main kernel: dK, dV (and dQ through RED when kDq).
+// ================================================================================================
+// Work per query block of kBM rows, in three phases; each phase spreads its output tile over the
+// kWarps warps in its own layout (a warp tile of MT m16 x NT n8 mma tiles):
+//   phase 1  S^T, dP^T  [kBN keys x kBM queries]   kWN1 x kWM1 warps   K, V (A) x Q, dO (B), k = d
+//            P^T = exp2(S^T*scale_log2 - lse2), dS^T = P^T o (dP^T - D) -> shared memory (16-bit)
+//   phase 2  dV, dK     [kBN keys x d]             kWN2 x kWD2 warps   P^T, dS^T (A) x dO, Q (B^T), k = kBM
+//   phase 3  dQ         [kBM queries x d]          kWM3 x kWD3 warps   dS (A, from dS^T by ldmatrix.trans)
+//                                                                      x K (B^T), k = kBN -> fp32 RED
+// Registers per thread (fp32 accumulators; the rest is fragments, addresses and loop state):
+//   dK + dV: 2 * kBN * d / (32 * kWarps), live for the whole kernel
+//   phase 1: dP^T kBN * kBM / (32 * kWarps) + one m16 row of S^T (NT1 * 4)
+//   phase 3: kBM * d / (32 * kWarps)
+//   e.g. d=128, kBN=128, kBM=64, 8 warps: 128 + 32 + 16 (phase 1) or 128 + 32 (phase 3); ptxas
+//   reports 255 registers and 0 spills for it on sm_90a and sm_80 (the rest holds fragments in
+//   flight and addresses).
+// Per-warp shared-memory reads per query block (d=128, kBN=128, kBM=64, layouts 4x2 / 4x2 / 2x4):
+//   phase 1: V 8 KB + dO 8 KB + K 8 KB + Q 2 x 8 KB = 40 KB; P^T + dS^T stores 4 KB;
+//   phase 2: (P^T 4 KB + dO 8 KB) + (dS^T 4 KB + Q 8 KB) = 24 KB; phase 3: dS^T 8 KB + K 8 KB.
+//   8 warps: 672 KB per 10.5 MFLOP -> 15.6 FLOP per shared-memory byte.
+// Shared memory: K, V (kBN x d each), Q and dO double-buffered (2 x kBM x d each), P^T and dS^T
+// (kBN x kBM each), lse2 and delta double-buffered (2 x kBM fp32 each); 16-bit elements:
+//   d=128, kBN=128, kBM=64: 32 + 32 + 32 + 32 + 16 + 16 + 1 KB = 161 KB (one block per SM).
+// Template knobs: kWN1 / kWN2 / kWM3 pick the warp layouts above, kMinBlocks feeds
+// __launch_bounds__, kUnroll is the unroll factor of the k loops of phases 1 and 3 (phase 2's
+// kBM / 16 steps are fully unrolled).
+// Barriers per query block: (A) after the cp.async wait, making this block's Q/dO/lse2/delta
+// visible and proving every warp finished the previous block (so the other stage and P^T/dS^T may
+// be overwritten); the next block's loads are issued right after (A), a whole iteration ahead of
+// use. (B) after phase 1, making P^T/dS^T visible. Phases 2 and 3 need none between them (phase 3
+// reads dS^T and K, which nobody writes in phase 2).
+template <int kD, int kBN, int kBM, int kWarps, int kWN1, int kWN2, int kWM3>
+struct MainCfg {
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kWM1 = kWarps / kWN1, kWD2 = kWarps / kWN2, kWD3 = kWarps / kWM3;
+  static constexpr int kTN1 = kBN / kWN1, kTM1 = kBM / kWM1;
+  static constexpr int kTN2 = kBN / kWN2, kTD2 = kD / kWD2;
+  static constexpr int kTM3 = kBM / kWM3, kTD3 = kD / kWD3;
+  static constexpr int MT1 = kTN1 / 16, NT1 = kTM1 / 8;
+  static constexpr int MT2 = kTN2 / 16, NT2 = kTD2 / 8;
+  static constexpr int MT3 = kTM3 / 16, NT3 = kTD3 / 8;
+  static_assert(kWM1 * kWN1 == kWarps && kWD2 * kWN2 == kWarps && kWD3 * kWM3 == kWarps, "warp layouts");
+  static_assert(kTN1 * kWN1 == kBN && kTM1 * kWM1 == kBM && MT1 * 16 == kTN1 && NT1 * 8 == kTM1, "phase 1");
+  static_assert(kTN2 * kWN2 == kBN && kTD2 * kWD2 == kD && MT2 * 16 == kTN2 && NT2 * 8 == kTD2, "phase 2");
+  static_assert(kTM3 * kWM3 == kBM && kTD3 * kWD3 == kD && MT3 * 16 == kTM3 && NT3 * 8 == kTD3, "phase 3");
+  static_assert(MT1 >= 1 && MT2 >= 1 && MT3 >= 1 && NT1 % 2 == 0 && NT2 % 2 == 0 && NT3 % 2 == 0, "tiles");
+  static_assert(kBM % 32 == 0 && 128 % kBM == 0, "query block must divide the 128-row lse2/delta padding");
+  static_assert(kBN % 16 == 0 && kD % 32 == 0, "");
+  static_assert(kThreads >= kBM / 2, "lse2/delta loaders");
+  static constexpr int kKVBytes = kBN * kD * 2;
+  static constexpr int kQBytes = kBM * kD * 2;
+  static constexpr int kPBytes = kBN * kBM * 2;
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + kKVBytes;
+  static constexpr int kOffQ = kOffV + kKVBytes;       // 2 stages
+  static constexpr int kOffDO = kOffQ + 2 * kQBytes;   // 2 stages
+  static constexpr int kOffPt = kOffDO + 2 * kQBytes;  // P^T  [kBN][kBM]
+  static constexpr int kOffDSt = kOffPt + kPBytes;     // dS^T [kBN][kBM]
+  static constexpr int kOffLse = kOffDSt + kPBytes;    // 2 stages x kBM fp32
+  static constexpr int kOffDelta = kOffLse + 2 * kBM * 4;
+  static constexpr int kSmem = kOffDelta + 2 * kBM * 4;
+};
+
+template <int kD, int kBN, int kBM, int kWarps, int kWN1, int kWN2, int kWM3, int kMinBlocks, bool kIsBF16,
+          bool kDq, int kUnroll>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
+    u16* __restrict__ dk, u16* __restrict__ dv, float* __restrict__ dq_accum, const float* __restrict__ lse2,
+    const float* __restrict__ delta, int64_t q_sb, int64_t q_sh, int64_t q_sr, int64_t k_sb, int64_t k_sh,
+    int64_t k_sr, int64_t v_sb, int64_t v_sh, int64_t v_sr, int64_t do_sb, int64_t do_sh, int64_t do_sr,
+    int64_t dk_sb, int64_t dk_sh, int64_t dk_sr, int64_t dv_sb, int64_t dv_sh, int64_t dv_sr, int nq, int nk,
+    int heads, int group, int nq_pad, int causal, float scale_log2, float scale) {
+  using C = MainCfg<kD, kBN, kBM, kWarps, kWN1, kWN2, kWM3>;
+  using TD = SwizzledTile<kD>;
+  using TM = SwizzledTile<kBM>;
+  extern __shared__ __align__(128) char smem[];
+  if (threadIdx.x == 0 && dynamic_smem_bytes() < static_cast<unsigned>(C::kSmem)) __trap();
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * kBN, hk = blockIdx.y, b = blockIdx.z;
+  const int delta_nk = nk - nq;  // query i sees key j iff j <= i + delta_nk (causal)
+
+  char* const sK = smem + C::kOffK;
+  char* const sV = smem + C::kOffV;
+  char* const sPt = smem + C::kOffPt;
+  char* const sDSt = smem + C::kOffDSt;
+
+  // Query blocks this key block needs: causal skips the ones entirely above the diagonal. The first
+  // query that sees key n0 is i = n0 - delta_nk; it lies in block floor(max(0, i) / kBM). It is < nq
+  // because n0 <= nk - 1, so every key block has at least one query block.
+  const int n_mblocks = (nq + kBM - 1) / kBM;
+  const int m_start = causal ? max(0, n0 - delta_nk) / kBM : 0;
+  const int nm = n_mblocks - m_start;
+  const int n_iters = group * nm;
+
+  auto issue_loads = [&](int it, int stage) {
+    const int hg = it / nm;
+    const int m0 = (m_start + it - hg * nm) * kBM;
+    const int h = hk * group + hg;
+    load_tile_async<kBM, kD, C::kThreads>(smem + C::kOffQ + stage * C::kQBytes, q + b * q_sb + h * q_sh + m0 * q_sr,
+                                          q_sr, nq - m0, tid);
+    load_tile_async<kBM, kD, C::kThreads>(smem + C::kOffDO + stage * C::kQBytes,
+                                          dout + b * do_sb + h * do_sh + m0 * do_sr, do_sr, nq - m0, tid);
+    const int64_t ws = (static_cast<int64_t>(b) * heads + h) * nq_pad + m0;  // padded: always in bounds
+    if (tid < kBM / 4) {
+      cp_async_16(smem + C::kOffLse + stage * kBM * 4 + tid * 16, lse2 + ws + tid * 4, true);
+    } else if (tid < kBM / 2) {
+      const int c = tid - kBM / 4;
+      cp_async_16(smem + C::kOffDelta + stage * kBM * 4 + c * 16, delta + ws + c * 4, true);
+    }
+  };
+
+  // Prologue: K, V for this block, and the first query block.
+  load_tile_async<kBN, kD, C::kThreads>(sK, k + b * k_sb + hk * k_sh + n0 * k_sr, k_sr, nk - n0, tid);
+  load_tile_async<kBN, kD, C::kThreads>(sV, v + b * v_sb + hk * v_sh + n0 * v_sr, v_sr, nk - n0, tid);
+  if (n_iters > 0) issue_loads(0, 0);
+  cp_async_commit();
+
+  // This warp's tiles in each phase.
+  const int key1 = (warp / C::kWM1) * C::kTN1, qry1 = (warp % C::kWM1) * C::kTM1;
+  const int key2 = (warp / C::kWD2) * C::kTN2, dim2 = (warp % C::kWD2) * C::kTD2;
+  const int qry3 = (warp / C::kWD3) * C::kTM3, dim3 = (warp % C::kWD3) * C::kTD3;
+
+  float dv_acc[C::MT2][C::NT2][4];
+  float dk_acc[C::MT2][C::NT2][4];
+  zero_acc(dv_acc);
+  zero_acc(dk_acc);
+
+#pragma unroll 1
+  for (int it = 0; it < n_iters; ++it) {
+    const int stage = it & 1;
+    const int hg = it / nm;
+    const int m0 = (m_start + it - hg * nm) * kBM;
+    const int h = hk * group + hg;
+
+    cp_async_wait<0>();
+    __syncthreads();  // (A)
+    if (it + 1 < n_iters) issue_loads(it + 1, stage ^ 1);
+    cp_async_commit();
+
+    const char* sQ = smem + C::kOffQ + stage * C::kQBytes;
+    const char* sDO = smem + C::kOffDO + stage * C::kQBytes;
+    const float* sLse = reinterpret_cast<const float*>(smem + C::kOffLse + stage * kBM * 4);
+    const float* sDelta = reinterpret_cast<const float*>(smem + C::kOffDelta + stage * kBM * 4);
+    const int ln = opaque_lane();
+
+    // ---- phase 1: dP^T = V dO^T, then S^T = K Q^T one m16 row of keys at a time --------------
+    // (this warp: keys key1 .. key1 + kTN1, queries qry1 .. qry1 + kTM1). S^T is computed per 16
+    // keys so that only NT1 * 4 of its accumulators are live next to dP^T's MT1 * NT1 * 4 and the
+    // dK/dV accumulators: for d=128, kBM=64 that is 16 + 32 + 128 instead of 32 + 32 + 128, the
+    // difference between fitting in 255 registers and spilling. The price is re-reading the Q
+    // fragments once per extra m16 row (phase 1 reads 40 KB instead of 32 KB per warp there).
+    {
+      float dp[C::MT1][C::NT1][4];
+      zero_acc(dp);
+      warp_mma<kIsBF16, C::MT1, C::NT1, kD / 16, false, false, kD, kD, kUnroll>(dp, sV, key1, 0, sDO, qry1, 0, ln);
+
+      // Masking is needed only where this tile holds keys past nk or (causal) keys above the
+      // diagonal: max key n0 + kBN - 1 against min query m0. Query rows past nq need no mask: their
+      // lse2 is +inf (P = 0) and their dO and delta are 0 (dS = 0).
+      const bool need_mask = (n0 + kBN > nk) || (causal && n0 + kBN - 1 > m0 + delta_nk);
+#pragma unroll
+      for (int mt = 0; mt < C::MT1; ++mt) {
+        float s[1][C::NT1][4];
+        zero_acc(s);
+        warp_mma<kIsBF16, 1, C::NT1, kD / 16, false, false, kD, kD, kUnroll>(s, sK, key1 + mt * 16, 0, sQ, qry1, 0,
+                                                                                ln);
+#pragma unroll
+        for (int nt = 0; nt < C::NT1; ++nt) {
+          const int il = qry1 + nt * 8 + 2 * t;  // local query of c0 and c2 (c1, c3: il + 1)
+          const float2 l2 = *reinterpret_cast<const float2*>(sLse + il);
+          const float2 dl = *reinterpret_cast<const float2*>(sDelta + il);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float lse_e = (e & 1) ? l2.y : l2.x;
+            const float d_e = (e & 1) ? dl.y : dl.x;
+            float p = fast_exp2(fmaf(s[0][nt][e], scale_log2, -lse_e));
+            if (need_mask) {
+              const int j = n0 + key1 + mt * 16 + g + 8 * (e >> 1);
+              const int i = m0 + il + (e & 1);
+              if (j >= nk || (causal && j > i + delta_nk)) p = 0.f;
+            }
+            s[0][nt][e] = p;
+            dp[mt][nt][e] = p * (dp[mt][nt][e] - d_e);
+          }
+          // P^T and dS^T rows key1 + mt*16 + g (+8), columns il, il + 1: one 32-bit store each.
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int off = TM::elem(key1 + mt * 16 + g + 8 * half, il);
+            *reinterpret_cast<u32*>(sPt + off) = pack2<kIsBF16>(s[0][nt][2 * half], s[0][nt][2 * half + 1]);
+            *reinterpret_cast<u32*>(sDSt + off) = pack2<kIsBF16>(dp[mt][nt][2 * half], dp[mt][nt][2 * half + 1]);
+          }
+        }
+      }
+    }
+    __syncthreads();  // (B)
+
+    // ---- phase 2: dV += P^T dO, dK += dS^T Q (this warp: keys key2.., dims dim2..) -------------
+    warp_mma<kIsBF16, C::MT2, C::NT2, kBM / 16, false, true, kBM, kD>(dv_acc, sPt, key2, 0, sDO, dim2, 0, opaque_lane());
+    warp_mma<kIsBF16, C::MT2, C::NT2, kBM / 16, false, true, kBM, kD>(dk_acc, sDSt, key2, 0, sQ, dim2, 0, opaque_lane());
+
+    // ---- phase 3: dQ (partial over this key block) = dS K -> fp32 RED into dq_accum ----------
+    if constexpr (kDq) {
+      float dq[C::MT3][C::NT3][4];
+      zero_acc(dq);
+      warp_mma<kIsBF16, C::MT3, C::NT3, kBN / 16, true, true, kBM, kD, kUnroll>(dq, sDSt, qry3, 0, sK, dim3, 0, opaque_lane());
+      float* dq_bh = dq_accum + (static_cast<int64_t>(b) * heads + h) * nq * kD;
+#pragma unroll
+      for (int mt = 0; mt < C::MT3; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = m0 + qry3 + mt * 16 + g + 8 * half;
+          if (i < nq) {
+            float* row = dq_bh + static_cast<int64_t>(i) * kD + dim3 + 2 * t;
+#pragma unroll
+            for (int nt = 0; nt < C::NT3; ++nt)
+              red_add_f32x2(row + nt * 8, dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]);
+          }
+        }
+    }
+  }
+
+  // ---- epilogue: dK (times scale) and dV through shared memory (K, V tiles reused) ------------
+  cp_async_wait<0>();
+  __syncthreads();
+  store_acc_to_smem<kIsBF16, kD>(sK, dk_acc, key2, dim2, scale, lane);
+  store_acc_to_smem<kIsBF16, kD>(sV, dv_acc, key2, dim2, 1.f, lane);
+  __syncthreads();
+  store_tile<kBN, kD, C::kThreads>(dk + b * dk_sb + hk * dk_sh + n0 * dk_sr, dk_sr, nk - n0, sK, tid);
+  store_tile<kBN, kD, C::kThreads>(dv + b * dv_sb + hk * dv_sh + n0 * dv_sr, dv_sr, nk - n0, sV, tid);
+}
+
+// ================================================================================================
+// 3b. Deterministic dQ: one block per (query block of kBM rows, head, batch), kBM / 16 warps, each
+//     warp owning 16 query rows for the whole walk over key blocks of kBN keys (K and V
+//     double-buffered with cp.async). S = Q K^T and dP = dO V^T land in registers in mma C layout
+//     (rows = queries), so dS is repacked in registers into A fragments for dQ += dS K without a
+//     trip through shared memory (C tiles 2j, 2j+1 of a 16-key step are exactly a0..a3).
+// Registers per thread: dQ d*16/32 = d/2 fp32, S and dP 16*kBN/32 = kBN/2 each.
+//   d=128, kBN=64: 64 + 32 + 32.   d=256, kBN=32: 128 + 16 + 16.
+// Shared memory: Q, dO (kBM x d), K, V double-buffered (2 x kBN x d each).
+// ================================================================================================
+template <int kD, int kBM, int kBN>
+struct DqCfg {
+  static constexpr int kWarps = kBM / 16;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int NT = kBN / 8;   // S / dP n8 tiles (keys)
+  static constexpr int NTD = kD / 8;   // dQ n8 tiles (dims)
+  static_assert(kBM % 32 == 0 && 128 % kBM == 0 && kBN % 16 == 0, "");
+  static constexpr int kQBytes = kBM * kD * 2;
+  static constexpr int kKBytes = kBN * kD * 2;
+  static constexpr int kOffQ = 0;
+  static constexpr int kOffDO = kQBytes;
+  static constexpr int kOffK = 2 * kQBytes;                // 2 stages
+  static constexpr int kOffV = kOffK + 2 * kKBytes;        // 2 stages
+  static constexpr int kSmem = kOffV + 2 * kKBytes;
+};
+
+template <int kD, int kBM, int kBN, bool kIsBF16>
+__global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_kernel(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
+    u16* __restrict__ dq, const float* __restrict__ lse2, const float* __restrict__ delta, int64_t q_sb,
+    int64_t q_sh, int64_t q_sr, int64_t k_sb, int64_t k_sh, int64_t k_sr, int64_t v_sb, int64_t v_sh, int64_t v_sr,
+    int64_t do_sb, int64_t do_sh, int64_t do_sr, int64_t dq_sb, int64_t dq_sh, int64_t dq_sr, int nq, int nk,
+    int heads, int group, int nq_pad, int causal, float scale_log2, float scale) {
+  using C = DqCfg<kD, kBM, kBN>;
+  using TD = SwizzledTile<kD>;
+  extern __shared__ __align__(128) char smem[];
+  if (threadIdx.x == 0 && dynamic_smem_bytes() < static_cast<unsigned>(C::kSmem)) __trap();
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int m0 = blockIdx.x * kBM, h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / group;
+  const int delta_nk = nk - nq;
+  char* const sQ = smem + C::kOffQ;
+  char* const sDO = smem + C::kOffDO;
+
+  // Keys this query block sees: causal stops after the last key visible to its last row.
+  int n_end = nk;
+  if (causal) n_end = min(nk, min(m0 + kBM, nq) - 1 + delta_nk + 1);
+  const int n_blocks = n_end > 0 ? (n_end + kBN - 1) / kBN : 0;
+
+  const u16* k_bh = k + b * k_sb + hk * k_sh;
+  const u16* v_bh = v + b * v_sb + hk * v_sh;
+  auto issue_kv = [&](int nb, int stage) {
+    const int n0 = nb * kBN;
+    load_tile_async<kBN, kD, C::kThreads>(smem + C::kOffK + stage * C::kKBytes, k_bh + n0 * k_sr, k_sr, nk - n0, tid);
+    load_tile_async<kBN, kD, C::kThreads>(smem + C::kOffV + stage * C::kKBytes, v_bh + n0 * v_sr, v_sr, nk - n0, tid);
+  };
+  load_tile_async<kBM, kD, C::kThreads>(sQ, q + b * q_sb + h * q_sh + m0 * q_sr, q_sr, nq - m0, tid);
+  load_tile_async<kBM, kD, C::kThreads>(sDO, dout + b * do_sb + h * do_sh + m0 * do_sr, do_sr, nq - m0, tid);
+  if (n_blocks > 0) issue_kv(0, 0);
+  cp_async_commit();
+
+  // lse2 / delta of this thread's rows (g and g + 8 of the warp's 16): padded workspace, no check.
+  const int64_t ws = (static_cast<int64_t>(b) * heads + h) * nq_pad + m0 + warp * 16 + g;
+  const float lse_r[2] = {lse2[ws], lse2[ws + 8]};
+  const float del_r[2] = {delta[ws], delta[ws + 8]};
+
+  float dq_acc[1][C::NTD][4];
+  zero_acc(dq_acc);
+
+#pragma unroll 1
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    const int stage = nb & 1;
+    const int n0 = nb * kBN;
+    cp_async_wait<0>();
+    __syncthreads();  // K/V[nb] visible; every warp is done with stage ^ 1
+    if (nb + 1 < n_blocks) issue_kv(nb + 1, stage ^ 1);
+    cp_async_commit();
+    const char* sK = smem + C::kOffK + stage * C::kKBytes;
+    const char* sV = smem + C::kOffV + stage * C::kKBytes;
+
+    float s[1][C::NT][4];
+    float dp[1][C::NT][4];
+    zero_acc(s);
+    zero_acc(dp);
+    warp_mma<kIsBF16, 1, C::NT, kD / 16, false, false, kD, kD>(s, sQ, warp * 16, 0, sK, 0, 0, lane);
+    warp_mma<kIsBF16, 1, C::NT, kD / 16, false, false, kD, kD>(dp, sDO, warp * 16, 0, sV, 0, 0, lane);
+
+    const bool need_mask = (n0 + kBN > nk) || (causal && n0 + kBN - 1 > m0 + delta_nk);
+#pragma unroll
+    for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int half = e >> 1;
+        float p = fast_exp2(fmaf(s[0][nt][e], scale_log2, -lse_r[half]));
+        if (need_mask) {
+          const int i = m0 + warp * 16 + g + 8 * half;
+          const int j = n0 + nt * 8 + 2 * t + (e & 1);
+          if (j >= nk || (causal && j > i + delta_nk)) p = 0.f;
+        }
+        dp[0][nt][e] = p * (dp[0][nt][e] - del_r[half]);
+      }
+
+    // dQ += dS K: A = dS from registers (16 queries x 16 keys per step), B = K rows = keys (trans).
+    const int b_row = lane & 15, b_chk = lane >> 4;
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) {
+      const u32 a[4] = {pack2<kIsBF16>(dp[0][2 * kk][0], dp[0][2 * kk][1]),
+                        pack2<kIsBF16>(dp[0][2 * kk][2], dp[0][2 * kk][3]),
+                        pack2<kIsBF16>(dp[0][2 * kk + 1][0], dp[0][2 * kk + 1][1]),
+                        pack2<kIsBF16>(dp[0][2 * kk + 1][2], dp[0][2 * kk + 1][3])};
+#pragma unroll
+      for (int np = 0; np < C::NTD / 2; ++np) {
+        u32 bf[4];
+        ldmatrix_x4_trans(bf, sK + TD::chunk(kk * 16 + b_row, np * 2 + b_chk));
+        const u32 b_lo[2] = {bf[0], bf[1]};
+        const u32 b_hi[2] = {bf[2], bf[3]};
+        mma_16816<kIsBF16>(dq_acc[0][2 * np], a, b_lo);
+        mma_16816<kIsBF16>(dq_acc[0][2 * np + 1], a, b_hi);
+      }
+    }
+  }
+
+  // Epilogue: the warp's own 16 rows of sQ are read by no other warp, but cp.async fills of sQ
+  // were issued by all threads: wait for them block-wide before overwriting.
+  cp_async_wait<0>();
+  __syncthreads();
+  store_acc_to_smem<kIsBF16, kD>(sQ, dq_acc, warp * 16, 0, scale, lane);
+  __syncwarp();
+  {
+    using T = SwizzledTile<kD>;
+    u16* dst = dq + b * dq_sb + h * dq_sh + static_cast<int64_t>(m0 + warp * 16) * dq_sr;
+    const int valid = nq - (m0 + warp * 16);
+#pragma unroll
+    for (int idx = lane; idx < 16 * T::kChunks; idx += 32) {
+      const int r = idx / T::kChunks, c = idx - (idx / T::kChunks) * T::kChunks;
+      if (r < valid) {
+        const uint4 val = *reinterpret_cast<const uint4*>(sQ + T::chunk(warp * 16 + r, c));
+        *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(r) * dq_sr + c * 8) = val;
+      }
+    }
+  }
+}
+
+}  // namespace bwd
+}  // namespace tileattn

@@ -1,0 +1,458 @@
+"""Attention backward on the sm_80 tensor-core path (csrc/attention_bwd_sm80.cu): registry + launcher.
+
+Three launches per call, all on torch's current stream (no host syncs, so it is capturable by
+torch.cuda.graph):
+
+1. ``attn_bwd_preprocess_kernel<d, bf16>``: delta = rowsum(dO * O), lse2 = lse * log2(e) (+inf for
+   fully masked and padding rows), and zeroes the fp32 dQ accumulator in atomic mode.
+2. ``attn_bwd_main_kernel<d, BN, BM, warps, wn1, wn2, wm3, min_blocks, bf16, with_dq, unroll>``: one
+   block per (key block, kv head, batch): dK and dV (GQA group summed in registers), plus dQ
+   through fp32 RED when ``with_dq``.
+3. atomic mode: ``attn_bwd_convert_dq_kernel<d, bf16>``: dq = scale * dq_accum in the input dtype;
+   deterministic mode: ``attn_bwd_dq_kernel<d, BM, BN, bf16>``: one block per (query block, head,
+   batch) recomputes P and dS and accumulates dQ in registers (no atomics: bit-identical runs).
+
+Tile configurations come from ONE table, ``_CONFIGS`` keyed by (head_dim, causal); fp16 and bf16
+share it. ``tuning_candidates`` adds a few d=128 variants for the tuning benchmark. Every
+instantiation of every config in the table and the candidates is registered in ``FAMILIES`` so
+``tileattn check`` proves it compiles with zero spills for sm_90a and sm_80.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from . import Family
+
+__all__ = [
+    "FAMILIES",
+    "FAMILY_NAME",
+    "HEAD_DIMS",
+    "BwdConfig",
+    "default_config",
+    "launch_backward",
+    "precompile",
+    "tuning_candidates",
+    "workspace_bytes",
+]
+
+FAMILY_NAME = "attention_bwd_sm80"
+SOURCE = "attention_bwd_sm80.cu"
+HEAD_DIMS = (32, 64, 96, 128, 256)
+_NS = "tileattn::bwd::"
+# lse2 / delta workspaces are padded to a multiple of this many rows, so every query block (of any
+# config: block_m and dq_block_m divide it) reads them without a bounds check.
+_ROW_PAD = 128
+_PRE_ROWS = 64  # rows per preprocess block (kRowsPerBlock in the kernel)
+_CONVERT_ROWS = 64  # rows per convert block
+_MAX_GRID_YZ = 65535
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Tile configuration of one backward instantiation (both dtypes share it).
+
+    Main kernel: ``block_n`` keys per block, ``block_m`` query rows per iteration, ``warps`` warps;
+    warp layouts: phase 1 (S^T, dP^T) ``warps_n1`` warps along keys, phase 2 (dK, dV) ``warps_n2``
+    along keys, phase 3 (dQ) ``warps_m3`` along queries; ``min_blocks`` for __launch_bounds__;
+    ``unroll``: unroll factor of the k loops of phases 1 and 3 (register-pressure knob).
+    Deterministic dQ kernel: ``dq_block_m`` query rows (dq_block_m / 16 warps), ``dq_block_n`` keys
+    per step.
+    """
+
+    head_dim: int
+    block_n: int
+    block_m: int
+    warps: int
+    warps_n1: int
+    warps_n2: int
+    warps_m3: int
+    min_blocks: int = 1
+    unroll: int = 2
+    dq_block_m: int = 64
+    dq_block_n: int = 64
+
+    def __post_init__(self) -> None:
+        d, bn, bm, w = self.head_dim, self.block_n, self.block_m, self.warps
+        checks = [
+            (d in HEAD_DIMS, f"head_dim {d} not in {HEAD_DIMS}"),
+            (w % self.warps_n1 == 0 and w % self.warps_n2 == 0 and w % self.warps_m3 == 0, "warp layouts"),
+            (bm % 32 == 0 and _ROW_PAD % bm == 0, f"block_m {bm} must be a multiple of 32 dividing {_ROW_PAD}"),
+            (self.dq_block_m % 32 == 0 and _ROW_PAD % self.dq_block_m == 0, "dq_block_m"),
+            (bn % 16 == 0 and self.dq_block_n % 16 == 0, "block_n"),
+        ]
+        for ok, what in checks:
+            if not ok:
+                raise ValueError(f"invalid BwdConfig {self}: {what}")
+
+    @property
+    def name(self) -> str:
+        """Short label for benchmark tables."""
+        return (
+            f"d{self.head_dim}_n{self.block_n}_m{self.block_m}_w{self.warps}"
+            f"_l{self.warps_n1}.{self.warps_n2}.{self.warps_m3}_b{self.min_blocks}_u{self.unroll}"
+            f"_dq{self.dq_block_m}x{self.dq_block_n}"
+        )
+
+    def main_expr(self, bf16: bool, with_dq: bool) -> str:
+        return (
+            f"{_NS}attn_bwd_main_kernel<{self.head_dim}, {self.block_n}, {self.block_m}, {self.warps}, "
+            f"{self.warps_n1}, {self.warps_n2}, {self.warps_m3}, {self.min_blocks}, {_b(bf16)}, {_b(with_dq)}, "
+            f"{self.unroll}>"
+        )
+
+    def dq_expr(self, bf16: bool) -> str:
+        return f"{_NS}attn_bwd_dq_kernel<{self.head_dim}, {self.dq_block_m}, {self.dq_block_n}, {_b(bf16)}>"
+
+    @property
+    def main_threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def dq_threads(self) -> int:
+        return 32 * (self.dq_block_m // 16)
+
+    @property
+    def main_smem(self) -> int:
+        """Dynamic shared memory of the main kernel (MainCfg::kSmem)."""
+        d, bn, bm = self.head_dim, self.block_n, self.block_m
+        return 2 * bn * d * 2 + 2 * 2 * bm * d * 2 + 2 * bn * bm * 2 + 2 * 2 * bm * 4
+
+    @property
+    def dq_smem(self) -> int:
+        """Dynamic shared memory of the deterministic dQ kernel (DqCfg::kSmem)."""
+        d = self.head_dim
+        return 2 * self.dq_block_m * d * 2 + 2 * 2 * self.dq_block_n * d * 2
+
+
+def _b(x: bool) -> str:
+    return "true" if x else "false"
+
+
+def preprocess_expr(head_dim: int, bf16: bool) -> str:
+    return f"{_NS}attn_bwd_preprocess_kernel<{head_dim}, {_b(bf16)}>"
+
+
+def convert_expr(head_dim: int, bf16: bool) -> str:
+    return f"{_NS}attn_bwd_convert_dq_kernel<{head_dim}, {_b(bf16)}>"
+
+
+# ---- the config table -------------------------------------------------------------------------
+# One entry per (head_dim, causal). Register budget per thread (fp32 accumulators): dK + dV =
+# 2 * block_n * d / (32 * warps) for the whole kernel, plus phase 1's dP^T block_n * block_m /
+# (32 * warps) and one m16 row of S^T, or phase 3's block_m * d / (32 * warps). ptxas fills the
+# rest of the 255 registers with fragments and addresses; every entry compiles with 0 spills.
+# Causal and non-causal share tiles for now (causal skips whole query blocks at run time; the
+# masked diagonal tiles cost the same per tile); they are separate keys so tuning can split them.
+_BASE = {
+    32: BwdConfig(32, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=4, unroll=2),
+    64: BwdConfig(64, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=2, unroll=2),
+    96: BwdConfig(96, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=4, unroll=2),
+    128: BwdConfig(128, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=2, unroll=2),
+    256: BwdConfig(256, block_n=64, block_m=32, warps=8, warps_n1=4, warps_n2=2, warps_m3=2, unroll=2,
+                   dq_block_m=64, dq_block_n=32),
+}
+_CONFIGS: dict[tuple[int, bool], BwdConfig] = {(d, c): cfg for d, cfg in _BASE.items() for c in (False, True)}
+
+# Extra d=128 candidates for the tuning benchmark (the default is first).
+_TUNING: dict[int, tuple[BwdConfig, ...]] = {
+    128: (
+        BwdConfig(128, block_n=128, block_m=64, warps=8, warps_n1=8, warps_n2=4, warps_m3=2, unroll=2),
+        BwdConfig(128, block_n=128, block_m=32, warps=8, warps_n1=4, warps_n2=4, warps_m3=2, unroll=8),
+        BwdConfig(128, block_n=64, block_m=64, warps=4, warps_n1=4, warps_n2=2, warps_m3=4, min_blocks=2, unroll=2),
+    ),
+}
+
+
+def default_config(head_dim: int, causal: bool, dtype=None) -> BwdConfig:
+    """The table's config for (head_dim, causal); dtype is accepted for symmetry (fp16 and bf16
+    share tiles)."""
+    try:
+        return _CONFIGS[(int(head_dim), bool(causal))]
+    except KeyError:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}") from None
+
+
+def tuning_candidates(head_dim: int, causal: bool, dtype=None) -> list[BwdConfig]:
+    """Configs worth timing for (head_dim, causal, dtype): the default first, then the extras.
+    Every one is a registered instantiation, so it can be passed as ``config=`` to launch_backward."""
+    base = default_config(head_dim, causal, dtype)
+    out = [base]
+    for cfg in _TUNING.get(int(head_dim), ()):
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def _all_configs() -> list[BwdConfig]:
+    seen: list[BwdConfig] = []
+    for cfg in list(_CONFIGS.values()) + [c for cs in _TUNING.values() for c in cs]:
+        if cfg not in seen:
+            seen.append(cfg)
+    return seen
+
+
+def _instantiations() -> tuple[str, ...]:
+    exprs: list[str] = []
+    for bf16 in (False, True):
+        for d in HEAD_DIMS:
+            exprs += [preprocess_expr(d, bf16), convert_expr(d, bf16)]
+        for cfg in _all_configs():
+            exprs += [cfg.main_expr(bf16, True), cfg.main_expr(bf16, False), cfg.dq_expr(bf16)]
+    return tuple(dict.fromkeys(exprs))  # dedupe, keep order
+
+
+FAMILIES = (Family(name=FAMILY_NAME, source=SOURCE, instantiations=_instantiations(), archs=("sm_90a", "sm_80")),)
+
+
+# ---- argument checks -------------------------------------------------------------------------
+def _check_args(q, k, v, out, lse, dout, dq, dk, dv, scale, config) -> BwdConfig:
+    """Validate everything the kernels rely on; return the config to use. ValueError on failure."""
+    import torch
+
+    named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dq": dq, "dk": dk, "dv": dv}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv"):
+        if named[name].dim() != 4:
+            raise ValueError(f"{name} must be rank 4, got shape {tuple(named[name].shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"q must be float16 or bfloat16, got {q.dtype}")
+    for name in ("k", "v", "out", "dout", "dq", "dk", "dv"):
+        if named[name].dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {named[name].dtype}")
+    if lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32, got {lse.dtype}")
+
+    batch, heads, nq, d = q.shape
+    _, kv_heads, nk, dk_ = k.shape
+    if min(batch, heads, nq, d, kv_heads, nk) < 1:
+        raise ValueError(f"empty dimension: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dim must be one of {HEAD_DIMS}, got {d}")
+    if k.shape[0] != batch or dk_ != d:
+        raise ValueError(f"k must be [B={batch}, Hkv, Nk, d={d}], got {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if heads % kv_heads != 0:
+        raise ValueError(f"kv heads ({kv_heads}) must divide query heads ({heads})")
+    for name, ref in (("out", q), ("dout", q), ("dq", q), ("dk", k), ("dv", v)):
+        if tuple(named[name].shape) != tuple(ref.shape):
+            raise ValueError(f"{name} must have shape {tuple(ref.shape)}, got {tuple(named[name].shape)}")
+    if tuple(lse.shape) != (batch, heads, nq):
+        raise ValueError(f"lse must have shape {(batch, heads, nq)}, got {tuple(lse.shape)}")
+    if not lse.is_contiguous():
+        raise ValueError(f"lse must be contiguous, got strides {lse.stride()}")
+    if max(heads, kv_heads, batch) > _MAX_GRID_YZ:
+        raise ValueError(f"batch and head counts must be <= {_MAX_GRID_YZ}")
+    if max(nq, nk) >= 2**31 - _ROW_PAD:
+        raise ValueError(f"sequence lengths must be < 2**31 - {_ROW_PAD}, got Nq={nq}, Nk={nk}")
+    # 16-byte cp.async / vector accesses: contiguous last dim, every other stride of a dimension
+    # longer than 1 a multiple of 8 elements (a size-1 dimension's stride is never applied).
+    for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv"):
+        t = named[name]
+        if t.stride(3) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+        if any(t.shape[i] > 1 and t.stride(i) % 8 for i in range(3)):
+            raise ValueError(
+                f"{name} strides {t.stride()} must be multiples of 8 elements (16-byte aligned rows)"
+            )
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale!r}")
+    if config is None:
+        cfg = default_config(d, False)
+    elif not isinstance(config, BwdConfig):
+        raise ValueError(f"config must be a BwdConfig, got {type(config).__name__}")
+    elif config.head_dim != d:
+        raise ValueError(f"config is for head_dim {config.head_dim}, tensors have head_dim {d}")
+    else:
+        cfg = config
+    devices = {t.device for t in named.values()}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(str(x) for x in devices)}")
+    if q.device.type != "cuda":
+        raise ValueError(f"tensors must be CUDA tensors, got device {q.device}")
+    for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv"):
+        if named[name].data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned (data_ptr {named[name].data_ptr():#x})")
+    # Gradients must not overlap the inputs the kernels still read while writing them.
+    reads = [q, k, v, out, lse, dout]
+    for i, name in enumerate(("dq", "dk", "dv")):
+        g = named[name]
+        for r in reads + [named[o] for o in ("dq", "dk", "dv")[i + 1:]]:
+            if _overlap(g, r):
+                raise ValueError(f"{name} overlaps another argument; pass fresh gradient buffers")
+    return cfg
+
+
+def _overlap(a, b) -> bool:
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, a1 = a.data_ptr(), a.data_ptr() + _extent_bytes(a)
+    b0, b1 = b.data_ptr(), b.data_ptr() + _extent_bytes(b)
+    return a0 < b1 and b0 < a1
+
+
+def _extent_bytes(t) -> int:
+    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def workspace_bytes(batch: int, heads: int, nq: int, head_dim: int, deterministic: bool) -> int:
+    """Extra device memory launch_backward allocates: lse2 + delta (padded rows) and, in atomic
+    mode, the fp32 dQ accumulator."""
+    pad = -(-nq // _ROW_PAD) * _ROW_PAD
+    extra = 0 if deterministic else batch * heads * nq * head_dim * 4
+    return 2 * batch * heads * pad * 4 + extra
+
+
+# ---- kernels, cached per (device, config, dtype, mode) ---------------------------------------
+_loaded: dict[tuple, tuple] = {}
+
+
+def _kernels(device_index: int, cfg: BwdConfig, bf16: bool, deterministic: bool):
+    key = (device_index, cfg, bf16, deterministic)
+    hit = _loaded.get(key)
+    if hit is not None:
+        return hit
+    from . import load
+
+    pre = load(FAMILY_NAME, preprocess_expr(cfg.head_dim, bf16))
+    main = load(FAMILY_NAME, cfg.main_expr(bf16, not deterministic))
+    last = load(FAMILY_NAME, cfg.dq_expr(bf16) if deterministic else convert_expr(cfg.head_dim, bf16))
+    _loaded[key] = (pre, main, last)
+    return _loaded[key]
+
+
+def launch_backward(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    dq,
+    dk,
+    dv,
+    *,
+    causal: bool,
+    scale: float,
+    deterministic: bool,
+    config: BwdConfig | None = None,
+) -> None:
+    """Gradients of attention into the caller's dq, dk, dv (written completely, never read).
+
+    q, out, dout, dq: [B, H, Nq, d]; k, v, dk, dv: [B, Hkv, Nk, d]; lse: [B, H, Nq] float32
+    contiguous, natural log, -inf for fully masked rows (their gradients come out 0). All 16-bit
+    tensors share one dtype (float16 or bfloat16), have a contiguous last dim and other strides
+    that are multiples of 8 elements. causal is bottom-right aligned. ``deterministic`` computes dQ
+    without atomics (bit-identical run to run; one more pass over K and V). ``config`` overrides the
+    table (see tuning_candidates). Raises ValueError on any inconsistent argument, before any launch.
+    Launches on torch's current stream; allocates only torch workspaces (no host sync).
+    """
+    import torch
+
+    cfg = _check_args(q, k, v, out, lse, dout, dq, dk, dv, scale, config)
+    if config is None:
+        cfg = default_config(q.shape[3], causal)
+    if q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):
+            return _launch(q, k, v, out, lse, dout, dq, dk, dv, bool(causal), float(scale), bool(deterministic), cfg)
+    return _launch(q, k, v, out, lse, dout, dq, dk, dv, bool(causal), float(scale), bool(deterministic), cfg)
+
+
+def _launch(q, k, v, out, lse, dout, dq, dk, dv, causal, scale, deterministic, cfg) -> None:
+    import numpy as np
+    import torch
+
+    from ..runtime import launch
+
+    batch, heads, nq, d = q.shape
+    kv_heads, nk = k.shape[1], k.shape[2]
+    bf16 = q.dtype == torch.bfloat16
+    pre, main, last = _kernels(torch.cuda.current_device(), cfg, bf16, deterministic)
+
+    nq_pad = -(-nq // _ROW_PAD) * _ROW_PAD
+    ws = torch.empty((2, batch, heads, nq_pad), dtype=torch.float32, device=q.device)
+    lse2, delta = ws[0], ws[1]
+    dq_accum = None if deterministic else torch.empty((batch, heads, nq, d), dtype=torch.float32, device=q.device)
+
+    i32, i64 = np.int32, np.int64
+
+    def strides(t):
+        sb, sh, sr, _ = t.stride()
+        return i64(sb), i64(sh), i64(sr)
+
+    scale_f = scale
+    scale_log2 = np.float32(scale_f * 1.4426950408889634)  # log2(e) folded into the scale
+    group = heads // kv_heads
+
+    launch(
+        pre,
+        (nq_pad // _PRE_ROWS, heads, batch),
+        (128, 1, 1),
+        (out.data_ptr(), dout.data_ptr(), lse.data_ptr(), lse2.data_ptr(), delta.data_ptr(),
+         dq_accum.data_ptr() if dq_accum is not None else 0,
+         *strides(out), *strides(dout), i32(nq), i32(heads), i32(nq_pad)),
+    )
+    launch(
+        main,
+        (-(-nk // cfg.block_n), kv_heads, batch),
+        (cfg.main_threads, 1, 1),
+        (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+         dq_accum.data_ptr() if dq_accum is not None else 0, lse2.data_ptr(), delta.data_ptr(),
+         *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
+         i32(nq), i32(nk), i32(heads), i32(group), i32(nq_pad), i32(1 if causal else 0), scale_log2,
+         np.float32(scale_f)),
+        smem=cfg.main_smem,
+    )
+    if deterministic:
+        launch(
+            last,
+            (-(-nq // cfg.dq_block_m), heads, batch),
+            (cfg.dq_threads, 1, 1),
+            (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dq.data_ptr(), lse2.data_ptr(),
+             delta.data_ptr(), *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq),
+             i32(nq), i32(nk), i32(heads), i32(group), i32(nq_pad), i32(1 if causal else 0), scale_log2,
+             np.float32(scale_f)),
+            smem=cfg.dq_smem,
+        )
+    else:
+        launch(
+            last,
+            (-(-nq // _CONVERT_ROWS), heads, batch),
+            (128, 1, 1),
+            (dq_accum.data_ptr(), dq.data_ptr(), *strides(dq), i32(nq), i32(heads), np.float32(scale_f)),
+        )
+
+
+def _compile_one(args):
+    expr, arch = args
+    from ..runtime import compile_cuda
+
+    module = compile_cuda(FAMILIES[0].path, [expr], arch)
+    return expr, module.compile_seconds, module.from_cache
+
+
+def precompile(arch: str | None = None, expressions=None, workers: int | None = None) -> float:
+    """Fill the disk compile cache for `expressions` (default: every registered instantiation) in
+    parallel processes, so the first launch_backward calls only load cubins. Returns the summed
+    NVRTC seconds. `arch` defaults to the current GPU's. Used by the GPU tests and benchmarks."""
+    import multiprocessing as mp
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    if arch is None:
+        from ..runtime import device_arch, require_gpu
+
+        arch = device_arch(require_gpu())
+    exprs = list(expressions) if expressions is not None else list(FAMILIES[0].instantiations)
+    workers = workers or max(1, min(len(exprs), (os.cpu_count() or 2) - 1))
+    # Not fork: the parent may hold a CUDA context. A forkserver imports this module (and torch)
+    # once, then forks cheap NVRTC-only workers from that clean process.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        results = list(pool.map(_compile_one, [(e, arch) for e in exprs]))
+    return sum(sec for _, sec, cached in results if not cached)
