@@ -7,13 +7,13 @@ versions are compiled and listed, but their resource use does not fail the check
 
 from __future__ import annotations
 
+import multiprocessing
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from .kernels import Family, families
 from .runtime import CompileError, compile_cuda
-from .runtime.compiler import prepare
 
 
 @dataclass
@@ -65,9 +65,10 @@ def run_check(archs: list[str] | None = None, *, family_filter: str | None = Non
                 continue
             work.extend((fam, expr, arch) for expr in fam.instantiations)
     rows: list[Row] = []
-    prepare()
-    # NVRTC compiles of distinct programs run in parallel threads (the compile releases the GIL).
-    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as pool:
+    # One process per core: an NVRTC compile holds the GIL, so threads would run one at a time.
+    # "spawn": workers start clean (no inherited CUDA or thread state).
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 2, mp_context=ctx) as pool:
         futures = []
         for fam, expr, arch in work:
             if expr is None:
@@ -78,19 +79,26 @@ def run_check(archs: list[str] | None = None, *, family_filter: str | None = Non
     return rows
 
 
+def _display_name(r: Row) -> str:
+    """family:expression with the namespace qualifiers dropped (they repeat on every row)."""
+    expr = r.expression
+    for ns in ("tileattn::bwd::", "tileattn::fwd::", "tileattn::"):
+        expr = expr.replace(ns, "")
+    return f"{r.family}:{expr}"
+
+
 def format_table(rows: list[Row]) -> str:
-    head = f"{'kernel':<64} {'arch':<7} {'regs':>4} {'stack':>5} {'spill':>5} {'smem':>6} {'sec':>6}  status"
+    width = max([len(_display_name(r)) for r in rows] + [6])
+    head = f"{'kernel':<{width}} {'arch':<7} {'regs':>4} {'stack':>5} {'spill':>5} {'smem':>6} {'sec':>6}  status"
     lines = [head, "-" * len(head)]
     for r in rows:
-        name = f"{r.family}:{r.expression}"
-        if len(name) > 64:
-            name = name[:61] + "..."
+        name = _display_name(r)
         if r.error:
-            lines.append(f"{name:<64} {r.arch:<7} {'':>4} {'':>5} {'':>5} {'':>6} {'':>6}  COMPILE ERROR")
+            lines.append(f"{name:<{width}} {r.arch:<7} {'':>4} {'':>5} {'':>5} {'':>6} {'':>6}  COMPILE ERROR")
             continue
         status = "ok" if r.ok and not r.broken else ("broken (lab)" if r.broken else "FAIL: spill/stack")
         lines.append(
-            f"{name:<64} {r.arch:<7} {r.registers:>4} {r.stack:>5} {r.spills:>5} {r.static_smem:>6} "
+            f"{name:<{width}} {r.arch:<7} {r.registers:>4} {r.stack:>5} {r.spills:>5} {r.static_smem:>6} "
             f"{r.seconds:>6.2f}  {status}"
         )
     return "\n".join(lines)

@@ -144,14 +144,6 @@ def parse_ptxas_log(log: str) -> dict[str, Resources]:
     return out
 
 
-def prepare() -> None:
-    """Import cuda.core and probe NVRTC once, before compiling from several threads (cuda.core's
-    first import is not thread-safe: a second thread can see a half-initialised module)."""
-    import cuda.core  # noqa: F401
-
-    _header_options()
-
-
 def compile_cuda(
     source_path: Path,
     name_expressions: Sequence[str],
