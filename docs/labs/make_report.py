@@ -37,6 +37,12 @@ def _f(v, digits=3):
     return str(v)
 
 
+def _env(env: dict) -> str:
+    """The harness's environment line plus the facts it leaves out (compute capability, SMs, bindings)."""
+    extra = "; ".join(f"{k}: {env[k]}" for k in ("compute_capability", "sm_count", "cuda_bindings") if env.get(k) is not None)
+    return f"Measured: {environment_line(env)}" + (f"; {extra}" if extra else "")
+
+
 def _table(header: list[str], rows: list[list]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(_f(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
@@ -58,16 +64,20 @@ def _bar_plot(groups: list[str], series: dict[str, list[float | None]], path: Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    rotate = max(len(g) for g in groups) * len(groups) > 90  # long labels would overlap
+    fig, ax = plt.subplots(figsize=(9, 5.2 if rotate else 4.2))
     width = 0.8 / max(1, len(series))
     for i, (name, ys) in enumerate(series.items()):
         xs = [g + i * width for g in range(len(groups))]
         ax.bar(xs, [y or 0 for y in ys], width, label=name)
-    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, fontsize=8)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, fontsize=8,
+                  rotation=35 if rotate else 0, ha="right" if rotate else "center")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7, ncol=3)
+    top = max((y or 0) for ys in series.values() for y in ys)
+    ax.set_ylim(0, 1.25 * top)  # headroom so the legend never covers a bar
+    ax.legend(fontsize=7, ncol=3, loc="upper left")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -76,10 +86,39 @@ def _bar_plot(groups: list[str], series: dict[str, list[float | None]], path: Pa
 
 
 # ---- reduction ----------------------------------------------------------------------------------
-def reduction_section(env: dict, records: list[dict], img: Path) -> str:
-    from tileattn.bench.report import plot
+def _sweep_plot(sweep: list[dict], path: Path) -> Path:
+    import matplotlib
 
-    out = [f"Measured: {environment_line(env)}", ""]
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for impl in dict.fromkeys(r["impl"] for r in sweep):
+        rs = sorted((r for r in sweep if r["impl"] == impl), key=lambda r: r["n"])
+        ns = [r["n"] for r in rs]
+        ax_t.errorbar(ns, [1e3 * r["median_ms"] for r in rs], marker="o", ms=4, capsize=2, label=impl,
+                      yerr=[[1e3 * (r["median_ms"] - r["q1_ms"]) for r in rs], [1e3 * (r["q3_ms"] - r["median_ms"]) for r in rs]])
+        ax_b.plot(ns, [r["tbps"] for r in rs], marker="o", ms=4, label=impl)
+    for ax in (ax_t, ax_b):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("n (fp32 elements)")
+        ax.grid(alpha=0.3, which="both")
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("median time, us (bars: IQR)")
+    ax_t.set_title("sum: time against length")
+    ax_b.set_yscale("log")
+    ax_b.set_ylabel("TB/s (4 n bytes / median time)")
+    ax_b.set_title("sum: bandwidth against length")
+    ax_b.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def reduction_section(env: dict, records: list[dict], img: Path) -> str:
+    out = [_env(env), ""]
     corr = [r for r in records if r.get("kind") == "correctness"]
     if corr:
         lengths = sorted({r["n"] for r in corr})
@@ -122,14 +161,16 @@ def reduction_section(env: dict, records: list[dict], img: Path) -> str:
         out += [f"![reduction bandwidth]({p.relative_to(img.parent)})", ""]
     sweep = [r for r in records if r.get("kind") == "sweep"]
     if sweep:
-        p = plot(sweep, "n", "impl", "tbps", img / "reduction_sweep.png", title="sum: bandwidth against length", ylabel="TB/s")
-        out += [f"![bandwidth against n]({p.relative_to(img.parent)})", ""]
+        out += ["### Sum against length (median us / TB/s; same run)", "",
+                markdown_table([dict(r, cell=f"{1e3 * r['median_ms']:.1f} us / {r['tbps']:.3g}") for r in sweep], ["n"], "impl", "cell"), ""]
+        p = _sweep_plot(sweep, img / "reduction_sweep.png")
+        out += [f"![time and bandwidth against n]({p.relative_to(img.parent)})", ""]
     return "\n".join(out)
 
 
 # ---- transpose ----------------------------------------------------------------------------------
 def transpose_section(env: dict, records: list[dict], img: Path) -> str:
-    out = [f"Measured: {environment_line(env)}", ""]
+    out = [_env(env), ""]
     corr = [r for r in records if r.get("kind") == "correctness"]
     if corr:
         out += ["### Correctness (exact equality with `x.t().contiguous()`, output poisoned with NaN)", "",
@@ -168,6 +209,20 @@ def transpose_section(env: dict, records: list[dict], img: Path) -> str:
                          mp(r, "bank_conflicts_ld", 6), mp(r, "bank_conflicts_st", 6), mp(r, "shared_ld_wavefronts_per_inst"),
                          mp(r, "shared_st_wavefronts_per_inst"), mp(r, "dram_bytes", 4),
                          _f((r.get("duration_ns") or 0) / 1e3) if r.get("duration_ns") else "-"] for r in ncu]), ""]
+    if ncu:
+        raw = lambda r, k: (r.get("raw") or {}).get(k)  # noqa: E731
+        pre = "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_"
+        out += ["Raw counters behind the ratios (bank conflicts = wavefronts beyond one per shared instruction here), "
+                "DRAM traffic split, and the profiled kernel duration beside the event-timed median of the same shape:", "",
+                _table(["dtype", "version", "shared ld inst", "shared ld wavefronts", "shared st inst", "shared st wavefronts",
+                        "DRAM read B", "DRAM write B", "ideal each way B", "ncu us", "events median us"],
+                       [[r.get("dtype") or "-", r["impl"], raw(r, "smsp__sass_inst_executed_op_shared_ld.sum"), raw(r, pre + "ld.sum"),
+                         raw(r, "smsp__sass_inst_executed_op_shared_st.sum"), raw(r, pre + "st.sum"),
+                         raw(r, "dram__bytes_read.sum"), raw(r, "dram__bytes_write.sum"),
+                         (r.get("predicted") or {}).get("dram_bytes", 0) // 2 or "-",
+                         _f((r.get("duration_ns") or 0) / 1e3) if r.get("duration_ns") else "-",
+                         next((_f(1e3 * b["median_ms"]) for b in bw if b["shape"] == f"{r['rows']}x{r['cols']}"
+                               and b["dtype"] == r.get("dtype") and b["impl"] == r["impl"]), "-")] for r in ncu]), ""]
     ncu_env = env.get("ncu")
     if ncu_env and ncu_env.get("error"):
         out += [f"ncu reported: {ncu_env['error']}", ""]
@@ -179,7 +234,10 @@ def sanitizer_section(env: dict, records: list[dict], img: Path) -> str:
     cells = [r for r in records if r.get("kind") == "cell"]
     verdicts = [r for r in records if r.get("kind") == "verdict"]
     info = env.get("sanitize", {})
-    out = [f"Measured: {environment_line(env)}; compute-sanitizer: {env.get('compute_sanitizer')}; "
+    cs = env.get("compute_sanitizer") or ""
+    m = re.search(r"Version (\S+)(?: \((build \d+)\))?", cs)
+    cs = f"{m.group(1)}" + (f" ({m.group(2)})" if m.group(2) else "") if m else cs
+    out = [f"{_env(env)}; compute-sanitizer: {cs}; "
            f"wall time {info.get('wall_seconds')} s{' (--quick)' if info.get('quick') else ''}", ""]
     tools = list(dict.fromkeys(r["tool"] for r in cells))
     cases = list(dict.fromkeys(r["impl"] for r in cells))
@@ -201,8 +259,17 @@ def sanitizer_section(env: dict, records: list[dict], img: Path) -> str:
         out += [f"- `{r['impl']}` / {r['tool']}: {r['outcome']}: {r.get('first') or r.get('detail') or r.get('error')}"
                 + (f" ({r['reports']} reports)" if r.get("reports") else "") for r in caught]
         out.append("")
+    tools_info = info.get("tools") or {}
+    if tools_info:
+        out += ["### Sanitizer processes (a case that kills the CUDA context restarts the rest in a fresh process)", "",
+                _table(["tool", "processes", "cases per process", "exit codes", "ERROR SUMMARY per process", "hung"],
+                       [[t, str(len(v.get("attempts", []))), ", ".join(str(len(a.get("cases", []))) for a in v.get("attempts", [])),
+                         ", ".join(str(a.get("returncode")) for a in v.get("attempts", [])),
+                         ", ".join("-" if a.get("errors") is None else str(a["errors"]) for a in v.get("attempts", [])),
+                         "yes" if any(a.get("hung") for a in v.get("attempts", [])) else "no"] for t, v in tools_info.items()]), ""]
     if verdicts:
-        out += ["### Verdicts", ""] + [f"- `{r['impl']}`: {r['verdict']}" for r in verdicts] + [""]
+        cap = lambda t: re.sub(r"\. ([a-z])", lambda m: ". " + m.group(1).upper(), t)  # noqa: E731
+        out += ["### Verdicts", ""] + [f"- `{r['impl']}`: {cap(r['verdict'])}" for r in verdicts] + [""]
     return "\n".join(out)
 
 
