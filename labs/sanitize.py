@@ -350,8 +350,10 @@ def run_tool(tool: str, cases: list[Case], *, quick: bool, timeout: float, workd
         progress = workdir / f"{tool}.{attempt}.progress"
         child = [sys.executable, "-m", "labs.sanitize", "--child", "--cases", ",".join(c.key for c in remaining),
                  "--progress", str(progress)] + (["--quick"] if quick else [])
+        # --print-limit: the default (100 reports per process) would hide every version that errs
+        # after the first one to reach the limit; attribution needs all of them.
         cmd = child if tool == "none" else [sanitizer, "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "1",
-                                             "--log-file", str(log)] + child
+                                             "--print-limit", "1000000", "--log-file", str(log)] + child
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
