@@ -24,11 +24,13 @@
 //                  otherwise re-read from smem with ldmatrix for every K block (2 m-tiles or d=256)
 //   K/V fragments  4 regs per ldmatrix.x4 in flight (ptxas keeps ~1 k-step of them ahead)
 //   softmax state  shift + partial sum per row half per m-tile: 4 * kMTiles
-//   ldmatrix offset tables 2 x 4, a few pointers and loop counters
+//   ldmatrix address: one XOR-able offset per operand pattern (LdsmTable), a few loop counters
 // d=128 default (kBlockM=128, 4 warps -> R=32, N=32): O 128 + S 32 + Q/K fragments ~16-24 + the
-// rest -> 236-239 of the 255 that __launch_bounds__(128, 1) allows; 2 CTAs (8 warps) fit in the
-// 64K-register file. N=64 at R=32 (FA2's tile) needs O 128 + S 64 and lands right at 255 with a
-// few spilled words under NVRTC's ptxas, so it is not registered; N=48 is (251-255, no spill).
+// rest -> 229-240 of the 255 that __launch_bounds__(128, 1) allows; 2 CTAs (8 warps) fit in the
+// 64K-register file. N=64 at R=32 (FA2's tile) needs O 128 + S 64: it compiles to 255 registers
+// with 0 spills only because nothing CTA-specific lives in per-thread registers across the loop
+// (kv_head by multiply-shift in uniform registers, blockIdx re-read on sm_80, see cta_id), the
+// ldmatrix offsets are one register per pattern, and the softmax needs no per-row select.
 // Thread-specific address arithmetic is re-derived inside the main loop from an opaque thread
 // index (see opaque()): a few integer ops per block instead of registers held across the loop.
 // ptxas must report 0 spills and 0 stack for every registered instantiation (`tileattn check`,
@@ -93,6 +95,14 @@ constexpr float kLn2 = 0.693147180559945309417f;
 constexpr float kRescaleThreshold = 8.0f;
 // -inf without <cmath> (NVRTC has no INFINITY macro without it).
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+// Row shift of a row that has seen no key yet: a finite -2^100 instead of -inf, so that
+// s * scale_log2 - shift never computes -inf - -inf (no select per row per block) and the rescale
+// factor 2^(shift_old - shift_new) is exactly 0 on a row's first visible key (ex2 underflows;
+// O and l are still 0 there) and exactly 1 while the row still sees nothing. Any real scaled score
+// is > -2^100 (|s| <= ~1e30 would already have overflowed the fp32 dot product by then), so the
+// first visible key always beats the sentinel by more than kRescaleThreshold and triggers the
+// rescale that replaces it.
+constexpr float kNoKeyShift = -1.2676506002282294e30f;  // -2^100
 
 // Identity the optimiser cannot see through. Used on loop-invariant inputs of address arithmetic
 // in the main loop, so that the (cheap, integer) addresses are recomputed per iteration instead
@@ -100,6 +110,33 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u);
 __device__ __forceinline__ int opaque(int x) {
   asm volatile("" : "+r"(x));
   return x;
+}
+
+// blockIdx. On sm_80 it is re-read from the special registers at each call (asm volatile: never
+// CSE'd): there ptxas reads %ctaid into per-thread registers (S2R), so (batch, head, query tile)
+// and the 64-bit pointers derived from them would otherwise stay live across the main loop;
+// re-reading them where they are needed (the prefetch, the mask, the epilogue) costs an S2R and a
+// few IMADs instead.
+struct CtaId {
+  int m_block, head, batch;
+};
+template <bool kCausal>
+__device__ __forceinline__ CtaId cta_id() {
+  unsigned x, y, z, nx;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // sm_90: ptxas keeps blockIdx and everything derived from it in uniform registers (S2UR), free
+  // for the per-thread register file; a volatile re-read would force per-thread copies instead.
+  x = blockIdx.x, y = blockIdx.y, z = blockIdx.z, nx = gridDim.x;
+#else
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
+  asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y));
+  asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(nx));
+#endif
+  // Causal: the last query tiles see the most keys. Blocks are dispatched roughly in blockIdx
+  // order, so hand out the query tiles last-to-first: the long CTAs start in the first wave and
+  // the short ones fill the tail (without this, the heaviest CTAs of the last heads run alone).
+  return {kCausal ? static_cast<int>(nx - 1 - x) : static_cast<int>(x), static_cast<int>(y), static_cast<int>(z)};
 }
 
 // Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][kHeadDim] tile.
@@ -118,26 +155,38 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
   return row * kHeadDim + c * 8;
 }
 
-// ldmatrix reads chunk pairs (2j, 2j + 1) of rows lane_row + 16 R. For a lane, the swizzled offset
-// of pair j repeats with period 4 in j (d = 64, 128, 256: the XOR only touches the low 3 bits of
-// the chunk index) or does not repeat at all (d = 32: 2 pairs, d = 96: 6 pairs), and never depends
-// on R (f(row) only reads row bits 0..2). So each lane keeps kCount offsets in registers and every
-// ldmatrix address is `tile base + table[index(j)] + compile-time immediate` (folded into LDSM).
+// ldmatrix reads chunk pairs (2j, 2j + 1) of rows lane_row + 16 R. Its element offset is
+// (lane_row + 16 R) * d + 8 * ((2j + lane_chunk) ^ f(lane_row)).
+//  d = 64, 128, 256 (C % 8 == 0, f = row & 7): the XOR only touches chunk bits 0..2, and 2j's
+//    low bits (2 (j & 3)) and lane_chunk are disjoint, so the offset is
+//      16 R d + (lane_off ^ 16 (j & 3)) + 64 (j >> 2),   lane_off = lane_row d + 8 (lane_chunk ^ f).
+//    lane_row * d is a multiple of 64 elements, so the XOR acts on lane_off's chunk bits only.
+//    One register per lane and operand pattern, one LOP3 per distinct j & 3; R and j >> 2 are
+//    compile-time immediates folded into LDSM. (A table of the 4 offsets costs 4 registers per
+//    pattern across the main loop; the 32-row, BN = 64 config needs those registers.)
+//  d = 32 (2 pairs), d = 96 (6 pairs, split swizzle): a table of kPairs offsets per lane.
 template <int kHeadDim>
 struct LdsmTable {
   static constexpr int kChunks = kHeadDim / 8;
   static constexpr int kPairs = kHeadDim / 16;
-  static constexpr int kCount = kChunks % 8 == 0 ? (kPairs < 4 ? kPairs : 4) : kPairs;
-  static __device__ __forceinline__ constexpr int index(int pair) { return kChunks % 8 == 0 ? (pair & 3) : pair; }
-  static __device__ __forceinline__ constexpr int extra(int pair) { return kChunks % 8 == 0 ? (pair >> 2) * 64 : 0; }
+  static constexpr bool kXor = kChunks % 8 == 0;
+  static constexpr int kCount = kXor ? 1 : kPairs;
   int off[kCount];
   __device__ __forceinline__ LdsmTable(int lane_row, int lane_chunk) {
+    if constexpr (kXor) {
+      off[0] = lane_row * kHeadDim + 8 * (lane_chunk ^ (lane_row & 7));
+    } else {
 #pragma unroll
-    for (int j = 0; j < kCount; ++j) off[j] = swizzle<kHeadDim>(lane_row, 2 * j + lane_chunk);
+      for (int j = 0; j < kCount; ++j) off[j] = swizzle<kHeadDim>(lane_row, 2 * j + lane_chunk);
+    }
   }
   // Element offset of chunk pair `pair` (+ lane_chunk) of row lane_row + 16 * rtile.
   __device__ __forceinline__ int operator()(int rtile, int pair) const {
-    return rtile * 16 * kHeadDim + off[index(pair)] + extra(pair);
+    if constexpr (kXor) {
+      return rtile * 16 * kHeadDim + (off[0] ^ (16 * (pair & 3))) + 64 * (pair >> 2);
+    } else {
+      return rtile * 16 * kHeadDim + off[pair];
+    }
   }
 };
 
@@ -205,12 +254,18 @@ __device__ __forceinline__ void load_block(u16* smem_tile, const u16* block, int
 
 // q: [B, H, Nq, d], k/v: [B, H / kv_group, Nk, d], o: [B, H, Nq, d] (16-bit, strides in elements,
 // last dim contiguous, 16-byte aligned rows); lse: [B, H, Nq] fp32 contiguous, natural log.
+// kv_group_magic = ceil(2^32 / kv_group): h / kv_group = (h * magic) >> 32 exactly for h, kv_group
+// < 2^16 (the error term h * (magic * kv_group - 2^32) / 2^32 < 1 / kv_group). A division by a
+// runtime value goes through MUFU.RCP, which has no uniform-datapath form, so `head / kv_group`
+// put kv_head and the 64-bit K/V head offsets into per-thread registers for the whole main loop
+// (4 registers: the difference between spilling and not at 32 rows x BN = 64). The multiply-shift
+// stays in uniform registers.
 template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kCausal, bool kIsBF16>
 __global__ void __launch_bounds__(kWarps * 32, 1)
     attention_fwd_sm80(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                        u16* __restrict__ o, float* __restrict__ lse, int64_t q_sb, int64_t q_sh, int64_t q_sr,
                        int64_t k_sb, int64_t k_sh, int64_t k_sr, int64_t v_sb, int64_t v_sh, int64_t v_sr,
-                       int64_t o_sb, int64_t o_sh, int64_t o_sr, int heads, int kv_group, int seqlen_q,
+                       int64_t o_sb, int64_t o_sh, int64_t o_sr, int heads, uint64_t kv_group_magic, int seqlen_q,
                        int seqlen_k, float scale_log2) {
   using namespace fwd;
   constexpr int kThreads = kWarps * 32;
@@ -236,11 +291,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int m_block = blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const int kv_head = head / kv_group;
-  const int row0 = m_block * kBlockM;
+  const CtaId cta = cta_id<kCausal>();
+  const int head = cta.head;
+  const int batch = cta.batch;
+  const int kv_head = static_cast<int>((static_cast<uint64_t>(head) * kv_group_magic) >> 32);
+  const int row0 = cta.m_block * kBlockM;
   const int warp_row0 = warp * kRowsPerWarp;  // first row of this warp inside the tile
 
   const u16* const q_g = q + batch * q_sb + head * q_sh;       // [Nq, d] of this (b, h)
@@ -322,13 +377,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_acc[mt][db][e] = 0.f;
   // Softmax state per (m-tile, row half): half 0 = row g, half 1 = row g + 8.
-  float row_shift[kMTiles][2];  // running row max * scale_log2 (log2 units); -inf: no key seen yet
+  float row_shift[kMTiles][2];  // running row max * scale_log2 (log2 units); kNoKeyShift: no key yet
   float row_sum[kMTiles][2];    // this thread's partial sum of p (its 2 columns per n8 block)
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      row_shift[mt][h] = neg_inf();
+      row_shift[mt][h] = kNoKeyShift;
       row_sum[mt][h] = 0.f;
     }
 
@@ -343,10 +398,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       if (pf < n_end) {
         const int pn = n_end - 1 - pf;
         const int ps = pf % kStages;
+        const CtaId c = cta_id<kCausal>();
+        const int kvh = static_cast<int>((static_cast<uint64_t>(c.head) * kv_group_magic) >> 32);
+        const u16* const k_b = k + c.batch * k_sb + kvh * k_sh;  // [Nk, d] of this kv head
+        const u16* const v_b = v + c.batch * v_sb + kvh * v_sh;
         // pn <= n_end - 2 < n_total - 1: a full block, no bounds checks.
-        load_block<kHeadDim, kBlockN, kThreads>(sK + ps * kBlockN * kHeadDim, k_g + pn * kBlockN * k_sr,
+        load_block<kHeadDim, kBlockN, kThreads>(sK + ps * kBlockN * kHeadDim, k_b + pn * kBlockN * k_sr,
                                                 static_cast<int>(k_sr), tid);
-        load_block<kHeadDim, kBlockN, kThreads>(sV + ps * kBlockN * kHeadDim, v_g + pn * kBlockN * v_sr,
+        load_block<kHeadDim, kBlockN, kThreads>(sV + ps * kBlockN * kHeadDim, v_b + pn * kBlockN * v_sr,
                                                 static_cast<int>(v_sr), tid);
       }
       cp_async_commit();
@@ -404,7 +463,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int row = row0 + wrow0 + mt * 16 + g + 8 * h;
+          const int row = cta_id<kCausal>().m_block * kBlockM + wrow0 + mt * 16 + g + 8 * h;
           // last visible key of this row (may be < 0: the row sees nothing)
           const int limit = kCausal ? min(seqlen_k - 1, row + diag) : seqlen_k - 1;
 #pragma unroll
@@ -417,8 +476,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 
     // Online softmax. Block max per row (the quad of 4 lanes that shares a row reduces it), in
     // log2 units. The max only moves when some row of the warp would otherwise see
-    // p > 2^kRescaleThreshold: blk - shift is +inf for a row's first visible key (shift = -inf),
-    // and NaN (false) while a row has seen nothing (-inf - -inf).
+    // p > 2^kRescaleThreshold: blk - shift is ~2^100 for a row's first visible key (shift =
+    // kNoKeyShift), and -inf (false) while a row sees nothing (blk = -inf).
     float blk_max[kMTiles][2];
     bool grow = false;
 #pragma unroll
@@ -437,8 +496,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float shift_new = fmaxf(row_shift[mt][h], blk_max[mt][h]);
-          // O and l are still 0 for a row that has seen nothing: alpha = 0 there (never NaN).
-          const float alpha = shift_new == neg_inf() ? 0.f : fast_exp2(row_shift[mt][h] - shift_new);
+          // First visible key: 2^(-2^100 - shift_new) = 0 (O and l are still 0). Still nothing
+          // seen: shift_new = kNoKeyShift, alpha = 1 (and O, l = 0). Never NaN.
+          const float alpha = fast_exp2(row_shift[mt][h] - shift_new);
           row_shift[mt][h] = shift_new;
           row_sum[mt][h] *= alpha;
 #pragma unroll
@@ -448,36 +508,29 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
           }
         }
     }
-    // p = 2^(s * scale_log2 - shift): one FFMA + one MUFU.EX2 per score; s = -inf gives 0. A row
-    // that has seen nothing uses shift 0, so its (all -inf) scores give 0, not NaN.
-    float shift_use[kMTiles][2];
+    // p = 2^(s * scale_log2 - shift): one FFMA + one MUFU.EX2 per score; s = -inf gives 0 (the
+    // shift is always finite, see kNoKeyShift). Each n8 pair of p is packed to 16 bits as soon as
+    // it exists, so the fp32 S registers die one n8 block at a time and P (half their count) is
+    // what stays live into O += P V. The S accumulator of key blocks 2kk, 2kk+1 is exactly the A
+    // fragment of k-step kk (a0 = row g keys 2t.., a1 = row g+8, a2/a3 = same rows, keys 8 + 2t..).
+    u32 p_frag[kMTiles][kPSteps][4];
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) shift_use[mt][h] = row_shift[mt][h] == neg_inf() ? 0.f : row_shift[mt][h];
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int nb = 0; nb < kNBlocks; ++nb)
+      for (int nb = 0; nb < kNBlocks; ++nb) {
+        float p[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float p = fast_exp2(fmaf(s_acc[mt][nb][e], scale_log2, -shift_use[mt][e >> 1]));
-          s_acc[mt][nb][e] = p;
-          row_sum[mt][e >> 1] += p;
+          p[e] = fast_exp2(fmaf(s_acc[mt][nb][e], scale_log2, -row_shift[mt][e >> 1]));
+          row_sum[mt][e >> 1] += p[e];
         }
+        p_frag[mt][nb >> 1][2 * (nb & 1)] = pack2<kIsBF16>(p[0], p[1]);
+        p_frag[mt][nb >> 1][2 * (nb & 1) + 1] = pack2<kIsBF16>(p[2], p[3]);
+      }
 
-    // O += P V. The S accumulator of key blocks 2kk, 2kk+1 is exactly the A fragment of k-step kk
-    // (a0 = row g keys 2t.., a1 = row g+8, a2/a3 = same rows, keys 8 + 2t..): repack in registers.
+    // O += P V.
 #pragma unroll
     for (int kk = 0; kk < kPSteps; ++kk) {
-      u32 pa[kMTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        pa[mt][0] = pack2<kIsBF16>(s_acc[mt][2 * kk][0], s_acc[mt][2 * kk][1]);
-        pa[mt][1] = pack2<kIsBF16>(s_acc[mt][2 * kk][2], s_acc[mt][2 * kk][3]);
-        pa[mt][2] = pack2<kIsBF16>(s_acc[mt][2 * kk + 1][0], s_acc[mt][2 * kk + 1][1]);
-        pa[mt][3] = pack2<kIsBF16>(s_acc[mt][2 * kk + 1][2], s_acc[mt][2 * kk + 1][3]);
-      }
 #pragma unroll
       for (int dp = 0; dp < kDBlocks / 2; ++dp) {
         u32 bv[4];
@@ -486,8 +539,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         const u32 b1[2] = {bv[2], bv[3]};
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
-          mma_16816<kIsBF16>(o_acc[mt][2 * dp], pa[mt], b0);
-          mma_16816<kIsBF16>(o_acc[mt][2 * dp + 1], pa[mt], b1);
+          mma_16816<kIsBF16>(o_acc[mt][2 * dp], p_frag[mt][kk], b0);
+          mma_16816<kIsBF16>(o_acc[mt][2 * dp + 1], p_frag[mt][kk], b1);
         }
       }
     }
@@ -501,6 +554,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     const int tid_e = opaque(tid);  // see the main loop: nothing thread-specific lives across it
     const int lane_e = tid_e & 31, g_e = lane_e >> 2, t_e = lane_e & 3;
     const int wrow0 = (tid_e >> 5) * kRowsPerWarp;
+    const CtaId cta_e = cta_id<kCausal>();
+    const int row0 = cta_e.m_block * kBlockM;
+    u16* const o_g = o + cta_e.batch * o_sb + cta_e.head * o_sh;                                // [Nq, d]
+    float* const lse_g = lse + (static_cast<int64_t>(cta_e.batch) * heads + cta_e.head) * seqlen_q;  // [Nq]
     __syncwarp();
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)

@@ -78,12 +78,14 @@ DEFAULTS: dict[tuple[int, bool], FwdConfig] = {
 }
 
 # Extra candidates timed by the tuning benchmark (bf16 only, to keep CI compile time moderate;
-# the winner goes into DEFAULTS and is then built for fp16 too). d=128: BLOCK_N=48 keeps the
-# FA2-like 32 rows/warp with fewer barriers per key (251-255 registers: at the edge); 3 stages
-# hide more load latency (80 KB, still 2 CTAs/SM); the 8-warp configs hold Q in registers at
-# 16 rows/warp; 64x64 4-warp is the small-tile point.
+# the winner goes into DEFAULTS and is then built for fp16 too). d=128: 128x64/w4/s2 is FA2's
+# H100 tile (32 rows/warp, 64 keys/block: half the barriers, cp.async waits and row reductions per
+# key of 128x32; 255 registers, 0 spills, 96 KB -> 2 CTAs/SM); BLOCK_N=48 is the step between;
+# 3 stages hide more load latency (80 KB, still 2 CTAs/SM); the 8-warp configs hold Q in
+# registers at 16 rows/warp. (64x64/w4/s2 was dropped: slowest everywhere on the H200, 292-294
+# TFLOP/s non-causal; see docs/attention_fwd.md, Tuning log.)
 _EXTRA_D128 = (
-    C(128, 48, 4, 2), C(128, 32, 4, 3), C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 128, 8, 2), C(64, 64, 4, 2),
+    C(128, 64, 4, 2), C(128, 48, 4, 2), C(128, 32, 4, 3), C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 128, 8, 2),
 )
 _EXTRA_D64 = (C(128, 32, 4, 2), C(128, 64, 4, 3), C(128, 128, 8, 2), C(64, 64, 4, 2))
 EXTRA_BF16: dict[tuple[int, bool], tuple[FwdConfig, ...]] = {
@@ -92,6 +94,12 @@ EXTRA_BF16: dict[tuple[int, bool], tuple[FwdConfig, ...]] = {
     (64, False): _EXTRA_D64,
     (64, True): _EXTRA_D64,
 }
+
+
+def kv_group_magic(kv_group: int) -> int:
+    """ceil(2^32 / kv_group): the kernel computes h // kv_group as (h * magic) >> 32 (exact for
+    h, kv_group < 2^16, which MAX_GRID_YZ guarantees) so that kv_head stays in uniform registers."""
+    return ((1 << 32) + kv_group - 1) // kv_group
 
 
 def _dtype_is_bf16(dtype) -> bool:
@@ -201,7 +209,7 @@ def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float, config: Fwd
         i64(ks[0]), i64(ks[1]), i64(ks[2]),
         i64(vs[0]), i64(vs[1]), i64(vs[2]),
         i64(os_[0]), i64(os_[1]), i64(os_[2]),
-        np.int32(heads), np.int32(heads // kv_heads), np.int32(seqlen_q), np.int32(seqlen_k),
+        np.int32(heads), np.uint64(kv_group_magic(heads // kv_heads)), np.int32(seqlen_q), np.int32(seqlen_k),
         np.float32(scale * LOG2E),
     )
     from ..runtime import launch
