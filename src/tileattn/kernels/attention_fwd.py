@@ -71,8 +71,11 @@ DEFAULTS: dict[tuple[int, bool], FwdConfig] = {
     (64, True): C(128, 64, 4, 2),
     (96, False): C(128, 64, 8, 2),   # 16 rows/warp, Q in registers (32 rows x d=96 spills)
     (96, True): C(128, 64, 8, 2),
-    (128, False): C(128, 32, 4, 2),  # 32 rows/warp: O 128 + S 32; 64 KB -> 2 CTAs (8 warps)/SM
-    (128, True): C(128, 32, 4, 2),
+    # 32 rows/warp: O 128 + S 64 regs, 255 in all with 0 spills; 96 KB -> 2 CTAs (8 warps)/SM.
+    # Chosen by measurement (bench attention --tune, H200, 2026-11-29, N=2048/16384 bf16):
+    # 352/367 TFLOP/s non-causal and 287/354 causal, against 340/356 and 272/348 for 128x32/w4/s2.
+    (128, False): C(128, 64, 4, 2),
+    (128, True): C(128, 64, 4, 2),
     (256, False): C(64, 32, 4, 2),   # 16 rows/warp (O alone is 128 regs); 96 KB -> 2 CTAs/SM
     (256, True): C(64, 32, 4, 2),
 }
@@ -85,7 +88,7 @@ DEFAULTS: dict[tuple[int, bool], FwdConfig] = {
 # registers at 16 rows/warp. (64x64/w4/s2 was dropped: slowest everywhere on the H200, 292-294
 # TFLOP/s non-causal; see docs/attention_fwd.md, Tuning log.)
 _EXTRA_D128 = (
-    C(128, 64, 4, 2), C(128, 48, 4, 2), C(128, 32, 4, 3), C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 128, 8, 2),
+    C(128, 32, 4, 2), C(128, 48, 4, 2), C(128, 32, 4, 3), C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 128, 8, 2),
 )
 _EXTRA_D64 = (C(128, 32, 4, 2), C(128, 64, 4, 3), C(128, 128, 8, 2), C(64, 64, 4, 2))
 EXTRA_BF16: dict[tuple[int, bool], tuple[FwdConfig, ...]] = {
