@@ -36,6 +36,7 @@ import torch
 
 from tileattn import kernels
 from tileattn.kernels import gemm as reg
+from tileattn.bench.report import fmt_number
 from tileattn.runtime import LoadedKernel, launch, require_gpu
 
 FULL_SIZES = ((4096, 4096, 4096), (8192, 8192, 8192), (4096, 1024, 8192), (1000, 1001, 999), (4097, 4097, 4097))
@@ -514,9 +515,7 @@ def print_table(records: list[dict]) -> None:
             return f"{100 * v:.0f}%"
         if k == "rel_err":
             return f"{v:.1e}"
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-        return str(v)
+        return fmt_number(v)
 
     by_size: dict[str, list[dict]] = {}
     for r in records:

@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 
 from tileattn.bench import read_run
-from tileattn.bench.report import environment_line, markdown_table, plot
+from tileattn.bench.report import environment_line, fmt_number, markdown_table, plot
 
 
 def _fmt(v, kind=""):
@@ -25,9 +25,7 @@ def _fmt(v, kind=""):
         return f"{v:.0f}%"
     if kind == "err":
         return f"{v:.1e}"
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-    return str(v)
+    return fmt_number(v)
 
 
 def _env(env: dict) -> str:

@@ -26,15 +26,7 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 from tileattn.bench.records import read_run  # noqa: E402
-from tileattn.bench.report import environment_line, markdown_table  # noqa: E402
-
-
-def _f(v, digits=3):
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.{digits}g}" if abs(v) < 1000 else f"{v:.0f}"
-    return str(v)
+from tileattn.bench.report import environment_line, fmt_number, markdown_table  # noqa: E402
 
 
 def _env(env: dict) -> str:
@@ -45,7 +37,7 @@ def _env(env: dict) -> str:
 
 def _table(header: list[str], rows: list[list]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(_f(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
+    out += ["| " + " | ".join(fmt_number(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
     return "\n".join(out)
 
 
@@ -157,7 +149,7 @@ def reduction_section(env: dict, records: list[dict], img: Path) -> str:
         series = {op: [next((r["tbps"] for r in bw if r["impl"] == g and r["op"] == op), None) for g in groups] for op in ("sum", "max")}
         peers = {op: next((r["tbps"] for r in bw if r["op"] == op and r["impl"].startswith("torch")), None) for op in ("sum", "max")}
         p = _bar_plot(groups, series, img / "reduction_bandwidth.png", "TB/s",
-                      f"reduction, n={n} (torch.sum {_f(peers['sum'])}, torch.amax {_f(peers['max'])} TB/s)")
+                      f"reduction, n={n} (torch.sum {fmt_number(peers['sum'])}, torch.amax {fmt_number(peers['max'])} TB/s)")
         out += [f"![reduction bandwidth]({p.relative_to(img.parent)})", ""]
     sweep = [r for r in records if r.get("kind") == "sweep"]
     if sweep:
@@ -200,7 +192,7 @@ def transpose_section(env: dict, records: list[dict], img: Path) -> str:
 
         def mp(r, key, digits=3):
             p = (r.get("predicted") or {}).get(key)
-            return f"{_f(r.get(key), digits)} / {_f(p, digits)}"
+            return f"{fmt_number(r.get(key), digits)} / {fmt_number(p, digits)}"
 
         out += [f"### Nsight Compute, {shape}, one launch each (`ncu --clock-control none`): measured / predicted", "",
                 _table(["dtype", "version", "ld sectors/req", "st sectors/req", "bank conflicts ld", "bank conflicts st",
@@ -208,7 +200,7 @@ def transpose_section(env: dict, records: list[dict], img: Path) -> str:
                        [[r.get("dtype") or "-", r["impl"], mp(r, "ld_sectors_per_request"), mp(r, "st_sectors_per_request"),
                          mp(r, "bank_conflicts_ld", 6), mp(r, "bank_conflicts_st", 6), mp(r, "shared_ld_wavefronts_per_inst"),
                          mp(r, "shared_st_wavefronts_per_inst"), mp(r, "dram_bytes", 4),
-                         _f((r.get("duration_ns") or 0) / 1e3) if r.get("duration_ns") else "-"] for r in ncu]), ""]
+                         fmt_number((r.get("duration_ns") or 0) / 1e3) if r.get("duration_ns") else "-"] for r in ncu]), ""]
     if ncu:
         raw = lambda r, k: (r.get("raw") or {}).get(k)  # noqa: E731
         pre = "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_"
@@ -220,8 +212,8 @@ def transpose_section(env: dict, records: list[dict], img: Path) -> str:
                          raw(r, "smsp__sass_inst_executed_op_shared_st.sum"), raw(r, pre + "st.sum"),
                          raw(r, "dram__bytes_read.sum"), raw(r, "dram__bytes_write.sum"),
                          (r.get("predicted") or {}).get("dram_bytes", 0) // 2 or "-",
-                         _f((r.get("duration_ns") or 0) / 1e3) if r.get("duration_ns") else "-",
-                         next((_f(1e3 * b["median_ms"]) for b in bw if b["shape"] == f"{r['rows']}x{r['cols']}"
+                         fmt_number((r.get("duration_ns") or 0) / 1e3) if r.get("duration_ns") else "-",
+                         next((fmt_number(1e3 * b["median_ms"]) for b in bw if b["shape"] == f"{r['rows']}x{r['cols']}"
                                and b["dtype"] == r.get("dtype") and b["impl"] == r["impl"]), "-")] for r in ncu]), ""]
     ncu_env = env.get("ncu")
     if ncu_env and ncu_env.get("error"):

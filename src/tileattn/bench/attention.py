@@ -160,7 +160,6 @@ def tune(dtype, head_dim: int, seq_lens, reps: int, backward: bool = True) -> li
                 records.append({"suite": "tune", "pass": "bwd", "config": str(cfg), "n": n, "causal": causal,
                                 "tflops": flops(b, h, n, n, head_dim, causal, True) / (t.median_ms * 1e-3) / 1e12,
                                 **t.as_dict()})
-            del q, k, v, out, lse, dout, dq, dk, dv
             torch.cuda.empty_cache()
     return records
 

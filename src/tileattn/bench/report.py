@@ -11,11 +11,12 @@ from pathlib import Path
 from .records import read_run
 
 
-def _fmt(v) -> str:
+def fmt_number(v, digits: int = 3) -> str:
+    """A table cell: "-" for None, `digits` significant digits below 1000, whole numbers above."""
     if v is None:
         return "-"
     if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return f"{v:.{digits}g}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v)
 
 
@@ -45,7 +46,7 @@ def markdown_table(records: list[dict], rows: list[str], col: str, value: str, w
     lines = ["| " + " | ".join(row_keys + [str(c) for c in cols]) + " |",
              "|" + "---|" * (len(row_keys) + len(cols))]
     for key, cells in table.items():
-        lines.append("| " + " | ".join([_fmt(k) for k in key] + [_fmt(cells.get(c)) for c in cols]) + " |")
+        lines.append("| " + " | ".join([fmt_number(k) for k in key] + [fmt_number(cells.get(c)) for c in cols]) + " |")
     return "\n".join(lines)
 
 
