@@ -90,7 +90,9 @@ def main(argv=None) -> int:
     rows.append(("tileattn info", "ok" if rc == 0 else f"rc={rc}", sec))
 
     # The resource audit again with this machine's NVRTC (CI audits with the PyPI NVRTC): a kernel
-    # at the 255-register edge can spill under one compiler version and not another.
+    # at the 255-register edge can spill under one compiler version and not another. Reported in
+    # the table, not counted as a failure: the zero-spill rule is enforced by CI's `tileattn check`;
+    # a difference here is a finding to record, not a wrong result.
     rc, sec = run([py, "-m", "tileattn.cli", "check", "--arch", "sm_90a"], out / "check-device-nvrtc.log", 900)
     tail = (out / "check-device-nvrtc.log").read_text(errors="replace").strip().splitlines()[-1]
     rows.append(("tileattn check (device NVRTC)", tail if rc == 0 else f"rc={rc}: {tail}", sec))
