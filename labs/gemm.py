@@ -122,6 +122,15 @@ def sgemm(a: torch.Tensor, b: torch.Tensor, rung: int | str = 7, out: torch.Tens
     return _fp32_call(a, b, rung, out, prefetch=prefetch)()
 
 
+def _output(out, M: int, N: int, like: torch.Tensor, dtype) -> torch.Tensor:
+    """`out` checked as a contiguous [M, N] `dtype` tensor, or a new one on `like`'s device."""
+    out = torch.empty(M, N, device=like.device, dtype=dtype) if out is None else out
+    _check_2d("out", out, (dtype,))
+    if tuple(out.shape) != (M, N):
+        raise ValueError(f"out must be {(M, N)}, got {tuple(out.shape)}")
+    return out
+
+
 def _fp32_call(a, b, rung, out=None, *, prefetch=True, expr=None):
     _check_2d("a", a, (torch.float32,))
     _check_2d("b", b, (torch.float32,))
@@ -129,10 +138,7 @@ def _fp32_call(a, b, rung, out=None, *, prefetch=True, expr=None):
     if K != K2:
         raise ValueError(f"inner dimensions differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
     _check_sizes(M, N, K)
-    out = torch.empty(M, N, device=a.device, dtype=torch.float32) if out is None else out
-    _check_2d("out", out, (torch.float32,))
-    if tuple(out.shape) != (M, N):
-        raise ValueError(f"out must be {(M, N)}, got {tuple(out.shape)}")
+    out = _output(out, M, N, a, torch.float32)
     require_gpu()
     expr = expr or fp32_expr(rung, vec_ok(a, b, out, N=N, K=K), prefetch)
     kernel = kernels.load("gemm_fp32", expr)
@@ -176,10 +182,7 @@ def _tc_call(a, bt, rung, out=None, *, stages=reg.DEFAULT_STAGES, bn=256, wgmma_
     if K != K2:
         raise ValueError(f"a is [M, K] and bt is [N, K]: got a {tuple(a.shape)}, bt {tuple(bt.shape)}")
     _check_sizes(M, N, K)
-    out = torch.empty(M, N, device=a.device, dtype=a.dtype) if out is None else out
-    _check_2d("out", out, (a.dtype,))
-    if tuple(out.shape) != (M, N):
-        raise ValueError(f"out must be {(M, N)}, got {tuple(out.shape)}")
+    out = _output(out, M, N, a, a.dtype)
     if out.data_ptr() % 4:
         raise ValueError(f"out must be 4-byte aligned (the epilogue stores column pairs), got {out.data_ptr():#x}")
     require_gpu()
