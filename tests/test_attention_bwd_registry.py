@@ -74,9 +74,9 @@ def test_config_validation():
 
 
 def test_workspace_bytes():
-    # lse2 + delta padded to 128 rows, plus the fp32 dQ accumulator in atomic mode.
+    # lse2 + delta padded to 128 rows, plus the fp32 dQ accumulator (also padded) in atomic mode.
     assert ab.workspace_bytes(2, 4, 100, 64, True) == 2 * 2 * 4 * 128 * 4
-    assert ab.workspace_bytes(2, 4, 100, 64, False) == 2 * 2 * 4 * 128 * 4 + 2 * 4 * 100 * 64 * 4
+    assert ab.workspace_bytes(2, 4, 100, 64, False) == 2 * 2 * 4 * 128 * 4 + 2 * 4 * 128 * 64 * 4
 
 
 # ---- argument checks (before any GPU work) --------------------------------------------------------

@@ -121,8 +121,19 @@ def correctness_check(dtype) -> list[str]:
     return lines
 
 
-def tune(dtype, head_dim: int, seq_lens, reps: int, backward: bool = True) -> list[dict]:
-    """Time every registered candidate tile config of the forward (and backward) kernels."""
+def _backward_error(cfg, small, out, lse, dout, causal: bool, scale: float, grads_ref) -> float:
+    """Largest relative error of one backward config's dq, dk, dv against float64 autograd."""
+    from tileattn.kernels import attention_bwd
+
+    grads = [torch.full_like(t, float("nan")) for t in small]
+    attention_bwd.launch_backward(*small, out, lse, dout, *grads, causal=causal, scale=scale, deterministic=False,
+                                  config=cfg)
+    return max(float((g.double() - r).norm() / r.norm()) for g, r in zip(grads, grads_ref))
+
+
+def tune(dtype, head_dim: int, seq_lens, reps: int, forward: bool = True, backward: bool = True) -> list[dict]:
+    """Time every registered candidate tile config of the forward and/or backward kernels, each
+    validated first on a small irregular slice (relative error against float64, in the record)."""
     from tileattn import reference
     from tileattn.kernels import attention_fwd
 
@@ -138,7 +149,7 @@ def tune(dtype, head_dim: int, seq_lens, reps: int, backward: bool = True) -> li
             scale = 1.0 / math.sqrt(head_dim)
             small = [t[:1, :2, :257] for t in (q, k, v)]
             ref, _ = reference.attention(*small, causal=causal, compute_dtype=torch.float64)
-            for cfg in attention_fwd.tuning_candidates(head_dim, causal, dtype):
+            for cfg in attention_fwd.tuning_candidates(head_dim, causal, dtype) if forward else ():
                 o_small = torch.full_like(small[0], float("nan"))
                 l_small = torch.empty(1, 2, 257, device="cuda", dtype=torch.float32)
                 attention_fwd.launch_forward(*small, o_small, l_small, causal=causal, scale=scale, config=cfg)
@@ -153,12 +164,21 @@ def tune(dtype, head_dim: int, seq_lens, reps: int, backward: bool = True) -> li
                 continue
             from tileattn.kernels import attention_bwd
 
+            # Reference gradients of the small slice: float64 autograd through tileattn.reference.
+            small64 = [t.detach().double().requires_grad_() for t in small]
+            dout_small = dout[:1, :2, :257]
+            ref64, _ = reference.attention(*small64, causal=causal, compute_dtype=torch.float64)
+            grads_ref = torch.autograd.grad(ref64, small64, dout_small.double())
+            o_small = torch.empty_like(small[0])
+            l_small = torch.empty(1, 2, 257, device="cuda", dtype=torch.float32)
+            attention_fwd.launch_forward(*small, o_small, l_small, causal=causal, scale=scale)
             for cfg in attention_bwd.tuning_candidates(head_dim, causal, dtype):
+                err = _backward_error(cfg, small, o_small, l_small, dout_small, causal, scale, grads_ref)
                 t = measure(lambda: attention_bwd.launch_backward(q, k, v, out, lse, dout, dq, dk, dv, causal=causal,
                                                                   scale=scale, deterministic=False, config=cfg),
                             reps=reps, memory=False)
                 records.append({"suite": "tune", "pass": "bwd", "config": str(cfg), "n": n, "causal": causal,
-                                "tflops": flops(b, h, n, n, head_dim, causal, True) / (t.median_ms * 1e-3) / 1e12,
+                                "rel_err": err, "tflops": flops(b, h, n, n, head_dim, causal, True) / (t.median_ms * 1e-3) / 1e12,
                                 **t.as_dict()})
             torch.cuda.empty_cache()
     return records
@@ -178,6 +198,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, action="append", help="sequence length (repeatable)")
     ap.add_argument("--quick", action="store_true", help=f"N in {QUICK_SEQ_LENS}")
     ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument("--backward-only", action="store_true", help="with --tune: only the backward configs")
     ap.add_argument("--impl", action="append", help="only these implementations (repeatable)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", help="write records here")
@@ -194,13 +215,16 @@ def main(argv=None) -> int:
         print(line)
     seq_lens = tuple(args.seq or (QUICK_SEQ_LENS if args.quick or args.demo else SEQ_LENS))
     if args.tune:
-        records = tune(dtype, args.head_dim, seq_lens, args.reps, backward=not args.forward_only)
+        if args.forward_only and args.backward_only:
+            raise SystemExit("--forward-only and --backward-only exclude each other")
+        records = tune(dtype, args.head_dim, seq_lens, args.reps, forward=not args.backward_only,
+                       backward=not args.forward_only)
         if args.json:
             write_run(args.json, records, env)
         for r in records:
             if r.get("rel_err", 0.0) > 2e-2:
                 print(f"WARNING: config {r['config']} causal={r['causal']} n={r['n']}: rel. error {r['rel_err']:.2e}")
-        for p in ("fwd",) if args.forward_only else ("fwd", "bwd"):
+        for p in ("fwd",) if args.forward_only else ("bwd",) if args.backward_only else ("fwd", "bwd"):
             for causal in (False, True):
                 print(f"\n{p} causal={causal}: TFLOP/s by config")
                 print(markdown_table(records, ["config"], "n", "tflops", where={"pass": p, "causal": causal}))

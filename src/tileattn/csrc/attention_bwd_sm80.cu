@@ -7,8 +7,11 @@
 //   lse                [B, H, Nq]          fp32, natural log, -inf for fully masked rows
 //   workspace lse2     [B, H, NqPad]       fp32: lse * log2(e); +inf for fully masked / padded rows
 //   workspace delta    [B, H, NqPad]       fp32: D_i = sum_c dO[i,c] * O[i,c]; 0 for padded rows
-//   dq_accum           [B, H, Nq, d]       fp32, contiguous (atomic mode only)
-//   NqPad = Nq rounded up to 128, so every query block reads lse2/delta without a bounds check.
+//   dq_accum           [B, H, NqPad/16, d/8, 32, 4]  fp32 (atomic mode only): 16 x 8 tiles in mma
+//                      C-fragment order. Element (i, c) of a head sits in tile (i/16, c/8) at lane
+//                      4*(i%8) + (c%8)/2, slot 2*((i%16)/8) + c%2: a thread's c0..c3 are contiguous.
+//   NqPad = Nq rounded up to 128, so every query block reads lse2/delta and adds into dq_accum
+//   without a bounds check.
 // Causal masking is aligned bottom-right: query i sees key j iff j <= i + Nk - Nq.
 //
 // Math (S = scale * Q K^T, P = softmax(S), O = P V; dO given):
@@ -30,7 +33,14 @@
 //
 // Shared-memory tiles are row-major with 16-byte chunks XOR-swizzled (SwizzledTile below), so
 // every ldmatrix phase (8 rows x 16 bytes), every cp.async row write and every 32-bit fragment
-// store touches 8 distinct 16-byte bank groups: conflict-free without padding.
+// store touches 8 distinct 16-byte bank groups: conflict-free without padding (d = 96 rows are
+// stored with a 128-element pitch, see SwizzledTile).
+//
+// Address arithmetic is budgeted like the math: every ldmatrix costs one LOP3 (an XOR with a
+// compile-time constant on a per-lane base address, LdsmLane below) and immediate offsets. The
+// first version rebuilt each address from (row, chunk) with 4-5 integer instructions and executed
+// 1.69x FlashAttention-2's instruction count for the same 320 HMMA per warp and query block
+// (ncu on the H200, docs/attention_bwd.md).
 #include "common/sm80.cuh"
 
 namespace tileattn {
@@ -42,58 +52,75 @@ __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 // ---- swizzled shared-memory tiles -------------------------------------------------------------
-// A tile of kCols 16-bit elements per row (kCols in {32, 64, 96, 128, 256}); a row is
-// kChunks = kCols / 8 chunks of 16 bytes. The 32 banks are 8 groups of 16 bytes, and ldmatrix reads
-// 8 rows at the same logical chunk per phase, so the physical chunk must differ in its bank group
-// across any 8 consecutive rows (our tiles always start those 8-row groups at a multiple of 8):
-//   * kChunks % 8 == 0 (rows of 128*n bytes): bank group = phys % 8, so phys = c ^ (r % 8).
-//   * kChunks == 4 (64-byte rows): two rows share one 128-byte line; group = 4*(r%2) + phys, so
-//     phys = c ^ ((r/2) % 4) makes (r%2, (r/2)%4) -> group a bijection over 8 rows.
-//   * kChunks == 12 (d = 96, 192-byte rows): group = (4*r + phys) % 8. The first 8 chunks use
-//     c ^ (r % 8): group = c ^ (r%8) ^ (4*(r%2)), and r -> (r%8) ^ 4(r%2) is a bijection on 0..7.
-//     The 4 tail chunks use the 64-byte rule, (c - 8) ^ ((r/2)%4): group = 4(r%2) + that.
+// A tile of kCols 16-bit elements per row (kCols in {32, 64, 96, 128, 256}). Rows are stored with
+// a pitch of kPitchChunks = the power of two >= kCols / 8 chunks of 16 bytes (d = 96 uses a
+// 128-element pitch: 33% more shared memory for that head dim, and one swizzle rule for all).
+// The 32 banks are 8 groups of 16 bytes, and ldmatrix reads 8 rows at the same logical chunk per
+// phase (our 8-row groups always start at a multiple of 8), so the physical chunk's bank group
+// must differ across any 8 consecutive rows:
+//   * kPitchChunks >= 8 (rows of 128*n bytes): bank group = phys % 8, so phys = c ^ (r % 8).
+//   * kPitchChunks == 4 (64-byte rows, kCols = 32): two rows share one 128-byte line; group =
+//     4*(r%2) + phys, so phys = c ^ ((r/2) % 4) makes (r%2, (r/2)%4) -> group a bijection.
 // A warp's 32-bit stores of mma accumulator pairs (rows g and g+8, word t of one chunk) and the
 // cp.async fills (8 consecutive chunks of one 128-byte line per 8 threads) are conflict-free by the
 // same argument.
+// Two identities make the addressing cheap (kRowBytes is a power of two and tiles start at
+// multiples of kRowBytes):
+//   offset(r + R, c) = offset(r, c) + R * kRowBytes                 for R % 8 == 0
+//   offset(r, c ^ C) = offset(r, c) ^ (16 * C)                      for C < kPitchChunks
+// so a lane computes the offset of its own (row, chunk) once, and every 16 x 16 block of a warp
+// tile is that base XOR a constant plus an immediate.
 template <int kCols>
 struct SwizzledTile {
-  static_assert(kCols % 32 == 0 && kCols >= 32, "tile width must be a multiple of 32 elements");
-  static constexpr int kChunks = kCols / 8;
-  static constexpr int kRowBytes = kCols * 2;
-  static_assert(kChunks % 8 == 0 || kChunks % 8 == 4, "");
-  // Byte offset of 16-byte chunk c of row r.
-  __device__ __forceinline__ static int chunk(int r, int c) {
-    int phys;
-    if constexpr (kChunks % 8 == 0) {
-      phys = c ^ (r & 7);
-    } else {
-      phys = (c < (kChunks & ~7)) ? (c ^ (r & 7)) : (c ^ ((r >> 1) & 3));
-    }
-    return r * kRowBytes + phys * 16;
+  static_assert(kCols % 32 == 0 && kCols >= 32 && kCols <= 256, "tile width must be 32..256, a multiple of 32");
+  static constexpr int kChunks = kCols / 8;  // chunks holding data
+  static constexpr int kPitchChunks = kChunks <= 4 ? 4 : kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
+  static constexpr int kRowBytes = kPitchChunks * 16;
+  __device__ __forceinline__ static int row_swizzle(int r) {
+    return kPitchChunks >= 8 ? (r & 7) : ((r >> 1) & 3);
   }
+  // Byte offset of 16-byte chunk c of row r.
+  __device__ __forceinline__ static int chunk(int r, int c) { return r * kRowBytes + ((c ^ row_swizzle(r)) << 4); }
   // Byte offset of element (r, col).
   __device__ __forceinline__ static int elem(int r, int col) { return chunk(r, col >> 3) + (col & 7) * 2; }
+  __host__ __device__ static constexpr int bytes(int rows) { return rows * kRowBytes; }
 };
 
 // ---- global -> shared tile loads --------------------------------------------------------------
 // kRows x kCols tile from rows [0, valid_rows) of a row-strided global matrix; rows at or past
 // valid_rows are zero-filled (cp.async with source size 0), so edge tiles compute on zeros.
 // valid_rows >= 1 always (blocks start inside the matrix), so the clamped source row 0 is valid.
+// Thread tid copies chunk c = tid % kChunks of rows tid / kChunks + i * kRowStep: its shared offset
+// and global pointer advance by constants per step (no per-chunk multiply).
 template <int kRows, int kCols, int kThreads>
-__device__ __forceinline__ void load_tile_async(char* smem_tile, const u16* gmem, int64_t row_stride, int valid_rows,
+__device__ __forceinline__ void load_tile_async(u32 smem_tile, const u16* gmem, int64_t row_stride, int valid_rows,
                                                 int tid) {
   using T = SwizzledTile<kCols>;
   constexpr int kTotal = kRows * T::kChunks;
-  constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
+  if constexpr (kThreads % T::kChunks == 0 && (kThreads / T::kChunks) % 8 == 0) {
+    constexpr int kRowStep = kThreads / T::kChunks;
+    const int r0 = tid / T::kChunks, c = tid % T::kChunks;
+    const u32 dst = smem_tile + T::chunk(r0, c);
+    const u16* src = gmem + static_cast<int64_t>(r0) * row_stride + c * 8;
+    const int64_t step = kRowStep * row_stride;
 #pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int idx = tid + it * kThreads;
-    if (kTotal % kThreads == 0 || idx < kTotal) {
-      const int r = idx / T::kChunks;
-      const int c = idx - r * T::kChunks;
-      const bool ok = r < valid_rows;
-      const u16* src = gmem + (ok ? static_cast<int64_t>(r) * row_stride : 0) + c * 8;
-      cp_async_16(smem_tile + T::chunk(r, c), src, ok);
+    for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
+      if (kTotal % kThreads == 0 || r0 + i * kRowStep < kRows) {
+        const bool ok = r0 + i * kRowStep < valid_rows;
+        cp_async_16(dst + i * kRowStep * T::kRowBytes, ok ? src + i * step : gmem, ok);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
+      const int idx = tid + it * kThreads;
+      if (kTotal % kThreads == 0 || idx < kTotal) {
+        const int r = idx / T::kChunks;
+        const int c = idx - r * T::kChunks;
+        const bool ok = r < valid_rows;
+        const u16* src = gmem + (ok ? static_cast<int64_t>(r) * row_stride : 0) + c * 8;
+        cp_async_16(smem_tile + T::chunk(r, c), src, ok);
+      }
     }
   }
 }
@@ -119,60 +146,89 @@ __device__ __forceinline__ void store_tile(u16* gmem, int64_t row_stride, int va
   }
 }
 
+// ---- ldmatrix addressing -----------------------------------------------------------------------
+// One ldmatrix.x4 reads a 16 x 16 block of a tile (16 rows x 2 chunks) as four 8x8 matrices; lanes
+// 8i..8i+7 give the row addresses of matrix i, which lands in register i. Two lane orders:
+//   kRowsFirst:  matrices (rows 0-7, chunk 0) (rows 8-15, chunk 0) (rows 0-7, chunk 1) (rows 8-15,
+//                chunk 1) -> lane row l % 16, chunk l / 16. This is the A fragment a0..a3 of a
+//                tile whose rows are m (no .trans), and the B fragments b0,b1 of two n8 tiles of a
+//                tile whose rows are k (with .trans).
+//   !kRowsFirst: (rows 0-7, chunk 0) (rows 0-7, chunk 1) (rows 8-15, chunk 0) (rows 8-15, chunk 1)
+//                -> lane row l % 8 + 8 * (l / 16), chunk (l / 8) % 2. This is the B fragments of
+//                two n8 tiles of a tile whose rows are n (no .trans), and the A fragment of a tile
+//                whose rows are k (with .trans).
+// at(i, j) addresses the block at rows row0 + 16 i, columns col0 + 16 j. With kXor the lane's
+// chunk (col0 / 8 + lane bit) and 2 j share no bits (col0 == 0, or col0 a multiple of 16 * the
+// power-of-two count of j), so the SwizzledTile identities give at(i, j) = (base ^ 32 j) +
+// i * 16 * kRowBytes: one LOP3 and an immediate. Otherwise (d = 96 warp tiles of 48 columns) the
+// chunk is recomputed per j.
+template <int kCols, bool kRowsFirst, bool kXor>
+struct LdsmLane {
+  using T = SwizzledTile<kCols>;
+  u32 base;  // kXor: shared address of the lane's (row, chunk); else of the lane's row start
+  int chunk0, swz;
+  __device__ __forceinline__ LdsmLane(u32 tile, int row0, int col0, int lane) {
+    const int r = row0 + (kRowsFirst ? (lane & 15) : ((lane & 7) + ((lane >> 4) << 3)));
+    const int c = (col0 >> 3) + (kRowsFirst ? (lane >> 4) : ((lane >> 3) & 1));
+    if constexpr (kXor) {
+      base = tile + T::chunk(r, c);
+    } else {
+      base = tile + r * T::kRowBytes;
+      chunk0 = c;
+      swz = T::row_swizzle(r);
+    }
+  }
+  __device__ __forceinline__ u32 at(int i, int j) const {
+    if constexpr (kXor) {
+      return (base ^ (32 * j)) + i * 16 * T::kRowBytes;
+    } else {
+      return base + i * 16 * T::kRowBytes + (((chunk0 + 2 * j) ^ swz) << 4);
+    }
+  }
+};
+
+__host__ __device__ constexpr bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
+
 // ---- warp-level GEMM from swizzled shared memory ------------------------------------------------
-// acc[MT][NT] (a (16*MT) x (8*NT) fp32 tile in mma C layout) += A (16*MT x 16*KS) * B (16*KS x 8*NT).
-//   A: kATrans == false: A(m, k) = tileA[a_m0 + m][a_k0 + k]   (rows = m, "row-major A")
-//      kATrans == true:  A(m, k) = tileA[a_k0 + k][a_m0 + m]   (tile holds A^T)
-//   B: kBTrans == false: B(k, n) = tileB[b_n0 + n][b_k0 + k]   (tile rows = n, e.g. K for Q K^T)
-//      kBTrans == true:  B(k, n) = tileB[b_k0 + k][b_n0 + n]   (tile rows = k, e.g. V for P V)
-// Fragment facts (PTX ISA, mma.m16n8k16 .f16/.bf16; g = lane/4, t = lane%4):
+// acc[MT][NT] (a (16*MT) x (8*NT) fp32 tile in mma C layout) += A (16*MT x 16*KS) * B (16*KS x 8*NT),
+// the reduction always over the tile's full extent from 0:
+//   A: kATrans == false: A(m, k) = tileA[a_m0 + m][k]   (rows = m, "row-major A")
+//      kATrans == true:  A(m, k) = tileA[k][a_m0 + m]   (tile holds A^T)
+//   B: kBTrans == false: B(k, n) = tileB[b_n0 + n][k]   (tile rows = n, e.g. K for Q K^T)
+//      kBTrans == true:  B(k, n) = tileB[k][b_n0 + n]   (tile rows = k, e.g. V for P V)
+// a_m0 / b_n0 are multiples of the warp tile (16 MT / 8 NT). Fragment facts (PTX ISA,
+// mma.m16n8k16 .f16/.bf16; g = lane/4, t = lane%4):
 //   A regs: a0 = (row g, cols 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
 //   B regs: b0 = (rows k 2t..2t+1, col g), b1 = (k 2t+8..2t+9, col g)
 //   C regs: c0,c1 = (row g, cols 2t, 2t+1), c2,c3 = (row g+8, same cols)
-// ldmatrix (x4): lanes 8i..8i+7 give the 8 row addresses of matrix i, which lands in register i;
-// without .trans a lane receives (row l/4, cols 2(l%4)..+1) of each 8x8 matrix, with .trans it
-// receives (rows 2(l%4)..+1, col l/4), i.e. the fragment of the transposed matrix.
-//   A, no trans: matrices (m0-7,k0-7) (m8-15,k0-7) (m0-7,k8-15) (m8-15,k8-15) = a0..a3
-//                -> lane row m = l%16, chunk k = l/16.
-//   A, trans:    tile rows are k: matrices (k0-7,m0-7) (k0-7,m8-15) (k8-15,m0-7) (k8-15,m8-15)
-//                -> lane row k = l%8 + 8*(l/16), chunk m = (l/8)%2; .trans gives a0..a3.
-//   B, no trans: tile rows are n: (n0-7,k0-7) (n0-7,k8-15) (n8-15,k0-7) (n8-15,k8-15)
-//                = b0,b1 of n-tile 0 and b0,b1 of n-tile 1 -> lane row n = l%8 + 8*(l/16),
-//                chunk k = (l/8)%2.
-//   B, trans:    tile rows are k: (k0-7,n0-7) (k8-15,n0-7) (k0-7,n8-15) (k8-15,n8-15) with .trans
-//                = the same four registers -> lane row k = l%16, chunk n = l/16.
-// kUnroll < KS keeps the k loop partly rolled: a fully unrolled loop lets ptxas hoist every k
-// step's fragment loads early, which is what pushed the d=128 kernels past 255 registers.
-// Each ldmatrix phase reads 8 consecutive rows (aligned to 8) at one logical chunk, so the
-// SwizzledTile rule makes all of them conflict-free.
+// kUnroll < KS keeps the k loop partly rolled (a register-pressure knob: a fully unrolled loop lets
+// ptxas load the next k step's fragments during this step's mma, which costs registers).
 template <bool kIsBF16, int MT, int NT, int KS, bool kATrans, bool kBTrans, int kACols, int kBCols, int kUnroll = KS>
-__device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const char* tile_a, int a_m0, int a_k0,
-                                         const char* tile_b, int b_n0, int b_k0, int lane) {
+__device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], u32 tile_a, int a_m0, u32 tile_b, int b_n0,
+                                         int lane) {
   static_assert(NT % 2 == 0, "B fragments are loaded two n8 tiles at a time");
-  using TA = SwizzledTile<kACols>;
-  using TB = SwizzledTile<kBCols>;
-  const int a_row = kATrans ? ((lane & 7) + ((lane >> 4) << 3)) : (lane & 15);
-  const int a_chk = kATrans ? ((lane >> 3) & 1) : (lane >> 4);
-  const int b_row = kBTrans ? (lane & 15) : ((lane & 7) + ((lane >> 4) << 3));
-  const int b_chk = kBTrans ? (lane >> 4) : ((lane >> 3) & 1);
+  // Trans operands step their columns over mt / np: XOR-addressable when that count is a power of 2.
+  const LdsmLane<kACols, !kATrans, !kATrans || is_pow2(MT)> la(tile_a, kATrans ? 0 : a_m0, kATrans ? a_m0 : 0, lane);
+  const LdsmLane<kBCols, kBTrans, !kBTrans || is_pow2(NT / 2)> lb(tile_b, kBTrans ? 0 : b_n0, kBTrans ? b_n0 : 0,
+                                                                   lane);
 #pragma unroll kUnroll
   for (int ks = 0; ks < KS; ++ks) {
     u32 a[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       if constexpr (kATrans) {
-        ldmatrix_x4_trans(a[mt], tile_a + TA::chunk(a_k0 + ks * 16 + a_row, ((a_m0 + mt * 16) >> 3) + a_chk));
+        ldmatrix_x4_trans(a[mt], la.at(ks, mt));
       } else {
-        ldmatrix_x4(a[mt], tile_a + TA::chunk(a_m0 + mt * 16 + a_row, ((a_k0 + ks * 16) >> 3) + a_chk));
+        ldmatrix_x4(a[mt], la.at(mt, ks));
       }
     }
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {
       u32 b[4];
       if constexpr (kBTrans) {
-        ldmatrix_x4_trans(b, tile_b + TB::chunk(b_k0 + ks * 16 + b_row, ((b_n0 + np * 16) >> 3) + b_chk));
+        ldmatrix_x4_trans(b, lb.at(ks, np));
       } else {
-        ldmatrix_x4(b, tile_b + TB::chunk(b_n0 + np * 16 + b_row, ((b_k0 + ks * 16) >> 3) + b_chk));
+        ldmatrix_x4(b, lb.at(np, ks));
       }
       const u32 b_lo[2] = {b[0], b[1]};
       const u32 b_hi[2] = {b[2], b[3]};
@@ -232,7 +288,7 @@ __device__ __forceinline__ unsigned dynamic_smem_bytes() {
 
 // ================================================================================================
 // 1. Preprocess: delta = rowsum(dO * O), lse2 = lse * log2(e) (+inf where lse = -inf or the row is
-//    padding), dq_accum = 0. Grid (NqPad / 64, H, B), 128 threads; kLanes lanes share one row, each
+//    padding), dq_accum = 0 (all NqPad rows). Grid (NqPad / 64, H, B), 128 threads; kLanes lanes share one row, each
 //    lane reading 16-byte chunks of O and dO (memory bound: 4 bytes read per fp32 product).
 // ================================================================================================
 template <int kD, bool kIsBF16>
@@ -257,9 +313,9 @@ __global__ void __launch_bounds__(128) attn_bwd_preprocess_kernel(
     const int row = blockIdx.x * kRowsPerBlock + pass * kRowsPerPass + warp * (32 / kLanes) + lane / kLanes;
     const bool valid = row < nq;
     float sum = 0.f;
-    if (valid) {
 #pragma unroll
-      for (int c = sub; c < kChunks; c += kLanes) {
+    for (int c = sub; c < kChunks; c += kLanes) {
+      if (valid) {
         const uint4 ov = *reinterpret_cast<const uint4*>(o_bh + row * o_sr + c * 8);
         const uint4 dv = *reinterpret_cast<const uint4*>(do_bh + row * do_sr + c * 8);
         const u32 o4[4] = {ov.x, ov.y, ov.z, ov.w};
@@ -272,11 +328,13 @@ __global__ void __launch_bounds__(128) attn_bwd_preprocess_kernel(
           sum = fmaf(o0, d0, sum);
           sum = fmaf(o1, d1, sum);
         }
-        if (dq_accum != nullptr) {
-          float4* dst = reinterpret_cast<float4*>(dq_accum + (bh * nq + row) * kD + c * 8);
-          dst[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-          dst[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
+      }
+      // dq_accum has NqPad rows: the main kernel adds (zero) contributions of padding rows too
+      // instead of bounds-checking every RED.
+      if (dq_accum != nullptr && row < nq_pad) {
+        float4* dst = reinterpret_cast<float4*>(dq_accum + (bh * nq_pad + row) * kD + c * 8);
+        dst[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+        dst[1] = make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
 #pragma unroll
@@ -295,30 +353,41 @@ __global__ void __launch_bounds__(128) attn_bwd_preprocess_kernel(
 
 // ================================================================================================
 // 3a. dq = scale * dq_accum, cast to the input dtype. Grid (ceil(Nq / 64), H, B), 128 threads.
+//     dq_accum is in fragment order: warp w reads the 16-row tile row w of the block, each lane one
+//     16-byte fragment per tile (512 contiguous bytes per warp load), and scatters its two packed
+//     pairs (rows g and g + 8) into a padded shared tile; the block then writes whole rows with
+//     16-byte stores. Row pitch 2d + 16 bytes: the 8 rows g of one scatter land 4 banks apart, so
+//     the 32 lanes (4g + t) hit 32 distinct banks.
 // ================================================================================================
 template <int kD, bool kIsBF16>
 __global__ void __launch_bounds__(128) attn_bwd_convert_dq_kernel(const float* __restrict__ dq_accum,
                                                                   u16* __restrict__ dq, int64_t dq_sb, int64_t dq_sh,
-                                                                  int64_t dq_sr, int nq, int heads, float scale) {
+                                                                  int64_t dq_sr, int nq, int heads, int nq_pad,
+                                                                  float scale) {
   constexpr int kChunks = kD / 8;
-  constexpr int kRows = 64;
+  constexpr int kRows = 64;  // 4 warps x one 16-row tile row each
+  constexpr int kPitch = kD * 2 + 16;
+  __shared__ __align__(16) char rows[kRows * kPitch];
   const int h = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int m0 = blockIdx.x * kRows;
   const int64_t bh = static_cast<int64_t>(b) * heads + h;
-  const float* src = dq_accum + (bh * nq + m0) * kD;
-  u16* dst = dq + b * dq_sb + h * dq_sh + static_cast<int64_t>(m0) * dq_sr;
+  const float* src = dq_accum + (bh * nq_pad + m0) * kD + warp * 16 * kD + lane * 4;
+#pragma unroll 4
+  for (int tile = 0; tile < kChunks; ++tile) {
+    const float4 f = *reinterpret_cast<const float4*>(src + tile * 128);
+    char* dst = rows + (warp * 16 + g) * kPitch + (tile * 8 + 2 * t) * 2;
+    *reinterpret_cast<u32*>(dst) = pack2<kIsBF16>(f.x * scale, f.y * scale);
+    *reinterpret_cast<u32*>(dst + 8 * kPitch) = pack2<kIsBF16>(f.z * scale, f.w * scale);
+  }
+  __syncthreads();
+  u16* out = dq + b * dq_sb + h * dq_sh + static_cast<int64_t>(m0) * dq_sr;
 #pragma unroll 1
   for (int idx = threadIdx.x; idx < kRows * kChunks; idx += 128) {
     const int r = idx / kChunks, c = idx - (idx / kChunks) * kChunks;
     if (m0 + r < nq) {
-      const float4 a = *reinterpret_cast<const float4*>(src + r * kD + c * 8);
-      const float4 bb = *reinterpret_cast<const float4*>(src + r * kD + c * 8 + 4);
-      uint4 o;
-      o.x = pack2<kIsBF16>(a.x * scale, a.y * scale);
-      o.y = pack2<kIsBF16>(a.z * scale, a.w * scale);
-      o.z = pack2<kIsBF16>(bb.x * scale, bb.y * scale);
-      o.w = pack2<kIsBF16>(bb.z * scale, bb.w * scale);
-      *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(r) * dq_sr + c * 8) = o;
+      *reinterpret_cast<uint4*>(out + static_cast<int64_t>(r) * dq_sr + c * 8) =
+          *reinterpret_cast<const uint4*>(rows + r * kPitch + c * 16);
     }
   }
 }
@@ -335,15 +404,15 @@ __global__ void __launch_bounds__(128) attn_bwd_convert_dq_kernel(const float* _
 //                                                                      x K (B^T), k = kBN -> fp32 RED
 // Registers per thread (fp32 accumulators; the rest is fragments, addresses and loop state):
 //   dK + dV: 2 * kBN * d / (32 * kWarps), live for the whole kernel
-//   phase 1: dP^T kBN * kBM / (32 * kWarps) + one m16 row of S^T (NT1 * 4)
+//   phase 1: dP^T and S^T, kBN * kBM / (32 * kWarps) each
 //   phase 3: kBM * d / (32 * kWarps)
-//   e.g. d=128, kBN=128, kBM=64, 8 warps: 128 + 32 + 16 (phase 1) or 128 + 32 (phase 3); ptxas
-//   reports 255 registers and 0 spills for it on sm_90a and sm_80 (the rest holds fragments in
-//   flight and addresses).
-// Per-warp shared-memory reads per query block (d=128, kBN=128, kBM=64, layouts 4x2 / 4x2 / 2x4):
-//   phase 1: V 8 KB + dO 8 KB + K 8 KB + Q 2 x 8 KB = 40 KB; P^T + dS^T stores 4 KB;
-//   phase 2: (P^T 4 KB + dO 8 KB) + (dS^T 4 KB + Q 8 KB) = 24 KB; phase 3: dS^T 8 KB + K 8 KB.
-//   8 warps: 672 KB per 10.5 MFLOP -> 15.6 FLOP per shared-memory byte.
+//   e.g. d=128, kBN=128, kBM=64, 8 warps: 128 + 32 + 32 (phase 1) or 128 + 32 (phase 3); ptxas
+//   fills the rest of the 255 registers with fragments in flight and addresses.
+// Per-warp shared-memory reads per query block (d=128, kBN=128, kBM=64):
+//   phase 1, layout kWN1 = 4 (32 keys x 32 queries): V, dO, K, Q 8 KB each = 32 KB
+//            (kWN1 = 8, 16 keys x 64 queries: 4 + 16 + 4 + 16 = 40 KB); P^T + dS^T stores 4 KB;
+//   phase 2, kWN2 = 2 or 4: (P^T + dO) + (dS^T + Q) = 24 KB; phase 3: dS^T 8 KB + K 8 KB.
+//   8 warps, kWN1 = 4: 608 KB per 10.5 MFLOP -> 17.3 FLOP per shared-memory byte.
 // Shared memory: K, V (kBN x d each), Q and dO double-buffered (2 x kBM x d each), P^T and dS^T
 // (kBN x kBM each), lse2 and delta double-buffered (2 x kBM fp32 each); 16-bit elements:
 //   d=128, kBN=128, kBM=64: 32 + 32 + 32 + 32 + 16 + 16 + 1 KB = 161 KB (one block per SM).
@@ -353,8 +422,8 @@ __global__ void __launch_bounds__(128) attn_bwd_convert_dq_kernel(const float* _
 // Barriers per query block: (A) after the cp.async wait, making this block's Q/dO/lse2/delta
 // visible and proving every warp finished the previous block (so the other stage and P^T/dS^T may
 // be overwritten); the next block's loads are issued right after (A), a whole iteration ahead of
-// use. (B) after phase 1, making P^T/dS^T visible. Phases 2 and 3 need none between them (phase 3
-// reads dS^T and K, which nobody writes in phase 2).
+// use. (B) after phase 1, making P^T/dS^T visible. Phase 3 runs before phase 2; they need no barrier
+// between them (both only read dS^T, K, P^T, dO, Q).
 template <int kD, int kBN, int kBM, int kWarps, int kWN1, int kWN2, int kWM3>
 struct MainCfg {
   static constexpr int kThreads = kWarps * 32;
@@ -370,12 +439,13 @@ struct MainCfg {
   static_assert(kTN2 * kWN2 == kBN && kTD2 * kWD2 == kD && MT2 * 16 == kTN2 && NT2 * 8 == kTD2, "phase 2");
   static_assert(kTM3 * kWM3 == kBM && kTD3 * kWD3 == kD && MT3 * 16 == kTM3 && NT3 * 8 == kTD3, "phase 3");
   static_assert(MT1 >= 1 && MT2 >= 1 && MT3 >= 1 && NT1 % 2 == 0 && NT2 % 2 == 0 && NT3 % 2 == 0, "tiles");
+  static_assert(is_pow2(NT1), "phase-1 P^T/dS^T stores step their chunk by XOR");
   static_assert(kBM % 32 == 0 && 128 % kBM == 0, "query block must divide the 128-row lse2/delta padding");
   static_assert(kBN % 16 == 0 && kD % 32 == 0, "");
   static_assert(kThreads >= kBM / 2, "lse2/delta loaders");
-  static constexpr int kKVBytes = kBN * kD * 2;
-  static constexpr int kQBytes = kBM * kD * 2;
-  static constexpr int kPBytes = kBN * kBM * 2;
+  static constexpr int kKVBytes = SwizzledTile<kD>::bytes(kBN);
+  static constexpr int kQBytes = SwizzledTile<kD>::bytes(kBM);
+  static constexpr int kPBytes = SwizzledTile<kBM>::bytes(kBN);
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kKVBytes;
   static constexpr int kOffQ = kOffV + kKVBytes;       // 2 stages
@@ -385,7 +455,17 @@ struct MainCfg {
   static constexpr int kOffLse = kOffDSt + kPBytes;    // 2 stages x kBM fp32
   static constexpr int kOffDelta = kOffLse + 2 * kBM * 4;
   static constexpr int kSmem = kOffDelta + 2 * kBM * 4;
+  // Every swizzled tile starts at a multiple of 1 KB (>= its row bytes), as LdsmLane's XOR needs.
+  static_assert(kKVBytes % 1024 == 0 && kQBytes % 1024 == 0 && kPBytes % 1024 == 0, "tile alignment");
 };
+
+// The dynamic shared memory the kernel was launched with must cover kSmem bytes and start on a
+// 1 KB boundary (tile offsets are XORed into lane addresses): trap loudly otherwise.
+__device__ __forceinline__ void check_dynamic_smem(const char* smem, int need) {
+  if (threadIdx.x == 0 && (dynamic_smem_bytes() < static_cast<unsigned>(need) || (smem_addr(smem) & 1023u) != 0)) {
+    __trap();
+  }
+}
 
 template <int kD, int kBN, int kBM, int kWarps, int kWN1, int kWN2, int kWM3, int kMinBlocks, bool kIsBF16,
           bool kDq, int kUnroll>
@@ -397,50 +477,46 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
     int64_t dk_sb, int64_t dk_sh, int64_t dk_sr, int64_t dv_sb, int64_t dv_sh, int64_t dv_sr, int nq, int nk,
     int heads, int group, int nq_pad, int causal, float scale_log2, float scale) {
   using C = MainCfg<kD, kBN, kBM, kWarps, kWN1, kWN2, kWM3>;
-  using TD = SwizzledTile<kD>;
   using TM = SwizzledTile<kBM>;
-  extern __shared__ __align__(128) char smem[];
-  if (threadIdx.x == 0 && dynamic_smem_bytes() < static_cast<unsigned>(C::kSmem)) __trap();
+  extern __shared__ __align__(1024) char smem[];
+  check_dynamic_smem(smem, C::kSmem);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * kBN, hk = blockIdx.y, b = blockIdx.z;
   const int delta_nk = nk - nq;  // query i sees key j iff j <= i + delta_nk (causal)
 
-  char* const sK = smem + C::kOffK;
-  char* const sV = smem + C::kOffV;
-  char* const sPt = smem + C::kOffPt;
-  char* const sDSt = smem + C::kOffDSt;
+  const u32 s0 = smem_addr(smem);
+  const u32 sK = s0 + C::kOffK, sV = s0 + C::kOffV, sPt = s0 + C::kOffPt, sDSt = s0 + C::kOffDSt;
 
   // Query blocks this key block needs: causal skips the ones entirely above the diagonal. The first
   // query that sees key n0 is i = n0 - delta_nk; it lies in block floor(max(0, i) / kBM). It is < nq
   // because n0 <= nk - 1, so every key block has at least one query block.
-  const int n_mblocks = (nq + kBM - 1) / kBM;
-  const int m_start = causal ? max(0, n0 - delta_nk) / kBM : 0;
-  const int nm = n_mblocks - m_start;
-  const int n_iters = group * nm;
+  const int m_first = causal ? max(0, n0 - delta_nk) / kBM * kBM : 0;
+  const int m_end = (nq + kBM - 1) / kBM * kBM;
+  const int n_iters = group * ((m_end - m_first) / kBM);
 
-  auto issue_loads = [&](int it, int stage) {
-    const int hg = it / nm;
-    const int m0 = (m_start + it - hg * nm) * kBM;
-    const int h = hk * group + hg;
-    load_tile_async<kBM, kD, C::kThreads>(smem + C::kOffQ + stage * C::kQBytes, q + b * q_sb + h * q_sh + m0 * q_sr,
+  // The walk: query heads h of the group, and for each, query blocks m0 = m_first, ..., m_end - kBM.
+  auto issue_loads = [&](int h, int m0, int stage) {
+    load_tile_async<kBM, kD, C::kThreads>(s0 + C::kOffQ + stage * C::kQBytes, q + b * q_sb + h * q_sh + m0 * q_sr,
                                           q_sr, nq - m0, tid);
-    load_tile_async<kBM, kD, C::kThreads>(smem + C::kOffDO + stage * C::kQBytes,
+    load_tile_async<kBM, kD, C::kThreads>(s0 + C::kOffDO + stage * C::kQBytes,
                                           dout + b * do_sb + h * do_sh + m0 * do_sr, do_sr, nq - m0, tid);
     const int64_t ws = (static_cast<int64_t>(b) * heads + h) * nq_pad + m0;  // padded: always in bounds
     if (tid < kBM / 4) {
-      cp_async_16(smem + C::kOffLse + stage * kBM * 4 + tid * 16, lse2 + ws + tid * 4, true);
+      cp_async_16(s0 + C::kOffLse + stage * kBM * 4 + tid * 16, lse2 + ws + tid * 4, true);
     } else if (tid < kBM / 2) {
       const int c = tid - kBM / 4;
-      cp_async_16(smem + C::kOffDelta + stage * kBM * 4 + c * 16, delta + ws + c * 4, true);
+      cp_async_16(s0 + C::kOffDelta + stage * kBM * 4 + c * 16, delta + ws + c * 4, true);
     }
   };
 
   // Prologue: K, V for this block, and the first query block.
   load_tile_async<kBN, kD, C::kThreads>(sK, k + b * k_sb + hk * k_sh + n0 * k_sr, k_sr, nk - n0, tid);
   load_tile_async<kBN, kD, C::kThreads>(sV, v + b * v_sb + hk * v_sh + n0 * v_sr, v_sr, nk - n0, tid);
-  if (n_iters > 0) issue_loads(0, 0);
+  int h = hk * group, m0 = m_first;  // the current query block
+  int h_next = h, m_next = m0;       // the block whose loads are in flight
+  if (n_iters > 0) issue_loads(h, m0, 0);
   cp_async_commit();
 
   // This warp's tiles in each phase.
@@ -456,105 +532,111 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
 #pragma unroll 1
   for (int it = 0; it < n_iters; ++it) {
     const int stage = it & 1;
-    const int hg = it / nm;
-    const int m0 = (m_start + it - hg * nm) * kBM;
-    const int h = hk * group + hg;
-
+    h = h_next;
+    m0 = m_next;
     cp_async_wait<0>();
     __syncthreads();  // (A)
-    if (it + 1 < n_iters) issue_loads(it + 1, stage ^ 1);
+    m_next += kBM;
+    if (m_next == m_end) {
+      m_next = m_first;
+      ++h_next;
+    }
+    if (it + 1 < n_iters) issue_loads(h_next, m_next, stage ^ 1);
     cp_async_commit();
 
-    const char* sQ = smem + C::kOffQ + stage * C::kQBytes;
-    const char* sDO = smem + C::kOffDO + stage * C::kQBytes;
+    const u32 sQ = s0 + C::kOffQ + stage * C::kQBytes;
+    const u32 sDO = s0 + C::kOffDO + stage * C::kQBytes;
     const float* sLse = reinterpret_cast<const float*>(smem + C::kOffLse + stage * kBM * 4);
     const float* sDelta = reinterpret_cast<const float*>(smem + C::kOffDelta + stage * kBM * 4);
     const int ln = opaque_lane();
 
-    // ---- phase 1: dP^T = V dO^T, then S^T = K Q^T one m16 row of keys at a time --------------
-    // (this warp: keys key1 .. key1 + kTN1, queries qry1 .. qry1 + kTM1). S^T is computed per 16
-    // keys so that only NT1 * 4 of its accumulators are live next to dP^T's MT1 * NT1 * 4 and the
-    // dK/dV accumulators: for d=128, kBM=64 that is 16 + 32 + 128 instead of 32 + 32 + 128, the
-    // difference between fitting in 255 registers and spilling. The price is re-reading the Q
-    // fragments once per extra m16 row (phase 1 reads 40 KB instead of 32 KB per warp there).
+    // ---- phase 1: dP^T = V dO^T, then S^T = K Q^T (this warp: keys key1 .. key1 + kTN1, queries
+    // qry1 .. qry1 + kTM1), then P^T and dS^T to shared memory. dP^T and S^T are both live at the
+    // end (2 * MT1 * NT1 * 4 registers next to dK/dV's); each k step loads MT1 A and NT1 / 2 B
+    // fragments for 2 * MT1 * NT1 mma.
     {
       float dp[C::MT1][C::NT1][4];
+      float s[C::MT1][C::NT1][4];
       zero_acc(dp);
-      warp_mma<kIsBF16, C::MT1, C::NT1, kD / 16, false, false, kD, kD, kUnroll>(dp, sV, key1, 0, sDO, qry1, 0, ln);
+      zero_acc(s);
+      warp_mma<kIsBF16, C::MT1, C::NT1, kD / 16, false, false, kD, kD, kUnroll>(dp, sV, key1, sDO, qry1, ln);
+      warp_mma<kIsBF16, C::MT1, C::NT1, kD / 16, false, false, kD, kD, kUnroll>(s, sK, key1, sQ, qry1, ln);
 
       // Masking is needed only where this tile holds keys past nk or (causal) keys above the
       // diagonal: max key n0 + kBN - 1 against min query m0. Query rows past nq need no mask: their
       // lse2 is +inf (P = 0) and their dO and delta are 0 (dS = 0).
       const bool need_mask = (n0 + kBN > nk) || (causal && n0 + kBN - 1 > m0 + delta_nk);
+      // P^T / dS^T element (key1 + g + 16 mt + 8 half, qry1 + 8 nt + 2t): the lane's tile offset
+      // XOR 16 nt (qry1 / 8 is a multiple of the power-of-two NT1) plus row offsets.
+      const u32 st_lane = TM::elem(key1 + g, qry1 + 2 * t);
 #pragma unroll
-      for (int mt = 0; mt < C::MT1; ++mt) {
-        float s[1][C::NT1][4];
-        zero_acc(s);
-        warp_mma<kIsBF16, 1, C::NT1, kD / 16, false, false, kD, kD, kUnroll>(s, sK, key1 + mt * 16, 0, sQ, qry1, 0,
-                                                                                ln);
+      for (int nt = 0; nt < C::NT1; ++nt) {
+        const int il = qry1 + nt * 8 + 2 * t;  // local query of c0 and c2 (c1, c3: il + 1)
+        const float2 l2 = *reinterpret_cast<const float2*>(sLse + il);
+        const float2 dl = *reinterpret_cast<const float2*>(sDelta + il);
 #pragma unroll
-        for (int nt = 0; nt < C::NT1; ++nt) {
-          const int il = qry1 + nt * 8 + 2 * t;  // local query of c0 and c2 (c1, c3: il + 1)
-          const float2 l2 = *reinterpret_cast<const float2*>(sLse + il);
-          const float2 dl = *reinterpret_cast<const float2*>(sDelta + il);
+        for (int mt = 0; mt < C::MT1; ++mt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float lse_e = (e & 1) ? l2.y : l2.x;
             const float d_e = (e & 1) ? dl.y : dl.x;
-            float p = fast_exp2(fmaf(s[0][nt][e], scale_log2, -lse_e));
+            float p = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -lse_e));
             if (need_mask) {
               const int j = n0 + key1 + mt * 16 + g + 8 * (e >> 1);
               const int i = m0 + il + (e & 1);
               if (j >= nk || (causal && j > i + delta_nk)) p = 0.f;
             }
-            s[0][nt][e] = p;
+            s[mt][nt][e] = p;
             dp[mt][nt][e] = p * (dp[mt][nt][e] - d_e);
           }
           // P^T and dS^T rows key1 + mt*16 + g (+8), columns il, il + 1: one 32-bit store each.
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const int off = TM::elem(key1 + mt * 16 + g + 8 * half, il);
-            *reinterpret_cast<u32*>(sPt + off) = pack2<kIsBF16>(s[0][nt][2 * half], s[0][nt][2 * half + 1]);
-            *reinterpret_cast<u32*>(sDSt + off) = pack2<kIsBF16>(dp[mt][nt][2 * half], dp[mt][nt][2 * half + 1]);
+            const u32 off = (st_lane ^ (16 * nt)) + (mt * 16 + 8 * half) * TM::kRowBytes;
+            *reinterpret_cast<u32*>(smem + C::kOffPt + off) = pack2<kIsBF16>(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]);
+            *reinterpret_cast<u32*>(smem + C::kOffDSt + off) =
+                pack2<kIsBF16>(dp[mt][nt][2 * half], dp[mt][nt][2 * half + 1]);
           }
         }
       }
     }
     __syncthreads();  // (B)
 
-    // ---- phase 2: dV += P^T dO, dK += dS^T Q (this warp: keys key2.., dims dim2..) -------------
-    warp_mma<kIsBF16, C::MT2, C::NT2, kBM / 16, false, true, kBM, kD>(dv_acc, sPt, key2, 0, sDO, dim2, 0, opaque_lane());
-    warp_mma<kIsBF16, C::MT2, C::NT2, kBM / 16, false, true, kBM, kD>(dk_acc, sDSt, key2, 0, sQ, dim2, 0, opaque_lane());
-
     // ---- phase 3: dQ (partial over this key block) = dS K -> fp32 RED into dq_accum ----------
+    // dq_accum holds 16 x 8 tiles in mma C-fragment order (see the file header), so the fragment
+    // c0..c3 of one n8 tile is 16 contiguous bytes: one RED.v4 per n8 tile, 512 contiguous bytes
+    // per warp instruction. (Row-major it took two RED.v2 over 8 rows x 32 bytes, and those 16
+    // back-to-back REDs drew 19% of the stall samples, mostly mio_throttle, in ncu.) Run before
+    // phase 2, so the REDs drain under its mma. Rows of this block past nq add zeros into the
+    // NqPad-row workspace: no bounds check.
     if constexpr (kDq) {
       float dq[C::MT3][C::NT3][4];
       zero_acc(dq);
-      warp_mma<kIsBF16, C::MT3, C::NT3, kBN / 16, true, true, kBM, kD, kUnroll>(dq, sDSt, qry3, 0, sK, dim3, 0, opaque_lane());
-      float* dq_bh = dq_accum + (static_cast<int64_t>(b) * heads + h) * nq * kD;
+      warp_mma<kIsBF16, C::MT3, C::NT3, kBN / 16, true, true, kBM, kD, kUnroll>(dq, sDSt, qry3, sK, dim3,
+                                                                                opaque_lane());
+      float* const dq_frag = dq_accum + ((static_cast<int64_t>(b) * heads + h) * nq_pad + m0) * kD +
+                             ((qry3 / 16) * (kD / 8) + dim3 / 8) * 128 + lane * 4;
 #pragma unroll
       for (int mt = 0; mt < C::MT3; ++mt)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int i = m0 + qry3 + mt * 16 + g + 8 * half;
-          if (i < nq) {
-            float* row = dq_bh + static_cast<int64_t>(i) * kD + dim3 + 2 * t;
-#pragma unroll
-            for (int nt = 0; nt < C::NT3; ++nt)
-              red_add_f32x2(row + nt * 8, dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]);
-          }
-        }
+        for (int nt = 0; nt < C::NT3; ++nt)
+          red_add_f32x4(dq_frag + (mt * (kD / 8) + nt) * 128, dq[mt][nt][0], dq[mt][nt][1], dq[mt][nt][2],
+                        dq[mt][nt][3]);
     }
+
+    // ---- phase 2: dV += P^T dO, dK += dS^T Q (this warp: keys key2.., dims dim2..) -------------
+    warp_mma<kIsBF16, C::MT2, C::NT2, kBM / 16, false, true, kBM, kD>(dv_acc, sPt, key2, sDO, dim2, opaque_lane());
+    warp_mma<kIsBF16, C::MT2, C::NT2, kBM / 16, false, true, kBM, kD>(dk_acc, sDSt, key2, sQ, dim2, opaque_lane());
   }
 
   // ---- epilogue: dK (times scale) and dV through shared memory (K, V tiles reused) ------------
   cp_async_wait<0>();
   __syncthreads();
-  store_acc_to_smem<kIsBF16, kD>(sK, dk_acc, key2, dim2, scale, lane);
-  store_acc_to_smem<kIsBF16, kD>(sV, dv_acc, key2, dim2, 1.f, lane);
+  store_acc_to_smem<kIsBF16, kD>(smem + C::kOffK, dk_acc, key2, dim2, scale, lane);
+  store_acc_to_smem<kIsBF16, kD>(smem + C::kOffV, dv_acc, key2, dim2, 1.f, lane);
   __syncthreads();
-  store_tile<kBN, kD, C::kThreads>(dk + b * dk_sb + hk * dk_sh + n0 * dk_sr, dk_sr, nk - n0, sK, tid);
-  store_tile<kBN, kD, C::kThreads>(dv + b * dv_sb + hk * dv_sh + n0 * dv_sr, dv_sr, nk - n0, sV, tid);
+  store_tile<kBN, kD, C::kThreads>(dk + b * dk_sb + hk * dk_sh + n0 * dk_sr, dk_sr, nk - n0, smem + C::kOffK, tid);
+  store_tile<kBN, kD, C::kThreads>(dv + b * dv_sb + hk * dv_sh + n0 * dv_sr, dv_sr, nk - n0, smem + C::kOffV, tid);
 }
 
 // ================================================================================================
@@ -574,13 +656,14 @@ struct DqCfg {
   static constexpr int NT = kBN / 8;   // S / dP n8 tiles (keys)
   static constexpr int NTD = kD / 8;   // dQ n8 tiles (dims)
   static_assert(kBM % 32 == 0 && 128 % kBM == 0 && kBN % 16 == 0, "");
-  static constexpr int kQBytes = kBM * kD * 2;
-  static constexpr int kKBytes = kBN * kD * 2;
+  static constexpr int kQBytes = SwizzledTile<kD>::bytes(kBM);
+  static constexpr int kKBytes = SwizzledTile<kD>::bytes(kBN);
   static constexpr int kOffQ = 0;
   static constexpr int kOffDO = kQBytes;
   static constexpr int kOffK = 2 * kQBytes;                // 2 stages
   static constexpr int kOffV = kOffK + 2 * kKBytes;        // 2 stages
   static constexpr int kSmem = kOffV + 2 * kKBytes;
+  static_assert(kQBytes % 1024 == 0 && kKBytes % 1024 == 0, "tile alignment");
 };
 
 template <int kD, int kBM, int kBN, bool kIsBF16>
@@ -592,16 +675,16 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_kernel(
     int heads, int group, int nq_pad, int causal, float scale_log2, float scale) {
   using C = DqCfg<kD, kBM, kBN>;
   using TD = SwizzledTile<kD>;
-  extern __shared__ __align__(128) char smem[];
-  if (threadIdx.x == 0 && dynamic_smem_bytes() < static_cast<unsigned>(C::kSmem)) __trap();
+  extern __shared__ __align__(1024) char smem[];
+  check_dynamic_smem(smem, C::kSmem);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int m0 = blockIdx.x * kBM, h = blockIdx.y, b = blockIdx.z;
   const int hk = h / group;
   const int delta_nk = nk - nq;
-  char* const sQ = smem + C::kOffQ;
-  char* const sDO = smem + C::kOffDO;
+  const u32 s0 = smem_addr(smem);
+  const u32 sQ = s0 + C::kOffQ, sDO = s0 + C::kOffDO;
 
   // Keys this query block sees: causal stops after the last key visible to its last row.
   int n_end = nk;
@@ -612,8 +695,8 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_kernel(
   const u16* v_bh = v + b * v_sb + hk * v_sh;
   auto issue_kv = [&](int nb, int stage) {
     const int n0 = nb * kBN;
-    load_tile_async<kBN, kD, C::kThreads>(smem + C::kOffK + stage * C::kKBytes, k_bh + n0 * k_sr, k_sr, nk - n0, tid);
-    load_tile_async<kBN, kD, C::kThreads>(smem + C::kOffV + stage * C::kKBytes, v_bh + n0 * v_sr, v_sr, nk - n0, tid);
+    load_tile_async<kBN, kD, C::kThreads>(s0 + C::kOffK + stage * C::kKBytes, k_bh + n0 * k_sr, k_sr, nk - n0, tid);
+    load_tile_async<kBN, kD, C::kThreads>(s0 + C::kOffV + stage * C::kKBytes, v_bh + n0 * v_sr, v_sr, nk - n0, tid);
   };
   load_tile_async<kBM, kD, C::kThreads>(sQ, q + b * q_sb + h * q_sh + m0 * q_sr, q_sr, nq - m0, tid);
   load_tile_async<kBM, kD, C::kThreads>(sDO, dout + b * do_sb + h * do_sh + m0 * do_sr, do_sr, nq - m0, tid);
@@ -636,15 +719,15 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_kernel(
     __syncthreads();  // K/V[nb] visible; every warp is done with stage ^ 1
     if (nb + 1 < n_blocks) issue_kv(nb + 1, stage ^ 1);
     cp_async_commit();
-    const char* sK = smem + C::kOffK + stage * C::kKBytes;
-    const char* sV = smem + C::kOffV + stage * C::kKBytes;
+    const u32 sK = s0 + C::kOffK + stage * C::kKBytes;
+    const u32 sV = s0 + C::kOffV + stage * C::kKBytes;
 
     float s[1][C::NT][4];
     float dp[1][C::NT][4];
     zero_acc(s);
     zero_acc(dp);
-    warp_mma<kIsBF16, 1, C::NT, kD / 16, false, false, kD, kD>(s, sQ, warp * 16, 0, sK, 0, 0, lane);
-    warp_mma<kIsBF16, 1, C::NT, kD / 16, false, false, kD, kD>(dp, sDO, warp * 16, 0, sV, 0, 0, lane);
+    warp_mma<kIsBF16, 1, C::NT, kD / 16, false, false, kD, kD>(s, sQ, warp * 16, sK, 0, lane);
+    warp_mma<kIsBF16, 1, C::NT, kD / 16, false, false, kD, kD>(dp, sDO, warp * 16, sV, 0, lane);
 
     const bool need_mask = (n0 + kBN > nk) || (causal && n0 + kBN - 1 > m0 + delta_nk);
 #pragma unroll
@@ -662,7 +745,7 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_kernel(
       }
 
     // dQ += dS K: A = dS from registers (16 queries x 16 keys per step), B = K rows = keys (trans).
-    const int b_row = lane & 15, b_chk = lane >> 4;
+    const LdsmLane<kD, true, is_pow2(C::NTD / 2)> lk(sK, 0, 0, lane);
 #pragma unroll
     for (int kk = 0; kk < kBN / 16; ++kk) {
       const u32 a[4] = {pack2<kIsBF16>(dp[0][2 * kk][0], dp[0][2 * kk][1]),
@@ -672,7 +755,7 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_kernel(
 #pragma unroll
       for (int np = 0; np < C::NTD / 2; ++np) {
         u32 bf[4];
-        ldmatrix_x4_trans(bf, sK + TD::chunk(kk * 16 + b_row, np * 2 + b_chk));
+        ldmatrix_x4_trans(bf, lk.at(kk, np));
         const u32 b_lo[2] = {bf[0], bf[1]};
         const u32 b_hi[2] = {bf[2], bf[3]};
         mma_16816<kIsBF16>(dq_acc[0][2 * np], a, b_lo);
@@ -685,17 +768,17 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_kernel(
   // were issued by all threads: wait for them block-wide before overwriting.
   cp_async_wait<0>();
   __syncthreads();
-  store_acc_to_smem<kIsBF16, kD>(sQ, dq_acc, warp * 16, 0, scale, lane);
+  char* const q_tile = smem + C::kOffQ;
+  store_acc_to_smem<kIsBF16, kD>(q_tile, dq_acc, warp * 16, 0, scale, lane);
   __syncwarp();
   {
-    using T = SwizzledTile<kD>;
     u16* dst = dq + b * dq_sb + h * dq_sh + static_cast<int64_t>(m0 + warp * 16) * dq_sr;
     const int valid = nq - (m0 + warp * 16);
 #pragma unroll
-    for (int idx = lane; idx < 16 * T::kChunks; idx += 32) {
-      const int r = idx / T::kChunks, c = idx - (idx / T::kChunks) * T::kChunks;
+    for (int idx = lane; idx < 16 * TD::kChunks; idx += 32) {
+      const int r = idx / TD::kChunks, c = idx - (idx / TD::kChunks) * TD::kChunks;
       if (r < valid) {
-        const uint4 val = *reinterpret_cast<const uint4*>(sQ + T::chunk(warp * 16 + r, c));
+        const uint4 val = *reinterpret_cast<const uint4*>(q_tile + TD::chunk(warp * 16 + r, c));
         *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(r) * dq_sr + c * 8) = val;
       }
     }

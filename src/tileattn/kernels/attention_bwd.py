@@ -56,7 +56,9 @@ class BwdConfig:
     Main kernel: ``block_n`` keys per block, ``block_m`` query rows per iteration, ``warps`` warps;
     warp layouts: phase 1 (S^T, dP^T) ``warps_n1`` warps along keys, phase 2 (dK, dV) ``warps_n2``
     along keys, phase 3 (dQ) ``warps_m3`` along queries; ``min_blocks`` for __launch_bounds__;
-    ``unroll``: unroll factor of the k loops of phases 1 and 3 (register-pressure knob).
+    ``unroll``: unroll factor of the k loops of phases 1 and 3 (register-pressure knob) in atomic
+    mode, ``unroll_det`` the same for the deterministic mode's main kernel (no phase 3: ptxas
+    allocates it differently, so it gets its own knob).
     Deterministic dQ kernel: ``dq_block_m`` query rows (dq_block_m / 16 warps), ``dq_block_n`` keys
     per step.
     """
@@ -70,6 +72,7 @@ class BwdConfig:
     warps_m3: int
     min_blocks: int = 1
     unroll: int = 2
+    unroll_det: int = 2
     dq_block_m: int = 64
     dq_block_n: int = 64
 
@@ -91,7 +94,7 @@ class BwdConfig:
         """Short label for benchmark tables."""
         return (
             f"d{self.head_dim}_n{self.block_n}_m{self.block_m}_w{self.warps}"
-            f"_l{self.warps_n1}.{self.warps_n2}.{self.warps_m3}_b{self.min_blocks}_u{self.unroll}"
+            f"_l{self.warps_n1}.{self.warps_n2}.{self.warps_m3}_b{self.min_blocks}_u{self.unroll}.{self.unroll_det}"
             f"_dq{self.dq_block_m}x{self.dq_block_n}"
         )
 
@@ -99,7 +102,7 @@ class BwdConfig:
         return (
             f"{_NS}attn_bwd_main_kernel<{self.head_dim}, {self.block_n}, {self.block_m}, {self.warps}, "
             f"{self.warps_n1}, {self.warps_n2}, {self.warps_m3}, {self.min_blocks}, {_b(bf16)}, {_b(with_dq)}, "
-            f"{self.unroll}>"
+            f"{self.unroll if with_dq else self.unroll_det}>"
         )
 
     def dq_expr(self, bf16: bool) -> str:
@@ -116,14 +119,20 @@ class BwdConfig:
     @property
     def main_smem(self) -> int:
         """Dynamic shared memory of the main kernel (MainCfg::kSmem)."""
-        d, bn, bm = self.head_dim, self.block_n, self.block_m
+        d, bn, bm = _pitch(self.head_dim), self.block_n, self.block_m
         return 2 * bn * d * 2 + 2 * 2 * bm * d * 2 + 2 * bn * bm * 2 + 2 * 2 * bm * 4
 
     @property
     def dq_smem(self) -> int:
         """Dynamic shared memory of the deterministic dQ kernel (DqCfg::kSmem)."""
-        d = self.head_dim
+        d = _pitch(self.head_dim)
         return 2 * self.dq_block_m * d * 2 + 2 * 2 * self.dq_block_n * d * 2
+
+
+def _pitch(cols: int) -> int:
+    """Row pitch in elements of a shared-memory tile of `cols` columns (SwizzledTile::kPitchChunks * 8):
+    the power of two >= cols, so d = 96 rows take 128 elements."""
+    return 1 << (cols - 1).bit_length()
 
 
 def _b(x: bool) -> str:
@@ -147,22 +156,32 @@ def convert_expr(head_dim: int, bf16: bool) -> str:
 # masked diagonal tiles cost the same per tile); they are separate keys so tuning can split them.
 _BASE = {
     32: BwdConfig(32, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=4, unroll=2),
-    64: BwdConfig(64, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=2, unroll=2),
+    # BM=128: 249/263 TFLOP/s against 223/236 for BM=64 (N=4096/16384 non-causal bf16, H200,
+    # bench attention --tune --head-dim 64, 2026-11-29, before the fragment-order dQ REDs).
+    64: BwdConfig(64, block_n=128, block_m=128, warps=8, warps_n1=4, warps_n2=4, warps_m3=2, unroll=4),
     96: BwdConfig(96, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=4, unroll=2),
-    # Phase-1 layout 8 warps along keys: measured 240/252 TFLOP/s against 227/238 for (4,4,2) at
-    # N=4096/16384 non-causal bf16 on the H200 (bench attention --tune, 2026-11-29).
-    128: BwdConfig(128, block_n=128, block_m=64, warps=8, warps_n1=8, warps_n2=4, warps_m3=2, unroll=2),
+    # Phase-1 warp tile 32 keys x 32 queries (FA2's), phase-2 64 keys x 32 dims, k loops unrolled:
+    # 313/330 TFLOP/s non-causal and 290/325 causal at N=4096/16384 (bf16, H200, bench attention
+    # --tune, 2026-11-29); docs/attention_bwd.md has the steps that led here.
+    128: BwdConfig(128, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=2, warps_m3=2, unroll=8),
     256: BwdConfig(256, block_n=64, block_m=32, warps=8, warps_n1=4, warps_n2=2, warps_m3=2, unroll=2,
                    dq_block_m=64, dq_block_n=32),
 }
 _CONFIGS: dict[tuple[int, bool], BwdConfig] = {(d, c): cfg for d, cfg in _BASE.items() for c in (False, True)}
 
-# Extra d=128 candidates for the tuning benchmark (the default is first).
+# Extra candidates for the tuning benchmark (the default comes first): the runners-up of the last
+# tuning run and, for d=128, the previous default (8, 4, 2) / unroll 2. unroll = KS unrolls the k
+# loops of phases 1 and 3 fully, so ptxas can load the next k step's fragments during this step's
+# mma (with unroll=2 every step waits for its own ldmatrix results).
 _TUNING: dict[int, tuple[BwdConfig, ...]] = {
+    64: (
+        BwdConfig(64, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=2, unroll=4),
+        BwdConfig(64, block_n=128, block_m=128, warps=8, warps_n1=4, warps_n2=2, warps_m3=4, unroll=4),
+    ),
     128: (
+        BwdConfig(128, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=2, unroll=8),
         BwdConfig(128, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=2, unroll=2),
-        BwdConfig(128, block_n=128, block_m=32, warps=8, warps_n1=4, warps_n2=4, warps_m3=2, unroll=8),
-        BwdConfig(128, block_n=64, block_m=64, warps=4, warps_n1=4, warps_n2=2, warps_m3=4, min_blocks=2, unroll=2),
+        BwdConfig(128, block_n=128, block_m=64, warps=8, warps_n1=8, warps_n2=4, warps_m3=2, unroll=2),
     ),
 }
 
@@ -302,10 +321,10 @@ def _extent_bytes(t) -> int:
 
 
 def workspace_bytes(batch: int, heads: int, nq: int, head_dim: int, deterministic: bool) -> int:
-    """Extra device memory launch_backward allocates: lse2 + delta (padded rows) and, in atomic
-    mode, the fp32 dQ accumulator."""
+    """Extra device memory launch_backward allocates: lse2 + delta and, in atomic mode, the fp32 dQ
+    accumulator, all with Nq padded to a multiple of 128 rows."""
     pad = -(-nq // _ROW_PAD) * _ROW_PAD
-    extra = 0 if deterministic else batch * heads * nq * head_dim * 4
+    extra = 0 if deterministic else batch * heads * pad * head_dim * 4
     return 2 * batch * heads * pad * 4 + extra
 
 
@@ -378,7 +397,7 @@ def _launch(q, k, v, out, lse, dout, dq, dk, dv, causal, scale, deterministic, c
     nq_pad = -(-nq // _ROW_PAD) * _ROW_PAD
     ws = torch.empty((2, batch, heads, nq_pad), dtype=torch.float32, device=q.device)
     lse2, delta = ws[0], ws[1]
-    dq_accum = None if deterministic else torch.empty((batch, heads, nq, d), dtype=torch.float32, device=q.device)
+    dq_accum = None if deterministic else torch.empty((batch, heads, nq_pad, d), dtype=torch.float32, device=q.device)
 
     i32, i64 = np.int32, np.int64
 
@@ -425,7 +444,7 @@ def _launch(q, k, v, out, lse, dout, dq, dk, dv, causal, scale, deterministic, c
             last,
             (-(-nq // _CONVERT_ROWS), heads, batch),
             (128, 1, 1),
-            (dq_accum.data_ptr(), dq.data_ptr(), *strides(dq), i32(nq), i32(heads), np.float32(scale_f)),
+            (dq_accum.data_ptr(), dq.data_ptr(), *strides(dq), i32(nq), i32(heads), i32(nq_pad), np.float32(scale_f)),
         )
 
 

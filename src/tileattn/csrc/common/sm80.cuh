@@ -21,11 +21,13 @@ __device__ __forceinline__ u32 smem_addr(const void* ptr) {
 // ---- cp.async: global -> shared without passing through registers (sm_80+) ------------------
 // 16 bytes per call, L1 bypassed (.cg). When `valid` is false the source size is 0, so the 16
 // destination bytes are zero-filled: edge tiles read zeros instead of out-of-bounds memory.
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
+__device__ __forceinline__ void cp_async_16(u32 smem_dst, const void* gmem_src, bool valid) {
   const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem_dst)),
-               "l"(gmem_src), "r"(src_bytes)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src), "r"(src_bytes)
                : "memory");
+}
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
+  cp_async_16(smem_addr(smem_dst), gmem_src, valid);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Wait until at most `kPending` committed groups are still in flight.
@@ -35,16 +37,21 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // ---- ldmatrix: four 8x8 b16 matrices from shared memory into the mma fragment layout --------
-// Lane l supplies the row address of row (l % 8) of matrix (l / 8).
-__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* smem_row) {
+// Lane l supplies the row address of row (l % 8) of matrix (l / 8), as a shared-memory address
+// (u32: kernels that keep precomputed lane addresses) or a generic pointer.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 smem_row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(smem_row)));
+               : "r"(smem_row));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem_row) {
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 smem_row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(smem_row)));
+               : "r"(smem_row));
+}
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* smem_row) { ldmatrix_x4(r, smem_addr(smem_row)); }
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem_row) {
+  ldmatrix_x4_trans(r, smem_addr(smem_row));
 }
 __device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], const void* smem_row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
@@ -138,14 +145,17 @@ __device__ __forceinline__ float quad_sum(float x) {
 __device__ __forceinline__ void red_add_f32(float* gmem, float v) {
   asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem), "f"(v));
 }
-// Two adjacent floats; `gmem` must be 8-byte aligned. sm_90 has a vector RED (one L2 request
-// for both values, half the atomic traffic); older archs issue two scalar REDs.
-__device__ __forceinline__ void red_add_f32x2(float* gmem, float a, float b) {
+// Four adjacent floats; `gmem` must be 16-byte aligned. sm_90 has a vector RED (one request for
+// 16 bytes: a warp's 32 lanes cover 512 contiguous bytes in one instruction); older archs issue
+// four scalar REDs.
+__device__ __forceinline__ void red_add_f32x4(float* gmem, float a, float b, float c, float d) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.v2.f32.add [%0], {%1, %2};\n" ::"l"(gmem), "f"(a), "f"(b));
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(gmem), "f"(a), "f"(b), "f"(c), "f"(d));
 #else
   red_add_f32(gmem, a);
   red_add_f32(gmem + 1, b);
+  red_add_f32(gmem + 2, c);
+  red_add_f32(gmem + 3, d);
 #endif
 }
 

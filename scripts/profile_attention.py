@@ -1,0 +1,115 @@
+"""Nsight Compute profile of tileattn's attention kernels beside SDPA's, one launch of each.
+
+    python3 scripts/profile_attention.py --out DIR [--seq 4096] [--head-dim 128] [--causal]
+                                         [--backward] [--bwd-config NAME] [--set full]
+
+Runs itself under `ncu` (child mode: `--child`), which profiles exactly one launch of each kernel
+named by KERNELS (tileattn's main kernel, with --bwd-config a tuning candidate's instead of the
+default, and FlashAttention-2's and cuDNN's kernels as PyTorch
+launches them), and writes into DIR:
+  profile.ncu-rep   the report (open with `ncu-ui` or `ncu -i`),
+  details.txt       every section, as text,
+  raw.csv           every collected metric,
+  source_*.csv      per-SASS-instruction counters of each kernel (stall samples, executed count),
+                    when this ncu can print them.
+ncu flags are the ones DESIGN.md records as working on a Python process on the H200 (clock
+control off: the kernels run at the clocks the benchmarks see).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+# Substrings of the kernel function names to profile, per direction.
+KERNELS = {
+    "backward": ("attn_bwd_main_kernel", "flash_bwd_dq_dk_dv", "cudnn"),
+    "forward": ("attention_fwd_sm80", "flash_fwd_kernel", "cudnn"),
+}
+
+
+def child(args) -> None:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import tileattn
+
+    dtype = torch.bfloat16
+    b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    dout = torch.randn(b, h, n, d, device="cuda", dtype=dtype)
+    out = tileattn.attention(q, k, v, causal=args.causal)
+    torch.cuda.synchronize()
+    if args.backward and args.bwd_config:
+        from tileattn.kernels import attention_bwd
+
+        by_name = {c.name: c for c in attention_bwd.tuning_candidates(d, args.causal)}
+        if args.bwd_config not in by_name:
+            raise SystemExit(f"unknown --bwd-config {args.bwd_config}; candidates: {sorted(by_name)}")
+        out, lse = torch.ops.tileattn.attention_fwd(q.detach(), k.detach(), v.detach(), args.causal, d**-0.5, False)
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        attention_bwd.launch_backward(q.detach(), k.detach(), v.detach(), out.detach(), lse, dout, *grads,
+                                      causal=args.causal, scale=d**-0.5, deterministic=False,
+                                      config=by_name[args.bwd_config])
+    elif args.backward:
+        torch.autograd.grad(out, (q, k, v), dout)
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        with sdpa_kernel(backend):
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
+            if args.backward:
+                torch.autograd.grad(o, (q, k, v), dout)
+    torch.cuda.synchronize()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--backward", action="store_true")
+    p.add_argument("--bwd-config", default="", help="profile this backward tuning candidate (BwdConfig.name)")
+    p.add_argument("--set", default="full", help="ncu section set")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+    if args.out is None:
+        p.error("--out is required")
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        sys.exit("ncu (Nsight Compute) is not on PATH")
+    args.out.mkdir(parents=True, exist_ok=True)
+    rep = args.out / "profile"
+    names = KERNELS["backward" if args.backward else "forward"]
+    regex = "regex:" + "|".join(names)
+    child_cmd = [sys.executable, os.path.abspath(__file__), "--child"] + [
+        a for a in sys.argv[1:] if not a.startswith("--out") and a != str(args.out)
+    ]
+    cmd = [ncu, "--clock-control", "none", "--set", args.set, "--kernel-name", regex, "--launch-count",
+           str(len(names) + 2), "--import-source", "no", "-f", "-o", str(rep)] + child_cmd
+    print(" ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    report = str(rep) + ".ncu-rep"
+    with open(args.out / "details.txt", "w") as f:
+        subprocess.run([ncu, "-i", report, "--page", "details"], stdout=f, check=True)
+    with open(args.out / "raw.csv", "w") as f:
+        subprocess.run([ncu, "-i", report, "--page", "raw", "--csv"], stdout=f, check=True)
+    for name in names:
+        path = args.out / f"source_{name}.csv"
+        with open(path, "w") as f:
+            r = subprocess.run([ncu, "-i", report, "--page", "source", "--csv", "--print-source", "sass",
+                                "--kernel-name", f"regex:{name}"], stdout=f, stderr=subprocess.STDOUT)
+        if r.returncode != 0:
+            print(f"no source page for {name} (ncu exit {r.returncode}); see {path}")
+
+
+if __name__ == "__main__":
+    main()
