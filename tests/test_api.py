@@ -208,7 +208,7 @@ def test_registry_lists_the_forward_instantiations():
     assert list(fam.instantiations) == expected_instantiations()
     assert len(set(fam.instantiations)) == len(fam.instantiations)
     # 5 head dims x causal x {fp16, bf16} defaults + the bf16 tuning candidates: moderate.
-    assert 20 <= len(fam.instantiations) <= 48
+    assert 20 <= len(fam.instantiations) <= 64
 
 
 def test_every_config_is_valid_for_the_kernel():

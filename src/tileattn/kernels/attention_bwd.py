@@ -155,15 +155,28 @@ def convert_expr(head_dim: int, bf16: bool) -> str:
 # Causal and non-causal share tiles for now (causal skips whole query blocks at run time; the
 # masked diagonal tiles cost the same per tile); they are separate keys so tuning can split them.
 _BASE = {
-    32: BwdConfig(32, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=4, unroll=2),
+    # d = 32, 96, 256: bench attention --tune --head-dim D --seq 4096 --seq 16384 (bf16, H200,
+    # 2026-11-29), non-causal / causal TFLOP/s at N=4096 and 16384, docs/attention_bwd.md:
+    # d=32 BM=128: 194/204, 181/201 against 167/174, 156/171 for BM=64.
+    32: BwdConfig(32, block_n=128, block_m=128, warps=8, warps_n1=4, warps_n2=4, warps_m3=4, unroll=2),
     # BM=128: 249/263 TFLOP/s against 223/236 for BM=64 (N=4096/16384 non-causal bf16, H200,
     # bench attention --tune --head-dim 64, 2026-11-29, before the fragment-order dQ REDs).
     64: BwdConfig(64, block_n=128, block_m=128, warps=8, warps_n1=4, warps_n2=4, warps_m3=2, unroll=4),
-    96: BwdConfig(96, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=4, unroll=2),
+    # d=96 unroll 8: 268/282, 250/278 against 267/281, 249/277 for unroll 2.
+    96: BwdConfig(96, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=4, unroll=8),
     # Phase-1 warp tile 32 keys x 32 queries (FA2's), phase-2 64 keys x 32 dims, k loops unrolled:
     # 313/330 TFLOP/s non-causal and 290/325 causal at N=4096/16384 (bf16, H200, bench attention
     # --tune, 2026-11-29); docs/attention_bwd.md has the steps that led here.
     128: BwdConfig(128, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=2, warps_m3=2, unroll=8),
+    # d=256 BM=64 unroll 4: 248/259, 237/256 against 204/212, 197/210 for BM=32 unroll 2. Its 208 KB
+    # of shared memory need a Hopper-sized SM; _SMALL_SMEM below is what smaller ones get.
+    256: BwdConfig(256, block_n=64, block_m=64, warps=8, warps_n1=4, warps_n2=2, warps_m3=2, unroll=4,
+                   dq_block_m=64, dq_block_n=32),
+}
+# Used instead of the table's config on a GPU whose per-block shared memory (opt-in) is smaller than
+# what the table's config needs, e.g. an A100 (163 KB) for d=256. Every table config of the other
+# head dims fits 163 KB.
+_SMALL_SMEM = {
     256: BwdConfig(256, block_n=64, block_m=32, warps=8, warps_n1=4, warps_n2=2, warps_m3=2, unroll=2,
                    dq_block_m=64, dq_block_n=32),
 }
@@ -174,6 +187,19 @@ _CONFIGS: dict[tuple[int, bool], BwdConfig] = {(d, c): cfg for d, cfg in _BASE.i
 # loops of phases 1 and 3 fully, so ptxas can load the next k step's fragments during this step's
 # mma (with unroll=2 every step waits for its own ldmatrix results).
 _TUNING: dict[int, tuple[BwdConfig, ...]] = {
+    32: (
+        BwdConfig(32, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=4, unroll=2),
+        BwdConfig(32, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=4, unroll=8),
+    ),
+    96: (
+        BwdConfig(96, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=4, unroll=2),
+        BwdConfig(96, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=8, warps_m3=4, unroll=2),
+    ),
+    256: (
+        _SMALL_SMEM[256],
+        BwdConfig(256, block_n=64, block_m=64, warps=8, warps_n1=4, warps_n2=2, warps_m3=2, unroll=2,
+                  dq_block_m=64, dq_block_n=32),
+    ),
     64: (
         BwdConfig(64, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=2, unroll=4),
         BwdConfig(64, block_n=128, block_m=128, warps=8, warps_n1=4, warps_n2=2, warps_m3=4, unroll=4),
@@ -186,13 +212,20 @@ _TUNING: dict[int, tuple[BwdConfig, ...]] = {
 }
 
 
-def default_config(head_dim: int, causal: bool, dtype=None) -> BwdConfig:
+def default_config(head_dim: int, causal: bool, dtype=None, max_smem: int | None = None) -> BwdConfig:
     """The table's config for (head_dim, causal); dtype is accepted for symmetry (fp16 and bf16
-    share tiles)."""
+    share tiles). With ``max_smem`` (bytes of dynamic shared memory a block may use on the target
+    GPU), a config that needs more is replaced by the head dim's small-shared-memory config."""
     try:
-        return _CONFIGS[(int(head_dim), bool(causal))]
+        cfg = _CONFIGS[(int(head_dim), bool(causal))]
     except KeyError:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}") from None
+    if max_smem is not None and max(cfg.main_smem, cfg.dq_smem) > max_smem:
+        small = _SMALL_SMEM.get(cfg.head_dim)
+        if small is None or max(small.main_smem, small.dq_smem) > max_smem:
+            raise ValueError(f"no backward config for head_dim {head_dim} fits {max_smem} B of shared memory")
+        cfg = small
+    return cfg
 
 
 def tuning_candidates(head_dim: int, causal: bool, dtype=None) -> list[BwdConfig]:
@@ -208,7 +241,7 @@ def tuning_candidates(head_dim: int, causal: bool, dtype=None) -> list[BwdConfig
 
 def _all_configs() -> list[BwdConfig]:
     seen: list[BwdConfig] = []
-    for cfg in list(_CONFIGS.values()) + [c for cs in _TUNING.values() for c in cs]:
+    for cfg in list(_CONFIGS.values()) + list(_SMALL_SMEM.values()) + [c for cs in _TUNING.values() for c in cs]:
         if cfg not in seen:
             seen.append(cfg)
     return seen
@@ -376,7 +409,9 @@ def launch_backward(
 
     cfg = _check_args(q, k, v, out, lse, dout, dq, dk, dv, scale, config)
     if config is None:
-        cfg = default_config(q.shape[3], causal)
+        from ..runtime import device_smem_optin
+
+        cfg = default_config(q.shape[3], causal, max_smem=device_smem_optin(q.device.index))
     if q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):
             return _launch(q, k, v, out, lse, dout, dq, dk, dv, bool(causal), float(scale), bool(deterministic), cfg)

@@ -69,15 +69,20 @@ DEFAULTS: dict[tuple[int, bool], FwdConfig] = {
     (32, True): C(128, 64, 4, 2),
     (64, False): C(128, 64, 4, 2),   # O 64 + S 64; 48 KB smem (N=128 spills at 255 regs)
     (64, True): C(128, 64, 4, 2),
-    (96, False): C(128, 64, 8, 2),   # 16 rows/warp, Q in registers (32 rows x d=96 spills)
-    (96, True): C(128, 64, 8, 2),
+    # d=96 and d=256 by measurement (bench attention --tune --head-dim D --seq 4096 --seq 16384,
+    # bf16, H200, 2026-11-29; docs/attention_fwd.md): d=96 128x64/w4/s2 335/339 non-causal and
+    # 309/331 causal TFLOP/s against 259/270 and 252/277 for 128x64/w8/s2.
+    (96, False): C(128, 64, 4, 2),   # 32 rows/warp: O 96 + S 64 regs; 72 KB smem
+    (96, True): C(128, 64, 4, 2),
     # 32 rows/warp: O 128 + S 64 regs, 255 in all with 0 spills; 96 KB -> 2 CTAs (8 warps)/SM.
     # Chosen by measurement (bench attention --tune, H200, 2026-11-29, N=2048/16384 bf16):
     # 352/367 TFLOP/s non-causal and 287/354 causal, against 340/356 and 272/348 for 128x32/w4/s2.
     (128, False): C(128, 64, 4, 2),
     (128, True): C(128, 64, 4, 2),
+    # d=256: 64x32/w4/s2 285/282 non-causal against 272/281 for 128x32/w8/s2; causal 272/273
+    # against 267/288, so causal takes 128x32/w8/s2 (the long sequences gain more than N=4096 loses).
     (256, False): C(64, 32, 4, 2),   # 16 rows/warp (O alone is 128 regs); 96 KB -> 2 CTAs/SM
-    (256, True): C(64, 32, 4, 2),
+    (256, True): C(128, 32, 8, 2),   # 16 rows/warp, 8 warps; 128 KB -> 1 CTA/SM
 }
 
 # Extra candidates timed by the tuning benchmark (bf16 only, to keep CI compile time moderate;
@@ -91,11 +96,15 @@ _EXTRA_D128 = (
     C(128, 32, 4, 2), C(128, 48, 4, 2), C(128, 32, 4, 3), C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 128, 8, 2),
 )
 _EXTRA_D64 = (C(128, 32, 4, 2), C(128, 64, 4, 3), C(128, 128, 8, 2), C(64, 64, 4, 2))
+# d = 32, 96, 256: the other configs that compile without spills, timed against the default by
+# the same benchmark (docs/attention_fwd.md).
+_EXTRA_D32 = (C(128, 128, 4, 2), C(64, 64, 4, 2))
+_EXTRA_D96 = (C(128, 64, 8, 2), C(128, 32, 8, 2), C(64, 64, 4, 2))
+_EXTRA_D256 = (C(64, 32, 4, 2), C(64, 64, 4, 2), C(128, 32, 8, 2), C(64, 32, 4, 3))
 EXTRA_BF16: dict[tuple[int, bool], tuple[FwdConfig, ...]] = {
-    (128, False): _EXTRA_D128,
-    (128, True): _EXTRA_D128,
-    (64, False): _EXTRA_D64,
-    (64, True): _EXTRA_D64,
+    (d, causal): extra
+    for d, extra in ((32, _EXTRA_D32), (64, _EXTRA_D64), (96, _EXTRA_D96), (128, _EXTRA_D128), (256, _EXTRA_D256))
+    for causal in (False, True)
 }
 
 

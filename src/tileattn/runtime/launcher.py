@@ -61,7 +61,7 @@ class LoadedKernel:
         """Raise the kernel's dynamic shared-memory cap to `nbytes` (needed above 48 KB)."""
         if nbytes <= self._dynamic_smem_limit:
             return
-        optin = _device_smem_optin(self.device_index)
+        optin = device_smem_optin(self.device_index)
         static = self.resources.static_smem_bytes if self.resources else 0
         if nbytes + static > optin:
             raise LaunchError(
@@ -78,7 +78,7 @@ class LoadedKernel:
 
 
 @lru_cache(maxsize=None)
-def _device_smem_optin(device_index: int) -> int:
+def device_smem_optin(device_index: int) -> int:
     from cuda.core import Device
 
     return int(Device(device_index).properties.max_shared_memory_per_block_optin)
