@@ -13,8 +13,9 @@ torch.cuda.graph):
    batch) recomputes P and dS and accumulates dQ in registers (no atomics: bit-identical runs).
 
 Tile configurations come from ONE table, ``_CONFIGS`` keyed by (head_dim, causal); fp16 and bf16
-share it. ``tuning_candidates`` adds a few d=128 variants for the tuning benchmark. Every
-instantiation of every config in the table and the candidates is registered in ``FAMILIES`` so
+share it; ``_SMALL_SMEM`` holds the configs for GPUs with less shared memory per block than a
+table entry needs (d=256 on an A100). ``tuning_candidates`` adds the runners-up of the last tuning
+run per head dim. Every instantiation of every config is registered in ``FAMILIES`` so
 ``tileattn check`` proves it compiles with zero spills for sm_90a and sm_80.
 """
 
@@ -191,23 +192,23 @@ _TUNING: dict[int, tuple[BwdConfig, ...]] = {
         BwdConfig(32, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=4, unroll=2),
         BwdConfig(32, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=4, unroll=8),
     ),
-    96: (
-        BwdConfig(96, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=4, unroll=2),
-        BwdConfig(96, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=8, warps_m3=4, unroll=2),
-    ),
-    256: (
-        _SMALL_SMEM[256],
-        BwdConfig(256, block_n=64, block_m=64, warps=8, warps_n1=4, warps_n2=2, warps_m3=2, unroll=2,
-                  dq_block_m=64, dq_block_n=32),
-    ),
     64: (
         BwdConfig(64, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=2, unroll=4),
         BwdConfig(64, block_n=128, block_m=128, warps=8, warps_n1=4, warps_n2=2, warps_m3=4, unroll=4),
+    ),
+    96: (
+        BwdConfig(96, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=4, unroll=2),
+        BwdConfig(96, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=8, warps_m3=4, unroll=2),
     ),
     128: (
         BwdConfig(128, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=2, unroll=8),
         BwdConfig(128, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=2, unroll=2),
         BwdConfig(128, block_n=128, block_m=64, warps=8, warps_n1=8, warps_n2=4, warps_m3=2, unroll=2),
+    ),
+    256: (
+        _SMALL_SMEM[256],
+        BwdConfig(256, block_n=64, block_m=64, warps=8, warps_n1=4, warps_n2=2, warps_m3=2, unroll=2,
+                  dq_block_m=64, dq_block_n=32),
     ),
 }
 
