@@ -36,7 +36,7 @@ import torch
 
 from tileattn import kernels
 from tileattn.kernels import gemm as reg
-from tileattn.bench.report import fmt_number
+from tileattn.bench.report import fmt_cell
 from tileattn.runtime import LoadedKernel, launch, require_gpu
 
 FULL_SIZES = ((4096, 4096, 4096), (8192, 8192, 8192), (4096, 1024, 8192), (1000, 1001, 999), (4097, 4097, 4097))
@@ -511,14 +511,7 @@ def print_table(records: list[dict]) -> None:
     heads = ("impl", "ms", "TFLOP/s", "%cuBLAS", "rel err", "regs", "smem", "dyn", "spill", "occ", "LDG128", "LDS",
              "LDSM", "LDGSTS", "HMMA", "HGMMA", "UTMALDG", "LDL/STL")
 
-    def fmt(k, v):
-        if v is None:
-            return "-"
-        if k == "occupancy":
-            return f"{100 * v:.0f}%"
-        if k == "rel_err":
-            return f"{v:.1e}"
-        return fmt_number(v)
+    kinds = {"occupancy": "frac", "rel_err": "err"}
 
     by_size: dict[str, list[dict]] = {}
     for r in records:
@@ -528,7 +521,7 @@ def print_table(records: list[dict]) -> None:
         print("| " + " | ".join(heads) + " |")
         print("|" + "---|" * len(heads))
         for r in recs:
-            cells = [fmt(k, r.get(k)) for k in cols]
+            cells = [fmt_cell(r.get(k), kinds.get(k, "")) for k in cols]
             if r.get("error"):
                 cells[1] = "ERROR"
             elif r.get("correct") is False:

@@ -15,17 +15,7 @@ import argparse
 from pathlib import Path
 
 from tileattn.bench import read_run
-from tileattn.bench.report import environment_line, fmt_number, markdown_table, plot
-
-
-def _fmt(v, kind=""):
-    if v is None:
-        return "-"
-    if kind == "pct":
-        return f"{v:.0f}%"
-    if kind == "err":
-        return f"{v:.1e}"
-    return fmt_number(v)
+from tileattn.bench.report import environment_line, fmt_cell, markdown_table, plot
 
 
 def _env(env: dict) -> str:
@@ -39,7 +29,7 @@ def _iqr(r: dict) -> str:
 
 
 def _md(rows: list[list], heads: list[str]) -> list[str]:
-    return ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)] + ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    return ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)] + ["| " + " | ".join(fmt_cell(c) for c in row) + " |" for row in rows]
 
 
 def gemm_report(path: Path, out: Path) -> Path:
@@ -82,7 +72,7 @@ def gemm_report(path: Path, out: Path) -> Path:
               "skipped at the large sizes; rung 9's stage sweep only on aligned sizes).", ""]
     cols = [("impl", ""), ("median_ms", ""), ("iqr", ""), ("tflops", ""), ("pct_cublas", "pct"), ("rel_err", "err"),
             ("registers", ""), ("static_smem", ""), ("dynamic_smem", ""), ("spill_bytes", ""), ("blocks_per_sm", ""),
-            ("occupancy", "occ"),
+            ("occupancy", "frac"),
             ("sass_FFMA", ""), ("sass_LDG.E.128", ""), ("sass_LDS", ""), ("sass_LDS.128", ""), ("sass_LDSM", ""),
             ("sass_LDGSTS", ""), ("sass_HMMA", ""), ("sass_HGMMA", ""), ("sass_UTMALDG", ""), ("sass_LDL/STL", "")]
     heads = ["impl", "ms", "IQR ms", "TFLOP/s", "% cuBLAS", "rel err", "regs", "smem", "dyn smem", "spill B", "blocks/SM",
@@ -97,7 +87,7 @@ def gemm_report(path: Path, out: Path) -> Path:
             cells = []
             for k, kind in cols:
                 v = _iqr(r) if k == "iqr" else r.get(k)
-                cells.append(f"{100 * v:.0f}%" if (kind == "occ" and v is not None) else _fmt(v, kind))
+                cells.append(fmt_cell(v, kind))
             if r.get("error"):
                 cells[1] = "ERROR: " + r["error"][:80].replace("|", "/")
             elif r.get("correct") is False:

@@ -20,6 +20,20 @@ def fmt_number(v, digits: int = 3) -> str:
     return str(v)
 
 
+def fmt_cell(v, kind: str = "") -> str:
+    """A table cell by kind: "frac" a fraction shown as a percentage, "pct" a value already in
+    percent, "err" a relative error; anything else goes to fmt_number. "-" for None."""
+    if v is None:
+        return "-"
+    if kind == "frac":
+        return f"{100 * v:.0f}%"
+    if kind == "pct":
+        return f"{v:.0f}%"
+    if kind == "err":
+        return f"{v:.1e}"
+    return fmt_number(v)
+
+
 def environment_line(env: dict) -> str:
     keys = ("gpu", "driver", "torch", "torch_cuda", "nvrtc", "cuda_core", "triton", "date_utc")
     return "; ".join(f"{k}: {env.get(k)}" for k in keys if env.get(k) is not None) + f"; command: `{env.get('command')}`"

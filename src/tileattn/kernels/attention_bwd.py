@@ -262,8 +262,8 @@ FAMILIES = (Family(name=FAMILY_NAME, source=SOURCE, instantiations=_instantiatio
 
 
 # ---- argument checks -------------------------------------------------------------------------
-def _check_args(q, k, v, out, lse, dout, dq, dk, dv, scale, config) -> BwdConfig:
-    """Validate everything the kernels rely on; return the config to use. ValueError on failure."""
+def _check_args(q, k, v, out, lse, dout, dq, dk, dv, scale, config) -> None:
+    """Validate everything the kernels rely on, ``config`` included. ValueError on failure."""
     import torch
 
     named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dq": dq, "dk": dk, "dv": dv}
@@ -316,14 +316,10 @@ def _check_args(q, k, v, out, lse, dout, dq, dk, dv, scale, config) -> BwdConfig
             )
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, got {scale!r}")
-    if config is None:
-        cfg = default_config(d, False)
-    elif not isinstance(config, BwdConfig):
+    if config is not None and not isinstance(config, BwdConfig):
         raise ValueError(f"config must be a BwdConfig, got {type(config).__name__}")
-    elif config.head_dim != d:
+    if config is not None and config.head_dim != d:
         raise ValueError(f"config is for head_dim {config.head_dim}, tensors have head_dim {d}")
-    else:
-        cfg = config
     devices = {t.device for t in named.values()}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(str(x) for x in devices)}")
@@ -339,7 +335,6 @@ def _check_args(q, k, v, out, lse, dout, dq, dk, dv, scale, config) -> BwdConfig
         for r in reads + [named[o] for o in ("dq", "dk", "dv")[i + 1:]]:
             if _overlap(g, r):
                 raise ValueError(f"{name} overlaps another argument; pass fresh gradient buffers")
-    return cfg
 
 
 def _overlap(a, b) -> bool:
@@ -408,8 +403,9 @@ def launch_backward(
     """
     import torch
 
-    cfg = _check_args(q, k, v, out, lse, dout, dq, dk, dv, scale, config)
-    if config is None:
+    _check_args(q, k, v, out, lse, dout, dq, dk, dv, scale, config)
+    cfg = config
+    if cfg is None:
         from ..runtime import device_smem_optin
 
         cfg = default_config(q.shape[3], causal, max_smem=device_smem_optin(q.device.index))
