@@ -72,6 +72,19 @@ def test_default_config_rejects_unknown_head_dim():
         ab.default_config(48, False)
 
 
+def test_default_config_shared_memory_limit():
+    # The d=256 table config needs more than an A100's 163 KB; the fallback fits, nothing fits 64 KB.
+    assert ab.default_config(256, False).main_smem > 163 * 1024
+    small = ab.default_config(256, False, max_smem=163 * 1024)
+    assert small.main_smem <= 163 * 1024 and small != ab.default_config(256, False)
+    assert ab.default_config(128, True, max_smem=227 * 1024) == ab.default_config(128, True)
+    with pytest.raises(ValueError, match="fits"):
+        ab.default_config(256, False, max_smem=64 * 1024)
+    for bad in (0, -1, "163k", 1.5, True):
+        with pytest.raises(ValueError, match="max_smem"):
+            ab.default_config(128, False, max_smem=bad)
+
+
 def test_config_validation():
     with pytest.raises(ValueError):
         ab.BwdConfig(128, block_n=128, block_m=48, warps=8, warps_n1=4, warps_n2=4, warps_m3=2)

@@ -5,7 +5,7 @@ import torch
 
 from tileattn import kernels
 from tileattn.check import format_table, run_check
-from tileattn.runtime import CompileError, NoGPUError, compile_cuda, load_kernel, parse_ptxas_log
+from tileattn.runtime import CompileError, NoGPUError, compile_cuda, device_smem_optin, load_kernel, parse_ptxas_log
 
 
 @pytest.fixture(autouse=True)
@@ -78,6 +78,8 @@ def test_no_gpu_error():
     fam = kernels.family("vector_add")
     with pytest.raises(NoGPUError, match="torch.cuda.is_available"):
         load_kernel(fam.path, "vector_add_scalar")
+    with pytest.raises(NoGPUError, match="torch.cuda.is_available"):
+        device_smem_optin(0)
 
 
 def test_check_table_for_vector_add():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tileattn.runtime import LaunchError, launch, load_kernel
+from tileattn.runtime import LaunchError, device_smem_optin, launch, load_kernel
 
 PROBE = Path(__file__).parent / "kernels" / "smem_probe.cu"
 pytestmark = pytest.mark.gpu
@@ -29,6 +29,13 @@ def test_shared_memory_over_device_limit_is_refused():
     x = torch.randn(16, device="cuda")
     with pytest.raises(LaunchError, match="allows"):
         launch(kernel, (1,), (32,), (x.data_ptr(), x.data_ptr(), np.int32(16)), smem=limit + 1024)
+
+
+def test_device_smem_optin_matches_torch_and_rejects_bad_indices():
+    assert device_smem_optin(0) == torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    for bad in (-1, torch.cuda.device_count(), "0", True):
+        with pytest.raises(ValueError, match="device_index"):
+            device_smem_optin(bad)
 
 
 def test_launch_orders_with_torch_stream():

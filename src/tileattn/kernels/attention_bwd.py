@@ -221,6 +221,8 @@ def default_config(head_dim: int, causal: bool, dtype=None, max_smem: int | None
         cfg = _CONFIGS[(int(head_dim), bool(causal))]
     except KeyError:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}") from None
+    if max_smem is not None and (isinstance(max_smem, bool) or not isinstance(max_smem, int) or max_smem <= 0):
+        raise ValueError(f"max_smem must be a positive number of bytes, got {max_smem!r}")
     if max_smem is not None and max(cfg.main_smem, cfg.dq_smem) > max_smem:
         small = _SMALL_SMEM.get(cfg.head_dim)
         if small is None or max(small.main_smem, small.dq_smem) > max_smem:

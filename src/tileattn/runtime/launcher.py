@@ -79,6 +79,17 @@ class LoadedKernel:
 
 @lru_cache(maxsize=None)
 def device_smem_optin(device_index: int) -> int:
+    """Bytes of shared memory one block may use on CUDA device `device_index` (the opt-in limit:
+    227 KB on an H100/H200, 163 KB on an A100). NoGPUError without a GPU, ValueError for an index
+    that names no device."""
+    import torch
+
+    require_gpu()
+    if isinstance(device_index, bool) or not isinstance(device_index, int) or not (
+        0 <= device_index < torch.cuda.device_count()
+    ):
+        count = torch.cuda.device_count()
+        raise ValueError(f"device_index must name one of the {count} CUDA devices, got {device_index!r}")
     from cuda.core import Device
 
     return int(Device(device_index).properties.max_shared_memory_per_block_optin)
