@@ -45,14 +45,14 @@ def child(args) -> None:
     out = tileattn.attention(q, k, v, causal=args.causal)
     torch.cuda.synchronize()
     if args.backward and args.bwd_config:
-        from tileattn.kernels import attention_bwd
+        from tileattn.kernels import attention_bwd_sm80
 
-        by_name = {c.name: c for c in attention_bwd.tuning_candidates(d, args.causal)}
+        by_name = {c.name: c for c in attention_bwd_sm80.tuning_candidates(d, args.causal)}
         if args.bwd_config not in by_name:
             raise SystemExit(f"unknown --bwd-config {args.bwd_config}; candidates: {sorted(by_name)}")
         out, lse = torch.ops.tileattn.attention_fwd(q.detach(), k.detach(), v.detach(), args.causal, d**-0.5, False)
         grads = [torch.empty_like(t) for t in (q, k, v)]
-        attention_bwd.launch_backward(q.detach(), k.detach(), v.detach(), out.detach(), lse, dout, *grads,
+        attention_bwd_sm80.launch_backward(q.detach(), k.detach(), v.detach(), out.detach(), lse, dout, *grads,
                                       causal=args.causal, scale=d**-0.5, deterministic=False,
                                       config=by_name[args.bwd_config])
     elif args.backward:

@@ -17,7 +17,7 @@ import torch
 
 import tileattn
 from tileattn import api
-from tileattn.kernels import attention_fwd, family
+from tileattn.kernels import attention_fwd_sm80, family
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -190,9 +190,9 @@ def expected_instantiations():
     for d in (32, 64, 96, 128, 256):
         for causal in (False, True):
             for bf16 in (False, True):
-                cfgs = [attention_fwd.DEFAULTS[(d, causal)]]
+                cfgs = [attention_fwd_sm80.DEFAULTS[(d, causal)]]
                 if bf16:
-                    cfgs += [c for c in attention_fwd.EXTRA_BF16.get((d, causal), ()) if c not in cfgs]
+                    cfgs += [c for c in attention_fwd_sm80.EXTRA_BF16.get((d, causal), ()) if c not in cfgs]
                 for c in cfgs:
                     out.append(
                         f"tileattn::attention_fwd_sm80<{d}, {c.block_m}, {c.block_n}, {c.warps}, {c.stages}, "
@@ -213,7 +213,7 @@ def test_registry_lists_the_forward_instantiations():
 
 def test_every_config_is_valid_for_the_kernel():
     """The kernel's static_asserts, checked here so a bad table entry fails without a compiler."""
-    for (d, _), cfgs in [(k, (v,)) for k, v in attention_fwd.DEFAULTS.items()] + list(attention_fwd.EXTRA_BF16.items()):
+    for (d, _), cfgs in [(k, (v,)) for k, v in attention_fwd_sm80.DEFAULTS.items()] + list(attention_fwd_sm80.EXTRA_BF16.items()):
         for c in cfgs:
             rows = c.block_m // c.warps
             assert c.block_m % (16 * c.warps) == 0 and rows in (16, 32), c
@@ -228,27 +228,27 @@ def test_every_config_is_valid_for_the_kernel():
 @pytest.mark.parametrize("dtype", [FP16, BF16])
 def test_a_config_is_picked_for_every_case(d, causal, dtype):
     fam = family("attention_fwd_sm80")
-    cfg = attention_fwd.default_config(d, causal, dtype)
-    expr = attention_fwd.expression(d, cfg, causal, dtype == BF16)
+    cfg = attention_fwd_sm80.default_config(d, causal, dtype)
+    expr = attention_fwd_sm80.expression(d, cfg, causal, dtype == BF16)
     assert fam.require(expr) == expr
-    cands = attention_fwd.tuning_candidates(d, causal, dtype)
+    cands = attention_fwd_sm80.tuning_candidates(d, causal, dtype)
     assert cands[0] == cfg
     for c in cands:
-        fam.require(attention_fwd.expression(d, c, causal, dtype == BF16))
+        fam.require(attention_fwd_sm80.expression(d, c, causal, dtype == BF16))
     if dtype == BF16 and d in (64, 128):
         assert len(cands) > 1  # tuning candidates for the benchmarked head dims
 
 
 def test_tuning_candidates_reject_bad_arguments():
     with pytest.raises(ValueError, match="head dim 80"):
-        attention_fwd.tuning_candidates(80, False, BF16)
+        attention_fwd_sm80.tuning_candidates(80, False, BF16)
     with pytest.raises(ValueError, match="float16 and bfloat16"):
-        attention_fwd.tuning_candidates(128, False, torch.float32)
-    assert attention_fwd.tuning_candidates(128, True, "bf16") == attention_fwd.tuning_candidates(128, True, BF16)
+        attention_fwd_sm80.tuning_candidates(128, False, torch.float32)
+    assert attention_fwd_sm80.tuning_candidates(128, True, "bf16") == attention_fwd_sm80.tuning_candidates(128, True, BF16)
 
 
 def test_config_geometry():
-    c = attention_fwd.FwdConfig(128, 32, 4, 2)
+    c = attention_fwd_sm80.FwdConfig(128, 32, 4, 2)
     assert c.threads == 128 and c.rows_per_warp == 32
     assert c.smem_bytes(128) == 2 * 128 * (128 + 2 * 2 * 32)
     assert str(c) == "128x32/w4/s2"
@@ -259,7 +259,7 @@ def test_default_d128_compiles_without_spills_for_sm90a():
     from tileattn.runtime import compile_cuda
 
     fam = family("attention_fwd_sm80")
-    expr = attention_fwd.expression(128, attention_fwd.DEFAULTS[(128, False)], False, True)
+    expr = attention_fwd_sm80.expression(128, attention_fwd_sm80.DEFAULTS[(128, False)], False, True)
     mod = compile_cuda(fam.path, [expr], "sm_90a")
     res = mod.resources[expr]
     assert res.spills == 0 and res.stack_bytes == 0, res

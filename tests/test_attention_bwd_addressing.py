@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from tileattn.kernels import attention_bwd as ab
+from tileattn.kernels import attention_bwd_sm80 as ab
 
 
 def pitch_chunks(cols: int) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tileattn.kernels import attention_bwd as ab
+from tileattn.kernels import attention_bwd_sm80 as ab
 from tileattn.kernels import families
 
 HEAD_DIMS = (32, 64, 96, 128, 256)

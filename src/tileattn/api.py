@@ -183,7 +183,7 @@ def _attention_fwd(
     """(out [B, H, Nq, d] input dtype, lse [B, H, Nq] fp32). `deterministic` is for the backward."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_pointer(name, t)
-    from .kernels.attention_fwd import launch_forward
+    from .kernels.attention_fwd_sm80 import launch_forward
 
     out = torch.empty_like(q)  # q's layout when q is dense (a transposed [B, N, H, d] stays so)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -202,7 +202,7 @@ def _attention_bwd(
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the layouts of q, k, v (contiguous when those are not dense)."""
-    from .kernels.attention_bwd import launch_backward  # the backward family may land later
+    from .kernels.attention_bwd_sm80 import launch_backward  # the backward family may land later
 
     if not _kernel_layout_ok(dout):  # e.g. the stride-0 expanded gradient of out.sum()
         dout = dout.contiguous()

@@ -1,4 +1,4 @@
-"""GPU tests of the sm_80-path attention backward (tileattn.kernels.attention_bwd.launch_backward).
+"""GPU tests of the sm_80-path attention backward (tileattn.kernels.attention_bwd_sm80.launch_backward).
 
 The kernels are called directly, with out and lse computed by tileattn.reference in float64 (out
 then cast to the input dtype), so these tests do not depend on the forward kernel. Gradients are
@@ -47,13 +47,13 @@ def _warm_compile_cache():
     single-threaded and holds the GIL); the tests then only load cubins from the disk cache."""
     if not torch.cuda.is_available() or os.environ.get("TILEATTN_SANITIZER"):
         return  # under compute-sanitizer the cache is already warm, and child processes crash racecheck
-    from tileattn.kernels.attention_bwd import precompile
+    from tileattn.kernels.attention_bwd_sm80 import precompile
 
     precompile()
 
 
 def _bwd():
-    from tileattn.kernels import attention_bwd
+    from tileattn.kernels import attention_bwd_sm80
 
     return attention_bwd
 

@@ -84,7 +84,7 @@ def check(out, lse, q, k, v, causal, scale, *, tol=None, what=""):
 
 def launch(q, k, v, causal, scale, config=None, out=None):
     """Launch layer directly, with NaN-poisoned outputs."""
-    from tileattn.kernels.attention_fwd import launch_forward
+    from tileattn.kernels.attention_fwd_sm80 import launch_forward
 
     if out is None:
         out = torch.full_like(q, float("nan"))
@@ -197,7 +197,7 @@ def test_sliced_padded_buffers(d):
 
 
 def test_huge_kv_row_stride_falls_back_to_a_copy():
-    from tileattn.kernels.attention_fwd import MAX_KV_ROW_STRIDE
+    from tileattn.kernels.attention_fwd_sm80 import MAX_KV_ROW_STRIDE
 
     d, nk = 64, 3
     base = torch.randn(nk * MAX_KV_ROW_STRIDE // d + 1, d, device="cuda").to(BF16)  # ~2^24 * 3 elements
@@ -263,7 +263,7 @@ def test_custom_scale_and_lse_units():
 # Every registered tile configuration (what the tuning benchmark may pick)
 # ---------------------------------------------------------------------------------------------
 def _all_candidates():
-    from tileattn.kernels import attention_fwd as af
+    from tileattn.kernels import attention_fwd_sm80 as af
 
     out = []
     for d in HEAD_DIMS:
@@ -304,7 +304,7 @@ def test_torch_compile_fullgraph():
 
 
 def test_torch_compile_fullgraph_with_backward():
-    pytest.importorskip("tileattn.kernels.attention_bwd")
+    pytest.importorskip("tileattn.kernels.attention_bwd_sm80")
     q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 2, 100, 130, 64, BF16, seed=8))
 
     def loss(q, k, v):

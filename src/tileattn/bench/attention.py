@@ -123,10 +123,10 @@ def correctness_check(dtype) -> list[str]:
 
 def _backward_error(cfg, small, out, lse, dout, causal: bool, scale: float, grads_ref) -> float:
     """Largest relative error of one backward config's dq, dk, dv against float64 autograd."""
-    from tileattn.kernels import attention_bwd
+    from tileattn.kernels import attention_bwd_sm80
 
     grads = [torch.full_like(t, float("nan")) for t in small]
-    attention_bwd.launch_backward(*small, out, lse, dout, *grads, causal=causal, scale=scale, deterministic=False,
+    attention_bwd_sm80.launch_backward(*small, out, lse, dout, *grads, causal=causal, scale=scale, deterministic=False,
                                   config=cfg)
     return max(float((g.double() - r).norm() / r.norm()) for g, r in zip(grads, grads_ref))
 
@@ -135,7 +135,7 @@ def tune(dtype, head_dim: int, seq_lens, reps: int, forward: bool = True, backwa
     """Time every registered candidate tile config of the forward and/or backward kernels, each
     validated first on a small irregular slice (relative error against float64, in the record)."""
     from tileattn import reference
-    from tileattn.kernels import attention_fwd
+    from tileattn.kernels import attention_fwd_sm80
 
     records = []
     b, h = 4, 32
@@ -149,20 +149,20 @@ def tune(dtype, head_dim: int, seq_lens, reps: int, forward: bool = True, backwa
             scale = 1.0 / math.sqrt(head_dim)
             small = [t[:1, :2, :257] for t in (q, k, v)]
             ref, _ = reference.attention(*small, causal=causal, compute_dtype=torch.float64)
-            for cfg in attention_fwd.tuning_candidates(head_dim, causal, dtype) if forward else ():
+            for cfg in attention_fwd_sm80.tuning_candidates(head_dim, causal, dtype) if forward else ():
                 o_small = torch.full_like(small[0], float("nan"))
                 l_small = torch.empty(1, 2, 257, device="cuda", dtype=torch.float32)
-                attention_fwd.launch_forward(*small, o_small, l_small, causal=causal, scale=scale, config=cfg)
+                attention_fwd_sm80.launch_forward(*small, o_small, l_small, causal=causal, scale=scale, config=cfg)
                 err = float((o_small.double() - ref).norm() / ref.norm())
-                t = measure(lambda: attention_fwd.launch_forward(q, k, v, out, lse, causal=causal, scale=scale,
+                t = measure(lambda: attention_fwd_sm80.launch_forward(q, k, v, out, lse, causal=causal, scale=scale,
                                                                  config=cfg), reps=reps, memory=False)
                 records.append({"suite": "tune", "pass": "fwd", "config": str(cfg), "n": n, "causal": causal,
                                 "rel_err": err, "tflops": flops(b, h, n, n, head_dim, causal, False) / (t.median_ms * 1e-3) / 1e12,
                                 **t.as_dict()})
-            attention_fwd.launch_forward(q, k, v, out, lse, causal=causal, scale=scale)
+            attention_fwd_sm80.launch_forward(q, k, v, out, lse, causal=causal, scale=scale)
             if not backward:
                 continue
-            from tileattn.kernels import attention_bwd
+            from tileattn.kernels import attention_bwd_sm80
 
             # Reference gradients of the small slice: float64 autograd through tileattn.reference.
             small64 = [t.detach().double().requires_grad_() for t in small]
@@ -171,10 +171,10 @@ def tune(dtype, head_dim: int, seq_lens, reps: int, forward: bool = True, backwa
             grads_ref = torch.autograd.grad(ref64, small64, dout_small.double())
             o_small = torch.empty_like(small[0])
             l_small = torch.empty(1, 2, 257, device="cuda", dtype=torch.float32)
-            attention_fwd.launch_forward(*small, o_small, l_small, causal=causal, scale=scale)
-            for cfg in attention_bwd.tuning_candidates(head_dim, causal, dtype):
+            attention_fwd_sm80.launch_forward(*small, o_small, l_small, causal=causal, scale=scale)
+            for cfg in attention_bwd_sm80.tuning_candidates(head_dim, causal, dtype):
                 err = _backward_error(cfg, small, o_small, l_small, dout_small, causal, scale, grads_ref)
-                t = measure(lambda: attention_bwd.launch_backward(q, k, v, out, lse, dout, dq, dk, dv, causal=causal,
+                t = measure(lambda: attention_bwd_sm80.launch_backward(q, k, v, out, lse, dout, dq, dk, dv, causal=causal,
                                                                   scale=scale, deterministic=False, config=cfg),
                             reps=reps, memory=False)
                 records.append({"suite": "tune", "pass": "bwd", "config": str(cfg), "n": n, "causal": causal,

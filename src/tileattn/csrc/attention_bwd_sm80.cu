@@ -40,7 +40,7 @@
 // compile-time constant on a per-lane base address, LdsmLane below) and immediate offsets. The
 // first version rebuilt each address from (row, chunk) with 4-5 integer instructions and executed
 // 1.69x FlashAttention-2's instruction count for the same 320 HMMA per warp and query block
-// (ncu on the H200, docs/attention_bwd.md).
+// (ncu on the H200, docs/attention_bwd_sm80.md).
 #include "common/sm80.cuh"
 
 namespace tileattn {

@@ -157,7 +157,7 @@ def convert_expr(head_dim: int, bf16: bool) -> str:
 # masked diagonal tiles cost the same per tile); they are separate keys so tuning can split them.
 _BASE = {
     # d = 32, 96, 256: bench attention --tune --head-dim D --seq 4096 --seq 16384 (bf16, H200,
-    # 2026-11-29), non-causal / causal TFLOP/s at N=4096 and 16384, docs/attention_bwd.md:
+    # 2026-11-29), non-causal / causal TFLOP/s at N=4096 and 16384, docs/attention_bwd_sm80.md:
     # d=32 BM=128: 194/204, 181/201 against 167/174, 156/171 for BM=64.
     32: BwdConfig(32, block_n=128, block_m=128, warps=8, warps_n1=4, warps_n2=4, warps_m3=4, unroll=2),
     # BM=128: 249/263 TFLOP/s against 223/236 for BM=64 (N=4096/16384 non-causal bf16, H200,
@@ -167,7 +167,7 @@ _BASE = {
     96: BwdConfig(96, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=4, unroll=8),
     # Phase-1 warp tile 32 keys x 32 queries (FA2's), phase-2 64 keys x 32 dims, k loops unrolled:
     # 313/330 TFLOP/s non-causal and 290/325 causal at N=4096/16384 (bf16, H200, bench attention
-    # --tune, 2026-11-29); docs/attention_bwd.md has the steps that led here.
+    # --tune, 2026-11-29); docs/attention_bwd_sm80.md has the steps that led here.
     128: BwdConfig(128, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=2, warps_m3=2, unroll=8),
     # d=256 BM=64 unroll 4: 248/259, 237/256 against 204/212, 197/210 for BM=32 unroll 2. Its 208 KB
     # of shared memory need a Hopper-sized SM; _SMALL_SMEM below is what smaller ones get.

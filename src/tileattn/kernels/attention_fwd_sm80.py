@@ -63,14 +63,14 @@ C = FwdConfig
 
 # The table: default config per (head dim, causal), for fp16 and bf16 alike. Register/smem notes
 # (sm_90a, ptxas -v; 32 rows per warp keep O and S in ~192 registers at d=128, see the .cu header
-# and docs/attention_fwd.md):
+# and docs/attention_fwd_sm80.md):
 DEFAULTS: dict[tuple[int, bool], FwdConfig] = {
     (32, False): C(128, 64, 4, 2),   # 32 rows/warp: O 32 + S 64 regs/thread; 40 KB smem
     (32, True): C(128, 64, 4, 2),
     (64, False): C(128, 64, 4, 2),   # O 64 + S 64; 48 KB smem (N=128 spills at 255 regs)
     (64, True): C(128, 64, 4, 2),
     # d=96 and d=256 by measurement (bench attention --tune --head-dim D --seq 4096 --seq 16384,
-    # bf16, H200, 2026-11-29; docs/attention_fwd.md): d=96 128x64/w4/s2 335/339 non-causal and
+    # bf16, H200, 2026-11-29; docs/attention_fwd_sm80.md): d=96 128x64/w4/s2 335/339 non-causal and
     # 309/331 causal TFLOP/s against 259/270 and 252/277 for 128x64/w8/s2.
     (96, False): C(128, 64, 4, 2),   # 32 rows/warp: O 96 + S 64 regs; 72 KB smem
     (96, True): C(128, 64, 4, 2),
@@ -91,13 +91,13 @@ DEFAULTS: dict[tuple[int, bool], FwdConfig] = {
 # key of 128x32; 255 registers, 0 spills, 96 KB -> 2 CTAs/SM); BLOCK_N=48 is the step between;
 # 3 stages hide more load latency (80 KB, still 2 CTAs/SM); the 8-warp configs hold Q in
 # registers at 16 rows/warp. (64x64/w4/s2 was dropped: slowest everywhere on the H200, 292-294
-# TFLOP/s non-causal; see docs/attention_fwd.md, Tuning log.)
+# TFLOP/s non-causal; see docs/attention_fwd_sm80.md, Tuning log.)
 _EXTRA_D128 = (
     C(128, 32, 4, 2), C(128, 48, 4, 2), C(128, 32, 4, 3), C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 128, 8, 2),
 )
 _EXTRA_D64 = (C(128, 32, 4, 2), C(128, 64, 4, 3), C(128, 128, 8, 2), C(64, 64, 4, 2))
 # d = 32, 96, 256: the other configs that compile without spills, timed against the default by
-# the same benchmark (docs/attention_fwd.md).
+# the same benchmark (docs/attention_fwd_sm80.md).
 _EXTRA_D32 = (C(128, 128, 4, 2), C(64, 64, 4, 2))
 _EXTRA_D96 = (C(128, 64, 8, 2), C(128, 32, 8, 2), C(64, 64, 4, 2))
 _EXTRA_D256 = (C(64, 32, 4, 2), C(64, 64, 4, 2), C(128, 32, 8, 2), C(64, 32, 4, 3))
