@@ -129,12 +129,31 @@ __device__ __forceinline__ void tma_load_3d(void* smem_dst, const TmaDescriptor*
       "l"(reinterpret_cast<u64>(desc)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
       : "memory");
 }
+// 4-D box (c0 innermost): attention tiles of a [B, H, N, d] tensor with any strides, as
+// (d, row, head, batch). The row bound of the map is N, so rows >= N of a box are zero-filled on
+// load (and skipped on store): one sequence's edge tile never touches the next head's rows.
+__device__ __forceinline__ void tma_load_4d(void* smem_dst, const TmaDescriptor* desc, int c0, int c1, int c2, int c3,
+                                            u64* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(smem_u32(smem_dst)),
+      "l"(reinterpret_cast<u64>(desc)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
+      : "memory");
+}
 // Shared -> global 2-D box store (bulk-group completion; out-of-bounds elements are not written).
 // The writing threads must fence_proxy_async() and synchronize before one thread issues it.
 __device__ __forceinline__ void tma_store_2d(const TmaDescriptor* desc, const void* smem_src, int c0, int c1) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
                    reinterpret_cast<u64>(desc)),
                "r"(c0), "r"(c1), "r"(smem_u32(smem_src))
+               : "memory");
+}
+// Shared -> global 4-D box store; box elements outside the tensor (rows >= N) are not written.
+__device__ __forceinline__ void tma_store_4d(const TmaDescriptor* desc, const void* smem_src, int c0, int c1, int c2,
+                                             int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+                   reinterpret_cast<u64>(desc)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(smem_src))
                : "memory");
 }
 __device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
@@ -148,6 +167,26 @@ __device__ __forceinline__ void tma_store_wait_read() {
 // (wgmma operand reads, TMA stores) once a barrier has been passed.
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// ---- named barriers ---------------------------------------------------------------------------
+// Synchronize `kThreads` threads (whole warps) on hardware barrier `id` (1..15; 0 is
+// __syncthreads). Lets one warpgroup synchronize without stalling the others.
+template <int kThreads>
+__device__ __forceinline__ void named_barrier_sync(int id) {
+  static_assert(kThreads % 32 == 0, "named barriers count whole warps");
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+}
+
+// ---- stmatrix: four 8x8 b16 matrices from the mma fragment layout into shared memory ----------
+// The inverse of ldmatrix.x4: register i holds (row g, columns 2t, 2t+1) of matrix i (g = lane / 4,
+// t = lane % 4), i.e. exactly one m16n8 accumulator half packed to 16 bits; lane l gives the
+// address of row (l % 8) of matrix (l / 8). One instruction writes 4 x 128 bytes: 16-byte rows,
+// so a swizzled destination keeps it free of bank conflicts.
+__device__ __forceinline__ void stmatrix_x4(u32 smem_row, u32 r0, u32 r1, u32 r2, u32 r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_row), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
 }
 
 // ---- setmaxnreg (sm_90a) ----------------------------------------------------------------------
@@ -186,6 +225,16 @@ __device__ __forceinline__ u64 make_smem_desc(const void* smem_tile, u32 leading
 // The common case: K-major, 128-byte rows, 128B swizzle (one TMA box of 64 x rows, 16-bit data).
 __device__ __forceinline__ u64 make_desc_k128_sw128(const void* smem_tile) {
   return make_smem_desc(smem_tile, 16, 1024, Swizzle::k128B);
+}
+
+// MN-major operand (wgmma's transposed B, e.g. V [keys][d] for O += P V: N = d is the contiguous
+// dimension), stored as TMA writes it with the 128-byte swizzle: 64-element (128 B) column panels,
+// each [rows][64] with 128-byte rows. PTX defines, for swizzled MN-major layouts, the leading
+// offset as the distance between 64-element panels along N (`panel_bytes`) and the stride offset
+// as the distance between 8-row groups along K (8 x 128 B = 1024 B). The k-th 16-row slice starts
+// k * 16 * 128 B = 2048 k bytes further (1024-aligned, so the base offset stays 0).
+__device__ __forceinline__ u64 make_desc_mn_sw128(const void* smem_tile, u32 panel_bytes) {
+  return make_smem_desc(smem_tile, panel_bytes, 1024, Swizzle::k128B);
 }
 
 // Before the first wgmma that reads or writes accumulator registers last touched by ordinary code.
@@ -277,6 +326,72 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], u64 desc_a, u64 des
     }
   }
 }
+
+// Register-A form: A (64 x 16, 16-bit) from four packed registers per thread, B from shared memory.
+// A fragment (PTX "Register Fragments", m64nNk16): warp w of the warpgroup holds rows 16w..16w+15
+// in the mma.sync m16n8k16 A layout: a[0] = row g, columns 2t..2t+1; a[1] = row g + 8, same
+// columns; a[2] = row g, columns 8 + 2t..; a[3] = row g + 8, columns 8 + 2t... That is exactly
+// the accumulator of two adjacent n8 blocks packed pairwise: accumulator d[8k .. 8k + 7] of an
+// m64nN wgmma, packed as (d0, d1), (d2, d3), (d4, d5), (d6, d7), is the A fragment of k-step k
+// (how attention feeds P = softmax(S) into O += P V without a trip through shared memory).
+// kTransB = 1: B is MN-major (make_desc_mn_sw128), 0: K-major (make_desc_k128_sw128).
+// The A registers are read asynchronously: they must not be rewritten before the wgmma_wait that
+// retires this group (ptxas tracks that; older ptxas, < 13.3, could get it wrong: HOPPER_NOTES.md).
+// Operands: accumulators %0..%(N/2 - 1), then a[0..3], desc_b, scale_d, kTransB (an immediate).
+#define TILEATTN_WGMMA_RS(SHAPE, TYPE, REGS, IA0, IA1, IA2, IA3, IB, IS, IT)                            \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %" IS ", 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE \
+  " {" REGS "}, {%" IA0 ", %" IA1 ", %" IA2 ", %" IA3 "}, %" IB ", p, 1, 1, %" IT ";\n}\n"
+#define TILEATTN_WGMMA_A_IN(a, desc_b, scale_d) \
+  "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB)
+
+template <int kN, bool kIsBF16, int kTransB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const u32 (&a)[4], u64 desc_b, int scale_d) {
+  static_assert(kN == 64 || kN == 128 || kN == 256, "wgmma_rs: N in {64, 128, 256}");
+  static_assert(kTransB == 0 || kTransB == 1, "wgmma_rs: kTransB is 0 (K-major B) or 1 (MN-major B)");
+  if constexpr (kN == 64) {
+    if constexpr (kIsBF16) {
+      asm volatile(TILEATTN_WGMMA_RS("m64n64k16", "bf16", TILEATTN_WGMMA_REGS_0_31, "32", "33", "34", "35", "36", "37",
+                                     "38")
+                   : TILEATTN_WGMMA_ACC32(d, 0)
+                   : TILEATTN_WGMMA_A_IN(a, desc_b, scale_d));
+    } else {
+      asm volatile(TILEATTN_WGMMA_RS("m64n64k16", "f16", TILEATTN_WGMMA_REGS_0_31, "32", "33", "34", "35", "36", "37",
+                                     "38")
+                   : TILEATTN_WGMMA_ACC32(d, 0)
+                   : TILEATTN_WGMMA_A_IN(a, desc_b, scale_d));
+    }
+  } else if constexpr (kN == 128) {
+    if constexpr (kIsBF16) {
+      asm volatile(TILEATTN_WGMMA_RS("m64n128k16", "bf16", TILEATTN_WGMMA_REGS_0_31 ", " TILEATTN_WGMMA_REGS_32_63,
+                                     "64", "65", "66", "67", "68", "69", "70")
+                   : TILEATTN_WGMMA_ACC32(d, 0), TILEATTN_WGMMA_ACC32(d, 32)
+                   : TILEATTN_WGMMA_A_IN(a, desc_b, scale_d));
+    } else {
+      asm volatile(TILEATTN_WGMMA_RS("m64n128k16", "f16", TILEATTN_WGMMA_REGS_0_31 ", " TILEATTN_WGMMA_REGS_32_63,
+                                     "64", "65", "66", "67", "68", "69", "70")
+                   : TILEATTN_WGMMA_ACC32(d, 0), TILEATTN_WGMMA_ACC32(d, 32)
+                   : TILEATTN_WGMMA_A_IN(a, desc_b, scale_d));
+    }
+  } else {
+    if constexpr (kIsBF16) {
+      asm volatile(TILEATTN_WGMMA_RS("m64n256k16", "bf16",
+                                     TILEATTN_WGMMA_REGS_0_31 ", " TILEATTN_WGMMA_REGS_32_63 ", " TILEATTN_WGMMA_REGS_64_127,
+                                     "128", "129", "130", "131", "132", "133", "134")
+                   : TILEATTN_WGMMA_ACC32(d, 0), TILEATTN_WGMMA_ACC32(d, 32), TILEATTN_WGMMA_ACC32(d, 64),
+                     TILEATTN_WGMMA_ACC32(d, 96)
+                   : TILEATTN_WGMMA_A_IN(a, desc_b, scale_d));
+    } else {
+      asm volatile(TILEATTN_WGMMA_RS("m64n256k16", "f16",
+                                     TILEATTN_WGMMA_REGS_0_31 ", " TILEATTN_WGMMA_REGS_32_63 ", " TILEATTN_WGMMA_REGS_64_127,
+                                     "128", "129", "130", "131", "132", "133", "134")
+                   : TILEATTN_WGMMA_ACC32(d, 0), TILEATTN_WGMMA_ACC32(d, 32), TILEATTN_WGMMA_ACC32(d, 64),
+                     TILEATTN_WGMMA_ACC32(d, 96)
+                   : TILEATTN_WGMMA_A_IN(a, desc_b, scale_d));
+    }
+  }
+}
+#undef TILEATTN_WGMMA_A_IN
+#undef TILEATTN_WGMMA_RS
 #undef TILEATTN_WGMMA_SS
 #undef TILEATTN_WGMMA_ACC32
 #undef TILEATTN_WGMMA_ACC8

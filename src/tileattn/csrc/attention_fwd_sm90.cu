@@ -1,0 +1,404 @@
+// Fused attention forward for Hopper (sm_90a), FlashAttention-3 style: TMA loads into a shared-
+// memory ring completed on mbarriers, warp specialization (one producer warpgroup, two consumer
+// warpgroups), S = Q K^T by wgmma from shared memory, O += P V by register-A wgmma with P kept in
+// registers, and the softmax of key block j overlapped with the P V product of block j - 1.
+//
+//   O[b, h, i, :] = sum_j softmax_j(scale * Q[b, h, i, :] . K[b, h / kv_group, j, :]) V[b, h / kv_group, j, :]
+//   lse[b, h, i]  = log sum_j exp(scale * Q[b, h, i, :] . K[b, h / kv_group, j, :])   (natural log)
+//
+// Causal masking is aligned bottom-right: query i sees key j iff j <= i + Nk - Nq. A query that
+// sees no key (causal with Nq > Nk) gets O = 0 and lse = -inf, never NaN. Same contract as
+// attention_fwd_sm80.cu; see docs/attention_fwd_sm90.md for the design and its numbers.
+//
+// ---- Work decomposition -------------------------------------------------------------------------
+// grid = (ceil(Nq / 128), heads, batch), 384 threads = 3 warpgroups, one CTA per SM:
+//   warpgroup 0 (producer)   one thread issues every TMA copy: Q once, then K and V blocks into
+//                            kStages-deep rings; setmaxnreg.dec gives its registers away.
+//   warpgroups 1, 2          consumer c owns query rows [64 c, 64 c + 64) of the 128-row tile and
+//   (consumers)              walks all K/V blocks; setmaxnreg.inc to kConsumerRegs.
+// Both consumers read the same K/V slots, so each slot is released by two arrivals.
+//
+// ---- Shared memory (dynamic, rounded up to 1024 B: the 128-byte swizzle repeats every 1024 B) ---
+// Every tile is stored as TMA writes it with CU_TENSOR_MAP_SWIZZLE_128B: in 64-column panels
+// (64 x 16 bit = 128 B, the swizzle span), each panel [rows][64] with 16-byte chunk q of row r at
+// chunk q ^ (r % 8). A [rows][d] tile is d / 64 panels, one TMA box each.
+//   sQ  [d/64][128][64]                    Q tile (later: O staging for the TMA store)
+//   sK  [kStages][d/64][kBlockN][64]       K ring (K-major B operand of S = Q K^T)
+//   sV  [kStages][d/64][kBlockN][64]       V ring (MN-major B operand of O += P V)
+// bytes = 2 d (128 + 2 kStages kBlockN) + 1024 (alignment slack); the Python side computes the
+// same number (Sm90Config.smem_bytes). mbarriers are static shared memory.
+//
+// ---- mbarriers and their phases ------------------------------------------------------------------
+//   q_full          1 arrival (producer's arrive.expect_tx) + the Q bytes; used once (parity 0).
+//   k_full[s]       1 arrival + the K block's bytes.   Use u = it / kStages of slot s = it % kStages
+//   v_full[s]       1 arrival + the V block's bytes.   completes phase u: consumers wait parity u & 1.
+//   k_empty[s]      2 arrivals: one thread of each consumer warpgroup, once its wgmma that read K
+//                   from slot s has retired (wgmma_wait). The producer refills slot s for use u >= 1
+//   v_empty[s]      after phase u - 1 completed: it waits parity (u - 1) & 1.
+// A waiter is never more than one phase behind (the producer waits on every refill, a consumer
+// cannot start use u + 1 of a slot before the producer refilled it), so parities are unambiguous.
+//
+// ---- Consumer schedule (per warpgroup; FA3's intra-warpgroup overlap) ----------------------------
+// K/V blocks are visited from the last one to the first, so the blocks that need masking (the Nk
+// edge block and, causal, the blocks crossing the diagonal) come first and get their own loop.
+//   block 0:  S = Q K^T; wait; release K; mask; softmax -> P (in the fp32 S registers)
+//   block j:  issue S_j = Q K_j^T; issue O += P_{j-1} V_{j-1}            (two wgmma groups)
+//             wait<1> (S_j done: groups retire in order); release K_j
+//             mask; row max, rescale factor alpha; p = 2^(s scale_log2 - m) in place   (MUFU work
+//                                                     runs while the tensor cores do P_{j-1} V_{j-1})
+//             wait<0> (P V done); release V_{j-1}; O *= alpha; pack P_j to 16 bit
+//   tail:     O += P_last V_last; wait; release V.
+// P_j is packed only after the wait that retires the P V group still reading P_{j-1}'s registers:
+// the S registers are passed through fence_accumulators after wgmma_wait<0>, so the packing
+// instructions depend on the wait and cannot be hoisted above it. The same fences pin every
+// accumulator read behind the wgmma_wait that makes it valid.
+// The two consumer warpgroups are not forced to alternate (no ping-pong barrier): the warp
+// scheduler interleaves them, and each hides its own softmax behind its P V product.
+//
+// ---- Per-thread registers of a consumer ----------------------------------------------------------
+//   O accumulator  d / 2 fp32 (m64 x d over 128 threads)     d=128: 64, d=256: 128
+//   S / P fp32     kBlockN / 2                                kBlockN=128: 64
+//   P packed       kBlockN / 4 (16-bit pairs)                 kBlockN=128: 32
+//   softmax state  row max m and partial row sum l for rows g and g + 8: 4
+// plus addressing: 160-200 of the kConsumerRegs = 232 that setmaxnreg grants (ptxas -v: 0 spills).
+//
+// ---- Online softmax (fp32, base 2, scale folded) ---------------------------------------------
+// m = running row max of s * scale_log2; p = 2^(s * scale_log2 - m) (one FFMA + one MUFU.EX2 per
+// score); on a new max, O and l are multiplied by alpha = 2^(m_old - m_new). A row that has seen no
+// key keeps m = kNoKeyShift = -2^100 (finite): its masked scores give 2^(-inf) = 0 and alpha =
+// 2^0 = 1 while it sees nothing, 2^(-2^100 - m_new) = 0 on its first visible key (O, l are still 0
+// then). Never -inf - -inf. The final l = 0 marks a fully masked row: O = 0, lse = -inf; otherwise
+// lse = (m + log2 l) ln 2.
+//
+// ---- Epilogue ------------------------------------------------------------------------------------
+// Each consumer normalizes O, packs it to 16 bit and writes it with stmatrix into its own 64 rows
+// of sQ (its S wgmmas, the only readers of those rows, have retired), in the same swizzled panel
+// layout, then fence.proxy.async + a 128-thread named barrier, and one thread issues d / 64 TMA
+// stores of 64 x 64 boxes. The O tensor map's row bound is Nq, so rows past the end of the
+// sequence are never written. lse goes straight from registers (one lane per row).
+#include "common/sm80.cuh"
+#include "common/sm90.cuh"
+
+namespace tileattn {
+namespace fwd90 {
+
+namespace s9 = tileattn::sm90;
+using u64 = uint64_t;
+
+constexpr int kBlockM = 128;          // query rows per CTA: two consumer warpgroups x 64
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kProducerRegs = 40;     // 40 + 2 x 232 = 504 per thread-slot x 128 <= 64 K registers
+constexpr int kConsumerRegs = 232;
+constexpr int kPanel = 64;            // elements per 128-byte swizzle row
+constexpr float kLn2 = 0.693147180559945309417f;
+constexpr float kNoKeyShift = -1.2676506002282294e30f;  // -2^100: "no key seen yet" (see above)
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
+// Which K/V blocks a query tile visits: [0, n_end), visited from n_end - 1 down; the first
+// n_masked visited need masking (the Nk edge block, and when causal the blocks that cross the
+// diagonal of some row of the tile). n_end = 0: every row of the tile sees nothing.
+struct BlockRange {
+  int n_end, n_masked;
+};
+template <bool kCausal, int kBlockN>
+__device__ __forceinline__ BlockRange block_range(int m_block, int seqlen_q, int seqlen_k) {
+  const int n_total = (seqlen_k + kBlockN - 1) / kBlockN;
+  const int edge = (seqlen_k % kBlockN) != 0 ? 1 : 0;
+  if constexpr (!kCausal) {
+    return {n_total, edge};
+  } else {
+    const int row0 = m_block * kBlockM;
+    const int diag = seqlen_k - seqlen_q;                   // query i sees keys j <= i + diag
+    const int last_key = min(row0 + kBlockM, seqlen_q) - 1 + diag;  // last key any row sees
+    if (last_key < 0) return {0, 0};
+    const int n_end = min(n_total, last_key / kBlockN + 1);
+    // Block n is unmasked for every row iff its last key is visible to the tile's first row.
+    const int first_limit = row0 + diag;
+    const int n_unmasked = first_limit + 1 <= 0 ? 0 : min(n_end, (first_limit + 1) / kBlockN);
+    const int masked = max(n_end - n_unmasked, n_end == n_total ? edge : 0);
+    return {n_end, masked};
+  }
+}
+
+// Per-thread view of one consumer's m64 x N accumulator (sm90.cuh): element 4j + 2h + e is row
+// g + 8h of the thread's warp slice, column 8j + 2t + e.
+template <int kBlockN, bool kCausal>
+__device__ __forceinline__ void apply_mask(float (&s)[kBlockN / 2], int n, int row_h0, int t, int seqlen_k,
+                                           int diag) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_h0 + 8 * h;
+    const int limit = kCausal ? min(seqlen_k - 1, row + diag) : seqlen_k - 1;  // last visible key
+    const int key0 = n * kBlockN + 2 * t;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (key0 + 8 * j + e > limit) s[4 * j + 2 * h + e] = neg_inf();
+  }
+}
+
+// Online softmax of one score block, in place: s <- p = 2^(s * scale_log2 - m_new); m, l updated;
+// alpha[h] = 2^(m_old - m_new) is what O must be multiplied by before P V is added to it.
+template <int kBlockN>
+__device__ __forceinline__ void softmax_step(float (&s)[kBlockN / 2], float (&m)[2], float (&l)[2],
+                                             float (&alpha)[2], float scale_log2) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = neg_inf();
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+    const float m_new = fmaxf(m[h], quad_max(mx) * scale_log2);  // scale_log2 > 0
+    alpha[h] = fast_exp2(m[h] - m_new);
+    m[h] = m_new;
+  }
+  float sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < kBlockN / 2; ++i) {
+    const int h = (i >> 1) & 1;
+    s[i] = fast_exp2(fmaf(s[i], scale_log2, -m[h]));
+    sum[h] += s[i];
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + sum[h];
+}
+
+// fp32 P (accumulator layout) -> 16-bit register-A fragments, one per k16 step of O += P V.
+template <int kBlockN, bool kIsBF16>
+__device__ __forceinline__ void pack_p(u32 (&p)[kBlockN / 16][4], const float (&s)[kBlockN / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) p[kk][r] = pack2<kIsBF16>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+}
+
+template <int kHeadDim>
+__device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float (&alpha)[2]) {
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+}
+
+template <bool B>
+struct Flag {
+  static constexpr bool value = B;
+};
+
+}  // namespace fwd90
+
+// tmap_q: q [B, H, Nq, d] as a 4-D map (d, Nq, H, B), box (64, 128, 1, 1), 128B swizzle, zero fill.
+// tmap_k, tmap_v: k / v [B, Hkv, Nk, d], box (64, kBlockN, 1, 1). tmap_o: out [B, H, Nq, d], box
+// (64, 64, 1, 1). lse: [B, H, Nq] fp32 contiguous, natural log. kv head = head / kv_group.
+// grid (ceil(Nq / 128), H, B); 384 threads; dynamic shared memory 2 d (128 + 2 kStages kBlockN) + 1024.
+template <int kHeadDim, int kBlockN, int kStages, bool kCausal, bool kIsBF16>
+__global__ void __launch_bounds__(fwd90::kThreads, 1)
+    attention_fwd_sm90(const __grid_constant__ sm90::TmaDescriptor tmap_q,
+                       const __grid_constant__ sm90::TmaDescriptor tmap_k,
+                       const __grid_constant__ sm90::TmaDescriptor tmap_v,
+                       const __grid_constant__ sm90::TmaDescriptor tmap_o, float* __restrict__ lse, int heads,
+                       int kv_group, int seqlen_q, int seqlen_k, float scale_log2) {
+  using namespace fwd90;
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
+  static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256, "wgmma N of S = Q K^T: 64, 128 or 256");
+  static_assert(kStages >= 2, "at least double buffering");
+  constexpr int kPanels = kHeadDim / kPanel;                 // 64-column panels per row
+  constexpr u32 kQBytes = kBlockM * kHeadDim * 2;
+  constexpr u32 kKVBytes = kBlockN * kHeadDim * 2;           // one K or V block (full box, always)
+  constexpr int kKSteps = kHeadDim / 16;                     // k16 steps of S = Q K^T
+  constexpr int kPSteps = kBlockN / 16;                      // k16 steps of O += P V
+
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ uint64_t q_full, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
+  uint8_t* const smem = smem_raw + ((1024 - (s9::smem_u32(smem_raw) & 1023)) & 1023);
+  u16* const sQ = reinterpret_cast<u16*>(smem);             // [kPanels][128][64]
+  u16* const sK = sQ + kBlockM * kHeadDim;                   // [kStages][kPanels][kBlockN][64]
+  u16* const sV = sK + kStages * kBlockN * kHeadDim;         // [kStages][kPanels][kBlockN][64]
+
+  // Causal: the last query tiles see the most keys; blocks start roughly in blockIdx order, so hand
+  // the tiles out last-to-first and the longest CTAs start in the first wave.
+  const int m_block = kCausal ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const BlockRange range = block_range<kCausal, kBlockN>(m_block, seqlen_q, seqlen_k);
+  const int wg = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    s9::tma_prefetch_descriptor(&tmap_q);
+    s9::tma_prefetch_descriptor(&tmap_k);
+    s9::tma_prefetch_descriptor(&tmap_v);
+    s9::tma_prefetch_descriptor(&tmap_o);
+    s9::mbar_init(&q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      s9::mbar_init(&k_full[s], 1);
+      s9::mbar_init(&v_full[s], 1);
+      s9::mbar_init(&k_empty[s], kConsumers);
+      s9::mbar_init(&v_empty[s], kConsumers);
+    }
+    s9::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ------------------------------------------------ producer warpgroup
+    s9::setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      const int kv_head = head / kv_group;
+      // Q always (even for a fully masked tile): the epilogue stages O in sQ, so the Q copy must
+      // have landed before anyone writes there.
+      s9::mbar_arrive_expect_tx(&q_full, kQBytes);
+#pragma unroll
+      for (int p = 0; p < kPanels; ++p)
+        s9::tma_load_4d(sQ + p * kBlockM * kPanel, &tmap_q, p * kPanel, m_block * kBlockM, head, batch, &q_full);
+      for (int it = 0; it < range.n_end; ++it) {
+        const int n = range.n_end - 1 - it;
+        const int s = it % kStages;
+        const u32 refill_parity = ((it / kStages) - 1) & 1;
+        if (it >= kStages) s9::mbar_wait(&k_empty[s], refill_parity);
+        s9::mbar_arrive_expect_tx(&k_full[s], kKVBytes);
+#pragma unroll
+        for (int p = 0; p < kPanels; ++p)
+          s9::tma_load_4d(sK + (s * kPanels + p) * kBlockN * kPanel, &tmap_k, p * kPanel, n * kBlockN, kv_head, batch,
+                          &k_full[s]);
+        if (it >= kStages) s9::mbar_wait(&v_empty[s], refill_parity);
+        s9::mbar_arrive_expect_tx(&v_full[s], kKVBytes);
+#pragma unroll
+        for (int p = 0; p < kPanels; ++p)
+          s9::tma_load_4d(sV + (s * kPanels + p) * kBlockN * kPanel, &tmap_v, p * kPanel, n * kBlockN, kv_head, batch,
+                          &v_full[s]);
+      }
+    }
+  } else {  // ------------------------------------------------------ consumer warpgroups
+    s9::setmaxnreg_inc<kConsumerRegs>();
+    const int c = wg - 1;                                  // rows [64 c, 64 c + 64) of the tile
+    const int tid = threadIdx.x % 128;
+    const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int row_h0 = m_block * kBlockM + c * 64 + warp * 16 + g;  // global query row of h = 0
+    const int diag = seqlen_k - seqlen_q;
+    const bool releaser = tid == 0;                        // arrives on the empty barriers
+
+    // Descriptors: Q rows of this consumer (panel p, k-step within the panel = +32 B = +2 units).
+    const u64 desc_q = s9::make_desc_k128_sw128(sQ + c * 64 * kPanel);
+    constexpr u64 kQPanelStep = (kBlockM * kPanel * 2) >> 4;       // descriptor units (16 B)
+    constexpr u64 kKVPanelStep = (kBlockN * kPanel * 2) >> 4;
+    constexpr u64 kStageStep = (kBlockN * kHeadDim * 2) >> 4;
+
+    float o[kHeadDim / 2];
+    float s[kBlockN / 2];
+    u32 p[kPSteps][4];
+    float m[2] = {kNoKeyShift, kNoKeyShift}, l[2] = {0.f, 0.f}, alpha[2];
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+
+    // S = Q K^T of slot `stage` into s (issued, committed, not waited for).
+    auto issue_s = [&](int stage) {
+      const u64 desc_k = s9::make_desc_k128_sw128(sK) + stage * kStageStep;
+      s9::fence_accumulators(s);
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        const u64 off_q = (ks / 4) * kQPanelStep + 2 * (ks % 4);
+        const u64 off_k = (ks / 4) * kKVPanelStep + 2 * (ks % 4);
+        s9::wgmma_ss<kBlockN, kIsBF16>(s, desc_q + off_q, desc_k + off_k, ks > 0 ? 1 : 0);
+      }
+      s9::wgmma_commit();
+    };
+    // O += P V of slot `stage` (issued, committed, not waited for). V is the MN-major B operand:
+    // 64-column panels kKVPanelStep apart, k-step kk = keys 16 kk.. = 2048 kk bytes further.
+    auto issue_pv = [&](int stage) {
+      const u64 desc_v = s9::make_desc_mn_sw128(sV + stage * kBlockN * kHeadDim, kBlockN * kPanel * 2);
+#pragma unroll
+      for (int kk = 0; kk < kPSteps; ++kk) s9::wgmma_rs<kHeadDim, kIsBF16, 1>(o, p[kk], desc_v + kk * (2048 >> 4), 1);
+      s9::wgmma_commit();
+    };
+
+    s9::mbar_wait(&q_full, 0);
+    if (range.n_end > 0) {
+      // ---- first block (n_end - 1): S, softmax; no P V yet
+      s9::mbar_wait(&k_full[0], 0);
+      s9::wgmma_fence();
+      issue_s(0);
+      s9::wgmma_wait<0>();
+      s9::fence_accumulators(s);
+      if (releaser) s9::mbar_arrive(&k_empty[0]);
+      if (range.n_masked > 0) apply_mask<kBlockN, kCausal>(s, range.n_end - 1, row_h0, t, seqlen_k, diag);
+      softmax_step<kBlockN>(s, m, l, alpha, scale_log2);  // alpha is 0 or 1 here and O is 0
+      pack_p<kBlockN, kIsBF16>(p, s);
+
+      // ---- blocks 1 .. n_end - 1: S_j overlapped with P_{j-1} V_{j-1}
+      auto step = [&](int it, auto masked) {
+        const int sk = it % kStages, sv = (it - 1) % kStages;
+        s9::mbar_wait(&k_full[sk], (it / kStages) & 1);
+        s9::fence_accumulators(o);
+        s9::wgmma_fence();  // O (rescaled) and P (packed) were written by ordinary instructions
+        issue_s(sk);
+        s9::mbar_wait(&v_full[sv], ((it - 1) / kStages) & 1);
+        issue_pv(sv);
+        s9::wgmma_wait<1>();  // S_j retired (groups retire in order); P V still running
+        s9::fence_accumulators(s);
+        if (releaser) s9::mbar_arrive(&k_empty[sk]);
+        if constexpr (decltype(masked)::value)
+          apply_mask<kBlockN, kCausal>(s, range.n_end - 1 - it, row_h0, t, seqlen_k, diag);
+        softmax_step<kBlockN>(s, m, l, alpha, scale_log2);
+        s9::wgmma_wait<0>();  // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free
+        s9::fence_accumulators(o);
+        s9::fence_accumulators(s);  // the packing below must not move above the wait
+        if (releaser) s9::mbar_arrive(&v_empty[sv]);
+        rescale_o<kHeadDim>(o, alpha);
+        pack_p<kBlockN, kIsBF16>(p, s);
+      };
+      int it = 1;
+      for (; it < range.n_masked; ++it) step(it, Flag<true>{});
+      for (; it < range.n_end; ++it) step(it, Flag<false>{});
+
+      // ---- tail: P V of the last block visited
+      const int sv = (range.n_end - 1) % kStages;
+      s9::mbar_wait(&v_full[sv], ((range.n_end - 1) / kStages) & 1);
+      s9::fence_accumulators(o);
+      s9::wgmma_fence();
+      issue_pv(sv);
+      s9::wgmma_wait<0>();
+      s9::fence_accumulators(o);
+      if (releaser) s9::mbar_arrive(&v_empty[sv]);
+    }
+
+    // ---- epilogue: normalize, lse, O -> 16 bit -> stmatrix into this consumer's rows of sQ ----
+    float inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float sum = quad_sum(l[h]);
+      inv[h] = sum > 0.f ? 1.f / sum : 0.f;  // sum == 0 <=> the row saw no key: O = 0
+      const int row = row_h0 + 8 * h;
+      if (t == 0 && row < seqlen_q)
+        lse[(static_cast<int64_t>(batch) * heads + head) * seqlen_q + row] =
+            sum > 0.f ? (m[h] + log2f(sum)) * kLn2 : neg_inf();
+    }
+    // stmatrix.x4 j covers columns 16 j .. 16 j + 15 of the warp's 16 rows: matrix i = (rows
+    // 8 (i & 1).., columns 16 j + 8 (i >> 1)..) is accumulator pair 4 (2 j + (i >> 1)) + 2 (i & 1).
+    // Lane l addresses row 8 ((l / 8) & 1) + l % 8 of the warp's rows, 16-byte chunk
+    // 2 j + (l / 16) of the row: panel (2 j + l / 16) / 8, swizzled chunk ((2 j + l / 16) % 8) ^ (row % 8).
+    {
+      const int mi = lane / 8, rr = lane % 8;
+      const int row = warp * 16 + 8 * (mi & 1) + rr;  // within this consumer's 64 rows
+      const u32 base = s9::smem_u32(sQ + c * 64 * kPanel) + row * 128;
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 16; ++j) {
+        const int chunk = 2 * j + (mi >> 1);
+        const u32 addr = base + (chunk / 8) * (kBlockM * kPanel * 2) + (((chunk % 8) ^ rr) << 4);
+        s9::stmatrix_x4(addr, pack2<kIsBF16>(o[8 * j + 0] * inv[0], o[8 * j + 1] * inv[0]),
+                        pack2<kIsBF16>(o[8 * j + 2] * inv[1], o[8 * j + 3] * inv[1]),
+                        pack2<kIsBF16>(o[8 * j + 4] * inv[0], o[8 * j + 5] * inv[0]),
+                        pack2<kIsBF16>(o[8 * j + 6] * inv[1], o[8 * j + 7] * inv[1]));
+      }
+    }
+    s9::fence_proxy_async();               // generic-proxy stmatrix writes -> async-proxy TMA store
+    s9::named_barrier_sync<128>(1 + c);    // this consumer's 128 threads only
+    const int row0 = m_block * kBlockM + c * 64;
+    if (tid == 0 && row0 < seqlen_q) {
+#pragma unroll
+      for (int pnl = 0; pnl < kPanels; ++pnl)
+        s9::tma_store_4d(&tmap_o, sQ + pnl * kBlockM * kPanel + c * 64 * kPanel, pnl * kPanel, row0, head, batch);
+      s9::tma_store_commit();
+      s9::tma_store_wait_read();           // shared memory must outlive the copy's reads
+    }
+  }
+}
+
+}  // namespace tileattn

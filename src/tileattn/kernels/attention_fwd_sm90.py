@@ -1,0 +1,232 @@
+"""Attention forward on Hopper (csrc/attention_fwd_sm90.cu): TMA + wgmma + warp specialization.
+
+Same tensors and contract as attention_fwd_sm80.launch_forward: q [B, H, Nq, d], k/v
+[B, Hkv, Nk, d], out [B, H, Nq, d] (one 16-bit dtype), lse [B, H, Nq] fp32 contiguous, natural
+log. Every CTA has 128 query rows (two consumer warpgroups of 64) and a producer warpgroup; the
+config is the K/V block (kBlockN keys, the N of S = Q K^T) and the depth of the K/V rings.
+
+Q, K, V and O are read and written through 4-D TMA tensor maps over the tensors as they are
+(d, N, heads, batch), so any strides the API accepts work without copies: TMA needs 16-byte
+strides and a 16-byte aligned base, which the API's checks guarantee for every dimension longer
+than 1 (tileattn.runtime.tensor_map gives size-1 dimensions valid strides itself). A tensor that
+TMA still cannot describe (a zero stride from expand(), strides >= 2^40 bytes) is copied
+contiguous first, and out is then written through a contiguous temporary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import Family
+
+FAMILY_NAME = "attention_fwd_sm90"
+SOURCE = "attention_fwd_sm90.cu"
+HEAD_DIMS = (64, 128, 256)
+BLOCK_M = 128           # query rows per CTA (two consumer warpgroups x 64)
+THREADS = 384           # producer warpgroup + two consumer warpgroups
+PANEL = 64              # TMA box width in elements: 128 bytes, the 128-byte swizzle span
+LOG2E = 1.4426950408889634
+MAX_GRID_YZ = 65535     # grid y = heads, z = batch
+SMEM_LIMIT = 232448     # bytes per block on an H100/H200 (227 KB opt-in)
+
+
+@dataclass(frozen=True, order=True)
+class Sm90Config:
+    """block_n keys per K/V block (the wgmma N of S = Q K^T: 64, 128 or 256) and ring stages."""
+
+    block_n: int
+    stages: int
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Dynamic shared memory: Q tile + `stages` K and V blocks + 1 KB to align to 1024 B."""
+        return 2 * head_dim * (BLOCK_M + 2 * self.stages * self.block_n) + 1024
+
+    def __str__(self) -> str:
+        return f"128x{self.block_n}/s{self.stages}"
+
+
+C = Sm90Config
+
+# Default per (head dim, causal), fp16 and bf16 alike. Starting points from FA3's tiles, limited to
+# the wgmma N this kernel instantiates (64/128/256) and to 227 KB of shared memory; not yet tuned
+# on the GPU (docs/attention_fwd_sm90.md lists what is measured and what is not).
+#   d=64:  S 64 + O 32 fp32 regs per consumer thread; 3 stages = 112 KB + 1 KB.
+#   d=128: S 64 + O 64 regs; 2 stages = 160 KB + 1 KB.
+#   d=256: S 32 + O 128 regs; 2 stages of 64 keys = 192 KB + 1 KB.
+DEFAULTS: dict[tuple[int, bool], Sm90Config] = {
+    (64, False): C(128, 3),
+    (64, True): C(128, 3),
+    (128, False): C(128, 2),
+    (128, True): C(128, 2),
+    (256, False): C(64, 2),
+    (256, True): C(64, 2),
+}
+# Extra candidates for the tuning benchmark (bf16 only): deeper rings and smaller key blocks.
+EXTRA_BF16: dict[tuple[int, bool], tuple[Sm90Config, ...]] = {
+    (d, causal): extra
+    for d, extra in ((64, (C(128, 4), C(64, 4))), (128, (C(64, 4), C(64, 2))), (256, ()))
+    for causal in (False, True)
+}
+
+
+def expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool) -> str:
+    """The NVRTC name expression of one instantiation (must match the registry string exactly)."""
+    return (f"tileattn::attention_fwd_sm90<{head_dim}, {config.block_n}, {config.stages}, "
+            f"{'true' if causal else 'false'}, {'true' if bf16 else 'false'}>")
+
+
+def configs_for(head_dim: int, causal: bool, bf16: bool) -> tuple[Sm90Config, ...]:
+    """Every registered config for one (head dim, causal, dtype), the default first."""
+    out = [DEFAULTS[(head_dim, causal)]]
+    if bf16:
+        out += [c for c in EXTRA_BF16.get((head_dim, causal), ()) if c not in out]
+    return tuple(out)
+
+
+def _instantiations() -> tuple[str, ...]:
+    exprs = []
+    for d in HEAD_DIMS:
+        for causal in (False, True):
+            for bf16 in (False, True):
+                for cfg in configs_for(d, causal, bf16):
+                    assert cfg.smem_bytes(d) <= SMEM_LIMIT, (d, cfg)
+                    exprs.append(expression(d, cfg, causal, bf16))
+    return tuple(exprs)
+
+
+INSTANTIATIONS = _instantiations()
+
+FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a",)),)
+
+
+def supports(head_dim: int, dtype, *, device=None, seqlen_q: int | None = None, seqlen_k: int | None = None,
+             batch: int | None = None, heads: int | None = None) -> bool:
+    """Whether launch_forward_sm90 can run this call: head_dim in HEAD_DIMS, dtype fp16/bf16, and,
+    when given, a device of compute capability 9.0 and grid dimensions (heads, batch) <= 65535.
+    Sequence lengths of any size >= 0 are supported. Never raises."""
+    if head_dim not in HEAD_DIMS or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if device is not None:
+        device = torch.device(device)
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+            return False
+    if (heads is not None and heads > MAX_GRID_YZ) or (batch is not None and batch > MAX_GRID_YZ):
+        return False
+    return seqlen_q is None or seqlen_k is None or (seqlen_q >= 0 and seqlen_k >= 0)
+
+
+def tuning_candidates(head_dim: int, causal: bool, dtype) -> tuple[Sm90Config, ...]:
+    """Configs registered for (head dim, causal, dtype), default first: what a tuning bench times."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported by the sm90 forward; supported: {HEAD_DIMS}")
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    return configs_for(head_dim, bool(causal), dtype == torch.bfloat16)
+
+
+# (device index, expression) -> (LoadedKernel, smem bytes); filled on first use.
+_loaded: dict[tuple[int, str], tuple] = {}
+
+
+def _kernel(device_index: int, head_dim: int, config: Sm90Config, causal: bool, bf16: bool):
+    expr = expression(head_dim, config, causal, bf16)
+    hit = _loaded.get((device_index, expr))
+    if hit is None:
+        from . import family
+        from ..runtime import load_kernel
+
+        fam = family(FAMILY_NAME)
+        with torch.cuda.device(device_index):
+            kern = load_kernel(fam.path, fam.require(expr))
+            smem = config.smem_bytes(head_dim)
+            kern.reserve_dynamic_smem(smem)
+        hit = (kern, smem)
+        _loaded[(device_index, expr)] = hit
+    return hit
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether TMA can describe t in place: every dimension longer than 1 has a positive stride
+    that is a multiple of 16 bytes and below 2^40 bytes (size-1 dimensions are fixed up by
+    tensor_map), the last dim contiguous, the base 16-byte aligned."""
+    elem = t.element_size()
+    if t.stride(-1) != 1 or t.data_ptr() % 16:
+        return False
+    return all(size == 1 or (0 < stride * elem < 2**40 and (stride * elem) % 16 == 0)
+               for size, stride in zip(t.shape[:-1], t.stride()[:-1]))
+
+
+def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config: Sm90Config | None = None) -> None:
+    """out, lse <- attention(q, k, v) with the Hopper kernel, on the current CUDA stream of q's device.
+
+    q [B, H, Nq, d], k/v [B, Hkv, Nk, d], out [B, H, Nq, d]: one dtype (torch.float16 or
+    torch.bfloat16), d in HEAD_DIMS, H a multiple of Hkv, last dim contiguous; any other strides
+    (tensors TMA cannot describe in place are copied, see the module docstring). lse [B, H, Nq]
+    float32 contiguous, written in natural-log units (-inf for rows that see no key, whose out
+    rows are 0). `scale` (> 0) multiplies q . k; causal is aligned bottom-right. `config` forces a
+    registered tile configuration (see tuning_candidates). Nq = 0 launches nothing.
+    Needs a compute capability 9.0 GPU (supports() says whether a call can run here).
+    This is the launch layer: beyond the checks below it trusts its caller (tileattn.api checks
+    arguments). Raises ValueError for an unsupported head dim or dtype, H not a multiple of Hkv,
+    or a heads/batch count above the grid limit of 65535; TensorMapError (a ValueError) if the
+    driver refuses a tensor map.
+    """
+    from ..runtime import launch, tensor_map
+
+    batch, heads, seqlen_q, head_dim = q.shape
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported by the sm90 forward; supported: {HEAD_DIMS}")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"q.dtype must be torch.float16 or torch.bfloat16, got {q.dtype}")
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
+    if heads > MAX_GRID_YZ or batch > MAX_GRID_YZ:
+        raise ValueError(f"heads ({heads}) and batch ({batch}) must be <= {MAX_GRID_YZ} (CUDA grid limit)")
+    if seqlen_q == 0 or batch == 0 or heads == 0:
+        return
+    bf16 = q.dtype == torch.bfloat16
+    if config is None:
+        config = DEFAULTS[(head_dim, bool(causal))]
+    kern, smem = _kernel(q.device.index, head_dim, config, bool(causal), bf16)
+
+    q = q if _tma_ready(q) else q.contiguous()
+    if seqlen_k == 0:  # TMA cannot describe an empty tensor; no key is seen: a 1-key dummy, all masked
+        k = v = torch.zeros(batch, kv_heads, 1, head_dim, device=q.device, dtype=q.dtype)
+    k = k if _tma_ready(k) else k.contiguous()
+    v = v if _tma_ready(v) else v.contiguous()
+    target = out if _tma_ready(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
+    # Box sizes outermost first (batch, head, rows, 64 columns), 128-byte swizzle, zero fill.
+    tq = tensor_map(q, (1, 1, BLOCK_M, PANEL))
+    tk = tensor_map(k, (1, 1, config.block_n, PANEL))
+    tv = tensor_map(v, (1, 1, config.block_n, PANEL))
+    to = tensor_map(target, (1, 1, 64, PANEL))
+    grid = ((seqlen_q + BLOCK_M - 1) // BLOCK_M, heads, batch)
+    args = (tq, tk, tv, to, lse.data_ptr(), np.int32(heads), np.int32(heads // kv_heads), np.int32(seqlen_q),
+            np.int32(seqlen_k), np.float32(scale * LOG2E))
+    launch(kern, grid, (THREADS, 1, 1), args, smem=smem)
+    if target is not out:
+        out.copy_(target)
+
+
+def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
+    """Forward FLOPs by the benchmark convention: 4 * B * H * Nq * Nk * d, halved when causal."""
+    return 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0)
+
+
+__all__ = [
+    "DEFAULTS",
+    "EXTRA_BF16",
+    "FAMILIES",
+    "HEAD_DIMS",
+    "INSTANTIATIONS",
+    "Sm90Config",
+    "configs_for",
+    "expression",
+    "launch_forward_sm90",
+    "supports",
+    "tuning_candidates",
+]
