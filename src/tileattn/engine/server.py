@@ -1,0 +1,976 @@
+"""OpenAI-compatible HTTP server on the engine's streaming step API (`tileattn serve`).
+
+Two threads share the process. uvicorn's asyncio event loop parses HTTP, validates requests,
+tokenizes prompts and writes responses; one engine thread (EngineLoop) calls ``engine.step()`` for
+as long as any request is unfinished, so requests that arrive while others run join the next step
+(continuous batching across HTTP requests). The engine is only ever touched from its own thread:
+the event loop hands it work as commands (add, abort, stats) that run between two steps, and the
+engine thread hands each step's outputs back with one ``loop.call_soon_threadsafe`` per step, which
+routes them onto per-HTTP-request asyncio queues.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with ``stream``), GET /v1/models,
+GET /health, GET /metrics (Prometheus text), POST /tokenize, POST /detokenize. Errors use OpenAI's
+body ``{"error": {"message", "type", "param", "code"}}``. A client that disconnects aborts its
+engine requests at once (their KV blocks are freed before the next step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .sampling_params import SamplingParams
+
+log = logging.getLogger("tileattn.serve")
+
+# Seconds; TTFT spans queueing + prefill, ITL one decode step (ms on a GPU, more on CPU).
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2,
+                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body and ``status``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type_: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shutdown, or step() raised): no request can make progress."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine thread
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What one step added to one of a request's n completions (copied in the engine thread, so
+    the event loop never reads engine objects the next step mutates)."""
+
+    index: int
+    token_ids: list[int]                       # new this step
+    text: str                                  # new this step
+    logprobs: list[dict[int, float]] | None    # one dict per new token, when asked
+    finish_reason: str | None
+    stop_reason: int | str | None
+    final: tuple | None                        # (text, token_ids, logprobs) of the whole output, once finished
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request_id: str
+    choices: list[ChoiceDelta]
+    finished: bool
+    prompt_logprobs: list | None               # with the first output of a request, when asked
+
+
+def _snapshot(out) -> StepOutput:
+    choices = []
+    for c in out.outputs:
+        new = list(c.new_token_ids)
+        logprobs = None
+        if c.logprobs is not None:
+            logprobs = list(c.logprobs[len(c.logprobs) - len(new):]) if new else []
+        final = None
+        if c.finish_reason is not None:
+            final = (c.text, list(c.token_ids), None if c.logprobs is None else list(c.logprobs))
+        choices.append(ChoiceDelta(c.index, new, c.new_text, logprobs, c.finish_reason,
+                                   c.stop_reason, final))
+    prompt_logprobs = getattr(out, "prompt_logprobs", None)
+    return StepOutput(out.request_id, choices, out.finished,
+                      None if prompt_logprobs is None else list(prompt_logprobs))
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` in a background thread while any request is unfinished.
+
+    ``call(fn)`` runs ``fn(engine)`` on that thread between two steps and returns a
+    concurrent.futures.Future; ``on_outputs(list[StepOutput], t_step_end)`` and
+    ``on_error(exc)`` are called on the asyncio ``loop`` (via call_soon_threadsafe).
+    ``stats`` is the engine's stats() dict as of the last step or command (read without locking:
+    the engine thread replaces the whole dict).
+    """
+
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_outputs, on_error):
+        self.engine = engine
+        self.stats: dict = engine.stats()
+        self.error: BaseException | None = None
+        self._loop, self._on_outputs, self._on_error = loop, on_outputs, on_error
+        self._cond = threading.Condition()
+        self._commands: list[tuple[Any, concurrent.futures.Future]] = []
+        self._stopping = False
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name="tileattn-engine", daemon=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None and not self._stopping
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish the current step, abort everything left, join the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("engine thread did not stop within %.0f s", timeout)
+
+    def call(self, fn) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping or self.error is not None:
+                fut.set_exception(EngineDeadError("the engine is not running"))
+                return fut
+            self._commands.append((fn, fut))
+            self._cond.notify()
+        return fut
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not (self._commands or self._stopping or self._busy):
+                        self._cond.wait()
+                    commands, self._commands = self._commands, []
+                    stopping = self._stopping
+                for fn, fut in commands:
+                    if stopping:
+                        fut.set_exception(EngineDeadError("the server is shutting down"))
+                    elif fut.set_running_or_notify_cancel():
+                        try:
+                            fut.set_result(fn(engine))
+                        except Exception as exc:  # noqa: BLE001 - the caller gets it; the engine is unharmed
+                            fut.set_exception(exc)
+                if stopping:
+                    break
+                outputs = engine.step() if engine.has_unfinished_requests() else []
+                t_end = time.monotonic()
+                steps = [_snapshot(o) for o in outputs]
+                self._busy = engine.has_unfinished_requests()
+                self.stats = engine.stats()
+                if steps:
+                    self._loop.call_soon_threadsafe(self._on_outputs, steps, t_end)
+        except BaseException as exc:
+            log.exception("engine step failed; the server stops serving")
+            self.error = exc
+            with self._cond:
+                commands, self._commands = self._commands, []
+            for _, fut in commands:
+                fut.set_exception(EngineDeadError(f"engine failed: {exc!r}"))
+            with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
+                self._loop.call_soon_threadsafe(self._on_error, exc)
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests (bodies); unknown fields are accepted and ignored, as vLLM and OpenAI do.
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Body):
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)            # vLLM extra body field
+    min_p: float | None = Field(None, ge=0, le=1)     # vLLM extra body field
+    repetition_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False                    # vLLM extra: token ids beside the text
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True                # vLLM extra body field
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------------------------------
+# Server state shared by the endpoints
+
+
+class _Metrics:
+    """Prometheus metrics in a registry of their own (one per app, so tests can build several)."""
+
+    def __init__(self, state: ServerState):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter("tileattn:prompt_tokens", "Prefill tokens processed.", registry=r)
+        self.generation_tokens = Counter("tileattn:generation_tokens", "Tokens generated.", registry=r)
+        self.requests = Counter("tileattn:request_success", "Finished requests by finish reason.",
+                                ["finished_reason"], registry=r)
+        self.rejected = Counter("tileattn:request_rejected", "Requests refused with 503 (queue full).",
+                                registry=r)
+        self.ttft = Histogram("tileattn:time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("tileattn:inter_token_latency_seconds", "Time between two tokens of a stream.",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("tileattn:e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=_E2E_BUCKETS, registry=r)
+        r.register(_EngineCollector(state))
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine's last stats() at scrape time."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.state.engine_loop.stats if self.state.engine_loop is not None else self.state.engine.stats()
+        for name, key, doc in (("num_requests_running", "num_running", "Requests in the running batch."),
+                               ("num_requests_waiting", "num_waiting", "Requests waiting for the batch."),
+                               ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use.")):
+            yield GaugeMetricFamily(f"tileattn:{name}", doc, value=float(s.get(key, 0)))
+        yield GaugeMetricFamily("tileattn:num_requests_in_flight", "Requests admitted by the server, unfinished.",
+                                value=float(self.state.in_flight))
+        for name, key, doc in (("prefix_cache_hits", "prefix_cache_hits", "Prefix-cache hits (engine's unit)."),
+                               ("prefix_cache_queries", "prefix_cache_queries", "Prefix-cache lookups.")):
+            yield CounterMetricFamily(f"tileattn:{name}", doc, value=float(s.get(key, 0)))
+
+
+class ServerState:
+    """The engine, its thread, the open generations and the metrics of one app."""
+
+    def __init__(self, engine, served_model_name: str, max_queue_depth: int):
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.max_queue_depth = max_queue_depth
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.max_model_len
+        self.defaults: dict = dict(engine.generation_defaults or {})
+        self.engine_loop: EngineLoop | None = None
+        self.generations: dict[str, Generation] = {}  # engine request id -> its generation
+        self.in_flight = 0                               # engine requests admitted, unfinished
+        self.created = int(time.time())
+        self.metrics = _Metrics(self)
+        self._token_text: dict[int, str] = {}
+
+    # event-loop thread only
+    def deliver(self, steps: list[StepOutput], t_end: float) -> None:
+        for step in steps:
+            gen = self.generations.get(step.request_id)
+            if gen is not None:
+                gen.receive(step, t_end)
+
+    def fail_all(self, exc: BaseException) -> None:
+        for gen in list(self.generations.values()):
+            gen.queue.put_nowait(EngineDeadError(f"engine failed: {exc!r}"))
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own (logprob entries); cached, the vocabulary is finite."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model",
+                           code="model_not_found")
+
+
+class Generation:
+    """The engine requests behind one HTTP request (one per prompt, each with n completions) and
+    the asyncio queue their step outputs arrive on. ``close()`` aborts whatever is unfinished."""
+
+    def __init__(self, state: ServerState, prefix: str, prompts: list[list[int]],
+                 params: SamplingParams, arrival: float):
+        self.state, self.params, self.arrival = state, params, arrival
+        self.prompts = prompts
+        self.ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.unfinished = set(self.ids)
+        self._last_token_time: dict[str, float] = {}
+        self._admitted = False
+        self._closed = False
+
+    async def start(self) -> None:
+        """Admit (503 when the queue is full) and add the requests to the engine; ValueError from
+        the engine (a bad request) -> 400, with nothing left behind."""
+        state = self.state
+        if state.engine_loop is None or not state.engine_loop.alive:
+            raise APIError(503, "The engine is not running.", code="engine_unavailable")
+        if state.in_flight + len(self.ids) > state.max_queue_depth:
+            state.metrics.rejected.inc()
+            raise APIError(503, f"The server is overloaded: {state.in_flight} requests in flight "
+                                f"(--max-queue-depth {state.max_queue_depth}). Retry later.",
+                           code="overloaded")
+        state.in_flight += len(self.ids)
+        self._admitted = True
+        for rid in self.ids:
+            state.generations[rid] = self
+        ids, prompts, params = self.ids, self.prompts, self.params
+
+        def add_all(engine):
+            added = []
+            try:
+                for rid, prompt in zip(ids, prompts):
+                    engine.add_request(rid, prompt, params)
+                    added.append(rid)
+            except BaseException:
+                for rid in added:
+                    engine.abort_request(rid)
+                raise
+
+        try:
+            await asyncio.wrap_future(state.engine_loop.call(add_all))
+        except ValueError as exc:
+            self.unfinished.clear()
+            self.close()
+            raise APIError(400, str(exc)) from None
+        except EngineDeadError as exc:
+            self.unfinished.clear()
+            self.close()
+            raise APIError(503, str(exc), code="engine_unavailable") from None
+        except BaseException:
+            self.close()
+            raise
+        state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+
+    def receive(self, step: StepOutput, t_end: float) -> None:
+        """Event loop: metrics, then hand the step to whoever reads the queue."""
+        m = self.state.metrics
+        new = sum(len(c.token_ids) for c in step.choices)
+        if new:
+            m.generation_tokens.inc(new)
+            last = self._last_token_time.get(step.request_id)
+            if last is None:
+                m.ttft.observe(t_end - self.arrival)
+            else:
+                m.itl.observe(t_end - last)
+            self._last_token_time[step.request_id] = t_end
+        if step.finished:
+            self.unfinished.discard(step.request_id)
+            m.e2e.observe(t_end - self.arrival)
+            for c in step.choices:
+                m.requests.labels(c.finish_reason or "unknown").inc()
+        self.queue.put_nowait(step)
+
+    async def steps(self):
+        """Yield lists of StepOutput (everything queued so far, so a slow reader catches up in one
+        write) until every request finished. Raises EngineDeadError if the engine stops."""
+        while self.unfinished or not self.queue.empty():
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            for item in items:
+                if isinstance(item, BaseException):
+                    raise item
+            yield items
+
+    async def finals(self) -> dict[str, StepOutput]:
+        """Wait for the end; the last StepOutput of each request, plus prompt logprobs."""
+        last: dict[str, list[ChoiceDelta | None]] = {rid: [None] * self.params.n for rid in self.ids}
+        prompt_logprobs: dict[str, list | None] = {}
+        async for items in self.steps():
+            for step in items:
+                if step.prompt_logprobs is not None:
+                    prompt_logprobs[step.request_id] = step.prompt_logprobs
+                for c in step.choices:
+                    if c.final is not None and last[step.request_id][c.index] is None:
+                        last[step.request_id][c.index] = c
+        return {rid: StepOutput(rid, choices, True, prompt_logprobs.get(rid))
+                for rid, choices in last.items()}
+
+    def close(self) -> None:
+        """Abort unfinished requests (frees their KV blocks before the engine's next step)."""
+        if self._closed:
+            return
+        self._closed = True
+        state = self.state
+        for rid in self.ids:
+            state.generations.pop(rid, None)
+        if self._admitted:
+            state.in_flight -= len(self.ids)
+        pending = [rid for rid in self.ids if rid in self.unfinished]
+        if pending and state.engine_loop is not None:
+            def abort(engine):
+                for rid in pending:
+                    engine.abort_request(rid)
+            state.engine_loop.call(abort)
+            log.info("aborted %d request(s) of a closed connection: %s", len(pending), pending)
+
+
+# ---------------------------------------------------------------------------------------------
+# Request -> engine inputs
+
+
+def _sampling_params(state: ServerState, req: _SamplingRequest, max_tokens: int,
+                     logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    overrides = {k: getattr(req, k) for k in (
+        "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+        "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
+        if getattr(req, k) is not None}
+    if overrides.get("stop") == []:
+        del overrides["stop"]
+    try:
+        return SamplingParams.from_generation_config(
+            state.defaults, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            **overrides)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+def _check_length(state: ServerState, prompt_len: int, max_tokens: int | None, what: str) -> int:
+    """The max_tokens to use; 400 when the prompt (plus max_tokens) does not fit the context."""
+    limit = state.max_model_len
+    if prompt_len >= limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
+                            f"{what} has {prompt_len} tokens, leaving no room for a completion. "
+                            f"Please reduce the length of the {what}.",
+                       param=what, code="context_length_exceeded")
+    if max_tokens is None:
+        return limit - prompt_len
+    if prompt_len + max_tokens > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
+                            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {what}, "
+                            f"{max_tokens} in the completion). Please reduce the length of the {what} "
+                            f"or completion.", param="max_tokens", code="context_length_exceeded")
+    return max_tokens
+
+
+def _check_ids(state: ServerState, ids: list[int]) -> None:
+    vocab = state.tokenizer.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"Token id {bad} is out of range [0, {vocab}).", param="prompt")
+
+
+def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
+    """prompt: str | list[str] | list[int] | list[list[int]] -> token-id lists."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty.", param="prompt")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    out = []
+    for p in prompt:
+        ids = state.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise APIError(400, "prompt must not be empty.", param="prompt")
+        _check_ids(state, ids)
+        out.append(ids)
+    return out
+
+
+def _chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    conversation = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):  # OpenAI content parts: only text is supported
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, f"Only text content parts are supported, got {part.get('type')!r}.",
+                                   param="messages")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        conversation.append({"role": m.role, "content": content or ""})
+    try:
+        text = state.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # noqa: BLE001 - template errors (roles it rejects, ...) are the client's
+        raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
+    return state.tokenizer.encode(text, add_special_tokens=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+def _completion_logprobs(state: ServerState, token_ids: list[int], logprobs: list | None,
+                         text_offset: int, leading_none: bool = False) -> dict:
+    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for i, tid in enumerate(token_ids):
+        text = state.token_text(tid)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        entry = logprobs[i] if logprobs is not None and i < len(logprobs) else None
+        if entry is None or (leading_none and i == 0):
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            token_lps.append(float(entry.get(tid, float("-inf"))))
+            top: dict[str, float] = {}
+            for t, lp in entry.items():  # distinct ids can decode alike: keep the likelier
+                key = state.token_text(t)
+                top[key] = max(float(lp), top.get(key, float("-inf")))
+            tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list, top_n: int) -> list[dict]:
+    content = []
+    for tid, entry in zip(token_ids, logprobs):
+        text = state.token_text(tid)
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append({
+            "token": text, "logprob": float(entry.get(tid, float("-inf"))), "bytes": list(text.encode()),
+            "top_logprobs": [{"token": state.token_text(t), "logprob": float(lp),
+                              "bytes": list(state.token_text(t).encode())} for t, lp in ranked]})
+    return content
+
+
+def _usage(prompts: list[list[int]], completion_tokens: int) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def _wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that watches for the client going away while it streams: a disconnect (or
+    any end) cancels the stream and closes the Generation, which aborts its engine requests."""
+
+    def __init__(self, events, generation: Generation):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        streamer = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({streamer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streamer, watcher):
+                task.cancel()
+            results = await asyncio.gather(streamer, watcher, return_exceptions=True)
+            await self.body_iterator.aclose()
+            self.generation.close()
+        error = results[0]
+        if isinstance(error, Exception) and not isinstance(error, OSError):  # OSError: client gone
+            log.error("streaming response failed", exc_info=error)
+
+
+async def _finals_or_disconnect(request: Request, gen: Generation) -> dict[str, StepOutput] | None:
+    """Non-streaming: wait for the whole answer, or return None (after aborting) if the client
+    disconnects first."""
+    collector = asyncio.ensure_future(gen.finals())
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if collector.done():
+            return collector.result()
+        return None
+    finally:
+        for task in (collector, watcher):
+            task.cancel()
+        await asyncio.gather(collector, watcher, return_exceptions=True)
+        gen.close()
+
+
+def _stream_error(exc: BaseException) -> str:
+    return _sse(APIError(500, str(exc), code="engine_error").body()) + "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# The app
+
+
+def create_app(engine, served_model_name: str | None = None, *, max_queue_depth: int = 1024) -> FastAPI:
+    """A FastAPI app serving ``engine`` (a tileattn.engine.LLMEngine, or anything with its API).
+
+    served_model_name: the name clients pass as ``model`` (None -> engine.model_name).
+    max_queue_depth: the most engine requests (one per prompt) admitted and unfinished at once,
+        running or waiting; beyond it requests get 503 instead of growing memory without bound.
+    The engine thread starts with the app's lifespan and stops (aborting what is left) at shutdown.
+    Raises ValueError for max_queue_depth < 1.
+    """
+    if not isinstance(max_queue_depth, int) or max_queue_depth < 1:
+        raise ValueError(f"max_queue_depth must be an int >= 1, got {max_queue_depth!r}")
+    state = ServerState(engine, served_model_name or engine.model_name, max_queue_depth)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop = asyncio.get_running_loop()
+        state.engine_loop = EngineLoop(engine, loop, state.deliver, state.fail_all)
+        state.engine_loop.start()
+        try:
+            yield
+        finally:
+            for gen in list(state.generations.values()):
+                gen.close()
+            await asyncio.to_thread(state.engine_loop.stop)
+
+    app = FastAPI(title="tileattn", lifespan=lifespan)
+    app.state.server = state
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            message = f"Malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
+            param = None
+        else:
+            message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: "
+                                f"{e.get('msg')}" for e in errors)
+            param = loc[0] if loc else None
+        return APIError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.get("/health")
+    async def health():
+        if state.engine_loop is None or not state.engine_loop.alive:
+            raise APIError(503, "The engine is not running.", code="engine_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": state.served_model_name, "object": "model", "created": state.created,
+            "owned_by": "tileattn", "root": engine.model_name, "max_model_len": state.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.metrics.registry),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "Give exactly one of prompt and messages.", param="prompt")
+        if req.messages is not None:
+            ids = _chat_prompt(state, req.messages, req.add_generation_prompt)
+        else:
+            ids = state.tokenizer.encode(req.prompt)
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        state.check_model(req.model)
+        _check_ids(state, req.tokens)
+        return {"prompt": state.tokenizer.decode(req.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        arrival = time.monotonic()
+        state.check_model(req.model)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported.", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of is not supported (only best_of == n).", param="best_of")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
+        prompts = _completion_prompts(state, req.prompt)
+        max_tokens = min(_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts)
+        params = _sampling_params(state, req, max_tokens, req.logprobs,
+                                  req.logprobs if req.echo and req.logprobs is not None else None)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        gen = Generation(state, rid, prompts, params, arrival)
+        await gen.start()
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()),
+                "model": state.served_model_name}
+        n = params.n
+
+        def prompt_text(i):
+            p = req.prompt
+            if isinstance(p, str):
+                return p
+            if isinstance(p, list) and p and isinstance(p[i], str):
+                return p[i]
+            return state.tokenizer.decode(prompts[i])
+
+        def echo_logprobs(i, prompt_logprobs):
+            return _completion_logprobs(state, prompts[i], prompt_logprobs, 0, leading_none=True)
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            async def events():
+                counts = 0
+                offsets = {}  # (prompt, choice) -> text offset for logprobs
+                echoed = set()
+                try:
+                    async for items in gen.steps():
+                        chunks = []
+                        for step in items:
+                            p = gen.ids.index(step.request_id)
+                            for c in step.choices:
+                                key = (p, c.index)
+                                text, lp = c.text, None
+                                if req.echo and key not in echoed:
+                                    echoed.add(key)
+                                    text = prompt_text(p) + text
+                                    if req.logprobs is not None:
+                                        lp = echo_logprobs(p, step.prompt_logprobs)
+                                        offsets[key] = len(prompt_text(p))
+                                if req.logprobs is not None and c.token_ids:
+                                    gen_lp = _completion_logprobs(state, c.token_ids, c.logprobs,
+                                                                  offsets.get(key, 0))
+                                    offsets[key] = gen_lp["text_offset"][-1] + len(gen_lp["tokens"][-1])
+                                    lp = gen_lp if lp is None else {k: lp[k] + gen_lp[k] for k in lp}
+                                counts += len(c.token_ids)
+                                if text or c.token_ids or c.finish_reason is not None or lp is not None:
+                                    choice = {"index": p * n + c.index, "text": text, "logprobs": lp,
+                                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                                    if req.return_token_ids:
+                                        choice["token_ids"] = c.token_ids
+                                    chunks.append({**base, "choices": [choice]})
+                        for chunk in chunks:
+                            if include_usage:
+                                chunk["usage"] = None
+                            yield _sse(chunk)
+                    if include_usage:
+                        yield _sse({**base, "choices": [], "usage": _usage(prompts, counts)})
+                    yield "data: [DONE]\n\n"
+                except EngineDeadError as exc:
+                    yield _stream_error(exc)
+
+            return EventStream(events(), gen)
+
+        finals = await _finals_or_disconnect(request, gen)
+        if finals is None:
+            return Response(status_code=499)
+        choices, completion_tokens = [], 0
+        for p, rid_p in enumerate(gen.ids):
+            out = finals[rid_p]
+            for c in out.choices:
+                text, token_ids, logprobs = c.final
+                completion_tokens += len(token_ids)
+                lp = None
+                if req.logprobs is not None:
+                    lp = _completion_logprobs(state, token_ids, logprobs,
+                                              len(prompt_text(p)) if req.echo else 0)
+                    if req.echo:
+                        head = echo_logprobs(p, out.prompt_logprobs)
+                        lp = {k: head[k] + lp[k] for k in lp}
+                choice = {"index": p * n + c.index, "text": (prompt_text(p) if req.echo else "") + text,
+                          "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.return_token_ids:
+                    choice.update(prompt_token_ids=prompts[p], token_ids=token_ids)
+                choices.append(choice)
+        return {**base, "choices": choices, "usage": _usage(prompts, completion_tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        arrival = time.monotonic()
+        state.check_model(req.model)
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
+        prompt = _chat_prompt(state, req.messages, req.add_generation_prompt)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None and state.defaults.get("max_new_tokens"):
+            max_tokens = min(int(state.defaults["max_new_tokens"]), state.max_model_len - len(prompt))
+        max_tokens = _check_length(state, len(prompt), max_tokens, "messages")
+        top_n = req.top_logprobs or 0
+        params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None, None)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = Generation(state, rid, [prompt], params, arrival)
+        await gen.start()
+        base = {"id": rid, "object": "chat.completion", "created": int(time.time()),
+                "model": state.served_model_name}
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            chunk_base = {**base, "object": "chat.completion.chunk"}
+
+            def chunk(index, delta, finish_reason=None, logprobs=None, stop_reason=None):
+                body = {**chunk_base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                                   "finish_reason": finish_reason}]}
+                if finish_reason is not None:
+                    body["choices"][0]["stop_reason"] = stop_reason
+                if include_usage:
+                    body["usage"] = None
+                return _sse(body)
+
+            async def events():
+                counts = 0
+                try:
+                    for i in range(params.n):
+                        yield chunk(i, {"role": "assistant", "content": ""})
+                    async for items in gen.steps():
+                        for step in items:
+                            for c in step.choices:
+                                counts += len(c.token_ids)
+                                lp = None
+                                if req.logprobs and c.token_ids:
+                                    lp = {"content": _chat_logprobs(state, c.token_ids, c.logprobs, top_n)}
+                                if c.text or c.token_ids or lp is not None:
+                                    delta = {"content": c.text}
+                                    if req.return_token_ids:
+                                        delta["token_ids"] = c.token_ids
+                                    yield chunk(c.index, delta, logprobs=lp)
+                                if c.finish_reason is not None:
+                                    yield chunk(c.index, {}, c.finish_reason, stop_reason=c.stop_reason)
+                    if include_usage:
+                        yield _sse({**chunk_base, "choices": [], "usage": _usage([prompt], counts)})
+                    yield "data: [DONE]\n\n"
+                except EngineDeadError as exc:
+                    yield _stream_error(exc)
+
+            return EventStream(events(), gen)
+
+        finals = await _finals_or_disconnect(request, gen)
+        if finals is None:
+            return Response(status_code=499)
+        choices, completion_tokens = [], 0
+        for c in finals[gen.ids[0]].choices:
+            text, token_ids, logprobs = c.final
+            completion_tokens += len(token_ids)
+            lp = {"content": _chat_logprobs(state, token_ids, logprobs, top_n)} if req.logprobs else None
+            choice = {"index": c.index, "message": {"role": "assistant", "content": text},
+                      "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                choice.update(prompt_token_ids=prompt, token_ids=token_ids)
+            choices.append(choice)
+        return {**base, "choices": choices, "usage": _usage([prompt], completion_tokens)}
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_serve_command(subparsers) -> argparse.ArgumentParser:
+    """Register `tileattn serve MODEL ...` on an argparse subparsers object."""
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming)")
+    p.add_argument("model", help="HF checkpoint directory or .gguf file")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: MODEL)")
+    p.add_argument("--max-queue-depth", type=int, default=1024,
+                   help="most requests admitted at once (running + waiting); more get 503")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--dtype", default=None, help="auto | bfloat16 | float16 | float32")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--device", default=None, help="cuda | cuda:N | cpu (default: cuda when present)")
+    g.add_argument("--kv-cache-blocks", type=int, default=None)
+    p.set_defaults(fn=serve_main)
+    return p
+
+
+_ENGINE_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                   "gpu_memory_utilization", "dtype", "enforce_eager", "device", "kv_cache_blocks")
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Load the engine, then serve until Ctrl-C; the engine thread stops with the server."""
+    import uvicorn
+
+    from .llm import LLMEngine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_model(args.model, **{k: getattr(args, k) for k in _ENGINE_OPTIONS})
+    log.info("engine ready in %.1f s: %s, max_model_len %d", time.perf_counter() - t0,
+             engine.model_name, engine.max_model_len)
+    app = create_app(engine, args.served_model_name or args.model, max_queue_depth=args.max_queue_depth)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
