@@ -1,0 +1,131 @@
+"""EngineConfig (what the user sets) and ModelConfig (what the checkpoint says).
+
+ModelConfig is the one description of a Llama-family model the rest of the engine reads; the
+loader fills it from an HF config.json (transformers 4 or 5 field names) or from GGUF metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_dtype(value, name: str = "dtype") -> torch.dtype | None:
+    """None / "auto" -> None; a torch.dtype or one of _DTYPES' names -> that dtype.
+
+    Raises ValueError naming ``name`` for anything else (int dtypes, unknown strings).
+    """
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, torch.dtype):
+        if value not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {value}")
+        return value
+    if isinstance(value, str) and value.lower() in _DTYPES:
+        return _DTYPES[value.lower()]
+    raise ValueError(f"{name} must be 'auto', float32, bfloat16 or float16, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Engine options (contract B). ``model`` is an HF checkpoint directory or a .gguf file.
+
+    max_model_len: None -> the model's context length (on CPU, capped by what the KV cache holds).
+    max_num_seqs: sequences in one step (also the largest CUDA-graph batch).
+    max_num_batched_tokens: token budget of one step (decodes + prefill chunks).
+    block_size: tokens per KV-cache block.
+    gpu_memory_utilization: fraction of the GPU's total memory the engine may use in all
+        (weights + activations + KV cache); the KV cache gets what is left.
+    dtype: compute dtype; None/"auto" -> the checkpoint's (bf16/fp16) on CUDA, float32 on CPU.
+    enforce_eager: no CUDA graphs.
+    device: "cuda", "cuda:1", "cpu"; None -> cuda when available.
+    tensor_parallel_size: only 1 is implemented.
+    kv_cache_blocks: an explicit block count (the default on CPU is a 256 MiB cache).
+    Raises ValueError naming the bad field (see validate()).
+    """
+
+    model: str
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    dtype: object = None
+    enforce_eager: bool = False
+    device: str | None = None
+    tensor_parallel_size: int = 1
+    kv_cache_blocks: int | None = None
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        def positive(name):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a checkpoint path, got {self.model!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            positive(name)
+        if self.max_model_len is not None:
+            positive("max_model_len")
+        if self.kv_cache_blocks is not None:
+            positive("kv_cache_blocks")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: only 1 is implemented")
+        self.dtype = parse_dtype(self.dtype)
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except RuntimeError as exc:
+                raise ValueError(f"device {self.device!r} is not a torch device: {exc}") from None
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-family model. head_dim is explicit (Qwen3 sets it apart from hidden / heads)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: dict | None = None   # {"rope_type": "llama3" | "linear", ...} or None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False             # Qwen2/2.5 always; Llama when attention_bias
+    o_bias: bool = False               # Llama attention_bias
+    mlp_bias: bool = False
+    qk_norm: bool = False              # Qwen3: RMSNorm over head_dim on q and k before rotary
+    sliding_window: int | None = None  # Mistral v0.1: max_model_len is capped at it
+    torch_dtype: torch.dtype | None = None
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raises ValueError when the numbers cannot describe a working model."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model config: {name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model config: num_key_value_heads ({self.num_kv_heads}) must divide "
+                             f"num_attention_heads ({self.num_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"model config: head_dim must be even for rotary, got {self.head_dim}")

@@ -1,0 +1,183 @@
+"""The layers of a Llama-family decoder: RMSNorm, rotary embedding (incl. llama3 scaling), gated
+MLP with a fused gate/up projection, and attention over the paged KV cache.
+
+Every token of a step (prefill chunks and decodes of all sequences) is packed along one axis T;
+attention is the only layer that needs to know where sequences begin and end (AttentionBatch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionBatch:
+    """Where the packed tokens of one step go in the paged cache (contract A's arguments).
+
+    cu_seqlens_q int32 [B+1]: query tokens of sequence b are rows cu[b]:cu[b+1] of the packed axis.
+    seqlens_k int32 [B]: keys of sequence b, its query tokens included (they are the last ones).
+    block_tables int32 [B, max_blocks]: the cache blocks of each sequence, in order.
+    slot_mapping int64 [T]: block * block_size + offset where each token's k/v is written (-1: skip).
+    max_seqlen_q, max_seqlen_k: Python ints bounding the two above.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    seqlens_k: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def paged_attention_ops(device: torch.device):
+    """(attention_paged, write_kv_cache) for ``device``: tileattn's kernels on CUDA, the pure-torch
+    reference elsewhere (same signatures, contract A). Imported here, not at module import, so the
+    engine imports on machines (and at commits) where either is absent."""
+    if device.type == "cuda":
+        import tileattn
+
+        return tileattn.attention_paged, tileattn.write_kv_cache
+    from tileattn import reference
+
+    return reference.attention_paged, reference.write_kv_cache
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). Parameters are allocated uninitialised: the loader fills every one."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x):  # x [T, in] -> [T, out]
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in float32 (the mean of squares of a bf16 row loses too many bits otherwise), then
+    scaled by the weight in the input dtype, as the reference implementations do.
+
+    forward(x) -> norm(x); forward(x, residual) -> (norm(x + residual), x + residual): the residual
+    add is fused into the norm call so the decoder layer reads as two sub-blocks."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+
+    def _norm(self, x):  # x [..., dim]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(self, x, residual=None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, freq_factors=None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float32) of rotary embedding, with the scaling of
+    ``scaling["rope_type"]``: None/"default", "linear" (positions / factor) or "llama3" (long
+    wavelengths / factor, short ones kept, a smooth blend between). ``freq_factors`` (GGUF's
+    rope_freqs tensor) divides the frequencies instead. Raises ValueError for other rope types."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponent)  # [head_dim / 2]
+    if freq_factors is not None:
+        return inv_freq / torch.as_tensor(freq_factors, dtype=torch.float32)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_context = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+        return torch.where(medium, blended, scaled)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+class Rotary(nn.Module):
+    """Rotate-half rotary embedding from a cos/sin table [max_positions, head_dim / 2] (float32)."""
+
+    def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor):
+        super().__init__()
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]  # [max_positions, d/2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions, q, k):  # positions [T]; q [T, H, d], k [T, Hkv, d]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, d/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x, cos, sin):  # x [T, heads, d]
+    x1, x2 = x.chunk(2, dim=-1)  # [T, heads, d/2] each
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up in one [2 * ffn, hidden] GEMM."""
+
+    def __init__(self, hidden: int, ffn: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.ffn = ffn
+        self.gate_up_proj = Linear(hidden, 2 * ffn, bias, dtype)
+        self.down_proj = Linear(ffn, hidden, bias, dtype)
+
+    def forward(self, x):  # x [T, hidden]
+        gate, up = self.gate_up_proj(x).split(self.ffn, dim=-1)  # [T, ffn] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class PagedAttention(nn.Module):
+    """Self-attention: fused qkv projection, optional per-head q/k RMSNorm (Qwen3), rotary, the new
+    k/v written into the paged cache, then attention of the step's queries over each sequence's
+    cached keys (prefill, chunked prefill and decode all take this one path)."""
+
+    def __init__(self, cfg, rotary: Rotary, dtype: torch.dtype):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.rotary = rotary
+        # Set by the model runner: [num_blocks, block_size, Hkv, d] views of its one cache tensor,
+        # and the (attention_paged, write_kv_cache) pair for the cache's device.
+        self.k_cache = self.v_cache = None
+        self.ops = None
+
+    def forward(self, positions, x, batch: AttentionBatch):  # positions [T], x [T, hidden]
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.heads, self.head_dim)  # [T, H, d]
+        k = k.view(tokens, self.kv_heads, self.head_dim)  # [T, Hkv, d]
+        v = v.reshape(tokens, self.kv_heads, self.head_dim).contiguous()  # [T, Hkv, d]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        attention_paged, write_kv_cache = self.ops
+        write_kv_cache(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
+        out = attention_paged(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
+                              batch.seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k,
+                              causal=True, scale=self.scale)  # [T, H, d]
+        return self.o_proj(out.reshape(tokens, self.q_size))

@@ -1,0 +1,259 @@
+"""LLMEngine (the streaming step API a server drives) and LLM (offline generate / chat).
+
+One engine step: the scheduler picks sequences and token counts, the model runner computes them
+and samples, then here each sampled token is appended, checked against EOS / stop ids / max_tokens
+/ max_model_len, detokenized and checked against stop strings; finished sequences give their
+blocks back.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import detokenize, find_stop, visible_text_length
+from .loader import load_model
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Request
+
+
+class LLMEngine:
+    """Contract B. Construction loads the checkpoint, sizes the KV cache and (on CUDA, unless
+    enforce_eager) captures the decode graphs; startup_seconds records how long that took.
+
+    Raises FileNotFoundError / ValueError from the loader (missing checkpoint or tokenizer,
+    unsupported architecture) and ValueError when max_model_len does not fit the model or the cache.
+    """
+
+    def __init__(self, config: EngineConfig):
+        start = time.perf_counter()
+        self.config = config
+        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        loaded = load_model(config.model, device, config.dtype, max_model_len=config.max_model_len)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        self.generation_defaults = dict(loaded.generation_defaults)
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        self.dtype = loaded.dtype
+        self.runner = ModelRunner(loaded, config, device, config.max_model_len)
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.last_step = {"prefill_tokens": 0, "decode_tokens": 0, "seconds": 0.0}
+        self.startup_seconds = time.perf_counter() - start
+
+    @classmethod
+    def from_model(cls, model: str, **options) -> LLMEngine:
+        return cls(EngineConfig(model=model, **options))
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        """Queue a prompt (text, encoded with the tokenizer's special tokens, or token ids).
+
+        Raises ValueError before queueing anything: duplicate or non-string id, empty prompt,
+        token ids outside the vocabulary, a prompt of max_model_len tokens or more, bad params."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        text = None
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError("prompt must be a str or a list of token ids (ints)")
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:4]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves "
+                             "no room for an output token")
+        request = Request(request_id, ids, params, text)
+        self.requests[request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request and free its blocks at once; an unknown id is a no-op."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_cache_usage": bm.usage(), "prefix_cache_hits": bm.prefix_cache_hits,
+                "prefix_cache_queries": bm.prefix_cache_queries, "num_free_blocks": bm.num_free_blocks,
+                "num_total_blocks": bm.num_blocks, "num_preemptions": self.scheduler.num_preemptions}
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns the outputs of requests that got a token (or finished)."""
+        start = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        decode = sum(1 for seq, n in scheduled if n == 1 and seq.num_output_tokens > 0
+                     and seq.num_computed_tokens == seq.num_tokens - 1)
+        result = self.runner.execute(scheduled)
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            self.block_manager.register_full_blocks(seq)
+        for seq, entries in result.prompt_logprobs.items():
+            seq.request.prompt_logprobs += entries
+        touched, to_detokenize, finished = {}, [], []
+        now = time.time()
+        for seq, token, logprobs in result.sampled:
+            request = seq.request
+            touched[request.request_id] = request
+            request.first_token_time = request.first_token_time or now
+            seq.token_ids.append(token)
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprobs)
+            params = seq.params
+            if token in self.eos_token_ids and not params.ignore_eos:
+                seq.finish_reason = "stop"  # stop_reason None: the model's own end
+            elif params.stop_token_ids and token in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+            else:
+                to_detokenize.append(seq)
+                if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                    seq.finish_reason = "length"
+            if seq.finish_reason is not None:
+                finished.append(seq)
+        for seq, new_text in zip(to_detokenize, detokenize(self.tokenizer, to_detokenize)):
+            stop = find_stop(seq, new_text)
+            if stop is not None:
+                if seq.finish_reason is None:
+                    finished.append(seq)
+                seq.finish_reason, seq.stop_reason = "stop", stop
+        for seq in finished:
+            self.scheduler.finish(seq)
+        outputs = [self._output(request) for request in touched.values()]
+        for request in touched.values():
+            if request.finished:
+                request.finished_time = now
+                del self.requests[request.request_id]
+        self.last_step = {"prefill_tokens": sum(n for _, n in scheduled) - decode, "decode_tokens": decode,
+                          "seconds": time.perf_counter() - start}
+        return outputs
+
+    def _output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            visible = visible_text_length(seq)
+            new_ids = seq.output_token_ids[seq.num_emitted_tokens:]
+            new_text = seq.text[seq.num_emitted_chars:visible]
+            seq.num_emitted_tokens, seq.num_emitted_chars = seq.num_output_tokens, max(visible, seq.num_emitted_chars)
+            completions.append(CompletionOutput(
+                index=seq.index, token_ids=seq.output_token_ids, text=seq.text[:visible],
+                new_token_ids=new_ids, new_text=new_text,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        return RequestOutput(
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, outputs=completions,
+            finished=request.finished, prompt=request.prompt_text,
+            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
+            metrics={"arrival_time": request.arrival_time, "first_token_time": request.first_token_time,
+                     "finished_time": time.time() if request.finished else None})
+
+
+class LLM:
+    """Offline inference: LLM(model_path, **EngineConfig options).generate(...) / .chat(...)."""
+
+    def __init__(self, model: str, **engine_options):
+        self.engine = LLMEngine.from_model(model, **engine_options)
+        self.tokenizer = self.engine.tokenizer
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's generation_config.json defaults (greedy when it sets do_sample False)."""
+        return SamplingParams.from_generation_config(self.engine.generation_defaults)
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a str, a list of token ids, or a list of either; sampling_params: one for all
+        or a list (one per prompt). Returns finished RequestOutputs in prompt order.
+        Raises ValueError for a bad prompt or parameter before any request runs."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        engine = self.engine
+        base = f"generate-{time.monotonic_ns()}-"
+        ids = [f"{base}{i}" for i in range(len(prompts))]
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                engine.add_request(request_id, prompt, p)
+        except ValueError:
+            for request_id in ids:
+                engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """messages: one conversation ([{"role", "content"}, ...]) or a list of them; each is rendered
+        with the chat template and encoded without adding special tokens (the template has them)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt),
+                                         add_special_tokens=False) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids, use_tqdm) -> list[RequestOutput]:
+        engine = self.engine
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", dynamic_ncols=True)
+        wanted = set(ids)
+        prefill_rate = decode_rate = 0.0
+        while wanted - done.keys():
+            for out in engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+            if bar is not None:
+                step = engine.last_step
+                seconds = max(step["seconds"], 1e-9)
+                if step["prefill_tokens"]:
+                    prefill_rate = step["prefill_tokens"] / seconds
+                if step["decode_tokens"]:
+                    decode_rate = step["decode_tokens"] / seconds
+                bar.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s",
+                                    refresh=False)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]

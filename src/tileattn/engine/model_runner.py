@@ -1,0 +1,268 @@
+"""The model on its device: KV-cache allocation, the packed input tensors of a step, CUDA graphs
+for decode steps, and the forward + sampling of one scheduled batch.
+
+KV cache: one tensor [2, layers, num_blocks, block_size, Hkv, d]; each attention layer gets its
+k and v views. On CUDA it takes what gpu_memory_utilization leaves after the weights and the peak
+activations of a profile step of max_num_batched_tokens tokens; on CPU a fixed 256 MiB (or
+kv_cache_blocks).
+
+CUDA graphs: a decode step (every sequence feeds one token) launches hundreds of small kernels
+whose CPU launch cost exceeds their GPU time at small batches; replaying a captured graph launches
+them all at once. Graphs are captured for a ladder of batch sizes up to max_num_seqs, against
+static input buffers; a step with B sequences pads to the next captured size (padded rows write
+nothing to the cache: slot -1) and copies its inputs into the buffers before the replay. The
+attention op gets max_seqlen_k = max_model_len at capture, so one graph serves every length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layers import AttentionBatch, PagedAttention, paged_attention_ops
+from .loader import model_length_limit
+from .sampler import Sampler, top_logprobs
+
+CPU_KV_CACHE_BYTES = 256 << 20
+_PROMPT_LOGPROB_ROWS = 512  # logits rows per chunk when scoring prompts ([rows, vocab] float32)
+
+
+@dataclass
+class StepResult:
+    sampled: list  # [(seq, token_id, {token_id: logprob} | None)] for sequences that got a token
+    prompt_logprobs: dict  # seq -> list of {token_id: logprob} for the prompt tokens scored this step
+
+
+class ModelRunner:
+    """Raises ValueError when the KV cache cannot hold one sequence of max_model_len tokens."""
+
+    def __init__(self, loaded, config, device: torch.device, max_model_len: int | None):
+        self.model = loaded.model
+        self.cfg = loaded.config
+        self.device = device
+        self.dtype = loaded.dtype
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.sampler = Sampler()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        ops = paged_attention_ops(device)
+        for layer in self.attention_layers:
+            layer.ops = ops
+
+        self.num_blocks = config.kv_cache_blocks or self._blocks_that_fit(config)
+        capacity = self.num_blocks * self.block_size
+        model_limit = model_length_limit(self.cfg)
+        if max_model_len is not None and max_model_len > capacity:
+            raise ValueError(f"the KV cache ({self.num_blocks} blocks x {self.block_size} tokens = {capacity} "
+                             f"tokens) cannot hold one sequence of max_model_len={max_model_len}; lower "
+                             "max_model_len or give the cache more memory (gpu_memory_utilization, kv_cache_blocks)")
+        self.max_model_len = max_model_len or min(model_limit, capacity)
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.kv_cache = torch.zeros(2, self.cfg.num_layers, self.num_blocks, self.block_size,
+                                    self.cfg.num_kv_heads, self.cfg.head_dim, dtype=self.dtype, device=device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]  # [blocks, bs, Hkv, d]
+        self.graphs: dict[int, tuple] = {}
+        if device.type == "cuda" and not config.enforce_eager:
+            self._capture_graphs()
+
+    # ---- memory ---------------------------------------------------------------------------------
+
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers, k and v."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.cfg.num_layers * self.block_size * self.cfg.num_kv_heads * self.cfg.head_dim * element
+
+    def _blocks_that_fit(self, config) -> int:
+        if self.device.type != "cuda":
+            return max(CPU_KV_CACHE_BYTES // self.block_bytes(), 1)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_step()
+        free, total = torch.cuda.mem_get_info(self.device)
+        current = torch.cuda.memory_allocated(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        # Memory in use by anything (this process's weights, other processes, the CUDA context),
+        # plus this process's activation peak above what stays allocated.
+        budget = total * config.gpu_memory_utilization - (total - free) - (peak - current)
+        blocks = int(budget // self.block_bytes())
+        if blocks < 1:
+            raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization="
+                             f"{config.gpu_memory_utilization} ({(total - free) / 2**30:.1f} GiB in use "
+                             f"of {total / 2**30:.1f} GiB after loading the weights)")
+        return blocks
+
+    def _profile_step(self) -> None:
+        """One forward of max_num_batched_tokens tokens (in max_num_seqs sequences) and the logits
+        of max_num_seqs rows, against a scratch cache just large enough, to measure peak memory."""
+        tokens = self.max_num_batched_tokens
+        seqs = min(self.max_num_seqs, tokens)
+        per_seq = -(-tokens // seqs)
+        blocks_per_seq = -(-per_seq // self.block_size)
+        scratch = torch.zeros(2, seqs * blocks_per_seq, self.block_size, self.cfg.num_kv_heads,
+                              self.cfg.head_dim, dtype=self.dtype, device=self.device)
+        for layer in self.attention_layers:
+            layer.k_cache, layer.v_cache = scratch[0], scratch[1]
+        lengths = [per_seq] * (tokens // per_seq) + ([tokens % per_seq] if tokens % per_seq else [])
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        table = torch.arange(len(lengths) * blocks_per_seq, dtype=torch.int32).view(len(lengths), -1)
+        batch = AttentionBatch(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device),
+            seqlens_k=torch.tensor(lengths, dtype=torch.int32, device=self.device),
+            block_tables=table.to(self.device),
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
+            max_seqlen_q=per_seq, max_seqlen_k=per_seq)
+        ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
+        with torch.inference_mode():
+            hidden = self.model(ids, positions, batch)
+            self.model.compute_logits(hidden[:seqs])
+        torch.cuda.synchronize(self.device)
+        del scratch, hidden
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = None
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, scheduled) -> StepResult:
+        """Run the model on [(seq, n)] (token_ids[computed:computed+n] of each) and sample the next
+        token of every sequence whose chunk reaches its last token."""
+        inputs = self._prepare(scheduled)
+        batch, ids, positions = inputs["batch"], inputs["input_ids"], inputs["positions"]
+        graph = self._graph_for(scheduled)
+        if graph is not None:
+            hidden = self._replay(graph, len(scheduled), ids, positions, batch)
+        else:
+            hidden = self.model(ids, positions, batch)  # [T, hidden]
+        sample_seqs = inputs["sample_seqs"]
+        sampled = []
+        if sample_seqs:
+            logits = self.model.compute_logits(hidden[inputs["sample_rows"]])  # [N, vocab]
+            tokens, logprobs = self.sampler(logits, sample_seqs)
+            sampled = list(zip(sample_seqs, tokens, logprobs))
+        prompt_logprobs = {}
+        for seq, rows, targets in inputs["prompt_rows"]:
+            prompt_logprobs[seq] = self._score(hidden, rows, targets, seq.params.prompt_logprobs)
+        return StepResult(sampled, prompt_logprobs)
+
+    def _score(self, hidden, rows, targets, top_n) -> list[dict]:
+        out = []
+        for start in range(0, len(rows), _PROMPT_LOGPROB_ROWS):
+            part = slice(start, start + _PROMPT_LOGPROB_ROWS)
+            logits = self.model.compute_logits(hidden[torch.tensor(rows[part], device=self.device)])
+            chosen = torch.tensor(targets[part], device=self.device)
+            out += top_logprobs(logits, chosen, [top_n] * len(rows[part]))
+        return out
+
+    def _prepare(self, scheduled) -> dict:
+        """Packed inputs of a step (built as Python lists, then one host-to-device copy each)."""
+        size = self.block_size
+        ids, positions, slots, cu, seqlens, sample_rows, sample_seqs, prompt_rows = [], [], [], [0], [], [], [], []
+        max_q = max_k = max_blocks = 0
+        for seq, n in scheduled:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            table = seq.block_table
+            pos = start
+            while pos < end:  # one contiguous slot range per block touched
+                block = pos // size
+                stop = min(end, (block + 1) * size)
+                base = table[block] * size - block * size
+                slots += range(base + pos, base + stop)
+                pos = stop
+            cu.append(cu[-1] + n)
+            seqlens.append(end)
+            max_q, max_k, max_blocks = max(max_q, n), max(max_k, end), max(max_blocks, len(table))
+            if end == seq.num_tokens:
+                sample_rows.append(cu[-1] - 1)
+                sample_seqs.append(seq)
+            request = seq.request
+            if seq.index == 0 and request.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1 \
+                    and len(request.prompt_logprobs) == start + 1:
+                last = min(end, seq.num_prompt_tokens - 1)  # position p scores prompt token p + 1
+                prompt_rows.append((seq, list(range(cu[-2], cu[-2] + last - start)),
+                                    seq.token_ids[start + 1:last + 1]))
+        tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
+        for row, (seq, _) in enumerate(scheduled):
+            tables[row, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        to = self._to_device
+        batch = AttentionBatch(
+            cu_seqlens_q=to(torch.tensor(cu, dtype=torch.int32)),
+            seqlens_k=to(torch.tensor(seqlens, dtype=torch.int32)),
+            block_tables=to(tables),
+            slot_mapping=to(torch.tensor(slots, dtype=torch.int64)),
+            max_seqlen_q=max_q, max_seqlen_k=max_k)
+        return {"batch": batch, "input_ids": to(torch.tensor(ids, dtype=torch.int64)),
+                "positions": to(torch.tensor(positions, dtype=torch.int64)),
+                "sample_rows": to(torch.tensor(sample_rows, dtype=torch.int64)),
+                "sample_seqs": sample_seqs, "prompt_rows": prompt_rows}
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    # ---- CUDA graphs ----------------------------------------------------------------------------
+
+    def graph_batch_sizes(self) -> list[int]:
+        sizes = [b for b in (1, 2, 4, 8) if b < self.max_num_seqs]
+        sizes += range(16, self.max_num_seqs, 16)
+        return sorted(set(sizes) | {self.max_num_seqs})
+
+    def _graph_for(self, scheduled):
+        """The captured graph for a pure decode step of this size, or None (eager)."""
+        if not self.graphs or len(scheduled) > self.max_num_seqs:
+            return None
+        if any(n != 1 for _, n in scheduled):
+            return None
+        size = next(b for b in self.graph_batch_sizes() if b >= len(scheduled))
+        return self.graphs[size]
+
+    def _capture_graphs(self) -> None:
+        largest = self.max_num_seqs
+        device = self.device
+        # Static inputs, sized for the largest graph; smaller graphs read their leading rows.
+        self.static = {
+            "input_ids": torch.zeros(largest, dtype=torch.int64, device=device),
+            "positions": torch.zeros(largest, dtype=torch.int64, device=device),
+            "slot_mapping": torch.full((largest,), -1, dtype=torch.int64, device=device),
+            "seqlens_k": torch.ones(largest, dtype=torch.int32, device=device),
+            "block_tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32, device=device),
+            "cu_seqlens_q": torch.arange(largest + 1, dtype=torch.int32, device=device),
+        }
+        s = self.static
+        pool = None
+        for size in reversed(self.graph_batch_sizes()):  # largest first: later ones reuse its pool
+            batch = AttentionBatch(cu_seqlens_q=s["cu_seqlens_q"][:size + 1], seqlens_k=s["seqlens_k"][:size],
+                                   block_tables=s["block_tables"][:size], slot_mapping=s["slot_mapping"][:size],
+                                   max_seqlen_q=1, max_seqlen_k=self.max_model_len)
+            with torch.inference_mode():
+                self.model(s["input_ids"][:size], s["positions"][:size], batch)  # warm-up: compiles kernels
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self.model(s["input_ids"][:size], s["positions"][:size], batch)  # [size, hidden]
+            pool = graph.pool() if pool is None else pool
+            self.graphs[size] = (graph, out, size)
+        torch.cuda.synchronize(device)
+
+    def _replay(self, graph_entry, count, ids, positions, batch):
+        graph, out, size = graph_entry
+        s = self.static
+        s["input_ids"][:count].copy_(ids)
+        s["positions"][:count].copy_(positions)
+        s["slot_mapping"][:count].copy_(batch.slot_mapping)
+        s["slot_mapping"][count:size].fill_(-1)  # padded rows write nothing
+        s["seqlens_k"][:count].copy_(batch.seqlens_k)
+        s["seqlens_k"][count:size].fill_(1)
+        width = batch.block_tables.shape[1]
+        s["block_tables"][:count, :width].copy_(batch.block_tables)
+        graph.replay()
+        return out[:count]

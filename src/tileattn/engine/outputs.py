@@ -1,0 +1,36 @@
+"""What a step returns (contract B): RequestOutput with one CompletionOutput per sequence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n completions. token_ids/text: everything so far; new_token_ids/new_text:
+    what this step added. text never ends inside a multi-byte character, and while stop strings are
+    set, the last (longest stop - 1) characters are held back until they cannot start one."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    logprobs: list[dict] | None = None
+    finish_reason: str | None = None   # None | "stop" | "length" | "abort"
+    stop_reason: object = None         # the matched stop string, stop token id, or None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list | None = None
+    prompt: str | None = None
+    metrics: dict = field(default_factory=dict)  # arrival_time, first_token_time, finished_time (time.time())

@@ -1,0 +1,132 @@
+"""Batched sampling on the logits' device: one set of tensor ops for the whole batch, whatever
+mix of greedy, temperature, top-k, top-p, min-p, penalties and seeds its requests ask for.
+
+Sampling uses the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with
+probability p_i, so a seeded request only needs its own noise row (drawn from its own
+torch.Generator) while the selection stays one batched argmax.
+Log-probabilities are those of the model's raw distribution (before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, seqs) -> tuple[list[int], list[dict | None]]:
+        """logits float32 [N, vocab], one row per sequence in ``seqs`` (its next token).
+
+        Returns (token ids [N], per row {token_id: logprob} of the top-n plus the chosen token,
+        or None when that sequence asked for no logprobs)."""
+        params = [s.params for s in seqs]
+        raw = logits
+        logits = apply_penalties(logits, seqs)
+        greedy = all(p.temperature == 0.0 for p in params)
+        if greedy:
+            tokens = logits.argmax(dim=-1)  # [N]
+        else:
+            tokens = self._sample(logits, seqs)
+        token_list = tokens.tolist()
+        wanted = [p.logprobs for p in params]
+        if all(w is None for w in wanted):
+            return token_list, [None] * len(seqs)
+        return token_list, top_logprobs(raw, tokens, wanted)
+
+    def _sample(self, logits, seqs):  # logits [N, V]
+        device = logits.device
+        params = [s.params for s in seqs]
+        temperature = torch.tensor([p.temperature for p in params], device=device)  # [N]
+        is_greedy = temperature == 0
+        scaled = logits / torch.where(is_greedy, 1.0, temperature)[:, None]  # [N, V]
+        scaled = apply_top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
+        probs = scaled.softmax(dim=-1)  # [N, V]
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device)  # [N]
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
+        noise = torch.empty_like(probs).exponential_()  # [N, V]
+        for row, seq in enumerate(seqs):  # seeded rows draw their own noise (randomness only)
+            if seq.params.seed is not None and seq.params.temperature > 0:
+                if seq.generator is None:
+                    seq.generator = torch.Generator(device=device)
+                    seq.generator.manual_seed(hash((seq.params.seed, seq.index)) & (2**63 - 1))
+                noise[row].exponential_(generator=seq.generator)
+        sampled = (probs / noise.clamp_min_(_TINY)).argmax(dim=-1)  # [N]
+        return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Set to -inf every logit outside each row's top-k (k <= 0: all), then outside the smallest
+    set of the remaining tokens whose probability reaches top_p. logits [N, V] -> [N, V]."""
+    vocab = logits.shape[-1]
+    use_k = any(0 < k < vocab for k in top_k)
+    use_p = any(p < 1.0 for p in top_p)
+    if not (use_k or use_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
+    if use_k:
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)  # [N]
+        rank = torch.arange(vocab, device=logits.device)  # [V]
+        sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
+    if use_p:
+        p = torch.tensor(top_p, device=logits.device, dtype=torch.float32)  # [N]
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # [N, V] mass of the tokens ranked above each
+        sorted_logits = sorted_logits.masked_fill(before >= p[:, None], float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def apply_penalties(logits: torch.Tensor, seqs) -> torch.Tensor:
+    """Repetition (prompt + output tokens), presence and frequency (output tokens) penalties,
+    as OpenAI / vLLM define them. logits [N, V] -> [N, V] (a new tensor when any applies)."""
+    params = [s.params for s in seqs]
+    use_rep = any(p.repetition_penalty != 1.0 for p in params)
+    use_freq = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+    if not (use_rep or use_freq):
+        return logits
+    device, vocab = logits.device, logits.shape[-1]
+    counts = _token_counts([s.output_token_ids for s in seqs], vocab, device)  # [N, V]
+    if use_rep:
+        seen = counts > 0
+        seen |= _token_counts([s.token_ids[:s.num_prompt_tokens] for s in seqs], vocab, device) > 0
+        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]  # [N, 1]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    if use_freq:
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        logits = logits - freq * counts - presence * (counts > 0)
+    return logits
+
+
+def _token_counts(token_lists, vocab: int, device) -> torch.Tensor:
+    """[N, V] float32 occurrence counts; ragged lists are padded with an extra column, dropped."""
+    width = max((len(t) for t in token_lists), default=0)
+    padded = torch.full((len(token_lists), max(width, 1)), vocab, dtype=torch.int64)
+    for row, tokens in enumerate(token_lists):
+        padded[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+    return counts[:, :vocab]
+
+
+def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_n: list[int | None]) -> list[dict | None]:
+    """Per row {token_id: logprob} for the row's top-n tokens and its chosen token.
+    logits [N, V] float32, chosen int [N]; rows with top_n None get None."""
+    logprobs = logits.log_softmax(dim=-1)  # [N, V]
+    chosen_lp = logprobs.gather(1, chosen.view(-1, 1)).squeeze(1).tolist()  # [N]
+    chosen_ids = chosen.tolist()
+    width = max(n or 0 for n in top_n)
+    top_vals = top_ids = None
+    if width:
+        top_vals, top_ids = logprobs.topk(width, dim=-1)  # [N, width]
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    out = []
+    for row, n in enumerate(top_n):
+        if n is None:
+            out.append(None)
+            continue
+        entry = dict(zip(top_ids[row][:n], top_vals[row][:n])) if n else {}
+        entry[chosen_ids[row]] = chosen_lp[row]
+        out.append(entry)
+    return out

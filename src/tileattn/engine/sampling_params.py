@@ -1,0 +1,106 @@
+"""SamplingParams: how one request is sampled and when it stops (contract B)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling options.
+
+    temperature 0 means greedy (argmax; top_k/top_p/min_p and seed are then irrelevant).
+    top_k -1 (or 0) keeps every token; top_p in (0, 1]; min_p in [0, 1] keeps tokens whose
+    probability is at least min_p times the most likely one's. repetition_penalty (> 0, 1 = off)
+    divides positive / multiplies negative logits of tokens seen in the prompt or the output;
+    presence_penalty / frequency_penalty (in [-2, 2]) subtract from logits of tokens in the output
+    (once / per occurrence). seed: the same seed gives the same tokens. stop: strings that end
+    the output (not included in the text); stop_token_ids: token ids that end it. logprobs /
+    prompt_logprobs: the top-n log-probabilities (of the model's raw distribution, before
+    penalties and temperature) plus the chosen token's, per sampled / prompt token.
+    Raises ValueError naming the bad field, from the constructor and from validate().
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        def is_int(value):
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def is_number(value):
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not is_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if not is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if self.temperature < 0 or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= -1 (-1 or 0: off), got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None:
+            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            self.stop = list(self.stop)
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                    is_int(t) and t >= 0 for t in self.stop_token_ids):
+                raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
+            self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 0):
+                raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
+        if not isinstance(self.ignore_eos, bool) or not isinstance(self.skip_special_tokens, bool):
+            raise ValueError("ignore_eos and skip_special_tokens must be bools")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_generation_config(cls, defaults: dict, **overrides) -> SamplingParams:
+        """SamplingParams with a checkpoint's generation_config.json defaults (temperature, top_p,
+        top_k, min_p, repetition_penalty; do_sample False -> greedy) under ``overrides``."""
+        known = {f.name for f in fields(cls)}
+        values = {k: defaults[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                  if defaults.get(k) is not None}
+        if defaults.get("do_sample") is False:
+            values["temperature"] = 0.0
+        values.update({k: v for k, v in overrides.items() if k in known})
+        return cls(**values)

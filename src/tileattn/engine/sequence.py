@@ -1,0 +1,95 @@
+"""One request (Request) and each of its n completions (Sequence): tokens, cache blocks, status,
+detokenization state. Plain data; the scheduler, block manager and engine change it."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from .sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+# Tokens decoded again before the new ones, so a token whose text depends on its left neighbour
+# (a leading space, a multi-byte character split over tokens) decodes the way it does in context.
+_DETOKENIZE_CONTEXT = 6
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One completion: prompt + output token ids and where their keys/values live in the cache.
+
+    num_computed_tokens: leading tokens whose k/v are in the cache (prefix-cache hits included);
+    the scheduler feeds token_ids[num_computed_tokens:] (or a chunk of them) to the model.
+    """
+
+    def __init__(self, request: Request, index: int):
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.index = index
+        self.params: SamplingParams = request.params
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0        # leading full blocks registered in the prefix cache
+        self.last_block_hash = None       # chained hash of block num_hashed_blocks - 1
+        self.status = SequenceStatus.WAITING
+        self.generator = None             # torch.Generator of a seeded request, made by the sampler
+        self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason = None
+        # Detokenization: text of the output so far; tokens [prefix_offset, read_offset) are the
+        # context decoded again before new tokens (see detokenizer.py).
+        self.text = ""
+        self.prefix_offset = max(self.num_prompt_tokens - _DETOKENIZE_CONTEXT, 0)
+        self.read_offset = self.num_prompt_tokens
+        self.num_emitted_tokens = 0       # output tokens already returned by a step
+        self.num_emitted_chars = 0        # characters of text already returned
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self):
+        return (f"Sequence({self.request.request_id}#{self.index}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)}, {self.status.value})")
+
+
+class Request:
+    """A prompt and its n sequences; prompt_logprobs are computed once, by sequence 0."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 prompt_text: str | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_text = prompt_text
+        self.params = params
+        self.arrival_time = time.time()
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        # Entry i: {token_id: logprob} for prompt token i (None for token 0, which has no context).
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.seqs = [Sequence(self, i) for i in range(params.n)]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)

@@ -1,0 +1,187 @@
+"""Tokenizer: text <-> token ids through the `tokenizers` library, chat templates through jinja2.
+
+Two sources: an HF checkpoint directory (tokenizer.json + tokenizer_config.json, the chat template
+there or in chat_template.jinja) and GGUF metadata (GPT-2 style byte-level BPE from the
+tokenizer.ggml.tokens / merges / token_type arrays).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+
+# GGUF token_type values (llama.cpp's llama_token_attr): 3 = control (special), 4 = user-defined.
+_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+
+# Pre-tokenizer split patterns named by GGUF's tokenizer.ggml.pre (the regexes llama.cpp uses).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GGUF_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+                "qwen2": _QWEN2_SPLIT}
+
+
+class Tokenizer:
+    """encode / decode / apply_chat_template over a `tokenizers.Tokenizer`.
+
+    Attributes: bos_token_id, eos_token_id (int | None), vocab_size, chat_template (str | None).
+    """
+
+    def __init__(self, backend, *, chat_template=None, bos_token=None, eos_token=None):
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """str -> token ids; add_special_tokens applies the tokenizer's post-processor (e.g. BOS)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_batch(self, batch, skip_special_tokens: bool = True) -> list[str]:
+        """Several decodes in one call (the Rust side runs them without the GIL between items)."""
+        return self.backend.decode_batch([list(ids) for ids in batch], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render a conversation ([{"role": ..., "content": ...}, ...]) with the model's template.
+
+        Raises ValueError when the checkpoint has no chat template or messages is malformed.
+        """
+        if not self.chat_template:
+            raise ValueError("this checkpoint has no chat template (tokenizer_config.json / GGUF metadata)")
+        if not isinstance(messages, (list, tuple)) or not all(
+                isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> Tokenizer:
+        """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) in ``path``.
+
+        Raises FileNotFoundError when tokenizer.json is missing, ValueError when it is unreadable.
+        """
+        from tokenizers import Tokenizer as Backend
+
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"no tokenizer in {path}: tokenizer.json is missing "
+                                    "(the engine needs a fast tokenizer file)")
+        try:
+            backend = Backend.from_file(file)
+        except Exception as exc:  # the Rust error text says what is wrong with the file
+            raise ValueError(f"cannot read {file}: {exc}") from None
+        config = {}
+        config_file = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(config_file):
+            with open(config_file, encoding="utf-8") as f:
+                config = json.load(f)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                template = f.read()
+        return cls(backend, chat_template=template, bos_token=_token_text(config.get("bos_token")),
+                   eos_token=_token_text(config.get("eos_token")))
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> Tokenizer:
+        """Byte-level BPE from GGUF metadata (tokenizer.ggml.model == "gpt2").
+
+        Raises ValueError for other tokenizer models (SentencePiece "llama" GGUFs) or missing arrays.
+        """
+        from tokenizers import (
+            AddedToken,
+            Regex,
+            decoders,
+            models,
+            pre_tokenizers,
+            processors,
+        )
+        from tokenizers import Tokenizer as Backend
+
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE)")
+        tokens = meta.get("tokenizer.ggml.tokens")
+        merges = meta.get("tokenizer.ggml.merges")
+        if not tokens or merges is None:
+            raise ValueError("GGUF file has no tokenizer (tokenizer.ggml.tokens / merges missing)")
+        vocab = {token: i for i, token in enumerate(tokens)}
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+        pre = meta.get("tokenizer.ggml.pre")
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if pre in _GGUF_SPLITS:
+            backend.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(_GGUF_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        elif pre == "smollm":  # SmolLM's tokenizer splits every digit apart before byte-level BPE
+            backend.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            backend.pre_tokenizer = byte_level
+        backend.decoder = decoders.ByteLevel()
+        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, kind in zip(tokens, types) if kind == _GGUF_CONTROL])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                            for t, kind in zip(tokens, types) if kind == _GGUF_USER_DEFINED])
+
+        def token(key):
+            index = meta.get(key)
+            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+        bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
+        if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1", special_tokens=[(bos, vocab[bos])])
+        else:
+            backend.post_processor = processors.ByteLevel(trim_offsets=False)
+        return cls(backend, chat_template=meta.get("tokenizer.chat_template"), bos_token=bos, eos_token=eos)
+
+
+def _token_text(value):
+    """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _compile_template(source: str):
+    """A sandboxed jinja2 template with the helpers HF chat templates call."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        raise ValueError(f"the chat template does not compile: {exc}") from None
