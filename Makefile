@@ -31,7 +31,7 @@ demo: $(STAMP)
 	$(PY) -m tileattn.cli demo
 
 check: $(STAMP)
-	$(PY) -m tileattn.cli check
+	$(PY) -m tileattn.cli check --with labs.kernels
 
 test: check
 	$(PY) -m pytest -q -rs

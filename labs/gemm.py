@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from tileattn import kernels
-from tileattn.kernels import gemm as reg
+from labs.kernels import gemm as reg
 from tileattn.bench.report import fmt_cell
-from tileattn.runtime import LoadedKernel, launch, require_gpu
+from tileattn.runtime import LoadedKernel, launch, require_gpu, tensor_map
 
 FULL_SIZES = ((4096, 4096, 4096), (8192, 8192, 8192), (4096, 1024, 8192), (1000, 1001, 999), (4097, 4097, 4097))
 QUICK_SIZES = ((1024, 1024, 1024), (1000, 1001, 999), (257, 129, 1000))
@@ -219,20 +219,20 @@ def _tc_call(a, bt, rung, out=None, *, stages=reg.DEFAULT_STAGES, bn=256, wgmma_
             Kp = cdiv(K, 8) * 8
             a_p = torch.zeros(M, Kp, device=a.device, dtype=a.dtype)
             b_p = torch.zeros(N, Kp, device=a.device, dtype=a.dtype)
-            maps = (reg.tensor_map_2d(a_p, reg.WGMMA_BM, reg.WGMMA_BK), reg.tensor_map_2d(b_p, bn, reg.WGMMA_BK))
+            maps = (tensor_map(a_p, (reg.WGMMA_BM, reg.WGMMA_BK)), tensor_map(b_p, (bn, reg.WGMMA_BK)))
             args = maps + (out.data_ptr(), np.int32(M), np.int32(N), np.int32(Kp))
 
             def call():
                 a_p[:, :K].copy_(a)  # the padding copies are part of this path's cost
                 b_p[:, :K].copy_(bt)
-                reg.launch_raw(kernel, grid, block, args, smem)
+                launch(kernel, grid, block, args, smem)
                 return out
         else:
-            maps = (reg.tensor_map_2d(a, reg.WGMMA_BM, reg.WGMMA_BK), reg.tensor_map_2d(bt, bn, reg.WGMMA_BK))
+            maps = (tensor_map(a, (reg.WGMMA_BM, reg.WGMMA_BK)), tensor_map(bt, (bn, reg.WGMMA_BK)))
             args = maps + (out.data_ptr(), np.int32(M), np.int32(N), np.int32(K))
 
             def call():
-                reg.launch_raw(kernel, grid, block, args, smem)
+                launch(kernel, grid, block, args, smem)
                 return out
 
         call.padded = bool(padded)
@@ -248,9 +248,8 @@ def occupancy(kernel: LoadedKernel, threads: int, smem: int) -> tuple[int | None
     from cuda.bindings import driver
 
     try:
-        if smem > kernel._dynamic_smem_limit:
-            kernel.reserve_dynamic_smem(smem)
-        err, blocks = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(reg._function_of(kernel), threads, smem)
+        kernel.reserve_dynamic_smem(smem)
+        err, blocks = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel.function, threads, smem)
         if err != driver.CUresult.CUDA_SUCCESS:
             return None, None
         props = torch.cuda.get_device_properties(kernel.device_index)
@@ -325,9 +324,9 @@ def selftest_tma(verbose: bool = True) -> dict:
         for c0, c1 in ((0, 0), (64, 16)):  # (64, 16): columns 64..127 of 72, rows 16..23 of 20
             name = f"TMA box 8x64 at (col {c0}, row {c1}), swizzle {'128B' if swz else 'none'}"
             try:
-                tmap = reg.tensor_map_2d(src, 8, 64, swizzle_128b=swz)
+                tmap = tensor_map(src, (8, 64), swizzle=128 if swz else 0)
                 out.view(torch.int16).fill_(-1)
-                reg.launch_raw(probe, (1,), (128,), (tmap, out.data_ptr(), np.int32(c0), np.int32(c1)))
+                launch(probe, (1,), (128,), (tmap, out.data_ptr(), np.int32(c0), np.int32(c1)))
                 torch.cuda.synchronize()
                 box = torch.zeros(8, 64, device="cuda", dtype=torch.bfloat16)
                 part = src[c1:c1 + 8, c0:c0 + 64]

@@ -26,7 +26,7 @@ import time
 import torch
 
 from labs import gemm as lab
-from tileattn.kernels import gemm as reg
+from labs.kernels import gemm as reg
 from tileattn.runtime import require_gpu
 
 STAGES = (1, 2, 3)

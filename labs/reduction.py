@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tileattn import kernels
-from tileattn.kernels.reduction import BLOCK, BROKEN, VEC4_CONFIGS, expression
+from labs.kernels.reduction import BLOCK, BROKEN, VEC4_CONFIGS, expression
 from tileattn.runtime import launch, load_kernel, require_gpu
 
 OPS = {"sum": "SumOp", "max": "MaxOp"}

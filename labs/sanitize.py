@@ -80,7 +80,7 @@ class Case:
 # ---- cases --------------------------------------------------------------------------------------------
 def all_cases() -> list[Case]:
     from labs import reduction, transpose
-    from tileattn.kernels.transpose import expression as texpr
+    from labs.kernels.transpose import expression as texpr
 
     cases = []
     for k, v in reduction.VERSIONS.items():
@@ -543,6 +543,7 @@ def _precompile(cases: list[Case]) -> None:
     try:
         import torch
 
+        import labs.kernels  # noqa: F401  (registers the lab families)
         from tileattn import kernels
         from tileattn.runtime import device_arch
 

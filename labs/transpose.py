@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from tileattn import kernels
-from tileattn.kernels.transpose import ELEMENT_TYPES, VERSIONS, expression
+from labs.kernels.transpose import ELEMENT_TYPES, VERSIONS, expression
 from tileattn.runtime import launch, load_kernel, require_gpu
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from tileattn import kernels
-from tileattn.kernels.vector_add import VEC4_UNROLL
+from labs.kernels.vector_add import VEC4_UNROLL
 from tileattn.runtime import launch, require_gpu
 
 # version -> elements one thread handles per loop trip (float4 loads x unroll)

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+import labs.kernels  # noqa: F401  (registers the lab kernel families with tileattn's registry)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

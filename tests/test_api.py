@@ -185,35 +185,33 @@ def test_pointer_alignment_check():
 # ---------------------------------------------------------------------------------------------
 # Registry and config selection
 # ---------------------------------------------------------------------------------------------
-def expected_instantiations():
-    out = []
-    for d in (32, 64, 96, 128, 256):
-        for causal in (False, True):
-            for bf16 in (False, True):
-                cfgs = [attention_fwd_sm80.DEFAULTS[(d, causal)]]
-                if bf16:
-                    cfgs += [c for c in attention_fwd_sm80.EXTRA_BF16.get((d, causal), ()) if c not in cfgs]
-                for c in cfgs:
-                    out.append(
-                        f"tileattn::attention_fwd_sm80<{d}, {c.block_m}, {c.block_n}, {c.warps}, {c.stages}, "
-                        f"{str(causal).lower()}, {str(bf16).lower()}>"
-                    )
-    return out
-
-
-def test_registry_lists_the_forward_instantiations():
+def test_registry_builds_exactly_the_dispatched_forward_instantiations():
+    """Every instantiation is the table default of some (arch, d, causal, dtype), every default is
+    registered, and the tuning candidates are registered apart (compiled only by --tuning)."""
     fam = family("attention_fwd_sm80")
     assert fam.source == "attention_fwd_sm80.cu" and fam.path.exists()
     assert fam.archs == ("sm_90a", "sm_80")
-    assert list(fam.instantiations) == expected_instantiations()
-    assert len(set(fam.instantiations)) == len(fam.instantiations)
-    # 5 head dims x causal x {fp16, bf16} defaults + the bf16 tuning candidates: moderate.
-    assert 20 <= len(fam.instantiations) <= 64
+    used = set()
+    for arch in ("sm_90a", "sm_80", "sm_86"):
+        for d in (32, 64, 96, 128, 256):
+            for causal in (False, True):
+                for dtype in (FP16, BF16):
+                    cfg = attention_fwd_sm80.default_config(d, causal, arch)
+                    expr = attention_fwd_sm80.expression(d, cfg, causal, dtype == BF16)
+                    assert expr in fam.instantiations, (arch, d, causal, dtype)
+                    used.add(expr)
+    assert used == set(fam.instantiations), "an instantiation no table uses is compiled for nothing"
+    assert len(fam.instantiations) == len(set(fam.instantiations))
+    # The H200's measured d=128 default, spelled out: a table edit that drops it fails here.
+    assert "tileattn::attention_fwd_sm80<128, 128, 64, 4, 2, false, true>" in fam.instantiations
+    assert fam.tuning and not set(fam.tuning) & set(fam.instantiations)
+    assert all(e.endswith(", true>") for e in fam.tuning), "tuning candidates are bf16-only"
 
 
 def test_every_config_is_valid_for_the_kernel():
     """The kernel's static_asserts, checked here so a bad table entry fails without a compiler."""
-    for (d, _), cfgs in [(k, (v,)) for k, v in attention_fwd_sm80.DEFAULTS.items()] + list(attention_fwd_sm80.EXTRA_BF16.items()):
+    tables = [(key, (cfg,)) for table in attention_fwd_sm80.DEFAULTS.values() for key, cfg in table.items()]
+    for (d, _), cfgs in tables + list(attention_fwd_sm80.EXTRA_BF16.items()):
         for c in cfgs:
             rows = c.block_m // c.warps
             assert c.block_m % (16 * c.warps) == 0 and rows in (16, 32), c
@@ -228,7 +226,7 @@ def test_every_config_is_valid_for_the_kernel():
 @pytest.mark.parametrize("dtype", [FP16, BF16])
 def test_a_config_is_picked_for_every_case(d, causal, dtype):
     fam = family("attention_fwd_sm80")
-    cfg = attention_fwd_sm80.default_config(d, causal, dtype)
+    cfg = attention_fwd_sm80.default_config(d, causal, "sm_90a")
     expr = attention_fwd_sm80.expression(d, cfg, causal, dtype == BF16)
     assert fam.require(expr) == expr
     cands = attention_fwd_sm80.tuning_candidates(d, causal, dtype)
@@ -259,7 +257,7 @@ def test_default_d128_compiles_without_spills_for_sm90a():
     from tileattn.runtime import compile_cuda
 
     fam = family("attention_fwd_sm80")
-    expr = attention_fwd_sm80.expression(128, attention_fwd_sm80.DEFAULTS[(128, False)], False, True)
+    expr = attention_fwd_sm80.expression(128, attention_fwd_sm80.default_config(128, False, "sm_90a"), False, True)
     mod = compile_cuda(fam.path, [expr], "sm_90a")
     res = mod.resources[expr]
     assert res.spills == 0 and res.stack_bytes == 0, res

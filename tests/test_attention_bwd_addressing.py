@@ -92,7 +92,7 @@ def layouts(cfg: ab.BwdConfig) -> dict:
     return t
 
 
-CONFIGS = ab._all_configs()
+CONFIGS = ab.all_configs()
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c.name for c in CONFIGS])

@@ -23,15 +23,21 @@ def test_family_registered():
     assert fam.source == "attention_bwd_sm80.cu" and fam.path.exists()
     assert fam.archs == ("sm_90a", "sm_80")
     assert len(fam.instantiations) == len(set(fam.instantiations))
+    # Tuning candidates are compiled only on request (tileattn check --tuning, bench --tune).
+    assert fam.tuning and not set(fam.tuning) & set(fam.instantiations)
+    for cfg in ab._TUNING[128]:
+        if cfg != ab.default_config(128, False):
+            assert cfg.main_expr(True, True) in fam.tuning
     assert ab.HEAD_DIMS == HEAD_DIMS
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80", "sm_86"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_every_head_dim_causal_dtype_is_registered(d, causal, dtype):
+def test_every_head_dim_causal_dtype_is_registered(d, causal, dtype, arch):
     fam = families()[ab.FAMILY_NAME]
-    cfg = ab.default_config(d, causal, dtype)
+    cfg = ab.default_config(d, causal, arch)
     assert cfg.head_dim == d
     bf16 = dtype == torch.bfloat16
     needed = [
@@ -46,7 +52,9 @@ def test_every_head_dim_causal_dtype_is_registered(d, causal, dtype):
     # Shared memory fits one block per SM on an H100/H200 (227 KB); on an A100 (163 KB) the
     # launcher asks for the config that fits, which must be registered too.
     assert cfg.main_smem <= 227 * 1024 and cfg.dq_smem <= 227 * 1024
-    small = ab.default_config(d, causal, dtype, max_smem=163 * 1024)
+    if arch != "sm_90a":  # the sm_80 table fits an A100 without a fallback
+        assert max(cfg.main_smem, cfg.dq_smem) <= 163 * 1024
+    small = ab.default_config(d, causal, arch, max_smem=163 * 1024)
     assert small.main_smem <= 163 * 1024 and small.dq_smem <= 163 * 1024
     assert small == cfg or max(cfg.main_smem, cfg.dq_smem) > 163 * 1024
     for expr in (small.main_expr(bf16, True), small.main_expr(bf16, False), small.dq_expr(bf16)):
@@ -58,7 +66,7 @@ def test_every_head_dim_causal_dtype_is_registered(d, causal, dtype):
 def test_tuning_candidates_are_registered(causal, dtype):
     fam = families()[ab.FAMILY_NAME]
     cands = ab.tuning_candidates(128, causal, dtype)
-    assert cands[0] == ab.default_config(128, causal, dtype)
+    assert cands[0] == ab.default_config(128, causal)
     assert len(cands) >= 3 and len(set(cands)) == len(cands)
     bf16 = dtype == torch.bfloat16
     for cfg in cands:

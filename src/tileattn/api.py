@@ -1,12 +1,20 @@
-"""The public attention op: argument checks, torch.library custom ops, autograd.
+"""The public attention op: argument checks, launch plans, autograd, torch.library custom ops.
 
-`attention(q, k, v, ...)` checks its arguments in Python (raising ValueError before anything is
-launched), then calls the custom op `tileattn::attention_fwd`, which allocates the outputs with
-torch and launches the forward kernel on the current stream. Its backward (registered with
-`register_autograd`) calls the custom op `tileattn::attention_bwd`. Both ops have fake (meta)
-implementations, so `torch.compile(fullgraph=True)` treats them as opaque nodes with known output
-shapes, and neither allocates outside torch nor synchronizes with the host, so both can be
-captured by `torch.cuda.graph`.
+Two paths run the same plans:
+- Eager (plain tensors, not under torch.compile or a dispatch mode): `attention` looks up the launch
+  plan for the call's (shapes, strides, dtypes, devices, causal, scale) in a dictionary, allocates
+  the outputs and launches; with inputs that require grad it goes through a torch.autograd.Function
+  whose backward reuses the forward's plan entry (nothing is validated twice). This keeps the host
+  cost of a call to a few microseconds: no custom-op dispatch, no per-call argument checks.
+- Traced (torch.compile, FakeTensor/meta tensors, make_fx): the custom ops `tileattn::attention_fwd`
+  and `tileattn::attention_bwd`, with fake implementations (so torch.compile(fullgraph=True) sees
+  one opaque node with known output shapes) and `register_autograd`. Their implementations call the
+  same plans.
+Neither path allocates outside torch or synchronizes with the host, so both can be captured by
+`torch.cuda.graph`.
+
+The first call with a new combination runs every argument check below and builds the plan; a later
+call with the same combination checks only the data pointers' alignment.
 
 Order of the argument checks (the first failing one is reported):
   1. q, k, v are tensors of rank 4                         ("q must be a torch.Tensor", "... rank-4")
@@ -18,7 +26,7 @@ Order of the argument checks (the first failing one is reported):
   6. layout: stride(-1) == 1 and every other stride (of a dimension longer than 1) a multiple of
      8 elements (16 bytes, the cp.async granule)
   7. devices: q, k, v on one device, and that device is CUDA
-  8. data pointers 16-byte aligned (checked inside the op, right before the launch, so that it also
+  8. data pointers 16-byte aligned (checked on every call, right before the launch, so that it also
      holds under torch.compile where data pointers are not visible while tracing)
 Checks 1-6 only read metadata, so they report a bad dtype, shape or layout for CPU tensors too;
 a CPU tensor with otherwise valid arguments fails at step 7 with "... must be a CUDA tensor".
@@ -38,6 +46,7 @@ SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 _ALIGN_ELEMS = 8  # 16 bytes of a 16-bit dtype: cp.async moves 16-byte chunks
 _MAX_GRID_YZ = 65535
+_MAX_PLANS = 4096  # plan entries kept before the cache starts over (shapes seen by one process)
 
 
 def attention(
@@ -78,12 +87,26 @@ def attention(
             16-byte aligned; tensors on different devices or not on a CUDA device.
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
-    _check_args(q, k, v, scale)
-    causal = bool(causal)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = torch.ops.tileattn.attention_fwd(q, k, v, causal, float(scale), bool(deterministic))
+    causal, deterministic = bool(causal), bool(deterministic)
+    if _eager(q, k, v):
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            out, lse = _AttentionFunction.apply(q, k, v, causal, scale, deterministic)
+        else:
+            out, lse, _ = _forward(q, k, v, causal, scale)
+    else:
+        _check_args(q, k, v, scale)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        out, lse = torch.ops.tileattn.attention_fwd(q, k, v, causal, scale, deterministic)
     return (out, lse) if return_lse else out
+
+
+def _eager(*tensors) -> bool:
+    """Whether this call can take the eager path: plain tensors (not FakeTensor or other
+    subclasses), not being traced by torch.compile, no dispatch mode (make_fx, FakeTensorMode)."""
+    for t in tensors:
+        if type(t) is not Tensor:
+            return False
+    return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,20 +197,119 @@ def _kernel_layout_ok(t: Tensor) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Custom ops
+# Plans: one entry per (shapes, strides, dtypes, devices, causal, scale), made on first use
+# ---------------------------------------------------------------------------------------------
+class _PlanEntry:
+    """A validated argument combination: its forward plan, and its backward plans by (dout
+    strides, deterministic)."""
+
+    __slots__ = ("forward", "backward", "causal", "scale", "device_index", "copy_kv")
+
+    def __init__(self, q, k, v, causal: bool, scale: float | None):
+        from .kernels import dispatch
+
+        _check_args(q, k, v, scale)
+        self.causal = causal
+        self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        self.device_index = q.device.index
+        self.copy_kv = dispatch.needs_contiguous_kv(k) or dispatch.needs_contiguous_kv(v)
+        if self.copy_kv:
+            k, v = k.contiguous(), v.contiguous()
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        with torch.cuda.device(self.device_index):
+            self.forward = dispatch.attention_forward_plan(q, k, v, out, lse, causal=causal, scale=self.scale)
+        self.backward: dict[tuple, object] = {}
+
+    def backward_plan(self, q, k, v, out, lse, dout, dq, dk, dv, deterministic: bool):
+        key = (dout.stride(), deterministic)
+        plan = self.backward.get(key)
+        if plan is None:
+            from .kernels import dispatch
+
+            with torch.cuda.device(self.device_index):
+                plan = dispatch.attention_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, causal=self.causal,
+                                                        scale=self.scale, deterministic=deterministic)
+            self.backward[key] = plan
+        return plan
+
+
+_plans: dict[tuple, _PlanEntry] = {}
+
+
+def _plan_entry(q, k, v, causal: bool, scale) -> _PlanEntry:
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+           q.device, k.device, v.device, causal, scale)
+    entry = _plans.get(key)
+    if entry is None:
+        entry = _PlanEntry(q, k, v, causal, scale)  # raises ValueError for bad arguments
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = entry
+    return entry
+
+
+def _forward(q, k, v, causal: bool, scale):
+    """(out, lse, plan entry): the forward through the entry's plan, outputs allocated by torch."""
+    entry = _plan_entry(q, k, v, causal, scale)
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            _check_pointer(name, t)
+    if entry.copy_kv:
+        k, v = k.contiguous(), v.contiguous()
+    out = torch.empty_like(q)  # q's layout when q is dense (a transposed [B, N, H, d] stays so)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    if torch.cuda.current_device() == entry.device_index:
+        entry.forward.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
+    else:  # cuLaunchKernel uses the thread's current context: make it q's device's
+        with torch.cuda.device(entry.device_index):
+            entry.forward.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
+    return out, lse, entry
+
+
+def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, deterministic: bool):
+    """(dq, dk, dv) in the layouts of q, k, v (contiguous when those are not dense)."""
+    if not _kernel_layout_ok(dout):  # e.g. the stride-0 expanded gradient of out.sum()
+        dout = dout.contiguous()
+    if entry.copy_kv:
+        k, v = k.contiguous(), v.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    plan = entry.backward_plan(q, k, v, out, lse, dout, dq, dk, dv, deterministic)
+    if torch.cuda.current_device() == entry.device_index:
+        plan.launch(q, k, v, out, lse, dout, dq, dk, dv)
+    else:
+        with torch.cuda.device(entry.device_index):
+            plan.launch(q, k, v, out, lse, dout, dq, dk, dv)
+    return dq, dk, dv
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """The eager path with autograd: forward and backward through one plan entry."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, deterministic):
+        out, lse, entry = _forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.entry, ctx.deterministic = entry, deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(ctx.entry, dout, q, k, v, out, lse, ctx.deterministic)
+        return dq, dk, dv, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops (the traced path)
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("tileattn::attention_fwd", mutates_args=(), device_types="cuda")
 def _attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, deterministic: bool
 ) -> tuple[Tensor, Tensor]:
     """(out [B, H, Nq, d] input dtype, lse [B, H, Nq] fp32). `deterministic` is for the backward."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_pointer(name, t)
-    from .kernels.attention_fwd_sm80 import launch_forward
-
-    out = torch.empty_like(q)  # q's layout when q is dense (a transposed [B, N, H, d] stays so)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    launch_forward(q, k, v, out, lse, causal=causal, scale=scale)
+    out, lse, _ = _forward(q, k, v, causal, scale)
     return out, lse
 
 
@@ -202,13 +324,7 @@ def _attention_bwd(
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the layouts of q, k, v (contiguous when those are not dense)."""
-    from .kernels.attention_bwd_sm80 import launch_backward  # the backward family may land later
-
-    if not _kernel_layout_ok(dout):  # e.g. the stride-0 expanded gradient of out.sum()
-        dout = dout.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    launch_backward(q, k, v, out, lse, dout, dq, dk, dv, causal=causal, scale=scale, deterministic=deterministic)
-    return dq, dk, dv
+    return _backward(_plan_entry(q, k, v, causal, scale), dout, q, k, v, out, lse, deterministic)
 
 
 @_attention_bwd.register_fake
@@ -224,10 +340,10 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, _dlse):
+def _backward_op(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.tileattn.attention_bwd(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.deterministic)
     return dq, dk, dv, None, None, None
 
 
-_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+_attention_fwd.register_autograd(_backward_op, setup_context=_setup_context)

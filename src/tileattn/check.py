@@ -51,8 +51,9 @@ def _compile_one(fam: Family, expr: str, arch: str, use_cache: bool) -> Row:
 
 
 def run_check(archs: list[str] | None = None, *, family_filter: str | None = None, use_cache: bool = True,
-              jobs: int | None = None) -> list[Row]:
-    """Compile everything registered (optionally only families whose name contains `family_filter`)."""
+              jobs: int | None = None, tuning: bool = False) -> list[Row]:
+    """Compile every registered instantiation (optionally only families whose name contains
+    `family_filter`; with `tuning`, the tuning candidates too)."""
     work = []
     for fam in families().values():
         if family_filter and family_filter not in fam.name:
@@ -63,7 +64,8 @@ def run_check(archs: list[str] | None = None, *, family_filter: str | None = Non
         for arch in fam.archs:
             if archs and arch not in archs:
                 continue
-            work.extend((fam, expr, arch) for expr in fam.instantiations)
+            exprs = fam.instantiations + (tuple(e for e in fam.tuning if e not in fam.instantiations) if tuning else ())
+            work.extend((fam, expr, arch) for expr in exprs)
     rows: list[Row] = []
     # One process per core: an NVRTC compile holds the GIL, so threads would run one at a time.
     # "spawn": workers start clean (no inherited CUDA or thread state).

@@ -1,4 +1,4 @@
-"""The `tileattn` command: info, check, demo, bench."""
+"""The `tileattn` command: info, check, demo, bench, and the engine's generate, chat and serve."""
 
 from __future__ import annotations
 
@@ -28,9 +28,13 @@ def cmd_info(args) -> int:
 
 
 def cmd_check(args) -> int:
+    import importlib
+
     from .check import format_table, run_check
 
-    rows = run_check(args.arch or None, family_filter=args.family, use_cache=not args.no_cache)
+    for module in args.with_module or ():  # e.g. labs.kernels: registers the repository's lab kernels
+        importlib.import_module(module)
+    rows = run_check(args.arch or None, family_filter=args.family, use_cache=not args.no_cache, tuning=args.tuning)
     print(format_table(rows))
     failed = [r for r in rows if not r.ok]
     for r in failed:
@@ -49,10 +53,23 @@ def cmd_demo(args) -> int:
     return run_demo()
 
 
-def cmd_bench(args) -> int:
-    from .bench.attention import main as attention_main
+# `tileattn bench NAME ...`: module and function of each benchmark (imported only when run).
+BENCHES = {
+    "attention": ("tileattn.bench.attention", "main"),
+    "overhead": ("tileattn.bench.overhead", "main"),
+    "startup": ("tileattn.bench.startup", "main"),
+    "decode": ("tileattn.bench.decode", "main"),
+    "varlen": ("tileattn.bench.varlen", "main"),
+    "engine": ("tileattn.engine.bench_engine", "bench_engine_main"),
+    "serve": ("tileattn.engine.bench_serve", "bench_serve_main"),
+}
 
-    return attention_main(args.rest)
+
+def cmd_bench(args) -> int:
+    import importlib
+
+    module, function = BENCHES[args.what]
+    return getattr(importlib.import_module(module), function)(args.rest)
 
 
 def main(argv=None) -> int:
@@ -63,14 +80,42 @@ def main(argv=None) -> int:
     p.add_argument("--arch", action="append", help="only this arch (repeatable), e.g. sm_90a")
     p.add_argument("--family", help="only families whose name contains this")
     p.add_argument("--no-cache", action="store_true", help="recompile even when cached")
+    p.add_argument("--tuning", action="store_true", help="also the tuning candidates (what bench --tune times)")
+    p.add_argument("--with", dest="with_module", action="append", metavar="MODULE",
+                   help="import MODULE first so it registers its kernel families (e.g. labs.kernels)")
     p.set_defaults(fn=cmd_check)
     sub.add_parser("demo", help="what `make demo` runs: CPU lab + reference, GPU checks when present").set_defaults(fn=cmd_demo)
-    p = sub.add_parser("bench", help="benchmarks: `tileattn bench attention [...]` (labs: python -m labs.<name>)")
-    p.add_argument("what", choices=["attention"])
+    p = sub.add_parser("bench", help="benchmarks: `tileattn bench NAME [...]`, NAME one of "
+                       f"{', '.join(sorted(BENCHES))} (labs: python -m labs.<name>)")
+    p.add_argument("what", choices=sorted(BENCHES))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to that benchmark (see its --help)")
     p.set_defaults(fn=cmd_bench)
+    _add_engine_commands(sub)
     args = ap.parse_args(argv)
     return args.fn(args)
+
+
+def _add_engine_commands(sub) -> None:
+    """`generate`, `chat` and `serve` come from the engine (tileattn[engine]); without its
+    dependencies the commands still exist and say what to install."""
+    try:
+        from .engine.cli import add_commands
+        from .engine.server import add_serve_command
+    except ImportError as exc:
+        missing = str(exc)
+        for name in ("generate", "chat", "serve"):
+            p = sub.add_parser(name, help=f"(needs the engine extra: pip install 'tileattn[engine]')")
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+            p.set_defaults(fn=lambda args, missing=missing: _missing_engine(missing))
+        return
+    add_commands(sub)
+    add_serve_command(sub)
+
+
+def _missing_engine(reason: str) -> int:
+    print(f"tileattn's engine is not available: {reason}\ninstall it with: pip install 'tileattn[engine]'",
+          file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

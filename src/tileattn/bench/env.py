@@ -28,12 +28,32 @@ def _driver_version() -> str | None:
         return None
 
 
+def _git_state() -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the checkout this package runs from; (None, None) outside a git checkout.
+    The GPU machine receives a copy of the working tree with its .git, so this holds there too."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=20)
+        if commit.returncode != 0:
+            return None, None
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=20)
+        return commit.stdout.strip(), bool(status.stdout.strip()) if status.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
 def environment() -> dict:
     """A dict of facts about this machine and process (no GPU needed; GPU fields are None then)."""
     import torch
 
     env = {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": None,
+        "git_dirty": None,
         "command": " ".join(shlex.quote(a) for a in sys.argv),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -47,6 +67,7 @@ def environment() -> dict:
         "sm_count": None,
         "driver": None,
     }
+    env["git_commit"], env["git_dirty"] = _git_state()
     try:
         from ..runtime import nvrtc_version
 

@@ -12,7 +12,7 @@ torch.cuda.graph):
    deterministic mode: ``attn_bwd_dq_kernel<d, BM, BN, bf16>``: one block per (query block, head,
    batch) recomputes P and dS and accumulates dQ in registers (no atomics: bit-identical runs).
 
-Tile configurations come from ONE table, ``_CONFIGS`` keyed by (head_dim, causal); fp16 and bf16
+Tile configurations come from one table per arch, ``DEFAULTS[arch]`` keyed by (head_dim, causal); fp16 and bf16
 share it; ``_SMALL_SMEM`` holds the configs for GPUs with less shared memory per block than a
 table entry needs (d=256 on an A100). ``tuning_candidates`` adds the runners-up of the last tuning
 run per head dim. Every instantiation of every config is registered in ``FAMILIES`` so
@@ -32,6 +32,8 @@ __all__ = [
     "HEAD_DIMS",
     "BwdConfig",
     "default_config",
+    "BackwardPlan",
+    "backward_plan",
     "launch_backward",
     "precompile",
     "tuning_candidates",
@@ -181,7 +183,14 @@ _SMALL_SMEM = {
     256: BwdConfig(256, block_n=64, block_m=32, warps=8, warps_n1=4, warps_n2=2, warps_m3=2, unroll=2,
                    dq_block_m=64, dq_block_n=32),
 }
-_CONFIGS: dict[tuple[int, bool], BwdConfig] = {(d, c): cfg for d, cfg in _BASE.items() for c in (False, True)}
+_H200: dict[tuple[int, bool], BwdConfig] = {(d, c): cfg for d, cfg in _BASE.items() for c in (False, True)}
+# Tables keyed by arch (what tileattn.kernels.dispatch reads). sm_80 (A100 and GPUs without a table
+# of their own): no sm_80 GPU has been available to measure on; it holds the H200's tiles except
+# where they need more than an A100's 163 KB of shared memory per block (d=256).
+DEFAULTS: dict[str, dict[tuple[int, bool], BwdConfig]] = {
+    "sm_90a": _H200,
+    "sm_80": {(d, c): _SMALL_SMEM.get(d, cfg) for (d, c), cfg in _H200.items()},
+}
 
 # Extra candidates for the tuning benchmark (the default comes first): the runners-up of the last
 # tuning run and, for d=128, the previous default (8, 4, 2) / unroll 2. unroll = KS unrolls the k
@@ -213,12 +222,13 @@ _TUNING: dict[int, tuple[BwdConfig, ...]] = {
 }
 
 
-def default_config(head_dim: int, causal: bool, dtype=None, max_smem: int | None = None) -> BwdConfig:
-    """The table's config for (head_dim, causal); dtype is accepted for symmetry (fp16 and bf16
-    share tiles). With ``max_smem`` (bytes of dynamic shared memory a block may use on the target
-    GPU), a config that needs more is replaced by the head dim's small-shared-memory config."""
+def default_config(head_dim: int, causal: bool, arch: str = "sm_90a", max_smem: int | None = None) -> BwdConfig:
+    """The table's config for (head_dim, causal) on `arch` (archs without a table use sm_80's);
+    fp16 and bf16 share tiles. With ``max_smem`` (bytes of dynamic shared memory a block may use on
+    the target GPU), a config that needs more is replaced by the head dim's small-shared-memory one."""
+    table = DEFAULTS.get(arch, DEFAULTS["sm_80"])
     try:
-        cfg = _CONFIGS[(int(head_dim), bool(causal))]
+        cfg = table[(int(head_dim), bool(causal))]
     except KeyError:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}") from None
     if max_smem is not None and (isinstance(max_smem, bool) or not isinstance(max_smem, int) or max_smem <= 0):
@@ -231,36 +241,37 @@ def default_config(head_dim: int, causal: bool, dtype=None, max_smem: int | None
     return cfg
 
 
-def tuning_candidates(head_dim: int, causal: bool, dtype=None) -> list[BwdConfig]:
-    """Configs worth timing for (head_dim, causal, dtype): the default first, then the extras.
-    Every one is a registered instantiation, so it can be passed as ``config=`` to launch_backward."""
-    base = default_config(head_dim, causal, dtype)
-    out = [base]
+def tuning_candidates(head_dim: int, causal: bool, dtype=None, arch: str = "sm_90a") -> list[BwdConfig]:
+    """Configs worth timing for (head_dim, causal, dtype) on `arch`: the default first, then the
+    extras (registered as the family's tuning candidates), each usable as ``config=``."""
+    out = [default_config(head_dim, causal, arch)]
     for cfg in _TUNING.get(int(head_dim), ()):
         if cfg not in out:
             out.append(cfg)
     return out
 
 
-def _all_configs() -> list[BwdConfig]:
-    seen: list[BwdConfig] = []
-    for cfg in list(_CONFIGS.values()) + list(_SMALL_SMEM.values()) + [c for cs in _TUNING.values() for c in cs]:
-        if cfg not in seen:
-            seen.append(cfg)
-    return seen
+def all_configs() -> list[BwdConfig]:
+    """Every config of the family: the arch tables, the small-shared-memory ones, the tuning extras."""
+    tables = [cfg for table in DEFAULTS.values() for cfg in table.values()]
+    return list(dict.fromkeys(tables + list(_SMALL_SMEM.values()) + [c for cs in _TUNING.values() for c in cs]))
+
+
+def _expressions(configs) -> list[str]:
+    return [e for cfg in configs for bf16 in (False, True)
+            for e in (cfg.main_expr(bf16, True), cfg.main_expr(bf16, False), cfg.dq_expr(bf16))]
 
 
 def _instantiations() -> tuple[str, ...]:
-    exprs: list[str] = []
-    for bf16 in (False, True):
-        for d in HEAD_DIMS:
-            exprs += [preprocess_expr(d, bf16), convert_expr(d, bf16)]
-        for cfg in _all_configs():
-            exprs += [cfg.main_expr(bf16, True), cfg.main_expr(bf16, False), cfg.dq_expr(bf16)]
+    exprs = [e for bf16 in (False, True) for d in HEAD_DIMS for e in (preprocess_expr(d, bf16), convert_expr(d, bf16))]
+    exprs += _expressions(cfg for table in DEFAULTS.values() for cfg in table.values())
+    exprs += _expressions(_SMALL_SMEM.values())
     return tuple(dict.fromkeys(exprs))  # dedupe, keep order
 
 
-FAMILIES = (Family(name=FAMILY_NAME, source=SOURCE, instantiations=_instantiations(), archs=("sm_90a", "sm_80")),)
+INSTANTIATIONS = _instantiations()
+TUNING = tuple(dict.fromkeys(e for e in _expressions(c for cs in _TUNING.values() for c in cs) if e not in INSTANTIATIONS))
+FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a", "sm_80"), tuning=TUNING),)
 
 
 # ---- argument checks -------------------------------------------------------------------------
@@ -359,22 +370,107 @@ def workspace_bytes(batch: int, heads: int, nq: int, head_dim: int, deterministi
     return 2 * batch * heads * pad * 4 + extra
 
 
-# ---- kernels, cached per (device, config, dtype, mode) ---------------------------------------
-_loaded: dict[tuple, tuple] = {}
+# ---- launch plans ----------------------------------------------------------------------------
+class BackwardPlan:
+    """The three launches of one backward for tensors of fixed shapes, strides, dtype and device.
+
+    Made once per such combination (the public op keeps it with its forward plan, so a backward
+    re-validates nothing); `launch` allocates the workspaces with torch and launches the three
+    kernels with the call's data pointers. The workspaces' addresses change from call to call, so
+    they are dynamic parameters like the tensors'.
+    """
+
+    def __init__(self, q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
+                 config: BwdConfig):
+        import numpy as np
+        import torch
+
+        from ..runtime import LaunchPlan
+        from . import load
+
+        batch, heads, nq, d = q.shape
+        kv_heads, nk = k.shape[1], k.shape[2]
+        bf16 = q.dtype == torch.bfloat16
+        device = q.device.index
+        cfg = config
+        self.deterministic = deterministic
+        self.nq_pad = nq_pad = -(-nq // _ROW_PAD) * _ROW_PAD
+        self.ws_shape = (2, batch, heads, nq_pad)
+        self.dq_accum_shape = (batch, heads, nq_pad, d)
+        self.device = q.device
+        i32, i64, f32 = np.int32, np.int64, np.float32
+
+        def strides(t):
+            sb, sh, sr, _ = t.stride()
+            return i64(sb), i64(sh), i64(sr)
+
+        scale_log2 = f32(scale * 1.4426950408889634)  # log2(e) folded into the scale
+        group = heads // kv_heads
+        row_pad_elems = batch * heads * nq_pad
+        # Placeholder pointers (0): every pointer is a dynamic parameter, written at launch.
+        self.pre = LaunchPlan(
+            load(FAMILY_NAME, preprocess_expr(d, bf16), device),
+            (nq_pad // _PRE_ROWS, heads, batch), (128,),
+            (0, 0, 0, 0, 0, 0, *strides(out), *strides(dout), i32(nq), i32(heads), i32(nq_pad)),
+            dynamic=range(6),
+        )
+        self.main = LaunchPlan(
+            load(FAMILY_NAME, cfg.main_expr(bf16, not deterministic), device),
+            (-(-nk // cfg.block_n), kv_heads, batch), (cfg.main_threads,),
+            (0, 0, 0, 0, 0, 0, 0, 0, 0, *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk),
+             *strides(dv), i32(nq), i32(nk), i32(heads), i32(group), i32(nq_pad), i32(1 if causal else 0),
+             scale_log2, f32(scale)),
+            smem=cfg.main_smem, dynamic=range(9),
+        )
+        if deterministic:
+            self.last = LaunchPlan(
+                load(FAMILY_NAME, cfg.dq_expr(bf16), device),
+                (-(-nq // cfg.dq_block_m), heads, batch), (cfg.dq_threads,),
+                (0, 0, 0, 0, 0, 0, 0, *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq),
+                 i32(nq), i32(nk), i32(heads), i32(group), i32(nq_pad), i32(1 if causal else 0), scale_log2,
+                 f32(scale)),
+                smem=cfg.dq_smem, dynamic=range(7),
+            )
+        else:
+            self.last = LaunchPlan(
+                load(FAMILY_NAME, convert_expr(d, bf16), device),
+                (-(-nq // _CONVERT_ROWS), heads, batch), (128,),
+                (0, 0, *strides(dq), i32(nq), i32(heads), i32(nq_pad), f32(scale)),
+                dynamic=range(2),
+            )
+        self._delta_offset = row_pad_elems * 4  # bytes: ws[1] (delta) follows ws[0] (lse2)
+
+    def launch(self, q, k, v, out, lse, dout, dq, dk, dv) -> None:
+        import torch
+
+        ws = torch.empty(self.ws_shape, dtype=torch.float32, device=self.device)  # lse2, delta
+        lse2 = ws.data_ptr()
+        delta = lse2 + self._delta_offset
+        acc = None if self.deterministic else torch.empty(self.dq_accum_shape, dtype=torch.float32, device=self.device)
+        acc_ptr = 0 if acc is None else acc.data_ptr()
+        self.pre.launch(out.data_ptr(), dout.data_ptr(), lse.data_ptr(), lse2, delta, acc_ptr)
+        self.main.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                         acc_ptr, lse2, delta)
+        if self.deterministic:
+            self.last.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dq.data_ptr(), lse2, delta)
+        else:
+            self.last.launch(acc_ptr, dq.data_ptr())
+        # ws and acc go back to torch's caching allocator here; their blocks are reused only by
+        # work enqueued later on this stream, which runs after these kernels.
 
 
-def _kernels(device_index: int, cfg: BwdConfig, bf16: bool, deterministic: bool):
-    key = (device_index, cfg, bf16, deterministic)
-    hit = _loaded.get(key)
-    if hit is not None:
-        return hit
-    from . import load
+def backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
+                  config: BwdConfig | None = None) -> BackwardPlan:
+    """A BackwardPlan for these tensors' shapes, strides, dtype and device (arguments trusted: the
+    public op validated them in its forward). The config defaults to the table of the device's
+    arch, shrunk to the device's shared memory."""
+    if config is None:
+        from ..runtime import device_arch, device_smem_optin
 
-    pre = load(FAMILY_NAME, preprocess_expr(cfg.head_dim, bf16))
-    main = load(FAMILY_NAME, cfg.main_expr(bf16, not deterministic))
-    last = load(FAMILY_NAME, cfg.dq_expr(bf16) if deterministic else convert_expr(cfg.head_dim, bf16))
-    _loaded[key] = (pre, main, last)
-    return _loaded[key]
+        index = q.device.index
+        config = default_config(q.shape[3], causal, device_arch(index), max_smem=device_smem_optin(index))
+    return BackwardPlan(q, k, v, out, lse, dout, dq, dk, dv, causal=bool(causal), scale=float(scale),
+                        deterministic=bool(deterministic), config=config)
 
 
 def launch_backward(
@@ -401,85 +497,16 @@ def launch_backward(
     that are multiples of 8 elements. causal is bottom-right aligned. ``deterministic`` computes dQ
     without atomics (bit-identical run to run; one more pass over K and V). ``config`` overrides the
     table (see tuning_candidates). Raises ValueError on any inconsistent argument, before any launch.
-    Launches on torch's current stream; allocates only torch workspaces (no host sync).
+    Launches on torch's current stream; allocates only torch workspaces (no host sync). Builds its
+    plan on every call: the public op `tileattn.attention` keeps plans instead.
     """
     import torch
 
     _check_args(q, k, v, out, lse, dout, dq, dk, dv, scale, config)
-    cfg = config
-    if cfg is None:
-        from ..runtime import device_smem_optin
-
-        cfg = default_config(q.shape[3], causal, max_smem=device_smem_optin(q.device.index))
-    if q.device.index != torch.cuda.current_device():
-        with torch.cuda.device(q.device):
-            return _launch(q, k, v, out, lse, dout, dq, dk, dv, bool(causal), float(scale), bool(deterministic), cfg)
-    return _launch(q, k, v, out, lse, dout, dq, dk, dv, bool(causal), float(scale), bool(deterministic), cfg)
-
-
-def _launch(q, k, v, out, lse, dout, dq, dk, dv, causal, scale, deterministic, cfg) -> None:
-    import numpy as np
-    import torch
-
-    from ..runtime import launch
-
-    batch, heads, nq, d = q.shape
-    kv_heads, nk = k.shape[1], k.shape[2]
-    bf16 = q.dtype == torch.bfloat16
-    pre, main, last = _kernels(torch.cuda.current_device(), cfg, bf16, deterministic)
-
-    nq_pad = -(-nq // _ROW_PAD) * _ROW_PAD
-    ws = torch.empty((2, batch, heads, nq_pad), dtype=torch.float32, device=q.device)
-    lse2, delta = ws[0], ws[1]
-    dq_accum = None if deterministic else torch.empty((batch, heads, nq_pad, d), dtype=torch.float32, device=q.device)
-
-    i32, i64 = np.int32, np.int64
-
-    def strides(t):
-        sb, sh, sr, _ = t.stride()
-        return i64(sb), i64(sh), i64(sr)
-
-    scale_f = scale
-    scale_log2 = np.float32(scale_f * 1.4426950408889634)  # log2(e) folded into the scale
-    group = heads // kv_heads
-
-    launch(
-        pre,
-        (nq_pad // _PRE_ROWS, heads, batch),
-        (128, 1, 1),
-        (out.data_ptr(), dout.data_ptr(), lse.data_ptr(), lse2.data_ptr(), delta.data_ptr(),
-         dq_accum.data_ptr() if dq_accum is not None else 0,
-         *strides(out), *strides(dout), i32(nq), i32(heads), i32(nq_pad)),
-    )
-    launch(
-        main,
-        (-(-nk // cfg.block_n), kv_heads, batch),
-        (cfg.main_threads, 1, 1),
-        (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-         dq_accum.data_ptr() if dq_accum is not None else 0, lse2.data_ptr(), delta.data_ptr(),
-         *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
-         i32(nq), i32(nk), i32(heads), i32(group), i32(nq_pad), i32(1 if causal else 0), scale_log2,
-         np.float32(scale_f)),
-        smem=cfg.main_smem,
-    )
-    if deterministic:
-        launch(
-            last,
-            (-(-nq // cfg.dq_block_m), heads, batch),
-            (cfg.dq_threads, 1, 1),
-            (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dq.data_ptr(), lse2.data_ptr(),
-             delta.data_ptr(), *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq),
-             i32(nq), i32(nk), i32(heads), i32(group), i32(nq_pad), i32(1 if causal else 0), scale_log2,
-             np.float32(scale_f)),
-            smem=cfg.dq_smem,
-        )
-    else:
-        launch(
-            last,
-            (-(-nq // _CONVERT_ROWS), heads, batch),
-            (128, 1, 1),
-            (dq_accum.data_ptr(), dq.data_ptr(), *strides(dq), i32(nq), i32(heads), i32(nq_pad), np.float32(scale_f)),
-        )
+    with torch.cuda.device(q.device):
+        plan = backward_plan(q, k, v, out, lse, dout, dq, dk, dv, causal=causal, scale=scale,
+                             deterministic=deterministic, config=config)
+        plan.launch(q, k, v, out, lse, dout, dq, dk, dv)
 
 
 def _compile_one(args):

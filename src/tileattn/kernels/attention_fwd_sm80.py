@@ -24,8 +24,6 @@ FAMILY_NAME = "attention_fwd_sm80"
 SOURCE = "attention_fwd_sm80.cu"
 HEAD_DIMS = (32, 64, 96, 128, 256)
 LOG2E = 1.4426950408889634
-# Grid y = heads and z = batch: CUDA caps both at 65535.
-MAX_GRID_YZ = 65535
 # The main loop addresses a K/V block with 32-bit per-thread offsets (row * row_stride < 2^31 for
 # row < BLOCK_N <= 128), which keeps 64-bit pointers out of the registers. K or V with a larger
 # row stride (keys more than 32 MB apart) is copied to a contiguous tensor first.
@@ -61,10 +59,10 @@ class FwdConfig:
 
 C = FwdConfig
 
-# The table: default config per (head dim, causal), for fp16 and bf16 alike. Register/smem notes
-# (sm_90a, ptxas -v; 32 rows per warp keep O and S in ~192 registers at d=128, see the .cu header
-# and docs/attention_fwd_sm80.md):
-DEFAULTS: dict[tuple[int, bool], FwdConfig] = {
+# The H200's table: default config per (head dim, causal), for fp16 and bf16 alike. Register/smem
+# notes (sm_90a, ptxas -v; 32 rows per warp keep O and S in ~192 registers at d=128, see the .cu
+# header and docs/attention_fwd_sm80.md):
+_H200: dict[tuple[int, bool], FwdConfig] = {
     (32, False): C(128, 64, 4, 2),   # 32 rows/warp: O 32 + S 64 regs/thread; 40 KB smem
     (32, True): C(128, 64, 4, 2),
     (64, False): C(128, 64, 4, 2),   # O 64 + S 64; 48 KB smem (N=128 spills at 255 regs)
@@ -84,6 +82,12 @@ DEFAULTS: dict[tuple[int, bool], FwdConfig] = {
     (256, False): C(64, 32, 4, 2),   # 16 rows/warp (O alone is 128 regs); 96 KB -> 2 CTAs/SM
     (256, True): C(128, 32, 8, 2),   # 16 rows/warp, 8 warps; 128 KB -> 1 CTA/SM
 }
+
+# Tables keyed by arch (what tileattn.kernels.dispatch reads). sm_80 (A100 and the other GPUs
+# without a table of their own): no sm_80 GPU has been available to measure on, so it holds the
+# H200's choices, each of which fits an A100's 163 KB of shared memory per block; a measured
+# A100 table replaces it when one is run (`tileattn bench attention --tune` on that GPU).
+DEFAULTS: dict[str, dict[tuple[int, bool], FwdConfig]] = {"sm_90a": _H200, "sm_80": dict(_H200)}
 
 # Extra candidates timed by the tuning benchmark (bf16 only, to keep CI compile time moderate;
 # the winner goes into DEFAULTS and is then built for fp16 too). d=128: 128x64/w4/s2 is FA2's
@@ -110,7 +114,7 @@ EXTRA_BF16: dict[tuple[int, bool], tuple[FwdConfig, ...]] = {
 
 def kv_group_magic(kv_group: int) -> int:
     """ceil(2^32 / kv_group): the kernel computes h // kv_group as (h * magic) >> 32 (exact for
-    h, kv_group < 2^16, which MAX_GRID_YZ guarantees) so that kv_head stays in uniform registers."""
+    h, kv_group < 2^16, which the API's grid checks guarantee) so that kv_head stays in uniform registers."""
     return ((1 << 32) + kv_group - 1) // kv_group
 
 
@@ -132,86 +136,60 @@ def expression(head_dim: int, config: FwdConfig, causal: bool, bf16: bool) -> st
     )
 
 
-def configs_for(head_dim: int, causal: bool, bf16: bool) -> tuple[FwdConfig, ...]:
-    """Every registered config for one (head dim, causal, dtype), the default first."""
-    out = [DEFAULTS[(head_dim, causal)]]
-    if bf16:
-        out += [c for c in EXTRA_BF16.get((head_dim, causal), ()) if c not in out]
+def tuning_candidates(head_dim: int, causal: bool, dtype, arch: str = "sm_90a") -> tuple[FwdConfig, ...]:
+    """Configs the tuning benchmark times for (head dim, causal, dtype) on `arch`, its default first
+    (the extras are bf16-only: the winner then goes into the table for both dtypes)."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim} is not supported; supported: {HEAD_DIMS}")
+    out = [default_config(head_dim, causal, arch)]
+    if _dtype_is_bf16(dtype):
+        out += [c for c in EXTRA_BF16.get((head_dim, bool(causal)), ()) if c not in out]
     return tuple(out)
 
 
-def _instantiations() -> tuple[str, ...]:
-    exprs = []
-    for d in HEAD_DIMS:
-        for causal in (False, True):
-            for bf16 in (False, True):
-                exprs += [expression(d, cfg, causal, bf16) for cfg in configs_for(d, causal, bf16)]
-    return tuple(exprs)
+def _expressions(tables) -> tuple[str, ...]:
+    exprs = [expression(d, cfg, causal, bf16) for table in tables for (d, causal), cfg in table.items()
+             for bf16 in (False, True)]
+    return tuple(dict.fromkeys(exprs))
 
 
-INSTANTIATIONS = _instantiations()
+INSTANTIATIONS = _expressions(DEFAULTS.values())
+TUNING = tuple(dict.fromkeys(
+    e for (d, causal), extra in EXTRA_BF16.items() for cfg in extra
+    if (e := expression(d, cfg, causal, True)) not in INSTANTIATIONS))
 
-FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a", "sm_80")),)
+FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a", "sm_80"), tuning=TUNING),)
 
 
-def default_config(head_dim: int, causal: bool, dtype=None) -> FwdConfig:
-    """The config `launch_forward` uses when none is forced."""
+def default_config(head_dim: int, causal: bool, arch: str = "sm_90a") -> FwdConfig:
+    """The table's config for (head dim, causal) on `arch` (archs without a table use sm_80's)."""
+    table = DEFAULTS.get(arch, DEFAULTS["sm_80"])
     try:
-        return DEFAULTS[(int(head_dim), bool(causal))]
+        return table[(int(head_dim), bool(causal))]
     except KeyError:
         raise ValueError(f"head dim {head_dim} is not supported; supported: {HEAD_DIMS}") from None
 
 
-def tuning_candidates(head_dim: int, causal: bool, dtype) -> tuple[FwdConfig, ...]:
-    """Configs registered for (head dim, causal, dtype), default first: what the tuning bench times."""
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head dim {head_dim} is not supported; supported: {HEAD_DIMS}")
-    return configs_for(head_dim, bool(causal), _dtype_is_bf16(dtype))
-
-
-# (device index, expression) -> (LoadedKernel, block, smem bytes). Filled on first use; a hit costs
-# one dict lookup per call.
-_loaded: dict[tuple[int, str], tuple] = {}
-
-
-def _kernel(device_index: int, head_dim: int, config: FwdConfig, causal: bool, bf16: bool):
-    expr = expression(head_dim, config, causal, bf16)
-    hit = _loaded.get((device_index, expr))
-    if hit is None:
-        from . import family
-        from ..runtime import load_kernel
-
-        fam = family(FAMILY_NAME)
-        with torch.cuda.device(device_index):
-            kern = load_kernel(fam.path, fam.require(expr))
-            smem = config.smem_bytes(head_dim)
-            kern.reserve_dynamic_smem(smem)  # > 48 KB needs the opt-in attribute, once
-        hit = (kern, (config.threads, 1, 1), smem)
-        _loaded[(device_index, expr)] = hit
-    return hit
-
-
-def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float, config: FwdConfig | None = None) -> None:
-    """out, lse <- attention(q, k, v) on the current CUDA stream of q's device.
+def forward_plan(q, k, v, out, lse, *, causal: bool, scale: float, config: FwdConfig | None = None):
+    """A LaunchPlan computing out, lse <- attention(q, k, v) for tensors of these shapes, strides,
+    dtype and device. Launch it with the data pointers of q, k, v, out, lse (in that order).
 
     q [B, H, Nq, d], k/v [B, Hkv, Nk, d], out [B, H, Nq, d]: one 16-bit dtype (fp16 or bf16), any
     strides with stride(-1) == 1 and 16-byte aligned rows (pointers and strides multiples of 8
-    elements); lse [B, H, Nq] fp32 contiguous, written in natural-log units. `scale` multiplies
-    q . k. `config` forces a tile configuration (it must be registered: see tuning_candidates).
-    K/V with a row stride >= 2^24 elements are copied contiguous first (see MAX_KV_ROW_STRIDE).
-    This is the launch layer: it trusts its caller (tileattn.api.attention checks arguments).
+    elements), K/V row strides below MAX_KV_ROW_STRIDE; lse [B, H, Nq] fp32 contiguous, written in
+    natural-log units. `scale` multiplies q . k. `config` forces a tile configuration (a registered
+    one: see tuning_candidates); by default the dispatcher's table for the device's arch decides.
+    This is the launch layer: it trusts its caller (tileattn.api checks the arguments).
     """
+    from ..runtime import LaunchPlan, device_arch
+    from . import load
+
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    if k.stride(2) >= MAX_KV_ROW_STRIDE:
-        k = k.contiguous()
-    if v.stride(2) >= MAX_KV_ROW_STRIDE:
-        v = v.contiguous()
-    bf16 = q.dtype == torch.bfloat16
-    if config is None:
-        config = DEFAULTS[(head_dim, causal)]
     device_index = q.device.index
-    kern, block, smem = _kernel(device_index, head_dim, config, causal, bf16)
+    if config is None:
+        config = default_config(head_dim, causal, device_arch(device_index))
+    kern = load(FAMILY_NAME, expression(head_dim, config, causal, q.dtype == torch.bfloat16), device_index)
     grid = ((seqlen_q + config.block_m - 1) // config.block_m, heads, batch)
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     i64 = np.int64
@@ -224,14 +202,19 @@ def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float, config: Fwd
         np.int32(heads), np.uint64(kv_group_magic(heads // kv_heads)), np.int32(seqlen_q), np.int32(seqlen_k),
         np.float32(scale * LOG2E),
     )
-    from ..runtime import launch
-
-    launch(kern, grid, block, args, smem=smem)
+    return LaunchPlan(kern, grid, (config.threads,), args, smem=config.smem_bytes(head_dim), dynamic=(0, 1, 2, 3, 4))
 
 
-def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
-    """Forward FLOPs by the benchmark convention: 4 * B * H * Nq * Nk * d, halved when causal."""
-    return 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0)
+def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float, config: FwdConfig | None = None) -> None:
+    """out, lse <- attention(q, k, v) on the current stream of q's device: `forward_plan` built and
+    launched once (tests and tuning; the public op keeps its plans). K/V with a row stride >=
+    MAX_KV_ROW_STRIDE elements are copied contiguous first."""
+    if k.stride(2) >= MAX_KV_ROW_STRIDE:
+        k = k.contiguous()
+    if v.stride(2) >= MAX_KV_ROW_STRIDE:
+        v = v.contiguous()
+    plan = forward_plan(q, k, v, out, lse, causal=causal, scale=scale, config=config)
+    plan.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
 
 
 __all__ = [
@@ -241,7 +224,7 @@ __all__ = [
     "FwdConfig",
     "HEAD_DIMS",
     "INSTANTIATIONS",
-    "configs_for",
+    "forward_plan",
     "default_config",
     "expression",
     "launch_forward",

@@ -1,21 +1,37 @@
-"""Load compiled kernels on the current GPU and launch them on torch's current stream.
+"""Load compiled kernels and launch them on torch's current stream: one launch path for every kernel.
 
-Host cost matters (an attention call should spend well under 10 us in Python), so everything that
-can be made once is cached: the loaded kernel per (device, source, expression), the cuda.core
-Stream wrapper per torch stream handle, and the LaunchConfig per (grid, block, shared memory).
-Launching on torch's current stream keeps ordering with torch ops and lets torch.cuda.graph
-capture our kernels.
+Every launch is `cuLaunchKernel` (cuda.bindings) with `kernelParams`: an array of host addresses,
+one per kernel parameter, from which the driver copies as many bytes as the kernel image says that
+parameter has. The addresses point into one host buffer laid out at the kernel's own parameter
+offsets (read once per kernel with `cuFuncGetParamInfo`), or, for a `__grid_constant__`
+CUtensorMap parameter, at the 128 bytes of a `TensorMap`. Because the layout comes from the kernel
+image, every argument is checked against the width the kernel expects when it is packed: a
+np.int32 passed where the kernel takes a 64-bit value is an error, not a silent misread.
+
+Two ways to launch:
+- `launch(kernel, grid, block, args, smem)`: packs `args` on each call (labs, rare launches).
+- `LaunchPlan`: geometry and arguments packed once; a call rewrites only the 64-bit slots named
+  `dynamic` (the data pointers) and calls the driver. This is what the attention ops use; together
+  with the raw current-stream handle it keeps a launch at a few microseconds of host time.
+
+Launches go on torch's current stream of the kernel's device, so they order with torch's work and
+are captured by `torch.cuda.graph`.
 """
 
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 from .compiler import CompiledModule, compile_cuda
 
 _DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in (cuKernelSetAttribute)
+_MAX_GRID_X = 2**31 - 1
+_MAX_GRID_YZ = 65535
 
 
 class NoGPUError(RuntimeError):
@@ -23,7 +39,8 @@ class NoGPUError(RuntimeError):
 
 
 class LaunchError(RuntimeError):
-    """A launch was refused before reaching the GPU (bad geometry, too much shared memory)."""
+    """A launch was refused: bad geometry, too much shared memory, arguments that do not match the
+    kernel's parameters, or an error returned by the driver."""
 
 
 def require_gpu() -> int:
@@ -38,43 +55,13 @@ def require_gpu() -> int:
     return torch.cuda.current_device()
 
 
+@lru_cache(maxsize=None)
 def device_arch(device_index: int | None = None) -> str:
     """NVRTC arch for a device: sm_90a on Hopper (wgmma/TMA/setmaxnreg), else sm_XY."""
     import torch
 
     major, minor = torch.cuda.get_device_capability(device_index)
     return f"sm_{major}{minor}a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
-
-
-class LoadedKernel:
-    """A kernel resident on one device, with the facts a launch needs."""
-
-    def __init__(self, kernel, module: CompiledModule, expression: str, device_index: int):
-        self.kernel = kernel
-        self.module = module
-        self.expression = expression
-        self.device_index = device_index
-        self.resources = module.resources.get(expression)
-        self._dynamic_smem_limit = _DEFAULT_DYNAMIC_SMEM_LIMIT
-
-    def reserve_dynamic_smem(self, nbytes: int) -> None:
-        """Raise the kernel's dynamic shared-memory cap to `nbytes` (needed above 48 KB)."""
-        if nbytes <= self._dynamic_smem_limit:
-            return
-        optin = device_smem_optin(self.device_index)
-        static = self.resources.static_smem_bytes if self.resources else 0
-        if nbytes + static > optin:
-            raise LaunchError(
-                f"{self.expression} needs {nbytes} B dynamic + {static} B static shared memory; "
-                f"device {self.device_index} allows {optin} B per block"
-            )
-        from cuda.bindings import driver
-
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        (err,) = driver.cuKernelSetAttribute(attr, nbytes, self.kernel.handle, self.device_index)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise LaunchError(f"cuKernelSetAttribute({nbytes} B smem) failed for {self.expression}: {err}")
-        self._dynamic_smem_limit = nbytes
 
 
 @lru_cache(maxsize=None)
@@ -90,56 +77,236 @@ def device_smem_optin(device_index: int) -> int:
     ):
         count = torch.cuda.device_count()
         raise ValueError(f"device_index must name one of the {count} CUDA devices, got {device_index!r}")
-    from cuda.core import Device
+    return int(torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin)
 
-    return int(Device(device_index).properties.max_shared_memory_per_block_optin)
+
+@lru_cache(maxsize=None)
+def device_sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device `device_index` (132 on an H200)."""
+    import torch
+
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _raise_for(err, what: str) -> None:
+    driver = _driver()
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise LaunchError(f"{what} failed: {name.decode() if isinstance(name, bytes) else err}")
+
+
+class LoadedKernel:
+    """A kernel resident on one device: its CUfunction, its parameter layout, its resources."""
+
+    def __init__(self, kernel, module: CompiledModule, expression: str, device_index: int):
+        self.kernel = kernel  # cuda.core Kernel (keeps the loaded library alive)
+        self.module = module
+        self.expression = expression
+        self.device_index = device_index
+        self.resources = module.resources.get(expression)
+        # A CUfunction in the device's primary context (the one torch uses), for cuLaunchKernel.
+        err, self.function = _driver().cuKernelGetFunction(kernel.handle)
+        _raise_for(err, f"cuKernelGetFunction({expression})")
+        self.param_layout = _param_layout(self.function, expression)
+        self._dynamic_smem_limit = _DEFAULT_DYNAMIC_SMEM_LIMIT
+
+    def reserve_dynamic_smem(self, nbytes: int) -> None:
+        """Raise the kernel's dynamic shared-memory cap to `nbytes` (needed above 48 KB)."""
+        if nbytes <= self._dynamic_smem_limit:
+            return
+        optin = device_smem_optin(self.device_index)
+        static = self.resources.static_smem_bytes if self.resources else 0
+        if nbytes + static > optin:
+            raise LaunchError(
+                f"{self.expression} needs {nbytes} B dynamic + {static} B static shared memory; "
+                f"device {self.device_index} allows {optin} B per block"
+            )
+        driver = _driver()
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        (err,) = driver.cuKernelSetAttribute(attr, nbytes, self.kernel.handle, self.device_index)
+        _raise_for(err, f"cuKernelSetAttribute({nbytes} B dynamic smem) for {self.expression}")
+        self._dynamic_smem_limit = nbytes
+
+
+def _param_layout(function, expression: str) -> tuple[tuple[int, int], ...]:
+    """((offset, size), ...) of every kernel parameter, from the kernel image."""
+    driver = _driver()
+    layout = []
+    while True:
+        err, offset, size = driver.cuFuncGetParamInfo(function, len(layout))
+        if err == driver.CUresult.CUDA_ERROR_INVALID_VALUE:  # past the last parameter
+            return tuple(layout)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise LaunchError(f"cuFuncGetParamInfo({expression}, {len(layout)}) failed: {err}")
+        layout.append((int(offset), int(size)))
 
 
 _kernels: dict[tuple, LoadedKernel] = {}
 
 
-def load_kernel(source_path: Path, expression: str, *, compile_options: dict | None = None) -> LoadedKernel:
-    """Compile (or fetch from cache) one instantiation and load it on torch's current device."""
-    device_index = require_gpu()
+def load_kernel(source_path: Path, expression: str, *, compile_options: dict | None = None,
+                device_index: int | None = None) -> LoadedKernel:
+    """Compile (or fetch from the disk cache) one instantiation and load it on a device (default:
+    torch's current one). Only this instantiation is compiled and loaded."""
+    if device_index is None:
+        device_index = require_gpu()
     key = (device_index, str(source_path), expression, tuple(sorted((compile_options or {}).items())))
     hit = _kernels.get(key)
     if hit is not None:
         return hit
+    import torch
     from cuda.core import Device, ObjectCode
 
-    Device(device_index).set_current()
     module = compile_cuda(source_path, [expression], device_arch(device_index), extra_options=compile_options)
-    obj = ObjectCode.from_cubin(module.cubin, symbol_mapping={k: v.encode() for k, v in module.symbols.items()})
-    loaded = LoadedKernel(obj.get_kernel(expression), module, expression, device_index)
+    with torch.cuda.device(device_index):
+        torch.cuda.init()
+        Device(device_index).set_current()  # the primary context, which torch uses too
+        obj = ObjectCode.from_cubin(module.cubin, symbol_mapping={k: v.encode() for k, v in module.symbols.items()})
+        loaded = LoadedKernel(obj.get_kernel(expression), module, expression, device_index)
     _kernels[key] = loaded
     return loaded
 
 
-@lru_cache(maxsize=64)
-def _stream(handle: int):
-    from cuda.core import Stream
+# ---- argument packing -------------------------------------------------------------------------
+def _pack(kernel: LoadedKernel, args: Sequence) -> tuple[np.ndarray, np.ndarray, list]:
+    """(buffer, addresses, keep-alive): `addresses[i]` is where parameter i's bytes are."""
+    from .tma import TensorMap
 
-    return Stream.from_handle(handle)
+    layout = kernel.param_layout
+    if len(args) != len(layout):
+        raise LaunchError(f"{kernel.expression} takes {len(layout)} parameters, got {len(args)} arguments")
+    end = max((off + size for off, size in layout), default=8)
+    buffer = np.zeros(-(-end // 8), dtype=np.uint64)  # 8-byte aligned; 64-bit slots for pointers
+    raw = buffer.view(np.uint8)
+    base = buffer.ctypes.data
+    addresses = np.empty(max(len(layout), 1), dtype=np.uint64)
+    keep: list = []
+    for i, (arg, (offset, size)) in enumerate(zip(args, layout)):
+        if isinstance(arg, TensorMap):
+            if size != 128:
+                raise LaunchError(f"{kernel.expression}: parameter {i} is {size} bytes, got a 128-byte TensorMap")
+            keep.append(arg)
+            addresses[i] = arg.address
+            continue
+        data = _arg_bytes(arg, i, size, kernel.expression)
+        raw[offset:offset + size] = data
+        addresses[i] = base + offset
+    return buffer, addresses, keep
 
 
-@lru_cache(maxsize=1024)
-def _config(grid: tuple, block: tuple, smem: int):
-    from cuda.core import LaunchConfig
+def _arg_bytes(arg, index: int, size: int, expression: str) -> np.ndarray:
+    if isinstance(arg, (bool, np.bool_)):
+        raise LaunchError(f"{expression}: argument {index} is a bool; pass np.int32 (its width is ambiguous)")
+    if isinstance(arg, int):  # a pointer or a 64-bit integer
+        if size != 8:
+            raise LaunchError(f"{expression}: argument {index} is a Python int (8 bytes: pointer or 64-bit "
+                              f"integer) but the kernel's parameter is {size} bytes; pass np.int32 etc.")
+        return np.array([arg], dtype=np.int64 if arg < 0 else np.uint64).view(np.uint8)
+    if isinstance(arg, np.generic):
+        if arg.dtype.itemsize != size:
+            raise LaunchError(f"{expression}: argument {index} is {arg.dtype} ({arg.dtype.itemsize} bytes) but "
+                              f"the kernel's parameter is {size} bytes")
+        return np.array([arg]).view(np.uint8)
+    if isinstance(arg, (bytes, bytearray, memoryview, np.ndarray)):  # a packed parameter struct
+        data = np.frombuffer(bytes(arg), dtype=np.uint8) if not isinstance(arg, np.ndarray) else arg.view(np.uint8).ravel()
+        if data.size != size:
+            raise LaunchError(f"{expression}: argument {index} has {data.size} bytes, the kernel's parameter {size}")
+        return data
+    if isinstance(arg, float):
+        raise LaunchError(f"{expression}: argument {index} is a Python float; pass np.float32 (a float would "
+                          "be a double)")
+    raise LaunchError(f"{expression}: argument {index} has unsupported type {type(arg).__name__} (Python int "
+                      "pointer, numpy scalar, TensorMap, or bytes of a parameter struct)")
 
-    return LaunchConfig(grid=grid, block=block, shmem_size=smem)
+
+def _check_geometry(kernel: LoadedKernel, grid, block, smem: int) -> tuple[tuple, tuple]:
+    grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+    block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
+    if min(grid) < 1 or min(block) < 1:
+        raise LaunchError(f"{kernel.expression}: empty launch geometry grid={grid} block={block}")
+    if grid[0] > _MAX_GRID_X or max(grid[1:]) > _MAX_GRID_YZ or block[0] * block[1] * block[2] > 1024:
+        raise LaunchError(f"{kernel.expression}: launch geometry grid={grid} block={block} exceeds CUDA's limits")
+    if smem > kernel._dynamic_smem_limit:
+        kernel.reserve_dynamic_smem(smem)
+    return grid, block
+
+
+# ---- streams and the driver call -----------------------------------------------------------------
+_raw_stream = None
+_stream_objects: dict[int, object] = {}
+
+
+def current_stream_handle(device_index: int):
+    """torch's current stream on `device_index` as a cuda.bindings CUstream, from the raw
+    cudaStream_t (torch._C._cuda_getCurrentRawStream: no torch.cuda.Stream object is built)."""
+    global _raw_stream
+    if _raw_stream is None:
+        import torch
+
+        _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+            lambda index: torch.cuda.current_stream(index).cuda_stream)
+    handle = _raw_stream(device_index)
+    stream = _stream_objects.get(handle)
+    if stream is None:
+        stream = _stream_objects[handle] = _driver().CUstream(handle)
+    return stream
 
 
 def launch(kernel: LoadedKernel, grid: Sequence[int], block: Sequence[int], args: Sequence, smem: int = 0) -> None:
-    """Launch on torch's current stream. `args`: pointers as Python ints, 32-bit scalars as
-    np.int32 / np.float32 (a Python float would be passed as a double)."""
-    import torch
+    """Launch on torch's current stream of the kernel's device. `args`: pointers and 64-bit integers
+    as Python ints, other scalars as numpy scalars of the kernel's width (np.int32, np.float32, ...),
+    `TensorMap`s for CUtensorMap parameters, bytes for a packed struct. Packs on every call; use a
+    `LaunchPlan` for launches on a hot path."""
+    LaunchPlan(kernel, grid, block, args, smem).launch()
 
-    grid, block = tuple(int(g) for g in grid), tuple(int(b) for b in block)
-    if min(grid) < 1 or min(block) < 1:
-        raise LaunchError(f"{kernel.expression}: empty launch geometry grid={grid} block={block}")
-    if smem > kernel._dynamic_smem_limit:
-        kernel.reserve_dynamic_smem(smem)
-    from cuda.core import launch as cc_launch
 
-    stream = _stream(torch.cuda.current_stream(kernel.device_index).cuda_stream)
-    cc_launch(stream, _config(grid, block, int(smem)), kernel.kernel, *args)
+class LaunchPlan:
+    """One kernel, its geometry and its packed arguments, made once and launched many times.
+
+    `args` are the arguments of the first launch; `dynamic` lists the indices of the 64-bit
+    parameters (data pointers) that change between launches, in the order `launch(*values)` takes
+    them. Everything else (sizes, strides, scale, tensor maps) is fixed in the plan: a plan belongs
+    to one (device, shapes, strides, dtype, flags) combination, and the caller keys its plans so.
+    A lock makes concurrent launches of one plan from several threads safe (the driver has copied
+    the parameters when cuLaunchKernel returns, so the buffer is free again right after).
+    """
+
+    __slots__ = ("kernel", "grid", "block", "smem", "_buffer", "_addresses", "_keep", "_slots", "_call",
+                 "_lock", "_launch", "_ok", "_params")
+
+    def __init__(self, kernel: LoadedKernel, grid, block, args: Sequence, smem: int = 0, dynamic: Sequence[int] = ()):
+        self.kernel = kernel
+        self.grid, self.block = _check_geometry(kernel, grid, block, int(smem))
+        self.smem = int(smem)
+        self._buffer, self._addresses, self._keep = _pack(kernel, args)
+        slots = []
+        for i in dynamic:
+            offset, size = kernel.param_layout[i]
+            if size != 8 or offset % 8:
+                raise LaunchError(f"{kernel.expression}: dynamic parameter {i} must be an aligned 64-bit value")
+            slots.append(offset // 8)
+        self._slots = tuple(slots)
+        self._call = (kernel.function, *self.grid, *self.block, self.smem)
+        self._params = int(self._addresses.ctypes.data)  # kernelParams: void*[], kept alive by _addresses
+        driver = _driver()
+        self._launch, self._ok = driver.cuLaunchKernel, driver.CUresult.CUDA_SUCCESS
+        self._lock = threading.Lock()
+
+    def launch(self, *values: int) -> None:
+        """Launch with new values for the dynamic parameters (Python ints), on torch's current
+        stream of the plan's device."""
+        stream = current_stream_handle(self.kernel.device_index)
+        with self._lock:
+            buffer = self._buffer
+            for slot, value in zip(self._slots, values):
+                buffer[slot] = value
+            (err,) = self._launch(*self._call, stream, self._params, 0)
+        if err != self._ok:
+            _raise_for(err, f"cuLaunchKernel({self.kernel.expression}, grid={self.grid}, block={self.block}, "
+                            f"smem={self.smem})")

@@ -5,7 +5,9 @@ for the float4 kernels, U float4 loads in flight per thread. The first entry of 
 default; the others are there to be measured against it (labs.reduction times them all).
 """
 
-from . import Family
+from tileattn.kernels import Family
+
+from . import LABS_CSRC
 
 OPS = ("SumOp", "MaxOp")
 BLOCK = 256  # versions 1-4 and the broken ones
@@ -44,5 +46,5 @@ def _instantiations() -> tuple[tuple[str, ...], frozenset[str]]:
 _EXPRS, _BROKEN = _instantiations()
 
 FAMILIES = (
-    Family(name="reduction", source="labs/reduction.cu", instantiations=_EXPRS, broken=_BROKEN),
+    Family(name="reduction", source=LABS_CSRC / "reduction.cu", instantiations=_EXPRS, broken=_BROKEN),
 )

@@ -3,7 +3,9 @@
 bf16 travels as its raw 16 bits (`unsigned short`): a transpose moves bytes and never computes.
 """
 
-from . import Family
+from tileattn.kernels import Family
+
+from . import LABS_CSRC
 
 VERSIONS = ("transpose_naive", "transpose_tiled", "transpose_padded", "transpose_vec4")
 ELEMENT_TYPES = {"fp32": "float", "bf16": "unsigned short"}
@@ -17,7 +19,7 @@ def expression(kernel: str, dtype: str) -> str:
 FAMILIES = (
     Family(
         name="transpose",
-        source="labs/transpose.cu",
+        source=LABS_CSRC / "transpose.cu",
         instantiations=tuple(expression(k, d) for d in ELEMENT_TYPES for k in VERSIONS),
     ),
 )

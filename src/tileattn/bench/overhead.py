@@ -1,0 +1,151 @@
+"""`tileattn bench overhead`: host microseconds per attention call, tileattn beside SDPA.
+
+    tileattn bench overhead [--calls 200] [--rounds 15] [--json out.json]
+
+What is timed: the wall time of `calls` back-to-back calls with no synchronization inside, divided
+by `calls`, on shapes small enough that the GPU keeps up (so the figure is the host's cost: Python,
+argument handling, allocation, the driver's launch call); the median of `rounds` such bursts.
+Cases: forward without grad, forward whose inputs require grad (the autograd node is built),
+backward alone (torch.autograd.grad on a retained graph), and a decode shape (one query token,
+GQA 32/8, 4096 keys) without grad. SDPA runs with its backend chosen once, outside the loop
+(`sdpa_kernel(backend)` entered around the burst): flash for the training shapes, and for decode
+whichever of flash / cudnn / efficient accepts the shape and is fastest on the host.
+Targets (issue #9): forward < 10 us without grad, < 20 us with grad, backward < 25 us, each at
+most 0.5x SDPA's host time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from .records import write_run
+from .report import environment_line
+
+
+def _burst_us(fn, calls: int, rounds: int) -> dict:
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(rounds):
+        begin = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - begin) / calls * 1e6)
+        torch.cuda.synchronize()  # between bursts only: the device never holds the host back inside one
+    return {"host_us": statistics.median(samples), "host_us_min": min(samples), "host_us_max": max(samples)}
+
+
+def cases():
+    """(name, shape description, q/k/v factory, what is timed)."""
+    bf16 = torch.bfloat16
+
+    def train_inputs(grad):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        return [torch.randn(1, 8, 128, 64, device="cuda", dtype=bf16, generator=g).requires_grad_(grad)
+                for _ in range(3)]
+
+    def decode_inputs(grad):
+        g = torch.Generator(device="cuda").manual_seed(1)
+        q = torch.randn(8, 32, 1, 128, device="cuda", dtype=bf16, generator=g)
+        k = torch.randn(8, 8, 4096, 128, device="cuda", dtype=bf16, generator=g)
+        v = torch.randn(8, 8, 4096, 128, device="cuda", dtype=bf16, generator=g)
+        return [q, k, v]
+
+    return [
+        ("forward", "B=1 H=8 N=128 d=64 bf16, no grad", train_inputs, False, "fwd"),
+        ("forward+grad", "same, inputs require grad", train_inputs, True, "fwd"),
+        ("backward", "same, autograd.grad on a retained graph", train_inputs, True, "bwd"),
+        ("decode", "B=8 H=32 Hkv=8 Nq=1 Nk=4096 d=128 bf16, no grad", decode_inputs, False, "fwd"),
+    ]
+
+
+def _tileattn_fn(q, k, v, what):
+    import tileattn
+
+    causal = q.shape[2] > 1
+    if what == "bwd":
+        out = tileattn.attention(q, k, v, causal=causal)
+        dout = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    return lambda: tileattn.attention(q, k, v, causal=causal)
+
+
+def _sdpa_fn(q, k, v, what):
+    F = torch.nn.functional
+    causal = q.shape[2] > 1
+    gqa = q.shape[1] != k.shape[1]
+    if what == "bwd":
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        dout = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+
+def run(calls: int, rounds: int) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    records = []
+    for name, shape, make, grad, what in cases():
+        q, k, v = make(grad)
+        ctx = torch.enable_grad() if grad else torch.no_grad()
+        with ctx:
+            ours = _burst_us(_tileattn_fn(q, k, v, what), calls, rounds)
+            records.append({"suite": "overhead", "case": name, "shape": shape, "impl": "tileattn", **ours})
+            backends = ([SDPBackend.FLASH_ATTENTION] if name != "decode" else
+                        [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+            for backend in backends:
+                rec = {"suite": "overhead", "case": name, "shape": shape, "impl": f"sdpa_{backend.name.lower()}"}
+                try:
+                    with sdpa_kernel(backend):  # chosen once, outside the timed loop
+                        rec.update(_burst_us(_sdpa_fn(q, k, v, what), calls, rounds))
+                except RuntimeError as exc:  # a backend that refuses the shape
+                    rec.update(status=f"error: {str(exc).splitlines()[0][:100]}")
+                records.append(rec)
+    return records
+
+
+def table(records: list[dict]) -> str:
+    lines = ["| case | shape | tileattn us | best SDPA us (backend) | ratio | target |",
+             "|---|---|---|---|---|---|"]
+    targets = {"forward": 10.0, "forward+grad": 20.0, "backward": 25.0, "decode": 10.0}
+    for name in targets:
+        rows = [r for r in records if r["case"] == name]
+        ours = next(r for r in rows if r["impl"] == "tileattn")
+        peers = [r for r in rows if r["impl"] != "tileattn" and "host_us" in r]
+        best = min(peers, key=lambda r: r["host_us"]) if peers else None
+        ratio = ours["host_us"] / best["host_us"] if best else float("nan")
+        ok = ours["host_us"] < targets[name] and ratio <= 0.5
+        lines.append(f"| {name} | {ours['shape']} | {ours['host_us']:.1f} | "
+                     f"{best['host_us']:.1f} ({best['impl']}) | {ratio:.2f} | "
+                     f"< {targets[name]:g} us and <= 0.5x: {'met' if ok else 'NOT met'} |" if best else
+                     f"| {name} | {ours['shape']} | {ours['host_us']:.1f} | - | - | - |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="tileattn bench overhead", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=200, help="calls per burst (no sync inside)")
+    ap.add_argument("--rounds", type=int, default=15, help="bursts; the median is reported")
+    ap.add_argument("--json", help="write the records here")
+    args = ap.parse_args(argv)
+    from ..runtime import require_gpu
+
+    require_gpu()
+    records = run(args.calls, args.rounds)
+    if args.json:
+        path = write_run(args.json, records)
+        from .records import read_run
+
+        env, _ = read_run(path)
+        print(environment_line(env))
+    print(table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
