@@ -135,8 +135,8 @@ def _kernel(device_index: int, head_dim: int, config: Sm90Config, causal: bool, 
     expr = expression(head_dim, config, causal, bf16)
     hit = _loaded.get((device_index, expr))
     if hit is None:
-        from . import family
         from ..runtime import load_kernel
+        from . import family
 
         fam = family(FAMILY_NAME)
         with torch.cuda.device(device_index):

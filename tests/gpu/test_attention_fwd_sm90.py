@@ -1,0 +1,347 @@
+"""GPU tests of the Hopper attention forward (csrc/attention_fwd_sm90.cu) against tileattn.reference.
+
+Calls the launch layer `launch_forward_sm90` directly (the dispatcher that routes
+`tileattn.attention` to it on sm_90 is tested with the API). Skipped with a reason on GPUs other
+than compute capability 9.0 (wgmma, setmaxnreg and the sm_90a cubin exist only there).
+
+Comparisons are against the float64 reference computed from the same 16-bit inputs, so the error
+left is the kernel's own: P rounded to the input dtype before the P V wgmma (like the sm80 kernel),
+fp32 accumulation and ex2.approx. Tolerances are the sm80 forward's (tests/gpu/test_attention_fwd.py:
+bf16 1e-2, fp16 2e-3 relative; lse 2e-4 (1 + |lse|) absolute).
+
+Outputs are poisoned with NaN before every launch, so an element the kernel does not write (a TMA
+store clipped wrongly, a consumer that skipped its rows) fails; out rows past Nq are guarded by
+padding the out buffer and checking the padding is untouched. Markers: `gpu` (all), `sanitize` (small
+cases re-run under compute-sanitizer by make gpu-check).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from tileattn import reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="the sm90 forward needs a compute capability 9.0 GPU (H100/H200): wgmma, TMA, setmaxnreg",
+    ),
+]
+
+BF16, FP16 = torch.bfloat16, torch.float16
+TOL = {BF16: 1e-2, FP16: 2e-3}
+HEAD_DIMS = (64, 128, 256)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def _gen(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    return g
+
+
+def make_qkv(b, h, hkv, nq, nk, d, dtype, seed, *, scale_inputs=1.0):
+    g = _gen(seed)
+    q = (torch.randn(b, h, nq, d, device="cuda", generator=g) * scale_inputs).to(dtype)
+    k = (torch.randn(b, hkv, nk, d, device="cuda", generator=g) * scale_inputs).to(dtype)
+    v = torch.randn(b, hkv, nk, d, device="cuda", generator=g).to(dtype)
+    return q, k, v
+
+
+def rel_err(out, ref) -> float:
+    ref = ref.double()
+    den = ref.norm().item()
+    num = (out.double() - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+def check(out, lse, q, k, v, causal, scale, *, tol=None, what=""):
+    """Compare out [B, H, Nq, d] and lse [B, H, Nq] with the float64 reference."""
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, scale=scale, compute_dtype=torch.float64)
+    assert out.shape == ref.shape and out.dtype == q.dtype, f"{what}: out {tuple(out.shape)} {out.dtype}"
+    nan_out = torch.isnan(out)
+    assert not nan_out.any(), (f"{what}: {int(nan_out.sum())} NaN in out (unwritten or NaN-producing), first at "
+                               f"{tuple(nan_out.nonzero()[0].tolist())}")
+    nan_lse = torch.isnan(lse)
+    assert not nan_lse.any(), f"{what}: {int(nan_lse.sum())} NaN in lse, first at {tuple(nan_lse.nonzero()[0].tolist())}"
+    err = rel_err(out, ref)
+    tol = TOL[q.dtype] if tol is None else tol
+    if err > tol:  # say where: the (b, h, row) with the largest error
+        row_err = (out.double() - ref).norm(dim=-1)
+        worst = tuple(torch.nonzero(row_err == row_err.max())[0].tolist())
+        raise AssertionError(f"{what}: relative error {err:.3e} > {tol:g}; worst row (b, h, i) = {worst} "
+                             f"with |out - ref| = {row_err.max().item():.3e}")
+    seen = torch.isfinite(ref_lse)
+    diff_pattern = torch.isfinite(lse) != seen
+    assert not diff_pattern.any(), (f"{what}: lse -inf pattern differs from the reference at "
+                                    f"{int(diff_pattern.sum())} rows, first {tuple(diff_pattern.nonzero()[0].tolist())}")
+    if seen.any():
+        diff = (lse.double() - ref_lse)[seen].abs()
+        bound = 2e-4 * (1.0 + ref_lse[seen].abs())
+        assert bool((diff <= bound).all()), f"{what}: lse error {diff.max().item():.3e} (bound {bound.max().item():.3e})"
+    if (~seen).any():  # rows that see no key: exactly 0, and lse -inf
+        assert bool((out[~seen] == 0).all()), f"{what}: fully masked rows must be exactly 0"
+        assert bool((lse[~seen] == float("-inf")).all()), f"{what}: fully masked rows must have lse -inf"
+    return err
+
+
+def launch(q, k, v, causal, scale, config=None, out=None):
+    """launch_forward_sm90 with NaN-poisoned outputs."""
+    from tileattn.kernels.attention_fwd_sm90 import launch_forward_sm90
+
+    if out is None:
+        out = torch.full_like(q, float("nan"))
+    else:
+        out.fill_(float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device="cuda", dtype=torch.float32)
+    launch_forward_sm90(q, k, v, out, lse, causal=causal, scale=scale, config=config)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# The main grid: every head dim x causal x dtype x shapes (N in {1, 17, 127, 128, 129, 1000,
+# 4097}, Nq != Nk both ways, GQA ratios 1, 4, 8)
+# ---------------------------------------------------------------------------------------------
+SHAPES = [  # (B, H, Hkv, Nq, Nk)
+    (2, 4, 4, 1, 1),
+    (1, 8, 1, 17, 17),        # GQA 8
+    (2, 4, 1, 127, 129),      # GQA 4
+    (1, 4, 4, 128, 128),
+    (1, 8, 2, 129, 127),      # GQA 4
+    (1, 2, 2, 1000, 17),      # Nq > Nk: causal rows 0..982 see nothing
+    (1, 2, 1, 17, 1000),      # Nq < Nk
+    (1, 1, 1, 4097, 4097),
+    (1, 1, 1, 1, 4097),       # decode-like
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}Hkv{}_Nq{}_Nk{}".format(*s))
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_forward_matches_reference(d, causal, dtype, shape):
+    b, h, hkv, nq, nk = shape
+    seed = zlib.crc32(repr(("sm90", d, causal, str(dtype), shape)).encode())
+    q, k, v = make_qkv(b, h, hkv, nq, nk, d, dtype, seed)
+    scale = 1.0 / math.sqrt(d)
+    out, lse = launch(q, k, v, causal, scale)
+    check(out, lse, q, k, v, causal, scale, what=f"d={d} {shape}")
+    out2, lse2 = launch(q, k, v, causal, scale)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2), "same inputs, same kernel: must be bitwise equal"
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_small_for_sanitizer(d, causal):
+    """Small irregular shapes: partial Q tile (second consumer has no rows), partial K/V edge
+    block, GQA, fully masked rows."""
+    q, k, v = make_qkv(1, 4, 2, 70, 45, d, BF16, seed=d + causal)
+    out, lse = launch(q, k, v, causal, 0.1)
+    check(out, lse, q, k, v, causal, 0.1, what="small")
+
+
+@pytest.mark.sanitize
+def test_single_query_single_key():
+    for causal in (False, True):
+        q, k, v = make_qkv(1, 1, 1, 1, 1, 128, FP16, seed=7)
+        out, lse = launch(q, k, v, causal, 0.3)
+        torch.testing.assert_close(out.float(), v.float().expand_as(out), rtol=0, atol=0)  # softmax of one key = 1
+        ref_lse = 0.3 * (q.double() * k.double()).sum(-1)
+        torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_no_keys_gives_zeros_and_minus_inf():
+    q, k, v = make_qkv(1, 2, 2, 5, 0, 64, BF16, seed=4)
+    for causal in (False, True):
+        out, lse = launch(q, k, v, causal, 0.125)
+        assert bool((out == 0).all()) and bool((lse == float("-inf")).all()), f"causal={causal}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts: [B, N, H, d] through transpose, padded rows, odd strides of size-1 dims, expanded K/V
+# (zero strides: copied before TMA), a transposed output, and out rows past Nq never written
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bnhd_layout_through_transpose(dtype, causal):
+    b, h, hkv, nq, nk, d = 2, 8, 2, 300, 257, 128
+    g = _gen(11)
+    q = torch.randn(b, nq, h, d, device="cuda", generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(b, nk, hkv, d, device="cuda", generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(b, nk, hkv, d, device="cuda", generator=g).to(dtype).transpose(1, 2)
+    assert not q.is_contiguous()
+    out_t = torch.empty(b, nq, h, d, device="cuda", dtype=dtype).transpose(1, 2)
+    out, lse = launch(q, k, v, causal, 1 / math.sqrt(d), out=out_t)
+    assert out.data_ptr() == out_t.data_ptr()
+    check(out, lse, q, k, v, causal, 1 / math.sqrt(d), what="transposed")
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_sliced_padded_buffers(d):
+    """q, k, v are slices of wider buffers: row pitch d + 24 elements (16-byte aligned)."""
+    g = _gen(d)
+    qb = torch.randn(2, 4, 150, d + 24, device="cuda", generator=g).to(BF16)
+    kvb = torch.randn(2, 2, 2, 333, d + 24, device="cuda", generator=g).to(BF16)
+    q, k, v = qb[..., 8:8 + d], kvb[0][..., :d], kvb[1][..., 16:16 + d]
+    for causal in (False, True):
+        out, lse = launch(q, k, v, causal, 1 / math.sqrt(d))
+        check(out, lse, q, k, v, causal, 1 / math.sqrt(d), what=f"padded causal={causal}")
+
+
+def test_size_one_dims_with_odd_strides():
+    """torch may give size-1 dimensions any stride; TMA needs 16-byte strides everywhere."""
+    d = 64
+    buf = torch.randn(4 * 8 * d, device="cuda").to(FP16)
+    q = buf.as_strided((1, 4, 1, d), (3, d, 5, 1))
+    k = buf.as_strided((1, 1, 8, d), (7, 1, d, 1))
+    v = buf.as_strided((1, 1, 8, d), (11, 3, d, 1), storage_offset=8 * d)
+    for causal in (False, True):
+        out, lse = launch(q, k, v, causal, 0.2)
+        check(out, lse, q, k, v, causal, 0.2, what=f"size-1 strides causal={causal}")
+
+
+def test_expanded_kv_zero_strides():
+    q, k, v = make_qkv(3, 4, 1, 65, 70, 128, BF16, seed=12)
+    k, v = k[:1].expand(3, -1, -1, -1), v[:1].expand(3, -1, -1, -1)  # stride(0) == 0
+    out, lse = launch(q, k, v, True, 0.09)
+    check(out, lse, q, k, v, True, 0.09, what="expanded k/v")
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_store_never_writes_past_nq(d):
+    """out is a view of the first Nq rows of a taller buffer: the rows after it (the TMA store's
+    box reaches up to 127 rows further) must keep their sentinel values."""
+    b, h, nq, nk = 2, 3, 70, 90
+    q, k, v = make_qkv(b, h, h, nq, nk, d, BF16, seed=d + 1)
+    big = torch.full((b, h, nq + 128, d), 7.0, device="cuda", dtype=BF16)
+    out, lse = launch(q, k, v, False, 0.1, out=big[:, :, :nq])
+    check(out, lse, q, k, v, False, 0.1, what="store bound")
+    assert bool((big[:, :, nq:] == 7.0).all()), "the TMA store wrote rows past Nq"
+
+
+# ---------------------------------------------------------------------------------------------
+# Numerics: extreme logits, fully masked rows, scale
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_extreme_logits(d, causal, dtype):
+    """Scores around 1e4 (q, k scaled by 100): no overflow, no NaN, still the right softmax
+    (nearly one-hot, so fp32 rounding of ~1e4 scores moves weight between near-ties: 2e-2)."""
+    q, k, v = make_qkv(1, 4, 2, 200, 300, d, dtype, seed=d + 17 * causal, scale_inputs=100.0)
+    scale = 1.0 / math.sqrt(d)
+    scores = scale * (q.double()[:, :2] @ k.double()[:, :1].transpose(-1, -2))
+    assert scores.abs().max().item() > 3e3  # the case really is extreme
+    out, lse = launch(q, k, v, causal, scale)
+    check(out, lse, q, k, v, causal, scale, tol=2e-2, what="extreme")
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_fully_masked_rows(d, dtype):
+    """Causal with Nq > Nk: rows i < Nq - Nk see nothing: out exactly 0, lse -inf, never NaN.
+    Spans whole fully masked query tiles (no K/V block visited) and tiles that mix both."""
+    nq, nk = 700, 150
+    q, k, v = make_qkv(2, 2, 1, nq, nk, d, dtype, seed=d)
+    out, lse = launch(q, k, v, True, 0.2)
+    masked = nq - nk
+    assert bool((out[:, :, :masked] == 0).all()), "fully masked rows must be 0"
+    assert bool((lse[:, :, :masked] == float("-inf")).all()), "fully masked rows must have lse -inf"
+    assert bool(torch.isfinite(lse[:, :, masked:]).all()), "rows that see keys must have a finite lse"
+    check(out, lse, q, k, v, True, 0.2, what="masked rows")
+
+
+def test_custom_scale_and_lse_units():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, FP16, seed=3)
+    out, lse = launch(q, k, v, False, 0.37)
+    check(out, lse, q, k, v, False, 0.37, what="scale")
+    s = 0.37 * (q.double() @ k.double().transpose(-1, -2))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, dim=-1), rtol=1e-5, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every registered configuration; scheduler-shaped workloads
+# ---------------------------------------------------------------------------------------------
+def _all_configs():
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    return [(d, causal, dtype, cfg) for d in af.HEAD_DIMS for causal in (False, True) for dtype in (BF16, FP16)
+            for cfg in af.tuning_candidates(d, causal, dtype)]
+
+
+@pytest.mark.parametrize("d,causal,dtype,cfg", _all_configs(), ids=lambda x: str(x))
+def test_every_registered_config(d, causal, dtype, cfg):
+    for (nq, nk) in ((1, 1), (200, 333), (333, 200), (640, 641)):
+        q, k, v = make_qkv(1, 4, 2, nq, nk, d, dtype, seed=nq + d)
+        out, lse = launch(q, k, v, causal, 1 / math.sqrt(d), config=cfg)
+        check(out, lse, q, k, v, causal, 1 / math.sqrt(d), what=f"{cfg} Nq={nq} Nk={nk}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_many_heads_tiny_sequences(causal):
+    q, k, v = make_qkv(4, 64, 8, 3, 5, 128, BF16, seed=31)
+    out, lse = launch(q, k, v, causal, 0.1)
+    check(out, lse, q, k, v, causal, 0.1, what="many heads")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_one_head_long_sequence(causal):
+    q, k, v = make_qkv(1, 1, 1, 8192, 8192, 128, BF16, seed=32)
+    out, lse = launch(q, k, v, causal, 1 / math.sqrt(128))
+    check(out, lse, q, k, v, causal, 1 / math.sqrt(128), what="long")
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs: the tensor maps are baked into the captured launch; replays see new data in place
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cuda_graph_capture_and_replay(causal):
+    from tileattn.kernels.attention_fwd_sm90 import launch_forward_sm90
+
+    shape = (2, 8, 2, 300, 500, 128)
+    q, k, v = make_qkv(*shape, BF16, seed=21)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # compile and load outside the capture
+        launch_forward_sm90(q, k, v, out, lse, causal=causal, scale=1 / math.sqrt(128))
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch_forward_sm90(q, k, v, out, lse, causal=causal, scale=1 / math.sqrt(128))
+    for seed in (22, 23):
+        nq, nk, nv = make_qkv(*shape, BF16, seed=seed)
+        q.copy_(nq)
+        k.copy_(nk)
+        v.copy_(nv)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, lse, nq, nk, nv, causal, 1 / math.sqrt(128), what=f"graph replay {seed}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad arguments: clear ValueErrors before any launch
+# ---------------------------------------------------------------------------------------------
+def test_rejects_unsupported_arguments():
+    from tileattn.kernels.attention_fwd_sm90 import launch_forward_sm90, supports
+
+    q, _, _ = make_qkv(1, 2, 2, 8, 8, 64, BF16, seed=1)
+    lse = torch.empty(1, 2, 8, device="cuda")
+    with pytest.raises(ValueError, match="head_dim 96"):
+        q96 = torch.randn(1, 2, 8, 96, device="cuda").to(BF16)
+        launch_forward_sm90(q96, q96, q96, torch.empty_like(q96), lse, causal=False, scale=0.1)
+    with pytest.raises(ValueError, match="multiple of k/v heads"):
+        k3 = torch.randn(1, 3, 8, 64, device="cuda").to(BF16)
+        launch_forward_sm90(q, k3, k3, torch.empty_like(q), lse, causal=False, scale=0.1)
+    assert supports(128, BF16, device="cuda") and not supports(96, BF16) and not supports(64, torch.float32)

@@ -1,0 +1,321 @@
+"""CPU checks of csrc/attention_fwd_sm90.cu's index maps, pipeline protocol and numerics (no GPU).
+
+The Hopper forward rests on identities that no CPU can execute but that can be restated and checked
+here, for every registered config:
+
+* fragment layouts: packing the fp32 S accumulator pairwise (pack_p) yields exactly wgmma's
+  register-A fragment of P for each k16 step of O += P V;
+* the epilogue: the addresses stmatrix gets (lane -> row, swizzled 16-byte chunk) put every O
+  element where a TMA store with the 128-byte swizzle reads it for its (row, column);
+* block_range: the K/V blocks a query tile visits cover every key its rows see, the blocks after
+  the first n_masked need no mask, and skipped blocks hold no visible key;
+* the mbarrier protocol (full/empty rings, phase parities, two consumers): simulated under random
+  interleavings, it never deadlocks, a consumer always reads the block it expects, and the producer
+  never overwrites a slot still in use;
+* the online softmax as the kernel runs it (blocks last to first, -2^100 start, exp2 with the folded
+  scale, P rounded to 16 bit, l = 0 -> O = 0, lse = -inf) matches the float64 reference.
+
+The Python mirrors the C++ by hand (block_range, apply_mask, the stmatrix address, the parities):
+change them together.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from tileattn import reference
+from tileattn.kernels import attention_fwd_sm90 as af
+
+BLOCK_M = af.BLOCK_M
+CONFIGS = sorted({(d, cfg) for d in af.HEAD_DIMS for causal in (False, True) for bf16 in (False, True)
+                  for cfg in af.configs_for(d, causal, bf16)})
+
+
+# ---- fragment layouts (PTX ISA: wgmma m64nNk16 accumulator and register-A fragments) ----------
+def acc_pos(warp: int, lane: int, i: int) -> tuple[int, int]:
+    """(row, column) of accumulator element i of a thread: i = 4j + 2h + e -> row 16 warp + g + 8h,
+    column 8j + 2t + e."""
+    g, t = lane // 4, lane % 4
+    j, h, e = i // 4, (i >> 1) & 1, i & 1
+    return 16 * warp + g + 8 * h, 8 * j + 2 * t + e
+
+
+def a_frag_pos(warp: int, lane: int, reg: int, half: int) -> tuple[int, int]:
+    """(row, column) within the 64 x 16 A tile of half `half` of A register `reg`."""
+    g, t = lane // 4, lane % 4
+    return 16 * warp + g + 8 * (reg & 1), 8 * (reg >> 1) + 2 * t + half
+
+
+@pytest.mark.parametrize("block_n", sorted({cfg.block_n for _, cfg in CONFIGS}))
+def test_packed_s_accumulator_is_the_register_a_fragment_of_p(block_n):
+    for warp in range(4):
+        for lane in range(32):
+            for kk in range(block_n // 16):
+                for reg in range(4):
+                    for half in range(2):
+                        i = 8 * kk + 2 * reg + half  # pack_p: p[kk][reg] = pack(s[8kk + 2reg], s[8kk + 2reg + 1])
+                        row, col = acc_pos(warp, lane, i)
+                        a_row, a_col = a_frag_pos(warp, lane, reg, half)
+                        assert (row, col) == (a_row, 16 * kk + a_col)
+
+
+# ---- epilogue: stmatrix into the swizzled O staging tile, read back as the TMA store does --------
+def tma_sw128_offset(row: int, col: int) -> int:
+    """Byte offset TMA (128-byte swizzle) uses for element (row, col) of a [rows][64] 16-bit panel
+    starting 1024-byte aligned: 16-byte chunk q of row r sits at chunk q ^ (r % 8)."""
+    chunk, within = col // 8, col % 8
+    return row * 128 + ((chunk ^ (row % 8)) << 4) + 2 * within
+
+
+def stmatrix_lane_address(warp: int, lane: int, j: int, head_dim: int) -> int:
+    """The kernel's address for stmatrix.x4 number j (bytes from this consumer's first row of sQ)."""
+    mi, rr = lane // 8, lane % 8
+    row = warp * 16 + 8 * (mi & 1) + rr
+    chunk = 2 * j + (mi >> 1)
+    return row * 128 + (chunk // 8) * (BLOCK_M * 64 * 2) + (((chunk % 8) ^ rr) << 4)
+
+
+@pytest.mark.parametrize("head_dim", af.HEAD_DIMS)
+def test_stmatrix_addresses_match_the_tma_store_layout(head_dim):
+    panel_bytes = BLOCK_M * 64 * 2
+    written: dict[int, tuple[int, int]] = {}
+    for warp in range(4):
+        for j in range(head_dim // 16):
+            # stmatrix.x4: matrix m row r comes from the address of lane 8m + r; its 8 elements
+            # are register m of the 4 lanes with g == r (t = 0..3 -> columns 2t, 2t + 1).
+            for m in range(4):
+                for r in range(8):
+                    base = stmatrix_lane_address(warp, 8 * m + r, j, head_dim)
+                    for t in range(4):
+                        lane = 4 * r + t
+                        for half in range(2):
+                            i = 8 * j + 2 * m + half  # register m of stmatrix j packs o[8j + 2m], o[8j + 2m + 1]
+                            row, col = acc_pos(warp, lane, i)
+                            addr = base + 4 * t + 2 * half
+                            assert addr not in written, f"two elements written to byte {addr}"
+                            written[addr] = (row, col)
+    assert len(written) == 64 * head_dim
+    for addr, (row, col) in written.items():
+        panel = col // 64
+        assert addr == panel * panel_bytes + tma_sw128_offset(row, col % 64), (row, col)
+
+
+# ---- block_range: which K/V blocks a query tile visits, and which need masking ---------------------
+def block_range(causal: bool, block_n: int, m_block: int, nq: int, nk: int) -> tuple[int, int]:
+    """Mirror of fwd90::block_range."""
+    n_total = -(-nk // block_n)
+    edge = 1 if nk % block_n else 0
+    if not causal:
+        return n_total, edge
+    row0 = m_block * BLOCK_M
+    diag = nk - nq
+    last_key = min(row0 + BLOCK_M, nq) - 1 + diag
+    if last_key < 0:
+        return 0, 0
+    n_end = min(n_total, last_key // block_n + 1)
+    first_limit = row0 + diag
+    n_unmasked = 0 if first_limit + 1 <= 0 else min(n_end, (first_limit + 1) // block_n)
+    return n_end, max(n_end - n_unmasked, edge if n_end == n_total else 0)
+
+
+def visible(causal: bool, row: int, key: int, nq: int, nk: int) -> bool:
+    return key < nk and (not causal or key <= row + nk - nq)
+
+
+SIZES = (1, 2, 17, 63, 64, 65, 127, 128, 129, 255, 256, 300, 513)
+
+
+@pytest.mark.parametrize("block_n", sorted({cfg.block_n for _, cfg in CONFIGS}))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_block_range_covers_exactly_the_visible_keys(block_n, causal):
+    for nq in SIZES:
+        for nk in SIZES:
+            for m_block in range(-(-nq // BLOCK_M)):
+                n_end, n_masked = block_range(causal, block_n, m_block, nq, nk)
+                assert 0 <= n_masked <= n_end
+                rows = range(m_block * BLOCK_M, min((m_block + 1) * BLOCK_M, nq))
+                for n in range(-(-nk // block_n)):
+                    keys = range(n * block_n, (n + 1) * block_n)
+                    seen = [visible(causal, r, k, nq, nk) for r in rows for k in keys]
+                    visit_index = n_end - 1 - n  # blocks are visited last to first
+                    what = f"nq={nq} nk={nk} m_block={m_block} block {n} (n_end={n_end}, n_masked={n_masked})"
+                    if n >= n_end:
+                        assert not any(seen), f"{what}: skipped block holds a visible key"
+                    elif visit_index >= n_masked:
+                        assert all(seen), f"{what}: visited without a mask but some key is masked"
+
+
+# ---- the mbarrier protocol, simulated ----------------------------------------------------------------
+class MBarrier:
+    """Phase-counting model of an mbarrier: a phase completes when `count` arrivals and every
+    expected byte arrived; wait(parity) passes once the phase with that parity has completed,
+    i.e. while the current (incomplete) phase's parity differs from it."""
+
+    def __init__(self, count: int):
+        self.count, self.pending, self.tx, self.phase = count, count, 0, 0
+
+    def arrive(self, tx: int = 0):
+        self.pending -= 1
+        self.tx += tx
+        self._maybe_complete()
+
+    def complete_tx(self, nbytes: int):
+        self.tx -= nbytes
+        self._maybe_complete()
+
+    def _maybe_complete(self):
+        assert self.pending >= 0, "more arrivals than the phase expects"
+        if self.pending == 0 and self.tx == 0:
+            self.phase += 1
+            self.pending = self.count
+
+    def passed(self, parity: int) -> bool:
+        return (self.phase & 1) != parity
+
+
+def simulate(n_end: int, stages: int, seed: int):
+    """Run the producer and two consumers of one CTA as coroutines (the kernel's sequence of waits,
+    arrivals and copies) under a random schedule; TMA copies land at random later times."""
+    rng = random.Random(seed)
+    k_full = [MBarrier(1) for _ in range(stages)]
+    v_full = [MBarrier(1) for _ in range(stages)]
+    k_empty = [MBarrier(2) for _ in range(stages)]
+    v_empty = [MBarrier(2) for _ in range(stages)]
+    k_slot = [None] * stages  # which block each slot holds (set when the copy lands)
+    v_slot = [None] * stages
+    k_readers = [set() for _ in range(stages)]  # consumers that may still read the slot
+    v_readers = [set() for _ in range(stages)]
+    in_flight = []  # (slot list, readers, slot, block, barrier)
+
+    def producer():
+        for it in range(n_end):
+            n, s = n_end - 1 - it, it % stages
+            for full, empty, slots, readers in ((k_full, k_empty, k_slot, k_readers),
+                                                (v_full, v_empty, v_slot, v_readers)):
+                if it >= stages:
+                    while not empty[s].passed(((it // stages) - 1) & 1):
+                        yield
+                assert not readers[s], f"producer refills slot {s} while consumers {readers[s]} use it"
+                full[s].arrive(tx=1)
+                in_flight.append((slots, s, n, full[s]))
+                yield
+
+    def consumer(c):
+        def use(full, slots, readers, it):
+            s = it % stages
+            while not full[s].passed((it // stages) & 1):
+                yield
+            assert slots[s] == n_end - 1 - it, f"consumer {c} reads block {slots[s]} for visit {it}"
+            readers[s].add(c)
+
+        def release(empty, readers, it):
+            s = it % stages
+            readers[s].discard(c)
+            empty[s].arrive()
+
+        if n_end == 0:
+            return
+        yield from use(k_full, k_slot, k_readers, 0)
+        release(k_empty, k_readers, 0)
+        for it in range(1, n_end):
+            yield from use(k_full, k_slot, k_readers, it)
+            yield from use(v_full, v_slot, v_readers, it - 1)
+            yield
+            release(k_empty, k_readers, it)
+            yield
+            release(v_empty, v_readers, it - 1)
+        yield from use(v_full, v_slot, v_readers, n_end - 1)
+        release(v_empty, v_readers, n_end - 1)
+
+    actors = [producer(), consumer(0), consumer(1)]
+    steps = 0
+    while actors or in_flight:
+        steps += 1
+        assert steps < 100000, "deadlock"
+        if in_flight and (not actors or rng.random() < 0.3):
+            slots, s, n, bar = in_flight.pop(rng.randrange(len(in_flight)))
+            slots[s] = n
+            bar.complete_tx(1)
+            continue
+        actor = rng.choice(actors)
+        try:
+            next(actor)
+        except StopIteration:
+            actors.remove(actor)
+
+
+@pytest.mark.parametrize("stages", sorted({cfg.stages for _, cfg in CONFIGS}))
+def test_pipeline_protocol(stages):
+    for n_end in (0, 1, 2, 3, stages, stages + 1, 2 * stages + 1, 9):
+        for seed in range(20):
+            simulate(n_end, stages, seed)
+
+
+# ---- numerics of the online softmax as the kernel orders it -----------------------------------------
+def emulate(q, k, v, causal: bool, scale: float, block_n: int):
+    """The kernel's arithmetic per query row (fp32, exp2, P rounded to the input dtype)."""
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    out = torch.zeros(b, h, nq, d)
+    lse = torch.zeros(b, h, nq)
+    sl2 = scale * 1.4426950408889634
+    for bi in range(b):
+        for hi in range(h):
+            kh = hi // (h // hkv)
+            for m_block in range(-(-nq // BLOCK_M)):
+                rows = torch.arange(m_block * BLOCK_M, min((m_block + 1) * BLOCK_M, nq))
+                n_end, n_masked = block_range(causal, block_n, m_block, nq, nk)
+                m = torch.full((len(rows),), -2.0 ** 100)
+                l = torch.zeros(len(rows))
+                o = torch.zeros(len(rows), d)
+                qf = q[bi, hi, rows].float()
+                for it in range(n_end):
+                    n = n_end - 1 - it
+                    keys = torch.arange(n * block_n, (n + 1) * block_n)
+                    kb = torch.zeros(block_n, d)
+                    vb = torch.zeros(block_n, d)
+                    valid = keys < nk
+                    kb[valid] = k[bi, kh, keys[valid]].float()  # TMA zero-fills rows past Nk
+                    vb[valid] = v[bi, kh, keys[valid]].float()
+                    s = qf @ kb.T
+                    if it < n_masked:
+                        limit = torch.full_like(rows, nk - 1)
+                        if causal:
+                            limit = torch.minimum(limit, rows + nk - nq)
+                        s[keys[None, :] > limit[:, None]] = -math.inf
+                    m_new = torch.maximum(m, s.max(dim=1).values * sl2)
+                    alpha = torch.exp2(m - m_new)
+                    p = torch.exp2(s * sl2 - m_new[:, None])
+                    l = l * alpha + p.sum(dim=1)
+                    o = o * alpha[:, None] + p.to(q.dtype).float() @ vb.to(q.dtype).float()
+                    m = m_new
+                inv = torch.where(l > 0, 1.0 / l, torch.zeros_like(l))
+                out[bi, hi, rows] = (o * inv[:, None]).to(q.dtype).float()
+                lse[bi, hi, rows] = torch.where(l > 0, (m + torch.log2(l)) * math.log(2.0),
+                                                torch.full_like(l, -math.inf))
+    return out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(1, 2, 1, 130, 200), (1, 1, 1, 300, 45), (2, 2, 2, 1, 129), (1, 4, 2, 129, 128)],
+                         ids=lambda s: "B{}H{}Hkv{}_Nq{}_Nk{}".format(*s))
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_emulated_online_softmax_matches_reference(block_n, shape, causal):
+    b, h, hkv, nq, nk = shape
+    g = torch.Generator().manual_seed(nq * 7 + nk)
+    q = torch.randn(b, h, nq, 64, generator=g).to(torch.bfloat16)
+    k = torch.randn(b, hkv, nk, 64, generator=g).to(torch.bfloat16)
+    v = torch.randn(b, hkv, nk, 64, generator=g).to(torch.bfloat16)
+    out, lse = emulate(q, k, v, causal, 0.125, block_n)
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, scale=0.125, compute_dtype=torch.float64)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < 1e-2, f"relative error {err:.3e}"
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert bool((out[~seen] == 0).all())
+    assert (lse.double() - ref_lse)[seen].abs().max() < 1e-3
