@@ -516,13 +516,6 @@ def _check_length(state: ServerState, prompt_len: int, max_tokens: int | None, w
     return max_tokens
 
 
-def _check_ids(state: ServerState, ids: list[int]) -> None:
-    vocab = state.tokenizer.vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise APIError(400, f"Token id {bad} is out of range [0, {vocab}).", param="prompt")
-
-
 def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
     """prompt: str | list[str] | list[int] | list[list[int]] -> token-id lists."""
     if isinstance(prompt, str):
@@ -536,8 +529,7 @@ def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
         ids = state.tokenizer.encode(p) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, "prompt must not be empty.", param="prompt")
-        _check_ids(state, ids)
-        out.append(ids)
+        out.append(ids)  # the engine checks the ids against the model's vocabulary
     return out
 
 
@@ -745,7 +737,11 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         state.check_model(req.model)
-        _check_ids(state, req.tokens)
+        vocab = state.tokenizer.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"Token ids {bad[:4]} are outside the tokenizer's vocabulary [0, {vocab}).",
+                           param="tokens")
         return {"prompt": state.tokenizer.decode(req.tokens)}
 
     @app.post("/v1/completions")

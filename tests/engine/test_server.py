@@ -1,0 +1,453 @@
+"""`tileattn serve` end to end on CPU: the official openai client against a real uvicorn server
+(127.0.0.1, a free port) running a real engine on a tiny random-init Llama checkpoint.
+
+The checkpoint is made here: a 2-layer Llama from transformers' from_config (weights scaled up so
+greedy argmaxes have clear margins and batching cannot flip them), a byte-level BPE tokenizer
+trained with `tokenizers`, a ChatML chat template, and a generation_config.json with
+do_sample=false (so requests that set no temperature are greedy: the server applies it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+
+from tileattn.engine.server import create_app
+
+MODEL = "tiny-llama"
+MAX_MODEL_LEN = 192
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = ["The quick brown fox jumps over the lazy dog while the cat sleeps.",
+          "Attention kernels move tiles of keys and values through shared memory.",
+          "Servers batch requests together so that every step keeps the GPU busy.",
+          "One two three four five six seven eight nine ten eleven twelve."] * 20
+
+
+def make_checkpoint(path: str) -> str:
+    """A tiny random-init Llama checkpoint directory with tokenizer, chat template and
+    generation_config (do_sample false)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(path)
+    vocab = tok.get_vocab_size()
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      initializer_range=0.2, bos_token_id=0, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    GenerationConfig(bos_token_id=0, eos_token_id=2, do_sample=False).save_pretrained(path)
+    return path
+
+
+def make_engine(path: str):
+    from tileattn.engine import LLMEngine
+
+    return LLMEngine.from_model(path, device="cpu", max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
+                                kv_cache_blocks=256, block_size=16)
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on 127.0.0.1:<free port> in a background thread."""
+
+    def __init__(self, app):
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+        assert not self.thread.is_alive(), "uvicorn did not shut down within 30 s"
+
+    @property
+    def state(self):
+        return self.app.state.server
+
+    def engine_stats(self) -> dict:
+        """engine.stats() run on the engine thread (between two steps)."""
+        return self.state.engine_loop.call(lambda engine: engine.stats()).result(timeout=30)
+
+    def wait_idle(self, timeout: float = 20.0) -> dict:
+        """Poll until the engine runs nothing and every KV block is free; returns the stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.engine_stats()
+            if (stats["num_running"] == 0 and stats["num_waiting"] == 0
+                    and stats["num_free_blocks"] == stats["num_total_blocks"]):
+                return stats
+            assert time.monotonic() < deadline, f"engine not idle after {timeout} s: {stats}"
+            time.sleep(0.05)
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60, **kw)
+
+    def http(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        """A raw request (endpoints outside the OpenAI client: /health, /metrics, bad JSON)."""
+        req = urllib.request.Request(self.url + path, data=body, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    return make_engine(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with ServerThread(create_app(engine, MODEL, max_queue_depth=256)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def _extra(**kw):
+    return {"extra_body": kw}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_models_health_tokenize(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert server.http("GET", "/health")[0] == 200
+    status, body = server.http("POST", "/tokenize", json.dumps({"prompt": "the quick brown fox"}).encode())
+    assert status == 200, body
+    tokens = json.loads(body)["tokens"]
+    assert tokens == server.state.tokenizer.encode("the quick brown fox")
+    status, body = server.http("POST", "/detokenize", json.dumps({"tokens": tokens}).encode())
+    assert (status, json.loads(body)["prompt"]) == (200, "the quick brown fox")
+
+
+def test_completion_greedy_stream_matches_non_stream(server, client):
+    r = client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=12, temperature=0,
+                                  **_extra(ignore_eos=True, return_token_ids=True))
+    (c,) = r.choices
+    assert c.finish_reason == "length"
+    prompt_ids = server.state.tokenizer.encode("The quick brown")
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == len(prompt_ids) + 12
+    assert len(c.token_ids) == 12
+    assert c.text == server.state.tokenizer.decode(c.token_ids)
+
+    chunks = list(client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=12,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            **_extra(ignore_eos=True, return_token_ids=True)))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    body = chunks[:-1]
+    assert "".join(ch.choices[0].text for ch in body) == c.text
+    assert [t for ch in body for t in ch.choices[0].token_ids] == c.token_ids
+    assert body[-1].choices[0].finish_reason == "length"
+    assert all(ch.choices[0].finish_reason is None for ch in body[:-1])
+
+
+def test_generation_config_default_is_greedy(server, client):
+    """generation_config.json says do_sample=false: a request without temperature is greedy."""
+    kw = dict(model=MODEL, prompt="Servers batch", max_tokens=8, **_extra(ignore_eos=True))
+    default = client.completions.create(**kw).choices[0].text
+    greedy = client.completions.create(temperature=0, **kw).choices[0].text
+    sampled = {client.completions.create(temperature=1.5, seed=s, **kw).choices[0].text for s in range(3)}
+    assert default == greedy
+    assert sampled != {greedy}, "temperature 1.5 with three seeds gave the greedy text each time"
+
+
+def test_token_id_prompts_batched_prompts_and_echo(server, client):
+    tok = server.state.tokenizer
+    ids = tok.encode("Attention kernels move")
+    by_text = client.completions.create(model=MODEL, prompt="Attention kernels move", max_tokens=6,
+                                        temperature=0, **_extra(ignore_eos=True))
+    r = client.completions.create(model=MODEL, prompt=[ids, tok.encode("One two")], max_tokens=6,
+                                  temperature=0, echo=True, **_extra(ignore_eos=True))
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].text == tok.decode(ids) + by_text.choices[0].text
+    assert r.choices[1].text.startswith(tok.decode(tok.encode("One two")))
+    assert r.usage.prompt_tokens == len(ids) + len(tok.encode("One two"))
+
+
+def test_stop_strings(server, client):
+    kw = dict(model=MODEL, prompt="One two three", max_tokens=24, temperature=0, **_extra(ignore_eos=True))
+    full = client.completions.create(**kw).choices[0].text
+    assert len(full) > 8, f"greedy text too short to pick a stop string from: {full!r}"
+    stop = full[5:8]
+    cut = full.index(stop)
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.completions.create(stop=[stop, "\x00never"], stream=True, **kw))
+            text = "".join(ch.choices[0].text for ch in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            c = client.completions.create(stop=stop, **kw).choices[0]
+            text, finish = c.text, c.finish_reason
+        assert (text, finish) == (full[:cut], "stop"), f"stream={stream} stop={stop!r} full={full!r}"
+
+
+def test_n_and_seed_reproducible(server, client):
+    kw = dict(model=MODEL, prompt="The cat", max_tokens=8, temperature=1.0, n=3, **_extra(ignore_eos=True))
+    a = client.completions.create(seed=1234, **kw)
+    b = client.completions.create(seed=1234, **kw)
+    other = client.completions.create(seed=4321, **kw)
+    texts = [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+    assert [c.index for c in sorted(a.choices, key=lambda c: c.index)] == [0, 1, 2]
+    assert texts == [c.text for c in sorted(b.choices, key=lambda c: c.index)]
+    assert texts != [c.text for c in sorted(other.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1, f"three samples at temperature 1 were identical: {texts}"
+    assert a.usage.completion_tokens == 24
+
+    chunks = list(client.completions.create(seed=1234, stream=True, **kw))
+    streamed = {i: "".join(ch.choices[0].text for ch in chunks if ch.choices[0].index == i) for i in range(3)}
+    assert [streamed[i] for i in range(3)] == texts
+
+
+def test_completion_logprobs_and_echo(server, client):
+    tok = server.state.tokenizer
+    r = client.completions.create(model=MODEL, prompt="The lazy dog", max_tokens=5, temperature=0, logprobs=2,
+                                  **_extra(ignore_eos=True, return_token_ids=True))
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in r.choices[0].token_ids]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and 1 <= len(top) <= 3  # distinct ids may decode to one string (a key)
+        assert value == pytest.approx(max(top.values()), abs=1e-5), "greedy token is not the most likely"
+
+    prompt_len = len(tok.encode("The lazy dog"))
+    e = client.completions.create(model=MODEL, prompt="The lazy dog", max_tokens=5, temperature=0, logprobs=1,
+                                  echo=True, **_extra(ignore_eos=True))
+    elp = e.choices[0].logprobs
+    assert len(elp.tokens) == prompt_len + 5
+    assert elp.token_logprobs[0] is None and all(v <= 0 for v in elp.token_logprobs[1:])
+    assert elp.token_logprobs[prompt_len:] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert e.choices[0].text == "The lazy dog" + r.choices[0].text
+    assert elp.text_offset[prompt_len] == len("The lazy dog")
+
+
+def test_chat(server, client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fox."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0,
+                                       logprobs=True, top_logprobs=3,
+                                       **_extra(ignore_eos=True, return_token_ids=True))
+    (c,) = r.choices
+    assert c.message.role == "assistant" and c.finish_reason == "length"
+    _status, body = server.http("POST", "/tokenize", json.dumps({"messages": messages}).encode())
+    assert r.usage.prompt_tokens == json.loads(body)["count"]
+    assert r.usage.completion_tokens == 10 == len(c.logprobs.content)
+    assert [t.token for t in c.logprobs.content] == [
+        server.state.tokenizer.decode([t], skip_special_tokens=False) for t in c.token_ids]
+    for t in c.logprobs.content:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-5)
+        assert [x.logprob for x in t.top_logprobs] == sorted((x.logprob for x in t.top_logprobs), reverse=True)
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 **_extra(ignore_eos=True)))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == c.message.content
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def _error(exc) -> dict:
+    body = exc.response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def test_errors(server, client):
+    bad = [{"temperature": -1}, {"top_p": 1.5}, {"n": 0}, {"max_tokens": 0}, {"logprobs": 50},
+           {"presence_penalty": 3.0}, {"stop": [""]}]
+    for kw in bad:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="hi", **kw)
+        err = _error(info.value)
+        assert info.value.status_code == 400 and err["type"] == "invalid_request_error", (kw, err)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", extra_body={"top_k": -5})
+    assert _error(info.value)["param"] == "top_k"
+
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="no-such-model", prompt="hi")
+    assert _error(info.value)["code"] == "model_not_found"
+
+    long_prompt = list(range(3, 3 + MAX_MODEL_LEN))
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=1)
+    assert _error(info.value)["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as info:  # fits alone, not with max_tokens
+        client.completions.create(model=MODEL, prompt=long_prompt[:100], max_tokens=MAX_MODEL_LEN)
+    assert _error(info.value)["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[1, 10**9])
+    assert "outside the vocabulary" in _error(info.value)["message"]
+
+    status, body = server.http("POST", "/v1/completions", b'{"model": "tiny-llama", "prompt": ')
+    err = json.loads(body)["error"]
+    assert status == 400 and "JSON" in err["message"], (status, body)
+    status, body = server.http("POST", "/v1/chat/completions", json.dumps({"model": MODEL}).encode())
+    assert status == 400 and json.loads(body)["error"]["param"] == "messages", body
+    status, body = server.http("GET", "/v1/nothing-here")
+    assert status == 404 and "error" in json.loads(body)
+    # None of that disturbed the server.
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+    server.wait_idle()
+
+
+def test_metrics(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(model=MODEL, prompt="metrics please", max_tokens=4, **_extra(ignore_eos=True))
+    status, body = server.http("GET", "/metrics")
+    assert status == 200
+    samples = {s.name: s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples
+               if not s.labels or set(s.labels) == {"le"} and s.labels["le"] == "+Inf"}
+    assert samples["tileattn:prompt_tokens_total"] > 0
+    assert samples["tileattn:generation_tokens_total"] >= 4
+    assert samples["tileattn:time_to_first_token_seconds_count"] >= 1
+    assert samples["tileattn:inter_token_latency_seconds_count"] >= 3
+    for name in ("tileattn:num_requests_running", "tileattn:num_requests_waiting",
+                 "tileattn:kv_cache_usage_perc", "tileattn:prefix_cache_hits_total"):
+        assert name in samples, name
+
+
+def test_cancel_stream_frees_blocks(server, client):
+    stream = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=150,
+                                       temperature=0, stream=True, **_extra(ignore_eos=True))
+    for got, _ in enumerate(stream, 1):
+        if got == 3:
+            break
+    stats = server.engine_stats()
+    assert stats["num_running"] + stats["num_waiting"] == 1, f"request not running mid-stream: {stats}"
+    stream.close()
+    server.wait_idle(timeout=10)
+
+    # A non-streaming client that hangs up mid-answer also aborts its request.
+    body = json.dumps({"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 150, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 10
+        while server.engine_stats()["num_running"] == 0:
+            assert time.monotonic() < deadline, "the non-streaming request never started running"
+            time.sleep(0.01)
+    server.wait_idle(timeout=10)
+    assert server.state.in_flight == 0
+
+
+def test_overload_gets_503(engine):
+    with ServerThread(create_app(engine, MODEL, max_queue_depth=1)) as s:
+        client = s.client()
+        stream = client.completions.create(model=MODEL, prompt="hold the queue", max_tokens=150,
+                                           temperature=0, stream=True, **_extra(ignore_eos=True))
+        next(iter(stream))
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model=MODEL, prompt="one too many", max_tokens=2)
+        assert info.value.status_code == 503 and _error(info.value)["code"] == "overloaded"
+        stream.close()
+        s.wait_idle(timeout=10)
+        assert client.completions.create(model=MODEL, prompt="room again", max_tokens=2).choices
+
+
+def test_64_concurrent_streams_match_alone_then_clean_shutdown(engine):
+    import random
+
+    rng = random.Random(0)
+    vocab = engine.tokenizer.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(4, 40))] for _ in range(64)]
+    max_tokens = [rng.randrange(4, 12) for _ in range(64)]
+    app = create_app(engine, MODEL, max_queue_depth=128)
+    with ServerThread(app) as s:
+        kw = {"model": MODEL, "temperature": 0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+        client = s.client()
+        alone = [client.completions.create(prompt=p, max_tokens=m, **kw).choices[0].token_ids
+                 for p, m in zip(prompts, max_tokens)]
+
+        async def one(aclient, p, m):
+            stream = await aclient.completions.create(prompt=p, max_tokens=m, stream=True, **kw)
+            ids = []
+            async for chunk in stream:
+                ids += chunk.choices[0].token_ids or []
+            return ids
+
+        async def all_at_once():
+            aclient = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            try:
+                return await asyncio.wait_for(
+                    asyncio.gather(*(one(aclient, p, m) for p, m in zip(prompts, max_tokens))), 120)
+            finally:
+                await aclient.close()
+
+        steps = []
+        real_step = engine.step
+        engine.step = lambda: steps.append(1) or real_step()  # count steps (engine thread only)
+        try:
+            t0 = time.monotonic()
+            together = asyncio.run(all_at_once())
+            elapsed = time.monotonic() - t0
+        finally:
+            del engine.step
+        for i, (a, b) in enumerate(zip(alone, together)):
+            assert a == b, f"request {i}: alone {a} vs concurrent {b}"
+        assert len(steps) < sum(max_tokens) / 4, (
+            f"{len(steps)} engine steps for {sum(max_tokens)} tokens: the streams were not batched together")
+        assert s.http("GET", "/health")[0] == 200
+        stats = s.wait_idle(timeout=10)
+        assert s.state.in_flight == 0 and not s.state.generations
+        print(f"64 concurrent streams in {elapsed:.2f} s, {len(steps)} engine steps; engine stats after: {stats}")
+        engine_loop = s.state.engine_loop
+    assert not engine_loop._thread.is_alive(), "engine thread still running after shutdown"
