@@ -29,9 +29,14 @@ def _driver_version() -> str | None:
 
 
 def _git_state() -> tuple[str | None, bool | None]:
-    """(commit, dirty) of the checkout this package runs from; (None, None) outside a git checkout.
-    The GPU machine receives a copy of the working tree with its .git, so this holds there too."""
+    """(commit, dirty) of the checkout this package runs from. A copy of a working tree without its
+    .git (the GPU machine's) gets them from $TILEATTN_GIT_COMMIT / $TILEATTN_GIT_DIRTY, set by the
+    command that sent it; (None, None) when neither is known."""
+    import os
     from pathlib import Path
+
+    if os.environ.get("TILEATTN_GIT_COMMIT"):
+        return os.environ["TILEATTN_GIT_COMMIT"], os.environ.get("TILEATTN_GIT_DIRTY", "1") != "0"
 
     root = Path(__file__).resolve().parents[3]
     try:
