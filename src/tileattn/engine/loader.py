@@ -257,10 +257,11 @@ def _hf_name(gguf_name: str) -> str | None:
 
 
 def unpermute_rotary_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation: per head, rows (0, d/2, 1, d/2+1, ...) -> (0..d-1).
-    w: [heads * d, ...] (a weight or a bias); returns a tensor of the same shape."""
+    """Undo llama.cpp's Q/K row permutation: per head, stored rows (0, d/2, 1, d/2+1, ...) back
+    to (0, 1, ..., d-1). w: [heads * d, ...] (a weight or a bias); returns the same shape."""
     rows = w.shape[0]
-    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    pairs = w.reshape(heads, rows // heads // 2, 2, *w.shape[1:])  # [heads, d/2, 2, ...]
+    return pairs.transpose(1, 2).reshape(w.shape)  # [heads, 2, d/2, ...] -> [heads * d, ...]
 
 
 def _gguf_metadata(reader) -> dict:

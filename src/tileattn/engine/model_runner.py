@@ -133,7 +133,7 @@ class ModelRunner:
     def execute(self, scheduled) -> StepResult:
         """Run the model on [(seq, n)] (token_ids[computed:computed+n] of each) and sample the next
         token of every sequence whose chunk reaches its last token."""
-        inputs = self._prepare(scheduled)
+        inputs = self.prepare_inputs(scheduled)
         batch, ids, positions = inputs["batch"], inputs["input_ids"], inputs["positions"]
         graph = self._graph_for(scheduled)
         if graph is not None:
@@ -160,7 +160,7 @@ class ModelRunner:
             out += top_logprobs(logits, chosen, [top_n] * len(rows[part]))
         return out
 
-    def _prepare(self, scheduled) -> dict:
+    def prepare_inputs(self, scheduled) -> dict:
         """Packed inputs of a step (built as Python lists, then one host-to-device copy each)."""
         size = self.block_size
         ids, positions, slots, cu, seqlens, sample_rows, sample_seqs, prompt_rows = [], [], [], [0], [], [], [], []
