@@ -1,0 +1,508 @@
+// Attention of packed queries against a paged KV cache, on the sm_80 tensor-core path (mma.sync
+// m16n8k16 + ldmatrix + cp.async; also runs on sm_90). One kernel family serves decode (one query
+// token per sequence), chunked prefill against a cached prefix, speculative verification (a few
+// tokens) and any mix of them in one launch; a second kernel combines split-KV partials.
+//
+//   q        [Tq, H, d]       packed queries; sequence b owns tokens cu_seqlens_q[b] .. cu_seqlens_q[b+1]
+//   k_cache  [num_blocks, block_size, Hkv, d], v_cache likewise (any strides, last dim contiguous)
+//   block_table [B, max_blocks] int32: key j of sequence b is row j % block_size of cache block
+//                                      block_table[b, j / block_size]
+//   seqlens_k [B] int32: keys of sequence b, its own query tokens included (they are its last keys)
+//   out      [Tq, H, d] contiguous; lse [H, Tq] fp32 (natural log), optional
+//
+// Causal masking is aligned bottom-right per sequence: query token i of a sequence with nq queries
+// and nk keys sees key j iff j <= i + nk - nq. A row that sees no key gets O = 0 and lse = -inf.
+//
+// ---- Never outside the caches --------------------------------------------------------------------
+// The index tensors live on the device and are not checked by the host (that would need a sync).
+// So: keys at or past the table's capacity (max_blocks * block_size) are not visited; a block id
+// outside [0, num_blocks) is never dereferenced: its rows are zero-filled (cp.async src-size 0,
+// source address clamped to the cache's base) and its keys are masked to -inf, exactly as the
+// reference treats them. A negative length counts as 0; query tokens outside [0, Tq) are neither
+// read nor written. Rows of q past cu_seqlens_q[B] are not written.
+//
+// ---- Work decomposition: GQA packing ------------------------------------------------------------
+// The G = H / Hkv query heads that share a KV head are rows of one M tile: row r of the (sequence,
+// KV head) problem is query token r / G, query head kv_head * G + r % G. Each K/V tile is then read
+// from memory once per KV head (not once per query head, which is what a dense kernel on decode
+// shapes does: G times the bytes). grid = (M tiles, Hkv * num_splits, B), the M tile count from
+// max_seqlen_q * G, never from the actual lengths, so one captured CUDA graph serves every step.
+// A CTA whose rows all lie past its sequence's nq * G exits at once.
+//
+// Two warp layouts (template kWarpsM x kWarpsN, one of them 1):
+//  - rows (kWarpsN = 1): kWarpsM warps of 16 rows each, every warp walks all keys of a tile (the
+//    FlashAttention-2 layout; chunked prefill, many rows). A warp whose rows are all padding skips
+//    the math but still loads and synchronises.
+//  - keys (kWarpsM = 1, 16 rows): decode. One m16 tile holds the G (<= 16) heads of one token, and
+//    the kWarpsN warps each take kBlockN / kWarpsN keys of every tile, with their own online
+//    softmax; the warps' (shift, sum, O) are merged through shared memory at the end. Without this
+//    a decode CTA would have one warp of math and three idle.
+//
+// ---- Split-KV ---------------------------------------------------------------------------------
+// Each (M tile, KV head, sequence) is split into num_splits CTAs over its key tiles (split s takes
+// tiles [s * per, (s + 1) * per), per = ceil(tiles / num_splits), from the device-side length). With
+// num_splits == 1 the CTA writes out/lse directly; otherwise it writes its normalised O (fp32) and
+// its lse to o_part [S, Tq, H, d] / lse_part [S, Tq, H] and attention_paged_combine merges them:
+//   L = log sum_s exp(lse_s),  O = sum_s exp(lse_s - L) O_s   (splits with lse_s = -inf skipped).
+// An empty split (a short sequence under a grid sized for the table's capacity) writes lse -inf.
+//
+// ---- Memory pipeline ----------------------------------------------------------------------------
+// Decode reads K and V once and does ~2 FLOPs per byte: it is bound by HBM bandwidth, so the
+// design goal is bytes in flight. Each K/V tile is kBlockN keys x d, loaded with 16-byte cp.async
+// into a kStages-deep ring (kStages - 1 tiles in flight per CTA while one is consumed; one CTA
+// barrier per tile). Page indices are resolved once per tile and thread: a thread's rows step by
+// kRowStep = threads / (d / 8) keys, so it loads a block-table entry only when its row enters a
+// new cache block (once per tile when kBlockN <= block_size). The table is tiny and L1/L2 resident.
+// Tiles are visited from the last to the first, so the tiles that need masking (the length edge,
+// the causal diagonal) come first; a per-tile flag (bar.red.or at the barrier that starts the
+// tile) says whether any of its block ids was out of range, and only then is the page validity
+// re-derived per key.
+//
+// ---- Online softmax (fp32, base 2) ------------------------------------------------------------
+// As in attention_fwd_sm80.cu: p = 2^(s * scale_log2 - shift) with one FFMA + MUFU.EX2 per score;
+// the shift moves (and O, l are rescaled) only when a row's max grows by more than 2^8 (warp vote);
+// kNoKeyShift (-2^100) marks a row that has seen no key (never -inf - -inf).
+//
+// ---- Shared memory ----------------------------------------------------------------------------
+//   sQ [kBlockM][d]               Q tile (loaded once)
+//   sK [kStages][kBlockN][d]      ring of K tiles;  sV likewise
+// rows are 16-byte chunks XOR-swizzled with (row & 7) (d = 64, 128, 256: 8 or more chunks per row),
+// so ldmatrix's 8 rows of one chunk column hit 8 different bank groups. After the main loop the
+// K ring is reused for the key-split merge.
+#include "common/sm80.cuh"
+
+namespace tileattn {
+namespace paged {
+
+constexpr float kLn2 = 0.693147180559945309417f;
+constexpr float kLog2e = 1.44269504088896340736f;
+// Largest growth of the row max (log2 units) absorbed without rescaling O.
+constexpr float kRescaleThreshold = 8.0f;
+// Shift of a row that has seen no key yet (see attention_fwd_sm80.cu: a finite sentinel keeps
+// s * scale_log2 - shift finite and makes the first real key's rescale factor exactly 0).
+constexpr float kNoKeyShift = -1.2676506002282294e30f;  // -2^100
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][kHeadDim] tile.
+template <int kHeadDim>
+__device__ __forceinline__ int swizzle(int row, int chunk) {
+  static_assert(kHeadDim % 64 == 0, "the (row & 7) swizzle needs >= 8 chunks per row");
+  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
+}
+
+// Which keys a CTA visits. Keys [0, kv_end) are visible to some row of the M tile; keys below
+// unmasked_end are visible to every row (no causal or length mask needed there).
+struct KeyRange {
+  int kv_end, unmasked_end, tile_begin, tile_end;
+};
+
+}  // namespace paged
+
+// See the header for the layouts. Strides in elements; bt_stride = block_table.stride(0);
+// block_size = 1 << log2_block_size (16..256); group = H / Hkv; causal is 0 or 1 (a runtime flag:
+// decode needs no mask at all, so it costs nothing there). o_part/lse_part are used (and out/lse
+// are not) when num_splits > 1; lse may be null.
+template <int kHeadDim, int kBlockM, int kWarpsM, int kWarpsN, int kBlockN, int kStages, bool kIsBF16>
+__global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
+    attention_paged_sm80(const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
+                         const int* __restrict__ block_table, const int* __restrict__ cu_seqlens_q,
+                         const int* __restrict__ seqlens_k, u16* __restrict__ out, float* __restrict__ lse,
+                         float* __restrict__ o_part, float* __restrict__ lse_part, int64_t q_st, int64_t q_sh,
+                         int64_t k_sb, int64_t k_sr, int64_t k_sh, int64_t v_sb, int64_t v_sr, int64_t v_sh,
+                         int bt_stride, int num_blocks, int max_blocks, int log2_block_size, int num_tokens,
+                         int heads, int group, int num_splits, int causal, float scale_log2) {
+  using namespace paged;
+  constexpr int kWarps = kWarpsM * kWarpsN;
+  constexpr int kThreads = kWarps * 32;
+  constexpr int kChunks = kHeadDim / 8;            // 16-byte chunks per row
+  constexpr int kRowStep = kThreads / kChunks;     // rows one pass of the CTA's threads loads
+  constexpr int kWarpKeys = kBlockN / kWarpsN;     // keys of a tile one warp multiplies
+  constexpr int kKSteps = kHeadDim / 16;           // k16 steps of S = Q K^T
+  constexpr int kNBlocks = kWarpKeys / 8;          // n8 blocks of a warp's S
+  constexpr int kPSteps = kWarpKeys / 16;          // k16 steps of O += P V
+  constexpr int kDBlocks = kHeadDim / 8;           // n8 blocks of O
+  constexpr bool kQInRegs = kHeadDim <= 128;       // d = 256: Q re-read from smem (registers for O)
+  static_assert(kBlockM == 16 * kWarpsM, "16 rows per warp");
+  static_assert(kWarpsM == 1 || kWarpsN == 1, "warps split either rows or keys");
+  static_assert(kWarpKeys % 16 == 0 && kStages >= 2, "16-key mma steps per warp, double buffering");
+  static_assert(kThreads % kChunks == 0 && kBlockN % kRowStep == 0, "whole rows per pass, whole passes per tile");
+  static_assert(kWarpsN == 1 || (kWarpsN - 1) * (kDBlocks + 1) * 4 * 32 * 4 <= kStages * kBlockN * kHeadDim * 2,
+                "the key-split merge buffer fits in the K ring");
+
+  extern __shared__ __align__(128) u16 smem[];
+  u16* const sQ = smem;                               // [kBlockM][kHeadDim], swizzled
+  u16* const sK = sQ + kBlockM * kHeadDim;            // [kStages][kBlockN][kHeadDim], swizzled
+  u16* const sV = sK + kStages * kBlockN * kHeadDim;  // [kStages][kBlockN][kHeadDim], swizzled
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp % kWarpsM, wn = warp / kWarpsM;  // row group / key group of this warp
+  const int m_tile = blockIdx.x;
+  const int kv_head = blockIdx.y / num_splits, split = blockIdx.y - kv_head * num_splits;
+  const int b = blockIdx.z;
+
+  // ---- This CTA's rows and keys (all CTA-uniform) -------------------------------------------------
+  const int q_start = cu_seqlens_q[b];
+  const int nq = max(cu_seqlens_q[b + 1] - q_start, 0);
+  const int nk = max(seqlens_k[b], 0);
+  const int rows = nq * group;          // valid rows of this (sequence, KV head) problem
+  const int row0 = m_tile * kBlockM;
+  if (row0 >= rows) return;             // M tiles past this sequence's queries (grid from max_seqlen_q)
+  const int nk_read = min(nk, max_blocks << log2_block_size);  // never past the block table
+  const int diag = nk - nq;             // token i sees keys j <= i + diag
+  KeyRange kr;
+  {
+    const int first_tok = row0 / group, last_tok = (min(row0 + kBlockM, rows) - 1) / group;
+    kr.kv_end = causal ? max(0, min(nk_read, last_tok + diag + 1)) : nk_read;
+    kr.unmasked_end = causal ? max(0, min(nk_read, first_tok + diag + 1)) : nk_read;
+    const int tiles = (kr.kv_end + kBlockN - 1) / kBlockN;
+    const int per = (tiles + num_splits - 1) / num_splits;
+    kr.tile_begin = min(split * per, tiles);
+    kr.tile_end = min(kr.tile_begin + per, tiles);
+  }
+  const int n_iter = kr.tile_end - kr.tile_begin;
+  const int n_unmasked_tiles = kr.unmasked_end / kBlockN;  // tiles below this need no length/causal mask
+  const int* const bt_row = block_table + static_cast<int64_t>(b) * bt_stride;
+  const int block_mask = (1 << log2_block_size) - 1;
+  const u16* const k_head = k_cache + kv_head * k_sh;
+  const u16* const v_head = v_cache + kv_head * v_sh;
+
+  // ---- Tile loader: kBlockN keys of K and V into ring slot `stage` ------------------------------------
+  // Thread (r0, c) loads chunk c of rows r0 + i * kRowStep (r0 < kRowStep). kRowStep, kBlockN and
+  // block_size are powers of two and a tile starts on a multiple of min(kBlockN, block_size), so
+  // the thread's row enters a new cache block exactly when i * kRowStep is a multiple of
+  // block_size (every pass when kRowStep >= block_size): one table load per cache block, not per
+  // row. Returns whether a visible key sat in an invalid block.
+  const int ld_c = tid % kChunks, ld_r0 = tid / kChunks;
+  auto load_tile = [&](int n, int stage) -> bool {
+    u16* const sKs = sK + stage * kBlockN * kHeadDim;
+    u16* const sVs = sV + stage * kBlockN * kHeadDim;
+    bool bad = false;
+    int page = 0;
+#pragma unroll
+    for (int i = 0; i < kBlockN / kRowStep; ++i) {
+      const int r = ld_r0 + i * kRowStep;
+      const int key = n * kBlockN + r;
+      const bool in_range = key < kr.kv_end;
+      if (i == 0 || ((i * kRowStep) & block_mask) == 0) {
+        page = in_range ? __ldg(bt_row + (key >> log2_block_size)) : -1;
+      }
+      const bool page_ok = page >= 0 && page < num_blocks;
+      bad |= in_range && !page_ok;
+      const bool valid = in_range && page_ok;
+      const int64_t off = valid ? static_cast<int64_t>(page) * k_sb + (key & block_mask) * k_sr : 0;
+      const int64_t voff = valid ? static_cast<int64_t>(page) * v_sb + (key & block_mask) * v_sr : 0;
+      cp_async_16(sKs + swizzle<kHeadDim>(r, ld_c), k_head + off + ld_c * 8, valid);
+      cp_async_16(sVs + swizzle<kHeadDim>(r, ld_c), v_head + voff + ld_c * 8, valid);
+    }
+    return bad;
+  };
+
+  // ---- Prologue: Q (own commit group), then kStages - 1 K/V tiles --------------------------------
+  for (int id = tid; id < kBlockM * kChunks; id += kThreads) {
+    const int r = id / kChunks, c = id % kChunks;
+    const int grow = row0 + r;
+    const int tok = q_start + grow / group;
+    const int head = kv_head * group + grow % group;
+    const bool valid = grow < rows && tok >= 0 && tok < num_tokens;
+    const u16* src = valid ? q + tok * q_st + head * q_sh + c * 8 : q;
+    cp_async_16(sQ + swizzle<kHeadDim>(r, c), src, valid);
+  }
+  cp_async_commit();
+  // Bit s: some thread-visible key of the tile in ring slot s had an invalid block id (this
+  // thread's view; the CTA-wide OR is taken at the barrier that starts the tile).
+  unsigned bad_slots = 0;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_iter) bad_slots |= static_cast<unsigned>(load_tile(kr.tile_end - 1 - s, s)) << s;
+    cp_async_commit();  // empty groups keep "tile it has landed" = wait_group(kStages - 2)
+  }
+
+  const int g = lane >> 2, t = lane & 3;  // mma fragment: rows g, g + 8; columns 2t, 2t + 1
+  const bool warp_active = row0 + wm * 16 < rows;  // warp-uniform: some row of this warp is real
+  // ldmatrix lane addresses (see attention_fwd_sm80.cu): pattern A (Q; V with .trans) reads row
+  // (l & 7) + 8 ((l >> 3) & 1), chunk + (l >> 4); pattern B (K) row (l & 7) + 8 (l >> 4),
+  // chunk + ((l >> 3) & 1).
+  const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_chunk = lane >> 4;
+  const int b_row = (lane & 7) + 8 * (lane >> 4), b_chunk = (lane >> 3) & 1;
+  const u16* const sQw = sQ + wm * 16 * kHeadDim;  // this warp's 16 rows
+
+  u32 q_frag[kQInRegs ? kKSteps : 1][4];
+  if constexpr (kQInRegs) {
+    cp_async_wait<kStages - 1>();  // the Q group (committed first) landed for this thread
+    __syncthreads();               // ... and for every thread
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) ldmatrix_x4(q_frag[ks], sQw + swizzle<kHeadDim>(a_row, 2 * ks + a_chunk));
+  }
+
+  float o_acc[kDBlocks][4];  // O, fp32: [d-block][c0..c3], rows g (c0, c1) and g + 8 (c2, c3)
+#pragma unroll
+  for (int db = 0; db < kDBlocks; ++db)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o_acc[db][e] = 0.f;
+  float row_shift[2] = {kNoKeyShift, kNoKeyShift};  // running max * scale_log2 of rows g, g + 8
+  float row_sum[2] = {0.f, 0.f};                    // this thread's partial sums of p
+
+  // ---- Main loop over this split's key tiles, last to first ------------------------------------
+  for (int it = 0; it < n_iter; ++it) {
+    const int n = kr.tile_end - 1 - it;
+    const int stage = it % kStages;
+    cp_async_wait<kStages - 2>();  // tile `it` (and Q) landed for this thread
+    // ... for all threads, all warps are done with tile it - 1, and the CTA learns whether tile
+    // `it` had an invalid block id.
+    const bool tile_bad = __syncthreads_or(static_cast<int>((bad_slots >> stage) & 1u)) != 0;
+    {
+      const int pf = it + kStages - 1;  // prefetch into the slot tile it - 1 used
+      if (pf < n_iter) {
+        const int ps = pf % kStages;
+        bad_slots = (bad_slots & ~(1u << ps)) | (static_cast<unsigned>(load_tile(kr.tile_end - 1 - pf, ps)) << ps);
+      }
+      cp_async_commit();
+    }
+    if (!warp_active) continue;
+    const u16* const sKs = sK + stage * kBlockN * kHeadDim + wn * kWarpKeys * kHeadDim;  // this warp's keys
+    const u16* const sVs = sV + stage * kBlockN * kHeadDim + wn * kWarpKeys * kHeadDim;
+
+    // S = Q K^T over this warp's kWarpKeys keys: [kNBlocks][4] fp32.
+    float s_acc[kNBlocks][4];
+#pragma unroll
+    for (int nb = 0; nb < kNBlocks; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s_acc[nb][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      u32 a[4];
+      if constexpr (kQInRegs) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[e] = q_frag[ks][e];
+      } else {
+        ldmatrix_x4(a, sQw + swizzle<kHeadDim>(a_row, 2 * ks + a_chunk));
+      }
+#pragma unroll
+      for (int np = 0; np < kNBlocks / 2; ++np) {
+        u32 bk[4];
+        ldmatrix_x4(bk, sKs + swizzle<kHeadDim>(16 * np + b_row, 2 * ks + b_chunk));
+        const u32 b0[2] = {bk[0], bk[1]};  // keys 16 np + 0..7
+        const u32 b1[2] = {bk[2], bk[3]};  // keys 16 np + 8..15
+        mma_16816<kIsBF16>(s_acc[2 * np], a, b0);
+        mma_16816<kIsBF16>(s_acc[2 * np + 1], a, b1);
+      }
+    }
+
+    // Mask: the length edge / causal diagonal tiles, and tiles with an out-of-range block id.
+    if (n >= n_unmasked_tiles || tile_bad) {
+      const int key0 = n * kBlockN + wn * kWarpKeys + 2 * t;
+      int limit[2];  // keys < limit[h] are visible to row g + 8h
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int tok = (row0 + wm * 16 + g + 8 * h) / group;
+        limit[h] = causal ? min(kr.kv_end, tok + diag + 1) : kr.kv_end;
+      }
+#pragma unroll
+      for (int nb = 0; nb < kNBlocks; ++nb) {
+        bool page_ok = true;
+        if (tile_bad) {  // rare: re-derive the block id of this thread's key pair
+          const int key = key0 + nb * 8;
+          const int page = key < kr.kv_end ? __ldg(bt_row + (key >> log2_block_size)) : -1;
+          page_ok = page >= 0 && page < num_blocks;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (!page_ok || key0 + nb * 8 + (e & 1) >= limit[e >> 1]) s_acc[nb][e] = neg_inf();
+      }
+    }
+
+    // Online softmax (rows g and g + 8; the quad of 4 lanes sharing a row reduces its max).
+    float blk_max[2];
+    bool grow = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = neg_inf();
+#pragma unroll
+      for (int nb = 0; nb < kNBlocks; ++nb) mx = fmaxf(mx, fmaxf(s_acc[nb][2 * h], s_acc[nb][2 * h + 1]));
+      blk_max[h] = quad_max(mx) * scale_log2;
+      grow |= blk_max[h] - row_shift[h] > kRescaleThreshold;
+    }
+    if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float shift_new = fmaxf(row_shift[h], blk_max[h]);
+        const float alpha = fast_exp2(row_shift[h] - shift_new);
+        row_shift[h] = shift_new;
+        row_sum[h] *= alpha;
+#pragma unroll
+        for (int db = 0; db < kDBlocks; ++db) {
+          o_acc[db][2 * h] *= alpha;
+          o_acc[db][2 * h + 1] *= alpha;
+        }
+      }
+    }
+    // P in 16 bits, packed straight into the A fragments of O += P V (key blocks 2kk, 2kk + 1 of S
+    // are the A fragment of k-step kk).
+    u32 p_frag[kPSteps][4];
+#pragma unroll
+    for (int nb = 0; nb < kNBlocks; ++nb) {
+      float p[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        p[e] = fast_exp2(fmaf(s_acc[nb][e], scale_log2, -row_shift[e >> 1]));
+        row_sum[e >> 1] += p[e];
+      }
+      p_frag[nb >> 1][2 * (nb & 1)] = pack2<kIsBF16>(p[0], p[1]);
+      p_frag[nb >> 1][2 * (nb & 1) + 1] = pack2<kIsBF16>(p[2], p[3]);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk) {
+#pragma unroll
+      for (int dp = 0; dp < kDBlocks / 2; ++dp) {
+        u32 bv[4];
+        ldmatrix_x4_trans(bv, sVs + swizzle<kHeadDim>(16 * kk + a_row, 2 * dp + a_chunk));
+        const u32 b0[2] = {bv[0], bv[1]};  // d-block 2 dp
+        const u32 b1[2] = {bv[2], bv[3]};  // d-block 2 dp + 1
+        mma_16816<kIsBF16>(o_acc[2 * dp], p_frag[kk], b0);
+        mma_16816<kIsBF16>(o_acc[2 * dp + 1], p_frag[kk], b1);
+      }
+    }
+  }
+  cp_async_wait<0>();  // only empty groups can remain; keep the invariant explicit
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) row_sum[h] = quad_sum(row_sum[h]);
+
+  // ---- Key-split merge: warps 1.. hand their (shift, sum, O) to warp 0 through the K ring ----------
+  if constexpr (kWarpsN > 1) {
+    // [kWarpsN - 1][kDBlocks][4][32] O values, then [kWarpsN - 1][2][2][32] (shift, sum): every
+    // warp has the same fragment layout, so lane l of warp 0 reads what lane l of warp w wrote
+    // (consecutive lanes, consecutive words: no bank conflicts).
+    float* const mO = reinterpret_cast<float*>(sK);
+    float* const mStat = mO + (kWarpsN - 1) * kDBlocks * 4 * 32;
+    __syncthreads();  // every warp is done with the K ring
+    if (wn > 0) {
+      float* const o_w = mO + (wn - 1) * kDBlocks * 4 * 32;
+#pragma unroll
+      for (int db = 0; db < kDBlocks; ++db)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o_w[(db * 4 + e) * 32 + lane] = o_acc[db][e];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mStat[((wn - 1) * 4 + 2 * h) * 32 + lane] = row_shift[h];
+        mStat[((wn - 1) * 4 + 2 * h + 1) * 32 + lane] = row_sum[h];
+      }
+    }
+    __syncthreads();
+    if (wn > 0) return;
+    // Rows that saw no key in a warp have shift kNoKeyShift and O = 0, sum = 0: their weight
+    // 2^(kNoKeyShift - shift) is 0 once any warp saw a key, and 1 (times zeros) otherwise.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float shift = row_shift[h];
+#pragma unroll
+      for (int w = 1; w < kWarpsN; ++w) shift = fmaxf(shift, mStat[((w - 1) * 4 + 2 * h) * 32 + lane]);
+      const float alpha0 = fast_exp2(row_shift[h] - shift);
+      row_sum[h] *= alpha0;
+#pragma unroll
+      for (int db = 0; db < kDBlocks; ++db) {
+        o_acc[db][2 * h] *= alpha0;
+        o_acc[db][2 * h + 1] *= alpha0;
+      }
+#pragma unroll
+      for (int w = 1; w < kWarpsN; ++w) {
+        const float alpha = fast_exp2(mStat[((w - 1) * 4 + 2 * h) * 32 + lane] - shift);
+        row_sum[h] += alpha * mStat[((w - 1) * 4 + 2 * h + 1) * 32 + lane];
+        const float* const o_w = mO + (w - 1) * kDBlocks * 4 * 32;
+#pragma unroll
+        for (int db = 0; db < kDBlocks; ++db) {
+          o_acc[db][2 * h] += alpha * o_w[(db * 4 + 2 * h) * 32 + lane];
+          o_acc[db][2 * h + 1] += alpha * o_w[(db * 4 + 2 * h + 1) * 32 + lane];
+        }
+      }
+      row_shift[h] = shift;
+    }
+  }
+  if (!warp_active) return;
+
+  // ---- Epilogue: rows g, g + 8 of this warp -> (token, head); O / l and lse ------------------------
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int grow = row0 + wm * 16 + g + 8 * h;
+    const int tok = q_start + grow / group;
+    if (grow >= rows || tok < 0 || tok >= num_tokens) continue;
+    const int head = kv_head * group + grow % group;
+    const float l = row_sum[h];
+    const float inv = l > 0.f ? 1.f / l : 0.f;  // l == 0 <=> the row saw no key: O = 0
+    const float row_lse = l > 0.f ? (row_shift[h] + log2f(l)) * kLn2 : neg_inf();
+    const int64_t row_id = static_cast<int64_t>(tok) * heads + head;  // row of [Tq * H]
+    if (num_splits == 1) {
+      u16* const o_row = out + row_id * kHeadDim;
+#pragma unroll
+      for (int db = 0; db < kDBlocks; ++db)
+        *reinterpret_cast<u32*>(o_row + db * 8 + 2 * t) =
+            pack2<kIsBF16>(o_acc[db][2 * h] * inv, o_acc[db][2 * h + 1] * inv);
+      if (lse != nullptr && t == 0) lse[static_cast<int64_t>(head) * num_tokens + tok] = row_lse;
+    } else {
+      const int64_t part_row = static_cast<int64_t>(split) * num_tokens * heads + row_id;
+      float* const o_row = o_part + part_row * kHeadDim;
+#pragma unroll
+      for (int db = 0; db < kDBlocks; ++db)
+        *reinterpret_cast<float2*>(o_row + db * 8 + 2 * t) =
+            make_float2(o_acc[db][2 * h] * inv, o_acc[db][2 * h + 1] * inv);
+      if (t == 0) lse_part[part_row] = row_lse;
+    }
+  }
+}
+
+// Split-KV combine: one warp per (token, head) row of [Tq, H]; lane l owns dims
+// [l * kPerLane, (l + 1) * kPerLane). Rows of tokens at or past cu_seqlens_q[batch] (no sequence
+// wrote their partials) are left unwritten, as the num_splits == 1 path leaves them.
+//   L = log sum_s exp(lse_s),  O = sum_s exp(lse_s - L) O_s   (lse_s = -inf: split s saw no key)
+template <int kHeadDim, bool kIsBF16>
+__global__ void __launch_bounds__(128)
+    attention_paged_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
+                            u16* __restrict__ out, float* __restrict__ lse, const int* __restrict__ cu_seqlens_q,
+                            int batch, int num_tokens, int heads, int num_splits) {
+  using namespace paged;
+  constexpr int kPerLane = kHeadDim / 32;
+  static_assert(kPerLane % 2 == 0, "pairs of dims per lane");
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
+  const int64_t rows = static_cast<int64_t>(num_tokens) * heads;
+  if (row >= rows) return;
+  const int tok = static_cast<int>(row / heads), head = static_cast<int>(row - static_cast<int64_t>(tok) * heads);
+  if (tok >= cu_seqlens_q[batch]) return;
+
+  // Max and sum of exp over the splits, lanes striding over s.
+  float mx = neg_inf();
+  for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, lse_part[s * rows + row]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float total = 0.f;
+  if (mx != neg_inf()) {
+    for (int s = lane; s < num_splits; s += 32) total += fast_exp2((lse_part[s * rows + row] - mx) * kLog2e);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+  }
+  const float row_lse = total > 0.f ? mx + __logf(total) : neg_inf();
+
+  float acc[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) acc[i] = 0.f;
+  if (total > 0.f) {
+    for (int s = 0; s < num_splits; ++s) {
+      const float l = lse_part[s * rows + row];  // warp-uniform (broadcast load)
+      if (l == neg_inf()) continue;              // an empty split never wrote its O
+      const float w = fast_exp2((l - row_lse) * kLog2e);
+      const float* const src = o_part + (s * rows + row) * kHeadDim + lane * kPerLane;
+#pragma unroll
+      for (int i = 0; i < kPerLane; i += 2) {
+        const float2 x = *reinterpret_cast<const float2*>(src + i);
+        acc[i] += w * x.x;
+        acc[i + 1] += w * x.y;
+      }
+    }
+  }
+  u16* const dst = out + row * kHeadDim + lane * kPerLane;
+#pragma unroll
+  for (int i = 0; i < kPerLane; i += 2) *reinterpret_cast<u32*>(dst + i) = pack2<kIsBF16>(acc[i], acc[i + 1]);
+  if (lse != nullptr && lane == 0) lse[static_cast<int64_t>(head) * num_tokens + tok] = row_lse;
+}
+
+}  // namespace tileattn

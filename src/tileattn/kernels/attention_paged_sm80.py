@@ -1,0 +1,214 @@
+"""Paged attention on the sm_80 tensor-core path (csrc/attention_paged_sm80.cu): configs, split-KV
+choice and launch plans.
+
+Kernel conventions: q [Tq, H, d] (any strides, last dim contiguous, 16-byte aligned rows);
+k_cache/v_cache [num_blocks, block_size, Hkv, d] likewise; block_table int32 [B, max_blocks] with
+stride(1) == 1; cu_seqlens_q int32 [B+1] and seqlens_k int32 [B] contiguous; out [Tq, H, d] and
+lse [H, Tq] fp32 contiguous, allocated here with torch.empty. block_size is a power of two in
+16..256. grid = (M tiles, Hkv * num_splits, B), M tiles = ceil(max_seqlen_q * G / BLOCK_M) with
+G = H / Hkv: nothing in the grid depends on the device-side lengths, so a CUDA graph captured
+once replays for every step.
+
+Three warp layouts per head dim, picked by the rows one (sequence, KV head) problem can have,
+max_seqlen_q * G: up to 16 (decode, GQA decode, short speculative runs) one m16 tile whose keys
+are split over 4 warps; up to 64 a 64-row tile of 4 warps; more (chunked prefill) 128 rows of
+8 warps, FlashAttention-2 style.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import Family
+
+FAMILY_NAME = "attention_paged_sm80"
+SOURCE = "attention_paged_sm80.cu"
+HEAD_DIMS = (64, 128, 256)
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 128
+COMBINE_ROWS_PER_BLOCK = 4  # one warp per (token, head) row, 128 threads
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    """BLOCK_M rows (16 per warp-row group) x BLOCK_N keys per tile, warps over rows x keys, stages."""
+
+    block_m: int
+    warps_m: int
+    warps_n: int
+    block_n: int
+    stages: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Dynamic shared memory: the Q tile and `stages` K and V tiles, 16-bit elements."""
+        return 2 * head_dim * (self.block_m + 2 * self.stages * self.block_n)
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}/w{self.warps_m}x{self.warps_n}/s{self.stages}"
+
+
+C = PagedConfig
+# (head dim) -> (decode, small, prefill) configs. Decode: 16 rows, 4 warps each multiplying 16 keys
+# of a 64-key tile; K+V bytes in flight per CTA = (stages - 1) * 64 keys * d * 4 B = 64 KB at
+# d=128 with 3 stages, and 100 KB of smem lets 2 CTAs share an SM (128 KB in flight per SM; an
+# H200 needs ~30 KB per SM to cover ~1 us of latency at 4.8 TB/s). d=256: 2 stages (136 KB, one
+# CTA per SM, 64 KB in flight). Prefill: 128 rows x 64 keys over 8 warps (16 rows each, Q in
+# registers at d <= 128), 96 KB at d=128, as the dense forward's 128x64 tile.
+CONFIGS: dict[int, tuple[PagedConfig, PagedConfig, PagedConfig]] = {
+    64: (C(16, 1, 4, 64, 4), C(64, 4, 1, 64, 3), C(128, 8, 1, 64, 2)),
+    128: (C(16, 1, 4, 64, 3), C(64, 4, 1, 64, 2), C(128, 8, 1, 64, 2)),
+    256: (C(16, 1, 4, 64, 2), C(64, 4, 1, 32, 2), C(128, 8, 1, 32, 2)),
+}
+
+
+def expression(head_dim: int, config: PagedConfig, bf16: bool) -> str:
+    c = config
+    return (
+        f"tileattn::attention_paged_sm80<{head_dim}, {c.block_m}, {c.warps_m}, {c.warps_n}, {c.block_n}, "
+        f"{c.stages}, {'true' if bf16 else 'false'}>"
+    )
+
+
+def combine_expression(head_dim: int, bf16: bool) -> str:
+    return f"tileattn::attention_paged_combine<{head_dim}, {'true' if bf16 else 'false'}>"
+
+
+INSTANTIATIONS = tuple(
+    expr
+    for d in HEAD_DIMS
+    for bf16 in (False, True)
+    for expr in (*(expression(d, c, bf16) for c in CONFIGS[d]), combine_expression(d, bf16))
+)
+FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a", "sm_80")),)
+
+
+def pick_config(head_dim: int, rows: int) -> PagedConfig:
+    """The warp layout for problems of up to `rows` = max_seqlen_q * (H / Hkv) rows."""
+    decode, small, prefill = CONFIGS[head_dim]
+    return decode if rows <= decode.block_m else small if rows <= small.block_m else prefill
+
+
+def choose_num_splits(ctas: int, sm_count: int, ctas_per_sm: int, capacity: int, block_n: int) -> int:
+    """Split-KV count from the launch shape only (never from the device-side lengths).
+
+    `ctas` = B * Hkv * M tiles without splitting; `capacity` = max_blocks * block_size keys. No
+    split when the CTAs already fill 80% of the GPU's slots (sm_count * ctas_per_sm). Otherwise the
+    smallest split count whose wave efficiency (CTAs / (waves * slots)) is within 85% of the best
+    (FlashAttention-3's rule), with at least two key tiles per split at full capacity, and at most
+    MAX_SPLITS (the fp32 partials grow with it).
+    """
+    slots = sm_count * ctas_per_sm
+    if ctas >= 0.8 * slots:
+        return 1
+    most = max(1, min(MAX_SPLITS, capacity // (2 * block_n)))
+
+    def efficiency(s: int) -> float:
+        n = ctas * s
+        return n / (math.ceil(n / slots) * slots)
+
+    best = max(efficiency(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if efficiency(s) >= 0.85 * best)
+
+
+def _load(device_index: int, expr: str, smem: int):
+    from . import load
+
+    kern = load(FAMILY_NAME, expr, device_index)
+    if smem:
+        kern.reserve_dynamic_smem(smem)  # > 48 KB needs the opt-in attribute, once
+    return kern
+
+
+class PagedLaunch:
+    """The launch decisions for one (device, dtype, shapes, strides, flags) combination: config,
+    split count, grids, and the packed arguments of both kernels (LaunchPlans whose data pointers
+    are rewritten per call). Calling it allocates out/lse/workspaces and launches."""
+
+    def __init__(self, q, k_cache, v_cache, block_table, *, max_seqlen_q: int, causal: bool, scale: float,
+                 return_lse: bool, num_splits: int | None):
+        from ..runtime import LaunchPlan, device_sm_count, device_smem_optin
+
+        num_tokens, heads, head_dim = q.shape
+        num_blocks, block_size, kv_heads, _ = k_cache.shape
+        batch, max_blocks = block_table.shape
+        group = heads // kv_heads
+        device = q.device.index
+        bf16 = q.dtype == torch.bfloat16
+        config = pick_config(head_dim, max_seqlen_q * group)
+        m_tiles = -(-max_seqlen_q * group // config.block_m)
+        smem = config.smem_bytes(head_dim)
+        if num_splits is None:
+            per_sm = max(1, min(device_smem_optin(device) // (smem + 1024), 4))
+            num_splits = choose_num_splits(batch * kv_heads * m_tiles, device_sm_count(device), per_sm,
+                                           max_blocks * block_size, config.block_n)
+        self.num_splits = num_splits = max(1, min(num_splits, 65535 // kv_heads))
+        self.config = config
+        self.out_shape = (num_tokens, heads, head_dim)
+        self.lse_shape = (heads, num_tokens) if return_lse else None
+        self.part_shapes = ((num_splits, num_tokens, heads, head_dim), (num_splits, num_tokens, heads))
+        self.device = q.device
+        i64, i32 = np.int64, np.int32
+        args = (
+            0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  # q, k_cache, v_cache, block_table, cu_q, seqlens_k, out, lse, parts
+            i64(q.stride(0)), i64(q.stride(1)),
+            i64(k_cache.stride(0)), i64(k_cache.stride(1)), i64(k_cache.stride(2)),
+            i64(v_cache.stride(0)), i64(v_cache.stride(1)), i64(v_cache.stride(2)),
+            i32(block_table.stride(0)), i32(num_blocks), i32(max_blocks), i32(block_size.bit_length() - 1),
+            i32(num_tokens), i32(heads), i32(group), i32(num_splits), i32(bool(causal)), np.float32(scale * LOG2E),
+        )  # fmt: skip
+        kern = _load(device, expression(head_dim, config, bf16), smem)
+        grid = (m_tiles, kv_heads * num_splits, batch)
+        self._main = LaunchPlan(kern, grid, (config.threads, 1, 1), args, smem, dynamic=range(10))
+        self._combine = None
+        if num_splits > 1:
+            rows = num_tokens * heads
+            comb = _load(device, combine_expression(head_dim, bf16), 0)
+            comb_args = (0, 0, 0, 0, 0, i32(batch), i32(num_tokens), i32(heads), i32(num_splits))
+            comb_grid = (-(-rows // COMBINE_ROWS_PER_BLOCK), 1, 1)
+            self._combine = LaunchPlan(comb, comb_grid, (32 * COMBINE_ROWS_PER_BLOCK, 1, 1), comb_args,
+                                       dynamic=range(5))
+
+    def __call__(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k):
+        """(out [Tq, H, d], lse [H, Tq] fp32 or None), launched on the current stream."""
+        device = self.device
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device) if self.lse_shape else None
+        lse_ptr = lse.data_ptr() if lse is not None else 0
+        ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
+                cu_seqlens_q.data_ptr(), seqlens_k.data_ptr())
+        if self._combine is None:
+            self._main.launch(*ptrs, out.data_ptr(), lse_ptr, 0, 0)
+        else:
+            o_part = torch.empty(self.part_shapes[0], dtype=torch.float32, device=device)
+            lse_part = torch.empty(self.part_shapes[1], dtype=torch.float32, device=device)
+            self._main.launch(*ptrs, 0, 0, o_part.data_ptr(), lse_part.data_ptr())
+            self._combine.launch(o_part.data_ptr(), lse_part.data_ptr(), out.data_ptr(), lse_ptr, ptrs[4])
+        return out, lse
+
+
+def bytes_read(kv_heads: int, seqlens_k, head_dim: int, element_size: int = 2) -> int:
+    """K+V bytes a paged call must read: every cached key and value once per KV head."""
+    return 2 * kv_heads * int(sum(seqlens_k)) * head_dim * element_size
+
+
+__all__ = [
+    "CONFIGS",
+    "FAMILIES",
+    "HEAD_DIMS",
+    "INSTANTIATIONS",
+    "PagedConfig",
+    "PagedLaunch",
+    "bytes_read",
+    "choose_num_splits",
+    "combine_expression",
+    "expression",
+    "pick_config",
+]
