@@ -9,9 +9,10 @@ here, for every registered config:
   element where a TMA store with the 128-byte swizzle reads it for its (row, column);
 * block_range: the K/V blocks a query tile visits cover every key its rows see, the blocks after
   the first n_masked need no mask, and skipped blocks hold no visible key;
-* the mbarrier protocol (full/empty rings, phase parities, two consumers): simulated under random
-  interleavings, it never deadlocks, a consumer always reads the block it expects, and the producer
-  never overwrites a slot still in use;
+* the mbarrier protocol (full/empty rings, phase parities, two consumers, the ping-pong turns on
+  named barriers): simulated under random interleavings, it never deadlocks, a consumer always
+  reads the block it expects, the producer never overwrites a slot still in use, and no named
+  barrier is left half-arrived;
 * the online softmax as the kernel runs it (blocks last to first, -2^100 start, exp2 with the folded
   scale, P rounded to 16 bit, l = 0 -> O = 0, lse = -inf) matches the float64 reference.
 
@@ -177,10 +178,29 @@ class MBarrier:
         return (self.phase & 1) != parity
 
 
-def simulate(n_end: int, stages: int, seed: int):
+class NamedBarrier:
+    """bar.sync / bar.arrive between the two consumer warpgroups (each counts as one party)."""
+
+    def __init__(self):
+        self.arrived, self.generation = 0, 0
+
+    def arrive(self):
+        self.arrived += 1
+        if self.arrived == 2:
+            self.arrived, self.generation = 0, self.generation + 1
+
+    def sync(self):
+        generation = self.generation
+        self.arrive()
+        while self.generation == generation:
+            yield
+
+
+def simulate(n_end: int, stages: int, pingpong: bool, seed: int):
     """Run the producer and two consumers of one CTA as coroutines (the kernel's sequence of waits,
-    arrivals and copies) under a random schedule; TMA copies land at random later times."""
+    arrivals, turns and copies) under a random schedule; TMA copies land at random later times."""
     rng = random.Random(seed)
+    turn = [NamedBarrier(), NamedBarrier()]  # kTurnBarrier + c: "consumer c may issue"
     k_full = [MBarrier(1) for _ in range(stages)]
     v_full = [MBarrier(1) for _ in range(stages)]
     k_empty = [MBarrier(2) for _ in range(stages)]
@@ -217,18 +237,36 @@ def simulate(n_end: int, stages: int, seed: int):
             readers[s].discard(c)
             empty[s].arrive()
 
+        def take_turn():
+            if pingpong:
+                yield from turn[c].sync()
+
+        def pass_turn(last_event):
+            if pingpong and not (c == 1 and last_event):
+                turn[1 - c].arrive()
+
         if n_end == 0:
             return
+        if c == 1:
+            pass_turn(False)
         yield from use(k_full, k_slot, k_readers, 0)
+        yield from take_turn()
+        pass_turn(False)
+        yield
         release(k_empty, k_readers, 0)
         for it in range(1, n_end):
             yield from use(k_full, k_slot, k_readers, it)
+            yield from take_turn()
             yield from use(v_full, v_slot, v_readers, it - 1)
+            pass_turn(False)
             yield
             release(k_empty, k_readers, it)
             yield
             release(v_empty, v_readers, it - 1)
         yield from use(v_full, v_slot, v_readers, n_end - 1)
+        yield from take_turn()
+        pass_turn(True)
+        yield
         release(v_empty, v_readers, n_end - 1)
 
     actors = [producer(), consumer(0), consumer(1)]
@@ -246,13 +284,15 @@ def simulate(n_end: int, stages: int, seed: int):
             next(actor)
         except StopIteration:
             actors.remove(actor)
+    assert all(b.arrived == 0 for b in turn), "a ping-pong barrier was left half-arrived"
 
 
+@pytest.mark.parametrize("pingpong", [False, True], ids=["free", "pingpong"])
 @pytest.mark.parametrize("stages", sorted({cfg.stages for _, cfg in CONFIGS}))
-def test_pipeline_protocol(stages):
+def test_pipeline_protocol(stages, pingpong):
     for n_end in (0, 1, 2, 3, stages, stages + 1, 2 * stages + 1, 9):
         for seed in range(20):
-            simulate(n_end, stages, seed)
+            simulate(n_end, stages, pingpong, seed)
 
 
 # ---- numerics of the online softmax as the kernel orders it -----------------------------------------

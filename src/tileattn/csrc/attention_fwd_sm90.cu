@@ -52,8 +52,17 @@
 // the S registers are passed through fence_accumulators after wgmma_wait<0>, so the packing
 // instructions depend on the wait and cannot be hoisted above it. The same fences pin every
 // accumulator read behind the wgmma_wait that makes it valid.
-// The two consumer warpgroups are not forced to alternate (no ping-pong barrier): the warp
-// scheduler interleaves them, and each hides its own softmax behind its P V product.
+//
+// ---- Ping-pong between the two consumers (kPingPong) --------------------------------------------
+// Without it the warp schedulers interleave the consumers freely, and each hides its own softmax
+// behind its P V product. With it (FA3's warp-group scheduling) the consumers take turns issuing
+// their GEMMs through two named barriers, so that one warpgroup's softmax runs while the other's
+// wgmmas own the tensor cores: consumer c waits on barrier kTurnBarrier + c (256 threads: its own
+// 128 sync, the other consumer's 128 arrive) before issuing, and arrives on the other's barrier
+// right after. Each consumer has the same n_end + 1 issue events (first S, n_end - 1 steps, the
+// last P V); consumer 1 opens with one arrival so that consumer 0 goes first, and skips the arrival
+// of its last event, so every sync has exactly one matching arrival and no barrier is left
+// half-arrived when the CTA exits. The tuning benchmark times both (docs/attention_fwd_sm90.md).
 //
 // ---- Per-thread registers of a consumer ----------------------------------------------------------
 //   O accumulator  d / 2 fp32 (m64 x d over 128 threads)     d=128: 64, d=256: 128
@@ -91,6 +100,7 @@ constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kProducerRegs = 40;     // 40 + 2 x 232 = 504 per thread-slot x 128 <= 64 K registers
 constexpr int kConsumerRegs = 232;
 constexpr int kPanel = 64;            // elements per 128-byte swizzle row
+constexpr int kTurnBarrier = 3;       // named barriers 3, 4: ping-pong turns (1, 2: epilogue)
 constexpr float kLn2 = 0.693147180559945309417f;
 constexpr float kNoKeyShift = -1.2676506002282294e30f;  // -2^100: "no key seen yet" (see above)
 
@@ -191,7 +201,7 @@ struct Flag {
 // tmap_k, tmap_v: k / v [B, Hkv, Nk, d], box (64, kBlockN, 1, 1). tmap_o: out [B, H, Nq, d], box
 // (64, 64, 1, 1). lse: [B, H, Nq] fp32 contiguous, natural log. kv head = head / kv_group.
 // grid (ceil(Nq / 128), H, B); 384 threads; dynamic shared memory 2 d (128 + 2 kStages kBlockN) + 1024.
-template <int kHeadDim, int kBlockN, int kStages, bool kCausal, bool kIsBF16>
+template <int kHeadDim, int kBlockN, int kStages, bool kPingPong, bool kCausal, bool kIsBF16>
 __global__ void __launch_bounds__(fwd90::kThreads, 1)
     attention_fwd_sm90(const __grid_constant__ sm90::TmaDescriptor tmap_q,
                        const __grid_constant__ sm90::TmaDescriptor tmap_k,
@@ -309,12 +319,26 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       s9::wgmma_commit();
     };
 
+    // Ping-pong turns (see the header): wait for this consumer's turn before an issue event, pass
+    // the turn on after it; consumer 1 keeps the turn after its last event (nobody waits for it).
+    auto take_turn = [&]() {
+      if constexpr (kPingPong) s9::named_barrier_sync<256>(kTurnBarrier + c);
+    };
+    auto pass_turn = [&](bool last_event) {
+      if constexpr (kPingPong) {
+        if (!(c == 1 && last_event)) s9::named_barrier_arrive<256>(kTurnBarrier + 1 - c);
+      }
+    };
+
     s9::mbar_wait(&q_full, 0);
     if (range.n_end > 0) {
+      if (c == 1) pass_turn(false);  // consumer 0 issues first
       // ---- first block (n_end - 1): S, softmax; no P V yet
       s9::mbar_wait(&k_full[0], 0);
+      take_turn();
       s9::wgmma_fence();
       issue_s(0);
+      pass_turn(false);
       s9::wgmma_wait<0>();
       s9::fence_accumulators(s);
       if (releaser) s9::mbar_arrive(&k_empty[0]);
@@ -327,10 +351,12 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         const int sk = it % kStages, sv = (it - 1) % kStages;
         s9::mbar_wait(&k_full[sk], (it / kStages) & 1);
         s9::fence_accumulators(o);
+        take_turn();
         s9::wgmma_fence();  // O (rescaled) and P (packed) were written by ordinary instructions
         issue_s(sk);
         s9::mbar_wait(&v_full[sv], ((it - 1) / kStages) & 1);
         issue_pv(sv);
+        pass_turn(false);
         s9::wgmma_wait<1>();  // S_j retired (groups retire in order); P V still running
         s9::fence_accumulators(s);
         if (releaser) s9::mbar_arrive(&k_empty[sk]);
@@ -352,8 +378,10 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       const int sv = (range.n_end - 1) % kStages;
       s9::mbar_wait(&v_full[sv], ((range.n_end - 1) / kStages) & 1);
       s9::fence_accumulators(o);
+      take_turn();
       s9::wgmma_fence();
       issue_pv(sv);
+      pass_turn(true);
       s9::wgmma_wait<0>();
       s9::fence_accumulators(o);
       if (releaser) s9::mbar_arrive(&v_empty[sv]);

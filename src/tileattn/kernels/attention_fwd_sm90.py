@@ -35,17 +35,19 @@ SMEM_LIMIT = 232448     # bytes per block on an H100/H200 (227 KB opt-in)
 
 @dataclass(frozen=True, order=True)
 class Sm90Config:
-    """block_n keys per K/V block (the wgmma N of S = Q K^T: 64, 128 or 256) and ring stages."""
+    """block_n keys per K/V block (the wgmma N of S = Q K^T: 64, 128 or 256), ring stages, and
+    whether the two consumer warpgroups take turns issuing their GEMMs (ping-pong)."""
 
     block_n: int
     stages: int
+    pingpong: bool = False
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory: Q tile + `stages` K and V blocks + 1 KB to align to 1024 B."""
         return 2 * head_dim * (BLOCK_M + 2 * self.stages * self.block_n) + 1024
 
     def __str__(self) -> str:
-        return f"128x{self.block_n}/s{self.stages}"
+        return f"128x{self.block_n}/s{self.stages}" + ("/pp" if self.pingpong else "")
 
 
 C = Sm90Config
@@ -64,18 +66,24 @@ DEFAULTS: dict[tuple[int, bool], Sm90Config] = {
     (256, False): C(64, 2),
     (256, True): C(64, 2),
 }
-# Extra candidates for the tuning benchmark (bf16 only): deeper rings and smaller key blocks.
+# Extra candidates for the tuning benchmark (bf16 only): the defaults with ping-pong, deeper rings
+# and smaller key blocks.
 EXTRA_BF16: dict[tuple[int, bool], tuple[Sm90Config, ...]] = {
     (d, causal): extra
-    for d, extra in ((64, (C(128, 4), C(64, 4))), (128, (C(64, 4), C(64, 2))), (256, ()))
+    for d, extra in (
+        (64, (C(128, 3, True), C(128, 4), C(64, 4))),
+        (128, (C(128, 2, True), C(64, 4), C(64, 4, True))),
+        (256, (C(64, 2, True),)),
+    )
     for causal in (False, True)
 }
 
 
 def expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool) -> str:
     """The NVRTC name expression of one instantiation (must match the registry string exactly)."""
-    return (f"tileattn::attention_fwd_sm90<{head_dim}, {config.block_n}, {config.stages}, "
-            f"{'true' if causal else 'false'}, {'true' if bf16 else 'false'}>")
+    flag = {True: "true", False: "false"}
+    return (f"tileattn::attention_fwd_sm90<{head_dim}, {config.block_n}, {config.stages}, {flag[config.pingpong]}, "
+            f"{flag[causal]}, {flag[bf16]}>")
 
 
 def configs_for(head_dim: int, causal: bool, bf16: bool) -> tuple[Sm90Config, ...]:

@@ -178,6 +178,14 @@ __device__ __forceinline__ void named_barrier_sync(int id) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
 }
 
+// Arrive on barrier `id` without waiting: the producer side of a named-barrier handshake (the
+// waiting side calls named_barrier_sync with the same total count).
+template <int kThreads>
+__device__ __forceinline__ void named_barrier_arrive(int id) {
+  static_assert(kThreads % 32 == 0, "named barriers count whole warps");
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+}
+
 // ---- stmatrix: four 8x8 b16 matrices from the mma fragment layout into shared memory ----------
 // The inverse of ldmatrix.x4: register i holds (row g, columns 2t, 2t+1) of matrix i (g = lane / 4,
 // t = lane % 4), i.e. exactly one m16n8 accumulator half packed to 16 bits; lane l gives the
