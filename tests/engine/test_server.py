@@ -451,3 +451,39 @@ def test_64_concurrent_streams_match_alone_then_clean_shutdown(engine):
         print(f"64 concurrent streams in {elapsed:.2f} s, {len(steps)} engine steps; engine stats after: {stats}")
         engine_loop = s.state.engine_loop
     assert not engine_loop._thread.is_alive(), "engine thread still running after shutdown"
+
+
+def test_bench_serve_against_the_server(server, checkpoint, tmp_path):
+    from tileattn.engine.bench_serve import bench_serve_main
+
+    out = tmp_path / "bench.json"
+    common = ["--base-url", server.url, "--num-prompts", "12", "--random-input-len", "24", "--random-output-len",
+              "6", "--tokenizer", checkpoint, "--ignore-eos", "--result-json", str(out)]
+    assert bench_serve_main([*common, "--request-rate", "50", "inf", "--max-concurrency", "6"]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["request_rate"] for r in runs] == [50.0, "inf"]
+    for r in runs:
+        assert (r["completed"], r["failed"], r["total_output_tokens"], r["total_input_tokens"]) == (12, 0, 72, 288), r
+        assert r["output_tokens_from_usage"], r
+        assert 0 < r["ttft_ms"]["median"] <= r["e2el_ms"]["median"] and r["tpot_ms"]["mean"] > 0, r
+        assert r["output_throughput"] == pytest.approx(72 / r["duration_s"])
+
+    assert bench_serve_main([*common, "--endpoint", "/v1/chat/completions", "--prompt-format", "text"]) == 0
+    (chat,) = json.loads(out.read_text())["runs"]
+    assert (chat["completed"], chat["total_output_tokens"]) == (12, 72), chat
+    assert chat["total_input_tokens"] > 12 * 20, "usage prompt_tokens (template included) not used"
+    # A server that is not there: a clear failure, not a hang.
+    assert bench_serve_main(["--base-url", "http://127.0.0.1:9", "--vocab-size", "100", "--num-prompts", "1",
+                             "--timeout", "5"]) == 2
+
+
+def test_bench_percentiles_match_numpy():
+    import numpy as np
+
+    from tileattn.engine.bench_serve import _percentiles
+
+    values = [random_value / 7 for random_value in (5, 1, 9, 3, 3, 8, 13, 2, 21, 4, 6)]
+    got = _percentiles(values, scale=1.0)
+    for key, p in (("median", 50), ("p90", 90), ("p99", 99)):
+        assert got[key] == pytest.approx(np.percentile(values, p)), key
+    assert got["mean"] == pytest.approx(np.mean(values)) and got["std"] == pytest.approx(np.std(values))
