@@ -282,6 +282,20 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
         mismatched token counts, non-integer slot_mapping, k_cache and v_cache of different
         dtypes or block shapes, tensors on different devices.
     """
+    check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    num_blocks, block_size = k_cache.shape[:2]
+    slots = slot_mapping.to(torch.int64)  # [T]
+    keep = (slots >= 0) & (slots < num_blocks * block_size)  # [T]
+    slots = slots[keep]
+    k_cache[slots // block_size, slots % block_size] = k[keep].to(k_cache.dtype)
+    v_cache[slots // block_size, slots % block_size] = v[keep].to(v_cache.dtype)
+
+
+def check_write_kv_args(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Shape/dtype/device checks shared by the reference and the CUDA ``write_kv_cache``.
+
+    Raises ValueError naming the argument; see ``write_kv_cache`` for the expected shapes.
+    """
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         _require_tensor(name, t, 4 if name.endswith("cache") else 3)
     _require_tensor("slot_mapping", slot_mapping, 1)
@@ -308,12 +322,6 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
         raise ValueError(
             f"k, v, k_cache, v_cache, slot_mapping must be on one device, got {devices}"
         )
-    num_blocks, block_size = k_cache.shape[:2]
-    slots = slot_mapping.to(torch.int64)  # [T]
-    keep = (slots >= 0) & (slots < num_blocks * block_size)  # [T]
-    slots = slots[keep]
-    k_cache[slots // block_size, slots % block_size] = k[keep].to(k_cache.dtype)
-    v_cache[slots // block_size, slots % block_size] = v[keep].to(v_cache.dtype)
 
 
 def check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, compute_dtype=None):

@@ -37,8 +37,8 @@ def _plan(k, v, k_cache, v_cache, slot_mapping):
     )
     plan = _plans.get(key)
     if plan is None:
-        from . import load
         from ..runtime import LaunchPlan
+        from . import load
 
         num_tokens, kv_heads, head_dim = k.shape
         num_blocks, block_size = k_cache.shape[:2]

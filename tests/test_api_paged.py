@@ -1,0 +1,197 @@
+"""CPU tests for tileattn.api_paged: argument checks (ValueError naming the argument, before any
+launch), and the launch decisions that need no GPU (warp layout, split-KV count, registry)."""
+
+import pytest
+import torch
+
+from tileattn import api_paged
+from tileattn.kernels import attention_paged_sm80 as paged
+from tileattn.kernels import family, kv_cache
+
+pytestmark = pytest.mark.filterwarnings("error")
+
+
+def paged_args(**change):
+    """Valid metadata for attention_paged (CPU tensors: they pass every check but the device one)."""
+    args = {
+        "q": torch.zeros(5, 8, 128, dtype=torch.bfloat16),
+        "k_cache": torch.zeros(6, 16, 2, 128, dtype=torch.bfloat16),
+        "v_cache": torch.zeros(6, 16, 2, 128, dtype=torch.bfloat16),
+        "block_table": torch.zeros(2, 3, dtype=torch.int32),
+        "cu_seqlens_q": torch.tensor([0, 1, 5], dtype=torch.int32),
+        "seqlens_k": torch.tensor([7, 20], dtype=torch.int32),
+        "max_seqlen_q": 4,
+        "max_seqlen_k": 20,
+    }
+    args.update(change)
+    return args
+
+
+BAD_PAGED = [
+    ({"q": torch.zeros(5, 8, 128)}, "must share one dtype"),
+    (
+        {
+            "q": torch.zeros(5, 8, 128),
+            "k_cache": torch.zeros(6, 16, 2, 128),
+            "v_cache": torch.zeros(6, 16, 2, 128),
+        },
+        "q has dtype torch.float32; attention_paged supports",
+    ),
+    ({"q": torch.zeros(5, 8, 128, 1, dtype=torch.bfloat16)}, "q must be rank-3"),
+    ({"q": [1, 2]}, "q must be a torch.Tensor"),
+    ({"block_table": torch.zeros(2, 3, dtype=torch.int64)}, "block_table must be int32"),
+    ({"cu_seqlens_q": torch.tensor([0, 1, 5])}, "cu_seqlens_q must be int32"),
+    ({"seqlens_k": torch.tensor([7.0, 20.0])}, "seqlens_k must be an integer tensor"),
+    ({"seqlens_k": torch.tensor([7], dtype=torch.int32)}, "seqlens_k must have B = 2"),
+    ({"cu_seqlens_q": torch.tensor([0, 5], dtype=torch.int32)}, "cu_seqlens_q must have B\\+1 = 3"),
+    ({"q": torch.zeros(5, 8, 96, dtype=torch.bfloat16)}, "q and k_cache head dims must match"),
+    ({"q": torch.zeros(5, 7, 128, dtype=torch.bfloat16)}, r"kv heads \(2\) must divide q heads \(7\)"),
+    (
+        {
+            "q": torch.zeros(5, 8, 32, dtype=torch.bfloat16),
+            "k_cache": torch.zeros(6, 16, 2, 32, dtype=torch.bfloat16),
+            "v_cache": torch.zeros(6, 16, 2, 32, dtype=torch.bfloat16),
+        },
+        r"head dim d=32 is not supported by attention_paged",
+    ),
+    (
+        {
+            "k_cache": torch.zeros(6, 24, 2, 128, dtype=torch.bfloat16),
+            "v_cache": torch.zeros(6, 24, 2, 128, dtype=torch.bfloat16),
+        },
+        "block_size .* power of two in 16..256, got 24",
+    ),
+    (
+        {
+            "k_cache": torch.zeros(6, 8, 2, 128, dtype=torch.bfloat16),
+            "v_cache": torch.zeros(6, 8, 2, 128, dtype=torch.bfloat16),
+        },
+        "power of two in 16..256, got 8",
+    ),
+    ({"v_cache": torch.zeros(6, 16, 2, 64, dtype=torch.bfloat16)}, "v_cache .* must have k_cache's shape"),
+    ({"max_seqlen_q": -1}, "max_seqlen_q must be a non-negative int"),
+    ({"max_seqlen_k": 2.0}, "max_seqlen_k must be a non-negative int"),
+    ({"scale": 0.0}, "scale must be a finite number > 0"),
+    ({"scale": float("nan")}, "scale must be a finite number > 0"),
+    ({"num_splits": 0}, "num_splits must be None or an int >= 1"),
+    ({"num_splits": True}, "num_splits must be None or an int >= 1"),
+    (
+        {"q": torch.zeros(5, 128, 8, dtype=torch.bfloat16).transpose(1, 2)},
+        "q must have a contiguous last dim",
+    ),
+    (
+        {"q": torch.zeros(5, 8, 132, dtype=torch.bfloat16)[..., :128]},
+        r"q.stride\(1\) = 132 is not a multiple",
+    ),
+    (
+        {"k_cache": torch.zeros(6, 16, 2, 132, dtype=torch.bfloat16)[..., :128]},
+        r"k_cache.stride\(2\) = 132",
+    ),
+    ({"block_table": torch.zeros(3, 2, dtype=torch.int32).t()}, r"block_table must have stride\(1\) == 1"),
+    ({"seqlens_k": torch.zeros(4, dtype=torch.int32)[::2]}, "seqlens_k must be contiguous"),
+    ({}, "attention_paged needs CUDA tensors, got device cpu"),
+]
+
+
+@pytest.mark.parametrize("change,match", BAD_PAGED)
+def test_attention_paged_rejects(change, match):
+    with pytest.raises(ValueError, match=match):
+        api_paged.attention_paged(**paged_args(**change))
+    # A failed call is never cached: the same arguments fail the same way again.
+    with pytest.raises(ValueError, match=match):
+        api_paged.attention_paged(**paged_args(**change))
+
+
+def write_args(**change):
+    args = {
+        "k": torch.zeros(3, 2, 64, dtype=torch.float16),
+        "v": torch.zeros(3, 2, 64, dtype=torch.float16),
+        "k_cache": torch.zeros(4, 16, 2, 64, dtype=torch.float16),
+        "v_cache": torch.zeros(4, 16, 2, 64, dtype=torch.float16),
+        "slot_mapping": torch.tensor([0, -1, 5]),
+    }
+    args.update(change)
+    return args
+
+
+BAD_WRITE = [
+    ({"k": torch.zeros(3, 2, 64)}, "k, v, k_cache, v_cache must share one dtype"),
+    ({"slot_mapping": torch.tensor([0, 1, 2], dtype=torch.int16)}, "slot_mapping must be int64 or int32"),
+    ({"slot_mapping": torch.tensor([0.0, 1.0, 2.0])}, "slot_mapping must be an integer tensor"),
+    ({"slot_mapping": torch.tensor([0, 1])}, "one token count"),
+    ({"v": torch.zeros(3, 2, 32, dtype=torch.float16)}, r"v \(3, 2, 32\) must be \[T, Hkv, dim\] matching"),
+    (
+        {
+            "k_cache": torch.zeros(4, 12, 2, 64, dtype=torch.float16),
+            "v_cache": torch.zeros(4, 12, 2, 64, dtype=torch.float16),
+        },
+        "block_size .* must be a power of two, got 12",
+    ),
+    (
+        {
+            "k": torch.zeros(3, 2, 4, dtype=torch.float16),
+            "v": torch.zeros(3, 2, 4, dtype=torch.float16),
+            "k_cache": torch.zeros(4, 16, 2, 4, dtype=torch.float16),
+            "v_cache": torch.zeros(4, 16, 2, 4, dtype=torch.float16),
+        },
+        "multiple of 16 bytes",
+    ),
+    ({"k": torch.zeros(3, 2, 68, dtype=torch.float16)[..., :64]}, r"k.stride\(1\) = 68"),
+    ({"slot_mapping": torch.zeros(6, dtype=torch.int64)[::2]}, "slot_mapping must be contiguous"),
+    ({"k_cache": "cache"}, "k_cache must be a torch.Tensor"),
+    ({}, "write_kv_cache needs CUDA tensors, got device cpu"),
+]
+
+
+@pytest.mark.parametrize("change,match", BAD_WRITE)
+def test_write_kv_cache_rejects(change, match):
+    with pytest.raises(ValueError, match=match):
+        api_paged.write_kv_cache(**write_args(**change))
+
+
+@pytest.mark.parametrize("head_dim", paged.HEAD_DIMS)
+def test_pick_config_by_rows(head_dim):
+    decode, small, prefill = paged.CONFIGS[head_dim]
+    assert paged.pick_config(head_dim, 1) is decode
+    assert paged.pick_config(head_dim, 16) is decode  # GQA-8 with 2 speculative tokens
+    assert paged.pick_config(head_dim, 17) is small
+    assert paged.pick_config(head_dim, 64) is small
+    assert paged.pick_config(head_dim, 65) is prefill
+    for config in (decode, small, prefill):
+        assert config.block_m == 16 * config.warps_m, config
+        assert 1 in (config.warps_m, config.warps_n), config
+        assert config.smem_bytes(head_dim) <= 227 * 1024, f"{config} at d={head_dim} does not fit an H200 SM"
+
+
+def test_num_splits_from_launch_shape():
+    sms, per_sm = 132, 2
+    # Enough CTAs already: no split.
+    assert paged.choose_num_splits(64 * 8, sms, per_sm, 4096, 64) == 1
+    # B=1, MHA 32 heads: the smallest count within 85% of the best wave efficiency (0.97 at 8, 16,
+    # 24 or 32 splits): 7 splits, 224 CTAs for 264 slots.
+    assert paged.choose_num_splits(32, sms, per_sm, 4096, 64) == 7
+    # A short table cannot be split finer than two 64-key tiles per split.
+    assert paged.choose_num_splits(1, sms, per_sm, 256, 64) == 2
+    assert paged.choose_num_splits(1, sms, per_sm, 64, 64) == 1
+    # Never more than MAX_SPLITS.
+    assert paged.choose_num_splits(1, sms, per_sm, 1 << 24, 64) <= paged.MAX_SPLITS
+    # Every choice keeps the grid at least as full as no split.
+    for ctas in (1, 3, 17, 100, 200):
+        s = paged.choose_num_splits(ctas, sms, per_sm, 32768, 64)
+        assert 1 <= s <= paged.MAX_SPLITS and ctas * s >= min(ctas, sms), (ctas, s)
+
+
+def test_every_launch_expression_is_registered():
+    fam = family(paged.FAMILY_NAME)
+    for d in paged.HEAD_DIMS:
+        for bf16 in (False, True):
+            fam.require(paged.combine_expression(d, bf16))
+            for config in paged.CONFIGS[d]:
+                fam.require(paged.expression(d, config, bf16))
+    kv = family(kv_cache.FAMILY_NAME)
+    for name in ("int32", "int64"):
+        kv.require(kv_cache.expression(name))
+
+
+def test_bytes_read_counts_k_and_v_per_kv_head():
+    assert paged.bytes_read(8, [100, 28], 128) == 2 * 8 * 128 * 128 * 2
