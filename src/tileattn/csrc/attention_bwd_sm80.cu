@@ -31,163 +31,20 @@
 //      the key blocks in a fixed order, recomputes P and dS, and accumulates dQ in registers: no
 //      atomics, so dq is bit-identical run to run (dk/dv are deterministic in both modes).
 //
-// Shared-memory tiles are row-major with 16-byte chunks XOR-swizzled (SwizzledTile below), so
-// every ldmatrix phase (8 rows x 16 bytes), every cp.async row write and every 32-bit fragment
-// store touches 8 distinct 16-byte bank groups: conflict-free without padding (d = 96 rows are
-// stored with a 128-element pitch, see SwizzledTile).
+// Shared-memory tiles are row-major with 16-byte chunks XOR-swizzled (SwizzledTile, in
+// common/sm80_tile.cuh with the tile loaders and LdsmLane), so every ldmatrix phase (8 rows x 16
+// bytes), every cp.async row write and every 32-bit fragment store touches 8 distinct 16-byte
+// bank groups: conflict-free without padding (d = 96 rows are stored with a 128-element pitch).
 //
-// Address arithmetic is budgeted like the math: every ldmatrix costs one LOP3 (an XOR with a
-// compile-time constant on a per-lane base address, LdsmLane below) and immediate offsets. The
+// Address arithmetic is budgeted like the math: every ldmatrix costs at most one LOP3 (an XOR with
+// a compile-time constant on a per-lane base address, LdsmLane) and immediate offsets. The
 // first version rebuilt each address from (row, chunk) with 4-5 integer instructions and executed
 // 1.69x FlashAttention-2's instruction count for the same 320 HMMA per warp and query block
 // (ncu on the H200, docs/attention_bwd_sm80.md).
-#include "common/sm80.cuh"
+#include "common/sm80_tile.cuh"
 
 namespace tileattn {
 namespace bwd {
-
-constexpr float kLog2e = 1.4426950408889634f;
-
-__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
-// ---- swizzled shared-memory tiles -------------------------------------------------------------
-// A tile of kCols 16-bit elements per row (kCols in {32, 64, 96, 128, 256}). Rows are stored with
-// a pitch of kPitchChunks = the power of two >= kCols / 8 chunks of 16 bytes (d = 96 uses a
-// 128-element pitch: 33% more shared memory for that head dim, and one swizzle rule for all).
-// The 32 banks are 8 groups of 16 bytes, and ldmatrix reads 8 rows at the same logical chunk per
-// phase (our 8-row groups always start at a multiple of 8), so the physical chunk's bank group
-// must differ across any 8 consecutive rows:
-//   * kPitchChunks >= 8 (rows of 128*n bytes): bank group = phys % 8, so phys = c ^ (r % 8).
-//   * kPitchChunks == 4 (64-byte rows, kCols = 32): two rows share one 128-byte line; group =
-//     4*(r%2) + phys, so phys = c ^ ((r/2) % 4) makes (r%2, (r/2)%4) -> group a bijection.
-// A warp's 32-bit stores of mma accumulator pairs (rows g and g+8, word t of one chunk) and the
-// cp.async fills (8 consecutive chunks of one 128-byte line per 8 threads) are conflict-free by the
-// same argument.
-// Two identities make the addressing cheap (kRowBytes is a power of two and tiles start at
-// multiples of kRowBytes):
-//   offset(r + R, c) = offset(r, c) + R * kRowBytes                 for R % 8 == 0
-//   offset(r, c ^ C) = offset(r, c) ^ (16 * C)                      for C < kPitchChunks
-// so a lane computes the offset of its own (row, chunk) once, and every 16 x 16 block of a warp
-// tile is that base XOR a constant plus an immediate.
-template <int kCols>
-struct SwizzledTile {
-  static_assert(kCols % 32 == 0 && kCols >= 32 && kCols <= 256, "tile width must be 32..256, a multiple of 32");
-  static constexpr int kChunks = kCols / 8;  // chunks holding data
-  static constexpr int kPitchChunks = kChunks <= 4 ? 4 : kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
-  static constexpr int kRowBytes = kPitchChunks * 16;
-  __device__ __forceinline__ static int row_swizzle(int r) {
-    return kPitchChunks >= 8 ? (r & 7) : ((r >> 1) & 3);
-  }
-  // Byte offset of 16-byte chunk c of row r.
-  __device__ __forceinline__ static int chunk(int r, int c) { return r * kRowBytes + ((c ^ row_swizzle(r)) << 4); }
-  // Byte offset of element (r, col).
-  __device__ __forceinline__ static int elem(int r, int col) { return chunk(r, col >> 3) + (col & 7) * 2; }
-  __host__ __device__ static constexpr int bytes(int rows) { return rows * kRowBytes; }
-};
-
-// ---- global -> shared tile loads --------------------------------------------------------------
-// kRows x kCols tile from rows [0, valid_rows) of a row-strided global matrix; rows at or past
-// valid_rows are zero-filled (cp.async with source size 0), so edge tiles compute on zeros.
-// valid_rows >= 1 always (blocks start inside the matrix), so the clamped source row 0 is valid.
-// Thread tid copies chunk c = tid % kChunks of rows tid / kChunks + i * kRowStep: its shared offset
-// and global pointer advance by constants per step (no per-chunk multiply).
-template <int kRows, int kCols, int kThreads>
-__device__ __forceinline__ void load_tile_async(u32 smem_tile, const u16* gmem, int64_t row_stride, int valid_rows,
-                                                int tid) {
-  using T = SwizzledTile<kCols>;
-  constexpr int kTotal = kRows * T::kChunks;
-  if constexpr (kThreads % T::kChunks == 0 && (kThreads / T::kChunks) % 8 == 0) {
-    constexpr int kRowStep = kThreads / T::kChunks;
-    const int r0 = tid / T::kChunks, c = tid % T::kChunks;
-    const u32 dst = smem_tile + T::chunk(r0, c);
-    const u16* src = gmem + static_cast<int64_t>(r0) * row_stride + c * 8;
-    const int64_t step = kRowStep * row_stride;
-#pragma unroll
-    for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
-      if (kTotal % kThreads == 0 || r0 + i * kRowStep < kRows) {
-        const bool ok = r0 + i * kRowStep < valid_rows;
-        cp_async_16(dst + i * kRowStep * T::kRowBytes, ok ? src + i * step : gmem, ok);
-      }
-    }
-  } else {
-#pragma unroll
-    for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
-      const int idx = tid + it * kThreads;
-      if (kTotal % kThreads == 0 || idx < kTotal) {
-        const int r = idx / T::kChunks;
-        const int c = idx - r * T::kChunks;
-        const bool ok = r < valid_rows;
-        const u16* src = gmem + (ok ? static_cast<int64_t>(r) * row_stride : 0) + c * 8;
-        cp_async_16(smem_tile + T::chunk(r, c), src, ok);
-      }
-    }
-  }
-}
-
-// kRows x kCols tile from shared memory (swizzled) to global rows [0, valid_rows), 16 B per thread.
-template <int kRows, int kCols, int kThreads>
-__device__ __forceinline__ void store_tile(u16* gmem, int64_t row_stride, int valid_rows, const char* smem_tile,
-                                           int tid) {
-  using T = SwizzledTile<kCols>;
-  constexpr int kTotal = kRows * T::kChunks;
-  constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int idx = tid + it * kThreads;
-    if (kTotal % kThreads == 0 || idx < kTotal) {
-      const int r = idx / T::kChunks;
-      const int c = idx - r * T::kChunks;
-      if (r < valid_rows) {
-        const uint4 val = *reinterpret_cast<const uint4*>(smem_tile + T::chunk(r, c));
-        *reinterpret_cast<uint4*>(gmem + static_cast<int64_t>(r) * row_stride + c * 8) = val;
-      }
-    }
-  }
-}
-
-// ---- ldmatrix addressing -----------------------------------------------------------------------
-// One ldmatrix.x4 reads a 16 x 16 block of a tile (16 rows x 2 chunks) as four 8x8 matrices; lanes
-// 8i..8i+7 give the row addresses of matrix i, which lands in register i. Two lane orders:
-//   kRowsFirst:  matrices (rows 0-7, chunk 0) (rows 8-15, chunk 0) (rows 0-7, chunk 1) (rows 8-15,
-//                chunk 1) -> lane row l % 16, chunk l / 16. This is the A fragment a0..a3 of a
-//                tile whose rows are m (no .trans), and the B fragments b0,b1 of two n8 tiles of a
-//                tile whose rows are k (with .trans).
-//   !kRowsFirst: (rows 0-7, chunk 0) (rows 0-7, chunk 1) (rows 8-15, chunk 0) (rows 8-15, chunk 1)
-//                -> lane row l % 8 + 8 * (l / 16), chunk (l / 8) % 2. This is the B fragments of
-//                two n8 tiles of a tile whose rows are n (no .trans), and the A fragment of a tile
-//                whose rows are k (with .trans).
-// at(i, j) addresses the block at rows row0 + 16 i, columns col0 + 16 j. With kXor the lane's
-// chunk (col0 / 8 + lane bit) and 2 j share no bits (col0 == 0, or col0 a multiple of 16 * the
-// power-of-two count of j), so the SwizzledTile identities give at(i, j) = (base ^ 32 j) +
-// i * 16 * kRowBytes: one LOP3 and an immediate. Otherwise (d = 96 warp tiles of 48 columns) the
-// chunk is recomputed per j.
-template <int kCols, bool kRowsFirst, bool kXor>
-struct LdsmLane {
-  using T = SwizzledTile<kCols>;
-  u32 base;  // kXor: shared address of the lane's (row, chunk); else of the lane's row start
-  int chunk0, swz;
-  __device__ __forceinline__ LdsmLane(u32 tile, int row0, int col0, int lane) {
-    const int r = row0 + (kRowsFirst ? (lane & 15) : ((lane & 7) + ((lane >> 4) << 3)));
-    const int c = (col0 >> 3) + (kRowsFirst ? (lane >> 4) : ((lane >> 3) & 1));
-    if constexpr (kXor) {
-      base = tile + T::chunk(r, c);
-    } else {
-      base = tile + r * T::kRowBytes;
-      chunk0 = c;
-      swz = T::row_swizzle(r);
-    }
-  }
-  __device__ __forceinline__ u32 at(int i, int j) const {
-    if constexpr (kXor) {
-      return (base ^ (32 * j)) + i * 16 * T::kRowBytes;
-    } else {
-      return base + i * 16 * T::kRowBytes + (((chunk0 + 2 * j) ^ swz) << 4);
-    }
-  }
-};
-
-__host__ __device__ constexpr bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
 
 // ---- warp-level GEMM from swizzled shared memory ------------------------------------------------
 // acc[MT][NT] (a (16*MT) x (8*NT) fp32 tile in mma C layout) += A (16*MT x 16*KS) * B (16*KS x 8*NT),
@@ -208,9 +65,11 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], u32 tile_a, in
                                          int lane) {
   static_assert(NT % 2 == 0, "B fragments are loaded two n8 tiles at a time");
   // Trans operands step their columns over mt / np: XOR-addressable when that count is a power of 2.
-  const LdsmLane<kACols, !kATrans, !kATrans || is_pow2(MT)> la(tile_a, kATrans ? 0 : a_m0, kATrans ? a_m0 : 0, lane);
-  const LdsmLane<kBCols, kBTrans, !kBTrans || is_pow2(NT / 2)> lb(tile_b, kBTrans ? 0 : b_n0, kBTrans ? b_n0 : 0,
-                                                                   lane);
+  // j runs over the k steps (non-trans) or over the mt / np tiles (trans).
+  const LdsmLane<SwizzledTile<kACols>, !kATrans, !kATrans || is_pow2(MT), kATrans ? MT : KS> la(
+      tile_a, kATrans ? 0 : a_m0, kATrans ? a_m0 : 0, lane);
+  const LdsmLane<SwizzledTile<kBCols>, kBTrans, !kBTrans || is_pow2(NT / 2), kBTrans ? NT / 2 : KS> lb(
+      tile_b, kBTrans ? 0 : b_n0, kBTrans ? b_n0 : 0, lane);
 #pragma unroll kUnroll
   for (int ks = 0; ks < KS; ++ks) {
     u32 a[MT][4];
@@ -269,21 +128,6 @@ __device__ __forceinline__ void store_acc_to_smem(char* tile, const float (&acc)
         *reinterpret_cast<u32*>(tile + T::elem(r, c)) =
             pack2<kIsBF16>(acc[mt][nt][2 * half] * mul, acc[mt][nt][2 * half + 1] * mul);
       }
-}
-
-// %laneid through volatile asm: the compiler cannot hoist what it computes out of a loop, so the
-// per-lane ldmatrix addresses of a phase are rebuilt inside the loop and die with the phase
-// instead of pinning dozens of registers across the whole query-block walk.
-__device__ __forceinline__ int opaque_lane() {
-  int l;
-  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(l));
-  return l;
-}
-
-__device__ __forceinline__ unsigned dynamic_smem_bytes() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(r));
-  return r;
 }
 
 // ================================================================================================
@@ -459,14 +303,6 @@ struct MainCfg {
   static_assert(kKVBytes % 1024 == 0 && kQBytes % 1024 == 0 && kPBytes % 1024 == 0, "tile alignment");
 };
 
-// The dynamic shared memory the kernel was launched with must cover kSmem bytes and start on a
-// 1 KB boundary (tile offsets are XORed into lane addresses): trap loudly otherwise.
-__device__ __forceinline__ void check_dynamic_smem(const char* smem, int need) {
-  if (threadIdx.x == 0 && (dynamic_smem_bytes() < static_cast<unsigned>(need) || (smem_addr(smem) & 1023u) != 0)) {
-    __trap();
-  }
-}
-
 template <int kD, int kBN, int kBM, int kWarps, int kWN1, int kWN2, int kWM3, int kMinBlocks, bool kIsBF16,
           bool kDq, int kUnroll>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
@@ -498,9 +334,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
 
   // The walk: query heads h of the group, and for each, query blocks m0 = m_first, ..., m_end - kBM.
   auto issue_loads = [&](int h, int m0, int stage) {
-    load_tile_async<kBM, kD, C::kThreads>(s0 + C::kOffQ + stage * C::kQBytes, q + b * q_sb + h * q_sh + m0 * q_sr,
+    load_tile_async<kBM, SwizzledTile<kD>, C::kThreads>(s0 + C::kOffQ + stage * C::kQBytes, q + b * q_sb + h * q_sh + m0 * q_sr,
                                           q_sr, nq - m0, tid);
-    load_tile_async<kBM, kD, C::kThreads>(s0 + C::kOffDO + stage * C::kQBytes,
+    load_tile_async<kBM, SwizzledTile<kD>, C::kThreads>(s0 + C::kOffDO + stage * C::kQBytes,
                                           dout + b * do_sb + h * do_sh + m0 * do_sr, do_sr, nq - m0, tid);
     const int64_t ws = (static_cast<int64_t>(b) * heads + h) * nq_pad + m0;  // padded: always in bounds
     if (tid < kBM / 4) {
@@ -512,8 +348,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
   };
 
   // Prologue: K, V for this block, and the first query block.
-  load_tile_async<kBN, kD, C::kThreads>(sK, k + b * k_sb + hk * k_sh + n0 * k_sr, k_sr, nk - n0, tid);
-  load_tile_async<kBN, kD, C::kThreads>(sV, v + b * v_sb + hk * v_sh + n0 * v_sr, v_sr, nk - n0, tid);
+  load_tile_async<kBN, SwizzledTile<kD>, C::kThreads>(sK, k + b * k_sb + hk * k_sh + n0 * k_sr, k_sr, nk - n0, tid);
+  load_tile_async<kBN, SwizzledTile<kD>, C::kThreads>(sV, v + b * v_sb + hk * v_sh + n0 * v_sr, v_sr, nk - n0, tid);
   int h = hk * group, m0 = m_first;  // the current query block
   int h_next = h, m_next = m0;       // the block whose loads are in flight
   if (n_iters > 0) issue_loads(h, m0, 0);
@@ -635,8 +471,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
   store_acc_to_smem<kIsBF16, kD>(smem + C::kOffK, dk_acc, key2, dim2, scale, lane);
   store_acc_to_smem<kIsBF16, kD>(smem + C::kOffV, dv_acc, key2, dim2, 1.f, lane);
   __syncthreads();
-  store_tile<kBN, kD, C::kThreads>(dk + b * dk_sb + hk * dk_sh + n0 * dk_sr, dk_sr, nk - n0, smem + C::kOffK, tid);
-  store_tile<kBN, kD, C::kThreads>(dv + b * dv_sb + hk * dv_sh + n0 * dv_sr, dv_sr, nk - n0, smem + C::kOffV, tid);
+  store_tile<kBN, SwizzledTile<kD>, C::kThreads>(dk + b * dk_sb + hk * dk_sh + n0 * dk_sr, dk_sr, nk - n0, smem + C::kOffK, tid);
+  store_tile<kBN, SwizzledTile<kD>, C::kThreads>(dv + b * dv_sb + hk * dv_sh + n0 * dv_sr, dv_sr, nk - n0, smem + C::kOffV, tid);
 }
 
 // ================================================================================================
@@ -695,11 +531,11 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_kernel(
   const u16* v_bh = v + b * v_sb + hk * v_sh;
   auto issue_kv = [&](int nb, int stage) {
     const int n0 = nb * kBN;
-    load_tile_async<kBN, kD, C::kThreads>(s0 + C::kOffK + stage * C::kKBytes, k_bh + n0 * k_sr, k_sr, nk - n0, tid);
-    load_tile_async<kBN, kD, C::kThreads>(s0 + C::kOffV + stage * C::kKBytes, v_bh + n0 * v_sr, v_sr, nk - n0, tid);
+    load_tile_async<kBN, SwizzledTile<kD>, C::kThreads>(s0 + C::kOffK + stage * C::kKBytes, k_bh + n0 * k_sr, k_sr, nk - n0, tid);
+    load_tile_async<kBN, SwizzledTile<kD>, C::kThreads>(s0 + C::kOffV + stage * C::kKBytes, v_bh + n0 * v_sr, v_sr, nk - n0, tid);
   };
-  load_tile_async<kBM, kD, C::kThreads>(sQ, q + b * q_sb + h * q_sh + m0 * q_sr, q_sr, nq - m0, tid);
-  load_tile_async<kBM, kD, C::kThreads>(sDO, dout + b * do_sb + h * do_sh + m0 * do_sr, do_sr, nq - m0, tid);
+  load_tile_async<kBM, SwizzledTile<kD>, C::kThreads>(sQ, q + b * q_sb + h * q_sh + m0 * q_sr, q_sr, nq - m0, tid);
+  load_tile_async<kBM, SwizzledTile<kD>, C::kThreads>(sDO, dout + b * do_sb + h * do_sh + m0 * do_sr, do_sr, nq - m0, tid);
   if (n_blocks > 0) issue_kv(0, 0);
   cp_async_commit();
 
@@ -745,7 +581,7 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_kernel(
       }
 
     // dQ += dS K: A = dS from registers (16 queries x 16 keys per step), B = K rows = keys (trans).
-    const LdsmLane<kD, true, is_pow2(C::NTD / 2)> lk(sK, 0, 0, lane);
+    const LdsmLane<SwizzledTile<kD>, true, is_pow2(C::NTD / 2), C::NTD / 2> lk(sK, 0, 0, lane);
 #pragma unroll
     for (int kk = 0; kk < kBN / 16; ++kk) {
       const u32 a[4] = {pack2<kIsBF16>(dp[0][2 * kk][0], dp[0][2 * kk][1]),

@@ -24,7 +24,7 @@
 //                  otherwise re-read from smem with ldmatrix for every K block (2 m-tiles or d=256)
 //   K/V fragments  4 regs per ldmatrix.x4 in flight (ptxas keeps ~1 k-step of them ahead)
 //   softmax state  shift + partial sum per row half per m-tile: 4 * kMTiles
-//   ldmatrix address: one XOR-able offset per operand pattern (LdsmTable), a few loop counters
+//   ldmatrix address: one XOR-able address per operand (LdsmLane), a few loop counters
 // d=128 default (kBlockM=128, 4 warps -> R=32, N=32): O 128 + S 32 + Q/K fragments ~16-24 + the
 // rest -> 229-240 of the 255 that __launch_bounds__(128, 1) allows; 2 CTAs (8 warps) fit in the
 // 64K-register file. N=64 at R=32 (FA2's tile) needs O 128 + S 64: it compiles to 255 registers
@@ -59,6 +59,10 @@
 //                                   cp.async phases that straddle two rows are 2-way (writes only).
 // The swizzle permutes chunks inside a row, so a warp's cp.async writes of 8 consecutive chunks of
 // one row and the epilogue's 16-B reads stay conflict-free too. No padding, so no smem is wasted.
+// The tile type (SwizzledTile<d, false>), the loaders and the ldmatrix lane addresses (LdsmLane)
+// are the shared sm_80 building blocks of common/sm80_tile.cuh. The kernel traps when it is
+// launched with less dynamic shared memory than the tiles need, or with a base that is not 1 KB
+// aligned (LdsmLane XORs chunk bits into absolute shared addresses).
 //
 // ---- Pipeline -------------------------------------------------------------------------------
 // K/V blocks are visited from the last one down to the first (as FA2 does): the blocks that need
@@ -71,8 +75,8 @@
 // so kStages - 1 blocks are in flight while one is consumed, with one barrier per block. Commit
 // groups: Q, then one per K/V block (K and V together), empty groups past the end, so "block `it`
 // has landed" is always wait_group(kStages - 2). Only the first block visited can be partial: the
-// prologue loads with row bounds checks and zero fill, the main loop without (load_block, 32-bit
-// per-thread offsets: the host guarantees row_stride(K, V) < 2^24 elements).
+// prologue loads with row bounds checks and zero fill (load_tile_async), the main loop without
+// (load_tile_full_async, 32-bit per-thread offsets: the host guarantees row_stride(K, V) < 2^24).
 //
 // ---- Online softmax (fp32, base 2) ------------------------------------------------------------
 // scale_log2 = scale * log2(e) is folded into one FFMA per score: p = 2^(s * scale_log2 - shift),
@@ -85,16 +89,13 @@
 // Extreme logits stay exact: scores are fp32 (|s| ~ 1e4 is fine) and every p is <= 2^8.
 // The final row sum l = 0 marks a fully masked row: O = 0, lse = -inf; otherwise
 // lse = (shift + log2 l) * ln 2 (natural log, what the backward expects).
-#include "common/sm80.cuh"
+#include "common/sm80_tile.cuh"
 
 namespace tileattn {
 namespace fwd {
 
-constexpr float kLn2 = 0.693147180559945309417f;
 // Largest growth of the row max (in log2 units) that is absorbed without rescaling O.
 constexpr float kRescaleThreshold = 8.0f;
-// -inf without <cmath> (NVRTC has no INFINITY macro without it).
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 // Row shift of a row that has seen no key yet: a finite -2^100 instead of -inf, so that
 // s * scale_log2 - shift never computes -inf - -inf (no select per row per block) and the rescale
 // factor 2^(shift_old - shift_new) is exactly 0 on a row's first visible key (ex2 underflows;
@@ -103,14 +104,6 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u);
 // first visible key always beats the sentinel by more than kRescaleThreshold and triggers the
 // rescale that replaces it.
 constexpr float kNoKeyShift = -1.2676506002282294e30f;  // -2^100
-
-// Identity the optimiser cannot see through. Used on loop-invariant inputs of address arithmetic
-// in the main loop, so that the (cheap, integer) addresses are recomputed per iteration instead
-// of being hoisted and kept live in registers that the 32-row configs need for O and S.
-__device__ __forceinline__ int opaque(int x) {
-  asm volatile("" : "+r"(x));
-  return x;
-}
 
 // blockIdx. On sm_80 it is re-read from the special registers at each call (asm volatile: never
 // CSE'd): there ptxas reads %ctaid into per-thread registers (S2R), so (batch, head, query tile)
@@ -137,117 +130,6 @@ __device__ __forceinline__ CtaId cta_id() {
   // order, so hand out the query tiles last-to-first: the long CTAs start in the first wave and
   // the short ones fill the tail (without this, the heaviest CTAs of the last heads run alone).
   return {kCausal ? static_cast<int>(nx - 1 - x) : static_cast<int>(x), static_cast<int>(y), static_cast<int>(z)};
-}
-
-// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][kHeadDim] tile.
-template <int kHeadDim>
-__device__ __forceinline__ int swizzle(int row, int chunk) {
-  constexpr int kChunks = kHeadDim / 8;
-  int c;
-  if constexpr (kChunks % 8 == 0) {
-    c = chunk ^ (row & 7);
-  } else if constexpr (kChunks == 4) {
-    c = chunk ^ ((row >> 1) & 3);
-  } else {
-    static_assert(kChunks == 12, "head dim must be 32, 64, 96, 128 or 256");
-    c = chunk < 8 ? (chunk ^ (row & 7)) : (8 + ((chunk - 8) ^ ((row >> 1) & 3)));
-  }
-  return row * kHeadDim + c * 8;
-}
-
-// ldmatrix reads chunk pairs (2j, 2j + 1) of rows lane_row + 16 R. Its element offset is
-// (lane_row + 16 R) * d + 8 * ((2j + lane_chunk) ^ f(lane_row)).
-//  d = 64, 128, 256 (C % 8 == 0, f = row & 7): the XOR only touches chunk bits 0..2, and 2j's
-//    low bits (2 (j & 3)) and lane_chunk are disjoint, so the offset is
-//      16 R d + (lane_off ^ 16 (j & 3)) + 64 (j >> 2),   lane_off = lane_row d + 8 (lane_chunk ^ f).
-//    lane_row * d is a multiple of 64 elements, so the XOR acts on lane_off's chunk bits only.
-//    One register per lane and operand pattern, one LOP3 per distinct j & 3; R and j >> 2 are
-//    compile-time immediates folded into LDSM. (A table of the 4 offsets costs 4 registers per
-//    pattern across the main loop; the 32-row, BN = 64 config needs those registers.)
-//  d = 32 (2 pairs), d = 96 (6 pairs, split swizzle): a table of kPairs offsets per lane.
-template <int kHeadDim>
-struct LdsmTable {
-  static constexpr int kChunks = kHeadDim / 8;
-  static constexpr int kPairs = kHeadDim / 16;
-  static constexpr bool kXor = kChunks % 8 == 0;
-  static constexpr int kCount = kXor ? 1 : kPairs;
-  int off[kCount];
-  __device__ __forceinline__ LdsmTable(int lane_row, int lane_chunk) {
-    if constexpr (kXor) {
-      off[0] = lane_row * kHeadDim + 8 * (lane_chunk ^ (lane_row & 7));
-    } else {
-#pragma unroll
-      for (int j = 0; j < kCount; ++j) off[j] = swizzle<kHeadDim>(lane_row, 2 * j + lane_chunk);
-    }
-  }
-  // Element offset of chunk pair `pair` (+ lane_chunk) of row lane_row + 16 * rtile.
-  __device__ __forceinline__ int operator()(int rtile, int pair) const {
-    if constexpr (kXor) {
-      return rtile * 16 * kHeadDim + (off[0] ^ (16 * (pair & 3))) + 64 * (pair >> 2);
-    } else {
-      return rtile * 16 * kHeadDim + off[pair];
-    }
-  }
-};
-
-// cp.async a [kRows][kHeadDim] tile, global rows row_begin.. (pitch `row_stride` elements), into
-// swizzled smem. Rows >= row_limit are zero-filled (src-size 0) and their source address is
-// clamped to row 0, which always exists (N >= 1), so no out-of-range address is ever formed.
-// Used for the Q tile and the prologue's K/V blocks (only the first K/V block visited, the last
-// one, can be partial; the main loop uses load_block).
-template <int kHeadDim, int kRows, int kThreads>
-__device__ __forceinline__ void load_tile(u16* smem_tile, const u16* gmem, int64_t row_stride, int row_begin,
-                                          int row_limit, int tid) {
-  constexpr int kChunks = kHeadDim / 8;
-  constexpr int kTotal = kRows * kChunks;
-  if constexpr (kThreads % kChunks == 0 && kTotal % kThreads == 0) {
-    // Each thread owns one chunk column; its rows step by kThreads / kChunks (a multiple of 8 for
-    // d <= 128, so the swizzle term is the same for all of them and folds into an immediate).
-    constexpr int kRowStep = kThreads / kChunks;
-    const int c = tid % kChunks;
-    const int r0 = tid / kChunks;
-    const u16* src = gmem + static_cast<int64_t>(row_begin + r0) * row_stride + c * 8;
-#pragma unroll
-    for (int i = 0; i < kTotal / kThreads; ++i) {
-      const int r = r0 + i * kRowStep;
-      const bool valid = row_begin + r < row_limit;
-      const u16* src_i = src + static_cast<int64_t>(i * kRowStep) * row_stride;
-      cp_async_16(smem_tile + swizzle<kHeadDim>(r, c), valid ? src_i : gmem + c * 8, valid);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
-      const int id = tid + i * kThreads;
-      if (kTotal % kThreads == 0 || id < kTotal) {
-        const int r = id / kChunks, c = id % kChunks;
-        const int gr = row_begin + r;
-        const bool valid = gr < row_limit;
-        const u16* src = gmem + static_cast<int64_t>(valid ? gr : 0) * row_stride + c * 8;
-        cp_async_16(smem_tile + swizzle<kHeadDim>(r, c), src, valid);
-      }
-    }
-  }
-}
-
-// cp.async one full [kRows][kHeadDim] K or V block in the main loop (every row in range).
-// `block` points at the block's first row: it is CTA-uniform, so its 64-bit arithmetic lives in
-// uniform registers. The per-thread part is a 32-bit element offset (the host guarantees
-// kRows * row_stride < 2^31), recomputed from an opaque thread index each iteration: nothing
-// thread-specific and 64-bit stays live across the main loop, where the 32-row configs have no
-// register to spare.
-template <int kHeadDim, int kRows, int kThreads>
-__device__ __forceinline__ void load_block(u16* smem_tile, const u16* block, int row_stride, int tid) {
-  constexpr int kChunks = kHeadDim / 8;
-  constexpr int kTotal = kRows * kChunks;
-  tid = opaque(tid);
-#pragma unroll
-  for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
-    const int id = tid + i * kThreads;
-    if (kTotal % kThreads == 0 || id < kTotal) {
-      const int r = id / kChunks, c = id % kChunks;
-      cp_async_16(smem_tile + swizzle<kHeadDim>(r, c), block + (r * row_stride + c * 8), true);
-    }
-  }
 }
 
 }  // namespace fwd
@@ -282,11 +164,18 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   static_assert(kBlockM % (16 * kWarps) == 0 && (kMTiles == 1 || kMTiles == 2), "16 or 32 rows per warp");
   static_assert(kBlockN % 16 == 0 && kStages >= 2, "kBlockN multiple of 16, at least double buffering");
   static_assert((kRowsPerWarp * kChunks) % 32 == 0, "epilogue: whole chunks per lane");
+  // Unpadded rows (d = 96: 12 chunks, the split swizzle) keep d = 96 at 72 KB per CTA.
+  using Tile = SwizzledTile<kHeadDim, false>;
+  // Power-of-two pitches (every d but 96) step ldmatrix chunk pairs by XOR; d = 96 keeps a table.
+  constexpr bool kXor = Tile::kXorPitch;
+  constexpr int kTileQ = Tile::bytes(kBlockM), kTileKV = Tile::bytes(kBlockN);
+  static_assert(kTileQ % 1024 == 0 && kTileKV % 1024 == 0, "tiles start on 1 KB boundaries");
 
-  extern __shared__ __align__(128) u16 smem[];
-  u16* const sQ = smem;                                   // [kBlockM][kHeadDim], swizzled
-  u16* const sK = sQ + kBlockM * kHeadDim;                // [kStages][kBlockN][kHeadDim], swizzled
-  u16* const sV = sK + kStages * kBlockN * kHeadDim;      // [kStages][kBlockN][kHeadDim], swizzled
+  extern __shared__ __align__(1024) char smem[];
+  check_dynamic_smem(smem, kTileQ + 2 * kStages * kTileKV);
+  const u32 sQ = smem_addr(smem);              // [kBlockM][kHeadDim], swizzled
+  const u32 sK = sQ + kTileQ;                  // [kStages][kBlockN][kHeadDim], swizzled
+  const u32 sV = sK + kStages * kTileKV;       // [kStages][kBlockN][kHeadDim], swizzled
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -332,15 +221,17 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   }
 
   // ---- Prologue: Q (own commit group), then kStages - 1 K/V blocks ----------------------------
-  load_tile<kHeadDim, kBlockM, kThreads>(sQ, q_g, q_sr, row0, seqlen_q, tid);
+  load_tile_async<kBlockM, Tile, kThreads>(sQ, q_g + row0 * q_sr, q_sr, seqlen_q - row0, tid);
   cp_async_commit();
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < n_end) {
       const int n = n_end - 1 - s;
       // Only block n_total - 1 can be partial, and it is visited first: edge-checked loads here.
-      load_tile<kHeadDim, kBlockN, kThreads>(sK + s * kBlockN * kHeadDim, k_g, k_sr, n * kBlockN, seqlen_k, tid);
-      load_tile<kHeadDim, kBlockN, kThreads>(sV + s * kBlockN * kHeadDim, v_g, v_sr, n * kBlockN, seqlen_k, tid);
+      load_tile_async<kBlockN, Tile, kThreads>(sK + s * kTileKV, k_g + n * kBlockN * k_sr, k_sr, seqlen_k - n * kBlockN,
+                                               tid);
+      load_tile_async<kBlockN, Tile, kThreads>(sV + s * kTileKV, v_g + n * kBlockN * v_sr, v_sr, seqlen_k - n * kBlockN,
+                                               tid);
     }
     cp_async_commit();  // empty groups keep the wait_group arithmetic uniform
   }
@@ -356,17 +247,16 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   //  (keys 8-15, c+1): lane row (l & 7) + 8 (l >> 4), chunk c + ((l >> 3) & 1). A lane gets key g,
   //  dims 2t, 2t+1 of each matrix -> regs {0, 1} = B fragment of keys 0-7, {2, 3} = keys 8-15.
   //  (B fragments must be register pairs, so K cannot reuse pattern A without register moves.)
-  // The tables of both patterns (LdsmTable) are rebuilt inside the main loop, see there.
+  // The lane addresses of both patterns (LdsmLane) are rebuilt inside the main loop, see there.
 
   // Q fragments: [kKSteps][4] A-operand registers for this warp's 16 rows (kQInRegs only).
   u32 q_frag[kQInRegs ? kKSteps : 1][4];
   if constexpr (kQInRegs) {
     cp_async_wait<kStages - 1>();  // the Q group (committed first) has landed for this thread
     __syncthreads();               // ... and for every thread
-    const LdsmTable<kHeadDim> tab_a((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4);
-    const u16* const sQw = sQ + warp_row0 * kHeadDim;  // this warp's rows of sQ
+    const LdsmLane<Tile, true, kXor, kKSteps> lq(sQ, warp_row0, 0, lane);  // this warp's rows of sQ
 #pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) ldmatrix_x4(q_frag[ks], sQw + tab_a(0, ks));
+    for (int ks = 0; ks < kKSteps; ++ks) ldmatrix_x4(q_frag[ks], lq.at(0, ks));
   }
 
   float o_acc[kMTiles][kDBlocks][4];  // O accumulator, fp32: [m-tile][d-block][c0..c3]
@@ -403,10 +293,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         const u16* const k_b = k + c.batch * k_sb + kvh * k_sh;  // [Nk, d] of this kv head
         const u16* const v_b = v + c.batch * v_sb + kvh * v_sh;
         // pn <= n_end - 2 < n_total - 1: a full block, no bounds checks.
-        load_block<kHeadDim, kBlockN, kThreads>(sK + ps * kBlockN * kHeadDim, k_b + pn * kBlockN * k_sr,
-                                                static_cast<int>(k_sr), tid);
-        load_block<kHeadDim, kBlockN, kThreads>(sV + ps * kBlockN * kHeadDim, v_b + pn * kBlockN * v_sr,
-                                                static_cast<int>(v_sr), tid);
+        load_tile_full_async<kBlockN, Tile, kThreads>(sK + ps * kTileKV, k_b + pn * kBlockN * k_sr,
+                                                      static_cast<int>(k_sr), tid);
+        load_tile_full_async<kBlockN, Tile, kThreads>(sV + ps * kTileKV, v_b + pn * kBlockN * v_sr,
+                                                      static_cast<int>(v_sr), tid);
       }
       cp_async_commit();
     }
@@ -415,11 +305,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     // loop, and the 32-row configs need every register for O (128 at d = 128) and S.
     const int tid_l = opaque(tid);
     const int lane_l = tid_l & 31;
-    const LdsmTable<kHeadDim> tab_a_l((lane_l & 7) + ((lane_l >> 3) & 1) * 8, lane_l >> 4);
-    const LdsmTable<kHeadDim> tab_b_l((lane_l & 7) + (lane_l >> 4) * 8, (lane_l >> 3) & 1);
-    const u16* const sQw_l = sQ + (tid_l >> 5) * kRowsPerWarp * kHeadDim;  // this warp's rows of sQ
-    const u16* const sKs = sK + stage * kBlockN * kHeadDim;  // [kBlockN][kHeadDim]
-    const u16* const sVs = sV + stage * kBlockN * kHeadDim;  // [kBlockN][kHeadDim]
+    // Q: this warp's rows of sQ (pattern A); K (pattern B) and V (pattern A, .trans): this stage.
+    const LdsmLane<Tile, true, kXor, kKSteps> lq_l(sQ, (tid_l >> 5) * kRowsPerWarp, 0, lane_l);
+    const LdsmLane<Tile, false, kXor, kKSteps> lk_l(sK + stage * kTileKV, 0, 0, lane_l);
+    const LdsmLane<Tile, true, kXor, kDBlocks / 2> lv_l(sV + stage * kTileKV, 0, 0, lane_l);
 
     // S = Q K^T: [kMTiles][kNBlocks][4] fp32, row g / g+8, key columns 2t, 2t+1 of each n8 block.
     float s_acc[kMTiles][kNBlocks][4];
@@ -438,12 +327,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       } else {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt)
-          ldmatrix_x4(a[mt], sQw_l + tab_a_l(mt, ks));
+          ldmatrix_x4(a[mt], lq_l.at(mt, ks));
       }
 #pragma unroll
       for (int np = 0; np < kNBlocks / 2; ++np) {
         u32 bk[4];
-        ldmatrix_x4(bk, sKs + tab_b_l(np, ks));
+        ldmatrix_x4(bk, lk_l.at(np, ks));
         const u32 b0[2] = {bk[0], bk[1]};  // keys 16 np + 0..7
         const u32 b1[2] = {bk[2], bk[3]};  // keys 16 np + 8..15
 #pragma unroll
@@ -534,7 +423,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 #pragma unroll
       for (int dp = 0; dp < kDBlocks / 2; ++dp) {
         u32 bv[4];
-        ldmatrix_x4_trans(bv, sVs + tab_a_l(kk, dp));
+        ldmatrix_x4_trans(bv, lv_l.at(kk, dp));
         const u32 b0[2] = {bv[0], bv[1]};
         const u32 b1[2] = {bv[2], bv[3]};
 #pragma unroll
@@ -571,7 +460,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 #pragma unroll
         for (int db = 0; db < kDBlocks; ++db) {
           const u32 packed = pack2<kIsBF16>(o_acc[mt][db][2 * h] * inv, o_acc[mt][db][2 * h + 1] * inv);
-          *reinterpret_cast<u32*>(sQ + swizzle<kHeadDim>(r, db) + 2 * t_e) = packed;
+          *reinterpret_cast<u32*>(smem + Tile::elem(r, db * 8 + 2 * t_e)) = packed;
         }
       }
     __syncwarp();
@@ -580,7 +469,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       const int id = lane_e + i * 32;
       const int r = id / kChunks, c = id % kChunks;
       const int row = row0 + wrow0 + r;
-      const uint4 val = *reinterpret_cast<const uint4*>(sQ + swizzle<kHeadDim>(wrow0 + r, c));
+      const uint4 val = *reinterpret_cast<const uint4*>(smem + Tile::chunk(wrow0 + r, c));
       if (row < seqlen_q) *reinterpret_cast<uint4*>(o_g + row * o_sr + c * 8) = val;
     }
   }
