@@ -254,6 +254,22 @@ def test_n_and_seed_reproducible(server, client):
     streamed = {i: "".join(ch.choices[0].text for ch in chunks if ch.choices[0].index == i) for i in range(3)}
     assert [streamed[i] for i in range(3)] == texts
 
+    # Choices that finish at different steps: choice 0 hits a stop string from its own text early,
+    # the other samples run to max_tokens; every choice reports its finish exactly once.
+    stop = texts[0][2:5]
+    assert len(stop) == 3, texts
+    chunks = list(client.completions.create(seed=1234, stream=True, stop=stop, **kw))
+    finishes = sorted((ch.choices[0].index, ch.choices[0].finish_reason) for ch in chunks
+                      if ch.choices[0].finish_reason is not None)
+    assert [i for i, _ in finishes] == [0, 1, 2], f"each choice must finish exactly once: {finishes}"
+    assert finishes[0][1] == "stop" and "length" in {r for _, r in finishes}, (finishes, stop, texts)
+
+    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                               max_tokens=5, temperature=1.0, seed=5, stream=True,
+                                               **_extra(ignore_eos=True)))
+    finishes = sorted(ch.choices[0].index for ch in chat if ch.choices[0].finish_reason is not None)
+    assert finishes == [0, 1], f"chat: each choice must finish exactly once, got {finishes}"
+
 
 def test_completion_logprobs_and_echo(server, client):
     tok = server.state.tokenizer

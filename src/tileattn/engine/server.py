@@ -311,7 +311,8 @@ class _EngineCollector:
         yield GaugeMetricFamily("tileattn:num_requests_in_flight", "Requests admitted by the server, unfinished.",
                                 value=float(self.state.in_flight))
         for name, key, doc in (("prefix_cache_hits", "prefix_cache_hits", "Prefix-cache hits (engine's unit)."),
-                               ("prefix_cache_queries", "prefix_cache_queries", "Prefix-cache lookups.")):
+                               ("prefix_cache_queries", "prefix_cache_queries", "Prefix-cache lookups."),
+                               ("num_preemptions", "num_preemptions", "Sequences preempted (recomputed later).")):
             yield CounterMetricFamily(f"tileattn:{name}", doc, value=float(s.get(key, 0)))
 
 
@@ -368,6 +369,7 @@ class Generation:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.unfinished = set(self.ids)
         self._last_token_time: dict[str, float] = {}
+        self._reported: set[tuple[str, int]] = set()  # (request id, choice) whose finish went out
         self._admitted = False
         self._closed = False
 
@@ -415,9 +417,20 @@ class Generation:
         state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
 
     def receive(self, step: StepOutput, t_end: float) -> None:
-        """Event loop: metrics, then hand the step to whoever reads the queue."""
+        """Event loop: metrics, then hand the step to whoever reads the queue. A choice that
+        finished earlier (n > 1: the engine keeps listing it) is dropped, so each finish is seen once."""
         m = self.state.metrics
-        new = sum(len(c.token_ids) for c in step.choices)
+        choices = []
+        for c in step.choices:
+            key = (step.request_id, c.index)
+            if key in self._reported:
+                continue
+            if c.finish_reason is not None:
+                self._reported.add(key)
+                m.requests.labels(c.finish_reason).inc()
+            choices.append(c)
+        step = StepOutput(step.request_id, choices, step.finished, step.prompt_logprobs)
+        new = sum(len(c.token_ids) for c in choices)
         if new:
             m.generation_tokens.inc(new)
             last = self._last_token_time.get(step.request_id)
@@ -429,8 +442,6 @@ class Generation:
         if step.finished:
             self.unfinished.discard(step.request_id)
             m.e2e.observe(t_end - self.arrival)
-            for c in step.choices:
-                m.requests.labels(c.finish_reason or "unknown").inc()
         self.queue.put_nowait(step)
 
     async def steps(self):
@@ -653,6 +664,187 @@ def _stream_error(exc: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# The two generation endpoints
+
+
+async def serve_completion(state: ServerState, req: CompletionRequest, request: Request):
+    """POST /v1/completions: a JSON answer, or an EventStream when req.stream."""
+    arrival = time.monotonic()
+    state.check_model(req.model)
+    if req.suffix:
+        raise APIError(400, "suffix is not supported.", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of is not supported (only best_of == n).", param="best_of")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
+    prompts = _completion_prompts(state, req.prompt)
+    max_tokens = min(_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts)
+    params = _sampling_params(state, req, max_tokens, req.logprobs,
+                              req.logprobs if req.echo and req.logprobs is not None else None)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    gen = Generation(state, rid, prompts, params, arrival)
+    await gen.start()
+    base = {"id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": state.served_model_name}
+    n = params.n
+
+    def prompt_text(i):
+        p = req.prompt
+        if isinstance(p, str):
+            return p
+        if isinstance(p, list) and p and isinstance(p[i], str):
+            return p[i]
+        return state.tokenizer.decode(prompts[i])
+
+    def echo_logprobs(i, prompt_logprobs):
+        return _completion_logprobs(state, prompts[i], prompt_logprobs, 0, leading_none=True)
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def events():
+            counts = 0
+            offsets = {}  # (prompt, choice) -> text offset for logprobs
+            echoed = set()
+            try:
+                async for items in gen.steps():
+                    chunks = []
+                    for step in items:
+                        p = gen.ids.index(step.request_id)
+                        for c in step.choices:
+                            key = (p, c.index)
+                            text, lp = c.text, None
+                            if req.echo and key not in echoed:
+                                echoed.add(key)
+                                text = prompt_text(p) + text
+                                if req.logprobs is not None:
+                                    lp = echo_logprobs(p, step.prompt_logprobs)
+                                    offsets[key] = len(prompt_text(p))
+                            if req.logprobs is not None and c.token_ids:
+                                gen_lp = _completion_logprobs(state, c.token_ids, c.logprobs,
+                                                              offsets.get(key, 0))
+                                offsets[key] = gen_lp["text_offset"][-1] + len(gen_lp["tokens"][-1])
+                                lp = gen_lp if lp is None else {k: lp[k] + gen_lp[k] for k in lp}
+                            counts += len(c.token_ids)
+                            if text or c.token_ids or c.finish_reason is not None or lp is not None:
+                                choice = {"index": p * n + c.index, "text": text, "logprobs": lp,
+                                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                                if req.return_token_ids:
+                                    choice["token_ids"] = c.token_ids
+                                chunks.append({**base, "choices": [choice]})
+                    for chunk in chunks:
+                        if include_usage:
+                            chunk["usage"] = None
+                        yield _sse(chunk)
+                if include_usage:
+                    yield _sse({**base, "choices": [], "usage": _usage(prompts, counts)})
+                yield "data: [DONE]\n\n"
+            except EngineDeadError as exc:
+                yield _stream_error(exc)
+
+        return EventStream(events(), gen)
+
+    finals = await _finals_or_disconnect(request, gen)
+    if finals is None:
+        return Response(status_code=499)
+    choices, completion_tokens = [], 0
+    for p, rid_p in enumerate(gen.ids):
+        out = finals[rid_p]
+        for c in out.choices:
+            text, token_ids, logprobs = c.final
+            completion_tokens += len(token_ids)
+            lp = None
+            if req.logprobs is not None:
+                lp = _completion_logprobs(state, token_ids, logprobs,
+                                          len(prompt_text(p)) if req.echo else 0)
+                if req.echo:
+                    head = echo_logprobs(p, out.prompt_logprobs)
+                    lp = {k: head[k] + lp[k] for k in lp}
+            choice = {"index": p * n + c.index, "text": (prompt_text(p) if req.echo else "") + text,
+                      "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                choice.update(prompt_token_ids=prompts[p], token_ids=token_ids)
+            choices.append(choice)
+    return {**base, "choices": choices, "usage": _usage(prompts, completion_tokens)}
+
+async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
+    """POST /v1/chat/completions: a JSON answer, or an EventStream when req.stream."""
+    arrival = time.monotonic()
+    state.check_model(req.model)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
+    prompt = _chat_prompt(state, req.messages, req.add_generation_prompt)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None and state.defaults.get("max_new_tokens"):
+        max_tokens = min(int(state.defaults["max_new_tokens"]), state.max_model_len - len(prompt))
+    max_tokens = _check_length(state, len(prompt), max_tokens, "messages")
+    top_n = req.top_logprobs or 0
+    params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None, None)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    gen = Generation(state, rid, [prompt], params, arrival)
+    await gen.start()
+    base = {"id": rid, "object": "chat.completion", "created": int(time.time()),
+            "model": state.served_model_name}
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        chunk_base = {**base, "object": "chat.completion.chunk"}
+
+        def chunk(index, delta, finish_reason=None, logprobs=None, stop_reason=None):
+            body = {**chunk_base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                               "finish_reason": finish_reason}]}
+            if finish_reason is not None:
+                body["choices"][0]["stop_reason"] = stop_reason
+            if include_usage:
+                body["usage"] = None
+            return _sse(body)
+
+        async def events():
+            counts = 0
+            try:
+                for i in range(params.n):
+                    yield chunk(i, {"role": "assistant", "content": ""})
+                async for items in gen.steps():
+                    for step in items:
+                        for c in step.choices:
+                            counts += len(c.token_ids)
+                            lp = None
+                            if req.logprobs and c.token_ids:
+                                lp = {"content": _chat_logprobs(state, c.token_ids, c.logprobs, top_n)}
+                            if c.text or c.token_ids or lp is not None:
+                                delta = {"content": c.text}
+                                if req.return_token_ids:
+                                    delta["token_ids"] = c.token_ids
+                                yield chunk(c.index, delta, logprobs=lp)
+                            if c.finish_reason is not None:
+                                yield chunk(c.index, {}, c.finish_reason, stop_reason=c.stop_reason)
+                if include_usage:
+                    yield _sse({**chunk_base, "choices": [], "usage": _usage([prompt], counts)})
+                yield "data: [DONE]\n\n"
+            except EngineDeadError as exc:
+                yield _stream_error(exc)
+
+        return EventStream(events(), gen)
+
+    finals = await _finals_or_disconnect(request, gen)
+    if finals is None:
+        return Response(status_code=499)
+    choices, completion_tokens = [], 0
+    for c in finals[gen.ids[0]].choices:
+        text, token_ids, logprobs = c.final
+        completion_tokens += len(token_ids)
+        lp = {"content": _chat_logprobs(state, token_ids, logprobs, top_n)} if req.logprobs else None
+        choice = {"index": c.index, "message": {"role": "assistant", "content": text},
+                  "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if req.return_token_ids:
+            choice.update(prompt_token_ids=prompt, token_ids=token_ids)
+        choices.append(choice)
+    return {**base, "choices": choices, "usage": _usage([prompt], completion_tokens)}
+
+
+# ---------------------------------------------------------------------------------------------
 # The app
 
 
@@ -706,6 +898,15 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
     async def http_error(request: Request, exc: StarletteHTTPException):
         return APIError(exc.status_code, str(exc.detail)).response()
 
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError):
+        return APIError(503, str(exc), code="engine_unavailable").response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        log.exception("request failed")
+        return APIError(500, f"Internal server error: {exc!r}", code="internal_error").response()
+
     @app.get("/health")
     async def health():
         if state.engine_loop is None or not state.engine_loop.alive:
@@ -746,179 +947,11 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        arrival = time.monotonic()
-        state.check_model(req.model)
-        if req.suffix:
-            raise APIError(400, "suffix is not supported.", param="suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise APIError(400, "best_of is not supported (only best_of == n).", param="best_of")
-        if req.stream_options is not None and not req.stream:
-            raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
-        prompts = _completion_prompts(state, req.prompt)
-        max_tokens = min(_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts)
-        params = _sampling_params(state, req, max_tokens, req.logprobs,
-                                  req.logprobs if req.echo and req.logprobs is not None else None)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        gen = Generation(state, rid, prompts, params, arrival)
-        await gen.start()
-        base = {"id": rid, "object": "text_completion", "created": int(time.time()),
-                "model": state.served_model_name}
-        n = params.n
-
-        def prompt_text(i):
-            p = req.prompt
-            if isinstance(p, str):
-                return p
-            if isinstance(p, list) and p and isinstance(p[i], str):
-                return p[i]
-            return state.tokenizer.decode(prompts[i])
-
-        def echo_logprobs(i, prompt_logprobs):
-            return _completion_logprobs(state, prompts[i], prompt_logprobs, 0, leading_none=True)
-
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-            async def events():
-                counts = 0
-                offsets = {}  # (prompt, choice) -> text offset for logprobs
-                echoed = set()
-                try:
-                    async for items in gen.steps():
-                        chunks = []
-                        for step in items:
-                            p = gen.ids.index(step.request_id)
-                            for c in step.choices:
-                                key = (p, c.index)
-                                text, lp = c.text, None
-                                if req.echo and key not in echoed:
-                                    echoed.add(key)
-                                    text = prompt_text(p) + text
-                                    if req.logprobs is not None:
-                                        lp = echo_logprobs(p, step.prompt_logprobs)
-                                        offsets[key] = len(prompt_text(p))
-                                if req.logprobs is not None and c.token_ids:
-                                    gen_lp = _completion_logprobs(state, c.token_ids, c.logprobs,
-                                                                  offsets.get(key, 0))
-                                    offsets[key] = gen_lp["text_offset"][-1] + len(gen_lp["tokens"][-1])
-                                    lp = gen_lp if lp is None else {k: lp[k] + gen_lp[k] for k in lp}
-                                counts += len(c.token_ids)
-                                if text or c.token_ids or c.finish_reason is not None or lp is not None:
-                                    choice = {"index": p * n + c.index, "text": text, "logprobs": lp,
-                                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                                    if req.return_token_ids:
-                                        choice["token_ids"] = c.token_ids
-                                    chunks.append({**base, "choices": [choice]})
-                        for chunk in chunks:
-                            if include_usage:
-                                chunk["usage"] = None
-                            yield _sse(chunk)
-                    if include_usage:
-                        yield _sse({**base, "choices": [], "usage": _usage(prompts, counts)})
-                    yield "data: [DONE]\n\n"
-                except EngineDeadError as exc:
-                    yield _stream_error(exc)
-
-            return EventStream(events(), gen)
-
-        finals = await _finals_or_disconnect(request, gen)
-        if finals is None:
-            return Response(status_code=499)
-        choices, completion_tokens = [], 0
-        for p, rid_p in enumerate(gen.ids):
-            out = finals[rid_p]
-            for c in out.choices:
-                text, token_ids, logprobs = c.final
-                completion_tokens += len(token_ids)
-                lp = None
-                if req.logprobs is not None:
-                    lp = _completion_logprobs(state, token_ids, logprobs,
-                                              len(prompt_text(p)) if req.echo else 0)
-                    if req.echo:
-                        head = echo_logprobs(p, out.prompt_logprobs)
-                        lp = {k: head[k] + lp[k] for k in lp}
-                choice = {"index": p * n + c.index, "text": (prompt_text(p) if req.echo else "") + text,
-                          "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                if req.return_token_ids:
-                    choice.update(prompt_token_ids=prompts[p], token_ids=token_ids)
-                choices.append(choice)
-        return {**base, "choices": choices, "usage": _usage(prompts, completion_tokens)}
+        return await serve_completion(state, req, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
-        arrival = time.monotonic()
-        state.check_model(req.model)
-        if req.stream_options is not None and not req.stream:
-            raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
-        if req.top_logprobs and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
-        prompt = _chat_prompt(state, req.messages, req.add_generation_prompt)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None and state.defaults.get("max_new_tokens"):
-            max_tokens = min(int(state.defaults["max_new_tokens"]), state.max_model_len - len(prompt))
-        max_tokens = _check_length(state, len(prompt), max_tokens, "messages")
-        top_n = req.top_logprobs or 0
-        params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None, None)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = Generation(state, rid, [prompt], params, arrival)
-        await gen.start()
-        base = {"id": rid, "object": "chat.completion", "created": int(time.time()),
-                "model": state.served_model_name}
-
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunk_base = {**base, "object": "chat.completion.chunk"}
-
-            def chunk(index, delta, finish_reason=None, logprobs=None, stop_reason=None):
-                body = {**chunk_base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                                   "finish_reason": finish_reason}]}
-                if finish_reason is not None:
-                    body["choices"][0]["stop_reason"] = stop_reason
-                if include_usage:
-                    body["usage"] = None
-                return _sse(body)
-
-            async def events():
-                counts = 0
-                try:
-                    for i in range(params.n):
-                        yield chunk(i, {"role": "assistant", "content": ""})
-                    async for items in gen.steps():
-                        for step in items:
-                            for c in step.choices:
-                                counts += len(c.token_ids)
-                                lp = None
-                                if req.logprobs and c.token_ids:
-                                    lp = {"content": _chat_logprobs(state, c.token_ids, c.logprobs, top_n)}
-                                if c.text or c.token_ids or lp is not None:
-                                    delta = {"content": c.text}
-                                    if req.return_token_ids:
-                                        delta["token_ids"] = c.token_ids
-                                    yield chunk(c.index, delta, logprobs=lp)
-                                if c.finish_reason is not None:
-                                    yield chunk(c.index, {}, c.finish_reason, stop_reason=c.stop_reason)
-                    if include_usage:
-                        yield _sse({**chunk_base, "choices": [], "usage": _usage([prompt], counts)})
-                    yield "data: [DONE]\n\n"
-                except EngineDeadError as exc:
-                    yield _stream_error(exc)
-
-            return EventStream(events(), gen)
-
-        finals = await _finals_or_disconnect(request, gen)
-        if finals is None:
-            return Response(status_code=499)
-        choices, completion_tokens = [], 0
-        for c in finals[gen.ids[0]].choices:
-            text, token_ids, logprobs = c.final
-            completion_tokens += len(token_ids)
-            lp = {"content": _chat_logprobs(state, token_ids, logprobs, top_n)} if req.logprobs else None
-            choice = {"index": c.index, "message": {"role": "assistant", "content": text},
-                      "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            if req.return_token_ids:
-                choice.update(prompt_token_ids=prompt, token_ids=token_ids)
-            choices.append(choice)
-        return {**base, "choices": choices, "usage": _usage([prompt], completion_tokens)}
+        return await serve_chat(state, req, request)
 
     return app
 
