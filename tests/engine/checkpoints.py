@@ -1,0 +1,84 @@
+"""Tiny random-init checkpoints of each supported architecture, written by transformers (fp32)
+with a small byte-level BPE tokenizer trained by `tokenizers`, plus helpers shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+
+TEXT = ("the quick brown fox jumps over the lazy dog. hello world! paged attention keeps keys and "
+        "values in blocks; caf\u00e9 na\u00efve \u00fcber \u20ac5 \U0001f600 ")
+
+# Per architecture: the transformers config class and the options that exercise what differs.
+ARCHITECTURES = {
+    # Llama 3.x: llama3 rope scaling, untied embeddings, GQA 4/2
+    "llama3": ("LlamaConfig", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 64})),
+    # Llama 2 style: default rope, MHA, attention + MLP biases (attention_bias / mlp_bias)
+    "llama2": ("LlamaConfig", dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True)),
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+    # Qwen2: q/k/v bias, tied embeddings
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    # Qwen3: q/k RMSNorm, head_dim (24) != hidden / heads (16), tied embeddings
+    "qwen3": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True)),
+}
+
+
+def save_tokenizer(path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT] * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                          "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    fast.save_pretrained(path)
+
+
+def make_checkpoint(path, arch: str, seed: int = 0):
+    """Write a tiny checkpoint of ``arch`` (a key of ARCHITECTURES) to ``path``; returns the
+    transformers model (fp32, eval) for use as the oracle."""
+    import transformers
+
+    class_name, options = ARCHITECTURES[arch]
+    fields = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=0, eos_token_id=1)
+    config = getattr(transformers, class_name)(**{**fields, **options})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init: logits far from uniform, so
+        for p in model.parameters():  # greedy choices are not near-ties
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path)
+    save_tokenizer(path)
+    return model.eval()
+
+
+def engine_logits(engine, token_ids) -> torch.Tensor:
+    """float32 logits [T, vocab] of the engine's model over a whole prompt, through the paged
+    cache and the same input preparation the engine's steps use."""
+    from tileattn.engine.sampling_params import SamplingParams
+    from tileattn.engine.sequence import Request
+
+    seq = Request("logits", token_ids, SamplingParams()).seqs[0]
+    assert engine.block_manager.ensure_slots(seq, len(token_ids))
+    try:
+        inputs = engine.runner.prepare_inputs([(seq, len(token_ids))])
+        with torch.inference_mode():
+            hidden = engine.runner.model(inputs["input_ids"], inputs["positions"], inputs["batch"])
+            return engine.runner.model.compute_logits(hidden)
+    finally:
+        engine.block_manager.free(seq)
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())

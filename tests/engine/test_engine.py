@@ -1,0 +1,198 @@
+"""Engine behaviour on a tiny Llama (CPU): the paged, prefix-cached, chunked-prefill and preempted
+paths give the plain run's tokens; no block leaks; stops, n > 1, abort, bad input."""
+
+import pytest
+
+from tileattn.engine import LLM, LLMEngine, SamplingParams
+
+from .checkpoints import make_checkpoint
+
+PROMPTS = [[0, 5, 9, 17, 33, 40, 2, 7], [0] + list(range(20, 120)), [0, 300, 301, 302] * 10, [0, 11]]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    make_checkpoint(path, "llama3")
+    return str(path)
+
+
+def run(checkpoint, prompts=PROMPTS, params=GREEDY, **options):
+    llm = LLM(checkpoint, device="cpu", **{"max_model_len": 256, "kv_cache_blocks": 128, **options})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[c.token_ids for c in o.outputs] for o in outs], llm.engine
+
+
+def assert_all_free(engine):
+    stats = engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], f"blocks leaked: {stats}"
+    assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoint):
+    """One request at a time, a large block, everything in one step: the baseline."""
+    tokens = []
+    for prompt in PROMPTS:
+        out, engine = run(checkpoint, [prompt], block_size=64, kv_cache_blocks=8)
+        tokens += out
+        assert_all_free(engine)
+    return tokens
+
+
+def test_batched_paged_run_matches_plain(checkpoint, plain):
+    out, engine = run(checkpoint, block_size=4)
+    assert out == plain
+    assert_all_free(engine)
+
+
+def test_chunked_prefill_matches_plain(checkpoint, plain):
+    # 16-token budget: the 101-token prompt takes 7 steps, mixed with the others' decodes
+    out, engine = run(checkpoint, max_num_batched_tokens=16, block_size=8)
+    assert out == plain
+    assert_all_free(engine)
+
+
+def test_prefix_cache_hits_give_same_tokens(checkpoint, plain):
+    llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=128, block_size=8)
+    first = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    hits_before = llm.engine.stats()["prefix_cache_hits"]
+    second = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    stats = llm.engine.stats()
+    assert first == plain and second == plain
+    # The 101-token prompt alone has 12 full blocks before its last token.
+    assert stats["prefix_cache_hits"] - hits_before >= 12 * 8, stats
+    assert_all_free(llm.engine)
+
+
+def test_preemption_by_recompute_matches_plain(checkpoint, plain):
+    # 20 blocks of 8 tokens: the four sequences need 2 + 16 + 8 + 2 blocks at the end, so the
+    # scheduler must preempt and recompute.
+    out, engine = run(checkpoint, block_size=8, kv_cache_blocks=20, max_model_len=160)
+    assert out == plain
+    assert engine.stats()["num_preemptions"] > 0, "the test did not preempt: make the cache smaller"
+    assert_all_free(engine)
+
+
+def test_n_greater_than_one_and_seeds(checkpoint):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    a, _ = run(checkpoint, [PROMPTS[0]], params)
+    b, engine = run(checkpoint, [PROMPTS[0]], params)
+    assert len(a[0]) == 3 and all(len(t) == 12 for t in a[0])
+    assert a == b, "same seed, different tokens"
+    assert len({tuple(t) for t in a[0]}) > 1, "the n completions of one seeded request are identical"
+    c, _ = run(checkpoint, [PROMPTS[0]], SamplingParams(n=3, temperature=1.0, seed=8, max_tokens=12, ignore_eos=True))
+    assert c != a
+    assert_all_free(engine)
+
+
+def test_stop_token_ids_eos_and_max_tokens(checkpoint, plain):
+    target = plain[0][0][5]
+    out = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=32).generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[target], ignore_eos=True),
+        use_tqdm=False)[0].outputs[0]
+    first = plain[0][0].index(target)
+    assert out.token_ids == plain[0][0][:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+    short = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=32).generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert len(short.token_ids) <= 3
+    assert short.finish_reason == ("length" if len(short.token_ids) == 3 else "stop")
+
+
+def test_stop_string_cuts_text_and_streams_consistently(checkpoint, plain):
+    llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=32)
+    full = llm.tokenizer.decode(plain[0][0])
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert len(stop) == 3 and stop in full
+    engine = llm.engine
+    engine.add_request("s", PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True))
+    streamed, last = "", None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed += out.outputs[0].new_text
+            last = out
+    completion = last.outputs[0]
+    assert completion.text == full[:full.index(stop)]
+    assert streamed == completion.text, "new_text pieces do not add up to the final text"
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+    assert_all_free(engine)
+
+
+def test_abort_frees_blocks_and_other_requests_continue(checkpoint, plain):
+    engine = LLMEngine.from_model(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=64)
+    engine.add_request("keep", PROMPTS[0], GREEDY)
+    engine.add_request("drop", PROMPTS[1], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("bad", [1] * 300, GREEDY)  # one bad request: rejected alone
+    engine.step()
+    engine.abort_request("drop")
+    engine.abort_request("unknown")  # no-op
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert {o.request_id for o in outs} == {"keep"}
+    assert outs[-1].outputs[0].token_ids == plain[0][0]
+    assert_all_free(engine)
+
+
+def test_prompt_logprobs_and_logprobs(checkpoint):
+    llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=32, max_num_batched_tokens=16)
+    prompt = PROMPTS[1]  # 101 tokens: scored over 7 chunks
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=1,
+                                              ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    for token, entry in zip(prompt[1:], out.prompt_logprobs[1:]):
+        assert token in entry and 1 <= len(entry) <= 2 and all(v <= 0 for v in entry.values())
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 4
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        assert max(entry, key=entry.get) == token  # greedy: the chosen token is the most likely
+        assert len(entry) == 2
+
+
+def test_bad_inputs_raise_clear_errors(checkpoint, tmp_path):
+    for kwargs, field in [({"temperature": -1}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                          ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
+                          ({"n": 0}, "n"), ({"min_p": 2.0}, "min_p"), ({"stop": [""]}, "stop")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLMEngine.from_model(str(tmp_path / "nothing"), device="cpu")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        LLMEngine.from_model(str(bad), device="cpu")
+    no_tok = tmp_path / "no_tokenizer"
+    no_tok.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (no_tok / name).write_bytes((__import__("pathlib").Path(checkpoint) / name).read_bytes())
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        LLMEngine.from_model(str(no_tok), device="cpu")
+    with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len=256"):
+        LLMEngine.from_model(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=4, block_size=16)
+    with pytest.raises(ValueError, match="exceeds the model's limit"):
+        LLMEngine.from_model(checkpoint, device="cpu", max_model_len=100000)
+    engine = LLMEngine.from_model(checkpoint, device="cpu", max_model_len=64, kv_cache_blocks=8)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("a", [], GREEDY)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("a", [0, 10**6], GREEDY)
+    with pytest.raises(ValueError, match="64 tokens"):
+        engine.add_request("a", [0] * 64, GREEDY)
+    engine.add_request("a", [0, 1], GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", [0, 1], GREEDY)
+
+
+def test_chat_template_and_text_prompt(checkpoint):
+    llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=32)
+    rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "<s>user: hi</s><s>assistant: "
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=5,
+                                                                       ignore_eos=True), use_tqdm=False)
+    assert out[0].prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
+    assert len(out[0].outputs[0].token_ids) == 5
