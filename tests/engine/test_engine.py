@@ -196,3 +196,39 @@ def test_chat_template_and_text_prompt(checkpoint):
                                                                        ignore_eos=True), use_tqdm=False)
     assert out[0].prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
     assert len(out[0].outputs[0].token_ids) == 5
+
+
+def test_detokenizer_never_splits_a_multibyte_character(checkpoint):
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from tileattn.engine.detokenizer import detokenize, find_stop
+    from tileattn.engine.sequence import Request
+
+    llm = LLM(checkpoint, device="cpu", max_model_len=64, kv_cache_blocks=8)
+    tok = llm.tokenizer
+    alphabet = sorted(ByteLevel.alphabet())  # the byte-level tokenizer's one-byte tokens
+    byte_char = {b: c for b, c in enumerate(_bytes_to_unicode())}
+    assert set(byte_char.values()) == set(alphabet)
+    text = "a\u00e9\U0001f600b"  # 1 + 2 + 4 + 1 bytes, one token per byte
+    ids = [tok.backend.token_to_id(byte_char[b]) for b in text.encode()]
+    seq = Request("d", [0], SamplingParams(stop=["\U0001f600b"])).seqs[0]
+    for token in ids:
+        seq.token_ids.append(token)
+        new = detokenize(tok, [seq])[0]
+        assert "\ufffd" not in seq.text, f"partial character in {seq.text!r}"
+        stop = find_stop(seq, new)
+    assert stop == "\U0001f600b" and seq.text == "a\u00e9"
+
+
+def _bytes_to_unicode():
+    """GPT-2's byte -> printable character table (the byte-level alphabet, in byte order)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) \
+        + list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -503,3 +505,74 @@ def test_bench_percentiles_match_numpy():
     for key, p in (("median", 50), ("p90", 90), ("p99", 99)):
         assert got[key] == pytest.approx(np.percentile(values, p)), key
     assert got["mean"] == pytest.approx(np.mean(values)) and got["std"] == pytest.approx(np.std(values))
+
+
+def test_engine_failure_is_reported_not_hung(checkpoint):
+    """A step that raises ends the engine thread: open requests get an error (stream: an error event;
+    otherwise 503), /health says 503, and the server still shuts down cleanly."""
+    engine = make_engine(checkpoint)
+    real_step = engine.step
+
+    def failing_step():
+        if engine.stats()["num_running"] >= 2:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    engine.step = failing_step
+    with ServerThread(create_app(engine, MODEL)) as s:
+        client = s.client()
+        stream = client.completions.create(model=MODEL, prompt="stream me", max_tokens=100, stream=True,
+                                           **_extra(ignore_eos=True))
+        next(iter(stream))
+        with pytest.raises(openai.InternalServerError) as info:  # the second request trips the failure
+            client.completions.create(model=MODEL, prompt="and me", max_tokens=100, **_extra(ignore_eos=True))
+        assert info.value.status_code == 503 and "injected step failure" in _error(info.value)["message"]
+        with pytest.raises(openai.APIError, match="injected step failure"):
+            list(stream)
+        assert s.http("GET", "/health")[0] == 503
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model=MODEL, prompt="after", max_tokens=2)
+
+
+def test_cli_serve_starts_answers_and_stops_on_sigint(checkpoint):
+    """`tileattn serve` through add_serve_command in a subprocess: /health, one chat, then SIGINT
+    gives a clean exit (uvicorn shutdown, engine thread joined, exit code 0)."""
+    import signal
+    import subprocess
+
+    import tileattn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = ("import argparse, sys; from tileattn.engine.server import add_serve_command;"
+            "ap = argparse.ArgumentParser(); add_serve_command(ap.add_subparsers());"
+            "args = ap.parse_args(sys.argv[1:]); sys.exit(args.fn(args))")
+    cmd = [sys.executable, "-c", code, "serve", checkpoint, "--port", str(port), "--served-model-name", MODEL,
+           "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-blocks", "64",
+           "--log-level", "warning"]
+    src = os.path.dirname(os.path.dirname(tileattn.__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"serve exited early: {proc.communicate()[0][-2000:]}"
+            assert time.monotonic() < deadline, "serve did not come up within 120 s"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                           **_extra(ignore_eos=True))
+        assert r.usage.completion_tokens == 3
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

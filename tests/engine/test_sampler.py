@@ -1,0 +1,134 @@
+"""The batched sampler checked statistically against the distributions it should draw from."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tileattn.engine import SamplingParams
+from tileattn.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p
+
+DRAWS = 4000
+
+
+def fake_seq(params, prompt=(), output=(), index=0):
+    tokens = list(prompt) + list(output)
+    return SimpleNamespace(params=params, index=index, generator=None, token_ids=tokens,
+                           num_prompt_tokens=len(prompt), output_token_ids=list(output))
+
+
+def frequencies(logits_row, params, draws=DRAWS):
+    """Empirical distribution of DRAWS samples of one row (drawn as one batch of DRAWS rows)."""
+    seqs = [fake_seq(params) for _ in range(draws)]
+    tokens, _ = Sampler()(logits_row.expand(draws, -1).clone(), seqs)
+    return torch.bincount(torch.tensor(tokens), minlength=logits_row.shape[-1]).double() / draws
+
+
+def expected(logits_row, keep):
+    probs = torch.zeros_like(logits_row, dtype=torch.float64)
+    probs[keep] = logits_row[keep].double().softmax(-1)
+    return probs
+
+
+def assert_close_distribution(freq, probs, what):
+    # 5 standard errors of a binomial proportion per token
+    tol = 5 * (probs * (1 - probs) / DRAWS).sqrt() + 1e-9
+    bad = ((freq - probs).abs() > tol).nonzero().flatten().tolist()
+    assert not bad, f"{what}: tokens {bad} drawn with frequency {freq[bad].tolist()} vs probability {probs[bad].tolist()}"
+
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])  # probs ~ .40 .25 .15 .09 ...
+
+
+def test_temperature_one_matches_softmax():
+    torch.manual_seed(0)
+    freq = frequencies(LOGITS, SamplingParams(temperature=1.0))
+    assert_close_distribution(freq, expected(LOGITS, torch.ones(8, dtype=torch.bool)), "softmax")
+
+
+def test_temperature_scales_logits():
+    torch.manual_seed(1)
+    freq = frequencies(LOGITS, SamplingParams(temperature=0.5))
+    assert_close_distribution(freq, expected(LOGITS / 0.5, torch.ones(8, dtype=torch.bool)), "T=0.5")
+
+
+def test_top_k_keeps_k_most_likely_renormalised():
+    torch.manual_seed(2)
+    freq = frequencies(LOGITS, SamplingParams(top_k=3))
+    keep = torch.tensor([True, True, True] + [False] * 5)
+    assert freq[3:].sum() == 0
+    assert_close_distribution(freq, expected(LOGITS, keep), "top_k=3")
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    torch.manual_seed(3)
+    probs = LOGITS.softmax(-1)  # cumulative .40, .65, .80, ...: top_p 0.7 keeps 3 tokens
+    assert probs[:2].sum() < 0.7 < probs[:3].sum()
+    freq = frequencies(LOGITS, SamplingParams(top_p=0.7))
+    keep = torch.tensor([True, True, True] + [False] * 5)
+    assert freq[3:].sum() == 0
+    assert_close_distribution(freq, expected(LOGITS, keep), "top_p=0.7")
+
+
+def test_min_p_drops_unlikely_tokens():
+    torch.manual_seed(4)
+    probs = LOGITS.softmax(-1)
+    keep = probs >= 0.3 * probs.max()  # tokens 0, 1, 2
+    freq = frequencies(LOGITS, SamplingParams(min_p=0.3))
+    assert freq[~keep].sum() == 0
+    assert_close_distribution(freq, expected(LOGITS, keep), "min_p=0.3")
+
+
+def test_mixed_batch_rows_keep_their_own_settings():
+    logits = LOGITS.expand(4, -1).clone()
+    seqs = [fake_seq(SamplingParams(temperature=0)), fake_seq(SamplingParams(top_k=1)),
+            fake_seq(SamplingParams(top_k=2, top_p=0.5)), fake_seq(SamplingParams(temperature=0, top_k=5))]
+    for _ in range(20):
+        tokens, _ = Sampler()(logits.clone(), seqs)
+        assert tokens[0] == 0 and tokens[1] == 0 and tokens[3] == 0
+        assert tokens[2] == 0  # top_k 2 -> (.62, .38) renormalised; top_p .5 keeps only token 0
+
+
+def test_seeded_rows_reproducible_and_independent_of_batch():
+    logits = torch.randn(64)
+    def draw(batch_others):
+        seq = fake_seq(SamplingParams(seed=1234))
+        others = [fake_seq(SamplingParams()) for _ in range(batch_others)]
+        out = []
+        for _ in range(10):
+            tokens, _ = Sampler()(logits.expand(1 + batch_others, -1).clone(), [seq] + others)
+            out.append(tokens[0])
+        return out
+    assert draw(0) == draw(5), "a seeded request's tokens depend on its batch neighbours"
+    other = fake_seq(SamplingParams(seed=99))
+    diff = [Sampler()(logits[None].clone(), [other])[0][0] for _ in range(10)]
+    assert diff != draw(0)
+
+
+def test_penalties_follow_their_definitions():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0]])
+    seq = fake_seq(SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
+                   prompt=[0], output=[1, 1, 2])
+    out = apply_penalties(logits, [seq])[0]
+    # token 0: in prompt only -> 2 / 2; token 1: output twice -> -1 * 2 - 0.25 * 2 - 0.5;
+    # token 2: output once -> 0.5 / 2 - 0.25 - 0.5; token 3: untouched
+    assert torch.allclose(out, torch.tensor([1.0, -3.0, -0.5, 0.0]))
+
+
+def test_top_k_top_p_masks_are_exact():
+    row = torch.tensor([[3.0, 1.0, 2.0, 0.0]])
+    out = apply_top_k_top_p(row, [2], [1.0])
+    assert torch.isinf(out[0, [1, 3]]).all() and torch.isfinite(out[0, [0, 2]]).all()
+
+
+def test_logprobs_are_log_softmax_of_raw_logits():
+    logits = torch.randn(3, 16)
+    seqs = [fake_seq(SamplingParams(temperature=0, logprobs=3)) for _ in range(2)] + [fake_seq(SamplingParams(temperature=0))]
+    tokens, logprobs = Sampler()(logits.clone(), seqs)
+    ref = logits.log_softmax(-1)
+    assert logprobs[2] is None
+    for row in range(2):
+        top = ref[row].topk(3)
+        assert set(logprobs[row]) == set(top.indices.tolist())
+        for token, value in logprobs[row].items():
+            assert value == pytest.approx(ref[row, token].item(), abs=1e-6)
