@@ -176,11 +176,15 @@ class PagedLaunch:
             self._combine = LaunchPlan(comb, comb_grid, (32 * COMBINE_ROWS_PER_BLOCK, 1, 1), comb_args,
                                        dynamic=range(5))
 
-    def __call__(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k):
-        """(out [Tq, H, d], lse [H, Tq] fp32 or None), launched on the current stream."""
+    def __call__(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, out=None, lse=None):
+        """(out [Tq, H, d], lse [H, Tq] fp32 or None), launched on the current stream. `out` / `lse`
+        (contiguous, of those shapes) are allocated with torch.empty unless given (tests pass
+        NaN-poisoned ones)."""
         device = self.device
-        out = torch.empty(self.out_shape, dtype=q.dtype, device=device)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device) if self.lse_shape else None
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=q.dtype, device=device)
+        if lse is None and self.lse_shape:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
         lse_ptr = lse.data_ptr() if lse is not None else 0
         ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
                 cu_seqlens_q.data_ptr(), seqlens_k.data_ptr())

@@ -1,0 +1,319 @@
+"""GPU tests of paged attention (csrc/attention_paged_sm80.cu, tileattn.api_paged.attention_paged)
+against the float64 reference (tileattn.reference.attention_paged) on the same quantized inputs.
+
+Cases are built like an engine's: a cache of random blocks (unused blocks random too), block tables
+with shuffled non-contiguous blocks, a block shared by two sequences (prefix caching), and junk
+(random int32, mostly far out of range) in every table entry past a sequence's length, which the
+kernel must never read. Sequences mix decode (1 query), speculative runs (a few), chunked prefill
+(a chunk after a cached prefix) and key lengths 1, block_size - 1, block_size, block_size + 1 and
+long ones. Outputs are NaN-poisoned before each launch (passed to the launch layer; the API path
+gets NaN-filled blocks from torch's caching allocator, workspaces too) so an unwritten element
+fails. Only rows covered by cu_seqlens_q are compared.
+
+Tolerances as tests/gpu/test_attention_fwd.py: P is rounded to the input dtype before P @ V, so
+||out - ref|| / ||ref|| <= 1e-2 (bf16) / 2e-3 (fp16); split-KV partials and their combine are fp32.
+
+Markers: `gpu` (all), `sanitize` (small cases re-run under compute-sanitizer by make gpu-check).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from tileattn import api_paged, reference
+from tileattn.kernels import attention_paged_sm80 as paged
+
+pytestmark = pytest.mark.gpu
+
+BF16, FP16 = torch.bfloat16, torch.float16
+TOL = {BF16: 1e-2, FP16: 2e-3}
+
+
+class Case:
+    """A paged-attention problem: packed q, caches, block table and lengths (CUDA tensors)."""
+
+    def __init__(self, seqs, heads, kv_heads, head_dim, dtype, block_size, seed, *, share=True, spare=3, pad=2):
+        cpu = torch.Generator().manual_seed(seed)
+        gpu = torch.Generator(device="cuda").manual_seed(seed)
+        self.seqs, self.dtype, self.block_size = seqs, dtype, block_size
+        pages = [-(-nk // block_size) for _, nk in seqs]
+        self.num_blocks = sum(pages) + spare
+        order = torch.randperm(self.num_blocks, generator=cpu).tolist()
+        max_blocks = max(pages, default=0) + pad
+        # Junk everywhere first: past a sequence's length the kernel must not read the table.
+        table = torch.randint(-(2**31), 2**31 - 1, (len(seqs), max_blocks), generator=cpu, dtype=torch.int64)
+        table = table.to(torch.int32)
+        for b, n in enumerate(pages):
+            table[b, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+        if share and len(seqs) > 1 and min(seqs[0][1], seqs[1][1]) > block_size:
+            table[1, 0] = table[0, 0]  # a prefix-cache hit: both sequences read one block
+        shape = (self.num_blocks, block_size, kv_heads, head_dim)
+        self.k_cache = torch.randn(shape, device="cuda", generator=gpu).to(dtype)
+        self.v_cache = torch.randn(shape, device="cuda", generator=gpu).to(dtype)
+        tq = sum(nq for nq, _ in seqs)
+        self.q = torch.randn(tq, heads, head_dim, device="cuda", generator=gpu).to(dtype)  # [Tq, H, d]
+        self.block_table = table.cuda()
+        cu = [0]
+        for nq, _ in seqs:
+            cu.append(cu[-1] + nq)
+        self.cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device="cuda")
+        self.seqlens_k = torch.tensor([nk for _, nk in seqs], dtype=torch.int32, device="cuda")
+        self.max_seqlen_q = max((nq for nq, _ in seqs), default=0)
+        self.max_seqlen_k = max((nk for _, nk in seqs), default=0)
+
+    def tensors(self):
+        return self.q, self.k_cache, self.v_cache, self.block_table, self.cu_seqlens_q, self.seqlens_k
+
+    def reference(self, causal=True, scale=None):
+        return reference.attention_paged(
+            *self.tensors(), self.max_seqlen_q, self.max_seqlen_k, causal=causal, scale=scale,
+            return_lse=True, compute_dtype=torch.float64,
+        )  # fmt: skip
+
+    def launch(self, causal=True, scale=None, num_splits=None):
+        """The launch layer with NaN-poisoned out / lse (and NaN-filled workspace blocks)."""
+        scale = 1.0 / math.sqrt(self.q.shape[-1]) if scale is None else scale
+        launch = paged.PagedLaunch(
+            self.q, self.k_cache, self.v_cache, self.block_table, max_seqlen_q=self.max_seqlen_q, causal=causal,
+            scale=scale, return_lse=True, num_splits=num_splits,
+        )  # fmt: skip
+        poison_allocator(launch)
+        out = torch.full_like(self.q, float("nan"))
+        lse = torch.full((self.q.shape[1], self.q.shape[0]), float("nan"), device="cuda")
+        launch(*self.tensors(), out=out, lse=lse)
+        return out, lse, launch
+
+
+def poison_allocator(launch):
+    """Leave NaN-filled blocks of the workspace sizes in torch's caching allocator (best effort:
+    it reuses freed blocks of the same size on the same stream), so a split that skipped writing
+    its partial poisons the combine."""
+    o_shape, l_shape = launch.part_shapes
+    junk = [torch.full(o_shape, float("nan"), device="cuda"), torch.full(l_shape, float("nan"), device="cuda")]
+    del junk
+
+
+def rel_err(out, ref) -> float:
+    ref = ref.double()
+    den = ref.norm().item()
+    num = (out.double() - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+def check(case, out, lse, ref_out, ref_lse, what):
+    """Covered rows of out [Tq, H, d] / lse [H, Tq] against the float64 reference."""
+    rows = int(case.cu_seqlens_q[-1])
+    out, lse, ref_out, ref_lse = out[:rows], lse[:, :rows], ref_out[:rows], ref_lse[:, :rows]
+    assert out.dtype == case.dtype and out.shape == ref_out.shape, what
+    assert not torch.isnan(out).any(), f"{what}: NaN in out (an unwritten row or a NaN-producing path)"
+    assert not torch.isnan(lse).any(), f"{what}: NaN in lse"
+    err = rel_err(out, ref_out)
+    assert err <= TOL[case.dtype], f"{what}: relative error {err:.3e} > {TOL[case.dtype]:g}"
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen), f"{what}: lse -inf pattern differs from the reference"
+    if seen.any():
+        diff = (lse.double() - ref_lse)[seen].abs()
+        assert bool((diff <= 2e-4 * (1 + ref_lse[seen].abs())).all()), f"{what}: lse error {diff.max().item():.3e}"
+    unseen = ~seen.t()  # [Tq, H]
+    if unseen.any():
+        assert bool((out[unseen] == 0).all()), f"{what}: rows that see no key must be exactly 0"
+    return err
+
+
+def mixed_seqs(block_size):
+    """Decode, speculative and chunked-prefill sequences with the edge key lengths, one batch."""
+    bs = block_size
+    return [
+        (1, 1), (1, bs - 1), (1, bs), (1, bs + 1), (3, 2 * bs + 5), (1, 1000), (7, 7), (5, 300), (0, 9),
+        (2, 2 * bs),
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Correctness grid
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize("head_dim", paged.HEAD_DIMS)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (16, 2)])  # GQA 1, 4, 8
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_mixed_batch(dtype, head_dim, heads, kv_heads, block_size):
+    seed = zlib.crc32(f"{head_dim} {heads} {kv_heads} {block_size} {dtype}".encode())
+    case = Case(mixed_seqs(block_size), heads, kv_heads, head_dim, dtype, block_size, seed)
+    ref_out, ref_lse = case.reference()
+    out, lse, launch = case.launch()
+    what = f"d={head_dim} H={heads}/{kv_heads} bs={block_size} {launch.config} splits={launch.num_splits}"
+    check(case, out, lse, ref_out, ref_lse, what)
+
+
+@pytest.mark.parametrize("head_dim", paged.HEAD_DIMS)
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2), (32, 4)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_chunked_prefill_uses_every_warp_layout(head_dim, heads, kv_heads, causal):
+    """max_seqlen_q * G of 129+ rows takes the 128-row prefill layout; one decode rides along."""
+    seqs = [(129, 129 + 300), (1, 77), (33, 40)]
+    case = Case(seqs, heads, kv_heads, head_dim, BF16, 32, seed=head_dim + heads + causal)
+    ref_out, ref_lse = case.reference(causal=causal)
+    out, lse, _ = case.launch(causal=causal)
+    check(case, out, lse, ref_out, ref_lse, f"prefill d={head_dim} H={heads}/{kv_heads} causal={causal}")
+
+
+@pytest.mark.parametrize(
+    "group,nq,layout", [(1, 1, 0), (4, 4, 0), (8, 2, 0), (1, 17, 1), (4, 16, 1), (1, 65, 2), (8, 9, 2)]
+)
+def test_layout_boundaries(group, nq, layout):
+    """Problems of max_seqlen_q * G = 1, 16, 17, 64, 65, 72 rows, each on its side of a layout boundary."""
+    case = Case([(nq, nq + 50), (1, 20)], 4 * group, 4, 128, FP16, 16, seed=group * 100 + nq)
+    ref_out, ref_lse = case.reference()
+    out, lse, launch = case.launch()
+    assert launch.config == paged.CONFIGS[128][layout], f"{nq * group} rows took {launch.config}"
+    check(case, out, lse, ref_out, ref_lse, f"G={group} nq={nq} ({launch.config})")
+
+
+@pytest.mark.parametrize("head_dim", paged.HEAD_DIMS)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 1)])
+def test_forced_splits_equal_no_split(head_dim, heads, kv_heads):
+    seqs = [(1, 2000), (1, 1), (3, 700), (1, 64), (1, 65)]
+    case = Case(seqs, heads, kv_heads, head_dim, BF16, 16, seed=7 * head_dim + heads)
+    ref_out, ref_lse = case.reference()
+    base, base_lse, _ = case.launch(num_splits=1)
+    check(case, base, base_lse, ref_out, ref_lse, "num_splits=1")
+    for splits in (2, 3, 5, 16, 37, 128):
+        out, lse, launch = case.launch(num_splits=splits)
+        assert launch.num_splits == splits
+        check(case, out, lse, ref_out, ref_lse, f"num_splits={splits}")
+        diff = rel_err(out, base)
+        assert diff <= TOL[BF16], f"num_splits={splits} differs from no split by {diff:.3e}"
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_small_sanitize(num_splits):
+    """Small mixed case (also run under compute-sanitizer)."""
+    case = Case([(1, 17), (2, 33), (0, 3), (1, 0)], 8, 2, 64, FP16, 16, seed=11)
+    ref_out, ref_lse = case.reference()
+    out, lse, _ = case.launch(num_splits=num_splits)
+    check(case, out, lse, ref_out, ref_lse, f"small num_splits={num_splits}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad device-side contents: never read outside the caches, masked like the reference
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.sanitize
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_out_of_range_block_ids_are_masked(num_splits):
+    case = Case([(1, 100), (2, 70), (1, 40)], 8, 2, 128, BF16, 16, seed=5, share=False)
+    table = case.block_table
+    table[0, 1] = -1  # keys 16..31 of sequence 0
+    table[0, 4] = case.num_blocks  # keys 64..79
+    table[1, 0] = 2**31 - 1  # keys 0..15 of sequence 1
+    table[2, 0] = -(2**31)
+    case.seqlens_k[2] = 10_000  # past the table's capacity: only the table's keys are visited
+    ref_out, ref_lse = case.reference()
+    out, lse, _ = case.launch(num_splits=num_splits)
+    check(case, out, lse, ref_out, ref_lse, f"bad block ids, num_splits={num_splits}")
+    with pytest.raises(ValueError, match="block_table"):
+        reference.check_paged_contents(case.k_cache, table, case.cu_seqlens_q, case.seqlens_k, 2, 10_000)
+
+
+def test_validate_raises_on_bad_contents():
+    case = Case([(1, 20), (1, 40)], 4, 4, 64, BF16, 16, seed=3)
+    args = (*case.tensors(), case.max_seqlen_q, case.max_seqlen_k)
+    api_paged.attention_paged(*args, validate=True)  # good contents pass
+    case.block_table[1, 2] = case.num_blocks
+    with pytest.raises(ValueError, match=r"block_table\[1, 2\]"):
+        api_paged.attention_paged(*args, validate=True)
+    case.block_table[1, 2] = 0
+    case.seqlens_k[0] = 100
+    with pytest.raises(ValueError, match=r"seqlens_k\[0\] = 100"):
+        api_paged.attention_paged(*args, validate=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The public op: layouts, lse, dtypes, a CUDA graph
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_api_strided_q_and_cache_views(dtype):
+    """q as a view of a fused qkv projection output, caches as views with padded heads."""
+    seqs = [(1, 300), (4, 60), (1, 17)]
+    case = Case(seqs, 8, 2, 128, dtype, 16, seed=21)
+    tq = case.q.shape[0]
+    qkv = torch.randn(tq, 8 + 4, 128, device="cuda").to(dtype)
+    qkv[:, :8] = case.q
+    padded_k = torch.randn(case.num_blocks, 16, 3, 128, device="cuda").to(dtype)
+    padded_v = torch.randn(case.num_blocks, 16, 3, 128, device="cuda").to(dtype)
+    padded_k[:, :, :2], padded_v[:, :, :2] = case.k_cache, case.v_cache
+    case.q, case.k_cache, case.v_cache = qkv[:, :8], padded_k[:, :, :2], padded_v[:, :, :2]
+    ref_out, ref_lse = case.reference(scale=0.05)
+    junk = torch.full((tq, 8, 128), float("nan"), device="cuda", dtype=dtype)  # poison the allocator
+    del junk
+    out, lse = api_paged.attention_paged(
+        *case.tensors(), case.max_seqlen_q, case.max_seqlen_k, scale=0.05, return_lse=True
+    )
+    assert out.is_contiguous() and lse.shape == (8, tq) and lse.dtype == torch.float32
+    check(case, out, lse, ref_out, ref_lse, "strided views through the API")
+    out_only = api_paged.attention_paged(*case.tensors(), case.max_seqlen_q, case.max_seqlen_k, scale=0.05)
+    assert torch.equal(out_only, out), "return_lse=False changed the output"
+
+
+def test_cuda_graph_decode_step_replays_with_new_lengths():
+    """write_kv_cache + attention_paged captured once, replayed with new lengths, tables, queries."""
+    batch, heads, kv_heads, d, bs, max_blocks, num_blocks = 4, 8, 2, 128, 16, 8, 64
+    gen = torch.Generator(device="cuda").manual_seed(99)
+    k_cache = torch.randn(num_blocks, bs, kv_heads, d, device="cuda", generator=gen).to(BF16)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, d, device="cuda", generator=gen).to(BF16)
+    q = torch.zeros(batch, heads, d, device="cuda", dtype=BF16)  # static inputs of the graph
+    k_new = torch.zeros(batch, kv_heads, d, device="cuda", dtype=BF16)
+    v_new = torch.zeros(batch, kv_heads, d, device="cuda", dtype=BF16)
+    table = torch.zeros(batch, max_blocks, device="cuda", dtype=torch.int32)
+    seqlens_k = torch.ones(batch, device="cuda", dtype=torch.int32)
+    slots = torch.zeros(batch, device="cuda", dtype=torch.int64)
+    cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+
+    def step():
+        api_paged.write_kv_cache(k_new, v_new, k_cache, v_cache, slots)
+        return api_paged.attention_paged(q, k_cache, v_cache, table, cu_q, seqlens_k, 1, max_blocks * bs,
+                                         return_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile, load and build the launch plans outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, static_lse = step()
+
+    for replay in range(3):
+        cpu = torch.Generator().manual_seed(replay)
+        lengths = torch.randint(1, max_blocks * bs + 1, (batch,), generator=cpu)
+        lengths[replay % batch] = 1 if replay == 0 else bs + 1
+        perm = torch.randperm(num_blocks, generator=cpu)[: batch * max_blocks].view(batch, max_blocks)
+        table.copy_(perm.to(torch.int32))
+        seqlens_k.copy_(lengths.to(torch.int32))
+        last = lengths - 1  # the new token is the last key of each sequence
+        slots.copy_((perm[torch.arange(batch), last // bs] * bs + last % bs).to(torch.int64))
+        q.copy_(torch.randn(batch, heads, d, generator=cpu).to(BF16))
+        k_new.copy_(torch.randn(batch, kv_heads, d, generator=cpu).to(BF16))
+        v_new.copy_(torch.randn(batch, kv_heads, d, generator=cpu).to(BF16))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = reference.attention_paged(
+            q, k_cache, v_cache, table, cu_q, seqlens_k, 1, max_blocks * bs, return_lse=True,
+            compute_dtype=torch.float64,
+        )  # fmt: skip
+        err = rel_err(static_out, ref_out)
+        assert err <= TOL[BF16], f"replay {replay} (lengths {lengths.tolist()}): relative error {err:.3e}"
+        assert torch.allclose(static_lse.double(), ref_lse, atol=2e-3), f"replay {replay}: lse differs"
+        written = k_cache[perm[torch.arange(batch), last // bs].cuda(), (last % bs).cuda()]
+        assert torch.equal(written, k_new), f"replay {replay}: write_kv_cache did not store the new keys"
+
+
+def test_empty_batch_and_no_queries():
+    case = Case([(0, 5), (0, 1)], 4, 4, 64, BF16, 16, seed=1)
+    out = api_paged.attention_paged(*case.tensors(), 0, 5)
+    assert out.shape == (0, 4, 64)
