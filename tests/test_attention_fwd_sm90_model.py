@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -359,3 +360,108 @@ def test_emulated_online_softmax_matches_reference(block_n, shape, causal):
     assert torch.equal(torch.isfinite(lse), seen)
     assert bool((out[~seen] == 0).all())
     assert (lse.double() - ref_lse)[seen].abs().max() < 1e-3
+
+
+# ---- SASS audit: P's registers are not rewritten while the register-A wgmma reads them ---------------
+# ptxas before 13.3 could hand the registers of a register-A wgmma operand to other values while the
+# asynchronous wgmma was still reading them (HOPPER_NOTES.md). This walks the kernel's control flow
+# from every register-A HGMMA to the WARPGROUP.DEPBAR.LE gsb0, 0x0 (wgmma.wait_group 0) that retires
+# it, and fails if any instruction on the way writes one of the four A registers. Run with the
+# installed NVRTC here; docs/attention_fwd_sm90.md records the run with the GPU machine's NVRTC 13.0.
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)\s*([^;]*);")
+_NO_REG_DEST = ("ST", "STS", "STG", "STL", "STSM", "RED", "BAR", "SYNCS", "UTMALDG", "UTMASTG", "UTMACCTL",
+                "WARPGROUP", "BRA", "EXIT", "RET", "CALL", "NOP", "MEMBAR", "FENCE", "ERRBAR", "CCTL", "DEPBAR")
+
+
+def _reg_writes(opcode: str, operands: str) -> set[int]:
+    """Registers an instruction writes (conservatively: vector widths from the opcode's modifiers)."""
+    base = opcode.split(".")[0]
+    first = operands.split(",")[0].strip()
+    if base in _NO_REG_DEST or not re.fullmatch(r"R\d+", first):
+        return set()
+    rd = int(first[1:])
+    width = 1
+    if base == "HGMMA":
+        width = int(re.match(r"HGMMA\.64x(\d+)x", opcode).group(1)) // 2
+    elif ".128" in opcode or opcode.endswith(".4"):
+        width = 4
+    elif ".64" in opcode or ".WIDE" in opcode or opcode.endswith(".2"):
+        width = 2
+    return set(range(rd, rd + width))
+
+
+def register_a_hazards(sass: str) -> tuple[int, list[str]]:
+    """(number of register-A HGMMAs found, descriptions of writes to their A registers before the
+    wgmma.wait_group 0 that retires them)."""
+    insns = []
+    for line in sass.splitlines():
+        m = _SASS_LINE.search(line)
+        if m:
+            insns.append((int(m.group(1), 16), bool(m.group(2)), m.group(3), m.group(4).strip()))
+    index = {addr: i for i, (addr, *_rest) in enumerate(insns)}
+    found, problems = 0, []
+    for i, (addr, _pred, opcode, operands) in enumerate(insns):
+        ops = [o.strip() for o in operands.split(",")]
+        if not (opcode.startswith("HGMMA") and len(ops) > 2 and re.fullmatch(r"R\d+", ops[1])):
+            continue
+        found += 1
+        a_regs = set(range(int(ops[1][1:]), int(ops[1][1:]) + 4))
+        stack, seen = [i + 1], set()
+        while stack:
+            j = stack.pop()
+            if j in seen or j >= len(insns):
+                continue
+            seen.add(j)
+            jaddr, jpred, jop, jops = insns[j]
+            if jop.startswith("WARPGROUP.DEPBAR") and jops.replace(" ", "").endswith("0x0"):
+                continue  # retired: the path ends here
+            if jop.startswith("HGMMA") and j != i:
+                hit = set()  # a later wgmma reading P is fine; its own accumulators are not P
+            else:
+                hit = _reg_writes(jop, jops) & a_regs
+            if hit:
+                problems.append(f"{jop} {jops} at {jaddr:#x} writes R{min(hit)} of the HGMMA at {addr:#x}")
+            if jop.split(".")[0] in ("EXIT", "RET"):
+                continue
+            if jop.split(".")[0] == "BRA":
+                stack.append(index[int(jops.split()[-1], 16)])
+                if not jpred:
+                    continue
+            stack.append(j + 1)
+    return found, problems
+
+
+def _compiled_sass(expression: str) -> str:
+    from labs.sass import dump_sass, tools
+
+    if tools()[0] is None or tools()[1] is None:
+        pytest.skip("cuobjdump / nvdisasm not found (nvidia-cuda-cuobjdump and triton wheels)")
+    from tileattn.kernels import family
+    from tileattn.runtime import compile_cuda
+
+    module = compile_cuda(family(af.FAMILY_NAME).path, [expression], "sm_90a")
+    return dump_sass(module.cubin)
+
+
+@pytest.mark.parametrize("expression", af.INSTANTIATIONS)
+def test_sass_register_a_operands_untouched_until_retired(expression):
+    sass = _compiled_sass(expression)
+    found, problems = register_a_hazards(sass)
+    d = int(expression.split("<")[1].split(",")[0])
+    block_n = int(expression.split(",")[1])
+    assert found >= 2 * block_n // 16, f"expected the P V wgmmas in the SASS, found {found} register-A HGMMAs"
+    assert not problems, "\n".join(problems[:10])
+    assert "UTMALDG" in sass and "UTMASTG" in sass and "STSM" in sass, "TMA loads, TMA store, stmatrix expected"
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory traffic (spills) in the SASS"
+    assert d in af.HEAD_DIMS
+
+
+def test_sass_audit_catches_a_rewritten_a_register():
+    sass = """
+        /*0100*/                   HGMMA.64x128x16.F32.BF16 R88, R152, gdesc[UR12].tnspB, R88, gsb0 ;
+        /*0110*/                   F2FP.BF16.F32.PACK_AB R153, R3, R2 ;
+        /*0120*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0130*/                   F2FP.BF16.F32.PACK_AB R152, R3, R2 ;
+    """
+    assert register_a_hazards(sass) == (1, [("F2FP.BF16.F32.PACK_AB R153, R3, R2 at 0x110 writes R153 of the HGMMA "
+                                            "at 0x100")])

@@ -190,11 +190,6 @@ __device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float 
   for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
 }
 
-template <bool B>
-struct Flag {
-  static constexpr bool value = B;
-};
-
 }  // namespace fwd90
 
 // tmap_q: q [B, H, Nq, d] as a 4-D map (d, Nq, H, B), box (64, 128, 1, 1), 128B swizzle, zero fill.
@@ -347,7 +342,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       pack_p<kBlockN, kIsBF16>(p, s);
 
       // ---- blocks 1 .. n_end - 1: S_j overlapped with P_{j-1} V_{j-1}
-      auto step = [&](int it, auto masked) {
+      auto step = [&](int it, bool masked) {  // `masked` is a constant at both call sites
         const int sk = it % kStages, sv = (it - 1) % kStages;
         s9::mbar_wait(&k_full[sk], (it / kStages) & 1);
         s9::fence_accumulators(o);
@@ -360,8 +355,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         s9::wgmma_wait<1>();  // S_j retired (groups retire in order); P V still running
         s9::fence_accumulators(s);
         if (releaser) s9::mbar_arrive(&k_empty[sk]);
-        if constexpr (decltype(masked)::value)
-          apply_mask<kBlockN, kCausal>(s, range.n_end - 1 - it, row_h0, t, seqlen_k, diag);
+        if (masked) apply_mask<kBlockN, kCausal>(s, range.n_end - 1 - it, row_h0, t, seqlen_k, diag);
         softmax_step<kBlockN>(s, m, l, alpha, scale_log2);
         s9::wgmma_wait<0>();  // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free
         s9::fence_accumulators(o);
@@ -371,8 +365,8 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         pack_p<kBlockN, kIsBF16>(p, s);
       };
       int it = 1;
-      for (; it < range.n_masked; ++it) step(it, Flag<true>{});
-      for (; it < range.n_end; ++it) step(it, Flag<false>{});
+      for (; it < range.n_masked; ++it) step(it, true);
+      for (; it < range.n_end; ++it) step(it, false);
 
       // ---- tail: P V of the last block visited
       const int sv = (range.n_end - 1) % kStages;
