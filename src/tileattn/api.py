@@ -203,7 +203,7 @@ class _PlanEntry:
     """A validated argument combination: its forward plan, and its backward plans by (dout
     strides, deterministic)."""
 
-    __slots__ = ("forward", "backward", "causal", "scale", "device_index", "copy_kv")
+    __slots__ = ("forward", "backward", "causal", "scale", "device_index", "device", "lse_shape", "copy_kv")
 
     def __init__(self, q, k, v, causal: bool, scale: float | None):
         from .kernels import dispatch
@@ -211,7 +211,8 @@ class _PlanEntry:
         _check_args(q, k, v, scale)
         self.causal = causal
         self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        self.device_index = q.device.index
+        self.device_index, self.device = q.device.index, q.device
+        self.lse_shape = tuple(q.shape[:3])
         self.copy_kv = dispatch.needs_contiguous_kv(k) or dispatch.needs_contiguous_kv(v)
         if self.copy_kv:
             k, v = k.contiguous(), v.contiguous()
@@ -235,11 +236,15 @@ class _PlanEntry:
 
 
 _plans: dict[tuple, _PlanEntry] = {}
+_current_device = torch.cuda.current_device  # made torch._C._cuda_getDevice below when it exists
+if hasattr(torch._C, "_cuda_getDevice"):
+    _current_device = torch._C._cuda_getDevice
 
 
 def _plan_entry(q, k, v, causal: bool, scale) -> _PlanEntry:
+    # get_device(): the CUDA index as an int (-1 on the CPU), cheaper than building torch.device objects
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-           q.device, k.device, v.device, causal, scale)
+           q.get_device(), k.get_device(), v.get_device(), causal, scale)
     entry = _plans.get(key)
     if entry is None:
         entry = _PlanEntry(q, k, v, causal, scale)  # raises ValueError for bad arguments
@@ -258,8 +263,8 @@ def _forward(q, k, v, causal: bool, scale):
     if entry.copy_kv:
         k, v = k.contiguous(), v.contiguous()
     out = torch.empty_like(q)  # q's layout when q is dense (a transposed [B, N, H, d] stays so)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    if torch.cuda.current_device() == entry.device_index:
+    lse = torch.empty(entry.lse_shape, dtype=torch.float32, device=entry.device)
+    if _current_device() == entry.device_index:
         entry.forward.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
     else:  # cuLaunchKernel uses the thread's current context: make it q's device's
         with torch.cuda.device(entry.device_index):
@@ -275,7 +280,7 @@ def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, deterministic: bool):
         k, v = k.contiguous(), v.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     plan = entry.backward_plan(q, k, v, out, lse, dout, dq, dk, dv, deterministic)
-    if torch.cuda.current_device() == entry.device_index:
+    if _current_device() == entry.device_index:
         plan.launch(q, k, v, out, lse, dout, dq, dk, dv)
     else:
         with torch.cuda.device(entry.device_index):
@@ -292,11 +297,14 @@ class _AttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.entry, ctx.deterministic = entry, deterministic
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse never has a gradient: no zeros tensor is made for it
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:  # out did not reach the loss (possible without materialized grads)
+            return None, None, None, None, None, None
         dq, dk, dv = _backward(ctx.entry, dout, q, k, v, out, lse, ctx.deterministic)
         return dq, dk, dv, None, None, None
 

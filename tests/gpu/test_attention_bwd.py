@@ -55,7 +55,7 @@ def _warm_compile_cache():
 def _bwd():
     from tileattn.kernels import attention_bwd_sm80
 
-    return attention_bwd
+    return attention_bwd_sm80
 
 
 def make_inputs(batch, heads, kv_heads, nq, nk, d, dtype, *, layout="bhnd", seed=0):

@@ -60,13 +60,37 @@ def implementations() -> dict[str, Callable]:
 
     import tileattn
 
-    return {
+    impls = {
         "naive": naive_attention,
         "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa_efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
         "tileattn": lambda q, k, v, causal: tileattn.attention(q, k, v, causal=causal),
+        "tileattn_sm80": _forced_forward("attention_fwd_sm80", "launch_forward"),
     }
+    from tileattn.runtime import device_arch
+
+    if device_arch(torch.cuda.current_device()) == "sm_90a":
+        impls["tileattn_sm90"] = _forced_forward("attention_fwd_sm90", "launch_forward_sm90")
+    return impls
+
+
+# Columns that run one forward kernel family whatever the dispatcher would pick (forward only):
+# the family the dispatcher does not choose stays visible beside the one it does.
+FORCED = ("tileattn_sm80", "tileattn_sm90")
+
+
+def _forced_forward(module: str, function: str):
+    def run(q, k, v, causal):
+        import importlib
+
+        launch = getattr(importlib.import_module(f"tileattn.kernels.{module}"), function)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        launch(q, k, v, out, lse, causal=causal, scale=1.0 / math.sqrt(q.shape[-1]))
+        return out
+
+    return run
 
 
 def _inputs(b, h, n, d, dtype, grad: bool):
@@ -248,6 +272,8 @@ def main(argv=None) -> int:
         for causal in (False, True):
             for n in seq_lens:
                 for name, fn in impls.items():
+                    if backward and name in FORCED:
+                        continue
                     if name == "naive" and (backward, causal) in oom_naive:
                         records.append({"suite": "attention", "impl": name, "pass": "bwd" if backward else "fwd",
                                         "n": n, "causal": causal, "status": "out of memory (smaller N did)"})
@@ -300,7 +326,7 @@ def _ratio_table(rows: list[dict]) -> str:
     for n, t in by_n.items():
         if "tileattn" not in t:
             continue
-        peers = [v for k, v in t.items() if k != "tileattn"]
+        peers = [v for k, v in t.items() if not k.startswith("tileattn")]
         f = lambda key: f"{t['tileattn'] / t[key]:.2f}" if key in t else "-"  # noqa: E731
         best = f"{t['tileattn'] / max(peers):.2f}" if peers else "-"
         lines.append(f"| {n} | {f('sdpa_flash')} | {f('sdpa_cudnn')} | {best} |")

@@ -108,12 +108,67 @@ def run(calls: int, rounds: int) -> list[dict]:
     return records
 
 
+def breakdown(calls: int, rounds: int) -> list[dict]:
+    """Host cost of each piece of the eager path on the forward/backward shape (where the
+    microseconds go), beside the op-level SDPA calls (no autograd engine on either side)."""
+    from .. import api
+
+    q, k, v = cases()[0][2](False)
+    with torch.no_grad():
+        out, lse, entry = api._forward(q, k, v, True, None)
+    dout = torch.randn_like(out)
+    F = torch.nn.functional
+    aten = torch.ops.aten
+    pieces = {
+        "python call of a no-op": lambda: None,
+        "api._eager(q, k, v)": lambda: api._eager(q, k, v),
+        "plan lookup (key tuple + dict)": lambda: api._plan_entry(q, k, v, True, None),
+        "torch.empty_like(q)": lambda: torch.empty_like(q),
+        "torch.empty(lse shape, fp32)": lambda: torch.empty(q.shape[:3], dtype=torch.float32, device=q.device),
+        "current device + stream handle": lambda: (torch.cuda.current_device(),
+                                                   __import__("tileattn").runtime.current_stream_handle(0)),
+        "LaunchPlan.launch (forward kernel)": lambda: entry.forward.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                                                          out.data_ptr(), lse.data_ptr()),
+        "tileattn.attention, no grad (all of the above)": lambda: api.attention(q, k, v, causal=True),
+        "backward op level: api._backward": lambda: api._backward(entry, dout, q, k, v, out, lse, False),
+        "SDPA flash forward, op level (aten)": lambda: aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True),
+        "F.scaled_dot_product_attention (flash)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    }
+    try:
+        fwd = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)
+        o, l, cq, ck, mq, mk, seed, off = fwd[:8]
+        pieces["SDPA flash backward, op level (aten)"] = lambda: aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, o, l, cq, ck, mq, mk, 0.0, True, seed, off)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        print(f"SDPA op-level backward not timed: {exc}")
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    pieces["autograd.Function.apply of an identity"] = lambda: Identity.apply(qg)
+    pieces["tileattn.attention, inputs require grad"] = lambda: api.attention(qg, kg, vg, causal=True)
+    records = []
+    with torch.no_grad():
+        for name, fn in pieces.items():
+            ctx = torch.enable_grad() if "require grad" in name or "autograd" in name else torch.no_grad()
+            with ctx:
+                records.append({"suite": "overhead-breakdown", "case": name, **_burst_us(fn, calls, rounds)})
+    return records
+
+
 def table(records: list[dict]) -> str:
     lines = ["| case | shape | tileattn us | best SDPA us (backend) | ratio | target |",
              "|---|---|---|---|---|---|"]
     targets = {"forward": 10.0, "forward+grad": 20.0, "backward": 25.0, "decode": 10.0}
     for name in targets:
-        rows = [r for r in records if r["case"] == name]
+        rows = [r for r in records if r["case"] == name and r["suite"] == "overhead"]
         ours = next(r for r in rows if r["impl"] == "tileattn")
         peers = [r for r in rows if r["impl"] != "tileattn" and "host_us" in r]
         best = min(peers, key=lambda r: r["host_us"]) if peers else None
@@ -132,11 +187,17 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=200, help="calls per burst (no sync inside)")
     ap.add_argument("--rounds", type=int, default=15, help="bursts; the median is reported")
     ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--breakdown", action="store_true", help="also time the pieces of one eager forward/backward")
     args = ap.parse_args(argv)
     from ..runtime import require_gpu
 
     require_gpu()
     records = run(args.calls, args.rounds)
+    if args.breakdown:
+        records += breakdown(args.calls, args.rounds)
+        for r in records:
+            if r["suite"] == "overhead-breakdown":
+                print(f"  {r['case']:<52} {r['host_us']:7.2f} us")
     if args.json:
         path = write_run(args.json, records)
         from .records import read_run

@@ -395,8 +395,10 @@ class BackwardPlan:
         cfg = config
         self.deterministic = deterministic
         self.nq_pad = nq_pad = -(-nq // _ROW_PAD) * _ROW_PAD
-        self.ws_shape = (2, batch, heads, nq_pad)
-        self.dq_accum_shape = (batch, heads, nq_pad, d)
+        rows = batch * heads * nq_pad
+        # One fp32 workspace per call: lse2 [B, H, NqPad], delta [B, H, NqPad], then in atomic mode
+        # the dQ accumulator [B, H, NqPad, d] (one allocation instead of two: host time per call).
+        self.ws_elems = 2 * rows + (0 if deterministic else rows * d)
         self.device = q.device
         i32, i64, f32 = np.int32, np.int64, np.float32
 
@@ -406,7 +408,6 @@ class BackwardPlan:
 
         scale_log2 = f32(scale * 1.4426950408889634)  # log2(e) folded into the scale
         group = heads // kv_heads
-        row_pad_elems = batch * heads * nq_pad
         # Placeholder pointers (0): every pointer is a dynamic parameter, written at launch.
         self.pre = LaunchPlan(
             load(FAMILY_NAME, preprocess_expr(d, bf16), device),
@@ -438,16 +439,15 @@ class BackwardPlan:
                 (0, 0, *strides(dq), i32(nq), i32(heads), i32(nq_pad), f32(scale)),
                 dynamic=range(2),
             )
-        self._delta_offset = row_pad_elems * 4  # bytes: ws[1] (delta) follows ws[0] (lse2)
+        self._delta_offset, self._acc_offset = rows * 4, 2 * rows * 4  # bytes into the workspace
 
     def launch(self, q, k, v, out, lse, dout, dq, dk, dv) -> None:
         import torch
 
-        ws = torch.empty(self.ws_shape, dtype=torch.float32, device=self.device)  # lse2, delta
+        ws = torch.empty(self.ws_elems, dtype=torch.float32, device=self.device)
         lse2 = ws.data_ptr()
         delta = lse2 + self._delta_offset
-        acc = None if self.deterministic else torch.empty(self.dq_accum_shape, dtype=torch.float32, device=self.device)
-        acc_ptr = 0 if acc is None else acc.data_ptr()
+        acc_ptr = 0 if self.deterministic else lse2 + self._acc_offset
         self.pre.launch(out.data_ptr(), dout.data_ptr(), lse.data_ptr(), lse2, delta, acc_ptr)
         self.main.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                          acc_ptr, lse2, delta)
@@ -455,8 +455,8 @@ class BackwardPlan:
             self.last.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dq.data_ptr(), lse2, delta)
         else:
             self.last.launch(acc_ptr, dq.data_ptr())
-        # ws and acc go back to torch's caching allocator here; their blocks are reused only by
-        # work enqueued later on this stream, which runs after these kernels.
+        # ws goes back to torch's caching allocator here; its block is reused only by work enqueued
+        # later on this stream, which runs after these kernels.
 
 
 def backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
