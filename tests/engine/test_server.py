@@ -468,7 +468,7 @@ def test_64_concurrent_streams_match_alone_then_clean_shutdown(engine):
         assert s.state.in_flight == 0 and not s.state.generations
         print(f"64 concurrent streams in {elapsed:.2f} s, {len(steps)} engine steps; engine stats after: {stats}")
         engine_loop = s.state.engine_loop
-    assert not engine_loop._thread.is_alive(), "engine thread still running after shutdown"
+    assert not engine_loop.running, "engine thread still running after shutdown"
 
 
 def test_bench_serve_against_the_server(server, checkpoint, tmp_path):

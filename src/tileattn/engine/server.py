@@ -142,6 +142,11 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._stopping
 
+    @property
+    def running(self) -> bool:
+        """The thread has not exited (stop() joins it)."""
+        return self._thread.is_alive()
+
     def start(self) -> None:
         self._thread.start()
 
@@ -1001,5 +1006,9 @@ def serve_main(args: argparse.Namespace) -> int:
              engine.model_name, engine.max_model_len)
     app = create_app(engine, args.served_model_name or args.model, max_queue_depth=args.max_queue_depth)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    engine_loop = app.state.server.engine_loop
+    if engine_loop is not None and engine_loop.running:
+        log.error("the engine thread is still running after shutdown")
+        return 1
     return 0
 
