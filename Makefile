@@ -13,7 +13,7 @@ REPORT_DIR ?= gpu-report
 BENCH    ?= vector_add
 TESTS    ?= tests
 
-.PHONY: demo test check gpu-check bench clean
+.PHONY: demo test lint check gpu-check bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,14 +33,19 @@ demo: $(STAMP)
 check: $(STAMP)
 	$(PY) -m tileattn.cli check --with labs.kernels
 
-test: check
+lint: $(STAMP)
+	$(PY) -m ruff check src tests labs scripts docs
+
+test: lint check
 	$(PY) -m pytest -q -rs
 
 gpu-check:
 	PYTHONPATH=src:. $(PYTHON) scripts/gpu_check.py --report-dir $(REPORT_DIR) --bench $(BENCH) --tests $(TESTS)
 
-bench:
-	PYTHONPATH=src:. $(PYTHON) -m tileattn.cli bench attention
+# The seed benchmark with the same .venv as demo and test (on a GPU machine: make bench TORCH=...);
+# the lent GPU machine, which installs nothing, runs benchmarks through gpu-check (BENCH=...).
+bench: $(STAMP)
+	$(PY) -m tileattn.cli bench attention $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) gpu-report .pytest_cache

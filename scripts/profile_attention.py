@@ -12,7 +12,7 @@ launches them), and writes into DIR:
   raw.csv           every collected metric,
   source_*.csv      per-SASS-instruction counters of each kernel (stall samples, executed count),
                     when this ncu can print them.
-ncu flags are the ones DESIGN.md records as working on a Python process on the H200 (clock
+ncu flags are the ones seen working on a Python process on the H200 (2026-11-29; clock
 control off: the kernels run at the clocks the benchmarks see).
 """
 

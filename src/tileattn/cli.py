@@ -104,7 +104,7 @@ def _add_engine_commands(sub) -> None:
     except ImportError as exc:
         missing = str(exc)
         for name in ("generate", "chat", "serve"):
-            p = sub.add_parser(name, help=f"(needs the engine extra: pip install 'tileattn[engine]')")
+            p = sub.add_parser(name, help="(needs the engine extra: pip install 'tileattn[engine]')")
             p.add_argument("rest", nargs=argparse.REMAINDER)
             p.set_defaults(fn=lambda args, missing=missing: _missing_engine(missing))
         return

@@ -307,17 +307,18 @@ def test_cuda_graph_capture():
     assert_close((dq, dk, dv), reference_grads(q, k, v, dout, causal, scale), dtype, "cuda graph replay")
 
 
-# ---- end to end through the public API and torch autograd (if the forward has landed) -----------------
+# ---- end to end through the public API and torch autograd -------------------------------------------
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
 def test_end_to_end_autograd(deterministic):
-    try:
-        from tileattn import attention
-    except ImportError as exc:  # the forward engineer's API is not there yet
-        pytest.skip(f"tileattn.attention is not importable: {exc}")
+    from tileattn import attention
+
+    from .conftest import poisoned_allocations
+
     dtype, d, causal = BF16, 128, True
     q, k, v, dout = make_inputs(2, 8, 2, 500, 700, d, dtype, layout="bnhd", seed=21)
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = attention(qg, kg, vg, causal=causal, deterministic=deterministic)
-    out.backward(dout)
+    with poisoned_allocations():  # outputs, gradients and workspaces all start as NaN
+        out = attention(qg, kg, vg, causal=causal, deterministic=deterministic)
+        out.backward(dout)
     refs = reference_grads(q, k, v, dout, causal, 1.0 / math.sqrt(d))
     assert_close((qg.grad, kg.grad, vg.grad), refs, dtype, f"tileattn.attention backward det={deterministic}")

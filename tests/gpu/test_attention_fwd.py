@@ -8,8 +8,9 @@ emulation of the kernel measured ||out - ref|| / ||ref|| of about 2.5e-3 (bf16) 
 the tolerances below leave 4-7x headroom. lse is checked in absolute terms scaled by its size
 (its error is fp32 rounding of the scores and the row sum).
 
-Outputs are poisoned with NaN before every launch (the launch layer gets NaN-filled out/lse; the
-API path gets a NaN-filled block from torch's caching allocator) so an unwritten element fails.
+Outputs are poisoned with NaN before every launch (the launch layer gets NaN-filled out/lse; on the
+API path every torch.empty* the op calls returns NaN: tests/gpu/conftest.py) so an unwritten
+element fails.
 Inputs are fresh random draws (seeded per test for reproducibility), never zeros or ones.
 
 Markers: `gpu` (all), `sanitize` (small cases re-run under compute-sanitizer by make gpu-check).
@@ -27,6 +28,8 @@ import torch
 
 import tileattn
 from tileattn import reference
+
+from .conftest import poisoned_allocations
 
 pytestmark = pytest.mark.gpu
 
@@ -95,17 +98,10 @@ def launch(q, k, v, causal, scale, config=None, out=None):
     return out, lse
 
 
-def poison_allocator(*tensors_like):
-    """Leave NaN-filled blocks of the right sizes in torch's caching allocator, so the outputs the
-    API allocates with torch.empty start out as NaN (best effort: the allocator reuses freed
-    blocks of the same size on the same stream)."""
-    junk = [torch.full_like(t, float("nan")) for t in tensors_like]
-    del junk
-
-
 def api(q, k, v, causal, scale=None):
-    poison_allocator(q, q[..., 0].float())
-    out, lse = tileattn.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    """The public op, with every tensor it allocates poisoned (tests/gpu/conftest.py)."""
+    with poisoned_allocations():
+        out, lse = tileattn.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
     return out, lse
 
 

@@ -1,0 +1,30 @@
+"""Shared GPU-test helpers."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Every tensor made with torch.empty / empty_like / empty_strided inside the block starts
+    out as NaN (floats) or -1 (integers): outputs and workspaces that tileattn allocates are
+    poisoned for sure, so an element a kernel forgets to write, or a workspace it reads before
+    writing, shows up in the result instead of passing on leftover memory."""
+    real = {name: getattr(torch, name) for name in ("empty", "empty_like", "empty_strided")}
+
+    def poison(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(-1)
+        return t
+
+    wrapped = {name: (lambda fn: lambda *a, **kw: poison(fn(*a, **kw)))(fn) for name, fn in real.items()}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, fn in wrapped.items():
+            mp.setattr(torch, name, fn)
+        yield
