@@ -1,0 +1,300 @@
+"""`tileattn bench decode`: paged decode and chunked prefill, tileattn beside SDPA on the same work.
+
+    tileattn bench decode [--quick] [--json PATH] [--markdown PATH] [--reps N]
+
+Decode (issue #10): one query token per sequence, bf16, d=128, H/Hkv = 32/32 and 32/8,
+B in {1, 8, 64, 256}, KV length in {1k, 4k, 32k}, block_size 16 and 256. tileattn runs
+`attention_paged` on a paged cache whose block table is a random permutation (no two consecutive
+blocks of a sequence are neighbours in memory); the peers, SDPA flash and cudnn, run on the same
+keys and values in dense layout [B, Hkv, N, d] (GQA through enable_gqa, or K/V with repeated
+heads when a backend refuses it; the record says which). Effective bandwidth = the K+V bytes
+decode must read, 2 * B * Hkv * N * d * 2 bytes, divided by the median time; the H200's copy
+bandwidth is 4.3 TB/s (shared/ANCHORS.md). Points whose paged cache plus dense copy would pass
+--memory-gb are skipped (B=256 with 32k keys MHA is 137 GB of K+V alone).
+
+Chunked prefill: a 512-token query chunk after a 4096-token cached prefix (4608 keys, causal,
+bottom-right aligned), B=8, H/Hkv 32/32 and 32/8, block_size 16 and 256, against tileattn's dense
+forward (tileattn.attention with Nq=512, Nk=4608) on the same work; TFLOP/s of useful FLOPs
+(each query row counts the keys it sees). SDPA is not a peer there: its is_causal is aligned
+top-left, which is a different mask when Nq < Nk.
+
+Every output is compared with a peer's on the same data before timing (rel_err in the record).
+Timing: tileattn.bench.harness.measure (CUDA events, L2 flushed before each repetition).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from .harness import host_overhead_us, measure
+from .records import write_run
+from .report import environment_line, fmt_number
+
+BATCHES = (1, 8, 64, 256)
+KV_LENS = (1024, 4096, 32768)
+BLOCK_SIZES = (16, 256)
+HEADS = ((32, 32), (32, 8))
+QUICK = {"batches": (1, 8, 64), "kv_lens": (4096,), "block_sizes": (16, 256)}
+HEAD_DIM = 128
+DTYPE = torch.bfloat16
+COPY_TBPS = 4.3  # H200 device-to-device copy, shared/ANCHORS.md
+
+
+def paged_from_dense(k, block_size, gen):
+    """k [B, Hkv, N, d] -> (cache [B * N / block_size, block_size, Hkv, d], table int32 [B, N / block_size])
+    with the blocks in a random order."""
+    batch, kv_heads, n, d = k.shape
+    per_seq = n // block_size
+    order = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq).to(k.device)
+    cache = torch.empty(batch * per_seq, block_size, kv_heads, d, dtype=k.dtype, device=k.device)
+    for b in range(batch):  # one sequence at a time: no full-size temporary
+        cache[order[b]] = k[b].view(kv_heads, per_seq, block_size, d).permute(1, 2, 0, 3)
+    return cache, order.to(torch.int32)
+
+
+def _sdpa(backend_name):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+    F = torch.nn.functional
+
+    def prepare(q, k, v):
+        """A callable running this backend on (q, k, v), and how GQA was expressed."""
+        gqa = q.shape[1] != k.shape[1]
+        with sdpa_kernel(backend):
+            try:
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+                return (lambda: _run(backend, q, k, v, gqa)), "enable_gqa" if gqa else "mha"
+            except RuntimeError:
+                if not gqa:
+                    raise
+        group = q.shape[1] // k.shape[1]
+        kr, vr = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return (lambda: _run(backend, q, kr, vr, False)), "repeated heads"
+
+    return prepare
+
+
+def _run(backend, q, k, v, gqa):
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(backend):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+
+
+def rel_err(out, ref) -> float:
+    ref = ref.double()
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def decode_point(batch, heads, kv_heads, kv_len, block_sizes, reps, memory_gb) -> list[dict]:
+    """Records for one (B, H, Hkv, N): each peer once, tileattn once per block size."""
+    from ..api_paged import attention_paged
+    from ..kernels.attention_paged_sm80 import PagedLaunch
+
+    base = {"suite": "decode", "b": batch, "h": heads, "hkv": kv_heads, "kv_len": kv_len, "d": HEAD_DIM,
+            "dtype": "bf16"}
+    kv_bytes = 2 * batch * kv_heads * kv_len * HEAD_DIM * 2
+    if 2 * kv_bytes > memory_gb * 1e9:
+        return [dict(base, impl="all", status=f"skipped: {2 * kv_bytes / 1e9:.0f} GB of K+V (paged + dense)")]
+    gen = torch.Generator(device="cuda").manual_seed(batch * kv_len + kv_heads)
+    q = torch.randn(batch, heads, 1, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)  # [B, H, 1, d]
+    k = torch.randn(batch, kv_heads, kv_len, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+    v = torch.randn(batch, kv_heads, kv_len, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+    records, outputs = [], {}
+    with torch.no_grad():
+        for name in ("flash", "cudnn"):
+            rec = dict(base, impl=f"sdpa_{name}")
+            try:
+                call, how = _sdpa(name)(q, k, v)
+                outputs[name] = call()[:, :, 0]  # [B, H, d]
+                rec.update(gqa=how, **_timed(call, reps, kv_bytes))
+            except RuntimeError as exc:
+                rec.update(status=f"error: {str(exc).splitlines()[0][:100]}")
+            records.append(rec)
+            torch.cuda.empty_cache()
+        peer = next(iter(outputs.values()), None)
+        q_packed = q[:, :, 0]  # [B, H, d]: token b is sequence b's only query
+        cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+        seqlens = torch.full((batch,), kv_len, device="cuda", dtype=torch.int32)
+        for bs in block_sizes:
+            k_cache, table = paged_from_dense(k, bs, torch.Generator().manual_seed(kv_len))
+            v_cache, _ = paged_from_dense(v, bs, torch.Generator().manual_seed(kv_len))  # the same block order
+            args = (q_packed, k_cache, v_cache, table, cu_q, seqlens, 1, kv_len)
+            call = lambda: attention_paged(*args)  # noqa: E731
+            plan = PagedLaunch(q_packed, k_cache, v_cache, table, max_seqlen_q=1, causal=True,
+                               scale=1 / math.sqrt(HEAD_DIM), return_lse=False, num_splits=None)
+            rec = dict(base, impl="tileattn_paged", block_size=bs, num_splits=plan.num_splits, config=str(plan.config))
+            if peer is not None:
+                rec["rel_err_vs_sdpa"] = rel_err(call(), peer)
+            rec.update(_timed(call, reps, kv_bytes))
+            records.append(rec)
+            del args, call, k_cache, v_cache  # free this block size's cache before the next
+            torch.cuda.empty_cache()
+    return records
+
+
+def _timed(call, reps, kv_bytes) -> dict:
+    t = measure(call, warmup=3, reps=reps, max_seconds=3.0, memory=False)
+    return {"status": "ok", "us": t.median_ms * 1e3, "tbps": kv_bytes / (t.median_ms * 1e-3) / 1e12, **t.as_dict()}
+
+
+def useful_flops(batch, heads, n_q, n_k, d) -> float:
+    """Causal bottom-right: query i of n_q sees n_k - n_q + i + 1 keys; 4 FLOPs per (query, key, dim)."""
+    pairs = n_q * (n_k - n_q) + n_q * (n_q + 1) // 2
+    return 4.0 * batch * heads * pairs * d
+
+
+def prefill_point(heads, kv_heads, block_sizes, reps, chunk=512, prefix=4096, batch=8) -> list[dict]:
+    import tileattn
+
+    from ..api_paged import attention_paged
+
+    n_k = prefix + chunk
+    base = {"suite": "prefill_chunk", "b": batch, "h": heads, "hkv": kv_heads, "chunk": chunk, "prefix": prefix,
+            "d": HEAD_DIM, "dtype": "bf16"}
+    flops = useful_flops(batch, heads, chunk, n_k, HEAD_DIM)
+    gen = torch.Generator(device="cuda").manual_seed(heads + kv_heads)
+    q = torch.randn(batch, heads, chunk, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+    k = torch.randn(batch, kv_heads, n_k, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+    v = torch.randn(batch, kv_heads, n_k, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+    records = []
+    with torch.no_grad():
+        dense = lambda: tileattn.attention(q, k, v, causal=True)  # noqa: E731
+        ref = dense().transpose(1, 2).reshape(batch * chunk, heads, HEAD_DIM)
+        t = measure(dense, reps=reps, max_seconds=3.0, memory=False)
+        records.append(dict(base, impl="tileattn_dense", status="ok", tflops=flops / (t.median_ms * 1e-3) / 1e12,
+                            us=t.median_ms * 1e3, **t.as_dict()))
+        q_packed = q.transpose(1, 2).reshape(batch * chunk, heads, HEAD_DIM)  # [B * chunk, H, d]
+        cu_q = torch.arange(0, batch * chunk + 1, chunk, device="cuda", dtype=torch.int32)
+        seqlens = torch.full((batch,), n_k, device="cuda", dtype=torch.int32)
+        for bs in block_sizes:
+            pad = -n_k % bs
+            kp = torch.nn.functional.pad(k, (0, 0, 0, pad))  # whole blocks; the pad keys are never visible
+            vp = torch.nn.functional.pad(v, (0, 0, 0, pad))
+            k_cache, table = paged_from_dense(kp, bs, torch.Generator().manual_seed(bs))
+            v_cache, _ = paged_from_dense(vp, bs, torch.Generator().manual_seed(bs))
+            args = (q_packed, k_cache, v_cache, table, cu_q, seqlens, chunk, n_k)
+            call = lambda: attention_paged(*args)  # noqa: E731
+            err = rel_err(call(), ref)
+            t = measure(call, reps=reps, max_seconds=3.0, memory=False)
+            records.append(dict(base, impl="tileattn_paged", block_size=bs, status="ok", rel_err_vs_dense=err,
+                                tflops=flops / (t.median_ms * 1e-3) / 1e12, us=t.median_ms * 1e3, **t.as_dict()))
+            del args, call, k_cache, v_cache, kp, vp  # free this block size's cache before the next
+            torch.cuda.empty_cache()
+    return records
+
+
+def host_time(records: list[dict]) -> None:
+    """Host microseconds per attention_paged call (decode, B=8, GQA 32/8, 4k keys), beside SDPA."""
+    from ..api_paged import attention_paged
+
+    k = torch.randn(8, 8, 4096, HEAD_DIM, device="cuda", dtype=DTYPE)
+    q = torch.randn(8, 32, 1, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k_cache, table = paged_from_dense(k, 16, torch.Generator().manual_seed(0))
+    args = (q[:, :, 0], k_cache, k_cache, table, torch.arange(9, device="cuda", dtype=torch.int32),
+            torch.full((8,), 4096, device="cuda", dtype=torch.int32), 1, 4096)
+    with torch.no_grad():
+        ours = host_overhead_us(lambda: attention_paged(*args))
+        sdpa = host_overhead_us(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, k, enable_gqa=True))
+    records.append({"suite": "host_overhead", "impl": "tileattn_paged", "host_us_per_call": ours})
+    records.append({"suite": "host_overhead", "impl": "sdpa", "host_us_per_call": sdpa})
+
+
+def render(records: list[dict]) -> str:
+    lines = ["### decode, bf16 d=128: median us (effective K+V TB/s)", "",
+             "| H/Hkv | B | KV | sdpa_flash | sdpa_cudnn | tileattn bs=16 | tileattn bs=256 | best tileattn / best "
+             "peer | splits |", "|---|---|---|---|---|---|---|---|---|"]
+    points: dict[tuple, dict] = {}
+    for r in records:
+        if r["suite"] == "decode":
+            key = (f"{r['h']}/{r['hkv']}", r["b"], r["kv_len"])
+            name = r["impl"] if r["impl"] != "tileattn_paged" else f"bs{r['block_size']}"
+            points.setdefault(key, {})[name] = r
+
+    def cell(r):
+        if r is None:
+            return "-"
+        if r.get("status") != "ok":
+            return r.get("status", "-")
+        return f"{r['us']:.1f} ({r['tbps']:.2f})"
+
+    for key, cells in points.items():
+        if "all" in cells:
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {cells['all']['status']} | | | | | |")
+            continue
+        ours = [r["tbps"] for n, r in cells.items() if n.startswith("bs") and r.get("status") == "ok"]
+        peers = [r["tbps"] for n, r in cells.items() if n.startswith("sdpa") and r.get("status") == "ok"]
+        ratio = f"{max(ours) / max(peers):.2f}" if ours and peers else "-"
+        splits = "/".join(str(cells[n].get("num_splits")) for n in ("bs16", "bs256") if n in cells)
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {cell(cells.get('sdpa_flash'))} | "
+                     f"{cell(cells.get('sdpa_cudnn'))} | {cell(cells.get('bs16'))} | {cell(cells.get('bs256'))} | "
+                     f"{ratio} | {splits} |")
+    lines += ["", f"(copy bandwidth {COPY_TBPS} TB/s; targets: >= 1.1x the best peer, >= 3.9 TB/s at B >= 8 with "
+              "KV >= 4k, B=1 KV=4k <= 30 us)", "",
+              "### chunked prefill: 512 queries after a 4096-key prefix, B=8, causal: TFLOP/s (useful FLOPs)", "",
+              "| H/Hkv | impl | block_size | TFLOP/s | us | vs dense | rel. error vs dense |", "|---|---|---|---|---|---|---|"]
+    dense = {(r["h"], r["hkv"]): r["tflops"] for r in records if r["suite"] == "prefill_chunk"
+             and r["impl"] == "tileattn_dense"}
+    for r in records:
+        if r["suite"] == "prefill_chunk":
+            ratio = r["tflops"] / dense[(r["h"], r["hkv"])] if (r["h"], r["hkv"]) in dense else None
+            lines.append(f"| {r['h']}/{r['hkv']} | {r['impl']} | {r.get('block_size', '-')} | "
+                         f"{fmt_number(r['tflops'])} | {fmt_number(r['us'])} | {fmt_number(ratio)} | "
+                         f"{fmt_number(r.get('rel_err_vs_dense'))} |")
+    for r in records:
+        if r["suite"] == "host_overhead":
+            lines.append(f"\nhost time per call, {r['impl']}: {r['host_us_per_call']:.1f} us")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from ..runtime import require_gpu
+    from .env import environment
+
+    ap = argparse.ArgumentParser(prog="tileattn bench decode", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=f"B in {QUICK['batches']}, KV in {QUICK['kv_lens']}")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--memory-gb", type=float, default=100.0, help="skip points needing more K+V than this")
+    ap.add_argument("--no-prefill", action="store_true", help="decode only")
+    ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--markdown", help="write the tables here")
+    args = ap.parse_args(argv)
+    require_gpu()
+    env = environment()
+    print(environment_line(env))
+    batches = QUICK["batches"] if args.quick else BATCHES
+    kv_lens = QUICK["kv_lens"] if args.quick else KV_LENS
+    block_sizes = QUICK["block_sizes"] if args.quick else BLOCK_SIZES
+    records: list[dict] = []
+    for heads, kv_heads in HEADS:
+        for batch in batches:
+            for kv_len in kv_lens:
+                point = decode_point(batch, heads, kv_heads, kv_len, block_sizes, args.reps, args.memory_gb)
+                records += point
+                print(f"decode H={heads}/{kv_heads} B={batch} KV={kv_len}: " + ", ".join(
+                    f"{r['impl']}{r.get('block_size', '')} {fmt_number(r.get('us'))} us" if r.get("status") == "ok"
+                    else f"{r['impl']} {r.get('status')}" for r in point))
+        if not args.no_prefill:
+            records += prefill_point(heads, kv_heads, block_sizes, args.reps)
+    host_time(records)
+    for r in records:
+        err = r.get("rel_err_vs_sdpa", r.get("rel_err_vs_dense"))
+        if err is not None and err > 2e-2:
+            print(f"WARNING: {r['suite']} {r['impl']} B={r['b']} H={r['h']}/{r['hkv']}: rel. error {err:.2e}")
+    if args.json:
+        write_run(args.json, records, env)
+    text = render(records)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(environment_line(env) + "\n\n" + text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
