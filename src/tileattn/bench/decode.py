@@ -25,6 +25,7 @@ Timing: tileattn.bench.harness.measure (CUDA events, L2 flushed before each repe
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 
 import torch
@@ -123,8 +124,7 @@ def decode_point(batch, heads, kv_heads, kv_len, block_sizes, reps, memory_gb) -
         for bs in block_sizes:
             k_cache, table = paged_from_dense(k, bs, torch.Generator().manual_seed(kv_len))
             v_cache, _ = paged_from_dense(v, bs, torch.Generator().manual_seed(kv_len))  # the same block order
-            args = (q_packed, k_cache, v_cache, table, cu_q, seqlens, 1, kv_len)
-            call = lambda: attention_paged(*args)  # noqa: E731
+            call = functools.partial(attention_paged, q_packed, k_cache, v_cache, table, cu_q, seqlens, 1, kv_len)
             plan = PagedLaunch(q_packed, k_cache, v_cache, table, max_seqlen_q=1, causal=True,
                                scale=1 / math.sqrt(HEAD_DIM), return_lse=False, num_splits=None)
             rec = dict(base, impl="tileattn_paged", block_size=bs, num_splits=plan.num_splits, config=str(plan.config))
@@ -132,7 +132,7 @@ def decode_point(batch, heads, kv_heads, kv_len, block_sizes, reps, memory_gb) -
                 rec["rel_err_vs_sdpa"] = rel_err(call(), peer)
             rec.update(_timed(call, reps, kv_bytes))
             records.append(rec)
-            del args, call, k_cache, v_cache  # free this block size's cache before the next
+            del call, k_cache, v_cache  # free this block size's cache before the next
             torch.cuda.empty_cache()
     return records
 
@@ -177,13 +177,12 @@ def prefill_point(heads, kv_heads, block_sizes, reps, chunk=512, prefix=4096, ba
             vp = torch.nn.functional.pad(v, (0, 0, 0, pad))
             k_cache, table = paged_from_dense(kp, bs, torch.Generator().manual_seed(bs))
             v_cache, _ = paged_from_dense(vp, bs, torch.Generator().manual_seed(bs))
-            args = (q_packed, k_cache, v_cache, table, cu_q, seqlens, chunk, n_k)
-            call = lambda: attention_paged(*args)  # noqa: E731
+            call = functools.partial(attention_paged, q_packed, k_cache, v_cache, table, cu_q, seqlens, chunk, n_k)
             err = rel_err(call(), ref)
             t = measure(call, reps=reps, max_seconds=3.0, memory=False)
             records.append(dict(base, impl="tileattn_paged", block_size=bs, status="ok", rel_err_vs_dense=err,
                                 tflops=flops / (t.median_ms * 1e-3) / 1e12, us=t.median_ms * 1e3, **t.as_dict()))
-            del args, call, k_cache, v_cache, kp, vp  # free this block size's cache before the next
+            del call, k_cache, v_cache, kp, vp  # free this block size's cache before the next
             torch.cuda.empty_cache()
     return records
 
