@@ -148,6 +148,35 @@ def test_small_for_sanitizer(d, causal):
     check(out, lse, q, k, v, causal, 0.1, what="small")
 
 
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_one_hot_rows_diagnose_layouts(d):
+    """Query i = 40 x key i (orthogonal-ish random keys): each row's softmax is ~one-hot on key i,
+    so out[i] ~= V[i]. On failure the message says, for the first wrong rows, which V row and which
+    columns the kernel produced instead: a transposed or mis-swizzled operand (S, P or V) or a
+    misplaced stmatrix/TMA store shows up as a recognizable permutation."""
+    n = 256
+    g = _gen(100 + d)
+    k = torch.nn.functional.normalize(torch.randn(1, 1, n, d, device="cuda", generator=g), dim=-1)
+    q = (k * 40.0).to(BF16)
+    k = k.to(BF16)
+    v = torch.randn(1, 1, n, d, device="cuda", generator=g).to(BF16)
+    out, lse = launch(q, k, v, False, 1.0)
+    ref, _ = reference.attention(q, k, v, causal=False, scale=1.0, compute_dtype=torch.float64)
+    row_err = (out.double() - ref).norm(dim=-1)[0, 0] / ref.norm(dim=-1)[0, 0]
+    bad = torch.nonzero(row_err > 2e-2).flatten().tolist()
+    if bad:
+        vd = v[0, 0].double()
+        notes = []
+        for i in bad[:4]:
+            o = out[0, 0, i].double()
+            j = int((vd - o).norm(dim=-1).argmin())
+            cols = [int((vd[j] - o[c]).abs().argmin()) for c in range(min(d, 16))]
+            notes.append(f"row {i}: closest V row {j} (err {row_err[i].item():.2e}); out[{i}, c] ~ V[{j}, {cols}] "
+                         f"for c = 0..{min(d, 16) - 1}")
+        raise AssertionError(f"d={d}: {len(bad)} of {n} rows wrong; " + "; ".join(notes))
+    check(out, lse, q, k, v, False, 1.0, what="one-hot")
+
+
 @pytest.mark.sanitize
 def test_single_query_single_key():
     for causal in (False, True):
