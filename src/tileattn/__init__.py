@@ -1,13 +1,18 @@
 """tileattn: fused attention kernels in CUDA C++, compiled at run time, driven from PyTorch.
 
-Public API: `tileattn.attention(q, k, v, causal=False, scale=None, return_lse=False,
-deterministic=False)`. Importing tileattn registers the torch.library ops `tileattn::attention_fwd`
-and `tileattn::attention_bwd`; it does not initialise CUDA or compile anything (kernels are
-compiled on first use).
+Public API:
+- `attention(q, k, v, causal=False, scale=None, return_lse=False, deterministic=False)`: dense
+  [B, H, N, d] attention with autograd.
+- `attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q,
+  max_seqlen_k, ...)`: packed queries against a paged KV cache (decode, chunked prefill).
+- `write_kv_cache(k, v, k_cache, v_cache, slot_mapping)`: store keys and values into their slots.
+Importing tileattn registers the torch.library ops; it does not initialise CUDA or compile anything
+(kernels are compiled, or loaded from the disk cache, on first use, one instantiation at a time).
 """
 
 from .api import attention
+from .api_paged import attention_paged, write_kv_cache
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "attention"]
+__all__ = ["__version__", "attention", "attention_paged", "write_kv_cache"]
