@@ -1,0 +1,330 @@
+"""`tileattn bench engine`: the engine beside what a PyTorch user would run instead (GPU only).
+
+Measured, each with its peers in the same run, on random-init weights of real shapes made on the
+machine from a config (written once as an HF checkpoint under --workdir, reused afterwards):
+- decode: batch-1 greedy, Llama-3-8B shape bf16, 32-token prompt, 256 new tokens. tok/s over the
+  decode tokens (first token excluded) and achieved bandwidth = bytes read per token x tok/s,
+  where bytes per token = all weights except the input embedding table (one row of it is read)
+  + the KV cache of the average context. Peers: transformers eager `generate`, and transformers
+  with a static cache and `torch.compile(mode="reduce-overhead")` on its forward.
+- throughput: nano-vllm's workload (256 requests, seed 0, random token ids, prompt and output
+  lengths uniform in [100, 1024], ignore EOS): output tokens / wall time, Qwen3-0.6B shape (and
+  Llama-3-8B shape). Peer: transformers' continuous-batching `generate_batch` (one max_new_tokens
+  for all: the workload's mean, 562, so the output token count matches in expectation).
+- ttft: time to first token of one 1024-token prompt (median of 5 distinct prompts, no cache hits).
+- startup: engine construction (load from disk + KV-cache sizing + CUDA-graph capture).
+--quick: smaller shapes and workloads, no torch.compile peer; finishes in under 2 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import time
+
+SHAPES = {
+    "llama3-8b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096,
+                      intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      max_position_embeddings=8192, tie_word_embeddings=False),
+    "llama3.2-1b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=2048,
+                        intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+                        max_position_embeddings=8192, tie_word_embeddings=True),
+    "qwen3-0.6b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=1024,
+                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
+                       rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True),
+}
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="tileattn bench engine", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small shapes and workloads (< 2 minutes)")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "tileattn-bench-engine"),
+                    help="where the random-init checkpoints are written (reused between runs)")
+    ap.add_argument("--only", choices=["decode", "throughput", "ttft"], action="append",
+                    help="run only these parts (repeatable)")
+    ap.add_argument("--no-peers", action="store_true", help="the engine only")
+    ap.add_argument("--no-compile-peer", action="store_true", help="skip the torch.compile peer (slow to compile)")
+    return ap.parse_args(argv)
+
+
+def bench_engine_main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("tileattn bench engine needs a CUDA GPU (none visible to torch); nothing measured")
+        return 1
+    parts = set(args.only or ["decode", "throughput", "ttft"])
+    quick = args.quick
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "quick": quick,
+               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": []}
+    try:
+        import transformers
+        results["transformers"] = transformers.__version__
+    except ImportError:
+        args.no_peers = True
+    rows = results["rows"]
+    if "decode" in parts:
+        shape = "llama3.2-1b" if quick else "llama3-8b"
+        rows += bench_decode(args, shape, new_tokens=64 if quick else 256,
+                             compile_peer=not (quick or args.no_compile_peer or args.no_peers))
+    if "throughput" in parts:
+        for shape in (["qwen3-0.6b"] if quick else ["qwen3-0.6b", "llama3-8b"]):
+            rows += bench_throughput(args, shape, requests=32 if quick else 256, max_len=256 if quick else 1024)
+    if "ttft" in parts:
+        rows += bench_ttft(args, "qwen3-0.6b" if quick else "llama3-8b", prompt_len=1024)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+def checkpoint(args, shape: str):
+    """(path, transformers model on the GPU in bf16) for a random-init checkpoint of ``shape``."""
+    import torch
+    import transformers
+
+    path = os.path.join(args.workdir, shape)
+    config = transformers.AutoConfig.for_model(**SHAPES[shape])
+    config.architectures = SHAPES[shape]["architectures"]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.eval()
+    marker = os.path.join(path, "config.json")
+    if not os.path.isfile(marker):
+        os.makedirs(path, exist_ok=True)
+        model.save_pretrained(path)
+        _save_tokenizer(path)
+    return path, model
+
+
+def _save_tokenizer(path) -> None:
+    """A small byte-level BPE: the benchmarks feed token ids; the engine only needs a tokenizer file."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["tileattn engine benchmark"], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>"}, f)
+
+
+def _free() -> None:
+    """Return the GPU memory of objects the caller has just dropped (models, engines, graphs)."""
+    import torch
+
+    gc.collect()
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+
+
+def _engine(path, **options):
+    from .llm import LLMEngine
+
+    return LLMEngine.from_model(path, device="cuda", dtype="bfloat16", **options)
+
+
+def _run_to_end(engine):
+    first = None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if first is None and any(o.outputs[0].token_ids for o in outs):
+            first = time.perf_counter()
+    return first
+
+
+# ---- decode --------------------------------------------------------------------------------------
+
+def decode_bytes_per_token(model_cfg, dtype_bytes: int, context: float) -> float:
+    """Weights read per decode token (the input embedding table excepted: one row is read; it is
+    read in full as the output head when tied) plus the KV cache of ``context`` tokens."""
+    c = model_cfg
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    weights = c.num_layers * layer + c.vocab_size * c.hidden_size  # + the output head
+    kv_cache = 2 * c.num_layers * kv * context
+    return (weights + kv_cache) * dtype_bytes
+
+
+def bench_decode(args, shape, new_tokens, compile_peer):
+    import torch
+
+    from .sampling_params import SamplingParams
+
+    path, model = checkpoint(args, shape)
+    prompt = random.Random(0).choices(range(1000, 20000), k=32)
+    rows = []
+    if not args.no_peers:
+        ids = torch.tensor([prompt], device="cuda")
+        rows.append(_peer("transformers eager", shape, "decode", _hf_decode, model, ids, new_tokens))
+        if compile_peer:
+            def compiled(model, ids, new_tokens):
+                model.generation_config.cache_implementation = "static"
+                model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+                _hf_generate(model, ids, new_tokens)  # compile and capture
+                return _hf_decode(model, ids, new_tokens)
+
+            rows.append(_peer("transformers static cache + torch.compile", shape, "decode", compiled,
+                              model, ids, new_tokens))
+    model = None
+    _free()
+    engine = _engine(path, max_num_seqs=8, max_model_len=2048)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for attempt in range(2):  # the first run warms up (kernel compile / load)
+        engine.add_request(f"decode{attempt}", prompt, params)
+        start = time.perf_counter()
+        first = _run_to_end(engine)
+        end = time.perf_counter()
+    tok_s = (new_tokens - 1) / (end - first)
+    per_token = decode_bytes_per_token(engine.model_config, 2, len(prompt) + new_tokens / 2)
+    rows.append({"bench": "decode", "shape": shape, "system": "tileattn.engine", "tok_s": tok_s,
+                 "bandwidth_TBs": per_token * tok_s / 1e12, "bytes_per_token": per_token,
+                 "startup_s": engine.startup_seconds, "ttft_ms": (first - start) * 1e3})
+    for row in rows:
+        if row.get("tok_s") is not None:
+            row.setdefault("bandwidth_TBs", per_token * row["tok_s"] / 1e12)
+    engine = None
+    _free()
+    return rows
+
+
+def _hf_generate(model, ids, new_tokens):
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _hf_decode(model, ids, new_tokens):
+    _hf_generate(model, ids, 2)  # warm-up
+    one = _hf_generate(model, ids, 1)
+    full = _hf_generate(model, ids, new_tokens)
+    return {"tok_s": (new_tokens - 1) / (full - one)}
+
+
+def _peer(system, shape, bench, fn, *args):
+    """A peer's row; a peer that fails (an API that moved between transformers versions) is
+    recorded with its error instead of ending the benchmark."""
+    row = {"bench": bench, "shape": shape, "system": system}
+    try:
+        row.update(fn(*args))
+    except Exception as exc:  # noqa: BLE001 (any failure of a peer is reported, not raised)
+        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        print(f"{system}: failed: {row['error']}")
+    return row
+
+
+# ---- throughput ----------------------------------------------------------------------------------
+
+def workload(requests: int, max_len: int):
+    """nano-vllm's bench.py workload: seed 0, random ids, lengths uniform in [100, max_len]."""
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_len))] for _ in range(requests)]
+    outputs = [rng.randint(100, max_len) for _ in range(requests)]
+    return prompts, outputs
+
+
+def bench_throughput(args, shape, requests, max_len):
+    import torch
+
+    from .llm import LLM
+    from .sampling_params import SamplingParams
+
+    path, model = checkpoint(args, shape)
+    prompts, lengths = workload(requests, max_len)
+    rows = []
+    if not args.no_peers:
+        rows.append(_peer("transformers generate_batch", shape, "throughput", _hf_batch, model, prompts,
+                          round(statistics.mean(lengths))))
+    model = None
+    _free()
+    llm = LLM(path, device="cuda", dtype="bfloat16", max_model_len=2 * max_len + 16)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    rows.append({"bench": "throughput", "shape": shape, "system": "tileattn.engine", "requests": requests,
+                 "output_tokens": produced, "seconds": seconds, "tok_s": produced / seconds,
+                 "startup_s": llm.engine.startup_seconds, "preemptions": llm.engine.stats()["num_preemptions"],
+                 "kv_blocks": llm.engine.block_manager.num_blocks})
+    llm = None
+    _free()
+    return rows
+
+
+def _hf_batch(model, prompts, new_tokens):
+    import torch
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate_batch(inputs=prompts, generation_config=config)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.generated_tokens) for o in out.values())
+    return {"requests": len(prompts), "output_tokens": produced, "seconds": seconds, "tok_s": produced / seconds}
+
+
+# ---- time to first token -------------------------------------------------------------------------
+
+def bench_ttft(args, shape, prompt_len):
+    import torch
+
+    from .sampling_params import SamplingParams
+
+    path, model = checkpoint(args, shape)
+    model = None
+    _free()
+    engine = _engine(path, max_model_len=4096)
+    rng = random.Random(1)
+    times = []
+    for i in range(6):  # the first one warms up
+        prompt = [rng.randint(1000, 30000) for _ in range(prompt_len)]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.add_request(f"ttft{i}", prompt, SamplingParams(temperature=0, max_tokens=1))
+        while engine.has_unfinished_requests():
+            engine.step()
+        times.append(time.perf_counter() - start)
+    row = {"bench": "ttft", "shape": shape, "system": "tileattn.engine", "prompt_tokens": prompt_len,
+           "ttft_ms": statistics.median(times[1:]) * 1e3, "startup_s": engine.startup_seconds}
+    engine = None
+    _free()
+    return [row]
+
+
+def print_table(rows) -> None:
+    print(f"{'bench':<11}{'shape':<13}{'system':<44}{'tok/s':>10}{'TB/s':>7}{'TTFT ms':>9}{'startup s':>10}")
+    for r in rows:
+        def num(key, fmt):
+            return format(r[key], fmt) if r.get(key) is not None else "-"
+        print(f"{r['bench']:<11}{r['shape']:<13}{r['system']:<44}{num('tok_s', ',.0f'):>10}"
+              f"{num('bandwidth_TBs', '.2f'):>7}{num('ttft_ms', '.1f'):>9}{num('startup_s', '.1f'):>10}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(bench_engine_main())
