@@ -26,7 +26,7 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
 
-from tileattn.engine.server import create_app
+from tileattn.engine.server import create_app  # noqa: E402 (after the importorskips)
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 192
@@ -80,13 +80,13 @@ def make_engine(path: str):
 class ServerThread:
     """uvicorn serving ``app`` on 127.0.0.1:<free port> in a background thread."""
 
-    def __init__(self, app):
+    def __init__(self, app, graceful_shutdown_s: float = 5):
         self.app = app
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=graceful_shutdown_s)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
@@ -576,3 +576,19 @@ def test_cli_serve_starts_answers_and_stops_on_sigint(checkpoint):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_shutdown_with_a_stream_in_flight_leaves_the_engine_empty(checkpoint):
+    """uvicorn's graceful period ends while a stream still runs: its task is cancelled, the request
+    aborted, the engine thread joined, and the engine holds nothing afterwards."""
+    engine = make_engine(checkpoint)
+    real_step = engine.step
+    engine.step = lambda: time.sleep(0.02) or real_step()  # ~170 tokens take > 3 s
+    with ServerThread(create_app(engine, MODEL), graceful_shutdown_s=0.5) as s:
+        stream = s.client().completions.create(model=MODEL, prompt="long answer", max_tokens=170, stream=True,
+                                               **_extra(ignore_eos=True))
+        next(iter(stream))
+        engine_loop = s.state.engine_loop
+    assert not engine_loop.running
+    stats = engine.stats()
+    assert not engine.has_unfinished_requests() and stats["num_free_blocks"] == stats["num_total_blocks"], stats

@@ -120,11 +120,12 @@ def _snapshot(out) -> StepOutput:
 class EngineLoop:
     """Runs ``engine.step()`` in a background thread while any request is unfinished.
 
-    ``call(fn)`` runs ``fn(engine)`` on that thread between two steps and returns a
-    concurrent.futures.Future; ``on_outputs(list[StepOutput], t_step_end)`` and
+    ``add`` / ``abort`` / ``call(fn)`` queue work that runs on that thread between two steps and
+    return a concurrent.futures.Future; ``on_outputs(list[StepOutput], t_step_end)`` and
     ``on_error(exc)`` are called on the asyncio ``loop`` (via call_soon_threadsafe).
     ``stats`` is the engine's stats() dict as of the last step or command (read without locking:
-    the engine thread replaces the whole dict).
+    the engine thread replaces the whole dict). ``stop()`` aborts every request this loop added
+    that has not finished, so the engine is left empty.
     """
 
     def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_outputs, on_error):
@@ -136,6 +137,7 @@ class EngineLoop:
         self._commands: list[tuple[Any, concurrent.futures.Future]] = []
         self._stopping = False
         self._busy = False
+        self._live: set[str] = set()  # added through this loop, not finished or aborted (engine thread only)
         self._thread = threading.Thread(target=self._run, name="tileattn-engine", daemon=True)
 
     @property
@@ -159,7 +161,34 @@ class EngineLoop:
         if self._thread.is_alive():
             log.error("engine thread did not stop within %.0f s", timeout)
 
+    def add(self, requests: list[tuple[str, list[int]]], params: SamplingParams) -> concurrent.futures.Future:
+        """Add (request_id, prompt ids) pairs all or none: if the engine refuses one (ValueError),
+        the ones already added are aborted and the future raises that error."""
+        def add_all(engine):
+            added = []
+            try:
+                for rid, prompt in requests:
+                    engine.add_request(rid, prompt, params)
+                    added.append(rid)
+            except BaseException:
+                for rid in added:
+                    engine.abort_request(rid)
+                raise
+            self._live.update(added)
+
+        return self.call(add_all)
+
+    def abort(self, request_ids: list[str]) -> concurrent.futures.Future:
+        def abort_all(engine):
+            for rid in request_ids:
+                engine.abort_request(rid)
+                self._live.discard(rid)
+
+        return self.call(abort_all)
+
     def call(self, fn) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread between two steps; its result or exception lands
+        in the returned future (EngineDeadError when the loop stopped)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._stopping or self.error is not None:
@@ -187,10 +216,14 @@ class EngineLoop:
                         except Exception as exc:  # noqa: BLE001 - the caller gets it; the engine is unharmed
                             fut.set_exception(exc)
                 if stopping:
+                    for rid in self._live:
+                        engine.abort_request(rid)
+                    self._live.clear()
                     break
                 outputs = engine.step() if engine.has_unfinished_requests() else []
                 t_end = time.monotonic()
                 steps = [_snapshot(o) for o in outputs]
+                self._live.difference_update(o.request_id for o in steps if o.finished)
                 self._busy = engine.has_unfinished_requests()
                 self.stats = engine.stats()
                 if steps:
@@ -393,21 +426,8 @@ class Generation:
         self._admitted = True
         for rid in self.ids:
             state.generations[rid] = self
-        ids, prompts, params = self.ids, self.prompts, self.params
-
-        def add_all(engine):
-            added = []
-            try:
-                for rid, prompt in zip(ids, prompts):
-                    engine.add_request(rid, prompt, params)
-                    added.append(rid)
-            except BaseException:
-                for rid in added:
-                    engine.abort_request(rid)
-                raise
-
         try:
-            await asyncio.wrap_future(state.engine_loop.call(add_all))
+            await asyncio.wrap_future(state.engine_loop.add(list(zip(self.ids, self.prompts)), self.params))
         except ValueError as exc:
             self.unfinished.clear()
             self.close()
@@ -419,7 +439,7 @@ class Generation:
         except BaseException:
             self.close()
             raise
-        state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        state.metrics.prompt_tokens.inc(sum(len(p) for p in self.prompts))
 
     def receive(self, step: StepOutput, t_end: float) -> None:
         """Event loop: metrics, then hand the step to whoever reads the queue. A choice that
@@ -487,10 +507,7 @@ class Generation:
             state.in_flight -= len(self.ids)
         pending = [rid for rid in self.ids if rid in self.unfinished]
         if pending and state.engine_loop is not None:
-            def abort(engine):
-                for rid in pending:
-                    engine.abort_request(rid)
-            state.engine_loop.call(abort)
+            state.engine_loop.abort(pending)
             log.info("aborted %d request(s) of a closed connection: %s", len(pending), pending)
 
 
