@@ -182,7 +182,7 @@ def bench_decode(args, shape, new_tokens, compile_peer):
 
             rows.append(_peer("transformers static cache + torch.compile", shape, "decode", compiled,
                               model, ids, new_tokens))
-    model = None
+    del model
     _free()
     engine = _engine(path, max_num_seqs=8, max_model_len=2048)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -199,7 +199,7 @@ def bench_decode(args, shape, new_tokens, compile_peer):
     for row in rows:
         if row.get("tok_s") is not None:
             row.setdefault("bandwidth_TBs", per_token * row["tok_s"] / 1e12)
-    engine = None
+    del engine
     _free()
     return rows
 
@@ -255,7 +255,7 @@ def bench_throughput(args, shape, requests, max_len):
     if not args.no_peers:
         rows.append(_peer("transformers generate_batch", shape, "throughput", _hf_batch, model, prompts,
                           round(statistics.mean(lengths))))
-    model = None
+    del model
     _free()
     llm = LLM(path, device="cuda", dtype="bfloat16", max_model_len=2 * max_len + 16)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
@@ -270,7 +270,7 @@ def bench_throughput(args, shape, requests, max_len):
                  "output_tokens": produced, "seconds": seconds, "tok_s": produced / seconds,
                  "startup_s": llm.engine.startup_seconds, "preemptions": llm.engine.stats()["num_preemptions"],
                  "kv_blocks": llm.engine.block_manager.num_blocks})
-    llm = None
+    del llm
     _free()
     return rows
 
@@ -297,7 +297,7 @@ def bench_ttft(args, shape, prompt_len):
     from .sampling_params import SamplingParams
 
     path, model = checkpoint(args, shape)
-    model = None
+    del model
     _free()
     engine = _engine(path, max_model_len=4096)
     rng = random.Random(1)
@@ -312,7 +312,7 @@ def bench_ttft(args, shape, prompt_len):
         times.append(time.perf_counter() - start)
     row = {"bench": "ttft", "shape": shape, "system": "tileattn.engine", "prompt_tokens": prompt_len,
            "ttft_ms": statistics.median(times[1:]) * 1e3, "startup_s": engine.startup_seconds}
-    engine = None
+    del engine
     _free()
     return [row]
 

@@ -1,0 +1,129 @@
+"""The engine on the GPU in bf16 with tileattn's attention_paged / write_kv_cache kernels.
+
+Oracle: transformers' fp32 forward of the same tiny checkpoints (tests/engine/checkpoints.py).
+bf16 bounds: logits relative error < 3e-2 (bf16 weights and activations over 2 layers; the
+kernels accumulate in fp32). Greedy tokens are checked teacher-forced: every token the engine
+picks must be within the measured logit error of transformers' best token at that position, and
+at least 28 of 32 must be exactly its argmax. CUDA-graph decode must give the eager path's tokens.
+"""
+
+import pytest
+import torch
+
+from tests.engine.checkpoints import ARCHITECTURES, engine_logits, make_checkpoint, rel_error
+from tileattn.engine import LLM, LLMEngine, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+PROMPT = [0, 17, 203, 5, 99, 42, 300, 7, 8, 150, 61, 2, 33, 250, 19, 77, 180, 4, 90, 12]
+PROMPTS = [[0, 5, 9, 17, 33, 40, 2, 7], [0] + list(range(20, 120)), [0, 300, 301, 302] * 10, [0, 11]]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def arch_pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = make_checkpoint(path, request.param)
+    engine = LLMEngine.from_model(str(path), device="cuda", dtype="bfloat16", max_model_len=256,
+                                  max_num_seqs=8, kv_cache_blocks=64)
+    return request.param, hf, engine
+
+
+def test_logits_bf16_match_transformers_fp32(arch_pair):
+    arch, hf, engine = arch_pair
+    ours = engine_logits(engine, PROMPT).cpu()
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0].float()
+    err = rel_error(ours, ref)
+    assert err < 3e-2, f"{arch}: bf16 logits relative error {err:.2e} vs transformers fp32 (bound 3e-2)"
+
+
+def test_greedy_bf16_teacher_forced(arch_pair):
+    arch, hf, engine = arch_pair
+    engine.add_request("g", PROMPT, GREEDY)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    tokens = outs[-1].outputs[0].token_ids
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1:-1].float()  # [32, V]
+    margin = logits.max(-1).values - logits.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+    measured = (engine_logits(engine, PROMPT).cpu() - hf(torch.tensor([PROMPT])).logits[0].float()).abs().max()
+    assert (margin <= 2 * measured + 1e-3).all(), \
+        f"{arch}: tokens {tokens} lose to transformers' argmax by {margin.tolist()} (logit error {measured:.3f})"
+    exact = int((margin == 0).sum())
+    assert exact >= 28, f"{arch}: only {exact}/32 greedy tokens equal transformers' argmax"
+    stats = engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama_gpu")
+    make_checkpoint(path, "llama3")
+    return str(path)
+
+
+def _tokens(path, **options):
+    llm = LLM(path, device="cuda", dtype="bfloat16", max_model_len=256,
+              **{"kv_cache_blocks": 128, "max_num_seqs": 8, **options})
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], f"blocks leaked: {stats}"
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.fixture(scope="module")
+def eager_tokens(llama_path):
+    return _tokens(llama_path, enforce_eager=True)[0]
+
+
+@pytest.mark.sanitize
+def test_cuda_graph_decode_matches_eager(llama_path, eager_tokens):
+    tokens, llm = _tokens(llama_path)
+    assert llm.engine.runner.graphs, "no CUDA graphs were captured"
+    assert tokens == eager_tokens, f"graph {tokens}\neager {eager_tokens}"
+
+
+def test_chunked_prefill_and_prefix_cache_match_eager(llama_path, eager_tokens):
+    tokens, llm = _tokens(llama_path, enforce_eager=True, max_num_batched_tokens=16, block_size=8)
+    assert tokens == eager_tokens
+    again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert again == eager_tokens
+    assert llm.engine.stats()["prefix_cache_hits"] > 0
+
+
+def test_preemption_matches_eager(llama_path, eager_tokens):
+    tokens, llm = _tokens(llama_path, kv_cache_blocks=20, block_size=8, max_model_len=160)
+    assert llm.engine.stats()["num_preemptions"] > 0
+    assert tokens == eager_tokens
+
+
+def test_kv_cache_sized_from_free_memory(llama_path):
+    import gc
+
+    blocks = []
+    for utilization in (0.1, 0.2):
+        engine = LLMEngine.from_model(llama_path, device="cuda", dtype="bfloat16", max_model_len=256,
+                                      gpu_memory_utilization=utilization, enforce_eager=True)
+        blocks.append(engine.block_manager.num_blocks)
+        cache_bytes = engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size()
+        total = torch.cuda.get_device_properties(0).total_memory
+        assert cache_bytes < utilization * total, f"cache {cache_bytes} B over {utilization} of {total} B"
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert blocks[1] > blocks[0] > 0, f"KV blocks at utilization 0.1 / 0.2: {blocks}"
+
+
+def test_smollm2_answers_on_gpu():
+    from tileattn.engine.loader import find_smollm2_gguf
+
+    try:
+        find_smollm2_gguf()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    llm = LLM("smollm2", device="cuda", max_model_len=1024, gpu_memory_utilization=0.3)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
