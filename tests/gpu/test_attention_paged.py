@@ -7,8 +7,8 @@ with shuffled non-contiguous blocks, a block shared by two sequences (prefix cac
 kernel must never read. Sequences mix decode (1 query), speculative runs (a few), chunked prefill
 (a chunk after a cached prefix) and key lengths 1, block_size - 1, block_size, block_size + 1 and
 long ones. Outputs are NaN-poisoned before each launch (passed to the launch layer; the API path
-gets NaN-filled blocks from torch's caching allocator, workspaces too) so an unwritten element
-fails. Only rows covered by cu_seqlens_q are compared.
+allocates inside tests/gpu/conftest.py's poisoned_allocations, workspaces too) so an unwritten
+element fails. Only rows covered by cu_seqlens_q are compared.
 
 Tolerances as tests/gpu/test_attention_fwd.py: P is rounded to the input dtype before P @ V, so
 ||out - ref|| / ||ref|| <= 1e-2 (bf16) / 2e-3 (fp16); split-KV partials and their combine are fp32.
@@ -26,6 +26,8 @@ import torch
 
 from tileattn import api_paged, reference
 from tileattn.kernels import attention_paged_sm80 as paged
+
+from .conftest import poisoned_allocations
 
 pytestmark = pytest.mark.gpu
 
@@ -81,20 +83,11 @@ class Case:
             self.q, self.k_cache, self.v_cache, self.block_table, max_seqlen_q=self.max_seqlen_q, causal=causal,
             scale=scale, return_lse=True, num_splits=num_splits,
         )  # fmt: skip
-        poison_allocator(launch)
         out = torch.full_like(self.q, float("nan"))
         lse = torch.full((self.q.shape[1], self.q.shape[0]), float("nan"), device="cuda")
-        launch(*self.tensors(), out=out, lse=lse)
+        with poisoned_allocations():  # the split-KV workspaces start as NaN
+            launch(*self.tensors(), out=out, lse=lse)
         return out, lse, launch
-
-
-def poison_allocator(launch):
-    """Leave NaN-filled blocks of the workspace sizes in torch's caching allocator (best effort:
-    it reuses freed blocks of the same size on the same stream), so a split that skipped writing
-    its partial poisons the combine."""
-    o_shape, l_shape = launch.part_shapes
-    junk = [torch.full(o_shape, float("nan"), device="cuda"), torch.full(l_shape, float("nan"), device="cuda")]
-    del junk
 
 
 def rel_err(out, ref) -> float:
@@ -248,14 +241,14 @@ def test_api_strided_q_and_cache_views(dtype):
     padded_k[:, :, :2], padded_v[:, :, :2] = case.k_cache, case.v_cache
     case.q, case.k_cache, case.v_cache = qkv[:, :8], padded_k[:, :, :2], padded_v[:, :, :2]
     ref_out, ref_lse = case.reference(scale=0.05)
-    junk = torch.full((tq, 8, 128), float("nan"), device="cuda", dtype=dtype)  # poison the allocator
-    del junk
-    out, lse = api_paged.attention_paged(
-        *case.tensors(), case.max_seqlen_q, case.max_seqlen_k, scale=0.05, return_lse=True
-    )
+    with poisoned_allocations():
+        out, lse = api_paged.attention_paged(
+            *case.tensors(), case.max_seqlen_q, case.max_seqlen_k, scale=0.05, return_lse=True
+        )
     assert out.is_contiguous() and lse.shape == (8, tq) and lse.dtype == torch.float32
     check(case, out, lse, ref_out, ref_lse, "strided views through the API")
-    out_only = api_paged.attention_paged(*case.tensors(), case.max_seqlen_q, case.max_seqlen_k, scale=0.05)
+    with poisoned_allocations():
+        out_only = api_paged.attention_paged(*case.tensors(), case.max_seqlen_q, case.max_seqlen_k, scale=0.05)
     assert torch.equal(out_only, out), "return_lse=False changed the output"
 
 
