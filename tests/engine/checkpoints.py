@@ -41,15 +41,19 @@ def save_tokenizer(path) -> None:
     fast.save_pretrained(path)
 
 
-def make_checkpoint(path, arch: str, seed: int = 0):
+def make_checkpoint(path, arch: str, seed: int = 0, kernel_head_dims: bool = False):
     """Write a tiny checkpoint of ``arch`` (a key of ARCHITECTURES) to ``path``; returns the
-    transformers model (fp32, eval) for use as the oracle."""
+    transformers model (fp32, eval) for use as the oracle. kernel_head_dims: head_dim 64 (128 for
+    Qwen3's explicit one), sizes tileattn's CUDA paged kernels support; else 16 (24)."""
     import transformers
 
     class_name, options = ARCHITECTURES[arch]
-    fields = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    fields = dict(vocab_size=384, hidden_size=256 if kernel_head_dims else 64,
+                  intermediate_size=384 if kernel_head_dims else 96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   bos_token_id=0, eos_token_id=1)
+    if kernel_head_dims and "head_dim" in options:
+        options = {**options, "head_dim": 128}
     config = getattr(transformers, class_name)(**{**fields, **options})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -4,7 +4,8 @@ Oracle: transformers' fp32 forward of the same tiny checkpoints (tests/engine/ch
 bf16 bounds: logits relative error < 3e-2 (bf16 weights and activations over 2 layers; the
 kernels accumulate in fp32). Greedy tokens are checked teacher-forced: every token the engine
 picks must be within the measured logit error of transformers' best token at that position, and
-at least 28 of 32 must be exactly its argmax. CUDA-graph decode must give the eager path's tokens.
+at least 28 of 32 must be exactly its argmax. CUDA-graph decode must give the eager path's tokens. The CUDA kernels take head_dim 64/128/256
+and block sizes 16..256, so these checkpoints use head_dim 64 (Qwen3: 128) and block_size 16.
 """
 
 import pytest
@@ -23,7 +24,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def arch_pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    hf = make_checkpoint(path, request.param)
+    hf = make_checkpoint(path, request.param, kernel_head_dims=True)
     engine = LLMEngine.from_model(str(path), device="cuda", dtype="bfloat16", max_model_len=256,
                                   max_num_seqs=8, kv_cache_blocks=64)
     return request.param, hf, engine
@@ -60,7 +61,7 @@ def test_greedy_bf16_teacher_forced(arch_pair):
 @pytest.fixture(scope="module")
 def llama_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama_gpu")
-    make_checkpoint(path, "llama3")
+    make_checkpoint(path, "llama3", kernel_head_dims=True)
     return str(path)
 
 
@@ -86,7 +87,7 @@ def test_cuda_graph_decode_matches_eager(llama_path, eager_tokens):
 
 
 def test_chunked_prefill_and_prefix_cache_match_eager(llama_path, eager_tokens):
-    tokens, llm = _tokens(llama_path, enforce_eager=True, max_num_batched_tokens=16, block_size=8)
+    tokens, llm = _tokens(llama_path, enforce_eager=True, max_num_batched_tokens=16)
     assert tokens == eager_tokens
     again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert again == eager_tokens
@@ -94,7 +95,8 @@ def test_chunked_prefill_and_prefix_cache_match_eager(llama_path, eager_tokens):
 
 
 def test_preemption_matches_eager(llama_path, eager_tokens):
-    tokens, llm = _tokens(llama_path, kv_cache_blocks=20, block_size=8, max_model_len=160)
+    # 12 blocks of 16 tokens; the four sequences need 3 + 9 + 5 + 3 blocks at the end.
+    tokens, llm = _tokens(llama_path, kv_cache_blocks=12, max_model_len=160)
     assert llm.engine.stats()["num_preemptions"] > 0
     assert tokens == eager_tokens
 

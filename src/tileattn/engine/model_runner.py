@@ -189,6 +189,11 @@ class ModelRunner:
                 last = min(end, seq.num_prompt_tokens - 1)  # position p scores prompt token p + 1
                 prompt_rows.append((seq, list(range(cu[-2], cu[-2] + last - start)),
                                     seq.token_ids[start + 1:last + 1]))
+        if max_q == 1:
+            # Decode: the full-width table the CUDA graphs use, so the kernel's split-KV choice
+            # (made from the table's capacity, not the lengths) is the same eager or replayed and
+            # a sequence's numerics never depend on its neighbours' lengths.
+            max_blocks = self.max_blocks_per_seq
         tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
         for row, (seq, _) in enumerate(scheduled):
             tables[row, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
