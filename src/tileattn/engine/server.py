@@ -373,10 +373,14 @@ class ServerState:
 
     # event-loop thread only
     def deliver(self, steps: list[StepOutput], t_end: float) -> None:
+        """Event loop: route one engine step's outputs to their generations."""
+        tokens = 0
         for step in steps:
+            tokens += sum(len(c.token_ids) for c in step.choices)
             gen = self.generations.get(step.request_id)
             if gen is not None:
                 gen.receive(step, t_end)
+        self.metrics.generation_tokens.inc(tokens)  # once per step: a locked increment per token costs
 
     def fail_all(self, exc: BaseException) -> None:
         for gen in list(self.generations.values()):
@@ -457,7 +461,6 @@ class Generation:
         step = StepOutput(step.request_id, choices, step.finished, step.prompt_logprobs)
         new = sum(len(c.token_ids) for c in choices)
         if new:
-            m.generation_tokens.inc(new)
             last = self._last_token_time.get(step.request_id)
             if last is None:
                 m.ttft.observe(t_end - self.arrival)
@@ -754,10 +757,11 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
                                 if req.return_token_ids:
                                     choice["token_ids"] = c.token_ids
                                 chunks.append({**base, "choices": [choice]})
-                    for chunk in chunks:
-                        if include_usage:
+                    if include_usage:
+                        for chunk in chunks:
                             chunk["usage"] = None
-                        yield _sse(chunk)
+                    if chunks:  # one write for everything this wake-up produced
+                        yield "".join(_sse(chunk) for chunk in chunks)
                 if include_usage:
                     yield _sse({**base, "choices": [], "usage": _usage(prompts, counts)})
                 yield "data: [DONE]\n\n"
@@ -829,6 +833,7 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
                 for i in range(params.n):
                     yield chunk(i, {"role": "assistant", "content": ""})
                 async for items in gen.steps():
+                    parts = []
                     for step in items:
                         for c in step.choices:
                             counts += len(c.token_ids)
@@ -839,9 +844,11 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
                                 delta = {"content": c.text}
                                 if req.return_token_ids:
                                     delta["token_ids"] = c.token_ids
-                                yield chunk(c.index, delta, logprobs=lp)
+                                parts.append(chunk(c.index, delta, logprobs=lp))
                             if c.finish_reason is not None:
-                                yield chunk(c.index, {}, c.finish_reason, stop_reason=c.stop_reason)
+                                parts.append(chunk(c.index, {}, c.finish_reason, stop_reason=c.stop_reason))
+                    if parts:  # one write for everything this wake-up produced
+                        yield "".join(parts)
                 if include_usage:
                     yield _sse({**chunk_base, "choices": [], "usage": _usage([prompt], counts)})
                 yield "data: [DONE]\n\n"
