@@ -111,24 +111,27 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, freq_factor
 
 
 class Rotary(nn.Module):
-    """Rotate-half rotary embedding from a cos/sin table [max_positions, head_dim / 2] (float32)."""
+    """Rotate-half rotary embedding from a cos/sin table [max_positions, head_dim / 2] (float32).
+    forward(positions [T]) -> (cos, sin) [T, 1, d/2] in the model dtype, gathered once per step and
+    shared by every layer; apply_rotary() rotates q or k with them."""
 
-    def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor):
+    def __init__(self, max_positions: int, inv_freq: torch.Tensor, dtype: torch.dtype):
         super().__init__()
+        self.dtype = dtype
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]  # [max_positions, d/2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions, q, k):  # positions [T]; q [T, H, d], k [T, Hkv, d]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, d/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions):  # positions [T]
+        cos = self.cos[positions].unsqueeze(1).to(self.dtype)  # [T, 1, d/2]
+        sin = self.sin[positions].unsqueeze(1).to(self.dtype)
+        return cos, sin
 
 
-def _rotate(x, cos, sin):  # x [T, heads, d]
+def apply_rotary(x, rope):  # x [T, heads, d]; rope = (cos, sin) [T, 1, d/2]
+    cos, sin = rope
     x1, x2 = x.chunk(2, dim=-1)  # [T, heads, d/2] each
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
@@ -151,7 +154,7 @@ class PagedAttention(nn.Module):
     k/v written into the paged cache, then attention of the step's queries over each sequence's
     cached keys (prefill, chunked prefill and decode all take this one path)."""
 
-    def __init__(self, cfg, rotary: Rotary, dtype: torch.dtype):
+    def __init__(self, cfg, dtype: torch.dtype):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -160,13 +163,12 @@ class PagedAttention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.rotary = rotary
         # Set by the model runner: [num_blocks, block_size, Hkv, d] views of its one cache tensor,
         # and the (attention_paged, write_kv_cache) pair for the cache's device.
         self.k_cache = self.v_cache = None
         self.ops = None
 
-    def forward(self, positions, x, batch: AttentionBatch):  # positions [T], x [T, hidden]
+    def forward(self, rope, x, batch: AttentionBatch):  # rope: Rotary's (cos, sin); x [T, hidden]
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.heads, self.head_dim)  # [T, H, d]
@@ -174,7 +176,7 @@ class PagedAttention(nn.Module):
         v = v.reshape(tokens, self.kv_heads, self.head_dim).contiguous()  # [T, Hkv, d]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         attention_paged, write_kv_cache = self.ops
         write_kv_cache(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
         out = attention_paged(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,

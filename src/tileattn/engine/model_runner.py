@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .layers import AttentionBatch, PagedAttention, paged_attention_ops
@@ -194,14 +195,14 @@ class ModelRunner:
             # (made from the table's capacity, not the lengths) is the same eager or replayed and
             # a sequence's numerics never depend on its neighbours' lengths.
             max_blocks = self.max_blocks_per_seq
-        tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
+        tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
         for row, (seq, _) in enumerate(scheduled):
-            tables[row, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+            tables[row, :len(seq.block_table)] = seq.block_table
         to = self._to_device
         batch = AttentionBatch(
             cu_seqlens_q=to(torch.tensor(cu, dtype=torch.int32)),
             seqlens_k=to(torch.tensor(seqlens, dtype=torch.int32)),
-            block_tables=to(tables),
+            block_tables=to(torch.from_numpy(tables)),
             slot_mapping=to(torch.tensor(slots, dtype=torch.int64)),
             max_seqlen_q=max_q, max_seqlen_k=max_k)
         return {"batch": batch, "input_ids": to(torch.tensor(ids, dtype=torch.int64)),

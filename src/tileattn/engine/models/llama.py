@@ -28,19 +28,19 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, rotary: Rotary, dtype: torch.dtype):
+    def __init__(self, cfg, dtype: torch.dtype):
         super().__init__()
-        self.self_attn = PagedAttention(cfg, rotary, dtype)
+        self.self_attn = PagedAttention(cfg, dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, positions, x, residual, batch):  # x, residual [T, hidden]
+    def forward(self, rope, x, residual, batch):  # x, residual [T, hidden]
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, batch)
+        x = self.self_attn(rope, x, batch)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -58,10 +58,10 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                  cfg.extra.get("rope_freq_factors"))
-        rotary = Rotary(cfg.head_dim, max_positions, inv_freq)
+        self.rotary = Rotary(max_positions, inv_freq, dtype)
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
                                          requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
@@ -72,9 +72,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, batch: AttentionBatch):
         x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        rope = self.rotary(positions)
         residual = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, batch)
+            x, residual = layer(rope, x, residual, batch)
         x, _ = self.norm(x, residual)
         return x  # [T, hidden]
 
