@@ -158,7 +158,8 @@ def test_pick_config_by_rows(head_dim):
     assert paged.pick_config(head_dim, 64) is small
     assert paged.pick_config(head_dim, 65) is prefill
     for config in (decode, small, prefill):
-        assert config.block_m == 16 * config.warps_m, config
+        assert config.block_m // config.warps_m in (16, 32) and config.block_m % config.warps_m == 0, config
+        assert config.warps_n == 1 or config.block_m == 16, config
         assert 1 in (config.warps_m, config.warps_n), config
         assert config.smem_bytes(head_dim) <= 227 * 1024, f"{config} at d={head_dim} does not fit an H200 SM"
 

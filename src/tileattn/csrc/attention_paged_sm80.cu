@@ -30,8 +30,9 @@
 // A CTA whose rows all lie past its sequence's nq * G exits at once.
 //
 // Two warp layouts (template kWarpsM x kWarpsN, one of them 1):
-//  - rows (kWarpsN = 1): kWarpsM warps of 16 rows each, every warp walks all keys of a tile (the
-//    FlashAttention-2 layout; chunked prefill, many rows). A warp whose rows are all padding skips
+//  - rows (kWarpsN = 1): kWarpsM warps of 16 or 32 rows (one or two m16 tiles) each, every warp
+//    walks all keys of a tile (the FlashAttention-2 layout; chunked prefill, many rows). 32 rows
+//    per warp halve the shared-memory K/V reads per FLOP. A warp whose rows are all padding skips
 //    the math but still loads and synchronises.
 //  - keys (kWarpsM = 1, 16 rows): decode. One m16 tile holds the G (<= 16) heads of one token, and
 //    the kWarpsN warps each take kBlockN / kWarpsN keys of every tile, with their own online
@@ -121,9 +122,14 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   constexpr int kNBlocks = kWarpKeys / 8;          // n8 blocks of a warp's S
   constexpr int kPSteps = kWarpKeys / 16;          // k16 steps of O += P V
   constexpr int kDBlocks = kHeadDim / 8;           // n8 blocks of O
-  constexpr bool kQInRegs = kHeadDim <= 128;       // d = 256: Q re-read from smem (registers for O)
-  static_assert(kBlockM == 16 * kWarpsM, "16 rows per warp");
+  constexpr int kMTiles = kBlockM / (16 * kWarpsM);  // m16 tiles per warp (1 or 2)
+  constexpr int kRowsPerWarp = 16 * kMTiles;
+  // Q fragments stay in registers for one m-tile at d <= 128; otherwise (32 rows, or d = 256) Q is
+  // re-read from shared memory every k-step: the registers go to O.
+  constexpr bool kQInRegs = kMTiles == 1 && kHeadDim <= 128;
+  static_assert(kBlockM == kRowsPerWarp * kWarpsM && (kMTiles == 1 || kMTiles == 2), "16 or 32 rows per warp");
   static_assert(kWarpsM == 1 || kWarpsN == 1, "warps split either rows or keys");
+  static_assert(kWarpsN == 1 || kMTiles == 1, "the key split is for one m16 tile");
   static_assert(kWarpKeys % 16 == 0 && kStages >= 2, "16-key mma steps per warp, double buffering");
   static_assert(kThreads % kChunks == 0 && kBlockN % kRowStep == 0, "whole rows per pass, whole passes per tile");
   static_assert(kWarpsN == 1 || (kWarpsN - 1) * (kDBlocks + 1) * 4 * 32 * 4 <= kStages * kBlockN * kHeadDim * 2,
@@ -218,13 +224,14 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   }
 
   const int g = lane >> 2, t = lane & 3;  // mma fragment: rows g, g + 8; columns 2t, 2t + 1
-  const bool warp_active = row0 + wm * 16 < rows;  // warp-uniform: some row of this warp is real
+  const int warp_row0 = row0 + wm * kRowsPerWarp;  // first row of this warp (in the problem)
+  const bool warp_active = warp_row0 < rows;       // warp-uniform: some row of this warp is real
   // ldmatrix lane addresses (see attention_fwd_sm80.cu): pattern A (Q; V with .trans) reads row
   // (l & 7) + 8 ((l >> 3) & 1), chunk + (l >> 4); pattern B (K) row (l & 7) + 8 (l >> 4),
   // chunk + ((l >> 3) & 1).
   const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_chunk = lane >> 4;
   const int b_row = (lane & 7) + 8 * (lane >> 4), b_chunk = (lane >> 3) & 1;
-  const u16* const sQw = sQ + wm * 16 * kHeadDim;  // this warp's 16 rows
+  const u16* const sQw = sQ + wm * kRowsPerWarp * kHeadDim;  // this warp's rows
 
   u32 q_frag[kQInRegs ? kKSteps : 1][4];
   if constexpr (kQInRegs) {
@@ -234,13 +241,22 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
     for (int ks = 0; ks < kKSteps; ++ks) ldmatrix_x4(q_frag[ks], sQw + swizzle<kHeadDim>(a_row, 2 * ks + a_chunk));
   }
 
-  float o_acc[kDBlocks][4];  // O, fp32: [d-block][c0..c3], rows g (c0, c1) and g + 8 (c2, c3)
+  // O, fp32: [m-tile][d-block][c0..c3], rows g (c0, c1) and g + 8 (c2, c3) of each m-tile.
+  float o_acc[kMTiles][kDBlocks][4];
+  float row_shift[kMTiles][2];  // running max * scale_log2 of rows g, g + 8; kNoKeyShift: no key yet
+  float row_sum[kMTiles][2];    // this thread's partial sums of p
 #pragma unroll
-  for (int db = 0; db < kDBlocks; ++db)
+  for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) o_acc[db][e] = 0.f;
-  float row_shift[2] = {kNoKeyShift, kNoKeyShift};  // running max * scale_log2 of rows g, g + 8
-  float row_sum[2] = {0.f, 0.f};                    // this thread's partial sums of p
+    for (int db = 0; db < kDBlocks; ++db)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[mt][db][e] = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_shift[mt][h] = kNoKeyShift;
+      row_sum[mt][h] = 0.f;
+    }
+  }
 
   // ---- Main loop over this split's key tiles, last to first ------------------------------------
   for (int it = 0; it < n_iter; ++it) {
@@ -262,20 +278,25 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
     const u16* const sKs = sK + stage * kBlockN * kHeadDim + wn * kWarpKeys * kHeadDim;  // this warp's keys
     const u16* const sVs = sV + stage * kBlockN * kHeadDim + wn * kWarpKeys * kHeadDim;
 
-    // S = Q K^T over this warp's kWarpKeys keys: [kNBlocks][4] fp32.
-    float s_acc[kNBlocks][4];
+    // S = Q K^T over this warp's kWarpKeys keys: [kMTiles][kNBlocks][4] fp32.
+    float s_acc[kMTiles][kNBlocks][4];
 #pragma unroll
-    for (int nb = 0; nb < kNBlocks; ++nb)
+    for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s_acc[nb][e] = 0.f;
+      for (int nb = 0; nb < kNBlocks; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s_acc[mt][nb][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
-      u32 a[4];
-      if constexpr (kQInRegs) {
+      u32 a[kMTiles][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) a[e] = q_frag[ks][e];
-      } else {
-        ldmatrix_x4(a, sQw + swizzle<kHeadDim>(a_row, 2 * ks + a_chunk));
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        if constexpr (kQInRegs) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[ks][e];
+        } else {
+          ldmatrix_x4(a[mt], sQw + swizzle<kHeadDim>(16 * mt + a_row, 2 * ks + a_chunk));
+        }
       }
 #pragma unroll
       for (int np = 0; np < kNBlocks / 2; ++np) {
@@ -283,73 +304,88 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
         ldmatrix_x4(bk, sKs + swizzle<kHeadDim>(16 * np + b_row, 2 * ks + b_chunk));
         const u32 b0[2] = {bk[0], bk[1]};  // keys 16 np + 0..7
         const u32 b1[2] = {bk[2], bk[3]};  // keys 16 np + 8..15
-        mma_16816<kIsBF16>(s_acc[2 * np], a, b0);
-        mma_16816<kIsBF16>(s_acc[2 * np + 1], a, b1);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16816<kIsBF16>(s_acc[mt][2 * np], a[mt], b0);
+          mma_16816<kIsBF16>(s_acc[mt][2 * np + 1], a[mt], b1);
+        }
       }
     }
 
     // Mask: the length edge / causal diagonal tiles, and tiles with an out-of-range block id.
     if (n >= n_unmasked_tiles || tile_bad) {
       const int key0 = n * kBlockN + wn * kWarpKeys + 2 * t;
-      int limit[2];  // keys < limit[h] are visible to row g + 8h
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int tok = (row0 + wm * 16 + g + 8 * h) / group;
-        limit[h] = causal ? min(kr.kv_end, tok + diag + 1) : kr.kv_end;
-      }
+      bool page_ok[kNBlocks];
 #pragma unroll
       for (int nb = 0; nb < kNBlocks; ++nb) {
-        bool page_ok = true;
+        page_ok[nb] = true;
         if (tile_bad) {  // rare: re-derive the block id of this thread's key pair
           const int key = key0 + nb * 8;
           const int page = key < kr.kv_end ? __ldg(bt_row + (key >> log2_block_size)) : -1;
-          page_ok = page >= 0 && page < num_blocks;
+          page_ok[nb] = page >= 0 && page < num_blocks;
         }
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (!page_ok || key0 + nb * 8 + (e & 1) >= limit[e >> 1]) s_acc[nb][e] = neg_inf();
       }
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int tok = (warp_row0 + 16 * mt + g + 8 * h) / group;
+          // keys >= limit are invisible to this row
+          const int limit = causal ? min(kr.kv_end, tok + diag + 1) : kr.kv_end;
+#pragma unroll
+          for (int nb = 0; nb < kNBlocks; ++nb)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (!page_ok[nb] || key0 + nb * 8 + e >= limit) s_acc[mt][nb][2 * h + e] = neg_inf();
+        }
     }
 
-    // Online softmax (rows g and g + 8; the quad of 4 lanes sharing a row reduces its max).
-    float blk_max[2];
+    // Online softmax (rows g and g + 8 of each m-tile; the quad of 4 lanes sharing a row reduces
+    // its max). The shift moves only when some row of the warp grows by more than 2^8 (vote).
+    float blk_max[kMTiles][2];
     bool grow = false;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = neg_inf();
-#pragma unroll
-      for (int nb = 0; nb < kNBlocks; ++nb) mx = fmaxf(mx, fmaxf(s_acc[nb][2 * h], s_acc[nb][2 * h + 1]));
-      blk_max[h] = quad_max(mx) * scale_log2;
-      grow |= blk_max[h] - row_shift[h] > kRescaleThreshold;
-    }
-    if (__any_sync(0xffffffffu, grow)) {
+    for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float shift_new = fmaxf(row_shift[h], blk_max[h]);
-        const float alpha = fast_exp2(row_shift[h] - shift_new);
-        row_shift[h] = shift_new;
-        row_sum[h] *= alpha;
+        float mx = neg_inf();
 #pragma unroll
-        for (int db = 0; db < kDBlocks; ++db) {
-          o_acc[db][2 * h] *= alpha;
-          o_acc[db][2 * h + 1] *= alpha;
-        }
+        for (int nb = 0; nb < kNBlocks; ++nb) mx = fmaxf(mx, fmaxf(s_acc[mt][nb][2 * h], s_acc[mt][nb][2 * h + 1]));
+        blk_max[mt][h] = quad_max(mx) * scale_log2;
+        grow |= blk_max[mt][h] - row_shift[mt][h] > kRescaleThreshold;
       }
+    if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float shift_new = fmaxf(row_shift[mt][h], blk_max[mt][h]);
+          const float alpha = fast_exp2(row_shift[mt][h] - shift_new);
+          row_shift[mt][h] = shift_new;
+          row_sum[mt][h] *= alpha;
+#pragma unroll
+          for (int db = 0; db < kDBlocks; ++db) {
+            o_acc[mt][db][2 * h] *= alpha;
+            o_acc[mt][db][2 * h + 1] *= alpha;
+          }
+        }
     }
     // P in 16 bits, packed straight into the A fragments of O += P V (key blocks 2kk, 2kk + 1 of S
     // are the A fragment of k-step kk).
-    u32 p_frag[kPSteps][4];
+    u32 p_frag[kMTiles][kPSteps][4];
 #pragma unroll
-    for (int nb = 0; nb < kNBlocks; ++nb) {
-      float p[4];
+    for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        p[e] = fast_exp2(fmaf(s_acc[nb][e], scale_log2, -row_shift[e >> 1]));
-        row_sum[e >> 1] += p[e];
+      for (int nb = 0; nb < kNBlocks; ++nb) {
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          p[e] = fast_exp2(fmaf(s_acc[mt][nb][e], scale_log2, -row_shift[mt][e >> 1]));
+          row_sum[mt][e >> 1] += p[e];
+        }
+        p_frag[mt][nb >> 1][2 * (nb & 1)] = pack2<kIsBF16>(p[0], p[1]);
+        p_frag[mt][nb >> 1][2 * (nb & 1) + 1] = pack2<kIsBF16>(p[2], p[3]);
       }
-      p_frag[nb >> 1][2 * (nb & 1)] = pack2<kIsBF16>(p[0], p[1]);
-      p_frag[nb >> 1][2 * (nb & 1) + 1] = pack2<kIsBF16>(p[2], p[3]);
-    }
 #pragma unroll
     for (int kk = 0; kk < kPSteps; ++kk) {
 #pragma unroll
@@ -358,18 +394,23 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
         ldmatrix_x4_trans(bv, sVs + swizzle<kHeadDim>(16 * kk + a_row, 2 * dp + a_chunk));
         const u32 b0[2] = {bv[0], bv[1]};  // d-block 2 dp
         const u32 b1[2] = {bv[2], bv[3]};  // d-block 2 dp + 1
-        mma_16816<kIsBF16>(o_acc[2 * dp], p_frag[kk], b0);
-        mma_16816<kIsBF16>(o_acc[2 * dp + 1], p_frag[kk], b1);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16816<kIsBF16>(o_acc[mt][2 * dp], p_frag[mt][kk], b0);
+          mma_16816<kIsBF16>(o_acc[mt][2 * dp + 1], p_frag[mt][kk], b1);
+        }
       }
     }
   }
   cp_async_wait<0>();  // only empty groups can remain; keep the invariant explicit
 
 #pragma unroll
-  for (int h = 0; h < 2; ++h) row_sum[h] = quad_sum(row_sum[h]);
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_sum[mt][h] = quad_sum(row_sum[mt][h]);
 
   // ---- Key-split merge: warps 1.. hand their (shift, sum, O) to warp 0 through the K ring ----------
-  if constexpr (kWarpsN > 1) {
+  if constexpr (kWarpsN > 1) {  // kMTiles == 1
     // [kWarpsN - 1][kDBlocks][4][32] O values, then [kWarpsN - 1][2][2][32] (shift, sum): every
     // warp has the same fragment layout, so lane l of warp 0 reads what lane l of warp w wrote
     // (consecutive lanes, consecutive words: no bank conflicts).
@@ -381,11 +422,11 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
 #pragma unroll
       for (int db = 0; db < kDBlocks; ++db)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o_w[(db * 4 + e) * 32 + lane] = o_acc[db][e];
+        for (int e = 0; e < 4; ++e) o_w[(db * 4 + e) * 32 + lane] = o_acc[0][db][e];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        mStat[((wn - 1) * 4 + 2 * h) * 32 + lane] = row_shift[h];
-        mStat[((wn - 1) * 4 + 2 * h + 1) * 32 + lane] = row_sum[h];
+        mStat[((wn - 1) * 4 + 2 * h) * 32 + lane] = row_shift[0][h];
+        mStat[((wn - 1) * 4 + 2 * h + 1) * 32 + lane] = row_sum[0][h];
       }
     }
     __syncthreads();
@@ -394,60 +435,62 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
     // 2^(kNoKeyShift - shift) is 0 once any warp saw a key, and 1 (times zeros) otherwise.
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float shift = row_shift[h];
+      float shift = row_shift[0][h];
 #pragma unroll
       for (int w = 1; w < kWarpsN; ++w) shift = fmaxf(shift, mStat[((w - 1) * 4 + 2 * h) * 32 + lane]);
-      const float alpha0 = fast_exp2(row_shift[h] - shift);
-      row_sum[h] *= alpha0;
+      const float alpha0 = fast_exp2(row_shift[0][h] - shift);
+      row_sum[0][h] *= alpha0;
 #pragma unroll
       for (int db = 0; db < kDBlocks; ++db) {
-        o_acc[db][2 * h] *= alpha0;
-        o_acc[db][2 * h + 1] *= alpha0;
+        o_acc[0][db][2 * h] *= alpha0;
+        o_acc[0][db][2 * h + 1] *= alpha0;
       }
 #pragma unroll
       for (int w = 1; w < kWarpsN; ++w) {
         const float alpha = fast_exp2(mStat[((w - 1) * 4 + 2 * h) * 32 + lane] - shift);
-        row_sum[h] += alpha * mStat[((w - 1) * 4 + 2 * h + 1) * 32 + lane];
+        row_sum[0][h] += alpha * mStat[((w - 1) * 4 + 2 * h + 1) * 32 + lane];
         const float* const o_w = mO + (w - 1) * kDBlocks * 4 * 32;
 #pragma unroll
         for (int db = 0; db < kDBlocks; ++db) {
-          o_acc[db][2 * h] += alpha * o_w[(db * 4 + 2 * h) * 32 + lane];
-          o_acc[db][2 * h + 1] += alpha * o_w[(db * 4 + 2 * h + 1) * 32 + lane];
+          o_acc[0][db][2 * h] += alpha * o_w[(db * 4 + 2 * h) * 32 + lane];
+          o_acc[0][db][2 * h + 1] += alpha * o_w[(db * 4 + 2 * h + 1) * 32 + lane];
         }
       }
-      row_shift[h] = shift;
+      row_shift[0][h] = shift;
     }
   }
   if (!warp_active) return;
 
-  // ---- Epilogue: rows g, g + 8 of this warp -> (token, head); O / l and lse ------------------------
+  // ---- Epilogue: rows g, g + 8 of each m-tile -> (token, head); O / l and lse ----------------------
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int grow = row0 + wm * 16 + g + 8 * h;
-    const int tok = q_start + grow / group;
-    if (grow >= rows || tok < 0 || tok >= num_tokens) continue;
-    const int head = kv_head * group + grow % group;
-    const float l = row_sum[h];
-    const float inv = l > 0.f ? 1.f / l : 0.f;  // l == 0 <=> the row saw no key: O = 0
-    const float row_lse = l > 0.f ? (row_shift[h] + log2f(l)) * kLn2 : neg_inf();
-    const int64_t row_id = static_cast<int64_t>(tok) * heads + head;  // row of [Tq * H]
-    if (num_splits == 1) {
-      u16* const o_row = out + row_id * kHeadDim;
+  for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int db = 0; db < kDBlocks; ++db)
-        *reinterpret_cast<u32*>(o_row + db * 8 + 2 * t) =
-            pack2<kIsBF16>(o_acc[db][2 * h] * inv, o_acc[db][2 * h + 1] * inv);
-      if (lse != nullptr && t == 0) lse[static_cast<int64_t>(head) * num_tokens + tok] = row_lse;
-    } else {
-      const int64_t part_row = static_cast<int64_t>(split) * num_tokens * heads + row_id;
-      float* const o_row = o_part + part_row * kHeadDim;
+    for (int h = 0; h < 2; ++h) {
+      const int grow = warp_row0 + 16 * mt + g + 8 * h;
+      const int tok = q_start + grow / group;
+      if (grow >= rows || tok < 0 || tok >= num_tokens) continue;
+      const int head = kv_head * group + grow % group;
+      const float l = row_sum[mt][h];
+      const float inv = l > 0.f ? 1.f / l : 0.f;  // l == 0 <=> the row saw no key: O = 0
+      const float row_lse = l > 0.f ? (row_shift[mt][h] + log2f(l)) * kLn2 : neg_inf();
+      const int64_t row_id = static_cast<int64_t>(tok) * heads + head;  // row of [Tq * H]
+      if (num_splits == 1) {
+        u16* const o_row = out + row_id * kHeadDim;
 #pragma unroll
-      for (int db = 0; db < kDBlocks; ++db)
-        *reinterpret_cast<float2*>(o_row + db * 8 + 2 * t) =
-            make_float2(o_acc[db][2 * h] * inv, o_acc[db][2 * h + 1] * inv);
-      if (t == 0) lse_part[part_row] = row_lse;
+        for (int db = 0; db < kDBlocks; ++db)
+          *reinterpret_cast<u32*>(o_row + db * 8 + 2 * t) =
+              pack2<kIsBF16>(o_acc[mt][db][2 * h] * inv, o_acc[mt][db][2 * h + 1] * inv);
+        if (lse != nullptr && t == 0) lse[static_cast<int64_t>(head) * num_tokens + tok] = row_lse;
+      } else {
+        const int64_t part_row = static_cast<int64_t>(split) * num_tokens * heads + row_id;
+        float* const o_row = o_part + part_row * kHeadDim;
+#pragma unroll
+        for (int db = 0; db < kDBlocks; ++db)
+          *reinterpret_cast<float2*>(o_row + db * 8 + 2 * t) =
+              make_float2(o_acc[mt][db][2 * h] * inv, o_acc[mt][db][2 * h + 1] * inv);
+        if (t == 0) lse_part[part_row] = row_lse;
+      }
     }
-  }
 }
 
 // Split-KV combine: one warp per (token, head) row of [Tq, H]; lane l owns dims

@@ -11,8 +11,8 @@ once replays for every step.
 
 Three warp layouts per head dim, picked by the rows one (sequence, KV head) problem can have,
 max_seqlen_q * G: up to 16 (decode, GQA decode, short speculative runs) one m16 tile whose keys
-are split over 4 warps; up to 64 a 64-row tile of 4 warps; more (chunked prefill) 128 rows of
-8 warps, FlashAttention-2 style.
+are split over 4 warps; up to 64 a 64-row tile of 4 warps; more (chunked prefill) 128 rows, 32 per
+warp (16 at d=256), FlashAttention-2 style.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ COMBINE_ROWS_PER_BLOCK = 4  # one warp per (token, head) row, 128 threads
 
 @dataclass(frozen=True)
 class PagedConfig:
-    """BLOCK_M rows (16 per warp-row group) x BLOCK_N keys per tile, warps over rows x keys, stages."""
+    """BLOCK_M rows (16 or 32 per warp along M) x BLOCK_N keys per tile, warps over rows x keys, stages."""
 
     block_m: int
     warps_m: int
@@ -60,11 +60,13 @@ C = PagedConfig
 # of a 64-key tile; K+V bytes in flight per CTA = (stages - 1) * 64 keys * d * 4 B = 64 KB at
 # d=128 with 3 stages, and 100 KB of smem lets 2 CTAs share an SM (128 KB in flight per SM; an
 # H200 needs ~30 KB per SM to cover ~1 us of latency at 4.8 TB/s). d=256: 2 stages (136 KB, one
-# CTA per SM, 64 KB in flight). Prefill: 128 rows x 64 keys over 8 warps (16 rows each, Q in
-# registers at d <= 128), 96 KB at d=128, as the dense forward's 128x64 tile.
+# CTA per SM, 64 KB in flight). Prefill at d <= 128: 128 rows over 4 warps of 32 rows (two m16
+# tiles: half the shared-memory K/V reads per FLOP of 16-row warps), 64 KB at d=128 with 32-key
+# tiles, 253 registers (2 CTAs per SM), the dense forward's 128x32/w4/s2 shape; d=256: 8 warps of
+# 16 rows (O alone is 128 registers per m16 tile).
 CONFIGS: dict[int, tuple[PagedConfig, PagedConfig, PagedConfig]] = {
-    64: (C(16, 1, 4, 64, 4), C(64, 4, 1, 64, 3), C(128, 8, 1, 64, 2)),
-    128: (C(16, 1, 4, 64, 3), C(64, 4, 1, 64, 2), C(128, 8, 1, 64, 2)),
+    64: (C(16, 1, 4, 64, 4), C(64, 4, 1, 64, 3), C(128, 4, 1, 64, 2)),
+    128: (C(16, 1, 4, 64, 3), C(64, 4, 1, 64, 2), C(128, 4, 1, 32, 2)),
     256: (C(16, 1, 4, 64, 2), C(64, 4, 1, 32, 2), C(128, 8, 1, 32, 2)),
 }
 
