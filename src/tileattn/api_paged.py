@@ -33,6 +33,9 @@ _ALIGN_ELEMS = 8  # 16 bytes of a 16-bit dtype: the kernels move 16-byte chunks
 _MAX_GRID_YZ = 65535
 _INT32_MAX = 2**31 - 1
 
+# Per-shape caches. An eager engine step changes Tq and max_seqlen_q from step to step, so they are
+# bounded: when one reaches CACHE_LIMIT entries it is cleared (rebuilding an entry costs ~0.1 ms).
+CACHE_LIMIT = 1024
 _paged_cache: dict[tuple, object] = {}  # metadata key -> kernels.attention_paged_sm80.PagedLaunch
 _write_checked: set[tuple] = set()  # metadata keys of write_kv_cache calls that passed the checks
 
@@ -104,13 +107,14 @@ def attention_paged(
             v_cache.shape, v_cache.stride(), v_cache.dtype, block_table.shape, block_table.stride(),
             block_table.dtype, cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_q.dtype, seqlens_k.shape,
             seqlens_k.stride(), seqlens_k.dtype, k_cache.device, v_cache.device, block_table.device,
-            cu_seqlens_q.device, seqlens_k.device, max_seqlen_q, max_seqlen_k, causal, scale, return_lse,
-            num_splits,
+            cu_seqlens_q.device, seqlens_k.device, max_seqlen_q, causal, scale, return_lse, num_splits,
         )  # fmt: skip
         launch = _paged_cache.get(key)
     except (AttributeError, TypeError):  # not tensors / unhashable arguments: the checks say which
         key, launch = None, None
-    if launch is None:
+    # max_seqlen_k does not shape the launch (the kernels read lengths from seqlens_k), so it is not
+    # part of the key; it is still checked on every call.
+    if launch is None or type(max_seqlen_k) is not int or max_seqlen_k < 0:
         scale = _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q,
                              max_seqlen_k, scale, num_splits)
     if validate:
@@ -126,6 +130,8 @@ def attention_paged(
         launch = PagedLaunch(q, k_cache, v_cache, block_table, max_seqlen_q=int(max_seqlen_q), causal=bool(causal),
                              scale=float(scale), return_lse=bool(return_lse), num_splits=num_splits)
         if key is not None:
+            if len(_paged_cache) >= CACHE_LIMIT:
+                _paged_cache.clear()
             _paged_cache[key] = launch
     out, lse = launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k)
     return (out, lse) if return_lse else out
@@ -171,6 +177,8 @@ def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     if not checked:
         _check_write(k, v, k_cache, v_cache, slot_mapping)
         if key is not None:
+            if len(_write_checked) >= CACHE_LIMIT:
+                _write_checked.clear()
             _write_checked.add(key)
     if validate:
         num_slots = k_cache.shape[0] * k_cache.shape[1]

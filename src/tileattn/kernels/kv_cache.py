@@ -26,7 +26,10 @@ def expression(index_dtype: str) -> str:
 INSTANTIATIONS = tuple(expression(name) for name in INDEX_TYPES)
 FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a", "sm_80")),)
 
-# (device, shapes, strides, dtypes) -> LaunchPlan with the five data pointers dynamic.
+# (device, shapes, strides, dtypes) -> LaunchPlan with the five data pointers dynamic. The token
+# count changes from step to step in an eager engine, so the dict is cleared when it reaches
+# CACHE_LIMIT entries (a plan costs ~0.1 ms to rebuild).
+CACHE_LIMIT = 1024
 _plans: dict[tuple, object] = {}
 
 
@@ -59,6 +62,8 @@ def _plan(k, v, k_cache, v_cache, slot_mapping):
         )  # fmt: skip
         grid = (-(-num_tokens * kv_heads // rows_per_block), 1, 1)
         plan = LaunchPlan(kern, grid, (chunks, rows_per_block, 1), args, dynamic=(0, 1, 2, 3, 4))
+        if len(_plans) >= CACHE_LIMIT:
+            _plans.clear()
         _plans[key] = plan
     return plan
 
