@@ -439,7 +439,7 @@ def _attend_one(q, k, v, visible, scale, compute_dtype):
     scores = scale * (qc @ kc.transpose(-1, -2))  # [Hkv, group, nq, nk]
     scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
     out, lse = _softmax_times_v(scores, vc)  # [Hkv, group, nq, dv], [Hkv, group, nq, 1]
-    return out.reshape(heads, nq, -1).to(out_dtype), lse.reshape(heads, nq)
+    return out.reshape(heads, nq, v.shape[-1]).to(out_dtype), lse.reshape(heads, nq)  # nq may be 0
 
 
 def _assemble(q, dv, covered, outs, lses, compute_dtype, return_lse):

@@ -80,7 +80,7 @@ def test_validate_reports_slots_past_the_cache():
     slots = torch.tensor([0, -1, 31, 32], device="cuda")
     with pytest.raises(ValueError, match=r"slot_mapping\[3\] = 32 is past the cache's 32 slots"):
         api_paged.write_kv_cache(k, v, k_cache, v_cache, slots, validate=True)
-    api_paged.write_kv_cache(k, v, k_cache, v_cache, slots[:3], validate=True)  # in range: fine
+    api_paged.write_kv_cache(k[:3], v[:3], k_cache, v_cache, slots[:3], validate=True)  # in range: fine
 
 
 def test_empty_is_a_no_op():
