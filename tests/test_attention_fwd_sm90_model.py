@@ -9,10 +9,11 @@ here, for every registered config:
   element where a TMA store with the 128-byte swizzle reads it for its (row, column);
 * block_range: the K/V blocks a query tile visits cover every key its rows see, the blocks after
   the first n_masked need no mask, and skipped blocks hold no visible key;
-* the mbarrier protocol (full/empty rings, phase parities, two consumers, the ping-pong turns on
-  named barriers): simulated under random interleavings, it never deadlocks, a consumer always
-  reads the block it expects, the producer never overwrites a slot still in use, and no named
-  barrier is left half-arrived;
+* the mbarrier protocol (Q and full/empty rings, phase parities counted across a persistent CTA's
+  tiles, two consumers, the ping-pong turns on named barriers): simulated under random
+  interleavings, it never deadlocks, a consumer always reads the tile and block it expects, the
+  producer never overwrites sQ or a slot still in use, and no named barrier is left half-arrived;
+* the tile order: every query tile exactly once, causal longest first;
 * the online softmax as the kernel runs it (blocks last to first, -2^100 start, exp2 with the folded
   scale, P rounded to 16 bit, l = 0 -> O = 0, lse = -inf) matches the float64 reference.
 
@@ -197,46 +198,57 @@ class NamedBarrier:
             yield
 
 
-def simulate(n_end: int, stages: int, pingpong: bool, seed: int):
-    """Run the producer and two consumers of one CTA as coroutines (the kernel's sequence of waits,
-    arrivals, turns and copies) under a random schedule; TMA copies land at random later times."""
+def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int):
+    """Run the producer and two consumers of one CTA over its tiles (n_ends: the number of K/V
+    blocks each tile visits) as coroutines, with the kernel's sequence of waits, arrivals, turns
+    and copies, under a random schedule; TMA copies land at random later times."""
     rng = random.Random(seed)
     turn = [NamedBarrier(), NamedBarrier()]  # kTurnBarrier + c: "consumer c may issue"
+    q_full, q_empty = MBarrier(1), MBarrier(2)
     k_full = [MBarrier(1) for _ in range(stages)]
     v_full = [MBarrier(1) for _ in range(stages)]
     k_empty = [MBarrier(2) for _ in range(stages)]
     v_empty = [MBarrier(2) for _ in range(stages)]
-    k_slot = [None] * stages  # which block each slot holds (set when the copy lands)
-    v_slot = [None] * stages
+    q_slot, k_slot, v_slot = [None], [None] * stages, [None] * stages  # what each buffer holds once landed
+    q_readers = [set()]
     k_readers = [set() for _ in range(stages)]  # consumers that may still read the slot
     v_readers = [set() for _ in range(stages)]
-    in_flight = []  # (slot list, readers, slot, block, barrier)
+    in_flight = []  # (buffer list, index, content, barrier)
 
     def producer():
-        for it in range(n_end):
-            n, s = n_end - 1 - it, it % stages
-            for full, empty, slots, readers in ((k_full, k_empty, k_slot, k_readers),
-                                                (v_full, v_empty, v_slot, v_readers)):
-                if it >= stages:
-                    while not empty[s].passed(((it // stages) - 1) & 1):
-                        yield
-                assert not readers[s], f"producer refills slot {s} while consumers {readers[s]} use it"
-                full[s].arrive(tx=1)
-                in_flight.append((slots, s, n, full[s]))
-                yield
+        g = 0
+        for i, n_end in enumerate(n_ends):
+            if i > 0:
+                while not q_empty.passed((i - 1) & 1):
+                    yield
+            assert not q_readers[0], f"producer loads Q of tile {i} while consumers {q_readers[0]} use sQ"
+            q_full.arrive(tx=1)
+            in_flight.append((q_slot, 0, i, q_full))
+            yield
+            for it in range(n_end):
+                s = g % stages
+                for full, empty, slots, readers in ((k_full, k_empty, k_slot, k_readers),
+                                                    (v_full, v_empty, v_slot, v_readers)):
+                    if g >= stages:
+                        while not empty[s].passed(((g // stages) - 1) & 1):
+                            yield
+                    assert not readers[s], f"producer refills slot {s} while consumers {readers[s]} use it"
+                    full[s].arrive(tx=1)
+                    in_flight.append((slots, s, (i, n_end - 1 - it), full[s]))
+                    yield
+                g += 1
 
     def consumer(c):
-        def use(full, slots, readers, it):
-            s = it % stages
-            while not full[s].passed((it // stages) & 1):
+        def use(full, slots, readers, gi, want):
+            s = gi % stages
+            while not full[s].passed((gi // stages) & 1):
                 yield
-            assert slots[s] == n_end - 1 - it, f"consumer {c} reads block {slots[s]} for visit {it}"
+            assert slots[s] == want, f"consumer {c} reads {slots[s]}, expected {want}"
             readers[s].add(c)
 
-        def release(empty, readers, it):
-            s = it % stages
-            readers[s].discard(c)
-            empty[s].arrive()
+        def release(empty, readers, gi):
+            readers[gi % stages].discard(c)
+            empty[gi % stages].arrive()
 
         def take_turn():
             if pingpong:
@@ -246,38 +258,50 @@ def simulate(n_end: int, stages: int, pingpong: bool, seed: int):
             if pingpong and not (c == 1 and last_event):
                 turn[1 - c].arrive()
 
-        if n_end == 0:
-            return
-        if c == 1:
-            pass_turn(False)
-        yield from use(k_full, k_slot, k_readers, 0)
-        yield from take_turn()
-        pass_turn(False)
-        yield
-        release(k_empty, k_readers, 0)
-        for it in range(1, n_end):
-            yield from use(k_full, k_slot, k_readers, it)
-            yield from take_turn()
-            yield from use(v_full, v_slot, v_readers, it - 1)
-            pass_turn(False)
-            yield
-            release(k_empty, k_readers, it)
-            yield
-            release(v_empty, v_readers, it - 1)
-        yield from use(v_full, v_slot, v_readers, n_end - 1)
-        yield from take_turn()
-        pass_turn(True)
-        yield
-        release(v_empty, v_readers, n_end - 1)
+        g0 = 0
+        for i, n_end in enumerate(n_ends):
+            while not q_full.passed(i & 1):
+                yield
+            assert q_slot[0] == i, f"consumer {c} sees Q of tile {q_slot[0]} in tile {i}"
+            q_readers[0].add(c)
+            if n_end:
+                def block(it):
+                    return (i, n_end - 1 - it)
+
+                if c == 1:
+                    pass_turn(False)
+                yield from use(k_full, k_slot, k_readers, g0, block(0))
+                yield from take_turn()
+                pass_turn(False)
+                yield
+                release(k_empty, k_readers, g0)
+                for it in range(1, n_end):
+                    yield from use(k_full, k_slot, k_readers, g0 + it, block(it))
+                    yield from take_turn()
+                    yield from use(v_full, v_slot, v_readers, g0 + it - 1, block(it - 1))
+                    pass_turn(False)
+                    yield
+                    release(k_empty, k_readers, g0 + it)
+                    yield
+                    release(v_empty, v_readers, g0 + it - 1)
+                yield from use(v_full, v_slot, v_readers, g0 + n_end - 1, block(n_end - 1))
+                yield from take_turn()
+                pass_turn(True)
+                yield
+                release(v_empty, v_readers, g0 + n_end - 1)
+            g0 += n_end
+            yield  # epilogue: stmatrix into sQ, TMA store reads it, then sQ is released
+            q_readers[0].discard(c)
+            q_empty.arrive()
 
     actors = [producer(), consumer(0), consumer(1)]
     steps = 0
     while actors or in_flight:
         steps += 1
-        assert steps < 100000, "deadlock"
+        assert steps < 200000, "deadlock"
         if in_flight and (not actors or rng.random() < 0.3):
-            slots, s, n, bar = in_flight.pop(rng.randrange(len(in_flight)))
-            slots[s] = n
+            slots, s, content, bar = in_flight.pop(rng.randrange(len(in_flight)))
+            slots[s] = content
             bar.complete_tx(1)
             continue
         actor = rng.choice(actors)
@@ -291,9 +315,37 @@ def simulate(n_end: int, stages: int, pingpong: bool, seed: int):
 @pytest.mark.parametrize("pingpong", [False, True], ids=["free", "pingpong"])
 @pytest.mark.parametrize("stages", sorted({cfg.stages for _, cfg in CONFIGS}))
 def test_pipeline_protocol(stages, pingpong):
-    for n_end in (0, 1, 2, 3, stages, stages + 1, 2 * stages + 1, 9):
+    """One tile per CTA with every block count, then persistent CTAs walking several tiles
+    (including fully masked tiles that visit no block)."""
+    cases = [[n] for n in (0, 1, 2, 3, stages, stages + 1, 2 * stages + 1, 9)]
+    cases += [[3, 0, 2, 5], [1, 1, 1, 1, 1], [0, 0, 4], [stages + 1, stages, 2 * stages + 1]]
+    for n_ends in cases:
         for seed in range(20):
-            simulate(n_end, stages, pingpong, seed)
+            simulate(n_ends, stages, pingpong, seed)
+
+
+# ---- tile order --------------------------------------------------------------------------------------
+def tile_coords(causal: bool, t: int, m_blocks: int, heads: int, batches: int) -> tuple[int, int, int]:
+    """Mirror of fwd90::tile_coords: (m_block, head, batch)."""
+    if causal:
+        m_block, bh = m_blocks - 1 - t // (heads * batches), t % (heads * batches)
+    else:
+        m_block, bh = t % m_blocks, t // m_blocks
+    return m_block, bh % heads, bh // heads
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_tiles_cover_every_query_tile_once_longest_first(causal):
+    for nq, heads, batches in ((1, 1, 1), (300, 3, 2), (1000, 5, 1), (129, 1, 7)):
+        m_blocks = -(-nq // BLOCK_M)
+        order = [tile_coords(causal, t, m_blocks, heads, batches) for t in range(m_blocks * heads * batches)]
+        assert sorted(order) == sorted((m, h, b) for m in range(m_blocks) for h in range(heads)
+                                       for b in range(batches)), "every tile exactly once"
+        if causal:  # work (K/V blocks visited) never increases along the order
+            work = [block_range(True, 128, m, nq, nq)[0] for m, _, _ in order]
+            assert work == sorted(work, reverse=True)
+        else:  # one head's query tiles back to back
+            assert all(order[t][1:] == order[t - 1][1:] for t in range(1, len(order)) if t % m_blocks)
 
 
 # ---- numerics of the online softmax as the kernel orders it -----------------------------------------

@@ -314,6 +314,24 @@ def test_every_registered_config(d, causal, dtype, cfg):
         check(out, lse, q, k, v, causal, 1 / math.sqrt(d), what=f"{cfg} Nq={nq} Nk={nk}")
 
 
+def _persistent_configs():
+    return [(d, cfg) for d, causal, dtype, cfg in _all_configs() if cfg.persistent and not causal and dtype == BF16]
+
+
+@pytest.mark.parametrize("d,cfg", _persistent_configs(), ids=lambda x: str(x))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_persistent_grid_walks_several_tiles(d, cfg, causal):
+    """More query tiles than SMs, so each persistent CTA runs several tiles back to back (ring
+    phases and the Q buffer carried across tiles); causal with Nq > Nk mixes in tiles that visit
+    no K/V block at all."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for (b, h, hkv, nq, nk) in ((2, 32, 8, 700, 700), (3, 16, 16, 900, 300)):
+        assert -(-nq // 128) * h * b > sms
+        q, k, v = make_qkv(b, h, hkv, nq, nk, d, BF16, seed=nq + nk + d)
+        out, lse = launch(q, k, v, causal, 1 / math.sqrt(d), config=cfg)
+        check(out, lse, q, k, v, causal, 1 / math.sqrt(d), what=f"{cfg} B{b} H{h} Nq={nq} Nk={nk}")
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_many_heads_tiny_sequences(causal):
     q, k, v = make_qkv(4, 64, 8, 3, 5, 128, BF16, seed=31)

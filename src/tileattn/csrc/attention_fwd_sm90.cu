@@ -11,8 +11,14 @@
 // attention_fwd_sm80.cu; see docs/attention_fwd_sm90.md for the design and its numbers.
 //
 // ---- Work decomposition -------------------------------------------------------------------------
-// grid = (ceil(Nq / 128), heads, batch), 384 threads = 3 warpgroups, one CTA per SM:
-//   warpgroup 0 (producer)   one thread issues every TMA copy: Q once, then K and V blocks into
+// A tile is 128 query rows of one (batch, head); tiles are numbered so that tile order is work
+// order (tile_coords): causal, the last query tiles of every head (the ones that see the most keys)
+// come first; non-causal, the query tiles of one head are consecutive (they share K/V in L2).
+// A 1-D grid of CTAs walks tiles blockIdx.x, blockIdx.x + gridDim.x, ...: one tile per CTA when the
+// host launches one CTA per tile, or persistent (grid = #SMs), where each CTA's producer already
+// loads the next tile's Q and K/V while its consumers finish the current one. 384 threads = 3
+// warpgroups, one CTA per SM:
+//   warpgroup 0 (producer)   one thread issues every TMA copy: Q per tile, then K and V blocks into
 //                            kStages-deep rings; setmaxnreg.dec gives its registers away.
 //   warpgroups 1, 2          consumer c owns query rows [64 c, 64 c + 64) of the 128-row tile and
 //   (consumers)              walks all K/V blocks; setmaxnreg.inc to kConsumerRegs.
@@ -29,9 +35,14 @@
 // same number (Sm90Config.smem_bytes). mbarriers are static shared memory.
 //
 // ---- mbarriers and their phases ------------------------------------------------------------------
-//   q_full          1 arrival (producer's arrive.expect_tx) + the Q bytes; used once (parity 0).
-//   k_full[s]       1 arrival + the K block's bytes.   Use u = it / kStages of slot s = it % kStages
-//   v_full[s]       1 arrival + the V block's bytes.   completes phase u: consumers wait parity u & 1.
+//   q_full          1 arrival (producer's arrive.expect_tx) + the Q bytes. Phase i = the i-th tile
+//                   of this CTA: consumers wait parity i & 1.
+//   q_empty         2 arrivals: each consumer's storing thread once its TMA store has finished
+//                   reading sQ (the O staging buffer). Before loading Q of tile i >= 1 the producer
+//                   waits parity (i - 1) & 1.
+//   k_full[s]       1 arrival + the K block's bytes.   K/V visits are counted across the CTA's
+//   v_full[s]       1 arrival + the V block's bytes.   tiles (g); visit g uses slot s = g % kStages
+//                   for the u = g / kStages-th time and completes phase u: consumers wait u & 1.
 //   k_empty[s]      2 arrivals: one thread of each consumer warpgroup, once its wgmma that read K
 //                   from slot s has retired (wgmma_wait). The producer refills slot s for use u >= 1
 //   v_empty[s]      after phase u - 1 completed: it waits parity (u - 1) & 1.
@@ -84,7 +95,8 @@
 // of sQ (its S wgmmas, the only readers of those rows, have retired), in the same swizzled panel
 // layout, then fence.proxy.async + a 128-thread named barrier, and one thread issues d / 64 TMA
 // stores of 64 x 64 boxes. The O tensor map's row bound is Nq, so rows past the end of the
-// sequence are never written. lse goes straight from registers (one lane per row).
+// sequence are never written. lse goes straight from registers (one lane per row). The storing
+// thread then releases sQ to the producer (q_empty) for the next tile's Q.
 #include "common/sm80.cuh"
 #include "common/sm90.cuh"
 
@@ -130,6 +142,23 @@ __device__ __forceinline__ BlockRange block_range(int m_block, int seqlen_q, int
     const int masked = max(n_end - n_unmasked, n_end == n_total ? edge : 0);
     return {n_end, masked};
   }
+}
+
+// Tile t -> (query tile, head, batch), in work order (see the header). m_blocks = ceil(Nq / 128).
+struct Tile {
+  int m_block, head, batch;
+};
+template <bool kCausal>
+__device__ __forceinline__ Tile tile_coords(int t, int m_blocks, int heads, int batches) {
+  int m_block, bh;
+  if constexpr (kCausal) {  // longest first: query tile m_blocks - 1 of every (batch, head), then ...
+    m_block = m_blocks - 1 - t / (heads * batches);
+    bh = t % (heads * batches);
+  } else {                  // the query tiles of one (batch, head) back to back
+    m_block = t % m_blocks;
+    bh = t / m_blocks;
+  }
+  return {m_block, bh % heads, bh / heads};
 }
 
 // Per-thread view of one consumer's m64 x N accumulator (sm90.cuh): element 4j + 2h + e is row
@@ -195,14 +224,15 @@ __device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float 
 // tmap_q: q [B, H, Nq, d] as a 4-D map (d, Nq, H, B), box (64, 128, 1, 1), 128B swizzle, zero fill.
 // tmap_k, tmap_v: k / v [B, Hkv, Nk, d], box (64, kBlockN, 1, 1). tmap_o: out [B, H, Nq, d], box
 // (64, 64, 1, 1). lse: [B, H, Nq] fp32 contiguous, natural log. kv head = head / kv_group.
-// grid (ceil(Nq / 128), H, B); 384 threads; dynamic shared memory 2 d (128 + 2 kStages kBlockN) + 1024.
+// 1-D grid of at most ceil(Nq / 128) * H * B CTAs (< 2^31; fewer = persistent), 384 threads;
+// dynamic shared memory 2 d (128 + 2 kStages kBlockN) + 1024.
 template <int kHeadDim, int kBlockN, int kStages, bool kPingPong, bool kCausal, bool kIsBF16>
 __global__ void __launch_bounds__(fwd90::kThreads, 1)
     attention_fwd_sm90(const __grid_constant__ sm90::TmaDescriptor tmap_q,
                        const __grid_constant__ sm90::TmaDescriptor tmap_k,
                        const __grid_constant__ sm90::TmaDescriptor tmap_v,
-                       const __grid_constant__ sm90::TmaDescriptor tmap_o, float* __restrict__ lse, int heads,
-                       int kv_group, int seqlen_q, int seqlen_k, float scale_log2) {
+                       const __grid_constant__ sm90::TmaDescriptor tmap_o, float* __restrict__ lse, int batches,
+                       int heads, int kv_group, int seqlen_q, int seqlen_k, float scale_log2) {
   using namespace fwd90;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
   static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256, "wgmma N of S = Q K^T: 64, 128 or 256");
@@ -214,17 +244,14 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
   constexpr int kPSteps = kBlockN / 16;                      // k16 steps of O += P V
 
   extern __shared__ uint8_t smem_raw[];
-  __shared__ uint64_t q_full, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
+  __shared__ uint64_t q_full, q_empty, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
   uint8_t* const smem = smem_raw + ((1024 - (s9::smem_u32(smem_raw) & 1023)) & 1023);
   u16* const sQ = reinterpret_cast<u16*>(smem);             // [kPanels][128][64]
   u16* const sK = sQ + kBlockM * kHeadDim;                   // [kStages][kPanels][kBlockN][64]
   u16* const sV = sK + kStages * kBlockN * kHeadDim;         // [kStages][kPanels][kBlockN][64]
 
-  // Causal: the last query tiles see the most keys; blocks start roughly in blockIdx order, so hand
-  // the tiles out last-to-first and the longest CTAs start in the first wave.
-  const int m_block = kCausal ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
-  const int head = blockIdx.y, batch = blockIdx.z;
-  const BlockRange range = block_range<kCausal, kBlockN>(m_block, seqlen_q, seqlen_k);
+  const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
+  const int num_tiles = m_blocks * heads * batches;
   const int wg = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -233,6 +260,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     s9::tma_prefetch_descriptor(&tmap_v);
     s9::tma_prefetch_descriptor(&tmap_o);
     s9::mbar_init(&q_full, 1);
+    s9::mbar_init(&q_empty, kConsumers);
     for (int s = 0; s < kStages; ++s) {
       s9::mbar_init(&k_full[s], 1);
       s9::mbar_init(&v_full[s], 1);
@@ -246,29 +274,38 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
   if (wg == 0) {  // ------------------------------------------------ producer warpgroup
     s9::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 0) {
-      const int kv_head = head / kv_group;
-      // Q always (even for a fully masked tile): the epilogue stages O in sQ, so the Q copy must
-      // have landed before anyone writes there.
-      s9::mbar_arrive_expect_tx(&q_full, kQBytes);
-#pragma unroll
-      for (int p = 0; p < kPanels; ++p)
-        s9::tma_load_4d(sQ + p * kBlockM * kPanel, &tmap_q, p * kPanel, m_block * kBlockM, head, batch, &q_full);
-      for (int it = 0; it < range.n_end; ++it) {
-        const int n = range.n_end - 1 - it;
-        const int s = it % kStages;
-        const u32 refill_parity = ((it / kStages) - 1) & 1;
-        if (it >= kStages) s9::mbar_wait(&k_empty[s], refill_parity);
-        s9::mbar_arrive_expect_tx(&k_full[s], kKVBytes);
+      int g = 0;  // K/V visits so far, across this CTA's tiles: ring slot and phase
+      int i = 0;  // tiles so far: q_full / q_empty phase
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, ++i) {
+        const Tile tile = tile_coords<kCausal>(t, m_blocks, heads, batches);
+        const BlockRange range = block_range<kCausal, kBlockN>(tile.m_block, seqlen_q, seqlen_k);
+        const int kv_head = tile.head / kv_group;
+        // Q always (even for a fully masked tile): the epilogue stages O in sQ, so the Q copy must
+        // have landed before anyone writes there. sQ is free once both consumers' previous TMA
+        // stores have read it.
+        if (i > 0) s9::mbar_wait(&q_empty, (i - 1) & 1);
+        s9::mbar_arrive_expect_tx(&q_full, kQBytes);
 #pragma unroll
         for (int p = 0; p < kPanels; ++p)
-          s9::tma_load_4d(sK + (s * kPanels + p) * kBlockN * kPanel, &tmap_k, p * kPanel, n * kBlockN, kv_head, batch,
-                          &k_full[s]);
-        if (it >= kStages) s9::mbar_wait(&v_empty[s], refill_parity);
-        s9::mbar_arrive_expect_tx(&v_full[s], kKVBytes);
+          s9::tma_load_4d(sQ + p * kBlockM * kPanel, &tmap_q, p * kPanel, tile.m_block * kBlockM, tile.head,
+                          tile.batch, &q_full);
+        for (int it = 0; it < range.n_end; ++it, ++g) {
+          const int n = range.n_end - 1 - it;
+          const int s = g % kStages;
+          const u32 refill_parity = ((g / kStages) - 1) & 1;
+          if (g >= kStages) s9::mbar_wait(&k_empty[s], refill_parity);
+          s9::mbar_arrive_expect_tx(&k_full[s], kKVBytes);
 #pragma unroll
-        for (int p = 0; p < kPanels; ++p)
-          s9::tma_load_4d(sV + (s * kPanels + p) * kBlockN * kPanel, &tmap_v, p * kPanel, n * kBlockN, kv_head, batch,
-                          &v_full[s]);
+          for (int p = 0; p < kPanels; ++p)
+            s9::tma_load_4d(sK + (s * kPanels + p) * kBlockN * kPanel, &tmap_k, p * kPanel, n * kBlockN, kv_head,
+                            tile.batch, &k_full[s]);
+          if (g >= kStages) s9::mbar_wait(&v_empty[s], refill_parity);
+          s9::mbar_arrive_expect_tx(&v_full[s], kKVBytes);
+#pragma unroll
+          for (int p = 0; p < kPanels; ++p)
+            s9::tma_load_4d(sV + (s * kPanels + p) * kBlockN * kPanel, &tmap_v, p * kPanel, n * kBlockN, kv_head,
+                            tile.batch, &v_full[s]);
+        }
       }
     }
   } else {  // ------------------------------------------------------ consumer warpgroups
@@ -276,7 +313,6 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     const int c = wg - 1;                                  // rows [64 c, 64 c + 64) of the tile
     const int tid = threadIdx.x % 128;
     const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-    const int row_h0 = m_block * kBlockM + c * 64 + warp * 16 + g;  // global query row of h = 0
     const int diag = seqlen_k - seqlen_q;
     const bool releaser = tid == 0;                        // arrives on the empty barriers
 
@@ -289,9 +325,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     float o[kHeadDim / 2];
     float s[kBlockN / 2];
     u32 p[kPSteps][4];
-    float m[2] = {kNoKeyShift, kNoKeyShift}, l[2] = {0.f, 0.f}, alpha[2];
-#pragma unroll
-    for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+    float m[2], l[2], alpha[2];
 
     // S = Q K^T of slot `stage` into s (issued, committed, not waited for).
     auto issue_s = [&](int stage) {
@@ -325,100 +359,119 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       }
     };
 
-    s9::mbar_wait(&q_full, 0);
-    if (range.n_end > 0) {
-      if (c == 1) pass_turn(false);  // consumer 0 issues first
-      // ---- first block (n_end - 1): S, softmax; no P V yet
-      s9::mbar_wait(&k_full[0], 0);
-      take_turn();
-      s9::wgmma_fence();
-      issue_s(0);
-      pass_turn(false);
-      s9::wgmma_wait<0>();
-      s9::fence_accumulators(s);
-      if (releaser) s9::mbar_arrive(&k_empty[0]);
-      if (range.n_masked > 0) apply_mask<kBlockN, kCausal>(s, range.n_end - 1, row_h0, t, seqlen_k, diag);
-      softmax_step<kBlockN>(s, m, l, alpha, scale_log2);  // alpha is 0 or 1 here and O is 0
-      pack_p<kBlockN, kIsBF16>(p, s);
+    int g0 = 0;  // K/V visits of this CTA before the current tile (the producer counts the same)
+    int i = 0;   // tiles so far: q_full phase
+    for (int tl = blockIdx.x; tl < num_tiles; tl += gridDim.x, ++i) {
+      const Tile tile = tile_coords<kCausal>(tl, m_blocks, heads, batches);
+      const BlockRange range = block_range<kCausal, kBlockN>(tile.m_block, seqlen_q, seqlen_k);
+      const int row_h0 = tile.m_block * kBlockM + c * 64 + warp * 16 + g;  // global query row of h = 0
+#pragma unroll
+      for (int k = 0; k < kHeadDim / 2; ++k) o[k] = 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) m[h] = kNoKeyShift, l[h] = 0.f;
 
-      // ---- blocks 1 .. n_end - 1: S_j overlapped with P_{j-1} V_{j-1}
-      auto step = [&](int it, bool masked) {  // `masked` is a constant at both call sites
-        const int sk = it % kStages, sv = (it - 1) % kStages;
-        s9::mbar_wait(&k_full[sk], (it / kStages) & 1);
+      s9::mbar_wait(&q_full, i & 1);
+      if (range.n_end > 0) {
+        if (c == 1) pass_turn(false);  // consumer 0 issues first
+        // ---- first block (n_end - 1): S, softmax; no P V yet
+        const int s0 = g0 % kStages;
+        s9::mbar_wait(&k_full[s0], (g0 / kStages) & 1);
+        take_turn();
+        s9::wgmma_fence();
+        issue_s(s0);
+        pass_turn(false);
+        s9::wgmma_wait<0>();
+        s9::fence_accumulators(s);
+        if (releaser) s9::mbar_arrive(&k_empty[s0]);
+        if (range.n_masked > 0) apply_mask<kBlockN, kCausal>(s, range.n_end - 1, row_h0, t, seqlen_k, diag);
+        softmax_step<kBlockN>(s, m, l, alpha, scale_log2);  // alpha is 0 or 1 here and O is 0
+        pack_p<kBlockN, kIsBF16>(p, s);
+
+        // ---- blocks 1 .. n_end - 1: S_j overlapped with P_{j-1} V_{j-1}
+        auto step = [&](int it, bool masked) {  // `masked` is a constant at both call sites
+          const int gk = g0 + it, gv = gk - 1;
+          const int sk = gk % kStages, sv = gv % kStages;
+          s9::mbar_wait(&k_full[sk], (gk / kStages) & 1);
+          s9::fence_accumulators(o);
+          take_turn();
+          s9::wgmma_fence();  // O (rescaled) and P (packed) were written by ordinary instructions
+          issue_s(sk);
+          s9::mbar_wait(&v_full[sv], (gv / kStages) & 1);
+          issue_pv(sv);
+          pass_turn(false);
+          s9::wgmma_wait<1>();  // S_j retired (groups retire in order); P V still running
+          s9::fence_accumulators(s);
+          if (releaser) s9::mbar_arrive(&k_empty[sk]);
+          if (masked) apply_mask<kBlockN, kCausal>(s, range.n_end - 1 - it, row_h0, t, seqlen_k, diag);
+          softmax_step<kBlockN>(s, m, l, alpha, scale_log2);
+          s9::wgmma_wait<0>();  // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free
+          s9::fence_accumulators(o);
+          s9::fence_accumulators(s);  // the packing below must not move above the wait
+          if (releaser) s9::mbar_arrive(&v_empty[sv]);
+          rescale_o<kHeadDim>(o, alpha);
+          pack_p<kBlockN, kIsBF16>(p, s);
+        };
+        int it = 1;
+        for (; it < range.n_masked; ++it) step(it, true);
+        for (; it < range.n_end; ++it) step(it, false);
+
+        // ---- tail: P V of the last block visited
+        const int gv = g0 + range.n_end - 1, sv = gv % kStages;
+        s9::mbar_wait(&v_full[sv], (gv / kStages) & 1);
         s9::fence_accumulators(o);
         take_turn();
-        s9::wgmma_fence();  // O (rescaled) and P (packed) were written by ordinary instructions
-        issue_s(sk);
-        s9::mbar_wait(&v_full[sv], ((it - 1) / kStages) & 1);
+        s9::wgmma_fence();
         issue_pv(sv);
-        pass_turn(false);
-        s9::wgmma_wait<1>();  // S_j retired (groups retire in order); P V still running
-        s9::fence_accumulators(s);
-        if (releaser) s9::mbar_arrive(&k_empty[sk]);
-        if (masked) apply_mask<kBlockN, kCausal>(s, range.n_end - 1 - it, row_h0, t, seqlen_k, diag);
-        softmax_step<kBlockN>(s, m, l, alpha, scale_log2);
-        s9::wgmma_wait<0>();  // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free
+        pass_turn(true);
+        s9::wgmma_wait<0>();
         s9::fence_accumulators(o);
-        s9::fence_accumulators(s);  // the packing below must not move above the wait
         if (releaser) s9::mbar_arrive(&v_empty[sv]);
-        rescale_o<kHeadDim>(o, alpha);
-        pack_p<kBlockN, kIsBF16>(p, s);
-      };
-      int it = 1;
-      for (; it < range.n_masked; ++it) step(it, true);
-      for (; it < range.n_end; ++it) step(it, false);
-
-      // ---- tail: P V of the last block visited
-      const int sv = (range.n_end - 1) % kStages;
-      s9::mbar_wait(&v_full[sv], ((range.n_end - 1) / kStages) & 1);
-      s9::fence_accumulators(o);
-      take_turn();
-      s9::wgmma_fence();
-      issue_pv(sv);
-      pass_turn(true);
-      s9::wgmma_wait<0>();
-      s9::fence_accumulators(o);
-      if (releaser) s9::mbar_arrive(&v_empty[sv]);
-    }
-
-    // ---- epilogue: normalize, lse, O -> 16 bit -> stmatrix into this consumer's rows of sQ ----
-    float inv[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float sum = quad_sum(l[h]);
-      inv[h] = sum > 0.f ? 1.f / sum : 0.f;  // sum == 0 <=> the row saw no key: O = 0
-      const int row = row_h0 + 8 * h;
-      if (t == 0 && row < seqlen_q)
-        lse[(static_cast<int64_t>(batch) * heads + head) * seqlen_q + row] =
-            sum > 0.f ? (m[h] + log2f(sum)) * kLn2 : neg_inf();
-    }
-    // stmatrix.x4 j covers columns 16 j .. 16 j + 15 of the warp's 16 rows: matrix i = (rows
-    // 8 (i & 1).., columns 16 j + 8 (i >> 1)..) is accumulator pair 4 (2 j + (i >> 1)) + 2 (i & 1).
-    // Lane l addresses row 8 ((l / 8) & 1) + l % 8 of the warp's rows, 16-byte chunk
-    // 2 j + (l / 16) of the row: panel (2 j + l / 16) / 8, swizzled chunk ((2 j + l / 16) % 8) ^ (row % 8).
-    {
-      const int mi = lane / 8, rr = lane % 8;
-      const int row = warp * 16 + 8 * (mi & 1) + rr;  // within this consumer's 64 rows
-      const u32 base = s9::smem_u32(sQ + c * 64 * kPanel) + row * 128;
-#pragma unroll
-      for (int j = 0; j < kHeadDim / 16; ++j) {
-        const int chunk = 2 * j + (mi >> 1);
-        const u32 addr = base + (chunk / 8) * (kBlockM * kPanel * 2) + (((chunk % 8) ^ rr) << 4);
-        s9::stmatrix_x4(addr, pack2<kIsBF16>(o[8 * j + 0] * inv[0], o[8 * j + 1] * inv[0]),
-                        pack2<kIsBF16>(o[8 * j + 2] * inv[1], o[8 * j + 3] * inv[1]),
-                        pack2<kIsBF16>(o[8 * j + 4] * inv[0], o[8 * j + 5] * inv[0]),
-                        pack2<kIsBF16>(o[8 * j + 6] * inv[1], o[8 * j + 7] * inv[1]));
       }
-    }
-    s9::fence_proxy_async();               // generic-proxy stmatrix writes -> async-proxy TMA store
-    s9::named_barrier_sync<128>(1 + c);    // this consumer's 128 threads only
-    const int row0 = m_block * kBlockM + c * 64;
-    if (tid == 0 && row0 < seqlen_q) {
+      g0 += range.n_end;
+
+      // ---- epilogue: normalize, lse, O -> 16 bit -> stmatrix into this consumer's rows of sQ ----
+      float inv[2];
 #pragma unroll
-      for (int pnl = 0; pnl < kPanels; ++pnl)
-        s9::tma_store_4d(&tmap_o, sQ + pnl * kBlockM * kPanel + c * 64 * kPanel, pnl * kPanel, row0, head, batch);
-      s9::tma_store_commit();
-      s9::tma_store_wait_read();           // shared memory must outlive the copy's reads
+      for (int h = 0; h < 2; ++h) {
+        const float sum = quad_sum(l[h]);
+        inv[h] = sum > 0.f ? 1.f / sum : 0.f;  // sum == 0 <=> the row saw no key: O = 0
+        const int row = row_h0 + 8 * h;
+        if (t == 0 && row < seqlen_q)
+          lse[(static_cast<int64_t>(tile.batch) * heads + tile.head) * seqlen_q + row] =
+              sum > 0.f ? (m[h] + log2f(sum)) * kLn2 : neg_inf();
+      }
+      // stmatrix.x4 j covers columns 16 j .. 16 j + 15 of the warp's 16 rows: matrix i = (rows
+      // 8 (i & 1).., columns 16 j + 8 (i >> 1)..) is accumulator pair 4 (2 j + (i >> 1)) + 2 (i & 1).
+      // Lane l addresses row 8 ((l / 8) & 1) + l % 8 of the warp's rows, 16-byte chunk 2 j + l / 16
+      // of the row: panel (2 j + l / 16) / 8, swizzled chunk ((2 j + l / 16) % 8) ^ (row % 8).
+      {
+        const int mi = lane / 8, rr = lane % 8;
+        const int row = warp * 16 + 8 * (mi & 1) + rr;  // within this consumer's 64 rows
+        const u32 base = s9::smem_u32(sQ + c * 64 * kPanel) + row * 128;
+#pragma unroll
+        for (int j = 0; j < kHeadDim / 16; ++j) {
+          const int chunk = 2 * j + (mi >> 1);
+          const u32 addr = base + (chunk / 8) * (kBlockM * kPanel * 2) + (((chunk % 8) ^ rr) << 4);
+          s9::stmatrix_x4(addr, pack2<kIsBF16>(o[8 * j + 0] * inv[0], o[8 * j + 1] * inv[0]),
+                          pack2<kIsBF16>(o[8 * j + 2] * inv[1], o[8 * j + 3] * inv[1]),
+                          pack2<kIsBF16>(o[8 * j + 4] * inv[0], o[8 * j + 5] * inv[0]),
+                          pack2<kIsBF16>(o[8 * j + 6] * inv[1], o[8 * j + 7] * inv[1]));
+        }
+      }
+      s9::fence_proxy_async();               // generic-proxy stmatrix writes -> async-proxy TMA store
+      s9::named_barrier_sync<128>(1 + c);    // this consumer's 128 threads only
+      if (tid == 0) {
+        const int row0 = tile.m_block * kBlockM + c * 64;
+        if (row0 < seqlen_q) {
+#pragma unroll
+          for (int pnl = 0; pnl < kPanels; ++pnl)
+            s9::tma_store_4d(&tmap_o, sQ + pnl * kBlockM * kPanel + c * 64 * kPanel, pnl * kPanel, row0, tile.head,
+                             tile.batch);
+          s9::tma_store_commit();
+          s9::tma_store_wait_read();         // sQ must not be refilled (or freed) before the copy read it
+        }
+        s9::mbar_arrive(&q_empty);           // this consumer is done with sQ for this tile
+      }
     }
   }
 }

@@ -16,6 +16,7 @@ contiguous first, and out is then written through a contiguous temporary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -29,25 +30,29 @@ BLOCK_M = 128           # query rows per CTA (two consumer warpgroups x 64)
 THREADS = 384           # producer warpgroup + two consumer warpgroups
 PANEL = 64              # TMA box width in elements: 128 bytes, the 128-byte swizzle span
 LOG2E = 1.4426950408889634
-MAX_GRID_YZ = 65535     # grid y = heads, z = batch
+MAX_TILES = 2**31 - 1   # 1-D grid and the kernel's int32 tile index: ceil(Nq / 128) * H * B
 SMEM_LIMIT = 232448     # bytes per block on an H100/H200 (227 KB opt-in)
 
 
 @dataclass(frozen=True, order=True)
 class Sm90Config:
-    """block_n keys per K/V block (the wgmma N of S = Q K^T: 64, 128 or 256), ring stages, and
-    whether the two consumer warpgroups take turns issuing their GEMMs (ping-pong)."""
+    """block_n keys per K/V block (the wgmma N of S = Q K^T: 64, 128 or 256), ring stages,
+    whether the two consumer warpgroups take turns issuing their GEMMs (ping-pong), and whether the
+    grid is persistent (one CTA per SM walking the tiles; otherwise one CTA per tile). `persistent`
+    is a launch choice only: both grids run the same compiled kernel."""
 
     block_n: int
     stages: int
     pingpong: bool = False
+    persistent: bool = False
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory: Q tile + `stages` K and V blocks + 1 KB to align to 1024 B."""
         return 2 * head_dim * (BLOCK_M + 2 * self.stages * self.block_n) + 1024
 
     def __str__(self) -> str:
-        return f"128x{self.block_n}/s{self.stages}" + ("/pp" if self.pingpong else "")
+        return f"128x{self.block_n}/s{self.stages}" + ("/pp" if self.pingpong else "") + (
+            "/persistent" if self.persistent else "")
 
 
 C = Sm90Config
@@ -66,14 +71,14 @@ DEFAULTS: dict[tuple[int, bool], Sm90Config] = {
     (256, False): C(64, 2),
     (256, True): C(64, 2),
 }
-# Extra candidates for the tuning benchmark (bf16 only): the defaults with ping-pong, deeper rings
-# and smaller key blocks.
+# Extra candidates for the tuning benchmark (bf16 only): the defaults with ping-pong and/or a
+# persistent grid, deeper rings and smaller key blocks.
 EXTRA_BF16: dict[tuple[int, bool], tuple[Sm90Config, ...]] = {
     (d, causal): extra
     for d, extra in (
-        (64, (C(128, 3, True), C(128, 4), C(64, 4))),
-        (128, (C(128, 2, True), C(64, 4), C(64, 4, True))),
-        (256, (C(64, 2, True),)),
+        (64, (C(128, 3, True), C(128, 3, False, True), C(128, 4), C(64, 4))),
+        (128, (C(128, 2, True), C(128, 2, False, True), C(128, 2, True, True), C(64, 4), C(64, 4, True))),
+        (256, (C(64, 2, True), C(64, 2, False, True))),
     )
     for causal in (False, True)
 }
@@ -101,7 +106,9 @@ def _instantiations() -> tuple[str, ...]:
             for bf16 in (False, True):
                 for cfg in configs_for(d, causal, bf16):
                     assert cfg.smem_bytes(d) <= SMEM_LIMIT, (d, cfg)
-                    exprs.append(expression(d, cfg, causal, bf16))
+                    expr = expression(d, cfg, causal, bf16)
+                    if expr not in exprs:  # persistent or not: the same kernel
+                        exprs.append(expr)
     return tuple(exprs)
 
 
@@ -110,20 +117,26 @@ INSTANTIATIONS = _instantiations()
 FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a",)),)
 
 
+def _num_tiles(batch: int, heads: int, seqlen_q: int) -> int:
+    return -(-seqlen_q // BLOCK_M) * heads * batch
+
+
 def supports(head_dim: int, dtype, *, device=None, seqlen_q: int | None = None, seqlen_k: int | None = None,
              batch: int | None = None, heads: int | None = None) -> bool:
     """Whether launch_forward_sm90 can run this call: head_dim in HEAD_DIMS, dtype fp16/bf16, and,
-    when given, a device of compute capability 9.0 and grid dimensions (heads, batch) <= 65535.
-    Sequence lengths of any size >= 0 are supported. Never raises."""
+    when given, a device of compute capability 9.0, sequence lengths >= 0 and fewer than 2^31
+    query tiles (ceil(seqlen_q / 128) * heads * batch). Never raises."""
     if head_dim not in HEAD_DIMS or dtype not in (torch.float16, torch.bfloat16):
         return False
     if device is not None:
         device = torch.device(device)
         if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
             return False
-    if (heads is not None and heads > MAX_GRID_YZ) or (batch is not None and batch > MAX_GRID_YZ):
+    if (seqlen_q is not None and seqlen_q < 0) or (seqlen_k is not None and seqlen_k < 0):
         return False
-    return seqlen_q is None or seqlen_k is None or (seqlen_q >= 0 and seqlen_k >= 0)
+    if None not in (seqlen_q, batch, heads) and _num_tiles(batch, heads, seqlen_q) > MAX_TILES:
+        return False
+    return True
 
 
 def tuning_candidates(head_dim: int, causal: bool, dtype) -> tuple[Sm90Config, ...]:
@@ -156,6 +169,11 @@ def _kernel(device_index: int, head_dim: int, config: Sm90Config, causal: bool, 
     return hit
 
 
+@lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
 def _tma_ready(t: torch.Tensor) -> bool:
     """Whether TMA can describe t in place: every dimension longer than 1 has a positive stride
     that is a multiple of 16 bytes and below 2^40 bytes (size-1 dimensions are fixed up by
@@ -179,7 +197,7 @@ def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config
     Needs a compute capability 9.0 GPU (supports() says whether a call can run here).
     This is the launch layer: beyond the checks below it trusts its caller (tileattn.api checks
     arguments). Raises ValueError for an unsupported head dim or dtype, H not a multiple of Hkv,
-    or a heads/batch count above the grid limit of 65535; TensorMapError (a ValueError) if the
+    or 2^31 or more query tiles (ceil(Nq / 128) * H * B); TensorMapError (a ValueError) if the
     driver refuses a tensor map.
     """
     from ..runtime import launch, tensor_map
@@ -192,10 +210,11 @@ def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config
         raise ValueError(f"q.dtype must be torch.float16 or torch.bfloat16, got {q.dtype}")
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
-    if heads > MAX_GRID_YZ or batch > MAX_GRID_YZ:
-        raise ValueError(f"heads ({heads}) and batch ({batch}) must be <= {MAX_GRID_YZ} (CUDA grid limit)")
     if seqlen_q == 0 or batch == 0 or heads == 0:
         return
+    tiles = _num_tiles(batch, heads, seqlen_q)
+    if tiles > MAX_TILES:
+        raise ValueError(f"ceil(Nq / {BLOCK_M}) * H * B = {tiles} query tiles; at most {MAX_TILES} are supported")
     bf16 = q.dtype == torch.bfloat16
     if config is None:
         config = DEFAULTS[(head_dim, bool(causal))]
@@ -212,9 +231,9 @@ def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config
     tk = tensor_map(k, (1, 1, config.block_n, PANEL))
     tv = tensor_map(v, (1, 1, config.block_n, PANEL))
     to = tensor_map(target, (1, 1, 64, PANEL))
-    grid = ((seqlen_q + BLOCK_M - 1) // BLOCK_M, heads, batch)
-    args = (tq, tk, tv, to, lse.data_ptr(), np.int32(heads), np.int32(heads // kv_heads), np.int32(seqlen_q),
-            np.int32(seqlen_k), np.float32(scale * LOG2E))
+    grid = (min(tiles, _sm_count(q.device.index)) if config.persistent else tiles, 1, 1)
+    args = (tq, tk, tv, to, lse.data_ptr(), np.int32(batch), np.int32(heads), np.int32(heads // kv_heads),
+            np.int32(seqlen_q), np.int32(seqlen_k), np.float32(scale * LOG2E))
     launch(kern, grid, (THREADS, 1, 1), args, smem=smem)
     if target is not out:
         out.copy_(target)
