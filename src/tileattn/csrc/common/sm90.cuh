@@ -1,6 +1,7 @@
-// PTX wrappers for the Hopper (sm_90a) path: TMA bulk tensor copies, mbarriers, wgmma, setmaxnreg
+// PTX wrappers for the Hopper (sm_90a) path: TMA bulk tensor copies (2-D to 4-D loads and stores),
+// mbarriers, wgmma (A from shared memory or from registers), stmatrix, named barriers, setmaxnreg
 // and the proxy fences. Shared by the GEMM ladder's rung 10 (labs/csrc/gemm.cu) and the Hopper
-// attention kernels; every instruction is spelled once, here. Compile for sm_90a: wgmma and
+// attention kernels (csrc/attention_fwd_sm90.cu); every instruction is spelled once, here. Compile for sm_90a: wgmma and
 // setmaxnreg exist only there (plain sm_90 rejects them); TMA and mbarrier tx-counts need sm_90.
 //
 // The pieces and how they fit (one K step of a warp-specialized GEMM):
