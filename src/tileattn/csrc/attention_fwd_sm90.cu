@@ -224,7 +224,7 @@ __device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float 
 // tmap_q: q [B, H, Nq, d] as a 4-D map (d, Nq, H, B), box (64, 128, 1, 1), 128B swizzle, zero fill.
 // tmap_k, tmap_v: k / v [B, Hkv, Nk, d], box (64, kBlockN, 1, 1). tmap_o: out [B, H, Nq, d], box
 // (64, 64, 1, 1). lse: [B, H, Nq] fp32 contiguous, natural log. kv head = head / kv_group.
-// 1-D grid of at most ceil(Nq / 128) * H * B CTAs (< 2^31; fewer = persistent), 384 threads;
+// 1-D grid of at most ceil(Nq / 128) * H * B <= 2^30 CTAs (fewer = persistent), 384 threads;
 // dynamic shared memory 2 d (128 + 2 kStages kBlockN) + 1024.
 template <int kHeadDim, int kBlockN, int kStages, bool kPingPong, bool kCausal, bool kIsBF16>
 __global__ void __launch_bounds__(fwd90::kThreads, 1)

@@ -30,7 +30,7 @@ BLOCK_M = 128           # query rows per CTA (two consumer warpgroups x 64)
 THREADS = 384           # producer warpgroup + two consumer warpgroups
 PANEL = 64              # TMA box width in elements: 128 bytes, the 128-byte swizzle span
 LOG2E = 1.4426950408889634
-MAX_TILES = 2**31 - 1   # 1-D grid and the kernel's int32 tile index: ceil(Nq / 128) * H * B
+MAX_TILES = 2**30       # ceil(Nq / 128) * H * B; the kernel steps tile + gridDim.x in int32
 SMEM_LIMIT = 232448     # bytes per block on an H100/H200 (227 KB opt-in)
 
 
@@ -124,7 +124,7 @@ def _num_tiles(batch: int, heads: int, seqlen_q: int) -> int:
 def supports(head_dim: int, dtype, *, device=None, seqlen_q: int | None = None, seqlen_k: int | None = None,
              batch: int | None = None, heads: int | None = None) -> bool:
     """Whether launch_forward_sm90 can run this call: head_dim in HEAD_DIMS, dtype fp16/bf16, and,
-    when given, a device of compute capability 9.0, sequence lengths >= 0 and fewer than 2^31
+    when given, a device of compute capability 9.0, sequence lengths >= 0 and at most 2^30
     query tiles (ceil(seqlen_q / 128) * heads * batch). Never raises."""
     if head_dim not in HEAD_DIMS or dtype not in (torch.float16, torch.bfloat16):
         return False
@@ -197,7 +197,7 @@ def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config
     Needs a compute capability 9.0 GPU (supports() says whether a call can run here).
     This is the launch layer: beyond the checks below it trusts its caller (tileattn.api checks
     arguments). Raises ValueError for an unsupported head dim or dtype, H not a multiple of Hkv,
-    or 2^31 or more query tiles (ceil(Nq / 128) * H * B); TensorMapError (a ValueError) if the
+    or more than 2^30 query tiles (ceil(Nq / 128) * H * B); TensorMapError (a ValueError) if the
     driver refuses a tensor map.
     """
     from ..runtime import launch, tensor_map
@@ -239,6 +239,55 @@ def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config
         out.copy_(target)
 
 
+class ForwardPlan:
+    """The Hopper forward for tensors of fixed shapes, strides, dtype and device (arguments
+    already validated by tileattn.api): tensor-map templates for q, k, v, out (only the address
+    changes from call to call; maps are cached per address) and a LaunchPlan whose dynamic
+    parameters are the four maps and lse's pointer. Tensors TMA cannot describe in place (decided
+    here, once, from the strides) are copied on each launch, as launch_forward_sm90 does."""
+
+    def __init__(self, q, k, v, out, lse, *, causal: bool, scale: float, config: Sm90Config | None = None):
+        from ..runtime import LaunchPlan, TensorMapTemplate, device_sm_count
+        from . import load
+
+        batch, heads, seqlen_q, head_dim = q.shape
+        kv_heads, seqlen_k = k.shape[1], k.shape[2]
+        config = config or DEFAULTS[(head_dim, bool(causal))]
+        self.copy_q, self.copy_k, self.copy_v = (not _tma_ready(t) for t in (q, k, v))
+        self.copy_out = not _tma_ready(out)
+        dense = [t.contiguous() if copy else t for t, copy in ((q, self.copy_q), (k, self.copy_k), (v, self.copy_v))]
+        target = torch.empty_like(out, memory_format=torch.contiguous_format) if self.copy_out else out
+        # Box sizes outermost first (batch, head, rows, 64 columns), 128-byte swizzle, zero fill.
+        self.templates = (
+            TensorMapTemplate(dense[0], (1, 1, BLOCK_M, PANEL)),
+            TensorMapTemplate(dense[1], (1, 1, config.block_n, PANEL)),
+            TensorMapTemplate(dense[2], (1, 1, config.block_n, PANEL)),
+            TensorMapTemplate(target, (1, 1, 64, PANEL)),
+        )
+        maps = [t.encode(x.data_ptr()) for t, x in zip(self.templates, (*dense, target))]
+        kern = load(FAMILY_NAME, expression(head_dim, config, bool(causal), q.dtype == torch.bfloat16),
+                    q.device.index)
+        tiles = _num_tiles(batch, heads, seqlen_q)
+        grid = (min(tiles, device_sm_count(q.device.index)) if config.persistent else tiles,)
+        args = (*maps, lse.data_ptr(), np.int32(batch), np.int32(heads), np.int32(heads // kv_heads),
+                np.int32(seqlen_q), np.int32(seqlen_k), np.float32(scale * LOG2E))
+        self.plan = LaunchPlan(kern, grid, (THREADS,), args, smem=config.smem_bytes(head_dim), dynamic=range(5))
+
+    def launch(self, q, k, v, out, lse) -> None:
+        tq, tk, tv, to = self.templates
+        if self.copy_q:
+            q = q.contiguous()
+        if self.copy_k:
+            k = k.contiguous()
+        if self.copy_v:
+            v = v.contiguous()
+        target = torch.empty_like(out, memory_format=torch.contiguous_format) if self.copy_out else out
+        self.plan.launch(tq.encode(q.data_ptr()), tk.encode(k.data_ptr()), tv.encode(v.data_ptr()),
+                         to.encode(target.data_ptr()), lse.data_ptr())
+        if self.copy_out:
+            out.copy_(target)
+
+
 def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
     """Forward FLOPs by the benchmark convention: 4 * B * H * Nq * Nk * d, halved when causal."""
     return 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0)
@@ -253,6 +302,7 @@ __all__ = [
     "Sm90Config",
     "configs_for",
     "expression",
+    "ForwardPlan",
     "launch_forward_sm90",
     "supports",
     "tuning_candidates",
