@@ -200,7 +200,8 @@ def test_registry_builds_exactly_the_dispatched_forward_instantiations():
                     expr = attention_fwd_sm80.expression(d, cfg, causal, dtype == BF16)
                     assert expr in fam.instantiations, (arch, d, causal, dtype)
                     used.add(expr)
-    assert used == set(fam.instantiations), "an instantiation no table uses is compiled for nothing"
+    dense = {e for e in fam.instantiations if e.startswith("tileattn::attention_fwd_sm80<")}
+    assert used == dense, "a dense instantiation no table uses is compiled for nothing"
     assert len(fam.instantiations) == len(set(fam.instantiations))
     # The H200's measured d=128 default, spelled out: a table edit that drops it fails here.
     assert "tileattn::attention_fwd_sm80<128, 128, 64, 4, 2, false, true>" in fam.instantiations

@@ -265,10 +265,10 @@ def _forward(q, k, v, causal: bool, scale):
     out = torch.empty_like(q)  # q's layout when q is dense (a transposed [B, N, H, d] stays so)
     lse = torch.empty(entry.lse_shape, dtype=torch.float32, device=entry.device)
     if _current_device() == entry.device_index:
-        entry.forward.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
+        entry.forward.launch(q, k, v, out, lse)
     else:  # cuLaunchKernel uses the thread's current context: make it q's device's
         with torch.cuda.device(entry.device_index):
-            entry.forward.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
+            entry.forward.launch(q, k, v, out, lse)
     return out, lse, entry
 
 

@@ -15,7 +15,7 @@ from .launcher import (
     load_kernel,
     require_gpu,
 )
-from .tma import TensorMap, TensorMapError, tensor_map, tma_requirements
+from .tma import TensorMap, TensorMapError, TensorMapTemplate, tensor_map, tma_requirements
 
 __all__ = [
     "CompileError",
@@ -27,6 +27,7 @@ __all__ = [
     "Resources",
     "TensorMap",
     "TensorMapError",
+    "TensorMapTemplate",
     "cache_dir",
     "compile_cuda",
     "current_stream_handle",

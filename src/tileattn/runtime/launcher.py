@@ -20,6 +20,7 @@ are captured by `torch.cuda.graph`.
 
 from __future__ import annotations
 
+import struct
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -269,43 +270,56 @@ def launch(kernel: LoadedKernel, grid: Sequence[int], block: Sequence[int], args
 class LaunchPlan:
     """One kernel, its geometry and its packed arguments, made once and launched many times.
 
-    `args` are the arguments of the first launch; `dynamic` lists the indices of the 64-bit
-    parameters (data pointers) that change between launches, in the order `launch(*values)` takes
-    them. Everything else (sizes, strides, scale, tensor maps) is fixed in the plan: a plan belongs
-    to one (device, shapes, strides, dtype, flags) combination, and the caller keys its plans so.
-    A lock makes concurrent launches of one plan from several threads safe (the driver has copied
-    the parameters when cuLaunchKernel returns, so the buffer is free again right after).
+    `args` are the arguments of the first launch; `dynamic` lists the indices of the parameters
+    that change between launches, in the order `launch(*values)` takes them: 64-bit values (data
+    pointers, as Python ints) or CUtensorMap parameters (as `TensorMap`s). Everything else (sizes,
+    strides, scale, fixed tensor maps) stays as packed: a plan belongs to one (device, shapes,
+    strides, dtype, flags) combination, and the caller keys its plans so. Consecutive 64-bit
+    dynamic parameters are written with one struct.pack_into. A lock makes concurrent launches of
+    one plan from several threads safe (the driver has copied the parameters when cuLaunchKernel
+    returns, so the buffer is free again right after).
     """
 
-    __slots__ = ("kernel", "grid", "block", "smem", "_buffer", "_addresses", "_keep", "_slots", "_call",
-                 "_lock", "_launch", "_ok", "_params")
+    __slots__ = ("kernel", "grid", "block", "smem", "_buffer", "_view", "_addresses", "_keep", "_runs", "_maps",
+                 "_call", "_lock", "_launch", "_ok", "_params")
 
     def __init__(self, kernel: LoadedKernel, grid, block, args: Sequence, smem: int = 0, dynamic: Sequence[int] = ()):
         self.kernel = kernel
         self.grid, self.block = _check_geometry(kernel, grid, block, int(smem))
         self.smem = int(smem)
         self._buffer, self._addresses, self._keep = _pack(kernel, args)
-        slots = []
-        for i in dynamic:
+        self._view = memoryview(self._buffer.view(np.uint8))
+        runs: list[list[int]] = []  # [byte offset, count, first value index] of consecutive 64-bit slots
+        maps: list[tuple[int, int]] = []  # (parameter index, value index) of CUtensorMap parameters
+        for j, i in enumerate(dynamic):
             offset, size = kernel.param_layout[i]
-            if size != 8 or offset % 8:
-                raise LaunchError(f"{kernel.expression}: dynamic parameter {i} must be an aligned 64-bit value")
-            slots.append(offset // 8)
-        self._slots = tuple(slots)
+            if size == 128:
+                maps.append((i, j))
+            elif size == 8 and offset % 8 == 0:
+                if runs and runs[-1][0] + 8 * runs[-1][1] == offset and runs[-1][2] + runs[-1][1] == j:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([offset, 1, j])
+            else:
+                raise LaunchError(f"{kernel.expression}: dynamic parameter {i} is {size} bytes; dynamic parameters "
+                                  "are aligned 64-bit values or 128-byte tensor maps")
+        self._runs = tuple((struct.Struct(f"<{n}Q").pack_into, off, j, j + n) for off, n, j in runs)
+        self._maps = tuple(maps)
         self._call = (kernel.function, *self.grid, *self.block, self.smem)
         self._params = int(self._addresses.ctypes.data)  # kernelParams: void*[], kept alive by _addresses
         driver = _driver()
         self._launch, self._ok = driver.cuLaunchKernel, driver.CUresult.CUDA_SUCCESS
         self._lock = threading.Lock()
 
-    def launch(self, *values: int) -> None:
-        """Launch with new values for the dynamic parameters (Python ints), on torch's current
-        stream of the plan's device."""
+    def launch(self, *values) -> None:
+        """Launch with new values for the dynamic parameters, on torch's current stream of the
+        plan's device."""
         stream = current_stream_handle(self.kernel.device_index)
         with self._lock:
-            buffer = self._buffer
-            for slot, value in zip(self._slots, values):
-                buffer[slot] = value
+            for pack_into, offset, first, end in self._runs:
+                pack_into(self._view, offset, *values[first:end])
+            for i, j in self._maps:
+                self._addresses[i] = values[j].address  # the driver copies the map's 128 bytes
             (err,) = self._launch(*self._call, stream, self._params, 0)
         if err != self._ok:
             _raise_for(err, f"cuLaunchKernel({self.kernel.expression}, grid={self.grid}, block={self.block}, "

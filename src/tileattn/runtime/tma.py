@@ -15,8 +15,8 @@ A size-1 dimension's stride is never applied by the hardware but must still sati
 torch gives such dimensions arbitrary strides, so it is replaced by the extent of the dimensions
 inside it.
 
-Encoding costs a driver call (a few microseconds), so maps are cached by (address, dtype, shape,
-strides, box, swizzle, fill): a plan that is reused for the same tensors reuses its maps.
+Encoding costs a driver call (a few microseconds), so maps are cached: a `TensorMapTemplate` holds
+a checked layout (dtype, shape, strides, box, swizzle, fill) and its encoded maps by address.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import numpy as np
 
 _SWIZZLES = (0, 32, 64, 128)
 _CACHE_LIMIT = 4096
-_cache: dict[tuple, "TensorMap"] = {}
 
 
 class TensorMapError(ValueError):
@@ -120,6 +119,76 @@ def tma_requirements(tensor, box: Sequence[int], swizzle: int = 128) -> str | No
     return None
 
 
+class TensorMapTemplate:
+    """Everything of a tensor map but the address: made (and checked) once per dtype, shape,
+    strides, box, swizzle and fill; `encode(address)` gives the TensorMap of a tensor with that
+    layout at that address, cached per address (a training loop or an engine reuses a few
+    addresses, so a launch plan that holds a template pays the driver's encoding only on the first
+    use of each)."""
+
+    def __init__(self, tensor, box: Sequence[int], *, swizzle: int = 128, oob_fill_zero: bool = True):
+        why = tma_requirements(tensor, box, swizzle)
+        if why:
+            raise TensorMapError(why)
+        self.dtype = tensor.dtype
+        self.shape = tuple(int(s) for s in tensor.shape)
+        self.strides_bytes = tma_strides_bytes(self.shape, tensor.stride(), tensor.element_size())
+        self.box = tuple(int(b) for b in box)
+        self.swizzle = swizzle
+        self.oob_fill_zero = oob_fill_zero
+        self._encoded: dict[int, TensorMap] = {}
+
+    def encode(self, address: int) -> TensorMap:
+        """The map for the tensor of this layout at `address` (16-byte aligned)."""
+        hit = self._encoded.get(address)
+        if hit is not None:
+            return hit
+        if address % 16:
+            raise TensorMapError(f"TMA needs a 16-byte aligned base address, got {address:#x}")
+        tmap = _encode(self, address)
+        if len(self._encoded) >= _CACHE_LIMIT:
+            self._encoded.clear()
+        self._encoded[address] = tmap
+        return tmap
+
+
+def _encode(t: TensorMapTemplate, address: int) -> TensorMap:
+    from cuda.bindings import driver
+
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    swizzle_enum = {
+        0: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+        32: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_32B,
+        64: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
+        128: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+    }[t.swizzle]
+    fill = (driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE if t.oob_fill_zero  # NONE = zeros
+            else driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA)
+    rank = len(t.shape)
+    err, cu_map = driver.cuTensorMapEncodeTiled(
+        _data_type(t.dtype),
+        rank,
+        address,
+        [u64(s) for s in reversed(t.shape)],  # the driver wants the innermost dimension first
+        [u64(s) for s in reversed(t.strides_bytes[:-1])],  # rank - 1 byte strides, dimensions 1..
+        [u32(b) for b in reversed(t.box)],
+        [u32(1)] * rank,  # element strides: every element of the box
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        swizzle_enum,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        fill,
+    )
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise TensorMapError(
+            f"cuTensorMapEncodeTiled failed with {err} for shape {t.shape}, byte strides {t.strides_bytes}, "
+            f"dtype {t.dtype}, box {t.box}, swizzle {t.swizzle}, address {address:#x}"
+        )
+    return TensorMap(np.array(cu_map.opaque, dtype=np.uint64), t.shape, t.strides_bytes, t.box, t.swizzle, t.dtype)
+
+
+_templates: dict[tuple, TensorMapTemplate] = {}
+
+
 def tensor_map(tensor, box: Sequence[int], *, swizzle: int = 128, oob_fill_zero: bool = True) -> TensorMap:
     """A tiled TMA descriptor for a CUDA tensor of rank 1 to 5 (bf16, fp16, fp32, int32, uint8).
 
@@ -131,49 +200,17 @@ def tensor_map(tensor, box: Sequence[int], *, swizzle: int = 128, oob_fill_zero:
     Raises TensorMapError (a ValueError) when TMA cannot describe the tensor (see the module
     docstring) or the driver refuses the description.
     """
-    why = tma_requirements(tensor, box, swizzle)
-    if why:
-        raise TensorMapError(why)
-    shape = tuple(int(s) for s in tensor.shape)
-    elem = tensor.element_size()
-    strides_bytes = tma_strides_bytes(shape, tensor.stride(), elem)
-    box = tuple(int(b) for b in box)
-    key = (tensor.data_ptr(), tensor.dtype, shape, strides_bytes, box, swizzle, oob_fill_zero)
-    hit = _cache.get(key)
-    if hit is not None:
-        return hit
-    from cuda.bindings import driver
+    import torch
 
-    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
-    swizzle_enum = {
-        0: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
-        32: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_32B,
-        64: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
-        128: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-    }[swizzle]
-    fill = (driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE if oob_fill_zero  # NONE = zeros
-            else driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA)
-    rank = len(shape)
-    err, cu_map = driver.cuTensorMapEncodeTiled(
-        _data_type(tensor.dtype),
-        rank,
-        tensor.data_ptr(),
-        [u64(s) for s in reversed(shape)],  # the driver wants the innermost dimension first
-        [u64(s) for s in reversed(strides_bytes[:-1])],  # rank - 1 byte strides, dimensions 1..
-        [u32(b) for b in reversed(box)],
-        [u32(1)] * rank,  # element strides: every element of the box
-        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        swizzle_enum,
-        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-        fill,
-    )
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise TensorMapError(
-            f"cuTensorMapEncodeTiled failed with {err} for shape {shape}, byte strides {strides_bytes}, "
-            f"dtype {tensor.dtype}, box {box}, swizzle {swizzle}, address {tensor.data_ptr():#x}"
-        )
-    tmap = TensorMap(np.array(cu_map.opaque, dtype=np.uint64), shape, strides_bytes, box, swizzle, tensor.dtype)
-    if len(_cache) >= _CACHE_LIMIT:
-        _cache.clear()
-    _cache[key] = tmap
-    return tmap
+    if not isinstance(tensor, torch.Tensor):
+        raise TensorMapError(f"TMA source must be a torch.Tensor, got {type(tensor).__name__}")
+    key = (tensor.dtype, tuple(tensor.shape), tensor.stride(), tuple(box), swizzle, oob_fill_zero, tensor.device)
+    template = _templates.get(key)
+    if template is None:
+        template = TensorMapTemplate(tensor, box, swizzle=swizzle, oob_fill_zero=oob_fill_zero)
+        if len(_templates) >= _CACHE_LIMIT:
+            _templates.clear()
+        _templates[key] = template
+    elif tensor.data_ptr() % 16:
+        raise TensorMapError(f"TMA needs a 16-byte aligned base address, got {tensor.data_ptr():#x}")
+    return template.encode(tensor.data_ptr())
