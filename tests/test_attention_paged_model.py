@@ -1,0 +1,327 @@
+"""CPU model of csrc/attention_paged_sm80.cu, lane by lane, against the float64 reference (no GPU).
+
+The kernel is restated in NumPy at the level where its bugs would live: the CTA's key range and
+split (KeyRange), the tile loader (thread -> rows and chunk, one block-table read per cache block,
+zero fill for invalid block ids, the per-tile "bad" flag), the XOR swizzle, the ldmatrix lane
+addresses of Q, K and V (patterns A and B), the PTX fragment layouts of ldmatrix(.trans) and
+mma.m16n8k16, the masks (length edge, causal diagonal, invalid blocks), the online softmax with its
+-2^100 start and vote-gated rescale, P rounded to 16 bits, the key-split merge through shared
+memory, the epilogue's (token, head) row map, and the split-KV combine. ldmatrix and mma are
+modelled from the PTX ISA's fragment tables, independently of the kernel's own comments, so a
+wrong lane address or register order shows up as a wrong result.
+
+The Python mirrors the C++ by hand: change them together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tileattn import reference
+from tileattn.kernels import attention_paged_sm80 as paged
+
+LANES = np.arange(32)
+G_OF, T_OF = LANES // 4, LANES % 4  # mma fragment coordinates of each lane
+NO_KEY = -(2.0**100)
+LOG2E = 1.4426950408889634
+
+
+def swizzle(d, row, chunk):
+    return row * d + ((chunk ^ (row & 7)) << 3)
+
+
+def ldmatrix_x4(smem, addrs, trans=False):
+    """PTX ldmatrix.x4: lane 8m + r gives the address of row r of matrix m; lane l receives, in
+    register m, elements (l // 4, 2 (l % 4) + {0, 1}) of matrix m (of its transpose with .trans).
+    Returns [32 lanes, 4 registers, 2 halves]."""
+    rows = smem[np.asarray(addrs)[:, None] + np.arange(8)]  # [32, 8]
+    mats = rows.reshape(4, 8, 8)
+    if trans:
+        mats = mats.transpose(0, 2, 1)
+    return np.stack([mats[m][G_OF[:, None], 2 * T_OF[:, None] + np.arange(2)] for m in range(4)], axis=1)
+
+
+def mma(c, a, b):
+    """PTX mma.m16n8k16.row.col: A register r half h of lane (g, t) is (row g + 8 (r & 1), k 8 (r >> 1)
+    + 2t + h); B register r half h is (k 8r + 2t + h, column g); C element e is (row g + 8 (e >> 1),
+    column 2t + (e & 1)). c [32, 4], a [32, 4, 2], b [32, 2, 2] -> new c."""
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    for r in range(4):
+        for h in range(2):
+            A[G_OF + 8 * (r & 1), 8 * (r >> 1) + 2 * T_OF + h] = a[:, r, h]
+    for r in range(2):
+        for h in range(2):
+            B[8 * r + 2 * T_OF + h, G_OF] = b[:, r, h]
+    C = np.zeros((16, 8))
+    for e in range(4):
+        C[G_OF + 8 * (e >> 1), 2 * T_OF + (e & 1)] = c[:, e]
+    C = C + A @ B
+    return np.stack([C[G_OF + 8 * (e >> 1), 2 * T_OF + (e & 1)] for e in range(4)], axis=1)
+
+
+def quad(x, op):
+    return op(x.reshape(8, 4), axis=1).repeat(4)
+
+
+def round16(x, dtype):
+    return torch.from_numpy(np.asarray(x, dtype=np.float32)).to(dtype).double().numpy()
+
+
+def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
+    """One CTA of attention_paged_sm80<d, cfg...>; p holds the launch parameters and tensors."""
+    warps_m, warps_n, bm, bn = cfg.warps_m, cfg.warps_n, cfg.block_m, cfg.block_n  # stages: timing only
+    threads = 32 * warps_m * warps_n
+    chunks, row_step = d // 8, threads // (d // 8)
+    warp_keys = bn // warps_n
+    m_tiles = bm // (16 * warps_m)
+    rows_per_warp = 16 * m_tiles
+    group, bs, cap = p["group"], p["block_size"], p["max_blocks"] * p["block_size"]
+    q_start = p["cu"][b]
+    nq = max(p["cu"][b + 1] - q_start, 0)
+    nk = max(p["seqlens"][b], 0)
+    rows = nq * group
+    row0 = m_tile * bm
+    if row0 >= rows:
+        return
+    nk_read = min(nk, cap)
+    diag = nk - nq
+    first_tok, last_tok = row0 // group, (min(row0 + bm, rows) - 1) // group
+    kv_end = max(0, min(nk_read, last_tok + diag + 1)) if p["causal"] else nk_read
+    unmasked_end = max(0, min(nk_read, first_tok + diag + 1)) if p["causal"] else nk_read
+    tiles = -(-kv_end // bn)
+    per = -(-tiles // p["splits"])
+    tile_begin = min(split * per, tiles)
+    tile_end = min(tile_begin + per, tiles)
+    n_unmasked = unmasked_end // bn
+    table = p["table"][b]
+
+    sq = np.zeros(bm * d)
+    for tid in range(threads):  # the Q prologue loop
+        for idx in range(tid, bm * chunks, threads):
+            r, c = idx // chunks, idx % chunks
+            grow = row0 + r
+            tok, head = q_start + grow // group, kv_head * group + grow % group
+            if grow < rows and 0 <= tok < p["q"].shape[0]:
+                sq[swizzle(d, r, c) : swizzle(d, r, c) + 8] = p["q"][tok, head, 8 * c : 8 * c + 8]
+
+    def load_tile(n):
+        sk, sv = np.zeros(bn * d), np.zeros(bn * d)
+        bad = False
+        for tid in range(threads):
+            ld_c, ld_r0 = tid % chunks, tid // chunks
+            page = 0
+            for i in range(bn // row_step):
+                r = ld_r0 + i * row_step
+                key = n * bn + r
+                in_range = key < kv_end
+                if i == 0 or (i * row_step) % bs == 0:
+                    page = table[key // bs] if in_range else -1
+                page_ok = 0 <= page < p["num_blocks"]
+                bad |= in_range and not page_ok
+                if in_range and page_ok:
+                    at = swizzle(d, r, ld_c)
+                    sk[at : at + 8] = p["k_cache"][page, key % bs, kv_head, 8 * ld_c : 8 * ld_c + 8]
+                    sv[at : at + 8] = p["v_cache"][page, key % bs, kv_head, 8 * ld_c : 8 * ld_c + 8]
+        return sk, sv, bad
+
+    a_row, a_chunk = (LANES & 7) + 8 * ((LANES >> 3) & 1), LANES >> 4
+    b_row, b_chunk = (LANES & 7) + 8 * (LANES >> 4), (LANES >> 3) & 1
+    state = []
+    for w in range(warps_m * warps_n):
+        state.append({"o": np.zeros((m_tiles, d // 8, 32, 4)), "shift": np.full((m_tiles, 2, 32), NO_KEY),
+                      "sum": np.zeros((m_tiles, 2, 32))})
+    for n in range(tile_end - 1, tile_begin - 1, -1):
+        sk, sv, tile_bad = load_tile(n)
+        for w in range(warps_m * warps_n):
+            wm, wn = w % warps_m, w // warps_m
+            warp_row0 = row0 + wm * rows_per_warp
+            if warp_row0 >= rows:
+                continue
+            st = state[w]
+            key_base = wn * warp_keys * d  # element offset of this warp's keys in the tile
+            s = np.zeros((m_tiles, warp_keys // 8, 32, 4))
+            for ks in range(d // 16):
+                a = [ldmatrix_x4(sq, wm * rows_per_warp * d + swizzle(d, 16 * mt + a_row, 2 * ks + a_chunk))
+                     for mt in range(m_tiles)]
+                for npair in range(warp_keys // 16):
+                    bk = ldmatrix_x4(sk, key_base + swizzle(d, 16 * npair + b_row, 2 * ks + b_chunk))
+                    for mt in range(m_tiles):
+                        s[mt, 2 * npair] = mma(s[mt, 2 * npair], a[mt], bk[:, 0:2])
+                        s[mt, 2 * npair + 1] = mma(s[mt, 2 * npair + 1], a[mt], bk[:, 2:4])
+            if n >= n_unmasked or tile_bad:
+                key0 = n * bn + wn * warp_keys + 2 * T_OF  # [32]
+                for nb in range(warp_keys // 8):
+                    key = key0 + nb * 8
+                    if tile_bad:
+                        page_ok = np.array([kk < kv_end and 0 <= table[kk // bs] < p["num_blocks"] for kk in key])
+                    else:
+                        page_ok = np.ones(32, bool)
+                    for mt in range(m_tiles):
+                        for h in range(2):
+                            tok = (warp_row0 + 16 * mt + G_OF + 8 * h) // group
+                            limit = np.minimum(kv_end, tok + diag + 1) if p["causal"] else np.full(32, kv_end)
+                            for e in range(2):
+                                dead = ~page_ok | (key + e >= limit)
+                                s[mt, nb, dead, 2 * h + e] = -np.inf
+            blk = np.zeros((m_tiles, 2, 32))
+            for mt in range(m_tiles):
+                for h in range(2):
+                    mx = np.max(s[mt, :, :, 2 * h : 2 * h + 2], axis=(0, 2))  # [32]
+                    blk[mt, h] = quad(mx, np.max) * p["scale_log2"]
+            if np.any(blk - st["shift"] > 8.0):
+                new = np.maximum(st["shift"], blk)
+                alpha = np.exp2(st["shift"] - new)
+                st["shift"], st["sum"] = new, st["sum"] * alpha
+                st["o"][:, :, :, 0:2] *= alpha[:, 0][:, None, :, None]
+                st["o"][:, :, :, 2:4] *= alpha[:, 1][:, None, :, None]
+            pfrag = np.zeros((m_tiles, warp_keys // 16, 32, 4, 2))
+            for mt in range(m_tiles):
+                for nb in range(warp_keys // 8):
+                    pe = np.stack([np.exp2(s[mt, nb, :, e] * p["scale_log2"] - st["shift"][mt, e >> 1])
+                                   for e in range(4)], axis=1)
+                    st["sum"][mt, 0] += pe[:, 0] + pe[:, 1]
+                    st["sum"][mt, 1] += pe[:, 2] + pe[:, 3]
+                    pe = round16(pe, p["dtype"])
+                    pfrag[mt, nb >> 1, :, 2 * (nb & 1)] = pe[:, 0:2]
+                    pfrag[mt, nb >> 1, :, 2 * (nb & 1) + 1] = pe[:, 2:4]
+            for kk in range(warp_keys // 16):
+                for dp in range(d // 16):
+                    bv = ldmatrix_x4(sv, key_base + swizzle(d, 16 * kk + a_row, 2 * dp + a_chunk), trans=True)
+                    for mt in range(m_tiles):
+                        st["o"][mt, 2 * dp] = mma(st["o"][mt, 2 * dp], pfrag[mt, kk], bv[:, 0:2])
+                        st["o"][mt, 2 * dp + 1] = mma(st["o"][mt, 2 * dp + 1], pfrag[mt, kk], bv[:, 2:4])
+    for st in state:
+        st["sum"] = np.stack([[quad(st["sum"][mt, h], np.sum) for h in range(2)] for mt in range(m_tiles)])
+    if warps_n > 1:  # key-split merge into warp 0
+        w0 = state[0]
+        for h in range(2):
+            shift = np.max([st["shift"][0, h] for st in state], axis=0)
+            total, o = np.zeros(32), np.zeros((d // 8, 32, 2))
+            for st in state:
+                alpha = np.exp2(st["shift"][0, h] - shift)
+                total += alpha * st["sum"][0, h]
+                o += alpha[None, :, None] * st["o"][0, :, :, 2 * h : 2 * h + 2]
+            w0["shift"][0, h], w0["sum"][0, h], w0["o"][0, :, :, 2 * h : 2 * h + 2] = shift, total, o
+        state = state[:1]
+    for w, st in enumerate(state):
+        wm = w % warps_m
+        for mt in range(m_tiles):
+            for h in range(2):
+                for lane in range(32):
+                    grow = row0 + wm * rows_per_warp + 16 * mt + G_OF[lane] + 8 * h
+                    tok = q_start + grow // group
+                    if grow >= rows or not 0 <= tok < p["q"].shape[0]:
+                        continue
+                    head = kv_head * group + grow % group
+                    total = st["sum"][mt, h, lane]
+                    inv = 1 / total if total > 0 else 0.0
+                    row_lse = (st["shift"][mt, h, lane] + math.log2(total)) / LOG2E if total > 0 else -math.inf
+                    cols = np.arange(d // 8) * 8 + 2 * T_OF[lane]
+                    vals = st["o"][mt, :, lane, 2 * h : 2 * h + 2] * inv  # [d/8, 2]
+                    dst = out if p["splits"] == 1 else o_part[split]
+                    dst[tok, head, cols], dst[tok, head, cols + 1] = vals[:, 0], vals[:, 1]
+                    (lse if p["splits"] == 1 else lse_part[split])[head, tok] = row_lse
+
+
+def model(case, cfg, splits, causal=True):
+    q, k_cache, v_cache, table, cu, seqlens, max_q = case
+    tq, heads, d = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    p = {"q": q.double().numpy(), "k_cache": k_cache.double().numpy(), "v_cache": v_cache.double().numpy(),
+         "table": table.tolist(), "cu": cu.tolist(), "seqlens": seqlens.tolist(), "group": group,
+         "block_size": k_cache.shape[1], "max_blocks": table.shape[1], "num_blocks": k_cache.shape[0],
+         "causal": causal, "splits": splits, "scale_log2": LOG2E / math.sqrt(d), "dtype": q.dtype}
+    out = np.full((tq, heads, d), np.nan)
+    lse = np.full((heads, tq), np.nan)
+    o_part = np.full((splits, tq, heads, d), np.nan)
+    lse_part = np.full((splits, heads, tq), np.nan)
+    m_tiles = -(-max_q * group // cfg.block_m)
+    for b in range(table.shape[0]):
+        for kv_head in range(kv_heads):
+            for split in range(splits):
+                for m_tile in range(m_tiles):
+                    run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part)
+    if splits > 1:  # attention_paged_combine
+        for tok in range(p["cu"][-1]):
+            for head in range(heads):
+                ls = lse_part[:, head, tok]
+                mx = ls.max()
+                total = np.exp(ls - mx).sum() if mx > -np.inf else 0.0
+                row_lse = mx + math.log(total) if total > 0 else -math.inf
+                acc = np.zeros(d)
+                for s in range(splits):
+                    if ls[s] > -np.inf:
+                        acc += np.exp(ls[s] - row_lse) * o_part[s, tok, head]
+                out[tok, head], lse[head, tok] = acc, row_lse
+    return out, lse
+
+
+def make_case(seqs, heads, kv_heads, d, block_size, seed, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-nk // block_size) for _, nk in seqs]
+    num_blocks = sum(pages) + 2
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.randint(-(2**31), 2**31 - 1, (len(seqs), max(pages) + 1), generator=gen, dtype=torch.int64)
+    table = table.to(torch.int32)
+    for b, n in enumerate(pages):
+        table[b, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+    shape = (num_blocks, block_size, kv_heads, d)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(sum(nq for nq, _ in seqs), heads, d, generator=gen).to(dtype)
+    cu = torch.tensor([0, *np.cumsum([nq for nq, _ in seqs]).tolist()], dtype=torch.int32)
+    seqlens = torch.tensor([nk for _, nk in seqs], dtype=torch.int32)
+    return q, k_cache, v_cache, table, cu, seqlens, max(nq for nq, _ in seqs)
+
+
+def check(case, cfg, splits, causal=True):
+    q, k_cache, v_cache, table, cu, seqlens, max_q = case
+    out, lse = model(case, cfg, splits, causal)
+    ref_out, ref_lse = reference.attention_paged(q, k_cache, v_cache, table, cu, seqlens, max_q, 10**6,
+                                                 causal=causal, return_lse=True, compute_dtype=torch.float64)
+    ref_out, ref_lse = ref_out.numpy(), ref_lse.numpy()
+    assert not np.isnan(out).any() and not np.isnan(lse).any(), "a row was not written"
+    err = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
+    assert err < 1e-2, f"{cfg} splits={splits}: relative error {err:.3e}"
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse)), f"{cfg} splits={splits}: -inf pattern of lse"
+    fin = np.isfinite(ref_lse)
+    assert np.allclose(lse[fin], ref_lse[fin], atol=1e-6 * (1 + np.abs(ref_lse[fin]).max())), "lse"
+
+
+@pytest.mark.parametrize("layout", [0, 1, 2])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_model_matches_reference(layout, splits):
+    cfg = paged.CONFIGS[64][layout]
+    heads, kv_heads = (8, 2) if layout < 2 else (4, 4)
+    seqs = [(1, 40), (3, 70), (0, 5), (2, 17)] if layout < 2 else [(33, 90), (1, 20)]
+    check(make_case(seqs, heads, kv_heads, 64, 16, seed=layout * 10 + splits), cfg, splits)
+
+
+def test_model_masks_invalid_blocks_and_capacity():
+    case = make_case([(1, 70), (2, 40)], 8, 2, 64, 16, seed=3)
+    table, seqlens = case[3], case[5]
+    table[0, 1] = -1
+    table[1, 0] = 10**6
+    seqlens[1] = 1000  # past the table's capacity
+    for layout in range(3):
+        check(case, paged.CONFIGS[64][layout], 2)
+
+
+def test_model_non_causal_prefill_tile():
+    case = make_case([(40, 100), (5, 5)], 4, 2, 64, 32, seed=4)
+    check(case, paged.CONFIGS[64][2], 1, causal=False)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_model_other_head_dims(head_dim):
+    """The swizzle keeps its XOR in the low 3 chunk bits; loader passes of 8 / 4 rows at d = 128 / 256."""
+    case = make_case([(1, 50), (2, 33)], 8, 2, head_dim, 16, seed=head_dim)
+    check(case, paged.CONFIGS[head_dim][0], 2)
+    case = make_case([(9, 40)], 16, 1, head_dim, 16, seed=head_dim + 1)  # 144 rows: the prefill layout
+    check(case, paged.CONFIGS[head_dim][2], 1)
