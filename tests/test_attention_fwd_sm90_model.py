@@ -107,6 +107,58 @@ def test_stmatrix_addresses_match_the_tma_store_layout(head_dim):
         assert addr == panel * panel_bytes + tma_sw128_offset(row, col % 64), (row, col)
 
 
+# ---- wgmma operand descriptors against the TMA layout ------------------------------------------------
+# The canonical layouts a wgmma descriptor describes (PTX "Shared Memory Matrix Layout"; CUTLASS
+# make_gmma_desc, in 16-byte units), with the 128-byte swizzle applied to the final byte address
+# (bits 4-6 ^= bits 7-9):
+#   K-major:  ((8, m), (8 chunks, k)) : ((8, SBO), (1, -))   row r, 16-byte chunk kc of the k16 slice
+#   MN-major: ((8, n), (8, k))        : ((1, LBO), (8, SBO)) 16-byte chunk nc along N, K row kr
+# These check that the kernel's start addresses and offsets (per k-step, panel and ring stage) make
+# wgmma read, for every (row, k), the element TMA stored there.
+def swizzle128(addr: int) -> int:
+    return addr ^ (((addr >> 7) & 7) << 4)
+
+
+def tma_panel_addr(base: int, rows: int, r: int, c: int) -> int:
+    """Where TMA (128-byte swizzle) puts element (r, c) of a [rows][d] tile stored as 64-column panels."""
+    return base + (c // 64) * rows * 128 + swizzle128(r * 128 + (c % 64) * 2)
+
+
+def kmajor_element(start: int, sbo: int, r: int, k: int) -> int:
+    """Byte address wgmma reads for element (r, k) of a K-major k16 slice starting at `start`."""
+    return swizzle128(start + (r % 8) * 128 + (r // 8) * sbo + (k // 8) * 16 + (k % 8) * 2)
+
+
+def mnmajor_element(start: int, lbo: int, sbo: int, n: int, k: int) -> int:
+    """Byte address wgmma reads for element (k, n) of an MN-major k16 slice starting at `start`."""
+    return swizzle128(start + ((n // 8) % 8) * 16 + (n // 64) * lbo + (k % 8) * 128 + (k // 8) * sbo + (n % 8) * 2)
+
+
+@pytest.mark.parametrize("d,cfg", CONFIGS, ids=lambda x: str(x))
+def test_descriptors_read_what_tma_wrote(d, cfg):
+    bn, stages = cfg.block_n, cfg.stages
+    s_q = 0                                   # 1024-aligned dynamic smem base (the kernel rounds up)
+    s_k = s_q + BLOCK_M * d * 2
+    s_v = s_k + stages * bn * d * 2
+    q_panel_step, kv_panel_step, stage_step = BLOCK_M * 64 * 2, bn * 64 * 2, bn * d * 2  # bytes
+    rng = random.Random(d * 1000 + bn)
+    for _ in range(400):
+        c, stage = rng.randrange(2), rng.randrange(stages)
+        ks, k = rng.randrange(d // 16), rng.randrange(16)
+        # S = Q K^T: A = rows 64 c.. of sQ, B = K rows of the stage; k-step ks -> panel ks / 4, +32 B each.
+        r = rng.randrange(64)
+        start_q = s_q + c * 64 * 128 + (ks // 4) * q_panel_step + 32 * (ks % 4)
+        assert kmajor_element(start_q, 1024, r, k) == tma_panel_addr(s_q, BLOCK_M, 64 * c + r, 16 * ks + k)
+        n = rng.randrange(bn)
+        start_k = s_k + stage * stage_step + (ks // 4) * kv_panel_step + 32 * (ks % 4)
+        assert kmajor_element(start_k, 1024, n, k) == tma_panel_addr(s_k + stage * stage_step, bn, n, 16 * ks + k)
+        # O += P V: B = V of the stage, MN-major (N = d); k-step kk = keys 16 kk.., +2048 B each.
+        kk, col = rng.randrange(bn // 16), rng.randrange(d)
+        start_v = s_v + stage * stage_step + 2048 * kk
+        got = mnmajor_element(start_v, bn * 128, 1024, col, k)
+        assert got == tma_panel_addr(s_v + stage * stage_step, bn, 16 * kk + k, col)
+
+
 # ---- block_range: which K/V blocks a query tile visits, and which need masking ---------------------
 def block_range(causal: bool, block_n: int, m_block: int, nq: int, nk: int) -> tuple[int, int]:
     """Mirror of fwd90::block_range."""
