@@ -98,14 +98,15 @@ def _payload(args, prompt, output_len: int) -> dict:
     return body
 
 
-def _chunk_text(chunk: dict) -> str:
+def _has_tokens(chunk: dict) -> bool:
+    """A chunk that carries generated text, or token ids (tileattn/vLLM with return_token_ids:
+    tokens whose text is held back, such as the first bytes of a multi-byte character)."""
     choices = chunk.get("choices") or []
     if not choices:
-        return ""
+        return False
     c = choices[0]
-    if "delta" in c:
-        return (c["delta"] or {}).get("content") or ""
-    return c.get("text") or ""
+    part = (c.get("delta") or {}) if "delta" in c else c
+    return bool(part.get("content") or part.get("text") or part.get("token_ids"))
 
 
 async def send_request(client, url: str, body: dict, prompt_len: int, headers: dict) -> RequestResult:
@@ -141,7 +142,7 @@ async def send_request(client, url: str, body: dict, prompt_len: int, headers: d
                     if usage and usage.get("completion_tokens") is not None:
                         result.output_tokens, result.usage_reported = usage["completion_tokens"], True
                         result.prompt_len = usage.get("prompt_tokens") or prompt_len  # chat: with the template
-                    if _chunk_text(chunk):
+                    if _has_tokens(chunk):
                         if chunks == 0:
                             result.ttft = now - start
                         else:
@@ -155,7 +156,8 @@ async def send_request(client, url: str, body: dict, prompt_len: int, headers: d
             result.output_tokens = chunks
         result.success = chunks > 0
         if not result.success:
-            result.error = "the stream carried no content"
+            result.error = ("the stream carried no text (for tileattn/vLLM, --extra-body "
+                            "'{\"return_token_ids\": true}' makes tokens without text count)")
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result
