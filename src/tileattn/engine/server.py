@@ -201,6 +201,13 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         try:
+            device = getattr(engine, "device", None)
+            if getattr(device, "type", None) == "cuda":
+                import torch
+
+                # torch's current device is per thread (default cuda:0), and tileattn's launcher
+                # takes the current device; this also makes the device's primary context current here.
+                torch.cuda.set_device(device)
             while True:
                 with self._cond:
                     while not (self._commands or self._stopping or self._busy):
