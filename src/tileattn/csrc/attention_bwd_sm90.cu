@@ -1,0 +1,390 @@
+// Fused attention backward for Hopper (sm_90a), FlashAttention-3 style: the main kernel of the
+// pipeline preprocess -> main -> dQ convert. Preprocess and convert are attention_bwd_sm80.cu's
+// kernels (delta = rowsum(dO * O), lse2 = lse * log2 e, dq_accum zeroed; dq = scale * dq_accum):
+// this kernel adds into the same fp32 dq_accum layout, so the three launch as one pipeline.
+//
+// Shapes (elements; any strides with a contiguous last dim and 16-byte aligned rows):
+//   q, dout            [B, H,   Nq, d]     16-bit, read by TMA (4-D maps (d, Nq, H, B))
+//   k, v               [B, Hkv, Nk, d]     16-bit, read by TMA; kv head of query head h: h / group
+//   dk, dv             [B, Hkv, Nk, d]     16-bit, written by TMA stores (rows >= Nk never written)
+//   lse2, delta        [B, H, NqPad]       fp32 workspaces (NqPad = Nq rounded up to 128): lse in log2
+//                                          units (+inf for fully masked and padding rows), D_i
+//   dq_accum           [B, H, NqPad/16, d/8, 32, 4] fp32: 16 x 8 tiles in mma C-fragment order
+//                      (attention_bwd_sm80.cu): element (i, c) at tile (i/16, c/8), lane
+//                      4 (i % 8) + (c % 8) / 2, slot 2 ((i % 16) / 8) + c % 2.
+// Causal masking is aligned bottom-right: query i sees key j iff j <= i + Nk - Nq.
+//
+// Math (S = scale Q K^T, P = softmax(S), O = P V; dO given; all per (b, h)):
+//   P^T  = 2^(S^T log2(e) - lse2)  (S^T = K Q^T scale)      dP^T = V dO^T
+//   dS^T = P^T o (dP^T - D)          dV += P^T dO            dK += scale dS^T Q
+//   dQ  += dS K  (unscaled, fp32 RED into dq_accum; the convert multiplies by scale)
+//
+// ---- Work decomposition -------------------------------------------------------------------------
+// One CTA per (key block of kBlockN = 128 keys, kv head, batch): grid (ceil(Nk / 128), Hkv, B).
+// K and V are loaded once and stay in shared memory; the CTA walks the query heads of its GQA group
+// and, for each, the query tiles of kBlockM rows from m_first (causal: the first tile with a query
+// that sees key n0) to the end, keeping dK and dV in fp32 registers for the whole walk (the group's
+// sum happens there: no reduction pass, no atomics for dK / dV). 384 threads = 3 warpgroups:
+//   warpgroup 0 (producer)   one thread issues every copy: K and V once, then per query tile Q +
+//                            lse2 and dO + delta into kStages-deep rings; setmaxnreg.dec to 24.
+//   warpgroups 1, 2 (MMA)    MMA warpgroup w owns keys [64 w, 64 w + 64) of the block: S^T, dP^T,
+//                            dV, dK for those rows; setmaxnreg.inc to 240.
+// Both MMA warpgroups read the same Q / dO slot, so each slot is released by two arrivals.
+//
+// ---- Per query tile, MMA warpgroup w (keys 64 w.., queries m0 .. m0 + kBlockM) ----------------
+//   1. S^T  = K_w Q^T      wgmma SS  m64 n kBlockM, k = d     (K rows K-major, Q K-major)
+//      dP^T = V_w dO^T     wgmma SS  m64 n kBlockM, k = d
+//   2. wait; P^T = 2^(S^T scale_log2 - lse2[q]) (masked -> 0), dS^T = P^T (dP^T - D[q]) in fp32,
+//      packed to 16 bit: the accumulator layout of an m64 nN wgmma packed pairwise is the
+//      register-A fragment of the next product (sm90.cuh), so P^T and dS^T never go to memory.
+//   3. dV += P^T dO        wgmma RS  m64 n d, k = kBlockM     (dO MN-major)
+//      dK += dS^T Q        wgmma RS  m64 n d, k = kBlockM     (Q MN-major)
+//   4. (kDq) dS^T -> stmatrix -> sdS[it % 2] rows 64 w.. ([keys][queries], 128-byte swizzled
+//      panels of 64 queries); fence.proxy.async; named barrier of both MMA warpgroups (dQ needs the
+//      other warpgroup's keys too).
+//      dQ_w = dS K          wgmma SS  m64 n64, k = 128 keys, A = dS (MN-major: the panel stores
+//      dS^T), B = K (MN-major). The 64 x 64 output per warpgroup: kBlockM = 128 (d = 64) splits
+//      the query rows (warpgroup w: queries 64 w..), kBlockM = 64 (d = 128) splits d (columns
+//      64 w..). dQ is 32 fp32 registers per thread either way.
+//   5. wait for everything; release the Q / dO slot; (kDq) dQ -> red.global.add.v4.f32 into
+//      dq_accum: the accumulator's 4 consecutive registers of an n8 block are one float4 of the
+//      fragment-order layout, and a warp's 32 lanes cover 512 contiguous bytes per instruction.
+// sdS is double-buffered: a warpgroup writes sdS[it % 2] only after passing the barrier of
+// iteration it - 1, which the other warpgroup reached after retiring its dQ wgmma of it - 2 (the
+// last reader of that buffer).
+// Why RED and not FA3's bulk reduce-add from shared memory: RED needs no staging buffer (16-32 KB
+// per stage), no extra barrier protocol and no dQ warp; its 8 vector instructions per thread and
+// query tile are few next to the 5 wgmma groups. docs/attention_bwd_sm90.md lists it as a
+// measurement still to make.
+//
+// ---- Shared memory (dynamic, aligned up to 1024 B by hand; every tile 128-byte swizzled as TMA
+// writes it: 64-column panels [rows][64], 16-byte chunk q of row r at chunk q ^ (r % 8)) --------
+//   sK, sV   [d/64][128][64]                 resident; epilogue: dK / dV staging for TMA stores
+//   sQ, sdO  [kStages][d/64][kBlockM][64]    rings
+//   sdS      [2][kBlockM/64][128][64]        (kDq) dS^T, double-buffered
+//   sLse, sDelta [kStages][kBlockM] fp32     lse2 / delta of the tile's queries (bulk copies)
+// Bytes: Sm90BwdConfig.smem_bytes on the Python side computes the same total.
+//
+// ---- mbarriers and their phases ------------------------------------------------------------------
+//   kv_full       1 arrival + K and V bytes; waited once with parity 0.
+//   q_full[s]     1 arrival + Q tile + lse2 bytes.     Query tile `it` (0, 1, ... in walk order)
+//   do_full[s]    1 arrival + dO tile + delta bytes.   uses slot s = it % kStages for the
+//   empty[s]      2 arrivals (one thread per MMA       u = it / kStages-th time: consumers wait full
+//                 warpgroup, after its wgmmas that     parity u & 1; the producer refills for u >= 1
+//                 read the slot retired)               after empty phase u - 1: parity (u - 1) & 1.
+// A waiter is never more than one phase behind, so parities are unambiguous (as in the forward).
+//
+// ---- Registers per MMA thread (d = 128, kBlockM = 64; d = 64, kBlockM = 128) ------------------
+//   dK, dV   2 x d / 2 fp32 (128 | 64)       S^T / P^T, dP^T / dS^T   2 x kBlockM / 2 (64 | 128)
+//   packed P^T, dS^T 2 x kBlockM / 4 (32 | 64) (dead once the dV / dK wgmmas retire), dQ 32.
+//
+// ---- Epilogue ----------------------------------------------------------------------------------
+// After a barrier of both MMA warpgroups (their last dQ wgmma read all of sK), warpgroup w writes
+// scale dK and dV as 16 bit with stmatrix into rows 64 w.. of sK / sV, fence.proxy.async, a
+// 128-thread named barrier, and one thread issues the TMA stores (64 x 64 boxes; rows >= Nk of the
+// edge block are not written).
+#include "common/sm80.cuh"
+#include "common/sm90_bwd.cuh"
+
+namespace tileattn {
+namespace bwd90 {
+
+namespace s9 = tileattn::sm90;
+using u64 = uint64_t;
+
+constexpr int kBlockN = 128;         // keys per CTA: two MMA warpgroups x 64
+constexpr int kThreads = 384;
+constexpr int kProducerRegs = 24;    // 24 + 2 x 240 = 504 per thread-slot x 128 <= 64 K registers
+constexpr int kMmaRegs = 240;
+constexpr int kPanel = 64;           // elements per 128-byte swizzle row
+constexpr int kPanelRowBytes = 128;
+constexpr int kDsBarrier = 1;        // named barriers: 1 dS ready (256), 2 walk done (256),
+constexpr int kDoneBarrier = 2;      // 3, 4 epilogue of warpgroup 0 / 1 (128)
+constexpr int kStoreBarrier = 3;
+
+// Keep the packed A fragments of an RS wgmma alive (in their registers, unmodified) until this
+// point: called after the wgmma_wait that retires the group reading them.
+template <int kSteps>
+__device__ __forceinline__ void keep_fragments(u32 (&a)[kSteps][4]) {
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[i][r])::"memory");
+}
+
+// stmatrix the packed 16-bit m64 x (16 kCols16) accumulator of one warpgroup into rows
+// [row0, row0 + 64) of a swizzled panel tile [panels][kRows][64] at `tile`: lane l addresses row
+// 8 ((l / 8) & 1) + l % 8 of its warp's 16 rows, 16-byte chunk 2 j + l / 16 of stmatrix j; chunk c
+// lives in panel c / 8 at swizzled chunk (c % 8) ^ (row % 8) (row0 is a multiple of 8).
+template <int kRows, int kCols16>
+__device__ __forceinline__ void store_fragments(const u16* tile, int row0, const u32 (&a)[kCols16][4], int warp,
+                                                int lane) {
+  const int mi = lane / 8, rr = lane % 8;
+  const int row = row0 + warp * 16 + 8 * (mi & 1) + rr;
+  const u32 base = s9::smem_u32(tile) + row * kPanelRowBytes;
+#pragma unroll
+  for (int j = 0; j < kCols16; ++j) {
+    const int chunk = 2 * j + (mi >> 1);
+    const u32 addr = base + (chunk / 8) * (kRows * kPanelRowBytes) + (((chunk % 8) ^ rr) << 4);
+    s9::stmatrix_x4(addr, a[j][0], a[j][1], a[j][2], a[j][3]);
+  }
+}
+
+// fp32 accumulator (m64 x 16 kSteps) -> packed 16-bit pairs, times `mul`: register-A fragments
+// (step kk = d[8 kk .. 8 kk + 7]) and, equally, stmatrix operands (matrix i of block j = pair i).
+template <int kSteps, bool kIsBF16>
+__device__ __forceinline__ void pack_acc(u32 (&a)[kSteps][4], const float (&d)[kSteps * 8], float mul) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a[kk][r] = pack2<kIsBF16>(d[8 * kk + 2 * r] * mul, d[8 * kk + 2 * r + 1] * mul);
+}
+
+}  // namespace bwd90
+
+// tmap_q, tmap_do: q / dout [B, H, Nq, d] as (d, Nq, H, B), box (64, kBlockM, 1, 1); tmap_k, tmap_v:
+// k / v [B, Hkv, Nk, d], box (64, 128, 1, 1); tmap_dk, tmap_dv: dk / dv, box (64, 64, 1, 1). All
+// 128B swizzle, zero fill. lse2 / delta / dq_accum: the workspaces above (dq_accum unused unless kDq).
+// Grid (ceil(Nk / 128), Hkv, B), 384 threads, dynamic shared memory Sm90BwdConfig.smem_bytes.
+template <int kHeadDim, int kBlockM, int kStages, bool kCausal, bool kIsBF16, bool kDq>
+__global__ void __launch_bounds__(bwd90::kThreads, 1)
+    attention_bwd_sm90(const __grid_constant__ sm90::TmaDescriptor tmap_q,
+                       const __grid_constant__ sm90::TmaDescriptor tmap_k,
+                       const __grid_constant__ sm90::TmaDescriptor tmap_v,
+                       const __grid_constant__ sm90::TmaDescriptor tmap_do,
+                       const __grid_constant__ sm90::TmaDescriptor tmap_dk,
+                       const __grid_constant__ sm90::TmaDescriptor tmap_dv, const float* __restrict__ lse2,
+                       const float* __restrict__ delta, float* __restrict__ dq_accum, int heads, int kv_group,
+                       int seqlen_q, int seqlen_k, int nq_pad, float scale_log2, float scale) {
+  using namespace bwd90;
+  static_assert(kHeadDim * kBlockM == 8192 && (kHeadDim == 64 || kHeadDim == 128),
+                "(d, kBlockM) in {(64, 128), (128, 64)}: dQ is 64 x 64 per MMA warpgroup");
+  static_assert(kStages >= 2, "at least double buffering");
+  constexpr int kPanels = kHeadDim / kPanel;
+  constexpr int kKSteps = kHeadDim / 16;           // k16 steps of S^T and dP^T
+  constexpr int kMSteps = kBlockM / 16;            // k16 steps of dV and dK (over queries)
+  constexpr u32 kKVBytes = kBlockN * kHeadDim * 2;
+  constexpr u32 kQBytes = kBlockM * kHeadDim * 2;
+  constexpr u32 kRowBytes = kBlockM * 4;           // lse2 or delta of one query tile
+  constexpr u64 kKPanelStep = (kBlockN * kPanel * 2) >> 4;   // descriptor units (16 B)
+  constexpr u64 kQPanelStep = (kBlockM * kPanel * 2) >> 4;
+  constexpr u64 kRowStep16 = (16 * kPanelRowBytes) >> 4;     // 16 rows of a panel: one MN-major k step
+
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ uint64_t kv_full, q_full[kStages], do_full[kStages], empty[kStages];
+  uint8_t* const smem = smem_raw + ((1024 - (s9::smem_u32(smem_raw) & 1023)) & 1023);
+  u16* const sK = reinterpret_cast<u16*>(smem);                   // [kPanels][128][64]
+  u16* const sV = sK + kBlockN * kHeadDim;
+  u16* const sQ = sV + kBlockN * kHeadDim;                         // [kStages][kPanels][kBlockM][64]
+  u16* const sdO = sQ + kStages * kBlockM * kHeadDim;
+  u16* const sdS = sdO + kStages * kBlockM * kHeadDim;             // [2][kBlockM/64][128][64] (kDq)
+  float* const sLse = reinterpret_cast<float*>(sdS + (kDq ? 2 * kBlockN * kBlockM : 0));  // [kStages][kBlockM]
+  float* const sDelta = sLse + kStages * kBlockM;
+
+  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const int n0 = n_block * kBlockN;
+  const int diag = seqlen_k - seqlen_q;  // query i sees keys j <= i + diag
+  const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
+  // First query tile with a query that sees key n0 (n0 <= Nk - 1, so it is < m_blocks).
+  const int m_first = kCausal ? max(0, n0 - diag) / kBlockM : 0;
+  const int m_count = m_blocks - m_first;
+  const int n_iters = kv_group * m_count;
+  const int wg = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    s9::tma_prefetch_descriptor(&tmap_q);
+    s9::tma_prefetch_descriptor(&tmap_k);
+    s9::tma_prefetch_descriptor(&tmap_v);
+    s9::tma_prefetch_descriptor(&tmap_do);
+    s9::mbar_init(&kv_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      s9::mbar_init(&q_full[s], 1);
+      s9::mbar_init(&do_full[s], 1);
+      s9::mbar_init(&empty[s], 2);
+    }
+    s9::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ------------------------------------------------ producer warpgroup
+    s9::setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      s9::mbar_arrive_expect_tx(&kv_full, 2 * kKVBytes);
+#pragma unroll
+      for (int p = 0; p < kPanels; ++p) {
+        s9::tma_load_4d(sK + p * kBlockN * kPanel, &tmap_k, p * kPanel, n0, kv_head, batch, &kv_full);
+        s9::tma_load_4d(sV + p * kBlockN * kPanel, &tmap_v, p * kPanel, n0, kv_head, batch, &kv_full);
+      }
+      for (int it = 0; it < n_iters; ++it) {
+        const int head = kv_head * kv_group + it / m_count;
+        const int m0 = (m_first + it % m_count) * kBlockM;
+        const int s = it % kStages;
+        if (it >= kStages) s9::mbar_wait(&empty[s], ((it / kStages) - 1) & 1);
+        const int64_t ws = (static_cast<int64_t>(batch) * heads + head) * nq_pad + m0;  // padded: in bounds
+        s9::mbar_arrive_expect_tx(&q_full[s], kQBytes + kRowBytes);
+#pragma unroll
+        for (int p = 0; p < kPanels; ++p)
+          s9::tma_load_4d(sQ + (s * kPanels + p) * kBlockM * kPanel, &tmap_q, p * kPanel, m0, head, batch,
+                          &q_full[s]);
+        s9::bulk_load_1d(sLse + s * kBlockM, lse2 + ws, kRowBytes, &q_full[s]);
+        s9::mbar_arrive_expect_tx(&do_full[s], kQBytes + kRowBytes);
+#pragma unroll
+        for (int p = 0; p < kPanels; ++p)
+          s9::tma_load_4d(sdO + (s * kPanels + p) * kBlockM * kPanel, &tmap_do, p * kPanel, m0, head, batch,
+                          &do_full[s]);
+        s9::bulk_load_1d(sDelta + s * kBlockM, delta + ws, kRowBytes, &do_full[s]);
+      }
+    }
+  } else {  // ------------------------------------------------------ MMA warpgroups
+    s9::setmaxnreg_inc<kMmaRegs>();
+    const int w = wg - 1;                              // keys [64 w, 64 w + 64) of the block
+    const int tid = threadIdx.x % 128;
+    const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const bool releaser = tid == 0;
+    const int key_h0 = n0 + 64 * w + 16 * warp + g;    // key of accumulator rows h = 0 (h = 1: + 8)
+    const bool key_edge = n0 + kBlockN > seqlen_k;     // the block has rows past Nk: mask them
+
+    // K-major A operands (this warpgroup's 64 key rows of K / V) for S^T and dP^T.
+    const u64 desc_k = s9::make_desc_k128_sw128(sK + 64 * w * kPanel);
+    const u64 desc_v = s9::make_desc_k128_sw128(sV + 64 * w * kPanel);
+    // dQ = dS K: A = panel a_panel of sdS (queries 64 a_panel..), B = panel b_panel of sK (d columns).
+    const int a_panel = kBlockM == 128 ? w : 0;
+    const int b_panel = kHeadDim == 128 ? w : 0;
+    const u64 desc_dq_b = s9::make_desc_mn_sw128(sK + b_panel * kBlockN * kPanel, kBlockN * kPanel * 2);
+
+    float dk[kHeadDim / 2], dv[kHeadDim / 2];
+    float sp[kBlockM / 2], dp[kBlockM / 2];  // S^T then P^T; dP^T then dS^T
+    u32 pf[kMSteps][4], dsf[kMSteps][4];     // packed P^T, dS^T: register-A fragments
+    float dq[32];
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = 0.f, dv[i] = 0.f;
+
+    s9::mbar_wait(&kv_full, 0);
+    for (int it = 0; it < n_iters; ++it) {
+      const int head = kv_head * kv_group + it / m_count;
+      const int m0 = (m_first + it % m_count) * kBlockM;
+      const int s = it % kStages;
+      const u32 parity = (it / kStages) & 1;
+      const u64 desc_q = s9::make_desc_k128_sw128(sQ + s * kBlockM * kHeadDim);
+      const u64 desc_do = s9::make_desc_k128_sw128(sdO + s * kBlockM * kHeadDim);
+
+      // ---- 1. S^T = K_w Q^T, dP^T = V_w dO^T
+      s9::fence_accumulators(sp);
+      s9::fence_accumulators(dp);
+      s9::mbar_wait(&q_full[s], parity);
+      s9::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        const u64 off_kv = (ks / 4) * kKPanelStep + 2 * (ks % 4);
+        const u64 off_q = (ks / 4) * kQPanelStep + 2 * (ks % 4);
+        s9::wgmma_ss<kBlockM, kIsBF16>(sp, desc_k + off_kv, desc_q + off_q, ks > 0 ? 1 : 0);
+      }
+      s9::wgmma_commit();
+      s9::mbar_wait(&do_full[s], parity);
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        const u64 off_kv = (ks / 4) * kKPanelStep + 2 * (ks % 4);
+        const u64 off_q = (ks / 4) * kQPanelStep + 2 * (ks % 4);
+        s9::wgmma_ss<kBlockM, kIsBF16>(dp, desc_v + off_kv, desc_do + off_q, ks > 0 ? 1 : 0);
+      }
+      s9::wgmma_commit();
+      s9::wgmma_wait<0>();
+      s9::fence_accumulators(sp);
+      s9::fence_accumulators(dp);
+
+      // ---- 2. P^T, dS^T in fp32 (element 4 j + 2 h + e: key key_h0 + 8 h, query m0 + 8 j + 2 t + e)
+      const bool masked = key_edge || (kCausal && m0 + diag < n0 + kBlockN - 1);
+      const float* lse_s = sLse + s * kBlockM;
+      const float* delta_s = sDelta + s * kBlockM;
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
+        const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int i = 4 * j + 2 * h + e;
+            // lse2 = +inf (fully masked or padding query) gives 2^-inf = 0.
+            float p = fast_exp2(fmaf(sp[i], scale_log2, -(e ? l2.y : l2.x)));
+            if (masked) {
+              const int key = key_h0 + 8 * h, query = m0 + 8 * j + 2 * t + e;
+              if (key >= seqlen_k || (kCausal && key > query + diag)) p = 0.f;
+            }
+            sp[i] = p;
+            dp[i] = p * (dp[i] - (e ? dd.y : dd.x));
+          }
+      }
+      pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
+      pack_acc<kMSteps, kIsBF16>(dsf, dp, 1.f);
+
+      // ---- 3. dV += P^T dO, dK += dS^T Q (register A, MN-major B)
+      const u64 desc_do_mn = s9::make_desc_mn_sw128(sdO + s * kBlockM * kHeadDim, kBlockM * kPanel * 2);
+      const u64 desc_q_mn = s9::make_desc_mn_sw128(sQ + s * kBlockM * kHeadDim, kBlockM * kPanel * 2);
+      s9::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kMSteps; ++kk) s9::wgmma_rs<kHeadDim, kIsBF16, 1>(dv, pf[kk], desc_do_mn + kk * kRowStep16, 1);
+      s9::wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < kMSteps; ++kk) s9::wgmma_rs<kHeadDim, kIsBF16, 1>(dk, dsf[kk], desc_q_mn + kk * kRowStep16, 1);
+      s9::wgmma_commit();
+
+      if constexpr (kDq) {
+        // ---- 4. dS^T -> sdS[it % 2]; both warpgroups' halves, then dQ_w = dS K
+        u16* const ds_tile = sdS + (it % 2) * kBlockN * kBlockM;
+        store_fragments<kBlockN, kMSteps>(ds_tile, 64 * w, dsf, warp, lane);
+        s9::fence_proxy_async();  // generic stmatrix writes -> async-proxy wgmma reads
+        s9::named_barrier_sync<256>(kDsBarrier);
+        const u64 desc_dq_a = s9::make_desc_mn_sw128(ds_tile + a_panel * kBlockN * kPanel, kBlockN * kPanel * 2);
+        s9::fence_accumulators(dq);
+        s9::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
+          s9::wgmma_ss_n64_mn_mn<kIsBF16>(dq, desc_dq_a + kk * kRowStep16, desc_dq_b + kk * kRowStep16, kk > 0 ? 1 : 0);
+        s9::wgmma_commit();
+      }
+
+      // ---- 5. retire everything; release the slot; dQ into dq_accum
+      s9::wgmma_wait<0>();
+      keep_fragments<kMSteps>(pf);
+      keep_fragments<kMSteps>(dsf);
+      s9::fence_accumulators(dk);
+      s9::fence_accumulators(dv);
+      if (releaser) s9::mbar_arrive(&empty[s]);
+      if constexpr (kDq) {
+        s9::fence_accumulators(dq);
+        // Rows m0 + 64 a_panel + 16 warp + (g, g + 8), columns 64 b_panel + 8 j + 2 t + (0, 1): one
+        // 16 x 8 fragment tile per j, this lane's float4 at lane * 4.
+        const int64_t row16 = (static_cast<int64_t>(batch) * heads + head) * nq_pad + m0 + 64 * a_panel + 16 * warp;
+        float* dst = dq_accum + row16 * kHeadDim + (64 * b_panel / 8) * 128 + lane * 4;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          red_add_f32x4(dst + j * 128, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+      }
+    }
+
+    // ---- epilogue: scale dK, dK / dV -> 16 bit -> rows 64 w.. of sK / sV -> TMA stores
+    s9::named_barrier_sync<256>(kDoneBarrier);  // the other warpgroup's last dQ wgmma read all of sK
+    {
+      u32 frag[kHeadDim / 16][4];
+      pack_acc<kHeadDim / 16, kIsBF16>(frag, dk, scale);
+      store_fragments<kBlockN, kHeadDim / 16>(sK, 64 * w, frag, warp, lane);
+      pack_acc<kHeadDim / 16, kIsBF16>(frag, dv, 1.f);
+      store_fragments<kBlockN, kHeadDim / 16>(sV, 64 * w, frag, warp, lane);
+    }
+    s9::fence_proxy_async();  // generic stmatrix writes -> async-proxy TMA store
+    s9::named_barrier_sync<128>(kStoreBarrier + w);
+    if (tid == 0 && n0 + 64 * w < seqlen_k) {
+#pragma unroll
+      for (int p = 0; p < kPanels; ++p) {
+        const int off = p * kBlockN * kPanel + 64 * w * kPanel;
+        s9::tma_store_4d(&tmap_dk, sK + off, p * kPanel, n0 + 64 * w, kv_head, batch);
+        s9::tma_store_4d(&tmap_dv, sV + off, p * kPanel, n0 + 64 * w, kv_head, batch);
+      }
+      s9::tma_store_commit();
+      s9::tma_store_wait_read();  // shared memory must stay valid until the copies have read it
+    }
+  }
+}
+
+}  // namespace tileattn

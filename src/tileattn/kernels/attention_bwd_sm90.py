@@ -1,0 +1,282 @@
+"""Attention backward on Hopper (csrc/attention_bwd_sm90.cu): TMA + wgmma + warp specialization.
+
+Same tensors and contract as attention_bwd_sm80.BackwardPlan: q, out, dout, dq [B, H, Nq, d]; k, v,
+dk, dv [B, Hkv, Nk, d]; lse [B, H, Nq] fp32 contiguous, natural log (-inf for fully masked rows,
+whose gradients come out 0); one 16-bit dtype; a contiguous last dim and 16-byte aligned rows.
+
+One backward is three launches on torch's current stream (capturable by CUDA graphs):
+1. attention_bwd_sm80's preprocess kernel: delta = rowsum(dO * O), lse2 = lse * log2(e), and the fp32
+   dQ accumulator zeroed (atomic mode);
+2. this family's main kernel: one CTA per (128 keys, kv head, batch), dK and dV in registers over
+   the GQA group's query heads, dQ added into the accumulator with fp32 vector REDs (atomic mode);
+3. atomic mode: attention_bwd_sm80's convert kernel (dq = scale * accumulator); deterministic
+   mode: attention_bwd_sm80's deterministic dQ kernel (one CTA per query block walks the key
+   blocks in a fixed order: bitwise reproducible dQ), with the main kernel instantiated without dQ.
+The main kernel writes the sm80 kernels' fragment-order accumulator layout, so 1 and 3 are reused
+as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import Family
+from .attention_bwd_sm80 import _CONVERT_ROWS, _PRE_ROWS, _ROW_PAD, convert_expr, preprocess_expr
+
+FAMILY_NAME = "attention_bwd_sm90"
+SOURCE = "attention_bwd_sm90.cu"
+HEAD_DIMS = (64, 128)
+BLOCK_N = 128           # keys per CTA: two MMA warpgroups x 64
+THREADS = 384           # producer warpgroup + two MMA warpgroups
+PANEL = 64              # TMA box width in elements: 128 bytes, the 128-byte swizzle span
+LOG2E = 1.4426950408889634
+SMEM_LIMIT = 232448     # bytes per block on an H100/H200 (227 KB opt-in)
+_MAX_GRID_YZ = 65535
+
+
+@dataclass(frozen=True, order=True)
+class Sm90BwdConfig:
+    """block_m query rows per step of the walk (the wgmma N of S^T = K Q^T; d * block_m = 8192, so
+    that dQ is 64 x 64 per MMA warpgroup) and the depth of the Q / dO ring."""
+
+    block_m: int
+    stages: int
+
+    def smem_bytes(self, head_dim: int, with_dq: bool) -> int:
+        """Dynamic shared memory: K, V (128 x d each), `stages` Q and dO tiles, the double-buffered
+        dS^T tile (with dQ), lse2 / delta per stage, + 1 KB to align to 1024 B."""
+        kv = 2 * BLOCK_N * head_dim * 2
+        ring = 2 * self.stages * self.block_m * head_dim * 2
+        ds = 2 * BLOCK_N * self.block_m * 2 if with_dq else 0
+        rows = 2 * self.stages * self.block_m * 4
+        return kv + ring + ds + rows + 1024
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{BLOCK_N}/s{self.stages}"
+
+
+C = Sm90BwdConfig
+
+# Default per (head dim, causal), fp16 and bf16 alike: FA3's tiles where the kernel's shape allows
+# (d=128: 64 x 128, FA3 uses 64 causal / 80 non-causal; d=64: 128 x 128), two stages as FA3 has.
+# Not yet tuned on the GPU (docs/attention_bwd_sm90.md).
+#   d=128: 64 + 64 + 32 (Q, dO ring) + 32 (dS^T) KB + 1.5 KB = 162 KB
+#   d=64:  32 + 64 + 64 KB + 3 KB = 163 KB
+DEFAULTS: dict[tuple[int, bool], Sm90BwdConfig] = {
+    (128, False): C(64, 2),
+    (128, True): C(64, 2),
+    (64, False): C(128, 2),
+    (64, True): C(128, 2),
+}
+# Tuning-only candidates: a third ring stage (196 KB at either head dim).
+TUNING_EXTRA: dict[int, tuple[Sm90BwdConfig, ...]] = {128: (C(64, 3),), 64: (C(128, 3),)}
+
+
+def expression(head_dim: int, config: Sm90BwdConfig, causal: bool, bf16: bool, with_dq: bool) -> str:
+    """The NVRTC name expression of one main-kernel instantiation."""
+    flag = {True: "true", False: "false"}
+    return (f"tileattn::attention_bwd_sm90<{head_dim}, {config.block_m}, {config.stages}, {flag[bool(causal)]}, "
+            f"{flag[bool(bf16)]}, {flag[bool(with_dq)]}>")
+
+
+def _expressions(configs_by_dim) -> tuple[str, ...]:
+    exprs = []
+    for d, configs in configs_by_dim:
+        for cfg in configs:
+            for with_dq in (False, True):
+                assert cfg.smem_bytes(d, with_dq) <= SMEM_LIMIT, (d, cfg)
+            exprs += [expression(d, cfg, causal, bf16, with_dq)
+                      for causal in (False, True) for bf16 in (False, True) for with_dq in (True, False)]
+    return tuple(dict.fromkeys(exprs))
+
+
+INSTANTIATIONS = _expressions((d, {DEFAULTS[(d, c)] for c in (False, True)}) for d in HEAD_DIMS)
+TUNING = tuple(e for e in _expressions(TUNING_EXTRA.items()) if e not in INSTANTIATIONS)
+FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a",), tuning=TUNING),)
+
+
+def supports(head_dim: int, dtype, causal: bool = False) -> bool:
+    """Whether this backward has an instantiation for (head_dim, dtype, causal): head_dim in
+    HEAD_DIMS and dtype float16 / bfloat16 (causal and not alike). The caller still routes only
+    sm_90a devices here. Never raises."""
+    return head_dim in HEAD_DIMS and dtype in (torch.float16, torch.bfloat16)
+
+
+def tuning_candidates(head_dim: int, causal: bool) -> tuple[Sm90BwdConfig, ...]:
+    """Configs worth timing for (head_dim, causal), the default first. Raises ValueError for an
+    unsupported head dim."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported by the sm90 backward; supported: {HEAD_DIMS}")
+    return (DEFAULTS[(head_dim, bool(causal))], *TUNING_EXTRA[head_dim])
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether TMA can describe t in place (last dim contiguous, 16-byte aligned base, every
+    dimension longer than 1 with a positive stride that is a multiple of 16 bytes below 2^40)."""
+    elem = t.element_size()
+    if t.stride(-1) != 1 or t.data_ptr() % 16:
+        return False
+    return all(size == 1 or (0 < stride * elem < 2**40 and (stride * elem) % 16 == 0)
+               for size, stride in zip(t.shape[:-1], t.stride()[:-1]))
+
+
+def _strides(t):
+    sb, sh, sr, _ = t.stride()
+    return np.int64(sb), np.int64(sh), np.int64(sr)
+
+
+class BackwardPlan:
+    """The three launches of one Hopper backward for tensors of fixed shapes, strides, dtype and
+    device (arguments already validated by tileattn.api; same constructor and `launch` as
+    attention_bwd_sm80.BackwardPlan). `config` overrides DEFAULTS (see tuning_candidates).
+
+    Tensors: q, out, dout, dq [B, H, Nq, d]; k, v, dk, dv [B, Hkv, Nk, d]; lse [B, H, Nq] fp32
+    contiguous (natural log); one dtype, float16 or bfloat16; d in HEAD_DIMS. `launch` writes dq, dk,
+    dv completely (never reads them) on torch's current stream and allocates only a torch
+    workspace. A tensor TMA cannot describe in place (a zero or huge stride) is copied on each
+    launch (decided here, once). Raises ValueError for an unsupported head dim or dtype, H not a
+    multiple of Hkv, or more than 65535 kv heads or batches.
+    """
+
+    def __init__(self, q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
+                 config: Sm90BwdConfig | None = None):
+        from ..runtime import LaunchPlan, TensorMapTemplate
+        from . import attention_bwd_sm80 as sm80
+        from . import load
+
+        batch, heads, nq, d = q.shape
+        kv_heads, nk = k.shape[1], k.shape[2]
+        if not supports(d, q.dtype, causal):
+            raise ValueError(f"the sm90 backward supports head_dim in {HEAD_DIMS} and float16/bfloat16, "
+                             f"got head_dim {d} and {q.dtype}")
+        if kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
+        if max(kv_heads, batch) > _MAX_GRID_YZ:
+            raise ValueError(f"batch and k/v head counts must be <= {_MAX_GRID_YZ}")
+        config = config or DEFAULTS[(d, bool(causal))]
+        bf16 = q.dtype == torch.bfloat16
+        device = q.device.index
+        self.device = q.device
+        self.deterministic = deterministic = bool(deterministic)
+        # Nothing to launch: no queries (dK = dV = 0), no keys (dQ = 0), or no heads / batches.
+        self.empty = min(batch, heads, nq, nk) == 0
+        if self.empty:
+            return
+        self.nq_pad = nq_pad = -(-nq // _ROW_PAD) * _ROW_PAD
+        rows = batch * heads * nq_pad
+        # One fp32 workspace: lse2 [B, H, NqPad], delta [B, H, NqPad], then in atomic mode the
+        # fragment-order dQ accumulator [B, H, NqPad / 16, d / 8, 32, 4].
+        self.ws_elems = 2 * rows + (0 if deterministic else rows * d)
+        self._delta_offset, self._acc_offset = rows * 4, 2 * rows * 4  # bytes into the workspace
+        i32, f32 = np.int32, np.float32
+        group = heads // kv_heads
+        scale_log2 = f32(scale * LOG2E)
+
+        self.pre = LaunchPlan(
+            load(sm80.FAMILY_NAME, preprocess_expr(d, bf16), device),
+            (nq_pad // _PRE_ROWS, heads, batch), (128,),
+            (0, 0, 0, 0, 0, 0, *_strides(out), *_strides(dout), i32(nq), i32(heads), i32(nq_pad)),
+            dynamic=range(6),
+        )
+
+        self.copy = tuple(not _tma_ready(t) for t in (q, k, v, dout))
+        self.copy_dk, self.copy_dv = not _tma_ready(dk), not _tma_ready(dv)
+        dense = [t.contiguous() if c else t for t, c in zip((q, k, v, dout), self.copy)]
+        dk_t = torch.empty_like(dk, memory_format=torch.contiguous_format) if self.copy_dk else dk
+        dv_t = torch.empty_like(dv, memory_format=torch.contiguous_format) if self.copy_dv else dv
+        # Box sizes outermost first (batch, head, rows, 64 columns), 128-byte swizzle, zero fill.
+        self.templates = (
+            TensorMapTemplate(dense[0], (1, 1, config.block_m, PANEL)),
+            TensorMapTemplate(dense[1], (1, 1, BLOCK_N, PANEL)),
+            TensorMapTemplate(dense[2], (1, 1, BLOCK_N, PANEL)),
+            TensorMapTemplate(dense[3], (1, 1, config.block_m, PANEL)),
+            TensorMapTemplate(dk_t, (1, 1, 64, PANEL)),
+            TensorMapTemplate(dv_t, (1, 1, 64, PANEL)),
+        )
+        maps = [tm.encode(x.data_ptr()) for tm, x in zip(self.templates, (*dense, dk_t, dv_t))]
+        with_dq = not deterministic
+        self.main = LaunchPlan(
+            load(FAMILY_NAME, expression(d, config, causal, bf16, with_dq), device),
+            (-(-nk // BLOCK_N), kv_heads, batch), (THREADS,),
+            (*maps, 0, 0, 0, i32(heads), i32(group), i32(nq), i32(nk), i32(nq_pad), scale_log2, f32(scale)),
+            smem=config.smem_bytes(d, with_dq), dynamic=range(9),
+        )
+
+        if deterministic:
+            cfg80 = sm80.default_config(d, causal, "sm_90a")
+            self.last = LaunchPlan(
+                load(sm80.FAMILY_NAME, cfg80.dq_expr(bf16), device),
+                (-(-nq // cfg80.dq_block_m), heads, batch), (cfg80.dq_threads,),
+                (0, 0, 0, 0, 0, 0, 0, *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+                 i32(nq), i32(nk), i32(heads), i32(group), i32(nq_pad), i32(1 if causal else 0), scale_log2,
+                 f32(scale)),
+                smem=cfg80.dq_smem, dynamic=range(7),
+            )
+        else:
+            self.last = LaunchPlan(
+                load(sm80.FAMILY_NAME, convert_expr(d, bf16), device),
+                (-(-nq // _CONVERT_ROWS), heads, batch), (128,),
+                (0, 0, *_strides(dq), i32(nq), i32(heads), i32(nq_pad), f32(scale)),
+                dynamic=range(2),
+            )
+
+    def launch(self, q, k, v, out, lse, dout, dq, dk, dv) -> None:
+        if self.empty:
+            for g in (dq, dk, dv):
+                if g.numel():
+                    g.zero_()
+            return
+        ws = torch.empty(self.ws_elems, dtype=torch.float32, device=self.device)
+        lse2 = ws.data_ptr()
+        delta = lse2 + self._delta_offset
+        acc = 0 if self.deterministic else lse2 + self._acc_offset
+        self.pre.launch(out.data_ptr(), dout.data_ptr(), lse.data_ptr(), lse2, delta, acc)
+        qc, kc, vc, doc = (t.contiguous() if c else t for t, c in zip((q, k, v, dout), self.copy))
+        dk_t = torch.empty_like(dk, memory_format=torch.contiguous_format) if self.copy_dk else dk
+        dv_t = torch.empty_like(dv, memory_format=torch.contiguous_format) if self.copy_dv else dv
+        maps = [tm.encode(x.data_ptr()) for tm, x in zip(self.templates, (qc, kc, vc, doc, dk_t, dv_t))]
+        self.main.launch(*maps, lse2, delta, acc)
+        if self.deterministic:
+            self.last.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dq.data_ptr(), lse2, delta)
+        else:
+            self.last.launch(acc, dq.data_ptr())
+        if self.copy_dk:
+            dk.copy_(dk_t)
+        if self.copy_dv:
+            dv.copy_(dv_t)
+        # ws returns to torch's caching allocator here; its block is reused only by work enqueued
+        # later on this stream, which runs after these kernels.
+
+
+def backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
+                  config: Sm90BwdConfig | None = None) -> BackwardPlan:
+    """A BackwardPlan for these (already validated) tensors; the same call as
+    attention_bwd_sm80.backward_plan."""
+    return BackwardPlan(q, k, v, out, lse, dout, dq, dk, dv, causal=bool(causal), scale=float(scale),
+                        deterministic=bool(deterministic), config=config)
+
+
+def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
+    """Backward FLOPs by the benchmark convention: 2.5 x the forward's 4 B H Nq Nk d, halved causal."""
+    return 10.0 * batch * heads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0)
+
+
+__all__ = [
+    "BLOCK_N",
+    "DEFAULTS",
+    "FAMILIES",
+    "FAMILY_NAME",
+    "HEAD_DIMS",
+    "INSTANTIATIONS",
+    "TUNING",
+    "BackwardPlan",
+    "Sm90BwdConfig",
+    "backward_plan",
+    "expression",
+    "flops",
+    "supports",
+    "tuning_candidates",
+]
