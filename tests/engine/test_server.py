@@ -325,6 +325,9 @@ def test_errors(server, client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="hi", extra_body={"top_k": -5})
     assert _error(info.value)["param"] == "top_k"
+    with pytest.raises(openai.BadRequestError) as info:  # refused by SamplingParams, not the schema
+        client.completions.create(model=MODEL, prompt="hi", extra_body={"stop_token_ids": [-1]})
+    assert _error(info.value)["param"] == "stop_token_ids"
 
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-model", prompt="hi")

@@ -20,12 +20,12 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -78,7 +78,7 @@ class EngineDeadError(RuntimeError):
 # The engine thread
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ChoiceDelta:
     """What one step added to one of a request's n completions (copied in the engine thread, so
     the event loop never reads engine objects the next step mutates)."""
@@ -92,7 +92,7 @@ class ChoiceDelta:
     final: tuple | None                        # (text, token_ids, logprobs) of the whole output, once finished
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class StepOutput:
     request_id: str
     choices: list[ChoiceDelta]
@@ -537,8 +537,12 @@ def _sampling_params(state: ServerState, req: _SamplingRequest, max_tokens: int,
         return SamplingParams.from_generation_config(
             state.defaults, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             **overrides)
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from None
+    except ValueError as exc:  # SamplingParams' messages start with the field's name
+        name = str(exc).split(" ", 1)[0]
+        raise APIError(400, str(exc), param=name if name in _SAMPLING_FIELDS else None) from None
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def _check_length(state: ServerState, prompt_len: int, max_tokens: int | None, what: str) -> int:
