@@ -323,9 +323,9 @@ class _Metrics:
     def __init__(self, state: ServerState):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.prompt_tokens = Counter("tileattn:prompt_tokens", "Prefill tokens processed.", registry=r)
+        self.prompt_tokens = Counter("tileattn:prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("tileattn:generation_tokens", "Tokens generated.", registry=r)
-        self.requests = Counter("tileattn:request_success", "Finished requests by finish reason.",
+        self.requests = Counter("tileattn:request_success", "Finished completions (choices) by finish reason.",
                                 ["finished_reason"], registry=r)
         self.rejected = Counter("tileattn:request_rejected", "Requests refused with 503 (queue full).",
                                 registry=r)
