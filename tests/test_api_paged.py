@@ -48,11 +48,11 @@ BAD_PAGED = [
     ({"q": torch.zeros(5, 7, 128, dtype=torch.bfloat16)}, r"kv heads \(2\) must divide q heads \(7\)"),
     (
         {
-            "q": torch.zeros(5, 8, 32, dtype=torch.bfloat16),
-            "k_cache": torch.zeros(6, 16, 2, 32, dtype=torch.bfloat16),
-            "v_cache": torch.zeros(6, 16, 2, 32, dtype=torch.bfloat16),
+            "q": torch.zeros(5, 8, 48, dtype=torch.bfloat16),
+            "k_cache": torch.zeros(6, 16, 2, 48, dtype=torch.bfloat16),
+            "v_cache": torch.zeros(6, 16, 2, 48, dtype=torch.bfloat16),
         },
-        r"head dim d=32 is not supported by attention_paged",
+        r"head dim d=48 is not supported by attention_paged",
     ),
     (
         {

@@ -30,8 +30,16 @@ NO_KEY = -(2.0**100)
 LOG2E = 1.4426950408889634
 
 
+def pitch(d):
+    """Row pitch in elements of common/sm80_tile.cuh's SwizzledTile: a power of two >= d."""
+    return 1 << (d - 1).bit_length()
+
+
 def swizzle(d, row, chunk):
-    return row * d + ((chunk ^ (row & 7)) << 3)
+    """Element offset of chunk `chunk` of row `row` (SwizzledTile::chunk / 2): the physical chunk is
+    chunk ^ (row & 7) for pitches of 8+ chunks, chunk ^ ((row >> 1) & 3) for 4-chunk rows."""
+    row_term = (row & 7) if pitch(d) >= 64 else ((row >> 1) & 3)
+    return row * pitch(d) + ((chunk ^ row_term) << 3)
 
 
 def ldmatrix_x4(smem, addrs, trans=False):
@@ -76,7 +84,8 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
     """One CTA of attention_paged_sm80<d, cfg...>; p holds the launch parameters and tensors."""
     warps_m, warps_n, bm, bn = cfg.warps_m, cfg.warps_n, cfg.block_m, cfg.block_n  # stages: timing only
     threads = 32 * warps_m * warps_n
-    chunks, row_step = d // 8, threads // (d // 8)
+    chunks = d // 8
+    row_elems = pitch(d)
     warp_keys = bn // warps_n
     m_tiles = bm // (16 * warps_m)
     rows_per_warp = 16 * m_tiles
@@ -100,7 +109,7 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
     n_unmasked = unmasked_end // bn
     table = p["table"][b]
 
-    sq = np.zeros(bm * d)
+    sq = np.zeros(bm * row_elems)
     for tid in range(threads):  # the Q prologue loop
         for idx in range(tid, bm * chunks, threads):
             r, c = idx // chunks, idx % chunks
@@ -110,23 +119,34 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
                 sq[swizzle(d, r, c) : swizzle(d, r, c) + 8] = p["q"][tok, head, 8 * c : 8 * c + 8]
 
     def load_tile(n):
-        sk, sv = np.zeros(bn * d), np.zeros(bn * d)
+        sk, sv = np.zeros(bn * row_elems), np.zeros(bn * row_elems)
         bad = False
+
+        def load_row(r, c, key, page):
+            in_range, page_ok = key < kv_end, 0 <= page < p["num_blocks"]
+            if in_range and page_ok:
+                at = swizzle(d, r, c)
+                sk[at : at + 8] = p["k_cache"][page, key % bs, kv_head, 8 * c : 8 * c + 8]
+                sv[at : at + 8] = p["v_cache"][page, key % bs, kv_head, 8 * c : 8 * c + 8]
+            return in_range and not page_ok
+
         for tid in range(threads):
-            ld_c, ld_r0 = tid % chunks, tid // chunks
-            page = 0
-            for i in range(bn // row_step):
-                r = ld_r0 + i * row_step
-                key = n * bn + r
-                in_range = key < kv_end
-                if i == 0 or (i * row_step) % bs == 0:
-                    page = table[key // bs] if in_range else -1
-                page_ok = 0 <= page < p["num_blocks"]
-                bad |= in_range and not page_ok
-                if in_range and page_ok:
-                    at = swizzle(d, r, ld_c)
-                    sk[at : at + 8] = p["k_cache"][page, key % bs, kv_head, 8 * ld_c : 8 * ld_c + 8]
-                    sv[at : at + 8] = p["v_cache"][page, key % bs, kv_head, 8 * ld_c : 8 * ld_c + 8]
+            if threads % chunks == 0:  # column loader: one table read per cache block
+                row_step = threads // chunks
+                c, r0 = tid % chunks, tid // chunks
+                page = 0
+                for i in range(bn // row_step):
+                    r = r0 + i * row_step
+                    key = n * bn + r
+                    if i == 0 or (i * row_step) % bs == 0:
+                        page = table[key // bs] if key < kv_end else -1
+                    bad |= load_row(r, c, key, page)
+            else:  # round-robin chunks (d = 96)
+                for i in range(bn * chunks // threads):
+                    idx = tid + i * threads
+                    r, c = idx // chunks, idx % chunks
+                    key = n * bn + r
+                    bad |= load_row(r, c, key, table[key // bs] if key < kv_end else -1)
         return sk, sv, bad
 
     a_row, a_chunk = (LANES & 7) + 8 * ((LANES >> 3) & 1), LANES >> 4
@@ -143,10 +163,10 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
             if warp_row0 >= rows:
                 continue
             st = state[w]
-            key_base = wn * warp_keys * d  # element offset of this warp's keys in the tile
+            key_base = wn * warp_keys * row_elems  # element offset of this warp's keys in the tile
             s = np.zeros((m_tiles, warp_keys // 8, 32, 4))
             for ks in range(d // 16):
-                a = [ldmatrix_x4(sq, wm * rows_per_warp * d + swizzle(d, 16 * mt + a_row, 2 * ks + a_chunk))
+                a = [ldmatrix_x4(sq, wm * rows_per_warp * row_elems + swizzle(d, 16 * mt + a_row, 2 * ks + a_chunk))
                      for mt in range(m_tiles)]
                 for npair in range(warp_keys // 16):
                     bk = ldmatrix_x4(sk, key_base + swizzle(d, 16 * npair + b_row, 2 * ks + b_chunk))
@@ -318,9 +338,10 @@ def test_model_non_causal_prefill_tile():
     check(case, paged.CONFIGS[64][2], 1, causal=False)
 
 
-@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("head_dim", [32, 96, 128, 256])
 def test_model_other_head_dims(head_dim):
-    """The swizzle keeps its XOR in the low 3 chunk bits; loader passes of 8 / 4 rows at d = 128 / 256."""
+    """d = 32: 4-chunk rows ((row >> 1) & 3 swizzle); d = 96: 128-element pitch and the round-robin
+    loader; d = 128 / 256: loader passes of 8 / 4 rows."""
     case = make_case([(1, 50), (2, 33)], 8, 2, head_dim, 16, seed=head_dim)
     check(case, paged.CONFIGS[head_dim][0], 2)
     case = make_case([(9, 40)], 16, 1, head_dim, 16, seed=head_dim + 1)  # 144 rows: the prefill layout

@@ -28,7 +28,7 @@ from . import reference
 __all__ = ["attention_paged", "write_kv_cache"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-PAGED_HEAD_DIMS = (64, 128, 256)
+PAGED_HEAD_DIMS = (32, 64, 96, 128, 256)
 _ALIGN_ELEMS = 8  # 16 bytes of a 16-bit dtype: the kernels move 16-byte chunks
 _MAX_GRID_YZ = 65535
 _INT32_MAX = 2**31 - 1
@@ -63,7 +63,7 @@ def attention_paged(
     Args:
         q: [Tq, H, d] float16/bfloat16 CUDA tensor; sequence b owns tokens
             cu_seqlens_q[b] .. cu_seqlens_q[b+1]. Last dim contiguous, other strides multiples of 8
-            elements. d in {64, 128, 256}.
+            elements. d in {32, 64, 96, 128, 256}.
         k_cache, v_cache: [num_blocks, block_size, Hkv, d], q's dtype and device; block_size a power
             of two in 16..256; Hkv divides H (query head h reads KV head h // (H // Hkv)). Same
             stride rules as q.
@@ -93,7 +93,7 @@ def attention_paged(
     Raises:
         ValueError: a non-tensor argument or wrong rank; q/k_cache/v_cache dtypes other than one of
             float16/bfloat16; index tensors that are not int32; shapes that disagree (see above),
-            a head dim outside {64, 128, 256}, Hkv not dividing H, a block_size that is not a
+            a head dim outside {32, 64, 96, 128, 256}, Hkv not dividing H, a block_size that is not a
             power of two in 16..256, B or Hkv above 65535, more than 2^31 - 1 keys of table
             capacity or Tq * H rows; max_seqlen_q / max_seqlen_k not non-negative ints; a bad
             scale or num_splits; strides or data pointers not 16-byte aligned, block_table with

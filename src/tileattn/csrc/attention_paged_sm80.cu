@@ -67,29 +67,28 @@
 // ---- Shared memory ----------------------------------------------------------------------------
 //   sQ [kBlockM][d]               Q tile (loaded once)
 //   sK [kStages][kBlockN][d]      ring of K tiles;  sV likewise
-// rows are 16-byte chunks XOR-swizzled with (row & 7) (d = 64, 128, 256: 8 or more chunks per row),
-// so ldmatrix's 8 rows of one chunk column hit 8 different bank groups. After the main loop the
-// K ring is reused for the key-split merge.
-#include "common/sm80.cuh"
+// rows are common/sm80_tile.cuh's SwizzledTile (16-byte chunks XOR-swizzled so ldmatrix's 8 rows of
+// one chunk column hit 8 different bank groups; d = 96 rows padded to a 128-element pitch), so a
+// "row" below is kPitch elements. After the main loop the K ring is reused for the key-split merge.
+#include "common/sm80_tile.cuh"
 
 namespace tileattn {
 namespace paged {
 
-constexpr float kLn2 = 0.693147180559945309417f;
-constexpr float kLog2e = 1.44269504088896340736f;
 // Largest growth of the row max (log2 units) absorbed without rescaling O.
 constexpr float kRescaleThreshold = 8.0f;
 // Shift of a row that has seen no key yet (see attention_fwd_sm80.cu: a finite sentinel keeps
 // s * scale_log2 - shift finite and makes the first real key's rescale factor exactly 0).
 constexpr float kNoKeyShift = -1.2676506002282294e30f;  // -2^100
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 
-// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][kHeadDim] tile.
+// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of kHeadDim columns, and
+// the tile's row pitch in elements.
 template <int kHeadDim>
 __device__ __forceinline__ int swizzle(int row, int chunk) {
-  static_assert(kHeadDim % 64 == 0, "the (row & 7) swizzle needs >= 8 chunks per row");
-  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
+  return SwizzledTile<kHeadDim>::chunk(row, chunk) >> 1;
 }
+template <int kHeadDim>
+constexpr int kPitch = SwizzledTile<kHeadDim>::kRowBytes / 2;
 
 // Which keys a CTA visits. Keys [0, kv_end) are visible to some row of the M tile; keys below
 // unmasked_end are visible to every row (no causal or length mask needed there).
@@ -116,7 +115,6 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   constexpr int kWarps = kWarpsM * kWarpsN;
   constexpr int kThreads = kWarps * 32;
   constexpr int kChunks = kHeadDim / 8;            // 16-byte chunks per row
-  constexpr int kRowStep = kThreads / kChunks;     // rows one pass of the CTA's threads loads
   constexpr int kWarpKeys = kBlockN / kWarpsN;     // keys of a tile one warp multiplies
   constexpr int kKSteps = kHeadDim / 16;           // k16 steps of S = Q K^T
   constexpr int kNBlocks = kWarpKeys / 8;          // n8 blocks of a warp's S
@@ -131,14 +129,18 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   static_assert(kWarpsM == 1 || kWarpsN == 1, "warps split either rows or keys");
   static_assert(kWarpsN == 1 || kMTiles == 1, "the key split is for one m16 tile");
   static_assert(kWarpKeys % 16 == 0 && kStages >= 2, "16-key mma steps per warp, double buffering");
-  static_assert(kThreads % kChunks == 0 && kBlockN % kRowStep == 0, "whole rows per pass, whole passes per tile");
-  static_assert(kWarpsN == 1 || (kWarpsN - 1) * (kDBlocks + 1) * 4 * 32 * 4 <= kStages * kBlockN * kHeadDim * 2,
+  constexpr int kRowElems = kPitch<kHeadDim>;       // smem row pitch (elements)
+  // The loader's fast path: each thread owns one chunk column and whole rows (d = 32, 64, 128, 256).
+  constexpr bool kColumnLoader = kThreads % kChunks == 0;
+  static_assert(!kColumnLoader || kBlockN % (kThreads / kChunks) == 0, "whole passes per tile");
+  static_assert((kBlockN * kChunks) % kThreads == 0, "whole chunks per thread per tile");
+  static_assert(kWarpsN == 1 || (kWarpsN - 1) * (kDBlocks + 1) * 4 * 32 * 4 <= kStages * kBlockN * kRowElems * 2,
                 "the key-split merge buffer fits in the K ring");
 
   extern __shared__ __align__(128) u16 smem[];
-  u16* const sQ = smem;                               // [kBlockM][kHeadDim], swizzled
-  u16* const sK = sQ + kBlockM * kHeadDim;            // [kStages][kBlockN][kHeadDim], swizzled
-  u16* const sV = sK + kStages * kBlockN * kHeadDim;  // [kStages][kBlockN][kHeadDim], swizzled
+  u16* const sQ = smem;                                // [kBlockM][kRowElems], swizzled
+  u16* const sK = sQ + kBlockM * kRowElems;            // [kStages][kBlockN][kRowElems], swizzled
+  u16* const sV = sK + kStages * kBlockN * kRowElems;  // [kStages][kBlockN][kRowElems], swizzled
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp % kWarpsM, wn = warp / kWarpsM;  // row group / key group of this warp
@@ -173,32 +175,50 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   const u16* const v_head = v_cache + kv_head * v_sh;
 
   // ---- Tile loader: kBlockN keys of K and V into ring slot `stage` ------------------------------------
-  // Thread (r0, c) loads chunk c of rows r0 + i * kRowStep (r0 < kRowStep). kRowStep, kBlockN and
-  // block_size are powers of two and a tile starts on a multiple of min(kBlockN, block_size), so
-  // the thread's row enters a new cache block exactly when i * kRowStep is a multiple of
-  // block_size (every pass when kRowStep >= block_size): one table load per cache block, not per
-  // row. Returns whether a visible key sat in an invalid block.
-  const int ld_c = tid % kChunks, ld_r0 = tid / kChunks;
+  // Column loader (kThreads a multiple of d / 8): thread (r0, c) loads chunk c of rows
+  // r0 + i * kRowStep (r0 < kRowStep). kRowStep, kBlockN and block_size are powers of two and a tile
+  // starts on a multiple of min(kBlockN, block_size), so the thread's row enters a new cache block
+  // exactly when i * kRowStep is a multiple of block_size (every pass when kRowStep >=
+  // block_size): one table load per cache block, not per row. Otherwise (d = 96: 12 chunks) the
+  // chunks are dealt out round-robin and each reads its row's table entry (L1 hits).
+  // Returns whether a visible key sat in an invalid block.
+  auto load_row = [&](u16* sKs, u16* sVs, int r, int c, int key, int page) -> bool {
+    const bool in_range = key < kr.kv_end;
+    const bool page_ok = page >= 0 && page < num_blocks;
+    const bool valid = in_range && page_ok;
+    const int64_t off = valid ? static_cast<int64_t>(page) * k_sb + (key & block_mask) * k_sr : 0;
+    const int64_t voff = valid ? static_cast<int64_t>(page) * v_sb + (key & block_mask) * v_sr : 0;
+    cp_async_16(sKs + swizzle<kHeadDim>(r, c), k_head + off + c * 8, valid);
+    cp_async_16(sVs + swizzle<kHeadDim>(r, c), v_head + voff + c * 8, valid);
+    return in_range && !page_ok;
+  };
   auto load_tile = [&](int n, int stage) -> bool {
-    u16* const sKs = sK + stage * kBlockN * kHeadDim;
-    u16* const sVs = sV + stage * kBlockN * kHeadDim;
+    u16* const sKs = sK + stage * kBlockN * kRowElems;
+    u16* const sVs = sV + stage * kBlockN * kRowElems;
     bool bad = false;
-    int page = 0;
+    if constexpr (kColumnLoader) {
+      constexpr int kRowStep = kThreads / kChunks;  // rows one pass of the CTA's threads loads
+      // From an opaque thread index: recomputed per call, not held in registers across the loop.
+      const int tid_l = opaque(tid);
+      const int c = tid_l % kChunks, r0 = tid_l / kChunks;
+      int page = 0;
 #pragma unroll
-    for (int i = 0; i < kBlockN / kRowStep; ++i) {
-      const int r = ld_r0 + i * kRowStep;
-      const int key = n * kBlockN + r;
-      const bool in_range = key < kr.kv_end;
-      if (i == 0 || ((i * kRowStep) & block_mask) == 0) {
-        page = in_range ? __ldg(bt_row + (key >> log2_block_size)) : -1;
+      for (int i = 0; i < kBlockN / kRowStep; ++i) {
+        const int r = r0 + i * kRowStep;
+        const int key = n * kBlockN + r;
+        if (i == 0 || ((i * kRowStep) & block_mask) == 0)
+          page = key < kr.kv_end ? __ldg(bt_row + (key >> log2_block_size)) : -1;
+        bad |= load_row(sKs, sVs, r, c, key, page);
       }
-      const bool page_ok = page >= 0 && page < num_blocks;
-      bad |= in_range && !page_ok;
-      const bool valid = in_range && page_ok;
-      const int64_t off = valid ? static_cast<int64_t>(page) * k_sb + (key & block_mask) * k_sr : 0;
-      const int64_t voff = valid ? static_cast<int64_t>(page) * v_sb + (key & block_mask) * v_sr : 0;
-      cp_async_16(sKs + swizzle<kHeadDim>(r, ld_c), k_head + off + ld_c * 8, valid);
-      cp_async_16(sVs + swizzle<kHeadDim>(r, ld_c), v_head + voff + ld_c * 8, valid);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kBlockN * kChunks / kThreads; ++i) {
+        const int idx = tid + i * kThreads;
+        const int r = idx / kChunks, c = idx - r * kChunks;
+        const int key = n * kBlockN + r;
+        const int page = key < kr.kv_end ? __ldg(bt_row + (key >> log2_block_size)) : -1;
+        bad |= load_row(sKs, sVs, r, c, key, page);
+      }
     }
     return bad;
   };
@@ -231,7 +251,7 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   // chunk + ((l >> 3) & 1).
   const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_chunk = lane >> 4;
   const int b_row = (lane & 7) + 8 * (lane >> 4), b_chunk = (lane >> 3) & 1;
-  const u16* const sQw = sQ + wm * kRowsPerWarp * kHeadDim;  // this warp's rows
+  const u16* const sQw = sQ + wm * kRowsPerWarp * kRowElems;  // this warp's rows
 
   u32 q_frag[kQInRegs ? kKSteps : 1][4];
   if constexpr (kQInRegs) {
@@ -275,8 +295,8 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
       cp_async_commit();
     }
     if (!warp_active) continue;
-    const u16* const sKs = sK + stage * kBlockN * kHeadDim + wn * kWarpKeys * kHeadDim;  // this warp's keys
-    const u16* const sVs = sV + stage * kBlockN * kHeadDim + wn * kWarpKeys * kHeadDim;
+    const u16* const sKs = sK + (stage * kBlockN + wn * kWarpKeys) * kRowElems;  // this warp's keys
+    const u16* const sVs = sV + (stage * kBlockN + wn * kWarpKeys) * kRowElems;
 
     // S = Q K^T over this warp's kWarpKeys keys: [kMTiles][kNBlocks][4] fp32.
     float s_acc[kMTiles][kNBlocks][4];
@@ -493,9 +513,10 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
     }
 }
 
-// Split-KV combine: one warp per (token, head) row of [Tq, H]; lane l owns dims
-// [l * kPerLane, (l + 1) * kPerLane). Rows of tokens at or past cu_seqlens_q[batch] (no sequence
-// wrote their partials) are left unwritten, as the num_splits == 1 path leaves them.
+// Split-KV combine: one warp per (token, head) row of [Tq, H]; lane l owns the dim pairs
+// (2p, 2p + 1) with p = l + 32 i (a warp moves 256 contiguous bytes of partials per step). Rows of
+// tokens at or past cu_seqlens_q[batch] (no sequence wrote their partials) are left unwritten, as
+// the num_splits == 1 path leaves them.
 //   L = log sum_s exp(lse_s),  O = sum_s exp(lse_s - L) O_s   (lse_s = -inf: split s saw no key)
 template <int kHeadDim, bool kIsBF16>
 __global__ void __launch_bounds__(128)
@@ -503,8 +524,8 @@ __global__ void __launch_bounds__(128)
                             u16* __restrict__ out, float* __restrict__ lse, const int* __restrict__ cu_seqlens_q,
                             int batch, int num_tokens, int heads, int num_splits) {
   using namespace paged;
-  constexpr int kPerLane = kHeadDim / 32;
-  static_assert(kPerLane % 2 == 0, "pairs of dims per lane");
+  constexpr int kPairs = kHeadDim / 2;
+  constexpr int kSteps = (kPairs + 31) / 32;  // pair steps per lane
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
   const int64_t rows = static_cast<int64_t>(num_tokens) * heads;
@@ -525,26 +546,32 @@ __global__ void __launch_bounds__(128)
   }
   const float row_lse = total > 0.f ? mx + __logf(total) : neg_inf();
 
-  float acc[kPerLane];
+  float2 acc[kSteps];
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) acc[i] = 0.f;
+  for (int i = 0; i < kSteps; ++i) acc[i] = make_float2(0.f, 0.f);
   if (total > 0.f) {
     for (int s = 0; s < num_splits; ++s) {
       const float l = lse_part[s * rows + row];  // warp-uniform (broadcast load)
       if (l == neg_inf()) continue;              // an empty split never wrote its O
       const float w = fast_exp2((l - row_lse) * kLog2e);
-      const float* const src = o_part + (s * rows + row) * kHeadDim + lane * kPerLane;
+      const float2* const src = reinterpret_cast<const float2*>(o_part + (s * rows + row) * kHeadDim);
 #pragma unroll
-      for (int i = 0; i < kPerLane; i += 2) {
-        const float2 x = *reinterpret_cast<const float2*>(src + i);
-        acc[i] += w * x.x;
-        acc[i + 1] += w * x.y;
+      for (int i = 0; i < kSteps; ++i) {
+        const int pair = lane + 32 * i;
+        if (kPairs % 32 == 0 || pair < kPairs) {
+          const float2 x = src[pair];
+          acc[i].x += w * x.x;
+          acc[i].y += w * x.y;
+        }
       }
     }
   }
-  u16* const dst = out + row * kHeadDim + lane * kPerLane;
+  u32* const dst = reinterpret_cast<u32*>(out + row * kHeadDim);
 #pragma unroll
-  for (int i = 0; i < kPerLane; i += 2) *reinterpret_cast<u32*>(dst + i) = pack2<kIsBF16>(acc[i], acc[i + 1]);
+  for (int i = 0; i < kSteps; ++i) {
+    const int pair = lane + 32 * i;
+    if (kPairs % 32 == 0 || pair < kPairs) dst[pair] = pack2<kIsBF16>(acc[i].x, acc[i].y);
+  }
   if (lse != nullptr && lane == 0) lse[static_cast<int64_t>(head) * num_tokens + tok] = row_lse;
 }
 

@@ -27,7 +27,7 @@ from . import Family
 
 FAMILY_NAME = "attention_paged_sm80"
 SOURCE = "attention_paged_sm80.cu"
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (32, 64, 96, 128, 256)
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 128
 COMBINE_ROWS_PER_BLOCK = 4  # one warp per (token, head) row, 128 threads
@@ -48,8 +48,10 @@ class PagedConfig:
         return 32 * self.warps_m * self.warps_n
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Dynamic shared memory: the Q tile and `stages` K and V tiles, 16-bit elements."""
-        return 2 * head_dim * (self.block_m + 2 * self.stages * self.block_n)
+        """Dynamic shared memory: the Q tile and `stages` K and V tiles, 16-bit elements, rows at
+        common/sm80_tile.cuh's power-of-two pitch (d=96 rows take 128 elements)."""
+        pitch = 1 << (head_dim - 1).bit_length()
+        return 2 * pitch * (self.block_m + 2 * self.stages * self.block_n)
 
     def __str__(self) -> str:
         return f"{self.block_m}x{self.block_n}/w{self.warps_m}x{self.warps_n}/s{self.stages}"
@@ -65,7 +67,9 @@ C = PagedConfig
 # tiles, 253 registers (2 CTAs per SM), the dense forward's 128x32/w4/s2 shape; d=256: 8 warps of
 # 16 rows (O alone is 128 registers per m16 tile).
 CONFIGS: dict[int, tuple[PagedConfig, PagedConfig, PagedConfig]] = {
+    32: (C(16, 1, 4, 64, 4), C(64, 4, 1, 64, 3), C(128, 4, 1, 64, 2)),
     64: (C(16, 1, 4, 64, 4), C(64, 4, 1, 64, 3), C(128, 4, 1, 64, 2)),
+    96: (C(16, 1, 4, 64, 3), C(64, 4, 1, 64, 2), C(128, 4, 1, 32, 2)),
     128: (C(16, 1, 4, 64, 3), C(64, 4, 1, 64, 2), C(128, 4, 1, 32, 2)),
     256: (C(16, 1, 4, 64, 2), C(64, 4, 1, 32, 2), C(128, 8, 1, 32, 2)),
 }
