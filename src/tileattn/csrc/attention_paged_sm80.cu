@@ -48,12 +48,13 @@
 // An empty split (a short sequence under a grid sized for the table's capacity) writes lse -inf.
 //
 // ---- Memory pipeline ----------------------------------------------------------------------------
-// Decode reads K and V once and does ~2 FLOPs per byte: it is bound by HBM bandwidth, so the
-// design goal is bytes in flight. Each K/V tile is kBlockN keys x d, loaded with 16-byte cp.async
+// Decode reads K and V once and does G FLOPs per byte of them (G = H / Hkv): it is bound by HBM
+// bandwidth, so the design goal is bytes in flight. Each K/V tile is kBlockN keys x d, loaded with 16-byte cp.async
 // into a kStages-deep ring (kStages - 1 tiles in flight per CTA while one is consumed; one CTA
 // barrier per tile). Page indices are resolved once per tile and thread: a thread's rows step by
 // kRowStep = threads / (d / 8) keys, so it loads a block-table entry only when its row enters a
-// new cache block (once per tile when kBlockN <= block_size). The table is tiny and L1/L2 resident.
+// new cache block (once per tile when kBlockN <= block_size; d = 96, whose 12 chunks per row do
+// not divide the threads, reads it per chunk). The table is tiny and L1/L2 resident.
 // Tiles are visited from the last to the first, so the tiles that need masking (the length edge,
 // the causal diagonal) come first; a per-tile flag (bar.red.or at the barrier that starts the
 // tile) says whether any of its block ids was out of range, and only then is the page validity
