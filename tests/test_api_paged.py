@@ -137,6 +137,15 @@ BAD_WRITE = [
         "multiple of 16 bytes",
     ),
     ({"k": torch.zeros(3, 2, 68, dtype=torch.float16)[..., :64]}, r"k.stride\(1\) = 68"),
+    (
+        {
+            "k": torch.zeros(3, 2, 1032),
+            "v": torch.zeros(3, 2, 1032),
+            "k_cache": torch.zeros(4, 16, 2, 1032),
+            "v_cache": torch.zeros(4, 16, 2, 1032),
+        },
+        "is 4128 bytes; it must be a multiple of 16 bytes and at most 4096",
+    ),
     ({"slot_mapping": torch.zeros(6, dtype=torch.int64)[::2]}, "slot_mapping must be contiguous"),
     ({"k_cache": "cache"}, "k_cache must be a torch.Tensor"),
     ({}, "write_kv_cache needs CUDA tensors, got device cpu"),

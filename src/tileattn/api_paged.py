@@ -160,9 +160,9 @@ def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
         ValueError: non-tensors or wrong ranks; k/v/caches of different dtypes; shapes that
             disagree (k and v [T, Hkv, d], caches [num_blocks, block_size, Hkv, d] with the same
             Hkv and d, slot_mapping [T]); a block_size that is not a power of two; a row that is
-            not a multiple of 16 bytes; slot_mapping not int32/int64 or not contiguous;
-            misaligned strides or pointers; tensors on different devices or not on CUDA; with
-            validate=True, a slot past the cache.
+            not a multiple of 16 bytes or longer than 4096 bytes; slot_mapping not int32/int64 or
+            not contiguous; misaligned strides or pointers; tensors on different devices or not
+            on CUDA; with validate=True, a slot past the cache.
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
     try:
@@ -265,8 +265,12 @@ def _check_write(k, v, k_cache, v_cache, slot_mapping) -> None:
     block_size = k_cache.shape[1]
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"k_cache block_size (dim 1) must be a power of two, got {block_size}")
-    if (k.shape[2] * k.element_size()) % 16:
-        raise ValueError(f"k: a row of d={k.shape[2]} {k.dtype} elements must be a multiple of 16 bytes")
+    row_bytes = k.shape[2] * k.element_size()
+    if row_bytes % 16 or row_bytes > 4096:
+        raise ValueError(
+            f"k: a row of d={k.shape[2]} {k.dtype} elements is {row_bytes} bytes; it must be a multiple of 16 "
+            "bytes and at most 4096 (one thread per 16-byte chunk, 256 threads per block)"
+        )
     if k.shape[0] * k.shape[1] > _INT32_MAX:
         raise ValueError(f"k: T * Hkv = {k.shape[0] * k.shape[1]} rows exceeds 2^31 - 1")
     align = 16 // k.element_size()
