@@ -398,8 +398,9 @@ def test_cancel_stream_frees_blocks(server, client):
     assert server.state.in_flight == 0
 
 
-def test_overload_gets_503(engine):
-    with ServerThread(create_app(engine, MODEL, max_queue_depth=1)) as s:
+def test_overload_gets_503(checkpoint):
+    # Tests that start their own server get their own engine: one engine thread per engine.
+    with ServerThread(create_app(make_engine(checkpoint), MODEL, max_queue_depth=1)) as s:
         client = s.client()
         stream = client.completions.create(model=MODEL, prompt="hold the queue", max_tokens=150,
                                            temperature=0, stream=True, **_extra(ignore_eos=True))
@@ -412,9 +413,10 @@ def test_overload_gets_503(engine):
         assert client.completions.create(model=MODEL, prompt="room again", max_tokens=2).choices
 
 
-def test_64_concurrent_streams_match_alone_then_clean_shutdown(engine):
+def test_64_concurrent_streams_match_alone_then_clean_shutdown(checkpoint):
     import random
 
+    engine = make_engine(checkpoint)
     rng = random.Random(0)
     vocab = engine.tokenizer.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(4, 40))] for _ in range(64)]
