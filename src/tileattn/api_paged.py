@@ -36,6 +36,7 @@ _INT32_MAX = 2**31 - 1
 # Per-shape caches. An eager engine step changes Tq and max_seqlen_q from step to step, so they are
 # bounded: when one reaches CACHE_LIMIT entries it is cleared (rebuilding an entry costs ~0.1 ms).
 CACHE_LIMIT = 1024
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 _paged_cache: dict[tuple, object] = {}  # metadata key -> kernels.attention_paged_sm80.PagedLaunch
 _write_checked: set[tuple] = set()  # metadata keys of write_kv_cache calls that passed the checks
 
@@ -102,12 +103,13 @@ def attention_paged(
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
     try:
+        # get_device(): the CUDA index as an int (-1 on the CPU), cheaper than torch.device objects.
         key = (
-            q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
-            v_cache.shape, v_cache.stride(), v_cache.dtype, block_table.shape, block_table.stride(),
-            block_table.dtype, cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_q.dtype, seqlens_k.shape,
-            seqlens_k.stride(), seqlens_k.dtype, k_cache.device, v_cache.device, block_table.device,
-            cu_seqlens_q.device, seqlens_k.device, max_seqlen_q, causal, scale, return_lse, num_splits,
+            q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), k_cache.dtype, v_cache.shape,
+            v_cache.stride(), v_cache.dtype, block_table.shape, block_table.stride(), block_table.dtype,
+            cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_q.dtype, seqlens_k.shape, seqlens_k.stride(),
+            seqlens_k.dtype, q.get_device(), k_cache.get_device(), v_cache.get_device(), block_table.get_device(),
+            cu_seqlens_q.get_device(), seqlens_k.get_device(), max_seqlen_q, causal, scale, return_lse, num_splits,
         )  # fmt: skip
         launch = _paged_cache.get(key)
     except (AttributeError, TypeError):  # not tensors / unhashable arguments: the checks say which
@@ -133,7 +135,12 @@ def attention_paged(
             if len(_paged_cache) >= CACHE_LIMIT:
                 _paged_cache.clear()
             _paged_cache[key] = launch
-    out, lse = launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k)
+    device = q.get_device()
+    if _current_device() == device:
+        out, lse = launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k)
+    else:  # cuLaunchKernel uses the thread's current context: make it q's device's
+        with torch.cuda.device(device):
+            out, lse = launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k)
     return (out, lse) if return_lse else out
 
 
@@ -167,9 +174,10 @@ def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     """
     try:
         key = (
-            k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device, k_cache.shape,
-            k_cache.stride(), k_cache.dtype, k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype,
-            v_cache.device, slot_mapping.shape, slot_mapping.stride(), slot_mapping.dtype, slot_mapping.device,
+            k.shape, k.stride(), k.dtype, k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(),
+            k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.get_device(), v_cache.shape, v_cache.stride(),
+            v_cache.dtype, v_cache.get_device(), slot_mapping.shape, slot_mapping.stride(), slot_mapping.dtype,
+            slot_mapping.get_device(),
         )  # fmt: skip
         checked = key in _write_checked
     except (AttributeError, TypeError):
@@ -195,7 +203,12 @@ def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
         return
     from .kernels.kv_cache import launch_write_kv_cache
 
-    launch_write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    device = k.get_device()
+    if _current_device() == device:
+        launch_write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    else:  # cuLaunchKernel uses the thread's current context: make it k's device's
+        with torch.cuda.device(device):
+            launch_write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
 # ---------------------------------------------------------------------------------------------
