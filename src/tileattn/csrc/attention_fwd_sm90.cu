@@ -235,7 +235,8 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
                        int heads, int kv_group, int seqlen_q, int seqlen_k, float scale_log2) {
   using namespace fwd90;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
-  static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256, "wgmma N of S = Q K^T: 64, 128 or 256");
+  static_assert(sm90::wgmma_n_supported(kBlockN) && kBlockN % 16 == 0,
+                "kBlockN is the wgmma N of S = Q K^T (sm90.cuh) and the K of O += P V (k16 steps)");
   static_assert(kStages >= 2, "at least double buffering");
   constexpr int kPanels = kHeadDim / kPanel;                 // 64-column panels per row
   constexpr u32 kQBytes = kBlockM * kHeadDim * 2;

@@ -36,7 +36,7 @@ SMEM_LIMIT = 232448     # bytes per block on an H100/H200 (227 KB opt-in)
 
 @dataclass(frozen=True, order=True)
 class Sm90Config:
-    """block_n keys per K/V block (the wgmma N of S = Q K^T: 64, 128 or 256), ring stages,
+    """block_n keys per K/V block (the wgmma N of S = Q K^T: 64, 80, 96, 128, 176, 192 or 256), ring stages,
     whether the two consumer warpgroups take turns issuing their GEMMs (ping-pong), and whether the
     grid is persistent (one CTA per SM walking the tiles; otherwise one CTA per tile). `persistent`
     is a launch choice only: both grids run the same compiled kernel."""
@@ -76,9 +76,10 @@ DEFAULTS: dict[tuple[int, bool], Sm90Config] = {
 EXTRA_BF16: dict[tuple[int, bool], tuple[Sm90Config, ...]] = {
     (d, causal): extra
     for d, extra in (
-        (64, (C(128, 3, True), C(128, 3, False, True), C(128, 4), C(64, 4))),
-        (128, (C(128, 2, True), C(128, 2, False, True), C(128, 2, True, True), C(64, 4), C(64, 4, True))),
-        (256, (C(64, 2, True), C(64, 2, False, True))),
+        (64, (C(128, 3, True), C(128, 3, False, True), C(128, 4), C(64, 4), C(192, 2), C(192, 2, True))),
+        (128, (C(128, 2, True), C(128, 2, False, True), C(128, 2, True, True), C(64, 4), C(64, 4, True),
+               C(176, 2), C(176, 2, True), C(96, 3))),
+        (256, (C(64, 2, True), C(64, 2, False, True), C(80, 2), C(80, 2, True))),
     )
     for causal in (False, True)
 }
