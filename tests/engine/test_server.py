@@ -414,6 +414,8 @@ def test_overload_gets_503(checkpoint):
 
 
 def test_64_concurrent_streams_match_alone_then_clean_shutdown(checkpoint):
+    """64 greedy streams at once, beside 16 clients that hang up after two chunks and 8 bad
+    requests: the 64 get exactly their lone tokens, in a few batched steps; nothing leaks."""
     import random
 
     engine = make_engine(checkpoint)
@@ -435,11 +437,33 @@ def test_64_concurrent_streams_match_alone_then_clean_shutdown(checkpoint):
                 ids += chunk.choices[0].token_ids or []
             return ids
 
+        async def quitter(aclient, p):
+            stream = await aclient.completions.create(prompt=p, max_tokens=150, stream=True, **kw)
+            chunks = 0
+            async for _ in stream:
+                chunks += 1
+                if chunks == 2:
+                    break
+            await stream.close()
+            return chunks
+
+        async def bad(aclient, overrides):
+            try:
+                await aclient.completions.create(**{**kw, "max_tokens": 2, **overrides})
+            except openai.BadRequestError as exc:
+                return exc.status_code
+            return None
+
+        bad_requests = [{"prompt": "x", "temperature": -1}, {"prompt": list(range(3, 3 + MAX_MODEL_LEN))},
+                        {"prompt": [1, 10**9]}, {"prompt": "x", "n": 0}] * 2
+
         async def all_at_once():
             aclient = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
             try:
-                return await asyncio.wait_for(
-                    asyncio.gather(*(one(aclient, p, m) for p, m in zip(prompts, max_tokens))), 120)
+                return await asyncio.wait_for(asyncio.gather(
+                    *(one(aclient, p, m) for p, m in zip(prompts, max_tokens)),
+                    *(quitter(aclient, p) for p in prompts[:16]),
+                    *(bad(aclient, b) for b in bad_requests)), 120)
             finally:
                 await aclient.close()
 
@@ -448,10 +472,12 @@ def test_64_concurrent_streams_match_alone_then_clean_shutdown(checkpoint):
         engine.step = lambda: steps.append(1) or real_step()  # count steps (engine thread only)
         try:
             t0 = time.monotonic()
-            together = asyncio.run(all_at_once())
+            results = asyncio.run(all_at_once())
             elapsed = time.monotonic() - t0
         finally:
             del engine.step
+        together, quits, bads = results[:64], results[64:80], results[80:]
+        assert quits == [2] * 16 and bads == [400] * len(bad_requests), (quits, bads)
         for i, (a, b) in enumerate(zip(alone, together)):
             assert a == b, f"request {i}: alone {a} vs concurrent {b}"
         assert len(steps) < sum(max_tokens) / 4, (
