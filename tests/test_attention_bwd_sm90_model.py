@@ -1,0 +1,385 @@
+"""CPU checks of csrc/attention_bwd_sm90.cu's index maps, pipeline protocol and tile walk (no GPU).
+
+What the Hopper backward relies on, restated in Python and checked for every registered config:
+
+* operand layouts: each wgmma descriptor the kernel builds (S^T = K Q^T and dP^T = V dO^T K-major,
+  dV += P^T dO and dK += dS^T Q with MN-major B, dQ = dS K with both operands MN-major) reads, for
+  every (row, k), the element that TMA or the kernel's stmatrix stored there;
+* the stmatrix addresses (store_fragments) put every accumulator element of a warpgroup's 64 rows
+  where the 128-byte-swizzled panel layout (TMA's) has it, for dS^T and for the dK / dV epilogue,
+  whose TMA store boxes then read the right rows;
+* the dQ RED addresses: each thread's float4 of the 64 x 64 dQ accumulator lands on the elements of
+  the sm80 fragment-order dq_accum layout that the convert kernel reads back as those (query, col),
+  and the two MMA warpgroups together cover the query tile x d exactly once;
+* the tile walk (m_first, the GQA head loop, the `masked` flag, key and query edges) as a float64
+  emulation of the kernel's arithmetic, against float64 autograd through tileattn.reference;
+* the mbarrier / named-barrier protocol (K/V once, the Q + lse2 and dO + delta rings, two MMA
+  warpgroups, the double-buffered dS^T tile, the epilogue's reuse of sK / sV) under random
+  interleavings: no deadlock, every read sees the expected iteration's data, nothing is overwritten
+  while a reader may still use it;
+* SASS: the register-A operands (P^T, dS^T) are not rewritten before the wgmma_wait that retires
+  them, and there is no local memory.
+
+The Python mirrors the C++ by hand: change them together.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from tileattn import reference
+from tileattn.kernels import attention_bwd_sm90 as ab
+
+from .test_attention_fwd_sm90_model import (
+    MBarrier,
+    NamedBarrier,
+    acc_pos,
+    kmajor_element,
+    mnmajor_element,
+    register_a_hazards,
+    swizzle128,
+    tma_panel_addr,
+)
+
+BLOCK_N = ab.BLOCK_N
+CONFIGS = sorted({(d, cfg) for d in ab.HEAD_DIMS for causal in (False, True)
+                  for cfg in ab.tuning_candidates(d, causal)})
+
+
+def smem_offsets(d: int, cfg) -> dict[str, int]:
+    """Byte offsets of the kernel's shared-memory tiles from the 1024-aligned base (kDq)."""
+    bm, st = cfg.block_m, cfg.stages
+    off = {"K": 0, "V": BLOCK_N * d * 2}
+    off["Q"] = off["V"] + BLOCK_N * d * 2
+    off["dO"] = off["Q"] + st * bm * d * 2
+    off["dS"] = off["dO"] + st * bm * d * 2
+    off["lse"] = off["dS"] + 2 * BLOCK_N * bm * 2
+    off["delta"] = off["lse"] + st * bm * 4
+    off["end"] = off["delta"] + st * bm * 4
+    return off
+
+
+@pytest.mark.parametrize("d,cfg", CONFIGS, ids=str)
+def test_smem_layout_fits_and_is_aligned(d, cfg):
+    off = smem_offsets(d, cfg)
+    assert off["end"] + 1024 == cfg.smem_bytes(d, True) <= ab.SMEM_LIMIT
+    assert all(off[name] % 1024 == 0 for name in ("K", "V", "Q", "dO", "dS")), off  # 128B swizzle atoms
+    assert off["lse"] % 16 == 0 and off["delta"] % 16 == 0  # bulk copy destinations
+    assert cfg.block_m * d == 8192  # dQ is 64 x 64 per MMA warpgroup
+
+
+def store_fragments_address(rows: int, row0: int, warp: int, lane: int, j: int) -> int:
+    """Mirror of bwd90::store_fragments: the byte address lane `lane` gives stmatrix number j."""
+    mi, rr = lane // 8, lane % 8
+    row = row0 + warp * 16 + 8 * (mi & 1) + rr
+    chunk = 2 * j + (mi >> 1)
+    return row * 128 + (chunk // 8) * (rows * 128) + (((chunk % 8) ^ rr) << 4)
+
+
+def stored_elements(rows: int, row0: int, cols: int) -> dict[int, tuple[int, int]]:
+    """byte address -> (row, col) of the tile for every element one warpgroup's store_fragments
+    writes (an m64 x cols accumulator, rows row0..row0 + 63)."""
+    written = {}
+    for warp in range(4):
+        for j in range(cols // 16):
+            for m in range(4):          # stmatrix.x4 matrix m, row r: address of lane 8m + r
+                for r in range(8):
+                    base = store_fragments_address(rows, row0, warp, 8 * m + r, j)
+                    for t in range(4):  # its 8 elements: register m of lanes 4r + t
+                        for half in range(2):
+                            row, col = acc_pos(warp, 4 * r + t, 8 * j + 2 * m + half)
+                            addr = base + 4 * t + 2 * half
+                            assert addr not in written, f"two elements written to byte {addr}"
+                            written[addr] = (row0 + row, col)
+    return written
+
+
+@pytest.mark.parametrize("d,cfg", CONFIGS, ids=str)
+def test_stmatrix_tiles_match_the_panel_layout(d, cfg):
+    for w in range(2):
+        # dS^T: rows = keys 64 w.., columns = queries; dK / dV: rows = keys, columns = d.
+        for cols in (cfg.block_m, d):
+            written = stored_elements(BLOCK_N, 64 * w, cols)
+            assert len(written) == 64 * cols
+            for addr, (row, col) in written.items():
+                assert addr == tma_panel_addr(0, BLOCK_N, row, col), (w, cols, row, col)
+        # The epilogue's TMA store box p of warpgroup w: 64 rows x 64 columns starting at
+        # sK + p * 128 * 128 + 64 w * 128 bytes (1024-aligned), read with the same swizzle.
+        for p in range(d // 64):
+            box = p * BLOCK_N * 128 + 64 * w * 128
+            assert box % 1024 == 0
+            for r in range(0, 64, 7):
+                for c in range(0, 64, 5):
+                    assert tma_panel_addr(box, 64, r, c) == tma_panel_addr(0, BLOCK_N, 64 * w + r, 64 * p + c)
+
+
+@pytest.mark.parametrize("d,cfg", CONFIGS, ids=str)
+def test_descriptors_read_what_was_written(d, cfg):
+    bm, stages = cfg.block_m, cfg.stages
+    off = smem_offsets(d, cfg)
+    kv_panel, q_panel, q_stage = BLOCK_N * 128, bm * 128, bm * d * 2  # bytes
+    ds_written = {}
+    for w in range(2):
+        ds_written.update({a: rc for a, rc in stored_elements(BLOCK_N, 64 * w, bm).items()})
+    ds_at = {rc: a for a, rc in ds_written.items()}  # (key, query) -> byte in the dS^T tile
+    rng = random.Random(d + bm + stages)
+    for _ in range(600):
+        w, stage, k = rng.randrange(2), rng.randrange(stages), rng.randrange(16)
+        # S^T = K_w Q^T (dP^T = V_w dO^T alike): A = key rows 64 w.. of sK, B = query rows of the stage.
+        ks, r, n = rng.randrange(d // 16), rng.randrange(64), rng.randrange(bm)
+        start_a = off["K"] + 64 * w * 128 + (ks // 4) * kv_panel + 32 * (ks % 4)
+        assert kmajor_element(start_a, 1024, r, k) == tma_panel_addr(off["K"], BLOCK_N, 64 * w + r, 16 * ks + k)
+        q0 = off["Q"] + stage * q_stage
+        start_b = q0 + (ks // 4) * q_panel + 32 * (ks % 4)
+        assert kmajor_element(start_b, 1024, n, k) == tma_panel_addr(q0, bm, n, 16 * ks + k)
+        # dV += P^T dO (dK += dS^T Q alike): B = dO of the stage, MN-major, N = d, k = queries.
+        kk, col = rng.randrange(bm // 16), rng.randrange(d)
+        do0 = off["dO"] + stage * q_stage
+        assert mnmajor_element(do0 + 2048 * kk, bm * 128, 1024, col, k) == tma_panel_addr(do0, bm, 16 * kk + k, col)
+        # dQ_w = dS K: A = dS (M = queries of panel a_panel, K = keys) from the dS^T tile,
+        # B = K (N = d columns of panel b_panel), both MN-major, k = keys 16 kk...
+        a_panel = w if bm == 128 else 0
+        b_panel = w if d == 128 else 0
+        buf = rng.randrange(2)
+        ds0 = off["dS"] + buf * BLOCK_N * bm * 2
+        kk, m, n = rng.randrange(BLOCK_N // 16), rng.randrange(64), rng.randrange(64)
+        got_a = mnmajor_element(ds0 + a_panel * BLOCK_N * 128 + 2048 * kk, BLOCK_N * 128, 1024, m, k)
+        assert got_a == ds0 + ds_at[(16 * kk + k, 64 * a_panel + m)]
+        got_b = mnmajor_element(off["K"] + b_panel * BLOCK_N * 128 + 2048 * kk, BLOCK_N * 128, 1024, n, k)
+        assert got_b == tma_panel_addr(off["K"], BLOCK_N, 16 * kk + k, 64 * b_panel + n)
+    assert swizzle128(0) == 0
+
+
+def fragment_order_index(i: int, c: int, d: int) -> int:
+    """Float offset of element (query row i, column c) of one (b, h) in the sm80 dq_accum layout
+    [NqPad/16, d/8, 32, 4]: tile (i/16, c/8), lane 4 (i % 8) + (c % 8) / 2, slot 2 ((i % 16) / 8) + c % 2."""
+    return ((i // 16) * (d // 8) + c // 8) * 128 + (4 * (i % 8) + (c % 8) // 2) * 4 + 2 * ((i % 16) // 8) + c % 2
+
+
+@pytest.mark.parametrize("d,cfg", CONFIGS, ids=str)
+def test_dq_red_addresses_hit_the_fragment_order_layout(d, cfg):
+    bm = cfg.block_m
+    for m0 in (0, bm, 5 * bm):
+        covered = set()
+        for w in range(2):
+            a_panel = w if bm == 128 else 0
+            b_panel = w if d == 128 else 0
+            for warp in range(4):
+                for lane in range(32):
+                    row16 = m0 + 64 * a_panel + 16 * warp  # the kernel's row16 (without the (b, h) rows)
+                    dst = row16 * d + (64 * b_panel // 8) * 128 + lane * 4
+                    for j in range(8):
+                        for slot in range(4):
+                            row, col = acc_pos(warp, lane, 4 * j + slot)  # dQ accumulator element
+                            query, column = m0 + 64 * a_panel + row, 64 * b_panel + col
+                            assert dst + j * 128 + slot == fragment_order_index(query, column, d)
+                            covered.add((query, column))
+        assert covered == {(m0 + i, c) for i in range(bm) for c in range(d)}
+
+
+# ---- the tile walk, emulated in float64 -----------------------------------------------------------
+def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int):
+    """The kernel's arithmetic per (batch, kv head, key block), query head of the group and query
+    tile, with its m_first, `masked` flag and masks, in float64 (no 16-bit rounding), plus the
+    preprocess / convert steps. Also checks that an unmasked tile really needs no mask and that the
+    query tiles skipped before m_first hold no visible (query, key) pair."""
+    b_, h_, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    group, diag = h_ // hkv, nk - nq
+    m_blocks, n_blocks = -(-nq // block_m), -(-nk // BLOCK_N)
+    pad_q, pad_k = m_blocks * block_m - nq, n_blocks * BLOCK_N - nk
+    qp = torch.nn.functional.pad(q, (0, 0, 0, pad_q))
+    dop = torch.nn.functional.pad(dout, (0, 0, 0, pad_q))
+    kp = torch.nn.functional.pad(k, (0, 0, 0, pad_k))
+    vp = torch.nn.functional.pad(v, (0, 0, 0, pad_k))
+    lse2 = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse * math.log2(math.e))
+    lse2 = torch.nn.functional.pad(lse2, (0, pad_q), value=math.inf)
+    delta = torch.nn.functional.pad((dout * out).sum(-1), (0, pad_q))
+    scale_log2 = scale * math.log2(math.e)
+    dq_acc = torch.zeros_like(qp)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    keys_all = torch.arange(n_blocks * BLOCK_N, dtype=torch.float64)
+    queries_all = torch.arange(m_blocks * block_m, dtype=torch.float64)
+    for b in range(b_):
+        for hk in range(hkv):
+            for nb in range(n_blocks):
+                n0 = nb * BLOCK_N
+                m_first = max(0, n0 - diag) // block_m if causal else 0
+                m_count = m_blocks - m_first
+                for m in range(m_first):  # skipped tiles: nothing visible
+                    qs = queries_all[m * block_m:(m + 1) * block_m]
+                    ks = keys_all[n0:n0 + BLOCK_N]
+                    assert not ((ks[:, None] < nk) & (ks[:, None] <= qs[None, :] + diag) & (qs[None, :] < nq)).any()
+                dk_blk = torch.zeros(BLOCK_N, d, dtype=torch.float64)
+                dv_blk = torch.zeros(BLOCK_N, d, dtype=torch.float64)
+                for it in range(group * m_count):
+                    head = hk * group + it // m_count
+                    m0 = (m_first + it % m_count) * block_m
+                    masked = n0 + BLOCK_N > nk or (causal and m0 + diag < n0 + BLOCK_N - 1)
+                    qt, dot = qp[b, head, m0:m0 + block_m], dop[b, head, m0:m0 + block_m]
+                    kt, vt = kp[b, hk, n0:n0 + BLOCK_N], vp[b, hk, n0:n0 + BLOCK_N]
+                    st = kt @ qt.T                                   # S^T [keys, queries]
+                    dpt = vt @ dot.T                                 # dP^T
+                    p = torch.exp2(st * scale_log2 - lse2[b, head, m0:m0 + block_m][None, :])
+                    key = keys_all[n0:n0 + BLOCK_N][:, None]
+                    query = queries_all[m0:m0 + block_m][None, :]
+                    hidden = (key >= nk) | ((key > query + diag) if causal else torch.zeros_like(key, dtype=bool))
+                    if masked:
+                        p = torch.where(hidden, torch.zeros_like(p), p)
+                    else:
+                        assert not hidden.any(), f"tile n0={n0} m0={m0} needs a mask but `masked` is false"
+                    dst = p * (dpt - delta[b, head, m0:m0 + block_m][None, :])
+                    dv_blk += p @ dot
+                    dk_blk += dst @ qt
+                    dq_acc[b, head, m0:m0 + block_m] += dst.T @ kt
+                rows = min(BLOCK_N, nk - n0)
+                dk[b, hk, n0:n0 + rows] = scale * dk_blk[:rows]
+                dv[b, hk, n0:n0 + rows] = dv_blk[:rows]
+    return scale * dq_acc[:, :, :nq], dk, dv
+
+
+WALK_SHAPES = [(1, 1, 1, 1), (65, 65, 2, 1), (130, 129, 2, 2), (129, 300, 4, 1), (300, 129, 2, 1),
+               (5, 200, 2, 2), (200, 5, 4, 2), (257, 256, 8, 1)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,block_m", [(128, 64), (64, 128)])
+@pytest.mark.parametrize("nq,nk,heads,kv_heads", WALK_SHAPES)
+def test_emulated_walk_matches_autograd(nq, nk, heads, kv_heads, d, block_m, causal):
+    g = torch.Generator().manual_seed(nq * 1000 + nk + heads)
+    q = torch.randn(1, heads, nq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(1, kv_heads, nk, d, generator=g, dtype=torch.float64)
+    v = torch.randn(1, kv_heads, nk, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(1, heads, nq, d, generator=g, dtype=torch.float64)
+    scale = 1.0 / math.sqrt(d)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = reference.attention(qr, kr, vr, causal, scale, compute_dtype=torch.float64)
+    out.backward(dout)
+    got = emulate(q, k, v, dout, out.detach(), lse.detach(), causal, scale, block_m)
+    for name, a, ref in zip(("dq", "dk", "dv"), got, (qr.grad, kr.grad, vr.grad)):
+        err = float((a - ref).norm() / max(float(ref.norm()), 1e-300))
+        assert err < 1e-9 or float((a - ref).abs().max()) < 1e-12, f"{name}: relative error {err:.3e}"
+
+
+# ---- the mbarrier / named-barrier protocol, simulated ----------------------------------------------
+def simulate(n_iters: int, stages: int, with_dq: bool, seed: int):
+    """One CTA: the producer thread and the two MMA warpgroups as coroutines following the kernel's
+    waits, arrivals and barriers, under a random schedule; TMA copies land at random later times."""
+    rng = random.Random(seed)
+    kv_full = MBarrier(1)
+    q_full = [MBarrier(1) for _ in range(stages)]
+    do_full = [MBarrier(1) for _ in range(stages)]
+    empty = [MBarrier(2) for _ in range(stages)]
+    ds_bar, done_bar = NamedBarrier(), NamedBarrier()
+    kv = [None]
+    q_slot, do_slot = [None] * stages, [None] * stages
+    ring_readers = [set() for _ in range(stages)]
+    ds_tile = [[None, None], [None, None]]   # buffer -> what each warpgroup's half holds
+    ds_readers = [set(), set()]              # warpgroups whose dQ wgmma may still read the buffer
+    sk_readers = set()                       # warpgroups whose dQ wgmma may still read all of sK
+    in_flight = []
+
+    def producer():
+        kv_full.arrive(tx=1)
+        in_flight.append((kv, 0, "kv", kv_full))
+        yield
+        for it in range(n_iters):
+            s = it % stages
+            if it >= stages:
+                while not empty[s].passed(((it // stages) - 1) & 1):
+                    yield
+            assert not ring_readers[s], f"producer refills slot {s} while {ring_readers[s]} read it"
+            q_full[s].arrive(tx=1)
+            in_flight.append((q_slot, s, it, q_full[s]))
+            yield
+            do_full[s].arrive(tx=1)
+            in_flight.append((do_slot, s, it, do_full[s]))
+            yield
+
+    def mma(w):
+        while not kv_full.passed(0):
+            yield
+        assert kv[0] == "kv"
+        for it in range(n_iters):
+            s, parity = it % stages, (it // stages) & 1
+            while not q_full[s].passed(parity):
+                yield
+            assert q_slot[s] == it, f"warpgroup {w} reads Q of {q_slot[s]} in iteration {it}"
+            ring_readers[s].add(w)
+            while not do_full[s].passed(parity):
+                yield
+            assert do_slot[s] == it, f"warpgroup {w} reads dO of {do_slot[s]} in iteration {it}"
+            yield  # S^T, dP^T, P^T, dS^T, dV / dK issued
+            if with_dq:
+                buf = it % 2
+                assert (1 - w) not in ds_readers[buf], f"warpgroup {w} overwrites dS buffer {buf} being read"
+                ds_tile[buf][w] = it
+                yield from ds_bar.sync()
+                assert ds_tile[buf] == [it, it], f"dQ of iteration {it} reads dS halves {ds_tile[buf]}"
+                ds_readers[buf].add(w)
+                sk_readers.add(w)
+                yield
+            # wgmma_wait<0>: everything retired
+            ds_readers[it % 2].discard(w)
+            sk_readers.discard(w)
+            ring_readers[s].discard(w)
+            empty[s].arrive()
+            yield
+        yield from done_bar.sync()
+        assert not sk_readers, f"warpgroup {w} writes dK into sK while {sk_readers} may read it"
+
+    actors = [producer(), mma(0), mma(1)]
+    steps = 0
+    while actors or in_flight:
+        steps += 1
+        assert steps < 200000, "deadlock"
+        if in_flight and (not actors or rng.random() < 0.3):
+            slots, s, content, bar = in_flight.pop(rng.randrange(len(in_flight)))
+            slots[s] = content
+            bar.complete_tx(1)
+            continue
+        actor = rng.choice(actors)
+        try:
+            next(actor)
+        except StopIteration:
+            actors.remove(actor)
+    assert ds_bar.arrived == 0 and done_bar.arrived == 0, "a named barrier was left half-arrived"
+
+
+@pytest.mark.parametrize("with_dq", [True, False], ids=["atomic", "det"])
+@pytest.mark.parametrize("stages", sorted({cfg.stages for _, cfg in CONFIGS}))
+def test_pipeline_protocol(stages, with_dq):
+    for n_iters in (1, 2, 3, stages, stages + 1, 2 * stages + 1, 9):
+        for seed in range(20):
+            simulate(n_iters, stages, with_dq, seed)
+
+
+# ---- SASS --------------------------------------------------------------------------------------------
+def _compiled_sass(expression: str) -> str:
+    from labs.sass import dump_sass, tools
+
+    if tools()[0] is None or tools()[1] is None:
+        pytest.skip("cuobjdump / nvdisasm not found (nvidia-cuda-cuobjdump and triton wheels)")
+    from tileattn.kernels import family
+    from tileattn.runtime import compile_cuda
+
+    module = compile_cuda(family(ab.FAMILY_NAME).path, [expression], "sm_90a")
+    return dump_sass(module.cubin)
+
+
+@pytest.mark.parametrize("expression", ab.INSTANTIATIONS)
+def test_sass_register_a_operands_untouched_until_retired(expression):
+    sass = _compiled_sass(expression)
+    found, problems = register_a_hazards(sass)
+    block_m = int(expression.split(",")[1])
+    with_dq = expression.rstrip(">").endswith("true")
+    assert found == 2 * block_m // 16, f"expected the dV and dK register-A wgmmas, found {found}"
+    assert not problems, "\n".join(problems[:10])
+    for insn in ("UTMALDG", "UTMASTG", "STSM", "UBLKCP", "USETMAXREG"):
+        assert insn in sass, f"{insn} expected in the SASS"
+    assert ("REDG" in sass) == with_dq, "dQ REDs exactly in the atomic-mode kernel"
+    assert "LDL" not in sass and "STL" not in sass, "local memory traffic (spills) in the SASS"
