@@ -556,6 +556,20 @@ def test_engine_failure_is_reported_not_hung(checkpoint):
             client.completions.create(model=MODEL, prompt="after", max_tokens=2)
 
 
+def test_cli_serve_bad_options_exit_2_with_the_reason(checkpoint, tmp_path, capsys):
+    import argparse
+
+    from tileattn.engine.server import add_serve_command
+
+    ap = argparse.ArgumentParser(prog="tileattn")
+    add_serve_command(ap.add_subparsers())
+    for argv, reason in ((["serve", str(tmp_path / "missing")], "does not exist"),
+                         (["serve", checkpoint, "--device", "cpu", "--max-queue-depth", "0"], "max_queue_depth")):
+        args = ap.parse_args(argv)
+        assert args.fn(args) == 2
+        assert reason in capsys.readouterr().err
+
+
 def test_cli_serve_starts_answers_and_stops_on_sigint(checkpoint):
     """`tileattn serve` through add_serve_command in a subprocess: /health, one chat, then SIGINT
     gives a clean exit (uvicorn shutdown, engine thread joined, exit code 0)."""

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -1003,13 +1004,14 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
 def add_serve_command(subparsers) -> argparse.ArgumentParser:
     """Register `tileattn serve MODEL ...` on an argparse subparsers object."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming)")
-    p.add_argument("model", help="HF checkpoint directory or .gguf file")
+    p.add_argument("model", help='HF checkpoint directory, .gguf file, or "smollm2" (the packaged GGUF)')
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: MODEL)")
     p.add_argument("--max-queue-depth", type=int, default=1024,
                    help="most requests admitted at once (running + waiting); more get 503")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--disable-access-log", action="store_true", help="no uvicorn line per HTTP request")
     g = p.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -1036,11 +1038,16 @@ def serve_main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
-    engine = LLMEngine.from_model(args.model, **{k: getattr(args, k) for k in _ENGINE_OPTIONS})
+    try:
+        engine = LLMEngine.from_model(args.model, **{k: getattr(args, k) for k in _ENGINE_OPTIONS})
+        app = create_app(engine, args.served_model_name or args.model, max_queue_depth=args.max_queue_depth)
+    except (ValueError, FileNotFoundError) as exc:  # bad checkpoint or option: say which, no traceback
+        print(f"tileattn serve: {exc}", file=sys.stderr)
+        return 2
     log.info("engine ready in %.1f s: %s, max_model_len %d", time.perf_counter() - t0,
              engine.model_name, engine.max_model_len)
-    app = create_app(engine, args.served_model_name or args.model, max_queue_depth=args.max_queue_depth)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                access_log=not args.disable_access_log)
     engine_loop = app.state.server.engine_loop
     if engine_loop is not None and engine_loop.running:
         log.error("the engine thread is still running after shutdown")
