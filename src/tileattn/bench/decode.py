@@ -235,7 +235,8 @@ def render(records: list[dict]) -> str:
     lines += ["", f"(copy bandwidth {COPY_TBPS} TB/s; targets: >= 1.1x the best peer, >= 3.9 TB/s at B >= 8 with "
               "KV >= 4k, B=1 KV=4k <= 30 us)", "",
               "### chunked prefill: 512 queries after a 4096-key prefix, B=8, causal: TFLOP/s (useful FLOPs)", "",
-              "| H/Hkv | impl | block_size | TFLOP/s | us | vs dense | rel. error vs dense |", "|---|---|---|---|---|---|---|"]
+              "| H/Hkv | impl | block_size | TFLOP/s | us | vs dense | rel. error vs dense |",
+              "|---|---|---|---|---|---|---|"]
     dense = {(r["h"], r["hkv"]): r["tflops"] for r in records if r["suite"] == "prefill_chunk"
              and r["impl"] == "tileattn_dense"}
     for r in records:
