@@ -323,6 +323,13 @@ def test_model_matches_reference(layout, splits):
     check(make_case(seqs, heads, kv_heads, 64, 16, seed=layout * 10 + splits), cfg, splits)
 
 
+@pytest.mark.parametrize("layout", [0, 1, 2])
+def test_model_group_of_three(layout):
+    """G = 3 (H = 9, Hkv = 3, SmolLM2's shape): token = row / 3, head = kv_head * 3 + row % 3."""
+    seqs = [(5, 60), (1, 31)] if layout < 2 else [(30, 80)]
+    check(make_case(seqs, 9, 3, 64, 16, seed=30 + layout), paged.CONFIGS[64][layout], 2)
+
+
 def test_model_masks_invalid_blocks_and_capacity():
     case = make_case([(1, 70), (2, 40)], 8, 2, 64, 16, seed=3)
     table, seqlens = case[3], case[5]

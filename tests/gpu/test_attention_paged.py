@@ -131,7 +131,7 @@ def mixed_seqs(block_size):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 @pytest.mark.parametrize("head_dim", paged.HEAD_DIMS)
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (16, 2)])  # GQA 1, 4, 8
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (16, 2), (9, 3)])  # GQA 1, 4, 8, and 3 (SmolLM2)
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_mixed_batch(dtype, head_dim, heads, kv_heads, block_size):
     seed = zlib.crc32(f"{head_dim} {heads} {kv_heads} {block_size} {dtype}".encode())
