@@ -42,6 +42,13 @@ SHAPES = {
 }
 
 
+# What each part runs: the full benchmark, and --quick (< 2 minutes on an H200).
+FULL = dict(decode_shape="llama3-8b", new_tokens=256, throughput_shapes=("qwen3-0.6b", "llama3-8b"),
+            requests=256, max_len=1024, ttft_shape="llama3-8b", prompt_len=1024)
+QUICK = dict(decode_shape="llama3.2-1b", new_tokens=64, throughput_shapes=("qwen3-0.6b",),
+             requests=32, max_len=256, ttft_shape="qwen3-0.6b", prompt_len=1024)
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="tileattn bench engine", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small shapes and workloads (< 2 minutes)")
@@ -52,6 +59,7 @@ def parse_args(argv):
                     help="run only these parts (repeatable)")
     ap.add_argument("--no-peers", action="store_true", help="the engine only")
     ap.add_argument("--no-compile-peer", action="store_true", help="skip the torch.compile peer (slow to compile)")
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": the tests' smoke run
     return ap.parse_args(argv)
 
 
@@ -59,12 +67,15 @@ def bench_engine_main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
+    on_gpu = args.device.startswith("cuda")
+    if on_gpu and not torch.cuda.is_available():
         print("tileattn bench engine needs a CUDA GPU (none visible to torch); nothing measured")
         return 1
+    args.dtype = torch.bfloat16 if on_gpu else torch.float32
     parts = set(args.only or ["decode", "throughput", "ttft"])
     quick = args.quick
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "quick": quick,
+    results = {"gpu": torch.cuda.get_device_name(args.device) if on_gpu else "cpu",
+               "torch": torch.__version__, "quick": quick,
                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": []}
     try:
         import transformers
@@ -72,15 +83,15 @@ def bench_engine_main(argv=None) -> int:
     except ImportError:
         args.no_peers = True
     rows = results["rows"]
+    plan = QUICK if quick else FULL
     if "decode" in parts:
-        shape = "llama3.2-1b" if quick else "llama3-8b"
-        rows += bench_decode(args, shape, new_tokens=64 if quick else 256,
+        rows += bench_decode(args, plan["decode_shape"], plan["new_tokens"],
                              compile_peer=not (quick or args.no_compile_peer or args.no_peers))
     if "throughput" in parts:
-        for shape in (["qwen3-0.6b"] if quick else ["qwen3-0.6b", "llama3-8b"]):
-            rows += bench_throughput(args, shape, requests=32 if quick else 256, max_len=256 if quick else 1024)
+        for shape in plan["throughput_shapes"]:
+            rows += bench_throughput(args, shape, plan["requests"], plan["max_len"])
     if "ttft" in parts:
-        rows += bench_ttft(args, "qwen3-0.6b" if quick else "llama3-8b", prompt_len=1024)
+        rows += bench_ttft(args, plan["ttft_shape"], plan["prompt_len"])
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
@@ -92,7 +103,7 @@ def bench_engine_main(argv=None) -> int:
 # ---- checkpoints ---------------------------------------------------------------------------------
 
 def checkpoint(args, shape: str):
-    """(path, transformers model on the GPU in bf16) for a random-init checkpoint of ``shape``."""
+    """(path, transformers model on args.device in args.dtype) for a random-init checkpoint of ``shape``."""
     import torch
     import transformers
 
@@ -100,8 +111,8 @@ def checkpoint(args, shape: str):
     config = transformers.AutoConfig.for_model(**SHAPES[shape])
     config.architectures = SHAPES[shape]["architectures"]
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.device(args.device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=args.dtype)
     model.eval()
     marker = os.path.join(path, "config.json")
     if not os.path.isfile(marker):
@@ -131,13 +142,21 @@ def _free() -> None:
 
     gc.collect()
     torch._dynamo.reset()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
-def _engine(path, **options):
+def _sync(device) -> None:
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def _engine(args, path, **options):
     from .llm import LLMEngine
 
-    return LLMEngine.from_model(path, device="cuda", dtype="bfloat16", **options)
+    return LLMEngine.from_model(path, device=args.device, dtype=args.dtype, **options)
 
 
 def _run_to_end(engine):
@@ -171,7 +190,7 @@ def bench_decode(args, shape, new_tokens, compile_peer):
     prompt = random.Random(0).choices(range(1000, 20000), k=32)
     rows = []
     if not args.no_peers:
-        ids = torch.tensor([prompt], device="cuda")
+        ids = torch.tensor([prompt], device=args.device)
         rows.append(_peer("transformers eager", shape, "decode", _hf_decode, model, ids, new_tokens))
         if compile_peer:
             def compiled(model, ids, new_tokens):
@@ -184,7 +203,7 @@ def bench_decode(args, shape, new_tokens, compile_peer):
                               model, ids, new_tokens))
     del model
     _free()
-    engine = _engine(path, max_num_seqs=8, max_model_len=2048)
+    engine = _engine(args, path, max_num_seqs=8, max_model_len=2048)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for attempt in range(2):  # the first run warms up (kernel compile / load)
         engine.add_request(f"decode{attempt}", prompt, params)
@@ -205,12 +224,10 @@ def bench_decode(args, shape, new_tokens, compile_peer):
 
 
 def _hf_generate(model, ids, new_tokens):
-    import torch
-
-    torch.cuda.synchronize()
+    _sync(ids.device)
     start = time.perf_counter()
     model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    torch.cuda.synchronize()
+    _sync(ids.device)
     return time.perf_counter() - start
 
 
@@ -244,7 +261,6 @@ def workload(requests: int, max_len: int):
 
 
 def bench_throughput(args, shape, requests, max_len):
-    import torch
 
     from .llm import LLM
     from .sampling_params import SamplingParams
@@ -257,13 +273,13 @@ def bench_throughput(args, shape, requests, max_len):
                           round(statistics.mean(lengths))))
     del model
     _free()
-    llm = LLM(path, device="cuda", dtype="bfloat16", max_model_len=2 * max_len + 16)
+    llm = LLM(path, device=args.device, dtype=args.dtype, max_model_len=2 * max_len + 16)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    torch.cuda.synchronize()
+    _sync(args.device)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
+    _sync(args.device)
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     rows.append({"bench": "throughput", "shape": shape, "system": "tileattn.engine", "requests": requests,
@@ -276,14 +292,13 @@ def bench_throughput(args, shape, requests, max_len):
 
 
 def _hf_batch(model, prompts, new_tokens):
-    import torch
     from transformers import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    torch.cuda.synchronize()
+    _sync(model.device)
     start = time.perf_counter()
     out = model.generate_batch(inputs=prompts, generation_config=config)
-    torch.cuda.synchronize()
+    _sync(model.device)
     seconds = time.perf_counter() - start
     produced = sum(len(o.generated_tokens) for o in out.values())
     return {"requests": len(prompts), "output_tokens": produced, "seconds": seconds, "tok_s": produced / seconds}
@@ -292,19 +307,18 @@ def _hf_batch(model, prompts, new_tokens):
 # ---- time to first token -------------------------------------------------------------------------
 
 def bench_ttft(args, shape, prompt_len):
-    import torch
 
     from .sampling_params import SamplingParams
 
     path, model = checkpoint(args, shape)
     del model
     _free()
-    engine = _engine(path, max_model_len=4096)
+    engine = _engine(args, path, max_model_len=4096)
     rng = random.Random(1)
     times = []
     for i in range(6):  # the first one warms up
         prompt = [rng.randint(1000, 30000) for _ in range(prompt_len)]
-        torch.cuda.synchronize()
+        _sync(args.device)
         start = time.perf_counter()
         engine.add_request(f"ttft{i}", prompt, SamplingParams(temperature=0, max_tokens=1))
         while engine.has_unfinished_requests():
