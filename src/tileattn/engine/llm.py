@@ -115,8 +115,10 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns the outputs of requests that got a token (or finished)."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one scheduler step; returns the outputs of requests that got a token (or finished).
+        finished_only: build outputs only for requests that finished (offline use: skips copying
+        every running request's tokens and text each step)."""
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
@@ -157,7 +159,8 @@ class LLMEngine:
                 seq.finish_reason, seq.stop_reason = "stop", stop
         for seq in finished:
             self.scheduler.finish(seq)
-        outputs = [self._output(request) for request in touched.values()]
+        outputs = [self._output(request) for request in touched.values()
+                   if request.finished or not finished_only]
         for request in touched.values():
             if request.finished:
                 request.finished_time = now
@@ -240,8 +243,8 @@ class LLM:
         wanted = set(ids)
         prefill_rate = decode_rate = 0.0
         while wanted - done.keys():
-            for out in engine.step():
-                if out.finished and out.request_id in wanted:
+            for out in engine.step(finished_only=True):
+                if out.request_id in wanted:
                     done[out.request_id] = out
                     if bar is not None:
                         bar.update(1)
