@@ -90,20 +90,32 @@ def main(argv=None) -> int:
     p.add_argument("what", choices=sorted(BENCHES))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to that benchmark (see its --help)")
     p.set_defaults(fn=cmd_bench)
-    _add_engine_commands(sub)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ENGINE_COMMANDS:
+        _add_engine_commands(sub)  # the engine's imports (tokenizers, FastAPI, ...) only when it runs
+    else:
+        for name, what in ENGINE_COMMANDS.items():
+            sub.add_parser(name, help=what)
     args = ap.parse_args(argv)
     return args.fn(args)
 
 
+# The engine's commands (tileattn[engine]); their parsers are built only when one of them runs.
+ENGINE_COMMANDS = {
+    "generate": "generate text from prompts with a model (HF directory or GGUF file)",
+    "chat": "chat with a model in the terminal, tokens streamed",
+    "serve": "an OpenAI-compatible HTTP server on the engine",
+}
+
+
 def _add_engine_commands(sub) -> None:
-    """`generate`, `chat` and `serve` come from the engine (tileattn[engine]); without its
-    dependencies the commands still exist and say what to install."""
+    """`generate`, `chat` and `serve`; without the engine's dependencies they say what to install."""
     try:
         from .engine.cli import add_commands
         from .engine.server import add_serve_command
     except ImportError as exc:
         missing = str(exc)
-        for name in ("generate", "chat", "serve"):
+        for name in ENGINE_COMMANDS:
             p = sub.add_parser(name, help="(needs the engine extra: pip install 'tileattn[engine]')")
             p.add_argument("rest", nargs=argparse.REMAINDER)
             p.set_defaults(fn=lambda args, missing=missing: _missing_engine(missing))
