@@ -42,6 +42,7 @@
 // 1.69x FlashAttention-2's instruction count for the same 320 HMMA per warp and query block
 // (ncu on the H200, docs/attention_bwd_sm80.md).
 #include "common/sm80_tile.cuh"
+#include "common/varlen.cuh"
 
 namespace tileattn {
 namespace bwd {
@@ -130,17 +131,40 @@ __device__ __forceinline__ void store_acc_to_smem(char* tile, const float (&acc)
       }
 }
 
+// ---- variable-length batches ------------------------------------------------------------------
+// Every kernel below has a dense entry point and a varlen one (kVarlen, see common/varlen.cuh):
+// q/out/dout/dq [Tq, H, d], k/v/dk/dv [Tk, Hkv, d], lse [H, Tq], sequence b at tokens
+// cu_seqlens_q[b] / cu_seqlens_k[b]; the batch strides are 0 and the grids cover the longest
+// sequence (blocks past a sequence's end exit). The lse2 / delta workspaces are [H, ws_pitch] with
+// ws_pitch = Tq + 128 B, and dq_accum the same rows times d: sequence b's rows start at
+// cu_seqlens_q[b] + 128 b, so its queries rounded up to a multiple of 128 rows (what the query
+// blocks read and add into without bounds checks, as in the dense NqPad layout) end before the next
+// sequence's rows begin.
+// Row of query 0 of (b, h) in lse2 / delta (times d in dq_accum), and the sequence's padded rows.
+template <bool kVarlen>
+__device__ __forceinline__ int64_t ws_row(int b, int h, int heads, int nq_pad, const SeqSpan& sp, int ws_pitch) {
+  if constexpr (kVarlen) {
+    return static_cast<int64_t>(h) * ws_pitch + sp.q0 + 128 * b;
+  } else {
+    return (static_cast<int64_t>(b) * heads + h) * nq_pad;
+  }
+}
+template <bool kVarlen>
+__device__ __forceinline__ int seq_nq_pad(int nq_pad, const SeqSpan& sp) {
+  return kVarlen ? (sp.nq + 127) / 128 * 128 : nq_pad;
+}
+
 // ================================================================================================
 // 1. Preprocess: delta = rowsum(dO * O), lse2 = lse * log2(e) (+inf where lse = -inf or the row is
 //    padding), dq_accum = 0 (all NqPad rows). Grid (NqPad / 64, H, B), 128 threads; kLanes lanes share one row, each
 //    lane reading 16-byte chunks of O and dO (memory bound: 4 bytes read per fp32 product).
 // ================================================================================================
-template <int kD, bool kIsBF16>
-__global__ void __launch_bounds__(128) attn_bwd_preprocess_kernel(
+template <int kD, bool kIsBF16, bool kVarlen>
+__device__ __forceinline__ void attn_bwd_preprocess_body(
     const u16* __restrict__ out, const u16* __restrict__ dout, const float* __restrict__ lse,
     float* __restrict__ lse2, float* __restrict__ delta, float* __restrict__ dq_accum,  // dq_accum may be null
-    int64_t o_sb, int64_t o_sh, int64_t o_sr, int64_t do_sb, int64_t do_sh, int64_t do_sr, int nq, int heads,
-    int nq_pad) {
+    int64_t o_sb, int64_t o_sh, int64_t o_sr, int64_t do_sb, int64_t do_sh, int64_t do_sr, int nq_arg, int heads,
+    int nq_pad_arg, const int* __restrict__ cu_seqlens_q, int total_q, int ws_pitch) {
   constexpr int kChunks = kD / 8;
   constexpr int kLanes = kChunks <= 4 ? 4 : kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
   constexpr int kRowsPerPass = 4 * (32 / kLanes);  // 4 warps
@@ -149,9 +173,14 @@ __global__ void __launch_bounds__(128) attn_bwd_preprocess_kernel(
   const int h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int sub = lane % kLanes;
-  const int64_t bh = static_cast<int64_t>(b) * heads + h;
-  const u16* o_bh = out + b * o_sb + h * o_sh;
-  const u16* do_bh = dout + b * do_sb + h * do_sh;
+  const SeqSpan sp = seq_span<kVarlen>(cu_seqlens_q, cu_seqlens_q, b, nq_arg, 0);
+  const int nq = sp.nq, nq_pad = seq_nq_pad<kVarlen>(nq_pad_arg, sp);
+  if (kVarlen && blockIdx.x * 64 >= nq_pad) return;
+  const int64_t ws_bh = ws_row<kVarlen>(b, h, heads, nq_pad_arg, sp, ws_pitch);  // row of query 0
+  // lse of query 0 of (b, h): dense [B, H, Nq], varlen [H, Tq]
+  const float* lse_bh = lse + (kVarlen ? static_cast<int64_t>(h) * total_q + sp.q0 : (static_cast<int64_t>(b) * heads + h) * nq);
+  const u16* o_bh = out + b * o_sb + sp.q0 * o_sr + h * o_sh;
+  const u16* do_bh = dout + b * do_sb + sp.q0 * do_sr + h * do_sh;
 #pragma unroll 1
   for (int pass = 0; pass < kRowsPerBlock / kRowsPerPass; ++pass) {
     const int row = blockIdx.x * kRowsPerBlock + pass * kRowsPerPass + warp * (32 / kLanes) + lane / kLanes;
@@ -176,7 +205,7 @@ __global__ void __launch_bounds__(128) attn_bwd_preprocess_kernel(
       // dq_accum has NqPad rows: the main kernel adds (zero) contributions of padding rows too
       // instead of bounds-checking every RED.
       if (dq_accum != nullptr && row < nq_pad) {
-        float4* dst = reinterpret_cast<float4*>(dq_accum + (bh * nq_pad + row) * kD + c * 8);
+        float4* dst = reinterpret_cast<float4*>(dq_accum + (ws_bh + row) * kD + c * 8);
         dst[0] = make_float4(0.f, 0.f, 0.f, 0.f);
         dst[1] = make_float4(0.f, 0.f, 0.f, 0.f);
       }
@@ -186,13 +215,33 @@ __global__ void __launch_bounds__(128) attn_bwd_preprocess_kernel(
     if (sub == 0 && row < nq_pad) {
       float l2 = pos_inf();
       if (valid) {
-        const float l = lse[bh * nq + row];
+        const float l = lse_bh[row];
         l2 = (l == neg_inf()) ? pos_inf() : l * kLog2e;
       }
-      lse2[bh * nq_pad + row] = l2;
-      delta[bh * nq_pad + row] = valid ? sum : 0.f;
+      lse2[ws_bh + row] = l2;
+      delta[ws_bh + row] = valid ? sum : 0.f;
     }
   }
+}
+
+template <int kD, bool kIsBF16>
+__global__ void __launch_bounds__(128) attn_bwd_preprocess_kernel(
+    const u16* __restrict__ out, const u16* __restrict__ dout, const float* __restrict__ lse,
+    float* __restrict__ lse2, float* __restrict__ delta, float* __restrict__ dq_accum, int64_t o_sb, int64_t o_sh,
+    int64_t o_sr, int64_t do_sb, int64_t do_sh, int64_t do_sr, int nq, int heads, int nq_pad) {
+  attn_bwd_preprocess_body<kD, kIsBF16, false>(out, dout, lse, lse2, delta, dq_accum, o_sb, o_sh, o_sr, do_sb, do_sh,
+                                               do_sr, nq, heads, nq_pad, nullptr, 0, 0);
+}
+
+// Varlen: grid (ceil(max_seqlen_q / 128) * 2, H, B + 1).
+template <int kD, bool kIsBF16>
+__global__ void __launch_bounds__(128) attn_bwd_preprocess_varlen_kernel(
+    const u16* __restrict__ out, const u16* __restrict__ dout, const float* __restrict__ lse,
+    float* __restrict__ lse2, float* __restrict__ delta, float* __restrict__ dq_accum, int64_t o_sh, int64_t o_sr,
+    int64_t do_sh, int64_t do_sr, const int* __restrict__ cu_seqlens_q, int total_q, int ws_pitch) {
+  if (is_tail_slice()) return;  // rows past the last sequence have no workspace rows
+  attn_bwd_preprocess_body<kD, kIsBF16, true>(out, dout, lse, lse2, delta, dq_accum, 0, o_sh, o_sr, 0, do_sh, do_sr,
+                                              0, 0, 0, cu_seqlens_q, total_q, ws_pitch);
 }
 
 // ================================================================================================
@@ -203,11 +252,11 @@ __global__ void __launch_bounds__(128) attn_bwd_preprocess_kernel(
 //     16-byte stores. Row pitch 2d + 16 bytes: the 8 rows g of one scatter land 4 banks apart, so
 //     the 32 lanes (4g + t) hit 32 distinct banks.
 // ================================================================================================
-template <int kD, bool kIsBF16>
-__global__ void __launch_bounds__(128) attn_bwd_convert_dq_kernel(const float* __restrict__ dq_accum,
-                                                                  u16* __restrict__ dq, int64_t dq_sb, int64_t dq_sh,
-                                                                  int64_t dq_sr, int nq, int heads, int nq_pad,
-                                                                  float scale) {
+template <int kD, bool kIsBF16, bool kVarlen>
+__device__ __forceinline__ void attn_bwd_convert_dq_body(const float* __restrict__ dq_accum, u16* __restrict__ dq,
+                                                         int64_t dq_sb, int64_t dq_sh, int64_t dq_sr, int nq_arg,
+                                                         int heads, int nq_pad, float scale,
+                                                         const int* __restrict__ cu_seqlens_q, int ws_pitch) {
   constexpr int kChunks = kD / 8;
   constexpr int kRows = 64;  // 4 warps x one 16-row tile row each
   constexpr int kPitch = kD * 2 + 16;
@@ -215,8 +264,10 @@ __global__ void __launch_bounds__(128) attn_bwd_convert_dq_kernel(const float* _
   const int h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int m0 = blockIdx.x * kRows;
-  const int64_t bh = static_cast<int64_t>(b) * heads + h;
-  const float* src = dq_accum + (bh * nq_pad + m0) * kD + warp * 16 * kD + lane * 4;
+  const SeqSpan sp = seq_span<kVarlen>(cu_seqlens_q, cu_seqlens_q, b, nq_arg, 0);
+  const int nq = sp.nq;
+  if (kVarlen && m0 >= nq) return;
+  const float* src = dq_accum + (ws_row<kVarlen>(b, h, heads, nq_pad, sp, ws_pitch) + m0) * kD + warp * 16 * kD + lane * 4;
 #pragma unroll 4
   for (int tile = 0; tile < kChunks; ++tile) {
     const float4 f = *reinterpret_cast<const float4*>(src + tile * 128);
@@ -225,7 +276,7 @@ __global__ void __launch_bounds__(128) attn_bwd_convert_dq_kernel(const float* _
     *reinterpret_cast<u32*>(dst + 8 * kPitch) = pack2<kIsBF16>(f.z * scale, f.w * scale);
   }
   __syncthreads();
-  u16* out = dq + b * dq_sb + h * dq_sh + static_cast<int64_t>(m0) * dq_sr;
+  u16* out = dq + b * dq_sb + h * dq_sh + static_cast<int64_t>(sp.q0 + m0) * dq_sr;
 #pragma unroll 1
   for (int idx = threadIdx.x; idx < kRows * kChunks; idx += 128) {
     const int r = idx / kChunks, c = idx - (idx / kChunks) * kChunks;
@@ -234,6 +285,30 @@ __global__ void __launch_bounds__(128) attn_bwd_convert_dq_kernel(const float* _
           *reinterpret_cast<const uint4*>(rows + r * kPitch + c * 16);
     }
   }
+}
+
+template <int kD, bool kIsBF16>
+__global__ void __launch_bounds__(128) attn_bwd_convert_dq_kernel(const float* __restrict__ dq_accum,
+                                                                  u16* __restrict__ dq, int64_t dq_sb, int64_t dq_sh,
+                                                                  int64_t dq_sr, int nq, int heads, int nq_pad,
+                                                                  float scale) {
+  attn_bwd_convert_dq_body<kD, kIsBF16, false>(dq_accum, dq, dq_sb, dq_sh, dq_sr, nq, heads, nq_pad, scale, nullptr,
+                                               0);
+}
+
+// Varlen: grid (ceil(max_seqlen_q / 64), H, B + 1); the last z-slice zeroes the rows of dq past the
+// last sequence.
+template <int kD, bool kIsBF16>
+__global__ void __launch_bounds__(128) attn_bwd_convert_dq_varlen_kernel(const float* __restrict__ dq_accum,
+                                                                         u16* __restrict__ dq, int64_t dq_sh,
+                                                                         int64_t dq_sr,
+                                                                         const int* __restrict__ cu_seqlens_q,
+                                                                         int total_q, int ws_pitch, float scale) {
+  if (is_tail_slice()) {  // dq rows past the last sequence: 0
+    zero_tail_rows<kD, 128>(dq + blockIdx.y * dq_sh, dq_sr, nullptr, cu_seqlens_q[gridDim.z - 1], total_q);
+    return;
+  }
+  attn_bwd_convert_dq_body<kD, kIsBF16, true>(dq_accum, dq, 0, dq_sh, dq_sr, 0, 0, 0, scale, cu_seqlens_q, ws_pitch);
 }
 
 // ================================================================================================
@@ -303,15 +378,16 @@ struct MainCfg {
   static_assert(kKVBytes % 1024 == 0 && kQBytes % 1024 == 0 && kPBytes % 1024 == 0, "tile alignment");
 };
 
-template <int kD, int kBN, int kBM, int kWarps, int kWN1, int kWN2, int kWM3, int kMinBlocks, bool kIsBF16,
-          bool kDq, int kUnroll>
-__global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
+template <int kD, int kBN, int kBM, int kWarps, int kWN1, int kWN2, int kWM3, bool kIsBF16, bool kDq, int kUnroll,
+          bool kVarlen>
+__device__ __forceinline__ void attn_bwd_main_body(
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
     u16* __restrict__ dk, u16* __restrict__ dv, float* __restrict__ dq_accum, const float* __restrict__ lse2,
     const float* __restrict__ delta, int64_t q_sb, int64_t q_sh, int64_t q_sr, int64_t k_sb, int64_t k_sh,
     int64_t k_sr, int64_t v_sb, int64_t v_sh, int64_t v_sr, int64_t do_sb, int64_t do_sh, int64_t do_sr,
-    int64_t dk_sb, int64_t dk_sh, int64_t dk_sr, int64_t dv_sb, int64_t dv_sh, int64_t dv_sr, int nq, int nk,
-    int heads, int group, int nq_pad, int causal, float scale_log2, float scale) {
+    int64_t dk_sb, int64_t dk_sh, int64_t dk_sr, int64_t dv_sb, int64_t dv_sh, int64_t dv_sr, int nq_arg, int nk_arg,
+    int heads, int group, int nq_pad, int causal, float scale_log2, float scale, const int* __restrict__ cu_seqlens_q,
+    const int* __restrict__ cu_seqlens_k, int ws_pitch) {
   using C = MainCfg<kD, kBN, kBM, kWarps, kWN1, kWN2, kWM3>;
   using TM = SwizzledTile<kBM>;
   extern __shared__ __align__(1024) char smem[];
@@ -320,7 +396,13 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * kBN, hk = blockIdx.y, b = blockIdx.z;
+  const SeqSpan span = seq_span<kVarlen>(cu_seqlens_q, cu_seqlens_k, b, nq_arg, nk_arg);
+  const int nq = span.nq, nk = span.nk;
+  if (kVarlen && n0 >= nk) return;  // the varlen grid covers the longest sequence
   const int delta_nk = nk - nq;  // query i sees key j iff j <= i + delta_nk (causal)
+  // Inside the walk the span is re-read (varlen: a few L1-hit loads per query block) instead of
+  // holding four more registers next to dK and dV; the dense one is the kernel's arguments.
+  auto span_l = [&]() { return seq_span<kVarlen, true>(cu_seqlens_q, cu_seqlens_k, b, nq_arg, nk_arg); };
 
   const u32 s0 = smem_addr(smem);
   const u32 sK = s0 + C::kOffK, sV = s0 + C::kOffV, sPt = s0 + C::kOffPt, sDSt = s0 + C::kOffDSt;
@@ -334,11 +416,14 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
 
   // The walk: query heads h of the group, and for each, query blocks m0 = m_first, ..., m_end - kBM.
   auto issue_loads = [&](int h, int m0, int stage) {
-    load_tile_async<kBM, SwizzledTile<kD>, C::kThreads>(s0 + C::kOffQ + stage * C::kQBytes, q + b * q_sb + h * q_sh + m0 * q_sr,
-                                          q_sr, nq - m0, tid);
+    const SeqSpan sp = span_l();
+    const int64_t r0 = sp.q0 + m0;  // token of the block's first query
+    load_tile_async<kBM, SwizzledTile<kD>, C::kThreads>(s0 + C::kOffQ + stage * C::kQBytes,
+                                                         q + b * q_sb + h * q_sh + r0 * q_sr, q_sr, sp.nq - m0, tid);
     load_tile_async<kBM, SwizzledTile<kD>, C::kThreads>(s0 + C::kOffDO + stage * C::kQBytes,
-                                          dout + b * do_sb + h * do_sh + m0 * do_sr, do_sr, nq - m0, tid);
-    const int64_t ws = (static_cast<int64_t>(b) * heads + h) * nq_pad + m0;  // padded: always in bounds
+                                                         dout + b * do_sb + h * do_sh + r0 * do_sr, do_sr, sp.nq - m0,
+                                                         tid);
+    const int64_t ws = ws_row<kVarlen>(b, h, heads, nq_pad, sp, ws_pitch) + m0;  // padded: always in bounds
     if (tid < kBM / 4) {
       cp_async_16(s0 + C::kOffLse + stage * kBM * 4 + tid * 16, lse2 + ws + tid * 4, true);
     } else if (tid < kBM / 2) {
@@ -348,8 +433,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
   };
 
   // Prologue: K, V for this block, and the first query block.
-  load_tile_async<kBN, SwizzledTile<kD>, C::kThreads>(sK, k + b * k_sb + hk * k_sh + n0 * k_sr, k_sr, nk - n0, tid);
-  load_tile_async<kBN, SwizzledTile<kD>, C::kThreads>(sV, v + b * v_sb + hk * v_sh + n0 * v_sr, v_sr, nk - n0, tid);
+  const int64_t kr0 = span.k0 + n0;  // token of the block's first key
+  load_tile_async<kBN, SwizzledTile<kD>, C::kThreads>(sK, k + b * k_sb + hk * k_sh + kr0 * k_sr, k_sr, nk - n0, tid);
+  load_tile_async<kBN, SwizzledTile<kD>, C::kThreads>(sV, v + b * v_sb + hk * v_sh + kr0 * v_sr, v_sr, nk - n0, tid);
   int h = hk * group, m0 = m_first;  // the current query block
   int h_next = h, m_next = m0;       // the block whose loads are in flight
   if (n_iters > 0) issue_loads(h, m0, 0);
@@ -401,7 +487,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
       // Masking is needed only where this tile holds keys past nk or (causal) keys above the
       // diagonal: max key n0 + kBN - 1 against min query m0. Query rows past nq need no mask: their
       // lse2 is +inf (P = 0) and their dO and delta are 0 (dS = 0).
-      const bool need_mask = (n0 + kBN > nk) || (causal && n0 + kBN - 1 > m0 + delta_nk);
+      const SeqSpan sp = span_l();
+      const int nk_l = sp.nk, delta_l = sp.nk - sp.nq;
+      const bool need_mask = (n0 + kBN > nk_l) || (causal && n0 + kBN - 1 > m0 + delta_l);
       // P^T / dS^T element (key1 + g + 16 mt + 8 half, qry1 + 8 nt + 2t): the lane's tile offset
       // XOR 16 nt (qry1 / 8 is a multiple of the power-of-two NT1) plus row offsets.
       const u32 st_lane = TM::elem(key1 + g, qry1 + 2 * t);
@@ -420,7 +508,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
             if (need_mask) {
               const int j = n0 + key1 + mt * 16 + g + 8 * (e >> 1);
               const int i = m0 + il + (e & 1);
-              if (j >= nk || (causal && j > i + delta_nk)) p = 0.f;
+              if (j >= nk_l || (causal && j > i + delta_l)) p = 0.f;
             }
             s[mt][nt][e] = p;
             dp[mt][nt][e] = p * (dp[mt][nt][e] - d_e);
@@ -450,7 +538,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
       zero_acc(dq);
       warp_mma<kIsBF16, C::MT3, C::NT3, kBN / 16, true, true, kBM, kD, kUnroll>(dq, sDSt, qry3, sK, dim3,
                                                                                 opaque_lane());
-      float* const dq_frag = dq_accum + ((static_cast<int64_t>(b) * heads + h) * nq_pad + m0) * kD +
+      float* const dq_frag = dq_accum + (ws_row<kVarlen>(b, h, heads, nq_pad, span_l(), ws_pitch) + m0) * kD +
                              ((qry3 / 16) * (kD / 8) + dim3 / 8) * 128 + lane * 4;
 #pragma unroll
       for (int mt = 0; mt < C::MT3; ++mt)
@@ -471,8 +559,50 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
   store_acc_to_smem<kIsBF16, kD>(smem + C::kOffK, dk_acc, key2, dim2, scale, lane);
   store_acc_to_smem<kIsBF16, kD>(smem + C::kOffV, dv_acc, key2, dim2, 1.f, lane);
   __syncthreads();
-  store_tile<kBN, SwizzledTile<kD>, C::kThreads>(dk + b * dk_sb + hk * dk_sh + n0 * dk_sr, dk_sr, nk - n0, smem + C::kOffK, tid);
-  store_tile<kBN, SwizzledTile<kD>, C::kThreads>(dv + b * dv_sb + hk * dv_sh + n0 * dv_sr, dv_sr, nk - n0, smem + C::kOffV, tid);
+  const SeqSpan sp = span_l();
+  const int64_t kr = sp.k0 + n0;
+  store_tile<kBN, SwizzledTile<kD>, C::kThreads>(dk + b * dk_sb + hk * dk_sh + kr * dk_sr, dk_sr, sp.nk - n0,
+                                                 smem + C::kOffK, tid);
+  store_tile<kBN, SwizzledTile<kD>, C::kThreads>(dv + b * dv_sb + hk * dv_sh + kr * dv_sr, dv_sr, sp.nk - n0,
+                                                 smem + C::kOffV, tid);
+}
+
+template <int kD, int kBN, int kBM, int kWarps, int kWN1, int kWN2, int kWM3, int kMinBlocks, bool kIsBF16,
+          bool kDq, int kUnroll>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
+    u16* __restrict__ dk, u16* __restrict__ dv, float* __restrict__ dq_accum, const float* __restrict__ lse2,
+    const float* __restrict__ delta, int64_t q_sb, int64_t q_sh, int64_t q_sr, int64_t k_sb, int64_t k_sh,
+    int64_t k_sr, int64_t v_sb, int64_t v_sh, int64_t v_sr, int64_t do_sb, int64_t do_sh, int64_t do_sr,
+    int64_t dk_sb, int64_t dk_sh, int64_t dk_sr, int64_t dv_sb, int64_t dv_sh, int64_t dv_sr, int nq, int nk,
+    int heads, int group, int nq_pad, int causal, float scale_log2, float scale) {
+  attn_bwd_main_body<kD, kBN, kBM, kWarps, kWN1, kWN2, kWM3, kIsBF16, kDq, kUnroll, false>(
+      q, k, v, dout, dk, dv, dq_accum, lse2, delta, q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh,
+      do_sr, dk_sb, dk_sh, dk_sr, dv_sb, dv_sh, dv_sr, nq, nk, heads, group, nq_pad, causal, scale_log2, scale, nullptr,
+      nullptr, 0);
+}
+
+// Varlen: grid (ceil(max_seqlen_k / kBN), Hkv, B + 1); the last z-slice zeroes the rows of dk and dv
+// past the last sequence.
+template <int kD, int kBN, int kBM, int kWarps, int kWN1, int kWN2, int kWM3, int kMinBlocks, bool kIsBF16,
+          bool kDq, int kUnroll>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_varlen_kernel(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
+    u16* __restrict__ dk, u16* __restrict__ dv, float* __restrict__ dq_accum, const float* __restrict__ lse2,
+    const float* __restrict__ delta, int64_t q_sh, int64_t q_sr, int64_t k_sh, int64_t k_sr, int64_t v_sh,
+    int64_t v_sr, int64_t do_sh, int64_t do_sr, int64_t dk_sh, int64_t dk_sr, int64_t dv_sh, int64_t dv_sr,
+    const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k, int total_k, int group, int ws_pitch,
+    int causal, float scale_log2, float scale) {
+  if (is_tail_slice()) {  // dk, dv rows past the last sequence: 0
+    const int begin = cu_seqlens_k[gridDim.z - 1];
+    zero_tail_rows<kD, kWarps * 32>(dk + blockIdx.y * dk_sh, dk_sr, nullptr, begin, total_k);
+    zero_tail_rows<kD, kWarps * 32>(dv + blockIdx.y * dv_sh, dv_sr, nullptr, begin, total_k);
+    return;
+  }
+  attn_bwd_main_body<kD, kBN, kBM, kWarps, kWN1, kWN2, kWM3, kIsBF16, kDq, kUnroll, true>(
+      q, k, v, dout, dk, dv, dq_accum, lse2, delta, 0, q_sh, q_sr, 0, k_sh, k_sr, 0, v_sh, v_sr, 0, do_sh, do_sr, 0,
+      dk_sh, dk_sr, 0, dv_sh, dv_sr, 0, 0, 0, group, 0, causal, scale_log2, scale, cu_seqlens_q, cu_seqlens_k,
+      ws_pitch);
 }
 
 // ================================================================================================
@@ -502,13 +632,14 @@ struct DqCfg {
   static_assert(kQBytes % 1024 == 0 && kKBytes % 1024 == 0, "tile alignment");
 };
 
-template <int kD, int kBM, int kBN, bool kIsBF16>
-__global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_kernel(
+template <int kD, int kBM, int kBN, bool kIsBF16, bool kVarlen>
+__device__ __forceinline__ void attn_bwd_dq_body(
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
     u16* __restrict__ dq, const float* __restrict__ lse2, const float* __restrict__ delta, int64_t q_sb,
     int64_t q_sh, int64_t q_sr, int64_t k_sb, int64_t k_sh, int64_t k_sr, int64_t v_sb, int64_t v_sh, int64_t v_sr,
-    int64_t do_sb, int64_t do_sh, int64_t do_sr, int64_t dq_sb, int64_t dq_sh, int64_t dq_sr, int nq, int nk,
-    int heads, int group, int nq_pad, int causal, float scale_log2, float scale) {
+    int64_t do_sb, int64_t do_sh, int64_t do_sr, int64_t dq_sb, int64_t dq_sh, int64_t dq_sr, int nq_arg,
+    int nk_arg, int heads, int group, int nq_pad, int causal, float scale_log2, float scale,
+    const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k, int ws_pitch) {
   using C = DqCfg<kD, kBM, kBN>;
   using TD = SwizzledTile<kD>;
   extern __shared__ __align__(1024) char smem[];
@@ -517,6 +648,9 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_kernel(
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int m0 = blockIdx.x * kBM, h = blockIdx.y, b = blockIdx.z;
+  const SeqSpan span = seq_span<kVarlen>(cu_seqlens_q, cu_seqlens_k, b, nq_arg, nk_arg);
+  const int nq = span.nq, nk = span.nk;
+  if (kVarlen && m0 >= nq) return;  // the varlen grid covers the longest sequence
   const int hk = h / group;
   const int delta_nk = nk - nq;
   const u32 s0 = smem_addr(smem);
@@ -527,20 +661,22 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_kernel(
   if (causal) n_end = min(nk, min(m0 + kBM, nq) - 1 + delta_nk + 1);
   const int n_blocks = n_end > 0 ? (n_end + kBN - 1) / kBN : 0;
 
-  const u16* k_bh = k + b * k_sb + hk * k_sh;
-  const u16* v_bh = v + b * v_sb + hk * v_sh;
+  const u16* k_bh = k + b * k_sb + span.k0 * k_sr + hk * k_sh;  // [Nk, d] of this kv head
+  const u16* v_bh = v + b * v_sb + span.k0 * v_sr + hk * v_sh;
   auto issue_kv = [&](int nb, int stage) {
     const int n0 = nb * kBN;
     load_tile_async<kBN, SwizzledTile<kD>, C::kThreads>(s0 + C::kOffK + stage * C::kKBytes, k_bh + n0 * k_sr, k_sr, nk - n0, tid);
     load_tile_async<kBN, SwizzledTile<kD>, C::kThreads>(s0 + C::kOffV + stage * C::kKBytes, v_bh + n0 * v_sr, v_sr, nk - n0, tid);
   };
-  load_tile_async<kBM, SwizzledTile<kD>, C::kThreads>(sQ, q + b * q_sb + h * q_sh + m0 * q_sr, q_sr, nq - m0, tid);
-  load_tile_async<kBM, SwizzledTile<kD>, C::kThreads>(sDO, dout + b * do_sb + h * do_sh + m0 * do_sr, do_sr, nq - m0, tid);
+  const int64_t r0 = span.q0 + m0;  // token of the block's first query
+  load_tile_async<kBM, SwizzledTile<kD>, C::kThreads>(sQ, q + b * q_sb + h * q_sh + r0 * q_sr, q_sr, nq - m0, tid);
+  load_tile_async<kBM, SwizzledTile<kD>, C::kThreads>(sDO, dout + b * do_sb + h * do_sh + r0 * do_sr, do_sr, nq - m0,
+                                                       tid);
   if (n_blocks > 0) issue_kv(0, 0);
   cp_async_commit();
 
   // lse2 / delta of this thread's rows (g and g + 8 of the warp's 16): padded workspace, no check.
-  const int64_t ws = (static_cast<int64_t>(b) * heads + h) * nq_pad + m0 + warp * 16 + g;
+  const int64_t ws = ws_row<kVarlen>(b, h, heads, nq_pad, span, ws_pitch) + m0 + warp * 16 + g;
   const float lse_r[2] = {lse2[ws], lse2[ws + 8]};
   const float del_r[2] = {delta[ws], delta[ws + 8]};
 
@@ -608,8 +744,9 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_kernel(
   store_acc_to_smem<kIsBF16, kD>(q_tile, dq_acc, warp * 16, 0, scale, lane);
   __syncwarp();
   {
-    u16* dst = dq + b * dq_sb + h * dq_sh + static_cast<int64_t>(m0 + warp * 16) * dq_sr;
-    const int valid = nq - (m0 + warp * 16);
+    const SeqSpan sp = seq_span<kVarlen, true>(cu_seqlens_q, cu_seqlens_k, b, nq_arg, nk_arg);
+    u16* dst = dq + b * dq_sb + h * dq_sh + static_cast<int64_t>(sp.q0 + m0 + warp * 16) * dq_sr;
+    const int valid = sp.nq - (m0 + warp * 16);
 #pragma unroll
     for (int idx = lane; idx < 16 * TD::kChunks; idx += 32) {
       const int r = idx / TD::kChunks, c = idx - (idx / TD::kChunks) * TD::kChunks;
@@ -619,6 +756,36 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_kernel(
       }
     }
   }
+}
+
+template <int kD, int kBM, int kBN, bool kIsBF16>
+__global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_kernel(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
+    u16* __restrict__ dq, const float* __restrict__ lse2, const float* __restrict__ delta, int64_t q_sb,
+    int64_t q_sh, int64_t q_sr, int64_t k_sb, int64_t k_sh, int64_t k_sr, int64_t v_sb, int64_t v_sh, int64_t v_sr,
+    int64_t do_sb, int64_t do_sh, int64_t do_sr, int64_t dq_sb, int64_t dq_sh, int64_t dq_sr, int nq, int nk,
+    int heads, int group, int nq_pad, int causal, float scale_log2, float scale) {
+  attn_bwd_dq_body<kD, kBM, kBN, kIsBF16, false>(q, k, v, dout, dq, lse2, delta, q_sb, q_sh, q_sr, k_sb, k_sh, k_sr,
+                                                 v_sb, v_sh, v_sr, do_sb, do_sh, do_sr, dq_sb, dq_sh, dq_sr, nq, nk,
+                                                 heads, group, nq_pad, causal, scale_log2, scale, nullptr, nullptr, 0);
+}
+
+// Varlen: grid (ceil(max_seqlen_q / kBM), H, B + 1); the last z-slice zeroes the rows of dq past the
+// last sequence.
+template <int kD, int kBM, int kBN, bool kIsBF16>
+__global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_varlen_kernel(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
+    u16* __restrict__ dq, const float* __restrict__ lse2, const float* __restrict__ delta, int64_t q_sh,
+    int64_t q_sr, int64_t k_sh, int64_t k_sr, int64_t v_sh, int64_t v_sr, int64_t do_sh, int64_t do_sr,
+    int64_t dq_sh, int64_t dq_sr, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+    int total_q, int group, int ws_pitch, int causal, float scale_log2, float scale) {
+  if (is_tail_slice()) {  // dq rows past the last sequence: 0
+    zero_tail_rows<kD, kBM / 16 * 32>(dq + blockIdx.y * dq_sh, dq_sr, nullptr, cu_seqlens_q[gridDim.z - 1], total_q);
+    return;
+  }
+  attn_bwd_dq_body<kD, kBM, kBN, kIsBF16, true>(q, k, v, dout, dq, lse2, delta, 0, q_sh, q_sr, 0, k_sh, k_sr, 0, v_sh,
+                                                v_sr, 0, do_sh, do_sr, 0, dq_sh, dq_sr, 0, 0, 0, group, 0, causal,
+                                                scale_log2, scale, cu_seqlens_q, cu_seqlens_k, ws_pitch);
 }
 
 }  // namespace bwd

@@ -90,6 +90,7 @@
 // The final row sum l = 0 marks a fully masked row: O = 0, lse = -inf; otherwise
 // lse = (shift + log2 l) * ln 2 (natural log, what the backward expects).
 #include "common/sm80_tile.cuh"
+#include "common/varlen.cuh"
 
 namespace tileattn {
 namespace fwd {
@@ -142,13 +143,17 @@ __device__ __forceinline__ CtaId cta_id() {
 // put kv_head and the 64-bit K/V head offsets into per-thread registers for the whole main loop
 // (4 registers: the difference between spilling and not at 32 rows x BN = 64). The multiply-shift
 // stays in uniform registers.
-template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kCausal, bool kIsBF16>
-__global__ void __launch_bounds__(kWarps * 32, 1)
-    attention_fwd_sm80(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                       u16* __restrict__ o, float* __restrict__ lse, int64_t q_sb, int64_t q_sh, int64_t q_sr,
-                       int64_t k_sb, int64_t k_sh, int64_t k_sr, int64_t v_sb, int64_t v_sh, int64_t v_sr,
-                       int64_t o_sb, int64_t o_sh, int64_t o_sr, int heads, uint64_t kv_group_magic, int seqlen_q,
-                       int seqlen_k, float scale_log2) {
+//
+// The body serves both entry points below: dense batches (kVarlen = false) and packed variable-
+// length batches (kVarlen = true, see common/varlen.cuh: sequence b's tokens start at
+// cu_seqlens_q[b] / cu_seqlens_k[b]; the batch strides are 0; lse is [H, total_q]).
+template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kCausal, bool kIsBF16, bool kVarlen>
+__device__ __forceinline__ void attention_fwd_body(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ o,
+    float* __restrict__ lse, int64_t q_sb, int64_t q_sh, int64_t q_sr, int64_t k_sb, int64_t k_sh, int64_t k_sr,
+    int64_t v_sb, int64_t v_sh, int64_t v_sr, int64_t o_sb, int64_t o_sh, int64_t o_sr, int heads,
+    uint64_t kv_group_magic, int seqlen_q_arg, int seqlen_k_arg, float scale_log2, const int* __restrict__ cu_seqlens_q,
+    const int* __restrict__ cu_seqlens_k, int total_q) {
   using namespace fwd;
   constexpr int kThreads = kWarps * 32;
   constexpr int kRowsPerWarp = kBlockM / kWarps;
@@ -186,12 +191,18 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const int kv_head = static_cast<int>((static_cast<uint64_t>(head) * kv_group_magic) >> 32);
   const int row0 = cta.m_block * kBlockM;
   const int warp_row0 = warp * kRowsPerWarp;  // first row of this warp inside the tile
+  // This sequence's lengths (and, varlen, its first tokens). The varlen grid covers the longest
+  // sequence: tiles past this one's end (all of them for an empty sequence) have nothing to do.
+  const SeqSpan span = seq_span<kVarlen>(cu_seqlens_q, cu_seqlens_k, batch, seqlen_q_arg, seqlen_k_arg);
+  const int seqlen_q = span.nq, seqlen_k = span.nk;
+  if (kVarlen && row0 >= seqlen_q) return;
 
-  const u16* const q_g = q + batch * q_sb + head * q_sh;       // [Nq, d] of this (b, h)
-  const u16* const k_g = k + batch * k_sb + kv_head * k_sh;    // [Nk, d]
-  const u16* const v_g = v + batch * v_sb + kv_head * v_sh;    // [Nk, d]
-  u16* const o_g = o + batch * o_sb + head * o_sh;             // [Nq, d]
-  float* const lse_g = lse + (static_cast<int64_t>(batch) * heads + head) * seqlen_q;  // [Nq]
+  const u16* const q_g = q + batch * q_sb + span.q0 * q_sr + head * q_sh;       // [Nq, d] of this (b, h)
+  const u16* const k_g = k + batch * k_sb + span.k0 * k_sr + kv_head * k_sh;    // [Nk, d]
+  const u16* const v_g = v + batch * v_sb + span.k0 * v_sr + kv_head * v_sh;    // [Nk, d]
+  u16* const o_g = o + batch * o_sb + span.q0 * o_sr + head * o_sh;             // [Nq, d]
+  float* const lse_g = kVarlen ? lse + static_cast<int64_t>(head) * total_q + span.q0  // [Nq]
+                               : lse + (static_cast<int64_t>(batch) * heads + head) * seqlen_q;
 
   // ---- Which K/V blocks this query tile visits, and how many of them need masking -------------
   const int n_total = (seqlen_k + kBlockN - 1) / kBlockN;
@@ -290,8 +301,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         const int ps = pf % kStages;
         const CtaId c = cta_id<kCausal>();
         const int kvh = static_cast<int>((static_cast<uint64_t>(c.head) * kv_group_magic) >> 32);
-        const u16* const k_b = k + c.batch * k_sb + kvh * k_sh;  // [Nk, d] of this kv head
-        const u16* const v_b = v + c.batch * v_sb + kvh * v_sh;
+        const u16* const k_b = k + c.batch * k_sb + span.k0 * k_sr + kvh * k_sh;  // [Nk, d] of this kv head
+        const u16* const v_b = v + c.batch * v_sb + span.k0 * v_sr + kvh * v_sh;
         // pn <= n_end - 2 < n_total - 1: a full block, no bounds checks.
         load_tile_full_async<kBlockN, Tile, kThreads>(sK + ps * kTileKV, k_b + pn * kBlockN * k_sr,
                                                       static_cast<int>(k_sr), tid);
@@ -348,6 +359,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       // mma accumulator ownership: rows g and g + 8, columns 2t, 2t + 1 of each n8 block.
       const int g = lane_l >> 2, t = lane_l & 3, wrow0 = (tid_l >> 5) * kRowsPerWarp;
       const int key0 = n * kBlockN + 2 * t;
+
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -445,8 +457,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     const int wrow0 = (tid_e >> 5) * kRowsPerWarp;
     const CtaId cta_e = cta_id<kCausal>();
     const int row0 = cta_e.m_block * kBlockM;
-    u16* const o_g = o + cta_e.batch * o_sb + cta_e.head * o_sh;                                // [Nq, d]
-    float* const lse_g = lse + (static_cast<int64_t>(cta_e.batch) * heads + cta_e.head) * seqlen_q;  // [Nq]
+    // Re-read (varlen), not kept from the prologue: nothing of the span but k0 lives across the loop.
+    const SeqSpan span_e = seq_span<kVarlen, true>(cu_seqlens_q, cu_seqlens_k, cta_e.batch, seqlen_q_arg, seqlen_k_arg);
+    u16* const o_g = o + cta_e.batch * o_sb + span_e.q0 * o_sr + cta_e.head * o_sh;  // [Nq, d]
+    float* const lse_g = kVarlen ? lse + static_cast<int64_t>(cta_e.head) * total_q + span_e.q0  // [Nq]
+                                 : lse + (static_cast<int64_t>(cta_e.batch) * heads + cta_e.head) * span_e.nq;
     __syncwarp();
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
@@ -455,7 +470,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         const float l = quad_sum(row_sum[mt][h]);
         const float inv = l > 0.f ? 1.f / l : 0.f;  // l == 0 <=> the row saw no key: O = 0
         const int r = wrow0 + mt * 16 + g_e + 8 * h;
-        if (t_e == 0 && row0 + r < seqlen_q)
+        if (t_e == 0 && row0 + r < span_e.nq)
           lse_g[row0 + r] = l > 0.f ? (row_shift[mt][h] + log2f(l)) * kLn2 : neg_inf();
 #pragma unroll
         for (int db = 0; db < kDBlocks; ++db) {
@@ -470,9 +485,44 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       const int r = id / kChunks, c = id % kChunks;
       const int row = row0 + wrow0 + r;
       const uint4 val = *reinterpret_cast<const uint4*>(smem + Tile::chunk(wrow0 + r, c));
-      if (row < seqlen_q) *reinterpret_cast<uint4*>(o_g + row * o_sr + c * 8) = val;
+      if (row < span_e.nq) *reinterpret_cast<uint4*>(o_g + row * o_sr + c * 8) = val;
     }
   }
+}
+
+// Dense batches: q [B, H, Nq, d], k/v [B, Hkv, Nk, d], o [B, H, Nq, d], lse [B, H, Nq] (see above).
+template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kCausal, bool kIsBF16>
+__global__ void __launch_bounds__(kWarps * 32, 1)
+    attention_fwd_sm80(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                       u16* __restrict__ o, float* __restrict__ lse, int64_t q_sb, int64_t q_sh, int64_t q_sr,
+                       int64_t k_sb, int64_t k_sh, int64_t k_sr, int64_t v_sb, int64_t v_sh, int64_t v_sr,
+                       int64_t o_sb, int64_t o_sh, int64_t o_sr, int heads, uint64_t kv_group_magic, int seqlen_q,
+                       int seqlen_k, float scale_log2) {
+  attention_fwd_body<kHeadDim, kBlockM, kBlockN, kWarps, kStages, kCausal, kIsBF16, false>(
+      q, k, v, o, lse, q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, o_sb, o_sh, o_sr, heads, kv_group_magic,
+      seqlen_q, seqlen_k, scale_log2, nullptr, nullptr, 0);
+}
+
+// Packed variable-length batches: q [Tq, H, d], k/v [Tk, Hkv, d], o [Tq, H, d] (token stride *_sr,
+// head stride *_sh, in elements), lse [H, Tq] fp32 contiguous (total_q = Tq), cu_seqlens_q /
+// cu_seqlens_k int32 [B + 1] on the device. Grid (ceil(max_seqlen_q / kBlockM), H, B + 1): the
+// last z-slice zeroes the rows past the last sequence. Causal is bottom-right per sequence; an empty
+// sequence writes nothing.
+template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kCausal, bool kIsBF16>
+__global__ void __launch_bounds__(kWarps * 32, 1)
+    attention_fwd_varlen_sm80(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                              u16* __restrict__ o, float* __restrict__ lse, int64_t q_sh, int64_t q_sr, int64_t k_sh,
+                              int64_t k_sr, int64_t v_sh, int64_t v_sr, int64_t o_sh, int64_t o_sr,
+                              uint64_t kv_group_magic, const int* __restrict__ cu_seqlens_q,
+                              const int* __restrict__ cu_seqlens_k, int total_q, float scale_log2) {
+  if (is_tail_slice()) {  // rows past the last sequence: O = 0, lse = -inf
+    zero_tail_rows<kHeadDim, kWarps * 32>(o + blockIdx.y * o_sh, o_sr, lse + static_cast<int64_t>(blockIdx.y) * total_q,
+                                          cu_seqlens_q[gridDim.z - 1], total_q);
+    return;
+  }
+  attention_fwd_body<kHeadDim, kBlockM, kBlockN, kWarps, kStages, kCausal, kIsBF16, true>(
+      q, k, v, o, lse, 0, q_sh, q_sr, 0, k_sh, k_sr, 0, v_sh, v_sr, 0, o_sh, o_sr, 0, kv_group_magic, 0, 0, scale_log2,
+      cu_seqlens_q, cu_seqlens_k, total_q);
 }
 
 }  // namespace tileattn

@@ -30,7 +30,9 @@ __all__ = [
     "FAMILIES",
     "FAMILY_NAME",
     "HEAD_DIMS",
+    "BackwardVarlenPlan",
     "BwdConfig",
+    "backward_varlen_plan",
     "default_config",
     "BackwardPlan",
     "backward_plan",
@@ -101,15 +103,15 @@ class BwdConfig:
             f"_dq{self.dq_block_m}x{self.dq_block_n}"
         )
 
-    def main_expr(self, bf16: bool, with_dq: bool) -> str:
+    def main_expr(self, bf16: bool, with_dq: bool, varlen: bool = False) -> str:
         return (
-            f"{_NS}attn_bwd_main_kernel<{self.head_dim}, {self.block_n}, {self.block_m}, {self.warps}, "
+            f"{_NS}attn_bwd_main{_v(varlen)}_kernel<{self.head_dim}, {self.block_n}, {self.block_m}, {self.warps}, "
             f"{self.warps_n1}, {self.warps_n2}, {self.warps_m3}, {self.min_blocks}, {_b(bf16)}, {_b(with_dq)}, "
             f"{self.unroll if with_dq else self.unroll_det}>"
         )
 
-    def dq_expr(self, bf16: bool) -> str:
-        return f"{_NS}attn_bwd_dq_kernel<{self.head_dim}, {self.dq_block_m}, {self.dq_block_n}, {_b(bf16)}>"
+    def dq_expr(self, bf16: bool, varlen: bool = False) -> str:
+        return f"{_NS}attn_bwd_dq{_v(varlen)}_kernel<{self.head_dim}, {self.dq_block_m}, {self.dq_block_n}, {_b(bf16)}>"
 
     @property
     def main_threads(self) -> int:
@@ -142,12 +144,17 @@ def _b(x: bool) -> str:
     return "true" if x else "false"
 
 
-def preprocess_expr(head_dim: int, bf16: bool) -> str:
-    return f"{_NS}attn_bwd_preprocess_kernel<{head_dim}, {_b(bf16)}>"
+def _v(varlen: bool) -> str:
+    """Name infix of the packed variable-length entry points."""
+    return "_varlen" if varlen else ""
 
 
-def convert_expr(head_dim: int, bf16: bool) -> str:
-    return f"{_NS}attn_bwd_convert_dq_kernel<{head_dim}, {_b(bf16)}>"
+def preprocess_expr(head_dim: int, bf16: bool, varlen: bool = False) -> str:
+    return f"{_NS}attn_bwd_preprocess{_v(varlen)}_kernel<{head_dim}, {_b(bf16)}>"
+
+
+def convert_expr(head_dim: int, bf16: bool, varlen: bool = False) -> str:
+    return f"{_NS}attn_bwd_convert_dq{_v(varlen)}_kernel<{head_dim}, {_b(bf16)}>"
 
 
 # ---- the config table -------------------------------------------------------------------------
@@ -222,11 +229,29 @@ _TUNING: dict[int, tuple[BwdConfig, ...]] = {
 }
 
 
-def default_config(head_dim: int, causal: bool, arch: str = "sm_90a", max_smem: int | None = None) -> BwdConfig:
+# Variable-length batches (the *_varlen_kernel entry points): the dense tables, except where the
+# per-sequence offsets and lengths (read from cu_seqlens into per-thread registers) push the main
+# kernel into spills: d=96 takes unroll 2 (36 spill bytes on sm_80 with unroll 8; dense H200
+# numbers 268/282 against 267/281 TFLOP/s, the d=96 tuning above) and d=256 on sm_90a unroll 2
+# (8 spill bytes with unroll 4).
+_VARLEN_OVERRIDES: dict[str, dict[int, BwdConfig]] = {
+    "sm_90a": {96: _TUNING[96][0], 256: _TUNING[256][1]},
+    "sm_80": {96: _TUNING[96][0]},
+}
+VARLEN_DEFAULTS: dict[str, dict[tuple[int, bool], BwdConfig]] = {
+    arch: {(d, c): _VARLEN_OVERRIDES[arch].get(d, cfg) for (d, c), cfg in table.items()}
+    for arch, table in DEFAULTS.items()
+}
+
+
+def default_config(head_dim: int, causal: bool, arch: str = "sm_90a", max_smem: int | None = None,
+                   varlen: bool = False) -> BwdConfig:
     """The table's config for (head_dim, causal) on `arch` (archs without a table use sm_80's);
     fp16 and bf16 share tiles. With ``max_smem`` (bytes of dynamic shared memory a block may use on
-    the target GPU), a config that needs more is replaced by the head dim's small-shared-memory one."""
-    table = DEFAULTS.get(arch, DEFAULTS["sm_80"])
+    the target GPU), a config that needs more is replaced by the head dim's small-shared-memory one.
+    ``varlen`` reads the table of the packed variable-length kernels."""
+    tables = VARLEN_DEFAULTS if varlen else DEFAULTS
+    table = tables.get(arch, tables["sm_80"])
     try:
         cfg = table[(int(head_dim), bool(causal))]
     except KeyError:
@@ -257,15 +282,19 @@ def all_configs() -> list[BwdConfig]:
     return list(dict.fromkeys(tables + list(_SMALL_SMEM.values()) + [c for cs in _TUNING.values() for c in cs]))
 
 
-def _expressions(configs) -> list[str]:
+def _expressions(configs, varlen: bool = False) -> list[str]:
     return [e for cfg in configs for bf16 in (False, True)
-            for e in (cfg.main_expr(bf16, True), cfg.main_expr(bf16, False), cfg.dq_expr(bf16))]
+            for e in (cfg.main_expr(bf16, True, varlen), cfg.main_expr(bf16, False, varlen), cfg.dq_expr(bf16, varlen))]
 
 
 def _instantiations() -> tuple[str, ...]:
-    exprs = [e for bf16 in (False, True) for d in HEAD_DIMS for e in (preprocess_expr(d, bf16), convert_expr(d, bf16))]
-    exprs += _expressions(cfg for table in DEFAULTS.values() for cfg in table.values())
-    exprs += _expressions(_SMALL_SMEM.values())
+    exprs = []
+    for varlen in (False, True):  # dense, then the packed variable-length entry points of the same tiles
+        exprs += [e for bf16 in (False, True) for d in HEAD_DIMS
+                  for e in (preprocess_expr(d, bf16, varlen), convert_expr(d, bf16, varlen))]
+        exprs += _expressions((cfg for table in (VARLEN_DEFAULTS if varlen else DEFAULTS).values()
+                               for cfg in table.values()), varlen)
+        exprs += _expressions(_SMALL_SMEM.values(), varlen)
     return tuple(dict.fromkeys(exprs))  # dedupe, keep order
 
 
@@ -471,6 +500,112 @@ def backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: f
         config = default_config(q.shape[3], causal, device_arch(index), max_smem=device_smem_optin(index))
     return BackwardPlan(q, k, v, out, lse, dout, dq, dk, dv, causal=bool(causal), scale=float(scale),
                         deterministic=bool(deterministic), config=config)
+
+
+class BackwardVarlenPlan:
+    """The three launches of one packed variable-length backward (see BackwardPlan): q, out, dout,
+    dq [Tq, H, d], k, v, dk, dv [Tk, Hkv, d], lse [H, Tq], B = len(cu_seqlens_q) - 1 sequences whose
+    longest has max_seqlen_q queries and max_seqlen_k keys. Fixed per (shapes, strides, dtype,
+    device, B, max lengths, flags); the cu_seqlens tensors are dynamic parameters like the data.
+    Every grid has B + 1 z-slices: the last one zeroes the gradient rows past the last sequence.
+
+    Workspace rows (lse2, delta, and dq_accum times d): [H, Tq + 128 B], sequence b's rows from
+    cu_seqlens_q[b] + 128 b, its query count rounded up to 128 (the kernels' ws_row).
+    """
+
+    def __init__(self, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int, *,
+                 causal: bool, scale: float, deterministic: bool, config: BwdConfig):
+        import numpy as np
+        import torch
+
+        from ..runtime import LaunchPlan
+        from . import load
+
+        total_q, heads, d = q.shape
+        kv_heads = k.shape[1]
+        batch = cu_seqlens_q.shape[0] - 1
+        bf16 = q.dtype == torch.bfloat16
+        device = q.device.index
+        cfg = config
+        self.deterministic = deterministic
+        ws_pitch = total_q + _ROW_PAD * batch
+        rows = heads * ws_pitch
+        self.ws_elems = 2 * rows + (0 if deterministic else rows * d)
+        self.device = q.device
+        i32, i64, f32 = np.int32, np.int64, np.float32
+
+        def strides(t):  # [T, H, d]: (head stride, token stride)
+            return i64(t.stride(1)), i64(t.stride(0))
+
+        def blocks(n, per):
+            return max(1, -(-n // per))
+
+        scale_log2 = f32(scale * 1.4426950408889634)
+        group = heads // kv_heads
+        q_pad = -(-max(max_seqlen_q, 1) // _ROW_PAD) * _ROW_PAD
+        self.pre = LaunchPlan(
+            load(FAMILY_NAME, preprocess_expr(d, bf16, True), device),
+            (q_pad // _PRE_ROWS, heads, batch + 1), (128,),
+            (0, 0, 0, 0, 0, 0, *strides(out), *strides(dout), 0, i32(total_q), i32(ws_pitch)),
+            dynamic=(0, 1, 2, 3, 4, 5, 10),
+        )
+        self.main = LaunchPlan(
+            load(FAMILY_NAME, cfg.main_expr(bf16, not deterministic, True), device),
+            (blocks(max_seqlen_k, cfg.block_n), kv_heads, batch + 1), (cfg.main_threads,),
+            (0, 0, 0, 0, 0, 0, 0, 0, 0, *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk),
+             *strides(dv), 0, 0, i32(k.shape[0]), i32(group), i32(ws_pitch), i32(1 if causal else 0), scale_log2,
+             f32(scale)),
+            smem=cfg.main_smem, dynamic=(*range(9), 21, 22),
+        )
+        if deterministic:
+            self.last = LaunchPlan(
+                load(FAMILY_NAME, cfg.dq_expr(bf16, True), device),
+                (blocks(max_seqlen_q, cfg.dq_block_m), heads, batch + 1), (cfg.dq_threads,),
+                (0, 0, 0, 0, 0, 0, 0, *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq), 0, 0,
+                 i32(total_q), i32(group), i32(ws_pitch), i32(1 if causal else 0), scale_log2, f32(scale)),
+                smem=cfg.dq_smem, dynamic=(*range(7), 17, 18),
+            )
+        else:
+            self.last = LaunchPlan(
+                load(FAMILY_NAME, convert_expr(d, bf16, True), device),
+                (blocks(max_seqlen_q, _CONVERT_ROWS), heads, batch + 1), (128,),
+                (0, 0, *strides(dq), 0, i32(total_q), i32(ws_pitch), f32(scale)),
+                dynamic=(0, 1, 4),
+            )
+        self._delta_offset, self._acc_offset = rows * 4, 2 * rows * 4  # bytes into the workspace
+
+    def launch(self, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k) -> None:
+        import torch
+
+        ws = torch.empty(self.ws_elems, dtype=torch.float32, device=self.device)
+        lse2 = ws.data_ptr()
+        delta = lse2 + self._delta_offset
+        acc_ptr = 0 if self.deterministic else lse2 + self._acc_offset
+        cu_q, cu_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+        self.pre.launch(out.data_ptr(), dout.data_ptr(), lse.data_ptr(), lse2, delta, acc_ptr, cu_q)
+        self.main.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                         acc_ptr, lse2, delta, cu_q, cu_k)
+        if self.deterministic:
+            self.last.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dq.data_ptr(), lse2, delta,
+                             cu_q, cu_k)
+        else:
+            self.last.launch(acc_ptr, dq.data_ptr(), cu_q)
+
+
+def backward_varlen_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int, *,
+                         causal: bool, scale: float, deterministic: bool,
+                         config: BwdConfig | None = None) -> BackwardVarlenPlan:
+    """A BackwardVarlenPlan for these tensors (arguments trusted: tileattn.api_varlen validated
+    them); the config defaults to the varlen table of the device's arch, shrunk to its shared memory."""
+    if config is None:
+        from ..runtime import device_arch, device_smem_optin
+
+        index = q.device.index
+        config = default_config(q.shape[2], causal, device_arch(index), max_smem=device_smem_optin(index),
+                                varlen=True)
+    return BackwardVarlenPlan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, int(max_seqlen_q),
+                              int(max_seqlen_k), causal=bool(causal), scale=float(scale),
+                              deterministic=bool(deterministic), config=config)
 
 
 def launch_backward(

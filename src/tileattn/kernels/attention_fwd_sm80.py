@@ -89,6 +89,15 @@ _H200: dict[tuple[int, bool], FwdConfig] = {
 # A100 table replaces it when one is run (`tileattn bench attention --tune` on that GPU).
 DEFAULTS: dict[str, dict[tuple[int, bool], FwdConfig]] = {"sm_90a": _H200, "sm_80": dict(_H200)}
 
+# Variable-length batches (attention_fwd_varlen_sm80): the dense tables, except d=128 causal. The
+# per-sequence offsets and lengths come from cu_seqlens in device memory, so on sm_90a they sit in
+# per-thread registers (the dense kernel's come from parameters and blockIdx, in uniform registers),
+# and 128x64/w4/s2 causal then spills 16 bytes; 128x48/w4/s2 compiles to 249 registers (dense
+# H200 numbers: 277/349 causal TFLOP/s against 287/354 at N = 4096/16384, Tuning log step 4).
+VARLEN_DEFAULTS: dict[str, dict[tuple[int, bool], FwdConfig]] = {
+    arch: {**table, (128, True): C(128, 48, 4, 2)} for arch, table in DEFAULTS.items()
+}
+
 # Extra candidates timed by the tuning benchmark (bf16 only, to keep CI compile time moderate;
 # the winner goes into DEFAULTS and is then built for fp16 too). d=128: 128x64/w4/s2 is FA2's
 # H100 tile (32 rows/warp, 64 keys/block: half the barriers, cp.async waits and row reductions per
@@ -128,10 +137,12 @@ def _dtype_is_bf16(dtype) -> bool:
     raise ValueError(f"attention forward supports float16 and bfloat16, got {dtype}")
 
 
-def expression(head_dim: int, config: FwdConfig, causal: bool, bf16: bool) -> str:
-    """The NVRTC name expression of one instantiation (must match the registry string exactly)."""
+def expression(head_dim: int, config: FwdConfig, causal: bool, bf16: bool, varlen: bool = False) -> str:
+    """The NVRTC name expression of one instantiation (must match the registry string exactly);
+    `varlen` names the packed variable-length entry point."""
     return (
-        f"tileattn::attention_fwd_sm80<{head_dim}, {config.block_m}, {config.block_n}, {config.warps}, "
+        f"tileattn::attention_fwd{'_varlen' if varlen else ''}_sm80<{head_dim}, {config.block_m}, {config.block_n}, "
+        f"{config.warps}, "
         f"{config.stages}, {'true' if causal else 'false'}, {'true' if bf16 else 'false'}>"
     )
 
@@ -147,13 +158,13 @@ def tuning_candidates(head_dim: int, causal: bool, dtype, arch: str = "sm_90a") 
     return tuple(out)
 
 
-def _expressions(tables) -> tuple[str, ...]:
-    exprs = [expression(d, cfg, causal, bf16) for table in tables for (d, causal), cfg in table.items()
+def _expressions(tables, varlen: bool = False) -> tuple[str, ...]:
+    exprs = [expression(d, cfg, causal, bf16, varlen) for table in tables for (d, causal), cfg in table.items()
              for bf16 in (False, True)]
     return tuple(dict.fromkeys(exprs))
 
 
-INSTANTIATIONS = _expressions(DEFAULTS.values())
+INSTANTIATIONS = _expressions(DEFAULTS.values()) + _expressions(VARLEN_DEFAULTS.values(), varlen=True)
 TUNING = tuple(dict.fromkeys(
     e for (d, causal), extra in EXTRA_BF16.items() for cfg in extra
     if (e := expression(d, cfg, causal, True)) not in INSTANTIATIONS))
@@ -217,6 +228,55 @@ def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float, config: Fwd
     plan.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
 
 
+# ---- variable-length batches -----------------------------------------------------------------
+def default_varlen_config(head_dim: int, causal: bool, arch: str = "sm_90a") -> FwdConfig:
+    """The varlen table's config for (head dim, causal) on `arch` (archs without a table use sm_80's)."""
+    table = VARLEN_DEFAULTS.get(arch, VARLEN_DEFAULTS["sm_80"])
+    try:
+        return table[(int(head_dim), bool(causal))]
+    except KeyError:
+        raise ValueError(f"head dim {head_dim} is not supported; supported: {HEAD_DIMS}") from None
+
+
+def forward_varlen_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, causal: bool,
+                        scale: float, config: FwdConfig | None = None):
+    """A LaunchPlan computing out, lse <- attention_varlen(q, k, v) for tensors of these shapes,
+    strides, dtype and device, and batches of len(cu_seqlens_q) - 1 sequences whose longest query
+    has max_seqlen_q tokens. Launch it with the data pointers of q, k, v, out, lse, cu_seqlens_q,
+    cu_seqlens_k (in that order).
+
+    q [Tq, H, d], k/v [Tk, Hkv, d], out [Tq, H, d]: one 16-bit dtype, stride(-1) == 1, token and
+    head strides multiples of 8 elements, K/V token strides below MAX_KV_ROW_STRIDE; lse [H, Tq] fp32
+    contiguous (natural log); cu_seqlens_q / cu_seqlens_k int32 [B + 1] contiguous on q's device.
+    The grid covers max_seqlen_q (>= every sequence's query length: tiles past a sequence's end exit,
+    a longer sequence would be cut); rows past cu_seqlens_q[B] get out 0 and lse -inf. Trusts its
+    caller (tileattn.api_varlen checks the arguments).
+    """
+    from ..runtime import LaunchPlan, device_arch
+    from . import load
+
+    total_q, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    device_index = q.device.index
+    if config is None:
+        config = default_varlen_config(head_dim, causal, device_arch(device_index))
+    kern = load(FAMILY_NAME, expression(head_dim, config, causal, q.dtype == torch.bfloat16, varlen=True),
+                device_index)
+    # z-slice B (the last) writes the rows past the last sequence (out 0, lse -inf).
+    grid = (max(1, (max_seqlen_q + config.block_m - 1) // config.block_m), heads, batch + 1)
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
+    i64 = np.int64
+    args = (
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        i64(qs[1]), i64(qs[0]), i64(ks[1]), i64(ks[0]), i64(vs[1]), i64(vs[0]), i64(os_[1]), i64(os_[0]),
+        np.uint64(kv_group_magic(heads // kv_heads)), cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(),
+        np.int32(total_q), np.float32(scale * LOG2E),
+    )
+    return LaunchPlan(kern, grid, (config.threads,), args, smem=config.smem_bytes(head_dim),
+                      dynamic=(0, 1, 2, 3, 4, 14, 15))
+
+
 __all__ = [
     "DEFAULTS",
     "EXTRA_BF16",
@@ -226,7 +286,9 @@ __all__ = [
     "INSTANTIATIONS",
     "forward_plan",
     "default_config",
+    "default_varlen_config",
     "expression",
+    "forward_varlen_plan",
     "launch_forward",
     "tuning_candidates",
 ]
