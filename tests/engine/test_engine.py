@@ -232,3 +232,21 @@ def _bytes_to_unicode():
             chars.append(chr(256 + extra))
             extra += 1
     return chars
+
+
+def test_corrupt_weights_and_gguf_raise_value_errors(checkpoint, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file" * 4)
+    with pytest.raises(ValueError, match="cannot read weights"):
+        LLMEngine.from_model(str(broken), device="cpu")
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"GGUF" + b"\x00" * 16)
+    with pytest.raises(ValueError, match="cannot read GGUF"):
+        LLMEngine.from_model(str(fake), device="cpu")
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    with pytest.raises(ValueError, match="not GGUF"):
+        LLMEngine.from_model(str(text), device="cpu")

@@ -35,6 +35,8 @@ class LLMEngine:
         start = time.perf_counter()
         self.config = config
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={config.device!r} but torch sees no CUDA GPU (use device='cpu')")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device

@@ -179,7 +179,7 @@ def _safe_dtype(value):
 
 
 def _load_hf(path, device, dtype, max_model_len):
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -199,10 +199,11 @@ def _load_hf(path, device, dtype, max_model_len):
         model = LlamaForCausalLM(cfg, dtype, rows)
     for file in files:
         try:
-            with safe_open(file, framework="pt", device="cpu") as f:
+            # On CUDA each tensor goes to the GPU as stored and is cast there by the copy.
+            with safe_open(file, framework="pt", device=str(device)) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                     model.load_weight(name, f.get_tensor(name))
-        except (OSError, RuntimeError) as exc:  # safetensors reports a corrupt header as either
+        except (OSError, SafetensorError) as exc:
             raise ValueError(f"cannot read weights from {file}: {exc}") from None
     model.check_loaded()
     eos = _ids(defaults.get("eos_token_id")) or _ids(tokenizer.eos_token_id)
