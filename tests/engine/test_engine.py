@@ -250,3 +250,18 @@ def test_corrupt_weights_and_gguf_raise_value_errors(checkpoint, tmp_path):
     text.write_text("hello")
     with pytest.raises(ValueError, match="not GGUF"):
         LLMEngine.from_model(str(text), device="cpu")
+
+
+def test_mixed_sampling_in_one_batch_leaves_greedy_rows_alone(checkpoint, plain):
+    llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=128)
+    params = [GREEDY,
+              SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5,
+                             frequency_penalty=0.5, seed=3, max_tokens=24, ignore_eos=True, logprobs=3),
+              SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True)]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == plain[0][0]
+    assert [c.token_ids for c in outs[3].outputs] == [plain[3][0], plain[3][0]]
+    assert all(len(c.token_ids) == 24 for o in outs for c in o.outputs)
+    assert len(outs[2].outputs[0].logprobs) == 24
+    assert_all_free(llm.engine)
