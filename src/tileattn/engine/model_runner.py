@@ -231,10 +231,10 @@ class ModelRunner:
         size = next(b for b in self.graph_batch_sizes() if b >= len(scheduled))
         return self.graphs[size]
 
-    def _capture_graphs(self) -> None:
-        largest = self.max_num_seqs
-        device = self.device
-        # Static inputs, sized for the largest graph; smaller graphs read their leading rows.
+    def make_static_inputs(self) -> None:
+        """The graphs' input buffers, sized for the largest; a graph of size b reads rows [:b].
+        Padded rows keep slot -1 (no cache write) and key length 1 (a valid, ignored read)."""
+        largest, device = self.max_num_seqs, self.device
         self.static = {
             "input_ids": torch.zeros(largest, dtype=torch.int64, device=device),
             "positions": torch.zeros(largest, dtype=torch.int64, device=device),
@@ -243,21 +243,28 @@ class ModelRunner:
             "block_tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32, device=device),
             "cu_seqlens_q": torch.arange(largest + 1, dtype=torch.int32, device=device),
         }
+
+    def static_forward(self, size: int):
+        """The model on the first ``size`` rows of the static inputs (what a graph captures)."""
         s = self.static
+        batch = AttentionBatch(cu_seqlens_q=s["cu_seqlens_q"][:size + 1], seqlens_k=s["seqlens_k"][:size],
+                               block_tables=s["block_tables"][:size], slot_mapping=s["slot_mapping"][:size],
+                               max_seqlen_q=1, max_seqlen_k=self.max_model_len)
+        return self.model(s["input_ids"][:size], s["positions"][:size], batch)  # [size, hidden]
+
+    def _capture_graphs(self) -> None:
+        self.make_static_inputs()
         pool = None
         for size in reversed(self.graph_batch_sizes()):  # largest first: later ones reuse its pool
-            batch = AttentionBatch(cu_seqlens_q=s["cu_seqlens_q"][:size + 1], seqlens_k=s["seqlens_k"][:size],
-                                   block_tables=s["block_tables"][:size], slot_mapping=s["slot_mapping"][:size],
-                                   max_seqlen_q=1, max_seqlen_k=self.max_model_len)
             with torch.inference_mode():
-                self.model(s["input_ids"][:size], s["positions"][:size], batch)  # warm-up: compiles kernels
-                torch.cuda.synchronize(device)
+                self.static_forward(size)  # warm-up: compiles and caches the kernels' launch plans
+                torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = self.model(s["input_ids"][:size], s["positions"][:size], batch)  # [size, hidden]
+                    out = self.static_forward(size)
             pool = graph.pool() if pool is None else pool
             self.graphs[size] = (graph, out, size)
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(self.device)
 
     def _replay(self, graph_entry, count, ids, positions, batch):
         graph, out, size = graph_entry
