@@ -383,3 +383,16 @@ def test_sass_register_a_operands_untouched_until_retired(expression):
         assert insn in sass, f"{insn} expected in the SASS"
     assert ("REDG" in sass) == with_dq, "dQ REDs exactly in the atomic-mode kernel"
     assert "LDL" not in sass and "STL" not in sass, "local memory traffic (spills) in the SASS"
+
+
+@pytest.mark.parametrize("expression", ab.INSTANTIATIONS + ab.TUNING)
+def test_ptxas_reports_no_wgmma_serialization(expression):
+    """ptxas C7510-C7520 ("wgmma serialized", "warpgroup.wait injected") mean the tensor cores wait
+    on every wgmma; `tileattn check` counts spills, so the warnings are checked here."""
+    from tileattn.kernels import family
+    from tileattn.runtime import compile_cuda
+
+    module = compile_cuda(family(ab.FAMILY_NAME).path, [expression], "sm_90a")
+    warnings = [line for line in module.log.splitlines() if "C75" in line]
+    assert not warnings, "\n".join(warnings)
+    assert "0 bytes spill stores" in module.log and "0 bytes stack frame" in module.log, module.log

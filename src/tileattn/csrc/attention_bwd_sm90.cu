@@ -169,6 +169,10 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
   constexpr u64 kKPanelStep = (kBlockN * kPanel * 2) >> 4;   // descriptor units (16 B)
   constexpr u64 kQPanelStep = (kBlockM * kPanel * 2) >> 4;
   constexpr u64 kRowStep16 = (16 * kPanelRowBytes) >> 4;     // 16 rows of a panel: one MN-major k step
+  // Issue dV before computing dS^T (so the dV wgmma hides that work) only where the registers allow:
+  // it keeps the in-flight packed P^T (kBlockM / 4) live beside fp32 P^T and dP^T (kBlockM each)
+  // and dK, dV. d = 64, kBlockM = 128 would need 64 + 64 + 64 + 32 = 224 and spills.
+  constexpr bool kOverlap = kBlockM == 64;
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ uint64_t kv_full, q_full[kStages], do_full[kStages], empty[kStages];
@@ -288,43 +292,70 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
         s9::wgmma_ss<kBlockM, kIsBF16>(dp, desc_v + off_kv, desc_do + off_q, ks > 0 ? 1 : 0);
       }
       s9::wgmma_commit();
-      s9::wgmma_wait<0>();
-      s9::fence_accumulators(sp);
-      s9::fence_accumulators(dp);
 
-      // ---- 2. P^T, dS^T in fp32 (element 4 j + 2 h + e: key key_h0 + 8 h, query m0 + 8 j + 2 t + e)
+      // ---- 2. S^T retired (groups retire in order; with kOverlap dP^T may still run): P^T, dS^T in
+      // fp32. Element 4 j + 2 h + e of the accumulators: key key_h0 + 8 h, query m0 + 8 j + 2 t + e.
+      s9::wgmma_wait<kOverlap ? 1 : 0>();
+      s9::fence_accumulators(sp);
       const bool masked = key_edge || (kCausal && m0 + diag < n0 + kBlockN - 1);
       const float* lse_s = sLse + s * kBlockM;
       const float* delta_s = sDelta + s * kBlockM;
-#pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-        const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
-        const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int i = 4 * j + 2 * h + e;
-            // lse2 = +inf (fully masked or padding query) gives 2^-inf = 0.
-            float p = fast_exp2(fmaf(sp[i], scale_log2, -(e ? l2.y : l2.x)));
-            if (masked) {
-              const int key = key_h0 + 8 * h, query = m0 + 8 * j + 2 * t + e;
-              if (key >= seqlen_k || (kCausal && key > query + diag)) p = 0.f;
-            }
-            sp[i] = p;
-            dp[i] = p * (dp[i] - (e ? dd.y : dd.x));
-          }
-      }
-      pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
-      pack_acc<kMSteps, kIsBF16>(dsf, dp, 1.f);
-
-      // ---- 3. dV += P^T dO, dK += dS^T Q (register A, MN-major B)
+      // P^T of element i = 4 j + 2 h + e; lse2 = +inf (fully masked or padding query) gives 2^-inf = 0.
+      auto prob = [&](int i, float l2) {
+        float p = fast_exp2(fmaf(sp[i], scale_log2, -l2));
+        if (masked) {
+          const int j = i / 4, h = (i >> 1) & 1, e = i & 1;
+          const int key = key_h0 + 8 * h, query = m0 + 8 * j + 2 * t + e;
+          if (key >= seqlen_k || (kCausal && key > query + diag)) p = 0.f;
+        }
+        return p;
+      };
+      // ---- 3. dV += P^T dO (register A, MN-major B); with kOverlap it runs while dS^T is computed
       const u64 desc_do_mn = s9::make_desc_mn_sw128(sdO + s * kBlockM * kHeadDim, kBlockM * kPanel * 2);
       const u64 desc_q_mn = s9::make_desc_mn_sw128(sQ + s * kBlockM * kHeadDim, kBlockM * kPanel * 2);
-      s9::wgmma_fence();
+      auto issue_dv = [&]() {
+        s9::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kMSteps; ++kk) s9::wgmma_rs<kHeadDim, kIsBF16, 1>(dv, pf[kk], desc_do_mn + kk * kRowStep16, 1);
-      s9::wgmma_commit();
+        for (int kk = 0; kk < kMSteps; ++kk)
+          s9::wgmma_rs<kHeadDim, kIsBF16, 1>(dv, pf[kk], desc_do_mn + kk * kRowStep16, 1);
+        s9::wgmma_commit();
+      };
+      if constexpr (kOverlap) {
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
+#pragma unroll
+          for (int r = 0; r < 4; ++r) sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
+        }
+        pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
+        issue_dv();
+        s9::wgmma_wait<1>();  // dP^T retired; dV still running
+        s9::fence_accumulators(dp);
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+#pragma unroll
+          for (int r = 0; r < 4; ++r) dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
+        }
+      } else {  // S^T and dP^T both retired: P^T and dS^T in one pass, then dV
+        s9::fence_accumulators(dp);
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
+          const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
+            dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
+          }
+        }
+        pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
+        pack_acc<kMSteps, kIsBF16>(dsf, dp, 1.f);
+        issue_dv();
+      }
+      if constexpr (kOverlap) pack_acc<kMSteps, kIsBF16>(dsf, dp, 1.f);
+      // dK += dS^T Q
+      s9::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kMSteps; ++kk) s9::wgmma_rs<kHeadDim, kIsBF16, 1>(dk, dsf[kk], desc_q_mn + kk * kRowStep16, 1);
       s9::wgmma_commit();
