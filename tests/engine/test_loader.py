@@ -1,0 +1,79 @@
+"""Checkpoint forms the loader accepts give the same model: sharded safetensors with an index,
+config.json in the transformers 4 form (rope_theta + rope_scaling), generation_config.json EOS
+lists, tokenizer_config.json chat templates."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tileattn.engine import LLMEngine, SamplingParams
+from tileattn.engine.loader import model_config_from_hf
+
+from .checkpoints import engine_logits, make_checkpoint
+
+PROMPT = [0, 17, 203, 5, 99, 42, 300, 7, 8, 150, 61, 2, 33]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama3")
+    model = make_checkpoint(path, "llama3")
+    return path, model
+
+
+def logits(path, **options):
+    engine = LLMEngine.from_model(str(path), device="cpu", max_model_len=128, kv_cache_blocks=16, **options)
+    return engine, engine_logits(engine, PROMPT)
+
+
+def test_sharded_checkpoint_loads_the_same(llama, tmp_path):
+    path, model = llama
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(path / name, tmp_path / name)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    _, ours = logits(tmp_path)
+    _, ref = logits(path)
+    assert torch.equal(ours, ref)
+
+
+def test_transformers4_config_form_reads_the_same(llama, tmp_path):
+    path, _ = llama
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    cfg = json.loads((path / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = rope  # {"rope_type": "llama3", "factor": ..., ...}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert model_config_from_hf(cfg) == model_config_from_hf(json.loads((path / "config.json").read_text()))
+    _, ours = logits(tmp_path)
+    _, ref = logits(path)
+    assert torch.equal(ours, ref)
+
+
+def test_generation_config_eos_list_and_defaults(llama, tmp_path):
+    path, _ = llama
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [1, 7], "temperature": 0.6, "top_p": 0.9, "do_sample": True}))
+    engine, _ = logits(tmp_path)
+    assert engine.eos_token_ids == {1, 7}
+    assert engine.generation_defaults["temperature"] == 0.6
+    params = SamplingParams.from_generation_config(engine.generation_defaults, max_tokens=5)
+    assert (params.temperature, params.top_p, params.max_tokens) == (0.6, 0.9, 5)
+    greedy = SamplingParams.from_generation_config({"do_sample": False, "temperature": 0.6})
+    assert greedy.temperature == 0.0
+
+
+def test_chat_template_from_tokenizer_config(llama, tmp_path):
+    path, _ = llama
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    engine, _ = logits(tmp_path)
+    assert engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "<s>[user] hi"
