@@ -96,7 +96,7 @@ def attention_paged(
             float16/bfloat16; index tensors that are not int32; shapes that disagree (see above),
             a head dim outside {32, 64, 96, 128, 256}, Hkv not dividing H, a block_size that is not a
             power of two in 16..256, B or Hkv above 65535, more than 2^31 - 1 keys of table
-            capacity or Tq * H rows; max_seqlen_q / max_seqlen_k not non-negative ints; a bad
+            capacity, cache slots, elements in one cache block or Tq * H rows; max_seqlen_q / max_seqlen_k not non-negative ints; a bad
             scale or num_splits; strides or data pointers not 16-byte aligned, block_table with
             stride(1) != 1, cu_seqlens_q / seqlens_k not contiguous; tensors on different devices
             or not on CUDA; with validate=True, bad index contents.
@@ -237,6 +237,11 @@ def _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_
         raise ValueError(f"B={batch} and Hkv={kv_heads} must be at most {_MAX_GRID_YZ} (launch grid limit)")
     if max_blocks * block_size > _INT32_MAX:
         raise ValueError(f"block_table capacity {max_blocks} * {block_size} keys exceeds 2^31 - 1")
+    if block_size * max(k_cache.stride(1), v_cache.stride(1)) > _INT32_MAX:
+        raise ValueError(
+            f"one cache block spans more than 2^31 - 1 elements (block_size {block_size} x row stride "
+            f"{max(k_cache.stride(1), v_cache.stride(1))}): the kernels address rows in a block with 32-bit offsets"
+        )
     if num_blocks * block_size > _INT32_MAX or q.shape[0] * q.shape[1] > _INT32_MAX:
         raise ValueError(
             f"k_cache has {num_blocks * block_size} slots and q {q.shape[0] * q.shape[1]} rows; at most 2^31 - 1"

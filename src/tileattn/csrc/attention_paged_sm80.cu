@@ -190,15 +190,28 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   // block_size): one table load per cache block, not per row. Otherwise (d = 96: 12 chunks) the
   // chunks are dealt out round-robin and each reads its row's table entry (L1 hits).
   // Returns whether a visible key sat in an invalid block.
-  auto load_row = [&](u16* sKs, u16* sVs, int r, int c, int key, int page) -> bool {
+  // Addressing: a cache block's base pointer (one 64-bit multiply) is formed when the table entry is
+  // read; a row inside it is a 32-bit offset (the host guarantees block_size * row stride < 2^31).
+  // An invalid block id keeps the (valid) head base and is zero-filled (cp.async src-size 0).
+  struct Page {
+    const u16* k;
+    const u16* v;
+    bool ok;
+  };
+  auto page_at = [&](int key) -> Page {
+    const int id = key < kr.kv_end ? __ldg(bt_row + (key >> log2_block_size)) : -1;
+    const bool ok = id >= 0 && id < num_blocks;
+    const int64_t blk = ok ? id : 0;
+    return {k_head + blk * k_sb, v_head + blk * v_sb, ok};
+  };
+  const int k_sr32 = static_cast<int>(k_sr), v_sr32 = static_cast<int>(v_sr);
+  auto load_row = [&](u16* sKs, u16* sVs, int r, int c, int key, const Page& page) -> bool {
     const bool in_range = key < kr.kv_end;
-    const bool page_ok = page >= 0 && page < num_blocks;
-    const bool valid = in_range && page_ok;
-    const int64_t off = valid ? static_cast<int64_t>(page) * k_sb + (key & block_mask) * k_sr : 0;
-    const int64_t voff = valid ? static_cast<int64_t>(page) * v_sb + (key & block_mask) * v_sr : 0;
-    cp_async_16(sKs + swizzle<kHeadDim>(r, c), k_head + off + c * 8, valid);
-    cp_async_16(sVs + swizzle<kHeadDim>(r, c), v_head + voff + c * 8, valid);
-    return in_range && !page_ok;
+    const bool valid = in_range && page.ok;
+    const int row = key & block_mask;
+    cp_async_16(sKs + swizzle<kHeadDim>(r, c), valid ? page.k + (row * k_sr32 + c * 8) : k_head, valid);
+    cp_async_16(sVs + swizzle<kHeadDim>(r, c), valid ? page.v + (row * v_sr32 + c * 8) : v_head, valid);
+    return in_range && !page.ok;
   };
   auto load_tile = [&](int n, int stage) -> bool {
     u16* const sKs = sK + stage * kBlockN * kRowElems;
@@ -209,14 +222,14 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
       // From an opaque thread index: recomputed per call, not held in registers across the loop.
       const int tid_l = opaque(tid);
       const int c = tid_l % kChunks, r0 = tid_l / kChunks;
-      int page = 0;
-#pragma unroll
+      Page page{k_head, v_head, false};
+      // Two m-tiles per warp leave no registers for the passes' addresses computed ahead: keep
+      // that loader rolled (its cp.async are still all in flight together).
+#pragma unroll(kMTiles == 1 ? kBlockN / kRowStep : 1)
       for (int i = 0; i < kBlockN / kRowStep; ++i) {
-        const int r = r0 + i * kRowStep;
-        const int key = n * kBlockN + r;
-        if (i == 0 || ((i * kRowStep) & block_mask) == 0)
-          page = key < kr.kv_end ? __ldg(bt_row + (key >> log2_block_size)) : -1;
-        bad |= load_row(sKs, sVs, r, c, key, page);
+        const int key = n * kBlockN + r0 + i * kRowStep;
+        if (i == 0 || ((i * kRowStep) & block_mask) == 0) page = page_at(key);
+        bad |= load_row(sKs, sVs, r0 + i * kRowStep, c, key, page);
       }
     } else {
 #pragma unroll
@@ -224,8 +237,7 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
         const int idx = tid + i * kThreads;
         const int r = idx / kChunks, c = idx - r * kChunks;
         const int key = n * kBlockN + r;
-        const int page = key < kr.kv_end ? __ldg(bt_row + (key >> log2_block_size)) : -1;
-        bad |= load_row(sKs, sVs, r, c, key, page);
+        bad |= load_row(sKs, sVs, r, c, key, page_at(key));
       }
     }
     return bad;
