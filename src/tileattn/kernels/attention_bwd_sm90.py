@@ -264,6 +264,72 @@ def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, c
     return 10.0 * batch * heads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0)
 
 
+def _median_ms(fn, reps: int) -> float:
+    """Median milliseconds of fn() over `reps` timed runs (CUDA events), after two warm-up runs."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def benchmark(seq_lens=(2048, 4096, 8192, 16384), head_dims=HEAD_DIMS, dtypes=(torch.bfloat16, torch.float16),
+              batch: int = 4, heads: int = 32, reps: int = 10) -> list[dict]:
+    """Backward-only TFLOP/s (flops() convention) of this kernel (atomic and deterministic dQ), the
+    sm80 backward and SDPA cuDNN's backward on the same inputs, causal and not; prints one line per
+    case and returns the records. Needs an sm_90 GPU. Backward passes only: out and lse come from
+    one forward launch (tileattn's dispatcher) per case."""
+    import math
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from . import attention_bwd_sm80, dispatch
+
+    records = []
+    for d in head_dims:
+        for dtype in dtypes:
+            for causal in (False, True):
+                for n in seq_lens:
+                    q, k, v, dout = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in range(4))
+                    scale = 1.0 / math.sqrt(d)
+                    out = torch.empty_like(q)
+                    lse = torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
+                    dispatch.attention_forward_plan(q, k, v, out, lse, causal=causal, scale=scale).launch(
+                        q, k, v, out, lse)
+                    grads = tuple(torch.empty_like(t) for t in (q, k, v))
+                    args = (q, k, v, out, lse, dout, *grads)
+                    rec = {"d": d, "dtype": str(dtype).split(".")[-1], "causal": causal, "n": n}
+                    work = flops(batch, heads, n, n, d, causal)
+                    for name, plan in (
+                        ("sm90", BackwardPlan(*args, causal=causal, scale=scale, deterministic=False)),
+                        ("sm90_det", BackwardPlan(*args, causal=causal, scale=scale, deterministic=True)),
+                        ("sm80", attention_bwd_sm80.backward_plan(*args, causal=causal, scale=scale,
+                                                                   deterministic=False)),
+                        ("sm80_det", attention_bwd_sm80.backward_plan(*args, causal=causal, scale=scale,
+                                                                       deterministic=True)),
+                    ):
+                        rec[name] = work / (_median_ms(lambda: plan.launch(*args), reps) * 1e-3) / 1e12
+                    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+                    try:
+                        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                            o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                        ms = _median_ms(lambda: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True), reps)
+                        rec["cudnn"] = work / (ms * 1e-3) / 1e12
+                    except RuntimeError as exc:  # cuDNN not available for this case
+                        rec["cudnn"] = float("nan")
+                        rec["cudnn_error"] = str(exc).splitlines()[0]
+                    print(" ".join(f"{key}={val:.1f}" if isinstance(val, float) else f"{key}={val}"
+                                   for key, val in rec.items()), flush=True)
+                    records.append(rec)
+    return records
+
+
 __all__ = [
     "BLOCK_N",
     "DEFAULTS",
@@ -275,6 +341,7 @@ __all__ = [
     "BackwardPlan",
     "Sm90BwdConfig",
     "backward_plan",
+    "benchmark",
     "expression",
     "flops",
     "supports",
