@@ -189,21 +189,24 @@ def test_varlen_d128_forward_compiles_without_spills_for_sm90a():
 # ---------------------------------------------------------------------------------------------
 # The backward's workspace rows (csrc/attention_bwd_sm80.cu, ws_row / seq_nq_pad)
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("lens", [(1,), (0, 0, 5), (129, 0, 1, 127, 128, 1000), tuple(range(0, 300, 7))])
+@pytest.mark.parametrize("lens", [(1,), (0, 0, 5), (129, 0, 1, 127, 128, 1000), (1, 1, 130, 2, 3),
+                                  tuple(range(0, 300, 7))])
 def test_workspace_rows_of_sequences_never_overlap(lens):
-    """Sequence b's workspace rows [cu[b] + 128 b, + roundup(n_b, 128)) (what its query blocks read and
-    add into without bounds checks) are disjoint from every other sequence's and inside the
-    [H, Tq + 128 B] workspace; each head's rows are ws_pitch apart."""
+    """Sequence b's workspace rows [roundup(cu[b], 4) + 132 b, + roundup(n_b, 128)) (what its query
+    blocks read and add into without bounds checks) start 16-byte aligned (the kernel cp.asyncs 4
+    floats of lse2 / delta at a time), are disjoint from every other sequence's, and end inside a
+    head's ws_pitch rows."""
+    gap = attention_bwd_sm80.VARLEN_WS_GAP
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
-    pitch = cu[-1] + 128 * len(lens)
+    pitch = -(-cu[-1] // 4) * 4 + gap * len(lens)
+    assert pitch % 4 == 0
     spans = []
     for b, n in enumerate(lens):
-        start = cu[b] + 128 * b
-        padded = -(-n // 128) * 128
-        assert padded % 128 == 0 and padded >= n
-        spans.append((start, start + padded))
+        start = ((cu[b] + 3) & ~3) + gap * b
+        assert start % 4 == 0
+        spans.append((start, start + -(-n // 128) * 128))
     for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
         assert a1 <= b0, (a0, a1, b0, b1)
     assert spans[-1][1] <= pitch

@@ -20,7 +20,7 @@ Order of the argument checks (the first failing one is reported):
   2. dtypes: q, k, v float16 or bfloat16, all the same; cu_seqlens int32
   3. shapes: head dims equal and in {32, 64, 96, 128, 256}, H and Hkv >= 1, k and v the same
      shape, Hkv divides H, H <= 65535; cu_seqlens_q and cu_seqlens_k of one length B + 1 >= 2,
-     B < 65535; Tq + 128 B and Tk below 2^31
+     B < 65535; Tq + 132 B + 3 (the backward's workspace rows per head) and Tk below 2^31
   4. max_seqlen_q, max_seqlen_k: ints >= 0 (not bool), at most Tq / Tk
   5. scale (when given) finite and > 0
   6. layout: stride(-1) == 1 and the token and head strides (of dimensions longer than 1)
@@ -48,7 +48,7 @@ SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 _ALIGN_ELEMS = 8  # 16 bytes of a 16-bit dtype: cp.async moves 16-byte chunks
 _MAX_GRID_YZ = 65535
-_ROW_PAD = 128  # the backward's workspace rows per sequence are padded to this (attention_bwd_sm80)
+_WS_GAP = 132  # the backward's workspace rows per sequence beyond its queries (attention_bwd_sm80.VARLEN_WS_GAP)
 _MAX_PLANS = 4096
 
 
@@ -168,8 +168,8 @@ def _check_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         raise ValueError(f"cu_seqlens_q must hold B + 1 >= 2 offsets (at least one sequence), got {batch + 1}")
     if batch + 1 > _MAX_GRID_YZ:
         raise ValueError(f"B={batch} sequences; the launch grid allows at most {_MAX_GRID_YZ - 1}")
-    if total_q + _ROW_PAD * batch >= 2**31 or total_k >= 2**31:
-        raise ValueError(f"q has Tq={total_q} and k Tk={total_k} tokens; Tq + 128 B and Tk must be below 2^31")
+    if total_q + 3 + _WS_GAP * batch >= 2**31 or total_k >= 2**31:
+        raise ValueError(f"q has Tq={total_q} and k Tk={total_k} tokens; Tq + 132 B + 3 and Tk must be below 2^31")
 
     for name, value, limit in (("max_seqlen_q", max_seqlen_q, total_q), ("max_seqlen_k", max_seqlen_k, total_k)):
         # torch.SymInt: torch.compile may trace an int argument symbolically after it changed.

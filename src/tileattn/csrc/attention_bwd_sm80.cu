@@ -136,19 +136,22 @@ __device__ __forceinline__ void store_acc_to_smem(char* tile, const float (&acc)
 // q/out/dout/dq [Tq, H, d], k/v/dk/dv [Tk, Hkv, d], lse [H, Tq], sequence b at tokens
 // cu_seqlens_q[b] / cu_seqlens_k[b]; the batch strides are 0 and the grids cover the longest
 // sequence (blocks past a sequence's end exit). The lse2 / delta workspaces are [H, ws_pitch] with
-// ws_pitch = Tq + 128 B, and dq_accum the same rows times d: sequence b's rows start at
-// cu_seqlens_q[b] + 128 b, so its queries rounded up to a multiple of 128 rows (what the query
-// blocks read and add into without bounds checks, as in the dense NqPad layout) end before the next
-// sequence's rows begin.
-// Row of query 0 of (b, h) in lse2 / delta (times d in dq_accum), and the sequence's padded rows.
+// ws_pitch = roundup(Tq, 4) + 132 B, and dq_accum the same rows times d. Sequence b's rows start at
+// roundup(cu_seqlens_q[b], 4) + 132 b: a multiple of 4 rows (the query blocks cp.async 16 bytes of
+// lse2 / delta at a time), and its queries rounded up to a multiple of 128 rows (what the query
+// blocks read and add into without bounds checks, as in the dense NqPad layout) end at most
+// 3 + 127 rows past its last query, before the next sequence's rows begin (>= 132 rows past it).
+constexpr int kVarlenWsGap = 132;
+// Row of query 0 of (b, h) in lse2 / delta (times d in dq_accum).
 template <bool kVarlen>
 __device__ __forceinline__ int64_t ws_row(int b, int h, int heads, int nq_pad, const SeqSpan& sp, int ws_pitch) {
   if constexpr (kVarlen) {
-    return static_cast<int64_t>(h) * ws_pitch + sp.q0 + 128 * b;
+    return static_cast<int64_t>(h) * ws_pitch + ((sp.q0 + 3) & ~3) + kVarlenWsGap * b;
   } else {
     return (static_cast<int64_t>(b) * heads + h) * nq_pad;
   }
 }
+// Rows of the sequence in the workspaces (a multiple of 128).
 template <bool kVarlen>
 __device__ __forceinline__ int seq_nq_pad(int nq_pad, const SeqSpan& sp) {
   return kVarlen ? (sp.nq + 127) / 128 * 128 : nq_pad;

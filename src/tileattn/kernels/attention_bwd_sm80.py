@@ -52,6 +52,9 @@ _ROW_PAD = 128
 _PRE_ROWS = 64  # rows per preprocess block (kRowsPerBlock in the kernel)
 _CONVERT_ROWS = 64  # rows per convert block
 _MAX_GRID_YZ = 65535
+# Varlen workspace rows between the starts of consecutive sequences beyond their queries (kVarlenWsGap
+# in the kernel): 128-row padding plus 3 rows of 16-byte alignment, rounded up to a multiple of 4.
+VARLEN_WS_GAP = 132
 
 
 @dataclass(frozen=True)
@@ -509,8 +512,9 @@ class BackwardVarlenPlan:
     device, B, max lengths, flags); the cu_seqlens tensors are dynamic parameters like the data.
     Every grid has B + 1 z-slices: the last one zeroes the gradient rows past the last sequence.
 
-    Workspace rows (lse2, delta, and dq_accum times d): [H, Tq + 128 B], sequence b's rows from
-    cu_seqlens_q[b] + 128 b, its query count rounded up to 128 (the kernels' ws_row).
+    Workspace rows (lse2, delta, and dq_accum times d): [H, ws_pitch], ws_pitch = roundup(Tq, 4) +
+    132 B; sequence b's rows from roundup(cu_seqlens_q[b], 4) + 132 b, its query count rounded up
+    to 128 (the kernels' ws_row: 16-byte aligned rows, disjoint sequences).
     """
 
     def __init__(self, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int, *,
@@ -528,7 +532,7 @@ class BackwardVarlenPlan:
         device = q.device.index
         cfg = config
         self.deterministic = deterministic
-        ws_pitch = total_q + _ROW_PAD * batch
+        ws_pitch = -(-total_q // 4) * 4 + VARLEN_WS_GAP * batch
         rows = heads * ws_pitch
         self.ws_elems = 2 * rows + (0 if deterministic else rows * d)
         self.device = q.device
