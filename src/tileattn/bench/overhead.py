@@ -119,6 +119,7 @@ def breakdown(calls: int, rounds: int) -> list[dict]:
     dout = torch.randn_like(out)
     F = torch.nn.functional
     aten = torch.ops.aten
+    plan = getattr(entry.forward, "plan", None)
     pieces = {
         "python call of a no-op": lambda: None,
         "api._eager(q, k, v)": lambda: api._eager(q, k, v),
@@ -129,11 +130,18 @@ def breakdown(calls: int, rounds: int) -> list[dict]:
                                                    __import__("tileattn").runtime.current_stream_handle(0)),
         "forward plan .launch (the kernel launch)": lambda: entry.forward.launch(q, k, v, out, lse),
         "q.new_empty(lse shape, fp32)": lambda: q.new_empty(entry.lse_shape, dtype=torch.float32),
+        "torch.empty_strided(lse shape, fp32)": lambda: torch.empty_strided(entry.lse_shape, lse.stride(),
+                                                                           dtype=torch.float32, device=q.device),
         "tileattn.attention, no grad (all of the above)": lambda: api.attention(q, k, v, causal=True),
         "backward op level: api._backward": lambda: api._backward(entry, dout, q, k, v, out, lse, False),
         "SDPA flash forward, op level (aten)": lambda: aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True),
         "F.scaled_dot_product_attention (flash)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     }
+    if plan is not None and hasattr(plan, "_call"):  # the driver call alone, parameters already packed
+        from ..runtime import current_stream_handle
+
+        stream = current_stream_handle(q.device.index)
+        pieces["cuLaunchKernel alone (cuda.bindings)"] = lambda: plan._launch(*plan._call, stream, plan._params, 0)
     try:
         fwd = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)
         o, l, cq, ck, mq, mk, seed, off = fwd[:8]
