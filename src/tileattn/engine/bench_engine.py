@@ -102,23 +102,34 @@ def bench_engine_main(argv=None) -> int:
 
 # ---- checkpoints ---------------------------------------------------------------------------------
 
-def checkpoint(args, shape: str):
-    """(path, transformers model on args.device in args.dtype) for a random-init checkpoint of ``shape``."""
+def checkpoint(args, shape: str, need_model: bool = True):
+    """(path, transformers model on args.device in args.dtype, or None when not needed and the
+    checkpoint is already on disk) for a random-init checkpoint of ``shape``. A checkpoint counts
+    as on disk when its marker file holds this shape's config (a run cut short leaves none)."""
     import torch
     import transformers
 
     path = os.path.join(args.workdir, shape)
+    marker = os.path.join(path, "bench-shape.json")
+    wanted = json.dumps(SHAPES[shape], sort_keys=True)
+    on_disk = False
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            on_disk = f.read() == wanted
+    if on_disk and not need_model:
+        return path, None
     config = transformers.AutoConfig.for_model(**SHAPES[shape])
     config.architectures = SHAPES[shape]["architectures"]
     torch.manual_seed(0)
     with torch.device(args.device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=args.dtype)
     model.eval()
-    marker = os.path.join(path, "config.json")
-    if not os.path.isfile(marker):
+    if not on_disk:
         os.makedirs(path, exist_ok=True)
         model.save_pretrained(path)
         _save_tokenizer(path)
+        with open(marker, "w") as f:
+            f.write(wanted)
     return path, model
 
 
@@ -186,7 +197,7 @@ def bench_decode(args, shape, new_tokens, compile_peer):
 
     from .sampling_params import SamplingParams
 
-    path, model = checkpoint(args, shape)
+    path, model = checkpoint(args, shape, need_model=not args.no_peers)
     prompt = random.Random(0).choices(range(1000, 20000), k=32)
     rows = []
     if not args.no_peers:
@@ -265,7 +276,7 @@ def bench_throughput(args, shape, requests, max_len):
     from .llm import LLM
     from .sampling_params import SamplingParams
 
-    path, model = checkpoint(args, shape)
+    path, model = checkpoint(args, shape, need_model=not args.no_peers)
     prompts, lengths = workload(requests, max_len)
     rows = []
     if not args.no_peers:
@@ -273,7 +284,8 @@ def bench_throughput(args, shape, requests, max_len):
                           round(statistics.mean(lengths))))
     del model
     _free()
-    llm = LLM(path, device=args.device, dtype=args.dtype, max_model_len=2 * max_len + 16)
+    llm = LLM(path, device=args.device, dtype=args.dtype, max_model_len=2 * max_len + 16,
+              max_num_seqs=min(256, requests))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     _sync(args.device)
@@ -310,10 +322,10 @@ def bench_ttft(args, shape, prompt_len):
 
     from .sampling_params import SamplingParams
 
-    path, model = checkpoint(args, shape)
+    path, model = checkpoint(args, shape, need_model=False)
     del model
     _free()
-    engine = _engine(args, path, max_model_len=4096)
+    engine = _engine(args, path, max_model_len=4096, max_num_seqs=8)
     rng = random.Random(1)
     times = []
     for i in range(6):  # the first one warms up
