@@ -160,15 +160,15 @@ def test_descriptors_read_what_tma_wrote(d, cfg):
 
 
 # ---- block_range: which K/V blocks a query tile visits, and which need masking ---------------------
-def block_range(causal: bool, block_n: int, m_block: int, nq: int, nk: int) -> tuple[int, int]:
-    """Mirror of fwd90::block_range."""
+def block_range(causal: bool, block_n: int, m_block: int, nq: int, nk: int, rows: int = BLOCK_M) -> tuple[int, int]:
+    """Mirror of fwd90::block_range (rows: positions per tile, 128 / pack)."""
     n_total = -(-nk // block_n)
     edge = 1 if nk % block_n else 0
     if not causal:
         return n_total, edge
-    row0 = m_block * BLOCK_M
+    row0 = m_block * rows
     diag = nk - nq
-    last_key = min(row0 + BLOCK_M, nq) - 1 + diag
+    last_key = min(row0 + rows, nq) - 1 + diag
     if last_key < 0:
         return 0, 0
     n_end = min(n_total, last_key // block_n + 1)
@@ -184,15 +184,16 @@ def visible(causal: bool, row: int, key: int, nq: int, nk: int) -> bool:
 SIZES = (1, 2, 17, 63, 64, 65, 127, 128, 129, 255, 256, 300, 513)
 
 
+@pytest.mark.parametrize("tile_rows", [128, 32, 8], ids=lambda r: f"R{r}")
 @pytest.mark.parametrize("block_n", sorted({cfg.block_n for _, cfg in CONFIGS}))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_block_range_covers_exactly_the_visible_keys(block_n, causal):
+def test_block_range_covers_exactly_the_visible_keys(block_n, causal, tile_rows):
     for nq in SIZES:
         for nk in SIZES:
-            for m_block in range(-(-nq // BLOCK_M)):
-                n_end, n_masked = block_range(causal, block_n, m_block, nq, nk)
+            for m_block in range(-(-nq // tile_rows)):
+                n_end, n_masked = block_range(causal, block_n, m_block, nq, nk, tile_rows)
                 assert 0 <= n_masked <= n_end
-                rows = range(m_block * BLOCK_M, min((m_block + 1) * BLOCK_M, nq))
+                rows = range(m_block * tile_rows, min((m_block + 1) * tile_rows, nq))
                 for n in range(-(-nk // block_n)):
                     keys = range(n * block_n, (n + 1) * block_n)
                     seen = [visible(causal, r, k, nq, nk) for r in rows for k in keys]
@@ -377,43 +378,78 @@ def test_pipeline_protocol(stages, pingpong):
 
 
 # ---- tile order --------------------------------------------------------------------------------------
-def tile_coords(causal: bool, t: int, m_blocks: int, heads: int, batches: int) -> tuple[int, int, int]:
-    """Mirror of fwd90::tile_coords: (m_block, head, batch)."""
+def tile_coords(causal: bool, t: int, m_blocks: int, groups: int, pack: int, batches: int) -> tuple[int, int, int]:
+    """Mirror of fwd90::tile_coords: (m_block, first head, batch)."""
     if causal:
-        m_block, bh = m_blocks - 1 - t // (heads * batches), t % (heads * batches)
+        m_block, gb = m_blocks - 1 - t // (groups * batches), t % (groups * batches)
     else:
-        m_block, bh = t % m_blocks, t // m_blocks
-    return m_block, bh % heads, bh // heads
+        m_block, gb = t % m_blocks, t // m_blocks
+    return m_block, (gb % groups) * pack, gb // groups
+
+
+def tile_rows(m_block: int, head0: int, rows: int, c: int, warp: int, lane: int) -> list[tuple[int, int]]:
+    """Mirror of the consumer's (head, position) of its accumulator rows g and g + 8."""
+    r0 = c * 64 + warp * 16 + lane // 4
+    return [(head0 + r // rows, m_block * rows + r % rows) for r in (r0, r0 + 8)]
+
+
+def store_box(m_block: int, head0: int, rows: int, c: int) -> list[tuple[int, int]]:
+    """(head, position) of each of the 64 rows of consumer c's TMA store box, in box row order:
+    the kernel's first (position, head) and geometry's box (o_rows positions x 64/o_rows heads)."""
+    pos0, head = m_block * rows + (c * 64) % rows, head0 + (c * 64) // rows
+    o_rows = min(rows, 64)
+    return [(head + i // o_rows, pos0 + i % o_rows) for i in range(64)]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_tiles_cover_every_query_tile_once_longest_first(causal):
-    for nq, heads, batches in ((1, 1, 1), (300, 3, 2), (1000, 5, 1), (129, 1, 7)):
-        m_blocks = -(-nq // BLOCK_M)
-        order = [tile_coords(causal, t, m_blocks, heads, batches) for t in range(m_blocks * heads * batches)]
-        assert sorted(order) == sorted((m, h, b) for m in range(m_blocks) for h in range(heads)
-                                       for b in range(batches)), "every tile exactly once"
-        if causal:  # work (K/V blocks visited) never increases along the order
-            work = [block_range(True, 128, m, nq, nq)[0] for m, _, _ in order]
-            assert work == sorted(work, reverse=True)
-        else:  # one head's query tiles back to back
-            assert all(order[t][1:] == order[t - 1][1:] for t in range(1, len(order)) if t % m_blocks)
+def test_tiles_cover_every_query_row_once_longest_first(causal):
+    for nq, heads, kv_heads, batches in ((1, 1, 1, 1), (300, 3, 3, 2), (1000, 5, 5, 1), (129, 1, 1, 7), (1, 8, 1, 2),
+                                         (17, 8, 2, 1), (129, 16, 4, 1), (300, 64, 1, 1), (5, 32, 16, 3)):
+        for pack_gqa in (False, True):
+            geo = af._geometry(batches, heads, kv_heads, nq, af.DEFAULTS[(128, causal)], pack_gqa)
+            pack = geo.pack
+            rows = BLOCK_M // pack
+            m_blocks = -(-nq // rows)
+            order = [tile_coords(causal, t, m_blocks, heads // pack, pack, batches) for t in range(geo.tiles)]
+            assert geo.boxes[0] == (1, pack, rows, 64) and (kv_heads == heads or not pack_gqa or pack > 1)
+            seen = []
+            for m_block, head0, b in order:
+                assert (head0 // (heads // kv_heads)) == ((head0 + pack - 1) // (heads // kv_heads)), "one K/V head"
+                for c in range(2):
+                    stored = store_box(m_block, head0, rows, c)
+                    mine = [hp for w in range(4) for lane in range(32) for hp in tile_rows(m_block, head0, rows, c, w, lane)]
+                    assert sorted(set(mine)) == sorted(stored), "a consumer stores exactly the rows it computed"
+                    seen += [(b, h, pos) for h, pos in stored if pos < nq]
+            assert sorted(seen) == sorted((b, h, i) for b in range(batches) for h in range(heads) for i in range(nq))
+            if causal:  # work (K/V blocks visited) never increases along the order
+                work = [block_range(True, 128, m, nq, nq, rows)[0] for m, _, _ in order]
+                assert work == sorted(work, reverse=True)
+            else:  # one head group's query tiles back to back
+                assert all(order[t][1:] == order[t - 1][1:] for t in range(1, len(order)) if t % m_blocks)
+
+
+def test_gqa_pack_choice():
+    assert af.gqa_pack(8, 1, 1) == 8 and af.gqa_pack(8, 2, 17) == 4  # decode / short chunks: pack
+    assert af.gqa_pack(8, 8, 1) == 1 and af.gqa_pack(6, 2, 1) == 1  # no group; group of 3 does not divide 128
+    assert af.gqa_pack(4, 1, 128) == 1 and af.gqa_pack(4, 1, 4096) == 1  # no padding to save
 
 
 # ---- numerics of the online softmax as the kernel orders it -----------------------------------------
-def emulate(q, k, v, causal: bool, scale: float, block_n: int):
-    """The kernel's arithmetic per query row (fp32, exp2, P rounded to the input dtype)."""
+def emulate(q, k, v, causal: bool, scale: float, block_n: int, pack: int = 1):
+    """The kernel's arithmetic per query row (fp32, exp2, P rounded to the input dtype); with GQA
+    packing a tile holds 128 / pack positions of each packed head (same block range for all)."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     out = torch.zeros(b, h, nq, d)
     lse = torch.zeros(b, h, nq)
     sl2 = scale * 1.4426950408889634
+    tile = BLOCK_M // pack
     for bi in range(b):
         for hi in range(h):
             kh = hi // (h // hkv)
-            for m_block in range(-(-nq // BLOCK_M)):
-                rows = torch.arange(m_block * BLOCK_M, min((m_block + 1) * BLOCK_M, nq))
-                n_end, n_masked = block_range(causal, block_n, m_block, nq, nk)
+            for m_block in range(-(-nq // tile)):
+                rows = torch.arange(m_block * tile, min((m_block + 1) * tile, nq))
+                n_end, n_masked = block_range(causal, block_n, m_block, nq, nk, tile)
                 m = torch.full((len(rows),), -2.0 ** 100)
                 l = torch.zeros(len(rows))
                 o = torch.zeros(len(rows), d)
@@ -446,7 +482,8 @@ def emulate(q, k, v, causal: bool, scale: float, block_n: int):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", [(1, 2, 1, 130, 200), (1, 1, 1, 300, 45), (2, 2, 2, 1, 129), (1, 4, 2, 129, 128)],
+@pytest.mark.parametrize("shape", [(1, 2, 1, 130, 200), (1, 1, 1, 300, 45), (2, 2, 2, 1, 129), (1, 4, 2, 129, 128),
+                                   (1, 8, 1, 17, 150)],
                          ids=lambda s: "B{}H{}Hkv{}_Nq{}_Nk{}".format(*s))
 @pytest.mark.parametrize("block_n", [64, 128])
 def test_emulated_online_softmax_matches_reference(block_n, shape, causal):
@@ -455,7 +492,7 @@ def test_emulated_online_softmax_matches_reference(block_n, shape, causal):
     q = torch.randn(b, h, nq, 64, generator=g).to(torch.bfloat16)
     k = torch.randn(b, hkv, nk, 64, generator=g).to(torch.bfloat16)
     v = torch.randn(b, hkv, nk, 64, generator=g).to(torch.bfloat16)
-    out, lse = emulate(q, k, v, causal, 0.125, block_n)
+    out, lse = emulate(q, k, v, causal, 0.125, block_n, af.gqa_pack(h, hkv, nq))
     ref, ref_lse = reference.attention(q, k, v, causal=causal, scale=0.125, compute_dtype=torch.float64)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     err = (out.double() - ref).norm() / ref.norm()

@@ -92,7 +92,7 @@ def check(out, lse, q, k, v, causal, scale, *, tol=None, what=""):
     return err
 
 
-def launch(q, k, v, causal, scale, config=None, out=None):
+def launch(q, k, v, causal, scale, config=None, out=None, pack_gqa=None):
     """launch_forward_sm90 with NaN-poisoned outputs."""
     from tileattn.kernels.attention_fwd_sm90 import launch_forward_sm90
 
@@ -101,7 +101,7 @@ def launch(q, k, v, causal, scale, config=None, out=None):
     else:
         out.fill_(float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda", dtype=torch.float32)
-    launch_forward_sm90(q, k, v, out, lse, causal=causal, scale=scale, config=config)
+    launch_forward_sm90(q, k, v, out, lse, causal=causal, scale=scale, config=config, pack_gqa=pack_gqa)
     return out, lse
 
 
@@ -137,6 +137,29 @@ def test_forward_matches_reference(d, causal, dtype, shape):
     assert torch.equal(out, out2) and torch.equal(lse, lse2), "same inputs, same kernel: must be bitwise equal"
 
 
+GQA_SHAPES = [  # (B, H, Hkv, Nq, Nk): groups of 2, 4, 8, 16, 64 (packed: 64, 32, 16, 8, 2 positions per tile)
+    (2, 4, 2, 1, 300),
+    (1, 8, 2, 70, 45),
+    (1, 16, 2, 33, 200),
+    (2, 32, 2, 129, 129),
+    (1, 64, 1, 5, 77),
+]
+
+
+@pytest.mark.parametrize("pack_gqa", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("shape", GQA_SHAPES, ids=lambda s: "B{}H{}Hkv{}_Nq{}_Nk{}".format(*s))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_gqa_packing_forced_both_ways(d, causal, shape, pack_gqa):
+    """The same GQA inputs with the query heads of a group packed into one tile and not: both
+    match the reference (packed tiles put (head, position) rows in one TMA box, mask by position
+    and write lse per head)."""
+    b, h, hkv, nq, nk = shape
+    q, k, v = make_qkv(b, h, hkv, nq, nk, d, BF16, seed=zlib.crc32(repr(("gqa", d, causal, shape)).encode()))
+    out, lse = launch(q, k, v, causal, 1 / math.sqrt(d), pack_gqa=pack_gqa)
+    check(out, lse, q, k, v, causal, 1 / math.sqrt(d), what=f"pack_gqa={pack_gqa}")
+
+
 @pytest.mark.sanitize
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -144,8 +167,9 @@ def test_small_for_sanitizer(d, causal):
     """Small irregular shapes: partial Q tile (second consumer has no rows), partial K/V edge
     block, GQA, fully masked rows."""
     q, k, v = make_qkv(1, 4, 2, 70, 45, d, BF16, seed=d + causal)
-    out, lse = launch(q, k, v, causal, 0.1)
-    check(out, lse, q, k, v, causal, 0.1, what="small")
+    for pack_gqa in (False, True):
+        out, lse = launch(q, k, v, causal, 0.1, pack_gqa=pack_gqa)
+        check(out, lse, q, k, v, causal, 0.1, what=f"small pack_gqa={pack_gqa}")
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
@@ -244,12 +268,14 @@ def test_expanded_kv_zero_strides():
     check(out, lse, q, k, v, True, 0.09, what="expanded k/v")
 
 
+@pytest.mark.parametrize("hkv", [8, 2], ids=["mha", "gqa4_packed"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_store_never_writes_past_nq(d):
+def test_store_never_writes_past_nq(d, hkv):
     """out is a view of the first Nq rows of a taller buffer: the rows after it (the TMA store's
-    box reaches up to 127 rows further) must keep their sentinel values."""
-    b, h, nq, nk = 2, 3, 70, 90
-    q, k, v = make_qkv(b, h, h, nq, nk, d, BF16, seed=d + 1)
+    box reaches up to 127 rows further; packed, up to 31 rows past each head's end) must keep their
+    sentinel values."""
+    b, h, nq, nk = 2, 8, 70, 90
+    q, k, v = make_qkv(b, h, hkv, nq, nk, d, BF16, seed=d + 1)
     big = torch.full((b, h, nq + 128, d), 7.0, device="cuda", dtype=BF16)
     out, lse = launch(q, k, v, False, 0.1, out=big[:, :, :nq])
     check(out, lse, q, k, v, False, 0.1, what="store bound")

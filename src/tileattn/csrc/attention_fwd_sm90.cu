@@ -11,9 +11,14 @@
 // attention_fwd_sm80.cu; see docs/attention_fwd_sm90.md for the design and its numbers.
 //
 // ---- Work decomposition -------------------------------------------------------------------------
-// A tile is 128 query rows of one (batch, head); tiles are numbered so that tile order is work
+// A tile is 128 query rows: `pack` query heads (1, or the kv_group heads that share one K/V head:
+// "GQA packing") x R = 128 / pack consecutive positions of one batch entry. Tile row r is head
+// head0 + r / R, position m_block * R + r % R, and Q / O move as one 4-D TMA box (64, R, pack, 1)
+// (a consumer's O rows as (64, min(R, 64), 64 / min(R, 64), 1)), so a packed tile reads each K/V
+// block once for all `pack` heads: with few queries per head (decode, short chunks) that divides
+// the K/V traffic and the number of tiles by `pack`. Tiles are numbered so that tile order is work
 // order (tile_coords): causal, the last query tiles of every head (the ones that see the most keys)
-// come first; non-causal, the query tiles of one head are consecutive (they share K/V in L2).
+// come first; non-causal, the query tiles of one head (group) are consecutive (they share K/V in L2).
 // A 1-D grid of CTAs walks tiles blockIdx.x, blockIdx.x + gridDim.x, ...: one tile per CTA when the
 // host launches one CTA per tile, or persistent (grid = #SMs), where each CTA's producer already
 // loads the next tile's Q and K/V while its consumers finish the current one. 384 threads = 3
@@ -125,15 +130,15 @@ struct BlockRange {
   int n_end, n_masked;
 };
 template <bool kCausal, int kBlockN>
-__device__ __forceinline__ BlockRange block_range(int m_block, int seqlen_q, int seqlen_k) {
+__device__ __forceinline__ BlockRange block_range(int m_block, int rows, int seqlen_q, int seqlen_k) {
   const int n_total = (seqlen_k + kBlockN - 1) / kBlockN;
   const int edge = (seqlen_k % kBlockN) != 0 ? 1 : 0;
   if constexpr (!kCausal) {
     return {n_total, edge};
   } else {
-    const int row0 = m_block * kBlockM;
+    const int row0 = m_block * rows;                        // the tile's positions: row0 .. row0 + rows - 1
     const int diag = seqlen_k - seqlen_q;                   // query i sees keys j <= i + diag
-    const int last_key = min(row0 + kBlockM, seqlen_q) - 1 + diag;  // last key any row sees
+    const int last_key = min(row0 + rows, seqlen_q) - 1 + diag;  // last key any row sees
     if (last_key < 0) return {0, 0};
     const int n_end = min(n_total, last_key / kBlockN + 1);
     // Block n is unmasked for every row iff its last key is visible to the tile's first row.
@@ -144,32 +149,32 @@ __device__ __forceinline__ BlockRange block_range(int m_block, int seqlen_q, int
   }
 }
 
-// Tile t -> (query tile, head, batch), in work order (see the header). m_blocks = ceil(Nq / 128).
+// Tile t -> (position block, first head, batch), in work order (see the header). m_blocks =
+// ceil(Nq / R), groups = heads / pack.
 struct Tile {
-  int m_block, head, batch;
+  int m_block, head0, batch;
 };
 template <bool kCausal>
-__device__ __forceinline__ Tile tile_coords(int t, int m_blocks, int heads, int batches) {
-  int m_block, bh;
-  if constexpr (kCausal) {  // longest first: query tile m_blocks - 1 of every (batch, head), then ...
-    m_block = m_blocks - 1 - t / (heads * batches);
-    bh = t % (heads * batches);
-  } else {                  // the query tiles of one (batch, head) back to back
+__device__ __forceinline__ Tile tile_coords(int t, int m_blocks, int groups, int pack, int batches) {
+  int m_block, gb;
+  if constexpr (kCausal) {  // longest first: position block m_blocks - 1 of every (batch, group), then ...
+    m_block = m_blocks - 1 - t / (groups * batches);
+    gb = t % (groups * batches);
+  } else {                  // the position blocks of one (batch, group) back to back
     m_block = t % m_blocks;
-    bh = t / m_blocks;
+    gb = t / m_blocks;
   }
-  return {m_block, bh % heads, bh / heads};
+  return {m_block, (gb % groups) * pack, gb / groups};
 }
 
 // Per-thread view of one consumer's m64 x N accumulator (sm90.cuh): element 4j + 2h + e is row
-// g + 8h of the thread's warp slice, column 8j + 2t + e.
+// g + 8h of the thread's warp slice, column 8j + 2t + e. pos[h]: that row's query position.
 template <int kBlockN, bool kCausal>
-__device__ __forceinline__ void apply_mask(float (&s)[kBlockN / 2], int n, int row_h0, int t, int seqlen_k,
+__device__ __forceinline__ void apply_mask(float (&s)[kBlockN / 2], int n, const int (&pos)[2], int t, int seqlen_k,
                                            int diag) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int row = row_h0 + 8 * h;
-    const int limit = kCausal ? min(seqlen_k - 1, row + diag) : seqlen_k - 1;  // last visible key
+    const int limit = kCausal ? min(seqlen_k - 1, pos[h] + diag) : seqlen_k - 1;  // last visible key
     const int key0 = n * kBlockN + 2 * t;
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j)
@@ -221,10 +226,11 @@ __device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float 
 
 }  // namespace fwd90
 
-// tmap_q: q [B, H, Nq, d] as a 4-D map (d, Nq, H, B), box (64, 128, 1, 1), 128B swizzle, zero fill.
+// tmap_q: q [B, H, Nq, d] as a 4-D map (d, Nq, H, B), box (64, R, pack, 1) with R = 128 / pack,
+// 128B swizzle, zero fill. pack: 1 or a divisor of kv_group that divides 128 (GQA packing).
 // tmap_k, tmap_v: k / v [B, Hkv, Nk, d], box (64, kBlockN, 1, 1). tmap_o: out [B, H, Nq, d], box
-// (64, 64, 1, 1). lse: [B, H, Nq] fp32 contiguous, natural log. kv head = head / kv_group.
-// 1-D grid of at most ceil(Nq / 128) * H * B <= 2^30 CTAs (fewer = persistent), 384 threads;
+// (64, min(R, 64), 64 / min(R, 64), 1). lse: [B, H, Nq] fp32 contiguous, natural log. kv head = head / kv_group.
+// 1-D grid of at most ceil(Nq / R) * (H / pack) * B <= 2^30 CTAs (fewer = persistent), 384 threads;
 // dynamic shared memory 2 d (128 + 2 kStages kBlockN) + 1024.
 template <int kHeadDim, int kBlockN, int kStages, bool kPingPong, bool kCausal, bool kIsBF16>
 __global__ void __launch_bounds__(fwd90::kThreads, 1)
@@ -232,7 +238,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
                        const __grid_constant__ sm90::TmaDescriptor tmap_k,
                        const __grid_constant__ sm90::TmaDescriptor tmap_v,
                        const __grid_constant__ sm90::TmaDescriptor tmap_o, float* __restrict__ lse, int batches,
-                       int heads, int kv_group, int seqlen_q, int seqlen_k, float scale_log2) {
+                       int heads, int kv_group, int pack, int seqlen_q, int seqlen_k, float scale_log2) {
   using namespace fwd90;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
   static_assert(sm90::wgmma_n_supported(kBlockN) && kBlockN % 16 == 0,
@@ -251,8 +257,10 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
   u16* const sK = sQ + kBlockM * kHeadDim;                   // [kStages][kPanels][kBlockN][64]
   u16* const sV = sK + kStages * kBlockN * kHeadDim;         // [kStages][kPanels][kBlockN][64]
 
-  const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
-  const int num_tiles = m_blocks * heads * batches;
+  const int rows = kBlockM / pack;                           // R: positions per tile (per head)
+  const int m_blocks = (seqlen_q + rows - 1) / rows;
+  const int groups = heads / pack;
+  const int num_tiles = m_blocks * groups * batches;
   const int wg = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -278,9 +286,9 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       int g = 0;  // K/V visits so far, across this CTA's tiles: ring slot and phase
       int i = 0;  // tiles so far: q_full / q_empty phase
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, ++i) {
-        const Tile tile = tile_coords<kCausal>(t, m_blocks, heads, batches);
-        const BlockRange range = block_range<kCausal, kBlockN>(tile.m_block, seqlen_q, seqlen_k);
-        const int kv_head = tile.head / kv_group;
+        const Tile tile = tile_coords<kCausal>(t, m_blocks, groups, pack, batches);
+        const BlockRange range = block_range<kCausal, kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k);
+        const int kv_head = tile.head0 / kv_group;                // the same for all `pack` heads
         // Q always (even for a fully masked tile): the epilogue stages O in sQ, so the Q copy must
         // have landed before anyone writes there. sQ is free once both consumers' previous TMA
         // stores have read it.
@@ -288,7 +296,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         s9::mbar_arrive_expect_tx(&q_full, kQBytes);
 #pragma unroll
         for (int p = 0; p < kPanels; ++p)
-          s9::tma_load_4d(sQ + p * kBlockM * kPanel, &tmap_q, p * kPanel, tile.m_block * kBlockM, tile.head,
+          s9::tma_load_4d(sQ + p * kBlockM * kPanel, &tmap_q, p * kPanel, tile.m_block * rows, tile.head0,
                           tile.batch, &q_full);
         for (int it = 0; it < range.n_end; ++it, ++g) {
           const int n = range.n_end - 1 - it;
@@ -363,9 +371,12 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     int g0 = 0;  // K/V visits of this CTA before the current tile (the producer counts the same)
     int i = 0;   // tiles so far: q_full phase
     for (int tl = blockIdx.x; tl < num_tiles; tl += gridDim.x, ++i) {
-      const Tile tile = tile_coords<kCausal>(tl, m_blocks, heads, batches);
-      const BlockRange range = block_range<kCausal, kBlockN>(tile.m_block, seqlen_q, seqlen_k);
-      const int row_h0 = tile.m_block * kBlockM + c * 64 + warp * 16 + g;  // global query row of h = 0
+      const Tile tile = tile_coords<kCausal>(tl, m_blocks, groups, pack, batches);
+      const BlockRange range = block_range<kCausal, kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k);
+      // Tile row of this thread's accumulator rows g (h = 0) and g + 8 (h = 1), and their query
+      // positions (the heads, r / rows, are recomputed in the epilogue: registers are scarce).
+      const int r0 = c * 64 + warp * 16 + g;
+      const int pos[2] = {tile.m_block * rows + r0 % rows, tile.m_block * rows + (r0 + 8) % rows};
 #pragma unroll
       for (int k = 0; k < kHeadDim / 2; ++k) o[k] = 0.f;
 #pragma unroll
@@ -384,7 +395,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         s9::wgmma_wait<0>();
         s9::fence_accumulators(s);
         if (releaser) s9::mbar_arrive(&k_empty[s0]);
-        if (range.n_masked > 0) apply_mask<kBlockN, kCausal>(s, range.n_end - 1, row_h0, t, seqlen_k, diag);
+        if (range.n_masked > 0) apply_mask<kBlockN, kCausal>(s, range.n_end - 1, pos, t, seqlen_k, diag);
         softmax_step<kBlockN>(s, m, l, alpha, scale_log2);  // alpha is 0 or 1 here and O is 0
         pack_p<kBlockN, kIsBF16>(p, s);
 
@@ -403,7 +414,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
           s9::wgmma_wait<1>();  // S_j retired (groups retire in order); P V still running
           s9::fence_accumulators(s);
           if (releaser) s9::mbar_arrive(&k_empty[sk]);
-          if (masked) apply_mask<kBlockN, kCausal>(s, range.n_end - 1 - it, row_h0, t, seqlen_k, diag);
+          if (masked) apply_mask<kBlockN, kCausal>(s, range.n_end - 1 - it, pos, t, seqlen_k, diag);
           softmax_step<kBlockN>(s, m, l, alpha, scale_log2);
           s9::wgmma_wait<0>();  // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free
           s9::fence_accumulators(o);
@@ -436,9 +447,8 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       for (int h = 0; h < 2; ++h) {
         const float sum = quad_sum(l[h]);
         inv[h] = sum > 0.f ? 1.f / sum : 0.f;  // sum == 0 <=> the row saw no key: O = 0
-        const int row = row_h0 + 8 * h;
-        if (t == 0 && row < seqlen_q)
-          lse[(static_cast<int64_t>(tile.batch) * heads + tile.head) * seqlen_q + row] =
+        if (t == 0 && pos[h] < seqlen_q)
+          lse[(static_cast<int64_t>(tile.batch) * heads + tile.head0 + (r0 + 8 * h) / rows) * seqlen_q + pos[h]] =
               sum > 0.f ? (m[h] + log2f(sum)) * kLn2 : neg_inf();
       }
       // stmatrix.x4 j covers columns 16 j .. 16 j + 15 of the warp's 16 rows: matrix i = (rows
@@ -462,11 +472,12 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       s9::fence_proxy_async();               // generic-proxy stmatrix writes -> async-proxy TMA store
       s9::named_barrier_sync<128>(1 + c);    // this consumer's 128 threads only
       if (tid == 0) {
-        const int row0 = tile.m_block * kBlockM + c * 64;
-        if (row0 < seqlen_q) {
+        // This consumer's rows 64 c .. 64 c + 63 as one box: first position and head of row 64 c.
+        const int pos0 = tile.m_block * rows + (c * 64) % rows, head = tile.head0 + (c * 64) / rows;
+        if (pos0 < seqlen_q) {
 #pragma unroll
           for (int pnl = 0; pnl < kPanels; ++pnl)
-            s9::tma_store_4d(&tmap_o, sQ + pnl * kBlockM * kPanel + c * 64 * kPanel, pnl * kPanel, row0, tile.head,
+            s9::tma_store_4d(&tmap_o, sQ + pnl * kBlockM * kPanel + c * 64 * kPanel, pnl * kPanel, pos0, head,
                              tile.batch);
           s9::tma_store_commit();
           s9::tma_store_wait_read();         // sQ must not be refilled (or freed) before the copy read it

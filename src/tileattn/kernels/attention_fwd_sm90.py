@@ -5,6 +5,11 @@ Same tensors and contract as attention_fwd_sm80.launch_forward: q [B, H, Nq, d],
 log. Every CTA has 128 query rows (two consumer warpgroups of 64) and a producer warpgroup; the
 config is the K/V block (kBlockN keys, the N of S = Q K^T) and the depth of the K/V rings.
 
+GQA packing: with H / Hkv = G query heads per K/V head, a tile may hold G heads x 128 / G
+positions instead of 128 positions of one head, so that each K/V block is read once for all G
+heads. `gqa_pack` decides per call (packing when it leaves fewer padded query rows, e.g. decode);
+`pack_gqa=True/False` forces it.
+
 Q, K, V and O are read and written through 4-D TMA tensor maps over the tensors as they are
 (d, N, heads, batch), so any strides the API accepts work without copies: TMA needs 16-byte
 strides and a 16-byte aligned base, which the API's checks guarantee for every dimension longer
@@ -16,7 +21,6 @@ contiguous first, and out is then written through a contiguous temporary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 import torch
@@ -72,15 +76,18 @@ DEFAULTS: dict[tuple[int, bool], Sm90Config] = {
     (256, True): C(64, 2),
 }
 # Extra candidates for the tuning benchmark (bf16 only): the defaults with ping-pong and/or a
-# persistent grid, deeper rings and smaller key blocks.
+# persistent grid, deeper rings, smaller key blocks and FA3's tiles (where two consumers fit them).
+_EXTRA = {
+    64: (C(128, 3, True), C(128, 3, False, True), C(128, 4), C(64, 4), C(192, 2), C(192, 2, True)),
+    128: (C(128, 2, True), C(128, 2, False, True), C(128, 2, True, True), C(64, 4), C(64, 4, True), C(176, 2),
+          C(176, 2, True), C(96, 3)),
+    256: (C(64, 2, True), C(64, 2, False, True), C(80, 2), C(80, 2, True)),
+}
+# Causal d=64 at 192 keys spills under NVRTC 13.0 (the H200 image's ptxas; 13.5 does not): non-causal only.
+_NON_CAUSAL_ONLY = {(64, C(192, 2)), (64, C(192, 2, True))}
 EXTRA_BF16: dict[tuple[int, bool], tuple[Sm90Config, ...]] = {
-    (d, causal): extra
-    for d, extra in (
-        (64, (C(128, 3, True), C(128, 3, False, True), C(128, 4), C(64, 4), C(192, 2), C(192, 2, True))),
-        (128, (C(128, 2, True), C(128, 2, False, True), C(128, 2, True, True), C(64, 4), C(64, 4, True),
-               C(176, 2), C(176, 2, True), C(96, 3))),
-        (256, (C(64, 2, True), C(64, 2, False, True), C(80, 2), C(80, 2, True))),
-    )
+    (d, causal): tuple(c for c in extra if not (causal and (d, c) in _NON_CAUSAL_ONLY))
+    for d, extra in _EXTRA.items()
     for causal in (False, True)
 }
 
@@ -118,15 +125,57 @@ INSTANTIATIONS = _instantiations()
 FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a",)),)
 
 
-def _num_tiles(batch: int, heads: int, seqlen_q: int) -> int:
-    return -(-seqlen_q // BLOCK_M) * heads * batch
+def gqa_pack(heads: int, kv_heads: int, seqlen_q: int) -> int:
+    """How many query heads one tile packs: G = heads / kv_heads when G > 1 divides 128 and
+    G heads x 128/G positions pad fewer query rows than 128 positions of one head (few queries per
+    head, e.g. decode: Nq = 1 pads 127 of 128 rows unpacked, 128/G - 1 packed), else 1."""
+    group = heads // kv_heads
+    if group <= 1 or BLOCK_M % group:
+        return 1
+    rows = BLOCK_M // group
+    return group if -(-seqlen_q // rows) * rows < -(-seqlen_q // BLOCK_M) * BLOCK_M else 1
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """What a launch needs besides the tensors: GQA pack, tile count, TMA boxes (outermost first:
+    batch, head, rows, 64 columns) for q, k, v, out."""
+
+    pack: int
+    tiles: int
+    boxes: tuple[tuple[int, int, int, int], ...]
+
+
+def _geometry(batch: int, heads: int, kv_heads: int, seqlen_q: int, config: Sm90Config,
+              pack_gqa: bool | None) -> _Geometry:
+    group = heads // kv_heads
+    if pack_gqa is None:
+        pack = gqa_pack(heads, kv_heads, seqlen_q)
+    elif pack_gqa and group > 1:
+        if BLOCK_M % group:
+            raise ValueError(f"pack_gqa needs H / Hkv ({group}) to divide {BLOCK_M}")
+        pack = group
+    else:
+        pack = 1
+    rows = BLOCK_M // pack                 # positions per tile and head
+    o_rows = min(rows, 64)                 # a consumer stores 64 tile rows: o_rows positions x 64/o_rows heads
+    boxes = ((1, pack, rows, PANEL), (1, 1, config.block_n, PANEL), (1, 1, config.block_n, PANEL),
+             (1, 64 // o_rows, o_rows, PANEL))
+    return _Geometry(pack, -(-seqlen_q // rows) * (heads // pack) * batch, boxes)
+
+
+def _scalar_args(batch: int, heads: int, kv_heads: int, geo: _Geometry, seqlen_q: int, seqlen_k: int,
+                 scale: float) -> tuple:
+    """The kernel's parameters after lse: batches, heads, kv_group, pack, Nq, Nk, scale * log2(e)."""
+    return (np.int32(batch), np.int32(heads), np.int32(heads // kv_heads), np.int32(geo.pack), np.int32(seqlen_q),
+            np.int32(seqlen_k), np.float32(scale * LOG2E))
 
 
 def supports(head_dim: int, dtype, *, device=None, seqlen_q: int | None = None, seqlen_k: int | None = None,
              batch: int | None = None, heads: int | None = None) -> bool:
     """Whether launch_forward_sm90 can run this call: head_dim in HEAD_DIMS, dtype fp16/bf16, and,
     when given, a device of compute capability 9.0, sequence lengths >= 0 and at most 2^30
-    query tiles (ceil(seqlen_q / 128) * heads * batch). Never raises."""
+    query tiles (ceil(seqlen_q / 128) * heads * batch, unpacked). Never raises."""
     if head_dim not in HEAD_DIMS or dtype not in (torch.float16, torch.bfloat16):
         return False
     if device is not None:
@@ -135,7 +184,7 @@ def supports(head_dim: int, dtype, *, device=None, seqlen_q: int | None = None, 
             return False
     if (seqlen_q is not None and seqlen_q < 0) or (seqlen_k is not None and seqlen_k < 0):
         return False
-    if None not in (seqlen_q, batch, heads) and _num_tiles(batch, heads, seqlen_q) > MAX_TILES:
+    if None not in (seqlen_q, batch, heads) and -(-seqlen_q // BLOCK_M) * heads * batch > MAX_TILES:
         return False
     return True
 
@@ -170,11 +219,6 @@ def _kernel(device_index: int, head_dim: int, config: Sm90Config, causal: bool, 
     return hit
 
 
-@lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
-
-
 def _tma_ready(t: torch.Tensor) -> bool:
     """Whether TMA can describe t in place: every dimension longer than 1 has a positive stride
     that is a multiple of 16 bytes and below 2^40 bytes (size-1 dimensions are fixed up by
@@ -186,7 +230,8 @@ def _tma_ready(t: torch.Tensor) -> bool:
                for size, stride in zip(t.shape[:-1], t.stride()[:-1]))
 
 
-def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config: Sm90Config | None = None) -> None:
+def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config: Sm90Config | None = None,
+                        pack_gqa: bool | None = None) -> None:
     """out, lse <- attention(q, k, v) with the Hopper kernel, on the current CUDA stream of q's device.
 
     q [B, H, Nq, d], k/v [B, Hkv, Nk, d], out [B, H, Nq, d]: one dtype (torch.float16 or
@@ -194,14 +239,15 @@ def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config
     (tensors TMA cannot describe in place are copied, see the module docstring). lse [B, H, Nq]
     float32 contiguous, written in natural-log units (-inf for rows that see no key, whose out
     rows are 0). `scale` (> 0) multiplies q . k; causal is aligned bottom-right. `config` forces a
-    registered tile configuration (see tuning_candidates). Nq = 0 launches nothing.
+    registered tile configuration (see tuning_candidates). `pack_gqa` forces GQA packing on or off
+    (None: gqa_pack decides). Nq = 0 launches nothing.
     Needs a compute capability 9.0 GPU (supports() says whether a call can run here).
     This is the launch layer: beyond the checks below it trusts its caller (tileattn.api checks
     arguments). Raises ValueError for an unsupported head dim or dtype, H not a multiple of Hkv,
-    or more than 2^30 query tiles (ceil(Nq / 128) * H * B); TensorMapError (a ValueError) if the
-    driver refuses a tensor map.
+    pack_gqa=True with H / Hkv not dividing 128, or more than 2^30 query tiles; TensorMapError (a
+    ValueError) if the driver refuses a tensor map.
     """
-    from ..runtime import launch, tensor_map
+    from ..runtime import device_sm_count, launch, tensor_map
 
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
@@ -213,13 +259,12 @@ def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config
         raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
     if seqlen_q == 0 or batch == 0 or heads == 0:
         return
-    tiles = _num_tiles(batch, heads, seqlen_q)
-    if tiles > MAX_TILES:
-        raise ValueError(f"ceil(Nq / {BLOCK_M}) * H * B = {tiles} query tiles; at most {MAX_TILES} are supported")
-    bf16 = q.dtype == torch.bfloat16
     if config is None:
         config = DEFAULTS[(head_dim, bool(causal))]
-    kern, smem = _kernel(q.device.index, head_dim, config, bool(causal), bf16)
+    geo = _geometry(batch, heads, kv_heads, seqlen_q, config, pack_gqa)
+    if geo.tiles > MAX_TILES:
+        raise ValueError(f"{geo.tiles} query tiles (ceil(Nq / (128 / pack)) * H / pack * B); at most {MAX_TILES}")
+    kern, smem = _kernel(q.device.index, head_dim, config, bool(causal), q.dtype == torch.bfloat16)
 
     q = q if _tma_ready(q) else q.contiguous()
     if seqlen_k == 0:  # TMA cannot describe an empty tensor; no key is seen: a 1-key dummy, all masked
@@ -227,14 +272,9 @@ def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config
     k = k if _tma_ready(k) else k.contiguous()
     v = v if _tma_ready(v) else v.contiguous()
     target = out if _tma_ready(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
-    # Box sizes outermost first (batch, head, rows, 64 columns), 128-byte swizzle, zero fill.
-    tq = tensor_map(q, (1, 1, BLOCK_M, PANEL))
-    tk = tensor_map(k, (1, 1, config.block_n, PANEL))
-    tv = tensor_map(v, (1, 1, config.block_n, PANEL))
-    to = tensor_map(target, (1, 1, 64, PANEL))
-    grid = (min(tiles, _sm_count(q.device.index)) if config.persistent else tiles, 1, 1)
-    args = (tq, tk, tv, to, lse.data_ptr(), np.int32(batch), np.int32(heads), np.int32(heads // kv_heads),
-            np.int32(seqlen_q), np.int32(seqlen_k), np.float32(scale * LOG2E))
+    maps = [tensor_map(t, box) for t, box in zip((q, k, v, target), geo.boxes)]  # 128B swizzle, zero fill
+    grid = (min(geo.tiles, device_sm_count(q.device.index)) if config.persistent else geo.tiles, 1, 1)
+    args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, seqlen_q, seqlen_k, scale))
     launch(kern, grid, (THREADS, 1, 1), args, smem=smem)
     if target is not out:
         out.copy_(target)
@@ -247,7 +287,8 @@ class ForwardPlan:
     parameters are the four maps and lse's pointer. Tensors TMA cannot describe in place (decided
     here, once, from the strides) are copied on each launch, as launch_forward_sm90 does."""
 
-    def __init__(self, q, k, v, out, lse, *, causal: bool, scale: float, config: Sm90Config | None = None):
+    def __init__(self, q, k, v, out, lse, *, causal: bool, scale: float, config: Sm90Config | None = None,
+                 pack_gqa: bool | None = None):
         from ..runtime import LaunchPlan, TensorMapTemplate, device_sm_count
         from . import load
 
@@ -258,20 +299,13 @@ class ForwardPlan:
         self.copy_out = not _tma_ready(out)
         dense = [t.contiguous() if copy else t for t, copy in ((q, self.copy_q), (k, self.copy_k), (v, self.copy_v))]
         target = torch.empty_like(out, memory_format=torch.contiguous_format) if self.copy_out else out
-        # Box sizes outermost first (batch, head, rows, 64 columns), 128-byte swizzle, zero fill.
-        self.templates = (
-            TensorMapTemplate(dense[0], (1, 1, BLOCK_M, PANEL)),
-            TensorMapTemplate(dense[1], (1, 1, config.block_n, PANEL)),
-            TensorMapTemplate(dense[2], (1, 1, config.block_n, PANEL)),
-            TensorMapTemplate(target, (1, 1, 64, PANEL)),
-        )
+        geo = _geometry(batch, heads, kv_heads, seqlen_q, config, pack_gqa)
+        self.templates = tuple(TensorMapTemplate(t, box) for t, box in zip((*dense, target), geo.boxes))
         maps = [t.encode(x.data_ptr()) for t, x in zip(self.templates, (*dense, target))]
         kern = load(FAMILY_NAME, expression(head_dim, config, bool(causal), q.dtype == torch.bfloat16),
                     q.device.index)
-        tiles = _num_tiles(batch, heads, seqlen_q)
-        grid = (min(tiles, device_sm_count(q.device.index)) if config.persistent else tiles,)
-        args = (*maps, lse.data_ptr(), np.int32(batch), np.int32(heads), np.int32(heads // kv_heads),
-                np.int32(seqlen_q), np.int32(seqlen_k), np.float32(scale * LOG2E))
+        grid = (min(geo.tiles, device_sm_count(q.device.index)) if config.persistent else geo.tiles,)
+        args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, seqlen_q, seqlen_k, scale))
         self.plan = LaunchPlan(kern, grid, (THREADS,), args, smem=config.smem_bytes(head_dim), dynamic=range(5))
 
     def launch(self, q, k, v, out, lse) -> None:
@@ -304,6 +338,7 @@ __all__ = [
     "configs_for",
     "expression",
     "ForwardPlan",
+    "gqa_pack",
     "launch_forward_sm90",
     "supports",
     "tuning_candidates",
