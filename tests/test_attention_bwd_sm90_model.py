@@ -51,7 +51,7 @@ CONFIGS = sorted({(d, cfg) for d in ab.HEAD_DIMS for causal in (False, True)
 
 
 def smem_offsets(d: int, cfg) -> dict[str, int]:
-    """Byte offsets of the kernel's shared-memory tiles from the 1024-aligned base (kDq)."""
+    """Byte offsets of the kernel's shared-memory tiles from the 1024-aligned base."""
     bm, st = cfg.block_m, cfg.stages
     off = {"K": 0, "V": BLOCK_N * d * 2}
     off["Q"] = off["V"] + BLOCK_N * d * 2
@@ -66,7 +66,7 @@ def smem_offsets(d: int, cfg) -> dict[str, int]:
 @pytest.mark.parametrize("d,cfg", CONFIGS, ids=str)
 def test_smem_layout_fits_and_is_aligned(d, cfg):
     off = smem_offsets(d, cfg)
-    assert off["end"] + 1024 == cfg.smem_bytes(d, True) <= ab.SMEM_LIMIT
+    assert off["end"] + 1024 == cfg.smem_bytes(d) <= ab.SMEM_LIMIT
     assert all(off[name] % 1024 == 0 for name in ("K", "V", "Q", "dO", "dS")), off  # 128B swizzle atoms
     assert off["lse"] % 16 == 0 and off["delta"] % 16 == 0  # bulk copy destinations
     assert cfg.block_m * d == 8192  # dQ is 64 x 64 per MMA warpgroup
@@ -266,7 +266,7 @@ def test_emulated_walk_matches_autograd(nq, nk, heads, kv_heads, d, block_m, cau
 
 
 # ---- the mbarrier / named-barrier protocol, simulated ----------------------------------------------
-def simulate(n_iters: int, stages: int, with_dq: bool, seed: int):
+def simulate(n_iters: int, stages: int, seed: int):
     """One CTA: the producer thread and the two MMA warpgroups as coroutines following the kernel's
     waits, arrivals and barriers, under a random schedule; TMA copies land at random later times."""
     rng = random.Random(seed)
@@ -314,15 +314,14 @@ def simulate(n_iters: int, stages: int, with_dq: bool, seed: int):
                 yield
             assert do_slot[s] == it, f"warpgroup {w} reads dO of {do_slot[s]} in iteration {it}"
             yield  # S^T, dP^T, P^T, dS^T, dV / dK issued
-            if with_dq:
-                buf = it % 2
-                assert (1 - w) not in ds_readers[buf], f"warpgroup {w} overwrites dS buffer {buf} being read"
-                ds_tile[buf][w] = it
-                yield from ds_bar.sync()
-                assert ds_tile[buf] == [it, it], f"dQ of iteration {it} reads dS halves {ds_tile[buf]}"
-                ds_readers[buf].add(w)
-                sk_readers.add(w)
-                yield
+            buf = it % 2
+            assert (1 - w) not in ds_readers[buf], f"warpgroup {w} overwrites dS buffer {buf} being read"
+            ds_tile[buf][w] = it
+            yield from ds_bar.sync()
+            assert ds_tile[buf] == [it, it], f"dQ of iteration {it} reads dS halves {ds_tile[buf]}"
+            ds_readers[buf].add(w)
+            sk_readers.add(w)
+            yield
             # wgmma_wait<0>: everything retired
             ds_readers[it % 2].discard(w)
             sk_readers.discard(w)
@@ -350,12 +349,63 @@ def simulate(n_iters: int, stages: int, with_dq: bool, seed: int):
     assert ds_bar.arrived == 0 and done_bar.arrived == 0, "a named barrier was left half-arrived"
 
 
-@pytest.mark.parametrize("with_dq", [True, False], ids=["atomic", "det"])
 @pytest.mark.parametrize("stages", sorted({cfg.stages for _, cfg in CONFIGS}))
-def test_pipeline_protocol(stages, with_dq):
+def test_pipeline_protocol(stages):
     for n_iters in (1, 2, 3, stages, stages + 1, 2 * stages + 1, 9):
         for seed in range(20):
-            simulate(n_iters, stages, with_dq, seed)
+            simulate(n_iters, stages, seed)
+
+
+# ---- deterministic mode: the turn counters across CTAs -----------------------------------------------
+def simulate_turns(nq: int, nk: int, group: int, block_m: int, causal: bool, resident: int, seed: int):
+    """The CTAs of one (kv head, batch) (key blocks n = 0, 1, ...), dispatched in blockIdx order with
+    at most `resident` running at once, each warpgroup walking the kernel's (head, query tile)
+    sequence and making its dQ addition when its counter reads n. Checks: no deadlock, and each
+    (head, tile, warpgroup) part receives the additions of key blocks 0, 1, ..., last in order."""
+    rng = random.Random(seed)
+    m_blocks, n_blocks, diag = -(-nq // block_m), -(-nk // BLOCK_N), nk - nq
+    counters: dict[tuple[int, int, int], int] = {}
+    order: dict[tuple[int, int, int], list[int]] = {}
+
+    def cta(n):
+        m_first = max(0, n * BLOCK_N - diag) // block_m if causal else 0
+        m_count = m_blocks - m_first
+        for it in range(group * m_count):
+            head, m = it // m_count, m_first + it % m_count
+            for w in range(2):  # the two warpgroups, run in lock step by the dS barrier
+                key = (head, m, w)
+                while counters.get(key, 0) != n:
+                    yield
+                order.setdefault(key, []).append(n)
+                counters[key] = n + 1
+                yield
+
+    waiting = list(range(n_blocks))
+    running = []
+    steps = 0
+    while waiting or running:
+        steps += 1
+        assert steps < 100000, f"deadlock: running {[n for n, _ in running]}, waiting {waiting[:5]}"
+        while waiting and len(running) < resident:
+            n = waiting.pop(0)  # in-order dispatch
+            running.append((n, cta(n)))
+        i = rng.randrange(len(running))
+        try:
+            next(running[i][1])
+        except StopIteration:
+            running.pop(i)
+    for (head, m, w), seen in order.items():
+        assert seen == list(range(len(seen))), f"tile {m} part {w} of head {head} added in order {seen}"
+        last_key = min(nq, (m + 1) * block_m) - 1 + diag if causal else nk - 1
+        assert len(seen) == min(n_blocks, last_key // BLOCK_N + 1), (m, seen)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_deterministic_turns(block_m, causal):
+    for nq, nk, group in ((1, 1, 1), (300, 700, 2), (700, 300, 1), (1000, 1000, 4), (129, 4097, 1)):
+        for resident in (1, 2, 5):
+            simulate_turns(nq, nk, group, block_m, causal, resident, seed=nq + nk + resident)
 
 
 # ---- SASS --------------------------------------------------------------------------------------------
@@ -376,12 +426,13 @@ def test_sass_register_a_operands_untouched_until_retired(expression):
     sass = _compiled_sass(expression)
     found, problems = register_a_hazards(sass)
     block_m = int(expression.split(",")[1])
-    with_dq = expression.rstrip(">").endswith("true")
+    deterministic = expression.rstrip(">").endswith("true")
     assert found == 2 * block_m // 16, f"expected the dV and dK register-A wgmmas, found {found}"
     assert not problems, "\n".join(problems[:10])
     for insn in ("UTMALDG", "UTMASTG", "STSM", "UBLKCP", "USETMAXREG"):
         assert insn in sass, f"{insn} expected in the SASS"
-    assert ("REDG" in sass) == with_dq, "dQ REDs exactly in the atomic-mode kernel"
+    assert "REDG" in sass, "dQ REDs expected"
+    assert ("LDG.E.STRONG.GPU" in sass) == deterministic, "acquire loads of the turn counters exactly when ordered"
     assert "LDL" not in sass and "STL" not in sass, "local memory traffic (spills) in the SASS"
 
 

@@ -1,7 +1,8 @@
 // Fused attention backward for Hopper (sm_90a), FlashAttention-3 style: the main kernel of the
 // pipeline preprocess -> main -> dQ convert. Preprocess and convert are attention_bwd_sm80.cu's
 // kernels (delta = rowsum(dO * O), lse2 = lse * log2 e, dq_accum zeroed; dq = scale * dq_accum):
-// this kernel adds into the same fp32 dq_accum layout, so the three launch as one pipeline.
+// this kernel adds into the same fp32 dq_accum layout, so the three launch as one pipeline, in both
+// modes (kDeterministic orders the dQ additions, see "Deterministic mode" below).
 //
 // Shapes (elements; any strides with a contiguous last dim and 16-byte aligned rows):
 //   q, dout            [B, H,   Nq, d]     16-bit, read by TMA (4-D maps (d, Nq, H, B))
@@ -39,14 +40,14 @@
 //      register-A fragment of the next product (sm90.cuh), so P^T and dS^T never go to memory.
 //   3. dV += P^T dO        wgmma RS  m64 n d, k = kBlockM     (dO MN-major)
 //      dK += dS^T Q        wgmma RS  m64 n d, k = kBlockM     (Q MN-major)
-//   4. (kDq) dS^T -> stmatrix -> sdS[it % 2] rows 64 w.. ([keys][queries], 128-byte swizzled
+//   4. dS^T -> stmatrix -> sdS[it % 2] rows 64 w.. ([keys][queries], 128-byte swizzled
 //      panels of 64 queries); fence.proxy.async; named barrier of both MMA warpgroups (dQ needs the
 //      other warpgroup's keys too).
 //      dQ_w = dS K          wgmma SS  m64 n64, k = 128 keys, A = dS (MN-major: the panel stores
 //      dS^T), B = K (MN-major). The 64 x 64 output per warpgroup: kBlockM = 128 (d = 64) splits
 //      the query rows (warpgroup w: queries 64 w..), kBlockM = 64 (d = 128) splits d (columns
 //      64 w..). dQ is 32 fp32 registers per thread either way.
-//   5. wait for everything; release the Q / dO slot; (kDq) dQ -> red.global.add.v4.f32 into
+//   5. wait for everything; release the Q / dO slot; dQ -> red.global.add.v4.f32 into
 //      dq_accum: the accumulator's 4 consecutive registers of an n8 block are one float4 of the
 //      fragment-order layout, and a warp's 32 lanes cover 512 contiguous bytes per instruction.
 // sdS is double-buffered: a warpgroup writes sdS[it % 2] only after passing the barrier of
@@ -61,7 +62,7 @@
 // writes it: 64-column panels [rows][64], 16-byte chunk q of row r at chunk q ^ (r % 8)) --------
 //   sK, sV   [d/64][128][64]                 resident; epilogue: dK / dV staging for TMA stores
 //   sQ, sdO  [kStages][d/64][kBlockM][64]    rings
-//   sdS      [2][kBlockM/64][128][64]        (kDq) dS^T, double-buffered
+//   sdS      [2][kBlockM/64][128][64]        dS^T, double-buffered
 //   sLse, sDelta [kStages][kBlockM] fp32     lse2 / delta of the tile's queries (bulk copies)
 // Bytes: Sm90BwdConfig.smem_bytes on the Python side computes the same total.
 //
@@ -77,6 +78,19 @@
 // ---- Registers per MMA thread (d = 128, kBlockM = 64; d = 64, kBlockM = 128) ------------------
 //   dK, dV   2 x d / 2 fp32 (128 | 64)       S^T / P^T, dP^T / dS^T   2 x kBlockM / 2 (64 | 128)
 //   packed P^T, dS^T 2 x kBlockM / 4 (32 | 64) (dead once the dV / dK wgmmas retire), dQ 32.
+//
+// ---- Deterministic mode (kDeterministic) ---------------------------------------------------------
+// Every dq_accum element of (b, h, query tile m) gets one addition per key block, from MMA warpgroup
+// w of that block's CTA (w's part of the tile: fixed by the layout above). The additions are made
+// in key-block order through one int32 counter per (b, h, m, w) in dq_sem (zeroed by the host):
+// warpgroup w of key block n waits (one thread, ld.acquire.gpu) until the counter is n, adds its
+// part, and after a warpgroup barrier one thread fences (fence.acq_rel.gpu: the other threads' REDs,
+// ordered before it by the barrier, are then visible GPU-wide) and stores n + 1 (st.release.gpu).
+// Every key block before n also visits tile m (m_first is non-decreasing in n), so the counter
+// reaches n. Fixed order of float additions -> bitwise identical dq run to run. Deadlock-free
+// because a CTA waits only on CTAs of the same (kv head, batch) with a smaller blockIdx.x, which
+// the hardware dispatched before it (the lowest unfinished CTA can always run). dK and dV are
+// computed in registers in a fixed order in both modes.
 //
 // ---- Epilogue ----------------------------------------------------------------------------------
 // After a barrier of both MMA warpgroups (their last dQ wgmma read all of sK), warpgroup w writes
@@ -99,8 +113,8 @@ constexpr int kMmaRegs = 240;
 constexpr int kPanel = 64;           // elements per 128-byte swizzle row
 constexpr int kPanelRowBytes = 128;
 constexpr int kDsBarrier = 1;        // named barriers: 1 dS ready (256), 2 walk done (256),
-constexpr int kDoneBarrier = 2;      // 3, 4 epilogue of warpgroup 0 / 1 (128)
-constexpr int kStoreBarrier = 3;
+constexpr int kDoneBarrier = 2;      // 3, 4 warpgroup 0 / 1 alone (128): ordered dQ, epilogue
+constexpr int kWgBarrier = 3;
 
 // Keep the packed A fragments of an RS wgmma alive (in their registers, unmodified) until this
 // point: called after the wgmma_wait that retires the group reading them.
@@ -144,9 +158,10 @@ __device__ __forceinline__ void pack_acc(u32 (&a)[kSteps][4], const float (&d)[k
 
 // tmap_q, tmap_do: q / dout [B, H, Nq, d] as (d, Nq, H, B), box (64, kBlockM, 1, 1); tmap_k, tmap_v:
 // k / v [B, Hkv, Nk, d], box (64, 128, 1, 1); tmap_dk, tmap_dv: dk / dv, box (64, 64, 1, 1). All
-// 128B swizzle, zero fill. lse2 / delta / dq_accum: the workspaces above (dq_accum unused unless kDq).
+// 128B swizzle, zero fill. lse2 / delta / dq_accum: the workspaces above; dq_sem (kDeterministic
+// only, else unused): int32 [B, H, ceil(Nq / kBlockM), 2], zero.
 // Grid (ceil(Nk / 128), Hkv, B), 384 threads, dynamic shared memory Sm90BwdConfig.smem_bytes.
-template <int kHeadDim, int kBlockM, int kStages, bool kCausal, bool kIsBF16, bool kDq>
+template <int kHeadDim, int kBlockM, int kStages, bool kCausal, bool kIsBF16, bool kDeterministic>
 __global__ void __launch_bounds__(bwd90::kThreads, 1)
     attention_bwd_sm90(const __grid_constant__ sm90::TmaDescriptor tmap_q,
                        const __grid_constant__ sm90::TmaDescriptor tmap_k,
@@ -154,7 +169,8 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
                        const __grid_constant__ sm90::TmaDescriptor tmap_do,
                        const __grid_constant__ sm90::TmaDescriptor tmap_dk,
                        const __grid_constant__ sm90::TmaDescriptor tmap_dv, const float* __restrict__ lse2,
-                       const float* __restrict__ delta, float* __restrict__ dq_accum, int heads, int kv_group,
+                       const float* __restrict__ delta, float* __restrict__ dq_accum, int* __restrict__ dq_sem,
+                       int heads, int kv_group,
                        int seqlen_q, int seqlen_k, int nq_pad, float scale_log2, float scale) {
   using namespace bwd90;
   static_assert(kHeadDim * kBlockM == 8192 && (kHeadDim == 64 || kHeadDim == 128),
@@ -181,8 +197,8 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
   u16* const sV = sK + kBlockN * kHeadDim;
   u16* const sQ = sV + kBlockN * kHeadDim;                         // [kStages][kPanels][kBlockM][64]
   u16* const sdO = sQ + kStages * kBlockM * kHeadDim;
-  u16* const sdS = sdO + kStages * kBlockM * kHeadDim;             // [2][kBlockM/64][128][64] (kDq)
-  float* const sLse = reinterpret_cast<float*>(sdS + (kDq ? 2 * kBlockN * kBlockM : 0));  // [kStages][kBlockM]
+  u16* const sdS = sdO + kStages * kBlockM * kHeadDim;             // [2][kBlockM/64][128][64]
+  float* const sLse = reinterpret_cast<float*>(sdS + 2 * kBlockN * kBlockM);  // [kStages][kBlockM]
   float* const sDelta = sLse + kStages * kBlockM;
 
   const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
@@ -360,20 +376,18 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
       for (int kk = 0; kk < kMSteps; ++kk) s9::wgmma_rs<kHeadDim, kIsBF16, 1>(dk, dsf[kk], desc_q_mn + kk * kRowStep16, 1);
       s9::wgmma_commit();
 
-      if constexpr (kDq) {
-        // ---- 4. dS^T -> sdS[it % 2]; both warpgroups' halves, then dQ_w = dS K
-        u16* const ds_tile = sdS + (it % 2) * kBlockN * kBlockM;
-        store_fragments<kBlockN, kMSteps>(ds_tile, 64 * w, dsf, warp, lane);
-        s9::fence_proxy_async();  // generic stmatrix writes -> async-proxy wgmma reads
-        s9::named_barrier_sync<256>(kDsBarrier);
-        const u64 desc_dq_a = s9::make_desc_mn_sw128(ds_tile + a_panel * kBlockN * kPanel, kBlockN * kPanel * 2);
-        s9::fence_accumulators(dq);
-        s9::wgmma_fence();
+      // ---- 4. dS^T -> sdS[it % 2]; both warpgroups' halves, then dQ_w = dS K
+      u16* const ds_tile = sdS + (it % 2) * kBlockN * kBlockM;
+      store_fragments<kBlockN, kMSteps>(ds_tile, 64 * w, dsf, warp, lane);
+      s9::fence_proxy_async();  // generic stmatrix writes -> async-proxy wgmma reads
+      s9::named_barrier_sync<256>(kDsBarrier);
+      const u64 desc_dq_a = s9::make_desc_mn_sw128(ds_tile + a_panel * kBlockN * kPanel, kBlockN * kPanel * 2);
+      s9::fence_accumulators(dq);
+      s9::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)
-          s9::wgmma_ss_n64_mn_mn<kIsBF16>(dq, desc_dq_a + kk * kRowStep16, desc_dq_b + kk * kRowStep16, kk > 0 ? 1 : 0);
-        s9::wgmma_commit();
-      }
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        s9::wgmma_ss_n64_mn_mn<kIsBF16>(dq, desc_dq_a + kk * kRowStep16, desc_dq_b + kk * kRowStep16, kk > 0 ? 1 : 0);
+      s9::wgmma_commit();
 
       // ---- 5. retire everything; release the slot; dQ into dq_accum
       s9::wgmma_wait<0>();
@@ -381,16 +395,29 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
       keep_fragments<kMSteps>(dsf);
       s9::fence_accumulators(dk);
       s9::fence_accumulators(dv);
+      s9::fence_accumulators(dq);
       if (releaser) s9::mbar_arrive(&empty[s]);
-      if constexpr (kDq) {
-        s9::fence_accumulators(dq);
-        // Rows m0 + 64 a_panel + 16 warp + (g, g + 8), columns 64 b_panel + 8 j + 2 t + (0, 1): one
-        // 16 x 8 fragment tile per j, this lane's float4 at lane * 4.
-        const int64_t row16 = (static_cast<int64_t>(batch) * heads + head) * nq_pad + m0 + 64 * a_panel + 16 * warp;
-        float* dst = dq_accum + row16 * kHeadDim + (64 * b_panel / 8) * 128 + lane * 4;
+      int* sem = nullptr;
+      if constexpr (kDeterministic) {  // wait for key block n_block's turn on this part of the tile
+        sem = dq_sem + ((static_cast<int64_t>(batch) * heads + head) * m_blocks + m0 / kBlockM) * 2 + w;
+        if (tid == 0) {
+          while (s9::ld_acquire_gpu(sem) != n_block) {
+          }
+        }
+        s9::named_barrier_sync<128>(kWgBarrier + w);
+      }
+      // Rows m0 + 64 a_panel + 16 warp + (g, g + 8), columns 64 b_panel + 8 j + 2 t + (0, 1): one
+      // 16 x 8 fragment tile per j, this lane's float4 at lane * 4.
+      const int64_t row16 = (static_cast<int64_t>(batch) * heads + head) * nq_pad + m0 + 64 * a_panel + 16 * warp;
+      float* dst = dq_accum + row16 * kHeadDim + (64 * b_panel / 8) * 128 + lane * 4;
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-          red_add_f32x4(dst + j * 128, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+      for (int j = 0; j < 8; ++j) red_add_f32x4(dst + j * 128, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+      if constexpr (kDeterministic) {  // pass the turn on once the whole warpgroup's REDs are visible
+        s9::named_barrier_sync<128>(kWgBarrier + w);
+        if (tid == 0) {
+          s9::fence_acq_rel_gpu();
+          s9::st_release_gpu(sem, n_block + 1);
+        }
       }
     }
 
@@ -404,7 +431,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
       store_fragments<kBlockN, kHeadDim / 16>(sV, 64 * w, frag, warp, lane);
     }
     s9::fence_proxy_async();  // generic stmatrix writes -> async-proxy TMA store
-    s9::named_barrier_sync<128>(kStoreBarrier + w);
+    s9::named_barrier_sync<128>(kWgBarrier + w);
     if (tid == 0 && n0 + 64 * w < seqlen_k) {
 #pragma unroll
       for (int p = 0; p < kPanels; ++p) {

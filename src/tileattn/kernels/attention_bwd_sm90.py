@@ -6,12 +6,12 @@ whose gradients come out 0); one 16-bit dtype; a contiguous last dim and 16-byte
 
 One backward is three launches on torch's current stream (capturable by CUDA graphs):
 1. attention_bwd_sm80's preprocess kernel: delta = rowsum(dO * O), lse2 = lse * log2(e), and the fp32
-   dQ accumulator zeroed (atomic mode);
+   dQ accumulator zeroed;
 2. this family's main kernel: one CTA per (128 keys, kv head, batch), dK and dV in registers over
-   the GQA group's query heads, dQ added into the accumulator with fp32 vector REDs (atomic mode);
-3. atomic mode: attention_bwd_sm80's convert kernel (dq = scale * accumulator); deterministic
-   mode: attention_bwd_sm80's deterministic dQ kernel (one CTA per query block walks the key
-   blocks in a fixed order: bitwise reproducible dQ), with the main kernel instantiated without dQ.
+   the GQA group's query heads, dQ added into the accumulator with fp32 vector REDs; in
+   deterministic mode those additions are made in key-block order through per-(b, h, query tile,
+   warpgroup) counters (zeroed by a memset), so dq is bitwise reproducible;
+3. attention_bwd_sm80's convert kernel: dq = scale * accumulator.
 The main kernel writes the sm80 kernels' fragment-order accumulator layout, so 1 and 3 are reused
 as they are.
 """
@@ -45,12 +45,12 @@ class Sm90BwdConfig:
     block_m: int
     stages: int
 
-    def smem_bytes(self, head_dim: int, with_dq: bool) -> int:
+    def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory: K, V (128 x d each), `stages` Q and dO tiles, the double-buffered
-        dS^T tile (with dQ), lse2 / delta per stage, + 1 KB to align to 1024 B."""
+        dS^T tile, lse2 / delta per stage, + 1 KB to align to 1024 B."""
         kv = 2 * BLOCK_N * head_dim * 2
         ring = 2 * self.stages * self.block_m * head_dim * 2
-        ds = 2 * BLOCK_N * self.block_m * 2 if with_dq else 0
+        ds = 2 * BLOCK_N * self.block_m * 2
         rows = 2 * self.stages * self.block_m * 4
         return kv + ring + ds + rows + 1024
 
@@ -75,21 +75,20 @@ DEFAULTS: dict[tuple[int, bool], Sm90BwdConfig] = {
 TUNING_EXTRA: dict[int, tuple[Sm90BwdConfig, ...]] = {128: (C(64, 3),), 64: (C(128, 3),)}
 
 
-def expression(head_dim: int, config: Sm90BwdConfig, causal: bool, bf16: bool, with_dq: bool) -> str:
+def expression(head_dim: int, config: Sm90BwdConfig, causal: bool, bf16: bool, deterministic: bool) -> str:
     """The NVRTC name expression of one main-kernel instantiation."""
     flag = {True: "true", False: "false"}
     return (f"tileattn::attention_bwd_sm90<{head_dim}, {config.block_m}, {config.stages}, {flag[bool(causal)]}, "
-            f"{flag[bool(bf16)]}, {flag[bool(with_dq)]}>")
+            f"{flag[bool(bf16)]}, {flag[bool(deterministic)]}>")
 
 
 def _expressions(configs_by_dim) -> tuple[str, ...]:
     exprs = []
     for d, configs in configs_by_dim:
         for cfg in configs:
-            for with_dq in (False, True):
-                assert cfg.smem_bytes(d, with_dq) <= SMEM_LIMIT, (d, cfg)
-            exprs += [expression(d, cfg, causal, bf16, with_dq)
-                      for causal in (False, True) for bf16 in (False, True) for with_dq in (True, False)]
+            assert cfg.smem_bytes(d) <= SMEM_LIMIT, (d, cfg)
+            exprs += [expression(d, cfg, causal, bf16, det)
+                      for causal in (False, True) for bf16 in (False, True) for det in (False, True)]
     return tuple(dict.fromkeys(exprs))
 
 
@@ -167,9 +166,11 @@ class BackwardPlan:
             return
         self.nq_pad = nq_pad = -(-nq // _ROW_PAD) * _ROW_PAD
         rows = batch * heads * nq_pad
-        # One fp32 workspace: lse2 [B, H, NqPad], delta [B, H, NqPad], then in atomic mode the
-        # fragment-order dQ accumulator [B, H, NqPad / 16, d / 8, 32, 4].
-        self.ws_elems = 2 * rows + (0 if deterministic else rows * d)
+        # One fp32 workspace: lse2 [B, H, NqPad], delta [B, H, NqPad], the fragment-order dQ
+        # accumulator [B, H, NqPad / 16, d / 8, 32, 4]; deterministic: the int32 turn counters
+        # [B, H, ceil(Nq / block_m), 2] (zeroed per call).
+        self.ws_elems = 2 * rows + rows * d
+        self.sem_elems = batch * heads * -(-nq // config.block_m) * 2
         self._delta_offset, self._acc_offset = rows * 4, 2 * rows * 4  # bytes into the workspace
         i32, f32 = np.int32, np.float32
         group = heads // kv_heads
@@ -197,31 +198,18 @@ class BackwardPlan:
             TensorMapTemplate(dv_t, (1, 1, 64, PANEL)),
         )
         maps = [tm.encode(x.data_ptr()) for tm, x in zip(self.templates, (*dense, dk_t, dv_t))]
-        with_dq = not deterministic
         self.main = LaunchPlan(
-            load(FAMILY_NAME, expression(d, config, causal, bf16, with_dq), device),
+            load(FAMILY_NAME, expression(d, config, causal, bf16, deterministic), device),
             (-(-nk // BLOCK_N), kv_heads, batch), (THREADS,),
-            (*maps, 0, 0, 0, i32(heads), i32(group), i32(nq), i32(nk), i32(nq_pad), scale_log2, f32(scale)),
-            smem=config.smem_bytes(d, with_dq), dynamic=range(9),
+            (*maps, 0, 0, 0, 0, i32(heads), i32(group), i32(nq), i32(nk), i32(nq_pad), scale_log2, f32(scale)),
+            smem=config.smem_bytes(d), dynamic=range(10),
         )
-
-        if deterministic:
-            cfg80 = sm80.default_config(d, causal, "sm_90a")
-            self.last = LaunchPlan(
-                load(sm80.FAMILY_NAME, cfg80.dq_expr(bf16), device),
-                (-(-nq // cfg80.dq_block_m), heads, batch), (cfg80.dq_threads,),
-                (0, 0, 0, 0, 0, 0, 0, *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-                 i32(nq), i32(nk), i32(heads), i32(group), i32(nq_pad), i32(1 if causal else 0), scale_log2,
-                 f32(scale)),
-                smem=cfg80.dq_smem, dynamic=range(7),
-            )
-        else:
-            self.last = LaunchPlan(
-                load(sm80.FAMILY_NAME, convert_expr(d, bf16), device),
-                (-(-nq // _CONVERT_ROWS), heads, batch), (128,),
-                (0, 0, *_strides(dq), i32(nq), i32(heads), i32(nq_pad), f32(scale)),
-                dynamic=range(2),
-            )
+        self.convert = LaunchPlan(
+            load(sm80.FAMILY_NAME, convert_expr(d, bf16), device),
+            (-(-nq // _CONVERT_ROWS), heads, batch), (128,),
+            (0, 0, *_strides(dq), i32(nq), i32(heads), i32(nq_pad), f32(scale)),
+            dynamic=range(2),
+        )
 
     def launch(self, q, k, v, out, lse, dout, dq, dk, dv) -> None:
         if self.empty:
@@ -230,25 +218,23 @@ class BackwardPlan:
                     g.zero_()
             return
         ws = torch.empty(self.ws_elems, dtype=torch.float32, device=self.device)
+        sem = torch.zeros(self.sem_elems, dtype=torch.int32, device=self.device) if self.deterministic else None
         lse2 = ws.data_ptr()
         delta = lse2 + self._delta_offset
-        acc = 0 if self.deterministic else lse2 + self._acc_offset
+        acc = lse2 + self._acc_offset
         self.pre.launch(out.data_ptr(), dout.data_ptr(), lse.data_ptr(), lse2, delta, acc)
         qc, kc, vc, doc = (t.contiguous() if c else t for t, c in zip((q, k, v, dout), self.copy))
         dk_t = torch.empty_like(dk, memory_format=torch.contiguous_format) if self.copy_dk else dk
         dv_t = torch.empty_like(dv, memory_format=torch.contiguous_format) if self.copy_dv else dv
         maps = [tm.encode(x.data_ptr()) for tm, x in zip(self.templates, (qc, kc, vc, doc, dk_t, dv_t))]
-        self.main.launch(*maps, lse2, delta, acc)
-        if self.deterministic:
-            self.last.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dq.data_ptr(), lse2, delta)
-        else:
-            self.last.launch(acc, dq.data_ptr())
+        self.main.launch(*maps, lse2, delta, acc, 0 if sem is None else sem.data_ptr())
+        self.convert.launch(acc, dq.data_ptr())
         if self.copy_dk:
             dk.copy_(dk_t)
         if self.copy_dv:
             dv.copy_(dv_t)
-        # ws returns to torch's caching allocator here; its block is reused only by work enqueued
-        # later on this stream, which runs after these kernels.
+        # ws and sem return to torch's caching allocator here; their blocks are reused only by work
+        # enqueued later on this stream, which runs after these kernels.
 
 
 def backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,

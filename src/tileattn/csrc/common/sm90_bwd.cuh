@@ -1,8 +1,9 @@
 // PTX wrappers the Hopper attention backward (csrc/attention_bwd_sm90.cu) needs beyond
 // common/sm90.cuh: a 1-D bulk copy global -> shared completing on an mbarrier (the per-query lse2 /
-// delta vectors, which are plain contiguous fp32 runs and need no tensor map), and the
-// shared-memory wgmma with both operands MN-major (dQ = dS K: dS is stored as dS^T [keys][queries]
-// and K as [keys][d], so both have the wgmma M / N dimension contiguous). Compile for sm_90a.
+// delta vectors, which are plain contiguous fp32 runs and need no tensor map), the shared-memory
+// wgmma with both operands MN-major (dQ = dS K: dS is stored as dS^T [keys][queries] and K as
+// [keys][d], so both have the wgmma M / N dimension contiguous), and the GPU-scope acquire /
+// release accesses of the deterministic mode's turn counters. Compile for sm_90a.
 #pragma once
 #include "sm90.cuh"
 
@@ -44,6 +45,18 @@ __device__ __forceinline__ void wgmma_ss_n64_mn_mn(float (&d)[32], u64 desc_a, u
   }
 #undef TILEATTN_WGMMA_MNMN
 }
+
+// GPU-scope acquire load / release store of an int32 flag in global memory, and the acq_rel fence
+// that (after a barrier) makes the whole CTA's earlier writes visible to whoever acquires the flag.
+__device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(int* ptr, int v) {
+  asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 
 }  // namespace sm90
 }  // namespace tileattn
