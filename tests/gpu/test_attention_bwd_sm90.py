@@ -315,3 +315,25 @@ def test_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert_close((dq, dk, dv), reference_grads(q, k, v, dout, causal, scale), dtype, "sm90 cuda graph replay")
+
+
+# ---- end to end through tileattn.attention's autograd, with the dispatcher routed here -------------
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_end_to_end_autograd(d, deterministic, monkeypatch):
+    """What the lead's routing will do: dispatch.attention_backward_plan returns this module's plan
+    (same call as the sm80 one); the public op's forward + backward then match float64 autograd."""
+    import tileattn.api
+    from tileattn import attention
+    from tileattn.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "attention_backward_plan", _mod().backward_plan)
+    monkeypatch.setattr(tileattn.api, "_plans", {})  # no plan entry made before the patch
+    dtype, causal = BF16, True
+    q, k, v, dout = make_inputs(2, 8, 2, 500, 700, d, dtype, layout="bnhd", seed=21)
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    with poisoned_allocations():  # outputs, gradients and workspaces all start as NaN
+        out = attention(qg, kg, vg, causal=causal, deterministic=deterministic)
+        out.backward(dout)
+    refs = reference_grads(q, k, v, dout, causal, 1.0 / math.sqrt(d))
+    assert_close((qg.grad, kg.grad, vg.grad), refs, dtype, f"tileattn.attention -> sm90 backward det={deterministic}")
