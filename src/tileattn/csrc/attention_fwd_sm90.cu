@@ -89,7 +89,8 @@
 //
 // ---- Online softmax (fp32, base 2, scale folded) ---------------------------------------------
 // m = running row max of s * scale_log2; p = 2^(s * scale_log2 - m) (one FFMA + one MUFU.EX2 per
-// score); on a new max, O and l are multiplied by alpha = 2^(m_old - m_new). A row that has seen no
+// score); every block multiplies O and l by alpha = 2^(m_old - m_new) (1 unless the max moved;
+// the multiply sits after the P V wait, off the MUFU-bound path). A row that has seen no
 // key keeps m = kNoKeyShift = -2^100 (finite): its masked scores give 2^(-inf) = 0 and alpha =
 // 2^0 = 1 while it sees nothing, 2^(-2^100 - m_new) = 0 on its first visible key (O, l are still 0
 // then). Never -inf - -inf. The final l = 0 marks a fully masked row: O = 0, lse = -inf; otherwise
@@ -99,8 +100,8 @@
 // Each consumer normalizes O, packs it to 16 bit and writes it with stmatrix into its own 64 rows
 // of sQ (its S wgmmas, the only readers of those rows, have retired), in the same swizzled panel
 // layout, then fence.proxy.async + a 128-thread named barrier, and one thread issues d / 64 TMA
-// stores of 64 x 64 boxes. The O tensor map's row bound is Nq, so rows past the end of the
-// sequence are never written. lse goes straight from registers (one lane per row). The storing
+// stores (one box of this consumer's 64 rows per 64-column panel). The O tensor map's row bound is
+// Nq, so rows past the end of a head's sequence are never written. lse goes straight from registers (one lane per row). The storing
 // thread then releases sQ to the producer (q_empty) for the next tile's Q.
 #include "common/sm80.cuh"
 #include "common/sm90.cuh"
