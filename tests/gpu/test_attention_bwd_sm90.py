@@ -337,3 +337,66 @@ def test_end_to_end_autograd(d, deterministic, monkeypatch):
         out.backward(dout)
     refs = reference_grads(q, k, v, dout, causal, 1.0 / math.sqrt(d))
     assert_close((qg.grad, kg.grad, vg.grad), refs, dtype, f"tileattn.attention -> sm90 backward det={deterministic}")
+
+
+def _route_backward_here(monkeypatch):
+    import tileattn.api
+    from tileattn.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "attention_backward_plan", _mod().backward_plan)
+    monkeypatch.setattr(tileattn.api, "_plans", {})
+
+
+def test_torch_compile_fullgraph_forward_backward(monkeypatch):
+    from tileattn import attention
+
+    _route_backward_here(monkeypatch)
+    dtype, d, causal = BF16, 128, True
+    q, k, v, dout = make_inputs(1, 4, 2, 257, 300, d, dtype, seed=8)
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+    def f(q, k, v):
+        return attention(q, k, v, causal=causal)
+
+    torch._dynamo.reset()
+    torch.compile(f, fullgraph=True)(qg, kg, vg).backward(dout)
+    refs = reference_grads(q, k, v, dout, causal, 1.0 / math.sqrt(d))
+    assert_close((qg.grad, kg.grad, vg.grad), refs, dtype, "torch.compile forward + sm90 backward")
+
+
+def test_cuda_graph_forward_backward_through_the_api(monkeypatch):
+    from tileattn import attention
+
+    _route_backward_here(monkeypatch)
+    dtype, d, causal = BF16, 64, False
+    q, k, v, dout = make_inputs(2, 4, 4, 300, 300, d, dtype, seed=12)
+    sq, sk, sv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    sdout = dout.clone()
+
+    def step():
+        for t in (sq, sk, sv):
+            t.grad = None
+        attention(sq, sk, sv, causal=causal).backward(sdout)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up: plans, kernels, tensor maps outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    for t in (sq, sk, sv):
+        t.grad = None
+    with torch.cuda.graph(graph):
+        attention(sq, sk, sv, causal=causal).backward(sdout)
+    grads = (sq.grad, sk.grad, sv.grad)
+    for seed in (13, 14):  # new data in the captured buffers, replayed
+        q2, k2, v2, dout2 = make_inputs(2, 4, 4, 300, 300, d, dtype, seed=seed)
+        with torch.no_grad():
+            for dst, src in ((sq, q2), (sk, k2), (sv, v2), (sdout, dout2)):
+                dst.copy_(src)
+        for g in grads:
+            g.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        refs = reference_grads(q2, k2, v2, dout2, causal, 1.0 / math.sqrt(d))
+        assert_close(grads, refs, dtype, f"CUDA graph forward + sm90 backward replay {seed}")
