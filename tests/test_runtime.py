@@ -87,3 +87,17 @@ def test_check_table_for_vector_add():
     assert len(rows) == len(kernels.family("vector_add").instantiations)
     assert all(r.ok for r in rows)
     assert "vector_add:vector_add_scalar" in format_table(rows)
+
+
+def test_check_fails_on_wgmma_serialization_warnings():
+    from tileattn.check import _SERIALIZATION, Row
+
+    log = ("ptxas warning : (C7510) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+           "due to the presence of Extern calls in the function")
+    assert _SERIALIZATION.search(log)
+    assert not _SERIALIZATION.search("ptxas info    : Used 168 registers, used 1 barriers, 64 bytes smem")
+    clean = Row("f", "k", "sm_90a", registers=168, stack=0, spills=0, static_smem=0, seconds=1.0)
+    assert clean.ok
+    serialized = Row("f", "k", "sm_90a", registers=168, stack=0, spills=0, static_smem=0, seconds=1.0,
+                     serialization=log)
+    assert not serialized.ok and "wgmma serialized" in format_table([serialized])

@@ -1,7 +1,9 @@
 """`tileattn check`: compile every registered instantiation without a GPU and audit its resources.
 
-A kernel passes when NVRTC compiles it and ptxas reports zero spill bytes and a zero-byte stack
-frame (a stack frame means a register array went to local memory). Deliberately broken lab
+A kernel passes when NVRTC compiles it, ptxas reports zero spill bytes and a zero-byte stack
+frame (a stack frame means a register array went to local memory), and ptxas issues none of its
+wgmma-serialization warnings C7510-C7520 ("wgmma serialized", "warpgroup.wait injected": the
+tensor cores would wait on each other). Deliberately broken lab
 versions are compiled and listed, but their resource use does not fail the check.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -28,10 +31,17 @@ class Row:
     seconds: float | None = None
     broken: bool = False
     error: str | None = None
+    serialization: str | None = None  # ptxas C7508-C7520 warnings (wgmma serialized, setmaxnreg ignored)
 
     @property
     def ok(self) -> bool:
-        return self.error is None and (self.broken or (self.stack == 0 and self.spills == 0))
+        clean = self.stack == 0 and self.spills == 0 and self.serialization is None
+        return self.error is None and (self.broken or clean)
+
+
+# ptxas's warnings that wgmma instructions were serialized (C7510 ... C7520) or that setmaxnreg was
+# ignored (C7508/C7509: the register split between warpgroups silently lost).
+_SERIALIZATION = re.compile(r"C75(0[89]|1\d|20)\b|wgmma.*serializ|warpgroup\.wait.*inject", re.IGNORECASE)
 
 
 def _compile_one(fam: Family, expr: str, arch: str, use_cache: bool) -> Row:
@@ -46,6 +56,8 @@ def _compile_one(fam: Family, expr: str, arch: str, use_cache: bool) -> Row:
         row.error = "ptxas reported no resources for this kernel (was it instantiated?)"
         return row
     row.registers, row.stack, row.spills = res.registers, res.stack_bytes, res.spills
+    warnings = [line.strip() for line in module.log.splitlines() if _SERIALIZATION.search(line)]
+    row.serialization = "; ".join(warnings) or None
     row.static_smem, row.seconds = res.static_smem_bytes, module.compile_seconds
     return row
 
@@ -98,7 +110,8 @@ def format_table(rows: list[Row]) -> str:
         if r.error:
             lines.append(f"{name:<{width}} {r.arch:<7} {'':>4} {'':>5} {'':>5} {'':>6} {'':>6}  COMPILE ERROR")
             continue
-        status = "ok" if r.ok and not r.broken else ("broken (lab)" if r.broken else "FAIL: spill/stack")
+        status = ("ok" if r.ok and not r.broken else "broken (lab)" if r.broken
+                  else f"FAIL: wgmma serialized ({r.serialization})" if r.serialization else "FAIL: spill/stack")
         lines.append(
             f"{name:<{width}} {r.arch:<7} {r.registers:>4} {r.stack:>5} {r.spills:>5} {r.static_smem:>6} "
             f"{r.seconds:>6.2f}  {status}"

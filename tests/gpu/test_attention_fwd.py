@@ -135,8 +135,17 @@ def test_forward_matches_reference(d, causal, dtype, shape):
     check(out, lse, q, k, v, causal, scale, what="launch layer")
     out2, lse2 = api(q, k, v, causal)
     check(out2, lse2, q, k, v, causal, scale, what="api")
-    # Same kernel, same inputs: bitwise reproducible.
-    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    if _api_family(d, causal, dtype) == "attention_fwd_sm80":
+        # The API ran the same kernel on the same inputs: bitwise reproducible.
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+def _api_family(d, causal, dtype) -> str:
+    """The forward family tileattn.attention runs for these arguments on this GPU."""
+    from tileattn.kernels import dispatch
+    from tileattn.runtime import device_arch
+
+    return dispatch.forward_family(device_arch(torch.cuda.current_device()), dtype, d, causal)
 
 
 @pytest.mark.sanitize
