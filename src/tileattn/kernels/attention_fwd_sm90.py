@@ -107,22 +107,23 @@ def configs_for(head_dim: int, causal: bool, bf16: bool) -> tuple[Sm90Config, ..
     return tuple(out)
 
 
-def _instantiations() -> tuple[str, ...]:
+def _expressions(pairs) -> tuple[str, ...]:
+    """Name expressions of (head dim, causal, bf16, config) entries, each kernel once (persistent or
+    not is the same kernel)."""
     exprs = []
-    for d in HEAD_DIMS:
-        for causal in (False, True):
-            for bf16 in (False, True):
-                for cfg in configs_for(d, causal, bf16):
-                    assert cfg.smem_bytes(d) <= SMEM_LIMIT, (d, cfg)
-                    expr = expression(d, cfg, causal, bf16)
-                    if expr not in exprs:  # persistent or not: the same kernel
-                        exprs.append(expr)
-    return tuple(exprs)
+    for d, causal, bf16, cfg in pairs:
+        assert cfg.smem_bytes(d) <= SMEM_LIMIT, (d, cfg)
+        exprs.append(expression(d, cfg, causal, bf16))
+    return tuple(dict.fromkeys(exprs))
 
 
-INSTANTIATIONS = _instantiations()
+# What the dispatcher and tests use (compiled by `tileattn check`), and the tuning candidates
+# (compiled by `tileattn check --tuning` and on first use by the tuning benchmark).
+INSTANTIATIONS = _expressions((d, causal, bf16, cfg) for (d, causal), cfg in DEFAULTS.items() for bf16 in (False, True))
+TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
+                                       for cfg in extra) if e not in INSTANTIATIONS)
 
-FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a",)),)
+FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a",), tuning=TUNING),)
 
 
 def gqa_pack(heads: int, kv_heads: int, seqlen_q: int) -> int:
@@ -334,6 +335,7 @@ __all__ = [
     "FAMILIES",
     "HEAD_DIMS",
     "INSTANTIATIONS",
+    "TUNING",
     "Sm90Config",
     "configs_for",
     "expression",
