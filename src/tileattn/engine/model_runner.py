@@ -184,12 +184,12 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(cu[-1] - 1)
                 sample_seqs.append(seq)
-            request = seq.request
-            if seq.index == 0 and request.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1 \
-                    and len(request.prompt_logprobs) == start + 1:
-                last = min(end, seq.num_prompt_tokens - 1)  # position p scores prompt token p + 1
-                prompt_rows.append((seq, list(range(cu[-2], cu[-2] + last - start)),
-                                    seq.token_ids[start + 1:last + 1]))
+            scored = seq.request.prompt_logprobs  # position p scores prompt token p + 1
+            if seq.index == 0 and scored is not None:
+                first, last = len(scored) - 1, min(end, seq.num_prompt_tokens - 1)
+                if start <= first < last:  # positions first..last-1 are in this chunk, unscored
+                    prompt_rows.append((seq, list(range(cu[-2] + first - start, cu[-2] + last - start)),
+                                        seq.token_ids[first + 1:last + 1]))
         if max_q == 1:
             # Decode: the full-width table the CUDA graphs use, so the kernel's split-KV choice
             # (made from the table's capacity, not the lengths) is the same eager or replayed and
