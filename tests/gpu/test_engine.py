@@ -3,9 +3,12 @@
 Oracle: transformers' fp32 forward of the same tiny checkpoints (tests/engine/checkpoints.py).
 bf16 bounds: logits relative error < 3e-2 (bf16 weights and activations over 2 layers; the
 kernels accumulate in fp32). Greedy tokens are checked teacher-forced: every token the engine
-picks must be within the measured logit error of transformers' best token at that position, and
-at least 28 of 32 must be exactly its argmax. CUDA-graph decode must give the eager path's tokens. The CUDA kernels take head_dim 64/128/256
-and block sizes 16..256, so these checkpoints use head_dim 64 (Qwen3: 128) and block_size 16.
+picks must be within twice the measured logit error of transformers' best token at that
+position, and at least 28 of 32 must be exactly its argmax. CUDA-graph decode must give the eager
+path's tokens bitwise (same batch, same kernels); chunked-prefill, prefix-cached and preempted
+runs batch differently, so they must match or first differ only at a near-tie
+(assert_same_or_tie). The CUDA kernels take head_dim 64/128/256 and block sizes 16..256, so
+these checkpoints use head_dim 64 (Qwen3: 128) and block_size 16.
 """
 
 import pytest
@@ -49,7 +52,8 @@ def test_greedy_bf16_teacher_forced(arch_pair):
     with torch.no_grad():
         logits = hf(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1:-1].float()  # [32, V]
     margin = logits.max(-1).values - logits.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
-    measured = (engine_logits(engine, PROMPT).cpu() - hf(torch.tensor([PROMPT])).logits[0].float()).abs().max()
+    with torch.no_grad():
+        measured = (engine_logits(engine, PROMPT).cpu() - hf(torch.tensor([PROMPT])).logits[0].float()).abs().max()
     assert (margin <= 2 * measured + 1e-3).all(), \
         f"{arch}: tokens {tokens} lose to transformers' argmax by {margin.tolist()} (logit error {measured:.3f})"
     exact = int((margin == 0).sum())
@@ -59,10 +63,15 @@ def test_greedy_bf16_teacher_forced(arch_pair):
 
 
 @pytest.fixture(scope="module")
-def llama_path(tmp_path_factory):
+def llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama_gpu")
-    make_checkpoint(path, "llama3", kernel_head_dims=True)
-    return str(path)
+    hf = make_checkpoint(path, "llama3", kernel_head_dims=True)
+    return str(path), hf
+
+
+@pytest.fixture(scope="module")
+def llama_path(llama):
+    return llama[0]
 
 
 def _tokens(path, **options):
@@ -79,26 +88,47 @@ def eager_tokens(llama_path):
     return _tokens(llama_path, enforce_eager=True)[0]
 
 
+def assert_same_or_tie(llama, llm, got, want, what):
+    """Runs that batch differently (chunked prefill, preemption) run bf16 GEMMs of other shapes,
+    so they are bitwise equal only up to rounding: each sequence must equal the reference run's,
+    or first differ where transformers' fp32 logits of the two candidates lie within twice the
+    engine's measured bf16 logit error (a near-tie), never at a clear choice."""
+    _, hf = llama
+    with torch.no_grad():
+        error = (engine_logits(llm.engine, PROMPTS[1]).cpu()
+                 - hf(torch.tensor([PROMPTS[1]])).logits[0].float()).abs().max().item()
+    for prompt, a, b in zip(PROMPTS, got, want):
+        if a == b:
+            continue
+        i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        with torch.no_grad():
+            row = hf(torch.tensor([prompt + b[:i]])).logits[0, -1].float()
+        gap = abs(row[a[i]] - row[b[i]]).item()
+        assert gap <= 2 * error + 1e-3, (f"{what}: token {i} is {a[i]}, the reference run's {b[i]}; "
+                                         f"fp32 logit gap {gap:.4f} > 2 x bf16 error {error:.4f}")
+
+
 @pytest.mark.sanitize
 def test_cuda_graph_decode_matches_eager(llama_path, eager_tokens):
+    # Same batch (4 sequences throughout), same kernels and split choice: bitwise the same tokens.
     tokens, llm = _tokens(llama_path)
     assert llm.engine.runner.graphs, "no CUDA graphs were captured"
     assert tokens == eager_tokens, f"graph {tokens}\neager {eager_tokens}"
 
 
-def test_chunked_prefill_and_prefix_cache_match_eager(llama_path, eager_tokens):
-    tokens, llm = _tokens(llama_path, enforce_eager=True, max_num_batched_tokens=16)
-    assert tokens == eager_tokens
+def test_chunked_prefill_and_prefix_cache_match_eager(llama, eager_tokens):
+    tokens, llm = _tokens(llama[0], enforce_eager=True, max_num_batched_tokens=16)
+    assert_same_or_tie(llama, llm, tokens, eager_tokens, "chunked prefill")
     again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    assert again == eager_tokens
+    assert_same_or_tie(llama, llm, again, eager_tokens, "prefix-cached rerun")
     assert llm.engine.stats()["prefix_cache_hits"] > 0
 
 
-def test_preemption_matches_eager(llama_path, eager_tokens):
+def test_preemption_matches_eager(llama, eager_tokens):
     # 12 blocks of 16 tokens; the four sequences need 3 + 9 + 5 + 3 blocks at the end.
-    tokens, llm = _tokens(llama_path, kv_cache_blocks=12, max_model_len=160)
+    tokens, llm = _tokens(llama[0], kv_cache_blocks=12, max_model_len=160)
     assert llm.engine.stats()["num_preemptions"] > 0
-    assert tokens == eager_tokens
+    assert_same_or_tie(llama, llm, tokens, eager_tokens, "preempted run")
 
 
 def test_kv_cache_sized_from_free_memory(llama_path):
