@@ -29,7 +29,6 @@ import zlib
 import pytest
 import torch
 
-import tileattn
 from tileattn import reference
 from tileattn.api_varlen import attention_varlen
 
@@ -270,7 +269,12 @@ def _same_tiles(d, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_equal_lengths_match_the_dense_kernels_bitwise(d, causal):
+    """The dense sm80 launch layers (not tileattn.attention, whose dispatcher may pick the Hopper
+    kernel) on [B, N, H, d] data seen through transpose(1, 2), against varlen on the same memory."""
+    from tileattn.kernels import attention_bwd_sm80, attention_fwd_sm80
+
     b, n, h, hkv = 3, 300, 4, 2
+    scale = 1 / math.sqrt(d)
     g = torch.Generator(device=DEVICE).manual_seed(d + causal)
     q = torch.randn(b, n, h, d, device=DEVICE, generator=g).to(BF16)  # [B, N, H, d]
     k = torch.randn(b, n + 50, hkv, d, device=DEVICE, generator=g).to(BF16)
@@ -279,18 +283,23 @@ def test_equal_lengths_match_the_dense_kernels_bitwise(d, causal):
     cu_q, cu_k = offsets((n,) * b), offsets((n + 50,) * b)
     same_fwd, same_bwd = _same_tiles(d, causal)
 
-    qd, kd, vd = (t.transpose(1, 2).requires_grad_() for t in (q, k, v))  # dense [B, H, N, d] views
-    with poisoned_allocations():
-        out_d, lse_d = tileattn.attention(qd, kd, vd, causal=causal, return_lse=True, deterministic=True)
-        grads_d = torch.autograd.grad(out_d, (qd, kd, vd), dout.transpose(1, 2))
-    qv, kv, vv = (t.reshape(-1, t.shape[2], d).detach().requires_grad_() for t in (q, k, v))  # packed views
+    qd, kd, vd, dd = (t.transpose(1, 2) for t in (q, k, v, dout))  # dense [B, H, N, d] views
+    out_d = torch.full_like(qd, float("nan"))
+    lse_d = torch.full((b, h, n), float("nan"), device=DEVICE)
+    attention_fwd_sm80.launch_forward(qd, kd, vd, out_d, lse_d, causal=causal, scale=scale)
+    grads_d = [torch.full_like(t, float("nan")) for t in (qd, kd, vd)]
+    attention_bwd_sm80.launch_backward(qd, kd, vd, out_d, lse_d, dd, *grads_d, causal=causal, scale=scale,
+                                       deterministic=True)
+    qv, kv, vv = (t.reshape(-1, t.shape[2], d).detach().requires_grad_() for t in (q, k, v))  # same memory
     with poisoned_allocations():
         out_v, lse_v = attention_varlen(qv, kv, vv, cu_q, cu_k, n, n + 50, causal=causal, return_lse=True,
                                         deterministic=True)
         grads_v = torch.autograd.grad(out_v, (qv, kv, vv), dout.reshape(-1, h, d))
+    torch.cuda.synchronize()
 
     out_d = out_d.transpose(1, 2).reshape(-1, h, d)
     lse_d = lse_d.permute(1, 0, 2).reshape(h, -1)
+    out_v = out_v.detach()
     if same_fwd:
         assert torch.equal(out_v, out_d), f"d={d} causal={causal}: varlen out differs from the dense kernel's"
         assert torch.equal(lse_v, lse_d), f"d={d} causal={causal}: varlen lse differs from the dense kernel's"
