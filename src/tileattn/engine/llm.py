@@ -39,6 +39,8 @@ class LLMEngine:
             raise ValueError(f"device={config.device!r} but torch sees no CUDA GPU (use device='cpu')")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # graphs, streams and the kernels' launches follow it
         self.device = device
         loaded = load_model(config.model, device, config.dtype, max_model_len=config.max_model_len)
         self.model_config = loaded.config
