@@ -7,10 +7,12 @@
 The workload (issue #10): B = 64 sequences with lengths drawn uniformly from [100, 4096] (seeded),
 causal, bf16, d = 128, H = Hkv = 32, forward and forward+backward. Implementations:
 - tileattn_varlen: `tileattn.api_varlen.attention_varlen` on the packed batch q [Tq, H, d].
-- tileattn_dense: `tileattn.attention` on a dense [B', H, N, d] batch of the same total work:
-  N = the root mean square of the lengths (rounded to a multiple of 64), B' chosen so that
-  B' * N(N+1)/2 is closest to the varlen batch's query-key pairs. The ratio varlen / dense is the
-  cost of raggedness (target: >= 0.95).
+- tileattn_dense_sm80 / tileattn_dense: a dense [B', H, N, d] batch of the same total work
+  (N = the root mean square of the lengths, rounded to a multiple of 64, B' chosen so that
+  B' * N(N+1)/2 is closest to the varlen batch's query-key pairs), through the sm80 launch layers
+  (the kernels the varlen entry points share their code with: varlen / dense_sm80 is the cost of
+  raggedness, target >= 0.95) and through `tileattn.attention` (whatever its dispatcher runs, the
+  Hopper forward at d = 128 on an H200).
 - sdpa_<backend>: torch SDPA (flash, cudnn, efficient, each where it runs) on the padded batch
   [B, H, max_len, d] with is_causal (for Nq = Nk per sequence, top-left and bottom-right causal
   are the same mask, so its rows inside each sequence are the exact result; the padding rows are
@@ -75,26 +77,50 @@ def _fwd_bwd(attn, inputs, dout):
 
 
 def _dense_records(base, lengths, heads, kv_heads, head_dim, dtype, causal, reps, gen) -> list[dict]:
-    """tileattn.attention on a dense batch of the same work (dense_equivalent), fwd and fwd+bwd."""
+    """A dense batch of the same work (dense_equivalent), fwd and fwd+bwd, twice: through
+    tileattn.attention (its dispatcher may pick the Hopper forward) and through the sm80 launch
+    layers the varlen kernels share their code with (the like-for-like ratio)."""
     import tileattn
+
+    from ..kernels import attention_bwd_sm80, attention_fwd_sm80
 
     d_batch, d_len = dense_equivalent(lengths, causal)
     work = 4.0 * head_dim * heads * d_batch * pairs(d_len, causal)
+    scale = 1.0 / math.sqrt(head_dim)
     q = torch.randn(d_batch, heads, d_len, head_dim, device="cuda", generator=gen).to(dtype)  # [B', H, N, d]
     k = torch.randn(d_batch, kv_heads, d_len, head_dim, device="cuda", generator=gen).to(dtype)
     v = torch.randn(d_batch, kv_heads, d_len, head_dim, device="cuda", generator=gen).to(dtype)
     dout = torch.randn_like(q)
-    rec = dict(base, impl="tileattn_dense", dense_b=d_batch, dense_n=d_len)
+    records = []
 
     def dense(q_, k_, v_):
         return tileattn.attention(q_, k_, v_, causal=causal)
 
+    rec = dict(base, impl="tileattn_dense", dense_b=d_batch, dense_n=d_len)
     with torch.no_grad():
-        fwd = dict(rec, mode="fwd", work_tflop=work / 1e12, **_timed(lambda: dense(q, k, v), work, reps))
+        records.append(dict(rec, mode="fwd", work_tflop=work / 1e12, **_timed(lambda: dense(q, k, v), work, reps)))
     grads = tuple(t.detach().requires_grad_() for t in (q, k, v))
-    both = dict(rec, mode="fwd+bwd", work_tflop=3.5 * work / 1e12,
-                **_timed(_fwd_bwd(dense, grads, dout), 3.5 * work, reps))
-    return [fwd, both]
+    records.append(dict(rec, mode="fwd+bwd", work_tflop=3.5 * work / 1e12,
+                        **_timed(_fwd_bwd(dense, grads, dout), 3.5 * work, reps)))
+
+    def sm80_forward():
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        attention_fwd_sm80.launch_forward(q, k, v, out, lse, causal=causal, scale=scale)
+        return out, lse
+
+    def sm80_forward_backward():
+        out, lse = sm80_forward()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        attention_bwd_sm80.launch_backward(q, k, v, out, lse, dout, dq, dk, dv, causal=causal, scale=scale,
+                                           deterministic=False)
+        return dq, dk, dv
+
+    rec = dict(base, impl="tileattn_dense_sm80", dense_b=d_batch, dense_n=d_len)
+    records.append(dict(rec, mode="fwd", work_tflop=work / 1e12, **_timed(sm80_forward, work, reps)))
+    records.append(dict(rec, mode="fwd+bwd", work_tflop=3.5 * work / 1e12,
+                        **_timed(sm80_forward_backward, 3.5 * work, reps)))
+    return records
 
 
 def run(lengths, heads, kv_heads, head_dim, dtype, causal, reps, seed) -> list[dict]:
@@ -192,19 +218,23 @@ def render(records: list[dict]) -> str:
 
     for impl, passes in table.items():
         label = impl
-        if impl == "tileattn_dense":
+        if impl.startswith("tileattn_dense"):
             any_r = next(iter(passes.values()))
             label += f" (B={any_r['dense_b']}, N={any_r['dense_n']})"
         lines.append(f"| {label} | {cell(passes.get('fwd'))} | {cell(passes.get('fwd+bwd'))} |")
     ours = table.get("tileattn_varlen", {})
     for p in ("fwd", "fwd+bwd"):
         mine = ours.get(p, {}).get("tflops")
-        dense = table.get("tileattn_dense", {}).get(p, {}).get("tflops")
+
+        def ratio(impl, p=p, mine=mine):
+            other = table.get(impl, {}).get(p, {}).get("tflops")
+            return mine / other if mine and other else None
+
         peers = [r[p]["tflops"] for impl, r in table.items() if impl.startswith("sdpa") and p in r
                  and r[p].get("status") == "ok"]
-        vs_dense = mine / dense if mine and dense else None
         vs_sdpa = mine / max(peers) if mine and peers else None
-        lines.append(f"\n{p}: varlen / dense {fmt_number(vs_dense)} (target >= 0.95), varlen / best SDPA padded "
+        lines.append(f"\n{p}: varlen / dense sm80 {fmt_number(ratio('tileattn_dense_sm80'))} (target >= 0.95), "
+                     f"varlen / dense as dispatched {fmt_number(ratio('tileattn_dense'))}, varlen / best SDPA padded "
                      f"{fmt_number(vs_sdpa)} (target > 1)")
     return "\n".join(lines)
 
