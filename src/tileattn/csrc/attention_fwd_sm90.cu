@@ -60,9 +60,9 @@
 //   block 0:  S = Q K^T; wait; release K; mask; softmax -> P (in the fp32 S registers)
 //   block j:  issue S_j = Q K_j^T; issue O += P_{j-1} V_{j-1}            (two wgmma groups)
 //             wait<1> (S_j done: groups retire in order); release K_j
-//             mask; row max, rescale factor alpha; p = 2^(s scale_log2 - m) in place   (MUFU work
+//             mask; row max (and alpha if it moved); p = 2^(s scale_log2 - m) in place  (MUFU work
 //                                                     runs while the tensor cores do P_{j-1} V_{j-1})
-//             wait<0> (P V done); release V_{j-1}; O *= alpha; pack P_j to 16 bit
+//             wait<0> (P V done); release V_{j-1}; O *= alpha if the max moved; pack P_j to 16 bit
 //   tail:     O += P_last V_last; wait; release V.
 // P_j is packed only after the wait that retires the P V group still reading P_{j-1}'s registers:
 // the S registers are passed through fence_accumulators after wgmma_wait<0>, so the packing
@@ -88,9 +88,9 @@
 // plus addressing: 160-200 of the kConsumerRegs = 232 that setmaxnreg grants (ptxas -v: 0 spills).
 //
 // ---- Online softmax (fp32, base 2, scale folded) ---------------------------------------------
-// m = running row max of s * scale_log2; p = 2^(s * scale_log2 - m) (one FFMA + one MUFU.EX2 per
-// score); every block multiplies O and l by alpha = 2^(m_old - m_new) (1 unless the max moved;
-// the multiply sits after the P V wait, off the MUFU-bound path). A row that has seen no
+// m = running row max of s * scale_log2, allowed to lag the true max by up to kRescaleThreshold
+// = 8 (see softmax_step); p = 2^(s * scale_log2 - m) <= 2^8 (one FFMA + one MUFU.EX2 per score);
+// when m moves, O and l are multiplied by alpha = 2^(m_old - m_new). A row that has seen no
 // key keeps m = kNoKeyShift = -2^100 (finite): its masked scores give 2^(-inf) = 0 and alpha =
 // 2^0 = 1 while it sees nothing, 2^(-2^100 - m_new) = 0 on its first visible key (O, l are still 0
 // then). Never -inf - -inf. The final l = 0 marks a fully masked row: O = 0, lse = -inf; otherwise
@@ -121,6 +121,7 @@ constexpr int kPanel = 64;            // elements per 128-byte swizzle row
 constexpr int kTurnBarrier = 3;       // named barriers 3, 4: ping-pong turns (1, 2: epilogue)
 constexpr float kLn2 = 0.693147180559945309417f;
 constexpr float kNoKeyShift = -1.2676506002282294e30f;  // -2^100: "no key seen yet" (see above)
+constexpr float kRescaleThreshold = 8.0f;  // row-max growth (log2 units) absorbed without a rescale
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 
@@ -185,19 +186,35 @@ __device__ __forceinline__ void apply_mask(float (&s)[kBlockN / 2], int n, const
   }
 }
 
-// Online softmax of one score block, in place: s <- p = 2^(s * scale_log2 - m_new); m, l updated;
-// alpha[h] = 2^(m_old - m_new) is what O must be multiplied by before P V is added to it.
+// Online softmax of one score block, in place: s <- p = 2^(s * scale_log2 - m); m, l updated.
+// The row max m only moves when some row of the warp would otherwise see p > 2^kRescaleThreshold
+// (one vote per warp and block): a stale max is exact, because O, l and lse all use the same m,
+// and p <= 2^8 is far from fp16/bf16 overflow. Returns whether it moved (warp-uniform); then
+// alpha[h] = 2^(m_old - m_new) is what O must be multiplied by before P V is added to it (l is
+// rescaled here). After a row's first blocks the O rescale (d / 2 FMULs per thread, on the path
+// between the P V wait and the next wgmma issue) is almost always skipped.
 template <int kBlockN>
-__device__ __forceinline__ void softmax_step(float (&s)[kBlockN / 2], float (&m)[2], float (&l)[2],
+__device__ __forceinline__ bool softmax_step(float (&s)[kBlockN / 2], float (&m)[2], float (&l)[2],
                                              float (&alpha)[2], float scale_log2) {
+  float blk[2];
+  bool grow = false;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float mx = neg_inf();
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-    const float m_new = fmaxf(m[h], quad_max(mx) * scale_log2);  // scale_log2 > 0
-    alpha[h] = fast_exp2(m[h] - m_new);
-    m[h] = m_new;
+    blk[h] = quad_max(mx) * scale_log2;  // scale_log2 > 0; -inf for a row that sees nothing here
+    grow |= blk[h] - m[h] > kRescaleThreshold;
+  }
+  const bool rescale = __any_sync(0xffffffffu, grow);
+  if (rescale) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(m[h], blk[h]);
+      alpha[h] = fast_exp2(m[h] - m_new);  // 0 on a row's first visible key, 1 if it sees nothing
+      m[h] = m_new;
+      l[h] *= alpha[h];
+    }
   }
   float sum[2] = {0.f, 0.f};
 #pragma unroll
@@ -207,7 +224,8 @@ __device__ __forceinline__ void softmax_step(float (&s)[kBlockN / 2], float (&m)
     sum[h] += s[i];
   }
 #pragma unroll
-  for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + sum[h];
+  for (int h = 0; h < 2; ++h) l[h] += sum[h];
+  return rescale;
 }
 
 // fp32 P (accumulator layout) -> 16-bit register-A fragments, one per k16 step of O += P V.
@@ -397,7 +415,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         s9::fence_accumulators(s);
         if (releaser) s9::mbar_arrive(&k_empty[s0]);
         if (range.n_masked > 0) apply_mask<kBlockN, kCausal>(s, range.n_end - 1, pos, t, seqlen_k, diag);
-        softmax_step<kBlockN>(s, m, l, alpha, scale_log2);  // alpha is 0 or 1 here and O is 0
+        softmax_step<kBlockN>(s, m, l, alpha, scale_log2);  // O is still 0: no rescale needed
         pack_p<kBlockN, kIsBF16>(p, s);
 
         // ---- blocks 1 .. n_end - 1: S_j overlapped with P_{j-1} V_{j-1}
@@ -416,12 +434,12 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
           s9::fence_accumulators(s);
           if (releaser) s9::mbar_arrive(&k_empty[sk]);
           if (masked) apply_mask<kBlockN, kCausal>(s, range.n_end - 1 - it, pos, t, seqlen_k, diag);
-          softmax_step<kBlockN>(s, m, l, alpha, scale_log2);
+          const bool rescale = softmax_step<kBlockN>(s, m, l, alpha, scale_log2);
           s9::wgmma_wait<0>();  // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free
           s9::fence_accumulators(o);
           s9::fence_accumulators(s);  // the packing below must not move above the wait
           if (releaser) s9::mbar_arrive(&v_empty[sv]);
-          rescale_o<kHeadDim>(o, alpha);
+          if (rescale) rescale_o<kHeadDim>(o, alpha);  // warp-uniform
           pack_p<kBlockN, kIsBF16>(p, s);
         };
         int it = 1;
