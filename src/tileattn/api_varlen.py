@@ -48,7 +48,6 @@ SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 _ALIGN_ELEMS = 8  # 16 bytes of a 16-bit dtype: cp.async moves 16-byte chunks
 _MAX_GRID_YZ = 65535
-_WS_GAP = 132  # the backward's workspace rows per sequence beyond its queries (attention_bwd_sm80.VARLEN_WS_GAP)
 _MAX_PLANS = 4096
 
 
@@ -168,7 +167,9 @@ def _check_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         raise ValueError(f"cu_seqlens_q must hold B + 1 >= 2 offsets (at least one sequence), got {batch + 1}")
     if batch + 1 > _MAX_GRID_YZ:
         raise ValueError(f"B={batch} sequences; the launch grid allows at most {_MAX_GRID_YZ - 1}")
-    if total_q + 3 + _WS_GAP * batch >= 2**31 or total_k >= 2**31:
+    from .kernels.attention_bwd_sm80 import VARLEN_WS_GAP  # the backward's workspace rows per sequence
+
+    if total_q + 3 + VARLEN_WS_GAP * batch >= 2**31 or total_k >= 2**31:
         raise ValueError(f"q has Tq={total_q} and k Tk={total_k} tokens; Tq + 132 B + 3 and Tk must be below 2^31")
 
     for name, value, limit in (("max_seqlen_q", max_seqlen_q, total_q), ("max_seqlen_k", max_seqlen_k, total_k)):
