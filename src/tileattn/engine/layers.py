@@ -110,30 +110,30 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, freq_factor
 
 
 class Rotary(nn.Module):
-    """Rotate-half rotary embedding from a cos/sin table [max_positions, head_dim / 2] (float32).
-    forward(positions [T]) -> (cos, sin) [T, 1, d/2] in the model dtype, gathered once per step and
-    shared by every layer; apply_rotary() rotates q or k with them."""
+    """Rotate-half rotary embedding: out = x * cos + rotate_half(x) * sin, i.e. per head
+    (x1 cos - x2 sin, x2 cos + x1 sin) for the halves x1, x2. The tables hold cos twice and
+    (-sin, sin) [max_positions, head_dim] (float32), so that rotate_half is a roll by d/2 and the
+    whole rotation is three elementwise kernels. forward(positions [T]) -> (cos, sin)
+    [T, 1, d] in the model dtype, gathered once per step and shared by every layer."""
 
     def __init__(self, max_positions: int, inv_freq: torch.Tensor, dtype: torch.dtype):
         super().__init__()
         self.dtype = dtype
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]  # [max_positions, d/2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
     def forward(self, positions):  # positions [T]
-        cos = self.cos[positions].unsqueeze(1).to(self.dtype)  # [T, 1, d/2]
+        cos = self.cos[positions].unsqueeze(1).to(self.dtype)  # [T, 1, d]
         sin = self.sin[positions].unsqueeze(1).to(self.dtype)
         return cos, sin
 
 
-def apply_rotary(x, rope):  # x [T, heads, d] (any strides); rope = (cos, sin) [T, 1, d/2]
+def apply_rotary(x, rope):  # x [T, heads, d] (any strides); rope = (cos, sin) [T, 1, d]
     cos, sin = rope
-    x1, x2 = x.chunk(2, dim=-1)  # [T, heads, d/2] each
-    first = torch.addcmul(x1 * cos, x2, sin, value=-1)  # x1 cos - x2 sin
-    second = torch.addcmul(x2 * cos, x1, sin)  # x2 cos + x1 sin
-    return torch.cat((first, second), dim=-1)  # [T, heads, d], contiguous
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1)
+    return torch.addcmul(x * cos, swapped, sin)  # [T, heads, d], contiguous
 
 
 class GatedMLP(nn.Module):
