@@ -3,6 +3,8 @@
 Public API:
 - `attention(q, k, v, causal=False, scale=None, return_lse=False, deterministic=False)`: dense
   [B, H, N, d] attention with autograd.
+- `attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)`: packed
+  sequences of different lengths ([T, H, d]), with autograd.
 - `attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q,
   max_seqlen_k, ...)`: packed queries against a paged KV cache (decode, chunked prefill).
 - `write_kv_cache(k, v, k_cache, v_cache, slot_mapping)`: store keys and values into their slots.
@@ -12,7 +14,8 @@ Importing tileattn registers the torch.library ops; it does not initialise CUDA 
 
 from .api import attention
 from .api_paged import attention_paged, write_kv_cache
+from .api_varlen import attention_varlen
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "attention", "attention_paged", "write_kv_cache"]
+__all__ = ["__version__", "attention", "attention_paged", "attention_varlen", "write_kv_cache"]

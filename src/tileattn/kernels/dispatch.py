@@ -11,7 +11,11 @@ Families, in the order they are considered:
 - attention_fwd_sm80 / attention_bwd_sm80: mma.sync + cp.async, every NVIDIA GPU from sm_80 on,
   every supported head dim (32, 64, 96, 128, 256), fp16 and bf16.
 
-A forward plan is an object with `launch(q, k, v, out, lse)`.
+- attention_bwd_sm90 (backward on Hopper) where SM90_BACKWARD lists (head dim, causal,
+  deterministic) as measured faster than the sm80 backward.
+
+A forward plan is an object with `launch(q, k, v, out, lse)`; a backward plan one with
+`launch(q, k, v, out, lse, dout, dq, dk, dv)`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,16 @@ from . import attention_bwd_sm80, attention_fwd_sm80
 # d=128: 650/687 TFLOP/s non-causal at N=2048/8192 against 382/374 for the sm80 kernel, causal
 # 518/682 against 317/388.
 SM90_FORWARD = {(128, False), (128, True)}
+
+
+# (head dim, causal, deterministic) that the Hopper backward runs on sm_90a, by measurement
+# (attention_bwd_sm90.benchmark, H200, bf16, B=4 H=32, N=2048/8192, 2026-12-01 15:58 UTC), TFLOP/s
+# sm90 against sm80: d=64 atomic 438/493 vs 256/279, causal 325/472 vs 200/265; d=128 atomic
+# 501/538 vs 292/322, causal 361/525 vs 229/307; deterministic non-causal d=64 260/323 vs 200/220,
+# d=128 312/370 vs 226/242. Deterministic causal stays on sm80 (sm90 118/165 vs 169/209 at d=64,
+# 140/208 vs 190/237 at d=128: its ordered dQ additions serialize the causal tiles).
+SM90_BACKWARD = {(64, False, False), (64, True, False), (128, False, False), (128, True, False),
+                 (64, False, True), (128, False, True)}
 
 
 class _PointerPlan:
@@ -63,9 +77,22 @@ def attention_forward_plan(q, k, v, out, lse, *, causal: bool, scale: float):
     return _PointerPlan(attention_fwd_sm80.forward_plan(q, k, v, out, lse, causal=causal, scale=scale))
 
 
+def backward_family(arch: str, dtype, head_dim: int, causal: bool, deterministic: bool) -> str:
+    """Name of the kernel family that runs this backward."""
+    if arch == "sm_90a" and (head_dim, bool(causal), bool(deterministic)) in SM90_BACKWARD:
+        return "attention_bwd_sm90"
+    return "attention_bwd_sm80"
+
+
 def attention_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float,
                             deterministic: bool):
     """The backward plan for these (already validated) tensors: `.launch(q, k, v, out, lse, dout,
     dq, dk, dv)`."""
-    return attention_bwd_sm80.backward_plan(q, k, v, out, lse, dout, dq, dk, dv, causal=causal, scale=scale,
-                                            deterministic=deterministic)
+    from ..runtime import device_arch
+
+    family = backward_family(device_arch(q.device.index), q.dtype, q.shape[3], causal, deterministic)
+    module = attention_bwd_sm80
+    if family == "attention_bwd_sm90":
+        from . import attention_bwd_sm90 as module
+    return module.backward_plan(q, k, v, out, lse, dout, dq, dk, dv, causal=causal, scale=scale,
+                                deterministic=deterministic)
