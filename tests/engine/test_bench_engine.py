@@ -1,4 +1,5 @@
-"""`tileattn bench engine` run end to end on the CPU with tiny shapes: the GPU run exercises the
+"""`tileattn bench engine --quick` run end to end on the CPU with tiny shapes, its transformers peers
+included (the torch.compile one is not part of --quick): the GPU run exercises the
 same code, so a mistake in the harness shows up here and not after a GPU machine was booked."""
 
 import json
@@ -18,7 +19,7 @@ def test_quick_bench_runs_on_cpu(tmp_path, monkeypatch, capsys):
         monkeypatch.setitem(bench_engine.QUICK, key, value)
     out = tmp_path / "bench.json"
     rc = bench_engine.bench_engine_main(["--quick", "--device", "cpu", "--workdir", str(tmp_path / "ckpt"),
-                                         "--json", str(out), "--no-peers"])
+                                         "--json", str(out)])
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
     engine = {row["bench"]: row for row in rows if row["system"] == "tileattn.engine"}
@@ -26,6 +27,9 @@ def test_quick_bench_runs_on_cpu(tmp_path, monkeypatch, capsys):
     assert engine["decode"]["tok_s"] > 0 and engine["decode"]["bandwidth_TBs"] > 0
     assert engine["throughput"]["output_tokens"] == sum(bench_engine.workload(4, 120)[1])
     assert engine["ttft"]["ttft_ms"] > 0
+    peers = {(row["bench"], row["system"]): row for row in rows if row["system"] != "tileattn.engine"}
+    assert set(peers) == {("decode", "transformers eager"), ("throughput", "transformers generate_batch")}
+    assert all(row.get("tok_s", 0) > 0 for row in peers.values()), peers
     assert "tileattn.engine" in capsys.readouterr().out
 
 
