@@ -1,0 +1,40 @@
+"""`generate` and `chat` (tileattn.engine.cli) on a tiny checkpoint, in process."""
+
+import io
+
+import pytest
+
+from tileattn.engine.cli import main
+
+from .checkpoints import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli")
+    make_checkpoint(path, "qwen2")
+    return str(path)
+
+
+def test_generate_prints_each_completion(checkpoint, capsys):
+    rc = main(["generate", checkpoint, "--prompt", "the quick", "--prompt", "hello", "--max-tokens", "5",
+               "--device", "cpu", "--max-model-len", "64"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "--- 'the quick' (5 tokens, length)" in out and "--- 'hello' (5 tokens, length)" in out
+
+
+def test_chat_reads_turns_from_piped_stdin_until_eof(checkpoint, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello there\n\nwhat now\n"))
+    rc = main(["chat", checkpoint, "--max-tokens", "4", "--device", "cpu", "--max-model-len", "128",
+               "--system", "be brief"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert captured.err.count("prompt tokens at") == 2, captured.err  # two turns, the blank line skipped
+    assert captured.out.count("\n") >= 2
+
+
+def test_missing_model_is_a_clean_error(tmp_path, capsys):
+    rc = main(["generate", str(tmp_path / "none"), "--prompt", "x", "--device", "cpu"])
+    assert rc == 2
+    assert "does not exist" in capsys.readouterr().err
