@@ -159,3 +159,15 @@ def test_smollm2_answers_on_gpu():
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
+
+
+def test_fp16_logits_match_transformers_fp32(llama):
+    path, hf = llama
+    engine = LLMEngine.from_model(path, device="cuda", dtype="float16", max_model_len=256, kv_cache_blocks=32,
+                                  enforce_eager=True)
+    assert engine.runner.kv_cache.dtype == torch.float16
+    ours = engine_logits(engine, PROMPT).cpu()
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0].float()
+    err = rel_error(ours, ref)
+    assert err < 3e-2, f"fp16 logits relative error {err:.2e} vs transformers fp32 (bound 3e-2)"
