@@ -90,7 +90,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, freq_factor
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta ** exponent)  # [head_dim / 2]
     if freq_factors is not None:
-        return inv_freq / torch.as_tensor(freq_factors, dtype=torch.float32)
+        return inv_freq / torch.as_tensor(freq_factors, dtype=torch.float32, device=inv_freq.device)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv_freq
