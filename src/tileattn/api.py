@@ -203,7 +203,8 @@ class _PlanEntry:
     """A validated argument combination: its forward plan, and its backward plans by (dout
     strides, deterministic)."""
 
-    __slots__ = ("forward", "backward", "causal", "scale", "device_index", "device", "lse_shape", "copy_kv")
+    __slots__ = ("forward", "backward", "causal", "scale", "device_index", "device", "copy_kv", "out_spec",
+                 "lse_spec", "grad_specs")
 
     def __init__(self, q, k, v, causal: bool, scale: float | None):
         from .kernels import dispatch
@@ -212,12 +213,15 @@ class _PlanEntry:
         self.causal = causal
         self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         self.device_index, self.device = q.device.index, q.device
-        self.lse_shape = tuple(q.shape[:3])
         self.copy_kv = dispatch.needs_contiguous_kv(k) or dispatch.needs_contiguous_kv(v)
         if self.copy_kv:
             k, v = k.contiguous(), v.contiguous()
-        out = torch.empty_like(q)
+        out = torch.empty_like(q)  # q's layout when q is dense (a transposed [B, N, H, d] stays so)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        # (shape, strides) of every tensor a call allocates, so that a call uses torch.empty_strided
+        # (measured 2.6 us on the H200 machine) instead of empty_like / empty (3.8 / 4.9 us).
+        self.out_spec, self.lse_spec = (out.shape, out.stride()), (lse.shape, lse.stride())
+        self.grad_specs = tuple((t.shape, torch.empty_like(t).stride()) for t in (q, k, v))
         with torch.cuda.device(self.device_index):
             self.forward = dispatch.attention_forward_plan(q, k, v, out, lse, causal=causal, scale=self.scale)
         self.backward: dict[tuple, object] = {}
@@ -262,8 +266,8 @@ def _forward(q, k, v, causal: bool, scale):
             _check_pointer(name, t)
     if entry.copy_kv:
         k, v = k.contiguous(), v.contiguous()
-    out = torch.empty_like(q)  # q's layout when q is dense (a transposed [B, N, H, d] stays so)
-    lse = torch.empty(entry.lse_shape, dtype=torch.float32, device=entry.device)
+    out = torch.empty_strided(*entry.out_spec, dtype=q.dtype, device=entry.device)
+    lse = torch.empty_strided(*entry.lse_spec, dtype=torch.float32, device=entry.device)
     if _current_device() == entry.device_index:
         entry.forward.launch(q, k, v, out, lse)
     else:  # cuLaunchKernel uses the thread's current context: make it q's device's
@@ -278,7 +282,7 @@ def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, deterministic: bool):
         dout = dout.contiguous()
     if entry.copy_kv:
         k, v = k.contiguous(), v.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = (torch.empty_strided(*spec, dtype=q.dtype, device=entry.device) for spec in entry.grad_specs)
     plan = entry.backward_plan(q, k, v, out, lse, dout, dq, dk, dv, deterministic)
     if _current_device() == entry.device_index:
         plan.launch(q, k, v, out, lse, dout, dq, dk, dv)
