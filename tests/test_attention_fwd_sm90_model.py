@@ -379,13 +379,18 @@ def test_pipeline_protocol(stages, pingpong):
 
 
 # ---- tile order --------------------------------------------------------------------------------------
-def tile_coords(causal: bool, t: int, m_blocks: int, groups: int, pack: int, batches: int) -> tuple[int, int, int]:
+def tile_coords(causal: bool, t: int, m_blocks: int, groups: int, pack: int, batches: int,
+                l2_group: int) -> tuple[int, int, int]:
     """Mirror of fwd90::tile_coords: (m_block, first head, batch)."""
     if causal:
-        m_block, gb = m_blocks - 1 - t // (groups * batches), t % (groups * batches)
+        per_group = l2_group * m_blocks
+        first = (t // per_group) * l2_group
+        size = min(l2_group, groups * batches - first)
+        i = t % per_group
+        m_block, unit = m_blocks - 1 - i // size, first + i % size
     else:
-        m_block, gb = t % m_blocks, t // m_blocks
-    return m_block, (gb % groups) * pack, gb // groups
+        m_block, unit = t % m_blocks, t // m_blocks
+    return m_block, (unit % groups) * pack, unit // groups
 
 
 def tile_rows(m_block: int, head0: int, rows: int, c: int, warp: int, lane: int) -> list[tuple[int, int]]:
@@ -402,16 +407,21 @@ def store_box(m_block: int, head0: int, rows: int, c: int) -> list[tuple[int, in
     return [(head + i // o_rows, pos0 + i % o_rows) for i in range(64)]
 
 
+@pytest.mark.parametrize("l2_bytes", [60 << 20, 1 << 20], ids=["L2_60MB", "L2_1MB"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_tiles_cover_every_query_row_once_longest_first(causal):
+def test_tiles_cover_every_query_row_once_longest_first(causal, l2_bytes):
     for nq, heads, kv_heads, batches in ((1, 1, 1, 1), (300, 3, 3, 2), (1000, 5, 5, 1), (129, 1, 1, 7), (1, 8, 1, 2),
-                                         (17, 8, 2, 1), (129, 16, 4, 1), (300, 64, 1, 1), (5, 32, 16, 3)):
+                                         (17, 8, 2, 1), (129, 16, 4, 1), (300, 64, 1, 1), (5, 32, 16, 3), (200, 7, 7, 1)):
         for pack_gqa in (False, True):
-            geo = af._geometry(batches, heads, kv_heads, nq, af.DEFAULTS[(128, causal)], pack_gqa)
+            geo = af._geometry(batches, heads, kv_heads, nq, nq, 128, af.DEFAULTS[(128, causal)], pack_gqa, l2_bytes)
             pack = geo.pack
             rows = BLOCK_M // pack
             m_blocks = -(-nq // rows)
-            order = [tile_coords(causal, t, m_blocks, heads // pack, pack, batches) for t in range(geo.tiles)]
+            units = heads // pack * batches
+            assert 1 <= geo.l2_group <= units
+            assert geo.l2_group == 1 or geo.l2_group * nq * 128 * 4 <= l2_bytes // 2, "the group's K/V fit half the L2"
+            order = [tile_coords(causal, t, m_blocks, heads // pack, pack, batches, geo.l2_group)
+                     for t in range(geo.tiles)]
             assert geo.boxes[0] == (1, pack, rows, 64) and (kv_heads == heads or not pack_gqa or pack > 1)
             seen = []
             for m_block, head0, b in order:
@@ -422,9 +432,13 @@ def test_tiles_cover_every_query_row_once_longest_first(causal):
                     assert sorted(set(mine)) == sorted(stored), "a consumer stores exactly the rows it computed"
                     seen += [(b, h, pos) for h, pos in stored if pos < nq]
             assert sorted(seen) == sorted((b, h, i) for b in range(batches) for h in range(heads) for i in range(nq))
-            if causal:  # work (K/V blocks visited) never increases along the order
-                work = [block_range(True, 128, m, nq, nq, rows)[0] for m, _, _ in order]
-                assert work == sorted(work, reverse=True)
+            if causal:  # inside each L2 group: every unit's tiles, work (K/V blocks) never increasing
+                per_group = geo.l2_group * m_blocks
+                for g0 in range(0, len(order), per_group):
+                    chunk = order[g0:g0 + per_group]
+                    work = [block_range(True, 128, m, nq, nq, rows)[0] for m, _, _ in chunk]
+                    assert work == sorted(work, reverse=True)
+                    assert len({(h, b) for _, h, b in chunk}) * m_blocks == len(chunk)
             else:  # one head group's query tiles back to back
                 assert all(order[t][1:] == order[t - 1][1:] for t in range(1, len(order)) if t % m_blocks)
 

@@ -17,8 +17,11 @@
 // (a consumer's O rows as (64, min(R, 64), 64 / min(R, 64), 1)), so a packed tile reads each K/V
 // block once for all `pack` heads: with few queries per head (decode, short chunks) that divides
 // the K/V traffic and the number of tiles by `pack`. Tiles are numbered so that tile order is work
-// order (tile_coords): causal, the last query tiles of every head (the ones that see the most keys)
-// come first; non-causal, the query tiles of one head (group) are consecutive (they share K/V in L2).
+// order (tile_coords), over "units" = (batch, head group) pairs: non-causal, the query tiles of one
+// unit are consecutive (CTAs running at the same time share its K/V in L2); causal, units are taken
+// l2_group at a time (the host sizes l2_group so that their K/V fit in half the L2) and inside a
+// group the tiles go longest first (the last position blocks of all its units, then the ones
+// before): long tiles start early, short ones fill the tail, and K/V is still read from L2.
 // A 1-D grid of CTAs walks tiles blockIdx.x, blockIdx.x + gridDim.x, ...: one tile per CTA when the
 // host launches one CTA per tile, or persistent (grid = #SMs), where each CTA's producer already
 // loads the next tile's Q and K/V while its consumers finish the current one. 384 threads = 3
@@ -152,21 +155,25 @@ __device__ __forceinline__ BlockRange block_range(int m_block, int rows, int seq
 }
 
 // Tile t -> (position block, first head, batch), in work order (see the header). m_blocks =
-// ceil(Nq / R), groups = heads / pack.
+// ceil(Nq / R), groups = heads / pack; a unit u = batch * groups + head group.
 struct Tile {
   int m_block, head0, batch;
 };
 template <bool kCausal>
-__device__ __forceinline__ Tile tile_coords(int t, int m_blocks, int groups, int pack, int batches) {
-  int m_block, gb;
-  if constexpr (kCausal) {  // longest first: position block m_blocks - 1 of every (batch, group), then ...
-    m_block = m_blocks - 1 - t / (groups * batches);
-    gb = t % (groups * batches);
-  } else {                  // the position blocks of one (batch, group) back to back
+__device__ __forceinline__ Tile tile_coords(int t, int m_blocks, int groups, int pack, int batches, int l2_group) {
+  int m_block, unit;
+  if constexpr (kCausal) {
+    const int per_group = l2_group * m_blocks;         // tiles of a full L2 group
+    const int first = (t / per_group) * l2_group;      // its first unit
+    const int size = min(l2_group, groups * batches - first);  // the last group may be smaller
+    const int i = t % per_group;
+    m_block = m_blocks - 1 - i / size;                  // longest first inside the group
+    unit = first + i % size;
+  } else {                                              // the position blocks of one unit back to back
     m_block = t % m_blocks;
-    gb = t / m_blocks;
+    unit = t / m_blocks;
   }
-  return {m_block, (gb % groups) * pack, gb / groups};
+  return {m_block, (unit % groups) * pack, unit / groups};
 }
 
 // Per-thread view of one consumer's m64 x N accumulator (sm90.cuh): element 4j + 2h + e is row
@@ -249,6 +256,7 @@ __device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float 
 // 128B swizzle, zero fill. pack: 1 or a divisor of kv_group that divides 128 (GQA packing).
 // tmap_k, tmap_v: k / v [B, Hkv, Nk, d], box (64, kBlockN, 1, 1). tmap_o: out [B, H, Nq, d], box
 // (64, min(R, 64), 64 / min(R, 64), 1). lse: [B, H, Nq] fp32 contiguous, natural log. kv head = head / kv_group.
+// l2_group: units per L2 group (causal tile order, >= 1).
 // 1-D grid of at most ceil(Nq / R) * (H / pack) * B <= 2^30 CTAs (fewer = persistent), 384 threads;
 // dynamic shared memory 2 d (128 + 2 kStages kBlockN) + 1024.
 template <int kHeadDim, int kBlockN, int kStages, bool kPingPong, bool kCausal, bool kIsBF16>
@@ -257,7 +265,8 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
                        const __grid_constant__ sm90::TmaDescriptor tmap_k,
                        const __grid_constant__ sm90::TmaDescriptor tmap_v,
                        const __grid_constant__ sm90::TmaDescriptor tmap_o, float* __restrict__ lse, int batches,
-                       int heads, int kv_group, int pack, int seqlen_q, int seqlen_k, float scale_log2) {
+                       int heads, int kv_group, int pack, int l2_group, int seqlen_q, int seqlen_k,
+                       float scale_log2) {
   using namespace fwd90;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
   static_assert(sm90::wgmma_n_supported(kBlockN) && kBlockN % 16 == 0,
@@ -305,7 +314,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       int g = 0;  // K/V visits so far, across this CTA's tiles: ring slot and phase
       int i = 0;  // tiles so far: q_full / q_empty phase
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, ++i) {
-        const Tile tile = tile_coords<kCausal>(t, m_blocks, groups, pack, batches);
+        const Tile tile = tile_coords<kCausal>(t, m_blocks, groups, pack, batches, l2_group);
         const BlockRange range = block_range<kCausal, kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k);
         const int kv_head = tile.head0 / kv_group;                // the same for all `pack` heads
         // Q always (even for a fully masked tile): the epilogue stages O in sQ, so the Q copy must
@@ -390,7 +399,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     int g0 = 0;  // K/V visits of this CTA before the current tile (the producer counts the same)
     int i = 0;   // tiles so far: q_full phase
     for (int tl = blockIdx.x; tl < num_tiles; tl += gridDim.x, ++i) {
-      const Tile tile = tile_coords<kCausal>(tl, m_blocks, groups, pack, batches);
+      const Tile tile = tile_coords<kCausal>(tl, m_blocks, groups, pack, batches, l2_group);
       const BlockRange range = block_range<kCausal, kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k);
       // Tile row of this thread's accumulator rows g (h = 0) and g + 8 (h = 1), and their query
       // positions (the heads, r / rows, are recomputed in the epilogue: registers are scarce).

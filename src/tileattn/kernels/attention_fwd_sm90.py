@@ -21,6 +21,7 @@ contiguous first, and out is then written through a contiguous temporary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -140,15 +141,29 @@ def gqa_pack(heads: int, kv_heads: int, seqlen_q: int) -> int:
 @dataclass(frozen=True)
 class _Geometry:
     """What a launch needs besides the tensors: GQA pack, tile count, TMA boxes (outermost first:
-    batch, head, rows, 64 columns) for q, k, v, out."""
+    batch, head, rows, 64 columns) for q, k, v, out, and the causal tile order's L2 group."""
 
     pack: int
     tiles: int
     boxes: tuple[tuple[int, int, int, int], ...]
+    l2_group: int
 
 
-def _geometry(batch: int, heads: int, kv_heads: int, seqlen_q: int, config: Sm90Config,
-              pack_gqa: bool | None) -> _Geometry:
+def l2_group_size(seqlen_k: int, head_dim: int, units: int, l2_bytes: int) -> int:
+    """(batch, head group) units whose K and V (16-bit) fit in half the L2 together: the causal
+    tile order runs that many units' tiles longest first before moving on (at least 1)."""
+    kv_bytes = max(seqlen_k, 1) * head_dim * 2 * 2
+    return max(1, min(units, (l2_bytes // 2) // kv_bytes))
+
+
+@lru_cache(maxsize=None)
+def _l2_bytes(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "L2_cache_size", 50 << 20))  # 60 MB on an H200
+
+
+def _geometry(batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+              config: Sm90Config, pack_gqa: bool | None, l2_bytes: int) -> _Geometry:
     group = heads // kv_heads
     if pack_gqa is None:
         pack = gqa_pack(heads, kv_heads, seqlen_q)
@@ -162,14 +177,16 @@ def _geometry(batch: int, heads: int, kv_heads: int, seqlen_q: int, config: Sm90
     o_rows = min(rows, 64)                 # a consumer stores 64 tile rows: o_rows positions x 64/o_rows heads
     boxes = ((1, pack, rows, PANEL), (1, 1, config.block_n, PANEL), (1, 1, config.block_n, PANEL),
              (1, 64 // o_rows, o_rows, PANEL))
-    return _Geometry(pack, -(-seqlen_q // rows) * (heads // pack) * batch, boxes)
+    units = (heads // pack) * batch
+    return _Geometry(pack, -(-seqlen_q // rows) * units, boxes, l2_group_size(seqlen_k, head_dim, units, l2_bytes))
 
 
 def _scalar_args(batch: int, heads: int, kv_heads: int, geo: _Geometry, seqlen_q: int, seqlen_k: int,
                  scale: float) -> tuple:
-    """The kernel's parameters after lse: batches, heads, kv_group, pack, Nq, Nk, scale * log2(e)."""
-    return (np.int32(batch), np.int32(heads), np.int32(heads // kv_heads), np.int32(geo.pack), np.int32(seqlen_q),
-            np.int32(seqlen_k), np.float32(scale * LOG2E))
+    """The kernel's parameters after lse: batches, heads, kv_group, pack, l2_group, Nq, Nk,
+    scale * log2(e)."""
+    return (np.int32(batch), np.int32(heads), np.int32(heads // kv_heads), np.int32(geo.pack), np.int32(geo.l2_group),
+            np.int32(seqlen_q), np.int32(seqlen_k), np.float32(scale * LOG2E))
 
 
 def supports(head_dim: int, dtype, *, device=None, seqlen_q: int | None = None, seqlen_k: int | None = None,
@@ -262,7 +279,7 @@ def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config
         return
     if config is None:
         config = DEFAULTS[(head_dim, bool(causal))]
-    geo = _geometry(batch, heads, kv_heads, seqlen_q, config, pack_gqa)
+    geo = _geometry(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, config, pack_gqa, _l2_bytes(q.device.index))
     if geo.tiles > MAX_TILES:
         raise ValueError(f"{geo.tiles} query tiles (ceil(Nq / (128 / pack)) * H / pack * B); at most {MAX_TILES}")
     kern, smem = _kernel(q.device.index, head_dim, config, bool(causal), q.dtype == torch.bfloat16)
@@ -300,7 +317,8 @@ class ForwardPlan:
         self.copy_out = not _tma_ready(out)
         dense = [t.contiguous() if copy else t for t, copy in ((q, self.copy_q), (k, self.copy_k), (v, self.copy_v))]
         target = torch.empty_like(out, memory_format=torch.contiguous_format) if self.copy_out else out
-        geo = _geometry(batch, heads, kv_heads, seqlen_q, config, pack_gqa)
+        geo = _geometry(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, config, pack_gqa,
+                        _l2_bytes(q.device.index))
         self.templates = tuple(TensorMapTemplate(t, box) for t, box in zip((*dense, target), geo.boxes))
         maps = [t.encode(x.data_ptr()) for t, x in zip(self.templates, (*dense, target))]
         kern = load(FAMILY_NAME, expression(head_dim, config, bool(causal), q.dtype == torch.bfloat16),
