@@ -358,6 +358,20 @@ def test_persistent_grid_walks_several_tiles(d, cfg, causal):
         check(out, lse, q, k, v, causal, 1 / math.sqrt(d), what=f"{cfg} B{b} H{h} Nq={nq} Nk={nk}")
 
 
+def test_causal_tile_order_in_l2_groups():
+    """Causal tiles run longest first inside groups of heads whose K/V fit half the L2: 16 heads of
+    4096 keys (2 MB of K/V each) make groups of 15 and 1 on an H200, so a partial last group runs."""
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    b, h, n, d = 1, 16, 4096, 128
+    geo = af._geometry(b, h, h, n, n, d, af.DEFAULTS[(d, True)], None, af._l2_bytes(0))
+    assert 1 < geo.l2_group < h, f"expected a partial L2 group, got l2_group={geo.l2_group}"
+    for cfg in (af.DEFAULTS[(d, True)], af.Sm90Config(128, 2, False, True)):
+        q, k, v = make_qkv(b, h, h, n, n, d, BF16, seed=77)
+        out, lse = launch(q, k, v, True, 1 / math.sqrt(d), config=cfg)
+        check(out, lse, q, k, v, True, 1 / math.sqrt(d), what=f"L2 groups {cfg}")
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_many_heads_tiny_sequences(causal):
     q, k, v = make_qkv(4, 64, 8, 3, 5, 128, BF16, seed=31)
