@@ -13,7 +13,7 @@ here, for every registered config:
   tiles, two consumers, the ping-pong turns on named barriers): simulated under random
   interleavings, it never deadlocks, a consumer always reads the tile and block it expects, the
   producer never overwrites sQ or a slot still in use, and no named barrier is left half-arrived;
-* the tile order: every query tile exactly once, causal longest first;
+* the tile order: every query row exactly once, causal longest first inside L2 groups of heads;
 * the online softmax as the kernel runs it (blocks last to first, -2^100 start, a row max that lags
   by up to 2^8, exp2 with the folded scale, P rounded to 16 bit, l = 0 -> O = 0, lse = -inf)
   matches the float64 reference.
