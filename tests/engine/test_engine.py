@@ -320,3 +320,16 @@ def test_prompt_logprobs_survive_preemption(checkpoint):
     for got, want in zip(result[1:], alone[1:]):
         assert got.keys() == want.keys()
         assert all(abs(got[t] - want[t]) < 1e-4 for t in got)
+
+
+def test_memory_profile_step_runs(checkpoint, monkeypatch):
+    """The CUDA-only KV sizing forward (max_num_batched_tokens tokens over max_num_seqs sequences,
+    then sampling-sized logits) run on the CPU, so its inputs are known to be well formed."""
+    engine = LLMEngine.from_model(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=32,
+                                  max_num_seqs=7, max_num_batched_tokens=100)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    runner = engine.runner
+    runner._profile_step()
+    assert all(layer.k_cache is None for layer in runner.attention_layers)
+    for i, layer in enumerate(runner.attention_layers):  # put the real cache back for other users
+        layer.k_cache, layer.v_cache = runner.kv_cache[0, i], runner.kv_cache[1, i]

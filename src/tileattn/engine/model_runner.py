@@ -23,7 +23,7 @@ import torch
 
 from .layers import AttentionBatch, PagedAttention, paged_attention_ops
 from .loader import model_length_limit
-from .sampler import Sampler, top_logprobs
+from .sampler import Sampler, apply_top_k_top_p, top_logprobs
 
 CPU_KV_CACHE_BYTES = 256 << 20
 _PROMPT_LOGPROB_ROWS = 512  # logits rows per chunk when scoring prompts ([rows, vocab] float32)
@@ -98,7 +98,8 @@ class ModelRunner:
 
     def _profile_step(self) -> None:
         """One forward of max_num_batched_tokens tokens (in max_num_seqs sequences) and the logits
-        of max_num_seqs rows, against a scratch cache just large enough, to measure peak memory."""
+        of max_num_seqs rows sampled with top-k and top-p, against a scratch cache just large enough,
+        to measure peak memory."""
         tokens = self.max_num_batched_tokens
         seqs = min(self.max_num_seqs, tokens)
         per_seq = -(-tokens // seqs)
@@ -122,9 +123,11 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
         with torch.inference_mode():
             hidden = self.model(ids, positions, batch)
-            self.model.compute_logits(hidden[:seqs])
+            logits = self.model.compute_logits(hidden[:seqs])  # [seqs, vocab]
+            # The sampler's largest transient: a full-vocabulary sort for top-k / top-p.
+            apply_top_k_top_p(logits, [logits.shape[-1] // 2] * seqs, [0.9] * seqs).softmax(-1)
         torch.cuda.synchronize(self.device)
-        del scratch, hidden
+        del scratch, hidden, logits
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
 
