@@ -108,7 +108,6 @@ def assert_same_or_tie(llama, llm, got, want, what):
                                          f"fp32 logit gap {gap:.4f} > 2 x bf16 error {error:.4f}")
 
 
-@pytest.mark.sanitize
 def test_cuda_graph_decode_matches_eager(llama_path, eager_tokens):
     # Same batch (4 sequences throughout), same kernels and split choice: bitwise the same tokens.
     tokens, llm = _tokens(llama_path)
@@ -161,6 +160,7 @@ def test_smollm2_answers_on_gpu():
     assert "Paris" in out[0].outputs[0].text
 
 
+@pytest.mark.sanitize
 def test_fp16_logits_match_transformers_fp32(llama):
     path, hf = llama
     engine = LLMEngine.from_model(path, device="cuda", dtype="float16", max_model_len=256, kv_cache_blocks=32,
