@@ -35,6 +35,17 @@ class StepResult:
     prompt_logprobs: dict  # seq -> list of {token_id: logprob} for the prompt tokens scored this step
 
 
+def _check_kernel_support(head_dim: int, block_size: int) -> None:
+    """tileattn's CUDA paged kernels cover some head dims and block sizes; say so at start-up
+    rather than at the first forward. Raises ValueError naming the value."""
+    from tileattn.api_paged import PAGED_HEAD_DIMS
+
+    if head_dim not in PAGED_HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim}: tileattn's paged attention kernels support {PAGED_HEAD_DIMS}")
+    if block_size & (block_size - 1) or not 16 <= block_size <= 256:
+        raise ValueError(f"block_size={block_size}: the CUDA paged kernels need a power of two in 16..256")
+
+
 class ModelRunner:
     """Raises ValueError when the KV cache cannot hold one sequence of max_model_len tokens."""
 
@@ -48,6 +59,8 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        if device.type == "cuda":
+            _check_kernel_support(self.cfg.head_dim, self.block_size)
         ops = paged_attention_ops(device)
         for layer in self.attention_layers:
             layer.ops = ops
