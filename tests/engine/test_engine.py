@@ -333,3 +333,13 @@ def test_memory_profile_step_runs(checkpoint, monkeypatch):
     assert all(layer.k_cache is None for layer in runner.attention_layers)
     for i, layer in enumerate(runner.attention_layers):  # put the real cache back for other users
         layer.k_cache, layer.v_cache = runner.kv_cache[0, i], runner.kv_cache[1, i]
+
+
+def test_cuda_kernel_limits_named_before_start():
+    from tileattn.engine.model_runner import _check_kernel_support
+
+    _check_kernel_support(128, 16)
+    with pytest.raises(ValueError, match="head_dim=80"):
+        _check_kernel_support(80, 16)
+    with pytest.raises(ValueError, match="block_size=8"):
+        _check_kernel_support(64, 8)
