@@ -155,6 +155,23 @@ def _backward_error(cfg, small, out, lse, dout, causal: bool, scale: float, grad
     return max(float((g.double() - r).norm() / r.norm()) for g, r in zip(grads, grads_ref))
 
 
+def _forward_candidates(head_dim: int, causal: bool, dtype):
+    """(family, config, launch function) of every registered forward candidate on this GPU: the sm80
+    family's, and on sm_90a the Hopper family's where it supports the head dim."""
+    from tileattn.kernels import attention_fwd_sm80
+    from tileattn.runtime import device_arch
+
+    out = [("sm80", c, attention_fwd_sm80.launch_forward)
+           for c in attention_fwd_sm80.tuning_candidates(head_dim, causal, dtype)]
+    if device_arch(torch.cuda.current_device()) == "sm_90a":
+        from tileattn.kernels import attention_fwd_sm90
+
+        if attention_fwd_sm90.supports(head_dim, dtype):
+            out += [("sm90", c, attention_fwd_sm90.launch_forward_sm90)
+                    for c in attention_fwd_sm90.tuning_candidates(head_dim, causal, dtype)]
+    return out
+
+
 def tune(dtype, head_dim: int, seq_lens, reps: int, forward: bool = True, backward: bool = True) -> list[dict]:
     """Time every registered candidate tile config of the forward and/or backward kernels, each
     validated first on a small irregular slice (relative error against float64, in the record)."""
@@ -173,15 +190,16 @@ def tune(dtype, head_dim: int, seq_lens, reps: int, forward: bool = True, backwa
             scale = 1.0 / math.sqrt(head_dim)
             small = [t[:1, :2, :257] for t in (q, k, v)]
             ref, _ = reference.attention(*small, causal=causal, compute_dtype=torch.float64)
-            for cfg in attention_fwd_sm80.tuning_candidates(head_dim, causal, dtype) if forward else ():
+            for family, cfg, launch in _forward_candidates(head_dim, causal, dtype) if forward else ():
                 o_small = torch.full_like(small[0], float("nan"))
                 l_small = torch.empty(1, 2, 257, device="cuda", dtype=torch.float32)
-                attention_fwd_sm80.launch_forward(*small, o_small, l_small, causal=causal, scale=scale, config=cfg)
+                launch(*small, o_small, l_small, causal=causal, scale=scale, config=cfg)
                 err = float((o_small.double() - ref).norm() / ref.norm())
-                t = measure(lambda: attention_fwd_sm80.launch_forward(q, k, v, out, lse, causal=causal, scale=scale,
-                                                                 config=cfg), reps=reps, memory=False)
-                records.append({"suite": "tune", "pass": "fwd", "config": str(cfg), "n": n, "causal": causal,
-                                "rel_err": err, "tflops": flops(b, h, n, n, head_dim, causal, False) / (t.median_ms * 1e-3) / 1e12,
+                t = measure(lambda: launch(q, k, v, out, lse, causal=causal, scale=scale, config=cfg),  # noqa: B023
+                            reps=reps, memory=False)
+                records.append({"suite": "tune", "pass": "fwd", "config": f"{family}:{cfg}", "n": n,
+                                "causal": causal, "rel_err": err,
+                                "tflops": flops(b, h, n, n, head_dim, causal, False) / (t.median_ms * 1e-3) / 1e12,
                                 **t.as_dict()})
             attention_fwd_sm80.launch_forward(q, k, v, out, lse, causal=causal, scale=scale)
             if not backward:
