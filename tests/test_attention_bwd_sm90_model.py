@@ -181,6 +181,48 @@ def test_dq_red_addresses_hit_the_fragment_order_layout(d, cfg):
         assert covered == {(m0 + i, c) for i in range(bm) for c in range(d)}
 
 
+# ---- block order and tile walk ----------------------------------------------------------------------
+def block_coords(idx: int, n_blocks: int, pairs: int, section: int) -> tuple[int, int]:
+    """Mirror of the kernel's blockIdx.x -> (n_block, pair), pair = kv_head + Hkv * batch."""
+    sec = idx // (section * n_blocks)
+    in_sec = idx - sec * section * n_blocks
+    sec_pairs = min(section, pairs - sec * section)
+    return in_sec // sec_pairs, sec * section + in_sec % sec_pairs
+
+
+def walk(it: int, kv_head: int, group: int, m_blocks: int, m_count: int, block_m: int) -> tuple[int, int]:
+    """Mirror of walk_head / walk_m0: step `it` of a CTA's walk -> (query head, first query row)."""
+    return kv_head * group + it // m_count, (m_blocks - 1 - it % m_count) * block_m
+
+
+@pytest.mark.parametrize("n_blocks,pairs", [(1, 1), (5, 1), (1, 7), (16, 128), (64, 12), (3, 10)])
+def test_block_order(n_blocks, pairs):
+    """Every (n_block, pair) once; per pair, key blocks in ascending blockIdx order (the deterministic
+    mode's deadlock argument); within a section all pairs' key block n before any key block n + 1
+    (causal: longest CTAs first)."""
+    for section in sorted({1, 2, 4, 8, pairs, max(1, pairs - 1)}):
+        section = min(section, pairs)
+        coords = [block_coords(i, n_blocks, pairs, section) for i in range(n_blocks * pairs)]
+        assert sorted(coords) == [(n, p) for n in range(n_blocks) for p in range(pairs)], section
+        for p in range(pairs):
+            ns = [n for n, q in coords if q == p]
+            assert ns == list(range(n_blocks)), (section, p, ns)
+        for i in range(1, len(coords)):
+            (n_a, p_a), (n_b, p_b) = coords[i - 1], coords[i]
+            if p_a // section == p_b // section:
+                assert n_b >= n_a, (section, i, coords[i - 1], coords[i])
+
+
+def test_section_pairs():
+    # d=128 16-bit MHA: 2 + 2 bytes of Q and dO, 4 of dq_accum per element: 1 KiB per query row
+    assert ab.section_pairs(2048, 128, 1, 2, True, False) == 16       # 40 MiB / 2 MiB = 20 -> 16
+    assert ab.section_pairs(8192, 128, 1, 2, True, True) == 4         # 40 / 8 = 5 -> 4
+    assert ab.section_pairs(32768, 128, 1, 2, True, False) == 1       # one pair is 32 MiB
+    assert ab.section_pairs(65536, 128, 1, 2, True, False) == 1       # more than L2: still 1
+    assert ab.section_pairs(2048, 128, 8, 2, False, True) == 2        # GQA 8: 16 MiB per pair
+    assert ab.section_pairs(2048, 128, 1, 2, False, False) == 1       # non-causal atomic keeps 1
+
+
 # ---- the tile walk, emulated in float64 -----------------------------------------------------------
 def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int):
     """The kernel's arithmetic per (batch, kv head, key block), query head of the group and query
@@ -217,8 +259,7 @@ def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int):
                 dk_blk = torch.zeros(BLOCK_N, d, dtype=torch.float64)
                 dv_blk = torch.zeros(BLOCK_N, d, dtype=torch.float64)
                 for it in range(group * m_count):
-                    head = hk * group + it // m_count
-                    m0 = (m_first + it % m_count) * block_m
+                    head, m0 = walk(it, hk, group, m_blocks, m_count, block_m)
                     masked = n0 + BLOCK_N > nk or (causal and m0 + diag < n0 + BLOCK_N - 1)
                     qt, dot = qp[b, head, m0:m0 + block_m], dop[b, head, m0:m0 + block_m]
                     kt, vt = kp[b, hk, n0:n0 + BLOCK_N], vp[b, hk, n0:n0 + BLOCK_N]
@@ -357,55 +398,58 @@ def test_pipeline_protocol(stages):
 
 
 # ---- deterministic mode: the turn counters across CTAs -----------------------------------------------
-def simulate_turns(nq: int, nk: int, group: int, block_m: int, causal: bool, resident: int, seed: int):
-    """The CTAs of one (kv head, batch) (key blocks n = 0, 1, ...), dispatched in blockIdx order with
-    at most `resident` running at once, each warpgroup walking the kernel's (head, query tile)
-    sequence and making its dQ addition when its counter reads n. Checks: no deadlock, and each
-    (head, tile, warpgroup) part receives the additions of key blocks 0, 1, ..., last in order."""
+def simulate_turns(nq: int, nk: int, group: int, pairs: int, section: int, block_m: int, causal: bool,
+                   resident: int, seed: int):
+    """The CTAs of `pairs` (kv head, batch) pairs, dispatched in blockIdx order (block_coords) with at
+    most `resident` running at once, each warpgroup walking the kernel's (head, query tile) sequence
+    and making its dQ addition when its counter reads n. Checks: no deadlock, and each (pair, head,
+    tile, warpgroup) part receives the additions of key blocks 0, 1, ..., last in order."""
     rng = random.Random(seed)
     m_blocks, n_blocks, diag = -(-nq // block_m), -(-nk // BLOCK_N), nk - nq
-    counters: dict[tuple[int, int, int], int] = {}
-    order: dict[tuple[int, int, int], list[int]] = {}
+    counters: dict[tuple[int, int, int, int], int] = {}
+    order: dict[tuple[int, int, int, int], list[int]] = {}
 
-    def cta(n):
+    def cta(n, pair):
         m_first = max(0, n * BLOCK_N - diag) // block_m if causal else 0
         m_count = m_blocks - m_first
         for it in range(group * m_count):
-            head, m = it // m_count, m_first + it % m_count
+            head, m0 = walk(it, 0, group, m_blocks, m_count, block_m)
             for w in range(2):  # the two warpgroups, run in lock step by the dS barrier
-                key = (head, m, w)
+                key = (pair, head, m0 // block_m, w)
                 while counters.get(key, 0) != n:
                     yield
                 order.setdefault(key, []).append(n)
                 counters[key] = n + 1
                 yield
 
-    waiting = list(range(n_blocks))
+    waiting = list(range(n_blocks * pairs))
     running = []
     steps = 0
     while waiting or running:
         steps += 1
-        assert steps < 100000, f"deadlock: running {[n for n, _ in running]}, waiting {waiting[:5]}"
+        assert steps < 400000, f"deadlock: running {[c for c, _ in running]}, waiting {waiting[:5]}"
         while waiting and len(running) < resident:
-            n = waiting.pop(0)  # in-order dispatch
-            running.append((n, cta(n)))
+            coords = block_coords(waiting.pop(0), n_blocks, pairs, section)  # in-order dispatch
+            running.append((coords, cta(*coords)))
         i = rng.randrange(len(running))
         try:
             next(running[i][1])
         except StopIteration:
             running.pop(i)
-    for (head, m, w), seen in order.items():
+    for (pair, head, m, w), seen in order.items():
         assert seen == list(range(len(seen))), f"tile {m} part {w} of head {head} added in order {seen}"
         last_key = min(nq, (m + 1) * block_m) - 1 + diag if causal else nk - 1
         assert len(seen) == min(n_blocks, last_key // BLOCK_N + 1), (m, seen)
+    assert len(order) == pairs * group * m_blocks * 2 or causal
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("block_m", [64, 128])
 def test_deterministic_turns(block_m, causal):
-    for nq, nk, group in ((1, 1, 1), (300, 700, 2), (700, 300, 1), (1000, 1000, 4), (129, 4097, 1)):
+    for nq, nk, group, pairs, section in ((1, 1, 1, 1, 1), (300, 700, 2, 3, 2), (700, 300, 1, 2, 1),
+                                          (1000, 1000, 4, 1, 1), (129, 4097, 1, 1, 1), (600, 900, 1, 5, 4)):
         for resident in (1, 2, 5):
-            simulate_turns(nq, nk, group, block_m, causal, resident, seed=nq + nk + resident)
+            simulate_turns(nq, nk, group, pairs, section, block_m, causal, resident, seed=nq + nk + resident)
 
 
 # ---- SASS --------------------------------------------------------------------------------------------

@@ -21,16 +21,25 @@
 //   dQ  += dS K  (unscaled, fp32 RED into dq_accum; the convert multiplies by scale)
 //
 // ---- Work decomposition -------------------------------------------------------------------------
-// One CTA per (key block of kBlockN = 128 keys, kv head, batch): grid (ceil(Nk / 128), Hkv, B).
-// K and V are loaded once and stay in shared memory; the CTA walks the query heads of its GQA group
-// and, for each, the query tiles of kBlockM rows from m_first (causal: the first tile with a query
-// that sees key n0) to the end, keeping dK and dV in fp32 registers for the whole walk (the group's
+// One CTA per (key block of kBlockN = 128 keys, kv head, batch): a 1-D grid of ceil(Nk / 128) x Hkv
+// x B blocks in the order below. K and V are loaded once and stay in shared memory; the CTA walks the
+// query heads of its GQA group and, for each, the query tiles of kBlockM rows from the last down to
+// m_first (causal: the first tile with a query that sees key n0), keeping dK and dV in fp32 registers for the whole walk (the group's
 // sum happens there: no reduction pass, no atomics for dK / dV). 384 threads = 3 warpgroups:
 //   warpgroup 0 (producer)   one thread issues every copy: K and V once, then per query tile Q +
 //                            lse2 and dO + delta into kStages-deep rings; setmaxnreg.dec to 24.
 //   warpgroups 1, 2 (MMA)    MMA warpgroup w owns keys [64 w, 64 w + 64) of the block: S^T, dP^T,
 //                            dV, dK for those rows; setmaxnreg.inc to 240.
 // Both MMA warpgroups read the same Q / dO slot, so each slot is released by two arrivals.
+//
+// ---- Block order ---------------------------------------------------------------------------------
+// blockIdx.x -> (n_block, kv head, batch): the (kv head, batch) pairs (kv head fastest) are cut into
+// sections of `section` pairs (the host picks it so that a section's Q, dO and dq_accum fit in L2, as
+// FA3's backward scheduler does; 1 reproduces a (n, head, batch) grid); within a section the key
+// block is the slower index. So (a) for a fixed pair, key blocks are dispatched in ascending order
+// (the deterministic mode's deadlock argument needs exactly that), (b) causal, where key block n
+// walks m_blocks - m_first(n) tiles, the longest CTAs of the section start first (LPT: the short
+// ones fill the tail), (c) the CTAs running at once belong to few pairs, whose data stays in L2.
 //
 // ---- Per query tile, MMA warpgroup w (keys 64 w.., queries m0 .. m0 + kBlockM) ----------------
 //   1. S^T  = K_w Q^T      wgmma SS  m64 n kBlockM, k = d     (K rows K-major, Q K-major)
@@ -160,7 +169,8 @@ __device__ __forceinline__ void pack_acc(u32 (&a)[kSteps][4], const float (&d)[k
 // k / v [B, Hkv, Nk, d], box (64, 128, 1, 1); tmap_dk, tmap_dv: dk / dv, box (64, 64, 1, 1). All
 // 128B swizzle, zero fill. lse2 / delta / dq_accum: the workspaces above; dq_sem (kDeterministic
 // only, else unused): int32 [B, H, ceil(Nq / kBlockM), 2], zero.
-// Grid (ceil(Nk / 128), Hkv, B), 384 threads, dynamic shared memory Sm90BwdConfig.smem_bytes.
+// Grid (ceil(Nk / 128) * Hkv * B), ordered by `section` ("Block order"), 384 threads, dynamic shared
+// memory Sm90BwdConfig.smem_bytes. `batches` = B.
 template <int kHeadDim, int kBlockM, int kStages, bool kCausal, bool kIsBF16, bool kDeterministic>
 __global__ void __launch_bounds__(bwd90::kThreads, 1)
     attention_bwd_sm90(const __grid_constant__ sm90::TmaDescriptor tmap_q,
@@ -170,7 +180,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
                        const __grid_constant__ sm90::TmaDescriptor tmap_dk,
                        const __grid_constant__ sm90::TmaDescriptor tmap_dv, const float* __restrict__ lse2,
                        const float* __restrict__ delta, float* __restrict__ dq_accum, int* __restrict__ dq_sem,
-                       int heads, int kv_group,
+                       int heads, int kv_group, int batches, int section,
                        int seqlen_q, int seqlen_k, int nq_pad, float scale_log2, float scale) {
   using namespace bwd90;
   static_assert(kHeadDim * kBlockM == 8192 && (kHeadDim == 64 || kHeadDim == 128),
@@ -201,7 +211,17 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
   float* const sLse = reinterpret_cast<float*>(sdS + 2 * kBlockN * kBlockM);  // [kStages][kBlockM]
   float* const sDelta = sLse + kStages * kBlockM;
 
-  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  // Block order (see "Block order" above): sections of `section` (kv head, batch) pairs, key block
+  // slowest within a section, so every pair's key blocks start in ascending order, longest first.
+  const int kv_heads = heads / kv_group;
+  const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
+  const int pairs = kv_heads * batches;
+  const int sec = blockIdx.x / (section * n_blocks);
+  const int in_sec = blockIdx.x - sec * section * n_blocks;
+  const int sec_pairs = min(section, pairs - sec * section);  // the last section may be short
+  const int n_block = in_sec / sec_pairs;
+  const int pair = sec * section + in_sec % sec_pairs;
+  const int kv_head = pair % kv_heads, batch = pair / kv_heads;
   const int n0 = n_block * kBlockN;
   const int diag = seqlen_k - seqlen_q;  // query i sees keys j <= i + diag
   const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
@@ -209,6 +229,10 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
   const int m_first = kCausal ? max(0, n0 - diag) / kBlockM : 0;
   const int m_count = m_blocks - m_first;
   const int n_iters = kv_group * m_count;
+  // Step `it` of the walk: query head kv_head * kv_group + it / m_count, query tiles from the last
+  // down to m_first (every key block of a (b, h) reaches tile m in ascending key-block order).
+  auto walk_head = [&](int it) { return kv_head * kv_group + it / m_count; };
+  auto walk_m0 = [&](int it) { return (m_blocks - 1 - it % m_count) * kBlockM; };
   const int wg = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -236,8 +260,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
         s9::tma_load_4d(sV + p * kBlockN * kPanel, &tmap_v, p * kPanel, n0, kv_head, batch, &kv_full);
       }
       for (int it = 0; it < n_iters; ++it) {
-        const int head = kv_head * kv_group + it / m_count;
-        const int m0 = (m_first + it % m_count) * kBlockM;
+        const int head = walk_head(it), m0 = walk_m0(it);
         const int s = it % kStages;
         if (it >= kStages) s9::mbar_wait(&empty[s], ((it / kStages) - 1) & 1);
         const int64_t ws = (static_cast<int64_t>(batch) * heads + head) * nq_pad + m0;  // padded: in bounds
@@ -281,8 +304,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
 
     s9::mbar_wait(&kv_full, 0);
     for (int it = 0; it < n_iters; ++it) {
-      const int head = kv_head * kv_group + it / m_count;
-      const int m0 = (m_first + it % m_count) * kBlockM;
+      const int head = walk_head(it), m0 = walk_m0(it);
       const int s = it % kStages;
       const u32 parity = (it / kStages) & 1;
       const u64 desc_q = s9::make_desc_k128_sw128(sQ + s * kBlockM * kHeadDim);

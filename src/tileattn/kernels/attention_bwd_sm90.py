@@ -34,7 +34,8 @@ THREADS = 384           # producer warpgroup + two MMA warpgroups
 PANEL = 64              # TMA box width in elements: 128 bytes, the 128-byte swizzle span
 LOG2E = 1.4426950408889634
 SMEM_LIMIT = 232448     # bytes per block on an H100/H200 (227 KB opt-in)
-_MAX_GRID_YZ = 65535
+L2_SECTION_BYTES = 40 * 2**20  # Q + dO + dq_accum of the (kv head, batch) pairs in flight (FA3's budget)
+_MAX_GRID_X = 2**31 - 1
 
 
 @dataclass(frozen=True, order=True)
@@ -112,6 +113,19 @@ def tuning_candidates(head_dim: int, causal: bool) -> tuple[Sm90BwdConfig, ...]:
     return (DEFAULTS[(head_dim, bool(causal))], *TUNING_EXTRA[head_dim])
 
 
+def section_pairs(seqlen_q: int, head_dim: int, group: int, elem_bytes: int, causal: bool,
+                  deterministic: bool) -> int:
+    """(kv head, batch) pairs per section of the main kernel's block order (csrc "Block order"):
+    the largest power of two whose Q, dO (elem_bytes each) and fp32 dq_accum rows of `group` query
+    heads fit in L2_SECTION_BYTES, at least 1. Non-causal atomic runs keep 1 (key blocks of one pair
+    after another: equal-length CTAs gain nothing from LPT, and that order was measured). Never raises."""
+    if not (causal or deterministic):
+        return 1
+    per_pair = max(1, group * seqlen_q * head_dim * (2 * elem_bytes + 4))
+    fit = max(1, L2_SECTION_BYTES // per_pair)
+    return 1 << (fit.bit_length() - 1)
+
+
 def _tma_ready(t: torch.Tensor) -> bool:
     """Whether TMA can describe t in place (last dim contiguous, 16-byte aligned base, every
     dimension longer than 1 with a positive stride that is a multiple of 16 bytes below 2^40)."""
@@ -136,12 +150,13 @@ class BackwardPlan:
     contiguous (natural log); one dtype, float16 or bfloat16; d in HEAD_DIMS. `launch` writes dq, dk,
     dv completely (never reads them) on torch's current stream and allocates only a torch
     workspace. A tensor TMA cannot describe in place (a zero or huge stride) is copied on each
-    launch (decided here, once). Raises ValueError for an unsupported head dim or dtype, H not a
-    multiple of Hkv, or more than 65535 kv heads or batches.
+    launch (decided here, once). `section` overrides section_pairs() (benchmarks). Raises ValueError
+    for an unsupported head dim or dtype, H not a multiple of Hkv, a grid of 2^31 blocks or more, or
+    section < 1.
     """
 
     def __init__(self, q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
-                 config: Sm90BwdConfig | None = None):
+                 config: Sm90BwdConfig | None = None, section: int | None = None):
         from ..runtime import LaunchPlan, TensorMapTemplate
         from . import attention_bwd_sm80 as sm80
         from . import load
@@ -153,8 +168,11 @@ class BackwardPlan:
                              f"got head_dim {d} and {q.dtype}")
         if kv_heads < 1 or heads % kv_heads:
             raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
-        if max(kv_heads, batch) > _MAX_GRID_YZ:
-            raise ValueError(f"batch and k/v head counts must be <= {_MAX_GRID_YZ}")
+        n_blocks = -(-nk // BLOCK_N)
+        if n_blocks * kv_heads * batch > _MAX_GRID_X:
+            raise ValueError(f"batch x k/v heads x ceil(Nk / {BLOCK_N}) must be <= {_MAX_GRID_X} blocks")
+        if section is not None and section < 1:
+            raise ValueError(f"section must be >= 1, got {section}")
         config = config or DEFAULTS[(d, bool(causal))]
         bf16 = q.dtype == torch.bfloat16
         device = q.device.index
@@ -175,6 +193,9 @@ class BackwardPlan:
         i32, f32 = np.int32, np.float32
         group = heads // kv_heads
         scale_log2 = f32(scale * LOG2E)
+        if section is None:
+            section = section_pairs(nq, d, group, q.element_size(), causal, deterministic)
+        self.section = section = min(section, kv_heads * batch)
 
         self.pre = LaunchPlan(
             load(sm80.FAMILY_NAME, preprocess_expr(d, bf16), device),
@@ -200,8 +221,9 @@ class BackwardPlan:
         maps = [tm.encode(x.data_ptr()) for tm, x in zip(self.templates, (*dense, dk_t, dv_t))]
         self.main = LaunchPlan(
             load(FAMILY_NAME, expression(d, config, causal, bf16, deterministic), device),
-            (-(-nk // BLOCK_N), kv_heads, batch), (THREADS,),
-            (*maps, 0, 0, 0, 0, i32(heads), i32(group), i32(nq), i32(nk), i32(nq_pad), scale_log2, f32(scale)),
+            (n_blocks * kv_heads * batch,), (THREADS,),
+            (*maps, 0, 0, 0, 0, i32(heads), i32(group), i32(batch), i32(section), i32(nq), i32(nk), i32(nq_pad),
+             scale_log2, f32(scale)),
             smem=config.smem_bytes(d), dynamic=range(10),
         )
         self.convert = LaunchPlan(
@@ -265,55 +287,100 @@ def _median_ms(fn, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def benchmark(seq_lens=(2048, 4096, 8192, 16384), head_dims=HEAD_DIMS, dtypes=(torch.bfloat16, torch.float16),
-              batch: int = 4, heads: int = 32, reps: int = 10) -> list[dict]:
-    """Backward-only TFLOP/s (flops() convention) of this kernel (atomic and deterministic dQ), the
-    sm80 backward and SDPA cuDNN's backward on the same inputs, causal and not; prints one line per
-    case and returns the records. Needs an sm_90 GPU. Backward passes only: out and lse come from
-    one forward launch (tileattn's dispatcher) per case."""
+def _bench_case(d: int, dtype, causal: bool, n: int, batch: int, heads: int, reps: int) -> dict:
+    """One benchmark() record (its tensors are freed on return)."""
     import math
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from . import attention_bwd_sm80, dispatch
 
+    q, k, v, dout = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in range(4))
+    scale = 1.0 / math.sqrt(d)
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
+    dispatch.attention_forward_plan(q, k, v, out, lse, causal=causal, scale=scale).launch(q, k, v, out, lse)
+    grads = tuple(torch.empty_like(t) for t in (q, k, v))
+    args = (q, k, v, out, lse, dout, *grads)
+    rec = {"suite": "bwd_sm90", "d": d, "dtype": str(dtype).split(".")[-1], "causal": causal, "n": n,
+           "batch": batch, "heads": heads}
+    work = flops(batch, heads, n, n, d, causal)
+    plans = [
+        ("sm90", BackwardPlan(*args, causal=causal, scale=scale, deterministic=False)),
+        ("sm90_det", BackwardPlan(*args, causal=causal, scale=scale, deterministic=True)),
+        ("sm80", attention_bwd_sm80.backward_plan(*args, causal=causal, scale=scale, deterministic=False)),
+        ("sm80_det", attention_bwd_sm80.backward_plan(*args, causal=causal, scale=scale, deterministic=True)),
+    ]
+    rec["section"], rec["section_det"] = plans[0][1].section, plans[1][1].section
+    if not causal:  # the block order causal / deterministic runs use, measured on equal-length CTAs
+        l2 = section_pairs(n, d, 1, q.element_size(), True, False)
+        plans.append(("sm90_l2", BackwardPlan(*args, causal=causal, scale=scale, deterministic=False, section=l2)))
+        rec["section_l2"] = plans[-1][1].section
+    for name, plan in plans:
+        ms = _median_ms(lambda: plan.launch(*args), reps)
+        rec[name], rec[name + "_ms"] = work / (ms * 1e-3) / 1e12, ms
+    plans.clear()
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+        ms = _median_ms(lambda: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True), reps)
+        rec["cudnn"], rec["cudnn_ms"] = work / (ms * 1e-3) / 1e12, ms
+    except RuntimeError as exc:  # cuDNN not available for this case
+        rec["cudnn"] = float("nan")
+        rec["cudnn_error"] = str(exc).splitlines()[0]
+    rec["vs_cudnn"] = rec["sm90"] / rec["cudnn"]
+    rec["det_vs_atomic"] = rec["sm90_det"] / rec["sm90"]
+    return rec
+
+
+def benchmark(seq_lens=(2048, 4096, 8192, 16384, 32768), head_dims=HEAD_DIMS,
+              dtypes=(torch.bfloat16, torch.float16), causals=(False, True), batch: int = 4, heads: int = 32,
+              reps: int = 10, json_path: str | None = None) -> list[dict]:
+    """Backward-only TFLOP/s (flops() convention) and median ms of this kernel (atomic and
+    deterministic dQ; non-causal also with the L2-section block order, `sm90_l2`), the sm80 backward
+    (both modes) and SDPA cuDNN's backward on the same inputs [batch, heads, N, d]; prints one line
+    per case and returns the records; with json_path also writes {"environment", "records"} there
+    after every case (the docs/runs/ format). Needs an sm_90 GPU. Backward passes only: out and lse
+    come from one forward launch (tileattn's dispatcher) per case."""
+    import json
+
+    from ..bench.env import environment
+
     records = []
     for d in head_dims:
         for dtype in dtypes:
-            for causal in (False, True):
+            for causal in causals:
                 for n in seq_lens:
-                    q, k, v, dout = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in range(4))
-                    scale = 1.0 / math.sqrt(d)
-                    out = torch.empty_like(q)
-                    lse = torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
-                    dispatch.attention_forward_plan(q, k, v, out, lse, causal=causal, scale=scale).launch(
-                        q, k, v, out, lse)
-                    grads = tuple(torch.empty_like(t) for t in (q, k, v))
-                    args = (q, k, v, out, lse, dout, *grads)
-                    rec = {"d": d, "dtype": str(dtype).split(".")[-1], "causal": causal, "n": n}
-                    work = flops(batch, heads, n, n, d, causal)
-                    for name, plan in (
-                        ("sm90", BackwardPlan(*args, causal=causal, scale=scale, deterministic=False)),
-                        ("sm90_det", BackwardPlan(*args, causal=causal, scale=scale, deterministic=True)),
-                        ("sm80", attention_bwd_sm80.backward_plan(*args, causal=causal, scale=scale,
-                                                                   deterministic=False)),
-                        ("sm80_det", attention_bwd_sm80.backward_plan(*args, causal=causal, scale=scale,
-                                                                       deterministic=True)),
-                    ):
-                        rec[name] = work / (_median_ms(lambda: plan.launch(*args), reps) * 1e-3) / 1e12
-                    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-                    try:
-                        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                            o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
-                        ms = _median_ms(lambda: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True), reps)
-                        rec["cudnn"] = work / (ms * 1e-3) / 1e12
-                    except RuntimeError as exc:  # cuDNN not available for this case
-                        rec["cudnn"] = float("nan")
-                        rec["cudnn_error"] = str(exc).splitlines()[0]
-                    print(" ".join(f"{key}={val:.1f}" if isinstance(val, float) else f"{key}={val}"
+                    rec = _bench_case(d, dtype, causal, n, batch, heads, reps)
+                    print(" ".join(f"{key}={val:.3f}" if key.endswith("_ms") or key.startswith(("vs_", "det_"))
+                                   else f"{key}={val:.1f}" if isinstance(val, float) else f"{key}={val}"
                                    for key, val in rec.items()), flush=True)
                     records.append(rec)
+                    if json_path:  # rewritten after every case: a run cut short keeps what it measured
+                        with open(json_path, "w") as f:
+                            json.dump({"environment": environment(), "records": records}, f, indent=1)
     return records
+
+
+def main(argv=None) -> None:
+    """`python -m tileattn.kernels.attention_bwd_sm90 [--d 128] [--dtype bf16] [--causal 0|1] [--seq N ...]
+    [--json PATH]`: benchmark() on a subset (each option repeatable)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--d", type=int, action="append", choices=HEAD_DIMS)
+    parser.add_argument("--dtype", action="append", choices=("bf16", "fp16"))
+    parser.add_argument("--causal", type=int, action="append", choices=(0, 1))
+    parser.add_argument("--seq", type=int, action="append")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--json")
+    a = parser.parse_args(argv)
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    benchmark(seq_lens=tuple(a.seq or (2048, 4096, 8192, 16384, 32768)), head_dims=tuple(a.d or HEAD_DIMS),
+              dtypes=tuple(dt[x] for x in (a.dtype or ("bf16", "fp16"))),
+              causals=tuple(bool(c) for c in (a.causal if a.causal is not None else (0, 1))), reps=a.reps,
+              json_path=a.json)
 
 
 __all__ = [
@@ -330,6 +397,12 @@ __all__ = [
     "benchmark",
     "expression",
     "flops",
+    "main",
+    "section_pairs",
     "supports",
     "tuning_candidates",
 ]
+
+
+if __name__ == "__main__":
+    main()
