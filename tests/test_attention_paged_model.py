@@ -1,8 +1,8 @@
 """CPU model of csrc/attention_paged_sm80.cu, lane by lane, against the float64 reference (no GPU).
 
 The kernel is restated in NumPy at the level where its bugs would live: the CTA's key range and
-split (KeyRange), the tile loader (thread -> rows and chunk, one block-table read per cache block,
-zero fill for invalid block ids, the per-tile "bad" flag), the XOR swizzle, the ldmatrix lane
+split (KeyRange), the tile loader (thread -> key row and chunks, one block-table read per row, XOR-stepped
+swizzled destinations, zero fill for invalid block ids, the per-tile "bad" flag), the XOR swizzle, the ldmatrix lane
 addresses of Q, K and V (patterns A and B), the PTX fragment layouts of ldmatrix(.trans) and
 mma.m16n8k16, the masks (length edge, causal diagonal, invalid blocks), the online softmax with its
 -2^100 start and vote-gated rescale, P rounded to 16 bits, the key-split merge through shared
@@ -119,34 +119,24 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
                 sq[swizzle(d, r, c) : swizzle(d, r, c) + 8] = p["q"][tok, head, 8 * c : 8 * c + 8]
 
     def load_tile(n):
+        """Row-owner loader: tpr = threads / bn threads per key row, thread (r, q) copies chunks
+        q + tpr j of row r, at its first chunk's swizzled offset XOR 8 tpr j elements."""
         sk, sv = np.zeros(bn * row_elems), np.zeros(bn * row_elems)
         bad = False
-
-        def load_row(r, c, key, page):
-            in_range, page_ok = key < kv_end, 0 <= page < p["num_blocks"]
-            if in_range and page_ok:
-                at = swizzle(d, r, c)
-                sk[at : at + 8] = p["k_cache"][page, key % bs, kv_head, 8 * c : 8 * c + 8]
-                sv[at : at + 8] = p["v_cache"][page, key % bs, kv_head, 8 * c : 8 * c + 8]
-            return in_range and not page_ok
-
+        tpr = threads // bn
         for tid in range(threads):
-            if threads % chunks == 0:  # column loader: one table read per cache block
-                row_step = threads // chunks
-                c, r0 = tid % chunks, tid // chunks
-                page = 0
-                for i in range(bn // row_step):
-                    r = r0 + i * row_step
-                    key = n * bn + r
-                    if i == 0 or (i * row_step) % bs == 0:
-                        page = table[key // bs] if key < kv_end else -1
-                    bad |= load_row(r, c, key, page)
-            else:  # round-robin chunks (d = 96)
-                for i in range(bn * chunks // threads):
-                    idx = tid + i * threads
-                    r, c = idx // chunks, idx % chunks
-                    key = n * bn + r
-                    bad |= load_row(r, c, key, table[key // bs] if key < kv_end else -1)
+            r, q = tid // tpr, tid % tpr
+            key = n * bn + r
+            in_range = key < kv_end
+            page = table[key // bs] if in_range else -1
+            ok = 0 <= page < p["num_blocks"]
+            for j in range(chunks // tpr):
+                c = q + tpr * j
+                at = swizzle(d, r, q) ^ (8 * tpr * j)
+                if in_range and ok:
+                    sk[at : at + 8] = p["k_cache"][page, key % bs, kv_head, 8 * c : 8 * c + 8]
+                    sv[at : at + 8] = p["v_cache"][page, key % bs, kv_head, 8 * c : 8 * c + 8]
+            bad |= in_range and not ok
         return sk, sv, bad
 
     a_row, a_chunk = (LANES & 7) + 8 * ((LANES >> 3) & 1), LANES >> 4

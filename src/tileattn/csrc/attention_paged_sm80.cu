@@ -70,7 +70,7 @@
 //   sK [kStages][kBlockN][d]      ring of K tiles;  sV likewise
 // rows are common/sm80_tile.cuh's SwizzledTile (16-byte chunks XOR-swizzled so ldmatrix's 8 rows of
 // one chunk column hit 8 different bank groups; d = 96 rows padded to a 128-element pitch), so a
-// "row" below is kPitch elements. After the main loop the K ring is reused for the key-split merge.
+// "row" below is a power-of-two pitch. After the main loop the K ring is reused for the key-split merge.
 #include "common/sm80_tile.cuh"
 
 namespace tileattn {
@@ -81,15 +81,6 @@ constexpr float kRescaleThreshold = 8.0f;
 // Shift of a row that has seen no key yet (see attention_fwd_sm80.cu: a finite sentinel keeps
 // s * scale_log2 - shift finite and makes the first real key's rescale factor exactly 0).
 constexpr float kNoKeyShift = -1.2676506002282294e30f;  // -2^100
-
-// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of kHeadDim columns, and
-// the tile's row pitch in elements.
-template <int kHeadDim>
-__device__ __forceinline__ int swizzle(int row, int chunk) {
-  return SwizzledTile<kHeadDim>::chunk(row, chunk) >> 1;
-}
-template <int kHeadDim>
-constexpr int kPitch = SwizzledTile<kHeadDim>::kRowBytes / 2;
 
 // Fetch the 128-byte line holding `ptr` into L2, without waiting (PTX prefetch; no register is
 // written). Used to warm the block-table slice a CTA will read, so that each tile's table read,
@@ -137,18 +128,21 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   static_assert(kWarpsM == 1 || kWarpsN == 1, "warps split either rows or keys");
   static_assert(kWarpsN == 1 || kMTiles == 1, "the key split is for one m16 tile");
   static_assert(kWarpKeys % 16 == 0 && kStages >= 2, "16-key mma steps per warp, double buffering");
-  constexpr int kRowElems = kPitch<kHeadDim>;       // smem row pitch (elements)
-  // The loader's fast path: each thread owns one chunk column and whole rows (d = 32, 64, 128, 256).
-  constexpr bool kColumnLoader = kThreads % kChunks == 0;
-  static_assert(!kColumnLoader || kBlockN % (kThreads / kChunks) == 0, "whole passes per tile");
-  static_assert((kBlockN * kChunks) % kThreads == 0, "whole chunks per thread per tile");
-  static_assert(kWarpsN == 1 || (kWarpsN - 1) * (kDBlocks + 1) * 4 * 32 * 4 <= kStages * kBlockN * kRowElems * 2,
+  // Rows at a power-of-two pitch (d = 96: 128 elements), so every ldmatrix address of the main loop
+  // is one lane register XOR / plus an immediate (LdsmLane's kXor form).
+  using Tile = SwizzledTile<kHeadDim>;
+  constexpr int kTileQ = Tile::bytes(kBlockM), kTileKV = Tile::bytes(kBlockN);
+  static_assert(kThreads % kBlockN == 0 && kChunks % (kThreads / kBlockN) == 0 && is_pow2(kThreads / kBlockN),
+                "loader: a power-of-two number of threads per key row, whole chunks each");
+  static_assert(kWarpsN == 1 || (kWarpsN - 1) * (kDBlocks + 1) * 4 * 32 * 4 <= kStages * kTileKV,
                 "the key-split merge buffer fits in the K ring");
+  static_assert(kTileQ % 1024 == 0 && kTileKV % 1024 == 0, "tiles start on 1 KB boundaries (LdsmLane XOR)");
 
-  extern __shared__ __align__(128) u16 smem[];
-  u16* const sQ = smem;                                // [kBlockM][kRowElems], swizzled
-  u16* const sK = sQ + kBlockM * kRowElems;            // [kStages][kBlockN][kRowElems], swizzled
-  u16* const sV = sK + kStages * kBlockN * kRowElems;  // [kStages][kBlockN][kRowElems], swizzled
+  extern __shared__ __align__(1024) char smem[];
+  check_dynamic_smem(smem, kTileQ + 2 * kStages * kTileKV);
+  const u32 sQ = smem_addr(smem);         // [kBlockM][d], swizzled
+  const u32 sK = sQ + kTileQ;             // [kStages][kBlockN][d], swizzled
+  const u32 sV = sK + kStages * kTileKV;  // [kStages][kBlockN][d], swizzled
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp % kWarpsM, wn = warp / kWarpsM;  // row group / key group of this warp
@@ -183,64 +177,39 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   const u16* const v_head = v_cache + kv_head * v_sh;
 
   // ---- Tile loader: kBlockN keys of K and V into ring slot `stage` ------------------------------------
-  // Column loader (kThreads a multiple of d / 8): thread (r0, c) loads chunk c of rows
-  // r0 + i * kRowStep (r0 < kRowStep). kRowStep, kBlockN and block_size are powers of two and a tile
-  // starts on a multiple of min(kBlockN, block_size), so the thread's row enters a new cache block
-  // exactly when i * kRowStep is a multiple of block_size (every pass when kRowStep >=
-  // block_size): one table load per cache block, not per row. Otherwise (d = 96: 12 chunks) the
-  // chunks are dealt out round-robin and each reads its row's table entry (L1 hits).
-  // Returns whether a visible key sat in an invalid block.
-  // Addressing: a cache block's base pointer (one 64-bit multiply) is formed when the table entry is
-  // read; a row inside it is a 32-bit offset (the host guarantees block_size * row stride < 2^31).
-  // An invalid block id keeps the (valid) head base and is zero-filled (cp.async src-size 0).
-  struct Page {
-    const u16* k;
-    const u16* v;
-    bool ok;
-  };
-  auto page_at = [&](int key) -> Page {
-    const int id = key < kr.kv_end ? __ldg(bt_row + (key >> log2_block_size)) : -1;
-    const bool ok = id >= 0 && id < num_blocks;
-    const int64_t blk = ok ? id : 0;
-    return {k_head + blk * k_sb, v_head + blk * v_sb, ok};
-  };
+  // Row-owner mapping: kTPR = kThreads / kBlockN threads share a key row; thread (r, q) copies
+  // chunks q + kTPR j (j < kChunks / kTPR) of row r. So the row's block-table entry, its page
+  // check and its two 64-bit source pointers are formed once per thread and tile, and the chunks
+  // follow as immediates: +16 kTPR j bytes in global memory, and XOR 16 kTPR j in the swizzled
+  // tile (q < kTPR and kTPR j have disjoint bits and the row swizzle is < 8, so
+  // phys(r, q + kTPR j) = phys(r, q) ^ kTPR j; a row starts on a multiple of its power-of-two
+  // pitch). A warp instruction covers 32 / kTPR rows x kTPR consecutive chunks: whole 32-byte
+  // sectors, as many per instruction as a row-major mapping.
+  // The thread coordinates come from an opaque thread index at each call (recomputed, not held in
+  // registers across the main loop). A key past kv_end or in a block whose id is outside
+  // [0, num_blocks) is zero-filled (cp.async src-size 0, source clamped to the head's base).
+  // Returns whether this thread's key was visible but sat in an invalid block.
   const int k_sr32 = static_cast<int>(k_sr), v_sr32 = static_cast<int>(v_sr);
-  auto load_row = [&](u16* sKs, u16* sVs, int r, int c, int key, const Page& page) -> bool {
-    const bool in_range = key < kr.kv_end;
-    const bool valid = in_range && page.ok;
-    const int row = key & block_mask;
-    cp_async_16(sKs + swizzle<kHeadDim>(r, c), valid ? page.k + (row * k_sr32 + c * 8) : k_head, valid);
-    cp_async_16(sVs + swizzle<kHeadDim>(r, c), valid ? page.v + (row * v_sr32 + c * 8) : v_head, valid);
-    return in_range && !page.ok;
-  };
   auto load_tile = [&](int n, int stage) -> bool {
-    u16* const sKs = sK + stage * kBlockN * kRowElems;
-    u16* const sVs = sV + stage * kBlockN * kRowElems;
-    bool bad = false;
-    if constexpr (kColumnLoader) {
-      constexpr int kRowStep = kThreads / kChunks;  // rows one pass of the CTA's threads loads
-      // From an opaque thread index: recomputed per call, not held in registers across the loop.
-      const int tid_l = opaque(tid);
-      const int c = tid_l % kChunks, r0 = tid_l / kChunks;
-      Page page{k_head, v_head, false};
-      // Two m-tiles per warp leave no registers for the passes' addresses computed ahead: keep
-      // that loader rolled (its cp.async are still all in flight together).
-#pragma unroll(kMTiles == 1 ? kBlockN / kRowStep : 1)
-      for (int i = 0; i < kBlockN / kRowStep; ++i) {
-        const int key = n * kBlockN + r0 + i * kRowStep;
-        if (i == 0 || ((i * kRowStep) & block_mask) == 0) page = page_at(key);
-        bad |= load_row(sKs, sVs, r0 + i * kRowStep, c, key, page);
-      }
-    } else {
+    constexpr int kTPR = kThreads / kBlockN;
+    const int tid_l = opaque(tid);
+    const int r = tid_l / kTPR, q = tid_l % kTPR;
+    const int key = n * kBlockN + r;
+    const bool in_range = key < kr.kv_end;
+    const int id = in_range ? __ldg(bt_row + (key >> log2_block_size)) : -1;
+    const bool ok = id >= 0 && id < num_blocks;
+    const bool valid = in_range && ok;
+    const int row = key & block_mask;
+    // u32 x int64: the block id is non-negative here.
+    const u16* const kp = valid ? k_head + static_cast<u32>(id) * k_sb + (row * k_sr32 + q * 8) : k_head;
+    const u16* const vp = valid ? v_head + static_cast<u32>(id) * v_sb + (row * v_sr32 + q * 8) : v_head;
+    const u32 dst = stage * kTileKV + Tile::chunk(r, q);
 #pragma unroll
-      for (int i = 0; i < kBlockN * kChunks / kThreads; ++i) {
-        const int idx = tid + i * kThreads;
-        const int r = idx / kChunks, c = idx - r * kChunks;
-        const int key = n * kBlockN + r;
-        bad |= load_row(sKs, sVs, r, c, key, page_at(key));
-      }
+    for (int j = 0; j < kChunks / kTPR; ++j) {
+      cp_async_16(sK + (dst ^ (16 * kTPR * j)), kp + 8 * kTPR * j, valid);
+      cp_async_16(sV + (dst ^ (16 * kTPR * j)), vp + 8 * kTPR * j, valid);
     }
-    return bad;
+    return in_range && !ok;
   };
 
   // ---- Prologue: warm the table slice, Q (own commit group), then kStages - 1 K/V tiles -------------
@@ -258,7 +227,7 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
     const int head = kv_head * group + grow % group;
     const bool valid = grow < rows && tok >= 0 && tok < num_tokens;
     const u16* src = valid ? q + tok * q_st + head * q_sh + c * 8 : q;
-    cp_async_16(sQ + swizzle<kHeadDim>(r, c), src, valid);
+    cp_async_16(sQ + Tile::chunk(r, c), src, valid);
   }
   cp_async_commit();
   // Bit s: some thread-visible key of the tile in ring slot s had an invalid block id (this
@@ -273,19 +242,17 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   const int g = lane >> 2, t = lane & 3;  // mma fragment: rows g, g + 8; columns 2t, 2t + 1
   const int warp_row0 = row0 + wm * kRowsPerWarp;  // first row of this warp (in the problem)
   const bool warp_active = warp_row0 < rows;       // warp-uniform: some row of this warp is real
-  // ldmatrix lane addresses (see attention_fwd_sm80.cu): pattern A (Q; V with .trans) reads row
-  // (l & 7) + 8 ((l >> 3) & 1), chunk + (l >> 4); pattern B (K) row (l & 7) + 8 (l >> 4),
-  // chunk + ((l >> 3) & 1).
-  const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_chunk = lane >> 4;
-  const int b_row = (lane & 7) + 8 * (lane >> 4), b_chunk = (lane >> 3) & 1;
-  const u16* const sQw = sQ + wm * kRowsPerWarp * kRowElems;  // this warp's rows
+  // ldmatrix lane addresses: common/sm80_tile.cuh's LdsmLane (XOR form: one lane register per
+  // operand, every (16-row block, chunk pair) an XOR / immediate on it). Q without .trans and V with
+  // .trans use the rows-first lane order, K the other (see attention_fwd_sm80.cu).
 
   u32 q_frag[kQInRegs ? kKSteps : 1][4];
   if constexpr (kQInRegs) {
     cp_async_wait<kStages - 1>();  // the Q group (committed first) landed for this thread
     __syncthreads();               // ... and for every thread
+    const LdsmLane<Tile, true, true, kKSteps> lq(sQ, wm * kRowsPerWarp, 0, lane);  // this warp's rows
 #pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) ldmatrix_x4(q_frag[ks], sQw + swizzle<kHeadDim>(a_row, 2 * ks + a_chunk));
+    for (int ks = 0; ks < kKSteps; ++ks) ldmatrix_x4(q_frag[ks], lq.at(0, ks));
   }
 
   // O, fp32: [m-tile][d-block][c0..c3], rows g (c0, c1) and g + 8 (c2, c3) of each m-tile.
@@ -322,8 +289,14 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
       cp_async_commit();
     }
     if (!warp_active) continue;
-    const u16* const sKs = sK + (stage * kBlockN + wn * kWarpKeys) * kRowElems;  // this warp's keys
-    const u16* const sVs = sV + (stage * kBlockN + wn * kWarpKeys) * kRowElems;
+    // Lane addresses from an opaque thread index (a few integer ops per tile instead of registers
+    // held across the loop): Q (this warp's rows), K and V (this warp's keys of this stage).
+    const int tid_l = opaque(tid);
+    const int lane_l = tid_l & 31, warp_l = tid_l >> 5;
+    const int wm_l = warp_l % kWarpsM, wn_l = warp_l / kWarpsM;
+    const LdsmLane<Tile, true, true, kKSteps> lq(sQ, wm_l * kRowsPerWarp, 0, lane_l);
+    const LdsmLane<Tile, false, true, kKSteps> lk(sK + stage * kTileKV, wn_l * kWarpKeys, 0, lane_l);
+    const LdsmLane<Tile, true, true, kDBlocks / 2> lv(sV + stage * kTileKV, wn_l * kWarpKeys, 0, lane_l);
 
     // S = Q K^T over this warp's kWarpKeys keys: [kMTiles][kNBlocks][4] fp32.
     float s_acc[kMTiles][kNBlocks][4];
@@ -342,13 +315,13 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
 #pragma unroll
           for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[ks][e];
         } else {
-          ldmatrix_x4(a[mt], sQw + swizzle<kHeadDim>(16 * mt + a_row, 2 * ks + a_chunk));
+          ldmatrix_x4(a[mt], lq.at(mt, ks));
         }
       }
 #pragma unroll
       for (int np = 0; np < kNBlocks / 2; ++np) {
         u32 bk[4];
-        ldmatrix_x4(bk, sKs + swizzle<kHeadDim>(16 * np + b_row, 2 * ks + b_chunk));
+        ldmatrix_x4(bk, lk.at(np, ks));
         const u32 b0[2] = {bk[0], bk[1]};  // keys 16 np + 0..7
         const u32 b1[2] = {bk[2], bk[3]};  // keys 16 np + 8..15
 #pragma unroll
@@ -438,7 +411,7 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
 #pragma unroll
       for (int dp = 0; dp < kDBlocks / 2; ++dp) {
         u32 bv[4];
-        ldmatrix_x4_trans(bv, sVs + swizzle<kHeadDim>(16 * kk + a_row, 2 * dp + a_chunk));
+        ldmatrix_x4_trans(bv, lv.at(kk, dp));
         const u32 b0[2] = {bv[0], bv[1]};  // d-block 2 dp
         const u32 b1[2] = {bv[2], bv[3]};  // d-block 2 dp + 1
 #pragma unroll
@@ -461,7 +434,7 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
     // [kWarpsN - 1][kDBlocks][4][32] O values, then [kWarpsN - 1][2][2][32] (shift, sum): every
     // warp has the same fragment layout, so lane l of warp 0 reads what lane l of warp w wrote
     // (consecutive lanes, consecutive words: no bank conflicts).
-    float* const mO = reinterpret_cast<float*>(sK);
+    float* const mO = reinterpret_cast<float*>(smem + kTileQ);
     float* const mStat = mO + (kWarpsN - 1) * kDBlocks * 4 * 32;
     __syncthreads();  // every warp is done with the K ring
     if (wn > 0) {
