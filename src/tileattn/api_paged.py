@@ -81,7 +81,7 @@ def attention_paged(
             keys sees key j iff j <= i + nk - nq.
         scale: multiplies q . k; default 1 / sqrt(d); finite and > 0.
         return_lse: also return lse [H, Tq] float32 (natural log).
-        num_splits: force the split-KV count (>= 1); default: chosen from B, Hkv, max_seqlen_q,
+        num_splits: force the split-KV count (>= 1; at most 128 are used); default: chosen from B, Hkv, max_seqlen_q,
             the SM count and the block table's capacity max_blocks * block_size (never from the
             lengths, which live on the device).
         validate: copy the index tensors to the host (a sync) and raise ValueError on contents
@@ -121,7 +121,8 @@ def attention_paged(
                              max_seqlen_k, scale, num_splits)
     if validate:
         reference.check_paged_contents(k_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)
-    _check_pointers(q=q, k_cache=k_cache, v_cache=v_cache)
+    if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) & 15:
+        _check_pointers(q=q, k_cache=k_cache, v_cache=v_cache)
     if q.shape[0] == 0 or block_table.shape[0] == 0 or max_seqlen_q == 0:
         out = q.new_empty(q.shape)
         lse = q.new_full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32)

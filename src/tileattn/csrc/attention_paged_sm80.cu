@@ -518,6 +518,11 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
 // tokens at or past cu_seqlens_q[batch] (no sequence wrote their partials) are left unwritten, as
 // the num_splits == 1 path leaves them.
 //   L = log sum_s exp(lse_s),  O = sum_s exp(lse_s - L) O_s   (lse_s = -inf: split s saw no key)
+// Latency, not bandwidth, is its cost (a few KB per row): every split's lse is loaded at once
+// (lane l holds splits l + 32 i, num_splits <= kMaxSplits), the weights are formed in registers and
+// broadcast by shuffle, and the O loads of four splits are in flight together. A split with weight
+// 0 contributes a selected 0, never 0 * its partial (which an empty split wrote as zeros anyway).
+constexpr int kMaxSplits = 128;
 template <int kHeadDim, bool kIsBF16>
 __global__ void __launch_bounds__(128)
     attention_paged_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
@@ -526,6 +531,7 @@ __global__ void __launch_bounds__(128)
   using namespace paged;
   constexpr int kPairs = kHeadDim / 2;
   constexpr int kSteps = (kPairs + 31) / 32;  // pair steps per lane
+  constexpr int kLaneSplits = kMaxSplits / 32;
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
   const int64_t rows = static_cast<int64_t>(num_tokens) * heads;
@@ -533,35 +539,45 @@ __global__ void __launch_bounds__(128)
   const int tok = static_cast<int>(row / heads), head = static_cast<int>(row - static_cast<int64_t>(tok) * heads);
   if (tok >= cu_seqlens_q[batch]) return;
 
-  // Max and sum of exp over the splits, lanes striding over s.
+  float ls[kLaneSplits];  // lse of splits lane + 32 i, -inf past num_splits
   float mx = neg_inf();
-  for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, lse_part[s * rows + row]);
+#pragma unroll
+  for (int i = 0; i < kLaneSplits; ++i) {
+    const int s = lane + 32 * i;
+    ls[i] = s < num_splits ? lse_part[s * rows + row] : neg_inf();
+    mx = fmaxf(mx, ls[i]);
+  }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   float total = 0.f;
   if (mx != neg_inf()) {
-    for (int s = lane; s < num_splits; s += 32) total += fast_exp2((lse_part[s * rows + row] - mx) * kLog2e);
+#pragma unroll
+    for (int i = 0; i < kLaneSplits; ++i) total += fast_exp2((ls[i] - mx) * kLog2e);  // -inf -> 0
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
   }
   const float row_lse = total > 0.f ? mx + __logf(total) : neg_inf();
+  float w[kLaneSplits];  // weight exp(lse_s - L) of splits lane + 32 i (0: no key or no row key)
+#pragma unroll
+  for (int i = 0; i < kLaneSplits; ++i) w[i] = total > 0.f ? fast_exp2((ls[i] - row_lse) * kLog2e) : 0.f;
 
   float2 acc[kSteps];
 #pragma unroll
   for (int i = 0; i < kSteps; ++i) acc[i] = make_float2(0.f, 0.f);
-  if (total > 0.f) {
-    for (int s = 0; s < num_splits; ++s) {
-      const float l = lse_part[s * rows + row];  // warp-uniform (broadcast load)
-      if (l == neg_inf()) continue;              // an empty split never wrote its O
-      const float w = fast_exp2((l - row_lse) * kLog2e);
-      const float2* const src = reinterpret_cast<const float2*>(o_part + (s * rows + row) * kHeadDim);
 #pragma unroll
-      for (int i = 0; i < kSteps; ++i) {
-        const int pair = lane + 32 * i;
+  for (int i = 0; i < kLaneSplits; ++i) {  // splits 32 i .. 32 i + 31, weights in lanes (w[i])
+    const int count = min(32, num_splits - 32 * i);
+#pragma unroll 4
+    for (int sl = 0; sl < count; ++sl) {
+      const float wt = __shfl_sync(0xffffffffu, w[i], sl);
+      const float2* const src = reinterpret_cast<const float2*>(o_part + ((32 * i + sl) * rows + row) * kHeadDim);
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j) {
+        const int pair = lane + 32 * j;
         if (kPairs % 32 == 0 || pair < kPairs) {
           const float2 x = src[pair];
-          acc[i].x += w * x.x;
-          acc[i].y += w * x.y;
+          acc[j].x += wt != 0.f ? wt * x.x : 0.f;
+          acc[j].y += wt != 0.f ? wt * x.y : 0.f;
         }
       }
     }

@@ -29,7 +29,7 @@ FAMILY_NAME = "attention_paged_sm80"
 SOURCE = "attention_paged_sm80.cu"
 HEAD_DIMS = (32, 64, 96, 128, 256)
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 128
+MAX_SPLITS = 128  # the combine kernel's kMaxSplits
 COMBINE_ROWS_PER_BLOCK = 4  # one warp per (token, head) row, 128 threads
 
 
@@ -155,11 +155,14 @@ class PagedLaunch:
             per_sm = max(1, min(device_smem_optin(device) // (smem + 1024), 4))
             num_splits = choose_num_splits(batch * kv_heads * m_tiles, device_sm_count(device), per_sm,
                                            max_blocks * block_size, config.block_n)
-        self.num_splits = num_splits = max(1, min(num_splits, 65535 // kv_heads))
+        self.num_splits = num_splits = max(1, min(num_splits, MAX_SPLITS, 65535 // kv_heads))
         self.config = config
         self.out_shape = (num_tokens, heads, head_dim)
         self.lse_shape = (heads, num_tokens) if return_lse else None
-        self.part_shapes = ((num_splits, num_tokens, heads, head_dim), (num_splits, num_tokens, heads))
+        # Split-KV workspace, one fp32 allocation: o_part [S, Tq, H, d] then lse_part [S, Tq, H]
+        # (o_part's byte size is a multiple of 16, so lse_part starts aligned).
+        self.part_floats = num_splits * num_tokens * heads * (head_dim + 1)
+        self.lse_part_offset = num_splits * num_tokens * heads * head_dim * 4  # bytes
         self.device = q.device
         i64, i32 = np.int64, np.int32
         args = (
@@ -197,10 +200,11 @@ class PagedLaunch:
         if self._combine is None:
             self._main.launch(*ptrs, out.data_ptr(), lse_ptr, 0, 0)
         else:
-            o_part = torch.empty(self.part_shapes[0], dtype=torch.float32, device=device)
-            lse_part = torch.empty(self.part_shapes[1], dtype=torch.float32, device=device)
-            self._main.launch(*ptrs, 0, 0, o_part.data_ptr(), lse_part.data_ptr())
-            self._combine.launch(o_part.data_ptr(), lse_part.data_ptr(), out.data_ptr(), lse_ptr, ptrs[4])
+            work = torch.empty(self.part_floats, dtype=torch.float32, device=device)  # alive past both launches
+            o_part = work.data_ptr()
+            lse_part = o_part + self.lse_part_offset
+            self._main.launch(*ptrs, 0, 0, o_part, lse_part)
+            self._combine.launch(o_part, lse_part, out.data_ptr(), lse_ptr, ptrs[4])
         return out, lse
 
 
