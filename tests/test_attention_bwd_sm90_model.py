@@ -46,18 +46,20 @@ from .test_attention_fwd_sm90_model import (
 )
 
 BLOCK_N = ab.BLOCK_N
+C = ab.Sm90BwdConfig
 CONFIGS = sorted({(d, cfg) for d in ab.HEAD_DIMS for causal in (False, True)
                   for cfg in ab.tuning_candidates(d, causal)})
 
 
-def smem_offsets(d: int, cfg) -> dict[str, int]:
+def smem_offsets(d: int, cfg, deterministic: bool = False) -> dict[str, int]:
     """Byte offsets of the kernel's shared-memory tiles from the 1024-aligned base."""
     bm, st = cfg.block_m, cfg.stages
     off = {"K": 0, "V": BLOCK_N * d * 2}
     off["Q"] = off["V"] + BLOCK_N * d * 2
     off["dO"] = off["Q"] + st * bm * d * 2
     off["dS"] = off["dO"] + st * bm * d * 2
-    off["lse"] = off["dS"] + 2 * BLOCK_N * bm * 2
+    off["dQ"] = off["dS"] + 2 * BLOCK_N * bm * 2
+    off["lse"] = off["dQ"] + cfg.dq_buffers(d, deterministic) * bm * d * 4
     off["delta"] = off["lse"] + st * bm * 4
     off["end"] = off["delta"] + st * bm * 4
     return off
@@ -65,10 +67,14 @@ def smem_offsets(d: int, cfg) -> dict[str, int]:
 
 @pytest.mark.parametrize("d,cfg", CONFIGS, ids=str)
 def test_smem_layout_fits_and_is_aligned(d, cfg):
-    off = smem_offsets(d, cfg)
-    assert off["end"] + 1024 == cfg.smem_bytes(d) <= ab.SMEM_LIMIT
-    assert all(off[name] % 1024 == 0 for name in ("K", "V", "Q", "dO", "dS")), off  # 128B swizzle atoms
-    assert off["lse"] % 16 == 0 and off["delta"] % 16 == 0  # bulk copy destinations
+    for det in (False, True):
+        if not cfg.fits(d, det):
+            assert det and (d, cfg) == (64, C(128, 3)), (d, cfg, det)  # the one config without room
+            continue
+        off = smem_offsets(d, cfg, det)
+        assert off["end"] + 1024 == cfg.smem_bytes(d, det) <= ab.SMEM_LIMIT - ab.STATIC_SMEM
+        assert all(off[name] % 1024 == 0 for name in ("K", "V", "Q", "dO", "dS", "dQ")), off  # 128B swizzle atoms
+        assert off["lse"] % 16 == 0 and off["delta"] % 16 == 0  # bulk copy destinations (and source, dQ)
     assert cfg.block_m * d == 8192  # dQ is 64 x 64 per MMA warpgroup
 
 
@@ -162,23 +168,27 @@ def fragment_order_index(i: int, c: int, d: int) -> int:
 
 @pytest.mark.parametrize("d,cfg", CONFIGS, ids=str)
 def test_dq_red_addresses_hit_the_fragment_order_layout(d, cfg):
+    """Atomic mode REDs each float4 to dq_accum + (row0 of the tile) * d + tile_off; deterministic
+    mode stores it at staging + tile_off and bulk-adds the staging tile to dq_accum + row0 * d: so
+    the tile's elements must fill exactly the contiguous floats [m0 d, (m0 + block_m) d)."""
     bm = cfg.block_m
     for m0 in (0, bm, 5 * bm):
-        covered = set()
+        covered, offsets = set(), set()
         for w in range(2):
             a_panel = w if bm == 128 else 0
             b_panel = w if d == 128 else 0
             for warp in range(4):
                 for lane in range(32):
-                    row16 = m0 + 64 * a_panel + 16 * warp  # the kernel's row16 (without the (b, h) rows)
-                    dst = row16 * d + (64 * b_panel // 8) * 128 + lane * 4
+                    tile_off = (64 * a_panel + 16 * warp) * d + (64 * b_panel // 8) * 128 + lane * 4  # the kernel's
                     for j in range(8):
                         for slot in range(4):
                             row, col = acc_pos(warp, lane, 4 * j + slot)  # dQ accumulator element
                             query, column = m0 + 64 * a_panel + row, 64 * b_panel + col
-                            assert dst + j * 128 + slot == fragment_order_index(query, column, d)
+                            assert m0 * d + tile_off + j * 128 + slot == fragment_order_index(query, column, d)
                             covered.add((query, column))
+                            offsets.add(tile_off + j * 128 + slot)
         assert covered == {(m0 + i, c) for i in range(bm) for c in range(d)}
+        assert offsets == set(range(bm * d)), "the staging tile is the contiguous dq_accum tile"
 
 
 # ---- block order and tile walk ----------------------------------------------------------------------
@@ -307,9 +317,32 @@ def test_emulated_walk_matches_autograd(nq, nk, heads, kv_heads, d, block_m, cau
 
 
 # ---- the mbarrier / named-barrier protocol, simulated ----------------------------------------------
-def simulate(n_iters: int, stages: int, seed: int):
-    """One CTA: the producer thread and the two MMA warpgroups as coroutines following the kernel's
-    waits, arrivals and barriers, under a random schedule; TMA copies land at random later times."""
+class PartyBarrier:
+    """A named barrier (bar.sync / bar.arrive) whose phase completes when each of `parties` (whole
+    warps counted as one party) has arrived; an arrival of a party already in the current phase
+    would make the hardware count complete a phase early, so it fails here."""
+
+    def __init__(self, parties):
+        self.parties, self.arrived, self.generation = frozenset(parties), set(), 0
+
+    def arrive(self, party):
+        assert party not in self.arrived, f"{party} arrives twice in one phase"
+        self.arrived.add(party)
+        if self.arrived == self.parties:
+            self.arrived, self.generation = set(), self.generation + 1
+
+    def sync(self, party):
+        generation = self.generation
+        self.arrive(party)
+        while self.generation == generation:
+            yield
+
+
+def simulate(n_iters: int, stages: int, seed: int, dq_buffers: int = 0):
+    """One CTA: the producer thread, the two MMA warpgroups and (dq_buffers > 0: deterministic
+    mode) the dQ warp as coroutines following the kernel's waits, arrivals and barriers, under a
+    random schedule; TMA copies land at random later times, the dQ warp's bulk reduction reads its
+    staging buffer until a random later step."""
     rng = random.Random(seed)
     kv_full = MBarrier(1)
     q_full = [MBarrier(1) for _ in range(stages)]
@@ -323,6 +356,12 @@ def simulate(n_iters: int, stages: int, seed: int):
     ds_readers = [set(), set()]              # warpgroups whose dQ wgmma may still read the buffer
     sk_readers = set()                       # warpgroups whose dQ wgmma may still read all of sK
     in_flight = []
+    parties = ("mma0", "mma1", "dq")
+    dq_full = [PartyBarrier(parties) for _ in range(dq_buffers)]
+    dq_empty = [PartyBarrier(parties) for _ in range(dq_buffers)]
+    staged = [[None, None] for _ in range(dq_buffers)]  # buffer -> iteration each warpgroup's part holds
+    reducing = [False] * dq_buffers                    # the bulk reduction may still read the buffer
+    added = []
 
     def producer():
         kv_full.arrive(tx=1)
@@ -369,10 +408,32 @@ def simulate(n_iters: int, stages: int, seed: int):
             ring_readers[s].discard(w)
             empty[s].arrive()
             yield
+            if dq_buffers:  # stage dQ for the dQ warp
+                b = it % dq_buffers
+                if it >= dq_buffers:
+                    yield from dq_empty[b].sync(f"mma{w}")
+                assert not reducing[b], f"warpgroup {w} overwrites dQ staging buffer {b} being reduced"
+                staged[b][w] = it
+                dq_full[b].arrive(f"mma{w}")
+                yield
         yield from done_bar.sync()
         assert not sk_readers, f"warpgroup {w} writes dK into sK while {sk_readers} may read it"
 
-    actors = [producer(), mma(0), mma(1)]
+    def dq_warp():
+        for it in range(n_iters):
+            b = it % dq_buffers
+            yield from dq_full[b].sync("dq")
+            assert staged[b] == [it, it], f"the dQ warp reduces iteration {it} from halves {staged[b]}"
+            reducing[b] = True
+            while rng.random() < 0.5:  # cp.async.bulk.wait_group.read
+                yield
+            reducing[b] = False
+            added.append(it)
+            if it + dq_buffers < n_iters:
+                dq_empty[b].arrive("dq")
+            yield
+
+    actors = [producer(), mma(0), mma(1)] + ([dq_warp()] if dq_buffers else [])
     steps = 0
     while actors or in_flight:
         steps += 1
@@ -388,39 +449,60 @@ def simulate(n_iters: int, stages: int, seed: int):
         except StopIteration:
             actors.remove(actor)
     assert ds_bar.arrived == 0 and done_bar.arrived == 0, "a named barrier was left half-arrived"
+    assert all(not bar.arrived for bar in dq_full + dq_empty), "a dQ barrier was left half-arrived"
+    assert added == (list(range(n_iters)) if dq_buffers else []), added
 
 
 @pytest.mark.parametrize("stages", sorted({cfg.stages for _, cfg in CONFIGS}))
-def test_pipeline_protocol(stages):
+@pytest.mark.parametrize("dq_buffers", [0, 1, 2], ids=["atomic", "det1", "det2"])
+def test_pipeline_protocol(stages, dq_buffers):
     for n_iters in (1, 2, 3, stages, stages + 1, 2 * stages + 1, 9):
         for seed in range(20):
-            simulate(n_iters, stages, seed)
+            simulate(n_iters, stages, seed, dq_buffers)
+
+
+def test_dq_buffers_mirror_the_kernel():
+    """Two staging tiles where they fit (d=128, 2 stages), one otherwise; the dynamic + static shared
+    memory of every instantiation within the block limit."""
+    assert C(64, 2).dq_buffers(128, True) == 2 and C(128, 2).dq_buffers(64, True) == 1
+    assert C(64, 3).dq_buffers(128, True) == 1 and not C(128, 3).fits(64, True)
+    assert C(64, 2).dq_buffers(128, False) == 0
+    for expr in ab.INSTANTIATIONS + ab.TUNING:
+        d, bm, st = (int(x) for x in expr.split("<")[1].split(",")[:3])
+        det = expr.rstrip(">").endswith("true")
+        assert C(bm, st).smem_bytes(d, det) + ab.STATIC_SMEM <= ab.SMEM_LIMIT, expr
 
 
 # ---- deterministic mode: the turn counters across CTAs -----------------------------------------------
 def simulate_turns(nq: int, nk: int, group: int, pairs: int, section: int, block_m: int, causal: bool,
-                   resident: int, seed: int):
+                   resident: int, dq_buffers: int, seed: int):
     """The CTAs of `pairs` (kv head, batch) pairs, dispatched in blockIdx order (block_coords) with at
-    most `resident` running at once, each warpgroup walking the kernel's (head, query tile) sequence
-    and making its dQ addition when its counter reads n. Checks: no deadlock, and each (pair, head,
-    tile, warpgroup) part receives the additions of key blocks 0, 1, ..., last in order."""
+    most `resident` running at once. Each CTA is its MMA warpgroups, which walk the kernel's (head,
+    query tile) sequence and stage each tile's dQ in one of `dq_buffers` buffers (waiting while all
+    are full), and its dQ warp, which takes the staged tiles in order and adds one when the tile's
+    counter reads n. Checks: no deadlock, and each (pair, head, tile) receives the additions of key
+    blocks 0, 1, ..., last in order."""
     rng = random.Random(seed)
     m_blocks, n_blocks, diag = -(-nq // block_m), -(-nk // BLOCK_N), nk - nq
-    counters: dict[tuple[int, int, int, int], int] = {}
-    order: dict[tuple[int, int, int, int], list[int]] = {}
+    counters: dict[tuple[int, int, int], int] = {}
+    order: dict[tuple[int, int, int], list[int]] = {}
 
     def cta(n, pair):
         m_first = max(0, n * BLOCK_N - diag) // block_m if causal else 0
         m_count = m_blocks - m_first
-        for it in range(group * m_count):
-            head, m0 = walk(it, 0, group, m_blocks, m_count, block_m)
-            for w in range(2):  # the two warpgroups, run in lock step by the dS barrier
-                key = (pair, head, m0 // block_m, w)
-                while counters.get(key, 0) != n:
-                    yield
-                order.setdefault(key, []).append(n)
-                counters[key] = n + 1
-                yield
+        steps = [walk(it, 0, group, m_blocks, m_count, block_m) for it in range(group * m_count)]
+        staged, added = 0, 0  # tiles the MMA warpgroups staged / the dQ warp added
+        while added < len(steps):
+            if staged < len(steps) and staged - added < dq_buffers and rng.random() < 0.5:
+                staged += 1  # computed and staged (dq_empty passed)
+            elif added < staged:
+                head, m0 = steps[added]
+                key = (pair, head, m0 // block_m)
+                if counters.get(key, 0) == n:
+                    order.setdefault(key, []).append(n)
+                    counters[key] = n + 1
+                    added += 1
+            yield
 
     waiting = list(range(n_blocks * pairs))
     running = []
@@ -436,20 +518,22 @@ def simulate_turns(nq: int, nk: int, group: int, pairs: int, section: int, block
             next(running[i][1])
         except StopIteration:
             running.pop(i)
-    for (pair, head, m, w), seen in order.items():
-        assert seen == list(range(len(seen))), f"tile {m} part {w} of head {head} added in order {seen}"
+    for (pair, head, m), seen in order.items():
+        assert seen == list(range(len(seen))), f"tile {m} of head {head}, pair {pair} added in order {seen}"
         last_key = min(nq, (m + 1) * block_m) - 1 + diag if causal else nk - 1
         assert len(seen) == min(n_blocks, last_key // BLOCK_N + 1), (m, seen)
-    assert len(order) == pairs * group * m_blocks * 2 or causal
+    assert causal or len(order) == pairs * group * m_blocks
 
 
+@pytest.mark.parametrize("dq_buffers", [1, 2])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("block_m", [64, 128])
-def test_deterministic_turns(block_m, causal):
+def test_deterministic_turns(block_m, causal, dq_buffers):
     for nq, nk, group, pairs, section in ((1, 1, 1, 1, 1), (300, 700, 2, 3, 2), (700, 300, 1, 2, 1),
                                           (1000, 1000, 4, 1, 1), (129, 4097, 1, 1, 1), (600, 900, 1, 5, 4)):
         for resident in (1, 2, 5):
-            simulate_turns(nq, nk, group, pairs, section, block_m, causal, resident, seed=nq + nk + resident)
+            simulate_turns(nq, nk, group, pairs, section, block_m, causal, resident, dq_buffers,
+                           seed=nq + nk + resident)
 
 
 # ---- SASS --------------------------------------------------------------------------------------------
@@ -475,7 +559,8 @@ def test_sass_register_a_operands_untouched_until_retired(expression):
     assert not problems, "\n".join(problems[:10])
     for insn in ("UTMALDG", "UTMASTG", "STSM", "UBLKCP", "USETMAXREG"):
         assert insn in sass, f"{insn} expected in the SASS"
-    assert "REDG" in sass, "dQ REDs expected"
+    assert ("REDG" in sass) != deterministic, "dQ REDs from registers exactly in atomic mode"
+    assert ("UBLKRED" in sass) == deterministic, "the dQ warp's bulk reduce-add exactly in deterministic mode"
     assert ("LDG.E.STRONG.GPU" in sass) == deterministic, "acquire loads of the turn counters exactly when ordered"
     assert "LDL" not in sass and "STL" not in sass, "local memory traffic (spills) in the SASS"
 

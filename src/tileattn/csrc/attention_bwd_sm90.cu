@@ -28,6 +28,7 @@
 // sum happens there: no reduction pass, no atomics for dK / dV). 384 threads = 3 warpgroups:
 //   warpgroup 0 (producer)   one thread issues every copy: K and V once, then per query tile Q +
 //                            lse2 and dO + delta into kStages-deep rings; setmaxnreg.dec to 24.
+//                            Deterministic mode: warp 1 adds the staged dQ tiles in turn.
 //   warpgroups 1, 2 (MMA)    MMA warpgroup w owns keys [64 w, 64 w + 64) of the block: S^T, dP^T,
 //                            dV, dK for those rows; setmaxnreg.inc to 240.
 // Both MMA warpgroups read the same Q / dO slot, so each slot is released by two arrivals.
@@ -59,6 +60,7 @@
 //   5. wait for everything; release the Q / dO slot; dQ -> red.global.add.v4.f32 into
 //      dq_accum: the accumulator's 4 consecutive registers of an n8 block are one float4 of the
 //      fragment-order layout, and a warp's 32 lanes cover 512 contiguous bytes per instruction.
+//      (Deterministic mode: the same float4s into a staging tile for the dQ warp, see below.)
 // sdS is double-buffered: a warpgroup writes sdS[it % 2] only after passing the barrier of
 // iteration it - 1, which the other warpgroup reached after retiring its dQ wgmma of it - 2 (the
 // last reader of that buffer).
@@ -72,6 +74,7 @@
 //   sK, sV   [d/64][128][64]                 resident; epilogue: dK / dV staging for TMA stores
 //   sQ, sdO  [kStages][d/64][kBlockM][64]    rings
 //   sdS      [2][kBlockM/64][128][64]        dS^T, double-buffered
+//   sDq      [kDqBuffers][kBlockM * d] fp32  deterministic mode's dQ staging (dq_accum tile layout)
 //   sLse, sDelta [kStages][kBlockM] fp32     lse2 / delta of the tile's queries (bulk copies)
 // Bytes: Sm90BwdConfig.smem_bytes on the Python side computes the same total.
 //
@@ -89,17 +92,24 @@
 //   packed P^T, dS^T 2 x kBlockM / 4 (32 | 64) (dead once the dV / dK wgmmas retire), dQ 32.
 //
 // ---- Deterministic mode (kDeterministic) ---------------------------------------------------------
-// Every dq_accum element of (b, h, query tile m) gets one addition per key block, from MMA warpgroup
-// w of that block's CTA (w's part of the tile: fixed by the layout above). The additions are made
-// in key-block order through one int32 counter per (b, h, m, w) in dq_sem (zeroed by the host):
-// warpgroup w of key block n waits (one thread, ld.acquire.gpu) until the counter is n, adds its
-// part, and after a warpgroup barrier one thread fences (fence.acq_rel.gpu: the other threads' REDs,
-// ordered before it by the barrier, are then visible GPU-wide) and stores n + 1 (st.release.gpu).
-// Every key block before n also visits tile m (m_first is non-decreasing in n), so the counter
-// reaches n. Fixed order of float additions -> bitwise identical dq run to run. Deadlock-free
-// because a CTA waits only on CTAs of the same (kv head, batch) with a smaller blockIdx.x, which
-// the hardware dispatched before it (the lowest unfinished CTA can always run). dK and dV are
-// computed in registers in a fixed order in both modes.
+// Every dq_accum element of (b, h, query tile m) gets one addition per key block, and they are made
+// in key-block order through one int32 counter per (b, h, m) in dq_sem (zeroed by the host). The
+// MMA warpgroups do not wait for it: after step 5's wgmma_wait they store their dQ float4s into a
+// fp32 staging tile sDq[it % kDqBuffers] at the offsets RED would use (the tile of dq_accum is one
+// contiguous block_m x d x 4 bytes in fragment order), fence.proxy.async and bar.arrive "full"; warp
+// 1 of the producer warpgroup (the dQ warp) syncs on "full", its lane 0 spins (ld.acquire.gpu) until
+// the counter is n_block, adds the whole tile with one cp.reduce.async.bulk .add.f32, waits for the
+// read (then the warp bar.arrives "empty": the MMA warpgroups may refill the buffer) and for the
+// completion, fences (proxy, acq_rel.gpu) and stores n_block + 1 (st.release.gpu). So the wait for
+// the turn and the ~1 us completion round trip overlap the next tiles' wgmmas (kDqBuffers tiles
+// ahead: 2 where shared memory allows). Every key block before n also visits tile m (m_first is
+// non-decreasing in n), so the counter reaches n. Fixed order of float additions -> bitwise
+// identical dq run to run. Deadlock-free because a CTA waits only on CTAs of the same (kv head,
+// batch) with a smaller key block, which the block order dispatches before it (the lowest unfinished
+// CTA can always run). The walk goes from the last query tile down so that, causal, all key blocks
+// of a pair reach a tile in the same order they are dispatched in (walking up, key block n would
+// start at tile m_first(n) and wait there for every lower block to get down to it). dK and dV are
+// computed in registers in the same order in both modes.
 //
 // ---- Epilogue ----------------------------------------------------------------------------------
 // After a barrier of both MMA warpgroups (their last dQ wgmma read all of sK), warpgroup w writes
@@ -122,8 +132,27 @@ constexpr int kMmaRegs = 240;
 constexpr int kPanel = 64;           // elements per 128-byte swizzle row
 constexpr int kPanelRowBytes = 128;
 constexpr int kDsBarrier = 1;        // named barriers: 1 dS ready (256), 2 walk done (256),
-constexpr int kDoneBarrier = 2;      // 3, 4 warpgroup 0 / 1 alone (128): ordered dQ, epilogue
-constexpr int kWgBarrier = 3;
+constexpr int kDoneBarrier = 2;      // 3, 4 warpgroup 0 / 1 alone (128, epilogue), deterministic
+constexpr int kWgBarrier = 3;        // mode: 5, 6 dQ staging buffer b full, 7, 8 buffer b empty
+constexpr int kDqFullBarrier = 5;    // (288: both MMA warpgroups + the dQ warp)
+constexpr int kDqEmptyBarrier = 7;
+constexpr int kDqSyncThreads = 288;
+constexpr int kSmemLimit = 232448;   // bytes per block (227 KB opt-in), static + dynamic
+constexpr int kStaticSmem = 256;     // reserve for the static mbarriers
+
+// Dynamic shared memory of an instantiation (Sm90BwdConfig.smem_bytes mirrors it): K, V; the Q and
+// dO rings; the double-buffered dS^T tile; deterministic mode's fp32 dQ staging buffers (two where
+// they fit, else one); lse2 / delta per stage; + 1 KB to align the base to 1024 B.
+template <int kHeadDim, int kBlockM, int kStages>
+__device__ constexpr int smem_without_dq() {
+  return 2 * kBlockN * kHeadDim * 2 + 2 * kStages * kBlockM * kHeadDim * 2 + 2 * kBlockN * kBlockM * 2 +
+         2 * kStages * kBlockM * 4 + 1024;
+}
+template <int kHeadDim, int kBlockM, int kStages, bool kDeterministic>
+__device__ constexpr int dq_buffers() {
+  constexpr int base = smem_without_dq<kHeadDim, kBlockM, kStages>(), tile = kBlockM * kHeadDim * 4;
+  return !kDeterministic ? 0 : base + 2 * tile + kStaticSmem <= kSmemLimit ? 2 : 1;
+}
 
 // Keep the packed A fragments of an RS wgmma alive (in their registers, unmodified) until this
 // point: called after the wgmma_wait that retires the group reading them.
@@ -199,6 +228,10 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
   // it keeps the in-flight packed P^T (kBlockM / 4) live beside fp32 P^T and dP^T (kBlockM each)
   // and dK, dV. d = 64, kBlockM = 128 would need 64 + 64 + 64 + 32 = 224 and spills.
   constexpr bool kOverlap = kBlockM == 64;
+  constexpr int kDqBuffers = dq_buffers<kHeadDim, kBlockM, kStages, kDeterministic>();
+  constexpr u32 kDqTileBytes = kBlockM * kHeadDim * 4;  // one query tile of dq_accum: contiguous
+  static_assert(smem_without_dq<kHeadDim, kBlockM, kStages>() + kDqBuffers * kDqTileBytes + kStaticSmem <= kSmemLimit,
+                "shared memory over the 227 KB per block");
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ uint64_t kv_full, q_full[kStages], do_full[kStages], empty[kStages];
@@ -208,7 +241,8 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
   u16* const sQ = sV + kBlockN * kHeadDim;                         // [kStages][kPanels][kBlockM][64]
   u16* const sdO = sQ + kStages * kBlockM * kHeadDim;
   u16* const sdS = sdO + kStages * kBlockM * kHeadDim;             // [2][kBlockM/64][128][64]
-  float* const sLse = reinterpret_cast<float*>(sdS + 2 * kBlockN * kBlockM);  // [kStages][kBlockM]
+  float* const sDq = reinterpret_cast<float*>(sdS + 2 * kBlockN * kBlockM);  // [kDqBuffers][kBlockM * kHeadDim]
+  float* const sLse = sDq + kDqBuffers * kBlockM * kHeadDim;                 // [kStages][kBlockM]
   float* const sDelta = sLse + kStages * kBlockM;
 
   // Block order (see "Block order" above): sections of `section` (kv head, batch) pairs, key block
@@ -276,6 +310,33 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
           s9::tma_load_4d(sdO + (s * kPanels + p) * kBlockM * kPanel, &tmap_do, p * kPanel, m0, head, batch,
                           &do_full[s]);
         s9::bulk_load_1d(sDelta + s * kBlockM, delta + ws, kRowBytes, &do_full[s]);
+      }
+    } else if (threadIdx.x / 32 == 1) {  // the dQ warp: deterministic mode only
+      if constexpr (!kDeterministic) return;
+      const int lane = threadIdx.x % 32;
+      for (int it = 0; it < n_iters; ++it) {
+        const int head = walk_head(it), m0 = walk_m0(it), b = it % kDqBuffers;
+        s9::named_barrier_sync<kDqSyncThreads>(kDqFullBarrier + b);  // the MMA warpgroups staged tile it
+        const int64_t bh = static_cast<int64_t>(batch) * heads + head;
+        int* const sem = dq_sem + bh * m_blocks + m0 / kBlockM;
+        if (lane == 0) {
+          while (s9::ld_acquire_gpu(sem) != n_block) {  // key blocks 0 .. n_block - 1 have added tile m
+          }
+          s9::fence_proxy_async_global();  // the acquire before the async-proxy reduction below
+          s9::bulk_reduce_add_f32(dq_accum + (bh * nq_pad + m0) * kHeadDim, sDq + b * kBlockM * kHeadDim,
+                                  kDqTileBytes);
+          s9::tma_store_commit();
+          s9::tma_store_wait_read();  // staging buffer b read: the MMA warpgroups may refill it
+        }
+        __syncwarp();
+        if (it + kDqBuffers < n_iters) s9::named_barrier_arrive<kDqSyncThreads>(kDqEmptyBarrier + b);
+        if (lane == 0) {  // pass the turn once the additions are done in global memory
+          s9::bulk_wait_all();
+          s9::fence_proxy_async_global();
+          s9::fence_acq_rel_gpu();
+          s9::st_release_gpu(sem, n_block + 1);
+        }
+        __syncwarp();  // reconverge before the next aligned bar.sync
       }
     }
   } else {  // ------------------------------------------------------ MMA warpgroups
@@ -419,27 +480,23 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
       s9::fence_accumulators(dv);
       s9::fence_accumulators(dq);
       if (releaser) s9::mbar_arrive(&empty[s]);
-      int* sem = nullptr;
-      if constexpr (kDeterministic) {  // wait for key block n_block's turn on this part of the tile
-        sem = dq_sem + ((static_cast<int64_t>(batch) * heads + head) * m_blocks + m0 / kBlockM) * 2 + w;
-        if (tid == 0) {
-          while (s9::ld_acquire_gpu(sem) != n_block) {
-          }
-        }
-        s9::named_barrier_sync<128>(kWgBarrier + w);
-      }
       // Rows m0 + 64 a_panel + 16 warp + (g, g + 8), columns 64 b_panel + 8 j + 2 t + (0, 1): one
-      // 16 x 8 fragment tile per j, this lane's float4 at lane * 4.
-      const int64_t row16 = (static_cast<int64_t>(batch) * heads + head) * nq_pad + m0 + 64 * a_panel + 16 * warp;
-      float* dst = dq_accum + row16 * kHeadDim + (64 * b_panel / 8) * 128 + lane * 4;
+      // 16 x 8 fragment tile per j, this lane's float4 at lane * 4 (from the tile's first element).
+      const int tile_off = (64 * a_panel + 16 * warp) * kHeadDim + (64 * b_panel / 8) * 128 + lane * 4;
+      if constexpr (kDeterministic) {  // stage the tile for the dQ warp, which adds it in key-block order
+        const int b = it % kDqBuffers;
+        if (it >= kDqBuffers) s9::named_barrier_sync<kDqSyncThreads>(kDqEmptyBarrier + b);
+        float* const dst = sDq + b * kBlockM * kHeadDim + tile_off;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) red_add_f32x4(dst + j * 128, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
-      if constexpr (kDeterministic) {  // pass the turn on once the whole warpgroup's REDs are visible
-        s9::named_barrier_sync<128>(kWgBarrier + w);
-        if (tid == 0) {
-          s9::fence_acq_rel_gpu();
-          s9::st_release_gpu(sem, n_block + 1);
-        }
+        for (int j = 0; j < 8; ++j)
+          *reinterpret_cast<float4*>(dst + j * 128) = make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+        s9::fence_proxy_async();  // generic st.shared -> the async-proxy bulk reduction
+        s9::named_barrier_arrive<kDqSyncThreads>(kDqFullBarrier + b);
+      } else {
+        const int64_t row0 = (static_cast<int64_t>(batch) * heads + head) * nq_pad + m0;
+        float* const dst = dq_accum + row0 * kHeadDim + tile_off;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) red_add_f32x4(dst + j * 128, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
       }
     }
 

@@ -9,8 +9,8 @@ One backward is three launches on torch's current stream (capturable by CUDA gra
    dQ accumulator zeroed;
 2. this family's main kernel: one CTA per (128 keys, kv head, batch), dK and dV in registers over
    the GQA group's query heads, dQ added into the accumulator with fp32 vector REDs; in
-   deterministic mode those additions are made in key-block order through per-(b, h, query tile,
-   warpgroup) counters (zeroed by a memset), so dq is bitwise reproducible;
+   deterministic mode a dQ warp adds each staged tile with one bulk reduce-add, in key-block order
+   through per-(b, h, query tile) counters (zeroed by a memset), so dq is bitwise reproducible;
 3. attention_bwd_sm80's convert kernel: dq = scale * accumulator.
 The main kernel writes the sm80 kernels' fragment-order accumulator layout, so 1 and 3 are reused
 as they are.
@@ -33,7 +33,8 @@ BLOCK_N = 128           # keys per CTA: two MMA warpgroups x 64
 THREADS = 384           # producer warpgroup + two MMA warpgroups
 PANEL = 64              # TMA box width in elements: 128 bytes, the 128-byte swizzle span
 LOG2E = 1.4426950408889634
-SMEM_LIMIT = 232448     # bytes per block on an H100/H200 (227 KB opt-in)
+SMEM_LIMIT = 232448     # bytes per block on an H100/H200 (227 KB opt-in), static + dynamic
+STATIC_SMEM = 256       # reserved for the kernel's static mbarriers (kStaticSmem in the .cu)
 L2_SECTION_BYTES = 40 * 2**20  # Q + dO + dq_accum of the (kv head, batch) pairs in flight (FA3's budget)
 _MAX_GRID_X = 2**31 - 1
 
@@ -46,14 +47,32 @@ class Sm90BwdConfig:
     block_m: int
     stages: int
 
-    def smem_bytes(self, head_dim: int) -> int:
-        """Dynamic shared memory: K, V (128 x d each), `stages` Q and dO tiles, the double-buffered
-        dS^T tile, lse2 / delta per stage, + 1 KB to align to 1024 B."""
+    def _smem_without_dq(self, head_dim: int) -> int:
         kv = 2 * BLOCK_N * head_dim * 2
         ring = 2 * self.stages * self.block_m * head_dim * 2
         ds = 2 * BLOCK_N * self.block_m * 2
         rows = 2 * self.stages * self.block_m * 4
         return kv + ring + ds + rows + 1024
+
+    def dq_buffers(self, head_dim: int, deterministic: bool) -> int:
+        """Deterministic mode's fp32 dQ staging tiles (block_m x d x 4 bytes each): two where they fit
+        beside the rest (and STATIC_SMEM of mbarriers) in SMEM_LIMIT, else one (which may still not fit:
+        see fits); none in atomic mode. Mirrors dq_buffers() in the .cu."""
+        tile = self.block_m * head_dim * 4
+        if not deterministic:
+            return 0
+        return 2 if self._smem_without_dq(head_dim) + 2 * tile + STATIC_SMEM <= SMEM_LIMIT else 1
+
+    def smem_bytes(self, head_dim: int, deterministic: bool = False) -> int:
+        """Dynamic shared memory: K, V (128 x d each), `stages` Q and dO tiles, the double-buffered
+        dS^T tile, deterministic mode's dQ staging tiles, lse2 / delta per stage, + 1 KB to align
+        to 1024 B."""
+        return (self._smem_without_dq(head_dim)
+                + self.dq_buffers(head_dim, deterministic) * self.block_m * head_dim * 4)
+
+    def fits(self, head_dim: int, deterministic: bool) -> bool:
+        """Whether the instantiation's shared memory fits in a block."""
+        return self.smem_bytes(head_dim, deterministic) + STATIC_SMEM <= SMEM_LIMIT
 
     def __str__(self) -> str:
         return f"{self.block_m}x{BLOCK_N}/s{self.stages}"
@@ -84,12 +103,13 @@ def expression(head_dim: int, config: Sm90BwdConfig, causal: bool, bf16: bool, d
 
 
 def _expressions(configs_by_dim) -> tuple[str, ...]:
+    """Every (causal, dtype, mode) of the configs, the modes whose shared memory fits."""
     exprs = []
     for d, configs in configs_by_dim:
         for cfg in configs:
-            assert cfg.smem_bytes(d) <= SMEM_LIMIT, (d, cfg)
             exprs += [expression(d, cfg, causal, bf16, det)
-                      for causal in (False, True) for bf16 in (False, True) for det in (False, True)]
+                      for causal in (False, True) for bf16 in (False, True) for det in (False, True)
+                      if cfg.fits(d, det)]
     return tuple(dict.fromkeys(exprs))
 
 
@@ -105,12 +125,13 @@ def supports(head_dim: int, dtype, causal: bool = False) -> bool:
     return head_dim in HEAD_DIMS and dtype in (torch.float16, torch.bfloat16)
 
 
-def tuning_candidates(head_dim: int, causal: bool) -> tuple[Sm90BwdConfig, ...]:
-    """Configs worth timing for (head_dim, causal), the default first. Raises ValueError for an
-    unsupported head dim."""
+def tuning_candidates(head_dim: int, causal: bool, deterministic: bool = False) -> tuple[Sm90BwdConfig, ...]:
+    """Configs worth timing for (head_dim, causal, mode), the default first (those whose shared
+    memory fits in that mode). Raises ValueError for an unsupported head dim."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} is not supported by the sm90 backward; supported: {HEAD_DIMS}")
-    return (DEFAULTS[(head_dim, bool(causal))], *TUNING_EXTRA[head_dim])
+    return tuple(c for c in (DEFAULTS[(head_dim, bool(causal))], *TUNING_EXTRA[head_dim]) if c.fits(head_dim,
+                                                                                                   deterministic))
 
 
 def section_pairs(seqlen_q: int, head_dim: int, group: int, elem_bytes: int, causal: bool,
@@ -151,8 +172,8 @@ class BackwardPlan:
     dv completely (never reads them) on torch's current stream and allocates only a torch
     workspace. A tensor TMA cannot describe in place (a zero or huge stride) is copied on each
     launch (decided here, once). `section` overrides section_pairs() (benchmarks). Raises ValueError
-    for an unsupported head dim or dtype, H not a multiple of Hkv, a grid of 2^31 blocks or more, or
-    section < 1.
+    for an unsupported head dim or dtype, H not a multiple of Hkv, a grid of 2^31 blocks or more,
+    section < 1, or a config whose shared memory does not fit in this mode.
     """
 
     def __init__(self, q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
@@ -174,6 +195,9 @@ class BackwardPlan:
         if section is not None and section < 1:
             raise ValueError(f"section must be >= 1, got {section}")
         config = config or DEFAULTS[(d, bool(causal))]
+        if not config.fits(d, deterministic):
+            raise ValueError(f"config {config} does not fit in shared memory at head_dim {d} with "
+                             f"deterministic={bool(deterministic)}")
         bf16 = q.dtype == torch.bfloat16
         device = q.device.index
         self.device = q.device
@@ -186,9 +210,9 @@ class BackwardPlan:
         rows = batch * heads * nq_pad
         # One fp32 workspace: lse2 [B, H, NqPad], delta [B, H, NqPad], the fragment-order dQ
         # accumulator [B, H, NqPad / 16, d / 8, 32, 4]; deterministic: the int32 turn counters
-        # [B, H, ceil(Nq / block_m), 2] (zeroed per call).
+        # [B, H, ceil(Nq / block_m)] (zeroed per call).
         self.ws_elems = 2 * rows + rows * d
-        self.sem_elems = batch * heads * -(-nq // config.block_m) * 2
+        self.sem_elems = batch * heads * -(-nq // config.block_m)
         self._delta_offset, self._acc_offset = rows * 4, 2 * rows * 4  # bytes into the workspace
         i32, f32 = np.int32, np.float32
         group = heads // kv_heads
@@ -224,7 +248,7 @@ class BackwardPlan:
             (n_blocks * kv_heads * batch,), (THREADS,),
             (*maps, 0, 0, 0, 0, i32(heads), i32(group), i32(batch), i32(section), i32(nq), i32(nk), i32(nq_pad),
              scale_log2, f32(scale)),
-            smem=config.smem_bytes(d), dynamic=range(10),
+            smem=config.smem_bytes(d, deterministic), dynamic=range(10),
         )
         self.convert = LaunchPlan(
             load(sm80.FAMILY_NAME, convert_expr(d, bf16), device),

@@ -2,8 +2,9 @@
 // common/sm90.cuh: a 1-D bulk copy global -> shared completing on an mbarrier (the per-query lse2 /
 // delta vectors, which are plain contiguous fp32 runs and need no tensor map), the shared-memory
 // wgmma with both operands MN-major (dQ = dS K: dS is stored as dS^T [keys][queries] and K as
-// [keys][d], so both have the wgmma M / N dimension contiguous), and the GPU-scope acquire /
-// release accesses of the deterministic mode's turn counters. Compile for sm_90a.
+// [keys][d], so both have the wgmma M / N dimension contiguous), and the deterministic mode's
+// pieces: the bulk fp32 reduce-add shared -> global, its completion wait, the proxy fence, and the
+// GPU-scope acquire / release accesses of the turn counters. Compile for sm_90a.
 #pragma once
 #include "sm90.cuh"
 
@@ -44,6 +45,23 @@ __device__ __forceinline__ void wgmma_ss_n64_mn_mn(float (&d)[32], u64 desc_a, u
     TILEATTN_WGMMA_MNMN("f16");
   }
 #undef TILEATTN_WGMMA_MNMN
+}
+
+// Adds `bytes` (a multiple of 16) of fp32 from shared `src` into global `dst` (both 16-byte aligned)
+// element by element, performed at L2 by the async proxy as one bulk operation of the current
+// bulk async-group (commit with tma_store_commit; tma_store_wait_read frees `src`, bulk_wait_all
+// waits until the additions are done). The deterministic mode's ordered dQ addition.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const float* smem_src, u32 bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                   reinterpret_cast<u64>(gmem_dst)),
+               "r"(smem_u32(smem_src)), "r"(bytes)
+               : "memory");
+}
+// Wait until every committed bulk async-group of this thread is complete (writes included).
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// Orders this thread's generic-proxy global accesses with its async-proxy ones (either direction).
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 
 // GPU-scope acquire load / release store of an int32 flag in global memory, and the acq_rel fence
