@@ -22,11 +22,13 @@ from __future__ import annotations
 
 from . import attention_bwd_sm80, attention_fwd_sm80
 
-# (head dim, causal) that the Hopper forward runs on sm_90a, by measurement (bench attention with
-# the forced tileattn_sm80 / tileattn_sm90 columns, H200, bf16, B=4 H=32, 2026-12-01 15:25 UTC):
-# d=128: 650/687 TFLOP/s non-causal at N=2048/8192 against 382/374 for the sm80 kernel, causal
-# 518/682 against 317/388.
-SM90_FORWARD = {(128, False), (128, True)}
+# (head dim, causal) that the Hopper forward runs on sm_90a, by measurement (H200, bf16, B=4 H=32):
+# d=128 (bench attention --forced columns, 2026-12-01 15:25 UTC): 650/687 TFLOP/s non-causal at
+# N=2048/8192 against 382/374 for the sm80 kernel, causal 518/682 against 317/388; d=64 and d=256
+# (bench attention --tune --forward-only, 16:00 UTC; docs/runs/tune-fwd-d*-h200.json): the sm90 defaults
+# 388/452 non-causal and 298/437 causal at d=64, 737/728 and 610/724 at d=256, where no sm80
+# candidate reached the top five (the sm80 defaults run ~300 at d=64 and ~285 at d=256).
+SM90_FORWARD = {(d, causal) for d in (64, 128, 256) for causal in (False, True)}
 
 
 # (head dim, causal, deterministic) that the Hopper backward runs on sm_90a, by measurement
