@@ -103,9 +103,7 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
     kv_end = max(0, min(nk_read, last_tok + diag + 1)) if p["causal"] else nk_read
     unmasked_end = max(0, min(nk_read, first_tok + diag + 1)) if p["causal"] else nk_read
     tiles = -(-kv_end // bn)
-    per = -(-tiles // p["splits"])
-    tile_begin = min(split * per, tiles)
-    tile_end = min(tile_begin + per, tiles)
+    visits = range(split, tiles, p["splits"])  # strided splits, increasing tiles
     n_unmasked = unmasked_end // bn
     table = p["table"][b]
 
@@ -145,7 +143,7 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
     for w in range(warps_m * warps_n):
         state.append({"o": np.zeros((m_tiles, d // 8, 32, 4)), "shift": np.full((m_tiles, 2, 32), NO_KEY),
                       "sum": np.zeros((m_tiles, 2, 32))})
-    for n in range(tile_end - 1, tile_begin - 1, -1):
+    for n in visits:
         sk, sv, tile_bad = load_tile(n)
         for w in range(warps_m * warps_n):
             wm, wn = w % warps_m, w // warps_m

@@ -70,7 +70,8 @@ def attention_paged(
             stride rules as q.
         block_table: int32 [B, max_blocks], stride(1) == 1: key j of sequence b is row
             j % block_size of cache block block_table[b, j // block_size]. Blocks may be shared
-            between sequences (prefix caching); entries past a sequence's length are never read.
+            between sequences (prefix caching); entries past a sequence's length are never used (those of a
+            split's first tiles may be read ahead of the length, up to the table's capacity).
         cu_seqlens_q: int32 [B+1], contiguous, from 0, non-decreasing.
         seqlens_k: int32 [B], contiguous: key length of each sequence INCLUDING its query tokens
             (the queries are its last keys, already written to the cache).

@@ -4,8 +4,8 @@ against the float64 reference (tileattn.reference.attention_paged) on the same q
 Cases are built like an engine's: a cache of random blocks (unused blocks random too), block tables
 with shuffled non-contiguous blocks, a block shared by two sequences (prefix caching), and junk
 (random int32, mostly far out of range) in every table entry past a sequence's length, which the
-kernel must never read. Sequences mix decode (1 query), speculative runs (a few), chunked prefill
-(a chunk after a cached prefix) and key lengths 1, block_size - 1, block_size, block_size + 1 and
+kernel must never use (it may read ahead the entries of a split's first tiles). Sequences mix
+decode (1 query), speculative runs (a few), chunked prefill (a chunk after a cached prefix) and key lengths 1, block_size - 1, block_size, block_size + 1 and
 long ones. Outputs are NaN-poisoned before each launch (passed to the launch layer; the API path
 allocates inside tests/gpu/conftest.py's poisoned_allocations, workspaces too) so an unwritten
 element fails. Only rows covered by cu_seqlens_q are compared.
@@ -46,7 +46,7 @@ class Case:
         self.num_blocks = sum(pages) + spare
         order = torch.randperm(self.num_blocks, generator=cpu).tolist()
         max_blocks = max(pages, default=0) + pad
-        # Junk everywhere first: past a sequence's length the kernel must not read the table.
+        # Junk everywhere first: past a sequence's length the kernel must not use the table.
         table = torch.randint(-(2**31), 2**31 - 1, (len(seqs), max_blocks), generator=cpu, dtype=torch.int64)
         table = table.to(torch.int32)
         for b, n in enumerate(pages):

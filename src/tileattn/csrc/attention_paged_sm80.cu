@@ -40,25 +40,27 @@
 //    a decode CTA would have one warp of math and three idle.
 //
 // ---- Split-KV ---------------------------------------------------------------------------------
-// Each (M tile, KV head, sequence) is split into num_splits CTAs over its key tiles (split s takes
-// tiles [s * per, (s + 1) * per), per = ceil(tiles / num_splits), from the device-side length). With
-// num_splits == 1 the CTA writes out/lse directly; otherwise it writes its normalised O (fp32) and
-// its lse to o_part [S, Tq, H, d] / lse_part [S, Tq, H] and attention_paged_combine merges them:
-//   L = log sum_s exp(lse_s),  O = sum_s exp(lse_s - L) O_s   (splits with lse_s = -inf skipped).
+// Each (M tile, KV head, sequence) is split into num_splits CTAs over its key tiles: split s takes
+// tiles s, s + S, s + 2 S, ... (S = num_splits) below the device-side length. Strided rather than
+// contiguous ranges, so a split's first tiles do not depend on the length (their block-table
+// entries are read together with the lengths, see the prologue) and split sizes differ by at
+// most one tile. With num_splits == 1 the CTA writes out/lse directly; otherwise it writes its
+// normalised O (fp32) and its lse to o_part [S, Tq, H, d] / lse_part [S, Tq, H] and
+// attention_paged_combine merges them:
+//   L = log sum_s exp(lse_s),  O = sum_s exp(lse_s - L) O_s   (splits with lse_s = -inf weigh 0).
 // An empty split (a short sequence under a grid sized for the table's capacity) writes lse -inf.
 //
 // ---- Memory pipeline ----------------------------------------------------------------------------
 // Decode reads K and V once and does G FLOPs per byte of them (G = H / Hkv): it is bound by HBM
-// bandwidth, so the design goal is bytes in flight. Each K/V tile is kBlockN keys x d, loaded with 16-byte cp.async
-// into a kStages-deep ring (kStages - 1 tiles in flight per CTA while one is consumed; one CTA
-// barrier per tile). Page indices are resolved once per tile and thread: a thread's rows step by
-// kRowStep = threads / (d / 8) keys, so it loads a block-table entry only when its row enters a
-// new cache block (once per tile when kBlockN <= block_size; d = 96, whose 12 chunks per row do
-// not divide the threads, reads it per chunk). The table is tiny and L1/L2 resident.
-// Tiles are visited from the last to the first, so the tiles that need masking (the length edge,
-// the causal diagonal) come first; a per-tile flag (bar.red.or at the barrier that starts the
-// tile) says whether any of its block ids was out of range, and only then is the page validity
-// re-derived per key.
+// bandwidth, so the design goal is bytes in flight. Each K/V tile is kBlockN keys x d, loaded with
+// 16-byte cp.async into a kStages-deep ring (kStages - 1 tiles in flight per CTA while one is
+// consumed; one CTA barrier per tile). The loader gives each key row to kThreads / kBlockN
+// threads, so a thread reads one block-table entry per tile (L1/L2 hits: the prologue prefetches
+// the CTA's slice of the table into L2) and forms two 64-bit source pointers; its chunks follow
+// as immediates (see load_tile). Tiles are visited in increasing order; the ones that need
+// masking (the length edge, the causal diagonal) are found per tile. A per-tile flag (bar.red.or
+// at the barrier that starts the tile) says whether any of its block ids was out of range, and
+// only then is the page validity re-derived per key.
 //
 // ---- Online softmax (fp32, base 2) ------------------------------------------------------------
 // As in attention_fwd_sm80.cu: p = 2^(s * scale_log2 - shift) with one FFMA + MUFU.EX2 per score;
@@ -89,10 +91,19 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
 }
 
+// A read-only global load kept in program order with the other asm volatile statements (the
+// cp.async): the length and block-id loads of the prologue are issued together, before anything
+// waits for one of them.
+__device__ __forceinline__ int ldg_now(const int* ptr) {
+  int v;
+  asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr));
+  return v;
+}
+
 // Which keys a CTA visits. Keys [0, kv_end) are visible to some row of the M tile; keys below
 // unmasked_end are visible to every row (no causal or length mask needed there).
 struct KeyRange {
-  int kv_end, unmasked_end, tile_begin, tile_end;
+  int kv_end, unmasked_end, n_iter;  // the CTA visits tiles split + i * num_splits, i < n_iter
 };
 
 }  // namespace paged
@@ -149,29 +160,44 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   const int m_tile = blockIdx.x;
   const int kv_head = blockIdx.y / num_splits, split = blockIdx.y - kv_head * num_splits;
   const int b = blockIdx.z;
+  const int* const bt_row = block_table + static_cast<int64_t>(b) * bt_stride;
+  constexpr int kTPR = kThreads / kBlockN;  // loader threads per key row (see load_tile)
+
+  // ---- Block ids of the prologue's tiles, read before the lengths --------------------------------
+  // Split s visits tiles s, s + S, s + 2 S, ... whatever the lengths, so the table entries of its
+  // first kStages - 1 tiles (this thread's loader row) are known now: reading them together with
+  // the lengths takes one dependent global round trip (~1 us after an L2 miss) off the path to the
+  // first K/V load. Only entries inside the table row (keys below its capacity) are read; whether a
+  // key is visible is decided once the lengths are known.
+  int pre_id[kStages - 1];
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    const int key = (split + s * num_splits) * kBlockN + tid / kTPR;
+    pre_id[s] = key < (max_blocks << log2_block_size) ? ldg_now(bt_row + (key >> log2_block_size)) : -1;
+  }
 
   // ---- This CTA's rows and keys (all CTA-uniform) -------------------------------------------------
-  const int q_start = cu_seqlens_q[b];
-  const int nq = max(cu_seqlens_q[b + 1] - q_start, 0);
-  const int nk = max(seqlens_k[b], 0);
+  const int q_start = ldg_now(cu_seqlens_q + b);
+  const int nq = max(ldg_now(cu_seqlens_q + b + 1) - q_start, 0);
+  const int nk = max(ldg_now(seqlens_k + b), 0);
   const int rows = nq * group;          // valid rows of this (sequence, KV head) problem
   const int row0 = m_tile * kBlockM;
-  if (row0 >= rows) return;             // M tiles past this sequence's queries (grid from max_seqlen_q)
+  // An M tile past this sequence's queries (the grid comes from max_seqlen_q) visits no key and
+  // leaves after the prologue: an exit here would let the compiler sink the block-id loads above
+  // below it, behind the lengths.
+  const bool live = row0 < rows;
   const int nk_read = min(nk, max_blocks << log2_block_size);  // never past the block table
   const int diag = nk - nq;             // token i sees keys j <= i + diag
   KeyRange kr;
   {
     const int first_tok = row0 / group, last_tok = (min(row0 + kBlockM, rows) - 1) / group;
-    kr.kv_end = causal ? max(0, min(nk_read, last_tok + diag + 1)) : nk_read;
-    kr.unmasked_end = causal ? max(0, min(nk_read, first_tok + diag + 1)) : nk_read;
+    kr.kv_end = !live ? 0 : causal ? max(0, min(nk_read, last_tok + diag + 1)) : nk_read;
+    kr.unmasked_end = !live ? 0 : causal ? max(0, min(nk_read, first_tok + diag + 1)) : nk_read;
     const int tiles = (kr.kv_end + kBlockN - 1) / kBlockN;
-    const int per = (tiles + num_splits - 1) / num_splits;
-    kr.tile_begin = min(split * per, tiles);
-    kr.tile_end = min(kr.tile_begin + per, tiles);
+    kr.n_iter = tiles > split ? (tiles - 1 - split) / num_splits + 1 : 0;
   }
-  const int n_iter = kr.tile_end - kr.tile_begin;
+  const int n_iter = kr.n_iter;
   const int n_unmasked_tiles = kr.unmasked_end / kBlockN;  // tiles below this need no length/causal mask
-  const int* const bt_row = block_table + static_cast<int64_t>(b) * bt_stride;
   const int block_mask = (1 << log2_block_size) - 1;
   const u16* const k_head = k_cache + kv_head * k_sh;
   const u16* const v_head = v_cache + kv_head * v_sh;
@@ -190,13 +216,14 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   // [0, num_blocks) is zero-filled (cp.async src-size 0, source clamped to the head's base).
   // Returns whether this thread's key was visible but sat in an invalid block.
   const int k_sr32 = static_cast<int>(k_sr), v_sr32 = static_cast<int>(v_sr);
-  auto load_tile = [&](int n, int stage) -> bool {
-    constexpr int kTPR = kThreads / kBlockN;
+  // `pre`: the row's block id when already read (the prologue's tiles), kReadTable otherwise.
+  constexpr int kReadTable = -2;
+  auto load_tile = [&](int n, int stage, int pre) -> bool {
     const int tid_l = opaque(tid);
     const int r = tid_l / kTPR, q = tid_l % kTPR;
     const int key = n * kBlockN + r;
     const bool in_range = key < kr.kv_end;
-    const int id = in_range ? __ldg(bt_row + (key >> log2_block_size)) : -1;
+    const int id = !in_range ? -1 : pre != kReadTable ? pre : __ldg(bt_row + (key >> log2_block_size));
     const bool ok = id >= 0 && id < num_blocks;
     const bool valid = in_range && ok;
     const int row = key & block_mask;
@@ -213,11 +240,12 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   };
 
   // ---- Prologue: warm the table slice, Q (own commit group), then kStages - 1 K/V tiles -------------
-  if (n_iter > 0) {
-    // Entries [first, last] of the table row: addresses 128 B apart (the last one clamped) touch
-    // every 128-byte line of the slice once.
-    const int first = (kr.tile_begin * kBlockN) >> log2_block_size;
-    const int last = (min(kr.tile_end * kBlockN, kr.kv_end) - 1) >> log2_block_size;
+  if (n_iter > kStages - 1) {
+    // Entries [first, last] of the table row, from the first tile the main loop reads to the last
+    // key this split visits (the other splits' entries in between come along: a few 128-byte
+    // lines): addresses 128 B apart (the last one clamped) touch every line of the slice once.
+    const int first = ((split + (kStages - 1) * num_splits) * kBlockN) >> log2_block_size;
+    const int last = (min((split + (n_iter - 1) * num_splits + 1) * kBlockN, kr.kv_end) - 1) >> log2_block_size;
     for (int e = first + 32 * tid; e < last + 32; e += 32 * kThreads) prefetch_l2(bt_row + min(e, last));
   }
   for (int id = tid; id < kBlockM * kChunks; id += kThreads) {
@@ -235,8 +263,14 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   unsigned bad_slots = 0;
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_iter) bad_slots |= static_cast<unsigned>(load_tile(kr.tile_end - 1 - s, s)) << s;
+    // Unconditional (s >= n_iter: keys past kv_end, zero-filled, nothing read), so the block-id
+    // loads feed an unconditional use and are issued with the length loads.
+    bad_slots |= static_cast<unsigned>(load_tile(split + s * num_splits, s, pre_id[s])) << s;
     cp_async_commit();  // empty groups keep "tile it has landed" = wait_group(kStages - 2)
+  }
+  if (!live) {
+    cp_async_wait<0>();
+    return;
   }
 
   const int g = lane >> 2, t = lane & 3;  // mma fragment: rows g, g + 8; columns 2t, 2t + 1
@@ -272,9 +306,9 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
     }
   }
 
-  // ---- Main loop over this split's key tiles, last to first ------------------------------------
+  // ---- Main loop over this split's key tiles: split, split + S, ... ------------------------------
   for (int it = 0; it < n_iter; ++it) {
-    const int n = kr.tile_end - 1 - it;
+    const int n = split + it * num_splits;
     const int stage = it % kStages;
     cp_async_wait<kStages - 2>();  // tile `it` (and Q) landed for this thread
     // ... for all threads, all warps are done with tile it - 1, and the CTA learns whether tile
@@ -284,7 +318,8 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
       const int pf = it + kStages - 1;  // prefetch into the slot tile it - 1 used
       if (pf < n_iter) {
         const int ps = pf % kStages;
-        bad_slots = (bad_slots & ~(1u << ps)) | (static_cast<unsigned>(load_tile(kr.tile_end - 1 - pf, ps)) << ps);
+        const bool bad = load_tile(split + pf * num_splits, ps, kReadTable);
+        bad_slots = (bad_slots & ~(1u << ps)) | (static_cast<unsigned>(bad) << ps);
       }
       cp_async_commit();
     }
