@@ -5,8 +5,8 @@ Cases are built like an engine's: a cache of random blocks (unused blocks random
 with shuffled non-contiguous blocks, a block shared by two sequences (prefix caching), and junk
 (random int32, mostly far out of range) in every table entry past a sequence's length, which the
 kernel must never use (it may read ahead the entries of a split's first tiles). Sequences mix
-decode (1 query), speculative runs (a few), chunked prefill (a chunk after a cached prefix) and key lengths 1, block_size - 1, block_size, block_size + 1 and
-long ones. Outputs are NaN-poisoned before each launch (passed to the launch layer; the API path
+decode (1 query), speculative runs (a few), chunked prefill (a chunk after a cached prefix) and
+key lengths 1, block_size - 1, block_size, block_size + 1 and long ones. Outputs are NaN-poisoned before each launch (passed to the launch layer; the API path
 allocates inside tests/gpu/conftest.py's poisoned_allocations, workspaces too) so an unwritten
 element fails. Only rows covered by cu_seqlens_q are compared.
 
