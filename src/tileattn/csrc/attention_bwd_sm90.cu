@@ -24,8 +24,9 @@
 // One CTA per (key block of kBlockN = 128 keys, kv head, batch): a 1-D grid of ceil(Nk / 128) x Hkv
 // x B blocks in the order below. K and V are loaded once and stay in shared memory; the CTA walks the
 // query heads of its GQA group and, for each, the query tiles of kBlockM rows from the last down to
-// m_first (causal: the first tile with a query that sees key n0), keeping dK and dV in fp32 registers for the whole walk (the group's
-// sum happens there: no reduction pass, no atomics for dK / dV). 384 threads = 3 warpgroups:
+// m_first (causal: the first tile with a query that sees key n0), keeping dK and dV in fp32
+// registers for the whole walk (the group's sum happens there: no reduction pass, no atomics for
+// dK / dV). 384 threads = 3 warpgroups:
 //   warpgroup 0 (producer)   one thread issues every copy: K and V once, then per query tile Q +
 //                            lse2 and dO + delta into kStages-deep rings; setmaxnreg.dec to 24.
 //                            Deterministic mode: warp 1 adds the staged dQ tiles in turn.
@@ -131,6 +132,7 @@ constexpr int kProducerRegs = 24;    // 24 + 2 x 240 = 504 per thread-slot x 128
 constexpr int kMmaRegs = 240;
 constexpr int kPanel = 64;           // elements per 128-byte swizzle row
 constexpr int kPanelRowBytes = 128;
+constexpr uint64_t kRowStep16 = (16 * kPanelRowBytes) >> 4;  // 16 panel rows: one MN-major k step (16 B units)
 constexpr int kDsBarrier = 1;        // named barriers: 1 dS ready (256), 2 walk done (256),
 constexpr int kDoneBarrier = 2;      // 3, 4 warpgroup 0 / 1 alone (128, epilogue), deterministic
 constexpr int kWgBarrier = 3;        // mode: 5, 6 dQ staging buffer b full, 7, 8 buffer b empty
@@ -192,6 +194,14 @@ __device__ __forceinline__ void pack_acc(u32 (&a)[kSteps][4], const float (&d)[k
     for (int r = 0; r < 4; ++r) a[kk][r] = pack2<kIsBF16>(d[8 * kk + 2 * r] * mul, d[8 * kk + 2 * r + 1] * mul);
 }
 
+// dQ_w (+)= dS K over the first kSteps x 16 keys of the block (wgmma m64n64, both operands MN-major).
+template <int kSteps, bool kIsBF16>
+__device__ __forceinline__ void issue_dq(float (&dq)[32], u64 desc_a, u64 desc_b) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk)
+    sm90::wgmma_ss_n64_mn_mn<kIsBF16>(dq, desc_a + kk * kRowStep16, desc_b + kk * kRowStep16, kk > 0 ? 1 : 0);
+}
+
 }  // namespace bwd90
 
 // tmap_q, tmap_do: q / dout [B, H, Nq, d] as (d, Nq, H, B), box (64, kBlockM, 1, 1); tmap_k, tmap_v:
@@ -223,7 +233,6 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
   constexpr u32 kRowBytes = kBlockM * 4;           // lse2 or delta of one query tile
   constexpr u64 kKPanelStep = (kBlockN * kPanel * 2) >> 4;   // descriptor units (16 B)
   constexpr u64 kQPanelStep = (kBlockM * kPanel * 2) >> 4;
-  constexpr u64 kRowStep16 = (16 * kPanelRowBytes) >> 4;     // 16 rows of a panel: one MN-major k step
   // Issue dV before computing dS^T (so the dV wgmma hides that work) only where the registers allow:
   // it keeps the in-flight packed P^T (kBlockM / 4) live beside fp32 P^T and dP^T (kBlockM each)
   // and dK, dV. d = 64, kBlockM = 128 would need 64 + 64 + 64 + 32 = 224 and spills.
@@ -371,105 +380,118 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
       const u64 desc_q = s9::make_desc_k128_sw128(sQ + s * kBlockM * kHeadDim);
       const u64 desc_do = s9::make_desc_k128_sw128(sdO + s * kBlockM * kHeadDim);
 
-      // ---- 1. S^T = K_w Q^T, dP^T = V_w dO^T
-      s9::fence_accumulators(sp);
-      s9::fence_accumulators(dp);
-      s9::mbar_wait(&q_full[s], parity);
-      s9::wgmma_fence();
+      // Keys 64..127 of the block hidden from every query of the tile (past Nk, or causal above the
+      // diagonal: d = 128's first tile m0 = n0 - diag): warpgroup 1 would compute P^T = dS^T = 0, so
+      // it only keeps the ring protocol, and dQ reads the first 64 keys of sdS (its second half is
+      // stale then). Warpgroup 0's keys are never all hidden (m_first's tile sees key n0).
+      u16* const ds_tile = sdS + (it % 2) * kBlockN * kBlockM;
+      const bool upper_idle = n0 + 64 >= seqlen_k || (kCausal && n0 + 64 > m0 + kBlockM - 1 + diag);
+      if (w == 1 && upper_idle) {
+        s9::mbar_wait(&q_full[s], parity);
+        s9::mbar_wait(&do_full[s], parity);
+      } else {
+        // ---- 1. S^T = K_w Q^T, dP^T = V_w dO^T
+        s9::fence_accumulators(sp);
+        s9::fence_accumulators(dp);
+        s9::mbar_wait(&q_full[s], parity);
+        s9::wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        const u64 off_kv = (ks / 4) * kKPanelStep + 2 * (ks % 4);
-        const u64 off_q = (ks / 4) * kQPanelStep + 2 * (ks % 4);
-        s9::wgmma_ss<kBlockM, kIsBF16>(sp, desc_k + off_kv, desc_q + off_q, ks > 0 ? 1 : 0);
-      }
-      s9::wgmma_commit();
-      s9::mbar_wait(&do_full[s], parity);
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        const u64 off_kv = (ks / 4) * kKPanelStep + 2 * (ks % 4);
-        const u64 off_q = (ks / 4) * kQPanelStep + 2 * (ks % 4);
-        s9::wgmma_ss<kBlockM, kIsBF16>(dp, desc_v + off_kv, desc_do + off_q, ks > 0 ? 1 : 0);
-      }
-      s9::wgmma_commit();
-
-      // ---- 2. S^T retired (groups retire in order; with kOverlap dP^T may still run): P^T, dS^T in
-      // fp32. Element 4 j + 2 h + e of the accumulators: key key_h0 + 8 h, query m0 + 8 j + 2 t + e.
-      s9::wgmma_wait<kOverlap ? 1 : 0>();
-      s9::fence_accumulators(sp);
-      const bool masked = key_edge || (kCausal && m0 + diag < n0 + kBlockN - 1);
-      const float* lse_s = sLse + s * kBlockM;
-      const float* delta_s = sDelta + s * kBlockM;
-      // P^T of element i = 4 j + 2 h + e; lse2 = +inf (fully masked or padding query) gives 2^-inf = 0.
-      auto prob = [&](int i, float l2) {
-        float p = fast_exp2(fmaf(sp[i], scale_log2, -l2));
-        if (masked) {
-          const int j = i / 4, h = (i >> 1) & 1, e = i & 1;
-          const int key = key_h0 + 8 * h, query = m0 + 8 * j + 2 * t + e;
-          if (key >= seqlen_k || (kCausal && key > query + diag)) p = 0.f;
+        for (int ks = 0; ks < kKSteps; ++ks) {
+          const u64 off_kv = (ks / 4) * kKPanelStep + 2 * (ks % 4);
+          const u64 off_q = (ks / 4) * kQPanelStep + 2 * (ks % 4);
+          s9::wgmma_ss<kBlockM, kIsBF16>(sp, desc_k + off_kv, desc_q + off_q, ks > 0 ? 1 : 0);
         }
-        return p;
-      };
-      // ---- 3. dV += P^T dO (register A, MN-major B); with kOverlap it runs while dS^T is computed
-      const u64 desc_do_mn = s9::make_desc_mn_sw128(sdO + s * kBlockM * kHeadDim, kBlockM * kPanel * 2);
-      const u64 desc_q_mn = s9::make_desc_mn_sw128(sQ + s * kBlockM * kHeadDim, kBlockM * kPanel * 2);
-      auto issue_dv = [&]() {
+        s9::wgmma_commit();
+        s9::mbar_wait(&do_full[s], parity);
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks) {
+          const u64 off_kv = (ks / 4) * kKPanelStep + 2 * (ks % 4);
+          const u64 off_q = (ks / 4) * kQPanelStep + 2 * (ks % 4);
+          s9::wgmma_ss<kBlockM, kIsBF16>(dp, desc_v + off_kv, desc_do + off_q, ks > 0 ? 1 : 0);
+        }
+        s9::wgmma_commit();
+
+        // ---- 2. S^T retired (groups retire in order; with kOverlap dP^T may still run): P^T, dS^T in
+        // fp32. Element 4 j + 2 h + e of the accumulators: key key_h0 + 8 h, query m0 + 8 j + 2 t + e.
+        s9::wgmma_wait<kOverlap ? 1 : 0>();
+        s9::fence_accumulators(sp);
+        const bool masked = key_edge || (kCausal && m0 + diag < n0 + kBlockN - 1);
+        const float* lse_s = sLse + s * kBlockM;
+        const float* delta_s = sDelta + s * kBlockM;
+        // P^T of element i = 4 j + 2 h + e; lse2 = +inf (fully masked or padding query) gives 2^-inf = 0.
+        auto prob = [&](int i, float l2) {
+          float p = fast_exp2(fmaf(sp[i], scale_log2, -l2));
+          if (masked) {
+            const int j = i / 4, h = (i >> 1) & 1, e = i & 1;
+            const int key = key_h0 + 8 * h, query = m0 + 8 * j + 2 * t + e;
+            if (key >= seqlen_k || (kCausal && key > query + diag)) p = 0.f;
+          }
+          return p;
+        };
+        // ---- 3. dV += P^T dO (register A, MN-major B); with kOverlap it runs while dS^T is computed
+        const u64 desc_do_mn = s9::make_desc_mn_sw128(sdO + s * kBlockM * kHeadDim, kBlockM * kPanel * 2);
+        const u64 desc_q_mn = s9::make_desc_mn_sw128(sQ + s * kBlockM * kHeadDim, kBlockM * kPanel * 2);
+        auto issue_dv = [&]() {
+          s9::wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kMSteps; ++kk)
+            s9::wgmma_rs<kHeadDim, kIsBF16, 1>(dv, pf[kk], desc_do_mn + kk * kRowStep16, 1);
+          s9::wgmma_commit();
+        };
+        if constexpr (kOverlap) {
+#pragma unroll
+          for (int j = 0; j < kBlockM / 8; ++j) {
+            const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
+          }
+          pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
+          issue_dv();
+          s9::wgmma_wait<1>();  // dP^T retired; dV still running
+          s9::fence_accumulators(dp);
+#pragma unroll
+          for (int j = 0; j < kBlockM / 8; ++j) {
+            const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
+          }
+        } else {  // S^T and dP^T both retired: P^T and dS^T in one pass, then dV
+          s9::fence_accumulators(dp);
+#pragma unroll
+          for (int j = 0; j < kBlockM / 8; ++j) {
+            const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
+            const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
+              dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
+            }
+          }
+          pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
+          pack_acc<kMSteps, kIsBF16>(dsf, dp, 1.f);
+          issue_dv();
+        }
+        if constexpr (kOverlap) pack_acc<kMSteps, kIsBF16>(dsf, dp, 1.f);
+        // dK += dS^T Q
         s9::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kMSteps; ++kk)
-          s9::wgmma_rs<kHeadDim, kIsBF16, 1>(dv, pf[kk], desc_do_mn + kk * kRowStep16, 1);
+          s9::wgmma_rs<kHeadDim, kIsBF16, 1>(dk, dsf[kk], desc_q_mn + kk * kRowStep16, 1);
         s9::wgmma_commit();
-      };
-      if constexpr (kOverlap) {
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-          const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
-#pragma unroll
-          for (int r = 0; r < 4; ++r) sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
-        }
-        pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
-        issue_dv();
-        s9::wgmma_wait<1>();  // dP^T retired; dV still running
-        s9::fence_accumulators(dp);
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-          const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
-#pragma unroll
-          for (int r = 0; r < 4; ++r) dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
-        }
-      } else {  // S^T and dP^T both retired: P^T and dS^T in one pass, then dV
-        s9::fence_accumulators(dp);
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-          const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
-          const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
-            dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
-          }
-        }
-        pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
-        pack_acc<kMSteps, kIsBF16>(dsf, dp, 1.f);
-        issue_dv();
-      }
-      if constexpr (kOverlap) pack_acc<kMSteps, kIsBF16>(dsf, dp, 1.f);
-      // dK += dS^T Q
-      s9::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kMSteps; ++kk) s9::wgmma_rs<kHeadDim, kIsBF16, 1>(dk, dsf[kk], desc_q_mn + kk * kRowStep16, 1);
-      s9::wgmma_commit();
 
-      // ---- 4. dS^T -> sdS[it % 2]; both warpgroups' halves, then dQ_w = dS K
-      u16* const ds_tile = sdS + (it % 2) * kBlockN * kBlockM;
-      store_fragments<kBlockN, kMSteps>(ds_tile, 64 * w, dsf, warp, lane);
-      s9::fence_proxy_async();  // generic stmatrix writes -> async-proxy wgmma reads
+        // ---- 4. dS^T -> sdS[it % 2]; both warpgroups' halves, then dQ_w = dS K
+        store_fragments<kBlockN, kMSteps>(ds_tile, 64 * w, dsf, warp, lane);
+        s9::fence_proxy_async();  // generic stmatrix writes -> async-proxy wgmma reads
+      }  // warpgroup busy
       s9::named_barrier_sync<256>(kDsBarrier);
       const u64 desc_dq_a = s9::make_desc_mn_sw128(ds_tile + a_panel * kBlockN * kPanel, kBlockN * kPanel * 2);
       s9::fence_accumulators(dq);
       s9::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-        s9::wgmma_ss_n64_mn_mn<kIsBF16>(dq, desc_dq_a + kk * kRowStep16, desc_dq_b + kk * kRowStep16, kk > 0 ? 1 : 0);
+      if (upper_idle) {
+        issue_dq<kBlockN / 32, kIsBF16>(dq, desc_dq_a, desc_dq_b);
+      } else {
+        issue_dq<kBlockN / 16, kIsBF16>(dq, desc_dq_a, desc_dq_b);
+      }
       s9::wgmma_commit();
 
       // ---- 5. retire everything; release the slot; dQ into dq_accum
@@ -489,14 +511,16 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
         float* const dst = sDq + b * kBlockM * kHeadDim + tile_off;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
-          *reinterpret_cast<float4*>(dst + j * 128) = make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+          *reinterpret_cast<float4*>(dst + j * 128) =
+              make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
         s9::fence_proxy_async();  // generic st.shared -> the async-proxy bulk reduction
         s9::named_barrier_arrive<kDqSyncThreads>(kDqFullBarrier + b);
       } else {
         const int64_t row0 = (static_cast<int64_t>(batch) * heads + head) * nq_pad + m0;
         float* const dst = dq_accum + row0 * kHeadDim + tile_off;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) red_add_f32x4(dst + j * 128, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+        for (int j = 0; j < 8; ++j)
+          red_add_f32x4(dst + j * 128, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
       }
     }
 
