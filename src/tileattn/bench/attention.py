@@ -240,7 +240,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, action="append", help="sequence length (repeatable)")
     ap.add_argument("--quick", action="store_true", help=f"N in {QUICK_SEQ_LENS}")
     ap.add_argument("--forward-only", action="store_true")
-    ap.add_argument("--backward-only", action="store_true", help="with --tune: only the backward configs")
+    ap.add_argument("--backward-only", action="store_true", help="only the backward pass (with --tune: its configs)")
     ap.add_argument("--impl", action="append", help="only these implementations (repeatable)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", help="write records here")
@@ -284,7 +284,9 @@ def main(argv=None) -> int:
         if unknown:
             raise SystemExit(f"unknown implementation(s) {sorted(unknown)}; known: {sorted(impls)}")
         impls = {k: v for k, v in impls.items() if k in args.impl}
-    passes = (False,) if args.forward_only or args.demo else (False, True)
+    if args.forward_only and args.backward_only:
+        raise SystemExit("--forward-only and --backward-only exclude each other")
+    passes = (False,) if args.forward_only or args.demo else (True,) if args.backward_only else (False, True)
     oom_naive: set[tuple] = set()
     for backward in passes:
         for causal in (False, True):
