@@ -57,6 +57,14 @@ def attention(
     scale: float | None = None,
     return_lse: bool = False,
     deterministic: bool = False,
+    *,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+    seed: int | None = None,
+    offset: int | None = None,
 ):
     """Fused exact attention softmax(scale * q k^T) v on NVIDIA tensor cores, with autograd.
 
@@ -74,6 +82,19 @@ def attention(
         scale: multiplies q . k; default 1 / sqrt(d). Must be finite and > 0.
         return_lse: also return the log-sum-exp of each query row.
         deterministic: make the backward pass bitwise reproducible (may be slower).
+        Variants (keyword-only; docs/attention_variants.md). Any of them runs the sm_80-path variant
+        kernels (forward and backward, every head dim); without them nothing changes.
+        window: (left, right) ints >= -1 (-1: unbounded): query i sees keys j in
+            [i + Nk - Nq - left, i + Nk - Nq + right] (with causal: right <= 0). Whole key blocks
+            outside every row's window are skipped.
+        softcap: c > 0: scores s = scale * q . k become c * tanh(s / c) (None or 0: off).
+        alibi_slopes: float32 [H] or [B, H] on q's device: scores gain -slope * |i + Nk - Nq - j|.
+        dropout_p: probability in [0, 1) of dropping each attention probability (kept ones are
+            scaled by 1 / (1 - p)); the mask is tileattn.dropout.dropout_mask(seed, offset, B, H, Nq,
+            Nk, dropout_p), the same in the forward and backward. lse stays undropped.
+        generator, seed, offset: where the dropout mask's seed comes from: seed (and offset,
+            default 0) ints in [0, 2^64), or a torch.Generator (a CUDA one gives its seed and Philox
+            offset and advances the offset by 4), by default q's device's default generator.
 
     Returns:
         out [B, H, Nq, d] in the input dtype (laid out like q when q is dense, else contiguous),
@@ -84,10 +105,17 @@ def attention(
             float16/bfloat16 or mixed dtypes; mismatched batch sizes, k/v shapes or head dims; a
             head dim outside {32, 64, 96, 128, 256}; Hkv not dividing H; B or H above 65535; a
             scale that is not finite and positive; stride(-1) != 1; strides or data pointers not
-            16-byte aligned; tensors on different devices or not on a CUDA device.
+            16-byte aligned; tensors on different devices or not on a CUDA device; a malformed window,
+            softcap, alibi_slopes (shape, dtype, device, layout), dropout_p, generator, seed or offset;
+            with any variant, Nq or Nk above 2^28.
+        NotImplementedError: variants under torch.compile / fake tensors (eager only for now).
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
     causal, deterministic = bool(causal), bool(deterministic)
+    if window is not None or softcap or alibi_slopes is not None or dropout_p:
+        out, lse = _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, alibi_slopes,
+                                       dropout_p, generator, seed, offset)
+        return (out, lse) if return_lse else out
     if _eager(q, k, v):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             out, lse = _AttentionFunction.apply(q, k, v, causal, scale, deterministic)
@@ -276,8 +304,9 @@ def _forward(q, k, v, causal: bool, scale):
     return out, lse, entry
 
 
-def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, deterministic: bool):
-    """(dq, dk, dv) in the layouts of q, k, v (contiguous when those are not dense)."""
+def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, deterministic: bool, extra=()):
+    """(dq, dk, dv) in the layouts of q, k, v (contiguous when those are not dense). `extra`: the
+    variant plans' per-call values (ALiBi pointer, dropout seed, offset)."""
     if not _kernel_layout_ok(dout):  # e.g. the stride-0 expanded gradient of out.sum()
         dout = dout.contiguous()
     if entry.copy_kv:
@@ -285,10 +314,10 @@ def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, deterministic: bool):
     dq, dk, dv = (torch.empty_strided(*spec, dtype=q.dtype, device=entry.device) for spec in entry.grad_specs)
     plan = entry.backward_plan(q, k, v, out, lse, dout, dq, dk, dv, deterministic)
     if _current_device() == entry.device_index:
-        plan.launch(q, k, v, out, lse, dout, dq, dk, dv)
+        plan.launch(q, k, v, out, lse, dout, dq, dk, dv, *extra)
     else:
         with torch.cuda.device(entry.device_index):
-            plan.launch(q, k, v, out, lse, dout, dq, dk, dv)
+            plan.launch(q, k, v, out, lse, dout, dq, dk, dv, *extra)
     return dq, dk, dv
 
 
@@ -311,6 +340,139 @@ class _AttentionFunction(torch.autograd.Function):
             return None, None, None, None, None, None
         dq, dk, dv = _backward(ctx.entry, dout, q, k, v, out, lse, ctx.deterministic)
         return dq, dk, dv, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants (window, softcap, ALiBi, dropout): the sm_80 variant kernels, eager path
+# ---------------------------------------------------------------------------------------------
+class _VariantEntry(_PlanEntry):
+    """A validated combination with variants: the sm_80 variant kernels' forward plan (causal folded
+    into the window) and backward plans. Their launches take (alibi pointer, seed, offset) last."""
+
+    __slots__ = ("variants",)
+
+    def __init__(self, q, k, v, causal: bool, scale, window, softcap, alibi_slopes, dropout_p):
+        from . import dropout as dr
+        from .kernels import attention_fwd_sm80
+
+        # The variants' own checks come first, so that they report on CPU tensors too (as checks 1-6).
+        left, right = dr.check_window(window, causal)
+        cap = dr.check_softcap(softcap)
+        p = dr.check_dropout(dropout_p, None, None, None)
+        sb = None
+        if alibi_slopes is not None and isinstance(q, Tensor) and q.dim() == 4:
+            sb = dr.check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device, dtype_strict=True)
+        _check_args(q, k, v, scale)
+        dr.check_variant_lengths(q.shape[2], k.shape[2])
+        self.variants = attention_fwd_sm80.VariantArgs(left, right, cap, sb, p)
+        self.causal = False  # folded into the window
+        self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        self.device_index, self.device = q.device.index, q.device
+        self.lse_shape = tuple(q.shape[:3])
+        self.copy_kv = (k.stride(2) >= attention_fwd_sm80.MAX_KV_ROW_STRIDE
+                        or v.stride(2) >= attention_fwd_sm80.MAX_KV_ROW_STRIDE)
+        if self.copy_kv:
+            k, v = k.contiguous(), v.contiguous()
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        with torch.cuda.device(self.device_index):
+            self.forward = attention_fwd_sm80.forward_plan(q, k, v, out, lse, causal=False, scale=self.scale,
+                                                           variants=self.variants)
+        self.backward: dict[tuple, object] = {}
+
+    def backward_plan(self, q, k, v, out, lse, dout, dq, dk, dv, deterministic: bool):
+        key = (dout.stride(), deterministic)
+        plan = self.backward.get(key)
+        if plan is None:
+            from .kernels import attention_bwd_sm80
+
+            with torch.cuda.device(self.device_index):
+                plan = attention_bwd_sm80.backward_plan(q, k, v, out, lse, dout, dq, dk, dv, causal=False,
+                                                        scale=self.scale, deterministic=deterministic,
+                                                        variants=self.variants)
+            self.backward[key] = plan
+        return plan
+
+
+def _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, alibi_slopes, dropout_p, generator,
+                        seed, offset):
+    """(out, lse) of a call with variants (eager only)."""
+    from . import dropout as dr
+
+    if not _eager(q, k, v):
+        _check_args(q, k, v, scale)  # a non-tensor or a CPU tensor: ValueError
+        raise NotImplementedError("window/softcap/alibi_slopes/dropout_p run eagerly only (not under torch.compile "
+                                  "or fake tensors) for now")
+    if alibi_slopes is not None and not isinstance(alibi_slopes, Tensor):
+        raise ValueError(f"alibi_slopes must be None or a torch.Tensor, got {type(alibi_slopes).__name__}")
+    alibi_key = None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
+                                                   alibi_slopes.get_device())
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+           q.get_device(), k.get_device(), v.get_device(), causal, scale, "variants",
+           tuple(window) if isinstance(window, (tuple, list)) else window, softcap, alibi_key, dropout_p)
+    entry = _cached_entry(key, lambda: _VariantEntry(q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p))
+    if entry.variants.dropout_p > 0:
+        dr.check_dropout(dropout_p, generator, seed, offset)
+        seed, offset = dr.draw_seed(generator, seed, offset, q.device)
+    else:
+        seed, offset = 0, 0
+    alibi = 0 if alibi_slopes is None else alibi_slopes.data_ptr()
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _VariantFunction.apply(q, k, v, entry, alibi_slopes, (alibi, seed, offset), deterministic)
+    return _variant_forward(entry, q, k, v, (alibi, seed, offset))
+
+
+def _cached_entry(key, make):
+    """The plan entry under `key`, made (and validated) by make() on first use. A key that cannot
+    be hashed (a malformed argument) goes to make(), whose checks raise the ValueError."""
+    try:
+        entry = _plans.get(key)
+    except TypeError:
+        return make()
+    if entry is None:
+        entry = make()
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = entry
+    return entry
+
+
+def _variant_forward(entry: _VariantEntry, q, k, v, extra):
+    """(out, lse): `_forward`'s steps with the variant plan's per-call values (kept apart so that the
+    plain path pays nothing for them)."""
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            _check_pointer(name, t)
+    if entry.copy_kv:
+        k, v = k.contiguous(), v.contiguous()
+    out = torch.empty_like(q)
+    lse = torch.empty(entry.lse_shape, dtype=torch.float32, device=entry.device)
+    with torch.cuda.device(entry.device_index):
+        entry.forward.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), *extra)
+    return out, lse
+
+
+class _VariantFunction(torch.autograd.Function):
+    """Autograd of a call with variants: the backward reuses the forward's entry and per-call values
+    (the same ALiBi slopes and dropout seed/offset, so the same mask)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, entry, alibi_slopes, extra, deterministic):
+        out, lse = _variant_forward(entry, q, k, v, extra)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.entry, ctx.extra, ctx.deterministic = entry, extra, deterministic
+        ctx.alibi_slopes = alibi_slopes  # keeps the slopes' memory alive for the backward
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            return (None,) * 7
+        dq, dk, dv = _backward(ctx.entry, dout, q, k, v, out, lse, ctx.deterministic, ctx.extra)
+        return dq, dk, dv, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from .api import _check_pointer, _current_device, _eager, _kernel_layout_ok
+from .api import _cached_entry, _check_pointer, _current_device, _eager, _kernel_layout_ok
 
 __all__ = ["attention_varlen"]
 
@@ -63,6 +63,14 @@ def attention_varlen(
     scale: float | None = None,
     return_lse: bool = False,
     deterministic: bool = False,
+    *,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+    seed: int | None = None,
+    offset: int | None = None,
 ):
     """Fused exact attention over B packed sequences of different lengths, with autograd.
 
@@ -88,6 +96,10 @@ def attention_varlen(
         scale: multiplies q . k; default 1 / sqrt(d). Must be finite and > 0.
         return_lse: also return the log-sum-exp of each query row.
         deterministic: make the backward pass bitwise reproducible (dQ without atomics).
+        window, softcap, alibi_slopes, dropout_p, generator, seed, offset: the variants of
+            tileattn.attention, per sequence (i, j count within the sequence, nk - nq its diagonal);
+            alibi_slopes [H] or [B, H] (row b for sequence b); dropout's batch index is the
+            sequence index b (tileattn.dropout.dropout_mask(..., batch_start=b)).
 
     Returns:
         out [Tq, H, d] in the input dtype (laid out like q when q is dense, else contiguous), and,
@@ -99,11 +111,17 @@ def attention_varlen(
             a head dim outside {32, 64, 96, 128, 256}; Hkv not dividing H; H or B too large for the
             grid; max_seqlen_q / max_seqlen_k not ints in [0, Tq] / [0, Tk]; a scale that is not
             finite and positive; stride(-1) != 1; strides or data pointers not 16-byte aligned;
-            non-contiguous cu_seqlens; tensors on different devices or not on a CUDA device.
+            non-contiguous cu_seqlens; tensors on different devices or not on a CUDA device; malformed
+            variants (as tileattn.attention); with any variant, Tq or Tk above 2^28.
+        NotImplementedError: variants under torch.compile / fake tensors (eager only for now).
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
     causal, deterministic = bool(causal), bool(deterministic)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if window is not None or softcap or alibi_slopes is not None or dropout_p:
+        out, lse = _varlen_variants(args, max_seqlen_q, max_seqlen_k, causal, scale, deterministic, window, softcap,
+                                    alibi_slopes, dropout_p, generator, seed, offset)
+        return (out, lse) if return_lse else out
     if _eager(*args):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             out, lse = _VarlenFunction.apply(*args, max_seqlen_q, max_seqlen_k, causal, scale, deterministic)
@@ -307,8 +325,10 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
     return out, lse, entry
 
 
-def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, deterministic: bool):
-    """(dq, dk, dv) in the layouts of q, k, v (contiguous when those are not dense)."""
+def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, deterministic: bool,
+              extra=()):
+    """(dq, dk, dv) in the layouts of q, k, v (contiguous when those are not dense). `extra`: the
+    variant plans' per-call values (ALiBi pointer, dropout seed, offset)."""
     if not _kernel_layout_ok(dout):  # e.g. the stride-0 expanded gradient of out.sum()
         dout = dout.contiguous()
     if entry.copy_kv:
@@ -318,10 +338,10 @@ def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqle
         return dq, dk.zero_(), dv.zero_()
     plan = entry.backward_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, deterministic)
     if _current_device() == entry.device_index:
-        plan.launch(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)
+        plan.launch(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *extra)
     else:
         with torch.cuda.device(entry.device_index):
-            plan.launch(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)
+            plan.launch(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *extra)
     return dq, dk, dv
 
 
@@ -344,6 +364,136 @@ class _VarlenFunction(torch.autograd.Function):
             return (None,) * 10
         dq, dk, dv = _backward(ctx.entry, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.deterministic)
         return dq, dk, dv, None, None, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants (window, softcap, ALiBi, dropout): the sm_80 varlen variant kernels, eager path
+# ---------------------------------------------------------------------------------------------
+class _VariantEntry(_PlanEntry):
+    """A validated varlen combination with variants (causal folded into the window); its plans'
+    launches take (alibi pointer, seed, offset) last."""
+
+    __slots__ = ("variants",)
+
+    def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
+                 softcap, alibi_slopes, dropout_p):
+        from . import dropout as dr
+        from .kernels import attention_fwd_sm80
+
+        # The variants' own checks come first, so that they report on CPU tensors too.
+        left, right = dr.check_window(window, causal)
+        cap = dr.check_softcap(softcap)
+        p = dr.check_dropout(dropout_p, None, None, None)
+        sb = None
+        if (alibi_slopes is not None and isinstance(q, Tensor) and q.dim() == 3 and isinstance(cu_seqlens_q, Tensor)
+                and cu_seqlens_q.dim() == 1):
+            sb = dr.check_alibi(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, dtype_strict=True)
+        _check_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+        dr.check_variant_lengths(q.shape[0], k.shape[0])
+        self.variants = attention_fwd_sm80.VariantArgs(left, right, cap, sb, p)
+        self.causal = False  # folded into the window
+        self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        self.max_seqlen_q, self.max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+        self.device_index, self.device = q.device.index, q.device
+        self.lse_shape = (q.shape[1], q.shape[0])
+        limit = attention_fwd_sm80.MAX_KV_ROW_STRIDE
+        self.copy_kv = (k.shape[0] > 1 and k.stride(0) >= limit) or (v.shape[0] > 1 and v.stride(0) >= limit)
+        if self.copy_kv:
+            k, v = k.contiguous(), v.contiguous()
+        self.backward: dict[tuple, object] = {}
+        self.forward = None
+        if q.shape[0] == 0:
+            return
+        out = torch.empty_like(q)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        with torch.cuda.device(self.device_index):
+            self.forward = attention_fwd_sm80.forward_varlen_plan(
+                q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, self.max_seqlen_q, causal=False, scale=self.scale,
+                variants=self.variants)
+
+    def backward_plan(self, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, deterministic: bool):
+        key = (dout.stride(), deterministic)
+        plan = self.backward.get(key)
+        if plan is None:
+            from .kernels import attention_bwd_sm80
+
+            with torch.cuda.device(self.device_index):
+                plan = attention_bwd_sm80.backward_varlen_plan(
+                    q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, self.max_seqlen_q, self.max_seqlen_k,
+                    causal=False, scale=self.scale, deterministic=deterministic, variants=self.variants)
+            self.backward[key] = plan
+        return plan
+
+
+def _varlen_variants(args, max_seqlen_q, max_seqlen_k, causal, scale, deterministic, window, softcap, alibi_slopes,
+                     dropout_p, generator, seed, offset):
+    """(out, lse) of a varlen call with variants (eager only)."""
+    from . import dropout as dr
+
+    q, k, v, cu_seqlens_q, cu_seqlens_k = args
+    if not _eager(*args):
+        _check_args(*args, max_seqlen_q, max_seqlen_k, scale)  # a non-tensor or a CPU tensor: ValueError
+        raise NotImplementedError("window/softcap/alibi_slopes/dropout_p run eagerly only (not under torch.compile "
+                                  "or fake tensors) for now")
+    if alibi_slopes is not None and not isinstance(alibi_slopes, Tensor):
+        raise ValueError(f"alibi_slopes must be None or a torch.Tensor, got {type(alibi_slopes).__name__}")
+    alibi_key = None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
+                                                   alibi_slopes.get_device())
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+           cu_seqlens_q.shape, cu_seqlens_k.shape, cu_seqlens_q.dtype, cu_seqlens_k.dtype, cu_seqlens_q.stride(),
+           cu_seqlens_k.stride(), q.get_device(), k.get_device(), v.get_device(), cu_seqlens_q.get_device(),
+           cu_seqlens_k.get_device(), type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k, causal,
+           scale, "variants", tuple(window) if isinstance(window, (tuple, list)) else window, softcap, alibi_key,
+           dropout_p)
+    entry = _cached_entry(key, lambda: _VariantEntry(*args, max_seqlen_q, max_seqlen_k, causal, scale, window,
+                                                     softcap, alibi_slopes, dropout_p))
+    if entry.variants.dropout_p > 0:
+        dr.check_dropout(dropout_p, generator, seed, offset)
+        seed, offset = dr.draw_seed(generator, seed, offset, q.device)
+    else:
+        seed, offset = 0, 0
+    extra = (0 if alibi_slopes is None else alibi_slopes.data_ptr(), seed, offset)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _VarlenVariantFunction.apply(*args, entry, alibi_slopes, extra, deterministic)
+    return _varlen_variant_forward(entry, args, extra)
+
+
+def _varlen_variant_forward(entry: _VariantEntry, args, extra):
+    """(out, lse): `_forward`'s steps with the variant plan's per-call values."""
+    q, k, v, cu_seqlens_q, cu_seqlens_k = args
+    _check_pointers(q, k, v)
+    if entry.copy_kv:
+        k, v = k.contiguous(), v.contiguous()
+    out = torch.empty_like(q)
+    lse = torch.empty(entry.lse_shape, dtype=torch.float32, device=entry.device)
+    if entry.forward is not None:
+        with torch.cuda.device(entry.device_index):
+            entry.forward.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                                 cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), *extra)
+    return out, lse
+
+
+class _VarlenVariantFunction(torch.autograd.Function):
+    """Autograd of a varlen call with variants (the same slopes and dropout seed/offset backward)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, entry, alibi_slopes, extra, deterministic):
+        out, lse = _varlen_variant_forward(entry, (q, k, v, cu_seqlens_q, cu_seqlens_k), extra)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.entry, ctx.extra, ctx.deterministic = entry, extra, deterministic
+        ctx.alibi_slopes = alibi_slopes  # keeps the slopes' memory alive for the backward
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        if dout is None:
+            return (None,) * 9
+        dq, dk, dv = _backward(ctx.entry, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.deterministic,
+                               ctx.extra)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,10 +14,13 @@ import numbers
 
 import torch
 
+from . import dropout as _dropout
+
 __all__ = ["attention", "attention_paged", "attention_varlen", "write_kv_cache"]
 
 
-def attention(q, k, v, causal=False, scale=None, *, compute_dtype=None):
+def attention(q, k, v, causal=False, scale=None, *, compute_dtype=None, window=None, softcap=None,
+              alibi_slopes=None, dropout_p=0.0, generator=None, seed=None, offset=None):
     """Dense scaled-dot-product attention with GQA/MQA, causal masking and the log-sum-exp.
 
     Shapes:
@@ -28,6 +31,13 @@ def attention(q, k, v, causal=False, scale=None, *, compute_dtype=None):
         that sees no key (causal with Nq > Nk, or Nk == 0) gets output 0 and lse -inf, and
         zero (never NaN) autograd gradients.
     Scale: ``scale`` multiplies q . k; default 1 / sqrt(d).
+    Variants (as tileattn.attention; docs/attention_variants.md), applied to s = scale * q . k in
+    this order: ``softcap`` c > 0: s = c * tanh(s / c); ``alibi_slopes`` [H] or [B, H]: s -=
+        slope[b, h] * |i + Nk - Nq - j|; ``window`` (left, right) (-1: unbounded; causal is right = 0):
+        keys outside [i + Nk - Nq - left, i + Nk - Nq + right] are masked; ``dropout_p`` p: the
+        probabilities are multiplied by tileattn.dropout.dropout_mask(seed, offset, ...) / (1 - p)
+        (seed/offset given, or drawn from ``generator`` / the default generator of q's device as
+        the CUDA op draws them); lse stays that of the undropped softmax.
     Dtypes:
         q, k, v share one floating dtype. The math runs in ``compute_dtype``: by default float32
         for 16-bit inputs (float16, bfloat16) and the input dtype otherwise; pass torch.float64
@@ -40,10 +50,27 @@ def attention(q, k, v, causal=False, scale=None, *, compute_dtype=None):
         ValueError: a non-tensor argument, rank other than 4, mismatched batch sizes, k and v
         with different head counts or key counts, Hkv not dividing H, q and k head dims that
         differ (or are 0), non-floating or mixed dtypes, tensors on different devices, or a
-        non-floating ``compute_dtype``.
+        non-floating ``compute_dtype``; a malformed window, softcap, alibi_slopes, dropout_p,
+        generator, seed or offset (the message names it).
     Works on any device torch supports (CPU, CUDA); nothing here is device specific.
     """
     _check(q, k, v, compute_dtype)
+    keep = None
+    if dropout_p:
+        _dropout.check_dropout(dropout_p, generator, seed, offset)
+        seed, offset = _dropout.draw_seed(generator, seed, offset, q.device)
+        keep = _keep_scale(seed, offset, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p, q.device)
+    return _attention(q, k, v, causal, scale, compute_dtype, window, softcap, alibi_slopes, keep)
+
+
+def _keep_scale(seed, offset, batch, heads, nq, nk, p, device, batch_start=0):
+    """float64 [B, H, Nq, Nk]: 1 / (1 - p) where tileattn.dropout_mask keeps the score, 0 elsewhere."""
+    mask = _dropout.dropout_mask(seed, offset, batch, heads, nq, nk, p, device=device, batch_start=batch_start)
+    return mask.to(torch.float64) / (1.0 - p)
+
+
+def _attention(q, k, v, causal, scale, compute_dtype, window, softcap, alibi_slopes, keep):
+    """``attention`` after the checks of q, k, v; keep: None or the dropout multipliers [B, H, Nq, Nk]."""
     batch, heads, nq, d = q.shape
     kv_heads, nk, dv = k.shape[1], k.shape[2], v.shape[3]
     group = heads // kv_heads
@@ -62,22 +89,35 @@ def attention(q, k, v, causal=False, scale=None, *, compute_dtype=None):
     vc = v.to(compute_dtype).unsqueeze(2)  # [B, Hkv, 1, Nk, dv]
     scores = scale * (qc @ kc.transpose(-1, -2))  # [B, Hkv, group, Nq, Nk]
 
-    if causal:
-        rows = torch.arange(nq, device=q.device)  # [Nq]
-        cols = torch.arange(nk, device=q.device)  # [Nk]
-        visible = cols[None, :] <= rows[:, None] + (nk - nq)  # [Nq, Nk]
+    cap = _dropout.check_softcap(softcap)
+    if cap > 0:
+        scores = cap * torch.tanh(scores / cap)
+    rows = torch.arange(nq, device=q.device)  # [Nq]
+    cols = torch.arange(nk, device=q.device)  # [Nk]
+    if alibi_slopes is not None:
+        sb = _dropout.check_alibi(alibi_slopes, batch, heads, q.device, dtype_strict=False)
+        slopes = alibi_slopes.to(compute_dtype).reshape(batch if sb else 1, kv_heads, group, 1, 1)
+        distance = (rows[:, None] + (nk - nq) - cols[None, :]).abs().to(compute_dtype)  # [Nq, Nk]
+        scores = scores - slopes * distance
+    if causal or window is not None:
+        left, right = _dropout.check_window(window, causal)
+        diag = rows[:, None] + (nk - nq)  # [Nq, 1]
+        visible = (cols[None, :] >= diag - left) & (cols[None, :] <= diag + right)  # [Nq, Nk]
         scores = scores.masked_fill(~visible, float("-inf"))
-    out, lse = _softmax_times_v(scores, vc)  # [B, Hkv, group, Nq, dv], [B, Hkv, group, Nq, 1]
+    if keep is not None:
+        keep = keep.to(compute_dtype).reshape(batch, kv_heads, group, nq, nk)
+    out, lse = _softmax_times_v(scores, vc, keep)  # [B, Hkv, group, Nq, dv], [B, Hkv, group, Nq, 1]
 
     out = out.reshape(batch, heads, nq, dv).to(out_dtype)  # [B, H, Nq, dv]
     lse = lse.reshape(batch, heads, nq)  # [B, H, Nq]
     return out, lse
 
 
-def _softmax_times_v(scores, vc):
+def _softmax_times_v(scores, vc, keep=None):
     """softmax(scores) @ vc and the row log-sum-exp, for scores whose masked entries are -inf.
 
-    scores [..., Nq, Nk], vc [..., Nk, dv] (broadcast over the leading dims). Rows with no
+    scores [..., Nq, Nk], vc [..., Nk, dv] (broadcast over the leading dims); keep (optional,
+    [..., Nq, Nk]) multiplies the probabilities before the product (dropout). Rows with no
     visible key get out 0 and lse -inf, and zero gradients. Returns (out [..., Nq, dv],
     lse [..., Nq, 1]).
     """
@@ -93,6 +133,8 @@ def _softmax_times_v(scores, vc):
     # Dividing by 1 on unseen rows keeps their probabilities (and gradients) exactly 0.
     safe_sum = torch.where(seen, row_sum, torch.ones_like(row_sum))
     probs = unnormalized / safe_sum  # [..., Nq, Nk]
+    if keep is not None:
+        probs = probs * keep
     out = probs @ vc  # [..., Nq, dv]
     lse = torch.where(seen, shift + torch.log(safe_sum), torch.full_like(shift, float("-inf")))
     return out, lse
@@ -145,6 +187,13 @@ def attention_varlen(
     deterministic=False,
     *,
     compute_dtype=None,
+    window=None,
+    softcap=None,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    generator=None,
+    seed=None,
+    offset=None,
 ):
     """Attention over B packed sequences of different lengths (the oracle of tileattn's varlen op).
 
@@ -159,6 +208,8 @@ def attention_varlen(
     max_seqlen_q / max_seqlen_k: upper bounds on the sequence lengths (the CUDA op sizes its grid
         from them); a longer sequence raises. ``deterministic`` is accepted for signature parity
         and has no effect here (this code is deterministic).
+    Variants: as ``attention``, per sequence (i, j count within it); ``alibi_slopes`` [H] or
+        [B, H] (row b for sequence b); dropout's batch index is the sequence index.
     Dtypes: as ``attention``: out in the input dtype (or ``compute_dtype`` when given), lse in the
         compute dtype (float32 for 16-bit inputs by default).
     Returns: out [Tq, H, dv], or (out, lse [H, Tq]) when ``return_lse``. Differentiable in q, k, v.
@@ -173,13 +224,23 @@ def attention_varlen(
     starts_k = _read_cu_seqlens("cu_seqlens_k", cu_seqlens_k, len(starts_q) - 1, k.shape[0])
     _check_max_seqlen("max_seqlen_q", max_seqlen_q, starts_q)
     _check_max_seqlen("max_seqlen_k", max_seqlen_k, starts_k)
+    batch, heads = len(starts_q) - 1, q.shape[1]
+    if alibi_slopes is not None:
+        _dropout.check_alibi(alibi_slopes, batch, heads, q.device, dtype_strict=False)
+    if dropout_p:
+        _dropout.check_dropout(dropout_p, generator, seed, offset)
+        seed, offset = _dropout.draw_seed(generator, seed, offset, q.device)
     outs, lses = [], []
-    for b in range(len(starts_q) - 1):
+    for b in range(batch):
         # [n, heads, d] -> [1, heads, n, d]: one dense problem per sequence.
         qb = q[starts_q[b] : starts_q[b + 1]].transpose(0, 1).unsqueeze(0)
         kb = k[starts_k[b] : starts_k[b + 1]].transpose(0, 1).unsqueeze(0)
         vb = v[starts_k[b] : starts_k[b + 1]].transpose(0, 1).unsqueeze(0)
-        ob, lb = attention(qb, kb, vb, causal, scale, compute_dtype=compute_dtype)
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        keep = None
+        if dropout_p:
+            keep = _keep_scale(seed, offset, 1, heads, qb.shape[2], kb.shape[2], dropout_p, q.device, batch_start=b)
+        ob, lb = _attention(qb, kb, vb, causal, scale, compute_dtype, window, softcap, slopes, keep)
         outs.append(ob[0].transpose(0, 1))  # [nq_b, H, dv]
         lses.append(lb[0])  # [H, nq_b]
     return _assemble(q, v.shape[-1], starts_q[-1], outs, lses, compute_dtype, return_lse)

@@ -42,6 +42,7 @@
 // 1.69x FlashAttention-2's instruction count for the same 320 HMMA per warp and query block
 // (ncu on the H200, docs/attention_bwd_sm80.md).
 #include "common/sm80_tile.cuh"
+#include "common/variants.cuh"
 #include "common/varlen.cuh"
 
 namespace tileattn {
@@ -381,8 +382,11 @@ struct MainCfg {
   static_assert(kKVBytes % 1024 == 0 && kQBytes % 1024 == 0 && kPBytes % 1024 == 0, "tile alignment");
 };
 
+// kVariants: the variant kernels (common/variants.cuh; causal is the window's right edge 0, `causal`
+// is 0): P recomputed from the variant logits, dropout's mask on P^T (dV) and dP, softcap's
+// derivative on dS, and only the query blocks inside the key block's window are walked.
 template <int kD, int kBN, int kBM, int kWarps, int kWN1, int kWN2, int kWM3, bool kIsBF16, bool kDq, int kUnroll,
-          bool kVarlen>
+          bool kVarlen, bool kVariants = false>
 __device__ __forceinline__ void attn_bwd_main_body(
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
     u16* __restrict__ dk, u16* __restrict__ dv, float* __restrict__ dq_accum, const float* __restrict__ lse2,
@@ -390,8 +394,9 @@ __device__ __forceinline__ void attn_bwd_main_body(
     int64_t k_sr, int64_t v_sb, int64_t v_sh, int64_t v_sr, int64_t do_sb, int64_t do_sh, int64_t do_sr,
     int64_t dk_sb, int64_t dk_sh, int64_t dk_sr, int64_t dv_sb, int64_t dv_sh, int64_t dv_sr, int nq_arg, int nk_arg,
     int heads, int group, int nq_pad, int causal, float scale_log2, float scale, const int* __restrict__ cu_seqlens_q,
-    const int* __restrict__ cu_seqlens_k, int ws_pitch) {
+    const int* __restrict__ cu_seqlens_k, int ws_pitch, const Variants& va) {
   using C = MainCfg<kD, kBN, kBM, kWarps, kWN1, kWN2, kWM3>;
+  static_assert(!kVariants || 32 % C::kTN1 == 0, "variants: a warp's phase-1 keys share one 32-key dropout group");
   using TM = SwizzledTile<kBM>;
   extern __shared__ __align__(1024) char smem[];
   check_dynamic_smem(smem, C::kSmem);
@@ -413,8 +418,15 @@ __device__ __forceinline__ void attn_bwd_main_body(
   // Query blocks this key block needs: causal skips the ones entirely above the diagonal. The first
   // query that sees key n0 is i = n0 - delta_nk; it lies in block floor(max(0, i) / kBM). It is < nq
   // because n0 <= nk - 1, so every key block has at least one query block.
-  const int m_first = causal ? max(0, n0 - delta_nk) / kBM * kBM : 0;
-  const int m_end = (nq + kBM - 1) / kBM * kBM;
+  int m_first = causal ? max(0, n0 - delta_nk) / kBM * kBM : 0;
+  int m_end = (nq + kBM - 1) / kBM * kBM;
+  if constexpr (kVariants) {
+    // Queries whose window holds a key of this block: i in [n0 - diag - right, n0 + kBN - 1 - diag + left].
+    const int i_lo = max(0, n0 - delta_nk - va.right);
+    const int i_hi = min(nq - 1, n0 + kBN - 1 - delta_nk + va.left);
+    m_first = i_lo / kBM * kBM;
+    m_end = i_hi < i_lo ? m_first : (i_hi / kBM + 1) * kBM;  // none: dK = dV = 0
+  }
   const int n_iters = group * ((m_end - m_first) / kBM);
 
   // The walk: query heads h of the group, and for each, query blocks m0 = m_first, ..., m_end - kBM.
@@ -492,7 +504,9 @@ __device__ __forceinline__ void attn_bwd_main_body(
       // lse2 is +inf (P = 0) and their dO and delta are 0 (dS = 0).
       const SeqSpan sp = span_l();
       const int nk_l = sp.nk, delta_l = sp.nk - sp.nq;
-      const bool need_mask = (n0 + kBN > nk_l) || (causal && n0 + kBN - 1 > m0 + delta_l);
+      const bool need_mask = kVariants ? !(n0 >= window_lo(va, m0 + kBM - 1, delta_l) &&
+                                           n0 + kBN - 1 <= window_hi(va, m0, delta_l, nk_l))
+                                       : (n0 + kBN > nk_l) || (causal && n0 + kBN - 1 > m0 + delta_l);
       // P^T / dS^T element (key1 + g + 16 mt + 8 half, qry1 + 8 nt + 2t): the lane's tile offset
       // XOR 16 nt (qry1 / 8 is a multiple of the power-of-two NT1) plus row offsets.
       const u32 st_lane = TM::elem(key1 + g, qry1 + 2 * t);
@@ -501,20 +515,53 @@ __device__ __forceinline__ void attn_bwd_main_body(
         const int il = qry1 + nt * 8 + 2 * t;  // local query of c0 and c2 (c1, c3: il + 1)
         const float2 l2 = *reinterpret_cast<const float2*>(sLse + il);
         const float2 dl = *reinterpret_cast<const float2*>(sDelta + il);
+        uint4 bits[2];  // variants, dropout: bits of queries il, il + 1 for this warp's 32-key group
+        if constexpr (kVariants) {
+          if (va.drop_thr != 0u) {
+            const int bh = b * static_cast<int>(gridDim.y) * group + h;
+#pragma unroll
+            for (int qe = 0; qe < 2; ++qe) bits[qe] = dropout_bits(va, bh, m0 + il + qe, (n0 + key1) >> 5, (g >> 1) & 3);
+          }
+        }
 #pragma unroll
         for (int mt = 0; mt < C::MT1; ++mt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float lse_e = (e & 1) ? l2.y : l2.x;
             const float d_e = (e & 1) ? dl.y : dl.x;
-            float p = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -lse_e));
-            if (need_mask) {
+            if constexpr (kVariants) {
               const int j = n0 + key1 + mt * 16 + g + 8 * (e >> 1);
               const int i = m0 + il + (e & 1);
-              if (j >= nk_l || (causal && j > i + delta_l)) p = 0.f;
+              float x, dcap = 1.f;  // log2-unit logit; d logit / d (scale q.k)
+              if (va.cap_in != 0.f) {
+                const float th = softcap_tanh(va, s[mt][nt][e]);
+                x = va.cap_out * th;
+                dcap = fmaf(-th, th, 1.f);
+              } else {
+                x = s[mt][nt][e] * va.scale_log2;
+              }
+              if (va.alibi != nullptr) x = fmaf(alibi_slope_log2(va, b, h), static_cast<float>(abs(i + delta_l - j)), x);
+              float p = fast_exp2(x - lse_e);
+              if (need_mask && (j < window_lo(va, i, delta_l) || j > window_hi(va, i, delta_l, nk_l))) p = 0.f;
+              float dpv = dp[mt][nt][e];
+              float pz = p;  // the P that multiplied V in the forward (dropout: masked, times 1 / (1 - p))
+              if (va.drop_thr != 0u) {
+                const float z = dropout_keep(va, bits[e & 1], j) ? va.drop_scale : 0.f;
+                pz = p * z;
+                dpv *= z;
+              }
+              s[mt][nt][e] = pz;
+              dp[mt][nt][e] = p * (dpv - d_e) * dcap;
+            } else {
+              float p = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -lse_e));
+              if (need_mask) {
+                const int j = n0 + key1 + mt * 16 + g + 8 * (e >> 1);
+                const int i = m0 + il + (e & 1);
+                if (j >= nk_l || (causal && j > i + delta_l)) p = 0.f;
+              }
+              s[mt][nt][e] = p;
+              dp[mt][nt][e] = p * (dp[mt][nt][e] - d_e);
             }
-            s[mt][nt][e] = p;
-            dp[mt][nt][e] = p * (dp[mt][nt][e] - d_e);
           }
           // P^T and dS^T rows key1 + mt*16 + g (+8), columns il, il + 1: one 32-bit store each.
 #pragma unroll
@@ -582,7 +629,23 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
   attn_bwd_main_body<kD, kBN, kBM, kWarps, kWN1, kWN2, kWM3, kIsBF16, kDq, kUnroll, false>(
       q, k, v, dout, dk, dv, dq_accum, lse2, delta, q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh,
       do_sr, dk_sb, dk_sh, dk_sr, dv_sb, dv_sh, dv_sr, nq, nk, heads, group, nq_pad, causal, scale_log2, scale, nullptr,
-      nullptr, 0);
+      nullptr, 0, Variants{});
+}
+
+// With variants (common/variants.cuh): the dense parameters (causal = 0), then VARIANT_PARAMS.
+template <int kD, int kBN, int kBM, int kWarps, int kWN1, int kWN2, int kWM3, int kMinBlocks, bool kIsBF16,
+          bool kDq, int kUnroll>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_variants_kernel(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
+    u16* __restrict__ dk, u16* __restrict__ dv, float* __restrict__ dq_accum, const float* __restrict__ lse2,
+    const float* __restrict__ delta, int64_t q_sb, int64_t q_sh, int64_t q_sr, int64_t k_sb, int64_t k_sh,
+    int64_t k_sr, int64_t v_sb, int64_t v_sh, int64_t v_sr, int64_t do_sb, int64_t do_sh, int64_t do_sr,
+    int64_t dk_sb, int64_t dk_sh, int64_t dk_sr, int64_t dv_sb, int64_t dv_sh, int64_t dv_sr, int nq, int nk,
+    int heads, int group, int nq_pad, int causal, float scale_log2, float scale, VARIANT_PARAMS) {
+  attn_bwd_main_body<kD, kBN, kBM, kWarps, kWN1, kWN2, kWM3, kIsBF16, kDq, kUnroll, false, true>(
+      q, k, v, dout, dk, dv, dq_accum, lse2, delta, q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh,
+      do_sr, dk_sb, dk_sh, dk_sr, dv_sb, dv_sh, dv_sr, nq, nk, heads, group, nq_pad, 0, scale_log2, scale, nullptr,
+      nullptr, 0, VARIANTS_FROM_PARAMS);
 }
 
 // Varlen: grid (ceil(max_seqlen_k / kBN), Hkv, B + 1); the last z-slice zeroes the rows of dk and dv
@@ -605,7 +668,29 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_varlen_
   attn_bwd_main_body<kD, kBN, kBM, kWarps, kWN1, kWN2, kWM3, kIsBF16, kDq, kUnroll, true>(
       q, k, v, dout, dk, dv, dq_accum, lse2, delta, 0, q_sh, q_sr, 0, k_sh, k_sr, 0, v_sh, v_sr, 0, do_sh, do_sr, 0,
       dk_sh, dk_sr, 0, dv_sh, dv_sr, 0, 0, 0, group, 0, causal, scale_log2, scale, cu_seqlens_q, cu_seqlens_k,
-      ws_pitch);
+      ws_pitch, Variants{});
+}
+
+// Varlen with variants: the varlen parameters (causal = 0), then VARIANT_PARAMS.
+template <int kD, int kBN, int kBM, int kWarps, int kWN1, int kWN2, int kWM3, int kMinBlocks, bool kIsBF16,
+          bool kDq, int kUnroll>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_varlen_variants_kernel(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
+    u16* __restrict__ dk, u16* __restrict__ dv, float* __restrict__ dq_accum, const float* __restrict__ lse2,
+    const float* __restrict__ delta, int64_t q_sh, int64_t q_sr, int64_t k_sh, int64_t k_sr, int64_t v_sh,
+    int64_t v_sr, int64_t do_sh, int64_t do_sr, int64_t dk_sh, int64_t dk_sr, int64_t dv_sh, int64_t dv_sr,
+    const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k, int total_k, int group, int ws_pitch,
+    int causal, float scale_log2, float scale, VARIANT_PARAMS) {
+  if (is_tail_slice()) {  // dk, dv rows past the last sequence: 0
+    const int begin = cu_seqlens_k[gridDim.z - 1];
+    zero_tail_rows<kD, kWarps * 32>(dk + blockIdx.y * dk_sh, dk_sr, nullptr, begin, total_k);
+    zero_tail_rows<kD, kWarps * 32>(dv + blockIdx.y * dv_sh, dv_sr, nullptr, begin, total_k);
+    return;
+  }
+  attn_bwd_main_body<kD, kBN, kBM, kWarps, kWN1, kWN2, kWM3, kIsBF16, kDq, kUnroll, true, true>(
+      q, k, v, dout, dk, dv, dq_accum, lse2, delta, 0, q_sh, q_sr, 0, k_sh, k_sr, 0, v_sh, v_sr, 0, do_sh, do_sr, 0,
+      dk_sh, dk_sr, 0, dv_sh, dv_sr, 0, 0, 0, group, 0, 0, scale_log2, scale, cu_seqlens_q, cu_seqlens_k,
+      ws_pitch, VARIANTS_FROM_PARAMS);
 }
 
 // ================================================================================================
@@ -635,15 +720,17 @@ struct DqCfg {
   static_assert(kQBytes % 1024 == 0 && kKBytes % 1024 == 0, "tile alignment");
 };
 
-template <int kD, int kBM, int kBN, bool kIsBF16, bool kVarlen>
+// kVariants: as the main kernel; the walk covers only the key blocks inside the window.
+template <int kD, int kBM, int kBN, bool kIsBF16, bool kVarlen, bool kVariants = false>
 __device__ __forceinline__ void attn_bwd_dq_body(
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
     u16* __restrict__ dq, const float* __restrict__ lse2, const float* __restrict__ delta, int64_t q_sb,
     int64_t q_sh, int64_t q_sr, int64_t k_sb, int64_t k_sh, int64_t k_sr, int64_t v_sb, int64_t v_sh, int64_t v_sr,
     int64_t do_sb, int64_t do_sh, int64_t do_sr, int64_t dq_sb, int64_t dq_sh, int64_t dq_sr, int nq_arg,
     int nk_arg, int heads, int group, int nq_pad, int causal, float scale_log2, float scale,
-    const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k, int ws_pitch) {
+    const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k, int ws_pitch, const Variants& va) {
   using C = DqCfg<kD, kBM, kBN>;
+  static_assert(!kVariants || kBN % 32 == 0, "variants: dropout bits per 32 keys");
   using TD = SwizzledTile<kD>;
   extern __shared__ __align__(1024) char smem[];
   check_dynamic_smem(smem, C::kSmem);
@@ -662,6 +749,12 @@ __device__ __forceinline__ void attn_bwd_dq_body(
   // Keys this query block sees: causal stops after the last key visible to its last row.
   int n_end = nk;
   if (causal) n_end = min(nk, min(m0 + kBM, nq) - 1 + delta_nk + 1);
+  int nb_begin = 0;  // key blocks [nb_begin, n_blocks)
+  if constexpr (kVariants) {
+    const int lo = window_lo(va, m0, delta_nk), hi = window_hi(va, min(m0 + kBM, nq) - 1, delta_nk, nk);
+    n_end = hi >= lo ? hi + 1 : 0;
+    nb_begin = hi >= lo ? lo / kBN : 0;
+  }
   const int n_blocks = n_end > 0 ? (n_end + kBN - 1) / kBN : 0;
 
   const u16* k_bh = k + b * k_sb + span.k0 * k_sr + hk * k_sh;  // [Nk, d] of this kv head
@@ -675,7 +768,7 @@ __device__ __forceinline__ void attn_bwd_dq_body(
   load_tile_async<kBM, SwizzledTile<kD>, C::kThreads>(sQ, q + b * q_sb + h * q_sh + r0 * q_sr, q_sr, nq - m0, tid);
   load_tile_async<kBM, SwizzledTile<kD>, C::kThreads>(sDO, dout + b * do_sb + h * do_sh + r0 * do_sr, do_sr, nq - m0,
                                                        tid);
-  if (n_blocks > 0) issue_kv(0, 0);
+  if (n_blocks > nb_begin) issue_kv(nb_begin, 0);
   cp_async_commit();
 
   // lse2 / delta of this thread's rows (g and g + 8 of the warp's 16): padded workspace, no check.
@@ -687,8 +780,8 @@ __device__ __forceinline__ void attn_bwd_dq_body(
   zero_acc(dq_acc);
 
 #pragma unroll 1
-  for (int nb = 0; nb < n_blocks; ++nb) {
-    const int stage = nb & 1;
+  for (int nb = nb_begin; nb < n_blocks; ++nb) {
+    const int stage = (nb - nb_begin) & 1;
     const int n0 = nb * kBN;
     cp_async_wait<0>();
     __syncthreads();  // K/V[nb] visible; every warp is done with stage ^ 1
@@ -704,20 +797,55 @@ __device__ __forceinline__ void attn_bwd_dq_body(
     warp_mma<kIsBF16, 1, C::NT, kD / 16, false, false, kD, kD>(s, sQ, warp * 16, sK, 0, lane);
     warp_mma<kIsBF16, 1, C::NT, kD / 16, false, false, kD, kD>(dp, sDO, warp * 16, sV, 0, lane);
 
-    const bool need_mask = (n0 + kBN > nk) || (causal && n0 + kBN - 1 > m0 + delta_nk);
+    if constexpr (kVariants) {
+      const bool need_mask = !(n0 >= window_lo(va, m0 + kBM - 1, delta_nk) &&
+                               n0 + kBN - 1 <= window_hi(va, m0, delta_nk, nk));
+      const int bh = b * static_cast<int>(gridDim.y) + h;
+      uint4 bits[2];  // dropout bits of rows g, g + 8 for the current 32-key group
 #pragma unroll
-    for (int nt = 0; nt < C::NT; ++nt)
+      for (int nt = 0; nt < C::NT; ++nt) {
+        if (va.drop_thr != 0u && (nt & 3) == 0) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int half = e >> 1;
-        float p = fast_exp2(fmaf(s[0][nt][e], scale_log2, -lse_r[half]));
-        if (need_mask) {
+          for (int half = 0; half < 2; ++half)
+            bits[half] = dropout_bits(va, bh, m0 + warp * 16 + g + 8 * half, (n0 + nt * 8) >> 5, t);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int half = e >> 1;
           const int i = m0 + warp * 16 + g + 8 * half;
           const int j = n0 + nt * 8 + 2 * t + (e & 1);
-          if (j >= nk || (causal && j > i + delta_nk)) p = 0.f;
+          float x, dcap = 1.f;  // log2-unit logit; d logit / d (scale q.k)
+          if (va.cap_in != 0.f) {
+            const float th = softcap_tanh(va, s[0][nt][e]);
+            x = va.cap_out * th;
+            dcap = fmaf(-th, th, 1.f);
+          } else {
+            x = s[0][nt][e] * va.scale_log2;
+          }
+          if (va.alibi != nullptr) x = fmaf(alibi_slope_log2(va, b, h), static_cast<float>(abs(i + delta_nk - j)), x);
+          float p = fast_exp2(x - lse_r[half]);
+          if (need_mask && (j < window_lo(va, i, delta_nk) || j > window_hi(va, i, delta_nk, nk))) p = 0.f;
+          float dpv = dp[0][nt][e];
+          if (va.drop_thr != 0u) dpv *= dropout_keep(va, bits[half], j) ? va.drop_scale : 0.f;
+          dp[0][nt][e] = p * (dpv - del_r[half]) * dcap;
         }
-        dp[0][nt][e] = p * (dp[0][nt][e] - del_r[half]);
       }
+    } else {
+      const bool need_mask = (n0 + kBN > nk) || (causal && n0 + kBN - 1 > m0 + delta_nk);
+#pragma unroll
+      for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int half = e >> 1;
+          float p = fast_exp2(fmaf(s[0][nt][e], scale_log2, -lse_r[half]));
+          if (need_mask) {
+            const int i = m0 + warp * 16 + g + 8 * half;
+            const int j = n0 + nt * 8 + 2 * t + (e & 1);
+            if (j >= nk || (causal && j > i + delta_nk)) p = 0.f;
+          }
+          dp[0][nt][e] = p * (dp[0][nt][e] - del_r[half]);
+        }
+    }
 
     // dQ += dS K: A = dS from registers (16 queries x 16 keys per step), B = K rows = keys (trans).
     const LdsmLane<SwizzledTile<kD>, true, is_pow2(C::NTD / 2), C::NTD / 2> lk(sK, 0, 0, lane);
@@ -770,7 +898,22 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_kernel(
     int heads, int group, int nq_pad, int causal, float scale_log2, float scale) {
   attn_bwd_dq_body<kD, kBM, kBN, kIsBF16, false>(q, k, v, dout, dq, lse2, delta, q_sb, q_sh, q_sr, k_sb, k_sh, k_sr,
                                                  v_sb, v_sh, v_sr, do_sb, do_sh, do_sr, dq_sb, dq_sh, dq_sr, nq, nk,
-                                                 heads, group, nq_pad, causal, scale_log2, scale, nullptr, nullptr, 0);
+                                                 heads, group, nq_pad, causal, scale_log2, scale, nullptr, nullptr, 0,
+                                                 Variants{});
+}
+
+// With variants: the dense parameters (causal = 0), then VARIANT_PARAMS.
+template <int kD, int kBM, int kBN, bool kIsBF16>
+__global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_variants_kernel(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
+    u16* __restrict__ dq, const float* __restrict__ lse2, const float* __restrict__ delta, int64_t q_sb,
+    int64_t q_sh, int64_t q_sr, int64_t k_sb, int64_t k_sh, int64_t k_sr, int64_t v_sb, int64_t v_sh, int64_t v_sr,
+    int64_t do_sb, int64_t do_sh, int64_t do_sr, int64_t dq_sb, int64_t dq_sh, int64_t dq_sr, int nq, int nk,
+    int heads, int group, int nq_pad, int causal, float scale_log2, float scale, VARIANT_PARAMS) {
+  attn_bwd_dq_body<kD, kBM, kBN, kIsBF16, false, true>(q, k, v, dout, dq, lse2, delta, q_sb, q_sh, q_sr, k_sb, k_sh,
+                                                       k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr, dq_sb, dq_sh,
+                                                       dq_sr, nq, nk, heads, group, nq_pad, 0, scale_log2, scale,
+                                                       nullptr, nullptr, 0, VARIANTS_FROM_PARAMS);
 }
 
 // Varlen: grid (ceil(max_seqlen_q / kBM), H, B + 1); the last z-slice zeroes the rows of dq past the
@@ -788,7 +931,25 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_varlen_kernel(
   }
   attn_bwd_dq_body<kD, kBM, kBN, kIsBF16, true>(q, k, v, dout, dq, lse2, delta, 0, q_sh, q_sr, 0, k_sh, k_sr, 0, v_sh,
                                                 v_sr, 0, do_sh, do_sr, 0, dq_sh, dq_sr, 0, 0, 0, group, 0, causal,
-                                                scale_log2, scale, cu_seqlens_q, cu_seqlens_k, ws_pitch);
+                                                scale_log2, scale, cu_seqlens_q, cu_seqlens_k, ws_pitch, Variants{});
+}
+
+// Varlen with variants: the varlen parameters (causal = 0), then VARIANT_PARAMS.
+template <int kD, int kBM, int kBN, bool kIsBF16>
+__global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_varlen_variants_kernel(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
+    u16* __restrict__ dq, const float* __restrict__ lse2, const float* __restrict__ delta, int64_t q_sh,
+    int64_t q_sr, int64_t k_sh, int64_t k_sr, int64_t v_sh, int64_t v_sr, int64_t do_sh, int64_t do_sr,
+    int64_t dq_sh, int64_t dq_sr, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+    int total_q, int group, int ws_pitch, int causal, float scale_log2, float scale, VARIANT_PARAMS) {
+  if (is_tail_slice()) {  // dq rows past the last sequence: 0
+    zero_tail_rows<kD, kBM / 16 * 32>(dq + blockIdx.y * dq_sh, dq_sr, nullptr, cu_seqlens_q[gridDim.z - 1], total_q);
+    return;
+  }
+  attn_bwd_dq_body<kD, kBM, kBN, kIsBF16, true, true>(q, k, v, dout, dq, lse2, delta, 0, q_sh, q_sr, 0, k_sh, k_sr, 0,
+                                                      v_sh, v_sr, 0, do_sh, do_sr, 0, dq_sh, dq_sr, 0, 0, 0, group, 0,
+                                                      0, scale_log2, scale, cu_seqlens_q, cu_seqlens_k, ws_pitch,
+                                                      VARIANTS_FROM_PARAMS);
 }
 
 }  // namespace bwd

@@ -90,6 +90,7 @@
 // The final row sum l = 0 marks a fully masked row: O = 0, lse = -inf; otherwise
 // lse = (shift + log2 l) * ln 2 (natural log, what the backward expects).
 #include "common/sm80_tile.cuh"
+#include "common/variants.cuh"
 #include "common/varlen.cuh"
 
 namespace tileattn {
@@ -133,6 +134,41 @@ __device__ __forceinline__ CtaId cta_id() {
   return {kCausal ? static_cast<int>(nx - 1 - x) : static_cast<int>(x), static_cast<int>(y), static_cast<int>(z)};
 }
 
+// Variant kernels: S = Q K^T of K/V block n (mma accumulator layout: rows g, g + 8 of each m-tile,
+// keys 2t, 2t + 1 of each n8 block) -> logits in log2 units: softcap or scale, ALiBi bias, and -inf
+// outside each row's window (and past Nk). A block inside every row's window needs no per-score
+// test. The thread index is opaque (re-derived here, as in the main loop) and the CTA's indices are
+// re-read: nothing of this lives across the loop.
+template <int kMTiles, int kNBlocks, int kBlockM, int kBlockN, int kRowsPerWarp>
+__device__ __forceinline__ void apply_variants(float (&s_acc)[kMTiles][kNBlocks][4], const Variants& va, int n,
+                                               int seqlen_q, int seqlen_k, int tid_l) {
+  const int lane = tid_l & 31, g = lane >> 2, t = lane & 3;
+  const CtaId c = cta_id<false>();
+  const int row_t = c.m_block * kBlockM;  // first row of the tile
+  const int diag = seqlen_k - seqlen_q;
+  const int key_b = n * kBlockN;
+  const bool inside = key_b >= window_lo(va, min(row_t + kBlockM, seqlen_q) - 1, diag) &&
+                      key_b + kBlockN - 1 <= window_hi(va, row_t, diag, seqlen_k);
+  const float slope = alibi_slope_log2(va, c.batch, c.head);
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row_t + (tid_l >> 5) * kRowsPerWarp + mt * 16 + g + 8 * h;
+      const int lo = row + diag - va.left, hi = min(seqlen_k - 1, row + diag + va.right);
+#pragma unroll
+      for (int nb = 0; nb < kNBlocks; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = key_b + nb * 8 + 2 * t + e;
+          float x = variant_logit(va, s_acc[mt][nb][2 * h + e]);
+          if (va.alibi != nullptr) x = fmaf(slope, static_cast<float>(abs(row + diag - j)), x);
+          if (!inside && (j < lo || j > hi)) x = neg_inf();
+          s_acc[mt][nb][2 * h + e] = x;
+        }
+    }
+}
+
 }  // namespace fwd
 
 // q: [B, H, Nq, d], k/v: [B, H / kv_group, Nk, d], o: [B, H, Nq, d] (16-bit, strides in elements,
@@ -147,13 +183,18 @@ __device__ __forceinline__ CtaId cta_id() {
 // The body serves both entry points below: dense batches (kVarlen = false) and packed variable-
 // length batches (kVarlen = true, see common/varlen.cuh: sequence b's tokens start at
 // cu_seqlens_q[b] / cu_seqlens_k[b]; the batch strides are 0; lse is [H, total_q]).
-template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kCausal, bool kIsBF16, bool kVarlen>
+//
+// kVariants: the variant kernels (common/variants.cuh): window (causal is its right edge 0, so they
+// are built with kCausal = false), softcap, ALiBi and dropout from `va`, all chosen at run time.
+// Scores become log2-unit logits right after S = Q K^T, so the softmax below runs with scale 1.
+template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kCausal, bool kIsBF16, bool kVarlen,
+          bool kVariants = false>
 __device__ __forceinline__ void attention_fwd_body(
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ o,
     float* __restrict__ lse, int64_t q_sb, int64_t q_sh, int64_t q_sr, int64_t k_sb, int64_t k_sh, int64_t k_sr,
     int64_t v_sb, int64_t v_sh, int64_t v_sr, int64_t o_sb, int64_t o_sh, int64_t o_sr, int heads,
     uint64_t kv_group_magic, int seqlen_q_arg, int seqlen_k_arg, float scale_log2, const int* __restrict__ cu_seqlens_q,
-    const int* __restrict__ cu_seqlens_k, int total_q) {
+    const int* __restrict__ cu_seqlens_k, int total_q, const Variants& va) {
   using namespace fwd;
   constexpr int kThreads = kWarps * 32;
   constexpr int kRowsPerWarp = kBlockM / kWarps;
@@ -169,6 +210,9 @@ __device__ __forceinline__ void attention_fwd_body(
   static_assert(kBlockM % (16 * kWarps) == 0 && (kMTiles == 1 || kMTiles == 2), "16 or 32 rows per warp");
   static_assert(kBlockN % 16 == 0 && kStages >= 2, "kBlockN multiple of 16, at least double buffering");
   static_assert((kRowsPerWarp * kChunks) % 32 == 0, "epilogue: whole chunks per lane");
+  static_assert(!kVariants || (!kCausal && kBlockN % 32 == 0), "variants: causal is a window; dropout bits per 32 keys");
+  // Logits of the variant kernels are already scaled (log2 units) when the softmax sees them.
+  const float sl2 = kVariants ? 1.f : scale_log2;
   // Unpadded rows (d = 96: 12 chunks, the split swizzle) keep d = 96 at 72 KB per CTA.
   using Tile = SwizzledTile<kHeadDim, false>;
   // Power-of-two pitches (every d but 96) step ldmatrix chunk pairs by XOR; d = 96 keeps a table.
@@ -206,13 +250,16 @@ __device__ __forceinline__ void attention_fwd_body(
 
   // ---- Which K/V blocks this query tile visits, and how many of them need masking -------------
   const int n_total = (seqlen_k + kBlockN - 1) / kBlockN;
-  int n_end = n_total;                                  // visit blocks [0, n_end)
+  int n_end = n_total;                                  // visit blocks [n_begin, n_end)
+  int n_begin = 0;
   int n_masked = (seqlen_k % kBlockN) != 0 ? 1 : 0;     // the Nk edge block is visited first
   const int diag = seqlen_k - seqlen_q;                 // query i sees keys j <= i + diag
-  if constexpr (kCausal) {
+  if constexpr (kCausal || kVariants) {
     const int last_row = min(row0 + kBlockM, seqlen_q) - 1;
-    const int last_key = last_row + diag;               // last key any row of the tile sees
-    if (last_key < 0) {
+    // Keys any row of the tile sees: [key_lo, key_hi] (windows move monotonically with the row).
+    const int key_hi = kVariants ? window_hi(va, last_row, diag, seqlen_k) : last_row + diag;
+    const int key_lo = kVariants ? window_lo(va, row0, diag) : 0;
+    if (key_hi < key_lo) {
       // Every row of the tile is fully masked: O = 0, lse = -inf. No smem, no mma.
       const int rows = last_row - row0 + 1;
       for (int id = tid; id < rows * kChunks; id += kThreads) {
@@ -222,21 +269,26 @@ __device__ __forceinline__ void attention_fwd_body(
       for (int r = tid; r < rows; r += kThreads) lse_g[row0 + r] = neg_inf();
       return;
     }
-    n_end = min(n_total, last_key / kBlockN + 1);
-    // Block n is unmasked for the whole tile iff its last key n * kBlockN + kBlockN - 1 is visible
-    // to the tile's first row, i.e. <= row0 + diag.
-    const int first_limit = row0 + diag;
-    const int n_unmasked = first_limit + 1 <= 0 ? 0 : (first_limit + 1) / kBlockN;
-    const int edge = (n_end == n_total) ? n_masked : 0;
-    n_masked = max(n_end - n_unmasked, edge);
+    n_end = min(n_total, key_hi / kBlockN + 1);
+    if constexpr (kVariants) {
+      n_begin = key_lo / kBlockN;  // blocks below the window are skipped: cost scales with the window
+    } else {
+      // Block n is unmasked for the whole tile iff its last key n * kBlockN + kBlockN - 1 is visible
+      // to the tile's first row, i.e. <= row0 + diag.
+      const int first_limit = row0 + diag;
+      const int n_unmasked = first_limit + 1 <= 0 ? 0 : (first_limit + 1) / kBlockN;
+      const int edge = (n_end == n_total) ? n_masked : 0;
+      n_masked = max(n_end - n_unmasked, edge);
+    }
   }
+  const int n_iters = n_end - n_begin;  // blocks visited, from n_end - 1 down to n_begin
 
   // ---- Prologue: Q (own commit group), then kStages - 1 K/V blocks ----------------------------
   load_tile_async<kBlockM, Tile, kThreads>(sQ, q_g + row0 * q_sr, q_sr, seqlen_q - row0, tid);
   cp_async_commit();
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_end) {
+    if (s < n_iters) {
       const int n = n_end - 1 - s;
       // Only block n_total - 1 can be partial, and it is visited first: edge-checked loads here.
       load_tile_async<kBlockN, Tile, kThreads>(sK + s * kTileKV, k_g + n * kBlockN * k_sr, k_sr, seqlen_k - n * kBlockN,
@@ -289,14 +341,14 @@ __device__ __forceinline__ void attention_fwd_body(
     }
 
   // ---- Main loop over K/V blocks, last to first --------------------------------------------
-  for (int it = 0; it < n_end; ++it) {
+  for (int it = 0; it < n_iters; ++it) {
     const int n = n_end - 1 - it;  // K/V block index
     const int stage = it % kStages;
     cp_async_wait<kStages - 2>();  // block `it` (and Q) landed for this thread
     __syncthreads();               // ... for all threads; all warps finished block it - 1
     {
       const int pf = it + kStages - 1;  // prefetch into the slot block it - 1 used
-      if (pf < n_end) {
+      if (pf < n_iters) {
         const int pn = n_end - 1 - pf;
         const int ps = pf % kStages;
         const CtaId c = cta_id<kCausal>();
@@ -354,8 +406,10 @@ __device__ __forceinline__ void attention_fwd_body(
       }
     }
 
-    // Mask: only the Nk edge block and blocks crossing the diagonal (the first n_masked visited).
-    if (it < n_masked) {
+    if constexpr (kVariants) {
+      apply_variants<kMTiles, kNBlocks, kBlockM, kBlockN, kRowsPerWarp>(s_acc, va, n, seqlen_q, seqlen_k, tid_l);
+    } else if (it < n_masked) {
+      // Mask: only the Nk edge block and blocks crossing the diagonal (the first n_masked visited).
       // mma accumulator ownership: rows g and g + 8, columns 2t, 2t + 1 of each n8 block.
       const int g = lane_l >> 2, t = lane_l & 3, wrow0 = (tid_l >> 5) * kRowsPerWarp;
       const int key0 = n * kBlockN + 2 * t;
@@ -388,7 +442,7 @@ __device__ __forceinline__ void attention_fwd_body(
         float mx = neg_inf();
 #pragma unroll
         for (int nb = 0; nb < kNBlocks; ++nb) mx = fmaxf(mx, fmaxf(s_acc[mt][nb][2 * h], s_acc[mt][nb][2 * h + 1]));
-        blk_max[mt][h] = quad_max(mx) * scale_log2;  // scale_log2 > 0: max commutes with the scale
+        blk_max[mt][h] = quad_max(mx) * sl2;  // sl2 > 0: max commutes with the scale
         grow |= blk_max[mt][h] - row_shift[mt][h] > kRescaleThreshold;
       }
     if (__any_sync(0xffffffffu, grow)) {  // warp-uniform: rescale all rows of the warp together
@@ -414,20 +468,41 @@ __device__ __forceinline__ void attention_fwd_body(
     // it exists, so the fp32 S registers die one n8 block at a time and P (half their count) is
     // what stays live into O += P V. The S accumulator of key blocks 2kk, 2kk+1 is exactly the A
     // fragment of k-step kk (a0 = row g keys 2t.., a1 = row g+8, a2/a3 = same rows, keys 8 + 2t..).
+    // Dropout (variant kernels): the row sums keep every p (they normalize the softmax), P V gets
+    // the kept ones; 1 / (1 - p) is applied with 1 / l in the epilogue.
     u32 p_frag[kMTiles][kPSteps][4];
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      uint4 bits[2];  // dropout bits of rows g and g + 8 for the current 32-key group
 #pragma unroll
       for (int nb = 0; nb < kNBlocks; ++nb) {
         float p[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          p[e] = fast_exp2(fmaf(s_acc[mt][nb][e], scale_log2, -row_shift[mt][e >> 1]));
+          p[e] = fast_exp2(fmaf(s_acc[mt][nb][e], sl2, -row_shift[mt][e >> 1]));
           row_sum[mt][e >> 1] += p[e];
+        }
+        if constexpr (kVariants) {
+          if (va.drop_thr != 0u) {
+            const int tid_d = opaque(tid);
+            const int lane_d = tid_d & 31, t = lane_d & 3;
+            const CtaId c = cta_id<kCausal>();
+            const int key = n * kBlockN + nb * 8 + 2 * t;
+            if ((nb & 3) == 0) {
+              const int row = c.m_block * kBlockM + (tid_d >> 5) * kRowsPerWarp + mt * 16 + (lane_d >> 2);
+              const int bh = c.batch * static_cast<int>(gridDim.y) + c.head;
+#pragma unroll
+              for (int h = 0; h < 2; ++h) bits[h] = dropout_bits(va, bh, row + 8 * h, key >> 5, t);
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (!dropout_keep(va, bits[e >> 1], key + (e & 1))) p[e] = 0.f;
+          }
         }
         p_frag[mt][nb >> 1][2 * (nb & 1)] = pack2<kIsBF16>(p[0], p[1]);
         p_frag[mt][nb >> 1][2 * (nb & 1) + 1] = pack2<kIsBF16>(p[2], p[3]);
       }
+    }
 
     // O += P V.
 #pragma unroll
@@ -468,7 +543,8 @@ __device__ __forceinline__ void attention_fwd_body(
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float l = quad_sum(row_sum[mt][h]);
-        const float inv = l > 0.f ? 1.f / l : 0.f;  // l == 0 <=> the row saw no key: O = 0
+        // l == 0 <=> the row saw no key: O = 0. Dropout: kept p times 1 / (1 - p).
+        const float inv = l > 0.f ? (kVariants ? va.drop_scale : 1.f) / l : 0.f;
         const int r = wrow0 + mt * 16 + g_e + 8 * h;
         if (t_e == 0 && row0 + r < span_e.nq)
           lse_g[row0 + r] = l > 0.f ? (row_shift[mt][h] + log2f(l)) * kLn2 : neg_inf();
@@ -500,7 +576,22 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
                        int seqlen_k, float scale_log2) {
   attention_fwd_body<kHeadDim, kBlockM, kBlockN, kWarps, kStages, kCausal, kIsBF16, false>(
       q, k, v, o, lse, q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, o_sb, o_sh, o_sr, heads, kv_group_magic,
-      seqlen_q, seqlen_k, scale_log2, nullptr, nullptr, 0);
+      seqlen_q, seqlen_k, scale_log2, nullptr, nullptr, 0, Variants{});
+}
+
+// Dense batches with variants (common/variants.cuh): the plain dense kernel's parameters, then
+// VARIANT_PARAMS. Causal is the window's right edge 0.
+template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kIsBF16>
+__global__ void __launch_bounds__(kWarps * 32, 1)
+    attention_fwd_variants_sm80(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                                u16* __restrict__ o, float* __restrict__ lse, int64_t q_sb, int64_t q_sh,
+                                int64_t q_sr, int64_t k_sb, int64_t k_sh, int64_t k_sr, int64_t v_sb, int64_t v_sh,
+                                int64_t v_sr, int64_t o_sb, int64_t o_sh, int64_t o_sr, int heads,
+                                uint64_t kv_group_magic, int seqlen_q, int seqlen_k, float scale_log2,
+                                VARIANT_PARAMS) {
+  attention_fwd_body<kHeadDim, kBlockM, kBlockN, kWarps, kStages, false, kIsBF16, false, true>(
+      q, k, v, o, lse, q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, o_sb, o_sh, o_sr, heads, kv_group_magic,
+      seqlen_q, seqlen_k, scale_log2, nullptr, nullptr, 0, VARIANTS_FROM_PARAMS);
 }
 
 // Packed variable-length batches: q [Tq, H, d], k/v [Tk, Hkv, d], o [Tq, H, d] (token stride *_sr,
@@ -522,7 +613,26 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   }
   attention_fwd_body<kHeadDim, kBlockM, kBlockN, kWarps, kStages, kCausal, kIsBF16, true>(
       q, k, v, o, lse, 0, q_sh, q_sr, 0, k_sh, k_sr, 0, v_sh, v_sr, 0, o_sh, o_sr, 0, kv_group_magic, 0, 0, scale_log2,
-      cu_seqlens_q, cu_seqlens_k, total_q);
+      cu_seqlens_q, cu_seqlens_k, total_q, Variants{});
+}
+
+// Packed variable-length batches with variants: the varlen kernel's parameters, then VARIANT_PARAMS.
+template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kIsBF16>
+__global__ void __launch_bounds__(kWarps * 32, 1)
+    attention_fwd_varlen_variants_sm80(const u16* __restrict__ q, const u16* __restrict__ k,
+                                       const u16* __restrict__ v, u16* __restrict__ o, float* __restrict__ lse,
+                                       int64_t q_sh, int64_t q_sr, int64_t k_sh, int64_t k_sr, int64_t v_sh,
+                                       int64_t v_sr, int64_t o_sh, int64_t o_sr, uint64_t kv_group_magic,
+                                       const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                                       int total_q, float scale_log2, VARIANT_PARAMS) {
+  if (is_tail_slice()) {  // rows past the last sequence: O = 0, lse = -inf
+    zero_tail_rows<kHeadDim, kWarps * 32>(o + blockIdx.y * o_sh, o_sr, lse + static_cast<int64_t>(blockIdx.y) * total_q,
+                                          cu_seqlens_q[gridDim.z - 1], total_q);
+    return;
+  }
+  attention_fwd_body<kHeadDim, kBlockM, kBlockN, kWarps, kStages, false, kIsBF16, true, true>(
+      q, k, v, o, lse, 0, q_sh, q_sr, 0, k_sh, k_sr, 0, v_sh, v_sr, 0, o_sh, o_sr, 0, kv_group_magic, 0, 0, scale_log2,
+      cu_seqlens_q, cu_seqlens_k, total_q, VARIANTS_FROM_PARAMS);
 }
 
 }  // namespace tileattn

@@ -106,15 +106,15 @@ class BwdConfig:
             f"_dq{self.dq_block_m}x{self.dq_block_n}"
         )
 
-    def main_expr(self, bf16: bool, with_dq: bool, varlen: bool = False) -> str:
+    def main_expr(self, bf16: bool, with_dq: bool, varlen: bool = False, variants: bool = False) -> str:
         return (
-            f"{_NS}attn_bwd_main{_v(varlen)}_kernel<{self.head_dim}, {self.block_n}, {self.block_m}, {self.warps}, "
+            f"{_NS}attn_bwd_main{_v(varlen)}{_var(variants)}_kernel<{self.head_dim}, {self.block_n}, {self.block_m}, {self.warps}, "
             f"{self.warps_n1}, {self.warps_n2}, {self.warps_m3}, {self.min_blocks}, {_b(bf16)}, {_b(with_dq)}, "
             f"{self.unroll if with_dq else self.unroll_det}>"
         )
 
-    def dq_expr(self, bf16: bool, varlen: bool = False) -> str:
-        return f"{_NS}attn_bwd_dq{_v(varlen)}_kernel<{self.head_dim}, {self.dq_block_m}, {self.dq_block_n}, {_b(bf16)}>"
+    def dq_expr(self, bf16: bool, varlen: bool = False, variants: bool = False) -> str:
+        return f"{_NS}attn_bwd_dq{_v(varlen)}{_var(variants)}_kernel<{self.head_dim}, {self.dq_block_m}, {self.dq_block_n}, {_b(bf16)}>"
 
     @property
     def main_threads(self) -> int:
@@ -150,6 +150,11 @@ def _b(x: bool) -> str:
 def _v(varlen: bool) -> str:
     """Name infix of the packed variable-length entry points."""
     return "_varlen" if varlen else ""
+
+
+def _var(variants: bool) -> str:
+    """Name infix of the variant entry points (window, softcap, ALiBi, dropout; issue #15)."""
+    return "_variants" if variants else ""
 
 
 def preprocess_expr(head_dim: int, bf16: bool, varlen: bool = False) -> str:
@@ -301,7 +306,42 @@ def _instantiations() -> tuple[str, ...]:
     return tuple(dict.fromkeys(exprs))  # dedupe, keep order
 
 
-INSTANTIATIONS = _instantiations()
+# ---- attention variants (csrc/common/variants.cuh) ----------------------------------------------
+# Window, softcap, ALiBi and dropout run in separate instantiations (kVariants) of the main and
+# deterministic dQ bodies (the preprocess and convert kernels are shared): one per (head dim, dtype,
+# dense or varlen, atomic or deterministic), every variant a run-time choice, causal a window. One
+# table for every arch and both layouts: the variant code (logit transform, Philox, window tests)
+# needs registers the plain tiles do not have, so these are the tiles of the table and its tuning
+# runners-up that compile with 0 spills for sm_80 and sm_90a, dense and varlen (ptxas -v, 2026-12-01):
+VARIANT_CONFIGS: dict[int, BwdConfig] = {
+    32: _BASE[32],
+    # BM=128 unroll 4 spills 8-28 bytes on sm_90a; BM=64: 202-241 registers.
+    64: _TUNING[64][0],
+    96: _TUNING[96][0],  # unroll 2 (unroll 8 spills in the varlen layout on sm_80, as the plain one)
+    # (4, 2, 2) unroll 8 spills 24 bytes on sm_80 (atomic), (4, 4, 2) unroll 2 12 bytes; unroll 1:
+    # 248-255 registers, 0 spills.
+    128: BwdConfig(128, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=2, unroll=1),
+    # BM=64 spills on sm_90a (12-36 bytes, atomic); the small-shared-memory BM=32 tiles: 238-248.
+    256: _SMALL_SMEM[256],
+}
+
+
+def variant_config(head_dim: int) -> BwdConfig:
+    """Tiles of the variant kernels for `head_dim` (every arch; each fits an A100's 163 KB)."""
+    try:
+        return VARIANT_CONFIGS[int(head_dim)]
+    except KeyError:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}") from None
+
+
+def _variant_instantiations() -> tuple[str, ...]:
+    return tuple(e for varlen in (False, True) for d in HEAD_DIMS for bf16 in (False, True)
+                 for e in (VARIANT_CONFIGS[d].main_expr(bf16, True, varlen, True),
+                           VARIANT_CONFIGS[d].main_expr(bf16, False, varlen, True),
+                           VARIANT_CONFIGS[d].dq_expr(bf16, varlen, True)))
+
+
+INSTANTIATIONS = _instantiations() + _variant_instantiations()
 TUNING = tuple(dict.fromkeys(e for e in _expressions(c for cs in _TUNING.values() for c in cs) if e not in INSTANTIATIONS))
 FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a", "sm_80"), tuning=TUNING),)
 
@@ -413,7 +453,7 @@ class BackwardPlan:
     """
 
     def __init__(self, q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
-                 config: BwdConfig):
+                 config: BwdConfig, variants=None):
         import numpy as np
         import torch
 
@@ -447,22 +487,23 @@ class BackwardPlan:
             (0, 0, 0, 0, 0, 0, *strides(out), *strides(dout), i32(nq), i32(heads), i32(nq_pad)),
             dynamic=range(6),
         )
-        self.main = LaunchPlan(
-            load(FAMILY_NAME, cfg.main_expr(bf16, not deterministic), device),
+        with_variants = variants is not None
+        self.main = _plan(
+            load(FAMILY_NAME, cfg.main_expr(bf16, not deterministic, False, with_variants), device),
             (-(-nk // cfg.block_n), kv_heads, batch), (cfg.main_threads,),
             (0, 0, 0, 0, 0, 0, 0, 0, 0, *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk),
              *strides(dv), i32(nq), i32(nk), i32(heads), i32(group), i32(nq_pad), i32(1 if causal else 0),
              scale_log2, f32(scale)),
-            smem=cfg.main_smem, dynamic=range(9),
+            cfg.main_smem, range(9), variants, scale,
         )
         if deterministic:
-            self.last = LaunchPlan(
-                load(FAMILY_NAME, cfg.dq_expr(bf16), device),
+            self.last = _plan(
+                load(FAMILY_NAME, cfg.dq_expr(bf16, False, with_variants), device),
                 (-(-nq // cfg.dq_block_m), heads, batch), (cfg.dq_threads,),
                 (0, 0, 0, 0, 0, 0, 0, *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq),
                  i32(nq), i32(nk), i32(heads), i32(group), i32(nq_pad), i32(1 if causal else 0), scale_log2,
                  f32(scale)),
-                smem=cfg.dq_smem, dynamic=range(7),
+                cfg.dq_smem, range(7), variants, scale,
             )
         else:
             self.last = LaunchPlan(
@@ -473,7 +514,8 @@ class BackwardPlan:
             )
         self._delta_offset, self._acc_offset = rows * 4, 2 * rows * 4  # bytes into the workspace
 
-    def launch(self, q, k, v, out, lse, dout, dq, dk, dv) -> None:
+    def launch(self, q, k, v, out, lse, dout, dq, dk, dv, *variant_values) -> None:
+        """`variant_values` (plans made with variants only): ALiBi slopes' pointer, dropout seed, offset."""
         import torch
 
         ws = torch.empty(self.ws_elems, dtype=torch.float32, device=self.device)
@@ -482,9 +524,10 @@ class BackwardPlan:
         acc_ptr = 0 if self.deterministic else lse2 + self._acc_offset
         self.pre.launch(out.data_ptr(), dout.data_ptr(), lse.data_ptr(), lse2, delta, acc_ptr)
         self.main.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                         acc_ptr, lse2, delta)
+                         acc_ptr, lse2, delta, *variant_values)
         if self.deterministic:
-            self.last.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dq.data_ptr(), lse2, delta)
+            self.last.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dq.data_ptr(), lse2, delta,
+                             *variant_values)
         else:
             self.last.launch(acc_ptr, dq.data_ptr())
         # ws goes back to torch's caching allocator here; its block is reused only by work enqueued
@@ -492,17 +535,35 @@ class BackwardPlan:
 
 
 def backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
-                  config: BwdConfig | None = None) -> BackwardPlan:
+                  config: BwdConfig | None = None, variants=None) -> BackwardPlan:
     """A BackwardPlan for these tensors' shapes, strides, dtype and device (arguments trusted: the
     public op validated them in its forward). The config defaults to the table of the device's
-    arch, shrunk to the device's shared memory."""
+    arch, shrunk to the device's shared memory. `variants` (attention_fwd_sm80.VariantArgs, causal
+    folded into its window): the variant kernels; the plan's launch then takes the ALiBi pointer,
+    dropout seed and offset after the tensors."""
+    if variants is not None:
+        config = config or variant_config(q.shape[3])
     if config is None:
         from ..runtime import device_arch, device_smem_optin
 
         index = q.device.index
         config = default_config(q.shape[3], causal, device_arch(index), max_smem=device_smem_optin(index))
     return BackwardPlan(q, k, v, out, lse, dout, dq, dk, dv, causal=bool(causal), scale=float(scale),
-                        deterministic=bool(deterministic), config=config)
+                        deterministic=bool(deterministic), config=config, variants=variants)
+
+
+def _plan(kernel, grid, block, args, smem, dynamic, variants, scale):
+    """A LaunchPlan; with variants, their parameters follow `args` and the per-call ALiBi pointer,
+    seed and offset are dynamic after `dynamic`."""
+    from ..runtime import LaunchPlan
+
+    dynamic = tuple(dynamic)
+    if variants is not None:
+        from .attention_fwd_sm80 import VARIANT_DYNAMIC
+
+        dynamic += tuple(len(args) + i for i in VARIANT_DYNAMIC)
+        args = (*args, *variants.kernel_args(scale))
+    return LaunchPlan(kernel, grid, block, args, smem=smem, dynamic=dynamic)
 
 
 class BackwardVarlenPlan:
@@ -518,7 +579,7 @@ class BackwardVarlenPlan:
     """
 
     def __init__(self, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int, *,
-                 causal: bool, scale: float, deterministic: bool, config: BwdConfig):
+                 causal: bool, scale: float, deterministic: bool, config: BwdConfig, variants=None):
         import numpy as np
         import torch
 
@@ -553,21 +614,22 @@ class BackwardVarlenPlan:
             (0, 0, 0, 0, 0, 0, *strides(out), *strides(dout), 0, i32(total_q), i32(ws_pitch)),
             dynamic=(0, 1, 2, 3, 4, 5, 10),
         )
-        self.main = LaunchPlan(
-            load(FAMILY_NAME, cfg.main_expr(bf16, not deterministic, True), device),
+        with_variants = variants is not None
+        self.main = _plan(
+            load(FAMILY_NAME, cfg.main_expr(bf16, not deterministic, True, with_variants), device),
             (blocks(max_seqlen_k, cfg.block_n), kv_heads, batch + 1), (cfg.main_threads,),
             (0, 0, 0, 0, 0, 0, 0, 0, 0, *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk),
              *strides(dv), 0, 0, i32(k.shape[0]), i32(group), i32(ws_pitch), i32(1 if causal else 0), scale_log2,
              f32(scale)),
-            smem=cfg.main_smem, dynamic=(*range(9), 21, 22),
+            cfg.main_smem, (*range(9), 21, 22), variants, scale,
         )
         if deterministic:
-            self.last = LaunchPlan(
-                load(FAMILY_NAME, cfg.dq_expr(bf16, True), device),
+            self.last = _plan(
+                load(FAMILY_NAME, cfg.dq_expr(bf16, True, with_variants), device),
                 (blocks(max_seqlen_q, cfg.dq_block_m), heads, batch + 1), (cfg.dq_threads,),
                 (0, 0, 0, 0, 0, 0, 0, *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq), 0, 0,
                  i32(total_q), i32(group), i32(ws_pitch), i32(1 if causal else 0), scale_log2, f32(scale)),
-                smem=cfg.dq_smem, dynamic=(*range(7), 17, 18),
+                cfg.dq_smem, (*range(7), 17, 18), variants, scale,
             )
         else:
             self.last = LaunchPlan(
@@ -578,7 +640,8 @@ class BackwardVarlenPlan:
             )
         self._delta_offset, self._acc_offset = rows * 4, 2 * rows * 4  # bytes into the workspace
 
-    def launch(self, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k) -> None:
+    def launch(self, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *variant_values) -> None:
+        """`variant_values` (plans made with variants only): ALiBi slopes' pointer, dropout seed, offset."""
         import torch
 
         ws = torch.empty(self.ws_elems, dtype=torch.float32, device=self.device)
@@ -588,19 +651,22 @@ class BackwardVarlenPlan:
         cu_q, cu_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
         self.pre.launch(out.data_ptr(), dout.data_ptr(), lse.data_ptr(), lse2, delta, acc_ptr, cu_q)
         self.main.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                         acc_ptr, lse2, delta, cu_q, cu_k)
+                         acc_ptr, lse2, delta, cu_q, cu_k, *variant_values)
         if self.deterministic:
             self.last.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dq.data_ptr(), lse2, delta,
-                             cu_q, cu_k)
+                             cu_q, cu_k, *variant_values)
         else:
             self.last.launch(acc_ptr, dq.data_ptr(), cu_q)
 
 
 def backward_varlen_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int, *,
                          causal: bool, scale: float, deterministic: bool,
-                         config: BwdConfig | None = None) -> BackwardVarlenPlan:
+                         config: BwdConfig | None = None, variants=None) -> BackwardVarlenPlan:
     """A BackwardVarlenPlan for these tensors (arguments trusted: tileattn.api_varlen validated
-    them); the config defaults to the varlen table of the device's arch, shrunk to its shared memory."""
+    them); the config defaults to the varlen table of the device's arch, shrunk to its shared memory.
+    `variants`: as backward_plan."""
+    if variants is not None:
+        config = config or variant_config(q.shape[2])
     if config is None:
         from ..runtime import device_arch, device_smem_optin
 
@@ -609,7 +675,7 @@ def backward_varlen_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_
                                 varlen=True)
     return BackwardVarlenPlan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, int(max_seqlen_q),
                               int(max_seqlen_k), causal=bool(causal), scale=float(scale),
-                              deterministic=bool(deterministic), config=config)
+                              deterministic=bool(deterministic), config=config, variants=variants)
 
 
 def launch_backward(

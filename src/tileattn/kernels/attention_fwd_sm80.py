@@ -164,7 +164,66 @@ def _expressions(tables, varlen: bool = False) -> tuple[str, ...]:
     return tuple(dict.fromkeys(exprs))
 
 
-INSTANTIATIONS = _expressions(DEFAULTS.values()) + _expressions(VARLEN_DEFAULTS.values(), varlen=True)
+# ---- attention variants (issue #15; csrc/common/variants.cuh) ----------------------------------
+# Window, softcap, ALiBi and dropout run in separate instantiations (kVariants) of the same body, so
+# the plain kernels keep their code. One per (head dim, dtype, dense or varlen): every variant is a
+# run-time choice inside it, and causal is the window's right edge 0. Tiles: the dense non-causal
+# table's (dropout draws its bits per 32 keys, so BLOCK_N is a multiple of 32), except varlen d=128,
+# which spills 24 bytes on sm_80 at 128x64 and takes 128x32 (245 registers).
+UNBOUNDED = 1 << 29  # kUnbounded: a window edge that never limits
+MAX_VARIANT_SEQLEN = 1 << 28  # window arithmetic (i + Nk - Nq +- edge) stays inside int32
+VARIANT_DEFAULTS: dict[int, FwdConfig] = {d: _H200[(d, False)] for d in HEAD_DIMS}
+VARLEN_VARIANT_DEFAULTS: dict[int, FwdConfig] = {**VARIANT_DEFAULTS, 128: C(128, 32, 4, 2)}
+
+
+@dataclass(frozen=True)
+class VariantArgs:
+    """The variants of one launch plan (hashable: part of the plan key). Window edges in keys
+    (UNBOUNDED: none; causal is right = 0), softcap 0.0 = off, alibi_batch_stride None = no ALiBi
+    (0: slopes [H], H: slopes [B, H]), dropout_p 0.0 = off. The slopes' pointer and the dropout
+    seed/offset are per-call values (see `VARIANT_DYNAMIC`)."""
+
+    window_left: int = UNBOUNDED
+    window_right: int = UNBOUNDED
+    softcap: float = 0.0
+    alibi_batch_stride: int | None = None
+    dropout_p: float = 0.0
+
+    def drop_threshold(self) -> int:
+        """Drop a score iff its 16-bit uniform is below this (round(p * 65536))."""
+        return min(65535, round(self.dropout_p * 65536))
+
+    def kernel_args(self, scale: float) -> tuple:
+        """VARIANT_PARAMS of the kernels, with 0 for the per-call alibi pointer, seed and offset."""
+        cap = float(self.softcap)
+        cap_in = 2.0 * LOG2E * scale / cap if cap > 0 else 0.0
+        return (
+            0, np.uint64(0), np.uint64(0), np.int64(self.alibi_batch_stride or 0),
+            np.int32(self.window_left), np.int32(self.window_right), np.float32(cap_in), np.float32(cap * LOG2E),
+            np.uint32(self.drop_threshold() if self.dropout_p > 0 else 0),
+            np.float32(1.0 / (1.0 - self.dropout_p)),
+        )
+
+
+# Parameter offsets (after the plain parameters) of the per-call variant values: alibi, seed, offset.
+VARIANT_DYNAMIC = (0, 1, 2)
+
+
+def variant_expression(head_dim: int, config: FwdConfig, bf16: bool, varlen: bool = False) -> str:
+    """NVRTC name expression of a variant forward instantiation."""
+    return (
+        f"tileattn::attention_fwd{'_varlen' if varlen else ''}_variants_sm80<{head_dim}, {config.block_m}, "
+        f"{config.block_n}, {config.warps}, {config.stages}, {'true' if bf16 else 'false'}>"
+    )
+
+
+VARIANT_INSTANTIATIONS = tuple(
+    variant_expression(d, table[d], bf16, varlen)
+    for varlen, table in ((False, VARIANT_DEFAULTS), (True, VARLEN_VARIANT_DEFAULTS))
+    for d in HEAD_DIMS for bf16 in (False, True))
+
+INSTANTIATIONS = (_expressions(DEFAULTS.values()) + _expressions(VARLEN_DEFAULTS.values(), varlen=True)
+                  + VARIANT_INSTANTIATIONS)
 TUNING = tuple(dict.fromkeys(
     e for (d, causal), extra in EXTRA_BF16.items() for cfg in extra
     if (e := expression(d, cfg, causal, True)) not in INSTANTIATIONS))
@@ -181,7 +240,8 @@ def default_config(head_dim: int, causal: bool, arch: str = "sm_90a") -> FwdConf
         raise ValueError(f"head dim {head_dim} is not supported; supported: {HEAD_DIMS}") from None
 
 
-def forward_plan(q, k, v, out, lse, *, causal: bool, scale: float, config: FwdConfig | None = None):
+def forward_plan(q, k, v, out, lse, *, causal: bool, scale: float, config: FwdConfig | None = None,
+                 variants: VariantArgs | None = None):
     """A LaunchPlan computing out, lse <- attention(q, k, v) for tensors of these shapes, strides,
     dtype and device. Launch it with the data pointers of q, k, v, out, lse (in that order).
 
@@ -191,16 +251,24 @@ def forward_plan(q, k, v, out, lse, *, causal: bool, scale: float, config: FwdCo
     natural-log units. `scale` multiplies q . k. `config` forces a tile configuration (a registered
     one: see tuning_candidates); by default the dispatcher's table for the device's arch decides.
     This is the launch layer: it trusts its caller (tileattn.api checks the arguments).
+    With `variants` (causal must then be folded into variants.window_right), the variant kernel runs
+    and the plan's launch takes three more values: the ALiBi slopes' pointer (0: none), the dropout
+    seed and offset (uint64 ints).
     """
-    from ..runtime import LaunchPlan, device_arch
+    from ..runtime import device_arch
     from . import load
 
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     device_index = q.device.index
-    if config is None:
-        config = default_config(head_dim, causal, device_arch(device_index))
-    kern = load(FAMILY_NAME, expression(head_dim, config, causal, q.dtype == torch.bfloat16), device_index)
+    bf16 = q.dtype == torch.bfloat16
+    if variants is not None:
+        config = config or VARIANT_DEFAULTS[head_dim]
+        kern = load(FAMILY_NAME, variant_expression(head_dim, config, bf16), device_index)
+    else:
+        if config is None:
+            config = default_config(head_dim, causal, device_arch(device_index))
+        kern = load(FAMILY_NAME, expression(head_dim, config, causal, bf16), device_index)
     grid = ((seqlen_q + config.block_m - 1) // config.block_m, heads, batch)
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     i64 = np.int64
@@ -213,7 +281,16 @@ def forward_plan(q, k, v, out, lse, *, causal: bool, scale: float, config: FwdCo
         np.int32(heads), np.uint64(kv_group_magic(heads // kv_heads)), np.int32(seqlen_q), np.int32(seqlen_k),
         np.float32(scale * LOG2E),
     )
-    return LaunchPlan(kern, grid, (config.threads,), args, smem=config.smem_bytes(head_dim), dynamic=(0, 1, 2, 3, 4))
+    return _plan(kern, grid, config, head_dim, args, (0, 1, 2, 3, 4), variants, scale)
+
+
+def _plan(kern, grid, config, head_dim, args, dynamic, variants, scale):
+    from ..runtime import LaunchPlan
+
+    if variants is not None:
+        dynamic = (*dynamic, *(len(args) + i for i in VARIANT_DYNAMIC))
+        args = (*args, *variants.kernel_args(scale))
+    return LaunchPlan(kern, grid, (config.threads,), args, smem=config.smem_bytes(head_dim), dynamic=dynamic)
 
 
 def launch_forward(q, k, v, out, lse, *, causal: bool, scale: float, config: FwdConfig | None = None) -> None:
@@ -239,7 +316,7 @@ def default_varlen_config(head_dim: int, causal: bool, arch: str = "sm_90a") -> 
 
 
 def forward_varlen_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, causal: bool,
-                        scale: float, config: FwdConfig | None = None):
+                        scale: float, config: FwdConfig | None = None, variants: VariantArgs | None = None):
     """A LaunchPlan computing out, lse <- attention_varlen(q, k, v) for tensors of these shapes,
     strides, dtype and device, and batches of len(cu_seqlens_q) - 1 sequences whose longest query
     has max_seqlen_q tokens. Launch it with the data pointers of q, k, v, out, lse, cu_seqlens_q,
@@ -250,19 +327,23 @@ def forward_varlen_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     contiguous (natural log); cu_seqlens_q / cu_seqlens_k int32 [B + 1] contiguous on q's device.
     The grid covers max_seqlen_q (>= every sequence's query length: tiles past a sequence's end exit,
     a longer sequence would be cut); rows past cu_seqlens_q[B] get out 0 and lse -inf. Trusts its
-    caller (tileattn.api_varlen checks the arguments).
+    caller (tileattn.api_varlen checks the arguments). `variants`: as forward_plan.
     """
-    from ..runtime import LaunchPlan, device_arch
+    from ..runtime import device_arch
     from . import load
 
     total_q, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
     device_index = q.device.index
-    if config is None:
-        config = default_varlen_config(head_dim, causal, device_arch(device_index))
-    kern = load(FAMILY_NAME, expression(head_dim, config, causal, q.dtype == torch.bfloat16, varlen=True),
-                device_index)
+    bf16 = q.dtype == torch.bfloat16
+    if variants is not None:
+        config = config or VARLEN_VARIANT_DEFAULTS[head_dim]
+        kern = load(FAMILY_NAME, variant_expression(head_dim, config, bf16, varlen=True), device_index)
+    else:
+        if config is None:
+            config = default_varlen_config(head_dim, causal, device_arch(device_index))
+        kern = load(FAMILY_NAME, expression(head_dim, config, causal, bf16, varlen=True), device_index)
     # z-slice B (the last) writes the rows past the last sequence (out 0, lse -inf).
     grid = (max(1, (max_seqlen_q + config.block_m - 1) // config.block_m), heads, batch + 1)
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
@@ -273,8 +354,7 @@ def forward_varlen_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
         np.uint64(kv_group_magic(heads // kv_heads)), cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(),
         np.int32(total_q), np.float32(scale * LOG2E),
     )
-    return LaunchPlan(kern, grid, (config.threads,), args, smem=config.smem_bytes(head_dim),
-                      dynamic=(0, 1, 2, 3, 4, 14, 15))
+    return _plan(kern, grid, config, head_dim, args, (0, 1, 2, 3, 4, 14, 15), variants, scale)
 
 
 __all__ = [
@@ -284,6 +364,9 @@ __all__ = [
     "FwdConfig",
     "HEAD_DIMS",
     "INSTANTIATIONS",
+    "UNBOUNDED",
+    "VariantArgs",
+    "variant_expression",
     "forward_plan",
     "default_config",
     "default_varlen_config",

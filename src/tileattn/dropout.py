@@ -1,0 +1,191 @@
+"""Attention variants shared by the CUDA ops and the reference: the dropout mask and the argument checks.
+
+The dropout mask is a pure function of (seed, offset, batch, head, query, key): the keep bit of
+score (b, h, i, j) comes from Philox4x32-10 (Salmon et al., SC'11) with
+    key     = (seed mod 2^32, (seed >> 32) + (offset >> 32) mod 2^32)
+    counter = (4 * (j >> 5) + ((j >> 1) & 3), i, b * H + h, offset mod 2^32)
+and is 16-bit half (j & 1) of output word (j >> 3) & 3, kept iff that value >= round(p * 65536)
+(so the kept fraction is 1 - round(p * 65536) / 65536). Kept probabilities are scaled by
+1 / (1 - p). The kernels (csrc/common/variants.cuh) draw the same bits in whatever tile order they
+run, so the mask does not depend on the tile configuration, the forward/backward pass or the run.
+In the packed variable-length op, b is the sequence index and i, j count within the sequence.
+
+`dropout_mask` computes the mask on the host with numpy (uint64 arithmetic: every 32 x 32-bit
+product is exact), for tests and the reference.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+import torch
+
+__all__ = ["dropout_mask", "philox4x32_10"]
+
+UNBOUNDED = 1 << 29  # a window edge that never limits (the kernels' kUnbounded)
+MAX_VARIANT_SEQLEN = 1 << 28  # window arithmetic i + Nk - Nq +- UNBOUNDED stays inside int32
+_M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_W0, _W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
+_LO32 = np.uint64(0xFFFFFFFF)
+_U64 = 1 << 64
+
+
+def philox4x32_10(counter, key):
+    """Philox4x32-10 of broadcastable uint64 arrays holding 32-bit values: counter (c0, c1, c2, c3),
+    key (k0, k1). Returns the four 32-bit output words as uint64 arrays."""
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in counter)
+    k0, k1 = (np.asarray(k, dtype=np.uint64) for k in key)
+    s32 = np.uint64(32)
+    for _ in range(10):
+        p0, p1 = _M0 * c0, _M1 * c2  # < 2^64: exact
+        c0, c1, c2, c3 = (p1 >> s32) ^ c1 ^ k0, p1 & _LO32, (p0 >> s32) ^ c3 ^ k1, p0 & _LO32
+        k0, k1 = (k0 + _W0) & _LO32, (k1 + _W1) & _LO32
+    return c0, c1, c2, c3
+
+
+def drop_threshold(p: float) -> int:
+    """A score is dropped iff its 16-bit uniform is below this."""
+    return min(65535, round(p * 65536))
+
+
+def dropout_mask(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, seqlen_k: int, p: float, *,
+                 device=None, batch_start: int = 0) -> torch.Tensor:
+    """The keep mask the kernels apply with dropout probability p.
+
+    Args:
+        seed, offset: the ints passed to tileattn.attention(..., seed=, offset=) (0 <= x < 2^64).
+        batch, heads, seqlen_q, seqlen_k: the mask's shape [B, H, Nq, Nk] (H = query heads).
+        p: dropout probability in [0, 1).
+        device: where the result goes (computed on the host).
+        batch_start: batch index of the first row (a varlen sequence b: batch_start=b, batch=1, with
+            its own query / key counts).
+    Returns:
+        bool [batch, heads, seqlen_q, seqlen_k]: True where the probability is kept (and scaled by
+        1 / (1 - p)).
+    Raises:
+        ValueError: negative sizes, seed/offset outside [0, 2^64), p outside [0, 1).
+    """
+    for name, value in (("seed", seed), ("offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < _U64:
+            raise ValueError(f"{name} must be an int in [0, 2^64), got {value!r}")
+    for name, value in (("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k),
+                        ("batch_start", batch_start)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
+        raise ValueError(f"p must be a number in [0, 1), got {p!r}")
+    seed, offset = int(seed), int(offset)
+    thr = drop_threshold(float(p)) if p > 0 else 0
+    groups = -(-seqlen_k // 32)
+    key = (np.uint64(seed & 0xFFFFFFFF), np.uint64(((seed >> 32) + (offset >> 32)) & 0xFFFFFFFF))
+    i = np.arange(seqlen_q, dtype=np.uint64)[:, None, None]           # [Nq, 1, 1]
+    c0 = (4 * np.arange(groups, dtype=np.uint64)[None, :, None]
+          + np.arange(4, dtype=np.uint64)[None, None, :])              # [1, G, 4]: 4 * group + t
+    out = np.empty((batch, heads, seqlen_q, groups * 32), dtype=bool)
+    for b in range(batch):
+        for h in range(heads):
+            bh = np.uint64(((batch_start + b) * heads + h) & 0xFFFFFFFF)
+            words = philox4x32_10((c0, i, bh, np.uint64(offset & 0xFFFFFFFF)), key)  # 4 x [Nq, G, 4]
+            w = np.stack(words, axis=-1)                                 # [Nq, G, t, word]
+            halves = np.stack((w & np.uint64(0xFFFF), w >> np.uint64(16)), axis=-1)  # [Nq, G, t, word, half]
+            # key j = 32 G + 8 word + 2 t + half
+            out[b, h] = (halves.transpose(0, 1, 3, 2, 4) >= thr).reshape(seqlen_q, groups * 32)
+    return torch.from_numpy(out[..., :seqlen_k].copy()).to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks of the variants (tileattn.attention, attention_varlen, tileattn.reference)
+# ---------------------------------------------------------------------------------------------
+def no_variants(window, softcap, alibi_slopes, dropout_p) -> bool:
+    """Whether a call asks for none of the variants (the plain kernels' fast path)."""
+    return window is None and not softcap and alibi_slopes is None and not dropout_p
+
+
+def check_window(window, causal: bool) -> tuple[int, int]:
+    """(left, right) in keys with UNBOUNDED for -1 / None, causal folded in as right <= 0."""
+    if window is None:
+        left, right = -1, -1
+    else:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"window must be None or a pair (left, right) of ints >= -1, got {window!r}")
+        left, right = window
+        for name, value in (("window[0] (left)", left), ("window[1] (right)", right)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < -1:
+                raise ValueError(f"{name} must be an int >= -1 (-1: unbounded), got {value!r}")
+        left, right = int(left), int(right)
+    if causal:
+        right = 0 if right == -1 else min(right, 0)
+    return (UNBOUNDED if left == -1 else min(left, UNBOUNDED), UNBOUNDED if right == -1 else min(right, UNBOUNDED))
+
+
+def check_softcap(softcap) -> float:
+    """softcap as a float (0.0: off)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be None, 0 (off) or a finite number > 0, got {softcap!r}")
+    return float(softcap)
+
+
+def check_dropout(dropout_p, generator, seed, offset) -> float:
+    """dropout_p as a float; checks the generator / seed / offset arguments."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if generator is not None and seed is not None:
+        raise ValueError("pass either generator or seed (with offset), not both")
+    for name, value in (("seed", seed), ("offset", offset)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                                  or not 0 <= value < _U64):
+            raise ValueError(f"{name} must be None or an int in [0, 2^64), got {value!r}")
+    if offset is not None and seed is None:
+        raise ValueError("offset needs a seed")
+    return float(dropout_p)
+
+
+def check_alibi(alibi_slopes, batch: int, heads: int, device, *, dtype_strict: bool) -> int:
+    """Batch stride of the slopes (0 for [H], H for [B, H]). `dtype_strict`: the CUDA ops need fp32
+    contiguous slopes on q's device; the reference takes any floating dtype."""
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise ValueError(f"alibi_slopes must be None or a torch.Tensor, got {type(alibi_slopes).__name__}")
+    shape = tuple(alibi_slopes.shape)
+    if shape not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape [H]={[heads]} or [B, H]={[batch, heads]}, got {list(shape)}")
+    if dtype_strict and alibi_slopes.dtype != torch.float32:
+        raise ValueError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+    if not alibi_slopes.is_floating_point():
+        raise ValueError(f"alibi_slopes must have a floating dtype, got {alibi_slopes.dtype}")
+    if alibi_slopes.device != device:
+        raise ValueError(f"alibi_slopes must be on q's device {device}, got {alibi_slopes.device}")
+    if dtype_strict and not alibi_slopes.is_contiguous():
+        raise ValueError(f"alibi_slopes must be contiguous, got strides {alibi_slopes.stride()}")
+    return heads if len(shape) == 2 else 0
+
+
+def check_variant_lengths(seqlen_q: int, seqlen_k: int) -> None:
+    if max(seqlen_q, seqlen_k) > MAX_VARIANT_SEQLEN:
+        raise ValueError(f"window/softcap/alibi_slopes/dropout_p need sequence lengths <= 2^28, got Nq={seqlen_q}, "
+                         f"Nk={seqlen_k}")
+
+
+def draw_seed(generator, seed, offset, device) -> tuple[int, int]:
+    """(seed, offset) of one dropout call: the given ones, or drawn from `generator` (default: the
+    default generator of `device`). A CUDA generator gives its seed and current Philox offset and
+    advances the offset by 4 (no host sync); another generator draws a 64-bit seed."""
+    if seed is not None:
+        return int(seed), int(offset or 0)
+    if generator is None:
+        device = torch.device(device)
+        if device.type == "cuda":
+            generator = torch.cuda.default_generators[device.index if device.index is not None else 0]
+        else:
+            generator = torch.default_generator
+    if generator.device.type == "cuda":
+        off = generator.get_offset()
+        generator.set_offset(off + 4)
+        return generator.initial_seed() % _U64, off % _U64
+    drawn = torch.randint(-(1 << 63), (1 << 63) - 1, (), dtype=torch.int64, generator=generator)
+    return int(drawn) % _U64, 0

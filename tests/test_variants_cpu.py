@@ -1,0 +1,288 @@
+"""CPU tests of the attention variants (issue #15): the Philox dropout mask, the reference's window,
+softcap, ALiBi and dropout, and the argument checks of the CUDA ops (which run before any device
+work). The kernels themselves are tested in tests/gpu/test_attention_variants.py."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import tileattn
+from tileattn import reference
+from tileattn.dropout import dropout_mask, philox4x32_10
+
+F64 = torch.float64
+
+
+# ---------------------------------------------------------------------------------------------
+# Philox and the mask
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "counter, key, expected",
+    [
+        # Random123's known-answer vectors for philox4x32_10 (kat_vectors).
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    ],
+)
+def test_philox_known_answers(counter, key, expected):
+    got = tuple(int(w) for w in philox4x32_10(counter, key))
+    assert got == expected, f"philox4x32_10{counter, key} = {[hex(w) for w in got]}, expected {[hex(w) for w in expected]}"
+
+
+def _keep_scalar(seed, offset, b, h, heads, i, j, p):
+    """One element of the mask straight from the documented formula (independent of the vectorized layout)."""
+    key = (seed & 0xFFFFFFFF, ((seed >> 32) + (offset >> 32)) & 0xFFFFFFFF)
+    ctr = (4 * (j >> 5) + ((j >> 1) & 3), i, b * heads + h, offset & 0xFFFFFFFF)
+    word = int(philox4x32_10(ctr, key)[(j >> 3) & 3])
+    bits = (word >> 16) if j & 1 else (word & 0xFFFF)
+    return bits >= round(p * 65536)
+
+
+def test_mask_matches_the_documented_formula():
+    seed, offset, p = 0x1234_5678_9ABC_DEF0, (7 << 32) + 12, 0.3
+    mask = dropout_mask(seed, offset, 2, 3, 9, 70, p)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        b, h, i, j = (int(rng.integers(n)) for n in (2, 3, 9, 70))
+        assert bool(mask[b, h, i, j]) == _keep_scalar(seed, offset, b, h, 3, i, j, p), f"element {(b, h, i, j)}"
+
+
+def test_mask_is_a_pure_function_of_its_indices():
+    big = dropout_mask(5, 3, 3, 2, 40, 100, 0.2)
+    assert big.shape == (3, 2, 40, 100) and big.dtype == torch.bool
+    assert torch.equal(dropout_mask(5, 3, 3, 2, 40, 100, 0.2), big), "two calls differ"
+    assert torch.equal(dropout_mask(5, 3, 3, 2, 17, 33, 0.2), big[:, :, :17, :33]), "not independent of the shape"
+    assert torch.equal(dropout_mask(5, 3, 1, 2, 40, 100, 0.2, batch_start=2), big[2:3]), "batch_start"
+
+
+def test_mask_statistics_and_seeds():
+    n = 2 * 4 * 256 * 256
+    for p in (0.1, 0.5, 0.9):
+        kept = dropout_mask(11, 0, 2, 4, 256, 256, p).double().mean().item()
+        expected = 1 - round(p * 65536) / 65536
+        sigma = math.sqrt(expected * (1 - expected) / n)
+        assert abs(kept - expected) < 6 * sigma, f"p={p}: kept fraction {kept:.5f}, expected {expected:.5f}"
+    a = dropout_mask(1, 0, 1, 2, 64, 64, 0.5)
+    for other in (dropout_mask(2, 0, 1, 2, 64, 64, 0.5), dropout_mask(1, 4, 1, 2, 64, 64, 0.5),
+                  dropout_mask(1 + (1 << 32), 0, 1, 2, 64, 64, 0.5)):
+        agree = (a == other).double().mean().item()
+        assert 0.4 < agree < 0.6, f"masks of different seeds/offsets agree on {agree:.3f} (independent: 0.5)"
+    assert dropout_mask(1, 0, 1, 1, 8, 8, 0.0).all(), "p = 0 drops something"
+
+
+@pytest.mark.parametrize("bad", [{"seed": -1}, {"seed": 1 << 64}, {"p": 1.0}, {"p": -0.1}, {"seqlen_q": -1}])
+def test_mask_argument_checks(bad):
+    args = {"seed": 1, "offset": 0, "batch": 1, "heads": 1, "seqlen_q": 4, "seqlen_k": 4, "p": 0.5} | bad
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        dropout_mask(**args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference semantics, against a direct per-element computation
+# ---------------------------------------------------------------------------------------------
+def _qkv(b=2, h=4, hkv=2, nq=13, nk=21, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h, nq, d, generator=g, dtype=F64), torch.randn(b, hkv, nk, d, generator=g, dtype=F64),
+            torch.randn(b, hkv, nk, d, generator=g, dtype=F64))
+
+
+def _naive(q, k, v, *, causal=False, window=None, softcap=None, slopes=None, keep=None, scale=None):
+    """Loops over (b, h): explicit scores, bias, mask, softmax; fully masked rows -> 0, -inf."""
+    batch, heads, nq, d = q.shape
+    nk, group = k.shape[2], heads // k.shape[1]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    out = torch.zeros_like(q)
+    lse = torch.full((batch, heads, nq), -math.inf, dtype=F64)
+    left, right = (-1, -1) if window is None else window
+    for b in range(batch):
+        for h in range(heads):
+            s = scale * q[b, h] @ k[b, h // group].T
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            for i in range(nq):
+                for j in range(nk):
+                    dist = i + nk - nq - j
+                    if slopes is not None:
+                        s[i, j] -= (slopes[b, h] if slopes.dim() == 2 else slopes[h]) * abs(dist)
+                    hidden = (causal and dist < 0) or (left >= 0 and dist > left) or (right >= 0 and -dist > right)
+                    if hidden:
+                        s[i, j] = -math.inf
+            for i in range(nq):
+                if torch.isinf(s[i]).all():
+                    continue
+                lse[b, h, i] = torch.logsumexp(s[i], 0)
+                p = torch.softmax(s[i], 0)
+                if keep is not None:
+                    p = p * keep[b, h, i]
+                out[b, h, i] = p @ v[b, h // group]
+    return out, lse
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"window": (3, 2)},
+        {"window": (0, 0)},
+        {"window": (5, -1)},
+        {"window": (-1, 4), "causal": True},
+        {"window": (2, 3), "causal": True},
+        {"window": (100, 100)},
+        {"softcap": 0.7},
+        {"slopes": "h"},
+        {"slopes": "bh", "window": (4, 1), "softcap": 2.0},
+    ],
+)
+@pytest.mark.parametrize("nq, nk", [(13, 21), (21, 13), (1, 7)])
+def test_reference_variants_match_naive(options, nq, nk):
+    q, k, v = _qkv(nq=nq, nk=nk)
+    options = dict(options)
+    slopes = options.pop("slopes", None)
+    if slopes is not None:
+        g = torch.Generator().manual_seed(1)
+        slopes = torch.rand((4,) if slopes == "h" else (2, 4), generator=g, dtype=F64)
+    ref_opts = {"alibi_slopes": slopes, **{k_: v_ for k_, v_ in options.items() if k_ != "causal"}}
+    out, lse = reference.attention(q, k, v, options.get("causal", False), compute_dtype=F64, **ref_opts)
+    exp_out, exp_lse = _naive(q, k, v, slopes=slopes, **options)
+    assert torch.allclose(out, exp_out, atol=1e-12), f"{options}: out differs by {(out - exp_out).abs().max():.3e}"
+    assert torch.equal(torch.isinf(lse), torch.isinf(exp_lse)), f"{options}: -inf rows differ"
+    fin = torch.isfinite(exp_lse)
+    assert torch.allclose(lse[fin], exp_lse[fin], atol=1e-12), f"{options}: lse differs"
+
+
+def test_reference_dropout_uses_the_mask():
+    q, k, v = _qkv()
+    p, seed, offset = 0.3, 99, 8
+    out, lse = reference.attention(q, k, v, True, compute_dtype=F64, dropout_p=p, seed=seed, offset=offset)
+    keep = dropout_mask(seed, offset, 2, 4, 13, 21, p).to(F64) / (1 - p)
+    exp_out, exp_lse = _naive(q, k, v, causal=True, keep=keep)
+    assert torch.allclose(out, exp_out, atol=1e-12), f"dropout out differs by {(out - exp_out).abs().max():.3e}"
+    plain_lse = reference.attention(q, k, v, True, compute_dtype=F64)[1]
+    assert torch.equal(lse, plain_lse), "dropout changed lse (it must be the undropped softmax's)"
+
+
+def test_reference_fully_masked_rows_have_zero_output_and_gradients():
+    q, k, v = _qkv(nq=9, nk=5)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    # Window (0, 0) with Nq > Nk: queries 0..3 have diagonal keys < 0 -> see nothing.
+    out, lse = reference.attention(q, k, v, compute_dtype=F64, window=(0, 0), softcap=3.0)
+    assert torch.isinf(lse[:, :, :4]).all() and torch.isfinite(lse[:, :, 4:]).all()
+    assert (out[:, :, :4] == 0).all()
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v)), "NaN/inf gradient"
+    assert (q.grad[:, :, :4] == 0).all(), "fully masked rows got a query gradient"
+
+
+def test_reference_softcap_gradient_matches_finite_differences():
+    q, k, v = _qkv(b=1, h=2, hkv=1, nq=4, nk=6, d=8)
+    q.requires_grad_(True)
+    slopes = torch.tensor([0.5, 0.25], dtype=F64)
+
+    def f(x):
+        return (reference.attention(x, k, v, compute_dtype=F64, softcap=1.5, alibi_slopes=slopes,
+                                    window=(2, 1))[0] ** 2).sum()
+
+    assert torch.autograd.gradcheck(f, (q,)), "softcap/alibi/window reference gradient"
+
+
+def test_reference_varlen_variants_match_dense_per_sequence():
+    g = torch.Generator().manual_seed(3)
+    lens_q, lens_k, heads, d = [5, 0, 9], [7, 3, 9], 4, 16
+    q = torch.randn(sum(lens_q), heads, d, generator=g, dtype=F64)
+    k = torch.randn(sum(lens_k), 2, d, generator=g, dtype=F64)
+    v = torch.randn(sum(lens_k), 2, d, generator=g, dtype=F64)
+    cu_q = torch.tensor([0, 5, 5, 14], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 10, 19], dtype=torch.int32)
+    slopes = torch.rand(3, heads, generator=g, dtype=F64)
+    opts = {"window": (3, 1), "softcap": 2.0, "dropout_p": 0.25, "seed": 7, "offset": 4}
+    out, lse = reference.attention_varlen(q, k, v, cu_q, cu_k, 9, 9, True, None, True, compute_dtype=F64,
+                                          alibi_slopes=slopes, **opts)
+    for b, (q0, k0) in enumerate(((0, 0), (5, 7), (5, 10))):
+        nq, nk = lens_q[b], lens_k[b]
+        if nq == 0:
+            continue
+        qb = q[q0:q0 + nq].transpose(0, 1)[None]
+        kb, vb = (t[k0:k0 + nk].transpose(0, 1)[None] for t in (k, v))
+        keep = dropout_mask(7, 4, 1, heads, nq, nk, 0.25, batch_start=b).to(F64) / 0.75
+        exp_out, exp_lse = _naive(qb, kb, vb, causal=True, window=(3, 1), softcap=2.0, slopes=slopes[b:b + 1],
+                                  keep=keep)
+        got = out[q0:q0 + nq].transpose(0, 1)[None]
+        assert torch.allclose(got, exp_out, atol=1e-12), f"sequence {b}: out differs"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"window": (1,)}, "window"),
+        ({"window": (-2, 0)}, r"window\[0\]"),
+        ({"window": (0, 1.5)}, r"window\[1\]"),
+        ({"softcap": -1.0}, "softcap"),
+        ({"softcap": float("inf")}, "softcap"),
+        ({"dropout_p": 1.0}, "dropout_p"),
+        ({"dropout_p": 0.1, "seed": -3}, "seed"),
+        ({"dropout_p": 0.1, "offset": 3}, "offset needs a seed"),
+        ({"dropout_p": 0.1, "generator": 5}, "generator"),
+        ({"alibi_slopes": torch.ones(3)}, "alibi_slopes"),
+    ],
+)
+def test_reference_variant_argument_errors(kwargs, match):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=match):
+        reference.attention(q, k, v, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA ops' variant checks (they run before the device check, so CPU tensors reach them)
+# ---------------------------------------------------------------------------------------------
+def _cpu16(b=1, h=4, hkv=2, n=64, d=64):
+    return (torch.randn(b, h, n, d).half(), torch.randn(b, hkv, n, d).half(), torch.randn(b, hkv, n, d).half())
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"window": (3, -2)}, r"window\[1\]"),
+        ({"window": "wide"}, "window"),
+        ({"window": [[1], 2]}, r"window\[0\]"),
+        ({"softcap": -2}, "softcap"),
+        ({"dropout_p": 1.5}, "dropout_p"),
+        ({"dropout_p": "0.1"}, "dropout_p"),
+        ({"alibi_slopes": torch.ones(4, dtype=torch.float64)}, "alibi_slopes must be float32"),
+        ({"alibi_slopes": torch.ones(2, 4)}, r"alibi_slopes must have shape"),
+        ({"alibi_slopes": [0.5] * 4}, "alibi_slopes"),
+        ({"window": (3, 0)}, "CUDA"),  # valid variants: the device check reports
+    ],
+)
+def test_op_variant_argument_errors(kwargs, match):
+    q, k, v = _cpu16()
+    with pytest.raises(ValueError, match=match):
+        tileattn.attention(q, k, v, **kwargs)
+
+
+def test_varlen_op_variant_argument_errors():
+    q, k, v = (torch.randn(10, 4, 64).half(), torch.randn(10, 2, 64).half(), torch.randn(10, 2, 64).half())
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        tileattn.attention_varlen(q, k, v, cu, cu, 6, 6, alibi_slopes=torch.ones(3, 4))
+    with pytest.raises(ValueError, match="softcap"):
+        tileattn.attention_varlen(q, k, v, cu, cu, 6, 6, softcap=float("nan"))
+    with pytest.raises(ValueError, match="CUDA"):
+        tileattn.attention_varlen(q, k, v, cu, cu, 6, 6, alibi_slopes=torch.ones(2, 4), window=(2, 2))
+
+
+def test_variant_kernels_are_registered_once_per_head_dim():
+    from tileattn.kernels import attention_bwd_sm80, attention_fwd_sm80
+
+    fwd = [e for e in attention_fwd_sm80.INSTANTIATIONS if "_variants_" in e]
+    bwd = [e for e in attention_bwd_sm80.INSTANTIATIONS if "_variants_" in e]
+    # (head dim x dtype x dense/varlen) forward; main atomic + main deterministic + dQ backward.
+    assert len(fwd) == 5 * 2 * 2, fwd
+    assert len(bwd) == 5 * 2 * 2 * 3, bwd
+    for cfg in attention_fwd_sm80.VARIANT_DEFAULTS.values():
+        assert cfg.block_n % 32 == 0, f"{cfg}: dropout bits come per 32 keys"
