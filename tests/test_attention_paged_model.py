@@ -255,7 +255,7 @@ def model(case, cfg, splits, causal=True):
             for split in range(splits):
                 for m_tile in range(m_tiles):
                     run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part)
-    if splits > 1:  # attention_paged_combine
+    if splits > 1:  # the last split's combine (paged::combine_row)
         for tok in range(p["cu"][-1]):
             for head in range(heads):
                 ls = lse_part[:, head, tok]

@@ -306,6 +306,64 @@ def test_cuda_graph_decode_step_replays_with_new_lengths():
         assert torch.equal(written, k_new), f"replay {replay}: write_kv_cache did not store the new keys"
 
 
+def test_split_kv_in_kernel_combine_eager_graph_and_counters():
+    """Split-KV partials are combined by the last CTA of each group, counted on per-stream int32
+    counters that every launch must leave at zero: eager launches, a graph captured with forced
+    splits (its stream's counters born during capture) replayed with new lengths and tables, and
+    eager launches after the replays all match the reference, and every counter is 0 at the end."""
+    batch, heads, kv_heads, d, bs, max_blocks, num_blocks = 3, 8, 2, 128, 16, 40, 160
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    k_cache = torch.randn(num_blocks, bs, kv_heads, d, device="cuda", generator=gen).to(BF16)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, d, device="cuda", generator=gen).to(BF16)
+    q = torch.zeros(batch * 2, heads, d, device="cuda", dtype=BF16)  # 2 query tokens per sequence
+    table = torch.zeros(batch, max_blocks, device="cuda", dtype=torch.int32)
+    seqlens_k = torch.full((batch,), 2, device="cuda", dtype=torch.int32)
+    cu_q = torch.arange(0, 2 * batch + 1, 2, device="cuda", dtype=torch.int32)
+
+    def step():
+        return api_paged.attention_paged(q, k_cache, v_cache, table, cu_q, seqlens_k, 2, max_blocks * bs,
+                                         return_lse=True, num_splits=5)
+
+    def refill(seed):
+        cpu = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(2, max_blocks * bs + 1, (batch,), generator=cpu)
+        lengths[seed % batch] = 2 + seed  # short: most of its splits are empty
+        table.copy_(torch.randperm(num_blocks, generator=cpu)[: batch * max_blocks].view(batch, max_blocks).int())
+        seqlens_k.copy_(lengths.int())
+        q.copy_(torch.randn(q.shape, generator=cpu).to(BF16))
+        return lengths.tolist()
+
+    def verify(out, lse, what):
+        ref_out, ref_lse = reference.attention_paged(q, k_cache, v_cache, table, cu_q, seqlens_k, 2, max_blocks * bs,
+                                                     return_lse=True, compute_dtype=torch.float64)
+        err = rel_err(out, ref_out)
+        assert err <= TOL[BF16], f"{what}: relative error {err:.3e}"
+        assert torch.allclose(lse.double(), ref_lse, atol=2e-3), f"{what}: lse differs"
+
+    for eager in range(2):
+        lengths = refill(eager)
+        with poisoned_allocations():
+            out, lse = step()
+        verify(out, lse, f"eager launch {eager} (lengths {lengths})")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, static_lse = step()
+    for replay in range(3):
+        lengths = refill(10 + replay)
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        verify(static_out, static_lse, f"replay {replay} (lengths {lengths})")
+    lengths = refill(20)
+    with poisoned_allocations():
+        out, lse = step()
+    verify(out, lse, f"eager launch after the replays (lengths {lengths})")
+    torch.cuda.synchronize()
+    for c in paged._counters_kept:
+        nonzero = int(torch.count_nonzero(c.tensor))
+        assert nonzero == 0, f"{nonzero} split-KV arrival counters were left non-zero after the launches"
+
+
 def test_empty_batch_and_no_queries():
     case = Case([(0, 5), (0, 1)], 4, 4, 64, BF16, 16, seed=1)
     out = api_paged.attention_paged(*case.tensors(), 0, 5)

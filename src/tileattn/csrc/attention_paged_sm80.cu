@@ -45,10 +45,11 @@
 // contiguous ranges, so a split's first tiles do not depend on the length (their block-table
 // entries are read together with the lengths, see the prologue) and split sizes differ by at
 // most one tile. With num_splits == 1 the CTA writes out/lse directly; otherwise it writes its
-// normalised O (fp32) and its lse to o_part [S, Tq, H, d] / lse_part [S, Tq, H] and
-// attention_paged_combine merges them:
+// normalised O (fp32) and its lse to o_part [S, Tq, H, d] / lse_part [S, Tq, H], arrives on its
+// group's counter, and the last CTA of the group to arrive merges them (paged::combine_row):
 //   L = log sum_s exp(lse_s),  O = sum_s exp(lse_s - L) O_s   (splits with lse_s = -inf weigh 0).
 // An empty split (a short sequence under a grid sized for the table's capacity) writes lse -inf.
+// One launch, no second kernel: the combine of a group overlaps the other groups' key loops.
 //
 // ---- Memory pipeline ----------------------------------------------------------------------------
 // Decode reads K and V once and does G FLOPs per byte of them (G = H / Hkv): it is bound by HBM
@@ -106,18 +107,91 @@ struct KeyRange {
   int kv_end, unmasked_end, n_iter;  // the CTA visits tiles split + i * num_splits, i < n_iter
 };
 
+constexpr int kMaxSplits = 128;  // splits the combine handles (the host caps num_splits)
+
+// Split-KV combine of one (token, head) row of [Tq, H] by one warp; lane l owns the dim pairs
+// (2p, 2p + 1) with p = l + 32 i (a warp moves 256 contiguous bytes of partials per step).
+//   L = log sum_s exp(lse_s),  O = sum_s exp(lse_s - L) O_s   (lse_s = -inf: split s saw no key)
+// Latency, not bandwidth, is its cost (a few KB per row): every split's lse is loaded at once
+// (lane l holds splits l + 32 i, num_splits <= kMaxSplits), the weights are formed in registers and
+// broadcast by shuffle, and the O loads of four splits are in flight together. A split with weight
+// 0 contributes a selected 0, never 0 * its partial (which an empty split wrote as zeros anyway).
+// Loads are ld.global.cg: the partials were written by other CTAs of the same launch.
+template <int kHeadDim, bool kIsBF16>
+__device__ __forceinline__ void combine_row(const float* o_part, const float* lse_part, u16* out, float* lse,
+                                            int num_tokens, int heads, int num_splits, int tok, int head, int lane) {
+  constexpr int kPairs = kHeadDim / 2;
+  constexpr int kSteps = (kPairs + 31) / 32;  // pair steps per lane
+  constexpr int kLaneSplits = kMaxSplits / 32;
+  const int64_t rows = static_cast<int64_t>(num_tokens) * heads;
+  const int64_t row = static_cast<int64_t>(tok) * heads + head;
+
+  float ls[kLaneSplits];  // lse of splits lane + 32 i, -inf past num_splits
+  float mx = neg_inf();
+#pragma unroll
+  for (int i = 0; i < kLaneSplits; ++i) {
+    const int s = lane + 32 * i;
+    ls[i] = s < num_splits ? __ldcg(lse_part + s * rows + row) : neg_inf();
+    mx = fmaxf(mx, ls[i]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float total = 0.f;
+  if (mx != neg_inf()) {
+#pragma unroll
+    for (int i = 0; i < kLaneSplits; ++i) total += fast_exp2((ls[i] - mx) * kLog2e);  // -inf -> 0
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+  }
+  const float row_lse = total > 0.f ? mx + __logf(total) : neg_inf();
+  float w[kLaneSplits];  // weight exp(lse_s - L) of splits lane + 32 i (0: no key or no row key)
+#pragma unroll
+  for (int i = 0; i < kLaneSplits; ++i) w[i] = total > 0.f ? fast_exp2((ls[i] - row_lse) * kLog2e) : 0.f;
+
+  float2 acc[kSteps];
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) acc[i] = make_float2(0.f, 0.f);
+#pragma unroll
+  for (int i = 0; i < kLaneSplits; ++i) {  // splits 32 i .. 32 i + 31, weights in lanes (w[i])
+    const int count = min(32, num_splits - 32 * i);
+#pragma unroll 4
+    for (int sl = 0; sl < count; ++sl) {
+      const float wt = __shfl_sync(0xffffffffu, w[i], sl);
+      const float2* const src = reinterpret_cast<const float2*>(o_part + ((32 * i + sl) * rows + row) * kHeadDim);
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j) {
+        const int pair = lane + 32 * j;
+        if (kPairs % 32 == 0 || pair < kPairs) {
+          const float2 x = __ldcg(src + pair);
+          acc[j].x += wt != 0.f ? wt * x.x : 0.f;
+          acc[j].y += wt != 0.f ? wt * x.y : 0.f;
+        }
+      }
+    }
+  }
+  u32* const dst = reinterpret_cast<u32*>(out + row * kHeadDim);
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) {
+    const int pair = lane + 32 * i;
+    if (kPairs % 32 == 0 || pair < kPairs) dst[pair] = pack2<kIsBF16>(acc[i].x, acc[i].y);
+  }
+  if (lse != nullptr && lane == 0) lse[static_cast<int64_t>(head) * num_tokens + tok] = row_lse;
+}
+
 }  // namespace paged
 
 // See the header for the layouts. Strides in elements; bt_stride = block_table.stride(0);
 // block_size = 1 << log2_block_size (16..256); group = H / Hkv; causal is 0 or 1 (a runtime flag:
-// decode needs no mask at all, so it costs nothing there). o_part/lse_part are used (and out/lse
-// are not) when num_splits > 1; lse may be null.
+// decode needs no mask at all, so it costs nothing there). When num_splits > 1, o_part/lse_part
+// take the partials and `counters` (int32 [M tiles * Hkv * B], zero at launch, zero again at the
+// end) counts each group's arrivals; lse may be null.
 template <int kHeadDim, int kBlockM, int kWarpsM, int kWarpsN, int kBlockN, int kStages, bool kIsBF16>
 __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
     attention_paged_sm80(const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
                          const int* __restrict__ block_table, const int* __restrict__ cu_seqlens_q,
                          const int* __restrict__ seqlens_k, u16* __restrict__ out, float* __restrict__ lse,
-                         float* __restrict__ o_part, float* __restrict__ lse_part, int64_t q_st, int64_t q_sh,
+                         float* __restrict__ o_part, float* __restrict__ lse_part, int* __restrict__ counters,
+                         int64_t q_st, int64_t q_sh,
                          int64_t k_sb, int64_t k_sr, int64_t k_sh, int64_t v_sb, int64_t v_sr, int64_t v_sh,
                          int bt_stride, int num_blocks, int max_blocks, int log2_block_size, int num_tokens,
                          int heads, int group, int num_splits, int causal, float scale_log2) {
@@ -485,11 +559,10 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
       }
     }
     __syncthreads();
-    if (wn > 0) return;
     // Rows that saw no key in a warp have shift kNoKeyShift and O = 0, sum = 0: their weight
     // 2^(kNoKeyShift - shift) is 0 once any warp saw a key, and 1 (times zeros) otherwise.
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < 2 && wn == 0; ++h) {
       float shift = row_shift[0][h];
 #pragma unroll
       for (int w = 1; w < kWarpsN; ++w) shift = fmaxf(shift, mStat[((w - 1) * 4 + 2 * h) * 32 + lane]);
@@ -514,11 +587,10 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
       row_shift[0][h] = shift;
     }
   }
-  if (!warp_active) return;
-
   // ---- Epilogue: rows g, g + 8 of each m-tile -> (token, head); O / l and lse ----------------------
+  // (warp 0 holds the merged rows of a key split; every thread stays for the split-KV arrival)
 #pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
+  for (int mt = 0; mt < kMTiles && warp_active && wn == 0; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int grow = warp_row0 + 16 * mt + g + 8 * h;
@@ -546,84 +618,29 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
         if (t == 0) lse_part[part_row] = row_lse;
       }
     }
-}
+  if (num_splits == 1) return;
 
-// Split-KV combine: one warp per (token, head) row of [Tq, H]; lane l owns the dim pairs
-// (2p, 2p + 1) with p = l + 32 i (a warp moves 256 contiguous bytes of partials per step). Rows of
-// tokens at or past cu_seqlens_q[batch] (no sequence wrote their partials) are left unwritten, as
-// the num_splits == 1 path leaves them.
-//   L = log sum_s exp(lse_s),  O = sum_s exp(lse_s - L) O_s   (lse_s = -inf: split s saw no key)
-// Latency, not bandwidth, is its cost (a few KB per row): every split's lse is loaded at once
-// (lane l holds splits l + 32 i, num_splits <= kMaxSplits), the weights are formed in registers and
-// broadcast by shuffle, and the O loads of four splits are in flight together. A split with weight
-// 0 contributes a selected 0, never 0 * its partial (which an empty split wrote as zeros anyway).
-constexpr int kMaxSplits = 128;
-template <int kHeadDim, bool kIsBF16>
-__global__ void __launch_bounds__(128)
-    attention_paged_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
-                            u16* __restrict__ out, float* __restrict__ lse, const int* __restrict__ cu_seqlens_q,
-                            int batch, int num_tokens, int heads, int num_splits) {
-  using namespace paged;
-  constexpr int kPairs = kHeadDim / 2;
-  constexpr int kSteps = (kPairs + 31) / 32;  // pair steps per lane
-  constexpr int kLaneSplits = kMaxSplits / 32;
-  const int lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
-  const int64_t rows = static_cast<int64_t>(num_tokens) * heads;
-  if (row >= rows) return;
-  const int tok = static_cast<int>(row / heads), head = static_cast<int>(row - static_cast<int64_t>(tok) * heads);
-  if (tok >= cu_seqlens_q[batch]) return;
-
-  float ls[kLaneSplits];  // lse of splits lane + 32 i, -inf past num_splits
-  float mx = neg_inf();
-#pragma unroll
-  for (int i = 0; i < kLaneSplits; ++i) {
-    const int s = lane + 32 * i;
-    ls[i] = s < num_splits ? lse_part[s * rows + row] : neg_inf();
-    mx = fmaxf(mx, ls[i]);
+  // ---- Split-KV: the last split of this (M tile, KV head, sequence) to finish combines ---------
+  // Each split publishes its partials (__threadfence, then one arrival per CTA on the group's
+  // counter); the CTA whose arrival completes the count reads every split's partials back from L2
+  // (ld.global.cg: other SMs wrote them during this launch) and writes out / lse. It then resets
+  // the counter, so the counters are zero between launches (also across CUDA-graph replays) and no
+  // second kernel, launch gap or host launch is needed. Counters are per launch stream (host).
+  __threadfence();
+  __syncthreads();
+  int* const counter = counters + (static_cast<int64_t>(b) * (gridDim.y / num_splits) + kv_head) * gridDim.x + m_tile;
+  int arrived = 0;
+  if (tid == 0) arrived = atomicAdd(counter, 1) + 1;
+  if (!__syncthreads_or(arrived == num_splits)) return;
+  if (tid == 0) *counter = 0;  // all num_splits arrivals of this launch are in
+  __threadfence();
+  const int row_end = min(row0 + kBlockM, rows);
+  for (int r = row0 + warp; r < row_end; r += kWarps) {
+    const int tok = q_start + r / group;
+    if (tok < 0 || tok >= num_tokens) continue;
+    combine_row<kHeadDim, kIsBF16>(o_part, lse_part, out, lse, num_tokens, heads, num_splits, tok,
+                                   kv_head * group + r % group, lane);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  float total = 0.f;
-  if (mx != neg_inf()) {
-#pragma unroll
-    for (int i = 0; i < kLaneSplits; ++i) total += fast_exp2((ls[i] - mx) * kLog2e);  // -inf -> 0
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-  }
-  const float row_lse = total > 0.f ? mx + __logf(total) : neg_inf();
-  float w[kLaneSplits];  // weight exp(lse_s - L) of splits lane + 32 i (0: no key or no row key)
-#pragma unroll
-  for (int i = 0; i < kLaneSplits; ++i) w[i] = total > 0.f ? fast_exp2((ls[i] - row_lse) * kLog2e) : 0.f;
-
-  float2 acc[kSteps];
-#pragma unroll
-  for (int i = 0; i < kSteps; ++i) acc[i] = make_float2(0.f, 0.f);
-#pragma unroll
-  for (int i = 0; i < kLaneSplits; ++i) {  // splits 32 i .. 32 i + 31, weights in lanes (w[i])
-    const int count = min(32, num_splits - 32 * i);
-#pragma unroll 4
-    for (int sl = 0; sl < count; ++sl) {
-      const float wt = __shfl_sync(0xffffffffu, w[i], sl);
-      const float2* const src = reinterpret_cast<const float2*>(o_part + ((32 * i + sl) * rows + row) * kHeadDim);
-#pragma unroll
-      for (int j = 0; j < kSteps; ++j) {
-        const int pair = lane + 32 * j;
-        if (kPairs % 32 == 0 || pair < kPairs) {
-          const float2 x = src[pair];
-          acc[j].x += wt != 0.f ? wt * x.x : 0.f;
-          acc[j].y += wt != 0.f ? wt * x.y : 0.f;
-        }
-      }
-    }
-  }
-  u32* const dst = reinterpret_cast<u32*>(out + row * kHeadDim);
-#pragma unroll
-  for (int i = 0; i < kSteps; ++i) {
-    const int pair = lane + 32 * i;
-    if (kPairs % 32 == 0 || pair < kPairs) dst[pair] = pack2<kIsBF16>(acc[i].x, acc[i].y);
-  }
-  if (lse != nullptr && lane == 0) lse[static_cast<int64_t>(head) * num_tokens + tok] = row_lse;
 }
 
 }  // namespace tileattn

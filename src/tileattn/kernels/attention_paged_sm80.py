@@ -29,8 +29,8 @@ FAMILY_NAME = "attention_paged_sm80"
 SOURCE = "attention_paged_sm80.cu"
 HEAD_DIMS = (32, 64, 96, 128, 256)
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 128  # the combine kernel's kMaxSplits
-COMBINE_ROWS_PER_BLOCK = 4  # one warp per (token, head) row, 128 threads
+MAX_SPLITS = 128  # the in-kernel combine's kMaxSplits
+MIN_COUNTERS = 4096  # arrival counters allocated at least (B * Hkv * M tiles of any split launch)
 
 
 @dataclass(frozen=True)
@@ -83,16 +83,7 @@ def expression(head_dim: int, config: PagedConfig, bf16: bool) -> str:
     )
 
 
-def combine_expression(head_dim: int, bf16: bool) -> str:
-    return f"tileattn::attention_paged_combine<{head_dim}, {'true' if bf16 else 'false'}>"
-
-
-INSTANTIATIONS = tuple(
-    expr
-    for d in HEAD_DIMS
-    for bf16 in (False, True)
-    for expr in (*(expression(d, c, bf16) for c in CONFIGS[d]), combine_expression(d, bf16))
-)
+INSTANTIATIONS = tuple(expression(d, c, bf16) for d in HEAD_DIMS for bf16 in (False, True) for c in CONFIGS[d])
 FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a", "sm_80")),)
 
 
@@ -133,10 +124,46 @@ def _load(device_index: int, expr: str, smem: int):
     return kern
 
 
+class _ArrivalCounters:
+    """Zeroed int32 counters for the split-KV arrivals of the launches on one stream. The kernel
+    leaves them zero (the last split of each group resets its counter), so they are zeroed once:
+    at allocation when that runs eagerly. Allocated during CUDA-graph capture, the memset is only
+    captured (it runs at each replay of that graph, not now), so the buffer is zeroed again by
+    each later use until one runs eagerly."""
+
+    __slots__ = ("tensor", "zeroed")
+
+    def __init__(self, count: int, device: int):
+        self.tensor = torch.zeros(count, dtype=torch.int32, device=f"cuda:{device}")
+        self.zeroed = not torch.cuda.is_current_stream_capturing()
+
+
+# (device, raw stream) -> counters. One buffer per stream: launches on one stream are ordered, so
+# they can share counters; concurrent streams must not. Every buffer ever handed out is kept: a
+# captured graph goes on using its pointer.
+_counters: dict[tuple[int, int], _ArrivalCounters] = {}
+_counters_kept: list[_ArrivalCounters] = []
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+
+def arrival_counters(device: int, count: int) -> int:
+    """Device pointer of >= `count` zeroed int32 counters for a split-KV launch on the current stream."""
+    key = (device, _raw_stream(device))
+    c = _counters.get(key)
+    if c is None or c.tensor.numel() < count:
+        c = _counters[key] = _ArrivalCounters(max(count, MIN_COUNTERS), device)
+        _counters_kept.append(c)
+    if not c.zeroed:
+        c.tensor.zero_()  # captured with the graph being recorded, or eager (then for good)
+        c.zeroed = not torch.cuda.is_current_stream_capturing()
+    return c.tensor.data_ptr()
+
+
 class PagedLaunch:
     """The launch decisions for one (device, dtype, shapes, strides, flags) combination: config,
-    split count, grids, and the packed arguments of both kernels (LaunchPlans whose data pointers
-    are rewritten per call). Calling it allocates out/lse/workspaces and launches."""
+    split count, grid, and the packed arguments (a LaunchPlan whose data pointers are rewritten per
+    call). Calling it allocates out/lse/workspaces and launches one kernel."""
 
     def __init__(self, q, k_cache, v_cache, block_table, *, max_seqlen_q: int, causal: bool, scale: float,
                  return_lse: bool, num_splits: int | None):
@@ -166,7 +193,7 @@ class PagedLaunch:
         self.device = q.device
         i64, i32 = np.int64, np.int32
         args = (
-            0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  # q, k_cache, v_cache, block_table, cu_q, seqlens_k, out, lse, parts
+            0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  # q, k, v, block_table, cu_q, seqlens_k, out, lse, parts, counters
             i64(q.stride(0)), i64(q.stride(1)),
             i64(k_cache.stride(0)), i64(k_cache.stride(1)), i64(k_cache.stride(2)),
             i64(v_cache.stride(0)), i64(v_cache.stride(1)), i64(v_cache.stride(2)),
@@ -175,15 +202,8 @@ class PagedLaunch:
         )  # fmt: skip
         kern = _load(device, expression(head_dim, config, bf16), smem)
         grid = (m_tiles, kv_heads * num_splits, batch)
-        self._main = LaunchPlan(kern, grid, (config.threads, 1, 1), args, smem, dynamic=range(10))
-        self._combine = None
-        if num_splits > 1:
-            rows = num_tokens * heads
-            comb = _load(device, combine_expression(head_dim, bf16), 0)
-            comb_args = (0, 0, 0, 0, 0, i32(batch), i32(num_tokens), i32(heads), i32(num_splits))
-            comb_grid = (-(-rows // COMBINE_ROWS_PER_BLOCK), 1, 1)
-            self._combine = LaunchPlan(comb, comb_grid, (32 * COMBINE_ROWS_PER_BLOCK, 1, 1), comb_args,
-                                       dynamic=range(5))
+        self.groups = m_tiles * kv_heads * batch  # split-KV arrival counters
+        self._main = LaunchPlan(kern, grid, (config.threads, 1, 1), args, smem, dynamic=range(11))
 
     def __call__(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, out=None, lse=None):
         """(out [Tq, H, d], lse [H, Tq] fp32 or None), launched on the current stream. `out` / `lse`
@@ -197,14 +217,13 @@ class PagedLaunch:
         lse_ptr = lse.data_ptr() if lse is not None else 0
         ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
                 cu_seqlens_q.data_ptr(), seqlens_k.data_ptr())
-        if self._combine is None:
-            self._main.launch(*ptrs, out.data_ptr(), lse_ptr, 0, 0)
+        if self.num_splits == 1:
+            self._main.launch(*ptrs, out.data_ptr(), lse_ptr, 0, 0, 0)
         else:
-            work = torch.empty(self.part_floats, dtype=torch.float32, device=device)  # alive past both launches
+            work = torch.empty(self.part_floats, dtype=torch.float32, device=device)  # alive past the launch
             o_part = work.data_ptr()
-            lse_part = o_part + self.lse_part_offset
-            self._main.launch(*ptrs, 0, 0, o_part, lse_part)
-            self._combine.launch(o_part, lse_part, out.data_ptr(), lse_ptr, ptrs[4])
+            counters = arrival_counters(device.index, self.groups)
+            self._main.launch(*ptrs, out.data_ptr(), lse_ptr, o_part, o_part + self.lse_part_offset, counters)
         return out, lse
 
 
@@ -220,9 +239,9 @@ __all__ = [
     "INSTANTIATIONS",
     "PagedConfig",
     "PagedLaunch",
+    "arrival_counters",
     "bytes_read",
     "choose_num_splits",
-    "combine_expression",
     "expression",
     "pick_config",
 ]
