@@ -471,11 +471,19 @@ def test_dq_buffers_mirror_the_kernel():
     memory of every instantiation within the block limit."""
     assert C(64, 2).dq_buffers(128, True) == 2 and C(128, 2).dq_buffers(64, True) == 1
     assert C(64, 3).dq_buffers(128, True) == 1 and not C(128, 3).fits(64, True)
-    assert C(64, 2).dq_buffers(128, False) == 0
+    assert C(64, 2).dq_buffers(128, False) == 0 and C(64, 2, True).dq_buffers(128, False) == 2
+    assert C(128, 2, True).dq_buffers(64, False) == 1
     for expr in ab.INSTANTIATIONS + ab.TUNING:
         d, bm, st = (int(x) for x in expr.split("<")[1].split(",")[:3])
-        det = expr.rstrip(">").endswith("true")
-        assert C(bm, st).smem_bytes(d, det) + ab.STATIC_SMEM <= ab.SMEM_LIMIT, expr
+        mode = dq_mode_of(expr)
+        cfg = C(bm, st, mode == 2)
+        assert cfg.dq_mode(mode == 1) == mode, expr
+        assert cfg.smem_bytes(d, mode == 1) + ab.STATIC_SMEM <= ab.SMEM_LIMIT, expr
+
+
+def dq_mode_of(expression: str) -> int:
+    """kDqMode of an instantiation: 0 REDs, 1 deterministic (ordered bulk), 2 unordered bulk."""
+    return int(expression.rstrip(">").rsplit(",", 1)[1])
 
 
 # ---- deterministic mode: the turn counters across CTAs -----------------------------------------------
@@ -554,19 +562,19 @@ def _compiled_sass(expression: str) -> str:
     return dump_sass(module.cubin)
 
 
-@pytest.mark.parametrize("expression", ab.INSTANTIATIONS)
+@pytest.mark.parametrize("expression", ab.INSTANTIATIONS + tuple(e for e in ab.TUNING if dq_mode_of(e) == 2))
 def test_sass_register_a_operands_untouched_until_retired(expression):
     sass = _compiled_sass(expression)
     found, problems = register_a_hazards(sass)
     block_m = int(expression.split(",")[1])
-    deterministic = expression.rstrip(">").endswith("true")
+    mode = dq_mode_of(expression)
     assert found == 2 * block_m // 16, f"expected the dV and dK register-A wgmmas, found {found}"
     assert not problems, "\n".join(problems[:10])
     for insn in ("UTMALDG", "UTMASTG", "STSM", "UBLKCP", "USETMAXREG"):
         assert insn in sass, f"{insn} expected in the SASS"
-    assert ("REDG" in sass) != deterministic, "dQ REDs from registers exactly in atomic mode"
-    assert ("UBLKRED" in sass) == deterministic, "the dQ warp's bulk reduce-add exactly in deterministic mode"
-    assert ("LDG.E.STRONG.GPU" in sass) == deterministic, "acquire loads of the turn counters exactly when ordered"
+    assert ("REDG" in sass) == (mode == 0), "dQ REDs from registers exactly in mode 0"
+    assert ("UBLKRED" in sass) == (mode != 0), "the dQ warp's bulk reduce-add exactly in the staged modes"
+    assert ("LDG.E.STRONG.GPU" in sass) == (mode == 1), "acquire loads of the turn counters exactly when ordered"
     assert "LDL" not in sass and "STL" not in sass, "local memory traffic (spills) in the SASS"
 
 

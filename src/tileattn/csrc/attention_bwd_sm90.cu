@@ -2,7 +2,8 @@
 // pipeline preprocess -> main -> dQ convert. Preprocess and convert are attention_bwd_sm80.cu's
 // kernels (delta = rowsum(dO * O), lse2 = lse * log2 e, dq_accum zeroed; dq = scale * dq_accum):
 // this kernel adds into the same fp32 dq_accum layout, so the three launch as one pipeline, in both
-// modes (kDeterministic orders the dQ additions, see "Deterministic mode" below).
+// modes (kDqMode: 0 atomic REDs from registers, 1 deterministic = staged tiles added in key-block
+// order, 2 staged tiles added unordered by the same bulk reduce-add; see "dQ modes" below).
 //
 // Shapes (elements; any strides with a contiguous last dim and 16-byte aligned rows):
 //   q, dout            [B, H,   Nq, d]     16-bit, read by TMA (4-D maps (d, Nq, H, B))
@@ -75,7 +76,7 @@
 //   sK, sV   [d/64][128][64]                 resident; epilogue: dK / dV staging for TMA stores
 //   sQ, sdO  [kStages][d/64][kBlockM][64]    rings
 //   sdS      [2][kBlockM/64][128][64]        dS^T, double-buffered
-//   sDq      [kDqBuffers][kBlockM * d] fp32  deterministic mode's dQ staging (dq_accum tile layout)
+//   sDq      [kDqBuffers][kBlockM * d] fp32  staged dQ modes' tiles (dq_accum tile layout)
 //   sLse, sDelta [kStages][kBlockM] fp32     lse2 / delta of the tile's queries (bulk copies)
 // Bytes: Sm90BwdConfig.smem_bytes on the Python side computes the same total.
 //
@@ -92,7 +93,9 @@
 //   dK, dV   2 x d / 2 fp32 (128 | 64)       S^T / P^T, dP^T / dS^T   2 x kBlockM / 2 (64 | 128)
 //   packed P^T, dS^T 2 x kBlockM / 4 (32 | 64) (dead once the dV / dK wgmmas retire), dQ 32.
 //
-// ---- Deterministic mode (kDeterministic) ---------------------------------------------------------
+// ---- dQ modes: staged (kDqMode 1, 2) and deterministic (kDqMode 1) ---------------------------------
+// kDqMode 2 is mode 1 without the turn: the same staging and bulk reduce-add, no counter, no wait
+// for completion (a tuning candidate: FA3's way of adding dQ, against mode 0's REDs).
 // Every dq_accum element of (b, h, query tile m) gets one addition per key block, and they are made
 // in key-block order through one int32 counter per (b, h, m) in dq_sem (zeroed by the host). The
 // MMA warpgroups do not wait for it: after step 5's wgmma_wait they store their dQ float4s into a
@@ -150,10 +153,10 @@ __device__ constexpr int smem_without_dq() {
   return 2 * kBlockN * kHeadDim * 2 + 2 * kStages * kBlockM * kHeadDim * 2 + 2 * kBlockN * kBlockM * 2 +
          2 * kStages * kBlockM * 4 + 1024;
 }
-template <int kHeadDim, int kBlockM, int kStages, bool kDeterministic>
+template <int kHeadDim, int kBlockM, int kStages, bool kStaged>
 __device__ constexpr int dq_buffers() {
   constexpr int base = smem_without_dq<kHeadDim, kBlockM, kStages>(), tile = kBlockM * kHeadDim * 4;
-  return !kDeterministic ? 0 : base + 2 * tile + kStaticSmem <= kSmemLimit ? 2 : 1;
+  return !kStaged ? 0 : base + 2 * tile + kStaticSmem <= kSmemLimit ? 2 : 1;
 }
 
 // Keep the packed A fragments of an RS wgmma alive (in their registers, unmodified) until this
@@ -206,11 +209,11 @@ __device__ __forceinline__ void issue_dq(float (&dq)[32], u64 desc_a, u64 desc_b
 
 // tmap_q, tmap_do: q / dout [B, H, Nq, d] as (d, Nq, H, B), box (64, kBlockM, 1, 1); tmap_k, tmap_v:
 // k / v [B, Hkv, Nk, d], box (64, 128, 1, 1); tmap_dk, tmap_dv: dk / dv, box (64, 64, 1, 1). All
-// 128B swizzle, zero fill. lse2 / delta / dq_accum: the workspaces above; dq_sem (kDeterministic
+// 128B swizzle, zero fill. lse2 / delta / dq_accum: the workspaces above; dq_sem (kDqMode 1
 // only, else unused): int32 [B, H, ceil(Nq / kBlockM), 2], zero.
 // Grid (ceil(Nk / 128) * Hkv * B), ordered by `section` ("Block order"), 384 threads, dynamic shared
 // memory Sm90BwdConfig.smem_bytes. `batches` = B.
-template <int kHeadDim, int kBlockM, int kStages, bool kCausal, bool kIsBF16, bool kDeterministic>
+template <int kHeadDim, int kBlockM, int kStages, bool kCausal, bool kIsBF16, int kDqMode>
 __global__ void __launch_bounds__(bwd90::kThreads, 1)
     attention_bwd_sm90(const __grid_constant__ sm90::TmaDescriptor tmap_q,
                        const __grid_constant__ sm90::TmaDescriptor tmap_k,
@@ -237,7 +240,9 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
   // it keeps the in-flight packed P^T (kBlockM / 4) live beside fp32 P^T and dP^T (kBlockM each)
   // and dK, dV. d = 64, kBlockM = 128 would need 64 + 64 + 64 + 32 = 224 and spills.
   constexpr bool kOverlap = kBlockM == 64;
-  constexpr int kDqBuffers = dq_buffers<kHeadDim, kBlockM, kStages, kDeterministic>();
+  static_assert(kDqMode >= 0 && kDqMode <= 2, "dQ mode: 0 RED, 1 ordered bulk (deterministic), 2 bulk");
+  constexpr bool kDeterministic = kDqMode == 1, kStaged = kDqMode != 0;
+  constexpr int kDqBuffers = dq_buffers<kHeadDim, kBlockM, kStages, kStaged>();
   constexpr u32 kDqTileBytes = kBlockM * kHeadDim * 4;  // one query tile of dq_accum: contiguous
   static_assert(smem_without_dq<kHeadDim, kBlockM, kStages>() + kDqBuffers * kDqTileBytes + kStaticSmem <= kSmemLimit,
                 "shared memory over the 227 KB per block");
@@ -320,8 +325,8 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
                           &do_full[s]);
         s9::bulk_load_1d(sDelta + s * kBlockM, delta + ws, kRowBytes, &do_full[s]);
       }
-    } else if (threadIdx.x / 32 == 1) {  // the dQ warp: deterministic mode only
-      if constexpr (!kDeterministic) return;
+    } else if (threadIdx.x / 32 == 1) {  // the dQ warp: staged modes only
+      if constexpr (!kStaged) return;
       const int lane = threadIdx.x % 32;
       for (int it = 0; it < n_iters; ++it) {
         const int head = walk_head(it), m0 = walk_m0(it), b = it % kDqBuffers;
@@ -329,9 +334,11 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
         const int64_t bh = static_cast<int64_t>(batch) * heads + head;
         int* const sem = dq_sem + bh * m_blocks + m0 / kBlockM;
         if (lane == 0) {
-          while (s9::ld_acquire_gpu(sem) != n_block) {  // key blocks 0 .. n_block - 1 have added tile m
+          if constexpr (kDeterministic) {
+            while (s9::ld_acquire_gpu(sem) != n_block) {  // key blocks 0 .. n_block - 1 have added tile m
+            }
+            s9::fence_proxy_async_global();  // the acquire before the async-proxy reduction below
           }
-          s9::fence_proxy_async_global();  // the acquire before the async-proxy reduction below
           s9::bulk_reduce_add_f32(dq_accum + (bh * nq_pad + m0) * kHeadDim, sDq + b * kBlockM * kHeadDim,
                                   kDqTileBytes);
           s9::tma_store_commit();
@@ -339,7 +346,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
         }
         __syncwarp();
         if (it + kDqBuffers < n_iters) s9::named_barrier_arrive<kDqSyncThreads>(kDqEmptyBarrier + b);
-        if (lane == 0) {  // pass the turn once the additions are done in global memory
+        if (kDeterministic && lane == 0) {  // pass the turn once the additions are done in global memory
           s9::bulk_wait_all();
           s9::fence_proxy_async_global();
           s9::fence_acq_rel_gpu();
@@ -347,6 +354,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
         }
         __syncwarp();  // reconverge before the next aligned bar.sync
       }
+      if (lane == 0) s9::bulk_wait_all();  // mode 2: the last additions done before the CTA retires
     }
   } else {  // ------------------------------------------------------ MMA warpgroups
     s9::setmaxnreg_inc<kMmaRegs>();
@@ -505,7 +513,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
       // Rows m0 + 64 a_panel + 16 warp + (g, g + 8), columns 64 b_panel + 8 j + 2 t + (0, 1): one
       // 16 x 8 fragment tile per j, this lane's float4 at lane * 4 (from the tile's first element).
       const int tile_off = (64 * a_panel + 16 * warp) * kHeadDim + (64 * b_panel / 8) * 128 + lane * 4;
-      if constexpr (kDeterministic) {  // stage the tile for the dQ warp, which adds it in key-block order
+      if constexpr (kStaged) {  // stage the tile for the dQ warp (which adds it in key-block order if ordered)
         const int b = it % kDqBuffers;
         if (it >= kDqBuffers) s9::named_barrier_sync<kDqSyncThreads>(kDqEmptyBarrier + b);
         float* const dst = sDq + b * kBlockM * kHeadDim + tile_off;

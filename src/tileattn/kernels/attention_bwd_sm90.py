@@ -42,10 +42,17 @@ _MAX_GRID_X = 2**31 - 1
 @dataclass(frozen=True, order=True)
 class Sm90BwdConfig:
     """block_m query rows per step of the walk (the wgmma N of S^T = K Q^T; d * block_m = 8192, so
-    that dQ is 64 x 64 per MMA warpgroup) and the depth of the Q / dO ring."""
+    that dQ is 64 x 64 per MMA warpgroup), the depth of the Q / dO ring, and how the atomic mode
+    adds dQ: REDs from the MMA registers (dq_bulk False) or, like the deterministic mode, tiles
+    staged in shared memory and added by a dQ warp's bulk reduce-add, unordered (dq_bulk True)."""
 
     block_m: int
     stages: int
+    dq_bulk: bool = False
+
+    def dq_mode(self, deterministic: bool) -> int:
+        """The kernel's kDqMode: 1 deterministic (ordered bulk), 2 unordered bulk, 0 REDs."""
+        return 1 if deterministic else 2 if self.dq_bulk else 0
 
     def _smem_without_dq(self, head_dim: int) -> int:
         kv = 2 * BLOCK_N * head_dim * 2
@@ -55,18 +62,17 @@ class Sm90BwdConfig:
         return kv + ring + ds + rows + 1024
 
     def dq_buffers(self, head_dim: int, deterministic: bool) -> int:
-        """Deterministic mode's fp32 dQ staging tiles (block_m x d x 4 bytes each): two where they fit
-        beside the rest (and STATIC_SMEM of mbarriers) in SMEM_LIMIT, else one (which may still not fit:
-        see fits); none in atomic mode. Mirrors dq_buffers() in the .cu."""
+        """The staged dQ modes' fp32 tiles (block_m x d x 4 bytes each): two where they fit beside the
+        rest (and STATIC_SMEM of mbarriers) in SMEM_LIMIT, else one (which may still not fit: see
+        fits); none with REDs. Mirrors dq_buffers() in the .cu."""
         tile = self.block_m * head_dim * 4
-        if not deterministic:
+        if self.dq_mode(deterministic) == 0:
             return 0
         return 2 if self._smem_without_dq(head_dim) + 2 * tile + STATIC_SMEM <= SMEM_LIMIT else 1
 
     def smem_bytes(self, head_dim: int, deterministic: bool = False) -> int:
         """Dynamic shared memory: K, V (128 x d each), `stages` Q and dO tiles, the double-buffered
-        dS^T tile, deterministic mode's dQ staging tiles, lse2 / delta per stage, + 1 KB to align
-        to 1024 B."""
+        dS^T tile, the staged dQ tiles, lse2 / delta per stage, + 1 KB to align to 1024 B."""
         return (self._smem_without_dq(head_dim)
                 + self.dq_buffers(head_dim, deterministic) * self.block_m * head_dim * 4)
 
@@ -75,7 +81,7 @@ class Sm90BwdConfig:
         return self.smem_bytes(head_dim, deterministic) + STATIC_SMEM <= SMEM_LIMIT
 
     def __str__(self) -> str:
-        return f"{self.block_m}x{BLOCK_N}/s{self.stages}"
+        return f"{self.block_m}x{BLOCK_N}/s{self.stages}" + ("/bulk" if self.dq_bulk else "")
 
 
 C = Sm90BwdConfig
@@ -91,15 +97,17 @@ DEFAULTS: dict[tuple[int, bool], Sm90BwdConfig] = {
     (64, False): C(128, 2),
     (64, True): C(128, 2),
 }
-# Tuning-only candidates: a third ring stage (196 KB at either head dim).
-TUNING_EXTRA: dict[int, tuple[Sm90BwdConfig, ...]] = {128: (C(64, 3),), 64: (C(128, 3),)}
+# Tuning-only candidates: a third ring stage (196 KB at either head dim); dQ by the staged bulk
+# reduce-add in the atomic mode (the deterministic mode's path without the turn; FA3's choice).
+TUNING_EXTRA: dict[int, tuple[Sm90BwdConfig, ...]] = {128: (C(64, 3), C(64, 2, True)),
+                                                      64: (C(128, 3), C(128, 2, True))}
 
 
 def expression(head_dim: int, config: Sm90BwdConfig, causal: bool, bf16: bool, deterministic: bool) -> str:
     """The NVRTC name expression of one main-kernel instantiation."""
     flag = {True: "true", False: "false"}
     return (f"tileattn::attention_bwd_sm90<{head_dim}, {config.block_m}, {config.stages}, {flag[bool(causal)]}, "
-            f"{flag[bool(bf16)]}, {flag[bool(deterministic)]}>")
+            f"{flag[bool(bf16)]}, {config.dq_mode(deterministic)}>")
 
 
 def _expressions(configs_by_dim) -> tuple[str, ...]:
@@ -126,12 +134,13 @@ def supports(head_dim: int, dtype, causal: bool = False) -> bool:
 
 
 def tuning_candidates(head_dim: int, causal: bool, deterministic: bool = False) -> tuple[Sm90BwdConfig, ...]:
-    """Configs worth timing for (head_dim, causal, mode), the default first (those whose shared
-    memory fits in that mode). Raises ValueError for an unsupported head dim."""
+    """Configs worth timing for (head_dim, causal, mode), the default first: those whose shared
+    memory fits in that mode, and in deterministic mode only one per kernel (dq_bulk does not
+    change it). Raises ValueError for an unsupported head dim."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} is not supported by the sm90 backward; supported: {HEAD_DIMS}")
-    return tuple(c for c in (DEFAULTS[(head_dim, bool(causal))], *TUNING_EXTRA[head_dim]) if c.fits(head_dim,
-                                                                                                   deterministic))
+    configs = (DEFAULTS[(head_dim, bool(causal))], *TUNING_EXTRA[head_dim])
+    return tuple(c for c in configs if c.fits(head_dim, deterministic) and not (deterministic and c.dq_bulk))
 
 
 def section_pairs(seqlen_q: int, head_dim: int, group: int, elem_bytes: int, causal: bool,
@@ -336,6 +345,9 @@ def _bench_case(d: int, dtype, causal: bool, n: int, batch: int, heads: int, rep
         ("sm80_det", attention_bwd_sm80.backward_plan(*args, causal=causal, scale=scale, deterministic=True)),
     ]
     rec["section"], rec["section_det"] = plans[0][1].section, plans[1][1].section
+    for cfg in tuning_candidates(d, causal)[1:]:  # the atomic mode's other candidates, e.g. "sm90[64x128/s3]"
+        plans.append((f"sm90[{cfg}]", BackwardPlan(*args, causal=causal, scale=scale, deterministic=False,
+                                                   config=cfg)))
     if not causal:  # the block order causal / deterministic runs use, measured on equal-length CTAs
         l2 = section_pairs(n, d, 1, q.element_size(), True, False)
         plans.append(("sm90_l2", BackwardPlan(*args, causal=causal, scale=scale, deterministic=False, section=l2)))
@@ -362,7 +374,8 @@ def benchmark(seq_lens=(2048, 4096, 8192, 16384, 32768), head_dims=HEAD_DIMS,
               dtypes=(torch.bfloat16, torch.float16), causals=(False, True), batch: int = 4, heads: int = 32,
               reps: int = 10, json_path: str | None = None) -> list[dict]:
     """Backward-only TFLOP/s (flops() convention) and median ms of this kernel (atomic and
-    deterministic dQ; non-causal also with the L2-section block order, `sm90_l2`), the sm80 backward
+    deterministic dQ; the atomic mode's other tuning candidates as `sm90[config]`; non-causal also
+    with the L2-section block order, `sm90_l2`), the sm80 backward
     (both modes) and SDPA cuDNN's backward on the same inputs [batch, heads, N, d]; prints one line
     per case and returns the records; with json_path also writes {"environment", "records"} there
     after every case (the docs/runs/ format). Needs an sm_90 GPU. Backward passes only: out and lse
