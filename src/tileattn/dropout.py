@@ -4,8 +4,8 @@ The dropout mask is a pure function of (seed, offset, batch, head, query, key): 
 score (b, h, i, j) comes from Philox4x32-10 (Salmon et al., SC'11) with
     key     = (seed mod 2^32, (seed >> 32) + (offset >> 32) mod 2^32)
     counter = (4 * (j >> 5) + ((j >> 1) & 3), i, b * H + h, offset mod 2^32)
-and is 16-bit half (j & 1) of output word (j >> 3) & 3, kept iff that value >= round(p * 65536)
-(so the kept fraction is 1 - round(p * 65536) / 65536). Kept probabilities are scaled by
+and is 16-bit half (j & 1) of output word (j >> 3) & 3, kept iff that value >= drop_threshold(p) =
+round(p * 65536) (at least 1; so the kept fraction is 1 - round(p * 65536) / 65536). Kept probabilities are scaled by
 1 / (1 - p). The kernels (csrc/common/variants.cuh) draw the same bits in whatever tile order they
 run, so the mask does not depend on the tile configuration, the forward/backward pass or the run.
 In the packed variable-length op, b is the sequence index and i, j count within the sequence.
@@ -24,7 +24,7 @@ import torch
 
 __all__ = ["dropout_mask", "philox4x32_10"]
 
-UNBOUNDED = 1 << 29  # a window edge that never limits (the kernels' kUnbounded)
+UNBOUNDED = 1 << 29  # a window edge that never limits (kUnbounded in csrc/common/variants.cuh)
 MAX_VARIANT_SEQLEN = 1 << 28  # window arithmetic i + Nk - Nq +- UNBOUNDED stays inside int32
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 _W0, _W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
@@ -46,8 +46,10 @@ def philox4x32_10(counter, key):
 
 
 def drop_threshold(p: float) -> int:
-    """A score is dropped iff its 16-bit uniform is below this."""
-    return min(65535, round(p * 65536))
+    """A score is dropped iff its 16-bit uniform is below this: round(p * 65536), at least 1 for
+    p > 0 (so that a dropout call always masks, and the forward's and backward's 1 / (1 - p) go
+    together), at most 65535."""
+    return min(65535, max(1, round(p * 65536))) if p > 0 else 0
 
 
 def dropout_mask(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, seqlen_k: int, p: float, *,
@@ -77,7 +79,7 @@ def dropout_mask(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, 
     if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
         raise ValueError(f"p must be a number in [0, 1), got {p!r}")
     seed, offset = int(seed), int(offset)
-    thr = drop_threshold(float(p)) if p > 0 else 0
+    thr = drop_threshold(float(p))
     groups = -(-seqlen_k // 32)
     key = (np.uint64(seed & 0xFFFFFFFF), np.uint64(((seed >> 32) + (offset >> 32)) & 0xFFFFFFFF))
     i = np.arange(seqlen_q, dtype=np.uint64)[:, None, None]           # [Nq, 1, 1]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..dropout import UNBOUNDED, drop_threshold  # the kernels' kUnbounded; the dropout threshold
 from . import Family
 
 FAMILY_NAME = "attention_fwd_sm80"
@@ -170,8 +171,6 @@ def _expressions(tables, varlen: bool = False) -> tuple[str, ...]:
 # run-time choice inside it, and causal is the window's right edge 0. Tiles: the dense non-causal
 # table's (dropout draws its bits per 32 keys, so BLOCK_N is a multiple of 32), except varlen d=128,
 # which spills 24 bytes on sm_80 at 128x64 and takes 128x32 (245 registers).
-UNBOUNDED = 1 << 29  # kUnbounded: a window edge that never limits
-MAX_VARIANT_SEQLEN = 1 << 28  # window arithmetic (i + Nk - Nq +- edge) stays inside int32
 VARIANT_DEFAULTS: dict[int, FwdConfig] = {d: _H200[(d, False)] for d in HEAD_DIMS}
 VARLEN_VARIANT_DEFAULTS: dict[int, FwdConfig] = {**VARIANT_DEFAULTS, 128: C(128, 32, 4, 2)}
 
@@ -189,10 +188,6 @@ class VariantArgs:
     alibi_batch_stride: int | None = None
     dropout_p: float = 0.0
 
-    def drop_threshold(self) -> int:
-        """Drop a score iff its 16-bit uniform is below this (round(p * 65536))."""
-        return min(65535, round(self.dropout_p * 65536))
-
     def kernel_args(self, scale: float) -> tuple:
         """VARIANT_PARAMS of the kernels, with 0 for the per-call alibi pointer, seed and offset."""
         cap = float(self.softcap)
@@ -200,7 +195,7 @@ class VariantArgs:
         return (
             0, np.uint64(0), np.uint64(0), np.int64(self.alibi_batch_stride or 0),
             np.int32(self.window_left), np.int32(self.window_right), np.float32(cap_in), np.float32(cap * LOG2E),
-            np.uint32(self.drop_threshold() if self.dropout_p > 0 else 0),
+            np.uint32(drop_threshold(self.dropout_p)),
             np.float32(1.0 / (1.0 - self.dropout_p)),
         )
 
@@ -224,9 +219,12 @@ VARIANT_INSTANTIATIONS = tuple(
 
 INSTANTIATIONS = (_expressions(DEFAULTS.values()) + _expressions(VARLEN_DEFAULTS.values(), varlen=True)
                   + VARIANT_INSTANTIATIONS)
+# A second tile config of the variant kernel (d=128 bf16, BLOCK_N 32 instead of 64): the GPU tests
+# check that the dropout mask does not depend on the tiles.
+VARIANT_TUNING = (variant_expression(128, C(128, 32, 4, 2), True),)
 TUNING = tuple(dict.fromkeys(
     e for (d, causal), extra in EXTRA_BF16.items() for cfg in extra
-    if (e := expression(d, cfg, causal, True)) not in INSTANTIATIONS))
+    if (e := expression(d, cfg, causal, True)) not in INSTANTIATIONS)) + VARIANT_TUNING
 
 FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a", "sm_80"), tuning=TUNING),)
 

@@ -1,0 +1,332 @@
+"""GPU tests of the attention variants (issue #15) on the sm_80-path kernels: window, softcap, ALiBi,
+dropout, through tileattn.attention / attention_varlen (forward and backward, dense and varlen).
+
+Oracle: tileattn.reference in float64 with the same options, on the same quantized inputs; dropout
+against the reference with the same seed/offset (the reference builds its mask with
+tileattn.dropout.dropout_mask). Errors are relative, ||x - ref|| / ||ref||, with the tolerances of
+the plain kernels' tests (the variant code adds fp32 work only: the logit transform, an exact bias,
+a mask): forward bf16 1e-2 / fp16 2e-3, gradients bf16 1e-2 / fp16 3e-3 (see test_attention_fwd.py
+and test_attention_bwd.py for the derivation), with an RMS floor of 1e-3 for gradients that are 0 in
+exact math.
+
+The dropout mask is also read back exactly: with V = identity (one-hot value rows) the output is
+P * keep / (1 - p), so its zero pattern is the kernel's mask; with dO = identity, dV's is the
+backward's. Both must equal dropout_mask(...) element for element.
+
+Every allocation the ops make is poisoned (NaN) by tests/gpu/conftest.py's poisoned_allocations.
+Markers: gpu (all), sanitize (the small cases).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tileattn
+from tileattn import reference
+from tileattn.dropout import dropout_mask
+
+from .conftest import poisoned_allocations
+
+pytestmark = pytest.mark.gpu
+
+BF16, FP16 = torch.bfloat16, torch.float16
+F64 = torch.float64
+TOL_FWD = {BF16: 1e-2, FP16: 2e-3}
+TOL_BWD = {BF16: 1e-2, FP16: 3e-3}
+ATOL = 1e-3
+HEAD_DIMS = (32, 64, 96, 128, 256)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def _gen(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def make(b, h, hkv, nq, nk, d, dtype, seed, *, scale_inputs=1.0):
+    g = _gen(seed)
+    q = (torch.randn(b, h, nq, d, device="cuda", generator=g) * scale_inputs).to(dtype)
+    k = (torch.randn(b, hkv, nk, d, device="cuda", generator=g) * scale_inputs).to(dtype)
+    v = torch.randn(b, hkv, nk, d, device="cuda", generator=g).to(dtype)
+    dout = torch.randn(b, h, nq, d, device="cuda", generator=g).to(dtype)
+    return q, k, v, dout
+
+
+def rel_err(x, ref) -> float:
+    x, ref = x.double(), ref.double()
+    floor = ATOL * math.sqrt(max(ref.numel(), 1))
+    return float((x - ref).norm() / max(float(ref.norm()), floor))
+
+
+def alibi(kind, b, h):
+    """ALiBi slopes: 'h' the standard geometric [H] (2^(-8 (i + 1) / H)), 'bh' random [B, H] fp32."""
+    if kind == "h":
+        return torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device="cuda", dtype=torch.float32)
+    return torch.rand(b, h, device="cuda", generator=_gen(b * 100 + h), dtype=torch.float32) * 0.5
+
+
+def run_op(q, k, v, dout, causal, opts, *, deterministic=False, grad=True):
+    """out, lse (and dq, dk, dv) from tileattn.attention with every allocation poisoned."""
+    q, k, v = (t.detach().requires_grad_(grad) for t in (q, k, v))
+    with poisoned_allocations():
+        out, lse = tileattn.attention(q, k, v, causal, return_lse=True, deterministic=deterministic, **opts)
+        if grad:
+            out.backward(dout)
+    torch.cuda.synchronize()
+    return out.detach(), lse, (q.grad, k.grad, v.grad) if grad else None
+
+
+def run_ref(q, k, v, dout, causal, opts):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, lse = reference.attention(q64, k64, v64, causal, compute_dtype=F64, **opts)
+    out.backward(dout.double())
+    return out.detach(), lse, (q64.grad, k64.grad, v64.grad)
+
+
+def check(got, ref, dtype, what, *, grads=True):
+    out, lse, g = got
+    rout, rlse, rg = ref
+    assert not torch.isnan(out).any(), f"{what}: NaN in out"
+    err = rel_err(out, rout)
+    assert err <= TOL_FWD[dtype], f"{what}: out relative error {err:.3e} > {TOL_FWD[dtype]:g}"
+    seen = torch.isfinite(rlse)
+    assert torch.equal(torch.isfinite(lse), seen), (
+        f"{what}: lse -inf pattern differs ({int((torch.isfinite(lse) != seen).sum())} rows)")
+    if seen.any():
+        diff = (lse.double() - rlse)[seen].abs().max().item()
+        bound = 2e-4 * (1.0 + rlse[seen].abs().max().item())
+        assert diff <= bound, f"{what}: lse max error {diff:.3e} > {bound:.3e}"
+    if (~seen).any():
+        rows = out.transpose(0, 1)[~seen] if out.dim() == 3 else out[~seen]  # varlen out [Tq, H, d], lse [H, Tq]
+        assert (rows == 0).all(), f"{what}: fully masked rows are not exactly 0"
+    if grads:
+        for name, x, r in zip(("dq", "dk", "dv"), g, rg):
+            assert torch.isfinite(x).all(), f"{what}: {name} has NaN/inf"
+            e = rel_err(x, r)
+            assert e <= TOL_BWD[dtype], f"{what}: {name} relative error {e:.3e} > {TOL_BWD[dtype]:g}"
+
+
+# Cases: (name, causal, options for both the op and the reference, input scale).
+CASES = {
+    "window": (False, {"window": (37, 5)}, 1.0),
+    "window_causal": (True, {"window": (64, -1)}, 1.0),
+    "window_left_only": (False, {"window": (20, -1)}, 1.0),
+    "window_eq_n": (False, {"window": (200, 200)}, 1.0),
+    "window_gt_n": (True, {"window": (5000, 3)}, 1.0),
+    "softcap_extreme": (False, {"softcap": 5.0}, 8.0),
+    "softcap_causal": (True, {"softcap": 30.0}, 2.0),
+    "alibi_h": (False, {"alibi": "h"}, 1.0),
+    "alibi_bh_causal": (True, {"alibi": "bh"}, 1.0),
+    "dropout": (False, {"dropout_p": 0.17, "seed": 1234, "offset": 8}, 1.0),
+    "dropout_causal": (True, {"dropout_p": 0.5, "seed": (1 << 40) + 3, "offset": (1 << 33) + 4}, 1.0),
+    "everything": (True, {"window": (48, 16), "softcap": 20.0, "alibi": "h", "dropout_p": 0.1, "seed": 77}, 1.0),
+}
+
+
+def _opts(options, b, h):
+    options = dict(options)
+    kind = options.pop("alibi", None)
+    if kind is not None:
+        options["alibi_slopes"] = alibi(kind, b, h)
+    return options
+
+
+# ---------------------------------------------------------------------------------------------
+# forward + backward against the float64 reference
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_variants_match_reference(d, dtype, case):
+    causal, options, scale_inputs = CASES[case]
+    b, h, hkv, nq, nk = 2, 4, 2, 129, 200
+    q, k, v, dout = make(b, h, hkv, nq, nk, d, dtype, seed=d * 31 + len(case), scale_inputs=scale_inputs)
+    opts = _opts(options, b, h)
+    what = f"d={d} {dtype} {case} causal={causal} Nq={nq} Nk={nk}"
+    check(run_op(q, k, v, dout, causal, opts), run_ref(q, k, v, dout, causal, opts), dtype, what)
+
+
+@pytest.mark.parametrize("case", ["window_causal", "softcap_extreme", "alibi_bh_causal", "dropout_causal", "everything"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_deterministic_backward(d, case):
+    causal, options, scale_inputs = CASES[case]
+    b, h, hkv, nq, nk = 2, 4, 1, 150, 97
+    q, k, v, dout = make(b, h, hkv, nq, nk, d, BF16, seed=d + 5, scale_inputs=scale_inputs)
+    opts = _opts(options, b, h)
+    got = run_op(q, k, v, dout, causal, opts, deterministic=True)
+    check(got, run_ref(q, k, v, dout, causal, opts), BF16, f"d={d} {case} deterministic")
+    again = run_op(q, k, v, dout, causal, opts, deterministic=True)
+    for name, x, y in zip(("dq", "dk", "dv"), got[2], again[2]):
+        assert torch.equal(x, y), f"d={d} {case}: deterministic {name} differs between two runs"
+
+
+@pytest.mark.parametrize(
+    "nq, nk, window, causal",
+    [
+        (1, 1, (0, 0), False), (31, 33, (3, 3), False), (33, 31, (0, -1), True), (127, 129, (16, 0), False),
+        (129, 127, (-1, 2), True), (1000, 1000, (100, 0), True), (4097, 4097, (256, 0), False),
+        (300, 100, (8, -1), True),  # rows 0..199 see no key: out 0, lse -inf, zero gradients
+        (200, 64, (0, 0), False),   # window (0, 0): rows i < 136 see no key
+    ],
+)
+def test_window_lengths_and_masked_rows(nq, nk, window, causal):
+    b, h, d = 1, 2, 128
+    q, k, v, dout = make(b, h, h, nq, nk, d, BF16, seed=nq + nk)
+    opts = {"window": window}
+    got = run_op(q, k, v, dout, causal, opts)
+    ref = run_ref(q, k, v, dout, causal, opts)
+    check(got, ref, BF16, f"Nq={nq} Nk={nk} window={window} causal={causal}")
+    masked = ~torch.isfinite(ref[1])  # [B, H, Nq]
+    if masked.any():
+        assert (got[2][0][masked] == 0).all(), "fully masked rows got a nonzero dq"
+
+
+# ---------------------------------------------------------------------------------------------
+# dropout: the mask read back exactly, reproducibility, seeds
+# ---------------------------------------------------------------------------------------------
+def _onehot_v(b, h, nk, d, dtype):
+    eye = torch.zeros(nk, d, device="cuda", dtype=dtype)
+    eye[torch.arange(nk), torch.arange(nk)] = 1
+    return eye.expand(b, h, nk, d).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("seed, offset", [(0, 0), (123456789, 16), ((1 << 63) + 12345, (1 << 35) + 20)])
+def test_forward_mask_is_the_helpers(seed, offset, dtype):
+    b, h, nq, nk, d, p = 2, 3, 77, 100, 128, 0.3
+    q, k, _, _ = make(b, h, h, nq, nk, d, dtype, seed=3, scale_inputs=0.5)  # no probability underflows
+    v = _onehot_v(b, h, nk, d, dtype)
+    with poisoned_allocations():
+        out = tileattn.attention(q, k, v, dropout_p=p, seed=seed, offset=offset)  # [B, H, Nq, d]
+    kept = out[..., :nk] != 0
+    mask = dropout_mask(seed, offset, b, h, nq, nk, p, device="cuda")
+    bad = int((kept != mask).sum())
+    assert bad == 0, f"seed={seed} offset={offset}: {bad} of {mask.numel()} mask elements differ from dropout_mask"
+    frac = mask.double().mean().item()
+    assert abs(frac - 0.7) < 6 * math.sqrt(0.21 / mask.numel()), f"kept fraction {frac:.4f}, expected 0.7"
+    assert torch.equal(tileattn.attention(q, k, v, dropout_p=p, seed=seed, offset=offset), out), "rerun differs"
+
+
+def test_backward_mask_is_the_helpers():
+    b, h, nq, nk, d, p, seed, offset = 2, 2, 100, 150, 128, 0.4, 99, 4
+    q, k, v, _ = make(b, h, h, nq, nk, d, BF16, seed=4)
+    dout = torch.zeros(b, h, nq, d, device="cuda", dtype=BF16)
+    dout[:, :, torch.arange(nq), torch.arange(nq)] = 1  # dV[j, i] = P[i, j] keep[i, j] / (1 - p)
+    mask = dropout_mask(seed, offset, b, h, nq, nk, p, device="cuda")
+    for deterministic in (False, True):
+        vv = v.detach().requires_grad_()
+        with poisoned_allocations():
+            out = tileattn.attention(q, k, vv, deterministic=deterministic, dropout_p=p, seed=seed, offset=offset)
+            out.backward(dout)
+        kept = (vv.grad[..., :nq] != 0).transpose(-1, -2)  # [B, H, Nq, Nk]
+        bad = int((kept != mask).sum())
+        assert bad == 0, f"deterministic={deterministic}: {bad} backward mask elements differ from dropout_mask"
+
+
+def test_mask_does_not_depend_on_the_tiles():
+    from tileattn.kernels import attention_fwd_sm80 as fwd
+
+    b, h, nq, nk, d, p, seed, offset = 1, 2, 130, 100, 128, 0.5, 5, 0
+    q, k, _, _ = make(b, h, h, nq, nk, d, BF16, seed=6)
+    v = _onehot_v(b, h, nk, d, BF16)
+    va = fwd.VariantArgs(dropout_p=p)
+    outs = []
+    for config in (fwd.VARIANT_DEFAULTS[128], fwd.FwdConfig(128, 32, 4, 2)):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((b, h, nq), float("nan"), device="cuda")
+        plan = fwd.forward_plan(q, k, v, out, lse, causal=False, scale=d ** -0.5, config=config, variants=va)
+        plan.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), 0, seed, offset)
+        outs.append(out[..., :nk] != 0)
+    assert torch.equal(outs[0], outs[1]), f"BLOCK_N 64 and 32 give masks differing in {int((outs[0] != outs[1]).sum())}"
+    assert torch.equal(outs[0], dropout_mask(seed, offset, b, h, nq, nk, p, device="cuda"))
+
+
+def test_different_seeds_give_different_masks_and_generators_advance():
+    b, h, nq, nk, d, p = 1, 2, 64, 64, 64, 0.5
+    q, k, _, _ = make(b, h, h, nq, nk, d, BF16, seed=7)
+    v = _onehot_v(b, h, nk, d, BF16)
+
+    def kept(**kw):
+        return tileattn.attention(q, k, v, dropout_p=p, **kw)[..., :nk] != 0
+
+    a, b2 = kept(seed=1), kept(seed=2)
+    agree = (a == b2).double().mean().item()
+    assert 0.4 < agree < 0.6, f"masks of seeds 1 and 2 agree on {agree:.3f} (independent: 0.5)"
+    g = torch.Generator(device="cuda").manual_seed(42)
+    off0 = g.get_offset()
+    first, second = kept(generator=g), kept(generator=g)
+    assert torch.equal(first, kept(seed=42, offset=off0)), "generator: not its seed and offset"
+    assert torch.equal(second, kept(seed=42, offset=off0 + 4)), "generator: offset not advanced by 4"
+    assert not torch.equal(first, second), "two draws from one generator gave one mask"
+
+
+def test_dropout_zero_is_the_plain_kernel():
+    q, k, v, _ = make(2, 4, 2, 100, 120, 64, BF16, seed=8)
+    plain = tileattn.attention(q, k, v, True)
+    assert torch.equal(tileattn.attention(q, k, v, True, dropout_p=0.0), plain), "dropout_p=0.0 changed the result"
+
+
+# ---------------------------------------------------------------------------------------------
+# varlen
+# ---------------------------------------------------------------------------------------------
+def _packed(lens_q, lens_k, h, hkv, d, dtype, seed):
+    g = _gen(seed)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(tq, h, d, device="cuda", generator=g).to(dtype)
+    k = torch.randn(tk, hkv, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(tk, hkv, d, device="cuda", generator=g).to(dtype)
+    dout = torch.randn(tq, h, d, device="cuda", generator=g).to(dtype)
+
+    def cu(lens):
+        return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+
+    return q, k, v, dout, cu(lens_q), cu(lens_k)
+
+
+@pytest.mark.parametrize("case", ["window_causal", "softcap_extreme", "alibi_bh_causal", "dropout", "everything"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+def test_varlen_variants_match_reference(d, case, deterministic):
+    causal, options, _ = CASES[case]
+    lens_q, lens_k, h, hkv, dtype = [70, 0, 129, 1], [100, 5, 129, 40], 4, 2, BF16
+    q, k, v, dout, cu_q, cu_k = _packed(lens_q, lens_k, h, hkv, d, dtype, seed=d + len(case))
+    opts = _opts(options, len(lens_q), h)
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    with poisoned_allocations():
+        out, lse = tileattn.attention_varlen(qg, kg, vg, cu_q, cu_k, max(lens_q), max(lens_k), causal,
+                                             return_lse=True, deterministic=deterministic, **opts)
+        out.backward(dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    rout, rlse = reference.attention_varlen(q64, k64, v64, cu_q, cu_k, max(lens_q), max(lens_k), causal,
+                                            return_lse=True, compute_dtype=F64, **opts)
+    rout.backward(dout.double())
+    what = f"varlen d={d} {case} det={deterministic}"
+    check((out.detach(), lse, (qg.grad, kg.grad, vg.grad)), (rout.detach(), rlse, (q64.grad, k64.grad, v64.grad)),
+          dtype, what)
+
+
+# ---------------------------------------------------------------------------------------------
+# small cases for compute-sanitizer
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.sanitize
+@pytest.mark.parametrize("case", ["window_causal", "everything"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+def test_sanitize_small(case, deterministic):
+    causal, options, scale_inputs = CASES[case]
+    b, h, hkv, nq, nk, d = 1, 2, 1, 33, 70, 64
+    q, k, v, dout = make(b, h, hkv, nq, nk, d, FP16, seed=11, scale_inputs=scale_inputs)
+    opts = _opts(options, b, h)
+    check(run_op(q, k, v, dout, causal, opts, deterministic=deterministic), run_ref(q, k, v, dout, causal, opts),
+          FP16, f"sanitize {case} det={deterministic}")
+    lens = [17, 0, 33]
+    qv, kv_, vv, dv_, cu_q, cu_k = _packed(lens, [20, 3, 33], h, hkv, d, FP16, seed=12)
+    qv.requires_grad_()
+    with poisoned_allocations():
+        out = tileattn.attention_varlen(qv, kv_, vv, cu_q, cu_k, 33, 33, causal, deterministic=deterministic, **opts)
+        out.backward(dv_)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all() and torch.isfinite(qv.grad).all(), "sanitize varlen: NaN"
