@@ -305,18 +305,22 @@ def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, c
     return 10.0 * batch * heads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0)
 
 
-def _median_ms(fn, reps: int) -> float:
-    """Median milliseconds of fn() over `reps` timed runs (CUDA events), after two warm-up runs."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
+def _median_ms(fn, reps: int, budget_s: float = 1.5) -> float:
+    """Median milliseconds of fn() over `reps` timed runs (CUDA events) after two warm-up runs, fewer
+    (at least 3) where `reps` runs would take over budget_s (N = 32768 backward passes take 0.3-1 s
+    each; the benchmark must fit a 10-minute device call)."""
+    def timed() -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        return start.elapsed_time(end)
+
+    fn()
+    times = [timed()]  # the second warm-up, timed to size the run
+    reps = max(3, min(reps, int(budget_s * 1e3 / max(times[0], 1e-3))))
+    times = [timed() for _ in range(reps)]
     return sorted(times)[len(times) // 2]
 
 
