@@ -85,6 +85,27 @@ constexpr float kRescaleThreshold = 8.0f;
 // s * scale_log2 - shift finite and makes the first real key's rescale factor exactly 0).
 constexpr float kNoKeyShift = -1.2676506002282294e30f;  // -2^100
 
+// cp.async of 16 bytes of a cache row with an L2 prefetch-size hint: on a miss L2 fetches the
+// aligned 128 (or 64) bytes around it. The loader's warp instructions cover 32 / kTPR rows x kTPR
+// chunks, so one 128-byte line of a row is requested by several instructions of the same threads
+// a few cycles apart; the hint makes the first of them bring the line in whole (the rest of the
+// row is read right after), never bytes of another head's row: rows of a multiple of 128 bytes
+// (d = 64, 128, 256) take the 128-byte hint, d = 32 (64-byte rows) and d = 96 (192) the 64-byte one.
+template <int kRowBytes>
+__device__ __forceinline__ void cp_async_16_row(u32 smem_dst, const void* gmem_src, bool valid) {
+  static_assert(kRowBytes % 64 == 0, "cache rows of whole 64-byte units");
+  const int src_bytes = valid ? 16 : 0;
+  if constexpr (kRowBytes % 128 != 0) {
+    asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
+                 "r"(src_bytes)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
+                 "r"(src_bytes)
+                 : "memory");
+  }
+}
+
 // Fetch the 128-byte line holding `ptr` into L2, without waiting (PTX prefetch; no register is
 // written). Used to warm the block-table slice a CTA will read, so that each tile's table read,
 // which sits in front of the tile's cp.async, costs an L2 hit instead of an HBM round trip.
@@ -307,8 +328,8 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
     const u32 dst = stage * kTileKV + Tile::chunk(r, q);
 #pragma unroll
     for (int j = 0; j < kChunks / kTPR; ++j) {
-      cp_async_16(sK + (dst ^ (16 * kTPR * j)), kp + 8 * kTPR * j, valid);
-      cp_async_16(sV + (dst ^ (16 * kTPR * j)), vp + 8 * kTPR * j, valid);
+      cp_async_16_row<2 * kHeadDim>(sK + (dst ^ (16 * kTPR * j)), kp + 8 * kTPR * j, valid);
+      cp_async_16_row<2 * kHeadDim>(sV + (dst ^ (16 * kTPR * j)), vp + 8 * kTPR * j, valid);
     }
     return in_range && !ok;
   };
