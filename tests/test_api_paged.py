@@ -158,14 +158,15 @@ def test_write_kv_cache_rejects(change, match):
         api_paged.write_kv_cache(**write_args(**change))
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("head_dim", paged.HEAD_DIMS)
-def test_pick_config_by_rows(head_dim):
-    decode, small, prefill = paged.CONFIGS[head_dim]
-    assert paged.pick_config(head_dim, 1) is decode
-    assert paged.pick_config(head_dim, 16) is decode  # GQA-8 with 2 speculative tokens
-    assert paged.pick_config(head_dim, 17) is small
-    assert paged.pick_config(head_dim, 64) is small
-    assert paged.pick_config(head_dim, 65) is prefill
+def test_pick_config_by_rows(head_dim, arch):
+    decode, small, prefill = paged.configs(head_dim, arch)
+    assert paged.pick_config(head_dim, 1, arch) is decode
+    assert paged.pick_config(head_dim, 16, arch) is decode  # GQA-8 with 2 speculative tokens
+    assert paged.pick_config(head_dim, 17, arch) is small
+    assert paged.pick_config(head_dim, 64, arch) is small
+    assert paged.pick_config(head_dim, 65, arch) is prefill
     for config in (decode, small, prefill):
         assert config.block_m // config.warps_m in (16, 32) and config.block_m % config.warps_m == 0, config
         assert config.warps_n == 1 or config.block_m == 16, config
@@ -197,6 +198,12 @@ def test_every_launch_expression_is_registered():
         for bf16 in (False, True):
             for config in paged.CONFIGS[d]:
                 fam.require(paged.expression(d, config, bf16))
+            for arch in paged.ARCH_CONFIGS:  # the arch tables' own tiles: in the arch's family
+                arch_fam = family(paged.ARCH_FAMILY_NAME[arch])
+                assert arch_fam.archs == (arch,)
+                for config in paged.configs(d, arch):
+                    expr = paged.expression(d, config, bf16)
+                    (arch_fam if expr in arch_fam.instantiations else fam).require(expr)
     kv = family(kv_cache.FAMILY_NAME)
     for name in ("int32", "int64"):
         kv.require(kv_cache.expression(name))

@@ -15,7 +15,9 @@ bandwidth is 4.3 TB/s (shared/ANCHORS.md). Points whose paged cache plus dense c
 Chunked prefill: a 512-token query chunk after a 4096-token cached prefix (4608 keys, causal,
 bottom-right aligned), B=8, H/Hkv 32/32 and 32/8, block_size 16 and 256, against tileattn's dense
 forward (tileattn.attention with Nq=512, Nk=4608) on the same work; TFLOP/s of useful FLOPs
-(each query row counts the keys it sees). SDPA is not a peer there: its is_causal is aligned
+(each query row counts the keys it sees). The other prefill tiles of the paged kernel (the sm_80
+table's, when the arch's differs, and the family's tuning candidates) are timed on the same work
+through the launch layer (impl tileattn_paged_tile, the tile in its column). SDPA is not a peer there: its is_causal is aligned
 top-left, which is a different mask when Nq < Nk.
 
 Every output is compared with a peer's on the same data before timing (rel_err in the record).
@@ -148,10 +150,22 @@ def useful_flops(batch, heads, n_q, n_k, d) -> float:
     return 4.0 * batch * heads * pairs * d
 
 
+def prefill_tiles(head_dim: int, arch: str) -> list:
+    """Prefill tiles to time through the launch layer beside the default (which the public op runs):
+    the sm_80 table's tile when the arch's differs, and the family's tuning candidates."""
+    from ..kernels import attention_paged_sm80 as paged
+
+    default = paged.configs(head_dim, arch)[2]
+    extra = [paged.CONFIGS[head_dim][2], *paged.PREFILL_TUNING.get(head_dim, ())]
+    return [c for c in dict.fromkeys(extra) if c != default]
+
+
 def prefill_point(heads, kv_heads, block_sizes, reps, chunk=512, prefix=4096, batch=8) -> list[dict]:
     import tileattn
 
     from ..api_paged import attention_paged
+    from ..kernels.attention_paged_sm80 import PagedLaunch, pick_config
+    from ..runtime import device_arch
 
     n_k = prefix + chunk
     base = {"suite": "prefill_chunk", "b": batch, "h": heads, "hkv": kv_heads, "chunk": chunk, "prefix": prefix,
@@ -180,8 +194,20 @@ def prefill_point(heads, kv_heads, block_sizes, reps, chunk=512, prefix=4096, ba
             call = functools.partial(attention_paged, q_packed, k_cache, v_cache, table, cu_q, seqlens, chunk, n_k)
             err = rel_err(call(), ref)
             t = measure(call, reps=reps, max_seconds=3.0, memory=False)
+            config = pick_config(HEAD_DIM, chunk * heads // kv_heads, device_arch())
             records.append(dict(base, impl="tileattn_paged", block_size=bs, status="ok", rel_err_vs_dense=err,
-                                tflops=flops / (t.median_ms * 1e-3) / 1e12, us=t.median_ms * 1e3, **t.as_dict()))
+                                config=str(config), tflops=flops / (t.median_ms * 1e-3) / 1e12,
+                                us=t.median_ms * 1e3, **t.as_dict()))
+            args = (q_packed, k_cache, v_cache, table, cu_q, seqlens)
+            for tile in prefill_tiles(HEAD_DIM, device_arch()):  # other tiles, same work (launch layer)
+                launch = PagedLaunch(q_packed, k_cache, v_cache, table, max_seqlen_q=chunk, causal=True,
+                                     scale=1 / math.sqrt(HEAD_DIM), return_lse=False, num_splits=None, config=tile)
+                run = functools.partial(launch, *args)
+                err = rel_err(run()[0], ref)
+                t = measure(run, reps=reps, max_seconds=3.0, memory=False)
+                records.append(dict(base, impl="tileattn_paged_tile", block_size=bs, status="ok", config=str(tile),
+                                    rel_err_vs_dense=err, tflops=flops / (t.median_ms * 1e-3) / 1e12,
+                                    us=t.median_ms * 1e3, **t.as_dict()))
             del call, k_cache, v_cache, kp, vp  # free this block size's cache before the next
             torch.cuda.empty_cache()
     return records
@@ -235,14 +261,14 @@ def render(records: list[dict]) -> str:
     lines += ["", f"(copy bandwidth {COPY_TBPS} TB/s; targets: >= 1.1x the best peer, >= 3.9 TB/s at B >= 8 with "
               "KV >= 4k, B=1 KV=4k <= 30 us)", "",
               "### chunked prefill: 512 queries after a 4096-key prefix, B=8, causal: TFLOP/s (useful FLOPs)", "",
-              "| H/Hkv | impl | block_size | TFLOP/s | us | vs dense | rel. error vs dense |",
-              "|---|---|---|---|---|---|---|"]
+              "| H/Hkv | impl | tile | block_size | TFLOP/s | us | vs dense | rel. error vs dense |",
+              "|---|---|---|---|---|---|---|---|"]
     dense = {(r["h"], r["hkv"]): r["tflops"] for r in records if r["suite"] == "prefill_chunk"
              and r["impl"] == "tileattn_dense"}
     for r in records:
         if r["suite"] == "prefill_chunk":
             ratio = r["tflops"] / dense[(r["h"], r["hkv"])] if (r["h"], r["hkv"]) in dense else None
-            lines.append(f"| {r['h']}/{r['hkv']} | {r['impl']} | {r.get('block_size', '-')} | "
+            lines.append(f"| {r['h']}/{r['hkv']} | {r['impl']} | {r.get('config', '-')} | {r.get('block_size', '-')} | "
                          f"{fmt_number(r['tflops'])} | {fmt_number(r['us'])} | {fmt_number(ratio)} | "
                          f"{fmt_number(r.get('rel_err_vs_dense'))} |")
     for r in records:

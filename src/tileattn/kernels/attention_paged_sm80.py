@@ -64,8 +64,8 @@ C = PagedConfig
 # H200 needs ~30 KB per SM to cover ~1 us of latency at 4.8 TB/s). d=256: 2 stages (136 KB, one
 # CTA per SM, 64 KB in flight). Prefill at d <= 128: 128 rows over 4 warps of 32 rows (two m16
 # tiles: half the shared-memory K/V reads per FLOP of 16-row warps), 64 KB at d=128 with 32-key
-# tiles, 253 registers (2 CTAs per SM), the dense forward's 128x32/w4/s2 shape; d=256: 8 warps of
-# 16 rows (O alone is 128 registers per m16 tile).
+# tiles, 240 registers (2 CTAs per SM); d=256: 8 warps of 16 rows (O alone is 128 registers per m16
+# tile). This table is what sm_80 runs; ARCH_CONFIGS overrides entries per arch.
 CONFIGS: dict[int, tuple[PagedConfig, PagedConfig, PagedConfig]] = {
     32: (C(16, 1, 4, 64, 4), C(64, 4, 1, 64, 3), C(128, 4, 1, 64, 2)),
     64: (C(16, 1, 4, 64, 4), C(64, 4, 1, 64, 3), C(128, 4, 1, 64, 2)),
@@ -83,13 +83,43 @@ def expression(head_dim: int, config: PagedConfig, bf16: bool) -> str:
     )
 
 
+# Per-arch replacements of CONFIGS entries. sm_90a, d=128 prefill: the dense forward's own
+# 128x64/w4/s2 tile (255 registers, 0 spills with sm_90a's uniform registers; sm_80's ptxas spills
+# 40 bytes there, so sm_80 keeps 128x32): the loader, barrier, row max and rescale vote per 64 keys
+# instead of 32, ~3.4 instead of ~4.0 SASS instructions per HMMA on the common path.
+ARCH_CONFIGS: dict[str, dict[int, tuple[PagedConfig, PagedConfig, PagedConfig]]] = {
+    "sm_90a": {128: (*CONFIGS[128][:2], C(128, 4, 1, 64, 2))},
+}
+
+
+def configs(head_dim: int, arch: str = "sm_80") -> tuple[PagedConfig, PagedConfig, PagedConfig]:
+    """(decode, small, prefill) configs of `head_dim` on `arch` ("sm_90a", "sm_80", ...)."""
+    return ARCH_CONFIGS.get(arch, {}).get(head_dim) or CONFIGS[head_dim]
+
+
 INSTANTIATIONS = tuple(expression(d, c, bf16) for d in HEAD_DIMS for bf16 in (False, True) for c in CONFIGS[d])
-FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a", "sm_80")),)
+# Instantiations only an arch's table uses: their own family, compiled (and checked) for that arch.
+ARCH_FAMILY_NAME = {arch: f"{FAMILY_NAME}_{arch}" for arch in ARCH_CONFIGS}
+ARCH_INSTANTIATIONS = {
+    arch: tuple(dict.fromkeys(
+        expression(d, c, bf16) for d, cs in table.items() for bf16 in (False, True) for c in cs
+        if expression(d, c, bf16) not in INSTANTIATIONS))
+    for arch, table in ARCH_CONFIGS.items()
+}  # fmt: skip
+# Candidates `tileattn bench decode` times beside the default chunked-prefill tile (bf16, d=128):
+# 128x32 with a third stage (2 K/V tiles of 32 keys in flight instead of 1: 80 KB, still 2 CTAs per
+# SM). The sm_80 default 128x32/s2 is an instantiation already.
+PREFILL_TUNING: dict[int, tuple[PagedConfig, ...]] = {128: (C(128, 4, 1, 32, 3),)}
+TUNING = tuple(expression(d, c, True) for d, cs in PREFILL_TUNING.items() for c in cs)
+FAMILIES = (
+    Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a", "sm_80"), tuning=TUNING),
+    *(Family(ARCH_FAMILY_NAME[arch], SOURCE, exprs, archs=(arch,)) for arch, exprs in ARCH_INSTANTIATIONS.items()),
+)
 
 
-def pick_config(head_dim: int, rows: int) -> PagedConfig:
-    """The warp layout for problems of up to `rows` = max_seqlen_q * (H / Hkv) rows."""
-    decode, small, prefill = CONFIGS[head_dim]
+def pick_config(head_dim: int, rows: int, arch: str = "sm_80") -> PagedConfig:
+    """The warp layout on `arch` for problems of up to `rows` = max_seqlen_q * (H / Hkv) rows."""
+    decode, small, prefill = configs(head_dim, arch)
     return decode if rows <= decode.block_m else small if rows <= small.block_m else prefill
 
 
@@ -115,10 +145,11 @@ def choose_num_splits(ctas: int, sm_count: int, ctas_per_sm: int, capacity: int,
     return next(s for s in range(1, most + 1) if efficiency(s) >= 0.85 * best)
 
 
-def _load(device_index: int, expr: str, smem: int):
+def _load(device_index: int, arch: str, expr: str, smem: int):
     from . import load
 
-    kern = load(FAMILY_NAME, expr, device_index)
+    own = arch in ARCH_INSTANTIATIONS and expr in ARCH_INSTANTIATIONS[arch]
+    kern = load(ARCH_FAMILY_NAME[arch] if own else FAMILY_NAME, expr, device_index)
     if smem:
         kern.reserve_dynamic_smem(smem)  # > 48 KB needs the opt-in attribute, once
     return kern
@@ -166,8 +197,8 @@ class PagedLaunch:
     call). Calling it allocates out/lse/workspaces and launches one kernel."""
 
     def __init__(self, q, k_cache, v_cache, block_table, *, max_seqlen_q: int, causal: bool, scale: float,
-                 return_lse: bool, num_splits: int | None):
-        from ..runtime import LaunchPlan, device_sm_count, device_smem_optin
+                 return_lse: bool, num_splits: int | None, config: PagedConfig | None = None):
+        from ..runtime import LaunchPlan, device_arch, device_sm_count, device_smem_optin
 
         num_tokens, heads, head_dim = q.shape
         num_blocks, block_size, kv_heads, _ = k_cache.shape
@@ -175,7 +206,8 @@ class PagedLaunch:
         group = heads // kv_heads
         device = q.device.index
         bf16 = q.dtype == torch.bfloat16
-        config = pick_config(head_dim, max_seqlen_q * group)
+        arch = device_arch(device)
+        config = config or pick_config(head_dim, max_seqlen_q * group, arch)  # an explicit one: tuning benchmarks
         m_tiles = -(-max_seqlen_q * group // config.block_m)
         smem = config.smem_bytes(head_dim)
         if num_splits is None:
@@ -200,7 +232,7 @@ class PagedLaunch:
             i32(block_table.stride(0)), i32(num_blocks), i32(max_blocks), i32(block_size.bit_length() - 1),
             i32(num_tokens), i32(heads), i32(group), i32(num_splits), i32(bool(causal)), np.float32(scale * LOG2E),
         )  # fmt: skip
-        kern = _load(device, expression(head_dim, config, bf16), smem)
+        kern = _load(device, arch, expression(head_dim, config, bf16), smem)
         grid = (m_tiles, kv_heads * num_splits, batch)
         self.groups = m_tiles * kv_heads * batch  # split-KV arrival counters
         self._main = LaunchPlan(kern, grid, (config.threads, 1, 1), args, smem, dynamic=range(11))
@@ -238,10 +270,15 @@ __all__ = [
     "HEAD_DIMS",
     "INSTANTIATIONS",
     "PagedConfig",
+    "ARCH_CONFIGS",
+    "ARCH_FAMILY_NAME",
+    "ARCH_INSTANTIATIONS",
+    "PREFILL_TUNING",
     "PagedLaunch",
     "arrival_counters",
     "bytes_read",
     "choose_num_splits",
+    "configs",
     "expression",
     "pick_config",
 ]
