@@ -143,7 +143,7 @@ template <int kMTiles, int kNBlocks, int kBlockM, int kBlockN, int kRowsPerWarp>
 __device__ __forceinline__ void apply_variants(float (&s_acc)[kMTiles][kNBlocks][4], const Variants& va, int n,
                                                int seqlen_q, int seqlen_k, int tid_l) {
   const int lane = tid_l & 31, g = lane >> 2, t = lane & 3;
-  const CtaId c = cta_id<false>();
+  const CtaId c = cta_id<true>();  // the variant kernels hand out query tiles last-to-first
   const int row_t = c.m_block * kBlockM;  // first row of the tile
   const int diag = seqlen_k - seqlen_q;
   const int key_b = n * kBlockN;
@@ -213,6 +213,9 @@ __device__ __forceinline__ void attention_fwd_body(
   static_assert(!kVariants || (!kCausal && kBlockN % 32 == 0), "variants: causal is a window; dropout bits per 32 keys");
   // Logits of the variant kernels are already scaled (log2 units) when the softmax sees them.
   const float sl2 = kVariants ? 1.f : scale_log2;
+  // Query tiles last-to-first (see cta_id): causal, and the variant kernels (a causal window makes
+  // the first tiles lighter; for equal tiles the order is irrelevant).
+  constexpr bool kReverse = kCausal || kVariants;
   // Unpadded rows (d = 96: 12 chunks, the split swizzle) keep d = 96 at 72 KB per CTA.
   using Tile = SwizzledTile<kHeadDim, false>;
   // Power-of-two pitches (every d but 96) step ldmatrix chunk pairs by XOR; d = 96 keeps a table.
@@ -229,7 +232,7 @@ __device__ __forceinline__ void attention_fwd_body(
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const CtaId cta = cta_id<kCausal>();
+  const CtaId cta = cta_id<kReverse>();
   const int head = cta.head;
   const int batch = cta.batch;
   const int kv_head = static_cast<int>((static_cast<uint64_t>(head) * kv_group_magic) >> 32);
@@ -351,7 +354,7 @@ __device__ __forceinline__ void attention_fwd_body(
       if (pf < n_iters) {
         const int pn = n_end - 1 - pf;
         const int ps = pf % kStages;
-        const CtaId c = cta_id<kCausal>();
+        const CtaId c = cta_id<kReverse>();
         const int kvh = static_cast<int>((static_cast<uint64_t>(c.head) * kv_group_magic) >> 32);
         const u16* const k_b = k + c.batch * k_sb + span.k0 * k_sr + kvh * k_sh;  // [Nk, d] of this kv head
         const u16* const v_b = v + c.batch * v_sb + span.k0 * v_sr + kvh * v_sh;
@@ -418,7 +421,7 @@ __device__ __forceinline__ void attention_fwd_body(
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int row = cta_id<kCausal>().m_block * kBlockM + wrow0 + mt * 16 + g + 8 * h;
+          const int row = cta_id<kReverse>().m_block * kBlockM + wrow0 + mt * 16 + g + 8 * h;
           // last visible key of this row (may be < 0: the row sees nothing)
           const int limit = kCausal ? min(seqlen_k - 1, row + diag) : seqlen_k - 1;
 #pragma unroll
@@ -486,7 +489,7 @@ __device__ __forceinline__ void attention_fwd_body(
           if (va.drop_thr != 0u) {
             const int tid_d = opaque(tid);
             const int lane_d = tid_d & 31, t = lane_d & 3;
-            const CtaId c = cta_id<kCausal>();
+            const CtaId c = cta_id<kReverse>();
             const int key = n * kBlockN + nb * 8 + 2 * t;
             if ((nb & 3) == 0) {
               const int row = c.m_block * kBlockM + (tid_d >> 5) * kRowsPerWarp + mt * 16 + (lane_d >> 2);
@@ -530,7 +533,7 @@ __device__ __forceinline__ void attention_fwd_body(
     const int tid_e = opaque(tid);  // see the main loop: nothing thread-specific lives across it
     const int lane_e = tid_e & 31, g_e = lane_e >> 2, t_e = lane_e & 3;
     const int wrow0 = (tid_e >> 5) * kRowsPerWarp;
-    const CtaId cta_e = cta_id<kCausal>();
+    const CtaId cta_e = cta_id<kReverse>();
     const int row0 = cta_e.m_block * kBlockM;
     // Re-read (varlen), not kept from the prologue: nothing of the span but k0 lives across the loop.
     const SeqSpan span_e = seq_span<kVarlen, true>(cu_seqlens_q, cu_seqlens_k, cta_e.batch, seqlen_q_arg, seqlen_k_arg);
