@@ -122,6 +122,13 @@ __device__ __forceinline__ int ldg_now(const int* ptr) {
   return v;
 }
 
+// atomicAdd(counter, 1) with acq_rel semantics at GPU scope; returns the old value.
+__device__ __forceinline__ int arrive_acq_rel(int* counter) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+  return old;
+}
+
 // Which keys a CTA visits. Keys [0, kv_end) are visible to some row of the M tile; keys below
 // unmasked_end are visible to every row (no causal or length mask needed there).
 struct KeyRange {
@@ -642,19 +649,21 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   if (num_splits == 1) return;
 
   // ---- Split-KV: the last split of this (M tile, KV head, sequence) to finish combines ---------
-  // Each split publishes its partials (__threadfence, then one arrival per CTA on the group's
-  // counter); the CTA whose arrival completes the count reads every split's partials back from L2
-  // (ld.global.cg: other SMs wrote them during this launch) and writes out / lse. It then resets
-  // the counter, so the counters are zero between launches (also across CUDA-graph replays) and no
-  // second kernel, launch gap or host launch is needed. Counters are per launch stream (host).
-  __threadfence();
+  // Each split publishes its partials with one arrival per CTA on the group's counter: the barrier
+  // orders every thread's partial stores before thread 0's atom.acq_rel.gpu, whose release half
+  // (cumulative) publishes them device-wide and whose acquire half, in the CTA that completes the
+  // count, makes the other splits' partials visible; the barrier that broadcasts "last" extends
+  // that to the CTA's threads (CUTLASS's semaphore pattern, without a membar per thread). That CTA
+  // reads the partials back from L2 (ld.global.cg: other SMs wrote them during this launch), writes
+  // out / lse, and resets the counter, so counters are zero between launches (also across
+  // CUDA-graph replays) and no second kernel, launch gap or host launch is needed. Counters are
+  // per launch stream (host).
   __syncthreads();
   int* const counter = counters + (static_cast<int64_t>(b) * (gridDim.y / num_splits) + kv_head) * gridDim.x + m_tile;
   int arrived = 0;
-  if (tid == 0) arrived = atomicAdd(counter, 1) + 1;
+  if (tid == 0) arrived = arrive_acq_rel(counter) + 1;
   if (!__syncthreads_or(arrived == num_splits)) return;
   if (tid == 0) *counter = 0;  // all num_splits arrivals of this launch are in
-  __threadfence();
   const int row_end = min(row0 + kBlockM, rows);
   for (int r = row0 + warp; r < row_end; r += kWarps) {
     const int tok = q_start + r / group;
