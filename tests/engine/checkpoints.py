@@ -41,10 +41,11 @@ def save_tokenizer(path) -> None:
     fast.save_pretrained(path)
 
 
-def make_checkpoint(path, arch: str, seed: int = 0, kernel_head_dims: bool = False):
+def make_checkpoint(path, arch: str, seed: int = 0, kernel_head_dims: bool = False, overrides: dict | None = None):
     """Write a tiny checkpoint of ``arch`` (a key of ARCHITECTURES) to ``path``; returns the
     transformers model (fp32, eval) for use as the oracle. kernel_head_dims: head_dim 64 (128 for
-    Qwen3's explicit one), sizes tileattn's CUDA paged kernels support; else 16 (24)."""
+    Qwen3's explicit one), sizes tileattn's CUDA paged kernels support; else 16 (24).
+    overrides: config fields replacing the defaults (e.g. num_key_value_heads)."""
     import transformers
 
     class_name, options = ARCHITECTURES[arch]
@@ -54,7 +55,7 @@ def make_checkpoint(path, arch: str, seed: int = 0, kernel_head_dims: bool = Fal
                   bos_token_id=0, eos_token_id=1)
     if kernel_head_dims and "head_dim" in options:
         options = {**options, "head_dim": 128}
-    config = getattr(transformers, class_name)(**{**fields, **options})
+    config = getattr(transformers, class_name)(**{**fields, **options, **(overrides or {})})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Larger weights than the default init (0.15 at hidden 64, activations of unit scale at any
@@ -71,17 +72,15 @@ def make_checkpoint(path, arch: str, seed: int = 0, kernel_head_dims: bool = Fal
 
 def engine_logits(engine, token_ids) -> torch.Tensor:
     """float32 logits [T, vocab] of the engine's model over a whole prompt, through the paged
-    cache and the same input preparation the engine's steps use."""
+    cache and the same input preparation the engine's steps use (and, tensor parallel, the same
+    broadcast to the workers)."""
     from tileattn.engine.sampling_params import SamplingParams
     from tileattn.engine.sequence import Request
 
     seq = Request("logits", token_ids, SamplingParams()).seqs[0]
     assert engine.block_manager.ensure_slots(seq, len(token_ids))
     try:
-        inputs = engine.runner.prepare_inputs([(seq, len(token_ids))])
-        with torch.inference_mode():
-            hidden = engine.runner.model(inputs["input_ids"], inputs["positions"], inputs["batch"])
-            return engine.runner.model.compute_logits(hidden)
+        return engine.runner.all_logits([(seq, len(token_ids))])
     finally:
         engine.block_manager.free(seq)
 

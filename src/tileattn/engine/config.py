@@ -46,7 +46,8 @@ class EngineConfig:
     dtype: compute dtype; None/"auto" -> the checkpoint's (bf16/fp16) on CUDA, float32 on CPU.
     enforce_eager: no CUDA graphs.
     device: "cuda", "cuda:1", "cpu"; None -> cuda when available.
-    tensor_parallel_size: only 1 is implemented.
+    tensor_parallel_size: ranks of tensor parallelism (one process and GPU each; gloo ranks on CPU);
+        see docs/tensor_parallel.md.
     kv_cache_blocks: an explicit block count (the default on CPU is a 256 MiB cache).
     Raises ValueError naming the bad field (see validate()).
     """
@@ -74,7 +75,7 @@ class EngineConfig:
 
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a checkpoint path, got {self.model!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             positive(name)
         if self.max_model_len is not None:
             positive("max_model_len")
@@ -82,8 +83,6 @@ class EngineConfig:
             positive("kv_cache_blocks")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: only 1 is implemented")
         self.dtype = parse_dtype(self.dtype)
         if self.device is not None:
             try:

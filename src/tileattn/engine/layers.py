@@ -59,6 +59,22 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class RowParallelLinear(Linear):
+    """Linear whose input features are split across tensor-parallel ranks (weight [out, in / N]):
+    each rank multiplies its part, one all-reduce sums the partial products, the bias is added once
+    after it. With one rank, a plain Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, tp):
+        super().__init__(in_features, out_features, bias, dtype)
+        self.tp = tp
+
+    def forward(self, x):  # x [T, in / N] -> [T, out]
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight through torch's rms_norm: one fused kernel on CUDA that accumulates in
     float32 (the mean of squares of a bf16 row loses too many bits otherwise), where the written-out
@@ -137,13 +153,14 @@ def apply_rotary(x, rope):  # x [T, heads, d] (any strides); rope = (cos, sin) [
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up in one [2 * ffn, hidden] GEMM."""
+    """down(silu(gate(x)) * up(x)) with gate and up in one [2 * ffn, hidden] GEMM. Tensor parallel
+    (tp: TensorParallel): ``ffn`` is this rank's part, gate/up column-parallel, down row-parallel."""
 
-    def __init__(self, hidden: int, ffn: int, bias: bool, dtype: torch.dtype):
+    def __init__(self, hidden: int, ffn: int, bias: bool, dtype: torch.dtype, tp):
         super().__init__()
         self.ffn = ffn
         self.gate_up_proj = Linear(hidden, 2 * ffn, bias, dtype)
-        self.down_proj = Linear(ffn, hidden, bias, dtype)
+        self.down_proj = RowParallelLinear(ffn, hidden, bias, dtype, tp)
 
     def forward(self, x):  # x [T, hidden]
         gate, up = self.gate_up_proj(x).split(self.ffn, dim=-1)  # [T, ffn] each
@@ -153,15 +170,19 @@ class GatedMLP(nn.Module):
 class PagedAttention(nn.Module):
     """Self-attention: fused qkv projection, optional per-head q/k RMSNorm (Qwen3), rotary, the new
     k/v written into the paged cache, then attention of the step's queries over each sequence's
-    cached keys (prefill, chunked prefill and decode all take this one path)."""
+    cached keys (prefill, chunked prefill and decode all take this one path).
 
-    def __init__(self, cfg, dtype: torch.dtype):
+    Tensor parallel (tp: TensorParallel): this rank's heads and KV heads only (qkv column-parallel,
+    o row-parallel), its KV cache holds its KV heads."""
+
+    def __init__(self, cfg, dtype: torch.dtype, tp):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.heads, self.head_dim = tp.split(cfg.num_heads)[1], cfg.head_dim
+        self.kv_heads = tp.kv_heads(cfg.num_kv_heads)[1]
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype, tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         # Set by the model runner: [num_blocks, block_size, Hkv, d] views of its one cache tensor,

@@ -8,14 +8,17 @@ blocks back.
 
 from __future__ import annotations
 
+import contextlib
 import time
+import weakref
 
 import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import detokenize, find_stop, visible_text_length
-from .loader import load_model
+from .distributed import Workers, check_tensor_parallel, rank_devices
+from .loader import load_model, read_model_config
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
@@ -27,8 +30,15 @@ class LLMEngine:
     """Contract B. Construction loads the checkpoint, sizes the KV cache and (on CUDA, unless
     enforce_eager) captures the decode graphs; startup_seconds records how long that took.
 
+    tensor_parallel_size N > 1: the model is split over N ranks (docs/tensor_parallel.md); this
+    process is rank 0 and starts N - 1 worker processes, stopped by shutdown() (also called when the
+    engine is garbage-collected or at interpreter exit). A worker that dies makes the running call
+    raise distributed.TensorParallelError naming its rank.
+
     Raises FileNotFoundError / ValueError from the loader (missing checkpoint or tokenizer,
-    unsupported architecture) and ValueError when max_model_len does not fit the model or the cache.
+    unsupported architecture) and ValueError when max_model_len does not fit the model or the cache;
+    with N > 1 also ValueError, before any process starts, when the model's heads, KV heads,
+    intermediate size or vocabulary do not split N ways or fewer than N GPUs are visible.
     """
 
     def __init__(self, config: EngineConfig):
@@ -42,14 +52,28 @@ class LLMEngine:
         if device.type == "cuda":
             torch.cuda.set_device(device)  # graphs, streams and the kernels' launches follow it
         self.device = device
-        loaded = load_model(config.model, device, config.dtype, max_model_len=config.max_model_len)
+        self.workers = None
+        tp = None
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(read_model_config(config.model), config.tensor_parallel_size)
+            self.workers = Workers(config, rank_devices(device, config.tensor_parallel_size))
+            self._finalizer = weakref.finalize(self, self.workers.shutdown)
+            tp = self.workers.tp
+        try:
+            with self._guard():
+                loaded = load_model(config.model, device, config.dtype, max_model_len=config.max_model_len, tp=tp)
+                self.runner = ModelRunner(loaded, config, device, config.max_model_len, tp=tp)
+        except BaseException:
+            self.shutdown()
+            raise
+        if self.workers is not None:
+            self.workers.started = True
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.generation_defaults = dict(loaded.generation_defaults)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.dtype = loaded.dtype
-        self.runner = ModelRunner(loaded, config, device, config.max_model_len)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -60,6 +84,15 @@ class LLMEngine:
     @classmethod
     def from_model(cls, model: str, **options) -> LLMEngine:
         return cls(EngineConfig(model=model, **options))
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op with one rank); idempotent. The engine cannot
+        step afterwards."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
+    def _guard(self):
+        return self.workers.guard() if self.workers is not None else contextlib.nullcontext()
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -129,7 +162,8 @@ class LLMEngine:
             return []
         decode = sum(1 for seq, n in scheduled if n == 1 and seq.num_output_tokens > 0
                      and seq.num_computed_tokens == seq.num_tokens - 1)
-        result = self.runner.execute(scheduled)
+        with self._guard():
+            result = self.runner.execute(scheduled)
         for seq, n in scheduled:
             seq.num_computed_tokens += n
             self.block_manager.register_full_blocks(seq)
@@ -199,6 +233,10 @@ class LLM:
     def __init__(self, model: str, **engine_options):
         self.engine = LLMEngine.from_model(model, **engine_options)
         self.tokenizer = self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (LLMEngine.shutdown)."""
+        self.engine.shutdown()
 
     def default_sampling_params(self) -> SamplingParams:
         """The checkpoint's generation_config.json defaults (greedy when it sets do_sample False)."""

@@ -88,19 +88,31 @@ def default_dtype(device: torch.device, checkpoint_dtype: torch.dtype | None) ->
     return checkpoint_dtype if checkpoint_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
-def load_model(path: str, device, dtype=None, max_model_len: int | None = None) -> LoadedModel:
+def load_model(path: str, device, dtype=None, max_model_len: int | None = None, tp=None) -> LoadedModel:
     """Load a checkpoint (see the module docstring) onto ``device`` in ``dtype`` (None: default_dtype).
 
     max_model_len: the longest sequence the engine will run (sizes the rotary table; default:
     the model's context length, or its sliding window when it has one).
+    tp: this rank's TensorParallel (distributed.py): only its shard is kept; None: the whole model.
     Raises FileNotFoundError (missing checkpoint / tokenizer files), ValueError (unreadable file,
     unsupported architecture named, weights that do not match the config, max_model_len beyond
-    the model's context length), all before any weight is read."""
+    the model's context length, a model tp.size ranks cannot split), all before any weight is read."""
     device = torch.device(device)
     kind, path = resolve_checkpoint(path)
     if kind == "gguf":
-        return _load_gguf(path, device, dtype, max_model_len)
-    return _load_hf(path, device, dtype, max_model_len)
+        return _load_gguf(path, device, dtype, max_model_len, tp)
+    return _load_hf(path, device, dtype, max_model_len, tp)
+
+
+def read_model_config(path: str) -> ModelConfig:
+    """The ModelConfig of a checkpoint, without reading weights or the tokenizer (for checks made
+    before any work starts). Raises as load_model does for a missing or unreadable checkpoint."""
+    kind, path = resolve_checkpoint(path)
+    if kind == "gguf":
+        reader = _gguf_reader(path)
+        shapes = {t.name: tuple(int(s) for s in reversed(t.shape)) for t in reader.tensors}
+        return model_config_from_gguf(_gguf_metadata(reader), set(shapes), shapes)
+    return _hf_config(path)
 
 
 def model_length_limit(cfg: ModelConfig) -> int:
@@ -178,14 +190,18 @@ def _safe_dtype(value):
         return None
 
 
-def _load_hf(path, device, dtype, max_model_len):
-    from safetensors import SafetensorError, safe_open
-
+def _hf_config(path) -> ModelConfig:
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            cfg = model_config_from_hf(json.load(f))
+            return model_config_from_hf(json.load(f))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}/config.json is not valid JSON: {exc}") from None
+
+
+def _load_hf(path, device, dtype, max_model_len, tp):
+    from safetensors import SafetensorError, safe_open
+
+    cfg = _hf_config(path)
     rows = _rotary_rows(cfg, max_model_len)
     files = _safetensors_files(path)
     tokenizer = Tokenizer.from_hf_dir(path)
@@ -196,7 +212,7 @@ def _load_hf(path, device, dtype, max_model_len):
             defaults = json.load(f)
     dtype = parse_dtype(dtype) or default_dtype(device, cfg.torch_dtype)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, dtype, rows)
+        model = LlamaForCausalLM(cfg, dtype, rows, tp)
     for file in files:
         try:
             # On CUDA each tensor goes to the GPU as stored and is cast there by the copy.
@@ -317,14 +333,19 @@ def model_config_from_gguf(meta: dict, tensor_names: set[str], tensor_shapes: di
     return cfg
 
 
-def _load_gguf(path, device, dtype, max_model_len):
+def _gguf_reader(path):
     import gguf
-    from gguf.quants import dequantize
 
     try:
-        reader = gguf.GGUFReader(path)
+        return gguf.GGUFReader(path)
     except Exception as exc:  # gguf raises ValueError / struct errors for truncated files
         raise ValueError(f"cannot read GGUF file {path}: {exc}") from None
+
+
+def _load_gguf(path, device, dtype, max_model_len, tp):
+    from gguf.quants import dequantize
+
+    reader = _gguf_reader(path)
     meta = _gguf_metadata(reader)
     # GGUF lists dims innermost first; torch (and the dequantized array) outermost first.
     shapes = {t.name: tuple(int(s) for s in reversed(t.shape)) for t in reader.tensors}
@@ -337,7 +358,7 @@ def _load_gguf(path, device, dtype, max_model_len):
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     dtype = parse_dtype(dtype) or default_dtype(device, None)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, dtype, rows)
+        model = LlamaForCausalLM(cfg, dtype, rows, tp)
     permuted = meta.get("general.architecture") in ("llama", "mistral")
     for name, t in tensors.items():
         hf = _hf_name(name)

@@ -12,6 +12,12 @@ them all at once. Graphs are captured for a ladder of batch sizes up to max_num_
 static input buffers; a step with B sequences pads to the next captured size (padded rows write
 nothing to the cache: slot -1) and copies its inputs into the buffers before the replay. The
 attention op gets max_seqlen_k = max_model_len at capture, so one graph serves every length.
+
+Tensor parallel (distributed.py): every rank builds a runner in lock step (the KV-cache size is the
+smallest any rank can hold; each rank's cache holds its KV heads; every rank captures the same
+graphs, NCCL all-reduces inside). Rank 0's execute() broadcasts each step's packed inputs and the
+graph size it chose; the workers run the same forward on them in serve_steps(); the logits of the
+sampled rows are gathered on rank 0, which samples.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .distributed import CMD_LOGITS, CMD_STEP, CMD_STOP, TensorParallel
 from .layers import AttentionBatch, PagedAttention, paged_attention_ops
 from .loader import model_length_limit
 from .sampler import Sampler, apply_top_k_top_p, top_logprobs
@@ -47,9 +54,13 @@ def _check_kernel_support(head_dim: int, block_size: int) -> None:
 
 
 class ModelRunner:
-    """Raises ValueError when the KV cache cannot hold one sequence of max_model_len tokens."""
+    """tp: this rank's TensorParallel (None: one GPU); with N > 1 every rank constructs its runner at
+    the same time (they agree on the cache size). Raises ValueError when the KV cache cannot hold
+    one sequence of max_model_len tokens."""
 
-    def __init__(self, loaded, config, device: torch.device, max_model_len: int | None):
+    def __init__(self, loaded, config, device: torch.device, max_model_len: int | None,
+                 tp: TensorParallel | None = None):
+        self.tp = tp or TensorParallel()
         self.model = loaded.model
         self.cfg = loaded.config
         self.device = device
@@ -64,8 +75,9 @@ class ModelRunner:
         ops = paged_attention_ops(device)
         for layer in self.attention_layers:
             layer.ops = ops
+        self.kv_heads = self.attention_layers[0].kv_heads  # this rank's
 
-        self.num_blocks = config.kv_cache_blocks or self._blocks_that_fit(config)
+        self.num_blocks = self.tp.min_over_ranks(config.kv_cache_blocks or self._blocks_that_fit(config))
         capacity = self.num_blocks * self.block_size
         model_limit = model_length_limit(self.cfg)
         if max_model_len is not None and max_model_len > capacity:
@@ -75,7 +87,7 @@ class ModelRunner:
         self.max_model_len = max_model_len or min(model_limit, capacity)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.kv_cache = torch.zeros(2, self.cfg.num_layers, self.num_blocks, self.block_size,
-                                    self.cfg.num_kv_heads, self.cfg.head_dim, dtype=self.dtype, device=device)
+                                    self.kv_heads, self.cfg.head_dim, dtype=self.dtype, device=device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]  # [blocks, bs, Hkv, d]
         self.graphs: dict[int, tuple] = {}
@@ -85,9 +97,9 @@ class ModelRunner:
     # ---- memory ---------------------------------------------------------------------------------
 
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, k and v."""
+        """Bytes of one block across all layers, k and v (this rank's KV heads)."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.cfg.num_layers * self.block_size * self.cfg.num_kv_heads * self.cfg.head_dim * element
+        return 2 * self.cfg.num_layers * self.block_size * self.kv_heads * self.cfg.head_dim * element
 
     def _blocks_that_fit(self, config) -> int:
         if self.device.type != "cuda":
@@ -117,7 +129,7 @@ class ModelRunner:
         seqs = min(self.max_num_seqs, tokens)
         per_seq = -(-tokens // seqs)
         blocks_per_seq = -(-per_seq // self.block_size)
-        scratch = torch.zeros(2, seqs * blocks_per_seq, self.block_size, self.cfg.num_kv_heads,
+        scratch = torch.zeros(2, seqs * blocks_per_seq, self.block_size, self.kv_heads,
                               self.cfg.head_dim, dtype=self.dtype, device=self.device)
         for layer in self.attention_layers:
             layer.k_cache, layer.v_cache = scratch[0], scratch[1]
@@ -136,9 +148,10 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
         with torch.inference_mode():
             hidden = self.model(ids, positions, batch)
-            logits = self.model.compute_logits(hidden[:seqs])  # [seqs, vocab]
-            # The sampler's largest transient: a full-vocabulary sort for top-k / top-p.
-            apply_top_k_top_p(logits, [logits.shape[-1] // 2] * seqs, [0.9] * seqs).softmax(-1)
+            logits = self.model.compute_logits(hidden[:seqs])  # [seqs, vocab] (tensor parallel: rank 0)
+            if logits is not None:
+                # The sampler's largest transient: a full-vocabulary sort for top-k / top-p.
+                apply_top_k_top_p(logits, [logits.shape[-1] // 2] * seqs, [0.9] * seqs).softmax(-1)
         torch.cuda.synchronize(self.device)
         del scratch, hidden, logits
         for layer in self.attention_layers:
@@ -149,18 +162,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled) -> StepResult:
         """Run the model on [(seq, n)] (token_ids[computed:computed+n] of each) and sample the next
-        token of every sequence whose chunk reaches its last token."""
+        token of every sequence whose chunk reaches its last token. Tensor parallel: rank 0 only."""
         inputs = self.prepare_inputs(scheduled)
-        batch, ids, positions = inputs["batch"], inputs["input_ids"], inputs["positions"]
         graph = self._graph_for(scheduled)
-        if graph is not None:
-            hidden = self._replay(graph, len(scheduled), ids, positions, batch)
-        else:
-            hidden = self.model(ids, positions, batch)  # [T, hidden]
+        hidden, logits = self._run(inputs, graph)  # [T, hidden], [N, vocab] | None
         sample_seqs = inputs["sample_seqs"]
         sampled = []
         if sample_seqs:
-            logits = self.model.compute_logits(hidden[inputs["sample_rows"]])  # [N, vocab]
             tokens, logprobs = self.sampler(logits, sample_seqs)
             sampled = list(zip(sample_seqs, tokens, logprobs))
         prompt_logprobs = {}
@@ -168,17 +176,70 @@ class ModelRunner:
             prompt_logprobs[seq] = self._score(hidden, rows, targets, seq.params.prompt_logprobs)
         return StepResult(sampled, prompt_logprobs)
 
+    @torch.inference_mode()
+    def all_logits(self, scheduled) -> torch.Tensor:
+        """float32 logits [T, vocab] of every token of [(seq, n)], eager (for tests and scoring);
+        the blocks must be allocated. Tensor parallel: rank 0 only."""
+        inputs = self.prepare_inputs(scheduled)
+        inputs["sample_rows"] = torch.arange(inputs["input_ids"].shape[0])
+        return self._run(inputs, 0)[1]
+
+    def _run(self, inputs, graph: int):
+        """Rank 0: send the step to the workers (tensor parallel), then run it here too."""
+        if self.tp.size > 1:
+            header, payload = _pack(inputs)
+            self.tp.send([CMD_STEP, *header, graph], payload)
+        return self._forward(inputs, graph)
+
+    def _forward(self, inputs, graph: int):
+        """The step on this rank: (hidden [T, hidden], logits [N, vocab] of inputs' sample rows on
+        rank 0, else None). graph: the captured batch size to replay, 0 for eager."""
+        to = self._to_device
+        batch = AttentionBatch(
+            cu_seqlens_q=to(inputs["cu_seqlens_q"]), seqlens_k=to(inputs["seqlens_k"]),
+            block_tables=to(inputs["block_tables"]), slot_mapping=to(inputs["slot_mapping"]),
+            max_seqlen_q=inputs["max_seqlen_q"], max_seqlen_k=inputs["max_seqlen_k"])
+        ids, positions = to(inputs["input_ids"]), to(inputs["positions"])
+        if graph:
+            hidden = self._replay(self.graphs[graph], batch.seqlens_k.shape[0], ids, positions, batch)
+        else:
+            hidden = self.model(ids, positions, batch)  # [T, hidden]
+        rows = inputs["sample_rows"]
+        logits = self.model.compute_logits(hidden[to(rows)]) if rows.numel() else None
+        return hidden, logits
+
     def _score(self, hidden, rows, targets, top_n) -> list[dict]:
         out = []
         for start in range(0, len(rows), _PROMPT_LOGPROB_ROWS):
             part = slice(start, start + _PROMPT_LOGPROB_ROWS)
-            logits = self.model.compute_logits(hidden[torch.tensor(rows[part], device=self.device)])
+            chunk = torch.tensor(rows[part], dtype=torch.int64)
+            if self.tp.size > 1:
+                self.tp.send([CMD_LOGITS, len(chunk)], chunk)
+            logits = self.model.compute_logits(hidden[self._to_device(chunk)])
             chosen = torch.tensor(targets[part], device=self.device)
             out += top_logprobs(logits, chosen, [top_n] * len(rows[part]))
         return out
 
+    @torch.inference_mode()
+    def serve_steps(self) -> None:
+        """Tensor-parallel workers: run the steps rank 0 broadcasts until it sends CMD_STOP."""
+        hidden = None
+        while True:
+            cmd, *header = self.tp.receive_header()
+            if cmd == CMD_STOP:
+                return
+            if cmd == CMD_STEP:
+                inputs = _unpack(header, self.tp.receive_payload(_payload_numel(header)))
+                hidden, _ = self._forward(inputs, header[6])
+            elif cmd == CMD_LOGITS:
+                rows = self.tp.receive_payload(header[0])
+                self.model.compute_logits(hidden[self._to_device(rows)])
+            else:
+                raise RuntimeError(f"tensor-parallel worker rank {self.tp.rank}: unknown command {cmd}")
+
     def prepare_inputs(self, scheduled) -> dict:
-        """Packed inputs of a step (built as Python lists, then one host-to-device copy each)."""
+        """Packed inputs of a step as host tensors (built as Python lists; _forward copies each to
+        the device once), plus the sequences to sample and the prompt rows to score."""
         size = self.block_size
         ids, positions, slots, cu, seqlens, sample_rows, sample_seqs, prompt_rows = [], [], [], [0], [], [], [], []
         max_q = max_k = max_blocks = 0
@@ -214,16 +275,14 @@ class ModelRunner:
         tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
         for row, (seq, _) in enumerate(scheduled):
             tables[row, :len(seq.block_table)] = seq.block_table
-        to = self._to_device
-        batch = AttentionBatch(
-            cu_seqlens_q=to(torch.tensor(cu, dtype=torch.int32)),
-            seqlens_k=to(torch.tensor(seqlens, dtype=torch.int32)),
-            block_tables=to(torch.from_numpy(tables)),
-            slot_mapping=to(torch.tensor(slots, dtype=torch.int64)),
-            max_seqlen_q=max_q, max_seqlen_k=max_k)
-        return {"batch": batch, "input_ids": to(torch.tensor(ids, dtype=torch.int64)),
-                "positions": to(torch.tensor(positions, dtype=torch.int64)),
-                "sample_rows": to(torch.tensor(sample_rows, dtype=torch.int64)),
+        return {"input_ids": torch.tensor(ids, dtype=torch.int64),  # [T]
+                "positions": torch.tensor(positions, dtype=torch.int64),  # [T]
+                "slot_mapping": torch.tensor(slots, dtype=torch.int64),  # [T]
+                "cu_seqlens_q": torch.tensor(cu, dtype=torch.int32),  # [B + 1]
+                "seqlens_k": torch.tensor(seqlens, dtype=torch.int32),  # [B]
+                "block_tables": torch.from_numpy(tables),  # [B, W] int32
+                "sample_rows": torch.tensor(sample_rows, dtype=torch.int64),  # [N]
+                "max_seqlen_q": max_q, "max_seqlen_k": max_k,
                 "sample_seqs": sample_seqs, "prompt_rows": prompt_rows}
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -238,14 +297,13 @@ class ModelRunner:
         sizes += range(16, self.max_num_seqs, 16)
         return sorted(set(sizes) | {self.max_num_seqs})
 
-    def _graph_for(self, scheduled):
-        """The captured graph for a pure decode step of this size, or None (eager)."""
+    def _graph_for(self, scheduled) -> int:
+        """The batch size of the captured graph for a pure decode step of this size, or 0 (eager)."""
         if not self.graphs or len(scheduled) > self.max_num_seqs:
-            return None
+            return 0
         if any(n != 1 for _, n in scheduled):
-            return None
-        size = next(b for b in self.graph_batch_sizes() if b >= len(scheduled))
-        return self.graphs[size]
+            return 0
+        return next(b for b in self.graph_batch_sizes() if b >= len(scheduled))
 
     def make_static_inputs(self) -> None:
         """The graphs' input buffers, sized for the largest; a graph of size b reads rows [:b].
@@ -295,3 +353,31 @@ class ModelRunner:
         s["block_tables"][:count, :width].copy_(batch.block_tables)
         graph.replay()
         return out[:count]
+
+
+# ---- the step broadcast (tensor parallel) -------------------------------------------------------------
+
+def _pack(inputs) -> tuple[list[int], torch.Tensor]:
+    """Step inputs -> (header [T, B, W, max_q, max_k, N], one int64 payload): one broadcast carries
+    every tensor of the step."""
+    tables = inputs["block_tables"]  # [B, W]
+    header = [inputs["input_ids"].shape[0], tables.shape[0], tables.shape[1], inputs["max_seqlen_q"],
+              inputs["max_seqlen_k"], inputs["sample_rows"].shape[0]]
+    payload = torch.cat([inputs["input_ids"], inputs["positions"], inputs["slot_mapping"],
+                         inputs["cu_seqlens_q"].long(), inputs["seqlens_k"].long(),
+                         tables.long().flatten(), inputs["sample_rows"]])
+    return header, payload
+
+
+def _payload_numel(header) -> int:
+    tokens, seqs, width, _, _, rows = header[:6]
+    return 3 * tokens + 2 * seqs + 1 + seqs * width + rows
+
+
+def _unpack(header, payload) -> dict:
+    tokens, seqs, width, max_q, max_k, rows = header[:6]
+    ids, positions, slots, cu, seqlens, tables, sample_rows = payload.split(
+        [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, rows])
+    return {"input_ids": ids, "positions": positions, "slot_mapping": slots,
+            "cu_seqlens_q": cu.int(), "seqlens_k": seqlens.int(), "block_tables": tables.int().view(seqs, width),
+            "sample_rows": sample_rows, "max_seqlen_q": max_q, "max_seqlen_k": max_k}

@@ -1022,32 +1022,42 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--device", default=None, help="cuda | cuda:N | cpu (default: cuda when present)")
     g.add_argument("--kv-cache-blocks", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N GPUs (N processes, NCCL; gloo ranks with --device cpu)")
     p.set_defaults(fn=serve_main)
     return p
 
 
 _ENGINE_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                   "gpu_memory_utilization", "dtype", "enforce_eager", "device", "kv_cache_blocks")
+                   "gpu_memory_utilization", "dtype", "enforce_eager", "device", "kv_cache_blocks",
+                   "tensor_parallel_size")
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    """Load the engine, then serve until Ctrl-C; the engine thread stops with the server."""
+    """Load the engine, then serve until Ctrl-C; the engine thread stops with the server, then the
+    engine's tensor-parallel workers (if any)."""
     import uvicorn
 
     from .llm import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
+    engine = None
     try:
         engine = LLMEngine.from_model(args.model, **{k: getattr(args, k) for k in _ENGINE_OPTIONS})
         app = create_app(engine, args.served_model_name or args.model, max_queue_depth=args.max_queue_depth)
     except (ValueError, FileNotFoundError) as exc:  # bad checkpoint or option: say which, no traceback
+        if engine is not None:
+            engine.shutdown()
         print(f"tileattn serve: {exc}", file=sys.stderr)
         return 2
-    log.info("engine ready in %.1f s: %s, max_model_len %d", time.perf_counter() - t0,
-             engine.model_name, engine.max_model_len)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                access_log=not args.disable_access_log)
+    log.info("engine ready in %.1f s: %s, max_model_len %d, tensor_parallel_size %d", time.perf_counter() - t0,
+             engine.model_name, engine.max_model_len, args.tensor_parallel_size)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                    access_log=not args.disable_access_log)
+    finally:
+        engine.shutdown()
     engine_loop = app.state.server.engine_loop
     if engine_loop is not None and engine_loop.running:
         log.error("the engine thread is still running after shutdown")

@@ -3,6 +3,11 @@
 The architectures differ only in options of ModelConfig: qkv/o/mlp biases, per-head q/k RMSNorm
 (Qwen3), explicit head_dim, rope scaling, tied embeddings. Weights use the HF parameter names;
 q/k/v and gate/up checkpoint tensors are copied into row ranges of the fused projections.
+
+Tensor parallel (a TensorParallel of N > 1 ranks, see distributed.py): every rank builds the model
+with its shard's sizes and load_weight copies the rank's slice of each checkpoint tensor: rows of
+q/k/v, gate/up, embedding and LM head; input columns of o and down; norms and the row-parallel
+biases whole.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed import TensorParallel, check_tensor_parallel
 from ..layers import (
     AttentionBatch,
     GatedMLP,
@@ -28,10 +34,10 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, dtype: torch.dtype):
+    def __init__(self, cfg, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
-        self.self_attn = PagedAttention(cfg, dtype)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
+        self.self_attn = PagedAttention(cfg, dtype, tp)
+        self.mlp = GatedMLP(cfg.hidden_size, tp.split(cfg.intermediate_size)[1], cfg.mlp_bias, dtype, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -47,31 +53,55 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], batch) -> hidden [T, hidden];
-    compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab].
+    compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab] (tensor parallel: on rank 0,
+    None on the others; every rank must call it).
 
     Build it under ``torch.device(...)``: parameters are allocated uninitialised on that device and
-    filled by load_weight, tensor by tensor."""
+    filled by load_weight, tensor by tensor. tp: this rank's TensorParallel (None: one GPU).
+    Raises ValueError when the config is inconsistent or tp.size cannot split it."""
 
-    def __init__(self, cfg, dtype: torch.dtype, max_positions: int):
+    def __init__(self, cfg, dtype: torch.dtype, max_positions: int, tp: TensorParallel | None = None):
         super().__init__()
         cfg.validate()
-        self.cfg = cfg
+        tp = tp or TensorParallel()
+        check_tensor_parallel(cfg, tp.size)
+        self.cfg, self.tp = cfg, tp
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                  cfg.extra.get("rope_freq_factors"))
         self.rotary = Rotary(max_positions, inv_freq, dtype)
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
-                                         requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.vocab_start, vocab = tp.split(cfg.vocab_size)
+        self.embed_tokens = nn.Parameter(torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self._shard_rows = {"qkv_proj": [(0, q), (q, kv), (q + kv, kv)],
-                            "gate_up_proj": [(0, cfg.intermediate_size), (cfg.intermediate_size,) * 2]}
+            torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        d = cfg.head_dim
+        (h0, h), (k0, k), (f0, f) = tp.split(cfg.num_heads), tp.kv_heads(cfg.num_kv_heads), tp.split(cfg.intermediate_size)
+        # fused parameter -> per shard (first row in the parameter, rows, first row in the
+        # checkpoint tensor, the checkpoint tensor's rows)
+        self._shard_rows = {
+            "qkv_proj": [(0, h * d, h0 * d, cfg.num_heads * d), (h * d, k * d, k0 * d, cfg.num_kv_heads * d),
+                         ((h + k) * d, k * d, k0 * d, cfg.num_kv_heads * d)],
+            "gate_up_proj": [(0, f, f0, cfg.intermediate_size), (f, f, f0, cfg.intermediate_size)]}
+        # parameters split along one dim: name suffix -> (dim, first index in the checkpoint, full size)
+        self._splits = {"embed_tokens": (0, self.vocab_start, cfg.vocab_size),
+                        "lm_head": (0, self.vocab_start, cfg.vocab_size),
+                        "o_proj.weight": (1, h0 * d, cfg.num_heads * d),
+                        "down_proj.weight": (1, f0, cfg.intermediate_size)}
         self._loaded: set[tuple[str, int]] = set()
 
+    def embed(self, input_ids):  # [T] -> [T, hidden]
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed_tokens)
+        # Vocab-parallel: ids outside this rank's rows embed to zero; the all-reduce adds the one
+        # rank's row that holds each id.
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed_tokens.shape[0])  # [T]
+        x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)  # [T, hidden]
+        return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+
     def forward(self, input_ids, positions, batch: AttentionBatch):
-        x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        x = self.embed(input_ids)  # [T, hidden]
         rope = self.rotary(positions)
         residual = None
         for layer in self.layers:
@@ -79,27 +109,38 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x  # [T, hidden]
 
-    def compute_logits(self, hidden):  # hidden [N, hidden] -> [N, vocab] float32
-        return F.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden):  # hidden [N, hidden] -> [N, vocab] float32 (rank 0; others None)
+        return self.tp.gather_last_dim(F.linear(hidden, self.lm_head).float())  # rank's part [N, vocab / N]
 
     # ---- weights -------------------------------------------------------------------------------
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy checkpoint tensor ``name`` (HF naming) into its parameter, casting to the model dtype
-        on the way (the copy runs on the parameter's device).
+        """Copy checkpoint tensor ``name`` (HF naming), or this rank's slice of it, into its
+        parameter, casting to the model dtype on the way (the copy runs on the parameter's device).
 
         Raises ValueError for an unknown name or a shape that does not match the config."""
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
             return
         target, shard = self._target(name)
         param = self.get_parameter(target)
+        expected, source = tuple(param.shape), tensor
         if shard is not None:
-            fused = target.split(".")[-2]
-            start, rows = self._shard_rows[fused][shard]
+            start, rows, first, full = self._shard_rows[target.split(".")[-2]][shard]
             param = param.narrow(0, start, rows)
-        if tuple(param.shape) != tuple(tensor.shape):
+            expected = (full, *param.shape[1:])
+            if tuple(tensor.shape) == expected:
+                source = tensor.narrow(0, first, rows)
+        else:
+            split = next((v for k, v in self._splits.items() if target.endswith(k)), None)
+            if split is not None:
+                dim, first, full = split
+                expected = tuple(full if i == dim else n for i, n in enumerate(param.shape))
+                if tuple(tensor.shape) == expected:
+                    source = tensor.narrow(dim, first, param.shape[dim])
+        if tuple(tensor.shape) != expected:
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config "
-                             f"implies {tuple(param.shape)}")
+                             f"implies {expected}")
+        tensor = source
         with torch.no_grad():
             param.copy_(tensor)
         self._loaded.add((target, shard))

@@ -1,0 +1,195 @@
+"""Tensor parallelism on the CPU: 2 gloo ranks (this process + one spawned worker) against the
+same checkpoint at tensor_parallel_size=1 (fp32).
+
+Three tiny checkpoints cover the three KV layouts and the layers that split differently:
+- llama3: GQA 4 heads / 2 KV heads -> 1 KV head per rank; untied embedding and LM head;
+- llama2: MHA 4/4 -> 2 KV heads per rank; q/k/v, o, gate/up and down biases (row-parallel biases
+  added once, after the all-reduce);
+- qwen3: 4 heads / 1 KV head -> the KV head replicated on both ranks; q/k RMSNorm, head_dim 24,
+  tied embeddings (the vocab-parallel embedding is the LM head).
+
+Bounds: logits ||tp2 - tp1|| / ||tp1|| < 1e-5 (measured 2.8e-7 to 6.1e-7: the row-parallel sums add two
+fp32 partial products where one rank sums all); greedy tokens identical (batched, chunked prefill,
+small blocks), prompt logprobs and sampled logprobs within 1e-4 absolute, seeded samples identical.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tileattn.engine import LLM, SamplingParams
+from tileattn.engine.config import ModelConfig
+from tileattn.engine.distributed import MULTICAST_OFF, TensorParallel, TensorParallelError, check_tensor_parallel, rank_devices
+from tileattn.engine.models import LlamaForCausalLM
+
+from .checkpoints import engine_logits, make_checkpoint, rel_error
+
+PROMPTS = [[0, 17, 203, 5, 99, 42, 300, 7, 8, 150, 61, 2, 33, 250, 19, 77, 180, 4, 90, 12],
+           [0, 5, 9], [0] + list(range(40, 90)), [0, 300, 301, 302] * 6]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+OPTIONS = dict(device="cpu", max_model_len=128, kv_cache_blocks=64, block_size=8, max_num_batched_tokens=32)
+
+# name -> (architecture, config overrides, KV heads per rank at TP=2)
+CASES = {"llama3-gqa": ("llama3", {}, 1),
+         "llama2-biases": ("llama2", {}, 2),
+         "qwen3-replicated-kv": ("qwen3", {"num_key_value_heads": 1}, 1)}
+
+
+def _tokens(outputs):
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+@pytest.fixture(scope="class", params=sorted(CASES))
+def pair(request, tmp_path_factory):
+    """(name, TP=1 LLM, TP=2 LLM) on one checkpoint; the TP=2 engine is shut down afterwards (class
+    scope: before the tests outside the class start their own, one process group per process)."""
+    arch, overrides, _ = CASES[request.param]
+    path = str(tmp_path_factory.mktemp(request.param))
+    make_checkpoint(path, arch, overrides=overrides)
+    single = LLM(path, **OPTIONS)
+    split = LLM(path, tensor_parallel_size=2, **OPTIONS)
+    yield request.param, single, split
+    split.shutdown()
+    assert not dist.is_initialized(), "shutdown left the process group behind"
+
+
+class TestAgainstSingleRank:
+    def test_logits_match_single_rank(self, pair):
+        name, single, split = pair
+        for prompt in PROMPTS[:3]:
+            ref, ours = engine_logits(single.engine, prompt), engine_logits(split.engine, prompt)  # [T, V]
+            assert ours.shape == ref.shape
+            err = rel_error(ours, ref)
+            assert err < 1e-5, f"{name}: TP=2 logits relative error {err:.2e} vs TP=1 (bound 1e-5)"
+
+
+    def test_kv_cache_holds_this_ranks_heads(self, pair):
+        name, single, split = pair
+        per_rank = CASES[name][2]
+        assert split.engine.runner.kv_cache.shape[-2] == per_rank, name
+        assert single.engine.runner.kv_cache.shape[-2] == single.engine.model_config.num_kv_heads
+
+
+    def test_greedy_batch_matches_single_rank(self, pair):
+        """Four prompts at once, chunked prefill (32-token budget) mixed with decodes, 8-token blocks."""
+        name, single, split = pair
+        ref = _tokens(single.generate(PROMPTS, GREEDY, use_tqdm=False))
+        ours = _tokens(split.generate(PROMPTS, GREEDY, use_tqdm=False))
+        assert ours == ref, f"{name}: TP=2 greedy tokens differ\n tp2 {ours}\n tp1 {ref}"
+        stats = split.engine.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"], f"{name}: blocks leaked: {stats}"
+
+
+    def test_logprobs_and_seeded_sampling_match_single_rank(self, pair):
+        """Prompt logprobs (scored after the step: the workers' logits command), sampled-token logprobs
+        and seeded samples (n = 2) against TP=1."""
+        name, single, split = pair
+        params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, n=2, max_tokens=8, ignore_eos=True,
+                                logprobs=2, prompt_logprobs=2)
+        ref, ours = single.generate(PROMPTS[0], params, use_tqdm=False)[0], split.generate(PROMPTS[0], params,
+                                                                                         use_tqdm=False)[0]
+        assert [c.token_ids for c in ours.outputs] == [c.token_ids for c in ref.outputs], name
+
+        def close(a: dict, b: dict) -> bool:
+            return a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 for k in a)
+
+        assert len(ours.prompt_logprobs) == len(ref.prompt_logprobs)
+        assert all(close(a, b) for a, b in zip(ours.prompt_logprobs[1:], ref.prompt_logprobs[1:])), name
+        for c_ours, c_ref in zip(ours.outputs, ref.outputs):
+            assert all(close(a, b) for a, b in zip(c_ours.logprobs, c_ref.logprobs)), name
+
+
+def test_bad_divisibility_is_refused_before_any_process_starts(tmp_path):
+    path = str(tmp_path)
+    make_checkpoint(path, "llama3")  # 4 heads, 2 KV heads, intermediate 96, vocab 384
+    before, start = set(multiprocessing.active_children()), time.monotonic()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 .*num_attention_heads=4.*num_key_value_heads=2"):
+        LLM(path, tensor_parallel_size=3, **OPTIONS)
+    assert set(multiprocessing.active_children()) <= before, "a worker was started for a model that cannot split"
+    assert time.monotonic() - start < 10
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
+        LLM(path, tensor_parallel_size=0, **OPTIONS)
+
+
+def _config(**fields) -> ModelConfig:
+    base = dict(architecture="LlamaForCausalLM", vocab_size=384, hidden_size=64, intermediate_size=96,
+                num_layers=1, num_heads=8, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
+                max_position_embeddings=64)
+    return ModelConfig(**{**base, **fields})
+
+
+@pytest.mark.parametrize("fields, size, named", [
+    ({"num_heads": 6, "num_kv_heads": 6}, 4, "num_attention_heads=6"),
+    ({"num_kv_heads": 4}, 8, None),                      # 4 KV heads on 8 ranks: replicated, fine
+    ({"num_heads": 12, "num_kv_heads": 6}, 4, "num_key_value_heads=6"),  # neither divides
+    ({"intermediate_size": 90}, 4, "intermediate_size=90"),
+    ({"vocab_size": 385}, 2, "vocab_size=385"),
+])
+def test_divisibility_rules(fields, size, named):
+    cfg = _config(**fields)
+    if named is None:
+        check_tensor_parallel(cfg, size)
+        return
+    with pytest.raises(ValueError, match=named):
+        check_tensor_parallel(cfg, size)
+    with pytest.raises(ValueError, match=named):  # the model refuses it too, before allocating
+        LlamaForCausalLM(cfg, torch.float32, 16, TensorParallel(0, size))
+
+
+def test_kv_head_of_each_rank_when_replicated():
+    # 8 query heads, 2 KV heads, 4 ranks: rank r has query heads 2r, 2r+1, which read KV head r // 2
+    assert [TensorParallel(r, 4).kv_heads(2) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert [TensorParallel(r, 2).kv_heads(4) for r in range(2)] == [(0, 2), (2, 2)]
+
+
+def test_fewer_gpus_than_asked(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 2 GPUs from cuda:0, but torch sees 1"):
+        rank_devices(torch.device("cuda", 0), 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(ValueError, match=r"needs 2 GPUs from cuda:3"):
+        rank_devices(torch.device("cuda", 3), 2)
+    assert rank_devices(torch.device("cuda", 2), 2) == [torch.device("cuda", 2), torch.device("cuda", 3)]
+
+
+def test_worker_killed_mid_run_is_a_clear_error(tmp_path):
+    """SIGKILL the worker while rank 0 generates: generate raises TensorParallelError naming rank 1
+    and the signal within 15 s of the kill, later calls fail at once, shutdown leaves nothing."""
+    path = str(tmp_path)
+    make_checkpoint(path, "llama3")
+    llm = LLM(path, tensor_parallel_size=2, **OPTIONS)
+    timer = None
+    try:
+        (pid,) = llm.engine.workers.pids
+        with open(f"/proc/{pid}/environ", "rb") as f:  # what the worker's NCCL would read
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        for key, value in MULTICAST_OFF.items():
+            assert env.get(key.encode()) == value.encode(), f"worker environment: {key}={env.get(key.encode())}"
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)  # warm: the kill lands in a long run below
+        killed = []
+        timer = threading.Timer(0.5, lambda: (os.kill(pid, signal.SIGKILL), killed.append(time.monotonic())))
+        long_run = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        timer.start()
+        with pytest.raises(TensorParallelError, match=r"worker rank 1 \(pid \d+\) was killed by signal SIGKILL"):
+            llm.generate(PROMPTS * 4, long_run, use_tqdm=False)
+        assert killed, "generate failed before the worker was killed"
+        elapsed = time.monotonic() - killed[0]
+        assert elapsed < 15, f"the failure took {elapsed:.1f} s to surface"
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="worker rank 1"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 2
+    finally:
+        if timer is not None:
+            timer.cancel()
+        llm.shutdown()
+    assert not multiprocessing.active_children()
+    assert not dist.is_initialized()
