@@ -310,9 +310,10 @@ def test_cuda_graph_decode_step_replays_with_new_lengths():
 
 def test_split_kv_in_kernel_combine_eager_graph_and_counters():
     """Split-KV partials are combined by the last CTA of each group, counted on per-stream int32
-    counters that every launch must leave at zero: eager launches, a graph captured with forced
-    splits (its stream's counters born during capture) replayed with new lengths and tables, and
-    eager launches after the replays all match the reference, and every counter is 0 at the end."""
+    counters that every launch must leave at zero: eager launches, two graphs captured with forced
+    splits (their stream's counters born during the first capture) replayed in either order with
+    new lengths and tables, and an eager launch after the replays all match the reference, and
+    every counter is 0 at the end."""
     batch, heads, kv_heads, d, bs, max_blocks, num_blocks = 3, 8, 2, 128, 16, 40, 160
     gen = torch.Generator(device="cuda").manual_seed(5)
     k_cache = torch.randn(num_blocks, bs, kv_heads, d, device="cuda", generator=gen).to(BF16)
@@ -347,15 +348,20 @@ def test_split_kv_in_kernel_combine_eager_graph_and_counters():
         with poisoned_allocations():
             out, lse = step()
         verify(out, lse, f"eager launch {eager} (lengths {lengths})")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_lse = step()
-    for replay in range(3):
+    # Forget the per-stream counters, so the capture stream's buffer is born inside the first
+    # capture (its zeroing only recorded): each graph must record its own memset, and the second
+    # graph must be right when it is replayed before the first one ever was.
+    paged._counters.clear()
+    graphs, statics = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()], []
+    for graph in graphs:
+        with torch.cuda.graph(graph):
+            statics.append(step())
+    for replay, g in enumerate((1, 0, 1, 0)):
         lengths = refill(10 + replay)
-        static_out.fill_(float("nan"))
-        graph.replay()
+        statics[g][0].fill_(float("nan"))
+        graphs[g].replay()
         torch.cuda.synchronize()
-        verify(static_out, static_lse, f"replay {replay} (lengths {lengths})")
+        verify(*statics[g], f"replay {replay} of graph {g} (lengths {lengths})")
     lengths = refill(20)
     with poisoned_allocations():
         out, lse = step()

@@ -155,18 +155,43 @@ def _load(device_index: int, arch: str, expr: str, smem: int):
     return kern
 
 
+def _capture_id(device: int) -> int | None:
+    """Id of the CUDA-graph capture the current stream is recording (unique in the process), or
+    None when the driver cannot say."""
+    from cuda.bindings import driver
+
+    from ..runtime import current_stream_handle
+
+    result = driver.cuStreamGetCaptureInfo(current_stream_handle(device))
+    if result[0] != driver.CUresult.CUDA_SUCCESS:
+        return None
+    return int(result[2])
+
+
 class _ArrivalCounters:
     """Zeroed int32 counters for the split-KV arrivals of the launches on one stream. The kernel
-    leaves them zero (the last split of each group resets its counter), so they are zeroed once:
-    at allocation when that runs eagerly. Allocated during CUDA-graph capture, the memset is only
-    captured (it runs at each replay of that graph, not now), so the buffer is zeroed again by
-    each later use until one runs eagerly."""
+    leaves them zero (the last split of each group resets its counter), so they need zeroing only
+    until the first eager use: torch.zeros during CUDA-graph capture only records the memset (it
+    runs at each replay of that graph, not now). So a buffer not yet zeroed eagerly records one
+    memset into every graph captured with it (at that graph's first split launch: each replay
+    starts from zeros), and is zeroed for good by its first eager use."""
 
-    __slots__ = ("tensor", "zeroed")
+    __slots__ = ("tensor", "zeroed", "captures")
 
     def __init__(self, count: int, device: int):
         self.tensor = torch.zeros(count, dtype=torch.int32, device=f"cuda:{device}")
         self.zeroed = not torch.cuda.is_current_stream_capturing()
+        self.captures: set[int] = set() if self.zeroed else {_capture_id(device)}
+
+    def prepare(self, device: int) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            capture = _capture_id(device)
+            if capture is None or capture not in self.captures:  # unknown capture: record the memset
+                self.tensor.zero_()
+                self.captures.add(capture)
+        else:
+            self.tensor.zero_()
+            self.zeroed = True
 
 
 # (device, raw stream) -> counters. One buffer per stream: launches on one stream are ordered, so
@@ -186,8 +211,7 @@ def arrival_counters(device: int, count: int) -> int:
         c = _counters[key] = _ArrivalCounters(max(count, MIN_COUNTERS), device)
         _counters_kept.append(c)
     if not c.zeroed:
-        c.tensor.zero_()  # captured with the graph being recorded, or eager (then for good)
-        c.zeroed = not torch.cuda.is_current_stream_capturing()
+        c.prepare(device)
     return c.tensor.data_ptr()
 
 
