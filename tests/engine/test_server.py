@@ -570,9 +570,38 @@ def test_cli_serve_bad_options_exit_2_with_the_reason(checkpoint, tmp_path, caps
         assert reason in capsys.readouterr().err
 
 
-def test_cli_serve_starts_answers_and_stops_on_sigint(checkpoint):
+def _spawned_children(pid: int) -> list[int]:
+    """Pids of the multiprocessing-spawned children of ``pid`` (tensor-parallel workers), from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        if ppid == pid and b"spawn_main" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_cli_serve_starts_answers_and_stops_on_sigint(checkpoint, tensor_parallel_size):
     """`tileattn serve` through add_serve_command in a subprocess: /health, one chat, then SIGINT
-    gives a clean exit (uvicorn shutdown, engine thread joined, exit code 0)."""
+    gives a clean exit (uvicorn shutdown, engine thread joined, exit code 0). With
+    --tensor-parallel-size 2 the server drives a spawned gloo worker from its engine thread, and
+    the worker is gone after the exit."""
     import signal
     import subprocess
 
@@ -586,7 +615,7 @@ def test_cli_serve_starts_answers_and_stops_on_sigint(checkpoint):
             "args = ap.parse_args(sys.argv[1:]); sys.exit(args.fn(args))")
     cmd = [sys.executable, "-c", code, "serve", checkpoint, "--port", str(port), "--served-model-name", MODEL,
            "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-blocks", "64",
-           "--log-level", "warning"]
+           "--log-level", "warning", "--tensor-parallel-size", str(tensor_parallel_size)]
     src = os.path.dirname(os.path.dirname(tileattn.__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -605,9 +634,16 @@ def test_cli_serve_starts_answers_and_stops_on_sigint(checkpoint):
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                                            **_extra(ignore_eos=True))
         assert r.usage.completion_tokens == 3
+        workers = _spawned_children(proc.pid) if sys.platform == "linux" else []
+        if sys.platform == "linux":
+            assert len(workers) == tensor_parallel_size - 1, f"tensor-parallel workers: {workers}"
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 0, out[-2000:]
+        deadline = time.monotonic() + 5
+        while not all(_gone(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_gone(w) for w in workers), "tensor-parallel workers outlived the server"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -242,6 +242,10 @@ class Workers:
         self._busy = threading.Lock()
         # Inherited by the spawned workers; rank 0's own communicator reads them at creation too.
         os.environ.update(MULTICAST_OFF)
+        # NCCL errors (a peer gone) abort the communicators and surface as exceptions in rank 0
+        # (mode 2, "clean up only"), not torch's default of ending the process: rank 0 is the
+        # user's process (a notebook, a server) and reports the dead rank instead.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         self._store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
         self._context = mp.start_processes(
@@ -289,10 +293,10 @@ class Workers:
                 self.failure = self._describe(rank)
                 self._kill_all()
                 if self.device.type == "cuda":
-                    # A rank-0 wait on a kernel that waits on the dead peer returns once the
+                    # A rank-0 wait on a kernel that waits on the dead peer returns once the NCCL
                     # communicators are aborted; gloo needs nothing (its sockets closed).
                     with contextlib.suppress(Exception):
-                        dist.distributed_c10d._abort_process_group()
+                        self.tp.group.abort()
                 return
 
     def _describe(self, rank: int) -> TensorParallelError:
@@ -334,6 +338,10 @@ class Workers:
         try:
             with self._busy:
                 yield
+            if self.failure is not None:
+                # The step returned, but a worker died during it: on NCCL its aborted collectives
+                # return without data, so what the step computed cannot be used.
+                raise self.failure
         except RuntimeError as exc:
             if isinstance(exc, TensorParallelError):
                 raise
@@ -364,7 +372,7 @@ class Workers:
         self._kill_all()
         if self.device.type == "cuda" and self.failure is not None:
             with contextlib.suppress(Exception):
-                dist.distributed_c10d._abort_process_group()
+                self.tp.group.abort()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
         self._store = None
