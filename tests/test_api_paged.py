@@ -178,18 +178,24 @@ def test_num_splits_from_launch_shape():
     sms, per_sm = 132, 2
     # Enough CTAs already: no split.
     assert paged.choose_num_splits(64 * 8, sms, per_sm, 4096, 64) == 1
-    # B=1, MHA 32 heads: the smallest count within 85% of the best wave efficiency (0.97 at 8, 16,
-    # 24 or 32 splits): 7 splits, 224 CTAs for 264 slots.
-    assert paged.choose_num_splits(32, sms, per_sm, 4096, 64) == 7
+    # B=1, MHA 32 heads: as many splits as fit in one wave: 8, 256 CTAs for 264 slots.
+    assert paged.choose_num_splits(32, sms, per_sm, 4096, 64) == 8
+    # B=1, GQA 32/8: 32 splits of two 64-key tiles (the capacity cap), 256 CTAs.
+    assert paged.choose_num_splits(8, sms, per_sm, 4096, 64) == 32
+    # B=8, GQA 32/8: 4 splits, 256 CTAs.
+    assert paged.choose_num_splits(64, sms, per_sm, 4096, 64) == 4
     # A short table cannot be split finer than two 64-key tiles per split.
     assert paged.choose_num_splits(1, sms, per_sm, 256, 64) == 2
     assert paged.choose_num_splits(1, sms, per_sm, 64, 64) == 1
     # Never more than MAX_SPLITS.
     assert paged.choose_num_splits(1, sms, per_sm, 1 << 24, 64) <= paged.MAX_SPLITS
-    # Every choice keeps the grid at least as full as no split.
+    # One wave, whatever the table's capacity (a long table must not turn GQA B=8 into 8 waves).
+    assert paged.choose_num_splits(64, sms, per_sm, 32768, 64) == 4
+    assert paged.choose_num_splits(32, sms, per_sm, 1 << 20, 64) == 8
+    # Every choice keeps the grid at least as full as no split, in one wave.
     for ctas in (1, 3, 17, 100, 200):
         s = paged.choose_num_splits(ctas, sms, per_sm, 32768, 64)
-        assert 1 <= s <= paged.MAX_SPLITS and ctas * s >= min(ctas, sms), (ctas, s)
+        assert 1 <= s <= paged.MAX_SPLITS and ctas * s >= min(ctas, sms) and ctas * s <= sms * per_sm, (ctas, s)
 
 
 def test_every_launch_expression_is_registered():
