@@ -318,9 +318,10 @@ VARIANT_CONFIGS: dict[int, BwdConfig] = {
     # BM=128 unroll 4 spills 8-28 bytes on sm_90a; BM=64: 202-241 registers.
     64: _TUNING[64][0],
     96: _TUNING[96][0],  # unroll 2 (unroll 8 spills in the varlen layout on sm_80, as the plain one)
-    # (4, 2, 2) unroll 8 spills 24 bytes on sm_80 (atomic), (4, 4, 2) unroll 2 12 bytes; unroll 1:
-    # 248-255 registers, 0 spills.
-    128: BwdConfig(128, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=4, warps_m3=2, unroll=1),
+    # The table's layouts (4, 2, 2): unroll 8 spills 24 bytes on sm_80 (atomic) and unroll_det 2 8
+    # bytes on sm_90a; unroll 4 and unroll_det 1 compile to 0 spills everywhere.
+    128: BwdConfig(128, block_n=128, block_m=64, warps=8, warps_n1=4, warps_n2=2, warps_m3=2, unroll=4,
+                   unroll_det=1),
     # BM=64 spills on sm_90a (12-36 bytes, atomic); the small-shared-memory BM=32 tiles: 238-248.
     256: _SMALL_SMEM[256],
 }
