@@ -4,19 +4,25 @@ same code, so a mistake in the harness shows up here and not after a GPU machine
 
 import json
 
+import pytest
+
 from tileattn.engine import bench_engine
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=32000, max_position_embeddings=8192)
 
 
-def test_quick_bench_runs_on_cpu(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def tiny_quick_plan(monkeypatch):
     for shape in ("llama3.2-1b", "qwen3-0.6b"):
         monkeypatch.setitem(bench_engine.SHAPES, shape, {**bench_engine.SHAPES[shape], **TINY,
                                                          **({"head_dim": 16} if shape == "qwen3-0.6b" else {})})
     # The reference attention on the CPU is slow: a small workload (the code path is what is tested)
     for key, value in dict(requests=4, max_len=120, new_tokens=16, prompt_len=256).items():
         monkeypatch.setitem(bench_engine.QUICK, key, value)
+
+
+def test_quick_bench_runs_on_cpu(tmp_path, tiny_quick_plan, capsys):
     out = tmp_path / "bench.json"
     rc = bench_engine.bench_engine_main(["--quick", "--device", "cpu", "--workdir", str(tmp_path / "ckpt"),
                                          "--json", str(out)])
@@ -31,6 +37,22 @@ def test_quick_bench_runs_on_cpu(tmp_path, monkeypatch, capsys):
     assert set(peers) == {("decode", "transformers eager"), ("throughput", "transformers generate_batch")}
     assert all(row.get("tok_s", 0) > 0 for row in peers.values()), peers
     assert "tileattn.engine" in capsys.readouterr().out
+
+
+def test_tensor_parallel_sizes_each_get_rows(tmp_path, tiny_quick_plan):
+    """--tensor-parallel-size 1 2: decode and throughput run at both sizes (2 gloo ranks here),
+    the same greedy workload producing the same number of tokens."""
+    out = tmp_path / "bench.json"
+    rc = bench_engine.bench_engine_main(["--quick", "--device", "cpu", "--workdir", str(tmp_path / "ckpt"),
+                                         "--no-peers", "--only", "decode", "--only", "throughput",
+                                         "--tensor-parallel-size", "1", "2", "--json", str(out)])
+    assert rc == 0
+    rows = {(r["bench"], r["system"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(bench, system) for bench in ("decode", "throughput")
+                         for system in ("tileattn.engine", "tileattn.engine TP=2")}, rows
+    assert rows["decode", "tileattn.engine TP=2"]["tok_s"] > 0
+    assert (rows["throughput", "tileattn.engine TP=2"]["output_tokens"]
+            == rows["throughput", "tileattn.engine"]["output_tokens"])
 
 
 def test_help_works_without_a_gpu(capsys):

@@ -59,6 +59,8 @@ def parse_args(argv):
                     help="run only these parts (repeatable)")
     ap.add_argument("--no-peers", action="store_true", help="the engine only")
     ap.add_argument("--no-compile-peer", action="store_true", help="skip the torch.compile peer (slow to compile)")
+    ap.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1], metavar="N",
+                    help="run the engine's decode and throughput parts at each of these sizes (e.g. 1 2)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": the tests' smoke run
     return ap.parse_args(argv)
 
@@ -213,24 +215,33 @@ def bench_decode(args, shape, new_tokens, compile_peer):
                               model, ids, new_tokens))
     del model
     _free()
-    engine = _engine(args, path, max_num_seqs=8, max_model_len=2048)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    for attempt in range(2):  # the first run warms up (kernel compile / load)
-        engine.add_request(f"decode{attempt}", prompt, params)
-        start = time.perf_counter()
-        first = _run_to_end(engine)
-        end = time.perf_counter()
-    tok_s = (new_tokens - 1) / (end - first)
-    per_token = decode_bytes_per_token(engine.model_config, 2, len(prompt) + new_tokens / 2)
-    rows.append({"bench": "decode", "shape": shape, "system": "tileattn.engine", "tok_s": tok_s,
-                 "bandwidth_TBs": per_token * tok_s / 1e12, "bytes_per_token": per_token,
-                 "startup_s": engine.startup_seconds, "ttft_ms": (first - start) * 1e3})
+    for tp in args.tensor_parallel_size:
+        engine = _engine(args, path, max_num_seqs=8, max_model_len=2048, tensor_parallel_size=tp)
+        try:
+            for attempt in range(2):  # the first run warms up (kernel compile / load)
+                engine.add_request(f"decode{attempt}", prompt, params)
+                start = time.perf_counter()
+                first = _run_to_end(engine)
+                end = time.perf_counter()
+        finally:
+            engine.shutdown()
+        tok_s = (new_tokens - 1) / (end - first)
+        # Bytes of the whole model (all ranks together): the bandwidth of TP=N is summed over N GPUs.
+        per_token = decode_bytes_per_token(engine.model_config, 2, len(prompt) + new_tokens / 2)
+        rows.append({"bench": "decode", "shape": shape, "system": _system(tp), "tensor_parallel_size": tp,
+                     "tok_s": tok_s, "bandwidth_TBs": per_token * tok_s / 1e12, "bytes_per_token": per_token,
+                     "startup_s": engine.startup_seconds, "ttft_ms": (first - start) * 1e3})
+        del engine
+        _free()
     for row in rows:
         if row.get("tok_s") is not None:
             row.setdefault("bandwidth_TBs", per_token * row["tok_s"] / 1e12)
-    del engine
-    _free()
     return rows
+
+
+def _system(tensor_parallel_size: int) -> str:
+    return "tileattn.engine" if tensor_parallel_size == 1 else f"tileattn.engine TP={tensor_parallel_size}"
 
 
 def _hf_generate(model, ids, new_tokens):
@@ -286,22 +297,27 @@ def bench_throughput(args, shape, requests, max_len):
                           round(statistics.mean(lengths))))
     del model
     _free()
-    llm = LLM(path, device=args.device, dtype=args.dtype, max_model_len=2 * max_len + 16,
-              max_num_seqs=min(256, requests))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    _sync(args.device)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    _sync(args.device)
-    seconds = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    rows.append({"bench": "throughput", "shape": shape, "system": "tileattn.engine", "requests": requests,
-                 "output_tokens": produced, "seconds": seconds, "tok_s": produced / seconds,
-                 "startup_s": llm.engine.startup_seconds, "preemptions": llm.engine.stats()["num_preemptions"],
-                 "kv_blocks": llm.engine.block_manager.num_blocks})
-    del llm
-    _free()
+    for tp in args.tensor_parallel_size:
+        llm = LLM(path, device=args.device, dtype=args.dtype, max_model_len=2 * max_len + 16,
+                  max_num_seqs=min(256, requests), tensor_parallel_size=tp)
+        try:
+            llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+            _sync(args.device)
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            _sync(args.device)
+            seconds = time.perf_counter() - start
+        finally:
+            llm.shutdown()
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        rows.append({"bench": "throughput", "shape": shape, "system": _system(tp), "tensor_parallel_size": tp,
+                     "requests": requests, "output_tokens": produced, "seconds": seconds,
+                     "tok_s": produced / seconds, "startup_s": llm.engine.startup_seconds,
+                     "preemptions": llm.engine.stats()["num_preemptions"],
+                     "kv_blocks": llm.engine.block_manager.num_blocks})
+        del llm
+        _free()
     return rows
 
 

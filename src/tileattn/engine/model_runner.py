@@ -334,7 +334,12 @@ class ModelRunner:
                 self.static_forward(size)  # warm-up: compiles and caches the kernels' launch plans
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                # Tensor parallel: the all-reduces are captured as NCCL kernels. torch's NCCL
+                # watchdog thread polls the events of earlier collectives meanwhile; "global" mode
+                # would make those calls fail the capture, "thread_local" confines the check to
+                # this thread (the only one launching work into the graph).
+                mode = "thread_local" if self.tp.size > 1 else "global"
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                     out = self.static_forward(size)
             pool = graph.pool() if pool is None else pool
             self.graphs[size] = (graph, out, size)
