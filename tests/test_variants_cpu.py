@@ -286,3 +286,65 @@ def test_variant_kernels_are_registered_once_per_head_dim():
     assert len(bwd) == 5 * 2 * 2 * 3, bwd
     for cfg in attention_fwd_sm80.VARIANT_DEFAULTS.values():
         assert cfg.block_n % 32 == 0, f"{cfg}: dropout bits come per 32 keys"
+
+
+# ---------------------------------------------------------------------------------------------
+# The traced path (torch.compile, fake tensors): window / softcap / ALiBi as one custom op
+# ---------------------------------------------------------------------------------------------
+def test_variants_trace_as_one_custom_op_with_autograd():
+    import re
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(q, k, v, slopes):
+        return tileattn.attention(q, k, v, True, window=(16, -1), softcap=30.0, alibi_slopes=slopes) * 2
+
+    compiled = torch.compile(f, backend=capture, fullgraph=True)
+    with FakeTensorMode():
+        q = torch.empty(1, 4, 33, 64, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(1, 2, 40, 64, dtype=torch.bfloat16, device="cuda")
+        slopes = torch.empty(4, dtype=torch.float32, device="cuda")
+        out = compiled(q, k, k, slopes)
+        assert out.shape == q.shape and out.dtype == torch.bfloat16
+        with pytest.raises(NotImplementedError, match="dropout_p"):
+            tileattn.attention(q, k, k, dropout_p=0.1, seed=1)
+        with pytest.raises(ValueError, match="alibi_slopes must be float32"):
+            tileattn.attention(q, k, k, alibi_slopes=slopes.double())
+    code = graphs[0].code
+    assert len(re.findall(r"tileattn\.attention_variants_fwd", code)) == 1, code
+    # causal folded into the window: right edge 0, left 16
+    assert "16, 0, 30.0" in code, code
+
+    q, k, v = (torch.empty(2, 4, 20, 64, dtype=torch.bfloat16, device="meta").requires_grad_() for _ in range(3))
+    out, lse = torch.ops.tileattn.attention_variants_fwd(q, k, v, None, 0.125, False, 3, 0, 0.0)
+    assert out.requires_grad and not lse.requires_grad
+    out.float().sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_varlen_variants_trace_with_autograd():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(50, 4, 64, dtype=torch.float16, device="cuda")
+        k = torch.empty(60, 2, 64, dtype=torch.float16, device="cuda")
+        cu = torch.empty(3, dtype=torch.int32, device="cuda")
+        slopes = torch.empty(2, 4, dtype=torch.float32, device="cuda")
+        out, lse = tileattn.attention_varlen(q, k, k, cu, cu, 30, 30, True, return_lse=True, window=(8, 8),
+                                             softcap=5.0, alibi_slopes=slopes)
+        assert out.shape == q.shape and lse.shape == (4, 50)
+    # Autograd wiring on meta tensors (no CUDA autograd device here).
+    q, k, v = (torch.empty(n, h, 64, dtype=torch.float16, device="meta").requires_grad_()
+               for n, h in ((50, 4), (60, 2), (60, 2)))
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    out, lse = torch.ops.tileattn.attention_varlen_variants_fwd(q, k, v, cu, cu, None, 30, 30, 0.125, False, 8, 0,
+                                                                 5.0)
+    assert out.requires_grad and not lse.requires_grad
+    out.float().sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -108,7 +109,8 @@ def attention(
             16-byte aligned; tensors on different devices or not on a CUDA device; a malformed window,
             softcap, alibi_slopes (shape, dtype, device, layout), dropout_p, generator, seed or offset;
             with any variant, Nq or Nk above 2^28.
-        NotImplementedError: variants under torch.compile / fake tensors (eager only for now).
+        NotImplementedError: dropout_p > 0 under torch.compile / fake tensors (eager only for now;
+            window, softcap and ALiBi trace as the tileattn::attention_variants_* custom ops).
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
     causal, deterministic = bool(causal), bool(deterministic)
@@ -396,15 +398,26 @@ class _VariantEntry(_PlanEntry):
 
 def _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, alibi_slopes, dropout_p, generator,
                         seed, offset):
-    """(out, lse) of a call with variants (eager only)."""
+    """(out, lse) of a call with variants: eager through the plan entry, traced (torch.compile, fake
+    tensors) through the tileattn::attention_variants_* custom ops (not with dropout yet)."""
     from . import dropout as dr
 
-    if not _eager(q, k, v):
-        _check_args(q, k, v, scale)  # a non-tensor or a CPU tensor: ValueError
-        raise NotImplementedError("window/softcap/alibi_slopes/dropout_p run eagerly only (not under torch.compile "
-                                  "or fake tensors) for now")
     if alibi_slopes is not None and not isinstance(alibi_slopes, Tensor):
         raise ValueError(f"alibi_slopes must be None or a torch.Tensor, got {type(alibi_slopes).__name__}")
+    if not _eager(q, k, v, *(() if alibi_slopes is None else (alibi_slopes,))):
+        # Checked here with the plan entry's order: the custom op's implementation trusts them.
+        left, right = dr.check_window(window, causal)
+        cap = dr.check_softcap(softcap)
+        p = dr.check_dropout(dropout_p, generator, seed, offset)
+        if alibi_slopes is not None and isinstance(q, Tensor) and q.dim() == 4:
+            dr.check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device, dtype_strict=True)
+        _check_args(q, k, v, scale)
+        dr.check_variant_lengths(q.shape[2], k.shape[2])
+        if p > 0:
+            raise NotImplementedError("dropout_p under torch.compile / fake tensors is not supported yet (its seed "
+                                      "is drawn per call on the host); run the call eagerly")
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        return torch.ops.tileattn.attention_variants_fwd(q, k, v, alibi_slopes, scale, deterministic, left, right, cap)
     alibi_key = None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
                                                    alibi_slopes.get_device())
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
@@ -478,6 +491,65 @@ class _VariantFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 # Custom ops (the traced path)
 # ---------------------------------------------------------------------------------------------
+# Variants (no dropout): window edges already normalized (causal folded in, UNBOUNDED for none),
+# softcap 0.0 = off. The implementations run the eager plan entries.
+@torch.library.custom_op("tileattn::attention_variants_fwd", mutates_args=(), device_types="cuda")
+def _attention_variants_fwd(
+    q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], scale: float, deterministic: bool,
+    window_left: int, window_right: int, softcap: float,
+) -> tuple[Tensor, Tensor]:
+    """(out [B, H, Nq, d], lse [B, H, Nq] fp32) with window / softcap / ALiBi."""
+    entry = _variant_op_entry(q, k, v, alibi_slopes, scale, window_left, window_right, softcap)
+    return _variant_forward(entry, q, k, v, (0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0, 0))
+
+
+@_attention_variants_fwd.register_fake
+def _attention_variants_fwd_fake(q, k, v, alibi_slopes, scale, deterministic, window_left, window_right, softcap):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("tileattn::attention_variants_bwd", mutates_args=(), device_types="cuda")
+def _attention_variants_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, alibi_slopes: Optional[Tensor],
+    scale: float, deterministic: bool, window_left: int, window_right: int, softcap: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of attention_variants_fwd."""
+    entry = _variant_op_entry(q, k, v, alibi_slopes, scale, window_left, window_right, softcap)
+    extra = (0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0, 0)
+    return _backward(entry, dout, q, k, v, out, lse, deterministic, extra)
+
+
+@_attention_variants_bwd.register_fake
+def _attention_variants_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, scale, deterministic, window_left,
+                                 window_right, softcap):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _variant_op_entry(q, k, v, alibi_slopes, scale, left, right, softcap) -> _VariantEntry:
+    alibi_key = None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
+                                                   alibi_slopes.get_device())
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+           q.get_device(), k.get_device(), v.get_device(), False, scale, "variants", (left, right), softcap,
+           alibi_key, 0.0)
+    return _cached_entry(key, lambda: _VariantEntry(q, k, v, False, scale, (left, right), softcap, alibi_slopes, 0.0))
+
+
+def _variants_setup_context(ctx, inputs, output) -> None:
+    q, k, v, alibi_slopes, scale, deterministic, window_left, window_right, softcap = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+    ctx.args = (scale, deterministic, window_left, window_right, softcap)
+    ctx.mark_non_differentiable(lse)
+
+
+def _variants_backward_op(ctx, dout, _dlse):
+    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = torch.ops.tileattn.attention_variants_bwd(dout, q, k, v, out, lse, alibi_slopes, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_attention_variants_fwd.register_autograd(_variants_backward_op, setup_context=_variants_setup_context)
+
 @torch.library.custom_op("tileattn::attention_fwd", mutates_args=(), device_types="cuda")
 def _attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, deterministic: bool

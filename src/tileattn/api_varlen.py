@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -113,7 +114,7 @@ def attention_varlen(
             finite and positive; stride(-1) != 1; strides or data pointers not 16-byte aligned;
             non-contiguous cu_seqlens; tensors on different devices or not on a CUDA device; malformed
             variants (as tileattn.attention); with any variant, Tq or Tk above 2^28.
-        NotImplementedError: variants under torch.compile / fake tensors (eager only for now).
+        NotImplementedError: dropout_p > 0 under torch.compile / fake tensors (eager only for now).
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
     causal, deterministic = bool(causal), bool(deterministic)
@@ -427,16 +428,28 @@ class _VariantEntry(_PlanEntry):
 
 def _varlen_variants(args, max_seqlen_q, max_seqlen_k, causal, scale, deterministic, window, softcap, alibi_slopes,
                      dropout_p, generator, seed, offset):
-    """(out, lse) of a varlen call with variants (eager only)."""
+    """(out, lse) of a varlen call with variants: eager through the plan entry, traced through the
+    tileattn::attention_varlen_variants_* custom ops (not with dropout yet)."""
     from . import dropout as dr
 
     q, k, v, cu_seqlens_q, cu_seqlens_k = args
-    if not _eager(*args):
-        _check_args(*args, max_seqlen_q, max_seqlen_k, scale)  # a non-tensor or a CPU tensor: ValueError
-        raise NotImplementedError("window/softcap/alibi_slopes/dropout_p run eagerly only (not under torch.compile "
-                                  "or fake tensors) for now")
     if alibi_slopes is not None and not isinstance(alibi_slopes, Tensor):
         raise ValueError(f"alibi_slopes must be None or a torch.Tensor, got {type(alibi_slopes).__name__}")
+    if not _eager(*args, *(() if alibi_slopes is None else (alibi_slopes,))):
+        left, right = dr.check_window(window, causal)
+        cap = dr.check_softcap(softcap)
+        p = dr.check_dropout(dropout_p, generator, seed, offset)
+        if (alibi_slopes is not None and isinstance(q, Tensor) and q.dim() == 3 and isinstance(cu_seqlens_q, Tensor)
+                and cu_seqlens_q.dim() == 1):
+            dr.check_alibi(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, dtype_strict=True)
+        _check_args(*args, max_seqlen_q, max_seqlen_k, scale)
+        dr.check_variant_lengths(q.shape[0], k.shape[0])
+        if p > 0:
+            raise NotImplementedError("dropout_p under torch.compile / fake tensors is not supported yet (its seed "
+                                      "is drawn per call on the host); run the call eagerly")
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        return torch.ops.tileattn.attention_varlen_variants_fwd(*args, alibi_slopes, max_seqlen_q, max_seqlen_k, scale,
+                                                                deterministic, left, right, cap)
     alibi_key = None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
                                                    alibi_slopes.get_device())
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
@@ -499,6 +512,77 @@ class _VarlenVariantFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 # Custom ops (the traced path)
 # ---------------------------------------------------------------------------------------------
+# Variants (no dropout): window edges normalized (causal folded in), softcap 0.0 = off.
+@torch.library.custom_op("tileattn::attention_varlen_variants_fwd", mutates_args=(), device_types="cuda")
+def _attention_varlen_variants_fwd(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, alibi_slopes: Optional[Tensor],
+    max_seqlen_q: int, max_seqlen_k: int, scale: float, deterministic: bool, window_left: int, window_right: int,
+    softcap: float,
+) -> tuple[Tensor, Tensor]:
+    """(out [Tq, H, d], lse [H, Tq] fp32) with window / softcap / ALiBi."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    entry = _varlen_variant_op_entry(args, alibi_slopes, max_seqlen_q, max_seqlen_k, scale, window_left,
+                                     window_right, softcap)
+    return _varlen_variant_forward(entry, args, (0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0, 0))
+
+
+@_attention_varlen_variants_fwd.register_fake
+def _attention_varlen_variants_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                                        scale, deterministic, window_left, window_right, softcap):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("tileattn::attention_varlen_variants_bwd", mutates_args=(), device_types="cuda")
+def _attention_varlen_variants_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor, alibi_slopes: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, scale: float,
+    deterministic: bool, window_left: int, window_right: int, softcap: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of attention_varlen_variants_fwd."""
+    entry = _varlen_variant_op_entry((q, k, v, cu_seqlens_q, cu_seqlens_k), alibi_slopes, max_seqlen_q, max_seqlen_k,
+                                     scale, window_left, window_right, softcap)
+    extra = (0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0, 0)
+    return _backward(entry, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, deterministic, extra)
+
+
+@_attention_varlen_variants_bwd.register_fake
+def _attention_varlen_variants_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                        max_seqlen_q, max_seqlen_k, scale, deterministic, window_left, window_right,
+                                        softcap):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_variant_op_entry(args, alibi_slopes, max_seqlen_q, max_seqlen_k, scale, left, right, softcap):
+    q, k, v, cu_seqlens_q, cu_seqlens_k = args
+    alibi_key = None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
+                                                   alibi_slopes.get_device())
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+           cu_seqlens_q.shape, cu_seqlens_k.shape, cu_seqlens_q.dtype, cu_seqlens_k.dtype, cu_seqlens_q.stride(),
+           cu_seqlens_k.stride(), q.get_device(), k.get_device(), v.get_device(), cu_seqlens_q.get_device(),
+           cu_seqlens_k.get_device(), type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k, False,
+           scale, "variants", (left, right), softcap, alibi_key, 0.0)
+    return _cached_entry(key, lambda: _VariantEntry(*args, max_seqlen_q, max_seqlen_k, False, scale, (left, right),
+                                                    softcap, alibi_slopes, 0.0))
+
+
+def _varlen_variants_setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes = inputs[:6]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    ctx.args = inputs[6:]
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_variants_backward_op(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = torch.ops.tileattn.attention_varlen_variants_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                                  alibi_slopes, *ctx.args)
+    return (dq, dk, dv) + (None,) * 10
+
+
+_attention_varlen_variants_fwd.register_autograd(_varlen_variants_backward_op,
+                                                 setup_context=_varlen_variants_setup_context)
+
 @torch.library.custom_op("tileattn::attention_varlen_fwd", mutates_args=(), device_types="cuda")
 def _attention_varlen_fwd(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,

@@ -310,6 +310,27 @@ def test_varlen_variants_match_reference(d, case, deterministic):
 
 
 # ---------------------------------------------------------------------------------------------
+# torch.compile (window / softcap / ALiBi trace as the attention_variants custom ops)
+# ---------------------------------------------------------------------------------------------
+def test_torch_compile_fullgraph_with_backward():
+    b, h, hkv, nq, nk, d = 1, 4, 2, 100, 130, 64
+    q, k, v, dout = make(b, h, hkv, nq, nk, d, BF16, seed=21)
+    slopes = alibi("h", b, h)
+    opts = {"window": (32, -1), "softcap": 20.0, "alibi_slopes": slopes}
+
+    def loss(q, k, v):
+        return (tileattn.attention(q, k, v, True, **opts).float() * dout.float()).sum()
+
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    torch._dynamo.reset()
+    torch.compile(loss, fullgraph=True)(qg, kg, vg).backward()
+    ref = run_ref(q, k, v, dout, True, opts)
+    for name, x, r in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), ref[2]):
+        e = rel_err(x, r)
+        assert e <= TOL_BWD[BF16], f"torch.compile: {name} relative error {e:.3e}"
+
+
+# ---------------------------------------------------------------------------------------------
 # small cases for compute-sanitizer
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.sanitize
