@@ -26,8 +26,15 @@ import torch
 import torch.distributed as dist
 
 from tileattn.engine import LLM, SamplingParams
-from tileattn.engine.config import ModelConfig
-from tileattn.engine.distributed import MULTICAST_OFF, TensorParallel, TensorParallelError, check_tensor_parallel, rank_devices
+from tileattn.engine.config import EngineConfig, ModelConfig
+from tileattn.engine.distributed import (
+    MULTICAST_OFF,
+    TensorParallel,
+    TensorParallelError,
+    Workers,
+    check_tensor_parallel,
+    rank_devices,
+)
 from tileattn.engine.models import LlamaForCausalLM
 
 from .checkpoints import engine_logits, make_checkpoint, rel_error
@@ -192,4 +199,16 @@ def test_worker_killed_mid_run_is_a_clear_error(tmp_path):
             timer.cancel()
         llm.shutdown()
     assert not multiprocessing.active_children()
+    assert not dist.is_initialized()
+
+
+def test_worker_that_raises_at_start_is_named_with_its_traceback():
+    """A worker whose device cannot be selected (cuda:64) raises before the rendezvous: rank 0
+    reports its rank and traceback instead of waiting for it, and leaves nothing behind."""
+    config = EngineConfig("unused", device="cpu")
+    before, start = set(multiprocessing.active_children()), time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"worker rank 1 \(pid \d+\) raised:\nTraceback(.|\n)*set_device"):
+        Workers(config, [torch.device("cpu"), torch.device("cuda", 64)])
+    assert time.monotonic() - start < 60
+    assert set(multiprocessing.active_children()) <= before
     assert not dist.is_initialized()
