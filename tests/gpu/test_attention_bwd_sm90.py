@@ -316,12 +316,21 @@ def test_tuning_candidates(d, dtype, causal):
 
 
 # ---- small cases that compute-sanitizer re-runs (memcheck / racecheck / synccheck / initcheck) ---
+# Few and small (racecheck is slow on wgmma kernels): each dQ mode (REDs, ordered bulk, unordered
+# bulk), causal and not, both head dims, edge blocks (Nq, Nk not multiples of the tiles).
 @pytest.mark.sanitize
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("nq,nk,d,dtype", [(33, 17, 64, BF16), (17, 70, 128, FP16), (130, 129, 128, BF16)])
-def test_sanitize_small(nq, nk, d, dtype, causal, deterministic):
-    check_case(1, 2, 1, nq, nk, d, dtype, causal, deterministic=deterministic, seed=1)
+@pytest.mark.parametrize(
+    "nq,nk,d,dtype,causal,deterministic,bulk",
+    [
+        (33, 17, 64, BF16, True, False, False),
+        (17, 70, 128, FP16, False, True, False),
+        (130, 129, 128, BF16, True, True, False),
+        (130, 129, 128, BF16, False, False, True),
+    ],
+)
+def test_sanitize_small(nq, nk, d, dtype, causal, deterministic, bulk):
+    config = _mod().Sm90BwdConfig(64, 2, True) if bulk else None
+    check_case(1, 2, 1, nq, nk, d, dtype, causal, deterministic=deterministic, seed=1, config=config)
 
 
 # ---- CUDA-graph capture of the three launches --------------------------------------------------------
