@@ -311,6 +311,7 @@ class Workers:
         if os.access(error_file, os.R_OK):
             with open(error_file, "rb") as f:
                 how = "raised:\n" + pickle.load(f).rstrip()
+            os.unlink(error_file)
         return TensorParallelError(f"tensor-parallel worker rank {rank} (pid {process.pid}) {how}; "
                                    f"the engine's {self.size - 1} worker(s) were stopped")
 
@@ -331,8 +332,11 @@ class Workers:
 
     @contextlib.contextmanager
     def guard(self):
-        """Around rank 0's work with the workers: a failure seen earlier is raised at once, and a
-        communication error (RuntimeError) becomes TensorParallelError when a worker has died."""
+        """Around rank 0's work with the workers (start-up, each step). A failure seen earlier is
+        raised at once. A communication error (RuntimeError) becomes TensorParallelError when a
+        worker has died. Any other exception (or one with no dead worker behind it: an OOM, a
+        KeyboardInterrupt) propagates, but the workers may be waiting in a collective rank 0 will
+        never join, so they are stopped and every later call raises TensorParallelError."""
         if self.failure is not None:
             raise self.failure
         try:
@@ -342,15 +346,24 @@ class Workers:
                 # The step returned, but a worker died during it: on NCCL its aborted collectives
                 # return without data, so what the step computed cannot be used.
                 raise self.failure
-        except RuntimeError as exc:
-            if isinstance(exc, TensorParallelError):
-                raise
-            deadline = time.monotonic() + FAILURE_WAIT_S
-            while self.failure is None and self._monitor.is_alive() and time.monotonic() < deadline:
-                time.sleep(0.02)
+        except TensorParallelError:
+            raise
+        except BaseException as exc:
+            if isinstance(exc, RuntimeError):  # what a collective with a dead peer raises
+                deadline = time.monotonic() + FAILURE_WAIT_S
+                while self.failure is None and self._monitor.is_alive() and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                if self.failure is not None:
+                    raise self.failure from exc
+            # Rank 0's own error (a worker that failed the same way, e.g. a KV cache too small
+            # for max_model_len on every rank, is not the news).
+            self._stopping = True  # the monitor must not report the workers stopped here as deaths
             if self.failure is None:
-                raise
-            raise self.failure from exc
+                self.failure = TensorParallelError(
+                    f"rank 0 raised {type(exc).__name__} ({exc}) while working with its workers; they were "
+                    "stopped, since they can no longer be in step with it: create a new engine")
+            self._kill_all()
+            raise
 
     def shutdown(self) -> None:
         """Stop the workers (a stop command when they serve steps and no step is running after
