@@ -25,6 +25,7 @@ The Python mirrors the C++ by hand: change them together.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -298,6 +299,7 @@ def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int):
     return scale * dq_acc[:, :, :nq], dk, dv
 
 
+WALK_SHAPES_QK = [(1, 1), (65, 65), (130, 129), (129, 300), (300, 129), (5, 200), (200, 5), (100, 192)]
 WALK_SHAPES = [(1, 1, 1, 1), (65, 65, 2, 1), (130, 129, 2, 2), (129, 300, 4, 1), (300, 129, 2, 1),
                (5, 200, 2, 2), (200, 5, 4, 2), (257, 256, 8, 1), (100, 192, 2, 1), (192, 200, 2, 1)]
 
@@ -319,6 +321,27 @@ def test_emulated_walk_matches_autograd(nq, nk, heads, kv_heads, d, block_m, cau
     for name, a, ref in zip(("dq", "dk", "dv"), got, (qr.grad, kr.grad, vr.grad)):
         err = float((a - ref).norm() / max(float(ref.norm()), 1e-300))
         assert err < 1e-9 or float((a - ref).abs().max()) < 1e-12, f"{name}: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_mask_thresholds_match_the_direct_mask(block_m):
+    """The kernel's masked tiles hide element (j, h, e) of thread (warp, lane) iff 8 j + e < lim[h],
+    lim[h] = block_m past Nk, 0 non-causal, key - diag - m0 - 2 t causal: the same set as
+    key >= Nk or (causal and key > query + diag)."""
+    for nq, nk in WALK_SHAPES_QK:
+        diag = nk - nq
+        for causal in (False, True):
+            for n0 in range(0, nk, BLOCK_N):
+                for m0 in range(0, -(-nq // block_m) * block_m, block_m):
+                    for w, warp, g, t in itertools.product(range(2), range(4), range(8), range(4)):
+                        key_h0 = n0 + 64 * w + 16 * warp + g
+                        for h in range(2):
+                            key = key_h0 + 8 * h
+                            lim = block_m if key >= nk else key - diag - m0 - 2 * t if causal else 0
+                            for j, e in itertools.product(range(block_m // 8), range(2)):
+                                query = m0 + 8 * j + 2 * t + e
+                                direct = key >= nk or (causal and key > query + diag)
+                                assert direct == (8 * j + e < lim), (nq, nk, causal, n0, m0, key, query)
 
 
 # ---- the mbarrier / named-barrier protocol, simulated ----------------------------------------------

@@ -426,15 +426,20 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
         const bool masked = key_edge || (kCausal && m0 + diag < n0 + kBlockN - 1);
         const float* lse_s = sLse + s * kBlockM;
         const float* delta_s = sDelta + s * kBlockM;
-        // P^T of element i = 4 j + 2 h + e; lse2 = +inf (fully masked or padding query) gives 2^-inf = 0.
+        // Element i = 4 j + 2 h + e (key key_h0 + 8 h, query m0 + 8 j + 2 t + e) is hidden iff
+        // 8 j + e < lim[h]: a key past Nk hides every query (lim = kBlockM), none non-causal (0);
+        // causal, key > query + diag <=> 8 j + e < key - diag - m0 - 2 t. One compare of a compile-time
+        // 8 j + e per element.
+        int lim[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int key = key_h0 + 8 * h;
+          lim[h] = key >= seqlen_k ? kBlockM : kCausal ? key - diag - m0 - 2 * t : 0;
+        }
+        // P^T of element i; lse2 = +inf (fully masked or padding query) gives 2^-inf = 0.
         auto prob = [&](int i, float l2) {
-          float p = fast_exp2(fmaf(sp[i], scale_log2, -l2));
-          if (masked) {
-            const int j = i / 4, h = (i >> 1) & 1, e = i & 1;
-            const int key = key_h0 + 8 * h, query = m0 + 8 * j + 2 * t + e;
-            if (key >= seqlen_k || (kCausal && key > query + diag)) p = 0.f;
-          }
-          return p;
+          const float p = fast_exp2(fmaf(sp[i], scale_log2, -l2));
+          return masked && 8 * (i / 4) + (i & 1) < lim[(i >> 1) & 1] ? 0.f : p;
         };
         // ---- 3. dV += P^T dO (register A, MN-major B); with kOverlap it runs while dS^T is computed
         const u64 desc_do_mn = s9::make_desc_mn_sw128(sdO + s * kBlockM * kHeadDim, kBlockM * kPanel * 2);
