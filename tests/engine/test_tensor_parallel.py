@@ -169,26 +169,43 @@ def test_fewer_gpus_than_asked(monkeypatch):
 
 
 def test_worker_killed_mid_run_is_a_clear_error(tmp_path):
-    """SIGKILL the worker while rank 0 generates: generate raises TensorParallelError naming rank 1
-    and the signal within 15 s of the kill, later calls fail at once, shutdown leaves nothing."""
+    """SIGKILL the worker from another thread while rank 0 steps through 16 requests of 400 tokens
+    (seconds of work, so the kill lands mid-run, most likely inside a step): the step raises
+    TensorParallelError naming rank 1 and the signal within 15 s of the kill, later calls fail at
+    once, shutdown leaves no process or process group behind."""
     path = str(tmp_path)
     make_checkpoint(path, "llama3")
-    llm = LLM(path, tensor_parallel_size=2, **OPTIONS)
-    timer = None
+    before = set(multiprocessing.active_children())
+    llm = LLM(path, tensor_parallel_size=2, **{**OPTIONS, "max_model_len": 512, "kv_cache_blocks": 1024})
+    engine = llm.engine
     try:
-        (pid,) = llm.engine.workers.pids
+        (pid,) = engine.workers.pids
         with open(f"/proc/{pid}/environ", "rb") as f:  # what the worker's NCCL would read
             env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
         for key, value in MULTICAST_OFF.items():
             assert env.get(key.encode()) == value.encode(), f"worker environment: {key}={env.get(key.encode())}"
-        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)  # warm: the kill lands in a long run below
-        killed = []
-        timer = threading.Timer(0.5, lambda: (os.kill(pid, signal.SIGKILL), killed.append(time.monotonic())))
-        long_run = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-        timer.start()
+        long_run = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS * 4):
+            engine.add_request(f"r{i}", prompt, long_run)
+        running, killed = threading.Event(), []
+
+        def kill():
+            running.wait()
+            time.sleep(0.05)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(time.monotonic())
+
+        killer = threading.Thread(target=kill, daemon=True)
+        killer.start()
+        steps = 0
         with pytest.raises(TensorParallelError, match=r"worker rank 1 \(pid \d+\) was killed by signal SIGKILL"):
-            llm.generate(PROMPTS * 4, long_run, use_tqdm=False)
-        assert killed, "generate failed before the worker was killed"
+            while engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+                if steps == 3:
+                    running.set()
+        killer.join(5)
+        assert killed, f"the step failed after {steps} steps, before the worker was killed"
         elapsed = time.monotonic() - killed[0]
         assert elapsed < 15, f"the failure took {elapsed:.1f} s to surface"
         start = time.monotonic()
@@ -196,10 +213,8 @@ def test_worker_killed_mid_run_is_a_clear_error(tmp_path):
             llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
         assert time.monotonic() - start < 2
     finally:
-        if timer is not None:
-            timer.cancel()
         llm.shutdown()
-    assert not multiprocessing.active_children()
+    assert set(multiprocessing.active_children()) <= before
     assert not dist.is_initialized()
 
 

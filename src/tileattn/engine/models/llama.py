@@ -123,24 +123,18 @@ class LlamaForCausalLM(nn.Module):
             return
         target, shard = self._target(name)
         param = self.get_parameter(target)
-        expected, source = tuple(param.shape), tensor
+        dim, first, full = 0, 0, None  # the checkpoint tensor's dim holding this rank's slice
         if shard is not None:
             start, rows, first, full = self._shard_rows[target.split(".")[-2]][shard]
             param = param.narrow(0, start, rows)
-            expected = (full, *param.shape[1:])
-            if tuple(tensor.shape) == expected:
-                source = tensor.narrow(0, first, rows)
         else:
-            split = next((v for k, v in self._splits.items() if target.endswith(k)), None)
-            if split is not None:
-                dim, first, full = split
-                expected = tuple(full if i == dim else n for i, n in enumerate(param.shape))
-                if tuple(tensor.shape) == expected:
-                    source = tensor.narrow(dim, first, param.shape[dim])
+            dim, first, full = next((v for k, v in self._splits.items() if target.endswith(k)), (0, 0, None))
+        expected = tuple(full if i == dim and full is not None else n for i, n in enumerate(param.shape))
         if tuple(tensor.shape) != expected:
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config "
                              f"implies {expected}")
-        tensor = source
+        if full is not None:
+            tensor = tensor.narrow(dim, first, param.shape[dim])
         with torch.no_grad():
             param.copy_(tensor)
         self._loaded.add((target, shard))
