@@ -34,6 +34,15 @@ def test_chat_reads_turns_from_piped_stdin_until_eof(checkpoint, capsys, monkeyp
     assert captured.out.count("\n") >= 2
 
 
+def test_generate_with_two_tensor_parallel_ranks_prints_the_same(checkpoint, capsys):
+    argv = ["generate", checkpoint, "--prompt", "the quick", "--prompt", "hello", "--max-tokens", "8",
+            "--device", "cpu", "--max-model-len", "64"]
+    assert main(argv) == 0
+    single = capsys.readouterr().out
+    assert main([*argv, "--tensor-parallel-size", "2"]) == 0
+    assert capsys.readouterr().out == single
+
+
 def test_missing_model_is_a_clean_error(tmp_path, capsys):
     rc = main(["generate", str(tmp_path / "none"), "--prompt", "x", "--device", "cpu"])
     assert rc == 2

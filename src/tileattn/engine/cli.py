@@ -35,13 +35,15 @@ def _engine_options(p) -> None:
     p.add_argument("--dtype", default=None, help="bfloat16, float16 or float32")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N GPUs (N processes; gloo ranks with --device cpu)")
 
 
 def _build(args):
     from . import LLM, SamplingParams
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
     overrides = {"max_tokens": args.max_tokens}
     for name in ("temperature", "top_p", "top_k", "seed"):
         if getattr(args, name) is not None:
@@ -53,6 +55,7 @@ def _build(args):
 
 
 def cmd_generate(args) -> int:
+    llm = None
     try:
         llm, params = _build(args)
         prompts = args.prompt
@@ -63,6 +66,9 @@ def cmd_generate(args) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if llm is not None:
+            llm.shutdown()  # tensor-parallel workers
     for prompt, out in zip(prompts, outs):
         completion = out.outputs[0]
         print(f"--- {prompt!r} ({len(completion.token_ids)} tokens, {completion.finish_reason})")
@@ -76,7 +82,15 @@ def cmd_chat(args) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    try:
+        _chat_loop(llm, params, args.system)
+    finally:
+        llm.shutdown()  # tensor-parallel workers
+    return 0
+
+
+def _chat_loop(llm, params, system) -> None:
+    messages = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"chatting with {llm.engine.model_name} (empty line or Ctrl-D to quit)", file=sys.stderr)
@@ -85,7 +99,7 @@ def cmd_chat(args) -> int:
             print("> ", end="", flush=True, file=sys.stderr)
         line = sys.stdin.readline()
         if not line or (interactive and not line.strip()):
-            return 0
+            return
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
