@@ -20,6 +20,7 @@ Markers: gpu (all), sanitize (the small cases).
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -38,6 +39,18 @@ TOL_FWD = {BF16: 1e-2, FP16: 2e-3}
 TOL_BWD = {BF16: 1e-2, FP16: 3e-3}
 ATOL = 1e-3
 HEAD_DIMS = (32, 64, 96, 128, 256)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_compile_cache():
+    """Compile the variant backward instantiations (60) in parallel processes up front (NVRTC holds
+    the GIL); the forward's (21) compile lazily."""
+    if not torch.cuda.is_available() or os.environ.get("TILEATTN_SANITIZER"):
+        return
+    from tileattn.kernels import attention_bwd_sm80
+
+    exprs = [e for e in attention_bwd_sm80.FAMILIES[0].instantiations if "_variants_kernel<" in e]
+    attention_bwd_sm80.precompile(expressions=exprs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,7 +347,7 @@ def test_torch_compile_fullgraph_with_backward():
 # small cases for compute-sanitizer
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.sanitize
-@pytest.mark.parametrize("case", ["window_causal", "everything"])
+@pytest.mark.parametrize("case", ["everything"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
 def test_sanitize_small(case, deterministic):
     causal, options, scale_inputs = CASES[case]
