@@ -28,6 +28,7 @@ import torch.distributed as dist
 from tileattn.engine import LLM, SamplingParams
 from tileattn.engine.config import EngineConfig, ModelConfig
 from tileattn.engine.distributed import (
+    INLINE_PAYLOAD,
     MULTICAST_OFF,
     TensorParallel,
     TensorParallelError,
@@ -113,6 +114,23 @@ class TestAgainstSingleRank:
         assert all(close(a, b) for a, b in zip(ours.prompt_logprobs[1:], ref.prompt_logprobs[1:])), name
         for c_ours, c_ref in zip(ours.outputs, ref.outputs):
             assert all(close(a, b) for a, b in zip(c_ours.logprobs, c_ref.logprobs)), name
+
+
+def test_prefill_step_larger_than_one_message(tmp_path):
+    """Four 400-token prompts prefilled in one step: the step's inputs exceed the first message and
+    travel in a second broadcast; greedy tokens identical to TP=1."""
+    path = str(tmp_path)
+    make_checkpoint(path, "llama3")
+    prompts = [[int(t) for t in torch.randint(2, 384, (400,), generator=torch.Generator().manual_seed(i))]
+               for i in range(4)]
+    assert 3 * 4 * 400 > INLINE_PAYLOAD, "the step would fit one message: make the prompts longer"
+    options = {**OPTIONS, "max_model_len": 448, "kv_cache_blocks": 256, "max_num_batched_tokens": 2048}
+    ref = _tokens(LLM(path, **options).generate(prompts, GREEDY, use_tqdm=False))
+    split = LLM(path, tensor_parallel_size=2, **options)
+    try:
+        assert _tokens(split.generate(prompts, GREEDY, use_tqdm=False)) == ref
+    finally:
+        split.shutdown()
 
 
 def test_bad_divisibility_is_refused_before_any_process_starts(tmp_path):

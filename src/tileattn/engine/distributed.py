@@ -53,9 +53,13 @@ STARTUP_TIMEOUT_S = 600.0  # workers reaching the rendezvous (imports, CUDA cont
 FAILURE_WAIT_S = 10.0      # after a collective fails: how long to wait for the monitor to see a dead worker
 STOP_TIMEOUT_S = 10.0      # normal shutdown: how long workers get to exit before SIGTERM / SIGKILL
 
-# Step protocol: rank 0 broadcasts a header int64 [8] on the control group, then a payload.
+# Step protocol: rank 0 broadcasts one int64 message on the control group: a header of HEADER_LEN
+# (the command and its sizes) and up to INLINE_PAYLOAD ints of payload; a larger payload follows in
+# a second broadcast. One round trip per decode step: each is a TCP exchange whose latency the
+# step pays in full, since the workers cannot start before it arrives.
 CMD_STEP, CMD_LOGITS, CMD_STOP = 1, 2, 3
-HEADER_LEN = 8
+HEADER_LEN = 16
+INLINE_PAYLOAD = 4096 - HEADER_LEN  # a 32 KiB message
 
 
 class TensorParallelError(RuntimeError):
@@ -144,25 +148,29 @@ class TensorParallel:
         return int(t.item())
 
     def send(self, header: list[int], payload: torch.Tensor | None) -> None:
-        """Rank 0: broadcast a command (header: HEADER_LEN ints) and its int64 payload."""
-        head = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        head[:len(header)] = torch.tensor(header, dtype=torch.int64)
-        dist.broadcast(head, 0, group=self.control)
-        if payload is not None and payload.numel():
+        """Rank 0: broadcast a command: header (at most HEADER_LEN ints) and its int64 payload [n],
+        in one message when n <= INLINE_PAYLOAD, else in two."""
+        numel = 0 if payload is None else payload.numel()
+        message = torch.zeros(HEADER_LEN + INLINE_PAYLOAD, dtype=torch.int64)
+        message[:len(header)] = torch.tensor(header, dtype=torch.int64)
+        if numel <= INLINE_PAYLOAD:
+            message[HEADER_LEN:HEADER_LEN + numel] = payload if numel else 0
+        dist.broadcast(message, 0, group=self.control)
+        if numel > INLINE_PAYLOAD:
             dist.broadcast(payload.contiguous(), 0, group=self.control)
 
-    def receive_header(self) -> list[int]:
-        """Workers: the next command's header (blocks while rank 0 is idle)."""
-        head = torch.empty(HEADER_LEN, dtype=torch.int64)
-        dist.broadcast(head, 0, group=self.control)
-        return head.tolist()
-
-    def receive_payload(self, numel: int) -> torch.Tensor:
-        """Workers: the int64 payload [numel] that follows a header."""
+    def receive(self, payload_numel) -> tuple[list[int], torch.Tensor]:
+        """Workers: the next command (blocks while rank 0 is idle): (header [HEADER_LEN] ints,
+        payload int64 [payload_numel(header)])."""
+        message = torch.empty(HEADER_LEN + INLINE_PAYLOAD, dtype=torch.int64)
+        dist.broadcast(message, 0, group=self.control)
+        header = message[:HEADER_LEN].tolist()
+        numel = payload_numel(header)
+        if numel <= INLINE_PAYLOAD:
+            return header, message[HEADER_LEN:HEADER_LEN + numel]
         payload = torch.empty(numel, dtype=torch.int64)
-        if numel:
-            dist.broadcast(payload, 0, group=self.control)
-        return payload
+        dist.broadcast(payload, 0, group=self.control)
+        return header, payload
 
 
 def _connect(store, rank: int, size: int, device: torch.device) -> TensorParallel:

@@ -225,15 +225,13 @@ class ModelRunner:
         """Tensor-parallel workers: run the steps rank 0 broadcasts until it sends CMD_STOP."""
         hidden = None
         while True:
-            cmd, *header = self.tp.receive_header()
+            (cmd, *header), payload = self.tp.receive(_payload_numel)
             if cmd == CMD_STOP:
                 return
             if cmd == CMD_STEP:
-                inputs = _unpack(header, self.tp.receive_payload(_payload_numel(header)))
-                hidden, _ = self._forward(inputs, header[6])
+                hidden, _ = self._forward(_unpack(header, payload), header[7])
             elif cmd == CMD_LOGITS:
-                rows = self.tp.receive_payload(header[0])
-                self.model.compute_logits(hidden[self._to_device(rows)])
+                self.model.compute_logits(hidden[self._to_device(payload)])
             else:
                 raise RuntimeError(f"tensor-parallel worker rank {self.tp.rank}: unknown command {cmd}")
 
@@ -267,6 +265,7 @@ class ModelRunner:
                 if start <= first < last:  # positions first..last-1 are in this chunk, unscored
                     prompt_rows.append((seq, list(range(cu[-2] + first - start, cu[-2] + last - start)),
                                         seq.token_ids[first + 1:last + 1]))
+        used_blocks = max_blocks
         if max_q == 1:
             # Decode: the full-width table the CUDA graphs use, so the kernel's split-KV choice
             # (made from the table's capacity, not the lengths) is the same eager or replayed and
@@ -283,6 +282,7 @@ class ModelRunner:
                 "block_tables": torch.from_numpy(tables),  # [B, W] int32
                 "sample_rows": torch.tensor(sample_rows, dtype=torch.int64),  # [N]
                 "max_seqlen_q": max_q, "max_seqlen_k": max_k,
+                "used_blocks": used_blocks,  # columns of block_tables any sequence fills (the rest: 0)
                 "sample_seqs": sample_seqs, "prompt_rows": prompt_rows}
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -363,26 +363,32 @@ class ModelRunner:
 # ---- the step broadcast (tensor parallel) -------------------------------------------------------------
 
 def _pack(inputs) -> tuple[list[int], torch.Tensor]:
-    """Step inputs -> (header [T, B, W, max_q, max_k, N], one int64 payload): one broadcast carries
-    every tensor of the step."""
-    tables = inputs["block_tables"]  # [B, W]
-    header = [inputs["input_ids"].shape[0], tables.shape[0], tables.shape[1], inputs["max_seqlen_q"],
+    """Step inputs -> (header [T, B, W, U, max_q, max_k, N], one int64 payload). Only the U block
+    table columns some sequence fills travel (a decode step's table is max_model_len / block_size
+    wide for the graphs' sake, mostly padding), so a decode step fits in one message."""
+    tables, used = inputs["block_tables"], inputs["used_blocks"]  # [B, W]
+    header = [inputs["input_ids"].shape[0], tables.shape[0], tables.shape[1], used, inputs["max_seqlen_q"],
               inputs["max_seqlen_k"], inputs["sample_rows"].shape[0]]
     payload = torch.cat([inputs["input_ids"], inputs["positions"], inputs["slot_mapping"],
                          inputs["cu_seqlens_q"].long(), inputs["seqlens_k"].long(),
-                         tables.long().flatten(), inputs["sample_rows"]])
+                         tables[:, :used].long().flatten(), inputs["sample_rows"]])
     return header, payload
 
 
 def _payload_numel(header) -> int:
-    tokens, seqs, width, _, _, rows = header[:6]
-    return 3 * tokens + 2 * seqs + 1 + seqs * width + rows
+    """Payload length of a command, from its header (the command first)."""
+    cmd, tokens, seqs, _, used, _, _, rows = header[:8]
+    if cmd == CMD_STEP:
+        return 3 * tokens + 2 * seqs + 1 + seqs * used + rows
+    return header[1] if cmd == CMD_LOGITS else 0
 
 
 def _unpack(header, payload) -> dict:
-    tokens, seqs, width, max_q, max_k, rows = header[:6]
-    ids, positions, slots, cu, seqlens, tables, sample_rows = payload.split(
-        [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, rows])
+    tokens, seqs, width, used, max_q, max_k, rows = header[:7]
+    ids, positions, slots, cu, seqlens, table_part, sample_rows = payload.split(
+        [tokens, tokens, tokens, seqs + 1, seqs, seqs * used, rows])
+    tables = torch.zeros(seqs, width, dtype=torch.int32)
+    tables[:, :used] = table_part.view(seqs, used)
     return {"input_ids": ids, "positions": positions, "slot_mapping": slots,
-            "cu_seqlens_q": cu.int(), "seqlens_k": seqlens.int(), "block_tables": tables.int().view(seqs, width),
+            "cu_seqlens_q": cu.int(), "seqlens_k": seqlens.int(), "block_tables": tables,
             "sample_rows": sample_rows, "max_seqlen_q": max_q, "max_seqlen_k": max_k}
