@@ -186,6 +186,36 @@ def test_fewer_gpus_than_asked(monkeypatch):
     assert rank_devices(torch.device("cuda", 2), 2) == [torch.device("cuda", 2), torch.device("cuda", 3)]
 
 
+def kill_worker_mid_run(engine, pid: int, prompts, bound_s: float) -> None:
+    """Queue ``prompts`` with 400 tokens each (seconds of steps), SIGKILL worker ``pid`` from another
+    thread 50 ms after the third step (so mid-run, most likely inside a step) and step on: a step
+    must raise TensorParallelError naming rank 1 and SIGKILL within ``bound_s`` of the kill."""
+    long_run = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"long{i}", prompt, long_run)
+    running, killed = threading.Event(), []
+
+    def kill():
+        running.wait()
+        time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        killed.append(time.monotonic())
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    steps = 0
+    with pytest.raises(TensorParallelError, match=r"worker rank 1 \(pid \d+\) was killed by signal SIGKILL"):
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+            if steps == 3:
+                running.set()
+    killer.join(5)
+    assert killed, f"the step failed after {steps} steps, before the worker was killed"
+    elapsed = time.monotonic() - killed[0]
+    assert elapsed < bound_s, f"the failure took {elapsed:.1f} s to surface (bound {bound_s} s)"
+
+
 def test_worker_killed_mid_run_is_a_clear_error(tmp_path):
     """SIGKILL the worker from another thread while rank 0 steps through 16 requests of 400 tokens
     (seconds of work, so the kill lands mid-run, most likely inside a step): the step raises
@@ -202,30 +232,7 @@ def test_worker_killed_mid_run_is_a_clear_error(tmp_path):
             env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
         for key, value in MULTICAST_OFF.items():
             assert env.get(key.encode()) == value.encode(), f"worker environment: {key}={env.get(key.encode())}"
-        long_run = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-        for i, prompt in enumerate(PROMPTS * 4):
-            engine.add_request(f"r{i}", prompt, long_run)
-        running, killed = threading.Event(), []
-
-        def kill():
-            running.wait()
-            time.sleep(0.05)
-            os.kill(pid, signal.SIGKILL)
-            killed.append(time.monotonic())
-
-        killer = threading.Thread(target=kill, daemon=True)
-        killer.start()
-        steps = 0
-        with pytest.raises(TensorParallelError, match=r"worker rank 1 \(pid \d+\) was killed by signal SIGKILL"):
-            while engine.has_unfinished_requests():
-                engine.step()
-                steps += 1
-                if steps == 3:
-                    running.set()
-        killer.join(5)
-        assert killed, f"the step failed after {steps} steps, before the worker was killed"
-        elapsed = time.monotonic() - killed[0]
-        assert elapsed < 15, f"the failure took {elapsed:.1f} s to surface"
+        kill_worker_mid_run(engine, pid, PROMPTS * 4, bound_s=15)
         start = time.monotonic()
         with pytest.raises(TensorParallelError, match="worker rank 1"):
             llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
