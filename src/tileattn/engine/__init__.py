@@ -6,12 +6,14 @@
                    SamplingParams(temperature=0, max_tokens=32))
     print(out[0].outputs[0].text)
 
-See docs/engine.md for the design.
+See docs/engine.md for the design, docs/tensor_parallel.md for tensor_parallel_size.
 """
 
 from .config import EngineConfig
+from .distributed import TensorParallelError
 from .llm import LLM, LLMEngine
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
+           "TensorParallelError"]
