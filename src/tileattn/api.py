@@ -370,13 +370,14 @@ class _VariantEntry(_PlanEntry):
         self.causal = False  # folded into the window
         self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         self.device_index, self.device = q.device.index, q.device
-        self.lse_shape = tuple(q.shape[:3])
         self.copy_kv = (k.stride(2) >= attention_fwd_sm80.MAX_KV_ROW_STRIDE
                         or v.stride(2) >= attention_fwd_sm80.MAX_KV_ROW_STRIDE)
         if self.copy_kv:
             k, v = k.contiguous(), v.contiguous()
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        self.out_spec, self.lse_spec = (out.shape, out.stride()), (lse.shape, lse.stride())
+        self.grad_specs = tuple((t.shape, torch.empty_like(t).stride()) for t in (q, k, v))
         with torch.cuda.device(self.device_index):
             self.forward = attention_fwd_sm80.forward_plan(q, k, v, out, lse, causal=False, scale=self.scale,
                                                            variants=self.variants)
@@ -458,8 +459,8 @@ def _variant_forward(entry: _VariantEntry, q, k, v, extra):
             _check_pointer(name, t)
     if entry.copy_kv:
         k, v = k.contiguous(), v.contiguous()
-    out = torch.empty_like(q)
-    lse = torch.empty(entry.lse_shape, dtype=torch.float32, device=entry.device)
+    out = torch.empty_strided(*entry.out_spec, dtype=q.dtype, device=entry.device)
+    lse = torch.empty_strided(*entry.lse_spec, dtype=torch.float32, device=entry.device)
     with torch.cuda.device(entry.device_index):
         entry.forward.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), *extra)
     return out, lse
