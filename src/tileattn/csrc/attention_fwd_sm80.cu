@@ -525,10 +525,16 @@ __device__ __forceinline__ void attention_fwd_body(
     }
   }
   cp_async_wait<0>();  // only empty groups can be left; keep the invariant explicit
+  // The Q tile's cp.async chunks were issued by every thread of the CTA, not by the warp that owns
+  // the rows. After at least one main-loop iteration they have all landed (its wait + barrier);
+  // with no K/V block to visit (a varlen sequence with no key, a window past the keys) the loop never
+  // ran, and a warp's O staging below could race with another thread's Q copy still landing in the
+  // same rows (compute-sanitizer racecheck, 2026-12-01). One CTA barrier per tile closes that.
+  __syncthreads();
 
   // ---- Epilogue: normalise, lse, stage O through this warp's rows of sQ, 16-byte stores -------
   // sQ rows [warp_row0, warp_row0 + kRowsPerWarp) are read (Q fragments) and written (O) only by
-  // this warp, so a __syncwarp orders the reuse; no CTA barrier is needed.
+  // this warp, so after the barrier above a __syncwarp orders the reuse.
   {
     const int tid_e = opaque(tid);  // see the main loop: nothing thread-specific lives across it
     const int lane_e = tid_e & 31, g_e = lane_e >> 2, t_e = lane_e & 3;
