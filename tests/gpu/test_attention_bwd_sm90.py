@@ -326,6 +326,10 @@ def test_tuning_candidates(d, dtype, causal):
         (17, 70, 128, FP16, False, True, False),
         (130, 129, 128, BF16, True, True, False),
         (130, 129, 128, BF16, False, False, True),
+        # run 6's racecheck flagged the lse2 bulk copy vs the lse2 reads in the case above (mode 2; its
+        # key block 1 has an idle upper warpgroup): the same shape in mode 0, and mode 2 without idle
+        (130, 129, 128, BF16, False, False, False),
+        (130, 256, 128, BF16, False, False, True),
     ],
 )
 def test_sanitize_small(nq, nk, d, dtype, causal, deterministic, bulk):
