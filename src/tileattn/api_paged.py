@@ -90,7 +90,8 @@ def attention_paged(
 
     Returns:
         out [Tq, H, d] in q's dtype (contiguous), and lse [H, Tq] float32 when return_lse. Rows
-        that see no key get 0 and lse -inf. Rows of q past cu_seqlens_q[B] are left unwritten.
+        that see no key get 0 and lse -inf. Rows of q past cu_seqlens_q[B] are left unwritten
+        (all zeros / -inf when nothing is launched: Tq, B or max_seqlen_q is 0).
 
     Raises:
         ValueError: a non-tensor argument or wrong rank; q/k_cache/v_cache dtypes other than one of
@@ -125,7 +126,7 @@ def attention_paged(
     if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) & 15:
         _check_pointers(q=q, k_cache=k_cache, v_cache=v_cache)
     if q.shape[0] == 0 or block_table.shape[0] == 0 or max_seqlen_q == 0:
-        out = q.new_empty(q.shape)
+        out = q.new_zeros(q.shape)
         lse = q.new_full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32)
         return (out, lse) if return_lse else out
     if launch is None:
