@@ -8,6 +8,7 @@ Public API:
 - `attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q,
   max_seqlen_k, ...)`: packed queries against a paged KV cache (decode, chunked prefill).
 - `write_kv_cache(k, v, k_cache, v_cache, slot_mapping)`: store keys and values into their slots.
+- `dropout_mask(...)`: the dense dropout mask the kernels apply for a seed/offset (tests, analysis).
 Importing tileattn registers the torch.library ops; it does not initialise CUDA or compile anything
 (kernels are compiled, or loaded from the disk cache, on first use, one instantiation at a time).
 """
@@ -15,7 +16,8 @@ Importing tileattn registers the torch.library ops; it does not initialise CUDA 
 from .api import attention
 from .api_paged import attention_paged, write_kv_cache
 from .api_varlen import attention_varlen
+from .dropout import dropout_mask
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "attention", "attention_paged", "attention_varlen", "write_kv_cache"]
+__all__ = ["__version__", "attention", "attention_paged", "attention_varlen", "dropout_mask", "write_kv_cache"]

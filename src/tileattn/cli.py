@@ -60,6 +60,7 @@ BENCHES = {
     "startup": ("tileattn.bench.startup", "main"),
     "decode": ("tileattn.bench.decode", "main"),
     "varlen": ("tileattn.bench.varlen", "main"),
+    "variants": ("tileattn.bench.variants", "main"),
     "engine": ("tileattn.engine.bench_engine", "bench_engine_main"),
     "serve": ("tileattn.engine.bench_serve", "bench_serve_main"),
 }

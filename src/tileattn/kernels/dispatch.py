@@ -14,6 +14,9 @@ Families, in the order they are considered:
 - attention_bwd_sm90 (backward on Hopper) where SM90_BACKWARD lists (head dim, causal,
   deterministic) as measured faster than the sm80 backward.
 
+Calls with variants (window, softcap, ALiBi, dropout) run the sm80 families' variant entry points
+on every arch (the Hopper kernels have none); tileattn.api and api_varlen build those plans.
+
 A forward plan is an object with `launch(q, k, v, out, lse)`; a backward plan one with
 `launch(q, k, v, out, lse, dout, dq, dk, dv)`.
 """
