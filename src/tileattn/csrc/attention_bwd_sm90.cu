@@ -500,15 +500,12 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
       const u64 desc_dq_a = s9::make_desc_mn_sw128(ds_tile + a_panel * kBlockN * kPanel, kBlockN * kPanel * 2);
       s9::fence_accumulators(dq);
       s9::wgmma_fence();
-      // Commit inside each branch: the group's last wgmma then carries the commit (after a merge ptxas
-      // would append a dummy wgmma to carry it).
       if (upper_idle) {
         issue_dq<kBlockN / 32, kIsBF16>(dq, desc_dq_a, desc_dq_b);
-        s9::wgmma_commit();
       } else {
         issue_dq<kBlockN / 16, kIsBF16>(dq, desc_dq_a, desc_dq_b);
-        s9::wgmma_commit();
       }
+      s9::wgmma_commit();
 
       // ---- 5. retire everything; release the slot; dQ into dq_accum
       s9::wgmma_wait<0>();
