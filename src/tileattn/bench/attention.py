@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from .harness import host_overhead_us, measure
-from .records import write_run
+from .records import save_run, write_run
 from .report import environment_line, markdown_table, plot
 
 SEQ_LENS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -303,12 +303,8 @@ def main(argv=None) -> int:
                     if name == "naive" and rec["status"] == "out of memory":
                         oom_naive.add((backward, causal))
                     records.append(rec)
-    if args.json:
-        write_run(args.json, records, env)
     text = render(records, args)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(environment_line(env) + "\n\n" + text + "\n")
+    save_run(records, env, text, args.json, args.markdown)
     if args.plot:
         plot(records, "n", "impl", "tflops", args.plot, where={"pass": "fwd", "causal": False, "status": "ok"},
              title=f"attention forward, B={args.batch} H={args.heads} d={args.head_dim} {args.dtype}",

@@ -33,7 +33,7 @@ import math
 import torch
 
 from .harness import host_overhead_us, measure
-from .records import write_run
+from .records import save_run
 from .report import environment_line, fmt_number
 
 BATCHES = (1, 8, 64, 256)
@@ -312,12 +312,8 @@ def main(argv=None) -> int:
         err = r.get("rel_err_vs_sdpa", r.get("rel_err_vs_dense"))
         if err is not None and err > 2e-2:
             print(f"WARNING: {r['suite']} {r['impl']} B={r['b']} H={r['h']}/{r['hkv']}: rel. error {err:.2e}")
-    if args.json:
-        write_run(args.json, records, env)
     text = render(records)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(environment_line(env) + "\n\n" + text + "\n")
+    save_run(records, env, text, args.json, args.markdown)
     print(text)
     return 0
 

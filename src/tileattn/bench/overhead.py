@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from .env import environment
 from .records import write_run
 from .report import environment_line
 
@@ -206,12 +207,10 @@ def main(argv=None) -> int:
         for r in records:
             if r["suite"] == "overhead-breakdown":
                 print(f"  {r['case']:<52} {r['host_us']:7.2f} us")
+    env = environment()
+    print(environment_line(env))
     if args.json:
-        path = write_run(args.json, records)
-        from .records import read_run
-
-        env, _ = read_run(path)
-        print(environment_line(env))
+        write_run(args.json, records, env)
     print(table(records))
     return 0
 

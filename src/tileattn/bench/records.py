@@ -25,3 +25,15 @@ def read_run(path: str | Path) -> tuple[dict, list[dict]]:
     if "environment" not in data or "records" not in data:
         raise ValueError(f"{path} is not a tileattn benchmark run (needs 'environment' and 'records')")
     return data["environment"], data["records"]
+
+
+def save_run(records: list[dict], env: dict, text: str, json_path: str | Path | None = None,
+             markdown_path: str | Path | None = None) -> None:
+    """A benchmark's outputs: the JSON record (when json_path) and its Markdown tables headed by the
+    environment line (when markdown_path)."""
+    from .report import environment_line
+
+    if json_path:
+        write_run(json_path, records, env)
+    if markdown_path:
+        Path(markdown_path).write_text(environment_line(env) + "\n\n" + text + "\n")

@@ -24,7 +24,7 @@ import argparse
 import torch
 
 from .harness import measure
-from .records import write_run
+from .records import save_run
 from .report import environment_line, fmt_number
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -250,12 +250,8 @@ def main(argv=None) -> int:
         records += run_window(args.head_dim, dtype, args.reps, args.quick)
     if args.suite in ("overhead", "all"):
         records += run_overhead(args.head_dim, dtype, args.reps, args.quick)
-    if args.json:
-        write_run(args.json, records, env)
     text = render(records)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(environment_line(env) + "\n\n" + text + "\n")
+    save_run(records, env, text, args.json, args.markdown)
     print(text)
     return 0
 

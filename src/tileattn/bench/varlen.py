@@ -32,7 +32,7 @@ import math
 import torch
 
 from .harness import measure
-from .records import write_run
+from .records import save_run
 from .report import environment_line, fmt_number
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -271,12 +271,8 @@ def main(argv=None) -> int:
         err = r.get("rel_err_vs_varlen")
         if err is not None and err > 2e-2:
             print(f"WARNING: {r['impl']} differs from tileattn_varlen: rel. error {err:.2e}")
-    if args.json:
-        write_run(args.json, records, env)
     text = render(records)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(environment_line(env) + "\n\n" + text + "\n")
+    save_run(records, env, text, args.json, args.markdown)
     print(text)
     return 0
 
