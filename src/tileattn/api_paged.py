@@ -90,8 +90,10 @@ def attention_paged(
 
     Returns:
         out [Tq, H, d] in q's dtype (contiguous), and lse [H, Tq] float32 when return_lse. Rows
-        that see no key get 0 and lse -inf. Rows of q past cu_seqlens_q[B] are left unwritten
-        (all zeros / -inf when nothing is launched: Tq, B or max_seqlen_q is 0).
+        that see no key get 0 and lse -inf. Rows past cu_seqlens_q[B] (a token count padded to a
+        captured CUDA-graph size) belong to no sequence and get exactly 0 and lse -inf, written
+        by the kernel from the device-side cu_seqlens_q (no sync; the grid does not depend on
+        it); all of out is 0 and lse -inf when nothing is launched (Tq, B or max_seqlen_q is 0).
 
     Raises:
         ValueError: a non-tensor argument or wrong rank; q/k_cache/v_cache dtypes other than one of

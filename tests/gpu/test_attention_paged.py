@@ -39,7 +39,8 @@ TOL = {BF16: 1e-2, FP16: 2e-3}
 class Case:
     """A paged-attention problem: packed q, caches, block table and lengths (CUDA tensors)."""
 
-    def __init__(self, seqs, heads, kv_heads, head_dim, dtype, block_size, seed, *, share=True, spare=3, pad=2):
+    def __init__(self, seqs, heads, kv_heads, head_dim, dtype, block_size, seed, *, share=True, spare=3, pad=2,
+                 pad_tokens=0):
         cpu = torch.Generator().manual_seed(seed)
         gpu = torch.Generator(device="cuda").manual_seed(seed)
         self.seqs, self.dtype, self.block_size = seqs, dtype, block_size
@@ -58,7 +59,8 @@ class Case:
         self.k_cache = torch.randn(shape, device="cuda", generator=gpu).to(dtype)
         self.v_cache = torch.randn(shape, device="cuda", generator=gpu).to(dtype)
         tq = sum(nq for nq, _ in seqs)
-        self.q = torch.randn(tq, heads, head_dim, device="cuda", generator=gpu).to(dtype)  # [Tq, H, d]
+        # [Tq, H, d]; pad_tokens rows past cu_seqlens_q[B] (an engine's CUDA-graph padding)
+        self.q = torch.randn(tq + pad_tokens, heads, head_dim, device="cuda", generator=gpu).to(dtype)
         self.block_table = table.cuda()
         cu = [0]
         for nq, _ in seqs:
@@ -116,6 +118,23 @@ def check(case, out, lse, ref_out, ref_lse, what):
     if unseen.any():
         assert bool((out[unseen] == 0).all()), f"{what}: rows that see no key must be exactly 0"
     return err
+
+
+def check_padding(case, out, lse, what):
+    """Rows past cu_seqlens_q[B] are exactly 0 (out) and -inf (lse): they belong to no sequence."""
+    rows = int(case.cu_seqlens_q[-1])
+    pad_out = out[rows:]
+    assert pad_out.shape[0] == case.q.shape[0] - rows, what
+    if pad_out.numel():
+        bad = (pad_out != 0).flatten(1).any(dim=1)  # NaN != 0 too: an unwritten (poisoned) row
+        assert not bad.any(), (
+            f"{what}: padding rows past cu_seqlens_q[B]={rows} not all 0: tokens "
+            f"{(bad.nonzero().flatten() + rows).tolist()[:10]} (first values {pad_out[bad][0].flatten()[:4].tolist()})")
+    if lse is not None and pad_out.numel():
+        pad_lse = lse[:, rows:]
+        bad = pad_lse != float("-inf")
+        assert not bad.any(), (
+            f"{what}: lse of padding columns not -inf: {bad.sum().item()} entries, e.g. {pad_lse[bad][:4].tolist()}")
 
 
 def mixed_seqs(block_size):
@@ -192,6 +211,95 @@ def test_small_sanitize(num_splits):
     ref_out, ref_lse = case.reference()
     out, lse, _ = case.launch(num_splits=num_splits)
     check(case, out, lse, ref_out, ref_lse, f"small num_splits={num_splits}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows past cu_seqlens_q[B] (token padding): exactly 0, lse -inf, written by the kernel
+# ---------------------------------------------------------------------------------------------
+PADDING_CASES = {
+    "decode": ([(1, 40), (1, 17), (1, 300)], 8, 2, 128, 16),
+    "mixed": ([(1, 33), (3, 70), (0, 5), (2, 20)], 8, 2, 64, 16),
+    "prefill": ([(129, 400), (1, 77)], 8, 8, 128, 256),  # the 128-row layout
+    "d256": ([(1, 500), (4, 40)], 4, 1, 256, 16),
+    "all_padding": ([(0, 9), (0, 1)], 4, 4, 64, 16),  # cu_seqlens_q[B] = 0: every row is padding
+}
+
+
+@pytest.mark.parametrize("name", list(PADDING_CASES))
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+@pytest.mark.parametrize("pad_tokens", [1, 37, 300])
+def test_padding_rows_are_zero(name, num_splits, pad_tokens):
+    seqs, heads, kv_heads, d, bs = PADDING_CASES[name]
+    case = Case(seqs, heads, kv_heads, d, BF16, bs, seed=zlib.crc32(name.encode()) + pad_tokens, pad_tokens=pad_tokens)
+    ref_out, ref_lse = case.reference()
+    max_q = max(case.max_seqlen_q, 1)  # all_padding: a launch still happens (max_seqlen_q 0 would skip it)
+    for return_lse in (True, False):
+        with poisoned_allocations():
+            result = api_paged.attention_paged(*case.tensors(), max_q, case.max_seqlen_k, return_lse=return_lse,
+                                               num_splits=num_splits)
+        out, lse = result if return_lse else (result, None)
+        what = f"{name} pad_tokens={pad_tokens} num_splits={num_splits} return_lse={return_lse}"
+        assert out.shape == case.q.shape, what
+        check_padding(case, out, lse, what)
+        if return_lse:
+            check(case, out, lse, ref_out, ref_lse, what)
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_padding_rows_small_sanitize(num_splits):
+    """Small padded batch (also run under compute-sanitizer: initcheck must see every output written)."""
+    case = Case([(1, 17), (2, 33), (0, 3)], 8, 2, 64, FP16, 16, seed=13, pad_tokens=5)
+    ref_out, ref_lse = case.reference()
+    with poisoned_allocations():
+        out, lse = api_paged.attention_paged(*case.tensors(), case.max_seqlen_q, case.max_seqlen_k, return_lse=True,
+                                             num_splits=num_splits)
+    what = f"small padded num_splits={num_splits}"
+    check(case, out, lse, ref_out, ref_lse, what)
+    check_padding(case, out, lse, what)
+    out2 = out + 1.0  # an engine's residual add over every row: initcheck reads all of out here
+    assert not torch.isnan(out2).any(), f"{what}: NaN after adding 1 to every row"
+
+
+def test_padding_rows_follow_device_lengths_in_a_cuda_graph():
+    """One graph captured for 8 token slots, replayed while cu_seqlens_q[B] moves (the padding moves
+    with it): rows written by an earlier replay must come back as 0 when they become padding."""
+    heads, kv_heads, d, bs, max_blocks, num_blocks, slots = 8, 2, 128, 16, 8, 64, 8
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    k_cache = torch.randn(num_blocks, bs, kv_heads, d, device="cuda", generator=gen).to(BF16)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, d, device="cuda", generator=gen).to(BF16)
+    q = torch.randn(slots, heads, d, device="cuda", generator=gen).to(BF16)
+    table = torch.randperm(num_blocks, device="cuda")[: slots * max_blocks].view(slots, max_blocks).int()
+    seqlens_k = torch.full((slots,), 50, device="cuda", dtype=torch.int32)
+    cu_q = torch.arange(slots + 1, device="cuda", dtype=torch.int32)
+
+    def step():
+        return api_paged.attention_paged(q, k_cache, v_cache, table, cu_q, seqlens_k, 1, max_blocks * bs,
+                                         return_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, static_lse = step()
+    for live in (8, 3, 6, 0, 1):
+        # `live` decodes, then empty sequences: cu_seqlens_q[B] = live, rows live.. are padding
+        cu_q.copy_(torch.tensor([min(b, live) for b in range(slots + 1)], dtype=torch.int32))
+        static_out.fill_(float("nan"))
+        static_lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = reference.attention_paged(q, k_cache, v_cache, table, cu_q, seqlens_k, 1, max_blocks * bs,
+                                                     return_lse=True, compute_dtype=torch.float64)
+        what = f"graph replay with {live} live tokens of {slots}"
+        assert torch.equal(static_out[live:].double(), ref_out[live:]), f"{what}: padding rows not 0"
+        assert bool((static_lse[:, live:] == float("-inf")).all()), f"{what}: padding lse not -inf"
+        if live:
+            err = rel_err(static_out[:live], ref_out[:live])
+            assert err <= TOL[BF16], f"{what}: relative error {err:.3e}"
 
 
 # ---------------------------------------------------------------------------------------------

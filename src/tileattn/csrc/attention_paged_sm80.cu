@@ -19,7 +19,8 @@
 // outside [0, num_blocks) is never dereferenced: its rows are zero-filled (cp.async src-size 0,
 // source address clamped to the cache's base) and its keys are masked to -inf, exactly as the
 // reference treats them. A negative length counts as 0; query tokens outside [0, Tq) are neither
-// read nor written. Rows of q past cu_seqlens_q[B] are not written.
+// read nor written. Rows past cu_seqlens_q[B] (padding) get out = 0, lse = -inf
+// (paged::zero_padding_rows: every CTA a share, in the prologue).
 //
 // ---- Work decomposition: GQA packing ------------------------------------------------------------
 // The G = H / Hkv query heads that share a KV head are rows of one M tile: row r of the (sequence,
@@ -206,6 +207,33 @@ __device__ __forceinline__ void combine_row(const float* o_part, const float* ls
   if (lse != nullptr && lane == 0) lse[static_cast<int64_t>(head) * num_tokens + tok] = row_lse;
 }
 
+// Rows past the last sequence (tokens cu_seqlens_q[B] .. Tq - 1: an engine pads its token count to
+// a captured CUDA-graph size) belong to no sequence; they get out = 0 and lse = -inf so no element
+// of the outputs is left unwritten. `first` = cu_seqlens_q[B] clamped to [0, Tq]. out [Tq, H, d] is
+// contiguous, so those rows are one range of (Tq - first) * H * d elements: every CTA of the grid
+// takes an interleaved share of its 16-byte chunks (the grid does not depend on the lengths, and
+// any share is tiny beside the CTA's K/V traffic). Called in the prologue, after the first K/V
+// cp.async are issued and before the main loop's accumulators exist: the stores overlap the tile
+// loads and add no register to the main loop.
+template <int kHeadDim, int kThreads>
+__device__ __forceinline__ void zero_padding_rows(u16* out, float* lse, int first, int num_tokens, int heads) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * gridDim.y * gridDim.z * kThreads;
+  const int64_t start =
+      ((static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * kThreads + threadIdx.x;
+  const int pad = num_tokens - first;
+  const int pad_rows = pad * heads;  // (token, head) rows; <= Tq * H < 2^31 (host check)
+  uint4* const dst = reinterpret_cast<uint4*>(out + static_cast<int64_t>(first) * heads * kHeadDim);
+#pragma unroll 1
+  for (int64_t i = start; i < static_cast<int64_t>(pad_rows) * (kHeadDim / 8); i += stride)
+    dst[i] = make_uint4(0u, 0u, 0u, 0u);
+  if (lse == nullptr) return;
+#pragma unroll 1
+  for (int64_t i = start; i < pad_rows; i += stride) {  // lse [H, Tq]: columns first .. Tq - 1 of every head
+    const int row = static_cast<int>(i), head = row / pad;
+    lse[static_cast<int64_t>(head) * num_tokens + first + (row - head * pad)] = neg_inf();
+  }
+}
+
 }  // namespace paged
 
 // See the header for the layouts. Strides in elements; bt_stride = block_table.stride(0);
@@ -282,6 +310,7 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   const int q_start = ldg_now(cu_seqlens_q + b);
   const int nq = max(ldg_now(cu_seqlens_q + b + 1) - q_start, 0);
   const int nk = max(ldg_now(seqlens_k + b), 0);
+  const int q_total = ldg_now(cu_seqlens_q + gridDim.z);  // cu_seqlens_q[B]: later rows are padding
   const int rows = nq * group;          // valid rows of this (sequence, KV head) problem
   const int row0 = m_tile * kBlockM;
   // An M tile past this sequence's queries (the grid comes from max_seqlen_q) visits no key and
@@ -370,6 +399,9 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
     bad_slots |= static_cast<unsigned>(load_tile(split + s * num_splits, s, pre_id[s])) << s;
     cp_async_commit();  // empty groups keep "tile it has landed" = wait_group(kStages - 2)
   }
+  // Padding rows (past cu_seqlens_q[B]): every CTA its share, while its first tiles land.
+  if (q_total < num_tokens)
+    zero_padding_rows<kHeadDim, kThreads>(out, lse, max(q_total, 0), num_tokens, heads);
   if (!live) {
     cp_async_wait<0>();
     return;
