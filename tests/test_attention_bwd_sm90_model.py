@@ -201,9 +201,27 @@ def block_coords(idx: int, n_blocks: int, pairs: int, section: int) -> tuple[int
     return in_sec // sec_pairs, sec * section + in_sec % sec_pairs
 
 
-def walk(it: int, kv_head: int, group: int, m_blocks: int, m_count: int, block_m: int) -> tuple[int, int]:
-    """Mirror of walk_head / walk_m0: step `it` of a CTA's walk -> (query head, first query row)."""
-    return kv_head * group + it // m_count, (m_blocks - 1 - it % m_count) * block_m
+def walk(it: int, kv_head: int, group: int, m_blocks: int, m_count: int, block_m: int,
+         rot: int = 0) -> tuple[int, int]:
+    """Mirror of walk_head / walk_m0: step `it` of a CTA's walk -> (query head, first query row);
+    `rot` = the rotated walk's n_block % m_count (0 unrotated)."""
+    step = it % m_count + rot
+    step -= m_count if step >= m_count else 0
+    return kv_head * group + it // m_count, (m_blocks - 1 - step) * block_m
+
+
+@pytest.mark.parametrize("m_blocks,m_first", [(1, 0), (5, 0), (5, 3), (64, 10), (7, 6)])
+def test_rotated_walk_visits_every_tile_once(m_blocks, m_first):
+    """Every rotation of the walk visits each (query head, tile m_first..m_blocks-1) exactly once, and
+    key blocks n = 0, 1, ... in flight together start on pairwise different tiles (the point of it)."""
+    m_count, group = m_blocks - m_first, 3
+    starts = []
+    for n_block in range(2 * m_count + 1):
+        rot = n_block % m_count
+        steps = [walk(it, 0, group, m_blocks, m_count, 1, rot) for it in range(group * m_count)]
+        assert sorted(steps) == [(h, m) for h in range(group) for m in range(m_first, m_blocks)], (n_block, steps)
+        starts.append(steps[0][1])
+    assert len(set(starts[:m_count])) == m_count, starts
 
 
 @pytest.mark.parametrize("n_blocks,pairs", [(1, 1), (5, 1), (1, 7), (16, 128), (64, 12), (3, 10)])
@@ -235,11 +253,12 @@ def test_section_pairs():
 
 
 # ---- the tile walk, emulated in float64 -----------------------------------------------------------
-def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int):
+def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int, rotate: bool = False):
     """The kernel's arithmetic per (batch, kv head, key block), query head of the group and query
     tile, with its m_first, `masked` flag and masks, in float64 (no 16-bit rounding), plus the
-    preprocess / convert steps. Also checks that an unmasked tile really needs no mask and that the
-    query tiles skipped before m_first hold no visible (query, key) pair."""
+    preprocess / convert steps (`rotate`: the rotated walk's order). Also checks that an unmasked tile
+    really needs no mask and that the query tiles skipped before m_first hold no visible (query, key)
+    pair."""
     b_, h_, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     group, diag = h_ // hkv, nk - nq
@@ -270,7 +289,7 @@ def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int):
                 dk_blk = torch.zeros(BLOCK_N, d, dtype=torch.float64)
                 dv_blk = torch.zeros(BLOCK_N, d, dtype=torch.float64)
                 for it in range(group * m_count):
-                    head, m0 = walk(it, hk, group, m_blocks, m_count, block_m)
+                    head, m0 = walk(it, hk, group, m_blocks, m_count, block_m, nb % m_count if rotate else 0)
                     masked = n0 + BLOCK_N > nk or (causal and m0 + diag < n0 + BLOCK_N - 1)
                     qt, dot = qp[b, head, m0:m0 + block_m], dop[b, head, m0:m0 + block_m]
                     kt, vt = kp[b, hk, n0:n0 + BLOCK_N], vp[b, hk, n0:n0 + BLOCK_N]
@@ -304,10 +323,11 @@ WALK_SHAPES = [(1, 1, 1, 1), (65, 65, 2, 1), (130, 129, 2, 2), (129, 300, 4, 1),
                (5, 200, 2, 2), (200, 5, 4, 2), (257, 256, 8, 1), (100, 192, 2, 1), (192, 200, 2, 1)]
 
 
+@pytest.mark.parametrize("rotate", [False, True], ids=["", "rot"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d,block_m", [(128, 64), (64, 128)])
 @pytest.mark.parametrize("nq,nk,heads,kv_heads", WALK_SHAPES)
-def test_emulated_walk_matches_autograd(nq, nk, heads, kv_heads, d, block_m, causal):
+def test_emulated_walk_matches_autograd(nq, nk, heads, kv_heads, d, block_m, causal, rotate):
     g = torch.Generator().manual_seed(nq * 1000 + nk + heads)
     q = torch.randn(1, heads, nq, d, generator=g, dtype=torch.float64)
     k = torch.randn(1, kv_heads, nk, d, generator=g, dtype=torch.float64)
@@ -317,7 +337,7 @@ def test_emulated_walk_matches_autograd(nq, nk, heads, kv_heads, d, block_m, cau
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     out, lse = reference.attention(qr, kr, vr, causal, scale, compute_dtype=torch.float64)
     out.backward(dout)
-    got = emulate(q, k, v, dout, out.detach(), lse.detach(), causal, scale, block_m)
+    got = emulate(q, k, v, dout, out.detach(), lse.detach(), causal, scale, block_m, rotate)
     for name, a, ref in zip(("dq", "dk", "dv"), got, (qr.grad, kr.grad, vr.grad)):
         err = float((a - ref).norm() / max(float(ref.norm()), 1e-300))
         assert err < 1e-9 or float((a - ref).abs().max()) < 1e-12, f"{name}: relative error {err:.3e}"
@@ -366,16 +386,21 @@ class PartyBarrier:
             yield
 
 
+MODEL_THREADS = 4  # threads per MMA warpgroup in simulate() (the kernel's 128, fewer for speed)
+
+
 def simulate(n_iters: int, stages: int, seed: int, dq_buffers: int = 0):
     """One CTA: the producer thread, the two MMA warpgroups and (dq_buffers > 0: deterministic
     mode) the dQ warp as coroutines following the kernel's waits, arrivals and barriers, under a
     random schedule; TMA copies land at random later times, the dQ warp's bulk reduction reads its
-    staging buffer until a random later step."""
+    staging buffer until a random later step. Each warpgroup's threads read the slot's lse2 / delta
+    rows and arrive on `empty` one by one (the kernel's per-thread release), so a refill while any
+    thread may still read its rows fails."""
     rng = random.Random(seed)
     kv_full = MBarrier(1)
     q_full = [MBarrier(1) for _ in range(stages)]
     do_full = [MBarrier(1) for _ in range(stages)]
-    empty = [MBarrier(2) for _ in range(stages)]
+    empty = [MBarrier(2 * MODEL_THREADS) for _ in range(stages)]  # the kernel: 256, every MMA thread
     ds_bar, done_bar = NamedBarrier(), NamedBarrier()
     kv = [None]
     q_slot, do_slot = [None] * stages, [None] * stages
@@ -417,7 +442,10 @@ def simulate(n_iters: int, stages: int, seed: int, dq_buffers: int = 0):
             while not q_full[s].passed(parity):
                 yield
             assert q_slot[s] == it, f"warpgroup {w} reads Q of {q_slot[s]} in iteration {it}"
-            ring_readers[s].add(w)
+            ring_readers[s].add(w)  # its wgmmas read Q / dO until its wgmma_wait<0>
+            for i in range(MODEL_THREADS):  # each thread reads its lse2 / delta rows (ld.shared)
+                ring_readers[s].add((w, i))
+                yield
             while not do_full[s].passed(parity):
                 yield
             assert do_slot[s] == it, f"warpgroup {w} reads dO of {do_slot[s]} in iteration {it}"
@@ -434,8 +462,10 @@ def simulate(n_iters: int, stages: int, seed: int, dq_buffers: int = 0):
             ds_readers[it % 2].discard(w)
             sk_readers.discard(w)
             ring_readers[s].discard(w)
-            empty[s].arrive()
-            yield
+            for i in range(MODEL_THREADS):  # every thread's own arrive, after its own reads
+                ring_readers[s].discard((w, i))
+                empty[s].arrive()
+                yield
             if dq_buffers:  # stage dQ for the dQ warp
                 b = it % dq_buffers
                 if it >= dq_buffers:
@@ -612,3 +642,13 @@ def test_ptxas_reports_no_wgmma_serialization(expression):
     warnings = [line for line in module.log.splitlines() if "C75" in line]
     assert not warnings, "\n".join(warnings)
     assert "0 bytes spill stores" in module.log and "0 bytes stack frame" in module.log, module.log
+
+
+def test_benchmark_rejects_unknown_columns():
+    """benchmark() names the bad column before touching the GPU (a typo in --col would otherwise
+    measure nothing for it)."""
+    with pytest.raises(ValueError, match="sm90_nope"):
+        ab.benchmark(columns=("sm90", "sm90_nope"))
+    assert {"sm90", "sm90_rot", "autograd", "cudnn"} <= set(ab.COLUMNS)
+    # BackwardPlan looks ROTATE up for every supported (head dim, causal): a missing key is a KeyError
+    assert set(ab.ROTATE) == {(d, c) for d in ab.HEAD_DIMS for c in (False, True)}

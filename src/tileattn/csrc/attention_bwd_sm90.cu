@@ -33,7 +33,7 @@
 //                            Deterministic mode: warp 1 adds the staged dQ tiles in turn.
 //   warpgroups 1, 2 (MMA)    MMA warpgroup w owns keys [64 w, 64 w + 64) of the block: S^T, dP^T,
 //                            dV, dK for those rows; setmaxnreg.inc to 240.
-// Both MMA warpgroups read the same Q / dO slot, so each slot is released by two arrivals.
+// Both MMA warpgroups read the same Q / dO slot, so a slot is released by all 256 MMA threads.
 //
 // ---- Block order ---------------------------------------------------------------------------------
 // blockIdx.x -> (n_block, kv head, batch): the (kv head, batch) pairs (kv head fastest) are cut into
@@ -43,6 +43,16 @@
 // (the deterministic mode's deadlock argument needs exactly that), (b) causal, where key block n
 // walks m_blocks - m_first(n) tiles, the longest CTAs of the section start first (LPT: the short
 // ones fill the tail), (c) the CTAs running at once belong to few pairs, whose data stays in L2.
+//
+// ---- Rotated walk (`rotate` != 0, unordered dQ modes 0 and 2 only) ------------------------------
+// Unrotated, every CTA of a (kv head, batch) pair walks the same tiles in the same order: the up to
+// 132 CTAs in flight (N >= 16384: all of one pair) add into the same 32 KB dq_accum tile at the same
+// time, 128 x 2048 float4 REDs on the L2 slices that hold it (suspected to be why N >= 16384 runs
+// ~5% below N = 8192; the benchmark's sm90_rot column tests it). Rotated, key block n starts its
+// walk n tiles further on (mod its tile count): concurrent key blocks add into different tiles, the
+// adds spread over all slices. Q / dO reads are the same bytes from L2 either way (a pair's Q, dO and
+// dq_accum fit in L2 beside the others in flight). The deterministic mode keeps the unrotated walk:
+// its turn order needs every key block to meet the tiles in dispatch order.
 //
 // ---- Per query tile, MMA warpgroup w (keys 64 w.., queries m0 .. m0 + kBlockM) ----------------
 //   1. S^T  = K_w Q^T      wgmma SS  m64 n kBlockM, k = d     (K rows K-major, Q K-major)
@@ -84,10 +94,20 @@
 //   kv_full       1 arrival + K and V bytes; waited once with parity 0.
 //   q_full[s]     1 arrival + Q tile + lse2 bytes.     Query tile `it` (0, 1, ... in walk order)
 //   do_full[s]    1 arrival + dO tile + delta bytes.   uses slot s = it % kStages for the
-//   empty[s]      2 arrivals (one thread per MMA       u = it / kStages-th time: consumers wait full
-//                 warpgroup, after its wgmmas that     parity u & 1; the producer refills for u >= 1
-//                 read the slot retired)               after empty phase u - 1: parity (u - 1) & 1.
+//   empty[s]      256 arrivals: every MMA thread,      u = it / kStages-th time: consumers wait full
+//                 after its own last read of the slot  parity u & 1; the producer refills for u >= 1
+//                 (lse2 / delta loads) and the wgmma_  after empty phase u - 1: parity (u - 1) & 1.
+//                 wait that retires its warpgroup's
+//                 wgmmas reading Q / dO
 // A waiter is never more than one phase behind, so parities are unambiguous (as in the forward).
+// Why every thread arrives (not one per warpgroup after the 256-thread dS barrier, as before): with
+// one releaser, a thread's ld.shared of lse2 reached the producer's next bulk copy into that slot
+// only through a chain (its bar.sync, then the releaser's arrive). That is a valid happens-before in
+// the PTX model, but compute-sanitizer racecheck reported the pair (run 6: UBLKCP of lse2 at +0x7380
+// against the LDS.64 lse2 reads at +0x2040..+0x2160 of <128, 64, 2, false, true, 2>; run 7 the
+// deterministic causal case): with each reader's own arrive the order is a direct release/acquire
+// edge. The cost, 8 warp-wide arrives per tile on one mbarrier, is off the critical path (the
+// producer needs the slot kStages - 1 tiles later).
 //
 // ---- Registers per MMA thread (d = 128, kBlockM = 64; d = 64, kBlockM = 128) ------------------
 //   dK, dV   2 x d / 2 fp32 (128 | 64)       S^T / P^T, dP^T / dS^T   2 x kBlockM / 2 (64 | 128)
@@ -212,7 +232,8 @@ __device__ __forceinline__ void issue_dq(float (&dq)[32], u64 desc_a, u64 desc_b
 // 128B swizzle, zero fill. lse2 / delta / dq_accum: the workspaces above; dq_sem (kDqMode 1
 // only, else unused): int32 [B, H, ceil(Nq / kBlockM), 2], zero.
 // Grid (ceil(Nk / 128) * Hkv * B), ordered by `section` ("Block order"), 384 threads, dynamic shared
-// memory Sm90BwdConfig.smem_bytes. `batches` = B.
+// memory Sm90BwdConfig.smem_bytes. `batches` = B. `rotate` != 0: the rotated walk (ignored when
+// kDqMode == 1).
 template <int kHeadDim, int kBlockM, int kStages, bool kCausal, bool kIsBF16, int kDqMode>
 __global__ void __launch_bounds__(bwd90::kThreads, 1)
     attention_bwd_sm90(const __grid_constant__ sm90::TmaDescriptor tmap_q,
@@ -223,7 +244,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
                        const __grid_constant__ sm90::TmaDescriptor tmap_dv, const float* __restrict__ lse2,
                        const float* __restrict__ delta, float* __restrict__ dq_accum, int* __restrict__ dq_sem,
                        int heads, int kv_group, int batches, int section,
-                       int seqlen_q, int seqlen_k, int nq_pad, float scale_log2, float scale) {
+                       int seqlen_q, int seqlen_k, int nq_pad, float scale_log2, float scale, int rotate) {
   using namespace bwd90;
   static_assert(kHeadDim * kBlockM == 8192 && (kHeadDim == 64 || kHeadDim == 128),
                 "(d, kBlockM) in {(64, 128), (128, 64)}: dQ is 64 x 64 per MMA warpgroup");
@@ -278,9 +299,15 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
   const int m_count = m_blocks - m_first;
   const int n_iters = kv_group * m_count;
   // Step `it` of the walk: query head kv_head * kv_group + it / m_count, query tiles from the last
-  // down to m_first (every key block of a (b, h) reaches tile m in ascending key-block order).
+  // down to m_first (every key block of a (b, h) reaches tile m in ascending key-block order),
+  // rotated by `rot` tiles (see "Rotated walk"; 0 in the deterministic mode).
+  const int rot = (kDqMode != 1 && rotate != 0) ? n_block % m_count : 0;
   auto walk_head = [&](int it) { return kv_head * kv_group + it / m_count; };
-  auto walk_m0 = [&](int it) { return (m_blocks - 1 - it % m_count) * kBlockM; };
+  auto walk_m0 = [&](int it) {
+    int step = it % m_count + rot;  // rot < m_count
+    step -= step >= m_count ? m_count : 0;
+    return (m_blocks - 1 - step) * kBlockM;
+  };
   const int wg = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -292,7 +319,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       s9::mbar_init(&q_full[s], 1);
       s9::mbar_init(&do_full[s], 1);
-      s9::mbar_init(&empty[s], 2);
+      s9::mbar_init(&empty[s], 256);  // every MMA thread (see the mbarrier table)
     }
     s9::fence_barrier_init();
   }
@@ -361,7 +388,6 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
     const int w = wg - 1;                              // keys [64 w, 64 w + 64) of the block
     const int tid = threadIdx.x % 128;
     const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-    const bool releaser = tid == 0;
     const int key_h0 = n0 + 64 * w + 16 * warp + g;    // key of accumulator rows h = 0 (h = 1: + 8)
     const bool key_edge = n0 + kBlockN > seqlen_k;     // the block has rows past Nk: mask them
 
@@ -514,7 +540,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
       s9::fence_accumulators(dk);
       s9::fence_accumulators(dv);
       s9::fence_accumulators(dq);
-      if (releaser) s9::mbar_arrive(&empty[s]);
+      s9::mbar_arrive(&empty[s]);  // this thread's lse2 / delta reads and its warpgroup's wgmmas are done
       // Rows m0 + 64 a_panel + 16 warp + (g, g + 8), columns 64 b_panel + 8 j + 2 t + (0, 1): one
       // 16 x 8 fragment tile per j, this lane's float4 at lane * 4 (from the tile's first element).
       const int tile_off = (64 * a_panel + 16 * warp) * kHeadDim + (64 * b_panel / 8) * 128 + lane * 4;

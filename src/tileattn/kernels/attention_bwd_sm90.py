@@ -97,6 +97,10 @@ DEFAULTS: dict[tuple[int, bool], Sm90BwdConfig] = {
     (64, False): C(128, 2),
     (64, True): C(128, 2),
 }
+# The rotated walk (csrc "Rotated walk": concurrent key blocks of a pair add into different dq_accum
+# tiles) per (head dim, causal) in the atomic mode; a run-time flag of the same kernels. Off until the
+# benchmark's sm90_rot column measures it (docs/attention_bwd_sm90.md, "Autograd vs kernel-only").
+ROTATE: dict[tuple[int, bool], bool] = {(d, c): False for d in HEAD_DIMS for c in (False, True)}
 # Tuning-only candidates: a third ring stage (196 KB at either head dim); dQ by the staged bulk
 # reduce-add in the atomic mode (the deterministic mode's path without the turn; FA3's choice).
 TUNING_EXTRA: dict[int, tuple[Sm90BwdConfig, ...]] = {128: (C(64, 3), C(64, 2, True)),
@@ -180,13 +184,14 @@ class BackwardPlan:
     contiguous (natural log); one dtype, float16 or bfloat16; d in HEAD_DIMS. `launch` writes dq, dk,
     dv completely (never reads them) on torch's current stream and allocates only a torch
     workspace. A tensor TMA cannot describe in place (a zero or huge stride) is copied on each
-    launch (decided here, once). `section` overrides section_pairs() (benchmarks). Raises ValueError
+    launch (decided here, once). `section` overrides section_pairs() and `rotate` the ROTATE table
+    (benchmarks; the deterministic mode never rotates). Raises ValueError
     for an unsupported head dim or dtype, H not a multiple of Hkv, a grid of 2^31 blocks or more,
     section < 1, or a config whose shared memory does not fit in this mode.
     """
 
     def __init__(self, q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
-                 config: Sm90BwdConfig | None = None, section: int | None = None):
+                 config: Sm90BwdConfig | None = None, section: int | None = None, rotate: bool | None = None):
         from ..runtime import LaunchPlan, TensorMapTemplate
         from . import attention_bwd_sm80 as sm80
         from . import load
@@ -229,6 +234,7 @@ class BackwardPlan:
         if section is None:
             section = section_pairs(nq, d, group, q.element_size(), causal, deterministic)
         self.section = section = min(section, kv_heads * batch)
+        self.rotate = rotate = False if deterministic else bool(ROTATE[(d, bool(causal))] if rotate is None else rotate)
 
         self.pre = LaunchPlan(
             load(sm80.FAMILY_NAME, preprocess_expr(d, bf16), device),
@@ -256,7 +262,7 @@ class BackwardPlan:
             load(FAMILY_NAME, expression(d, config, causal, bf16, deterministic), device),
             (n_blocks * kv_heads * batch,), (THREADS,),
             (*maps, 0, 0, 0, 0, i32(heads), i32(group), i32(batch), i32(section), i32(nq), i32(nk), i32(nq_pad),
-             scale_log2, f32(scale)),
+             scale_log2, f32(scale), i32(rotate)),
             smem=config.smem_bytes(d, deterministic), dynamic=range(10),
         )
         self.convert = LaunchPlan(
@@ -266,7 +272,9 @@ class BackwardPlan:
             dynamic=range(2),
         )
 
-    def launch(self, q, k, v, out, lse, dout, dq, dk, dv) -> None:
+    def launch(self, q, k, v, out, lse, dout, dq, dk, dv, events=None) -> None:
+        """The three launches (see the class). `events`: four torch.cuda.Events recorded before the
+        preprocess, between the launches and after the convert (benchmark()'s breakdown)."""
         if self.empty:
             for g in (dq, dk, dv):
                 if g.numel():
@@ -277,13 +285,21 @@ class BackwardPlan:
         lse2 = ws.data_ptr()
         delta = lse2 + self._delta_offset
         acc = lse2 + self._acc_offset
-        self.pre.launch(out.data_ptr(), dout.data_ptr(), lse.data_ptr(), lse2, delta, acc)
         qc, kc, vc, doc = (t.contiguous() if c else t for t, c in zip((q, k, v, dout), self.copy))
         dk_t = torch.empty_like(dk, memory_format=torch.contiguous_format) if self.copy_dk else dk
         dv_t = torch.empty_like(dv, memory_format=torch.contiguous_format) if self.copy_dv else dv
         maps = [tm.encode(x.data_ptr()) for tm, x in zip(self.templates, (qc, kc, vc, doc, dk_t, dv_t))]
+        if events is not None:
+            events[0].record()
+        self.pre.launch(out.data_ptr(), dout.data_ptr(), lse.data_ptr(), lse2, delta, acc)
+        if events is not None:
+            events[1].record()
         self.main.launch(*maps, lse2, delta, acc, 0 if sem is None else sem.data_ptr())
+        if events is not None:
+            events[2].record()
         self.convert.launch(acc, dq.data_ptr())
+        if events is not None:
+            events[3].record()
         if self.copy_dk:
             dk.copy_(dk_t)
         if self.copy_dv:
@@ -305,30 +321,55 @@ def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, c
     return 10.0 * batch * heads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0)
 
 
-def _median_ms(fn, reps: int, budget_s: float = 1.5) -> float:
-    """Median milliseconds of fn() over `reps` timed runs (CUDA events) after two warm-up runs, fewer
-    (at least 3) where `reps` runs would take over budget_s (N = 32768 backward passes take 0.3-1 s
-    each; the benchmark must fit a 10-minute device call)."""
-    def timed() -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
+# Columns of benchmark(): name -> what it times (every one through bench.harness.measure, the timer
+# of `tileattn bench attention`: L2 flushed before each repetition, repetitions enqueued back to back).
+COLUMNS = {
+    "sm90": "this plan's three launches, the dispatched defaults (DEFAULTS, ROTATE)",
+    "sm90_rot": "the same with the rotated walk",
+    "sm90_bulk": "dQ by the staged bulk reduce-add (kDqMode 2) instead of REDs",
+    "sm90_bulk_rot": "kDqMode 2 with the rotated walk",
+    "sm90_tune": "the atomic mode's other tuning candidates, one column each: sm90[config]",
+    "sm90_l2": "non-causal only: the L2-section block order causal runs use",
+    "sm90_det": "deterministic mode",
+    "sm80": "the sm80 backward (atomic dQ)",
+    "sm80_det": "the sm80 backward, deterministic",
+    "autograd": "tileattn.attention's forward once, then torch.autograd.grad: what `tileattn bench attention "
+                "--backward-only` times (dispatcher, plan cache, gradient allocation)",
+    "cudnn": "SDPA cuDNN's backward through torch.autograd.grad, as `tileattn bench attention` times it",
+}
 
-    fn()
-    times = [timed()]  # the second warm-up, timed to size the run
-    reps = max(3, min(reps, int(budget_s * 1e3 / max(times[0], 1e-3))))
-    times = [timed() for _ in range(reps)]
-    return sorted(times)[len(times) // 2]
+
+def _measure_ms(fn, reps: int, max_seconds: float = 2.0) -> float:
+    """Median milliseconds of fn() by bench.harness.measure (two warm-ups, L2 flushed before each
+    timed repetition, no host sync between repetitions), fewer repetitions (at least 3) where `reps`
+    would take over max_seconds (N = 32768 backward passes take 0.3-1 s each)."""
+    from ..bench.harness import measure
+
+    return measure(fn, warmup=2, reps=reps, memory=False, max_seconds=max_seconds).median_ms
 
 
-def _bench_case(d: int, dtype, causal: bool, n: int, batch: int, heads: int, reps: int) -> dict:
+def _breakdown_ms(plan: "BackwardPlan", args, reps: int) -> tuple[float, float, float]:
+    """Median ms of the preprocess, main and convert launches of one plan.launch, from events recorded
+    between them (L2 flushed before each call; the sum is the plan's device time without the gaps
+    between calls)."""
+    from ..bench.harness import _flush_l2
+
+    marks = [tuple(torch.cuda.Event(enable_timing=True) for _ in range(4)) for _ in range(max(3, reps))]
+    for events in marks:
+        _flush_l2()
+        plan.launch(*args, events=events)
+    torch.cuda.synchronize()
+    return tuple(sorted(e[i].elapsed_time(e[i + 1]) for e in marks)[len(marks) // 2] for i in range(3))
+
+
+def _bench_case(d: int, dtype, causal: bool, n: int, batch: int, heads: int, reps: int, columns) -> dict:
     """One benchmark() record (its tensors are freed on return)."""
+    import functools
     import math
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import tileattn
 
     from . import attention_bwd_sm80, dispatch
 
@@ -342,71 +383,97 @@ def _bench_case(d: int, dtype, causal: bool, n: int, batch: int, heads: int, rep
     rec = {"suite": "bwd_sm90", "d": d, "dtype": str(dtype).split(".")[-1], "causal": causal, "n": n,
            "batch": batch, "heads": heads}
     work = flops(batch, heads, n, n, d, causal)
-    plans = [
-        ("sm90", BackwardPlan(*args, causal=causal, scale=scale, deterministic=False)),
-        ("sm90_det", BackwardPlan(*args, causal=causal, scale=scale, deterministic=True)),
-        ("sm80", attention_bwd_sm80.backward_plan(*args, causal=causal, scale=scale, deterministic=False)),
-        ("sm80_det", attention_bwd_sm80.backward_plan(*args, causal=causal, scale=scale, deterministic=True)),
-    ]
-    rec["section"], rec["section_det"] = plans[0][1].section, plans[1][1].section
-    for cfg in tuning_candidates(d, causal)[1:]:  # the atomic mode's other candidates, e.g. "sm90[64x128/s3]"
-        plans.append((f"sm90[{cfg}]", BackwardPlan(*args, causal=causal, scale=scale, deterministic=False,
-                                                   config=cfg)))
+    default = DEFAULTS[(d, bool(causal))]
+    bulk = Sm90BwdConfig(default.block_m, default.stages, True)
+    kw = {"causal": causal, "scale": scale}
+    makers = {
+        "sm90": lambda: BackwardPlan(*args, **kw, deterministic=False),
+        "sm90_rot": lambda: BackwardPlan(*args, **kw, deterministic=False, rotate=True),
+        "sm90_bulk": lambda: BackwardPlan(*args, **kw, deterministic=False, config=bulk, rotate=False),
+        "sm90_bulk_rot": lambda: BackwardPlan(*args, **kw, deterministic=False, config=bulk, rotate=True),
+        "sm90_det": lambda: BackwardPlan(*args, **kw, deterministic=True),
+        "sm80": lambda: attention_bwd_sm80.backward_plan(*args, **kw, deterministic=False),
+        "sm80_det": lambda: attention_bwd_sm80.backward_plan(*args, **kw, deterministic=True),
+    }
+    if "sm90_tune" in columns:  # e.g. "sm90[64x128/s3]"; the bulk candidate has its own column
+        for cfg in tuning_candidates(d, causal)[1:]:
+            if cfg != bulk:
+                makers[f"sm90[{cfg}]"] = lambda cfg=cfg: BackwardPlan(*args, **kw, deterministic=False, config=cfg)
     if not causal:  # the block order causal / deterministic runs use, measured on equal-length CTAs
         l2 = section_pairs(n, d, 1, q.element_size(), True, False)
-        plans.append(("sm90_l2", BackwardPlan(*args, causal=causal, scale=scale, deterministic=False, section=l2)))
-        rec["section_l2"] = plans[-1][1].section
-    for name, plan in plans:
-        ms = _median_ms(lambda: plan.launch(*args), reps)
+        makers["sm90_l2"] = lambda: BackwardPlan(*args, **kw, deterministic=False, section=l2)
+        rec["section_l2"] = l2
+    for name, make in makers.items():
+        if name not in columns and not name.startswith("sm90["):
+            continue
+        plan = make()
+        if name == "sm90":
+            rec["section"], rec["rotate"] = plan.section, plan.rotate
+            rec["pre_ms"], rec["main_ms"], rec["convert_ms"] = _breakdown_ms(plan, args, reps)
+        ms = _measure_ms(functools.partial(plan.launch, *args), reps)
         rec[name], rec[name + "_ms"] = work / (ms * 1e-3) / 1e12, ms
-    plans.clear()
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-    try:
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
-        ms = _median_ms(lambda: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True), reps)
-        rec["cudnn"], rec["cudnn_ms"] = work / (ms * 1e-3) / 1e12, ms
-    except RuntimeError as exc:  # cuDNN not available for this case
-        rec["cudnn"] = float("nan")
-        rec["cudnn_error"] = str(exc).splitlines()[0]
-    rec["vs_cudnn"] = rec["sm90"] / rec["cudnn"]
-    rec["det_vs_atomic"] = rec["sm90_det"] / rec["sm90"]
+    if "autograd" in columns:
+        o = tileattn.attention(qg, kg, vg, causal=causal)
+        ms = _measure_ms(lambda: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True), reps)
+        rec["autograd"], rec["autograd_ms"] = work / (ms * 1e-3) / 1e12, ms
+        del o
+    if "cudnn" in columns:
+        try:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+            ms = _measure_ms(lambda: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True), reps)
+            rec["cudnn"], rec["cudnn_ms"] = work / (ms * 1e-3) / 1e12, ms
+        except RuntimeError as exc:  # cuDNN not available for this case
+            rec["cudnn"] = float("nan")
+            rec["cudnn_error"] = str(exc).splitlines()[0]
+    for name in [key for key in rec if key.startswith(("sm90", "autograd")) and not key.endswith("_ms")
+                 and key not in ("sm90_det",) and isinstance(rec[key], float)]:
+        if "cudnn" in rec:
+            rec[f"{name}_vs_cudnn"] = rec[name] / rec["cudnn"]
+    if "sm90_det" in rec and "sm90" in rec:
+        rec["det_vs_atomic"] = rec["sm90_det"] / rec["sm90"]
     return rec
 
 
 def benchmark(seq_lens=(2048, 4096, 8192, 16384, 32768), head_dims=HEAD_DIMS,
               dtypes=(torch.bfloat16, torch.float16), causals=(False, True), batch: int = 4, heads: int = 32,
-              reps: int = 10, json_path: str | None = None) -> list[dict]:
-    """Backward-only TFLOP/s (flops() convention) and median ms of this kernel (atomic and
-    deterministic dQ; the atomic mode's other tuning candidates as `sm90[config]`; non-causal also
-    with the L2-section block order, `sm90_l2`), the sm80 backward
-    (both modes) and SDPA cuDNN's backward on the same inputs [batch, heads, N, d]; prints one line
-    per case and returns the records; with json_path also writes {"environment", "records"} there
-    after every case (the docs/runs/ format). Needs an sm_90 GPU. Backward passes only: out and lse
-    come from one forward launch (tileattn's dispatcher) per case."""
+              reps: int = 10, json_path: str | None = None, columns=tuple(COLUMNS)) -> list[dict]:
+    """Backward-only TFLOP/s (flops() convention) and median ms of the COLUMNS named in `columns`
+    (default all) on the same inputs [batch, heads, N, d], every one timed by bench.harness.measure
+    like `tileattn bench attention` (so `<column>_vs_cudnn` here and the ratios of that benchmark mean
+    the same), plus pre_ms / main_ms / convert_ms: the dispatched plan's three launches. Prints one
+    line per case and returns the records; with json_path also writes {"environment", "records"}
+    there after every case (the docs/runs/ format). Needs an sm_90 GPU; raises ValueError for an
+    unknown column. Out and lse come from one forward launch (tileattn's dispatcher) per case."""
     import json
 
     from ..bench.env import environment
 
+    unknown = set(columns) - set(COLUMNS)
+    if unknown:
+        raise ValueError(f"unknown benchmark columns {sorted(unknown)}; known: {sorted(COLUMNS)}")
     records = []
     for d in head_dims:
         for dtype in dtypes:
             for causal in causals:
                 for n in seq_lens:
-                    rec = _bench_case(d, dtype, causal, n, batch, heads, reps)
-                    print(" ".join(f"{key}={val:.3f}" if key.endswith("_ms") or key.startswith(("vs_", "det_"))
+                    rec = _bench_case(d, dtype, causal, n, batch, heads, reps, set(columns))
+                    print(" ".join(f"{key}={val:.3f}" if key.endswith("_ms") or "_vs_" in key or key.startswith("det_")
                                    else f"{key}={val:.1f}" if isinstance(val, float) else f"{key}={val}"
                                    for key, val in rec.items()), flush=True)
                     records.append(rec)
                     if json_path:  # rewritten after every case: a run cut short keeps what it measured
                         with open(json_path, "w") as f:
                             json.dump({"environment": environment(), "records": records}, f, indent=1)
+                    torch.cuda.empty_cache()
     return records
 
 
 def main(argv=None) -> None:
     """`python -m tileattn.kernels.attention_bwd_sm90 [--d 128] [--dtype bf16] [--causal 0|1] [--seq N ...]
-    [--json PATH]`: benchmark() on a subset (each option repeatable)."""
+    [--col NAME ...] [--batch 4] [--heads 32] [--json PATH]`: benchmark() on a subset (each option
+    repeatable; --col picks columns, default all: """ + ", ".join(COLUMNS) + """)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -414,23 +481,28 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", action="append", choices=("bf16", "fp16"))
     parser.add_argument("--causal", type=int, action="append", choices=(0, 1))
     parser.add_argument("--seq", type=int, action="append")
+    parser.add_argument("--col", action="append", choices=tuple(COLUMNS))
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json")
     a = parser.parse_args(argv)
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}
     benchmark(seq_lens=tuple(a.seq or (2048, 4096, 8192, 16384, 32768)), head_dims=tuple(a.d or HEAD_DIMS),
               dtypes=tuple(dt[x] for x in (a.dtype or ("bf16", "fp16"))),
-              causals=tuple(bool(c) for c in (a.causal if a.causal is not None else (0, 1))), reps=a.reps,
-              json_path=a.json)
+              causals=tuple(bool(c) for c in (a.causal if a.causal is not None else (0, 1))), batch=a.batch,
+              heads=a.heads, reps=a.reps, json_path=a.json, columns=tuple(a.col or COLUMNS))
 
 
 __all__ = [
     "BLOCK_N",
+    "COLUMNS",
     "DEFAULTS",
     "FAMILIES",
     "FAMILY_NAME",
     "HEAD_DIMS",
     "INSTANTIATIONS",
+    "ROTATE",
     "TUNING",
     "BackwardPlan",
     "Sm90BwdConfig",
