@@ -1,0 +1,210 @@
+"""Fused elementwise steps of a Llama-family decoder layer: `add_rms_norm`, `norm_rotary_`,
+`silu_mul` (kernels in csrc/layer_ops.cu).
+
+Each replaces two to four eager torch kernels with one launch (docs/engine.md has the count and
+why it matters at decode). On CUDA tensors of float16/bfloat16 they run tileattn's kernels; on
+any other device or dtype (the engine's CPU path, float32 models) the same arithmetic runs as torch
+ops. Both paths round to the 16-bit type where transformers' implementations do, so the engine
+can be compared with transformers token for token.
+
+Arguments are checked on the host before anything is launched (ValueError naming the argument);
+nothing synchronises with the device, so the ops can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+MAX_NORM_DIM = 32768  # add_rms_norm's kernel keeps a row in registers: 1024 threads x 4 chunks x 8
+MAX_ROTARY_HEAD_DIM = 256
+
+
+def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
+    """RMSNorm of x, or of x + residual with the sum written back into residual.
+
+    Args:
+        x: [T, D]; weight: [D], x's dtype and device; D a multiple of 8 (kernel path: at most 32768,
+            last dim contiguous, rows and data pointers 16-byte aligned).
+        eps: added to the mean of squares.
+        residual: None, or [T, D] like x, updated in place to x + residual (rounded to the dtype).
+
+    Returns:
+        out [T, D] = weight * round(s / sqrt(mean(s^2) + eps)) with s = x (+ residual), a new
+        tensor; with a residual, the tuple (out, residual).
+
+    Raises:
+        ValueError: ranks, shapes, dtypes or devices that disagree; a layout the kernel cannot
+            read (see above).
+    """
+    _check_2d("x", x)
+    dim = x.shape[1]
+    if weight.dim() != 1 or weight.shape[0] != dim:
+        raise ValueError(f"weight must be [D] = [{dim}], got {list(weight.shape)}")
+    _same("weight", weight, x)
+    if residual is not None:
+        _check_2d("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have x's shape {list(x.shape)}, got {list(residual.shape)}")
+        _same("residual", residual, x)
+    if not _on_kernel(x):
+        s = x if residual is None else residual.copy_(x + residual)
+        f = s.float()
+        out = weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return out if residual is None else (out, residual)
+    if dim % 8 or dim > MAX_NORM_DIM:
+        raise ValueError(f"add_rms_norm's kernel needs D a multiple of 8 and at most {MAX_NORM_DIM}, got D={dim}")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    for name, t in (("x", x), ("weight", weight.view(1, -1)), ("residual", residual), ("out", out)):
+        if t is not None:
+            _check_rows(name, t)
+    if x.shape[0]:
+        from .kernels.layer_ops import launch_add_rms_norm
+
+        with _device_of(x):
+            launch_add_rms_norm(out, residual, x, weight, float(eps))
+    return out if residual is None else (out, residual)
+
+
+def norm_rotary_(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, q_heads: int | None = None,
+                 q_weight: Tensor | None = None, k_weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """Rotate-half rotary embedding of x in place, after a per-head RMSNorm when weights are given
+    (Qwen3's q_norm / k_norm).
+
+    Args:
+        x: [T, heads, d] (any row and head strides, d contiguous; e.g. the q and k heads of a fused
+            qkv projection's output viewed as one tensor), float16/bfloat16 on CUDA or any float.
+        positions: int64 [T], x's device: each token's row of the tables. A position outside
+            [0, P) leaves that token's heads untouched on the kernel path (never read out of
+            bounds); the torch path raises IndexError.
+        cos, sin: float32 [P, d] contiguous tables: cos holds (cos f, cos f), sin (-sin f, sin f)
+            over the d/2 frequencies f (the engine's Rotary buffers). Rounded to x's dtype before
+            use, as transformers hands them to the layers.
+        q_heads: heads [0, q_heads) are queries (normalised with q_weight), the rest keys
+            (k_weight); required with weights.
+        q_weight, k_weight: None (no norm) or both [d] in x's dtype.
+        eps: the norm's epsilon.
+
+    Returns x. Raises ValueError for shapes, dtypes, devices or layouts that disagree.
+    """
+    if not isinstance(x, Tensor) or x.dim() != 3:
+        raise ValueError(f"x must be a [T, heads, d] tensor, got {_describe(x)}")
+    tokens, heads, head_dim = x.shape
+    if head_dim % 2 or head_dim > MAX_ROTARY_HEAD_DIM:
+        raise ValueError(f"head dim must be even and at most {MAX_ROTARY_HEAD_DIM}, got {head_dim}")
+    if x.stride(2) != 1:
+        raise ValueError("x's last dim must be contiguous")
+    if not isinstance(positions, Tensor) or positions.shape != (tokens,) or positions.dtype != torch.int64:
+        raise ValueError(f"positions must be int64 [T] = [{tokens}], got {_describe(positions)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, Tensor) or t.dim() != 2 or t.shape[1] != head_dim or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 [P, {head_dim}], got {_describe(t)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have one shape, got {list(cos.shape)} and {list(sin.shape)}")
+    for name, t in (("positions", positions), ("cos", cos), ("sin", sin)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    norm = q_weight is not None or k_weight is not None
+    if norm:
+        if q_weight is None or k_weight is None or q_heads is None:
+            raise ValueError("a per-head norm needs q_weight, k_weight and q_heads together")
+        if not 0 <= q_heads <= heads:
+            raise ValueError(f"q_heads must be in [0, {heads}], got {q_heads}")
+        for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+            if w.shape != (head_dim,):
+                raise ValueError(f"{name} must be [d] = [{head_dim}], got {list(w.shape)}")
+            _same(name, w, x)
+    if not _on_kernel(x):
+        return x.copy_(_norm_rotary_torch(x, positions, cos, sin, q_heads, q_weight, k_weight, eps))
+    if tokens and heads:
+        from .kernels.layer_ops import launch_norm_rotary
+
+        qw, kw = (q_weight.contiguous(), k_weight.contiguous()) if norm else (None, None)
+        with _device_of(x):
+            launch_norm_rotary(x, positions.contiguous(), cos, sin, q_heads or 0, qw, kw, float(eps))
+    return x
+
+
+def _norm_rotary_torch(x, positions, cos, sin, q_heads, q_weight, k_weight, eps):
+    f = x.float()  # [T, heads, d]
+    if q_weight is not None:
+        weight = torch.cat([q_weight.expand(q_heads, -1), k_weight.expand(x.shape[1] - q_heads, -1)])  # [heads, d]
+        normed = (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        f = (weight * normed).float()
+    c = cos[positions].to(x.dtype).float().unsqueeze(1)  # [T, 1, d]
+    s = sin[positions].to(x.dtype).float().unsqueeze(1)
+    return (f * c + f.roll(x.shape[-1] // 2, dims=-1) * s).to(x.dtype)
+
+
+def silu_mul(x: Tensor) -> Tensor:
+    """silu(gate) * up for x = [gate | up] of shape [T, 2F]: returns a new [T, F] tensor,
+    round(silu(gate)) * up (transformers rounds the activation before the product).
+
+    Kernel path: F a multiple of 8, last dim contiguous, rows and data pointer 16-byte aligned.
+    Raises ValueError for other shapes or layouts."""
+    _check_2d("x", x)
+    if x.shape[1] % 2:
+        raise ValueError(f"x must be [T, 2F], got an odd width {x.shape[1]}")
+    width = x.shape[1] // 2
+    if not _on_kernel(x):
+        gate, up = x.split(width, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    if width % 8:
+        raise ValueError(f"silu_mul's kernel needs F a multiple of 8, got F={width}")
+    _check_rows("x", x)
+    out = torch.empty((x.shape[0], width), dtype=x.dtype, device=x.device)
+    if out.numel():
+        from .kernels.layer_ops import launch_silu_mul
+
+        with _device_of(x):
+            launch_silu_mul(out, x)
+    return out
+
+
+# ---- checks ----------------------------------------------------------------------------------
+
+def _on_kernel(x: Tensor) -> bool:
+    return x.is_cuda and x.dtype in _KERNEL_DTYPES
+
+
+def _describe(t) -> str:
+    if not isinstance(t, Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {list(t.shape)} on {t.device}"
+
+
+def _check_2d(name: str, t) -> None:
+    if not isinstance(t, Tensor) or t.dim() != 2:
+        raise ValueError(f"{name} must be a [T, D] tensor, got {_describe(t)}")
+
+
+def _same(name: str, t: Tensor, x: Tensor) -> None:
+    if t.dtype != x.dtype or t.device != x.device:
+        raise ValueError(f"{name} is {t.dtype} on {t.device}; x is {x.dtype} on {x.device}")
+
+
+def _check_rows(name: str, t: Tensor) -> None:
+    """The kernels move 16-byte chunks: contiguous rows at 16-byte aligned addresses."""
+    if t.stride(-1) != 1 or (t.shape[0] > 1 and t.stride(0) % 8) or t.data_ptr() % 16:
+        raise ValueError(f"{name} needs a contiguous last dim, a row stride that is a multiple of 8 "
+                         f"elements and a 16-byte aligned data pointer (strides {t.stride()})")
+
+
+class _device_of:
+    """Make x's device current for the launch (cuLaunchKernel uses the thread's context)."""
+
+    def __init__(self, x: Tensor):
+        self.index = x.get_device()
+        self.guard = None
+
+    def __enter__(self):
+        if torch.cuda.current_device() != self.index:
+            self.guard = torch.cuda.device(self.index)
+            self.guard.__enter__()
+
+    def __exit__(self, *exc):
+        if self.guard is not None:
+            self.guard.__exit__(*exc)

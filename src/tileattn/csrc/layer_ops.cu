@@ -1,0 +1,193 @@
+// The decoder layer's small elementwise steps, each one launch where eager torch needs two to
+// four: residual add + RMSNorm, per-head RMSNorm + rotary embedding in place, SiLU(gate) * up.
+//
+// Why: at decode a Llama layer's weights are read by four GEMVs of 8-60 us each, and the rest is
+// a dozen elementwise kernels that move a few kilobytes each. Inside a CUDA graph each of those
+// still costs ~2-3 us of GPU time (launch latency, one wave, the tail), so 32 layers x 9 of
+// them are ~0.7 ms of a ~6 ms token on Llama-3-8B, and more on small models whose GEMVs are short.
+// Fusing them removes launches; the bytes moved are the same (these kernels are far from any
+// bandwidth or compute limit: a [1, 4096] row is 8 KB).
+//
+// Numerics follow the transformers implementations the engine is tested against, including
+// their roundings to the 16-bit type between steps: RMSNorm rounds x / rms(x) to 16 bits and then
+// multiplies by the weight (one more rounding); the residual sum is rounded before it is
+// normalised; SiLU's output is rounded before the product. Sums of squares are fp32.
+//
+// Elements travel as raw 16-bit values (kIsBF16 picks bf16 or fp16), 8 per 16-byte chunk; the
+// host guarantees 16-byte aligned rows and pointers.
+#include <cuda/std/cstdint>
+
+#include "common/sm80.cuh"
+
+namespace tileattn {
+
+namespace layer_ops {
+
+// 8 elements <-> 8 floats.
+template <bool kIsBF16>
+__device__ __forceinline__ void load8(uint4 c, float (&f)[8]) {
+  unpack2<kIsBF16>(c.x, f[0], f[1]);
+  unpack2<kIsBF16>(c.y, f[2], f[3]);
+  unpack2<kIsBF16>(c.z, f[4], f[5]);
+  unpack2<kIsBF16>(c.w, f[6], f[7]);
+}
+template <bool kIsBF16>
+__device__ __forceinline__ uint4 store8(const float (&f)[8]) {
+  return make_uint4(pack2<kIsBF16>(f[0], f[1]), pack2<kIsBF16>(f[2], f[3]), pack2<kIsBF16>(f[4], f[5]),
+                    pack2<kIsBF16>(f[6], f[7]));
+}
+// Round to the 16-bit type and back (what a torch op that returns a 16-bit tensor does).
+template <bool kIsBF16>
+__device__ __forceinline__ float round16(float x) {
+  return to_float<kIsBF16>(from_float<kIsBF16>(x));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+}  // namespace layer_ops
+
+// ---- residual add + RMSNorm ------------------------------------------------------------------
+//   s = x + residual (rounded; written back into residual)  or  s = x  (no residual)
+//   out = weight * round(s / sqrt(mean(s^2) + eps))
+// One block per row; thread i owns chunks i, i + blockDim, ... (at most kMaxChunks, kept in
+// registers between the two passes). The host picks blockDim = min(1024, chunks) rounded up to a
+// warp, so D <= 1024 * 8 * kMaxChunks = 32768.
+constexpr int kNormMaxChunks = 4;
+
+template <bool kIsBF16>
+__global__ void __launch_bounds__(1024)
+    add_rms_norm(uint4* __restrict__ out, uint4* __restrict__ residual, const uint4* __restrict__ x,
+                 const uint4* __restrict__ weight, int chunks, int64_t out_stride, int64_t res_stride,
+                 int64_t x_stride, float eps, int has_residual) {
+  using namespace layer_ops;
+  const int64_t row = blockIdx.x;
+  float s[kNormMaxChunks][8];
+  float sumsq = 0.f;
+#pragma unroll
+  for (int i = 0; i < kNormMaxChunks; ++i) {
+    const int c = threadIdx.x + i * blockDim.x;
+    if (c < chunks) {
+      load8<kIsBF16>(x[row * x_stride + c], s[i]);
+      if (has_residual) {
+        float r[8];
+        load8<kIsBF16>(residual[row * res_stride + c], r);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s[i][e] = round16<kIsBF16>(s[i][e] + r[e]);
+        residual[row * res_stride + c] = store8<kIsBF16>(s[i]);
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sumsq += s[i][e] * s[i][e];
+    }
+  }
+  // Block sum: warp shuffles, then the warps' partials through shared memory.
+  __shared__ float partial[32];
+  sumsq = warp_sum(sumsq);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) partial[warp] = sumsq;
+  __syncthreads();
+  const int warps = (blockDim.x + 31) >> 5;
+  float total = lane < warps ? partial[lane] : 0.f;
+  total = warp_sum(total);
+  const float inv_rms = rsqrtf(total / static_cast<float>(chunks * 8) + eps);
+#pragma unroll
+  for (int i = 0; i < kNormMaxChunks; ++i) {
+    const int c = threadIdx.x + i * blockDim.x;
+    if (c < chunks) {
+      float w[8];
+      load8<kIsBF16>(weight[c], w);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s[i][e] = w[e] * round16<kIsBF16>(s[i][e] * inv_rms);
+      out[row * out_stride + c] = store8<kIsBF16>(s[i]);
+    }
+  }
+}
+
+// ---- per-head RMSNorm (optional) + rotary embedding, in place ---------------------------------
+//   x: [T, heads, d] (row stride x_st, head stride x_sh, in elements; d contiguous)
+//   heads [0, q_heads) use q_weight, the others k_weight (when kNorm)
+//   a position outside [0, num_positions) leaves its token's heads untouched (the host's
+//   validate=True reports it): the tables are never read out of bounds
+//   rotate-half rotary with cos/sin [P, d] float32 tables (cos twice; (-sin, sin)), rounded to
+//   the 16-bit type as the model's Rotary module hands them to the layers:
+//     y_j = x_j cos_j - x_{j+d/2} sin_j,  y_{j+d/2} = x_{j+d/2} cos_j + x_j sin_j   (j < d/2)
+// One warp per (token, head); lane l owns the pairs j = l, l + 32, ... (d <= 256).
+constexpr int kRotaryMaxPairs = 4;
+
+template <bool kIsBF16, bool kNorm>
+__global__ void __launch_bounds__(256)
+    norm_rotary(u16* __restrict__ x, const int64_t* __restrict__ positions, const float* __restrict__ cos_table,
+                const float* __restrict__ sin_table, const u16* __restrict__ q_weight,
+                const u16* __restrict__ k_weight, int num_rows, int heads, int q_heads, int head_dim,
+                int64_t x_st, int64_t x_sh, int64_t num_positions, float eps) {
+  using namespace layer_ops;
+  const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);  // token * heads + head
+  if (row >= num_rows) return;  // whole warps leave together
+  const int lane = threadIdx.x & 31, half = head_dim >> 1;
+  const int t = row / heads, h = row - t * heads;
+  const int64_t p = positions[t];
+  if (p < 0 || p >= num_positions) return;  // never read past the tables: the row stays as it is
+  u16* head = x + t * x_st + h * x_sh;
+  float lo[kRotaryMaxPairs], hi[kRotaryMaxPairs];
+  float sumsq = 0.f;
+#pragma unroll
+  for (int i = 0; i < kRotaryMaxPairs; ++i) {
+    const int j = lane + 32 * i;
+    lo[i] = hi[i] = 0.f;
+    if (j < half) {
+      lo[i] = to_float<kIsBF16>(head[j]);
+      hi[i] = to_float<kIsBF16>(head[j + half]);
+      sumsq += lo[i] * lo[i] + hi[i] * hi[i];
+    }
+  }
+  if constexpr (kNorm) {
+    const float inv_rms = rsqrtf(warp_sum(sumsq) / static_cast<float>(head_dim) + eps);
+    const u16* w = h < q_heads ? q_weight : k_weight;
+#pragma unroll
+    for (int i = 0; i < kRotaryMaxPairs; ++i) {
+      const int j = lane + 32 * i;
+      if (j < half) {
+        lo[i] = round16<kIsBF16>(to_float<kIsBF16>(w[j]) * round16<kIsBF16>(lo[i] * inv_rms));
+        hi[i] = round16<kIsBF16>(to_float<kIsBF16>(w[j + half]) * round16<kIsBF16>(hi[i] * inv_rms));
+      }
+    }
+  }
+  const float* cos_row = cos_table + p * head_dim;
+  const float* sin_row = sin_table + p * head_dim;
+#pragma unroll
+  for (int i = 0; i < kRotaryMaxPairs; ++i) {
+    const int j = lane + 32 * i;
+    if (j < half) {
+      const float c = round16<kIsBF16>(cos_row[j]);
+      const float sn = round16<kIsBF16>(sin_row[j + half]);  // +sin_j (the table's second half)
+      head[j] = from_float<kIsBF16>(lo[i] * c - hi[i] * sn);
+      head[j + half] = from_float<kIsBF16>(hi[i] * c + lo[i] * sn);
+    }
+  }
+}
+
+// ---- SiLU(gate) * up ---------------------------------------------------------------------------
+//   x: [T, 2F] (gate = columns [0, F), up = [F, 2F); row stride x_st chunks), out: [T, F]
+//   out = round(silu(gate)) * up, silu(g) = g / (1 + e^-g)
+// One thread per 8-element chunk of out.
+template <bool kIsBF16>
+__global__ void __launch_bounds__(256)
+    silu_mul(uint4* __restrict__ out, const uint4* __restrict__ x, int64_t num_chunks, int chunks_per_row,
+             int64_t x_st, int64_t out_st) {
+  using namespace layer_ops;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= num_chunks) return;
+  const int64_t t = i / chunks_per_row;
+  const int c = static_cast<int>(i - t * chunks_per_row);
+  float g[8], u[8];
+  load8<kIsBF16>(x[t * x_st + c], g);
+  load8<kIsBF16>(x[t * x_st + chunks_per_row + c], u);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) g[e] = round16<kIsBF16>(g[e] / (1.f + __expf(-g[e]))) * u[e];
+  out[t * out_st + c] = store8<kIsBF16>(g);
+}
+
+}  // namespace tileattn
