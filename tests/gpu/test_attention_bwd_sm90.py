@@ -434,6 +434,36 @@ def test_end_to_end_autograd(d, deterministic, monkeypatch):
     assert_close((qg.grad, kg.grad, vg.grad), refs, dtype, f"tileattn.attention -> sm90 backward det={deterministic}")
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_autograd_runs_the_benchmarked_plan(d, causal, monkeypatch):
+    """What `tileattn bench attention --backward-only` times is what attention_bwd_sm90.benchmark's
+    sm90 column times: through the real dispatcher, the autograd backward of dense [B, H, N, d]
+    inputs builds this module's plan with the same config, block order and walk, copies nothing
+    (no TMA-incompatible operand, no dO contiguity copy) and launches only its three kernels."""
+    import tileattn.api
+    from tileattn import attention
+
+    monkeypatch.setattr(tileattn.api, "_plans", {})  # only this call's plan entry
+    dtype, scale = BF16, 1.0 / math.sqrt(d)
+    q, k, v = (torch.randn(2, 4, 1000, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    out = attention(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    torch.autograd.grad(out, (q, k, v), dout)
+    plans = [p for e in tileattn.api._plans.values() for p in e.backward.values()]
+    assert len(plans) == 1 and isinstance(plans[0], _mod().BackwardPlan), \
+        f"the autograd backward ran {plans} instead of one sm90 plan (dispatcher routing?)"
+    plan = plans[0]
+    lse = torch.empty(2, 4, 1000, device="cuda", dtype=torch.float32)
+    grads = tuple(torch.empty_like(t) for t in (q, k, v))
+    direct = _mod().BackwardPlan(q.detach(), k.detach(), v.detach(), out.detach(), lse, dout, *grads,
+                                 causal=causal, scale=scale, deterministic=False)
+    for attr in ("config", "section", "rotate", "nq_pad", "copy", "copy_dk", "copy_dv"):
+        assert getattr(plan, attr) == getattr(direct, attr), f"{attr}: autograd {getattr(plan, attr)} vs " \
+                                                             f"benchmark {getattr(direct, attr)}"
+    assert plan.copy == (False,) * 4 and not plan.copy_dk and not plan.copy_dv, "a copy in the autograd path"
+
+
 def _route_backward_here(monkeypatch):
     import tileattn.api
     from tileattn.kernels import dispatch

@@ -208,7 +208,7 @@ class BackwardPlan:
             raise ValueError(f"batch x k/v heads x ceil(Nk / {BLOCK_N}) must be <= {_MAX_GRID_X} blocks")
         if section is not None and section < 1:
             raise ValueError(f"section must be >= 1, got {section}")
-        config = config or DEFAULTS[(d, bool(causal))]
+        self.config = config = config or DEFAULTS[(d, bool(causal))]
         if not config.fits(d, deterministic):
             raise ValueError(f"config {config} does not fit in shared memory at head_dim {d} with "
                              f"deterministic={bool(deterministic)}")
