@@ -14,6 +14,12 @@ machine from a config (written once as an HF checkpoint under --workdir, reused 
 - ttft: time to first token of one 1024-token prompt (median of 5 distinct prompts, no cache hits).
 - startup: engine construction (load from disk + KV-cache sizing + CUDA-graph capture).
 --quick: smaller shapes and workloads, no torch.compile peer; finishes in under 2 minutes.
+--profile: also print (and record in the JSON rows) where each engine step's time goes, per step
+kind: schedule / prepare / h2d / forward / sample / postprocess on the host and the forward and
+sampling time on the GPU (profiler.py). --cprofile PATH dumps a cProfile of the measured engine
+runs (pstats format). --shape / --requests / --max-len / --new-tokens override the plan, e.g. the
+host-overhead profile on a CPU: --device cpu --shape tiny --only throughput --requests 256
+--max-len 120 --no-peers --profile.
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ SHAPES = {
                        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
                        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True),
+    # Host-overhead profiling on a CPU: the model costs little, the engine's bookkeeping shows.
+    "tiny": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=96,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=32000,
+                 rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=8192, tie_word_embeddings=True),
 }
 
 
@@ -61,6 +71,13 @@ def parse_args(argv):
     ap.add_argument("--no-compile-peer", action="store_true", help="skip the torch.compile peer (slow to compile)")
     ap.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1], metavar="N",
                     help="run the engine's decode and throughput parts at each of these sizes (e.g. 1 2)")
+    ap.add_argument("--profile", action="store_true",
+                    help="time each engine step's phases (host and GPU) and print them per step kind")
+    ap.add_argument("--cprofile", metavar="PATH", help="dump a cProfile of the measured engine runs")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="the model shape of every part (overrides the plan)")
+    ap.add_argument("--requests", type=int, help="throughput: number of requests (overrides the plan)")
+    ap.add_argument("--max-len", type=int, help="throughput: longest prompt / output (overrides the plan)")
+    ap.add_argument("--new-tokens", type=int, help="decode: tokens generated (overrides the plan)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": the tests' smoke run
     return ap.parse_args(argv)
 
@@ -85,7 +102,17 @@ def bench_engine_main(argv=None) -> int:
     except ImportError:
         args.no_peers = True
     rows = results["rows"]
-    plan = QUICK if quick else FULL
+    plan = dict(QUICK if quick else FULL)
+    if args.shape:
+        plan.update(decode_shape=args.shape, throughput_shapes=(args.shape,), ttft_shape=args.shape)
+    for key in ("requests", "max_len", "new_tokens"):
+        if getattr(args, key) is not None:
+            plan[key] = getattr(args, key)
+    args.cprofiler = None
+    if args.cprofile:
+        import cProfile
+
+        args.cprofiler = cProfile.Profile()
     if "decode" in parts:
         rows += bench_decode(args, plan["decode_shape"], plan["new_tokens"],
                              compile_peer=not (quick or args.no_compile_peer or args.no_peers))
@@ -95,6 +122,9 @@ def bench_engine_main(argv=None) -> int:
     if "ttft" in parts:
         rows += bench_ttft(args, plan["ttft_shape"], plan["prompt_len"])
     print_table(rows)
+    if args.cprofiler is not None:
+        args.cprofiler.dump_stats(args.cprofile)
+        print(f"wrote {args.cprofile} (python -m pstats {args.cprofile}; sort tottime; stats 40)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
@@ -220,9 +250,12 @@ def bench_decode(args, shape, new_tokens, compile_peer):
         engine = _engine(args, path, max_num_seqs=8, max_model_len=2048, tensor_parallel_size=tp)
         try:
             for attempt in range(2):  # the first run warms up (kernel compile / load)
+                measured = attempt == 1
+                profiler = engine.enable_profiling() if measured and args.profile else None
                 engine.add_request(f"decode{attempt}", prompt, params)
                 start = time.perf_counter()
-                first = _run_to_end(engine)
+                with _cprofiled(args, measured):
+                    first = _run_to_end(engine)
                 end = time.perf_counter()
         finally:
             engine.shutdown()
@@ -232,12 +265,38 @@ def bench_decode(args, shape, new_tokens, compile_peer):
         rows.append({"bench": "decode", "shape": shape, "system": _system(tp), "tensor_parallel_size": tp,
                      "tok_s": tok_s, "bandwidth_TBs": per_token * tok_s / 1e12, "bytes_per_token": per_token,
                      "startup_s": engine.startup_seconds, "ttft_ms": (first - start) * 1e3})
+        _add_profile(rows[-1], profiler, f"decode {shape} TP={tp}")
         del engine
         _free()
     for row in rows:
         if row.get("tok_s") is not None:
             row.setdefault("bandwidth_TBs", per_token * row["tok_s"] / 1e12)
     return rows
+
+
+def _cprofiled(args, measured: bool):
+    """Collect the cProfile of a measured run (--cprofile); a no-op context otherwise."""
+    import contextlib
+
+    if args.cprofiler is None or not measured:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def collect():
+        args.cprofiler.enable()
+        try:
+            yield
+        finally:
+            args.cprofiler.disable()
+    return collect()
+
+
+def _add_profile(row, profiler, title) -> None:
+    """Print the step profile of a measured run (--profile) and keep it in the row."""
+    if profiler is None:
+        return
+    print(profiler.table(title))
+    row["profile"] = profiler.report()
 
 
 def _system(tensor_parallel_size: int) -> str:
@@ -303,9 +362,11 @@ def bench_throughput(args, shape, requests, max_len):
                   max_num_seqs=min(256, requests), tensor_parallel_size=tp)
         try:
             llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+            profiler = llm.engine.enable_profiling() if args.profile else None
             _sync(args.device)
             start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            with _cprofiled(args, True):
+                outs = llm.generate(prompts, params, use_tqdm=False)
             _sync(args.device)
             seconds = time.perf_counter() - start
         finally:
@@ -316,6 +377,7 @@ def bench_throughput(args, shape, requests, max_len):
                      "tok_s": produced / seconds, "startup_s": llm.engine.startup_seconds,
                      "preemptions": llm.engine.stats()["num_preemptions"],
                      "kv_blocks": llm.engine.block_manager.num_blocks})
+        _add_profile(rows[-1], profiler, f"throughput {shape} TP={tp}")
         del llm
         _free()
     return rows

@@ -9,6 +9,8 @@ blocks back.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 import weakref
 
@@ -21,6 +23,7 @@ from .distributed import Workers, check_tensor_parallel, rank_devices
 from .loader import load_model, read_model_config
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
+from .profiler import NULL, StepProfiler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request
@@ -79,6 +82,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.last_step = {"prefill_tokens": 0, "decode_tokens": 0, "seconds": 0.0}
+        self.profiler = NULL
+        if os.environ.get("TILEATTN_ENGINE_PROFILE", "0") not in ("", "0"):
+            self.enable_profiling()
         self.startup_seconds = time.perf_counter() - start
 
     @classmethod
@@ -87,7 +93,11 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (a no-op with one rank); idempotent. The engine cannot
-        step afterwards."""
+        step afterwards. With TILEATTN_ENGINE_PROFILE set, prints the step profile to stderr."""
+        profiler = getattr(self, "profiler", NULL)  # absent when construction failed
+        if os.environ.get("TILEATTN_ENGINE_PROFILE", "0") not in ("", "0") and profiler is not NULL:
+            print(profiler.table(), file=sys.stderr)
+            profiler.reset()
         if self.workers is not None:
             self.workers.shutdown()
 
@@ -157,11 +167,14 @@ class LLMEngine:
         finished_only: build outputs only for requests that finished (offline use: skips copying
         every running request's tokens and text each step)."""
         start = time.perf_counter()
+        prof = self.profiler
+        prof.begin()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
         decode = sum(1 for seq, n in scheduled if n == 1 and seq.num_output_tokens > 0
                      and seq.num_computed_tokens == seq.num_tokens - 1)
+        prof.lap("schedule")
         with self._guard():
             result = self.runner.execute(scheduled)
         for seq, n in scheduled:
@@ -203,9 +216,19 @@ class LLMEngine:
             if request.finished:
                 request.finished_time = now
                 del self.requests[request.request_id]
-        self.last_step = {"prefill_tokens": sum(n for _, n in scheduled) - decode, "decode_tokens": decode,
+        total = sum(n for _, n in scheduled)
+        self.last_step = {"prefill_tokens": total - decode, "decode_tokens": decode,
                           "seconds": time.perf_counter() - start}
+        prof.lap("postprocess")
+        prof.end("decode" if decode == len(scheduled) else "prefill" if decode == 0 else "mixed",
+                 total, len(scheduled))
         return outputs
+
+    def enable_profiling(self) -> StepProfiler:
+        """Start timing every step's phases (profiler.py); returns the profiler (its table() and
+        report() give mean times per step kind; reset() starts over, e.g. after a warm-up)."""
+        self.profiler = self.runner.profiler = StepProfiler(self.device)
+        return self.profiler
 
     def _output(self, request: Request) -> RequestOutput:
         completions = []

@@ -30,6 +30,7 @@ import torch
 from .distributed import CMD_LOGITS, CMD_STEP, CMD_STOP, TensorParallel
 from .layers import AttentionBatch, PagedAttention, paged_attention_ops
 from .loader import model_length_limit
+from .profiler import NULL
 from .sampler import Sampler, apply_top_k_top_p, top_logprobs
 
 CPU_KV_CACHE_BYTES = 256 << 20
@@ -69,6 +70,7 @@ class ModelRunner:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.sampler = Sampler()
+        self.profiler = NULL  # LLMEngine.enable_profiling() sets a StepProfiler (rank 0)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         if device.type == "cuda":
             _check_kernel_support(self.cfg.head_dim, self.block_size)
@@ -163,17 +165,20 @@ class ModelRunner:
     def execute(self, scheduled) -> StepResult:
         """Run the model on [(seq, n)] (token_ids[computed:computed+n] of each) and sample the next
         token of every sequence whose chunk reaches its last token. Tensor parallel: rank 0 only."""
+        prof = self.profiler
         inputs = self.prepare_inputs(scheduled)
         graph = self._graph_for(scheduled)
+        prof.lap("prepare")
         hidden, logits = self._run(inputs, graph)  # [T, hidden], [N, vocab] | None
         sample_seqs = inputs["sample_seqs"]
         sampled = []
         if sample_seqs:
-            tokens, logprobs = self.sampler(logits, sample_seqs)
+            tokens, logprobs = self.sampler(logits, sample_seqs, prof)
             sampled = list(zip(sample_seqs, tokens, logprobs))
         prompt_logprobs = {}
         for seq, rows, targets in inputs["prompt_rows"]:
             prompt_logprobs[seq] = self._score(hidden, rows, targets, seq.params.prompt_logprobs)
+        prof.lap("sample")
         return StepResult(sampled, prompt_logprobs)
 
     @torch.inference_mode()
@@ -194,18 +199,24 @@ class ModelRunner:
     def _forward(self, inputs, graph: int):
         """The step on this rank: (hidden [T, hidden], logits [N, vocab] of inputs' sample rows on
         rank 0, else None). graph: the captured batch size to replay, 0 for eager."""
+        prof = self.profiler
         to = self._to_device
         batch = AttentionBatch(
             cu_seqlens_q=to(inputs["cu_seqlens_q"]), seqlens_k=to(inputs["seqlens_k"]),
             block_tables=to(inputs["block_tables"]), slot_mapping=to(inputs["slot_mapping"]),
             max_seqlen_q=inputs["max_seqlen_q"], max_seqlen_k=inputs["max_seqlen_k"])
         ids, positions = to(inputs["input_ids"]), to(inputs["positions"])
+        rows = inputs["sample_rows"]
+        rows = to(rows) if rows.numel() else None
+        prof.lap("h2d")
+        prof.record(0)
         if graph:
             hidden = self._replay(self.graphs[graph], batch.seqlens_k.shape[0], ids, positions, batch)
         else:
             hidden = self.model(ids, positions, batch)  # [T, hidden]
-        rows = inputs["sample_rows"]
-        logits = self.model.compute_logits(hidden[to(rows)]) if rows.numel() else None
+        logits = self.model.compute_logits(hidden[rows]) if rows is not None else None
+        prof.record(1)
+        prof.lap("forward")
         return hidden, logits
 
     def _score(self, hidden, rows, targets, top_n) -> list[dict]:

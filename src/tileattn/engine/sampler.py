@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import torch
 
+from .profiler import NULL
+
 _TINY = torch.finfo(torch.float32).tiny
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, seqs) -> tuple[list[int], list[dict | None]]:
+    def __call__(self, logits: torch.Tensor, seqs, profiler=NULL) -> tuple[list[int], list[dict | None]]:
         """logits float32 [N, vocab], one row per sequence in ``seqs`` (its next token).
 
         Returns (token ids [N], per row {token_id: logprob} of the top-n plus the chosen token,
-        or None when that sequence asked for no logprobs)."""
+        or None when that sequence asked for no logprobs). profiler: records its CUDA event 2
+        after the sampling kernels, before the tokens' copy to the host (the step's sync point)."""
         params = [s.params for s in seqs]
         raw = logits
         logits = apply_penalties(logits, seqs)
@@ -28,6 +31,7 @@ class Sampler:
             tokens = logits.argmax(dim=-1)  # [N]
         else:
             tokens = self._sample(logits, seqs)
+        profiler.record(2)
         token_list = tokens.tolist()
         wanted = [p.logprobs for p in params]
         if all(w is None for w in wanted):
