@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tileattn.api_layers import add_rms_norm, norm_rotary_, silu_mul
+
 
 @dataclass
 class AttentionBatch:
@@ -76,26 +78,21 @@ class RowParallelLinear(Linear):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight through torch's rms_norm: one fused kernel on CUDA that accumulates in
-    float32 (the mean of squares of a bf16 row loses too many bits otherwise), where the written-out
-    formula is eight elementwise kernels, each a few microseconds of fixed cost per layer at decode.
+    """x / rms(x) * weight, accumulated in float32 (the mean of squares of a bf16 row loses too many
+    bits otherwise), as one launch of tileattn's add_rms_norm kernel on CUDA (the written-out
+    formula is eight elementwise kernels, each a few microseconds of fixed cost per layer at decode).
 
-    forward(x) -> norm(x); forward(x, residual) -> (norm(x + residual), x + residual): the residual
-    add is folded into the norm call so the decoder layer reads as two sub-blocks."""
+    forward(x) -> norm(x); forward(x, residual) -> (norm(x + residual), x + residual), the sum
+    written into ``residual`` in place: the residual add is folded into the norm's launch, so the
+    decoder layer reads as two sub-blocks."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
-    def _norm(self, x):  # x [..., dim]
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-    def forward(self, x, residual=None):
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+    def forward(self, x, residual=None):  # x, residual [T, dim]
+        return add_rms_norm(x, self.weight, self.eps, residual=residual)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, freq_factors=None) -> torch.Tensor:
@@ -126,11 +123,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, freq_factor
 
 
 class Rotary(nn.Module):
-    """Rotate-half rotary embedding: out = x * cos + rotate_half(x) * sin, i.e. per head
-    (x1 cos - x2 sin, x2 cos + x1 sin) for the halves x1, x2. The tables hold cos twice and
-    (-sin, sin) [max_positions, head_dim] (float32), so that rotate_half is a roll by d/2 and the
-    whole rotation is three elementwise kernels. forward(positions [T]) -> (cos, sin)
-    [T, 1, d] in the model dtype, gathered once per step and shared by every layer."""
+    """Rotate-half rotary embedding: per head (x1 cos - x2 sin, x2 cos + x1 sin) for the halves
+    x1, x2. The tables hold cos twice and (-sin, sin) [max_positions, head_dim] (float32);
+    tileattn's norm_rotary_ reads them at each token's position inside its one launch (which also
+    applies Qwen3's per-head q/k norm). forward(positions [T]) -> the (positions, cos, sin) every
+    layer passes to it."""
 
     def __init__(self, max_positions: int, inv_freq: torch.Tensor, dtype: torch.dtype):
         super().__init__()
@@ -140,16 +137,8 @@ class Rotary(nn.Module):
         self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
         self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
-    def forward(self, positions):  # positions [T]
-        cos = self.cos[positions].unsqueeze(1).to(self.dtype)  # [T, 1, d]
-        sin = self.sin[positions].unsqueeze(1).to(self.dtype)
-        return cos, sin
-
-
-def apply_rotary(x, rope):  # x [T, heads, d] (any strides); rope = (cos, sin) [T, 1, d]
-    cos, sin = rope
-    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1)
-    return torch.addcmul(x * cos, swapped, sin)  # [T, heads, d], contiguous
+    def forward(self, positions):  # positions int64 [T]
+        return positions, self.cos, self.sin
 
 
 class GatedMLP(nn.Module):
@@ -163,8 +152,7 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(ffn, hidden, bias, dtype, tp)
 
     def forward(self, x):  # x [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.ffn, dim=-1)  # [T, ffn] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))  # [T, 2 ffn] -> [T, ffn] -> [T, hidden]
 
 
 class PagedAttention(nn.Module):
@@ -190,18 +178,19 @@ class PagedAttention(nn.Module):
         self.k_cache = self.v_cache = None
         self.ops = None
 
-    def forward(self, rope, x, batch: AttentionBatch):  # rope: Rotary's (cos, sin); x [T, hidden]
+    def forward(self, rope, x, batch: AttentionBatch):  # rope: Rotary's (positions, cos, sin); x [T, hidden]
         tokens, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) d]
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.kv_heads, d)  # [T, Hkv, d], strided
+        # q and k heads as one [T, H + Hkv, d] view, normalised (Qwen3) and rotated in place.
+        qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.heads + self.kv_heads, d)
+        positions, cos, sin = rope
         if self.q_norm is None:
-            # q and k rotated as one [T, H + Hkv, d] tensor: half the elementwise launches.
-            qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(tokens, self.heads + self.kv_heads, d), rope)
-            q, k = qk[:, :self.heads], qk[:, self.heads:]  # [T, H, d], [T, Hkv, d] views
+            norm_rotary_(qk, positions, cos, sin)
         else:
-            q = self.q_norm(qkv[:, :self.q_size].view(tokens, self.heads, d))  # [T, H, d]
-            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.kv_heads, d))
-            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+            norm_rotary_(qk, positions, cos, sin, self.heads, self.q_norm.weight, self.k_norm.weight,
+                         self.q_norm.eps)
+        q, k = qk[:, :self.heads], qk[:, self.heads:]  # [T, H, d], [T, Hkv, d] views
         attention_paged, write_kv_cache = self.ops
         write_kv_cache(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
         out = attention_paged(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
