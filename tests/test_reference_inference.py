@@ -171,6 +171,92 @@ def test_paged_equals_varlen_on_gathered_keys(seed, block_size, heads, kv_heads)
             assert torch.equal(x, y), f"{name} differs (causal={causal}), seed={seed}"
 
 
+PAGED_VARIANTS = [
+    {"window": (3, 0)},  # sliding window smaller than the lengths, causal-like
+    {"window": (100, 100)},  # larger than every length: no effect
+    {"window": (2, 1)},  # right > 0: sees one key past the diagonal (non-causal calls only)
+    {"window": (-1, 0)},
+    {"softcap": 0.5},  # |s| up to ~8 / 0.5: saturated tanh
+    {"alibi": "h"},
+    {"alibi": "bh"},
+    {"window": (4, 2), "softcap": 2.0, "alibi": "bh"},
+]
+
+
+@pytest.mark.parametrize("variant", PAGED_VARIANTS, ids=lambda v: "-".join(f"{k}={v[k]}" for k in v))
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (8, 2)])
+def test_paged_variants_equal_varlen_on_gathered_keys(seed, variant, heads, kv_heads):
+    """window / softcap / alibi_slopes of the paged reference: the varlen reference (itself tested
+    against the dense one and per-element loops in tests/test_variants_cpu.py) on the gathered keys,
+    for decode, chunked prefill, nq > nk, an empty sequence and prefix sharing."""
+    gen = torch.Generator().manual_seed(seed)
+    block_size = 4
+    lens_q = [1, 3, 6, 0, 2, 5]
+    lens_k = [block_size + 1, 2 * block_size + 3, 6, 3, 9, 3]  # the last: nq > nk
+    kp, vp, kc, vc, table, cu_k = paged_case(gen, lens_q, lens_k, block_size, kv_heads, 8)
+    q = 4 * packed(gen, lens_q, heads, 8)  # [Tq, H, d]; x4: logits large enough to saturate softcap
+    seqlens_k = torch.tensor(lens_k, dtype=torch.int32)
+    options = {k: v for k, v in variant.items() if k != "alibi"}
+    if "alibi" in variant:
+        shape = (heads,) if variant["alibi"] == "h" else (len(lens_q), heads)
+        options["alibi_slopes"] = torch.rand(shape, generator=gen, dtype=torch.float64)
+    for causal in (False, True):
+        got = ref.attention_paged(q, kc, vc, table, cu(lens_q), seqlens_k, max(lens_q), max(lens_k), causal=causal,
+                                  return_lse=True, **options)
+        want = ref.attention_varlen(q, kp, vp, cu(lens_q), cu_k, max(lens_q), max(lens_k), causal=causal,
+                                    return_lse=True, **options)
+        for name, x, y in zip(("out", "lse"), got, want, strict=True):
+            assert torch.allclose(x, y, atol=1e-12, rtol=1e-12) and torch.equal(x.isinf(), y.isinf()), (
+                f"{name} differs ({variant}, causal={causal}): max {(x - y).nan_to_num().abs().max().item():.3e}, "
+                f"seed={seed}")
+
+
+def test_paged_variants_loop_oracle(seed):
+    """One decode and one chunk against the independent row loop: window, softcap and ALiBi by
+    their definitions (query i at key position i + nk - nq)."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, d, bs, cap, left, right = 4, 2, 8, 4, 1.5, 5, 0
+    lens_q, lens_k = [1, 4], [13, 10]
+    _, _, kc, vc, table, _ = paged_case(gen, lens_q, lens_k, bs, kv_heads, d, share=False)
+    q = 3 * packed(gen, lens_q, heads, d)
+    slopes = torch.rand(len(lens_q), heads, generator=gen, dtype=torch.float64)
+    out, lse = ref.attention_paged(q, kc, vc, table, cu(lens_q), torch.tensor(lens_k, dtype=torch.int32), 4, 13,
+                                   causal=True, return_lse=True, window=(left, -1), softcap=cap, alibi_slopes=slopes)
+    scale = 1 / math.sqrt(d)
+    for b, (nq, nk) in enumerate(zip(lens_q, lens_k, strict=True)):
+        rows = slice(sum(lens_q[:b]), sum(lens_q[: b + 1]))
+        pos = torch.arange(nk)
+        blocks = table[b, pos // bs].long()
+        keys, values = kc[blocks, pos % bs], vc[blocks, pos % bs]  # [nk, Hkv, d]
+        group = heads // kv_heads
+        for h in range(heads):
+            for i in range(nq):
+                p_i = i + nk - nq
+                cols = [j for j in range(nk) if p_i - left <= j <= p_i + right]
+                s = torch.stack([scale * (q[rows][i, h] @ keys[j, h // group]) for j in cols])
+                s = cap * torch.tanh(s / cap) - slopes[b, h] * torch.tensor([abs(p_i - j) for j in cols])
+                w = torch.softmax(s, 0)
+                want = sum(w[c] * values[j, h // group] for c, j in enumerate(cols))
+                assert torch.allclose(out[rows][i, h], want, atol=1e-12), f"b={b} h={h} i={i}, seed={seed}"
+                assert abs(lse[h, rows][i] - torch.logsumexp(s, 0)) < 1e-12, f"lse b={b} h={h} i={i}, seed={seed}"
+
+
+def test_paged_variant_argument_errors():
+    q = torch.zeros(2, 4, 8)
+    kc = torch.zeros(2, 4, 2, 8)
+    args = (q, kc, kc, torch.zeros(2, 1, dtype=torch.int32), cu([1, 1]), torch.tensor([1, 1], dtype=torch.int32),
+            1, 1)
+    for options, match in (
+        ({"window": (1,)}, "window must be None or a pair"),
+        ({"window": (-2, 0)}, r"window\[0\] \(left\) must be an int >= -1"),
+        ({"softcap": -1.0}, "softcap must be None, 0"),
+        ({"alibi_slopes": torch.zeros(3)}, "alibi_slopes must have shape"),
+        ({"alibi_slopes": [0.5] * 4}, "alibi_slopes must be None or a torch.Tensor"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ref.attention_paged(*args, **options)
+
+
 def test_paged_masks_unreadable_keys(seed):
     """Block ids outside [0, num_blocks) and positions past the table are masked, not read."""
     gen = torch.Generator().manual_seed(seed)

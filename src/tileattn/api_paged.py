@@ -55,11 +55,19 @@ def attention_paged(
     return_lse: bool = False,
     num_splits: int | None = None,
     validate: bool = False,
+    *,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
 ):
     """Attention of packed queries of B sequences against a paged KV cache (forward only).
 
     Serves decode (one query token per sequence), chunked prefill against a cached prefix,
     speculative verification (a few tokens) and any mix of them in one call.
+
+    Positions: query token i (0-based within its sequence) of a sequence with nq queries and nk
+    keys sits at key position i + nk - nq (the queries are the sequence's last keys); the causal
+    mask, the window and ALiBi's distances use these positions (docs/attention_variants.md).
 
     Args:
         q: [Tq, H, d] float16/bfloat16 CUDA tensor; sequence b owns tokens
@@ -87,6 +95,18 @@ def attention_paged(
             lengths, which live on the device).
         validate: copy the index tensors to the host (a sync) and raise ValueError on contents
             the kernels would mask or skip (see tileattn.reference.check_paged_contents).
+        window: (left, right) ints >= -1 (-1: unbounded), as tileattn.attention: query i sees key
+            j iff i + nk - nq - left <= j <= i + nk - nq + right; with causal, right becomes
+            min(right, 0). Key tiles wholly outside a CTA's windows are not read, so a sliding
+            window costs O(window) per query in decode and prefill.
+        softcap: None / 0 (off) or a finite c > 0: scores s = scale * q . k become c * tanh(s / c)
+            before the softmax.
+        alibi_slopes: None or float32 [H] or [B, H] (row b for sequence b), contiguous, on q's
+            device: scores gain -slope[b, h] * |i + nk - nq - j|.
+            Any of window / softcap / alibi_slopes runs the variant kernels (the sm_80-path table
+            on every arch); without them the plain kernels run, unchanged. With a variant, Tq and
+            the table's capacity max_blocks * block_size must be at most 2^28 (int32 window
+            arithmetic).
 
     Returns:
         out [Tq, H, d] in q's dtype (contiguous), and lse [H, Tq] float32 when return_lse. Rows
@@ -96,7 +116,9 @@ def attention_paged(
         it); all of out is 0 and lse -inf when nothing is launched (Tq, B or max_seqlen_q is 0).
 
     Raises:
-        ValueError: a non-tensor argument or wrong rank; q/k_cache/v_cache dtypes other than one of
+        ValueError: a malformed window, softcap or alibi_slopes (shape, dtype, device, contiguity;
+            checked first, so CPU tensors report them too), or with any of them Tq or the table's
+            capacity above 2^28; a non-tensor argument or wrong rank; q/k_cache/v_cache dtypes other than one of
             float16/bfloat16; index tensors that are not int32; shapes that disagree (see above),
             a head dim outside {32, 64, 96, 128, 256}, Hkv not dividing H, a block_size that is not a
             power of two in 16..256, B or Hkv above 65535, more than 2^31 - 1 keys of table
@@ -106,6 +128,9 @@ def attention_paged(
             or not on CUDA; with validate=True, bad index contents.
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
+    variants = None  # (window left, right with causal folded in, softcap, slopes' metadata)
+    if window is not None or softcap or alibi_slopes is not None:
+        variants = _variant_key(window, causal, softcap, alibi_slopes)
     try:
         # get_device(): the CUDA index as an int (-1 on the CPU), cheaper than torch.device objects.
         key = (
@@ -114,6 +139,7 @@ def attention_paged(
             cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_q.dtype, seqlens_k.shape, seqlens_k.stride(),
             seqlens_k.dtype, q.get_device(), k_cache.get_device(), v_cache.get_device(), block_table.get_device(),
             cu_seqlens_q.get_device(), seqlens_k.get_device(), max_seqlen_q, causal, scale, return_lse, num_splits,
+            variants,
         )  # fmt: skip
         launch = _paged_cache.get(key)
     except (AttributeError, TypeError):  # not tensors / unhashable arguments: the checks say which
@@ -121,8 +147,12 @@ def attention_paged(
     # max_seqlen_k does not shape the launch (the kernels read lengths from seqlens_k), so it is not
     # part of the key; it is still checked on every call.
     if launch is None or type(max_seqlen_k) is not int or max_seqlen_k < 0:
+        if alibi_slopes is not None:  # before the device check: CPU tensors report it too
+            _check_alibi(alibi_slopes, q, block_table)
         scale = _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q,
                              max_seqlen_k, scale, num_splits)
+        if variants is not None:
+            _check_variant_sizes(q, k_cache, block_table)
     if validate:
         reference.check_paged_contents(k_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)
     if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) & 15:
@@ -134,18 +164,26 @@ def attention_paged(
     if launch is None:
         from .kernels.attention_paged_sm80 import PagedLaunch
 
-        launch = PagedLaunch(q, k_cache, v_cache, block_table, max_seqlen_q=int(max_seqlen_q), causal=bool(causal),
-                             scale=float(scale), return_lse=bool(return_lse), num_splits=num_splits)
+        variant_args = None
+        if variants is not None:
+            from .kernels.attention_fwd_sm80 import VariantArgs
+
+            left, right, cap, _ = variants
+            sb = None if alibi_slopes is None else _check_alibi(alibi_slopes, q, block_table)
+            variant_args = VariantArgs(left, right, cap, sb)
+        launch = PagedLaunch(q, k_cache, v_cache, block_table, max_seqlen_q=int(max_seqlen_q),
+                             causal=bool(causal) and variants is None, scale=float(scale), return_lse=bool(return_lse),
+                             num_splits=num_splits, variants=variant_args)
         if key is not None:
             if len(_paged_cache) >= CACHE_LIMIT:
                 _paged_cache.clear()
             _paged_cache[key] = launch
     device = q.get_device()
     if _current_device() == device:
-        out, lse = launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k)
+        out, lse = launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, alibi_slopes=alibi_slopes)
     else:  # cuLaunchKernel uses the thread's current context: make it q's device's
         with torch.cuda.device(device):
-            out, lse = launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k)
+            out, lse = launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, alibi_slopes=alibi_slopes)
     return (out, lse) if return_lse else out
 
 
@@ -219,6 +257,43 @@ def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
 # ---------------------------------------------------------------------------------------------
 # Argument checks
 # ---------------------------------------------------------------------------------------------
+def _variant_key(window, causal, softcap, alibi_slopes) -> tuple:
+    """Checks window and softcap (tileattn.attention's rules) and returns the variants' part of the
+    launch key: (left, right) with causal folded in (UNBOUNDED: none), the softcap (0.0: off), and
+    the slopes' (shape, stride, dtype, device) or None. The slopes' contents and pointer are per-call."""
+    from . import dropout as dr
+
+    left, right = dr.check_window(window, causal)
+    cap = dr.check_softcap(softcap)
+    if alibi_slopes is None:
+        return left, right, cap, None
+    if not isinstance(alibi_slopes, Tensor):
+        raise ValueError(f"alibi_slopes must be None or a torch.Tensor, got {type(alibi_slopes).__name__}")
+    return left, right, cap, (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
+                              alibi_slopes.get_device())
+
+
+def _check_alibi(alibi_slopes, q, block_table) -> int | None:
+    """The slopes' checks (tileattn.attention's: [H] or [B, H] float32, contiguous, on q's device);
+    returns their batch stride (0 or H), or None when q / block_table are malformed themselves
+    (_check_paged then names them)."""
+    from . import dropout as dr
+
+    if not (isinstance(q, Tensor) and q.dim() == 3 and isinstance(block_table, Tensor) and block_table.dim() == 2):
+        return None
+    return dr.check_alibi(alibi_slopes, block_table.shape[0], q.shape[1], q.device, dtype_strict=True)
+
+
+def _check_variant_sizes(q, k_cache, block_table) -> None:
+    from . import dropout as dr
+
+    capacity = block_table.shape[1] * k_cache.shape[1]
+    if max(q.shape[0], capacity) > dr.MAX_VARIANT_SEQLEN:
+        raise ValueError(
+            f"window/softcap/alibi_slopes need Tq and the block table's capacity max_blocks * block_size <= 2^28 "
+            f"(int32 window arithmetic), got Tq={q.shape[0]}, capacity={capacity}")
+
+
 def _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k, scale,
                  num_splits) -> float:
     """All metadata checks of attention_paged; returns the scale to use."""

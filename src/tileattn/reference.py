@@ -262,6 +262,9 @@ def attention_paged(
     validate=False,
     *,
     compute_dtype=None,
+    window=None,
+    softcap=None,
+    alibi_slopes=None,
 ):
     """Attention of packed queries against a paged KV cache (the oracle of tileattn's paged op).
 
@@ -277,6 +280,10 @@ def attention_paged(
         [0, num_blocks), or whose position is past the table's capacity max_blocks * block_size,
         are masked (never read); a negative seqlens_k counts as 0. Rows that see no key, and rows
         past cu_seqlens_q[B], get out 0 and lse -inf.
+    Variants (as ``attention``, per sequence, query row i at key position i + nk - nq):
+        ``softcap`` c: s = c * tanh(s / c); ``alibi_slopes`` [H] or [B, H] (row b for sequence b):
+        s -= slope[b, h] * |i + nk - nq - j|; ``window`` (left, right) (-1: unbounded; causal is
+        right = 0): keys outside [i + nk - nq - left, i + nk - nq + right] are masked.
     ``num_splits`` is accepted for signature parity (the CUDA op's split-KV count) and does not
         change the result. ``validate=True`` also checks the index contents as the CUDA op does
         (see ``check_paged_contents``).
@@ -285,10 +292,15 @@ def attention_paged(
     Returns: out [Tq, H, dv], or (out, lse [H, Tq]) when ``return_lse``.
     Raises:
         ValueError: bad shapes, dtypes or devices (``check_paged_args``), malformed cu_seqlens_q,
-        a query length above max_seqlen_q, or (validate=True) bad index contents.
+        a query length above max_seqlen_q, a malformed window, softcap or alibi_slopes, or
+        (validate=True) bad index contents.
     Works on any device; the index tensors are read on the host (one sync on CUDA).
     """
     check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, compute_dtype)
+    left, right = _dropout.check_window(window, causal)  # causal alone: (unbounded, 0)
+    cap = _dropout.check_softcap(softcap)
+    if alibi_slopes is not None:
+        _dropout.check_alibi(alibi_slopes, block_table.shape[0], q.shape[1], q.device, dtype_strict=False)
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     max_blocks = block_table.shape[1]
     starts_q = _read_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q.shape[0])
@@ -315,13 +327,15 @@ def attention_paged(
         else:
             kb = flat_k[slot.to(k_cache.device)]  # [nk, Hkv, d]
             vb = flat_v[slot.to(v_cache.device)]  # [nk, Hkv, dv]
-        visible = readable[None, :].expand(nq, nk)  # [nq, nk]
-        if causal:
-            rows, cols = torch.arange(nq), pos
-            visible = visible & (cols[None, :] <= rows[:, None] + (nk - nq))
+        qpos = torch.arange(nq)[:, None] + (nk - nq)  # [nq, 1] key position of each query
+        visible = readable[None, :] & (pos[None, :] >= qpos - left) & (pos[None, :] <= qpos + right)  # [nq, nk]
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes  # [H]
         qb = q[starts_q[b] : starts_q[b + 1]].transpose(0, 1)  # [H, nq, d]
         ob, lb = _attend_one(
-            qb, kb.transpose(0, 1), vb.transpose(0, 1), visible, scale, compute_dtype
+            qb, kb.transpose(0, 1), vb.transpose(0, 1), visible, scale, compute_dtype, cap, slopes,
+            (qpos - pos[None, :]).abs(),
         )
         outs.append(ob.transpose(0, 1))  # [nq, H, dv]
         lses.append(lb)  # [H, nq]
@@ -484,8 +498,9 @@ def check_paged_contents(k_cache, block_table, cu_seqlens_q, seqlens_k, max_seql
             )
 
 
-def _attend_one(q, k, v, visible, scale, compute_dtype):
-    """One sequence: q [H, nq, d], k [Hkv, nk, d], v [Hkv, nk, dv], visible bool [nq, nk].
+def _attend_one(q, k, v, visible, scale, compute_dtype, softcap=0.0, slopes=None, distance=None):
+    """One sequence: q [H, nq, d], k [Hkv, nk, d], v [Hkv, nk, dv], visible bool [nq, nk];
+    softcap (0: off); slopes [H] or None and distance [nq, nk] (|query position - key|) for ALiBi.
 
     Returns (out [H, nq, dv] in the output dtype, lse [H, nq] in the compute dtype).
     """
@@ -498,6 +513,11 @@ def _attend_one(q, k, v, visible, scale, compute_dtype):
     kc = k.to(cdtype).unsqueeze(1)  # [Hkv, 1, nk, d]
     vc = v.to(cdtype).unsqueeze(1)  # [Hkv, 1, nk, dv]
     scores = scale * (qc @ kc.transpose(-1, -2))  # [Hkv, group, nq, nk]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if slopes is not None:
+        slopes_c = slopes.to(cdtype).reshape(kv_heads, heads // kv_heads, 1, 1)  # [Hkv, group, 1, 1]
+        scores = scores - slopes_c * distance.to(device=scores.device, dtype=cdtype)
     scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
     out, lse = _softmax_times_v(scores, vc)  # [Hkv, group, nq, dv], [Hkv, group, nq, 1]
     return out.reshape(heads, nq, v.shape[-1]).to(out_dtype), lse.reshape(heads, nq)  # nq may be 0

@@ -76,6 +76,7 @@
 // one chunk column hit 8 different bank groups; d = 96 rows padded to a 128-element pitch), so a
 // "row" below is a power-of-two pitch. After the main loop the K ring is reused for the key-split merge.
 #include "common/sm80_tile.cuh"
+#include "common/variants.cuh"
 
 namespace tileattn {
 namespace paged {
@@ -133,7 +134,7 @@ __device__ __forceinline__ int arrive_acq_rel(int* counter) {
 // Which keys a CTA visits. Keys [0, kv_end) are visible to some row of the M tile; keys below
 // unmasked_end are visible to every row (no causal or length mask needed there).
 struct KeyRange {
-  int kv_end, unmasked_end, n_iter;  // the CTA visits tiles split + i * num_splits, i < n_iter
+  int kv_end, unmasked_end, n_iter;  // the CTA visits tiles first_tile + split + i * num_splits, i < n_iter
 };
 
 constexpr int kMaxSplits = 128;  // splits the combine handles (the host caps num_splits)
@@ -236,21 +237,29 @@ __device__ __forceinline__ void zero_padding_rows(u16* out, float* lse, int firs
 
 }  // namespace paged
 
-// See the header for the layouts. Strides in elements; bt_stride = block_table.stride(0);
+// The body of both entry points below. Strides in elements; bt_stride = block_table.stride(0);
 // block_size = 1 << log2_block_size (16..256); group = H / Hkv; causal is 0 or 1 (a runtime flag:
 // decode needs no mask at all, so it costs nothing there). When num_splits > 1, o_part/lse_part
 // take the partials and `counters` (int32 [M tiles * Hkv * B], zero at launch, zero again at the
 // end) counts each group's arrivals; lse may be null.
-template <int kHeadDim, int kBlockM, int kWarpsM, int kWarpsN, int kBlockN, int kStages, bool kIsBF16>
-__global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
-    attention_paged_sm80(const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
-                         const int* __restrict__ block_table, const int* __restrict__ cu_seqlens_q,
-                         const int* __restrict__ seqlens_k, u16* __restrict__ out, float* __restrict__ lse,
-                         float* __restrict__ o_part, float* __restrict__ lse_part, int* __restrict__ counters,
-                         int64_t q_st, int64_t q_sh,
-                         int64_t k_sb, int64_t k_sr, int64_t k_sh, int64_t v_sb, int64_t v_sr, int64_t v_sh,
-                         int bt_stride, int num_blocks, int max_blocks, int log2_block_size, int num_tokens,
-                         int heads, int group, int num_splits, int causal, float scale_log2) {
+// kVariants (common/variants.cuh; the plain entry point passes false and Variants{}, and every
+// variant line is under `if constexpr`, so the plain kernels keep their code): window, softcap and
+// ALiBi from `va`, each a run-time, CTA-uniform choice; causal is the window's right edge 0 (the
+// host passes causal = 0). Query token i of a sequence with nq queries and nk keys sits at key
+// position i + nk - nq. The CTA visits only the key tiles that meet the union of its rows' windows
+// [window_lo(first token), window_hi(last token)] (windows move monotonically with the token), so a
+// sliding window costs O(window) per CTA in decode and prefill alike; a split takes every
+// num_splits-th of those tiles. Scores become log2-unit logits right after S = Q K^T (softcap or
+// scale, the ALiBi bias, -inf outside the row's window) and the online softmax runs with scale 1.
+template <int kHeadDim, int kBlockM, int kWarpsM, int kWarpsN, int kBlockN, int kStages, bool kIsBF16,
+          bool kVariants>
+__device__ __forceinline__ void attention_paged_body(
+    const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
+    const int* __restrict__ block_table, const int* __restrict__ cu_seqlens_q, const int* __restrict__ seqlens_k,
+    u16* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part,
+    int* __restrict__ counters, int64_t q_st, int64_t q_sh, int64_t k_sb, int64_t k_sr, int64_t k_sh, int64_t v_sb,
+    int64_t v_sr, int64_t v_sh, int bt_stride, int num_blocks, int max_blocks, int log2_block_size, int num_tokens,
+    int heads, int group, int num_splits, int causal, float scale_log2, const Variants& va) {
   using namespace paged;
   constexpr int kWarps = kWarpsM * kWarpsN;
   constexpr int kThreads = kWarps * 32;
@@ -298,12 +307,19 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   // first kStages - 1 tiles (this thread's loader row) are known now: reading them together with
   // the lengths takes one dependent global round trip (~1 us after an L2 miss) off the path to the
   // first K/V load. Only entries inside the table row (keys below its capacity) are read; whether a
-  // key is visible is decided once the lengths are known.
+  // key is visible is decided once the lengths are known. (Variants: a window's first tile depends
+  // on the lengths, so the variant kernels read these entries after them, in the loader.)
+  // `pre`: the row's block id when already read (the prologue's tiles), kReadTable otherwise.
+  constexpr int kReadTable = -2;
   int pre_id[kStages - 1];
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    const int key = (split + s * num_splits) * kBlockN + tid / kTPR;
-    pre_id[s] = key < (max_blocks << log2_block_size) ? ldg_now(bt_row + (key >> log2_block_size)) : -1;
+    if constexpr (kVariants) {
+      pre_id[s] = kReadTable;
+    } else {
+      const int key = (split + s * num_splits) * kBlockN + tid / kTPR;
+      pre_id[s] = key < (max_blocks << log2_block_size) ? ldg_now(bt_row + (key >> log2_block_size)) : -1;
+    }
   }
 
   // ---- This CTA's rows and keys (all CTA-uniform) -------------------------------------------------
@@ -320,14 +336,27 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   const int nk_read = min(nk, max_blocks << log2_block_size);  // never past the block table
   const int diag = nk - nq;             // token i sees keys j <= i + diag
   KeyRange kr;
+  int first_tile = 0;        // variants: the first tile that meets a row's window (plain: 0)
+  int n_unmasked_first = 0;  // variants: tiles below this hold keys before some row's window
   {
     const int first_tok = row0 / group, last_tok = (min(row0 + kBlockM, rows) - 1) / group;
-    kr.kv_end = !live ? 0 : causal ? max(0, min(nk_read, last_tok + diag + 1)) : nk_read;
-    kr.unmasked_end = !live ? 0 : causal ? max(0, min(nk_read, first_tok + diag + 1)) : nk_read;
-    const int tiles = (kr.kv_end + kBlockN - 1) / kBlockN;
+    if constexpr (kVariants) {
+      // Rows' windows [window_lo, window_hi] move monotonically with the token: their union is
+      // [lo(first_tok), hi(last_tok)], their intersection [lo(last_tok), hi(first_tok)].
+      kr.kv_end = !live ? 0 : max(0, min(nk_read, window_hi(va, last_tok, diag, nk) + 1));
+      kr.unmasked_end = !live ? 0 : max(0, min(nk_read, window_hi(va, first_tok, diag, nk) + 1));
+      first_tile = !live ? 0 : window_lo(va, first_tok, diag) / kBlockN;
+      n_unmasked_first = (window_lo(va, last_tok, diag) + kBlockN - 1) / kBlockN;
+    } else {
+      kr.kv_end = !live ? 0 : causal ? max(0, min(nk_read, last_tok + diag + 1)) : nk_read;
+      kr.unmasked_end = !live ? 0 : causal ? max(0, min(nk_read, first_tok + diag + 1)) : nk_read;
+    }
+    const int tiles = (kr.kv_end + kBlockN - 1) / kBlockN - first_tile;
     kr.n_iter = tiles > split ? (tiles - 1 - split) / num_splits + 1 : 0;
   }
   const int n_iter = kr.n_iter;
+  // The variant kernels' scores are log2-unit logits already when the softmax sees them.
+  const float sl2 = kVariants ? 1.f : scale_log2;
   const int n_unmasked_tiles = kr.unmasked_end / kBlockN;  // tiles below this need no length/causal mask
   const int block_mask = (1 << log2_block_size) - 1;
   const u16* const k_head = k_cache + kv_head * k_sh;
@@ -347,8 +376,6 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   // [0, num_blocks) is zero-filled (cp.async src-size 0, source clamped to the head's base).
   // Returns whether this thread's key was visible but sat in an invalid block.
   const int k_sr32 = static_cast<int>(k_sr), v_sr32 = static_cast<int>(v_sr);
-  // `pre`: the row's block id when already read (the prologue's tiles), kReadTable otherwise.
-  constexpr int kReadTable = -2;
   auto load_tile = [&](int n, int stage, int pre) -> bool {
     const int tid_l = opaque(tid);
     const int r = tid_l / kTPR, q = tid_l % kTPR;
@@ -375,8 +402,9 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
     // Entries [first, last] of the table row, from the first tile the main loop reads to the last
     // key this split visits (the other splits' entries in between come along: a few 128-byte
     // lines): addresses 128 B apart (the last one clamped) touch every line of the slice once.
-    const int first = ((split + (kStages - 1) * num_splits) * kBlockN) >> log2_block_size;
-    const int last = (min((split + (n_iter - 1) * num_splits + 1) * kBlockN, kr.kv_end) - 1) >> log2_block_size;
+    const int first = ((first_tile + split + (kStages - 1) * num_splits) * kBlockN) >> log2_block_size;
+    const int last =
+        (min((first_tile + split + (n_iter - 1) * num_splits + 1) * kBlockN, kr.kv_end) - 1) >> log2_block_size;
     for (int e = first + 32 * tid; e < last + 32; e += 32 * kThreads) prefetch_l2(bt_row + min(e, last));
   }
   for (int id = tid; id < kBlockM * kChunks; id += kThreads) {
@@ -396,7 +424,7 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
   for (int s = 0; s < kStages - 1; ++s) {
     // Unconditional (s >= n_iter: keys past kv_end, zero-filled, nothing read), so the block-id
     // loads feed an unconditional use and are issued with the length loads.
-    bad_slots |= static_cast<unsigned>(load_tile(split + s * num_splits, s, pre_id[s])) << s;
+    bad_slots |= static_cast<unsigned>(load_tile(first_tile + split + s * num_splits, s, pre_id[s])) << s;
     cp_async_commit();  // empty groups keep "tile it has landed" = wait_group(kStages - 2)
   }
   // Padding rows (past cu_seqlens_q[B]): every CTA its share, while its first tiles land.
@@ -442,7 +470,7 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
 
   // ---- Main loop over this split's key tiles: split, split + S, ... ------------------------------
   for (int it = 0; it < n_iter; ++it) {
-    const int n = split + it * num_splits;
+    const int n = first_tile + split + it * num_splits;
     const int stage = it % kStages;
     cp_async_wait<kStages - 2>();  // tile `it` (and Q) landed for this thread
     // ... for all threads, all warps are done with tile it - 1, and the CTA learns whether tile
@@ -452,7 +480,7 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
       const int pf = it + kStages - 1;  // prefetch into the slot tile it - 1 used
       if (pf < n_iter) {
         const int ps = pf % kStages;
-        const bool bad = load_tile(split + pf * num_splits, ps, kReadTable);
+        const bool bad = load_tile(first_tile + split + pf * num_splits, ps, kReadTable);
         bad_slots = (bad_slots & ~(1u << ps)) | (static_cast<unsigned>(bad) << ps);
       }
       cp_async_commit();
@@ -501,10 +529,9 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
       }
     }
 
-    // Mask: the length edge / causal diagonal tiles, and tiles with an out-of-range block id.
-    if (n >= n_unmasked_tiles || tile_bad) {
-      const int key0 = n * kBlockN + wn * kWarpKeys + 2 * t;
-      bool page_ok[kNBlocks];
+    // Whether the cache block of each of this thread's key pairs (keys key0 + 8 nb, + 1) is valid
+    // (only a flagged tile can hold an invalid one).
+    auto pages_ok = [&](int key0, bool (&page_ok)[kNBlocks]) {
 #pragma unroll
       for (int nb = 0; nb < kNBlocks; ++nb) {
         page_ok[nb] = true;
@@ -514,6 +541,40 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
           page_ok[nb] = page >= 0 && page < num_blocks;
         }
       }
+    };
+    if constexpr (kVariants) {
+      // Logits in log2 units: softcap or scale, the ALiBi bias, and -inf outside the row's window
+      // (which ends at kv_end: the length and the table's capacity) or in an invalid block. A tile
+      // inside every row's window, with valid blocks, skips the per-score window test.
+      const bool masked = n < n_unmasked_first || n >= n_unmasked_tiles || tile_bad;
+      const int key0 = n * kBlockN + wn * kWarpKeys + 2 * t;
+      bool page_ok[kNBlocks];
+      pages_ok(key0, page_ok);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = warp_row0 + 16 * mt + g + 8 * h;
+          const int tok = row / group;
+          const int pos = tok + diag;  // the query's key position
+          const int lo = pos - va.left, hi = min(kr.kv_end - 1, pos + va.right);
+          const float slope = alibi_slope_log2(va, b, kv_head * group + (row - tok * group));
+#pragma unroll
+          for (int nb = 0; nb < kNBlocks; ++nb)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = key0 + nb * 8 + e;
+              float x = variant_logit(va, s_acc[mt][nb][2 * h + e]);
+              if (va.alibi != nullptr) x = fmaf(slope, static_cast<float>(abs(pos - j)), x);
+              if (masked && (!page_ok[nb] || j < lo || j > hi)) x = neg_inf();
+              s_acc[mt][nb][2 * h + e] = x;
+            }
+        }
+    } else if (n >= n_unmasked_tiles || tile_bad) {
+      // Mask: the length edge / causal diagonal tiles, and tiles with an out-of-range block id.
+      const int key0 = n * kBlockN + wn * kWarpKeys + 2 * t;
+      bool page_ok[kNBlocks];
+      pages_ok(key0, page_ok);
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -540,7 +601,7 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
         float mx = neg_inf();
 #pragma unroll
         for (int nb = 0; nb < kNBlocks; ++nb) mx = fmaxf(mx, fmaxf(s_acc[mt][nb][2 * h], s_acc[mt][nb][2 * h + 1]));
-        blk_max[mt][h] = quad_max(mx) * scale_log2;
+        blk_max[mt][h] = quad_max(mx) * sl2;
         grow |= blk_max[mt][h] - row_shift[mt][h] > kRescaleThreshold;
       }
     if (__any_sync(0xffffffffu, grow)) {
@@ -569,7 +630,7 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
         float p[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          p[e] = fast_exp2(fmaf(s_acc[mt][nb][e], scale_log2, -row_shift[mt][e >> 1]));
+          p[e] = fast_exp2(fmaf(s_acc[mt][nb][e], sl2, -row_shift[mt][e >> 1]));
           row_sum[mt][e >> 1] += p[e];
         }
         p_frag[mt][nb >> 1][2 * (nb & 1)] = pack2<kIsBF16>(p[0], p[1]);
@@ -703,6 +764,43 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
     combine_row<kHeadDim, kIsBF16>(o_part, lse_part, out, lse, num_tokens, heads, num_splits, tok,
                                    kv_head * group + r % group, lane);
   }
+}
+
+// See the header for the layouts and attention_paged_body for the parameters.
+template <int kHeadDim, int kBlockM, int kWarpsM, int kWarpsN, int kBlockN, int kStages, bool kIsBF16>
+__global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
+    attention_paged_sm80(const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
+                         const int* __restrict__ block_table, const int* __restrict__ cu_seqlens_q,
+                         const int* __restrict__ seqlens_k, u16* __restrict__ out, float* __restrict__ lse,
+                         float* __restrict__ o_part, float* __restrict__ lse_part, int* __restrict__ counters,
+                         int64_t q_st, int64_t q_sh,
+                         int64_t k_sb, int64_t k_sr, int64_t k_sh, int64_t v_sb, int64_t v_sr, int64_t v_sh,
+                         int bt_stride, int num_blocks, int max_blocks, int log2_block_size, int num_tokens,
+                         int heads, int group, int num_splits, int causal, float scale_log2) {
+  attention_paged_body<kHeadDim, kBlockM, kWarpsM, kWarpsN, kBlockN, kStages, kIsBF16, false>(
+      q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, out, lse, o_part, lse_part, counters, q_st, q_sh,
+      k_sb, k_sr, k_sh, v_sb, v_sr, v_sh, bt_stride, num_blocks, max_blocks, log2_block_size, num_tokens, heads, group,
+      num_splits, causal, scale_log2, Variants{});
+}
+
+// With variants (window, softcap, ALiBi; common/variants.cuh): the plain kernel's parameters, then
+// VARIANT_PARAMS (the dropout ones are unused: inference has no dropout; the host passes 0).
+// causal must be 0: it is folded into the window (right edge 0).
+template <int kHeadDim, int kBlockM, int kWarpsM, int kWarpsN, int kBlockN, int kStages, bool kIsBF16>
+__global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
+    attention_paged_variants_sm80(const u16* __restrict__ q, const u16* __restrict__ k_cache,
+                                  const u16* __restrict__ v_cache, const int* __restrict__ block_table,
+                                  const int* __restrict__ cu_seqlens_q, const int* __restrict__ seqlens_k,
+                                  u16* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part,
+                                  float* __restrict__ lse_part, int* __restrict__ counters, int64_t q_st,
+                                  int64_t q_sh, int64_t k_sb, int64_t k_sr, int64_t k_sh, int64_t v_sb, int64_t v_sr,
+                                  int64_t v_sh, int bt_stride, int num_blocks, int max_blocks, int log2_block_size,
+                                  int num_tokens, int heads, int group, int num_splits, int causal, float scale_log2,
+                                  VARIANT_PARAMS) {
+  attention_paged_body<kHeadDim, kBlockM, kWarpsM, kWarpsN, kBlockN, kStages, kIsBF16, true>(
+      q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, out, lse, o_part, lse_part, counters, q_st, q_sh,
+      k_sb, k_sr, k_sh, v_sb, v_sr, v_sh, bt_stride, num_blocks, max_blocks, log2_block_size, num_tokens, heads, group,
+      num_splits, causal, scale_log2, VARIANTS_FROM_PARAMS);
 }
 
 }  // namespace tileattn

@@ -96,7 +96,19 @@ def configs(head_dim: int, arch: str = "sm_80") -> tuple[PagedConfig, PagedConfi
     return ARCH_CONFIGS.get(arch, {}).get(head_dim) or CONFIGS[head_dim]
 
 
-INSTANTIATIONS = tuple(expression(d, c, bf16) for d in HEAD_DIMS for bf16 in (False, True) for c in CONFIGS[d])
+def variant_expression(head_dim: int, config: PagedConfig, bf16: bool) -> str:
+    """NVRTC name expression of a variant (window / softcap / ALiBi) instantiation."""
+    return expression(head_dim, config, bf16).replace("attention_paged_sm80<", "attention_paged_variants_sm80<")
+
+
+# Variant kernels (window, softcap, ALiBi: csrc/common/variants.cuh; every variant a run-time choice
+# inside one instantiation per (head dim, dtype, layout)) take the base table CONFIGS on every arch:
+# 0 spills / 0 stack for sm_80 and sm_90a. (The sm_90a 128x64 prefill tile is at 255 registers
+# without the variant code.)
+VARIANT_INSTANTIATIONS = tuple(
+    variant_expression(d, c, bf16) for d in HEAD_DIMS for bf16 in (False, True) for c in CONFIGS[d])
+PLAIN_INSTANTIATIONS = tuple(expression(d, c, bf16) for d in HEAD_DIMS for bf16 in (False, True) for c in CONFIGS[d])
+INSTANTIATIONS = PLAIN_INSTANTIATIONS + VARIANT_INSTANTIATIONS
 # Instantiations only an arch's table uses: their own family, compiled (and checked) for that arch.
 ARCH_FAMILY_NAME = {arch: f"{FAMILY_NAME}_{arch}" for arch in ARCH_CONFIGS}
 ARCH_INSTANTIATIONS = {
@@ -116,9 +128,10 @@ FAMILIES = (
 )
 
 
-def pick_config(head_dim: int, rows: int, arch: str = "sm_80") -> PagedConfig:
-    """The warp layout on `arch` for problems of up to `rows` = max_seqlen_q * (H / Hkv) rows."""
-    decode, small, prefill = configs(head_dim, arch)
+def pick_config(head_dim: int, rows: int, arch: str = "sm_80", variants: bool = False) -> PagedConfig:
+    """The warp layout on `arch` for problems of up to `rows` = max_seqlen_q * (H / Hkv) rows
+    (`variants`: the variant kernels' table, CONFIGS on every arch)."""
+    decode, small, prefill = CONFIGS[head_dim] if variants else configs(head_dim, arch)
     return decode if rows <= decode.block_m else small if rows <= small.block_m else prefill
 
 
@@ -219,7 +232,10 @@ class PagedLaunch:
     call). Calling it allocates out/lse/workspaces and launches one kernel."""
 
     def __init__(self, q, k_cache, v_cache, block_table, *, max_seqlen_q: int, causal: bool, scale: float,
-                 return_lse: bool, num_splits: int | None, config: PagedConfig | None = None):
+                 return_lse: bool, num_splits: int | None, config: PagedConfig | None = None, variants=None):
+        """`variants`: None (the plain kernel) or an attention_fwd_sm80.VariantArgs without dropout
+        (window edges with causal folded in, softcap, the ALiBi batch stride): the variant kernel,
+        whose launch then takes the slopes (or None) per call; `causal` must be False then."""
         from ..runtime import LaunchPlan, device_arch, device_sm_count, device_smem_optin
 
         num_tokens, heads, head_dim = q.shape
@@ -229,7 +245,8 @@ class PagedLaunch:
         device = q.device.index
         bf16 = q.dtype == torch.bfloat16
         arch = device_arch(device)
-        config = config or pick_config(head_dim, max_seqlen_q * group, arch)  # an explicit one: tuning benchmarks
+        # an explicit config: tuning benchmarks
+        config = config or pick_config(head_dim, max_seqlen_q * group, arch, variants is not None)
         m_tiles = -(-max_seqlen_q * group // config.block_m)
         smem = config.smem_bytes(head_dim)
         if num_splits is None:
@@ -254,15 +271,25 @@ class PagedLaunch:
             i32(block_table.stride(0)), i32(num_blocks), i32(max_blocks), i32(block_size.bit_length() - 1),
             i32(num_tokens), i32(heads), i32(group), i32(num_splits), i32(bool(causal)), np.float32(scale * LOG2E),
         )  # fmt: skip
-        kern = _load(device, arch, expression(head_dim, config, bf16), smem)
+        dynamic = tuple(range(11))
+        self.variants = variants
+        if variants is None:
+            kern = _load(device, arch, expression(head_dim, config, bf16), smem)
+        else:  # VARIANT_PARAMS follow; the slopes' pointer (their first) is a per-call value
+            assert not causal and variants.dropout_p == 0, "causal is folded into the window; no dropout here"
+            kern = _load(device, arch, variant_expression(head_dim, config, bf16), smem)
+            dynamic += (len(args),)
+            args += variants.kernel_args(scale)
         grid = (m_tiles, kv_heads * num_splits, batch)
         self.groups = m_tiles * kv_heads * batch  # split-KV arrival counters
-        self._main = LaunchPlan(kern, grid, (config.threads, 1, 1), args, smem, dynamic=range(11))
+        self._main = LaunchPlan(kern, grid, (config.threads, 1, 1), args, smem, dynamic=dynamic)
 
-    def __call__(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, out=None, lse=None):
+    def __call__(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, out=None, lse=None,
+                 alibi_slopes=None):
         """(out [Tq, H, d], lse [H, Tq] fp32 or None), launched on the current stream. `out` / `lse`
         (contiguous, of those shapes) are allocated with torch.empty unless given (tests pass
-        NaN-poisoned ones)."""
+        NaN-poisoned ones). `alibi_slopes`: the fp32 slopes of a variant launch made with an ALiBi
+        batch stride (ignored otherwise)."""
         device = self.device
         if out is None:
             out = torch.empty(self.out_shape, dtype=q.dtype, device=device)
@@ -271,13 +298,14 @@ class PagedLaunch:
         lse_ptr = lse.data_ptr() if lse is not None else 0
         ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
                 cu_seqlens_q.data_ptr(), seqlens_k.data_ptr())
+        alibi = () if self.variants is None else (0 if alibi_slopes is None else alibi_slopes.data_ptr(),)
         if self.num_splits == 1:
-            self._main.launch(*ptrs, out.data_ptr(), lse_ptr, 0, 0, 0)
+            self._main.launch(*ptrs, out.data_ptr(), lse_ptr, 0, 0, 0, *alibi)
         else:
             work = torch.empty(self.part_floats, dtype=torch.float32, device=device)  # alive past the launch
             o_part = work.data_ptr()
             counters = arrival_counters(device.index, self.groups)
-            self._main.launch(*ptrs, out.data_ptr(), lse_ptr, o_part, o_part + self.lse_part_offset, counters)
+            self._main.launch(*ptrs, out.data_ptr(), lse_ptr, o_part, o_part + self.lse_part_offset, counters, *alibi)
         return out, lse
 
 
@@ -297,10 +325,13 @@ __all__ = [
     "ARCH_INSTANTIATIONS",
     "PREFILL_TUNING",
     "PagedLaunch",
+    "PLAIN_INSTANTIATIONS",
+    "VARIANT_INSTANTIATIONS",
     "arrival_counters",
     "bytes_read",
     "choose_num_splits",
     "configs",
     "expression",
     "pick_config",
+    "variant_expression",
 ]
