@@ -12,7 +12,7 @@ import torch
 
 import tileattn
 from tileattn import reference
-from tileattn.dropout import dropout_mask, philox4x32_10
+from tileattn.dropout import UNBOUNDED, dropout_mask, philox4x32_10
 
 F64 = torch.float64
 
@@ -286,6 +286,85 @@ def test_variant_kernels_are_registered_once_per_head_dim():
     assert len(bwd) == 5 * 2 * 2 * 3, bwd
     for cfg in attention_fwd_sm80.VARIANT_DEFAULTS.values():
         assert cfg.block_n % 32 == 0, f"{cfg}: dropout bits come per 32 keys"
+
+
+def test_sm90_variant_instantiations_cover_every_flag_set():
+    from tileattn.kernels import attention_fwd_sm90 as k90
+
+    exprs = k90.VARIANT_INSTANTIATIONS
+    # (head dim x dtype x the 7 non-empty sets of window / softcap / ALiBi), all in the checked registry.
+    assert len(exprs) == len(set(exprs)) == 3 * 2 * 7, exprs
+    assert set(exprs) <= set(k90.INSTANTIATIONS)
+    for d, cfg in k90.VARIANT_DEFAULTS.items():
+        for bf16 in (False, True):
+            for flags in range(1, 8):
+                e = k90.variant_expression(d, cfg, bf16, flags)
+                assert e in exprs, e
+                # The plain template with kCausal false, then kVariant and VARIANT_PARAMS' ten types.
+                assert e.startswith(k90.expression(d, cfg, False, bf16)[:-1] + f", {flags}, const float*"), e
+                assert e.count(",") == 5 + 1 + 10, e
+    # The plain instantiations keep their names (six template arguments).
+    plain = [e for e in k90.INSTANTIATIONS if e not in exprs]
+    assert len(plain) == 12 and all(e.count(",") == 5 for e in plain), plain
+
+
+@pytest.mark.parametrize(
+    "window, softcap, alibi, expected",
+    [
+        ((UNBOUNDED, UNBOUNDED), 0.0, None, 0),
+        ((UNBOUNDED, 0), 0.0, None, 1),        # causal alone is a window
+        ((4095, 0), 0.0, None, 1),
+        ((UNBOUNDED, UNBOUNDED), 30.0, None, 2),
+        ((UNBOUNDED, UNBOUNDED), 0.0, 0, 4),
+        ((7, UNBOUNDED), 50.0, 8, 7),
+    ],
+)
+def test_sm90_variant_flags(window, softcap, alibi, expected):
+    from tileattn.kernels import attention_fwd_sm80, attention_fwd_sm90
+
+    va = attention_fwd_sm80.VariantArgs(*window, softcap, alibi, 0.0)
+    assert attention_fwd_sm90.variant_flags(va) == expected, va
+
+
+def test_variant_forward_routing():
+    from tileattn.kernels import dispatch
+
+    bf16, fp16 = torch.bfloat16, torch.float16
+    for d in (64, 128, 256):
+        for dtype in (bf16, fp16):
+            assert dispatch.variant_forward_family("sm_90a", dtype, d, 0.0) == "attention_fwd_sm90", (d, dtype)
+            assert dispatch.variant_forward_family("sm_90a", dtype, d, 0.1) == "attention_fwd_sm80", "dropout"
+            assert dispatch.variant_forward_family("sm_80", dtype, d, 0.0) == "attention_fwd_sm80", "A100"
+            assert dispatch.variant_forward_family("sm_86", dtype, d, 0.0) == "attention_fwd_sm80", "sm_86"
+    for d in (32, 96):
+        assert dispatch.variant_forward_family("sm_90a", bf16, d, 0.0) == "attention_fwd_sm80", d
+
+
+def _softcap_tanh_fma(s: np.ndarray, cap_in: float) -> np.ndarray:
+    """fp32 model of variants.cuh softcap_tanh_fma (exact ex2 in place of MUFU.EX2; fma = one rounding)."""
+    f32 = np.float32
+
+    def fma(a, b, c):
+        return (a.astype(np.float64) * b + c).astype(f32)
+
+    x = (f32(1) + np.exp2(np.minimum(s * f32(cap_in), f32(64)))).astype(f32)
+    r = (np.uint32(0x7EF311C3) - x.view(np.uint32)).view(f32)
+    for _ in range(2):
+        err = fma(-x, r, f32(1))
+        r = fma(r, fma(err, err, err), r)
+    return fma(f32(-2) * np.ones_like(r), r, f32(1))
+
+
+def test_softcap_reciprocal_by_fma_is_as_accurate_as_tanh_needs():
+    # The Hopper forward's tanh(y) = 1 - 2 / (1 + e^2y) with the reciprocal from a bit-trick seed and two
+    # Newton steps: across |y| up to far past saturation its absolute error must stay at the fp32 level
+    # (the sm_80 backward recomputes tanh with MUFU.RCP, ~1 ulp; lse must agree with it).
+    cap_in = 2.0 * math.log2(math.e)  # y = s
+    s = np.concatenate([np.linspace(-50, 50, 200001), [-1e30, -88.0, 0.0, 88.0, 1e30]]).astype(np.float32)
+    got = _softcap_tanh_fma(s, cap_in).astype(np.float64)
+    err = np.abs(got - np.tanh(s.astype(np.float64)))
+    assert err.max() < 5e-7, f"max |tanh error| {err.max():.3g} at s = {s[err.argmax()]}"
+    assert np.all(np.isfinite(got)) and got.min() >= -1.0 and got.max() <= 1.0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -83,8 +83,10 @@ def attention(
         scale: multiplies q . k; default 1 / sqrt(d). Must be finite and > 0.
         return_lse: also return the log-sum-exp of each query row.
         deterministic: make the backward pass bitwise reproducible (may be slower).
-        Variants (keyword-only; docs/attention_variants.md). Any of them runs the sm_80-path variant
-        kernels (forward and backward, every head dim); without them nothing changes.
+        Variants (keyword-only; docs/attention_variants.md). The forward runs the Hopper kernel's
+        variant instantiations on sm_90a for d in {64, 128, 256} without dropout, the sm_80 variant
+        kernel otherwise; the backward runs the sm_80 variant kernels (every head dim). Without
+        variants nothing changes.
         window: (left, right) ints >= -1 (-1: unbounded): query i sees keys j in
             [i + Nk - Nq - left, i + Nk - Nq + right] (with causal: right <= 0). Whole key blocks
             outside every row's window are skipped.
@@ -348,14 +350,16 @@ class _AttentionFunction(torch.autograd.Function):
 # Variants (window, softcap, ALiBi, dropout): the sm_80 variant kernels, eager path
 # ---------------------------------------------------------------------------------------------
 class _VariantEntry(_PlanEntry):
-    """A validated combination with variants: the sm_80 variant kernels' forward plan (causal folded
-    into the window) and backward plans. Their launches take (alibi pointer, seed, offset) last."""
+    """A validated combination with variants: the dispatcher's variant forward plan (the Hopper
+    kernel on sm_90a for d in 64/128/256 without dropout, else the sm_80 variant kernel; causal
+    folded into the window) and the sm_80 variant backward plans. Their launches take (alibi
+    pointer, seed, offset) last."""
 
     __slots__ = ("variants",)
 
     def __init__(self, q, k, v, causal: bool, scale, window, softcap, alibi_slopes, dropout_p):
         from . import dropout as dr
-        from .kernels import attention_fwd_sm80
+        from .kernels import attention_fwd_sm80, dispatch
 
         # The variants' own checks come first, so that they report on CPU tensors too (as checks 1-6).
         left, right = dr.check_window(window, causal)
@@ -379,8 +383,7 @@ class _VariantEntry(_PlanEntry):
         self.out_spec, self.lse_spec = (out.shape, out.stride()), (lse.shape, lse.stride())
         self.grad_specs = tuple((t.shape, torch.empty_like(t).stride()) for t in (q, k, v))
         with torch.cuda.device(self.device_index):
-            self.forward = attention_fwd_sm80.forward_plan(q, k, v, out, lse, causal=False, scale=self.scale,
-                                                           variants=self.variants)
+            self.forward = dispatch.variant_forward_plan(q, k, v, out, lse, scale=self.scale, variants=self.variants)
         self.backward: dict[tuple, object] = {}
 
     def backward_plan(self, q, k, v, out, lse, dout, dq, dk, dv, deterministic: bool):
@@ -462,7 +465,7 @@ def _variant_forward(entry: _VariantEntry, q, k, v, extra):
     out = torch.empty_strided(*entry.out_spec, dtype=q.dtype, device=entry.device)
     lse = torch.empty_strided(*entry.lse_spec, dtype=torch.float32, device=entry.device)
     with torch.cuda.device(entry.device_index):
-        entry.forward.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), *extra)
+        entry.forward.launch(q, k, v, out, lse, *extra)
     return out, lse
 
 

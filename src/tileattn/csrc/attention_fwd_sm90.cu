@@ -108,6 +108,7 @@
 // thread then releases sQ to the producer (q_empty) for the next tile's Q.
 #include "common/sm80.cuh"
 #include "common/sm90.cuh"
+#include "common/variants.cuh"
 
 namespace tileattn {
 namespace fwd90 {
@@ -128,29 +129,109 @@ constexpr float kRescaleThreshold = 8.0f;  // row-max growth (log2 units) absorb
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 
-// Which K/V blocks a query tile visits: [0, n_end), visited from n_end - 1 down; the first
-// n_masked visited need masking (the Nk edge block, and when causal the blocks that cross the
-// diagonal of some row of the tile). n_end = 0: every row of the tile sees nothing.
+// Which K/V blocks a query tile visits: [n_begin, n_end), visited from n_end - 1 down; visits
+// [0, n_masked) and [n_unmasked_end, n_end - n_begin) need masking (the Nk edge block, and when
+// causal or windowed the blocks that cross an edge of some row of the tile; only a window has
+// masked visits at the bottom). n_end = n_begin: every row of the tile sees nothing.
 struct BlockRange {
-  int n_end, n_masked;
+  int n_end, n_masked, n_begin, n_unmasked_end;
 };
 template <bool kCausal, int kBlockN>
 __device__ __forceinline__ BlockRange block_range(int m_block, int rows, int seqlen_q, int seqlen_k) {
   const int n_total = (seqlen_k + kBlockN - 1) / kBlockN;
   const int edge = (seqlen_k % kBlockN) != 0 ? 1 : 0;
   if constexpr (!kCausal) {
-    return {n_total, edge};
+    return {n_total, edge, 0, n_total};
   } else {
     const int row0 = m_block * rows;                        // the tile's positions: row0 .. row0 + rows - 1
     const int diag = seqlen_k - seqlen_q;                   // query i sees keys j <= i + diag
     const int last_key = min(row0 + rows, seqlen_q) - 1 + diag;  // last key any row sees
-    if (last_key < 0) return {0, 0};
+    if (last_key < 0) return {0, 0, 0, 0};
     const int n_end = min(n_total, last_key / kBlockN + 1);
     // Block n is unmasked for every row iff its last key is visible to the tile's first row.
     const int first_limit = row0 + diag;
     const int n_unmasked = first_limit + 1 <= 0 ? 0 : min(n_end, (first_limit + 1) / kBlockN);
     const int masked = max(n_end - n_unmasked, n_end == n_total ? edge : 0);
-    return {n_end, masked};
+    return {n_end, masked, 0, n_end};
+  }
+}
+
+// ---- Variants (attention_fwd_variants_sm90; definitions in common/variants.cuh) -----------------
+// Compile-time flags (bits of kVariant), so that each combination pays only for what it uses and
+// the plain kernel (kVariant = 0) compiles to the code it had. Dropout stays on the sm_80 kernels.
+constexpr int kWindow = 1;   // sliding window; causal is its right edge 0 (these kernels have kCausal = false)
+constexpr int kSoftcap = 2;  // logit = cap * tanh(scale q.k / cap)
+constexpr int kAlibi = 4;    // logit += -slope[b, h] * |i + Nk - Nq - j|
+
+// block_range for a window: the keys any row of the tile sees are [window_lo(first row),
+// window_hi(last row)] (both edges move monotonically with the row), so the blocks below and above
+// them are never loaded and the cost scales with the window. A visited block needs the per-score
+// test when some row's upper edge cuts it (from the top: its last key is past the first row's
+// upper edge, which includes the Nk edge block) or some row's lower edge does (from the bottom: its
+// first key is below the last row's lower edge).
+template <int kBlockN>
+__device__ __forceinline__ BlockRange window_range(int m_block, int rows, int seqlen_q, int seqlen_k,
+                                                   const Variants& va) {
+  const int diag = seqlen_k - seqlen_q;
+  const int first = m_block * rows, last = min(first + rows, seqlen_q) - 1;  // the tile's positions
+  const int key_lo = window_lo(va, first, diag), key_hi = window_hi(va, last, diag, seqlen_k);
+  if (key_hi < key_lo) return {0, 0, 0, 0};
+  const int n_begin = key_lo / kBlockN, n_end = key_hi / kBlockN + 1, iters = n_end - n_begin;
+  const int hi_first = window_hi(va, first, diag, seqlen_k);
+  const int hi_cut = hi_first < 0 ? 0 : (hi_first + 1) / kBlockN;            // blocks < hi_cut: below every upper edge
+  int masked = n_end - max(hi_cut, n_begin);                                 // 0 <= masked <= iters
+  const int lo_cut = (window_lo(va, last, diag) + kBlockN - 1) / kBlockN;   // blocks >= lo_cut: above every lower edge
+  const int lo_from = n_end - lo_cut;                                        // first visit cut by a lower edge
+  if (lo_from <= 0) masked = iters;
+  return {n_end, masked, n_begin, max(min(lo_from, iters), masked)};
+}
+
+// Window test of one edge block (accumulator layout as apply_mask): key j is visible to position i
+// iff i + diag - left <= j <= min(Nk - 1, i + diag + right).
+template <int kBlockN>
+__device__ __forceinline__ void apply_window(float (&s)[kBlockN / 2], int n, const int (&pos)[2], int t, int seqlen_k,
+                                             int diag, const Variants& va) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int lo = pos[h] + diag - va.left, hi = min(seqlen_k - 1, pos[h] + diag + va.right);
+    const int key0 = n * kBlockN + 2 * t;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int key = key0 + 8 * j + e;
+        if (key < lo || key > hi) s[4 * j + 2 * h + e] = neg_inf();
+      }
+  }
+}
+
+// Raw scores q.k of block n -> logits in log2 units (the softmax then runs with scale 1): softcap
+// (cap_out * tanh, or the plain scale) and the ALiBi bias slope[h] * |i + diag - j| (slope[h] =
+// -log2(e) * the slope of row h's head). The same fp32 operations in the same order as the sm_80
+// kernels (variants.cuh), so that their variant backward recomputes these logits against our lse;
+// the only difference is softcap's 1 / (1 + e^2y), by FMA (softcap_tanh_fma) instead of MUFU.RCP:
+// both are within ~1 ulp of the true reciprocal. The ALiBi distance of column 2t + 8j + e is
+// dist0 - (8j + e) with dist0 converted once per row and block: an I2F per score would run on the
+// 16/clk/SM conversion pipe, as slow as MUFU (exact while |i + diag - j| < 2^24).
+template <int kBlockN, int kVariant>
+__device__ __forceinline__ void variant_logits(float (&s)[kBlockN / 2], int n, const int (&pos)[2], int t, int diag,
+                                               const Variants& va, const float (&slope)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float dist0 = static_cast<float>(pos[h] + diag - (n * kBlockN + 2 * t));
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float x = s[4 * j + 2 * h + e];
+        if constexpr ((kVariant & kSoftcap) != 0) {
+          x = va.cap_out * softcap_tanh_fma(va, x);
+        } else {
+          x *= va.scale_log2;
+        }
+        if constexpr ((kVariant & kAlibi) != 0) x = fmaf(slope[h], fabsf(dist0 - static_cast<float>(8 * j + e)), x);
+        s[4 * j + 2 * h + e] = x;
+      }
   }
 }
 
@@ -250,6 +331,9 @@ __device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float 
   for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
 }
 
+// The Variants of a variant kernel's trailing parameters (VARIANT_PARAMS' order and widths).
+__device__ __forceinline__ Variants variants_of(float scale_log2, VARIANT_PARAMS) { return VARIANTS_FROM_PARAMS; }
+
 }  // namespace fwd90
 
 // tmap_q: q [B, H, Nq, d] as a 4-D map (d, Nq, H, B), box (64, R, pack, 1) with R = 128 / pack,
@@ -259,15 +343,36 @@ __device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float 
 // l2_group: units per L2 group (causal tile order, >= 1).
 // 1-D grid of at most ceil(Nq / R) * (H / pack) * B <= 2^30 CTAs (fewer = persistent), 384 threads;
 // dynamic shared memory 2 d (128 + 2 kStages kBlockN) + 1024.
-template <int kHeadDim, int kBlockN, int kStages, bool kPingPong, bool kCausal, bool kIsBF16>
+//
+// Variants (kVariant: a non-empty set of bits fwd90::kWindow, kSoftcap, kAlibi; kCausal false,
+// causal folded into win_right): the parameters above, then VARIANT_PARAMS (common/variants.cuh),
+// as the trailing pack `variant_params` (the host names their types in the instantiation). The
+// plain kernel (kVariant = 0) has an empty pack: its parameters and code are what they were before
+// the variants existed (a separate variant entry point calling a shared body changed the plain
+// kernel's SASS). Dropout is not implemented here: seed, offset, drop_thr and drop_scale are
+// ignored (the dispatcher sends dropout to the sm_80 variant kernels). The lse written is that of
+// the variant logits (natural log), as the sm_80 variant backward reads it.
+template <int kHeadDim, int kBlockN, int kStages, bool kPingPong, bool kCausal, bool kIsBF16, int kVariant = 0,
+          class... VariantParams>
 __global__ void __launch_bounds__(fwd90::kThreads, 1)
     attention_fwd_sm90(const __grid_constant__ sm90::TmaDescriptor tmap_q,
                        const __grid_constant__ sm90::TmaDescriptor tmap_k,
                        const __grid_constant__ sm90::TmaDescriptor tmap_v,
                        const __grid_constant__ sm90::TmaDescriptor tmap_o, float* __restrict__ lse, int batches,
                        int heads, int kv_group, int pack, int l2_group, int seqlen_q, int seqlen_k,
-                       float scale_log2) {
+                       float scale_log2, VariantParams... variant_params) {
   using namespace fwd90;
+  static_assert(kVariant >= 0 && kVariant < 8 && (kVariant == 0) == (sizeof...(VariantParams) == 0),
+                "kVariant: a set of kWindow | kSoftcap | kAlibi, with VARIANT_PARAMS exactly when non-empty");
+  static_assert(kVariant == 0 || !kCausal, "variants: causal is the window's right edge 0");
+  Variants va{};
+  if constexpr (kVariant != 0) va = variants_of(scale_log2, variant_params...);
+  constexpr bool kWindowed = (kVariant & kWindow) != 0;
+  constexpr bool kLogits = (kVariant & (kSoftcap | kAlibi)) != 0;  // scores become log2-unit logits first
+  // Tile order: the causal one (longest tiles first) for windows too, whose first tiles see fewer keys.
+  constexpr bool kReverse = kCausal || kWindowed;
+  // The softmax's scale: variant_logits already applied it.
+  const float sl2 = kLogits ? 1.f : scale_log2;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
   static_assert(sm90::wgmma_n_supported(kBlockN) && kBlockN % 16 == 0,
                 "kBlockN is the wgmma N of S = Q K^T (sm90.cuh) and the K of O += P V (k16 steps)");
@@ -314,8 +419,9 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       int g = 0;  // K/V visits so far, across this CTA's tiles: ring slot and phase
       int i = 0;  // tiles so far: q_full / q_empty phase
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, ++i) {
-        const Tile tile = tile_coords<kCausal>(t, m_blocks, groups, pack, batches, l2_group);
-        const BlockRange range = block_range<kCausal, kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k);
+        const Tile tile = tile_coords<kReverse>(t, m_blocks, groups, pack, batches, l2_group);
+        const BlockRange range = kWindowed ? window_range<kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k, va)
+                                           : block_range<kCausal, kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k);
         const int kv_head = tile.head0 / kv_group;                // the same for all `pack` heads
         // Q always (even for a fully masked tile): the epilogue stages O in sQ, so the Q copy must
         // have landed before anyone writes there. sQ is free once both consumers' previous TMA
@@ -326,7 +432,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         for (int p = 0; p < kPanels; ++p)
           s9::tma_load_4d(sQ + p * kBlockM * kPanel, &tmap_q, p * kPanel, tile.m_block * rows, tile.head0,
                           tile.batch, &q_full);
-        for (int it = 0; it < range.n_end; ++it, ++g) {
+        for (int it = 0; it < range.n_end - range.n_begin; ++it, ++g) {
           const int n = range.n_end - 1 - it;
           const int s = g % kStages;
           const u32 refill_parity = ((g / kStages) - 1) & 1;
@@ -399,19 +505,35 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     int g0 = 0;  // K/V visits of this CTA before the current tile (the producer counts the same)
     int i = 0;   // tiles so far: q_full phase
     for (int tl = blockIdx.x; tl < num_tiles; tl += gridDim.x, ++i) {
-      const Tile tile = tile_coords<kCausal>(tl, m_blocks, groups, pack, batches, l2_group);
-      const BlockRange range = block_range<kCausal, kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k);
+      const Tile tile = tile_coords<kReverse>(tl, m_blocks, groups, pack, batches, l2_group);
+      const BlockRange range = kWindowed ? window_range<kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k, va)
+                                         : block_range<kCausal, kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k);
       // Tile row of this thread's accumulator rows g (h = 0) and g + 8 (h = 1), and their query
       // positions (the heads, r / rows, are recomputed in the epilogue: registers are scarce).
       const int r0 = c * 64 + warp * 16 + g;
       const int pos[2] = {tile.m_block * rows + r0 % rows, tile.m_block * rows + (r0 + 8) % rows};
+      float slope[2] = {0.f, 0.f};  // ALiBi: -log2(e) * slope of the heads of rows g, g + 8
+      if constexpr ((kVariant & kAlibi) != 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) slope[h] = alibi_slope_log2(va, tile.batch, tile.head0 + (r0 + 8 * h) / rows);
+      }
+      // Scores of block n -> what the softmax takes: variant logits, then -inf where masked.
+      auto scores = [&](int n, bool masked) {
+        if constexpr (kLogits) variant_logits<kBlockN, kVariant>(s, n, pos, t, diag, va, slope);
+        if constexpr (kWindowed) {
+          if (masked) apply_window<kBlockN>(s, n, pos, t, seqlen_k, diag, va);
+        } else {
+          if (masked) apply_mask<kBlockN, kCausal>(s, n, pos, t, seqlen_k, diag);
+        }
+      };
 #pragma unroll
       for (int k = 0; k < kHeadDim / 2; ++k) o[k] = 0.f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) m[h] = kNoKeyShift, l[h] = 0.f;
 
       s9::mbar_wait(&q_full, i & 1);
-      if (range.n_end > 0) {
+      const int n_iters = range.n_end - range.n_begin;
+      if (n_iters > 0) {
         if (c == 1) pass_turn(false);  // consumer 0 issues first
         // ---- first block (n_end - 1): S, softmax; no P V yet
         const int s0 = g0 % kStages;
@@ -423,8 +545,8 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         s9::wgmma_wait<0>();
         s9::fence_accumulators(s);
         if (releaser) s9::mbar_arrive(&k_empty[s0]);
-        if (range.n_masked > 0) apply_mask<kBlockN, kCausal>(s, range.n_end - 1, pos, t, seqlen_k, diag);
-        softmax_step<kBlockN>(s, m, l, alpha, scale_log2);  // O is still 0: no rescale needed
+        scores(range.n_end - 1, range.n_masked > 0);
+        softmax_step<kBlockN>(s, m, l, alpha, sl2);  // O is still 0: no rescale needed
         pack_p<kBlockN, kIsBF16>(p, s);
 
         // ---- blocks 1 .. n_end - 1: S_j overlapped with P_{j-1} V_{j-1}
@@ -442,8 +564,8 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
           s9::wgmma_wait<1>();  // S_j retired (groups retire in order); P V still running
           s9::fence_accumulators(s);
           if (releaser) s9::mbar_arrive(&k_empty[sk]);
-          if (masked) apply_mask<kBlockN, kCausal>(s, range.n_end - 1 - it, pos, t, seqlen_k, diag);
-          const bool rescale = softmax_step<kBlockN>(s, m, l, alpha, scale_log2);
+          scores(range.n_end - 1 - it, masked);
+          const bool rescale = softmax_step<kBlockN>(s, m, l, alpha, sl2);
           s9::wgmma_wait<0>();  // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free
           s9::fence_accumulators(o);
           s9::fence_accumulators(s);  // the packing below must not move above the wait
@@ -453,10 +575,13 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         };
         int it = 1;
         for (; it < range.n_masked; ++it) step(it, true);
-        for (; it < range.n_end; ++it) step(it, false);
+        for (; it < (kWindowed ? range.n_unmasked_end : range.n_end); ++it) step(it, false);
+        if constexpr (kWindowed) {
+          for (; it < n_iters; ++it) step(it, true);  // blocks cut by some row's lower edge
+        }
 
         // ---- tail: P V of the last block visited
-        const int gv = g0 + range.n_end - 1, sv = gv % kStages;
+        const int gv = g0 + n_iters - 1, sv = gv % kStages;
         s9::mbar_wait(&v_full[sv], (gv / kStages) & 1);
         s9::fence_accumulators(o);
         take_turn();
@@ -467,7 +592,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         s9::fence_accumulators(o);
         if (releaser) s9::mbar_arrive(&v_empty[sv]);
       }
-      g0 += range.n_end;
+      g0 += n_iters;
 
       // ---- epilogue: normalize, lse, O -> 16 bit -> stmatrix into this consumer's rows of sQ ----
       float inv[2];

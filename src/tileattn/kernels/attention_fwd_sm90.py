@@ -16,6 +16,12 @@ strides and a 16-byte aligned base, which the API's checks guarantee for every d
 than 1 (tileattn.runtime.tensor_map gives size-1 dimensions valid strides itself). A tensor that
 TMA still cannot describe (a zero stride from expand(), strides >= 2^40 bytes) is copied
 contiguous first, and out is then written through a contiguous temporary.
+
+Variants (issue #15; docs/attention_variants.md): window, softcap and ALiBi run in instantiations
+of the same kernel with the variant parameters appended, one per (head dim, dtype, set of variants)
+so that each set pays only for what it uses (`variant_flags`); ForwardPlan(variants=...) takes
+attention_fwd_sm80.VariantArgs (causal folded into the window, dropout off) and launches with the
+slopes' pointer and two unused dropout slots after the plain tensors.
 """
 
 from __future__ import annotations
@@ -100,6 +106,36 @@ def expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool) -> s
             f"{flag[causal]}, {flag[bf16]}>")
 
 
+# Variant flags (bits of the kernel's kVariant; fwd90::kWindow, kSoftcap, kAlibi in the .cu file).
+WINDOW, SOFTCAP, ALIBI = 1, 2, 4
+# Tiles of the variant kernels: the non-causal defaults (a window is masked like causal, and the
+# defaults are the same config causal or not).
+VARIANT_DEFAULTS: dict[int, Sm90Config] = {d: DEFAULTS[(d, False)] for d in HEAD_DIMS}
+
+
+def variant_flags(variants) -> int:
+    """kVariant of an attention_fwd_sm80.VariantArgs (0: none of window, softcap, ALiBi is on; a
+    window with both edges unbounded is no window). Dropout is not among them: the Hopper kernel
+    has none (check variants.dropout_p before choosing this family)."""
+    from ..dropout import UNBOUNDED
+
+    window = variants.window_left != UNBOUNDED or variants.window_right != UNBOUNDED
+    return ((WINDOW if window else 0) | (SOFTCAP if variants.softcap > 0 else 0)
+            | (ALIBI if variants.alibi_batch_stride is not None else 0))
+
+
+# The types of VARIANT_PARAMS (common/variants.cuh), in order: the variant kernels' trailing
+# parameter pack (alibi, seed, offset, alibi_sb, win_left, win_right, cap_in, cap_out, drop_thr, drop_scale).
+_VARIANT_PARAM_TYPES = ("const float*, unsigned long long, unsigned long long, long long, int, int, float, float, "
+                        "unsigned int, float")
+
+
+def variant_expression(head_dim: int, config: Sm90Config, bf16: bool, flags: int) -> str:
+    """The NVRTC name expression of a variant instantiation (flags: 1..7, see variant_flags): the
+    plain kernel template with kCausal false, kVariant = flags and VARIANT_PARAMS' types."""
+    return expression(head_dim, config, False, bf16)[:-1] + f", {flags}, {_VARIANT_PARAM_TYPES}>"
+
+
 def configs_for(head_dim: int, causal: bool, bf16: bool) -> tuple[Sm90Config, ...]:
     """Every registered config for one (head dim, causal, dtype), the default first."""
     out = [DEFAULTS[(head_dim, causal)]]
@@ -120,7 +156,10 @@ def _expressions(pairs) -> tuple[str, ...]:
 
 # What the dispatcher and tests use (compiled by `tileattn check`), and the tuning candidates
 # (compiled by `tileattn check --tuning` and on first use by the tuning benchmark).
-INSTANTIATIONS = _expressions((d, causal, bf16, cfg) for (d, causal), cfg in DEFAULTS.items() for bf16 in (False, True))
+VARIANT_INSTANTIATIONS = tuple(variant_expression(d, cfg, bf16, flags) for d, cfg in VARIANT_DEFAULTS.items()
+                               for bf16 in (False, True) for flags in range(1, 8))
+INSTANTIATIONS = _expressions((d, causal, bf16, cfg) for (d, causal), cfg in DEFAULTS.items()
+                              for bf16 in (False, True)) + VARIANT_INSTANTIATIONS
 TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
                                        for cfg in extra) if e not in INSTANTIATIONS)
 
@@ -303,15 +342,26 @@ class ForwardPlan:
     already validated by tileattn.api): tensor-map templates for q, k, v, out (only the address
     changes from call to call; maps are cached per address) and a LaunchPlan whose dynamic
     parameters are the four maps and lse's pointer. Tensors TMA cannot describe in place (decided
-    here, once, from the strides) are copied on each launch, as launch_forward_sm90 does."""
+    here, once, from the strides) are copied on each launch, as launch_forward_sm90 does.
+
+    `variants` (attention_fwd_sm80.VariantArgs with dropout_p 0 and causal folded into the window;
+    causal must then be False): the variant kernel of variant_flags(variants) runs, or the plain
+    non-causal one when that is 0, and launch takes three more values: the ALiBi slopes' pointer
+    (0: none) and the (unused) dropout seed and offset. Raises ValueError for dropout_p > 0 or
+    causal with variants."""
 
     def __init__(self, q, k, v, out, lse, *, causal: bool, scale: float, config: Sm90Config | None = None,
-                 pack_gqa: bool | None = None):
+                 pack_gqa: bool | None = None, variants=None):
         from ..runtime import LaunchPlan, TensorMapTemplate, device_sm_count
         from . import load
 
         batch, heads, seqlen_q, head_dim = q.shape
         kv_heads, seqlen_k = k.shape[1], k.shape[2]
+        flags = 0
+        if variants is not None:
+            if variants.dropout_p > 0 or causal:
+                raise ValueError("the sm90 variant forward has no dropout, and causal must be folded into the window")
+            flags = variant_flags(variants)
         config = config or DEFAULTS[(head_dim, bool(causal))]
         self.copy_q, self.copy_k, self.copy_v = (not _tma_ready(t) for t in (q, k, v))
         self.copy_out = not _tma_ready(out)
@@ -321,13 +371,24 @@ class ForwardPlan:
                         _l2_bytes(q.device.index))
         self.templates = tuple(TensorMapTemplate(t, box) for t, box in zip((*dense, target), geo.boxes))
         maps = [t.encode(x.data_ptr()) for t, x in zip(self.templates, (*dense, target))]
-        kern = load(FAMILY_NAME, expression(head_dim, config, bool(causal), q.dtype == torch.bfloat16),
-                    q.device.index)
+        bf16 = q.dtype == torch.bfloat16
+        expr = variant_expression(head_dim, config, bf16, flags) if flags else expression(head_dim, config,
+                                                                                          bool(causal), bf16)
+        kern = load(FAMILY_NAME, expr, q.device.index)
         grid = (min(geo.tiles, device_sm_count(q.device.index)) if config.persistent else geo.tiles,)
         args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, seqlen_q, seqlen_k, scale))
-        self.plan = LaunchPlan(kern, grid, (THREADS,), args, smem=config.smem_bytes(head_dim), dynamic=range(5))
+        dynamic = tuple(range(5))
+        if flags:  # VARIANT_PARAMS after the plain ones; alibi pointer, seed, offset are per call
+            from .attention_fwd_sm80 import VARIANT_DYNAMIC
 
-    def launch(self, q, k, v, out, lse) -> None:
+            dynamic += tuple(len(args) + i for i in VARIANT_DYNAMIC)
+            args += variants.kernel_args(scale)
+        self.variant_values = bool(flags)  # whether launch passes on (alibi, seed, offset)
+        self.plan = LaunchPlan(kern, grid, (THREADS,), args, smem=config.smem_bytes(head_dim), dynamic=dynamic)
+
+    def launch(self, q, k, v, out, lse, *extra) -> None:
+        """Launch on q, k, v, out, lse; with variants `extra` = (alibi pointer, seed, offset), which
+        a plan without variant kernel (flags 0) ignores."""
         tq, tk, tv, to = self.templates
         if self.copy_q:
             q = q.contiguous()
@@ -337,7 +398,7 @@ class ForwardPlan:
             v = v.contiguous()
         target = torch.empty_like(out, memory_format=torch.contiguous_format) if self.copy_out else out
         self.plan.launch(tq.encode(q.data_ptr()), tk.encode(k.data_ptr()), tv.encode(v.data_ptr()),
-                         to.encode(target.data_ptr()), lse.data_ptr())
+                         to.encode(target.data_ptr()), lse.data_ptr(), *(extra if self.variant_values else ()))
         if self.copy_out:
             out.copy_(target)
 
@@ -354,6 +415,8 @@ __all__ = [
     "HEAD_DIMS",
     "INSTANTIATIONS",
     "TUNING",
+    "VARIANT_DEFAULTS",
+    "VARIANT_INSTANTIATIONS",
     "Sm90Config",
     "configs_for",
     "expression",
@@ -362,4 +425,6 @@ __all__ = [
     "launch_forward_sm90",
     "supports",
     "tuning_candidates",
+    "variant_expression",
+    "variant_flags",
 ]

@@ -14,8 +14,12 @@ Families, in the order they are considered:
 - attention_bwd_sm90 (backward on Hopper) where SM90_BACKWARD lists (head dim, causal,
   deterministic) as measured faster than the sm80 backward.
 
-Calls with variants (window, softcap, ALiBi, dropout) run the sm80 families' variant entry points
-on every arch (the Hopper kernels have none); tileattn.api and api_varlen build those plans.
+Calls with variants (window, softcap, ALiBi, dropout): the dense forward without dropout runs the
+Hopper forward's variant instantiations on sm_90a for the head dims it has (SM90_VARIANT_FORWARD;
+`variant_forward_family`, `variant_forward_plan`); everything else (dropout, other head dims,
+other archs, varlen, and every variant backward) runs the sm80 families' variant entry points.
+The variant backward recomputes the scores with the same definitions, so it takes the Hopper
+forward's lse as it is. tileattn.api and api_varlen build those plans.
 
 A forward plan is an object with `launch(q, k, v, out, lse)`; a backward plan one with
 `launch(q, k, v, out, lse, dout, dq, dk, dv)`.
@@ -42,6 +46,13 @@ SM90_FORWARD = {(d, causal) for d in (64, 128, 256) for causal in (False, True)}
 # (17:08 UTC, attention_bwd_sm90<128, 64, 2, causal, bf16, dq mode 1>) that no run has yet shown
 # fixed, and causal it was slower (118/165 vs 169/209 at d=64).
 SM90_BACKWARD = {(64, False, False), (64, True, False), (128, False, False), (128, True, False)}
+
+
+# Head dims whose variant forward (window, softcap, ALiBi; not dropout) runs the Hopper kernel on sm_90a.
+# The sm80 variant kernel runs at or below the sm80 plain kernel (~370 TFLOP/s at d=128 on the
+# H200), the Hopper plain forward at ~650: the issue's targets (softcap and ALiBi within 10% of the
+# plain kernel, a 4096-key window at N=32768 within 1.2x of the dense work) need the Hopper kernel.
+SM90_VARIANT_FORWARD = {64, 128, 256}
 
 
 class _PointerPlan:
@@ -80,6 +91,42 @@ def attention_forward_plan(q, k, v, out, lse, *, causal: bool, scale: float):
 
         return attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=causal, scale=scale)
     return _PointerPlan(attention_fwd_sm80.forward_plan(q, k, v, out, lse, causal=causal, scale=scale))
+
+
+def variant_forward_family(arch: str, dtype, head_dim: int, dropout_p: float) -> str:
+    """Name of the kernel family that runs a dense forward with variants."""
+    if arch == "sm_90a" and head_dim in SM90_VARIANT_FORWARD and not dropout_p:
+        return "attention_fwd_sm90"
+    return "attention_fwd_sm80"
+
+
+class _VariantPointerPlan:
+    """A variant forward LaunchPlan (sm80) launched like the Hopper ForwardPlan: `launch(q, k, v,
+    out, lse, alibi pointer, seed, offset)`."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def launch(self, q, k, v, out, lse, alibi, seed, offset) -> None:
+        self.plan.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), alibi, seed, offset)
+
+
+def variant_forward_plan(q, k, v, out, lse, *, scale: float, variants):
+    """The forward plan of a dense call with variants (attention_fwd_sm80.VariantArgs, causal
+    folded into the window) for these validated tensors: `.launch(q, k, v, out, lse, alibi
+    pointer, seed, offset)`. K/V must already be copied where the sm80 kernel needs it
+    (needs_contiguous_kv)."""
+    from ..runtime import device_arch
+
+    family = variant_forward_family(device_arch(q.device.index), q.dtype, q.shape[3], variants.dropout_p)
+    if family == "attention_fwd_sm90":
+        from . import attention_fwd_sm90
+
+        return attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=variants)
+    return _VariantPointerPlan(attention_fwd_sm80.forward_plan(q, k, v, out, lse, causal=False, scale=scale,
+                                                               variants=variants))
 
 
 def backward_family(arch: str, dtype, head_dim: int, causal: bool, deterministic: bool) -> str:
