@@ -102,6 +102,50 @@ def test_attention_paged_rejects(change, match):
         api_paged.attention_paged(**paged_args(**change))
 
 
+BAD_VARIANTS = [
+    ({"window": (1,)}, "window must be None or a pair"),
+    ({"window": [3, -2]}, r"window\[1\] \(right\) must be an int >= -1"),
+    ({"window": (2.5, 0)}, r"window\[0\] \(left\) must be an int >= -1"),
+    ({"softcap": -1.0}, "softcap must be None, 0 .off. or a finite number > 0"),
+    ({"softcap": float("inf")}, "softcap must be None, 0 .off. or a finite number > 0"),
+    ({"alibi_slopes": [0.1] * 8}, "alibi_slopes must be None or a torch.Tensor"),
+    ({"alibi_slopes": torch.zeros(4)}, r"alibi_slopes must have shape \[H\]=\[8\] or \[B, H\]=\[2, 8\]"),
+    ({"alibi_slopes": torch.zeros(3, 8)}, "alibi_slopes must have shape"),
+    ({"alibi_slopes": torch.zeros(8, dtype=torch.float64)}, "alibi_slopes must be float32"),
+    ({"alibi_slopes": torch.zeros(8, 2).t()}, "alibi_slopes must be contiguous"),
+    # the variant kernels' int32 window arithmetic: Tq and the table's capacity <= 2^28
+    ({"window": (8, 0), "block_table": torch.zeros(2, (1 << 20) + 1, dtype=torch.int32),
+      "k_cache": torch.zeros(6, 256, 2, 128, dtype=torch.bfloat16),
+      "v_cache": torch.zeros(6, 256, 2, 128, dtype=torch.bfloat16)},
+     r"capacity max_blocks \* block_size <= 2\^28 .*capacity=268435712"),
+    # well-formed variants reach the device check like a plain call
+    ({"window": (8, 0), "softcap": 30.0, "alibi_slopes": torch.zeros(2, 8)}, "attention_paged needs CUDA tensors"),
+    ({"softcap": 0.0}, "attention_paged needs CUDA tensors"),  # 0: off, the plain path
+]
+
+
+@pytest.mark.parametrize("change,match", BAD_VARIANTS)
+def test_attention_paged_rejects_bad_variants(change, match):
+    """Variant arguments are checked as tileattn.attention checks them, before the device check
+    (so CPU tensors report them), and a failed call is not cached."""
+    for _ in range(2):
+        with pytest.raises(ValueError, match=match):
+            api_paged.attention_paged(**paged_args(**change))
+
+
+def test_variant_instantiations_registered_and_configs():
+    fam = family(paged.FAMILY_NAME)
+    for d in paged.HEAD_DIMS:
+        for bf16 in (False, True):
+            for rows in (1, 16, 17, 64, 65, 4096):
+                config = paged.pick_config(d, rows, "sm_90a", variants=True)
+                assert config == paged.pick_config(d, rows, "sm_80"), "variant kernels take the base table"
+                expr = paged.variant_expression(d, config, bf16)
+                assert expr.startswith("tileattn::attention_paged_variants_sm80<"), expr
+                fam.require(expr)
+    assert len(paged.VARIANT_INSTANTIATIONS) == len(paged.PLAIN_INSTANTIATIONS) == 30
+
+
 def write_args(**change):
     args = {
         "k": torch.zeros(3, 2, 64, dtype=torch.float16),

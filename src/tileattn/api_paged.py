@@ -150,9 +150,7 @@ def attention_paged(
         if alibi_slopes is not None:  # before the device check: CPU tensors report it too
             _check_alibi(alibi_slopes, q, block_table)
         scale = _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q,
-                             max_seqlen_k, scale, num_splits)
-        if variants is not None:
-            _check_variant_sizes(q, k_cache, block_table)
+                             max_seqlen_k, scale, num_splits, variants is not None)
     if validate:
         reference.check_paged_contents(k_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)
     if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) & 15:
@@ -295,8 +293,9 @@ def _check_variant_sizes(q, k_cache, block_table) -> None:
 
 
 def _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                 num_splits) -> float:
-    """All metadata checks of attention_paged; returns the scale to use."""
+                 num_splits, variants: bool = False) -> float:
+    """All metadata checks of attention_paged (`variants`: the sizes the variant kernels need too);
+    returns the scale to use."""
     reference.check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k)
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q has dtype {q.dtype}; attention_paged supports torch.float16 and torch.bfloat16")
@@ -346,6 +345,8 @@ def _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seqlens_k", seqlens_k)):
         if t.stride(0) != 1 and t.shape[0] > 1:
             raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
+    if variants:
+        _check_variant_sizes(q, k_cache, block_table)
     if q.device.type != "cuda":
         raise ValueError(f"attention_paged needs CUDA tensors, got device {q.device}; move them with .cuda()")
     return float(scale)
