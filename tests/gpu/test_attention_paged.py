@@ -73,11 +73,17 @@ class Case:
     def tensors(self):
         return self.q, self.k_cache, self.v_cache, self.block_table, self.cu_seqlens_q, self.seqlens_k
 
-    def reference(self, causal=True, scale=None):
+    def reference(self, causal=True, scale=None, **variants):
         return reference.attention_paged(
             *self.tensors(), self.max_seqlen_q, self.max_seqlen_k, causal=causal, scale=scale,
-            return_lse=True, compute_dtype=torch.float64,
+            return_lse=True, compute_dtype=torch.float64, **variants,
         )  # fmt: skip
+
+    def api(self, causal=True, num_splits=None, **variants):
+        """The public op with every allocation NaN-poisoned: (out, lse)."""
+        with poisoned_allocations():
+            return api_paged.attention_paged(*self.tensors(), self.max_seqlen_q, self.max_seqlen_k, causal=causal,
+                                             return_lse=True, num_splits=num_splits, **variants)
 
     def launch(self, causal=True, scale=None, num_splits=None):
         """The launch layer with NaN-poisoned out / lse (and NaN-filled workspace blocks)."""
@@ -300,6 +306,130 @@ def test_padding_rows_follow_device_lengths_in_a_cuda_graph():
         if live:
             err = rel_err(static_out[:live], ref_out[:live])
             assert err <= TOL[BF16], f"{what}: relative error {err:.3e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants (issue #15): window, softcap, ALiBi against the float64 reference with the same options
+# ---------------------------------------------------------------------------------------------
+# name -> (options, causal, q multiplier). Windows smaller and larger than the lengths (mixed_seqs
+# has keys up to 1000), one key each (0, 0), right > 0 without causal; softcap 5 with q x 8
+# (|s| ~ 8 sigma: a saturated tanh); ALiBi [H] and [B, H]; everything at once.
+VARIANTS = {
+    "window_small": ({"window": (40, 0)}, True, 1.0),
+    "window_left_right": ({"window": (100, 7)}, False, 1.0),
+    "window_large": ({"window": (5000, 5000)}, False, 1.0),
+    "window_zero": ({"window": (0, 0)}, False, 1.0),
+    "softcap_extreme": ({"softcap": 5.0}, True, 8.0),
+    "alibi_h": ({"alibi": "h"}, True, 1.0),
+    "alibi_bh": ({"alibi": "bh"}, False, 1.0),
+    "all": ({"window": (64, 0), "softcap": 20.0, "alibi": "bh"}, True, 2.0),
+}
+
+
+def variant_options(case, name, seed):
+    """(options for attention_paged / the reference, causal); q scaled in place."""
+    spec, causal, mult = VARIANTS[name]
+    options = {k: v for k, v in spec.items() if k != "alibi"}
+    if "alibi" in spec:
+        heads = case.q.shape[1]
+        shape = (heads,) if spec["alibi"] == "h" else (len(case.seqs), heads)
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        options["alibi_slopes"] = 0.5 * torch.rand(shape, device="cuda", generator=gen)  # fp32
+    if mult != 1.0:
+        case.q = (case.q.float() * mult).to(case.dtype)
+    return options, causal
+
+
+def variant_seqs(block_size):
+    """mixed_seqs plus a sequence with more queries than keys (its first rows see no key in a window)."""
+    return [*mixed_seqs(block_size), (5, 3)]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_variants_mixed_batch(name, dtype, head_dim, block_size):
+    """Decode, speculative and chunked-prefill rows (GQA 8/2) with each variant, against the float64
+    reference; forced split counts 1, 3 and 16 give the reference's result and split 1's."""
+    seed = zlib.crc32(f"variants {name} {dtype} {head_dim} {block_size}".encode())
+    case = Case(variant_seqs(block_size), 8, 2, head_dim, dtype, block_size, seed)
+    options, causal = variant_options(case, name, seed)
+    ref_out, ref_lse = case.reference(causal=causal, **options)
+    base = None
+    for splits in (None, 1, 3, 16):
+        out, lse = case.api(causal=causal, num_splits=splits, **options)
+        what = f"{name} {dtype} d={head_dim} bs={block_size} causal={causal} num_splits={splits}"
+        check(case, out, lse, ref_out, ref_lse, what)
+        if splits == 1:
+            base = out
+        elif base is not None:
+            diff = rel_err(out[: int(case.cu_seqlens_q[-1])], base[: int(case.cu_seqlens_q[-1])])
+            assert diff <= TOL[dtype], f"{what}: differs from num_splits=1 by {diff:.3e}"
+
+
+@pytest.mark.parametrize("name", ["window_small", "softcap_extreme", "all"])
+@pytest.mark.parametrize("head_dim", paged.HEAD_DIMS)
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (32, 4)])
+def test_variants_chunked_prefill_layouts(name, head_dim, heads, kv_heads):
+    """max_seqlen_q * G of 129+ rows: the 128-row prefill layout, every head dim, MHA and GQA 8;
+    the last sequence has more queries than keys."""
+    seed = zlib.crc32(f"prefill variants {name} {head_dim} {heads}".encode())
+    case = Case([(129, 129 + 300), (1, 77), (33, 40), (40, 20)], heads, kv_heads, head_dim, BF16, 32, seed)
+    options, causal = variant_options(case, name, seed)
+    ref_out, ref_lse = case.reference(causal=causal, **options)
+    for splits in (None, 1, 4):
+        out, lse = case.api(causal=causal, num_splits=splits, **options)
+        check(case, out, lse, ref_out, ref_lse, f"prefill {name} d={head_dim} H={heads}/{kv_heads} splits={splits}")
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("num_splits", [1, 5])
+@pytest.mark.parametrize("rows", ["decode", "prefill"])
+def test_window_skips_key_tiles_outside_it(block_size, num_splits, rows):
+    """V is NaN at every key position before the first 64-key tile that any query's window reaches:
+    a kernel that loaded such a tile would multiply its zero probabilities by NaN. The reference
+    runs on the clean cache."""
+    nq = 1 if rows == "decode" else 100
+    seqs = [(nq, 3000), (nq, 700), (1, 130)]
+    case = Case(seqs, 8, 2, 128, BF16, block_size, seed=31 + nq + block_size, share=False)
+    left = 70
+    ref_out, ref_lse = case.reference(causal=True, window=(left, 0))
+    table = case.block_table.cpu()
+    for b, (nq_b, nk) in enumerate(seqs):
+        first_pos = nk - nq_b  # the first query's key position; its window starts at first_pos - left
+        poison_end = (max(first_pos - left, 0) // 64) * 64
+        keys = torch.arange(poison_end)
+        case.v_cache[table[b, keys // block_size].long().cuda(), (keys % block_size).cuda()] = float("nan")
+    out, lse = case.api(causal=True, num_splits=num_splits, window=(left, 0))
+    check(case, out, lse, ref_out, ref_lse, f"window skip {rows} bs={block_size} num_splits={num_splits}")
+
+
+def test_variants_plan_reuse_new_slopes_and_plain_call_unchanged():
+    """A cached variant launch takes the slopes' pointer per call (new slopes of the same shape give
+    the new result); a plain call after variant calls is still the plain op."""
+    case = Case([(1, 300), (3, 50)], 8, 2, 64, BF16, 16, seed=77)
+    plain_ref = case.reference()
+    for trial in range(2):
+        slopes = torch.rand(8, device="cuda", generator=torch.Generator(device="cuda").manual_seed(trial))
+        ref_out, ref_lse = case.reference(alibi_slopes=slopes)
+        out, lse = case.api(alibi_slopes=slopes)
+        check(case, out, lse, ref_out, ref_lse, f"ALiBi slopes draw {trial}")
+    out, lse = case.api()
+    check(case, out, lse, *plain_ref, "plain call after variant calls")
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_variants_small_sanitize(num_splits):
+    """Small case with every variant, padding rows and a query without keys (also under compute-sanitizer)."""
+    case = Case([(1, 17), (2, 33), (0, 3), (3, 2)], 8, 2, 64, FP16, 16, seed=19, pad_tokens=3)
+    options, causal = variant_options(case, "all", 19)
+    ref_out, ref_lse = case.reference(causal=causal, **options)
+    out, lse = case.api(causal=causal, num_splits=num_splits, **options)
+    what = f"small variants num_splits={num_splits}"
+    check(case, out, lse, ref_out, ref_lse, what)
+    check_padding(case, out, lse, what)
 
 
 # ---------------------------------------------------------------------------------------------
