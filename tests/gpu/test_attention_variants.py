@@ -1,5 +1,9 @@
-"""GPU tests of the attention variants (issue #15) on the sm_80-path kernels: window, softcap, ALiBi,
-dropout, through tileattn.attention / attention_varlen (forward and backward, dense and varlen).
+"""GPU tests of the attention variants (issue #15): window, softcap, ALiBi, dropout, through
+tileattn.attention / attention_varlen (forward and backward, dense and varlen) on whatever kernels
+the dispatcher picks (on an H200: the Hopper forward for dense calls without dropout at d = 64, 128,
+256, whose lse the sm_80 variant backward then consumes; the sm_80 variant kernels otherwise; each
+failure message names the forward family), and the Hopper variant forward on its own (ForwardPlan
+with variants: lengths, GQA packing, windows, extreme softcap, fully masked rows; skipped off sm_90).
 
 Oracle: tileattn.reference in float64 with the same options, on the same quantized inputs; dropout
 against the reference with the same seed/offset (the reference builds its mask with
@@ -137,7 +141,19 @@ CASES = {
     "dropout": (False, {"dropout_p": 0.17, "seed": 1234, "offset": 8}, 1.0),
     "dropout_causal": (True, {"dropout_p": 0.5, "seed": (1 << 40) + 3, "offset": (1 << 33) + 4}, 1.0),
     "everything": (True, {"window": (48, 16), "softcap": 20.0, "alibi": "h", "dropout_p": 0.1, "seed": 77}, 1.0),
+    # Without dropout (on an H200 the Hopper forward, every variant flag at once, + the sm_80 backward).
+    "window_softcap_alibi": (True, {"window": (48, 16), "softcap": 20.0, "alibi": "bh"}, 2.0),
+    "window_unbounded": (False, {"window": (-1, -1)}, 1.0),  # a variant call with nothing on
 }
+
+
+def _forward_family(d, opts) -> str:
+    """The family the dispatcher runs a dense variant forward on (for failure messages)."""
+    from tileattn.kernels import dispatch
+    from tileattn.runtime import device_arch
+
+    return dispatch.variant_forward_family(device_arch(torch.cuda.current_device()), BF16, d,
+                                           opts.get("dropout_p", 0.0))
 
 
 def _opts(options, b, h):
@@ -159,7 +175,7 @@ def test_variants_match_reference(d, dtype, case):
     b, h, hkv, nq, nk = 2, 4, 2, 129, 200
     q, k, v, dout = make(b, h, hkv, nq, nk, d, dtype, seed=d * 31 + len(case), scale_inputs=scale_inputs)
     opts = _opts(options, b, h)
-    what = f"d={d} {dtype} {case} causal={causal} Nq={nq} Nk={nk}"
+    what = f"d={d} {dtype} {case} causal={causal} Nq={nq} Nk={nk} forward={_forward_family(d, opts)}"
     check(run_op(q, k, v, dout, causal, opts), run_ref(q, k, v, dout, causal, opts), dtype, what)
 
 
@@ -364,3 +380,138 @@ def test_sanitize_small(case, deterministic):
         out.backward(dv_)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all() and torch.isfinite(qv.grad).all(), "sanitize varlen: NaN"
+
+
+# ---------------------------------------------------------------------------------------------
+# The Hopper variant forward on its own (attention_fwd_sm90.ForwardPlan with variants)
+# ---------------------------------------------------------------------------------------------
+def _is_sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _is_sm90(), reason="the Hopper forward needs a compute capability 9.0 GPU")
+
+# (causal, options) of the Hopper cases; window sizes relative to N are chosen per test.
+SM90_CASES = {
+    "window_small": (False, {"window": (16, 7)}),
+    "window_causal": (True, {"window": (100, -1)}),
+    "softcap_extreme": (False, {"softcap": 5.0}),       # with inputs x8: |scale q.k| ~ 90, tanh saturated
+    "softcap_causal": (True, {"softcap": 30.0}),
+    "alibi_h": (False, {"alibi": "h"}),
+    "alibi_bh_window": (True, {"alibi": "bh", "window": (64, -1)}),
+    "all": (False, {"window": (40, 40), "softcap": 20.0, "alibi": "bh"}),
+}
+
+
+def run_sm90(q, k, v, causal, opts, *, pack_gqa=None):
+    """(out, lse) of the Hopper variant forward, outputs poisoned with NaN; checks the plan runs a
+    variant instantiation (or, for a call with nothing on, the plain kernel)."""
+    from tileattn import dropout as dr
+    from tileattn.kernels import attention_fwd_sm80, attention_fwd_sm90
+
+    left, right = dr.check_window(opts.get("window"), causal)
+    slopes = opts.get("alibi_slopes")
+    sb = None if slopes is None else dr.check_alibi(slopes, q.shape[0], q.shape[1], q.device, dtype_strict=True)
+    va = attention_fwd_sm80.VariantArgs(left, right, dr.check_softcap(opts.get("softcap")), sb, 0.0)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device=q.device, dtype=torch.float32)
+    plan = attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=False, scale=q.shape[-1] ** -0.5,
+                                          pack_gqa=pack_gqa, variants=va)
+    assert plan.variant_values == (attention_fwd_sm90.variant_flags(va) != 0)
+    plan.launch(q, k, v, out, lse, 0 if slopes is None else slopes.data_ptr(), 0, 0)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def check_sm90(q, k, v, causal, opts, dtype, what, *, pack_gqa=None):
+    got = run_sm90(q, k, v, causal, opts, pack_gqa=pack_gqa)
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    ref = reference.attention(q64, k64, v64, causal, compute_dtype=F64, **opts)
+    check((got[0], got[1], None), (ref[0], ref[1], None), dtype, what, grads=False)
+    return got, ref
+
+
+@needs_sm90
+@pytest.mark.parametrize("case", list(SM90_CASES))
+@pytest.mark.parametrize(
+    "nq, nk", [(1, 1), (1, 1000), (127, 129), (129, 127), (1000, 1000), (4097, 4097), (300, 100), (100, 300)])
+def test_sm90_variants_lengths(nq, nk, case):
+    causal, options = SM90_CASES[case]
+    b, h, d = 1, 2, 128
+    scale_inputs = 8.0 if case == "softcap_extreme" else 1.0
+    q, k, v, _ = make(b, h, h, nq, nk, d, BF16, seed=nq * 7 + nk, scale_inputs=scale_inputs)
+    check_sm90(q, k, v, causal, _opts(options, b, h), BF16, f"sm90 {case} causal={causal} Nq={nq} Nk={nk}")
+
+
+@needs_sm90
+@pytest.mark.parametrize("case", list(SM90_CASES))
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_sm90_variants_dims_dtypes_gqa(d, dtype, case):
+    causal, options = SM90_CASES[case]
+    b, h, hkv, nq, nk = 2, 4, 2, 129, 200
+    scale_inputs = 8.0 if case == "softcap_extreme" else 1.0
+    q, k, v, _ = make(b, h, hkv, nq, nk, d, dtype, seed=d + 3 * len(case), scale_inputs=scale_inputs)
+    check_sm90(q, k, v, causal, _opts(options, b, h), dtype, f"sm90 d={d} {dtype} {case} GQA {h}/{hkv}")
+
+
+@needs_sm90
+@pytest.mark.parametrize(
+    "n, window, causal",
+    [
+        (1000, (999, 999), False), (1000, (1000, 1000), False),  # window equal to N: every key
+        (1000, (5000, 5000), False), (1000, (5000, -1), True),   # larger than N
+        (1000, (0, 0), False),                                    # only the diagonal key
+        (4097, (127, 0), False), (4097, (128, 0), False),         # window edges on block edges
+        (4097, (4096, -1), True), (4097, (3, 200), False),
+    ],
+)
+def test_sm90_window_sizes(n, window, causal):
+    b, h, d = 1, 2, 128
+    q, k, v, _ = make(b, h, h, n, n, d, FP16, seed=n + window[0])
+    check_sm90(q, k, v, causal, {"window": window}, FP16, f"sm90 N={n} window={window} causal={causal}")
+
+
+@needs_sm90
+@pytest.mark.parametrize(
+    "nq, nk, window, causal",
+    [
+        (300, 100, (8, -1), True),   # rows 0..199 see no key
+        (200, 64, (0, 0), False),    # rows i < 136 see no key
+        (129, 1000, (0, 0), False),  # every row sees exactly one key
+        (64, 300, (10, -1), False),  # no row is fully masked, blocks below the window skipped
+    ],
+)
+@pytest.mark.parametrize("extra", [{}, {"softcap": 10.0, "alibi": "h"}], ids=["window", "window_softcap_alibi"])
+def test_sm90_fully_masked_rows(nq, nk, window, causal, extra):
+    b, h, d = 2, 2, 64
+    q, k, v, _ = make(b, h, h, nq, nk, d, BF16, seed=nq + 2 * nk)
+    opts = _opts({"window": window, **extra}, b, h)
+    (out, lse), (_, rlse) = check_sm90(q, k, v, causal, opts, BF16, f"sm90 Nq={nq} Nk={nk} window={window} {extra}")
+    masked = ~torch.isfinite(rlse)
+    assert torch.equal(lse[masked], torch.full_like(lse[masked], float("-inf"))), "masked rows: lse is not -inf"
+    assert (out[masked] == 0).all(), "masked rows: out is not exactly 0"
+
+
+@needs_sm90
+@pytest.mark.parametrize("pack_gqa", [True, False], ids=["packed", "unpacked"])
+@pytest.mark.parametrize("nq", [1, 5, 33, 129])
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_sm90_gqa_packing_per_head_alibi(hkv, nq, pack_gqa):
+    # Packed tiles hold H / Hkv heads: a thread's two rows can belong to different heads, each with its slope.
+    b, h, nk, d = 2, 8, 300, 128
+    q, k, v, _ = make(b, h, hkv, nq, nk, d, BF16, seed=nq + hkv)
+    opts = _opts({"alibi": "bh", "window": (50, -1), "softcap": 15.0}, b, h)
+    check_sm90(q, k, v, True, opts, BF16, f"sm90 GQA {h}/{hkv} Nq={nq} pack_gqa={pack_gqa}", pack_gqa=pack_gqa)
+
+
+@needs_sm90
+@pytest.mark.sanitize
+@pytest.mark.parametrize("case, nq, nk, pack_gqa", [("all", 33, 70, None), ("alibi_bh_window", 1, 70, True),
+                                                    ("window_causal", 70, 33, None)])
+def test_sm90_sanitize_small(case, nq, nk, pack_gqa):
+    causal, options = SM90_CASES[case]
+    b, h, hkv, d = 1, 4, 1, 64
+    q, k, v, _ = make(b, h, hkv, nq, nk, d, FP16, seed=13 + nq)
+    check_sm90(q, k, v, causal, _opts(options, b, h), FP16, f"sm90 sanitize {case} Nq={nq} Nk={nk}",
+               pack_gqa=pack_gqa)
