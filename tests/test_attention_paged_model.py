@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tileattn import reference
+from tileattn.dropout import check_window
 from tileattn.kernels import attention_paged_sm80 as paged
 
 LANES = np.arange(32)
@@ -100,10 +101,19 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
     nk_read = min(nk, cap)
     diag = nk - nq
     first_tok, last_tok = row0 // group, (min(row0 + bm, rows) - 1) // group
-    kv_end = max(0, min(nk_read, last_tok + diag + 1)) if p["causal"] else nk_read
-    unmasked_end = max(0, min(nk_read, first_tok + diag + 1)) if p["causal"] else nk_read
+    va = p["variants"]  # None: the plain kernel
+    first_tile = n_unmasked_first = 0
+    if va is None:
+        kv_end = max(0, min(nk_read, last_tok + diag + 1)) if p["causal"] else nk_read
+        unmasked_end = max(0, min(nk_read, first_tok + diag + 1)) if p["causal"] else nk_read
+    else:  # window_lo / window_hi of common/variants.cuh; union and intersection of the rows' windows
+        kv_end = max(0, min(nk_read, min(nk - 1, last_tok + diag + va["right"]) + 1))
+        unmasked_end = max(0, min(nk_read, min(nk - 1, first_tok + diag + va["right"]) + 1))
+        first_tile = max(0, first_tok + diag - va["left"]) // bn
+        n_unmasked_first = -(-max(0, last_tok + diag - va["left"]) // bn)
     tiles = -(-kv_end // bn)
-    visits = range(split, tiles, p["splits"])  # strided splits, increasing tiles
+    visits = range(first_tile + split, tiles, p["splits"])  # strided splits, increasing tiles
+    sl2 = p["scale_log2"] if va is None else 1.0  # variant logits are in log2 units already
     n_unmasked = unmasked_end // bn
     table = p["table"][b]
 
@@ -161,7 +171,33 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
                     for mt in range(m_tiles):
                         s[mt, 2 * npair] = mma(s[mt, 2 * npair], a[mt], bk[:, 0:2])
                         s[mt, 2 * npair + 1] = mma(s[mt, 2 * npair + 1], a[mt], bk[:, 2:4])
-            if n >= n_unmasked or tile_bad:
+            if va is not None:  # softcap or scale, ALiBi, window (+ length / capacity, invalid blocks)
+                masked = n < n_unmasked_first or n >= n_unmasked or tile_bad
+                key0 = n * bn + wn * warp_keys + 2 * T_OF  # [32]
+                for nb in range(warp_keys // 8):
+                    key = key0 + nb * 8
+                    page_ok = np.ones(32, bool)
+                    if tile_bad:
+                        page_ok = np.array([kk < kv_end and 0 <= table[kk // bs] < p["num_blocks"] for kk in key])
+                    for mt in range(m_tiles):
+                        for h in range(2):
+                            row = warp_row0 + 16 * mt + G_OF + 8 * h  # [32]
+                            pos = row // group + diag
+                            lo, hi = pos - va["left"], np.minimum(kv_end - 1, pos + va["right"])
+                            slope = 0.0
+                            if va["slopes"] is not None:
+                                slope = -LOG2E * va["slopes"][b, kv_head * group + row % group]
+                            for e in range(2):
+                                raw = s[mt, nb, :, 2 * h + e]
+                                if va["cap"] > 0:
+                                    x = va["cap"] * LOG2E * np.tanh(raw * p["scale_log2"] / LOG2E / va["cap"])
+                                else:
+                                    x = raw * p["scale_log2"]
+                                x = x + slope * np.abs(pos - (key + e))
+                                if masked:
+                                    x = np.where(~page_ok | (key + e < lo) | (key + e > hi), -np.inf, x)
+                                s[mt, nb, :, 2 * h + e] = x
+            elif n >= n_unmasked or tile_bad:
                 key0 = n * bn + wn * warp_keys + 2 * T_OF  # [32]
                 for nb in range(warp_keys // 8):
                     key = key0 + nb * 8
@@ -180,7 +216,7 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
             for mt in range(m_tiles):
                 for h in range(2):
                     mx = np.max(s[mt, :, :, 2 * h : 2 * h + 2], axis=(0, 2))  # [32]
-                    blk[mt, h] = quad(mx, np.max) * p["scale_log2"]
+                    blk[mt, h] = quad(mx, np.max) * sl2
             if np.any(blk - st["shift"] > 8.0):
                 new = np.maximum(st["shift"], blk)
                 alpha = np.exp2(st["shift"] - new)
@@ -190,7 +226,7 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
             pfrag = np.zeros((m_tiles, warp_keys // 16, 32, 4, 2))
             for mt in range(m_tiles):
                 for nb in range(warp_keys // 8):
-                    pe = np.stack([np.exp2(s[mt, nb, :, e] * p["scale_log2"] - st["shift"][mt, e >> 1])
+                    pe = np.stack([np.exp2(s[mt, nb, :, e] * sl2 - st["shift"][mt, e >> 1])
                                    for e in range(4)], axis=1)
                     st["sum"][mt, 0] += pe[:, 0] + pe[:, 1]
                     st["sum"][mt, 1] += pe[:, 2] + pe[:, 3]
@@ -236,7 +272,8 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
                     (lse if p["splits"] == 1 else lse_part[split])[head, tok] = row_lse
 
 
-def model(case, cfg, splits, causal=True):
+def model(case, cfg, splits, causal=True, variants=None):
+    """`variants`: None or reference-style options (window, softcap, alibi_slopes): the variant kernel."""
     q, k_cache, v_cache, table, cu, seqlens, max_q = case
     tq, heads, d = q.shape
     kv_heads = k_cache.shape[2]
@@ -244,7 +281,13 @@ def model(case, cfg, splits, causal=True):
     p = {"q": q.double().numpy(), "k_cache": k_cache.double().numpy(), "v_cache": v_cache.double().numpy(),
          "table": table.tolist(), "cu": cu.tolist(), "seqlens": seqlens.tolist(), "group": group,
          "block_size": k_cache.shape[1], "max_blocks": table.shape[1], "num_blocks": k_cache.shape[0],
-         "causal": causal, "splits": splits, "scale_log2": LOG2E / math.sqrt(d), "dtype": q.dtype}
+         "causal": causal, "splits": splits, "scale_log2": LOG2E / math.sqrt(d), "dtype": q.dtype, "variants": None}
+    if variants is not None:  # as api_paged: causal folded into the window, slopes as [B, H]
+        left, right = check_window(variants.get("window"), causal)
+        slopes = variants.get("alibi_slopes")
+        if slopes is not None:
+            slopes = slopes.double().expand(table.shape[0], heads).numpy()
+        p["variants"] = {"left": left, "right": right, "cap": float(variants.get("softcap") or 0.0), "slopes": slopes}
     out = np.full((tq, heads, d), np.nan)
     lse = np.full((heads, tq), np.nan)
     o_part = np.full((splits, tq, heads, d), np.nan)
@@ -288,11 +331,12 @@ def make_case(seqs, heads, kv_heads, d, block_size, seed, dtype=torch.bfloat16):
     return q, k_cache, v_cache, table, cu, seqlens, max(nq for nq, _ in seqs)
 
 
-def check(case, cfg, splits, causal=True):
+def check(case, cfg, splits, causal=True, variants=None):
     q, k_cache, v_cache, table, cu, seqlens, max_q = case
-    out, lse = model(case, cfg, splits, causal)
+    out, lse = model(case, cfg, splits, causal, variants)
     ref_out, ref_lse = reference.attention_paged(q, k_cache, v_cache, table, cu, seqlens, max_q, 10**6,
-                                                 causal=causal, return_lse=True, compute_dtype=torch.float64)
+                                                 causal=causal, return_lse=True, compute_dtype=torch.float64,
+                                                 **(variants or {}))
     ref_out, ref_lse = ref_out.numpy(), ref_lse.numpy()
     assert not np.isnan(out).any() and not np.isnan(lse).any(), "a row was not written"
     err = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
@@ -342,3 +386,32 @@ def test_model_other_head_dims(head_dim):
     case = make_case([(9, 40)], 16, 1, head_dim, 16, seed=head_dim + 1)  # 144 rows: the prefill layout
     for cfg in dict.fromkeys(paged.configs(head_dim, arch)[2] for arch in ("sm_80", "sm_90a")):
         check(case, cfg, 1)
+
+
+MODEL_VARIANTS = {
+    "window": {"window": (20, 0)},  # smaller than the lengths: tiles before it skipped
+    "window_right": {"window": (9, 3)},
+    "window_zero": {"window": (0, 0)},
+    "softcap": {"softcap": 0.7},
+    "alibi_bh": {"alibi_slopes": "bh"},
+    "all": {"window": (30, 5), "softcap": 2.0, "alibi_slopes": "h"},
+}
+
+
+@pytest.mark.parametrize("name", list(MODEL_VARIANTS))
+@pytest.mark.parametrize("layout", [0, 1, 2])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_model_variants(name, layout, splits):
+    """The variant kernel's key range (first tile from the window, strided splits from there), its
+    per-tile mask decision and logits against the reference with the same options; causal and not;
+    a sequence with more queries than keys (rows without keys) and an invalid block id."""
+    heads, kv_heads = (8, 2) if layout < 2 else (4, 4)
+    seqs = [(1, 150), (3, 70), (0, 5), (4, 2)] if layout < 2 else [(33, 200), (1, 20), (40, 25)]
+    case = make_case(seqs, heads, kv_heads, 64, 16, seed=100 + layout * 10 + splits)
+    case[3][1, 1] = -5  # keys 16..31 of sequence 1: an invalid block inside the windows
+    options = dict(MODEL_VARIANTS[name])
+    if "alibi_slopes" in options:
+        shape = (heads,) if options["alibi_slopes"] == "h" else (len(seqs), heads)
+        options["alibi_slopes"] = torch.rand(shape, generator=torch.Generator().manual_seed(layout)) * 0.5
+    for causal in (True, False):
+        check(case, paged.CONFIGS[64][layout], splits, causal, options)
