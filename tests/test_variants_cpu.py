@@ -391,8 +391,8 @@ def test_variants_trace_as_one_custom_op_with_autograd():
         slopes = torch.empty(4, dtype=torch.float32, device="cuda")
         out = compiled(q, k, k, slopes)
         assert out.shape == q.shape and out.dtype == torch.bfloat16
-        with pytest.raises(NotImplementedError, match="dropout_p"):
-            tileattn.attention(q, k, k, dropout_p=0.1, seed=1)
+        with pytest.raises(NotImplementedError, match="generator"):
+            tileattn.attention(q, k, k, dropout_p=0.1, generator=torch.Generator())
         with pytest.raises(ValueError, match="alibi_slopes must be float32"):
             tileattn.attention(q, k, k, alibi_slopes=slopes.double())
     code = graphs[0].code
@@ -405,6 +405,52 @@ def test_variants_trace_as_one_custom_op_with_autograd():
     assert out.requires_grad and not lse.requires_grad
     out.float().sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_dropout_traces_as_one_custom_op_with_its_rng_state():
+    import re
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def drawn(q, k, v):  # seed drawn at run time inside the op
+        return tileattn.attention(q, k, v, True, dropout_p=0.1, window=(8, -1))
+
+    def seeded(q, k, v):  # a fixed (uint64) seed: a constant rng tensor of the graph
+        return tileattn.attention(q, k, v, dropout_p=0.25, seed=(1 << 64) - 1, offset=12)
+
+    with FakeTensorMode():
+        q = torch.empty(1, 4, 33, 64, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(1, 2, 40, 64, dtype=torch.bfloat16, device="cuda")
+        for f in (drawn, seeded):
+            out = torch.compile(f, backend=capture, fullgraph=True)(q, k, k)
+            assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert len(graphs) == 2
+    for gm in graphs:
+        assert len(re.findall(r"tileattn\.attention_dropout_fwd", gm.code)) == 1, gm.code
+        assert "attention_variants_fwd" not in gm.code, gm.code
+    assert "None, 0.125, False, 8, 0, 0.0, 0.1" in graphs[0].code, graphs[0].code  # rng None: drawn in the op
+
+    q, k, v = (torch.empty(2, 4, 20, 64, dtype=torch.bfloat16, device="meta").requires_grad_() for _ in range(3))
+    out, lse, rng = torch.ops.tileattn.attention_dropout_fwd(q, k, v, None, None, 0.125, False, 3, 0, 0.0, 0.1)
+    assert out.requires_grad and not lse.requires_grad and not rng.requires_grad
+    assert rng.shape == (2,) and rng.dtype == torch.int64 and rng.device.type == "cpu"
+    out.float().sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+@pytest.mark.parametrize("seed, offset", [(0, 0), ((1 << 63) - 1, 4), (1 << 63, (1 << 64) - 4), ((1 << 64) - 1, 8)])
+def test_dropout_rng_state_round_trips_uint64(seed, offset):
+    from tileattn.api import _rng_tensor, _rng_values
+
+    t = _rng_tensor(seed, offset)
+    assert t.dtype == torch.int64 and t.device.type == "cpu"
+    assert _rng_values(t) == (seed, offset), t
 
 
 def test_varlen_variants_trace_with_autograd():

@@ -111,8 +111,9 @@ def attention(
             16-byte aligned; tensors on different devices or not on a CUDA device; a malformed window,
             softcap, alibi_slopes (shape, dtype, device, layout), dropout_p, generator, seed or offset;
             with any variant, Nq or Nk above 2^28.
-        NotImplementedError: dropout_p > 0 under torch.compile / fake tensors (eager only for now;
-            window, softcap and ALiBi trace as the tileattn::attention_variants_* custom ops).
+        NotImplementedError: dropout_p > 0 with a `generator` under torch.compile / fake tensors
+            (window, softcap and ALiBi trace as the tileattn::attention_variants_* custom ops, dropout
+            as tileattn::attention_dropout_*, with seed/offset or the default CUDA generator).
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
     causal, deterministic = bool(causal), bool(deterministic)
@@ -417,10 +418,15 @@ def _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, 
             dr.check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device, dtype_strict=True)
         _check_args(q, k, v, scale)
         dr.check_variant_lengths(q.shape[2], k.shape[2])
-        if p > 0:
-            raise NotImplementedError("dropout_p under torch.compile / fake tensors is not supported yet (its seed "
-                                      "is drawn per call on the host); run the call eagerly")
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        if p > 0:
+            if generator is not None:
+                raise NotImplementedError("dropout_p with a generator under torch.compile / fake tensors: pass seed "
+                                          "(and offset), or neither (the default CUDA generator), or run eagerly")
+            rng = None if seed is None else _rng_tensor(seed, offset or 0)
+            out, lse, _ = torch.ops.tileattn.attention_dropout_fwd(q, k, v, alibi_slopes, rng, scale, deterministic,
+                                                                   left, right, cap, p)
+            return out, lse
         return torch.ops.tileattn.attention_variants_fwd(q, k, v, alibi_slopes, scale, deterministic, left, right, cap)
     alibi_key = None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
                                                    alibi_slopes.get_device())
@@ -529,13 +535,14 @@ def _attention_variants_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, scale, d
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _variant_op_entry(q, k, v, alibi_slopes, scale, left, right, softcap) -> _VariantEntry:
+def _variant_op_entry(q, k, v, alibi_slopes, scale, left, right, softcap, dropout_p=0.0) -> _VariantEntry:
     alibi_key = None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
                                                    alibi_slopes.get_device())
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
            q.get_device(), k.get_device(), v.get_device(), False, scale, "variants", (left, right), softcap,
-           alibi_key, 0.0)
-    return _cached_entry(key, lambda: _VariantEntry(q, k, v, False, scale, (left, right), softcap, alibi_slopes, 0.0))
+           alibi_key, dropout_p)
+    return _cached_entry(key, lambda: _VariantEntry(q, k, v, False, scale, (left, right), softcap, alibi_slopes,
+                                                    dropout_p))
 
 
 def _variants_setup_context(ctx, inputs, output) -> None:
@@ -553,6 +560,84 @@ def _variants_backward_op(ctx, dout, _dlse):
 
 
 _attention_variants_fwd.register_autograd(_variants_backward_op, setup_context=_variants_setup_context)
+
+
+# Dropout on the traced path. The Philox seed and offset travel as a CPU int64 tensor [2] (the uint64
+# values in two's complement), as the rng state of PyTorch's own flash-attention ops does: `rng` is
+# either given (seed/offset ints: a constant of the traced graph, the same mask on every call) or None,
+# and then drawn inside the implementation, at run time, from the default CUDA generator of q's
+# device (a new mask per call; the generator's Philox offset advances by 4 as on the eager path).
+# The forward returns the state it used and the backward takes it, so both apply the same mask.
+# Under CUDA graph capture the draw happens once, at capture: every replay reuses that mask.
+_U64 = 1 << 64
+
+
+def _rng_tensor(seed: int, offset: int) -> Tensor:
+    """[seed, offset] as int64 (two's complement of the uint64 values), on the CPU."""
+    return torch.tensor([(x + (1 << 63)) % _U64 - (1 << 63) for x in (int(seed), int(offset))], dtype=torch.int64)
+
+
+def _rng_values(rng: Tensor) -> tuple[int, int]:
+    seed, offset = rng.tolist()
+    return seed % _U64, offset % _U64
+
+
+@torch.library.custom_op("tileattn::attention_dropout_fwd", mutates_args=(), device_types="cuda")
+def _attention_dropout_fwd(
+    q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], rng: Optional[Tensor], scale: float,
+    deterministic: bool, window_left: int, window_right: int, softcap: float, dropout_p: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out [B, H, Nq, d], lse [B, H, Nq] fp32, rng state int64 [2] on the CPU) with dropout (and any
+    other variant); rng: the [seed, offset] to use, or None to draw them (see above)."""
+    from . import dropout as dr
+
+    seed, offset = dr.draw_seed(None, None, None, q.device) if rng is None else _rng_values(rng)
+    entry = _variant_op_entry(q, k, v, alibi_slopes, scale, window_left, window_right, softcap, dropout_p)
+    out, lse = _variant_forward(entry, q, k, v, (0 if alibi_slopes is None else alibi_slopes.data_ptr(), seed, offset))
+    return out, lse, _rng_tensor(seed, offset)
+
+
+@_attention_dropout_fwd.register_fake
+def _attention_dropout_fwd_fake(q, k, v, alibi_slopes, rng, scale, deterministic, window_left, window_right, softcap,
+                                dropout_p):
+    return (torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32),
+            torch.empty(2, dtype=torch.int64, device="cpu"))
+
+
+@torch.library.custom_op("tileattn::attention_dropout_bwd", mutates_args=(), device_types="cuda")
+def _attention_dropout_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, alibi_slopes: Optional[Tensor],
+    rng: Tensor, scale: float, deterministic: bool, window_left: int, window_right: int, softcap: float,
+    dropout_p: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of attention_dropout_fwd, with the rng state it returned."""
+    seed, offset = _rng_values(rng)
+    entry = _variant_op_entry(q, k, v, alibi_slopes, scale, window_left, window_right, softcap, dropout_p)
+    extra = (0 if alibi_slopes is None else alibi_slopes.data_ptr(), seed, offset)
+    return _backward(entry, dout, q, k, v, out, lse, deterministic, extra)
+
+
+@_attention_dropout_bwd.register_fake
+def _attention_dropout_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, rng, scale, deterministic, window_left,
+                                window_right, softcap, dropout_p):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _dropout_setup_context(ctx, inputs, output) -> None:
+    q, k, v, alibi_slopes, _rng, scale, deterministic, window_left, window_right, softcap, dropout_p = inputs
+    out, lse, rng_used = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_used)
+    ctx.args = (scale, deterministic, window_left, window_right, softcap, dropout_p)
+    ctx.mark_non_differentiable(lse, rng_used)
+
+
+def _dropout_backward_op(ctx, dout, _dlse, _drng):
+    q, k, v, out, lse, alibi_slopes, rng_used = ctx.saved_tensors
+    dq, dk, dv = torch.ops.tileattn.attention_dropout_bwd(dout, q, k, v, out, lse, alibi_slopes, rng_used, *ctx.args)
+    return (dq, dk, dv) + (None,) * 8
+
+
+_attention_dropout_fwd.register_autograd(_dropout_backward_op, setup_context=_dropout_setup_context)
 
 @torch.library.custom_op("tileattn::attention_fwd", mutates_args=(), device_types="cuda")
 def _attention_fwd(
