@@ -9,19 +9,26 @@ text ends in U+FFFD (an incomplete character) is not consumed: the next token co
 from __future__ import annotations
 
 
-def detokenize(tokenizer, seqs) -> list[str]:
-    """Append the text of each sequence's newest tokens to seq.text; returns the added text."""
+def detokenize(tokenizer, seqs, ends=None, final: bool = False) -> list[str]:
+    """Append the text of each sequence's newest tokens (up to ends[i], default all) to seq.text;
+    returns the added text. final: the sequences end here (offline runs decode their text once, at
+    the end): a trailing incomplete character is dropped instead of waited for, which leaves the
+    text a token-by-token run would have ended with (it never shows an incomplete last character)."""
+    if ends is None:
+        ends = [len(seq.token_ids) for seq in seqs]
     groups: dict[bool, list] = {}
-    for seq in seqs:
-        groups.setdefault(seq.params.skip_special_tokens, []).append(seq)
+    for seq, end in zip(seqs, ends):
+        groups.setdefault(seq.params.skip_special_tokens, []).append((seq, end))
     added = {}
     for skip, group in groups.items():
-        before = tokenizer.decode_batch([s.token_ids[s.prefix_offset:s.read_offset] for s in group], skip)
-        after = tokenizer.decode_batch([s.token_ids[s.prefix_offset:] for s in group], skip)
-        for seq, old, new in zip(group, before, after):
+        before = tokenizer.decode_batch([s.token_ids[s.prefix_offset:s.read_offset] for s, _ in group], skip)
+        after = tokenizer.decode_batch([s.token_ids[s.prefix_offset:end] for s, end in group], skip)
+        for (seq, end), old, new in zip(group, before, after):
+            if final:
+                new = new.rstrip("\ufffd")
             if len(new) > len(old) and not new.endswith("\ufffd"):
                 added[seq] = new[len(old):]
-                seq.prefix_offset, seq.read_offset = seq.read_offset, seq.num_tokens
+                seq.prefix_offset, seq.read_offset = seq.read_offset, end
             else:
                 added[seq] = ""
             seq.text += added[seq]

@@ -172,51 +172,71 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        decode = sum(1 for seq, n in scheduled if n == 1 and seq.num_output_tokens > 0
-                     and seq.num_computed_tokens == seq.num_tokens - 1)
         prof.lap("schedule")
         with self._guard():
             result = self.runner.execute(scheduled)
+        bm, size = self.block_manager, self.block_manager.block_size
+        decode = total = 0
         for seq, n in scheduled:
-            seq.num_computed_tokens += n
-            self.block_manager.register_full_blocks(seq)
+            total += n
+            computed = seq.num_computed_tokens
+            # A decode feeds a sequence's last token, which it sampled itself (not a prompt token).
+            decode += n == 1 and computed == len(seq.token_ids) - 1 and computed >= seq.num_prompt_tokens
+            seq.num_computed_tokens = computed = computed + n
+            if computed // size > seq.num_hashed_blocks:  # a block filled up: into the prefix cache
+                bm.register_full_blocks(seq)
         for seq, entries in result.prompt_logprobs.items():
             seq.request.prompt_logprobs += entries
-        touched, to_detokenize, finished = {}, [], []
+        # finished_only (offline): text that no step returns is decoded once, when its sequence
+        # finishes, unless stop strings need it every step; streaming decodes every step.
+        touched, to_detokenize, finished, catch_up = {}, [], [], []
         now = time.time()
+        eos, max_model_len = self.eos_token_ids, self.max_model_len
         for seq, token, logprobs in result.sampled:
             request = seq.request
-            touched[request.request_id] = request
-            request.first_token_time = request.first_token_time or now
-            seq.token_ids.append(token)
+            if not finished_only:
+                touched[request.request_id] = request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            tokens = seq.token_ids
+            tokens.append(token)
             if seq.logprobs is not None:
                 seq.logprobs.append(logprobs)
             params = seq.params
-            if token in self.eos_token_ids and not params.ignore_eos:
+            lazy = finished_only and not params.stop
+            if token in eos and not params.ignore_eos:
                 seq.finish_reason = "stop"  # stop_reason None: the model's own end
             elif params.stop_token_ids and token in params.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
             else:
-                to_detokenize.append(seq)
-                if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                if len(tokens) - seq.num_prompt_tokens >= params.max_tokens or len(tokens) >= max_model_len:
                     seq.finish_reason = "length"
+                if not lazy:
+                    to_detokenize.append(seq)
+                elif seq.finish_reason is not None:
+                    catch_up.append((seq, len(tokens)))
             if seq.finish_reason is not None:
                 finished.append(seq)
+                if lazy and seq.finish_reason == "stop":  # the stop token itself adds no text
+                    catch_up.append((seq, len(tokens) - 1))
         for seq, new_text in zip(to_detokenize, detokenize(self.tokenizer, to_detokenize)):
             stop = find_stop(seq, new_text)
             if stop is not None:
                 if seq.finish_reason is None:
                     finished.append(seq)
                 seq.finish_reason, seq.stop_reason = "stop", stop
+        if catch_up:
+            detokenize(self.tokenizer, [seq for seq, _ in catch_up], [end for _, end in catch_up], final=True)
         for seq in finished:
             self.scheduler.finish(seq)
+            if finished_only:
+                touched[seq.request.request_id] = seq.request
         outputs = [self._output(request) for request in touched.values()
                    if request.finished or not finished_only]
         for request in touched.values():
             if request.finished:
                 request.finished_time = now
                 del self.requests[request.request_id]
-        total = sum(n for _, n in scheduled)
         self.last_step = {"prefill_tokens": total - decode, "decode_tokens": decode,
                           "seconds": time.perf_counter() - start}
         prof.lap("postprocess")

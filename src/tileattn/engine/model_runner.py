@@ -22,6 +22,7 @@ sampled rows are gathered on rank 0, which samples.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +94,7 @@ class ModelRunner:
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]  # [blocks, bs, Hkv, d]
         self.graphs: dict[int, tuple] = {}
+        self._staging = _Staging(1 << 20) if device.type == "cuda" else None  # eager steps' inputs
         if device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
 
@@ -200,24 +202,61 @@ class ModelRunner:
         """The step on this rank: (hidden [T, hidden], logits [N, vocab] of inputs' sample rows on
         rank 0, else None). graph: the captured batch size to replay, 0 for eager."""
         prof = self.profiler
-        to = self._to_device
-        batch = AttentionBatch(
-            cu_seqlens_q=to(inputs["cu_seqlens_q"]), seqlens_k=to(inputs["seqlens_k"]),
-            block_tables=to(inputs["block_tables"]), slot_mapping=to(inputs["slot_mapping"]),
-            max_seqlen_q=inputs["max_seqlen_q"], max_seqlen_k=inputs["max_seqlen_k"])
-        ids, positions = to(inputs["input_ids"]), to(inputs["positions"])
-        rows = inputs["sample_rows"]
-        rows = to(rows) if rows.numel() else None
-        prof.lap("h2d")
-        prof.record(0)
+        count = inputs["seqlens_k"].shape[0]
         if graph:
-            hidden = self._replay(self.graphs[graph], batch.seqlens_k.shape[0], ids, positions, batch)
+            self._stage_static(inputs, count, graph)
+            prof.lap("h2d")
+            prof.record(0)
+            replay, out, _ = self.graphs[graph]
+            replay.replay()
+            hidden = out[:count]  # [B, hidden]
+            rows = inputs["sample_rows"]
+            rows = rows.to(self.device) if 0 < rows.shape[0] < count else None  # a decode budget cut
         else:
-            hidden = self.model(ids, positions, batch)  # [T, hidden]
-        logits = self.model.compute_logits(hidden[rows]) if rows is not None else None
+            dev = self._upload(inputs)
+            batch = AttentionBatch(cu_seqlens_q=dev["cu_seqlens_q"], seqlens_k=dev["seqlens_k"],
+                                   block_tables=dev["block_tables"], slot_mapping=dev["slot_mapping"],
+                                   max_seqlen_q=inputs["max_seqlen_q"], max_seqlen_k=inputs["max_seqlen_k"])
+            prof.lap("h2d")
+            prof.record(0)
+            hidden = self.model(dev["input_ids"], dev["positions"], batch)  # [T, hidden]
+            rows = dev["sample_rows"]
+        logits = None
+        if inputs["sample_rows"].shape[0]:
+            # Every token sampled (decode): the sample rows are 0..T-1 in order, no gather needed.
+            whole = inputs["sample_rows"].shape[0] == hidden.shape[0]
+            logits = self.model.compute_logits(hidden if whole else hidden[rows])
         prof.record(1)
         prof.lap("forward")
         return hidden, logits
+
+    def _upload(self, inputs) -> dict:
+        """The step's index tensors on the device. On CUDA they are packed into a pinned staging
+        buffer and cross PCIe in one copy (one DMA instead of seven, no pinned allocation per
+        step); eager decode steps get the full-width block table the graphs use (see prepare_inputs)."""
+        tables = inputs["block_tables"]
+        if inputs["max_seqlen_q"] == 1 and tables.shape[1] < self.max_blocks_per_seq:
+            wide = torch.zeros(tables.shape[0], self.max_blocks_per_seq, dtype=torch.int32)
+            wide[:, :tables.shape[1]] = tables
+            inputs = {**inputs, "block_tables": wide}
+        if self.device.type != "cuda":
+            return inputs
+        arrays = [inputs[key].numpy() for key in _UPLOAD_KEYS]  # int64 ones first: offsets stay aligned
+        nbytes = sum(a.nbytes for a in arrays)
+        pinned, host = self._staging.take(nbytes)
+        device = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        out, offset = {}, 0
+        for key, array in zip(_UPLOAD_KEYS, arrays):
+            host[offset:offset + array.nbytes].view(array.dtype).reshape(array.shape)[...] = array
+            out[key] = device[offset:offset + array.nbytes].view(_TORCH_DTYPES[array.dtype.char]).view(array.shape)
+            offset += array.nbytes
+        device.copy_(pinned[:nbytes], non_blocking=True)
+        self._staging.copied()
+        return out
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A small tensor off the hot path (prompt-logprob rows) to the device."""
+        return t.to(self.device)
 
     def _score(self, hidden, rows, targets, top_n) -> list[dict]:
         out = []
@@ -247,59 +286,69 @@ class ModelRunner:
                 raise RuntimeError(f"tensor-parallel worker rank {self.tp.rank}: unknown command {cmd}")
 
     def prepare_inputs(self, scheduled) -> dict:
-        """Packed inputs of a step as host tensors (built as Python lists; _forward copies each to
-        the device once), plus the sequences to sample and the prompt rows to score."""
-        size = self.block_size
-        ids, positions, slots, cu, seqlens, sample_rows, sample_seqs, prompt_rows = [], [], [], [0], [], [], [], []
-        max_q = max_k = max_blocks = 0
-        for seq, n in scheduled:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            table = seq.block_table
-            pos = start
-            while pos < end:  # one contiguous slot range per block touched
-                block = pos // size
-                stop = min(end, (block + 1) * size)
-                base = table[block] * size - block * size
-                slots += range(base + pos, base + stop)
-                pos = stop
-            cu.append(cu[-1] + n)
-            seqlens.append(end)
-            max_q, max_k, max_blocks = max(max_q, n), max(max_k, end), max(max_blocks, len(table))
-            if end == seq.num_tokens:
-                sample_rows.append(cu[-1] - 1)
-                sample_seqs.append(seq)
+        """Packed inputs of a step as host tensors (built with numpy from a few per-sequence reads;
+        _forward copies them to the device in one transfer), plus the sequences to sample and the
+        prompt rows to score. The block table is as wide as the longest sequence's (used_blocks)."""
+        size, count = self.block_size, len(scheduled)
+        seqs = [seq for seq, _ in scheduled]
+        counts = np.fromiter((n for _, n in scheduled), np.int64, count)  # [B]
+        starts = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int64, count)  # [B]
+        ends = starts + counts  # [B]
+        cu = np.zeros(count + 1, np.int64)  # [B + 1]
+        np.cumsum(counts, out=cu[1:])
+        total, max_q = int(cu[-1]), int(counts.max())
+        starts_list = starts.tolist()
+        if max_q == 1:  # decode (or one-token chunks): token p of each sequence, at position p
+            ids = np.fromiter((seq.token_ids[p] for seq, p in zip(seqs, starts_list)), np.int64, count)
+            positions, owner = starts, np.arange(count)
+        else:
+            ids = np.fromiter(itertools.chain.from_iterable(
+                seq.token_ids[a:b] for seq, a, b in zip(seqs, starts_list, ends.tolist())), np.int64, total)
+            owner = np.repeat(np.arange(count), counts)  # [T] the sequence of each token
+            positions = np.arange(total) - (cu[:-1] - starts)[owner]  # [T]
+        tables = self._block_tables(seqs)  # [B, used] int32
+        slots = tables[owner, positions // size].astype(np.int64) * size + positions % size  # [T]
+        lengths = np.fromiter((len(seq.token_ids) for seq in seqs), np.int64, count)
+        sampled = ends == lengths  # [B] the chunk reaches the sequence's last token
+        sample_rows = cu[1:][sampled] - 1  # [N]
+        sample_seqs = seqs if sampled.all() else [seq for seq, s in zip(seqs, sampled.tolist()) if s]
+        prompt_rows = []
+        for row, seq in enumerate(seqs):
             scored = seq.request.prompt_logprobs  # position p scores prompt token p + 1
-            if seq.index == 0 and scored is not None:
-                first, last = len(scored) - 1, min(end, seq.num_prompt_tokens - 1)
-                if start <= first < last:  # positions first..last-1 are in this chunk, unscored
-                    prompt_rows.append((seq, list(range(cu[-2] + first - start, cu[-2] + last - start)),
-                                        seq.token_ids[first + 1:last + 1]))
-        used_blocks = max_blocks
-        if max_q == 1:
-            # Decode: the full-width table the CUDA graphs use, so the kernel's split-KV choice
-            # (made from the table's capacity, not the lengths) is the same eager or replayed and
-            # a sequence's numerics never depend on its neighbours' lengths.
-            max_blocks = self.max_blocks_per_seq
-        tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-        for row, (seq, _) in enumerate(scheduled):
-            tables[row, :len(seq.block_table)] = seq.block_table
-        return {"input_ids": torch.tensor(ids, dtype=torch.int64),  # [T]
-                "positions": torch.tensor(positions, dtype=torch.int64),  # [T]
-                "slot_mapping": torch.tensor(slots, dtype=torch.int64),  # [T]
-                "cu_seqlens_q": torch.tensor(cu, dtype=torch.int32),  # [B + 1]
-                "seqlens_k": torch.tensor(seqlens, dtype=torch.int32),  # [B]
-                "block_tables": torch.from_numpy(tables),  # [B, W] int32
-                "sample_rows": torch.tensor(sample_rows, dtype=torch.int64),  # [N]
-                "max_seqlen_q": max_q, "max_seqlen_k": max_k,
-                "used_blocks": used_blocks,  # columns of block_tables any sequence fills (the rest: 0)
+            if scored is None or seq.index != 0:
+                continue
+            start, end = starts_list[row], int(ends[row])
+            first, last = len(scored) - 1, min(end, seq.num_prompt_tokens - 1)
+            if start <= first < last:  # positions first..last-1 are in this chunk, unscored
+                base = int(cu[row]) - start
+                prompt_rows.append((seq, list(range(base + first, base + last)), seq.token_ids[first + 1:last + 1]))
+        return {"input_ids": torch.from_numpy(ids),  # [T] int64
+                "positions": torch.from_numpy(positions),  # [T] int64
+                "slot_mapping": torch.from_numpy(slots),  # [T] int64
+                "cu_seqlens_q": torch.from_numpy(cu.astype(np.int32)),  # [B + 1]
+                "seqlens_k": torch.from_numpy(ends.astype(np.int32)),  # [B]
+                "block_tables": torch.from_numpy(tables),  # [B, used] int32
+                "sample_rows": torch.from_numpy(sample_rows),  # [N] int64
+                "max_seqlen_q": max_q, "max_seqlen_k": int(ends.max()),
+                "used_blocks": tables.shape[1],  # columns of block_tables any sequence fills
                 "sample_seqs": sample_seqs, "prompt_rows": prompt_rows}
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+    def _block_tables(self, seqs) -> np.ndarray:
+        """[B, used] int32 block tables (zero-padded), used = the longest table. Each sequence keeps
+        its table as a numpy row (Sequence.table_row) updated only when blocks were added, so a
+        step costs one stack instead of a list-to-array conversion per sequence."""
+        used = max(len(seq.block_table) for seq in seqs)
+        rows = []
+        for seq in seqs:
+            table, cached = seq.block_table, seq.table_row
+            if cached is None or cached[0] is not table or cached[1] > len(table):
+                cached = (table, 0, np.zeros(self.max_blocks_per_seq, np.int32))
+            if cached[1] != len(table):
+                cached[2][cached[1]:len(table)] = table[cached[1]:]
+                cached = (table, len(table), cached[2])
+            seq.table_row = cached
+            rows.append(cached[2][:used])
+        return np.stack(rows)
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
 
@@ -318,16 +367,60 @@ class ModelRunner:
 
     def make_static_inputs(self) -> None:
         """The graphs' input buffers, sized for the largest; a graph of size b reads rows [:b].
-        Padded rows keep slot -1 (no cache write) and key length 1 (a valid, ignored read)."""
-        largest, device = self.max_num_seqs, self.device
-        self.static = {
-            "input_ids": torch.zeros(largest, dtype=torch.int64, device=device),
-            "positions": torch.zeros(largest, dtype=torch.int64, device=device),
-            "slot_mapping": torch.full((largest,), -1, dtype=torch.int64, device=device),
-            "seqlens_k": torch.ones(largest, dtype=torch.int32, device=device),
-            "block_tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32, device=device),
-            "cu_seqlens_q": torch.arange(largest + 1, dtype=torch.int32, device=device),
-        }
+        Padded rows keep slot -1 (no cache write) and key length 1 (a valid, ignored read).
+        All of them are views of one byte buffer laid out as _static_layout says, block tables
+        last, so a step's inputs for a graph of size b arrive in one copy of its first bytes."""
+        layout, nbytes = self._static_layout()
+        self.static_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        self.static = {name: self.static_bytes[offset:offset + nbytes].view(dtype).view(shape)
+                       for name, dtype, shape, offset, nbytes in layout}
+        self._static_tables_offset = layout[-1][3]
+        if self.device.type == "cuda":
+            # Two pinned copies of the buffer in turn, each starting as the initial state.
+            self._static_staging = _Staging(nbytes)
+            self._static_host = [_numpy_views(host, layout) for host in self._static_staging.arrays]
+        else:  # the CPU writes the buffers themselves
+            self._static_host = [_numpy_views(self.static_bytes.numpy(), layout)]
+        for views in self._static_host:
+            views["slot_mapping"][:] = -1
+            views["seqlens_k"][:] = 1
+            views["cu_seqlens_q"][:] = np.arange(self.max_num_seqs + 1)
+
+    def _static_layout(self):
+        """[(name, torch dtype, shape, byte offset, bytes)] of the static inputs, and their total."""
+        largest, width = self.max_num_seqs, self.max_blocks_per_seq
+        fields = [("input_ids", torch.int64, (largest,)), ("positions", torch.int64, (largest,)),
+                  ("slot_mapping", torch.int64, (largest,)), ("seqlens_k", torch.int32, (largest,)),
+                  ("cu_seqlens_q", torch.int32, (largest + 1,)), ("block_tables", torch.int32, (largest, width))]
+        layout, offset = [], 0
+        for name, dtype, shape in fields:
+            element = torch.empty((), dtype=dtype).element_size()
+            offset = -(-offset // 8) * 8
+            nbytes = element * int(np.prod(shape))
+            layout.append((name, dtype, shape, offset, nbytes))
+            offset += nbytes
+        return layout, offset
+
+    def _stage_static(self, inputs, count: int, size: int) -> None:
+        """Write a decode step of ``count`` sequences into the static inputs of the graph of
+        ``size`` >= count rows: on CUDA into a pinned staging copy of them, then one H2D copy of
+        the bytes that graph reads; on the CPU (tests) into the buffers themselves."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            pinned, _ = self._static_staging.take(0)
+            host = self._static_host[self._static_staging.turn]
+        else:
+            host = self._static_host[0]
+        for key in ("input_ids", "positions", "slot_mapping", "seqlens_k"):
+            host[key][:count] = inputs[key].numpy()
+        host["slot_mapping"][count:size] = -1  # padded rows write nothing
+        host["seqlens_k"][count:size] = 1
+        tables = inputs["block_tables"].numpy()  # [B, used]; columns past a sequence's end are never read
+        host["block_tables"][:count, :tables.shape[1]] = tables
+        if cuda:
+            nbytes = self._static_tables_offset + size * self.max_blocks_per_seq * 4
+            self.static_bytes[:nbytes].copy_(pinned[:nbytes], non_blocking=True)
+            self._static_staging.copied()
 
     def static_forward(self, size: int):
         """The model on the first ``size`` rows of the static inputs (what a graph captures)."""
@@ -356,19 +449,49 @@ class ModelRunner:
             self.graphs[size] = (graph, out, size)
         torch.cuda.synchronize(self.device)
 
-    def _replay(self, graph_entry, count, ids, positions, batch):
-        graph, out, size = graph_entry
-        s = self.static
-        s["input_ids"][:count].copy_(ids)
-        s["positions"][:count].copy_(positions)
-        s["slot_mapping"][:count].copy_(batch.slot_mapping)
-        s["slot_mapping"][count:size].fill_(-1)  # padded rows write nothing
-        s["seqlens_k"][:count].copy_(batch.seqlens_k)
-        s["seqlens_k"][count:size].fill_(1)
-        width = batch.block_tables.shape[1]
-        s["block_tables"][:count, :width].copy_(batch.block_tables)
-        graph.replay()
-        return out[:count]
+# ---- host -> device staging ---------------------------------------------------------------------
+
+# The index tensors of a step in the order they are packed for the one H2D copy: the int64 ones
+# first, so every tensor's byte offset is a multiple of its element size.
+_UPLOAD_KEYS = ("input_ids", "positions", "slot_mapping", "sample_rows", "cu_seqlens_q", "seqlens_k", "block_tables")
+_TORCH_DTYPES = {np.dtype(np.int64).char: torch.int64, np.dtype(np.int32).char: torch.int32}
+
+
+class _Staging:
+    """Pinned host buffers for a step's inputs, two used in turn. A buffer is written again only
+    once the copy out of it (enqueued two steps earlier) has finished, which an event tells: with
+    the host running ahead of the GPU, rewriting a buffer that a queued copy still reads would
+    change that step's inputs. Grows (to the next power of two) when a step needs more bytes."""
+
+    def __init__(self, nbytes: int):
+        self.buffers, self.arrays, self.events = [], [], []
+        self.turn = 1
+        self._allocate(nbytes)
+
+    def _allocate(self, nbytes: int) -> None:
+        for event in self.events:
+            event.synchronize()
+        self.buffers = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.arrays = [buffer.numpy() for buffer in self.buffers]
+        self.events = [torch.cuda.Event() for _ in range(2)]
+
+    def take(self, nbytes: int):
+        """(pinned uint8 tensor, its numpy view) to write the next step's inputs into."""
+        if nbytes > self.buffers[0].shape[0]:
+            self._allocate(1 << (nbytes - 1).bit_length())
+        self.turn ^= 1
+        self.events[self.turn].synchronize()  # an event never recorded returns at once
+        return self.buffers[self.turn], self.arrays[self.turn]
+
+    def copied(self) -> None:
+        """The copy out of the buffer last taken is enqueued (on the current stream)."""
+        self.events[self.turn].record()
+
+
+def _numpy_views(array: np.ndarray, layout) -> dict:
+    """{name: numpy view} of the static layout's fields in a uint8 host buffer."""
+    return {name: array[offset:offset + nbytes].view(np.dtype(str(dtype).removeprefix("torch."))).reshape(shape)
+            for name, dtype, shape, offset, nbytes in layout}
 
 
 # ---- the step broadcast (tensor parallel) -------------------------------------------------------------

@@ -69,6 +69,8 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n: int) -> bool:
         """Blocks for seq's next n tokens, preempting from the back of running as needed.
         False when seq itself had to go."""
+        if seq.num_computed_tokens + n <= len(seq.block_table) * self.block_manager.block_size:
+            return True  # the common case: room in its last block
         while not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + n):
             victim = self.running.pop()
             self._preempt(victim)

@@ -38,6 +38,7 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.table_row = None             # (block_table, blocks copied, numpy row): ModelRunner's cache
         self.num_hashed_blocks = 0        # leading full blocks registered in the prefix cache
         self.last_block_hash = None       # chained hash of block num_hashed_blocks - 1
         self.status = SequenceStatus.WAITING
