@@ -61,6 +61,7 @@ BENCHES = {
     "decode": ("tileattn.bench.decode", "main"),
     "varlen": ("tileattn.bench.varlen", "main"),
     "variants": ("tileattn.bench.variants", "main"),
+    "layers": ("tileattn.bench.layers", "main"),
     "engine": ("tileattn.engine.bench_engine", "bench_engine_main"),
     "serve": ("tileattn.engine.bench_serve", "bench_serve_main"),
 }
