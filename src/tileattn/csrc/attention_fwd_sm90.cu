@@ -432,7 +432,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         for (int p = 0; p < kPanels; ++p)
           s9::tma_load_4d(sQ + p * kBlockM * kPanel, &tmap_q, p * kPanel, tile.m_block * rows, tile.head0,
                           tile.batch, &q_full);
-        for (int it = 0; it < range.n_end - range.n_begin; ++it, ++g) {
+        for (int it = 0; it < (kWindowed ? range.n_end - range.n_begin : range.n_end); ++it, ++g) {
           const int n = range.n_end - 1 - it;
           const int s = g % kStages;
           const u32 refill_parity = ((g / kStages) - 1) & 1;
@@ -532,7 +532,8 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       for (int h = 0; h < 2; ++h) m[h] = kNoKeyShift, l[h] = 0.f;
 
       s9::mbar_wait(&q_full, i & 1);
-      const int n_iters = range.n_end - range.n_begin;
+      // Blocks visited (n_begin is 0 unless windowed; spelled so that the plain kernel's code is unchanged).
+      const int n_iters = kWindowed ? range.n_end - range.n_begin : range.n_end;
       if (n_iters > 0) {
         if (c == 1) pass_turn(false);  // consumer 0 issues first
         // ---- first block (n_end - 1): S, softmax; no P V yet
