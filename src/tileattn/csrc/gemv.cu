@@ -23,7 +23,7 @@
 //
 // ---- Registers -------------------------------------------------------------------------------
 // W chunks in flight: 16 x 4 = 64; accumulators: M * kRows <= 32; x chunk: 4; addresses ~10.
-// At M = 8 about 120 of 255, no spills (tileattn check).
+// NVRTC 13.5 for sm_90a: 90 registers at M = 1, 144 at M = 8, no spills (tileattn check).
 #include <cuda/std/cstdint>
 
 #include "common/sm80.cuh"
