@@ -307,14 +307,15 @@ __device__ __forceinline__ void attention_paged_body(
   // first kStages - 1 tiles (this thread's loader row) are known now: reading them together with
   // the lengths takes one dependent global round trip (~1 us after an L2 miss) off the path to the
   // first K/V load. Only entries inside the table row (keys below its capacity) are read; whether a
-  // key is visible is decided once the lengths are known. (Variants: a window's first tile depends
-  // on the lengths, so the variant kernels read these entries after them, in the loader.)
+  // key is visible is decided once the lengths are known. (Variants: with a window's left edge the
+  // first tile depends on the lengths, so those launches read these entries after them, in the
+  // loader; softcap / ALiBi alone start at tile 0 like the plain kernel.)
   // `pre`: the row's block id when already read (the prologue's tiles), kReadTable otherwise.
   constexpr int kReadTable = -2;
   int pre_id[kStages - 1];
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if constexpr (kVariants) {
+    if (kVariants && va.left < kUnbounded) {
       pre_id[s] = kReadTable;
     } else {
       const int key = (split + s * num_splits) * kBlockN + tid / kTPR;
