@@ -42,7 +42,8 @@
 //
 // ---- Split-KV ---------------------------------------------------------------------------------
 // Each (M tile, KV head, sequence) is split into num_splits CTAs over its key tiles: split s takes
-// tiles s, s + S, s + 2 S, ... (S = num_splits) below the device-side length. Strided rather than
+// tiles s, s + S, s + 2 S, ... (S = num_splits) below the device-side length (the variant kernels
+// with a window start at its first tile instead of 0: first_tile + s, ...). Strided rather than
 // contiguous ranges, so a split's first tiles do not depend on the length (their block-table
 // entries are read together with the lengths, see the prologue) and split sizes differ by at
 // most one tile. With num_splits == 1 the CTA writes out/lse directly; otherwise it writes its
@@ -469,7 +470,7 @@ __device__ __forceinline__ void attention_paged_body(
     }
   }
 
-  // ---- Main loop over this split's key tiles: split, split + S, ... ------------------------------
+  // ---- Main loop over this split's key tiles: first_tile + split, + S, ... ------------------------
   for (int it = 0; it < n_iter; ++it) {
     const int n = first_tile + split + it * num_splits;
     const int stage = it % kStages;
