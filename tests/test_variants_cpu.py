@@ -5,6 +5,7 @@ work). The kernels themselves are tested in tests/gpu/test_attention_variants.py
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
@@ -338,6 +339,65 @@ def test_variant_forward_routing():
             assert dispatch.variant_forward_family("sm_86", dtype, d, 0.0) == "attention_fwd_sm80", "sm_86"
     for d in (32, 96):
         assert dispatch.variant_forward_family("sm_90a", bf16, d, 0.0) == "attention_fwd_sm80", d
+
+
+def _trunc_div(a: int, b: int) -> int:
+    """C++ int division (toward zero)."""
+    return abs(a) // b if a >= 0 else -(abs(a) // b)
+
+
+def _window_range(m_block, rows, nq, nk, left, right, block_n):
+    """attention_fwd_sm90.cu window_range, restated (change them together): (n_end, n_masked,
+    n_begin, n_unmasked_end)."""
+    diag = nk - nq
+
+    def lo(i):
+        return max(0, i + diag - left)
+
+    def hi(i):
+        return min(nk - 1, i + diag + right)
+
+    first, last = m_block * rows, min(m_block * rows + rows, nq) - 1
+    if hi(last) < lo(first):
+        return 0, 0, 0, 0
+    n_begin, n_end = _trunc_div(lo(first), block_n), _trunc_div(hi(last), block_n) + 1
+    iters = n_end - n_begin
+    hi_first = hi(first)
+    hi_cut = 0 if hi_first < 0 else _trunc_div(hi_first + 1, block_n)
+    masked = n_end - max(hi_cut, n_begin)
+    lo_from = n_end - _trunc_div(lo(last) + block_n - 1, block_n)
+    if lo_from <= 0:
+        masked = iters
+    return n_end, masked, n_begin, max(min(lo_from, iters), masked)
+
+
+def test_sm90_window_block_range_covers_every_visible_key_and_masks_every_cut_block():
+    # The Hopper forward visits blocks [n_begin, n_end) from the top and skips the per-score window test
+    # on visits [n_masked, n_unmasked_end): every visible key must lie in a visited block, and every
+    # visited block holding an invisible (row, key) pair of the tile must be a masked visit.
+    rng = random.Random(15)
+    for _ in range(3000):
+        block_n = rng.choice([64, 128])
+        nq, nk = rng.randint(1, 600), rng.randint(1, 600)
+        left = rng.choice([UNBOUNDED, 0, rng.randint(0, 300)])
+        right = rng.choice([UNBOUNDED, 0, rng.randint(0, 300)])
+        rows = rng.choice([128, 64, 16, 1])  # GQA packing: 128 / pack positions per tile
+        m_block = rng.randint(0, (nq + rows - 1) // rows - 1)
+        n_end, masked, n_begin, unmasked_end = _window_range(m_block, rows, nq, nk, left, right, block_n)
+        case = (nq, nk, left, right, rows, m_block, block_n)
+        iters = n_end - n_begin
+        assert iters == 0 or 0 <= masked <= unmasked_end <= iters, case
+        diag = nk - nq
+        positions = np.arange(m_block * rows, min(m_block * rows + rows, nq))[:, None]
+        for n in range((nk + block_n - 1) // block_n):
+            keys = np.arange(n * block_n, n * block_n + block_n)[None, :]
+            visible = (keys >= positions + diag - left) & (keys <= positions + diag + right) & (keys < nk)
+            if not n_begin <= n < n_end:
+                assert not visible.any(), f"{case}: block {n} holds visible keys but is skipped"
+                continue
+            it = n_end - 1 - n
+            if not visible.all():
+                assert it < masked or it >= unmasked_end, f"{case}: block {n} (visit {it}) needs the window test"
 
 
 def _softcap_tanh_fma(s: np.ndarray, cap_in: float) -> np.ndarray:
