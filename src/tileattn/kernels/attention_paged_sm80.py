@@ -7,7 +7,9 @@ stride(1) == 1; cu_seqlens_q int32 [B+1] and seqlens_k int32 [B] contiguous; out
 lse [H, Tq] fp32 contiguous, allocated here with torch.empty. block_size is a power of two in
 16..256. grid = (M tiles, Hkv * num_splits, B), M tiles = ceil(max_seqlen_q * G / BLOCK_M) with
 G = H / Hkv: nothing in the grid depends on the device-side lengths, so a CUDA graph captured
-once replays for every step.
+once replays for every step. Rows of out / lse past cu_seqlens_q[B] (token padding) are written
+0 / -inf by the kernel. Window / softcap / ALiBi run the `attention_paged_variants_sm80`
+instantiations (VARIANT_INSTANTIATIONS, the base table CONFIGS on every arch).
 
 Three warp layouts per head dim, picked by the rows one (sequence, KV head) problem can have,
 max_seqlen_q * G: up to 16 (decode, GQA decode, short speculative runs) one m16 tile whose keys
