@@ -159,24 +159,24 @@ def checkpoint(args, shape: str, need_model: bool = True):
     if not on_disk:
         os.makedirs(path, exist_ok=True)
         model.save_pretrained(path)
-        _save_tokenizer(path)
+        _save_tokenizer(path, SHAPES[shape]["vocab_size"])
         with open(marker, "w") as f:
             f.write(wanted)
     return path, model
 
 
-def _save_tokenizer(path) -> None:
-    """A small byte-level BPE: the benchmarks feed token ids; the engine only needs a tokenizer file."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _save_tokenizer(path, vocab_size: int) -> None:
+    """A word-level tokenizer with one word per id of the model's vocabulary ("<s>", "</s>", then
+    "t2", "t3", ...): the benchmarks feed token ids, and every id a random-init model samples decodes
+    to text, so servers that stream text (tileattn serve, transformers serve) emit a chunk per token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["tileattn engine benchmark"], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    words = {"<s>": 0, "</s>": 1, **{f"t{i}": i for i in range(2, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<s>", "eos_token": "</s>"}, f)
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}, f)
 
 
 def _free() -> None:
