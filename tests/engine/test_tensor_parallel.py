@@ -304,7 +304,7 @@ def test_rank_zero_error_mid_step_stops_the_workers(tmp_path, monkeypatch):
         def broken(*args):
             raise ZeroDivisionError("sampler bug")
 
-        monkeypatch.setattr(llm.engine.runner, "sampler", broken)
+        monkeypatch.setattr(llm.engine.runner.sampler, "sample", broken)
         with pytest.raises(ZeroDivisionError, match="sampler bug"):
             llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
         with pytest.raises(TensorParallelError, match=r"rank 0 raised ZeroDivisionError \(sampler bug\)"):

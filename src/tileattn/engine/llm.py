@@ -82,6 +82,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.last_step = {"prefill_tokens": 0, "decode_tokens": 0, "seconds": 0.0}
+        # Async scheduling (one decode step run ahead, see _run_ahead): on unless
+        # TILEATTN_ENGINE_ASYNC=0; not with tensor parallel (the workers get their inputs from the host).
+        self.async_scheduling = self.workers is None and os.environ.get("TILEATTN_ENGINE_ASYNC", "1") != "0"
+        self._pending = None  # the step run ahead, launched, its tokens not processed yet
         self.profiler = NULL
         if os.environ.get("TILEATTN_ENGINE_PROFILE", "0") not in ("", "0"):
             self.enable_profiling()
@@ -169,15 +173,30 @@ class LLMEngine:
         start = time.perf_counter()
         prof = self.profiler
         prof.begin()
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return []
-        prof.lap("schedule")
+        current, self._pending = self._pending, None
+        if current is not None and all(seq.finished for seq, _ in current.scheduled):
+            current = None  # every sequence of the step run ahead has finished (or was aborted)
+        if current is None:
+            scheduled = self.scheduler.schedule()
+            if not scheduled:
+                return []
+            prof.lap("schedule")
+            with self._guard():
+                current = self.runner.launch(scheduled)
         with self._guard():
-            result = self.runner.execute(scheduled)
+            if self.async_scheduling:
+                self._pending = self._run_ahead(current)
+            result = current.result()
+        prof.lap("sample")
+        # A step run ahead may hold sequences that finished (or were aborted) since it was launched:
+        # their token is dropped and their blocks are already free (later steps' writes to those
+        # blocks come after this step's on the same stream).
+        scheduled = current.scheduled
         bm, size = self.block_manager, self.block_manager.block_size
         decode = total = 0
         for seq, n in scheduled:
+            if seq.finished:
+                continue
             total += n
             computed = seq.num_computed_tokens
             # A decode feeds a sequence's last token, which it sampled itself (not a prompt token).
@@ -193,6 +212,8 @@ class LLMEngine:
         now = time.time()
         eos, max_model_len = self.eos_token_ids, self.max_model_len
         for seq, token, logprobs in result.sampled:
+            if seq.finished:
+                continue
             request = seq.request
             if not finished_only:
                 touched[request.request_id] = request
@@ -243,6 +264,34 @@ class LLMEngine:
         prof.end("decode" if decode == len(scheduled) else "prefill" if decode == 0 else "mixed",
                  total, len(scheduled))
         return outputs
+
+    def _run_ahead(self, current):
+        """Async scheduling: launch the decode step that follows ``current`` before current's tokens
+        reach the host, so the GPU runs it while the host processes current's tokens. Only when
+        that step is known without them: every sequence of current samples, none is waiting to be
+        admitted, no sequence reads its tokens on the host to sample (penalties) or wants logprobs
+        (their host copy would wait for the step ahead), and the cache has room for every next
+        token (otherwise the synchronous path preempts). Sequences that current's token finishes
+        for certain (max_tokens, max_model_len) are left out; one that stops on EOS / a stop id /
+        a stop string costs one dropped token. Returns the handle of the step launched, or None."""
+        if self.scheduler.waiting or current.prompt_rows or len(current.sample_seqs) != len(current.scheduled):
+            return None
+        seqs, rows = [], []
+        for row, seq in enumerate(current.sample_seqs):
+            if seq.finished:
+                continue
+            p = seq.params
+            if (p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                    or p.frequency_penalty != 0.0):
+                return None
+            length = len(seq.token_ids) + 1  # with current's token
+            if length - seq.num_prompt_tokens >= p.max_tokens or length >= self.max_model_len:
+                continue
+            seqs.append(seq)
+            rows.append(row)
+        if not seqs or not all(self.block_manager.ensure_slots(seq, len(seq.token_ids) + 1) for seq in seqs):
+            return None  # room taken by the sequences before the one that found none stays theirs
+        return self.runner.launch_decode_ahead(current, seqs, None if len(rows) == len(current.sample_seqs) else rows)
 
     def enable_profiling(self) -> StepProfiler:
         """Start timing every step's phases (profiler.py); returns the profiler (its table() and

@@ -44,6 +44,58 @@ class StepResult:
     prompt_logprobs: dict  # seq -> list of {token_id: logprob} for the prompt tokens scored this step
 
 
+class StepHandle:
+    """A launched step: its forward and sampling are enqueued, its sampled tokens (``tokens``,
+    int64 [N] on the device) are on their way to pinned host memory. result() waits for them and
+    builds the StepResult (logprobs and prompt logprobs, when asked, are read then)."""
+
+    def __init__(self, runner: ModelRunner, scheduled, inputs: dict, hidden, logits):
+        self.runner, self.scheduled, self.inputs = runner, scheduled, inputs
+        self.sample_seqs = inputs["sample_seqs"]
+        self.hidden, self.logits = hidden, logits
+        self.tokens = self.host_tokens = self.ready = None
+        if self.sample_seqs:
+            self.tokens = runner.sampler.sample(logits, self.sample_seqs)  # [N] on the device
+            runner.profiler.record(2)
+            if runner.device.type == "cuda":
+                self.host_tokens = torch.empty(self.tokens.shape, dtype=torch.int64, pin_memory=True)
+                self.host_tokens.copy_(self.tokens, non_blocking=True)
+                self.ready = torch.cuda.Event()
+                self.ready.record()
+            else:
+                self.host_tokens = self.tokens
+            if all(seq.params.logprobs is None for seq in self.sample_seqs):
+                self.logits = None  # not read again: a step waiting ahead need not hold [N, vocab] floats
+
+    @property
+    def prompt_rows(self) -> list:
+        return self.inputs["prompt_rows"]
+
+    def result(self) -> StepResult:
+        runner, sampled = self.runner, []
+        if self.sample_seqs:
+            if self.ready is not None:
+                self.ready.synchronize()
+            tokens = self.host_tokens.tolist()
+            logprobs = ([None] * len(tokens) if self.logits is None
+                        else runner.sampler.logprobs(self.logits, self.tokens, self.sample_seqs))
+            sampled = list(zip(self.sample_seqs, tokens, logprobs))
+        prompt_logprobs = {}
+        for seq, rows, targets in self.prompt_rows:
+            prompt_logprobs[seq] = runner._score(self.hidden, rows, targets, seq.params.prompt_logprobs)
+        self.hidden = self.logits = None
+        return StepResult(sampled, prompt_logprobs)
+
+
+def _h2d(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on ``device`` without making the host wait for the stream (pinned
+    memory, non-blocking copy; a pageable copy would wait for the work queued before it)."""
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _check_kernel_support(head_dim: int, block_size: int) -> None:
     """tileattn's CUDA paged kernels cover some head dims and block sizes; say so at start-up
     rather than at the first forward. Raises ValueError naming the value."""
@@ -167,21 +219,34 @@ class ModelRunner:
     def execute(self, scheduled) -> StepResult:
         """Run the model on [(seq, n)] (token_ids[computed:computed+n] of each) and sample the next
         token of every sequence whose chunk reaches its last token. Tensor parallel: rank 0 only."""
+        return self.launch(scheduled).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduled) -> StepHandle:
+        """execute() without waiting: the step's forward and sampling are enqueued on the device
+        and its tokens start their copy to the host; StepHandle.result() waits for them."""
         prof = self.profiler
         inputs = self.prepare_inputs(scheduled)
         graph = self._graph_for(scheduled)
         prof.lap("prepare")
         hidden, logits = self._run(inputs, graph)  # [T, hidden], [N, vocab] | None
-        sample_seqs = inputs["sample_seqs"]
-        sampled = []
-        if sample_seqs:
-            tokens, logprobs = self.sampler(logits, sample_seqs, prof)
-            sampled = list(zip(sample_seqs, tokens, logprobs))
-        prompt_logprobs = {}
-        for seq, rows, targets in inputs["prompt_rows"]:
-            prompt_logprobs[seq] = self._score(hidden, rows, targets, seq.params.prompt_logprobs)
-        prof.lap("sample")
-        return StepResult(sampled, prompt_logprobs)
+        return StepHandle(self, scheduled, inputs, hidden, logits)
+
+    @torch.inference_mode()
+    def launch_decode_ahead(self, previous: StepHandle, seqs, rows) -> StepHandle:
+        """Enqueue the decode step after ``previous`` before its tokens reach the host: each of
+        ``seqs`` (sampled by previous, in its row ``rows[i]``; rows None: all of previous's rows in
+        order) feeds the token previous sampled for it, read on the device, at the position it
+        will take (len(token_ids): previous's token is not appended yet). The caller has made room
+        for it in the cache. One sequence, one token; all are sampled. Not with tensor parallel."""
+        prof = self.profiler
+        starts = np.fromiter((len(seq.token_ids) for seq in seqs), np.int64, len(seqs))
+        inputs = self._pack_inputs(seqs, np.ones(len(seqs), np.int64), starts, None)
+        graph = self._graph_for([(seq, 1) for seq in seqs])
+        ids = previous.tokens if rows is None else previous.tokens[_h2d(np.asarray(rows, np.int64), self.device)]
+        prof.lap("prepare")
+        hidden, logits = self._forward(inputs, graph, ids)
+        return StepHandle(self, [(seq, 1) for seq in seqs], inputs, hidden, logits)
 
     @torch.inference_mode()
     def all_logits(self, scheduled) -> torch.Tensor:
@@ -198,22 +263,27 @@ class ModelRunner:
             self.tp.send([CMD_STEP, *header, graph], payload)
         return self._forward(inputs, graph)
 
-    def _forward(self, inputs, graph: int):
+    def _forward(self, inputs, graph: int, ids: torch.Tensor | None = None):
         """The step on this rank: (hidden [T, hidden], logits [N, vocab] of inputs' sample rows on
-        rank 0, else None). graph: the captured batch size to replay, 0 for eager."""
+        rank 0, else None). graph: the captured batch size to replay, 0 for eager. ids: the input
+        token ids already on the device (a decode step run ahead), replacing inputs' placeholders."""
         prof = self.profiler
         count = inputs["seqlens_k"].shape[0]
         if graph:
             self._stage_static(inputs, count, graph)
+            if ids is not None:
+                self.static["input_ids"][:count].copy_(ids)  # ordered after the staged copy
             prof.lap("h2d")
             prof.record(0)
             replay, out, _ = self.graphs[graph]
             replay.replay()
             hidden = out[:count]  # [B, hidden]
             rows = inputs["sample_rows"]
-            rows = rows.to(self.device) if 0 < rows.shape[0] < count else None  # a decode budget cut
+            rows = _h2d(rows.numpy(), self.device) if 0 < rows.shape[0] < count else None  # a budget cut
         else:
             dev = self._upload(inputs)
+            if ids is not None:
+                dev["input_ids"].copy_(ids)
             batch = AttentionBatch(cu_seqlens_q=dev["cu_seqlens_q"], seqlens_k=dev["seqlens_k"],
                                    block_tables=dev["block_tables"], slot_mapping=dev["slot_mapping"],
                                    max_seqlen_q=inputs["max_seqlen_q"], max_seqlen_k=inputs["max_seqlen_k"])
@@ -289,17 +359,24 @@ class ModelRunner:
         """Packed inputs of a step as host tensors (built with numpy from a few per-sequence reads;
         _forward copies them to the device in one transfer), plus the sequences to sample and the
         prompt rows to score. The block table is as wide as the longest sequence's (used_blocks)."""
-        size, count = self.block_size, len(scheduled)
+        count = len(scheduled)
         seqs = [seq for seq, _ in scheduled]
         counts = np.fromiter((n for _, n in scheduled), np.int64, count)  # [B]
         starts = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int64, count)  # [B]
+        return self._pack_inputs(seqs, counts, starts, lambda seq, p: seq.token_ids[p])
+
+    def _pack_inputs(self, seqs, counts: np.ndarray, starts: np.ndarray, token) -> dict:
+        """prepare_inputs for sequences feeding counts[i] tokens from position starts[i]; token(seq, p)
+        reads a one-token step's id (None: zeros, the ids arrive on the device)."""
+        size, count = self.block_size, len(seqs)
         ends = starts + counts  # [B]
         cu = np.zeros(count + 1, np.int64)  # [B + 1]
         np.cumsum(counts, out=cu[1:])
         total, max_q = int(cu[-1]), int(counts.max())
         starts_list = starts.tolist()
         if max_q == 1:  # decode (or one-token chunks): token p of each sequence, at position p
-            ids = np.fromiter((seq.token_ids[p] for seq, p in zip(seqs, starts_list)), np.int64, count)
+            ids = (np.zeros(count, np.int64) if token is None
+                   else np.fromiter((token(seq, p) for seq, p in zip(seqs, starts_list)), np.int64, count))
             positions, owner = starts, np.arange(count)
         else:
             ids = np.fromiter(itertools.chain.from_iterable(
@@ -308,14 +385,16 @@ class ModelRunner:
             positions = np.arange(total) - (cu[:-1] - starts)[owner]  # [T]
         tables = self._block_tables(seqs)  # [B, used] int32
         slots = tables[owner, positions // size].astype(np.int64) * size + positions % size  # [T]
-        lengths = np.fromiter((len(seq.token_ids) for seq in seqs), np.int64, count)
-        sampled = ends == lengths  # [B] the chunk reaches the sequence's last token
+        if token is None:  # run ahead: every sequence samples
+            sampled = np.ones(count, bool)
+        else:
+            sampled = ends == np.fromiter((len(seq.token_ids) for seq in seqs), np.int64, count)  # [B] at the end
         sample_rows = cu[1:][sampled] - 1  # [N]
         sample_seqs = seqs if sampled.all() else [seq for seq, s in zip(seqs, sampled.tolist()) if s]
         prompt_rows = []
         for row, seq in enumerate(seqs):
             scored = seq.request.prompt_logprobs  # position p scores prompt token p + 1
-            if scored is None or seq.index != 0:
+            if scored is None or seq.index != 0 or token is None:
                 continue
             start, end = starts_list[row], int(ends[row])
             first, last = len(scored) - 1, min(end, seq.num_prompt_tokens - 1)

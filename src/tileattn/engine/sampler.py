@@ -23,31 +23,39 @@ class Sampler:
         Returns (token ids [N], per row {token_id: logprob} of the top-n plus the chosen token,
         or None when that sequence asked for no logprobs). profiler: records its CUDA event 2
         after the sampling kernels, before the tokens' copy to the host (the step's sync point)."""
-        params = [s.params for s in seqs]
-        raw = logits
-        logits = apply_penalties(logits, seqs)
-        greedy = all(p.temperature == 0.0 for p in params)
-        if greedy:
-            tokens = logits.argmax(dim=-1)  # [N]
-        else:
-            tokens = self._sample(logits, seqs)
+        tokens = self.sample(logits, seqs)
         profiler.record(2)
-        token_list = tokens.tolist()
-        wanted = [p.logprobs for p in params]
+        return tokens.tolist(), self.logprobs(logits, tokens, seqs)
+
+    def sample(self, logits: torch.Tensor, seqs) -> torch.Tensor:
+        """The sampled token ids, int64 [N] on the logits' device. Only enqueues device work: the
+        per-row parameters go up from pinned memory without waiting for the stream, so a step can
+        be sampled while the GPU still runs the previous one (penalties excepted: they read the
+        sequences' tokens on the host)."""
+        logits = apply_penalties(logits, seqs)
+        if all(s.params.temperature == 0.0 for s in seqs):
+            return logits.argmax(dim=-1)  # [N]
+        return self._sample(logits, seqs)
+
+    @staticmethod
+    def logprobs(raw: torch.Tensor, tokens: torch.Tensor, seqs) -> list[dict | None]:
+        """Per row the {token_id: logprob} of the raw logits [N, vocab] for the sequences that asked
+        (None for the others); reads the device (a sync) only when some sequence asked."""
+        wanted = [s.params.logprobs for s in seqs]
         if all(w is None for w in wanted):
-            return token_list, [None] * len(seqs)
-        return token_list, top_logprobs(raw, tokens, wanted)
+            return [None] * len(seqs)
+        return top_logprobs(raw, tokens, wanted)
 
     def _sample(self, logits, seqs):  # logits [N, V]
         device = logits.device
         params = [s.params for s in seqs]
-        temperature = torch.tensor([p.temperature for p in params], device=device)  # [N]
+        temperature = _on_device([p.temperature for p in params], torch.float32, device)  # [N]
         is_greedy = temperature == 0
         scaled = logits / torch.where(is_greedy, 1.0, temperature)[:, None]  # [N, V]
         scaled = apply_top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
         probs = scaled.softmax(dim=-1)  # [N, V]
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device)  # [N]
+            min_p = _on_device([p.min_p for p in params], torch.float32, device)  # [N]
             probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
         noise = torch.empty_like(probs).exponential_()  # [N, V]
         for row, seq in enumerate(seqs):  # seeded rows draw their own noise (randomness only)
@@ -60,6 +68,16 @@ class Sampler:
         return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
 
+def _on_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A small per-row parameter tensor on ``device``. On CUDA it goes through pinned memory with a
+    non-blocking copy: a copy from pageable memory would make the host wait for the stream, i.e.
+    for the whole forward in flight before it."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Set to -inf every logit outside each row's top-k (k <= 0: all), then outside the smallest
     set of the remaining tokens whose probability reaches top_p. logits [N, V] -> [N, V]."""
@@ -70,11 +88,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
     if use_k:
-        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)  # [N]
+        k = _on_device([k if 0 < k < vocab else vocab for k in top_k], torch.int64, logits.device)  # [N]
         rank = torch.arange(vocab, device=logits.device)  # [V]
         sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
     if use_p:
-        p = torch.tensor(top_p, device=logits.device, dtype=torch.float32)  # [N]
+        p = _on_device(top_p, torch.float32, logits.device)  # [N]
         probs = sorted_logits.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # [N, V] mass of the tokens ranked above each
         sorted_logits = sorted_logits.masked_fill(before >= p[:, None], float("-inf"))
