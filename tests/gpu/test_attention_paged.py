@@ -419,6 +419,52 @@ def test_variants_plan_reuse_new_slopes_and_plain_call_unchanged():
     check(case, out, lse, *plain_ref, "plain call after variant calls")
 
 
+def test_variants_cuda_graph_replays_with_new_lengths():
+    """A sliding-window + ALiBi decode step captured once (forced splits: the window's first tile
+    and the split strides come from the device-side lengths at each replay), replayed with new
+    lengths, tables and slopes' values."""
+    batch, heads, kv_heads, d, bs, max_blocks, num_blocks = 4, 8, 2, 128, 16, 32, 160
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    k_cache = torch.randn(num_blocks, bs, kv_heads, d, device="cuda", generator=gen).to(BF16)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, d, device="cuda", generator=gen).to(BF16)
+    q = torch.zeros(batch, heads, d, device="cuda", dtype=BF16)
+    table = torch.zeros(batch, max_blocks, device="cuda", dtype=torch.int32)
+    seqlens_k = torch.ones(batch, device="cuda", dtype=torch.int32)
+    cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    slopes = torch.zeros(heads, device="cuda")
+    window = (100, 0)
+
+    def step():
+        return api_paged.attention_paged(q, k_cache, v_cache, table, cu_q, seqlens_k, 1, max_blocks * bs,
+                                         return_lse=True, num_splits=4, window=window, alibi_slopes=slopes)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, static_lse = step()
+    for replay in range(3):
+        cpu = torch.Generator().manual_seed(100 + replay)
+        lengths = torch.randint(1, max_blocks * bs + 1, (batch,), generator=cpu)
+        lengths[replay % batch] = (1, 99, 300)[replay]
+        table.copy_(torch.randperm(num_blocks, generator=cpu)[: batch * max_blocks].view(batch, max_blocks).int())
+        seqlens_k.copy_(lengths.int())
+        q.copy_(torch.randn(q.shape, generator=cpu).to(BF16))
+        slopes.copy_(torch.rand(heads, generator=cpu))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = reference.attention_paged(q, k_cache, v_cache, table, cu_q, seqlens_k, 1, max_blocks * bs,
+                                                     return_lse=True, compute_dtype=torch.float64, window=window,
+                                                     alibi_slopes=slopes)
+        err = rel_err(static_out, ref_out)
+        assert err <= TOL[BF16], f"replay {replay} (lengths {lengths.tolist()}): relative error {err:.3e}"
+        assert torch.allclose(static_lse.double(), ref_lse, atol=2e-3), f"replay {replay}: lse differs"
+
+
 @pytest.mark.sanitize
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_variants_small_sanitize(num_splits):
