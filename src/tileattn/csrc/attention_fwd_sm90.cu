@@ -512,13 +512,18 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       // positions (the heads, r / rows, are recomputed in the epilogue: registers are scarce).
       const int r0 = c * 64 + warp * 16 + g;
       const int pos[2] = {tile.m_block * rows + r0 % rows, tile.m_block * rows + (r0 + 8) % rows};
-      float slope[2] = {0.f, 0.f};  // ALiBi: -log2(e) * slope of the heads of rows g, g + 8
-      if constexpr ((kVariant & kAlibi) != 0) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) slope[h] = alibi_slope_log2(va, tile.batch, tile.head0 + (r0 + 8 * h) / rows);
-      }
       // Scores of block n -> what the softmax takes: variant logits, then -inf where masked.
       auto scores = [&](int n, bool masked) {
+        // ALiBi: -log2(e) * the slopes of the heads of rows g, g + 8, re-read per block (L1 hits)
+        // rather than held across the loop: with all three variants at d = 128 the two registers
+        // made NVRTC 13.0's ptxas spill 8 bytes (a shift for the power-of-two `rows` instead of the
+        // division spilled 56 there: ptxas's allocation is that fickle; `tileattn check` and
+        // scripts/check_nvrtc_version.py audit both).
+        float slope[2] = {0.f, 0.f};
+        if constexpr ((kVariant & kAlibi) != 0) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) slope[h] = alibi_slope_log2(va, tile.batch, tile.head0 + (r0 + 8 * h) / rows);
+        }
         if constexpr (kLogits) variant_logits<kBlockN, kVariant>(s, n, pos, t, diag, va, slope);
         if constexpr (kWindowed) {
           if (masked) apply_window<kBlockN>(s, n, pos, t, seqlen_k, diag, va);
@@ -551,7 +556,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         pack_p<kBlockN, kIsBF16>(p, s);
 
         // ---- blocks 1 .. n_end - 1: S_j overlapped with P_{j-1} V_{j-1}
-        auto step = [&](int it, bool masked) {  // `masked` is a constant at both call sites
+        auto step = [&](int it, bool masked) {  // `masked` is a constant at every call site
           const int gk = g0 + it, gv = gk - 1;
           const int sk = gk % kStages, sv = gv % kStages;
           s9::mbar_wait(&k_full[sk], (gk / kStages) & 1);
