@@ -81,6 +81,26 @@ def round16(x, dtype):
     return torch.from_numpy(np.asarray(x, dtype=np.float32)).to(dtype).double().numpy()
 
 
+def loader_geometry(cfg, d):
+    """(threads per key row, consecutive rows per thread) of the kernel's tile loader
+    (kLoadTPR, kLoadRows): one row per thread on the two-m-tile prefill tiles, else 8 threads per
+    row where rows are whole 128-byte lines (d % 64 == 0), 4 at d = 32 and 96."""
+    threads = 32 * cfg.warps_m * cfg.warps_n
+    m_tiles = cfg.block_m // (16 * cfg.warps_m)
+    tpr = threads // cfg.block_n if m_tiles == 2 else 8 if (d // 8) % 8 == 0 else 4
+    return tpr, cfg.block_n * tpr // threads
+
+
+def loader_copies(cfg, d, tid):
+    """The 16-byte copies thread `tid` issues per tile, in the kernel's order: (i, r, c, at): row i of
+    its rows, tile row r = r0 + i, logical chunk c = q + tpr j, and the destination element offset
+    formed as the kernel forms it, swizzle(r0, q) XOR swizzle(i, tpr j)."""
+    tpr, rows = loader_geometry(cfg, d)
+    r0, q = tid // tpr * rows, tid % tpr
+    return [(i, r0 + i, q + tpr * j, swizzle(d, r0, q) ^ swizzle(d, i, tpr * j))
+            for i in range(rows) for j in range(d // 8 // tpr)]
+
+
 def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
     """One CTA of attention_paged_sm80<d, cfg...>; p holds the launch parameters and tensors."""
     warps_m, warps_n, bm, bn = cfg.warps_m, cfg.warps_n, cfg.block_m, cfg.block_n  # stages: timing only
@@ -127,23 +147,22 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
                 sq[swizzle(d, r, c) : swizzle(d, r, c) + 8] = p["q"][tok, head, 8 * c : 8 * c + 8]
 
     def load_tile(n):
-        """Row-owner loader: tpr = threads / bn threads per key row, thread (r, q) copies chunks
-        q + tpr j of row r, at its first chunk's swizzled offset XOR 8 tpr j elements."""
+        """Line-owner loader: thread (g, q) owns rows r0 + i (r0 = g * rows) of one cache block: one
+        table read at its first row, the block row offset key0 % bs + i, zero fill for keys past
+        kv_end or an invalid block id; destinations from loader_copies."""
         sk, sv = np.zeros(bn * row_elems), np.zeros(bn * row_elems)
         bad = False
-        tpr = threads // bn
         for tid in range(threads):
-            r, q = tid // tpr, tid % tpr
-            key = n * bn + r
-            in_range = key < kv_end
-            page = table[key // bs] if in_range else -1
+            copies = loader_copies(cfg, d, tid)
+            key0 = n * bn + copies[0][1]
+            in_range = key0 < kv_end
+            page = table[key0 // bs] if in_range else -1
             ok = 0 <= page < p["num_blocks"]
-            for j in range(chunks // tpr):
-                c = q + tpr * j
-                at = swizzle(d, r, q) ^ (8 * tpr * j)
-                if in_range and ok:
-                    sk[at : at + 8] = p["k_cache"][page, key % bs, kv_head, 8 * c : 8 * c + 8]
-                    sv[at : at + 8] = p["v_cache"][page, key % bs, kv_head, 8 * c : 8 * c + 8]
+            for i, r, c, at in copies:
+                assert key0 % bs + i < bs, "a thread's rows left its cache block"
+                if in_range and ok and (i == 0 or key0 + i < kv_end):
+                    sk[at : at + 8] = p["k_cache"][page, key0 % bs + i, kv_head, 8 * c : 8 * c + 8]
+                    sv[at : at + 8] = p["v_cache"][page, key0 % bs + i, kv_head, 8 * c : 8 * c + 8]
             bad |= in_range and not ok
         return sk, sv, bad
 
@@ -386,6 +405,53 @@ def test_model_other_head_dims(head_dim):
     case = make_case([(9, 40)], 16, 1, head_dim, 16, seed=head_dim + 1)  # 144 rows: the prefill layout
     for cfg in dict.fromkeys(paged.configs(head_dim, arch)[2] for arch in ("sm_80", "sm_90a")):
         check(case, cfg, 1)
+
+
+def all_configs():
+    """Every (head dim, config) the kernel is instantiated with: the base table, the per-arch
+    tables and the tuning candidates."""
+    tables = [paged.CONFIGS, *paged.ARCH_CONFIGS.values()]
+    pairs = {(d, c) for t in tables for d, cs in t.items() for c in cs}
+    pairs |= {(d, c) for d, cs in paged.PREFILL_TUNING.items() for c in cs}
+    return sorted(pairs, key=str)
+
+
+@pytest.mark.parametrize(("head_dim", "cfg"), all_configs(), ids=str)
+def test_loader_copies_every_chunk_once_to_its_swizzled_place(head_dim, cfg):
+    """The loader's (thread, row, chunk) -> destination map over a whole tile: every chunk of every
+    key row is copied exactly once, to swizzle(row, chunk) (the XOR-formed destinations against
+    the swizzle itself); a thread's rows are consecutive and aligned, so they share a cache block
+    at every block size (16..256); and each warp instruction's quarter-warps copy whole 128-byte
+    lines (d % 64 == 0) or 64-byte pieces at 64-byte offsets of a row, not sectors of many rows."""
+    threads = 32 * cfg.warps_m * cfg.warps_n
+    tpr, rows = loader_geometry(cfg, head_dim)
+    seen = {}
+    for tid in range(threads):
+        copies = loader_copies(cfg, head_dim, tid)
+        r0 = copies[0][1]
+        assert r0 % rows == 0 and 16 % rows == 0, f"thread {tid}: rows from {r0}, {rows} per thread"
+        for i, r, c, at in copies:
+            assert (r, c) not in seen, f"row {r} chunk {c} copied by threads {seen[(r, c)]} and {tid}"
+            seen[(r, c)] = tid
+            want = swizzle(head_dim, r, c)
+            assert at == want, f"thread {tid} row {r} chunk {c}: copied to element {at}, swizzle says {want}"
+    missing = {(r, c) for r in range(cfg.block_n) for c in range(head_dim // 8)} - set(seen)
+    assert not missing, f"chunks never copied: {sorted(missing)[:8]}"
+    if cfg.block_m // (16 * cfg.warps_m) == 2:
+        return  # the prefill tiles keep one row per thread (registers), see loader_geometry
+    piece = 128 if head_dim % 64 == 0 else 64  # bytes per quarter-warp and row
+    for warp in range(threads // 32):
+        per_lane = [loader_copies(cfg, head_dim, 32 * warp + lane) for lane in range(32)]
+        for k in range(len(per_lane[0])):  # one cp.async instruction of the warp
+            for quarter in range(4):
+                lanes = range(8 * quarter, 8 * quarter + 8)
+                cells = sorted((per_lane[ln][k][1], 16 * per_lane[ln][k][2]) for ln in lanes)  # (row, byte)
+                by_row = {}
+                for r, byte in cells:
+                    by_row.setdefault(r, []).append(byte)
+                for r, starts in by_row.items():
+                    whole = starts == list(range(starts[0] - starts[0] % piece, starts[0] + piece, 16))
+                    assert whole, f"warp {warp} copy {k} quarter {quarter}: row {r} bytes {starts}, want {piece} aligned"
 
 
 MODEL_VARIANTS = {

@@ -57,10 +57,12 @@
 // Decode reads K and V once and does G FLOPs per byte of them (G = H / Hkv): it is bound by HBM
 // bandwidth, so the design goal is bytes in flight. Each K/V tile is kBlockN keys x d, loaded with
 // 16-byte cp.async into a kStages-deep ring (kStages - 1 tiles in flight per CTA while one is
-// consumed; one CTA barrier per tile). The loader gives each key row to kThreads / kBlockN
-// threads, so a thread reads one block-table entry per tile (L1/L2 hits: the prologue prefetches
-// the CTA's slice of the table into L2) and forms two 64-bit source pointers; its chunks follow
-// as immediates (see load_tile). Tiles are visited in increasing order; the ones that need
+// consumed; one CTA barrier per tile). Bytes in flight are counted in whole 128-byte lines: the
+// loader's warp instructions each request whole lines of a few rows (not one 32-byte sector of
+// many rows, which holds 4x the memory requests per byte in flight), and a thread owns a few
+// consecutive key rows of one cache block, so it reads one block-table entry per tile (L1/L2
+// hits: the prologue prefetches the CTA's slice of the table into L2) and forms two 64-bit
+// source pointers (see load_tile). Tiles are visited in increasing order; the ones that need
 // masking (the length edge, the causal diagonal) are found per tile. A per-tile flag (bar.red.or
 // at the barrier that starts the tile) says whether any of its block ids was out of range, and
 // only then is the page validity re-derived per key.
@@ -89,11 +91,12 @@ constexpr float kRescaleThreshold = 8.0f;
 constexpr float kNoKeyShift = -1.2676506002282294e30f;  // -2^100
 
 // cp.async of 16 bytes of a cache row with an L2 prefetch-size hint: on a miss L2 fetches the
-// aligned 128 (or 64) bytes around it. The loader's warp instructions cover 32 / kTPR rows x kTPR
-// chunks, so one 128-byte line of a row is requested by several instructions of the same threads
-// a few cycles apart; the hint makes the first of them bring the line in whole (the rest of the
-// row is read right after), never bytes of another head's row: rows of a multiple of 128 bytes
-// (d = 64, 128, 256) take the 128-byte hint, d = 32 (64-byte rows) and d = 96 (192) the 64-byte one.
+// aligned 128 (or 64) bytes around it, never bytes of another head's row: rows of a multiple of
+// 128 bytes (d = 64, 128, 256) take the 128-byte hint, d = 32 (64-byte rows) and d = 96 (192) the
+// 64-byte one. The loader's quarter-warps request whole aligned 128-byte lines (64-byte pieces at
+// d = 32, 96) already, so on caches whose rows start on 128-byte boundaries the hint asks for
+// nothing more; it brings both lines in whole where a row starts 64 bytes into one (a strided
+// view), at no instruction cost.
 template <int kRowBytes>
 __device__ __forceinline__ void cp_async_16_row(u32 smem_dst, const void* gmem_src, bool valid) {
   static_assert(kRowBytes % 64 == 0, "cache rows of whole 64-byte units");
@@ -283,8 +286,21 @@ __device__ __forceinline__ void attention_paged_body(
   // is one lane register XOR / plus an immediate (LdsmLane's kXor form).
   using Tile = SwizzledTile<kHeadDim>;
   constexpr int kTileQ = Tile::bytes(kBlockM), kTileKV = Tile::bytes(kBlockN);
-  static_assert(kThreads % kBlockN == 0 && kChunks % (kThreads / kBlockN) == 0 && is_pow2(kThreads / kBlockN),
-                "loader: a power-of-two number of threads per key row, whole chunks each");
+  // Tile loader geometry (see load_tile): kLoadTPR threads per key row, each owning kLoadRows
+  // consecutive rows. 8 threads x 16 bytes = one 128-byte line per quarter-warp where rows are
+  // whole lines (d = 64, 128, 256); 4 threads = the whole 64-byte row at d = 32 and a 64-byte
+  // piece of the 192-byte row at d = 96 (pieces at multiples of 64 bytes: never across a line).
+  // Two m-tiles per warp (the 128-row prefill tiles: compute-bound, 240-255 registers, nothing to
+  // spare for several rows' addresses; the sm_90a 128 x 64 tile spills 80 bytes with 4 rows per
+  // thread) keep one row per thread: kThreads / kBlockN threads per row.
+  constexpr int kLoadTPR = kMTiles == 2 ? kThreads / kBlockN : kChunks % 8 == 0 ? 8 : 4;
+  constexpr int kLoadRows = kBlockN * kLoadTPR / kThreads;
+  static_assert(kThreads % kLoadTPR == 0 && kBlockN * kLoadTPR % kThreads == 0 && kChunks % kLoadTPR == 0,
+                "loader: the CTA's threads cover a tile's rows in whole row groups and whole chunks");
+  // A power of two <= 8 that divides every block size (>= 16): a thread's rows share one cache
+  // block (one table entry), and row r0 + i with r0 % kLoadRows == 0 is r0 | i, which the swizzle
+  // maps linearly (see load_tile).
+  static_assert(is_pow2(kLoadRows) && kLoadRows <= 8, "loader: 1, 2, 4 or 8 rows per thread");
   static_assert(kWarpsN == 1 || (kWarpsN - 1) * (kDBlocks + 1) * 4 * 32 * 4 <= kStages * kTileKV,
                 "the key-split merge buffer fits in the K ring");
   static_assert(kTileQ % 1024 == 0 && kTileKV % 1024 == 0, "tiles start on 1 KB boundaries (LdsmLane XOR)");
@@ -301,11 +317,10 @@ __device__ __forceinline__ void attention_paged_body(
   const int kv_head = blockIdx.y / num_splits, split = blockIdx.y - kv_head * num_splits;
   const int b = blockIdx.z;
   const int* const bt_row = block_table + static_cast<int64_t>(b) * bt_stride;
-  constexpr int kTPR = kThreads / kBlockN;  // loader threads per key row (see load_tile)
 
   // ---- Block ids of the prologue's tiles, read before the lengths --------------------------------
   // Split s visits tiles s, s + S, s + 2 S, ... whatever the lengths, so the table entries of its
-  // first kStages - 1 tiles (this thread's loader row) are known now: reading them together with
+  // first kStages - 1 tiles (this thread's loader rows' block) are known now: reading them together with
   // the lengths takes one dependent global round trip (~1 us after an L2 miss) off the path to the
   // first K/V load. Only entries inside the table row (keys below its capacity) are read; whether a
   // key is visible is decided once the lengths are known. (Variants: with a window's left edge the
@@ -319,7 +334,7 @@ __device__ __forceinline__ void attention_paged_body(
     if (kVariants && va.left < kUnbounded) {
       pre_id[s] = kReadTable;
     } else {
-      const int key = (split + s * num_splits) * kBlockN + tid / kTPR;
+      const int key = (split + s * num_splits) * kBlockN + tid / kLoadTPR * kLoadRows;
       pre_id[s] = key < (max_blocks << log2_block_size) ? ldg_now(bt_row + (key >> log2_block_size)) : -1;
     }
   }
@@ -365,37 +380,48 @@ __device__ __forceinline__ void attention_paged_body(
   const u16* const v_head = v_cache + kv_head * v_sh;
 
   // ---- Tile loader: kBlockN keys of K and V into ring slot `stage` ------------------------------------
-  // Row-owner mapping: kTPR = kThreads / kBlockN threads share a key row; thread (r, q) copies
-  // chunks q + kTPR j (j < kChunks / kTPR) of row r. So the row's block-table entry, its page
-  // check and its two 64-bit source pointers are formed once per thread and tile, and the chunks
-  // follow as immediates: +16 kTPR j bytes in global memory, and XOR 16 kTPR j in the swizzled
-  // tile (q < kTPR and kTPR j have disjoint bits and the row swizzle is < 8, so
-  // phys(r, q + kTPR j) = phys(r, q) ^ kTPR j; a row starts on a multiple of its power-of-two
-  // pitch). A warp instruction covers 32 / kTPR rows x kTPR consecutive chunks: whole 32-byte
-  // sectors, as many per instruction as a row-major mapping.
+  // Line-owner mapping: thread (g, q), g = tid / kLoadTPR, q = tid % kLoadTPR, owns the kLoadRows
+  // consecutive key rows r0 + i, r0 = g kLoadRows, and copies their chunks q + kLoadTPR j. The
+  // cp.async of one (i, j) across a warp: each quarter-warp (8 threads) copies 128 consecutive
+  // bytes of one row, i.e. a whole aligned line at d = 64, 128, 256 (two 64-byte pieces of two
+  // rows at d = 32, 96): 4 lines of 4 rows per instruction, so each L2 request carries 4 sectors
+  // (a mapping of 2 threads per row requested one sector of each of 16 rows: 4x the requests
+  // for the same bytes in flight). A thread's rows lie in one cache block (kLoadRows divides the
+  // block size), so it reads one table entry per tile, checks it once and forms its two 64-bit
+  // source pointers once; row i adds i row strides, chunk j the immediate 16 kLoadTPR j bytes.
+  // Destinations: r0 | i and q | kLoadTPR j are bitwise sums (r0 % kLoadRows == 0, i < kLoadRows;
+  // q < kLoadTPR, powers of two), the swizzle's row term (r & 7, or (r >> 1) & 3 at d = 32) is
+  // XOR-linear over such sums and a row's physical chunks stay below its power-of-two pitch, so
+  // chunk(r0 | i, q | kLoadTPR j) = chunk(r0, q) ^ chunk(i, kLoadTPR j): one XOR with a constant
+  // (stage * kTileKV and r0's pitch multiple have no bit below kLoadRows rows' bytes).
   // The thread coordinates come from an opaque thread index at each call (recomputed, not held in
   // registers across the main loop). A key past kv_end or in a block whose id is outside
-  // [0, num_blocks) is zero-filled (cp.async src-size 0, source clamped to the head's base).
-  // Returns whether this thread's key was visible but sat in an invalid block.
+  // [0, num_blocks) is zero-filled (cp.async src-size 0; an invalid block's source rows are
+  // clamped to block 0 of the head). Returns whether this thread's rows were visible but sat in an
+  // invalid block. `pre`: the block id of the rows when already read (kReadTable otherwise).
   const int k_sr32 = static_cast<int>(k_sr), v_sr32 = static_cast<int>(v_sr);
   auto load_tile = [&](int n, int stage, int pre) -> bool {
     const int tid_l = opaque(tid);
-    const int r = tid_l / kTPR, q = tid_l % kTPR;
-    const int key = n * kBlockN + r;
-    const bool in_range = key < kr.kv_end;
-    const int id = !in_range ? -1 : pre != kReadTable ? pre : __ldg(bt_row + (key >> log2_block_size));
+    const int r0 = tid_l / kLoadTPR * kLoadRows, q = tid_l % kLoadTPR;
+    const int key0 = n * kBlockN + r0;
+    const bool in_range = key0 < kr.kv_end;  // row r0 + i is visible iff key0 + i < kv_end
+    const int id = !in_range ? -1 : pre != kReadTable ? pre : __ldg(bt_row + (key0 >> log2_block_size));
     const bool ok = id >= 0 && id < num_blocks;
     const bool valid = in_range && ok;
-    const int row = key & block_mask;
+    const int row = key0 & block_mask;
     // u32 x int64: the block id is non-negative here.
     const u16* const kp = valid ? k_head + static_cast<u32>(id) * k_sb + (row * k_sr32 + q * 8) : k_head;
     const u16* const vp = valid ? v_head + static_cast<u32>(id) * v_sb + (row * v_sr32 + q * 8) : v_head;
-    const u32 dst = stage * kTileKV + Tile::chunk(r, q);
+    const u32 dst = stage * kTileKV + Tile::chunk(r0, q);
 #pragma unroll
-    for (int j = 0; j < kChunks / kTPR; ++j) {
-      cp_async_16_row<2 * kHeadDim>(sK + (dst ^ (16 * kTPR * j)), kp + 8 * kTPR * j, valid);
-      cp_async_16_row<2 * kHeadDim>(sV + (dst ^ (16 * kTPR * j)), vp + 8 * kTPR * j, valid);
-    }
+    for (int i = 0; i < kLoadRows; ++i)
+#pragma unroll
+      for (int j = 0; j < kChunks / kLoadTPR; ++j) {
+        const u32 at = dst ^ Tile::chunk(i, kLoadTPR * j);
+        const bool copy = valid && (i == 0 || key0 + i < kr.kv_end);
+        cp_async_16_row<2 * kHeadDim>(sK + at, kp + (i * k_sr32 + 8 * kLoadTPR * j), copy);
+        cp_async_16_row<2 * kHeadDim>(sV + at, vp + (i * v_sr32 + 8 * kLoadTPR * j), copy);
+      }
     return in_range && !ok;
   };
 
