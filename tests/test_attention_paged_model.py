@@ -350,9 +350,10 @@ def make_case(seqs, heads, kv_heads, d, block_size, seed, dtype=torch.bfloat16):
     return q, k_cache, v_cache, table, cu, seqlens, max(nq for nq, _ in seqs)
 
 
-def check(case, cfg, splits, causal=True, variants=None):
+def check(case, cfg, splits, causal=True, variants=None, model_case=None):
+    """The model on `model_case` (default: `case`) against the reference on `case`."""
     q, k_cache, v_cache, table, cu, seqlens, max_q = case
-    out, lse = model(case, cfg, splits, causal, variants)
+    out, lse = model(case if model_case is None else model_case, cfg, splits, causal, variants)
     ref_out, ref_lse = reference.attention_paged(q, k_cache, v_cache, table, cu, seqlens, max_q, 10**6,
                                                  causal=causal, return_lse=True, compute_dtype=torch.float64,
                                                  **(variants or {}))
@@ -389,6 +390,22 @@ def test_model_masks_invalid_blocks_and_capacity():
     seqlens[1] = 1000  # past the table's capacity
     for layout in range(3):
         check(case, paged.CONFIGS[64][layout], 2)
+
+
+@pytest.mark.parametrize("layout", [0, 1, 2])
+def test_model_copies_no_row_past_the_length(layout):
+    """K and V NaN in the rest of each sequence's last block (the model runs on that, the reference
+    on the clean cache): a loader run of rows straddling the length copies only the rows below it.
+    Lengths end at every offset of a 4-row run and around the 64-key tile edge."""
+    nq = (1, 5, 40)[layout]
+    seqs = [(nq, nq + extra) for extra in (60, 61, 62, 63, 66, 67)]
+    case = make_case(seqs, 8, 2, 64, 16, seed=50 + layout)
+    k_bad, v_bad = case[1].clone(), case[2].clone()
+    for b, (_, nk) in enumerate(seqs):
+        keys = torch.arange(nk, -(-nk // 16) * 16)
+        k_bad[case[3][b, keys // 16].long(), keys % 16] = float("nan")
+        v_bad[case[3][b, keys // 16].long(), keys % 16] = float("nan")
+    check(case, paged.CONFIGS[64][layout], 2, model_case=(case[0], k_bad, v_bad, *case[3:]))
 
 
 def test_model_non_causal_prefill_tile():

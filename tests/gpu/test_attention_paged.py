@@ -498,6 +498,30 @@ def test_out_of_range_block_ids_are_masked(num_splits):
         reference.check_paged_contents(case.k_cache, table, case.cu_seqlens_q, case.seqlens_k, 2, 10_000)
 
 
+@pytest.mark.parametrize("head_dim", paged.HEAD_DIMS)
+@pytest.mark.parametrize("nq", [1, 5, 100])  # the 16-row key-split tile, the 64-row tile, the 128-row tile (G = 4)
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_loader_copies_no_row_past_the_length(head_dim, nq, block_size, num_splits):
+    """K and V are NaN in every cache row past a sequence's length (the rest of its last block):
+    the loader's threads own runs of 1-4 consecutive rows of a block, and a run that straddles the
+    length must copy only the rows below it and zero-fill the rest (a copied NaN V row times its
+    probability 0 is NaN). Lengths end at every offset of a 4-row run and around the 64-key tile
+    edge. The reference runs on the clean cache."""
+    seqs = [(nq, nq + extra) for extra in (60, 61, 62, 63, 64, 65, 66, 67, 130)]
+    case = Case(seqs, 8, 2, head_dim, BF16, block_size, seed=41 + head_dim + nq + block_size, share=False)
+    ref_out, ref_lse = case.reference()
+    table = case.block_table.cpu()
+    for b, (_, nk) in enumerate(seqs):
+        keys = torch.arange(nk, -(-nk // block_size) * block_size)
+        blocks, rows = table[b, keys // block_size].long().cuda(), (keys % block_size).cuda()
+        case.k_cache[blocks, rows] = float("nan")
+        case.v_cache[blocks, rows] = float("nan")
+    out, lse, launch = case.launch(num_splits=num_splits)
+    check(case, out, lse, ref_out, ref_lse,
+          f"NaN past the lengths, d={head_dim} nq={nq} bs={block_size} num_splits={num_splits} ({launch.config})")
+
+
 def test_validate_raises_on_bad_contents():
     case = Case([(1, 20), (1, 40)], 4, 4, 64, BF16, 16, seed=3)
     args = (*case.tensors(), case.max_seqlen_q, case.max_seqlen_k)
