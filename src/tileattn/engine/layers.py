@@ -11,9 +11,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from tileattn.api_layers import add_rms_norm, linear, norm_rotary_, silu_mul
+from tileattn.api_layers import add_rms_norm, norm_rotary_, silu_mul
 
 
 @dataclass
@@ -49,8 +50,7 @@ def paged_attention_ops(device: torch.device):
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). Parameters are allocated uninitialised: the loader fills every one.
-    At decode (up to 8 rows on CUDA) tileattn's skinny GEMM streams the weight, elsewhere cuBLAS."""
+    """y = x W^T (+ b). Parameters are allocated uninitialised: the loader fills every one."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -58,7 +58,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x):  # x [T, in] -> [T, out]
-        return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -72,8 +72,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x):  # x [T, in / N] -> [T, out]
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(linear(x, self.weight))
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 

@@ -16,8 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tileattn.api_layers import linear
-
 from ..distributed import TensorParallel, check_tensor_parallel
 from ..layers import (
     AttentionBatch,
@@ -112,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
         return x  # [T, hidden]
 
     def compute_logits(self, hidden):  # hidden [N, hidden] -> [N, vocab] float32 (rank 0; others None)
-        return self.tp.gather_last_dim(linear(hidden, self.lm_head).float())  # rank's part [N, vocab / N]
+        return self.tp.gather_last_dim(F.linear(hidden, self.lm_head).float())  # rank's part [N, vocab / N]
 
     # ---- weights -------------------------------------------------------------------------------
 
