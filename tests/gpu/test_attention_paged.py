@@ -143,6 +143,20 @@ def check_padding(case, out, lse, what):
             f"{what}: lse of padding columns not -inf: {bad.sum().item()} entries, e.g. {pad_lse[bad][:4].tolist()}")
 
 
+def capture(step):
+    """Run ``step`` once on a side stream (kernels compiled, launch plans and workspaces built
+    outside the capture), then capture it in a CUDA graph: returns (graph, step's outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
 def mixed_seqs(block_size):
     """Decode, speculative and chunked-prefill sequences with the edge key lengths, one batch."""
     bs = block_size
@@ -283,14 +297,7 @@ def test_padding_rows_follow_device_lengths_in_a_cuda_graph():
         return api_paged.attention_paged(q, k_cache, v_cache, table, cu_q, seqlens_k, 1, max_blocks * bs,
                                          return_lse=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_lse = step()
+    graph, (static_out, static_lse) = capture(step)
     for live in (8, 3, 6, 0, 1):
         # `live` decodes, then empty sequences: cu_seqlens_q[B] = live, rows live.. are padding
         cu_q.copy_(torch.tensor([min(b, live) for b in range(slots + 1)], dtype=torch.int32))
@@ -438,14 +445,7 @@ def test_variants_cuda_graph_replays_with_new_lengths():
         return api_paged.attention_paged(q, k_cache, v_cache, table, cu_q, seqlens_k, 1, max_blocks * bs,
                                          return_lse=True, num_splits=4, window=window, alibi_slopes=slopes)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_lse = step()
+    graph, (static_out, static_lse) = capture(step)
     for replay in range(3):
         cpu = torch.Generator().manual_seed(100 + replay)
         lengths = torch.randint(1, max_blocks * bs + 1, (batch,), generator=cpu)
@@ -581,14 +581,7 @@ def test_cuda_graph_decode_step_replays_with_new_lengths():
         return api_paged.attention_paged(q, k_cache, v_cache, table, cu_q, seqlens_k, 1, max_blocks * bs,
                                          return_lse=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile, load and build the launch plans outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_lse = step()
+    graph, (static_out, static_lse) = capture(step)
 
     for replay in range(3):
         cpu = torch.Generator().manual_seed(replay)
