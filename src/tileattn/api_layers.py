@@ -186,13 +186,9 @@ def _same(name: str, t: Tensor, x: Tensor) -> None:
         raise ValueError(f"{name} is {t.dtype} on {t.device}; x is {x.dtype} on {x.device}")
 
 
-def _rows_ok(t: Tensor) -> bool:
-    return t.stride(-1) == 1 and (t.shape[0] <= 1 or t.stride(0) % 8 == 0) and t.data_ptr() % 16 == 0
-
-
 def _check_rows(name: str, t: Tensor) -> None:
     """The kernels move 16-byte chunks: contiguous rows at 16-byte aligned addresses."""
-    if not _rows_ok(t):
+    if t.stride(-1) != 1 or (t.shape[0] > 1 and t.stride(0) % 8) or t.data_ptr() % 16:
         raise ValueError(f"{name} needs a contiguous last dim, a row stride that is a multiple of 8 "
                          f"elements and a 16-byte aligned data pointer (strides {t.stride()})")
 
