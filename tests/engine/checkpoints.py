@@ -17,6 +17,8 @@ ARCHITECTURES = {
     # Llama 2 style: default rope, MHA, attention + MLP biases (attention_bias / mlp_bias)
     "llama2": ("LlamaConfig", dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True)),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
+    # Mistral v0.1: sliding-window attention, a window far shorter than the tests' prompts
+    "mistral-window": ("MistralConfig", dict(sliding_window=12)),
     # Qwen2: q/k/v bias, tied embeddings
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     # Qwen3: q/k RMSNorm, head_dim (24) != hidden / heads (16), tied embeddings

@@ -77,3 +77,14 @@ def test_chat_template_from_tokenizer_config(llama, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     engine, _ = logits(tmp_path)
     assert engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "<s>[user] hi"
+
+
+def test_sliding_window_is_read_and_qwen_layer_windows_refused(llama):
+    path, _ = llama
+    cfg = json.loads((path / "config.json").read_text())
+    assert model_config_from_hf({**cfg, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                                 "sliding_window": 4096}).sliding_window == 4096
+    qwen = {**cfg, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 4096}
+    assert model_config_from_hf({**qwen, "use_sliding_window": False}).sliding_window is None
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        model_config_from_hf({**qwen, "use_sliding_window": True})

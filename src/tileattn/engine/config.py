@@ -112,7 +112,7 @@ class ModelConfig:
     o_bias: bool = False               # Llama attention_bias
     mlp_bias: bool = False
     qk_norm: bool = False              # Qwen3: RMSNorm over head_dim on q and k before rotary
-    sliding_window: int | None = None  # Mistral v0.1: max_model_len is capped at it
+    sliding_window: int | None = None  # Mistral v0.1: a query sees itself and the W - 1 keys before
     torch_dtype: torch.dtype | None = None
     extra: dict = field(default_factory=dict)
 

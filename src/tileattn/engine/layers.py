@@ -169,6 +169,8 @@ class PagedAttention(nn.Module):
         self.kv_heads = tp.kv_heads(cfg.num_kv_heads)[1]
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
+        # Sliding-window attention (Mistral v0.1): a query sees itself and the W - 1 keys before it.
+        self.window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype, tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -195,5 +197,5 @@ class PagedAttention(nn.Module):
         write_kv_cache(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
         out = attention_paged(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
                               batch.seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k,
-                              causal=True, scale=self.scale)  # [T, H, d]
+                              causal=True, scale=self.scale, window=self.window)  # [T, H, d]
         return self.o_proj(out.reshape(tokens, self.q_size))

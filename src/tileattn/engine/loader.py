@@ -92,7 +92,7 @@ def load_model(path: str, device, dtype=None, max_model_len: int | None = None, 
     """Load a checkpoint (see the module docstring) onto ``device`` in ``dtype`` (None: default_dtype).
 
     max_model_len: the longest sequence the engine will run (sizes the rotary table; default:
-    the model's context length, or its sliding window when it has one).
+    the model's context length).
     tp: this rank's TensorParallel (distributed.py): only its shard is kept; None: the whole model.
     Raises FileNotFoundError (missing checkpoint / tokenizer files), ValueError (unreadable file,
     unsupported architecture named, weights that do not match the config, max_model_len beyond
@@ -116,17 +116,16 @@ def read_model_config(path: str) -> ModelConfig:
 
 
 def model_length_limit(cfg: ModelConfig) -> int:
-    """The longest sequence the model supports here: its context length, capped at a sliding window
-    (attention here is over the whole sequence, which matches sliding-window attention only while
-    the sequence fits in the window)."""
-    return min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
+    """The longest sequence the model supports here: its context length (a sliding window does not
+    cap it: attention applies the window)."""
+    return cfg.max_position_embeddings
 
 
 def _rotary_rows(cfg: ModelConfig, max_model_len: int | None) -> int:
     limit = model_length_limit(cfg)
     if max_model_len is not None and max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {limit} tokens "
-                         "(max_position_embeddings / sliding_window)")
+                         "(max_position_embeddings)")
     return max_model_len or limit
 
 
@@ -178,7 +177,10 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
 
 def _sliding_window(arch, cfg):
     window = cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if cfg.get("use_sliding_window", False):  # a window on some layers only (max_window_layers)
+            raise ValueError(f"{arch} with use_sliding_window=true is not supported (a window on the layers "
+                             "from max_window_layers on); the released Qwen2/2.5/3 checkpoints set it false")
         return None
     return window if isinstance(window, int) and window > 0 else None
 
