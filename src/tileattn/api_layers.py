@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .api import _current_device
+
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 MAX_NORM_DIM = 32768  # add_rms_norm's kernel keeps a row in registers: 1024 threads x 4 chunks x 8
 MAX_ROTARY_HEAD_DIM = 256
@@ -201,7 +203,7 @@ class _device_of:
         self.guard = None
 
     def __enter__(self):
-        if torch.cuda.current_device() != self.index:
+        if _current_device() != self.index:
             self.guard = torch.cuda.device(self.index)
             self.guard.__enter__()
 
