@@ -1,8 +1,9 @@
 """Tokenizer: text <-> token ids through the `tokenizers` library, chat templates through jinja2.
 
 Two sources: an HF checkpoint directory (tokenizer.json + tokenizer_config.json, the chat template
-there or in chat_template.jinja) and GGUF metadata (GPT-2 style byte-level BPE from the
-tokenizer.ggml.tokens / merges / token_type arrays).
+there or in chat_template.jinja) and GGUF metadata: GPT-2 style byte-level BPE from the
+tokenizer.ggml.tokens / merges / token_type arrays, or a SentencePiece vocabulary (Llama 2, Mistral)
+as byte-fallback BPE from tokens / scores / token_type.
 """
 
 from __future__ import annotations
@@ -103,59 +104,118 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> Tokenizer:
-        """Byte-level BPE from GGUF metadata (tokenizer.ggml.model == "gpt2").
+        """The tokenizer GGUF metadata describes, built the way transformers' GGUF loader builds it.
 
-        Raises ValueError for other tokenizer models (SentencePiece "llama" GGUFs) or missing arrays.
+        tokenizer.ggml.model "gpt2": byte-level BPE from tokens + merges. "llama" (SentencePiece
+        vocabularies: Llama 2, Mistral): BPE with byte fallback over "\u2581"-spelled pieces, merges
+        from the file or derived from tokenizer.ggml.scores. BOS/EOS from the *_token_id keys,
+        add_bos_token (default true for "llama") / add_eos_token through the post-processor.
+
+        Raises ValueError for other tokenizer models or missing arrays.
         """
-        from tokenizers import (
-            AddedToken,
-            Regex,
-            decoders,
-            models,
-            pre_tokenizers,
-            processors,
-        )
-        from tokenizers import Tokenizer as Backend
+        from tokenizers import AddedToken, processors
 
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE)")
+        builders = {"gpt2": _gguf_byte_level, "llama": _gguf_sentencepiece}
+        if kind not in builders:
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2', 'llama')")
         tokens = meta.get("tokenizer.ggml.tokens")
-        merges = meta.get("tokenizer.ggml.merges")
-        if not tokens or merges is None:
-            raise ValueError("GGUF file has no tokenizer (tokenizer.ggml.tokens / merges missing)")
-        vocab = {token: i for i, token in enumerate(tokens)}
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-        pre = meta.get("tokenizer.ggml.pre")
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre in _GGUF_SPLITS:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(_GGUF_SPLITS[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        elif pre == "smollm":  # SmolLM's tokenizer splits every digit apart before byte-level BPE
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Digits(individual_digits=True), byte_level])
-        else:
-            backend.pre_tokenizer = byte_level
-        backend.decoder = decoders.ByteLevel()
-        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, kind in zip(tokens, types) if kind == _GGUF_CONTROL])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                            for t, kind in zip(tokens, types) if kind == _GGUF_USER_DEFINED])
+        if not tokens:
+            raise ValueError("GGUF file has no tokenizer (tokenizer.ggml.tokens missing)")
+        backend = builders[kind](meta, tokens)
 
         def token(key):
             index = meta.get(key)
             return tokens[index] if index is not None and 0 <= index < len(tokens) else None
 
         bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
-        if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        special = {t for t, kind in zip(tokens, types) if kind == _GGUF_CONTROL}
+        if kind == "llama":  # transformers also registers unk/bos/eos/pad as special (skipped on decode)
+            special |= {token(f"tokenizer.ggml.{k}_token_id") for k in ("unknown", "bos", "eos", "padding")}
+            special.discard(None)
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t in tokens if t in special])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                            for t, kind in zip(tokens, types) if kind == _GGUF_USER_DEFINED])
+        # Older SentencePiece GGUFs carry no add_bos_token flag; llama.cpp (and transformers) add BOS.
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None
+        add_eos = meta.get("tokenizer.ggml.add_eos_token", False) and eos is not None
+        if add_bos or add_eos:
+            head = f"{bos}:0 " if add_bos else ""
+            tail = f" {eos}:0" if add_eos else ""
+            pair_head = f" {bos}:1" if add_bos else ""
+            pair_tail = f" {eos}:1" if add_eos else ""
             backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1", special_tokens=[(bos, vocab[bos])])
-        else:
+                single=f"{head}$A:0{tail}", pair=f"{head}$A:0{tail}{pair_head} $B:1{pair_tail}",
+                special_tokens=[(t, backend.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on])
+        elif kind == "gpt2":
             backend.post_processor = processors.ByteLevel(trim_offsets=False)
         return cls(backend, chat_template=meta.get("tokenizer.chat_template"), bos_token=bos, eos_token=eos)
+
+
+def _gguf_byte_level(meta, tokens):
+    """GPT-2 style byte-level BPE: tokens are spelled in the byte alphabet, merges are listed."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is None:
+        raise ValueError("GGUF file has no tokenizer (tokenizer.ggml.merges missing)")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    pre = meta.get("tokenizer.ggml.pre")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _GGUF_SPLITS:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_GGUF_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif pre == "smollm":  # SmolLM's tokenizer splits every digit apart before byte-level BPE
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _gguf_sentencepiece(meta, tokens):
+    """SentencePiece vocabulary as BPE: spaces spelled "\u2581", one "\u2581" prepended to the text
+    (first piece only, never after a special token), characters outside the vocabulary as <0xNN>
+    byte tokens. No normalizer. tokenizer.ggml.add_space_prefix is not read (transformers ignores
+    it too and always prepends).
+    """
+    from tokenizers import decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is not None:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        scores = meta.get("tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise ValueError("GGUF SentencePiece tokenizer needs tokenizer.ggml.scores (one per token) "
+                             "or tokenizer.ggml.merges")
+        pairs = _merges_from_scores(vocab, dict(zip(tokens, scores)))
+    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([
+        decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+        decoders.Strip(content=" ", left=1)])  # drop the prepended space again
+    return backend
+
+
+def _merges_from_scores(vocab: dict, scores: dict) -> list[tuple[str, str]]:
+    """BPE merges a SentencePiece vocabulary implies: every split of a piece into two vocabulary
+    pieces is a merge, ranked by the whole piece's score (higher first), then longer left part,
+    then longer right part; equal keys keep vocabulary order.
+    """
+    merges = [(piece[:i], piece[i:], score) for piece, score in scores.items() for i in range(1, len(piece))
+              if piece[:i] in vocab and piece[i:] in vocab]
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)  # stable: ties stay in order
+    return [(left, right) for left, right, _ in merges]
 
 
 def _token_text(value):
