@@ -260,16 +260,20 @@ class _PlanEntry:
         self.backward: dict[tuple, object] = {}
 
     def backward_plan(self, q, k, v, out, lse, dout, dq, dk, dv, deterministic: bool):
+        """The backward's plan for this dout layout and mode, built once (on the entry's device)."""
         key = (dout.stride(), deterministic)
         plan = self.backward.get(key)
         if plan is None:
-            from .kernels import dispatch
-
             with torch.cuda.device(self.device_index):
-                plan = dispatch.attention_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, causal=self.causal,
-                                                        scale=self.scale, deterministic=deterministic)
+                plan = self._build_backward(q, k, v, out, lse, dout, dq, dk, dv, deterministic)
             self.backward[key] = plan
         return plan
+
+    def _build_backward(self, q, k, v, out, lse, dout, dq, dk, dv, deterministic: bool):
+        from .kernels import dispatch
+
+        return dispatch.attention_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, causal=self.causal,
+                                                scale=self.scale, deterministic=deterministic)
 
 
 _plans: dict[tuple, _PlanEntry] = {}
@@ -387,18 +391,12 @@ class _VariantEntry(_PlanEntry):
             self.forward = dispatch.variant_forward_plan(q, k, v, out, lse, scale=self.scale, variants=self.variants)
         self.backward: dict[tuple, object] = {}
 
-    def backward_plan(self, q, k, v, out, lse, dout, dq, dk, dv, deterministic: bool):
-        key = (dout.stride(), deterministic)
-        plan = self.backward.get(key)
-        if plan is None:
-            from .kernels import attention_bwd_sm80
+    def _build_backward(self, q, k, v, out, lse, dout, dq, dk, dv, deterministic: bool):
+        from .kernels import attention_bwd_sm80
 
-            with torch.cuda.device(self.device_index):
-                plan = attention_bwd_sm80.backward_plan(q, k, v, out, lse, dout, dq, dk, dv, causal=False,
-                                                        scale=self.scale, deterministic=deterministic,
-                                                        variants=self.variants)
-            self.backward[key] = plan
-        return plan
+        return attention_bwd_sm80.backward_plan(q, k, v, out, lse, dout, dq, dk, dv, causal=False,
+                                                scale=self.scale, deterministic=deterministic,
+                                                variants=self.variants)
 
 
 def _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, alibi_slopes, dropout_p, generator,
