@@ -242,12 +242,18 @@ class _PlanEntry:
     backward plans by (dout strides, deterministic)."""
 
     __slots__ = ("forward", "backward", "causal", "scale", "device_index", "device", "lse_shape", "copy_kv",
-                 "max_seqlen_q", "max_seqlen_k")
+                 "max_seqlen_q", "max_seqlen_k", "variants")
 
-    def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
+    def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                 variants=None):
+        """variants: None, or the sm80 kernels' VariantArgs (then causal is folded into its window)."""
+        from . import dropout as dr
         from .kernels import attention_fwd_sm80
 
         _check_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+        if variants is not None:
+            dr.check_variant_lengths(q.shape[0], k.shape[0])
+        self.variants = variants
         self.causal = causal
         self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         self.max_seqlen_q, self.max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
@@ -267,7 +273,8 @@ class _PlanEntry:
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         with torch.cuda.device(self.device_index):
             self.forward = attention_fwd_sm80.forward_varlen_plan(
-                q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, self.max_seqlen_q, causal=causal, scale=self.scale)
+                q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, self.max_seqlen_q, causal=causal, scale=self.scale,
+                variants=variants)
 
     def backward_plan(self, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, deterministic: bool):
         key = (dout.stride(), deterministic)
@@ -278,7 +285,7 @@ class _PlanEntry:
             with torch.cuda.device(self.device_index):
                 plan = attention_bwd_sm80.backward_varlen_plan(
                     q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, self.max_seqlen_q, self.max_seqlen_k,
-                    causal=self.causal, scale=self.scale, deterministic=deterministic)
+                    causal=self.causal, scale=self.scale, deterministic=deterministic, variants=self.variants)
             self.backward[key] = plan
         return plan
 
@@ -374,7 +381,7 @@ class _VariantEntry(_PlanEntry):
     """A validated varlen combination with variants (causal folded into the window); its plans'
     launches take (alibi pointer, seed, offset) last."""
 
-    __slots__ = ("variants",)
+    __slots__ = ()
 
     def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
                  softcap, alibi_slopes, dropout_p):
@@ -389,41 +396,8 @@ class _VariantEntry(_PlanEntry):
         if (alibi_slopes is not None and isinstance(q, Tensor) and q.dim() == 3 and isinstance(cu_seqlens_q, Tensor)
                 and cu_seqlens_q.dim() == 1):
             sb = dr.check_alibi(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, dtype_strict=True)
-        _check_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
-        dr.check_variant_lengths(q.shape[0], k.shape[0])
-        self.variants = attention_fwd_sm80.VariantArgs(left, right, cap, sb, p)
-        self.causal = False  # folded into the window
-        self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        self.max_seqlen_q, self.max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-        self.device_index, self.device = q.device.index, q.device
-        self.lse_shape = (q.shape[1], q.shape[0])
-        limit = attention_fwd_sm80.MAX_KV_ROW_STRIDE
-        self.copy_kv = (k.shape[0] > 1 and k.stride(0) >= limit) or (v.shape[0] > 1 and v.stride(0) >= limit)
-        if self.copy_kv:
-            k, v = k.contiguous(), v.contiguous()
-        self.backward: dict[tuple, object] = {}
-        self.forward = None
-        if q.shape[0] == 0:
-            return
-        out = torch.empty_like(q)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        with torch.cuda.device(self.device_index):
-            self.forward = attention_fwd_sm80.forward_varlen_plan(
-                q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, self.max_seqlen_q, causal=False, scale=self.scale,
-                variants=self.variants)
-
-    def backward_plan(self, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, deterministic: bool):
-        key = (dout.stride(), deterministic)
-        plan = self.backward.get(key)
-        if plan is None:
-            from .kernels import attention_bwd_sm80
-
-            with torch.cuda.device(self.device_index):
-                plan = attention_bwd_sm80.backward_varlen_plan(
-                    q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, self.max_seqlen_q, self.max_seqlen_k,
-                    causal=False, scale=self.scale, deterministic=deterministic, variants=self.variants)
-            self.backward[key] = plan
-        return plan
+        super().__init__(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, False, scale,
+                         attention_fwd_sm80.VariantArgs(left, right, cap, sb, p))
 
 
 def _varlen_variants(args, max_seqlen_q, max_seqlen_k, causal, scale, deterministic, window, softcap, alibi_slopes,
