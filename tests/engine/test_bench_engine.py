@@ -61,3 +61,22 @@ def test_help_works_without_a_gpu(capsys):
     except SystemExit as exc:
         assert exc.code == 0
     assert "--quick" in capsys.readouterr().out
+
+
+def test_kernel_profile_splits_a_decode_step(tmp_path, tiny_quick_plan, capsys):
+    """--kernels: the decode steps' time by op (CPU ops here, kernels on a GPU), every step counted
+    once, shares summing to 1, the table printed and kept in the JSON row."""
+    out = tmp_path / "bench.json"
+    rc = bench_engine.bench_engine_main(["--quick", "--device", "cpu", "--workdir", str(tmp_path / "ckpt"),
+                                         "--no-peers", "--only", "decode", "--kernels", "--json", str(out)])
+    assert rc == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    report = row["kernels"]
+    assert report["device"] == "cpu" and report["steps"] >= 10, report["steps"]
+    kernels = report["kernels"]
+    assert kernels and abs(sum(k["share"] for k in kernels) - 1) < 1e-6
+    assert [k["us_per_step"] for k in kernels] == sorted((k["us_per_step"] for k in kernels), reverse=True)
+    # every decode step runs each of the 2 layers' q/k/v/o/gate_up/down projections: aten::linear or mm
+    matmuls = sum(k["calls_per_step"] for k in kernels if k["name"] in ("aten::mm", "aten::addmm", "aten::linear"))
+    assert matmuls >= 2 * 4, kernels[:10]
+    assert "us of CPU op time per decode step" in capsys.readouterr().out

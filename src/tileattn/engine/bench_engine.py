@@ -74,6 +74,8 @@ def parse_args(argv):
     ap.add_argument("--profile", action="store_true",
                     help="time each engine step's phases (host and GPU) and print them per step kind")
     ap.add_argument("--cprofile", metavar="PATH", help="dump a cProfile of the measured engine runs")
+    ap.add_argument("--kernels", action="store_true",
+                    help="decode: device time per step by kernel (torch.profiler), after the measured run")
     ap.add_argument("--shape", choices=sorted(SHAPES), help="the model shape of every part (overrides the plan)")
     ap.add_argument("--requests", type=int, help="throughput: number of requests (overrides the plan)")
     ap.add_argument("--max-len", type=int, help="throughput: longest prompt / output (overrides the plan)")
@@ -257,6 +259,7 @@ def bench_decode(args, shape, new_tokens, compile_peer):
                 with _cprofiled(args, measured):
                     first = _run_to_end(engine)
                 end = time.perf_counter()
+            kernels = kernel_profile(engine, prompt, min(new_tokens, 64)) if args.kernels else None
         finally:
             engine.shutdown()
         tok_s = (new_tokens - 1) / (end - first)
@@ -266,12 +269,63 @@ def bench_decode(args, shape, new_tokens, compile_peer):
                      "tok_s": tok_s, "bandwidth_TBs": per_token * tok_s / 1e12, "bytes_per_token": per_token,
                      "startup_s": engine.startup_seconds, "ttft_ms": (first - start) * 1e3})
         _add_profile(rows[-1], profiler, f"decode {shape} TP={tp}")
+        if kernels is not None:
+            print(format_kernel_profile(kernels, f"decode {shape} TP={tp}"))
+            rows[-1]["kernels"] = kernels
         del engine
         _free()
     for row in rows:
         if row.get("tok_s") is not None:
             row.setdefault("bandwidth_TBs", per_token * row["tok_s"] / 1e12)
     return rows
+
+
+def kernel_profile(engine, prompt, new_tokens: int) -> dict:
+    """Where a decode step's device time goes, by kernel: one request of `new_tokens` greedy tokens,
+    its prefill step run first and left out, the decode steps under torch.profiler (CUPTI records
+    the kernels of CUDA-graph replays one by one). On the CPU it times the CPU ops instead, so the
+    tests' CPU run exercises the same code.
+
+    Returns {"steps": decode steps profiled, "device": "cuda" | "cpu", "step_us": total time per
+    step, "kernels": [{"name", "calls_per_step", "us_per_step", "share"}, ...] longest first}."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from .sampling_params import SamplingParams
+
+    cuda = engine.device.type == "cuda"
+    engine.add_request("kernel-profile", prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    engine.step()  # the prefill (and, with async scheduling, the first decode launch)
+    steps = 0
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+    wanted = DeviceType.CUDA if cuda else DeviceType.CPU
+    totals: dict[str, list] = {}  # name -> [calls, microseconds]
+    for event in prof.events():
+        if event.device_type != wanted:
+            continue
+        us = event.device_time_total if cuda else event.self_cpu_time_total
+        entry = totals.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += us
+    steps = max(steps, 1)
+    step_us = sum(us for _, us in totals.values()) / steps
+    kernels = [{"name": name, "calls_per_step": calls / steps, "us_per_step": us / steps,
+                "share": us / steps / step_us if step_us else 0.0}
+               for name, (calls, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])]
+    return {"steps": steps, "device": "cuda" if cuda else "cpu", "step_us": step_us, "kernels": kernels}
+
+
+def format_kernel_profile(report: dict, title: str, top: int = 25) -> str:
+    """The `top` longest kernels of `kernel_profile`'s report as a text table."""
+    what = "kernel" if report["device"] == "cuda" else "CPU op"
+    lines = [f"{title}: {report['step_us']:.1f} us of {what} time per decode step ({report['steps']} steps)",
+             f"{'us/step':>9} {'share':>6} {'calls':>6}  {what}"]
+    for k in report["kernels"][:top]:
+        lines.append(f"{k['us_per_step']:9.1f} {k['share']:6.1%} {k['calls_per_step']:6.1f}  {k['name'][:110]}")
+    return "\n".join(lines)
 
 
 def _cprofiled(args, measured: bool):
