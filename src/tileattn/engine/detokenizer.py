@@ -2,20 +2,35 @@
 
 A token's text can depend on its neighbours (byte-level BPE splits a UTF-8 character over
 tokens; SentencePiece drops a leading space at the start of a decode), so each step decodes a
-short window of tokens already seen plus the new one, and keeps the difference. A window whose
-text ends in U+FFFD (an incomplete character) is not consumed: the next token completes it.
+short window of tokens already seen plus the new one, and keeps the difference. While more tokens
+may come, a window whose text can still change is not consumed, so no text is ever taken back:
+ - it ends in U+FFFD: an incomplete character, which the next bytes may complete;
+ - its last token is a SentencePiece byte-fallback token <0xNN>: that decoder turns a whole run of
+   byte tokens into one U+FFFD per byte when the run is not valid UTF-8, so a later byte can undo a
+   character the run already spelled (<0xE4><0xB8><0xAD> is one character; add <0xE4> and it is
+   four U+FFFD).
+When a sequence ends (its finish_reason is set), its window is consumed whatever it decodes to:
+the final text is what the tokenizer decodes, invalid or incomplete bytes at the end included as
+U+FFFD, the same as ``tokenizer.decode(output ids)``.
 """
 
 from __future__ import annotations
 
+import weakref
 
-def detokenize(tokenizer, seqs, ends=None, final: bool = False) -> list[str]:
+# tokenizer -> (ids of the <0xNN> byte-fallback tokens, ids of special tokens); empty byte ids for
+# vocabularies without byte fallback (byte-level BPE), which then need no token scan.
+_vocab_facts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def detokenize(tokenizer, seqs, ends=None) -> list[str]:
     """Append the text of each sequence's newest tokens (up to ends[i], default all) to seq.text;
-    returns the added text. final: the sequences end here (offline runs decode their text once, at
-    the end): a trailing incomplete character is dropped instead of waited for, which leaves the
-    text a token-by-token run would have ended with (it never shows an incomplete last character)."""
+    returns the added text. A sequence whose finish_reason is set ends at ends[i]: its remaining
+    tokens are decoded to the end, an incomplete or invalid character as U+FFFD, instead of being
+    held back for tokens that will not come."""
     if ends is None:
         ends = [len(seq.token_ids) for seq in seqs]
+    byte_ids, special_ids = _byte_tokens(tokenizer)
     groups: dict[bool, list] = {}
     for seq, end in zip(seqs, ends):
         groups.setdefault(seq.params.skip_special_tokens, []).append((seq, end))
@@ -24,15 +39,27 @@ def detokenize(tokenizer, seqs, ends=None, final: bool = False) -> list[str]:
         before = tokenizer.decode_batch([s.token_ids[s.prefix_offset:s.read_offset] for s, _ in group], skip)
         after = tokenizer.decode_batch([s.token_ids[s.prefix_offset:end] for s, end in group], skip)
         for (seq, end), old, new in zip(group, before, after):
-            if final:
-                new = new.rstrip("\ufffd")
-            if len(new) > len(old) and not new.endswith("\ufffd"):
+            # Text that later tokens may still change waits for them, unless none will come.
+            unsettled = new.endswith("\ufffd") or (byte_ids and _ends_in_byte_token(
+                seq.token_ids, seq.prefix_offset, end, byte_ids, special_ids if skip else ()))
+            if len(new) > len(old) and (seq.finish_reason is not None or not unsettled):
                 added[seq] = new[len(old):]
                 seq.prefix_offset, seq.read_offset = seq.read_offset, end
             else:
                 added[seq] = ""
             seq.text += added[seq]
     return [added[s] for s in seqs]
+
+
+def finish(tokenizer, seqs, ends) -> None:
+    """Sequences that finished this step with text not decoded yet (held back, or never decoded
+    while they ran: offline runs without stop strings) get it: detokenize up to ends[i] (the stop
+    token, which adds no text, excluded), then cut at a stop string that this text completes;
+    finish_reason becomes "stop" and stop_reason the string then."""
+    for seq, new_text in zip(seqs, detokenize(tokenizer, seqs, ends)):
+        stop = find_stop(seq, new_text)
+        if stop is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop
 
 
 def find_stop(seq, new_text: str) -> str | None:
@@ -60,3 +87,25 @@ def visible_text_length(seq) -> int:
     if seq.finished or not seq.params.stop:
         return len(seq.text)
     return max(len(seq.text) - (max(len(s) for s in seq.params.stop) - 1), 0)
+
+
+def _byte_tokens(tokenizer) -> tuple[frozenset, frozenset]:
+    """(ids of the tokenizer's <0xNN> byte-fallback pieces, ids of its special tokens), looked up
+    once per tokenizer: at most 512 piece lookups, not a vocabulary scan."""
+    facts = _vocab_facts.get(tokenizer)
+    if facts is None:
+        backend = tokenizer.backend
+        pieces = {f"<0x{b:02X}>" for b in range(256)} | {f"<0x{b:02x}>" for b in range(256)}
+        byte_ids = frozenset(i for i in map(backend.token_to_id, pieces) if i is not None)
+        special = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special) if byte_ids else frozenset()
+        facts = _vocab_facts[tokenizer] = (byte_ids, special)
+    return facts
+
+
+def _ends_in_byte_token(ids, start: int, end: int, byte_ids, skipped) -> bool:
+    """Whether the last token of ids[start:end] that the decode keeps (tokens in ``skipped`` are
+    dropped before decoding, so byte tokens on both sides of one join into one run) is a byte token."""
+    for i in range(end - 1, start - 1, -1):
+        if ids[i] not in skipped:
+            return ids[i] in byte_ids
+    return False

@@ -18,7 +18,7 @@ import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .detokenizer import detokenize, find_stop, visible_text_length
+from .detokenizer import detokenize, find_stop, finish, visible_text_length
 from .distributed import Workers, check_tensor_parallel, rank_devices
 from .loader import load_model, read_model_config
 from .model_runner import ModelRunner
@@ -238,7 +238,7 @@ class LLMEngine:
                     catch_up.append((seq, len(tokens)))
             if seq.finish_reason is not None:
                 finished.append(seq)
-                if lazy and seq.finish_reason == "stop":  # the stop token itself adds no text
+                if seq.finish_reason == "stop":  # the stop token itself adds no text; held-back text is flushed
                     catch_up.append((seq, len(tokens) - 1))
         for seq, new_text in zip(to_detokenize, detokenize(self.tokenizer, to_detokenize)):
             stop = find_stop(seq, new_text)
@@ -247,7 +247,7 @@ class LLMEngine:
                     finished.append(seq)
                 seq.finish_reason, seq.stop_reason = "stop", stop
         if catch_up:
-            detokenize(self.tokenizer, [seq for seq, _ in catch_up], [end for _, end in catch_up], final=True)
+            finish(self.tokenizer, [seq for seq, _ in catch_up], [end for _, end in catch_up])
         for seq in finished:
             self.scheduler.finish(seq)
             if finished_only:
