@@ -142,6 +142,7 @@
 // edge block are not written).
 #include "common/sm80.cuh"
 #include "common/sm90_bwd.cuh"
+#include "common/varlen.cuh"
 
 namespace tileattn {
 namespace bwd90 {
@@ -225,6 +226,62 @@ __device__ __forceinline__ void issue_dq(float (&dq)[32], u64 desc_a, u64 desc_b
     sm90::wgmma_ss_n64_mn_mn<kIsBF16>(dq, desc_a + kk * kRowStep16, desc_b + kk * kRowStep16, kk > 0 ? 1 : 0);
 }
 
+// ---- Varlen layout (attention_bwd_sm90_varlen) ----------------------------------------------------
+// What the packed layout needs beyond the dense arguments (the dense entry passes zeros):
+// cu_seqlens (int32 [B + 1]) and the raw dk / dv pointers and strides for the stores a TMA map
+// cannot bound at a sequence's end (the edge boxes, the rows past the last sequence).
+struct VarlenArgs {
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  u16* dk;
+  u16* dv;
+  int64_t dk_sh, dk_sr, dv_sh, dv_sr;  // head and token strides (elements)
+  int total_k;                         // Tk: rows of dk / dv
+};
+
+// Zero rows [row_begin, kRows) of a swizzled [kPanels][kRows][64] 16-bit tile: whole 128-byte
+// rows, so the swizzle (a permutation inside a row) does not matter; the 256 MMA threads store 16
+// bytes each per step. The thread index is read here by a volatile mov (and the loop not
+// unrolled) so that ptxas cannot hoist per-thread start indices out of the walk, where they would
+// hold registers across the whole tile loop (d = 64 spilled three of them).
+template <int kRows, int kPanels>
+__device__ __forceinline__ void zero_tile_rows(u16* tile, int row_begin) {
+  u32 tid;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  const int count = (kRows - row_begin) * kPanels * 8;  // 16-byte chunks
+#pragma unroll 1
+  for (int idx = static_cast<int>(tid) - 128; idx < count; idx += 256) {
+    const int r = row_begin + idx / (kPanels * 8), p = (idx / 8) % kPanels, c = idx % 8;
+    *reinterpret_cast<uint4*>(tile + (p * kRows + r) * kPanel + c * 8) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// Rows [row0, row0 + rows) of a swizzled [kPanels][kBlockN][64] 16-bit tile (row0 a multiple of 8)
+// to global rows dst + r * row_stride, 16 bytes per thread and step (a warpgroup's 128 threads):
+// chunk c of a row (d / 8 of them) lives in panel c / 8 at swizzled chunk (c % 8) ^ (row % 8).
+template <int kPanels>
+__device__ __forceinline__ void store_rows_masked(u16* dst, int64_t row_stride, const u16* tile, int row0, int rows,
+                                                  int tid) {
+  for (int idx = tid; idx < rows * kPanels * 8; idx += 128) {
+    const int r = idx / (kPanels * 8), c = idx % (kPanels * 8), row = row0 + r;
+    const uint4 v = *reinterpret_cast<const uint4*>(tile + ((c / 8) * kBlockN + row) * kPanel + (((c % 8) ^ (row % 8)) * 8));
+    *reinterpret_cast<uint4*>(dst + r * row_stride + c * 8) = v;
+  }
+}
+
+// Rows [begin, Tk) of kv head `head` of dk and dv (past the last sequence: no CTA owns them) to 0,
+// by the whole CTA, 16 bytes per thread and step.
+template <int kHeadDim>
+__device__ __forceinline__ void zero_tail_rows(const VarlenArgs& va, int head, int begin) {
+  constexpr int kChunks = kHeadDim / 8;
+  const int64_t count = static_cast<int64_t>(va.total_k - begin) * kChunks;
+  for (int64_t idx = threadIdx.x; idx < count; idx += kThreads) {
+    const int64_t r = begin + idx / kChunks, c = idx % kChunks;
+    *reinterpret_cast<uint4*>(va.dk + r * va.dk_sr + head * va.dk_sh + c * 8) = make_uint4(0u, 0u, 0u, 0u);
+    *reinterpret_cast<uint4*>(va.dv + r * va.dv_sr + head * va.dv_sh + c * 8) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 }  // namespace bwd90
 
 // tmap_q, tmap_do: q / dout [B, H, Nq, d] as (d, Nq, H, B), box (64, kBlockM, 1, 1); tmap_k, tmap_v:
@@ -234,18 +291,18 @@ __device__ __forceinline__ void issue_dq(float (&dq)[32], u64 desc_a, u64 desc_b
 // Grid (ceil(Nk / 128) * Hkv * B), ordered by `section` ("Block order"), 384 threads, dynamic shared
 // memory Sm90BwdConfig.smem_bytes. `batches` = B. `rotate` != 0: the rotated walk (ignored when
 // kDqMode == 1).
-template <int kHeadDim, int kBlockM, int kStages, bool kCausal, bool kIsBF16, int kDqMode>
-__global__ void __launch_bounds__(bwd90::kThreads, 1)
-    attention_bwd_sm90(const __grid_constant__ sm90::TmaDescriptor tmap_q,
-                       const __grid_constant__ sm90::TmaDescriptor tmap_k,
-                       const __grid_constant__ sm90::TmaDescriptor tmap_v,
-                       const __grid_constant__ sm90::TmaDescriptor tmap_do,
-                       const __grid_constant__ sm90::TmaDescriptor tmap_dk,
-                       const __grid_constant__ sm90::TmaDescriptor tmap_dv, const float* __restrict__ lse2,
-                       const float* __restrict__ delta, float* __restrict__ dq_accum, int* __restrict__ dq_sem,
-                       int heads, int kv_group, int batches, int section,
-                       int seqlen_q, int seqlen_k, int nq_pad, float scale_log2, float scale, int rotate) {
-  using namespace bwd90;
+namespace bwd90 {
+// The body of both entry points below (dense: kVarlen false, `va` all zero and unused, so the dense
+// kernel's code is what it was before the varlen layout existed). Varlen: `seqlen_k` is
+// max_seqlen_k (it sizes the grid's key-block range), `seqlen_q` and `nq_pad` are unused (each
+// CTA reads its sequence's lengths from cu_seqlens) and `batches` is B.
+template <int kHeadDim, int kBlockM, int kStages, bool kCausal, bool kIsBF16, int kDqMode, bool kVarlen>
+__device__ __forceinline__ void attention_bwd_sm90_body(
+    const sm90::TmaDescriptor& tmap_q, const sm90::TmaDescriptor& tmap_k, const sm90::TmaDescriptor& tmap_v,
+    const sm90::TmaDescriptor& tmap_do, const sm90::TmaDescriptor& tmap_dk, const sm90::TmaDescriptor& tmap_dv,
+    const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_accum,
+    int* __restrict__ dq_sem, int heads, int kv_group, int batches, int section, int seqlen_q, int seqlen_k,
+    int nq_pad, float scale_log2, float scale, int rotate, const VarlenArgs& va) {
   static_assert(kHeadDim * kBlockM == 8192 && (kHeadDim == 64 || kHeadDim == 128),
                 "(d, kBlockM) in {(64, 128), (128, 64)}: dQ is 64 x 64 per MMA warpgroup");
   static_assert(kStages >= 2, "at least double buffering");
@@ -262,6 +319,10 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
   // and dK, dV. d = 64, kBlockM = 128 would need 64 + 64 + 64 + 32 = 224 and spills.
   constexpr bool kOverlap = kBlockM == 64;
   static_assert(kDqMode >= 0 && kDqMode <= 2, "dQ mode: 0 RED, 1 ordered bulk (deterministic), 2 bulk");
+  // Varlen only (block-scope, so the dense cubin holds no new constant): named barrier 9 (256) after
+  // zeroing edge rows of K / V or of a Q / dO slot; attention_bwd_sm80.cu's kVarlenWsGap, the gap
+  // between sequences in the workspaces its preprocess / convert lay out and this kernel reads.
+  constexpr int kZeroBarrier = 9, kVarlenWsGap = 132;
   constexpr bool kDeterministic = kDqMode == 1, kStaged = kDqMode != 0;
   constexpr int kDqBuffers = dq_buffers<kHeadDim, kBlockM, kStages, kStaged>();
   constexpr u32 kDqTileBytes = kBlockM * kHeadDim * 4;  // one query tile of dq_accum: contiguous
@@ -270,6 +331,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ uint64_t kv_full, q_full[kStages], do_full[kStages], empty[kStages];
+  __shared__ int seq_smem[3];  // varlen: the sequence's first query token, Nq, Nk (see loop_nq)
   uint8_t* const smem = smem_raw + ((1024 - (s9::smem_u32(smem_raw) & 1023)) & 1023);
   u16* const sK = reinterpret_cast<u16*>(smem);                   // [kPanels][128][64]
   u16* const sV = sK + kBlockN * kHeadDim;
@@ -292,16 +354,58 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
   const int pair = sec * section + in_sec % sec_pairs;
   const int kv_head = pair % kv_heads, batch = pair / kv_heads;
   const int n0 = n_block * kBlockN;
+  // The sequence: its first query / key token (the TMA row coordinates; dense: 0, the batch is a
+  // map coordinate) and its lengths (dense: the arguments). Varlen CTAs past the last (kv head,
+  // batch) pair zero the gradient rows past the last sequence; CTAs past their sequence's keys
+  // (the grid covers the longest) exit before touching anything.
+  int q_tok0 = 0, k_tok0 = 0, map_batch = batch;
+  if constexpr (kVarlen) {
+    if (blockIdx.x >= n_blocks * pairs) {
+      zero_tail_rows<kHeadDim>(va, blockIdx.x - n_blocks * pairs, __ldg(va.cu_seqlens_k + batches));
+      return;
+    }
+    q_tok0 = __ldg(va.cu_seqlens_q + batch), k_tok0 = __ldg(va.cu_seqlens_k + batch), map_batch = 0;
+    seqlen_q = __ldg(va.cu_seqlens_q + batch + 1) - q_tok0;
+    seqlen_k = __ldg(va.cu_seqlens_k + batch + 1) - k_tok0;
+    if (n0 >= seqlen_k) return;
+  }
   const int diag = seqlen_k - seqlen_q;  // query i sees keys j <= i + diag
   const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
-  // First query tile with a query that sees key n0 (n0 <= Nk - 1, so it is < m_blocks).
+  // First query tile with a query that sees key n0 (n0 <= Nk - 1, so it is < m_blocks when Nq > 0).
   const int m_first = kCausal ? max(0, n0 - diag) / kBlockM : 0;
-  const int m_count = m_blocks - m_first;
+  const int m_count = m_blocks - m_first;  // 0 only for a varlen sequence without queries: dK = dV = 0
   const int n_iters = kv_group * m_count;
   // Step `it` of the walk: query head kv_head * kv_group + it / m_count, query tiles from the last
   // down to m_first (every key block of a (b, h) reaches tile m in ascending key-block order),
   // rotated by `rot` tiles (see "Rotated walk"; 0 in the deterministic mode).
-  const int rot = (kDqMode != 1 && rotate != 0) ? n_block % m_count : 0;
+  const int rot = (kDqMode != 1 && rotate != 0 && (!kVarlen || m_count > 0)) ? n_block % m_count : 0;
+  // Row of query 0 of query head `head` in lse2 / delta (times d in dq_accum). Dense: [B, H, NqPad];
+  // varlen: attention_bwd_sm80.cu's ws_row ([H, ws_pitch], `nq_pad` = ws_pitch, sequence b from
+  // roundup(q_tok0, 4) + kVarlenWsGap b, its queries padded to 128 rows).
+  // Inside the MMA warpgroups' walk the varlen first query token and lengths are re-read from
+  // shared memory where they are used (volatile ld.shared at a fixed address: neither kept live nor
+  // hoisted) instead of holding registers (and cu_seqlens addresses) beside dK, dV, P^T and dS^T:
+  // d = 64 spilled otherwise. Dense: the kernel arguments, as before.
+  auto seq_field = [&](int i) -> int { return *reinterpret_cast<volatile int*>(&seq_smem[i]); };
+  auto loop_tok0 = [&]() -> int {
+    if constexpr (kVarlen) return seq_field(0); else return 0;
+  };
+  auto loop_nq = [&]() -> int {
+    if constexpr (kVarlen) return seq_field(1); else return seqlen_q;
+  };
+  auto loop_nk = [&]() -> int {
+    if constexpr (kVarlen) return seq_field(2); else return seqlen_k;
+  };
+  auto loop_diag = [&]() -> int {
+    if constexpr (kVarlen) return loop_nk() - loop_nq(); else return diag;
+  };
+  auto ws_head_row = [&](int head, int tok0) -> int64_t {
+    if constexpr (kVarlen) {
+      return static_cast<int64_t>(head) * nq_pad + ((tok0 + 3) & ~3) + kVarlenWsGap * batch;
+    } else {
+      return (static_cast<int64_t>(batch) * heads + head) * nq_pad;
+    }
+  };
   auto walk_head = [&](int it) { return kv_head * kv_group + it / m_count; };
   auto walk_m0 = [&](int it) {
     int step = it % m_count + rot;  // rot < m_count
@@ -322,6 +426,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
       s9::mbar_init(&empty[s], 256);  // every MMA thread (see the mbarrier table)
     }
     s9::fence_barrier_init();
+    if constexpr (kVarlen) seq_smem[0] = q_tok0, seq_smem[1] = seqlen_q, seq_smem[2] = seqlen_k;
   }
   __syncthreads();
 
@@ -331,24 +436,24 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
       s9::mbar_arrive_expect_tx(&kv_full, 2 * kKVBytes);
 #pragma unroll
       for (int p = 0; p < kPanels; ++p) {
-        s9::tma_load_4d(sK + p * kBlockN * kPanel, &tmap_k, p * kPanel, n0, kv_head, batch, &kv_full);
-        s9::tma_load_4d(sV + p * kBlockN * kPanel, &tmap_v, p * kPanel, n0, kv_head, batch, &kv_full);
+        s9::tma_load_4d(sK + p * kBlockN * kPanel, &tmap_k, p * kPanel, k_tok0 + n0, kv_head, map_batch, &kv_full);
+        s9::tma_load_4d(sV + p * kBlockN * kPanel, &tmap_v, p * kPanel, k_tok0 + n0, kv_head, map_batch, &kv_full);
       }
       for (int it = 0; it < n_iters; ++it) {
         const int head = walk_head(it), m0 = walk_m0(it);
         const int s = it % kStages;
         if (it >= kStages) s9::mbar_wait(&empty[s], ((it / kStages) - 1) & 1);
-        const int64_t ws = (static_cast<int64_t>(batch) * heads + head) * nq_pad + m0;  // padded: in bounds
+        const int64_t ws = ws_head_row(head, q_tok0) + m0;  // padded: in bounds
         s9::mbar_arrive_expect_tx(&q_full[s], kQBytes + kRowBytes);
 #pragma unroll
         for (int p = 0; p < kPanels; ++p)
-          s9::tma_load_4d(sQ + (s * kPanels + p) * kBlockM * kPanel, &tmap_q, p * kPanel, m0, head, batch,
+          s9::tma_load_4d(sQ + (s * kPanels + p) * kBlockM * kPanel, &tmap_q, p * kPanel, q_tok0 + m0, head, map_batch,
                           &q_full[s]);
         s9::bulk_load_1d(sLse + s * kBlockM, lse2 + ws, kRowBytes, &q_full[s]);
         s9::mbar_arrive_expect_tx(&do_full[s], kQBytes + kRowBytes);
 #pragma unroll
         for (int p = 0; p < kPanels; ++p)
-          s9::tma_load_4d(sdO + (s * kPanels + p) * kBlockM * kPanel, &tmap_do, p * kPanel, m0, head, batch,
+          s9::tma_load_4d(sdO + (s * kPanels + p) * kBlockM * kPanel, &tmap_do, p * kPanel, q_tok0 + m0, head, map_batch,
                           &do_full[s]);
         s9::bulk_load_1d(sDelta + s * kBlockM, delta + ws, kRowBytes, &do_full[s]);
       }
@@ -366,7 +471,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
             }
             s9::fence_proxy_async_global();  // the acquire before the async-proxy reduction below
           }
-          s9::bulk_reduce_add_f32(dq_accum + (bh * nq_pad + m0) * kHeadDim, sDq + b * kBlockM * kHeadDim,
+          s9::bulk_reduce_add_f32(dq_accum + (ws_head_row(head, q_tok0) + m0) * kHeadDim, sDq + b * kBlockM * kHeadDim,
                                   kDqTileBytes);
           s9::tma_store_commit();
           s9::tma_store_wait_read();  // staging buffer b read: the MMA warpgroups may refill it
@@ -407,10 +512,36 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
     for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = 0.f, dv[i] = 0.f;
 
     s9::mbar_wait(&kv_full, 0);
+    if constexpr (kVarlen) {
+      // The K / V box reads past the sequence's last key into the next sequence (or the buffer's
+      // tail rows, which may hold anything): zero those rows, as the dense map's bound does, so
+      // that S^T, dP^T, dS^T and the dQ product's K rows of keys past Nk are exact zeros.
+      if (key_edge) {
+        zero_tile_rows<kBlockN, kPanels>(sK, seqlen_k - n0);
+        zero_tile_rows<kBlockN, kPanels>(sV, seqlen_k - n0);
+        s9::fence_proxy_async();  // generic zero stores -> async-proxy wgmma reads
+        s9::named_barrier_sync<256>(kZeroBarrier);
+      }
+    }
     for (int it = 0; it < n_iters; ++it) {
       const int head = walk_head(it), m0 = walk_m0(it);
       const int s = it % kStages;
       const u32 parity = (it / kStages) & 1;
+      if constexpr (kVarlen) {
+        // The same for the Q / dO box of the sequence's last query tile: its rows past Nq are another
+        // sequence's (or the tail's): zeroed, they give S^T = dP^T = 0, and with lse2 = +inf and
+        // D = 0 for those rows (preprocess) P^T = dS^T = 0, so dV, dK and dQ get nothing from them.
+        // Both warpgroups read the slot, so both zero it and meet before their first wgmma on it.
+        const int nq = loop_nq();
+        if (m0 + kBlockM > nq) {
+          s9::mbar_wait(&q_full[s], parity);
+          s9::mbar_wait(&do_full[s], parity);
+          zero_tile_rows<kBlockM, kPanels>(sQ + s * kBlockM * kHeadDim, nq - m0);
+          zero_tile_rows<kBlockM, kPanels>(sdO + s * kBlockM * kHeadDim, nq - m0);
+          s9::fence_proxy_async();
+          s9::named_barrier_sync<256>(kZeroBarrier);
+        }
+      }
       const u64 desc_q = s9::make_desc_k128_sw128(sQ + s * kBlockM * kHeadDim);
       const u64 desc_do = s9::make_desc_k128_sw128(sdO + s * kBlockM * kHeadDim);
 
@@ -419,7 +550,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
       // it only keeps the ring protocol, and dQ reads the first 64 keys of sdS (its second half is
       // stale then). Warpgroup 0's keys are never all hidden (m_first's tile sees key n0).
       u16* const ds_tile = sdS + (it % 2) * kBlockN * kBlockM;
-      const bool upper_idle = n0 + 64 >= seqlen_k || (kCausal && n0 + 64 > m0 + kBlockM - 1 + diag);
+      const bool upper_idle = n0 + 64 >= loop_nk() || (kCausal && n0 + 64 > m0 + kBlockM - 1 + loop_diag());
       if (w == 1 && upper_idle) {
         s9::mbar_wait(&q_full[s], parity);
         s9::mbar_wait(&do_full[s], parity);
@@ -449,7 +580,8 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
         // fp32. Element 4 j + 2 h + e of the accumulators: key key_h0 + 8 h, query m0 + 8 j + 2 t + e.
         s9::wgmma_wait<kOverlap ? 1 : 0>();
         s9::fence_accumulators(sp);
-        const bool masked = key_edge || (kCausal && m0 + diag < n0 + kBlockN - 1);
+        const int nk = loop_nk(), diag_t = loop_diag();  // dense: seqlen_k, diag
+        const bool masked = key_edge || (kCausal && m0 + diag_t < n0 + kBlockN - 1);
         const float* lse_s = sLse + s * kBlockM;
         const float* delta_s = sDelta + s * kBlockM;
         // Element i = 4 j + 2 h + e (key key_h0 + 8 h, query m0 + 8 j + 2 t + e) is hidden iff
@@ -460,7 +592,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int key = key_h0 + 8 * h;
-          lim[h] = key >= seqlen_k ? kBlockM : kCausal ? key - diag - m0 - 2 * t : 0;
+          lim[h] = key >= nk ? kBlockM : kCausal ? key - diag_t - m0 - 2 * t : 0;
         }
         // P^T of element i; lse2 = +inf (fully masked or padding query) gives 2^-inf = 0.
         auto prob = [&](int i, float l2) {
@@ -555,7 +687,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
         s9::fence_proxy_async();  // generic st.shared -> the async-proxy bulk reduction
         s9::named_barrier_arrive<kDqSyncThreads>(kDqFullBarrier + b);
       } else {
-        const int64_t row0 = (static_cast<int64_t>(batch) * heads + head) * nq_pad + m0;
+        const int64_t row0 = ws_head_row(head, loop_tok0()) + m0;
         float* const dst = dq_accum + row0 * kHeadDim + tile_off;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -574,17 +706,72 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
     }
     s9::fence_proxy_async();  // generic stmatrix writes -> async-proxy TMA store
     s9::named_barrier_sync<128>(kWgBarrier + w);
-    if (tid == 0 && n0 + 64 * w < seqlen_k) {
+    const int rows = seqlen_k - n0 - 64 * w;  // keys of this warpgroup's 64 inside the sequence
+    if (kVarlen && rows > 0 && rows < 64) {
+      // Varlen edge box: a TMA store would write the next sequence's rows (the map's bound is the
+      // packed tensor's end): the valid rows go out by 16-byte stores instead.
+      const int64_t row = k_tok0 + n0 + 64 * w;
+      store_rows_masked<kPanels>(va.dk + row * va.dk_sr + kv_head * va.dk_sh, va.dk_sr, sK, 64 * w, rows, tid);
+      store_rows_masked<kPanels>(va.dv + row * va.dv_sr + kv_head * va.dv_sh, va.dv_sr, sV, 64 * w, rows, tid);
+    } else if (tid == 0 && n0 + 64 * w < seqlen_k) {
 #pragma unroll
       for (int p = 0; p < kPanels; ++p) {
         const int off = p * kBlockN * kPanel + 64 * w * kPanel;
-        s9::tma_store_4d(&tmap_dk, sK + off, p * kPanel, n0 + 64 * w, kv_head, batch);
-        s9::tma_store_4d(&tmap_dv, sV + off, p * kPanel, n0 + 64 * w, kv_head, batch);
+        s9::tma_store_4d(&tmap_dk, sK + off, p * kPanel, k_tok0 + n0 + 64 * w, kv_head, map_batch);
+        s9::tma_store_4d(&tmap_dv, sV + off, p * kPanel, k_tok0 + n0 + 64 * w, kv_head, map_batch);
       }
       s9::tma_store_commit();
       s9::tma_store_wait_read();  // shared memory must stay valid until the copies have read it
     }
   }
+}
+}  // namespace bwd90
+
+// Dense [B, H, N, d] batches (see above for the arguments).
+template <int kHeadDim, int kBlockM, int kStages, bool kCausal, bool kIsBF16, int kDqMode>
+__global__ void __launch_bounds__(bwd90::kThreads, 1)
+    attention_bwd_sm90(const __grid_constant__ sm90::TmaDescriptor tmap_q,
+                       const __grid_constant__ sm90::TmaDescriptor tmap_k,
+                       const __grid_constant__ sm90::TmaDescriptor tmap_v,
+                       const __grid_constant__ sm90::TmaDescriptor tmap_do,
+                       const __grid_constant__ sm90::TmaDescriptor tmap_dk,
+                       const __grid_constant__ sm90::TmaDescriptor tmap_dv, const float* __restrict__ lse2,
+                       const float* __restrict__ delta, float* __restrict__ dq_accum, int* __restrict__ dq_sem,
+                       int heads, int kv_group, int batches, int section,
+                       int seqlen_q, int seqlen_k, int nq_pad, float scale_log2, float scale, int rotate) {
+  bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, kCausal, kIsBF16, kDqMode, false>(
+      tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, dq_sem, heads, kv_group, batches,
+      section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale, rotate, bwd90::VarlenArgs{});
+}
+
+// Packed variable-length batches: q, dout [Tq, H, d], k, v, dk, dv [Tk, Hkv, d], sequence b at
+// tokens cu_seqlens_q[b] / cu_seqlens_k[b] (int32 [B + 1]), causal aligned bottom-right per
+// sequence. Maps as the dense ones over a [1, H, T, d] view (batch coordinate 0, the row
+// coordinate starts at the sequence's first token); dk, dv also as raw pointers with their head /
+// token strides (edge boxes and the tail rows are stored without TMA). lse2 / delta / dq_accum:
+// attention_bwd_sm80.cu's varlen workspaces, ws_pitch rows per head. Grid: ceil(max_seqlen_k /
+// 128) x Hkv x B CTAs in the dense block order, then Hkv CTAs that zero the rows of dk / dv past
+// the last sequence (Tk = total_k). dQ modes 0 and 2 (the deterministic varlen backward is the
+// sm80 kernels').
+template <int kHeadDim, int kBlockM, int kStages, bool kCausal, bool kIsBF16, int kDqMode>
+__global__ void __launch_bounds__(bwd90::kThreads, 1)
+    attention_bwd_sm90_varlen(const __grid_constant__ sm90::TmaDescriptor tmap_q,
+                              const __grid_constant__ sm90::TmaDescriptor tmap_k,
+                              const __grid_constant__ sm90::TmaDescriptor tmap_v,
+                              const __grid_constant__ sm90::TmaDescriptor tmap_do,
+                              const __grid_constant__ sm90::TmaDescriptor tmap_dk,
+                              const __grid_constant__ sm90::TmaDescriptor tmap_dv, const float* __restrict__ lse2,
+                              const float* __restrict__ delta, float* __restrict__ dq_accum,
+                              const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                              u16* __restrict__ dk, u16* __restrict__ dv, int64_t dk_sh, int64_t dk_sr,
+                              int64_t dv_sh, int64_t dv_sr, int heads, int kv_group, int batches, int section,
+                              int max_seqlen_k, int total_k, int ws_pitch, float scale_log2, float scale,
+                              int rotate) {
+  static_assert(kDqMode != 1, "the deterministic varlen backward runs on the sm80 kernels");
+  const bwd90::VarlenArgs va{cu_seqlens_q, cu_seqlens_k, dk, dv, dk_sh, dk_sr, dv_sh, dv_sr, total_k};
+  bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, kCausal, kIsBF16, kDqMode, true>(
+      tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, nullptr, heads, kv_group, batches,
+      section, 0, max_seqlen_k, ws_pitch, scale_log2, scale, rotate, va);
 }
 
 }  // namespace tileattn

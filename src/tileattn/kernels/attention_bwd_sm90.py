@@ -114,19 +114,39 @@ def expression(head_dim: int, config: Sm90BwdConfig, causal: bool, bf16: bool, d
             f"{flag[bool(bf16)]}, {config.dq_mode(deterministic)}>")
 
 
-def _expressions(configs_by_dim) -> tuple[str, ...]:
-    """Every (causal, dtype, mode) of the configs, the modes whose shared memory fits."""
+def varlen_expression(head_dim: int, config: Sm90BwdConfig, causal: bool, bf16: bool) -> str:
+    """The NVRTC name expression of one varlen main-kernel instantiation (atomic dQ modes only: the
+    deterministic varlen backward runs on the sm80 kernels)."""
+    flag = {True: "true", False: "false"}
+    return (f"tileattn::attention_bwd_sm90_varlen<{head_dim}, {config.block_m}, {config.stages}, "
+            f"{flag[bool(causal)]}, {flag[bool(bf16)]}, {config.dq_mode(False)}>")
+
+
+def _expressions(configs_by_dim, varlen: bool = False) -> tuple[str, ...]:
+    """Every (causal, dtype, mode) of the configs, the modes whose shared memory fits; varlen: the
+    varlen entry point's (causal, dtype), atomic mode only."""
     exprs = []
     for d, configs in configs_by_dim:
         for cfg in configs:
+            if varlen:
+                exprs += [varlen_expression(d, cfg, causal, bf16) for causal in (False, True) for bf16 in (False, True)
+                          if cfg.fits(d, False)]
+                continue
             exprs += [expression(d, cfg, causal, bf16, det)
                       for causal in (False, True) for bf16 in (False, True) for det in (False, True)
                       if cfg.fits(d, det)]
     return tuple(dict.fromkeys(exprs))
 
 
-INSTANTIATIONS = _expressions((d, {DEFAULTS[(d, c)] for c in (False, True)}) for d in HEAD_DIMS)
-TUNING = tuple(e for e in _expressions(TUNING_EXTRA.items()) if e not in INSTANTIATIONS)
+def _default_configs():
+    return ((d, {DEFAULTS[(d, c)] for c in (False, True)}) for d in HEAD_DIMS)
+
+
+# The varlen entry point takes the dense tables (DEFAULTS, TUNING_EXTRA): same tiles, same shared
+# memory; only the default configs are registered for dispatch, the rest as tuning candidates.
+INSTANTIATIONS = _expressions(_default_configs()) + _expressions(_default_configs(), varlen=True)
+TUNING = tuple(e for e in _expressions(TUNING_EXTRA.items()) + _expressions(TUNING_EXTRA.items(), varlen=True)
+               if e not in INSTANTIATIONS)
 FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a",), tuning=TUNING),)
 
 
@@ -135,6 +155,14 @@ def supports(head_dim: int, dtype, causal: bool = False) -> bool:
     HEAD_DIMS and dtype float16 / bfloat16 (causal and not alike). The caller still routes only
     sm_90a devices here. Never raises."""
     return head_dim in HEAD_DIMS and dtype in (torch.float16, torch.bfloat16)
+
+
+def supports_varlen(head_dim: int, dtype, causal: bool = False, deterministic: bool = False) -> bool:
+    """Whether the varlen Hopper backward (BackwardVarlenPlan) runs (head_dim, dtype, causal,
+    deterministic): head_dim in HEAD_DIMS, float16 / bfloat16, causal or not, atomic mode only
+    (deterministic=True stays on attention_bwd_sm80's varlen kernels). The caller still routes
+    only sm_90a devices here. Never raises."""
+    return supports(head_dim, dtype, causal) and not deterministic
 
 
 def tuning_candidates(head_dim: int, causal: bool, deterministic: bool = False) -> tuple[Sm90BwdConfig, ...]:
@@ -175,6 +203,52 @@ def _strides(t):
     return np.int64(sb), np.int64(sh), np.int64(sr)
 
 
+def _dense_view(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _varlen_view(t: torch.Tensor) -> torch.Tensor:
+    """[T, H, d] packed -> the [1, H, T, d] view the kernel's 4-D maps (d, row, head, batch) read."""
+    return t.unsqueeze(0).transpose(1, 2)
+
+
+class _TmaOperands:
+    """The TMA side of a plan: q, k, v, dout (loads) and dk, dv (stores), in the kernel's
+    [B, H, N, d] view (`view` of the caller's tensors). Which of them TMA cannot describe in place
+    (a zero or huge stride) is decided once: those are copied to / staged in contiguous tensors on
+    every launch. Boxes outermost first (batch, head, rows, 64 columns), 128-byte swizzle, zero
+    fill: block_m query rows, BLOCK_N key rows, 64-row dK / dV stores."""
+
+    def __init__(self, tensors, block_m: int, view=_dense_view):
+        from ..runtime import TensorMapTemplate
+
+        self.view = view
+        self.copy = tuple(not _tma_ready(view(t)) for t in tensors)
+        staged = self.stage(tensors)
+        rows = (block_m, BLOCK_N, BLOCK_N, block_m, 64, 64)
+        self.templates = tuple(TensorMapTemplate(view(t), (1, 1, r, PANEL)) for t, r in zip(staged, rows))
+        self.dk_layout, self.dv_layout = staged[4].stride(), staged[5].stride()  # what the kernel writes
+
+    def stage(self, tensors) -> tuple:
+        """The six tensors the kernel reads and writes: the inputs, contiguous copies where decided,
+        and fresh contiguous dK / dV buffers where the gradients cannot be stored in place."""
+        q, k, v, dout, dk, dv = tensors
+        loads = tuple(t.contiguous() if c else t for t, c in zip((q, k, v, dout), self.copy))
+        stores = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) if c else t
+                       for t, c in zip((dk, dv), self.copy[4:]))
+        return (*loads, *stores)
+
+    def encode(self, staged) -> list:
+        """The six tensor maps of the staged tensors (cached per address by their templates)."""
+        return [tm.encode(t.data_ptr()) for tm, t in zip(self.templates, staged)]
+
+    def finish(self, dk, dv, staged) -> None:
+        """Copy staged dK / dV into the caller's buffers (enqueued after the kernels)."""
+        for dst, src, c in zip((dk, dv), staged[4:], self.copy[4:]):
+            if c:
+                dst.copy_(src)
+
+
 class BackwardPlan:
     """The three launches of one Hopper backward for tensors of fixed shapes, strides, dtype and
     device (arguments already validated by tileattn.api; same constructor and `launch` as
@@ -192,7 +266,7 @@ class BackwardPlan:
 
     def __init__(self, q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
                  config: Sm90BwdConfig | None = None, section: int | None = None, rotate: bool | None = None):
-        from ..runtime import LaunchPlan, TensorMapTemplate
+        from ..runtime import LaunchPlan
         from . import attention_bwd_sm80 as sm80
         from . import load
 
@@ -243,21 +317,9 @@ class BackwardPlan:
             dynamic=range(6),
         )
 
-        self.copy = tuple(not _tma_ready(t) for t in (q, k, v, dout))
-        self.copy_dk, self.copy_dv = not _tma_ready(dk), not _tma_ready(dv)
-        dense = [t.contiguous() if c else t for t, c in zip((q, k, v, dout), self.copy)]
-        dk_t = torch.empty_like(dk, memory_format=torch.contiguous_format) if self.copy_dk else dk
-        dv_t = torch.empty_like(dv, memory_format=torch.contiguous_format) if self.copy_dv else dv
-        # Box sizes outermost first (batch, head, rows, 64 columns), 128-byte swizzle, zero fill.
-        self.templates = (
-            TensorMapTemplate(dense[0], (1, 1, config.block_m, PANEL)),
-            TensorMapTemplate(dense[1], (1, 1, BLOCK_N, PANEL)),
-            TensorMapTemplate(dense[2], (1, 1, BLOCK_N, PANEL)),
-            TensorMapTemplate(dense[3], (1, 1, config.block_m, PANEL)),
-            TensorMapTemplate(dk_t, (1, 1, 64, PANEL)),
-            TensorMapTemplate(dv_t, (1, 1, 64, PANEL)),
-        )
-        maps = [tm.encode(x.data_ptr()) for tm, x in zip(self.templates, (*dense, dk_t, dv_t))]
+        self.operands = _TmaOperands((q, k, v, dout, dk, dv), config.block_m)
+        self.copy, (self.copy_dk, self.copy_dv) = self.operands.copy[:4], self.operands.copy[4:]
+        maps = self.operands.encode(self.operands.stage((q, k, v, dout, dk, dv)))
         self.main = LaunchPlan(
             load(FAMILY_NAME, expression(d, config, causal, bf16, deterministic), device),
             (n_blocks * kv_heads * batch,), (THREADS,),
@@ -285,10 +347,8 @@ class BackwardPlan:
         lse2 = ws.data_ptr()
         delta = lse2 + self._delta_offset
         acc = lse2 + self._acc_offset
-        qc, kc, vc, doc = (t.contiguous() if c else t for t, c in zip((q, k, v, dout), self.copy))
-        dk_t = torch.empty_like(dk, memory_format=torch.contiguous_format) if self.copy_dk else dk
-        dv_t = torch.empty_like(dv, memory_format=torch.contiguous_format) if self.copy_dv else dv
-        maps = [tm.encode(x.data_ptr()) for tm, x in zip(self.templates, (qc, kc, vc, doc, dk_t, dv_t))]
+        staged = self.operands.stage((q, k, v, dout, dk, dv))
+        maps = self.operands.encode(staged)
         if events is not None:
             events[0].record()
         self.pre.launch(out.data_ptr(), dout.data_ptr(), lse.data_ptr(), lse2, delta, acc)
@@ -300,10 +360,7 @@ class BackwardPlan:
         self.convert.launch(acc, dq.data_ptr())
         if events is not None:
             events[3].record()
-        if self.copy_dk:
-            dk.copy_(dk_t)
-        if self.copy_dv:
-            dv.copy_(dv_t)
+        self.operands.finish(dk, dv, staged)
         # ws and sem return to torch's caching allocator here; their blocks are reused only by work
         # enqueued later on this stream, which runs after these kernels.
 
@@ -314,6 +371,144 @@ def backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: f
     attention_bwd_sm80.backward_plan."""
     return BackwardPlan(q, k, v, out, lse, dout, dq, dk, dv, causal=bool(causal), scale=float(scale),
                         deterministic=bool(deterministic), config=config)
+
+
+class BackwardVarlenPlan:
+    """The three launches of one packed variable-length Hopper backward, the same constructor and
+    `launch` as attention_bwd_sm80.BackwardVarlenPlan (atomic mode): q, out, dout, dq [Tq, H, d];
+    k, v, dk, dv [Tk, Hkv, d]; lse [H, Tq] fp32 contiguous (natural log, -inf for fully masked
+    rows: as the varlen forward writes it); B = len(cu_seqlens_q) - 1 sequences (cu_seqlens int32
+    [B + 1] on the device, passed to `launch`) whose longest has max_seqlen_q queries and
+    max_seqlen_k keys; causal aligned bottom-right per sequence. One 16-bit dtype, d in HEAD_DIMS,
+    a contiguous last dim and 16-byte aligned rows (tileattn.api_varlen validated the arguments).
+
+    Launches: attention_bwd_sm80's varlen preprocess (its workspace layout: lse2, delta and the fp32
+    dQ accumulator as [H, ws_pitch] rows, ws_pitch = roundup(Tq, 4) + VARLEN_WS_GAP B), this
+    family's varlen main kernel (one CTA per (128 keys, kv head, sequence) over max_seqlen_k, plus
+    Hkv CTAs zeroing the dK / dV rows past the last sequence), the sm80 varlen convert (which
+    zeroes the dQ rows past the last sequence). `launch` writes dq, dk, dv completely: a sequence
+    with keys but no queries gets dK = dV = 0, fully masked query rows dQ = 0. Rows of q / dout
+    / k / v past a sequence's end are read by TMA but zeroed in shared memory before use, so
+    they never contribute, whatever they hold; dK / dV edge boxes are stored row by row, so no
+    neighbouring sequence's rows are written.
+
+    Raises ValueError for deterministic=True (use attention_bwd_sm80.backward_varlen_plan), an
+    unsupported head dim or dtype, H not a multiple of Hkv, a grid of 2^31 blocks or more, a config
+    whose shared memory does not fit, or section < 1.
+    """
+
+    def __init__(self, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int, *,
+                 causal: bool, scale: float, deterministic: bool = False, config: Sm90BwdConfig | None = None,
+                 section: int | None = None, rotate: bool | None = None):
+        from ..runtime import LaunchPlan
+        from . import attention_bwd_sm80 as sm80
+        from . import load
+
+        total_q, heads, d = q.shape
+        total_k, kv_heads = k.shape[0], k.shape[1]
+        batch = cu_seqlens_q.shape[0] - 1
+        if deterministic:
+            raise ValueError("the sm90 varlen backward has no deterministic mode; use "
+                             "attention_bwd_sm80.backward_varlen_plan for deterministic=True")
+        if not supports_varlen(d, q.dtype, causal, deterministic):
+            raise ValueError(f"the sm90 varlen backward supports head_dim in {HEAD_DIMS} and float16/bfloat16, "
+                             f"got head_dim {d} and {q.dtype}")
+        if kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
+        if section is not None and section < 1:
+            raise ValueError(f"section must be >= 1, got {section}")
+        self.config = config = config or DEFAULTS[(d, bool(causal))]
+        if not config.fits(d, False):
+            raise ValueError(f"config {config} does not fit in shared memory at head_dim {d}")
+        # The grid covers the longest sequence's key blocks (at least one: CTAs past a sequence's
+        # keys exit), then Hkv tail CTAs.
+        n_blocks = max(1, -(-int(max_seqlen_k) // BLOCK_N))
+        self.grid = n_blocks * kv_heads * batch + kv_heads
+        if self.grid > _MAX_GRID_X:
+            raise ValueError(f"sequences x k/v heads x ceil(max_seqlen_k / {BLOCK_N}) must be < {_MAX_GRID_X} blocks")
+        bf16 = q.dtype == torch.bfloat16
+        device = q.device.index
+        self.device = q.device
+        self.deterministic = False
+        # Nothing to launch: no query token (dK = dV = 0), no key token (dQ = 0), or no head.
+        self.empty = min(total_q, total_k, heads, batch) == 0
+        if self.empty:
+            return
+        self.ws_pitch = ws_pitch = -(-total_q // 4) * 4 + sm80.VARLEN_WS_GAP * batch
+        rows = heads * ws_pitch
+        # One fp32 workspace: lse2 [H, ws_pitch], delta [H, ws_pitch], the fragment-order dQ
+        # accumulator (the same rows times d), laid out by the sm80 varlen preprocess.
+        self.ws_elems = 2 * rows + rows * d
+        self._delta_offset, self._acc_offset = rows * 4, 2 * rows * 4  # bytes into the workspace
+        i32, i64, f32 = np.int32, np.int64, np.float32
+        group = heads // kv_heads
+        scale_log2 = f32(scale * LOG2E)
+        if section is None:
+            section = section_pairs(max(int(max_seqlen_q), 1), d, group, q.element_size(), causal, False)
+        self.section = section = min(section, kv_heads * batch)
+        self.rotate = rotate = bool(ROTATE[(d, bool(causal))] if rotate is None else rotate)
+
+        def strides(t):  # [T, H, d]: (head stride, token stride), as the sm80 varlen kernels take them
+            return i64(t.stride(1)), i64(t.stride(0))
+
+        q_pad = -(-max(int(max_seqlen_q), 1) // _ROW_PAD) * _ROW_PAD
+        self.pre = LaunchPlan(
+            load(sm80.FAMILY_NAME, preprocess_expr(d, bf16, True), device),
+            (q_pad // _PRE_ROWS, heads, batch + 1), (128,),
+            (0, 0, 0, 0, 0, 0, *strides(out), *strides(dout), 0, i32(total_q), i32(ws_pitch)),
+            dynamic=(0, 1, 2, 3, 4, 5, 10),
+        )
+        self.operands = _TmaOperands((q, k, v, dout, dk, dv), config.block_m, _varlen_view)
+        staged = self.operands.stage((q, k, v, dout, dk, dv))
+        maps = self.operands.encode(staged)
+        dk_sr, dk_sh = staged[4].stride()[:2]
+        dv_sr, dv_sh = staged[5].stride()[:2]
+        self.main = LaunchPlan(
+            load(FAMILY_NAME, varlen_expression(d, config, causal, bf16), device),
+            (self.grid,), (THREADS,),
+            (*maps, 0, 0, 0, 0, 0, 0, 0, i64(dk_sh), i64(dk_sr), i64(dv_sh), i64(dv_sr), i32(heads), i32(group),
+             i32(batch), i32(section), i32(n_blocks * BLOCK_N), i32(total_k), i32(ws_pitch), scale_log2, f32(scale),
+             i32(rotate)),
+            smem=config.smem_bytes(d, False), dynamic=range(13),
+        )
+        self.convert = LaunchPlan(
+            load(sm80.FAMILY_NAME, convert_expr(d, bf16, True), device),
+            (max(1, -(-int(max_seqlen_q) // _CONVERT_ROWS)), heads, batch + 1), (128,),
+            (0, 0, *strides(dq), 0, i32(total_q), i32(ws_pitch), f32(scale)),
+            dynamic=(0, 1, 4),
+        )
+
+    def launch(self, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k) -> None:
+        """The three launches (see the class) on torch's current stream; nothing synchronizes."""
+        if self.empty:
+            for g in (dq, dk, dv):
+                if g.numel():
+                    g.zero_()
+            return
+        ws = torch.empty(self.ws_elems, dtype=torch.float32, device=self.device)
+        lse2 = ws.data_ptr()
+        delta = lse2 + self._delta_offset
+        acc = lse2 + self._acc_offset
+        cu_q, cu_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+        staged = self.operands.stage((q, k, v, dout, dk, dv))
+        maps = self.operands.encode(staged)
+        self.pre.launch(out.data_ptr(), dout.data_ptr(), lse.data_ptr(), lse2, delta, acc, cu_q)
+        self.main.launch(*maps, lse2, delta, acc, cu_q, cu_k, staged[4].data_ptr(), staged[5].data_ptr())
+        self.convert.launch(acc, dq.data_ptr(), cu_q)
+        self.operands.finish(dk, dv, staged)
+        # ws returns to torch's caching allocator here; its block is reused only by work enqueued
+        # later on this stream, which runs after these kernels.
+
+
+def backward_varlen_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int, *,
+                         causal: bool, scale: float, deterministic: bool,
+                         config: Sm90BwdConfig | None = None) -> BackwardVarlenPlan:
+    """A BackwardVarlenPlan for these (already validated) tensors; the same call as
+    attention_bwd_sm80.backward_varlen_plan without `variants`. Raises ValueError for
+    deterministic=True (see supports_varlen) and what BackwardVarlenPlan raises."""
+    return BackwardVarlenPlan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, int(max_seqlen_q),
+                              int(max_seqlen_k), causal=bool(causal), scale=float(scale),
+                              deterministic=bool(deterministic), config=config)
 
 
 def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
@@ -505,15 +700,19 @@ __all__ = [
     "ROTATE",
     "TUNING",
     "BackwardPlan",
+    "BackwardVarlenPlan",
     "Sm90BwdConfig",
     "backward_plan",
+    "backward_varlen_plan",
     "benchmark",
     "expression",
     "flops",
     "main",
     "section_pairs",
     "supports",
+    "supports_varlen",
     "tuning_candidates",
+    "varlen_expression",
 ]
 
 
