@@ -5,6 +5,7 @@ work). The kernels themselves are tested in tests/gpu/test_attention_variants.py
 from __future__ import annotations
 
 import math
+import operator
 import random
 
 import numpy as np
@@ -506,11 +507,11 @@ def test_dropout_traces_as_one_custom_op_with_its_rng_state():
 
 @pytest.mark.parametrize("seed, offset", [(0, 0), ((1 << 63) - 1, 4), (1 << 63, (1 << 64) - 4), ((1 << 64) - 1, 8)])
 def test_dropout_rng_state_round_trips_uint64(seed, offset):
-    from tileattn.api import _rng_tensor, _rng_values
+    from tileattn.dropout import rng_state, rng_values
 
-    t = _rng_tensor(seed, offset)
+    t = rng_state(seed, offset)
     assert t.dtype == torch.int64 and t.device.type == "cpu"
-    assert _rng_values(t) == (seed, offset), t
+    assert rng_values(t) == (seed, offset), t
 
 
 def test_varlen_variants_trace_with_autograd():
@@ -533,3 +534,139 @@ def test_varlen_variants_trace_with_autograd():
     assert out.requires_grad and not lse.requires_grad
     out.float().sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+# ---------------------------------------------------------------------------------------------
+# Varlen dropout on the traced path: tileattn::attention_varlen_dropout_fwd/bwd
+# ---------------------------------------------------------------------------------------------
+def _varlen_fake_cuda():
+    """q [50, 4, 64], k [60, 2, 64] bf16, cu_seqlens [3] int32, slopes [2, 4] fp32 as fake CUDA tensors
+    (call inside FakeTensorMode)."""
+    q = torch.empty(50, 4, 64, dtype=torch.bfloat16, device="cuda")
+    k = torch.empty(60, 2, 64, dtype=torch.bfloat16, device="cuda")
+    cu = torch.empty(3, dtype=torch.int32, device="cuda")
+    slopes = torch.empty(2, 4, dtype=torch.float32, device="cuda")
+    return q, k, cu, slopes
+
+
+def test_varlen_dropout_traces_as_one_custom_op_with_its_rng_state():
+    """torch.compile(fullgraph=True) (a graph break would raise) records one varlen dropout node: rng
+    None when drawn at run time, a constant [seed, offset] (int64 two's complement) when seeded."""
+    import re
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def drawn(q, k, cu, slopes):
+        return tileattn.attention_varlen(q, k, k, cu, cu, 30, 30, True, 0.125, dropout_p=0.1, window=(8, -1))
+
+    def seeded(q, k, cu, slopes):
+        return tileattn.attention_varlen(q, k, k, cu, cu, 40, 40, dropout_p=0.25, seed=(1 << 64) - 1, offset=12,
+                                         alibi_slopes=slopes, return_lse=True)
+
+    with FakeTensorMode():
+        q, k, cu, slopes = _varlen_fake_cuda()
+        out = torch.compile(drawn, backend=capture, fullgraph=True)(q, k, cu, slopes)
+        assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.device.type == "cuda"
+        out, lse = torch.compile(seeded, backend=capture, fullgraph=True)(q, k, cu, slopes)
+        assert out.shape == q.shape and lse.shape == (4, 50) and lse.dtype == torch.float32
+        with pytest.raises(NotImplementedError, match="generator"):
+            tileattn.attention_varlen(q, k, k, cu, cu, 30, 30, dropout_p=0.1, generator=torch.Generator())
+        with pytest.raises(ValueError, match="dropout_p"):
+            tileattn.attention_varlen(q, k, k, cu, cu, 30, 30, dropout_p=1.0)
+    assert len(graphs) == 2, f"{len(graphs)} graphs for 2 compiled functions"
+    for gm in graphs:
+        assert len(re.findall(r"tileattn\.attention_varlen_dropout_fwd", gm.code)) == 1, gm.code
+        assert not re.search(r"attention_varlen_variants_fwd|attention_dropout_fwd", gm.code), gm.code
+    # drawn: alibi None, rng None (drawn in the op), causal folded into the window (8, 0)
+    assert "None, None, 30, 30, 0.125, False, 8, 0, 0.0, 0.1)" in graphs[0].code, graphs[0].code
+    # seeded: seed 2^64 - 1 is -1 in two's complement; no window (both edges UNBOUNDED)
+    assert "torch.tensor([-1, 12], dtype = torch.int64)" in graphs[1].code, graphs[1].code
+    assert f"rng, 40, 40, 0.125, False, {UNBOUNDED}, {UNBOUNDED}, 0.0, 0.25)" in graphs[1].code, graphs[1].code
+
+
+def _dense_dropout_loss(q, k, v):
+    out, _, _ = torch.ops.tileattn.attention_dropout_fwd(q, k, v, None, None, 0.125, False, 8, 0, 0.0, 0.1)
+    return out.float().sum()
+
+
+def _varlen_dropout_loss(q, k, v):
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    out, _, _ = torch.ops.tileattn.attention_varlen_dropout_fwd(q, k, v, cu, cu, None, None, 30, 30, 0.125, False, 8,
+                                                                0, 0.0, 0.1)
+    return out.float().sum()
+
+
+@pytest.mark.parametrize("name, loss, shapes", [
+    ("attention_dropout", _dense_dropout_loss, ((2, 4, 20, 64), (2, 2, 24, 64))),
+    ("attention_varlen_dropout", _varlen_dropout_loss, ((50, 4, 64), (60, 2, 64))),
+])
+def test_dropout_backward_takes_the_forwards_rng_state(name, loss, shapes):
+    """AOTAutograd (on meta tensors: no CUDA autograd here) splits forward and backward: the forward
+    graph holds one <name>_fwd, the backward graph one <name>_bwd whose rng argument is the state
+    the forward returned (saved between the graphs), so both passes apply one mask."""
+    from functorch.compile import aot_function, make_boxed_func
+
+    graphs = {}
+
+    def compiler(kind):
+        def compile_graph(gm, example_inputs):
+            graphs[kind] = gm
+            return make_boxed_func(gm.forward)
+        return compile_graph
+
+    q = torch.empty(shapes[0], dtype=torch.float16, device="meta", requires_grad=True)
+    k, v = (torch.empty(shapes[1], dtype=torch.float16, device="meta", requires_grad=True) for _ in range(2))
+    aot_function(loss, fw_compiler=compiler("fw"), bw_compiler=compiler("bw"))(q, k, v).backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+    def op_nodes(gm, op):
+        return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == op]
+
+    (fwd,) = op_nodes(graphs["fw"], getattr(torch.ops.tileattn, f"{name}_fwd").default)
+    (bwd,) = op_nodes(graphs["bw"], getattr(torch.ops.tileattn, f"{name}_bwd").default)
+    saved = list(graphs["fw"].graph.output_node().args[0][1:])  # forward outputs after the loss
+    inputs = [n for n in graphs["bw"].graph.nodes if n.op == "placeholder"]
+    rng_arg = bwd.args[9 if name == "attention_varlen_dropout" else 7]
+    assert rng_arg.op == "placeholder", graphs["bw"].code
+    held = saved[inputs.index(rng_arg)]
+    assert held.target is operator.getitem and held.args == (fwd, 2), (graphs["fw"].code, graphs["bw"].code)
+
+
+def _meta_dropout_args(name, rng):
+    q = torch.empty(50, 4, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    k, v = (torch.empty(60, 2, 64, dtype=torch.bfloat16, device="meta", requires_grad=True) for _ in range(2))
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    fwd = (q, k, v, cu, cu, None, rng, 30, 30, 0.125, False, 8, 0, 0.0, 0.1)
+    if name == "fwd":
+        return fwd
+    out, lse, used = torch.ops.tileattn.attention_varlen_dropout_fwd(*fwd)
+    return (torch.empty_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, cu, cu, None, used, 30, 30,
+            0.125, False, 8, 0, 0.0, 0.1)
+
+
+@pytest.mark.parametrize("name, rng", [("fwd", None), ("fwd", (5, 8)), ("bwd", ((1 << 64) - 1, 4))],
+                         ids=["fwd-drawn", "fwd-seeded", "bwd"])
+def test_varlen_dropout_opcheck(name, rng):
+    """torch.library.opcheck on meta tensors (the only device here; meta runs the fake
+    implementation): schema, autograd registration, fake-tensor propagation, AOT dispatch."""
+    from tileattn.dropout import rng_state
+
+    op = getattr(torch.ops.tileattn, f"attention_varlen_dropout_{name}").default
+    args = _meta_dropout_args(name, None if rng is None else rng_state(*rng))
+    result = torch.library.opcheck(op, args)
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_varlen_dropout_fake_outputs():
+    out, lse, rng = torch.ops.tileattn.attention_varlen_dropout_fwd(*_meta_dropout_args("fwd", None))
+    assert out.shape == (50, 4, 64) and out.dtype == torch.bfloat16 and lse.shape == (4, 50)
+    assert lse.dtype == torch.float32 and rng.shape == (2,) and rng.dtype == torch.int64 and rng.device.type == "cpu"
+    assert out.requires_grad and not lse.requires_grad and not rng.requires_grad
+    grads = torch.ops.tileattn.attention_varlen_dropout_bwd(*_meta_dropout_args("bwd", None))
+    assert [g.shape for g in grads] == [(50, 4, 64), (60, 2, 64), (60, 2, 64)]

@@ -41,6 +41,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import dropout as dr
+
 __all__ = ["attention"]
 
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -363,7 +365,6 @@ class _VariantEntry(_PlanEntry):
     __slots__ = ("variants",)
 
     def __init__(self, q, k, v, causal: bool, scale, window, softcap, alibi_slopes, dropout_p):
-        from . import dropout as dr
         from .kernels import attention_fwd_sm80, dispatch
 
         # The variants' own checks come first, so that they report on CPU tensors too (as checks 1-6).
@@ -403,8 +404,6 @@ def _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, 
                         seed, offset):
     """(out, lse) of a call with variants: eager through the plan entry, traced (torch.compile, fake
     tensors) through the tileattn::attention_variants_* custom ops (not with dropout yet)."""
-    from . import dropout as dr
-
     if alibi_slopes is not None and not isinstance(alibi_slopes, Tensor):
         raise ValueError(f"alibi_slopes must be None or a torch.Tensor, got {type(alibi_slopes).__name__}")
     if not _eager(q, k, v, *(() if alibi_slopes is None else (alibi_slopes,))):
@@ -418,10 +417,7 @@ def _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, 
         dr.check_variant_lengths(q.shape[2], k.shape[2])
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         if p > 0:
-            if generator is not None:
-                raise NotImplementedError("dropout_p with a generator under torch.compile / fake tensors: pass seed "
-                                          "(and offset), or neither (the default CUDA generator), or run eagerly")
-            rng = None if seed is None else _rng_tensor(seed, offset or 0)
+            rng = dr.traced_rng(generator, seed, offset)
             out, lse, _ = torch.ops.tileattn.attention_dropout_fwd(q, k, v, alibi_slopes, rng, scale, deterministic,
                                                                    left, right, cap, p)
             return out, lse
@@ -560,26 +556,8 @@ def _variants_backward_op(ctx, dout, _dlse):
 _attention_variants_fwd.register_autograd(_variants_backward_op, setup_context=_variants_setup_context)
 
 
-# Dropout on the traced path. The Philox seed and offset travel as a CPU int64 tensor [2] (the uint64
-# values in two's complement), as the rng state of PyTorch's own flash-attention ops does: `rng` is
-# either given (seed/offset ints: a constant of the traced graph, the same mask on every call) or None,
-# and then drawn inside the implementation, at run time, from the default CUDA generator of q's
-# device (a new mask per call; the generator's Philox offset advances by 4 as on the eager path).
-# The forward returns the state it used and the backward takes it, so both apply the same mask.
-# Under CUDA graph capture the draw happens once, at capture: every replay reuses that mask.
-_U64 = 1 << 64
-
-
-def _rng_tensor(seed: int, offset: int) -> Tensor:
-    """[seed, offset] as int64 (two's complement of the uint64 values), on the CPU."""
-    return torch.tensor([(x + (1 << 63)) % _U64 - (1 << 63) for x in (int(seed), int(offset))], dtype=torch.int64)
-
-
-def _rng_values(rng: Tensor) -> tuple[int, int]:
-    seed, offset = rng.tolist()
-    return seed % _U64, offset % _U64
-
-
+# Dropout on the traced path: the rng state travels as a CPU int64 tensor [2] (dropout.py, "Dropout on
+# the traced path"), given (seed/offset) or drawn in the op; the backward gets the state the forward used.
 @torch.library.custom_op("tileattn::attention_dropout_fwd", mutates_args=(), device_types="cuda")
 def _attention_dropout_fwd(
     q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], rng: Optional[Tensor], scale: float,
@@ -587,19 +565,16 @@ def _attention_dropout_fwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out [B, H, Nq, d], lse [B, H, Nq] fp32, rng state int64 [2] on the CPU) with dropout (and any
     other variant); rng: the [seed, offset] to use, or None to draw them (see above)."""
-    from . import dropout as dr
-
-    seed, offset = dr.draw_seed(None, None, None, q.device) if rng is None else _rng_values(rng)
+    seed, offset = dr.op_seed(rng, q.device)
     entry = _variant_op_entry(q, k, v, alibi_slopes, scale, window_left, window_right, softcap, dropout_p)
     out, lse = _variant_forward(entry, q, k, v, (0 if alibi_slopes is None else alibi_slopes.data_ptr(), seed, offset))
-    return out, lse, _rng_tensor(seed, offset)
+    return out, lse, dr.rng_state(seed, offset)
 
 
 @_attention_dropout_fwd.register_fake
 def _attention_dropout_fwd_fake(q, k, v, alibi_slopes, rng, scale, deterministic, window_left, window_right, softcap,
                                 dropout_p):
-    return (torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32),
-            torch.empty(2, dtype=torch.int64, device="cpu"))
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32), dr.rng_state_fake()
 
 
 @torch.library.custom_op("tileattn::attention_dropout_bwd", mutates_args=(), device_types="cuda")
@@ -609,7 +584,7 @@ def _attention_dropout_bwd(
     dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of attention_dropout_fwd, with the rng state it returned."""
-    seed, offset = _rng_values(rng)
+    seed, offset = dr.rng_values(rng)
     entry = _variant_op_entry(q, k, v, alibi_slopes, scale, window_left, window_right, softcap, dropout_p)
     extra = (0 if alibi_slopes is None else alibi_slopes.data_ptr(), seed, offset)
     return _backward(entry, dout, q, k, v, out, lse, deterministic, extra)
@@ -621,21 +596,7 @@ def _attention_dropout_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, rng, scal
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _dropout_setup_context(ctx, inputs, output) -> None:
-    q, k, v, alibi_slopes, _rng, scale, deterministic, window_left, window_right, softcap, dropout_p = inputs
-    out, lse, rng_used = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_used)
-    ctx.args = (scale, deterministic, window_left, window_right, softcap, dropout_p)
-    ctx.mark_non_differentiable(lse, rng_used)
-
-
-def _dropout_backward_op(ctx, dout, _dlse, _drng):
-    q, k, v, out, lse, alibi_slopes, rng_used = ctx.saved_tensors
-    dq, dk, dv = torch.ops.tileattn.attention_dropout_bwd(dout, q, k, v, out, lse, alibi_slopes, rng_used, *ctx.args)
-    return (dq, dk, dv) + (None,) * 8
-
-
-_attention_dropout_fwd.register_autograd(_dropout_backward_op, setup_context=_dropout_setup_context)
+dr.register_dropout_autograd(_attention_dropout_fwd, torch.ops.tileattn.attention_dropout_bwd, num_extra=1)
 
 @torch.library.custom_op("tileattn::attention_fwd", mutates_args=(), device_types="cuda")
 def _attention_fwd(

@@ -8,8 +8,9 @@ built like `tileattn.attention` (api.py):
   on the first call after every argument check; later calls check only the data pointers'
   alignment. With inputs that require grad, a torch.autograd.Function reuses the entry.
 - Traced (torch.compile, fake tensors): the custom ops `tileattn::attention_varlen_fwd` and
-  `tileattn::attention_varlen_bwd` with fake implementations and `register_autograd`; their
-  implementations run the same plans.
+  `tileattn::attention_varlen_bwd` (with variants `attention_varlen_variants_fwd/bwd`, with dropout
+  `attention_varlen_dropout_fwd/bwd`, whose rng state is handled as the dense op's, dropout.py) with
+  fake implementations and `register_autograd`; their implementations run the same plans.
 Nothing synchronizes with the host or allocates outside torch, so both paths can be captured by
 `torch.cuda.graph`: the sequence lengths live in the cu_seqlens device tensors, and the grids depend
 only on B and max_seqlen_q / max_seqlen_k (host ints), so one captured graph serves any lengths
@@ -41,6 +42,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import dropout as dr
 from .api import _cached_entry, _check_pointer, _current_device, _eager, _kernel_layout_ok
 
 __all__ = ["attention_varlen"]
@@ -114,7 +116,9 @@ def attention_varlen(
             finite and positive; stride(-1) != 1; strides or data pointers not 16-byte aligned;
             non-contiguous cu_seqlens; tensors on different devices or not on a CUDA device; malformed
             variants (as tileattn.attention); with any variant, Tq or Tk above 2^28.
-        NotImplementedError: dropout_p > 0 under torch.compile / fake tensors (eager only for now).
+        NotImplementedError: dropout_p > 0 with a `generator` under torch.compile / fake tensors (there
+            dropout traces as the tileattn::attention_varlen_dropout_* custom ops, with seed/offset or
+            the default CUDA generator, as tileattn.attention's does).
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
     causal, deterministic = bool(causal), bool(deterministic)
@@ -247,7 +251,6 @@ class _PlanEntry:
     def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                  variants=None):
         """variants: None, or the sm80 kernels' VariantArgs (then causal is folded into its window)."""
-        from . import dropout as dr
         from .kernels import attention_fwd_sm80
 
         _check_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
@@ -385,7 +388,6 @@ class _VariantEntry(_PlanEntry):
 
     def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
                  softcap, alibi_slopes, dropout_p):
-        from . import dropout as dr
         from .kernels import attention_fwd_sm80
 
         # The variants' own checks come first, so that they report on CPU tensors too.
@@ -403,9 +405,8 @@ class _VariantEntry(_PlanEntry):
 def _varlen_variants(args, max_seqlen_q, max_seqlen_k, causal, scale, deterministic, window, softcap, alibi_slopes,
                      dropout_p, generator, seed, offset):
     """(out, lse) of a varlen call with variants: eager through the plan entry, traced through the
-    tileattn::attention_varlen_variants_* custom ops (not with dropout yet)."""
-    from . import dropout as dr
-
+    tileattn::attention_varlen_variants_* custom ops, or with dropout the
+    tileattn::attention_varlen_dropout_* ones (seed/offset as the dense op's, see dropout.py)."""
     q, k, v, cu_seqlens_q, cu_seqlens_k = args
     if alibi_slopes is not None and not isinstance(alibi_slopes, Tensor):
         raise ValueError(f"alibi_slopes must be None or a torch.Tensor, got {type(alibi_slopes).__name__}")
@@ -418,10 +419,13 @@ def _varlen_variants(args, max_seqlen_q, max_seqlen_k, causal, scale, determinis
             dr.check_alibi(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, dtype_strict=True)
         _check_args(*args, max_seqlen_q, max_seqlen_k, scale)
         dr.check_variant_lengths(q.shape[0], k.shape[0])
-        if p > 0:
-            raise NotImplementedError("dropout_p under torch.compile / fake tensors is not supported yet (its seed "
-                                      "is drawn per call on the host); run the call eagerly")
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        if p > 0:
+            rng = dr.traced_rng(generator, seed, offset)
+            out, lse, _ = torch.ops.tileattn.attention_varlen_dropout_fwd(*args, alibi_slopes, rng, max_seqlen_q,
+                                                                          max_seqlen_k, scale, deterministic, left,
+                                                                          right, cap, p)
+            return out, lse
         return torch.ops.tileattn.attention_varlen_variants_fwd(*args, alibi_slopes, max_seqlen_q, max_seqlen_k, scale,
                                                                 deterministic, left, right, cap)
     alibi_key = None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
@@ -526,7 +530,8 @@ def _attention_varlen_variants_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, c
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _varlen_variant_op_entry(args, alibi_slopes, max_seqlen_q, max_seqlen_k, scale, left, right, softcap):
+def _varlen_variant_op_entry(args, alibi_slopes, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
+                             dropout_p=0.0):
     q, k, v, cu_seqlens_q, cu_seqlens_k = args
     alibi_key = None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
                                                    alibi_slopes.get_device())
@@ -534,9 +539,9 @@ def _varlen_variant_op_entry(args, alibi_slopes, max_seqlen_q, max_seqlen_k, sca
            cu_seqlens_q.shape, cu_seqlens_k.shape, cu_seqlens_q.dtype, cu_seqlens_k.dtype, cu_seqlens_q.stride(),
            cu_seqlens_k.stride(), q.get_device(), k.get_device(), v.get_device(), cu_seqlens_q.get_device(),
            cu_seqlens_k.get_device(), type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k, False,
-           scale, "variants", (left, right), softcap, alibi_key, 0.0)
+           scale, "variants", (left, right), softcap, alibi_key, dropout_p)
     return _cached_entry(key, lambda: _VariantEntry(*args, max_seqlen_q, max_seqlen_k, False, scale, (left, right),
-                                                    softcap, alibi_slopes, 0.0))
+                                                    softcap, alibi_slopes, dropout_p))
 
 
 def _varlen_variants_setup_context(ctx, inputs, output) -> None:
@@ -556,6 +561,59 @@ def _varlen_variants_backward_op(ctx, dout, _dlse):
 
 _attention_varlen_variants_fwd.register_autograd(_varlen_variants_backward_op,
                                                  setup_context=_varlen_variants_setup_context)
+
+
+# Dropout (and any other variant) on the traced path: the rng state as for the dense op's
+# tileattn::attention_dropout_* (dropout.py, "Dropout on the traced path"): a constant [seed, offset]
+# of the graph, or None, drawn in the op at run time from q's device's default CUDA generator; the
+# forward returns the state it used, the backward takes it.
+@torch.library.custom_op("tileattn::attention_varlen_dropout_fwd", mutates_args=(), device_types="cuda")
+def _attention_varlen_dropout_fwd(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, alibi_slopes: Optional[Tensor],
+    rng: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, scale: float, deterministic: bool,
+    window_left: int, window_right: int, softcap: float, dropout_p: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out [Tq, H, d], lse [H, Tq] fp32, rng state int64 [2] on the CPU) with dropout; rng: the
+    [seed, offset] to use, or None to draw them."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    entry = _varlen_variant_op_entry(args, alibi_slopes, max_seqlen_q, max_seqlen_k, scale, window_left,
+                                     window_right, softcap, dropout_p)
+    seed, offset = dr.op_seed(rng, q.device)
+    out, lse = _varlen_variant_forward(entry, args, (0 if alibi_slopes is None else alibi_slopes.data_ptr(), seed,
+                                                     offset))
+    return out, lse, dr.rng_state(seed, offset)
+
+
+@_attention_varlen_dropout_fwd.register_fake
+def _attention_varlen_dropout_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng, max_seqlen_q,
+                                       max_seqlen_k, scale, deterministic, window_left, window_right, softcap,
+                                       dropout_p):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32), dr.rng_state_fake()
+
+
+@torch.library.custom_op("tileattn::attention_varlen_dropout_bwd", mutates_args=(), device_types="cuda")
+def _attention_varlen_dropout_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor, alibi_slopes: Optional[Tensor], rng: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    scale: float, deterministic: bool, window_left: int, window_right: int, softcap: float, dropout_p: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of attention_varlen_dropout_fwd, with the rng state it returned."""
+    entry = _varlen_variant_op_entry((q, k, v, cu_seqlens_q, cu_seqlens_k), alibi_slopes, max_seqlen_q, max_seqlen_k,
+                                     scale, window_left, window_right, softcap, dropout_p)
+    seed, offset = dr.rng_values(rng)
+    extra = (0 if alibi_slopes is None else alibi_slopes.data_ptr(), seed, offset)
+    return _backward(entry, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, deterministic, extra)
+
+
+@_attention_varlen_dropout_bwd.register_fake
+def _attention_varlen_dropout_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng,
+                                       max_seqlen_q, max_seqlen_k, scale, deterministic, window_left, window_right,
+                                       softcap, dropout_p):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+dr.register_dropout_autograd(_attention_varlen_dropout_fwd, torch.ops.tileattn.attention_varlen_dropout_bwd,
+                             num_extra=3)
 
 @torch.library.custom_op("tileattn::attention_varlen_fwd", mutates_args=(), device_types="cuda")
 def _attention_varlen_fwd(

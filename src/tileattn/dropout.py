@@ -191,3 +191,70 @@ def draw_seed(generator, seed, offset, device) -> tuple[int, int]:
         return generator.initial_seed() % _U64, off % _U64
     drawn = torch.randint(-(1 << 63), (1 << 63) - 1, (), dtype=torch.int64, generator=generator)
     return int(drawn) % _U64, 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout on the traced path: the rng state of the dropout custom ops (tileattn::attention_dropout_*
+# in api.py, tileattn::attention_varlen_dropout_* in api_varlen.py)
+# ---------------------------------------------------------------------------------------------
+# The Philox seed and offset travel as a CPU int64 tensor [2] (the uint64 values in two's complement),
+# as the rng state of PyTorch's own flash-attention ops does: `rng` is either given (seed/offset ints:
+# a constant of the traced graph, the same mask on every call) or None, and then drawn inside the
+# implementation, at run time, from the default CUDA generator of q's device (a new mask per call; the
+# generator's Philox offset advances by 4 as on the eager path). The forward returns the state it used
+# and the backward takes it, so both apply the same mask, also when AOTAutograd splits the graph.
+# Under CUDA graph capture the draw happens once, at capture: every replay reuses that mask.
+def rng_state(seed: int, offset: int) -> torch.Tensor:
+    """[seed, offset] as int64 [2] (two's complement of the uint64 values), on the CPU."""
+    return torch.tensor([(x + (1 << 63)) % _U64 - (1 << 63) for x in (int(seed), int(offset))], dtype=torch.int64)
+
+
+def rng_values(rng: torch.Tensor) -> tuple[int, int]:
+    """(seed, offset) as uint64 ints from an rng_state tensor."""
+    seed, offset = rng.tolist()
+    return seed % _U64, offset % _U64
+
+
+def traced_rng(generator, seed, offset) -> torch.Tensor | None:
+    """The `rng` argument of a dropout custom op for a traced call (arguments already checked by
+    check_dropout): rng_state(seed, offset) when a seed is given, None (drawn in the op) otherwise.
+
+    Raises NotImplementedError for a generator: Dynamo cannot pass a torch.Generator into a custom op."""
+    if generator is not None:
+        raise NotImplementedError("dropout_p with a generator under torch.compile / fake tensors: pass seed "
+                                  "(and offset), or neither (the default CUDA generator), or run eagerly")
+    return None if seed is None else rng_state(seed, offset or 0)
+
+
+def op_seed(rng: torch.Tensor | None, device) -> tuple[int, int]:
+    """(seed, offset) inside a dropout custom op's implementation: rng's values, or, for None, drawn
+    from the default generator of `device` exactly as the eager path draws them (draw_seed)."""
+    return draw_seed(None, None, None, device) if rng is None else rng_values(rng)
+
+
+def rng_state_fake() -> torch.Tensor:
+    """The fake (shape-only) rng state a dropout op's fake implementation returns: int64 [2] on the CPU."""
+    return torch.empty(2, dtype=torch.int64, device="cpu")
+
+
+def register_dropout_autograd(forward_op, backward_op, num_extra: int) -> None:
+    """Autograd of a dropout custom op
+
+        forward_op(q, k, v, *extra, rng, *options) -> (out, lse, rng used)
+        backward_op(dout, q, k, v, out, lse, *extra, rng used, *options) -> (dq, dk, dv)
+
+    with `num_extra` tensors in extra (e.g. alibi_slopes; cu_seqlens_q, cu_seqlens_k, alibi_slopes).
+    The backward gets the rng state the forward used (so the same mask); lse and the state are not
+    differentiable, and the extra tensors and options get no gradient."""
+
+    def setup_context(ctx, inputs, output) -> None:
+        out, lse, rng_used = output
+        ctx.save_for_backward(*inputs[:3], out, lse, *inputs[3:3 + num_extra], rng_used)
+        ctx.options = inputs[4 + num_extra:]
+        ctx.mark_non_differentiable(lse, rng_used)
+
+    def backward(ctx, dout, _dlse, _drng):
+        dq, dk, dv = backward_op(dout, *ctx.saved_tensors, *ctx.options)
+        return (dq, dk, dv) + (None,) * (num_extra + 1 + len(ctx.options))
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
