@@ -450,6 +450,40 @@ def test_gqa_pack_choice():
 
 
 # ---- numerics of the online softmax as the kernel orders it -----------------------------------------
+def tile_forward(qf, blocks, sl2: float, dtype):
+    """One query tile's online softmax as the kernel runs it: qf [rows, d] fp32; blocks: the K/V
+    blocks in visit order as (kb, vb, limit) with kb/vb [block_n, d] exactly as they sit in shared
+    memory and limit None (unmasked visit) or, per row, the last visible key offset inside the block
+    (keys past it get -inf whatever their score, NaN included). Returns (o, l, m) before the
+    epilogue: out = o / l (0 where l = 0), lse = (m + log2 l) ln 2 (-inf where l = 0)."""
+    m = torch.full((qf.shape[0],), -2.0 ** 100)
+    l = torch.zeros(qf.shape[0])
+    o = torch.zeros(qf.shape[0], qf.shape[1])
+    for kb, vb, limit in blocks:
+        s = qf @ kb.T
+        if limit is not None:
+            s[torch.arange(kb.shape[0])[None, :] > limit[:, None]] = -math.inf
+        # The kernel moves a row's max only when some row of its warp would see p > 2^8; deciding
+        # per row here is the stalest case the kernel can produce.
+        blk = s.max(dim=1).values * sl2
+        grow = blk - m > 8.0
+        m_new = torch.where(grow, torch.maximum(m, blk), m)
+        alpha = torch.exp2(m - m_new)
+        p = torch.exp2(s * sl2 - m_new[:, None])
+        assert not bool((p > 256.0).any())
+        l = l * alpha + p.sum(dim=1)
+        o = o * alpha[:, None] + p.to(dtype).float() @ vb.to(dtype).float()
+        m = m_new
+    return o, l, m
+
+
+def epilogue(o, l, m, dtype):
+    """(out rows rounded to the 16-bit dtype, lse) of tile_forward's state."""
+    inv = torch.where(l > 0, 1.0 / l, torch.zeros_like(l))
+    lse = torch.where(l > 0, (m + torch.log2(l)) * math.log(2.0), torch.full_like(l, -math.inf))
+    return (o * inv[:, None]).to(dtype).float(), lse
+
+
 def emulate(q, k, v, causal: bool, scale: float, block_n: int, pack: int = 1):
     """The kernel's arithmetic per query row (fp32, exp2, P rounded to the input dtype); with GQA
     packing a tile holds 128 / pack positions of each packed head (same block range for all)."""
@@ -465,10 +499,7 @@ def emulate(q, k, v, causal: bool, scale: float, block_n: int, pack: int = 1):
             for m_block in range(-(-nq // tile)):
                 rows = torch.arange(m_block * tile, min((m_block + 1) * tile, nq))
                 n_end, n_masked = block_range(causal, block_n, m_block, nq, nk, tile)
-                m = torch.full((len(rows),), -2.0 ** 100)
-                l = torch.zeros(len(rows))
-                o = torch.zeros(len(rows), d)
-                qf = q[bi, hi, rows].float()
+                blocks = []
                 for it in range(n_end):
                     n = n_end - 1 - it
                     keys = torch.arange(n * block_n, (n + 1) * block_n)
@@ -477,27 +508,15 @@ def emulate(q, k, v, causal: bool, scale: float, block_n: int, pack: int = 1):
                     valid = keys < nk
                     kb[valid] = k[bi, kh, keys[valid]].float()  # TMA zero-fills rows past Nk
                     vb[valid] = v[bi, kh, keys[valid]].float()
-                    s = qf @ kb.T
+                    limit = None
                     if it < n_masked:
                         limit = torch.full_like(rows, nk - 1)
                         if causal:
                             limit = torch.minimum(limit, rows + nk - nq)
-                        s[keys[None, :] > limit[:, None]] = -math.inf
-                    # The kernel moves a row's max only when some row of its warp would see
-                    # p > 2^8; deciding per row here is the stalest case the kernel can produce.
-                    blk = s.max(dim=1).values * sl2
-                    grow = blk - m > 8.0
-                    m_new = torch.where(grow, torch.maximum(m, blk), m)
-                    alpha = torch.exp2(m - m_new)
-                    p = torch.exp2(s * sl2 - m_new[:, None])
-                    assert float(p.max()) <= 256.0
-                    l = l * alpha + p.sum(dim=1)
-                    o = o * alpha[:, None] + p.to(q.dtype).float() @ vb.to(q.dtype).float()
-                    m = m_new
-                inv = torch.where(l > 0, 1.0 / l, torch.zeros_like(l))
-                out[bi, hi, rows] = (o * inv[:, None]).to(q.dtype).float()
-                lse[bi, hi, rows] = torch.where(l > 0, (m + torch.log2(l)) * math.log(2.0),
-                                                torch.full_like(l, -math.inf))
+                        limit = limit - n * block_n
+                    blocks.append((kb, vb, limit))
+                o, l, m = tile_forward(q[bi, hi, rows].float(), blocks, sl2, q.dtype)
+                out[bi, hi, rows], lse[bi, hi, rows] = epilogue(o, l, m, q.dtype)
     return out, lse
 
 
@@ -521,6 +540,155 @@ def test_emulated_online_softmax_matches_reference(block_n, shape, causal):
     assert torch.equal(torch.isfinite(lse), seen)
     assert bool((out[~seen] == 0).all())
     assert (lse.double() - ref_lse)[seen].abs().max() < 1e-3
+
+
+# ---- variable-length batches: the varlen kernel's tiles, boxes, clears and stores, emulated ---------
+def gather_rows(t, tokens, heads):
+    """What a TMA box reads from a packed [T, heads, d] tensor: rows `tokens` of `heads` (one head
+    per row or one for all), zeros at tokens >= T (the map's row bound)."""
+    out = torch.zeros(len(tokens), t.shape[-1])
+    heads = torch.as_tensor(heads).expand(len(tokens))
+    inside = tokens < t.shape[0]
+    out[inside] = t[tokens[inside], heads[inside]].float()
+    return out
+
+
+def varlen_emulate(q, k, v, cu_q, cu_k, max_seqlen_q: int, causal: bool, scale: float, block_n: int, pack: int,
+                   l2_group: int = 2, clear: bool = True):
+    """Mirror of the varlen kernel (kVariant = kVarlen): the tiles of a dense batch of B sequences of
+    max_seqlen_q queries in tile_coords order, skipped past their sequence's end; Q and K/V boxes
+    at the sequence's first token + the dense row offset (reading the next sequence, the padding,
+    or TMA zeros past the tensor); the edge block's V rows past the sequence's keys cleared
+    (clear=False: the kernel without clear_rows); O and lse stored only for positions inside the
+    sequence; the rows past cu_q[B] zeroed by the tail CTAs. Returns (out [Tq, H, d] NaN where never
+    written, lse [H, Tq], writes [Tq, H]: how often each out row was written)."""
+    tq, h, d = q.shape
+    hkv = k.shape[1]
+    batches, group, rows = len(cu_q) - 1, h // k.shape[1], BLOCK_M // pack
+    m_blocks, groups = -(-max_seqlen_q // rows), h // pack
+    sl2 = scale * 1.4426950408889634
+    out = torch.full((tq, h, d), math.nan)
+    lse = torch.full((h, tq), math.nan)
+    writes = torch.zeros(tq, h, dtype=torch.int64)
+    r = torch.arange(BLOCK_M)
+    for tl in range(m_blocks * groups * batches):
+        m_block, head0, b = tile_coords(causal, tl, m_blocks, groups, pack, batches, min(l2_group, groups * batches))
+        q0, k0 = cu_q[b], cu_k[b]
+        nq, nk = cu_q[b + 1] - q0, cu_k[b + 1] - k0
+        if m_block * rows >= nq:
+            continue  # past its sequence's end: skipped
+        n_end, n_masked = block_range(causal, block_n, m_block, nq, nk, rows)
+        heads_r, pos_r = head0 + r // rows, m_block * rows + r % rows  # tile row -> (head, position)
+        assert (heads_r // group == head0 // group).all(), "a packed tile shares one K/V head"
+        qf = gather_rows(q, q0 + pos_r, heads_r)
+        blocks = []
+        for it in range(n_end):
+            n = n_end - 1 - it
+            tokens = k0 + n * block_n + torch.arange(block_n)
+            kb, vb = gather_rows(k, tokens, head0 // group), gather_rows(v, tokens, head0 // group)
+            valid = nk - (n_end - 1) * block_n  # the kernel's test, first visit only
+            if it == 0 and valid < block_n and clear:
+                vb[valid:] = 0.0
+            limit = None
+            if it < n_masked:
+                limit = torch.full_like(pos_r, nk - 1)
+                if causal:
+                    limit = torch.minimum(limit, pos_r + nk - nq)
+                limit = limit - n * block_n
+            else:
+                assert n * block_n + block_n <= nk, "an unmasked visit reads only the sequence's own keys"
+            blocks.append((kb, vb, limit))
+        o, l, m = tile_forward(qf, blocks, sl2, q.dtype)
+        o, tile_lse = epilogue(o, l, m, q.dtype)
+        for i in range(BLOCK_M):  # store_rows_masked and the lse stores: only rows inside the sequence
+            if pos_r[i] < nq:
+                tok, hd = q0 + int(pos_r[i]), int(heads_r[i])
+                out[tok, hd], lse[hd, tok] = o[i], tile_lse[i]
+                writes[tok, hd] += 1
+    out[cu_q[-1]:], lse[:, cu_q[-1]:] = 0.0, -math.inf  # zero_rows_past_last
+    writes[cu_q[-1]:] += 1
+    return out, lse, writes
+
+
+def packed_batch(lens_q, lens_k, h: int, hkv: int, d: int, pad_q: int, pad_k: int, seed: int):
+    """Random packed q/k/v for these per-sequence lengths with pad_q / pad_k NaN tokens after the
+    last sequence (a token buffer padded to a captured size), and the cu_seqlens."""
+    g = torch.Generator().manual_seed(seed)
+    cu_q = [0]
+    cu_k = [0]
+    for a, c in zip(lens_q, lens_k):
+        cu_q.append(cu_q[-1] + a)
+        cu_k.append(cu_k[-1] + c)
+    q = torch.randn(cu_q[-1] + pad_q, h, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(cu_k[-1] + pad_k, hkv, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(cu_k[-1] + pad_k, hkv, d, generator=g).to(torch.bfloat16)
+    q[cu_q[-1]:], k[cu_k[-1]:], v[cu_k[-1]:] = math.nan, math.nan, math.inf
+    return q, k, v, cu_q, cu_k
+
+
+VARLEN_CASES = [  # (query lengths, key lengths, H, Hkv)
+    ((0, 1, 31, 33), (0, 1, 31, 33), 2, 2),
+    ((129, 0, 7), (129, 5, 200), 2, 1),
+    ((5, 127, 3), (70, 127, 0), 4, 1),        # a sequence with queries but no key
+    ((1, 1, 1, 2), (65, 1, 130, 63), 8, 2),   # decode-like: GQA packing
+    ((200,), (64,), 2, 2),                    # Nq > Nk: causal rows that see nothing
+]
+
+
+@pytest.mark.parametrize("pack_gqa", [None, False], ids=["pack_auto", "pack_off"])
+@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", range(len(VARLEN_CASES)))
+def test_varlen_emulation_matches_reference(case, causal, block_n, pack_gqa):
+    lens_q, lens_k, h, hkv = VARLEN_CASES[case]
+    q, k, v, cu_q, cu_k = packed_batch(lens_q, lens_k, h, hkv, 64, pad_q=3, pad_k=block_n - 1, seed=case)
+    max_q = max(lens_q)
+    pack = af.gqa_pack(h, hkv, max_q) if pack_gqa is None else 1
+    out, lse, writes = varlen_emulate(q, k, v, cu_q, cu_k, max_q, causal, 0.125, block_n, pack)
+    what = f"lens_q={lens_q} lens_k={lens_k} H={h} Hkv={hkv} pack={pack} block_n={block_n} causal={causal}"
+    assert bool((writes == 1).all()), f"{what}: out rows written {writes.min()}..{writes.max()} times (want 1)"
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), f"{what}: NaN reached the outputs"
+    ref, ref_lse = reference.attention_varlen(q[:cu_q[-1]], k[:cu_k[-1]], v[:cu_k[-1]], torch.tensor(cu_q),
+                                              torch.tensor(cu_k), max_q, max(lens_k), causal=causal, scale=0.125,
+                                              return_lse=True, compute_dtype=torch.float64)
+    n = cu_q[-1]
+    err = (out[:n].double() - ref).norm() / max(ref.norm(), 1e-30)
+    assert err < 1e-2, f"{what}: relative error {err:.3e}"
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse[:, :n]), seen), f"{what}: rows that see no key differ"
+    assert bool((out[:n].transpose(0, 1)[~seen] == 0).all()), f"{what}: a row that sees no key is not 0"
+    if seen.any():
+        assert (lse[:, :n].double() - ref_lse)[seen].abs().max() < 1e-3, f"{what}: lse differs"
+    assert bool((out[n:] == 0).all()) and bool((lse[:, n:] == -math.inf).all()), f"{what}: padding rows"
+
+
+def test_varlen_emulation_needs_the_v_clear():
+    """Without clear_rows the NaN/Inf padding after the last sequence meets P = 0 in P V: NaN (the
+    test above would catch a kernel that lost the clear)."""
+    q, k, v, cu_q, cu_k = packed_batch((40,), (40,), 1, 1, 64, pad_q=0, pad_k=30, seed=1)
+    out, _, _ = varlen_emulate(q, k, v, cu_q, cu_k, 40, False, 0.125, 64, 1, clear=False)
+    assert torch.isnan(out[:40]).all()
+    out, _, _ = varlen_emulate(q, k, v, cu_q, cu_k, 40, False, 0.125, 64, 1)
+    assert not torch.isnan(out).any()
+
+
+def test_varlen_plan_geometry_and_names():
+    """The host side of the varlen plan: the grid (tiles of B x max_seqlen_q, plus one tail CTA per
+    head), the name expressions (the plain kernel with kVariant = kVarlen and VARLEN_PARAMS' types),
+    and what supports_varlen accepts."""
+    geo = af._geometry(3, 8, 2, 256, 300, 128, af.VARLEN_DEFAULTS[(128, True)], None, 60 << 20)
+    assert geo.pack == 1 and geo.tiles == 2 * 8 * 3
+    geo = af._geometry(5, 8, 2, 1, 100, 128, af.VARLEN_DEFAULTS[(128, False)], None, 60 << 20)
+    assert geo.pack == 4 and geo.tiles == 5 * 2
+    assert len(af.VARLEN_INSTANTIATIONS) == 12 and set(af.VARLEN_INSTANTIATIONS) <= set(af.INSTANTIATIONS)
+    assert af.varlen_expression(64, af.C(128, 3), True, True) == (
+        "tileattn::attention_fwd_sm90<64, 128, 3, false, true, true, 8, const int*, const int*, unsigned short*, "
+        "long long, long long, int>")
+    assert not any(", 8, " in e for e in af.INSTANTIATIONS if e not in af.VARLEN_INSTANTIATIONS)
+    assert af.supports_varlen(128, torch.bfloat16) and not af.supports_varlen(96, torch.bfloat16)
+    assert not af.supports_varlen(128, torch.float32)
+    assert not af.supports_varlen(128, torch.float16, device="cpu")
+    assert not af.supports_varlen(64, torch.float16, batch=2**20, heads=2**10, max_seqlen_q=129)
 
 
 # ---- SASS audit: P's registers are not rewritten while the register-A wgmma reads them ---------------
@@ -612,7 +780,11 @@ def test_sass_register_a_operands_untouched_until_retired(expression):
     block_n = int(expression.split(",")[1])
     assert found >= 2 * block_n // 16, f"expected the P V wgmmas in the SASS, found {found} register-A HGMMAs"
     assert not problems, "\n".join(problems[:10])
-    assert "UTMALDG" in sass and "UTMASTG" in sass and "STSM" in sass, "TMA loads, TMA store, stmatrix expected"
+    assert "UTMALDG" in sass and "STSM" in sass, "TMA loads and stmatrix expected"
+    if expression in af.VARLEN_INSTANTIATIONS:  # O leaves by predicated 16-byte stores, never by a TMA store
+        assert "UTMASTG" not in sass and "STG.E.128" in sass, "varlen: no TMA store, predicated STG.E.128 expected"
+    else:
+        assert "UTMASTG" in sass, "TMA store expected"
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory traffic (spills) in the SASS"
     assert d in af.HEAD_DIMS
 

@@ -106,8 +106,29 @@
 // stores (one box of this consumer's 64 rows per 64-column panel). The O tensor map's row bound is
 // Nq, so rows past the end of a head's sequence are never written. lse goes straight from registers (one lane per row). The storing
 // thread then releases sQ to the producer (q_empty) for the next tile's Q.
+//
+// ---- Packed variable-length batches (kVariant bit kVarlen) -------------------------------------
+// q [Tq, H, d], k / v [Tk, Hkv, d], out [Tq, H, d], lse [H, Tq]; sequence b owns query tokens
+// cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 and keys likewise (common/varlen.cuh). The tensor maps
+// describe the packed tensors as [1, H, T, d] views, and a tile addresses its sequence by adding the
+// sequence's first token to the row coordinate (batch coordinate 0). Tiles are numbered as for a
+// dense batch of B sequences of max_seqlen_q queries; a tile past its sequence's end is skipped by
+// producer and consumers alike (it is not counted as one of the CTA's tiles). What a box reads past
+// the sequence's end belongs to the next sequence, to token padding, or (past the tensor) is TMA's
+// zero fill: Q rows there are never stored; K columns there are masked (the edge block is always
+// in the masked loop, and the mask overwrites whatever the score was, NaN included); V rows there
+// would meet P = 0, but 0 * NaN = NaN in P V and padding may hold anything, so both consumers zero
+// those rows of the edge block's V slot before its P V (clear_rows). O is not stored by TMA: a box
+// past the sequence's end would overwrite the next sequence's first rows, and choosing TMA for
+// whole boxes only is a branch on the sequence length between the wgmma loops, which makes ptxas
+// serialize the wgmmas (C7519). Each consumer's threads copy its staged rows to global instead,
+// 16 bytes each under a per-row predicate (d / 16 stores per thread). The last `heads` CTAs of
+// the grid write the rows past cu_seqlens_q[B]
+// (out 0, lse -inf) as the sm_80 varlen kernel does. The plain kernel's code is unchanged: every
+// difference is under `if constexpr` or a constant-folded choice.
 #include "common/sm80.cuh"
 #include "common/sm90.cuh"
+#include "common/varlen.cuh"
 #include "common/variants.cuh"
 
 namespace tileattn {
@@ -162,6 +183,81 @@ __device__ __forceinline__ BlockRange block_range(int m_block, int rows, int seq
 constexpr int kWindow = 1;   // sliding window; causal is its right edge 0 (these kernels have kCausal = false)
 constexpr int kSoftcap = 2;  // logit = cap * tanh(scale q.k / cap)
 constexpr int kAlibi = 4;    // logit += -slope[b, h] * |i + Nk - Nq - j|
+constexpr int kVariantBits = kWindow | kSoftcap | kAlibi;
+// Layout bit of kVariant (not a variant: the plain kernel's arithmetic on packed sequences; a bit
+// of the existing parameter rather than a new template parameter, so that the dense kernels keep
+// their mangled names and their cubins stay byte-identical).
+constexpr int kVarlen = 8;
+constexpr int kClearBarrier = 5;  // named barrier 5: both consumers cleared the edge block's V rows
+
+// The varlen kernel's trailing parameters (after the plain ones): cu_seqlens_q / cu_seqlens_k
+// int32 [B + 1], out [Tq, H, d] (token / head strides in elements) for the masked store of partial
+// boxes and the rows past the last sequence, and Tq (lse is [H, Tq]).
+#define VARLEN_PARAMS                                                                                     \
+  const int *__restrict__ cu_seqlens_q, const int *__restrict__ cu_seqlens_k, u16 *__restrict__ out, \
+      int64_t out_sr, int64_t out_sh, int total_q
+struct Varlen {
+  const int* cu_q;
+  const int* cu_k;
+  u16* out;
+  int64_t out_sr, out_sh;
+  int total_q;
+};
+__device__ __forceinline__ Varlen varlen_of(VARLEN_PARAMS) {
+  return {cu_seqlens_q, cu_seqlens_k, out, out_sr, out_sh, total_q};
+}
+
+// Varlen: zero rows [valid, kBlockN) of a V slot ([d/64][kBlockN][64], swizzled within a row, so
+// whole rows are cleared whatever the swizzle). `thread` in [0, 256): both consumers share the work.
+template <int kHeadDim, int kBlockN>
+__device__ __forceinline__ void clear_rows(u16* slot, int valid, int thread) {
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+  const int count = (kBlockN - valid) * kChunks;
+  for (int idx = thread; idx < count; idx += 256) {
+    const int r = valid + idx / kChunks, ch = idx % kChunks;
+    *reinterpret_cast<uint4*>(slot + ((ch / 8) * kBlockN + r) * 64 + (ch % 8) * 8) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// 16-byte global store under a predicate, not a branch: the varlen epilogue runs between wgmma
+// loops, and a data-dependent branch there makes ptxas serialize the wgmmas (C7519).
+__device__ __forceinline__ void st_global_if(void* ptr, uint4 val, bool pred) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n @p st.global.v4.b32 [%0], {%1, %2, %3, %4};\n}\n" ::"l"(ptr),
+      "r"(val.x), "r"(val.y), "r"(val.z), "r"(val.w), "r"(static_cast<int>(pred))
+      : "memory");
+}
+
+// Varlen: a consumer's 64 staged O rows (sO: its rows of panel 0 of sQ, 128B-swizzled) to global,
+// each row only if its position is inside the sequence: rows of another sequence are never written.
+// Tile row 64 c + r is head head0 + (64 c + r) / rows, position pos_base + (64 c + r) % rows.
+template <int kHeadDim, int kBlockM>
+__device__ __forceinline__ void store_rows_masked(const u16* sO, const Varlen& vl, int q0, int nq, int pos_base,
+                                                  int rows, int head0, int c, int tid) {
+  constexpr int kChunks = kHeadDim / 8;
+  static_assert((64 * kChunks) % 128 == 0, "whole chunks per thread");
+#pragma unroll
+  for (int i = 0; i < 64 * kChunks / 128; ++i) {
+    const int idx = tid + 128 * i, r = idx / kChunks, ch = idx % kChunks, tr = 64 * c + r;
+    const int pos = pos_base + tr % rows;
+    const uint4 val = *reinterpret_cast<const uint4*>(sO + ((ch / 8) * kBlockM + r) * 64 + ((ch % 8) ^ (r % 8)) * 8);
+    st_global_if(vl.out + (q0 + pos) * vl.out_sr + (head0 + tr / rows) * vl.out_sh + ch * 8, val, pos < nq);
+  }
+}
+
+// Varlen: rows cu_seqlens_q[B] .. Tq - 1 of head `head` (token padding, no sequence): out 0, lse
+// -inf, so no output element is left unwritten whatever the lengths on the device are.
+template <int kHeadDim, int kThreads>
+__device__ __forceinline__ void zero_rows_past_last(const Varlen& vl, float* lse, int batches, int head) {
+  constexpr int kChunks = kHeadDim / 8;
+  const int begin = __ldg(vl.cu_q + batches);
+  const int64_t count = static_cast<int64_t>(vl.total_q - begin) * kChunks;
+  for (int64_t idx = threadIdx.x; idx < count; idx += kThreads)
+    *reinterpret_cast<uint4*>(vl.out + (begin + idx / kChunks) * vl.out_sr + head * vl.out_sh + (idx % kChunks) * 8) =
+        make_uint4(0u, 0u, 0u, 0u);
+  for (int r = begin + threadIdx.x; r < vl.total_q; r += kThreads)
+    lse[static_cast<int64_t>(head) * vl.total_q + r] = neg_inf();
+}
 
 // block_range for a window: the keys any row of the tile sees are [window_lo(first row),
 // window_hi(last row)] (both edges move monotonically with the row), so the blocks below and above
@@ -352,6 +448,12 @@ __device__ __forceinline__ Variants variants_of(float scale_log2, VARIANT_PARAMS
 // kernel's SASS). Dropout is not implemented here: seed, offset, drop_thr and drop_scale are
 // ignored (the dispatcher sends dropout to the sm_80 variant kernels). The lse written is that of
 // the variant logits (natural log), as the sm_80 variant backward reads it.
+//
+// Varlen (kVariant == fwd90::kVarlen, plain arithmetic, causal or not; see the header): tmap_q /
+// tmap_o over q / out [Tq, H, d] as [1, H, Tq, d], tmap_k / tmap_v over k / v [Tk, Hkv, d] as
+// [1, Hkv, Tk, d] (boxes as above); batches = B, seqlen_q = max_seqlen_q (the tile grid),
+// seqlen_k unused; then VARLEN_PARAMS. lse [H, Tq]. Grid: ceil(max_seqlen_q / R) * (H / pack) * B
+// tiles, one CTA each, plus `heads` CTAs for the rows past the last sequence.
 template <int kHeadDim, int kBlockN, int kStages, bool kPingPong, bool kCausal, bool kIsBF16, int kVariant = 0,
           class... VariantParams>
 __global__ void __launch_bounds__(fwd90::kThreads, 1)
@@ -362,11 +464,16 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
                        int heads, int kv_group, int pack, int l2_group, int seqlen_q, int seqlen_k,
                        float scale_log2, VariantParams... variant_params) {
   using namespace fwd90;
-  static_assert(kVariant >= 0 && kVariant < 8 && (kVariant == 0) == (sizeof...(VariantParams) == 0),
-                "kVariant: a set of kWindow | kSoftcap | kAlibi, with VARIANT_PARAMS exactly when non-empty");
-  static_assert(kVariant == 0 || !kCausal, "variants: causal is the window's right edge 0");
+  constexpr bool kVarlenLayout = kVariant == kVarlen;
+  static_assert(kVarlenLayout || (kVariant >= 0 && kVariant < 8 && (kVariant == 0) == (sizeof...(VariantParams) == 0)),
+                "kVariant: a set of kWindow | kSoftcap | kAlibi, with VARIANT_PARAMS exactly when non-empty, or "
+                "kVarlen alone");
+  static_assert(!kVarlenLayout || sizeof...(VariantParams) == 6, "varlen: the trailing parameters are VARLEN_PARAMS");
+  static_assert((kVariant & kVariantBits) == 0 || !kCausal, "variants: causal is the window's right edge 0");
   Variants va{};
-  if constexpr (kVariant != 0) va = variants_of(scale_log2, variant_params...);
+  if constexpr ((kVariant & kVariantBits) != 0) va = variants_of(scale_log2, variant_params...);
+  Varlen vl{};
+  if constexpr (kVarlenLayout) vl = varlen_of(variant_params...);
   constexpr bool kWindowed = (kVariant & kWindow) != 0;
   constexpr bool kLogits = (kVariant & (kSoftcap | kAlibi)) != 0;  // scores become log2-unit logits first
   // Tile order: the causal one (longest tiles first) for windows too, whose first tiles see fewer keys.
@@ -395,6 +502,12 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
   const int groups = heads / pack;
   const int num_tiles = m_blocks * groups * batches;
   const int wg = threadIdx.x / 128;
+  if constexpr (kVarlenLayout) {
+    if (blockIdx.x >= num_tiles) {  // one of the last `heads` CTAs: rows past the last sequence
+      zero_rows_past_last<kHeadDim, kThreads>(vl, lse, batches, blockIdx.x - num_tiles);
+      return;
+    }
+  }
 
   if (threadIdx.x == 0) {
     s9::tma_prefetch_descriptor(&tmap_q);
@@ -420,8 +533,17 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       int i = 0;  // tiles so far: q_full / q_empty phase
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, ++i) {
         const Tile tile = tile_coords<kReverse>(t, m_blocks, groups, pack, batches, l2_group);
+        // This tile's sequence (dense: the whole batch entry at token 0, the batch coordinate below).
+        const SeqSpan span = seq_span<kVarlenLayout>(vl.cu_q, vl.cu_k, tile.batch, seqlen_q, seqlen_k);
+        if constexpr (kVarlenLayout) {
+          if (tile.m_block * rows >= span.nq) {  // past its sequence's end: not one of this CTA's tiles
+            --i;
+            continue;
+          }
+        }
+        const int tma_batch = kVarlenLayout ? 0 : tile.batch;
         const BlockRange range = kWindowed ? window_range<kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k, va)
-                                           : block_range<kCausal, kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k);
+                                           : block_range<kCausal, kBlockN>(tile.m_block, rows, span.nq, span.nk);
         const int kv_head = tile.head0 / kv_group;                // the same for all `pack` heads
         // Q always (even for a fully masked tile): the epilogue stages O in sQ, so the Q copy must
         // have landed before anyone writes there. sQ is free once both consumers' previous TMA
@@ -430,8 +552,8 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         s9::mbar_arrive_expect_tx(&q_full, kQBytes);
 #pragma unroll
         for (int p = 0; p < kPanels; ++p)
-          s9::tma_load_4d(sQ + p * kBlockM * kPanel, &tmap_q, p * kPanel, tile.m_block * rows, tile.head0,
-                          tile.batch, &q_full);
+          s9::tma_load_4d(sQ + p * kBlockM * kPanel, &tmap_q, p * kPanel, span.q0 + tile.m_block * rows, tile.head0,
+                          tma_batch, &q_full);
         for (int it = 0; it < (kWindowed ? range.n_end - range.n_begin : range.n_end); ++it, ++g) {
           const int n = range.n_end - 1 - it;
           const int s = g % kStages;
@@ -440,14 +562,14 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
           s9::mbar_arrive_expect_tx(&k_full[s], kKVBytes);
 #pragma unroll
           for (int p = 0; p < kPanels; ++p)
-            s9::tma_load_4d(sK + (s * kPanels + p) * kBlockN * kPanel, &tmap_k, p * kPanel, n * kBlockN, kv_head,
-                            tile.batch, &k_full[s]);
+            s9::tma_load_4d(sK + (s * kPanels + p) * kBlockN * kPanel, &tmap_k, p * kPanel, span.k0 + n * kBlockN,
+                            kv_head, tma_batch, &k_full[s]);
           if (g >= kStages) s9::mbar_wait(&v_empty[s], refill_parity);
           s9::mbar_arrive_expect_tx(&v_full[s], kKVBytes);
 #pragma unroll
           for (int p = 0; p < kPanels; ++p)
-            s9::tma_load_4d(sV + (s * kPanels + p) * kBlockN * kPanel, &tmap_v, p * kPanel, n * kBlockN, kv_head,
-                            tile.batch, &v_full[s]);
+            s9::tma_load_4d(sV + (s * kPanels + p) * kBlockN * kPanel, &tmap_v, p * kPanel, span.k0 + n * kBlockN,
+                            kv_head, tma_batch, &v_full[s]);
         }
       }
     }
@@ -456,7 +578,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     const int c = wg - 1;                                  // rows [64 c, 64 c + 64) of the tile
     const int tid = threadIdx.x % 128;
     const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-    const int diag = seqlen_k - seqlen_q;
+    const int diag_arg = seqlen_k - seqlen_q;              // dense: the same for every tile
     const bool releaser = tid == 0;                        // arrives on the empty barriers
 
     // Descriptors: Q rows of this consumer (panel p, k-step within the panel = +32 B = +2 units).
@@ -506,8 +628,21 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     int i = 0;   // tiles so far: q_full phase
     for (int tl = blockIdx.x; tl < num_tiles; tl += gridDim.x, ++i) {
       const Tile tile = tile_coords<kReverse>(tl, m_blocks, groups, pack, batches, l2_group);
+      // This tile's query / key lengths (varlen: its sequence's; q0 is re-read in the epilogue).
+      const SeqSpan span = seq_span<kVarlenLayout>(vl.cu_q, vl.cu_k, tile.batch, seqlen_q, seqlen_k);
+      if constexpr (kVarlenLayout) {
+        if (tile.m_block * rows >= __shfl_sync(0xffffffffu, span.nq, 0)) {  // past its end: skipped as the producer does
+          --i;
+          continue;
+        }
+      }
+      // Varlen lengths come from memory: broadcast from lane 0 so that ptxas sees them warp-uniform
+      // (a branch on a value it cannot prove uniform makes it serialize the wgmmas after it, C7519).
+      const int nq = kVarlenLayout ? __shfl_sync(0xffffffffu, span.nq, 0) : span.nq;
+      const int nk = kVarlenLayout ? __shfl_sync(0xffffffffu, span.nk, 0) : span.nk;
+      const int diag = kVarlenLayout ? nk - nq : diag_arg;
       const BlockRange range = kWindowed ? window_range<kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k, va)
-                                         : block_range<kCausal, kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k);
+                                         : block_range<kCausal, kBlockN>(tile.m_block, rows, nq, nk);
       // Tile row of this thread's accumulator rows g (h = 0) and g + 8 (h = 1), and their query
       // positions (the heads, r / rows, are recomputed in the epilogue: registers are scarce).
       const int r0 = c * 64 + warp * 16 + g;
@@ -528,7 +663,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         if constexpr (kWindowed) {
           if (masked) apply_window<kBlockN>(s, n, pos, t, seqlen_k, diag, va);
         } else {
-          if (masked) apply_mask<kBlockN, kCausal>(s, n, pos, t, seqlen_k, diag);
+          if (masked) apply_mask<kBlockN, kCausal>(s, n, pos, t, nk, diag);
         }
       };
 #pragma unroll
@@ -554,6 +689,18 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         scores(range.n_end - 1, range.n_masked > 0);
         softmax_step<kBlockN>(s, m, l, alpha, sl2);  // O is still 0: no rescale needed
         pack_p<kBlockN, kIsBF16>(p, s);
+        if constexpr (kVarlenLayout) {
+          // The first block visited is the edge block when it holds fewer than kBlockN keys of
+          // the sequence: zero its other V rows before the first P V (see the header). The test
+          // is the same in both consumers (same tile), so both meet on the barrier or neither.
+          const int valid = nk - (range.n_end - 1) * kBlockN;
+          if (valid < kBlockN) {
+            s9::mbar_wait(&v_full[s0], (g0 / kStages) & 1);
+            clear_rows<kHeadDim, kBlockN>(sV + s0 * kBlockN * kHeadDim, valid, c * 128 + tid);
+            s9::fence_proxy_async();  // generic-proxy stores -> wgmma's async-proxy reads of the slot
+            s9::named_barrier_sync<256>(kClearBarrier);
+          }
+        }
 
         // ---- blocks 1 .. n_end - 1: S_j overlapped with P_{j-1} V_{j-1}
         auto step = [&](int it, bool masked) {  // `masked` is a constant at every call site
@@ -601,13 +748,17 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       g0 += n_iters;
 
       // ---- epilogue: normalize, lse, O -> 16 bit -> stmatrix into this consumer's rows of sQ ----
+      // Varlen: the sequence's first query token, re-read rather than kept across the loop.
+      const int q0 = kVarlenLayout ? ld_nc_volatile(vl.cu_q + tile.batch) : 0;
       float inv[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float sum = quad_sum(l[h]);
         inv[h] = sum > 0.f ? 1.f / sum : 0.f;  // sum == 0 <=> the row saw no key: O = 0
-        if (t == 0 && pos[h] < seqlen_q)
-          lse[(static_cast<int64_t>(tile.batch) * heads + tile.head0 + (r0 + 8 * h) / rows) * seqlen_q + pos[h]] =
+        if (t == 0 && pos[h] < nq)
+          lse[kVarlenLayout  // lse [H, Tq] or [B, H, Nq]
+                  ? static_cast<int64_t>(tile.head0 + (r0 + 8 * h) / rows) * vl.total_q + q0 + pos[h]
+                  : (static_cast<int64_t>(tile.batch) * heads + tile.head0 + (r0 + 8 * h) / rows) * seqlen_q + pos[h]] =
               sum > 0.f ? (m[h] + log2f(sum)) * kLn2 : neg_inf();
       }
       // stmatrix.x4 j covers columns 16 j .. 16 j + 15 of the warp's 16 rows: matrix i = (rows
@@ -629,7 +780,15 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         }
       }
       s9::fence_proxy_async();               // generic-proxy stmatrix writes -> async-proxy TMA store
-      s9::named_barrier_sync<128>(1 + c);    // this consumer's 128 threads only
+      s9::named_barrier_sync<128>(1 + c);    // this consumer's 128 threads only (varlen: its copy reads all rows)
+      if constexpr (kVarlenLayout) {
+        // Every row stored by its own threads under a per-row predicate (no TMA store: see the header).
+        store_rows_masked<kHeadDim, kBlockM>(sQ + c * 64 * kPanel, vl, q0, nq, tile.m_block * rows, rows, tile.head0,
+                                             c, tid);
+        s9::named_barrier_sync<128>(1 + c);  // every thread has read its rows of sQ before it is released
+        if (tid == 0) s9::mbar_arrive(&q_empty);
+        continue;
+      }
       if (tid == 0) {
         // This consumer's rows 64 c .. 64 c + 63 as one box: first position and head of row 64 c.
         const int pos0 = tile.m_block * rows + (c * 64) % rows, head = tile.head0 + (c * 64) / rows;

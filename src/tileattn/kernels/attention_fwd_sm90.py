@@ -22,6 +22,11 @@ of the same kernel with the variant parameters appended, one per (head dim, dtyp
 so that each set pays only for what it uses (`variant_flags`); ForwardPlan(variants=...) takes
 attention_fwd_sm80.VariantArgs (causal folded into the window, dropout off) and launches with the
 slopes' pointer and two unused dropout slots after the plain tensors.
+
+Variable-length batches (issue #10; docs/attention_fwd_sm90.md, "Variable-length batches"):
+`forward_varlen_plan` runs the same kernel on packed q [Tq, H, d], k/v [Tk, Hkv, d] with
+cu_seqlens (the kernel's kVariant = VARLEN instantiations), with the launch signature of
+attention_fwd_sm80.forward_varlen_plan, so that tileattn.api_varlen can use either.
 """
 
 from __future__ import annotations
@@ -158,10 +163,29 @@ def _expressions(pairs) -> tuple[str, ...]:
 # (compiled by `tileattn check --tuning` and on first use by the tuning benchmark).
 VARIANT_INSTANTIATIONS = tuple(variant_expression(d, cfg, bf16, flags) for d, cfg in VARIANT_DEFAULTS.items()
                                for bf16 in (False, True) for flags in range(1, 8))
+# Variable-length batches: the plain kernel with kVariant = VARLEN (fwd90::kVarlen, a layout bit of
+# that parameter, so the dense kernels keep their names) and VARLEN_PARAMS' types appended
+# (cu_seqlens_q, cu_seqlens_k, out, out's token and head strides, Tq). Tiles: the dense defaults.
+VARLEN = 8
+_VARLEN_PARAM_TYPES = "const int*, const int*, unsigned short*, long long, long long, int"
+VARLEN_DEFAULTS = DEFAULTS
+
+
+def varlen_expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool) -> str:
+    """The NVRTC name expression of a varlen instantiation."""
+    return expression(head_dim, config, causal, bf16)[:-1] + f", {VARLEN}, {_VARLEN_PARAM_TYPES}>"
+
+
+VARLEN_INSTANTIATIONS = tuple(varlen_expression(d, cfg, causal, bf16) for (d, causal), cfg in VARLEN_DEFAULTS.items()
+                              for bf16 in (False, True))
 INSTANTIATIONS = _expressions((d, causal, bf16, cfg) for (d, causal), cfg in DEFAULTS.items()
-                              for bf16 in (False, True)) + VARIANT_INSTANTIATIONS
+                              for bf16 in (False, True)) + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS
+# Tuning candidates: the dense extras, and the varlen kernel at each of them (the persistent grid,
+# a launch choice the varlen plan does not make, adds nothing).
 TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
-                                       for cfg in extra) if e not in INSTANTIATIONS)
+                                       for cfg in extra) if e not in INSTANTIATIONS) + tuple(dict.fromkeys(
+    varlen_expression(d, cfg, causal, True) for (d, causal), extra in EXTRA_BF16.items() for cfg in extra
+    if not cfg.persistent and varlen_expression(d, cfg, causal, True) not in VARLEN_INSTANTIATIONS))
 
 FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a",), tuning=TUNING),)
 
@@ -403,6 +427,125 @@ class ForwardPlan:
             out.copy_(target)
 
 
+# ---- variable-length batches --------------------------------------------------------------------
+def _packed_view(t: torch.Tensor) -> torch.Tensor:
+    """[T, H, d] -> the [1, H, T, d] view the kernel's 4-D tensor maps describe (no copy)."""
+    return t.permute(1, 0, 2).unsqueeze(0)
+
+
+def supports_varlen(head_dim: int, dtype, *, device=None, tensors=(), batch: int | None = None,
+                    heads: int | None = None, max_seqlen_q: int | None = None) -> bool:
+    """Whether forward_varlen_plan can run this call: head_dim in HEAD_DIMS, dtype fp16/bf16, and,
+    when given, a device of compute capability 9.0, packed [T, H, d] `tensors` (q, k, v, out) that
+    TMA can describe in place (16-byte aligned base, token and head strides multiples of 16 bytes,
+    below 2^40 bytes; the plan cannot copy: it is launched with bare pointers), and at most 2^30
+    query tiles (ceil(max_seqlen_q / 128) * heads * batch). Never raises."""
+    if head_dim not in HEAD_DIMS or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if device is not None:
+        device = torch.device(device)
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+            return False
+    if any(t.dim() != 3 or (t.shape[0] > 0 and not _tma_ready(_packed_view(t))) for t in tensors):
+        return False
+    if None not in (batch, heads, max_seqlen_q) and -(-max_seqlen_q // BLOCK_M) * heads * batch > MAX_TILES:
+        return False
+    return True
+
+
+class VarlenPlan:
+    """The Hopper forward for packed variable-length batches of fixed shapes, strides, dtype and
+    device (see forward_varlen_plan): tensor-map templates for q, k, v, out (maps cached per
+    address) and a LaunchPlan whose dynamic parameters are the four maps, lse's, cu_seqlens_q's,
+    cu_seqlens_k's and out's pointers."""
+
+    def __init__(self, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, causal: bool,
+                 scale: float, config: Sm90Config | None = None, pack_gqa: bool | None = None):
+        from ..runtime import LaunchPlan, TensorMapTemplate
+        from . import load
+
+        total_q, heads, head_dim = q.shape
+        total_k, kv_heads = k.shape[0], k.shape[1]
+        batch = cu_seqlens_q.shape[0] - 1
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim {head_dim} is not supported by the sm90 forward; supported: {HEAD_DIMS}")
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"q.dtype must be torch.float16 or torch.bfloat16, got {q.dtype}")
+        for name, t in (("k", k), ("v", v), ("out", out)):
+            if t.dtype != q.dtype:
+                raise ValueError(f"{name}.dtype ({t.dtype}) must be q's ({q.dtype})")
+        if kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
+        if max_seqlen_q < 0 or batch < 0:
+            raise ValueError(f"max_seqlen_q ({max_seqlen_q}) and the number of sequences ({batch}) must be >= 0")
+        config = config or VARLEN_DEFAULTS[(head_dim, bool(causal))]
+        if config.persistent:
+            raise ValueError("the varlen forward runs one CTA per tile: a persistent config is not supported")
+        for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+            if t.shape[0] > 0 and not _tma_ready(_packed_view(t)):
+                raise ValueError(f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) is not TMA-describable: "
+                                 "token and head strides must be multiples of 16 bytes, the base 16-byte aligned")
+        self.plan = None
+        self.dummy_kv = None
+        if total_q == 0:
+            return  # no token: nothing to launch
+        if total_k == 0:  # TMA cannot describe an empty tensor; every sequence then has no key
+            self.dummy_kv = torch.zeros(1, kv_heads, head_dim, device=q.device, dtype=q.dtype)
+            k = v = self.dummy_kv
+        mean_k = max(1, total_k // max(batch, 1))  # the causal tile order's L2 grouping: typical K/V length
+        geo = _geometry(max(batch, 0), heads, kv_heads, max_seqlen_q, mean_k, head_dim, config, pack_gqa,
+                        _l2_bytes(q.device.index))
+        if geo.tiles > MAX_TILES:
+            raise ValueError(f"{geo.tiles} query tiles (ceil(max_seqlen_q / (128 / pack)) * H / pack * B); "
+                             f"at most {MAX_TILES}")
+        views = [_packed_view(t) for t in (q, k, v, out)]
+        self.templates = tuple(TensorMapTemplate(t, box) for t, box in zip(views, geo.boxes))
+        maps = [tmpl.encode(t.data_ptr()) for tmpl, t in zip(self.templates, views)]
+        kern = load(FAMILY_NAME, varlen_expression(head_dim, config, bool(causal), q.dtype == torch.bfloat16),
+                    q.device.index)
+        args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, max_seqlen_q, 0, scale),
+                cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), out.data_ptr(), np.int64(out.stride(0)),
+                np.int64(out.stride(1)), np.int32(total_q))
+        # One CTA per tile, then `heads` CTAs for the rows past the last sequence.
+        self.grid = (geo.tiles + heads,)
+        self.plan = LaunchPlan(kern, self.grid, (THREADS,), args, smem=config.smem_bytes(head_dim),
+                               dynamic=(0, 1, 2, 3, 4, 13, 14, 15))
+
+    def launch(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int, cu_seqlens_q_ptr: int,
+               cu_seqlens_k_ptr: int) -> None:
+        """Launch on tensors at these addresses (the layouts the plan was made for), on the current
+        stream: the signature of attention_fwd_sm80.forward_varlen_plan's LaunchPlan.launch."""
+        if self.plan is None:
+            return
+        if self.dummy_kv is not None:
+            k_ptr = v_ptr = self.dummy_kv.data_ptr()
+        tq, tk, tv, to = self.templates
+        self.plan.launch(tq.encode(q_ptr), tk.encode(k_ptr), tv.encode(v_ptr), to.encode(out_ptr), lse_ptr,
+                         cu_seqlens_q_ptr, cu_seqlens_k_ptr, out_ptr)
+
+
+def forward_varlen_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, causal: bool,
+                        scale: float, config: Sm90Config | None = None, pack_gqa: bool | None = None) -> VarlenPlan:
+    """A plan computing out, lse <- attention_varlen(q, k, v) with the Hopper kernel for tensors of
+    these shapes, strides, dtype and device and batches of len(cu_seqlens_q) - 1 sequences whose
+    longest query has max_seqlen_q tokens. Launch it with the data pointers of q, k, v, out, lse,
+    cu_seqlens_q, cu_seqlens_k (in that order), as attention_fwd_sm80.forward_varlen_plan's.
+
+    q [Tq, H, d], k/v [Tk, Hkv, d], out [Tq, H, d]: one 16-bit dtype, d in HEAD_DIMS, H a multiple
+    of Hkv, stride(-1) == 1, token and head strides multiples of 16 bytes, 16-byte aligned
+    (supports_varlen says whether a call fits); lse [H, Tq] fp32 contiguous (natural log);
+    cu_seqlens_q / cu_seqlens_k int32 [B + 1] contiguous on q's device. Causal is bottom-right per
+    sequence; a sequence of length 0 writes nothing; rows past cu_seqlens_q[B] get out 0 and lse
+    -inf; a sequence longer than max_seqlen_q is cut. `config` forces a registered tile config (not
+    a persistent one); `pack_gqa` forces GQA packing (None: gqa_pack on max_seqlen_q). Needs a
+    compute capability 9.0 GPU. Raises ValueError for an unsupported head dim or dtype, mixed
+    dtypes, H not a multiple of Hkv, a persistent config, a tensor TMA cannot describe in place, or
+    more than 2^30 query tiles; TensorMapError (a ValueError) if the driver refuses a map.
+    """
+    return VarlenPlan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal, scale=scale,
+                      config=config, pack_gqa=pack_gqa)
+
+
 def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
     """Forward FLOPs by the benchmark convention: 4 * B * H * Nq * Nk * d, halved when causal."""
     return 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0)
@@ -427,4 +570,10 @@ __all__ = [
     "tuning_candidates",
     "variant_expression",
     "variant_flags",
+    "VARLEN_DEFAULTS",
+    "VARLEN_INSTANTIATIONS",
+    "VarlenPlan",
+    "forward_varlen_plan",
+    "supports_varlen",
+    "varlen_expression",
 ]
