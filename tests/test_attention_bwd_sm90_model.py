@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from tileattn import reference
+from tileattn.kernels import attention_bwd_sm80 as sm80
 from tileattn.kernels import attention_bwd_sm90 as ab
 
 from .test_attention_fwd_sm90_model import (
@@ -253,6 +254,34 @@ def test_section_pairs():
 
 
 # ---- the tile walk, emulated in float64 -----------------------------------------------------------
+def tile_step(qt, dot, kt, vt, lse2_t, delta_t, n0: int, m0: int, nk: int, diag: int, causal: bool,
+              scale_log2: float, block_m: int):
+    """One step of a CTA's walk as the MMA warpgroups compute it (float64): the query tile qt / dot
+    [block_m, d] (rows past Nq zero) against the key block kt / vt [BLOCK_N, d] (rows past Nk zero),
+    with the kernel's `masked` flag, masks and idle upper warpgroup. Returns the tile's additions
+    (dV, dK before the scale, dQ before the scale): [keys, d], [keys, d], [block_m, d] with keys 64
+    when warpgroup 1 idles, else BLOCK_N. Checks that an unmasked tile needs no mask and that
+    the idle upper warpgroup's keys are all hidden."""
+    masked = n0 + BLOCK_N > nk or (causal and m0 + diag < n0 + BLOCK_N - 1)
+    st = kt @ qt.T                                   # S^T [keys, queries]
+    dpt = vt @ dot.T                                 # dP^T
+    p = torch.exp2(st * scale_log2 - lse2_t[None, :])
+    key = torch.arange(n0, n0 + BLOCK_N, dtype=torch.float64)[:, None]
+    query = torch.arange(m0, m0 + block_m, dtype=torch.float64)[None, :]
+    hidden = (key >= nk) | ((key > query + diag) if causal else torch.zeros_like(key, dtype=bool))
+    if masked:
+        p = torch.where(hidden, torch.zeros_like(p), p)
+    else:
+        assert not hidden.any(), f"tile n0={n0} m0={m0} needs a mask but `masked` is false"
+    dst = p * (dpt - delta_t[None, :])
+    # Keys 64.. all hidden: warpgroup 1 idles, dQ reads only the first 64 keys.
+    upper_idle = n0 + 64 >= nk or (causal and n0 + 64 > m0 + block_m - 1 + diag)
+    assert not upper_idle or bool(hidden[64:].all()), f"n0={n0} m0={m0}: keys 64.. are visible"
+    keys = 64 if upper_idle else BLOCK_N
+    assert not hidden[:64].all(), f"n0={n0} m0={m0}: warpgroup 0 visits a tile it cannot see"
+    return p[:keys] @ dot, dst[:keys] @ qt, dst[:keys].T @ kt[:keys]
+
+
 def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int, rotate: bool = False):
     """The kernel's arithmetic per (batch, kv head, key block), query head of the group and query
     tile, with its m_first, `masked` flag and masks, in float64 (no 16-bit rounding), plus the
@@ -274,48 +303,36 @@ def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int, r
     scale_log2 = scale * math.log2(math.e)
     dq_acc = torch.zeros_like(qp)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    keys_all = torch.arange(n_blocks * BLOCK_N, dtype=torch.float64)
-    queries_all = torch.arange(m_blocks * block_m, dtype=torch.float64)
     for b in range(b_):
         for hk in range(hkv):
             for nb in range(n_blocks):
                 n0 = nb * BLOCK_N
                 m_first = max(0, n0 - diag) // block_m if causal else 0
                 m_count = m_blocks - m_first
-                for m in range(m_first):  # skipped tiles: nothing visible
-                    qs = queries_all[m * block_m:(m + 1) * block_m]
-                    ks = keys_all[n0:n0 + BLOCK_N]
-                    assert not ((ks[:, None] < nk) & (ks[:, None] <= qs[None, :] + diag) & (qs[None, :] < nq)).any()
+                assert_skipped_tiles_hidden(m_first, block_m, n0, nq, nk, diag, causal)
                 dk_blk = torch.zeros(BLOCK_N, d, dtype=torch.float64)
                 dv_blk = torch.zeros(BLOCK_N, d, dtype=torch.float64)
                 for it in range(group * m_count):
                     head, m0 = walk(it, hk, group, m_blocks, m_count, block_m, nb % m_count if rotate else 0)
-                    masked = n0 + BLOCK_N > nk or (causal and m0 + diag < n0 + BLOCK_N - 1)
-                    qt, dot = qp[b, head, m0:m0 + block_m], dop[b, head, m0:m0 + block_m]
-                    kt, vt = kp[b, hk, n0:n0 + BLOCK_N], vp[b, hk, n0:n0 + BLOCK_N]
-                    st = kt @ qt.T                                   # S^T [keys, queries]
-                    dpt = vt @ dot.T                                 # dP^T
-                    p = torch.exp2(st * scale_log2 - lse2[b, head, m0:m0 + block_m][None, :])
-                    key = keys_all[n0:n0 + BLOCK_N][:, None]
-                    query = queries_all[m0:m0 + block_m][None, :]
-                    hidden = (key >= nk) | ((key > query + diag) if causal else torch.zeros_like(key, dtype=bool))
-                    if masked:
-                        p = torch.where(hidden, torch.zeros_like(p), p)
-                    else:
-                        assert not hidden.any(), f"tile n0={n0} m0={m0} needs a mask but `masked` is false"
-                    dst = p * (dpt - delta[b, head, m0:m0 + block_m][None, :])
-                    # Keys 64.. all hidden: warpgroup 1 idles, dQ reads only the first 64 keys.
-                    upper_idle = n0 + 64 >= nk or (causal and n0 + 64 > m0 + block_m - 1 + diag)
-                    assert not upper_idle or bool(hidden[64:].all()), f"n0={n0} m0={m0}: keys 64.. are visible"
-                    keys = 64 if upper_idle else BLOCK_N
-                    assert not hidden[:64].all(), f"n0={n0} m0={m0}: warpgroup 0 visits a tile it cannot see"
-                    dv_blk[:keys] += p[:keys] @ dot
-                    dk_blk[:keys] += dst[:keys] @ qt
-                    dq_acc[b, head, m0:m0 + block_m] += dst[:keys].T @ kt[:keys]
+                    add_v, add_k, add_q = tile_step(
+                        qp[b, head, m0:m0 + block_m], dop[b, head, m0:m0 + block_m], kp[b, hk, n0:n0 + BLOCK_N],
+                        vp[b, hk, n0:n0 + BLOCK_N], lse2[b, head, m0:m0 + block_m], delta[b, head, m0:m0 + block_m],
+                        n0, m0, nk, diag, causal, scale_log2, block_m)
+                    dv_blk[:add_v.shape[0]] += add_v
+                    dk_blk[:add_k.shape[0]] += add_k
+                    dq_acc[b, head, m0:m0 + block_m] += add_q
                 rows = min(BLOCK_N, nk - n0)
                 dk[b, hk, n0:n0 + rows] = scale * dk_blk[:rows]
                 dv[b, hk, n0:n0 + rows] = dv_blk[:rows]
     return scale * dq_acc[:, :, :nq], dk, dv
+
+
+def assert_skipped_tiles_hidden(m_first: int, block_m: int, n0: int, nq: int, nk: int, diag: int, causal: bool):
+    """The query tiles a key block skips (before m_first) hold no visible (query, key) pair."""
+    ks = torch.arange(n0, n0 + BLOCK_N)[:, None]
+    for m in range(m_first):
+        qs = torch.arange(m * block_m, (m + 1) * block_m)[None, :]
+        assert not ((ks < nk) & (ks <= qs + diag) & (qs < nq)).any(), (m, n0)
 
 
 WALK_SHAPES_QK = [(1, 1), (65, 65), (130, 129), (129, 300), (300, 129), (5, 200), (200, 5), (100, 192)]
@@ -341,6 +358,265 @@ def test_emulated_walk_matches_autograd(nq, nk, heads, kv_heads, d, block_m, cau
     for name, a, ref in zip(("dq", "dk", "dv"), got, (qr.grad, kr.grad, vr.grad)):
         err = float((a - ref).norm() / max(float(ref.norm()), 1e-300))
         assert err < 1e-9 or float((a - ref).abs().max()) < 1e-12, f"{name}: relative error {err:.3e}"
+
+
+# ---- varlen layout (attention_bwd_sm90_varlen) -----------------------------------------------------
+VARLEN_WS_GAP = sm80.VARLEN_WS_GAP
+
+
+def varlen_ws_row(head: int, b: int, q_tok0: int, ws_pitch: int) -> int:
+    """Mirror of ws_head_row (varlen): row of query 0 of (sequence b, head) in lse2 / delta / dq_accum,
+    attention_bwd_sm80.cu's ws_row."""
+    return head * ws_pitch + ((q_tok0 + 3) & ~3) + VARLEN_WS_GAP * b
+
+
+def tma_box_rows(t, row0: int, rows: int, head: int):
+    """What a TMA load of `rows` rows from token row0 of a packed [T, H, d] tensor's head puts in
+    shared memory: the packed rows (another sequence's or the tail's past this sequence), zero past T."""
+    box = torch.zeros(rows, t.shape[2], dtype=t.dtype)
+    end = min(row0 + rows, t.shape[0])
+    if end > row0:
+        box[:end - row0] = t[row0:end, head]
+    return box
+
+
+def zero_tile_rows_chunks(rows: int, panels: int, row_begin: int) -> list[int]:
+    """Mirror of bwd90::zero_tile_rows: the element offsets of the 16-byte chunks the 256 MMA threads
+    zero (thread tid from %tid.x - 128 = 0..255, stride 256)."""
+    count = (rows - row_begin) * panels * 8
+    out = []
+    for tid in range(256):
+        for idx in range(tid, count, 256):
+            r, p, c = row_begin + idx // (panels * 8), (idx // 8) % panels, idx % 8
+            out.append((p * rows + r) * 64 + c * 8)
+    return out
+
+
+def store_rows_masked_offsets(panels: int, row0: int, rows: int):
+    """Mirror of bwd90::store_rows_masked: (row r of the box, chunk c) -> element offset in sK / sV it
+    copies, for the 128 threads of a warpgroup."""
+    out = {}
+    for tid in range(128):
+        for idx in range(tid, rows * panels * 8, 128):
+            r, c = idx // (panels * 8), idx % (panels * 8)
+            row = row0 + r
+            assert (r, c) not in out
+            out[(r, c)] = ((c // 8) * BLOCK_N + row) * 64 + ((c % 8) ^ (row % 8)) * 8
+    return out
+
+
+@pytest.mark.parametrize("d", ab.HEAD_DIMS)
+def test_varlen_edge_zeroing_covers_exactly_the_rows_past_the_end(d):
+    panels = d // 64
+    for rows in (BLOCK_N, 64, 128):
+        for row_begin in (1, 7, 8, 31, 33, 63, rows - 1):
+            if row_begin >= rows:
+                continue
+            chunks = zero_tile_rows_chunks(rows, panels, row_begin)
+            assert len(chunks) == len(set(chunks)), "a chunk zeroed twice (the loop's index map is not 1:1)"
+            # whole 128-byte rows >= row_begin of every panel, nothing below: the swizzle permutes
+            # chunks within a row only, so these are exactly the tile's rows >= row_begin
+            want = {(p * rows + r) * 64 + c * 8 for p in range(panels) for r in range(row_begin, rows) for c in range(8)}
+            assert set(chunks) == want, (rows, row_begin)
+            for r in range(rows):
+                for col in range(0, d, 13):
+                    byte = tma_panel_addr(0, rows, r, col)
+                    assert ((byte // 16) * 8 in set(chunks)) == (r >= row_begin), (r, col)
+
+
+@pytest.mark.parametrize("d", ab.HEAD_DIMS)
+def test_varlen_masked_store_reads_the_staged_rows(d):
+    """The edge box's 16-byte stores read row r, columns 8c..8c+7 of warpgroup w's staged dK / dV
+    (where stmatrix put them: TMA's swizzled panel layout) and write them to global row r, chunk c."""
+    for w in range(2):
+        for rows in (1, 9, 63):
+            offsets = store_rows_masked_offsets(d // 64, 64 * w, rows)
+            assert set(offsets) == {(r, c) for r in range(rows) for c in range(d // 8)}
+            for (r, c), off in offsets.items():
+                for e in range(8):
+                    assert 2 * (off + e) == tma_panel_addr(0, BLOCK_N, 64 * w + r, 8 * c + e), (w, r, c, e)
+
+
+def emulate_varlen(q, k, v, dout, out, lse, cu_q, cu_k, max_seqlen_k: int, causal: bool, scale: float,
+                   block_m: int, section: int = 1, rotate: bool = False):
+    """The varlen pipeline in float64 as the kernels index it: the sm80 varlen preprocess into the
+    [H, ws_pitch] workspaces (NaN everywhere it does not write), the main kernel's 1-D grid (block
+    order, CTAs past a sequence's keys exiting, the Hkv tail CTAs), TMA boxes read from the packed
+    tensors (rows past a sequence's end are the neighbour's or the tail's) with the kernel's edge-row
+    zeroing, lse2 / delta / dq_accum rows at ws_head_row, dK / dV stored by full TMA boxes or row by
+    row, and the sm80 varlen convert. dq / dk / dv start as NaN: every row must be written. Asserts
+    that every workspace row read or added into is one the preprocess wrote for that sequence, and
+    that no store reaches a row of another sequence."""
+    total_q, heads, d = q.shape
+    total_k, hkv = k.shape[:2]
+    batch = len(cu_q) - 1
+    group = heads // hkv
+    scale_log2 = scale * math.log2(math.e)
+    ws_pitch = -(-total_q // 4) * 4 + VARLEN_WS_GAP * batch
+    lse2 = torch.full((heads * ws_pitch,), math.nan, dtype=torch.float64)
+    delta = torch.full((heads * ws_pitch,), math.nan, dtype=torch.float64)
+    acc = torch.full((heads * ws_pitch, d), math.nan, dtype=torch.float64)
+    for b in range(batch):  # preprocess: rows < roundup(Nq, 128) of each (sequence, head)
+        q0, nq = cu_q[b], cu_q[b + 1] - cu_q[b]
+        for h in range(heads):
+            base = varlen_ws_row(h, b, q0, ws_pitch)
+            pad = -(-nq // 128) * 128
+            assert base % 4 == 0, "16-byte aligned rows (bulk copies of lse2 / delta, the dQ float4s)"
+            assert torch.isnan(lse2[base:base + pad]).all(), "two sequences' workspace rows overlap"
+            for r in range(pad):
+                valid = r < nq
+                lv = float(lse[h, q0 + r]) if valid else -math.inf
+                lse2[base + r] = math.inf if lv == -math.inf else lv * math.log2(math.e)
+                delta[base + r] = float((dout[q0 + r, h] * out[q0 + r, h]).sum()) if valid else 0.0
+                acc[base + r] = 0.0
+    assert base + pad <= heads * ws_pitch
+    dq = torch.full_like(q, math.nan)
+    dk, dv = torch.full_like(k, math.nan), torch.full_like(v, math.nan)
+    n_blocks = max(1, -(-max_seqlen_k // BLOCK_N))
+    pairs = hkv * batch
+    section = min(section, pairs)
+    for idx in range(n_blocks * pairs + hkv):
+        if idx >= n_blocks * pairs:  # tail CTA: rows past the last sequence of kv head idx - ...
+            head = idx - n_blocks * pairs
+            dk[cu_k[batch]:, head] = 0
+            dv[cu_k[batch]:, head] = 0
+            continue
+        nb, pair = block_coords(idx, n_blocks, pairs, section)
+        hk, b = pair % hkv, pair // hkv
+        q0, k0 = cu_q[b], cu_k[b]
+        nq, nk = cu_q[b + 1] - q0, cu_k[b + 1] - k0
+        n0 = nb * BLOCK_N
+        if n0 >= nk:
+            continue
+        diag = nk - nq
+        m_blocks = -(-nq // block_m)
+        m_first = max(0, n0 - diag) // block_m if causal else 0
+        m_count = m_blocks - m_first
+        assert_skipped_tiles_hidden(m_first, block_m, n0, nq, nk, diag, causal)
+        kt, vt = tma_box_rows(k, k0 + n0, BLOCK_N, hk), tma_box_rows(v, k0 + n0, BLOCK_N, hk)
+        if n0 + BLOCK_N > nk:  # key_edge: zero_tile_rows(sK / sV, Nk - n0)
+            kt[nk - n0:] = 0
+            vt[nk - n0:] = 0
+        dk_blk = torch.zeros(BLOCK_N, d, dtype=torch.float64)
+        dv_blk = torch.zeros(BLOCK_N, d, dtype=torch.float64)
+        rot = nb % m_count if (rotate and m_count > 0) else 0
+        for it in range(group * m_count):
+            head, m0 = walk(it, hk, group, m_blocks, m_count, block_m, rot)
+            qt, dot = tma_box_rows(q, q0 + m0, block_m, head), tma_box_rows(dout, q0 + m0, block_m, head)
+            if m0 + block_m > nq:  # the last query tile: zero_tile_rows(sQ / sdO slot, Nq - m0)
+                qt[nq - m0:] = 0
+                dot[nq - m0:] = 0
+            ws = varlen_ws_row(head, b, q0, ws_pitch) + m0
+            assert m0 + block_m <= -(-nq // 128) * 128, "a tile reaches past the sequence's padded rows"
+            add_v, add_k, add_q = tile_step(qt, dot, kt, vt, lse2[ws:ws + block_m], delta[ws:ws + block_m], n0, m0,
+                                            nk, diag, causal, scale_log2, block_m)
+            dv_blk[:add_v.shape[0]] += add_v
+            dk_blk[:add_k.shape[0]] += add_k
+            acc[ws:ws + block_m] += add_q
+        for w in range(2):  # epilogue: warpgroup w's 64 keys
+            rows = nk - n0 - 64 * w
+            row = k0 + n0 + 64 * w
+            if rows >= 64:  # TMA box: 64 rows, clipped only at Tk
+                assert row + 64 <= k0 + nk, "a TMA store box reaches into the next sequence"
+            if rows > 0:
+                n = min(rows, 64)
+                dk[row:row + n, hk] = scale * dk_blk[64 * w:64 * w + n]
+                dv[row:row + n, hk] = dv_blk[64 * w:64 * w + n]
+    for b in range(batch):  # convert: rows < Nq of each sequence; tail slice zeroes the rest
+        q0, nq = cu_q[b], cu_q[b + 1] - cu_q[b]
+        for h in range(heads):
+            base = varlen_ws_row(h, b, q0, ws_pitch)
+            dq[q0:q0 + nq, h] = scale * acc[base:base + nq]
+    dq[cu_q[batch]:] = 0
+    return dq, dk, dv
+
+
+def _packed(lengths, total, heads, d, g, tail_nan: bool = True):
+    """[total, heads, d] float64: random rows for the sequences, NaN in the rows past the last one (a
+    token buffer padded to a captured size holds anything)."""
+    t = torch.randn(total, heads, d, generator=g, dtype=torch.float64)
+    if tail_nan:
+        t[sum(lengths):] = math.nan
+    return t
+
+
+VARLEN_CASES = [  # (query lengths, key lengths, heads, kv heads, extra tail rows q / k)
+    ([1, 31, 33], [1, 31, 33], 2, 1, (0, 0)),
+    ([0, 129, 1, 0, 65], [5, 129, 1, 0, 200], 2, 2, (3, 7)),
+    ([127, 0, 200, 64], [127, 300, 64, 129], 4, 1, (5, 0)),
+    ([257, 128], [256, 128], 8, 1, (0, 130)),
+    ([100, 1000], [1000, 100], 2, 1, (1, 1)),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,block_m", [(128, 64), (64, 128)])
+@pytest.mark.parametrize("lens_q,lens_k,heads,kv_heads,tail", VARLEN_CASES)
+def test_emulated_varlen_matches_autograd(lens_q, lens_k, heads, kv_heads, tail, d, block_m, causal):
+    """Per sequence, the varlen emulation equals float64 autograd of the reference on that sequence
+    alone (keys but no queries: dK = dV = 0; rows past the last sequence: 0), whatever the rows past
+    a sequence hold (the tail is NaN), in the block order with section 1 and several pairs per
+    section, and with the rotated walk."""
+    g = torch.Generator().manual_seed(sum(lens_q) * 7 + sum(lens_k) + heads + d)
+    tq, tk = sum(lens_q) + tail[0], sum(lens_k) + tail[1]
+    q, dout = _packed(lens_q, tq, heads, d, g), _packed(lens_q, tq, heads, d, g)
+    k, v = _packed(lens_k, tk, kv_heads, d, g), _packed(lens_k, tk, kv_heads, d, g)
+    cu_q = [0, *itertools.accumulate(lens_q)]
+    cu_k = [0, *itertools.accumulate(lens_k)]
+    scale = 1.0 / math.sqrt(d)
+    out = torch.zeros_like(q)
+    lse = torch.full((heads, tq), -math.inf, dtype=torch.float64)
+    want = []
+    for b in range(len(lens_q)):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        qs, ks, vs = (t[s].transpose(0, 1).unsqueeze(0).clone().requires_grad_() for t, s in ((q, sq), (k, sk), (v, sk)))
+        if lens_q[b] and lens_k[b]:
+            o, l_ = reference.attention(qs, ks, vs, causal, scale, compute_dtype=torch.float64)
+            o.backward(dout[sq].transpose(0, 1).unsqueeze(0))
+            out[sq] = o.detach()[0].transpose(0, 1)
+            lse[:, sq] = l_.detach()[0]
+            grads = [t.grad[0].transpose(0, 1) for t in (qs, ks, vs)]
+        else:  # no queries: dK = dV = 0; no keys: every query row fully masked, dQ = 0
+            grads = [torch.zeros_like(t[s]) for t, s in ((q, sq), (k, sk), (v, sk))]
+        want.append(grads)
+    max_k = max(lens_k)
+    for section, rotate in ((1, False), (3, False), (1, True)):
+        dq, dk, dv = emulate_varlen(q, k, v, dout, out, lse, cu_q, cu_k, max_k, causal, scale, block_m, section,
+                                    rotate)
+        for name, got, tail_from, cu in (("dq", dq, cu_q[-1], cu_q), ("dk", dk, cu_k[-1], cu_k),
+                                         ("dv", dv, cu_k[-1], cu_k)):
+            assert not torch.isnan(got).any(), f"{name}: NaN (a row never written, or garbage read)"
+            assert (got[tail_from:] == 0).all(), f"{name}: rows past the last sequence not zero"
+        for b, (gq, gk, gv) in enumerate(want):
+            for name, got, ref, cu in (("dq", dq, gq, cu_q), ("dk", dk, gk, cu_k), ("dv", dv, gv, cu_k)):
+                a = got[cu[b]:cu[b + 1]]
+                err = float((a - ref).norm() / max(float(ref.norm()), 1e-300))
+                assert err < 1e-9 or float((a - ref).abs().max()) < 1e-12, \
+                    f"{name} of sequence {b} (Nq={lens_q[b]}, Nk={lens_k[b]}), section {section}, rotate {rotate}: " \
+                    f"relative error {err:.3e}"
+
+
+def test_varlen_host_layout_matches_the_kernels():
+    """The constants the varlen kernel shares with attention_bwd_sm80.cu (workspace gap) are equal in
+    both sources and in Python, and the varlen instantiations registered for dispatch are exactly the
+    default configs' atomic mode."""
+    from tileattn.kernels import family
+
+    src90 = family(ab.FAMILY_NAME).path.read_text()
+    src80 = family(sm80.FAMILY_NAME).path.read_text()
+    assert f"kVarlenWsGap = {VARLEN_WS_GAP};" in src80
+    assert f"kVarlenWsGap = {VARLEN_WS_GAP};" in src90
+    want = {ab.varlen_expression(d, ab.DEFAULTS[(d, c)], c, bf16) for d in ab.HEAD_DIMS for c in (False, True)
+            for bf16 in (False, True)}
+    assert {e for e in ab.INSTANTIATIONS if "varlen" in e} == want
+    assert all(dq_mode_of(e) != 1 for e in ab.INSTANTIATIONS + ab.TUNING if "varlen" in e)
+    for d in ab.HEAD_DIMS:  # the varlen preprocess / convert the plan launches are registered
+        for bf16 in (False, True):
+            assert sm80.preprocess_expr(d, bf16, True) in sm80.INSTANTIATIONS
+            assert sm80.convert_expr(d, bf16, True) in sm80.INSTANTIATIONS
+    assert ab.supports_varlen(128, torch.bfloat16, True, False)
+    assert not ab.supports_varlen(128, torch.bfloat16, True, True), "deterministic stays on sm80"
+    assert not ab.supports_varlen(96, torch.float16) and not ab.supports_varlen(64, torch.float32)
 
 
 @pytest.mark.parametrize("block_m", [64, 128])

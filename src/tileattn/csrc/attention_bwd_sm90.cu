@@ -379,9 +379,6 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
   // down to m_first (every key block of a (b, h) reaches tile m in ascending key-block order),
   // rotated by `rot` tiles (see "Rotated walk"; 0 in the deterministic mode).
   const int rot = (kDqMode != 1 && rotate != 0 && (!kVarlen || m_count > 0)) ? n_block % m_count : 0;
-  // Row of query 0 of query head `head` in lse2 / delta (times d in dq_accum). Dense: [B, H, NqPad];
-  // varlen: attention_bwd_sm80.cu's ws_row ([H, ws_pitch], `nq_pad` = ws_pitch, sequence b from
-  // roundup(q_tok0, 4) + kVarlenWsGap b, its queries padded to 128 rows).
   // Inside the MMA warpgroups' walk the varlen first query token and lengths are re-read from
   // shared memory where they are used (volatile ld.shared at a fixed address: neither kept live nor
   // hoisted) instead of holding registers (and cu_seqlens addresses) beside dK, dV, P^T and dS^T:
@@ -399,6 +396,9 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
   auto loop_diag = [&]() -> int {
     if constexpr (kVarlen) return loop_nk() - loop_nq(); else return diag;
   };
+  // Row of query 0 of query head `head` in lse2 / delta (times d in dq_accum). Dense: [B, H, NqPad];
+  // varlen: attention_bwd_sm80.cu's ws_row ([H, ws_pitch], `nq_pad` = ws_pitch, sequence b from
+  // roundup(tok0, 4) + kVarlenWsGap b, tok0 its first query token; its queries padded to 128 rows).
   auto ws_head_row = [&](int head, int tok0) -> int64_t {
     if constexpr (kVarlen) {
       return static_cast<int64_t>(head) * nq_pad + ((tok0 + 3) & ~3) + kVarlenWsGap * batch;
