@@ -23,6 +23,7 @@ Markers: gpu (all), sanitize (the small cases).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -396,6 +397,78 @@ def test_torch_compile_dropout_matches_eager(seeded):
     assert torch.equal(got[0], want[0]), "compiled dropout output differs from eager with the same seed/offset"
     for name, x, y in zip(("dq", "dk", "dv"), got[1], want[1]):
         assert torch.equal(x, y), f"compiled dropout {name} differs from eager with the same seed/offset"
+
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["seed", "default_generator"])
+def test_torch_compile_varlen_dropout_matches_eager(seeded):
+    """attention_varlen with dropout under torch.compile(fullgraph=True) runs the
+    tileattn::attention_varlen_dropout_fwd/bwd custom ops: out, lse and gradients equal the eager
+    call's bit for bit with the same seed/offset, and match the float64 reference, whose mask is
+    tileattn.dropout_mask(..., batch_start=b) per sequence. Without a seed the op draws seed/offset
+    at run time from the default CUDA generator as the eager call does (initial seed, offset + 4 per
+    call), so two compiled calls differ."""
+    lens_q, lens_k, h, hkv, d, p = [70, 0, 129, 1], [100, 5, 129, 40], 4, 2, 64, 0.2
+    q, k, v, dout, cu_q, cu_k = _packed(lens_q, lens_k, h, hkv, d, BF16, seed=23)
+    # deterministic: the atomic dQ backward is not bitwise reproducible between two runs.
+    opts = {"window": (40, -1), "alibi_slopes": alibi("bh", len(lens_q), h), "dropout_p": p, "deterministic": True}
+    if seeded:
+        opts.update(seed=(1 << 63) + 5, offset=(1 << 33) + 8)
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+
+    def op(q_, k_, v_, **kw):
+        return tileattn.attention_varlen(q_, k_, v_, cu_q, cu_k, max(lens_q), max(lens_k), True, return_lse=True,
+                                         **{**opts, **kw})
+
+    def run(fn, poison=True):
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        with poisoned_allocations() if poison else contextlib.nullcontext():
+            out, lse = fn(qg, kg, vg)
+            out.backward(dout)
+        torch.cuda.synchronize()
+        return out.detach(), lse, (qg.grad, kg.grad, vg.grad)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(op, fullgraph=True)
+    run(compiled, poison=False)  # compiles the forward and backward graphs outside the poisoned block
+    off0 = gen.get_offset()
+    got = run(compiled)
+    if seeded:
+        seed, offset = opts["seed"], opts["offset"]
+    else:
+        assert gen.get_offset() == off0 + 4, f"generator offset {gen.get_offset()}, expected {off0 + 4}"
+        seed, offset = gen.initial_seed(), off0
+        again = run(compiled)
+        assert not torch.equal(again[0], got[0]), "two compiled varlen calls without a seed gave the same output"
+    want = run(lambda q_, k_, v_: op(q_, k_, v_, seed=seed, offset=offset))
+    for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), (got[0], got[1], *got[2]), (want[0], want[1], *want[2])):
+        assert torch.equal(x, y), (f"compiled varlen dropout {name} differs from eager with seed={seed} "
+                                   f"offset={offset}: {int((x != y).sum())} of {x.numel()} elements")
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    rout, rlse = reference.attention_varlen(q64, k64, v64, cu_q, cu_k, max(lens_q), max(lens_k), True,
+                                            return_lse=True, compute_dtype=F64, **{**opts, "seed": seed,
+                                                                                   "offset": offset})
+    rout.backward(dout.double())
+    check(got, (rout.detach(), rlse, (q64.grad, k64.grad, v64.grad)), BF16,
+          f"compiled varlen dropout seeded={seeded} seed={seed} offset={offset}")
+
+
+def test_varlen_dropout_opcheck_on_cuda():
+    """torch.library.opcheck of tileattn::attention_varlen_dropout_fwd/bwd on CUDA tensors: the real
+    implementation against the fake one (shapes, dtypes, strides, devices of every output, the CPU
+    rng state included), the schema (no input mutated), autograd registration, AOT dispatch."""
+    from tileattn.dropout import rng_state
+
+    lens_q, lens_k = [33, 0, 17], [40, 3, 17]
+    q, k, v, dout, cu_q, cu_k = _packed(lens_q, lens_k, 4, 2, 64, FP16, seed=24)
+    options = (33, 40, 0.125, True, 16, 0, 0.0, 0.3)  # max lengths, scale, deterministic, window, softcap, p
+    fwd = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), cu_q, cu_k, None, rng_state(11, 4), *options)
+    result = torch.library.opcheck(torch.ops.tileattn.attention_varlen_dropout_fwd.default, fwd)
+    assert set(result.values()) == {"SUCCESS"}, f"attention_varlen_dropout_fwd: {result}"
+    out, lse, used = torch.ops.tileattn.attention_varlen_dropout_fwd(*fwd)
+    assert used.tolist() == [11, 4], f"rng state returned {used.tolist()}, given [11, 4]"
+    bwd = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, cu_q, cu_k, None, used, *options)
+    result = torch.library.opcheck(torch.ops.tileattn.attention_varlen_dropout_bwd.default, bwd)
+    assert set(result.values()) == {"SUCCESS"}, f"attention_varlen_dropout_bwd: {result}"
 
 
 # ---------------------------------------------------------------------------------------------
