@@ -1,0 +1,369 @@
+"""GPU tests of the Hopper forward on packed variable-length batches
+(attention_fwd_sm90.forward_varlen_plan, the kVariant = kVarlen instantiations of
+csrc/attention_fwd_sm90.cu).
+
+The plans are called directly (tileattn.api_varlen still runs the sm80 plan until the lead wires
+this one in after these tests pass). Oracles: tileattn.reference.attention_varlen in float64 on the
+same 16-bit inputs, with the dense tests' relative bounds (bf16 1e-2, fp16 2e-3; lse 2e-4 (1 +
+|lse|) absolute); the sm80 varlen plan on the same inputs (both within the bound of the
+reference, and of each other); and, bit for bit, the Hopper dense kernel on B equal-length
+sequences seen as a [B, N, H, d] batch (same tiles: the varlen path only adds offsets, a V clear
+of rows that meet P = 0, and a different store of the same staged 16-bit rows).
+
+Outputs are NaN-poisoned before every launch, so an element the kernel does not write fails; the
+token rows after the last sequence are NaN in q and NaN / Inf in k and v (a padded token buffer),
+so a box that reads them into a stored row, or a V row that meets P = 0 without being cleared,
+shows up as NaN. Skipped with a reason on GPUs other than compute capability 9.0. Markers: `gpu`
+(all), `sanitize` (small cases re-run under compute-sanitizer).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from tileattn import reference
+from tileattn.kernels import attention_fwd_sm80 as sm80
+from tileattn.kernels import attention_fwd_sm90 as sm90
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="the sm90 forward needs a compute capability 9.0 GPU (H100/H200): wgmma, TMA, setmaxnreg",
+    ),
+]
+
+BF16, FP16 = torch.bfloat16, torch.float16
+TOL = {BF16: 1e-2, FP16: 2e-3}
+DEVICE = "cuda"
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def seed_of(*key) -> int:
+    return zlib.crc32(repr(key).encode())
+
+
+def offsets(lens) -> torch.Tensor:
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+
+
+class Case:
+    """Packed q [Tq, H, d], k/v [Tk, Hkv, d] (unit normals in the input dtype) with pad_q / pad_k
+    token rows after the last sequence holding NaN (q, k) and Inf (v)."""
+
+    def __init__(self, lens_q, lens_k, heads, kv_heads, d, dtype, seed, *, pad_q=5, pad_k=70):
+        g = torch.Generator(device=DEVICE).manual_seed(seed)
+        self.lens_q, self.lens_k = tuple(lens_q), tuple(lens_k)
+        nq, nk = sum(lens_q), sum(lens_k)
+        self.q = torch.randn(nq + pad_q, heads, d, device=DEVICE, generator=g).to(dtype)
+        self.k = torch.randn(nk + pad_k, kv_heads, d, device=DEVICE, generator=g).to(dtype)
+        self.v = torch.randn(nk + pad_k, kv_heads, d, device=DEVICE, generator=g).to(dtype)
+        self.q[nq:], self.k[nk:], self.v[nk:] = math.nan, math.nan, math.inf
+        self.cu_q, self.cu_k = offsets(lens_q), offsets(lens_k)
+        self.max_q, self.max_k = max(lens_q, default=0), max(lens_k, default=0)
+        self.nq, self.nk = nq, nk
+        self.dtype, self.d = dtype, d
+        self.what = f"lens_q={self.lens_q} lens_k={self.lens_k} H={heads} Hkv={kv_heads} d={d} {dtype}"
+
+    def outputs(self, out=None):
+        """NaN-poisoned out [Tq, H, d] (or the given view, poisoned) and lse [H, Tq]."""
+        if out is None:
+            out = torch.empty_like(self.q)
+        out.fill_(math.nan)
+        lse = torch.full((self.q.shape[1], self.q.shape[0]), math.nan, device=DEVICE)
+        return out, lse
+
+    def run_sm90(self, causal, *, scale=None, config=None, pack_gqa=None, out=None):
+        scale = 1.0 / math.sqrt(self.d) if scale is None else scale
+        out, lse = self.outputs(out)
+        plan = sm90.forward_varlen_plan(self.q, self.k, self.v, out, lse, self.cu_q, self.cu_k, self.max_q,
+                                        causal=causal, scale=scale, config=config, pack_gqa=pack_gqa)
+        plan.launch(self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                    self.cu_q.data_ptr(), self.cu_k.data_ptr())
+        torch.cuda.synchronize()
+        return out, lse
+
+    def run_sm80(self, causal, *, scale=None):
+        scale = 1.0 / math.sqrt(self.d) if scale is None else scale
+        out, lse = self.outputs()
+        plan = sm80.forward_varlen_plan(self.q, self.k, self.v, out, lse, self.cu_q, self.cu_k, self.max_q,
+                                        causal=causal, scale=scale)
+        plan.launch(self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                    self.cu_q.data_ptr(), self.cu_k.data_ptr())
+        torch.cuda.synchronize()
+        return out, lse
+
+    def reference(self, causal, *, scale=None):
+        """float64 (out [nq, H, d], lse [H, nq]) of the sequences (padding rows excluded)."""
+        return reference.attention_varlen(self.q[:self.nq], self.k[:self.nk], self.v[:self.nk], self.cu_q,
+                                          self.cu_k, self.max_q, self.max_k, causal=causal, scale=scale,
+                                          return_lse=True, compute_dtype=torch.float64)
+
+
+def rel_err(x, ref) -> float:
+    x, ref = x.double(), ref.double()
+    den = float(ref.norm())
+    num = float((x - ref).norm())
+    return num / den if den > 0 else num
+
+
+def check(case: Case, out, lse, causal, *, scale=None, what=""):
+    """out/lse against the float64 reference (sequences) and the padding contract (rows past the
+    last sequence: out 0, lse -inf), with a message that says what differed and where."""
+    what = f"{case.what} causal={causal} {what}"
+    n = case.nq
+    bad = torch.isnan(out)
+    assert not bad.any(), (f"{what}: {int(bad.sum())} NaN in out (unwritten or NaN-producing), first (token, "
+                           f"head, col) {tuple(bad.nonzero()[0].tolist())}")
+    bad = torch.isnan(lse)
+    assert not bad.any(), f"{what}: {int(bad.sum())} NaN in lse, first (head, token) {tuple(bad.nonzero()[0].tolist())}"
+    assert bool((out[n:] == 0).all()), f"{what}: rows past cu_seqlens_q[B] are not 0"
+    assert bool((lse[:, n:] == -math.inf).all()), f"{what}: lse past cu_seqlens_q[B] is not -inf"
+    ref, ref_lse = case.reference(causal, scale=scale)
+    err = rel_err(out[:n], ref)
+    if err > TOL[case.dtype]:
+        row = (out[:n].double() - ref).norm(dim=-1)  # [nq, H]
+        tok, head = (int(i) for i in torch.nonzero(row == row.max())[0])
+        seq = int(torch.searchsorted(case.cu_q.cpu(), torch.tensor(tok, dtype=torch.int32), right=True)) - 1
+        raise AssertionError(f"{what}: relative error {err:.3e} > {TOL[case.dtype]:g}; worst row token {tok} "
+                             f"(sequence {seq}, position {tok - int(case.cu_q[seq])}), head {head}: "
+                             f"|out - ref| = {row.max().item():.3e}")
+    seen = torch.isfinite(ref_lse)
+    got = torch.isfinite(lse[:, :n])
+    assert torch.equal(got, seen), (f"{what}: rows that see no key differ: (head, token) "
+                                    f"{tuple((got != seen).nonzero()[0].tolist())}")
+    assert bool((out[:n].transpose(0, 1)[~seen] == 0).all()), f"{what}: a row that sees no key is not 0"
+    if seen.any():
+        diff = (lse[:, :n].double() - ref_lse).abs()[seen]
+        bound = (2e-4 * (1 + ref_lse.abs()[seen]))
+        assert bool((diff <= bound).all()), f"{what}: lse differs by up to {diff.max().item():.3e}"
+
+
+# Sequence lengths: 0 (produces nothing), 1, 31, 33, 127, 129, 1000; Nq != Nk both ways
+# (causal rows with no visible key where Nq > Nk).
+LENS_Q = (0, 1, 31, 33, 127, 129, 1000, 64, 7)
+LENS_K = (5, 1, 40, 33, 100, 300, 1000, 0, 129)
+
+
+# ---------------------------------------------------------------------------------------------
+# against the float64 reference
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", sm90.HEAD_DIMS)
+def test_varlen_matches_reference(d, causal, group, dtype):
+    case = Case(LENS_Q, LENS_K, 8, 8 // group, d, dtype, seed_of(d, causal, group, dtype))
+    out, lse = case.run_sm90(causal)
+    check(case, out, lse, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", sm90.HEAD_DIMS)
+def test_long_sequence(d, causal):
+    """One long sequence among short ones (many query tiles, the causal order's longest first)."""
+    case = Case((4097, 3, 200), (4097, 600, 100), 4, 2, d, BF16, seed_of("long", d, causal))
+    out, lse = case.run_sm90(causal)
+    check(case, out, lse, causal)
+
+
+@pytest.mark.parametrize("pack_gqa", [True, False], ids=["pack", "nopack"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("group", [2, 4, 8, 16])
+def test_gqa_packing_forced(group, causal, pack_gqa):
+    """Short query runs (decode, speculative verification, short chunks) with the heads of a group
+    packed into one tile or not: a packed tile's rows of several heads and positions, partially
+    inside the sequence."""
+    case = Case((1, 2, 17, 0, 5, 33), (300, 2, 17, 9, 70, 128), 16, 16 // group, 128, BF16,
+                seed_of("pack", group, causal))
+    out, lse = case.run_sm90(causal, pack_gqa=pack_gqa)
+    check(case, out, lse, causal, what=f"pack_gqa={pack_gqa}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", sm90.HEAD_DIMS)
+def test_every_registered_config(d, causal):
+    for config in sm90.tuning_candidates(d, causal, BF16):
+        if config.persistent:
+            continue
+        case = Case((130, 1, 257), (70, 64, 300), 4, 1, d, BF16, seed_of("cfg", d, causal, str(config)))
+        out, lse = case.run_sm90(causal, config=config)
+        check(case, out, lse, causal, what=f"config {config}")
+
+
+# ---------------------------------------------------------------------------------------------
+# against the sm80 varlen plan and the Hopper dense kernel
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", sm90.HEAD_DIMS)
+def test_agrees_with_the_sm80_varlen_plan(d, causal, dtype):
+    case = Case(LENS_Q, LENS_K, 8, 2, d, dtype, seed_of("sm80", d, causal, dtype))
+    out, lse = case.run_sm90(causal)
+    out80, lse80 = case.run_sm80(causal)
+    what = f"{case.what} causal={causal}"
+    n = case.nq
+    err = rel_err(out[:n], out80[:n])
+    assert err < 2 * TOL[dtype], f"{what}: sm90 and sm80 varlen outputs differ by {err:.3e} (relative)"
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(lse80)), f"{what}: -inf rows of lse differ from sm80's"
+    fin = torch.isfinite(lse80)
+    diff = (lse - lse80).abs()[fin]
+    assert diff.numel() == 0 or diff.max().item() < 4e-4 * (1 + lse80.abs()[fin].max().item()), (
+        f"{what}: lse differs from sm80's by up to {diff.max().item():.3e}")
+
+
+@pytest.mark.parametrize("group", [1, 4], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", sm90.HEAD_DIMS)
+def test_equal_lengths_match_the_dense_kernel_bitwise(d, causal, group):
+    """B sequences of Nq queries and Nk keys are a dense [B, N, H, d] batch: the varlen kernel must
+    give the dense Hopper kernel's bits (same tiles and arithmetic; only offsets, the V clear and the
+    store differ). Nq is a multiple of the tile's 128 rows: a partial tile's rows past Nq read the
+    next sequence instead of zeros, and their row maxima may change the warp's rescale vote (the
+    values stay exact, the bits may not). Nk = 200 leaves an edge block: cleared V rows vs zero fill."""
+    b, nq, nk, h = 3, 256, 200, 8
+    case = Case((nq,) * b, (nk,) * b, h, h // group, d, BF16, seed_of("bitwise", d, causal, group), pad_q=0,
+                pad_k=0)
+    out, lse = case.run_sm90(causal)
+    dense = lambda t, n: t.view(b, n, t.shape[1], d).transpose(1, 2)  # noqa: E731  [B, H, N, d] view
+    out_d = torch.full((b, nq, h, d), math.nan, device=DEVICE, dtype=BF16).transpose(1, 2)
+    lse_d = torch.full((b, h, nq), math.nan, device=DEVICE)
+    sm90.launch_forward_sm90(dense(case.q, nq), dense(case.k, nk), dense(case.v, nk), out_d, lse_d, causal=causal,
+                             scale=1.0 / math.sqrt(d))
+    torch.cuda.synchronize()
+    what = f"{case.what} causal={causal}"
+    mismatch = out != out_d.transpose(1, 2).reshape(b * nq, h, d)
+    assert not mismatch.any(), (f"{what}: {int(mismatch.sum())} out elements differ from the dense kernel's, first "
+                                f"(token, head, col) {tuple(mismatch.nonzero()[0].tolist())}")
+    lse_v = lse.view(h, b, nq).transpose(0, 1)  # [B, H, Nq]
+    assert torch.equal(lse_v, lse_d), f"{what}: lse differs from the dense kernel's"
+
+
+# ---------------------------------------------------------------------------------------------
+# layouts, reuse, graphs, edges
+# ---------------------------------------------------------------------------------------------
+def test_strided_views_of_a_fused_buffer():
+    """q, k, v as head slices of one fused [T, H + 2 Hkv, d] buffer and out a column slice of a
+    wider buffer: the maps and the masked store follow the strides."""
+    lens = (33, 0, 129, 1)
+    h, hkv, d = 8, 2, 128
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    t = sum(lens)
+    qkv = torch.randn(t, h + 2 * hkv, d, device=DEVICE, generator=g).to(BF16)
+    case = Case(lens, lens, h, hkv, d, BF16, 7, pad_q=0, pad_k=0)
+    case.q, case.k, case.v = qkv[:, :h], qkv[:, h:h + hkv], qkv[:, h + hkv:]
+    wide = torch.full((t, h, 2 * d), math.nan, device=DEVICE, dtype=BF16)
+    for causal in (False, True):
+        out, lse = case.run_sm90(causal, out=wide[:, :, d:])
+        check(case, out, lse, causal, what="fused-buffer views")
+        assert torch.isnan(wide[:, :, :d]).all(), "the masked store wrote outside the out view"
+
+
+def test_plan_reuse_and_cuda_graph_with_new_lengths():
+    """One plan, launched on new buffers, and captured once in a CUDA graph then replayed after
+    the lengths (device cu_seqlens) change under the same max_seqlen_q."""
+    h, d = 4, 128
+    lens_a, lens_b = (100, 28, 0, 3), (3, 0, 100, 28)  # same totals, same maximum
+    a = Case(lens_a, lens_a, h, h, d, BF16, 1, pad_q=4, pad_k=4)
+    b = Case(lens_b, lens_b, h, h, d, BF16, 2, pad_q=4, pad_k=4)
+    out, lse = a.outputs()
+    plan = sm90.forward_varlen_plan(a.q, a.k, a.v, out, lse, a.cu_q, a.cu_k, a.max_q, causal=True,
+                                    scale=1.0 / math.sqrt(d))
+    ptrs = lambda c: (c.q.data_ptr(), c.k.data_ptr(), c.v.data_ptr(), out.data_ptr(), lse.data_ptr(),  # noqa: E731
+                      c.cu_q.data_ptr(), c.cu_k.data_ptr())
+    for c in (a, b, a):
+        out.fill_(math.nan), lse.fill_(math.nan)
+        plan.launch(*ptrs(c))
+        torch.cuda.synchronize()
+        check(c, out, lse, True, what="plan reused")
+    # Graph: captured on a's buffers, then a's tensors take b's contents in place.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        plan.launch(*ptrs(a))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.launch(*ptrs(a))
+    for src in (b, a):
+        for name in ("q", "k", "v", "cu_q", "cu_k"):
+            getattr(a, name).copy_(getattr(src, name))
+        out.fill_(math.nan), lse.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        a.lens_q = a.lens_k = src.lens_q
+        check(a, out, lse, True, what="CUDA graph replay")
+
+
+def test_only_padding_rows():
+    """No sequence (B = 0) or only empty sequences: every row is padding (out 0, lse -inf)."""
+    for lens in ((), (0, 0, 0)):
+        case = Case(lens, lens, 2, 1, 64, FP16, 3, pad_q=37, pad_k=5)
+        out, lse = case.run_sm90(False)
+        assert bool((out == 0).all()) and bool((lse == -math.inf).all()), f"lens {lens}: padding rows not 0 / -inf"
+
+
+def test_no_keys_at_all():
+    """Tk = 0 (TMA cannot describe it: the plan's one-row dummy): every row sees nothing."""
+    case = Case((3, 129), (0, 0), 4, 4, 128, BF16, 4, pad_q=2, pad_k=0)
+    for causal in (False, True):
+        out, lse = case.run_sm90(causal)
+        assert bool((out == 0).all()) and bool((lse == -math.inf).all()), f"causal={causal}: rows with no key"
+
+
+def test_custom_scale_and_lse_units():
+    case = Case((129, 33), (200, 33), 2, 2, 64, BF16, 5)
+    out, lse = case.run_sm90(True, scale=0.3)
+    check(case, out, lse, True, scale=0.3, what="scale 0.3")
+
+
+def test_supports_varlen_on_this_gpu():
+    q = torch.empty(10, 4, 128, device=DEVICE, dtype=BF16)
+    assert sm90.supports_varlen(128, BF16, device=DEVICE, tensors=(q, q, q, q), batch=2, heads=4, max_seqlen_q=8)
+    odd = torch.empty(10, 4, 68, device=DEVICE, dtype=BF16)[:, :, :64]  # head stride 136 bytes
+    assert not sm90.supports_varlen(64, BF16, device=DEVICE, tensors=(odd,))
+
+
+def test_argument_errors():
+    case = Case((5,), (5,), 4, 2, 64, BF16, 6)
+    out, lse = case.outputs()
+    args = (case.q, case.k, case.v, out, lse, case.cu_q, case.cu_k, 5)
+    with pytest.raises(ValueError, match="persistent"):
+        sm90.forward_varlen_plan(*args, causal=False, scale=0.1, config=sm90.C(128, 3, False, True))
+    with pytest.raises(ValueError, match="head_dim"):
+        q96 = torch.zeros(5, 4, 96, device=DEVICE, dtype=BF16)
+        sm90.forward_varlen_plan(q96, q96[:, :2], q96[:, :2], q96, lse, case.cu_q, case.cu_k, 5, causal=False,
+                                 scale=0.1)
+    with pytest.raises(ValueError, match="multiple of k/v heads"):
+        sm90.forward_varlen_plan(case.q[:, :3], case.k, case.v, out[:, :3], lse, case.cu_q, case.cu_k, 5,
+                                 causal=False, scale=0.1)
+    odd = torch.zeros(5, 4, 68, device=DEVICE, dtype=BF16)[:, :, :64]
+    with pytest.raises(ValueError, match="TMA"):
+        sm90.forward_varlen_plan(odd, case.k, case.v, out, lse, case.cu_q, case.cu_k, 5, causal=False, scale=0.1)
+    with pytest.raises(ValueError, match="dtype"):
+        sm90.forward_varlen_plan(case.q, case.k.half(), case.v, out, lse, case.cu_q, case.cu_k, 5, causal=False,
+                                 scale=0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small cases that compute-sanitizer re-runs (memcheck / racecheck / synccheck / initcheck)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.sanitize
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", sm90.HEAD_DIMS)
+def test_sanitize_small(d, causal):
+    case = Case((0, 1, 33, 70), (3, 1, 31, 129), 4, 1, d, BF16, seed_of("san", d, causal), pad_q=3, pad_k=9)
+    out, lse = case.run_sm90(causal)
+    check(case, out, lse, causal)
+    packed = Case((1, 2, 0), (65, 3, 1), 8, 1, d, FP16, seed_of("san-pack", d, causal), pad_q=1, pad_k=2)
+    out, lse = packed.run_sm90(causal, pack_gqa=True)
+    check(packed, out, lse, causal, what="packed")
