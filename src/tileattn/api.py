@@ -403,7 +403,8 @@ class _VariantEntry(_PlanEntry):
 def _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, alibi_slopes, dropout_p, generator,
                         seed, offset):
     """(out, lse) of a call with variants: eager through the plan entry, traced (torch.compile, fake
-    tensors) through the tileattn::attention_variants_* custom ops (not with dropout yet)."""
+    tensors) through the tileattn::attention_variants_* custom ops, or the
+    tileattn::attention_dropout_* ones when dropout_p > 0."""
     if alibi_slopes is not None and not isinstance(alibi_slopes, Tensor):
         raise ValueError(f"alibi_slopes must be None or a torch.Tensor, got {type(alibi_slopes).__name__}")
     if not _eager(q, k, v, *(() if alibi_slopes is None else (alibi_slopes,))):

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 @dataclass
 class CompletionOutput:
     """One of a request's n completions. token_ids/text: everything so far; new_token_ids/new_text:
-    what this step added. text never ends inside a multi-byte character, and while stop strings are
-    set, the last (longest stop - 1) characters are held back until they cannot start one."""
+    what this step added. Until the request finishes, text never ends inside a multi-byte character
+    (nor inside a run of byte-fallback tokens) and, while stop strings are set, the last (longest
+    stop - 1) characters are held back until they cannot start one; once it finishes, text is what
+    the tokenizer decodes, invalid or incomplete bytes at the end included (as U+FFFD)."""
 
     index: int
     token_ids: list[int]
