@@ -264,6 +264,31 @@ def test_custom_scale_and_lse_units():
     torch.testing.assert_close(lse.double(), torch.logsumexp(s, dim=-1), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("d", [64, 128])  # the Hopper forward on sm_90a, the sm80 kernel elsewhere
+def test_calls_without_lse_share_one_unread_buffer(d):
+    """A forward that needs no lse (no autograd, return_lse=False) writes it into the plan entry's own
+    buffer instead of a fresh allocation: outputs stay right call after call, and calls that return
+    lse still get fresh tensors, never that buffer."""
+    from tileattn import api as api_module
+
+    q, k, v = make_qkv(2, 4, 2, 77, 131, d, BF16, seed=11)
+    q2 = make_qkv(2, 4, 2, 77, 131, d, BF16, seed=12)[0]
+    ref, ref_lse = reference.attention(q, k, v, causal=True, compute_dtype=torch.float64)
+    ref2 = reference.attention(q2, k, v, causal=True, compute_dtype=torch.float64)[0]
+    api_module._plans.clear()
+    with poisoned_allocations():
+        out1 = tileattn.attention(q, k, v, causal=True)
+        out2 = tileattn.attention(q2, k, v, causal=True)
+        out3, lse3 = tileattn.attention(q, k, v, causal=True, return_lse=True)
+    (entry,) = api_module._plans.values()
+    assert entry.unread_lse is not None, "the no-lse calls did not use the entry's buffer"
+    assert lse3.data_ptr() != entry.unread_lse.data_ptr(), "a returned lse aliases the shared buffer"
+    for name, out, r in (("first", out1, ref), ("second", out2, ref2), ("with lse", out3, ref)):
+        assert not torch.isnan(out).any(), f"{name} call: NaN in out"
+        assert rel_err(out, r) <= TOL[BF16], f"{name} call: relative error {rel_err(out, r):.3e}"
+    torch.testing.assert_close(lse3.double(), ref_lse, rtol=2e-4, atol=2e-4)
+
+
 # ---------------------------------------------------------------------------------------------
 # Every registered tile configuration (what the tuning benchmark may pick)
 # ---------------------------------------------------------------------------------------------
