@@ -665,6 +665,110 @@ def benchmark(seq_lens=(2048, 4096, 8192, 16384, 32768), head_dims=HEAD_DIMS,
     return records
 
 
+# Columns of benchmark_varlen(): name -> what it times (backward only, bench.harness.measure).
+VARLEN_COLUMNS = {
+    "sm90_varlen": "BackwardVarlenPlan, the defaults (DEFAULTS, ROTATE)",
+    "sm90_varlen_rot": "the same with the rotated walk",
+    "sm90_varlen_bulk": "dQ by the staged bulk reduce-add (kDqMode 2)",
+    "sm80_varlen": "attention_bwd_sm80's varlen backward (what tileattn.attention_varlen runs today)",
+    "sm90_dense": "BackwardPlan on a dense batch of the same work (bench.varlen.dense_equivalent)",
+}
+
+
+def _varlen_columns(lengths, heads, kv_heads, head_dim, dtype, causal, reps, seed) -> dict:
+    """benchmark_varlen()'s packed-batch columns (their tensors are freed on return)."""
+    import math
+
+    from ..api_varlen import attention_varlen
+    from ..bench.varlen import pairs
+    from . import attention_bwd_sm80
+
+    cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32, device="cuda")
+    total, longest = sum(lengths), max(lengths)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(total, heads, head_dim, device="cuda", generator=gen).to(dtype)  # [Tq, H, d]
+    k = torch.randn(total, kv_heads, head_dim, device="cuda", generator=gen).to(dtype)  # [Tk, Hkv, d]
+    v = torch.randn(total, kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
+    dout = torch.randn_like(q)
+    out, lse = attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal, return_lse=True)
+    args = (q, k, v, out, lse, dout, *(torch.empty_like(t) for t in (q, k, v)), cu)
+    work = 2.5 * 4.0 * head_dim * heads * sum(pairs(n, causal) for n in lengths)
+    kw = {"causal": causal, "scale": 1.0 / math.sqrt(head_dim)}
+    default = DEFAULTS[(head_dim, bool(causal))]
+    bulk = Sm90BwdConfig(default.block_m, default.stages, True)
+    makers = {
+        "sm90_varlen": lambda: BackwardVarlenPlan(*args, longest, longest, **kw),
+        "sm90_varlen_rot": lambda: BackwardVarlenPlan(*args, longest, longest, **kw, rotate=True),
+        "sm90_varlen_bulk": lambda: BackwardVarlenPlan(*args, longest, longest, **kw, config=bulk),
+        "sm80_varlen": lambda: attention_bwd_sm80.backward_varlen_plan(*args, longest, longest, **kw,
+                                                                       deterministic=False),
+    }
+    rec = {"tokens": total, "max_len": longest}
+    for name, make in makers.items():
+        plan = make()
+        ms = _measure_ms(lambda plan=plan: plan.launch(*args, cu), reps)
+        rec[name], rec[name + "_ms"] = work / (ms * 1e-3) / 1e12, ms
+    return rec
+
+
+def _dense_column(lengths, heads, kv_heads, head_dim, dtype, causal, reps, seed) -> dict:
+    """benchmark_varlen()'s sm90_dense column: BackwardPlan on bench.varlen.dense_equivalent's batch."""
+    import math
+
+    from ..bench.varlen import dense_equivalent, pairs
+    from . import dispatch
+
+    batch, n = dense_equivalent(lengths, causal)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, dout = (torch.randn(batch, h, n, head_dim, device="cuda", generator=gen).to(dtype)
+                     for h in (heads, kv_heads, kv_heads, heads))  # [B', H or Hkv, N, d]
+    scale = 1.0 / math.sqrt(head_dim)
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
+    dispatch.attention_forward_plan(q, k, v, out, lse, causal=causal, scale=scale).launch(q, k, v, out, lse)
+    args = (q, k, v, out, lse, dout, *(torch.empty_like(t) for t in (q, k, v)))
+    plan = BackwardPlan(*args, causal=causal, scale=scale, deterministic=False)
+    ms = _measure_ms(lambda: plan.launch(*args), reps)
+    work = 2.5 * 4.0 * head_dim * heads * batch * pairs(n, causal)
+    return {"dense_b": batch, "dense_n": n, "sm90_dense": work / (ms * 1e-3) / 1e12, "sm90_dense_ms": ms}
+
+
+def benchmark_varlen(seqs: int = 64, min_len: int = 100, max_len: int = 4096, heads: int = 32, kv_heads: int = 32,
+                     head_dim: int = 128, dtypes=(torch.bfloat16,), causals=(True, False), reps: int = 10,
+                     seed: int = 0, json_path: str | None = None) -> list[dict]:
+    """Backward-only TFLOP/s (useful FLOPs: 2.5 x 4 d H per visible (query, key) pair) of the
+    VARLEN_COLUMNS on issue #10's workload (`seqs` lengths uniform in [min_len, max_len], drawn as
+    `tileattn bench varlen` draws them; Nq = Nk per sequence), and `sm90_varlen_vs_dense` /
+    `sm90_varlen_vs_sm80`: the ratios the dispatch decision needs. out / lse come from
+    tileattn.attention_varlen (varlen) and the dispatcher's forward plan (dense). One record per
+    (dtype, causal), printed; with json_path, {"environment", "records"} rewritten after each. Needs
+    an sm_90 GPU."""
+    import json
+
+    from ..bench.env import environment
+    from ..bench.varlen import draw_lengths
+
+    lengths = draw_lengths(seqs, min_len, max_len, seed)
+    records = []
+    for dtype in dtypes:
+        for causal in causals:
+            rec = {"suite": "bwd_sm90_varlen", "seqs": seqs, "h": heads, "hkv": kv_heads, "d": head_dim,
+                   "dtype": str(dtype).removeprefix("torch."), "causal": causal}
+            rec.update(_varlen_columns(lengths, heads, kv_heads, head_dim, dtype, causal, reps, seed))
+            torch.cuda.empty_cache()
+            rec.update(_dense_column(lengths, heads, kv_heads, head_dim, dtype, causal, reps, seed))
+            torch.cuda.empty_cache()
+            rec["sm90_varlen_vs_dense"] = rec["sm90_varlen"] / rec["sm90_dense"]
+            rec["sm90_varlen_vs_sm80"] = rec["sm90_varlen"] / rec["sm80_varlen"]
+            print(" ".join(f"{key}={val:.3f}" if isinstance(val, float) else f"{key}={val}" for key, val in rec.items()),
+                  flush=True)
+            records.append(rec)
+            if json_path:  # rewritten after every case: a run cut short keeps what it measured
+                with open(json_path, "w") as f:
+                    json.dump({"environment": environment(), "records": records}, f, indent=1)
+    return records
+
+
 def main(argv=None) -> None:
     """`python -m tileattn.kernels.attention_bwd_sm90 [--d 128] [--dtype bf16] [--causal 0|1] [--seq N ...]
     [--col NAME ...] [--batch 4] [--heads 32] [--json PATH]`: benchmark() on a subset (each option
@@ -681,8 +785,15 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json")
+    parser.add_argument("--varlen", action="store_true",
+                        help="benchmark_varlen() instead: issue #10's 64 sequences of 100..4096 tokens, backward only")
     a = parser.parse_args(argv)
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    if a.varlen:
+        benchmark_varlen(head_dim=(a.d or [128])[0], dtypes=tuple(dt[x] for x in (a.dtype or ("bf16",))),
+                         causals=tuple(bool(c) for c in (a.causal if a.causal is not None else (1, 0))),
+                         heads=a.heads, reps=a.reps, json_path=a.json)
+        return
     benchmark(seq_lens=tuple(a.seq or (2048, 4096, 8192, 16384, 32768)), head_dims=tuple(a.d or HEAD_DIMS),
               dtypes=tuple(dt[x] for x in (a.dtype or ("bf16", "fp16"))),
               causals=tuple(bool(c) for c in (a.causal if a.causal is not None else (0, 1))), batch=a.batch,
@@ -702,9 +813,11 @@ __all__ = [
     "BackwardPlan",
     "BackwardVarlenPlan",
     "Sm90BwdConfig",
+    "VARLEN_COLUMNS",
     "backward_plan",
     "backward_varlen_plan",
     "benchmark",
+    "benchmark_varlen",
     "expression",
     "flops",
     "main",
