@@ -35,6 +35,7 @@ and end at or below Tq / Tk, and no sequence may be longer than max_seqlen_q / m
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from typing import Optional
@@ -251,7 +252,7 @@ class _PlanEntry:
     def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                  variants=None):
         """variants: None, or the sm80 kernels' VariantArgs (then causal is folded into its window)."""
-        from .kernels import attention_fwd_sm80
+        from .kernels import attention_fwd_sm80, dispatch
 
         _check_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
         if variants is not None:
@@ -275,7 +276,7 @@ class _PlanEntry:
         out = torch.empty_like(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         with torch.cuda.device(self.device_index):
-            self.forward = attention_fwd_sm80.forward_varlen_plan(
+            self.forward = dispatch.varlen_forward_plan(
                 q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, self.max_seqlen_q, causal=causal, scale=self.scale,
                 variants=variants)
 
@@ -283,10 +284,10 @@ class _PlanEntry:
         key = (dout.stride(), deterministic)
         plan = self.backward.get(key)
         if plan is None:
-            from .kernels import attention_bwd_sm80
+            from .kernels import dispatch
 
             with torch.cuda.device(self.device_index):
-                plan = attention_bwd_sm80.backward_varlen_plan(
+                plan = dispatch.varlen_backward_plan(
                     q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, self.max_seqlen_q, self.max_seqlen_k,
                     causal=self.causal, scale=self.scale, deterministic=deterministic, variants=self.variants)
             self.backward[key] = plan
@@ -294,6 +295,28 @@ class _PlanEntry:
 
 
 _plans: dict[tuple, _PlanEntry] = {}
+
+
+@contextlib.contextmanager
+def hopper_kernels_forced():
+    """Within: the dispatcher's Hopper varlen tables hold every pair those kernels implement
+    (kernels.dispatch.SM90_VARLEN_CANDIDATES), so calls take them wherever the device and the call
+    allow; the tables are restored after. The plan cache is emptied on entry and exit, so no plan
+    outlives the choice it was made under. For tests and benchmarks of kernels not yet dispatched."""
+    from .kernels import dispatch
+
+    tables = (dispatch.SM90_VARLEN_FORWARD, dispatch.SM90_VARLEN_BACKWARD)
+    saved = tuple(set(t) for t in tables)
+    for table, pairs in zip(tables, dispatch.SM90_VARLEN_CANDIDATES):
+        table.update(pairs)
+    _plans.clear()
+    try:
+        yield
+    finally:
+        for table, old in zip(tables, saved):
+            table.clear()
+            table.update(old)
+        _plans.clear()
 
 
 def _plan_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale) -> _PlanEntry:

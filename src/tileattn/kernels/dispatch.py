@@ -55,6 +55,21 @@ SM90_BACKWARD = {(64, False, False), (64, True, False), (128, False, False), (12
 SM90_VARIANT_FORWARD = {64, 128, 256}
 
 
+# Packed variable-length calls on the Hopper kernels: (head dim, causal) whose varlen forward runs
+# attention_fwd_sm90's varlen layout on sm_90a, and (head dim, causal, deterministic) whose varlen
+# backward runs attention_bwd_sm90's. Empty for now: those layouts (2026-12-01 evening) compile to
+# 0 spills / 0 stack but have not run on a GPU. The next device run tests them (their own GPU test
+# files, and every tests/gpu/test_attention_varlen.py case with these tables filled) and times them
+# (`tileattn bench varlen`'s tileattn_varlen_sm90 rows) before they are filled. SM90_VARLEN_CANDIDATES
+# are the pairs the kernels implement (what those tests and that benchmark switch on).
+SM90_VARLEN_FORWARD: set[tuple[int, bool]] = set()
+SM90_VARLEN_BACKWARD: set[tuple[int, bool, bool]] = set()
+SM90_VARLEN_CANDIDATES = (
+    {(d, causal) for d in (64, 128, 256) for causal in (False, True)},
+    {(d, causal, False) for d in (64, 128) for causal in (False, True)},
+)
+
+
 class _PointerPlan:
     """A forward LaunchPlan whose dynamic parameters are the data pointers of q, k, v, out, lse."""
 
@@ -148,3 +163,42 @@ def attention_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool
         from . import attention_bwd_sm90 as module
     return module.backward_plan(q, k, v, out, lse, dout, dq, dk, dv, causal=causal, scale=scale,
                                 deterministic=deterministic)
+
+
+def varlen_forward_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, causal: bool,
+                        scale: float, variants=None):
+    """The packed variable-length forward's plan for these (already validated) tensors:
+    `.launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)` with data pointers. `variants`: the
+    sm80 kernels' VariantArgs (those run the sm80 family on every arch)."""
+    from ..runtime import device_arch
+
+    head_dim = q.shape[2]
+    if variants is None and device_arch(q.device.index) == "sm_90a" and (head_dim, bool(causal)) in SM90_VARLEN_FORWARD:
+        from . import attention_fwd_sm90
+
+        if attention_fwd_sm90.supports_varlen(head_dim, q.dtype, tensors=(q, k, v, out),
+                                              batch=cu_seqlens_q.shape[0] - 1, heads=q.shape[1],
+                                              max_seqlen_q=max_seqlen_q):
+            return attention_fwd_sm90.forward_varlen_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                          causal=causal, scale=scale)
+    return attention_fwd_sm80.forward_varlen_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                  causal=causal, scale=scale, variants=variants)
+
+
+def varlen_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int, *,
+                         causal: bool, scale: float, deterministic: bool, variants=None):
+    """The packed variable-length backward's plan for these (already validated) tensors:
+    `.launch(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *variant values)`."""
+    from ..runtime import device_arch
+
+    key = (q.shape[2], bool(causal), bool(deterministic))
+    if variants is None and device_arch(q.device.index) == "sm_90a" and key in SM90_VARLEN_BACKWARD:
+        from . import attention_bwd_sm90
+
+        if attention_bwd_sm90.supports_varlen(q.shape[2], q.dtype, causal, deterministic):
+            return attention_bwd_sm90.backward_varlen_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q,
+                                                           max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
+                                                           deterministic=deterministic)
+    return attention_bwd_sm80.backward_varlen_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_seqlen_q,
+                                                   max_seqlen_k, causal=causal, scale=scale,
+                                                   deterministic=deterministic, variants=variants)
