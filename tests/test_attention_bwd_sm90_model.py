@@ -665,19 +665,26 @@ class PartyBarrier:
 MODEL_THREADS = 4  # threads per MMA warpgroup in simulate() (the kernel's 128, fewer for speed)
 
 
-def simulate(n_iters: int, stages: int, seed: int, dq_buffers: int = 0):
+def simulate(n_iters: int, stages: int, seed: int, dq_buffers: int = 0, edge_iters=frozenset(),
+             key_edge: bool = False):
     """One CTA: the producer thread, the two MMA warpgroups and (dq_buffers > 0: deterministic
     mode) the dQ warp as coroutines following the kernel's waits, arrivals and barriers, under a
     random schedule; TMA copies land at random later times, the dQ warp's bulk reduction reads its
     staging buffer until a random later step. Each warpgroup's threads read the slot's lse2 / delta
     rows and arrive on `empty` one by one (the kernel's per-thread release), so a refill while any
-    thread may still read its rows fails."""
+    thread may still read its rows fails. Varlen: with `key_edge` both warpgroups zero their share
+    of sK / sV rows after kv_full and meet at barrier 9 before the first wgmma; in the iterations of
+    `edge_iters` (a sequence's last query tile) they wait both full barriers, zero their share of the
+    slot's Q / dO rows and meet at barrier 9 before reading it: no refill or other reader may overlap
+    the zeroing, and no wgmma may read a slot / K before both halves are zeroed."""
     rng = random.Random(seed)
     kv_full = MBarrier(1)
     q_full = [MBarrier(1) for _ in range(stages)]
     do_full = [MBarrier(1) for _ in range(stages)]
     empty = [MBarrier(2 * MODEL_THREADS) for _ in range(stages)]  # the kernel: 256, every MMA thread
-    ds_bar, done_bar = NamedBarrier(), NamedBarrier()
+    ds_bar, done_bar, zero_bar = NamedBarrier(), NamedBarrier(), NamedBarrier()
+    zeroed = [set() for _ in range(stages)]  # warpgroups that zeroed the slot's edge rows this fill
+    kv_zeroed = set()
     kv = [None]
     q_slot, do_slot = [None] * stages, [None] * stages
     ring_readers = [set() for _ in range(stages)]
@@ -713,11 +720,29 @@ def simulate(n_iters: int, stages: int, seed: int, dq_buffers: int = 0):
         while not kv_full.passed(0):
             yield
         assert kv[0] == "kv"
+        if key_edge:  # zero_tile_rows(sK / sV) by both warpgroups, fence, barrier 9
+            kv_zeroed.add(w)
+            yield
+            yield from zero_bar.sync()
+        assert not key_edge or kv_zeroed == {0, 1}, f"warpgroup {w} reads K / V before both zeroed their rows"
         for it in range(n_iters):
             s, parity = it % stages, (it // stages) & 1
+            if it in edge_iters:  # wait both fills, zero this warpgroup's share of the rows, barrier 9
+                while not (q_full[s].passed(parity) and do_full[s].passed(parity)):
+                    yield
+                assert q_slot[s] == it and do_slot[s] == it, f"warpgroup {w} zeroes slot {s} of another fill"
+                readers = {r for r in ring_readers[s] if not (isinstance(r, tuple) and r[0] == "zero")}
+                assert not readers, f"warpgroup {w} zeroes slot {s} while {readers} read it"  # the other's zeroing
+                # writes other rows (each thread its own chunks): concurrent with it is fine
+                ring_readers[s].add(("zero", w))
+                zeroed[s].add(w)
+                yield
+                ring_readers[s].discard(("zero", w))
+                yield from zero_bar.sync()
             while not q_full[s].passed(parity):
                 yield
             assert q_slot[s] == it, f"warpgroup {w} reads Q of {q_slot[s]} in iteration {it}"
+            assert it not in edge_iters or zeroed[s] == {0, 1}, f"warpgroup {w} reads slot {s} before both zeroed it"
             ring_readers[s].add(w)  # its wgmmas read Q / dO until its wgmma_wait<0>
             for i in range(MODEL_THREADS):  # each thread reads its lse2 / delta rows (ld.shared)
                 ring_readers[s].add((w, i))
@@ -738,6 +763,7 @@ def simulate(n_iters: int, stages: int, seed: int, dq_buffers: int = 0):
             ds_readers[it % 2].discard(w)
             sk_readers.discard(w)
             ring_readers[s].discard(w)
+            zeroed[s].discard(w)  # the slot's next fill is a new tile
             for i in range(MODEL_THREADS):  # every thread's own arrive, after its own reads
                 ring_readers[s].discard((w, i))
                 empty[s].arrive()
@@ -782,7 +808,8 @@ def simulate(n_iters: int, stages: int, seed: int, dq_buffers: int = 0):
             next(actor)
         except StopIteration:
             actors.remove(actor)
-    assert ds_bar.arrived == 0 and done_bar.arrived == 0, "a named barrier was left half-arrived"
+    assert ds_bar.arrived == 0 and done_bar.arrived == 0 and zero_bar.arrived == 0, \
+        "a named barrier was left half-arrived"
     assert all(not bar.arrived for bar in dq_full + dq_empty), "a dQ barrier was left half-arrived"
     assert added == (list(range(n_iters)) if dq_buffers else []), added
 
@@ -793,6 +820,19 @@ def test_pipeline_protocol(stages, dq_buffers):
     for n_iters in (1, 2, 3, stages, stages + 1, 2 * stages + 1, 9):
         for seed in range(20):
             simulate(n_iters, stages, seed, dq_buffers)
+
+
+@pytest.mark.parametrize("stages", sorted({cfg.stages for _, cfg in CONFIGS}))
+@pytest.mark.parametrize("dq_buffers", [0, 1], ids=["atomic", "bulk"])
+def test_pipeline_protocol_varlen_edges(stages, dq_buffers):
+    """The varlen kernel's edge zeroing inside the protocol: K / V once, and the first tile of each
+    query head's walk (walking down, a sequence's last query tile comes first: iterations 0,
+    m_count, 2 m_count, ...), GQA groups of 1-3 heads."""
+    for m_count, group in ((1, 1), (1, 3), (2, 2), (stages + 1, 2), (5, 1)):
+        n_iters = m_count * group
+        edges = frozenset(range(0, n_iters, m_count))
+        for seed in range(15):
+            simulate(n_iters, stages, seed, dq_buffers, edge_iters=edges, key_edge=seed % 2 == 0)
 
 
 def test_dq_buffers_mirror_the_kernel():
