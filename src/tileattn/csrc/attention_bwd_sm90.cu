@@ -4,6 +4,9 @@
 // this kernel adds into the same fp32 dq_accum layout, so the three launch as one pipeline, in both
 // modes (kDqMode: 0 atomic REDs from registers, 1 deterministic = staged tiles added in key-block
 // order, 2 staged tiles added unordered by the same bulk reduce-add; see "dQ modes" below).
+// Two entry points share one body: attention_bwd_sm90 (dense batches, below) and
+// attention_bwd_sm90_varlen (packed variable-length batches, kVarlen; see "Varlen layout" and the
+// entry point at the end; the dense instantiations compile to the same SASS as before it existed).
 //
 // Shapes (elements; any strides with a contiguous last dim and 16-byte aligned rows):
 //   q, dout            [B, H,   Nq, d]     16-bit, read by TMA (4-D maps (d, Nq, H, B))
@@ -227,9 +230,21 @@ __device__ __forceinline__ void issue_dq(float (&dq)[32], u64 desc_a, u64 desc_b
 }
 
 // ---- Varlen layout (attention_bwd_sm90_varlen) ----------------------------------------------------
-// What the packed layout needs beyond the dense arguments (the dense entry passes zeros):
-// cu_seqlens (int32 [B + 1]) and the raw dk / dv pointers and strides for the stores a TMA map
-// cannot bound at a sequence's end (the edge boxes, the rows past the last sequence).
+// Packed q, dout [Tq, H, d], k, v, dk, dv [Tk, Hkv, d]; sequence b at tokens cu_seqlens_q[b] /
+// cu_seqlens_k[b]. The same maps over a [1, H, T, d] view: batch coordinate 0, row coordinate =
+// the sequence's first token + the tile's row. What changes (everything else is the dense body):
+// - a box crossing the sequence's end reads the next sequence's rows (or rows past cu_seqlens[B],
+//   which may hold anything): the MMA warpgroups zero those rows in shared memory (K / V once, the
+//   Q / dO slot of each walk's last query tile) before any wgmma reads them, which gives exactly
+//   the dense map's zero fill, so the arithmetic below is unchanged;
+// - dK / dV boxes that end past the sequence are stored row by row (store_rows_masked): a TMA store
+//   would write the next sequence's rows; Hkv extra CTAs zero the rows past the last sequence;
+// - lse2 / delta / dq_accum are attention_bwd_sm80.cu's varlen workspaces ([H, ws_pitch] rows,
+//   sequence b from roundup(cu_seqlens_q[b], 4) + kVarlenWsGap b, padded to 128 rows);
+// - the grid covers ceil(max_seqlen_k / 128) key blocks per (kv head, sequence); CTAs past their
+//   sequence's keys exit at once.
+// VarlenArgs: what the packed layout needs beyond the dense arguments (the dense entry passes
+// zeros): cu_seqlens and the raw dk / dv pointers and strides for the row stores.
 struct VarlenArgs {
   const int* cu_seqlens_q;
   const int* cu_seqlens_k;
