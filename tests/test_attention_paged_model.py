@@ -424,12 +424,24 @@ def test_model_other_head_dims(head_dim):
         check(case, cfg, 1)
 
 
+@pytest.mark.parametrize("cfg", paged.DECODE_TUNING[128], ids=str)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_model_decode_tuning_configs(cfg, splits):
+    """The decode tuning candidates (2 and 8 key-split warps, 32- and 128-key tiles) at d = 128:
+    decode rows of GQA 4 with lengths around their tile edges, one speculative run of 3 tokens
+    (12 rows), a sequence without keys, and an invalid block id."""
+    seqs = [(1, 150), (1, 31), (1, 129), (3, 40), (1, 0)]
+    case = make_case(seqs, 8, 2, 128, 16, seed=200 + cfg.block_n + splits)
+    case[3][0, 2] = -3  # keys 32..47 of sequence 0: masked, never read
+    check(case, cfg, splits)
+
+
 def all_configs():
     """Every (head dim, config) the kernel is instantiated with: the base table, the per-arch
     tables and the tuning candidates."""
     tables = [paged.CONFIGS, *paged.ARCH_CONFIGS.values()]
     pairs = {(d, c) for t in tables for d, cs in t.items() for c in cs}
-    pairs |= {(d, c) for d, cs in paged.PREFILL_TUNING.items() for c in cs}
+    pairs |= {(d, c) for table in (paged.PREFILL_TUNING, paged.DECODE_TUNING) for d, cs in table.items() for c in cs}
     return sorted(pairs, key=str)
 
 

@@ -123,7 +123,18 @@ ARCH_INSTANTIATIONS = {
 # 128x32 with a third stage (2 K/V tiles of 32 keys in flight instead of 1: 80 KB, still 2 CTAs per
 # SM). The sm_80 default 128x32/s2 is an instantiation already.
 PREFILL_TUNING: dict[int, tuple[PagedConfig, ...]] = {128: (C(128, 4, 1, 32, 3),)}
-TUNING = tuple(expression(d, c, True) for d, cs in PREFILL_TUNING.items() for c in cs)
+# Decode candidates `tileattn bench decode --sweep` times against the default 16x64/w1x4/s3 (bf16,
+# d=128; docs/attention_paged.md, "GQA B=8 decode"). The default holds 2 CTAs per SM (100 KB of
+# smem, 171 registers x 128 threads), 64 KB of K+V in flight per CTA, 8 warps per SM. Each
+# candidate moves one of those while keeping >= 128 KB in flight per SM:
+#  - 16x32/w1x2/s3: half the CTA (2 warps, 32-key tiles, 52 KB): 4 CTAs per SM, the same bytes in
+#    flight and warps per SM, twice the CTAs for the same splits (finer tail, two CTAs' prologues
+#    overlapping each other's loads).
+#  - 16x32/w1x2/s4: one more stage (68 KB): 3 CTAs per SM, 3 tiles in flight per CTA, 144 KB per SM.
+#  - 16x128/w1x8/s3: twice the CTA (8 warps, 128-key tiles, 200 KB): 1 CTA per SM, half the
+#    barriers and loop overhead per byte, half the CTAs (fewer partials to combine).
+DECODE_TUNING: dict[int, tuple[PagedConfig, ...]] = {128: (C(16, 1, 2, 32, 3), C(16, 1, 2, 32, 4), C(16, 1, 8, 128, 3))}
+TUNING = tuple(expression(d, c, True) for table in (PREFILL_TUNING, DECODE_TUNING) for d, cs in table.items() for c in cs)
 FAMILIES = (
     Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a", "sm_80"), tuning=TUNING),
     *(Family(ARCH_FAMILY_NAME[arch], SOURCE, exprs, archs=(arch,)) for arch, exprs in ARCH_INSTANTIATIONS.items()),
@@ -326,6 +337,7 @@ __all__ = [
     "ARCH_FAMILY_NAME",
     "ARCH_INSTANTIATIONS",
     "PREFILL_TUNING",
+    "DECODE_TUNING",
     "PagedLaunch",
     "PLAIN_INSTANTIATIONS",
     "VARIANT_INSTANTIATIONS",
