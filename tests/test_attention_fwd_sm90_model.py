@@ -454,7 +454,7 @@ def tile_forward(qf, blocks, sl2: float, dtype):
     """One query tile's online softmax as the kernel runs it: qf [rows, d] fp32; blocks: the K/V
     blocks in visit order as (kb, vb, limit) with kb/vb [block_n, d] exactly as they sit in shared
     memory and limit None (unmasked visit) or, per row, the last visible key offset inside the block
-    (keys past it get -inf whatever their score, NaN included). Returns (o, l, m) before the
+    (keys past it get -inf whatever their score, NaN included; [rows, block_n]: per key, -1 masks). Returns (o, l, m) before the
     epilogue: out = o / l (0 where l = 0), lse = (m + log2 l) ln 2 (-inf where l = 0)."""
     m = torch.full((qf.shape[0],), -2.0 ** 100)
     l = torch.zeros(qf.shape[0])
@@ -462,7 +462,8 @@ def tile_forward(qf, blocks, sl2: float, dtype):
     for kb, vb, limit in blocks:
         s = qf @ kb.T
         if limit is not None:
-            s[torch.arange(kb.shape[0])[None, :] > limit[:, None]] = -math.inf
+            limit = limit[:, None] if limit.dim() == 1 else limit
+            s[torch.arange(kb.shape[0])[None, :] > limit] = -math.inf
         # The kernel moves a row's max only when some row of its warp would see p > 2^8; deciding
         # per row here is the stalest case the kernel can produce.
         blk = s.max(dim=1).values * sl2
@@ -553,18 +554,19 @@ def gather_rows(t, tokens, heads):
     return out
 
 
-def varlen_emulate(q, k, v, cu_q, cu_k, max_seqlen_q: int, causal: bool, scale: float, block_n: int, pack: int,
-                   l2_group: int = 2, clear: bool = True):
-    """Mirror of the varlen kernel (kVariant = kVarlen): the tiles of a dense batch of B sequences of
-    max_seqlen_q queries in tile_coords order, skipped past their sequence's end; Q and K/V boxes
-    at the sequence's first token + the dense row offset (reading the next sequence, the padding,
-    or TMA zeros past the tensor); the edge block's V rows past the sequence's keys cleared
-    (clear=False: the kernel without clear_rows); O and lse stored only for positions inside the
-    sequence; the rows past cu_q[B] zeroed by the tail CTAs. Returns (out [Tq, H, d] NaN where never
-    written, lse [H, Tq], writes [Tq, H]: how often each out row was written)."""
+def packed_emulate(q, batches: int, span, load_block, max_seqlen_q: int, causal: bool, scale: float, block_n: int,
+                   pack: int, group: int, bad_key=None, l2_group: int = 2, clear: bool = True):
+    """Mirror of the packed-query kernels (kVariant = kVarlen or kPaged): the tiles of a dense batch
+    of B sequences of max_seqlen_q queries in tile_coords order, skipped past their sequence's end;
+    the Q box at the sequence's first token + the dense row offset (reading the next sequence, the
+    padding, or TMA zeros past the tensor); K/V blocks as load_block(b, kv_head, n) puts them in
+    shared memory; the edge block's V rows past the sequence's keys cleared (clear=False: the kernel
+    without clear_rows); paged (bad_key(b, key) -> bool): a sequence with a bad key masks every
+    visit and those keys in it; O and lse stored only for positions inside the sequence; the rows
+    past the last sequence zeroed by the tail CTAs. span(b) -> (q0, nq, nk). Returns (out [Tq, H, d]
+    NaN where never written, lse [H, Tq], writes [Tq, H]: how often each out row was written)."""
     tq, h, d = q.shape
-    hkv = k.shape[1]
-    batches, group, rows = len(cu_q) - 1, h // k.shape[1], BLOCK_M // pack
+    rows = BLOCK_M // pack
     m_blocks, groups = -(-max_seqlen_q // rows), h // pack
     sl2 = scale * 1.4426950408889634
     out = torch.full((tq, h, d), math.nan)
@@ -573,19 +575,20 @@ def varlen_emulate(q, k, v, cu_q, cu_k, max_seqlen_q: int, causal: bool, scale: 
     r = torch.arange(BLOCK_M)
     for tl in range(m_blocks * groups * batches):
         m_block, head0, b = tile_coords(causal, tl, m_blocks, groups, pack, batches, min(l2_group, groups * batches))
-        q0, k0 = cu_q[b], cu_k[b]
-        nq, nk = cu_q[b + 1] - q0, cu_k[b + 1] - k0
+        q0, nq, nk = span(b)
         if m_block * rows >= nq:
             continue  # past its sequence's end: skipped
         n_end, n_masked = block_range(causal, block_n, m_block, nq, nk, rows)
+        any_bad = bad_key is not None and any(bad_key(b, key) for key in range(nk))
+        if any_bad:
+            n_masked = n_end
         heads_r, pos_r = head0 + r // rows, m_block * rows + r % rows  # tile row -> (head, position)
         assert (heads_r // group == head0 // group).all(), "a packed tile shares one K/V head"
         qf = gather_rows(q, q0 + pos_r, heads_r)
         blocks = []
         for it in range(n_end):
             n = n_end - 1 - it
-            tokens = k0 + n * block_n + torch.arange(block_n)
-            kb, vb = gather_rows(k, tokens, head0 // group), gather_rows(v, tokens, head0 // group)
+            kb, vb = load_block(b, head0 // group, n)
             valid = nk - (n_end - 1) * block_n  # the kernel's test, first visit only
             if it == 0 and valid < block_n and clear:
                 vb[valid:] = 0.0
@@ -595,6 +598,11 @@ def varlen_emulate(q, k, v, cu_q, cu_k, max_seqlen_q: int, causal: bool, scale: 
                 if causal:
                     limit = torch.minimum(limit, pos_r + nk - nq)
                 limit = limit - n * block_n
+                if any_bad:  # page_mask: a bad key is past every row's limit
+                    bad = torch.tensor([bad_key(b, n * block_n + j) for j in range(block_n)])
+                    kb[bad] = math.nan  # whatever was read there: the mask must overwrite it
+                    limit = limit[:, None].expand(-1, block_n).clone()
+                    limit[:, bad] = -1
             else:
                 assert n * block_n + block_n <= nk, "an unmasked visit reads only the sequence's own keys"
             blocks.append((kb, vb, limit))
@@ -605,9 +613,25 @@ def varlen_emulate(q, k, v, cu_q, cu_k, max_seqlen_q: int, causal: bool, scale: 
                 tok, hd = q0 + int(pos_r[i]), int(heads_r[i])
                 out[tok, hd], lse[hd, tok] = o[i], tile_lse[i]
                 writes[tok, hd] += 1
-    out[cu_q[-1]:], lse[:, cu_q[-1]:] = 0.0, -math.inf  # zero_rows_past_last
-    writes[cu_q[-1]:] += 1
+    last = span(batches)[0] if batches else 0
+    out[last:], lse[:, last:] = 0.0, -math.inf  # zero_rows_past_last
+    writes[last:] += 1
     return out, lse, writes
+
+
+def varlen_emulate(q, k, v, cu_q, cu_k, max_seqlen_q: int, causal: bool, scale: float, block_n: int, pack: int,
+                   clear: bool = True):
+    """packed_emulate for varlen: K/V boxes of block_n rows at the sequence's first key + n block_n."""
+    def span(b):
+        return (cu_q[b], cu_q[b + 1] - cu_q[b] if b + 1 < len(cu_q) else 0, cu_k[b + 1] - cu_k[b]
+                if b + 1 < len(cu_k) else 0)
+
+    def load_block(b, kv_head, n):
+        tokens = cu_k[b] + n * block_n + torch.arange(block_n)
+        return gather_rows(k, tokens, kv_head), gather_rows(v, tokens, kv_head)
+
+    return packed_emulate(q, len(cu_q) - 1, span, load_block, max_seqlen_q, causal, scale, block_n, pack,
+                          q.shape[1] // k.shape[1], clear=clear)
 
 
 def packed_batch(lens_q, lens_k, h: int, hkv: int, d: int, pad_q: int, pad_k: int, seed: int):
@@ -670,6 +694,124 @@ def test_varlen_emulation_needs_the_v_clear():
     assert torch.isnan(out[:40]).all()
     out, _, _ = varlen_emulate(q, k, v, cu_q, cu_k, 40, False, 0.125, 64, 1)
     assert not torch.isnan(out).any()
+
+
+def paged_emulate(q, k_cache, v_cache, block_table, cu_q, seqlens_k, max_seqlen_q: int, causal: bool, scale: float,
+                  block_n: int, pack: int, page_mask: bool = True):
+    """packed_emulate for the paged kernel: a K/V block is min(block_size, block_n)-row boxes, each
+    from the cache block page_block names (TMA zeros where it names none). page_mask=False: the
+    kernel without it (bad blocks' keys would score 0 from the zero fill)."""
+    num_blocks, bs = k_cache.shape[:2]
+    max_blocks = len(block_table[0]) if block_table else 0
+    box = min(bs, block_n)
+
+    def page_block(b, key):  # mirror of fwd90::page_block
+        page = key // bs
+        bid = block_table[b][page] if key < max(seqlens_k[b], 0) and page < max_blocks else num_blocks
+        return bid if 0 <= bid < num_blocks else num_blocks
+
+    def span(b):
+        return (cu_q[b], cu_q[b + 1] - cu_q[b], max(seqlens_k[b], 0)) if b < len(seqlens_k) else (cu_q[b], 0, 0)
+
+    def load_block(b, kv_head, n):
+        kb, vb = torch.zeros(block_n, q.shape[-1]), torch.zeros(block_n, q.shape[-1])
+        for r0 in range(0, block_n, box):
+            key = n * block_n + r0
+            blk, off = page_block(b, key), key % bs
+            assert off + box <= bs, "a box lies inside one cache block"
+            if blk < num_blocks:
+                kb[r0:r0 + box] = k_cache[blk, off:off + box, kv_head].float()
+                vb[r0:r0 + box] = v_cache[blk, off:off + box, kv_head].float()
+        return kb, vb
+
+    return packed_emulate(q, len(seqlens_k), span, load_block, max_seqlen_q, causal, scale, block_n, pack,
+                          q.shape[1] // k_cache.shape[2],
+                          bad_key=(lambda b, key: page_block(b, key) == num_blocks) if page_mask else None)
+
+
+def paged_batch(lens_q, lens_k, bs: int, h: int, hkv: int, seed: int, *, bad=()):
+    """Packed queries and a shuffled paged cache: sequence b's blocks drawn from a permutation, the
+    second sequence sharing the first one's first block (a prefix cache); every cache row no
+    sequence owns is NaN (K) / Inf (V); `bad`: (b, page, id) entries overwritten with bad ids."""
+    g = torch.Generator().manual_seed(seed)
+    d = 64
+    max_blocks = max(1, max(-(-max(n, 0) // bs) for n in lens_k))
+    num_blocks = len(lens_k) * max_blocks + 5  # a few blocks nobody uses
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(torch.bfloat16)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    table, used = [], torch.zeros(num_blocks, bs, dtype=torch.bool)
+    for b, n in enumerate(lens_k):
+        row = [perm.pop() for _ in range(max_blocks)]
+        if b == 1 and len(table) and n > bs:
+            row[0] = table[0][0]  # shared with sequence 0
+        table.append(row)
+    for b, page, bid in bad:
+        table[b][page % max_blocks] = bid  # large blocks: fewer pages
+    for b, n in enumerate(lens_k):
+        for key in range(max(n, 0)):
+            bid = table[b][key // bs] if key // bs < max_blocks else -1
+            if 0 <= bid < num_blocks:
+                used[bid, key % bs] = True
+    used[0, 0] = True  # the reference multiplies P = 0 by row 0 of block 0 for unreadable keys: keep it finite
+    k_cache[~used], v_cache[~used] = math.nan, math.inf
+    cu_q = [0]
+    for n in lens_q:
+        cu_q.append(cu_q[-1] + n)
+    q = torch.randn(cu_q[-1] + 3, h, d, generator=g).to(torch.bfloat16)
+    q[cu_q[-1]:] = math.nan
+    return q, k_cache, v_cache, table, cu_q
+
+
+PAGED_CASES = [  # (query lengths, key lengths incl. the queries, bad entries)
+    ((5, 0, 70, 1), (40, 3, 200, 1), ()),           # chunks after a prefix, an empty chunk, a one-token one
+    ((33, 129), (33, 300), ()),                       # a whole prompt, a chunk after a long prefix
+    ((20, 9), (100, 9), ((0, 1, -1), (1, 0, 10**6))),  # bad block ids inside the lengths: masked keys
+    ((4, 6), (0, -5), ()),                            # no keys (and a negative length)
+]
+
+
+@pytest.mark.parametrize("bs", [16, 64, 256])
+@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", range(len(PAGED_CASES)))
+def test_paged_emulation_matches_reference(case, causal, block_n, bs):
+    lens_q, lens_k, bad = PAGED_CASES[case]
+    h, hkv = 4, 2
+    q, k_cache, v_cache, table, cu_q = paged_batch(lens_q, lens_k, bs, h, hkv, seed=case, bad=bad)
+    max_q = max(lens_q)
+    pack = af.gqa_pack(h, hkv, max_q)
+    out, lse, writes = paged_emulate(q, k_cache, v_cache, table, cu_q, list(lens_k), max_q, causal, 0.125, block_n,
+                                     pack)
+    what = f"lens_q={lens_q} lens_k={lens_k} bad={bad} bs={bs} block_n={block_n} causal={causal} pack={pack}"
+    assert bool((writes == 1).all()), f"{what}: out rows written {writes.min()}..{writes.max()} times (want 1)"
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), f"{what}: NaN reached the outputs"
+    ref, ref_lse = reference.attention_paged(q[:cu_q[-1]], k_cache, v_cache, torch.tensor(table, dtype=torch.int32),
+                                             torch.tensor(cu_q, dtype=torch.int32),
+                                             torch.tensor(lens_k, dtype=torch.int32), max_q, max(max(lens_k), 0),
+                                             causal=causal, scale=0.125, return_lse=True,
+                                             compute_dtype=torch.float64)
+    n = cu_q[-1]
+    err = (out[:n].double() - ref).norm() / max(ref.norm(), 1e-30)
+    assert err < 1e-2, f"{what}: relative error {err:.3e}"
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse[:, :n]), seen), f"{what}: rows that see no key differ"
+    if seen.any():
+        assert (lse[:, :n].double() - ref_lse)[seen].abs().max() < 1e-3, f"{what}: lse differs"
+    assert bool((out[n:] == 0).all()) and bool((lse[:, n:] == -math.inf).all()), f"{what}: padding rows"
+
+
+def test_paged_bad_ids_need_the_page_mask():
+    """A bad block id inside the length must mask its keys (the reference's rule), not let them score
+    0 from TMA's zero fill: without page_mask the emulation leaves the reference (the test above
+    would catch a kernel that lost it)."""
+    q, k_cache, v_cache, table, cu_q = paged_batch((8,), (64,), 16, 2, 2, seed=3, bad=((0, 1, -1),))
+    ref = reference.attention_paged(q[:8], k_cache, v_cache, torch.tensor(table, dtype=torch.int32),
+                                    torch.tensor(cu_q, dtype=torch.int32), torch.tensor([64], dtype=torch.int32), 8, 64,
+                                    causal=False, scale=0.125, compute_dtype=torch.float64)
+    for page_mask, close in ((True, True), (False, False)):
+        out, _, _ = paged_emulate(q, k_cache, v_cache, table, cu_q, [64], 8, False, 0.125, 64, 1, page_mask=page_mask)
+        assert ((out[:8].double() - ref).norm() / ref.norm() < 1e-2) == close, f"page_mask={page_mask}"
 
 
 def test_varlen_plan_geometry_and_names():
@@ -781,8 +923,8 @@ def test_sass_register_a_operands_untouched_until_retired(expression):
     assert found >= 2 * block_n // 16, f"expected the P V wgmmas in the SASS, found {found} register-A HGMMAs"
     assert not problems, "\n".join(problems[:10])
     assert "UTMALDG" in sass and "STSM" in sass, "TMA loads and stmatrix expected"
-    if expression in af.VARLEN_INSTANTIATIONS:  # O leaves by predicated 16-byte stores, never by a TMA store
-        assert "UTMASTG" not in sass and "STG.E.128" in sass, "varlen: no TMA store, predicated STG.E.128 expected"
+    if expression in af.VARLEN_INSTANTIATIONS + af.PAGED_INSTANTIATIONS:  # O: predicated 16-byte stores, no TMA store
+        assert "UTMASTG" not in sass and "STG.E.128" in sass, "packed: no TMA store, predicated STG.E.128 expected"
     else:
         assert "UTMASTG" in sass, "TMA store expected"
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory traffic (spills) in the SASS"

@@ -188,23 +188,78 @@ constexpr int kVariantBits = kWindow | kSoftcap | kAlibi;
 // of the existing parameter rather than a new template parameter, so that the dense kernels keep
 // their mangled names and their cubins stay byte-identical).
 constexpr int kVarlen = 8;
+constexpr int kPaged = 16;        // packed queries against a paged K/V cache (see the header)
 constexpr int kClearBarrier = 5;  // named barrier 5: both consumers cleared the edge block's V rows
 
 // The varlen kernel's trailing parameters (after the plain ones): cu_seqlens_q / cu_seqlens_k
-// int32 [B + 1], out [Tq, H, d] (token / head strides in elements) for the masked store of partial
-// boxes and the rows past the last sequence, and Tq (lse is [H, Tq]).
+// int32 [B + 1], out [Tq, H, d] (token / head strides in elements) for the per-row stores and the
+// rows past the last sequence, and Tq (lse is [H, Tq]).
 #define VARLEN_PARAMS                                                                                     \
   const int *__restrict__ cu_seqlens_q, const int *__restrict__ cu_seqlens_k, u16 *__restrict__ out, \
       int64_t out_sr, int64_t out_sh, int total_q
-struct Varlen {
+// The paged kernel's: cu_seqlens_q, seqlens_k int32 [B] (keys of each sequence, its queries
+// included: they are its last keys), out, its strides, Tq as above, then block_table int32
+// [B, max_blocks] (row stride bt_stride), num_blocks and log2(block_size).
+#define PAGED_PARAMS                                                                                       \
+  const int *__restrict__ cu_seqlens_q, const int *__restrict__ seqlens_k, u16 *__restrict__ out,     \
+      int64_t out_sr, int64_t out_sh, int total_q, const int *__restrict__ block_table, int bt_stride, \
+      int max_blocks, int num_blocks, int log2_bs
+// Both packed layouts' parameters (lens_k: cu_seqlens_k, or paged seqlens_k; the paged fields are
+// unused by varlen).
+struct Packed {
   const int* cu_q;
-  const int* cu_k;
+  const int* lens_k;
   u16* out;
   int64_t out_sr, out_sh;
   int total_q;
+  const int* block_table;
+  int bt_stride, max_blocks, num_blocks, log2_bs;
 };
-__device__ __forceinline__ Varlen varlen_of(VARLEN_PARAMS) {
-  return {cu_seqlens_q, cu_seqlens_k, out, out_sr, out_sh, total_q};
+__device__ __forceinline__ Packed packed_of(VARLEN_PARAMS) {
+  return {cu_seqlens_q, cu_seqlens_k, out, out_sr, out_sh, total_q, nullptr, 0, 0, 0, 0};
+}
+__device__ __forceinline__ Packed packed_of(PAGED_PARAMS) {
+  return {cu_seqlens_q, seqlens_k, out, out_sr, out_sh, total_q, block_table, bt_stride, max_blocks, num_blocks,
+          log2_bs};
+}
+
+// Sequence `batch`'s first tokens and lengths for layout kLayout (0 dense, kVarlen, kPaged): dense
+// is the batch entry at token 0 (its batch coordinate does the rest); paged keys have no first
+// token (their rows come through the block table) and a negative length counts as 0.
+template <int kLayout>
+__device__ __forceinline__ SeqSpan tile_span(const Packed& pk, int batch, int seqlen_q, int seqlen_k) {
+  if constexpr (kLayout == kPaged) {
+    const int q0 = __ldg(pk.cu_q + batch);
+    return {q0, 0, __ldg(pk.cu_q + batch + 1) - q0, max(__ldg(pk.lens_k + batch), 0)};
+  } else {
+    return seq_span<kLayout == kVarlen>(pk.cu_q, pk.lens_k, batch, seqlen_q, seqlen_k);
+  }
+}
+
+// Paged: the cache block that holds key `key` of sequence `batch`, or num_blocks (past the cache
+// map's bound: TMA zero-fills the box) when the key is past the sequence's length or the table's
+// capacity, or its block id is outside [0, num_blocks): such an id is never dereferenced, and
+// page_mask masks its keys as the reference does.
+__device__ __forceinline__ int page_block(const Packed& pk, int batch, int key, int nk) {
+  const int page = key >> pk.log2_bs;
+  const int id = key < nk && page < pk.max_blocks
+                     ? __ldg(pk.block_table + static_cast<int64_t>(batch) * pk.bt_stride + page)
+                     : pk.num_blocks;
+  return id >= 0 && id < pk.num_blocks ? id : pk.num_blocks;
+}
+
+// Paged, masked visits of a tile whose sequence has some bad page (see page_block): keys of bad
+// pages -> -inf. Columns 8 j + 2 t and 8 j + 2 t + 1 lie in one cache block (block_size >= 16).
+template <int kBlockN>
+__device__ __forceinline__ void page_mask(float (&s)[kBlockN / 2], int n, int t, const Packed& pk, int batch,
+                                          int nk) {
+#pragma unroll
+  for (int j = 0; j < kBlockN / 8; ++j) {
+    if (page_block(pk, batch, n * kBlockN + 8 * j + 2 * t, nk) == pk.num_blocks) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[4 * j + i] = neg_inf();
+    }
+  }
 }
 
 // Varlen: zero rows [valid, kBlockN) of a V slot ([d/64][kBlockN][64], swizzled within a row, so
@@ -232,7 +287,7 @@ __device__ __forceinline__ void st_global_if(void* ptr, uint4 val, bool pred) {
 // each row only if its position is inside the sequence: rows of another sequence are never written.
 // Tile row 64 c + r is head head0 + (64 c + r) / rows, position pos_base + (64 c + r) % rows.
 template <int kHeadDim, int kBlockM>
-__device__ __forceinline__ void store_rows_masked(const u16* sO, const Varlen& vl, int q0, int nq, int pos_base,
+__device__ __forceinline__ void store_rows_masked(const u16* sO, const Packed& vl, int q0, int nq, int pos_base,
                                                   int rows, int head0, int c, int tid) {
   constexpr int kChunks = kHeadDim / 8;
   static_assert((64 * kChunks) % 128 == 0, "whole chunks per thread");
@@ -248,7 +303,7 @@ __device__ __forceinline__ void store_rows_masked(const u16* sO, const Varlen& v
 // Varlen: rows cu_seqlens_q[B] .. Tq - 1 of head `head` (token padding, no sequence): out 0, lse
 // -inf, so no output element is left unwritten whatever the lengths on the device are.
 template <int kHeadDim, int kThreads>
-__device__ __forceinline__ void zero_rows_past_last(const Varlen& vl, float* lse, int batches, int head) {
+__device__ __forceinline__ void zero_rows_past_last(const Packed& vl, float* lse, int batches, int head) {
   constexpr int kChunks = kHeadDim / 8;
   const int begin = __ldg(vl.cu_q + batches);
   const int64_t count = static_cast<int64_t>(vl.total_q - begin) * kChunks;
@@ -464,16 +519,20 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
                        int heads, int kv_group, int pack, int l2_group, int seqlen_q, int seqlen_k,
                        float scale_log2, VariantParams... variant_params) {
   using namespace fwd90;
-  constexpr bool kVarlenLayout = kVariant == kVarlen;
+  constexpr bool kPagedLayout = kVariant == kPaged;
+  constexpr bool kVarlenLayout = kVariant == kVarlen || kPagedLayout;  // packed queries (varlen or paged)
+  constexpr int kLayout = kVarlenLayout ? kVariant : 0;
   static_assert(kVarlenLayout || (kVariant >= 0 && kVariant < 8 && (kVariant == 0) == (sizeof...(VariantParams) == 0)),
                 "kVariant: a set of kWindow | kSoftcap | kAlibi, with VARIANT_PARAMS exactly when non-empty, or "
-                "kVarlen alone");
-  static_assert(!kVarlenLayout || sizeof...(VariantParams) == 6, "varlen: the trailing parameters are VARLEN_PARAMS");
+                "kVarlen or kPaged alone");
+  static_assert(kVariant != kVarlen || sizeof...(VariantParams) == 6, "varlen: the trailing parameters are VARLEN_PARAMS");
+  static_assert(!kPagedLayout || (sizeof...(VariantParams) == 11 && (kBlockN & (kBlockN - 1)) == 0),
+                "paged: the trailing parameters are PAGED_PARAMS; kBlockN a power of two (whole cache blocks)");
   static_assert((kVariant & kVariantBits) == 0 || !kCausal, "variants: causal is the window's right edge 0");
   Variants va{};
   if constexpr ((kVariant & kVariantBits) != 0) va = variants_of(scale_log2, variant_params...);
-  Varlen vl{};
-  if constexpr (kVarlenLayout) vl = varlen_of(variant_params...);
+  Packed vl{};
+  if constexpr (kVarlenLayout) vl = packed_of(variant_params...);
   constexpr bool kWindowed = (kVariant & kWindow) != 0;
   constexpr bool kLogits = (kVariant & (kSoftcap | kAlibi)) != 0;  // scores become log2-unit logits first
   // Tile order: the causal one (longest tiles first) for windows too, whose first tiles see fewer keys.
@@ -534,7 +593,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, ++i) {
         const Tile tile = tile_coords<kReverse>(t, m_blocks, groups, pack, batches, l2_group);
         // This tile's sequence (dense: the whole batch entry at token 0, the batch coordinate below).
-        const SeqSpan span = seq_span<kVarlenLayout>(vl.cu_q, vl.cu_k, tile.batch, seqlen_q, seqlen_k);
+        const SeqSpan span = tile_span<kLayout>(vl, tile.batch, seqlen_q, seqlen_k);
         if constexpr (kVarlenLayout) {
           if (tile.m_block * rows >= span.nq) {  // past its sequence's end: not one of this CTA's tiles
             --i;
@@ -558,6 +617,28 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
           const int n = range.n_end - 1 - it;
           const int s = g % kStages;
           const u32 refill_parity = ((g / kStages) - 1) & 1;
+          if constexpr (kPagedLayout) {
+            // Block n of keys from the cache ([num_blocks, Hkv, block_size, d] maps, boxes of
+            // min(block_size, kBlockN) rows): one box per cache block it spans, at that block's
+            // row in the slot (multiples of 16 rows keep the 1024-byte swizzle period).
+            const int box_rows = min(1 << vl.log2_bs, kBlockN);
+#pragma unroll
+            for (int pass = 0; pass < 2; ++pass) {  // K, then V: the block ids are read again (L1 hits)
+              u64* const full = pass == 0 ? &k_full[s] : &v_full[s];
+              if (g >= kStages) s9::mbar_wait(pass == 0 ? &k_empty[s] : &v_empty[s], refill_parity);
+              s9::mbar_arrive_expect_tx(full, kKVBytes);
+              u16* const slot = (pass == 0 ? sK : sV) + s * kPanels * kBlockN * kPanel;
+              for (int r = 0; r < kBlockN; r += box_rows) {
+                const int key = n * kBlockN + r;
+                const int block = page_block(vl, tile.batch, key, span.nk);
+#pragma unroll
+                for (int p = 0; p < kPanels; ++p)
+                  s9::tma_load_4d(slot + (p * kBlockN + r) * kPanel, pass == 0 ? &tmap_k : &tmap_v, p * kPanel,
+                                  key & ((1 << vl.log2_bs) - 1), kv_head, block, full);
+              }
+            }
+            continue;
+          }
           if (g >= kStages) s9::mbar_wait(&k_empty[s], refill_parity);
           s9::mbar_arrive_expect_tx(&k_full[s], kKVBytes);
 #pragma unroll
@@ -629,7 +710,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     for (int tl = blockIdx.x; tl < num_tiles; tl += gridDim.x, ++i) {
       const Tile tile = tile_coords<kReverse>(tl, m_blocks, groups, pack, batches, l2_group);
       // This tile's query / key lengths (varlen: its sequence's; q0 is re-read in the epilogue).
-      const SeqSpan span = seq_span<kVarlenLayout>(vl.cu_q, vl.cu_k, tile.batch, seqlen_q, seqlen_k);
+      const SeqSpan span = tile_span<kLayout>(vl, tile.batch, seqlen_q, seqlen_k);
       if constexpr (kVarlenLayout) {
         if (tile.m_block * rows >= __shfl_sync(0xffffffffu, span.nq, 0)) {  // past its end: skipped as the producer does
           --i;
@@ -643,6 +724,19 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       const int diag = kVarlenLayout ? nk - nq : diag_arg;
       const BlockRange range = kWindowed ? window_range<kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k, va)
                                          : block_range<kCausal, kBlockN>(tile.m_block, rows, nq, nk);
+      // Paged: whether some cache block of the sequence is bad (page_block: an id outside [0,
+      // num_blocks) or keys past the table's capacity). Then every visit is masked, with page_mask;
+      // otherwise the masked visits are block_range's. The vote makes the flag warp-uniform for ptxas.
+      bool any_bad = false;
+      int n_masked = range.n_masked;
+      if constexpr (kPagedLayout) {
+        bool bad = false;
+        const int pages = (nk + (1 << vl.log2_bs) - 1) >> vl.log2_bs;
+        for (int pg = tid; pg < pages; pg += 128)
+          bad |= page_block(vl, tile.batch, pg << vl.log2_bs, nk) == vl.num_blocks;
+        any_bad = __any_sync(0xffffffffu, s9::named_barrier_or<128>(1 + c, bad));
+        if (any_bad) n_masked = kWindowed ? range.n_end - range.n_begin : range.n_end;
+      }
       // Tile row of this thread's accumulator rows g (h = 0) and g + 8 (h = 1), and their query
       // positions (the heads, r / rows, are recomputed in the epilogue: registers are scarce).
       const int r0 = c * 64 + warp * 16 + g;
@@ -665,6 +759,9 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         } else {
           if (masked) apply_mask<kBlockN, kCausal>(s, n, pos, t, nk, diag);
         }
+        if constexpr (kPagedLayout) {
+          if (masked && any_bad) page_mask<kBlockN>(s, n, t, vl, tile.batch, nk);
+        }
       };
 #pragma unroll
       for (int k = 0; k < kHeadDim / 2; ++k) o[k] = 0.f;
@@ -686,7 +783,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         s9::wgmma_wait<0>();
         s9::fence_accumulators(s);
         if (releaser) s9::mbar_arrive(&k_empty[s0]);
-        scores(range.n_end - 1, range.n_masked > 0);
+        scores(range.n_end - 1, n_masked > 0);
         softmax_step<kBlockN>(s, m, l, alpha, sl2);  // O is still 0: no rescale needed
         pack_p<kBlockN, kIsBF16>(p, s);
         if constexpr (kVarlenLayout) {
@@ -727,7 +824,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
           pack_p<kBlockN, kIsBF16>(p, s);
         };
         int it = 1;
-        for (; it < range.n_masked; ++it) step(it, true);
+        for (; it < n_masked; ++it) step(it, true);
         for (; it < (kWindowed ? range.n_unmasked_end : range.n_end); ++it) step(it, false);
         if constexpr (kWindowed) {
           for (; it < n_iters; ++it) step(it, true);  // blocks cut by some row's lower edge

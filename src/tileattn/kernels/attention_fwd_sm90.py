@@ -178,8 +178,26 @@ def varlen_expression(head_dim: int, config: Sm90Config, causal: bool, bf16: boo
 
 VARLEN_INSTANTIATIONS = tuple(varlen_expression(d, cfg, causal, bf16) for (d, causal), cfg in VARLEN_DEFAULTS.items()
                               for bf16 in (False, True))
-INSTANTIATIONS = _expressions((d, causal, bf16, cfg) for (d, causal), cfg in DEFAULTS.items()
-                              for bf16 in (False, True)) + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS
+
+# Packed queries against a paged K/V cache (prefill chunks): kVariant = PAGED (fwd90::kPaged) with
+# PAGED_PARAMS' types appended (VARLEN_PARAMS' with seqlens_k for cu_seqlens_k, then block_table,
+# its row stride, max_blocks, num_blocks, log2(block_size)). Tiles: the dense defaults (kBlockN a
+# power of two, so a K/V block spans whole cache blocks or lies inside one).
+PAGED = 16
+_PAGED_PARAM_TYPES = _VARLEN_PARAM_TYPES + ", const int*, int, int, int, int"
+PAGED_DEFAULTS = DEFAULTS
+PAGED_BLOCK_SIZES = (16, 32, 64, 128, 256)
+
+
+def paged_expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool) -> str:
+    """The NVRTC name expression of a paged instantiation."""
+    return expression(head_dim, config, causal, bf16)[:-1] + f", {PAGED}, {_PAGED_PARAM_TYPES}>"
+
+
+PAGED_INSTANTIATIONS = tuple(paged_expression(d, cfg, causal, bf16) for (d, causal), cfg in PAGED_DEFAULTS.items()
+                             for bf16 in (False, True))
+INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in DEFAULTS.items() for bf16 in (False, True))
+                  + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS)
 # Tuning candidates: the dense extras, and the varlen kernel at each of them (the persistent grid,
 # a launch choice the varlen plan does not make, adds nothing).
 TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
@@ -546,6 +564,150 @@ def forward_varlen_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
                       config=config, pack_gqa=pack_gqa)
 
 
+# ---- paged K/V cache (prefill) ----------------------------------------------------------------------
+MIN_PAGED_QUERIES = 64  # below this many queries per sequence a 128-row tile is mostly padding: sm80's decode path
+
+
+def _cache_view(cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, Hkv, d] -> the [num_blocks, Hkv, block_size, d] view the kernel's
+    cache maps describe (coordinates: column, row in the block, KV head, block id; no copy)."""
+    return cache.permute(0, 2, 1, 3)
+
+
+def supports_paged(head_dim: int, dtype, *, block_size: int, max_seqlen_q: int, batch: int, heads: int,
+                   kv_heads: int, device=None, tensors=(), min_tiles: int | None = None) -> bool:
+    """Whether PagedPlan should run this call instead of the sm80 paged kernel: head_dim in HEAD_DIMS,
+    dtype fp16/bf16, block_size a power of two in 16..256, at least MIN_PAGED_QUERIES queries in the
+    longest sequence and at least `min_tiles` query tiles (default: the device's SM count, 132
+    without a device): below that the sm80 kernel's split-KV fills the GPU better (this kernel has
+    no split). With a device, compute capability 9.0; `tensors` (q [Tq, H, d], k_cache, v_cache,
+    out) must be TMA-describable in place. Never raises."""
+    if head_dim not in HEAD_DIMS or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if block_size not in PAGED_BLOCK_SIZES or max_seqlen_q < MIN_PAGED_QUERIES or kv_heads < 1 or heads % kv_heads:
+        return False
+    if device is not None:
+        device = torch.device(device)
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+            return False
+        if min_tiles is None:
+            from ..runtime import device_sm_count
+
+            min_tiles = device_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    pack = gqa_pack(heads, kv_heads, max_seqlen_q)
+    tiles = -(-max_seqlen_q * pack // BLOCK_M) * (heads // pack) * batch
+    if not (min_tiles or 132) <= tiles <= MAX_TILES:
+        return False
+    for t in tensors:
+        if t.numel() == 0 or not _tma_ready(_cache_view(t) if t.dim() == 4 else _packed_view(t)):
+            return False
+    return True
+
+
+class PagedPlan:
+    """The Hopper forward of packed queries against a paged K/V cache (prefill chunks after a cached
+    prefix), for one (device, dtype, shapes, strides, flags) combination: the calling shape of
+    attention_paged_sm80.PagedLaunch (made the same way, called with the tensors), without split-KV.
+
+    q [Tq, H, d] (token and head strides multiples of 16 bytes); k_cache / v_cache
+    [num_blocks, block_size, Hkv, d] (any strides TMA can describe: multiples of 16 bytes);
+    block_table int32 [B, max_blocks] (stride(1) == 1); cu_seqlens_q int32 [B + 1] and seqlens_k
+    int32 [B] contiguous: key j of sequence b is row j % block_size of cache block
+    block_table[b, j // block_size], its queries are its last keys (causal bottom-right). Keys past
+    the table's capacity or in a block id outside [0, num_blocks) are masked and never read; rows past
+    cu_seqlens_q[B] get out 0, lse -inf. Raises ValueError for what the kernel cannot run (head dim,
+    dtype, block_size not a power of two in 16..256, num_splits > 1, variants, a persistent config,
+    layouts TMA cannot describe, an empty cache, more than 2^30 tiles)."""
+
+    def __init__(self, q, k_cache, v_cache, block_table, *, max_seqlen_q: int, causal: bool, scale: float,
+                 return_lse: bool, num_splits: int | None = None, config: Sm90Config | None = None, variants=None,
+                 pack_gqa: bool | None = None):
+        from ..runtime import LaunchPlan, TensorMapTemplate
+        from . import load
+
+        total_q, heads, head_dim = q.shape
+        num_blocks, block_size, kv_heads, _ = k_cache.shape
+        batch, max_blocks = block_table.shape
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim {head_dim} is not supported by the sm90 forward; supported: {HEAD_DIMS}")
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"q.dtype must be torch.float16 or torch.bfloat16, got {q.dtype}")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dtype != q.dtype or t.shape != k_cache.shape:
+                raise ValueError(f"{name} ({tuple(t.shape)}, {t.dtype}) must match k_cache's shape and q's dtype")
+        if kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
+        if block_size not in PAGED_BLOCK_SIZES:
+            raise ValueError(f"block_size must be a power of two in 16..256, got {block_size}")
+        if num_blocks == 0:
+            raise ValueError("the cache has no block (num_blocks = 0)")
+        if num_splits not in (None, 1):
+            raise ValueError(f"the sm90 paged forward has no split-KV (num_splits {num_splits}); use the sm80 kernel")
+        if variants is not None:
+            raise ValueError("the sm90 paged forward has no variants (window, softcap, ALiBi); use the sm80 kernel")
+        config = config or PAGED_DEFAULTS[(head_dim, bool(causal))]
+        if config.persistent:
+            raise ValueError("the paged forward runs one CTA per tile: a persistent config is not supported")
+        views = (_packed_view(q), _cache_view(k_cache), _cache_view(v_cache))
+        for name, t in zip(("q", "k_cache", "v_cache"), views):
+            if t.numel() and not _tma_ready(t):
+                raise ValueError(f"{name} (shape {tuple(t.shape)}) is not TMA-describable: strides must be multiples "
+                                 "of 16 bytes, the base 16-byte aligned")
+        self.num_splits = 1
+        self.config = config
+        self.out_shape = (total_q, heads, head_dim)
+        self.lse_shape = (heads, total_q)
+        self.return_lse = return_lse
+        self.device = q.device
+        self.plan = None
+        if total_q == 0:
+            return
+        geo = _geometry(batch, heads, kv_heads, max_seqlen_q, max_blocks * block_size, head_dim, config, pack_gqa,
+                        _l2_bytes(q.device.index))
+        if geo.tiles > MAX_TILES:
+            raise ValueError(f"{geo.tiles} query tiles; at most {MAX_TILES}")
+        kv_box = (1, 1, min(block_size, config.block_n), PANEL)
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)  # the layout __call__ allocates
+        self.templates = tuple(TensorMapTemplate(t, box) for t, box in zip(
+            (*views, _packed_view(out)), (geo.boxes[0], kv_box, kv_box, geo.boxes[3])))
+        maps = [tmpl.encode(t.data_ptr()) for tmpl, t in zip(self.templates, (*views, _packed_view(out)))]
+        kern = load(FAMILY_NAME, paged_expression(head_dim, config, bool(causal), q.dtype == torch.bfloat16),
+                    q.device.index)
+        i32 = np.int32
+        args = (*maps, 0, *_scalar_args(batch, heads, kv_heads, geo, max_seqlen_q, 0, scale),
+                0, 0, 0, np.int64(out.stride(0)), np.int64(out.stride(1)), i32(total_q),
+                0, i32(block_table.stride(0)), i32(max_blocks), i32(num_blocks), i32(block_size.bit_length() - 1))
+        self.grid = (geo.tiles + heads,)  # one CTA per tile, then `heads` CTAs for rows past the last sequence
+        self.plan = LaunchPlan(kern, self.grid, (THREADS,), args, smem=config.smem_bytes(head_dim),
+                               dynamic=(0, 1, 2, 3, 4, 13, 14, 15, 19))
+
+    def launch(self, q_ptr: int, k_cache_ptr: int, v_cache_ptr: int, block_table_ptr: int, cu_seqlens_q_ptr: int,
+               seqlens_k_ptr: int, out_ptr: int, lse_ptr: int) -> None:
+        """Launch on tensors at these addresses (the plan's layouts; out contiguous [Tq, H, d], lse
+        [H, Tq] fp32, both always written) on the current stream."""
+        if self.plan is None:
+            return
+        tq, tk, tv, to = self.templates
+        self.plan.launch(tq.encode(q_ptr), tk.encode(k_cache_ptr), tv.encode(v_cache_ptr), to.encode(out_ptr), lse_ptr,
+                         cu_seqlens_q_ptr, seqlens_k_ptr, out_ptr, block_table_ptr)
+
+    def __call__(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, out=None, lse=None,
+                 alibi_slopes=None):
+        """(out [Tq, H, d], lse [H, Tq] fp32, or None unless return_lse or given), launched on the
+        current stream; out / lse (contiguous) are allocated with torch.empty unless given.
+        `alibi_slopes` is accepted for PagedLaunch's signature and must be None."""
+        if alibi_slopes is not None:
+            raise ValueError("the sm90 paged forward has no ALiBi")
+        given_lse = lse is not None
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=q.dtype, device=self.device)
+        if lse is None:  # the kernel always writes lse
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        self.launch(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
+                    cu_seqlens_q.data_ptr(), seqlens_k.data_ptr(), out.data_ptr(), lse.data_ptr())
+        return out, (lse if self.return_lse or given_lse else None)
+
+
 def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
     """Forward FLOPs by the benchmark convention: 4 * B * H * Nq * Nk * d, halved when causal."""
     return 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0)
@@ -570,6 +732,11 @@ __all__ = [
     "tuning_candidates",
     "variant_expression",
     "variant_flags",
+    "PAGED_DEFAULTS",
+    "PAGED_INSTANTIATIONS",
+    "PagedPlan",
+    "paged_expression",
+    "supports_paged",
     "VARLEN_DEFAULTS",
     "VARLEN_INSTANTIATIONS",
     "VarlenPlan",

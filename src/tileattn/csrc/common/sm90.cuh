@@ -187,6 +187,20 @@ __device__ __forceinline__ void named_barrier_arrive(int id) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
 }
 
+// Synchronize like named_barrier_sync and return whether `pred` was true in any of the kThreads
+// threads (bar.red.or): one flag per warpgroup without shared memory.
+template <int kThreads>
+__device__ __forceinline__ bool named_barrier_or(int id, bool pred) {
+  static_assert(kThreads % 32 == 0, "named barriers count whole warps");
+  u32 any;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 q, %2, 0;\n bar.red.or.pred p, %1, %3, q;\n selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(any)
+      : "r"(id), "r"(static_cast<u32>(pred)), "n"(kThreads)
+      : "memory");
+  return any != 0;
+}
+
 // ---- stmatrix: four 8x8 b16 matrices from the mma fragment layout into shared memory ----------
 // The inverse of ldmatrix.x4: register i holds (row g, columns 2t, 2t+1) of matrix i (g = lane / 4,
 // t = lane % 4), i.e. exactly one m16n8 accumulator half packed to 16 bits; lane l gives the
