@@ -1,6 +1,6 @@
-"""GPU tests of the Hopper forward on packed variable-length batches
-(attention_fwd_sm90.forward_varlen_plan, the kVariant = kVarlen instantiations of
-csrc/attention_fwd_sm90.cu).
+"""GPU tests of the Hopper forward on packed variable-length batches and on paged K/V caches
+(attention_fwd_sm90.forward_varlen_plan and PagedPlan: the kVariant = kVarlen / kPaged
+instantiations of csrc/attention_fwd_sm90.cu).
 
 The plans are called directly (tileattn.api_varlen still runs the sm80 plan until the lead wires
 this one in after these tests pass). Oracles: tileattn.reference.attention_varlen in float64 on the
@@ -13,8 +13,11 @@ of rows that meet P = 0, and a different store of the same staged 16-bit rows).
 Outputs are NaN-poisoned before every launch, so an element the kernel does not write fails; the
 token rows after the last sequence are NaN in q and NaN / Inf in k and v (a padded token buffer),
 so a box that reads them into a stored row, or a V row that meets P = 0 without being cleared,
-shows up as NaN. Skipped with a reason on GPUs other than compute capability 9.0. Markers: `gpu`
-(all), `sanitize` (small cases re-run under compute-sanitizer).
+shows up as NaN. Paged cases reuse tests/gpu/test_attention_paged.py's Case (shuffled non-contiguous
+block tables, a block shared by two sequences, junk int32 in every table entry past a sequence's
+length) and its checks, against reference.attention_paged and the sm80 PagedLaunch; cache rows past
+each sequence's length are NaN. Skipped with a reason on GPUs other than compute capability 9.0.
+Markers: `gpu` (all), `sanitize` (small cases re-run under compute-sanitizer).
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ import torch
 from tileattn import reference
 from tileattn.kernels import attention_fwd_sm80 as sm80
 from tileattn.kernels import attention_fwd_sm90 as sm90
+
+from .test_attention_paged import Case as PagedCase
+from .test_attention_paged import capture, check_padding
+from .test_attention_paged import check as check_paged
 
 pytestmark = [
     pytest.mark.gpu,
@@ -355,6 +362,156 @@ def test_argument_errors():
 
 
 # ---------------------------------------------------------------------------------------------
+# paged K/V cache (PagedPlan)
+# ---------------------------------------------------------------------------------------------
+def poison_past_lengths(case: PagedCase) -> None:
+    """NaN in every cache row of a sequence's last block past its length (stale rows): a box row
+    there that is neither masked (K) nor cleared (V) turns the output NaN."""
+    table = case.block_table.cpu()
+    bs = case.block_size
+    for b, nk in enumerate(case.seqlens_k.tolist()):
+        if nk <= 0 or -(-nk // bs) > table.shape[1]:
+            continue
+        keys = torch.arange(nk, -(-nk // bs) * bs)
+        blocks = table[b, keys // bs].long()
+        ok = (blocks >= 0) & (blocks < case.num_blocks)
+        case.k_cache[blocks[ok].cuda(), (keys[ok] % bs).cuda()] = math.nan
+        case.v_cache[blocks[ok].cuda(), (keys[ok] % bs).cuda()] = math.nan
+
+
+def run_paged(case: PagedCase, causal=True, *, scale=None, config=None, pack_gqa=None):
+    """(out, lse, plan) of PagedPlan on the case, out / lse NaN-poisoned."""
+    scale = 1.0 / math.sqrt(case.q.shape[-1]) if scale is None else scale
+    plan = sm90.PagedPlan(case.q, case.k_cache, case.v_cache, case.block_table, max_seqlen_q=case.max_seqlen_q,
+                          causal=causal, scale=scale, return_lse=True, config=config, pack_gqa=pack_gqa)
+    out = torch.full_like(case.q, math.nan)
+    lse = torch.full((case.q.shape[1], case.q.shape[0]), math.nan, device=DEVICE)
+    out, lse = plan(*case.tensors(), out=out, lse=lse)
+    torch.cuda.synchronize()
+    return out, lse, plan
+
+
+def prefill_seqs(block_size):
+    """Chunks after cached prefixes (lengths at and around the block and tile edges), a whole
+    prompt, a one-token and an empty chunk: the shapes a chunked-prefill step mixes."""
+    bs = block_size
+    return [(129, 129 + 700), (64, 64), (100, bs * 3 + 1), (1, 33), (0, 17), (31, bs - 1), (33, 1000)]
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2), (16, 2)], ids=["G1", "G4", "G8"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", sm90.HEAD_DIMS)
+def test_paged_matches_reference(d, causal, heads, kv_heads, dtype, block_size):
+    seed = seed_of("paged", d, causal, heads, kv_heads, dtype, block_size)
+    case = PagedCase(prefill_seqs(block_size), heads, kv_heads, d, dtype, block_size, seed, pad_tokens=3)
+    ref_out, ref_lse = case.reference(causal=causal)
+    poison_past_lengths(case)
+    out, lse, plan = run_paged(case, causal)
+    what = f"sm90 paged d={d} H={heads}/{kv_heads} bs={block_size} {dtype} causal={causal} ({plan.config})"
+    check_paged(case, out, lse, ref_out, ref_lse, what)
+    check_padding(case, out, lse, what)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_paged_chunk_after_a_4k_prefix_agrees_with_sm80(block_size, causal):
+    """The issue's chunked-prefill shape (512 queries after a 4096-key cached prefix), several
+    sequences, against the reference and the sm80 paged kernel on the same inputs."""
+    seqs = [(512, 4096 + 512)] * 3 + [(200, 200)]
+    case = PagedCase(seqs, 16, 4, 128, BF16, block_size, seed_of("4k", block_size, causal))
+    ref_out, ref_lse = case.reference(causal=causal)
+    out, lse, _ = run_paged(case, causal)
+    what = f"chunk after 4k prefix bs={block_size} causal={causal}"
+    check_paged(case, out, lse, ref_out, ref_lse, what)
+    out80, lse80, _ = case.launch(causal=causal)
+    err = rel_err(out, out80)
+    assert err < 2 * TOL[BF16], f"{what}: sm90 and sm80 paged outputs differ by {err:.3e} (relative)"
+    fin = torch.isfinite(lse80)
+    assert torch.equal(torch.isfinite(lse), fin), f"{what}: -inf rows of lse differ from sm80's"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_paged_bad_block_ids_are_masked(causal):
+    """Block ids outside [0, num_blocks) inside a sequence's length, and a length past the table's
+    capacity: those keys are masked (the reference's rule), never read."""
+    case = PagedCase([(100, 100), (70, 170), (40, 40)], 8, 2, 128, BF16, 16, seed=5, share=False)
+    table = case.block_table
+    table[0, 1] = -1  # keys 16..31 of sequence 0
+    table[0, 4] = case.num_blocks  # keys 64..79
+    table[1, 0] = 2**31 - 1  # keys 0..15 of sequence 1
+    table[2, 0] = -(2**31)
+    case.seqlens_k[2] = 10_000  # past the table's capacity: only the table's keys are seen
+    case.max_seqlen_k = 10_000
+    ref_out, ref_lse = case.reference(causal=causal)
+    out, lse, _ = run_paged(case, causal)
+    check_paged(case, out, lse, ref_out, ref_lse, f"sm90 paged, bad block ids, causal={causal}")
+
+
+@pytest.mark.parametrize("pack_gqa", [True, False], ids=["pack", "nopack"])
+def test_paged_gqa_packing_forced(pack_gqa):
+    case = PagedCase([(5, 300), (17, 17), (64, 100)], 16, 2, 128, BF16, 32, seed=11)
+    ref_out, ref_lse = case.reference()
+    poison_past_lengths(case)
+    out, lse, _ = run_paged(case, True, pack_gqa=pack_gqa)
+    check_paged(case, out, lse, ref_out, ref_lse, f"sm90 paged pack_gqa={pack_gqa}")
+
+
+def test_paged_call_shape_reuse_and_cuda_graph():
+    """PagedLaunch's call shape (out / lse allocated, lse None unless asked), one plan over new
+    tables and lengths, and a CUDA graph captured once and replayed after the device-side lengths
+    and table change (same max_seqlen_q)."""
+    d, bs = 128, 16
+    a = PagedCase([(64, 300), (80, 80), (3, 40)], 8, 2, d, BF16, bs, seed=21, spare=40)
+    plan = sm90.PagedPlan(a.q, a.k_cache, a.v_cache, a.block_table, max_seqlen_q=a.max_seqlen_q, causal=True,
+                          scale=1.0 / math.sqrt(d), return_lse=False)
+    out, lse = plan(*a.tensors())
+    assert lse is None and out.shape == a.q.shape and out.dtype == a.q.dtype
+    ref_out, _ = a.reference()
+    rows = int(a.cu_seqlens_q[-1])
+    err = rel_err(out[:rows], ref_out[:rows])
+    assert err < TOL[BF16], f"return_lse=False: relative error {err:.3e} (out allocated by the plan)"
+    # New lengths and a reshuffled table, same shapes: the same plan, then a graph.
+    out_buf = torch.full_like(a.q, math.nan)
+    lse_buf = torch.full((a.q.shape[1], a.q.shape[0]), math.nan, device=DEVICE)
+    graph, _ = capture(lambda: plan(*a.tensors(), out=out_buf, lse=lse_buf))
+    for step in range(2):
+        perm = torch.randperm(a.num_blocks, generator=torch.Generator().manual_seed(step))[:a.block_table.numel()]
+        a.block_table.copy_(perm.view_as(a.block_table).to(torch.int32))
+        a.seqlens_k.copy_(torch.tensor([300 - 7 * step, 80 + step, 40 + 9 * step], dtype=torch.int32))
+        out_buf.fill_(math.nan), lse_buf.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = a.reference()
+        check_paged(a, out_buf, lse_buf, ref_out, ref_lse, f"CUDA graph replay {step}")
+
+
+def test_supports_paged():
+    kw = dict(block_size=16, batch=4, heads=32, kv_heads=8, device=DEVICE)
+    assert sm90.supports_paged(128, BF16, max_seqlen_q=512, **kw)  # chunked prefill: 4 x 32 x 4 tiles
+    assert not sm90.supports_paged(128, BF16, max_seqlen_q=1, **kw)  # decode: sm80's split-KV path
+    assert not sm90.supports_paged(128, BF16, max_seqlen_q=512, **{**kw, "batch": 1, "heads": 8})  # 32 tiles
+    assert not sm90.supports_paged(128, BF16, max_seqlen_q=512, **{**kw, "block_size": 8})
+    assert not sm90.supports_paged(96, BF16, max_seqlen_q=512, **kw)
+
+
+def test_paged_argument_errors():
+    case = PagedCase([(70, 100)], 4, 2, 64, BF16, 16, seed=8)
+    args = (case.q, case.k_cache, case.v_cache, case.block_table)
+    kw = dict(max_seqlen_q=70, causal=True, scale=0.1, return_lse=True)
+    with pytest.raises(ValueError, match="split"):
+        sm90.PagedPlan(*args, **kw, num_splits=2)
+    with pytest.raises(ValueError, match="variants"):
+        sm90.PagedPlan(*args, **kw, variants=object())
+    with pytest.raises(ValueError, match="persistent"):
+        sm90.PagedPlan(*args, **kw, config=sm90.C(128, 3, False, True))
+    small = torch.zeros(4, 8, 2, 64, device=DEVICE, dtype=BF16)
+    with pytest.raises(ValueError, match="block_size"):
+        sm90.PagedPlan(case.q, small, small, case.block_table, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
 # Small cases that compute-sanitizer re-runs (memcheck / racecheck / synccheck / initcheck)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.sanitize
@@ -367,3 +524,17 @@ def test_sanitize_small(d, causal):
     packed = Case((1, 2, 0), (65, 3, 1), 8, 1, d, FP16, seed_of("san-pack", d, causal), pad_q=1, pad_k=2)
     out, lse = packed.run_sm90(causal, pack_gqa=True)
     check(packed, out, lse, causal, what="packed")
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", sm90.HEAD_DIMS)
+def test_paged_sanitize_small(d, causal, block_size):
+    case = PagedCase([(70, 70 + 90), (1, 17), (0, 5), (33, 33)], 4, 2, d, BF16, block_size,
+                     seed=seed_of("psan", d, causal, block_size), pad_tokens=2)
+    ref_out, ref_lse = case.reference(causal=causal)
+    poison_past_lengths(case)
+    out, lse, _ = run_paged(case, causal)
+    check_paged(case, out, lse, ref_out, ref_lse, f"sanitize paged d={d} bs={block_size} causal={causal}")
+    check_padding(case, out, lse, "sanitize paged")
