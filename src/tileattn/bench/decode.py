@@ -1,6 +1,7 @@
 """`tileattn bench decode`: paged decode and chunked prefill, tileattn beside SDPA on the same work.
 
     tileattn bench decode [--quick] [--json PATH] [--markdown PATH] [--reps N]
+    tileattn bench decode --sweep [--points H/HKV:B:KV ...] [--splits S ...] [--block-sizes BS ...] [--reps N]
 
 Decode (issue #10): one query token per sequence, bf16, d=128, H/Hkv = 32/32 and 32/8,
 B in {1, 8, 64, 256}, KV length in {1k, 4k, 32k}, block_size 16 and 256. tileattn runs
@@ -22,6 +23,19 @@ top-left, which is a different mask when Nq < Nk.
 
 Every output is compared with a peer's on the same data before timing (rel_err in the record).
 Timing: tileattn.bench.harness.measure (CUDA events, L2 flushed before each repetition).
+
+--sweep (tuning, no peers): at each point (default: the --quick decode points) and block size, the
+default decode config and every kernels.attention_paged_sm80.DECODE_TUNING candidate, each with
+its automatic split count and every --splits count (default 1 2 4 8 16), through PagedLaunch with
+the config and count given explicitly; every output is compared with the default's (rel_err_vs_default);
+records of suite decode_sweep, plus four calibration records per point that split the fixed time
+(docs/attention_paged.md, "GQA B=8 decode"). Prints per point the default, the best (config,
+splits) and the top 3, then a config x split-count matrix. Cost at the quick points, --reps 10:
+4 configs x <= 6 counts + 4 calibrations = <= 28 timings per (point, block size), 12 of those;
+a timing is 13 calls (3 warm-up) plus 10 flushes of 2x the L2 (~25 us each), so ~0.4 s of device
+time at MHA B=64 (1 ms per call) and < 0.05 s elsewhere: ~2 s of device time, and ~3 ms of host
+time per timing (~1 s). Set-up (random K/V, paging: up to 8.6 GB at MHA B=64) ~1 s per point, and
+NVRTC compiles the 3 candidates once (~1-2 s each, measured here): ~20-30 s in all, far inside 90 s.
 """
 
 from __future__ import annotations
@@ -29,6 +43,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import time
 
 import torch
 
@@ -277,10 +292,224 @@ def render(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    from ..runtime import require_gpu
-    from .env import environment
+# ---------------------------------------------------------------------------------------------
+# --sweep: every decode tile config x split count at a few points (docs/attention_paged.md, "GQA B=8
+# decode"), through PagedLaunch with the config and split count given explicitly.
+# ---------------------------------------------------------------------------------------------
+SWEEP_SPLITS = (1, 2, 4, 8, 16)  # forced split counts; the automatic choice is always timed too
+SWEEP_ERR_WARN = 2e-2  # rel. error vs the default's output above which a case is flagged
 
+
+def parse_point(text: str) -> tuple[int, int, int, int]:
+    """'H/Hkv:B:KV' (e.g. '32/8:8:4096') -> (heads, kv_heads, batch, kv_len); ValueError naming the
+    text when it is malformed, H is not a multiple of Hkv or a value is not positive."""
+    try:
+        heads_text, batch, kv_len = text.split(":")
+        heads, kv_heads = (int(x) for x in heads_text.split("/"))
+        point = (heads, kv_heads, int(batch), int(kv_len))
+    except ValueError:
+        raise ValueError(f"point {text!r}: expected H/Hkv:B:KV, e.g. 32/8:8:4096") from None
+    if min(point) <= 0 or heads % kv_heads:
+        raise ValueError(f"point {text!r}: values must be positive and H a multiple of Hkv")
+    return point
+
+
+def quick_points() -> list[tuple[int, int, int, int]]:
+    """The --quick decode points, (heads, kv_heads, batch, kv_len) in the bench's order."""
+    return [(h, hkv, b, n) for h, hkv in HEADS for b in QUICK["batches"] for n in QUICK["kv_lens"]]
+
+
+def sweep_cases(configs, splits) -> list[tuple]:
+    """(config, requested split count or None for the automatic choice) in timing order: the first
+    config (the default) with the automatic count first, so every output is compared with its."""
+    return [(c, s) for c in configs for s in (None, *splits)]
+
+
+def sweep_point(base: dict, kv_bytes: int, cases, build, timer) -> list[dict]:
+    """Records of one (point, block size). `build(config, requested)` -> (launch, run): the
+    PagedLaunch (its .config / .num_splits / .groups are the decisions taken) and a callable
+    returning (out, lse); it may raise (a candidate that does not compile or launch: an error
+    record). `timer(run)` -> harness.Timing. A case whose (config, split count) was already timed
+    (a forced count equal to the automatic one, or capped to it) is skipped. Outputs [Tq, H, d] are
+    compared with the first case's (rel_err_vs_default)."""
+    from ..runtime import CompileError
+
+    records, seen, ref = [], set(), None
+    for config, requested in cases:
+        rec = dict(base, impl="tileattn_paged_sweep", config=str(config),
+                   splits_requested="auto" if requested is None else requested)
+        try:
+            launch, run = build(config, requested)
+        except (CompileError, ValueError) as exc:
+            records.append(dict(rec, status=f"error: {str(exc).splitlines()[0][:100]}"))
+            continue
+        key = (str(launch.config), launch.num_splits)
+        if key in seen:
+            continue
+        seen.add(key)
+        out = run()[0]
+        if ref is None:
+            ref = out
+        t = timer(run)
+        records.append(dict(
+            rec, status="ok", num_splits=launch.num_splits, ctas=launch.groups * launch.num_splits,
+            smem_kb=launch.config.smem_bytes(base["d"]) / 1024, rel_err_vs_default=rel_err(out, ref),
+            us=t.median_ms * 1e3, tbps=kv_bytes / (t.median_ms * 1e-3) / 1e12, **t.as_dict()))
+    return records
+
+
+def calibration_records(base: dict, kv_bytes: int, default_run, empty_run, reps: int) -> list[dict]:
+    """What the model of docs/attention_paged.md ("GQA B=8 decode") splits the fixed time into,
+    measured at this point: `calib_empty` the default launch with every length 0 (launch, prologue,
+    split-KV arrival and combine; no K/V read); `calib_no_flush` the default without the harness's L2
+    flush (whose write pass leaves the L2 full of dirty lines that the timed call must write back);
+    `calib_read` / `calib_read_no_flush` torch.sum over the same bytes of fp32 (a streaming read,
+    shared/ANCHORS.md's reduction ceiling), with and without the flush."""
+    stream = torch.zeros(kv_bytes // 4, dtype=torch.float32, device="cuda")
+    cases = (("calib_empty", empty_run, True, 0), ("calib_no_flush", default_run, False, kv_bytes),
+             ("calib_read", stream.sum, True, kv_bytes), ("calib_read_no_flush", stream.sum, False, kv_bytes))
+    records = []
+    for impl, run, flush, nbytes in cases:
+        t = measure(run, warmup=3, reps=reps, flush_l2=flush, max_seconds=3.0, memory=False)
+        rec = dict(base, impl=impl, status="ok", us=t.median_ms * 1e3, **t.as_dict())
+        if nbytes:
+            rec["tbps"] = nbytes / (t.median_ms * 1e-3) / 1e12
+        records.append(rec)
+    return records
+
+
+def _decode_builder(q, k_cache, v_cache, table, cu_q, seqlens):
+    """sweep_point's `build` for decode (one query token per sequence, causal, default scale): a
+    PagedLaunch with the given config and split count (None: automatic) and its call."""
+    from ..kernels.attention_paged_sm80 import PagedLaunch
+
+    def build(config, requested):
+        launch = PagedLaunch(q, k_cache, v_cache, table, max_seqlen_q=1, causal=True, scale=1 / math.sqrt(HEAD_DIM),
+                             return_lse=False, num_splits=requested, config=config)
+        return launch, functools.partial(launch, q, k_cache, v_cache, table, cu_q, seqlens)
+
+    return build
+
+
+def sweep_decode_point(heads, kv_heads, batch, kv_len, block_sizes, splits, reps, memory_gb) -> list[dict]:
+    """Sweep records of one decode point (bf16, d=128, one query per sequence), per block size:
+    the default decode config and every DECODE_TUNING candidate x (automatic, *splits), then the
+    calibration records. Skipped (one record) when the dense K/V, the paged cache and the read
+    stream (3x the K+V bytes) would pass `memory_gb`."""
+    from ..kernels import attention_paged_sm80 as paged
+    from ..runtime import device_arch
+
+    group = heads // kv_heads
+    default = paged.pick_config(HEAD_DIM, group, device_arch())
+    configs = list(dict.fromkeys((default, *paged.DECODE_TUNING.get(HEAD_DIM, ()))))
+    configs = [c for c in configs if group <= c.block_m]  # decode tiles hold one token's G rows
+    kv_bytes = 2 * batch * kv_heads * kv_len * HEAD_DIM * 2
+    if 3 * kv_bytes > memory_gb * 1e9:
+        return [{"suite": "decode_sweep", "b": batch, "h": heads, "hkv": kv_heads, "kv_len": kv_len, "d": HEAD_DIM,
+                 "impl": "all", "status": f"skipped: {3 * kv_bytes / 1e9:.0f} GB (dense K/V, cache, read stream)"}]
+    gen = torch.Generator(device="cuda").manual_seed(batch * kv_len + kv_heads)
+    q = torch.randn(batch, heads, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)  # [B, H, d]: one token each
+    k = torch.randn(batch, kv_heads, kv_len, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+    v = torch.randn(batch, kv_heads, kv_len, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+    cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    seqlens = torch.full((batch,), kv_len, device="cuda", dtype=torch.int32)
+    no_keys = torch.zeros_like(seqlens)
+    timer = functools.partial(measure, warmup=3, reps=reps, max_seconds=3.0, memory=False)
+    records = []
+    with torch.no_grad():
+        for bs in block_sizes:
+            k_cache, table = paged_from_dense(k, bs, torch.Generator().manual_seed(kv_len))
+            v_cache, _ = paged_from_dense(v, bs, torch.Generator().manual_seed(kv_len))  # the same block order
+            base = {"suite": "decode_sweep", "b": batch, "h": heads, "hkv": kv_heads, "kv_len": kv_len, "d": HEAD_DIM,
+                    "dtype": "bf16", "block_size": bs, "default_config": str(default)}
+            build = _decode_builder(q, k_cache, v_cache, table, cu_q, seqlens)
+            records += sweep_point(base, kv_bytes, sweep_cases(configs, splits), build, timer)
+            launch, run = build(default, None)
+            empty = functools.partial(launch, q, k_cache, v_cache, table, cu_q, no_keys)
+            records += calibration_records(base, kv_bytes, run, empty, reps)
+            del k_cache, v_cache, build, launch, run, empty
+            torch.cuda.empty_cache()
+    return records
+
+
+def _case_name(r: dict) -> str:
+    return f"{r['config']} s{r['num_splits']}"
+
+
+def render_sweep(records: list[dict]) -> str:
+    """Markdown: per (point, block size) the default (its config, automatic splits), the best case,
+    the top 3 and the calibration times; then per point a config x split-count matrix of us."""
+    points: dict[tuple, list[dict]] = {}
+    skipped = []
+    for r in records:
+        if r.get("suite") == "decode_sweep" and r["impl"] == "all":
+            skipped.append(f"{r['h']}/{r['hkv']} B={r['b']} KV={r['kv_len']}: {r['status']}")
+        elif r.get("suite") == "decode_sweep":
+            points.setdefault((f"{r['h']}/{r['hkv']}", r["b"], r["kv_len"], r["block_size"]), []).append(r)
+    lines = ["### decode sweep, bf16 d=128: median us (effective K+V TB/s)", "",
+             "| H/Hkv | B | KV | bs | default (splits) | us (TB/s) | best (splits) | us (TB/s) | default / best "
+             "| top 3 | empty | no flush | read (TB/s) | read, no flush |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def timed(r):
+        return "-" if r is None else f"{r['us']:.1f}" + (f" ({r['tbps']:.2f})" if "tbps" in r else "")
+
+    matrices = []
+    for key, rs in points.items():
+        cases = [r for r in rs if r["impl"] == "tileattn_paged_sweep" and r.get("status") == "ok"]
+        calib = {r["impl"]: r for r in rs if r["impl"].startswith("calib_")}
+        default = next((r for r in cases if r["config"] == r["default_config"] and r["splits_requested"] == "auto"),
+                       None)
+        ranked = sorted(cases, key=lambda r: r["us"])
+        best = ranked[0] if ranked else None
+        ratio = f"{default['us'] / best['us']:.2f}x" if default and best else "-"
+        top = "; ".join(f"{_case_name(r)} {r['us']:.1f}" for r in ranked[:3])
+        lines.append(
+            f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | "
+            f"{_case_name(default) if default else '-'} | {timed(default)} | {_case_name(best) if best else '-'} | "
+            f"{timed(best)} | {ratio} | {top} | {timed(calib.get('calib_empty'))} | "
+            f"{timed(calib.get('calib_no_flush'))} | {timed(calib.get('calib_read'))} | "
+            f"{timed(calib.get('calib_read_no_flush'))} |")
+        errors = [r for r in rs if r["impl"] == "tileattn_paged_sweep" and r.get("status") != "ok"]
+        counts = sorted({r["num_splits"] for r in cases})
+        configs = list(dict.fromkeys(r["config"] for r in rs if r["impl"] == "tileattn_paged_sweep"))
+        matrix = [f"{key[0]} B={key[1]} KV={key[2]} bs={key[3]}: us by config (rows) x split count (columns; "
+                  "* the automatic choice)", "",
+                  "| config | " + " | ".join(str(s) for s in counts) + " | max rel. err |",
+                  "|---|" + "---|" * (len(counts) + 1)]
+        for c in configs:
+            mine = {r["num_splits"]: r for r in cases if r["config"] == c}
+            cells = [f"{mine[s]['us']:.1f}{'*' if mine[s]['splits_requested'] == 'auto' else ''}" if s in mine
+                     else "-" for s in counts]
+            err = max((r["rel_err_vs_default"] for r in mine.values()), default=None)
+            status = next((r["status"] for r in errors if r["config"] == c), None)
+            matrix.append(f"| {c} | " + " | ".join(cells) + f" | {fmt_number(err)}{' ' + status if status else ''} |")
+        matrices += ["", *matrix]
+    lines += ["", "(empty: the default launch with every length 0; no flush: the default without the L2 flush; "
+              "read: torch.sum over the same bytes, fp32)", *(f"\n{s}" for s in skipped), *matrices]
+    return "\n".join(lines)
+
+
+def run_sweep(points, block_sizes, splits, reps, memory_gb) -> list[dict]:
+    """Sweep records of every point (see sweep_decode_point), printing each point's best."""
+    records = []
+    for heads, kv_heads, batch, kv_len in points:
+        point = sweep_decode_point(heads, kv_heads, batch, kv_len, block_sizes, splits, reps, memory_gb)
+        records += point
+        if point[0]["impl"] == "all":
+            print(f"sweep H={heads}/{kv_heads} B={batch} KV={kv_len}: {point[0]['status']}")
+            continue
+        ok = [r for r in point if r["impl"] == "tileattn_paged_sweep" and r.get("status") == "ok"]
+        best = min(ok, key=lambda r: r["us"], default=None)
+        print(f"sweep H={heads}/{kv_heads} B={batch} KV={kv_len}: {len(ok)} cases"
+              + (f", best {_case_name(best)} bs={best['block_size']} {best['us']:.1f} us" if best else ""))
+    return records
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; with --sweep, points as (heads, kv_heads, batch, kv_len) tuples (the --quick
+    decode points by default), split counts and block sizes filled in. Bad values exit through
+    argparse's error (status 2) naming the option."""
     ap = argparse.ArgumentParser(prog="tileattn bench decode", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"B in {QUICK['batches']}, KV in {QUICK['kv_lens']}")
@@ -289,10 +518,55 @@ def main(argv=None) -> int:
     ap.add_argument("--no-prefill", action="store_true", help="decode only")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--markdown", help="write the tables here")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the default decode config and every DECODE_TUNING candidate x split count instead")
+    ap.add_argument("--points", nargs="+", metavar="H/HKV:B:KV",
+                    help="--sweep points, e.g. 32/8:8:4096 (default: the --quick decode points)")
+    ap.add_argument("--splits", nargs="+", type=int, metavar="S",
+                    help=f"--sweep forced split counts, beside the automatic one (default: {SWEEP_SPLITS})")
+    ap.add_argument("--block-sizes", nargs="+", type=int, metavar="BS",
+                    help=f"--sweep block sizes (default: {QUICK['block_sizes']})")
     args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
+    if not args.sweep:
+        if args.points or args.splits or args.block_sizes:
+            ap.error("--points, --splits and --block-sizes go with --sweep")
+        return args
+    try:
+        args.points = [parse_point(p) for p in args.points] if args.points else quick_points()
+    except ValueError as exc:
+        ap.error(f"--points: {exc}")
+    args.splits = tuple(dict.fromkeys(args.splits or SWEEP_SPLITS))
+    if min(args.splits) < 1:
+        ap.error(f"--splits must be >= 1, got {list(args.splits)}")
+    args.block_sizes = tuple(dict.fromkeys(args.block_sizes or QUICK["block_sizes"]))
+    if any(bs < 16 or bs > 256 or bs & (bs - 1) for bs in args.block_sizes):
+        ap.error(f"--block-sizes must be powers of two in 16..256, got {list(args.block_sizes)}")
+    return args
+
+
+def main(argv=None) -> int:
+    from ..runtime import require_gpu
+    from .env import environment
+
+    args = parse_args(argv)
     require_gpu()
     env = environment()
     print(environment_line(env))
+    if args.sweep:
+        start = time.perf_counter()
+        records = run_sweep(args.points, args.block_sizes, args.splits, args.reps, args.memory_gb)
+        for r in records:
+            err = r.get("rel_err_vs_default")
+            if err is not None and err > SWEEP_ERR_WARN:
+                print(f"WARNING: sweep {r['config']} splits={r['num_splits']} B={r['b']} H={r['h']}/{r['hkv']} "
+                      f"bs={r['block_size']}: rel. error {err:.2e} vs the default")
+        text = render_sweep(records)
+        save_run(records, env, text, args.json, args.markdown)
+        print(text)
+        print(f"\nsweep: {time.perf_counter() - start:.0f} s wall")
+        return 0
     batches = QUICK["batches"] if args.quick else BATCHES
     kv_lens = QUICK["kv_lens"] if args.quick else KV_LENS
     block_sizes = QUICK["block_sizes"] if args.quick else BLOCK_SIZES

@@ -1,0 +1,150 @@
+"""CPU tests of `tileattn bench decode --sweep`'s harness code: argument parsing, the case list, record
+building (split-count dedupe, comparison with the default's output, error records) and the tables,
+with fake launches and timings (the GPU path differs only in `build` and `timer`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tileattn.bench import decode
+from tileattn.bench.harness import summarize
+from tileattn.kernels import attention_paged_sm80 as paged
+
+DEFAULT = paged.CONFIGS[128][0]
+CANDIDATES = paged.DECODE_TUNING[128]
+AUTO = {DEFAULT: 4, CANDIDATES[0]: 8, CANDIDATES[1]: 6, CANDIDATES[2]: 2}  # what choose_num_splits would say
+
+
+class FakeLaunch:
+    def __init__(self, config, requested):
+        self.config = config
+        self.num_splits = min(requested or AUTO[config], paged.MAX_SPLITS)
+        self.groups = 64  # B * Hkv * M tiles of GQA 32/8 B=8
+
+
+def fake_us(config, splits):
+    """A time per (config, splits) with one clear minimum: candidate 0 at 8 splits."""
+    return 50.0 + abs(splits - 8) + (0.0 if config == CANDIDATES[0] else 3.0)
+
+
+def fake_sweep(broken=None):
+    """sweep_point on a fake point: every config of the real table, outputs that differ by config."""
+    base = {"suite": "decode_sweep", "b": 8, "h": 32, "hkv": 8, "kv_len": 4096, "d": 128, "dtype": "bf16",
+            "block_size": 16, "default_config": str(DEFAULT)}
+    reference = torch.randn(8, 32, 128, generator=torch.Generator().manual_seed(0))  # [Tq, H, d]
+    configs = [DEFAULT, *CANDIDATES]
+
+    def build(config, requested):
+        if config == broken:
+            raise ValueError(f"{config}: does not fit")
+        launch = FakeLaunch(config, requested)
+        out = reference * (1 + 1e-3 * configs.index(config))  # rel. error 1e-3 per config index
+        return launch, lambda: (out, None)
+
+    def timer(run):
+        launch = timer.last
+        return summarize([fake_us(launch.config, launch.num_splits) / 1e3] * 3)
+
+    def build_and_remember(config, requested):
+        launch, run = build(config, requested)
+        timer.last = launch
+        return launch, run
+
+    cases = decode.sweep_cases(configs, decode.SWEEP_SPLITS)
+    records = decode.sweep_point(base, 134217728, cases, build_and_remember, timer)
+    calib = [dict(base, impl=name, status="ok", us=us, **({"tbps": 4.0} if name != "calib_empty" else {}))
+             for name, us in (("calib_empty", 9.5), ("calib_no_flush", 37.0), ("calib_read", 44.0),
+                              ("calib_read_no_flush", 33.0))]
+    return records + calib
+
+
+def test_parse_args_sweep_defaults_and_points():
+    args = decode.parse_args(["--sweep"])
+    assert args.points == decode.quick_points()
+    assert (32, 8, 8, 4096) in args.points and len(args.points) == 6
+    assert args.splits == decode.SWEEP_SPLITS and args.block_sizes == (16, 256)
+    args = decode.parse_args(["--sweep", "--points", "32/8:8:4096", "32/32:1:32768", "--splits", "4", "8", "4",
+                              "--block-sizes", "16", "--reps", "10"])
+    assert args.points == [(32, 8, 8, 4096), (32, 32, 1, 32768)]
+    assert args.splits == (4, 8) and args.block_sizes == (16,) and args.reps == 10
+    plain = decode.parse_args(["--quick", "--no-prefill"])  # without --sweep: the bench as before
+    assert not plain.sweep and plain.points is None and plain.quick
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--sweep", "--points", "32/8:8"], "--points"),  # missing KV
+    (["--sweep", "--points", "32/5:8:4096"], "--points"),  # H not a multiple of Hkv
+    (["--sweep", "--points", "32/8:0:4096"], "--points"),  # B = 0
+    (["--sweep", "--splits", "0"], "--splits"),
+    (["--sweep", "--block-sizes", "24"], "--block-sizes"),
+    (["--sweep", "--block-sizes", "512"], "--block-sizes"),
+    (["--points", "32/8:8:4096"], "--sweep"),  # sweep options without --sweep
+    (["--sweep", "--reps", "0"], "--reps"),
+])  # fmt: skip
+def test_parse_args_rejects(argv, named, capsys):
+    with pytest.raises(SystemExit) as exc:
+        decode.parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err, f"the error should name {named}: {err!r}"
+
+
+def test_parse_point_message_names_the_text():
+    with pytest.raises(ValueError, match="'32x8:8:4096'"):
+        decode.parse_point("32x8:8:4096")
+    assert decode.parse_point("32/8:64:1024") == (32, 8, 64, 1024)
+
+
+def test_sweep_cases_default_auto_first():
+    cases = decode.sweep_cases([DEFAULT, *CANDIDATES], (1, 2))
+    assert cases[0] == (DEFAULT, None)
+    assert len(cases) == 4 * 3 and cases[3] == (CANDIDATES[0], None)
+
+
+def test_sweep_point_records():
+    records = [r for r in fake_sweep() if r["impl"] == "tileattn_paged_sweep"]
+    # per config: auto + 1 2 4 8 16, less the forced count equal to the automatic one (8 of 2..16 with
+    # auto 4, 8, 6, 2: DEFAULT drops 4, CANDIDATES[0] drops 8, [1] keeps all 6, [2] drops 2)
+    per_config = {c: [r for r in records if r["config"] == str(c)] for c in (DEFAULT, *CANDIDATES)}
+    assert [len(v) for v in per_config.values()] == [5, 5, 6, 5]
+    first = records[0]
+    assert first["config"] == str(DEFAULT) and first["splits_requested"] == "auto" and first["num_splits"] == 4
+    assert first["rel_err_vs_default"] == 0.0
+    for i, c in enumerate((DEFAULT, *CANDIDATES)):
+        for r in per_config[c]:
+            assert r["status"] == "ok" and r["ctas"] == 64 * r["num_splits"]
+            assert r["rel_err_vs_default"] == pytest.approx(1e-3 * i, rel=1e-3, abs=1e-9)
+            assert r["us"] == pytest.approx(fake_us(c, r["num_splits"]))
+            assert r["tbps"] == pytest.approx(134217728 / (r["us"] * 1e-6) / 1e12)
+            assert r["smem_kb"] == c.smem_bytes(128) / 1024
+    assert len({(r["config"], r["num_splits"]) for r in records}) == len(records), "a (config, splits) timed twice"
+
+
+def test_sweep_point_error_record_and_table():
+    records = fake_sweep(broken=CANDIDATES[1])
+    errors = [r for r in records if r.get("status", "").startswith("error")]
+    assert len(errors) == 6 and all("does not fit" in r["status"] for r in errors)
+    text = decode.render_sweep(records)
+    row = next(line for line in text.splitlines() if line.startswith(f"| {CANDIDATES[1]} |"))
+    assert "does not fit" in row
+
+
+def test_render_sweep_default_best_top3_and_calibration():
+    text = decode.render_sweep(fake_sweep())
+    lines = text.splitlines()
+    summary = next(line for line in lines if line.startswith("| 32/8 | 8 | 4096 | 16 |"))
+    cells = [c.strip() for c in summary.strip("|").split("|")]
+    assert cells[4] == f"{DEFAULT} s4"  # the default, automatic split count
+    assert cells[5] == f"{fake_us(DEFAULT, 4):.1f} ({134217728 / (fake_us(DEFAULT, 4) * 1e-6) / 1e12:.2f})"
+    assert cells[6] == f"{CANDIDATES[0]} s8"  # the fake times' minimum
+    assert cells[8] == f"{fake_us(DEFAULT, 4) / fake_us(CANDIDATES[0], 8):.2f}x"
+    top = cells[9].split("; ")
+    # then the three 53.0 us cases (8 splits, +3) in timing order: the default's first
+    assert top == [f"{CANDIDATES[0]} s8 50.0", f"{DEFAULT} s8 53.0", f"{CANDIDATES[1]} s8 53.0"]
+    assert cells[10:] == ["9.5", "37.0 (4.00)", "44.0 (4.00)", "33.0 (4.00)"]
+    # the matrix: one row per config, a column per split count seen, the automatic one starred
+    header = next(line for line in lines if line.startswith("| config |"))
+    assert header.split("|")[2:-2] == [f" {s} " for s in (1, 2, 4, 6, 8, 16)]
+    row = next(line for line in lines if line.startswith(f"| {DEFAULT} |"))
+    assert f"{fake_us(DEFAULT, 4):.1f}*" in row and "| - |" in row  # no 6-split case for the default
