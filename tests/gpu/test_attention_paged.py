@@ -85,12 +85,13 @@ class Case:
             return api_paged.attention_paged(*self.tensors(), self.max_seqlen_q, self.max_seqlen_k, causal=causal,
                                              return_lse=True, num_splits=num_splits, **variants)
 
-    def launch(self, causal=True, scale=None, num_splits=None):
-        """The launch layer with NaN-poisoned out / lse (and NaN-filled workspace blocks)."""
+    def launch(self, causal=True, scale=None, num_splits=None, config=None):
+        """The launch layer with NaN-poisoned out / lse (and NaN-filled workspace blocks); `config`:
+        a tile config given explicitly (tuning candidates), else the dispatcher's choice."""
         scale = 1.0 / math.sqrt(self.q.shape[-1]) if scale is None else scale
         launch = paged.PagedLaunch(
             self.q, self.k_cache, self.v_cache, self.block_table, max_seqlen_q=self.max_seqlen_q, causal=causal,
-            scale=scale, return_lse=True, num_splits=num_splits,
+            scale=scale, return_lse=True, num_splits=num_splits, config=config,
         )  # fmt: skip
         out = torch.full_like(self.q, float("nan"))
         lse = torch.full((self.q.shape[1], self.q.shape[0]), float("nan"), device="cuda")
@@ -221,6 +222,50 @@ def test_forced_splits_equal_no_split(head_dim, heads, kv_heads):
         check(case, out, lse, ref_out, ref_lse, f"num_splits={splits}")
         diff = rel_err(out, base)
         assert diff <= TOL[BF16], f"num_splits={splits} differs from no split by {diff:.3e}"
+
+
+# Decode tuning candidates (kernels.attention_paged_sm80.DECODE_TUNING, timed by `bench decode
+# --sweep`; bf16 d=128 instantiations only): decode and speculative rows of one token's group
+# (max_seqlen_q * G <= 16, the decode tile's rows), lengths around the 32-, 64- and 128-key tile
+# edges and past the 4096-key point, junk past each table row, split counts automatic, none, odd,
+# and more splits than some sequences have tiles.
+DECODE_TUNING_CASES = {
+    "gqa4_bs16": ([(1, 1), (1, 31), (1, 32), (1, 33), (4, 127), (1, 129), (1, 1000), (1, 4097), (0, 9), (2, 64)],
+                  16, 4, 16),
+    "gqa8_bs256": ([(1, 255), (2, 256), (1, 257), (1, 4097), (1, 1)], 32, 4, 256),
+}
+
+
+@pytest.mark.parametrize("config", paged.DECODE_TUNING[128], ids=str)
+@pytest.mark.parametrize("name", list(DECODE_TUNING_CASES))
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 16])
+def test_decode_tuning_configs(config, name, num_splits):
+    from tileattn.runtime import device_smem_optin
+
+    if config.smem_bytes(128) > device_smem_optin(torch.cuda.current_device()):
+        pytest.skip(f"{config}: {config.smem_bytes(128)} bytes of shared memory, more than this GPU allows")
+    seqs, heads, kv_heads, block_size = DECODE_TUNING_CASES[name]
+    case = Case(seqs, heads, kv_heads, 128, BF16, block_size, seed=zlib.crc32(f"{config} {name}".encode()))
+    ref_out, ref_lse = case.reference()
+    out, lse, launch = case.launch(num_splits=num_splits, config=config)
+    assert launch.config == config, f"asked for {config}, launched {launch.config}"
+    if num_splits is not None:
+        assert launch.num_splits == num_splits, f"asked for {num_splits} splits, launched {launch.num_splits}"
+    check(case, out, lse, ref_out, ref_lse, f"{name} {config} splits={launch.num_splits}")
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("config", paged.DECODE_TUNING[128], ids=str)
+def test_decode_tuning_configs_small_sanitize(config):
+    """One small split case per candidate (also run under compute-sanitizer)."""
+    from tileattn.runtime import device_smem_optin
+
+    if config.smem_bytes(128) > device_smem_optin(torch.cuda.current_device()):
+        pytest.skip(f"{config}: {config.smem_bytes(128)} bytes of shared memory, more than this GPU allows")
+    case = Case([(1, 17), (2, 150), (0, 3), (1, 0)], 8, 2, 128, BF16, 16, seed=13)
+    ref_out, ref_lse = case.reference()
+    out, lse, launch = case.launch(num_splits=3, config=config)
+    check(case, out, lse, ref_out, ref_lse, f"small {config} splits=3")
 
 
 @pytest.mark.sanitize
