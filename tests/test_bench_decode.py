@@ -148,3 +148,59 @@ def test_render_sweep_default_best_top3_and_calibration():
     assert header.split("|")[2:-2] == [f" {s} " for s in (1, 2, 4, 6, 8, 16)]
     row = next(line for line in lines if line.startswith(f"| {DEFAULT} |"))
     assert f"{fake_us(DEFAULT, 4):.1f}*" in row and "| - |" in row  # no 6-split case for the default
+
+
+class ReferenceLaunch:
+    """Stands in for PagedLaunch on the CPU: the float reference on the same paged tensors."""
+
+    def __init__(self, q, k_cache, v_cache, block_table, *, max_seqlen_q, causal, scale, return_lse, num_splits,
+                 config):
+        assert max_seqlen_q == 1 and causal and not return_lse and config is not None
+        self.config, self.scale = config, scale
+        self.num_splits = num_splits or AUTO[config]
+        self.groups = block_table.shape[0] * k_cache.shape[2]  # B * Hkv (one M tile)
+
+    def __call__(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k):
+        capacity = block_table.shape[1] * k_cache.shape[1]
+        out = paged_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, 1, capacity,
+                              causal=True, scale=self.scale)
+        return out, None
+
+
+def paged_reference(*args, **kwargs):
+    from tileattn import reference
+
+    return reference.attention_paged(*args, **kwargs)
+
+
+def test_run_sweep_end_to_end_on_cpu(monkeypatch):
+    """run_sweep's whole path (data, paging, launches, comparisons, calibrations, skipped points) on
+    the CPU with the reference as the launch and a fake clock: every case and calibration is timed
+    once, with the flush as documented, and the outputs agree (the paged cache holds the keys)."""
+    import tileattn.runtime
+    from tileattn.kernels import attention_paged_sm80
+
+    timed = []
+
+    def fake_measure(fn, *, warmup, reps, flush_l2=True, max_seconds=None, memory=True):
+        fn()
+        timed.append(flush_l2)
+        return summarize([(40.0 + len(timed)) / 1e3] * reps)
+
+    monkeypatch.setattr(tileattn.runtime, "device_arch", lambda *a: "sm_90a")
+    monkeypatch.setattr(attention_paged_sm80, "PagedLaunch", ReferenceLaunch)
+    monkeypatch.setattr(decode, "measure", fake_measure)
+    points = [(32, 8, 2, 256), (32, 32, 1, 10**9)]  # the second one needs more memory than allowed
+    records = decode.run_sweep(points, (16, 256), (1, 4), 3, 1.0, device="cpu")
+    cases = [r for r in records if r["impl"] == "tileattn_paged_sweep"]
+    # per block size: 4 configs x (auto, 1, 4) less the forced count equal to auto (DEFAULT's 4)
+    assert len(cases) == 2 * (4 * 3 - 1)
+    assert all(r["status"] == "ok" and r["rel_err_vs_default"] < 1e-6 for r in cases), "outputs differ"
+    calib = [r["impl"] for r in records if r["impl"].startswith("calib_")]
+    assert calib == 2 * ["calib_empty", "calib_no_flush", "calib_read", "calib_read_no_flush"]
+    assert timed == 2 * ([True] * 11 + [True, False, True, False]), "flush per timing"
+    skipped = [r for r in records if r["impl"] == "all"]
+    assert len(skipped) == 1 and skipped[0]["status"].startswith("skipped") and skipped[0]["h"] == 32
+    text = decode.render_sweep(records)
+    assert "| 32/8 | 2 | 256 | 16 |" in text and "| 32/8 | 2 | 256 | 256 |" in text
+    assert "32/32 B=1 KV=1000000000: skipped" in text

@@ -328,11 +328,11 @@ def sweep_cases(configs, splits) -> list[tuple]:
 def sweep_point(base: dict, kv_bytes: int, cases, build, timer) -> list[dict]:
     """Records of one (point, block size). `build(config, requested)` -> (launch, run): the
     PagedLaunch (its .config / .num_splits / .groups are the decisions taken) and a callable
-    returning (out, lse); it may raise (a candidate that does not compile or launch: an error
-    record). `timer(run)` -> harness.Timing. A case whose (config, split count) was already timed
+    returning (out, lse); it may raise CompileError, LaunchError (refused before any launch) or
+    ValueError: an error record. `timer(run)` -> harness.Timing. A case whose (config, split count) was already timed
     (a forced count equal to the automatic one, or capped to it) is skipped. Outputs [Tq, H, d] are
     compared with the first case's (rel_err_vs_default)."""
-    from ..runtime import CompileError
+    from ..runtime import CompileError, LaunchError
 
     records, seen, ref = [], set(), None
     for config, requested in cases:
@@ -340,7 +340,7 @@ def sweep_point(base: dict, kv_bytes: int, cases, build, timer) -> list[dict]:
                    splits_requested="auto" if requested is None else requested)
         try:
             launch, run = build(config, requested)
-        except (CompileError, ValueError) as exc:
+        except (CompileError, LaunchError, ValueError) as exc:  # e.g. more shared memory than this GPU has
             records.append(dict(rec, status=f"error: {str(exc).splitlines()[0][:100]}"))
             continue
         key = (str(launch.config), launch.num_splits)
@@ -358,14 +358,14 @@ def sweep_point(base: dict, kv_bytes: int, cases, build, timer) -> list[dict]:
     return records
 
 
-def calibration_records(base: dict, kv_bytes: int, default_run, empty_run, reps: int) -> list[dict]:
+def calibration_records(base: dict, kv_bytes: int, default_run, empty_run, reps: int, device="cuda") -> list[dict]:
     """What the model of docs/attention_paged.md ("GQA B=8 decode") splits the fixed time into,
     measured at this point: `calib_empty` the default launch with every length 0 (launch, prologue,
     split-KV arrival and combine; no K/V read); `calib_no_flush` the default without the harness's L2
     flush (whose write pass leaves the L2 full of dirty lines that the timed call must write back);
     `calib_read` / `calib_read_no_flush` torch.sum over the same bytes of fp32 (a streaming read,
     shared/ANCHORS.md's reduction ceiling), with and without the flush."""
-    stream = torch.zeros(kv_bytes // 4, dtype=torch.float32, device="cuda")
+    stream = torch.zeros(kv_bytes // 4, dtype=torch.float32, device=device)
     cases = (("calib_empty", empty_run, True, 0), ("calib_no_flush", default_run, False, kv_bytes),
              ("calib_read", stream.sum, True, kv_bytes), ("calib_read_no_flush", stream.sum, False, kv_bytes))
     records = []
@@ -391,11 +391,13 @@ def _decode_builder(q, k_cache, v_cache, table, cu_q, seqlens):
     return build
 
 
-def sweep_decode_point(heads, kv_heads, batch, kv_len, block_sizes, splits, reps, memory_gb) -> list[dict]:
+def sweep_decode_point(heads, kv_heads, batch, kv_len, block_sizes, splits, reps, memory_gb,
+                       device="cuda") -> list[dict]:
     """Sweep records of one decode point (bf16, d=128, one query per sequence), per block size:
     the default decode config and every DECODE_TUNING candidate x (automatic, *splits), then the
     calibration records. Skipped (one record) when the dense K/V, the paged cache and the read
-    stream (3x the K+V bytes) would pass `memory_gb`."""
+    stream (3x the K+V bytes) would pass `memory_gb`. (`device`: "cuda"; the CPU tests run the
+    harness on "cpu" with a stand-in launch.)"""
     from ..kernels import attention_paged_sm80 as paged
     from ..runtime import device_arch
 
@@ -407,12 +409,12 @@ def sweep_decode_point(heads, kv_heads, batch, kv_len, block_sizes, splits, reps
     if 3 * kv_bytes > memory_gb * 1e9:
         return [{"suite": "decode_sweep", "b": batch, "h": heads, "hkv": kv_heads, "kv_len": kv_len, "d": HEAD_DIM,
                  "impl": "all", "status": f"skipped: {3 * kv_bytes / 1e9:.0f} GB (dense K/V, cache, read stream)"}]
-    gen = torch.Generator(device="cuda").manual_seed(batch * kv_len + kv_heads)
-    q = torch.randn(batch, heads, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)  # [B, H, d]: one token each
-    k = torch.randn(batch, kv_heads, kv_len, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
-    v = torch.randn(batch, kv_heads, kv_len, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
-    cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
-    seqlens = torch.full((batch,), kv_len, device="cuda", dtype=torch.int32)
+    gen = torch.Generator(device=device).manual_seed(batch * kv_len + kv_heads)
+    q = torch.randn(batch, heads, HEAD_DIM, device=device, dtype=DTYPE, generator=gen)  # [B, H, d]: one token each
+    k = torch.randn(batch, kv_heads, kv_len, HEAD_DIM, device=device, dtype=DTYPE, generator=gen)
+    v = torch.randn(batch, kv_heads, kv_len, HEAD_DIM, device=device, dtype=DTYPE, generator=gen)
+    cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32)
+    seqlens = torch.full((batch,), kv_len, device=device, dtype=torch.int32)
     no_keys = torch.zeros_like(seqlens)
     timer = functools.partial(measure, warmup=3, reps=reps, max_seconds=3.0, memory=False)
     records = []
@@ -426,9 +428,10 @@ def sweep_decode_point(heads, kv_heads, batch, kv_len, block_sizes, splits, reps
             records += sweep_point(base, kv_bytes, sweep_cases(configs, splits), build, timer)
             launch, run = build(default, None)
             empty = functools.partial(launch, q, k_cache, v_cache, table, cu_q, no_keys)
-            records += calibration_records(base, kv_bytes, run, empty, reps)
+            records += calibration_records(base, kv_bytes, run, empty, reps, device)
             del k_cache, v_cache, build, launch, run, empty
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return records
 
 
@@ -490,11 +493,11 @@ def render_sweep(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_sweep(points, block_sizes, splits, reps, memory_gb) -> list[dict]:
+def run_sweep(points, block_sizes, splits, reps, memory_gb, device="cuda") -> list[dict]:
     """Sweep records of every point (see sweep_decode_point), printing each point's best."""
     records = []
     for heads, kv_heads, batch, kv_len in points:
-        point = sweep_decode_point(heads, kv_heads, batch, kv_len, block_sizes, splits, reps, memory_gb)
+        point = sweep_decode_point(heads, kv_heads, batch, kv_len, block_sizes, splits, reps, memory_gb, device)
         records += point
         if point[0]["impl"] == "all":
             print(f"sweep H={heads}/{kv_heads} B={batch} KV={kv_len}: {point[0]['status']}")
