@@ -940,3 +940,43 @@ def test_sass_audit_catches_a_rewritten_a_register():
     """
     assert register_a_hazards(sass) == (1, [("F2FP.BF16.F32.PACK_AB R153, R3, R2 at 0x110 writes R153 of the HGMMA "
                                             "at 0x100")])
+
+
+def test_packed_plans_refuse_bad_arguments_before_any_launch():
+    """VarlenPlan / PagedPlan raise ValueError naming what is wrong before touching a device (CPU
+    tensors stand in: every check runs before the first CUDA call)."""
+    q = torch.zeros(10, 4, 64, dtype=torch.bfloat16)
+    kv = torch.zeros(12, 2, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(4, 10)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    plan = af.forward_varlen_plan
+    with pytest.raises(ValueError, match="head_dim"):
+        plan(q[..., :32], kv[..., :32], kv[..., :32], q[..., :32], lse, cu, cu, 10, causal=False, scale=0.1)
+    with pytest.raises(ValueError, match="dtype"):
+        plan(q.float(), kv, kv, q, lse, cu, cu, 10, causal=False, scale=0.1)
+    with pytest.raises(ValueError, match="k.dtype"):
+        plan(q, kv.half(), kv, q, lse, cu, cu, 10, causal=False, scale=0.1)
+    with pytest.raises(ValueError, match="multiple of k/v heads"):
+        plan(q[:, :3], kv, kv, q[:, :3], lse, cu, cu, 10, causal=False, scale=0.1)
+    with pytest.raises(ValueError, match="persistent"):
+        plan(q, kv, kv, q, lse, cu, cu, 10, causal=False, scale=0.1, config=af.C(128, 3, False, True))
+    odd = torch.zeros(10, 4, 68, dtype=torch.bfloat16)[:, :, :64]  # head stride 136 bytes
+    with pytest.raises(ValueError, match="TMA"):
+        plan(odd, kv, kv, q, lse, cu, cu, 10, causal=False, scale=0.1)
+    cache = torch.zeros(6, 16, 2, 64, dtype=torch.bfloat16)
+    table = torch.zeros(1, 6, dtype=torch.int32)
+    kw = dict(max_seqlen_q=10, causal=True, scale=0.1, return_lse=True)
+    with pytest.raises(ValueError, match="split"):
+        af.PagedPlan(q, cache, cache, table, **kw, num_splits=2)
+    with pytest.raises(ValueError, match="variants"):
+        af.PagedPlan(q, cache, cache, table, **kw, variants=object())
+    with pytest.raises(ValueError, match="block_size"):
+        af.PagedPlan(q, cache[:, :8], cache[:, :8], table, **kw)
+    with pytest.raises(ValueError, match="no block"):
+        af.PagedPlan(q, cache[:0], cache[:0], table, **kw)
+    with pytest.raises(ValueError, match="v_cache"):
+        af.PagedPlan(q, cache, cache.half(), table, **kw)
+    assert not af.supports_paged(128, torch.bfloat16, block_size=16, max_seqlen_q=1, batch=64, heads=32, kv_heads=8)
+    assert af.supports_paged(128, torch.bfloat16, block_size=16, max_seqlen_q=512, batch=4, heads=32, kv_heads=8)
+    assert not af.supports_paged(128, torch.bfloat16, block_size=8, max_seqlen_q=512, batch=4, heads=32, kv_heads=8)
+
