@@ -54,8 +54,8 @@ def fake_sweep(broken=None):
     cases = decode.sweep_cases(configs, decode.SWEEP_SPLITS)
     records = decode.sweep_point(base, 134217728, cases, build_and_remember, timer)
     calib = [dict(base, impl=name, status="ok", us=us, **({"tbps": 4.0} if name != "calib_empty" else {}))
-             for name, us in (("calib_empty", 9.5), ("calib_no_flush", 37.0), ("calib_read", 44.0),
-                              ("calib_read_no_flush", 33.0))]
+             for name, us in (("calib_empty", 9.5), ("calib_no_flush", 37.0), ("calib_clean_flush", 36.0),
+                              ("calib_read", 44.0), ("calib_read_no_flush", 33.0))]
     return records + calib
 
 
@@ -142,7 +142,7 @@ def test_render_sweep_default_best_top3_and_calibration():
     top = cells[9].split("; ")
     # then the three 53.0 us cases (8 splits, +3) in timing order: the default's first
     assert top == [f"{CANDIDATES[0]} s8 50.0", f"{DEFAULT} s8 53.0", f"{CANDIDATES[1]} s8 53.0"]
-    assert cells[10:] == ["9.5", "37.0 (4.00)", "44.0 (4.00)", "33.0 (4.00)"]
+    assert cells[10:] == ["9.5", "37.0 (4.00)", "36.0 (4.00)", "44.0 (4.00)", "33.0 (4.00)"]
     # the matrix: one row per config, a column per split count seen, the automatic one starred
     header = next(line for line in lines if line.startswith("| config |"))
     assert header.split("|")[2:-2] == [f" {s} " for s in (1, 2, 4, 6, 8, 16)]
@@ -196,9 +196,14 @@ def test_run_sweep_end_to_end_on_cpu(monkeypatch):
     # per block size: 4 configs x (auto, 1, 4) less the forced count equal to auto (DEFAULT's 4)
     assert len(cases) == 2 * (4 * 3 - 1)
     assert all(r["status"] == "ok" and r["rel_err_vs_default"] < 1e-6 for r in cases), "outputs differ"
-    calib = [r["impl"] for r in records if r["impl"].startswith("calib_")]
-    assert calib == 2 * ["calib_empty", "calib_no_flush", "calib_read", "calib_read_no_flush"]
-    assert timed == 2 * ([True] * 11 + [True, False, True, False]), "flush per timing"
+    calib = [r for r in records if r["impl"].startswith("calib_")]
+    assert [r["impl"] for r in calib] == 2 * ["calib_empty", "calib_no_flush", "calib_read", "calib_read_no_flush",
+                                              "calib_clean_flush"]
+    # the harness's flush: on for the cases, per calibration as documented; the clean-flush pair off
+    assert timed == 2 * ([True] * 11 + [True, False, True, False, False, False]), "flush per timing"
+    clean = calib[4]  # fake clock: (flush + call) timed 16th, the flush alone 17th: 1 us apart
+    assert clean["flush_and_call_us"] == pytest.approx(56.0) and clean["flush_us"] == pytest.approx(57.0)
+    assert clean["us"] == pytest.approx(-1.0) and "tbps" not in clean
     skipped = [r for r in records if r["impl"] == "all"]
     assert len(skipped) == 1 and skipped[0]["status"].startswith("skipped") and skipped[0]["h"] == 32
     text = decode.render_sweep(records)

@@ -28,11 +28,11 @@ Timing: tileattn.bench.harness.measure (CUDA events, L2 flushed before each repe
 default decode config and every kernels.attention_paged_sm80.DECODE_TUNING candidate, each with
 its automatic split count and every --splits count (default 1 2 4 8 16), through PagedLaunch with
 the config and count given explicitly; every output is compared with the default's (rel_err_vs_default);
-records of suite decode_sweep, plus four calibration records per point that split the fixed time
+records of suite decode_sweep, plus five calibration records per point that split the fixed time
 (docs/attention_paged.md, "GQA B=8 decode"). Prints per point the default, the best (config,
 splits) and the top 3, then a config x split-count matrix. Cost at the quick points, --reps 10:
-4 configs x <= 6 counts + 4 calibrations = <= 28 timings per (point, block size), 12 of those;
-a timing is 13 calls (3 warm-up) plus 10 flushes of 2x the L2 (~25 us each), so ~0.4 s of device
+4 configs x <= 6 counts + 6 calibration timings = <= 30 per (point, block size), 12 of those;
+a timing is 13 calls (3 warm-up) plus 10 flushes of 2x the L2 (~30-40 us each), so ~0.4 s of device
 time at MHA B=64 (1 ms per call) and < 0.05 s elsewhere: ~2 s of device time, and ~3 ms of host
 time per timing (~1 s). Set-up (random K/V, paging: up to 8.6 GB at MHA B=64) ~1 s per point, and
 NVRTC compiles the 3 candidates once (~1-2 s each, measured here): ~20-30 s in all, far inside 90 s.
@@ -364,8 +364,23 @@ def calibration_records(base: dict, kv_bytes: int, default_run, empty_run, reps:
     split-KV arrival and combine; no K/V read); `calib_no_flush` the default without the harness's L2
     flush (whose write pass leaves the L2 full of dirty lines that the timed call must write back);
     `calib_read` / `calib_read_no_flush` torch.sum over the same bytes of fp32 (a streaming read,
-    shared/ANCHORS.md's reduction ceiling), with and without the flush."""
+    shared/ANCHORS.md's reduction ceiling), with and without the flush; `calib_clean_flush` the
+    default after a flush that ends clean (the harness's write pass over 2x the L2, then a read pass
+    over another 2x the L2, which writes the dirty lines back before the call): the difference of
+    two timings without the harness's flush, (clean flush + call) - clean flush, both recorded."""
     stream = torch.zeros(kv_bytes // 4, dtype=torch.float32, device=device)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size if device == "cuda" else 1 << 20
+    dirty = torch.empty(2 * l2, dtype=torch.uint8, device=device)
+    clean = torch.zeros(2 * l2, dtype=torch.uint8, device=device)
+
+    def clean_flush():
+        dirty.fill_(1)  # the harness's flush
+        return clean.sum()  # then every dirty line is evicted, and written back, by reads
+
+    def flushed_call():
+        clean_flush()
+        return default_run()
+
     cases = (("calib_empty", empty_run, True, 0), ("calib_no_flush", default_run, False, kv_bytes),
              ("calib_read", stream.sum, True, kv_bytes), ("calib_read_no_flush", stream.sum, False, kv_bytes))
     records = []
@@ -375,6 +390,12 @@ def calibration_records(base: dict, kv_bytes: int, default_run, empty_run, reps:
         if nbytes:
             rec["tbps"] = nbytes / (t.median_ms * 1e-3) / 1e12
         records.append(rec)
+    both = measure(flushed_call, warmup=3, reps=reps, flush_l2=False, max_seconds=3.0, memory=False)
+    alone = measure(clean_flush, warmup=3, reps=reps, flush_l2=False, max_seconds=3.0, memory=False)
+    us = (both.median_ms - alone.median_ms) * 1e3
+    records.append(dict(base, impl="calib_clean_flush", status="ok", us=us, flush_and_call_us=both.median_ms * 1e3,
+                        flush_us=alone.median_ms * 1e3, reps=both.reps,
+                        **({"tbps": kv_bytes / (us * 1e-6) / 1e12} if us > 0 else {})))
     return records
 
 
@@ -451,8 +472,8 @@ def render_sweep(records: list[dict]) -> str:
             points.setdefault((f"{r['h']}/{r['hkv']}", r["b"], r["kv_len"], r["block_size"]), []).append(r)
     lines = ["### decode sweep, bf16 d=128: median us (effective K+V TB/s)", "",
              "| H/Hkv | B | KV | bs | default (splits) | us (TB/s) | best (splits) | us (TB/s) | default / best "
-             "| top 3 | empty | no flush | read (TB/s) | read, no flush |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| top 3 | empty | no flush | clean flush | read (TB/s) | read, no flush |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def timed(r):
         return "-" if r is None else f"{r['us']:.1f}" + (f" ({r['tbps']:.2f})" if "tbps" in r else "")
@@ -471,7 +492,8 @@ def render_sweep(records: list[dict]) -> str:
             f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | "
             f"{_case_name(default) if default else '-'} | {timed(default)} | {_case_name(best) if best else '-'} | "
             f"{timed(best)} | {ratio} | {top} | {timed(calib.get('calib_empty'))} | "
-            f"{timed(calib.get('calib_no_flush'))} | {timed(calib.get('calib_read'))} | "
+            f"{timed(calib.get('calib_no_flush'))} | {timed(calib.get('calib_clean_flush'))} | "
+            f"{timed(calib.get('calib_read'))} | "
             f"{timed(calib.get('calib_read_no_flush'))} |")
         errors = [r for r in rs if r["impl"] == "tileattn_paged_sweep" and r.get("status") != "ok"]
         counts = sorted({r["num_splits"] for r in cases})
@@ -489,6 +511,7 @@ def render_sweep(records: list[dict]) -> str:
             matrix.append(f"| {c} | " + " | ".join(cells) + f" | {fmt_number(err)}{' ' + status if status else ''} |")
         matrices += ["", *matrix]
     lines += ["", "(empty: the default launch with every length 0; no flush: the default without the L2 flush; "
+              "clean flush: the default after the flush plus a read pass over 2x the L2, (flush + call) - flush; "
               "read: torch.sum over the same bytes, fp32)", *(f"\n{s}" for s in skipped), *matrices]
     return "\n".join(lines)
 
