@@ -81,6 +81,7 @@ def test_parse_args_sweep_defaults_and_points():
     (["--sweep", "--block-sizes", "512"], "--block-sizes"),
     (["--points", "32/8:8:4096"], "--sweep"),  # sweep options without --sweep
     (["--sweep", "--reps", "0"], "--reps"),
+    (["--sweep", "--points", "32/8:8:1000"], "--points"),  # KV not whole blocks of 16
 ])  # fmt: skip
 def test_parse_args_rejects(argv, named, capsys):
     with pytest.raises(SystemExit) as exc:

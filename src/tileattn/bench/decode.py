@@ -569,6 +569,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.block_sizes = tuple(dict.fromkeys(args.block_sizes or QUICK["block_sizes"]))
     if any(bs < 16 or bs > 256 or bs & (bs - 1) for bs in args.block_sizes):
         ap.error(f"--block-sizes must be powers of two in 16..256, got {list(args.block_sizes)}")
+    ragged = [p for p in args.points if any(p[3] % bs for bs in args.block_sizes)]
+    if ragged:  # the cache is the dense K/V cut into whole blocks
+        ap.error(f"--points: KV {ragged[0][3]} is not a multiple of every block size {list(args.block_sizes)}")
     return args
 
 
