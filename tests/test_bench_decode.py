@@ -54,7 +54,7 @@ def fake_sweep(broken=None):
     cases = decode.sweep_cases(configs, decode.SWEEP_SPLITS)
     records = decode.sweep_point(base, 134217728, cases, build_and_remember, timer)
     calib = [dict(base, impl=name, status="ok", us=us, **({"tbps": 4.0} if name != "calib_empty" else {}))
-             for name, us in (("calib_empty", 9.5), ("calib_no_flush", 37.0), ("calib_clean_flush", 36.0),
+             for name, us in (("calib_empty", 9.5), ("calib_no_flush", 37.0), ("calib_write_flush", 36.0),
                               ("calib_read", 44.0), ("calib_read_no_flush", 33.0))]
     return records + calib
 
@@ -199,7 +199,7 @@ def test_run_sweep_end_to_end_on_cpu(monkeypatch):
     assert all(r["status"] == "ok" and r["rel_err_vs_default"] < 1e-6 for r in cases), "outputs differ"
     calib = [r for r in records if r["impl"].startswith("calib_")]
     assert [r["impl"] for r in calib] == 2 * ["calib_empty", "calib_no_flush", "calib_read", "calib_read_no_flush",
-                                              "calib_clean_flush"]
+                                              "calib_write_flush"]
     # the harness's flush: on for the cases, per calibration as documented; the clean-flush pair off
     assert timed == 2 * ([True] * 11 + [True, False, True, False, False, False]), "flush per timing"
     clean = calib[4]  # fake clock: (flush + call) timed 16th, the flush alone 17th: 1 us apart

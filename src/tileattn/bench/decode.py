@@ -362,23 +362,22 @@ def calibration_records(base: dict, kv_bytes: int, default_run, empty_run, reps:
     """What the model of docs/attention_paged.md ("GQA B=8 decode") splits the fixed time into,
     measured at this point: `calib_empty` the default launch with every length 0 (launch, prologue,
     split-KV arrival and combine; no K/V read); `calib_no_flush` the default without the harness's L2
-    flush (whose write pass leaves the L2 full of dirty lines that the timed call must write back);
-    `calib_read` / `calib_read_no_flush` torch.sum over the same bytes of fp32 (a streaming read,
-    shared/ANCHORS.md's reduction ceiling), with and without the flush; `calib_clean_flush` the
-    default after a flush that ends clean (the harness's write pass over 2x the L2, then a read pass
-    over another 2x the L2, which writes the dirty lines back before the call): the difference of
-    two timings without the harness's flush, (clean flush + call) - clean flush, both recorded."""
+    flush; `calib_read` / `calib_read_no_flush` torch.sum over the same bytes of fp32 (a streaming
+    read, shared/ANCHORS.md's reduction ceiling), with and without the flush; `calib_write_flush` the
+    default after the write-only flush the harness used until 2026-12-01 evening (a write pass over 2x
+    the L2 that leaves it full of dirty lines the call must write back; the harness now follows it
+    with a read pass): the difference of two timings without the harness's flush, (write flush +
+    call) - write flush, both recorded. The default minus calib_write_flush is what that flush cost
+    the call."""
     stream = torch.zeros(kv_bytes // 4, dtype=torch.float32, device=device)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size if device == "cuda" else 1 << 20
     dirty = torch.empty(2 * l2, dtype=torch.uint8, device=device)
-    clean = torch.zeros(2 * l2, dtype=torch.uint8, device=device)
 
-    def clean_flush():
-        dirty.fill_(1)  # the harness's flush
-        return clean.sum()  # then every dirty line is evicted, and written back, by reads
+    def write_flush():
+        return dirty.fill_(1)  # the old harness's flush: the L2 is left full of dirty lines
 
     def flushed_call():
-        clean_flush()
+        write_flush()
         return default_run()
 
     cases = (("calib_empty", empty_run, True, 0), ("calib_no_flush", default_run, False, kv_bytes),
@@ -391,9 +390,9 @@ def calibration_records(base: dict, kv_bytes: int, default_run, empty_run, reps:
             rec["tbps"] = nbytes / (t.median_ms * 1e-3) / 1e12
         records.append(rec)
     both = measure(flushed_call, warmup=3, reps=reps, flush_l2=False, max_seconds=3.0, memory=False)
-    alone = measure(clean_flush, warmup=3, reps=reps, flush_l2=False, max_seconds=3.0, memory=False)
+    alone = measure(write_flush, warmup=3, reps=reps, flush_l2=False, max_seconds=3.0, memory=False)
     us = (both.median_ms - alone.median_ms) * 1e3
-    records.append(dict(base, impl="calib_clean_flush", status="ok", us=us, flush_and_call_us=both.median_ms * 1e3,
+    records.append(dict(base, impl="calib_write_flush", status="ok", us=us, flush_and_call_us=both.median_ms * 1e3,
                         flush_us=alone.median_ms * 1e3, reps=both.reps,
                         **({"tbps": kv_bytes / (us * 1e-6) / 1e12} if us > 0 else {})))
     return records
@@ -472,7 +471,7 @@ def render_sweep(records: list[dict]) -> str:
             points.setdefault((f"{r['h']}/{r['hkv']}", r["b"], r["kv_len"], r["block_size"]), []).append(r)
     lines = ["### decode sweep, bf16 d=128: median us (effective K+V TB/s)", "",
              "| H/Hkv | B | KV | bs | default (splits) | us (TB/s) | best (splits) | us (TB/s) | default / best "
-             "| top 3 | empty | no flush | clean flush | read (TB/s) | read, no flush |",
+             "| top 3 | empty | no flush | write-only flush | read (TB/s) | read, no flush |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def timed(r):
@@ -492,7 +491,7 @@ def render_sweep(records: list[dict]) -> str:
             f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | "
             f"{_case_name(default) if default else '-'} | {timed(default)} | {_case_name(best) if best else '-'} | "
             f"{timed(best)} | {ratio} | {top} | {timed(calib.get('calib_empty'))} | "
-            f"{timed(calib.get('calib_no_flush'))} | {timed(calib.get('calib_clean_flush'))} | "
+            f"{timed(calib.get('calib_no_flush'))} | {timed(calib.get('calib_write_flush'))} | "
             f"{timed(calib.get('calib_read'))} | "
             f"{timed(calib.get('calib_read_no_flush'))} |")
         errors = [r for r in rs if r["impl"] == "tileattn_paged_sweep" and r.get("status") != "ok"]
@@ -511,7 +510,8 @@ def render_sweep(records: list[dict]) -> str:
             matrix.append(f"| {c} | " + " | ".join(cells) + f" | {fmt_number(err)}{' ' + status if status else ''} |")
         matrices += ["", *matrix]
     lines += ["", "(empty: the default launch with every length 0; no flush: the default without the L2 flush; "
-              "clean flush: the default after the flush plus a read pass over 2x the L2, (flush + call) - flush; "
+              "write-only flush: the default after the old harness flush (a write pass over 2x the L2, no read pass), "
+              "(flush + call) - flush; "
               "read: torch.sum over the same bytes, fp32)", *(f"\n{s}" for s in skipped), *matrices]
     return "\n".join(lines)
 

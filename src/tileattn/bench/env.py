@@ -71,8 +71,12 @@ def environment() -> dict:
         "compute_capability": None,
         "sm_count": None,
         "driver": None,
+        "l2_flush": None,
     }
     env["git_commit"], env["git_dirty"] = _git_state()
+    from .harness import flush_mode
+
+    env["l2_flush"] = flush_mode()
     try:
         from ..runtime import nvrtc_version
 

@@ -4,8 +4,12 @@ Every benchmark in tileattn and the labs times through `measure`, so their numbe
 - warm-up calls first (module load, compilation, allocator growth stay out of the numbers);
 - each repetition is bracketed by its own pair of CUDA events on torch's current stream, and all
   repetitions are enqueued before one synchronization (the host runs ahead as in real use);
-- before each repetition the L2 is flushed by writing a buffer twice the L2 size (outside the
-  events), so a small input cannot be served from cache across repetitions;
+- before each repetition the L2 is flushed (outside the events), so a small input cannot be served
+  from cache across repetitions: a pass that writes a buffer twice the L2 size, then a pass that
+  reads another one, so the L2 is left holding clean lines. With the write pass alone (the harness
+  until 2026-12-01 evening; TILEATTN_BENCH_FLUSH=write brings it back) the L2 is left full of dirty
+  lines, and the timed call pays for writing them back as it evicts them: up to ~60 MB of write
+  traffic, ~12 us on an H200 by docs/attention_paged.md's model, which only short calls notice;
 - peak extra memory is read from torch's allocator in a separate call: max_memory_allocated during
   the call minus memory_allocated before it (the call's temporaries and outputs).
 Cold start (first call, compile included) is measured separately by `cold_start`, and the host
@@ -14,6 +18,7 @@ time of one call by `host_overhead_us`.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -36,17 +41,31 @@ class Timing:
         return asdict(self)
 
 
-_flush_buffer = None
+_flush_buffers = None  # (written, read), each twice the L2 size
+FLUSH_MODES = ("clean", "write")
+
+
+def flush_mode() -> str:
+    """How `measure` flushes the L2: "clean" (default) or "write" (TILEATTN_BENCH_FLUSH)."""
+    mode = os.environ.get("TILEATTN_BENCH_FLUSH", "clean")
+    if mode not in FLUSH_MODES:
+        raise ValueError(f"TILEATTN_BENCH_FLUSH must be one of {FLUSH_MODES}, got {mode!r}")
+    return mode
 
 
 def _flush_l2() -> None:
     import torch
 
-    global _flush_buffer
-    if _flush_buffer is None:
+    global _flush_buffers
+    if _flush_buffers is None:
         l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-        _flush_buffer = torch.empty(max(2 * l2, 1 << 20), dtype=torch.uint8, device="cuda")
-    _flush_buffer.fill_(1)  # a write pass evicts every line the timed call could reuse
+        size = max(2 * l2, 1 << 20)
+        _flush_buffers = (torch.empty(size, dtype=torch.uint8, device="cuda"),
+                          torch.zeros(size // 4, dtype=torch.float32, device="cuda"))
+    written, read = _flush_buffers
+    written.fill_(1)  # a write pass evicts every line the timed call could reuse
+    if flush_mode() == "clean":
+        read.sum()  # reads evict the written lines, so their write-back happens here, not in the call
 
 
 def peak_extra_memory(fn: Callable[[], object]) -> int:

@@ -35,7 +35,7 @@ def fmt_cell(v, kind: str = "") -> str:
 
 
 def environment_line(env: dict) -> str:
-    keys = ("gpu", "driver", "torch", "torch_cuda", "nvrtc", "cuda_core", "triton", "date_utc")
+    keys = ("gpu", "driver", "torch", "torch_cuda", "nvrtc", "cuda_core", "triton", "l2_flush", "date_utc")
     commit = env.get("git_commit")
     code = f"; commit: {commit[:10]}{' (dirty)' if env.get('git_dirty') else ''}" if commit else ""
     return ("; ".join(f"{k}: {env.get(k)}" for k in keys if env.get(k) is not None) + code
