@@ -628,13 +628,20 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
               if (g >= kStages) s9::mbar_wait(pass == 0 ? &k_empty[s] : &v_empty[s], refill_parity);
               s9::mbar_arrive_expect_tx(full, kKVBytes);
               u16* const slot = (pass == 0 ? sK : sV) + s * kPanels * kBlockN * kPanel;
-              for (int r = 0; r < kBlockN; r += box_rows) {
-                const int key = n * kBlockN + r;
-                const int block = page_block(vl, tile.batch, key, span.nk);
+              // All block ids first (per 16-row slab; a box starts at every box_rows-th), then the
+              // copies: the table loads are then in flight together instead of one per box (the
+              // copies' asm carries a memory clobber that no load moves across).
+              int block[kBlockN / 16];
+#pragma unroll
+              for (int j = 0; j < kBlockN / 16; ++j)
+                block[j] = (16 * j) % box_rows == 0 ? page_block(vl, tile.batch, n * kBlockN + 16 * j, span.nk) : 0;
+#pragma unroll
+              for (int j = 0; j < kBlockN / 16; ++j) {
+                if ((16 * j) % box_rows != 0) continue;
 #pragma unroll
                 for (int p = 0; p < kPanels; ++p)
-                  s9::tma_load_4d(slot + (p * kBlockN + r) * kPanel, pass == 0 ? &tmap_k : &tmap_v, p * kPanel,
-                                  key & ((1 << vl.log2_bs) - 1), kv_head, block, full);
+                  s9::tma_load_4d(slot + (p * kBlockN + 16 * j) * kPanel, pass == 0 ? &tmap_k : &tmap_v, p * kPanel,
+                                  (n * kBlockN + 16 * j) & ((1 << vl.log2_bs) - 1), kv_head, block[j], full);
               }
             }
             continue;
