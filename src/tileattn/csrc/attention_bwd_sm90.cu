@@ -145,6 +145,7 @@
 // edge block are not written).
 #include "common/sm80.cuh"
 #include "common/sm90_bwd.cuh"
+#include "common/variants.cuh"
 #include "common/varlen.cuh"
 
 namespace tileattn {
@@ -307,17 +308,39 @@ __device__ __forceinline__ void zero_tail_rows(const VarlenArgs& va, int head, i
 // memory Sm90BwdConfig.smem_bytes. `batches` = B. `rotate` != 0: the rotated walk (ignored when
 // kDqMode == 1).
 namespace bwd90 {
+// Variants (attention_bwd_sm90_variants; definitions in common/variants.cuh): bits of kVariant, as
+// the Hopper forward's (attention_fwd_sm90.cu) kWindow, kSoftcap, kAlibi.
+constexpr int kWindow = 1;   // sliding window; causal is its right edge 0 (variant kernels have kCausal = false)
+constexpr int kSoftcap = 2;  // logit = cap * tanh(scale q.k / cap); dS gains the factor 1 - tanh^2
+constexpr int kAlibi = 4;    // logit += -slope[b, h] * |i + Nk - Nq - j| (no gradient: it does not depend on q, k)
+constexpr int kVariantBits = kWindow | kSoftcap | kAlibi;
+
+// Query tiles [x, y) of kBlockM rows holding a query whose window reaches a key of the block
+// [n0, min(n0 + kBlockN, Nk)): query i sees key j iff j - diag - right <= i <= j - diag + left, so
+// (both edges move with j) exactly the queries [n0 - diag - right, last key - diag + left], clipped
+// to [0, Nq). The walk visits only these: a key block costs (window + kBlockN) / kBlockM tiles,
+// not Nq / kBlockM. Empty (x == y): the CTA writes dK = dV = 0.
+template <int kBlockM>
+__device__ __forceinline__ int2 window_tiles(int n0, int seqlen_q, int seqlen_k, const Variants& va) {
+  const int diag = seqlen_k - seqlen_q;
+  const int i_lo = max(0, n0 - diag - va.right);
+  const int i_hi = min(seqlen_q - 1, min(n0 + kBlockN, seqlen_k) - 1 - diag + va.left);
+  const int first = i_lo / kBlockM;
+  return make_int2(first, i_hi < i_lo ? first : i_hi / kBlockM + 1);
+}
+
 // The body of both entry points below (dense: kVarlen false, `va` all zero and unused, so the dense
 // kernel's code is what it was before the varlen layout existed). Varlen: `seqlen_k` is
 // max_seqlen_k (it sizes the grid's key-block range), `seqlen_q` and `nq_pad` are unused (each
 // CTA reads its sequence's lengths from cu_seqlens) and `batches` is B.
-template <int kHeadDim, int kBlockM, int kStages, bool kCausal, bool kIsBF16, int kDqMode, bool kVarlen>
+template <int kHeadDim, int kBlockM, int kStages, bool kCausal, bool kIsBF16, int kDqMode, bool kVarlen,
+          int kVariant>
 __device__ __forceinline__ void attention_bwd_sm90_body(
     const sm90::TmaDescriptor& tmap_q, const sm90::TmaDescriptor& tmap_k, const sm90::TmaDescriptor& tmap_v,
     const sm90::TmaDescriptor& tmap_do, const sm90::TmaDescriptor& tmap_dk, const sm90::TmaDescriptor& tmap_dv,
     const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_accum,
     int* __restrict__ dq_sem, int heads, int kv_group, int batches, int section, int seqlen_q, int seqlen_k,
-    int nq_pad, float scale_log2, float scale, int rotate, const VarlenArgs& va) {
+    int nq_pad, float scale_log2, float scale, int rotate, const VarlenArgs& va, const Variants& var) {
   static_assert(kHeadDim * kBlockM == 8192 && (kHeadDim == 64 || kHeadDim == 128),
                 "(d, kBlockM) in {(64, 128), (128, 64)}: dQ is 64 x 64 per MMA warpgroup");
   static_assert(kStages >= 2, "at least double buffering");
@@ -332,7 +355,14 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
   // Issue dV before computing dS^T (so the dV wgmma hides that work) only where the registers allow:
   // it keeps the in-flight packed P^T (kBlockM / 4) live beside fp32 P^T and dP^T (kBlockM each)
   // and dK, dV. d = 64, kBlockM = 128 would need 64 + 64 + 64 + 32 = 224 and spills.
-  constexpr bool kOverlap = kBlockM == 64;
+  // Softcap needs 1 - tanh^2 of each score in the dS^T pass, after S^T has become P^T: it takes the
+  // one-pass path (P^T and dS^T together once both products retired; see "Variants").
+  constexpr bool kWindowed = (kVariant & kWindow) != 0, kSoftcapped = (kVariant & kSoftcap) != 0;
+  constexpr bool kAlibied = (kVariant & kAlibi) != 0, kLogits = kSoftcapped || kAlibied;
+  static_assert(kVariant == 0 || (kVariant > 0 && kVariant <= kVariantBits && !kCausal && !kVarlen && kDqMode != 1),
+                "variants: a set of kWindow | kSoftcap | kAlibi on the dense layout, causal folded into the "
+                "window, unordered dQ modes (the deterministic turn assumes every lower key block visits a tile)");
+  constexpr bool kOverlap = kBlockM == 64 && !kSoftcapped;
   static_assert(kDqMode >= 0 && kDqMode <= 2, "dQ mode: 0 RED, 1 ordered bulk (deterministic), 2 bulk");
   // Varlen only (block-scope, so the dense cubin holds no new constant): named barrier 9 (256) after
   // zeroing edge rows of K / V or of a Q / dO slot; attention_bwd_sm80.cu's kVarlenWsGap, the gap
@@ -386,14 +416,18 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
   }
   const int diag = seqlen_k - seqlen_q;  // query i sees keys j <= i + diag
   const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
-  // First query tile with a query that sees key n0 (n0 <= Nk - 1, so it is < m_blocks when Nq > 0).
-  const int m_first = kCausal ? max(0, n0 - diag) / kBlockM : 0;
-  const int m_count = m_blocks - m_first;  // 0 only for a varlen sequence without queries: dK = dV = 0
+  // First query tile with a query that sees key n0 (n0 <= Nk - 1, so it is < m_blocks when Nq > 0);
+  // windowed: the tiles [m_first, m_end) holding the queries whose windows reach this key block
+  // (window_tiles; possibly none: then dK = dV = 0). Plain kernels walk up to the last tile.
+  const int2 range = kWindowed ? window_tiles<kBlockM>(n0, seqlen_q, seqlen_k, var) : make_int2(0, m_blocks);
+  const int m_first = kWindowed ? range.x : kCausal ? max(0, n0 - diag) / kBlockM : 0;
+  const int m_end = kWindowed ? range.y : m_blocks;
+  const int m_count = m_end - m_first;  // 0 only for a varlen sequence without queries or a window: dK = dV = 0
   const int n_iters = kv_group * m_count;
   // Step `it` of the walk: query head kv_head * kv_group + it / m_count, query tiles from the last
   // down to m_first (every key block of a (b, h) reaches tile m in ascending key-block order),
   // rotated by `rot` tiles (see "Rotated walk"; 0 in the deterministic mode).
-  const int rot = (kDqMode != 1 && rotate != 0 && (!kVarlen || m_count > 0)) ? n_block % m_count : 0;
+  const int rot = (kDqMode != 1 && rotate != 0 && (!(kVarlen || kWindowed) || m_count > 0)) ? n_block % m_count : 0;
   // Inside the MMA warpgroups' walk the varlen first query token and lengths are re-read from
   // shared memory where they are used (volatile ld.shared at a fixed address: neither kept live nor
   // hoisted) instead of holding registers (and cu_seqlens addresses) beside dK, dV, P^T and dS^T:
@@ -425,7 +459,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
   auto walk_m0 = [&](int it) {
     int step = it % m_count + rot;  // rot < m_count
     step -= step >= m_count ? m_count : 0;
-    return (m_blocks - 1 - step) * kBlockM;
+    return (m_end - 1 - step) * kBlockM;
   };
   const int wg = threadIdx.x / 128;
 
@@ -561,11 +595,17 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
       const u64 desc_do = s9::make_desc_k128_sw128(sdO + s * kBlockM * kHeadDim);
 
       // Keys 64..127 of the block hidden from every query of the tile (past Nk, or causal above the
-      // diagonal: d = 128's first tile m0 = n0 - diag): warpgroup 1 would compute P^T = dS^T = 0, so
-      // it only keeps the ring protocol, and dQ reads the first 64 keys of sdS (its second half is
-      // stale then). Warpgroup 0's keys are never all hidden (m_first's tile sees key n0).
+      // diagonal: d = 128's first tile m0 = n0 - diag; windowed: above every row's upper edge):
+      // warpgroup 1 would compute P^T = dS^T = 0, so it only keeps the ring protocol, and dQ reads the
+      // first 64 keys of sdS (its second half is stale then). Warpgroup 0's keys are never all hidden
+      // by an upper edge (m_first's tile sees key n0); a window's lower edge can hide them all, and
+      // warpgroup 0 then computes zeros (its keys are below warpgroup 1's, so the converse, an idle
+      // warpgroup 0 beside a busy one, would need a second dQ shape for a rare edge tile).
       u16* const ds_tile = sdS + (it % 2) * kBlockN * kBlockM;
-      const bool upper_idle = n0 + 64 >= loop_nk() || (kCausal && n0 + 64 > m0 + kBlockM - 1 + loop_diag());
+      // (The window's terms go on under if constexpr: spelled into one expression, even a false
+      // `kWindowed && ...` term changed the plain kernels' instruction order.)
+      bool upper_idle = n0 + 64 >= loop_nk() || (kCausal && n0 + 64 > m0 + kBlockM - 1 + loop_diag());
+      if constexpr (kWindowed) upper_idle = upper_idle || n0 + 64 > m0 + kBlockM - 1 + loop_diag() + var.right;
       if (w == 1 && upper_idle) {
         s9::mbar_wait(&q_full[s], parity);
         s9::mbar_wait(&do_full[s], parity);
@@ -593,10 +633,18 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
 
         // ---- 2. S^T retired (groups retire in order; with kOverlap dP^T may still run): P^T, dS^T in
         // fp32. Element 4 j + 2 h + e of the accumulators: key key_h0 + 8 h, query m0 + 8 j + 2 t + e.
-        s9::wgmma_wait<kOverlap ? 1 : 0>();
+        s9::wgmma_wait<(kOverlap || kSoftcapped) ? 1 : 0>();
         s9::fence_accumulators(sp);
         const int nk = loop_nk(), diag_t = loop_diag();  // dense: seqlen_k, diag
-        const bool masked = key_edge || (kCausal && m0 + diag_t < n0 + kBlockN - 1);
+        // Windowed: every (query, key) of the tile is visible iff the block's first key is at or
+        // above the last row's lower edge and its last key at or below the first row's upper edge.
+        const bool masked = [&]() {
+          if constexpr (kWindowed) {
+            return key_edge || !(n0 >= m0 + kBlockM - 1 + diag_t - var.left && n0 + kBlockN - 1 <= m0 + diag_t + var.right);
+          } else {
+            return key_edge || (kCausal && m0 + diag_t < n0 + kBlockN - 1);
+          }
+        }();
         const float* lse_s = sLse + s * kBlockM;
         const float* delta_s = sDelta + s * kBlockM;
         // Element i = 4 j + 2 h + e (key key_h0 + 8 h, query m0 + 8 j + 2 t + e) is hidden iff
@@ -614,6 +662,58 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
           const float p = fast_exp2(fmaf(sp[i], scale_log2, -l2));
           return masked && 8 * (i / 4) + (i & 1) < lim[(i >> 1) & 1] ? 0.f : p;
         };
+        // Variants: the logit of element i in log2 units with the fp32 operations of the Hopper
+        // forward's variant_logits, in its order (softcap by softcap_tanh_fma, else the scale; then
+        // the ALiBi bias slope * |query + diag - key|, the distance as dist0[h] + 8 j + e: exact
+        // integers in fp32, one I2F per row and tile), so that P^T = 2^(logit - lse2) recomputes the
+        // forward's probabilities against its lse. Softcap: sp already holds tanh(scale s / cap)
+        // (computed while dP^T ran, below); `th` receives it for the factor 1 - tanh^2.
+        float slope = 0.f, dist0[2] = {0.f, 0.f};
+        if constexpr (kAlibied) {
+          slope = alibi_slope_log2(var, batch, head);  // one L1-resident load per tile
+#pragma unroll
+          for (int h = 0; h < 2; ++h) dist0[h] = static_cast<float>(m0 + 2 * t + diag_t - (key_h0 + 8 * h));
+        }
+        auto vprob = [&](int i, float l2, float& th) {
+          float p;
+          if constexpr (kLogits) {
+            float x;
+            if constexpr (kSoftcapped) {
+              th = sp[i];
+              x = var.cap_out * th;
+            } else {
+              x = sp[i] * var.scale_log2;
+            }
+            if constexpr (kAlibied) x = fmaf(slope, fabsf(dist0[(i >> 1) & 1] + static_cast<float>(8 * (i / 4) + (i & 1))), x);
+            p = fast_exp2(x - l2);
+          } else {
+            p = fast_exp2(fmaf(sp[i], scale_log2, -l2));
+          }
+          return !kWindowed && masked && 8 * (i / 4) + (i & 1) < lim[(i >> 1) & 1] ? 0.f : p;
+        };
+        // Windowed: the masks of a masked tile go on in a pass of their own over the finished P^T
+        // (and dS^T) values, before they are packed: element i is visible iff key - diag - right <=
+        // query <= key - diag + left (and key < Nk), i.e. hidden iff 8 j + e < lo[h] or > hi[h].
+        // Inside the P^T pass the four thresholds and second compare per element made ptxas spill at
+        // d = 64 (60 bytes); here they are live only beside values that are live anyway. Selects,
+        // not products: a hidden score may have overflowed to P^T = inf.
+        auto window_mask = [&](float (&x)[kBlockM / 2], float (&y)[kBlockM / 2], bool both) {
+          int lo[2], hi[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int key = key_h0 + 8 * h;
+            lo[h] = key >= nk ? kBlockM : key - diag_t - var.right - m0 - 2 * t;
+            hi[h] = key - diag_t + var.left - m0 - 2 * t;
+          }
+#pragma unroll
+          for (int i = 0; i < kBlockM / 2; ++i) {
+            const int c = 8 * (i / 4) + (i & 1), h = (i >> 1) & 1;
+            if (c < lo[h] || c > hi[h]) {
+              x[i] = 0.f;
+              if (both) y[i] = 0.f;
+            }
+          }
+        };
         // ---- 3. dV += P^T dO (register A, MN-major B); with kOverlap it runs while dS^T is computed
         const u64 desc_do_mn = s9::make_desc_mn_sw128(sdO + s * kBlockM * kHeadDim, kBlockM * kPanel * 2);
         const u64 desc_q_mn = s9::make_desc_mn_sw128(sQ + s * kBlockM * kHeadDim, kBlockM * kPanel * 2);
@@ -629,7 +729,17 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
           for (int j = 0; j < kBlockM / 8; ++j) {
             const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
 #pragma unroll
-            for (int r = 0; r < 4; ++r) sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
+            for (int r = 0; r < 4; ++r) {
+              if constexpr (kVariant != 0) {
+                float th;  // unused: softcap takes the one-pass branch
+                sp[4 * j + r] = vprob(4 * j + r, (r & 1) ? l2.y : l2.x, th);
+              } else {
+                sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
+              }
+            }
+          }
+          if constexpr (kWindowed) {
+            if (masked) window_mask(sp, dp, false);  // dS^T = P^T (...) follows from the masked P^T
           }
           pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
           issue_dv();
@@ -642,6 +752,14 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
             for (int r = 0; r < 4; ++r) dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
           }
         } else {  // S^T and dP^T both retired: P^T and dS^T in one pass, then dV
+          if constexpr (kSoftcapped) {
+            // Only S^T retired: S^T -> tanh in place while the dP^T product runs (this MUFU and FMA
+            // work then hides behind the tensor cores, and the one pass below stays as light as
+            // the plain kernel's: with the tanh inside it, d = 64 spilled 276 bytes).
+#pragma unroll
+            for (int i = 0; i < kBlockM / 2; ++i) sp[i] = softcap_tanh_fma(var, sp[i]);
+            s9::wgmma_wait<0>();
+          }
           s9::fence_accumulators(dp);
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
@@ -649,9 +767,20 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
             const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
-              sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
-              dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
+              if constexpr (kVariant != 0) {  // softcap: dS = P (dP - D) (1 - tanh^2), as the sm80 kernels
+                float th = 0.f;
+                const float p = vprob(4 * j + r, (r & 1) ? l2.y : l2.x, th);
+                const float ds = p * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
+                sp[4 * j + r] = p;
+                dp[4 * j + r] = kSoftcapped ? ds * fmaf(-th, th, 1.f) : ds;
+              } else {
+                sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
+                dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
+              }
             }
+          }
+          if constexpr (kWindowed) {
+            if (masked) window_mask(sp, dp, true);
           }
           pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
           pack_acc<kMSteps, kIsBF16>(dsf, dp, 1.f);
@@ -754,9 +883,34 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
                        const float* __restrict__ delta, float* __restrict__ dq_accum, int* __restrict__ dq_sem,
                        int heads, int kv_group, int batches, int section,
                        int seqlen_q, int seqlen_k, int nq_pad, float scale_log2, float scale, int rotate) {
-  bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, kCausal, kIsBF16, kDqMode, false>(
+  bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, kCausal, kIsBF16, kDqMode, false, 0>(
       tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, dq_sem, heads, kv_group, batches,
-      section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale, rotate, bwd90::VarlenArgs{});
+      section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale, rotate, bwd90::VarlenArgs{}, Variants{});
+}
+
+// Dense batches with variants (kVariant: a non-empty set of bits bwd90::kWindow, kSoftcap, kAlibi;
+// see "Variants" above): the dense kernel's parameters (dq_sem unused: unordered dQ modes only),
+// then VARIANT_PARAMS (common/variants.cuh; causal folded into win_right, dropout's seed, offset,
+// drop_thr, drop_scale ignored: dropout stays on the sm80 kernels). lse2 must come from the
+// variant logits' lse (natural log, as the Hopper forward and the sm80 variant forward write it),
+// converted by the preprocess as for the plain kernel.
+template <int kHeadDim, int kBlockM, int kStages, bool kIsBF16, int kDqMode, int kVariant>
+__global__ void __launch_bounds__(bwd90::kThreads, 1)
+    attention_bwd_sm90_variants(const __grid_constant__ sm90::TmaDescriptor tmap_q,
+                                const __grid_constant__ sm90::TmaDescriptor tmap_k,
+                                const __grid_constant__ sm90::TmaDescriptor tmap_v,
+                                const __grid_constant__ sm90::TmaDescriptor tmap_do,
+                                const __grid_constant__ sm90::TmaDescriptor tmap_dk,
+                                const __grid_constant__ sm90::TmaDescriptor tmap_dv, const float* __restrict__ lse2,
+                                const float* __restrict__ delta, float* __restrict__ dq_accum,
+                                int* __restrict__ dq_sem, int heads, int kv_group, int batches, int section,
+                                int seqlen_q, int seqlen_k, int nq_pad, float scale_log2, float scale, int rotate,
+                                VARIANT_PARAMS) {
+  static_assert(kVariant > 0 && kVariant <= bwd90::kVariantBits && kDqMode != 1,
+                "kVariant: a non-empty set of kWindow | kSoftcap | kAlibi; dQ modes 0 and 2");
+  bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, false, kIsBF16, kDqMode, false, kVariant>(
+      tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, dq_sem, heads, kv_group, batches,
+      section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale, rotate, bwd90::VarlenArgs{}, VARIANTS_FROM_PARAMS);
 }
 
 // Packed variable-length batches: q, dout [Tq, H, d], k, v, dk, dv [Tk, Hkv, d], sequence b at
@@ -784,9 +938,9 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
                               int rotate) {
   static_assert(kDqMode != 1, "the deterministic varlen backward runs on the sm80 kernels");
   const bwd90::VarlenArgs va{cu_seqlens_q, cu_seqlens_k, dk, dv, dk_sh, dk_sr, dv_sh, dv_sr, total_k};
-  bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, kCausal, kIsBF16, kDqMode, true>(
+  bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, kCausal, kIsBF16, kDqMode, true, 0>(
       tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, nullptr, heads, kv_group, batches,
-      section, 0, max_seqlen_k, ws_pitch, scale_log2, scale, rotate, va);
+      section, 0, max_seqlen_k, ws_pitch, scale_log2, scale, rotate, va, Variants{});
 }
 
 }  // namespace tileattn
