@@ -851,8 +851,10 @@ def test_dq_buffers_mirror_the_kernel():
 
 
 def dq_mode_of(expression: str) -> int:
-    """kDqMode of an instantiation: 0 REDs, 1 deterministic (ordered bulk), 2 unordered bulk."""
-    return int(expression.rstrip(">").rsplit(",", 1)[1])
+    """kDqMode of an instantiation: 0 REDs, 1 deterministic (ordered bulk), 2 unordered bulk (the
+    last template argument, the variant entry point's fifth: its kVariant comes last)."""
+    args = expression.rstrip(">").split("<", 1)[1].split(",")
+    return int(args[4] if "_variants<" in expression else args[-1])
 
 
 # ---- deterministic mode: the turn counters across CTAs -----------------------------------------------

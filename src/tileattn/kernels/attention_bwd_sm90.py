@@ -14,6 +14,13 @@ One backward is three launches on torch's current stream (capturable by CUDA gra
 3. attention_bwd_sm80's convert kernel: dq = scale * accumulator.
 The main kernel writes the sm80 kernels' fragment-order accumulator layout, so 1 and 3 are reused
 as they are.
+
+Variants (issue #15; csrc "Variants"): window, softcap and ALiBi run the attention_bwd_sm90_variants
+instantiations (atomic mode), through BackwardPlan(..., variants=VariantArgs) or
+variant_backward_plan, whose launch takes (alibi pointer, seed, offset) after the tensors like the
+sm80 variant backward's; supports_variants says which calls they cover (not dropout, not the
+deterministic mode, not softcap at d = 64). lse is the variant forward's (natural log of the
+transformed logits), as the Hopper and sm80 variant forwards write it.
 """
 
 from __future__ import annotations
@@ -107,6 +114,53 @@ TUNING_EXTRA: dict[int, tuple[Sm90BwdConfig, ...]] = {128: (C(64, 3), C(64, 2, T
                                                       64: (C(128, 3), C(128, 2, True))}
 
 
+# ---- variants (csrc "Variants": bits of the kernel's kVariant, as attention_fwd_sm90's) ------------
+WINDOW, SOFTCAP, ALIBI = 1, 2, 4
+# The flag sets registered per head dim, every one with the window bit: a window with unbounded edges
+# costs a variant kernel a few scalar operations per query tile (its range and `masked` test come out
+# as the full range and the Nk edge), and the sets without it bought nothing while spilling where the
+# window set does not. ptxas (NVRTC 13.x, sm_90a, 240 registers per MMA thread), spill bytes, both
+# dtypes alike, atomic mode:
+#   bits        1   2    3    4   5   6    7
+#   d = 128     0   0    0    0   0   20   0
+#   d = 64      0   168  220  0   0   656  332
+# At d = 64 (block_m 128) the 128 fp32 S^T / dP^T accumulators and 64 of dK / dV leave ~20
+# registers for the P^T pass; softcap's tanh (FMA reciprocal, or MUFU.RCP: 40..80 bytes) does not
+# fit beside them, so d = 64 softcap stays on the sm80 variant kernels.
+VARIANT_SETS: dict[int, tuple[int, ...]] = {
+    128: (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI, WINDOW | SOFTCAP | ALIBI),
+    64: (WINDOW, WINDOW | ALIBI),
+}
+
+
+def variant_bits(variants) -> int:
+    """The kernel's kVariant for an attention_fwd_sm80.VariantArgs: 0 when none of window, softcap,
+    ALiBi is on (the plain non-causal kernel runs), else WINDOW plus SOFTCAP / ALIBI as set (see
+    VARIANT_SETS: every registered set has the window bit). Dropout is not looked at (see
+    supports_variants). Never raises."""
+    from .attention_fwd_sm90 import variant_flags
+
+    flags = variant_flags(variants)
+    return 0 if flags == 0 else WINDOW | flags
+
+
+def supports_variants(head_dim: int, dtype, variants, deterministic: bool = False) -> bool:
+    """Whether variant_backward_plan runs a call with these variants (attention_fwd_sm80.VariantArgs,
+    causal folded into the window) on this family: head_dim and flags in VARIANT_SETS (d = 64: not
+    softcap), float16 / bfloat16, no dropout, atomic mode (deterministic=True stays on the sm80
+    variant kernels). The caller still routes only sm_90a devices here. Never raises."""
+    if dtype not in (torch.float16, torch.bfloat16) or deterministic or variants.dropout_p > 0:
+        return False
+    bits = variant_bits(variants)
+    return head_dim in VARIANT_SETS and (bits == 0 or bits in VARIANT_SETS[head_dim])
+
+
+def variant_expression(head_dim: int, config: Sm90BwdConfig, bf16: bool, bits: int) -> str:
+    """The NVRTC name expression of one variant main-kernel instantiation (atomic dQ modes)."""
+    return (f"tileattn::attention_bwd_sm90_variants<{head_dim}, {config.block_m}, {config.stages}, "
+            f"{'true' if bf16 else 'false'}, {config.dq_mode(False)}, {bits}>")
+
+
 def expression(head_dim: int, config: Sm90BwdConfig, causal: bool, bf16: bool, deterministic: bool) -> str:
     """The NVRTC name expression of one main-kernel instantiation."""
     flag = {True: "true", False: "false"}
@@ -144,7 +198,13 @@ def _default_configs():
 
 # The varlen entry point takes the dense tables (DEFAULTS, TUNING_EXTRA): same tiles, same shared
 # memory; only the default configs are registered for dispatch, the rest as tuning candidates.
-INSTANTIATIONS = _expressions(_default_configs()) + _expressions(_default_configs(), varlen=True)
+# Variant kernels: the non-causal default tiles (a window is masked like causal; the defaults are
+# the same config causal or not), atomic mode, VARIANT_SETS x both dtypes.
+VARIANT_DEFAULTS: dict[int, Sm90BwdConfig] = {d: DEFAULTS[(d, False)] for d in HEAD_DIMS}
+VARIANT_INSTANTIATIONS = tuple(variant_expression(d, VARIANT_DEFAULTS[d], bf16, bits) for d in HEAD_DIMS
+                               for bf16 in (False, True) for bits in VARIANT_SETS[d])
+INSTANTIATIONS = (_expressions(_default_configs()) + _expressions(_default_configs(), varlen=True)
+                  + VARIANT_INSTANTIATIONS)
 TUNING = tuple(e for e in _expressions(TUNING_EXTRA.items()) + _expressions(TUNING_EXTRA.items(), varlen=True)
                if e not in INSTANTIATIONS)
 FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a",), tuning=TUNING),)
@@ -259,13 +319,18 @@ class BackwardPlan:
     dv completely (never reads them) on torch's current stream and allocates only a torch
     workspace. A tensor TMA cannot describe in place (a zero or huge stride) is copied on each
     launch (decided here, once). `section` overrides section_pairs() and `rotate` the ROTATE table
-    (benchmarks; the deterministic mode never rotates). Raises ValueError
+    (benchmarks; the deterministic mode never rotates). `variants` (attention_fwd_sm80.VariantArgs,
+    causal folded into the window, so causal must be False; lse that of the variant logits): the
+    attention_bwd_sm90_variants kernel of variant_bits(variants), and `launch` then takes the ALiBi
+    slopes' pointer (0: none), the dropout seed and offset (ignored) after dv. Raises ValueError
     for an unsupported head dim or dtype, H not a multiple of Hkv, a grid of 2^31 blocks or more,
-    section < 1, or a config whose shared memory does not fit in this mode.
+    section < 1, a config whose shared memory does not fit in this mode, or variants that
+    supports_variants rejects (or with causal=True).
     """
 
     def __init__(self, q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
-                 config: Sm90BwdConfig | None = None, section: int | None = None, rotate: bool | None = None):
+                 config: Sm90BwdConfig | None = None, section: int | None = None, rotate: bool | None = None,
+                 variants=None):
         from ..runtime import LaunchPlan
         from . import attention_bwd_sm80 as sm80
         from . import load
@@ -282,6 +347,14 @@ class BackwardPlan:
             raise ValueError(f"batch x k/v heads x ceil(Nk / {BLOCK_N}) must be <= {_MAX_GRID_X} blocks")
         if section is not None and section < 1:
             raise ValueError(f"section must be >= 1, got {section}")
+        bits = 0
+        if variants is not None:
+            if causal or not supports_variants(d, q.dtype, variants, deterministic):
+                raise ValueError(f"the sm90 variant backward does not run {variants} at head_dim {d}, {q.dtype}, "
+                                 f"deterministic={bool(deterministic)}, causal={bool(causal)} (see supports_variants; "
+                                 "causal must be folded into the window)")
+            bits = variant_bits(variants)
+        self.variant_values = bits != 0  # whether launch passes (alibi, seed, offset) to the kernel
         self.config = config = config or DEFAULTS[(d, bool(causal))]
         if not config.fits(d, deterministic):
             raise ValueError(f"config {config} does not fit in shared memory at head_dim {d} with "
@@ -305,8 +378,9 @@ class BackwardPlan:
         i32, f32 = np.int32, np.float32
         group = heads // kv_heads
         scale_log2 = f32(scale * LOG2E)
-        if section is None:
-            section = section_pairs(nq, d, group, q.element_size(), causal, deterministic)
+        if section is None:  # a window walks few tiles per key block, as causal: the L2-section order
+            section = section_pairs(nq, d, group, q.element_size(), causal or (bits != 0 and _windowed(variants)),
+                                    deterministic)
         self.section = section = min(section, kv_heads * batch)
         self.rotate = rotate = False if deterministic else bool(ROTATE[(d, bool(causal))] if rotate is None else rotate)
 
@@ -320,13 +394,18 @@ class BackwardPlan:
         self.operands = _TmaOperands((q, k, v, dout, dk, dv), config.block_m)
         self.copy, (self.copy_dk, self.copy_dv) = self.operands.copy[:4], self.operands.copy[4:]
         maps = self.operands.encode(self.operands.stage((q, k, v, dout, dk, dv)))
-        self.main = LaunchPlan(
-            load(FAMILY_NAME, expression(d, config, causal, bf16, deterministic), device),
-            (n_blocks * kv_heads * batch,), (THREADS,),
-            (*maps, 0, 0, 0, 0, i32(heads), i32(group), i32(batch), i32(section), i32(nq), i32(nk), i32(nq_pad),
-             scale_log2, f32(scale), i32(rotate)),
-            smem=config.smem_bytes(d, deterministic), dynamic=range(10),
-        )
+        args = (*maps, 0, 0, 0, 0, i32(heads), i32(group), i32(batch), i32(section), i32(nq), i32(nk), i32(nq_pad),
+                scale_log2, f32(scale), i32(rotate))
+        dynamic = tuple(range(10))
+        if bits:  # VARIANT_PARAMS after the plain ones; the alibi pointer, seed and offset are per call
+            from .attention_fwd_sm80 import VARIANT_DYNAMIC
+
+            dynamic += tuple(len(args) + i for i in VARIANT_DYNAMIC)
+            args += variants.kernel_args(scale)
+        expr = (variant_expression(d, config, bf16, bits) if bits
+                else expression(d, config, causal, bf16, deterministic))
+        self.main = LaunchPlan(load(FAMILY_NAME, expr, device), (n_blocks * kv_heads * batch,), (THREADS,), args,
+                               smem=config.smem_bytes(d, deterministic), dynamic=dynamic)
         self.convert = LaunchPlan(
             load(sm80.FAMILY_NAME, convert_expr(d, bf16), device),
             (-(-nq // _CONVERT_ROWS), heads, batch), (128,),
@@ -334,9 +413,11 @@ class BackwardPlan:
             dynamic=range(2),
         )
 
-    def launch(self, q, k, v, out, lse, dout, dq, dk, dv, events=None) -> None:
-        """The three launches (see the class). `events`: four torch.cuda.Events recorded before the
-        preprocess, between the launches and after the convert (benchmark()'s breakdown)."""
+    def launch(self, q, k, v, out, lse, dout, dq, dk, dv, *variant_values, events=None) -> None:
+        """The three launches (see the class). `variant_values` (plans with variants): the ALiBi
+        slopes' pointer, the dropout seed and offset (as attention_bwd_sm80's variant plans take
+        them; ignored when no variant kernel runs). `events`: four torch.cuda.Events recorded before
+        the preprocess, between the launches and after the convert (benchmark()'s breakdown)."""
         if self.empty:
             for g in (dq, dk, dv):
                 if g.numel():
@@ -354,7 +435,8 @@ class BackwardPlan:
         self.pre.launch(out.data_ptr(), dout.data_ptr(), lse.data_ptr(), lse2, delta, acc)
         if events is not None:
             events[1].record()
-        self.main.launch(*maps, lse2, delta, acc, 0 if sem is None else sem.data_ptr())
+        self.main.launch(*maps, lse2, delta, acc, 0 if sem is None else sem.data_ptr(),
+                         *(variant_values if self.variant_values else ()))
         if events is not None:
             events[2].record()
         self.convert.launch(acc, dq.data_ptr())
@@ -363,6 +445,26 @@ class BackwardPlan:
         self.operands.finish(dk, dv, staged)
         # ws and sem return to torch's caching allocator here; their blocks are reused only by work
         # enqueued later on this stream, which runs after these kernels.
+
+
+def _windowed(variants) -> bool:
+    from ..dropout import UNBOUNDED
+
+    return variants.window_left != UNBOUNDED or variants.window_right != UNBOUNDED
+
+
+def variant_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, deterministic: bool, variants,
+                          config: Sm90BwdConfig | None = None) -> BackwardPlan:
+    """A BackwardPlan with variants for these (already validated) tensors: the same call as
+    attention_bwd_sm80.backward_plan(..., causal=False, variants=variants) without `causal` (folded
+    into variants' window). `.launch(q, k, v, out, lse, dout, dq, dk, dv, alibi pointer, seed,
+    offset)`. Tensors as BackwardPlan; lse [B, H, Nq] fp32 the variant forward's (natural log of
+    the transformed logits, -inf for rows whose window holds no key: their gradients come out 0).
+    Raises ValueError where supports_variants(d, dtype, variants, deterministic) is False, and
+    what BackwardPlan raises."""
+    return BackwardPlan(q, k, v, out, lse, dout, dq, dk, dv, causal=False, scale=float(scale),
+                        deterministic=bool(deterministic), config=config or VARIANT_DEFAULTS.get(q.shape[3]),
+                        variants=variants)
 
 
 def backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
@@ -810,8 +912,14 @@ __all__ = [
     "INSTANTIATIONS",
     "ROTATE",
     "TUNING",
+    "ALIBI",
     "BackwardPlan",
     "BackwardVarlenPlan",
+    "SOFTCAP",
+    "VARIANT_DEFAULTS",
+    "VARIANT_INSTANTIATIONS",
+    "VARIANT_SETS",
+    "WINDOW",
     "Sm90BwdConfig",
     "VARLEN_COLUMNS",
     "backward_plan",
@@ -823,8 +931,12 @@ __all__ = [
     "main",
     "section_pairs",
     "supports",
+    "supports_variants",
     "supports_varlen",
     "tuning_candidates",
+    "variant_backward_plan",
+    "variant_bits",
+    "variant_expression",
     "varlen_expression",
 ]
 
