@@ -28,11 +28,13 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from tileattn import reference
+from tileattn.dropout import UNBOUNDED
 from tileattn.kernels import attention_bwd_sm80 as sm80
 from tileattn.kernels import attention_bwd_sm90 as ab
 
@@ -48,6 +50,7 @@ from .test_attention_fwd_sm90_model import (
 )
 
 BLOCK_N = ab.BLOCK_N
+LOG2E = math.log2(math.e)
 C = ab.Sm90BwdConfig
 CONFIGS = sorted({(d, cfg) for d in ab.HEAD_DIMS for causal in (False, True)
                   for cfg in ab.tuning_candidates(d, causal)})
@@ -254,39 +257,92 @@ def test_section_pairs():
 
 
 # ---- the tile walk, emulated in float64 -----------------------------------------------------------
+@dataclass(frozen=True)
+class Var:
+    """The variants of attention_bwd_sm90_variants as the kernel holds them: window edges (UNBOUNDED:
+    none; causal is right = 0), softcap (0: off), ALiBi slopes [B, H] float64 (None: off)."""
+
+    left: int = UNBOUNDED
+    right: int = UNBOUNDED
+    cap: float = 0.0
+    slopes: torch.Tensor | None = None
+
+
+def window_tiles(n0: int, nq: int, nk: int, left: int, right: int, block_m: int) -> tuple[int, int]:
+    """Mirror of window_tiles (csrc): query tiles [first, end) whose queries' windows reach a key
+    of the block [n0, min(n0 + BLOCK_N, nk))."""
+    diag = nk - nq
+    i_lo = max(0, n0 - diag - right)
+    i_hi = min(nq - 1, min(n0 + BLOCK_N, nk) - 1 - diag + left)
+    first = i_lo // block_m
+    return first, first if i_hi < i_lo else i_hi // block_m + 1
+
+
+def window_flags(n0: int, m0: int, nk: int, diag: int, left: int, right: int, block_m: int) -> tuple[bool, bool]:
+    """Mirror of a windowed kernel's (masked, upper_idle) for the tile (n0, m0)."""
+    key_edge = n0 + BLOCK_N > nk
+    masked = key_edge or not (n0 >= m0 + block_m - 1 + diag - left and n0 + BLOCK_N - 1 <= m0 + diag + right)
+    upper_idle = n0 + 64 >= nk or n0 + 64 > m0 + block_m - 1 + diag + right
+    return masked, upper_idle
+
+
+def window_thresholds(key: int, nk: int, diag: int, left: int, right: int, m0: int, t: int,
+                      block_m: int) -> tuple[int, int]:
+    """Mirror of window_mask's (lo[h], hi[h]) for the key of accumulator row h: element 8 j + e
+    (query m0 + 8 j + 2 t + e) is hidden iff 8 j + e < lo or 8 j + e > hi."""
+    lo = block_m if key >= nk else key - diag - right - m0 - 2 * t
+    return lo, key - diag + left - m0 - 2 * t
+
+
 def tile_step(qt, dot, kt, vt, lse2_t, delta_t, n0: int, m0: int, nk: int, diag: int, causal: bool,
-              scale_log2: float, block_m: int):
+              scale_log2: float, block_m: int, var: Var | None = None, slope: float = 0.0):
     """One step of a CTA's walk as the MMA warpgroups compute it (float64): the query tile qt / dot
     [block_m, d] (rows past Nq zero) against the key block kt / vt [BLOCK_N, d] (rows past Nk zero),
     with the kernel's `masked` flag, masks and idle upper warpgroup. Returns the tile's additions
     (dV, dK before the scale, dQ before the scale): [keys, d], [keys, d], [block_m, d] with keys 64
     when warpgroup 1 idles, else BLOCK_N. Checks that an unmasked tile needs no mask and that
-    the idle upper warpgroup's keys are all hidden."""
-    masked = n0 + BLOCK_N > nk or (causal and m0 + diag < n0 + BLOCK_N - 1)
+    the idle upper warpgroup's keys are all hidden. `var` (causal False): the variant kernel's
+    logits (softcap, the ALiBi bias with this head's `slope`), window masks and dS factor."""
     st = kt @ qt.T                                   # S^T [keys, queries]
     dpt = vt @ dot.T                                 # dP^T
-    p = torch.exp2(st * scale_log2 - lse2_t[None, :])
     key = torch.arange(n0, n0 + BLOCK_N, dtype=torch.float64)[:, None]
     query = torch.arange(m0, m0 + block_m, dtype=torch.float64)[None, :]
-    hidden = (key >= nk) | ((key > query + diag) if causal else torch.zeros_like(key, dtype=bool))
+    dcap = 1.0
+    if var is None:
+        masked = n0 + BLOCK_N > nk or (causal and m0 + diag < n0 + BLOCK_N - 1)
+        upper_idle = n0 + 64 >= nk or (causal and n0 + 64 > m0 + block_m - 1 + diag)
+        hidden = (key >= nk) | ((key > query + diag) if causal else torch.zeros_like(key, dtype=bool))
+        x = st * scale_log2
+    else:
+        masked, upper_idle = window_flags(n0, m0, nk, diag, var.left, var.right, block_m)
+        hidden = (key >= nk) | (key < query + diag - var.left) | (key > query + diag + var.right)
+        if var.cap > 0:  # the kernel: tanh(s scale / cap) from 2 log2(e) scale / cap, times cap log2(e)
+            th = torch.tanh(st * (scale_log2 / LOG2E) / var.cap)
+            x, dcap = var.cap * LOG2E * th, 1.0 - th * th
+        else:
+            x = st * scale_log2
+        x = x - LOG2E * slope * (query + diag - key).abs()
+    p = torch.exp2(x - lse2_t[None, :])
     if masked:
         p = torch.where(hidden, torch.zeros_like(p), p)
     else:
         assert not hidden.any(), f"tile n0={n0} m0={m0} needs a mask but `masked` is false"
-    dst = p * (dpt - delta_t[None, :])
+    dst = p * (dpt - delta_t[None, :]) * dcap
     # Keys 64.. all hidden: warpgroup 1 idles, dQ reads only the first 64 keys.
-    upper_idle = n0 + 64 >= nk or (causal and n0 + 64 > m0 + block_m - 1 + diag)
     assert not upper_idle or bool(hidden[64:].all()), f"n0={n0} m0={m0}: keys 64.. are visible"
     keys = 64 if upper_idle else BLOCK_N
-    assert not hidden[:64].all(), f"n0={n0} m0={m0}: warpgroup 0 visits a tile it cannot see"
+    assert var is not None or not hidden[:64].all(), f"n0={n0} m0={m0}: warpgroup 0 visits a tile it cannot see"
+    assert not hidden.all(), f"n0={n0} m0={m0}: the walk visits a tile without a visible (query, key) pair"
     return p[:keys] @ dot, dst[:keys] @ qt, dst[:keys].T @ kt[:keys]
 
 
-def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int, rotate: bool = False):
+def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int, rotate: bool = False,
+            var: Var | None = None):
     """The kernel's arithmetic per (batch, kv head, key block), query head of the group and query
     tile, with its m_first, `masked` flag and masks, in float64 (no 16-bit rounding), plus the
-    preprocess / convert steps (`rotate`: the rotated walk's order). Also checks that an unmasked tile
-    really needs no mask and that the query tiles skipped before m_first hold no visible (query, key)
+    preprocess / convert steps (`rotate`: the rotated walk's order; `var`: the variant kernel, its
+    walk over window_tiles). Also checks that an unmasked tile really needs no mask and that the
+    query tiles skipped (before m_first, windowed also from m_end) hold no visible (query, key)
     pair."""
     b_, h_, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
@@ -307,17 +363,22 @@ def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int, r
         for hk in range(hkv):
             for nb in range(n_blocks):
                 n0 = nb * BLOCK_N
-                m_first = max(0, n0 - diag) // block_m if causal else 0
-                m_count = m_blocks - m_first
-                assert_skipped_tiles_hidden(m_first, block_m, n0, nq, nk, diag, causal)
+                if var is None:
+                    m_first, m_end = (max(0, n0 - diag) // block_m if causal else 0), m_blocks
+                    assert_skipped_tiles_hidden(m_first, block_m, n0, nq, nk, diag, causal)
+                else:
+                    m_first, m_end = window_tiles(n0, nq, nk, var.left, var.right, block_m)
+                    assert_window_skips_hidden(m_first, m_end, block_m, n0, nq, nk, var)
+                m_count = m_end - m_first
                 dk_blk = torch.zeros(BLOCK_N, d, dtype=torch.float64)
                 dv_blk = torch.zeros(BLOCK_N, d, dtype=torch.float64)
                 for it in range(group * m_count):
-                    head, m0 = walk(it, hk, group, m_blocks, m_count, block_m, nb % m_count if rotate else 0)
+                    head, m0 = walk(it, hk, group, m_end, m_count, block_m, nb % m_count if rotate else 0)
+                    slope = 0.0 if var is None or var.slopes is None else float(var.slopes[b, head])
                     add_v, add_k, add_q = tile_step(
                         qp[b, head, m0:m0 + block_m], dop[b, head, m0:m0 + block_m], kp[b, hk, n0:n0 + BLOCK_N],
                         vp[b, hk, n0:n0 + BLOCK_N], lse2[b, head, m0:m0 + block_m], delta[b, head, m0:m0 + block_m],
-                        n0, m0, nk, diag, causal, scale_log2, block_m)
+                        n0, m0, nk, diag, causal, scale_log2, block_m, var, slope)
                     dv_blk[:add_v.shape[0]] += add_v
                     dk_blk[:add_k.shape[0]] += add_k
                     dq_acc[b, head, m0:m0 + block_m] += add_q
@@ -325,6 +386,16 @@ def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int, r
                 dk[b, hk, n0:n0 + rows] = scale * dk_blk[:rows]
                 dv[b, hk, n0:n0 + rows] = dv_blk[:rows]
     return scale * dq_acc[:, :, :nq], dk, dv
+
+
+def assert_window_skips_hidden(m_first: int, m_end: int, block_m: int, n0: int, nq: int, nk: int, var: Var):
+    """The query tiles outside [m_first, m_end) hold no visible (query, key) pair of the key block."""
+    ks = torch.arange(n0, n0 + BLOCK_N)[:, None]
+    diag = nk - nq
+    for m in [*range(m_first), *range(m_end, -(-nq // block_m))]:
+        qs = torch.arange(m * block_m, (m + 1) * block_m)[None, :]
+        seen = (ks < nk) & (qs < nq) & (ks >= qs + diag - var.left) & (ks <= qs + diag + var.right)
+        assert not seen.any(), (m, n0, m_first, m_end)
 
 
 def assert_skipped_tiles_hidden(m_first: int, block_m: int, n0: int, nq: int, nk: int, diag: int, causal: bool):
@@ -358,6 +429,152 @@ def test_emulated_walk_matches_autograd(nq, nk, heads, kv_heads, d, block_m, cau
     for name, a, ref in zip(("dq", "dk", "dv"), got, (qr.grad, kr.grad, vr.grad)):
         err = float((a - ref).norm() / max(float(ref.norm()), 1e-300))
         assert err < 1e-9 or float((a - ref).abs().max()) < 1e-12, f"{name}: relative error {err:.3e}"
+
+
+# ---- variants (attention_bwd_sm90_variants): the window's walk, flags and masks, and the logits ------
+def _edge(x: int) -> int:
+    """A window edge as the kernel takes it (-1: UNBOUNDED)."""
+    return UNBOUNDED if x < 0 else x
+
+
+# (Nq, Nk, left, right): windows smaller than, equal to and larger than N, one-sided, causal (right
+# 0), empty ones (rows that see nothing), Nq != Nk both ways, edges on tile and block boundaries.
+WINDOWS = [(300, 300, 5, 0), (300, 300, 64, 64), (300, 300, 128, 0), (300, 300, 299, 299), (300, 300, 1000, 0),
+           (129, 300, 0, 0), (300, 129, 40, 3), (300, 129, 0, 0), (200, 5, 2, 0), (5, 200, 1, 1),
+           (1, 1, 0, 0), (257, 600, 127, 129), (600, 257, -1, 0), (400, 400, 0, -1), (256, 512, 64, -1),
+           (500, 500, 31, 33), (130, 130, 1, -1),
+           # diag + right = 1 (mod 64): a tile's last row sees key n0 + 64 exactly (upper_idle's edge)
+           (300, 300, 10, 1), (257, 322, 20, 0),
+           # diag - left = 2 (mod 64), right wide: the last row's lower edge one key past n0 (`masked`)
+           (300, 300, 62, 200)]
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_window_tiles_cover_exactly_the_queries_that_see_the_block(block_m):
+    """window_tiles' [first, end) holds every query tile with a visible (query, key) pair of the key
+    block and no tile without one (so a walk never visits a tile it cannot see), and its length is
+    bounded by the window, not by Nq: at most ceil((BLOCK_N + left + right) / block_m) + 1 tiles."""
+    rng = random.Random(5)
+    cases = WINDOWS + [(rng.randint(1, 700), rng.randint(1, 700), rng.choice([-1, rng.randint(0, 300)]),
+                        rng.choice([-1, 0, rng.randint(0, 300)])) for _ in range(150)]
+    for nq, nk, left, right in cases:
+        lo_e, hi_e, diag = _edge(left), _edge(right), nk - nq
+        m_blocks = -(-nq // block_m)
+        qs = torch.arange(nq)[None, :]
+        for n0 in range(0, nk, BLOCK_N):
+            ks = torch.arange(n0, min(n0 + BLOCK_N, nk))[:, None]
+            seen = ((ks >= qs + diag - lo_e) & (ks <= qs + diag + hi_e)).any(0)  # [nq]
+            want = sorted({int(i) // block_m for i in torch.nonzero(seen).flatten()})
+            first, end = window_tiles(n0, nq, nk, lo_e, hi_e, block_m)
+            assert 0 <= first <= end <= m_blocks, (nq, nk, left, right, n0, first, end)
+            assert list(range(first, end)) == want, (nq, nk, left, right, n0, first, end, want)
+            if left >= 0 and right >= 0:
+                assert end - first <= -(-(BLOCK_N + left + right) // block_m) + 1, (nq, nk, left, right, n0)
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_window_flags_and_thresholds(block_m):
+    """For every tile of a windowed walk: `masked` false only when every (query, key) pair of the
+    tile is visible; `upper_idle` only when keys 64.. are hidden from every row (padding rows
+    included); and window_mask's thresholds, per thread of the accumulator layout, hide exactly the
+    pairs outside the window or past Nk."""
+    for nq, nk, left, right in WINDOWS:
+        lo_e, hi_e, diag = _edge(left), _edge(right), nk - nq
+        for n0 in range(0, nk, BLOCK_N):
+            first, end = window_tiles(n0, nq, nk, lo_e, hi_e, block_m)
+            key = torch.arange(n0, n0 + BLOCK_N)[:, None]
+            for m in range(first, end):
+                m0 = m * block_m
+                query = torch.arange(m0, m0 + block_m)[None, :]
+                hidden = (key >= nk) | (key < query + diag - lo_e) | (key > query + diag + hi_e)
+                masked, upper_idle = window_flags(n0, m0, nk, diag, lo_e, hi_e, block_m)
+                assert masked or not hidden.any(), (nq, nk, left, right, n0, m0)
+                assert not upper_idle or bool(hidden[64:].all()), (nq, nk, left, right, n0, m0)
+                for w, warp, g, t in itertools.product(range(2), range(4), range(8), range(4)):
+                    for h in range(2):
+                        k_ = n0 + 64 * w + 16 * warp + g + 8 * h
+                        lo, hi = window_thresholds(k_, nk, diag, lo_e, hi_e, m0, t, block_m)
+                        for j, e in itertools.product(range(block_m // 8), range(2)):
+                            c = 8 * j + e
+                            assert bool(hidden[k_ - n0, c + 2 * t]) == (c < lo or c > hi), (n0, m0, k_, c)
+
+
+def test_window_cost_scales_with_the_window():
+    """The benchmark's case, issue #15: a causal 4096-key window at N = 32768 (d = 128, block_m 64)
+    walks (4096 + 128) / 64 + 1 tiles per key block at most, against N / 64 = 512 dense: the work is
+    that of N = 4096 x 8 dense, not of N = 32768."""
+    n, block_m = 32768, 64
+    tiles = [window_tiles(n0, n, n, 4095, 0, block_m) for n0 in range(0, n, BLOCK_N)]
+    counts = [end - first for first, end in tiles]
+    assert max(counts) <= (4096 + BLOCK_N) // block_m + 1
+    assert sum(counts) <= 1.07 * (n // BLOCK_N) * (4096 + BLOCK_N) // block_m, sum(counts)
+
+
+# (Nq, Nk, heads, kv_heads, window (left, right) or None, softcap, alibi) for the float64 emulation
+VARIANT_WALKS = [
+    (300, 300, 2, 1, (40, 0), 0.0, False),
+    (300, 300, 2, 2, (64, 64), 0.0, True),
+    (129, 300, 4, 1, (0, 0), 0.0, False),          # window (0, 0), Nq < Nk: one key per row
+    (300, 129, 2, 1, (0, 0), 0.0, False),          # Nq > Nk: rows 0 .. 170 see no key (zero dQ)
+    (300, 129, 2, 1, (30, 0), 5.0, True),          # fully masked rows with softcap and ALiBi
+    (200, 200, 2, 1, None, 5.0, False),            # softcap alone: extreme logits (inputs x 8)
+    (257, 256, 2, 2, None, 30.0, True),
+    (100, 192, 2, 1, None, 0.0, True),             # ALiBi alone, [B, H] slopes
+    (256, 512, 4, 2, (64, -1), 0.0, False),        # left-only
+    (190, 190, 2, 1, (1000, 1000), 30.0, True),    # window larger than N
+    (65, 65, 2, 1, (64, 0), 0.0, False),           # window equal to N (causal)
+]
+
+
+@pytest.mark.parametrize("d,block_m", [(128, 64), (64, 128)])
+@pytest.mark.parametrize("nq,nk,heads,kv_heads,window,cap,alibi", VARIANT_WALKS)
+def test_emulated_variant_walk_matches_autograd(nq, nk, heads, kv_heads, window, cap, alibi, d, block_m):
+    """The variant kernel's walk (window_tiles, flags, masks, logits with softcap and ALiBi, dS times
+    1 - tanh^2) in float64 against float64 autograd of reference.attention with the same window /
+    softcap / alibi_slopes; fully masked rows get exactly zero dQ."""
+    g = torch.Generator().manual_seed(nq * 1000 + nk + heads + int(cap))
+    batch = 2
+    q = torch.randn(batch, heads, nq, d, generator=g, dtype=torch.float64) * (8.0 if cap == 5.0 else 1.0)
+    k = torch.randn(batch, kv_heads, nk, d, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, kv_heads, nk, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(batch, heads, nq, d, generator=g, dtype=torch.float64)
+    slopes = torch.rand(batch, heads, generator=g, dtype=torch.float64) * 0.5 if alibi else None
+    scale = 1.0 / math.sqrt(d)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = reference.attention(qr, kr, vr, False, scale, compute_dtype=torch.float64, window=window,
+                                   softcap=cap or None, alibi_slopes=slopes)
+    out.backward(dout)
+    var = Var(*((_edge(window[0]), _edge(window[1])) if window else (UNBOUNDED, UNBOUNDED)), cap, slopes)
+    got = emulate(q, k, v, dout, out.detach(), lse.detach(), False, scale, block_m, var=var)
+    for name, a, ref in zip(("dq", "dk", "dv"), got, (qr.grad, kr.grad, vr.grad)):
+        err = float((a - ref).norm() / max(float(ref.norm()), 1e-300))
+        assert err < 1e-9 or float((a - ref).abs().max()) < 1e-12, f"{name}: relative error {err:.3e}"
+    empty = torch.isneginf(lse.detach())
+    assert bool((got[0][empty] == 0).all()), "dQ of rows that see no key must be exactly 0"
+
+
+def test_variant_registry_and_supports():
+    """The registered variant kernels are VARIANT_SETS x dtypes at the variant defaults, atomic mode;
+    supports_variants / variant_bits route exactly those (no dropout, no deterministic, no softcap at
+    d = 64), and a call with nothing on runs the plain kernel."""
+    from tileattn.kernels.attention_fwd_sm80 import VariantArgs
+
+    want = {ab.variant_expression(d, ab.VARIANT_DEFAULTS[d], bf16, bits) for d in ab.HEAD_DIMS
+            for bf16 in (False, True) for bits in ab.VARIANT_SETS[d]}
+    assert set(ab.VARIANT_INSTANTIATIONS) == want and want <= set(ab.INSTANTIATIONS)
+    assert all(dq_mode_of(e) == 0 for e in want)
+    assert all(bits & ab.WINDOW for sets in ab.VARIANT_SETS.values() for bits in sets)
+    bf = torch.bfloat16
+    assert ab.variant_bits(VariantArgs()) == 0
+    assert ab.variant_bits(VariantArgs(softcap=30.0)) == ab.WINDOW | ab.SOFTCAP
+    assert ab.variant_bits(VariantArgs(window_left=5, window_right=0, alibi_batch_stride=0)) == ab.WINDOW | ab.ALIBI
+    assert ab.supports_variants(128, bf, VariantArgs(4096, 0, 30.0, 8))
+    assert ab.supports_variants(64, torch.float16, VariantArgs(4096, 0, 0.0, 0))
+    assert not ab.supports_variants(64, bf, VariantArgs(softcap=30.0)), "d = 64 softcap spills: sm80"
+    assert not ab.supports_variants(128, bf, VariantArgs(dropout_p=0.1))
+    assert not ab.supports_variants(128, bf, VariantArgs(softcap=30.0), deterministic=True)
+    assert not ab.supports_variants(256, bf, VariantArgs(softcap=30.0))
+    assert not ab.supports_variants(128, torch.float32, VariantArgs(softcap=30.0))
 
 
 # ---- varlen layout (attention_bwd_sm90_varlen) -----------------------------------------------------
