@@ -563,7 +563,7 @@ def packed_emulate(q, batches: int, span, load_block, max_seqlen_q: int, causal:
     shared memory; the edge block's V rows past the sequence's keys cleared (clear=False: the kernel
     without clear_rows); paged (bad_key(b, key) -> bool): a sequence with a bad key masks every
     visit and those keys in it; O and lse stored only for positions inside the sequence; the rows
-    past the last sequence zeroed by the tail CTAs. span(b) -> (q0, nq, nk). Returns (out [Tq, H, d]
+    past the last sequence zeroed (zero_rows_past_last). span(b) -> (q0, nq, nk). Returns (out [Tq, H, d]
     NaN where never written, lse [H, Tq], writes [Tq, H]: how often each out row was written)."""
     tq, h, d = q.shape
     rows = BLOCK_M // pack
@@ -614,7 +614,7 @@ def packed_emulate(q, batches: int, span, load_block, max_seqlen_q: int, causal:
                 out[tok, hd], lse[hd, tok] = o[i], tile_lse[i]
                 writes[tok, hd] += 1
     last = span(batches)[0] if batches else 0
-    out[last:], lse[:, last:] = 0.0, -math.inf  # zero_rows_past_last
+    out[last:], lse[:, last:] = 0.0, -math.inf  # zero_rows_past_last (every CTA's consumers, a share each)
     writes[last:] += 1
     return out, lse, writes
 
@@ -958,8 +958,6 @@ def test_packed_plans_refuse_bad_arguments_before_any_launch():
         plan(q, kv.half(), kv, q, lse, cu, cu, 10, causal=False, scale=0.1)
     with pytest.raises(ValueError, match="multiple of k/v heads"):
         plan(q[:, :3], kv, kv, q[:, :3], lse, cu, cu, 10, causal=False, scale=0.1)
-    with pytest.raises(ValueError, match="persistent"):
-        plan(q, kv, kv, q, lse, cu, cu, 10, causal=False, scale=0.1, config=af.C(128, 3, False, True))
     odd = torch.zeros(10, 4, 68, dtype=torch.bfloat16)[:, :, :64]  # head stride 136 bytes
     with pytest.raises(ValueError, match="TMA"):
         plan(odd, kv, kv, q, lse, cu, cu, 10, causal=False, scale=0.1)

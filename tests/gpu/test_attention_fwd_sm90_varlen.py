@@ -199,9 +199,7 @@ def test_gqa_packing_forced(group, causal, pack_gqa):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", sm90.HEAD_DIMS)
 def test_every_registered_config(d, causal):
-    for config in sm90.tuning_candidates(d, causal, BF16):
-        if config.persistent:
-            continue
+    for config in sm90.tuning_candidates(d, causal, BF16):  # persistent grids too: empty tiles skipped in the walk
         case = Case((130, 1, 257), (70, 64, 300), 4, 1, d, BF16, seed_of("cfg", d, causal, str(config)))
         out, lse = case.run_sm90(causal, config=config)
         check(case, out, lse, causal, what=f"config {config}")
@@ -343,9 +341,6 @@ def test_supports_varlen_on_this_gpu():
 def test_argument_errors():
     case = Case((5,), (5,), 4, 2, 64, BF16, 6)
     out, lse = case.outputs()
-    args = (case.q, case.k, case.v, out, lse, case.cu_q, case.cu_k, 5)
-    with pytest.raises(ValueError, match="persistent"):
-        sm90.forward_varlen_plan(*args, causal=False, scale=0.1, config=sm90.C(128, 3, False, True))
     with pytest.raises(ValueError, match="head_dim"):
         q96 = torch.zeros(5, 4, 96, device=DEVICE, dtype=BF16)
         sm90.forward_varlen_plan(q96, q96[:, :2], q96[:, :2], q96, lse, case.cu_q, case.cu_k, 5, causal=False,
@@ -449,6 +444,26 @@ def test_paged_bad_block_ids_are_masked(causal):
     check_paged(case, out, lse, ref_out, ref_lse, f"sm90 paged, bad block ids, causal={causal}")
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", sm90.HEAD_DIMS)
+def test_persistent_grids_walk_and_skip_tiles(d, causal):
+    """A persistent config (one CTA per SM walking the tiles): many sequences of very different
+    lengths make most tiles empty, so each CTA skips many between the ones it computes; varlen and
+    paged, against the reference."""
+    persistent = sm90.Sm90Config(sm90.DEFAULTS[(d, causal)].block_n, sm90.DEFAULTS[(d, causal)].stages, False, True)
+    lens_q = (1000, 3, 0, 129, 1, 700) * 6
+    lens_k = (1000, 40, 7, 129, 1, 900) * 6
+    case = Case(lens_q, lens_k, 16, 4, d, BF16, seed_of("persistent", d, causal))
+    out, lse = case.run_sm90(causal, config=persistent)
+    check(case, out, lse, causal, what=f"persistent {persistent}")
+    paged_case = PagedCase([(q, k) for q, k in zip(lens_q, lens_k)], 16, 4, d, BF16, 32,
+                           seed_of("persistent-paged", d, causal))
+    ref_out, ref_lse = paged_case.reference(causal=causal)
+    poison_past_lengths(paged_case)
+    out, lse, _ = run_paged(paged_case, causal, config=persistent)
+    check_paged(paged_case, out, lse, ref_out, ref_lse, f"paged persistent {persistent} d={d} causal={causal}")
+
+
 @pytest.mark.parametrize("pack_gqa", [True, False], ids=["pack", "nopack"])
 def test_paged_gqa_packing_forced(pack_gqa):
     case = PagedCase([(5, 300), (17, 17), (64, 100)], 16, 2, 128, BF16, 32, seed=11)
@@ -504,8 +519,6 @@ def test_paged_argument_errors():
         sm90.PagedPlan(*args, **kw, num_splits=2)
     with pytest.raises(ValueError, match="variants"):
         sm90.PagedPlan(*args, **kw, variants=object())
-    with pytest.raises(ValueError, match="persistent"):
-        sm90.PagedPlan(*args, **kw, config=sm90.C(128, 3, False, True))
     small = torch.zeros(4, 8, 2, 64, device=DEVICE, dtype=BF16)
     with pytest.raises(ValueError, match="block_size"):
         sm90.PagedPlan(case.q, small, small, case.block_table, **kw)

@@ -107,25 +107,31 @@
 // Nq, so rows past the end of a head's sequence are never written. lse goes straight from registers (one lane per row). The storing
 // thread then releases sQ to the producer (q_empty) for the next tile's Q.
 //
-// ---- Packed variable-length batches (kVariant bit kVarlen) -------------------------------------
-// q [Tq, H, d], k / v [Tk, Hkv, d], out [Tq, H, d], lse [H, Tq]; sequence b owns query tokens
-// cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 and keys likewise (common/varlen.cuh). The tensor maps
-// describe the packed tensors as [1, H, T, d] views, and a tile addresses its sequence by adding the
-// sequence's first token to the row coordinate (batch coordinate 0). Tiles are numbered as for a
-// dense batch of B sequences of max_seqlen_q queries; a tile past its sequence's end is skipped by
-// producer and consumers alike (it is not counted as one of the CTA's tiles). What a box reads past
-// the sequence's end belongs to the next sequence, to token padding, or (past the tensor) is TMA's
-// zero fill: Q rows there are never stored; K columns there are masked (the edge block is always
-// in the masked loop, and the mask overwrites whatever the score was, NaN included); V rows there
-// would meet P = 0, but 0 * NaN = NaN in P V and padding may hold anything, so both consumers zero
-// those rows of the edge block's V slot before its P V (clear_rows). O is not stored by TMA: a box
-// past the sequence's end would overwrite the next sequence's first rows, and choosing TMA for
-// whole boxes only is a branch on the sequence length between the wgmma loops, which makes ptxas
-// serialize the wgmmas (C7519). Each consumer's threads copy its staged rows to global instead,
-// 16 bytes each under a per-row predicate (d / 16 stores per thread). The last `heads` CTAs of
-// the grid write the rows past cu_seqlens_q[B]
-// (out 0, lse -inf) as the sm_80 varlen kernel does. The plain kernel's code is unchanged: every
-// difference is under `if constexpr` or a constant-folded choice.
+// ---- Packed queries: variable-length batches (kVariant = kVarlen) and paged K/V (kPaged) -------
+// q [Tq, H, d], out [Tq, H, d], lse [H, Tq]; sequence b owns query tokens cu_seqlens_q[b] ..
+// cu_seqlens_q[b + 1] - 1 (common/varlen.cuh). Varlen k / v [Tk, Hkv, d] likewise by cu_seqlens_k;
+// paged k / v caches [num_blocks, block_size, Hkv, d] hold key j of sequence b at row j % block_size
+// of block block_table[b, j / block_size], seqlens_k[b] keys, the queries being the last of them.
+// The tensor maps describe q, out and varlen k / v as [1, H, T, d] views, and a tile adds its
+// sequence's first token to the row coordinate (batch coordinate 0); a paged K/V block is
+// min(block_size, kBlockN)-row boxes over a [num_blocks, Hkv, block_size, d] view, each at the
+// block id the producer read from the table (a bad id, or a key past the length or the table's
+// capacity: block coordinate num_blocks, zero fill, never dereferenced). Tiles are numbered as for
+// a dense batch of B sequences of max_seqlen_q queries; a tile past its sequence's end is skipped
+// by producer and consumers alike (not counted as one of the CTA's tiles, so any grid works).
+// What a box reads past the sequence's end belongs to the next sequence, to token padding, to a
+// stale cache row, or is TMA's zero fill: Q rows there are never stored; K columns there are
+// masked (the edge block is always in the masked loop, and the mask overwrites whatever the score
+// was, NaN included); V rows there would meet P = 0, but 0 * NaN = NaN in P V and those rows may
+// hold anything, so both consumers zero them in the edge block's V slot before its P V
+// (clear_rows). Paged keys in bad blocks must be masked, not scored 0: a sequence with any gets
+// every visit masked and page_mask. O is not stored by TMA: a box past the sequence's end would
+// overwrite the next sequence's first rows, and choosing TMA for whole boxes only is a branch on
+// the sequence length between the wgmma loops, which makes ptxas serialize the wgmmas (C7519).
+// Each consumer's threads copy its staged rows to global instead, 16 bytes each under a per-row
+// predicate (d / 16 stores per thread). The consumers of every CTA, after its tiles, write a
+// share of the rows past cu_seqlens_q[B] (out 0, lse -inf), as the sm_80 varlen kernel does. The plain kernel's code is unchanged: every difference is under `if constexpr` or a
+// constant-folded choice.
 #include "common/sm80.cuh"
 #include "common/sm90.cuh"
 #include "common/varlen.cuh"
@@ -300,18 +306,23 @@ __device__ __forceinline__ void store_rows_masked(const u16* sO, const Packed& v
   }
 }
 
-// Varlen: rows cu_seqlens_q[B] .. Tq - 1 of head `head` (token padding, no sequence): out 0, lse
-// -inf, so no output element is left unwritten whatever the lengths on the device are.
+// Packed layouts: rows cu_seqlens_q[B] .. Tq - 1 of every head (token padding, no sequence) get
+// out 0 and lse -inf, so no output element is left unwritten whatever the lengths on the device
+// are. Run by the consumer warpgroups of every CTA after their tiles (`kThreads` threads, `thread`
+// in [0, kThreads); the producer warpgroup's idle warps have 40 registers, too few): the grid's
+// threads take whole rows (all heads, 16-byte stores, no division).
 template <int kHeadDim, int kThreads>
-__device__ __forceinline__ void zero_rows_past_last(const Packed& vl, float* lse, int batches, int head) {
-  constexpr int kChunks = kHeadDim / 8;
-  const int begin = __ldg(vl.cu_q + batches);
-  const int64_t count = static_cast<int64_t>(vl.total_q - begin) * kChunks;
-  for (int64_t idx = threadIdx.x; idx < count; idx += kThreads)
-    *reinterpret_cast<uint4*>(vl.out + (begin + idx / kChunks) * vl.out_sr + head * vl.out_sh + (idx % kChunks) * 8) =
-        make_uint4(0u, 0u, 0u, 0u);
-  for (int r = begin + threadIdx.x; r < vl.total_q; r += kThreads)
-    lse[static_cast<int64_t>(head) * vl.total_q + r] = neg_inf();
+__device__ __forceinline__ void zero_rows_past_last(const Packed& vl, float* lse, int batches, int heads, int thread) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t row = __ldg(vl.cu_q + batches) + static_cast<int64_t>(blockIdx.x) * kThreads + thread;
+       row < vl.total_q; row += stride) {
+    for (int h = 0; h < heads; ++h) {
+      u16* const dst = vl.out + row * vl.out_sr + h * vl.out_sh;
+#pragma unroll
+      for (int ch = 0; ch < kHeadDim / 8; ++ch) *reinterpret_cast<uint4*>(dst + ch * 8) = make_uint4(0u, 0u, 0u, 0u);
+      lse[static_cast<int64_t>(h) * vl.total_q + row] = neg_inf();
+    }
+  }
 }
 
 // block_range for a window: the keys any row of the tile sees are [window_lo(first row),
@@ -507,8 +518,11 @@ __device__ __forceinline__ Variants variants_of(float scale_log2, VARIANT_PARAMS
 // Varlen (kVariant == fwd90::kVarlen, plain arithmetic, causal or not; see the header): tmap_q /
 // tmap_o over q / out [Tq, H, d] as [1, H, Tq, d], tmap_k / tmap_v over k / v [Tk, Hkv, d] as
 // [1, Hkv, Tk, d] (boxes as above); batches = B, seqlen_q = max_seqlen_q (the tile grid),
-// seqlen_k unused; then VARLEN_PARAMS. lse [H, Tq]. Grid: ceil(max_seqlen_q / R) * (H / pack) * B
-// tiles, one CTA each, plus `heads` CTAs for the rows past the last sequence.
+// seqlen_k unused; then VARLEN_PARAMS. lse [H, Tq]. Grid: up to ceil(max_seqlen_q / R) * (H / pack)
+// * B CTAs (one per tile, or fewer: persistent), at least 1.
+// Paged (kVariant == fwd90::kPaged): as varlen with PAGED_PARAMS; tmap_k / tmap_v over k_cache /
+// v_cache [num_blocks, block_size, Hkv, d] as [num_blocks, Hkv, block_size, d], box (64,
+// min(block_size, kBlockN), 1, 1).
 template <int kHeadDim, int kBlockN, int kStages, bool kPingPong, bool kCausal, bool kIsBF16, int kVariant = 0,
           class... VariantParams>
 __global__ void __launch_bounds__(fwd90::kThreads, 1)
@@ -561,12 +575,6 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
   const int groups = heads / pack;
   const int num_tiles = m_blocks * groups * batches;
   const int wg = threadIdx.x / 128;
-  if constexpr (kVarlenLayout) {
-    if (blockIdx.x >= num_tiles) {  // one of the last `heads` CTAs: rows past the last sequence
-      zero_rows_past_last<kHeadDim, kThreads>(vl, lse, batches, blockIdx.x - num_tiles);
-      return;
-    }
-  }
 
   if (threadIdx.x == 0) {
     s9::tma_prefetch_descriptor(&tmap_q);
@@ -906,6 +914,9 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         }
         s9::mbar_arrive(&q_empty);           // this consumer is done with sQ for this tile
       }
+    }
+    if constexpr (kVarlenLayout) {  // after this CTA's tiles: its share of the rows past the last sequence
+      zero_rows_past_last<kHeadDim, 2 * 128>(vl, lse, batches, heads, c * 128 + tid);
     }
   }
 }

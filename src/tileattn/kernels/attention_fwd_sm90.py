@@ -198,8 +198,8 @@ PAGED_INSTANTIATIONS = tuple(paged_expression(d, cfg, causal, bf16) for (d, caus
                              for bf16 in (False, True))
 INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in DEFAULTS.items() for bf16 in (False, True))
                   + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS)
-# Tuning candidates: the dense extras, and the varlen kernel at each of them (the persistent grid,
-# a launch choice the varlen plan does not make, adds nothing).
+# Tuning candidates: the dense extras, and the varlen kernel at each of them (a persistent config
+# is the same kernel as its one-CTA-per-tile twin: a launch choice).
 TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
                                        for cfg in extra) if e not in INSTANTIATIONS) + tuple(dict.fromkeys(
     varlen_expression(d, cfg, causal, True) for (d, causal), extra in EXTRA_BF16.items() for cfg in extra
@@ -451,6 +451,15 @@ def _packed_view(t: torch.Tensor) -> torch.Tensor:
     return t.permute(1, 0, 2).unsqueeze(0)
 
 
+def _packed_grid(tiles: int, config: Sm90Config, device_index: int) -> int:
+    """CTAs of a varlen / paged launch: one per tile, or one per SM for a persistent config; at
+    least one (every CTA's idle producer warps also write a share of the rows past the last
+    sequence, which must happen even with no tile)."""
+    from ..runtime import device_sm_count
+
+    return max(1, min(tiles, device_sm_count(device_index)) if config.persistent else tiles)
+
+
 def supports_varlen(head_dim: int, dtype, *, device=None, tensors=(), batch: int | None = None,
                     heads: int | None = None, max_seqlen_q: int | None = None) -> bool:
     """Whether forward_varlen_plan can run this call: head_dim in HEAD_DIMS, dtype fp16/bf16, and,
@@ -497,8 +506,6 @@ class VarlenPlan:
         if max_seqlen_q < 0 or batch < 0:
             raise ValueError(f"max_seqlen_q ({max_seqlen_q}) and the number of sequences ({batch}) must be >= 0")
         config = config or VARLEN_DEFAULTS[(head_dim, bool(causal))]
-        if config.persistent:
-            raise ValueError("the varlen forward runs one CTA per tile: a persistent config is not supported")
         for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
             if t.shape[0] > 0 and not _tma_ready(_packed_view(t)):
                 raise ValueError(f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) is not TMA-describable: "
@@ -524,8 +531,7 @@ class VarlenPlan:
         args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, max_seqlen_q, 0, scale),
                 cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), out.data_ptr(), np.int64(out.stride(0)),
                 np.int64(out.stride(1)), np.int32(total_q))
-        # One CTA per tile, then `heads` CTAs for the rows past the last sequence.
-        self.grid = (geo.tiles + heads,)
+        self.grid = (_packed_grid(geo.tiles, config, q.device.index),)
         self.plan = LaunchPlan(kern, self.grid, (THREADS,), args, smem=config.smem_bytes(head_dim),
                                dynamic=(0, 1, 2, 3, 4, 13, 14, 15))
 
@@ -554,11 +560,12 @@ def forward_varlen_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     (supports_varlen says whether a call fits); lse [H, Tq] fp32 contiguous (natural log);
     cu_seqlens_q / cu_seqlens_k int32 [B + 1] contiguous on q's device. Causal is bottom-right per
     sequence; a sequence of length 0 writes nothing; rows past cu_seqlens_q[B] get out 0 and lse
-    -inf; a sequence longer than max_seqlen_q is cut. `config` forces a registered tile config (not
-    a persistent one); `pack_gqa` forces GQA packing (None: gqa_pack on max_seqlen_q). Needs a
+    -inf; a sequence longer than max_seqlen_q is cut. `config` forces a registered tile config (a
+    persistent one launches one CTA per SM, which walk the tiles and skip the empty ones at the
+    cost of an L1 hit); `pack_gqa` forces GQA packing (None: gqa_pack on max_seqlen_q). Needs a
     compute capability 9.0 GPU. Raises ValueError for an unsupported head dim or dtype, mixed
-    dtypes, H not a multiple of Hkv, a persistent config, a tensor TMA cannot describe in place, or
-    more than 2^30 query tiles; TensorMapError (a ValueError) if the driver refuses a map.
+    dtypes, H not a multiple of Hkv, a tensor TMA cannot describe in place, or more than 2^30
+    query tiles; TensorMapError (a ValueError) if the driver refuses a map.
     """
     return VarlenPlan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal, scale=scale,
                       config=config, pack_gqa=pack_gqa)
@@ -616,8 +623,8 @@ class PagedPlan:
     block_table[b, j // block_size], its queries are its last keys (causal bottom-right). Keys past
     the table's capacity or in a block id outside [0, num_blocks) are masked and never read; rows past
     cu_seqlens_q[B] get out 0, lse -inf. Raises ValueError for what the kernel cannot run (head dim,
-    dtype, block_size not a power of two in 16..256, num_splits > 1, variants, a persistent config,
-    layouts TMA cannot describe, an empty cache, more than 2^30 tiles)."""
+    dtype, block_size not a power of two in 16..256, num_splits > 1, variants, layouts TMA cannot
+    describe, an empty cache, more than 2^30 tiles). A persistent config launches one CTA per SM."""
 
     def __init__(self, q, k_cache, v_cache, block_table, *, max_seqlen_q: int, causal: bool, scale: float,
                  return_lse: bool, num_splits: int | None = None, config: Sm90Config | None = None, variants=None,
@@ -646,8 +653,6 @@ class PagedPlan:
         if variants is not None:
             raise ValueError("the sm90 paged forward has no variants (window, softcap, ALiBi); use the sm80 kernel")
         config = config or PAGED_DEFAULTS[(head_dim, bool(causal))]
-        if config.persistent:
-            raise ValueError("the paged forward runs one CTA per tile: a persistent config is not supported")
         views = (_packed_view(q), _cache_view(k_cache), _cache_view(v_cache))
         for name, t in zip(("q", "k_cache", "v_cache"), views):
             if t.numel() and not _tma_ready(t):
@@ -677,7 +682,7 @@ class PagedPlan:
         args = (*maps, 0, *_scalar_args(batch, heads, kv_heads, geo, max_seqlen_q, 0, scale),
                 0, 0, 0, np.int64(out.stride(0)), np.int64(out.stride(1)), i32(total_q),
                 0, i32(block_table.stride(0)), i32(max_blocks), i32(num_blocks), i32(block_size.bit_length() - 1))
-        self.grid = (geo.tiles + heads,)  # one CTA per tile, then `heads` CTAs for rows past the last sequence
+        self.grid = (_packed_grid(geo.tiles, config, q.device.index),)
         self.plan = LaunchPlan(kern, self.grid, (THREADS,), args, smem=config.smem_bytes(head_dim),
                                dynamic=(0, 1, 2, 3, 4, 13, 14, 15, 19))
 
