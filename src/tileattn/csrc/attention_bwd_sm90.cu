@@ -640,7 +640,8 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         // above the last row's lower edge and its last key at or below the first row's upper edge.
         const bool masked = [&]() {
           if constexpr (kWindowed) {
-            return key_edge || !(n0 >= m0 + kBlockM - 1 + diag_t - var.left && n0 + kBlockN - 1 <= m0 + diag_t + var.right);
+            return key_edge ||
+                   !(n0 >= m0 + kBlockM - 1 + diag_t - var.left && n0 + kBlockN - 1 <= m0 + diag_t + var.right);
           } else {
             return key_edge || (kCausal && m0 + diag_t < n0 + kBlockN - 1);
           }
@@ -684,7 +685,9 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
             } else {
               x = sp[i] * var.scale_log2;
             }
-            if constexpr (kAlibied) x = fmaf(slope, fabsf(dist0[(i >> 1) & 1] + static_cast<float>(8 * (i / 4) + (i & 1))), x);
+            if constexpr (kAlibied) {
+              x = fmaf(slope, fabsf(dist0[(i >> 1) & 1] + static_cast<float>(8 * (i / 4) + (i & 1))), x);
+            }
             p = fast_exp2(x - l2);
           } else {
             p = fast_exp2(fmaf(sp[i], scale_log2, -l2));
