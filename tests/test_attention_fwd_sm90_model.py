@@ -977,4 +977,9 @@ def test_packed_plans_refuse_bad_arguments_before_any_launch():
     assert not af.supports_paged(128, torch.bfloat16, block_size=16, max_seqlen_q=1, batch=64, heads=32, kv_heads=8)
     assert af.supports_paged(128, torch.bfloat16, block_size=16, max_seqlen_q=512, batch=4, heads=32, kv_heads=8)
     assert not af.supports_paged(128, torch.bfloat16, block_size=8, max_seqlen_q=512, batch=4, heads=32, kv_heads=8)
+    # one 512-query chunk among 63 decodes: 63 tiles of one query each would scan their whole K/V
+    assert not af.supports_paged(128, torch.bfloat16, block_size=16, max_seqlen_q=512, batch=64, heads=32,
+                                 kv_heads=8, total_q=512 + 63)
+    assert af.supports_paged(128, torch.bfloat16, block_size=16, max_seqlen_q=512, batch=4, heads=32, kv_heads=8,
+                             total_q=4 * 512)
 

@@ -582,16 +582,21 @@ def _cache_view(cache: torch.Tensor) -> torch.Tensor:
 
 
 def supports_paged(head_dim: int, dtype, *, block_size: int, max_seqlen_q: int, batch: int, heads: int,
-                   kv_heads: int, device=None, tensors=(), min_tiles: int | None = None) -> bool:
+                   kv_heads: int, total_q: int | None = None, device=None, tensors=(),
+                   min_tiles: int | None = None) -> bool:
     """Whether PagedPlan should run this call instead of the sm80 paged kernel: head_dim in HEAD_DIMS,
     dtype fp16/bf16, block_size a power of two in 16..256, at least MIN_PAGED_QUERIES queries in the
-    longest sequence and at least `min_tiles` query tiles (default: the device's SM count, 132
-    without a device): below that the sm80 kernel's split-KV fills the GPU better (this kernel has
-    no split). With a device, compute capability 9.0; `tensors` (q [Tq, H, d], k_cache, v_cache,
-    out) must be TMA-describable in place. Never raises."""
+    longest sequence and, given total_q (q.shape[0]), on average per sequence (a prefill chunk
+    batched with many decodes would give each decode a 128-row tile and a full K/V pass), and at
+    least `min_tiles` query tiles (default: the device's SM count, 132 without a device): below
+    that the sm80 kernel's split-KV fills the GPU better (this kernel has no split). With a device,
+    compute capability 9.0; `tensors` (q [Tq, H, d], k_cache, v_cache, out) must be
+    TMA-describable in place. Never raises."""
     if head_dim not in HEAD_DIMS or dtype not in (torch.float16, torch.bfloat16):
         return False
     if block_size not in PAGED_BLOCK_SIZES or max_seqlen_q < MIN_PAGED_QUERIES or kv_heads < 1 or heads % kv_heads:
+        return False
+    if total_q is not None and total_q < MIN_PAGED_QUERIES * batch:
         return False
     if device is not None:
         device = torch.device(device)
