@@ -1,0 +1,246 @@
+"""GPU tests of the Hopper variant backward (attention_bwd_sm90.variant_backward_plan; issue #15).
+
+Each case runs the dispatcher's variant forward (dispatch.variant_forward_plan: on sm_90a the Hopper
+forward for d = 64 / 128) and then this family's variant backward plan on its out and lse, launched
+as tileattn.api launches a variant backward (alibi pointer, seed, offset after the tensors). The
+gradients are compared by relative error ||g - ref|| / ||ref|| with float64 autograd through
+tileattn.reference.attention with the same window / softcap / alibi_slopes on the same quantized
+inputs (the tolerances of tests/gpu/test_attention_variants.py), and with the sm80 variant
+backward's gradients on the same out / lse. Every allocation is poisoned (conftest) and dq, dk, dv
+start as NaN, so an element the kernels forget to write fails. Rows whose window holds no key must
+get dq exactly 0. Skipped with a reason on GPUs other than compute capability 9.0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tileattn import dropout as dr
+from tileattn import reference
+
+from .conftest import poisoned_allocations
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="the sm90 variant backward needs a compute capability 9.0 GPU (H100/H200): wgmma, TMA, setmaxnreg",
+    ),
+]
+
+BF16, FP16 = torch.bfloat16, torch.float16
+F64 = torch.float64
+TOL = {BF16: 1e-2, FP16: 3e-3}
+ATOL = 1e-3  # RMS floor per element (see tests/gpu/test_attention_bwd.py: gradients exactly 0 in exact math)
+
+
+def _ab():
+    from tileattn.kernels import attention_bwd_sm90
+
+    return attention_bwd_sm90
+
+
+def make(b, h, hkv, nq, nk, d, dtype, seed, *, scale_inputs=1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = (torch.randn(b, h, nq, d, device="cuda", generator=g) * scale_inputs).to(dtype)   # [B, H, Nq, d]
+    k = (torch.randn(b, hkv, nk, d, device="cuda", generator=g) * scale_inputs).to(dtype)  # [B, Hkv, Nk, d]
+    v = torch.randn(b, hkv, nk, d, device="cuda", generator=g).to(dtype)                   # [B, Hkv, Nk, d]
+    dout = torch.randn(b, h, nq, d, device="cuda", generator=g).to(dtype)                  # [B, H, Nq, d]
+    return q, k, v, dout
+
+
+def alibi(kind, b, h):
+    """ALiBi slopes: 'h' the standard geometric [H] (2^(-8 (i + 1) / H)), 'bh' random [B, H] fp32."""
+    if kind == "h":
+        return torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device="cuda", dtype=torch.float32)
+    g = torch.Generator(device="cuda").manual_seed(b * 100 + h)
+    return torch.rand(b, h, device="cuda", generator=g, dtype=torch.float32) * 0.5
+
+
+def rel_err(x, ref) -> float:
+    x, ref = x.double(), ref.double()
+    floor = ATOL * math.sqrt(max(ref.numel(), 1))
+    return float((x - ref).norm() / max(float(ref.norm()), floor))
+
+
+def variant_args(q, causal, opts):
+    """attention_fwd_sm80.VariantArgs of the options (causal folded into the window, as tileattn.api)."""
+    from tileattn.kernels.attention_fwd_sm80 import VariantArgs
+
+    left, right = dr.check_window(opts.get("window"), causal)
+    slopes = opts.get("alibi_slopes")
+    sb = None if slopes is None else dr.check_alibi(slopes, q.shape[0], q.shape[1], q.device, dtype_strict=True)
+    return VariantArgs(left, right, dr.check_softcap(opts.get("softcap")), sb, 0.0)
+
+
+def run(q, k, v, dout, causal, opts):
+    """(out, lse, (dq, dk, dv), (sm80 dq, dk, dv)): the dispatcher's variant forward, this family's
+    variant backward and the sm80 variant backward on the same out / lse, every allocation poisoned
+    and every gradient NaN-filled before its launch."""
+    from tileattn.kernels import attention_bwd_sm80, dispatch
+
+    va = variant_args(q, causal, opts)
+    scale = q.shape[-1] ** -0.5
+    slopes = opts.get("alibi_slopes")
+    extra = (0 if slopes is None else slopes.data_ptr(), 0, 0)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device=q.device, dtype=torch.float32)  # [B, H, Nq]
+    with poisoned_allocations():
+        dispatch.variant_forward_plan(q, k, v, out, lse, scale=scale, variants=va).launch(q, k, v, out, lse, *extra)
+        grads, grads80 = ([torch.full_like(t, float("nan")) for t in (q, k, v)] for _ in range(2))
+        plan = _ab().variant_backward_plan(q, k, v, out, lse, dout, *grads, scale=scale, deterministic=False,
+                                           variants=va)
+        bits = _ab().variant_bits(va)
+        assert plan.variant_values == (bits != 0)
+        assert ("_variants<" in plan.main.kernel.expression) == (bits != 0), plan.main.kernel.expression
+        plan.launch(q, k, v, out, lse, dout, *grads, *extra)
+        plan80 = attention_bwd_sm80.backward_plan(q, k, v, out, lse, dout, *grads80, causal=False, scale=scale,
+                                                  deterministic=False, variants=va)
+        plan80.launch(q, k, v, out, lse, dout, *grads80, *extra)
+    torch.cuda.synchronize()
+    return out, lse, tuple(grads), tuple(grads80)
+
+
+def reference_grads(q, k, v, dout, causal, opts):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, lse = reference.attention(q64, k64, v64, causal, compute_dtype=F64, **opts)
+    out.backward(dout.double())
+    return lse, (q64.grad, k64.grad, v64.grad)
+
+
+def check(q, k, v, dout, causal, opts, dtype, what):
+    """Gradients against float64 autograd and against the sm80 variant backward; dq rows of queries
+    that see no key exactly 0."""
+    _, lse, grads, grads80 = run(q, k, v, dout, causal, opts)
+    rlse, rgrads = reference_grads(q, k, v, dout, causal, opts)
+    for name, g, r, g80 in zip(("dq", "dk", "dv"), grads, rgrads, grads80):
+        bad = ~torch.isfinite(g)
+        assert not bad.any(), (f"{what}: {name} has {int(bad.sum())} NaN/inf elements (unwritten?), first at "
+                               f"{tuple(bad.nonzero()[0].tolist())}")
+        e = rel_err(g, r)
+        assert e <= TOL[dtype], f"{what}: {name} relative error {e:.3e} > {TOL[dtype]:g} against float64 autograd"
+        e80 = rel_err(g, g80)
+        assert e80 <= TOL[dtype], f"{what}: {name} differs from the sm80 variant backward's by {e80:.3e}"
+    empty = ~torch.isfinite(rlse)
+    assert torch.equal(~torch.isfinite(lse), empty), f"{what}: the forward's lse -inf rows differ from the reference's"
+    if empty.any():
+        rows = grads[0][empty]
+        assert (rows == 0).all(), f"{what}: dq of rows that see no key is not 0 (max {float(rows.abs().max()):.3g})"
+
+
+def _opts(options, b, h):
+    options = dict(options)
+    kind = options.pop("alibi", None)
+    if kind is not None:
+        options["alibi_slopes"] = alibi(kind, b, h)
+    return options
+
+
+# (causal, options, input scale). Softcap needs d = 128 (supports_variants; d = 64 stays on sm80).
+CASES = {
+    "window": (False, {"window": (37, 5)}, 1.0),
+    "window_causal": (True, {"window": (64, -1)}, 1.0),
+    "window_left_only": (False, {"window": (20, -1)}, 1.0),
+    "window_eq_n": (False, {"window": (200, 200)}, 1.0),
+    "window_gt_n": (True, {"window": (5000, 3)}, 1.0),
+    "softcap_extreme": (False, {"softcap": 5.0}, 8.0),  # |scale q.k| ~ 90: tanh saturated, 1 - tanh^2 ~ 0
+    "softcap_causal": (True, {"softcap": 30.0}, 2.0),
+    "softcap_window": (False, {"softcap": 20.0, "window": (48, 16)}, 2.0),
+    "alibi_h": (False, {"alibi": "h"}, 1.0),
+    "alibi_bh_causal": (True, {"alibi": "bh"}, 1.0),
+    "alibi_window": (False, {"alibi": "bh", "window": (40, 40)}, 1.0),
+    "window_unbounded": (False, {"window": (-1, -1)}, 1.0),  # nothing on: the plain kernel
+}
+SOFTCAP_CASES = {name for name, (_, o, _) in CASES.items() if "softcap" in o}
+
+
+def _cases(d):
+    return [c for c in CASES if d == 128 or c not in SOFTCAP_CASES]
+
+
+def _supported(d, dtype, causal, options, b, h):
+    q = torch.empty(b, h, 1, d, device="cuda", dtype=dtype)
+    return _ab().supports_variants(d, dtype, variant_args(q, causal, _opts(options, b, h)), False)
+
+
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d,case", [(d, c) for d in (64, 128) for c in _cases(d)])
+def test_variants_dims_dtypes_gqa(d, dtype, case):
+    """Every case at d = 64 / 128, fp16 / bf16, MHA and GQA 4, Nq = 129 != Nk = 200 (edge tiles)."""
+    causal, options, s = CASES[case]
+    for h, hkv in ((2, 2), (4, 1)):
+        b = 2
+        assert _supported(d, dtype, causal, options, b, h), f"{case} at d={d} should run on the sm90 backward"
+        q, k, v, dout = make(b, h, hkv, 129, 200, d, dtype, seed=d + h, scale_inputs=s)
+        check(q, k, v, dout, causal, _opts(options, b, h), dtype, f"d={d} {dtype} {case} GQA {h}/{hkv}")
+
+
+@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 1000), (31, 33), (127, 129), (129, 127), (300, 100), (100, 300),
+                                   (1000, 1000), (4097, 4097)])
+@pytest.mark.parametrize("case", ["window_causal", "softcap_window", "alibi_bh_causal"])
+def test_variants_lengths(nq, nk, case):
+    """Lengths around the 64 / 128-row tiles, Nq != Nk both ways, one-query rows, 4097 (d = 128 bf16)."""
+    causal, options, s = CASES[case]
+    q, k, v, dout = make(1, 2, 1, nq, nk, 128, BF16, seed=nq + 7 * nk, scale_inputs=s)
+    check(q, k, v, dout, causal, _opts(options, 1, 2), BF16, f"{case} Nq={nq} Nk={nk}")
+
+
+@pytest.mark.parametrize("n", [200, 1000])
+@pytest.mark.parametrize("window,causal", [((0, 0), False), ((1, 1), False), ((31, 33), False), ((127, 0), True),
+                                           ((128, 128), False), ((999, -1), True), ((1000, 1000), False),
+                                           ((4096, 0), True)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_window_sizes(d, n, window, causal):
+    """Windows far smaller than, equal to and larger than N, edges on and off the 64 / 128 boundaries,
+    causal and not (fp16: the tighter tolerance)."""
+    q, k, v, dout = make(2, 4, 2, n, n, d, FP16, seed=n + window[0])
+    check(q, k, v, dout, causal, {"window": window}, FP16, f"d={d} N={n} window={window} causal={causal}")
+
+
+@pytest.mark.parametrize("nq,nk,window,causal,extra", [
+    (300, 129, (0, 0), False, {}),                       # rows 0 .. 170 see no key
+    (300, 129, (20, -1), True, {}),                      # causal with Nq > Nk, and a window
+    (300, 129, (30, 0), False, {"alibi": "bh"}),
+    (200, 100, (10, 0), False, {"softcap": 5.0}),
+    (64, 300, (0, -1), True, {}),                        # causal window (0, 0): one key per row, Nq < Nk
+])
+def test_fully_masked_rows(nq, nk, window, causal, extra):
+    """Rows whose window holds no key: out 0 / lse -inf in the forward, dq exactly 0 here, and the
+    keys no query sees get dk = dv = 0 (checked against autograd, which gives exact zeros)."""
+    q, k, v, dout = make(1, 2, 1, nq, nk, 128, BF16, seed=nq * 3 + nk)
+    opts = _opts({"window": window, **extra}, 1, 2)
+    check(q, k, v, dout, causal, opts, BF16, f"Nq={nq} Nk={nk} window={window} causal={causal} {extra}")
+
+
+def test_sliding_window_skips_blocks_and_matches_at_long_n():
+    """A 512-key causal sliding window at N = 8192 (d = 128 bf16, GQA 4): the walk covers only the
+    window's query tiles, and the gradients still match float64 autograd and the sm80 kernels."""
+    q, k, v, dout = make(1, 4, 1, 8192, 8192, 128, BF16, seed=3)
+    check(q, k, v, dout, True, {"window": (511, 0)}, BF16, "N=8192 window 512 causal")
+
+
+def test_unsupported_variants_raise_before_launching():
+    """d = 64 softcap, softcap with ALiBi, dropout and the deterministic mode are not this family's:
+    variant_backward_plan raises ValueError naming them (the dispatcher keeps them on sm80)."""
+    from tileattn.kernels.attention_fwd_sm80 import VariantArgs
+
+    for d, va, det in ((64, VariantArgs(softcap=30.0), False), (128, VariantArgs(4096, 0, 30.0, 0), False),
+                       (128, VariantArgs(dropout_p=0.1), False), (128, VariantArgs(64, 0), True)):
+        q, k, v, dout = make(1, 2, 2, 64, 64, d, BF16, seed=1)
+        out, lse = torch.empty_like(q), torch.empty(1, 2, 64, device="cuda")
+        with pytest.raises(ValueError, match="sm90 variant backward"):
+            _ab().variant_backward_plan(q, k, v, out, lse, dout, *(torch.empty_like(t) for t in (q, k, v)),
+                                        scale=d ** -0.5, deterministic=det, variants=va)
+
+
+# ---- small cases that compute-sanitizer re-runs -------------------------------------------------
+@pytest.mark.sanitize
+@pytest.mark.parametrize("d,case", [(128, "softcap_window"), (128, "alibi_bh_causal"), (64, "window_causal"),
+                                    (64, "alibi_window")])
+def test_sanitize_small(d, case):
+    causal, options, s = CASES[case]
+    q, k, v, dout = make(1, 2, 1, 130, 70, d, FP16, seed=11, scale_inputs=s)
+    check(q, k, v, dout, causal, _opts(options, 1, 2), FP16, f"sanitize d={d} {case}")
