@@ -57,6 +57,23 @@
 // dq_accum fit in L2 beside the others in flight). The deterministic mode keeps the unrotated walk:
 // its turn order needs every key block to meet the tiles in dispatch order.
 //
+// ---- Variants (attention_bwd_sm90_variants; issue #15, definitions in common/variants.cuh) -------
+// Window, softcap and ALiBi as compile-time bits of kVariant (kWindow 1, kSoftcap 2, kAlibi 4, as
+// the Hopper forward's), on the dense layout in the unordered dQ modes; a third entry point calls the
+// shared body, whose every variant line sits under `if constexpr`, so the plain and varlen kernels
+// keep their .text byte for byte (checked: SHA-256 of all 24 plain .text sections, NVRTC 13.5).
+// Causal is the window's right edge 0 (variant kernels have kCausal = false).
+// - Walk: key block n visits only the query tiles of window_tiles() (the queries whose window holds a
+//   key of the block), so a sliding window costs (window + 128) / kBlockM tiles per key block;
+//   none: dK = dV = 0. `masked` / upper_idle come from the window's edges; the masks go on in a
+//   pass of their own (window_mask) over the finished P^T (and dS^T) before they are packed.
+// - Logits: the forward's variant_logits in the same fp32 order (softcap by softcap_tanh_fma, the
+//   ALiBi bias fmaf(slope, |dist|, x)), P^T = 2^(logit - lse2) against the variant forward's lse.
+// - Softcap: dS^T = P^T (dP^T - D) (1 - tanh^2) (d logit / d(scale q.k)); tanh is computed in place
+//   of S^T while the dP^T product runs, and the tile takes the one-pass path (no dV overlap).
+// - Not here: dropout, the deterministic turn (it assumes every lower key block visits a tile: a
+//   window breaks that), varlen. Registered sets and why: attention_bwd_sm90.VARIANT_SETS.
+//
 // ---- Per query tile, MMA warpgroup w (keys 64 w.., queries m0 .. m0 + kBlockM) ----------------
 //   1. S^T  = K_w Q^T      wgmma SS  m64 n kBlockM, k = d     (K rows K-major, Q K-major)
 //      dP^T = V_w dO^T     wgmma SS  m64 n kBlockM, k = d
