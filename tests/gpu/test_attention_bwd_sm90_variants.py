@@ -152,6 +152,7 @@ CASES = {
     "alibi_h": (False, {"alibi": "h"}, 1.0),
     "alibi_bh_causal": (True, {"alibi": "bh"}, 1.0),
     "alibi_window": (False, {"alibi": "bh", "window": (40, 40)}, 1.0),
+    "window_softcap_alibi": (True, {"window": (48, 16), "softcap": 20.0, "alibi": "bh"}, 2.0),
     "window_unbounded": (False, {"window": (-1, -1)}, 1.0),  # nothing on: the plain kernel
 }
 SOFTCAP_CASES = {name for name, (_, o, _) in CASES.items() if "softcap" in o}
@@ -180,7 +181,7 @@ def test_variants_dims_dtypes_gqa(d, dtype, case):
 
 @pytest.mark.parametrize("nq,nk", [(1, 1), (1, 1000), (31, 33), (127, 129), (129, 127), (300, 100), (100, 300),
                                    (1000, 1000), (4097, 4097)])
-@pytest.mark.parametrize("case", ["window_causal", "softcap_window", "alibi_bh_causal"])
+@pytest.mark.parametrize("case", ["window_causal", "softcap_window", "alibi_bh_causal", "window_softcap_alibi"])
 def test_variants_lengths(nq, nk, case):
     """Lengths around the 64 / 128-row tiles, Nq != Nk both ways, one-query rows, 4097 (d = 128 bf16)."""
     causal, options, s = CASES[case]
@@ -223,11 +224,11 @@ def test_sliding_window_skips_blocks_and_matches_at_long_n():
 
 
 def test_unsupported_variants_raise_before_launching():
-    """d = 64 softcap, softcap with ALiBi, dropout and the deterministic mode are not this family's:
+    """d = 64 softcap (alone or with ALiBi), dropout and the deterministic mode are not this family's:
     variant_backward_plan raises ValueError naming them (the dispatcher keeps them on sm80)."""
     from tileattn.kernels.attention_fwd_sm80 import VariantArgs
 
-    for d, va, det in ((64, VariantArgs(softcap=30.0), False), (128, VariantArgs(4096, 0, 30.0, 0), False),
+    for d, va, det in ((64, VariantArgs(softcap=30.0), False), (64, VariantArgs(4096, 0, 30.0, 0), False),
                        (128, VariantArgs(dropout_p=0.1), False), (128, VariantArgs(64, 0), True)):
         q, k, v, dout = make(1, 2, 2, 64, 64, d, BF16, seed=1)
         out, lse = torch.empty_like(q), torch.empty(1, 2, 64, device="cuda")
@@ -238,7 +239,7 @@ def test_unsupported_variants_raise_before_launching():
 
 # ---- small cases that compute-sanitizer re-runs -------------------------------------------------
 @pytest.mark.sanitize
-@pytest.mark.parametrize("d,case", [(128, "softcap_window"), (128, "alibi_bh_causal"), (64, "window_causal"),
+@pytest.mark.parametrize("d,case", [(128, "softcap_window"), (128, "window_softcap_alibi"), (64, "window_causal"),
                                     (64, "alibi_window")])
 def test_sanitize_small(d, case):
     causal, options, s = CASES[case]

@@ -682,15 +682,15 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         };
         // Variants: the logit of element i in log2 units with the fp32 operations of the Hopper
         // forward's variant_logits, in its order (softcap by softcap_tanh_fma, else the scale; then
-        // the ALiBi bias slope * |query + diag - key|, the distance as dist0[h] + 8 j + e: exact
-        // integers in fp32, one I2F per row and tile), so that P^T = 2^(logit - lse2) recomputes the
+        // the ALiBi bias slope * |query + diag - key|, the distance as dist0 + 8 j + e - 8 h: exact
+        // integers in fp32, one I2F per tile; one register for both rows h: with one per row, softcap
+        // + ALiBi spilled 8 bytes under NVRTC 13.0), so that P^T = 2^(logit - lse2) recomputes the
         // forward's probabilities against its lse. Softcap: sp already holds tanh(scale s / cap)
         // (computed while dP^T ran, below); `th` receives it for the factor 1 - tanh^2.
-        float slope = 0.f, dist0[2] = {0.f, 0.f};
+        float slope = 0.f, dist0 = 0.f;
         if constexpr (kAlibied) {
           slope = alibi_slope_log2(var, batch, head);  // one L1-resident load per tile
-#pragma unroll
-          for (int h = 0; h < 2; ++h) dist0[h] = static_cast<float>(m0 + 2 * t + diag_t - (key_h0 + 8 * h));
+          dist0 = static_cast<float>(m0 + 2 * t + diag_t - key_h0);
         }
         auto vprob = [&](int i, float l2, float& th) {
           float p;
@@ -703,7 +703,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
               x = sp[i] * var.scale_log2;
             }
             if constexpr (kAlibied) {
-              x = fmaf(slope, fabsf(dist0[(i >> 1) & 1] + static_cast<float>(8 * (i / 4) + (i & 1))), x);
+              x = fmaf(slope, fabsf(dist0 + static_cast<float>(8 * (i / 4) + (i & 1) - 8 * ((i >> 1) & 1))), x);
             }
             p = fast_exp2(x - l2);
           } else {

@@ -19,7 +19,7 @@ Variants (issue #15; csrc "Variants"): window, softcap and ALiBi run the attenti
 instantiations (atomic mode), through BackwardPlan(..., variants=VariantArgs) or
 variant_backward_plan, whose launch takes (alibi pointer, seed, offset) after the tensors like the
 sm80 variant backward's; supports_variants says which calls they cover (not dropout, not the
-deterministic mode, not softcap at d = 64 nor softcap with ALiBi). lse is the variant forward's
+deterministic mode, not softcap at d = 64). lse is the variant forward's
 (natural log of the transformed logits), as the Hopper and sm80 variant forwards write it.
 """
 
@@ -121,15 +121,14 @@ WINDOW, SOFTCAP, ALIBI = 1, 2, 4
 # as the full range and the Nk edge), and the sets without it bought nothing while spilling where the
 # window set does not. ptxas spill bytes (sm_90a, 240 registers per MMA thread, both dtypes alike,
 # atomic mode) under NVRTC 13.5 (here) / 13.0 (the H200 image; scripts/check_nvrtc_version.py):
-#   bits        1     2        3      4     5     6        7
-#   d = 128     0/0   0/0      0/0    0/0   0/0   20/52    0/8
-#   d = 64      0/0   168/192  220/-  0/0   0/0   656/-    332/-
+#   bits        1     2        3      4     5     6       7
+#   d = 128     0/0   0/0      0/0    0/0   0/0   0/20    0/0
+#   d = 64      0/0   168/192  220/-  0/0   0/0   656/-   332/-
 # At d = 64 (block_m 128) the 128 fp32 S^T / dP^T accumulators and 64 of dK / dV leave ~20
 # registers for the P^T pass; softcap's tanh (FMA reciprocal, or MUFU.RCP: 40..80 bytes) does not
-# fit beside them, so d = 64 softcap stays on the sm80 variant kernels; so does softcap together
-# with ALiBi at d = 128 (8 bytes under 13.0).
+# fit beside them, so d = 64 softcap stays on the sm80 variant kernels.
 VARIANT_SETS: dict[int, tuple[int, ...]] = {
-    128: (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI),
+    128: (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI, WINDOW | SOFTCAP | ALIBI),
     64: (WINDOW, WINDOW | ALIBI),
 }
 
@@ -148,7 +147,7 @@ def variant_bits(variants) -> int:
 def supports_variants(head_dim: int, dtype, variants, deterministic: bool = False) -> bool:
     """Whether variant_backward_plan runs a call with these variants (attention_fwd_sm80.VariantArgs,
     causal folded into the window) on this family: head_dim and flags in VARIANT_SETS (d = 64: not
-    softcap; d = 128: not softcap with ALiBi), float16 / bfloat16, no dropout, atomic mode
+    softcap), float16 / bfloat16, no dropout, atomic mode
     (deterministic=True stays on the sm80 variant kernels). The caller still routes only sm_90a
     devices here. Never raises."""
     if dtype not in (torch.float16, torch.bfloat16) or deterministic or variants.dropout_p > 0:
