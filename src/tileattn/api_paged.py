@@ -160,7 +160,7 @@ def attention_paged(
         lse = q.new_full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32)
         return (out, lse) if return_lse else out
     if launch is None:
-        from .kernels.attention_paged_sm80 import PagedLaunch
+        from .kernels import dispatch
 
         variant_args = None
         if variants is not None:
@@ -169,9 +169,9 @@ def attention_paged(
             left, right, cap, _ = variants
             sb = None if alibi_slopes is None else _check_alibi(alibi_slopes, q, block_table)
             variant_args = VariantArgs(left, right, cap, sb)
-        launch = PagedLaunch(q, k_cache, v_cache, block_table, max_seqlen_q=int(max_seqlen_q),
-                             causal=bool(causal) and variants is None, scale=float(scale), return_lse=bool(return_lse),
-                             num_splits=num_splits, variants=variant_args)
+        launch = dispatch.paged_launch(q, k_cache, v_cache, block_table, max_seqlen_q=int(max_seqlen_q),
+                                       causal=bool(causal), scale=float(scale), return_lse=bool(return_lse),
+                                       num_splits=num_splits, variants=variant_args)
         if key is not None:
             if len(_paged_cache) >= CACHE_LIMIT:
                 _paged_cache.clear()

@@ -19,6 +19,7 @@ Markers: `gpu` (all), `sanitize` (small cases re-run under compute-sanitizer by 
 from __future__ import annotations
 
 import math
+import os
 import zlib
 
 import pytest
@@ -29,6 +30,22 @@ from tileattn.runtime import device_arch
 from tileattn.kernels import attention_paged_sm80 as paged
 
 from .conftest import poisoned_allocations
+
+HOPPER = os.environ.get("TILEATTN_TEST_HOPPER_INFERENCE") == "1"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hopper_paged_table():
+    """TILEATTN_TEST_HOPPER_INFERENCE=1: every case of this file that goes through attention_paged
+    with the Hopper paged prefill switched on in the dispatcher (api_varlen.hopper_kernels_forced),
+    wherever the call is prefill-shaped; launch-layer cases are unchanged."""
+    if not HOPPER:
+        yield
+        return
+    from tileattn.api_varlen import hopper_kernels_forced
+
+    with hopper_kernels_forced():
+        yield
 
 pytestmark = pytest.mark.gpu
 

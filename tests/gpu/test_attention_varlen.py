@@ -56,13 +56,14 @@ def _warm_compile_cache():
     attention_bwd_sm80.precompile(expressions=exprs)
 
 
-HOPPER = os.environ.get("TILEATTN_TEST_HOPPER_VARLEN") == "1"
+HOPPER = os.environ.get("TILEATTN_TEST_HOPPER_INFERENCE") == "1"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _hopper_varlen_tables():
-    """TILEATTN_TEST_HOPPER_VARLEN=1: every case of this file with the Hopper varlen kernels switched
-    on in the dispatcher (api_varlen.hopper_kernels_forced), wherever the device and the call allow."""
+    """TILEATTN_TEST_HOPPER_INFERENCE=1: every case of this file with the Hopper varlen kernels
+    switched on in the dispatcher (api_varlen.hopper_kernels_forced), wherever the device and the
+    call allow."""
     if not HOPPER:
         yield
         return

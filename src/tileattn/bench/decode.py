@@ -18,7 +18,9 @@ bottom-right aligned), B=8, H/Hkv 32/32 and 32/8, block_size 16 and 256, against
 forward (tileattn.attention with Nq=512, Nk=4608) on the same work; TFLOP/s of useful FLOPs
 (each query row counts the keys it sees). The other prefill tiles of the paged kernel (the sm_80
 table's, when the arch's differs, and the family's tuning candidates) are timed on the same work
-through the launch layer (impl tileattn_paged_tile, the tile in its column). SDPA is not a peer there: its is_causal is aligned
+through the launch layer (impl tileattn_paged_tile, the tile in its column); on sm_90a the Hopper
+paged prefill (attention_fwd_sm90's paged layout) through attention_paged with it forced on
+(impl tileattn_paged_sm90; api_varlen.hopper_kernels_forced), until the dispatcher takes it. SDPA is not a peer there: its is_causal is aligned
 top-left, which is a different mask when Nq < Nk.
 
 Every output is compared with a peer's on the same data before timing (rel_err in the record).
@@ -179,6 +181,7 @@ def prefill_point(heads, kv_heads, block_sizes, reps, chunk=512, prefix=4096, ba
     import tileattn
 
     from ..api_paged import attention_paged
+    from ..api_varlen import hopper_kernels_forced
     from ..kernels.attention_paged_sm80 import PagedLaunch, pick_config
     from ..runtime import device_arch
 
@@ -213,6 +216,13 @@ def prefill_point(heads, kv_heads, block_sizes, reps, chunk=512, prefix=4096, ba
             records.append(dict(base, impl="tileattn_paged", block_size=bs, status="ok", rel_err_vs_dense=err,
                                 config=str(config), tflops=flops / (t.median_ms * 1e-3) / 1e12,
                                 us=t.median_ms * 1e3, **t.as_dict()))
+            if device_arch() == "sm_90a":  # the Hopper paged prefill, not dispatched by default yet
+                with hopper_kernels_forced():
+                    err = rel_err(call(), ref)
+                    t = measure(call, reps=reps, max_seconds=3.0, memory=False)
+                records.append(dict(base, impl="tileattn_paged_sm90", block_size=bs, status="ok",
+                                    rel_err_vs_dense=err, config="attention_fwd_sm90",
+                                    tflops=flops / (t.median_ms * 1e-3) / 1e12, us=t.median_ms * 1e3, **t.as_dict()))
             args = (q_packed, k_cache, v_cache, table, cu_q, seqlens)
             for tile in prefill_tiles(HEAD_DIM, device_arch()):  # other tiles, same work (launch layer)
                 launch = PagedLaunch(q_packed, k_cache, v_cache, table, max_seqlen_q=chunk, causal=True,

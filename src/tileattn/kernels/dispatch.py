@@ -68,6 +68,11 @@ SM90_VARLEN_CANDIDATES = (
     {(d, causal) for d in (64, 128, 256) for causal in (False, True)},
     {(d, causal, False) for d in (64, 128) for causal in (False, True)},
 )
+# Head dims whose paged prefill (attention_paged calls that attention_fwd_sm90.supports_paged accepts:
+# many query rows per sequence, no variants, no forced split) runs attention_fwd_sm90's paged layout
+# on sm_90a. Empty for the same reason as the varlen tables; SM90_PAGED_CANDIDATES is what it implements.
+SM90_PAGED_PREFILL: set[int] = set()
+SM90_PAGED_CANDIDATES = {64, 128, 256}
 
 
 class _PointerPlan:
@@ -202,3 +207,27 @@ def varlen_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_
     return attention_bwd_sm80.backward_varlen_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_seqlen_q,
                                                    max_seqlen_k, causal=causal, scale=scale,
                                                    deterministic=deterministic, variants=variants)
+
+
+def paged_launch(q, k_cache, v_cache, block_table, *, max_seqlen_q: int, causal: bool, scale: float,
+                 return_lse: bool, num_splits: int | None, variants=None):
+    """The callable that runs attention_paged for these (already validated) tensors:
+    `launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, alibi_slopes=...)` ->
+    (out, lse or None). The Hopper paged forward for prefill-shaped calls of the head dims in
+    SM90_PAGED_PREFILL on sm_90a, the sm80 paged kernel (split-KV, variants) otherwise."""
+    from ..runtime import device_arch
+    from .attention_paged_sm80 import PagedLaunch
+
+    head_dim = q.shape[2]
+    if (variants is None and num_splits in (None, 1) and head_dim in SM90_PAGED_PREFILL
+            and device_arch(q.device.index) == "sm_90a"):
+        from . import attention_fwd_sm90
+
+        if attention_fwd_sm90.supports_paged(head_dim, q.dtype, block_size=k_cache.shape[1], max_seqlen_q=max_seqlen_q,
+                                             batch=block_table.shape[0], heads=q.shape[1], kv_heads=k_cache.shape[2],
+                                             total_q=q.shape[0], device=q.device, tensors=(q, k_cache, v_cache)):
+            return attention_fwd_sm90.PagedPlan(q, k_cache, v_cache, block_table, max_seqlen_q=max_seqlen_q,
+                                                causal=causal, scale=scale, return_lse=return_lse)
+    return PagedLaunch(q, k_cache, v_cache, block_table, max_seqlen_q=max_seqlen_q,
+                       causal=causal and variants is None, scale=scale, return_lse=return_lse,
+                       num_splits=num_splits, variants=variants)
