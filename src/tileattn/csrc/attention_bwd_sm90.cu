@@ -69,8 +69,9 @@
 //   pass of their own (window_mask) over the finished P^T (and dS^T) before they are packed.
 // - Logits: the forward's variant_logits in the same fp32 order (softcap by softcap_tanh_fma, the
 //   ALiBi bias fmaf(slope, |dist|, x)), P^T = 2^(logit - lse2) against the variant forward's lse.
-// - Softcap: dS^T = P^T (dP^T - D) (1 - tanh^2) (d logit / d(scale q.k)); tanh is computed in place
-//   of S^T while the dP^T product runs, and the tile takes the one-pass path (no dV overlap).
+// - Softcap (d = 128 only: at d = 64 the tanh does not fit the registers): dS^T = P^T (dP^T - D)
+//   (1 - tanh^2) (d logit / d(scale q.k)). The P^T pass packs P^T for dV pair by pair and leaves
+//   P^T (1 - tanh^2) in the fp32 registers, so dV still overlaps the plain dS^T pass.
 // - Not here: dropout, the deterministic turn (it assumes every lower key block visits a tile: a
 //   window breaks that), varlen. Registered sets and why: attention_bwd_sm90.VARIANT_SETS.
 //
@@ -372,14 +373,13 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
   // Issue dV before computing dS^T (so the dV wgmma hides that work) only where the registers allow:
   // it keeps the in-flight packed P^T (kBlockM / 4) live beside fp32 P^T and dP^T (kBlockM each)
   // and dK, dV. d = 64, kBlockM = 128 would need 64 + 64 + 64 + 32 = 224 and spills.
-  // Softcap needs 1 - tanh^2 of each score in the dS^T pass, after S^T has become P^T: it takes the
-  // one-pass path (P^T and dS^T together once both products retired; see "Variants").
   constexpr bool kWindowed = (kVariant & kWindow) != 0, kSoftcapped = (kVariant & kSoftcap) != 0;
   constexpr bool kAlibied = (kVariant & kAlibi) != 0, kLogits = kSoftcapped || kAlibied;
   static_assert(kVariant == 0 || (kVariant > 0 && kVariant <= kVariantBits && !kCausal && !kVarlen && kDqMode != 1),
                 "variants: a set of kWindow | kSoftcap | kAlibi on the dense layout, causal folded into the "
                 "window, unordered dQ modes (the deterministic turn assumes every lower key block visits a tile)");
-  constexpr bool kOverlap = kBlockM == 64 && !kSoftcapped;
+  constexpr bool kOverlap = kBlockM == 64;
+  static_assert(!kSoftcapped || kOverlap, "softcap: d = 128 (block_m 64) only; at d = 64 its tanh does not fit the registers");
   static_assert(kDqMode >= 0 && kDqMode <= 2, "dQ mode: 0 RED, 1 ordered bulk (deterministic), 2 bulk");
   // Varlen only (block-scope, so the dense cubin holds no new constant): named barrier 9 (256) after
   // zeroing edge rows of K / V or of a Q / dO slot; attention_bwd_sm80.cu's kVarlenWsGap, the gap
@@ -650,7 +650,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
 
         // ---- 2. S^T retired (groups retire in order; with kOverlap dP^T may still run): P^T, dS^T in
         // fp32. Element 4 j + 2 h + e of the accumulators: key key_h0 + 8 h, query m0 + 8 j + 2 t + e.
-        s9::wgmma_wait<(kOverlap || kSoftcapped) ? 1 : 0>();
+        s9::wgmma_wait<kOverlap ? 1 : 0>();
         s9::fence_accumulators(sp);
         const int nk = loop_nk(), diag_t = loop_diag();  // dense: seqlen_k, diag
         // Windowed: every (query, key) of the tile is visible iff the block's first key is at or
@@ -685,8 +685,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         // the ALiBi bias slope * |query + diag - key|, the distance as dist0 + 8 j + e - 8 h: exact
         // integers in fp32, one I2F per tile; one register for both rows h: with one per row, softcap
         // + ALiBi spilled 8 bytes under NVRTC 13.0), so that P^T = 2^(logit - lse2) recomputes the
-        // forward's probabilities against its lse. Softcap: sp already holds tanh(scale s / cap)
-        // (computed while dP^T ran, below); `th` receives it for the factor 1 - tanh^2.
+        // forward's probabilities against its lse. `th` receives softcap's tanh (for 1 - tanh^2).
         float slope = 0.f, dist0 = 0.f;
         if constexpr (kAlibied) {
           slope = alibi_slope_log2(var, batch, head);  // one L1-resident load per tile
@@ -697,7 +696,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
           if constexpr (kLogits) {
             float x;
             if constexpr (kSoftcapped) {
-              th = sp[i];
+              th = softcap_tanh_fma(var, sp[i]);
               x = var.cap_out * th;
             } else {
               x = sp[i] * var.scale_log2;
@@ -717,18 +716,15 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         // Inside the P^T pass the four thresholds and second compare per element made ptxas spill at
         // d = 64 (60 bytes); here they are live only beside values that are live anyway. Selects,
         // not products: a hidden score may have overflowed to P^T = inf.
+        auto window_hidden = [&](int i) {
+          const int c = 8 * (i / 4) + (i & 1), key = key_h0 + 8 * ((i >> 1) & 1);
+          const int lo = key >= nk ? kBlockM : key - diag_t - var.right - m0 - 2 * t;
+          return c < lo || c > key - diag_t + var.left - m0 - 2 * t;
+        };
         auto window_mask = [&](float (&x)[kBlockM / 2], float (&y)[kBlockM / 2], bool both) {
-          int lo[2], hi[2];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int key = key_h0 + 8 * h;
-            lo[h] = key >= nk ? kBlockM : key - diag_t - var.right - m0 - 2 * t;
-            hi[h] = key - diag_t + var.left - m0 - 2 * t;
-          }
 #pragma unroll
           for (int i = 0; i < kBlockM / 2; ++i) {
-            const int c = 8 * (i / 4) + (i & 1), h = (i >> 1) & 1;
-            if (c < lo[h] || c > hi[h]) {
+            if (window_hidden(i)) {
               x[i] = 0.f;
               if (both) y[i] = 0.f;
             }
@@ -748,20 +744,41 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
             const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
+            if constexpr (kSoftcapped) {
+              // Softcap: dS^T = P^T (dP^T - D) (1 - tanh^2) needs tanh after S^T has become P^T. So
+              // this pass packs each pair of P^T for dV itself and leaves P^T (1 - tanh^2) in sp,
+              // from which the dS^T pass below is the plain one; a masked tile's window test goes
+              // on here, before the packing (window_hidden: window_mask's thresholds).
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-              if constexpr (kVariant != 0) {
-                float th;  // unused: softcap takes the one-pass branch
-                sp[4 * j + r] = vprob(4 * j + r, (r & 1) ? l2.y : l2.x, th);
-              } else {
-                sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
+              for (int r2 = 0; r2 < 2; ++r2) {
+                float p[2], dcap[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  float th;
+                  p[e] = vprob(4 * j + 2 * r2 + e, e ? l2.y : l2.x, th);
+                  if constexpr (kWindowed) p[e] = masked && window_hidden(4 * j + 2 * r2 + e) ? 0.f : p[e];
+                  dcap[e] = fmaf(-th, th, 1.f);
+                }
+                pf[j / 2][2 * (j % 2) + r2] = pack2<kIsBF16>(p[0], p[1]);  // pack_acc's pair order
+                sp[4 * j + 2 * r2] = p[0] * dcap[0];
+                sp[4 * j + 2 * r2 + 1] = p[1] * dcap[1];
+              }
+            } else {
+#pragma unroll
+              for (int r = 0; r < 4; ++r) {
+                if constexpr (kVariant != 0) {
+                  float th;  // unused without softcap
+                  sp[4 * j + r] = vprob(4 * j + r, (r & 1) ? l2.y : l2.x, th);
+                } else {
+                  sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
+                }
               }
             }
           }
-          if constexpr (kWindowed) {
+          if constexpr (kWindowed && !kSoftcapped) {
             if (masked) window_mask(sp, dp, false);  // dS^T = P^T (...) follows from the masked P^T
           }
-          pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
+          if constexpr (!kSoftcapped) pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
           issue_dv();
           s9::wgmma_wait<1>();  // dP^T retired; dV still running
           s9::fence_accumulators(dp);
@@ -772,14 +789,6 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
             for (int r = 0; r < 4; ++r) dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
           }
         } else {  // S^T and dP^T both retired: P^T and dS^T in one pass, then dV
-          if constexpr (kSoftcapped) {
-            // Only S^T retired: S^T -> tanh in place while the dP^T product runs (this MUFU and FMA
-            // work then hides behind the tensor cores, and the one pass below stays as light as
-            // the plain kernel's: with the tanh inside it, d = 64 spilled 276 bytes).
-#pragma unroll
-            for (int i = 0; i < kBlockM / 2; ++i) sp[i] = softcap_tanh_fma(var, sp[i]);
-            s9::wgmma_wait<0>();
-          }
           s9::fence_accumulators(dp);
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
@@ -787,12 +796,10 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
             const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
-              if constexpr (kVariant != 0) {  // softcap: dS = P (dP - D) (1 - tanh^2), as the sm80 kernels
-                float th = 0.f;
-                const float p = vprob(4 * j + r, (r & 1) ? l2.y : l2.x, th);
-                const float ds = p * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
-                sp[4 * j + r] = p;
-                dp[4 * j + r] = kSoftcapped ? ds * fmaf(-th, th, 1.f) : ds;
+              if constexpr (kVariant != 0) {
+                float th;  // unused: no softcap on this path
+                sp[4 * j + r] = vprob(4 * j + r, (r & 1) ? l2.y : l2.x, th);
+                dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
               } else {
                 sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
                 dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));

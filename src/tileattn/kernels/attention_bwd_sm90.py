@@ -121,12 +121,14 @@ WINDOW, SOFTCAP, ALIBI = 1, 2, 4
 # as the full range and the Nk edge), and the sets without it bought nothing while spilling where the
 # window set does not. ptxas spill bytes (sm_90a, 240 registers per MMA thread, both dtypes alike,
 # atomic mode) under NVRTC 13.5 (here) / 13.0 (the H200 image; scripts/check_nvrtc_version.py):
-#   bits        1     2        3      4     5     6       7
-#   d = 128     0/0   0/0      0/0    0/0   0/0   0/20    0/0
-#   d = 64      0/0   168/192  220/-  0/0   0/0   656/-   332/-
+#   bits        1     2          3        4     5     6        7
+#   d = 128     0/0   0/0        0/0      0/0   0/0   0/0      0/0
+#   d = 64      0/0   (168/192)  (220/-)  0/0   0/0   (656/-)  (332/-)
 # At d = 64 (block_m 128) the 128 fp32 S^T / dP^T accumulators and 64 of dK / dV leave ~20
 # registers for the P^T pass; softcap's tanh (FMA reciprocal, or MUFU.RCP: 40..80 bytes) does not
-# fit beside them, so d = 64 softcap stays on the sm80 variant kernels.
+# fit beside them (numbers of the one-pass version; the kernel now static_asserts softcap to
+# block_m 64), so d = 64 softcap stays on the sm80 variant kernels. Compile-time sets rather than
+# run-time flags: each call pays only for its variants' per-score work (docs/attention_bwd_sm90.md).
 VARIANT_SETS: dict[int, tuple[int, ...]] = {
     128: (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI, WINDOW | SOFTCAP | ALIBI),
     64: (WINDOW, WINDOW | ALIBI),
