@@ -139,7 +139,7 @@ def _opts(options, b, h):
     return options
 
 
-# (causal, options, input scale). Softcap needs d = 128 (supports_variants; d = 64 stays on sm80).
+# (causal, options, input scale).
 CASES = {
     "window": (False, {"window": (37, 5)}, 1.0),
     "window_causal": (True, {"window": (64, -1)}, 1.0),
@@ -155,20 +155,14 @@ CASES = {
     "window_softcap_alibi": (True, {"window": (48, 16), "softcap": 20.0, "alibi": "bh"}, 2.0),
     "window_unbounded": (False, {"window": (-1, -1)}, 1.0),  # nothing on: the plain kernel
 }
-SOFTCAP_CASES = {name for name, (_, o, _) in CASES.items() if "softcap" in o}
-
-
-def _cases(d):
-    return [c for c in CASES if d == 128 or c not in SOFTCAP_CASES]
-
-
 def _supported(d, dtype, causal, options, b, h):
     q = torch.empty(b, h, 1, d, device="cuda", dtype=dtype)
     return _ab().supports_variants(d, dtype, variant_args(q, causal, _opts(options, b, h)), False)
 
 
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("d,case", [(d, c) for d in (64, 128) for c in _cases(d)])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("d", [64, 128])
 def test_variants_dims_dtypes_gqa(d, dtype, case):
     """Every case at d = 64 / 128, fp16 / bf16, MHA and GQA 4, Nq = 129 != Nk = 200 (edge tiles)."""
     causal, options, s = CASES[case]
@@ -182,11 +176,12 @@ def test_variants_dims_dtypes_gqa(d, dtype, case):
 @pytest.mark.parametrize("nq,nk", [(1, 1), (1, 1000), (31, 33), (127, 129), (129, 127), (300, 100), (100, 300),
                                    (1000, 1000), (4097, 4097)])
 @pytest.mark.parametrize("case", ["window_causal", "softcap_window", "alibi_bh_causal", "window_softcap_alibi"])
-def test_variants_lengths(nq, nk, case):
-    """Lengths around the 64 / 128-row tiles, Nq != Nk both ways, one-query rows, 4097 (d = 128 bf16)."""
+@pytest.mark.parametrize("d", [64, 128])
+def test_variants_lengths(d, nq, nk, case):
+    """Lengths around the 64 / 128-row tiles, Nq != Nk both ways, one-query rows, 4097 (bf16)."""
     causal, options, s = CASES[case]
-    q, k, v, dout = make(1, 2, 1, nq, nk, 128, BF16, seed=nq + 7 * nk, scale_inputs=s)
-    check(q, k, v, dout, causal, _opts(options, 1, 2), BF16, f"{case} Nq={nq} Nk={nk}")
+    q, k, v, dout = make(1, 2, 1, nq, nk, d, BF16, seed=nq + 7 * nk, scale_inputs=s)
+    check(q, k, v, dout, causal, _opts(options, 1, 2), BF16, f"d={d} {case} Nq={nq} Nk={nk}")
 
 
 @pytest.mark.parametrize("n", [200, 1000])
@@ -208,12 +203,13 @@ def test_window_sizes(d, n, window, causal):
     (200, 100, (10, 0), False, {"softcap": 5.0}),
     (64, 300, (0, -1), True, {}),                        # causal window (0, 0): one key per row, Nq < Nk
 ])
-def test_fully_masked_rows(nq, nk, window, causal, extra):
+@pytest.mark.parametrize("d", [64, 128])
+def test_fully_masked_rows(d, nq, nk, window, causal, extra):
     """Rows whose window holds no key: out 0 / lse -inf in the forward, dq exactly 0 here, and the
     keys no query sees get dk = dv = 0 (checked against autograd, which gives exact zeros)."""
-    q, k, v, dout = make(1, 2, 1, nq, nk, 128, BF16, seed=nq * 3 + nk)
+    q, k, v, dout = make(1, 2, 1, nq, nk, d, BF16, seed=nq * 3 + nk)
     opts = _opts({"window": window, **extra}, 1, 2)
-    check(q, k, v, dout, causal, opts, BF16, f"Nq={nq} Nk={nk} window={window} causal={causal} {extra}")
+    check(q, k, v, dout, causal, opts, BF16, f"d={d} Nq={nq} Nk={nk} window={window} causal={causal} {extra}")
 
 
 def test_sliding_window_skips_blocks_and_matches_at_long_n():
@@ -224,12 +220,12 @@ def test_sliding_window_skips_blocks_and_matches_at_long_n():
 
 
 def test_unsupported_variants_raise_before_launching():
-    """d = 64 softcap (alone or with ALiBi), dropout and the deterministic mode are not this family's:
-    variant_backward_plan raises ValueError naming them (the dispatcher keeps them on sm80)."""
+    """Dropout and the deterministic mode are not this family's: variant_backward_plan raises
+    ValueError naming them (the dispatcher keeps them on sm80)."""
     from tileattn.kernels.attention_fwd_sm80 import VariantArgs
 
-    for d, va, det in ((64, VariantArgs(softcap=30.0), False), (64, VariantArgs(4096, 0, 30.0, 0), False),
-                       (128, VariantArgs(dropout_p=0.1), False), (128, VariantArgs(64, 0), True)):
+    for d, va, det in ((128, VariantArgs(dropout_p=0.1), False), (64, VariantArgs(64, 0, 0.0, None, 0.2), False),
+                       (128, VariantArgs(64, 0), True), (64, VariantArgs(softcap=30.0), True)):
         q, k, v, dout = make(1, 2, 2, 64, 64, d, BF16, seed=1)
         out, lse = torch.empty_like(q), torch.empty(1, 2, 64, device="cuda")
         with pytest.raises(ValueError, match="sm90 variant backward"):
@@ -239,8 +235,8 @@ def test_unsupported_variants_raise_before_launching():
 
 # ---- small cases that compute-sanitizer re-runs -------------------------------------------------
 @pytest.mark.sanitize
-@pytest.mark.parametrize("d,case", [(128, "softcap_window"), (128, "window_softcap_alibi"), (64, "window_causal"),
-                                    (64, "alibi_window")])
+@pytest.mark.parametrize("d,case", [(128, "softcap_window"), (128, "alibi_window"), (64, "window_causal"),
+                                    (64, "window_softcap_alibi")])
 def test_sanitize_small(d, case):
     causal, options, s = CASES[case]
     q, k, v, dout = make(1, 2, 1, 130, 70, d, FP16, seed=11, scale_inputs=s)

@@ -69,9 +69,9 @@
 //   pass of their own (window_mask) over the finished P^T (and dS^T) before they are packed.
 // - Logits: the forward's variant_logits in the same fp32 order (softcap by softcap_tanh_fma, the
 //   ALiBi bias fmaf(slope, |dist|, x)), P^T = 2^(logit - lse2) against the variant forward's lse.
-// - Softcap (d = 128 only: at d = 64 the tanh does not fit the registers): dS^T = P^T (dP^T - D)
-//   (1 - tanh^2) (d logit / d(scale q.k)). The P^T pass packs P^T for dV pair by pair and leaves
-//   P^T (1 - tanh^2) in the fp32 registers, so dV still overlaps the plain dS^T pass.
+// - Softcap: dS^T = P^T (dP^T - D) (1 - tanh^2) (d logit / d(scale q.k)). Its passes pack P^T (and,
+//   one-pass at d = 64, dS^T) pair by pair into the wgmma operand registers; with the dV overlap
+//   (d = 128) P^T (1 - tanh^2) stays in the fp32 registers for the plain dS^T pass.
 // - Not here: dropout, the deterministic turn (it assumes every lower key block visits a tile: a
 //   window breaks that), varlen. Registered sets and why: attention_bwd_sm90.VARIANT_SETS.
 //
@@ -379,7 +379,6 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                 "variants: a set of kWindow | kSoftcap | kAlibi on the dense layout, causal folded into the "
                 "window, unordered dQ modes (the deterministic turn assumes every lower key block visits a tile)");
   constexpr bool kOverlap = kBlockM == 64;
-  static_assert(!kSoftcapped || kOverlap, "softcap: d = 128 (block_m 64) only; at d = 64 its tanh does not fit the registers");
   static_assert(kDqMode >= 0 && kDqMode <= 2, "dQ mode: 0 RED, 1 ordered bulk (deterministic), 2 bulk");
   // Varlen only (block-scope, so the dense cubin holds no new constant): named barrier 9 (256) after
   // zeroing edge rows of K / V or of a Q / dO slot; attention_bwd_sm80.cu's kVarlenWsGap, the gap
@@ -794,23 +793,46 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
           for (int j = 0; j < kBlockM / 8; ++j) {
             const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
             const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+            if constexpr (kSoftcapped) {
+              // Softcap: P^T and dS^T = P^T (dP^T - D) (1 - tanh^2) packed pair by pair into the
+              // dV / dK operand registers (window test inline, before the packing), so each pair's
+              // fp32 S^T / dP^T registers die as the pass goes: computed for the whole tile first
+              // and packed after, the tanh's temporaries made d = 64 spill 168-656 bytes.
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-              if constexpr (kVariant != 0) {
-                float th;  // unused: no softcap on this path
-                sp[4 * j + r] = vprob(4 * j + r, (r & 1) ? l2.y : l2.x, th);
-                dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
-              } else {
-                sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
-                dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
+              for (int r2 = 0; r2 < 2; ++r2) {
+                float p[2], ds[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const int i = 4 * j + 2 * r2 + e;
+                  float th;
+                  p[e] = vprob(i, e ? l2.y : l2.x, th);
+                  if constexpr (kWindowed) p[e] = masked && window_hidden(i) ? 0.f : p[e];
+                  ds[e] = p[e] * (dp[i] - (e ? dd.y : dd.x)) * fmaf(-th, th, 1.f);
+                }
+                pf[j / 2][2 * (j % 2) + r2] = pack2<kIsBF16>(p[0], p[1]);  // pack_acc's pair order
+                dsf[j / 2][2 * (j % 2) + r2] = pack2<kIsBF16>(ds[0], ds[1]);
+              }
+            } else {
+#pragma unroll
+              for (int r = 0; r < 4; ++r) {
+                if constexpr (kVariant != 0) {
+                  float th;  // unused without softcap
+                  sp[4 * j + r] = vprob(4 * j + r, (r & 1) ? l2.y : l2.x, th);
+                  dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
+                } else {
+                  sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
+                  dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
+                }
               }
             }
           }
-          if constexpr (kWindowed) {
-            if (masked) window_mask(sp, dp, true);
+          if constexpr (!kSoftcapped) {
+            if constexpr (kWindowed) {
+              if (masked) window_mask(sp, dp, true);
+            }
+            pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
+            pack_acc<kMSteps, kIsBF16>(dsf, dp, 1.f);
           }
-          pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
-          pack_acc<kMSteps, kIsBF16>(dsf, dp, 1.f);
           issue_dv();
         }
         if constexpr (kOverlap) pack_acc<kMSteps, kIsBF16>(dsf, dp, 1.f);

@@ -19,7 +19,7 @@ Variants (issue #15; csrc "Variants"): window, softcap and ALiBi run the attenti
 instantiations (atomic mode), through BackwardPlan(..., variants=VariantArgs) or
 variant_backward_plan, whose launch takes (alibi pointer, seed, offset) after the tensors like the
 sm80 variant backward's; supports_variants says which calls they cover (not dropout, not the
-deterministic mode, not softcap at d = 64). lse is the variant forward's
+deterministic mode, not d = 256). lse is the variant forward's
 (natural log of the transformed logits), as the Hopper and sm80 variant forwards write it.
 """
 
@@ -120,18 +120,15 @@ WINDOW, SOFTCAP, ALIBI = 1, 2, 4
 # costs a variant kernel a few scalar operations per query tile (its range and `masked` test come out
 # as the full range and the Nk edge), and the sets without it bought nothing while spilling where the
 # window set does not. ptxas spill bytes (sm_90a, 240 registers per MMA thread, both dtypes alike,
-# atomic mode) under NVRTC 13.5 (here) / 13.0 (the H200 image; scripts/check_nvrtc_version.py):
-#   bits        1     2          3        4     5     6        7
-#   d = 128     0/0   0/0        0/0      0/0   0/0   0/0      0/0
-#   d = 64      0/0   (168/192)  (220/-)  0/0   0/0   (656/-)  (332/-)
-# At d = 64 (block_m 128) the 128 fp32 S^T / dP^T accumulators and 64 of dK / dV leave ~20
-# registers for the P^T pass; softcap's tanh (FMA reciprocal, or MUFU.RCP: 40..80 bytes) does not
-# fit beside them (numbers of the one-pass version; the kernel now static_asserts softcap to
-# block_m 64), so d = 64 softcap stays on the sm80 variant kernels. Compile-time sets rather than
-# run-time flags: each call pays only for its variants' per-score work (docs/attention_bwd_sm90.md).
+# atomic mode) under NVRTC 13.5 (here) / 13.0 (the H200 image; scripts/check_nvrtc_version.py): 0/0
+# for every set at d = 128 and d = 64. At d = 64 (block_m 128) the 128 fp32 S^T / dP^T
+# accumulators and 64 of dK / dV leave ~20 registers for the P^T pass: softcap fits only because
+# its pass packs P^T and dS^T pair by pair (computed for the whole tile first, 168-656 bytes spilled).
+# Compile-time sets rather than run-time flags: each call pays only for its variants' per-score
+# work (docs/attention_bwd_sm90.md, "Variants").
 VARIANT_SETS: dict[int, tuple[int, ...]] = {
     128: (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI, WINDOW | SOFTCAP | ALIBI),
-    64: (WINDOW, WINDOW | ALIBI),
+    64: (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI, WINDOW | SOFTCAP | ALIBI),
 }
 
 
@@ -148,10 +145,9 @@ def variant_bits(variants) -> int:
 
 def supports_variants(head_dim: int, dtype, variants, deterministic: bool = False) -> bool:
     """Whether variant_backward_plan runs a call with these variants (attention_fwd_sm80.VariantArgs,
-    causal folded into the window) on this family: head_dim and flags in VARIANT_SETS (d = 64: not
-    softcap), float16 / bfloat16, no dropout, atomic mode
-    (deterministic=True stays on the sm80 variant kernels). The caller still routes only sm_90a
-    devices here. Never raises."""
+    causal folded into the window) on this family: head_dim in VARIANT_SETS (64, 128), float16 /
+    bfloat16, no dropout, atomic mode (deterministic=True stays on the sm80 variant kernels). The
+    caller still routes only sm_90a devices here. Never raises."""
     if dtype not in (torch.float16, torch.bfloat16) or deterministic or variants.dropout_p > 0:
         return False
     bits = variant_bits(variants)
