@@ -564,6 +564,13 @@ def test_variant_registry_and_supports():
     assert set(ab.VARIANT_INSTANTIATIONS) == want and want <= set(ab.INSTANTIATIONS)
     assert all(dq_mode_of(e) == 0 for e in want)
     assert all(bits & ab.WINDOW for sets in ab.VARIANT_SETS.values() for bits in sets)
+    from tileattn.kernels import attention_fwd_sm90, family
+
+    src = family(ab.FAMILY_NAME).path.read_text()
+    for name, value in (("kWindow", ab.WINDOW), ("kSoftcap", ab.SOFTCAP), ("kAlibi", ab.ALIBI)):
+        assert f"constexpr int {name} = {value};" in src, name  # the kernel's bits are the Python ones
+    assert (ab.WINDOW, ab.SOFTCAP, ab.ALIBI) == (attention_fwd_sm90.WINDOW, attention_fwd_sm90.SOFTCAP,
+                                                 attention_fwd_sm90.ALIBI)
     bf = torch.bfloat16
     assert ab.variant_bits(VariantArgs()) == 0
     assert ab.variant_bits(VariantArgs(softcap=30.0)) == ab.WINDOW | ab.SOFTCAP

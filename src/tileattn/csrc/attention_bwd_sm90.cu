@@ -713,8 +713,9 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         // (and dS^T) values, before they are packed: element i is visible iff key - diag - right <=
         // query <= key - diag + left (and key < Nk), i.e. hidden iff 8 j + e < lo[h] or > hi[h].
         // Inside the P^T pass the four thresholds and second compare per element made ptxas spill at
-        // d = 64 (60 bytes); here they are live only beside values that are live anyway. Selects,
-        // not products: a hidden score may have overflowed to P^T = inf.
+        // d = 64 (60 bytes); here they are live only beside values that are live anyway (softcap's
+        // passes, which pack as they go, test inline with window_hidden). Selects, not products: a
+        // hidden score may have overflowed to P^T = inf.
         auto window_hidden = [&](int i) {
           const int c = 8 * (i / 4) + (i & 1), key = key_h0 + 8 * ((i >> 1) & 1);
           const int lo = key >= nk ? kBlockM : key - diag_t - var.right - m0 - 2 * t;
