@@ -155,6 +155,8 @@ CASES = {
     "window_softcap_alibi": (True, {"window": (48, 16), "softcap": 20.0, "alibi": "bh"}, 2.0),
     "window_unbounded": (False, {"window": (-1, -1)}, 1.0),  # nothing on: the plain kernel
 }
+
+
 def _supported(d, dtype, causal, options, b, h):
     q = torch.empty(b, h, 1, d, device="cuda", dtype=dtype)
     return _ab().supports_variants(d, dtype, variant_args(q, causal, _opts(options, b, h)), False)
@@ -213,8 +215,9 @@ def test_fully_masked_rows(d, nq, nk, window, causal, extra):
 
 
 def test_sliding_window_skips_blocks_and_matches_at_long_n():
-    """A 512-key causal sliding window at N = 8192 (d = 128 bf16, GQA 4): the walk covers only the
-    window's query tiles, and the gradients still match float64 autograd and the sm80 kernels."""
+    """A 512-key causal sliding window at N = 8192 (d = 128 bf16, GQA 4): each key block walks ~10
+    of the 128 query tiles (window_tiles); the gradients match float64 autograd and the sm80
+    kernels at that length."""
     q, k, v, dout = make(1, 4, 1, 8192, 8192, 128, BF16, seed=3)
     check(q, k, v, dout, True, {"window": (511, 0)}, BF16, "N=8192 window 512 causal")
 
