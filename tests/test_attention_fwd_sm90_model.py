@@ -983,3 +983,146 @@ def test_packed_plans_refuse_bad_arguments_before_any_launch():
     assert af.supports_paged(128, torch.bfloat16, block_size=16, max_seqlen_q=512, batch=4, heads=32, kv_heads=8,
                              total_q=4 * 512)
 
+
+
+# ---- dropout (kDropout): the keep bits the kernel draws are dropout_mask's ----------------------------
+# Mirror of fwd90::dropout_keep_bits / apply_dropout: per consumer thread and K/V block n, one Philox
+# call per row h and 32-key group (counter (4 G + t, position, b * H + head, offset), variants.cuh's
+# dropout_bits), keep bit i = 4 (4 grp + w) + 2 h + e of word i // 32 from half e of Philox word w
+# (compared in the word's upper half), then element i of the accumulator is that bit.
+_M32 = 0xFFFFFFFF
+
+
+def dropout_keep_words(n: int, block_n: int, pos, bh, t, seed: int, offset: int, thr: int, *, bug: str = ""):
+    """keep words [T, block_n // 64] (32-bit values in uint64) of T threads: pos, bh [T, 2] (their
+    rows g, g + 8), t [T] (lane % 4)."""
+    import numpy as np
+
+    from tileattn.dropout import philox4x32_10
+
+    u = np.uint64
+    groups = block_n // 32
+    grp = np.arange(groups, dtype=np.uint64)
+    ctr0 = (u(4) * (u(n * groups) + grp))[None, None, :] + t.astype(np.uint64)[:, None, None]  # [T, 1, G]
+    if bug == "t_for_word":  # the word index where the lane class goes: a wrong counter
+        ctr0 = (u(4) * (u(n * groups) + grp))[None, None, :] + u(0) * t.astype(np.uint64)[:, None, None]
+    key = (u(seed & _M32), u(((seed >> 32) + (offset >> 32)) & _M32))
+    words = philox4x32_10((ctr0, pos.astype(np.uint64)[:, :, None], bh.astype(np.uint64)[:, :, None],
+                           u(offset & _M32)), key)  # 4 x [T, 2, G]
+    thr16 = u(thr << 16)
+    keep = np.zeros((len(t), block_n // 64), dtype=np.uint64)
+    for h in range(2):
+        for g in range(groups):
+            for w in range(4):
+                i = 4 * (4 * g + w) + 2 * h
+                word = words[w][:, h, g]
+                lo = (((word << u(16)) & u(_M32)) >= thr16).astype(np.uint64)
+                hi = (word >= thr16).astype(np.uint64)
+                keep[:, i // 32] |= lo << u(i % 32)
+                keep[:, i // 32] |= hi << u(i % 32 + 1)
+    return keep
+
+
+def kernel_dropout_mask(batch: int, heads: int, kv_heads: int, nq: int, nk: int, p: float, seed: int, offset: int,
+                        block_n: int, pack_gqa: bool, *, bug: str = ""):
+    """bool [B, H, Nq, Nk]: what the kernel's threads keep, tile by tile (non-causal tile order,
+    GQA packing as _geometry decides), each element from its thread's keep bit."""
+    import numpy as np
+
+    from tileattn.dropout import drop_threshold
+
+    geo = af._geometry(batch, heads, kv_heads, nq, nk, 128, af.Sm90Config(block_n, 2), pack_gqa, 60 << 20)
+    rows = BLOCK_M // geo.pack
+    m_blocks = -(-nq // rows)
+    thr = drop_threshold(p)
+    # The 256 consumer threads (c, warp, lane) and their accumulator rows g, g + 8 (tile rows r0, r0 + 8).
+    c, warp, lane = (a.ravel() for a in np.meshgrid(np.arange(2), np.arange(4), np.arange(32), indexing="ij"))
+    g, t = lane // 4, lane % 4
+    r = (c * 64 + warp * 16 + g)[:, None] + 8 * np.arange(2)[None, :]  # [T, 2]
+    n_blocks = -(-nk // block_n)
+    out = np.zeros((batch, heads, m_blocks * rows, n_blocks * block_n), dtype=bool)
+    for tl in range(geo.tiles):
+        m_block, head0, b = tile_coords(False, tl, m_blocks, heads // geo.pack, geo.pack, batch, geo.l2_group)
+        pos = m_block * rows + r % rows
+        head = head0 + r // rows  # [T, 2]
+        bh = b * heads + (np.full_like(head, head0) if bug == "no_row_head" else head)  # bug: all in the first head
+        for n in range(n_blocks):
+            keep = dropout_keep_words(n, block_n, pos, bh, t, seed, offset, thr, bug=bug)
+            for i in range(block_n // 2):  # accumulator element i: row g + 8h, column 8j + 2t + e
+                j, h, e = i // 4, (i >> 1) & 1, i & 1
+                bit = ((keep[:, i // 32] >> np.uint64(i % 32)) & np.uint64(1)).astype(bool)
+                out[b, head[:, h], pos[:, h], n * block_n + 8 * j + 2 * t + e] = bit
+    return torch.from_numpy(out[:, :, :nq, :nk].copy())
+
+
+@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize(
+    "batch, heads, kv_heads, nq, nk, pack_gqa",
+    [(2, 3, 3, 129, 200, False), (1, 2, 1, 1, 77, False), (2, 8, 2, 33, 130, True), (1, 16, 1, 5, 64, True),
+     (1, 4, 1, 300, 31, False)],
+    ids=["mha", "nq1", "gqa4_packed", "gqa16_packed_rows8", "nk31"])
+@pytest.mark.parametrize("p, seed, offset", [(0.5, 1234, 8), (0.9, (1 << 63) + 12345, (1 << 35) + 20), (0.17, 0, 0)])
+def test_dropout_keep_bits_are_dropout_mask(block_n, batch, heads, kv_heads, nq, nk, pack_gqa, p, seed, offset):
+    """Every (b, h, i, j) the kernel's threads drop or keep, over every tile shape and GQA packing
+    (rows = 128 / pack: 16 and 8 put a thread's two rows in different heads), equals
+    tileattn.dropout.dropout_mask element for element."""
+    from tileattn.dropout import dropout_mask
+
+    got = kernel_dropout_mask(batch, heads, kv_heads, nq, nk, p, seed, offset, block_n, pack_gqa)
+    want = dropout_mask(seed, offset, batch, heads, nq, nk, p)
+    bad = int((got != want).sum())
+    assert bad == 0, f"{bad} of {want.numel()} keep bits differ from dropout_mask (first at {(got != want).nonzero()[0]})"
+
+
+@pytest.mark.parametrize("bug", ["no_row_head", "t_for_word"])
+def test_dropout_keep_bits_model_catches_a_wrong_counter(bug):
+    from tileattn.dropout import dropout_mask
+
+    got = kernel_dropout_mask(1, 16, 1, 5, 64, 0.5, 7, 0, 64, True, bug=bug)
+    assert not torch.equal(got, dropout_mask(7, 0, 1, 16, 5, 64, 0.5)), f"the model with bug {bug!r} went unnoticed"
+
+
+def test_dropout_half_word_compare_is_the_16_bit_compare():
+    """(word << 16) >= thr << 16 and word >= thr << 16 are (word & 0xffff) >= thr and (word >> 16)
+    >= thr, for thresholds and halves at their edges (uint32 arithmetic)."""
+    for thr in (1, 2, 0x7FFF, 0x8000, 0xFFFE, 0xFFFF):
+        for hi in (0, thr - 1, thr, thr + 1, 0xFFFF):
+            for lo in (0, thr - 1, thr, thr + 1, 0xFFFF):
+                hi, lo = hi & 0xFFFF, lo & 0xFFFF
+                word = (hi << 16) | lo
+                assert ((word << 16) & _M32 >= thr << 16) == (lo >= thr), (thr, hi, lo)
+                assert (word >= thr << 16) == (hi >= thr), (thr, hi, lo)
+
+
+def test_dropout_instantiations_and_plan_checks():
+    from tileattn.kernels.attention_fwd_sm80 import VariantArgs
+
+    assert af.DROPOUT & (af.WINDOW | af.SOFTCAP | af.ALIBI | af.VARLEN | af.PAGED) == 0
+    assert set(af.DROPOUT_INSTANTIATIONS) <= set(af.INSTANTIATIONS)
+    assert not set(af.DROPOUT_INSTANTIATIONS) & set(af.VARIANT_INSTANTIATIONS)
+    for d, sets in af.DROPOUT_FLAG_SETS.items():
+        assert af.VARIANT_DEFAULTS[d].block_n % 64 == 0, "whole keep words per block (the kernel's static_assert)"
+        for flags in sets:
+            assert flags & af.DROPOUT
+            for bf16 in (False, True):
+                assert af.variant_expression(d, af.VARIANT_DEFAULTS[d], bf16, flags) in af.DROPOUT_INSTANTIATIONS
+    bf = torch.bfloat16
+    assert af.variant_flags(VariantArgs(dropout_p=0.1)) == af.DROPOUT
+    assert af.variant_flags(VariantArgs(4096, 0, 30.0, 8, 0.1)) == af.DROPOUT | 7
+    for d in af.HEAD_DIMS:  # every combination runs: its own set, or the windowed one with an unbounded window
+        for flags in range(8):
+            k = af.dropout_kernel_flags(d, af.DROPOUT | flags)
+            assert k in af.DROPOUT_FLAG_SETS[d] and k in (af.DROPOUT | flags, af.DROPOUT | flags | af.WINDOW)
+    assert af.dropout_kernel_flags(128, af.DROPOUT | af.SOFTCAP | af.ALIBI) == af.DROPOUT | 7
+    assert af.supports_dropout(128, bf, VariantArgs(softcap=30.0, alibi_batch_stride=0, dropout_p=0.1))
+    assert af.supports_dropout(128, bf, VariantArgs(dropout_p=0.1))
+    assert af.supports_dropout(64, torch.float16, VariantArgs(100, 0, dropout_p=0.5))
+    assert not af.supports_dropout(128, bf, VariantArgs())  # p = 0: not a dropout call
+    assert not af.supports_dropout(96, bf, VariantArgs(dropout_p=0.1))
+    assert not af.supports_dropout(128, torch.float32, VariantArgs(dropout_p=0.1))
+    q = torch.zeros(1, 2, 8, 96, dtype=bf)
+    lse = torch.zeros(1, 2, 8)
+    with pytest.raises(ValueError, match="no dropout instantiation for head_dim 96"):
+        af.ForwardPlan(q, q, q, q, lse, causal=False, scale=0.1, variants=VariantArgs(dropout_p=0.1))
+    with pytest.raises(ValueError, match="causal"):
+        af.ForwardPlan(q, q, q, q, lse, causal=True, scale=0.1, variants=VariantArgs(dropout_p=0.1))

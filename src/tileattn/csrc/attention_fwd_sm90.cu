@@ -185,11 +185,12 @@ __device__ __forceinline__ BlockRange block_range(int m_block, int rows, int seq
 
 // ---- Variants (attention_fwd_variants_sm90; definitions in common/variants.cuh) -----------------
 // Compile-time flags (bits of kVariant), so that each combination pays only for what it uses and
-// the plain kernel (kVariant = 0) compiles to the code it had. Dropout stays on the sm_80 kernels.
+// the plain kernel (kVariant = 0) compiles to the code it had.
 constexpr int kWindow = 1;   // sliding window; causal is its right edge 0 (these kernels have kCausal = false)
 constexpr int kSoftcap = 2;  // logit = cap * tanh(scale q.k / cap)
 constexpr int kAlibi = 4;    // logit += -slope[b, h] * |i + Nk - Nq - j|
-constexpr int kVariantBits = kWindow | kSoftcap | kAlibi;
+constexpr int kDropout = 32; // P *= keep(b, h, i, j) / (1 - p), keep from Philox (dropout_bits); lse undropped
+constexpr int kVariantBits = kWindow | kSoftcap | kAlibi | kDropout;
 // Layout bit of kVariant (not a variant: the plain kernel's arithmetic on packed sequences; a bit
 // of the existing parameter rather than a new template parameter, so that the dense kernels keep
 // their mangled names and their cubins stay byte-identical).
@@ -397,6 +398,49 @@ __device__ __forceinline__ void variant_logits(float (&s)[kBlockN / 2], int n, c
   }
 }
 
+// ---- Dropout (kDropout) -------------------------------------------------------------------------
+// Keep bits of this thread's scores of block n: bit i % 32 of keep[i / 32] is s[i], i = 4 j + 2 h + e
+// (row g + 8 h at position pos[h], key n kBlockN + 8 j + 2 t + e). The counters are variants.cuh's
+// (dropout_bits), a function of (b * H + head, position, key) alone, so neither the tile shape nor
+// GQA packing (a row's head is head0 + (r0 + 8 h) / rows) changes the mask. One Philox call per
+// row and 32-key group gives the 8 uniforms of the thread's 8 scores in it (key 32 G + 8 w + 2 t + e
+// is half e of word w): 2 kBlockN / 32 calls per block. Nothing here reads S, so the caller runs it
+// between issuing the block's wgmmas and waiting for them: the ~70 integer instructions per call
+// (10 rounds of 2 IMAD.WIDE.U32 + 2 LOP3 + key adds) issue while the tensor cores work.
+// A 16-bit half >= drop_thr is compared in the word's upper half: (word << 16) for the low half,
+// the word itself for the high half, against drop_thr << 16 (one shift, no mask or second shift).
+template <int kBlockN>
+__device__ __forceinline__ void dropout_keep_bits(u32 (&keep)[kBlockN / 64], int n, const int (&pos)[2], int bh0,
+                                                  int r0, int rows, int t, const Variants& va) {
+  const unsigned thr16 = va.drop_thr << 16;
+#pragma unroll
+  for (int w = 0; w < kBlockN / 64; ++w) keep[w] = 0u;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int bh = bh0 + (r0 + 8 * h) / rows;
+#pragma unroll
+    for (int grp = 0; grp < kBlockN / 32; ++grp) {
+      const uint4 bits = dropout_bits(va, bh, pos[h], n * (kBlockN / 32) + grp, t);
+      const unsigned words[4] = {bits.x, bits.y, bits.z, bits.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const int i = 4 * (4 * grp + w) + 2 * h;  // s index of (row h, key 32 grp + 8 w + 2 t)
+        keep[i / 32] |= (words[w] << 16 >= thr16 ? 1u : 0u) << (i % 32);
+        keep[i / 32] |= (words[w] >= thr16 ? 1u : 0u) << (i % 32 + 1);
+      }
+    }
+  }
+}
+
+// P (after the row sums took it, as the sm_80 kernels do: lse and the normalization stay those of
+// the undropped softmax) -> 0 where dropped; the 1 / (1 - p) goes into the epilogue's 1 / l.
+template <int kBlockN>
+__device__ __forceinline__ void apply_dropout(float (&s)[kBlockN / 2], const u32 (&keep)[kBlockN / 64]) {
+#pragma unroll
+  for (int i = 0; i < kBlockN / 2; ++i)
+    if (((keep[i / 32] >> (i % 32)) & 1u) == 0u) s[i] = 0.f;
+}
+
 // Tile t -> (position block, first head, batch), in work order (see the header). m_blocks =
 // ceil(Nq / R), groups = heads / pack; a unit u = batch * groups + head group.
 struct Tile {
@@ -536,9 +580,11 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
   constexpr bool kPagedLayout = kVariant == kPaged;
   constexpr bool kVarlenLayout = kVariant == kVarlen || kPagedLayout;  // packed queries (varlen or paged)
   constexpr int kLayout = kVarlenLayout ? kVariant : 0;
-  static_assert(kVarlenLayout || (kVariant >= 0 && kVariant < 8 && (kVariant == 0) == (sizeof...(VariantParams) == 0)),
-                "kVariant: a set of kWindow | kSoftcap | kAlibi, with VARIANT_PARAMS exactly when non-empty, or "
-                "kVarlen or kPaged alone");
+  static_assert(kVarlenLayout || ((kVariant & ~kVariantBits) == 0 && (kVariant == 0) == (sizeof...(VariantParams) == 0)),
+                "kVariant: a set of kWindow | kSoftcap | kAlibi | kDropout, with VARIANT_PARAMS exactly when "
+                "non-empty, or kVarlen or kPaged alone");
+  static_assert((kVariant & kDropout) == 0 || (!kVarlenLayout && kBlockN % 64 == 0),
+                "dropout: dense layout; whole 32-key Philox groups and whole keep words (64 scores) per block");
   static_assert(kVariant != kVarlen || sizeof...(VariantParams) == 6, "varlen: the trailing parameters are VARLEN_PARAMS");
   static_assert(!kPagedLayout || (sizeof...(VariantParams) == 11 && (kBlockN & (kBlockN - 1)) == 0),
                 "paged: the trailing parameters are PAGED_PARAMS; kBlockN a power of two (whole cache blocks)");
@@ -549,6 +595,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
   if constexpr (kVarlenLayout) vl = packed_of(variant_params...);
   constexpr bool kWindowed = (kVariant & kWindow) != 0;
   constexpr bool kLogits = (kVariant & (kSoftcap | kAlibi)) != 0;  // scores become log2-unit logits first
+  constexpr bool kDropped = (kVariant & kDropout) != 0;
   // Tile order: the causal one (longest tiles first) for windows too, whose first tiles see fewer keys.
   constexpr bool kReverse = kCausal || kWindowed;
   // The softmax's scale: variant_logits already applied it.
@@ -687,6 +734,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     float s[kBlockN / 2];
     u32 p[kPSteps][4];
     float m[2], l[2], alpha[2];
+    u32 keep[kDropped ? kBlockN / 64 : 1];  // dropout: keep bits of the block in flight (dropout_keep_bits)
 
     // S = Q K^T of slot `stage` into s (issued, committed, not waited for).
     auto issue_s = [&](int stage) {
@@ -756,6 +804,14 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       // positions (the heads, r / rows, are recomputed in the epilogue: registers are scarce).
       const int r0 = c * 64 + warp * 16 + g;
       const int pos[2] = {tile.m_block * rows + r0 % rows, tile.m_block * rows + (r0 + 8) % rows};
+      const int bh0 = tile.batch * heads + tile.head0;  // dropout: b * H + head of tile row 0
+      // Dropout keep bits of block n, computed while the wgmmas just issued run (see dropout_keep_bits).
+      auto draw_keep = [&](int n) {
+        if constexpr (kDropped) dropout_keep_bits<kBlockN>(keep, n, pos, bh0, r0, rows, t, va);
+      };
+      auto drop = [&]() {
+        if constexpr (kDropped) apply_dropout<kBlockN>(s, keep);
+      };
       // Scores of block n -> what the softmax takes: variant logits, then -inf where masked.
       auto scores = [&](int n, bool masked) {
         // ALiBi: -log2(e) * the slopes of the heads of rows g, g + 8, re-read per block (L1 hits)
@@ -795,11 +851,13 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         s9::wgmma_fence();
         issue_s(s0);
         pass_turn(false);
+        draw_keep(range.n_end - 1);
         s9::wgmma_wait<0>();
         s9::fence_accumulators(s);
         if (releaser) s9::mbar_arrive(&k_empty[s0]);
         scores(range.n_end - 1, n_masked > 0);
         softmax_step<kBlockN>(s, m, l, alpha, sl2);  // O is still 0: no rescale needed
+        drop();
         pack_p<kBlockN, kIsBF16>(p, s);
         if constexpr (kVarlenLayout) {
           // The first block visited is the edge block when it holds fewer than kBlockN keys of
@@ -826,11 +884,13 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
           s9::mbar_wait(&v_full[sv], (gv / kStages) & 1);
           issue_pv(sv);
           pass_turn(false);
+          draw_keep(range.n_end - 1 - it);
           s9::wgmma_wait<1>();  // S_j retired (groups retire in order); P V still running
           s9::fence_accumulators(s);
           if (releaser) s9::mbar_arrive(&k_empty[sk]);
           scores(range.n_end - 1 - it, masked);
           const bool rescale = softmax_step<kBlockN>(s, m, l, alpha, sl2);
+          drop();
           s9::wgmma_wait<0>();  // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free
           s9::fence_accumulators(o);
           s9::fence_accumulators(s);  // the packing below must not move above the wait
@@ -867,6 +927,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       for (int h = 0; h < 2; ++h) {
         const float sum = quad_sum(l[h]);
         inv[h] = sum > 0.f ? 1.f / sum : 0.f;  // sum == 0 <=> the row saw no key: O = 0
+        if constexpr (kDropped) inv[h] *= va.drop_scale;  // kept P times 1 / (1 - p); lse below is undropped
         if (t == 0 && pos[h] < nq)
           lse[kVarlenLayout  // lse [H, Tq] or [B, H, Nq]
                   ? static_cast<int64_t>(tile.head0 + (r0 + 8 * h) / rows) * vl.total_q + q0 + pos[h]

@@ -17,11 +17,13 @@ than 1 (tileattn.runtime.tensor_map gives size-1 dimensions valid strides itself
 TMA still cannot describe (a zero stride from expand(), strides >= 2^40 bytes) is copied
 contiguous first, and out is then written through a contiguous temporary.
 
-Variants (issue #15; docs/attention_variants.md): window, softcap and ALiBi run in instantiations
-of the same kernel with the variant parameters appended, one per (head dim, dtype, set of variants)
-so that each set pays only for what it uses (`variant_flags`); ForwardPlan(variants=...) takes
-attention_fwd_sm80.VariantArgs (causal folded into the window, dropout off) and launches with the
-slopes' pointer and two unused dropout slots after the plain tensors.
+Variants (issue #15; docs/attention_variants.md): window, softcap, ALiBi and dropout run in
+instantiations of the same kernel with the variant parameters appended, one per (head dim, dtype,
+set of variants) so that each set pays only for what it uses (`variant_flags`); ForwardPlan(variants=...)
+takes attention_fwd_sm80.VariantArgs (causal folded into the window) and launches with the slopes'
+pointer and the dropout seed and offset after the plain tensors. Dropout (the DROPOUT bit) applies
+exactly tileattn.dropout.dropout_mask's mask, for the flag sets in DROPOUT_FLAG_SETS
+(`supports_dropout`; docs/attention_fwd_sm90.md, "Dropout").
 
 Variable-length batches (issue #10; docs/attention_fwd_sm90.md, "Variable-length batches"):
 `forward_varlen_plan` runs the same kernel on packed q [Tq, H, d], k/v [Tk, Hkv, d] with
@@ -118,15 +120,18 @@ WINDOW, SOFTCAP, ALIBI = 1, 2, 4
 VARIANT_DEFAULTS: dict[int, Sm90Config] = {d: DEFAULTS[(d, False)] for d in HEAD_DIMS}
 
 
+# Dropout (fwd90::kDropout): a bit apart from the layout bits 8 (VARLEN) and 16 (PAGED).
+DROPOUT = 32
+
+
 def variant_flags(variants) -> int:
-    """kVariant of an attention_fwd_sm80.VariantArgs (0: none of window, softcap, ALiBi is on; a
-    window with both edges unbounded is no window). Dropout is not among them: the Hopper kernel
-    has none (check variants.dropout_p before choosing this family)."""
+    """kVariant of an attention_fwd_sm80.VariantArgs (0: none of window, softcap, ALiBi, dropout is
+    on; a window with both edges unbounded is no window; dropout_p 0 is no dropout)."""
     from ..dropout import UNBOUNDED
 
     window = variants.window_left != UNBOUNDED or variants.window_right != UNBOUNDED
     return ((WINDOW if window else 0) | (SOFTCAP if variants.softcap > 0 else 0)
-            | (ALIBI if variants.alibi_batch_stride is not None else 0))
+            | (ALIBI if variants.alibi_batch_stride is not None else 0) | (DROPOUT if variants.dropout_p > 0 else 0))
 
 
 # The types of VARIANT_PARAMS (common/variants.cuh), in order: the variant kernels' trailing
@@ -136,8 +141,9 @@ _VARIANT_PARAM_TYPES = ("const float*, unsigned long long, unsigned long long, l
 
 
 def variant_expression(head_dim: int, config: Sm90Config, bf16: bool, flags: int) -> str:
-    """The NVRTC name expression of a variant instantiation (flags: 1..7, see variant_flags): the
-    plain kernel template with kCausal false, kVariant = flags and VARIANT_PARAMS' types."""
+    """The NVRTC name expression of a variant instantiation (flags: 1..7, or DROPOUT with any of
+    them, see variant_flags): the plain kernel template with kCausal false, kVariant = flags and
+    VARIANT_PARAMS' types."""
     return expression(head_dim, config, False, bf16)[:-1] + f", {flags}, {_VARIANT_PARAM_TYPES}>"
 
 
@@ -163,6 +169,29 @@ def _expressions(pairs) -> tuple[str, ...]:
 # (compiled by `tileattn check --tuning` and on first use by the tuning benchmark).
 VARIANT_INSTANTIATIONS = tuple(variant_expression(d, cfg, bf16, flags) for d, cfg in VARIANT_DEFAULTS.items()
                                for bf16 in (False, True) for flags in range(1, 8))
+# Dropout: the flag sets registered per head dim, at the variant tiles (kBlockN a multiple of 64:
+# whole Philox groups and keep words). Causal dropout is DROPOUT | WINDOW. Without the window bit,
+# softcap or ALiBi with dropout spilled under NVRTC 13.5's ptxas (DROPOUT | SOFTCAP | ALIBI at every
+# d, 36-188 bytes; DROPOUT | SOFTCAP and DROPOUT | ALIBI at d = 64) while the same sets with the
+# window bit did not: those calls run the windowed kernel with both edges unbounded (the window then
+# masks only the Nk edge block, which is masked anyway), see dropout_kernel_flags. ptxas table
+# (NVRTC 13.5 and the H200 image's 13.0) in docs/attention_fwd_sm90.md ("Dropout").
+DROPOUT_FLAG_SETS: dict[int, tuple[int, ...]] = {
+    d: (DROPOUT, DROPOUT | WINDOW, DROPOUT | WINDOW | SOFTCAP, DROPOUT | WINDOW | ALIBI,
+        DROPOUT | WINDOW | SOFTCAP | ALIBI) for d in HEAD_DIMS}
+DROPOUT_INSTANTIATIONS = tuple(variant_expression(d, VARIANT_DEFAULTS[d], bf16, flags)
+                               for d, sets in DROPOUT_FLAG_SETS.items() for bf16 in (False, True) for flags in sets)
+
+
+def dropout_kernel_flags(head_dim: int, flags: int) -> int | None:
+    """kVariant of the registered instantiation that runs variant flags `flags` (with DROPOUT) at
+    this head dim: the set itself, or the set with WINDOW (run with the window's edges as given:
+    unbounded when the call has no window), or None when neither is registered."""
+    sets = DROPOUT_FLAG_SETS.get(head_dim, ())
+    for k in (flags, flags | WINDOW):
+        if k in sets:
+            return k
+    return None
 # Variable-length batches: the plain kernel with kVariant = VARLEN (fwd90::kVarlen, a layout bit of
 # that parameter, so the dense kernels keep their names) and VARLEN_PARAMS' types appended
 # (cu_seqlens_q, cu_seqlens_k, out, out's token and head strides, Tq). Tiles: the dense defaults.
@@ -197,7 +226,7 @@ def paged_expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool
 PAGED_INSTANTIATIONS = tuple(paged_expression(d, cfg, causal, bf16) for (d, causal), cfg in PAGED_DEFAULTS.items()
                              for bf16 in (False, True))
 INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in DEFAULTS.items() for bf16 in (False, True))
-                  + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS)
+                  + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS + DROPOUT_INSTANTIATIONS)
 # Tuning candidates: the dense extras, and the varlen kernel at each of them (a persistent config
 # is the same kernel as its one-CTA-per-tile twin: a launch choice).
 TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
@@ -286,6 +315,16 @@ def supports(head_dim: int, dtype, *, device=None, seqlen_q: int | None = None, 
     if None not in (seqlen_q, batch, heads) and -(-seqlen_q // BLOCK_M) * heads * batch > MAX_TILES:
         return False
     return True
+
+
+def supports_dropout(head_dim: int, dtype, variants) -> bool:
+    """Whether ForwardPlan(variants=variants) has an instantiation for this dense call with
+    dropout_p > 0 (attention_fwd_sm80.VariantArgs): dtype fp16/bf16 and dropout_kernel_flags finds
+    one for head_dim and variant_flags(variants). False for dropout_p = 0 (not a dropout call).
+    Never raises."""
+    if dtype not in (torch.float16, torch.bfloat16) or not variants.dropout_p > 0:
+        return False
+    return dropout_kernel_flags(head_dim, variant_flags(variants)) is not None
 
 
 def tuning_candidates(head_dim: int, causal: bool, dtype) -> tuple[Sm90Config, ...]:
@@ -386,11 +425,13 @@ class ForwardPlan:
     parameters are the four maps and lse's pointer. Tensors TMA cannot describe in place (decided
     here, once, from the strides) are copied on each launch, as launch_forward_sm90 does.
 
-    `variants` (attention_fwd_sm80.VariantArgs with dropout_p 0 and causal folded into the window;
-    causal must then be False): the variant kernel of variant_flags(variants) runs, or the plain
-    non-causal one when that is 0, and launch takes three more values: the ALiBi slopes' pointer
-    (0: none) and the (unused) dropout seed and offset. Raises ValueError for dropout_p > 0 or
-    causal with variants."""
+    `variants` (attention_fwd_sm80.VariantArgs with causal folded into the window; causal must then
+    be False): the variant kernel of variant_flags(variants) runs, or the plain non-causal one when
+    that is 0, and launch takes three more values: the ALiBi slopes' pointer (0: none) and the
+    dropout seed and offset (ints in [0, 2^64); the mask is tileattn.dropout.dropout_mask(seed,
+    offset, B, H, Nq, Nk, p), kept values scaled by 1 / (1 - p), lse that of the undropped
+    softmax). Raises ValueError for causal with variants, or dropout_p > 0 with a head dim / flag
+    set that has no dropout instantiation (supports_dropout)."""
 
     def __init__(self, q, k, v, out, lse, *, causal: bool, scale: float, config: Sm90Config | None = None,
                  pack_gqa: bool | None = None, variants=None):
@@ -401,9 +442,15 @@ class ForwardPlan:
         kv_heads, seqlen_k = k.shape[1], k.shape[2]
         flags = 0
         if variants is not None:
-            if variants.dropout_p > 0 or causal:
-                raise ValueError("the sm90 variant forward has no dropout, and causal must be folded into the window")
+            if causal:
+                raise ValueError("causal must be folded into the window (causal=False) with variants")
             flags = variant_flags(variants)
+            if flags & DROPOUT:
+                kernel_flags = dropout_kernel_flags(head_dim, flags)
+                if kernel_flags is None:
+                    raise ValueError(f"the sm90 forward has no dropout instantiation for head_dim {head_dim} with "
+                                     f"variant flags {flags}; registered: {DROPOUT_FLAG_SETS}")
+                flags = kernel_flags
         config = config or DEFAULTS[(head_dim, bool(causal))]
         self.copy_q, self.copy_k, self.copy_v = (not _tma_ready(t) for t in (q, k, v))
         self.copy_out = not _tma_ready(out)
@@ -730,6 +777,10 @@ __all__ = [
     "HEAD_DIMS",
     "INSTANTIATIONS",
     "TUNING",
+    "DROPOUT",
+    "DROPOUT_FLAG_SETS",
+    "DROPOUT_INSTANTIATIONS",
+    "dropout_kernel_flags",
     "VARIANT_DEFAULTS",
     "VARIANT_INSTANTIATIONS",
     "Sm90Config",
@@ -739,6 +790,7 @@ __all__ = [
     "gqa_pack",
     "launch_forward_sm90",
     "supports",
+    "supports_dropout",
     "tuning_candidates",
     "variant_expression",
     "variant_flags",
