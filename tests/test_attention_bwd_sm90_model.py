@@ -581,6 +581,9 @@ def test_variant_registry_and_supports():
     assert ab.supports_variants(64, torch.float16, VariantArgs(4096, 0, 30.0, 0))
     assert ab.supports_variants(64, bf, VariantArgs(softcap=30.0))
     assert not ab.supports_variants(128, bf, VariantArgs(dropout_p=0.1))
+    for causal, window, cap, alibi in ab.VARIANT_BENCH_CASES.values():  # benchmark_variants' cases run here
+        va = VariantArgs(UNBOUNDED, 0 if causal else UNBOUNDED, cap, 0 if alibi else None)
+        assert all(ab.supports_variants(d, bf, va) for d in ab.HEAD_DIMS), (causal, window, cap, alibi)
     assert not ab.supports_variants(128, bf, VariantArgs(softcap=30.0), deterministic=True)
     assert not ab.supports_variants(256, bf, VariantArgs(softcap=30.0))
     assert not ab.supports_variants(128, torch.float32, VariantArgs(softcap=30.0))

@@ -870,6 +870,100 @@ def benchmark_varlen(seqs: int = 64, min_len: int = 100, max_len: int = 4096, he
     return records
 
 
+# Cases of benchmark_variants(): name -> (causal, window (left, right) or None, softcap, alibi).
+VARIANT_BENCH_CASES = {
+    "softcap": (False, None, 30.0, False),
+    "softcap_causal": (True, None, 30.0, False),
+    "alibi": (False, None, 0.0, True),
+    "alibi_causal": (True, None, 0.0, True),
+}
+
+
+def _variant_case_ms(d: int, dtype, n: int, batch: int, heads: int, causal: bool, window, cap: float, alibi: bool,
+                     reps: int) -> dict:
+    """Median backward-only ms of one variant case: this family's variant plan, the plain sm90 plan on
+    the same shape (causal as the case), the sm80 variant backward. out / lse from the dispatcher's
+    variant forward (the Hopper one on sm_90a). Tensors are freed on return."""
+    import functools
+    import math
+
+    from .. import dropout as dr
+    from . import attention_bwd_sm80, dispatch
+    from .attention_fwd_sm80 import VariantArgs
+
+    q, k, v, dout = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in range(4))  # [B, H, N, d]
+    scale = 1.0 / math.sqrt(d)
+    slopes = (torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], device="cuda")
+              if alibi else None)  # [H] fp32
+    left, right = dr.check_window(window, causal)
+    va = VariantArgs(left, right, cap, 0 if alibi else None, 0.0)
+    extra = (0 if slopes is None else slopes.data_ptr(), 0, 0)
+    out, lse = torch.empty_like(q), torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
+    dispatch.variant_forward_plan(q, k, v, out, lse, scale=scale, variants=va).launch(q, k, v, out, lse, *extra)
+    grads = tuple(torch.empty_like(t) for t in (q, k, v))
+    args = (q, k, v, out, lse, dout, *grads)
+    plans = {
+        "sm90_var": variant_backward_plan(*args, scale=scale, deterministic=False, variants=va),
+        "sm80_var": attention_bwd_sm80.backward_plan(*args, causal=False, scale=scale, deterministic=False,
+                                                     variants=va),
+    }
+    rec = {name: _measure_ms(functools.partial(plan.launch, *args, *extra), reps) for name, plan in plans.items()}
+    plain_out, plain_lse = torch.empty_like(q), torch.empty_like(lse)
+    dispatch.attention_forward_plan(q, k, v, plain_out, plain_lse, causal=causal, scale=scale).launch(
+        q, k, v, plain_out, plain_lse)
+    plain_args = (q, k, v, plain_out, plain_lse, dout, *grads)
+    plain = BackwardPlan(*plain_args, causal=causal, scale=scale, deterministic=False)
+    rec["sm90_plain"] = _measure_ms(functools.partial(plain.launch, *plain_args), reps)
+    return rec
+
+
+def benchmark_variants(head_dims=(128, 64), dtypes=(torch.bfloat16,), seq_lens=(2048, 8192), batch: int = 4,
+                       heads: int = 32, window_n: int = 32768, window: int = 4096, reps: int = 10,
+                       json_path: str | None = None) -> list[dict]:
+    """Issue #15's backward targets on this family (backward only, bench.harness.measure, L2 flushed):
+    per VARIANT_BENCH_CASES case, head dim, dtype and N, the variant plan's TFLOP/s (flops()
+    convention) beside the plain sm90 plan on the same shape (target sm90_var_vs_plain >= 0.9) and
+    the sm80 variant backward; then the sliding window: a causal `window`-key window at N =
+    `window_n` (batch 1) against the dense non-causal plain plan at N = window, batch window_n /
+    window, the same work (target window_vs_dense <= 1.2). Prints one line per record and returns
+    them; with json_path writes {"environment", "records"} after every record. Needs an sm_90 GPU."""
+    import json
+
+    from ..bench.env import environment
+
+    records = []
+
+    def emit(rec):
+        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()), flush=True)
+        records.append(rec)
+        if json_path:  # rewritten after every record: a run cut short keeps what it measured
+            with open(json_path, "w") as f:
+                json.dump({"environment": environment(), "records": records}, f, indent=1)
+        torch.cuda.empty_cache()
+
+    for d in head_dims:
+        for dtype in dtypes:
+            for name, (causal, win, cap, alibi) in VARIANT_BENCH_CASES.items():
+                for n in seq_lens:
+                    ms = _variant_case_ms(d, dtype, n, batch, heads, causal, win, cap, alibi, reps)
+                    work = flops(batch, heads, n, n, d, causal)
+                    rec = {"suite": "bwd_sm90_variants", "case": name, "d": d, "dtype": str(dtype).split(".")[-1],
+                           "n": n, "batch": batch, "heads": heads}
+                    for col, t in ms.items():
+                        rec[col], rec[col + "_ms"] = work / (t * 1e-3) / 1e12, t
+                    rec["sm90_var_vs_plain"] = rec["sm90_var"] / rec["sm90_plain"]
+                    rec["sm90_var_vs_sm80_var"] = rec["sm90_var"] / rec["sm80_var"]
+                    emit(rec)
+            win_ms = _variant_case_ms(d, dtype, window_n, 1, heads, True, (window - 1, 0), 0.0, False, reps)
+            dense_ms = _variant_case_ms(d, dtype, window, window_n // window, heads, False, (-1, -1), 0.0, False,
+                                        reps)
+            emit({"suite": "bwd_sm90_variants", "case": f"window{window}_n{window_n}", "d": d,
+                  "dtype": str(dtype).split(".")[-1], "window_ms": win_ms["sm90_var"],
+                  "window_sm80_ms": win_ms["sm80_var"], "dense_ms": dense_ms["sm90_plain"],
+                  "window_vs_dense": win_ms["sm90_var"] / dense_ms["sm90_plain"]})
+    return records
+
+
 def main(argv=None) -> None:
     """`python -m tileattn.kernels.attention_bwd_sm90 [--d 128] [--dtype bf16] [--causal 0|1] [--seq N ...]
     [--col NAME ...] [--batch 4] [--heads 32] [--json PATH]`: benchmark() on a subset (each option
@@ -888,8 +982,15 @@ def main(argv=None) -> None:
     parser.add_argument("--json")
     parser.add_argument("--varlen", action="store_true",
                         help="benchmark_varlen() instead: issue #10's 64 sequences of 100..4096 tokens, backward only")
+    parser.add_argument("--variants", action="store_true",
+                        help="benchmark_variants() instead: issue #15's softcap / ALiBi / sliding-window targets")
     a = parser.parse_args(argv)
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    if a.variants:
+        benchmark_variants(head_dims=tuple(a.d or (128, 64)), dtypes=tuple(dt[x] for x in (a.dtype or ("bf16",))),
+                           seq_lens=tuple(a.seq or (2048, 8192)), batch=a.batch, heads=a.heads, reps=a.reps,
+                           json_path=a.json)
+        return
     if a.varlen:
         benchmark_varlen(head_dim=(a.d or [128])[0], dtypes=tuple(dt[x] for x in (a.dtype or ("bf16",))),
                          causals=tuple(bool(c) for c in (a.causal if a.causal is not None else (1, 0))),
@@ -915,6 +1016,7 @@ __all__ = [
     "BackwardPlan",
     "BackwardVarlenPlan",
     "SOFTCAP",
+    "VARIANT_BENCH_CASES",
     "VARIANT_DEFAULTS",
     "VARIANT_INSTANTIATIONS",
     "VARIANT_SETS",
@@ -924,6 +1026,7 @@ __all__ = [
     "backward_plan",
     "backward_varlen_plan",
     "benchmark",
+    "benchmark_variants",
     "benchmark_varlen",
     "expression",
     "flops",
