@@ -476,8 +476,9 @@ def test_window_tiles_cover_exactly_the_queries_that_see_the_block(block_m):
 def test_window_flags_and_thresholds(block_m):
     """For every tile of a windowed walk: `masked` false only when every (query, key) pair of the
     tile is visible; `upper_idle` only when keys 64.. are hidden from every row (padding rows
-    included); and window_mask's thresholds, per thread of the accumulator layout, hide exactly the
-    pairs outside the window or past Nk."""
+    included); window_mask's thresholds, per thread of the accumulator layout, hide exactly the
+    pairs outside the window or past Nk; and the ALiBi distance from one per-tile register is each
+    element's query + diag - key."""
     for nq, nk, left, right in WINDOWS:
         lo_e, hi_e, diag = _edge(left), _edge(right), nk - nq
         for n0 in range(0, nk, BLOCK_N):
@@ -494,9 +495,12 @@ def test_window_flags_and_thresholds(block_m):
                     for h in range(2):
                         k_ = n0 + 64 * w + 16 * warp + g + 8 * h
                         lo, hi = window_thresholds(k_, nk, diag, lo_e, hi_e, m0, t, block_m)
+                        dist0 = m0 + 2 * t + diag - (n0 + 64 * w + 16 * warp + g)  # the kernel's, per tile
                         for j, e in itertools.product(range(block_m // 8), range(2)):
                             c = 8 * j + e
                             assert bool(hidden[k_ - n0, c + 2 * t]) == (c < lo or c > hi), (n0, m0, k_, c)
+                            # ALiBi's |query + diag - key| as the kernel forms it: dist0 + 8 j + e - 8 h
+                            assert dist0 + c - 8 * h == m0 + c + 2 * t + diag - k_, (n0, m0, k_, c)
 
 
 def test_window_cost_scales_with_the_window():
