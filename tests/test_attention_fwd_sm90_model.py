@@ -1109,12 +1109,17 @@ def test_dropout_instantiations_and_plan_checks():
     bf = torch.bfloat16
     assert af.variant_flags(VariantArgs(dropout_p=0.1)) == af.DROPOUT
     assert af.variant_flags(VariantArgs(4096, 0, 30.0, 8, 0.1)) == af.DROPOUT | 7
-    for d in af.HEAD_DIMS:  # every combination runs: its own set, or the windowed one with an unbounded window
+    for d in af.HEAD_DIMS:  # a combination runs its own set, or the windowed one with an unbounded window
         for flags in range(8):
             k = af.dropout_kernel_flags(d, af.DROPOUT | flags)
+            if d == 128 and flags & af.ALIBI:  # spills under NVRTC 13.0: not registered, sm80 runs it
+                assert k is None
+                continue
             assert k in af.DROPOUT_FLAG_SETS[d] and k in (af.DROPOUT | flags, af.DROPOUT | flags | af.WINDOW)
-    assert af.dropout_kernel_flags(128, af.DROPOUT | af.SOFTCAP | af.ALIBI) == af.DROPOUT | 7
-    assert af.supports_dropout(128, bf, VariantArgs(softcap=30.0, alibi_batch_stride=0, dropout_p=0.1))
+    assert af.dropout_kernel_flags(256, af.DROPOUT | af.SOFTCAP | af.ALIBI) == af.DROPOUT | 7
+    assert af.supports_dropout(64, bf, VariantArgs(softcap=30.0, alibi_batch_stride=0, dropout_p=0.1))
+    assert af.supports_dropout(128, bf, VariantArgs(softcap=30.0, dropout_p=0.1))
+    assert not af.supports_dropout(128, bf, VariantArgs(alibi_batch_stride=0, dropout_p=0.1))
     assert af.supports_dropout(128, bf, VariantArgs(dropout_p=0.1))
     assert af.supports_dropout(64, torch.float16, VariantArgs(100, 0, dropout_p=0.5))
     assert not af.supports_dropout(128, bf, VariantArgs())  # p = 0: not a dropout call
