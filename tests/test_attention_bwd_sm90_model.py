@@ -558,15 +558,15 @@ def test_emulated_variant_walk_matches_autograd(nq, nk, heads, kv_heads, window,
 
 
 def test_variant_registry_and_supports():
-    """The registered variant kernels are VARIANT_SETS x dtypes at the variant defaults, atomic mode;
-    supports_variants / variant_bits route exactly those (no dropout, no deterministic, no d = 256),
+    """The registered variant kernels are VARIANT_SETS x dtypes x atomic / deterministic at the
+    variant defaults; supports_variants / variant_bits route exactly those (no dropout, no d = 256),
     and a call with nothing on runs the plain kernel."""
     from tileattn.kernels.attention_fwd_sm80 import VariantArgs
 
-    want = {ab.variant_expression(d, ab.VARIANT_DEFAULTS[d], bf16, bits) for d in ab.HEAD_DIMS
-            for bf16 in (False, True) for bits in ab.VARIANT_SETS[d]}
+    want = {ab.variant_expression(d, ab.VARIANT_DEFAULTS[d], bf16, bits, det) for d in ab.HEAD_DIMS
+            for bf16 in (False, True) for bits in ab.VARIANT_SETS[d] for det in (False, True)}
     assert set(ab.VARIANT_INSTANTIATIONS) == want and want <= set(ab.INSTANTIATIONS)
-    assert all(dq_mode_of(e) == 0 for e in want)
+    assert sorted(dq_mode_of(e) for e in want) == [0] * (len(want) // 2) + [1] * (len(want) // 2)
     assert all(bits & ab.WINDOW for sets in ab.VARIANT_SETS.values() for bits in sets)
     from tileattn.kernels import attention_fwd_sm90, family
 
@@ -588,7 +588,7 @@ def test_variant_registry_and_supports():
     for causal, window, cap, alibi in ab.VARIANT_BENCH_CASES.values():  # benchmark_variants' cases run here
         va = VariantArgs(UNBOUNDED, 0 if causal else UNBOUNDED, cap, 0 if alibi else None)
         assert all(ab.supports_variants(d, bf, va) for d in ab.HEAD_DIMS), (causal, window, cap, alibi)
-    assert not ab.supports_variants(128, bf, VariantArgs(softcap=30.0), deterministic=True)
+    assert ab.supports_variants(128, bf, VariantArgs(64, 0, 30.0, 0), deterministic=True)
     assert not ab.supports_variants(256, bf, VariantArgs(softcap=30.0))
     assert not ab.supports_variants(128, torch.float32, VariantArgs(softcap=30.0))
 
@@ -1092,22 +1092,30 @@ def dq_mode_of(expression: str) -> int:
 
 # ---- deterministic mode: the turn counters across CTAs -----------------------------------------------
 def simulate_turns(nq: int, nk: int, group: int, pairs: int, section: int, block_m: int, causal: bool,
-                   resident: int, dq_buffers: int, seed: int):
+                   resident: int, dq_buffers: int, seed: int, window: tuple[int, int] | None = None):
     """The CTAs of `pairs` (kv head, batch) pairs, dispatched in blockIdx order (block_coords) with at
     most `resident` running at once. Each CTA is its MMA warpgroups, which walk the kernel's (head,
     query tile) sequence and stage each tile's dQ in one of `dq_buffers` buffers (waiting while all
     are full), and its dQ warp, which takes the staged tiles in order and adds one when the tile's
     counter reads n. Checks: no deadlock, and each (pair, head, tile) receives the additions of key
-    blocks 0, 1, ..., last in order."""
+    blocks 0, 1, ..., last in order. `window` (left, right; causal False): the variant kernel's walk
+    (window_tiles), the counters starting at window_first_blocks as the host sets them, and each
+    tile must receive exactly the key blocks with a visible pair in it, in order."""
     rng = random.Random(seed)
     m_blocks, n_blocks, diag = -(-nq // block_m), -(-nk // BLOCK_N), nk - nq
     counters: dict[tuple[int, int, int], int] = {}
     order: dict[tuple[int, int, int], list[int]] = {}
+    first = ab.window_first_blocks(nq, nk, window[0], block_m) if window else [0] * m_blocks
+    for pair, head, m in itertools.product(range(pairs), range(group), range(m_blocks)):
+        counters[(pair, head, m)] = first[m]
 
     def cta(n, pair):
-        m_first = max(0, n * BLOCK_N - diag) // block_m if causal else 0
-        m_count = m_blocks - m_first
-        steps = [walk(it, 0, group, m_blocks, m_count, block_m) for it in range(group * m_count)]
+        if window:
+            m_first, m_end = window_tiles(n * BLOCK_N, nq, nk, window[0], window[1], block_m)
+        else:
+            m_first, m_end = (max(0, n * BLOCK_N - diag) // block_m if causal else 0), m_blocks
+        m_count = m_end - m_first
+        steps = [walk(it, 0, group, m_end, m_count, block_m) for it in range(group * m_count)]
         staged, added = 0, 0  # tiles the MMA warpgroups staged / the dQ warp added
         while added < len(steps):
             if staged < len(steps) and staged - added < dq_buffers and rng.random() < 0.5:
@@ -1136,10 +1144,17 @@ def simulate_turns(nq: int, nk: int, group: int, pairs: int, section: int, block
         except StopIteration:
             running.pop(i)
     for (pair, head, m), seen in order.items():
+        if window:  # exactly the key blocks with a visible pair in tile m, in order
+            qs = torch.arange(m * block_m, min(nq, (m + 1) * block_m))[None, :]
+            ks = torch.arange(nk)[:, None]
+            vis = (ks >= qs + diag - window[0]) & (ks <= qs + diag + window[1])
+            want = sorted({int(j) // BLOCK_N for j in torch.nonzero(vis.any(1)).flatten()})
+            assert seen == want, f"tile {m} of head {head}, pair {pair} added by {seen}, want {want}"
+            continue
         assert seen == list(range(len(seen))), f"tile {m} of head {head}, pair {pair} added in order {seen}"
         last_key = min(nq, (m + 1) * block_m) - 1 + diag if causal else nk - 1
         assert len(seen) == min(n_blocks, last_key // BLOCK_N + 1), (m, seen)
-    assert causal or len(order) == pairs * group * m_blocks
+    assert causal or window or len(order) == pairs * group * m_blocks
 
 
 @pytest.mark.parametrize("dq_buffers", [1, 2])
@@ -1151,6 +1166,19 @@ def test_deterministic_turns(block_m, causal, dq_buffers):
         for resident in (1, 2, 5):
             simulate_turns(nq, nk, group, pairs, section, block_m, causal, resident, dq_buffers,
                            seed=nq + nk + resident)
+
+
+@pytest.mark.parametrize("dq_buffers", [1, 2])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_deterministic_turns_windowed(block_m, dq_buffers):
+    """The deterministic variant kernel: a window's tiles are visited by consecutive key blocks from
+    window_first_blocks on; with the counters started there, no deadlock and every tile gets exactly
+    its visiting key blocks, in order (windows smaller than a block, sliding, one-sided, Nq != Nk)."""
+    for nq, nk, left, right in ((700, 700, 100, 0), (700, 700, 0, 0), (300, 900, 200, 50), (900, 300, 30, 0),
+                                (1000, 1000, 300, UNBOUNDED), (640, 640, UNBOUNDED, 0), (129, 4097, 64, 64)):
+        for resident in (1, 3):
+            simulate_turns(nq, nk, 2, 2, 1, block_m, False, resident, dq_buffers, seed=nq + left + resident,
+                           window=(left, right))
 
 
 # ---- SASS --------------------------------------------------------------------------------------------

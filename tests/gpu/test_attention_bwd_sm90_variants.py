@@ -76,7 +76,7 @@ def variant_args(q, causal, opts):
     return VariantArgs(left, right, dr.check_softcap(opts.get("softcap")), sb, 0.0)
 
 
-def run(q, k, v, dout, causal, opts):
+def run(q, k, v, dout, causal, opts, deterministic=False):
     """(out, lse, (dq, dk, dv), (sm80 dq, dk, dv)): the dispatcher's variant forward, this family's
     variant backward and the sm80 variant backward on the same out / lse, every allocation poisoned
     and every gradient NaN-filled before its launch."""
@@ -91,8 +91,8 @@ def run(q, k, v, dout, causal, opts):
     with poisoned_allocations():
         dispatch.variant_forward_plan(q, k, v, out, lse, scale=scale, variants=va).launch(q, k, v, out, lse, *extra)
         grads, grads80 = ([torch.full_like(t, float("nan")) for t in (q, k, v)] for _ in range(2))
-        plan = _ab().variant_backward_plan(q, k, v, out, lse, dout, *grads, scale=scale, deterministic=False,
-                                           variants=va)
+        plan = _ab().variant_backward_plan(q, k, v, out, lse, dout, *grads, scale=scale,
+                                           deterministic=deterministic, variants=va)
         bits = _ab().variant_bits(va)
         assert plan.variant_values == (bits != 0)
         assert ("_variants<" in plan.main.kernel.expression) == (bits != 0), plan.main.kernel.expression
@@ -111,10 +111,10 @@ def reference_grads(q, k, v, dout, causal, opts):
     return lse, (q64.grad, k64.grad, v64.grad)
 
 
-def check(q, k, v, dout, causal, opts, dtype, what):
+def check(q, k, v, dout, causal, opts, dtype, what, deterministic=False):
     """Gradients against float64 autograd and against the sm80 variant backward; dq rows of queries
-    that see no key exactly 0."""
-    _, lse, grads, grads80 = run(q, k, v, dout, causal, opts)
+    that see no key exactly 0. Returns this family's gradients."""
+    _, lse, grads, grads80 = run(q, k, v, dout, causal, opts, deterministic)
     rlse, rgrads = reference_grads(q, k, v, dout, causal, opts)
     for name, g, r, g80 in zip(("dq", "dk", "dv"), grads, rgrads, grads80):
         bad = ~torch.isfinite(g)
@@ -129,6 +129,7 @@ def check(q, k, v, dout, causal, opts, dtype, what):
     if empty.any():
         rows = grads[0][empty]
         assert (rows == 0).all(), f"{what}: dq of rows that see no key is not 0 (max {float(rows.abs().max()):.3g})"
+    return grads
 
 
 def _opts(options, b, h):
@@ -222,13 +223,32 @@ def test_sliding_window_skips_blocks_and_matches_at_long_n():
     check(q, k, v, dout, True, {"window": (511, 0)}, BF16, "N=8192 window 512 causal")
 
 
+@pytest.mark.parametrize("case", ["window_causal", "softcap_window", "alibi_window", "window_softcap_alibi",
+                                  "window_gt_n"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_deterministic_bitwise_and_correct(d, case):
+    """deterministic=True (ordered dQ, the turn counters of a windowed tile starting at its first
+    visiting key block): right against float64 autograd, and dq, dk, dv bitwise equal over 5 runs
+    (GQA 4, Nq = 600 != Nk = 700: several key blocks per tile, some tiles not visited by block 0)."""
+    causal, options, s = CASES[case]
+    q, k, v, dout = make(1, 4, 1, 600, 700, d, BF16, seed=d + 5, scale_inputs=s)
+    opts = _opts(options, 1, 4)
+    first = check(q, k, v, dout, causal, opts, BF16, f"deterministic d={d} {case}", deterministic=True)
+    for rep in range(4):
+        again = run(q, k, v, dout, causal, opts, deterministic=True)[2]
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            diff = int((a != b).sum())
+            assert diff == 0, (f"deterministic d={d} {case}: {name} differs from the first run in {diff} elements "
+                               f"(run {rep + 2})")
+
+
 def test_unsupported_variants_raise_before_launching():
-    """Dropout and the deterministic mode are not this family's: variant_backward_plan raises
-    ValueError naming them (the dispatcher keeps them on sm80)."""
+    """Dropout is not this family's: variant_backward_plan raises ValueError naming the sm90 variant
+    backward (the dispatcher keeps it on sm80)."""
     from tileattn.kernels.attention_fwd_sm80 import VariantArgs
 
     for d, va, det in ((128, VariantArgs(dropout_p=0.1), False), (64, VariantArgs(64, 0, 0.0, None, 0.2), False),
-                       (128, VariantArgs(64, 0), True), (64, VariantArgs(softcap=30.0), True)):
+                       (128, VariantArgs(64, 0, 30.0, None, 0.5), True)):
         q, k, v, dout = make(1, 2, 2, 64, 64, d, BF16, seed=1)
         out, lse = torch.empty_like(q), torch.empty(1, 2, 64, device="cuda")
         with pytest.raises(ValueError, match="sm90 variant backward"):

@@ -59,7 +59,7 @@
 //
 // ---- Variants (attention_bwd_sm90_variants; issue #15, definitions in common/variants.cuh) -------
 // Window, softcap and ALiBi as compile-time bits of kVariant (kWindow 1, kSoftcap 2, kAlibi 4, as
-// the Hopper forward's), on the dense layout in the unordered dQ modes; a third entry point calls the
+// the Hopper forward's), on the dense layout in every dQ mode; a third entry point calls the
 // shared body, whose every variant line sits under `if constexpr`, so the plain and varlen kernels
 // keep their .text byte for byte (checked: SHA-256 of all 24 plain .text sections, NVRTC 13.5).
 // Causal is the window's right edge 0 (variant kernels have kCausal = false).
@@ -72,8 +72,10 @@
 // - Softcap: dS^T = P^T (dP^T - D) (1 - tanh^2) (d logit / d(scale q.k)). Its passes pack P^T (and,
 //   one-pass at d = 64, dS^T) pair by pair into the wgmma operand registers; with the dV overlap
 //   (d = 128) P^T (1 - tanh^2) stays in the fp32 registers for the plain dS^T pass.
-// - Not here: dropout, the deterministic turn (it assumes every lower key block visits a tile: a
-//   window breaks that), varlen. Registered sets and why: attention_bwd_sm90.VARIANT_SETS.
+// - Deterministic mode: a window's tile is visited by consecutive key blocks, from the block of the
+//   tile's first row's lower edge on (attention_bwd_sm90.window_first_blocks): the host starts
+//   that tile's turn counter there instead of at 0, and the kernel's turn code is the plain one.
+// - Not here: dropout, varlen. Registered sets and why: attention_bwd_sm90.VARIANT_SETS.
 //
 // ---- Per query tile, MMA warpgroup w (keys 64 w.., queries m0 .. m0 + kBlockM) ----------------
 //   1. S^T  = K_w Q^T      wgmma SS  m64 n kBlockM, k = d     (K rows K-major, Q K-major)
@@ -375,9 +377,8 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
   // and dK, dV. d = 64, kBlockM = 128 would need 64 + 64 + 64 + 32 = 224 and spills.
   constexpr bool kWindowed = (kVariant & kWindow) != 0, kSoftcapped = (kVariant & kSoftcap) != 0;
   constexpr bool kAlibied = (kVariant & kAlibi) != 0, kLogits = kSoftcapped || kAlibied;
-  static_assert(kVariant == 0 || (kVariant > 0 && kVariant <= kVariantBits && !kCausal && !kVarlen && kDqMode != 1),
-                "variants: a set of kWindow | kSoftcap | kAlibi on the dense layout, causal folded into the "
-                "window, unordered dQ modes (the deterministic turn assumes every lower key block visits a tile)");
+  static_assert(kVariant == 0 || (kVariant > 0 && kVariant <= kVariantBits && !kCausal && !kVarlen),
+                "variants: a set of kWindow | kSoftcap | kAlibi on the dense layout, causal folded into the window");
   constexpr bool kOverlap = kBlockM == 64;
   static_assert(kDqMode >= 0 && kDqMode <= 2, "dQ mode: 0 RED, 1 ordered bulk (deterministic), 2 bulk");
   // Varlen only (block-scope, so the dense cubin holds no new constant): named barrier 9 (256) after
@@ -939,8 +940,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
 }
 
 // Dense batches with variants (kVariant: a non-empty set of bits bwd90::kWindow, kSoftcap, kAlibi;
-// see "Variants" above): the dense kernel's parameters (dq_sem unused: unordered dQ modes only),
-// then VARIANT_PARAMS (common/variants.cuh; causal folded into win_right, dropout's seed, offset,
+// see "Variants" above): the dense kernel's parameters, then VARIANT_PARAMS (common/variants.cuh; causal folded into win_right, dropout's seed, offset,
 // drop_thr, drop_scale ignored: dropout stays on the sm80 kernels). lse2 must come from the
 // variant logits' lse (natural log, as the Hopper forward and the sm80 variant forward write it),
 // converted by the preprocess as for the plain kernel.
@@ -956,8 +956,7 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
                                 int* __restrict__ dq_sem, int heads, int kv_group, int batches, int section,
                                 int seqlen_q, int seqlen_k, int nq_pad, float scale_log2, float scale, int rotate,
                                 VARIANT_PARAMS) {
-  static_assert(kVariant > 0 && kVariant <= bwd90::kVariantBits && kDqMode != 1,
-                "kVariant: a non-empty set of kWindow | kSoftcap | kAlibi; dQ modes 0 and 2");
+  static_assert(kVariant > 0 && kVariant <= bwd90::kVariantBits, "kVariant: a non-empty set of kWindow | kSoftcap | kAlibi");
   bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, false, kIsBF16, kDqMode, false, kVariant>(
       tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, dq_sem, heads, kv_group, batches,
       section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale, rotate, bwd90::VarlenArgs{}, VARIANTS_FROM_PARAMS);

@@ -146,18 +146,30 @@ def variant_bits(variants) -> int:
 def supports_variants(head_dim: int, dtype, variants, deterministic: bool = False) -> bool:
     """Whether variant_backward_plan runs a call with these variants (attention_fwd_sm80.VariantArgs,
     causal folded into the window) on this family: head_dim in VARIANT_SETS (64, 128), float16 /
-    bfloat16, no dropout, atomic mode (deterministic=True stays on the sm80 variant kernels). The
-    caller still routes only sm_90a devices here. Never raises."""
-    if dtype not in (torch.float16, torch.bfloat16) or deterministic or variants.dropout_p > 0:
+    bfloat16, no dropout; atomic or deterministic (the dispatcher decides whether the latter runs
+    here, as it does for the plain kernel). The caller still routes only sm_90a devices here. Never
+    raises."""
+    del deterministic  # both modes are registered for every set
+    if dtype not in (torch.float16, torch.bfloat16) or variants.dropout_p > 0:
         return False
     bits = variant_bits(variants)
     return head_dim in VARIANT_SETS and (bits == 0 or bits in VARIANT_SETS[head_dim])
 
 
-def variant_expression(head_dim: int, config: Sm90BwdConfig, bf16: bool, bits: int) -> str:
-    """The NVRTC name expression of one variant main-kernel instantiation (atomic dQ modes)."""
+def variant_expression(head_dim: int, config: Sm90BwdConfig, bf16: bool, bits: int, deterministic: bool = False) -> str:
+    """The NVRTC name expression of one variant main-kernel instantiation."""
     return (f"tileattn::attention_bwd_sm90_variants<{head_dim}, {config.block_m}, {config.stages}, "
-            f"{'true' if bf16 else 'false'}, {config.dq_mode(False)}, {bits}>")
+            f"{'true' if bf16 else 'false'}, {config.dq_mode(deterministic)}, {bits}>")
+
+
+def window_first_blocks(seqlen_q: int, seqlen_k: int, left: int, block_m: int) -> list[int]:
+    """Per query tile m, the first key block whose window_tiles range (csrc) holds it: the block of
+    the lowest key the tile's first row sees, max(0, m block_m + Nk - Nq - left) // BLOCK_N (both
+    ends of a key block's range are non-decreasing in the block, so a tile's visitors are
+    consecutive key blocks from there). The deterministic mode starts each tile's turn counter at
+    this value: the kernel's turn code is the plain one, which counts from key block 0. Never raises."""
+    diag = seqlen_k - seqlen_q
+    return [max(0, m * block_m + diag - left) // BLOCK_N for m in range(-(-seqlen_q // block_m))]
 
 
 def expression(head_dim: int, config: Sm90BwdConfig, causal: bool, bf16: bool, deterministic: bool) -> str:
@@ -198,10 +210,10 @@ def _default_configs():
 # The varlen entry point takes the dense tables (DEFAULTS, TUNING_EXTRA): same tiles, same shared
 # memory; only the default configs are registered for dispatch, the rest as tuning candidates.
 # Variant kernels: the non-causal default tiles (a window is masked like causal; the defaults are
-# the same config causal or not), atomic mode, VARIANT_SETS x both dtypes.
+# the same config causal or not), VARIANT_SETS x both dtypes x atomic / deterministic.
 VARIANT_DEFAULTS: dict[int, Sm90BwdConfig] = {d: DEFAULTS[(d, False)] for d in HEAD_DIMS}
-VARIANT_INSTANTIATIONS = tuple(variant_expression(d, VARIANT_DEFAULTS[d], bf16, bits) for d in HEAD_DIMS
-                               for bf16 in (False, True) for bits in VARIANT_SETS[d])
+VARIANT_INSTANTIATIONS = tuple(variant_expression(d, VARIANT_DEFAULTS[d], bf16, bits, det) for d in HEAD_DIMS
+                               for bf16 in (False, True) for bits in VARIANT_SETS[d] for det in (False, True))
 INSTANTIATIONS = (_expressions(_default_configs()) + _expressions(_default_configs(), varlen=True)
                   + VARIANT_INSTANTIATIONS)
 TUNING = tuple(e for e in _expressions(TUNING_EXTRA.items()) + _expressions(TUNING_EXTRA.items(), varlen=True)
@@ -401,8 +413,14 @@ class BackwardPlan:
 
             dynamic += tuple(len(args) + i for i in VARIANT_DYNAMIC)
             args += variants.kernel_args(scale)
-        expr = (variant_expression(d, config, bf16, bits) if bits
+        expr = (variant_expression(d, config, bf16, bits, deterministic) if bits
                 else expression(d, config, causal, bf16, deterministic))
+        # Deterministic, windowed: each query tile's turn counter starts at its first visiting key
+        # block (window_first_blocks), copied from this template instead of zeroed per call.
+        self.sem_init = None
+        if deterministic and bits and variants.window_left != _unbounded():
+            first = window_first_blocks(nq, nk, variants.window_left, config.block_m)
+            self.sem_init = torch.tensor(first, dtype=torch.int32, device=q.device).repeat(batch * heads)
         self.main = LaunchPlan(load(FAMILY_NAME, expr, device), (n_blocks * kv_heads * batch,), (THREADS,), args,
                                smem=config.smem_bytes(d, deterministic), dynamic=dynamic)
         self.convert = LaunchPlan(
@@ -423,7 +441,10 @@ class BackwardPlan:
                     g.zero_()
             return
         ws = torch.empty(self.ws_elems, dtype=torch.float32, device=self.device)
-        sem = torch.zeros(self.sem_elems, dtype=torch.int32, device=self.device) if self.deterministic else None
+        sem = None
+        if self.deterministic:
+            sem = (self.sem_init.clone() if self.sem_init is not None
+                   else torch.zeros(self.sem_elems, dtype=torch.int32, device=self.device))
         lse2 = ws.data_ptr()
         delta = lse2 + self._delta_offset
         acc = lse2 + self._acc_offset
@@ -446,10 +467,14 @@ class BackwardPlan:
         # enqueued later on this stream, which runs after these kernels.
 
 
-def _windowed(variants) -> bool:
+def _unbounded() -> int:
     from ..dropout import UNBOUNDED
 
-    return variants.window_left != UNBOUNDED or variants.window_right != UNBOUNDED
+    return UNBOUNDED
+
+
+def _windowed(variants) -> bool:
+    return variants.window_left != _unbounded() or variants.window_right != _unbounded()
 
 
 def variant_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, deterministic: bool, variants,
@@ -1039,6 +1064,7 @@ __all__ = [
     "variant_backward_plan",
     "variant_bits",
     "variant_expression",
+    "window_first_blocks",
     "varlen_expression",
 ]
 
