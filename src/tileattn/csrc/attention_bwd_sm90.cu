@@ -4,9 +4,10 @@
 // this kernel adds into the same fp32 dq_accum layout, so the three launch as one pipeline, in both
 // modes (kDqMode: 0 atomic REDs from registers, 1 deterministic = staged tiles added in key-block
 // order, 2 staged tiles added unordered by the same bulk reduce-add; see "dQ modes" below).
-// Two entry points share one body: attention_bwd_sm90 (dense batches, below) and
+// Three entry points share one body: attention_bwd_sm90 (dense batches, below),
 // attention_bwd_sm90_varlen (packed variable-length batches, kVarlen; see "Varlen layout" and the
-// entry point at the end; the dense instantiations compile to the same SASS as before it existed).
+// entry point at the end; the dense instantiations compile to the same SASS as before it existed)
+// and attention_bwd_sm90_variants (dense, window / softcap / ALiBi; see "Variants").
 //
 // Shapes (elements; any strides with a contiguous last dim and 16-byte aligned rows):
 //   q, dout            [B, H,   Nq, d]     16-bit, read by TMA (4-D maps (d, Nq, H, B))
