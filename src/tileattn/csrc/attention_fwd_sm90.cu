@@ -107,6 +107,17 @@
 // Nq, so rows past the end of a head's sequence are never written. lse goes straight from registers (one lane per row). The storing
 // thread then releases sQ to the producer (q_empty) for the next tile's Q.
 //
+// ---- Dropout (kVariant bit kDropout) -------------------------------------------------------------
+// The keep bit of score (b, h, i, j) is variants.cuh's Philox function of (seed, offset, b * H + h,
+// i, j), the one the sm_80 kernels and tileattn.dropout.dropout_mask use, so the mask does not
+// depend on the tiles or the GQA packing. Per block, each consumer thread draws the bits of its 64
+// (kBlockN = 128) scores with 2 kBlockN / 32 Philox calls (dropout_keep_bits) right after issuing
+// the block's wgmmas, before waiting for them: the ~40 integer instructions per call issue while
+// the tensor cores run S_j and P_{j-1} V_{j-1}. After softmax_step has added the undropped p to the
+// row sums, apply_dropout zeroes the dropped ones before they are packed for P V; the epilogue
+// multiplies 1 / l by 1 / (1 - p) and writes the undropped lse. Counts per block and where they
+// run: docs/attention_fwd_sm90.md, "Dropout".
+//
 // ---- Packed queries: variable-length batches (kVariant = kVarlen) and paged K/V (kPaged) -------
 // q [Tq, H, d], out [Tq, H, d], lse [H, Tq]; sequence b owns query tokens cu_seqlens_q[b] ..
 // cu_seqlens_q[b + 1] - 1 (common/varlen.cuh). Varlen k / v [Tk, Hkv, d] likewise by cu_seqlens_k;
@@ -405,8 +416,9 @@ __device__ __forceinline__ void variant_logits(float (&s)[kBlockN / 2], int n, c
 // GQA packing (a row's head is head0 + (r0 + 8 h) / rows) changes the mask. One Philox call per
 // row and 32-key group gives the 8 uniforms of the thread's 8 scores in it (key 32 G + 8 w + 2 t + e
 // is half e of word w): 2 kBlockN / 32 calls per block. Nothing here reads S, so the caller runs it
-// between issuing the block's wgmmas and waiting for them: the ~70 integer instructions per call
-// (10 rounds of 2 IMAD.WIDE.U32 + 2 LOP3 + key adds) issue while the tensor cores work.
+// between issuing the block's wgmmas and waiting for them: the 40 integer instructions per call
+// (10 rounds of 2 IMAD.WIDE.U32 + 2 three-input LOP3; the key schedule is warp-uniform and stays in
+// uniform registers) issue while the tensor cores work.
 // A 16-bit half >= drop_thr is compared in the word's upper half: (word << 16) for the low half,
 // the word itself for the high half, against drop_thr << 16 (one shift, no mask or second shift).
 template <int kBlockN>
@@ -550,14 +562,16 @@ __device__ __forceinline__ Variants variants_of(float scale_log2, VARIANT_PARAMS
 // 1-D grid of at most ceil(Nq / R) * (H / pack) * B <= 2^30 CTAs (fewer = persistent), 384 threads;
 // dynamic shared memory 2 d (128 + 2 kStages kBlockN) + 1024.
 //
-// Variants (kVariant: a non-empty set of bits fwd90::kWindow, kSoftcap, kAlibi; kCausal false,
-// causal folded into win_right): the parameters above, then VARIANT_PARAMS (common/variants.cuh),
-// as the trailing pack `variant_params` (the host names their types in the instantiation). The
-// plain kernel (kVariant = 0) has an empty pack: its parameters and code are what they were before
-// the variants existed (a separate variant entry point calling a shared body changed the plain
-// kernel's SASS). Dropout is not implemented here: seed, offset, drop_thr and drop_scale are
-// ignored (the dispatcher sends dropout to the sm_80 variant kernels). The lse written is that of
-// the variant logits (natural log), as the sm_80 variant backward reads it.
+// Variants (kVariant: a non-empty set of bits fwd90::kWindow, kSoftcap, kAlibi, kDropout; kCausal
+// false, causal folded into win_right): the parameters above, then VARIANT_PARAMS
+// (common/variants.cuh), as the trailing pack `variant_params` (the host names their types in the
+// instantiation). The plain kernel (kVariant = 0) has an empty pack: its parameters and code are
+// what they were before the variants existed (a separate variant entry point calling a shared body
+// changed the plain kernel's SASS). Without kDropout, seed, offset, drop_thr and drop_scale are
+// ignored; with it (dense only, kBlockN a multiple of 64), P is multiplied by the keep mask of
+// tileattn.dropout.dropout_mask(seed, offset, B, H, Nq, Nk, p) (drop_thr = round(p * 65536)) after
+// the row sums took it, and O by drop_scale = 1 / (1 - p). The lse written is that of the variant
+// logits before dropout (natural log), as the sm_80 variant backward reads it.
 //
 // Varlen (kVariant == fwd90::kVarlen, plain arithmetic, causal or not; see the header): tmap_q /
 // tmap_o over q / out [Tq, H, d] as [1, H, Tq, d], tmap_k / tmap_v over k / v [Tk, Hkv, d] as
