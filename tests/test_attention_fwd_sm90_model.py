@@ -1097,7 +1097,11 @@ def test_dropout_half_word_compare_is_the_16_bit_compare():
 def test_dropout_instantiations_and_plan_checks():
     from tileattn.kernels.attention_fwd_sm80 import VariantArgs
 
+    from tileattn.kernels import family
+
     assert af.DROPOUT & (af.WINDOW | af.SOFTCAP | af.ALIBI | af.VARLEN | af.PAGED) == 0
+    src = family(af.FAMILY_NAME).path.read_text()
+    assert f"constexpr int kDropout = {af.DROPOUT};" in src, "the kernel's dropout bit is the Python one"
     assert set(af.DROPOUT_INSTANTIATIONS) <= set(af.INSTANTIATIONS)
     assert not set(af.DROPOUT_INSTANTIATIONS) & set(af.VARIANT_INSTANTIATIONS)
     for d, sets in af.DROPOUT_FLAG_SETS.items():
