@@ -34,6 +34,7 @@ a CPU tensor with otherwise valid arguments fails at step 7 with "... must be a 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from typing import Optional
@@ -368,8 +369,8 @@ class _AttentionFunction(torch.autograd.Function):
 class _VariantEntry(_PlanEntry):
     """A validated combination with variants: the dispatcher's variant forward plan (the Hopper
     kernel on sm_90a for d in 64/128/256 without dropout, else the sm_80 variant kernel; causal
-    folded into the window) and the sm_80 variant backward plans. Their launches take (alibi
-    pointer, seed, offset) last."""
+    folded into the window) and the dispatcher's variant backward plans (dispatch.variant_backward_plan).
+    Their launches take (alibi pointer, seed, offset) last."""
 
     __slots__ = ("variants",)
 
@@ -402,11 +403,10 @@ class _VariantEntry(_PlanEntry):
         self.backward: dict[tuple, object] = {}
 
     def _build_backward(self, q, k, v, out, lse, dout, dq, dk, dv, deterministic: bool):
-        from .kernels import attention_bwd_sm80
+        from .kernels import dispatch
 
-        return attention_bwd_sm80.backward_plan(q, k, v, out, lse, dout, dq, dk, dv, causal=False,
-                                                scale=self.scale, deterministic=deterministic,
-                                                variants=self.variants)
+        return dispatch.variant_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, scale=self.scale,
+                                              deterministic=deterministic, variants=self.variants)
 
 
 def _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, alibi_slopes, dropout_p, generator,
@@ -447,6 +447,33 @@ def _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, 
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _VariantFunction.apply(q, k, v, entry, alibi_slopes, (alibi, seed, offset), deterministic)
     return _variant_forward(entry, q, k, v, (alibi, seed, offset))
+
+
+@contextlib.contextmanager
+def hopper_kernels_forced():
+    """Within: the dispatcher's tables of Hopper kernels not yet dispatched by default (the varlen,
+    paged-prefill and variant-backward layouts written before their device run:
+    kernels.dispatch.UNMEASURED_SM90_TABLES) hold everything those kernels implement, so the ops take
+    them wherever the device and the call allow; the tables are restored after. The plan caches of
+    tileattn.attention, attention_varlen and attention_paged are emptied on entry and exit, so no plan
+    outlives the choice it was made under. For tests and benchmarks; not thread-safe."""
+    from . import api_paged, api_varlen
+    from .kernels import dispatch
+
+    saved = [set(table) for table, _ in dispatch.UNMEASURED_SM90_TABLES]
+    caches = (_plans, api_varlen._plans, api_paged._paged_cache)
+    for table, implemented in dispatch.UNMEASURED_SM90_TABLES:
+        table.update(implemented)
+    for cache in caches:
+        cache.clear()
+    try:
+        yield
+    finally:
+        for (table, _), old in zip(dispatch.UNMEASURED_SM90_TABLES, saved):
+            table.clear()
+            table.update(old)
+        for cache in caches:
+            cache.clear()
 
 
 def _cached_entry(key, make):

@@ -35,7 +35,6 @@ and end at or below Tq / Tk, and no sequence may be longer than max_seqlen_q / m
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 from typing import Optional
@@ -296,32 +295,6 @@ class _PlanEntry:
 
 _plans: dict[tuple, _PlanEntry] = {}
 
-
-@contextlib.contextmanager
-def hopper_kernels_forced():
-    """Within: the dispatcher's tables of the Hopper inference kernels not yet dispatched by default
-    (kernels.dispatch.SM90_VARLEN_FORWARD / _BACKWARD and SM90_PAGED_PREFILL) hold everything those
-    kernels implement, so attention_varlen and attention_paged take them wherever the device and the
-    call allow; the tables are restored after. Both ops' plan caches are emptied on entry and exit,
-    so no plan outlives the choice it was made under. For tests and benchmarks."""
-    from . import api_paged
-    from .kernels import dispatch
-
-    tables = (dispatch.SM90_VARLEN_FORWARD, dispatch.SM90_VARLEN_BACKWARD, dispatch.SM90_PAGED_PREFILL)
-    candidates = (*dispatch.SM90_VARLEN_CANDIDATES, dispatch.SM90_PAGED_CANDIDATES)
-    saved = tuple(set(t) for t in tables)
-    for table, pairs in zip(tables, candidates):
-        table.update(pairs)
-    _plans.clear()
-    api_paged._paged_cache.clear()
-    try:
-        yield
-    finally:
-        for table, old in zip(tables, saved):
-            table.clear()
-            table.update(old)
-        _plans.clear()
-        api_paged._paged_cache.clear()
 
 
 def _plan_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale) -> _PlanEntry:

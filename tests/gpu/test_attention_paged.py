@@ -37,12 +37,12 @@ HOPPER = os.environ.get("TILEATTN_TEST_HOPPER_INFERENCE") == "1"
 @pytest.fixture(scope="module", autouse=True)
 def _hopper_paged_table():
     """TILEATTN_TEST_HOPPER_INFERENCE=1: every case of this file that goes through attention_paged
-    with the Hopper paged prefill switched on in the dispatcher (api_varlen.hopper_kernels_forced),
+    with the Hopper paged prefill switched on in the dispatcher (api.hopper_kernels_forced),
     wherever the call is prefill-shaped; launch-layer cases are unchanged."""
     if not HOPPER:
         yield
         return
-    from tileattn.api_varlen import hopper_kernels_forced
+    from tileattn.api import hopper_kernels_forced
 
     with hopper_kernels_forced():
         yield

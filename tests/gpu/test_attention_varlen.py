@@ -62,12 +62,12 @@ HOPPER = os.environ.get("TILEATTN_TEST_HOPPER_INFERENCE") == "1"
 @pytest.fixture(scope="module", autouse=True)
 def _hopper_varlen_tables():
     """TILEATTN_TEST_HOPPER_INFERENCE=1: every case of this file with the Hopper varlen kernels
-    switched on in the dispatcher (api_varlen.hopper_kernels_forced), wherever the device and the
+    switched on in the dispatcher (api.hopper_kernels_forced), wherever the device and the
     call allow."""
     if not HOPPER:
         yield
         return
-    from tileattn.api_varlen import hopper_kernels_forced
+    from tileattn.api import hopper_kernels_forced
 
     with hopper_kernels_forced():
         yield

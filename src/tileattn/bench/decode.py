@@ -20,8 +20,8 @@ forward (tileattn.attention with Nq=512, Nk=4608) on the same work; TFLOP/s of u
 table's, when the arch's differs, and the family's tuning candidates) are timed on the same work
 through the launch layer (impl tileattn_paged_tile, the tile in its column); on sm_90a the Hopper
 paged prefill (attention_fwd_sm90's paged layout) through attention_paged with it forced on
-(impl tileattn_paged_sm90; api_varlen.hopper_kernels_forced), until the dispatcher takes it. SDPA is not a peer there: its is_causal is aligned
-top-left, which is a different mask when Nq < Nk.
+(impl tileattn_paged_sm90; api.hopper_kernels_forced), until the dispatcher takes it. SDPA is not
+a peer there: its is_causal is aligned top-left, which is a different mask when Nq < Nk.
 
 Every output is compared with a peer's on the same data before timing (rel_err in the record).
 Timing: tileattn.bench.harness.measure (CUDA events, L2 flushed before each repetition).
@@ -181,7 +181,7 @@ def prefill_point(heads, kv_heads, block_sizes, reps, chunk=512, prefix=4096, ba
     import tileattn
 
     from ..api_paged import attention_paged
-    from ..api_varlen import hopper_kernels_forced
+    from ..api import hopper_kernels_forced
     from ..kernels.attention_paged_sm80 import PagedLaunch, pick_config
     from ..runtime import device_arch
 

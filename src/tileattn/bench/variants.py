@@ -1,7 +1,7 @@
 """`tileattn bench variants`: the attention variants (issue #15) against the plain kernels and peers.
 
     tileattn bench variants [--suite window|overhead|all] [--head-dim 128] [--dtype bf16] [--reps N]
-                            [--quick] [--json PATH] [--markdown PATH]
+                            [--quick] [--hopper-forced] [--json PATH] [--markdown PATH]
 
 window: a sliding window of 4096 keys (causal, window=(4095, -1)) at N = 32768, B=1, H=32, against
     the work it does as dense attention: non-causal N = 4096 with 8x the batch (8 * 4096^2 query-key
@@ -10,9 +10,11 @@ window: a sliding window of 4096 keys (causal, window=(4095, -1)) at N = 32768, 
     dense); peers: FlexAttention with the sliding-window block mask under torch.compile (PyTorch's
     SDPA has no window argument) and SDPA flash with the full causal mask (no window: more work).
 overhead: softcap (30), ALiBi ([H] slopes), dropout (p = 0.1), and the variant kernel with no
-    variant on, against the plain sm80 kernel of the same tiles' family, B=4 H=32, N = 2048 and 8192,
-    causal and not, forward and forward+backward (targets: softcap and ALiBi within 10% of the plain
-    kernel's TFLOP/s, dropout within 15%). Both sides are timed as launch plans (no host overhead).
+    variant on, against the plain kernels, every row as the dispatcher picks its plans, B=4 H=32,
+    N = 2048 and 8192, causal and not, forward and forward+backward (targets: softcap and ALiBi within
+    10% of the plain kernel's TFLOP/s, dropout within 15%). Both sides are timed as launch plans (no
+    host overhead). --hopper-forced: the Hopper kernels that wait for their device run (the variant
+    backward, ...) switched on, as they will be dispatched once measured.
 Throughput counts visible (query, key) pairs: 4 d H per pair forward, 3.5x that forward+backward.
 Timing: tileattn.bench.harness.measure (CUDA events, L2 flushed before each repetition).
 """
@@ -20,9 +22,11 @@ Timing: tileattn.bench.harness.measure (CUDA events, L2 flushed before each repe
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
+from ..api import hopper_kernels_forced
 from .harness import measure
 from .records import save_run
 from .report import environment_line, fmt_number
@@ -45,11 +49,12 @@ def window_pairs(n: int, left: int) -> int:
 
 class _Plans:
     """Forward and backward launch plans of one problem, plain or with variants, as the dispatcher
-    picks them (on an H200: the Hopper forward, plain or with window/softcap/ALiBi; the sm80 variant
-    backward for variants)."""
+    picks them (on an H200: the Hopper forward, plain or with window/softcap/ALiBi; the variant
+    backward of the family dispatch.variant_backward_plan picks: sm80 until the Hopper one is in its
+    table, or under --hopper-forced)."""
 
     def __init__(self, q, k, v, dout, *, causal: bool, variants=None, extra=(0, 0, 0)):
-        from ..kernels import attention_bwd_sm80, dispatch
+        from ..kernels import dispatch
 
         self.t = (q, k, v, dout)
         self.out, self.lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -62,9 +67,8 @@ class _Plans:
                                                         causal=causal, scale=scale, deterministic=False)
         else:
             self.fwd = dispatch.variant_forward_plan(q, k, v, self.out, self.lse, scale=scale, variants=variants)
-            self.bwd = attention_bwd_sm80.backward_plan(q, k, v, self.out, self.lse, dout, self.dq, self.dk, self.dv,
-                                                        causal=False, scale=scale, deterministic=False,
-                                                        variants=variants)
+            self.bwd = dispatch.variant_backward_plan(q, k, v, self.out, self.lse, dout, self.dq, self.dk, self.dv,
+                                                      scale=scale, deterministic=False, variants=variants)
 
     def forward(self):
         q, k, v, _ = self.t
@@ -245,16 +249,23 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--markdown", help="write the tables here")
+    ap.add_argument("--hopper-forced", action="store_true",
+                    help="with the Hopper kernels not yet in the dispatcher's tables switched on "
+                         "(tileattn.api.hopper_kernels_forced; records carry hopper_forced)")
     args = ap.parse_args(argv)
     require_gpu()
     env = environment()
-    print(environment_line(env))
+    env["hopper_forced"] = args.hopper_forced
+    print(environment_line(env) + ("; Hopper kernels forced on" if args.hopper_forced else ""))
     dtype = DTYPES[args.dtype]
     records = []
-    if args.suite in ("window", "all"):
-        records += run_window(args.head_dim, dtype, args.reps, args.quick)
-    if args.suite in ("overhead", "all"):
-        records += run_overhead(args.head_dim, dtype, args.reps, args.quick)
+    with hopper_kernels_forced() if args.hopper_forced else contextlib.nullcontext():
+        if args.suite in ("window", "all"):
+            records += run_window(args.head_dim, dtype, args.reps, args.quick)
+        if args.suite in ("overhead", "all"):
+            records += run_overhead(args.head_dim, dtype, args.reps, args.quick)
+    for r in records:
+        r["hopper_forced"] = args.hopper_forced
     text = render(records)
     save_run(records, env, text, args.json, args.markdown)
     print(text)

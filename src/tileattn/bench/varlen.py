@@ -8,7 +8,7 @@ The workload (issue #10): B = 64 sequences with lengths drawn uniformly from [10
 causal, bf16, d = 128, H = Hkv = 32, forward and forward+backward. Implementations:
 - tileattn_varlen: `tileattn.api_varlen.attention_varlen` on the packed batch q [Tq, H, d], as
   dispatched; on sm_90a also tileattn_varlen_sm90, the same call with the Hopper varlen kernels
-  forced on (`api_varlen.hopper_kernels_forced`), which the dispatcher takes once they are measured.
+  forced on (`api.hopper_kernels_forced`), which the dispatcher takes once they are measured.
 - tileattn_dense_sm80 / tileattn_dense: a dense [B', H, N, d] batch of the same total work
   (N = the root mean square of the lengths, rounded to a multiple of 64, B' chosen so that
   B' * N(N+1)/2 is closest to the varlen batch's query-key pairs), through the sm80 launch layers
@@ -129,7 +129,8 @@ def _dense_records(base, lengths, heads, kv_heads, head_dim, dtype, causal, reps
 def run(lengths, heads, kv_heads, head_dim, dtype, causal, reps, seed) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from ..api_varlen import attention_varlen, hopper_kernels_forced
+    from ..api import hopper_kernels_forced
+    from ..api_varlen import attention_varlen
     from ..runtime import device_arch
 
     batch, total, longest = len(lengths), sum(lengths), max(lengths)

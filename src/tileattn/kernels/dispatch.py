@@ -17,7 +17,9 @@ Families, in the order they are considered:
 Calls with variants (window, softcap, ALiBi, dropout): the dense forward without dropout runs the
 Hopper forward's variant instantiations on sm_90a for the head dims it has (SM90_VARIANT_FORWARD;
 `variant_forward_family`, `variant_forward_plan`); everything else (dropout, other head dims,
-other archs, varlen, and every variant backward) runs the sm80 families' variant entry points.
+other archs, varlen) runs the sm80 families' variant entry points; the variant backward runs the
+Hopper backward's variant instantiations where SM90_VARIANT_BACKWARD lists (head dim, mode) and
+attention_bwd_sm90.supports_variants accepts the call (`variant_backward_plan`), else sm80's.
 The variant backward recomputes the scores with the same definitions, so it takes the Hopper
 forward's lse as it is. tileattn.api and api_varlen build those plans.
 
@@ -55,6 +57,14 @@ SM90_BACKWARD = {(64, False, False), (64, True, False), (128, False, False), (12
 SM90_VARIANT_FORWARD = {64, 128, 256}
 
 
+# (head dim, deterministic) whose variant backward (window, softcap, ALiBi; no dropout) runs the
+# Hopper kernel on sm_90a, where attention_bwd_sm90.supports_variants also holds for the call.
+# Empty until tests/gpu/test_attention_bwd_sm90_variants.py passes and
+# `python -m tileattn.kernels.attention_bwd_sm90 --variants` times it against the sm80 variant
+# backward (which runs at or below the sm80 plain backward, ~0.6x the Hopper one).
+SM90_VARIANT_BACKWARD: set[tuple[int, bool]] = set()
+
+
 # Packed variable-length calls on the Hopper kernels: (head dim, causal) whose varlen forward runs
 # attention_fwd_sm90's varlen layout on sm_90a, and (head dim, causal, deterministic) whose varlen
 # backward runs attention_bwd_sm90's. Empty for now: those layouts (2026-12-01 evening) compile to
@@ -64,15 +74,20 @@ SM90_VARIANT_FORWARD = {64, 128, 256}
 # are the pairs the kernels implement (what those tests and that benchmark switch on).
 SM90_VARLEN_FORWARD: set[tuple[int, bool]] = set()
 SM90_VARLEN_BACKWARD: set[tuple[int, bool, bool]] = set()
-SM90_VARLEN_CANDIDATES = (
-    {(d, causal) for d in (64, 128, 256) for causal in (False, True)},
-    {(d, causal, False) for d in (64, 128) for causal in (False, True)},
-)
 # Head dims whose paged prefill (attention_paged calls that attention_fwd_sm90.supports_paged accepts:
 # many query rows per sequence, no variants, no forced split) runs attention_fwd_sm90's paged layout
-# on sm_90a. Empty for the same reason as the varlen tables; SM90_PAGED_CANDIDATES is what it implements.
+# on sm_90a. Empty for the same reason as the varlen tables.
 SM90_PAGED_PREFILL: set[int] = set()
-SM90_PAGED_CANDIDATES = {64, 128, 256}
+
+# The tables above that wait for a device run, each with everything its kernel implements:
+# tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
+# this list when the measurements fill it.
+UNMEASURED_SM90_TABLES = (
+    (SM90_VARIANT_BACKWARD, {(d, det) for d in (64, 128) for det in (False, True)}),
+    (SM90_VARLEN_FORWARD, {(d, causal) for d in (64, 128, 256) for causal in (False, True)}),
+    (SM90_VARLEN_BACKWARD, {(d, causal, False) for d in (64, 128) for causal in (False, True)}),
+    (SM90_PAGED_PREFILL, {64, 128, 256}),
+)
 
 
 class _PointerPlan:
@@ -147,6 +162,32 @@ def variant_forward_plan(q, k, v, out, lse, *, scale: float, variants):
         return attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=variants)
     return _VariantPointerPlan(attention_fwd_sm80.forward_plan(q, k, v, out, lse, causal=False, scale=scale,
                                                                variants=variants))
+
+
+def variant_backward_family(arch: str, dtype, head_dim: int, variants, deterministic: bool) -> str:
+    """Name of the kernel family that runs a dense backward with variants."""
+    if arch == "sm_90a" and (head_dim, bool(deterministic)) in SM90_VARIANT_BACKWARD:
+        from . import attention_bwd_sm90
+
+        if attention_bwd_sm90.supports_variants(head_dim, dtype, variants, deterministic):
+            return "attention_bwd_sm90"
+    return "attention_bwd_sm80"
+
+
+def variant_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, deterministic: bool, variants):
+    """The backward plan of a dense call with variants (attention_fwd_sm80.VariantArgs, causal folded
+    into the window) for these validated tensors: `.launch(q, k, v, out, lse, dout, dq, dk, dv,
+    alibi pointer, seed, offset)`. lse is the variant forward's, from either forward family."""
+    from ..runtime import device_arch
+
+    family = variant_backward_family(device_arch(q.device.index), q.dtype, q.shape[3], variants, deterministic)
+    if family == "attention_bwd_sm90":
+        from . import attention_bwd_sm90
+
+        return attention_bwd_sm90.variant_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, scale=scale,
+                                                        deterministic=deterministic, variants=variants)
+    return attention_bwd_sm80.backward_plan(q, k, v, out, lse, dout, dq, dk, dv, causal=False, scale=scale,
+                                            deterministic=deterministic, variants=variants)
 
 
 def backward_family(arch: str, dtype, head_dim: int, causal: bool, deterministic: bool) -> str:
