@@ -367,10 +367,9 @@ class _AttentionFunction(torch.autograd.Function):
 # Variants (window, softcap, ALiBi, dropout): the sm_80 variant kernels, eager path
 # ---------------------------------------------------------------------------------------------
 class _VariantEntry(_PlanEntry):
-    """A validated combination with variants: the dispatcher's variant forward plan (the Hopper
-    kernel on sm_90a for d in 64/128/256 without dropout, else the sm_80 variant kernel; causal
-    folded into the window) and the dispatcher's variant backward plans (dispatch.variant_backward_plan).
-    Their launches take (alibi pointer, seed, offset) last."""
+    """A validated combination with variants: the dispatcher's variant forward plan
+    (dispatch.variant_forward_plan; causal folded into the window) and its variant backward plans
+    (dispatch.variant_backward_plan). Their launches take (alibi pointer, seed, offset) last."""
 
     __slots__ = ("variants",)
 

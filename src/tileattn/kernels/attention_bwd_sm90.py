@@ -139,7 +139,7 @@ def variant_bits(variants) -> int:
     supports_variants). Never raises."""
     from .attention_fwd_sm90 import variant_flags
 
-    flags = variant_flags(variants)
+    flags = variant_flags(variants) & (WINDOW | SOFTCAP | ALIBI)  # the forward's flags also carry dropout
     return 0 if flags == 0 else WINDOW | flags
 
 

@@ -55,6 +55,11 @@ SM90_BACKWARD = {(64, False, False), (64, True, False), (128, False, False), (12
 # H200), the Hopper plain forward at ~650: the issue's targets (softcap and ALiBi within 10% of the
 # plain kernel, a 4096-key window at N=32768 within 1.2x of the dense work) need the Hopper kernel.
 SM90_VARIANT_FORWARD = {64, 128, 256}
+# Head dims whose dense forward WITH dropout runs the Hopper kernel on sm_90a, for the calls
+# attention_fwd_sm90.supports_dropout accepts (not ALiBi at d = 128: it spills). Empty until
+# tests/gpu/test_attention_fwd_sm90_dropout.py passes and bench variants puts dropout within 15% of
+# the plain kernel; the backward of a dropout call stays the sm80 variant backward.
+SM90_DROPOUT_FORWARD: set[int] = set()
 
 
 # (head dim, deterministic) whose variant backward (window, softcap, ALiBi; no dropout) runs the
@@ -87,6 +92,7 @@ UNMEASURED_SM90_TABLES = (
     (SM90_VARLEN_FORWARD, {(d, causal) for d in (64, 128, 256) for causal in (False, True)}),
     (SM90_VARLEN_BACKWARD, {(d, causal, False) for d in (64, 128) for causal in (False, True)}),
     (SM90_PAGED_PREFILL, {64, 128, 256}),
+    (SM90_DROPOUT_FORWARD, {64, 128, 256}),
 )
 
 
@@ -128,10 +134,19 @@ def attention_forward_plan(q, k, v, out, lse, *, causal: bool, scale: float):
     return _PointerPlan(attention_fwd_sm80.forward_plan(q, k, v, out, lse, causal=causal, scale=scale))
 
 
-def variant_forward_family(arch: str, dtype, head_dim: int, dropout_p: float) -> str:
-    """Name of the kernel family that runs a dense forward with variants."""
-    if arch == "sm_90a" and head_dim in SM90_VARIANT_FORWARD and not dropout_p:
+def variant_forward_family(arch: str, dtype, head_dim: int, dropout_p: float, variants=None) -> str:
+    """Name of the kernel family that runs a dense forward with variants. With dropout, the Hopper
+    kernel needs the head dim in SM90_DROPOUT_FORWARD and attention_fwd_sm90.supports_dropout to
+    accept `variants` (an attention_fwd_sm80.VariantArgs; without it, the sm80 family is named)."""
+    if arch != "sm_90a" or head_dim not in SM90_VARIANT_FORWARD:
+        return "attention_fwd_sm80"
+    if not dropout_p:
         return "attention_fwd_sm90"
+    if head_dim in SM90_DROPOUT_FORWARD and variants is not None:
+        from . import attention_fwd_sm90
+
+        if attention_fwd_sm90.supports_dropout(head_dim, dtype, variants):
+            return "attention_fwd_sm90"
     return "attention_fwd_sm80"
 
 
@@ -155,7 +170,7 @@ def variant_forward_plan(q, k, v, out, lse, *, scale: float, variants):
     (needs_contiguous_kv)."""
     from ..runtime import device_arch
 
-    family = variant_forward_family(device_arch(q.device.index), q.dtype, q.shape[3], variants.dropout_p)
+    family = variant_forward_family(device_arch(q.device.index), q.dtype, q.shape[3], variants.dropout_p, variants)
     if family == "attention_fwd_sm90":
         from . import attention_fwd_sm90
 
