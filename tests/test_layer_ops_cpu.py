@@ -94,3 +94,97 @@ def test_bad_arguments_raise_before_work():
     with pytest.raises(ValueError, match="odd width"):
         api_layers.silu_mul(torch.randn(3, 7))
 
+
+
+def fused_case(dtype, norm, tokens=9, q_heads=4, kv_heads=2, d=32, num_blocks=6, block_size=4, seed=0,
+               index_dtype=torch.int64):
+    """A fused qkv buffer, positions, tables, weights, random caches and slots (some -1, one past
+    the cache) for norm_rotary_write_kv_cache_; the tensors are created on CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    cos, sin = rotary_tables(64, d)
+    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    qw = kw = None
+    if norm:
+        qw = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype)
+        kw = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype)
+    caches = torch.randn(2, num_blocks, block_size, kv_heads, d, generator=gen).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[::3] = -1
+    slots[1] = num_blocks * block_size  # past the cache: skipped
+    return qkv, positions, cos, sin, qw, kw, caches, slots.to(index_dtype)
+
+
+def split_qkv(qkv, q_heads, kv_heads, d):
+    """[T, (H + 2 Hkv) d] -> q [T, H, d], k and v [T, Hkv, d]: strided views of the buffer."""
+    tokens = qkv.shape[0]
+    q = qkv[:, :q_heads * d].view(tokens, q_heads, d)
+    k = qkv[:, q_heads * d:(q_heads + kv_heads) * d].view(tokens, kv_heads, d)
+    v = qkv[:, (q_heads + kv_heads) * d:].view(tokens, kv_heads, d)
+    return q, k, v
+
+
+def two_step(qkv, positions, cos, sin, qw, kw, caches, slots, q_heads, kv_heads, d, write_kv_cache):
+    """norm_rotary_ of the q and k heads in place, then write_kv_cache: what the fused op replaces.
+    Returns (qkv, caches) after the two steps, on copies of the inputs."""
+    qkv, caches = qkv.clone(), caches.clone()
+    qk = qkv[:, :(q_heads + kv_heads) * d].view(qkv.shape[0], q_heads + kv_heads, d)
+    api_layers.norm_rotary_(qk, positions, cos, sin, q_heads, qw, kw)
+    _, k, v = split_qkv(qkv, q_heads, kv_heads, d)
+    write_kv_cache(k, v, caches[0], caches[1], slots)
+    return qkv, caches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_norm_rotary_write_kv_cache_equals_the_two_steps(dtype, norm, index_dtype):
+    from tileattn import reference
+
+    q_heads, kv_heads, d = 4, 2, 32
+    qkv, positions, cos, sin, qw, kw, caches, slots = fused_case(dtype, norm, index_dtype=index_dtype)
+    want_qkv, want_caches = two_step(qkv, positions, cos, sin, qw, kw, caches, slots, q_heads, kv_heads, d,
+                                     reference.write_kv_cache)
+    k_before = qkv[:, q_heads * d:(q_heads + kv_heads) * d].clone()
+    q, k, v = split_qkv(qkv, q_heads, kv_heads, d)
+    got = api_layers.norm_rotary_write_kv_cache_(q, k, v, caches[0], caches[1], slots, positions, cos, sin, qw, kw)
+    assert got is q
+    assert torch.equal(q, want_qkv[:, :q_heads * d].view_as(q)), "q differs from norm_rotary_'s"
+    assert torch.equal(k.reshape(k_before.shape), k_before), "k must be left as it was"
+    assert torch.equal(caches, want_caches), "caches differ from norm_rotary_ + write_kv_cache"
+    written = slots[(slots >= 0) & (slots < caches.shape[1] * caches.shape[2])]
+    assert written.numel() >= 3  # the case writes some slots and skips others
+
+
+def test_norm_rotary_write_kv_cache_rejects_bad_arguments():
+    q_heads, kv_heads, d = 4, 2, 32
+    qkv, positions, cos, sin, qw, kw, caches, slots = fused_case(torch.float32, True)
+    q, k, v = split_qkv(qkv, q_heads, kv_heads, d)
+    kc, vc = caches[0], caches[1]
+    fused = api_layers.norm_rotary_write_kv_cache_
+    with pytest.raises(ValueError, match="slot_mapping must be int64 or int32"):
+        fused(q, k, v, kc, vc, slots.to(torch.int16), positions, cos, sin)
+    with pytest.raises(ValueError, match="slot_mapping must be an integer"):
+        fused(q, k, v, kc, vc, slots.float(), positions, cos, sin)
+    with pytest.raises(ValueError, match="k, v and slot_mapping must have one token count"):
+        fused(q, k, v, kc, vc, slots[:-1], positions, cos, sin)
+    with pytest.raises(ValueError, match="k_cache is torch.float64; q, k, v, k_cache and v_cache must share"):
+        fused(q, k, v, kc.double(), vc.double(), slots, positions, cos, sin)
+    with pytest.raises(ValueError, match="k_cache and v_cache must share"):
+        fused(q, k, v, kc, vc[:, :2], slots, positions, cos, sin)
+    with pytest.raises(ValueError, match=r"k \(9, 2, 32\) must be \[T, Hkv, dim\] matching k_cache"):
+        fused(q, k, v, kc[..., :1, :], vc[..., :1, :], slots, positions, cos, sin)
+    with pytest.raises(ValueError, match="k must be \\[T, Hkv, d\\] with q's T and d"):
+        fused(q[:-1], k, v, kc, vc, slots, positions[:-1], cos, sin)
+    with pytest.raises(ValueError, match="positions must be int64"):
+        fused(q, k, v, kc, vc, slots, positions.int(), cos, sin)
+    with pytest.raises(ValueError, match="q_weight, k_weight and q_heads"):
+        fused(q, k, v, kc, vc, slots, positions, cos, sin, qw, None)
+    with pytest.raises(ValueError, match="k_weight must be"):
+        fused(q, k, v, kc, vc, slots, positions, cos, sin, qw, kw[:-2])
+    with pytest.raises(ValueError, match="q: head dim must be even"):
+        fused(torch.randn(9, 4, 7), k, v, kc, vc, slots, positions, cos, sin)
+    before = (qkv.clone(), caches.clone())
+    with pytest.raises(ValueError):
+        fused(q, k, v, kc, vc.double(), slots, positions, cos, sin, qw, kw)
+    assert torch.equal(qkv, before[0]) and torch.equal(caches, before[1]), "a refused call changed its inputs"

@@ -1,5 +1,5 @@
 """The decoder layer's elementwise steps as fused tileattn kernels: `add_rms_norm`,
-`norm_rotary_`, `silu_mul` (csrc/layer_ops.cu).
+`norm_rotary_`, `norm_rotary_write_kv_cache_`, `silu_mul` (csrc/layer_ops.cu).
 
 Each fused step replaces two to four eager torch kernels with one launch (docs/layer_ops.md has
 the count and why it matters at decode). On CUDA tensors of float16/bfloat16 they run tileattn's kernels; on
@@ -90,44 +90,129 @@ def norm_rotary_(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, q_heads
 
     Returns x. Raises ValueError for shapes, dtypes, devices or layouts that disagree.
     """
-    if not isinstance(x, Tensor) or x.dim() != 3:
-        raise ValueError(f"x must be a [T, heads, d] tensor, got {_describe(x)}")
-    tokens, heads, head_dim = x.shape
-    if head_dim % 2 or head_dim > MAX_ROTARY_HEAD_DIM:
-        raise ValueError(f"head dim must be even and at most {MAX_ROTARY_HEAD_DIM}, got {head_dim}")
-    if x.stride(2) != 1:
-        raise ValueError("x's last dim must be contiguous")
-    if not isinstance(positions, Tensor) or positions.shape != (tokens,) or positions.dtype != torch.int64:
-        raise ValueError(f"positions must be int64 [T] = [{tokens}], got {_describe(positions)}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if not isinstance(t, Tensor) or t.dim() != 2 or t.shape[1] != head_dim or t.dtype != torch.float32:
-            raise ValueError(f"{name} must be float32 [P, {head_dim}], got {_describe(t)}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if cos.shape != sin.shape:
-        raise ValueError(f"cos and sin must have one shape, got {list(cos.shape)} and {list(sin.shape)}")
-    for name, t in (("positions", positions), ("cos", cos), ("sin", sin)):
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-    norm = q_weight is not None or k_weight is not None
+    _check_rotary("x", x, positions, cos, sin)
+    norm = _check_norm_weights(x, q_weight, k_weight)
     if norm:
-        if q_weight is None or k_weight is None or q_heads is None:
+        if q_heads is None:
             raise ValueError("a per-head norm needs q_weight, k_weight and q_heads together")
-        if not 0 <= q_heads <= heads:
-            raise ValueError(f"q_heads must be in [0, {heads}], got {q_heads}")
-        for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-            if w.shape != (head_dim,):
-                raise ValueError(f"{name} must be [d] = [{head_dim}], got {list(w.shape)}")
-            _same(name, w, x)
+        if not 0 <= q_heads <= x.shape[1]:
+            raise ValueError(f"q_heads must be in [0, {x.shape[1]}], got {q_heads}")
     if not _on_kernel(x):
         return x.copy_(_norm_rotary_torch(x, positions, cos, sin, q_heads, q_weight, k_weight, eps))
-    if tokens and heads:
+    if x.shape[0] and x.shape[1]:
         from .kernels.layer_ops import launch_norm_rotary
 
         qw, kw = (q_weight.contiguous(), k_weight.contiguous()) if norm else (None, None)
         with _device_of(x):
             launch_norm_rotary(x, positions.contiguous(), cos, sin, q_heads or 0, qw, kw, float(eps))
     return x
+
+
+def norm_rotary_write_kv_cache_(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                slot_mapping: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
+                                q_weight: Tensor | None = None, k_weight: Tensor | None = None,
+                                eps: float = 1e-6) -> Tensor:
+    """`norm_rotary_` of the queries in place and of the keys into the paged KV cache, with the
+    values written beside them: what ``norm_rotary_(qk, ...)`` followed by
+    ``write_kv_cache(k, v, k_cache, v_cache, slot_mapping)`` does, bit for bit, in one launch.
+
+    Args:
+        q: [T, H, d] (any row and head strides, d contiguous), rotated in place (normalised first
+            with q_weight when weights are given). d even, at most 256.
+        k: [T, Hkv, d], read only: its normalised, rotated rows go to k_cache and k itself is left
+            as it was (callers must not expect rotated keys in it).
+        v: [T, Hkv, d], copied to v_cache.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, d], block_size a power of two; token t's
+            rows go to block slot // block_size, row slot % block_size, slot = slot_mapping[t].
+        slot_mapping: int64 or int32 [T], contiguous. A negative slot skips the token's k and v
+            (padding), and so does a slot at or past num_blocks * block_size (never written
+            outside the cache), as in write_kv_cache.
+        positions, cos, sin: as in `norm_rotary_` (int64 [T]; float32 [P, d] tables). On the
+            kernel path a position outside [0, P) leaves the token's q untouched and writes its k
+            unrotated (what the two steps do); the torch path raises IndexError.
+        q_weight, k_weight: None (no norm) or both [d] in q's dtype (Qwen3's q_norm / k_norm).
+        eps: the norm's epsilon.
+
+    q, k, v and the caches share one dtype. Kernel path: float16/bfloat16 CUDA tensors, with
+    write_kv_cache's layout rules for k, v and the caches (16-byte aligned strides and data
+    pointers). Any other device or dtype runs the same arithmetic as torch ops and
+    tileattn.reference.write_kv_cache. Capturable by CUDA graphs (no sync, no allocation).
+
+    Returns q. Raises ValueError (naming the argument, before anything runs) for shapes, dtypes,
+    devices, slot_mapping dtypes or layouts that disagree.
+    """
+    from . import reference
+
+    _check_rotary("q", q, positions, cos, sin)
+    norm = _check_norm_weights(q, q_weight, k_weight)
+    reference.check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"k must be [T, Hkv, d] with q's T and d {q.shape[0], q.shape[2]}, got {list(k.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {list(k.shape)}, got {list(v.shape)}")
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} is {t.dtype}; q, k, v, k_cache and v_cache must share one dtype ({q.dtype})")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int64 or int32, got {slot_mapping.dtype}")
+    if slot_mapping.device != q.device or k.device != q.device:
+        raise ValueError(f"k, v, caches and slot_mapping are on {k.device}, q on {q.device}")
+    if not _on_kernel(q):
+        q.copy_(_norm_rotary_torch(q, positions, cos, sin, q.shape[1], q_weight, q_weight, eps))
+        k_rotated = _norm_rotary_torch(k, positions, cos, sin, 0, k_weight, k_weight, eps)  # [T, Hkv, d]
+        reference.write_kv_cache(k_rotated, v, k_cache, v_cache, slot_mapping)
+        return q
+    from .api_paged import _check_pointers, _check_write
+
+    _check_write(k, v, k_cache, v_cache, slot_mapping)
+    _check_pointers(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
+    rows = q.shape[0] * (q.shape[1] + k.shape[1])
+    if rows >= 2**31:
+        raise ValueError(f"q, k: T * (H + Hkv) = {rows} rows exceeds 2^31 - 1")
+    if rows:
+        from .kernels.layer_ops import launch_norm_rotary_write_kv
+
+        qw, kw = (q_weight.contiguous(), k_weight.contiguous()) if norm else (None, None)
+        with _device_of(q):
+            launch_norm_rotary_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions.contiguous(), cos, sin,
+                                        qw, kw, float(eps))
+    return q
+
+
+def _check_rotary(name: str, x, positions, cos, sin) -> None:
+    """The rotary step's checks of x ([T, heads, d]) and its tables, as norm_rotary_ documents."""
+    if not isinstance(x, Tensor) or x.dim() != 3:
+        raise ValueError(f"{name} must be a [T, heads, d] tensor, got {_describe(x)}")
+    tokens, _, head_dim = x.shape
+    if head_dim % 2 or head_dim > MAX_ROTARY_HEAD_DIM:
+        raise ValueError(f"{name}: head dim must be even and at most {MAX_ROTARY_HEAD_DIM}, got {head_dim}")
+    if x.stride(2) != 1:
+        raise ValueError(f"{name}'s last dim must be contiguous")
+    if not isinstance(positions, Tensor) or positions.shape != (tokens,) or positions.dtype != torch.int64:
+        raise ValueError(f"positions must be int64 [T] = [{tokens}], got {_describe(positions)}")
+    for table_name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, Tensor) or t.dim() != 2 or t.shape[1] != head_dim or t.dtype != torch.float32:
+            raise ValueError(f"{table_name} must be float32 [P, {head_dim}], got {_describe(t)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{table_name} must be contiguous")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have one shape, got {list(cos.shape)} and {list(sin.shape)}")
+    for other_name, t in (("positions", positions), ("cos", cos), ("sin", sin)):
+        if t.device != x.device:
+            raise ValueError(f"{other_name} is on {t.device}, {name} on {x.device}")
+
+
+def _check_norm_weights(x: Tensor, q_weight, k_weight) -> bool:
+    """Whether a per-head norm is asked for; both weights [d] in x's dtype and device, or neither."""
+    if q_weight is None and k_weight is None:
+        return False
+    if q_weight is None or k_weight is None:
+        raise ValueError("a per-head norm needs q_weight, k_weight and q_heads together")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if not isinstance(w, Tensor) or w.shape != (x.shape[2],):
+            raise ValueError(f"{name} must be [d] = [{x.shape[2]}], got {_describe(w)}")
+        _same(name, w, x)
+    return True
 
 
 def _norm_rotary_torch(x, positions, cos, sin, q_heads, q_weight, k_weight, eps):

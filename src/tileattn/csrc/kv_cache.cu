@@ -21,7 +21,13 @@
 // A slot outside [0, num_blocks * block_size) is skipped, never clamped: the kernel never writes
 // outside the caches whatever slot_mapping holds (the host's validate=True reports such slots).
 // Offsets are 64-bit: a cache of 40 GB has more than 2^31 elements.
+//
+// ---- Programmatic dependent launch ---------------------------------------------------------
+// The kernel waits for the previous kernel's writes (pdl_wait) before it reads slot_mapping or k,
+// so the host may launch it with the PDL attribute (TILEATTN_PDL=1, common/pdl.cuh).
 #include <cuda/std/cstdint>
+
+#include "common/pdl.cuh"
 
 namespace tileattn {
 
@@ -37,6 +43,8 @@ __global__ void __launch_bounds__(256)
                    int64_t num_slots) {
   const int row = blockIdx.x * blockDim.y + threadIdx.y;  // token * kv_heads + head
   if (row >= num_rows) return;
+  pdl_wait();
+  pdl_release_dependents();
   const int c = threadIdx.x;
   const int t = row / kv_heads, h = row - t * kv_heads;
   const int64_t slot = static_cast<int64_t>(slot_mapping[t]);

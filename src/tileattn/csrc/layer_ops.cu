@@ -15,8 +15,13 @@
 //
 // Elements travel as raw 16-bit values (kIsBF16 picks bf16 or fp16), 8 per 16-byte chunk; the
 // host guarantees 16-byte aligned rows and pointers.
+//
+// Programmatic dependent launch: every kernel here calls pdl_wait() before its first global
+// access and then pdl_release_dependents() (common/pdl.cuh), so the host may launch it with the
+// PDL attribute (TILEATTN_PDL=1) and let its blocks start during the previous kernel's tail.
 #include <cuda/std/cstdint>
 
+#include "common/pdl.cuh"
 #include "common/sm80.cuh"
 
 namespace tileattn {
@@ -48,6 +53,63 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Both PDL steps: wait for the previous kernel's writes, then let the next kernel's blocks be
+// scheduled (it waits for this grid's completion itself before it reads anything).
+__device__ __forceinline__ void pdl_enter() {
+  pdl_wait();
+  pdl_release_dependents();
+}
+
+// One (token, head) row of the rotary step, held by one warp: lane l owns the pairs
+// j = l, l + 32, ... (j < d/2) of elements (j, j + d/2). Loads the row from `src`, applies the
+// optional per-head RMSNorm with weight `w`, rotates with the fp32 table rows (rounded to the
+// 16-bit type), and returns the 16-bit results in out_lo/out_hi (pairs past d/2 are left alone).
+// norm_rotary and norm_rotary_write_kv both run this one function, so the key a fused launch
+// writes into the cache is bit for bit the key norm_rotary leaves in place. Every product and sum
+// is an explicit round-to-nearest intrinsic: no FMA contraction the compiler could choose
+// differently in two kernels, and the rotation rounds as torch's fp32 `x * cos + roll(x) * sin`.
+constexpr int kRotaryMaxPairs = 4;
+
+template <bool kIsBF16, bool kNorm>
+__device__ __forceinline__ void rotate_row(const u16* src, const u16* w, const float* cos_row,
+                                           const float* sin_row, int lane, int half, float eps,
+                                           u16 (&out_lo)[kRotaryMaxPairs], u16 (&out_hi)[kRotaryMaxPairs]) {
+  float lo[kRotaryMaxPairs], hi[kRotaryMaxPairs];
+  float sumsq = 0.f;
+#pragma unroll
+  for (int i = 0; i < kRotaryMaxPairs; ++i) {
+    const int j = lane + 32 * i;
+    lo[i] = hi[i] = 0.f;
+    if (j < half) {
+      lo[i] = to_float<kIsBF16>(src[j]);
+      hi[i] = to_float<kIsBF16>(src[j + half]);
+      sumsq = __fmaf_rn(hi[i], hi[i], __fmaf_rn(lo[i], lo[i], sumsq));
+    }
+  }
+  if constexpr (kNorm) {
+    const float inv_rms = rsqrtf(__fadd_rn(__fdiv_rn(warp_sum(sumsq), static_cast<float>(2 * half)), eps));
+#pragma unroll
+    for (int i = 0; i < kRotaryMaxPairs; ++i) {
+      const int j = lane + 32 * i;
+      if (j < half) {
+        lo[i] = round16<kIsBF16>(__fmul_rn(to_float<kIsBF16>(w[j]), round16<kIsBF16>(__fmul_rn(lo[i], inv_rms))));
+        hi[i] = round16<kIsBF16>(
+            __fmul_rn(to_float<kIsBF16>(w[j + half]), round16<kIsBF16>(__fmul_rn(hi[i], inv_rms))));
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kRotaryMaxPairs; ++i) {
+    const int j = lane + 32 * i;
+    if (j < half) {
+      const float c = round16<kIsBF16>(cos_row[j]);
+      const float sn = round16<kIsBF16>(sin_row[j + half]);  // +sin_j (the table's second half)
+      out_lo[i] = from_float<kIsBF16>(__fsub_rn(__fmul_rn(lo[i], c), __fmul_rn(hi[i], sn)));
+      out_hi[i] = from_float<kIsBF16>(__fadd_rn(__fmul_rn(hi[i], c), __fmul_rn(lo[i], sn)));
+    }
+  }
+}
+
 }  // namespace layer_ops
 
 // ---- residual add + RMSNorm ------------------------------------------------------------------
@@ -64,6 +126,7 @@ __global__ void __launch_bounds__(1024)
                  const uint4* __restrict__ weight, int chunks, int64_t out_stride, int64_t res_stride,
                  int64_t x_stride, float eps, int has_residual) {
   using namespace layer_ops;
+  pdl_enter();
   const int64_t row = blockIdx.x;
   float s[kNormMaxChunks][8];
   float sumsq = 0.f;
@@ -114,9 +177,7 @@ __global__ void __launch_bounds__(1024)
 //   rotate-half rotary with cos/sin [P, d] float32 tables (cos twice; (-sin, sin)), rounded to
 //   the 16-bit type as the model's Rotary module hands them to the layers:
 //     y_j = x_j cos_j - x_{j+d/2} sin_j,  y_{j+d/2} = x_{j+d/2} cos_j + x_j sin_j   (j < d/2)
-// One warp per (token, head); lane l owns the pairs j = l, l + 32, ... (d <= 256).
-constexpr int kRotaryMaxPairs = 4;
-
+// One warp per (token, head) (layer_ops::rotate_row); d <= 256.
 template <bool kIsBF16, bool kNorm>
 __global__ void __launch_bounds__(256)
     norm_rotary(u16* __restrict__ x, const int64_t* __restrict__ positions, const float* __restrict__ cos_table,
@@ -126,47 +187,104 @@ __global__ void __launch_bounds__(256)
   using namespace layer_ops;
   const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);  // token * heads + head
   if (row >= num_rows) return;  // whole warps leave together
+  pdl_enter();
   const int lane = threadIdx.x & 31, half = head_dim >> 1;
   const int t = row / heads, h = row - t * heads;
   const int64_t p = positions[t];
   if (p < 0 || p >= num_positions) return;  // never read past the tables: the row stays as it is
   u16* head = x + t * x_st + h * x_sh;
-  float lo[kRotaryMaxPairs], hi[kRotaryMaxPairs];
-  float sumsq = 0.f;
+  // Zero-initialised: ptxas otherwise keeps the pairs past d/2 (never written) on the stack (sm_80).
+  u16 lo[kRotaryMaxPairs] = {}, hi[kRotaryMaxPairs] = {};
+  rotate_row<kIsBF16, kNorm>(head, h < q_heads ? q_weight : k_weight, cos_table + p * head_dim,
+                             sin_table + p * head_dim, lane, half, eps, lo, hi);
 #pragma unroll
   for (int i = 0; i < kRotaryMaxPairs; ++i) {
     const int j = lane + 32 * i;
-    lo[i] = hi[i] = 0.f;
     if (j < half) {
-      lo[i] = to_float<kIsBF16>(head[j]);
-      hi[i] = to_float<kIsBF16>(head[j + half]);
-      sumsq += lo[i] * lo[i] + hi[i] * hi[i];
+      head[j] = lo[i];
+      head[j + half] = hi[i];
     }
   }
-  if constexpr (kNorm) {
-    const float inv_rms = rsqrtf(warp_sum(sumsq) / static_cast<float>(head_dim) + eps);
-    const u16* w = h < q_heads ? q_weight : k_weight;
+}
+
+// ---- the same, with the keys and values written into the paged KV cache -------------------------
+// norm_rotary of the q heads in place, and for each kv head: its k row normalised and rotated in
+// registers and stored straight into k_cache at the token's slot, its v row copied into v_cache
+// there. One launch where norm_rotary + write_kv_cache take two; the k rows of the input are read
+// only (left as they were: nothing downstream reads them, attention reads the cache).
+//   q: [T, q_heads, d] (strides q_st, q_sh elements); k, v: [T, kv_heads, d] (k strides in
+//   elements, v strides in 16-byte chunks); k_cache, v_cache: [blocks, 1 << log2_block_size,
+//   kv_heads, d] (k_cache strides in elements, v_cache strides in chunks)
+//   slot = slot_mapping[t]: cache block slot >> log2_block_size, row slot & (block_size - 1); a
+//   slot outside [0, num_slots) skips the token's k and v (padding), as write_kv_cache does
+//   a position outside [0, num_positions) leaves the token's q heads untouched and writes its k
+//   rows unrotated: exactly what norm_rotary followed by write_kv_cache produce
+// Rows: one warp per (token, head) over the q_heads + kv_heads heads of a token, q heads first.
+// A kv warp's lane c < d / 8 also moves 16-byte chunk c of the v row.
+template <bool kIsBF16, bool kNorm, typename Index>
+__global__ void __launch_bounds__(256)
+    norm_rotary_write_kv(u16* __restrict__ q, const u16* __restrict__ k, const uint4* __restrict__ v,
+                         u16* __restrict__ k_cache, uint4* __restrict__ v_cache,
+                         const Index* __restrict__ slot_mapping, const int64_t* __restrict__ positions,
+                         const float* __restrict__ cos_table, const float* __restrict__ sin_table,
+                         const u16* __restrict__ q_weight, const u16* __restrict__ k_weight, int num_rows,
+                         int q_heads, int kv_heads, int head_dim, int64_t q_st, int64_t q_sh, int64_t k_st,
+                         int64_t k_sh, int64_t v_st, int64_t v_sh, int64_t kc_sb, int64_t kc_sr, int64_t kc_sh,
+                         int64_t vc_sb, int64_t vc_sr, int64_t vc_sh, int log2_block_size, int64_t num_slots,
+                         int64_t num_positions, float eps) {
+  using namespace layer_ops;
+  const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);  // token * heads + head
+  if (row >= num_rows) return;  // whole warps leave together
+  pdl_enter();
+  const int lane = threadIdx.x & 31, half = head_dim >> 1;
+  const int heads = q_heads + kv_heads;
+  const int t = row / heads, h = row - t * heads;
+  const int64_t p = positions[t];
+  const bool in_table = p >= 0 && p < num_positions;
+  u16 lo[kRotaryMaxPairs] = {}, hi[kRotaryMaxPairs] = {};  // zeroed: see norm_rotary
+  if (h < q_heads) {
+    if (!in_table) return;
+    u16* head = q + t * q_st + h * q_sh;
+    rotate_row<kIsBF16, kNorm>(head, q_weight, cos_table + p * head_dim, sin_table + p * head_dim, lane, half, eps,
+                               lo, hi);
 #pragma unroll
     for (int i = 0; i < kRotaryMaxPairs; ++i) {
       const int j = lane + 32 * i;
       if (j < half) {
-        lo[i] = round16<kIsBF16>(to_float<kIsBF16>(w[j]) * round16<kIsBF16>(lo[i] * inv_rms));
-        hi[i] = round16<kIsBF16>(to_float<kIsBF16>(w[j + half]) * round16<kIsBF16>(hi[i] * inv_rms));
+        head[j] = lo[i];
+        head[j + half] = hi[i];
+      }
+    }
+    return;
+  }
+  const int hk = h - q_heads;
+  const int64_t slot = static_cast<int64_t>(slot_mapping[t]);
+  if (slot < 0 || slot >= num_slots) return;  // padding token, or a slot outside the cache
+  const int64_t blk = slot >> log2_block_size, off = slot & ((int64_t{1} << log2_block_size) - 1);
+  const u16* src = k + t * k_st + hk * k_sh;
+  if (in_table) {
+    rotate_row<kIsBF16, kNorm>(src, k_weight, cos_table + p * head_dim, sin_table + p * head_dim, lane, half, eps,
+                               lo, hi);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kRotaryMaxPairs; ++i) {
+      const int j = lane + 32 * i;
+      if (j < half) {
+        lo[i] = src[j];
+        hi[i] = src[j + half];
       }
     }
   }
-  const float* cos_row = cos_table + p * head_dim;
-  const float* sin_row = sin_table + p * head_dim;
+  u16* dst = k_cache + blk * kc_sb + off * kc_sr + hk * kc_sh;
 #pragma unroll
   for (int i = 0; i < kRotaryMaxPairs; ++i) {
     const int j = lane + 32 * i;
     if (j < half) {
-      const float c = round16<kIsBF16>(cos_row[j]);
-      const float sn = round16<kIsBF16>(sin_row[j + half]);  // +sin_j (the table's second half)
-      head[j] = from_float<kIsBF16>(lo[i] * c - hi[i] * sn);
-      head[j + half] = from_float<kIsBF16>(hi[i] * c + lo[i] * sn);
+      dst[j] = lo[i];
+      dst[j + half] = hi[i];
     }
   }
+  if (lane < (head_dim >> 3)) v_cache[blk * vc_sb + off * vc_sr + hk * vc_sh + lane] = v[t * v_st + hk * v_sh + lane];
 }
 
 // ---- SiLU(gate) * up ---------------------------------------------------------------------------
@@ -180,6 +298,7 @@ __global__ void __launch_bounds__(256)
   using namespace layer_ops;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= num_chunks) return;
+  pdl_enter();
   const int64_t t = i / chunks_per_row;
   const int c = static_cast<int>(i - t * chunks_per_row);
   float g[8], u[8];

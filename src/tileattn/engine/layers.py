@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tileattn.api_layers import add_rms_norm, norm_rotary_, silu_mul
+from tileattn.api_layers import add_rms_norm, norm_rotary_write_kv_cache_, silu_mul
 
 
 @dataclass
@@ -125,9 +125,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, freq_factor
 class Rotary(nn.Module):
     """Rotate-half rotary embedding: per head (x1 cos - x2 sin, x2 cos + x1 sin) for the halves
     x1, x2. The tables hold cos twice and (-sin, sin) [max_positions, head_dim] (float32);
-    tileattn's norm_rotary_ reads them at each token's position inside its one launch (which also
-    applies Qwen3's per-head q/k norm). forward(positions [T]) -> the (positions, cos, sin) every
-    layer passes to it."""
+    tileattn's norm_rotary_write_kv_cache_ reads them at each token's position inside its one
+    launch (which also applies Qwen3's per-head q/k norm and writes k/v into the cache).
+    forward(positions [T]) -> the (positions, cos, sin) every layer passes to it."""
 
     def __init__(self, max_positions: int, inv_freq: torch.Tensor, dtype: torch.dtype):
         super().__init__()
@@ -156,9 +156,10 @@ class GatedMLP(nn.Module):
 
 
 class PagedAttention(nn.Module):
-    """Self-attention: fused qkv projection, optional per-head q/k RMSNorm (Qwen3), rotary, the new
-    k/v written into the paged cache, then attention of the step's queries over each sequence's
-    cached keys (prefill, chunked prefill and decode all take this one path).
+    """Self-attention: fused qkv projection, then one launch for the optional per-head q/k RMSNorm
+    (Qwen3), rotary and the new k/v written into the paged cache, then attention of the step's
+    queries over each sequence's cached keys (prefill, chunked prefill and decode all take this
+    one path).
 
     Tensor parallel (tp: TensorParallel): this rank's heads and KV heads only (qkv column-parallel,
     o row-parallel), its KV cache holds its KV heads."""
@@ -176,25 +177,26 @@ class PagedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         # Set by the model runner: [num_blocks, block_size, Hkv, d] views of its one cache tensor,
-        # and the (attention_paged, write_kv_cache) pair for the cache's device.
+        # and the (attention_paged, write_kv_cache) pair for the cache's device (the cache write
+        # itself is fused into the rotary launch; only attention_paged is called here).
         self.k_cache = self.v_cache = None
         self.ops = None
 
     def forward(self, rope, x, batch: AttentionBatch):  # rope: Rotary's (positions, cos, sin); x [T, hidden]
         tokens, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) d]
-        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.kv_heads, d)  # [T, Hkv, d], strided
-        # q and k heads as one [T, H + Hkv, d] view, normalised (Qwen3) and rotated in place.
-        qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.heads + self.kv_heads, d)
+        q = qkv[:, :self.q_size].view(tokens, self.heads, d)  # [T, H, d], strided views of qkv
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.kv_heads, d)  # [T, Hkv, d]
+        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.kv_heads, d)  # [T, Hkv, d]
         positions, cos, sin = rope
-        if self.q_norm is None:
-            norm_rotary_(qk, positions, cos, sin)
-        else:
-            norm_rotary_(qk, positions, cos, sin, self.heads, self.q_norm.weight, self.k_norm.weight,
-                         self.q_norm.eps)
-        q, k = qk[:, :self.heads], qk[:, self.heads:]  # [T, H, d], [T, Hkv, d] views
-        attention_paged, write_kv_cache = self.ops
-        write_kv_cache(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
+        # One launch: q normalised (Qwen3) and rotated in place, k normalised and rotated straight
+        # into the paged cache with v beside it. k's columns of qkv are left unrotated; nothing
+        # below reads them (attention reads the cache).
+        norm = self.q_norm is not None
+        norm_rotary_write_kv_cache_(q, k, v, self.k_cache, self.v_cache, batch.slot_mapping, positions, cos, sin,
+                                    self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                                    self.q_norm.eps if norm else 1e-6)
+        attention_paged = self.ops[0]
         out = attention_paged(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
                               batch.seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k,
                               causal=True, scale=self.scale, window=self.window)  # [T, H, d]

@@ -4,6 +4,8 @@ Kernel conventions: k/v [T, Hkv, d] and k_cache/v_cache [num_blocks, block_size,
 dtype, last dim contiguous, every other stride and every data pointer a multiple of 16 bytes, the
 row (d elements) a multiple of 16 bytes; block_size a power of two; slot_mapping int32 or int64
 [T], contiguous. One thread per 16-byte chunk of a (token, kv head) row, blocks of 256 threads.
+The kernel waits for its predecessor's writes before touching memory, so with TILEATTN_PDL=1
+(runtime.pdl_enabled) its plans launch with programmatic dependent launch.
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ _plans: dict[tuple, object] = {}
 
 
 def _plan(k, v, k_cache, v_cache, slot_mapping):
+    from ..runtime.launcher import pdl_enabled
+
+    pdl = pdl_enabled(k.device.index)
     key = (
         k.device.index, k.shape, k.stride(), v.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(),
-        k.element_size(), slot_mapping.dtype,
+        k.element_size(), slot_mapping.dtype, pdl,
     )
     plan = _plans.get(key)
     if plan is None:
@@ -61,7 +66,7 @@ def _plan(k, v, k_cache, v_cache, slot_mapping):
             np.int32(block_size.bit_length() - 1), i64(num_blocks * block_size),
         )  # fmt: skip
         grid = (-(-num_tokens * kv_heads // rows_per_block), 1, 1)
-        plan = LaunchPlan(kern, grid, (chunks, rows_per_block, 1), args, dynamic=(0, 1, 2, 3, 4))
+        plan = LaunchPlan(kern, grid, (chunks, rows_per_block, 1), args, dynamic=(0, 1, 2, 3, 4), pdl=pdl)
         if len(_plans) >= CACHE_LIMIT:
             _plans.clear()
         _plans[key] = plan

@@ -16,10 +16,17 @@ Two ways to launch:
 
 Launches go on torch's current stream of the kernel's device, so they order with torch's work and
 are captured by `torch.cuda.graph`.
+
+`LaunchPlan(..., pdl=True)` launches through `cuLaunchKernelEx` with the programmatic-stream-
+serialization attribute (programmatic dependent launch, sm_90+): the kernel may start before the
+previous kernel on the stream has finished, so it must execute `griddepcontrol.wait` before its
+first global access (csrc/common/pdl.cuh). Kernel families opt in per launch through
+`pdl_enabled(device_index)`: TILEATTN_PDL=1 on a device of compute capability 9.0 or newer.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 from functools import lru_cache
@@ -93,6 +100,21 @@ def _driver():
     from cuda.bindings import driver
 
     return driver
+
+
+def pdl_enabled(device_index: int) -> bool:
+    """Whether kernels written for programmatic dependent launch (they wait with
+    griddepcontrol.wait before touching memory) should be launched with it on `device_index`:
+    TILEATTN_PDL=1 in the environment (read on every call, so a test or benchmark can switch it)
+    and a device of compute capability 9.0 or newer (older ones have no griddepcontrol)."""
+    return os.environ.get("TILEATTN_PDL", "0") == "1" and _has_griddepcontrol(device_index)
+
+
+@lru_cache(maxsize=None)
+def _has_griddepcontrol(device_index: int) -> bool:
+    import torch
+
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def _raise_for(err, what: str) -> None:
@@ -278,12 +300,19 @@ class LaunchPlan:
     dynamic parameters are written with one struct.pack_into. A lock makes concurrent launches of
     one plan from several threads safe (the driver has copied the parameters when cuLaunchKernel
     returns, so the buffer is free again right after).
+
+    `pdl=True`: launch with cuLaunchKernelEx and CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    (programmatic dependent launch): the kernel's blocks may be scheduled while the previous kernel
+    on the stream still runs, and the kernel itself must wait (griddepcontrol.wait) before it reads
+    or writes global memory. Only for kernels written so; same packed parameters either way. Under
+    stream capture the attribute becomes a programmatic edge of the graph (CUDA 12.3 and later).
     """
 
-    __slots__ = ("kernel", "grid", "block", "smem", "_buffer", "_view", "_addresses", "_keep", "_runs", "_maps",
-                 "_call", "_lock", "_launch", "_ok", "_params")
+    __slots__ = ("kernel", "grid", "block", "smem", "pdl", "_buffer", "_view", "_addresses", "_keep", "_runs",
+                 "_maps", "_call", "_config", "_lock", "_launch", "_ok", "_params")
 
-    def __init__(self, kernel: LoadedKernel, grid, block, args: Sequence, smem: int = 0, dynamic: Sequence[int] = ()):
+    def __init__(self, kernel: LoadedKernel, grid, block, args: Sequence, smem: int = 0, dynamic: Sequence[int] = (),
+                 pdl: bool = False):
         self.kernel = kernel
         self.grid, self.block = _check_geometry(kernel, grid, block, int(smem))
         self.smem = int(smem)
@@ -305,10 +334,28 @@ class LaunchPlan:
                                   "are aligned 64-bit values or 128-byte tensor maps")
         self._runs = tuple((struct.Struct(f"<{n}Q").pack_into, off, j, j + n) for off, n, j in runs)
         self._maps = tuple(maps)
-        self._call = (kernel.function, *self.grid, *self.block, self.smem)
         self._params = int(self._addresses.ctypes.data)  # kernelParams: void*[], kept alive by _addresses
         driver = _driver()
-        self._launch, self._ok = driver.cuLaunchKernel, driver.CUresult.CUDA_SUCCESS
+        self.pdl = bool(pdl)
+        self._ok = driver.CUresult.CUDA_SUCCESS
+        if self.pdl:
+            # One CUlaunchConfig per plan; only its stream changes per launch (under the lock).
+            config = driver.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = self.grid
+            config.blockDimX, config.blockDimY, config.blockDimZ = self.block
+            config.sharedMemBytes = self.smem
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config.attrs = [attr]
+            config.numAttrs = 1
+            self._config = config
+            self._call = (config, kernel.function)
+            self._launch = driver.cuLaunchKernelEx
+        else:
+            self._config = None
+            self._call = (kernel.function, *self.grid, *self.block, self.smem)
+            self._launch = driver.cuLaunchKernel
         self._lock = threading.Lock()
 
     def launch(self, *values) -> None:
@@ -320,7 +367,12 @@ class LaunchPlan:
                 pack_into(self._view, offset, *values[first:end])
             for i, j in self._maps:
                 self._addresses[i] = values[j].address  # the driver copies the map's 128 bytes
-            (err,) = self._launch(*self._call, stream, self._params, 0)
+            if self._config is None:
+                (err,) = self._launch(*self._call, stream, self._params, 0)
+            else:
+                self._config.hStream = stream
+                (err,) = self._launch(*self._call, self._params, 0)
         if err != self._ok:
-            _raise_for(err, f"cuLaunchKernel({self.kernel.expression}, grid={self.grid}, block={self.block}, "
+            what = "cuLaunchKernelEx (PDL)" if self.pdl else "cuLaunchKernel"
+            _raise_for(err, f"{what}({self.kernel.expression}, grid={self.grid}, block={self.block}, "
                             f"smem={self.smem})")
