@@ -97,21 +97,23 @@ def test_bad_arguments_raise_before_work():
 
 
 def fused_case(dtype, norm, tokens=9, q_heads=4, kv_heads=2, d=32, num_blocks=6, block_size=4, seed=0,
-               index_dtype=torch.int64):
-    """A fused qkv buffer, positions, tables, weights, random caches and slots (some -1, one past
-    the cache) for norm_rotary_write_kv_cache_; the tensors are created on CPU."""
+               index_dtype=torch.int64, max_positions=64):
+    """A fused qkv buffer, positions, tables, weights, random caches and distinct slots (every
+    third from the third on -1, the second one past the cache) for norm_rotary_write_kv_cache_;
+    the tensors are created on CPU."""
     gen = torch.Generator().manual_seed(seed)
     qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * d, generator=gen).to(dtype)
-    cos, sin = rotary_tables(64, d)
-    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    cos, sin = rotary_tables(max_positions, d)
+    positions = torch.randint(0, max_positions, (tokens,), generator=gen)
     qw = kw = None
     if norm:
         qw = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype)
         kw = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype)
     caches = torch.randn(2, num_blocks, block_size, kv_heads, d, generator=gen).to(dtype)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
-    slots[::3] = -1
-    slots[1] = num_blocks * block_size  # past the cache: skipped
+    slots[2::3] = -1
+    if tokens > 1:
+        slots[1] = num_blocks * block_size  # past the cache: skipped
     return qkv, positions, cos, sin, qw, kw, caches, slots.to(index_dtype)
 
 

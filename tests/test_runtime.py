@@ -101,3 +101,75 @@ def test_check_fails_on_wgmma_serialization_warnings():
     serialized = Row("f", "k", "sm_90a", registers=168, stack=0, spills=0, static_smem=0, seconds=1.0,
                      serialization=log)
     assert not serialized.ok and "wgmma serialized" in format_table([serialized])
+
+
+def _fake_kernel(layout):
+    """A LoadedKernel stand-in (no GPU): a parameter layout and a null CUfunction."""
+    from types import SimpleNamespace
+
+    from cuda.bindings import driver
+
+    return SimpleNamespace(expression="fake_kernel", param_layout=layout, function=driver.CUfunction(),
+                           _dynamic_smem_limit=48 * 1024, device_index=0, resources=None)
+
+
+def test_launch_plan_pdl_config_and_packing_without_a_gpu(monkeypatch):
+    """LaunchPlan(pdl=True) packs the same parameter buffer as a plain plan, builds a launch config
+    with the programmatic-stream-serialization attribute, and hands cuLaunchKernelEx that config
+    (on the current stream) with kernelParams addresses that hold the new dynamic values."""
+    import ctypes
+
+    import numpy as np
+    from cuda.bindings import driver
+
+    from tileattn.runtime import launcher
+
+    layout = ((0, 8), (8, 8), (16, 4), (24, 8), (32, 4))  # ptr, ptr, int32, int64, float
+    kernel = _fake_kernel(layout)
+    args = (0x1000, 0x2000, np.int32(7), np.int64(-3), np.float32(0.5))
+    plain = launcher.LaunchPlan(kernel, (5, 2), (128,), args, smem=256, dynamic=(0, 1))
+    pdl = launcher.LaunchPlan(kernel, (5, 2), (128,), args, smem=256, dynamic=(0, 1), pdl=True)
+    assert not plain.pdl and plain._config is None and pdl.pdl
+    assert bytes(plain._buffer) == bytes(pdl._buffer), "the PDL plan packed different parameter bytes"
+    config = pdl._config
+    assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (5, 2, 1)
+    assert (config.blockDimX, config.blockDimY, config.blockDimZ) == (128, 1, 1)
+    assert config.sharedMemBytes == 256 and config.numAttrs == 1
+    attr = config.attrs[0]
+    assert attr.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert attr.value.programmaticStreamSerializationAllowed == 1
+
+    calls = []
+    stream = driver.CUstream(0xABC0)
+    monkeypatch.setattr(launcher, "current_stream_handle", lambda index: stream)
+    pdl._launch = lambda *a: calls.append(a) or (driver.CUresult.CUDA_SUCCESS,)
+    pdl.launch(0x3000, 0x4000)
+    (got_config, function, params, extra), = calls
+    assert got_config is config and int(config.hStream) == 0xABC0 and function is kernel.function and extra == 0
+    addresses = [ctypes.c_uint64.from_address(params + 8 * i).value for i in range(len(layout))]
+    read = [ctypes.c_uint64.from_address(addresses[0]).value, ctypes.c_uint64.from_address(addresses[1]).value,
+            ctypes.c_int32.from_address(addresses[2]).value, ctypes.c_int64.from_address(addresses[3]).value,
+            ctypes.c_float.from_address(addresses[4]).value]
+    assert read == [0x3000, 0x4000, 7, -3, 0.5], f"kernelParams point at {read}"
+
+    plain_calls = []
+    plain._launch = lambda *a: plain_calls.append(a) or (driver.CUresult.CUDA_SUCCESS,)
+    plain.launch(0x3000, 0x4000)
+    (call,) = plain_calls
+    assert call[1:7] == (5, 2, 1, 128, 1, 1) and call[7] == 256 and call[8] is stream, "plain cuLaunchKernel call"
+    assert bytes(plain._buffer) == bytes(pdl._buffer)
+
+
+def test_pdl_enabled_reads_the_environment_on_every_call(monkeypatch):
+    from tileattn.runtime import launcher
+
+    monkeypatch.setattr(launcher, "_has_griddepcontrol", lambda index: True)
+    monkeypatch.delenv("TILEATTN_PDL", raising=False)
+    assert not launcher.pdl_enabled(0)  # off by default
+    monkeypatch.setenv("TILEATTN_PDL", "1")
+    assert launcher.pdl_enabled(0)
+    monkeypatch.setattr(launcher, "_has_griddepcontrol", lambda index: False)
+    assert not launcher.pdl_enabled(0)  # pre-Hopper devices: plain launches
+    monkeypatch.setattr(launcher, "_has_griddepcontrol", lambda index: True)
+    monkeypatch.setenv("TILEATTN_PDL", "0")
+    assert not launcher.pdl_enabled(0)

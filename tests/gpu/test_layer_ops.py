@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tileattn import api_layers
+from tileattn import api_layers, api_paged
 
-from ..test_layer_ops_cpu import norm_rotary64, rel, rms_norm64, rotary_tables
+from ..test_layer_ops_cpu import fused_case, norm_rotary64, rel, rms_norm64, rotary_tables, split_qkv, two_step
 from .conftest import poisoned_allocations
 
 pytestmark = pytest.mark.gpu
@@ -146,3 +146,181 @@ def test_kernel_path_rejects_layouts_it_cannot_read():
     with pytest.raises(ValueError, match="on"):
         api_layers.add_rms_norm(torch.randn(2, 16, device="cuda", dtype=torch.bfloat16), torch.ones(16), 1e-5)
 
+
+
+# ---- norm_rotary_write_kv_cache_: the fused rotary + cache write -------------------------------
+
+def fused_inputs(dtype, norm, tokens, q_heads, kv_heads, d, block_size, index_dtype, seed):
+    """fused_case's tensors on the GPU: 2048 cache slots, 4096 positions."""
+    case = fused_case(dtype, norm, tokens, q_heads, kv_heads, d, 2048 // block_size, block_size, seed, index_dtype,
+                      max_positions=4096)
+    return tuple(None if t is None else t.cuda() for t in case)
+
+
+def run_fused(qkv, positions, cos, sin, qw, kw, caches, slots, q_heads, kv_heads, d):
+    """The fused op on copies; returns (qkv, caches) after it."""
+    qkv, caches = qkv.clone(), caches.clone()
+    q, k, v = split_qkv(qkv, q_heads, kv_heads, d)
+    api_layers.norm_rotary_write_kv_cache_(q, k, v, caches[0], caches[1], slots, positions, cos, sin, qw, kw)
+    return qkv, caches
+
+
+def assert_fused_equals_two_steps(inputs, q_heads, kv_heads, d, what):
+    """Bitwise: q, the k/v columns of qkv (k left unrotated by the fused op, so it is compared with
+    the input) and both caches, against norm_rotary_ + write_kv_cache on the GPU."""
+    qkv, positions, cos, sin, qw, kw, caches, slots = inputs
+    want_qkv, want_caches = two_step(qkv, positions, cos, sin, qw, kw, caches, slots, q_heads, kv_heads, d,
+                                     api_paged.write_kv_cache)
+    got_qkv, got_caches = run_fused(qkv, positions, cos, sin, qw, kw, caches, slots, q_heads, kv_heads, d)
+    qd = q_heads * d
+    bad_q = (got_qkv[:, :qd] != want_qkv[:, :qd]).any(-1).nonzero()
+    assert bad_q.numel() == 0, f"{what}: q differs from norm_rotary_'s at tokens {bad_q[:8, 0].tolist()}"
+    assert torch.equal(got_qkv[:, qd:], qkv[:, qd:]), f"{what}: the k or v columns of qkv were written"
+    for i, name in enumerate(("k_cache", "v_cache")):
+        bad = (got_caches[i] != want_caches[i]).flatten(0, 1).any(-1).any(-1).nonzero()
+        assert bad.numel() == 0, f"{what}: {name} differs from write_kv_cache's at slots {bad[:8, 0].tolist()}"
+    return got_qkv, got_caches
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+@pytest.mark.parametrize("norm", [False, True], ids=["llama", "qwen3-qk-norm"])
+@pytest.mark.parametrize("q_heads, kv_heads, d", [(32, 8, 128), (16, 8, 128), (14, 2, 64), (8, 1, 256), (4, 4, 96)])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("tokens", [1, 33, 1000])
+def test_norm_rotary_write_kv_cache_bitwise_vs_two_steps(dtype, tol, norm, q_heads, kv_heads, d, block_size, tokens):
+    index_dtype = torch.int64 if tokens != 33 else torch.int32
+    inputs = fused_inputs(dtype, norm, tokens, q_heads, kv_heads, d, block_size, index_dtype,
+                          seed=tokens + d + block_size)
+    what = f"{dtype} norm={norm} H={q_heads} Hkv={kv_heads} d={d} bs={block_size} T={tokens}"
+    got_qkv, got_caches = assert_fused_equals_two_steps(inputs, q_heads, kv_heads, d, what)
+    # And against float64, so the two paths cannot agree on a wrong answer.
+    qkv, positions, cos, sin, qw, kw, caches, slots = inputs
+    q, k, v = split_qkv(qkv, q_heads, kv_heads, d)
+    q_want = norm_rotary64(q, positions, cos, sin, q_heads, qw, kw)
+    assert rel(split_qkv(got_qkv, q_heads, kv_heads, d)[0], q_want) < tol, what
+    keep = (slots >= 0) & (slots < 2048)
+    if keep.any():
+        s = slots[keep].long()
+        k_want = norm_rotary64(k, positions, cos, sin, 0, kw, kw)[keep]  # [kept, Hkv, d]
+        k_got = got_caches[0][s // block_size, s % block_size]
+        assert rel(k_got, k_want) < tol, f"{what}: cached keys, relative error {rel(k_got, k_want):.2e}"
+        assert torch.equal(got_caches[1][s // block_size, s % block_size], v[keep]), f"{what}: cached values"
+
+
+def test_norm_rotary_write_kv_cache_positions_outside_the_table():
+    """Positions -1 and P: q left alone, k written unrotated (as the two steps do), v written."""
+    qkv, positions, cos, sin, qw, kw, caches, slots = fused_inputs(torch.bfloat16, True, 4, 4, 2, 64, 16,
+                                                                 torch.int64, seed=5)
+    slots = torch.tensor([3, 17, 40, 2047], device="cuda")
+    positions = torch.tensor([-1, 4096, 7, 1 << 40], device="cuda")
+    got_qkv, got_caches = assert_fused_equals_two_steps((qkv, positions, cos, sin, qw, kw, caches, slots), 4, 2, 64,
+                                                        "positions outside the table")
+    _, k, _ = split_qkv(qkv, 4, 2, 64)
+    assert torch.equal(got_qkv[[0, 1, 3]], qkv[[0, 1, 3]]), "q of an out-of-table position was rotated"
+    assert torch.equal(got_caches[0][1, 1], k[1]), "k of an out-of-table position must go to the cache as is"
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("norm", [False, True])
+def test_norm_rotary_write_kv_cache_small_for_the_sanitizers(norm):
+    inputs = fused_inputs(torch.float16, norm, 3, 2, 1, 64, 16, torch.int64, seed=1)
+    assert_fused_equals_two_steps(inputs, 2, 1, 64, "sanitize case")
+    torch.cuda.synchronize()
+
+
+def test_norm_rotary_write_kv_cache_kernel_path_rejects_layouts():
+    qkv, positions, cos, sin, qw, kw, caches, slots = fused_inputs(torch.bfloat16, False, 4, 4, 2, 64, 16,
+                                                                 torch.int64, seed=2)
+    q, k, v = split_qkv(qkv, 4, 2, 64)
+    fused = api_layers.norm_rotary_write_kv_cache_
+    with pytest.raises(ValueError, match="power of two"):
+        fused(q, k, v, caches[0][:, :12], caches[1][:, :12], slots.clamp(max=95), positions, cos, sin)
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous"):
+        fused(q, k, v, caches[0], caches[1], torch.stack([slots, slots], 1)[:, 0], positions, cos, sin)
+    with pytest.raises(ValueError, match="16-byte"):
+        flat = torch.zeros(4 * 2 * 64 + 1, device="cuda", dtype=torch.bfloat16)
+        fused(q, flat[1:].view(4, 2, 64), v, caches[0], caches[1], slots, positions, cos, sin)
+    with pytest.raises(ValueError, match="one device"):
+        fused(q, k, v, caches[0], caches[1], slots.cpu(), positions, cos, sin)
+
+
+# ---- programmatic dependent launch (TILEATTN_PDL=1) ----------------------------------------------
+
+def pdl_chain(x, w_qkv, norm_w, positions, cos, sin, qw, kw, caches, caches2, slots, q_heads, kv_heads, d):
+    """A decode-like chain in which each of our kernels reads what the kernel just before it wrote:
+    GEMM -> fused rotary + cache write -> add_rms_norm of q -> silu_mul -> write_kv_cache. With PDL
+    every one of ours may start during its predecessor's tail; its griddepcontrol.wait is all that
+    keeps it from reading stale data. Returns (q after rotary, normed, activation)."""
+    tokens = x.shape[0]
+    qkv = x @ w_qkv.t()  # [T, (H + 2 Hkv) d], cuBLAS
+    q, k, v = split_qkv(qkv, q_heads, kv_heads, d)
+    api_layers.norm_rotary_write_kv_cache_(q, k, v, caches[0], caches[1], slots, positions, cos, sin, qw, kw)
+    normed = api_layers.add_rms_norm(q.reshape(tokens, q_heads * d), norm_w, 1e-6)  # [T, H d]
+    act = api_layers.silu_mul(normed)  # [T, H d / 2]
+    act_heads = act.view(tokens, -1, d)  # [T, H / 2, d]
+    api_paged.write_kv_cache(act_heads, act_heads, caches2[0], caches2[1], slots)
+    return q, normed, act
+
+
+@pytest.mark.parametrize("tokens", [1, 33])
+def test_pdl_gives_the_same_bits_eager_and_in_a_captured_graph(monkeypatch, tokens):
+    """TILEATTN_PDL=1 gives the bits of plain launches: eagerly, and from a CUDA graph (PDL edges
+    are captured since CUDA 12.3) replayed with three sets of new inputs, against a graph of plain
+    launches replayed with the same inputs (so cuBLAS runs the same way in both). On sm_90+ the
+    plans must really be PDL plans."""
+    from tileattn.kernels import kv_cache, layer_ops
+
+    q_heads, kv_heads, d, hidden, dtype = 8, 2, 128, 512, torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, device="cuda", generator=gen)).to(dtype)
+
+    w_qkv = rand((q_heads + 2 * kv_heads) * d, hidden, scale=hidden ** -0.5)
+    norm_w, qw, kw = rand(q_heads * d, scale=0.1) + 1, rand(d, scale=0.1) + 1, rand(d, scale=0.1) + 1
+    cos, sin = (t.cuda() for t in rotary_tables(4096, d))
+
+    def fresh():
+        return {"x": rand(tokens, hidden), "positions": torch.randint(0, 4096, (tokens,), device="cuda"),
+                "slots": torch.randperm(1024, device="cuda")[:tokens], "caches": rand(2, 64, 16, kv_heads, d),
+                "caches2": rand(2, 64, 16, q_heads // 2, d)}
+
+    def chain(state):  # -> [q, normed, act] (the caches change in place)
+        return list(pdl_chain(state["x"], w_qkv, norm_w, state["positions"], cos, sin, qw, kw, state["caches"],
+                              state["caches2"], state["slots"], q_heads, kv_heads, d))
+
+    def eager(state):
+        state = {k: t.clone() for k, t in state.items()}
+        return [t.clone() for t in chain(state)] + [state["caches"], state["caches2"]]
+
+    def graph_results(inputs):
+        static = {k: t.clone() for k, t in inputs[0].items()}
+        chain(static)  # plans made outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = chain(static)
+        results = []
+        for state in inputs:
+            for k, t in static.items():
+                t.copy_(state[k])
+            graph.replay()
+            torch.cuda.synchronize()
+            results.append([t.clone() for t in outs] + [static["caches"].clone(), static["caches2"].clone()])
+        return results
+
+    def expect_equal(got, want, what):
+        for name, g, w in zip(("q", "normed", "act", "caches", "caches2"), got, want):
+            assert torch.equal(g, w), f"{what}: {name} differs from the plain launches' ({(g != w).sum()} elements)"
+
+    inputs = [fresh() for _ in range(3)]
+    monkeypatch.setenv("TILEATTN_PDL", "0")
+    want_eager = eager(inputs[0])
+    want_graph = graph_results(inputs)
+
+    monkeypatch.setenv("TILEATTN_PDL", "1")
+    expect_equal(eager(inputs[0]), want_eager, "eager with PDL")
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    for plans, family in ((layer_ops._plans, "layer_ops"), (kv_cache._plans, "kv_cache")):
+        assert any(p.pdl for p in plans.values()) == hopper, f"{family}: PDL plans made: {hopper} expected"
+    for i, (got, want) in enumerate(zip(graph_results(inputs), want_graph)):
+        expect_equal(got, want, f"PDL graph replay {i}")
