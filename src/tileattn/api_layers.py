@@ -143,8 +143,46 @@ def norm_rotary_write_kv_cache_(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor
     """
     from . import reference
 
+    tensors = (q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight)
+    try:  # the checks depend on metadata only: run them once per combination (host time per layer)
+        key = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+    except AttributeError:
+        key = None
+    norm = q_weight is not None
+    if key is None or key not in _fused_checked:
+        _check_fused(*tensors)
+        if key is not None:
+            if len(_fused_checked) >= CHECK_CACHE_LIMIT:
+                _fused_checked.clear()
+            _fused_checked.add(key)
+    if not _on_kernel(q):
+        q.copy_(_norm_rotary_torch(q, positions, cos, sin, q.shape[1], q_weight, q_weight, eps))
+        k_rotated = _norm_rotary_torch(k, positions, cos, sin, 0, k_weight, k_weight, eps)  # [T, Hkv, d]
+        reference.write_kv_cache(k_rotated, v, k_cache, v_cache, slot_mapping)
+        return q
+    from .api_paged import _check_pointers
+
+    _check_pointers(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
+    if q.shape[0] * (q.shape[1] + k.shape[1]):
+        from .kernels.layer_ops import launch_norm_rotary_write_kv
+
+        qw, kw = (q_weight.contiguous(), k_weight.contiguous()) if norm else (None, None)
+        with _device_of(q):
+            launch_norm_rotary_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions.contiguous(), cos, sin,
+                                        qw, kw, float(eps))
+    return q
+
+
+_fused_checked: set = set()  # metadata keys norm_rotary_write_kv_cache_ has validated
+CHECK_CACHE_LIMIT = 1024
+
+
+def _check_fused(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight) -> None:
+    """Every metadata check of norm_rotary_write_kv_cache_ (not the data pointers' alignment)."""
+    from . import reference
+
     _check_rotary("q", q, positions, cos, sin)
-    norm = _check_norm_weights(q, q_weight, k_weight)
+    _check_norm_weights(q, q_weight, k_weight)
     reference.check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
     if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"k must be [T, Hkv, d] with q's T and d {q.shape[0], q.shape[2]}, got {list(k.shape)}")
@@ -157,26 +195,13 @@ def norm_rotary_write_kv_cache_(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor
         raise ValueError(f"slot_mapping must be int64 or int32, got {slot_mapping.dtype}")
     if slot_mapping.device != q.device or k.device != q.device:
         raise ValueError(f"k, v, caches and slot_mapping are on {k.device}, q on {q.device}")
-    if not _on_kernel(q):
-        q.copy_(_norm_rotary_torch(q, positions, cos, sin, q.shape[1], q_weight, q_weight, eps))
-        k_rotated = _norm_rotary_torch(k, positions, cos, sin, 0, k_weight, k_weight, eps)  # [T, Hkv, d]
-        reference.write_kv_cache(k_rotated, v, k_cache, v_cache, slot_mapping)
-        return q
-    from .api_paged import _check_pointers, _check_write
+    if _on_kernel(q):
+        from .api_paged import _check_write
 
-    _check_write(k, v, k_cache, v_cache, slot_mapping)
-    _check_pointers(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
-    rows = q.shape[0] * (q.shape[1] + k.shape[1])
-    if rows >= 2**31:
-        raise ValueError(f"q, k: T * (H + Hkv) = {rows} rows exceeds 2^31 - 1")
-    if rows:
-        from .kernels.layer_ops import launch_norm_rotary_write_kv
-
-        qw, kw = (q_weight.contiguous(), k_weight.contiguous()) if norm else (None, None)
-        with _device_of(q):
-            launch_norm_rotary_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions.contiguous(), cos, sin,
-                                        qw, kw, float(eps))
-    return q
+        _check_write(k, v, k_cache, v_cache, slot_mapping)  # write_kv_cache's layout rules
+        rows = q.shape[0] * (q.shape[1] + k.shape[1])
+        if rows >= 2**31:
+            raise ValueError(f"q, k: T * (H + Hkv) = {rows} rows exceeds 2^31 - 1")
 
 
 def _check_rotary(name: str, x, positions, cos, sin) -> None:
