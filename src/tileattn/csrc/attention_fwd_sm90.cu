@@ -46,14 +46,16 @@
 //   q_full          1 arrival (producer's arrive.expect_tx) + the Q bytes. Phase i = the i-th tile
 //                   of this CTA: consumers wait parity i & 1.
 //   q_empty         2 arrivals: each consumer's storing thread once its TMA store has finished
-//                   reading sQ (the O staging buffer). Before loading Q of tile i >= 1 the producer
-//                   waits parity (i - 1) & 1.
+//                   reading sQ (the O staging buffer); packed layouts: 256, every consumer thread
+//                   after its own row copies. Before loading Q of tile i >= 1 the producer waits
+//                   parity (i - 1) & 1.
 //   k_full[s]       1 arrival + the K block's bytes.   K/V visits are counted across the CTA's
 //   v_full[s]       1 arrival + the V block's bytes.   tiles (g); visit g uses slot s = g % kStages
 //                   for the u = g / kStages-th time and completes phase u: consumers wait u & 1.
 //   k_empty[s]      2 arrivals: one thread of each consumer warpgroup, once its wgmma that read K
 //                   from slot s has retired (wgmma_wait). The producer refills slot s for use u >= 1
-//   v_empty[s]      after phase u - 1 completed: it waits parity (u - 1) & 1.
+//   v_empty[s]      after phase u - 1 completed: it waits parity (u - 1) & 1. Packed layouts:
+//                   v_empty[s] 256 arrivals, every consumer thread (clear_rows, see below).
 // A waiter is never more than one phase behind (the producer waits on every refill, a consumer
 // cannot start use u + 1 of a slot before the producer refilled it), so parities are unambiguous.
 //
@@ -141,8 +143,16 @@
 // the sequence length between the wgmma loops, which makes ptxas serialize the wgmmas (C7519).
 // Each consumer's threads copy its staged rows to global instead, 16 bytes each under a per-row
 // predicate (d / 16 stores per thread). The consumers of every CTA, after its tiles, write a
-// share of the rows past cu_seqlens_q[B] (out 0, lse -inf), as the sm_80 varlen kernel does. The plain kernel's code is unchanged: every difference is under `if constexpr` or a
-// constant-folded choice.
+// share of the rows past cu_seqlens_q[B] (out 0, lse -inf), as the sm_80 varlen kernel does.
+// clear_rows and the staged O rows (stmatrix, then the row copies) are the only ordinary-instruction
+// accesses to buffers that TMA later refills, so with the packed layouts every consumer thread
+// releases each V slot and sQ itself (v_empty / q_empty count 256) right after its own accesses: a
+// direct release -> acquire edge from each access to the next copy into the buffer. With one
+// releasing thread the order still holds in the PTX model (bar.sync, then that thread's arrive),
+// but compute-sanitizer's racecheck follows only the arriving thread's own accesses: it reported
+// that pattern in the Hopper backward (docs/attention_bwd_sm90.md, "Racecheck: the lse2 ring
+// slot"), fixed there the same way. The plain kernel's code is unchanged: every difference is
+// under `if constexpr` or a constant-folded choice.
 #include "common/sm80.cuh"
 #include "common/sm90.cuh"
 #include "common/varlen.cuh"
@@ -623,6 +633,10 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
   constexpr u32 kKVBytes = kBlockN * kHeadDim * 2;           // one K or V block (full box, always)
   constexpr int kKSteps = kHeadDim / 16;                     // k16 steps of S = Q K^T
   constexpr int kPSteps = kBlockN / 16;                      // k16 steps of O += P V
+  // Arrivals that release sQ (q_empty) and a V slot (v_empty): one thread per consumer, or, with
+  // the packed layouts, every consumer thread (see "Packed queries" in the header: their threads
+  // write V slots and read sQ with ordinary instructions before the next TMA copy into them).
+  constexpr int kEmptyCount = kVarlenLayout ? kConsumers * 128 : kConsumers;
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ uint64_t q_full, q_empty, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
@@ -643,12 +657,12 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     s9::tma_prefetch_descriptor(&tmap_v);
     s9::tma_prefetch_descriptor(&tmap_o);
     s9::mbar_init(&q_full, 1);
-    s9::mbar_init(&q_empty, kConsumers);
+    s9::mbar_init(&q_empty, kEmptyCount);
     for (int s = 0; s < kStages; ++s) {
       s9::mbar_init(&k_full[s], 1);
       s9::mbar_init(&v_full[s], 1);
       s9::mbar_init(&k_empty[s], kConsumers);
-      s9::mbar_init(&v_empty[s], kConsumers);
+      s9::mbar_init(&v_empty[s], kEmptyCount);
     }
     s9::fence_barrier_init();
   }
@@ -737,6 +751,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int diag_arg = seqlen_k - seqlen_q;              // dense: the same for every tile
     const bool releaser = tid == 0;                        // arrives on the empty barriers
+    const bool v_releaser = kVarlenLayout || releaser;     // arrives on v_empty (kEmptyCount)
 
     // Descriptors: Q rows of this consumer (panel p, k-step within the panel = +32 B = +2 units).
     const u64 desc_q = s9::make_desc_k128_sw128(sQ + c * 64 * kPanel);
@@ -908,7 +923,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
           s9::wgmma_wait<0>();  // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free
           s9::fence_accumulators(o);
           s9::fence_accumulators(s);  // the packing below must not move above the wait
-          if (releaser) s9::mbar_arrive(&v_empty[sv]);
+          if (v_releaser) s9::mbar_arrive(&v_empty[sv]);
           if (rescale) rescale_o<kHeadDim>(o, alpha);  // warp-uniform
           pack_p<kBlockN, kIsBF16>(p, s);
         };
@@ -929,7 +944,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         pass_turn(true);
         s9::wgmma_wait<0>();
         s9::fence_accumulators(o);
-        if (releaser) s9::mbar_arrive(&v_empty[sv]);
+        if (v_releaser) s9::mbar_arrive(&v_empty[sv]);
       }
       g0 += n_iters;
 
@@ -972,8 +987,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         // Every row stored by its own threads under a per-row predicate (no TMA store: see the header).
         store_rows_masked<kHeadDim, kBlockM>(sQ + c * 64 * kPanel, vl, q0, nq, tile.m_block * rows, rows, tile.head0,
                                              c, tid);
-        s9::named_barrier_sync<128>(1 + c);  // every thread has read its rows of sQ before it is released
-        if (tid == 0) s9::mbar_arrive(&q_empty);
+        s9::mbar_arrive(&q_empty);  // each thread once its own reads of sQ are done (kEmptyCount)
         continue;
       }
       if (tid == 0) {
