@@ -502,8 +502,8 @@ def _packed_view(t: torch.Tensor) -> torch.Tensor:
 
 def _packed_grid(tiles: int, config: Sm90Config, device_index: int) -> int:
     """CTAs of a varlen / paged launch: one per tile, or one per SM for a persistent config; at
-    least one (every CTA's idle producer warps also write a share of the rows past the last
-    sequence, which must happen even with no tile)."""
+    least one (every CTA's consumer warpgroups also write a share of the rows past the last
+    sequence after their tiles, which must happen even with no tile)."""
     from ..runtime import device_sm_count
 
     return max(1, min(tiles, device_sm_count(device_index)) if config.persistent else tiles)
