@@ -30,11 +30,12 @@ import math
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
 from tileattn import reference
-from tileattn.dropout import UNBOUNDED
+from tileattn.dropout import UNBOUNDED, drop_threshold, dropout_mask, philox4x32_10
 from tileattn.kernels import attention_bwd_sm80 as sm80
 from tileattn.kernels import attention_bwd_sm90 as ab
 
@@ -260,12 +261,14 @@ def test_section_pairs():
 @dataclass(frozen=True)
 class Var:
     """The variants of attention_bwd_sm90_variants as the kernel holds them: window edges (UNBOUNDED:
-    none; causal is right = 0), softcap (0: off), ALiBi slopes [B, H] float64 (None: off)."""
+    none; causal is right = 0), softcap (0: off), ALiBi slopes [B, H] float64 (None: off), dropout
+    (seed, offset, p) (None: off; the keep bits from dropout_tile_keep, the kernel's mapping)."""
 
     left: int = UNBOUNDED
     right: int = UNBOUNDED
     cap: float = 0.0
     slopes: torch.Tensor | None = None
+    dropout: tuple[int, int, float] | None = None
 
 
 def window_tiles(n0: int, nq: int, nk: int, left: int, right: int, block_m: int) -> tuple[int, int]:
@@ -295,14 +298,15 @@ def window_thresholds(key: int, nk: int, diag: int, left: int, right: int, m0: i
 
 
 def tile_step(qt, dot, kt, vt, lse2_t, delta_t, n0: int, m0: int, nk: int, diag: int, causal: bool,
-              scale_log2: float, block_m: int, var: Var | None = None, slope: float = 0.0):
+              scale_log2: float, block_m: int, var: Var | None = None, slope: float = 0.0, keep=None):
     """One step of a CTA's walk as the MMA warpgroups compute it (float64): the query tile qt / dot
     [block_m, d] (rows past Nq zero) against the key block kt / vt [BLOCK_N, d] (rows past Nk zero),
     with the kernel's `masked` flag, masks and idle upper warpgroup. Returns the tile's additions
     (dV, dK before the scale, dQ before the scale): [keys, d], [keys, d], [block_m, d] with keys 64
     when warpgroup 1 idles, else BLOCK_N. Checks that an unmasked tile needs no mask and that
     the idle upper warpgroup's keys are all hidden. `var` (causal False): the variant kernel's
-    logits (softcap, the ALiBi bias with this head's `slope`), window masks and dS factor."""
+    logits (softcap, the ALiBi bias with this head's `slope`), window masks and dS factor; `keep`
+    (dropout): bool [BLOCK_N, block_m], dV from P^T keep / (1 - p), dS^T = P^T (dP^T keep / (1 - p) - D)."""
     st = kt @ qt.T                                   # S^T [keys, queries]
     dpt = vt @ dot.T                                 # dP^T
     key = torch.arange(n0, n0 + BLOCK_N, dtype=torch.float64)[:, None]
@@ -327,13 +331,17 @@ def tile_step(qt, dot, kt, vt, lse2_t, delta_t, n0: int, m0: int, nk: int, diag:
         p = torch.where(hidden, torch.zeros_like(p), p)
     else:
         assert not hidden.any(), f"tile n0={n0} m0={m0} needs a mask but `masked` is false"
+    pz = p
+    if keep is not None:
+        z = keep.to(torch.float64) / (1.0 - var.dropout[2])
+        pz, dpt = p * z, dpt * z
     dst = p * (dpt - delta_t[None, :]) * dcap
     # Keys 64.. all hidden: warpgroup 1 idles, dQ reads only the first 64 keys.
     assert not upper_idle or bool(hidden[64:].all()), f"n0={n0} m0={m0}: keys 64.. are visible"
     keys = 64 if upper_idle else BLOCK_N
     assert var is not None or not hidden[:64].all(), f"n0={n0} m0={m0}: warpgroup 0 visits a tile it cannot see"
     assert not hidden.all(), f"n0={n0} m0={m0}: the walk visits a tile without a visible (query, key) pair"
-    return p[:keys] @ dot, dst[:keys] @ qt, dst[:keys].T @ kt[:keys]
+    return pz[:keys] @ dot, dst[:keys] @ qt, dst[:keys].T @ kt[:keys]
 
 
 def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int, rotate: bool = False,
@@ -375,10 +383,15 @@ def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int, r
                 for it in range(group * m_count):
                     head, m0 = walk(it, hk, group, m_end, m_count, block_m, nb % m_count if rotate else 0)
                     slope = 0.0 if var is None or var.slopes is None else float(var.slopes[b, head])
+                    keep = None
+                    if var is not None and var.dropout is not None:
+                        seed, offset, pdrop = var.dropout
+                        keep = dropout_tile_keep(seed, offset, b * h_ + head, n0, m0, block_m,
+                                                 drop_threshold(pdrop))
                     add_v, add_k, add_q = tile_step(
                         qp[b, head, m0:m0 + block_m], dop[b, head, m0:m0 + block_m], kp[b, hk, n0:n0 + BLOCK_N],
                         vp[b, hk, n0:n0 + BLOCK_N], lse2[b, head, m0:m0 + block_m], delta[b, head, m0:m0 + block_m],
-                        n0, m0, nk, diag, causal, scale_log2, block_m, var, slope)
+                        n0, m0, nk, diag, causal, scale_log2, block_m, var, slope, keep)
                     dv_blk[:add_v.shape[0]] += add_v
                     dk_blk[:add_k.shape[0]] += add_k
                     dq_acc[b, head, m0:m0 + block_m] += add_q
@@ -557,10 +570,111 @@ def test_emulated_variant_walk_matches_autograd(nq, nk, heads, kv_heads, window,
     assert bool((got[0][empty] == 0).all()), "dQ of rows that see no key must be exactly 0"
 
 
+# ---- dropout (kDropout): the keep bits of the transposed tile --------------------------------------
+_M32 = 0xFFFFFFFF
+
+
+def dropout_tile_keep(seed: int, offset: int, bh: int, n0: int, m0: int, block_m: int, thr: int) -> torch.Tensor:
+    """Mirror of dropout_tile_bits (csrc) for every MMA thread of the tile (key block n0, query tile
+    m0 of head bh = b H + h): each lane's Philox call for query m0 + 8 j + 2 t + (g & 1), its two
+    words, the shfl.xor 4 exchange, the keep words' bit assembly, then element i = 4 j + 2 h + e of
+    thread (w, warp, lane) decoded to (key key_h0 + 8 h, query m0 + 8 j + 2 t + e). Returns bool
+    [BLOCK_N keys, block_m queries] (True: kept); raises AssertionError if an element is written twice."""
+    lane = np.arange(32, dtype=np.int64)
+    t, g = lane % 4, lane // 4
+    odd = g & 1
+    key = (np.uint64(seed & _M32), np.uint64(((seed >> 32) + (offset >> 32)) & _M32))
+    half_mask = np.where(odd == 1, 0xFFFF0000, 0xFFFF).astype(np.uint64)
+    thr_l = np.where(odd == 1, thr << 16, thr).astype(np.uint64)
+    out = torch.zeros(BLOCK_N, block_m, dtype=torch.bool)
+    seen = torch.zeros(BLOCK_N, block_m, dtype=torch.int64)
+    for w in range(2):
+        for warp in range(4):
+            key_h0 = n0 + 64 * w + 16 * warp + g
+            group, lane_class, upper = key_h0 >> 5, (key_h0 >> 1) & 3, (key_h0 >> 4) & 1
+            keep = [np.zeros(32, dtype=np.int64) for _ in range(block_m // 64)]
+            for j in range(block_m // 8):
+                ctr = ((4 * group + lane_class).astype(np.uint64), (m0 + 8 * j + 2 * t + odd).astype(np.uint64),
+                       np.uint64(bh & _M32), np.uint64(offset & _M32))
+                words = philox4x32_10(ctr, key)
+                own0 = np.where(upper == 1, words[2], words[0])
+                own1 = np.where(upper == 1, words[3], words[1])
+                other0, other1 = own0[lane ^ 4], own1[lane ^ 4]  # __shfl_xor_sync(.., 4)
+                k_own = ((own0 & half_mask) >= thr_l).astype(np.int64) | (((own1 & half_mask) >= thr_l).astype(np.int64) << 2)
+                k_other = (((other0 & half_mask) >= thr_l).astype(np.int64)
+                           | (((other1 & half_mask) >= thr_l).astype(np.int64) << 2))
+                keep[j // 8] |= ((k_own << odd) | (k_other << (odd ^ 1))) << (4 * (j % 8))
+            for i in range(block_m // 2):
+                jj, h, e = i // 4, (i >> 1) & 1, i & 1
+                rows = torch.from_numpy(key_h0 + 8 * h - n0)
+                cols = torch.from_numpy(8 * jj + 2 * t + e)
+                out[rows, cols] = torch.from_numpy(((keep[i // 32] >> (i % 32)) & 1) == 1)
+                seen[rows, cols] += 1
+    assert bool((seen == 1).all()), "the threads' elements do not cover the tile exactly once"
+    return out
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("seed,offset,p", [(0, 0, 0.1), (2**63 + 12345, 2**40 + 7, 0.5), (2**64 - 1, 2**64 - 1, 0.9),
+                                           (1234, 3 * 2**32, 1e-5)])
+def test_dropout_tile_bits_match_dropout_mask(block_m, seed, offset, p):
+    """Every keep bit the backward's transposed tile derives (dropout_tile_bits: one Philox call per
+    lane pair and query, words swapped by shuffle) equals tileattn.dropout_mask's bit of that (b, h,
+    query, key), for both registered tile shapes, several key blocks and query tiles (also past Nq /
+    Nk: the kernel masks those elements), GQA heads, 64-bit seeds / offsets and extreme p."""
+    batch, heads, nq, nk = 2, 4, 300, 520  # GQA groups of 2 or 4 share K / V; the mask is per query head
+    mask = dropout_mask(seed, offset, batch, heads, nq, nk, p)
+    thr = drop_threshold(p)
+    tiles = [(n0, m0) for n0 in (0, 128, 512) for m0 in (0, block_m, 256)]
+    for b, h in ((0, 0), (1, 3), (0, 2)):
+        for n0, m0 in tiles:
+            got = dropout_tile_keep(seed, offset, b * heads + h, n0, m0, block_m, thr)
+            want = mask[b, h, m0:m0 + block_m, n0:n0 + BLOCK_N].T  # [keys, queries]
+            kk, qq = want.shape
+            bad = (got[:kk, :qq] != want).nonzero()
+            assert bad.numel() == 0, (f"b={b} h={h} n0={n0} m0={m0} block_m={block_m}: {bad.shape[0]} keep bits differ, "
+                                      f"first (key, query) {[(n0 + int(r), m0 + int(c)) for r, c in bad[:4]]}")
+    kept = float(mask.float().mean())  # the mask itself is not degenerate at this p
+    assert abs(kept - (1 - thr / 65536)) < 6 * math.sqrt(max(thr / 65536 * (1 - thr / 65536), 1e-9) / mask.numel()) + 1e-6
+
+
+DROPOUT_WALKS = [  # nq, nk, heads, kv_heads, window (None: no window; causal is (-1, 0)), p
+    (300, 300, 2, 2, None, 0.1),
+    (129, 300, 4, 1, (-1, 0), 0.5),                # causal, Nq < Nk, GQA 4
+    (300, 129, 2, 1, (-1, 0), 0.5),                # Nq > Nk: rows without keys keep zero dQ
+    (200, 257, 4, 2, (64, 0), 0.1),                # sliding window
+]
+
+
+@pytest.mark.parametrize("d,block_m", [(128, 64), (64, 128)])
+@pytest.mark.parametrize("nq,nk,heads,kv_heads,window,p", DROPOUT_WALKS)
+def test_emulated_dropout_walk_matches_autograd(nq, nk, heads, kv_heads, window, p, d, block_m):
+    """The dropout kernel's walk (keep bits from dropout_tile_keep, dV from the dropped P^T, dS^T =
+    P^T (dropped dP^T - D)) in float64 against float64 autograd of reference.attention with the same
+    dropout_p / seed / offset (its mask is dropout_mask's)."""
+    g = torch.Generator().manual_seed(nq * 1000 + nk + heads)
+    batch, seed, offset = 2, 2**63 + 99, 5 * 2**32 + 3
+    q = torch.randn(batch, heads, nq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, kv_heads, nk, d, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, kv_heads, nk, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(batch, heads, nq, d, generator=g, dtype=torch.float64)
+    scale = 1.0 / math.sqrt(d)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = reference.attention(qr, kr, vr, False, scale, compute_dtype=torch.float64, window=window,
+                                   dropout_p=p, seed=seed, offset=offset)
+    out.backward(dout)
+    edges = (_edge(window[0]), _edge(window[1])) if window else (UNBOUNDED, UNBOUNDED)
+    var = Var(*edges, dropout=(seed, offset, p))
+    got = emulate(q, k, v, dout, out.detach(), lse.detach(), False, scale, block_m, var=var)
+    for name, a, ref in zip(("dq", "dk", "dv"), got, (qr.grad, kr.grad, vr.grad)):
+        err = float((a - ref).norm() / max(float(ref.norm()), 1e-300))
+        assert err < 1e-9, f"{name}: relative error {err:.3e} (p={p}, window={window})"
+
+
 def test_variant_registry_and_supports():
     """The registered variant kernels are VARIANT_SETS x dtypes x atomic / deterministic at the
-    variant defaults; supports_variants / variant_bits route exactly those (no dropout, no d = 256),
-    and a call with nothing on runs the plain kernel."""
+    variant defaults; supports_variants / variant_bits route exactly those (dropout with a window or
+    none, not with softcap / ALiBi; no d = 256), and a call with nothing on runs the plain kernel."""
     from tileattn.kernels.attention_fwd_sm80 import VariantArgs
 
     want = {ab.variant_expression(d, ab.VARIANT_DEFAULTS[d], bf16, bits, det) for d in ab.HEAD_DIMS
@@ -571,10 +685,11 @@ def test_variant_registry_and_supports():
     from tileattn.kernels import attention_fwd_sm90, family
 
     src = family(ab.FAMILY_NAME).path.read_text()
-    for name, value in (("kWindow", ab.WINDOW), ("kSoftcap", ab.SOFTCAP), ("kAlibi", ab.ALIBI)):
+    for name, value in (("kWindow", ab.WINDOW), ("kSoftcap", ab.SOFTCAP), ("kAlibi", ab.ALIBI),
+                        ("kDropout", ab.DROPOUT)):
         assert f"constexpr int {name} = {value};" in src, name  # the kernel's bits are the Python ones
-    assert (ab.WINDOW, ab.SOFTCAP, ab.ALIBI) == (attention_fwd_sm90.WINDOW, attention_fwd_sm90.SOFTCAP,
-                                                 attention_fwd_sm90.ALIBI)
+    assert (ab.WINDOW, ab.SOFTCAP, ab.ALIBI, ab.DROPOUT) == (
+        attention_fwd_sm90.WINDOW, attention_fwd_sm90.SOFTCAP, attention_fwd_sm90.ALIBI, attention_fwd_sm90.DROPOUT)
     bf = torch.bfloat16
     assert ab.variant_bits(VariantArgs()) == 0
     assert ab.variant_bits(VariantArgs(softcap=30.0)) == ab.WINDOW | ab.SOFTCAP
@@ -584,7 +699,15 @@ def test_variant_registry_and_supports():
     assert ab.supports_variants(128, bf, VariantArgs(4096, 0, 30.0, 8))
     assert ab.supports_variants(64, torch.float16, VariantArgs(4096, 0, 30.0, 0))
     assert ab.supports_variants(64, bf, VariantArgs(softcap=30.0))
-    assert not ab.supports_variants(128, bf, VariantArgs(dropout_p=0.1))
+    assert ab.variant_bits(VariantArgs(dropout_p=0.1)) == ab.WINDOW | ab.DROPOUT
+    for d in (64, 128):
+        for det in (False, True):
+            assert ab.supports_variants(d, bf, VariantArgs(dropout_p=0.1), deterministic=det)
+            assert ab.supports_variants(d, torch.float16, VariantArgs(UNBOUNDED, 0, dropout_p=0.5), deterministic=det)
+            assert ab.supports_variants(d, bf, VariantArgs(64, 0, dropout_p=0.5), deterministic=det)
+        assert not ab.supports_variants(d, bf, VariantArgs(softcap=30.0, dropout_p=0.1))
+        assert not ab.supports_variants(d, bf, VariantArgs(alibi_batch_stride=0, dropout_p=0.1))
+    assert not ab.supports_variants(256, bf, VariantArgs(dropout_p=0.1))
     for causal, window, cap, alibi in ab.VARIANT_BENCH_CASES.values():  # benchmark_variants' cases run here
         va = VariantArgs(UNBOUNDED, 0 if causal else UNBOUNDED, cap, 0 if alibi else None)
         assert all(ab.supports_variants(d, bf, va) for d in ab.HEAD_DIMS), (causal, window, cap, alibi)

@@ -76,7 +76,11 @@
 // - Deterministic mode: a window's tile is visited by consecutive key blocks, from the block of the
 //   tile's first row's lower edge on (attention_bwd_sm90.window_first_blocks): the host starts
 //   that tile's turn counter there instead of at 0, and the kernel's turn code is the plain one.
-// - Not here: dropout, varlen. Registered sets and why: attention_bwd_sm90.VARIANT_SETS.
+// - Dropout (kDropout 32, with kWindow alone): the forward's keep mask recomputed per tile
+//   (dropout_tile_bits, while the S^T / dP^T wgmmas run), dV += (P^T keep / (1 - p)) dO and
+//   dS^T = P^T (dP^T keep / (1 - p) - D), D = rowsum(dO o O) of the dropped output, as the sm80
+//   variant backward (docs/attention_bwd_sm90.md, "Dropout").
+// - Not here: varlen; dropout with softcap or ALiBi. Registered sets and why: attention_bwd_sm90.VARIANT_SETS.
 //
 // ---- Per query tile, MMA warpgroup w (keys 64 w.., queries m0 .. m0 + kBlockM) ----------------
 //   1. S^T  = K_w Q^T      wgmma SS  m64 n kBlockM, k = d     (K rows K-major, Q K-major)
@@ -334,7 +338,57 @@ namespace bwd90 {
 constexpr int kWindow = 1;   // sliding window; causal is its right edge 0 (variant kernels have kCausal = false)
 constexpr int kSoftcap = 2;  // logit = cap * tanh(scale q.k / cap); dS gains the factor 1 - tanh^2
 constexpr int kAlibi = 4;    // logit += -slope[b, h] * |i + Nk - Nq - j| (no gradient: it does not depend on q, k)
-constexpr int kVariantBits = kWindow | kSoftcap | kAlibi;
+constexpr int kDropout = 32;  // P' = P keep / (1 - p) (the forward's bit value); with kWindow alone ("Dropout")
+constexpr int kVariantBits = kWindow | kSoftcap | kAlibi | kDropout;
+
+// Dropout keep bits of one MMA thread's accumulator elements of a query tile: bit i % 32 of
+// keep[i / 32] for element i = 4 j + 2 h + e (key key_h0 + 8 h, query m0 + 8 j + 2 t + e), exactly
+// tileattn.dropout_mask's bit of (bh, query, key) (common/variants.cuh: dropout_bits). Both keys of a
+// thread share the Philox call of a query: the same 32-key group and lane class ((key >> 1) & 3),
+// words (key >> 3) & 3 = 2 ((key_h0 >> 4) & 1) + h, half key & 1 = g & 1. Lanes l and l ^ 4 (g and
+// g ^ 1, same t) need the same calls for the same queries (8 j + 2 t + e, e = 0, 1), so each makes
+// the call of query e = g & 1 and swaps its two words with the other by one shuffle each: kBlockM / 8
+// Philox calls per thread and tile instead of kBlockM / 4. A thread's half of word w is
+// (w & half_mask) >= thr with half_mask / thr shifted up 16 bits for odd g (no shift per element).
+template <int kBlockM>
+__device__ __forceinline__ void dropout_tile_bits(u32 (&keep)[kBlockM / 64], const Variants& var, int bh, int m0,
+                                                  int key_h0, int lane) {
+  const int t = lane % 4, odd = (lane / 4) & 1;
+  const int group = key_h0 >> 5, lane_class = (key_h0 >> 1) & 3;
+  const bool upper_words = ((key_h0 >> 4) & 1) != 0;
+  const u32 half_mask = odd ? 0xffff0000u : 0xffffu, thr = odd ? var.drop_thr << 16 : var.drop_thr;
+#pragma unroll
+  for (int i = 0; i < kBlockM / 64; ++i) keep[i] = 0u;
+#pragma unroll
+  for (int j = 0; j < kBlockM / 8; ++j) {
+    const uint4 bits = dropout_bits(var, bh, m0 + 8 * j + 2 * t + odd, group, lane_class);
+    const u32 own0 = upper_words ? bits.z : bits.x, own1 = upper_words ? bits.w : bits.y;
+    const u32 other0 = __shfl_xor_sync(0xffffffffu, own0, 4), other1 = __shfl_xor_sync(0xffffffffu, own1, 4);
+    // Bits 2 h of the own query's and the other lane's query's keeps, then each moved to e = its query.
+    const u32 k_own = u32((own0 & half_mask) >= thr) | (u32((own1 & half_mask) >= thr) << 2);
+    const u32 k_other = u32((other0 & half_mask) >= thr) | (u32((other1 & half_mask) >= thr) << 2);
+    keep[j / 8] |= ((k_own << odd) | (k_other << (odd ^ 1))) << (4 * (j % 8));
+  }
+}
+// Element i's dropped value: x / (1 - p) where kept, else 0 (a select: x may be inf where hidden).
+template <int kBlockM>
+__device__ __forceinline__ float dropout_apply(const u32 (&keep)[kBlockM / 64], int i, float x, float drop_scale) {
+  return (keep[i / 32] >> (i % 32)) & 1u ? x * drop_scale : 0.f;
+}
+// pack_acc of the dropped values (dropout_apply) of an m64 x kBlockM accumulator: dV's register-A
+// operand is the forward's dropped P^T while the fp32 P^T stays as it is for dS^T.
+template <int kBlockM, bool kIsBF16>
+__device__ __forceinline__ void pack_dropped(u32 (&a)[kBlockM / 16][4], const float (&d)[kBlockM / 2],
+                                             const u32 (&keep)[kBlockM / 64], float drop_scale) {
+#pragma unroll
+  for (int kk = 0; kk < kBlockM / 16; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = 8 * kk + 2 * r;
+      a[kk][r] = pack2<kIsBF16>(dropout_apply<kBlockM>(keep, i, d[i], drop_scale),
+                                dropout_apply<kBlockM>(keep, i + 1, d[i + 1], drop_scale));
+    }
+}
 
 // Query tiles [x, y) of kBlockM rows holding a query whose window reaches a key of the block
 // [n0, min(n0 + kBlockN, Nk)): query i sees key j iff j - diag - right <= i <= j - diag + left, so
@@ -378,8 +432,10 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
   // and dK, dV. d = 64, kBlockM = 128 would need 64 + 64 + 64 + 32 = 224 and spills.
   constexpr bool kWindowed = (kVariant & kWindow) != 0, kSoftcapped = (kVariant & kSoftcap) != 0;
   constexpr bool kAlibied = (kVariant & kAlibi) != 0, kLogits = kSoftcapped || kAlibied;
-  static_assert(kVariant == 0 || (kVariant > 0 && kVariant <= kVariantBits && !kCausal && !kVarlen),
-                "variants: a set of kWindow | kSoftcap | kAlibi on the dense layout, causal folded into the window");
+  constexpr bool kDropped = (kVariant & kDropout) != 0;
+  static_assert(kVariant == 0 || (kVariant > 0 && (kVariant & ~kVariantBits) == 0 && !kCausal && !kVarlen),
+                "variants: a set of kWindow | kSoftcap | kAlibi | kDropout on the dense layout, causal folded into the window");
+  static_assert(!kDropped || kVariant == (kDropout | kWindow), "dropout: with the window bit alone (\"Dropout\")");
   constexpr bool kOverlap = kBlockM == 64;
   static_assert(kDqMode >= 0 && kDqMode <= 2, "dQ mode: 0 RED, 1 ordered bulk (deterministic), 2 bulk");
   // Varlen only (block-scope, so the dense cubin holds no new constant): named barrier 9 (256) after
@@ -648,6 +704,10 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
           s9::wgmma_ss<kBlockM, kIsBF16>(dp, desc_v + off_kv, desc_do + off_q, ks > 0 ? 1 : 0);
         }
         s9::wgmma_commit();
+        // Dropout: the tile's keep bits while the tensor cores run S^T and dP^T (the Philox rounds
+        // need only integer pipes; nothing waits on them before the P^T pass).
+        u32 keep[kDropped ? kBlockM / 64 : 1];
+        if constexpr (kDropped) dropout_tile_bits<kBlockM>(keep, var, batch * heads + head, m0, key_h0, lane);
 
         // ---- 2. S^T retired (groups retire in order; with kOverlap dP^T may still run): P^T, dS^T in
         // fp32. Element 4 j + 2 h + e of the accumulators: key key_h0 + 8 h, query m0 + 8 j + 2 t + e.
@@ -780,7 +840,11 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
           if constexpr (kWindowed && !kSoftcapped) {
             if (masked) window_mask(sp, dp, false);  // dS^T = P^T (...) follows from the masked P^T
           }
-          if constexpr (!kSoftcapped) pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
+          if constexpr (kDropped) {
+            pack_dropped<kBlockM, kIsBF16>(pf, sp, keep, var.drop_scale);  // sp keeps P^T for dS^T
+          } else if constexpr (!kSoftcapped) {
+            pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
+          }
           issue_dv();
           s9::wgmma_wait<1>();  // dP^T retired; dV still running
           s9::fence_accumulators(dp);
@@ -788,7 +852,14 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
           for (int j = 0; j < kBlockM / 8; ++j) {
             const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
 #pragma unroll
-            for (int r = 0; r < 4; ++r) dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
+            for (int r = 0; r < 4; ++r) {
+              if constexpr (kDropped) {  // dS^T = P^T (dropped dP^T - D), as the sm80 variant backward
+                const int i = 4 * j + r;
+                dp[i] = sp[i] * (dropout_apply<kBlockM>(keep, i, dp[i], var.drop_scale) - ((r & 1) ? dd.y : dd.x));
+              } else {
+                dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
+              }
+            }
           }
         } else {  // S^T and dP^T both retired: P^T and dS^T in one pass, then dV
           s9::fence_accumulators(dp);
@@ -818,7 +889,12 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
             } else {
 #pragma unroll
               for (int r = 0; r < 4; ++r) {
-                if constexpr (kVariant != 0) {
+                if constexpr (kDropped) {  // dS^T = P^T (dropped dP^T - D), as the sm80 variant backward
+                  float th;  // unused without softcap
+                  const int i = 4 * j + r;
+                  sp[i] = vprob(i, (r & 1) ? l2.y : l2.x, th);
+                  dp[i] = sp[i] * (dropout_apply<kBlockM>(keep, i, dp[i], var.drop_scale) - ((r & 1) ? dd.y : dd.x));
+                } else if constexpr (kVariant != 0) {
                   float th;  // unused without softcap
                   sp[4 * j + r] = vprob(4 * j + r, (r & 1) ? l2.y : l2.x, th);
                   dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
@@ -833,7 +909,11 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
             if constexpr (kWindowed) {
               if (masked) window_mask(sp, dp, true);
             }
-            pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
+            if constexpr (kDropped) {
+              pack_dropped<kBlockM, kIsBF16>(pf, sp, keep, var.drop_scale);
+            } else {
+              pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
+            }
             pack_acc<kMSteps, kIsBF16>(dsf, dp, 1.f);
           }
           issue_dv();
@@ -940,9 +1020,10 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
       section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale, rotate, bwd90::VarlenArgs{}, Variants{});
 }
 
-// Dense batches with variants (kVariant: a non-empty set of bits bwd90::kWindow, kSoftcap, kAlibi;
-// see "Variants" above): the dense kernel's parameters, then VARIANT_PARAMS (common/variants.cuh; causal folded into win_right, dropout's seed, offset,
-// drop_thr, drop_scale ignored: dropout stays on the sm80 kernels). lse2 must come from the
+// Dense batches with variants (kVariant: a non-empty set of bits bwd90::kWindow, kSoftcap, kAlibi,
+// or kWindow | kDropout; see "Variants" above): the dense kernel's parameters, then VARIANT_PARAMS
+// (common/variants.cuh; causal folded into win_right; seed, offset, drop_thr, drop_scale read only
+// by kDropout instantiations, which must get the forward's). lse2 must come from the
 // variant logits' lse (natural log, as the Hopper forward and the sm80 variant forward write it),
 // converted by the preprocess as for the plain kernel.
 template <int kHeadDim, int kBlockM, int kStages, bool kIsBF16, int kDqMode, int kVariant>
@@ -957,7 +1038,8 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
                                 int* __restrict__ dq_sem, int heads, int kv_group, int batches, int section,
                                 int seqlen_q, int seqlen_k, int nq_pad, float scale_log2, float scale, int rotate,
                                 VARIANT_PARAMS) {
-  static_assert(kVariant > 0 && kVariant <= bwd90::kVariantBits, "kVariant: a non-empty set of kWindow | kSoftcap | kAlibi");
+  static_assert(kVariant > 0 && (kVariant & ~bwd90::kVariantBits) == 0,
+                "kVariant: a non-empty set of kWindow | kSoftcap | kAlibi | kDropout");
   bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, false, kIsBF16, kDqMode, false, kVariant>(
       tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, dq_sem, heads, kv_group, batches,
       section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale, rotate, bwd90::VarlenArgs{}, VARIANTS_FROM_PARAMS);

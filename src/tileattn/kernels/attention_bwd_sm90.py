@@ -15,12 +15,14 @@ One backward is three launches on torch's current stream (capturable by CUDA gra
 The main kernel writes the sm80 kernels' fragment-order accumulator layout, so 1 and 3 are reused
 as they are.
 
-Variants (issue #15; csrc "Variants"): window, softcap and ALiBi run the attention_bwd_sm90_variants
-instantiations (atomic mode), through BackwardPlan(..., variants=VariantArgs) or
-variant_backward_plan, whose launch takes (alibi pointer, seed, offset) after the tensors like the
-sm80 variant backward's; supports_variants says which calls they cover (not dropout, not the
-deterministic mode, not d = 256). lse is the variant forward's
-(natural log of the transformed logits), as the Hopper and sm80 variant forwards write it.
+Variants (issue #15; csrc "Variants"): window, softcap, ALiBi and dropout run the
+attention_bwd_sm90_variants instantiations (atomic and deterministic modes), through
+BackwardPlan(..., variants=VariantArgs) or variant_backward_plan, whose launch takes (alibi
+pointer, seed, offset) after the tensors like the sm80 variant backward's; supports_variants says
+which calls they cover (dropout with a window or none, not with softcap / ALiBi; not d = 256). lse
+is the variant forward's (natural log of the transformed logits), as the Hopper and sm80 variant
+forwards write it; with dropout, out is the dropped output and seed / offset the forward's, whose
+keep mask (tileattn.dropout.dropout_mask) the kernel recomputes (docs/attention_bwd_sm90.md, "Dropout").
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ TUNING_EXTRA: dict[int, tuple[Sm90BwdConfig, ...]] = {128: (C(64, 3), C(64, 2, T
 
 
 # ---- variants (csrc "Variants": bits of the kernel's kVariant, as attention_fwd_sm90's) ------------
-WINDOW, SOFTCAP, ALIBI = 1, 2, 4
+WINDOW, SOFTCAP, ALIBI, DROPOUT = 1, 2, 4, 32  # DROPOUT: attention_fwd_sm90.DROPOUT's value
 # The flag sets registered per head dim, every one with the window bit: a window with unbounded edges
 # costs a variant kernel a few scalar operations per query tile (its range and `masked` test come out
 # as the full range and the Nk edge), and the sets without it bought nothing while spilling where the
@@ -126,31 +128,34 @@ WINDOW, SOFTCAP, ALIBI = 1, 2, 4
 # its pass packs P^T and dS^T pair by pair (computed for the whole tile first, 168-656 bytes spilled).
 # Compile-time sets rather than run-time flags: each call pays only for its variants' per-score
 # work (docs/attention_bwd_sm90.md, "Variants").
+# Dropout (docs/attention_bwd_sm90.md, "Dropout"): with the window bit alone (dropout without a
+# window runs it with both edges unbounded, as the other sets); not with softcap or ALiBi yet (the
+# kernel's static_assert): such calls stay on the sm80 variant backward.
 VARIANT_SETS: dict[int, tuple[int, ...]] = {
-    128: (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI, WINDOW | SOFTCAP | ALIBI),
-    64: (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI, WINDOW | SOFTCAP | ALIBI),
+    128: (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI, WINDOW | SOFTCAP | ALIBI, WINDOW | DROPOUT),
+    64: (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI, WINDOW | SOFTCAP | ALIBI, WINDOW | DROPOUT),
 }
 
 
 def variant_bits(variants) -> int:
     """The kernel's kVariant for an attention_fwd_sm80.VariantArgs: 0 when none of window, softcap,
-    ALiBi is on (the plain non-causal kernel runs), else WINDOW plus SOFTCAP / ALIBI as set (see
-    VARIANT_SETS: every registered set has the window bit). Dropout is not looked at (see
-    supports_variants). Never raises."""
+    ALiBi, dropout is on (the plain non-causal kernel runs), else WINDOW plus SOFTCAP / ALIBI /
+    DROPOUT as set (see VARIANT_SETS: every registered set has the window bit). Never raises."""
     from .attention_fwd_sm90 import variant_flags
 
-    flags = variant_flags(variants) & (WINDOW | SOFTCAP | ALIBI)  # the forward's flags also carry dropout
+    flags = variant_flags(variants) & (WINDOW | SOFTCAP | ALIBI | DROPOUT)
     return 0 if flags == 0 else WINDOW | flags
 
 
 def supports_variants(head_dim: int, dtype, variants, deterministic: bool = False) -> bool:
     """Whether variant_backward_plan runs a call with these variants (attention_fwd_sm80.VariantArgs,
     causal folded into the window) on this family: head_dim in VARIANT_SETS (64, 128), float16 /
-    bfloat16, no dropout; atomic or deterministic (the dispatcher decides whether the latter runs
-    here, as it does for the plain kernel). The caller still routes only sm_90a devices here. Never
+    bfloat16, the set of variant_bits registered there (dropout: with a window or none, not with
+    softcap or ALiBi); atomic or deterministic (the dispatcher decides whether the latter runs here,
+    as it does for the plain kernel). The caller still routes only sm_90a devices here. Never
     raises."""
     del deterministic  # both modes are registered for every set
-    if dtype not in (torch.float16, torch.bfloat16) or variants.dropout_p > 0:
+    if dtype not in (torch.float16, torch.bfloat16):
         return False
     bits = variant_bits(variants)
     return head_dim in VARIANT_SETS and (bits == 0 or bits in VARIANT_SETS[head_dim])
@@ -333,7 +338,7 @@ class BackwardPlan:
     (benchmarks; the deterministic mode never rotates). `variants` (attention_fwd_sm80.VariantArgs,
     causal folded into the window, so causal must be False; lse that of the variant logits): the
     attention_bwd_sm90_variants kernel of variant_bits(variants), and `launch` then takes the ALiBi
-    slopes' pointer (0: none), the dropout seed and offset (ignored) after dv. Raises ValueError
+    slopes' pointer (0: none), the dropout seed and offset (the forward's) after dv. Raises ValueError
     for an unsupported head dim or dtype, H not a multiple of Hkv, a grid of 2^31 blocks or more,
     section < 1, a config whose shared memory does not fit in this mode, or variants that
     supports_variants rejects (or with causal=True).
