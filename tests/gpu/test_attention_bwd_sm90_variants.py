@@ -9,6 +9,12 @@ inputs (the tolerances of tests/gpu/test_attention_variants.py), and with the sm
 backward's gradients on the same out / lse. Every allocation is poisoned (conftest) and dq, dk, dv
 start as NaN, so an element the kernels forget to write fails. Rows whose window holds no key must
 get dq exactly 0. Skipped with a reason on GPUs other than compute capability 9.0.
+
+Dropout (options dropout_p / seed / offset, as tileattn.attention and reference.attention take
+them): the forward is the dispatcher's variant forward (what tileattn.attention runs: the sm80
+variant forward until SM90_DROPOUT_FORWARD is filled) or the Hopper dropout forward
+(attention_fwd_sm90.ForwardPlan with variants); the reference applies tileattn.dropout.dropout_mask,
+so a keep bit of the backward that differs from the forward's shows up as a gradient error.
 """
 
 from __future__ import annotations
@@ -73,23 +79,29 @@ def variant_args(q, causal, opts):
     left, right = dr.check_window(opts.get("window"), causal)
     slopes = opts.get("alibi_slopes")
     sb = None if slopes is None else dr.check_alibi(slopes, q.shape[0], q.shape[1], q.device, dtype_strict=True)
-    return VariantArgs(left, right, dr.check_softcap(opts.get("softcap")), sb, 0.0)
+    return VariantArgs(left, right, dr.check_softcap(opts.get("softcap")), sb, dr.check_dropout(
+        opts.get("dropout_p", 0.0), None, opts.get("seed"), opts.get("offset")))
 
 
-def run(q, k, v, dout, causal, opts, deterministic=False):
-    """(out, lse, (dq, dk, dv), (sm80 dq, dk, dv)): the dispatcher's variant forward, this family's
-    variant backward and the sm80 variant backward on the same out / lse, every allocation poisoned
-    and every gradient NaN-filled before its launch."""
-    from tileattn.kernels import attention_bwd_sm80, dispatch
+def run(q, k, v, dout, causal, opts, deterministic=False, forward="dispatch"):
+    """(out, lse, (dq, dk, dv), (sm80 dq, dk, dv)): the variant forward (`forward`: "dispatch" the
+    dispatcher's, "sm90" attention_fwd_sm90.ForwardPlan), this family's variant backward and the
+    sm80 variant backward on the same out / lse, every allocation poisoned and every gradient
+    NaN-filled before its launch. Dropout: seed / offset from opts (0 if absent) for all three."""
+    from tileattn.kernels import attention_bwd_sm80, attention_fwd_sm90, dispatch
 
     va = variant_args(q, causal, opts)
     scale = q.shape[-1] ** -0.5
     slopes = opts.get("alibi_slopes")
-    extra = (0 if slopes is None else slopes.data_ptr(), 0, 0)
+    extra = (0 if slopes is None else slopes.data_ptr(), opts.get("seed") or 0, opts.get("offset") or 0)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device=q.device, dtype=torch.float32)  # [B, H, Nq]
     with poisoned_allocations():
-        dispatch.variant_forward_plan(q, k, v, out, lse, scale=scale, variants=va).launch(q, k, v, out, lse, *extra)
+        if forward == "sm90":
+            fwd = attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=va)
+        else:
+            fwd = dispatch.variant_forward_plan(q, k, v, out, lse, scale=scale, variants=va)
+        fwd.launch(q, k, v, out, lse, *extra)
         grads, grads80 = ([torch.full_like(t, float("nan")) for t in (q, k, v)] for _ in range(2))
         plan = _ab().variant_backward_plan(q, k, v, out, lse, dout, *grads, scale=scale,
                                            deterministic=deterministic, variants=va)
@@ -111,10 +123,10 @@ def reference_grads(q, k, v, dout, causal, opts):
     return lse, (q64.grad, k64.grad, v64.grad)
 
 
-def check(q, k, v, dout, causal, opts, dtype, what, deterministic=False):
+def check(q, k, v, dout, causal, opts, dtype, what, deterministic=False, forward="dispatch"):
     """Gradients against float64 autograd and against the sm80 variant backward; dq rows of queries
     that see no key exactly 0. Returns this family's gradients."""
-    _, lse, grads, grads80 = run(q, k, v, dout, causal, opts, deterministic)
+    _, lse, grads, grads80 = run(q, k, v, dout, causal, opts, deterministic, forward)
     rlse, rgrads = reference_grads(q, k, v, dout, causal, opts)
     for name, g, r, g80 in zip(("dq", "dk", "dv"), grads, rgrads, grads80):
         bad = ~torch.isfinite(g)
@@ -243,11 +255,12 @@ def test_deterministic_bitwise_and_correct(d, case):
 
 
 def test_unsupported_variants_raise_before_launching():
-    """Dropout is not this family's: variant_backward_plan raises ValueError naming the sm90 variant
-    backward (the dispatcher keeps it on sm80)."""
+    """Dropout with softcap or ALiBi is not this family's (not registered): variant_backward_plan
+    raises ValueError naming the sm90 variant backward (the dispatcher keeps it on sm80)."""
     from tileattn.kernels.attention_fwd_sm80 import VariantArgs
 
-    for d, va, det in ((128, VariantArgs(dropout_p=0.1), False), (64, VariantArgs(64, 0, 0.0, None, 0.2), False),
+    for d, va, det in ((128, VariantArgs(softcap=30.0, dropout_p=0.1), False),
+                       (64, VariantArgs(64, 0, 0.0, 0, 0.2), False),
                        (128, VariantArgs(64, 0, 30.0, None, 0.5), True)):
         q, k, v, dout = make(1, 2, 2, 64, 64, d, BF16, seed=1)
         out, lse = torch.empty_like(q), torch.empty(1, 2, 64, device="cuda")
@@ -256,11 +269,130 @@ def test_unsupported_variants_raise_before_launching():
                                         scale=d ** -0.5, deterministic=det, variants=va)
 
 
+# ---- dropout (kDropout) ----------------------------------------------------------------------------
+SEED_HI = 2**63 + 2**40 + 12345  # a 64-bit seed: both key words used
+OFFSET_HI = 3 * 2**32 + 17       # the offset's high word enters the key, the low one the counter
+
+
+def _dropout_opts(p, window=None, seed=SEED_HI, offset=OFFSET_HI):
+    opts = {"dropout_p": p, "seed": seed, "offset": offset}
+    if window is not None:
+        opts["window"] = window
+    return opts
+
+
+def _hopper_dropout_forward(d, dtype, causal, opts, b, h) -> bool:
+    """Whether attention_fwd_sm90.ForwardPlan runs this dropout call (its registered flag sets)."""
+    from tileattn.kernels import attention_fwd_sm90
+
+    q = torch.empty(b, h, 1, d, device="cuda", dtype=dtype)
+    return attention_fwd_sm90.supports_dropout(d, dtype, variant_args(q, causal, opts))
+
+
+@pytest.mark.parametrize("forward", ["dispatch", "sm90"])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dropout_dims_dtypes_gqa(d, dtype, causal, p, forward):
+    """Dropout alone (the window bit with unbounded edges; causal: right edge 0) after the dispatcher's
+    variant forward (tileattn.attention's) or the Hopper dropout forward: dq, dk, dv against float64
+    autograd of reference.attention with the same dropout_p / seed / offset (dropout_mask's mask)
+    and against the sm80 variant backward; MHA and GQA 4, Nq = 129 != Nk = 200 and Nq = 200 > Nk = 129."""
+    for h, hkv in ((2, 2), (4, 1)):
+        b = 2
+        opts = _dropout_opts(p)
+        q0 = torch.empty(b, h, 1, d, device="cuda", dtype=dtype)
+        assert _ab().supports_variants(d, dtype, variant_args(q0, causal, opts)), f"dropout d={d} should run here"
+        if forward == "sm90" and not _hopper_dropout_forward(d, dtype, causal, opts, b, h):
+            pytest.skip(f"no Hopper dropout forward registered for d={d} {dtype}")
+        for nq, nk in ((129, 200), (200, 129)):
+            q, k, v, dout = make(b, h, hkv, nq, nk, d, dtype, seed=d + h + nq)
+            check(q, k, v, dout, causal, opts, dtype,
+                  f"dropout p={p} d={d} {dtype} causal={causal} GQA {h}/{hkv} Nq={nq} Nk={nk} forward={forward}",
+                  forward=forward)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("window,causal", [((37, 5), False), ((64, -1), True), ((300, 0), False)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dropout_with_window(d, window, causal, p):
+    """Dropout with a sliding window (the walk visits only window_tiles; masked tiles' window masks
+    before the dropout), bf16, GQA 4, Nq = 300 != Nk = 400."""
+    q, k, v, dout = make(1, 4, 1, 300, 400, d, BF16, seed=d + window[0])
+    check(q, k, v, dout, causal, _dropout_opts(p, window), BF16, f"dropout p={p} d={d} window={window} causal={causal}")
+
+
+@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 1000), (31, 33), (127, 129), (129, 127), (1000, 1000), (4097, 4097)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dropout_lengths(d, nq, nk):
+    """Lengths around the 64 / 128-row tiles and 32-key Philox groups, one-query rows, 4097 (causal
+    bf16, p = 0.5, small seed / offset)."""
+    q, k, v, dout = make(1, 2, 1, nq, nk, d, BF16, seed=nq + 3 * nk)
+    check(q, k, v, dout, True, _dropout_opts(0.5, seed=7, offset=0), BF16, f"dropout d={d} Nq={nq} Nk={nk}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,nq", [(64, 60), (128, 100)])
+def test_dropout_mask_read_back_exactly(d, nq, causal):
+    """The backward's keep mask element for element: with dO[i, i] = 1 (one-hot rows), dV[j, i] =
+    P[i, j] keep[i, j] / (1 - p), so dv[..., :Nq] != 0 is the mask the kernel applied (P > 0 where
+    visible); it must equal dropout_mask at every visible (b, h, i, j) (MHA, 64-bit seed, p = 0.4,
+    atomic and deterministic)."""
+    b, h, nk, pdrop = 2, 2, 150, 0.4
+    q, k, v, _ = make(b, h, h, nq, nk, d, BF16, seed=4)
+    dout = torch.zeros(b, h, nq, d, device="cuda", dtype=BF16)  # [B, H, Nq, d]
+    dout[:, :, torch.arange(nq), torch.arange(nq)] = 1
+    opts = _dropout_opts(pdrop)
+    mask = dr.dropout_mask(SEED_HI, OFFSET_HI, b, h, nq, nk, pdrop, device="cuda")  # [B, H, Nq, Nk]
+    i = torch.arange(nq, device="cuda")[:, None]
+    visible = (torch.arange(nk, device="cuda")[None, :] <= i + nk - nq) if causal else torch.ones(
+        nq, nk, dtype=torch.bool, device="cuda")
+    for deterministic in (False, True):
+        grads = run(q, k, v, dout, causal, opts, deterministic)[2]
+        kept = (grads[2][..., :nq] != 0).transpose(-1, -2)  # [B, H, Nq, Nk]
+        bad = (kept != (mask & visible)).nonzero()
+        assert bad.shape[0] == 0, (f"d={d} causal={causal} deterministic={deterministic}: {bad.shape[0]} keep bits "
+                                   f"differ from dropout_mask, first (b, h, i, j) {bad[:4].tolist()}")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_dropout_seed_matters(d):
+    """The backward with the forward's seed matches; with another seed its gradients are far from the
+    float64 reference (so the comparisons above do see the mask)."""
+    q, k, v, dout = make(1, 2, 2, 256, 256, d, BF16, seed=d)
+    opts = _dropout_opts(0.5)
+    check(q, k, v, dout, False, opts, BF16, f"dropout d={d} same seed")
+    _, _, grads, _ = run(q, k, v, dout, False, {**opts, "seed": SEED_HI + 1})
+    _, rgrads = reference_grads(q, k, v, dout, False, opts)
+    e = rel_err(grads[2], rgrads[2])
+    assert e > 0.1, f"d={d}: dv with the forward of seed + 1 is within {e:.3e} of seed's reference: mask not used?"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dropout_deterministic_bitwise_and_correct(d, causal):
+    """deterministic=True with dropout: right against float64 autograd and bitwise equal over 3 runs
+    (GQA 4, Nq = 600 != Nk = 700)."""
+    q, k, v, dout = make(1, 4, 1, 600, 700, d, BF16, seed=d + 9)
+    opts = _dropout_opts(0.1)
+    first = check(q, k, v, dout, causal, opts, BF16, f"dropout deterministic d={d} causal={causal}",
+                  deterministic=True)
+    for rep in range(2):
+        again = run(q, k, v, dout, causal, opts, deterministic=True)[2]
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            diff = int((a != b).sum())
+            assert diff == 0, f"dropout deterministic d={d}: {name} differs from the first run in {diff} elements"
+
+
 # ---- small cases that compute-sanitizer re-runs -------------------------------------------------
 @pytest.mark.sanitize
 @pytest.mark.parametrize("d,case", [(128, "softcap_window"), (128, "alibi_window"), (64, "window_causal"),
-                                    (64, "window_softcap_alibi")])
+                                    (64, "window_softcap_alibi"), (128, "dropout_causal"), (64, "dropout")])
 def test_sanitize_small(d, case):
-    causal, options, s = CASES[case]
+    if case.startswith("dropout"):
+        causal, options, s = case.endswith("causal"), _dropout_opts(0.5), 1.0
+    else:
+        causal, options, s = CASES[case]
     q, k, v, dout = make(1, 2, 1, 130, 70, d, FP16, seed=11, scale_inputs=s)
     check(q, k, v, dout, causal, _opts(options, 1, 2), FP16, f"sanitize d={d} {case}")
