@@ -306,7 +306,8 @@ def tile_step(qt, dot, kt, vt, lse2_t, delta_t, n0: int, m0: int, nk: int, diag:
     when warpgroup 1 idles, else BLOCK_N. Checks that an unmasked tile needs no mask and that
     the idle upper warpgroup's keys are all hidden. `var` (causal False): the variant kernel's
     logits (softcap, the ALiBi bias with this head's `slope`), window masks and dS factor; `keep`
-    (dropout): bool [BLOCK_N, block_m], dV from P^T keep / (1 - p), dS^T = P^T (dP^T keep / (1 - p) - D)."""
+    (dropout): bool [BLOCK_N, block_m], dV from P^T keep (the caller scales the finished dV by 1 / (1 - p),
+    as the kernel's epilogue), dS^T = P^T (dP^T keep / (1 - p) - D)."""
     st = kt @ qt.T                                   # S^T [keys, queries]
     dpt = vt @ dot.T                                 # dP^T
     key = torch.arange(n0, n0 + BLOCK_N, dtype=torch.float64)[:, None]
@@ -333,8 +334,7 @@ def tile_step(qt, dot, kt, vt, lse2_t, delta_t, n0: int, m0: int, nk: int, diag:
         assert not hidden.any(), f"tile n0={n0} m0={m0} needs a mask but `masked` is false"
     pz = p
     if keep is not None:
-        z = keep.to(torch.float64) / (1.0 - var.dropout[2])
-        pz, dpt = p * z, dpt * z
+        pz, dpt = p * keep, dpt * keep / (1.0 - var.dropout[2])
     dst = p * (dpt - delta_t[None, :]) * dcap
     # Keys 64.. all hidden: warpgroup 1 idles, dQ reads only the first 64 keys.
     assert not upper_idle or bool(hidden[64:].all()), f"n0={n0} m0={m0}: keys 64.. are visible"
@@ -397,7 +397,8 @@ def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int, r
                     dq_acc[b, head, m0:m0 + block_m] += add_q
                 rows = min(BLOCK_N, nk - n0)
                 dk[b, hk, n0:n0 + rows] = scale * dk_blk[:rows]
-                dv[b, hk, n0:n0 + rows] = dv_blk[:rows]
+                dv_scale = 1.0 if var is None or var.dropout is None else 1.0 / (1.0 - var.dropout[2])
+                dv[b, hk, n0:n0 + rows] = dv_scale * dv_blk[:rows]
     return scale * dq_acc[:, :, :nq], dk, dv
 
 

@@ -370,23 +370,24 @@ __device__ __forceinline__ void dropout_tile_bits(u32 (&keep)[kBlockM / 64], con
     keep[j / 8] |= ((k_own << odd) | (k_other << (odd ^ 1))) << (4 * (j % 8));
   }
 }
-// Element i's dropped value: x / (1 - p) where kept, else 0 (a select: x may be inf where hidden).
+// Element i where kept, else 0 (a select, not a product: x may be inf where hidden). The factor
+// 1 / (1 - p) is not applied per element: dV's epilogue scales by it, and dS^T's pass folds it
+// into its FFMA (one FSEL per element and use, no FMUL).
 template <int kBlockM>
-__device__ __forceinline__ float dropout_apply(const u32 (&keep)[kBlockM / 64], int i, float x, float drop_scale) {
-  return (keep[i / 32] >> (i % 32)) & 1u ? x * drop_scale : 0.f;
+__device__ __forceinline__ float keep_select(const u32 (&keep)[kBlockM / 64], int i, float x) {
+  return (keep[i / 32] >> (i % 32)) & 1u ? x : 0.f;
 }
-// pack_acc of the dropped values (dropout_apply) of an m64 x kBlockM accumulator: dV's register-A
-// operand is the forward's dropped P^T while the fp32 P^T stays as it is for dS^T.
+// pack_acc of the kept values (keep_select) of an m64 x kBlockM accumulator: dV's register-A
+// operand is the forward's dropped P^T (up to 1 / (1 - p)) while the fp32 P^T stays for dS^T.
 template <int kBlockM, bool kIsBF16>
-__device__ __forceinline__ void pack_dropped(u32 (&a)[kBlockM / 16][4], const float (&d)[kBlockM / 2],
-                                             const u32 (&keep)[kBlockM / 64], float drop_scale) {
+__device__ __forceinline__ void pack_kept(u32 (&a)[kBlockM / 16][4], const float (&d)[kBlockM / 2],
+                                          const u32 (&keep)[kBlockM / 64]) {
 #pragma unroll
   for (int kk = 0; kk < kBlockM / 16; ++kk)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int i = 8 * kk + 2 * r;
-      a[kk][r] = pack2<kIsBF16>(dropout_apply<kBlockM>(keep, i, d[i], drop_scale),
-                                dropout_apply<kBlockM>(keep, i + 1, d[i + 1], drop_scale));
+      a[kk][r] = pack2<kIsBF16>(keep_select<kBlockM>(keep, i, d[i]), keep_select<kBlockM>(keep, i + 1, d[i + 1]));
     }
 }
 
@@ -841,7 +842,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
             if (masked) window_mask(sp, dp, false);  // dS^T = P^T (...) follows from the masked P^T
           }
           if constexpr (kDropped) {
-            pack_dropped<kBlockM, kIsBF16>(pf, sp, keep, var.drop_scale);  // sp keeps P^T for dS^T
+            pack_kept<kBlockM, kIsBF16>(pf, sp, keep);  // sp keeps P^T for dS^T
           } else if constexpr (!kSoftcapped) {
             pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
           }
@@ -855,7 +856,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
             for (int r = 0; r < 4; ++r) {
               if constexpr (kDropped) {  // dS^T = P^T (dropped dP^T - D), as the sm80 variant backward
                 const int i = 4 * j + r;
-                dp[i] = sp[i] * (dropout_apply<kBlockM>(keep, i, dp[i], var.drop_scale) - ((r & 1) ? dd.y : dd.x));
+                dp[i] = sp[i] * fmaf(keep_select<kBlockM>(keep, i, dp[i]), var.drop_scale, -((r & 1) ? dd.y : dd.x));
               } else {
                 dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
               }
@@ -893,7 +894,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                   float th;  // unused without softcap
                   const int i = 4 * j + r;
                   sp[i] = vprob(i, (r & 1) ? l2.y : l2.x, th);
-                  dp[i] = sp[i] * (dropout_apply<kBlockM>(keep, i, dp[i], var.drop_scale) - ((r & 1) ? dd.y : dd.x));
+                  dp[i] = sp[i] * fmaf(keep_select<kBlockM>(keep, i, dp[i]), var.drop_scale, -((r & 1) ? dd.y : dd.x));
                 } else if constexpr (kVariant != 0) {
                   float th;  // unused without softcap
                   sp[4 * j + r] = vprob(4 * j + r, (r & 1) ? l2.y : l2.x, th);
@@ -910,7 +911,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
               if (masked) window_mask(sp, dp, true);
             }
             if constexpr (kDropped) {
-              pack_dropped<kBlockM, kIsBF16>(pf, sp, keep, var.drop_scale);
+              pack_kept<kBlockM, kIsBF16>(pf, sp, keep);
             } else {
               pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
             }
@@ -977,7 +978,10 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
       u32 frag[kHeadDim / 16][4];
       pack_acc<kHeadDim / 16, kIsBF16>(frag, dk, scale);
       store_fragments<kBlockN, kHeadDim / 16>(sK, 64 * w, frag, warp, lane);
-      pack_acc<kHeadDim / 16, kIsBF16>(frag, dv, 1.f);
+      // Dropout: dV's operand held the kept P^T without 1 / (1 - p) (keep_select); the factor goes on here.
+      pack_acc<kHeadDim / 16, kIsBF16>(frag, dv, [&]() {
+        if constexpr (kDropped) return var.drop_scale; else return 1.f;
+      }());
       store_fragments<kBlockN, kHeadDim / 16>(sV, 64 * w, frag, warp, lane);
     }
     s9::fence_proxy_async();  // generic stmatrix writes -> async-proxy TMA store
