@@ -285,11 +285,15 @@ def _same_tiles(d, causal):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.skipif(HOPPER, reason="compares the sm80 varlen kernels with the sm80 dense ones bitwise")
-def test_equal_lengths_match_the_dense_kernels_bitwise(d, causal):
+def test_equal_lengths_match_the_dense_kernels_bitwise(d, causal, monkeypatch):
     """The dense sm80 launch layers (not tileattn.attention, whose dispatcher may pick the Hopper
-    kernel) on [B, N, H, d] data seen through transpose(1, 2), against varlen on the same memory."""
-    from tileattn.kernels import attention_bwd_sm80, attention_fwd_sm80
+    kernel) on [B, N, H, d] data seen through transpose(1, 2), against the sm80 varlen kernels on the
+    same memory (the dispatcher's Hopper varlen table emptied, and a fresh plan cache, for this test)."""
+    from tileattn import api_varlen
+    from tileattn.kernels import attention_bwd_sm80, attention_fwd_sm80, dispatch
+
+    monkeypatch.setattr(dispatch, "SM90_VARLEN_FORWARD", set())
+    monkeypatch.setattr(api_varlen, "_plans", {})
 
     b, n, h, hkv = 3, 300, 4, 2
     scale = 1 / math.sqrt(d)

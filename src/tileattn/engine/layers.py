@@ -8,14 +8,13 @@ attention is the only layer that needs to know where sequences begin and end (At
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tileattn.api_layers import add_rms_norm, norm_rotary_, norm_rotary_write_kv_cache_, silu_mul
+from tileattn.api_layers import add_rms_norm, norm_rotary_write_kv_cache_, silu_mul
 
 
 @dataclass
@@ -48,14 +47,6 @@ def paged_attention_ops(device: torch.device):
     from tileattn import reference
 
     return reference.attention_paged, reference.write_kv_cache
-
-
-def fuses_kv_write(device: torch.device) -> bool:
-    """Whether the layers write the KV cache inside the rotary launch (norm_rotary_write_kv_cache_)
-    or as a separate write_kv_cache launch after norm_rotary_ (bitwise the same result). The fused
-    kernel has not run on a GPU yet: on CUDA it is used only with TILEATTN_FUSED_KV_WRITE=1 (the
-    A/B of the next device run) until its GPU tests pass; the CPU path always fuses."""
-    return device.type != "cuda" or os.environ.get("TILEATTN_FUSED_KV_WRITE") == "1"
 
 
 class Linear(nn.Module):
@@ -166,7 +157,7 @@ class GatedMLP(nn.Module):
 
 class PagedAttention(nn.Module):
     """Self-attention: fused qkv projection, the optional per-head q/k RMSNorm (Qwen3), rotary and
-    the new k/v written into the paged cache (one launch, or two: fuses_kv_write), then attention
+    the new k/v written into the paged cache in one launch, then attention
     of the step's queries over each sequence's cached keys (prefill, chunked prefill and decode all
     take this one path).
 
@@ -186,11 +177,10 @@ class PagedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         # Set by the model runner: [num_blocks, block_size, Hkv, d] views of its one cache tensor,
-        # the (attention_paged, write_kv_cache) pair for the cache's device, and whether the cache
-        # write is fused into the rotary launch (fuses_kv_write).
+        # and the (attention_paged, write_kv_cache) pair for the cache's device (the cache write
+        # itself is fused into the rotary launch; only attention_paged is called here).
         self.k_cache = self.v_cache = None
         self.ops = None
-        self.fuse_kv_write = True
 
     def forward(self, rope, x, batch: AttentionBatch):  # rope: Rotary's (positions, cos, sin); x [T, hidden]
         tokens, d = x.shape[0], self.head_dim
@@ -201,20 +191,12 @@ class PagedAttention(nn.Module):
         positions, cos, sin = rope
         norm = self.q_norm is not None
         norm_args = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if norm else (None, None, 1e-6)
-        attention_paged, write_kv_cache = self.ops
-        if self.fuse_kv_write:
-            # One launch: q normalised (Qwen3) and rotated in place, k normalised and rotated straight
-            # into the paged cache with v beside it. k's columns of qkv are left unrotated; nothing
-            # below reads them (attention reads the cache).
-            norm_rotary_write_kv_cache_(q, k, v, self.k_cache, self.v_cache, batch.slot_mapping, positions, cos, sin,
-                                        *norm_args)
-        else:  # q and k heads as one [T, H + Hkv, d] view, rotated in place, then k and v written
-            qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.heads + self.kv_heads, d)
-            if norm:
-                norm_rotary_(qk, positions, cos, sin, self.heads, *norm_args)
-            else:
-                norm_rotary_(qk, positions, cos, sin)
-            write_kv_cache(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
+        # One launch: q normalised (Qwen3) and rotated in place, k normalised and rotated straight
+        # into the paged cache with v beside it. k's columns of qkv are left unrotated; nothing
+        # below reads them (attention reads the cache).
+        norm_rotary_write_kv_cache_(q, k, v, self.k_cache, self.v_cache, batch.slot_mapping, positions, cos, sin,
+                                    *norm_args)
+        attention_paged = self.ops[0]
         out = attention_paged(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
                               batch.seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k,
                               causal=True, scale=self.scale, window=self.window)  # [T, H, d]

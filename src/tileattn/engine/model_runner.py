@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .distributed import CMD_LOGITS, CMD_STEP, CMD_STOP, TensorParallel
-from .layers import AttentionBatch, PagedAttention, fuses_kv_write, paged_attention_ops
+from .layers import AttentionBatch, PagedAttention, paged_attention_ops
 from .loader import model_length_limit
 from .profiler import NULL
 from .sampler import Sampler, apply_top_k_top_p, top_logprobs
@@ -127,9 +127,9 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         if device.type == "cuda":
             _check_kernel_support(self.cfg.head_dim, self.block_size)
-        ops, fuse = paged_attention_ops(device), fuses_kv_write(device)
+        ops = paged_attention_ops(device)
         for layer in self.attention_layers:
-            layer.ops, layer.fuse_kv_write = ops, fuse
+            layer.ops = ops
         self.kv_heads = self.attention_layers[0].kv_heads  # this rank's
 
         self.num_blocks = self.tp.min_over_ranks(config.kv_cache_blocks or self._blocks_that_fit(config))
