@@ -80,12 +80,15 @@ SM90_VARIANT_BACKWARD: set[tuple[int, bool]] = set()
 # 0.992x the dense op as dispatched on the same work.
 SM90_VARLEN_FORWARD: set[tuple[int, bool]] = {(d, causal) for d in (64, 128, 256) for causal in (False, True)}
 SM90_VARLEN_BACKWARD: set[tuple[int, bool, bool]] = {(d, causal, False) for d in (64, 128) for causal in (False, True)}
-# Head dims whose paged prefill (attention_paged calls that attention_fwd_sm90.supports_paged accepts:
-# many query rows per sequence, no variants, no forced split) runs attention_fwd_sm90's paged layout
-# on sm_90a. Same device run; `tileattn bench decode` (512 queries after a 4096-key prefix, B=8, d=128)
-# measured 569-596 TFLOP/s at block_size 256 (0.89-0.90x the dense op) and 327-328 at block_size 16,
-# against 302-308 for the sm80 paged kernel.
-SM90_PAGED_PREFILL: set[int] = {64, 128, 256}
+# (head dim, block_size) whose paged prefill (attention_paged calls that attention_fwd_sm90.supports_paged
+# accepts: many query rows per sequence, no variants, no forced split) runs attention_fwd_sm90's paged
+# layout on sm_90a. Same device run; `tileattn bench decode` (512 queries after a 4096-key prefix, B=8,
+# d=128) measured 569-596 TFLOP/s at block_size 256 (0.89-0.90x the dense op) against 305-308 for the
+# sm80 paged kernel, but at block_size 16 only 327-328 against 302-305 (a 128-key block is eight
+# 16-row TMA boxes), and the engine's Qwen3-0.6B throughput (block_size 16, chunked prefill mixed
+# with decodes) fell from 25,296 to 18,852 output tok/s with it on (H200, de3f284, 22:00 UTC). So
+# block sizes of 64 and more only (64 and 128 unmeasured, by the box count: 2 and 1 per 128 keys).
+SM90_PAGED_PREFILL: set[tuple[int, int]] = {(d, bs) for d in (64, 128, 256) for bs in (64, 128, 256)}
 # Head dims and modes whose dropout backward runs the Hopper variant backward (attention_bwd_sm90's
 # dropout bit) when SM90_VARIANT_BACKWARD also lists them; empty until its GPU tests pass.
 SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = set()
@@ -97,6 +100,7 @@ UNMEASURED_SM90_TABLES = (
     (SM90_VARIANT_BACKWARD, {(d, det) for d in (64, 128) for det in (False, True)}),
     (SM90_DROPOUT_FORWARD, {64, 128, 256}),
     (SM90_DROPOUT_BACKWARD, {(d, det) for d in (64, 128) for det in (False, True)}),
+    (SM90_PAGED_PREFILL, {(d, bs) for d in (64, 128, 256) for bs in (16, 32)}),
 )
 
 
@@ -275,13 +279,14 @@ def paged_launch(q, k_cache, v_cache, block_table, *, max_seqlen_q: int, causal:
                  return_lse: bool, num_splits: int | None, variants=None):
     """The callable that runs attention_paged for these (already validated) tensors:
     `launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, alibi_slopes=...)` ->
-    (out, lse or None). The Hopper paged forward for prefill-shaped calls of the head dims in
-    SM90_PAGED_PREFILL on sm_90a, the sm80 paged kernel (split-KV, variants) otherwise."""
+    (out, lse or None). The Hopper paged forward for prefill-shaped calls whose (head dim,
+    block_size) SM90_PAGED_PREFILL lists on sm_90a, the sm80 paged kernel (split-KV, variants)
+    otherwise."""
     from ..runtime import device_arch
     from .attention_paged_sm80 import PagedLaunch
 
     head_dim = q.shape[2]
-    if (variants is None and num_splits in (None, 1) and head_dim in SM90_PAGED_PREFILL
+    if (variants is None and num_splits in (None, 1) and (head_dim, k_cache.shape[1]) in SM90_PAGED_PREFILL
             and device_arch(q.device.index) == "sm_90a"):
         from . import attention_fwd_sm90
 
