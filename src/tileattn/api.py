@@ -88,7 +88,8 @@ def attention(
         deterministic: make the backward pass bitwise reproducible (may be slower).
         Variants (keyword-only; docs/attention_variants.md). The forward runs the Hopper kernel's
         variant instantiations on sm_90a for d in {64, 128, 256} without dropout, the sm_80 variant
-        kernel otherwise; the backward runs the sm_80 variant kernels (every head dim). Without
+        kernel otherwise; the backward runs the Hopper variant backward on sm_90a for d in {64, 128}
+        without dropout and not deterministic, the sm_80 variant kernels otherwise. Without
         variants nothing changes.
         window: (left, right) ints >= -1 (-1: unbounded): query i sees keys j in
             [i + Nk - Nq - left, i + Nk - Nq + right] (with causal: right <= 0). Whole key blocks
