@@ -325,6 +325,13 @@ class _TmaOperands:
                 dst.copy_(src)
 
 
+def _zero_gradients(*grads) -> None:
+    """The gradients of a call with no work to launch (no query or no key at all): zeros."""
+    for g in grads:
+        if g.numel():
+            g.zero_()
+
+
 class BackwardPlan:
     """The three launches of one Hopper backward for tensors of fixed shapes, strides, dtype and
     device (arguments already validated by tileattn.api; same constructor and `launch` as
@@ -441,9 +448,7 @@ class BackwardPlan:
         them; ignored when no variant kernel runs). `events`: four torch.cuda.Events recorded before
         the preprocess, between the launches and after the convert (benchmark()'s breakdown)."""
         if self.empty:
-            for g in (dq, dk, dv):
-                if g.numel():
-                    g.zero_()
+            _zero_gradients(dq, dk, dv)
             return
         ws = torch.empty(self.ws_elems, dtype=torch.float32, device=self.device)
         sem = None
@@ -612,9 +617,7 @@ class BackwardVarlenPlan:
     def launch(self, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k) -> None:
         """The three launches (see the class) on torch's current stream; nothing synchronizes."""
         if self.empty:
-            for g in (dq, dk, dv):
-                if g.numel():
-                    g.zero_()
+            _zero_gradients(dq, dk, dv)
             return
         ws = torch.empty(self.ws_elems, dtype=torch.float32, device=self.device)
         lse2 = ws.data_ptr()

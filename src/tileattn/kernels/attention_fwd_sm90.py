@@ -301,17 +301,24 @@ def _scalar_args(batch: int, heads: int, kv_heads: int, geo: _Geometry, seqlen_q
             np.int32(seqlen_q), np.int32(seqlen_k), np.float32(scale * LOG2E))
 
 
+def _kernel_runs(head_dim: int, dtype, device) -> bool:
+    """The conditions every layout of this kernel shares: head_dim in HEAD_DIMS, dtype fp16/bf16 and,
+    when a device is given, a CUDA device of compute capability 9.0. Never raises."""
+    if head_dim not in HEAD_DIMS or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if device is not None:
+        device = torch.device(device)
+        return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    return True
+
+
 def supports(head_dim: int, dtype, *, device=None, seqlen_q: int | None = None, seqlen_k: int | None = None,
              batch: int | None = None, heads: int | None = None) -> bool:
     """Whether launch_forward_sm90 can run this call: head_dim in HEAD_DIMS, dtype fp16/bf16, and,
     when given, a device of compute capability 9.0, sequence lengths >= 0 and at most 2^30
     query tiles (ceil(seqlen_q / 128) * heads * batch, unpacked). Never raises."""
-    if head_dim not in HEAD_DIMS or dtype not in (torch.float16, torch.bfloat16):
+    if not _kernel_runs(head_dim, dtype, device):
         return False
-    if device is not None:
-        device = torch.device(device)
-        if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-            return False
     if (seqlen_q is not None and seqlen_q < 0) or (seqlen_k is not None and seqlen_k < 0):
         return False
     if None not in (seqlen_q, batch, heads) and -(-seqlen_q // BLOCK_M) * heads * batch > MAX_TILES:
@@ -516,12 +523,8 @@ def supports_varlen(head_dim: int, dtype, *, device=None, tensors=(), batch: int
     TMA can describe in place (16-byte aligned base, token and head strides multiples of 16 bytes,
     below 2^40 bytes; the plan cannot copy: it is launched with bare pointers), and at most 2^30
     query tiles (ceil(max_seqlen_q / 128) * heads * batch). Never raises."""
-    if head_dim not in HEAD_DIMS or dtype not in (torch.float16, torch.bfloat16):
+    if not _kernel_runs(head_dim, dtype, device):
         return False
-    if device is not None:
-        device = torch.device(device)
-        if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-            return False
     if any(t.dim() != 3 or (t.shape[0] > 0 and not _tma_ready(_packed_view(t))) for t in tensors):
         return False
     if None not in (batch, heads, max_seqlen_q) and -(-max_seqlen_q // BLOCK_M) * heads * batch > MAX_TILES:
@@ -641,20 +644,17 @@ def supports_paged(head_dim: int, dtype, *, block_size: int, max_seqlen_q: int, 
     that the sm80 kernel's split-KV fills the GPU better (this kernel has no split). With a device,
     compute capability 9.0; `tensors` (q [Tq, H, d], k_cache, v_cache, out) must be
     TMA-describable in place. Never raises."""
-    if head_dim not in HEAD_DIMS or dtype not in (torch.float16, torch.bfloat16):
+    if not _kernel_runs(head_dim, dtype, device):
         return False
     if block_size not in PAGED_BLOCK_SIZES or max_seqlen_q < MIN_PAGED_QUERIES or kv_heads < 1 or heads % kv_heads:
         return False
     if total_q is not None and total_q < MIN_PAGED_QUERIES * batch:
         return False
-    if device is not None:
-        device = torch.device(device)
-        if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-            return False
-        if min_tiles is None:
-            from ..runtime import device_sm_count
+    if device is not None and min_tiles is None:
+        from ..runtime import device_sm_count
 
-            min_tiles = device_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        device = torch.device(device)
+        min_tiles = device_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     pack = gqa_pack(heads, kv_heads, max_seqlen_q)
     tiles = -(-max_seqlen_q * pack // BLOCK_M) * (heads // pack) * batch
     if not (min_tiles or 132) <= tiles <= MAX_TILES:
