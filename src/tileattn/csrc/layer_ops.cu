@@ -110,6 +110,19 @@ __device__ __forceinline__ void rotate_row(const u16* src, const u16* w, const f
   }
 }
 
+// The row rotate_row produced: pair i of this lane (elements j = lane + 32 i and j + d/2) to dst.
+__device__ __forceinline__ void store_row(u16* dst, const u16 (&lo)[kRotaryMaxPairs], const u16 (&hi)[kRotaryMaxPairs],
+                                          int lane, int half) {
+#pragma unroll
+  for (int i = 0; i < kRotaryMaxPairs; ++i) {
+    const int j = lane + 32 * i;
+    if (j < half) {
+      dst[j] = lo[i];
+      dst[j + half] = hi[i];
+    }
+  }
+}
+
 }  // namespace layer_ops
 
 // ---- residual add + RMSNorm ------------------------------------------------------------------
@@ -197,14 +210,7 @@ __global__ void __launch_bounds__(256)
   u16 lo[kRotaryMaxPairs] = {}, hi[kRotaryMaxPairs] = {};
   rotate_row<kIsBF16, kNorm>(head, h < q_heads ? q_weight : k_weight, cos_table + p * head_dim,
                              sin_table + p * head_dim, lane, half, eps, lo, hi);
-#pragma unroll
-  for (int i = 0; i < kRotaryMaxPairs; ++i) {
-    const int j = lane + 32 * i;
-    if (j < half) {
-      head[j] = lo[i];
-      head[j + half] = hi[i];
-    }
-  }
+  store_row(head, lo, hi, lane, half);
 }
 
 // ---- the same, with the keys and values written into the paged KV cache -------------------------
@@ -247,14 +253,7 @@ __global__ void __launch_bounds__(256)
     u16* head = q + t * q_st + h * q_sh;
     rotate_row<kIsBF16, kNorm>(head, q_weight, cos_table + p * head_dim, sin_table + p * head_dim, lane, half, eps,
                                lo, hi);
-#pragma unroll
-    for (int i = 0; i < kRotaryMaxPairs; ++i) {
-      const int j = lane + 32 * i;
-      if (j < half) {
-        head[j] = lo[i];
-        head[j + half] = hi[i];
-      }
-    }
+    store_row(head, lo, hi, lane, half);
     return;
   }
   const int hk = h - q_heads;
@@ -276,14 +275,7 @@ __global__ void __launch_bounds__(256)
     }
   }
   u16* dst = k_cache + blk * kc_sb + off * kc_sr + hk * kc_sh;
-#pragma unroll
-  for (int i = 0; i < kRotaryMaxPairs; ++i) {
-    const int j = lane + 32 * i;
-    if (j < half) {
-      dst[j] = lo[i];
-      dst[j + half] = hi[i];
-    }
-  }
+  store_row(dst, lo, hi, lane, half);
   if (lane < (head_dim >> 3)) v_cache[blk * vc_sb + off * vc_sr + hk * vc_sh + lane] = v[t * v_st + hk * v_sh + lane];
 }
 
