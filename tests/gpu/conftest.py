@@ -7,6 +7,12 @@ import contextlib
 import pytest
 import torch
 
+# The Hopper kernels' tests: wgmma, TMA and setmaxnreg need a compute capability 9.0 GPU.
+requires_sm90 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the Hopper (sm_90a) kernels need a compute capability 9.0 GPU (H100/H200): wgmma, TMA, setmaxnreg",
+)
+
 
 @contextlib.contextmanager
 def poisoned_allocations():

@@ -21,16 +21,10 @@ import math
 import pytest
 import torch
 
-from .conftest import poisoned_allocations
+from .conftest import poisoned_allocations, requires_sm90
 from .test_attention_bwd import TOL, forward_reference, make_inputs, reference_grads, rel_err
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-        reason="the sm90 backward needs a compute capability 9.0 GPU (H100/H200): wgmma, TMA, setmaxnreg",
-    ),
-]
+pytestmark = [pytest.mark.gpu, requires_sm90]
 
 BF16, FP16 = torch.bfloat16, torch.float16
 

@@ -27,15 +27,9 @@ import torch
 from tileattn import dropout as dr
 from tileattn import reference
 
-from .conftest import poisoned_allocations
+from .conftest import poisoned_allocations, requires_sm90
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-        reason="the sm90 variant backward needs a compute capability 9.0 GPU (H100/H200): wgmma, TMA, setmaxnreg",
-    ),
-]
+pytestmark = [pytest.mark.gpu, requires_sm90]
 
 BF16, FP16 = torch.bfloat16, torch.float16
 F64 = torch.float64

@@ -26,16 +26,10 @@ import math
 import pytest
 import torch
 
-from .conftest import poisoned_allocations
+from .conftest import poisoned_allocations, requires_sm90
 from .test_attention_varlen import TOL_BWD, Case, offsets, rel_err, seed_of
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-        reason="the sm90 varlen backward needs a compute capability 9.0 GPU (H100/H200): wgmma, TMA, setmaxnreg",
-    ),
-]
+pytestmark = [pytest.mark.gpu, requires_sm90]
 
 BF16, FP16 = torch.bfloat16, torch.float16
 

@@ -25,13 +25,9 @@ import torch
 
 from tileattn import reference
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-        reason="the sm90 forward needs a compute capability 9.0 GPU (H100/H200): wgmma, TMA, setmaxnreg",
-    ),
-]
+from .conftest import requires_sm90
+
+pytestmark = [pytest.mark.gpu, requires_sm90]
 
 BF16, FP16 = torch.bfloat16, torch.float16
 TOL = {BF16: 1e-2, FP16: 2e-3}

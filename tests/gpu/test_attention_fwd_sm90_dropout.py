@@ -40,7 +40,7 @@ from tileattn.dropout import dropout_mask
 from tileattn.kernels import attention_fwd_sm90 as af
 from tileattn.kernels.attention_fwd_sm80 import VariantArgs
 
-from .conftest import poisoned_allocations
+from .conftest import poisoned_allocations, requires_sm90
 
 pytestmark = pytest.mark.gpu
 
@@ -49,13 +49,6 @@ TOL_FWD = {BF16: 1e-2, FP16: 2e-3}
 TOL_BWD = {BF16: 1e-2, FP16: 3e-3}
 ROW_TOL = {BF16: 1.2e-2, FP16: 4e-3}
 ATOL = 1e-3
-
-
-def _is_sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-needs_sm90 = pytest.mark.skipif(not _is_sm90(), reason="the Hopper forward needs a compute capability 9.0 GPU")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +193,7 @@ def kept_pattern(run, q, k, d):
 # ---------------------------------------------------------------------------------------------
 # the mask, read back exactly
 # ---------------------------------------------------------------------------------------------
-@needs_sm90
+@requires_sm90
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize(
@@ -224,7 +217,7 @@ def test_mask_is_dropout_mask_and_sm80s(d, dtype, b, h, hkv, nq, nk, causal, pac
     assert torch.equal(kept, kept80), f"{what}: the sm80 variant forward's mask differs in {int((kept != kept80).sum())}"
 
 
-@needs_sm90
+@requires_sm90
 def test_reruns_are_bitwise_equal_and_seeds_change_the_mask():
     b, h, nq, nk, d, p = 1, 2, 300, 300, 128, 0.5
     q, k, v, _ = make(b, h, h, nq, nk, d, BF16, seed=7)
@@ -240,7 +233,7 @@ def test_reruns_are_bitwise_equal_and_seeds_change_the_mask():
 # ---------------------------------------------------------------------------------------------
 # out and lse against the float64 reference
 # ---------------------------------------------------------------------------------------------
-@needs_sm90
+@requires_sm90
 @pytest.mark.parametrize("p", [0.17, 0.5, 0.9])
 @pytest.mark.parametrize("hkv", [4, 1], ids=["mha", "gqa4"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -255,7 +248,7 @@ def test_forward_matches_reference(d, dtype, causal, hkv, p):
                f"d={d} {dtype} causal={causal} GQA {h}/{hkv} p={p} Nq={nq} Nk={nk}")
 
 
-@needs_sm90
+@requires_sm90
 @pytest.mark.parametrize("p", [0.5, 0.9])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
@@ -267,7 +260,7 @@ def test_lengths(nq, nk, causal, p):
     check_case(q, k, v, causal, {}, p, (1 << 40) + nq, (1 << 33) + 4, BF16, f"Nq={nq} Nk={nk} causal={causal} p={p}")
 
 
-@needs_sm90
+@requires_sm90
 @pytest.mark.parametrize("pack_gqa", [True, False], ids=["packed", "unpacked"])
 @pytest.mark.parametrize("nq", [1, 5, 33, 129])
 @pytest.mark.parametrize("hkv", [1, 2])
@@ -304,7 +297,7 @@ def _composed_params():
     return out
 
 
-@needs_sm90
+@requires_sm90
 @pytest.mark.parametrize("d, dtype, case", _composed_params())
 def test_with_other_variants(d, dtype, case):
     causal, opts, scale_inputs = COMPOSED[case]
@@ -313,7 +306,7 @@ def test_with_other_variants(d, dtype, case):
     check_case(q, k, v, causal, options(opts, b, h), 0.3, 555, 12, dtype, f"d={d} {dtype} dropout + {case}")
 
 
-@needs_sm90
+@requires_sm90
 @pytest.mark.parametrize(
     "nq, nk, window, causal",
     [
@@ -336,7 +329,7 @@ def test_fully_masked_rows_and_windows(nq, nk, window, causal):
 # ---------------------------------------------------------------------------------------------
 # the sm_80 variant backward on this forward's out / lse (the pairing the dispatcher will make)
 # ---------------------------------------------------------------------------------------------
-@needs_sm90
+@requires_sm90
 @pytest.mark.parametrize("hkv", [4, 1], ids=["mha", "gqa4"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
@@ -369,7 +362,7 @@ def test_sm80_backward_on_this_forward(d, dtype, causal, hkv):
 # ---------------------------------------------------------------------------------------------
 # small cases for compute-sanitizer
 # ---------------------------------------------------------------------------------------------
-@needs_sm90
+@requires_sm90
 @pytest.mark.sanitize
 @pytest.mark.parametrize("d, nq, nk, causal, opts, pack_gqa", [
     (64, 33, 70, False, {}, None),

@@ -32,17 +32,12 @@ from tileattn import reference
 from tileattn.kernels import attention_fwd_sm80 as sm80
 from tileattn.kernels import attention_fwd_sm90 as sm90
 
+from .conftest import requires_sm90
 from .test_attention_paged import Case as PagedCase
 from .test_attention_paged import capture, check_padding
 from .test_attention_paged import check as check_paged
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-        reason="the sm90 forward needs a compute capability 9.0 GPU (H100/H200): wgmma, TMA, setmaxnreg",
-    ),
-]
+pytestmark = [pytest.mark.gpu, requires_sm90]
 
 BF16, FP16 = torch.bfloat16, torch.float16
 TOL = {BF16: 1e-2, FP16: 2e-3}
