@@ -19,8 +19,6 @@ so a keep bit of the backward that differs from the forward's shows up as a grad
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -28,13 +26,13 @@ from tileattn import dropout as dr
 from tileattn import reference
 
 from .conftest import poisoned_allocations, requires_sm90
+from .test_attention_variants import _opts, rel_err
 
 pytestmark = [pytest.mark.gpu, requires_sm90]
 
 BF16, FP16 = torch.bfloat16, torch.float16
 F64 = torch.float64
 TOL = {BF16: 1e-2, FP16: 3e-3}
-ATOL = 1e-3  # RMS floor per element (see tests/gpu/test_attention_bwd.py: gradients exactly 0 in exact math)
 
 
 def _ab():
@@ -58,12 +56,6 @@ def alibi(kind, b, h):
         return torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device="cuda", dtype=torch.float32)
     g = torch.Generator(device="cuda").manual_seed(b * 100 + h)
     return torch.rand(b, h, device="cuda", generator=g, dtype=torch.float32) * 0.5
-
-
-def rel_err(x, ref) -> float:
-    x, ref = x.double(), ref.double()
-    floor = ATOL * math.sqrt(max(ref.numel(), 1))
-    return float((x - ref).norm() / max(float(ref.norm()), floor))
 
 
 def variant_args(q, causal, opts):
@@ -136,14 +128,6 @@ def check(q, k, v, dout, causal, opts, dtype, what, deterministic=False, forward
         rows = grads[0][empty]
         assert (rows == 0).all(), f"{what}: dq of rows that see no key is not 0 (max {float(rows.abs().max()):.3g})"
     return grads
-
-
-def _opts(options, b, h):
-    options = dict(options)
-    kind = options.pop("alibi", None)
-    if kind is not None:
-        options["alibi_slopes"] = alibi(kind, b, h)
-    return options
 
 
 # (causal, options, input scale).

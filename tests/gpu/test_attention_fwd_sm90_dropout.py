@@ -41,6 +41,7 @@ from tileattn.kernels import attention_fwd_sm90 as af
 from tileattn.kernels.attention_fwd_sm80 import VariantArgs
 
 from .conftest import poisoned_allocations, requires_sm90
+from .test_attention_variants import rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -119,12 +120,6 @@ def run_sm80(q, k, v, causal, opts, p, seed, offset):
                 0 if sl is None else sl.data_ptr(), seed, offset)
     torch.cuda.synchronize()
     return out
-
-
-def rel_err(x, ref) -> float:
-    x, ref = x.double(), ref.double()
-    floor = ATOL * math.sqrt(max(ref.numel(), 1))
-    return float((x - ref).norm() / max(float(ref.norm()), floor))
 
 
 def check_forward(got, ref, dtype, what):
