@@ -18,9 +18,9 @@ bottom-right aligned), B=8, H/Hkv 32/32 and 32/8, block_size 16 and 256, against
 forward (tileattn.attention with Nq=512, Nk=4608) on the same work; TFLOP/s of useful FLOPs
 (each query row counts the keys it sees). The other prefill tiles of the paged kernel (the sm_80
 table's, when the arch's differs, and the family's tuning candidates) are timed on the same work
-through the launch layer (impl tileattn_paged_tile, the tile in its column); on sm_90a the Hopper
-paged prefill (attention_fwd_sm90's paged layout) through attention_paged with it forced on
-(impl tileattn_paged_sm90; api.hopper_kernels_forced), until the dispatcher takes it. SDPA is not
+through the launch layer (impl tileattn_paged_tile, the tile in its column). On sm_90a
+attention_paged runs the Hopper paged prefill at the block sizes dispatch.SM90_PAGED_PREFILL lists;
+at the others it is also timed forced on (impl tileattn_paged_sm90; api.hopper_kernels_forced). SDPA is not
 a peer there: its is_causal is aligned top-left, which is a different mask when Nq < Nk.
 
 Every output is compared with a peer's on the same data before timing (rel_err in the record).
@@ -182,6 +182,7 @@ def prefill_point(heads, kv_heads, block_sizes, reps, chunk=512, prefix=4096, ba
 
     from ..api_paged import attention_paged
     from ..api import hopper_kernels_forced
+    from ..kernels import dispatch
     from ..kernels.attention_paged_sm80 import PagedLaunch, pick_config
     from ..runtime import device_arch
 
@@ -212,11 +213,12 @@ def prefill_point(heads, kv_heads, block_sizes, reps, chunk=512, prefix=4096, ba
             call = functools.partial(attention_paged, q_packed, k_cache, v_cache, table, cu_q, seqlens, chunk, n_k)
             err = rel_err(call(), ref)
             t = measure(call, reps=reps, max_seconds=3.0, memory=False)
-            config = pick_config(HEAD_DIM, chunk * heads // kv_heads, device_arch())
+            hopper = (HEAD_DIM, bs) in dispatch.SM90_PAGED_PREFILL and device_arch() == "sm_90a"
+            config = "attention_fwd_sm90" if hopper else pick_config(HEAD_DIM, chunk * heads // kv_heads, device_arch())
             records.append(dict(base, impl="tileattn_paged", block_size=bs, status="ok", rel_err_vs_dense=err,
                                 config=str(config), tflops=flops / (t.median_ms * 1e-3) / 1e12,
                                 us=t.median_ms * 1e3, **t.as_dict()))
-            if device_arch() == "sm_90a":  # the Hopper paged prefill, not dispatched by default yet
+            if device_arch() == "sm_90a" and not hopper:  # the Hopper paged prefill where it is not dispatched
                 with hopper_kernels_forced():
                     err = rel_err(call(), ref)
                     t = measure(call, reps=reps, max_seconds=3.0, memory=False)

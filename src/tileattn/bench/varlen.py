@@ -7,14 +7,12 @@
 The workload (issue #10): B = 64 sequences with lengths drawn uniformly from [100, 4096] (seeded),
 causal, bf16, d = 128, H = Hkv = 32, forward and forward+backward. Implementations:
 - tileattn_varlen: `tileattn.api_varlen.attention_varlen` on the packed batch q [Tq, H, d], as
-  dispatched; on sm_90a also tileattn_varlen_sm90, the same call with the Hopper varlen kernels
-  forced on (`api.hopper_kernels_forced`), which the dispatcher takes once they are measured.
+  dispatched (the Hopper varlen kernels on sm_90a, the sm80 varlen entry points elsewhere).
 - tileattn_dense_sm80 / tileattn_dense: a dense [B', H, N, d] batch of the same total work
   (N = the root mean square of the lengths, rounded to a multiple of 64, B' chosen so that
-  B' * N(N+1)/2 is closest to the varlen batch's query-key pairs), through the sm80 launch layers
-  (the kernels the varlen entry points share their code with: varlen / dense_sm80 is the cost of
-  raggedness, target >= 0.95) and through `tileattn.attention` (whatever its dispatcher runs, the
-  Hopper forward at d = 128 on an H200).
+  B' * N(N+1)/2 is closest to the varlen batch's query-key pairs), through `tileattn.attention`
+  (whatever its dispatcher runs, the Hopper kernels at d = 128 on an H200: varlen / dense is the
+  cost of raggedness, target >= 0.95) and through the sm80 launch layers (for scale).
 - sdpa_<backend>: torch SDPA (flash, cudnn, efficient, each where it runs) on the padded batch
   [B, H, max_len, d] with is_causal (for Nq = Nk per sequence, top-left and bottom-right causal
   are the same mask, so its rows inside each sequence are the exact result; the padding rows are
@@ -29,7 +27,6 @@ Timing: tileattn.bench.harness.measure (CUDA events, L2 flushed before each repe
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 
 import torch
@@ -81,8 +78,8 @@ def _fwd_bwd(attn, inputs, dout):
 
 def _dense_records(base, lengths, heads, kv_heads, head_dim, dtype, causal, reps, gen) -> list[dict]:
     """A dense batch of the same work (dense_equivalent), fwd and fwd+bwd, twice: through
-    tileattn.attention (its dispatcher may pick the Hopper forward) and through the sm80 launch
-    layers the varlen kernels share their code with (the like-for-like ratio)."""
+    tileattn.attention (its dispatcher may pick the Hopper kernels: the ratio of the target) and
+    through the sm80 launch layers."""
     import tileattn
 
     from ..kernels import attention_bwd_sm80, attention_fwd_sm80
@@ -129,9 +126,7 @@ def _dense_records(base, lengths, heads, kv_heads, head_dim, dtype, causal, reps
 def run(lengths, heads, kv_heads, head_dim, dtype, causal, reps, seed) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from ..api import hopper_kernels_forced
     from ..api_varlen import attention_varlen
-    from ..runtime import device_arch
 
     batch, total, longest = len(lengths), sum(lengths), max(lengths)
     useful = 4.0 * head_dim * heads * sum(pairs(n, causal) for n in lengths)
@@ -148,28 +143,20 @@ def run(lengths, heads, kv_heads, head_dim, dtype, causal, reps, seed) -> list[d
     cu_seqlens = torch.tensor(cu, dtype=torch.int32, device="cuda")
     records = []
 
-    # tileattn varlen, as dispatched; on sm_90a also with the Hopper varlen kernels forced on (they
-    # are not in the dispatcher's tables until measured: kernels.dispatch.SM90_VARLEN_FORWARD)
+    # tileattn varlen, as dispatched (the Hopper varlen kernels on sm_90a)
     qv, kv, vv = (t.detach().requires_grad_() for t in (q, k, v))
 
     def varlen(q_, k_, v_):
         return attention_varlen(q_, k_, v_, cu_seqlens, cu_seqlens, longest, longest, causal=causal)
 
-    variants = [("tileattn_varlen", contextlib.nullcontext)]
-    if device_arch(q.device.index) == "sm_90a":
-        variants.append(("tileattn_varlen_sm90", hopper_kernels_forced))
-    ref = None
-    for impl, context in variants:
-        with context():
-            with torch.no_grad():
-                out = varlen(q, k, v)  # [Tq, H, d]
-                ref = out if ref is None else ref
-                rec = dict(base, impl=impl, mode="fwd", work_tflop=useful / 1e12, rel_err_vs_varlen=rel_err(out, ref))
-                rec.update(_timed(lambda: varlen(q, k, v), useful, reps))
-                records.append(rec)
-            rec = dict(base, impl=impl, mode="fwd+bwd", work_tflop=3.5 * useful / 1e12)
-            rec.update(_timed(_fwd_bwd(varlen, (qv, kv, vv), dout), 3.5 * useful, reps))
-            records.append(rec)
+    with torch.no_grad():
+        ref = varlen(q, k, v)  # [Tq, H, d]
+        rec = dict(base, impl="tileattn_varlen", mode="fwd", work_tflop=useful / 1e12)
+        rec.update(_timed(lambda: varlen(q, k, v), useful, reps))
+        records.append(rec)
+    rec = dict(base, impl="tileattn_varlen", mode="fwd+bwd", work_tflop=3.5 * useful / 1e12)
+    rec.update(_timed(_fwd_bwd(varlen, (qv, kv, vv), dout), 3.5 * useful, reps))
+    records.append(rec)
 
     records += _dense_records(base, lengths, heads, kv_heads, head_dim, dtype, causal, reps, gen)
 
@@ -235,23 +222,20 @@ def render(records: list[dict]) -> str:
             any_r = next(iter(passes.values()))
             label += f" (B={any_r['dense_b']}, N={any_r['dense_n']})"
         lines.append(f"| {label} | {cell(passes.get('fwd'))} | {cell(passes.get('fwd+bwd'))} |")
-    for name in ("tileattn_varlen", "tileattn_varlen_sm90"):
-        ours = table.get(name)
-        if ours is None:
-            continue
-        for p in ("fwd", "fwd+bwd"):
-            mine = ours.get(p, {}).get("tflops")
+    ours = table.get("tileattn_varlen", {})
+    for p in ("fwd", "fwd+bwd"):
+        mine = ours.get(p, {}).get("tflops")
 
-            def ratio(impl, p=p, mine=mine):
-                other = table.get(impl, {}).get(p, {}).get("tflops")
-                return mine / other if mine and other else None
+        def ratio(impl, p=p, mine=mine):
+            other = table.get(impl, {}).get(p, {}).get("tflops")
+            return mine / other if mine and other else None
 
-            peers = [r[p]["tflops"] for impl, r in table.items() if impl.startswith("sdpa") and p in r
-                     and r[p].get("status") == "ok"]
-            vs_sdpa = mine / max(peers) if mine and peers else None
-            lines.append(f"\n{name} {p}: / dense as dispatched {fmt_number(ratio('tileattn_dense'))} (target >= 0.95), "
-                         f"/ dense sm80 {fmt_number(ratio('tileattn_dense_sm80'))}, / best SDPA padded "
-                         f"{fmt_number(vs_sdpa)} (target > 1)")
+        peers = [r[p]["tflops"] for impl, r in table.items() if impl.startswith("sdpa") and p in r
+                 and r[p].get("status") == "ok"]
+        vs_sdpa = mine / max(peers) if mine and peers else None
+        lines.append(f"\n{p}: varlen / dense as dispatched {fmt_number(ratio('tileattn_dense'))} (target >= 0.95), "
+                     f"varlen / dense sm80 {fmt_number(ratio('tileattn_dense_sm80'))}, varlen / best SDPA padded "
+                     f"{fmt_number(vs_sdpa)} (target > 1)")
     return "\n".join(lines)
 
 
