@@ -320,3 +320,151 @@ class _device_of:
     def __exit__(self, *exc):
         if self.guard is not None:
             self.guard.__exit__(*exc)
+
+
+# ---- projections for small M (decode): csrc/gemv.cu ---------------------------------------------
+
+LINEAR_ACTIVATIONS = (None, "silu_mul")
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None) -> Tensor:
+    """y = act(x) @ weight^T (+ bias): a projection, optionally fused with the GatedMLP's SiLU(gate) * up.
+
+    Args:
+        x: [M, K], or [M, 2K] with activation="silu_mul" (gate = x[:, :K], up = x[:, K:], the
+            fused gate_up projection's output).
+        weight: [N, K] (nn.Linear's layout); bias: [N] or None. x, weight and bias share one
+            dtype and one device.
+        activation: None, or "silu_mul": act = round(silu(gate)) * up rounded to x's dtype,
+            exactly as `silu_mul` computes it.
+
+    Returns:
+        y [M, N], a new tensor of x's dtype: round(sum_k act[m, k] * W[n, k] + bias[n]) with fp32
+        accumulation (on CUDA 16-bit tensors; the order of the fp32 sum is the kernel's own).
+
+    Paths: the hand-written GEMV (csrc/gemv.cu; the activation computed once per block into shared
+    memory, the weights streamed once) for CUDA float16/bfloat16 with 1 <= M <=
+    kernels.dispatch.gemv_max_rows(device), K a multiple of 8, weight contiguous, x's rows
+    contiguous with 16-byte aligned rows and pointers, bias contiguous, and M * K * 4 bytes (the
+    activation kept as fp32 in shared memory) within the device's per-block shared memory.
+    Otherwise the composition `silu_mul(x)` (when asked) then torch.nn.functional.linear: any M
+    (0 included), device and float dtype. No sync and no allocation besides y: capturable by CUDA
+    graphs.
+
+    Raises:
+        ValueError (naming the argument, before anything runs): x not 2-D, weight not [N, K] with
+            x's K, bias not [N], dtypes or devices that differ, an unknown activation, an odd x
+            width with silu_mul; and, on the composition path, what `silu_mul` raises for a layout
+            its kernel cannot read (CUDA 16-bit with K not a multiple of 8).
+    """
+    if activation not in LINEAR_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {LINEAR_ACTIVATIONS}, got {activation!r}")
+    _check_2d("x", x)
+    if activation is not None and x.shape[1] % 2:
+        raise ValueError(f"x must be [M, 2K] = [gate | up] with activation={activation!r}, got an odd width "
+                         f"{x.shape[1]}")
+    dim = x.shape[1] // 2 if activation is not None else x.shape[1]
+    _check_projection(x, dim, weight, bias)
+    if _gemv_kernel_takes(x, dim, weight, bias):
+        from .kernels.gemv import PROLOGUE_NONE, PROLOGUE_SILU_MUL, launch_gemv
+
+        y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)  # [M, N]
+        with _device_of(x):
+            launch_gemv(PROLOGUE_SILU_MUL if activation else PROLOGUE_NONE, y, x, weight, bias)
+        return y
+    act = silu_mul(x) if activation is not None else x  # [M, K]
+    return torch.nn.functional.linear(act, weight, bias)
+
+
+def add_rms_norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
+                        bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The residual add, RMSNorm and the projection that reads it, as one kernel at small M:
+    `add_rms_norm(x, norm_weight, eps, residual)` then `linear(h, weight, bias)`.
+
+    Args:
+        x: [M, K]; residual: [M, K] or None; norm_weight: [K]; eps: the norm's epsilon;
+        weight: [N, K]; bias: [N] or None. One dtype, one device.
+
+    Returns:
+        (y [M, N], new_residual [M, K]): new_residual = round(x + residual) (x itself when residual
+        is None); h = norm_weight * round(s / sqrt(mean(s^2) + eps)) rounded, as `add_rms_norm`
+        computes it from s = new_residual; y = round(h @ weight^T + bias) with fp32 accumulation.
+
+    The residual is consumed: the composition path updates it in place (and returns it), the
+    kernel path leaves it untouched and returns a new tensor (every block of the kernel reads the
+    whole residual row, so none may overwrite it). Callers must use the returned new_residual and
+    not read `residual` afterwards.
+
+    Paths: the GEMV kernel with the add + norm as its prologue under linear's conditions (M <=
+    gemv_max_rows, K a multiple of 8 and at most 32768, contiguous 16-byte aligned rows, M * K * 4
+    bytes of shared memory available); otherwise the composition, any M, device and float dtype.
+    Capturable by CUDA graphs.
+
+    Raises:
+        ValueError (naming the argument, before anything runs): x or residual not 2-D, shapes that
+            disagree (residual not x's shape, norm_weight not [K], weight not [N, K], bias not
+            [N]), dtypes or devices that differ; on the composition path, what `add_rms_norm`
+            raises for a layout its kernel cannot read.
+    """
+    _check_2d("x", x)
+    dim = x.shape[1]
+    if residual is not None:
+        _check_2d("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have x's shape {list(x.shape)}, got {list(residual.shape)}")
+        _same("residual", residual, x)
+    if not isinstance(norm_weight, Tensor) or norm_weight.shape != (dim,):
+        raise ValueError(f"norm_weight must be [K] = [{dim}], got {_describe(norm_weight)}")
+    _same("norm_weight", norm_weight, x)
+    _check_projection(x, dim, weight, bias)
+    if (dim <= MAX_NORM_DIM and _gemv_kernel_takes(x, dim, weight, bias) and norm_weight.is_contiguous()
+            and norm_weight.data_ptr() % 16 == 0 and (residual is None or _rows_aligned(residual))):
+        from .kernels.gemv import PROLOGUE_ADD_RMS_NORM, launch_gemv
+
+        y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)  # [M, N]
+        new_residual = x if residual is None else torch.empty((x.shape[0], dim), dtype=x.dtype, device=x.device)
+        with _device_of(x):
+            launch_gemv(PROLOGUE_ADD_RMS_NORM, y, x, weight, bias, residual=residual, norm_weight=norm_weight,
+                        eps=float(eps), new_residual=None if residual is None else new_residual)
+        return y, new_residual
+    if residual is None:
+        h, new_residual = add_rms_norm(x, norm_weight, eps), x
+    else:
+        h, new_residual = add_rms_norm(x, norm_weight, eps, residual)
+    return torch.nn.functional.linear(h, weight, bias), new_residual
+
+
+def _check_projection(x: Tensor, dim: int, weight, bias) -> None:
+    """weight [N, dim] and bias [N] or None, in x's dtype and on x's device."""
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != dim:
+        raise ValueError(f"weight must be [N, K] with K = {dim} (x's), got {_describe(weight)}")
+    _same("weight", weight, x)
+    if bias is not None:
+        if not isinstance(bias, Tensor) or bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must be [N] = [{weight.shape[0]}] or None, got {_describe(bias)}")
+        _same("bias", bias, x)
+
+
+def _rows_aligned(t: Tensor) -> bool:
+    """Contiguous last dim, rows of whole 16-byte chunks, 16-byte aligned data pointer."""
+    return t.stride(-1) == 1 and (t.shape[0] <= 1 or t.stride(0) % 8 == 0) and t.data_ptr() % 16 == 0
+
+
+def _gemv_kernel_takes(x: Tensor, dim: int, weight: Tensor, bias) -> bool:
+    """Whether csrc/gemv.cu runs this (already checked) call: see `linear`."""
+    if not _on_kernel(x):
+        return False
+    from .kernels import dispatch
+
+    rows = x.shape[0]
+    if not 1 <= rows <= min(dispatch.gemv_max_rows(x.get_device()), dispatch.GEMV_KERNEL_MAX_ROWS):
+        return False
+    if dim % 8 or dim == 0 or weight.shape[0] == 0 or weight.shape[0] >= 2**31:
+        return False
+    if not (weight.is_contiguous() and weight.data_ptr() % 16 == 0 and _rows_aligned(x)):
+        return False
+    if bias is not None and not bias.is_contiguous():
+        return False
+    from .kernels.gemv import fits_shared_memory
+
+    return fits_shared_memory(rows, dim, x.get_device())

@@ -29,6 +29,8 @@ A forward plan is an object with `launch(q, k, v, out, lse)`; a backward plan on
 
 from __future__ import annotations
 
+import os
+
 from . import attention_bwd_sm80, attention_fwd_sm80
 
 # (head dim, causal) that the Hopper forward runs on sm_90a, by measurement (H200, bf16, B=4 H=32):
@@ -103,6 +105,36 @@ UNMEASURED_SM90_TABLES = (
     (SM90_DROPOUT_BACKWARD, {(d, det) for d in (64, 128) for det in (False, True)}),
     (SM90_PAGED_PREFILL, {(d, bs) for d in (64, 128, 256) for bs in (16, 32)}),
 )
+
+
+# Rows M up to which tileattn.linear / add_rms_norm_linear run the hand-written GEMV (csrc/gemv.cu)
+# instead of cuBLAS, by arch. 0 = off: the kernel has not yet run on a GPU; the lead fills the
+# table from `python -m tileattn.kernels.gemv` on the H200. Not in UNMEASURED_SM90_TABLES (those are
+# sets of keys that hopper_kernels_forced() fills; this is a number per arch): tests force the kernel
+# with GEMV_ROWS_OVERRIDE instead.
+GEMV_MAX_ROWS: dict[str, int] = {"sm_90a": 0, "sm_80": 0}
+GEMV_KERNEL_MAX_ROWS = 8  # the kernel's largest instantiation (kMaxM)
+# TILEATTN_GEMV_MAX_ROWS, read once at import, replaces the table on every arch (0 = kernel off):
+# the A/B switch for benchmarks. None when unset; a value that is not an integer in [0, 8] is kept
+# as its text and reported by gemv_max_rows.
+_GEMV_ENV = os.environ.get("TILEATTN_GEMV_MAX_ROWS")
+GEMV_ROWS_OVERRIDE: int | str | None = (
+    int(_GEMV_ENV) if _GEMV_ENV is not None and _GEMV_ENV.strip().isdigit() else _GEMV_ENV)
+
+
+def gemv_max_rows(device_index: int) -> int:
+    """Largest M for which the GEMV kernel runs on CUDA device `device_index` (0: never):
+    TILEATTN_GEMV_MAX_ROWS when set, else GEMV_MAX_ROWS for the device's arch (0 for an arch not
+    listed). Raises ValueError for a TILEATTN_GEMV_MAX_ROWS that is not an integer in [0, 8]."""
+    override = GEMV_ROWS_OVERRIDE
+    if override is not None:
+        if not isinstance(override, int) or not 0 <= override <= GEMV_KERNEL_MAX_ROWS:
+            raise ValueError(f"TILEATTN_GEMV_MAX_ROWS must be an integer in [0, {GEMV_KERNEL_MAX_ROWS}], "
+                             f"got {override!r}")
+        return override
+    from ..runtime import device_arch
+
+    return GEMV_MAX_ROWS.get(device_arch(device_index), 0)
 
 
 class _PointerPlan:

@@ -1,0 +1,146 @@
+"""tileattn.linear / add_rms_norm_linear on CPU: the composition path (what the engine's CPU runs
+and what tests/gpu/test_gemv.py compares the kernel with) against float64 formulas, the residual
+contract, the argument checks, and the GEMV family's registry entries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tileattn
+from tileattn import api_layers
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def silu_mul64(x):
+    gate, up = x.double().chunk(2, dim=-1)
+    return gate * torch.sigmoid(gate) * up
+
+
+def rms_norm64(s, weight, eps):
+    s = s.double()
+    return weight.double() * s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+
+
+# Tolerances: float32 keeps ~7 digits; the 16-bit paths round the activation (and h) once and the
+# output once: a few units of the dtype's 2^-8 (bf16) / 2^-11 (fp16) relative step over the norm.
+TOLS = [(torch.float32, 1e-5), (torch.bfloat16, 1.5e-2), (torch.float16, 2e-3)]
+
+
+@pytest.mark.parametrize("dtype, tol", TOLS)
+@pytest.mark.parametrize("rows, k, n", [(1, 8, 1), (3, 64, 33), (8, 1000, 129)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_float64(dtype, tol, rows, k, n, with_bias):
+    x, w = torch.randn(rows, k).to(dtype), (torch.randn(n, k) / k**0.5).to(dtype)
+    b = torch.randn(n).to(dtype) if with_bias else None
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert rel(tileattn.linear(x, w, b), ref) < tol
+
+
+@pytest.mark.parametrize("dtype, tol", TOLS)
+@pytest.mark.parametrize("rows, k, n", [(1, 8, 31), (4, 1000, 127)])
+def test_linear_silu_mul_matches_float64(dtype, tol, rows, k, n):
+    x, w = torch.randn(rows, 2 * k).to(dtype), (torch.randn(n, k) / k**0.5).to(dtype)
+    b = torch.randn(n).to(dtype)
+    y = tileattn.linear(x, w, b, activation="silu_mul")
+    assert y.shape == (rows, n) and y.dtype == dtype
+    assert rel(y, silu_mul64(x) @ w.double().T + b.double()) < tol
+    # Exactly the unfused steps on this path.
+    assert torch.equal(y, torch.nn.functional.linear(api_layers.silu_mul(x), w, b))
+
+
+@pytest.mark.parametrize("dtype, tol", TOLS)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_add_rms_norm_linear_matches_float64(dtype, tol, with_residual, with_bias):
+    rows, k, n = 3, 64, 33
+    x, r = torch.randn(rows, k).to(dtype), torch.randn(rows, k).to(dtype)
+    nw = (1 + 0.1 * torch.randn(k)).to(dtype)
+    w, b = (torch.randn(n, k) / k**0.5).to(dtype), torch.randn(n).to(dtype) if with_bias else None
+    residual = r.clone() if with_residual else None
+    y, new_residual = tileattn.add_rms_norm_linear(x, residual, nw, 1e-5, w, b)
+    s = x + r if with_residual else x  # the rounded sum
+    assert torch.equal(new_residual, s)
+    ref = rms_norm64(s, nw, 1e-5) @ w.double().T + (0 if b is None else b.double())
+    assert rel(y, ref) < tol
+    # The unfused steps, bit for bit.
+    h = api_layers.add_rms_norm(s, nw, 1e-5)
+    assert torch.equal(y, torch.nn.functional.linear(h, w, b))
+
+
+def test_add_rms_norm_linear_residual_contract():
+    """Composition path: the residual is updated in place and returned; None returns x itself."""
+    x, r = torch.randn(2, 16), torch.randn(2, 16)
+    nw, w = torch.ones(16), torch.randn(4, 16)
+    residual = r.clone()
+    _, new_residual = tileattn.add_rms_norm_linear(x, residual, nw, 1e-6, w)
+    assert new_residual is residual and torch.equal(residual, x + r)
+    _, new_residual = tileattn.add_rms_norm_linear(x, None, nw, 1e-6, w)
+    assert new_residual is x
+
+
+def test_empty_rows():
+    y = tileattn.linear(torch.randn(0, 8), torch.randn(5, 8))
+    assert y.shape == (0, 5)
+
+
+def test_kernel_not_chosen_off_cuda(monkeypatch):
+    """CPU tensors take the composition even with the GEMV forced on."""
+    from tileattn.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "GEMV_ROWS_OVERRIDE", 8)
+    x = torch.randn(1, 8, dtype=torch.bfloat16)
+    assert not api_layers._gemv_kernel_takes(x, 8, torch.randn(4, 8, dtype=torch.bfloat16), None)
+
+
+def test_gemv_max_rows_override(monkeypatch):
+    from tileattn.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "GEMV_ROWS_OVERRIDE", 4)
+    assert dispatch.gemv_max_rows(0) == 4
+    for bad in (9, "x", -1):
+        monkeypatch.setattr(dispatch, "GEMV_ROWS_OVERRIDE", bad)
+        with pytest.raises(ValueError, match="TILEATTN_GEMV_MAX_ROWS"):
+            dispatch.gemv_max_rows(0)
+    assert set(dispatch.GEMV_MAX_ROWS) == {"sm_90a", "sm_80"}
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: tileattn.linear(torch.randn(2, 3, 8), torch.randn(4, 8)), "x must be"),
+    (lambda: tileattn.linear(torch.randn(2, 8), torch.randn(4, 16)), "weight must be"),
+    (lambda: tileattn.linear(torch.randn(2, 8), torch.randn(4, 8, 1)), "weight must be"),
+    (lambda: tileattn.linear(torch.randn(2, 8), torch.randn(4, 8), torch.randn(5)), "bias must be"),
+    (lambda: tileattn.linear(torch.randn(2, 8), torch.randn(4, 8, dtype=torch.float64)), "weight is"),
+    (lambda: tileattn.linear(torch.randn(2, 8), torch.randn(4, 8), torch.randn(4, dtype=torch.float64)), "bias is"),
+    (lambda: tileattn.linear(torch.randn(2, 8), torch.randn(4, 8), activation="gelu"), "activation"),
+    (lambda: tileattn.linear(torch.randn(2, 9), torch.randn(4, 4), activation="silu_mul"), "odd width"),
+    (lambda: tileattn.linear(torch.randn(2, 16), torch.randn(4, 16), activation="silu_mul"), "weight must be"),
+    (lambda: tileattn.add_rms_norm_linear(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-6,
+                                          torch.randn(4, 8)), "residual must"),
+    (lambda: tileattn.add_rms_norm_linear(torch.randn(2, 8), torch.randn(2, 8, 1), torch.ones(8), 1e-6,
+                                          torch.randn(4, 8)), "residual must"),
+    (lambda: tileattn.add_rms_norm_linear(torch.randn(2, 8), None, torch.ones(9), 1e-6, torch.randn(4, 8)),
+     "norm_weight must"),
+    (lambda: tileattn.add_rms_norm_linear(torch.randn(2, 8), None, torch.ones(8, dtype=torch.float64), 1e-6,
+                                          torch.randn(4, 8)), "norm_weight is"),
+    (lambda: tileattn.add_rms_norm_linear(torch.randn(2, 8), None, torch.ones(8), 1e-6, torch.randn(4, 7)),
+     "weight must be"),
+    (lambda: tileattn.add_rms_norm_linear(torch.randn(2, 8), torch.randn(2, 8, dtype=torch.float16),
+                                          torch.ones(8), 1e-6, torch.randn(4, 8)), "residual is"),
+    (lambda: tileattn.add_rms_norm_linear(torch.randn(8), None, torch.ones(8), 1e-6, torch.randn(4, 8)),
+     "x must be"),
+])
+def test_bad_arguments_raise_before_running(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_device_mismatch_is_named():
+    meta = torch.randn(4, 8, device="meta")
+    with pytest.raises(ValueError, match="weight is"):
+        tileattn.linear(torch.randn(2, 8), meta)
+    with pytest.raises(ValueError, match="bias is"):
+        tileattn.linear(torch.randn(2, 8), torch.randn(4, 8), torch.randn(4, device="meta"))
