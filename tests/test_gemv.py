@@ -144,3 +144,30 @@ def test_device_mismatch_is_named():
         tileattn.linear(torch.randn(2, 8), meta)
     with pytest.raises(ValueError, match="bias is"):
         tileattn.linear(torch.randn(2, 8), torch.randn(4, 8), torch.randn(4, device="meta"))
+
+
+def test_registry_lists_every_instantiation_once():
+    """Two dtypes x three prologues x three M buckets, each a name the launcher builds."""
+    from tileattn import kernels
+    from tileattn.kernels import dispatch, gemv
+
+    fam = kernels.family("gemv")
+    assert fam.archs == ("sm_90a", "sm_80") and fam.path.exists()
+    assert len(set(fam.instantiations)) == len(fam.instantiations) == 2 * 3 * 3
+    for bf16 in (True, False):
+        for prologue in gemv.PROLOGUES:
+            for rows in range(1, 9):
+                assert fam.require(gemv.expression(bf16, prologue, gemv.bucket(rows)))
+    assert [gemv.bucket(m) for m in range(1, 9)] == [1, 4, 4, 4, 8, 8, 8, 8]
+    assert gemv.M_BUCKETS[-1] == dispatch.GEMV_KERNEL_MAX_ROWS
+
+
+def test_shared_memory_cap():
+    """The staged rows are M x K fp32: Llama's down projection (K = 14336) fits up to M = 4 in an
+    H200's 227 KB, so M = 5..8 there takes the composition."""
+    from tileattn.kernels import gemv
+
+    optin = 232448  # H200 per-block opt-in bytes
+    assert gemv.shared_memory_bytes(4, 14336) + gemv.STATIC_SMEM_BYTES <= optin
+    assert gemv.shared_memory_bytes(5, 14336) + gemv.STATIC_SMEM_BYTES > optin
+    assert gemv.shared_memory_bytes(8, 4096) + gemv.STATIC_SMEM_BYTES <= optin
