@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tileattn import reference
-from tileattn.dropout import check_window
+from tileattn.dropout import UNBOUNDED, check_window
 from tileattn.kernels import attention_paged_sm80 as paged
 
 LANES = np.arange(32)
@@ -102,7 +102,9 @@ def loader_copies(cfg, d, tid):
 
 
 def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
-    """One CTA of attention_paged_sm80<d, cfg...>; p holds the launch parameters and tensors."""
+    """One CTA of attention_paged_sm80<d, cfg...>; p holds the launch parameters and tensors.
+    Returns (S, the key tiles this CTA visited, the group's key tiles): S is the group's effective
+    split count min(num_splits, max(1, tiles)), the kernel's s_eff."""
     warps_m, warps_n, bm, bn = cfg.warps_m, cfg.warps_n, cfg.block_m, cfg.block_n  # stages: timing only
     threads = 32 * warps_m * warps_n
     chunks = d // 8
@@ -117,7 +119,7 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
     rows = nq * group
     row0 = m_tile * bm
     if row0 >= rows:
-        return
+        return 1, [], []  # no key tile: S = 1, and the CTA leaves after the prologue
     nk_read = min(nk, cap)
     diag = nk - nq
     first_tok, last_tok = row0 // group, (min(row0 + bm, rows) - 1) // group
@@ -132,7 +134,17 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
         first_tile = max(0, first_tok + diag - va["left"]) // bn
         n_unmasked_first = -(-max(0, last_tok + diag - va["left"]) // bn)
     tiles = -(-kv_end // bn)
-    visits = range(first_tile + split, tiles, p["splits"])  # strided splits, increasing tiles
+    s_eff = min(p["splits"], max(1, tiles - first_tile))
+    if split >= s_eff:
+        return s_eff, [], list(range(first_tile, tiles))  # an idle split: no load, partial or arrival
+    visits = range(first_tile + split, tiles, s_eff)  # strided splits, increasing tiles
+    if va is None or va["left"] >= UNBOUNDED:
+        # The prologue's block ids are read before the lengths, for tiles split + s num_splits; the
+        # kernel loads tiles split + s S with them: wherever such a tile is visible they must agree.
+        for s in range(cfg.stages - 1):
+            if first_tile + split + s * s_eff < tiles:
+                assert split + s * s_eff == split + s * p["splits"], (
+                    f"prologue tile {s} of split {split}: S={s_eff}, num_splits={p['splits']}")
     sl2 = p["scale_log2"] if va is None else 1.0  # variant logits are in log2 units already
     n_unmasked = unmasked_end // bn
     table = p["table"][b]
@@ -286,9 +298,10 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
                     row_lse = (st["shift"][mt, h, lane] + math.log2(total)) / LOG2E if total > 0 else -math.inf
                     cols = np.arange(d // 8) * 8 + 2 * T_OF[lane]
                     vals = st["o"][mt, :, lane, 2 * h : 2 * h + 2] * inv  # [d/8, 2]
-                    dst = out if p["splits"] == 1 else o_part[split]
+                    dst = out if s_eff == 1 else o_part[split]
                     dst[tok, head, cols], dst[tok, head, cols + 1] = vals[:, 0], vals[:, 1]
-                    (lse if p["splits"] == 1 else lse_part[split])[head, tok] = row_lse
+                    (lse if s_eff == 1 else lse_part[split])[head, tok] = row_lse
+    return s_eff, list(visits), list(range(first_tile, tiles))
 
 
 def model(case, cfg, splits, causal=True, variants=None):
@@ -313,22 +326,29 @@ def model(case, cfg, splits, causal=True, variants=None):
     lse_part = np.full((splits, heads, tq), np.nan)
     m_tiles = -(-max_q * group // cfg.block_m)
     for b in range(table.shape[0]):
+        nq = max(p["cu"][b + 1] - p["cu"][b], 0)
         for kv_head in range(kv_heads):
-            for split in range(splits):
-                for m_tile in range(m_tiles):
-                    run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part)
-    if splits > 1:  # the last split's combine (paged::combine_row)
-        for tok in range(p["cu"][-1]):
-            for head in range(heads):
-                ls = lse_part[:, head, tok]
-                mx = ls.max()
-                total = np.exp(ls - mx).sum() if mx > -np.inf else 0.0
-                row_lse = mx + math.log(total) if total > 0 else -math.inf
-                acc = np.zeros(d)
-                for s in range(splits):
-                    if ls[s] > -np.inf:
-                        acc += np.exp(ls[s] - row_lse) * o_part[s, tok, head]
-                out[tok, head], lse[head, tok] = acc, row_lse
+            for m_tile in range(m_tiles):
+                runs = [run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part)
+                        for split in range(splits)]
+                s_eff = runs[0][0]
+                assert all(r[0] == s_eff for r in runs), f"the CTAs of group {(b, kv_head, m_tile)} disagree on S"
+                seen = sorted(n for _, visits, _ in runs for n in visits)
+                assert seen == runs[0][2], f"group {(b, kv_head, m_tile)}, S={s_eff}: tiles visited {seen}"
+                if s_eff == 1:
+                    continue
+                # the S-th arrival's combine (paged::combine_row) over the group's rows, S partials
+                for r in range(m_tile * cfg.block_m, min((m_tile + 1) * cfg.block_m, nq * group)):
+                    tok, head = p["cu"][b] + r // group, kv_head * group + r % group
+                    ls = lse_part[:s_eff, head, tok]
+                    mx = ls.max()
+                    total = np.exp(ls - mx).sum() if mx > -np.inf else 0.0
+                    row_lse = mx + math.log(total) if total > 0 else -math.inf
+                    acc = np.zeros(d)
+                    for s in range(s_eff):
+                        if ls[s] > -np.inf:
+                            acc += np.exp(ls[s] - row_lse) * o_part[s, tok, head]
+                    out[tok, head], lse[head, tok] = acc, row_lse
     return out, lse
 
 
@@ -510,3 +530,22 @@ def test_model_variants(name, layout, splits):
         options["alibi_slopes"] = torch.rand(shape, generator=torch.Generator().manual_seed(layout)) * 0.5
     for causal in (True, False):
         check(case, paged.CONFIGS[64][layout], splits, causal, options)
+
+
+@pytest.mark.parametrize("splits", [2, 5, 128])
+@pytest.mark.parametrize("variant", [None, "window"])
+def test_model_effective_splits(splits, variant):
+    """A block table sized for far more keys than the lengths (an engine's decode graph): each
+    (M tile, KV head, sequence) group runs S = min(num_splits, max(1, tiles)) splits, the others
+    stay idle; S == 1 writes out directly, otherwise the combine reads S partials (the rest of
+    o_part / lse_part stays NaN here, so reading one more would show). Lengths around the 64-key
+    tile edges, one sequence without keys, a speculative run of 3 tokens; with a window the
+    group's tiles start past 0."""
+    seqs = [(1, 1), (1, 63), (1, 64), (1, 65), (1, 129), (3, 300), (1, 0)]
+    q, k_cache, v_cache, table, cu, seqlens, max_q = make_case(seqs, 8, 2, 64, 16, seed=300 + splits)
+    gen = torch.Generator().manual_seed(splits)
+    spare = torch.randint(-(2**31), 2**31 - 1, (len(seqs), 2048 // 16), generator=gen, dtype=torch.int64)
+    table = torch.cat([table, spare.to(torch.int32)], dim=1)  # capacity > 2k keys; entries past a length unused
+    options = None if variant is None else {"window": (70, 0)}
+    causal = variant is None
+    check((q, k_cache, v_cache, table, cu, seqlens, max_q), paged.CONFIGS[64][0], splits, causal, options)

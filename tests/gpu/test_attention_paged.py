@@ -296,6 +296,146 @@ def test_small_sanitize(num_splits):
 
 
 # ---------------------------------------------------------------------------------------------
+# Effective split count: a table sized for far more keys than the lengths (an engine's decode graph)
+# ---------------------------------------------------------------------------------------------
+# The host picks num_splits from the table's capacity; each (M tile, KV head, sequence) group runs
+# S = min(num_splits, max(1, its key tiles)) of them (splits >= S leave at once, S == 1 writes out
+# directly, the combine reads S partials, the S-th arrival resets the counter). Lengths around the
+# 16-key block and 64-key tile edges and long ones in one batch, a table for 32k keys (junk past
+# each length), query counts: decode (1), speculative (1..5: the 16- and 64-row tiles) and a chunk
+# of 40 (the 128-row tile at G = 4; rows of the chunk with no key in a short sequence).
+EFFECTIVE_LENGTHS = (1, 15, 16, 17, 31, 33, 64, 65, 127, 129, 1000, 4097)
+EFFECTIVE_QUERIES = {
+    "decode": (1,) * 12,
+    "spec": (1, 3, 1, 5, 2, 1, 4, 1, 3, 5, 1, 2),
+    "chunk": (1, 3, 1, 5, 40, 1, 4, 1, 3, 5, 40, 2),
+}
+
+
+def counters_nonzero(stream=None) -> int:
+    """Split-KV arrival counters left non-zero in the buffer of `stream` (default: the current one),
+    which a split launch on that stream has created: every launch must leave them 0."""
+    torch.cuda.synchronize()
+    device = torch.cuda.current_device()
+    raw = (stream or torch.cuda.current_stream()).cuda_stream
+    c = paged._counters.get((device, raw))
+    assert c is not None, "no split-KV counters for this stream: no split launch ran on it"
+    return int(torch.count_nonzero(c.tensor))
+
+
+@pytest.mark.parametrize("queries", list(EFFECTIVE_QUERIES))
+@pytest.mark.parametrize("num_splits", [None, 1, 2, 7, 32, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(32, 8), (8, 8)])  # GQA 4 (Llama-3-8B), MHA
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_effective_splits_with_a_large_table(head_dim, heads, kv_heads, num_splits, queries):
+    seqs = list(zip(EFFECTIVE_QUERIES[queries], EFFECTIVE_LENGTHS))
+    bs = 16
+    pages = -(-max(EFFECTIVE_LENGTHS) // bs)
+    case = Case(seqs, heads, kv_heads, head_dim, BF16, bs, pad=32768 // bs - pages,
+                seed=zlib.crc32(f"effective {head_dim} {heads} {kv_heads} {num_splits} {queries}".encode()))
+    assert case.block_table.shape[1] * bs == 32768
+    ref_out, ref_lse = case.reference()
+    first = None
+    for run in range(2):  # the second launch finds the counters the first one left
+        out, lse, launch = case.launch(num_splits=num_splits)
+        what = f"{queries} d={head_dim} H={heads}/{kv_heads} {launch.config} splits={launch.num_splits} run {run}"
+        if num_splits is not None:
+            assert launch.num_splits == num_splits, f"{what}: asked for {num_splits} splits"
+        check(case, out, lse, ref_out, ref_lse, what)
+        if launch.num_splits > 1:
+            left = counters_nonzero()
+            assert left == 0, f"{what}: {left} split-KV arrival counters left non-zero"
+        if first is None:
+            first = out, lse
+        else:  # the combine sums splits 0 .. S-1 in order: a rerun is bit-identical
+            assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), f"{what}: differs from run 0"
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("num_splits", [1, 7, 32])
+def test_effective_splits_small_sanitize(num_splits):
+    """Small version (also run under compute-sanitizer): a table for 2k keys, lengths of 1 tile,
+    2 tiles and a block edge; a speculative run; a sequence without keys."""
+    seqs = [(1, 1), (1, 17), (3, 65), (1, 0)]
+    case = Case(seqs, 8, 2, 64, FP16, 16, seed=17 + num_splits, pad=2048 // 16 - 5)
+    ref_out, ref_lse = case.reference()
+    for run in range(2):
+        out, lse, launch = case.launch(num_splits=num_splits)
+        check(case, out, lse, ref_out, ref_lse, f"small splits={launch.num_splits} run {run}")
+        if launch.num_splits > 1:
+            left = counters_nonzero()
+            assert left == 0, f"small splits={num_splits} run {run}: {left} arrival counters left non-zero"
+
+
+@pytest.mark.parametrize("shape", ["llama3_8b_b1", "mixed_b12"])
+def test_effective_splits_in_a_cuda_graph_as_lengths_change(shape):
+    """One decode launch captured in a CUDA graph for the table's capacity (automatic split count
+    for Llama-3-8B's B=1 shape, 32 forced splits for a mixed batch), replayed with lengths that
+    move the effective split count up and down: a long step first (every split writes a partial,
+    and the graph's workspace keeps them), then short ones, so a combine that read more than S
+    partials would pick up stale ones and differ from the reference. Counters are 0 at the end."""
+    bs, d = 16, 128
+    if shape == "llama3_8b_b1":
+        batch, heads, kv_heads, max_blocks, num_splits = 1, 32, 8, 8192 // bs, None
+        steps = [[288], [8000], [33], [1], [4097], [64], [65], [17]]
+    else:
+        batch, heads, kv_heads, max_blocks, num_splits = 12, 32, 8, 32768 // bs, 32
+        long = list(EFFECTIVE_LENGTHS)
+        steps = [long, [30000 - 7 * i for i in range(batch)], long[::-1], [1] * batch, long]
+    num_blocks = batch * max_blocks // 4 + 8  # shuffled blocks, shared between steps' tables
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    k_cache = torch.randn(num_blocks, bs, kv_heads, d, device="cuda", generator=gen).to(BF16)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, d, device="cuda", generator=gen).to(BF16)
+    q = torch.zeros(batch, heads, d, device="cuda", dtype=BF16)  # static inputs of the graph
+    table = torch.zeros(batch, max_blocks, device="cuda", dtype=torch.int32)
+    seqlens_k = torch.ones(batch, device="cuda", dtype=torch.int32)
+    cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+
+    def refill(step):
+        cpu = torch.Generator().manual_seed(1000 + step)
+        lengths = torch.tensor(steps[step], dtype=torch.int32)
+        # junk everywhere, then real blocks (random, repeating across sequences) below each length
+        junk = torch.randint(-(2**31), 2**31 - 1, (batch, max_blocks), generator=cpu, dtype=torch.int64)
+        real = torch.randint(0, num_blocks, (batch, max_blocks), generator=cpu, dtype=torch.int64)
+        used = torch.arange(max_blocks)[None, :] < (lengths[:, None] + bs - 1) // bs
+        table.copy_(torch.where(used, real, junk).to(torch.int32))
+        seqlens_k.copy_(lengths)
+        q.copy_(torch.randn(q.shape, generator=cpu).to(BF16))
+        return lengths.tolist()
+
+    refill(0)
+    launch = paged.PagedLaunch(q, k_cache, v_cache, table, max_seqlen_q=1, causal=True, scale=d**-0.5,
+                               return_lse=True, num_splits=num_splits)
+    if num_splits is None:
+        assert launch.num_splits > 8, f"B=1 decode of a {max_blocks * bs}-key table: {launch.num_splits} splits"
+    step = lambda: launch(q, k_cache, v_cache, table, cu_q, seqlens_k)  # noqa: E731
+    side, capture_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the kernel loaded and the side stream's counters made outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture_stream):  # its counters are born (zeroed) inside the graph
+        static_out, static_lse = step()
+    for step in range(1, len(steps)):
+        lengths = refill(step)
+        static_out.fill_(float("nan"))
+        static_lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = reference.attention_paged(q, k_cache, v_cache, table, cu_q, seqlens_k, 1,
+                                                     max_blocks * bs, return_lse=True, compute_dtype=torch.float64)
+        what = f"{shape} splits={launch.num_splits} replay {step} (lengths {lengths})"
+        assert not torch.isnan(static_out).any() and not torch.isnan(static_lse).any(), f"{what}: NaN"
+        err = rel_err(static_out, ref_out)
+        assert err <= TOL[BF16], f"{what}: relative error {err:.3e}"
+        diff = (static_lse.double() - ref_lse).abs().max().item()
+        assert diff <= 2e-3, f"{what}: lse differs by {diff:.3e}"
+    left = counters_nonzero(capture_stream)
+    assert left == 0, f"{shape}: {left} split-KV arrival counters left non-zero after the replays"
+
+
+# ---------------------------------------------------------------------------------------------
 # Rows past cu_seqlens_q[B] (token padding): exactly 0, lse -inf, written by the kernel
 # ---------------------------------------------------------------------------------------------
 PADDING_CASES = {

@@ -41,18 +41,29 @@
 //    a decode CTA would have one warp of math and three idle.
 //
 // ---- Split-KV ---------------------------------------------------------------------------------
-// Each (M tile, KV head, sequence) is split into num_splits CTAs over its key tiles: split s takes
-// tiles s, s + S, s + 2 S, ... (S = num_splits) below the device-side length (the variant kernels
-// with a window start at its first tile instead of 0: first_tile + s, ...). Strided rather than
-// contiguous ranges, so a split's first tiles do not depend on the length (their block-table
-// entries are read together with the lengths, see the prologue) and split sizes differ by at
-// most one tile. With num_splits == 1 the CTA writes out/lse directly; otherwise it writes its
-// normalised O (fp32) and its lse to o_part [S, Tq, H, d] / lse_part [S, Tq, H], arrives on its
-// group's counter, and the last CTA of the group to arrive merges them (paged::combine_row):
+// Each (M tile, KV head, sequence) group has num_splits CTAs in the grid (the host's count, from
+// the launch shape and the table's capacity: the grid never depends on the lengths). How many of
+// them work is decided on the device: a group whose rows meet `tiles` key tiles (after the length,
+// causal and window limits) runs S = min(num_splits, max(1, tiles)) splits (the effective count),
+// and split s takes tiles s, s + S, s + 2 S, ... (the variant kernels with a window start at its
+// first tile instead of 0: first_tile + s, ...). Every CTA of the group computes the same S from
+// the same device-side lengths (nothing in it depends on the split or the KV head). Splits >= S
+// leave right after reading the lengths: no Q or K/V load, no partial, no arrival (an engine's
+// decode graph is captured for its longest context, so at short lengths most of a group's CTAs
+// are such). Strided rather than contiguous ranges, so split sizes differ by at most one tile and
+// a split's first tile (s) does not depend on the length: its block-table entries are read
+// together with the lengths, see the prologue. With S == 1 the one CTA writes out/lse directly;
+// otherwise each of the S splits writes its normalised O (fp32) and its lse to
+// o_part [num_splits, Tq, H, d] / lse_part [num_splits, Tq, H] (rows 0 .. S - 1 used), arrives on
+// its group's counter, and the S-th CTA to arrive merges the S partials (paged::combine_row):
 //   L = log sum_s exp(lse_s),  O = sum_s exp(lse_s - L) O_s   (splits with lse_s = -inf weigh 0).
-// An empty split (a short sequence under a grid sized for the table's capacity) writes lse -inf.
+// Why min(num_splits, tiles) and not fewer (say two tiles per split): a short decode is a chain of
+// dependent latencies, not bytes, and one tile per split is the shortest chain per CTA; and with
+// this rule S < num_splits only when every split has at most one tile, so the prologue's second
+// and later tiles (s + S, ...) are past the length whenever S differs from num_splits and the
+// block ids read before the lengths (for tiles s + i num_splits) stay exact.
 // One launch, no second kernel: the combine of a group overlaps the other groups' key loops.
-//
+
 // ---- Memory pipeline ----------------------------------------------------------------------------
 // Decode reads K and V once and does G FLOPs per byte of them (G = H / Hkv): it is bound by HBM
 // bandwidth, so the design goal is bytes in flight. Each K/V tile is kBlockN keys x d, loaded with
@@ -138,7 +149,7 @@ __device__ __forceinline__ int arrive_acq_rel(int* counter) {
 // Which keys a CTA visits. Keys [0, kv_end) are visible to some row of the M tile; keys below
 // unmasked_end are visible to every row (no causal or length mask needed there).
 struct KeyRange {
-  int kv_end, unmasked_end, n_iter;  // the CTA visits tiles first_tile + split + i * num_splits, i < n_iter
+  int kv_end, unmasked_end, n_iter;  // the CTA visits tiles first_tile + split + i * S, i < n_iter
 };
 
 constexpr int kMaxSplits = 128;  // splits the combine handles (the host caps num_splits)
@@ -244,17 +255,19 @@ __device__ __forceinline__ void zero_padding_rows(u16* out, float* lse, int firs
 // The body of both entry points below. Strides in elements; bt_stride = block_table.stride(0);
 // block_size = 1 << log2_block_size (16..256); group = H / Hkv; causal is 0 or 1 (a runtime flag:
 // decode needs no mask at all, so it costs nothing there). When num_splits > 1, o_part/lse_part
-// take the partials and `counters` (int32 [M tiles * Hkv * B], zero at launch, zero again at the
-// end) counts each group's arrivals; lse may be null.
+// take the partials of the groups whose effective split count S (see the header) is > 1, and
+// `counters` (int32 [M tiles * Hkv * B], zero at launch, zero again at the end) counts each such
+// group's arrivals; lse may be null.
 // kVariants (common/variants.cuh; the plain entry point passes false and Variants{}, and every
 // variant line is under `if constexpr`, so the plain kernels keep their code): window, softcap and
 // ALiBi from `va`, each a run-time, CTA-uniform choice; causal is the window's right edge 0 (the
 // host passes causal = 0). Query token i of a sequence with nq queries and nk keys sits at key
 // position i + nk - nq. The CTA visits only the key tiles that meet the union of its rows' windows
 // [window_lo(first token), window_hi(last token)] (windows move monotonically with the token), so a
-// sliding window costs O(window) per CTA in decode and prefill alike; a split takes every
-// num_splits-th of those tiles. Scores become log2-unit logits right after S = Q K^T (softcap or
-// scale, the ALiBi bias, -inf outside the row's window) and the online softmax runs with scale 1.
+// sliding window costs O(window) per CTA in decode and prefill alike; a split takes every S-th of
+// those tiles (S: the effective split count, see the header). Scores become log2-unit logits right
+// after Q K^T (softcap or scale, the ALiBi bias, -inf outside the row's window) and the online
+// softmax runs with scale 1.
 template <int kHeadDim, int kBlockM, int kWarpsM, int kWarpsN, int kBlockN, int kStages, bool kIsBF16,
           bool kVariants>
 __device__ __forceinline__ void attention_paged_body(
@@ -319,10 +332,13 @@ __device__ __forceinline__ void attention_paged_body(
   const int* const bt_row = block_table + static_cast<int64_t>(b) * bt_stride;
 
   // ---- Block ids of the prologue's tiles, read before the lengths --------------------------------
-  // Split s visits tiles s, s + S, s + 2 S, ... whatever the lengths, so the table entries of its
-  // first kStages - 1 tiles (this thread's loader rows' block) are known now: reading them together with
-  // the lengths takes one dependent global round trip (~1 us after an L2 miss) off the path to the
-  // first K/V load. Only entries inside the table row (keys below its capacity) are read; whether a
+  // Split s visits tiles s, s + S, s + 2 S, ...; S (the effective split count) needs the lengths,
+  // but wherever S < num_splits a split has at most one tile (see the header), so the tiles
+  // s + i num_splits name every prologue tile that can be visible: their table entries (this
+  // thread's loader rows' block) are known now, and reading them together with the lengths takes
+  // one dependent global round trip (~1 us after an L2 miss) off the path to the first K/V load.
+  // (A split that turns out to be idle has read kStages - 1 table entries in that same round trip,
+  // and waits for nothing else.) Only entries inside the table row (keys below its capacity) are read; whether a
   // key is visible is decided once the lengths are known. (Variants: with a window's left edge the
   // first tile depends on the lengths, so those launches read these entries after them, in the
   // loader; softcap / ALiBi alone start at tile 0 like the plain kernel.)
@@ -353,6 +369,7 @@ __device__ __forceinline__ void attention_paged_body(
   const int nk_read = min(nk, max_blocks << log2_block_size);  // never past the block table
   const int diag = nk - nq;             // token i sees keys j <= i + diag
   KeyRange kr;
+  int s_eff;                 // S: the splits of this group that work, the same in all its CTAs
   int first_tile = 0;        // variants: the first tile that meets a row's window (plain: 0)
   int n_unmasked_first = 0;  // variants: tiles below this hold keys before some row's window
   {
@@ -368,8 +385,18 @@ __device__ __forceinline__ void attention_paged_body(
       kr.kv_end = !live ? 0 : causal ? max(0, min(nk_read, last_tok + diag + 1)) : nk_read;
       kr.unmasked_end = !live ? 0 : causal ? max(0, min(nk_read, first_tok + diag + 1)) : nk_read;
     }
+    // Key tiles some row of the group sees (< 0 when a window lies past the table's capacity).
     const int tiles = (kr.kv_end + kBlockN - 1) / kBlockN - first_tile;
-    kr.n_iter = tiles > split ? (tiles - 1 - split) / num_splits + 1 : 0;
+    s_eff = min(num_splits, max(1, tiles));
+    kr.n_iter = tiles > split ? (tiles - 1 - split) / s_eff + 1 : 0;
+  }
+  // A split past S has no tile and no part in the combine: it only takes its share of the padding
+  // rows (the share is per CTA of the grid) and leaves, with no Q or K/V load, no partial and no
+  // arrival (the S-th arrival resets the group's counter, so counters still end at zero).
+  if (split >= s_eff) {
+    if (q_total < num_tokens)
+      zero_padding_rows<kHeadDim, kThreads>(out, lse, max(q_total, 0), num_tokens, heads);
+    return;
   }
   const int n_iter = kr.n_iter;
   // The variant kernels' scores are log2-unit logits already when the softmax sees them.
@@ -430,9 +457,9 @@ __device__ __forceinline__ void attention_paged_body(
     // Entries [first, last] of the table row, from the first tile the main loop reads to the last
     // key this split visits (the other splits' entries in between come along: a few 128-byte
     // lines): addresses 128 B apart (the last one clamped) touch every line of the slice once.
-    const int first = ((first_tile + split + (kStages - 1) * num_splits) * kBlockN) >> log2_block_size;
+    const int first = ((first_tile + split + (kStages - 1) * s_eff) * kBlockN) >> log2_block_size;
     const int last =
-        (min((first_tile + split + (n_iter - 1) * num_splits + 1) * kBlockN, kr.kv_end) - 1) >> log2_block_size;
+        (min((first_tile + split + (n_iter - 1) * s_eff + 1) * kBlockN, kr.kv_end) - 1) >> log2_block_size;
     for (int e = first + 32 * tid; e < last + 32; e += 32 * kThreads) prefetch_l2(bt_row + min(e, last));
   }
   for (int id = tid; id < kBlockM * kChunks; id += kThreads) {
@@ -451,8 +478,10 @@ __device__ __forceinline__ void attention_paged_body(
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     // Unconditional (s >= n_iter: keys past kv_end, zero-filled, nothing read), so the block-id
-    // loads feed an unconditional use and are issued with the length loads.
-    bad_slots |= static_cast<unsigned>(load_tile(first_tile + split + s * num_splits, s, pre_id[s])) << s;
+    // loads feed an unconditional use and are issued with the length loads. pre_id[s] is the
+    // entry of tile split + s num_splits: the same tile when S == num_splits; otherwise s == 0
+    // (tile `split` either way) or the tile is past kv_end and its id unused.
+    bad_slots |= static_cast<unsigned>(load_tile(first_tile + split + s * s_eff, s, pre_id[s])) << s;
     cp_async_commit();  // empty groups keep "tile it has landed" = wait_group(kStages - 2)
   }
   // Padding rows (past cu_seqlens_q[B]): every CTA its share, while its first tiles land.
@@ -498,7 +527,7 @@ __device__ __forceinline__ void attention_paged_body(
 
   // ---- Main loop over this split's key tiles: first_tile + split, + S, ... ------------------------
   for (int it = 0; it < n_iter; ++it) {
-    const int n = first_tile + split + it * num_splits;
+    const int n = first_tile + split + it * s_eff;
     const int stage = it % kStages;
     cp_async_wait<kStages - 2>();  // tile `it` (and Q) landed for this thread
     // ... for all threads, all warps are done with tile it - 1, and the CTA learns whether tile
@@ -508,7 +537,7 @@ __device__ __forceinline__ void attention_paged_body(
       const int pf = it + kStages - 1;  // prefetch into the slot tile it - 1 used
       if (pf < n_iter) {
         const int ps = pf % kStages;
-        const bool bad = load_tile(first_tile + split + pf * num_splits, ps, kReadTable);
+        const bool bad = load_tile(first_tile + split + pf * s_eff, ps, kReadTable);
         bad_slots = (bad_slots & ~(1u << ps)) | (static_cast<unsigned>(bad) << ps);
       }
       cp_async_commit();
@@ -750,7 +779,7 @@ __device__ __forceinline__ void attention_paged_body(
       const float inv = l > 0.f ? 1.f / l : 0.f;  // l == 0 <=> the row saw no key: O = 0
       const float row_lse = l > 0.f ? (row_shift[mt][h] + log2f(l)) * kLn2 : neg_inf();
       const int64_t row_id = static_cast<int64_t>(tok) * heads + head;  // row of [Tq * H]
-      if (num_splits == 1) {
+      if (s_eff == 1) {
         u16* const o_row = out + row_id * kHeadDim;
 #pragma unroll
         for (int db = 0; db < kDBlocks; ++db)
@@ -767,7 +796,7 @@ __device__ __forceinline__ void attention_paged_body(
         if (t == 0) lse_part[part_row] = row_lse;
       }
     }
-  if (num_splits == 1) return;
+  if (s_eff == 1) return;
 
   // ---- Split-KV: the last split of this (M tile, KV head, sequence) to finish combines ---------
   // Each split publishes its partials with one arrival per CTA on the group's counter: the barrier
@@ -783,13 +812,13 @@ __device__ __forceinline__ void attention_paged_body(
   int* const counter = counters + (static_cast<int64_t>(b) * (gridDim.y / num_splits) + kv_head) * gridDim.x + m_tile;
   int arrived = 0;
   if (tid == 0) arrived = arrive_acq_rel(counter) + 1;
-  if (!__syncthreads_or(arrived == num_splits)) return;
-  if (tid == 0) *counter = 0;  // all num_splits arrivals of this launch are in
+  if (!__syncthreads_or(arrived == s_eff)) return;
+  if (tid == 0) *counter = 0;  // all S arrivals of this launch are in
   const int row_end = min(row0 + kBlockM, rows);
   for (int r = row0 + warp; r < row_end; r += kWarps) {
     const int tok = q_start + r / group;
     if (tok < 0 || tok >= num_tokens) continue;
-    combine_row<kHeadDim, kIsBF16>(o_part, lse_part, out, lse, num_tokens, heads, num_splits, tok,
+    combine_row<kHeadDim, kIsBF16>(o_part, lse_part, out, lse, num_tokens, heads, s_eff, tok,
                                    kv_head * group + r % group, lane);
   }
 }
