@@ -1,0 +1,266 @@
+"""GPU tests of the small-M GEMV (csrc/gemv.cu through tileattn.linear / add_rms_norm_linear),
+the kernel path forced on (kernels.dispatch.GEMV_ROWS_OVERRIDE = 8) and checked three ways:
+- against float64 from the same rounded input rows (what the unfused op stores): only y's own
+  rounding remains, so ||y - ref|| / ||ref|| <= the dtype's unit roundoff (2^-8 bf16, 2^-11 fp16);
+- against float64 from the raw x (the formulas end to end), with layer_ops' tolerances;
+- against the composition path (silu_mul / add_rms_norm kernels, then cuBLAS) elementwise to one
+  unit in the last place: the inputs are bit for bit the same and only the order of the fp32 sum
+  differs, which moves y by at most one rounding step.
+Outputs are poisoned (NaN) before every launch; every case asserts that the kernel path ran."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tileattn
+from tileattn import api_layers
+from tileattn.kernels import dispatch
+from tileattn.kernels import gemv as gemv_kernels
+
+from ..test_gemv import rel, rms_norm64, silu_mul64
+from .conftest import poisoned_allocations
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.bfloat16, torch.float16]
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+END_TO_END_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # tests/gpu/test_layer_ops.py's
+PROLOGUES = ("none", "silu_mul", "add_rms_norm")
+EPS = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def kernel_forced(monkeypatch):
+    monkeypatch.setattr(dispatch, "GEMV_ROWS_OVERRIDE", 8)
+    # cuBLAS may otherwise reduce split-K partials in 16 bits: the composition would then be off
+    # by more than the one rounding it is compared at.
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction", False)
+
+
+class Case:
+    """Inputs of one call: x [M, K] ([M, 2K] with silu_mul), weight [N, K], bias [N] or None,
+    residual [M, K] or None and norm_weight [K] (add_rms_norm)."""
+
+    def __init__(self, prologue, rows, k, n, dtype, *, bias=True, residual=True, scale=1.0, seed=0):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.prologue, self.dtype = prologue, dtype
+
+        def randn(*shape):
+            return torch.randn(*shape, device="cuda", generator=g)
+
+        width = 2 * k if prologue == "silu_mul" else k
+        self.x = (scale * randn(rows, width)).to(dtype)
+        self.weight = (randn(n, k) / k**0.5).to(dtype)
+        self.bias = randn(n).to(dtype) if bias else None
+        norm = prologue == "add_rms_norm"
+        self.residual = randn(rows, k).to(dtype) if norm and residual else None
+        self.norm_weight = (1 + 0.1 * randn(k)).to(dtype) if norm else None
+
+    def call(self, residual="copy"):
+        """(y, new_residual) through the public API; the residual passed is a copy (consumed)."""
+        if self.prologue == "add_rms_norm":
+            r = None if self.residual is None else (self.residual.clone() if residual == "copy" else residual)
+            return tileattn.add_rms_norm_linear(self.x, r, self.norm_weight, EPS, self.weight, self.bias)
+        activation = "silu_mul" if self.prologue == "silu_mul" else None
+        return tileattn.linear(self.x, self.weight, self.bias, activation=activation), None
+
+    def kernel_takes(self) -> bool:
+        dim = self.weight.shape[1]
+        return api_layers._gemv_kernel_takes(self.x, dim, self.weight, self.bias)
+
+    def rounded_input(self):
+        """The 16-bit rows the unfused op stores (the kernel's shared-memory rows)."""
+        if self.prologue == "silu_mul":
+            return api_layers.silu_mul(self.x)
+        if self.prologue == "add_rms_norm":
+            s = self.x if self.residual is None else self.x + self.residual
+            return api_layers.add_rms_norm(s, self.norm_weight, EPS)
+        return self.x
+
+    def reference64(self, act):
+        return act.double() @ self.weight.double().T + (0 if self.bias is None else self.bias.double())
+
+    def raw64(self):
+        """float64 end to end from the raw inputs."""
+        if self.prologue == "silu_mul":
+            act = silu_mul64(self.x)
+        elif self.prologue == "add_rms_norm":
+            s = self.x if self.residual is None else self.x.double() + self.residual.double()
+            act = rms_norm64(s, self.norm_weight, EPS)
+        else:
+            act = self.x.double()
+        return self.reference64(act)
+
+
+def composition(case: Case, monkeypatch):
+    """The unfused path's y on the same inputs (kernel path off for the call)."""
+    monkeypatch.setattr(dispatch, "GEMV_ROWS_OVERRIDE", 0)
+    try:
+        return case.call()[0]
+    finally:
+        monkeypatch.setattr(dispatch, "GEMV_ROWS_OVERRIDE", 8)
+
+
+def assert_within_one_ulp(got, want, what):
+    """Elementwise |got - want| <= one unit in the last place of want (finfo.eps x |want| bounds
+    it), floored at the tensor's largest magnitude / 8 for outputs that cancel to near zero."""
+    eps = torch.finfo(want.dtype).eps
+    got, want = got.float(), want.float()
+    tolerance = eps * torch.maximum(want.abs(), want.abs().max() / 8)
+    excess = (got - want).abs() - tolerance
+    worst = int(excess.argmax())
+    assert excess.max() <= 0, (f"{what}: kernel and composition differ by more than one ulp: at flat index "
+                               f"{worst} kernel {got.flatten()[worst].item()} vs {want.flatten()[worst].item()}")
+
+
+def check(case: Case, monkeypatch):
+    """Run the case on the kernel path and compare it every way the module docstring lists."""
+    assert case.kernel_takes(), "the case must take the kernel path"
+    residual_before = None if case.residual is None else case.residual.clone()
+    passed = None if case.residual is None else case.residual.clone()
+    with poisoned_allocations():
+        y, new_residual = case.call(residual=passed)
+    rows, n = case.x.shape[0], case.weight.shape[0]
+    assert y.shape == (rows, n) and y.dtype == case.dtype
+    assert not y.isnan().any(), f"unwritten outputs: {int(y.isnan().sum())} NaN of {y.numel()}"
+    act = case.rounded_input()
+    err = rel(y, case.reference64(act))
+    assert err <= UNIT_ROUNDOFF[case.dtype], f"relative error {err:.3g} against float64 of the rounded rows"
+    err_raw = rel(y, case.raw64())
+    assert err_raw < END_TO_END_TOL[case.dtype], f"relative error {err_raw:.3g} against float64 end to end"
+    assert_within_one_ulp(y, composition(case, monkeypatch), "y")
+    if case.prologue == "add_rms_norm":
+        if case.residual is None:
+            assert new_residual is case.x
+        else:
+            assert torch.equal(new_residual, case.x + residual_before), "new_residual must be round(x + residual)"
+            assert torch.equal(passed, residual_before), "the kernel path must leave the residual untouched"
+    return y
+
+
+# ---- edge sizes: small K, every awkward N, every M and prologue ------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prologue", PROLOGUES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("k", [8, 64, 1000])
+@pytest.mark.parametrize("n", [1, 31, 33, 127, 129, 1000, 4097])
+def test_edge_sizes(dtype, prologue, rows, k, n, monkeypatch):
+    check(Case(prologue, rows, k, n, dtype, bias=(n + rows) % 2 == 1, residual=rows != 3, seed=k * n + rows),
+          monkeypatch)
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prologue", PROLOGUES)
+@pytest.mark.parametrize("rows, k, n", [(1, 8, 1), (3, 64, 33), (8, 1000, 129), (2, 4096, 31)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small(dtype, prologue, rows, k, n, bias, monkeypatch):
+    check(Case(prologue, rows, k, n, dtype, bias=bias, seed=rows + k + n), monkeypatch)
+
+
+# ---- the models' shapes ----------------------------------------------------------------------------
+
+MODEL_SHAPES = [  # (prologue, K, N): the projection and what runs before it in the decoder layer
+    ("add_rms_norm", 4096, 6144),     # Llama-3-8B qkv
+    ("none", 4096, 4096),             # Llama-3-8B o
+    ("add_rms_norm", 4096, 28672),    # Llama-3-8B gate_up
+    ("silu_mul", 14336, 4096),        # Llama-3-8B down
+    ("add_rms_norm", 1024, 4096),     # Qwen3-0.6B qkv (16 + 2 x 8 heads of 128)
+    ("none", 2048, 1024),             # Qwen3-0.6B o
+    ("add_rms_norm", 1024, 6144),     # Qwen3-0.6B gate_up
+    ("silu_mul", 3072, 1024),         # Qwen3-0.6B down
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prologue, k, n", MODEL_SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_model_shapes(dtype, prologue, k, n, rows, bias, monkeypatch):
+    case = Case(prologue, rows, k, n, dtype, bias=bias, seed=k + n + rows)
+    if not case.kernel_takes():  # M x K x 4 bytes over the block's shared memory: the composition
+        assert not gemv_kernels.fits_shared_memory(rows, k, case.x.get_device())
+        want = composition(case, monkeypatch)
+        assert rel(case.call()[0], want) == 0.0
+        return
+    check(case, monkeypatch)
+
+
+@pytest.mark.parametrize("prologue, k, n", [("none", 4096, 128256), ("add_rms_norm", 1024, 151936)])
+def test_lm_heads(prologue, k, n, monkeypatch):
+    check(Case(prologue, 1, k, n, torch.bfloat16, bias=False, seed=n), monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prologue", PROLOGUES)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_k_14336_every_prologue(dtype, prologue, rows, monkeypatch):
+    """K = 14336 (the down projection's width) through each prologue: the norm prologue's
+    sum of squares runs its 1024-thread layout with 2 chunks per thread."""
+    check(Case(prologue, rows, 14336, 129, dtype, seed=rows), monkeypatch)
+
+
+# ---- values --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_large_magnitudes(dtype, prologue, monkeypatch):
+    """Inputs near 1e4 (K = 64, weights ~ 1/sqrt(K): fp16's outputs stay below 65504). With
+    silu_mul the activation is gate x up, so the inputs are ~30 for products near 1e4."""
+    check(Case(prologue, 2, 64, 129, dtype, scale=30.0 if prologue == "silu_mul" else 1e4, seed=7), monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_zero_inputs_give_the_bias(dtype, prologue, monkeypatch):
+    case = Case(prologue, 3, 1000, 33, dtype, residual=False, seed=3)
+    case.x.zero_()
+    with poisoned_allocations():
+        y, _ = case.call()
+    assert torch.equal(y, case.bias.expand(3, -1)), "zero rows must give y = bias exactly"
+
+
+def test_strided_rows(monkeypatch):
+    """x rows inside a wider buffer (row stride 2K + 8): the kernel reads its row stride."""
+    case = Case("none", 4, 1000, 129, torch.bfloat16, seed=11)
+    buffer = torch.randn(4, 1008, device="cuda").to(torch.bfloat16)
+    buffer[:, :1000] = case.x
+    case.x = buffer[:, :1000]
+    check(case, monkeypatch)
+
+
+def test_layouts_the_kernel_cannot_read_take_the_composition():
+    x = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(33, 64, device="cuda", dtype=torch.bfloat16)
+    assert api_layers._gemv_kernel_takes(x, 64, w, None)
+    assert not api_layers._gemv_kernel_takes(x, 64, w.T.contiguous().T, None)  # weight not contiguous
+    assert not api_layers._gemv_kernel_takes(x[:, 1:57], 56, w[:, :56].contiguous(), None)  # x misaligned
+    assert not api_layers._gemv_kernel_takes(torch.randn(9, 64, device="cuda", dtype=torch.bfloat16), 64, w, None)
+    assert not api_layers._gemv_kernel_takes(x.float(), 64, w.float(), None)
+
+
+def test_cuda_graph_capture_and_replay():
+    """Captured with fixed buffers, replayed on new inputs: the same y as eager calls."""
+    dtype = torch.bfloat16
+    case_lin = Case("silu_mul", 1, 1000, 4097, dtype, seed=5)
+    case_norm = Case("add_rms_norm", 2, 1024, 1000, dtype, seed=6)
+    case_lin.call(), case_norm.call()  # compile and make the plans outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        y_lin, _ = case_lin.call()
+        y_norm, new_res = case_norm.call(residual=case_norm.residual)
+    for seed in (1, 2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        for t in (case_lin.x, case_norm.x, case_norm.residual):
+            t.copy_(torch.randn(t.shape, device="cuda", generator=g).to(dtype))
+        residual_before = case_norm.residual.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y_lin, case_lin.call()[0]), "replayed linear differs from an eager call"
+        want_norm, want_res = case_norm.call()
+        assert torch.equal(y_norm, want_norm), "replayed add_rms_norm_linear differs from an eager call"
+        assert torch.equal(new_res, want_res) and torch.equal(case_norm.residual, residual_before)
