@@ -96,8 +96,11 @@ def bench_engine_main(argv=None) -> int:
     parts = set(args.only or ["decode", "throughput", "ttft"])
     quick = args.quick
     results = {"gpu": torch.cuda.get_device_name(args.device) if on_gpu else "cpu",
-               "torch": torch.__version__, "quick": quick,
+               "torch": torch.__version__, "quick": quick, "gemv_max_rows": gemv_max_rows(args.device),
                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": []}
+    if on_gpu:
+        print(f"projections: tileattn's GEMV kernel up to {results['gemv_max_rows']} rows, cuBLAS above "
+              f"(TILEATTN_GEMV_MAX_ROWS={os.environ.get('TILEATTN_GEMV_MAX_ROWS', 'unset')})")
     try:
         import transformers
         results["transformers"] = transformers.__version__
@@ -132,6 +135,21 @@ def bench_engine_main(argv=None) -> int:
             json.dump(results, f, indent=2)
         print(f"wrote {args.json}")
     return 0
+
+
+def gemv_max_rows(device: str) -> int | None:
+    """Rows up to which tileattn.linear / add_rms_norm_linear run tileattn's GEMV kernel in this
+    process (TILEATTN_GEMV_MAX_ROWS, read at import, or the dispatch table; 0: cuBLAS for every
+    projection), None off CUDA: recorded so that an A/B pair of runs says which path each took.
+    Raises ValueError for a TILEATTN_GEMV_MAX_ROWS that is not an integer in [0, 8]."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    from ..kernels import dispatch
+
+    return dispatch.gemv_max_rows(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------

@@ -3,6 +3,13 @@ MLP with a fused gate/up projection, and attention over the paged KV cache.
 
 Every token of a step (prefill chunks and decodes of all sequences) is packed along one axis T;
 attention is the only layer that needs to know where sequences begin and end (AttentionBatch).
+
+The elementwise steps are handed to the projections next to them: each RMSNorm (with the residual
+add before it) to the qkv / gate_up projection after it (RMSNorm(x, residual, proj)), SiLU(gate) *
+up to the down projection (Linear(..., activation="silu_mul")). Where tileattn runs the projection
+as its own kernel (few rows on CUDA: decode) the step costs no launch of its own, so a decode layer
+is four projection launches, rotary + KV write, and attention; elsewhere the ops compose the same
+arithmetic from the separate kernels.
 """
 
 from __future__ import annotations
@@ -11,10 +18,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tileattn.api_layers import add_rms_norm, norm_rotary_write_kv_cache_, silu_mul
+from tileattn.api_layers import add_rms_norm, add_rms_norm_linear, linear, norm_rotary_write_kv_cache_
 
 
 @dataclass
@@ -50,15 +56,20 @@ def paged_attention_ops(device: torch.device):
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). Parameters are allocated uninitialised: the loader fills every one."""
+    """y = act(x) W^T (+ b) through tileattn.linear: its GEMV kernel for the few rows of a decode
+    step on CUDA where the dispatcher allows it, cuBLAS through F.linear otherwise. activation None: x [T, in], act the identity;
+    "silu_mul": x [T, 2 in] = [gate | up], act(x) = silu(gate) * up (inside the GEMV's launch on
+    the kernel path). Parameters are allocated uninitialised: the loader fills every one."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 activation: str | None = None):
         super().__init__()
+        self.activation = activation
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
-    def forward(self, x):  # x [T, in] -> [T, out]
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x):  # x [T, in] (silu_mul: [T, 2 in]) -> [T, out]
+        return linear(x, self.weight, self.bias, activation=self.activation)
 
 
 class RowParallelLinear(Linear):
@@ -66,33 +77,38 @@ class RowParallelLinear(Linear):
     each rank multiplies its part, one all-reduce sums the partial products, the bias is added once
     after it. With one rank, a plain Linear."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, tp):
-        super().__init__(in_features, out_features, bias, dtype)
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, tp,
+                 activation: str | None = None):
+        super().__init__(in_features, out_features, bias, dtype, activation)
         self.tp = tp
 
-    def forward(self, x):  # x [T, in / N] -> [T, out]
+    def forward(self, x):  # x [T, in / N] (silu_mul: [T, 2 in / N]) -> [T, out]
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return super().forward(x)
+        y = self.tp.all_reduce(linear(x, self.weight, activation=self.activation))
         return y if self.bias is None else y + self.bias
 
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, accumulated in float32 (the mean of squares of a bf16 row loses too many
-    bits otherwise), as one launch of tileattn's add_rms_norm kernel on CUDA (the written-out
-    formula is eight elementwise kernels, each a few microseconds of fixed cost per layer at decode).
+    bits otherwise), with the residual add before it in the same launch (the written-out formula
+    is eight elementwise kernels, each a few microseconds of fixed cost per layer at decode).
 
-    forward(x) -> norm(x); forward(x, residual) -> (norm(x + residual), x + residual), the sum
-    written into ``residual`` in place: the residual add is folded into the norm's launch, so the
-    decoder layer reads as two sub-blocks."""
+    forward(x, residual, proj) -> (proj(norm(s)), s) with s = x + residual (x itself when residual
+    is None: the first layer): tileattn's add_rms_norm_linear, the norm folded into the projection
+    that reads it (the decoder layer's two norms; proj a Linear without activation).
+    forward(x, residual) -> (norm(s), s): tileattn's add_rms_norm (the model's final norm).
+    The residual passed in is consumed (it may be overwritten with s): use the one returned."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x, residual=None):  # x, residual [T, dim]
-        return add_rms_norm(x, self.weight, self.eps, residual=residual)
+    def forward(self, x, residual, proj: Linear | None = None):  # x, residual [T, dim]
+        if proj is None:
+            return add_rms_norm(x, self.weight, self.eps, residual=residual)
+        return add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias)  # [T, out], [T, dim]
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, freq_factors=None) -> torch.Tensor:
@@ -142,24 +158,26 @@ class Rotary(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up in one [2 * ffn, hidden] GEMM. Tensor parallel
-    (tp: TensorParallel): ``ffn`` is this rank's part, gate/up column-parallel, down row-parallel."""
+    """down(silu(gate(x)) * up(x)) with gate and up in one [2 * ffn, hidden] GEMM. The decoder layer
+    runs gate_up_proj with the RMSNorm before it (RMSNorm(x, residual, proj)); forward takes its
+    output and hands SiLU * up to down_proj (activation "silu_mul"). Tensor parallel (tp: TensorParallel): ``ffn`` is this
+    rank's part, gate/up column-parallel, down row-parallel."""
 
     def __init__(self, hidden: int, ffn: int, bias: bool, dtype: torch.dtype, tp):
         super().__init__()
-        self.ffn = ffn
         self.gate_up_proj = Linear(hidden, 2 * ffn, bias, dtype)
-        self.down_proj = RowParallelLinear(ffn, hidden, bias, dtype, tp)
+        self.down_proj = RowParallelLinear(ffn, hidden, bias, dtype, tp, activation="silu_mul")
 
-    def forward(self, x):  # x [T, hidden]
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))  # [T, 2 ffn] -> [T, ffn] -> [T, hidden]
+    def forward(self, gate_up):  # gate_up [T, 2 ffn] -> [T, hidden]
+        return self.down_proj(gate_up)
 
 
 class PagedAttention(nn.Module):
     """Self-attention: fused qkv projection, the optional per-head q/k RMSNorm (Qwen3), rotary and
     the new k/v written into the paged cache in one launch, then attention
     of the step's queries over each sequence's cached keys (prefill, chunked prefill and decode all
-    take this one path).
+    take this one path), then the output projection. The decoder layer runs qkv_proj with the
+    RMSNorm before it (RMSNorm(x, residual, proj)); forward takes its output.
 
     Tensor parallel (tp: TensorParallel): this rank's heads and KV heads only (qkv column-parallel,
     o row-parallel), its KV cache holds its KV heads."""
@@ -182,9 +200,8 @@ class PagedAttention(nn.Module):
         self.k_cache = self.v_cache = None
         self.ops = None
 
-    def forward(self, rope, x, batch: AttentionBatch):  # rope: Rotary's (positions, cos, sin); x [T, hidden]
-        tokens, d = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) d]
+    def forward(self, rope, qkv, batch: AttentionBatch):  # rope: Rotary's (positions, cos, sin); qkv [T, (H + 2 Hkv) d]
+        tokens, d = qkv.shape[0], self.head_dim
         q = qkv[:, :self.q_size].view(tokens, self.heads, d)  # [T, H, d], strided views of qkv
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.kv_heads, d)  # [T, Hkv, d]
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.kv_heads, d)  # [T, Hkv, d]

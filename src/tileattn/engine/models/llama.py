@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tileattn.api_layers import linear
+
 from ..distributed import TensorParallel, check_tensor_parallel
 from ..layers import (
     AttentionBatch,
@@ -41,14 +43,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, rope, x, residual, batch):  # x, residual [T, hidden]
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rope, x, batch)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+    def forward(self, rope, x, residual, batch):  # x [T, hidden]; residual [T, hidden] or None (first layer)
+        # Each norm (with the residual add before it) runs with the projection that reads it.
+        qkv, residual = self.input_layernorm(x, residual, self.self_attn.qkv_proj)  # [T, (H + 2 Hkv) d]
+        x = self.self_attn(rope, qkv, batch)  # [T, hidden]
+        gate_up, residual = self.post_attention_layernorm(x, residual, self.mlp.gate_up_proj)  # [T, 2 ffn]
+        return self.mlp(gate_up), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -110,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
         return x  # [T, hidden]
 
     def compute_logits(self, hidden):  # hidden [N, hidden] -> [N, vocab] float32 (rank 0; others None)
-        return self.tp.gather_last_dim(F.linear(hidden, self.lm_head).float())  # rank's part [N, vocab / N]
+        return self.tp.gather_last_dim(linear(hidden, self.lm_head).float())  # rank's part [N, vocab / N]
 
     # ---- weights -------------------------------------------------------------------------------
 
