@@ -160,7 +160,10 @@ def choose_num_splits(ctas: int, sm_count: int, ctas_per_sm: int, capacity: int,
     wave, as full as it goes. (FlashAttention-3's rule, the smallest count within 85% of the best
     wave efficiency, trades splits for its second combine kernel's work; here the combine runs in
     the last CTA of each group. B=1 MHA at 4k keys: 8 splits of 8 tiles, 256 CTAs, instead of 7 of
-    up to 10; B=1 GQA-4: 32 of 2 tiles instead of 28 of up to 3.)
+    up to 10; B=1 GQA-4: 32 of 2 tiles instead of 28 of up to 3.) This is the grid's count; each
+    (M tile, KV head, sequence) group runs min(num_splits, max(1, its key tiles)) of them, decided
+    in the kernel from the device-side lengths (the others leave at once), so a table sized for a
+    long context costs short sequences no partials or combine work.
     """
     slots = sm_count * ctas_per_sm
     if ctas >= 0.8 * slots:
