@@ -459,7 +459,7 @@ def _gemv_kernel_takes(x: Tensor, dim: int, weight: Tensor, bias) -> bool:
     rows = x.shape[0]
     if not 1 <= rows <= min(dispatch.gemv_max_rows(x.get_device()), dispatch.GEMV_KERNEL_MAX_ROWS):
         return False
-    if dim % 8 or dim == 0 or weight.shape[0] == 0 or weight.shape[0] >= 2**31:
+    if dim % 8 or dim == 0 or weight.shape[0] == 0 or weight.shape[0] > 2**31 - 8:  # int row indices
         return False
     if not (weight.is_contiguous() and weight.data_ptr() % 16 == 0 and _rows_aligned(x)):
         return False

@@ -44,8 +44,9 @@ constexpr int kMaxRowsM = 8;
 
 enum Prologue : int { kNone = 0, kSiluMul = 1, kAddRmsNorm = 2 };
 
-// A weight chunk: read once, so no L1 allocation (keeps L1 for nothing else either: there is
-// nothing else), through the non-coherent path (weights are read-only for the kernel's lifetime).
+// A weight chunk: touched once per launch, so it is not allocated in L1 (no reuse to gain, and no
+// line of anything else evicted for it), and read through the non-coherent path (the weights are
+// read-only for the kernel's lifetime).
 __device__ __forceinline__ uint4 load_weight(const uint4* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
