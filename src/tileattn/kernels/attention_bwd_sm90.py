@@ -997,6 +997,62 @@ def benchmark_variants(head_dims=(128, 64), dtypes=(torch.bfloat16,), seq_lens=(
     return records
 
 
+def benchmark_dropout(head_dims=(128, 64), seq_lens=(2048, 8192), p: float = 0.1, batch: int = 4, heads: int = 32,
+                      reps: int = 10, json_path: str | None = None) -> list[dict]:
+    """The Hopper dropout kernels against the sm80 dropout kernels (bf16, causal and not; every plan
+    built directly, whatever the dispatch tables say): forward (attention_fwd_sm90's dropout bit vs
+    the sm80 variant forward) and backward (this family's variant backward vs the sm80 one, atomic
+    and deterministic), median ms by bench.harness.measure with L2 flushed. The numbers that
+    dispatch.SM90_DROPOUT_FORWARD / SM90_DROPOUT_BACKWARD cite. Prints one line per record and
+    returns them; with json_path writes {"environment", "records"} after every record. Needs sm_90."""
+    import functools
+    import json
+    import math
+
+    from .. import dropout as dr
+    from ..bench.env import environment
+    from . import attention_bwd_sm80, attention_fwd_sm80, attention_fwd_sm90, dispatch
+
+    records = []
+    for d in head_dims:
+        for n in seq_lens:
+            for causal in (False, True):
+                q, k, v, dout = (torch.randn(batch, heads, n, d, device="cuda", dtype=torch.bfloat16)
+                                 for _ in range(4))  # [B, H, N, d]
+                scale = 1.0 / math.sqrt(d)
+                left, right = dr.check_window(None, causal)
+                va = attention_fwd_sm80.VariantArgs(left, right, 0.0, None, p)
+                extra = (0, 1234, 0)  # no ALiBi; seed, offset
+                out, lse = torch.empty_like(q), torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
+                fwd = {"sm90": attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=va),
+                       "sm80": dispatch._VariantPointerPlan(attention_fwd_sm80.forward_plan(
+                           q, k, v, out, lse, causal=False, scale=scale, variants=va))}
+                ms = {f"fwd_{name}": _measure_ms(functools.partial(plan.launch, q, k, v, out, lse, *extra), reps)
+                      for name, plan in fwd.items()}
+                fwd["sm90"].launch(q, k, v, out, lse, *extra)
+                args = (q, k, v, out, lse, dout, *(torch.empty_like(t) for t in (q, k, v)))
+                for det in (False, True):
+                    bwd = {"sm90": variant_backward_plan(*args, scale=scale, deterministic=det, variants=va),
+                           "sm80": attention_bwd_sm80.backward_plan(*args, causal=False, scale=scale,
+                                                                    deterministic=det, variants=va)}
+                    for name, plan in bwd.items():
+                        ms[f"bwd_{name}_det{int(det)}"] = _measure_ms(functools.partial(plan.launch, *args, *extra), reps)
+                work = flops(batch, heads, n, n, d, causal)  # backward convention; the forward's is work / 2.5
+                rec = {"suite": "dropout_sm90_vs_sm80", "d": d, "n": n, "causal": causal, "p": p, "batch": batch,
+                       "heads": heads, **{key + "_ms": t for key, t in ms.items()}}
+                for key, t in ms.items():
+                    rec[key + "_tflops"] = (work / 2.5 if key.startswith("fwd") else work) / (t * 1e-3) / 1e12
+                print(" ".join(f"{a}={b:.3f}" if isinstance(b, float) else f"{a}={b}" for a, b in rec.items()),
+                      flush=True)
+                records.append(rec)
+                if json_path:  # rewritten after every record: a run cut short keeps what it measured
+                    with open(json_path, "w") as f:
+                        json.dump({"environment": environment(), "records": records}, f, indent=1)
+                del q, k, v, dout, out, lse, args, fwd
+                torch.cuda.empty_cache()
+    return records
+
+
 def main(argv=None) -> None:
     """`python -m tileattn.kernels.attention_bwd_sm90 [--d 128] [--dtype bf16] [--causal 0|1] [--seq N ...]
     [--col NAME ...] [--batch 4] [--heads 32] [--json PATH]`: benchmark() on a subset (each option
@@ -1017,12 +1073,18 @@ def main(argv=None) -> None:
                         help="benchmark_varlen() instead: issue #10's 64 sequences of 100..4096 tokens, backward only")
     parser.add_argument("--variants", action="store_true",
                         help="benchmark_variants() instead: issue #15's softcap / ALiBi / sliding-window targets")
+    parser.add_argument("--dropout", action="store_true",
+                        help="benchmark_dropout() instead: the Hopper dropout forward/backward against the sm80 ones")
     a = parser.parse_args(argv)
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}
     if a.variants:
         benchmark_variants(head_dims=tuple(a.d or (128, 64)), dtypes=tuple(dt[x] for x in (a.dtype or ("bf16",))),
                            seq_lens=tuple(a.seq or (2048, 8192)), batch=a.batch, heads=a.heads, reps=a.reps,
                            json_path=a.json)
+        return
+    if a.dropout:
+        benchmark_dropout(head_dims=tuple(a.d or (128, 64)), seq_lens=tuple(a.seq or (2048, 8192)), batch=a.batch,
+                          heads=a.heads, reps=a.reps, json_path=a.json)
         return
     if a.varlen:
         benchmark_varlen(head_dim=(a.d or [128])[0], dtypes=tuple(dt[x] for x in (a.dtype or ("bf16",))),

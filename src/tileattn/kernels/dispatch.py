@@ -58,10 +58,13 @@ SM90_BACKWARD = {(64, False, False), (64, True, False), (128, False, False), (12
 # plain kernel, a 4096-key window at N=32768 within 1.2x of the dense work) need the Hopper kernel.
 SM90_VARIANT_FORWARD = {64, 128, 256}
 # Head dims whose dense forward WITH dropout runs the Hopper kernel on sm_90a, for the calls
-# attention_fwd_sm90.supports_dropout accepts (not ALiBi at d = 128: it spills). Empty until
-# tests/gpu/test_attention_fwd_sm90_dropout.py passes and bench variants puts dropout within 15% of
-# the plain kernel; the backward of a dropout call stays the sm80 variant backward.
-SM90_DROPOUT_FORWARD: set[int] = set()
+# attention_fwd_sm90.supports_dropout accepts (not ALiBi at d = 128: it spills). Its GPU tests passed
+# on the H200 (tests/gpu/test_attention_fwd_sm90_dropout.py, 2026-12-01), and the plans of
+# `python -m tileattn.kernels.attention_bwd_sm90 --dropout` timed in one process (p = 0.1, B=4 H=32
+# bf16, N 2048 / 8192, causal and not; 22:56 UTC, 6c74120; docs/BENCHMARKS.md) measured it
+# 1.8-2.2x the sm80 dropout forward (d=128: 323-406 TFLOP/s against 163-201; d=64: 202-267 against
+# 101-125). d = 256 is implemented but was not timed.
+SM90_DROPOUT_FORWARD: set[int] = {64, 128}
 
 
 # (head dim, deterministic) whose variant backward (window, softcap, ALiBi; dropout only with
@@ -93,16 +96,19 @@ SM90_VARLEN_BACKWARD: set[tuple[int, bool, bool]] = {(d, causal, False) for d in
 # block sizes of 64 and more only (64 and 128 unmeasured, by the box count: 2 and 1 per 128 keys).
 SM90_PAGED_PREFILL: set[tuple[int, int]] = {(d, bs) for d in (64, 128, 256) for bs in (64, 128, 256)}
 # Head dims and modes whose dropout backward runs the Hopper variant backward (attention_bwd_sm90's
-# dropout bit) when SM90_VARIANT_BACKWARD also lists them; empty until its GPU tests pass.
-SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = set()
+# dropout bit) when SM90_VARIANT_BACKWARD also lists them. Its GPU tests passed and racecheck found 0
+# hazards in tests/gpu/test_attention_bwd_sm90_variants.py's sanitize cases on the H200 (2026-12-01,
+# 6c74120; memcheck clean at de3f284); the same timing measured the atomic mode 2.0-2.2x the sm80
+# dropout backward (d=128 N=8192: 31.4 ms against 65.2 non-causal, 16.2 against 33.8 causal) and the
+# deterministic one 2.6-2.9x (the deterministic pairs wait with SM90_VARIANT_BACKWARD's).
+SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(64, False), (128, False), (64, True), (128, True)}
 
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
 UNMEASURED_SM90_TABLES = (
     (SM90_VARIANT_BACKWARD, {(64, True), (128, True)}),
-    (SM90_DROPOUT_FORWARD, {64, 128, 256}),
-    (SM90_DROPOUT_BACKWARD, {(d, det) for d in (64, 128) for det in (False, True)}),
+    (SM90_DROPOUT_FORWARD, {256}),
     (SM90_PAGED_PREFILL, {(d, bs) for d in (64, 128, 256) for bs in (16, 32)}),
 )
 
