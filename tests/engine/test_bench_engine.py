@@ -27,7 +27,9 @@ def test_quick_bench_runs_on_cpu(tmp_path, tiny_quick_plan, capsys):
     rc = bench_engine.bench_engine_main(["--quick", "--device", "cpu", "--workdir", str(tmp_path / "ckpt"),
                                          "--json", str(out)])
     assert rc == 0
-    rows = json.loads(out.read_text())["rows"]
+    results = json.loads(out.read_text())
+    assert "gemv_max_rows" in results and results["gemv_max_rows"] is None, results  # no GEMV off CUDA
+    rows = results["rows"]
     engine = {row["bench"]: row for row in rows if row["system"] == "tileattn.engine"}
     assert set(engine) == {"decode", "throughput", "ttft"}, rows
     assert engine["decode"]["tok_s"] > 0 and engine["decode"]["bandwidth_TBs"] > 0
@@ -53,6 +55,21 @@ def test_tensor_parallel_sizes_each_get_rows(tmp_path, tiny_quick_plan):
     assert rows["decode", "tileattn.engine TP=2"]["tok_s"] > 0
     assert (rows["throughput", "tileattn.engine TP=2"]["output_tokens"]
             == rows["throughput", "tileattn.engine"]["output_tokens"])
+
+
+def test_records_say_which_projection_path_ran(monkeypatch):
+    """gemv_max_rows, kept in the JSON header: TILEATTN_GEMV_MAX_ROWS (read at import) on CUDA, so
+    the A/B pair of decode runs says which ran the GEMV kernel; None on the CPU; a bad setting
+    stops the benchmark before anything is measured."""
+    from tileattn.kernels import dispatch
+
+    for rows in (0, 8):
+        monkeypatch.setattr(dispatch, "GEMV_ROWS_OVERRIDE", rows)
+        assert bench_engine.gemv_max_rows("cuda:0") == rows
+    assert bench_engine.gemv_max_rows("cpu") is None
+    monkeypatch.setattr(dispatch, "GEMV_ROWS_OVERRIDE", 9)
+    with pytest.raises(ValueError, match="TILEATTN_GEMV_MAX_ROWS"):
+        bench_engine.gemv_max_rows("cuda:0")
 
 
 def test_help_works_without_a_gpu(capsys):

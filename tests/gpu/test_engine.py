@@ -33,17 +33,15 @@ def arch_pair(request, tmp_path_factory):
     return request.param, hf, engine
 
 
-def test_logits_bf16_match_transformers_fp32(arch_pair):
-    arch, hf, engine = arch_pair
-    ours = engine_logits(engine, PROMPT).cpu()
+def check_logits(arch, hf, engine, prompt, what="bf16"):
+    ours = engine_logits(engine, prompt).cpu()
     with torch.no_grad():
-        ref = hf(torch.tensor([PROMPT])).logits[0].float()
+        ref = hf(torch.tensor([prompt])).logits[0].float()
     err = rel_error(ours, ref)
-    assert err < 3e-2, f"{arch}: bf16 logits relative error {err:.2e} vs transformers fp32 (bound 3e-2)"
+    assert err < 3e-2, f"{arch}: {what} logits relative error {err:.2e} vs transformers fp32 (bound 3e-2)"
 
 
-def test_greedy_bf16_teacher_forced(arch_pair):
-    arch, hf, engine = arch_pair
+def check_greedy_teacher_forced(arch, hf, engine, what="bf16"):
     engine.add_request("g", PROMPT, GREEDY)
     outs = []
     while engine.has_unfinished_requests():
@@ -55,11 +53,58 @@ def test_greedy_bf16_teacher_forced(arch_pair):
     with torch.no_grad():
         measured = (engine_logits(engine, PROMPT).cpu() - hf(torch.tensor([PROMPT])).logits[0].float()).abs().max()
     assert (margin <= 2 * measured + 1e-3).all(), \
-        f"{arch}: tokens {tokens} lose to transformers' argmax by {margin.tolist()} (logit error {measured:.3f})"
+        f"{arch} {what}: tokens {tokens} lose to transformers' argmax by {margin.tolist()} (logit error {measured:.3f})"
     exact = int((margin == 0).sum())
-    assert exact >= 28, f"{arch}: only {exact}/32 greedy tokens equal transformers' argmax"
+    assert exact >= 28, f"{arch} {what}: only {exact}/32 greedy tokens equal transformers' argmax"
     stats = engine.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+
+
+def test_logits_bf16_match_transformers_fp32(arch_pair):
+    check_logits(*arch_pair, PROMPT)
+
+
+def test_greedy_bf16_teacher_forced(arch_pair):
+    check_greedy_teacher_forced(*arch_pair)
+
+
+@pytest.fixture
+def gemv_launches(monkeypatch):
+    """tileattn's GEMV kernel forced on for every projection of up to 8 rows (the dispatch table
+    keeps it off until it is measured); yields the list of prologues it was launched with."""
+    from tileattn.kernels import dispatch, gemv
+
+    monkeypatch.setattr(dispatch, "GEMV_ROWS_OVERRIDE", dispatch.GEMV_KERNEL_MAX_ROWS)
+    launches, launch = [], gemv.launch_gemv
+
+    def counted(prologue, *args, **kwargs):
+        launches.append(prologue)
+        return launch(prologue, *args, **kwargs)
+
+    monkeypatch.setattr(gemv, "launch_gemv", counted)
+    return launches
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_gemv_projections_bf16_match_transformers_fp32(arch, tmp_path, gemv_launches):
+    """The engine with its projections on the GEMV kernel: an 8-token prompt's logits (every
+    projection at M = 8, the LM head's included) and greedy decode (M = 1, CUDA graphs; the
+    20-token prefill on cuBLAS) against transformers fp32, the bounds of the cuBLAS runs above."""
+    from tileattn.kernels.gemv import PROLOGUE_ADD_RMS_NORM, PROLOGUE_NONE, PROLOGUE_SILU_MUL
+
+    hf = make_checkpoint(tmp_path, arch, kernel_head_dims=True)
+    engine = LLMEngine.from_model(str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=256,
+                                  max_num_seqs=8, kv_cache_blocks=64)
+    assert engine.runner.graphs, "no CUDA graphs were captured"
+    gemv_launches.clear()  # the graph captures' launches
+    check_logits(arch, hf, engine, PROMPT[:8], "GEMV")
+    layers = hf.config.num_hidden_layers
+    # per layer: qkv and gate_up with their norms, o_proj, down_proj with SiLU * up; then the LM head
+    want = {PROLOGUE_ADD_RMS_NORM: 2 * layers, PROLOGUE_NONE: layers + 1, PROLOGUE_SILU_MUL: layers}
+    got = {p: gemv_launches.count(p) for p in want}
+    assert got == want and len(gemv_launches) == sum(want.values()), \
+        f"{arch}: GEMV launches by prologue {got}, expected {want} (all: {gemv_launches})"
+    check_greedy_teacher_forced(arch, hf, engine, "GEMV")
 
 
 @pytest.fixture(scope="module")
