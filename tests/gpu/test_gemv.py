@@ -223,7 +223,7 @@ def test_zero_inputs_give_the_bias(dtype, prologue, monkeypatch):
 
 
 def test_strided_rows(monkeypatch):
-    """x rows inside a wider buffer (row stride 2K + 8): the kernel reads its row stride."""
+    """x rows inside a wider buffer (row stride K + 8): the kernel reads its row stride."""
     case = Case("none", 4, 1000, 129, torch.bfloat16, seed=11)
     buffer = torch.randn(4, 1008, device="cuda").to(torch.bfloat16)
     buffer[:, :1000] = case.x
@@ -239,6 +239,29 @@ def test_layouts_the_kernel_cannot_read_take_the_composition():
     assert not api_layers._gemv_kernel_takes(x[:, 1:57], 56, w[:, :56].contiguous(), None)  # x misaligned
     assert not api_layers._gemv_kernel_takes(torch.randn(9, 64, device="cuda", dtype=torch.bfloat16), 64, w, None)
     assert not api_layers._gemv_kernel_takes(x.float(), 64, w.float(), None)
+
+
+def test_programmatic_dependent_launch_chain(monkeypatch):
+    """With TILEATTN_PDL=1 (sm_90), each GEMV lets the next one start early and issues its first
+    weight loads before griddepcontrol.wait: a chain of three, each reading the one before, must
+    equal the same chain launched plainly."""
+    dtype = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(9)
+    x = torch.randn(2, 1024, device="cuda", generator=g).to(dtype)
+    weights = [(torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
+               for n, k in ((4096, 1024), (2048, 4096), (1000, 2048))]
+    residual = torch.randn(2, 4096, device="cuda", generator=g).to(dtype)
+    norm_weight = torch.ones(4096, device="cuda", dtype=dtype)
+
+    def chain():
+        h = tileattn.linear(x, weights[0])
+        h, _ = tileattn.add_rms_norm_linear(h, residual, norm_weight, EPS, weights[1])
+        return tileattn.linear(h, weights[2], activation=None)
+
+    plain = chain()
+    monkeypatch.setenv("TILEATTN_PDL", "1")
+    for _ in range(3):
+        assert torch.equal(chain(), plain), "the PDL-launched chain differs from the plain one"
 
 
 def test_cuda_graph_capture_and_replay():
