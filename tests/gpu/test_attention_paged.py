@@ -351,6 +351,33 @@ def test_effective_splits_with_a_large_table(head_dim, heads, kv_heads, num_spli
             assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), f"{what}: differs from run 0"
 
 
+@pytest.mark.parametrize("name", ["window_small", "window_left_right", "softcap_extreme", "all"])
+@pytest.mark.parametrize("num_splits", [2, 32, 128])
+@pytest.mark.parametrize("queries", ["decode", "spec"])
+def test_effective_splits_variants(name, num_splits, queries):
+    """The variant kernel (same body): with a window the group's tiles start at its first tile, so
+    S counts the tiles from there; softcap / ALiBi alone start at tile 0 (and read the prologue's
+    block ids before the lengths, like the plain kernel). Public op, a table for 32k keys, twice."""
+    seqs = list(zip(EFFECTIVE_QUERIES[queries], EFFECTIVE_LENGTHS))
+    bs = 16
+    pages = -(-max(EFFECTIVE_LENGTHS) // bs)
+    seed = zlib.crc32(f"effective variants {name} {num_splits} {queries}".encode())
+    case = Case(seqs, 32, 8, 128, BF16, bs, pad=32768 // bs - pages, seed=seed)
+    options, causal = variant_options(case, name, seed)
+    ref_out, ref_lse = case.reference(causal=causal, **options)
+    first = None
+    for run in range(2):
+        out, lse = case.api(causal=causal, num_splits=num_splits, **options)
+        what = f"{name} {queries} num_splits={num_splits} run {run}"
+        check(case, out, lse, ref_out, ref_lse, what)
+        left = counters_nonzero()
+        assert left == 0, f"{what}: {left} split-KV arrival counters left non-zero"
+        if first is None:
+            first = out, lse
+        else:
+            assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), f"{what}: differs from run 0"
+
+
 @pytest.mark.sanitize
 @pytest.mark.parametrize("num_splits", [1, 7, 32])
 def test_effective_splits_small_sanitize(num_splits):
@@ -377,7 +404,8 @@ def test_effective_splits_in_a_cuda_graph_as_lengths_change(shape):
     bs, d = 16, 128
     if shape == "llama3_8b_b1":
         batch, heads, kv_heads, max_blocks, num_splits = 1, 32, 8, 8192 // bs, None
-        steps = [[288], [8000], [33], [1], [4097], [64], [65], [17]]
+        # after each long step (every split writes a partial) one with 2 <= S < num_splits
+        steps = [[288], [8000], [129], [33], [1], [4097], [65], [64], [17]]
     else:
         batch, heads, kv_heads, max_blocks, num_splits = 12, 32, 8, 32768 // bs, 32
         long = list(EFFECTIVE_LENGTHS)

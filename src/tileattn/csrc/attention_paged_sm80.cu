@@ -338,10 +338,10 @@ __device__ __forceinline__ void attention_paged_body(
   // thread's loader rows' block) are known now, and reading them together with the lengths takes
   // one dependent global round trip (~1 us after an L2 miss) off the path to the first K/V load.
   // (A split that turns out to be idle has read kStages - 1 table entries in that same round trip,
-  // and waits for nothing else.) Only entries inside the table row (keys below its capacity) are read; whether a
-  // key is visible is decided once the lengths are known. (Variants: with a window's left edge the
-  // first tile depends on the lengths, so those launches read these entries after them, in the
-  // loader; softcap / ALiBi alone start at tile 0 like the plain kernel.)
+  // and waits for nothing else.) Only entries inside the table row (keys below its capacity) are
+  // read; whether a key is visible is decided once the lengths are known. (Variants: with a
+  // window's left edge the first tile depends on the lengths, so those launches read these entries
+  // after them, in the loader; softcap / ALiBi alone start at tile 0 like the plain kernel.)
   // `pre`: the row's block id when already read (the prologue's tiles), kReadTable otherwise.
   constexpr int kReadTable = -2;
   int pre_id[kStages - 1];
