@@ -7,9 +7,9 @@ attention is the only layer that needs to know where sequences begin and end (At
 The elementwise steps are handed to the projections next to them: each RMSNorm (with the residual
 add before it) to the qkv / gate_up projection after it (RMSNorm(x, residual, proj)), SiLU(gate) *
 up to the down projection (Linear(..., activation="silu_mul")). Where tileattn runs the projection
-as its own kernel (few rows on CUDA: decode) the step costs no launch of its own, so a decode layer
-is four projection launches, rotary + KV write, and attention; elsewhere the ops compose the same
-arithmetic from the separate kernels.
+on its GEMV kernel (few rows on CUDA, i.e. decode, where the dispatcher enables it) the step costs
+no launch of its own, so a decode layer is four projection launches, rotary + KV write, and
+attention; elsewhere the ops compose the same arithmetic from the separate kernels and cuBLAS.
 """
 
 from __future__ import annotations
@@ -160,8 +160,8 @@ class Rotary(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up in one [2 * ffn, hidden] GEMM. The decoder layer
     runs gate_up_proj with the RMSNorm before it (RMSNorm(x, residual, proj)); forward takes its
-    output and hands SiLU * up to down_proj (activation "silu_mul"). Tensor parallel (tp: TensorParallel): ``ffn`` is this
-    rank's part, gate/up column-parallel, down row-parallel."""
+    output and hands SiLU * up to down_proj (activation "silu_mul"). Tensor parallel
+    (tp: TensorParallel): ``ffn`` is this rank's part, gate/up column-parallel, down row-parallel."""
 
     def __init__(self, hidden: int, ffn: int, bias: bool, dtype: torch.dtype, tp):
         super().__init__()
