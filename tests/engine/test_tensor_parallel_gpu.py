@@ -18,7 +18,7 @@ import torch
 
 from tests.engine.checkpoints import engine_logits, make_checkpoint, rel_error
 from tests.engine.test_tensor_parallel import kill_worker_mid_run
-from tests.gpu.test_engine import GREEDY, PROMPTS, assert_same_or_tie
+from tests.gpu.test_engine import GREEDY, PROMPTS, assert_same_or_tie, check_every_projection_on_gemv, force_gemv
 from tileattn.engine import LLM
 from tileattn.engine.distributed import MULTICAST_OFF, TensorParallelError
 
@@ -75,6 +75,31 @@ def test_nccl_bf16_matches_single_gpu_and_graphs_match_eager(llama):
         assert graphed.engine.runner.graphs, "no CUDA graphs were captured at TP=2"
         graph_tokens = _greedy(graphed)
     assert graph_tokens == eager_tokens, f"TP=2 graph {graph_tokens}\nTP=2 eager {eager_tokens}"
+
+
+def test_gemv_projections_at_tp2(llama, monkeypatch):
+    """Both ranks' projections of up to 8 rows on tileattn's GEMV kernel (forced on: here through
+    the dispatch override, in the spawned worker by TILEATTN_GEMV_MAX_ROWS, read at its import),
+    the row-parallel o and down projections (SiLU * up inside down's launch) all-reduced after it:
+    an 8-token prompt's logits (every projection at M = 8) against transformers fp32, and CUDA-graph
+    greedy decode equal to transformers' fp32 greedy tokens or first differing at a near-tie."""
+    path, hf = llama
+    gemv_launches = force_gemv(monkeypatch)  # rank 0's launches
+    monkeypatch.setenv("TILEATTN_GEMV_MAX_ROWS", "8")
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                            pad_token_id=1)[0, len(p):].tolist() for p in PROMPTS]
+    with tp_llm(path) as llm:
+        assert llm.engine.runner.graphs, "no CUDA graphs were captured at TP=2"
+        gemv_launches.clear()  # the graph captures' launches
+        prompt = PROMPTS[0][:8]
+        ours = engine_logits(llm.engine, prompt).cpu()
+        check_every_projection_on_gemv("TP=2 rank 0", gemv_launches, hf.config.num_hidden_layers)
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+        err = rel_error(ours, ref)
+        assert err < 3e-2, f"TP=2 GEMV bf16 logits relative error {err:.2e} vs transformers fp32 (bound 3e-2)"
+        assert_same_or_tie(llama, llm, _greedy(llm), want, "TP=2 GEMV against transformers fp32 greedy")
 
 
 def test_worker_killed_under_nccl_is_a_clear_error(llama):

@@ -68,10 +68,10 @@ def test_greedy_bf16_teacher_forced(arch_pair):
     check_greedy_teacher_forced(*arch_pair)
 
 
-@pytest.fixture
-def gemv_launches(monkeypatch):
-    """tileattn's GEMV kernel forced on for every projection of up to 8 rows (the dispatch table
-    keeps it off until it is measured); yields the list of prologues it was launched with."""
+def force_gemv(monkeypatch) -> list:
+    """tileattn's GEMV kernel forced on in this process for every projection of up to 8 rows (the
+    dispatch table keeps it off until it is measured); returns the list that then collects the
+    prologue of each launch."""
     from tileattn.kernels import dispatch, gemv
 
     monkeypatch.setattr(dispatch, "GEMV_ROWS_OVERRIDE", dispatch.GEMV_KERNEL_MAX_ROWS)
@@ -85,26 +85,35 @@ def gemv_launches(monkeypatch):
     return launches
 
 
+@pytest.fixture
+def gemv_launches(monkeypatch):
+    return force_gemv(monkeypatch)
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_gemv_projections_bf16_match_transformers_fp32(arch, tmp_path, gemv_launches):
     """The engine with its projections on the GEMV kernel: an 8-token prompt's logits (every
     projection at M = 8, the LM head's included) and greedy decode (M = 1, CUDA graphs; the
     20-token prefill on cuBLAS) against transformers fp32, the bounds of the cuBLAS runs above."""
-    from tileattn.kernels.gemv import PROLOGUE_ADD_RMS_NORM, PROLOGUE_NONE, PROLOGUE_SILU_MUL
-
     hf = make_checkpoint(tmp_path, arch, kernel_head_dims=True)
     engine = LLMEngine.from_model(str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=256,
                                   max_num_seqs=8, kv_cache_blocks=64)
     assert engine.runner.graphs, "no CUDA graphs were captured"
     gemv_launches.clear()  # the graph captures' launches
     check_logits(arch, hf, engine, PROMPT[:8], "GEMV")
-    layers = hf.config.num_hidden_layers
-    # per layer: qkv and gate_up with their norms, o_proj, down_proj with SiLU * up; then the LM head
-    want = {PROLOGUE_ADD_RMS_NORM: 2 * layers, PROLOGUE_NONE: layers + 1, PROLOGUE_SILU_MUL: layers}
-    got = {p: gemv_launches.count(p) for p in want}
-    assert got == want and len(gemv_launches) == sum(want.values()), \
-        f"{arch}: GEMV launches by prologue {got}, expected {want} (all: {gemv_launches})"
+    check_every_projection_on_gemv(arch, gemv_launches, hf.config.num_hidden_layers)
     check_greedy_teacher_forced(arch, hf, engine, "GEMV")
+
+
+def check_every_projection_on_gemv(what, launches, layers):
+    """The prologues of one forward's GEMV launches: per layer qkv and gate_up with their norms,
+    o_proj, down_proj with SiLU * up; then the LM head."""
+    from tileattn.kernels.gemv import PROLOGUE_ADD_RMS_NORM, PROLOGUE_NONE, PROLOGUE_SILU_MUL
+
+    want = {PROLOGUE_ADD_RMS_NORM: 2 * layers, PROLOGUE_NONE: layers + 1, PROLOGUE_SILU_MUL: layers}
+    got = {p: launches.count(p) for p in want}
+    assert got == want and len(launches) == sum(want.values()), \
+        f"{what}: GEMV launches by prologue {got}, expected {want} (all: {launches})"
 
 
 @pytest.fixture(scope="module")
