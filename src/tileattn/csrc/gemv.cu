@@ -28,10 +28,10 @@
 //   W); 2 at M = 1 (kRows 1), 4 at M = 4 (kRows 2), 4 at M = 8 (kRows 4), against the ~128 B/clk of
 //   shared memory and ~25 B/clk of HBM per SM.
 //
-// Numerics: the prologues are add_rms_norm's and silu_mul's (layer_ops.cu, included) step for step,
-// including the order of add_rms_norm's sum of squares (its 1024-thread layout replayed), so the
+// Numerics: the prologues are add_rms_norm's and silu_mul's step for step (common/elementwise.cuh's
+// helpers), including the order of add_rms_norm's sum of squares (its 1024-thread layout replayed), so the
 // input rows are the 16-bit values the unfused ops produce. y's fp32 sum is in this kernel's order.
-#include "layer_ops.cu"
+#include "common/elementwise.cuh"
 
 namespace tileattn {
 
@@ -81,7 +81,7 @@ __device__ __forceinline__ void stage_elementwise(float* xs, const uint4* __rest
       float u[8];
       load8<kIsBF16>(x[m * x_st + chunks + c], u);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) g[e] = round16<kIsBF16>(round16<kIsBF16>(g[e] / (1.f + __expf(-g[e]))) * u[e]);
+      for (int e = 0; e < 8; ++e) g[e] = round16<kIsBF16>(silu_times<kIsBF16>(g[e], u[e]));
     }
     store_chunk(xs + static_cast<int64_t>(m) * chunks * 8, chunks, c, g);
   }

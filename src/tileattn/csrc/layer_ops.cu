@@ -21,44 +21,11 @@
 // PDL attribute (TILEATTN_PDL=1) and let its blocks start during the previous kernel's tail.
 #include <cuda/std/cstdint>
 
-#include "common/pdl.cuh"
-#include "common/sm80.cuh"
+#include "common/elementwise.cuh"
 
 namespace tileattn {
 
 namespace layer_ops {
-
-// 8 elements <-> 8 floats.
-template <bool kIsBF16>
-__device__ __forceinline__ void load8(uint4 c, float (&f)[8]) {
-  unpack2<kIsBF16>(c.x, f[0], f[1]);
-  unpack2<kIsBF16>(c.y, f[2], f[3]);
-  unpack2<kIsBF16>(c.z, f[4], f[5]);
-  unpack2<kIsBF16>(c.w, f[6], f[7]);
-}
-template <bool kIsBF16>
-__device__ __forceinline__ uint4 store8(const float (&f)[8]) {
-  return make_uint4(pack2<kIsBF16>(f[0], f[1]), pack2<kIsBF16>(f[2], f[3]), pack2<kIsBF16>(f[4], f[5]),
-                    pack2<kIsBF16>(f[6], f[7]));
-}
-// Round to the 16-bit type and back (what a torch op that returns a 16-bit tensor does).
-template <bool kIsBF16>
-__device__ __forceinline__ float round16(float x) {
-  return to_float<kIsBF16>(from_float<kIsBF16>(x));
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// Both PDL steps: wait for the previous kernel's writes, then let the next kernel's blocks be
-// scheduled (it waits for this grid's completion itself before it reads anything).
-__device__ __forceinline__ void pdl_enter() {
-  pdl_wait();
-  pdl_release_dependents();
-}
 
 // One (token, head) row of the rotary step, held by one warp: lane l owns the pairs
 // j = l, l + 32, ... (j < d/2) of elements (j, j + d/2). Loads the row from `src`, applies the
@@ -131,8 +98,6 @@ __device__ __forceinline__ void store_row(u16* dst, const u16 (&lo)[kRotaryMaxPa
 // One block per row; thread i owns chunks i, i + blockDim, ... (at most kMaxChunks, kept in
 // registers between the two passes). The host picks blockDim = min(1024, chunks) rounded up to a
 // warp, so D <= 1024 * 8 * kMaxChunks = 32768.
-constexpr int kNormMaxChunks = 4;
-
 template <bool kIsBF16>
 __global__ void __launch_bounds__(1024)
     add_rms_norm(uint4* __restrict__ out, uint4* __restrict__ residual, const uint4* __restrict__ x,
@@ -297,7 +262,7 @@ __global__ void __launch_bounds__(256)
   load8<kIsBF16>(x[t * x_st + c], g);
   load8<kIsBF16>(x[t * x_st + chunks_per_row + c], u);
 #pragma unroll
-  for (int e = 0; e < 8; ++e) g[e] = round16<kIsBF16>(g[e] / (1.f + __expf(-g[e]))) * u[e];
+  for (int e = 0; e < 8; ++e) g[e] = silu_times<kIsBF16>(g[e], u[e]);
   out[t * out_st + c] = store8<kIsBF16>(g);
 }
 
