@@ -102,15 +102,15 @@ def composition(case: Case, monkeypatch):
         monkeypatch.setattr(dispatch, "GEMV_ROWS_OVERRIDE", 8)
 
 
-def assert_within_one_ulp(got, want, what):
-    """Elementwise |got - want| <= one unit in the last place of want (finfo.eps x |want| bounds
-    it), floored at the tensor's largest magnitude / 8 for outputs that cancel to near zero."""
+def assert_within_ulps(got, want, what, ulps: int = 1):
+    """Elementwise |got - want| <= `ulps` units in the last place of want (finfo.eps x |want| bounds
+    one), floored at the tensor's largest magnitude / 8 for outputs that cancel to near zero."""
     eps = torch.finfo(want.dtype).eps
     got, want = got.float(), want.float()
-    tolerance = eps * torch.maximum(want.abs(), want.abs().max() / 8)
+    tolerance = ulps * eps * torch.maximum(want.abs(), want.abs().max() / 8)
     excess = (got - want).abs() - tolerance
     worst = int(excess.argmax())
-    assert excess.max() <= 0, (f"{what}: kernel and composition differ by more than one ulp: at flat index "
+    assert excess.max() <= 0, (f"{what}: kernel and composition differ by more than {ulps} ulp: at flat index "
                                f"{worst} kernel {got.flatten()[worst].item()} vs {want.flatten()[worst].item()}")
 
 
@@ -127,9 +127,16 @@ def check(case: Case, monkeypatch):
     act = case.rounded_input()
     err = rel(y, case.reference64(act))
     assert err <= UNIT_ROUNDOFF[case.dtype], f"relative error {err:.3g} against float64 of the rounded rows"
-    err_raw = rel(y, case.raw64())
-    assert err_raw < END_TO_END_TOL[case.dtype], f"relative error {err_raw:.3g} against float64 end to end"
-    assert_within_one_ulp(y, composition(case, monkeypatch), "y")
+    # End to end the 16-bit roundings of the prologue dominate; with few outputs (N = 1, 2) their
+    # relative error can pass 1e-2 on the unfused path too, so the bound is the larger of the
+    # tolerance and the composition's own error plus one unit roundoff.
+    raw, unfused = case.raw64(), composition(case, monkeypatch)
+    err_raw, err_unfused = rel(y, raw), rel(unfused, raw)
+    bound = max(END_TO_END_TOL[case.dtype], err_unfused + UNIT_ROUNDOFF[case.dtype])
+    assert err_raw <= bound, (f"relative error {err_raw:.3g} against float64 end to end (the composition's "
+                              f"{err_unfused:.3g})")
+    # With a bias, F.linear may round the product before adding it (two roundings): 2 ulps then.
+    assert_within_ulps(y, unfused, "y", ulps=1 if case.bias is None else 2)
     if case.prologue == "add_rms_norm":
         if case.residual is None:
             assert new_residual is case.x
