@@ -153,15 +153,19 @@ struct KeyRange {
 };
 
 constexpr int kMaxSplits = 128;  // splits the combine handles (the host caps num_splits)
+// Splits whose O partials one combine round reads at once (a round is one dependent L2 round trip):
+// 8 covers the effective split count of a sequence of up to 8 key tiles in one round.
+constexpr int kCombineBatch = 8;
 
 // Split-KV combine of one (token, head) row of [Tq, H] by one warp; lane l owns the dim pairs
 // (2p, 2p + 1) with p = l + 32 i (a warp moves 256 contiguous bytes of partials per step).
 //   L = log sum_s exp(lse_s),  O = sum_s exp(lse_s - L) O_s   (lse_s = -inf: split s saw no key)
 // Latency, not bandwidth, is its cost (a few KB per row): every split's lse is loaded at once
 // (lane l holds splits l + 32 i, num_splits <= kMaxSplits), the weights are formed in registers and
-// broadcast by shuffle, and the O loads of four splits are in flight together. A split with weight
-// 0 contributes a selected 0, never 0 * its partial (which an empty split wrote as zeros anyway).
-// Loads are ld.global.cg: the partials were written by other CTAs of the same launch.
+// broadcast by shuffle, and the O loads of kCombineBatch splits are issued together before any of
+// them is used, predicated rather than looped (a 2-split combine is one round trip, not two). A
+// split of weight 0 (no key for this row) is not read and adds 0. Loads are ld.global.cg: the
+// partials were written by other CTAs of the same launch.
 template <int kHeadDim, bool kIsBF16>
 __device__ __forceinline__ void combine_row(const float* o_part, const float* lse_part, u16* out, float* lse,
                                             int num_tokens, int heads, int num_splits, int tok, int head, int lane) {
@@ -199,19 +203,30 @@ __device__ __forceinline__ void combine_row(const float* o_part, const float* ls
 #pragma unroll
   for (int i = 0; i < kLaneSplits; ++i) {  // splits 32 i .. 32 i + 31, weights in lanes (w[i])
     const int count = min(32, num_splits - 32 * i);
-#pragma unroll 4
-    for (int sl = 0; sl < count; ++sl) {
-      const float wt = __shfl_sync(0xffffffffu, w[i], sl);
-      const float2* const src = reinterpret_cast<const float2*>(o_part + ((32 * i + sl) * rows + row) * kHeadDim);
+#pragma unroll 1
+    for (int s0 = 0; s0 < count; s0 += kCombineBatch) {
+      float wt[kCombineBatch];               // warp-uniform: 0 past count
+      float2 x[kCombineBatch][kSteps];       // O pairs of splits s0 .. s0 + kCombineBatch - 1
 #pragma unroll
-      for (int j = 0; j < kSteps; ++j) {
-        const int pair = lane + 32 * j;
-        if (kPairs % 32 == 0 || pair < kPairs) {
-          const float2 x = __ldcg(src + pair);
-          acc[j].x += wt != 0.f ? wt * x.x : 0.f;
-          acc[j].y += wt != 0.f ? wt * x.y : 0.f;
+      for (int u = 0; u < kCombineBatch; ++u) {
+        const int sl = s0 + u;
+        const float wu = __shfl_sync(0xffffffffu, w[i], sl & 31);
+        wt[u] = sl < count ? wu : 0.f;
+        const float2* const src = reinterpret_cast<const float2*>(o_part + ((32 * i + sl) * rows + row) * kHeadDim);
+#pragma unroll
+        for (int j = 0; j < kSteps; ++j) {
+          const int pair = lane + 32 * j;
+          const bool read = wt[u] != 0.f && (kPairs % 32 == 0 || pair < kPairs);
+          x[u][j] = read ? __ldcg(src + pair) : make_float2(0.f, 0.f);
         }
       }
+#pragma unroll
+      for (int u = 0; u < kCombineBatch; ++u)
+#pragma unroll
+        for (int j = 0; j < kSteps; ++j) {
+          acc[j].x = fmaf(wt[u], x[u][j].x, acc[j].x);
+          acc[j].y = fmaf(wt[u], x[u][j].y, acc[j].y);
+        }
     }
   }
   u32* const dst = reinterpret_cast<u32*>(out + row * kHeadDim);
