@@ -450,6 +450,20 @@ def _rows_aligned(t: Tensor) -> bool:
     return t.stride(-1) == 1 and (t.shape[0] <= 1 or t.stride(0) % 8 == 0) and t.data_ptr() % 16 == 0
 
 
+def gemv_max_rows(device: torch.device | str | int | None = None) -> int | None:
+    """Rows up to which `linear` / `add_rms_norm_linear` run the GEMV kernel on `device` in this
+    process (TILEATTN_GEMV_MAX_ROWS, read at import, else the dispatcher's table for the device's
+    arch; 0: F.linear for every call), None for a device that is not CUDA. `device` None: the
+    current CUDA device. Raises ValueError for a TILEATTN_GEMV_MAX_ROWS that is not an integer in
+    [0, 8]."""
+    device = torch.device("cuda") if device is None else torch.device(device)
+    if device.type != "cuda":
+        return None
+    from .kernels import dispatch
+
+    return dispatch.gemv_max_rows(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _gemv_kernel_takes(x: Tensor, dim: int, weight: Tensor, bias) -> bool:
     """Whether csrc/gemv.cu runs this (already checked) call: see `linear`."""
     if not _on_kernel(x):

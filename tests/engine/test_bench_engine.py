@@ -61,15 +61,16 @@ def test_records_say_which_projection_path_ran(monkeypatch):
     """gemv_max_rows, kept in the JSON header: TILEATTN_GEMV_MAX_ROWS (read at import) on CUDA, so
     the A/B pair of decode runs says which ran the GEMV kernel; None on the CPU; a bad setting
     stops the benchmark before anything is measured."""
+    from tileattn.api_layers import gemv_max_rows
     from tileattn.kernels import dispatch
 
     for rows in (0, 8):
         monkeypatch.setattr(dispatch, "GEMV_ROWS_OVERRIDE", rows)
-        assert bench_engine.gemv_max_rows("cuda:0") == rows
-    assert bench_engine.gemv_max_rows("cpu") is None
+        assert gemv_max_rows("cuda:0") == rows
+    assert gemv_max_rows("cpu") is None
     monkeypatch.setattr(dispatch, "GEMV_ROWS_OVERRIDE", 9)
     with pytest.raises(ValueError, match="TILEATTN_GEMV_MAX_ROWS"):
-        bench_engine.gemv_max_rows("cuda:0")
+        gemv_max_rows("cuda:0")
 
 
 def test_help_works_without_a_gpu(capsys):

@@ -88,6 +88,8 @@ def bench_engine_main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
+    from tileattn.api_layers import gemv_max_rows
+
     on_gpu = args.device.startswith("cuda")
     if on_gpu and not torch.cuda.is_available():
         print("tileattn bench engine needs a CUDA GPU (none visible to torch); nothing measured")
@@ -135,21 +137,6 @@ def bench_engine_main(argv=None) -> int:
             json.dump(results, f, indent=2)
         print(f"wrote {args.json}")
     return 0
-
-
-def gemv_max_rows(device: str) -> int | None:
-    """Rows up to which tileattn.linear / add_rms_norm_linear run tileattn's GEMV kernel in this
-    process (TILEATTN_GEMV_MAX_ROWS, read at import, or the dispatch table; 0: cuBLAS for every
-    projection), None off CUDA: recorded so that an A/B pair of runs says which path each took.
-    Raises ValueError for a TILEATTN_GEMV_MAX_ROWS that is not an integer in [0, 8]."""
-    import torch
-
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    from ..kernels import dispatch
-
-    return dispatch.gemv_max_rows(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
