@@ -39,8 +39,32 @@ namespace gemv_detail {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr int kLoads = 8;  // 16-byte weight loads in flight per lane per step
 constexpr int kMaxRowsM = 8;
+
+// Output rows per warp task by M bucket. At M <= 2 one row: each 2-byte weight element meets M fp32
+// x elements from shared memory, 2 M shared-memory bytes per weight byte (2 or 4: 33-66 B/clk of the
+// ~128 B/clk shared memory delivers, at the ~16.5 B/clk per SM of HBM), and the registers stay
+// within the 64 that two co-resident blocks allow. The M = 8 bucket (forced-on tests only: slower than
+// cuBLAS above M = 2) reads each x chunk once for 4 rows.
+__host__ __device__ constexpr int rows_per_task(int max_m) { return max_m <= 2 ? 1 : 4; }
+// Blocks of 512 threads that must fit per SM: 2 at M <= 2 (<= 64 registers), so that under PDL the
+// next GEMV's block is resident beside this one's and issues its first loads before this one ends.
+__host__ __device__ constexpr int min_blocks(int max_m) { return max_m <= 2 ? 2 : 1; }
+// 16-byte weight loads in flight per lane per step: 16 warps x 32 lanes x 6 x 16 B = 48 KB per SM
+// at M <= 2 (2x the ~23 KB that 4.4 TB/s x ~0.7 us / 132 SMs needs; 8 loads do not fit in 64
+// registers without spilling), 64 KB in the M = 8 bucket.
+__host__ __device__ constexpr int loads_per_step(int max_m) { return max_m <= 2 ? 6 : 8; }
+
+// Start streaming `bytes` (a multiple of 16) at p (16-byte aligned) into L2, no registers held:
+// sm_90's bulk prefetch (one instruction, lane 0), else one prefetch per 128-byte line over the warp.
+__device__ __forceinline__ void prefetch_l2(const uint4* p, int bytes, int lane) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (lane == 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes));
+#else
+  for (int off = lane * 128; off < bytes; off += 32 * 128)
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(reinterpret_cast<const char*>(p) + off));
+#endif
+}
 
 enum Prologue : int { kNone = 0, kSiluMul = 1, kAddRmsNorm = 2 };
 
@@ -73,6 +97,7 @@ template <bool kIsBF16, int kPrologue>
 __device__ __forceinline__ void stage_elementwise(float* xs, const uint4* __restrict__ x, int M, int chunks,
                                                   int64_t x_st) {
   using namespace layer_ops;
+#pragma unroll 2
   for (int i = threadIdx.x; i < M * chunks; i += kThreads) {
     const int m = i / chunks, c = i - m * chunks;
     float g[8];
@@ -155,16 +180,17 @@ __device__ __forceinline__ void stage_add_rms_norm(float* xs, float (*partial)[3
 //                           residual != nullptr
 //   chunks = K / 8; M <= kMaxM; dynamic shared memory M * K * 4 bytes.
 template <bool kIsBF16, int kPrologue, int kMaxM>
-__global__ void __launch_bounds__(gemv_detail::kThreads, 1)
+__global__ void __launch_bounds__(gemv_detail::kThreads, gemv_detail::min_blocks(kMaxM))
     gemv(u16* __restrict__ y, const uint4* __restrict__ x, const uint4* __restrict__ weight,
          const u16* __restrict__ bias, const uint4* __restrict__ residual, const uint4* __restrict__ norm_weight,
-         uint4* __restrict__ new_residual, int M, int N, int chunks, int64_t x_st, int64_t res_st, float eps) {
+         uint4* __restrict__ new_residual, int M, int N, int chunks, int64_t x_st, int64_t res_st, float eps,
+         int prefetch_chunks, int release_chunks) {
   using namespace layer_ops;
   using namespace gemv_detail;
   static_assert(kMaxM >= 1 && kMaxM <= kMaxRowsM, "M bucket");
-  constexpr int kRows = kMaxM == 1 ? 1 : (kMaxM <= 4 ? 2 : 4);  // output rows per warp task
-  constexpr int kUnroll = kLoads / kRows;                      // chunks per row per step
-  constexpr int kStep = 32 * kUnroll;                          // chunks of a row per warp step
+  constexpr int kRows = rows_per_task(kMaxM);  // output rows per warp task
+  constexpr int kUnroll = loads_per_step(kMaxM) / kRows;  // chunks per row per step
+  constexpr int kStep = 32 * kUnroll;          // chunks of a row per warp step
   extern __shared__ float4 smem_f4[];
   float* xs = reinterpret_cast<float*>(smem_f4);  // [M] rows of K fp32 (store_chunk's layout)
   __shared__ float partial[kPrologue == kAddRmsNorm ? kMaxM : 1][32];
@@ -191,10 +217,23 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, 1)
     }
   };
 
+  // Before the wait (weights are never the previous kernel's output): the first step's loads into
+  // registers, and the next prefetch_chunks chunks of each first row into L2, so that under PDL
+  // this launch's first (64 + 32) KB per SM stream during the previous kernel's tail.
   int task = task_begin + warp;
-  if (task < task_end) load_step(task, 0);  // before the wait: weights are not the previous kernel's output
-
-  pdl_enter();
+  if (task < task_end) {
+    load_step(task, 0);
+    const int pf_end = min(chunks, kStep + prefetch_chunks);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      if (pf_end > kStep) prefetch_l2(row_ptr(task, r) + kStep, (pf_end - kStep) * 16, lane);
+  }
+  // Chunks this warp streams in all (its tasks x K); it releases the next kernel when at most
+  // release_chunks remain (the first warp of the block to get there releases the block).
+  // (int: a warp's share of the weights is far below 2^31 chunks = 32 GB on any device)
+  int left = task < task_end ? ((task_end - 1 - task) / kWarps + 1) * chunks : 0;
+  pdl_wait();
+  if (left <= release_chunks) pdl_release_dependents();
   if constexpr (kPrologue == kAddRmsNorm) {
     stage_add_rms_norm<kIsBF16>(xs, partial, x, residual, new_residual, norm_weight, M, chunks, x_st, res_st, eps);
   } else {
@@ -213,20 +252,19 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, 1)
 #pragma unroll
       for (int m = 0; m < kMaxM; ++m) acc[r][m] = 0.f;
     for (int base = 0; base < chunks; base += kStep) {
+      const int step_chunks = min(kStep, chunks - base);
+      left -= step_chunks;
+      if (left <= release_chunks && left + step_chunks > release_chunks) pdl_release_dependents();
       int next_task = task, next_base = base + kStep;
       if (next_base >= chunks) next_task += kWarps, next_base = 0;
       const bool prefetch = next_task < task_end;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int c = base + u * 32 + lane;
-        float wf[kRows][8];
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          load8<kIsBF16>(w[r][u], wf[r]);
-          const int c_next = next_base + u * 32 + lane;
-          if (prefetch) w[r][u] = c_next < chunks ? load_weight(row_ptr(next_task, r) + c_next) : make_uint4(0, 0, 0, 0);
-        }
         if (c < chunks) {
+          float wf[kRows][8];
+#pragma unroll
+          for (int r = 0; r < kRows; ++r) load8<kIsBF16>(w[r][u], wf[r]);
 #pragma unroll
           for (int m = 0; m < kMaxM; ++m) {
             if (m < M) {
@@ -239,6 +277,11 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, 1)
             }
           }
         }
+        // Chunk u's registers are free: reload them with chunk u of the next step.
+        const int c_next = next_base + u * 32 + lane;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+          if (prefetch) w[r][u] = c_next < chunks ? load_weight(row_ptr(next_task, r) + c_next) : make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll

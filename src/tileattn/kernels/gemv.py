@@ -20,13 +20,27 @@ THREADS = 512  # gemv_detail::kThreads
 STATIC_SMEM_BYTES = 8 * 32 * 4  # the add_rms_norm prologue's warp partials, [kMaxM][32] fp32
 PROLOGUE_NONE, PROLOGUE_SILU_MUL, PROLOGUE_ADD_RMS_NORM = 0, 1, 2
 PROLOGUES = (PROLOGUE_NONE, PROLOGUE_SILU_MUL, PROLOGUE_ADD_RMS_NORM)
-M_BUCKETS = (1, 4, 8)  # kMaxM: 1 row per warp task at M = 1, 2 up to M = 4, 4 up to M = 8
+M_BUCKETS = (1, 2, 8)  # kMaxM: 1 row per warp task up to M = 2 (2 blocks per SM), 4 up to M = 8 (forced only)
+# Launch-time knobs of the PDL overlap (docs/gemv.md, "Overlap"), part of the plan key so that the
+# benchmark can sweep them: chunks (16 B) of each warp's first row(s) prefetched into L2 before the
+# wait, beyond the first step's register loads (128 chunks: 2 KB per warp, 32 KB per block); and the
+# chunks a warp has left to stream when it releases the next kernel (512: 8 KB per warp, 128 KB per
+# SM, 17 MB over 132 SMs, ~4 us at 4.4 TB/s: the next launch's prefetch then lands during this one's
+# tail and its 13 MB + these 17 MB stay in the 50 MB L2). RELEASE_EARLY: right after the wait.
+PREFETCH_CHUNKS = 128
+RELEASE_CHUNKS = 512
+RELEASE_EARLY = 2**31 - 1
 _BF16 = {True: "true", False: "false"}
 
 
 def bucket(rows: int) -> int:
     """The smallest instantiated kMaxM >= rows (1 <= rows <= 8)."""
     return next(b for b in M_BUCKETS if rows <= b)
+
+
+def rows_per_task(max_rows: int) -> int:
+    """gemv_detail::rows_per_task: output rows per warp task of the kMaxM bucket."""
+    return 1 if max_rows <= 2 else 4
 
 
 def expression(bf16: bool, prologue: int, max_rows: int) -> str:
@@ -67,27 +81,39 @@ def launch_gemv(prologue: int, y, x, weight, bias, *, residual=None, norm_weight
     device = x.device.index
     pdl = pdl_enabled(device)
     key = (device, prologue, x.shape, x.stride(), weight.shape, x.dtype, bias is not None,
-           None if residual is None else residual.stride(), eps, pdl)
+           None if residual is None else residual.stride(), eps, pdl, PREFETCH_CHUNKS, RELEASE_CHUNKS)
     plan = _plans.get(key)
     if plan is None:
         from ..runtime import LaunchPlan
         from . import load
 
         kern = load(FAMILY_NAME, expression(x.dtype == torch.bfloat16, prologue, bucket(rows)), device)
-        rows_per_task = 1 if bucket(rows) == 1 else (2 if bucket(rows) <= 4 else 4)
-        tasks = -(-n // rows_per_task)
+        _prefer_shared_carveout(kern)
+        tasks = -(-n // rows_per_task(bucket(rows)))
         grid = min(device_sm_count(device), tasks)  # one long-lived block per SM (csrc/gemv.cu)
         args = (y.data_ptr(), x.data_ptr(), weight.data_ptr(), _ptr(bias), _ptr(residual), _ptr(norm_weight),
                 _ptr(new_residual), np.int32(rows), np.int32(n), np.int32(dim // 8),
                 np.int64(x.stride(0) // 8 if rows > 1 else 0), np.int64(0 if residual is None or rows == 1 else
                                                                           residual.stride(0) // 8),
-                np.float32(eps))
+                np.float32(eps), np.int32(PREFETCH_CHUNKS), np.int32(RELEASE_CHUNKS))
         if len(_plans) >= CACHE_LIMIT:
             _plans.clear()
         plan = _plans[key] = LaunchPlan(kern, (grid, 1, 1), (THREADS, 1, 1), args,
                                         smem=shared_memory_bytes(rows, dim), dynamic=tuple(range(7)), pdl=pdl)
     plan.launch(y.data_ptr(), x.data_ptr(), weight.data_ptr(), _ptr(bias), _ptr(residual), _ptr(norm_weight),
                 _ptr(new_residual))
+
+
+def _prefer_shared_carveout(kern) -> None:
+    """Ask for the largest shared-memory carveout: an SM's L1/shared split is fixed while blocks are
+    resident, so a GEMV block that the driver placed under a small carveout (o's 16 KB) would leave
+    no room for the next GEMV's (down's 56 KB) under PDL. The weights bypass L1 (no_allocate)."""
+    from ..runtime.launcher import _driver, _raise_for
+
+    driver = _driver()
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    (err,) = driver.cuKernelSetAttribute(attr, 100, kern.kernel.handle, kern.device_index)
+    _raise_for(err, f"cuKernelSetAttribute(shared carveout 100%) for {kern.expression}")
 
 
 def _ptr(t) -> int:
