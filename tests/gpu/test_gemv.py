@@ -271,6 +271,74 @@ def test_programmatic_dependent_launch_chain(monkeypatch):
         assert torch.equal(chain(), plain), "the PDL-launched chain differs from the plain one"
 
 
+LLAMA_LAYER = (("add_rms_norm", 4096, 6144), ("none", 4096, 4096), ("add_rms_norm", 4096, 28672),
+               ("silu_mul", 14336, 4096))  # qkv, o, gate_up, down
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("prefetch, release", [
+    (gemv_kernels.PREFETCH_CHUNKS, gemv_kernels.RELEASE_CHUNKS),  # the defaults
+    (gemv_kernels.PREFETCH_CHUNKS, gemv_kernels.RELEASE_EARLY),   # release right after the wait
+    (0, 0),                                                        # no L2 prefetch; release at the last step
+    (2**31 - 1, 1),                                                # prefetch whole rows (clamped to K)
+])
+def test_llama_layer_chain_under_every_launch_knob(rows, prefetch, release, monkeypatch):
+    """Two Llama-3-8B layers' projections back to back (qkv -> o -> gate_up -> down, each reading
+    the one before; M = 1, 2: two blocks per SM, so under TILEATTN_PDL=1 each launch's blocks sit
+    beside the previous one's and prefetch before their wait), eager and as a CUDA graph, with the
+    L2 prefetch and the release point at each setting: bit for bit the plain launches' result
+    (the knobs move only when bytes arrive and when the next grid is scheduled)."""
+    dtype = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    weights = [(torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
+               for _ in range(2) for _, k, n in LLAMA_LAYER]  # [N, K] each
+    norm_weight = (1 + 0.1 * torch.randn(4096, device="cuda", generator=g)).to(dtype)  # [4096]
+    x0 = torch.randn(rows, 4096, device="cuda", generator=g).to(dtype)  # [M, 4096]
+    residual0 = torch.randn(rows, 4096, device="cuda", generator=g).to(dtype)  # [M, 4096]
+
+    def chain():
+        x, residual = x0, residual0
+        for layer in range(2):
+            w_qkv, w_o, w_gate_up, w_down = weights[4 * layer:4 * layer + 4]
+            qkv, residual = tileattn.add_rms_norm_linear(x, residual, norm_weight, EPS, w_qkv)  # [M, 6144]
+            o = tileattn.linear(qkv[:, :4096], w_o)  # [M, 4096]
+            gate_up, residual = tileattn.add_rms_norm_linear(o, residual, norm_weight, EPS, w_gate_up)
+            x = tileattn.linear(gate_up, w_down, activation="silu_mul")  # [M, 4096]
+        return torch.cat([x, residual], dim=1)  # [M, 8192]
+
+    launches, launch = [], gemv_kernels.launch_gemv
+
+    def counted(prologue, *args, **kwargs):
+        launches.append(prologue)
+        return launch(prologue, *args, **kwargs)
+
+    monkeypatch.setattr(gemv_kernels, "launch_gemv", counted)
+    residual_before = residual0.clone()
+    monkeypatch.setenv("TILEATTN_PDL", "0")
+    plain = chain()
+    assert len(launches) == 8, f"{len(launches)} of the 8 projections ran the GEMV kernel"
+    assert not plain.isnan().any(), "NaN in the plain chain's output"
+    assert torch.equal(residual0, residual_before), "the kernel path must leave the residual passed in untouched"
+    monkeypatch.setattr(gemv_kernels, "PREFETCH_CHUNKS", prefetch)
+    monkeypatch.setattr(gemv_kernels, "RELEASE_CHUNKS", release)
+    monkeypatch.setenv("TILEATTN_PDL", "1")
+    for _ in range(2):
+        with poisoned_allocations():
+            got = chain()
+        assert torch.equal(got, plain), (f"PDL chain (prefetch {prefetch}, release {release}) differs from the "
+                                         f"plain one: {int((got != plain).sum())} of {got.numel()} elements")
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        replayed = chain()
+    for _ in range(2):
+        replayed.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, plain), (f"graph-replayed PDL chain (prefetch {prefetch}, release {release}) "
+                                              f"differs from the plain one: {int((replayed != plain).sum())} elements")
+
+
 def test_cuda_graph_capture_and_replay():
     """Captured with fixed buffers, replayed on new inputs: the same y as eager calls."""
     dtype = torch.bfloat16

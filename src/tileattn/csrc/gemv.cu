@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, gemv_detail::min_blocks
   int task = task_begin + warp;
   if (task < task_end) {
     load_step(task, 0);
-    const int pf_end = min(chunks, kStep + prefetch_chunks);
+    const int pf_end = min(chunks, kStep + min(prefetch_chunks, chunks));  // no int overflow for any knob
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
       if (pf_end > kStep) prefetch_l2(row_ptr(task, r) + kStep, (pf_end - kStep) * 16, lane);
