@@ -10,23 +10,32 @@
 // step in the same launch.
 //
 // Layout of the work (docs/gemv.md has the byte counts):
-// - One block per SM (grid = min(SMs, tasks)), 16 warps. A task is kRows consecutive output rows
+// - One block of 16 warps per SM (grid = min(SMs, tasks)). A task is kRows consecutive output rows
 //   over the whole K; block b owns tasks [b T / G, (b + 1) T / G), its warps take them in turn, so
 //   blocks differ by at most one task (N = 4096, M = 1: 31 or 32 rows per SM).
+// - At M <= 2 the block is built to fit twice per SM (<= 64 registers, __launch_bounds__(512, 2);
+//   shared memory 2 x M x K x 4 B <= 228 KB at K <= 14336): under PDL the NEXT GEMV's block is
+//   resident beside this one's while it still streams, and issues its own first weight reads.
+// - Before griddepcontrol.wait (weights are never the previous kernel's output): each warp's first
+//   step into registers (48 KB per SM) and the next prefetch_chunks chunks of its first row into
+//   L2 (default 2 KB per warp, 32 KB per SM): ~10 MB of the stream over 132 SMs lands during the
+//   previous kernel's tail and this one's x staging. A warp releases the next kernel
+//   (griddepcontrol.launch_dependents; the first warp of a block releases the block) when it has
+//   release_chunks chunks left to stream (default 8 KB per warp, 17 MB over the GPU, ~4 us at
+//   4.4 TB/s): released at the start, the next kernel's L2 prefetch would be evicted by this
+//   kernel's remaining stream (gate_up: 235 MB through a 50 MB L2) before it is used.
 // - The prologue writes the M prepared input rows into shared memory once per block, as fp32 (the
 //   16-bit values the unfused op would have stored, widened: the inner loop then converts only the
 //   weights).
-// - A warp streams its rows: lane l reads 16-byte chunks l, l + 32, ... of each row, kLoads = 8
-//   independent loads per lane per step (kRows x kUnroll): 16 warps x 32 lanes x 8 x 16 B = 64 KB
-//   in flight per SM, kept in flight by reloading each chunk's registers with the next step's
-//   chunk as soon as they are unpacked. The loads of a warp's first step are issued before the
-//   PDL wait and the prologue: weights do not depend on the previous kernel, so they arrive while
-//   x is staged.
+// - A warp streams its rows: lane l reads 16-byte chunks l, l + 32, ... of each row,
+//   loads_per_step independent loads per lane per step (kRows x kUnroll): at M <= 2, 16 warps x 32
+//   lanes x 6 x 16 B = 48 KB in flight per SM (64 KB in the M = 8 bucket), kept in flight by
+//   reloading each chunk's registers with the next step's chunk as soon as its FMAs are issued.
 // - fp32 FMAs, a warp shuffle sum per (row, m), lane 0 stores y rounded once (bias added in fp32).
-// - kRows (rows per warp) grows with M: each shared-memory chunk of x is read once per warp step
-//   and used for kRows rows, so shared-memory bytes per weight byte = 2 M / kRows (fp32 x vs 16-bit
-//   W); 2 at M = 1 (kRows 1), 4 at M = 4 (kRows 2), 4 at M = 8 (kRows 4), against the ~128 B/clk of
-//   shared memory and ~25 B/clk of HBM per SM.
+// - kRows (rows per warp): 1 at M <= 2 (shared-memory bytes per weight byte = 2 M: 2 or 4), 4 in
+//   the M = 8 bucket (each x chunk read once for 4 rows: 4), against the ~128 B/clk of shared
+//   memory and ~16.5 B/clk of HBM per SM. Above M = 2 the kernel is slower than cuBLAS (issue-bound)
+//   and the dispatcher does not choose it (kernels/dispatch.py GEMV_TABLE_MAX_ROWS).
 //
 // Numerics: the prologues are add_rms_norm's and silu_mul's step for step (common/elementwise.cuh's
 // helpers), including the order of add_rms_norm's sum of squares (its 1024-thread layout replayed), so the
@@ -243,7 +252,7 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, gemv_detail::min_blocks
 
   // A rolling prefetch: as soon as chunk u of a step is unpacked, its registers are reloaded with
   // chunk u of the warp's next step (the next K slice of this task, or the first slice of its next
-  // task), so each lane keeps ~kLoads loads in flight through its whole stream with no extra
+  // task), so each lane keeps loads_per_step loads in flight through its whole stream with no extra
   // registers.
   for (; task < task_end; task += kWarps) {
     float acc[kRows][kMaxM];
