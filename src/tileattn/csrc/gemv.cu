@@ -19,9 +19,9 @@
 // - Before griddepcontrol.wait (weights are never the previous kernel's output): each warp's first
 //   step into registers (48 KB per SM) and the next prefetch_chunks chunks of its first row into
 //   L2 (default 2 KB per warp, 32 KB per SM): ~10 MB of the stream over 132 SMs lands during the
-//   previous kernel's tail and this one's x staging. A warp releases the next kernel
-//   (griddepcontrol.launch_dependents; the first warp of a block releases the block) when it has
-//   release_chunks chunks left to stream (default 8 KB per warp, 17 MB over the GPU, ~4 us at
+//   previous kernel's tail and this one's x staging. Warp 0 (the most tasks of its block) releases
+//   the next kernel (griddepcontrol.launch_dependents, once per block) when it has release_chunks
+//   chunks left to stream (default 8 KB per warp, ~128 KB per SM, 17 MB over the GPU, ~4 us at
 //   4.4 TB/s): released at the start, the next kernel's L2 prefetch would be evicted by this
 //   kernel's remaining stream (gate_up: 235 MB through a 50 MB L2) before it is used.
 // - The prologue writes the M prepared input rows into shared memory once per block, as fp32 (the
@@ -237,12 +237,13 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, gemv_detail::min_blocks
     for (int r = 0; r < kRows; ++r)
       if (pf_end > kStep) prefetch_l2(row_ptr(task, r) + kStep, (pf_end - kStep) * 16, lane);
   }
-  // Chunks this warp streams in all (its tasks x K); it releases the next kernel when at most
-  // release_chunks remain (the first warp of the block to get there releases the block).
-  // (int: a warp's share of the weights is far below 2^31 chunks = 32 GB on any device)
+  // Chunks this warp streams in all (its tasks x K; int: a warp's share of the weights is far
+  // below 2^31 chunks = 32 GB). Warp 0, which has the most tasks of its block (warps take them in
+  // turn from the first), releases the block's share of the next kernel when it has at most
+  // release_chunks left, i.e. when the block has ~16 x release_chunks x 16 B left to stream.
   int left = task < task_end ? ((task_end - 1 - task) / kWarps + 1) * chunks : 0;
   pdl_wait();
-  if (left <= release_chunks) pdl_release_dependents();
+  if (warp == 0 && left <= release_chunks) pdl_release_dependents();
   if constexpr (kPrologue == kAddRmsNorm) {
     stage_add_rms_norm<kIsBF16>(xs, partial, x, residual, new_residual, norm_weight, M, chunks, x_st, res_st, eps);
   } else {
@@ -263,7 +264,7 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, gemv_detail::min_blocks
     for (int base = 0; base < chunks; base += kStep) {
       const int step_chunks = min(kStep, chunks - base);
       left -= step_chunks;
-      if (left <= release_chunks && left + step_chunks > release_chunks) pdl_release_dependents();
+      if (warp == 0 && left <= release_chunks && left + step_chunks > release_chunks) pdl_release_dependents();
       int next_task = task, next_base = base + kStep;
       if (next_base >= chunks) next_task += kWarps, next_base = 0;
       const bool prefetch = next_task < task_end;
