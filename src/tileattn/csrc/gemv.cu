@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, gemv_detail::min_blocks
 
   // Before the wait (weights are never the previous kernel's output): the first step's loads into
   // registers, and the next prefetch_chunks chunks of each first row into L2, so that under PDL
-  // this launch's first (64 + 32) KB per SM stream during the previous kernel's tail.
+  // this launch's first 48 + 32 KB per SM (M <= 2, defaults) stream during the previous kernel's tail.
   int task = task_begin + warp;
   if (task < task_end) {
     load_step(task, 0);
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, gemv_detail::min_blocks
   }
   __syncthreads();
 
-  // A rolling prefetch: as soon as chunk u of a step is unpacked, its registers are reloaded with
+  // A rolling prefetch: as soon as chunk u's FMAs are issued, its registers are reloaded with
   // chunk u of the warp's next step (the next K slice of this task, or the first slice of its next
   // task), so each lane keeps loads_per_step loads in flight through its whole stream with no extra
   // registers.
