@@ -165,7 +165,7 @@ def test_pdl_enabled_reads_the_environment_on_every_call(monkeypatch):
 
     monkeypatch.setattr(launcher, "_has_griddepcontrol", lambda index: True)
     monkeypatch.delenv("TILEATTN_PDL", raising=False)
-    assert not launcher.pdl_enabled(0)  # off by default
+    assert launcher.pdl_enabled(0)  # on by default
     monkeypatch.setenv("TILEATTN_PDL", "1")
     assert launcher.pdl_enabled(0)
     monkeypatch.setattr(launcher, "_has_griddepcontrol", lambda index: False)

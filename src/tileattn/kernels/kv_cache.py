@@ -4,8 +4,8 @@ Kernel conventions: k/v [T, Hkv, d] and k_cache/v_cache [num_blocks, block_size,
 dtype, last dim contiguous, every other stride and every data pointer a multiple of 16 bytes, the
 row (d elements) a multiple of 16 bytes; block_size a power of two; slot_mapping int32 or int64
 [T], contiguous. One thread per 16-byte chunk of a (token, kv head) row, blocks of 256 threads.
-The kernel waits for its predecessor's writes before touching memory, so with TILEATTN_PDL=1
-(runtime.pdl_enabled) its plans launch with programmatic dependent launch.
+The kernel waits for its predecessor's writes before touching memory, so where
+runtime.pdl_enabled (sm_90+, unless TILEATTN_PDL=0) its plans launch with programmatic dependent launch.
 """
 
 from __future__ import annotations

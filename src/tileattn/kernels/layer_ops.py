@@ -3,8 +3,8 @@
 Launchers trust their caller (tileattn.api_layers checks shapes, dtypes, strides and alignment)
 and keep one LaunchPlan per (device, shapes, strides, dtype, flags), with only the data pointers
 rewritten per call, like the other inference kernels. Every kernel of the family waits for its
-predecessor's writes before touching memory, so with TILEATTN_PDL=1 (runtime.pdl_enabled) the
-plans launch with programmatic dependent launch; the flag is part of each plan's key.
+predecessor's writes before touching memory, so where runtime.pdl_enabled (sm_90+, unless
+TILEATTN_PDL=0) the plans launch with programmatic dependent launch; the flag is part of each plan's key.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ are captured by `torch.cuda.graph`.
 serialization attribute (programmatic dependent launch, sm_90+): the kernel may start before the
 previous kernel on the stream has finished, so it must execute `griddepcontrol.wait` before its
 first global access (csrc/common/pdl.cuh). Kernel families opt in per launch through
-`pdl_enabled(device_index)`: TILEATTN_PDL=1 on a device of compute capability 9.0 or newer.
+`pdl_enabled(device_index)`: a device of compute capability 9.0 or newer, unless TILEATTN_PDL=0.
 """
 
 from __future__ import annotations
@@ -104,10 +104,11 @@ def _driver():
 
 def pdl_enabled(device_index: int) -> bool:
     """Whether kernels written for programmatic dependent launch (they wait with
-    griddepcontrol.wait before touching memory) should be launched with it on `device_index`:
-    TILEATTN_PDL=1 in the environment (read on every call, so a test or benchmark can switch it)
-    and a device of compute capability 9.0 or newer (older ones have no griddepcontrol)."""
-    return os.environ.get("TILEATTN_PDL", "0") == "1" and _has_griddepcontrol(device_index)
+    griddepcontrol.wait before touching memory) should be launched with it on `device_index`: a
+    device of compute capability 9.0 or newer (older ones have no griddepcontrol), unless
+    TILEATTN_PDL=0 is in the environment (read on every call, so a test or benchmark can switch
+    it). On by default since the H200's batch-1 Llama-3-8B decode measured it faster (docs/gemv.md)."""
+    return os.environ.get("TILEATTN_PDL", "1") != "0" and _has_griddepcontrol(device_index)
 
 
 @lru_cache(maxsize=None)
