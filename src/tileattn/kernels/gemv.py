@@ -366,6 +366,7 @@ def _chain_model(model: str, rows: int, dtype, reps: int) -> list[dict]:
                         "rel_diff_vs_composition": err})
     return records
 
+
 def main(argv=None) -> int:
     """`python -m tileattn.kernels.gemv [--chain] [--m 1 ...] [--dtype bf16|fp16] [--reps 20] [--json PATH]`."""
     import argparse
