@@ -17,8 +17,8 @@
 //   shared memory 2 x M x K x 4 B <= 228 KB at K <= 14336): under PDL the NEXT GEMV's block is
 //   resident beside this one's while it still streams, and issues its own first weight reads.
 // - Before griddepcontrol.wait (weights are never the previous kernel's output): each warp's first
-//   step into registers (48 KB per SM) and the next prefetch_chunks chunks of its first row into
-//   L2 (default 2 KB per warp, 32 KB per SM): ~10 MB of the stream over 132 SMs lands during the
+//   step into registers (48-64 KB per SM) and the next prefetch_chunks chunks of its first row
+//   into L2 (default 2 KB per warp, 32 KB per SM): 10-13 MB of the stream over 132 SMs lands during the
 //   previous kernel's tail and this one's x staging. Warp 0 (the most tasks of its block) releases
 //   the next kernel (griddepcontrol.launch_dependents, once per block) when it has release_chunks
 //   chunks left to stream (default 8 KB per warp, ~128 KB per SM, 17 MB over the GPU, ~4 us at
@@ -28,8 +28,8 @@
 //   16-bit values the unfused op would have stored, widened: the inner loop then converts only the
 //   weights).
 // - A warp streams its rows: lane l reads 16-byte chunks l, l + 32, ... of each row,
-//   loads_per_step independent loads per lane per step (kRows x kUnroll): at M <= 2, 16 warps x 32
-//   lanes x 6 x 16 B = 48 KB in flight per SM (64 KB in the M = 8 bucket), kept in flight by
+//   loads_per_step independent loads per lane per step (kRows x kUnroll): 16 warps x 32 lanes x 8
+//   x 16 B = 64 KB in flight per SM (48 KB with 6 loads: M = 1 SiLU, M = 2), kept in flight by
 //   reloading each chunk's registers with the next step's chunk as soon as its FMAs are issued.
 // - fp32 FMAs, a warp shuffle sum per (row, m), lane 0 stores y rounded once (bias added in fp32).
 // - kRows (rows per warp): 1 at M <= 2 (shared-memory bytes per weight byte = 2 M: 2 or 4), 4 in
@@ -50,6 +50,8 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRowsM = 8;
 
+enum Prologue : int { kNone = 0, kSiluMul = 1, kAddRmsNorm = 2 };
+
 // Output rows per warp task by M bucket. At M <= 2 one row: each 2-byte weight element meets M fp32
 // x elements from shared memory, 2 M shared-memory bytes per weight byte (2 or 4: 33-66 B/clk of the
 // ~128 B/clk shared memory delivers, at the ~16.5 B/clk per SM of HBM), and the registers stay
@@ -59,10 +61,16 @@ __host__ __device__ constexpr int rows_per_task(int max_m) { return max_m <= 2 ?
 // Blocks of 512 threads that must fit per SM: 2 at M <= 2 (<= 64 registers), so that under PDL the
 // next GEMV's block is resident beside this one's and issues its first loads before this one ends.
 __host__ __device__ constexpr int min_blocks(int max_m) { return max_m <= 2 ? 2 : 1; }
-// 16-byte weight loads in flight per lane per step: 16 warps x 32 lanes x 6 x 16 B = 48 KB per SM
-// at M <= 2 (2x the ~23 KB that 4.4 TB/s x ~0.7 us / 132 SMs needs; 8 loads do not fit in 64
-// registers without spilling), 64 KB in the M = 8 bucket.
-__host__ __device__ constexpr int loads_per_step(int max_m) { return max_m <= 2 ? 6 : 8; }
+// 16-byte weight loads in flight per lane per step: 8 (16 warps x 32 lanes x 8 x 16 B = 64 KB per
+// SM, the first revision's, measured at 4.38 TB/s on the lm_head) where they fit in 64 registers
+// with 0 spills: M = 1 without the SiLU prologue (qkv, o, gate_up, lm_head: 90% of the bytes).
+// Otherwise 6 (48 KB, still 2x the ~23 KB that 4.4 TB/s x ~0.7 us / 132 SMs needs): at M = 1 the
+// SiLU prologue's staging (gate and up, two chunks per iteration) is live beside the 32 registers
+// of pre-wait loads and spills with 8, as do M = 2's SiLU and norm prologues; the M = 8 bucket
+// (one block per SM, 128 registers) keeps 8.
+__host__ __device__ constexpr int loads_per_step(int max_m, int prologue) {
+  return max_m == 1 ? (prologue == kSiluMul ? 6 : 8) : (max_m <= 2 ? 6 : 8);
+}
 
 // Start streaming `bytes` (a multiple of 16) at p (16-byte aligned) into L2, no registers held:
 // sm_90's bulk prefetch (one instruction, lane 0), else one prefetch per 128-byte line over the warp.
@@ -75,7 +83,6 @@ __device__ __forceinline__ void prefetch_l2(const uint4* p, int bytes, int lane)
 #endif
 }
 
-enum Prologue : int { kNone = 0, kSiluMul = 1, kAddRmsNorm = 2 };
 
 // A weight chunk: touched once per launch, so it is not allocated in L1 (no reuse to gain, and no
 // line of anything else evicted for it), and read through the non-coherent path (the weights are
@@ -198,7 +205,7 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, gemv_detail::min_blocks
   using namespace gemv_detail;
   static_assert(kMaxM >= 1 && kMaxM <= kMaxRowsM, "M bucket");
   constexpr int kRows = rows_per_task(kMaxM);  // output rows per warp task
-  constexpr int kUnroll = loads_per_step(kMaxM) / kRows;  // chunks per row per step
+  constexpr int kUnroll = loads_per_step(kMaxM, kPrologue) / kRows;  // chunks per row per step
   constexpr int kStep = 32 * kUnroll;          // chunks of a row per warp step
   extern __shared__ float4 smem_f4[];
   float* xs = reinterpret_cast<float*>(smem_f4);  // [M] rows of K fp32 (store_chunk's layout)
@@ -228,7 +235,7 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, gemv_detail::min_blocks
 
   // Before the wait (weights are never the previous kernel's output): the first step's loads into
   // registers, and the next prefetch_chunks chunks of each first row into L2, so that under PDL
-  // this launch's first 48 + 32 KB per SM (M <= 2, defaults) stream during the previous kernel's tail.
+  // this launch's first 64 (or 48) + 32 KB per SM (defaults) stream during the previous kernel's tail.
   int task = task_begin + warp;
   if (task < task_end) {
     load_step(task, 0);
