@@ -1,11 +1,13 @@
 """Small-M projections (csrc/gemv.cu): the registry, the launcher, and a validate-then-benchmark
-main (`python -m tileattn.kernels.gemv [--json PATH]`).
+main (`python -m tileattn.kernels.gemv [--chain] [--json PATH]`).
 
 The launcher trusts its caller (tileattn.api_layers.linear / add_rms_norm_linear check shapes,
 dtypes, strides, alignment and the shared-memory fit) and keeps one LaunchPlan per (device,
 shapes, strides, dtype, prologue, flags), only the data pointers rewritten per call. The kernel
-waits for its predecessor's writes before reading x or the residual, so with TILEATTN_PDL=1
-(runtime.pdl_enabled) the plans launch with programmatic dependent launch.
+waits for its predecessor's writes before reading x or the residual (only weights are read
+before the wait), so with TILEATTN_PDL=1 (runtime.pdl_enabled) the plans launch with programmatic
+dependent launch; PREFETCH_CHUNKS and RELEASE_CHUNKS set how much it streams before that wait and
+when it lets the next kernel in (docs/gemv.md).
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def launch_gemv(prologue: int, y, x, weight, bias, *, residual=None, norm_weight
         kern = load(FAMILY_NAME, expression(x.dtype == torch.bfloat16, prologue, bucket(rows)), device)
         _prefer_shared_carveout(kern)
         tasks = -(-n // rows_per_task(bucket(rows)))
-        grid = min(device_sm_count(device), tasks)  # one long-lived block per SM (csrc/gemv.cu)
+        grid = min(device_sm_count(device), tasks)  # one block per SM; a 2nd fits: the next launch's
         args = (y.data_ptr(), x.data_ptr(), weight.data_ptr(), _ptr(bias), _ptr(residual), _ptr(norm_weight),
                 _ptr(new_residual), np.int32(rows), np.int32(n), np.int32(dim // 8),
                 np.int64(x.stride(0) // 8 if rows > 1 else 0), np.int64(0 if residual is None or rows == 1 else
