@@ -89,6 +89,23 @@
 // rows are common/sm80_tile.cuh's SwizzledTile (16-byte chunks XOR-swizzled so ldmatrix's 8 rows of
 // one chunk column hit 8 different bank groups; d = 96 rows padded to a 128-element pitch), so a
 // "row" below is a power-of-two pitch. After the main loop the K ring is reused for the key-split merge.
+//
+// ---- Programmatic dependent launch ----------------------------------------------------------------
+// The host may launch these kernels with the PDL attribute (runtime.pdl_enabled; common/pdl.cuh):
+// the grid is then scheduled while the kernel before it on the stream (an engine's rotary + KV
+// write) is still running, and the next kernel (the o projection) may be scheduled while this one
+// runs. So every CTA executes griddepcontrol.wait before its first global access of any kind (the
+// block table, lengths, q, the caches, the split counters and partials, out / lse, the L2
+// prefetches): only index arithmetic on kernel parameters and blockIdx precedes it. Every CTA,
+// including the splits and M tiles that turn out idle: a successor's own wait returns when this
+// grid completes, and that implies the predecessor's writes only if no CTA of this grid could
+// complete before them. The release (griddepcontrol.launch_dependents) follows right after the
+// wait: it only lets the next grid be scheduled once every CTA of this one has run it or exited
+// (so all of this grid's CTAs are resident or done: the next grid never takes their slots), and
+// that grid's wait still waits for this one's completion and memory flush, so the split counters
+// are back at zero and out / lse written before it reads them. Without the attribute both are
+// no-ops; on sm_80 they compile to nothing.
+#include "common/pdl.cuh"
 #include "common/sm80_tile.cuh"
 #include "common/variants.cuh"
 
@@ -345,6 +362,12 @@ __device__ __forceinline__ void attention_paged_body(
   const int kv_head = blockIdx.y / num_splits, split = blockIdx.y - kv_head * num_splits;
   const int b = blockIdx.z;
   const int* const bt_row = block_table + static_cast<int64_t>(b) * bt_stride;
+
+  // Programmatic dependent launch (see the header): nothing above touches global memory; every
+  // CTA waits here for the previous kernel's writes (the rotary's q, the KV write), then lets the
+  // next kernel be scheduled.
+  pdl_wait();
+  pdl_release_dependents();
 
   // ---- Block ids of the prologue's tiles, read before the lengths --------------------------------
   // Split s visits tiles s, s + S, s + 2 S, ...; S (the effective split count) needs the lengths,

@@ -11,6 +11,14 @@ once replays for every step. Rows of out / lse past cu_seqlens_q[B] (token paddi
 0 / -inf by the kernel. Window / softcap / ALiBi run the `attention_paged_variants_sm80`
 instantiations (VARIANT_INSTANTIATIONS, the base table CONFIGS on every arch).
 
+Programmatic dependent launch: every CTA of the kernel waits (griddepcontrol.wait) before its first
+global access, so with runtime.pdl_enabled(device) (sm_90+, unless TILEATTN_PDL=0) the launch
+carries the PDL attribute and overlaps its scheduling with the previous kernel's tail (an engine's
+rotary + KV write) and lets the next one (the o projection) be scheduled early. The flag is read on
+every call and picks one of the launch's two plans (PagedLaunch._plan), so a cached PagedLaunch
+follows a switch. TILEATTN_PAGED_PDL=0 launches this family without the attribute while the others
+keep it (to measure what PDL saves around attention).
+
 Three warp layouts per head dim, picked by the rows one (sequence, KV head) problem can have,
 max_seqlen_q * G: up to 16 (decode, GQA decode, short speculative runs) one m16 tile whose keys
 are split over 4 warps; up to 64 a 64-row tile of 4 warps; more (chunked prefill) 128 rows, 32 per
@@ -19,6 +27,7 @@ warp (16 at d=256), FlashAttention-2 style.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -182,6 +191,14 @@ def _load(device_index: int, arch: str, expr: str, smem: int):
     return kern
 
 
+def pdl_launch(device_index: int) -> bool:
+    """Whether paged launches on `device_index` carry the PDL attribute now: runtime.pdl_enabled
+    (read per call) unless TILEATTN_PAGED_PDL=0."""
+    from ..runtime.launcher import pdl_enabled
+
+    return os.environ.get("TILEATTN_PAGED_PDL", "1") != "0" and pdl_enabled(device_index)
+
+
 def _capture_id(device: int) -> int | None:
     """Id of the CUDA-graph capture the current stream is recording (unique in the process), or
     None when the driver cannot say."""
@@ -252,7 +269,7 @@ class PagedLaunch:
         """`variants`: None (the plain kernel) or an attention_fwd_sm80.VariantArgs without dropout
         (window edges with causal folded in, softcap, the ALiBi batch stride): the variant kernel,
         whose launch then takes the slopes (or None) per call; `causal` must be False then."""
-        from ..runtime import LaunchPlan, device_arch, device_sm_count, device_smem_optin
+        from ..runtime import device_arch, device_sm_count, device_smem_optin
 
         num_tokens, heads, head_dim = q.shape
         num_blocks, block_size, kv_heads, _ = k_cache.shape
@@ -298,7 +315,21 @@ class PagedLaunch:
             args += variants.kernel_args(scale)
         grid = (m_tiles, kv_heads * num_splits, batch)
         self.groups = m_tiles * kv_heads * batch  # split-KV arrival counters
-        self._main = LaunchPlan(kern, grid, (config.threads, 1, 1), args, smem, dynamic=dynamic)
+        # One LaunchPlan per PDL flag (the same kernel and packed arguments; only the launch call
+        # differs), the current flag's built now, the other on the first call that needs it.
+        self._plan_args = (kern, grid, (config.threads, 1, 1), args, smem, dynamic)
+        self._plans: dict = {}  # PDL flag -> LaunchPlan
+        self._plan(pdl_launch(device))
+
+    def _plan(self, pdl: bool):
+        """The LaunchPlan launching with (`pdl` True) or without the PDL attribute."""
+        plan = self._plans.get(pdl)
+        if plan is None:
+            from ..runtime import LaunchPlan
+
+            kern, grid, block, args, smem, dynamic = self._plan_args
+            plan = self._plans[pdl] = LaunchPlan(kern, grid, block, args, smem, dynamic=dynamic, pdl=pdl)
+        return plan
 
     def __call__(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, out=None, lse=None,
                  alibi_slopes=None):
@@ -315,13 +346,16 @@ class PagedLaunch:
         ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
                 cu_seqlens_q.data_ptr(), seqlens_k.data_ptr())
         alibi = () if self.variants is None else (0 if alibi_slopes is None else alibi_slopes.data_ptr(),)
+        plan = self._plan(pdl_launch(device.index))
         if self.num_splits == 1:
-            self._main.launch(*ptrs, out.data_ptr(), lse_ptr, 0, 0, 0, *alibi)
+            plan.launch(*ptrs, out.data_ptr(), lse_ptr, 0, 0, 0, *alibi)
         else:
             work = torch.empty(self.part_floats, dtype=torch.float32, device=device)  # alive past the launch
             o_part = work.data_ptr()
+            # Under capture the counters' zeroing (if any) is recorded here, between the previous
+            # kernel and this one; with PDL the kernel still touches them only after its wait.
             counters = arrival_counters(device.index, self.groups)
-            self._main.launch(*ptrs, out.data_ptr(), lse_ptr, o_part, o_part + self.lse_part_offset, counters, *alibi)
+            plan.launch(*ptrs, out.data_ptr(), lse_ptr, o_part, o_part + self.lse_part_offset, counters, *alibi)
         return out, lse
 
 
@@ -349,6 +383,7 @@ __all__ = [
     "choose_num_splits",
     "configs",
     "expression",
+    "pdl_launch",
     "pick_config",
     "variant_expression",
 ]
