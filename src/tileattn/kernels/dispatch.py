@@ -114,11 +114,13 @@ UNMEASURED_SM90_TABLES = (
 
 
 # Rows M up to which tileattn.linear / add_rms_norm_linear run the hand-written GEMV (csrc/gemv.cu)
-# instead of cuBLAS, by arch. 0 = off: the kernel has not yet run on a GPU; the lead fills the
-# table from `python -m tileattn.kernels.gemv` on the H200. Not in UNMEASURED_SM90_TABLES (those are
-# sets of keys that hopper_kernels_forced() fills; this is a number per arch): tests force the kernel
-# with GEMV_ROWS_OVERRIDE instead.
-GEMV_MAX_ROWS: dict[str, int] = {"sm_90a": 0, "sm_80": 0}
+# instead of cuBLAS, by arch (0 = off). sm_90a: M = 1, where the H200's Llama-3-8B batch-1 decode ran
+# 232.7 tok/s with it against 213.8 with cuBLAS and the separate norm / SiLU launches (2026-12-01,
+# 54502fe, both with PDL; docs/BENCHMARKS.md), the kernel alone on par with cuBLAS at M = 1 and slower
+# from M = 2. sm_80: not measured. Not in UNMEASURED_SM90_TABLES (those are sets of keys that
+# hopper_kernels_forced() fills; this is a number per arch): tests force the kernel with
+# GEMV_ROWS_OVERRIDE instead.
+GEMV_MAX_ROWS: dict[str, int] = {"sm_90a": 1, "sm_80": 0}
 GEMV_KERNEL_MAX_ROWS = 8  # the kernel's largest instantiation (kMaxM)
 # Largest M the table may choose: above 2 rows the kernel is slower than cuBLAS on the H200 (M = 4
 # gate_up 82.7 vs 59.2 us: fp32 x from shared memory and M FMAs per weight element, issue-bound;
