@@ -907,3 +907,199 @@ def test_empty_batch_and_no_queries():
     case = Case([(0, 5), (0, 1)], 4, 4, 64, BF16, 16, seed=1)
     out = api_paged.attention_paged(*case.tensors(), 0, 5)
     assert out.shape == (0, 4, 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Programmatic dependent launch: the decode chain rotary + KV write -> attention -> consumer
+# ---------------------------------------------------------------------------------------------
+# With PDL (sm_90+, runtime.pdl_enabled) attention_paged's grid may be scheduled while the fused
+# rotary + KV-cache write before it still runs, and the consumer after it (silu_mul here, an o
+# projection in the engine) while attention runs: each kernel's griddepcontrol.wait is all that
+# keeps it from reading stale data. The inputs make every early read visible: the new tokens'
+# cache slots hold NaN until the write lands, q is unrotated until the rotary lands (their
+# positions are large), and graph outputs are NaN-filled before each replay. Each run is checked
+# against the float64 reference of the chain and bit for bit against the same chain launched
+# without PDL (TILEATTN_PDL=0); every split count runs the combine in the last CTA of a group,
+# and every split-KV arrival counter must be 0 afterwards.
+PDL_QUERIES = {"decode": (1, 1, 1, 1, 1), "chunk": (1, 3, 24, 1, 1)}  # chunk: 96 rows at G = 4, the 128-row tile
+PDL_RUNS = ((1, 33, 129, 1000, 4097), (4097, 1000, 31, 127, 1))  # key lengths of two runs: S per group moves both ways
+
+
+class PdlChain:
+    """Llama-3-8B's attention shapes (H 32 / Hkv 8, d 128, bf16, block_size 16) for sequences with
+    `queries` new tokens each, key lengths runs[i] in run i, a block table for the longest + 2
+    blocks, and qkv [T, (H + 2 Hkv) d] as the projection writes it (q, k, v strided views of it)."""
+
+    heads, kv_heads, d, bs = 32, 8, 128, 16
+
+    def __init__(self, queries, runs, num_splits, seed):
+        from ..test_layer_ops_cpu import rotary_tables, split_qkv
+
+        self.queries, self.runs, self.num_splits = queries, runs, num_splits
+        self.batch, self.tokens = len(queries), sum(queries)
+        assert all(len(run) == self.batch and min(nk - nq for nq, nk in zip(queries, run)) >= 0 for run in runs)
+        self.max_blocks = -(-max(max(run) for run in runs) // self.bs) + 2
+        self.num_blocks = self.batch * self.max_blocks + 7
+        self.capacity = self.max_blocks * self.bs
+        self.gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.cpu = torch.Generator().manual_seed(seed)
+        cache_shape = (self.num_blocks, self.bs, self.kv_heads, self.d)
+        self.k_cache = torch.randn(cache_shape, device="cuda", generator=self.gen).to(BF16)
+        self.v_cache = torch.randn(cache_shape, device="cuda", generator=self.gen).to(BF16)
+        width = (self.heads + 2 * self.kv_heads) * self.d
+        self.qkv = torch.zeros(self.tokens, width, device="cuda", dtype=BF16)  # [T, (H + 2 Hkv) d]
+        self.q, self.k, self.v = split_qkv(self.qkv, self.heads, self.kv_heads, self.d)
+        self.cos, self.sin = (t.cuda() for t in rotary_tables(self.capacity, self.d))  # float32 [P, d]
+        self.positions = torch.zeros(self.tokens, device="cuda", dtype=torch.int64)  # [T]
+        self.slots = torch.zeros(self.tokens, device="cuda", dtype=torch.int64)  # [T]
+        self.table = torch.zeros(self.batch, self.max_blocks, device="cuda", dtype=torch.int32)
+        self.seqlens_k = torch.zeros(self.batch, device="cuda", dtype=torch.int32)
+        cu = [0]
+        for nq in queries:
+            cu.append(cu[-1] + nq)
+        self.cu_seqlens_q = torch.tensor(cu, device="cuda", dtype=torch.int32)
+
+    def refill(self, lengths):
+        """New inputs for one step with key lengths `lengths` (each sequence's queries are its last
+        keys): fresh qkv, a fresh shuffled table (junk past each length), NaN in the new tokens'
+        cache slots. Returns the float64 reference (out [T, H, d]) of the chain on them."""
+        from ..test_layer_ops_cpu import norm_rotary64
+
+        bs = self.bs
+        order = torch.randperm(self.num_blocks, generator=self.cpu)
+        table = torch.randint(-(2**31), 2**31 - 1, (self.batch, self.max_blocks), generator=self.cpu,
+                              dtype=torch.int64).to(torch.int32)
+        for b, nk in enumerate(lengths):
+            pages = -(-nk // bs)
+            table[b, :pages] = order[b * self.max_blocks:b * self.max_blocks + pages].to(torch.int32)
+        positions = torch.cat([torch.arange(nk - nq, nk) for nq, nk in zip(self.queries, lengths)])  # [T]
+        owner = torch.repeat_interleave(torch.arange(self.batch), torch.tensor(self.queries))  # [T]
+        slots = table[owner, positions // bs].long() * bs + positions % bs  # [T]
+        self.table.copy_(table)
+        self.seqlens_k.copy_(torch.tensor(lengths, dtype=torch.int32))
+        self.positions.copy_(positions)
+        self.slots.copy_(slots)
+        self.qkv.copy_(torch.randn(self.qkv.shape, device="cuda", generator=self.gen).to(BF16))
+        blocks, rows = (slots // bs).cuda(), (slots % bs).cuda()
+        self.k_cache[blocks, rows] = float("nan")  # until the write lands
+        self.v_cache[blocks, rows] = float("nan")
+        # The reference: q and k rotated in float64 with the tables rounded to bf16 (as the kernel
+        # and transformers use them), then rounded to bf16 as the kernel stores them.
+        pos, cos, sin = self.positions, self.cos.to(BF16), self.sin.to(BF16)
+        q_ref = norm_rotary64(self.q, pos, cos, sin).to(BF16)  # [T, H, d]
+        k_cache, v_cache = self.k_cache.clone(), self.v_cache.clone()
+        k_cache[blocks, rows] = norm_rotary64(self.k, pos, cos, sin).to(BF16)
+        v_cache[blocks, rows] = self.v
+        ref, _ = reference.attention_paged(q_ref, k_cache, v_cache, self.table, self.cu_seqlens_q, self.seqlens_k,
+                                           max(self.queries), max(lengths), return_lse=True,
+                                           compute_dtype=torch.float64)
+        return ref
+
+    def step(self):
+        """The chain: fused rotary + KV write, attention_paged, silu_mul of its output.
+        Returns (out [T, H, d], act [T, H d / 2])."""
+        from tileattn import api_layers
+
+        api_layers.norm_rotary_write_kv_cache_(self.q, self.k, self.v, self.k_cache, self.v_cache, self.slots,
+                                               self.positions, self.cos, self.sin)
+        out = api_paged.attention_paged(self.q, self.k_cache, self.v_cache, self.table, self.cu_seqlens_q,
+                                        self.seqlens_k, max(self.queries), self.capacity,
+                                        num_splits=self.num_splits)
+        act = api_layers.silu_mul(out.view(self.tokens, self.heads * self.d))
+        return out, act
+
+    def verify(self, out, act, ref, what):
+        """out against the float64 reference; act bit for bit silu_mul of out recomputed alone."""
+        from tileattn import api_layers
+
+        torch.cuda.synchronize()
+        nans = int(torch.isnan(out).sum())
+        assert nans == 0, f"{what}: {nans} NaN in out (a cache slot read before the KV write landed?)"
+        err = rel_err(out, ref)
+        assert err <= TOL[BF16], f"{what}: relative error {err:.3e} > {TOL[BF16]:g} (q read before the rotary?)"
+        want = api_layers.silu_mul(out.view(self.tokens, self.heads * self.d))
+        torch.cuda.synchronize()
+        differ = act != want  # NaN != NaN too
+        assert not differ.any(), (
+            f"{what}: the consumer's silu_mul differs from silu_mul of the finished attention output in "
+            f"{int(differ.sum())} of {act.numel()} elements (read before attention's writes landed?)")
+        for c in paged._counters_kept:
+            nonzero = int(torch.count_nonzero(c.tensor))
+            assert nonzero == 0, f"{what}: {nonzero} split-KV arrival counters left non-zero"
+
+
+def run_pdl_chain(chain, mode):
+    """The chain eagerly (mode "eager") or from a CUDA graph captured once and replayed for each
+    of chain.runs: "graph-born" captures on a stream without counters, so the split counters are born
+    inside the capture (their zeroing is a memset node between the KV write and attention);
+    "graph" captures on a stream whose counters an eager run zeroed (attention follows the write
+    directly). Yields (out, act, reference, description) per run, in the state left by the run."""
+    if mode == "eager":
+        for run, lengths in enumerate(chain.runs):
+            ref = chain.refill(lengths)
+            out, act = chain.step()
+            yield out, act, ref, f"eager run {run} (lengths {lengths})"
+        return
+    stream = torch.cuda.Stream()
+    chain.refill(chain.runs[0])
+    warm = torch.cuda.Stream() if mode == "graph-born" else stream  # kernels loaded, plans made
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        chain.step()
+    torch.cuda.current_stream().wait_stream(warm)
+    if mode == "graph-born":  # torch hands out pooled streams: forget any counters this one had
+        paged._counters.pop((torch.cuda.current_device(), stream.cuda_stream), None)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out, act = chain.step()
+    for run, lengths in enumerate(chain.runs):
+        ref = chain.refill(lengths)
+        out.fill_(float("nan"))
+        act.fill_(float("nan"))
+        graph.replay()
+        yield out, act, ref, f"{mode} replay {run} (lengths {lengths})"
+
+
+def pdl_chain_case(monkeypatch, queries, runs, num_splits, mode):
+    """Runs PdlChain(queries, runs, num_splits) in `mode` under TILEATTN_PDL=1, then the same inputs with
+    TILEATTN_PDL=0, each run checked against the reference and the PDL runs bit for bit against
+    the plain ones. On sm_90+ the paged launch must have used a PDL plan."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90 (griddepcontrol)")
+    what = f"{queries} splits={num_splits} {mode}"
+    results = {}
+    for pdl in ("1", "0"):
+        monkeypatch.setenv("TILEATTN_PDL", pdl)
+        monkeypatch.delenv("TILEATTN_PAGED_PDL", raising=False)
+        assert paged.pdl_launch(torch.cuda.current_device()) == (pdl == "1")
+        api_paged._paged_cache.clear()  # the launches below are made fresh and inspected
+        chain = PdlChain(queries, runs, num_splits, seed=zlib.crc32(what.encode()))
+        results[pdl] = []
+        for out, act, ref, run in run_pdl_chain(chain, mode):
+            chain.verify(out, act, ref, f"{what} PDL={pdl} {run}")
+            results[pdl].append((out.clone(), act.clone()))
+        launches = [x for x in api_paged._paged_cache.values() if isinstance(x, paged.PagedLaunch)]
+        # (TILEATTN_TEST_HOPPER_INFERENCE=1 may route a chunk without splits to the Hopper kernel)
+        assert launches or HOPPER, f"{what}: attention_paged did not run the sm80 paged kernel"
+        for launch in launches:
+            used = {flag for flag, plan in launch._plans.items() if plan.pdl == flag}
+            assert (pdl == "1") in used, f"{what} PDL={pdl}: the paged launch has plans {launch._plans}"
+    for run, ((out, act), (plain_out, plain_act)) in enumerate(zip(results["1"], results["0"])):
+        assert torch.equal(out, plain_out), (
+            f"{what} run {run}: attention output under PDL differs from the plain launch in "
+            f"{int((out != plain_out).sum())} elements")
+        assert torch.equal(act, plain_act), f"{what} run {run}: the consumer under PDL differs from the plain launch"
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "graph-born"])
+@pytest.mark.parametrize("num_splits", [1, 7, 32])
+@pytest.mark.parametrize("queries", list(PDL_QUERIES))
+def test_pdl_chain_rotary_attention_consumer(monkeypatch, queries, num_splits, mode):
+    pdl_chain_case(monkeypatch, PDL_QUERIES[queries], PDL_RUNS, num_splits, mode)
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("mode", ["eager", "graph-born"])
+def test_pdl_chain_small_sanitize(monkeypatch, mode):
+    """Decode of 2 sequences, 7 forced splits, a table for 300 keys (also run under compute-sanitizer)."""
+    pdl_chain_case(monkeypatch, (1, 1), ((1, 300), (129, 2)), 7, mode)
