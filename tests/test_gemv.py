@@ -108,21 +108,6 @@ def test_gemv_max_rows_override(monkeypatch):
     assert set(dispatch.GEMV_MAX_ROWS) == {"sm_90a", "sm_80"}
 
 
-def test_gemv_table_never_chooses_more_than_two_rows(monkeypatch):
-    """Above M = 2 the kernel is slower than cuBLAS: a table entry above GEMV_TABLE_MAX_ROWS is
-    clamped (the override still forces up to the largest bucket, for tests)."""
-    import tileattn.runtime
-    from tileattn.kernels import dispatch
-
-    monkeypatch.setattr(dispatch, "GEMV_ROWS_OVERRIDE", None)
-    monkeypatch.setattr(tileattn.runtime, "device_arch", lambda device_index: "sm_90a")
-    for table, want in ((8, 2), (2, 2), (1, 1), (0, 0)):
-        monkeypatch.setitem(dispatch.GEMV_MAX_ROWS, "sm_90a", table)
-        assert dispatch.gemv_max_rows(0) == want, f"table {table}: chose {dispatch.gemv_max_rows(0)}, want {want}"
-    monkeypatch.setattr(dispatch, "GEMV_ROWS_OVERRIDE", 8)
-    assert dispatch.gemv_max_rows(0) == 8
-
-
 @pytest.mark.parametrize("call, match", [
     (lambda: tileattn.linear(torch.randn(2, 3, 8), torch.randn(4, 8)), "x must be"),
     (lambda: tileattn.linear(torch.randn(2, 8), torch.randn(4, 16)), "weight must be"),
@@ -173,7 +158,7 @@ def test_registry_lists_every_instantiation_once():
         for prologue in gemv.PROLOGUES:
             for rows in range(1, 9):
                 assert fam.require(gemv.expression(bf16, prologue, gemv.bucket(rows)))
-    assert [gemv.bucket(m) for m in range(1, 9)] == [1, 2, 8, 8, 8, 8, 8, 8]
+    assert [gemv.bucket(m) for m in range(1, 9)] == [1, 4, 4, 4, 8, 8, 8, 8]
     assert gemv.M_BUCKETS[-1] == dispatch.GEMV_KERNEL_MAX_ROWS
 
 

@@ -249,7 +249,7 @@ def test_layouts_the_kernel_cannot_read_take_the_composition():
 
 
 def test_programmatic_dependent_launch_chain(monkeypatch):
-    """Under PDL (sm_90), each GEMV lets the next one start early and issues its first
+    """With TILEATTN_PDL=1 (sm_90), each GEMV lets the next one start early and issues its first
     weight loads before griddepcontrol.wait: a chain of three, each reading the one before, must
     equal the same chain launched plainly."""
     dtype = torch.bfloat16
@@ -270,89 +270,6 @@ def test_programmatic_dependent_launch_chain(monkeypatch):
     monkeypatch.setenv("TILEATTN_PDL", "1")
     for _ in range(3):
         assert torch.equal(chain(), plain), "the PDL-launched chain differs from the plain one"
-
-
-LLAMA_LAYER = (("add_rms_norm", 4096, 6144), ("none", 4096, 4096), ("add_rms_norm", 4096, 28672),
-               ("silu_mul", 14336, 4096))  # (prologue, K, N) of qkv, o, gate_up, down
-SMALL_LAYER = (("add_rms_norm", 1000, 1536), ("none", 1000, 1000), ("add_rms_norm", 1000, 2000),
-               ("silu_mul", 1000, 1000))  # the same chain at hidden size 1000 (for the sanitizer)
-KNOBS = [
-    (gemv_kernels.PREFETCH_CHUNKS, gemv_kernels.RELEASE_CHUNKS),  # the defaults
-    (gemv_kernels.PREFETCH_CHUNKS, gemv_kernels.RELEASE_EARLY),   # release right after the wait
-    (0, 0),                                                        # no L2 prefetch; release at the last step
-    (2**31 - 1, 1),                                                # prefetch whole rows (clamped to K)
-]
-
-
-def check_layer_chain(layer, rows, prefetch, release, monkeypatch):
-    """Two decoder layers' projections back to back (qkv -> o -> gate_up -> down, each reading the
-    one before; at M <= 2 two blocks fit per SM, so under TILEATTN_PDL=1 each launch's blocks sit
-    beside the previous one's and prefetch before their wait), eager and as a CUDA graph, with the
-    L2 prefetch and the release point set: bit for bit the plain launches' result (the knobs move
-    only when bytes arrive and when the next grid is scheduled)."""
-    dtype = torch.bfloat16
-    hidden, o_dim = layer[0][1], layer[1][1]
-    g = torch.Generator(device="cuda").manual_seed(rows + hidden)
-    weights = [(torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
-               for _ in range(2) for _, k, n in layer]  # [N, K] each
-    norm_weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).to(dtype)  # [H]
-    x0 = torch.randn(rows, hidden, device="cuda", generator=g).to(dtype)  # [M, H]
-    residual0 = torch.randn(rows, hidden, device="cuda", generator=g).to(dtype)  # [M, H]
-
-    def chain():
-        x, residual = x0, residual0
-        for i in range(2):
-            w_qkv, w_o, w_gate_up, w_down = weights[4 * i:4 * i + 4]
-            qkv, residual = tileattn.add_rms_norm_linear(x, residual, norm_weight, EPS, w_qkv)  # [M, Nqkv]
-            o = tileattn.linear(qkv[:, :o_dim], w_o)  # [M, H]
-            gate_up, residual = tileattn.add_rms_norm_linear(o, residual, norm_weight, EPS, w_gate_up)
-            x = tileattn.linear(gate_up, w_down, activation="silu_mul")  # [M, H]
-        return torch.cat([x, residual], dim=1)  # [M, 2H]
-
-    launches, launch = [], gemv_kernels.launch_gemv
-
-    def counted(prologue, *args, **kwargs):
-        launches.append(prologue)
-        return launch(prologue, *args, **kwargs)
-
-    monkeypatch.setattr(gemv_kernels, "launch_gemv", counted)
-    residual_before = residual0.clone()
-    monkeypatch.setenv("TILEATTN_PDL", "0")
-    plain = chain()
-    assert len(launches) == 8, f"{len(launches)} of the 8 projections ran the GEMV kernel"
-    assert not plain.isnan().any(), "NaN in the plain chain's output"
-    assert torch.equal(residual0, residual_before), "the kernel path must leave the residual passed in untouched"
-    monkeypatch.setattr(gemv_kernels, "PREFETCH_CHUNKS", prefetch)
-    monkeypatch.setattr(gemv_kernels, "RELEASE_CHUNKS", release)
-    monkeypatch.setenv("TILEATTN_PDL", "1")
-    for _ in range(2):
-        with poisoned_allocations():
-            got = chain()
-        assert torch.equal(got, plain), (f"PDL chain (prefetch {prefetch}, release {release}) differs from the "
-                                         f"plain one: {int((got != plain).sum())} of {got.numel()} elements")
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        replayed = chain()
-    for _ in range(2):
-        replayed.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, plain), (f"graph-replayed PDL chain (prefetch {prefetch}, release {release}) "
-                                              f"differs from the plain one: {int((replayed != plain).sum())} elements")
-
-
-@pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("prefetch, release", KNOBS)
-def test_llama_layer_chain_under_every_launch_knob(rows, prefetch, release, monkeypatch):
-    check_layer_chain(LLAMA_LAYER, rows, prefetch, release, monkeypatch)
-
-
-@pytest.mark.sanitize
-@pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("prefetch, release", KNOBS)
-def test_small_layer_chain_under_every_launch_knob(rows, prefetch, release, monkeypatch):
-    check_layer_chain(SMALL_LAYER, rows, prefetch, release, monkeypatch)
 
 
 def test_cuda_graph_capture_and_replay():

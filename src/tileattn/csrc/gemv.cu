@@ -10,32 +10,23 @@
 // step in the same launch.
 //
 // Layout of the work (docs/gemv.md has the byte counts):
-// - One block of 16 warps per SM (grid = min(SMs, tasks)). A task is kRows consecutive output rows
+// - One block per SM (grid = min(SMs, tasks)), 16 warps. A task is kRows consecutive output rows
 //   over the whole K; block b owns tasks [b T / G, (b + 1) T / G), its warps take them in turn, so
 //   blocks differ by at most one task (N = 4096, M = 1: 31 or 32 rows per SM).
-// - At M <= 2 the block is built to fit twice per SM (<= 64 registers, __launch_bounds__(512, 2);
-//   shared memory 2 x M x K x 4 B <= 228 KB at K <= 14336): under PDL the NEXT GEMV's block is
-//   resident beside this one's while it still streams, and issues its own first weight reads.
-// - Before griddepcontrol.wait (weights are never the previous kernel's output): each warp's first
-//   step into registers (48-64 KB per SM) and the next prefetch_chunks chunks of its first row
-//   into L2 (default 2 KB per warp, 32 KB per SM): 10-13 MB of the stream over 132 SMs lands during the
-//   previous kernel's tail and this one's x staging. Warp 0 (the most tasks of its block) releases
-//   the next kernel (griddepcontrol.launch_dependents, once per block) when it has release_chunks
-//   chunks left to stream (default 8 KB per warp, ~128 KB per SM, 17 MB over the GPU, ~4 us at
-//   4.4 TB/s): released at the start, the next kernel's L2 prefetch would be evicted by this
-//   kernel's remaining stream (gate_up: 235 MB through a 50 MB L2) before it is used.
 // - The prologue writes the M prepared input rows into shared memory once per block, as fp32 (the
 //   16-bit values the unfused op would have stored, widened: the inner loop then converts only the
 //   weights).
-// - A warp streams its rows: lane l reads 16-byte chunks l, l + 32, ... of each row,
-//   loads_per_step independent loads per lane per step (kRows x kUnroll): 16 warps x 32 lanes x 8
-//   x 16 B = 64 KB in flight per SM (48 KB with 6 loads: M = 1 SiLU, M = 2), kept in flight by
-//   reloading each chunk's registers with the next step's chunk as soon as its FMAs are issued.
+// - A warp streams its rows: lane l reads 16-byte chunks l, l + 32, ... of each row, kLoads = 8
+//   independent loads per lane per step (kRows x kUnroll): 16 warps x 32 lanes x 8 x 16 B = 64 KB
+//   in flight per SM, kept in flight by reloading each chunk's registers with the next step's
+//   chunk as soon as they are unpacked. The loads of a warp's first step are issued before the
+//   PDL wait and the prologue: weights do not depend on the previous kernel, so they arrive while
+//   x is staged.
 // - fp32 FMAs, a warp shuffle sum per (row, m), lane 0 stores y rounded once (bias added in fp32).
-// - kRows (rows per warp): 1 at M <= 2 (shared-memory bytes per weight byte = 2 M: 2 or 4), 4 in
-//   the M = 8 bucket (each x chunk read once for 4 rows: 4), against the ~128 B/clk of shared
-//   memory and ~16.5 B/clk of HBM per SM. Above M = 2 the kernel is slower than cuBLAS (issue-bound)
-//   and the dispatcher does not choose it (kernels/dispatch.py GEMV_TABLE_MAX_ROWS).
+// - kRows (rows per warp) grows with M: each shared-memory chunk of x is read once per warp step
+//   and used for kRows rows, so shared-memory bytes per weight byte = 2 M / kRows (fp32 x vs 16-bit
+//   W); 2 at M = 1 (kRows 1), 4 at M = 4 (kRows 2), 4 at M = 8 (kRows 4), against the ~128 B/clk of
+//   shared memory and ~25 B/clk of HBM per SM.
 //
 // Numerics: the prologues are add_rms_norm's and silu_mul's step for step (common/elementwise.cuh's
 // helpers), including the order of add_rms_norm's sum of squares (its 1024-thread layout replayed), so the
@@ -48,41 +39,10 @@ namespace gemv_detail {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+constexpr int kLoads = 8;  // 16-byte weight loads in flight per lane per step
 constexpr int kMaxRowsM = 8;
 
 enum Prologue : int { kNone = 0, kSiluMul = 1, kAddRmsNorm = 2 };
-
-// Output rows per warp task by M bucket. At M <= 2 one row: each 2-byte weight element meets M fp32
-// x elements from shared memory, 2 M shared-memory bytes per weight byte (2 or 4: 33-66 B/clk of the
-// ~128 B/clk shared memory delivers, at the ~16.5 B/clk per SM of HBM), and the registers stay
-// within the 64 that two co-resident blocks allow. The M = 8 bucket (forced-on tests only: slower than
-// cuBLAS above M = 2) reads each x chunk once for 4 rows.
-__host__ __device__ constexpr int rows_per_task(int max_m) { return max_m <= 2 ? 1 : 4; }
-// Blocks of 512 threads that must fit per SM: 2 at M <= 2 (<= 64 registers), so that under PDL the
-// next GEMV's block is resident beside this one's and issues its first loads before this one ends.
-__host__ __device__ constexpr int min_blocks(int max_m) { return max_m <= 2 ? 2 : 1; }
-// 16-byte weight loads in flight per lane per step: 8 (16 warps x 32 lanes x 8 x 16 B = 64 KB per
-// SM, the first revision's, measured at 4.38 TB/s on the lm_head) where they fit in 64 registers
-// with 0 spills: M = 1 without the SiLU prologue (qkv, o, gate_up, lm_head: 90% of the bytes).
-// Otherwise 6 (48 KB, still 2x the ~23 KB that 4.4 TB/s x ~0.7 us / 132 SMs needs): at M = 1 the
-// SiLU prologue's staging (gate and up, two chunks per iteration) is live beside the 32 registers
-// of pre-wait loads and spills with 8, as do M = 2's SiLU and norm prologues; the M = 8 bucket
-// (one block per SM, 128 registers) keeps 8.
-__host__ __device__ constexpr int loads_per_step(int max_m, int prologue) {
-  return max_m == 1 ? (prologue == kSiluMul ? 6 : 8) : (max_m <= 2 ? 6 : 8);
-}
-
-// Start streaming `bytes` (a multiple of 16) at p (16-byte aligned) into L2, no registers held:
-// sm_90's bulk prefetch (one instruction, lane 0), else one prefetch per 128-byte line over the warp.
-__device__ __forceinline__ void prefetch_l2(const uint4* p, int bytes, int lane) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (lane == 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes));
-#else
-  for (int off = lane * 128; off < bytes; off += 32 * 128)
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(reinterpret_cast<const char*>(p) + off));
-#endif
-}
-
 
 // A weight chunk: touched once per launch, so it is not allocated in L1 (no reuse to gain, and no
 // line of anything else evicted for it), and read through the non-coherent path (the weights are
@@ -113,7 +73,6 @@ template <bool kIsBF16, int kPrologue>
 __device__ __forceinline__ void stage_elementwise(float* xs, const uint4* __restrict__ x, int M, int chunks,
                                                   int64_t x_st) {
   using namespace layer_ops;
-#pragma unroll 2
   for (int i = threadIdx.x; i < M * chunks; i += kThreads) {
     const int m = i / chunks, c = i - m * chunks;
     float g[8];
@@ -196,17 +155,16 @@ __device__ __forceinline__ void stage_add_rms_norm(float* xs, float (*partial)[3
 //                           residual != nullptr
 //   chunks = K / 8; M <= kMaxM; dynamic shared memory M * K * 4 bytes.
 template <bool kIsBF16, int kPrologue, int kMaxM>
-__global__ void __launch_bounds__(gemv_detail::kThreads, gemv_detail::min_blocks(kMaxM))
+__global__ void __launch_bounds__(gemv_detail::kThreads, 1)
     gemv(u16* __restrict__ y, const uint4* __restrict__ x, const uint4* __restrict__ weight,
          const u16* __restrict__ bias, const uint4* __restrict__ residual, const uint4* __restrict__ norm_weight,
-         uint4* __restrict__ new_residual, int M, int N, int chunks, int64_t x_st, int64_t res_st, float eps,
-         int prefetch_chunks, int release_chunks) {
+         uint4* __restrict__ new_residual, int M, int N, int chunks, int64_t x_st, int64_t res_st, float eps) {
   using namespace layer_ops;
   using namespace gemv_detail;
   static_assert(kMaxM >= 1 && kMaxM <= kMaxRowsM, "M bucket");
-  constexpr int kRows = rows_per_task(kMaxM);  // output rows per warp task
-  constexpr int kUnroll = loads_per_step(kMaxM, kPrologue) / kRows;  // chunks per row per step
-  constexpr int kStep = 32 * kUnroll;          // chunks of a row per warp step
+  constexpr int kRows = kMaxM == 1 ? 1 : (kMaxM <= 4 ? 2 : 4);  // output rows per warp task
+  constexpr int kUnroll = kLoads / kRows;                      // chunks per row per step
+  constexpr int kStep = 32 * kUnroll;                          // chunks of a row per warp step
   extern __shared__ float4 smem_f4[];
   float* xs = reinterpret_cast<float*>(smem_f4);  // [M] rows of K fp32 (store_chunk's layout)
   __shared__ float partial[kPrologue == kAddRmsNorm ? kMaxM : 1][32];
@@ -233,24 +191,10 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, gemv_detail::min_blocks
     }
   };
 
-  // Before the wait (weights are never the previous kernel's output): the first step's loads into
-  // registers, and the next prefetch_chunks chunks of each first row into L2, so that under PDL
-  // this launch's first 64 (or 48) + 32 KB per SM (defaults) stream during the previous kernel's tail.
   int task = task_begin + warp;
-  if (task < task_end) {
-    load_step(task, 0);
-    const int pf_end = min(chunks, kStep + min(prefetch_chunks, chunks));  // no int overflow for any knob
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      if (pf_end > kStep) prefetch_l2(row_ptr(task, r) + kStep, (pf_end - kStep) * 16, lane);
-  }
-  // Chunks this warp streams in all (its tasks x K; int: a warp's share of the weights is far
-  // below 2^31 chunks = 32 GB). Warp 0, which has the most tasks of its block (warps take them in
-  // turn from the first), releases the block's share of the next kernel when it has at most
-  // release_chunks left, i.e. when the block has ~16 x release_chunks x 16 B left to stream.
-  int left = task < task_end ? ((task_end - 1 - task) / kWarps + 1) * chunks : 0;
-  pdl_wait();
-  if (warp == 0 && left <= release_chunks) pdl_release_dependents();
+  if (task < task_end) load_step(task, 0);  // before the wait: weights are not the previous kernel's output
+
+  pdl_enter();
   if constexpr (kPrologue == kAddRmsNorm) {
     stage_add_rms_norm<kIsBF16>(xs, partial, x, residual, new_residual, norm_weight, M, chunks, x_st, res_st, eps);
   } else {
@@ -258,9 +202,9 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, gemv_detail::min_blocks
   }
   __syncthreads();
 
-  // A rolling prefetch: as soon as chunk u's FMAs are issued, its registers are reloaded with
+  // A rolling prefetch: as soon as chunk u of a step is unpacked, its registers are reloaded with
   // chunk u of the warp's next step (the next K slice of this task, or the first slice of its next
-  // task), so each lane keeps loads_per_step loads in flight through its whole stream with no extra
+  // task), so each lane keeps ~kLoads loads in flight through its whole stream with no extra
   // registers.
   for (; task < task_end; task += kWarps) {
     float acc[kRows][kMaxM];
@@ -269,19 +213,20 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, gemv_detail::min_blocks
 #pragma unroll
       for (int m = 0; m < kMaxM; ++m) acc[r][m] = 0.f;
     for (int base = 0; base < chunks; base += kStep) {
-      const int step_chunks = min(kStep, chunks - base);
-      left -= step_chunks;
-      if (warp == 0 && left <= release_chunks && left + step_chunks > release_chunks) pdl_release_dependents();
       int next_task = task, next_base = base + kStep;
       if (next_base >= chunks) next_task += kWarps, next_base = 0;
       const bool prefetch = next_task < task_end;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int c = base + u * 32 + lane;
-        if (c < chunks) {
-          float wf[kRows][8];
+        float wf[kRows][8];
 #pragma unroll
-          for (int r = 0; r < kRows; ++r) load8<kIsBF16>(w[r][u], wf[r]);
+        for (int r = 0; r < kRows; ++r) {
+          load8<kIsBF16>(w[r][u], wf[r]);
+          const int c_next = next_base + u * 32 + lane;
+          if (prefetch) w[r][u] = c_next < chunks ? load_weight(row_ptr(next_task, r) + c_next) : make_uint4(0, 0, 0, 0);
+        }
+        if (c < chunks) {
 #pragma unroll
           for (int m = 0; m < kMaxM; ++m) {
             if (m < M) {
@@ -294,11 +239,6 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, gemv_detail::min_blocks
             }
           }
         }
-        // Chunk u's registers are free: reload them with chunk u of the next step.
-        const int c_next = next_base + u * 32 + lane;
-#pragma unroll
-        for (int r = 0; r < kRows; ++r)
-          if (prefetch) w[r][u] = c_next < chunks ? load_weight(row_ptr(next_task, r) + c_next) : make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll

@@ -122,10 +122,6 @@ UNMEASURED_SM90_TABLES = (
 # GEMV_ROWS_OVERRIDE instead.
 GEMV_MAX_ROWS: dict[str, int] = {"sm_90a": 1, "sm_80": 0}
 GEMV_KERNEL_MAX_ROWS = 8  # the kernel's largest instantiation (kMaxM)
-# Largest M the table may choose: above 2 rows the kernel is slower than cuBLAS on the H200 (M = 4
-# gate_up 82.7 vs 59.2 us: fp32 x from shared memory and M FMAs per weight element, issue-bound;
-# docs/gemv.md). Its M = 8 bucket stays for forced-on tests (TILEATTN_GEMV_MAX_ROWS up to 8).
-GEMV_TABLE_MAX_ROWS = 2
 # TILEATTN_GEMV_MAX_ROWS, read once at import, replaces the table on every arch (0 = kernel off):
 # the A/B switch for benchmarks. None when unset; a value that is not an integer in [0, 8] is kept
 # as its text and reported by gemv_max_rows.
@@ -146,7 +142,7 @@ def gemv_max_rows(device_index: int) -> int:
         return override
     from ..runtime import device_arch
 
-    return min(GEMV_MAX_ROWS.get(device_arch(device_index), 0), GEMV_TABLE_MAX_ROWS)
+    return GEMV_MAX_ROWS.get(device_arch(device_index), 0)
 
 
 class _PointerPlan:

@@ -1,13 +1,11 @@
 """Small-M projections (csrc/gemv.cu): the registry, the launcher, and a validate-then-benchmark
-main (`python -m tileattn.kernels.gemv [--chain] [--json PATH]`).
+main (`python -m tileattn.kernels.gemv [--json PATH]`).
 
 The launcher trusts its caller (tileattn.api_layers.linear / add_rms_norm_linear check shapes,
 dtypes, strides, alignment and the shared-memory fit) and keeps one LaunchPlan per (device,
 shapes, strides, dtype, prologue, flags), only the data pointers rewritten per call. The kernel
-waits for its predecessor's writes before reading x or the residual (only weights are read
-before the wait), so with TILEATTN_PDL=1 (runtime.pdl_enabled) the plans launch with programmatic
-dependent launch; PREFETCH_CHUNKS and RELEASE_CHUNKS set how much it streams before that wait and
-when it lets the next kernel in (docs/gemv.md).
+waits for its predecessor's writes before reading x or the residual, so with TILEATTN_PDL=1
+(runtime.pdl_enabled) the plans launch with programmatic dependent launch.
 """
 
 from __future__ import annotations
@@ -22,27 +20,13 @@ THREADS = 512  # gemv_detail::kThreads
 STATIC_SMEM_BYTES = 8 * 32 * 4  # the add_rms_norm prologue's warp partials, [kMaxM][32] fp32
 PROLOGUE_NONE, PROLOGUE_SILU_MUL, PROLOGUE_ADD_RMS_NORM = 0, 1, 2
 PROLOGUES = (PROLOGUE_NONE, PROLOGUE_SILU_MUL, PROLOGUE_ADD_RMS_NORM)
-M_BUCKETS = (1, 2, 8)  # kMaxM: 1 row per warp task up to M = 2 (2 blocks per SM), 4 up to M = 8 (forced only)
-# Launch-time knobs of the PDL overlap (docs/gemv.md, "Overlap"), part of the plan key so that the
-# benchmark can sweep them: chunks (16 B) of each warp's first row(s) prefetched into L2 before the
-# wait, beyond the first step's register loads (128 chunks: 2 KB per warp, 32 KB per block); and the
-# chunks a warp has left to stream when it releases the next kernel (512: 8 KB per warp, 128 KB per
-# SM, 17 MB over 132 SMs, ~4 us at 4.4 TB/s: the next launch's prefetch then lands during this one's
-# tail and its 13 MB + these 17 MB stay in the 50 MB L2). RELEASE_EARLY: right after the wait.
-PREFETCH_CHUNKS = 128
-RELEASE_CHUNKS = 512
-RELEASE_EARLY = 2**31 - 1
+M_BUCKETS = (1, 4, 8)  # kMaxM: 1 row per warp task at M = 1, 2 up to M = 4, 4 up to M = 8
 _BF16 = {True: "true", False: "false"}
 
 
 def bucket(rows: int) -> int:
     """The smallest instantiated kMaxM >= rows (1 <= rows <= 8)."""
     return next(b for b in M_BUCKETS if rows <= b)
-
-
-def rows_per_task(max_rows: int) -> int:
-    """gemv_detail::rows_per_task: output rows per warp task of the kMaxM bucket."""
-    return 1 if max_rows <= 2 else 4
 
 
 def expression(bf16: bool, prologue: int, max_rows: int) -> str:
@@ -83,39 +67,27 @@ def launch_gemv(prologue: int, y, x, weight, bias, *, residual=None, norm_weight
     device = x.device.index
     pdl = pdl_enabled(device)
     key = (device, prologue, x.shape, x.stride(), weight.shape, x.dtype, bias is not None,
-           None if residual is None else residual.stride(), eps, pdl, PREFETCH_CHUNKS, RELEASE_CHUNKS)
+           None if residual is None else residual.stride(), eps, pdl)
     plan = _plans.get(key)
     if plan is None:
         from ..runtime import LaunchPlan
         from . import load
 
         kern = load(FAMILY_NAME, expression(x.dtype == torch.bfloat16, prologue, bucket(rows)), device)
-        _prefer_shared_carveout(kern)
-        tasks = -(-n // rows_per_task(bucket(rows)))
-        grid = min(device_sm_count(device), tasks)  # one block per SM; a 2nd fits: the next launch's
+        rows_per_task = 1 if bucket(rows) == 1 else (2 if bucket(rows) <= 4 else 4)
+        tasks = -(-n // rows_per_task)
+        grid = min(device_sm_count(device), tasks)  # one long-lived block per SM (csrc/gemv.cu)
         args = (y.data_ptr(), x.data_ptr(), weight.data_ptr(), _ptr(bias), _ptr(residual), _ptr(norm_weight),
                 _ptr(new_residual), np.int32(rows), np.int32(n), np.int32(dim // 8),
                 np.int64(x.stride(0) // 8 if rows > 1 else 0), np.int64(0 if residual is None or rows == 1 else
                                                                           residual.stride(0) // 8),
-                np.float32(eps), np.int32(PREFETCH_CHUNKS), np.int32(RELEASE_CHUNKS))
+                np.float32(eps))
         if len(_plans) >= CACHE_LIMIT:
             _plans.clear()
         plan = _plans[key] = LaunchPlan(kern, (grid, 1, 1), (THREADS, 1, 1), args,
                                         smem=shared_memory_bytes(rows, dim), dynamic=tuple(range(7)), pdl=pdl)
     plan.launch(y.data_ptr(), x.data_ptr(), weight.data_ptr(), _ptr(bias), _ptr(residual), _ptr(norm_weight),
                 _ptr(new_residual))
-
-
-def _prefer_shared_carveout(kern) -> None:
-    """Ask for the largest shared-memory carveout: an SM's L1/shared split is fixed while blocks are
-    resident, so a GEMV block that the driver placed under a small carveout (o's 16 KB) would leave
-    no room for the next GEMV's (down's 56 KB) under PDL. The weights bypass L1 (no_allocate)."""
-    from ..runtime.launcher import _driver, _raise_for
-
-    driver = _driver()
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-    (err,) = driver.cuKernelSetAttribute(attr, 100, kern.kernel.handle, kern.device_index)
-    _raise_for(err, f"cuKernelSetAttribute(shared carveout 100%) for {kern.expression}")
 
 
 def _ptr(t) -> int:
@@ -252,125 +224,8 @@ def benchmark(rows_list=BENCH_ROWS, shapes=BENCH_SHAPES, dtype=None, reps: int =
 
 
 
-# (name, GEMV on, TILEATTN_PDL, PREFETCH_CHUNKS, RELEASE_CHUNKS) of the --chain modes.
-CHAIN_MODES = (
-    ("composition", False, False, PREFETCH_CHUNKS, RELEASE_CHUNKS),
-    ("composition+pdl", False, True, PREFETCH_CHUNKS, RELEASE_CHUNKS),
-    ("gemv", True, False, PREFETCH_CHUNKS, RELEASE_CHUNKS),
-    ("gemv+pdl", True, True, PREFETCH_CHUNKS, RELEASE_CHUNKS),
-    ("gemv+pdl early-release", True, True, PREFETCH_CHUNKS, RELEASE_EARLY),
-    ("gemv+pdl no-L2-prefetch", True, True, 0, RELEASE_CHUNKS),
-)
-
-
-def _chain_weights(model: str, dtype):
-    """One decoder layer's projection weights per layer of `model` (BENCH_SHAPES' sizes, distinct
-    tensors, so no layer's weights are in L2 from the layer before) and the lm_head; returns
-    (layers: list of {proj: [N, K]}, lm_head [V, H], norm weight [H], the o projection's K)."""
-    import torch
-
-    shapes = {proj: (dim, n) for m, proj, _, dim, n in BENCH_SHAPES if m == model}
-
-    def weight(proj):
-        dim, n = shapes[proj]
-        return torch.empty(n, dim, device="cuda", dtype=dtype).normal_(std=dim**-0.5)  # [N, K]
-
-    layers = [{proj: weight(proj) for proj in ("qkv", "o", "gate_up", "down")} for _ in range(LAYERS[model])]
-    hidden = shapes["qkv"][0]
-    return layers, weight("lm_head"), torch.ones(hidden, device="cuda", dtype=dtype), shapes["o"][0]
-
-
-def chain_benchmark(rows: int = 1, dtype=None, reps: int = 20, models=tuple(LAYERS), json_path=None) -> list[dict]:
-    """The per-token projection sequence of a decoder, back to back on one stream: per layer
-    qkv (add + RMSNorm fused) -> o (on the first o-K columns of qkv: attention left out) -> gate_up
-    (add + RMSNorm fused) -> down (SiLU * up fused), x layers, then the lm_head (final norm fused),
-    at M = `rows`. Each CHAIN_MODES entry is captured as one CUDA graph (as the engine decodes) and
-    replayed with bench.harness.measure, the L2 flushed once before each chain. Prints ms per
-    token and effective TB/s (weight bytes / time) per mode, and the logits' relative difference
-    from the first mode's (the composition; one rounding per projection apart, compounded over the
-    layers: reported, and a non-finite value marks the mode FAILED)."""
-    import os
-
-    import torch
-
-    from ..bench.env import environment
-    from ..bench.records import write_run
-    from . import dispatch
-
-    global PREFETCH_CHUNKS, RELEASE_CHUNKS
-    dtype = dtype or torch.bfloat16
-    saved = dispatch.GEMV_ROWS_OVERRIDE, os.environ.get("TILEATTN_PDL"), PREFETCH_CHUNKS, RELEASE_CHUNKS
-    records: list[dict] = []
-    try:
-        for model in models:
-            records += _chain_model(model, rows, dtype, reps)
-            torch.cuda.empty_cache()
-    finally:
-        dispatch.GEMV_ROWS_OVERRIDE, pdl_env, PREFETCH_CHUNKS, RELEASE_CHUNKS = saved
-        if pdl_env is None:
-            os.environ.pop("TILEATTN_PDL", None)
-        else:
-            os.environ["TILEATTN_PDL"] = pdl_env
-    if json_path:
-        write_run(json_path, records, environment())
-    return records
-
-
-def _chain_model(model: str, rows: int, dtype, reps: int) -> list[dict]:
-    """chain_benchmark for one model: every CHAIN_MODES entry (sets the dispatch override,
-    TILEATTN_PDL and the launch knobs; the caller restores them)."""
-    import os
-
-    import torch
-
-    import tileattn
-
-    from ..bench.harness import measure
-    from . import dispatch
-
-    global PREFETCH_CHUNKS, RELEASE_CHUNKS
-    layers, lm_head, norm_weight, o_dim = _chain_weights(model, dtype)
-    hidden = norm_weight.shape[0]
-    nbytes = (sum(w.numel() for layer in layers for w in layer.values()) + lm_head.numel()) * lm_head.element_size()
-    x0 = torch.randn(rows, hidden, device="cuda").to(dtype)  # [M, H]
-    residual0 = torch.randn(rows, hidden, device="cuda").to(dtype)  # [M, H]
-
-    def chain():
-        x, residual = x0, residual0.clone()  # the composition updates the residual in place
-        for w in layers:
-            qkv, residual = tileattn.add_rms_norm_linear(x, residual, norm_weight, 1e-5, w["qkv"])  # [M, Nqkv]
-            o = tileattn.linear(qkv[:, :o_dim], w["o"])  # [M, H]
-            gate_up, residual = tileattn.add_rms_norm_linear(o, residual, norm_weight, 1e-5, w["gate_up"])
-            x = tileattn.linear(gate_up, w["down"], activation="silu_mul")  # [M, H]
-        return tileattn.add_rms_norm_linear(x, residual, norm_weight, 1e-5, lm_head)[0]  # [M, V]
-
-    records, reference = [], None
-    for name, on, pdl, prefetch, release in CHAIN_MODES:
-        dispatch.GEMV_ROWS_OVERRIDE = rows if on else 0
-        os.environ["TILEATTN_PDL"] = "1" if pdl else "0"
-        PREFETCH_CHUNKS, RELEASE_CHUNKS = prefetch, release
-        logits = chain().double()  # compiles, makes the plans, warms cuBLAS
-        reference = logits if reference is None else reference
-        err = ((logits - reference).norm() / reference.norm()).item()
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            chain()
-        t = measure(graph.replay, reps=reps, memory=False)
-        ms = t.median_ms
-        status = "ok" if logits.isfinite().all() and err == err else "FAILED (non-finite logits)"
-        print(f"{model:11} M={rows} {name:24} {ms:7.3f} ms/token {nbytes / (ms * 1e-3) / 1e12:5.2f} TB/s "
-              f"({nbytes / 1e9:.2f} GB)  logits rel diff vs composition {err:.1e} {status}")
-        records.append({"suite": "gemv-chain", "model": model, "m": rows, "mode": name, "pdl": pdl,
-                        "prefetch_chunks": prefetch, "release_chunks": release,
-                        "dtype": str(dtype).removeprefix("torch."), "weight_bytes": nbytes, "status": status,
-                        "timing": t.as_dict(), "ms_per_token": ms, "tbps": nbytes / (ms * 1e-3) / 1e12,
-                        "rel_diff_vs_composition": err})
-    return records
-
-
 def main(argv=None) -> int:
-    """`python -m tileattn.kernels.gemv [--chain] [--m 1 ...] [--dtype bf16|fp16] [--reps 20] [--json PATH]`."""
+    """`python -m tileattn.kernels.gemv [--m 1 ...] [--dtype bf16|fp16] [--reps 20] [--json PATH]`."""
     import argparse
 
     import torch
@@ -380,18 +235,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json")
-    parser.add_argument("--chain", action="store_true",
-                        help="time each model's per-token projection chain (CUDA graph) with and without PDL")
     a = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("the GEMV benchmark needs a CUDA GPU; nothing measured")
         return 1
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
-    if a.chain:
-        for rows in a.m or (1,):
-            chain_benchmark(rows=rows, dtype=dtype, reps=a.reps,
-                            json_path=a.json and (a.json if len(a.m or (1,)) == 1 else f"{a.json}.m{rows}"))
-        return 0
     benchmark(rows_list=tuple(a.m or BENCH_ROWS), dtype=dtype, reps=a.reps, json_path=a.json)
     return 0
 
@@ -400,5 +248,5 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["BENCH_SHAPES", "CHAIN_MODES", "FAMILIES", "chain_benchmark", "INSTANTIATIONS", "PROLOGUES", "benchmark", "fits_shared_memory",
+__all__ = ["BENCH_SHAPES", "FAMILIES", "INSTANTIATIONS", "PROLOGUES", "benchmark", "fits_shared_memory",
            "launch_gemv"]
