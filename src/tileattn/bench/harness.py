@@ -10,6 +10,11 @@ Every benchmark in tileattn and the labs times through `measure`, so their numbe
   until 2026-12-01 evening; TILEATTN_BENCH_FLUSH=write brings it back) the L2 is left full of dirty
   lines, and the timed call pays for writing them back as it evicts them: up to ~60 MB of write
   traffic, ~12 us on an H200 by docs/attention_paged.md's model, which only short calls notice;
+- kernels launch without programmatic dependent launch inside `measure` (TILEATTN_PDL=0 for its
+  duration): PDL lets a kernel start during the tail of the kernel before it, an effect between
+  kernels that a one-call timing bracketed by events cannot attribute (an H200 probe timed the same
+  B=1 decode at 26.0 us without and 51.6 us with it, host-bound in both), and the peers (SDPA,
+  cuDNN) do not use it; its effect is measured where it acts, in the engine's CUDA graphs;
 - peak extra memory is read from torch's allocator in a separate call: max_memory_allocated during
   the call minus memory_allocated before it (the call's temporaries and outputs).
 Cold start (first call, compile included) is measured separately by `cold_start`, and the host
@@ -98,7 +103,20 @@ def measure(
     one call. All repetitions are enqueued before the one synchronization at the end, so the host
     runs ahead of the device as it does in a real workload: a call's Python/launch overhead is
     hidden behind the previous repetition's device work unless it is longer than that work.
+    Launches inside are plain (TILEATTN_PDL=0; the module docstring says why).
     """
+    saved_pdl = os.environ.get("TILEATTN_PDL")
+    os.environ["TILEATTN_PDL"] = "0"  # plain launches (module docstring)
+    try:
+        return _measure(fn, warmup, reps, flush_l2, memory, max_seconds)
+    finally:
+        if saved_pdl is None:
+            os.environ.pop("TILEATTN_PDL", None)
+        else:
+            os.environ["TILEATTN_PDL"] = saved_pdl
+
+
+def _measure(fn, warmup: int, reps: int, flush_l2: bool, memory: bool, max_seconds: float | None) -> Timing:
     import torch
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
