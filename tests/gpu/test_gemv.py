@@ -102,16 +102,20 @@ def composition(case: Case, monkeypatch):
         monkeypatch.setattr(dispatch, "GEMV_ROWS_OVERRIDE", 8)
 
 
-def assert_within_ulps(got, want, what, ulps: int = 1):
-    """Elementwise |got - want| <= `ulps` units in the last place of want (finfo.eps x |want| bounds
-    one), floored at the tensor's largest magnitude / 8 for outputs that cancel to near zero."""
-    eps = torch.finfo(want.dtype).eps
-    got, want = got.float(), want.float()
-    tolerance = ulps * eps * torch.maximum(want.abs(), want.abs().max() / 8)
-    excess = (got - want).abs() - tolerance
+def assert_no_less_accurate(got, unfused, ref, what, ulps: int = 1):
+    """Elementwise, the kernel is no farther from the float64 reference than the composition is,
+    plus `ulps` units in the last place (finfo.eps x |ref| bounds one, floored at the largest
+    magnitude / 8 for outputs that cancel to near zero). Against the composition directly the two
+    may differ by a few ulps where cuBLAS rounds on its own path (a bias added after rounding, its
+    summation order): observed 4 ulps at M = 4, N = 33, K = 1000 on the H200."""
+    eps = torch.finfo(got.dtype).eps
+    ref = ref.to(torch.float64)
+    tolerance = ulps * eps * torch.maximum(ref.abs(), ref.abs().max() / 8)
+    excess = (got.double() - ref).abs() - (unfused.double() - ref).abs() - tolerance
     worst = int(excess.argmax())
-    assert excess.max() <= 0, (f"{what}: kernel and composition differ by more than {ulps} ulp: at flat index "
-                               f"{worst} kernel {got.flatten()[worst].item()} vs {want.flatten()[worst].item()}")
+    assert excess.max() <= 0, (f"{what}: the kernel is more than {ulps} ulp farther from float64 than the "
+                               f"composition at flat index {worst}: kernel {got.flatten()[worst].item()}, "
+                               f"composition {unfused.flatten()[worst].item()}, float64 {ref.flatten()[worst].item()}")
 
 
 def check(case: Case, monkeypatch):
@@ -125,7 +129,8 @@ def check(case: Case, monkeypatch):
     assert y.shape == (rows, n) and y.dtype == case.dtype
     assert not y.isnan().any(), f"unwritten outputs: {int(y.isnan().sum())} NaN of {y.numel()}"
     act = case.rounded_input()
-    err = rel(y, case.reference64(act))
+    ref = case.reference64(act)
+    err = rel(y, ref)
     assert err <= UNIT_ROUNDOFF[case.dtype], f"relative error {err:.3g} against float64 of the rounded rows"
     # End to end the 16-bit roundings of the prologue dominate; with few outputs (N = 1, 2) their
     # relative error can pass 1e-2 on the unfused path too, so the bound is the larger of the
@@ -135,8 +140,7 @@ def check(case: Case, monkeypatch):
     bound = max(END_TO_END_TOL[case.dtype], err_unfused + UNIT_ROUNDOFF[case.dtype])
     assert err_raw <= bound, (f"relative error {err_raw:.3g} against float64 end to end (the composition's "
                               f"{err_unfused:.3g})")
-    # With a bias, F.linear may round the product before adding it (two roundings): 2 ulps then.
-    assert_within_ulps(y, unfused, "y", ulps=1 if case.bias is None else 2)
+    assert_no_less_accurate(y, unfused, ref, "y")
     if case.prologue == "add_rms_norm":
         if case.residual is None:
             assert new_residual is case.x
