@@ -765,6 +765,23 @@ def _bench_case(d: int, dtype, causal: bool, n: int, batch: int, heads: int, rep
     return rec
 
 
+def _keep(rec: dict, records: list, json_path: str | None, line: str | None = None) -> None:
+    """One benchmark record: print `line` (default: key=value, floats to 3 places), append rec to
+    records and, with json_path, rewrite it with {"environment", "records"} so that a run cut short
+    keeps what it measured; then free the allocator's cached blocks for the next case."""
+    import json
+
+    from ..bench.env import environment
+
+    print(line or " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()),
+          flush=True)
+    records.append(rec)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"environment": environment(), "records": records}, f, indent=1)
+    torch.cuda.empty_cache()
+
+
 def benchmark(seq_lens=(2048, 4096, 8192, 16384, 32768), head_dims=HEAD_DIMS,
               dtypes=(torch.bfloat16, torch.float16), causals=(False, True), batch: int = 4, heads: int = 32,
               reps: int = 10, json_path: str | None = None, columns=tuple(COLUMNS)) -> list[dict]:
@@ -775,9 +792,6 @@ def benchmark(seq_lens=(2048, 4096, 8192, 16384, 32768), head_dims=HEAD_DIMS,
     line per case and returns the records; with json_path also writes {"environment", "records"}
     there after every case (the docs/runs/ format). Needs an sm_90 GPU; raises ValueError for an
     unknown column. Out and lse come from one forward launch (tileattn's dispatcher) per case."""
-    import json
-
-    from ..bench.env import environment
 
     unknown = set(columns) - set(COLUMNS)
     if unknown:
@@ -788,14 +802,10 @@ def benchmark(seq_lens=(2048, 4096, 8192, 16384, 32768), head_dims=HEAD_DIMS,
             for causal in causals:
                 for n in seq_lens:
                     rec = _bench_case(d, dtype, causal, n, batch, heads, reps, set(columns))
-                    print(" ".join(f"{key}={val:.3f}" if key.endswith("_ms") or "_vs_" in key or key.startswith("det_")
-                                   else f"{key}={val:.1f}" if isinstance(val, float) else f"{key}={val}"
-                                   for key, val in rec.items()), flush=True)
-                    records.append(rec)
-                    if json_path:  # rewritten after every case: a run cut short keeps what it measured
-                        with open(json_path, "w") as f:
-                            json.dump({"environment": environment(), "records": records}, f, indent=1)
-                    torch.cuda.empty_cache()
+                    _keep(rec, records, json_path, " ".join(
+                        f"{key}={val:.3f}" if key.endswith("_ms") or "_vs_" in key or key.startswith("det_")
+                        else f"{key}={val:.1f}" if isinstance(val, float) else f"{key}={val}"
+                        for key, val in rec.items()))
     return records
 
 
@@ -877,9 +887,7 @@ def benchmark_varlen(seqs: int = 64, min_len: int = 100, max_len: int = 4096, he
     tileattn.attention_varlen (varlen) and the dispatcher's forward plan (dense). One record per
     (dtype, causal), printed; with json_path, {"environment", "records"} rewritten after each. Needs
     an sm_90 GPU."""
-    import json
 
-    from ..bench.env import environment
     from ..bench.varlen import draw_lengths
 
     lengths = draw_lengths(seqs, min_len, max_len, seed)
@@ -894,12 +902,7 @@ def benchmark_varlen(seqs: int = 64, min_len: int = 100, max_len: int = 4096, he
             torch.cuda.empty_cache()
             rec["sm90_varlen_vs_dense"] = rec["sm90_varlen"] / rec["sm90_dense"]
             rec["sm90_varlen_vs_sm80"] = rec["sm90_varlen"] / rec["sm80_varlen"]
-            print(" ".join(f"{key}={val:.3f}" if isinstance(val, float) else f"{key}={val}" for key, val in rec.items()),
-                  flush=True)
-            records.append(rec)
-            if json_path:  # rewritten after every case: a run cut short keeps what it measured
-                with open(json_path, "w") as f:
-                    json.dump({"environment": environment(), "records": records}, f, indent=1)
+            _keep(rec, records, json_path)
     return records
 
 
@@ -960,20 +963,8 @@ def benchmark_variants(head_dims=(128, 64), dtypes=(torch.bfloat16,), seq_lens=(
     `window_n` (batch 1) against the dense non-causal plain plan at N = window, batch window_n /
     window, the same work (target window_vs_dense <= 1.2). Prints one line per record and returns
     them; with json_path writes {"environment", "records"} after every record. Needs an sm_90 GPU."""
-    import json
-
-    from ..bench.env import environment
 
     records = []
-
-    def emit(rec):
-        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()), flush=True)
-        records.append(rec)
-        if json_path:  # rewritten after every record: a run cut short keeps what it measured
-            with open(json_path, "w") as f:
-                json.dump({"environment": environment(), "records": records}, f, indent=1)
-        torch.cuda.empty_cache()
-
     for d in head_dims:
         for dtype in dtypes:
             for name, (causal, win, cap, alibi) in VARIANT_BENCH_CASES.items():
@@ -986,11 +977,11 @@ def benchmark_variants(head_dims=(128, 64), dtypes=(torch.bfloat16,), seq_lens=(
                         rec[col], rec[col + "_ms"] = work / (t * 1e-3) / 1e12, t
                     rec["sm90_var_vs_plain"] = rec["sm90_var"] / rec["sm90_plain"]
                     rec["sm90_var_vs_sm80_var"] = rec["sm90_var"] / rec["sm80_var"]
-                    emit(rec)
+                    _keep(rec, records, json_path)
             win_ms = _variant_case_ms(d, dtype, window_n, 1, heads, True, (window - 1, 0), 0.0, False, reps)
             dense_ms = _variant_case_ms(d, dtype, window, window_n // window, heads, False, (-1, -1), 0.0, False,
                                         reps)
-            emit({"suite": "bwd_sm90_variants", "case": f"window{window}_n{window_n}", "d": d,
+            _keep({"suite": "bwd_sm90_variants", "case": f"window{window}_n{window_n}", "d": d,
                   "dtype": str(dtype).split(".")[-1], "window_ms": win_ms["sm90_var"],
                   "window_sm80_ms": win_ms["sm80_var"], "dense_ms": dense_ms["sm90_plain"],
                   "window_vs_dense": win_ms["sm90_var"] / dense_ms["sm90_plain"]})
@@ -1006,11 +997,9 @@ def benchmark_dropout(head_dims=(128, 64), seq_lens=(2048, 8192), p: float = 0.1
     dispatch.SM90_DROPOUT_FORWARD / SM90_DROPOUT_BACKWARD cite. Prints one line per record and
     returns them; with json_path writes {"environment", "records"} after every record. Needs sm_90."""
     import functools
-    import json
     import math
 
     from .. import dropout as dr
-    from ..bench.env import environment
     from . import attention_bwd_sm80, attention_fwd_sm80, attention_fwd_sm90, dispatch
 
     records = []
@@ -1042,14 +1031,8 @@ def benchmark_dropout(head_dims=(128, 64), seq_lens=(2048, 8192), p: float = 0.1
                        "heads": heads, **{key + "_ms": t for key, t in ms.items()}}
                 for key, t in ms.items():
                     rec[key + "_tflops"] = (work / 2.5 if key.startswith("fwd") else work) / (t * 1e-3) / 1e12
-                print(" ".join(f"{a}={b:.3f}" if isinstance(b, float) else f"{a}={b}" for a, b in rec.items()),
-                      flush=True)
-                records.append(rec)
-                if json_path:  # rewritten after every record: a run cut short keeps what it measured
-                    with open(json_path, "w") as f:
-                        json.dump({"environment": environment(), "records": records}, f, indent=1)
                 del q, k, v, dout, out, lse, args, fwd
-                torch.cuda.empty_cache()
+                _keep(rec, records, json_path)
     return records
 
 
