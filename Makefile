@@ -12,6 +12,7 @@ STAMP    := $(VENV)/.installed
 REPORT_DIR ?= gpu-report
 BENCH    ?= vector_add
 TESTS    ?= tests
+WORKERS  ?= 1
 
 .PHONY: demo test lint check gpu-check bench clean
 
@@ -40,7 +41,7 @@ test: lint check
 	$(PY) -m pytest -q -rs
 
 gpu-check:
-	PYTHONPATH=src:. $(PYTHON) scripts/gpu_check.py --report-dir $(REPORT_DIR) --bench $(BENCH) --tests $(TESTS)
+	PYTHONPATH=src:. $(PYTHON) scripts/gpu_check.py --report-dir $(REPORT_DIR) --bench $(BENCH) --tests $(TESTS) --workers $(WORKERS)
 
 # The seed benchmark with the same .venv as demo and test (on a GPU machine: make bench TORCH=...);
 # the lent GPU machine, which installs nothing, runs benchmarks through gpu-check (BENCH=...).

@@ -85,9 +85,21 @@ def main(argv=None) -> int:
     ap.add_argument("--ignore", action="append", default=[],
                     help="test file pytest skips collecting (repeatable): e.g. tests that need two GPUs on a one-GPU "
                          "machine, whose skips would otherwise count as failures")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="pytest-xdist processes for the GPU tests (default 1: none). They share the one GPU; most "
+                         "GPU tests are short launches plus host-side checking, so a few workers shorten a "
+                         "device run. Needs pytest-xdist (carry its wheel to a machine without it)")
     ap.add_argument("--no-sanitizer", action="store_true")
     ap.add_argument("--sanitizer-tools", default=",".join(SANITIZER_TOOLS))
     args = ap.parse_args(argv)
+    if args.workers < 1:
+        ap.error(f"--workers must be at least 1, got {args.workers}")
+    if args.workers > 1:
+        import importlib.util
+
+        if importlib.util.find_spec("xdist") is None:
+            ap.error("--workers > 1 needs pytest-xdist, which this python3 cannot import (pip install --target DIR "
+                     "its wheel and execnet's, then put DIR on PYTHONPATH)")
     out = Path(args.report_dir)
     out.mkdir(parents=True, exist_ok=True)
     py = sys.executable
@@ -109,8 +121,9 @@ def main(argv=None) -> int:
 
     junit = out / "junit-gpu.xml"
     kw = (["-k", args.keyword] if args.keyword else []) + [f"--ignore={path}" for path in args.ignore]
+    workers = ["-n", str(args.workers)] if args.workers > 1 else []
     rc, sec = run([py, "-m", "pytest", *targets, "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
-                   f"--junitxml={junit}", *kw], out / "pytest-gpu.log", 1800)
+                   f"--junitxml={junit}", *workers, *kw], out / "pytest-gpu.log", 1800)
     c = junit_counts(junit)
     passed = c["tests"] - c["failures"] - c["errors"] - c["skipped"]
     status = f"{passed} passed, {c['failures'] + c['errors']} failed, {c['skipped']} skipped"
