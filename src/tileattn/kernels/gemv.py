@@ -224,8 +224,116 @@ def benchmark(rows_list=BENCH_ROWS, shapes=BENCH_SHAPES, dtype=None, reps: int =
 
 
 
+# (name, GEMV on, PDL) of chain_benchmark's modes.
+CHAIN_MODES = (("composition", False, False), ("composition+pdl", False, True), ("gemv", True, False),
+               ("gemv+pdl", True, True))
+
+
+def _chain_weights(model: str, dtype):
+    """One decoder layer's projection weights per layer of `model` (BENCH_SHAPES' sizes, distinct
+    tensors, so no layer's weights are in L2 from the layer before) and the lm_head; returns
+    (layers: list of {proj: [N, K]}, lm_head [V, H], norm weight [H], the o projection's K)."""
+    import torch
+
+    shapes = {proj: (dim, n) for m, proj, _, dim, n in BENCH_SHAPES if m == model}
+
+    def weight(proj):
+        dim, n = shapes[proj]
+        return torch.empty(n, dim, device="cuda", dtype=dtype).normal_(std=dim**-0.5)  # [N, K]
+
+    layers = [{proj: weight(proj) for proj in ("qkv", "o", "gate_up", "down")} for _ in range(LAYERS[model])]
+    hidden = shapes["qkv"][0]
+    return layers, weight("lm_head"), torch.ones(hidden, device="cuda", dtype=dtype), shapes["o"][0]
+
+
+def chain_benchmark(rows: int = 1, dtype=None, reps: int = 20, models=tuple(LAYERS), json_path=None) -> list[dict]:
+    """The per-token projection sequence of a decoder, back to back on one stream: per layer qkv
+    (add + RMSNorm fused) -> o (on the first o-K columns of qkv: attention left out) -> gate_up
+    (add + RMSNorm fused) -> down (SiLU * up fused), x layers, then the lm_head (final norm fused),
+    at M = `rows`. Each CHAIN_MODES entry is captured as one CUDA graph (as the engine decodes;
+    PDL edges are fixed at capture) and replayed with bench.harness.measure, the L2 flushed once
+    before each chain. Prints ms per token and effective TB/s (weight bytes / time) per mode, and
+    the logits' relative difference from the composition's (one rounding per projection apart,
+    compounded over the layers: reported; a non-finite value marks the mode FAILED)."""
+    import os
+
+    import torch
+
+    from ..bench.env import environment
+    from ..bench.records import write_run
+    from . import dispatch
+
+    dtype = dtype or torch.bfloat16
+    saved = dispatch.GEMV_ROWS_OVERRIDE, os.environ.get("TILEATTN_PDL")
+    records: list[dict] = []
+    try:
+        for model in models:
+            records += _chain_model(model, rows, dtype, reps)
+            torch.cuda.empty_cache()
+    finally:
+        dispatch.GEMV_ROWS_OVERRIDE, pdl_env = saved
+        if pdl_env is None:
+            os.environ.pop("TILEATTN_PDL", None)
+        else:
+            os.environ["TILEATTN_PDL"] = pdl_env
+    if json_path:
+        write_run(json_path, records, environment())
+    return records
+
+
+def _chain_model(model: str, rows: int, dtype, reps: int) -> list[dict]:
+    """chain_benchmark for one model: every CHAIN_MODES entry (sets the dispatch override and
+    TILEATTN_PDL; the caller restores them)."""
+    import os
+
+    import torch
+
+    import tileattn
+
+    from ..bench.harness import measure
+    from . import dispatch
+
+    layers, lm_head, norm_weight, o_dim = _chain_weights(model, dtype)
+    hidden = norm_weight.shape[0]
+    nbytes = (sum(w.numel() for layer in layers for w in layer.values()) + lm_head.numel()) * lm_head.element_size()
+    x0 = torch.randn(rows, hidden, device="cuda").to(dtype)  # [M, H]
+    residual0 = torch.randn(rows, hidden, device="cuda").to(dtype)  # [M, H]
+
+    def chain():
+        x, residual = x0, residual0.clone()  # the composition updates the residual in place
+        for w in layers:
+            qkv, residual = tileattn.add_rms_norm_linear(x, residual, norm_weight, 1e-5, w["qkv"])  # [M, Nqkv]
+            o = tileattn.linear(qkv[:, :o_dim], w["o"])  # [M, H]
+            gate_up, residual = tileattn.add_rms_norm_linear(o, residual, norm_weight, 1e-5, w["gate_up"])
+            x = tileattn.linear(gate_up, w["down"], activation="silu_mul")  # [M, H]
+        return tileattn.add_rms_norm_linear(x, residual, norm_weight, 1e-5, lm_head)[0]  # [M, V]
+
+    records, reference = [], None
+    for name, on, pdl in CHAIN_MODES:
+        dispatch.GEMV_ROWS_OVERRIDE = rows if on else 0
+        os.environ["TILEATTN_PDL"] = "1" if pdl else "0"
+        logits = chain().double()  # compiles, makes the plans, warms cuBLAS
+        reference = logits if reference is None else reference
+        err = ((logits - reference).norm() / reference.norm()).item()
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            chain()
+        t = measure(graph.replay, reps=reps, memory=False)
+        ms = t.median_ms
+        status = "ok" if logits.isfinite().all() and err == err else "FAILED (non-finite logits)"
+        print(f"{model:11} M={rows} {name:16} {ms:7.3f} ms/token {nbytes / (ms * 1e-3) / 1e12:5.2f} TB/s "
+              f"({nbytes / 1e9:.2f} GB)  logits rel diff vs composition {err:.1e} {status}", flush=True)
+        records.append({"suite": "gemv-chain", "model": model, "m": rows, "mode": name, "pdl": pdl,
+                        "dtype": str(dtype).removeprefix("torch."), "weight_bytes": nbytes, "status": status,
+                        "timing": t.as_dict(), "ms_per_token": ms, "tbps": nbytes / (ms * 1e-3) / 1e12,
+                        "rel_diff_vs_composition": err})
+    return records
+
+
 def main(argv=None) -> int:
-    """`python -m tileattn.kernels.gemv [--m 1 ...] [--dtype bf16|fp16] [--reps 20] [--json PATH]`."""
+    """`python -m tileattn.kernels.gemv [--chain] [--m 1 ...] [--dtype bf16|fp16] [--reps 20] [--json PATH]`:
+    benchmark() (each projection alone), or with --chain chain_benchmark() at each --m (default 1)."""
     import argparse
 
     import torch
@@ -235,11 +343,23 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json")
+    parser.add_argument("--chain", action="store_true",
+                        help="time each model's per-token chain of projections as one CUDA graph, per mode")
     a = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("the GEMV benchmark needs a CUDA GPU; nothing measured")
         return 1
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
+    if a.chain:
+        records = []
+        for rows in a.m or (1,):
+            records += chain_benchmark(rows, dtype=dtype, reps=a.reps)
+        if a.json:
+            from ..bench.env import environment
+            from ..bench.records import write_run
+
+            write_run(a.json, records, environment())
+        return 0
     benchmark(rows_list=tuple(a.m or BENCH_ROWS), dtype=dtype, reps=a.reps, json_path=a.json)
     return 0
 
@@ -248,5 +368,5 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["BENCH_SHAPES", "FAMILIES", "INSTANTIATIONS", "PROLOGUES", "benchmark", "fits_shared_memory",
-           "launch_gemv"]
+__all__ = ["BENCH_SHAPES", "CHAIN_MODES", "FAMILIES", "INSTANTIATIONS", "PROLOGUES", "benchmark", "chain_benchmark",
+           "fits_shared_memory", "launch_gemv"]
