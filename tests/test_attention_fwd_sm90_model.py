@@ -536,6 +536,15 @@ def epilogue(o, l, m, dtype):
     return (o * inv[:, None]).to(dtype).float(), lse
 
 
+def key_limit(rows, nq: int, nk: int, first_key: int, causal: bool):
+    """The last visible key of each query row (rows: positions in [0, nq)), relative to a key block
+    starting at `first_key`: nk - 1, and with causal the bottom-right-aligned diagonal."""
+    limit = torch.full_like(rows, nk - 1)
+    if causal:
+        limit = torch.minimum(limit, rows + nk - nq)
+    return limit - first_key
+
+
 def emulate(q, k, v, causal: bool, scale: float, block_n: int, pack: int = 1):
     """The kernel's arithmetic per query row (fp32, exp2, P rounded to the input dtype); with GQA
     packing a tile holds 128 / pack positions of each packed head (same block range for all)."""
@@ -560,12 +569,7 @@ def emulate(q, k, v, causal: bool, scale: float, block_n: int, pack: int = 1):
                     valid = keys < nk
                     kb[valid] = k[bi, kh, keys[valid]].float()  # TMA zero-fills rows past Nk
                     vb[valid] = v[bi, kh, keys[valid]].float()
-                    limit = None
-                    if it < n_masked:
-                        limit = torch.full_like(rows, nk - 1)
-                        if causal:
-                            limit = torch.minimum(limit, rows + nk - nq)
-                        limit = limit - n * block_n
+                    limit = key_limit(rows, nq, nk, n * block_n, causal) if it < n_masked else None
                     blocks.append((kb, vb, limit))
                 o, l, m = tile_forward(q[bi, hi, rows].float(), blocks, sl2, q.dtype)
                 out[bi, hi, rows], lse[bi, hi, rows] = epilogue(o, l, m, q.dtype)
@@ -645,10 +649,7 @@ def packed_emulate(q, batches: int, span, load_block, max_seqlen_q: int, causal:
                 vb[valid:] = 0.0
             limit = None
             if it < n_masked:
-                limit = torch.full_like(pos_r, nk - 1)
-                if causal:
-                    limit = torch.minimum(limit, pos_r + nk - nq)
-                limit = limit - n * block_n
+                limit = key_limit(pos_r, nq, nk, n * block_n, causal)
                 if any_bad:  # page_mask: a bad key is past every row's limit
                     bad = torch.tensor([bad_key(b, n * block_n + j) for j in range(block_n)])
                     kb[bad] = math.nan  # whatever was read there: the mask must overwrite it

@@ -26,7 +26,7 @@ from tileattn import dropout as dr
 from tileattn import reference
 
 from .conftest import poisoned_allocations, requires_sm90
-from .test_attention_variants import _opts, rel_err
+from .test_attention_variants import _opts, make, rel_err
 
 pytestmark = [pytest.mark.gpu, requires_sm90]
 
@@ -39,23 +39,6 @@ def _ab():
     from tileattn.kernels import attention_bwd_sm90
 
     return attention_bwd_sm90
-
-
-def make(b, h, hkv, nq, nk, d, dtype, seed, *, scale_inputs=1.0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = (torch.randn(b, h, nq, d, device="cuda", generator=g) * scale_inputs).to(dtype)   # [B, H, Nq, d]
-    k = (torch.randn(b, hkv, nk, d, device="cuda", generator=g) * scale_inputs).to(dtype)  # [B, Hkv, Nk, d]
-    v = torch.randn(b, hkv, nk, d, device="cuda", generator=g).to(dtype)                   # [B, Hkv, Nk, d]
-    dout = torch.randn(b, h, nq, d, device="cuda", generator=g).to(dtype)                  # [B, H, Nq, d]
-    return q, k, v, dout
-
-
-def alibi(kind, b, h):
-    """ALiBi slopes: 'h' the standard geometric [H] (2^(-8 (i + 1) / H)), 'bh' random [B, H] fp32."""
-    if kind == "h":
-        return torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device="cuda", dtype=torch.float32)
-    g = torch.Generator(device="cuda").manual_seed(b * 100 + h)
-    return torch.rand(b, h, device="cuda", generator=g, dtype=torch.float32) * 0.5
 
 
 def variant_args(q, causal, opts):

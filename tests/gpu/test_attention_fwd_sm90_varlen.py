@@ -34,7 +34,7 @@ from tileattn.kernels import attention_fwd_sm90 as sm90
 
 from .conftest import requires_sm90
 from .test_attention_paged import Case as PagedCase
-from .test_attention_paged import capture, check_padding
+from .test_attention_paged import capture, check_padding, spoil_block_table
 from .test_attention_paged import check as check_paged
 
 pytestmark = [pytest.mark.gpu, requires_sm90]
@@ -427,12 +427,7 @@ def test_paged_bad_block_ids_are_masked(causal):
     """Block ids outside [0, num_blocks) inside a sequence's length, and a length past the table's
     capacity: those keys are masked (the reference's rule), never read."""
     case = PagedCase([(100, 100), (70, 170), (40, 40)], 8, 2, 128, BF16, 16, seed=5, share=False)
-    table = case.block_table
-    table[0, 1] = -1  # keys 16..31 of sequence 0
-    table[0, 4] = case.num_blocks  # keys 64..79
-    table[1, 0] = 2**31 - 1  # keys 0..15 of sequence 1
-    table[2, 0] = -(2**31)
-    case.seqlens_k[2] = 10_000  # past the table's capacity: only the table's keys are seen
+    spoil_block_table(case)
     case.max_seqlen_k = 10_000
     ref_out, ref_lse = case.reference(causal=causal)
     out, lse, _ = run_paged(case, causal)

@@ -711,21 +711,29 @@ def test_variants_small_sanitize(num_splits):
 # ---------------------------------------------------------------------------------------------
 # Bad device-side contents: never read outside the caches, masked like the reference
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.sanitize
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_out_of_range_block_ids_are_masked(num_splits):
-    case = Case([(1, 100), (2, 70), (1, 40)], 8, 2, 128, BF16, 16, seed=5, share=False)
+def spoil_block_table(case) -> None:
+    """Bad device-side contents in a 3-sequence Case (block_size 16, sequences of >= 80, >= 16 and
+    >= 16 keys): block ids outside [0, num_blocks) inside sequences 0 and 1, the int32 extremes, and
+    sequence 2's length past the table's capacity. The kernels must mask those keys (the
+    reference's rule) and never read them."""
     table = case.block_table
     table[0, 1] = -1  # keys 16..31 of sequence 0
     table[0, 4] = case.num_blocks  # keys 64..79
     table[1, 0] = 2**31 - 1  # keys 0..15 of sequence 1
     table[2, 0] = -(2**31)
     case.seqlens_k[2] = 10_000  # past the table's capacity: only the table's keys are visited
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_out_of_range_block_ids_are_masked(num_splits):
+    case = Case([(1, 100), (2, 70), (1, 40)], 8, 2, 128, BF16, 16, seed=5, share=False)
+    spoil_block_table(case)
     ref_out, ref_lse = case.reference()
     out, lse, _ = case.launch(num_splits=num_splits)
     check(case, out, lse, ref_out, ref_lse, f"bad block ids, num_splits={num_splits}")
     with pytest.raises(ValueError, match="block_table"):
-        reference.check_paged_contents(case.k_cache, table, case.cu_seqlens_q, case.seqlens_k, 2, 10_000)
+        reference.check_paged_contents(case.k_cache, case.block_table, case.cu_seqlens_q, case.seqlens_k, 2, 10_000)
 
 
 @pytest.mark.parametrize("head_dim", paged.HEAD_DIMS)
