@@ -12,8 +12,9 @@ Every benchmark in tileattn and the labs times through `measure`, so their numbe
   traffic, ~12 us on an H200 by docs/attention_paged.md's model, which only short calls notice;
 - kernels launch without programmatic dependent launch inside `measure` (TILEATTN_PDL=0 for its
   duration): PDL lets a kernel start during the tail of the kernel before it, an effect between
-  kernels that a one-call timing bracketed by events cannot attribute (an H200 probe timed the same
-  B=1 decode at 26.0 us without and 51.6 us with it, host-bound in both), and the peers (SDPA,
+  kernels that a one-call timing bracketed by events cannot attribute (scripts/pdl_timing_probe.py
+  on the H200 timed the same B=1 decode at 26.0 us without and 51.6 us with it, host-bound in
+  both; docs/BENCHMARKS.md), and the peers (SDPA,
   cuDNN) do not use it; its effect is measured where it acts, in the engine's CUDA graphs;
 - peak extra memory is read from torch's allocator in a separate call: max_memory_allocated during
   the call minus memory_allocated before it (the call's temporaries and outputs).
