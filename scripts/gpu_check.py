@@ -119,16 +119,25 @@ def main(argv=None) -> int:
     tail = (out / "check-device-nvrtc.log").read_text(errors="replace").strip().splitlines()[-1]
     rows.append(("tileattn check (device NVRTC)", tail if rc == 0 else f"rc={rc}: {tail}", sec))
 
-    junit = out / "junit-gpu.xml"
     kw = (["-k", args.keyword] if args.keyword else []) + [f"--ignore={path}" for path in args.ignore]
-    workers = ["-n", str(args.workers)] if args.workers > 1 else []
-    rc, sec = run([py, "-m", "pytest", *targets, "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
-                   f"--junitxml={junit}", *workers, *kw], out / "pytest-gpu.log", 1800)
-    c = junit_counts(junit)
-    passed = c["tests"] - c["failures"] - c["errors"] - c["skipped"]
-    status = f"{passed} passed, {c['failures'] + c['errors']} failed, {c['skipped']} skipped"
-    failed |= rc != 0 or c["skipped"] > 0 or c["tests"] == 0
-    rows.append(("pytest -m gpu", status, sec))
+    # With workers, the tests marked `exclusive` (they need the GPU to themselves) run afterwards in
+    # one process.
+    runs = [("gpu", [])] if args.workers == 1 else [("gpu and not exclusive", ["-n", str(args.workers)]),
+                                                   ("gpu and exclusive", [])]
+    c = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    for i, (marks, workers) in enumerate(runs):
+        junit = out / ("junit-gpu.xml" if i == 0 else "junit-gpu-exclusive.xml")
+        log = out / ("pytest-gpu.log" if i == 0 else "pytest-gpu-exclusive.log")
+        rc, sec = run([py, "-m", "pytest", *targets, "-m", marks, "-q", "-rfEs", "-p", "no:cacheprovider",
+                       f"--junitxml={junit}", *workers, *kw], log, 1800)
+        counts = junit_counts(junit)
+        c = {k: c[k] + counts[k] for k in c}
+        # rc 5: nothing collected (e.g. no exclusive test among the targets)
+        failed |= rc not in (0, 5) or (rc == 5 and i == 0)
+        passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+        rows.append((f"pytest -m '{marks}'", f"{passed} passed, {counts['failures'] + counts['errors']} failed, "
+                                             f"{counts['skipped']} skipped", sec))
+    failed |= c["skipped"] > 0 or c["tests"] == 0
 
     tools = [] if args.no_sanitizer else [t for t in args.sanitizer_tools.split(",") if t]
     sanitizer = {}

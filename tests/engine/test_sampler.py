@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tileattn.engine import SamplingParams
-from tileattn.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p
+from tileattn.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p, argmax_rows
 
 DRAWS = 4000
 
@@ -132,3 +132,21 @@ def test_logprobs_are_log_softmax_of_raw_logits():
         assert set(logprobs[row]) == set(top.indices.tolist())
         for token, value in logprobs[row].items():
             assert value == pytest.approx(ref[row, token].item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [1, 63, 64 * 7, 1000, 128256, 151936])
+def test_argmax_rows_is_torch_argmax(vocab):
+    """The two-pass argmax returns torch's answer: random rows, rows of ties (the first maximum),
+    a row of -inf, rows with NaN (NaN is the maximum), the maximum in the last / first entry."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=gen)
+    x[1] = 0.0  # all tied: index 0
+    x[2] = float("-inf")
+    x[3, vocab // 2] = float("nan")
+    x[4, -1] = 100.0
+    x[5, 0] = 100.0
+    if vocab > 3:
+        x[1, vocab // 3:] = 1.0  # ties at the top across groups: the first one
+        x[3, 1] = float("nan")
+    assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+    assert argmax_rows(x.bfloat16()).tolist() == x.bfloat16().argmax(dim=-1).tolist()

@@ -184,6 +184,7 @@ def test_preemption_matches_eager(llama, eager_tokens):
     assert_same_or_tie(llama, llm, tokens, eager_tokens, "preempted run")
 
 
+@pytest.mark.exclusive  # other processes' allocations would move the free memory it sizes from
 def test_kv_cache_sized_from_free_memory(llama_path):
     import gc
 

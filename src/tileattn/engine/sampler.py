@@ -9,6 +9,8 @@ Log-probabilities are those of the model's raw distribution (before penalties an
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .profiler import NULL
@@ -34,7 +36,7 @@ class Sampler:
         sequences' tokens on the host)."""
         logits = apply_penalties(logits, seqs)
         if all(s.params.temperature == 0.0 for s in seqs):
-            return logits.argmax(dim=-1)  # [N]
+            return argmax_rows(logits)  # [N]
         return self._sample(logits, seqs)
 
     @staticmethod
@@ -64,8 +66,23 @@ class Sampler:
                     seq.generator = torch.Generator(device=device)
                     seq.generator.manual_seed(hash((seq.params.seed, seq.index)) & (2**63 - 1))
                 noise[row].exponential_(generator=seq.generator)
-        sampled = (probs / noise.clamp_min_(_TINY)).argmax(dim=-1)  # [N]
-        return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        sampled = argmax_rows(probs / noise.clamp_min_(_TINY))  # [N]
+        return torch.where(is_greedy, argmax_rows(logits), sampled)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) for x [N, V] (the first maximum of each row; NaN counts as the maximum),
+    in two passes when V splits into >= 64 equal groups: a row's argmax is one block's reduction
+    on CUDA, 26 us for a 128256-entry vocabulary on the H200 at N = 1 (a tenth of the lm_head
+    projection); the group maxima ([N, G, V / G] -> [N, G]) spread that over G rows."""
+    n, vocab = x.shape
+    groups = math.gcd(vocab, 1024)
+    if groups < 64:
+        return x.argmax(dim=-1)
+    width = vocab // groups
+    best, within = x.view(n, groups, width).max(dim=-1)  # [N, G]: each group's first maximum
+    group = best.argmax(dim=-1, keepdim=True)  # [N, 1]: the first group holding the row's maximum
+    return (group * width + within.gather(-1, group)).squeeze(-1)  # [N]
 
 
 def _on_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
