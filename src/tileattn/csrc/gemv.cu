@@ -22,12 +22,6 @@
 //   chunk as soon as they are unpacked. The loads of a warp's first step are issued before the
 //   PDL wait and the prologue: weights do not depend on the previous kernel, so they arrive while
 //   x is staged.
-// - Deeper than the registers: each warp also asks L2 (prefetch.global.L2, no register held) for
-//   the l2_steps steps of its stream that follow the ones in registers, before the PDL wait, and
-//   one more step each time it starts a step. Under PDL a block starts as soon as the previous
-//   kernel's block on its SM exits, so the previous grid's tail and this block's prologue (2-3 us
-//   for the SiLU*up staging of K = 14336) stream weights instead of idling; in the loop, the bytes
-//   in flight per SM grow by 64 KB per step of distance (M = 1) at no register cost.
 // - fp32 FMAs, a warp shuffle sum per (row, m), lane 0 stores y rounded once (bias added in fp32).
 // - kRows (rows per warp) grows with M: each shared-memory chunk of x is read once per warp step
 //   and used for kRows rows, so shared-memory bytes per weight byte = 2 M / kRows (fp32 x vs 16-bit
@@ -59,12 +53,6 @@ __device__ __forceinline__ uint4 load_weight(const uint4* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
-}
-
-// Ask L2 for `count` 16-byte chunks from p: one prefetch per 128-byte line, the warp's lanes
-// striding (a hint: nothing waits on it).
-__device__ __forceinline__ void prefetch_l2(const uint4* p, int count, int lane) {
-  for (int c = lane * 8; c < count; c += 32 * 8) asm volatile("prefetch.global.L2 [%0];\n" : : "l"(p + c));
 }
 
 // A staged input row in shared memory: [chunks] float4 of each chunk's elements 0-3, then
@@ -165,14 +153,12 @@ __device__ __forceinline__ void stage_add_rms_norm(float* xs, float (*partial)[3
 //              kAddRmsNorm: act(x) = add_rms_norm(x, residual) with norm_weight [K], eps; the
 //                           rounded sum x + residual to new_residual [M, K] (contiguous) when
 //                           residual != nullptr
-//   chunks = K / 8; M <= kMaxM; dynamic shared memory M * K * 4 bytes; l2_steps: the L2 prefetch
-//   distance in warp steps beyond the registers (0: none).
+//   chunks = K / 8; M <= kMaxM; dynamic shared memory M * K * 4 bytes.
 template <bool kIsBF16, int kPrologue, int kMaxM>
 __global__ void __launch_bounds__(gemv_detail::kThreads, 1)
     gemv(u16* __restrict__ y, const uint4* __restrict__ x, const uint4* __restrict__ weight,
          const u16* __restrict__ bias, const uint4* __restrict__ residual, const uint4* __restrict__ norm_weight,
-         uint4* __restrict__ new_residual, int M, int N, int chunks, int64_t x_st, int64_t res_st, float eps,
-         int l2_steps) {
+         uint4* __restrict__ new_residual, int M, int N, int chunks, int64_t x_st, int64_t res_st, float eps) {
   using namespace layer_ops;
   using namespace gemv_detail;
   static_assert(kMaxM >= 1 && kMaxM <= kMaxRowsM, "M bucket");
@@ -207,21 +193,6 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, 1)
 
   int task = task_begin + warp;
   if (task < task_end) load_step(task, 0);  // before the wait: weights are not the previous kernel's output
-  // The L2 frontier: task pf_task, chunk pf_base of its rows (a task's kRows rows are consecutive
-  // in memory and consumed side by side), the first step not yet asked of L2.
-  int pf_task = task, pf_base = kStep;
-  auto prefetch_step = [&]() {
-    if (pf_base >= chunks) pf_task += kWarps, pf_base = 0;
-    if (pf_task >= task_end) return;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      if (pf_task * kRows + r < N) prefetch_l2(row_ptr(pf_task, r) + pf_base, min(kStep, chunks - pf_base), lane);
-    pf_base += kStep;
-  };
-  // (Not at kMaxM = 8: its 128 registers have no room for the frontier; the caller passes 0.)
-  constexpr bool kL2Prefetch = kMaxM <= 4;
-  if constexpr (kL2Prefetch)
-    for (int i = 0; i < l2_steps; ++i) prefetch_step();
 
   pdl_enter();
   if constexpr (kPrologue == kAddRmsNorm) {
@@ -245,8 +216,6 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, 1)
       int next_task = task, next_base = base + kStep;
       if (next_base >= chunks) next_task += kWarps, next_base = 0;
       const bool prefetch = next_task < task_end;
-      if constexpr (kL2Prefetch)
-        if (l2_steps > 0) prefetch_step();
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int c = base + u * 32 + lane;

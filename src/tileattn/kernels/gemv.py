@@ -10,8 +10,6 @@ waits for its predecessor's writes before reading x or the residual, so with TIL
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from . import Family
@@ -24,9 +22,6 @@ PROLOGUE_NONE, PROLOGUE_SILU_MUL, PROLOGUE_ADD_RMS_NORM = 0, 1, 2
 PROLOGUES = (PROLOGUE_NONE, PROLOGUE_SILU_MUL, PROLOGUE_ADD_RMS_NORM)
 M_BUCKETS = (1, 4, 8)  # kMaxM: 1 row per warp task at M = 1, 2 up to M = 4, 4 up to M = 8
 _BF16 = {True: "true", False: "false"}
-# The L2 prefetch distance in warp steps beyond the registers (csrc/gemv.cu; a step is 64 KB of
-# weights per block at M = 1); TILEATTN_GEMV_L2_STEPS overrides it (docs/gemv.md "L2 prefetch").
-L2_STEPS = int(os.environ.get("TILEATTN_GEMV_L2_STEPS", "0"))
 
 
 def bucket(rows: int) -> int:
@@ -86,7 +81,7 @@ def launch_gemv(prologue: int, y, x, weight, bias, *, residual=None, norm_weight
                 _ptr(new_residual), np.int32(rows), np.int32(n), np.int32(dim // 8),
                 np.int64(x.stride(0) // 8 if rows > 1 else 0), np.int64(0 if residual is None or rows == 1 else
                                                                           residual.stride(0) // 8),
-                np.float32(eps), np.int32(L2_STEPS if bucket(rows) <= 4 else 0))
+                np.float32(eps))
         if len(_plans) >= CACHE_LIMIT:
             _plans.clear()
         plan = _plans[key] = LaunchPlan(kern, (grid, 1, 1), (THREADS, 1, 1), args,
@@ -251,8 +246,7 @@ def _chain_weights(model: str, dtype):
     return layers, weight("lm_head"), torch.ones(hidden, device="cuda", dtype=dtype), shapes["o"][0]
 
 
-def chain_benchmark(rows: int = 1, dtype=None, reps: int = 20, models=tuple(LAYERS), json_path=None,
-                    modes=CHAIN_MODES) -> list[dict]:
+def chain_benchmark(rows: int = 1, dtype=None, reps: int = 20, models=tuple(LAYERS), json_path=None) -> list[dict]:
     """The per-token projection sequence of a decoder, back to back on one stream: per layer qkv
     (add + RMSNorm fused) -> o (on the first o-K columns of qkv: attention left out) -> gate_up
     (add + RMSNorm fused) -> down (SiLU * up fused), x layers, then the lm_head (final norm fused),
@@ -274,7 +268,7 @@ def chain_benchmark(rows: int = 1, dtype=None, reps: int = 20, models=tuple(LAYE
     records: list[dict] = []
     try:
         for model in models:
-            records += _chain_model(model, rows, dtype, reps, modes)
+            records += _chain_model(model, rows, dtype, reps)
             torch.cuda.empty_cache()
     finally:
         dispatch.GEMV_ROWS_OVERRIDE, pdl_env = saved
@@ -287,7 +281,7 @@ def chain_benchmark(rows: int = 1, dtype=None, reps: int = 20, models=tuple(LAYE
     return records
 
 
-def _chain_model(model: str, rows: int, dtype, reps: int, modes=CHAIN_MODES) -> list[dict]:
+def _chain_model(model: str, rows: int, dtype, reps: int) -> list[dict]:
     """chain_benchmark for one model: every CHAIN_MODES entry (sets the dispatch override and
     TILEATTN_PDL; the caller restores them)."""
     import os
@@ -315,7 +309,7 @@ def _chain_model(model: str, rows: int, dtype, reps: int, modes=CHAIN_MODES) -> 
         return tileattn.add_rms_norm_linear(x, residual, norm_weight, 1e-5, lm_head)[0]  # [M, V]
 
     records, reference = [], None
-    for name, on, pdl in modes:
+    for name, on, pdl in CHAIN_MODES:
         dispatch.GEMV_ROWS_OVERRIDE = rows if on else 0
         os.environ["TILEATTN_PDL"] = "1" if pdl else "0"
         logits = chain().double()  # compiles, makes the plans, warms cuBLAS
@@ -328,11 +322,9 @@ def _chain_model(model: str, rows: int, dtype, reps: int, modes=CHAIN_MODES) -> 
         t = measure(graph.replay, reps=reps, memory=False)
         ms = t.median_ms
         status = "ok" if logits.isfinite().all() and err == err else "FAILED (non-finite logits)"
-        knobs = f"l2_steps {L2_STEPS}" if on else ""
         print(f"{model:11} M={rows} {name:16} {ms:7.3f} ms/token {nbytes / (ms * 1e-3) / 1e12:5.2f} TB/s "
-              f"({nbytes / 1e9:.2f} GB)  logits rel diff vs reference mode {err:.1e} {status} {knobs}", flush=True)
+              f"({nbytes / 1e9:.2f} GB)  logits rel diff vs composition {err:.1e} {status}", flush=True)
         records.append({"suite": "gemv-chain", "model": model, "m": rows, "mode": name, "pdl": pdl,
-                        "l2_steps": L2_STEPS if on else None,
                         "dtype": str(dtype).removeprefix("torch."), "weight_bytes": nbytes, "status": status,
                         "timing": t.as_dict(), "ms_per_token": ms, "tbps": nbytes / (ms * 1e-3) / 1e12,
                         "rel_diff_vs_composition": err})
@@ -353,26 +345,15 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--chain", action="store_true",
                         help="time each model's per-token chain of projections as one CUDA graph, per mode")
-    parser.add_argument("--model", action="append", choices=tuple(LAYERS), help="--chain: these models only")
-    parser.add_argument("--mode", action="append", choices=[m[0] for m in CHAIN_MODES],
-                        help="--chain: these modes only (the first is the logits' reference)")
-    parser.add_argument("--l2-steps", type=int, action="append",
-                        help="--chain: repeat the modes at each of these L2 prefetch distances (L2_STEPS)")
     a = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("the GEMV benchmark needs a CUDA GPU; nothing measured")
         return 1
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
     if a.chain:
-        global L2_STEPS
-        modes = tuple(m for m in CHAIN_MODES if a.mode is None or m[0] in a.mode)
         records = []
         for rows in a.m or (1,):
-            for steps in a.l2_steps or [L2_STEPS]:
-                L2_STEPS = steps
-                _plans.clear()
-                records += chain_benchmark(rows, dtype=dtype, reps=a.reps, models=tuple(a.model or LAYERS),
-                                           modes=modes)
+            records += chain_benchmark(rows, dtype=dtype, reps=a.reps)
         if a.json:
             from ..bench.env import environment
             from ..bench.records import write_run
