@@ -82,6 +82,70 @@ def test_add_rms_norm_linear_residual_contract():
     assert new_residual is x
 
 
+def _rope_inputs(dtype, tokens=2, heads=3, kv_heads=1, d=8, hidden=16, block_size=4, blocks=3):
+    g = torch.Generator().manual_seed(tokens + heads)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    residual = torch.randn(tokens, hidden, generator=g).to(dtype)
+    nw = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
+    w = (torch.randn((heads + 2 * kv_heads) * d, hidden, generator=g) / hidden**0.5).to(dtype)
+    k_cache = torch.zeros(blocks, block_size, kv_heads, d, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    positions = torch.arange(tokens, dtype=torch.int64) + 5
+    slot_mapping = torch.tensor([2 * block_size + 1, -1, 3][:tokens], dtype=torch.int64)
+    freqs = torch.arange(16).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None, :]
+    cos, sin = torch.cat((freqs.cos(), freqs.cos()), -1), torch.cat((-freqs.sin(), freqs.sin()), -1)
+    return dict(x=x, residual=residual, norm_weight=nw, eps=1e-5, weight=w, bias=None, heads=heads, kv_heads=kv_heads,
+                k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, positions=positions, cos=cos, sin=sin)
+
+
+@pytest.mark.parametrize("dtype, tol", TOLS)
+def test_add_rms_norm_qkv_rope_matches_float64(dtype, tol):
+    """qkv = the projection with q rotated (k, v as projected); k rotated and v in the cache at each
+    token's slot (slot -1 skipped), nothing else of the caches touched."""
+    a = _rope_inputs(dtype)
+    heads, kv_heads, d = a["heads"], a["kv_heads"], a["k_cache"].shape[-1]
+    residual = a["residual"].clone()
+    qkv, new_residual = api_layers.add_rms_norm_qkv_rope_(**{**a, "residual": residual})
+    s = a["x"] + a["residual"]
+    assert torch.equal(new_residual, s)
+    y64 = rms_norm64(s, a["norm_weight"], 1e-5) @ a["weight"].double().T  # [T, (H + 2 Hkv) d]
+
+    def rotate64(t, pos):  # t [T, n, d] float64
+        c, sn = a["cos"][pos].double()[:, None], a["sin"][pos].double()[:, None]
+        return t * c + t.roll(d // 2, dims=-1) * sn
+
+    q64 = rotate64(y64[:, :heads * d].view(-1, heads, d), a["positions"])
+    k64 = rotate64(y64[:, heads * d:(heads + kv_heads) * d].view(-1, kv_heads, d), a["positions"])
+    v64 = y64[:, (heads + kv_heads) * d:].view(-1, kv_heads, d)
+    assert rel(qkv[:, :heads * d].view(-1, heads, d), q64) < tol
+    assert rel(qkv[:, heads * d:], y64[:, heads * d:]) < tol
+    block_size = a["k_cache"].shape[1]
+    for t, slot in enumerate(a["slot_mapping"].tolist()):
+        cached_k = a["k_cache"].view(-1, kv_heads, d)[slot] if slot >= 0 else None
+        if cached_k is not None:
+            assert rel(cached_k, k64[t]) < tol
+            assert rel(a["v_cache"].view(-1, kv_heads, d)[slot], v64[t]) < tol
+    written = {slot for slot in a["slot_mapping"].tolist() if slot >= 0}
+    untouched = [i for i in range(a["k_cache"].shape[0] * block_size) if i not in written]
+    assert a["k_cache"].view(-1, kv_heads, d)[untouched].abs().sum() == 0
+    assert a["v_cache"].view(-1, kv_heads, d)[untouched].abs().sum() == 0
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(heads=0), "heads must be"),
+    (dict(heads=True), "heads must be"),
+    (dict(kv_heads="1"), "kv_heads must be"),
+    (dict(k_cache=torch.zeros(3, 4, 8)), "k_cache must be"),
+    (dict(heads=2), "weight must be"),
+    (dict(positions=torch.zeros(3, dtype=torch.int64)), "positions must be"),
+    (dict(norm_weight=torch.ones(15)), "norm_weight must"),
+])
+def test_add_rms_norm_qkv_rope_bad_arguments(change, match):
+    a = _rope_inputs(torch.float32)
+    with pytest.raises(ValueError, match=match):
+        api_layers.add_rms_norm_qkv_rope_(**{**a, **change})
+
+
 def test_empty_rows():
     y = tileattn.linear(torch.randn(0, 8), torch.randn(5, 8))
     assert y.shape == (0, 5)
@@ -147,17 +211,19 @@ def test_device_mismatch_is_named():
 
 
 def test_registry_lists_every_instantiation_once():
-    """Two dtypes x three prologues x three M buckets, each a name the launcher builds."""
+    """Two dtypes x three prologues x three M buckets, and the rotary epilogue per dtype, each a
+    name the launcher builds."""
     from tileattn import kernels
     from tileattn.kernels import dispatch, gemv
 
     fam = kernels.family("gemv")
     assert fam.archs == ("sm_90a", "sm_80") and fam.path.exists()
-    assert len(set(fam.instantiations)) == len(fam.instantiations) == 2 * 3 * 3
+    assert len(set(fam.instantiations)) == len(fam.instantiations) == 2 * 3 * 3 + 2
     for bf16 in (True, False):
         for prologue in gemv.PROLOGUES:
             for rows in range(1, 9):
                 assert fam.require(gemv.expression(bf16, prologue, gemv.bucket(rows)))
+        assert fam.require(gemv.expression(bf16, gemv.PROLOGUE_ADD_RMS_NORM, 1, rotary_kv=True))
     assert [gemv.bucket(m) for m in range(1, 9)] == [1, 4, 4, 4, 8, 8, 8, 8]
     assert gemv.M_BUCKETS[-1] == dispatch.GEMV_KERNEL_MAX_ROWS
 

@@ -143,18 +143,8 @@ def norm_rotary_write_kv_cache_(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor
     """
     from . import reference
 
-    tensors = (q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight)
-    try:  # the checks depend on metadata only: run them once per combination (host time per layer)
-        key = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
-    except AttributeError:
-        key = None
+    _check_fused_once(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight)
     norm = q_weight is not None
-    if key is None or key not in _fused_checked:
-        _check_fused(*tensors)
-        if key is not None:
-            if len(_fused_checked) >= CHECK_CACHE_LIMIT:
-                _fused_checked.clear()
-            _fused_checked.add(key)
     if not _on_kernel(q):
         q.copy_(_norm_rotary_torch(q, positions, cos, sin, q.shape[1], q_weight, q_weight, eps))
         k_rotated = _norm_rotary_torch(k, positions, cos, sin, 0, k_weight, k_weight, eps)  # [T, Hkv, d]
@@ -175,6 +165,21 @@ def norm_rotary_write_kv_cache_(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor
 
 _fused_checked: set = set()  # metadata keys norm_rotary_write_kv_cache_ has validated
 CHECK_CACHE_LIMIT = 1024
+
+
+def _check_fused_once(*tensors) -> None:
+    """_check_fused, once per combination of the tensors' metadata (the checks read nothing else):
+    host time per layer."""
+    try:
+        key = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+    except AttributeError:
+        key = None
+    if key is None or key not in _fused_checked:
+        _check_fused(*tensors)
+        if key is not None:
+            if len(_fused_checked) >= CHECK_CACHE_LIMIT:
+                _fused_checked.clear()
+            _fused_checked.add(key)
 
 
 def _check_fused(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight) -> None:
@@ -406,6 +411,17 @@ def add_rms_norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor,
             [N]), dtypes or devices that differ; on the composition path, what `add_rms_norm`
             raises for a layout its kernel cannot read.
     """
+    if _check_norm_linear(x, residual, norm_weight, weight, bias):
+        return _norm_linear_kernel(x, residual, norm_weight, eps, weight, bias)
+    if residual is None:
+        h, new_residual = add_rms_norm(x, norm_weight, eps), x
+    else:
+        h, new_residual = add_rms_norm(x, norm_weight, eps, residual)
+    return torch.nn.functional.linear(h, weight, bias), new_residual
+
+
+def _check_norm_linear(x: Tensor, residual, norm_weight, weight, bias) -> bool:
+    """add_rms_norm_linear's checks (ValueError); returns whether its GEMV kernel takes the call."""
     _check_2d("x", x)
     dim = x.shape[1]
     if residual is not None:
@@ -417,21 +433,87 @@ def add_rms_norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor,
         raise ValueError(f"norm_weight must be [K] = [{dim}], got {_describe(norm_weight)}")
     _same("norm_weight", norm_weight, x)
     _check_projection(x, dim, weight, bias)
-    if (dim <= MAX_NORM_DIM and _gemv_kernel_takes(x, dim, weight, bias) and norm_weight.is_contiguous()
-            and norm_weight.data_ptr() % 16 == 0 and (residual is None or _rows_aligned(residual))):
-        from .kernels.gemv import PROLOGUE_ADD_RMS_NORM, launch_gemv
+    return (dim <= MAX_NORM_DIM and _gemv_kernel_takes(x, dim, weight, bias) and norm_weight.is_contiguous()
+            and norm_weight.data_ptr() % 16 == 0 and (residual is None or _rows_aligned(residual)))
 
+
+def _norm_linear_kernel(x, residual, norm_weight, eps, weight, bias, rotary_kv=None, y=None) -> tuple[Tensor, Tensor]:
+    """add_rms_norm_linear's kernel path (checked), with the rotary + KV-cache epilogue when
+    rotary_kv is given (launch_gemv's tuple); y: the output [M, N] when already allocated."""
+    from .kernels.gemv import PROLOGUE_ADD_RMS_NORM, launch_gemv
+
+    if y is None:
         y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)  # [M, N]
-        new_residual = x if residual is None else torch.empty((x.shape[0], dim), dtype=x.dtype, device=x.device)
-        with _device_of(x):
-            launch_gemv(PROLOGUE_ADD_RMS_NORM, y, x, weight, bias, residual=residual, norm_weight=norm_weight,
-                        eps=float(eps), new_residual=None if residual is None else new_residual)
-        return y, new_residual
-    if residual is None:
-        h, new_residual = add_rms_norm(x, norm_weight, eps), x
-    else:
-        h, new_residual = add_rms_norm(x, norm_weight, eps, residual)
-    return torch.nn.functional.linear(h, weight, bias), new_residual
+    new_residual = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [M, K]
+    with _device_of(x):
+        launch_gemv(PROLOGUE_ADD_RMS_NORM, y, x, weight, bias, residual=residual, norm_weight=norm_weight,
+                    eps=float(eps), new_residual=None if residual is None else new_residual, rotary_kv=rotary_kv)
+    return y, new_residual
+
+
+def add_rms_norm_qkv_rope_(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
+                           bias: Tensor | None = None, *, heads: int, kv_heads: int, k_cache: Tensor,
+                           v_cache: Tensor, slot_mapping: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
+                           q_weight: Tensor | None = None, k_weight: Tensor | None = None,
+                           qk_eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """An attention layer's input stage: the residual add, RMSNorm and fused qkv projection, the
+    optional per-head q/k RMSNorm and the rotary embedding, the new keys and values written into
+    the paged cache. Exactly `add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)`
+    followed by `norm_rotary_write_kv_cache_(q, k, v, k_cache, v_cache, slot_mapping, positions,
+    cos, sin, q_weight, k_weight, qk_eps)` on the q, k, v column views of its output, bit for bit.
+
+    Args:
+        x, residual, norm_weight, eps, weight, bias: as in `add_rms_norm_linear`, with weight
+            [(heads + 2 kv_heads) d, K] (the q, k, v projections stacked in that order).
+        heads, kv_heads: query and key/value heads; d is k_cache's last dim.
+        k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight, qk_eps: as in
+            `norm_rotary_write_kv_cache_` (qk_eps is its eps).
+
+    Returns:
+        (qkv [M, (heads + 2 kv_heads) d], new_residual): qkv's q columns rotated (normalised
+        first with q_weight), its k and v columns as projected; new_residual as in
+        add_rms_norm_linear (the residual is consumed).
+
+    Paths: at M = 1 with no q/k norm, where add_rms_norm_linear's GEMV kernel runs, one launch:
+    the GEMV with the rotary + KV-cache epilogue (csrc/gemv.cu; kernels.dispatch.GEMV_ROTARY_KV,
+    TILEATTN_GEMV_ROTARY_KV=0 turns it off); otherwise the two calls. Capturable by CUDA graphs.
+
+    Raises:
+        ValueError (naming the argument, before anything runs): what either call raises, heads or
+            kv_heads not positive integers, k_cache not 4-D, weight's rows not (heads + 2 kv_heads) d.
+    """
+    for name, n in (("heads", heads), ("kv_heads", kv_heads)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    if not isinstance(k_cache, Tensor) or k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, d], got {_describe(k_cache)}")
+    head_dim = k_cache.shape[3]
+    width = (heads + 2 * kv_heads) * head_dim
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] != width:
+        raise ValueError(f"weight must be [(heads + 2 kv_heads) d, K] = [{width}, K] for heads={heads}, "
+                         f"kv_heads={kv_heads}, d={head_dim}, got {_describe(weight)}")
+    takes = _check_norm_linear(x, residual, norm_weight, weight, bias)
+
+    def views(qkv):  # [M, width] -> q [M, heads, d], k, v [M, kv_heads, d]
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+        return (q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim))
+
+    from .kernels import dispatch
+
+    if takes and x.shape[0] == 1 and q_weight is None and k_weight is None and dispatch.GEMV_ROTARY_KV:
+        qkv = torch.empty((1, width), dtype=x.dtype, device=x.device)  # [1, (H + 2 Hkv) d]
+        _check_fused_once(*views(qkv), k_cache, v_cache, slot_mapping, positions, cos, sin, None, None)
+        from .api_paged import _check_pointers
+
+        _check_pointers(k_cache=k_cache, v_cache=v_cache)
+        if head_dim % 8 == 0 and slot_mapping.is_contiguous():
+            return _norm_linear_kernel(x, residual, norm_weight, eps, weight, bias,
+                                       (heads, kv_heads, k_cache, v_cache, slot_mapping, positions, cos, sin), qkv)
+    qkv, new_residual = (_norm_linear_kernel(x, residual, norm_weight, eps, weight, bias) if takes else
+                         add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias))
+    norm_rotary_write_kv_cache_(*views(qkv), k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight,
+                                qk_eps)
+    return qkv, new_residual
 
 
 def _check_projection(x: Tensor, dim: int, weight, bias) -> None:

@@ -60,30 +60,36 @@ def test_config_fields_read(arch_pair):
 
 
 def test_layers_use_only_the_returned_residual(tmp_path, monkeypatch):
-    """add_rms_norm_linear consumes the residual it is given: its GEMV path (CUDA, few rows) leaves
-    it untouched and returns the sum in a new tensor, while the composition path that runs here
-    updates it in place, which would hide a layer reading the stale tensor. Emulated: each call's
-    sum goes to a fresh tensor and the residual passed in is overwritten with NaN; the logits
-    must still match transformers'."""
+    """add_rms_norm_linear and add_rms_norm_qkv_rope_ consume the residual they are given: their
+    GEMV path (CUDA, few rows) leaves it untouched and returns the sum in a new tensor, while the
+    composition path that runs here updates it in place, which would hide a layer reading the
+    stale tensor. Emulated: each call's sum goes to a fresh tensor and the residual passed in is
+    overwritten with NaN; the logits must still match transformers'."""
     from tileattn.engine import layers
 
-    composition = layers.add_rms_norm_linear
     calls = []
 
-    def consuming(x, residual, *args):
-        y, new_residual = composition(x, None if residual is None else residual.clone(), *args)
-        if residual is not None:
-            residual.fill_(float("nan"))
-        calls.append(residual is None)
-        return y, new_residual
+    def consuming(name):
+        composition = getattr(layers, name)
 
-    monkeypatch.setattr(layers, "add_rms_norm_linear", consuming)
+        def call(x, residual, *args, **kwargs):
+            y, new_residual = composition(x, None if residual is None else residual.clone(), *args, **kwargs)
+            if residual is not None:
+                residual.fill_(float("nan"))
+            calls.append((name, residual is None))
+            return y, new_residual
+
+        monkeypatch.setattr(layers, name, call)
+
+    consuming("add_rms_norm_linear")
+    consuming("add_rms_norm_qkv_rope_")
     hf = make_checkpoint(tmp_path, "llama2")
     engine = LLMEngine.from_model(str(tmp_path), device="cpu", max_model_len=256, kv_cache_blocks=64, block_size=16)
     ours = engine_logits(engine, PROMPT)  # [T, V]
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT])).logits[0].float()  # [T, V]
-    # 2 layers x 2 norms, the first without a residual: the fused op ran every time
-    assert calls == [True, False, False, False], calls
+    # 2 layers x 2 norms, the first without a residual: the fused ops ran every time
+    qkv, mlp = "add_rms_norm_qkv_rope_", "add_rms_norm_linear"
+    assert calls == [(qkv, True), (mlp, False), (qkv, False), (mlp, False)], calls
     err = rel_error(ours, ref)
     assert err < 1e-5, f"logits relative error {err:.2e} vs transformers with the residual consumed (bound 1e-5)"

@@ -33,8 +33,8 @@ namespace layer_ops {
 // 16-bit type), and returns the 16-bit results in out_lo/out_hi (pairs past d/2 are left alone).
 // norm_rotary and norm_rotary_write_kv both run this one function, so the key a fused launch
 // writes into the cache is bit for bit the key norm_rotary leaves in place. Every product and sum
-// is an explicit round-to-nearest intrinsic: no FMA contraction the compiler could choose
-// differently in two kernels, and the rotation rounds as torch's fp32 `x * cos + roll(x) * sin`.
+// is an explicit round-to-nearest intrinsic (the rotation: common/elementwise.cuh's rotate_pair,
+// which the GEMV's rotary epilogue shares), rounding as torch's fp32 `x * cos + roll(x) * sin`.
 constexpr int kRotaryMaxPairs = 4;
 
 template <bool kIsBF16, bool kNorm>
@@ -68,12 +68,8 @@ __device__ __forceinline__ void rotate_row(const u16* src, const u16* w, const f
 #pragma unroll
   for (int i = 0; i < kRotaryMaxPairs; ++i) {
     const int j = lane + 32 * i;
-    if (j < half) {
-      const float c = round16<kIsBF16>(cos_row[j]);
-      const float sn = round16<kIsBF16>(sin_row[j + half]);  // +sin_j (the table's second half)
-      out_lo[i] = from_float<kIsBF16>(__fsub_rn(__fmul_rn(lo[i], c), __fmul_rn(hi[i], sn)));
-      out_hi[i] = from_float<kIsBF16>(__fadd_rn(__fmul_rn(hi[i], c), __fmul_rn(lo[i], sn)));
-    }
+    // sin_row[j + half] = +sin_j (the table's second half)
+    if (j < half) rotate_pair<kIsBF16>(lo[i], hi[i], cos_row[j], sin_row[j + half], out_lo[i], out_hi[i]);
   }
 }
 

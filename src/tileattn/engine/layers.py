@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tileattn.api_layers import add_rms_norm, add_rms_norm_linear, linear, norm_rotary_write_kv_cache_
+from tileattn.api_layers import add_rms_norm, add_rms_norm_linear, add_rms_norm_qkv_rope_, linear
 
 
 @dataclass
@@ -141,8 +141,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, freq_factor
 class Rotary(nn.Module):
     """Rotate-half rotary embedding: per head (x1 cos - x2 sin, x2 cos + x1 sin) for the halves
     x1, x2. The tables hold cos twice and (-sin, sin) [max_positions, head_dim] (float32);
-    tileattn's norm_rotary_write_kv_cache_ reads them at each token's position inside its one
-    launch (which also applies Qwen3's per-head q/k norm and writes k/v into the cache).
+    tileattn's add_rms_norm_qkv_rope_ reads them at each token's position, in the qkv
+    projection's launch or in the one launch after it that also applies Qwen3's per-head q/k norm
+    and writes k/v into the cache.
     forward(positions [T]) -> the (positions, cos, sin) every layer passes to it."""
 
     def __init__(self, max_positions: int, inv_freq: torch.Tensor, dtype: torch.dtype):
@@ -176,8 +177,9 @@ class PagedAttention(nn.Module):
     """Self-attention: fused qkv projection, the optional per-head q/k RMSNorm (Qwen3), rotary and
     the new k/v written into the paged cache in one launch, then attention
     of the step's queries over each sequence's cached keys (prefill, chunked prefill and decode all
-    take this one path), then the output projection. The decoder layer runs qkv_proj with the
-    RMSNorm before it (RMSNorm(x, residual, proj)); forward takes its output.
+    take this one path), then the output projection. forward also runs the layer's input RMSNorm
+    (with the residual add) inside the qkv projection's launch: tileattn.api_layers'
+    add_rms_norm_qkv_rope_, which at a one-token decode step is a single launch.
 
     Tensor parallel (tp: TensorParallel): this rank's heads and KV heads only (qkv column-parallel,
     o row-parallel), its KV cache holds its KV heads."""
@@ -200,21 +202,26 @@ class PagedAttention(nn.Module):
         self.k_cache = self.v_cache = None
         self.ops = None
 
-    def forward(self, rope, qkv, batch: AttentionBatch):  # rope: Rotary's (positions, cos, sin); qkv [T, (H + 2 Hkv) d]
-        tokens, d = qkv.shape[0], self.head_dim
-        q = qkv[:, :self.q_size].view(tokens, self.heads, d)  # [T, H, d], strided views of qkv
-        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.kv_heads, d)  # [T, Hkv, d]
-        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.kv_heads, d)  # [T, Hkv, d]
+    def forward(self, rope, x, residual, input_norm, batch: AttentionBatch):
+        """rope: Rotary's (positions, cos, sin); x, residual [T, hidden] (residual None in the
+        first layer); input_norm: the layer's RMSNorm before attention. -> (out [T, hidden], the
+        new residual)."""
+        tokens, d = x.shape[0], self.head_dim
         positions, cos, sin = rope
         norm = self.q_norm is not None
-        norm_args = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if norm else (None, None, 1e-6)
-        # One launch: q normalised (Qwen3) and rotated in place, k normalised and rotated straight
-        # into the paged cache with v beside it. k's columns of qkv are left unrotated; nothing
-        # below reads them (attention reads the cache).
-        norm_rotary_write_kv_cache_(q, k, v, self.k_cache, self.v_cache, batch.slot_mapping, positions, cos, sin,
-                                    *norm_args)
+        # The residual add + RMSNorm, the qkv projection, q/k normalised (Qwen3) and rotated, k and
+        # v written into the paged cache: at one decode token one GEMV launch with all of it in its
+        # prologue and epilogue, else the projection's launch and one rotary + cache-write launch.
+        # qkv's k columns stay unrotated; nothing below reads them (attention reads the cache).
+        qkv, residual = add_rms_norm_qkv_rope_(
+            x, residual, input_norm.weight, input_norm.eps, self.qkv_proj.weight, self.qkv_proj.bias,
+            heads=self.heads, kv_heads=self.kv_heads, k_cache=self.k_cache, v_cache=self.v_cache,
+            slot_mapping=batch.slot_mapping, positions=positions, cos=cos, sin=sin,
+            q_weight=self.q_norm.weight if norm else None, k_weight=self.k_norm.weight if norm else None,
+            qk_eps=self.q_norm.eps if norm else 1e-6)  # [T, (H + 2 Hkv) d]
+        q = qkv[:, :self.q_size].view(tokens, self.heads, d)  # [T, H, d], a strided view of qkv
         attention_paged = self.ops[0]
         out = attention_paged(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
                               batch.seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k,
                               causal=True, scale=self.scale, window=self.window)  # [T, H, d]
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return self.o_proj(out.reshape(tokens, self.q_size)), residual

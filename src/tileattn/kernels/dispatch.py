@@ -130,6 +130,12 @@ GEMV_ROWS_OVERRIDE: int | str | None = (
     int(_GEMV_ENV) if _GEMV_ENV is not None and _GEMV_ENV.strip().isdigit() else _GEMV_ENV)
 
 
+# The qkv projection's rotary + KV-cache epilogue (tileattn.api_layers.add_rms_norm_qkv_rope_) wherever
+# its GEMV runs at M = 1; TILEATTN_GEMV_ROTARY_KV=0 (read at import) runs the two launches instead,
+# the A/B switch for benchmarks.
+GEMV_ROTARY_KV: bool = os.environ.get("TILEATTN_GEMV_ROTARY_KV", "1") != "0"
+
+
 def gemv_max_rows(device_index: int) -> int:
     """Largest M for which the GEMV kernel runs on CUDA device `device_index` (0: never):
     TILEATTN_GEMV_MAX_ROWS when set, else GEMV_MAX_ROWS for the device's arch (0 for an arch not

@@ -35,6 +35,19 @@ __device__ __forceinline__ float round16(float x) {
   return to_float<kIsBF16>(from_float<kIsBF16>(x));
 }
 
+// One rotate-half rotary pair (elements j and j + d/2 of a head, lo and hi) with the fp32 table
+// values cos_j and sin_j (rounded to the 16-bit type, as the model's Rotary module hands them to
+// the layers): lo cos - hi sin and hi cos + lo sin, each product and sum an explicit
+// round-to-nearest intrinsic (no FMA contraction a compiler could choose differently in two
+// kernels), rounded once to 16 bits. layer_ops' rotary kernels and the GEMV's rotary epilogue
+// both call it, so their keys and queries are bit for bit the same.
+template <bool kIsBF16>
+__device__ __forceinline__ void rotate_pair(float lo, float hi, float cos_j, float sin_j, u16& out_lo, u16& out_hi) {
+  const float c = round16<kIsBF16>(cos_j), sn = round16<kIsBF16>(sin_j);
+  out_lo = from_float<kIsBF16>(__fsub_rn(__fmul_rn(lo, c), __fmul_rn(hi, sn)));
+  out_hi = from_float<kIsBF16>(__fadd_rn(__fmul_rn(hi, c), __fmul_rn(lo, sn)));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

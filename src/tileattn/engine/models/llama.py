@@ -45,8 +45,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, rope, x, residual, batch):  # x [T, hidden]; residual [T, hidden] or None (first layer)
         # Each norm (with the residual add before it) runs with the projection that reads it.
-        qkv, residual = self.input_layernorm(x, residual, self.self_attn.qkv_proj)  # [T, (H + 2 Hkv) d]
-        x = self.self_attn(rope, qkv, batch)  # [T, hidden]
+        x, residual = self.self_attn(rope, x, residual, self.input_layernorm, batch)  # [T, hidden]
         gate_up, residual = self.post_attention_layernorm(x, residual, self.mlp.gate_up_proj)  # [T, 2 ffn]
         return self.mlp(gate_up), residual
 
