@@ -109,7 +109,7 @@ def launch_gemv(prologue: int, y, x, weight, bias, *, residual=None, norm_weight
                 _ptr(new_residual), *pointers)
 
 
-def _rotary_shape(rotary_kv) -> np.ndarray:
+def _rotary_shape(rotary_kv) -> bytes:
     """The RotaryKVShape struct's bytes (zeros without the epilogue)."""
     shape = np.zeros((), dtype=_ROTARY_SHAPE)
     if rotary_kv is not None:
@@ -122,7 +122,7 @@ def _rotary_shape(rotary_kv) -> np.ndarray:
         shape["log2_block_size"] = block_size.bit_length() - 1
         shape["strides"] = k_cache.stride()[:3] + v_cache.stride()[:3]
         shape["num_slots"], shape["num_positions"] = num_blocks * block_size, cos.shape[0]
-    return shape
+    return shape.tobytes()
 
 
 def _ptr(t) -> int:
