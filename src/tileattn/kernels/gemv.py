@@ -83,7 +83,10 @@ def launch_gemv(prologue: int, y, x, weight, bias, *, residual=None, norm_weight
         (t.shape, t.stride(), t.dtype) for t in rotary_kv[2:])
     key = (device, prologue, x.shape, x.stride(), weight.shape, x.dtype, bias is not None,
            None if residual is None else residual.stride(), eps, pdl, rope)
-    pointers = (0,) * 6 if rotary_kv is None else tuple(t.data_ptr() for t in rotary_kv[2:])
+    pointers = (0,) * 6  # the kernel's positions, cos_table, sin_table, k_cache, v_cache, slot_mapping
+    if rotary_kv is not None:
+        _, _, k_cache, v_cache, slot_mapping, positions, cos, sin = rotary_kv
+        pointers = tuple(t.data_ptr() for t in (positions, cos, sin, k_cache, v_cache, slot_mapping))
     plan = _plans.get(key)
     if plan is None:
         from ..runtime import LaunchPlan
