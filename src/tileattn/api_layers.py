@@ -474,9 +474,10 @@ def add_rms_norm_qkv_rope_(x: Tensor, residual: Tensor | None, norm_weight: Tens
         first with q_weight), its k and v columns as projected; new_residual as in
         add_rms_norm_linear (the residual is consumed).
 
-    Paths: at M = 1 with no q/k norm, where add_rms_norm_linear's GEMV kernel runs, one launch:
-    the GEMV with the rotary + KV-cache epilogue (csrc/gemv.cu; kernels.dispatch.GEMV_ROTARY_KV,
-    TILEATTN_GEMV_ROTARY_KV=0 turns it off); otherwise the two calls. Capturable by CUDA graphs.
+    Paths: with kernels.dispatch.GEMV_ROTARY_KV on (TILEATTN_GEMV_ROTARY_KV=1; off by default: not
+    faster on the H200 as it stands), at M = 1 with no q/k norm where add_rms_norm_linear's GEMV
+    kernel runs, one launch: the GEMV with the rotary + KV-cache epilogue (csrc/gemv.cu);
+    otherwise the two calls. Capturable by CUDA graphs.
 
     Raises:
         ValueError (naming the argument, before anything runs): what either call raises, heads or

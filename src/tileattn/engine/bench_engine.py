@@ -97,9 +97,11 @@ def bench_engine_main(argv=None) -> int:
     args.dtype = torch.bfloat16 if on_gpu else torch.float32
     parts = set(args.only or ["decode", "throughput", "ttft"])
     quick = args.quick
+    from tileattn.bench.env import environment  # versions, commit, command: what a record must name
+
     results = {"gpu": torch.cuda.get_device_name(args.device) if on_gpu else "cpu",
                "torch": torch.__version__, "quick": quick, "gemv_max_rows": gemv_max_rows(args.device),
-               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": []}
+               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "environment": environment(), "rows": []}
     if on_gpu:
         print(f"projections: tileattn's GEMV kernel up to {results['gemv_max_rows']} rows, cuBLAS above "
               f"(TILEATTN_GEMV_MAX_ROWS={os.environ.get('TILEATTN_GEMV_MAX_ROWS', 'unset')})")

@@ -178,8 +178,7 @@ class PagedAttention(nn.Module):
     the new k/v written into the paged cache in one launch, then attention
     of the step's queries over each sequence's cached keys (prefill, chunked prefill and decode all
     take this one path), then the output projection. forward also runs the layer's input RMSNorm
-    (with the residual add) inside the qkv projection's launch: tileattn.api_layers'
-    add_rms_norm_qkv_rope_, which at a one-token decode step is a single launch.
+    (with the residual add) with the qkv projection: tileattn.api_layers' add_rms_norm_qkv_rope_.
 
     Tensor parallel (tp: TensorParallel): this rank's heads and KV heads only (qkv column-parallel,
     o row-parallel), its KV cache holds its KV heads."""
@@ -210,8 +209,8 @@ class PagedAttention(nn.Module):
         positions, cos, sin = rope
         norm = self.q_norm is not None
         # The residual add + RMSNorm, the qkv projection, q/k normalised (Qwen3) and rotated, k and
-        # v written into the paged cache: at one decode token one GEMV launch with all of it in its
-        # prologue and epilogue, else the projection's launch and one rotary + cache-write launch.
+        # v written into the paged cache: the projection's launch (the norm in its prologue) and one
+        # rotary + cache-write launch, or one launch where dispatch.GEMV_ROTARY_KV allows it.
         # qkv's k columns stay unrotated; nothing below reads them (attention reads the cache).
         qkv, residual = add_rms_norm_qkv_rope_(
             x, residual, input_norm.weight, input_norm.eps, self.qkv_proj.weight, self.qkv_proj.bias,
