@@ -307,6 +307,19 @@ def test_cuda_graph_capture_and_replay():
 # caches, bit for bit. The two paths sum each row in the same order (lane l: chunks l, l + 32, ...)
 # and rotate with the same helper, so any difference is a defect.
 
+def spy_rotary_launches(monkeypatch) -> list:
+    """Record, per launch_gemv call from here on, whether it ran the rotary epilogue."""
+    launched = []
+    real = gemv_kernels.launch_gemv
+
+    def spy(*args, **kwargs):
+        launched.append(kwargs.get("rotary_kv") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gemv_kernels, "launch_gemv", spy)
+    return launched
+
+
 class RopeCase:
     """x [1, hidden], weight [(H + 2 Hkv) d, hidden], caches [blocks, block_size, Hkv, d] filled with
     random values, one slot and one position (either may be outside its range on purpose)."""
@@ -337,14 +350,7 @@ class RopeCase:
         """(qkv, new_residual, k_cache, v_cache, whether the epilogue launch ran), on copies of
         the caches and the residual, with every allocation poisoned."""
         monkeypatch.setattr(dispatch, "GEMV_ROTARY_KV", fused)
-        launched = []
-        real = gemv_kernels.launch_gemv
-
-        def spy(*args, **kwargs):
-            launched.append(kwargs.get("rotary_kv") is not None)
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(gemv_kernels, "launch_gemv", spy)
+        launched = spy_rotary_launches(monkeypatch)
         k_cache, v_cache = self.k_cache.clone(), self.v_cache.clone()
         residual = None if self.residual is None else self.residual.clone()
         with poisoned_allocations():
@@ -400,10 +406,8 @@ def test_rope_epilogue_not_for_qk_norm_or_many_tokens(monkeypatch):
     """Qwen3's per-head q/k norm and M > 1 take the two launches (the epilogue is M = 1 only)."""
     case = RopeCase(torch.bfloat16, 4, 2, 64, 256, 16, bias=False, residual=True, slot=5, position=3)
     norm = (1 + 0.1 * torch.randn(64, device="cuda")).to(torch.bfloat16)
-    launched = []
-    real = gemv_kernels.launch_gemv
-    monkeypatch.setattr(gemv_kernels, "launch_gemv",
-                        lambda *a, **kw: launched.append(kw.get("rotary_kv") is not None) or real(*a, **kw))
+    monkeypatch.setattr(dispatch, "GEMV_ROTARY_KV", True)
+    launched = spy_rotary_launches(monkeypatch)
     api_layers.add_rms_norm_qkv_rope_(case.x, case.residual.clone(), case.norm_weight, EPS, case.weight,
                                       heads=4, kv_heads=2, k_cache=case.k_cache, v_cache=case.v_cache,
                                       slot_mapping=case.slot_mapping, positions=case.positions, cos=case.cos,
