@@ -33,6 +33,9 @@ def test_quick_bench_runs_on_cpu(tmp_path, tiny_quick_plan, capsys):
     engine = {row["bench"]: row for row in rows if row["system"] == "tileattn.engine"}
     assert set(engine) == {"decode", "throughput", "ttft"}, rows
     assert engine["decode"]["tok_s"] > 0 and engine["decode"]["bandwidth_TBs"] > 0
+    runs = engine["decode"]["tok_s_runs"]  # --decode-runs' default, their median reported
+    assert len(runs) == 5 and engine["decode"]["tok_s"] == sorted(runs)[2], engine["decode"]
+    assert {"git_commit", "torch", "command"} <= set(results["environment"]), results["environment"]
     assert engine["throughput"]["output_tokens"] == sum(bench_engine.workload(4, 120)[1])
     assert engine["ttft"]["ttft_ms"] > 0
     peers = {(row["bench"], row["system"]): row for row in rows if row["system"] != "tileattn.engine"}
@@ -71,6 +74,12 @@ def test_records_say_which_projection_path_ran(monkeypatch):
     monkeypatch.setattr(dispatch, "GEMV_ROWS_OVERRIDE", 9)
     with pytest.raises(ValueError, match="TILEATTN_GEMV_MAX_ROWS"):
         gemv_max_rows("cuda:0")
+
+
+def test_decode_runs_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        bench_engine.bench_engine_main(["--decode-runs", "0", "--device", "cpu"])
+    assert "--decode-runs must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_help_works_without_a_gpu(capsys):

@@ -80,8 +80,14 @@ def parse_args(argv):
     ap.add_argument("--requests", type=int, help="throughput: number of requests (overrides the plan)")
     ap.add_argument("--max-len", type=int, help="throughput: longest prompt / output (overrides the plan)")
     ap.add_argument("--new-tokens", type=int, help="decode: tokens generated (overrides the plan)")
+    ap.add_argument("--decode-runs", type=int, default=5, metavar="N",
+                    help="decode: measured generations after the warm-up one; tok/s and TTFT are their medians "
+                         "(the runs' tok/s are recorded too)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": the tests' smoke run
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.decode_runs < 1:
+        ap.error(f"--decode-runs must be at least 1, got {args.decode_runs}")
+    return args
 
 
 def bench_engine_main(argv=None) -> int:
@@ -257,24 +263,29 @@ def bench_decode(args, shape, new_tokens, compile_peer):
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for tp in args.tensor_parallel_size:
         engine = _engine(args, path, max_num_seqs=8, max_model_len=2048, tensor_parallel_size=tp)
+        runs, ttfts = [], []  # per measured generation: tok/s after the first token, time to it
         try:
-            for attempt in range(2):  # the first run warms up (kernel compile / load)
-                measured = attempt == 1
+            for attempt in range(1 + args.decode_runs):  # the first run warms up (kernel compile / load)
+                measured = attempt == args.decode_runs  # the profilers watch the last one
                 profiler = engine.enable_profiling() if measured and args.profile else None
                 engine.add_request(f"decode{attempt}", prompt, params)
                 start = time.perf_counter()
                 with _cprofiled(args, measured):
                     first = _run_to_end(engine)
                 end = time.perf_counter()
+                if attempt:
+                    runs.append((new_tokens - 1) / (end - first))
+                    ttfts.append((first - start) * 1e3)
             kernels = kernel_profile(engine, prompt, min(new_tokens, 64)) if args.kernels else None
         finally:
             engine.shutdown()
-        tok_s = (new_tokens - 1) / (end - first)
+        tok_s = statistics.median(runs)
         # Bytes of the whole model (all ranks together): the bandwidth of TP=N is summed over N GPUs.
         per_token = decode_bytes_per_token(engine.model_config, 2, len(prompt) + new_tokens / 2)
         rows.append({"bench": "decode", "shape": shape, "system": _system(tp), "tensor_parallel_size": tp,
-                     "tok_s": tok_s, "bandwidth_TBs": per_token * tok_s / 1e12, "bytes_per_token": per_token,
-                     "startup_s": engine.startup_seconds, "ttft_ms": (first - start) * 1e3})
+                     "tok_s": tok_s, "tok_s_runs": runs, "bandwidth_TBs": per_token * tok_s / 1e12,
+                     "bytes_per_token": per_token, "startup_s": engine.startup_seconds,
+                     "ttft_ms": statistics.median(ttfts)})
         _add_profile(rows[-1], profiler, f"decode {shape} TP={tp}")
         if kernels is not None:
             print(format_kernel_profile(kernels, f"decode {shape} TP={tp}"))
