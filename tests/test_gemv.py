@@ -146,6 +146,18 @@ def test_add_rms_norm_qkv_rope_bad_arguments(change, match):
         api_layers.add_rms_norm_qkv_rope_(**{**a, **change})
 
 
+def test_add_rms_norm_qkv_rope_checks_the_cache_arguments_before_it_runs():
+    """A bad cache-side argument raises before the projection runs: the residual (which the
+    composition path updates in place) and the caches are left as they were."""
+    a = _rope_inputs(torch.float32)
+    residual = a["residual"].clone()
+    with pytest.raises(ValueError, match="slot_mapping"):
+        api_layers.add_rms_norm_qkv_rope_(**{**a, "residual": residual,
+                                             "slot_mapping": a["slot_mapping"].to(torch.float32)})
+    assert torch.equal(residual, a["residual"])
+    assert a["k_cache"].abs().sum() == 0 and a["v_cache"].abs().sum() == 0
+
+
 def test_empty_rows():
     y = tileattn.linear(torch.randn(0, 8), torch.randn(5, 8))
     assert y.shape == (0, 5)

@@ -141,26 +141,38 @@ def norm_rotary_write_kv_cache_(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor
     Returns q. Raises ValueError (naming the argument, before anything runs) for shapes, dtypes,
     devices, slot_mapping dtypes or layouts that disagree.
     """
-    from . import reference
+    _check_rotary_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight)
+    _rotary_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight, eps)
+    return q
 
+
+def _check_rotary_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight) -> None:
+    """Every check of norm_rotary_write_kv_cache_: the metadata ones (once per combination), and on
+    the kernel path the data pointers' alignment."""
     _check_fused_once(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight)
-    norm = q_weight is not None
+    if _on_kernel(q):
+        from .api_paged import _check_pointers
+
+        _check_pointers(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
+
+
+def _rotary_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight, eps) -> None:
+    """norm_rotary_write_kv_cache_ on arguments _check_rotary_write_kv has passed."""
     if not _on_kernel(q):
+        from . import reference
+
         q.copy_(_norm_rotary_torch(q, positions, cos, sin, q.shape[1], q_weight, q_weight, eps))
         k_rotated = _norm_rotary_torch(k, positions, cos, sin, 0, k_weight, k_weight, eps)  # [T, Hkv, d]
         reference.write_kv_cache(k_rotated, v, k_cache, v_cache, slot_mapping)
-        return q
-    from .api_paged import _check_pointers
-
-    _check_pointers(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
+        return
     if q.shape[0] * (q.shape[1] + k.shape[1]):
         from .kernels.layer_ops import launch_norm_rotary_write_kv
 
+        norm = q_weight is not None
         qw, kw = (q_weight.contiguous(), k_weight.contiguous()) if norm else (None, None)
         with _device_of(q):
             launch_norm_rotary_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions.contiguous(), cos, sin,
                                         qw, kw, float(eps))
-    return q
 
 
 _fused_checked: set = set()  # metadata keys norm_rotary_write_kv_cache_ has validated
@@ -413,11 +425,16 @@ def add_rms_norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor,
     """
     if _check_norm_linear(x, residual, norm_weight, weight, bias):
         return _norm_linear_kernel(x, residual, norm_weight, eps, weight, bias)
-    if residual is None:
-        h, new_residual = add_rms_norm(x, norm_weight, eps), x
-    else:
-        h, new_residual = add_rms_norm(x, norm_weight, eps, residual)
+    h, new_residual = _add_rms_norm_consuming(x, residual, norm_weight, eps)
     return torch.nn.functional.linear(h, weight, bias), new_residual
+
+
+def _add_rms_norm_consuming(x, residual, norm_weight, eps) -> tuple[Tensor, Tensor]:
+    """(h, new_residual) of the composition path: add_rms_norm of x + residual with the sum
+    written into residual, or of x alone (new_residual is then x) when residual is None."""
+    if residual is None:
+        return add_rms_norm(x, norm_weight, eps), x
+    return add_rms_norm(x, norm_weight, eps, residual)
 
 
 def _check_norm_linear(x: Tensor, residual, norm_weight, weight, bias) -> bool:
@@ -494,26 +511,27 @@ def add_rms_norm_qkv_rope_(x: Tensor, residual: Tensor | None, norm_weight: Tens
         raise ValueError(f"weight must be [(heads + 2 kv_heads) d, K] = [{width}, K] for heads={heads}, "
                          f"kv_heads={kv_heads}, d={head_dim}, got {_describe(weight)}")
     takes = _check_norm_linear(x, residual, norm_weight, weight, bias)
-
-    def views(qkv):  # [M, width] -> q [M, heads, d], k, v [M, kv_heads, d]
-        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
-        return (q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim))
-
+    rows = x.shape[0]
+    qkv = torch.empty((rows, width), dtype=x.dtype, device=x.device)  # the output, [M, (H + 2 Hkv) d]
+    q, k, v = (t.view(rows, n, head_dim) for t, n in zip(  # [M, H, d], [M, Hkv, d] x 2: column views of qkv
+        qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1), (heads, kv_heads, kv_heads)))
+    # The rotary + cache-write step's checks before anything runs: the projection consumes the residual.
+    _check_rotary_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight)
     from .kernels import dispatch
 
-    if takes and x.shape[0] == 1 and q_weight is None and k_weight is None and dispatch.GEMV_ROTARY_KV:
-        qkv = torch.empty((1, width), dtype=x.dtype, device=x.device)  # [1, (H + 2 Hkv) d]
-        _check_fused_once(*views(qkv), k_cache, v_cache, slot_mapping, positions, cos, sin, None, None)
-        from .api_paged import _check_pointers
-
-        _check_pointers(k_cache=k_cache, v_cache=v_cache)
-        if head_dim % 8 == 0 and slot_mapping.is_contiguous():
-            return _norm_linear_kernel(x, residual, norm_weight, eps, weight, bias,
-                                       (heads, kv_heads, k_cache, v_cache, slot_mapping, positions, cos, sin), qkv)
-    qkv, new_residual = (_norm_linear_kernel(x, residual, norm_weight, eps, weight, bias) if takes else
-                         add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias))
-    norm_rotary_write_kv_cache_(*views(qkv), k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight,
-                                qk_eps)
+    if (takes and dispatch.GEMV_ROTARY_KV and rows == 1 and q_weight is None and head_dim % 8 == 0
+            and slot_mapping.is_contiguous()):
+        return _norm_linear_kernel(x, residual, norm_weight, eps, weight, bias,
+                                   (heads, kv_heads, k_cache, v_cache, slot_mapping, positions, cos, sin), qkv)
+    if takes:
+        _, new_residual = _norm_linear_kernel(x, residual, norm_weight, eps, weight, bias, y=qkv)
+    else:  # add_rms_norm_linear's composition, into qkv (torch.addmm / mm: the ops F.linear runs on 2-D input)
+        h, new_residual = _add_rms_norm_consuming(x, residual, norm_weight, eps)
+        if bias is None:
+            torch.mm(h, weight.t(), out=qkv)
+        else:
+            torch.addmm(bias, h, weight.t(), out=qkv)
+    _rotary_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight, qk_eps)
     return qkv, new_residual
 
 
