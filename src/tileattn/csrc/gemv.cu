@@ -55,12 +55,15 @@ enum Prologue : int { kNone = 0, kSiluMul = 1, kAddRmsNorm = 2 };
 // A weight chunk: touched once per launch, so it is not allocated in L1 (no reuse to gain, and no
 // line of anything else evicted for it), and read through the non-coherent path (the weights are
 // read-only for the kernel's lifetime).
-__device__ __forceinline__ uint4 load_weight(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
+// When `pred`: v = the chunk at p; otherwise v keeps its (stale) registers and nothing is read.
+// One predicated instruction: the select-to-zero and the branch around each load that a C++
+// conditional compiled to cost 6% of the Llama-3-8B projection chain (measured, docs/gemv.md),
+// and a chunk that was not loaded is never used (the FMAs check c < chunks themselves).
+__device__ __forceinline__ void load_weight_if(uint4& v, const uint4* p, bool pred) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+               " @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+               : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+               : "l"(p), "r"(static_cast<int>(pred)));
 }
 
 // A staged input row in shared memory: [chunks] float4 of each chunk's elements 0-3, then
@@ -263,7 +266,7 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, 1)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int c = base + u * 32 + lane;
-        w[r][u] = c < chunks ? load_weight(p + c) : make_uint4(0, 0, 0, 0);
+        load_weight_if(w[r][u], p + c, c < chunks);
       }
     }
   };
@@ -301,7 +304,7 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, 1)
         for (int r = 0; r < kRows; ++r) {
           load8<kIsBF16>(w[r][u], wf[r]);
           const int c_next = next_base + u * 32 + lane;
-          if (prefetch) w[r][u] = c_next < chunks ? load_weight(row_ptr(next_task, r) + c_next) : make_uint4(0, 0, 0, 0);
+          load_weight_if(w[r][u], row_ptr(next_task, r) + c_next, prefetch && c_next < chunks);
         }
         if (c < chunks) {
 #pragma unroll
