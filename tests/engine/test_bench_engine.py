@@ -90,6 +90,15 @@ def test_help_works_without_a_gpu(capsys):
     assert "--quick" in capsys.readouterr().out
 
 
+def test_idle_gaps_counts_uncovered_time_once():
+    # a covers [0, 10] with b nested inside, c after a 2-unit gap, d after 5 more, e overlapping d
+    events = [(0, 10, "a"), (2, 5, "b"), (12, 20, "c"), (25, 30, "d"), (26, 33, "e"), (33, 34, "d")]
+    wall, idle, gaps = bench_engine.idle_gaps(events)
+    assert (wall, idle) == (34, 7)
+    assert gaps == {("a", "c"): [1, 2], ("c", "d"): [1, 5]}
+    assert bench_engine.idle_gaps([]) == (0.0, 0.0, {})
+
+
 def test_kernel_profile_splits_a_decode_step(tmp_path, tiny_quick_plan, capsys):
     """--kernels: the decode steps' time by op (CPU ops here, kernels on a GPU), every step counted
     once, shares summing to 1, the table printed and kept in the JSON row."""
@@ -106,4 +115,11 @@ def test_kernel_profile_splits_a_decode_step(tmp_path, tiny_quick_plan, capsys):
     # every decode step runs each of the 2 layers' q/k/v/o/gate_up/down projections: aten::linear or mm
     matmuls = sum(k["calls_per_step"] for k in kernels if k["name"] in ("aten::mm", "aten::addmm", "aten::linear"))
     assert matmuls >= 2 * 4, kernels[:10]
-    assert "us of CPU op time per decode step" in capsys.readouterr().out
+    # the window: idle stretches are inside it, and the gaps add up to the idle time
+    assert 0 <= report["idle_us"] < report["wall_us"], (report["idle_us"], report["wall_us"])
+    gaps = report["gaps"]
+    assert abs(sum(g["us_per_step"] for g in gaps) - report["idle_us"]) < 1e-6 * max(1.0, report["idle_us"])
+    assert [g["us_per_step"] for g in gaps] == sorted((g["us_per_step"] for g in gaps), reverse=True)
+    assert all(g["us_per_step"] > 0 and g["before"] and g["after"] for g in gaps)
+    printed = capsys.readouterr().out
+    assert "us of CPU op time per decode step" in printed and "of it idle" in printed

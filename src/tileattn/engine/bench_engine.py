@@ -304,8 +304,14 @@ def kernel_profile(engine, prompt, new_tokens: int) -> dict:
     the kernels of CUDA-graph replays one by one). On the CPU it times the CPU ops instead, so the
     tests' CPU run exercises the same code.
 
-    Returns {"steps": decode steps profiled, "device": "cuda" | "cpu", "step_us": total time per
-    step, "kernels": [{"name", "calls_per_step", "us_per_step", "share"}, ...] longest first}."""
+    Returns {"steps": decode steps profiled, "device": "cuda" | "cpu", "step_us": kernel time per
+    step (summed, overlaps counted twice), "wall_us": the profiled window (first start to last end)
+    per step, "idle_us": the part of that window in which nothing ran, per step, "kernels": [{"name",
+    "calls_per_step", "us_per_step", "share"}, ...] longest first, "gaps": [{"before", "after",
+    "count_per_step", "us_per_step"}, ...]: where the idle time sits (the activity that ended last
+    before each idle stretch and the one that ends it), longest first}. With programmatic dependent
+    launch a kernel's duration includes its wait for the previous one; the wall and idle times do not
+    depend on that."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -320,29 +326,58 @@ def kernel_profile(engine, prompt, new_tokens: int) -> dict:
             engine.step()
             steps += 1
     wanted = DeviceType.CUDA if cuda else DeviceType.CPU
+    events = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == wanted), key=lambda e: e[0])  # (start us, end us, name)
     totals: dict[str, list] = {}  # name -> [calls, microseconds]
-    for event in prof.events():
-        if event.device_type != wanted:
-            continue
-        us = event.device_time_total if cuda else event.self_cpu_time_total
-        entry = totals.setdefault(event.name, [0, 0.0])
+    for start, end, name in events:
+        entry = totals.setdefault(name, [0, 0.0])
         entry[0] += 1
-        entry[1] += us
+        entry[1] += end - start
+    wall, idle, gaps = idle_gaps(events)
     steps = max(steps, 1)
     step_us = sum(us for _, us in totals.values()) / steps
     kernels = [{"name": name, "calls_per_step": calls / steps, "us_per_step": us / steps,
                 "share": us / steps / step_us if step_us else 0.0}
                for name, (calls, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])]
-    return {"steps": steps, "device": "cuda" if cuda else "cpu", "step_us": step_us, "kernels": kernels}
+    where_idle = [{"before": before, "after": after, "count_per_step": count / steps, "us_per_step": us / steps}
+                  for (before, after), (count, us) in sorted(gaps.items(), key=lambda kv: -kv[1][1])]
+    return {"steps": steps, "device": "cuda" if cuda else "cpu", "step_us": step_us, "wall_us": wall / steps,
+            "idle_us": idle / steps, "kernels": kernels, "gaps": where_idle}
+
+
+def idle_gaps(events) -> tuple[float, float, dict]:
+    """(wall, idle, gaps) of activities [(start, end, name)] sorted by start: the span from the first
+    start to the last end, the part of it covered by none of them, and that part by (the name of
+    the activity that ended last before a stretch, the name of the one that ends it) -> [count,
+    total]. Overlapping and nested activities count once."""
+    gaps: dict[tuple, list] = {}
+    if not events:
+        return 0.0, 0.0, gaps
+    idle = 0.0
+    reach, last = events[0][1], events[0][2]  # the latest end so far and whose it is
+    for start, end, name in events[1:]:
+        if start > reach:
+            idle += start - reach
+            entry = gaps.setdefault((last, name), [0, 0.0])
+            entry[0] += 1
+            entry[1] += start - reach
+        if end >= reach:
+            reach, last = end, name
+    return reach - events[0][0], idle, gaps
 
 
 def format_kernel_profile(report: dict, title: str, top: int = 25) -> str:
-    """The `top` longest kernels of `kernel_profile`'s report as a text table."""
+    """The `top` longest kernels of `kernel_profile`'s report as a text table, then the longest
+    idle gaps."""
     what = "kernel" if report["device"] == "cuda" else "CPU op"
-    lines = [f"{title}: {report['step_us']:.1f} us of {what} time per decode step ({report['steps']} steps)",
+    lines = [f"{title}: {report['step_us']:.1f} us of {what} time per decode step ({report['steps']} steps), "
+             f"{report['wall_us']:.1f} us of wall time, {report['idle_us']:.1f} us of it idle",
              f"{'us/step':>9} {'share':>6} {'calls':>6}  {what}"]
     for k in report["kernels"][:top]:
         lines.append(f"{k['us_per_step']:9.1f} {k['share']:6.1%} {k['calls_per_step']:6.1f}  {k['name'][:110]}")
+    lines.append(f"{'idle us':>9} {'':>6} {'gaps':>6}  between (the one that ended last -> the next to start)")
+    for g in report["gaps"][:top // 2]:
+        lines.append(f"{g['us_per_step']:9.1f} {'':>6} {g['count_per_step']:6.1f}  {g['before'][:52]} -> {g['after'][:52]}")
     return "\n".join(lines)
 
 
