@@ -90,6 +90,12 @@ def test_help_works_without_a_gpu(capsys):
     assert "--quick" in capsys.readouterr().out
 
 
+def test_kernel_steps_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        bench_engine.parse_args(["--kernels", "--kernel-steps", "0"])
+    assert "--kernel-steps must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_idle_gaps_counts_uncovered_time_once():
     # a covers [0, 10] with b nested inside, c after a 2-unit gap, d after 5 more, e overlapping d
     events = [(0, 10, "a"), (2, 5, "b"), (12, 20, "c"), (25, 30, "d"), (26, 33, "e"), (33, 34, "d")]
@@ -104,11 +110,12 @@ def test_kernel_profile_splits_a_decode_step(tmp_path, tiny_quick_plan, capsys):
     once, shares summing to 1, the table printed and kept in the JSON row."""
     out = tmp_path / "bench.json"
     rc = bench_engine.bench_engine_main(["--quick", "--device", "cpu", "--workdir", str(tmp_path / "ckpt"),
-                                         "--no-peers", "--only", "decode", "--kernels", "--json", str(out)])
+                                         "--no-peers", "--only", "decode", "--kernels", "--kernel-steps", "12",
+                                         "--json", str(out)])
     assert rc == 0
     (row,) = json.loads(out.read_text())["rows"]
     report = row["kernels"]
-    assert report["device"] == "cpu" and report["steps"] >= 10, report["steps"]
+    assert report["device"] == "cpu" and 11 <= report["steps"] <= 13, report["steps"]  # --kernel-steps 12
     kernels = report["kernels"]
     assert kernels and abs(sum(k["share"] for k in kernels) - 1) < 1e-6
     assert [k["us_per_step"] for k in kernels] == sorted((k["us_per_step"] for k in kernels), reverse=True)

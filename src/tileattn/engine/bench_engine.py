@@ -76,6 +76,8 @@ def parse_args(argv):
     ap.add_argument("--cprofile", metavar="PATH", help="dump a cProfile of the measured engine runs")
     ap.add_argument("--kernels", action="store_true",
                     help="decode: device time per step by kernel (torch.profiler), after the measured run")
+    ap.add_argument("--kernel-steps", type=int, default=64, metavar="N",
+                    help="--kernels: decode steps profiled (one generation of N + 1 tokens; default 64)")
     ap.add_argument("--shape", choices=sorted(SHAPES), help="the model shape of every part (overrides the plan)")
     ap.add_argument("--requests", type=int, help="throughput: number of requests (overrides the plan)")
     ap.add_argument("--max-len", type=int, help="throughput: longest prompt / output (overrides the plan)")
@@ -87,6 +89,8 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.decode_runs < 1:
         ap.error(f"--decode-runs must be at least 1, got {args.decode_runs}")
+    if args.kernel_steps < 1:
+        ap.error(f"--kernel-steps must be at least 1, got {args.kernel_steps}")
     return args
 
 
@@ -276,7 +280,7 @@ def bench_decode(args, shape, new_tokens, compile_peer):
                 if attempt:
                     runs.append((new_tokens - 1) / (end - first))
                     ttfts.append((first - start) * 1e3)
-            kernels = kernel_profile(engine, prompt, min(new_tokens, 64)) if args.kernels else None
+            kernels = kernel_profile(engine, prompt, args.kernel_steps + 1) if args.kernels else None
         finally:
             engine.shutdown()
         tok_s = statistics.median(runs)
