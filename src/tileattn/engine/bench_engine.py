@@ -25,12 +25,15 @@ host-overhead profile on a CPU: --device cpu --shape tiny --only throughput --re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import random
 import statistics
 import time
+
+from ..bench.clocks import ClockSampler, format_summary
 
 SHAPES = {
     "llama3-8b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096,
@@ -268,18 +271,23 @@ def bench_decode(args, shape, new_tokens, compile_peer):
     for tp in args.tensor_parallel_size:
         engine = _engine(args, path, max_num_seqs=8, max_model_len=2048, tensor_parallel_size=tp)
         runs, ttfts = [], []  # per measured generation: tok/s after the first token, time to it
+        # The GPU's clocks and power during the measured runs (rank 0's GPU): bench/clocks.py.
+        sampler = ClockSampler(engine.device.index) if engine.device.type == "cuda" else None
         try:
-            for attempt in range(1 + args.decode_runs):  # the first run warms up (kernel compile / load)
-                measured = attempt == args.decode_runs  # the profilers watch the last one
-                profiler = engine.enable_profiling() if measured and args.profile else None
-                engine.add_request(f"decode{attempt}", prompt, params)
-                start = time.perf_counter()
-                with _cprofiled(args, measured):
-                    first = _run_to_end(engine)
-                end = time.perf_counter()
-                if attempt:
-                    runs.append((new_tokens - 1) / (end - first))
-                    ttfts.append((first - start) * 1e3)
+            with contextlib.ExitStack() as sampling:
+                for attempt in range(1 + args.decode_runs):  # the first run warms up (kernel compile / load)
+                    if attempt == 1 and sampler is not None:
+                        sampling.enter_context(sampler)
+                    measured = attempt == args.decode_runs  # the profilers watch the last one
+                    profiler = engine.enable_profiling() if measured and args.profile else None
+                    engine.add_request(f"decode{attempt}", prompt, params)
+                    start = time.perf_counter()
+                    with _cprofiled(args, measured):
+                        first = _run_to_end(engine)
+                    end = time.perf_counter()
+                    if attempt:
+                        runs.append((new_tokens - 1) / (end - first))
+                        ttfts.append((first - start) * 1e3)
             kernels = kernel_profile(engine, prompt, args.kernel_steps + 1) if args.kernels else None
         finally:
             engine.shutdown()
@@ -290,6 +298,9 @@ def bench_decode(args, shape, new_tokens, compile_peer):
                      "tok_s": tok_s, "tok_s_runs": runs, "bandwidth_TBs": per_token * tok_s / 1e12,
                      "bytes_per_token": per_token, "startup_s": engine.startup_seconds,
                      "ttft_ms": statistics.median(ttfts)})
+        if sampler is not None:
+            rows[-1]["gpu_clocks"] = sampler.summary()
+            print(f"decode {shape} TP={tp}: {format_summary(rows[-1]['gpu_clocks'])}")
         _add_profile(rows[-1], profiler, f"decode {shape} TP={tp}")
         if kernels is not None:
             print(format_kernel_profile(kernels, f"decode {shape} TP={tp}"))
