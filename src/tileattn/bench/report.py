@@ -1,6 +1,12 @@
-"""Turn recorded runs into Markdown tables and PNG plots (never from anything but the JSON).
+"""Turn recorded runs into Markdown tables and PNG plots (never from anything but the JSON), and
+compare a run with a baseline run point by point.
 
     python -m tileattn.bench.report RUN.json --rows n --cols impl --value tflops [--plot out.png]
+    python -m tileattn.bench.report RUN.json --compare BASELINE.json [--tolerance 0.03] [--impl tileattn]
+
+--compare matches records on MATCH_KEYS and prints value(run) / value(baseline) per point; the exit
+status is 1 when a point of the selected implementation moved by more than the tolerance either
+way, or has no partner (e.g. issue #9: the seed table stays within 3% of docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -97,6 +103,53 @@ def plot(records: list[dict], x: str, series: str, value: str, path: str | Path,
     return path
 
 
+# The fields that name a benchmark point (a record lacking one has None there); the rest are results.
+MATCH_KEYS = ("suite", "impl", "pass", "b", "h", "hkv", "n", "nk", "d", "dtype", "causal")
+
+
+def compare(baseline: list[dict], run: list[dict], value: str = "tflops", impl: str | None = "tileattn",
+            tolerance: float = 0.03) -> tuple[list[dict], bool]:
+    """Points of `run` beside their partners in `baseline` (same MATCH_KEYS, both carrying `value`),
+    restricted to `impl` (None: all): [{"point": {...}, "baseline", "run", "ratio", "ok"}] and
+    whether every point is within `tolerance` of its baseline. A point on one side only is listed
+    with ratio None and counts as a failure."""
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+
+    def index(records):
+        out = {}
+        for r in records:
+            if value in r and r[value] is not None and (impl is None or r.get("impl") == impl):
+                out[tuple(r.get(k) for k in MATCH_KEYS)] = r[value]
+        return out
+
+    base, new = index(baseline), index(run)
+    rows, ok = [], True
+    for key in sorted(set(base) | set(new), key=_point_order):
+        b, n = base.get(key), new.get(key)
+        ratio = n / b if b and n is not None else None
+        good = ratio is not None and abs(ratio - 1.0) <= tolerance
+        ok &= good
+        rows.append({"point": {k: v for k, v in zip(MATCH_KEYS, key) if v is not None}, "baseline": b, "run": n,
+                     "ratio": ratio, "ok": good})
+    return rows, ok
+
+
+def _point_order(key: tuple) -> tuple:
+    """Numbers in numeric order (4096 before 32768), then strings, None last, field by field."""
+    return tuple((v is None, v if isinstance(v, (int, float)) else 0, str(v)) for v in key)
+
+
+def compare_table(rows: list[dict], value: str, tolerance: float) -> str:
+    lines = [f"| point | baseline {value} | run {value} | run / baseline | within {tolerance:.0%} |", "|---|---|---|---|---|"]
+    for r in rows:
+        point = " ".join(f"{k}={v}" for k, v in r["point"].items())
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        lines.append(f"| {point} | {fmt_cell(r['baseline'])} | {fmt_cell(r['run'])} | {ratio} | "
+                     f"{'yes' if r['ok'] else 'NO'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", help="JSON written by a tileattn benchmark")
@@ -104,8 +157,22 @@ def main(argv=None) -> int:
     ap.add_argument("--cols", default="impl", help="key whose values become columns")
     ap.add_argument("--value", default="tflops", help="key shown in the cells")
     ap.add_argument("--plot", help="also write a PNG line plot (x = first row key)")
+    ap.add_argument("--compare", metavar="BASELINE", help="a baseline run: print each point's run / baseline ratio")
+    ap.add_argument("--tolerance", type=float, default=0.03, help="--compare: allowed relative change (0.03 = 3%%)")
+    ap.add_argument("--impl", default="tileattn", help="--compare: the implementation checked ('all': every one)")
     args = ap.parse_args(argv)
+    if args.tolerance < 0:
+        ap.error(f"--tolerance must be >= 0, got {args.tolerance}")
     env, records = read_run(args.run)
+    if args.compare:
+        base_env, base_records = read_run(args.compare)
+        print("run:      " + environment_line(env))
+        print("baseline: " + environment_line(base_env) + "\n")
+        rows, ok = compare(base_records, records, args.value, None if args.impl == "all" else args.impl,
+                           args.tolerance)
+        print(compare_table(rows, args.value, args.tolerance))
+        print(f"\n{sum(r['ok'] for r in rows)} of {len(rows)} points within {args.tolerance:.0%}")
+        return 0 if ok and rows else 1
     rows = args.rows.split(",")
     print(environment_line(env) + "\n")
     print(markdown_table(records, rows, args.cols, args.value))

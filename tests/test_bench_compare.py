@@ -1,0 +1,56 @@
+"""tileattn.bench.report --compare: a run against a baseline run, point by point (CPU only)."""
+
+import json
+
+import pytest
+
+from tileattn.bench import report
+from tileattn.bench.records import write_run
+
+
+def _point(impl, n, tflops, causal=False, **extra):
+    return {"suite": "attention", "impl": impl, "pass": "fwd", "b": 4, "h": 32, "n": n, "d": 128,
+            "dtype": "bfloat16", "causal": causal, "tflops": tflops, **extra}
+
+
+BASE = [_point("tileattn", 4096, 500.0), _point("tileattn", 16384, 600.0), _point("tileattn", 4096, 480.0, True),
+        _point("sdpa_cudnn", 4096, 900.0)]
+
+
+def test_compare_within_and_outside_tolerance():
+    run = [_point("tileattn", 4096, 510.0, median_ms=1.0), _point("tileattn", 16384, 570.0),
+           _point("tileattn", 4096, 480.0, True), _point("sdpa_cudnn", 4096, 100.0)]
+    rows, ok = report.compare(BASE, run, tolerance=0.03)
+    assert not ok
+    by_n = {(r["point"]["n"], r["point"]["causal"]): r for r in rows}
+    assert len(rows) == 3  # the peer is not checked by default
+    assert by_n[(4096, False)]["ok"] and by_n[(4096, False)]["ratio"] == pytest.approx(1.02)
+    assert not by_n[(16384, False)]["ok"] and by_n[(16384, False)]["ratio"] == pytest.approx(0.95)
+    assert by_n[(4096, True)]["ok"]
+    rows, ok = report.compare(BASE, run, tolerance=0.06)
+    assert ok
+    rows, ok = report.compare(BASE, run, impl=None, tolerance=0.06)  # every implementation: the peer moved
+    assert not ok and len(rows) == 4
+
+
+def test_a_point_on_one_side_fails():
+    rows, ok = report.compare(BASE[:2], BASE[:1], tolerance=0.5)
+    assert not ok
+    missing = [r for r in rows if r["ratio"] is None]
+    assert len(missing) == 1 and missing[0]["baseline"] == 600.0 and missing[0]["run"] is None
+    with pytest.raises(ValueError, match="tolerance must be >= 0"):
+        report.compare(BASE, BASE, tolerance=-0.1)
+
+
+def test_cli_exit_status_and_table(tmp_path, capsys):
+    env = {"gpu": "test GPU", "torch": "x", "date_utc": "2026-12-02T00:00:00+00:00", "git_commit": "abc"}
+    base, same, slow = tmp_path / "base.json", tmp_path / "same.json", tmp_path / "slow.json"
+    write_run(base, BASE, env)
+    write_run(same, [dict(r, tflops=r["tflops"] * 1.01) for r in BASE], env)
+    write_run(slow, [dict(r, tflops=r["tflops"] * 0.9) for r in BASE], env)
+    assert report.main([str(same), "--compare", str(base)]) == 0
+    out = capsys.readouterr().out
+    assert "3 of 3 points within 3%" in out and "| 1.010 | yes |" in out
+    assert report.main([str(slow), "--compare", str(base)]) == 1
+    assert "| 0.900 | NO |" in capsys.readouterr().out
+    assert json.loads(base.read_text())["records"] == BASE
