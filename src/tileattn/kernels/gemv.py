@@ -60,8 +60,9 @@ _plans: dict[tuple, object] = {}
 _ROTARY_SHAPE = np.dtype([("slot_int32", "<i4"), ("q_heads", "<i4"), ("kv_heads", "<i4"), ("head_dim", "<i4"),
                           ("log2_block_size", "<i4"), ("pad", "<i4"), ("strides", "<i8", 6), ("num_slots", "<i8"),
                           ("num_positions", "<i8")])
-# Kernel parameters that change per call: the 7 tensors, then the rotary epilogue's 6 pointers.
-_DYNAMIC = tuple(range(7)) + tuple(range(13, 19))
+# Kernel parameters that change per call: the 7 tensors, and with the rotary epilogue its 6 pointers
+# (a plan without it keeps them 0 as packed: nothing more to write per launch).
+_DYNAMIC_TENSORS, _DYNAMIC_ROTARY = tuple(range(7)), tuple(range(13, 19))
 
 
 def launch_gemv(prologue: int, y, x, weight, bias, *, residual=None, norm_weight=None, eps: float = 0.0,
@@ -83,7 +84,7 @@ def launch_gemv(prologue: int, y, x, weight, bias, *, residual=None, norm_weight
         (t.shape, t.stride(), t.dtype) for t in rotary_kv[2:])
     key = (device, prologue, x.shape, x.stride(), weight.shape, x.dtype, bias is not None,
            None if residual is None else residual.stride(), eps, pdl, rope)
-    pointers = (0,) * 6  # the kernel's positions, cos_table, sin_table, k_cache, v_cache, slot_mapping
+    pointers = ()  # with the epilogue: the kernel's positions, cos_table, sin_table, k_cache, v_cache, slot_mapping
     if rotary_kv is not None:
         _, _, k_cache, v_cache, slot_mapping, positions, cos, sin = rotary_kv
         pointers = tuple(t.data_ptr() for t in (positions, cos, sin, k_cache, v_cache, slot_mapping))
@@ -103,11 +104,12 @@ def launch_gemv(prologue: int, y, x, weight, bias, *, residual=None, norm_weight
                 _ptr(new_residual), np.int32(rows), np.int32(n), np.int32(dim // 8),
                 np.int64(x.stride(0) // 8 if rows > 1 else 0), np.int64(0 if residual is None or rows == 1 else
                                                                           residual.stride(0) // 8),
-                np.float32(eps), *pointers, _rotary_shape(rotary_kv))
+                np.float32(eps), *(pointers or (0,) * 6), _rotary_shape(rotary_kv))
         if len(_plans) >= CACHE_LIMIT:
             _plans.clear()
         plan = _plans[key] = LaunchPlan(kern, (grid, 1, 1), (THREADS, 1, 1), args,
-                                        smem=shared_memory_bytes(rows, dim), dynamic=_DYNAMIC, pdl=pdl)
+                                        smem=shared_memory_bytes(rows, dim),
+                                        dynamic=_DYNAMIC_TENSORS + (_DYNAMIC_ROTARY if pointers else ()), pdl=pdl)
     plan.launch(y.data_ptr(), x.data_ptr(), weight.data_ptr(), _ptr(bias), _ptr(residual), _ptr(norm_weight),
                 _ptr(new_residual), *pointers)
 
