@@ -935,12 +935,16 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
       const u64 desc_dq_a = s9::make_desc_mn_sw128(ds_tile + a_panel * kBlockN * kPanel, kBlockN * kPanel * 2);
       s9::fence_accumulators(dq);
       s9::wgmma_fence();
+      // The commit goes inside each branch so that the branch's last wgmma carries it: after the
+      // merge ptxas has no wgmma to attach it to and issues a dummy HGMMA.64x8x16 for it (one per
+      // tile, in the SASS of 673b57e..; the seed table's backward ran without it).
       if (upper_idle) {
         issue_dq<kBlockN / 32, kIsBF16>(dq, desc_dq_a, desc_dq_b);
+        s9::wgmma_commit();
       } else {
         issue_dq<kBlockN / 16, kIsBF16>(dq, desc_dq_a, desc_dq_b);
+        s9::wgmma_commit();
       }
-      s9::wgmma_commit();
 
       // ---- 5. retire everything; release the slot; dQ into dq_accum
       s9::wgmma_wait<0>();
