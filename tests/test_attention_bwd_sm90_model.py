@@ -956,15 +956,16 @@ def test_emulated_varlen_matches_autograd(lens_q, lens_k, heads, kv_heads, tail,
 def test_varlen_host_layout_matches_the_kernels():
     """The constants the varlen kernel shares with attention_bwd_sm80.cu (workspace gap) are equal in
     both sources and in Python, and the varlen instantiations registered for dispatch are exactly the
-    default configs' atomic mode."""
+    VARLEN_DEFAULTS configs' atomic mode (dQ by REDs)."""
     from tileattn.kernels import family
 
     src90 = family(ab.FAMILY_NAME).path.read_text()
     src80 = family(sm80.FAMILY_NAME).path.read_text()
     assert f"kVarlenWsGap = {VARLEN_WS_GAP};" in src80
     assert f"kVarlenWsGap = {VARLEN_WS_GAP};" in src90
-    want = {ab.varlen_expression(d, ab.DEFAULTS[(d, c)], c, bf16) for d in ab.HEAD_DIMS for c in (False, True)
+    want = {ab.varlen_expression(d, ab.VARLEN_DEFAULTS[(d, c)], c, bf16) for d in ab.HEAD_DIMS for c in (False, True)
             for bf16 in (False, True)}
+    assert all(dq_mode_of(e) == 0 for e in want)
     assert {e for e in ab.INSTANTIATIONS if "varlen" in e} == want
     assert all(dq_mode_of(e) != 1 for e in ab.INSTANTIATIONS + ab.TUNING if "varlen" in e)
     for d in ab.HEAD_DIMS:  # the varlen preprocess / convert the plan launches are registered

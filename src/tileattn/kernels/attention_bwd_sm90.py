@@ -97,22 +97,28 @@ C = Sm90BwdConfig
 
 # Default per (head dim, causal), fp16 and bf16 alike: FA3's tiles where the kernel's shape allows
 # (d=128: 64 x 128, FA3 uses 64 causal / 80 non-causal; d=64: 128 x 128), two stages as FA3 has.
-# Not yet tuned on the GPU (docs/attention_bwd_sm90.md).
-#   d=128: 64 + 64 + 32 (Q, dO ring) + 32 (dS^T) KB + 1.5 KB = 162 KB
+# dQ at d=128 by the staged bulk reduce-add (kDqMode 2, FA3's way): on the H200 (2026-12-02,
+# docs/attention_bwd_sm90.md "Tuning the dQ mode") it ran 2-6 % above the REDs at every N from 2048
+# to 32768, causal or not; at d=64 the REDs stayed 1-4 % ahead. The rotated walk and a third ring
+# stage gained nothing at either head dim.
+#   d=128: 64 + 64 + 32 (Q, dO ring) + 32 (dS^T) KB + 1.5 KB = 162 KB, + 2 x 32 KB staged dQ = 226 KB
 #   d=64:  32 + 64 + 64 KB + 3 KB = 163 KB
 DEFAULTS: dict[tuple[int, bool], Sm90BwdConfig] = {
-    (128, False): C(64, 2),
-    (128, True): C(64, 2),
+    (128, False): C(64, 2, True),
+    (128, True): C(64, 2, True),
     (64, False): C(128, 2),
     (64, True): C(128, 2),
 }
+# The varlen and variant entry points keep dQ by REDs: their staged modes have not been timed.
+_RED_DEFAULTS = {key: C(cfg.block_m, cfg.stages) for key, cfg in DEFAULTS.items()}
+VARLEN_DEFAULTS: dict[tuple[int, bool], Sm90BwdConfig] = _RED_DEFAULTS
 # The rotated walk (csrc "Rotated walk": concurrent key blocks of a pair add into different dq_accum
 # tiles) per (head dim, causal) in the atomic mode; a run-time flag of the same kernels. Off until the
 # benchmark's sm90_rot column measures it (docs/attention_bwd_sm90.md, "Autograd vs kernel-only").
 ROTATE: dict[tuple[int, bool], bool] = {(d, c): False for d in HEAD_DIMS for c in (False, True)}
 # Tuning-only candidates: a third ring stage (196 KB at either head dim); dQ by the staged bulk
 # reduce-add in the atomic mode (the deterministic mode's path without the turn; FA3's choice).
-TUNING_EXTRA: dict[int, tuple[Sm90BwdConfig, ...]] = {128: (C(64, 3), C(64, 2, True)),
+TUNING_EXTRA: dict[int, tuple[Sm90BwdConfig, ...]] = {128: (C(64, 3), C(64, 2), C(64, 2, True)),
                                                       64: (C(128, 3), C(128, 2, True))}
 
 
@@ -208,18 +214,19 @@ def _expressions(configs_by_dim, varlen: bool = False) -> tuple[str, ...]:
     return tuple(dict.fromkeys(exprs))
 
 
-def _default_configs():
-    return ((d, {DEFAULTS[(d, c)] for c in (False, True)}) for d in HEAD_DIMS)
+def _default_configs(table):
+    return ((d, {table[(d, c)] for c in (False, True)}) for d in HEAD_DIMS)
 
 
-# The varlen entry point takes the dense tables (DEFAULTS, TUNING_EXTRA): same tiles, same shared
-# memory; only the default configs are registered for dispatch, the rest as tuning candidates.
-# Variant kernels: the non-causal default tiles (a window is masked like causal; the defaults are
-# the same config causal or not), VARIANT_SETS x both dtypes x atomic / deterministic.
-VARIANT_DEFAULTS: dict[int, Sm90BwdConfig] = {d: DEFAULTS[(d, False)] for d in HEAD_DIMS}
+# The varlen entry point takes the dense tiles (VARLEN_DEFAULTS: DEFAULTS with dQ by REDs; TUNING_EXTRA):
+# same shared memory; only the default configs are registered for dispatch, the rest as tuning
+# candidates. Variant kernels: the non-causal default tiles with REDs (a window is masked like
+# causal; the defaults are the same config causal or not), VARIANT_SETS x both dtypes x atomic /
+# deterministic.
+VARIANT_DEFAULTS: dict[int, Sm90BwdConfig] = {d: _RED_DEFAULTS[(d, False)] for d in HEAD_DIMS}
 VARIANT_INSTANTIATIONS = tuple(variant_expression(d, VARIANT_DEFAULTS[d], bf16, bits, det) for d in HEAD_DIMS
                                for bf16 in (False, True) for bits in VARIANT_SETS[d] for det in (False, True))
-INSTANTIATIONS = (_expressions(_default_configs()) + _expressions(_default_configs(), varlen=True)
+INSTANTIATIONS = (_expressions(_default_configs(DEFAULTS)) + _expressions(_default_configs(VARLEN_DEFAULTS), varlen=True)
                   + VARIANT_INSTANTIATIONS)
 TUNING = tuple(e for e in _expressions(TUNING_EXTRA.items()) + _expressions(TUNING_EXTRA.items(), varlen=True)
                if e not in INSTANTIATIONS)
@@ -247,7 +254,7 @@ def tuning_candidates(head_dim: int, causal: bool, deterministic: bool = False) 
     change it). Raises ValueError for an unsupported head dim."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} is not supported by the sm90 backward; supported: {HEAD_DIMS}")
-    configs = (DEFAULTS[(head_dim, bool(causal))], *TUNING_EXTRA[head_dim])
+    configs = dict.fromkeys((DEFAULTS[(head_dim, bool(causal))], *TUNING_EXTRA[head_dim]))
     return tuple(c for c in configs if c.fits(head_dim, deterministic) and not (deterministic and c.dq_bulk))
 
 
@@ -378,7 +385,7 @@ class BackwardPlan:
                                  "causal must be folded into the window)")
             bits = variant_bits(variants)
         self.variant_values = bits != 0  # whether launch passes (alibi, seed, offset) to the kernel
-        self.config = config = config or DEFAULTS[(d, bool(causal))]
+        self.config = config = config or (VARIANT_DEFAULTS[d] if bits else DEFAULTS[(d, bool(causal))])
         if not config.fits(d, deterministic):
             raise ValueError(f"config {config} does not fit in shared memory at head_dim {d} with "
                              f"deterministic={bool(deterministic)}")
@@ -553,7 +560,7 @@ class BackwardVarlenPlan:
             raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
         if section is not None and section < 1:
             raise ValueError(f"section must be >= 1, got {section}")
-        self.config = config = config or DEFAULTS[(d, bool(causal))]
+        self.config = config = config or VARLEN_DEFAULTS[(d, bool(causal))]
         if not config.fits(d, False):
             raise ValueError(f"config {config} does not fit in shared memory at head_dim {d}")
         # The grid covers the longest sequence's key blocks (at least one: CTAs past a sequence's
@@ -838,7 +845,7 @@ def _varlen_columns(lengths, heads, kv_heads, head_dim, dtype, causal, reps, see
     args = (q, k, v, out, lse, dout, *(torch.empty_like(t) for t in (q, k, v)), cu)
     work = 2.5 * 4.0 * head_dim * heads * sum(pairs(n, causal) for n in lengths)
     kw = {"causal": causal, "scale": 1.0 / math.sqrt(head_dim)}
-    default = DEFAULTS[(head_dim, bool(causal))]
+    default = VARLEN_DEFAULTS[(head_dim, bool(causal))]
     bulk = Sm90BwdConfig(default.block_m, default.stages, True)
     makers = {
         "sm90_varlen": lambda: BackwardVarlenPlan(*args, longest, longest, **kw),
@@ -1084,6 +1091,7 @@ __all__ = [
     "BLOCK_N",
     "COLUMNS",
     "DEFAULTS",
+    "VARLEN_DEFAULTS",
     "FAMILIES",
     "FAMILY_NAME",
     "HEAD_DIMS",
