@@ -324,7 +324,7 @@ def test_tuning_candidates(d, dtype, causal):
 def test_rotated_walk(nq, nk, d, dtype, heads, kv_heads, causal, bulk):
     """Every key block visits every query tile of its walk once whatever its rotation: gradients as
     the reference, in the RED and the staged bulk dQ modes, with GQA and both edges."""
-    config = _mod().Sm90BwdConfig(_mod().DEFAULTS[(d, causal)].block_m, 2, True) if bulk else None
+    config = _mod().Sm90BwdConfig(_mod().DEFAULTS[(d, causal)].block_m, 2, bulk)
     check_case(1, heads, kv_heads, nq, nk, d, dtype, causal, seed=nq + nk + d, config=config, rotate=True)
 
 
@@ -379,7 +379,7 @@ def test_launch_events_bracket_the_three_kernels():
     ],
 )
 def test_sanitize_small(nq, nk, d, dtype, causal, deterministic, bulk):
-    config = _mod().Sm90BwdConfig(64, 2, True) if bulk else None
+    config = _mod().Sm90BwdConfig(8192 // d, 2, bulk)  # explicit: the defaults' dQ mode differs by head dim
     check_case(1, 2, 1, nq, nk, d, dtype, causal, deterministic=deterministic, seed=1, config=config)
 
 
