@@ -954,6 +954,13 @@ def register_a_hazards(sass: str) -> tuple[int, list[str]]:
     return found, problems
 
 
+def dummy_wgmmas(sass: str) -> list[str]:
+    """HGMMAs that read no shared-memory descriptor (gdesc[URZ]) and write no register: ptxas issues
+    one to carry a wgmma.commit_group that follows no wgmma of its own path (e.g. a commit after
+    two branches that each issue wgmmas). One per tile cost the sm90 backward 9-13 % (2026-12-02)."""
+    return [line.strip() for line in sass.splitlines() if "HGMMA" in line and "gdesc[URZ]" in line]
+
+
 def _compiled_sass(expression: str) -> str:
     from labs.sass import dump_sass, tools
 
@@ -980,6 +987,7 @@ def test_sass_register_a_operands_untouched_until_retired(expression):
     else:
         assert "UTMASTG" in sass, "TMA store expected"
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory traffic (spills) in the SASS"
+    assert not dummy_wgmmas(sass), f"ptxas added wgmmas to carry a commit: {dummy_wgmmas(sass)[:2]}"
     assert d in af.HEAD_DIMS
 
 
