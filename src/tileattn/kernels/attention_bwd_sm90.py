@@ -113,8 +113,8 @@ DEFAULTS: dict[tuple[int, bool], Sm90BwdConfig] = {
 _RED_DEFAULTS = {key: C(cfg.block_m, cfg.stages) for key, cfg in DEFAULTS.items()}
 VARLEN_DEFAULTS: dict[tuple[int, bool], Sm90BwdConfig] = _RED_DEFAULTS
 # The rotated walk (csrc "Rotated walk": concurrent key blocks of a pair add into different dq_accum
-# tiles) per (head dim, causal) in the atomic mode; a run-time flag of the same kernels. Off until the
-# benchmark's sm90_rot column measures it (docs/attention_bwd_sm90.md, "Autograd vs kernel-only").
+# tiles) per (head dim, causal) in the atomic mode; a run-time flag of the same kernels. Off: within
+# +-1 % of the unrotated walk on the H200 (docs/attention_bwd_sm90.md, "Tuning the dQ mode").
 ROTATE: dict[tuple[int, bool], bool] = {(d, c): False for d in HEAD_DIMS for c in (False, True)}
 # Tuning-only candidates: a third ring stage (196 KB at either head dim); dQ by the staged bulk
 # reduce-add in the atomic mode (the deterministic mode's path without the turn; FA3's choice).
