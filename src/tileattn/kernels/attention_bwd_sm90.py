@@ -116,10 +116,11 @@ VARLEN_DEFAULTS: dict[tuple[int, bool], Sm90BwdConfig] = _RED_DEFAULTS
 # tiles) per (head dim, causal) in the atomic mode; a run-time flag of the same kernels. Off: within
 # +-1 % of the unrotated walk on the H200 (docs/attention_bwd_sm90.md, "Tuning the dQ mode").
 ROTATE: dict[tuple[int, bool], bool] = {(d, c): False for d in HEAD_DIMS for c in (False, True)}
-# Tuning-only candidates: a third ring stage (196 KB at either head dim); dQ by the staged bulk
-# reduce-add in the atomic mode (the deterministic mode's path without the turn; FA3's choice).
+# Tuning candidates beside the default: a third ring stage (196 KB at either head dim), and both
+# atomic dQ modes, REDs and the staged bulk reduce-add (the deterministic mode's path without the
+# turn; FA3's choice), so that whichever mode a default (dense, varlen) does not use stays timed.
 TUNING_EXTRA: dict[int, tuple[Sm90BwdConfig, ...]] = {128: (C(64, 3), C(64, 2), C(64, 2, True)),
-                                                      64: (C(128, 3), C(128, 2, True))}
+                                                      64: (C(128, 3), C(128, 2), C(128, 2, True))}
 
 
 # ---- variants (csrc "Variants": bits of the kernel's kVariant, as attention_fwd_sm90's) ------------
