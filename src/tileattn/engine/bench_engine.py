@@ -320,8 +320,8 @@ def kernel_profile(engine, prompt, new_tokens: int) -> dict:
     tests' CPU run exercises the same code.
 
     Returns {"steps": decode steps profiled, "device": "cuda" | "cpu", "step_us": kernel time per
-    step (summed, overlaps counted twice), "wall_us": the profiled window (first start to last end)
-    per step, "idle_us": the part of that window in which nothing ran, per step, "kernels": [{"name",
+    step (summed; overlapping kernels count twice; CPU ops by self time), "wall_us": the profiled
+    window (first start to last end) per step, "idle_us": the part of that window in which nothing ran, per step, "kernels": [{"name",
     "calls_per_step", "us_per_step", "share"}, ...] longest first, "gaps": [{"before", "after",
     "count_per_step", "us_per_step"}, ...]: where the idle time sits (the activity that ended last
     before each idle stretch and the one that ends it), longest first}. With programmatic dependent
@@ -341,13 +341,16 @@ def kernel_profile(engine, prompt, new_tokens: int) -> dict:
             engine.step()
             steps += 1
     wanted = DeviceType.CUDA if cuda else DeviceType.CPU
-    events = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                     if e.device_type == wanted), key=lambda e: e[0])  # (start us, end us, name)
+    picked = [e for e in prof.events() if e.device_type == wanted]
+    events = sorted(((e.time_range.start, e.time_range.end, e.name) for e in picked),
+                    key=lambda e: e[0])  # (start us, end us, name)
     totals: dict[str, list] = {}  # name -> [calls, microseconds]
-    for start, end, name in events:
-        entry = totals.setdefault(name, [0, 0.0])
+    for e in picked:
+        # Kernels do not nest: a kernel's span is its time. CPU ops do: their self time, so that a
+        # parent op does not count its children's time again.
+        entry = totals.setdefault(e.name, [0, 0.0])
         entry[0] += 1
-        entry[1] += end - start
+        entry[1] += e.time_range.end - e.time_range.start if cuda else e.self_cpu_time_total
     wall, idle, gaps = idle_gaps(events)
     steps = max(steps, 1)
     step_us = sum(us for _, us in totals.values()) / steps
