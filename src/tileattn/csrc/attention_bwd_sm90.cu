@@ -536,7 +536,9 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
     step -= step >= m_count ? m_count : 0;
     return (m_end - 1 - step) * kBlockM;
   };
-  const int wg = threadIdx.x / 128;
+  // Warp-uniform by construction (CUTLASS's canonical_warp_group_idx): ptxas keeps wg-derived
+  // values (the K / V / dQ descriptors) in uniform registers instead of vector registers + R2UR.
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 
   if (threadIdx.x == 0) {
     s9::tma_prefetch_descriptor(&tmap_q);
@@ -647,8 +649,26 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         s9::named_barrier_sync<256>(kZeroBarrier);
       }
     }
+    // Staged dQ modes: tile it_s's st.shared of dQ go out right after its wgmma_wait<0> (the
+    // accumulator registers must not be read after the next tile's wgmmas are issued: ptxas would
+    // inject a wgmma.wait_group 0 there, C7517), but the proxy fence (MEMBAR.ALL.CTA, which waits
+    // for those stores, + FENCE.VIEW.ASYNC.S) and the arrival on the dQ warp's "full" barrier are
+    // made one tile late, after the next tile's S^T wgmmas are issued (or at the start of an idle
+    // upper warpgroup's tile, or after the walk for the last tile): they leave the path from the
+    // dQ wait to the next S^T issue, where the tensor cores have nothing of this warpgroup to run.
+    auto publish_dq = [&](int it_s) {
+      if constexpr (kStaged) {
+        s9::fence_proxy_async();  // generic st.shared -> the async-proxy bulk reduction
+        s9::named_barrier_arrive<kDqSyncThreads>(kDqFullBarrier + it_s % kDqBuffers);
+      }
+    };
+    // walk_m0(it) as a running step (it % m_count + rot, mod m_count; +1 per tile mod m_count):
+    // no integer division (IABS, I2F, MUFU.RCP, F2I, ~30 uniform instructions, causal) between the
+    // dQ wait and the next tile's upper_idle branch / S^T issue.
+    int step_c = rot;
     for (int it = 0; it < n_iters; ++it) {
-      const int head = walk_head(it), m0 = walk_m0(it);
+      const int head = walk_head(it), m0 = (m_end - 1 - step_c) * kBlockM;
+      step_c = step_c + 1 == m_count ? 0 : step_c + 1;
       const int s = it % kStages;
       const u32 parity = (it / kStages) & 1;
       if constexpr (kVarlen) {
@@ -682,6 +702,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
       bool upper_idle = n0 + 64 >= loop_nk() || (kCausal && n0 + 64 > m0 + kBlockM - 1 + loop_diag());
       if constexpr (kWindowed) upper_idle = upper_idle || n0 + 64 > m0 + kBlockM - 1 + loop_diag() + var.right;
       if (w == 1 && upper_idle) {
+        if (it > 0) publish_dq(it - 1);
         s9::mbar_wait(&q_full[s], parity);
         s9::mbar_wait(&do_full[s], parity);
       } else {
@@ -697,6 +718,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
           s9::wgmma_ss<kBlockM, kIsBF16>(sp, desc_k + off_kv, desc_q + off_q, ks > 0 ? 1 : 0);
         }
         s9::wgmma_commit();
+        if (it > 0) publish_dq(it - 1);  // the previous tile's dQ, under S^T
         s9::mbar_wait(&do_full[s], parity);
 #pragma unroll
         for (int ks = 0; ks < kKSteps; ++ks) {
@@ -712,6 +734,16 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
 
         // ---- 2. S^T retired (groups retire in order; with kOverlap dP^T may still run): P^T, dS^T in
         // fp32. Element 4 j + 2 h + e of the accumulators: key key_h0 + 8 h, query m0 + 8 j + 2 t + e.
+        // d = 128 (kOverlap), plain and varlen kernels: the tile's lse2 fragments read before the S^T
+        // wait (the slot is full since q_full), so the first FFMA / MUFU.EX2 after the wait does not
+        // wait on LDS latency (+16 registers; the window + softcap variant spilled 12 bytes with it).
+        constexpr bool kPreload = kOverlap && kVariant == 0;
+        float2 l2_pre[kPreload ? kBlockM / 8 : 1];
+        if constexpr (kPreload) {
+#pragma unroll
+          for (int j = 0; j < kBlockM / 8; ++j)
+            l2_pre[j] = *reinterpret_cast<const float2*>(sLse + s * kBlockM + 8 * j + 2 * t);
+        }
         s9::wgmma_wait<kOverlap ? 1 : 0>();
         s9::fence_accumulators(sp);
         const int nk = loop_nk(), diag_t = loop_diag();  // dense: seqlen_k, diag
@@ -806,7 +838,9 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         if constexpr (kOverlap) {
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
-            const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
+            float2 l2;
+            if constexpr (kPreload) l2 = l2_pre[j];
+            else l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
             if constexpr (kSoftcapped) {
               // Softcap: dS^T = P^T (dP^T - D) (1 - tanh^2) needs tanh after S^T has become P^T. So
               // this pass packs each pair of P^T for dV itself and leaves P^T (1 - tanh^2) in sp,
@@ -847,11 +881,18 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
             pack_acc<kMSteps, kIsBF16>(pf, sp, 1.f);
           }
           issue_dv();
+          float2 dd_pre[kPreload ? kBlockM / 8 : 1];  // delta fragments read before the dP^T wait (as lse2)
+          if constexpr (kPreload) {
+#pragma unroll
+            for (int j = 0; j < kBlockM / 8; ++j) dd_pre[j] = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+          }
           s9::wgmma_wait<1>();  // dP^T retired; dV still running
           s9::fence_accumulators(dp);
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
-            const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+            float2 dd;
+            if constexpr (kPreload) dd = dd_pre[j];
+            else dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
               if constexpr (kDropped) {  // dS^T = P^T (dropped dP^T - D), as the sm80 variant backward
@@ -965,8 +1006,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         for (int j = 0; j < 8; ++j)
           *reinterpret_cast<float4*>(dst + j * 128) =
               make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
-        s9::fence_proxy_async();  // generic st.shared -> the async-proxy bulk reduction
-        s9::named_barrier_arrive<kDqSyncThreads>(kDqFullBarrier + b);
+        // fence + "full" arrival: publish_dq(it), one tile later
       } else {
         const int64_t row0 = ws_head_row(head, loop_tok0()) + m0;
         float* const dst = dq_accum + row0 * kHeadDim + tile_off;
@@ -976,6 +1016,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
       }
     }
 
+    if (n_iters > 0) publish_dq(n_iters - 1);  // the last tile's dQ
     // ---- epilogue: scale dK, dK / dV -> 16 bit -> rows 64 w.. of sK / sV -> TMA stores
     s9::named_barrier_sync<256>(kDoneBarrier);  // the other warpgroup's last dQ wgmma read all of sK
     {
