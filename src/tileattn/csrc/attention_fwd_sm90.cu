@@ -164,6 +164,16 @@ namespace fwd90 {
 namespace s9 = tileattn::sm90;
 using u64 = uint64_t;
 
+// wgmma.wait_group 0 placed in one arm of a branch; kArm only makes the asm text differ per arm.
+// Where the main loop waits for P_{j-1} V_{j-1} after the softmax, ptxas (NVRTC 13.0 and 13.5)
+// hoisted that wait above 54 of the block's 66 MUFU.EX2, so the exponentials no longer ran under
+// the P V wgmmas; one wait in each arm of the rescale branch, which starts after the last
+// exponential, stays there (two identical asm statements would be merged back above the branch).
+template <int kArm>
+__device__ __forceinline__ void wgmma_wait_all_in_arm() {
+  asm volatile("wgmma.wait_group.sync.aligned 0; // arm %0\n" ::"n"(kArm) : "memory");
+}
+
 constexpr int kBlockM = 128;          // query rows per CTA: two consumer warpgroups x 64
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
@@ -920,11 +930,29 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
           scores(range.n_end - 1 - it, masked);
           const bool rescale = softmax_step<kBlockN>(s, m, l, alpha, sl2);
           drop();
-          s9::wgmma_wait<0>();  // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free
-          s9::fence_accumulators(o);
-          s9::fence_accumulators(s);  // the packing below must not move above the wait
-          if (v_releaser) s9::mbar_arrive(&v_empty[sv]);
-          if (rescale) rescale_o<kHeadDim>(o, alpha);  // warp-uniform
+          // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free. Without dropout the
+          // wait sits in both arms of the (warp-uniform) rescale branch so that it stays after the
+          // exponentials; dropout kernels keep it before the branch (with the keep bits also live,
+          // the other placement spills 16-76 bytes at d = 128 / 256).
+          if constexpr (kDropped) {
+            s9::wgmma_wait<0>();
+            s9::fence_accumulators(o);
+            s9::fence_accumulators(s);  // the packing below must not move above the wait
+            if (v_releaser) s9::mbar_arrive(&v_empty[sv]);
+            if (rescale) rescale_o<kHeadDim>(o, alpha);
+          } else {
+            if (rescale) {
+              wgmma_wait_all_in_arm<0>();
+              s9::fence_accumulators(o);
+              s9::fence_accumulators(s);
+              rescale_o<kHeadDim>(o, alpha);
+            } else {
+              wgmma_wait_all_in_arm<1>();
+              s9::fence_accumulators(o);
+              s9::fence_accumulators(s);
+            }
+            if (v_releaser) s9::mbar_arrive(&v_empty[sv]);
+          }
           pack_p<kBlockN, kIsBF16>(p, s);
         };
         int it = 1;
