@@ -223,19 +223,18 @@ def test_device_mismatch_is_named():
 
 
 def test_registry_lists_every_instantiation_once():
-    """Two dtypes x three prologues x three M buckets, and the rotary epilogue per dtype, each a
-    name the launcher builds."""
+    """Two dtypes x three prologues x three M buckets, each a name the launcher builds (the rotary
+    + KV-cache epilogue's two instantiations were removed on 2026-12-02)."""
     from tileattn import kernels
     from tileattn.kernels import dispatch, gemv
 
     fam = kernels.family("gemv")
     assert fam.archs == ("sm_90a", "sm_80") and fam.path.exists()
-    assert len(set(fam.instantiations)) == len(fam.instantiations) == 2 * 3 * 3 + 2
+    assert len(set(fam.instantiations)) == len(fam.instantiations) == 2 * 3 * 3
     for bf16 in (True, False):
         for prologue in gemv.PROLOGUES:
             for rows in range(1, 9):
                 assert fam.require(gemv.expression(bf16, prologue, gemv.bucket(rows)))
-        assert fam.require(gemv.expression(bf16, gemv.PROLOGUE_ADD_RMS_NORM, 1, rotary_kv=True))
     assert [gemv.bucket(m) for m in range(1, 9)] == [1, 4, 4, 4, 8, 8, 8, 8]
     assert gemv.M_BUCKETS[-1] == dispatch.GEMV_KERNEL_MAX_ROWS
 

@@ -454,9 +454,8 @@ def _check_norm_linear(x: Tensor, residual, norm_weight, weight, bias) -> bool:
             and norm_weight.data_ptr() % 16 == 0 and (residual is None or _rows_aligned(residual)))
 
 
-def _norm_linear_kernel(x, residual, norm_weight, eps, weight, bias, rotary_kv=None, y=None) -> tuple[Tensor, Tensor]:
-    """add_rms_norm_linear's kernel path (checked), with the rotary + KV-cache epilogue when
-    rotary_kv is given (launch_gemv's tuple); y: the output [M, N] when already allocated."""
+def _norm_linear_kernel(x, residual, norm_weight, eps, weight, bias, y=None) -> tuple[Tensor, Tensor]:
+    """add_rms_norm_linear's kernel path (checked); y: the output [M, N] when already allocated."""
     from .kernels.gemv import PROLOGUE_ADD_RMS_NORM, launch_gemv
 
     if y is None:
@@ -464,7 +463,7 @@ def _norm_linear_kernel(x, residual, norm_weight, eps, weight, bias, rotary_kv=N
     new_residual = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [M, K]
     with _device_of(x):
         launch_gemv(PROLOGUE_ADD_RMS_NORM, y, x, weight, bias, residual=residual, norm_weight=norm_weight,
-                    eps=float(eps), new_residual=None if residual is None else new_residual, rotary_kv=rotary_kv)
+                    eps=float(eps), new_residual=None if residual is None else new_residual)
     return y, new_residual
 
 
@@ -491,10 +490,9 @@ def add_rms_norm_qkv_rope_(x: Tensor, residual: Tensor | None, norm_weight: Tens
         first with q_weight), its k and v columns as projected; new_residual as in
         add_rms_norm_linear (the residual is consumed).
 
-    Paths: with kernels.dispatch.GEMV_ROTARY_KV on (TILEATTN_GEMV_ROTARY_KV=1; off by default: not
-    faster on the H200 as it stands), at M = 1 with no q/k norm where add_rms_norm_linear's GEMV
-    kernel runs, one launch: the GEMV with the rotary + KV-cache epilogue (csrc/gemv.cu);
-    otherwise the two calls. Capturable by CUDA graphs.
+    Paths: add_rms_norm_linear's (its GEMV kernel or the composition) writing qkv, then
+    norm_rotary_write_kv_cache_ on qkv's column views: two launches where both kernels run.
+    Capturable by CUDA graphs.
 
     Raises:
         ValueError (naming the argument, before anything runs): what either call raises, heads or
@@ -517,12 +515,6 @@ def add_rms_norm_qkv_rope_(x: Tensor, residual: Tensor | None, norm_weight: Tens
         qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1), (heads, kv_heads, kv_heads)))
     # The rotary + cache-write step's checks before anything runs: the projection consumes the residual.
     _check_rotary_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight)
-    from .kernels import dispatch
-
-    if (takes and dispatch.GEMV_ROTARY_KV and rows == 1 and q_weight is None and head_dim % 8 == 0
-            and slot_mapping.is_contiguous()):
-        return _norm_linear_kernel(x, residual, norm_weight, eps, weight, bias,
-                                   (heads, kv_heads, k_cache, v_cache, slot_mapping, positions, cos, sin), qkv)
     if takes:
         _, new_residual = _norm_linear_kernel(x, residual, norm_weight, eps, weight, bias, y=qkv)
     else:  # add_rms_norm_linear's composition, into qkv (torch.addmm / mm: the ops F.linear runs on 2-D input)

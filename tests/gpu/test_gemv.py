@@ -301,75 +301,95 @@ def test_cuda_graph_capture_and_replay():
         assert torch.equal(new_res, want_res) and torch.equal(case_norm.residual, residual_before)
 
 
-# ---- the qkv projection's rotary + KV-cache epilogue (api_layers.add_rms_norm_qkv_rope_) ------------
-# One launch must leave exactly what the two launches it replaces leave (the GEMV, then
-# norm_rotary_write_kv_cache_): qkv (q rotated, k and v as projected), the new residual and both
-# caches, bit for bit. The two paths sum each row in the same order (lane l: chunks l, l + 32, ...)
-# and rotate with the same helper, so any difference is a defect.
+# ---- the attention input stage (api_layers.add_rms_norm_qkv_rope_) ------------------------------
+# add_rms_norm_qkv_rope_ runs add_rms_norm_linear's GEMV into qkv, then norm_rotary_write_kv_cache_
+# on qkv's column views; it must leave exactly what those two public calls leave: qkv (q rotated,
+# k and v as projected), the new residual and both caches, bit for bit. (The GEMV's rotary +
+# KV-cache epilogue, which once did both in one launch, was removed on 2026-12-02: docs/gemv.md.)
 
-def spy_rotary_launches(monkeypatch) -> list:
-    """Record, per launch_gemv call from here on, whether it ran the rotary epilogue."""
+def spy_gemv_launches(monkeypatch) -> list:
+    """Record the prologue of each launch_gemv call from here on."""
     launched = []
     real = gemv_kernels.launch_gemv
 
-    def spy(*args, **kwargs):
-        launched.append(kwargs.get("rotary_kv") is not None)
-        return real(*args, **kwargs)
+    def spy(prologue, *args, **kwargs):
+        launched.append(prologue)
+        return real(prologue, *args, **kwargs)
 
     monkeypatch.setattr(gemv_kernels, "launch_gemv", spy)
     return launched
 
 
 class RopeCase:
-    """x [1, hidden], weight [(H + 2 Hkv) d, hidden], caches [blocks, block_size, Hkv, d] filled with
-    random values, one slot and one position (either may be outside its range on purpose)."""
+    """x [M, hidden], weight [(H + 2 Hkv) d, hidden], caches [blocks, block_size, Hkv, d] filled with
+    random values, one slot and one position per token (either may be outside its range on
+    purpose), q/k norm weights [d] when qk_norm."""
 
-    def __init__(self, dtype, heads, kv_heads, d, hidden, block_size, *, bias, residual, slot, position,
-                 slot_dtype=torch.int64, blocks=5, seed=0):
+    def __init__(self, dtype, heads, kv_heads, d, hidden, block_size, *, bias, residual, slots, positions,
+                 slot_dtype=torch.int64, qk_norm=False, blocks=5, seed=0):
         g = torch.Generator(device="cuda").manual_seed(seed)
 
         def randn(*shape):
             return torch.randn(*shape, device="cuda", generator=g)
 
-        self.heads, self.kv_heads = heads, kv_heads
-        self.x = randn(1, hidden).to(dtype)
-        self.residual = randn(1, hidden).to(dtype) if residual else None
+        rows = len(slots)
+        self.heads, self.kv_heads, self.d = heads, kv_heads, d
+        self.x = randn(rows, hidden).to(dtype)
+        self.residual = randn(rows, hidden).to(dtype) if residual else None
         self.norm_weight = (1 + 0.1 * randn(hidden)).to(dtype)
         self.weight = (randn((heads + 2 * kv_heads) * d, hidden) / hidden**0.5).to(dtype)
         self.bias = randn(self.weight.shape[0]).to(dtype) if bias else None
         self.k_cache = randn(blocks, block_size, kv_heads, d).to(dtype)
         self.v_cache = randn(blocks, block_size, kv_heads, d).to(dtype)
-        self.slot_mapping = torch.tensor([slot], dtype=slot_dtype, device="cuda")
-        self.positions = torch.tensor([position], dtype=torch.int64, device="cuda")
+        self.slot_mapping = torch.tensor(slots, dtype=slot_dtype, device="cuda")
+        self.positions = torch.tensor(positions, dtype=torch.int64, device="cuda")
         inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, device="cuda").float() / d)
         freqs = torch.arange(64, device="cuda").float()[:, None] * inv_freq[None, :]  # [P = 64, d / 2]
         self.cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
         self.sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        self.q_weight = (1 + 0.1 * randn(d)).to(dtype) if qk_norm else None
+        self.k_weight = (1 + 0.1 * randn(d)).to(dtype) if qk_norm else None
 
-    def run(self, fused: bool, monkeypatch):
-        """(qkv, new_residual, k_cache, v_cache, whether the epilogue launch ran), on copies of
-        the caches and the residual, with every allocation poisoned."""
-        monkeypatch.setattr(dispatch, "GEMV_ROTARY_KV", fused)
-        launched = spy_rotary_launches(monkeypatch)
-        k_cache, v_cache = self.k_cache.clone(), self.v_cache.clone()
-        residual = None if self.residual is None else self.residual.clone()
+    def _copies(self):
+        return (self.k_cache.clone(), self.v_cache.clone(),
+                None if self.residual is None else self.residual.clone())
+
+    def fused(self, monkeypatch):
+        """(qkv, new_residual, k_cache, v_cache, the GEMV launches' prologues) of the op, on copies
+        of the caches and the residual, with every allocation poisoned."""
+        launched = spy_gemv_launches(monkeypatch)
+        k_cache, v_cache, residual = self._copies()
         with poisoned_allocations():
             qkv, new_residual = api_layers.add_rms_norm_qkv_rope_(
                 self.x, residual, self.norm_weight, EPS, self.weight, self.bias, heads=self.heads,
                 kv_heads=self.kv_heads, k_cache=k_cache, v_cache=v_cache, slot_mapping=self.slot_mapping,
-                positions=self.positions, cos=self.cos, sin=self.sin)
+                positions=self.positions, cos=self.cos, sin=self.sin, q_weight=self.q_weight,
+                k_weight=self.k_weight, qk_eps=EPS)
         torch.cuda.synchronize()
-        return qkv, new_residual, k_cache, v_cache, launched == [True]
+        return qkv, new_residual, k_cache, v_cache, launched
+
+    def two_calls(self):
+        """The same through add_rms_norm_linear, then norm_rotary_write_kv_cache_ on qkv's views."""
+        k_cache, v_cache, residual = self._copies()
+        qkv, new_residual = tileattn.add_rms_norm_linear(self.x, residual, self.norm_weight, EPS, self.weight,
+                                                         self.bias)  # [M, (H + 2 Hkv) d]
+        rows, hq, hkv, d = qkv.shape[0], self.heads * self.d, self.kv_heads * self.d, self.d
+        q = qkv[:, :hq].view(rows, self.heads, d)  # [M, H, d]
+        k = qkv[:, hq:hq + hkv].view(rows, self.kv_heads, d)  # [M, Hkv, d]
+        v = qkv[:, hq + hkv:].view(rows, self.kv_heads, d)  # [M, Hkv, d]
+        api_layers.norm_rotary_write_kv_cache_(q, k, v, k_cache, v_cache, self.slot_mapping, self.positions,
+                                               self.cos, self.sin, self.q_weight, self.k_weight, EPS)
+        torch.cuda.synchronize()
+        return qkv, new_residual, k_cache, v_cache
 
 
 def check_rope(case: RopeCase, monkeypatch):
-    fused = case.run(True, monkeypatch)
-    assert fused[4], "the rotary epilogue did not run"
-    plain = case.run(False, monkeypatch)
-    assert not plain[4]
-    for name, a, b in zip(("qkv", "new residual", "k_cache", "v_cache"), fused[:4], plain[:4]):
-        assert not a.isnan().any(), f"{name}: NaN (an element the epilogue did not write)"
-        assert torch.equal(a, b), f"{name}: the fused launch differs from the two launches ({(a != b).sum()} elements)"
+    *got, launched = case.fused(monkeypatch)
+    assert launched == [gemv_kernels.PROLOGUE_ADD_RMS_NORM], f"the GEMV did not run once: {launched}"
+    want = case.two_calls()
+    for name, a, b in zip(("qkv", "new residual", "k_cache", "v_cache"), got, want):
+        assert not a.isnan().any(), f"{name}: NaN (an element nothing wrote)"
+        assert torch.equal(a, b), f"{name}: the op differs from the two calls ({(a != b).sum()} elements)"
 
 
 ROPE_SHAPES = [  # (heads, kv_heads, d, hidden)
@@ -385,9 +405,9 @@ ROPE_SHAPES = [  # (heads, kv_heads, d, hidden)
 @pytest.mark.parametrize("heads, kv_heads, d, hidden", ROPE_SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_rope_epilogue_matches_the_two_launches(dtype, heads, kv_heads, d, hidden, bias, block_size, monkeypatch):
+def test_qkv_rope_matches_the_two_calls(dtype, heads, kv_heads, d, hidden, bias, block_size, monkeypatch):
     check_rope(RopeCase(dtype, heads, kv_heads, d, hidden, block_size, bias=bias, residual=bias,
-                        slot=block_size + 3, position=37, seed=heads + d + block_size), monkeypatch)
+                        slots=[block_size + 3], positions=[37], seed=heads + d + block_size), monkeypatch)
 
 
 @pytest.mark.sanitize
@@ -395,26 +415,15 @@ def test_rope_epilogue_matches_the_two_launches(dtype, heads, kv_heads, d, hidde
 @pytest.mark.parametrize("slot, slot_dtype", [(0, torch.int64), (79, torch.int32), (-1, torch.int64),
                                               (80, torch.int64), (2**31 - 1, torch.int32)])
 @pytest.mark.parametrize("position", [0, 63, 64, -1])
-def test_rope_epilogue_edges(dtype, slot, slot_dtype, position, monkeypatch):
+def test_qkv_rope_edges(dtype, slot, slot_dtype, position, monkeypatch):
     """Slots at both ends of a 5 x 16 cache and outside it (skipped), int32 and int64 slot
     mappings, positions at both ends of a 64-row table and outside it (q and k unrotated)."""
-    check_rope(RopeCase(dtype, 4, 2, 64, 256, 16, bias=True, residual=False, slot=slot, position=position,
+    check_rope(RopeCase(dtype, 4, 2, 64, 256, 16, bias=True, residual=False, slots=[slot], positions=[position],
                         slot_dtype=slot_dtype, seed=slot % 97 + position), monkeypatch)
 
 
-def test_rope_epilogue_not_for_qk_norm_or_many_tokens(monkeypatch):
-    """Qwen3's per-head q/k norm and M > 1 take the two launches (the epilogue is M = 1 only)."""
-    case = RopeCase(torch.bfloat16, 4, 2, 64, 256, 16, bias=False, residual=True, slot=5, position=3)
-    norm = (1 + 0.1 * torch.randn(64, device="cuda")).to(torch.bfloat16)
-    monkeypatch.setattr(dispatch, "GEMV_ROTARY_KV", True)
-    launched = spy_rotary_launches(monkeypatch)
-    api_layers.add_rms_norm_qkv_rope_(case.x, case.residual.clone(), case.norm_weight, EPS, case.weight,
-                                      heads=4, kv_heads=2, k_cache=case.k_cache, v_cache=case.v_cache,
-                                      slot_mapping=case.slot_mapping, positions=case.positions, cos=case.cos,
-                                      sin=case.sin, q_weight=norm, k_weight=norm)
-    x2 = case.x.expand(2, -1).contiguous()
-    api_layers.add_rms_norm_qkv_rope_(x2, None, case.norm_weight, EPS, case.weight, heads=4, kv_heads=2,
-                                      k_cache=case.k_cache, v_cache=case.v_cache,
-                                      slot_mapping=case.slot_mapping.expand(2).contiguous(),
-                                      positions=case.positions.expand(2).contiguous(), cos=case.cos, sin=case.sin)
-    assert launched == [False, False]
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qkv_rope_qk_norm_and_several_tokens(qk_norm, monkeypatch):
+    """Qwen3's per-head q/k norm, and M = 3 tokens (one of them padding, slot -1)."""
+    check_rope(RopeCase(torch.bfloat16, 4, 2, 64, 256, 16, bias=False, residual=True, slots=[5, -1, 40],
+                        positions=[3, 4, 63], qk_norm=qk_norm, seed=7), monkeypatch)

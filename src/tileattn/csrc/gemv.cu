@@ -28,14 +28,6 @@
 //   W); 2 at M = 1 (kRows 1), 4 at M = 4 (kRows 2), 4 at M = 8 (kRows 4), against the ~128 B/clk of
 //   shared memory and ~25 B/clk of HBM per SM.
 //
-// Rotary + KV-cache epilogue (kRotaryKV, M = 1, the attention's qkv projection of a Llama-family
-// model without q/k norms): a warp task is the pair of rows (j, j + d/2) of one head, so the warp
-// ends holding both elements of a rotate-half pair. Lane 0 stores y as the unfused sequence
-// leaves it (q rotated; k and v as projected) and writes the rotated k and the v pair into the
-// paged cache at the token's slot: norm_rotary_write_kv_cache_'s launch folded into the
-// projection's (one launch and one grid-wide dependency fewer per layer). The pairs of a head are
-// spread over the tasks like any rows, so the weight stream and its balance are unchanged.
-//
 // Numerics: the prologues are add_rms_norm's and silu_mul's step for step (common/elementwise.cuh's
 // helpers), including the order of add_rms_norm's sum of squares (its 1024-thread layout replayed), so the
 // input rows are the 16-bit values the unfused ops produce. y's fp32 sum is in this kernel's order.
@@ -157,58 +149,6 @@ __device__ __forceinline__ void stage_add_rms_norm(float* xs, float (*partial)[3
 
 }  // namespace gemv_detail
 
-// The rotary + KV-cache epilogue's arguments (only read when kRotaryKV). The data pointers:
-//   positions int64 [1] (token 0's); cos_table, sin_table float32 [num_positions, d] (cos twice;
-//   (-sin, sin)); k_cache, v_cache [blocks, block_size, kv_heads, d]; slot_mapping [1], int32 when
-//   slot_int32 else int64.
-// A position outside [0, num_positions) leaves q unrotated and writes k unrotated; a slot outside
-// [0, num_slots) writes nothing to the cache (as layer_ops' norm_rotary_write_kv does).
-struct RotaryKVPointers {
-  const int64_t* positions;
-  const float* cos_table;
-  const float* sin_table;
-  u16* k_cache;
-  u16* v_cache;
-  const void* slot_mapping;
-};
-// ... and its sizes (cache strides in elements), one by-value struct of the plan's fixed values.
-struct RotaryKVShape {
-  int slot_int32, q_heads, kv_heads, head_dim, log2_block_size;
-  int64_t kc_sb, kc_sr, kc_sh, vc_sb, vc_sr, vc_sh, num_slots, num_positions;
-};
-
-namespace gemv_detail {
-
-// Rows n0 = head * d + j and n0 + d/2 of token 0's qkv, projected and rounded (y0, y1): y gets q
-// rotated and k, v as they are; the cache gets k rotated and v at the token's slot.
-template <bool kIsBF16>
-__device__ __forceinline__ void rotary_kv_epilogue(u16* y, const RotaryKVPointers& ptr, const RotaryKVShape& rope,
-                                                   int n0, int half, u16 y0, u16 y1) {
-  using namespace layer_ops;
-  const int head = n0 / rope.head_dim, j = n0 - head * rope.head_dim;
-  const int64_t p = ptr.positions[0];
-  u16 r0 = y0, r1 = y1;  // rotated (unrotated when the position is outside the tables)
-  if (head < rope.q_heads + rope.kv_heads && p >= 0 && p < rope.num_positions)
-    rotate_pair<kIsBF16>(to_float<kIsBF16>(y0), to_float<kIsBF16>(y1), ptr.cos_table[p * rope.head_dim + j],
-                         ptr.sin_table[p * rope.head_dim + j + half], r0, r1);
-  const bool is_q = head < rope.q_heads;
-  y[n0] = is_q ? r0 : y0;
-  y[n0 + half] = is_q ? r1 : y1;
-  if (is_q) return;
-  const int64_t slot = rope.slot_int32 ? static_cast<int64_t>(static_cast<const int*>(ptr.slot_mapping)[0])
-                                       : static_cast<const int64_t*>(ptr.slot_mapping)[0];
-  if (slot < 0 || slot >= rope.num_slots) return;  // padding, or outside the cache
-  const int64_t blk = slot >> rope.log2_block_size, off = slot & ((int64_t{1} << rope.log2_block_size) - 1);
-  const bool is_k = head < rope.q_heads + rope.kv_heads;
-  const int kv_head = head - rope.q_heads - (is_k ? 0 : rope.kv_heads);
-  u16* dst = is_k ? ptr.k_cache + blk * rope.kc_sb + off * rope.kc_sr + kv_head * rope.kc_sh
-                  : ptr.v_cache + blk * rope.vc_sb + off * rope.vc_sr + kv_head * rope.vc_sh;
-  dst[j] = is_k ? r0 : y0;
-  dst[j + half] = is_k ? r1 : y1;
-}
-
-}  // namespace gemv_detail
-
 // ---- the GEMV ---------------------------------------------------------------------------------
 //   y [M, N] (contiguous) = act(x) [M, K] @ weight [N, K]^T (+ bias [N] when bias != nullptr)
 //   kPrologue kNone:       act(x) = x [M, K] (row stride x_st chunks)
@@ -217,22 +157,15 @@ __device__ __forceinline__ void rotary_kv_epilogue(u16* y, const RotaryKVPointer
 //                           rounded sum x + residual to new_residual [M, K] (contiguous) when
 //                           residual != nullptr
 //   chunks = K / 8; M <= kMaxM; dynamic shared memory M * K * 4 bytes.
-//   kRotaryKV: M = 1, N = (q_heads + 2 kv_heads) * d, the rotary + KV-cache epilogue (above) with
-//   positions ... slot_mapping (RotaryKVPointers) and rope; otherwise those are not read.
-template <bool kIsBF16, int kPrologue, int kMaxM, bool kRotaryKV>
+template <bool kIsBF16, int kPrologue, int kMaxM>
 __global__ void __launch_bounds__(gemv_detail::kThreads, 1)
     gemv(u16* __restrict__ y, const uint4* __restrict__ x, const uint4* __restrict__ weight,
          const u16* __restrict__ bias, const uint4* __restrict__ residual, const uint4* __restrict__ norm_weight,
-         uint4* __restrict__ new_residual, int M, int N, int chunks, int64_t x_st, int64_t res_st, float eps,
-         const int64_t* __restrict__ positions, const float* __restrict__ cos_table,
-         const float* __restrict__ sin_table, u16* __restrict__ k_cache, u16* __restrict__ v_cache,
-         const void* __restrict__ slot_mapping, const RotaryKVShape rope) {
+         uint4* __restrict__ new_residual, int M, int N, int chunks, int64_t x_st, int64_t res_st, float eps) {
   using namespace layer_ops;
   using namespace gemv_detail;
   static_assert(kMaxM >= 1 && kMaxM <= kMaxRowsM, "M bucket");
-  static_assert(!kRotaryKV || kMaxM == 1, "the rotary epilogue is for one token");
-  // output rows per warp task (kRotaryKV: the two rows of a rotary pair)
-  constexpr int kRows = kRotaryKV ? 2 : (kMaxM == 1 ? 1 : (kMaxM <= 4 ? 2 : 4));
+  constexpr int kRows = kMaxM == 1 ? 1 : (kMaxM <= 4 ? 2 : 4);  // output rows per warp task
   constexpr int kUnroll = kLoads / kRows;                      // chunks per row per step
   constexpr int kStep = 32 * kUnroll;                          // chunks of a row per warp step
   extern __shared__ float4 smem_f4[];
@@ -241,22 +174,12 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, 1)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int tasks = (N + kRows - 1) / kRows;
-  const int half = rope.head_dim >> 1;
-  // Output row r of a task: consecutive rows, or (kRotaryKV) rows j and j + d/2 of one head.
-  auto row_of = [&](int task, int r) {
-    if constexpr (kRotaryKV) {
-      const int head = task / half;
-      return head * rope.head_dim + (task - head * half) + r * half;
-    } else {
-      return task * kRows + r;
-    }
-  };
   const int task_begin = static_cast<int>(static_cast<int64_t>(blockIdx.x) * tasks / gridDim.x);
   const int task_end = static_cast<int>(static_cast<int64_t>(blockIdx.x + 1) * tasks / gridDim.x);
 
   // Rows past N (the last task) read row N - 1 again and store nothing.
   auto row_ptr = [&](int task, int r) {
-    return weight + static_cast<int64_t>(min(row_of(task, r), N - 1)) * chunks;
+    return weight + static_cast<int64_t>(min(task * kRows + r, N - 1)) * chunks;
   };
   uint4 w[kRows][kUnroll];
   auto load_step = [&](int task, int base) {
@@ -321,21 +244,9 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, 1)
         }
       }
     }
-    if constexpr (kRotaryKV) {
-      u16 out[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int n = row_of(task, r);
-        out[r] = from_float<kIsBF16>(warp_sum(acc[r][0]) + (bias != nullptr ? to_float<kIsBF16>(bias[n]) : 0.f));
-      }
-      if (lane == 0)
-        rotary_kv_epilogue<kIsBF16>(y, {positions, cos_table, sin_table, k_cache, v_cache, slot_mapping}, rope,
-                                    row_of(task, 0), half, out[0], out[1]);
-      continue;
-    }
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      const int n = row_of(task, r);
+      const int n = task * kRows + r;
       const float b = (bias != nullptr && n < N) ? to_float<kIsBF16>(bias[n]) : 0.f;
 #pragma unroll
       for (int m = 0; m < kMaxM; ++m) {

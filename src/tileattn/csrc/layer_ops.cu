@@ -33,8 +33,8 @@ namespace layer_ops {
 // 16-bit type), and returns the 16-bit results in out_lo/out_hi (pairs past d/2 are left alone).
 // norm_rotary and norm_rotary_write_kv both run this one function, so the key a fused launch
 // writes into the cache is bit for bit the key norm_rotary leaves in place. Every product and sum
-// is an explicit round-to-nearest intrinsic (the rotation: common/elementwise.cuh's rotate_pair,
-// which the GEMV's rotary epilogue shares), rounding as torch's fp32 `x * cos + roll(x) * sin`.
+// is an explicit round-to-nearest intrinsic (the rotation: common/elementwise.cuh's rotate_pair),
+// rounding as torch's fp32 `x * cos + roll(x) * sin`.
 constexpr int kRotaryMaxPairs = 4;
 
 template <bool kIsBF16, bool kNorm>

@@ -141,9 +141,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, freq_factor
 class Rotary(nn.Module):
     """Rotate-half rotary embedding: per head (x1 cos - x2 sin, x2 cos + x1 sin) for the halves
     x1, x2. The tables hold cos twice and (-sin, sin) [max_positions, head_dim] (float32);
-    tileattn's add_rms_norm_qkv_rope_ reads them at each token's position, in the qkv
-    projection's launch or in the one launch after it that also applies Qwen3's per-head q/k norm
-    and writes k/v into the cache.
+    tileattn's add_rms_norm_qkv_rope_ reads them at each token's position in the one launch after
+    the qkv projection, which also applies Qwen3's per-head q/k norm and writes k/v into the cache.
     forward(positions [T]) -> the (positions, cos, sin) every layer passes to it."""
 
     def __init__(self, max_positions: int, inv_freq: torch.Tensor, dtype: torch.dtype):
@@ -210,7 +209,7 @@ class PagedAttention(nn.Module):
         norm = self.q_norm is not None
         # The residual add + RMSNorm, the qkv projection, q/k normalised (Qwen3) and rotated, k and
         # v written into the paged cache: the projection's launch (the norm in its prologue) and one
-        # rotary + cache-write launch, or one launch where dispatch.GEMV_ROTARY_KV allows it.
+        # rotary + cache-write launch.
         # qkv's k columns stay unrotated; nothing below reads them (attention reads the cache).
         qkv, residual = add_rms_norm_qkv_rope_(
             x, residual, input_norm.weight, input_norm.eps, self.qkv_proj.weight, self.qkv_proj.bias,

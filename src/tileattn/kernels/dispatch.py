@@ -130,14 +130,6 @@ GEMV_ROWS_OVERRIDE: int | str | None = (
     int(_GEMV_ENV) if _GEMV_ENV is not None and _GEMV_ENV.strip().isdigit() else _GEMV_ENV)
 
 
-# The qkv projection's rotary + KV-cache epilogue (tileattn.api_layers.add_rms_norm_qkv_rope_) at M = 1
-# where its GEMV runs. Off: on the H200 the engine's Llama-3-8B batch-1 decode ran 226 tok/s with it
-# and 229 without (2026-12-02, 6254bbf, docs/gemv.md "The rotary + KV-cache epilogue"), the one
-# launch it saves per layer not paying for the epilogue's dependent loads at the projection's tail.
-# TILEATTN_GEMV_ROTARY_KV=1 (read at import) turns it on; the GPU tests force it either way.
-GEMV_ROTARY_KV: bool = os.environ.get("TILEATTN_GEMV_ROTARY_KV", "0") == "1"
-
-
 def gemv_max_rows(device_index: int) -> int:
     """Largest M for which the GEMV kernel runs on CUDA device `device_index` (0: never):
     TILEATTN_GEMV_MAX_ROWS when set, else GEMV_MAX_ROWS for the device's arch (0 for an arch not

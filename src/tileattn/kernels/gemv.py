@@ -29,14 +29,12 @@ def bucket(rows: int) -> int:
     return next(b for b in M_BUCKETS if rows <= b)
 
 
-def expression(bf16: bool, prologue: int, max_rows: int, rotary_kv: bool = False) -> str:
-    return f"tileattn::gemv<{_BF16[bf16]}, {prologue}, {max_rows}, {_BF16[rotary_kv]}>"
+def expression(bf16: bool, prologue: int, max_rows: int) -> str:
+    return f"tileattn::gemv<{_BF16[bf16]}, {prologue}, {max_rows}>"
 
 
-# Every (dtype, prologue, M bucket), and the qkv projection's rotary + KV-cache epilogue (M = 1,
-# after the add + RMSNorm prologue).
-INSTANTIATIONS = (tuple(expression(b, p, m) for b in (True, False) for p in PROLOGUES for m in M_BUCKETS)
-                  + tuple(expression(b, PROLOGUE_ADD_RMS_NORM, 1, True) for b in (True, False)))
+# Every (dtype, prologue, M bucket).
+INSTANTIATIONS = tuple(expression(b, p, m) for b in (True, False) for p in PROLOGUES for m in M_BUCKETS)
 FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a", "sm_80")),)
 
 
@@ -56,22 +54,15 @@ CACHE_LIMIT = 1024
 _plans: dict[tuple, object] = {}
 
 
-# csrc/gemv.cu's RotaryKVShape: 5 int32, then 8 int64 (the 4 bytes between them are padding).
-_ROTARY_SHAPE = np.dtype([("slot_int32", "<i4"), ("q_heads", "<i4"), ("kv_heads", "<i4"), ("head_dim", "<i4"),
-                          ("log2_block_size", "<i4"), ("pad", "<i4"), ("strides", "<i8", 6), ("num_slots", "<i8"),
-                          ("num_positions", "<i8")])
-# Kernel parameters that change per call: the 7 tensors, and with the rotary epilogue its 6 pointers
-# (a plan without it keeps them 0 as packed: nothing more to write per launch).
-_DYNAMIC_TENSORS, _DYNAMIC_ROTARY = tuple(range(7)), tuple(range(13, 19))
+# Kernel parameters that change per call: the 7 tensor pointers (y ... new_residual, indices 0-6).
+_DYNAMIC = tuple(range(7))
 
 
 def launch_gemv(prologue: int, y, x, weight, bias, *, residual=None, norm_weight=None, eps: float = 0.0,
-                new_residual=None, rotary_kv=None) -> None:
+                new_residual=None) -> None:
     """y [M, N] <- act(x) @ weight^T (+ bias); act by `prologue` (PROLOGUE_*). With
     PROLOGUE_ADD_RMS_NORM: norm_weight [K], eps, and new_residual [M, K] (contiguous) <- x +
-    residual when residual is given. rotary_kv (M = 1, PROLOGUE_ADD_RMS_NORM only): (q_heads,
-    kv_heads, k_cache, v_cache, slot_mapping, positions, cos, sin) for the qkv projection's rotary
-    + KV-cache epilogue: y's q rotated, k rotated into k_cache and v into v_cache at the slot."""
+    residual when residual is given."""
     import torch
 
     from ..runtime.launcher import device_sm_count, pdl_enabled
@@ -80,54 +71,29 @@ def launch_gemv(prologue: int, y, x, weight, bias, *, residual=None, norm_weight
     dim = weight.shape[1]
     device = x.device.index
     pdl = pdl_enabled(device)
-    rope = () if rotary_kv is None else rotary_kv[:2] + tuple(
-        (t.shape, t.stride(), t.dtype) for t in rotary_kv[2:])
     key = (device, prologue, x.shape, x.stride(), weight.shape, x.dtype, bias is not None,
-           None if residual is None else residual.stride(), eps, pdl, rope)
-    pointers = ()  # with the epilogue: the kernel's positions, cos_table, sin_table, k_cache, v_cache, slot_mapping
-    if rotary_kv is not None:
-        _, _, k_cache, v_cache, slot_mapping, positions, cos, sin = rotary_kv
-        pointers = tuple(t.data_ptr() for t in (positions, cos, sin, k_cache, v_cache, slot_mapping))
+           None if residual is None else residual.stride(), eps, pdl)
     plan = _plans.get(key)
     if plan is None:
         from ..runtime import LaunchPlan
         from . import load
 
-        kern = load(FAMILY_NAME, expression(x.dtype == torch.bfloat16, prologue, bucket(rows), rotary_kv is not None),
-                    device)
-        rows_per_task = 1 if bucket(rows) == 1 else (2 if bucket(rows) <= 4 else 4)
-        if rotary_kv is not None:
-            rows_per_task = 2  # a task is a rotary pair of rows
+        kern = load(FAMILY_NAME, expression(x.dtype == torch.bfloat16, prologue, bucket(rows)), device)
+        rows_per_task = 1 if bucket(rows) == 1 else (2 if bucket(rows) <= 4 else 4)  # the kernel's kRows
         tasks = -(-n // rows_per_task)
         grid = min(device_sm_count(device), tasks)  # one long-lived block per SM (csrc/gemv.cu)
         args = (y.data_ptr(), x.data_ptr(), weight.data_ptr(), _ptr(bias), _ptr(residual), _ptr(norm_weight),
                 _ptr(new_residual), np.int32(rows), np.int32(n), np.int32(dim // 8),
                 np.int64(x.stride(0) // 8 if rows > 1 else 0), np.int64(0 if residual is None or rows == 1 else
                                                                           residual.stride(0) // 8),
-                np.float32(eps), *(pointers or (0,) * 6), _rotary_shape(rotary_kv))
+                np.float32(eps))
         if len(_plans) >= CACHE_LIMIT:
             _plans.clear()
         plan = _plans[key] = LaunchPlan(kern, (grid, 1, 1), (THREADS, 1, 1), args,
                                         smem=shared_memory_bytes(rows, dim),
-                                        dynamic=_DYNAMIC_TENSORS + (_DYNAMIC_ROTARY if pointers else ()), pdl=pdl)
+                                        dynamic=_DYNAMIC, pdl=pdl)
     plan.launch(y.data_ptr(), x.data_ptr(), weight.data_ptr(), _ptr(bias), _ptr(residual), _ptr(norm_weight),
-                _ptr(new_residual), *pointers)
-
-
-def _rotary_shape(rotary_kv) -> bytes:
-    """The RotaryKVShape struct's bytes (zeros without the epilogue)."""
-    shape = np.zeros((), dtype=_ROTARY_SHAPE)
-    if rotary_kv is not None:
-        import torch
-
-        q_heads, kv_heads, k_cache, v_cache, slot_mapping, _, cos, _ = rotary_kv
-        num_blocks, block_size, _, head_dim = k_cache.shape
-        shape["slot_int32"] = slot_mapping.dtype == torch.int32
-        shape["q_heads"], shape["kv_heads"], shape["head_dim"] = q_heads, kv_heads, head_dim
-        shape["log2_block_size"] = block_size.bit_length() - 1
-        shape["strides"] = k_cache.stride()[:3] + v_cache.stride()[:3]
-        shape["num_slots"], shape["num_positions"] = num_blocks * block_size, cos.shape[0]
-    return shape.tobytes()
+                _ptr(new_residual))
 
 
 def _ptr(t) -> int:

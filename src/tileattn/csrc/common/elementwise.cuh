@@ -39,8 +39,8 @@ __device__ __forceinline__ float round16(float x) {
 // values cos_j and sin_j (rounded to the 16-bit type, as the model's Rotary module hands them to
 // the layers): lo cos - hi sin and hi cos + lo sin, each product and sum an explicit
 // round-to-nearest intrinsic (no FMA contraction a compiler could choose differently in two
-// kernels), rounded once to 16 bits. layer_ops' rotary kernels and the GEMV's rotary epilogue
-// both call it, so their keys and queries are bit for bit the same.
+// kernels), rounded once to 16 bits. layer_ops' rotary kernels call it (rotate_row); the GEMV's
+// rotary + KV-cache epilogue, which shared it, was removed on 2026-12-02 (docs/gemv.md).
 template <bool kIsBF16>
 __device__ __forceinline__ void rotate_pair(float lo, float hi, float cos_j, float sin_j, u16& out_lo, u16& out_hi) {
   const float c = round16<kIsBF16>(cos_j), sn = round16<kIsBF16>(sin_j);
