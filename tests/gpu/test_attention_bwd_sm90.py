@@ -274,6 +274,33 @@ def test_deterministic_bit_identical(nq, nk, d, dtype, causal, heads, kv_heads):
     assert_close(first, reference_grads(q, k, v, dout, causal, scale), dtype, "sm90 deterministic vs reference")
 
 
+# ---- deterministic mode through the public op: the family the dispatcher picks ---------------------------
+@pytest.mark.parametrize("d,dtype,causal", [(128, BF16, False), (128, FP16, True), (64, BF16, True), (64, FP16, False)])
+def test_public_op_deterministic_backward(d, dtype, causal):
+    """tileattn.attention(..., deterministic=True): three backward passes bitwise equal, gradients
+    against the float64 reference, on the family dispatch.backward_family names (GQA, Nq != Nk)."""
+    import tileattn
+    from tileattn.kernels import dispatch
+    from tileattn.runtime import device_arch
+
+    q, k, v, dout = make_inputs(2, 8, 2, 333, 517, d, dtype, seed=5)
+    scale = 1.0 / math.sqrt(d)
+    family = dispatch.backward_family(device_arch(q.device.index), dtype, d, causal, True)
+    expected = "attention_bwd_sm90" if (d, causal, True) in dispatch.SM90_BACKWARD else "attention_bwd_sm80"
+    assert family == expected
+    runs = []
+    for _ in range(3):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        with poisoned_allocations():
+            out = tileattn.attention(*leaves, causal=causal, scale=scale, deterministic=True)
+            runs.append(torch.autograd.grad(out, leaves, dout))
+        torch.cuda.synchronize()
+    for rep in (1, 2):
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], runs[rep]):
+            assert torch.equal(a, b), f"{family}: deterministic {name} differs between pass 0 and pass {rep}"
+    assert_close(runs[0], reference_grads(q, k, v, dout, causal, scale), dtype, f"{family} deterministic vs reference")
+
+
 # ---- block order: L2 sections of (kv head, batch) pairs -----------------------------------------------
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d,dtype", [(128, BF16), (64, FP16)])

@@ -45,11 +45,11 @@ SM90_FORWARD = {(d, causal) for d in (64, 128, 256) for causal in (False, True)}
 # (head dim, causal, deterministic) that the Hopper backward runs on sm_90a, by measurement
 # (attention_bwd_sm90.benchmark, H200, bf16, B=4 H=32, N=2048/8192, 2026-12-01 15:58 and 16:01 UTC),
 # TFLOP/s sm90 against sm80: d=64 atomic 442/491 vs 257/280, causal 329/476 vs 203/268; d=128
-# atomic 500/531 vs 288/319, causal 378/555 vs 244/307. The deterministic mode stays on the sm80
-# kernels: the Hopper kernel's ordered dQ staging showed racecheck hazards in its last device run
-# (17:08 UTC, attention_bwd_sm90<128, 64, 2, causal, bf16, dq mode 1>) that no run has yet shown
-# fixed, and causal it was slower (118/165 vs 169/209 at d=64).
-SM90_BACKWARD = {(64, False, False), (64, True, False), (128, False, False), (128, True, False)}
+# atomic 500/531 vs 288/319, causal 378/555 vs 244/307. The deterministic mode (ordered dQ staging):
+# racecheck of its sanitize cases clean since the lse2 fix (2026-12-02 runs F9, V9, C1); speed
+# against the sm80 deterministic kernel: see the C5 measurement (pending, 2026-12-02).
+SM90_BACKWARD = {(d, causal, deterministic) for d in (64, 128) for causal in (False, True)
+                 for deterministic in (False, True)}
 
 
 # Head dims whose variant forward (window, softcap, ALiBi; not dropout) runs the Hopper kernel on sm_90a.
