@@ -31,6 +31,7 @@ time of one call by `host_overhead_us`.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -137,9 +138,9 @@ def _measure(fn, warmup: int, reps: int, flush_l2: bool, memory: bool, max_secon
     end.record()
     end.synchronize()
     estimate_s = start.elapsed_time(end) / 1e3 / max(warmup, 1)
-    extra = 0 if estimate_s <= 0 else min(int((WARM_SECONDS - estimate_s * max(warmup, 1)) / estimate_s) + 1, 10_000)
-    if extra > 0:  # keep the device busy past the power-cap transient (module docstring)
-        for _ in range(extra):
+    remaining_s = WARM_SECONDS - estimate_s * max(warmup, 1)
+    if estimate_s > 0 and remaining_s > 0:  # keep the device busy past the power-cap transient (module docstring)
+        for _ in range(min(math.ceil(remaining_s / estimate_s), 10_000)):
             fn()
         torch.cuda.synchronize()
     if max_seconds is not None and estimate_s > 0:

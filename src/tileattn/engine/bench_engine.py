@@ -424,45 +424,43 @@ def _system(tensor_parallel_size: int) -> str:
     return "tileattn.engine" if tensor_parallel_size == 1 else f"tileattn.engine TP={tensor_parallel_size}"
 
 
-def _hf_generate(model, ids, new_tokens):
-    _sync(ids.device)
+def _seconds(device, run) -> float:
+    """Wall seconds of run(), the device synchronized before and after."""
+    _sync(device)
     start = time.perf_counter()
-    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    _sync(ids.device)
+    run()
+    _sync(device)
     return time.perf_counter() - start
 
 
+def _decode_tok_s(device, generate, new_tokens) -> float:
+    """Decode tok/s of generate(n) (n greedy tokens from the prompt) = (new_tokens - 1) / (time of
+    new_tokens - time of 1 token): the prompt and the first token drop out."""
+    one = _seconds(device, lambda: generate(1))
+    full = _seconds(device, lambda: generate(new_tokens))
+    return (new_tokens - 1) / (full - one)
+
+
 def _hf_decode(model, ids, new_tokens):
-    """Decode tok/s = (new_tokens - 1) / (time of new_tokens - time of 1 token). Each length runs
-    once untimed first: a static cache is sized by the length, so each one compiles once."""
+    """transformers' eager `generate`, each length run once untimed first (warm-up)."""
+    def generate(n):
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
     for n in (1, new_tokens):
-        _hf_generate(model, ids, n)
-    one = _hf_generate(model, ids, 1)
-    full = _hf_generate(model, ids, new_tokens)
-    return {"tok_s": (new_tokens - 1) / (full - one)}
+        generate(n)
+    return {"tok_s": _decode_tok_s(ids.device, generate, new_tokens)}
 
 
 def _compiled_decode(model, ids, new_tokens):
-    """The compile peer (engine/compile_peer.py) on the transformers model's weights: tok/s as
-    _hf_decode defines it, after one untimed run that compiles the step and records its CUDA graph;
-    compile_s: that first run's seconds (compilation included)."""
+    """The compile peer (engine/compile_peer.py) on the transformers model's weights, after one
+    untimed run that compiles the step and records its CUDA graph; compile_s: that first run's
+    seconds (compilation included)."""
     from .compile_peer import GreedyDecoder
 
     decoder = GreedyDecoder(model, max_len=ids.shape[1] + new_tokens)
-    start = time.perf_counter()
-    decoder.generate(ids, new_tokens)
-    _sync(ids.device)
-    compile_s = time.perf_counter() - start
-
-    def timed(n):
-        _sync(ids.device)
-        begin = time.perf_counter()
-        decoder.generate(ids, n)
-        _sync(ids.device)
-        return time.perf_counter() - begin
-
-    one, full = timed(1), timed(new_tokens)
-    return {"tok_s": (new_tokens - 1) / (full - one), "compile_s": compile_s}
+    compile_s = _seconds(ids.device, lambda: decoder.generate(ids, new_tokens))
+    return {"tok_s": _decode_tok_s(ids.device, lambda n: decoder.generate(ids, n), new_tokens),
+            "compile_s": compile_s}
 
 
 def _peer(system, shape, bench, fn, *args):
