@@ -609,3 +609,19 @@ def test_model_unsplit_and_prewait(unsplit, prewait, layout):
     table = torch.cat([table, spare.to(torch.int32)], dim=1)  # capacity > 1k keys; entries past a length unused
     for splits in (1, 3, 16):
         check((q, k_cache, v_cache, table, cu, seqlens, max_q), cfg, splits, unsplit=unsplit, prewait=prewait)
+
+
+@pytest.mark.parametrize("unsplit", [0, 2, 1 << 30])
+def test_model_unsplit_and_prewait_with_a_window(unsplit):
+    """The variant kernel's key range under both switches: a sliding window (70 keys) moves the
+    group's first tile past 0, so split 0's S == 1 walk starts there and reads its block ids in the
+    loader (the window's left edge needs the lengths); prologue tiles wholly below nk - nq still go
+    before the wait."""
+    seqs = [(1, 1), (1, 65), (1, 129), (1, 200), (3, 300), (1, 0)]
+    q, k_cache, v_cache, table, cu, seqlens, max_q = make_case(seqs, 8, 2, 64, 16, seed=450 + (unsplit & 7))
+    gen = torch.Generator().manual_seed(451)
+    spare = torch.randint(-(2**31), 2**31 - 1, (len(seqs), 1024 // 16), generator=gen, dtype=torch.int64)
+    table = torch.cat([table, spare.to(torch.int32)], dim=1)
+    for splits in (1, 3, 16):
+        check((q, k_cache, v_cache, table, cu, seqlens, max_q), paged.CONFIGS[64][0], splits, False,
+              {"window": (70, 0)}, unsplit=unsplit, prewait=True)

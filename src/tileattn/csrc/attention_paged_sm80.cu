@@ -481,7 +481,10 @@ __device__ __forceinline__ void attention_paged_body(
     // At most `unsplit` of them: one split (see the header, "No split at short contexts").
     const int tiles = (kr.kv_end + kBlockN - 1) / kBlockN - first_tile;
     s_eff = tiles <= unsplit ? 1 : min(num_splits, max(1, tiles));
-    kr.n_iter = tiles > split ? (tiles - 1 - split) / s_eff + 1 : 0;
+    // 0 for the splits >= S (with S == 1 by the T rule a split > 0 can lie below `tiles`): they
+    // must issue no cp.async (the contract's early loads included: a CTA that exits with copies in
+    // flight would let them land in the shared memory of the next CTA on its SM) and no prefetch.
+    kr.n_iter = split < s_eff && tiles > split ? (tiles - 1 - split) / s_eff + 1 : 0;
   }
   const int n_iter = kr.n_iter;
   if (n_iter > kStages - 1) {
@@ -632,7 +635,7 @@ __device__ __forceinline__ void attention_paged_body(
 
   u32 q_frag[kQInRegs ? kKSteps : 1][4];
   if constexpr (kQInRegs) {
-    cp_async_wait<kStages - 1>();  // the Q group (committed first) landed for this thread
+    cp_async_wait<kStages - 1>();  // the Q group (and the contract's older early group) landed for this thread
     __syncthreads();               // ... and for every thread
     const LdsmLane<Tile, true, true, kKSteps> lq(sQ, wm * kRowsPerWarp, 0, lane);  // this warp's rows
 #pragma unroll
