@@ -16,7 +16,7 @@ Cases: Llama-3-8B's attention shape (32 query heads, 8 KV heads, d = 128, bf16) 
 fp16 d = 64 one; block tables sized for 8k keys (junk past each length) as an engine's decode
 graph, so the automatic split count is large; contexts 1, 15, 16, 17, 63, 64, 65, 200, 1000, 4097
 keys around the 16/64-key block and tile edges; B = 1 and 3; block sizes 16 and 64; nq = 1 (decode)
-and 4 (speculative / chunked prefill rows). Outputs are NaN-poisoned before every launch and the
+and 4-5 (speculative / chunked prefill rows). Outputs are NaN-poisoned before every launch and the
 split-KV arrival counters must be zero after each.
 
 Markers: `gpu` (all), `sanitize` (the small cases, also run under compute-sanitizer).
@@ -106,11 +106,12 @@ def make_launch(case, *, unsplit, prewait, num_splits=None):
 @pytest.mark.parametrize("unsplit", UNSPLIT)
 @pytest.mark.parametrize("prewait", [False, True])
 @pytest.mark.parametrize("block_size", [16, 64])
-@pytest.mark.parametrize("nq", [1, 4])
+@pytest.mark.parametrize("nq", [1, 4, 5])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_llama3_shape_every_context(unsplit, prewait, block_size, nq, batch):
     """Llama-3-8B's attention (32/8 heads, d = 128, bf16) at every context of CONTEXTS, automatic
-    split count for an 8k-key table, the KV write right before attention."""
+    split count for an 8k-key table, the KV write right before attention. nq = 1 and 4 run the
+    16-row decode tile (3 stages: "auto" is T = 2), nq = 5 (20 rows) the 64-row tile (2 stages)."""
     for i in range(len(CONTEXTS)):
         seqs = batch_seqs(batch, nq, i)
         seed = zlib.crc32(f"latency {unsplit} {prewait} {block_size} {nq} {batch} {i}".encode())
