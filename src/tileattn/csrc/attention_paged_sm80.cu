@@ -109,7 +109,8 @@
 // write) is still running, and the next kernel (the o projection) may be scheduled while this one
 // runs. So every CTA executes griddepcontrol.wait before its first global access of any kind (the
 // block table, lengths, q, the caches, the split counters and partials, out / lse, the L2
-// prefetches): only index arithmetic on kernel parameters and blockIdx precedes it. Every CTA,
+// prefetches): only index arithmetic on kernel parameters and blockIdx precedes it (unless the
+// caller states the engine contract below: then reads of what the previous kernel cannot write). Every CTA,
 // including the splits and M tiles that turn out idle: a successor's own wait returns when this
 // grid completes, and that implies the predecessor's writes only if no CTA of this grid could
 // complete before them. The release (griddepcontrol.launch_dependents) follows right after the
@@ -128,7 +129,9 @@
 // that lie wholly below nk - nq BEFORE the wait (off the critical path: the previous kernel's tail
 // hides them), and only Q, the tile holding the new keys and everything after waits. Every store
 // (out, lse, the padding rows, the partials, the counters) stays after the wait: torch's
-// stream-ordered allocator may hand this launch memory the previous kernel still uses.
+// stream-ordered allocator may hand this launch memory the previous kernel still uses. And the
+// release still follows the wait: the next kernel (the o GEMV) relies on the same induction
+// ("two launches back has completed") that this contract does.
 #include "common/pdl.cuh"
 #include "common/sm80_tile.cuh"
 #include "common/variants.cuh"
