@@ -113,7 +113,6 @@ def rel_err(out, ref) -> float:
 def decode_point(batch, heads, kv_heads, kv_len, block_sizes, reps, memory_gb) -> list[dict]:
     """Records for one (B, H, Hkv, N): each peer once, tileattn once per block size."""
     from ..api_paged import attention_paged
-    from ..engine.layers import paged_prewait
     from ..kernels.attention_paged_sm80 import PagedLaunch
 
     base = {"suite": "decode", "b": batch, "h": heads, "hkv": kv_heads, "kv_len": kv_len, "d": HEAD_DIM,
@@ -144,18 +143,10 @@ def decode_point(batch, heads, kv_heads, kv_len, block_sizes, reps, memory_gb) -
         for bs in block_sizes:
             k_cache, table = paged_from_dense(k, bs, torch.Generator().manual_seed(kv_len))
             v_cache, _ = paged_from_dense(v, bs, torch.Generator().manual_seed(kv_len))  # the same block order
-            # The latency switches (docs/attention_paged.md, "Latency at short contexts") reach the
-            # timed calls from the environment: TILEATTN_PAGED_UNSPLIT_TILES through PagedLaunch's
-            # default, TILEATTN_PAGED_PREWAIT as the engine reads it. The prewait promise holds here:
-            # the kernel before each timed call (the previous call, or the harness's L2 flush) writes
-            # neither q nor the caches.
-            prewait = paged_prewait()
-            call = functools.partial(attention_paged, q_packed, k_cache, v_cache, table, cu_q, seqlens, 1, kv_len,
-                                     prior_kernel_writes_only_new_keys=prewait)
+            call = functools.partial(attention_paged, q_packed, k_cache, v_cache, table, cu_q, seqlens, 1, kv_len)
             plan = PagedLaunch(q_packed, k_cache, v_cache, table, max_seqlen_q=1, causal=True,
                                scale=1 / math.sqrt(HEAD_DIM), return_lse=False, num_splits=None)
-            rec = dict(base, impl="tileattn_paged", block_size=bs, num_splits=plan.num_splits, config=str(plan.config),
-                       unsplit_tiles=plan.unsplit_tiles, prewait=prewait)
+            rec = dict(base, impl="tileattn_paged", block_size=bs, num_splits=plan.num_splits, config=str(plan.config))
             if peer is not None:
                 rec["rel_err_vs_sdpa"] = rel_err(call(), peer)
             rec.update(_timed(call, reps, kv_bytes))

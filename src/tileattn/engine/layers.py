@@ -14,9 +14,7 @@ attention; elsewhere the ops compose the same arithmetic from the separate kerne
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -44,41 +42,14 @@ class AttentionBatch:
     max_seqlen_k: int
 
 
-PREWAIT_ENV = "TILEATTN_PAGED_PREWAIT"
-
-
-def paged_prewait() -> bool:
-    """Whether the engine's attention calls promise prior_kernel_writes_only_new_keys (so the
-    kernel reads the table and lengths and loads the old keys before its PDL wait):
-    TILEATTN_PAGED_PREWAIT = "1" on, "0" or unset off (the default until measured on the H200).
-    Raises ValueError on any other value."""
-    value = os.environ.get(PREWAIT_ENV, "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{PREWAIT_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
 def paged_attention_ops(device: torch.device):
     """(attention_paged, write_kv_cache) for ``device``: tileattn's kernels on CUDA, the pure-torch
     reference elsewhere (same signatures, contract A). Imported here, not at module import, so the
-    engine imports on machines (and at commits) where either is absent.
-
-    On CUDA with TILEATTN_PAGED_PREWAIT=1 (paged_prewait; read here, once per model runner),
-    attention_paged carries prior_kernel_writes_only_new_keys=True. The engine's one call of it,
-    PagedAttention.forward, keeps that promise: the kernel launched just before it is
-    add_rms_norm_qkv_rope_'s rotary + KV write (a tileattn kernel: it waits for the qkv projection
-    before letting attention be scheduled), which writes q and the slots of slot_mapping, and
-    slot_mapping holds exactly the step's tokens of each sequence, positions nk - nq .. nk - 1
-    (decode, prefill, chunked prefill alike; -1 for padded rows), while the blocks shared between
-    sequences (the prefix cache) are full and never written (block_manager). Raises ValueError
-    on a bad TILEATTN_PAGED_PREWAIT."""
+    engine imports on machines (and at commits) where either is absent."""
     if device.type == "cuda":
         import tileattn
 
-        attention = tileattn.attention_paged
-        if paged_prewait():
-            attention = functools.partial(attention, prior_kernel_writes_only_new_keys=True)
-        return attention, tileattn.write_kv_cache
+        return tileattn.attention_paged, tileattn.write_kv_cache
     from tileattn import reference
 
     return reference.attention_paged, reference.write_kv_cache
@@ -247,7 +218,6 @@ class PagedAttention(nn.Module):
             q_weight=self.q_norm.weight if norm else None, k_weight=self.k_norm.weight if norm else None,
             qk_eps=self.q_norm.eps if norm else 1e-6)  # [T, (H + 2 Hkv) d]
         q = qkv[:, :self.q_size].view(tokens, self.heads, d)  # [T, H, d], a strided view of qkv
-        # Right after the rotary + KV write: the promise paged_attention_ops may attach holds here.
         attention_paged = self.ops[0]
         out = attention_paged(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
                               batch.seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k,
