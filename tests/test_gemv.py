@@ -248,23 +248,3 @@ def test_shared_memory_cap():
     assert gemv.shared_memory_bytes(4, 14336) + gemv.STATIC_SMEM_BYTES <= optin
     assert gemv.shared_memory_bytes(5, 14336) + gemv.STATIC_SMEM_BYTES > optin
     assert gemv.shared_memory_bytes(8, 4096) + gemv.STATIC_SMEM_BYTES <= optin
-
-
-@pytest.mark.parametrize("text, want", [(None, 0), ("0", 0), ("192", 192 * 1024), ("65536", 65536 * 1024)])
-def test_l2_prefetch_setting(text, want, monkeypatch):
-    from tileattn.kernels import gemv
-
-    if text is None:
-        monkeypatch.delenv(gemv.L2_PREFETCH_ENV, raising=False)
-    else:
-        monkeypatch.setenv(gemv.L2_PREFETCH_ENV, text)
-    assert gemv.l2_prefetch_bytes() == want
-
-
-@pytest.mark.parametrize("text", ["-1", "1.5", "lots", "65537"])
-def test_l2_prefetch_setting_rejects_bad_values(text, monkeypatch):
-    from tileattn.kernels import gemv
-
-    monkeypatch.setenv(gemv.L2_PREFETCH_ENV, text)
-    with pytest.raises(ValueError, match="TILEATTN_GEMV_L2_PREFETCH_KB"):
-        gemv.l2_prefetch_bytes()

@@ -276,31 +276,6 @@ def test_programmatic_dependent_launch_chain(monkeypatch):
         assert torch.equal(chain(), plain), "the PDL-launched chain differs from the plain one"
 
 
-@pytest.mark.parametrize("kib", [1, 100, 65536])
-@pytest.mark.parametrize("prologue, rows, k, n", [("none", 1, 4096, 4097), ("silu_mul", 4, 1000, 129),
-                                                   ("add_rms_norm", 8, 4096, 31), ("none", 2, 8, 1)])
-def test_l2_prefetch_leaves_results_unchanged(kib, prologue, rows, k, n, monkeypatch):
-    """TILEATTN_GEMV_L2_PREFETCH_KB: each block asks L2 for the first KiB of its weight slice (a
-    slice of a few rows, more than its slice, one row of 16 bytes) before the PDL wait; a hint that
-    must not change a bit of y, launched with PDL behind another GEMV as in the engine."""
-    case = Case(prologue, rows, k, n, torch.bfloat16, seed=kib + n)
-    before = Case("none", rows, 1024, case.x.shape[1], torch.bfloat16, seed=1)
-
-    def chained():
-        case.x = tileattn.linear(before.x, before.weight, before.bias)  # the predecessor writes x
-        return case.call()
-
-    monkeypatch.setenv("TILEATTN_PDL", "1")
-    plain_y, plain_res = chained()
-    monkeypatch.setenv("TILEATTN_GEMV_L2_PREFETCH_KB", str(kib))
-    with poisoned_allocations():
-        y, new_res = chained()
-    assert torch.equal(y, plain_y), f"y differs with a {kib} KiB L2 prefetch"
-    if plain_res is not None:
-        assert torch.equal(new_res, plain_res), "new_residual differs with the L2 prefetch"
-    check(case, monkeypatch)  # and the prefetching launch against float64, as every case
-
-
 def test_cuda_graph_capture_and_replay():
     """Captured with fixed buffers, replayed on new inputs: the same y as eager calls."""
     dtype = torch.bfloat16

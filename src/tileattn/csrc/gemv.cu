@@ -71,23 +71,6 @@ __device__ __forceinline__ void load_chunk(const float* row, int chunks, int c, 
   f[0] = lo.x, f[1] = lo.y, f[2] = lo.z, f[3] = lo.w, f[4] = hi.x, f[5] = hi.y, f[6] = hi.z, f[7] = hi.w;
 }
 
-// Ask L2 for bytes [begin, end) of `base` (16-byte aligned, end - begin a multiple of 16) in
-// 4 KB pieces, one bulk prefetch per thread (no registers held, nothing waited for). Issued before
-// the PDL wait by a block that is resident while the previous kernel still runs: after the decode
-// attention, which leaves HBM idle for ~6 us per layer and most SMs free, the o projection's blocks
-// are scheduled early (the attention releases its dependents on entry) and can pull their weight
-// slices into L2 before attention's output exists (docs/gemv.md, "Weights into L2 during the
-// attention"). sm_90 instruction; on older arches nothing is issued.
-__device__ __forceinline__ void prefetch_l2(const char* base, int64_t begin, int64_t end) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int kPiece = 4096;
-  for (int64_t at = begin + static_cast<int64_t>(threadIdx.x) * kPiece; at < end; at += kThreads * kPiece) {
-    const unsigned bytes = static_cast<unsigned>(min(static_cast<int64_t>(kPiece), end - at));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(base + at), "r"(bytes) : "memory");
-  }
-#endif
-}
-
 // Stage act(x) rows into xs [M][K] fp32. kNone: a copy; kSiluMul: layer_ops' silu_mul.
 template <bool kIsBF16, int kPrologue>
 __device__ __forceinline__ void stage_elementwise(float* xs, const uint4* __restrict__ x, int M, int chunks,
@@ -178,8 +161,7 @@ template <bool kIsBF16, int kPrologue, int kMaxM>
 __global__ void __launch_bounds__(gemv_detail::kThreads, 1)
     gemv(u16* __restrict__ y, const uint4* __restrict__ x, const uint4* __restrict__ weight,
          const u16* __restrict__ bias, const uint4* __restrict__ residual, const uint4* __restrict__ norm_weight,
-         uint4* __restrict__ new_residual, int M, int N, int chunks, int64_t x_st, int64_t res_st, float eps,
-         int l2_prefetch_bytes) {
+         uint4* __restrict__ new_residual, int M, int N, int chunks, int64_t x_st, int64_t res_st, float eps) {
   using namespace layer_ops;
   using namespace gemv_detail;
   static_assert(kMaxM >= 1 && kMaxM <= kMaxRowsM, "M bucket");
@@ -214,12 +196,6 @@ __global__ void __launch_bounds__(gemv_detail::kThreads, 1)
 
   int task = task_begin + warp;
   if (task < task_end) load_step(task, 0);  // before the wait: weights are not the previous kernel's output
-  if (l2_prefetch_bytes > 0) {
-    const int64_t row_bytes = static_cast<int64_t>(chunks) * 16;
-    const int64_t begin = static_cast<int64_t>(task_begin) * kRows * row_bytes;
-    const int64_t end = min(static_cast<int64_t>(task_end) * kRows, static_cast<int64_t>(N)) * row_bytes;
-    prefetch_l2(reinterpret_cast<const char*>(weight), begin, min(end, begin + l2_prefetch_bytes));
-  }
 
   pdl_enter();
   if constexpr (kPrologue == kAddRmsNorm) {

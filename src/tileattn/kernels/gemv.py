@@ -53,24 +53,6 @@ def fits_shared_memory(rows: int, dim: int, device_index: int) -> bool:
 CACHE_LIMIT = 1024
 _plans: dict[tuple, object] = {}
 
-L2_PREFETCH_ENV = "TILEATTN_GEMV_L2_PREFETCH_KB"
-
-
-def l2_prefetch_bytes() -> int:
-    """Bytes of its weight slice that each block asks L2 for before the PDL wait (csrc/gemv.cu's
-    prefetch_l2): TILEATTN_GEMV_L2_PREFETCH_KB kibibytes (default 0, none), read on every plan
-    lookup like TILEATTN_PDL. Raises ValueError for a value that is not an integer in 0..65536."""
-    import os
-
-    text = os.environ.get(L2_PREFETCH_ENV, "0")
-    try:
-        kib = int(text)
-    except ValueError:
-        kib = -1
-    if not 0 <= kib <= 65536:
-        raise ValueError(f"{L2_PREFETCH_ENV} must be an integer number of KiB in 0..65536, got {text!r}")
-    return kib * 1024
-
 
 # Kernel parameters that change per call: the 7 tensor pointers (y ... new_residual, indices 0-6).
 _DYNAMIC = tuple(range(7))
@@ -89,9 +71,8 @@ def launch_gemv(prologue: int, y, x, weight, bias, *, residual=None, norm_weight
     dim = weight.shape[1]
     device = x.device.index
     pdl = pdl_enabled(device)
-    prefetch = l2_prefetch_bytes()
     key = (device, prologue, x.shape, x.stride(), weight.shape, x.dtype, bias is not None,
-           None if residual is None else residual.stride(), eps, pdl, prefetch)
+           None if residual is None else residual.stride(), eps, pdl)
     plan = _plans.get(key)
     if plan is None:
         from ..runtime import LaunchPlan
@@ -105,7 +86,7 @@ def launch_gemv(prologue: int, y, x, weight, bias, *, residual=None, norm_weight
                 _ptr(new_residual), np.int32(rows), np.int32(n), np.int32(dim // 8),
                 np.int64(x.stride(0) // 8 if rows > 1 else 0), np.int64(0 if residual is None or rows == 1 else
                                                                           residual.stride(0) // 8),
-                np.float32(eps), np.int32(prefetch))
+                np.float32(eps))
         if len(_plans) >= CACHE_LIMIT:
             _plans.clear()
         plan = _plans[key] = LaunchPlan(kern, (grid, 1, 1), (THREADS, 1, 1), args,
