@@ -104,7 +104,10 @@ def loader_copies(cfg, d, tid):
 def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
     """One CTA of attention_paged_sm80<d, cfg...>; p holds the launch parameters and tensors.
     Returns (S, the key tiles this CTA visited, the group's key tiles): S is the group's effective
-    split count min(num_splits, max(1, tiles)), the kernel's s_eff."""
+    split count min(num_splits, max(1, tiles)), or 1 at most p["unsplit"] tiles (the kernel's
+    unsplit_tiles, on the one-m-tile layouts), the kernel's s_eff. With p["stale"] (the prewait
+    contract) the prologue tiles wholly below nk - nq are loaded from the stale caches (what the
+    kernel may see before its PDL wait: the new keys' slots NaN), the rest from the final ones."""
     warps_m, warps_n, bm, bn = cfg.warps_m, cfg.warps_n, cfg.block_m, cfg.block_n  # stages: timing only
     threads = 32 * warps_m * warps_n
     chunks = d // 8
@@ -134,17 +137,28 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
         first_tile = max(0, first_tok + diag - va["left"]) // bn
         n_unmasked_first = -(-max(0, last_tok + diag - va["left"]) // bn)
     tiles = -(-kv_end // bn)
-    s_eff = min(p["splits"], max(1, tiles - first_tile))
+    unsplit = p["unsplit"] if m_tiles == 1 else 0
+    s_eff = 1 if tiles - first_tile <= unsplit else min(p["splits"], max(1, tiles - first_tile))
     if split >= s_eff:
         return s_eff, [], list(range(first_tile, tiles))  # an idle split: no load, partial or arrival
     visits = range(first_tile + split, tiles, s_eff)  # strided splits, increasing tiles
     if va is None or va["left"] >= UNBOUNDED:
-        # The prologue's block ids are read before the lengths, for tiles split + s num_splits; the
-        # kernel loads tiles split + s S with them: wherever such a tile is visible they must agree.
+        # The prologue's block ids are read before the lengths: pre_id for tiles split + s num_splits,
+        # pre_one for split 0's walk when S == 1 (tile s; the same entry where s == 0 or
+        # num_splits == 1; unread, i.e. read later by the loader, elsewhere). The kernel loads tile
+        # split + s S with pre_one when S == 1, pre_id otherwise: wherever that tile is visible and
+        # the entry was read, they must name the same tile.
         for s in range(cfg.stages - 1):
-            if first_tile + split + s * s_eff < tiles:
-                assert split + s * s_eff == split + s * p["splits"], (
-                    f"prologue tile {s} of split {split}: S={s_eff}, num_splits={p['splits']}")
+            pre_id = split + s * p["splits"]
+            if s == 0 or p["splits"] == 1:
+                pre_one = pre_id
+            else:
+                pre_one = s if split == 0 and unsplit > 1 else None
+            used = pre_one if s_eff == 1 else pre_id
+            tile = first_tile + split + s * s_eff
+            if tile < tiles and used is not None:
+                assert used == tile, (f"prologue tile {s} of split {split}: S={s_eff}, num_splits={p['splits']}, "
+                                      f"T={unsplit}: entry read for tile {used}, tile {tile} loaded")
     sl2 = p["scale_log2"] if va is None else 1.0  # variant logits are in log2 units already
     n_unmasked = unmasked_end // bn
     table = p["table"][b]
@@ -158,10 +172,12 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
             if grow < rows and 0 <= tok < p["q"].shape[0]:
                 sq[swizzle(d, r, c) : swizzle(d, r, c) + 8] = p["q"][tok, head, 8 * c : 8 * c + 8]
 
-    def load_tile(n):
+    def load_tile(n, early=False):
         """Line-owner loader: thread (g, q) owns rows r0 + i (r0 = g * rows) of one cache block: one
         table read at its first row, the block row offset key0 % bs + i, zero fill for keys past
-        kv_end or an invalid block id; destinations from loader_copies."""
+        kv_end or an invalid block id; destinations from loader_copies. `early`: issued before the
+        PDL wait (from the stale caches)."""
+        k_src, v_src = p["stale"] if early else (p["k_cache"], p["v_cache"])
         sk, sv = np.zeros(bn * row_elems), np.zeros(bn * row_elems)
         bad = False
         for tid in range(threads):
@@ -173,8 +189,8 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
             for i, r, c, at in copies:
                 assert key0 % bs + i < bs, "a thread's rows left its cache block"
                 if in_range and ok and (i == 0 or key0 + i < kv_end):
-                    sk[at : at + 8] = p["k_cache"][page, key0 % bs + i, kv_head, 8 * c : 8 * c + 8]
-                    sv[at : at + 8] = p["v_cache"][page, key0 % bs + i, kv_head, 8 * c : 8 * c + 8]
+                    sk[at : at + 8] = k_src[page, key0 % bs + i, kv_head, 8 * c : 8 * c + 8]
+                    sv[at : at + 8] = v_src[page, key0 % bs + i, kv_head, 8 * c : 8 * c + 8]
             bad |= in_range and not ok
         return sk, sv, bad
 
@@ -184,8 +200,10 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
     for w in range(warps_m * warps_n):
         state.append({"o": np.zeros((m_tiles, d // 8, 32, 4)), "shift": np.full((m_tiles, 2, 32), NO_KEY),
                       "sum": np.zeros((m_tiles, 2, 32))})
-    for n in visits:
-        sk, sv, tile_bad = load_tile(n)
+    for i, n in enumerate(visits):
+        # the prewait contract: the prologue's tiles wholly below nk - nq go before the wait
+        early = p["stale"] is not None and i < cfg.stages - 1 and (n + 1) * bn <= diag
+        sk, sv, tile_bad = load_tile(n, early)
         for w in range(warps_m * warps_n):
             wm, wn = w % warps_m, w // warps_m
             warp_row0 = row0 + wm * rows_per_warp
@@ -304,8 +322,10 @@ def run_cta(cfg, d, p, b, kv_head, split, m_tile, out, lse, o_part, lse_part):
     return s_eff, list(visits), list(range(first_tile, tiles))
 
 
-def model(case, cfg, splits, causal=True, variants=None):
-    """`variants`: None or reference-style options (window, softcap, alibi_slopes): the variant kernel."""
+def model(case, cfg, splits, causal=True, variants=None, unsplit=0, prewait=False):
+    """`variants`: None or reference-style options (window, softcap, alibi_slopes): the variant kernel.
+    `unsplit`: the kernel's unsplit_tiles; `prewait`: the engine contract (loads before the wait
+    see the new keys' slots as NaN, stale_caches)."""
     q, k_cache, v_cache, table, cu, seqlens, max_q = case
     tq, heads, d = q.shape
     kv_heads = k_cache.shape[2]
@@ -313,7 +333,8 @@ def model(case, cfg, splits, causal=True, variants=None):
     p = {"q": q.double().numpy(), "k_cache": k_cache.double().numpy(), "v_cache": v_cache.double().numpy(),
          "table": table.tolist(), "cu": cu.tolist(), "seqlens": seqlens.tolist(), "group": group,
          "block_size": k_cache.shape[1], "max_blocks": table.shape[1], "num_blocks": k_cache.shape[0],
-         "causal": causal, "splits": splits, "scale_log2": LOG2E / math.sqrt(d), "dtype": q.dtype, "variants": None}
+         "causal": causal, "splits": splits, "scale_log2": LOG2E / math.sqrt(d), "dtype": q.dtype, "variants": None,
+         "unsplit": unsplit, "stale": stale_caches(case) if prewait else None}
     if variants is not None:  # as api_paged: causal folded into the window, slopes as [B, H]
         left, right = check_window(variants.get("window"), causal)
         slopes = variants.get("alibi_slopes")
@@ -352,6 +373,22 @@ def model(case, cfg, splits, causal=True, variants=None):
     return out, lse
 
 
+def stale_caches(case):
+    """(k, v) float64 copies of the caches as the kernel may find them before its PDL wait under the
+    prewait contract: the previous kernel has not yet written each sequence's newest nq keys
+    (positions nk - nq .. nk - 1, through the block table), here NaN."""
+    _, k_cache, v_cache, table, cu, seqlens, _ = case
+    k, v = k_cache.double().numpy().copy(), v_cache.double().numpy().copy()
+    bs = k_cache.shape[1]
+    for b in range(table.shape[0]):
+        nq, nk = int(cu[b + 1] - cu[b]), int(seqlens[b])
+        for pos in range(max(nk - nq, 0), min(nk, table.shape[1] * bs)):
+            page = int(table[b, pos // bs])
+            if 0 <= page < k.shape[0]:
+                k[page, pos % bs], v[page, pos % bs] = np.nan, np.nan
+    return k, v
+
+
 def make_case(seqs, heads, kv_heads, d, block_size, seed, dtype=torch.bfloat16):
     gen = torch.Generator().manual_seed(seed)
     pages = [-(-nk // block_size) for _, nk in seqs]
@@ -370,10 +407,10 @@ def make_case(seqs, heads, kv_heads, d, block_size, seed, dtype=torch.bfloat16):
     return q, k_cache, v_cache, table, cu, seqlens, max(nq for nq, _ in seqs)
 
 
-def check(case, cfg, splits, causal=True, variants=None, model_case=None):
+def check(case, cfg, splits, causal=True, variants=None, model_case=None, unsplit=0, prewait=False):
     """The model on `model_case` (default: `case`) against the reference on `case`."""
     q, k_cache, v_cache, table, cu, seqlens, max_q = case
-    out, lse = model(case if model_case is None else model_case, cfg, splits, causal, variants)
+    out, lse = model(case if model_case is None else model_case, cfg, splits, causal, variants, unsplit, prewait)
     ref_out, ref_lse = reference.attention_paged(q, k_cache, v_cache, table, cu, seqlens, max_q, 10**6,
                                                  causal=causal, return_lse=True, compute_dtype=torch.float64,
                                                  **(variants or {}))
@@ -549,3 +586,42 @@ def test_model_effective_splits(splits, variant):
     options = None if variant is None else {"window": (70, 0)}
     causal = variant is None
     check((q, k_cache, v_cache, table, cu, seqlens, max_q), paged.CONFIGS[64][0], splits, causal, options)
+
+
+@pytest.mark.parametrize("unsplit", [0, 2, 4, 1 << 30])
+@pytest.mark.parametrize("prewait", [False, True])
+@pytest.mark.parametrize("layout", [0, 1, 2])
+def test_model_unsplit_and_prewait(unsplit, prewait, layout):
+    """The no-split rule (groups of at most `unsplit` key tiles run split 0 alone over all of them,
+    with the block ids it pre-reads for that walk) and the prewait contract (prologue tiles wholly
+    below nk - nq loaded before the wait, from caches whose new keys are still NaN: a new key read
+    early shows as NaN) on a table sized for long contexts and 3-stage / 2-stage rings; lengths
+    around the 64-key tile edges, decode and multi-token (chunked prefill, speculative) rows, one
+    sequence without keys. The 128-row layout (two m16 tiles per warp) ignores `unsplit`."""
+    cfg = paged.CONFIGS[64][layout]
+    seqs = [(1, 1), (1, 64), (1, 65), (1, 128), (1, 129), (1, 200), (3, 200), (1, 0)]
+    if layout == 2:
+        seqs = [(33, 200), (1, 130), (40, 40)]
+    case = make_case(seqs, 8, 2, 64, 16, seed=400 + layout * 10 + (unsplit & 7) + 3 * prewait)
+    q, k_cache, v_cache, table, cu, seqlens, max_q = case
+    gen = torch.Generator().manual_seed(401)
+    spare = torch.randint(-(2**31), 2**31 - 1, (len(seqs), 1024 // 16), generator=gen, dtype=torch.int64)
+    table = torch.cat([table, spare.to(torch.int32)], dim=1)  # capacity > 1k keys; entries past a length unused
+    for splits in (1, 3, 16):
+        check((q, k_cache, v_cache, table, cu, seqlens, max_q), cfg, splits, unsplit=unsplit, prewait=prewait)
+
+
+@pytest.mark.parametrize("unsplit", [0, 2, 1 << 30])
+def test_model_unsplit_and_prewait_with_a_window(unsplit):
+    """The variant kernel's key range under both switches: a sliding window (70 keys) moves the
+    group's first tile past 0, so split 0's S == 1 walk starts there and reads its block ids in the
+    loader (the window's left edge needs the lengths); prologue tiles wholly below nk - nq still go
+    before the wait."""
+    seqs = [(1, 1), (1, 65), (1, 129), (1, 200), (3, 300), (1, 0)]
+    q, k_cache, v_cache, table, cu, seqlens, max_q = make_case(seqs, 8, 2, 64, 16, seed=450 + (unsplit & 7))
+    gen = torch.Generator().manual_seed(451)
+    spare = torch.randint(-(2**31), 2**31 - 1, (len(seqs), 1024 // 16), generator=gen, dtype=torch.int64)
+    table = torch.cat([table, spare.to(torch.int32)], dim=1)
+    for splits in (1, 3, 16):
+        check((q, k_cache, v_cache, table, cu, seqlens, max_q), paged.CONFIGS[64][0], splits, False,
+              {"window": (70, 0)}, unsplit=unsplit, prewait=True)

@@ -59,6 +59,7 @@ def attention_paged(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
+    prior_kernel_writes_only_new_keys: bool = False,
 ):
     """Attention of packed queries of B sequences against a paged KV cache (forward only).
 
@@ -107,6 +108,16 @@ def attention_paged(
             on every arch); without them the plain kernels run, unchanged. With a variant, Tq and
             the table's capacity max_blocks * block_size must be at most 2^28 (int32 window
             arithmetic).
+        prior_kernel_writes_only_new_keys: bool, a promise by the caller (an engine) about the
+            kernel launched on the stream just before this call: of what this call reads, it
+            writes only q and the cache slots of each sequence's newest nq keys (positions
+            nk - nq .. nk - 1; no other slot of any block a sequence here maps below nk - nq,
+            which holds when blocks shared between sequences are full and never written), and it
+            is a tileattn kernel (or any kernel that waits for its predecessors, griddepcontrol.wait,
+            before letting the next one be scheduled). With it, under programmatic dependent
+            launch, the kernel reads the block table and lengths and starts loading the older keys
+            before waiting for that kernel. Default False: nothing is assumed. A False promise
+            gives wrong results, not an error. A plain bool is required (ValueError otherwise).
 
     Returns:
         out [Tq, H, d] in q's dtype (contiguous), and lse [H, Tq] float32 when return_lse. Rows
@@ -116,7 +127,7 @@ def attention_paged(
         it); all of out is 0 and lse -inf when nothing is launched (Tq, B or max_seqlen_q is 0).
 
     Raises:
-        ValueError: a malformed window, softcap or alibi_slopes (shape, dtype, device, contiguity;
+        ValueError: prior_kernel_writes_only_new_keys not a bool; a malformed window, softcap or alibi_slopes (shape, dtype, device, contiguity;
             checked first, so CPU tensors report them too), or with any of them Tq or the table's
             capacity above 2^28; a non-tensor argument or wrong rank; q/k_cache/v_cache dtypes other than one of
             float16/bfloat16; index tensors that are not int32; shapes that disagree (see above),
@@ -128,6 +139,9 @@ def attention_paged(
             or not on CUDA; with validate=True, bad index contents.
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
+    if type(prior_kernel_writes_only_new_keys) is not bool:
+        raise ValueError(
+            f"prior_kernel_writes_only_new_keys must be a bool, got {prior_kernel_writes_only_new_keys!r}")
     variants = None  # (window left, right with causal folded in, softcap, slopes' metadata)
     if window is not None or softcap or alibi_slopes is not None:
         variants = _variant_key(window, causal, softcap, alibi_slopes)
@@ -139,7 +153,7 @@ def attention_paged(
             cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_q.dtype, seqlens_k.shape, seqlens_k.stride(),
             seqlens_k.dtype, q.get_device(), k_cache.get_device(), v_cache.get_device(), block_table.get_device(),
             cu_seqlens_q.get_device(), seqlens_k.get_device(), max_seqlen_q, causal, scale, return_lse, num_splits,
-            variants,
+            variants, prior_kernel_writes_only_new_keys,
         )  # fmt: skip
         launch = _paged_cache.get(key)
     except (AttributeError, TypeError):  # not tensors / unhashable arguments: the checks say which
@@ -171,7 +185,8 @@ def attention_paged(
             variant_args = VariantArgs(left, right, cap, sb)
         launch = dispatch.paged_launch(q, k_cache, v_cache, block_table, max_seqlen_q=int(max_seqlen_q),
                                        causal=bool(causal), scale=float(scale), return_lse=bool(return_lse),
-                                       num_splits=num_splits, variants=variant_args)
+                                       num_splits=num_splits, variants=variant_args,
+                                       prior_kernel_writes_only_new_keys=prior_kernel_writes_only_new_keys)
         if key is not None:
             if len(_paged_cache) >= CACHE_LIMIT:
                 _paged_cache.clear()

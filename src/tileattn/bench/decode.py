@@ -143,10 +143,12 @@ def decode_point(batch, heads, kv_heads, kv_len, block_sizes, reps, memory_gb) -
         for bs in block_sizes:
             k_cache, table = paged_from_dense(k, bs, torch.Generator().manual_seed(kv_len))
             v_cache, _ = paged_from_dense(v, bs, torch.Generator().manual_seed(kv_len))  # the same block order
+            # TILEATTN_PAGED_UNSPLIT_TILES reaches the timed calls through PagedLaunch's default.
             call = functools.partial(attention_paged, q_packed, k_cache, v_cache, table, cu_q, seqlens, 1, kv_len)
             plan = PagedLaunch(q_packed, k_cache, v_cache, table, max_seqlen_q=1, causal=True,
                                scale=1 / math.sqrt(HEAD_DIM), return_lse=False, num_splits=None)
-            rec = dict(base, impl="tileattn_paged", block_size=bs, num_splits=plan.num_splits, config=str(plan.config))
+            rec = dict(base, impl="tileattn_paged", block_size=bs, num_splits=plan.num_splits, config=str(plan.config),
+                       unsplit_tiles=plan.unsplit_tiles)
             if peer is not None:
                 rec["rel_err_vs_sdpa"] = rel_err(call(), peer)
             rec.update(_timed(call, reps, kv_bytes))

@@ -45,7 +45,8 @@
 // the launch shape and the table's capacity: the grid never depends on the lengths). How many of
 // them work is decided on the device: a group whose rows meet `tiles` key tiles (after the length,
 // causal and window limits) runs S = min(num_splits, max(1, tiles)) splits (the effective count),
-// and split s takes tiles s, s + S, s + 2 S, ... (the variant kernels with a window start at its
+// or S = 1 when tiles <= unsplit_tiles (a kernel parameter, below), and split s takes tiles
+// s, s + S, s + 2 S, ... (the variant kernels with a window start at its
 // first tile instead of 0: first_tile + s, ...). Every CTA of the group computes the same S from
 // the same device-side lengths (nothing in it depends on the split or the KV head). Splits >= S
 // leave right after reading the lengths: no Q or K/V load, no partial, no arrival (an engine's
@@ -59,10 +60,22 @@
 //   L = log sum_s exp(lse_s),  O = sum_s exp(lse_s - L) O_s   (splits with lse_s = -inf weigh 0).
 // Why min(num_splits, tiles) and not fewer (say two tiles per split): a short decode is a chain of
 // dependent latencies, not bytes, and one tile per split is the shortest chain per CTA; and with
-// this rule S < num_splits only when every split has at most one tile, so the prologue's second
+// this rule 1 < S < num_splits only when every split has at most one tile, so the prologue's second
 // and later tiles (s + S, ...) are past the length whenever S differs from num_splits and the
-// block ids read before the lengths (for tiles s + i num_splits) stay exact.
+// block ids read before the lengths (for tiles s + i num_splits) stay exact; S == 1 by the rule
+// below is the one other case, handled in the prologue.
 // One launch, no second kernel: the combine of a group overlaps the other groups' key loops.
+//
+// No split at short contexts (unsplit_tiles = T, a run-time parameter; 0: the rule above alone;
+// the 16- and 64-row layouts only, see the prologue).
+// At a few tiles the split is not bandwidth but latency: after its tile, a split's chain goes on
+// with the partial stores + the acq_rel arrival (one global round trip) and, in the last CTA, the
+// partials' read-back (another) before out is written. One CTA walking all T tiles instead loads
+// them through the kStages-deep ring: with tiles <= kStages - 1 every load is in flight at once
+// (the same one round trip as one tile per split), with tiles <= 2 (kStages - 1) two round trips
+// (one more, but no arrival and no combine), plus the math of the extra tiles in one CTA.
+// docs/attention_paged.md ("Latency at short contexts") counts it; the host
+// chooses T (TILEATTN_PAGED_UNSPLIT_TILES; default "auto" = kStages - 1, measured +0.3 % in the engine decode).
 
 // ---- Memory pipeline ----------------------------------------------------------------------------
 // Decode reads K and V once and does G FLOPs per byte of them (G = H / Hkv): it is bound by HBM
@@ -96,7 +109,8 @@
 // write) is still running, and the next kernel (the o projection) may be scheduled while this one
 // runs. So every CTA executes griddepcontrol.wait before its first global access of any kind (the
 // block table, lengths, q, the caches, the split counters and partials, out / lse, the L2
-// prefetches): only index arithmetic on kernel parameters and blockIdx precedes it. Every CTA,
+// prefetches): only index arithmetic on kernel parameters and blockIdx precedes it (unless the
+// caller states the engine contract below: then reads of what the previous kernel cannot write). Every CTA,
 // including the splits and M tiles that turn out idle: a successor's own wait returns when this
 // grid completes, and that implies the predecessor's writes only if no CTA of this grid could
 // complete before them. The release (griddepcontrol.launch_dependents) follows right after the
@@ -105,6 +119,19 @@
 // that grid's wait still waits for this one's completion and memory flush, so the split counters
 // are back at zero and out / lse written before it reads them. Without the attribute both are
 // no-ops; on sm_80 they compile to nothing.
+// The engine contract (prewait != 0; attention_paged's prior_kernel_writes_only_new_keys): the
+// kernel launched just before this one writes, of what this kernel reads, only q and the cache
+// slots of each sequence's newest nq keys (positions >= nk - nq), and it ran its own
+// griddepcontrol.wait before letting this grid be scheduled (every tileattn kernel does, at entry),
+// so everything before it on the stream has completed and flushed when a CTA of this grid first
+// runs. Then the block table, cu_seqlens_q / seqlens_k and every key below nk - nq are final at
+// the CTA's start: it reads the table and lengths and issues the cp.async of its prologue tiles
+// that lie wholly below nk - nq BEFORE the wait (off the critical path: the previous kernel's tail
+// hides them), and only Q, the tile holding the new keys and everything after waits. Every store
+// (out, lse, the padding rows, the partials, the counters) stays after the wait: torch's
+// stream-ordered allocator may hand this launch memory the previous kernel still uses. And the
+// release still follows the wait: the next kernel (the o GEMV) relies on the same induction
+// ("two launches back has completed") that this contract does.
 #include "common/pdl.cuh"
 #include "common/sm80_tile.cuh"
 #include "common/variants.cuh"
@@ -289,7 +316,8 @@ __device__ __forceinline__ void zero_padding_rows(u16* out, float* lse, int firs
 // decode needs no mask at all, so it costs nothing there). When num_splits > 1, o_part/lse_part
 // take the partials of the groups whose effective split count S (see the header) is > 1, and
 // `counters` (int32 [M tiles * Hkv * B], zero at launch, zero again at the end) counts each such
-// group's arrivals; lse may be null.
+// group's arrivals; lse may be null. unsplit_tiles >= 0: groups of at most that many key tiles
+// run as one split (see the header); prewait: 1 under the engine contract (the PDL section).
 // kVariants (common/variants.cuh; the plain entry point passes false and Variants{}, and every
 // variant line is under `if constexpr`, so the plain kernels keep their code): window, softcap and
 // ALiBi from `va`, each a run-time, CTA-uniform choice; causal is the window's right edge 0 (the
@@ -308,7 +336,8 @@ __device__ __forceinline__ void attention_paged_body(
     u16* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part,
     int* __restrict__ counters, int64_t q_st, int64_t q_sh, int64_t k_sb, int64_t k_sr, int64_t k_sh, int64_t v_sb,
     int64_t v_sr, int64_t v_sh, int bt_stride, int num_blocks, int max_blocks, int log2_block_size, int num_tokens,
-    int heads, int group, int num_splits, int causal, float scale_log2, const Variants& va) {
+    int heads, int group, int num_splits, int causal, float scale_log2, int unsplit_tiles, int prewait,
+    const Variants& va) {
   using namespace paged;
   constexpr int kWarps = kWarpsM * kWarpsN;
   constexpr int kThreads = kWarps * 32;
@@ -363,33 +392,61 @@ __device__ __forceinline__ void attention_paged_body(
   const int b = blockIdx.z;
   const int* const bt_row = block_table + static_cast<int64_t>(b) * bt_stride;
 
-  // Programmatic dependent launch (see the header): nothing above touches global memory; every
-  // CTA waits here for the previous kernel's writes (the rotary's q, the KV write), then lets the
-  // next kernel be scheduled.
-  pdl_wait();
-  pdl_release_dependents();
+  // Programmatic dependent launch (see the header): nothing above touches global memory. Without
+  // the engine contract (prewait == 0) every CTA waits here for the previous kernel's writes (the
+  // rotary's q, the KV write), then lets the next kernel be scheduled. With it, the CTA first does
+  // what the contract allows (the block table, the lengths, the old keys' tiles) and waits below,
+  // before its first load of anything the previous kernel may write.
+  const bool early = prewait != 0;  // CTA-uniform (a kernel parameter)
+  if (!early) {
+    pdl_wait();
+    pdl_release_dependents();
+  }
 
   // ---- Block ids of the prologue's tiles, read before the lengths --------------------------------
-  // Split s visits tiles s, s + S, s + 2 S, ...; S (the effective split count) needs the lengths,
-  // but wherever S < num_splits a split has at most one tile (see the header), so the tiles
-  // s + i num_splits name every prologue tile that can be visible: their table entries (this
-  // thread's loader rows' block) are known now, and reading them together with the lengths takes
-  // one dependent global round trip (~1 us after an L2 miss) off the path to the first K/V load.
-  // (A split that turns out to be idle has read kStages - 1 table entries in that same round trip,
-  // and waits for nothing else.) Only entries inside the table row (keys below its capacity) are
-  // read; whether a key is visible is decided once the lengths are known. (Variants: with a
-  // window's left edge the first tile depends on the lengths, so those launches read these entries
-  // after them, in the loader; softcap / ALiBi alone start at tile 0 like the plain kernel.)
-  // `pre`: the row's block id when already read (the prologue's tiles), kReadTable otherwise.
+  // Split s visits tiles s, s + S, s + 2 S, ...; S (the effective split count) needs the lengths.
+  // Where S > 1, either S == num_splits or every split has at most one tile (see the header), so
+  // the tiles s + i num_splits name every prologue tile that can be visible (pre_id). Where S == 1
+  // only split 0 works and it walks tiles 0, 1, 2, ...: with num_splits == 1 those are the same
+  // tiles; otherwise S == 1 either because the group has at most one tile (tile 0 is
+  // `split + 0 num_splits`, the others are past the length and their ids unused) or because it has
+  // at most T of them, where split 0's prologue tiles 1 .. kStages - 2 differ from
+  // pre_id's: split 0 reads those entries too (pre_one; one more table entry per stage in the same
+  // round trip, only when T > 1 and num_splits > 1; kReadTable elsewhere: a split > 0
+  // with S == 1 is idle). So whichever S the lengths give, the entries the prologue uses are exact,
+  // and reading them together with the lengths takes one dependent global round trip (~1 us after
+  // an L2 miss) off the path to the first K/V load. (A split that turns out to be idle has read
+  // kStages - 1 table entries in that same round trip, and waits for nothing else.) Only entries
+  // inside the table row (keys below its capacity) are read; whether a key is visible is decided
+  // once the lengths are known. (Variants: with a window's left edge the first tile depends on the
+  // lengths, so those launches read these entries after them, in the loader; softcap / ALiBi alone
+  // start at tile 0 like the plain kernel.) `pre`: the row's block id when already read (the
+  // prologue's tiles), kReadTable otherwise.
   constexpr int kReadTable = -2;
-  int pre_id[kStages - 1];
+  // The no-split rule's tile count T (see the header), on the 16- and 64-row layouts only: the
+  // two-m-tile prefill tiles are compute-bound, and the sm_90a 128 x 64 one sits at 255 registers,
+  // where the rule's one run-time compare makes ptxas spill 88 bytes in the main loop.
+  const int unsplit = kMTiles == 1 ? unsplit_tiles : 0;
+  const bool table_first = !(kVariants && va.left < kUnbounded);
+  const int capacity = max_blocks << log2_block_size;
+  const int my_row = tid / kLoadTPR * kLoadRows;  // this thread's first loader row in a tile
+  int pre_id[kStages - 1];   // tile split + s num_splits (the split walk, S > 1 or num_splits == 1)
+  int pre_one[kStages - 1];  // tile s of split 0's walk when S == 1
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (kVariants && va.left < kUnbounded) {
+    if (!table_first) {
       pre_id[s] = kReadTable;
     } else {
-      const int key = (split + s * num_splits) * kBlockN + tid / kLoadTPR * kLoadRows;
-      pre_id[s] = key < (max_blocks << log2_block_size) ? ldg_now(bt_row + (key >> log2_block_size)) : -1;
+      const int key = (split + s * num_splits) * kBlockN + my_row;
+      pre_id[s] = key < capacity ? ldg_now(bt_row + (key >> log2_block_size)) : -1;
+    }
+    if (s == 0 || num_splits == 1) {
+      pre_one[s] = pre_id[s];  // the same tile
+    } else if (table_first && split == 0 && unsplit > 1) {
+      const int key = s * kBlockN + my_row;
+      pre_one[s] = key < capacity ? ldg_now(bt_row + (key >> log2_block_size)) : -1;
+    } else {
+      pre_one[s] = kReadTable;
     }
   }
 
@@ -404,8 +461,8 @@ __device__ __forceinline__ void attention_paged_body(
   // leaves after the prologue: an exit here would let the compiler sink the block-id loads above
   // below it, behind the lengths.
   const bool live = row0 < rows;
-  const int nk_read = min(nk, max_blocks << log2_block_size);  // never past the block table
-  const int diag = nk - nq;             // token i sees keys j <= i + diag
+  const int nk_read = min(nk, capacity);  // never past the block table
+  const int diag = nk - nq;             // token i sees keys j <= i + diag; keys >= diag are the new ones
   KeyRange kr;
   int s_eff;                 // S: the splits of this group that work, the same in all its CTAs
   int first_tile = 0;        // variants: the first tile that meets a row's window (plain: 0)
@@ -424,19 +481,26 @@ __device__ __forceinline__ void attention_paged_body(
       kr.unmasked_end = !live ? 0 : causal ? max(0, min(nk_read, first_tok + diag + 1)) : nk_read;
     }
     // Key tiles some row of the group sees (< 0 when a window lies past the table's capacity).
+    // At most `unsplit` of them: one split (see the header, "No split at short contexts").
     const int tiles = (kr.kv_end + kBlockN - 1) / kBlockN - first_tile;
-    s_eff = min(num_splits, max(1, tiles));
-    kr.n_iter = tiles > split ? (tiles - 1 - split) / s_eff + 1 : 0;
-  }
-  // A split past S has no tile and no part in the combine: it only takes its share of the padding
-  // rows (the share is per CTA of the grid) and leaves, with no Q or K/V load, no partial and no
-  // arrival (the S-th arrival resets the group's counter, so counters still end at zero).
-  if (split >= s_eff) {
-    if (q_total < num_tokens)
-      zero_padding_rows<kHeadDim, kThreads>(out, lse, max(q_total, 0), num_tokens, heads);
-    return;
+    s_eff = tiles <= unsplit ? 1 : min(num_splits, max(1, tiles));
+    // 0 for the splits >= S (with S == 1 by the T rule a split > 0 can lie below `tiles`): they
+    // must issue no cp.async (the contract's early loads included: a CTA that exits with copies in
+    // flight would let them land in the shared memory of the next CTA on its SM) and no prefetch.
+    kr.n_iter = split < s_eff && tiles > split ? (tiles - 1 - split) / s_eff + 1 : 0;
   }
   const int n_iter = kr.n_iter;
+  if (n_iter > kStages - 1) {
+    // Warm the table slice: entries [first, last] of the table row, from the first tile the main
+    // loop reads to the last key this split visits (the other splits' entries in between come
+    // along: a few 128-byte lines): addresses 128 B apart (the last one clamped) touch every line
+    // of the slice once. (Before the wait under the contract: the table is not the previous
+    // kernel's to write.)
+    const int first = ((first_tile + split + (kStages - 1) * s_eff) * kBlockN) >> log2_block_size;
+    const int last =
+        (min((first_tile + split + (n_iter - 1) * s_eff + 1) * kBlockN, kr.kv_end) - 1) >> log2_block_size;
+    for (int e = first + 32 * tid; e < last + 32; e += 32 * kThreads) prefetch_l2(bt_row + min(e, last));
+  }
   // The variant kernels' scores are log2-unit logits already when the softmax sees them.
   const float sl2 = kVariants ? 1.f : scale_log2;
   const int n_unmasked_tiles = kr.unmasked_end / kBlockN;  // tiles below this need no length/causal mask
@@ -489,17 +553,54 @@ __device__ __forceinline__ void attention_paged_body(
       }
     return in_range && !ok;
   };
+  // The prologue's tile of ring slot s, and its block id as read above (pre_one: split 0's walk
+  // when S == 1, the only split working then; pre_id otherwise).
+  auto prologue_tile = [&](int s) { return first_tile + split + s * s_eff; };
+  auto prologue_pre = [&](int s) { return s_eff == 1 ? pre_one[s] : pre_id[s]; };
 
-  // ---- Prologue: warm the table slice, Q (own commit group), then kStages - 1 K/V tiles -------------
-  if (n_iter > kStages - 1) {
-    // Entries [first, last] of the table row, from the first tile the main loop reads to the last
-    // key this split visits (the other splits' entries in between come along: a few 128-byte
-    // lines): addresses 128 B apart (the last one clamped) touch every line of the slice once.
-    const int first = ((first_tile + split + (kStages - 1) * s_eff) * kBlockN) >> log2_block_size;
-    const int last =
-        (min((first_tile + split + (n_iter - 1) * s_eff + 1) * kBlockN, kr.kv_end) - 1) >> log2_block_size;
-    for (int e = first + 32 * tid; e < last + 32; e += 32 * kThreads) prefetch_l2(bt_row + min(e, last));
+  // Bit s: some thread-visible key of the tile in ring slot s had an invalid block id (this
+  // thread's view; the CTA-wide OR is taken at the barrier that starts the tile).
+  unsigned bad_slots = 0;
+  // Bit s: ring slot s's prologue tile was issued before the wait (the engine contract).
+  unsigned early_slots = 0;
+  if (early) {
+    // ---- Under the engine contract: the old keys' tiles before the wait ---------------------------
+    // The kernel launched just before this one writes, of what this kernel reads, only q and the
+    // cache slots of each sequence's newest nq keys (positions >= nk - nq = diag), and it waited
+    // for everything before it (every tileattn kernel runs griddepcontrol.wait before its
+    // launch_dependents): so the table, the lengths and every key below diag are final already,
+    // and a prologue tile wholly below diag ((n + 1) kBlockN <= diag) may be issued now. The tile
+    // holding diag (the new keys), Q, the later tiles (the main loop), the partials, the counters
+    // and every store stay after the wait: each is an asm volatile ("memory") or follows one in
+    // program order, and pdl_wait's "memory" clobber keeps the compiler from hoisting them above
+    // it. These cp.async form their own commit group, older than Q's: every cp_async_wait below
+    // allows only the newest groups to be pending, so an older group only ever completes sooner,
+    // and the Q wait (and the first tile's) waits for it too; the accounting of Q and the ring
+    // slots below is exactly the one without the contract. Idle splits and M tiles past the rows
+    // (n_iter == 0) issue nothing and still wait (see the header: every CTA waits).
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      const int n = prologue_tile(s);
+      if (s < n_iter && (n + 1) * kBlockN <= diag) {
+        bad_slots |= static_cast<unsigned>(load_tile(n, s, prologue_pre(s))) << s;
+        early_slots |= 1u << s;
+      }
+    }
+    cp_async_commit();
+    pdl_wait();
+    pdl_release_dependents();
   }
+  // A split past S has no tile and no part in the combine: it only takes its share of the padding
+  // rows (the share is per CTA of the grid) and leaves, with no Q or K/V load, no partial and no
+  // arrival (the S-th arrival resets the group's counter, so counters still end at zero; with
+  // S == 1 nothing arrives at all).
+  if (split >= s_eff) {
+    if (q_total < num_tokens)
+      zero_padding_rows<kHeadDim, kThreads>(out, lse, max(q_total, 0), num_tokens, heads);
+    return;
+  }
+
+  // ---- Prologue: Q (own commit group), then kStages - 1 K/V tiles ---------------------------------
   for (int id = tid; id < kBlockM * kChunks; id += kThreads) {
     const int r = id / kChunks, c = id % kChunks;
     const int grow = row0 + r;
@@ -510,16 +611,14 @@ __device__ __forceinline__ void attention_paged_body(
     cp_async_16(sQ + Tile::chunk(r, c), src, valid);
   }
   cp_async_commit();
-  // Bit s: some thread-visible key of the tile in ring slot s had an invalid block id (this
-  // thread's view; the CTA-wide OR is taken at the barrier that starts the tile).
-  unsigned bad_slots = 0;
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    // Unconditional (s >= n_iter: keys past kv_end, zero-filled, nothing read), so the block-id
-    // loads feed an unconditional use and are issued with the length loads. pre_id[s] is the
-    // entry of tile split + s num_splits: the same tile when S == num_splits; otherwise s == 0
-    // (tile `split` either way) or the tile is past kv_end and its id unused.
-    bad_slots |= static_cast<unsigned>(load_tile(first_tile + split + s * s_eff, s, pre_id[s])) << s;
+    // Unconditional apart from the contract's early tiles (s >= n_iter: keys past kv_end,
+    // zero-filled, nothing read), so the block-id loads feed a use and are issued with the length
+    // loads. prologue_pre(s) is the entry of tile prologue_tile(s) wherever that tile is visible
+    // (see "Block ids of the prologue's tiles").
+    if (!((early_slots >> s) & 1u))
+      bad_slots |= static_cast<unsigned>(load_tile(prologue_tile(s), s, prologue_pre(s))) << s;
     cp_async_commit();  // empty groups keep "tile it has landed" = wait_group(kStages - 2)
   }
   // Padding rows (past cu_seqlens_q[B]): every CTA its share, while its first tiles land.
@@ -539,7 +638,7 @@ __device__ __forceinline__ void attention_paged_body(
 
   u32 q_frag[kQInRegs ? kKSteps : 1][4];
   if constexpr (kQInRegs) {
-    cp_async_wait<kStages - 1>();  // the Q group (committed first) landed for this thread
+    cp_async_wait<kStages - 1>();  // the Q group (and the contract's older early group) landed for this thread
     __syncthreads();               // ... and for every thread
     const LdsmLane<Tile, true, true, kKSteps> lq(sQ, wm * kRowsPerWarp, 0, lane);  // this warp's rows
 #pragma unroll
@@ -871,11 +970,12 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
                          int64_t q_st, int64_t q_sh,
                          int64_t k_sb, int64_t k_sr, int64_t k_sh, int64_t v_sb, int64_t v_sr, int64_t v_sh,
                          int bt_stride, int num_blocks, int max_blocks, int log2_block_size, int num_tokens,
-                         int heads, int group, int num_splits, int causal, float scale_log2) {
+                         int heads, int group, int num_splits, int causal, float scale_log2, int unsplit_tiles,
+                         int prewait) {
   attention_paged_body<kHeadDim, kBlockM, kWarpsM, kWarpsN, kBlockN, kStages, kIsBF16, false>(
       q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, out, lse, o_part, lse_part, counters, q_st, q_sh,
       k_sb, k_sr, k_sh, v_sb, v_sr, v_sh, bt_stride, num_blocks, max_blocks, log2_block_size, num_tokens, heads, group,
-      num_splits, causal, scale_log2, Variants{});
+      num_splits, causal, scale_log2, unsplit_tiles, prewait, Variants{});
 }
 
 // With variants (window, softcap, ALiBi; common/variants.cuh): the plain kernel's parameters, then
@@ -891,11 +991,11 @@ __global__ void __launch_bounds__(kWarpsM * kWarpsN * 32, 1)
                                   int64_t q_sh, int64_t k_sb, int64_t k_sr, int64_t k_sh, int64_t v_sb, int64_t v_sr,
                                   int64_t v_sh, int bt_stride, int num_blocks, int max_blocks, int log2_block_size,
                                   int num_tokens, int heads, int group, int num_splits, int causal, float scale_log2,
-                                  VARIANT_PARAMS) {
+                                  int unsplit_tiles, int prewait, VARIANT_PARAMS) {
   attention_paged_body<kHeadDim, kBlockM, kWarpsM, kWarpsN, kBlockN, kStages, kIsBF16, true>(
       q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, out, lse, o_part, lse_part, counters, q_st, q_sh,
       k_sb, k_sr, k_sh, v_sb, v_sr, v_sh, bt_stride, num_blocks, max_blocks, log2_block_size, num_tokens, heads, group,
-      num_splits, causal, scale_log2, VARIANTS_FROM_PARAMS);
+      num_splits, causal, scale_log2, unsplit_tiles, prewait, VARIANTS_FROM_PARAMS);
 }
 
 }  // namespace tileattn

@@ -19,6 +19,18 @@ every call and picks one of the launch's two plans (PagedLaunch._plan), so a cac
 follows a switch. TILEATTN_PAGED_PDL=0 launches this family without the attribute while the others
 keep it (to measure what PDL saves around attention).
 
+Two latency options for short contexts (docs/attention_paged.md, "Latency at short contexts",
+measured on the H200 in the engine's decode):
+- unsplit_tiles (T): a (sequence, KV head) group of at most T key tiles runs as one split (no
+  partials, arrival or combine). PagedLaunch's `unsplit_tiles`, default from
+  TILEATTN_PAGED_UNSPLIT_TILES (read once per process: a non-negative int, or "auto" for the
+  config's stages - 1, the most tiles whose loads are all in flight at once; unset: "auto", +0.3 %
+  in the engine's decode; 0 restores the split-per-tile rule).
+- prior_kernel_writes_only_new_keys: the caller's contract under which the kernel reads the block
+  table and lengths and issues the old keys' tile loads before its PDL wait (the kernel's header,
+  "Programmatic dependent launch"). Never assumed; measured 10 % slower in the engine's decode, so
+  the engine does not use it.
+
 Three warp layouts per head dim, picked by the rows one (sequence, KV head) problem can have,
 max_seqlen_q * G: up to 16 (decode, GQA decode, short speculative runs) one m16 tile whose keys
 are split over 4 warps; up to 64 a 64-row tile of 4 warps; more (chunked prefill) 128 rows, 32 per
@@ -170,8 +182,8 @@ def choose_num_splits(ctas: int, sm_count: int, ctas_per_sm: int, capacity: int,
     wave efficiency, trades splits for its second combine kernel's work; here the combine runs in
     the last CTA of each group. B=1 MHA at 4k keys: 8 splits of 8 tiles, 256 CTAs, instead of 7 of
     up to 10; B=1 GQA-4: 32 of 2 tiles instead of 28 of up to 3.) This is the grid's count; each
-    (M tile, KV head, sequence) group runs min(num_splits, max(1, its key tiles)) of them, decided
-    in the kernel from the device-side lengths (the others leave at once), so a table sized for a
+    (M tile, KV head, sequence) group runs min(num_splits, max(1, its key tiles)) of them (one
+    where it has at most unsplit_tiles key tiles), decided in the kernel from the device-side lengths (the others leave at once), so a table sized for a
     long context costs short sequences no partials or combine work.
     """
     slots = sm_count * ctas_per_sm
@@ -189,6 +201,33 @@ def _load(device_index: int, arch: str, expr: str, smem: int):
     if smem:
         kern.reserve_dynamic_smem(smem)  # > 48 KB needs the opt-in attribute, once
     return kern
+
+
+UNSPLIT_TILES_ENV = "TILEATTN_PAGED_UNSPLIT_TILES"
+_unsplit_env: list = []  # [the parsed TILEATTN_PAGED_UNSPLIT_TILES] once read
+
+
+def parse_unsplit_tiles(value: str | None) -> int | str:
+    """TILEATTN_PAGED_UNSPLIT_TILES's value: None, "" or "auto" -> "auto" (the default), a
+    non-negative decimal int -> that int (0: no group runs unsplit). Raises ValueError naming the
+    variable otherwise."""
+    if value is None or value.strip() == "":
+        return "auto"
+    text = value.strip()
+    if text == "auto":
+        return "auto"
+    if not text.isdigit():  # digits only: no sign, no "1.5", no "2e3"
+        raise ValueError(f"{UNSPLIT_TILES_ENV} must be a non-negative int or 'auto', got {value!r}")
+    return int(text)
+
+
+def default_unsplit_tiles(config: PagedConfig) -> int:
+    """T for launches that do not pass one: TILEATTN_PAGED_UNSPLIT_TILES (read at the first call of
+    the process; later changes of the variable are not seen), "auto" meaning config.stages - 1."""
+    if not _unsplit_env:
+        _unsplit_env.append(parse_unsplit_tiles(os.environ.get(UNSPLIT_TILES_ENV)))
+    value = _unsplit_env[0]
+    return config.stages - 1 if value == "auto" else value
 
 
 def pdl_launch(device_index: int) -> bool:
@@ -265,10 +304,15 @@ class PagedLaunch:
     call). Calling it allocates out/lse/workspaces and launches one kernel."""
 
     def __init__(self, q, k_cache, v_cache, block_table, *, max_seqlen_q: int, causal: bool, scale: float,
-                 return_lse: bool, num_splits: int | None, config: PagedConfig | None = None, variants=None):
+                 return_lse: bool, num_splits: int | None, config: PagedConfig | None = None, variants=None,
+                 unsplit_tiles: int | None = None, prior_kernel_writes_only_new_keys: bool = False):
         """`variants`: None (the plain kernel) or an attention_fwd_sm80.VariantArgs without dropout
         (window edges with causal folded in, softcap, the ALiBi batch stride): the variant kernel,
-        whose launch then takes the slopes (or None) per call; `causal` must be False then."""
+        whose launch then takes the slopes (or None) per call; `causal` must be False then.
+        `unsplit_tiles`: int >= 0, groups of at most that many key tiles run unsplit (None: the
+        process default, default_unsplit_tiles). `prior_kernel_writes_only_new_keys`: the engine
+        contract (api_paged.attention_paged's argument of that name). Raises ValueError on a
+        negative or non-int unsplit_tiles."""
         from ..runtime import device_arch, device_sm_count, device_smem_optin
 
         num_tokens, heads, head_dim = q.shape
@@ -287,6 +331,13 @@ class PagedLaunch:
             num_splits = choose_num_splits(batch * kv_heads * m_tiles, device_sm_count(device), per_sm,
                                            max_blocks * block_size, config.block_n)
         self.num_splits = num_splits = max(1, min(num_splits, MAX_SPLITS, 65535 // kv_heads))
+        if unsplit_tiles is None:
+            unsplit_tiles = default_unsplit_tiles(config)
+        if isinstance(unsplit_tiles, bool) or not isinstance(unsplit_tiles, (int, np.integer)) or unsplit_tiles < 0:
+            raise ValueError(f"unsplit_tiles must be an int >= 0 or None, got {unsplit_tiles!r}")
+        # int32 in the kernel: any count past the table's tiles means "never split" already.
+        self.unsplit_tiles = min(int(unsplit_tiles), 2**31 - 1)
+        self.prewait = bool(prior_kernel_writes_only_new_keys)
         self.config = config
         self.out_shape = (num_tokens, heads, head_dim)
         self.lse_shape = (heads, num_tokens) if return_lse else None
@@ -303,6 +354,7 @@ class PagedLaunch:
             i64(v_cache.stride(0)), i64(v_cache.stride(1)), i64(v_cache.stride(2)),
             i32(block_table.stride(0)), i32(num_blocks), i32(max_blocks), i32(block_size.bit_length() - 1),
             i32(num_tokens), i32(heads), i32(group), i32(num_splits), i32(bool(causal)), np.float32(scale * LOG2E),
+            i32(self.unsplit_tiles), i32(self.prewait),
         )  # fmt: skip
         dynamic = tuple(range(11))
         self.variants = variants
@@ -377,12 +429,15 @@ __all__ = [
     "DECODE_TUNING",
     "PagedLaunch",
     "PLAIN_INSTANTIATIONS",
+    "UNSPLIT_TILES_ENV",
     "VARIANT_INSTANTIATIONS",
     "arrival_counters",
     "bytes_read",
     "choose_num_splits",
     "configs",
+    "default_unsplit_tiles",
     "expression",
+    "parse_unsplit_tiles",
     "pdl_launch",
     "pick_config",
     "variant_expression",

@@ -318,12 +318,13 @@ def varlen_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_
 
 
 def paged_launch(q, k_cache, v_cache, block_table, *, max_seqlen_q: int, causal: bool, scale: float,
-                 return_lse: bool, num_splits: int | None, variants=None):
+                 return_lse: bool, num_splits: int | None, variants=None,
+                 prior_kernel_writes_only_new_keys: bool = False):
     """The callable that runs attention_paged for these (already validated) tensors:
     `launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, alibi_slopes=...)` ->
     (out, lse or None). The Hopper paged forward for prefill-shaped calls whose (head dim,
     block_size) SM90_PAGED_PREFILL lists on sm_90a, the sm80 paged kernel (split-KV, variants)
-    otherwise."""
+    otherwise; only the latter uses prior_kernel_writes_only_new_keys (the Hopper one waits first)."""
     from ..runtime import device_arch
     from .attention_paged_sm80 import PagedLaunch
 
@@ -339,4 +340,5 @@ def paged_launch(q, k_cache, v_cache, block_table, *, max_seqlen_q: int, causal:
                                                 causal=causal, scale=scale, return_lse=return_lse)
     return PagedLaunch(q, k_cache, v_cache, block_table, max_seqlen_q=max_seqlen_q,
                        causal=causal and variants is None, scale=scale, return_lse=return_lse,
-                       num_splits=num_splits, variants=variants)
+                       num_splits=num_splits, variants=variants,
+                       prior_kernel_writes_only_new_keys=prior_kernel_writes_only_new_keys)
