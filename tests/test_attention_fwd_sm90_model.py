@@ -494,6 +494,20 @@ def test_tiles_cover_every_query_row_once_longest_first(causal, l2_bytes):
                 assert all(order[t][1:] == order[t - 1][1:] for t in range(1, len(order)) if t % m_blocks)
 
 
+@pytest.mark.parametrize("head_dim", af.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_config_is_persistent_only_at_the_measured_short_key_ranges(head_dim, causal):
+    base = af.DEFAULTS[(head_dim, causal)]
+    limit = af.PERSISTENT_MAX_KEYS.get((head_dim, causal))
+    for seqlen_k in (0, 1, 2047, 2048, 2049, 4096, 32768):
+        got = af.default_config(head_dim, causal, seqlen_k)
+        persistent = limit is not None and seqlen_k <= limit
+        assert got == (af.Sm90Config(base.block_n, base.stages, base.pingpong, True) if persistent else base), (
+            f"d={head_dim} causal={causal} seqlen_k={seqlen_k}: {got}")
+        # the same compiled kernel either way: persistence is a grid choice
+        assert af.expression(head_dim, got, causal, True) == af.expression(head_dim, base, causal, True)
+
+
 def test_gqa_pack_choice():
     assert af.gqa_pack(8, 1, 1) == 8 and af.gqa_pack(8, 2, 17) == 4  # decode / short chunks: pack
     assert af.gqa_pack(8, 8, 1) == 1 and af.gqa_pack(6, 2, 1) == 1  # no group; group of 3 does not divide 128

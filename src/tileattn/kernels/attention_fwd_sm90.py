@@ -33,7 +33,7 @@ attention_fwd_sm80.forward_varlen_plan, so that tileattn.api_varlen can use eith
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -89,6 +89,27 @@ DEFAULTS: dict[tuple[int, bool], Sm90Config] = {
     (256, False): C(64, 2),
     (256, True): C(64, 2),
 }
+# Short key ranges run the same kernel on a persistent grid (one CTA per SM walking the tiles): a
+# tile of <= 16 key blocks spends a larger share of its time outside the overlapped main loop (Q
+# load, pipeline fill, epilogue), which the persistent schedule overlaps with the next tile (its
+# producer loads the next Q and K/V during the consumers' epilogue). Measured on the H200
+# (2026-12-02, `tileattn bench attention --tune --forward-only --seq 2048 --seq 4096`, B=4 H=32 bf16,
+# docs/runs/tune-fwd-short-d*-h200-2026-12-02-450b883.json), persistent / one CTA per tile: d=128
+# 1.045 / 1.049 (non-causal / causal) at N=2048, 0.978 / 1.006 at 4096; d=64 0.966 / 1.036 at 2048,
+# 0.992 / 1.015 at 4096. So: at most 2048 keys, d=128 either mask and d=64 causal.
+PERSISTENT_MAX_KEYS: dict[tuple[int, bool], int] = {(128, False): 2048, (128, True): 2048, (64, True): 2048}
+
+
+def default_config(head_dim: int, causal: bool, seqlen_k: int) -> Sm90Config:
+    """The dense forward's config: DEFAULTS[(head_dim, causal)], on a persistent grid where
+    seqlen_k <= PERSISTENT_MAX_KEYS[(head_dim, causal)]. Raises KeyError for a head dim not in
+    HEAD_DIMS."""
+    config = DEFAULTS[(head_dim, bool(causal))]
+    if seqlen_k <= PERSISTENT_MAX_KEYS.get((head_dim, bool(causal)), -1):
+        return replace(config, persistent=True)
+    return config
+
+
 # Extra candidates for the tuning benchmark (bf16 only): the defaults with ping-pong and/or a
 # persistent grid, deeper rings, smaller key blocks and FA3's tiles (where two consumers fit them).
 _EXTRA = {
@@ -407,7 +428,7 @@ def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config
     if seqlen_q == 0 or batch == 0 or heads == 0:
         return
     if config is None:
-        config = DEFAULTS[(head_dim, bool(causal))]
+        config = default_config(head_dim, causal, seqlen_k)
     geo = _geometry(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, config, pack_gqa, _l2_bytes(q.device.index))
     if geo.tiles > MAX_TILES:
         raise ValueError(f"{geo.tiles} query tiles (ceil(Nq / (128 / pack)) * H / pack * B); at most {MAX_TILES}")
@@ -460,7 +481,7 @@ class ForwardPlan:
                     raise ValueError(f"the sm90 forward has no dropout instantiation for head_dim {head_dim} with "
                                      f"variant flags {flags}; registered: {DROPOUT_FLAG_SETS}")
                 flags = kernel_flags
-        config = config or DEFAULTS[(head_dim, bool(causal))]
+        config = config or (DEFAULTS[(head_dim, bool(causal))] if flags else default_config(head_dim, causal, seqlen_k))
         self.copy_q, self.copy_k, self.copy_v = (not _tma_ready(t) for t in (q, k, v))
         self.copy_out = not _tma_ready(out)
         dense = [t.contiguous() if copy else t for t, copy in ((q, self.copy_q), (k, self.copy_k), (v, self.copy_v))]
@@ -774,6 +795,8 @@ def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, c
 
 __all__ = [
     "DEFAULTS",
+    "PERSISTENT_MAX_KEYS",
+    "default_config",
     "EXTRA_BF16",
     "FAMILIES",
     "HEAD_DIMS",
