@@ -11,6 +11,15 @@ from tileattn import api_paged
 from tileattn.kernels import attention_paged_sm80 as paged
 
 
+@pytest.fixture(autouse=True)
+def fresh_unsplit_setting():
+    """Each test reads TILEATTN_PAGED_UNSPLIT_TILES as a new process would, and leaves no value
+    cached for the tests after it."""
+    paged._unsplit_setting.cache_clear()
+    yield
+    paged._unsplit_setting.cache_clear()
+
+
 @pytest.mark.parametrize("value,expected", [(None, "auto"), ("", "auto"), ("0", 0), ("2", 2), (" 4 ", 4), ("auto", "auto"),
                                             ("1073741824", 1 << 30)])
 def test_parse_unsplit_tiles(value, expected):
@@ -27,7 +36,6 @@ def test_parse_unsplit_tiles_rejects(value):
 def test_default_unsplit_tiles_reads_the_environment_once(monkeypatch, value, expected):
     """Unset or "auto": the config's stages - 1 (2 for the d = 128 decode tile's 3 stages); 0: the
     split-per-tile rule. Read at the first call; a later change is not seen."""
-    monkeypatch.setattr(paged, "_unsplit_env", [])
     if value is None:
         monkeypatch.delenv(paged.UNSPLIT_TILES_ENV, raising=False)
     else:
@@ -40,7 +48,6 @@ def test_default_unsplit_tiles_reads_the_environment_once(monkeypatch, value, ex
 
 
 def test_default_unsplit_tiles_bad_environment(monkeypatch):
-    monkeypatch.setattr(paged, "_unsplit_env", [])
     monkeypatch.setenv(paged.UNSPLIT_TILES_ENV, "-2")
     with pytest.raises(ValueError, match="TILEATTN_PAGED_UNSPLIT_TILES"):
         paged.default_unsplit_tiles(paged.CONFIGS[128][0])

@@ -39,6 +39,7 @@ warp (16 at d=256), FlashAttention-2 style.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -183,7 +184,8 @@ def choose_num_splits(ctas: int, sm_count: int, ctas_per_sm: int, capacity: int,
     the last CTA of each group. B=1 MHA at 4k keys: 8 splits of 8 tiles, 256 CTAs, instead of 7 of
     up to 10; B=1 GQA-4: 32 of 2 tiles instead of 28 of up to 3.) This is the grid's count; each
     (M tile, KV head, sequence) group runs min(num_splits, max(1, its key tiles)) of them (one
-    where it has at most unsplit_tiles key tiles), decided in the kernel from the device-side lengths (the others leave at once), so a table sized for a
+    where it has at most unsplit_tiles key tiles), decided in the kernel from the device-side
+    lengths (the others leave at once), so a table sized for a
     long context costs short sequences no partials or combine work.
     """
     slots = sm_count * ctas_per_sm
@@ -204,16 +206,13 @@ def _load(device_index: int, arch: str, expr: str, smem: int):
 
 
 UNSPLIT_TILES_ENV = "TILEATTN_PAGED_UNSPLIT_TILES"
-_unsplit_env: list = []  # [the parsed TILEATTN_PAGED_UNSPLIT_TILES] once read
 
 
 def parse_unsplit_tiles(value: str | None) -> int | str:
     """TILEATTN_PAGED_UNSPLIT_TILES's value: None, "" or "auto" -> "auto" (the default), a
     non-negative decimal int -> that int (0: no group runs unsplit). Raises ValueError naming the
     variable otherwise."""
-    if value is None or value.strip() == "":
-        return "auto"
-    text = value.strip()
+    text = (value or "").strip() or "auto"
     if text == "auto":
         return "auto"
     if not text.isdigit():  # digits only: no sign, no "1.5", no "2e3"
@@ -221,12 +220,16 @@ def parse_unsplit_tiles(value: str | None) -> int | str:
     return int(text)
 
 
+@functools.cache
+def _unsplit_setting() -> int | str:
+    """The parsed TILEATTN_PAGED_UNSPLIT_TILES, read once per process."""
+    return parse_unsplit_tiles(os.environ.get(UNSPLIT_TILES_ENV))
+
+
 def default_unsplit_tiles(config: PagedConfig) -> int:
     """T for launches that do not pass one: TILEATTN_PAGED_UNSPLIT_TILES (read at the first call of
     the process; later changes of the variable are not seen), "auto" meaning config.stages - 1."""
-    if not _unsplit_env:
-        _unsplit_env.append(parse_unsplit_tiles(os.environ.get(UNSPLIT_TILES_ENV)))
-    value = _unsplit_env[0]
+    value = _unsplit_setting()
     return config.stages - 1 if value == "auto" else value
 
 
