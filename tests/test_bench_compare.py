@@ -54,3 +54,32 @@ def test_cli_exit_status_and_table(tmp_path, capsys):
     assert report.main([str(slow), "--compare", str(base)]) == 1
     assert "| 0.900 | NO |" in capsys.readouterr().out
     assert json.loads(base.read_text())["records"] == BASE
+
+
+def test_median_rounds_picks_the_median_round_per_point():
+    rounds = [_point("tileattn", 4096, t, round=i) for i, t in enumerate((510.0, 470.0, 500.0))]
+    rounds += [_point("sdpa_cudnn", 4096, t, round=i) for i, t in enumerate((480.0, 495.0))]
+    plain = _point("tileattn", 8192, 600.0)  # no rounds: passes through
+    failed = [_point("tileattn", 16384, 550.0, round=0), {**_point("tileattn", 16384, 0.0, round=1), "status": "out of memory"}]
+    out = report.median_rounds(rounds + [plain] + failed)
+    assert len(out) == 4
+    by = {(r["impl"], r["n"]): r for r in out}
+    assert by[("tileattn", 4096)]["tflops"] == 500.0 and by[("tileattn", 4096)]["rounds"] == 3
+    assert sorted(by[("tileattn", 4096)]["tflops_rounds"]) == [470.0, 500.0, 510.0]
+    assert by[("sdpa_cudnn", 4096)]["tflops"] == 480.0  # even count: the lower middle round
+    assert by[("tileattn", 8192)] is plain
+    assert by[("tileattn", 16384)]["status"] == "out of memory"
+
+
+def test_compare_uses_the_median_round():
+    run = [_point("tileattn", 4096, t, round=i) for i, t in enumerate((100.0, 505.0, 900.0))]
+    rows, ok = report.compare(BASE[:1], run, tolerance=0.03)
+    assert ok and rows[0]["run"] == 505.0
+
+
+def test_bench_attention_refuses_zero_rounds(capsys):
+    from tileattn.bench import attention
+
+    with pytest.raises(SystemExit):
+        attention.main(["--rounds", "0"])
+    assert "--rounds must be at least 1" in capsys.readouterr().err

@@ -9,6 +9,11 @@ backend (flash = FlashAttention-2, cudnn, efficient). FLOPs: forward 4*B*H*N^2*d
 causal; backward 2.5x forward (the convention of every attention benchmark). Backward is timed
 alone: the forward runs once outside the timed region and torch.autograd.grad replays the graph.
 Peak extra memory: the allocator's peak during one call above what was allocated before it.
+`--rounds R` times every point R times, the implementations interleaved within each round (A B A B
+...), and reports per implementation the median of its R round medians: on the H200 the power
+controller moves a single ~0.1 s measurement by up to ~5-10 % (docs/BENCHMARKS.md, 2026-12-02), and
+interleaving gives every implementation the same share of those states. The records keep each
+round (field `round`).
 `--tune` times every registered tile configuration of the tileattn kernels instead.
 """
 
@@ -22,7 +27,7 @@ import torch
 
 from .harness import host_overhead_us, measure
 from .records import save_run, write_run
-from .report import environment_line, markdown_table, plot
+from .report import environment_line, markdown_table, median_rounds, plot
 
 SEQ_LENS = (1024, 2048, 4096, 8192, 16384, 32768)
 QUICK_SEQ_LENS = (1024, 4096, 16384)
@@ -243,12 +248,16 @@ def main(argv=None) -> int:
     ap.add_argument("--backward-only", action="store_true", help="only the backward pass (with --tune: its configs)")
     ap.add_argument("--impl", action="append", help="only these implementations (repeatable)")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time each point this many times, implementations interleaved; report the median round")
     ap.add_argument("--json", help="write records here")
     ap.add_argument("--markdown", help="write the Markdown tables here")
     ap.add_argument("--plot", help="write a PNG plot of forward TFLOP/s here")
     ap.add_argument("--tune", action="store_true", help="time every registered tileattn tile configuration")
     ap.add_argument("--demo", action="store_true", help="correctness check + a quick forward table")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     require_gpu()
     dtype = DTYPES[args.dtype]
     env = environment()
@@ -291,22 +300,24 @@ def main(argv=None) -> int:
     for backward in passes:
         for causal in (False, True):
             for n in seq_lens:
-                for name, fn in impls.items():
-                    if backward and name in FORCED:
-                        continue
-                    if name == "naive" and (backward, causal) in oom_naive:
-                        records.append({"suite": "attention", "impl": name, "pass": "bwd" if backward else "fwd",
-                                        "n": n, "causal": causal, "status": "out of memory (smaller N did)"})
-                        continue
-                    rec = bench_case(name, fn, b=args.batch, h=args.heads, n=n, d=args.head_dim, dtype=dtype,
-                                     causal=causal, backward=backward, reps=args.reps)
-                    if name == "naive" and rec["status"] == "out of memory":
-                        oom_naive.add((backward, causal))
-                    records.append(rec)
+                for rnd in range(args.rounds):
+                    for name, fn in impls.items():
+                        if backward and name in FORCED:
+                            continue
+                        if name == "naive" and (backward, causal) in oom_naive:
+                            records.append({"suite": "attention", "impl": name, "pass": "bwd" if backward else "fwd",
+                                            "n": n, "causal": causal, "round": rnd,
+                                            "status": "out of memory (smaller N did)"})
+                            continue
+                        rec = bench_case(name, fn, b=args.batch, h=args.heads, n=n, d=args.head_dim, dtype=dtype,
+                                         causal=causal, backward=backward, reps=args.reps)
+                        if name == "naive" and rec["status"] == "out of memory":
+                            oom_naive.add((backward, causal))
+                        records.append(dict(rec, round=rnd))
     text = render(records, args)
     save_run(records, env, text, args.json, args.markdown)
     if args.plot:
-        plot(records, "n", "impl", "tflops", args.plot, where={"pass": "fwd", "causal": False, "status": "ok"},
+        plot(median_rounds(records), "n", "impl", "tflops", args.plot, where={"pass": "fwd", "causal": False, "status": "ok"},
              title=f"attention forward, B={args.batch} H={args.heads} d={args.head_dim} {args.dtype}",
              ylabel="TFLOP/s")
     print(text)
@@ -314,6 +325,7 @@ def main(argv=None) -> int:
 
 
 def render(records: list[dict], args) -> str:
+    records = median_rounds(records)
     parts = []
     for p in ("fwd", "bwd"):
         for causal in (False, True):
@@ -322,6 +334,8 @@ def render(records: list[dict], args) -> str:
                 continue
             rows = [dict(r, tflops=r.get("tflops"), cell=_cell(r)) for r in records if all(r.get(k) == v for k, v in sel.items())]
             title = f"{'forward' if p == 'fwd' else 'backward'}, causal={causal}, B={args.batch} H={args.heads} d={args.head_dim} {args.dtype}"
+            if getattr(args, "rounds", 1) > 1:
+                title += f", median of {args.rounds} interleaved rounds"
             parts.append(f"### {title}: TFLOP/s (median ms [min-max], peak extra MiB)\n\n" + markdown_table(rows, ["n"], "impl", "cell"))
             parts.append(_ratio_table(rows))
     return "\n\n".join(parts)
@@ -330,7 +344,10 @@ def render(records: list[dict], args) -> str:
 def _cell(r: dict) -> str:
     if r.get("status") != "ok":
         return r.get("status", "-")
-    return f"{r['tflops']:.0f} ({r['median_ms']:.3g} [{r['min_ms']:.3g}-{r['max_ms']:.3g}], {r['peak_extra_mib']:.0f})"
+    cell = f"{r['tflops']:.0f} ({r['median_ms']:.3g} [{r['min_ms']:.3g}-{r['max_ms']:.3g}], {r['peak_extra_mib']:.0f})"
+    if "tflops_rounds" in r:
+        cell += f" rounds {min(r['tflops_rounds']):.0f}-{max(r['tflops_rounds']):.0f}"
+    return cell
 
 
 def _ratio_table(rows: list[dict]) -> str:

@@ -107,6 +107,35 @@ def plot(records: list[dict], x: str, series: str, value: str, path: str | Path,
 MATCH_KEYS = ("suite", "impl", "pass", "b", "h", "hkv", "n", "nk", "d", "dtype", "causal")
 
 
+def median_rounds(records: list[dict]) -> list[dict]:
+    """Records of repeated rounds (`bench attention --rounds`, field `round`) reduced to one per
+    benchmark point (MATCH_KEYS): the round whose TFLOP/s is the median (the lower middle one for
+    an even count), with `rounds` and every round's TFLOP/s added; a point where a round failed
+    keeps that round's record. Records without `round` pass through unchanged, in order."""
+    groups: dict[tuple, list[dict]] = {}
+    out: list = []
+    for r in records:
+        if "round" not in r:
+            out.append(r)
+            continue
+        key = tuple(r.get(k) for k in MATCH_KEYS)
+        if key not in groups:
+            groups[key] = []
+            out.append(key)  # placeholder: the point's place in the output
+        groups[key].append(r)
+    for i, item in enumerate(out):
+        if isinstance(item, tuple):
+            rounds = groups[item]
+            failed = [r for r in rounds if r.get("status", "ok") != "ok" or "tflops" not in r]
+            if failed or len(rounds) == 1:
+                out[i] = failed[0] if failed else rounds[0]
+                continue
+            ordered = sorted(rounds, key=lambda r: r["tflops"])
+            out[i] = dict(ordered[(len(ordered) - 1) // 2], rounds=len(ordered),
+                          tflops_rounds=[round(r["tflops"], 1) for r in rounds])
+    return out
+
+
 def compare(baseline: list[dict], run: list[dict], value: str = "tflops", impl: str | None = "tileattn",
             tolerance: float = 0.03) -> tuple[list[dict], bool]:
     """Points of `run` beside their partners in `baseline` (same MATCH_KEYS, both carrying `value`),
@@ -123,7 +152,7 @@ def compare(baseline: list[dict], run: list[dict], value: str = "tflops", impl: 
                 out[tuple(r.get(k) for k in MATCH_KEYS)] = r[value]
         return out
 
-    base, new = index(baseline), index(run)
+    base, new = index(median_rounds(baseline)), index(median_rounds(run))
     rows, ok = [], True
     for key in sorted(set(base) | set(new), key=_point_order):
         b, n = base.get(key), new.get(key)
