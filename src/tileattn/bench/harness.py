@@ -10,7 +10,13 @@ Every benchmark in tileattn and the labs times through `measure`, so their numbe
   implementation happened to start after one read ~10 % slower: cuDNN's and tileattn's backward at
   N = 4096 both read 4.66 or 5.1 ms depending on it. The steady state is what a workload sees;
 - each repetition is bracketed by its own pair of CUDA events on torch's current stream, and all
-  repetitions are enqueued before one synchronization (the host runs ahead as in real use);
+  repetitions are enqueued before one synchronization (the host runs ahead as in real use). The
+  warm-up ends with a synchronization, so without help the first repetitions would start on an
+  idle device and their events would time the host's launches too: a backward of 0.5 ms whose
+  Python enqueues three kernels in ~0.15-0.3 ms read up to 2x slow in some rounds on the H200
+  (2026-12-02, docs/BENCHMARKS.md). With the L2 flush on, `measure` therefore first enqueues a
+  lead of extra flushes, about twice the host time of all the repetitions, so the device is still
+  busy with them when the host has enqueued the last repetition;
 - before each repetition the L2 is flushed (outside the events), so a small input cannot be served
   from cache across repetitions: a pass that writes a buffer twice the L2 size, then a pass that
   reads another one, so the L2 is left holding clean lines. With the write pass alone (the harness
@@ -59,6 +65,8 @@ class Timing:
 
 
 _flush_buffers = None  # (written, read), each twice the L2 size
+_flush_costs = None  # (device seconds, host seconds) of one flush, timed once per process
+LEAD_MAX_SECONDS = 0.25  # the host lead's cap (a slow host then times some of its launches again)
 FLUSH_MODES = ("clean", "write")
 
 
@@ -83,6 +91,35 @@ def _flush_l2() -> None:
     written.fill_(1)  # a write pass evicts every line the timed call could reuse
     if flush_mode() == "clean":
         read.sum()  # reads evict the written lines, so their write-back happens here, not in the call
+
+
+def flush_costs() -> tuple[float, float]:
+    """(device seconds, host seconds) of one `_flush_l2`: medians of 5, timed once per process."""
+    import torch
+
+    global _flush_costs
+    if _flush_costs is None:
+        _flush_l2()
+        pairs, host = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(5)], []
+        for start, end in pairs:
+            start.record()
+            begin = time.perf_counter()
+            _flush_l2()
+            host.append(time.perf_counter() - begin)
+            end.record()
+        torch.cuda.synchronize()
+        device = statistics.median(s.elapsed_time(e) for s, e in pairs) / 1e3
+        _flush_costs = (max(device, 1e-6), statistics.median(host))
+    return _flush_costs
+
+
+def host_lead(seconds: float) -> int:
+    """Enqueue L2 flushes worth about `seconds` of device time (at most LEAD_MAX_SECONDS), so that
+    the host can enqueue what follows before the device gets to it; returns the flush count."""
+    count = math.ceil(min(seconds, LEAD_MAX_SECONDS) / flush_costs()[0])
+    for _ in range(count):
+        _flush_l2()
+    return count
 
 
 def peak_extra_memory(fn: Callable[[], object]) -> int:
@@ -134,11 +171,13 @@ def _measure(fn, warmup: int, reps: int, flush_l2: bool, memory: bool, max_secon
     # Each warm-up call timed on its own: the first may include a compile or a library's plan
     # search, so the estimate of one call is the fastest of them (an average would inflate it,
     # cutting the repetitions to 3 and skipping the warm-up below).
-    warm_events = []
+    warm_events, host_times_s = [], []
     for _ in range(max(warmup, 1)):
         pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         pair[0].record()
+        begin = time.perf_counter()
         fn()
+        host_times_s.append(time.perf_counter() - begin)
         pair[1].record()
         warm_events.append(pair)
     torch.cuda.synchronize()
@@ -151,6 +190,8 @@ def _measure(fn, warmup: int, reps: int, flush_l2: bool, memory: bool, max_secon
         torch.cuda.synchronize()
     if max_seconds is not None and estimate_s > 0:
         reps = max(3, min(reps, int(max_seconds / estimate_s)))
+    if flush_l2:  # the host lead (module docstring): twice the host time of the repetitions and their flushes
+        host_lead(2 * reps * (min(host_times_s) + flush_costs()[1]))
     events = []
     for _ in range(reps):
         if flush_l2:
