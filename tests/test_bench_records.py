@@ -31,3 +31,54 @@ def test_measure_times_plain_launches_and_restores_the_pdl_setting(monkeypatch):
         assert harness.measure(lambda: seen.append(os.environ.get("TILEATTN_PDL"))) == "timing"
         assert os.environ.get("TILEATTN_PDL") == before
     assert seen == ["0", "0"]
+
+
+def test_measure_enqueues_a_host_lead_before_the_repetitions(monkeypatch):
+    """The harness's control flow on the CPU with fake CUDA events: the lead of flushes is
+    enqueued after the warm-up's synchronization and before the first timed repetition, sized
+    from the host time of the warm-up calls (twice reps x (call + flush) host seconds), and only
+    when the L2 is flushed. The GPU test tests/gpu/test_bench_harness.py checks the timing itself."""
+    import time
+
+    import pytest
+    import torch
+
+    from tileattn.bench import harness
+
+    log = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 0.1  # ms: the device time of one call and of one flush
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append("sync"))
+    monkeypatch.setattr(harness, "_flush_l2", lambda: log.append("flush"))
+    monkeypatch.setattr(harness, "_flush_costs", None)
+    monkeypatch.setattr(harness, "WARM_SECONDS", 0.0)
+
+    def call():
+        time.sleep(0.001)
+        log.append("call")
+
+    harness.measure(call, warmup=2, reps=4, memory=False)
+    device_s, host_s = harness.flush_costs()
+    assert device_s == pytest.approx(1e-4)
+    assert log[:3] == ["call", "call", "sync"]  # the warm-up, then its synchronization
+    rest = log[3:]
+    assert rest[:7] == ["flush"] * 6 + ["sync"]  # flush_costs: one untimed and five timed flushes
+    first_timed_call = rest.index("call")
+    lead = rest[7:first_timed_call].count("flush") - 1  # minus repetition 0's own flush
+    expected = 2 * 4 * (0.001 + host_s) / 1e-4  # >= 80 flushes
+    assert expected * 0.9 <= lead <= min(expected * 3, harness.LEAD_MAX_SECONDS / 1e-4 + 1)
+    assert rest[first_timed_call:].count("call") == 4
+
+    log.clear()
+    harness.measure(call, warmup=2, reps=4, memory=False, flush_l2=False)
+    assert "flush" not in log
