@@ -11,12 +11,14 @@ Every benchmark in tileattn and the labs times through `measure`, so their numbe
   N = 4096 both read 4.66 or 5.1 ms depending on it. The steady state is what a workload sees;
 - each repetition is bracketed by its own pair of CUDA events on torch's current stream, and all
   repetitions are enqueued before one synchronization (the host runs ahead as in real use). The
-  warm-up ends with a synchronization, so without help the first repetitions would start on an
-  idle device and their events would time the host's launches too: a backward of 0.5 ms whose
-  Python enqueues three kernels in ~0.15-0.3 ms read up to 2x slow in some rounds on the H200
-  (2026-12-02, docs/BENCHMARKS.md). With the L2 flush on, `measure` therefore first enqueues a
-  lead of extra flushes, about twice the host time of all the repetitions, so the device is still
-  busy with them when the host has enqueued the last repetition;
+  warm-up ends with a synchronization, so without help the first repetitions start on an idle
+  device and their events time the host's launches too. In the H200 runs of 2026-12-02 the
+  slowest repetition of nearly every point read 1.5-3x its median (max_ms in the records), and a
+  few whole rounds of a 0.5 ms backward (three Python launches) read 1.3-1.8x slow, which
+  host-bound repetitions would explain (docs/BENCHMARKS.md, session 12). With the L2 flush on,
+  `measure` therefore first enqueues a lead of extra flushes, about twice the host time of all the
+  repetitions, so the device is still busy with them when the host has enqueued the last one
+  (written after the session's device time was spent: tests/gpu/test_bench_harness.py has not run yet);
 - before each repetition the L2 is flushed (outside the events), so a small input cannot be served
   from cache across repetitions: a pass that writes a buffer twice the L2 size, then a pass that
   reads another one, so the L2 is left holding clean lines. With the write pass alone (the harness
