@@ -901,7 +901,7 @@ def test_varlen_plan_geometry_and_names():
 
 # ---- SASS audit: P's registers are not rewritten while the register-A wgmma reads them ---------------
 # ptxas before 13.3 could hand the registers of a register-A wgmma operand to other values while the
-# asynchronous wgmma was still reading them (HOPPER_NOTES.md). This walks the kernel's control flow
+# asynchronous wgmma was still reading them (docs/attention_fwd_sm90.md). This walks the kernel's control flow
 # from every register-A HGMMA to the WARPGROUP.DEPBAR.LE gsb0, 0x0 (wgmma.wait_group 0) that retires
 # it, and fails if any instruction on the way writes one of the four A registers. Run with the
 # installed NVRTC here; docs/attention_fwd_sm90.md records the run with the GPU machine's NVRTC 13.0.

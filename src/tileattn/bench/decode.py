@@ -10,7 +10,7 @@ blocks of a sequence are neighbours in memory); the peers, SDPA flash and cudnn,
 keys and values in dense layout [B, Hkv, N, d] (GQA through enable_gqa, or K/V with repeated
 heads when a backend refuses it; the record says which). Effective bandwidth = the K+V bytes
 decode must read, 2 * B * Hkv * N * d * 2 bytes, divided by the median time; the H200's copy
-bandwidth is 4.3 TB/s (shared/ANCHORS.md). Points whose paged cache plus dense copy would pass
+bandwidth is 4.3 TB/s (torch's device-to-device copy, measured on the H200). Points whose paged cache plus dense copy would pass
 --memory-gb are skipped (B=256 with 32k keys MHA is 137 GB of K+V alone).
 
 Chunked prefill: a 512-token query chunk after a 4096-token cached prefix (4608 keys, causal,
@@ -60,7 +60,7 @@ HEADS = ((32, 32), (32, 8))
 QUICK = {"batches": (1, 8, 64), "kv_lens": (4096,), "block_sizes": (16, 256)}
 HEAD_DIM = 128
 DTYPE = torch.bfloat16
-COPY_TBPS = 4.3  # H200 device-to-device copy, shared/ANCHORS.md
+COPY_TBPS = 4.3  # H200 device-to-device copy through torch (8.6 GB moved in 2.0 ms)
 
 
 def paged_from_dense(k, block_size, gen):
@@ -377,7 +377,7 @@ def calibration_records(base: dict, kv_bytes: int, default_run, empty_run, reps:
     measured at this point: `calib_empty` the default launch with every length 0 (launch, prologue,
     split-KV arrival and combine; no K/V read); `calib_no_flush` the default without the harness's L2
     flush; `calib_read` / `calib_read_no_flush` torch.sum over the same bytes of fp32 (a streaming
-    read, shared/ANCHORS.md's reduction ceiling), with and without the flush; `calib_write_flush` the
+    read: the ceiling of a plain reduction), with and without the flush; `calib_write_flush` the
     default after the write-only flush the harness used until 2026-12-01 evening (a write pass over 2x
     the L2 that leaves it full of dirty lines the call must write back; the harness now follows it
     with a read pass): the difference of two timings without the harness's flush, (write flush +

@@ -1,6 +1,6 @@
 """The batch-1 decode a PyTorch user would write instead of using an engine (a `bench engine` peer).
 
-gpt-fast's recipe (the one behind the 173 tok/s Llama-3-8B anchor in ../shared/ANCHORS.md): a
+gpt-fast's recipe (the one behind issue #13's 173 tok/s Llama-3-8B figure on the H200): a
 plain-torch Llama over the transformers model's own weights, a static KV cache written by index,
 `F.scaled_dot_product_attention` with a boolean mask over the whole cache, and one decode step
 compiled with `torch.compile(mode="reduce-overhead", fullgraph=True)` (Inductor kernels replayed

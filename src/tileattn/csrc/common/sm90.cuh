@@ -362,7 +362,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], u64 desc_a, u64 des
 // (how attention feeds P = softmax(S) into O += P V without a trip through shared memory).
 // kTransB = 1: B is MN-major (make_desc_mn_sw128), 0: K-major (make_desc_k128_sw128).
 // The A registers are read asynchronously: they must not be rewritten before the wgmma_wait that
-// retires this group (ptxas tracks that; older ptxas, < 13.3, could get it wrong: HOPPER_NOTES.md).
+// retires this group (ptxas tracks that; older ptxas, < 13.3, could get it wrong: docs/attention_fwd_sm90.md).
 // Operands: accumulators %0..%(N/2 - 1), then a[0..3], desc_b, scale_d, kTransB (an immediate).
 #define TILEATTN_WGMMA_RS(SHAPE, TYPE, REGS, IA0, IA1, IA2, IA3, IB, IS, IT)                            \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %" IS ", 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE \
