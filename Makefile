@@ -1,5 +1,6 @@
 # tileattn: `make demo` and `make test` each set up .venv on first use, then run.
-# `make gpu-check` runs on a GPU machine with its own python3 (nothing is installed there).
+# `make gpu-check` runs on a GPU machine with its own python3 (nothing is installed there);
+# GPU_CHECK_ARGS passes more options to scripts/gpu_check.py (e.g. --no-audit, --ignore FILE).
 
 PYTHON   ?= python3
 VENV     := .venv
@@ -13,6 +14,7 @@ REPORT_DIR ?= gpu-report
 BENCH    ?= vector_add
 TESTS    ?= tests
 WORKERS  ?= 1
+GPU_CHECK_ARGS ?=
 
 .PHONY: demo test lint check gpu-check bench clean
 
@@ -41,7 +43,7 @@ test: lint check
 	$(PY) -m pytest -q -rs
 
 gpu-check:
-	PYTHONPATH=src:. $(PYTHON) scripts/gpu_check.py --report-dir $(REPORT_DIR) --bench $(BENCH) --tests $(TESTS) --workers $(WORKERS)
+	PYTHONPATH=src:. $(PYTHON) scripts/gpu_check.py --report-dir $(REPORT_DIR) --bench $(BENCH) --tests $(TESTS) --workers $(WORKERS) $(GPU_CHECK_ARGS)
 
 # The seed benchmark with the same .venv as demo and test (on a GPU machine: make bench TORCH=...);
 # the lent GPU machine, which installs nothing, runs benchmarks through gpu-check (BENCH=...).
