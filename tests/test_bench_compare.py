@@ -83,3 +83,12 @@ def test_bench_attention_refuses_zero_rounds(capsys):
     with pytest.raises(SystemExit):
         attention.main(["--rounds", "0"])
     assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
+def test_report_table_shows_the_median_round(tmp_path, capsys):
+    path = tmp_path / "run.json"
+    write_run(path, [_point("tileattn", 4096, t, round=i) for i, t in enumerate((100.0, 505.0, 900.0))],
+              {"gpu": "test"})
+    assert report.main([str(path)]) == 0
+    table = capsys.readouterr().out
+    assert "505" in table and "900" not in table and "| 100" not in table

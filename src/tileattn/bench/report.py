@@ -203,6 +203,7 @@ def main(argv=None) -> int:
         print(f"\n{sum(r['ok'] for r in rows)} of {len(rows)} points within {args.tolerance:.0%}")
         return 0 if ok and rows else 1
     rows = args.rows.split(",")
+    records = median_rounds(records)  # a run timed in rounds: one cell per point, its median round
     print(environment_line(env) + "\n")
     print(markdown_table(records, rows, args.cols, args.value))
     if args.plot:
