@@ -82,3 +82,38 @@ def test_measure_enqueues_a_host_lead_before_the_repetitions(monkeypatch):
     log.clear()
     harness.measure(call, warmup=2, reps=4, memory=False, flush_l2=False)
     assert "flush" not in log
+
+
+def test_measure_samples_clocks_only_when_asked(monkeypatch):
+    """TILEATTN_BENCH_CLOCKS=MS wraps the measurement in a ClockSampler of that interval and puts
+    its summary on the Timing; unset, no sampler runs and the record has no gpu_clocks field."""
+    import pytest
+    import torch
+
+    from tileattn.bench import clocks, harness
+
+    started = []
+
+    class FakeSampler:
+        def __init__(self, device, interval_ms):
+            started.append(interval_ms)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def summary(self):
+            return {"samples": 3}
+
+    monkeypatch.setattr(clocks, "ClockSampler", FakeSampler)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(harness, "_measure", lambda *a: harness.summarize([1.0, 2.0, 3.0]))
+    monkeypatch.delenv("TILEATTN_BENCH_CLOCKS", raising=False)
+    assert "gpu_clocks" not in harness.measure(lambda: None).as_dict() and started == []
+    monkeypatch.setenv("TILEATTN_BENCH_CLOCKS", "20")
+    assert harness.measure(lambda: None).as_dict()["gpu_clocks"] == {"samples": 3} and started == [20]
+    monkeypatch.setenv("TILEATTN_BENCH_CLOCKS", "fast")
+    with pytest.raises(ValueError, match="TILEATTN_BENCH_CLOCKS"):
+        harness.measure(lambda: None)

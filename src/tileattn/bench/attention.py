@@ -347,6 +347,8 @@ def _cell(r: dict) -> str:
     cell = f"{r['tflops']:.0f} ({r['median_ms']:.3g} [{r['min_ms']:.3g}-{r['max_ms']:.3g}], {r['peak_extra_mib']:.0f})"
     if "tflops_rounds" in r:
         cell += f" rounds {min(r['tflops_rounds']):.0f}-{max(r['tflops_rounds']):.0f}"
+    if r.get("gpu_clocks"):  # TILEATTN_BENCH_CLOCKS (bench/harness.py)
+        cell += f" SM {r['gpu_clocks']['sm_mhz']['median']:.0f} MHz"
     return cell
 
 

@@ -32,7 +32,12 @@ Every benchmark in tileattn and the labs times through `measure`, so their numbe
   both; docs/BENCHMARKS.md), and the peers (SDPA,
   cuDNN) do not use it; its effect is measured where it acts, in the engine's CUDA graphs;
 - peak extra memory is read from torch's allocator in a separate call: max_memory_allocated during
-  the call minus memory_allocated before it (the call's temporaries and outputs).
+  the call minus memory_allocated before it (the call's temporaries and outputs);
+- with TILEATTN_BENCH_CLOCKS=MS set, nvidia-smi samples the GPU's clocks, power and clock-event
+  reasons every MS milliseconds while `measure` runs (warm-up included: a short measurement would
+  otherwise end before the first sample), and the Timing carries the summary (bench/clocks.py) as
+  `gpu_clocks`. Under sustained tensor-core work the H200 sits at its software power cap, and two
+  kernels' ratio then depends on the clock each ran at (docs/BENCHMARKS.md, session 12, E4).
 Cold start (first call, compile included) is measured separately by `cold_start`, and the host
 time of one call by `host_overhead_us`.
 """
@@ -61,15 +66,28 @@ class Timing:
     q3_ms: float
     reps: int
     peak_extra_bytes: int | None = None
+    gpu_clocks: dict | None = None  # with TILEATTN_BENCH_CLOCKS (module docstring)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if out["gpu_clocks"] is None:
+            del out["gpu_clocks"]
+        return out
 
 
 _flush_buffers = None  # (written, read), each twice the L2 size
 _flush_costs = None  # (device seconds, host seconds) of one flush, timed once per process
 LEAD_MAX_SECONDS = 0.25  # the host lead's cap (a slow host then times some of its launches again)
 FLUSH_MODES = ("clean", "write")
+
+
+def clock_interval_ms() -> int | None:
+    """nvidia-smi's sampling interval while `measure` runs (TILEATTN_BENCH_CLOCKS, in ms), or None
+    when unset or 0."""
+    text = os.environ.get("TILEATTN_BENCH_CLOCKS", "0")
+    if not text.isdigit():
+        raise ValueError(f"TILEATTN_BENCH_CLOCKS must be a whole number of milliseconds, got {text!r}")
+    return int(text) or None
 
 
 def flush_mode() -> str:
@@ -156,10 +174,20 @@ def measure(
     hidden behind the previous repetition's device work unless it is longer than that work.
     Launches inside are plain (TILEATTN_PDL=0; the module docstring says why).
     """
+    interval = clock_interval_ms()
     saved_pdl = os.environ.get("TILEATTN_PDL")
     os.environ["TILEATTN_PDL"] = "0"  # plain launches (module docstring)
     try:
-        return _measure(fn, warmup, reps, flush_l2, memory, max_seconds)
+        if interval is None:
+            return _measure(fn, warmup, reps, flush_l2, memory, max_seconds)
+        import torch
+
+        from .clocks import ClockSampler
+
+        with ClockSampler(torch.cuda.current_device(), interval_ms=interval) as sampler:
+            timing = _measure(fn, warmup, reps, flush_l2, memory, max_seconds)
+        timing.gpu_clocks = sampler.summary()
+        return timing
     finally:
         if saved_pdl is None:
             os.environ.pop("TILEATTN_PDL", None)
