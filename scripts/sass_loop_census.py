@@ -4,10 +4,10 @@
 
 Compiles each template instantiation for sm_90a with the project's NVRTC, disassembles it
 (labs.sass: cuobjdump + nvdisasm) and finds the loops: a backward branch and the code from its
-target to it. Of the innermost loops that issue HGMMAs, the one with the most MUFU instructions is the main
-loop; its census (instructions per
-thread per iteration, by pipe) is what a budget of issue slots, MUFU and FP32 throughput against
-the tensor-core time works from (docs/attention_variants.md, "Where the variants' time goes").
+target to it. Of the innermost loops that issue HGMMAs, the one with the most MUFU instructions
+is the main loop; its census (instructions per thread per iteration, by pipe) is what a budget of
+issue slots, MUFU and FP32 throughput against the tensor-core time works from
+(docs/attention_variants.md, "Where the variants' time goes").
 Static counts: one iteration as compiled, predicated-off instructions included.
 """
 

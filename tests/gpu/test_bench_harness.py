@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 def test_host_lead_keeps_slow_host_calls_out_of_the_timing():
     """A call whose host side takes 2 ms and whose device side takes microseconds: without the
     lead of flushes before the repetitions, every repetition would start on an idle device and
-    its events would bracket the host's 2 ms (the pre-2026-12-02 harness read ~2 ms here)."""
+    its events would bracket the host's 2 ms."""
     x = torch.zeros(1024, device="cuda")
 
     def call():

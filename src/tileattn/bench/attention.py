@@ -314,10 +314,11 @@ def main(argv=None) -> int:
                         if name == "naive" and rec["status"] == "out of memory":
                             oom_naive.add((backward, causal))
                         records.append(dict(rec, round=rnd))
-    text = render(records, args)
+    points = median_rounds(records)  # one record per point; the JSON keeps every round
+    text = render(points, args)
     save_run(records, env, text, args.json, args.markdown)
     if args.plot:
-        plot(median_rounds(records), "n", "impl", "tflops", args.plot, where={"pass": "fwd", "causal": False, "status": "ok"},
+        plot(points, "n", "impl", "tflops", args.plot, where={"pass": "fwd", "causal": False, "status": "ok"},
              title=f"attention forward, B={args.batch} H={args.heads} d={args.head_dim} {args.dtype}",
              ylabel="TFLOP/s")
     print(text)
@@ -325,7 +326,7 @@ def main(argv=None) -> int:
 
 
 def render(records: list[dict], args) -> str:
-    records = median_rounds(records)
+    """The tables of one record per point (median_rounds already applied)."""
     parts = []
     for p in ("fwd", "bwd"):
         for causal in (False, True):
@@ -334,7 +335,7 @@ def render(records: list[dict], args) -> str:
                 continue
             rows = [dict(r, tflops=r.get("tflops"), cell=_cell(r)) for r in records if all(r.get(k) == v for k, v in sel.items())]
             title = f"{'forward' if p == 'fwd' else 'backward'}, causal={causal}, B={args.batch} H={args.heads} d={args.head_dim} {args.dtype}"
-            if getattr(args, "rounds", 1) > 1:
+            if args.rounds > 1:
                 title += f", median of {args.rounds} interleaved rounds"
             parts.append(f"### {title}: TFLOP/s (median ms [min-max], peak extra MiB)\n\n" + markdown_table(rows, ["n"], "impl", "cell"))
             parts.append(_ratio_table(rows))

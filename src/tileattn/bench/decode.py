@@ -10,7 +10,7 @@ blocks of a sequence are neighbours in memory); the peers, SDPA flash and cudnn,
 keys and values in dense layout [B, Hkv, N, d] (GQA through enable_gqa, or K/V with repeated
 heads when a backend refuses it; the record says which). Effective bandwidth = the K+V bytes
 decode must read, 2 * B * Hkv * N * d * 2 bytes, divided by the median time; the H200's copy
-bandwidth is 4.3 TB/s (torch's device-to-device copy, measured on the H200). Points whose paged cache plus dense copy would pass
+bandwidth is 4.3 TB/s (torch's device copy on the H200, 2026-11-29: docs/labs/reduction.md). Points whose paged cache plus dense copy would pass
 --memory-gb are skipped (B=256 with 32k keys MHA is 137 GB of K+V alone).
 
 Chunked prefill: a 512-token query chunk after a 4096-token cached prefix (4608 keys, causal,
@@ -60,7 +60,7 @@ HEADS = ((32, 32), (32, 8))
 QUICK = {"batches": (1, 8, 64), "kv_lens": (4096,), "block_sizes": (16, 256)}
 HEAD_DIM = 128
 DTYPE = torch.bfloat16
-COPY_TBPS = 4.3  # H200 device-to-device copy through torch (8.6 GB moved in 2.0 ms)
+COPY_TBPS = 4.3  # H200 device copy through torch, measured 2026-11-29 (docs/labs/reduction.md)
 
 
 def paged_from_dense(k, block_size, gen):

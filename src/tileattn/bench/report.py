@@ -112,27 +112,25 @@ def median_rounds(records: list[dict]) -> list[dict]:
     benchmark point (MATCH_KEYS): the round whose TFLOP/s is the median (the lower middle one for
     an even count), with `rounds` and every round's TFLOP/s added; a point where a round failed
     keeps that round's record. Records without `round` pass through unchanged, in order."""
-    groups: dict[tuple, list[dict]] = {}
-    out: list = []
+    rounds_of: dict[tuple, list[dict]] = {}
+    for r in records:
+        if "round" in r:
+            rounds_of.setdefault(tuple(r.get(k) for k in MATCH_KEYS), []).append(r)
+    out = []
     for r in records:
         if "round" not in r:
             out.append(r)
             continue
-        key = tuple(r.get(k) for k in MATCH_KEYS)
-        if key not in groups:
-            groups[key] = []
-            out.append(key)  # placeholder: the point's place in the output
-        groups[key].append(r)
-    for i, item in enumerate(out):
-        if isinstance(item, tuple):
-            rounds = groups[item]
-            failed = [r for r in rounds if r.get("status", "ok") != "ok" or "tflops" not in r]
-            if failed or len(rounds) == 1:
-                out[i] = failed[0] if failed else rounds[0]
-                continue
-            ordered = sorted(rounds, key=lambda r: r["tflops"])
-            out[i] = dict(ordered[(len(ordered) - 1) // 2], rounds=len(ordered),
-                          tflops_rounds=[round(r["tflops"], 1) for r in rounds])
+        rounds = rounds_of.pop(tuple(r.get(k) for k in MATCH_KEYS), None)
+        if rounds is None:  # the point's first round already stood for it
+            continue
+        failed = [x for x in rounds if x.get("status", "ok") != "ok" or "tflops" not in x]
+        if failed or len(rounds) == 1:
+            out.append(failed[0] if failed else rounds[0])
+            continue
+        ordered = sorted(rounds, key=lambda x: x["tflops"])
+        out.append(dict(ordered[(len(ordered) - 1) // 2], rounds=len(ordered),
+                        tflops_rounds=[round(x["tflops"], 1) for x in rounds]))
     return out
 
 
