@@ -54,7 +54,9 @@ from .test_attention_fwd_sm90_model import (
 BLOCK_N = ab.BLOCK_N
 LOG2E = math.log2(math.e)
 C = ab.Sm90BwdConfig
-CONFIGS = sorted({(d, cfg) for d in ab.HEAD_DIMS for causal in (False, True)
+# The key-split layout (two MMA warpgroups x 64 keys): d = 64 and 128. d = 256's role-split layout has
+# its own model in tests/test_attention_bwd_sm90_d256_model.py.
+CONFIGS = sorted({(d, cfg) for d in ab.HEAD_DIMS if ab.block_n_of(d) == BLOCK_N for causal in (False, True)
                   for cfg in ab.tuning_candidates(d, causal)})
 
 
@@ -679,7 +681,7 @@ def test_variant_registry_and_supports():
     none, not with softcap / ALiBi; no d = 256), and a call with nothing on runs the plain kernel."""
     from tileattn.kernels.attention_fwd_sm80 import VariantArgs
 
-    want = {ab.variant_expression(d, ab.VARIANT_DEFAULTS[d], bf16, bits, det) for d in ab.HEAD_DIMS
+    want = {ab.variant_expression(d, ab.VARIANT_DEFAULTS[d], bf16, bits, det) for d in ab.VARIANT_SETS
             for bf16 in (False, True) for bits in ab.VARIANT_SETS[d] for det in (False, True)}
     assert set(ab.VARIANT_INSTANTIATIONS) == want and want <= set(ab.INSTANTIATIONS)
     assert sorted(dq_mode_of(e) for e in want) == [0] * (len(want) // 2) + [1] * (len(want) // 2)
@@ -712,7 +714,7 @@ def test_variant_registry_and_supports():
     assert not ab.supports_variants(256, bf, VariantArgs(dropout_p=0.1))
     for causal, window, cap, alibi in ab.VARIANT_BENCH_CASES.values():  # benchmark_variants' cases run here
         va = VariantArgs(UNBOUNDED, 0 if causal else UNBOUNDED, cap, 0 if alibi else None)
-        assert all(ab.supports_variants(d, bf, va) for d in ab.HEAD_DIMS), (causal, window, cap, alibi)
+        assert all(ab.supports_variants(d, bf, va) for d in ab.VARIANT_SETS), (causal, window, cap, alibi)
     assert ab.supports_variants(128, bf, VariantArgs(64, 0, 30.0, 0), deterministic=True)
     assert not ab.supports_variants(256, bf, VariantArgs(softcap=30.0))
     assert not ab.supports_variants(128, torch.float32, VariantArgs(softcap=30.0))
@@ -763,7 +765,7 @@ def store_rows_masked_offsets(panels: int, row0: int, rows: int):
     return out
 
 
-@pytest.mark.parametrize("d", ab.HEAD_DIMS)
+@pytest.mark.parametrize("d", ab.VARLEN_HEAD_DIMS)
 def test_varlen_edge_zeroing_covers_exactly_the_rows_past_the_end(d):
     panels = d // 64
     for rows in (BLOCK_N, 64, 128):
@@ -782,7 +784,7 @@ def test_varlen_edge_zeroing_covers_exactly_the_rows_past_the_end(d):
                     assert ((byte // 16) * 8 in set(chunks)) == (r >= row_begin), (r, col)
 
 
-@pytest.mark.parametrize("d", ab.HEAD_DIMS)
+@pytest.mark.parametrize("d", ab.VARLEN_HEAD_DIMS)
 def test_varlen_masked_store_reads_the_staged_rows(d):
     """The edge box's 16-byte stores read row r, columns 8c..8c+7 of warpgroup w's staged dK / dV
     (where stmatrix put them: TMA's swizzled panel layout) and write them to global row r, chunk c."""
@@ -964,12 +966,12 @@ def test_varlen_host_layout_matches_the_kernels():
     src80 = family(sm80.FAMILY_NAME).path.read_text()
     assert f"kVarlenWsGap = {VARLEN_WS_GAP};" in src80
     assert f"kVarlenWsGap = {VARLEN_WS_GAP};" in src90
-    want = {ab.varlen_expression(d, ab.VARLEN_DEFAULTS[(d, c)], c, bf16) for d in ab.HEAD_DIMS for c in (False, True)
+    want = {ab.varlen_expression(d, ab.VARLEN_DEFAULTS[(d, c)], c, bf16) for d in ab.VARLEN_HEAD_DIMS for c in (False, True)
             for bf16 in (False, True)}
     assert all(dq_mode_of(e) == 0 for e in want)
     assert {e for e in ab.INSTANTIATIONS if "varlen" in e} == want
     assert all(dq_mode_of(e) != 1 for e in ab.INSTANTIATIONS + ab.TUNING if "varlen" in e)
-    for d in ab.HEAD_DIMS:  # the varlen preprocess / convert the plan launches are registered
+    for d in ab.VARLEN_HEAD_DIMS:  # the varlen preprocess / convert the plan launches are registered
         for bf16 in (False, True):
             assert sm80.preprocess_expr(d, bf16, True) in sm80.INSTANTIATIONS
             assert sm80.convert_expr(d, bf16, True) in sm80.INSTANTIATIONS

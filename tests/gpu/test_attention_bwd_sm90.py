@@ -91,15 +91,16 @@ def check_case(batch, heads, kv_heads, nq, nk, d, dtype, causal, *, deterministi
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_head_dims(d, dtype, causal, deterministic):
     check_case(2, 4, 2, 129, 129, d, dtype, causal, deterministic=deterministic, seed=d)
 
 
 def test_supports():
     mod = _mod()
-    assert mod.supports(128, BF16, True) and mod.supports(64, FP16, False)
-    assert not mod.supports(96, BF16, False) and not mod.supports(256, BF16, False)
+    assert mod.supports(128, BF16, True) and mod.supports(64, FP16, False) and mod.supports(256, BF16, True)
+    assert not mod.supports(96, BF16, False) and not mod.supports(32, FP16, False)
+    assert not mod.supports_varlen(256, BF16, False)  # d = 256 varlen stays on the sm80 kernels
     assert not mod.supports(128, torch.float32, False)
 
 
@@ -122,6 +123,13 @@ def test_supports():
         (1000, 64, FP16),
         (4097, 128, BF16),
         (4097, 64, FP16),
+        (1, 256, FP16),
+        (31, 256, BF16),
+        (63, 256, FP16),
+        (65, 256, BF16),
+        (129, 256, FP16),
+        (1000, 256, BF16),
+        (4097, 256, BF16),
     ],
 )
 def test_lengths(n, d, dtype, causal):
@@ -142,6 +150,10 @@ def test_lengths(n, d, dtype, causal):
         (4097, 129, 64, FP16),
         (200, 333, 128, FP16),
         (333, 200, 64, BF16),
+        (1, 300, 256, BF16),
+        (300, 1, 256, FP16),
+        (129, 1000, 256, FP16),
+        (1000, 129, 256, BF16),
     ],
 )
 def test_nq_ne_nk(nq, nk, d, dtype, causal):
@@ -151,21 +163,21 @@ def test_nq_ne_nk(nq, nk, d, dtype, causal):
 # ---- GQA ratios 1, 4, 8 (dK / dV summed over the group in registers) --------------------------------
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa4", "gqa8"])
-@pytest.mark.parametrize("d,dtype", [(128, FP16), (128, BF16), (64, BF16)])
+@pytest.mark.parametrize("d,dtype", [(128, FP16), (128, BF16), (64, BF16), (256, BF16), (256, FP16)])
 def test_gqa(heads, kv_heads, d, dtype, causal):
     check_case(2, heads, kv_heads, 257, 190, d, dtype, causal, seed=heads * 10 + kv_heads + d)
 
 
 # ---- non-contiguous inputs ([B, N, H, d] viewed through transpose(1, 2)) and a strided dO ----------
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
-@pytest.mark.parametrize("d,dtype,causal", [(128, BF16, True), (64, FP16, False)])
+@pytest.mark.parametrize("d,dtype,causal", [(128, BF16, True), (64, FP16, False), (256, BF16, True)])
 def test_non_contiguous(d, dtype, causal, deterministic):
     q, _, _, _ = make_inputs(1, 4, 2, 8, 8, d, dtype, layout="bnhd")
     assert not q.is_contiguous() and q.stride(-1) == 1
     check_case(2, 4, 2, 300, 211, d, dtype, causal, deterministic=deterministic, layout="bnhd", seed=d)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_strided_dout_and_outputs(d):
     """dO a column slice of a wider tensor (row stride 2d), dk / dv views into taller NaN buffers:
     the rows past Nk (the edge block's TMA store bound) must stay NaN."""
@@ -191,7 +203,7 @@ def test_non_default_scale():
 
 
 # ---- extreme logits (|scores| ~ 1e4) ---------------------------------------------------------------
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
@@ -219,7 +231,8 @@ def test_extreme_logits(dtype, causal, deterministic, d):
 
 # ---- fully masked rows (causal, Nq > Nk): zero gradients there, no NaN anywhere -------------------
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
-@pytest.mark.parametrize("nq,nk,d", [(200, 17, 128), (70, 3, 64), (5, 1, 128), (1000, 129, 64)])
+@pytest.mark.parametrize("nq,nk,d", [(200, 17, 128), (70, 3, 64), (5, 1, 128), (1000, 129, 64), (200, 17, 256),
+                                     (130, 65, 256)])
 def test_fully_masked_rows(nq, nk, d, deterministic):
     dtype, causal, scale = BF16, True, 1.0 / math.sqrt(d)
     q, k, v, dout = make_inputs(1, 4, 2, nq, nk, d, dtype, seed=nq)
@@ -248,7 +261,8 @@ def test_empty_sequences(nq, nk):
 # ---- deterministic mode: 50 repeated backward passes bitwise equal -----------------------------------
 @pytest.mark.parametrize(
     "nq,nk,d,dtype,causal,heads,kv_heads",
-    [(1000, 1000, 128, BF16, True, 8, 2), (517, 300, 64, FP16, False, 4, 4), (300, 517, 128, BF16, False, 2, 1)],
+    [(1000, 1000, 128, BF16, True, 8, 2), (517, 300, 64, FP16, False, 4, 4), (300, 517, 128, BF16, False, 2, 1),
+     (700, 700, 256, BF16, True, 4, 2), (300, 517, 256, FP16, False, 2, 1)],
 )
 def test_deterministic_bit_identical(nq, nk, d, dtype, causal, heads, kv_heads):
     q, k, v, dout = make_inputs(2, heads, kv_heads, nq, nk, d, dtype, seed=3)
@@ -275,7 +289,8 @@ def test_deterministic_bit_identical(nq, nk, d, dtype, causal, heads, kv_heads):
 
 
 # ---- deterministic mode through the public op: the family the dispatcher picks ---------------------------
-@pytest.mark.parametrize("d,dtype,causal", [(128, BF16, False), (128, FP16, True), (64, BF16, True), (64, FP16, False)])
+@pytest.mark.parametrize("d,dtype,causal", [(128, BF16, False), (128, FP16, True), (64, BF16, True), (64, FP16, False),
+                                           (256, BF16, True), (256, FP16, False)])
 def test_public_op_deterministic_backward(d, dtype, causal):
     """tileattn.attention(..., deterministic=True): three backward passes bitwise equal, gradients
     against the float64 reference, on the family dispatch.backward_family names (GQA, Nq != Nk)."""
@@ -303,7 +318,7 @@ def test_public_op_deterministic_backward(d, dtype, causal):
 
 # ---- block order: L2 sections of (kv head, batch) pairs -----------------------------------------------
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d,dtype", [(128, BF16), (64, FP16)])
+@pytest.mark.parametrize("d,dtype", [(128, BF16), (64, FP16), (256, BF16)])
 def test_block_order_sections(d, dtype, causal):
     """Every section size (1, uneven 4 of 6 pairs with a short last section, all 6) gives correct
     gradients; dk / dv (register sums) and the deterministic dq are bitwise independent of the order
@@ -403,10 +418,14 @@ def test_launch_events_bracket_the_three_kernels():
         pytest.param(130, 129, 128, BF16, False, False, False, id="atomic-d128-130x129"),
         pytest.param(130, 256, 128, BF16, False, False, True, id="bulk-d128-130x256"),
         pytest.param(400, 300, 64, FP16, True, True, False, id="det-causal-d64-400x300"),
+        # d = 256 (the role-split layout): 3 query tiles on 2 ring stages (slot reuse), edge key block.
+        pytest.param(130, 100, 256, BF16, True, False, False, id="atomic-causal-d256-130x100"),
+        pytest.param(130, 129, 256, FP16, False, True, False, id="det-d256-130x129"),
     ],
 )
 def test_sanitize_small(nq, nk, d, dtype, causal, deterministic, bulk):
-    config = _mod().Sm90BwdConfig(8192 // d, 2, bulk)  # explicit: the defaults' dQ mode differs by head dim
+    # explicit: the defaults' dQ mode differs by head dim (d = 256: 64-query tiles, REDs)
+    config = _mod().Sm90BwdConfig(64 if d == 256 else 8192 // d, 2, bulk)
     check_case(1, 2, 1, nq, nk, d, dtype, causal, deterministic=deterministic, seed=1, config=config)
 
 
@@ -435,7 +454,7 @@ def test_cuda_graph_capture():
 
 # ---- end to end through tileattn.attention's autograd, with the dispatcher routed here -------------
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_end_to_end_autograd(d, deterministic, monkeypatch):
     """What the lead's routing will do: dispatch.attention_backward_plan returns this module's plan
     (same call as the sm80 one); the public op's forward + backward then match float64 autograd."""
@@ -456,7 +475,7 @@ def test_end_to_end_autograd(d, deterministic, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_autograd_runs_the_benchmarked_plan(d, causal, monkeypatch):
     """What `tileattn bench attention --backward-only` times is what attention_bwd_sm90.benchmark's
     sm90 column times: through the real dispatcher, the autograd backward of dense [B, H, N, d]

@@ -1050,6 +1050,305 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
     }
   }
 }
+
+// ---- d = 256: the role-split layout (attention_bwd_sm90<256, 64, kStages, ...>) -----------------
+// The body above keeps dK and dV of 64 keys in each MMA warpgroup: 2 x 64 x d / 128 fp32 registers
+// per thread, 256 at d = 256, more than a warpgroup has (240). Here the two MMA warpgroups split the
+// work by product instead of by keys. One CTA per (64 keys, kv head, batch), 384 threads:
+//   warpgroup 0 (producer)  as above: K and V once, then Q + lse2 and dO + delta per query tile.
+//   role 0 (warpgroup 1)    S^T = K Q^T, P^T = 2^(S^T scale log2 e - lse2) (masked), P^T in fp32 to
+//                           sP for role 1, dV += P^T dO (P^T from registers), dQ columns 0..127.
+//   role 1 (warpgroup 2)    dP^T = V dO^T, dS^T = P^T (dP^T - D) (P^T read from sP), dK += dS^T Q
+//                           (dS^T from registers), dS^T to sdS (stmatrix), dQ columns 128..255.
+// Each role holds one 64 x 256 fp32 gradient (128 registers), its 64 x 64 S^T or dP^T (32), the
+// packed P^T or dS^T (16) and dQ 64 x 128 (64): ~210 of 240 at the dQ wgmma. Tensor work per query
+// tile (64 x 64 x 256 per product): role 0 S^T + dV + half of dQ, role 1 dP^T + dK + the other half:
+// 2.5 products each. Role 1 waits for role 0's P^T (the exp pass runs while no wgmma of either
+// role is in flight: the price of this split, measured in docs/attention_bwd_sm90.md, "d = 256").
+//
+// Shared memory (bytes; every 16-bit tile 128-byte swizzled [d/64 panels][rows][64], as TMA writes it):
+//   sK, sV    [4][64][64]              2 x 32 KB  resident; epilogue: dK / dV staging for TMA stores
+//   sQ, sdO   [kStages][4][64][64]     2 x 64 KB  rings (kStages = 2)
+//   sdS       [2][64 keys][64 queries]     16 KB  dS^T, double-buffered as above
+//   sP        [8][128 threads][4] fp32     16 KB  role 0's P^T in its accumulator order: role 1's
+//                                                 thread i has the same (key, query) elements as
+//                                                 role 0's thread i, so it reads what that thread
+//                                                 wrote, 16 contiguous bytes per lane (no conflicts)
+//   sLse, sDelta [kStages][64] fp32          1 KB
+// 226 KB + 1 KB of alignment: no room for a staged dQ tile (64 KB), so the deterministic mode adds
+// dQ by REDs in turn: per (b, h, query tile) and role one int32 counter in dq_sem ([.., 2]); the
+// role's thread 0 waits until it reads n_block, the warpgroup REDs its half, syncs, and thread 0
+// releases n_block + 1 (fence.acq_rel.gpu + st.release.gpu after the warpgroup's barrier, the
+// pattern of CUTLASS's generic barrier). Deadlock-free for the reason the staged mode is (a key block
+// waits only for lower key blocks of its pair, dispatched before it); the waits stall the MMA
+// warpgroup, which is the deterministic mode's documented cost here.
+// Barriers: mbarriers as above (empty[s]: 256 arrivals, every MMA thread after its last read of the
+// slot); named barriers kDsBarrier (dS^T staged, 256), kDoneBarrier (walk done, 256), kWgBarrier +
+// role (128), kPBarrier (P^T staged: role 0 arrives, role 1 syncs; 256). sP is single-buffered: role
+// 0 writes it for tile it + 1 only after the dS barrier of tile it, which role 1 reaches after its
+// reads of tile it; sdS as in the body above.
+constexpr int kBlockN256 = 64;  // keys per CTA at d = 256
+constexpr int kPBarrier = 10;   // named barrier: P^T of the tile staged in sP (after 9, varlen's)
+
+template <int kStages>
+__device__ constexpr int smem_d256() {
+  return 2 * kBlockN256 * 256 * 2 + 2 * kStages * 64 * 256 * 2 + 2 * kBlockN256 * 64 * 2 + kBlockN256 * 64 * 4 +
+         2 * kStages * 64 * 4 + 1024;
+}
+
+template <int kStages, bool kCausal, bool kIsBF16, int kDqMode>
+__device__ __forceinline__ void attention_bwd_sm90_d256_body(
+    const sm90::TmaDescriptor& tmap_q, const sm90::TmaDescriptor& tmap_k, const sm90::TmaDescriptor& tmap_v,
+    const sm90::TmaDescriptor& tmap_do, const sm90::TmaDescriptor& tmap_dk, const sm90::TmaDescriptor& tmap_dv,
+    const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_accum,
+    int* __restrict__ dq_sem, int heads, int kv_group, int batches, int section, int seqlen_q, int seqlen_k,
+    int nq_pad, float scale_log2, float scale) {
+  constexpr int kHeadDim = 256, kBlockM = 64, kBlockN = kBlockN256;
+  constexpr int kPanels = kHeadDim / kPanel;      // 4
+  constexpr int kKSteps = kHeadDim / 16;          // k16 steps of S^T and dP^T
+  constexpr int kMSteps = kBlockM / 16;           // k16 steps of dV and dK (queries)
+  constexpr int kNSteps = kBlockN / 16;           // k16 steps of dQ (keys)
+  constexpr u32 kKVBytes = kBlockN * kHeadDim * 2;
+  constexpr u32 kQBytes = kBlockM * kHeadDim * 2;
+  constexpr u32 kRowBytes = kBlockM * 4;
+  constexpr u64 kKPanelStep = (kBlockN * kPanel * 2) >> 4;  // descriptor units (16 B)
+  constexpr u64 kQPanelStep = (kBlockM * kPanel * 2) >> 4;
+  constexpr bool kDeterministic = kDqMode == 1;
+  static_assert(kDqMode == 0 || kDqMode == 1, "d = 256: dQ by REDs, unordered (0) or in turn (1)");
+  static_assert(kStages >= 2, "at least double buffering");
+  static_assert(smem_d256<kStages>() + kStaticSmem <= kSmemLimit, "shared memory over the 227 KB per block");
+
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ uint64_t kv_full, q_full[kStages], do_full[kStages], empty[kStages];
+  uint8_t* const smem = smem_raw + ((1024 - (s9::smem_u32(smem_raw) & 1023)) & 1023);
+  u16* const sK = reinterpret_cast<u16*>(smem);                    // [4][64][64]
+  u16* const sV = sK + kBlockN * kHeadDim;
+  u16* const sQ = sV + kBlockN * kHeadDim;                          // [kStages][4][64][64]
+  u16* const sdO = sQ + kStages * kBlockM * kHeadDim;
+  u16* const sdS = sdO + kStages * kBlockM * kHeadDim;              // [2][64][64]
+  float* const sP = reinterpret_cast<float*>(sdS + 2 * kBlockN * kBlockM);  // [8][128][4]
+  float* const sLse = sP + kBlockN * kBlockM;                       // [kStages][64]
+  float* const sDelta = sLse + kStages * kBlockM;
+
+  // Block order: as the body above (sections of `section` (kv head, batch) pairs, key block slowest).
+  const int kv_heads = heads / kv_group;
+  const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
+  const int pairs = kv_heads * batches;
+  const int sec = blockIdx.x / (section * n_blocks);
+  const int in_sec = blockIdx.x - sec * section * n_blocks;
+  const int sec_pairs = min(section, pairs - sec * section);
+  const int n_block = in_sec / sec_pairs;
+  const int pair = sec * section + in_sec % sec_pairs;
+  const int kv_head = pair % kv_heads, batch = pair / kv_heads;
+  const int n0 = n_block * kBlockN;
+  const int diag = seqlen_k - seqlen_q;  // query i sees keys j <= i + diag
+  const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
+  const int m_first = kCausal ? max(0, n0 - diag) / kBlockM : 0;
+  const int m_count = m_blocks - m_first;
+  const int n_iters = kv_group * m_count;
+  // Step `it`: query head kv_head * kv_group + it / m_count, query tiles from the last down.
+  auto walk_head = [&](int it) { return kv_head * kv_group + it / m_count; };
+  auto walk_m0 = [&](int it) { return (m_blocks - 1 - it % m_count) * kBlockM; };
+  auto ws_row = [&](int head) { return (static_cast<int64_t>(batch) * heads + head) * nq_pad; };
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+
+  if (threadIdx.x == 0) {
+    s9::tma_prefetch_descriptor(&tmap_q);
+    s9::tma_prefetch_descriptor(&tmap_k);
+    s9::tma_prefetch_descriptor(&tmap_v);
+    s9::tma_prefetch_descriptor(&tmap_do);
+    s9::mbar_init(&kv_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      s9::mbar_init(&q_full[s], 1);
+      s9::mbar_init(&do_full[s], 1);
+      s9::mbar_init(&empty[s], 256);
+    }
+    s9::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ------------------------------------------------ producer warpgroup
+    s9::setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      s9::mbar_arrive_expect_tx(&kv_full, 2 * kKVBytes);
+#pragma unroll
+      for (int p = 0; p < kPanels; ++p) {
+        s9::tma_load_4d(sK + p * kBlockN * kPanel, &tmap_k, p * kPanel, n0, kv_head, batch, &kv_full);
+        s9::tma_load_4d(sV + p * kBlockN * kPanel, &tmap_v, p * kPanel, n0, kv_head, batch, &kv_full);
+      }
+      for (int it = 0; it < n_iters; ++it) {
+        const int head = walk_head(it), m0 = walk_m0(it), s = it % kStages;
+        if (it >= kStages) s9::mbar_wait(&empty[s], ((it / kStages) - 1) & 1);
+        const int64_t ws = ws_row(head) + m0;
+        s9::mbar_arrive_expect_tx(&q_full[s], kQBytes + kRowBytes);
+#pragma unroll
+        for (int p = 0; p < kPanels; ++p)
+          s9::tma_load_4d(sQ + (s * kPanels + p) * kBlockM * kPanel, &tmap_q, p * kPanel, m0, head, batch, &q_full[s]);
+        s9::bulk_load_1d(sLse + s * kBlockM, lse2 + ws, kRowBytes, &q_full[s]);
+        s9::mbar_arrive_expect_tx(&do_full[s], kQBytes + kRowBytes);
+#pragma unroll
+        for (int p = 0; p < kPanels; ++p)
+          s9::tma_load_4d(sdO + (s * kPanels + p) * kBlockM * kPanel, &tmap_do, p * kPanel, m0, head, batch, &do_full[s]);
+        s9::bulk_load_1d(sDelta + s * kBlockM, delta + ws, kRowBytes, &do_full[s]);
+      }
+    }
+    return;
+  }
+  // ------------------------------------------------------------------ MMA warpgroups (roles 0, 1)
+  s9::setmaxnreg_inc<kMmaRegs>();
+  const int role = wg - 1;
+  const int tid = threadIdx.x % 128;
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int key_h0 = n0 + 16 * warp + g;  // key of accumulator rows h = 0 (h = 1: + 8)
+  const bool key_edge = n0 + kBlockN > seqlen_k;
+  // A of S^T (role 0: K) or dP^T (role 1: V), K-major; B of dQ: K's d panels 2 role, 2 role + 1.
+  const u64 desc_kv = s9::make_desc_k128_sw128(role == 0 ? sK : sV);
+  const u64 desc_dq_b0 = s9::make_desc_mn_sw128(sK + (2 * role) * kBlockN * kPanel, kBlockN * kPanel * 2);
+  const u64 desc_dq_b1 = s9::make_desc_mn_sw128(sK + (2 * role + 1) * kBlockN * kPanel, kBlockN * kPanel * 2);
+
+  float grad[kHeadDim / 2];  // role 0: dV, role 1: dK (64 keys x 256, unscaled)
+  float sd[kBlockM / 2];     // role 0: S^T then P^T; role 1: dP^T then dS^T
+  u32 frag[kMSteps][4];      // the packed P^T or dS^T: register-A fragments
+  float dq0[32], dq1[32];    // dQ columns 128 role + (0..63, 64..127)
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) grad[i] = 0.f;
+
+  s9::mbar_wait(&kv_full, 0);
+  for (int it = 0; it < n_iters; ++it) {
+    const int head = walk_head(it), m0 = walk_m0(it), s = it % kStages;
+    const u32 parity = (it / kStages) & 1;
+    u16* const ds_tile = sdS + (it % 2) * kBlockN * kBlockM;
+    // ---- 1. S^T = K Q^T (role 0) or dP^T = V dO^T (role 1)
+    s9::fence_accumulators(sd);
+    s9::mbar_wait(role == 0 ? &q_full[s] : &do_full[s], parity);
+    const u64 desc_in = s9::make_desc_k128_sw128((role == 0 ? sQ : sdO) + s * kBlockM * kHeadDim);
+    s9::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      const u64 off_kv = (ks / 4) * kKPanelStep + 2 * (ks % 4);
+      const u64 off_q = (ks / 4) * kQPanelStep + 2 * (ks % 4);
+      s9::wgmma_ss<kBlockM, kIsBF16>(sd, desc_kv + off_kv, desc_in + off_q, ks > 0 ? 1 : 0);
+    }
+    s9::wgmma_commit();
+    s9::wgmma_wait<0>();
+    s9::fence_accumulators(sd);
+    // Element i = 4 j + 2 h + e of sd: key key_h0 + 8 h, query m0 + 8 j + 2 t + e.
+    u64 desc_b;  // B of the register-A product: dO (dV, role 0) or Q (dK, role 1), MN-major
+    if (role == 0) {
+      // ---- 2a. P^T = 2^(S^T scale_log2 - lse2), hidden elements 0 (the masks of the body above:
+      // element i hidden iff 8 j + e < lim[h]); lse2 = +inf (fully masked or padding query) gives 0.
+      const bool masked = key_edge || (kCausal && m0 + diag < n0 + kBlockN - 1);
+      int lim[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int key = key_h0 + 8 * h;
+        lim[h] = key >= seqlen_k ? kBlockM : kCausal ? key - diag - m0 - 2 * t : 0;
+      }
+      const float* lse_s = sLse + s * kBlockM;
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = 4 * j + r;
+          const float p = fast_exp2(fmaf(sd[i], scale_log2, -((r & 1) ? l2.y : l2.x)));
+          sd[i] = masked && 8 * j + (r & 1) < lim[r >> 1] ? 0.f : p;
+        }
+      }
+#pragma unroll
+      for (int q4 = 0; q4 < kBlockM / 8; ++q4)
+        *reinterpret_cast<float4*>(sP + (q4 * 128 + tid) * 4) =
+            make_float4(sd[4 * q4], sd[4 * q4 + 1], sd[4 * q4 + 2], sd[4 * q4 + 3]);
+      s9::named_barrier_arrive<256>(kPBarrier);
+      pack_acc<kMSteps, kIsBF16>(frag, sd, 1.f);
+      s9::mbar_wait(&do_full[s], parity);
+      desc_b = s9::make_desc_mn_sw128(sdO + s * kBlockM * kHeadDim, kBlockM * kPanel * 2);
+    } else {
+      // ---- 2b. dS^T = P^T (dP^T - D), P^T from role 0 (same thread index, same elements)
+      const float* delta_s = sDelta + s * kBlockM;
+      s9::named_barrier_sync<256>(kPBarrier);
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float4 p = *reinterpret_cast<const float4*>(sP + (j * 128 + tid) * 4);
+        const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+        sd[4 * j] = p.x * (sd[4 * j] - dd.x);
+        sd[4 * j + 1] = p.y * (sd[4 * j + 1] - dd.y);
+        sd[4 * j + 2] = p.z * (sd[4 * j + 2] - dd.x);
+        sd[4 * j + 3] = p.w * (sd[4 * j + 3] - dd.y);
+      }
+      pack_acc<kMSteps, kIsBF16>(frag, sd, 1.f);
+      s9::mbar_wait(&q_full[s], parity);
+      desc_b = s9::make_desc_mn_sw128(sQ + s * kBlockM * kHeadDim, kBlockM * kPanel * 2);
+    }
+    // ---- 3. dV += P^T dO (role 0) or dK += dS^T Q (role 1): register A, N = 256 over 4 panels
+    s9::fence_accumulators(grad);
+    s9::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kMSteps; ++kk) s9::wgmma_rs<kHeadDim, kIsBF16, 1>(grad, frag[kk], desc_b + kk * kRowStep16, 1);
+    s9::wgmma_commit();
+    // ---- 4. dS^T -> sdS[it % 2] (role 1), then dQ[:, 128 role ..] = dS K[:, 128 role ..]
+    if (role == 1) {
+      store_fragments<kBlockN, kMSteps>(ds_tile, 0, frag, warp, lane);
+      s9::fence_proxy_async();  // generic stmatrix writes -> async-proxy wgmma reads
+    }
+    s9::named_barrier_sync<256>(kDsBarrier);
+    const u64 desc_dq_a = s9::make_desc_mn_sw128(ds_tile, kBlockN * kPanel * 2);
+    s9::fence_accumulators(dq0);
+    s9::fence_accumulators(dq1);
+    s9::wgmma_fence();
+    issue_dq<kNSteps, kIsBF16>(dq0, desc_dq_a, desc_dq_b0);
+    issue_dq<kNSteps, kIsBF16>(dq1, desc_dq_a, desc_dq_b1);
+    s9::wgmma_commit();
+    // ---- 5. retire everything; release the slot; dQ into dq_accum (in turn when deterministic)
+    s9::wgmma_wait<0>();
+    keep_fragments<kMSteps>(frag);
+    s9::fence_accumulators(grad);
+    s9::fence_accumulators(dq0);
+    s9::fence_accumulators(dq1);
+    s9::mbar_arrive(&empty[s]);
+    int* sem = nullptr;
+    if constexpr (kDeterministic) {
+      sem = dq_sem + ((static_cast<int64_t>(batch) * heads + head) * m_blocks + m0 / kBlockM) * 2 + role;
+      if (tid == 0) {
+        while (s9::ld_acquire_gpu(sem) != n_block) {  // key blocks 0 .. n_block - 1 have added this half
+        }
+      }
+      s9::named_barrier_sync<128>(kWgBarrier + role);
+    }
+    // Rows m0 + 16 warp + (g, g + 8), columns 128 role + 64 half + 8 j + 2 t + (0, 1): fragment order.
+    float* const dst = dq_accum + (ws_row(head) + m0) * kHeadDim + 16 * warp * kHeadDim + lane * 4;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      red_add_f32x4(dst + (16 * role + j) * 128, dq0[4 * j], dq0[4 * j + 1], dq0[4 * j + 2], dq0[4 * j + 3]);
+      red_add_f32x4(dst + (16 * role + 8 + j) * 128, dq1[4 * j], dq1[4 * j + 1], dq1[4 * j + 2], dq1[4 * j + 3]);
+    }
+    if constexpr (kDeterministic) {
+      s9::named_barrier_sync<128>(kWgBarrier + role);
+      if (tid == 0) {
+        s9::fence_acq_rel_gpu();
+        s9::st_release_gpu(sem, n_block + 1);
+      }
+    }
+  }
+
+  // ---- epilogue: dV (role 0) or scale dK (role 1) -> 16 bit -> sV / sK -> TMA stores
+  s9::named_barrier_sync<256>(kDoneBarrier);  // both roles' last dQ wgmmas read all of sK
+  u16* const stage = role == 0 ? sV : sK;
+  {
+    u32 out[kHeadDim / 16][4];
+    pack_acc<kHeadDim / 16, kIsBF16>(out, grad, role == 0 ? 1.f : scale);
+    store_fragments<kBlockN, kHeadDim / 16>(stage, 0, out, warp, lane);
+  }
+  s9::fence_proxy_async();  // generic stmatrix writes -> async-proxy TMA store
+  s9::named_barrier_sync<128>(kWgBarrier + role);
+  if (tid == 0) {
+    const sm90::TmaDescriptor* map = role == 0 ? &tmap_dv : &tmap_dk;
+#pragma unroll
+    for (int p = 0; p < kPanels; ++p) s9::tma_store_4d(map, stage + p * kBlockN * kPanel, p * kPanel, n0, kv_head, batch);
+    s9::tma_store_commit();
+    s9::tma_store_wait_read();
+  }
+}
 }  // namespace bwd90
 
 // Dense [B, H, N, d] batches (see above for the arguments).
@@ -1064,9 +1363,16 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
                        const float* __restrict__ delta, float* __restrict__ dq_accum, int* __restrict__ dq_sem,
                        int heads, int kv_group, int batches, int section,
                        int seqlen_q, int seqlen_k, int nq_pad, float scale_log2, float scale, int rotate) {
-  bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, kCausal, kIsBF16, kDqMode, false, 0>(
-      tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, dq_sem, heads, kv_group, batches,
-      section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale, rotate, bwd90::VarlenArgs{}, Variants{});
+  if constexpr (kHeadDim == 256) {  // the role-split layout ("d = 256"); no rotated walk
+    static_assert(kBlockM == 64, "d = 256: 64-query tiles");
+    bwd90::attention_bwd_sm90_d256_body<kStages, kCausal, kIsBF16, kDqMode>(
+        tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, dq_sem, heads, kv_group, batches,
+        section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale);
+  } else {
+    bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, kCausal, kIsBF16, kDqMode, false, 0>(
+        tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, dq_sem, heads, kv_group, batches,
+        section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale, rotate, bwd90::VarlenArgs{}, Variants{});
+  }
 }
 
 // Dense batches with variants (kVariant: a non-empty set of bits bwd90::kWindow, kSoftcap, kAlibi,

@@ -37,8 +37,10 @@ from .attention_bwd_sm80 import _CONVERT_ROWS, _PRE_ROWS, _ROW_PAD, convert_expr
 
 FAMILY_NAME = "attention_bwd_sm90"
 SOURCE = "attention_bwd_sm90.cu"
-HEAD_DIMS = (64, 128)
-BLOCK_N = 128           # keys per CTA: two MMA warpgroups x 64
+HEAD_DIMS = (64, 128, 256)
+BLOCK_N = 128           # keys per CTA at d = 64 / 128: two MMA warpgroups x 64
+BLOCK_N_256 = 64        # keys per CTA at d = 256 (csrc "d = 256": the warpgroups split the products)
+VARLEN_HEAD_DIMS = (64, 128)  # the varlen and variant entry points (d = 256 runs attention_bwd_sm80's)
 THREADS = 384           # producer warpgroup + two MMA warpgroups
 PANEL = 64              # TMA box width in elements: 128 bytes, the 128-byte swizzle span
 LOG2E = 1.4426950408889634
@@ -64,18 +66,20 @@ class Sm90BwdConfig:
         return 1 if deterministic else 2 if self.dq_bulk else 0
 
     def _smem_without_dq(self, head_dim: int) -> int:
-        kv = 2 * BLOCK_N * head_dim * 2
+        block_n = block_n_of(head_dim)
+        kv = 2 * block_n * head_dim * 2
         ring = 2 * self.stages * self.block_m * head_dim * 2
-        ds = 2 * BLOCK_N * self.block_m * 2
+        ds = 2 * block_n * self.block_m * 2
+        p_exchange = block_n * self.block_m * 4 if head_dim == 256 else 0  # fp32 P^T, role 0 -> role 1
         rows = 2 * self.stages * self.block_m * 4
-        return kv + ring + ds + rows + 1024
+        return kv + ring + ds + p_exchange + rows + 1024
 
     def dq_buffers(self, head_dim: int, deterministic: bool) -> int:
         """The staged dQ modes' fp32 tiles (block_m x d x 4 bytes each): two where they fit beside the
         rest (and STATIC_SMEM of mbarriers) in SMEM_LIMIT, else one (which may still not fit: see
         fits); none with REDs. Mirrors dq_buffers() in the .cu."""
         tile = self.block_m * head_dim * 4
-        if self.dq_mode(deterministic) == 0:
+        if self.dq_mode(deterministic) == 0 or head_dim == 256:  # d = 256 adds dQ by REDs in both modes
             return 0
         return 2 if self._smem_without_dq(head_dim) + 2 * tile + STATIC_SMEM <= SMEM_LIMIT else 1
 
@@ -86,7 +90,10 @@ class Sm90BwdConfig:
                 + self.dq_buffers(head_dim, deterministic) * self.block_m * head_dim * 4)
 
     def fits(self, head_dim: int, deterministic: bool) -> bool:
-        """Whether the instantiation's shared memory fits in a block."""
+        """Whether the instantiation's shared memory fits in a block (d = 256: 64-query tiles, dQ by
+        REDs, as the kernel's role-split layout has them)."""
+        if head_dim == 256 and (self.block_m != 64 or self.dq_bulk):
+            return False
         return self.smem_bytes(head_dim, deterministic) + STATIC_SMEM <= SMEM_LIMIT
 
     def __str__(self) -> str:
@@ -94,6 +101,12 @@ class Sm90BwdConfig:
 
 
 C = Sm90BwdConfig
+
+
+def block_n_of(head_dim: int) -> int:
+    """Keys per CTA of the main kernel: 128 (two MMA warpgroups x 64 keys) at d = 64 / 128, 64 at
+    d = 256, where the warpgroups split the products instead (csrc "d = 256"). Never raises."""
+    return BLOCK_N_256 if head_dim == 256 else BLOCK_N
 
 # Default per (head dim, causal), fp16 and bf16 alike: FA3's tiles where the kernel's shape allows
 # (d=128: 64 x 128, FA3 uses 64 causal / 80 non-causal; d=64: 128 x 128), two stages as FA3 has.
@@ -103,11 +116,15 @@ C = Sm90BwdConfig
 # stage gained nothing at either head dim.
 #   d=128: 64 + 64 + 32 (Q, dO ring) + 32 (dS^T) KB + 1.5 KB = 162 KB, + 2 x 32 KB staged dQ = 226 KB
 #   d=64:  32 + 64 + 64 KB + 3 KB = 163 KB
+# d=256 (the role-split layout, 64 keys per CTA): 64 (K, V) + 128 (Q, dO ring) + 16 (dS^T) + 16 (P^T
+# exchange) + 2 KB = 226 KB; dQ by REDs (no room for a staged tile), in turn when deterministic.
 DEFAULTS: dict[tuple[int, bool], Sm90BwdConfig] = {
     (128, False): C(64, 2, True),
     (128, True): C(64, 2, True),
     (64, False): C(128, 2),
     (64, True): C(128, 2),
+    (256, False): C(64, 2),
+    (256, True): C(64, 2),
 }
 # The varlen and variant entry points keep dQ by REDs: their staged modes have not been timed.
 _RED_DEFAULTS = {key: C(cfg.block_m, cfg.stages) for key, cfg in DEFAULTS.items()}
@@ -120,7 +137,8 @@ ROTATE: dict[tuple[int, bool], bool] = {(d, c): False for d in HEAD_DIMS for c i
 # atomic dQ modes, REDs and the staged bulk reduce-add (the deterministic mode's path without the
 # turn; FA3's choice), so that whichever mode a default (dense, varlen) does not use stays timed.
 TUNING_EXTRA: dict[int, tuple[Sm90BwdConfig, ...]] = {128: (C(64, 3), C(64, 2), C(64, 2, True)),
-                                                      64: (C(128, 3), C(128, 2), C(128, 2, True))}
+                                                      64: (C(128, 3), C(128, 2), C(128, 2, True)),
+                                                      256: ()}
 
 
 # ---- variants (csrc "Variants": bits of the kernel's kVariant, as attention_fwd_sm90's) ------------
@@ -215,8 +233,8 @@ def _expressions(configs_by_dim, varlen: bool = False) -> tuple[str, ...]:
     return tuple(dict.fromkeys(exprs))
 
 
-def _default_configs(table):
-    return ((d, {table[(d, c)] for c in (False, True)}) for d in HEAD_DIMS)
+def _default_configs(table, head_dims=HEAD_DIMS):
+    return ((d, {table[(d, c)] for c in (False, True)}) for d in head_dims)
 
 
 # The varlen entry point takes the dense tiles (VARLEN_DEFAULTS: DEFAULTS with dQ by REDs; TUNING_EXTRA):
@@ -224,12 +242,14 @@ def _default_configs(table):
 # candidates. Variant kernels: the non-causal default tiles with REDs (a window is masked like
 # causal; the defaults are the same config causal or not), VARIANT_SETS x both dtypes x atomic /
 # deterministic.
-VARIANT_DEFAULTS: dict[int, Sm90BwdConfig] = {d: _RED_DEFAULTS[(d, False)] for d in HEAD_DIMS}
-VARIANT_INSTANTIATIONS = tuple(variant_expression(d, VARIANT_DEFAULTS[d], bf16, bits, det) for d in HEAD_DIMS
+VARIANT_DEFAULTS: dict[int, Sm90BwdConfig] = {d: _RED_DEFAULTS[(d, False)] for d in VARIANT_SETS}
+VARIANT_INSTANTIATIONS = tuple(variant_expression(d, VARIANT_DEFAULTS[d], bf16, bits, det) for d in VARIANT_SETS
                                for bf16 in (False, True) for bits in VARIANT_SETS[d] for det in (False, True))
-INSTANTIATIONS = (_expressions(_default_configs(DEFAULTS)) + _expressions(_default_configs(VARLEN_DEFAULTS), varlen=True)
+INSTANTIATIONS = (_expressions(_default_configs(DEFAULTS))
+                  + _expressions(_default_configs(VARLEN_DEFAULTS, VARLEN_HEAD_DIMS), varlen=True)
                   + VARIANT_INSTANTIATIONS)
-TUNING = tuple(e for e in _expressions(TUNING_EXTRA.items()) + _expressions(TUNING_EXTRA.items(), varlen=True)
+TUNING = tuple(e for e in _expressions(TUNING_EXTRA.items())
+               + _expressions(((d, TUNING_EXTRA[d]) for d in VARLEN_HEAD_DIMS), varlen=True)
                if e not in INSTANTIATIONS)
 FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a",), tuning=TUNING),)
 
@@ -243,10 +263,10 @@ def supports(head_dim: int, dtype, causal: bool = False) -> bool:
 
 def supports_varlen(head_dim: int, dtype, causal: bool = False, deterministic: bool = False) -> bool:
     """Whether the varlen Hopper backward (BackwardVarlenPlan) runs (head_dim, dtype, causal,
-    deterministic): head_dim in HEAD_DIMS, float16 / bfloat16, causal or not, atomic mode only
-    (deterministic=True stays on attention_bwd_sm80's varlen kernels). The caller still routes
-    only sm_90a devices here. Never raises."""
-    return supports(head_dim, dtype, causal) and not deterministic
+    deterministic): head_dim in VARLEN_HEAD_DIMS (64, 128), float16 / bfloat16, causal or not, atomic
+    mode only (deterministic=True and d = 256 stay on attention_bwd_sm80's varlen kernels). The
+    caller still routes only sm_90a devices here. Never raises."""
+    return head_dim in VARLEN_HEAD_DIMS and supports(head_dim, dtype, causal) and not deterministic
 
 
 def tuning_candidates(head_dim: int, causal: bool, deterministic: bool = False) -> tuple[Sm90BwdConfig, ...]:
@@ -301,7 +321,7 @@ class _TmaOperands:
     [B, H, N, d] view (`view` of the caller's tensors). Which of them TMA cannot describe in place
     (a zero or huge stride) is decided once: those are copied to / staged in contiguous tensors on
     every launch. Boxes outermost first (batch, head, rows, 64 columns), 128-byte swizzle, zero
-    fill: block_m query rows, BLOCK_N key rows, 64-row dK / dV stores."""
+    fill: block_m query rows, block_n key rows (block_n_of(d)), 64-row dK / dV stores."""
 
     def __init__(self, tensors, block_m: int, view=_dense_view):
         from ..runtime import TensorMapTemplate
@@ -309,7 +329,8 @@ class _TmaOperands:
         self.view = view
         self.copy = tuple(not _tma_ready(view(t)) for t in tensors)
         staged = self.stage(tensors)
-        rows = (block_m, BLOCK_N, BLOCK_N, block_m, 64, 64)
+        block_n = block_n_of(tensors[0].shape[-1])
+        rows = (block_m, block_n, block_n, block_m, 64, 64)
         self.templates = tuple(TensorMapTemplate(view(t), (1, 1, r, PANEL)) for t, r in zip(staged, rows))
         self.dk_layout, self.dv_layout = staged[4].stride(), staged[5].stride()  # what the kernel writes
 
@@ -373,9 +394,10 @@ class BackwardPlan:
                              f"got head_dim {d} and {q.dtype}")
         if kv_heads < 1 or heads % kv_heads:
             raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
-        n_blocks = -(-nk // BLOCK_N)
+        block_n = block_n_of(d)
+        n_blocks = -(-nk // block_n)
         if n_blocks * kv_heads * batch > _MAX_GRID_X:
-            raise ValueError(f"batch x k/v heads x ceil(Nk / {BLOCK_N}) must be <= {_MAX_GRID_X} blocks")
+            raise ValueError(f"batch x k/v heads x ceil(Nk / {block_n}) must be <= {_MAX_GRID_X} blocks")
         if section is not None and section < 1:
             raise ValueError(f"section must be >= 1, got {section}")
         bits = 0
@@ -402,9 +424,9 @@ class BackwardPlan:
         rows = batch * heads * nq_pad
         # One fp32 workspace: lse2 [B, H, NqPad], delta [B, H, NqPad], the fragment-order dQ
         # accumulator [B, H, NqPad / 16, d / 8, 32, 4]; deterministic: the int32 turn counters
-        # [B, H, ceil(Nq / block_m)] (zeroed per call).
+        # [B, H, ceil(Nq / block_m)] (zeroed per call; d = 256: [.., 2], one per role's half of dQ).
         self.ws_elems = 2 * rows + rows * d
-        self.sem_elems = batch * heads * -(-nq // config.block_m)
+        self.sem_elems = batch * heads * -(-nq // config.block_m) * (2 if d == 256 else 1)
         self._delta_offset, self._acc_offset = rows * 4, 2 * rows * 4  # bytes into the workspace
         i32, f32 = np.int32, np.float32
         group = heads // kv_heads
@@ -413,7 +435,9 @@ class BackwardPlan:
             section = section_pairs(nq, d, group, q.element_size(), causal or (bits != 0 and _windowed(variants)),
                                     deterministic)
         self.section = section = min(section, kv_heads * batch)
-        self.rotate = rotate = False if deterministic else bool(ROTATE[(d, bool(causal))] if rotate is None else rotate)
+        # The rotated walk: atomic mode at d = 64 / 128 (the d = 256 layout walks unrotated).
+        self.rotate = rotate = (False if deterministic or d == 256
+                                else bool(ROTATE[(d, bool(causal))] if rotate is None else rotate))
 
         self.pre = LaunchPlan(
             load(sm80.FAMILY_NAME, preprocess_expr(d, bf16), device),
@@ -555,7 +579,7 @@ class BackwardVarlenPlan:
             raise ValueError("the sm90 varlen backward has no deterministic mode; use "
                              "attention_bwd_sm80.backward_varlen_plan for deterministic=True")
         if not supports_varlen(d, q.dtype, causal, deterministic):
-            raise ValueError(f"the sm90 varlen backward supports head_dim in {HEAD_DIMS} and float16/bfloat16, "
+            raise ValueError(f"the sm90 varlen backward supports head_dim in {VARLEN_HEAD_DIMS} and float16/bfloat16, "
                              f"got head_dim {d} and {q.dtype}")
         if kv_heads < 1 or heads % kv_heads:
             raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
@@ -1090,6 +1114,9 @@ def main(argv=None) -> None:
 
 __all__ = [
     "BLOCK_N",
+    "BLOCK_N_256",
+    "VARLEN_HEAD_DIMS",
+    "block_n_of",
     "COLUMNS",
     "DEFAULTS",
     "VARLEN_DEFAULTS",
