@@ -33,11 +33,14 @@ from tileattn.reference import attention as reference_attention
 pytestmark = pytest.mark.gpu
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
-# Absolute floor (RMS per element) for gradients that are exactly 0 in exact math: with a single
-# visible key P = 1, so dS = dP - D = 0 and dq, dk are pure rounding noise (dP and D are the same
-# dot product summed in different orders, ~1e-7..1e-6 per element on the H200). The inputs are
-# unit normal, so a real gradient is ~0.1..1 per element and this floor never masks one.
-ATOL = 1e-3
+# Absolute floor (RMS per element, before the tolerance: the error may reach TOL x ATOL) for
+# gradients that are exactly 0 in exact math: with a single visible key P = 1, so dS = dP - D = 0
+# and dq, dk are pure rounding noise (dP and D are the same fp32 dot product summed in different
+# orders). Its size grows with d and the number of queries summed into a dk row: measured on the
+# H200 (2026-12-02, B=1 H=Hkv=2 Nq=300 Nk=1, dk RMS per element) 3.4e-6 at d=128 and 6.7e-6 at
+# d=256 in fp16, 1.8e-6 / 4.4e-6 in bf16, bitwise the same in the sm80 and the sm90 backward. The
+# inputs are unit normal, so a real gradient is ~0.1..1 per element and this floor never masks one.
+ATOL = 1e-2
 BF16, FP16 = torch.bfloat16, torch.float16
 
 
@@ -172,6 +175,7 @@ def test_lengths(n, d, dtype, causal):
         (4097, 129, 32, FP16),
         (200, 333, 96, FP16),
         (333, 200, 256, BF16),
+        (300, 1, 256, FP16),  # dk, dq exactly 0: the ATOL floor's largest measured noise
     ],
 )
 def test_nq_ne_nk(nq, nk, d, dtype, causal):

@@ -10,7 +10,10 @@ One backward is three launches on torch's current stream (capturable by CUDA gra
 2. this family's main kernel: one CTA per (128 keys, kv head, batch), dK and dV in registers over
    the GQA group's query heads, dQ added into the accumulator with fp32 vector REDs; in
    deterministic mode a dQ warp adds each staged tile with one bulk reduce-add, in key-block order
-   through per-(b, h, query tile) counters (zeroed by a memset), so dq is bitwise reproducible;
+   through per-(b, h, query tile) counters (zeroed by a memset), so dq is bitwise reproducible.
+   d = 256 (csrc "d = 256"): one CTA per 64 keys, the two MMA warpgroups split the products (S^T,
+   P^T, dV | dP^T, dS^T, dK; dQ by columns), dQ by REDs in both modes (in key-block order through
+   per-(b, h, query tile, warpgroup) counters when deterministic);
 3. attention_bwd_sm80's convert kernel: dq = scale * accumulator.
 The main kernel writes the sm80 kernels' fragment-order accumulator layout, so 1 and 3 are reused
 as they are.

@@ -49,8 +49,10 @@ SM90_FORWARD = {(d, causal) for d in (64, 128, 256) for causal in (False, True)}
 # racecheck of its sanitize cases clean since the lse2 fix (2026-12-02 runs F9, V9, C1), and against
 # the sm80 deterministic kernel (2026-12-02 07:35 UTC, run C5, N=4096/16384): d=128 452/479 vs
 # 237/245 non-causal, 418/466 vs 224/242 causal; d=64 463/492 vs 214/222, 380/437 vs 198/219.
-# d=256 (the role-split layout, csrc "d = 256"; deterministic by REDs in turn): H200 figures in
-# docs/attention_bwd_sm90.md, "d = 256".
+# d=256 (the role-split layout, csrc "d = 256"; deterministic by REDs in turn; H200, 2026-12-02
+# 14:48 UTC, bf16 B=4 H=32 N=2048/8192): atomic 358/372 vs sm80 239/258 non-causal, 312/382 vs
+# 220/253 causal; deterministic 270/297 vs 180/190, 243/277 vs 169/187 (docs/attention_bwd_sm90.md,
+# "d = 256").
 SM90_BACKWARD = {(d, causal, deterministic) for d in (64, 128, 256) for causal in (False, True)
                  for deterministic in (False, True)}
 
