@@ -867,6 +867,23 @@ def test_paged_emulation_matches_reference(case, causal, block_n, bs):
     assert bool((out[n:] == 0).all()) and bool((lse[:, n:] == -math.inf).all()), f"{what}: padding rows"
 
 
+def test_paged_producer_lanes_issue_each_box_once():
+    """The paged producer warp: lane l issues box (row (l / panels) * box_rows, panel l % panels) of a
+    visit when the row is inside the block (csrc's paged branch), box_rows = min(block_size, kBlockN):
+    every registered paged instantiation's boxes, at every block size, exactly once, and never more
+    boxes than lanes (the kernel's static_assert)."""
+    for expression in af.PAGED_INSTANTIATIONS:
+        d, block_n = (int(x) for x in re.match(r"tileattn::attention_fwd_sm90<(\d+), (\d+),", expression).groups())
+        panels = d // 64
+        assert (block_n // 16) * panels <= 32, expression
+        for bs in (16, 32, 64, 128, 256):
+            box_rows = min(bs, block_n)
+            issued = [((lane // panels) * box_rows, lane % panels) for lane in range(32)
+                      if (lane // panels) * box_rows < block_n]
+            want = [(r, p) for r in range(0, block_n, box_rows) for p in range(panels)]
+            assert sorted(issued) == sorted(want) and len(set(issued)) == len(issued), (expression, bs)
+
+
 def test_paged_bad_ids_need_the_page_mask():
     """A bad block id inside the length must mask its keys (the reference's rule), not let them score
     0 from TMA's zero fill: without page_mask the emulation leaves the reference (the test above

@@ -622,6 +622,8 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
   static_assert(kVariant != kVarlen || sizeof...(VariantParams) == 6, "varlen: the trailing parameters are VARLEN_PARAMS");
   static_assert(!kPagedLayout || (sizeof...(VariantParams) == 11 && (kBlockN & (kBlockN - 1)) == 0),
                 "paged: the trailing parameters are PAGED_PARAMS; kBlockN a power of two (whole cache blocks)");
+  static_assert(!kPagedLayout || (kBlockN / 16) * (kHeadDim / 64) <= 32,
+                "paged: at most one K / V box per lane of the producer warp (16-row boxes x 64-column panels)");
   static_assert((kVariant & kVariantBits) == 0 || !kCausal, "variants: causal is the window's right edge 0");
   Variants va{};
   if constexpr ((kVariant & kVariantBits) != 0) va = variants_of(scale_log2, variant_params...);
@@ -680,7 +682,11 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
 
   if (wg == 0) {  // ------------------------------------------------ producer warpgroup
     s9::setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x == 0) {
+    // One thread issues every copy; paged, the whole first warp walks the tiles (every lane the same
+    // waits) and each lane issues one K / V box of a visit (see the paged branch below), lane 0 the
+    // rest. So the dense and varlen kernels keep their one-thread producer.
+    const int producer_lane = threadIdx.x;
+    if (kPagedLayout ? producer_lane < 32 : producer_lane == 0) {
       int g = 0;  // K/V visits so far, across this CTA's tiles: ring slot and phase
       int i = 0;  // tiles so far: q_full / q_empty phase
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, ++i) {
@@ -701,40 +707,38 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         // have landed before anyone writes there. sQ is free once both consumers' previous TMA
         // stores have read it.
         if (i > 0) s9::mbar_wait(&q_empty, (i - 1) & 1);
-        s9::mbar_arrive_expect_tx(&q_full, kQBytes);
+        if (producer_lane == 0) {
+          s9::mbar_arrive_expect_tx(&q_full, kQBytes);
 #pragma unroll
-        for (int p = 0; p < kPanels; ++p)
-          s9::tma_load_4d(sQ + p * kBlockM * kPanel, &tmap_q, p * kPanel, span.q0 + tile.m_block * rows, tile.head0,
-                          tma_batch, &q_full);
+          for (int p = 0; p < kPanels; ++p)
+            s9::tma_load_4d(sQ + p * kBlockM * kPanel, &tmap_q, p * kPanel, span.q0 + tile.m_block * rows, tile.head0,
+                            tma_batch, &q_full);
+        }
         for (int it = 0; it < (kWindowed ? range.n_end - range.n_begin : range.n_end); ++it, ++g) {
           const int n = range.n_end - 1 - it;
           const int s = g % kStages;
           const u32 refill_parity = ((g / kStages) - 1) & 1;
           if constexpr (kPagedLayout) {
             // Block n of keys from the cache ([num_blocks, Hkv, block_size, d] maps, boxes of
-            // min(block_size, kBlockN) rows): one box per cache block it spans, at that block's
-            // row in the slot (multiples of 16 rows keep the 1024-byte swizzle period).
+            // box_rows = min(block_size, kBlockN) rows): one box per (cache block it spans, 64-column
+            // panel), at that block's row in the slot (multiples of 16 rows keep the 1024-byte swizzle
+            // period). Lane l of the producer warp issues box (slab l / kPanels, panel l % kPanels),
+            // its own block-table read first: at block_size 16 a 128-key visit is 8 x kPanels boxes
+            // per tensor, which one thread issued back to back (docs/attention_paged.md, "Chunked
+            // prefill at block_size 16"). Lane 0's expect_tx is ordered before every lane's copy.
             const int box_rows = min(1 << vl.log2_bs, kBlockN);
+            const int row = (producer_lane / kPanels) * box_rows, p = producer_lane % kPanels;
 #pragma unroll
-            for (int pass = 0; pass < 2; ++pass) {  // K, then V: the block ids are read again (L1 hits)
+            for (int pass = 0; pass < 2; ++pass) {  // K, then V: the block id is read again (an L1 hit)
               u64* const full = pass == 0 ? &k_full[s] : &v_full[s];
               if (g >= kStages) s9::mbar_wait(pass == 0 ? &k_empty[s] : &v_empty[s], refill_parity);
-              s9::mbar_arrive_expect_tx(full, kKVBytes);
-              u16* const slot = (pass == 0 ? sK : sV) + s * kPanels * kBlockN * kPanel;
-              // All block ids first (per 16-row slab; a box starts at every box_rows-th), then the
-              // copies: the table loads are then in flight together instead of one per box (the
-              // copies' asm carries a memory clobber that no load moves across).
-              int block[kBlockN / 16];
-#pragma unroll
-              for (int j = 0; j < kBlockN / 16; ++j)
-                block[j] = (16 * j) % box_rows == 0 ? page_block(vl, tile.batch, n * kBlockN + 16 * j, span.nk) : 0;
-#pragma unroll
-              for (int j = 0; j < kBlockN / 16; ++j) {
-                if ((16 * j) % box_rows != 0) continue;
-#pragma unroll
-                for (int p = 0; p < kPanels; ++p)
-                  s9::tma_load_4d(slot + (p * kBlockN + 16 * j) * kPanel, pass == 0 ? &tmap_k : &tmap_v, p * kPanel,
-                                  (n * kBlockN + 16 * j) & ((1 << vl.log2_bs) - 1), kv_head, block[j], full);
+              if (producer_lane == 0) s9::mbar_arrive_expect_tx(full, kKVBytes);
+              __syncwarp();
+              if (row < kBlockN) {
+                u16* const slot = (pass == 0 ? sK : sV) + s * kPanels * kBlockN * kPanel;
+                const int block = page_block(vl, tile.batch, n * kBlockN + row, span.nk);
+                s9::tma_load_4d(slot + (p * kBlockN + row) * kPanel, pass == 0 ? &tmap_k : &tmap_v, p * kPanel,
+                                (n * kBlockN + row) & ((1 << vl.log2_bs) - 1), kv_head, block, full);
               }
             }
             continue;
