@@ -39,8 +39,10 @@ check: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check src tests labs scripts docs
 
+# -n auto: the CPU suite in one pytest-xdist worker per core (GPU tests skip here; `make gpu-check`
+# runs them with its own WORKERS).
 test: lint check
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs -n auto
 
 gpu-check:
 	PYTHONPATH=src:. $(PYTHON) scripts/gpu_check.py --report-dir $(REPORT_DIR) --bench $(BENCH) --tests $(TESTS) --workers $(WORKERS) $(GPU_CHECK_ARGS)
