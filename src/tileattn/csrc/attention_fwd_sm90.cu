@@ -167,8 +167,13 @@ using u64 = uint64_t;
 // wgmma.wait_group 0 placed in one arm of a branch; kArm only makes the asm text differ per arm.
 // Where the main loop waits for P_{j-1} V_{j-1} after the softmax, ptxas (NVRTC 13.0 and 13.5)
 // hoisted that wait above 54 of the block's 66 MUFU.EX2, so the exponentials no longer ran under
-// the P V wgmmas; one wait in each arm of the rescale branch, which starts after the last
-// exponential, stays there (two identical asm statements would be merged back above the branch).
+// the P V wgmmas; one wait in each arm of a branch that starts after the last exponential stays
+// there (two identical asm statements would be merged back above the branch). The branch must be
+// warpgroup-uniform: wait_group is .aligned, every warp of the warpgroup executes the same one.
+// The rescale vote is only warp-uniform (one __any_sync per warp), and branching on it let warps
+// of one warpgroup wait at different PCs (compute-sanitizer synccheck: "Mismatching warpgroup
+// instruction pc between warps", Hopper paged prefill, 2026-12-02): the branch is on a kernel
+// argument instead (scale_log2 > 0, which ptxas cannot evaluate; either arm waits the same).
 template <int kArm>
 __device__ __forceinline__ void wgmma_wait_all_in_arm() {
   asm volatile("wgmma.wait_group.sync.aligned 0; // arm %0\n" ::"n"(kArm) : "memory");
@@ -935,7 +940,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
           const bool rescale = softmax_step<kBlockN>(s, m, l, alpha, sl2);
           drop();
           // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free. Without dropout the
-          // wait sits in both arms of the (warp-uniform) rescale branch so that it stays after the
+          // wait sits in both arms of a warpgroup-uniform branch so that it stays after the
           // exponentials; dropout kernels keep it before the branch (with the keep bits also live,
           // the other placement spills 16-76 bytes at d = 128 / 256).
           if constexpr (kDropped) {
@@ -945,16 +950,14 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
             if (v_releaser) s9::mbar_arrive(&v_empty[sv]);
             if (rescale) rescale_o<kHeadDim>(o, alpha);
           } else {
-            if (rescale) {
+            if (scale_log2 > 0.f) {  // warpgroup-uniform (see wgmma_wait_all_in_arm)
               wgmma_wait_all_in_arm<0>();
-              s9::fence_accumulators(o);
-              s9::fence_accumulators(s);
-              rescale_o<kHeadDim>(o, alpha);
             } else {
               wgmma_wait_all_in_arm<1>();
-              s9::fence_accumulators(o);
-              s9::fence_accumulators(s);
             }
+            s9::fence_accumulators(o);
+            s9::fence_accumulators(s);
+            if (rescale) rescale_o<kHeadDim>(o, alpha);
             if (v_releaser) s9::mbar_arrive(&v_empty[sv]);
           }
           pack_p<kBlockN, kIsBF16>(p, s);
