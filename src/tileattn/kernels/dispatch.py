@@ -99,6 +99,9 @@ SM90_VARLEN_BACKWARD: set[tuple[int, bool, bool]] = {(d, causal, False) for d in
 # 16-row TMA boxes), and the engine's Qwen3-0.6B throughput (block_size 16, chunked prefill mixed
 # with decodes) fell from 25,296 to 18,852 output tok/s with it on (H200, de3f284, 22:00 UTC). So
 # block sizes of 64 and more only (64 and 128 unmeasured, by the box count: 2 and 1 per 128 keys).
+# Since 3f03e23 the producer warp's lanes issue the boxes: block_size 16 forced on reads 455-495
+# TFLOP/s (0.76-0.84x dense) against the sm80 kernel's 303-307 (H200, 2026-12-02 15:38 UTC), but the
+# engine's throughput with it has not been re-measured, so 16 and 32 stay off here.
 SM90_PAGED_PREFILL: set[tuple[int, int]] = {(d, bs) for d in (64, 128, 256) for bs in (64, 128, 256)}
 # Head dims and modes whose dropout backward runs the Hopper variant backward (attention_bwd_sm90's
 # dropout bit) when SM90_VARIANT_BACKWARD also lists them. Its GPU tests passed and racecheck found 0
