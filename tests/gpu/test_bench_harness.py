@@ -7,7 +7,9 @@ import torch
 
 from tileattn.bench import harness
 
-pytestmark = pytest.mark.gpu
+# exclusive: both tests time the device (CUDA events around flushes and a tiny kernel); with other
+# pytest workers' kernels time-sliced onto the same GPU, the events also bracket their work.
+pytestmark = [pytest.mark.gpu, pytest.mark.exclusive]
 
 
 def test_host_lead_keeps_slow_host_calls_out_of_the_timing():
