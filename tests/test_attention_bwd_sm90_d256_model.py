@@ -27,11 +27,17 @@ import random
 import pytest
 import torch
 
-from tileattn import reference
 from tileattn.kernels import attention_bwd_sm90 as ab
 
-from .test_attention_bwd_sm90_model import fragment_order_index, stored_elements
-from .test_attention_fwd_sm90_model import MBarrier, acc_pos, kmajor_element, mnmajor_element, tma_panel_addr
+from .test_attention_bwd_sm90_model import assert_walk_matches_autograd, fragment_order_index, stored_elements
+from .test_attention_fwd_sm90_model import (
+    MBarrier,
+    NamedBarrier,
+    acc_pos,
+    kmajor_element,
+    mnmajor_element,
+    tma_panel_addr,
+)
 
 D, BLOCK_M, BLOCK_N = 256, 64, ab.BLOCK_N_256
 CFG = ab.DEFAULTS[(256, False)]
@@ -231,40 +237,11 @@ def emulate(q, k, v, dout, out, lse, causal: bool, scale: float):
 @pytest.mark.parametrize("nq,nk,heads,kv_heads", [(1, 1, 1, 1), (65, 63, 2, 1), (130, 129, 2, 2), (5, 200, 2, 1),
                                                   (200, 5, 4, 2), (129, 300, 4, 1)])
 def test_emulated_walk_matches_autograd(nq, nk, heads, kv_heads, causal):
-    g = torch.Generator().manual_seed(nq * 1000 + nk + heads)
-    q = torch.randn(1, heads, nq, D, generator=g, dtype=torch.float64)
-    k = torch.randn(1, kv_heads, nk, D, generator=g, dtype=torch.float64)
-    v = torch.randn(1, kv_heads, nk, D, generator=g, dtype=torch.float64)
-    dout = torch.randn(1, heads, nq, D, generator=g, dtype=torch.float64)
-    scale = 1.0 / math.sqrt(D)
-    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    out, lse = reference.attention(qr, kr, vr, causal, scale, compute_dtype=torch.float64)
-    out.backward(dout)
-    got = emulate(q, k, v, dout, out.detach(), lse.detach(), causal, scale)
-    for name, a, ref in zip(("dq", "dk", "dv"), got, (qr.grad, kr.grad, vr.grad)):
-        err = float((a - ref).norm() / max(float(ref.norm()), 1e-300))
-        assert err < 1e-9 or float((a - ref).abs().max()) < 1e-12, f"{name}: relative error {err:.3e}"
+    assert_walk_matches_autograd(lambda *args: emulate(*args, causal, 1.0 / math.sqrt(D)), nq, nk, heads, kv_heads,
+                                 D, causal)
 
 
 # ---- the barrier protocol -------------------------------------------------------------------------
-class NamedBarrier:
-    """bar.sync / bar.arrive of `parties` warpgroups (each one party)."""
-
-    def __init__(self, parties: int = 2):
-        self.parties, self.arrived, self.generation = parties, 0, 0
-
-    def arrive(self):
-        self.arrived += 1
-        if self.arrived == self.parties:
-            self.arrived, self.generation = 0, self.generation + 1
-
-    def sync(self):
-        generation = self.generation
-        self.arrive()
-        while self.generation == generation:
-            yield
-
-
 def simulate(n_iters: int, stages: int, seed: int):
     """The producer and the two roles of one CTA as coroutines with the kernel's waits, arrivals and
     buffer accesses, under a random schedule, TMA copies landing at random later times. Every buffer

@@ -433,16 +433,22 @@ WALK_SHAPES = [(1, 1, 1, 1), (65, 65, 2, 1), (130, 129, 2, 2), (129, 300, 4, 1),
 @pytest.mark.parametrize("d,block_m", [(128, 64), (64, 128)])
 @pytest.mark.parametrize("nq,nk,heads,kv_heads", WALK_SHAPES)
 def test_emulated_walk_matches_autograd(nq, nk, heads, kv_heads, d, block_m, causal, rotate):
+    assert_walk_matches_autograd(lambda *args: emulate(*args, causal, 1.0 / math.sqrt(d), block_m, rotate), nq, nk,
+                                 heads, kv_heads, d, causal)
+
+
+def assert_walk_matches_autograd(run, nq, nk, heads, kv_heads, d, causal):
+    """A kernel emulation `run(q, k, v, dout, out, lse)` -> (dq, dk, dv) against float64 autograd
+    through tileattn.reference on random float64 inputs (B = 1, scale 1 / sqrt(d))."""
     g = torch.Generator().manual_seed(nq * 1000 + nk + heads)
     q = torch.randn(1, heads, nq, d, generator=g, dtype=torch.float64)
     k = torch.randn(1, kv_heads, nk, d, generator=g, dtype=torch.float64)
     v = torch.randn(1, kv_heads, nk, d, generator=g, dtype=torch.float64)
     dout = torch.randn(1, heads, nq, d, generator=g, dtype=torch.float64)
-    scale = 1.0 / math.sqrt(d)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    out, lse = reference.attention(qr, kr, vr, causal, scale, compute_dtype=torch.float64)
+    out, lse = reference.attention(qr, kr, vr, causal, 1.0 / math.sqrt(d), compute_dtype=torch.float64)
     out.backward(dout)
-    got = emulate(q, k, v, dout, out.detach(), lse.detach(), causal, scale, block_m, rotate)
+    got = run(q, k, v, dout, out.detach(), lse.detach())
     for name, a, ref in zip(("dq", "dk", "dv"), got, (qr.grad, kr.grad, vr.grad)):
         err = float((a - ref).norm() / max(float(ref.norm()), 1e-300))
         assert err < 1e-9 or float((a - ref).abs().max()) < 1e-12, f"{name}: relative error {err:.3e}"

@@ -235,14 +235,15 @@ class MBarrier:
 
 
 class NamedBarrier:
-    """bar.sync / bar.arrive between the two consumer warpgroups (each counts as one party)."""
+    """bar.sync / bar.arrive between `parties` warpgroups (each counts as one party; the forward's two
+    consumer warpgroups by default)."""
 
-    def __init__(self):
-        self.arrived, self.generation = 0, 0
+    def __init__(self, parties: int = 2):
+        self.parties, self.arrived, self.generation = parties, 0, 0
 
     def arrive(self):
         self.arrived += 1
-        if self.arrived == 2:
+        if self.arrived == self.parties:
             self.arrived, self.generation = 0, self.generation + 1
 
     def sync(self):

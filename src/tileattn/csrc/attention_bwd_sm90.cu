@@ -405,6 +405,90 @@ __device__ __forceinline__ int2 window_tiles(int n0, int seqlen_q, int seqlen_k,
   return make_int2(first, i_hi < i_lo ? first : i_hi / kBlockM + 1);
 }
 
+// ---- Pieces both layouts (the body below and "d = 256") share -----------------------------------
+// Block order ("Block order" above): blockIdx.x -> (key block, kv head, batch); `section` pairs per
+// section, the last section possibly short.
+struct BlockPair {
+  int n_block, kv_head, batch;
+};
+__device__ __forceinline__ BlockPair block_pair(int section, int n_blocks, int kv_heads, int batches) {
+  const int pairs = kv_heads * batches;
+  const int sec = blockIdx.x / (section * n_blocks);
+  const int in_sec = blockIdx.x - sec * section * n_blocks;
+  const int sec_pairs = min(section, pairs - sec * section);  // the last section may be short
+  const int pair = sec * section + in_sec % sec_pairs;
+  return {in_sec / sec_pairs, pair % kv_heads, pair / kv_heads};
+}
+
+// The pipeline's mbarriers (see the table above), by one thread, before the CTA's __syncthreads.
+template <int kStages>
+__device__ __forceinline__ void init_pipeline(const sm90::TmaDescriptor& tmap_q, const sm90::TmaDescriptor& tmap_k,
+                                              const sm90::TmaDescriptor& tmap_v, const sm90::TmaDescriptor& tmap_do,
+                                              u64& kv_full, u64 (&q_full)[kStages], u64 (&do_full)[kStages],
+                                              u64 (&empty)[kStages]) {
+  s9::tma_prefetch_descriptor(&tmap_q);
+  s9::tma_prefetch_descriptor(&tmap_k);
+  s9::tma_prefetch_descriptor(&tmap_v);
+  s9::tma_prefetch_descriptor(&tmap_do);
+  s9::mbar_init(&kv_full, 1);
+  for (int s = 0; s < kStages; ++s) {
+    s9::mbar_init(&q_full[s], 1);
+    s9::mbar_init(&do_full[s], 1);
+    s9::mbar_init(&empty[s], 256);  // every MMA thread (see the mbarrier table)
+  }
+  s9::fence_barrier_init();
+}
+
+// Shared-memory tiles the producer fills: K, V [kPanels][kBlockN][64]; Q, dO rings
+// [kStages][kPanels][kBlockM][64]; lse2 / delta [kStages][kBlockM].
+struct BwdTiles {
+  u16 *sK, *sV, *sQ, *sdO;
+  float *sLse, *sDelta;
+};
+
+// The producer thread's copies: K and V of the key block (TMA row k_row) once, then per step `it`
+// of the walk the Q tile + lse2 and the dO tile + delta into ring slot it % kStages, after the slot's
+// previous use was released. `step(it)` gives {query head, first query row, lse2 / delta offset};
+// the query tile's TMA row is q_row0 + its first row.
+struct WalkStep {
+  int head, m0;
+  int64_t ws;
+};
+template <int kPanels, int kBlockN, int kBlockM, int kStages, class Step>
+__device__ __forceinline__ void produce(const BwdTiles& t, const sm90::TmaDescriptor& tmap_q,
+                                        const sm90::TmaDescriptor& tmap_k, const sm90::TmaDescriptor& tmap_v,
+                                        const sm90::TmaDescriptor& tmap_do, const float* lse2, const float* delta,
+                                        u64& kv_full, u64 (&q_full)[kStages], u64 (&do_full)[kStages],
+                                        u64 (&empty)[kStages], int k_row, int q_row0, int kv_head, int map_batch,
+                                        int n_iters, Step step) {
+  constexpr u32 kKVBytes = kBlockN * kPanels * kPanel * 2;
+  constexpr u32 kQBytes = kBlockM * kPanels * kPanel * 2;
+  constexpr u32 kRowBytes = kBlockM * 4;  // lse2 or delta of one query tile
+  s9::mbar_arrive_expect_tx(&kv_full, 2 * kKVBytes);
+#pragma unroll
+  for (int p = 0; p < kPanels; ++p) {
+    s9::tma_load_4d(t.sK + p * kBlockN * kPanel, &tmap_k, p * kPanel, k_row, kv_head, map_batch, &kv_full);
+    s9::tma_load_4d(t.sV + p * kBlockN * kPanel, &tmap_v, p * kPanel, k_row, kv_head, map_batch, &kv_full);
+  }
+  for (int it = 0; it < n_iters; ++it) {
+    const WalkStep w = step(it);
+    const int s = it % kStages;
+    if (it >= kStages) s9::mbar_wait(&empty[s], ((it / kStages) - 1) & 1);
+    s9::mbar_arrive_expect_tx(&q_full[s], kQBytes + kRowBytes);
+#pragma unroll
+    for (int p = 0; p < kPanels; ++p)
+      s9::tma_load_4d(t.sQ + (s * kPanels + p) * kBlockM * kPanel, &tmap_q, p * kPanel, q_row0 + w.m0, w.head,
+                      map_batch, &q_full[s]);
+    s9::bulk_load_1d(t.sLse + s * kBlockM, lse2 + w.ws, kRowBytes, &q_full[s]);
+    s9::mbar_arrive_expect_tx(&do_full[s], kQBytes + kRowBytes);
+#pragma unroll
+    for (int p = 0; p < kPanels; ++p)
+      s9::tma_load_4d(t.sdO + (s * kPanels + p) * kBlockM * kPanel, &tmap_do, p * kPanel, q_row0 + w.m0, w.head,
+                      map_batch, &do_full[s]);
+    s9::bulk_load_1d(t.sDelta + s * kBlockM, delta + w.ws, kRowBytes, &do_full[s]);
+  }
+}
+
 // The body of both entry points below (dense: kVarlen false, `va` all zero and unused, so the dense
 // kernel's code is what it was before the varlen layout existed). Varlen: `seqlen_k` is
 // max_seqlen_k (it sizes the grid's key-block range), `seqlen_q` and `nq_pad` are unused (each
@@ -423,9 +507,6 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
   constexpr int kPanels = kHeadDim / kPanel;
   constexpr int kKSteps = kHeadDim / 16;           // k16 steps of S^T and dP^T
   constexpr int kMSteps = kBlockM / 16;            // k16 steps of dV and dK (over queries)
-  constexpr u32 kKVBytes = kBlockN * kHeadDim * 2;
-  constexpr u32 kQBytes = kBlockM * kHeadDim * 2;
-  constexpr u32 kRowBytes = kBlockM * 4;           // lse2 or delta of one query tile
   constexpr u64 kKPanelStep = (kBlockN * kPanel * 2) >> 4;   // descriptor units (16 B)
   constexpr u64 kQPanelStep = (kBlockM * kPanel * 2) >> 4;
   // Issue dV before computing dS^T (so the dV wgmma hides that work) only where the registers allow:
@@ -467,12 +548,8 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
   const int kv_heads = heads / kv_group;
   const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
   const int pairs = kv_heads * batches;
-  const int sec = blockIdx.x / (section * n_blocks);
-  const int in_sec = blockIdx.x - sec * section * n_blocks;
-  const int sec_pairs = min(section, pairs - sec * section);  // the last section may be short
-  const int n_block = in_sec / sec_pairs;
-  const int pair = sec * section + in_sec % sec_pairs;
-  const int kv_head = pair % kv_heads, batch = pair / kv_heads;
+  const BlockPair bp = block_pair(section, n_blocks, kv_heads, batches);
+  const int n_block = bp.n_block, kv_head = bp.kv_head, batch = bp.batch;
   const int n0 = n_block * kBlockN;
   // The sequence: its first query / key token (the TMA row coordinates; dense: 0, the batch is a
   // map coordinate) and its lengths (dense: the arguments). Varlen CTAs past the last (kv head,
@@ -541,17 +618,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 
   if (threadIdx.x == 0) {
-    s9::tma_prefetch_descriptor(&tmap_q);
-    s9::tma_prefetch_descriptor(&tmap_k);
-    s9::tma_prefetch_descriptor(&tmap_v);
-    s9::tma_prefetch_descriptor(&tmap_do);
-    s9::mbar_init(&kv_full, 1);
-    for (int s = 0; s < kStages; ++s) {
-      s9::mbar_init(&q_full[s], 1);
-      s9::mbar_init(&do_full[s], 1);
-      s9::mbar_init(&empty[s], 256);  // every MMA thread (see the mbarrier table)
-    }
-    s9::fence_barrier_init();
+    init_pipeline<kStages>(tmap_q, tmap_k, tmap_v, tmap_do, kv_full, q_full, do_full, empty);
     if constexpr (kVarlen) seq_smem[0] = q_tok0, seq_smem[1] = seqlen_q, seq_smem[2] = seqlen_k;
   }
   __syncthreads();
@@ -559,30 +626,12 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
   if (wg == 0) {  // ------------------------------------------------ producer warpgroup
     s9::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 0) {
-      s9::mbar_arrive_expect_tx(&kv_full, 2 * kKVBytes);
-#pragma unroll
-      for (int p = 0; p < kPanels; ++p) {
-        s9::tma_load_4d(sK + p * kBlockN * kPanel, &tmap_k, p * kPanel, k_tok0 + n0, kv_head, map_batch, &kv_full);
-        s9::tma_load_4d(sV + p * kBlockN * kPanel, &tmap_v, p * kPanel, k_tok0 + n0, kv_head, map_batch, &kv_full);
-      }
-      for (int it = 0; it < n_iters; ++it) {
-        const int head = walk_head(it), m0 = walk_m0(it);
-        const int s = it % kStages;
-        if (it >= kStages) s9::mbar_wait(&empty[s], ((it / kStages) - 1) & 1);
-        const int64_t ws = ws_head_row(head, q_tok0) + m0;  // padded: in bounds
-        s9::mbar_arrive_expect_tx(&q_full[s], kQBytes + kRowBytes);
-#pragma unroll
-        for (int p = 0; p < kPanels; ++p)
-          s9::tma_load_4d(sQ + (s * kPanels + p) * kBlockM * kPanel, &tmap_q, p * kPanel, q_tok0 + m0, head, map_batch,
-                          &q_full[s]);
-        s9::bulk_load_1d(sLse + s * kBlockM, lse2 + ws, kRowBytes, &q_full[s]);
-        s9::mbar_arrive_expect_tx(&do_full[s], kQBytes + kRowBytes);
-#pragma unroll
-        for (int p = 0; p < kPanels; ++p)
-          s9::tma_load_4d(sdO + (s * kPanels + p) * kBlockM * kPanel, &tmap_do, p * kPanel, q_tok0 + m0, head, map_batch,
-                          &do_full[s]);
-        s9::bulk_load_1d(sDelta + s * kBlockM, delta + ws, kRowBytes, &do_full[s]);
-      }
+      produce<kPanels, kBlockN, kBlockM, kStages>(
+          BwdTiles{sK, sV, sQ, sdO, sLse, sDelta}, tmap_q, tmap_k, tmap_v, tmap_do, lse2, delta, kv_full, q_full,
+          do_full, empty, k_tok0 + n0, q_tok0, kv_head, map_batch, n_iters, [&](int it) {
+            const int head = walk_head(it), m0 = walk_m0(it);
+            return WalkStep{head, m0, ws_head_row(head, q_tok0) + m0};  // padded: in bounds
+          });
     } else if (threadIdx.x / 32 == 1) {  // the dQ warp: staged modes only
       if constexpr (!kStaged) return;
       const int lane = threadIdx.x % 32;
@@ -1108,9 +1157,6 @@ __device__ __forceinline__ void attention_bwd_sm90_d256_body(
   constexpr int kKSteps = kHeadDim / 16;          // k16 steps of S^T and dP^T
   constexpr int kMSteps = kBlockM / 16;           // k16 steps of dV and dK (queries)
   constexpr int kNSteps = kBlockN / 16;           // k16 steps of dQ (keys)
-  constexpr u32 kKVBytes = kBlockN * kHeadDim * 2;
-  constexpr u32 kQBytes = kBlockM * kHeadDim * 2;
-  constexpr u32 kRowBytes = kBlockM * 4;
   constexpr u64 kKPanelStep = (kBlockN * kPanel * 2) >> 4;  // descriptor units (16 B)
   constexpr u64 kQPanelStep = (kBlockM * kPanel * 2) >> 4;
   constexpr bool kDeterministic = kDqMode == 1;
@@ -1131,15 +1177,9 @@ __device__ __forceinline__ void attention_bwd_sm90_d256_body(
   float* const sDelta = sLse + kStages * kBlockM;
 
   // Block order: as the body above (sections of `section` (kv head, batch) pairs, key block slowest).
-  const int kv_heads = heads / kv_group;
   const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
-  const int pairs = kv_heads * batches;
-  const int sec = blockIdx.x / (section * n_blocks);
-  const int in_sec = blockIdx.x - sec * section * n_blocks;
-  const int sec_pairs = min(section, pairs - sec * section);
-  const int n_block = in_sec / sec_pairs;
-  const int pair = sec * section + in_sec % sec_pairs;
-  const int kv_head = pair % kv_heads, batch = pair / kv_heads;
+  const BlockPair bp = block_pair(section, n_blocks, heads / kv_group, batches);
+  const int n_block = bp.n_block, kv_head = bp.kv_head, batch = bp.batch;
   const int n0 = n_block * kBlockN;
   const int diag = seqlen_k - seqlen_q;  // query i sees keys j <= i + diag
   const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
@@ -1152,45 +1192,18 @@ __device__ __forceinline__ void attention_bwd_sm90_d256_body(
   auto ws_row = [&](int head) { return (static_cast<int64_t>(batch) * heads + head) * nq_pad; };
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 
-  if (threadIdx.x == 0) {
-    s9::tma_prefetch_descriptor(&tmap_q);
-    s9::tma_prefetch_descriptor(&tmap_k);
-    s9::tma_prefetch_descriptor(&tmap_v);
-    s9::tma_prefetch_descriptor(&tmap_do);
-    s9::mbar_init(&kv_full, 1);
-    for (int s = 0; s < kStages; ++s) {
-      s9::mbar_init(&q_full[s], 1);
-      s9::mbar_init(&do_full[s], 1);
-      s9::mbar_init(&empty[s], 256);
-    }
-    s9::fence_barrier_init();
-  }
+  if (threadIdx.x == 0) init_pipeline<kStages>(tmap_q, tmap_k, tmap_v, tmap_do, kv_full, q_full, do_full, empty);
   __syncthreads();
 
   if (wg == 0) {  // ------------------------------------------------ producer warpgroup
     s9::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 0) {
-      s9::mbar_arrive_expect_tx(&kv_full, 2 * kKVBytes);
-#pragma unroll
-      for (int p = 0; p < kPanels; ++p) {
-        s9::tma_load_4d(sK + p * kBlockN * kPanel, &tmap_k, p * kPanel, n0, kv_head, batch, &kv_full);
-        s9::tma_load_4d(sV + p * kBlockN * kPanel, &tmap_v, p * kPanel, n0, kv_head, batch, &kv_full);
-      }
-      for (int it = 0; it < n_iters; ++it) {
-        const int head = walk_head(it), m0 = walk_m0(it), s = it % kStages;
-        if (it >= kStages) s9::mbar_wait(&empty[s], ((it / kStages) - 1) & 1);
-        const int64_t ws = ws_row(head) + m0;
-        s9::mbar_arrive_expect_tx(&q_full[s], kQBytes + kRowBytes);
-#pragma unroll
-        for (int p = 0; p < kPanels; ++p)
-          s9::tma_load_4d(sQ + (s * kPanels + p) * kBlockM * kPanel, &tmap_q, p * kPanel, m0, head, batch, &q_full[s]);
-        s9::bulk_load_1d(sLse + s * kBlockM, lse2 + ws, kRowBytes, &q_full[s]);
-        s9::mbar_arrive_expect_tx(&do_full[s], kQBytes + kRowBytes);
-#pragma unroll
-        for (int p = 0; p < kPanels; ++p)
-          s9::tma_load_4d(sdO + (s * kPanels + p) * kBlockM * kPanel, &tmap_do, p * kPanel, m0, head, batch, &do_full[s]);
-        s9::bulk_load_1d(sDelta + s * kBlockM, delta + ws, kRowBytes, &do_full[s]);
-      }
+      produce<kPanels, kBlockN, kBlockM, kStages>(
+          BwdTiles{sK, sV, sQ, sdO, sLse, sDelta}, tmap_q, tmap_k, tmap_v, tmap_do, lse2, delta, kv_full, q_full,
+          do_full, empty, n0, 0, kv_head, batch, n_iters, [&](int it) {
+            const int head = walk_head(it), m0 = walk_m0(it);
+            return WalkStep{head, m0, ws_row(head) + m0};
+          });
     }
     return;
   }
