@@ -257,7 +257,7 @@ THREADS = 2  # threads of a consumer warpgroup in the model: thread 0 (the relea
 
 
 def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: bool = False,
-             thread_release: bool = True):
+             thread_release: bool = True, own_o: bool = False, q_release_shift: int = 0):
     """Run the producer and two consumers of one CTA over its tiles (n_ends: the number of K/V
     blocks each tile visits) as coroutines, with the kernel's sequence of waits, arrivals, turns
     and copies, under a random schedule; TMA copies land at random later times.
@@ -269,7 +269,10 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
     arrived on its empty barrier itself since (an order through another thread's arrive, valid in
     the PTX model, is what racecheck reported in the Hopper backward). thread_release: the
     kernel's packed-layout release (every thread arrives; q_empty / v_empty count 2 x THREADS);
-    False models one releasing thread per consumer after a named barrier."""
+    False models one releasing thread per consumer after a named barrier. own_o: the kernel's kOwnO
+    (O staged in sO): Q is released once the tile's last S = Q K^T has retired, and each
+    consumer's TMA store (dense) of sO must have read it before that consumer's next epilogue
+    writes there. q_release_shift (a mutation, own_o only): release Q that many blocks early."""
     rng = random.Random(seed)
     turn = [NamedBarrier(), NamedBarrier()]  # kTurnBarrier + c: "consumer c may issue"
     clear_barrier = NamedBarrier()
@@ -286,6 +289,7 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
     k_readers = [set() for _ in range(stages)]  # consumers that may still read the slot
     v_readers = [set() for _ in range(stages)]
     in_flight = []  # (buffer list, index, content, barrier)
+    o_store = [None, None]  # per consumer: the tile whose O its TMA store is still reading from sO
 
     def producer():
         g = 0
@@ -338,12 +342,22 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
             if pingpong and not (c == 1 and last_event):
                 turn[1 - c].arrive()
 
+        def release_q():
+            q_readers[0].discard(c)
+            for thread in range(THREADS if per_thread else 1):
+                q_touched[0].discard((c, thread))
+                q_empty.arrive()
+
+        def read_q(i):  # an S = Q K^T of tile i reads sQ
+            assert q_slot[0] == i, f"consumer {c} reads Q of tile {q_slot[0]} in tile {i}"
+
         g0 = 0
         for i, n_end in enumerate(n_ends):
             while not q_full.passed(i & 1):
                 yield
             assert q_slot[0] == i, f"consumer {c} sees Q of tile {q_slot[0]} in tile {i}"
             q_readers[0].add(c)
+            early = own_o and q_release_shift and n_end > q_release_shift  # the mutation's release point
             if n_end:
                 def block(it):
                     return (i, n_end - 1 - it)
@@ -352,6 +366,7 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
                     pass_turn(False)
                 yield from use(k_full, k_slot, k_readers, g0, block(0))
                 yield from take_turn()
+                read_q(i)
                 pass_turn(False)
                 yield
                 release(k_empty, k_readers, g0)
@@ -361,28 +376,47 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
                     v_touched[g0 % stages].update((c, thread) for thread in range(THREADS))
                     yield from clear_barrier.sync()  # kClearBarrier: both cleared before any P V
                 for it in range(1, n_end):
+                    if early and it == n_end - q_release_shift:
+                        release_q()
                     yield from use(k_full, k_slot, k_readers, g0 + it, block(it))
                     yield from take_turn()
+                    read_q(i)
                     yield from use(v_full, v_slot, v_readers, g0 + it - 1, block(it - 1))
                     pass_turn(False)
                     yield
                     release(k_empty, k_readers, g0 + it)
                     yield
                     release(v_empty, v_readers, g0 + it - 1, v_touched)
+                if own_o and not early:  # the tile's last S = Q K^T has retired
+                    release_q()
                 yield from use(v_full, v_slot, v_readers, g0 + n_end - 1, block(n_end - 1))
                 yield from take_turn()
                 pass_turn(True)
                 yield
                 release(v_empty, v_readers, g0 + n_end - 1, v_touched)
+            elif own_o:
+                release_q()  # no S issued
             g0 += n_end
+            if own_o:
+                # epilogue: the storing thread waits for its previous store's read of sO (dense), then
+                # stmatrix into sO, and the TMA store (packed: the threads' row copies) reads it
+                while o_store[c] is not None:
+                    yield
+                yield
+                if not packed:
+                    o_store[c] = i
+                    actors.append(store_read(c))
+                continue
             yield  # epilogue: stmatrix into sQ, TMA store (packed: the threads' row copies) reads it
             if packed:
                 q_touched[0].update((c, thread) for thread in range(THREADS))
                 yield
-            q_readers[0].discard(c)
-            for thread in range(THREADS if per_thread else 1):
-                q_touched[0].discard((c, thread))
-                q_empty.arrive()
+            release_q()
+
+    def store_read(c):  # the TMA store's read of sO finishes at a random later time
+        for _ in range(rng.randrange(4)):
+            yield
+        o_store[c] = None
 
     actors = [producer(), consumer(0), consumer(1)]
     steps = 0
@@ -402,16 +436,41 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
     assert all(b.arrived == 0 for b in (*turn, clear_barrier)), "a named barrier was left half-arrived"
 
 
+@pytest.mark.parametrize("own_o", [False, True], ids=["o-in-sq", "own-o"])
 @pytest.mark.parametrize("pingpong", [False, True], ids=["free", "pingpong"])
 @pytest.mark.parametrize("stages", sorted({cfg.stages for _, cfg in CONFIGS}))
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-def test_pipeline_protocol(stages, pingpong, packed):
+def test_pipeline_protocol(stages, pingpong, packed, own_o):
     """One tile per CTA with every block count, then persistent CTAs walking several tiles
     (including fully masked tiles that visit no block); packed: with the varlen / paged layouts'
-    V clears and row copies, each released by every thread that made them."""
+    V clears and row copies, each released by every thread that made them; own_o: O staged in sO,
+    Q released after the tile's last S."""
     for n_ends in _protocol_cases(stages):
         for seed in range(20):
-            simulate(n_ends, stages, pingpong, seed, packed=packed)
+            simulate(n_ends, stages, pingpong, seed, packed=packed, own_o=own_o)
+
+
+@pytest.mark.parametrize("stages", sorted({cfg.stages for _, cfg in CONFIGS}))
+def test_q_released_one_block_early_is_caught(stages):
+    """The model catches the next tile's Q landing while an S = Q K^T of this tile still reads sQ,
+    the hazard of releasing Q before the last S has retired."""
+    with pytest.raises(AssertionError, match="Q of tile"):
+        for n_ends in _protocol_cases(stages):
+            for seed in range(40):
+                simulate(n_ends, stages, False, seed, own_o=True, q_release_shift=1)
+
+
+@pytest.mark.parametrize("head_dim", af.HEAD_DIMS)
+def test_o_staging_buffer_where_it_fits(head_dim):
+    """smem_bytes has the kernel's kOwnO rule: an O staging tile after the rings exactly when the
+    total with it stays within the block limit (static mbarriers reserved), never over it."""
+    for cfg in {cfg for d, cfg in CONFIGS if d == head_dim}:
+        base = 2 * head_dim * (af.BLOCK_M + 2 * cfg.stages * cfg.block_n) + 1024
+        own = base + 2 * head_dim * af.BLOCK_M + 256 <= af.SMEM_LIMIT
+        assert cfg.smem_bytes(head_dim) == base + (2 * head_dim * af.BLOCK_M if own else 0) <= af.SMEM_LIMIT
+    default = af.DEFAULTS[(head_dim, False)]
+    assert (default.smem_bytes(head_dim) > 2 * head_dim * (af.BLOCK_M + 2 * default.stages * default.block_n) + 1024) \
+        == (head_dim in (64, 128)), "the default tiles of d = 64 / 128 stage O in sO, d = 256 in sQ"
 
 
 def _protocol_cases(stages: int) -> list[list[int]]:

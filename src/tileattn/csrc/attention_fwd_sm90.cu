@@ -36,19 +36,27 @@
 // Every tile is stored as TMA writes it with CU_TENSOR_MAP_SWIZZLE_128B: in 64-column panels
 // (64 x 16 bit = 128 B, the swizzle span), each panel [rows][64] with 16-byte chunk q of row r at
 // chunk q ^ (r % 8). A [rows][d] tile is d / 64 panels, one TMA box each.
-//   sQ  [d/64][128][64]                    Q tile (later: O staging for the TMA store)
+//   sQ  [d/64][128][64]                    Q tile (and the O staging when there is no sO)
 //   sK  [kStages][d/64][kBlockN][64]       K ring (K-major B operand of S = Q K^T)
 //   sV  [kStages][d/64][kBlockN][64]       V ring (MN-major B operand of O += P V)
-// bytes = 2 d (128 + 2 kStages kBlockN) + 1024 (alignment slack); the Python side computes the
-// same number (Sm90Config.smem_bytes). mbarriers are static shared memory.
+//   sO  [d/64][128][64]                    O staging for the store, where it fits (kOwnO)
+// bytes = 2 d (128 + 2 kStages kBlockN) + 1024 (alignment slack), plus 2 d 128 for sO when that
+// total stays within the 227 KB a block may have (d = 64 and 128 at their default tiles; not d = 256
+// nor d = 128 with 176-key blocks); the Python side computes the same number (Sm90Config.smem_bytes).
+// mbarriers are static shared memory.
+// Why sO: staged in sQ, O kept the next tile's Q out until the store had read it, and the producer,
+// which loads a tile's Q before its K/V, could not prefetch anything of the next tile during the
+// epilogue. With sO, Q is released as soon as the tile's last S = Q K^T has retired, and on a
+// persistent grid the next tile's Q and first K/V blocks load during the last P V and the epilogue.
 //
 // ---- mbarriers and their phases ------------------------------------------------------------------
 //   q_full          1 arrival (producer's arrive.expect_tx) + the Q bytes. Phase i = the i-th tile
 //                   of this CTA: consumers wait parity i & 1.
-//   q_empty         2 arrivals: each consumer's storing thread once its TMA store has finished
-//                   reading sQ (the O staging buffer); packed layouts: 256, every consumer thread
-//                   after its own row copies. Before loading Q of tile i >= 1 the producer waits
-//                   parity (i - 1) & 1.
+//   q_empty         2 arrivals: one thread of each consumer once the last S = Q K^T of the tile
+//                   has retired (kOwnO), else its storing thread once its TMA store has finished
+//                   reading sQ (the O staging); packed layouts: 256, every consumer thread (after
+//                   its own row copies without sO). Before loading Q of tile i >= 1 the producer
+//                   waits parity (i - 1) & 1.
 //   k_full[s]       1 arrival + the K block's bytes.   K/V visits are counted across the CTA's
 //   v_full[s]       1 arrival + the V block's bytes.   tiles (g); visit g uses slot s = g % kStages
 //                   for the u = g / kStages-th time and completes phase u: consumers wait u & 1.
@@ -103,11 +111,13 @@
 //
 // ---- Epilogue ------------------------------------------------------------------------------------
 // Each consumer normalizes O, packs it to 16 bit and writes it with stmatrix into its own 64 rows
-// of sQ (its S wgmmas, the only readers of those rows, have retired), in the same swizzled panel
-// layout, then fence.proxy.async + a 128-thread named barrier, and one thread issues d / 64 TMA
-// stores (one box of this consumer's 64 rows per 64-column panel). The O tensor map's row bound is
-// Nq, so rows past the end of a head's sequence are never written. lse goes straight from registers (one lane per row). The storing
-// thread then releases sQ to the producer (q_empty) for the next tile's Q.
+// of sO (kOwnO: after its storing thread saw the previous tile's store finish reading them, and a
+// 128-thread named barrier) or of sQ (its S wgmmas, the only readers of those rows, have retired),
+// in the same swizzled panel layout, then fence.proxy.async + a 128-thread named barrier, and one
+// thread issues d / 64 TMA stores (one box of this consumer's 64 rows per 64-column panel). The O
+// tensor map's row bound is Nq, so rows past the end of a head's sequence are never written. lse
+// goes straight from registers (one lane per row). Without sO the storing thread then waits for
+// the store to read sQ and releases it to the producer (q_empty) for the next tile's Q.
 //
 // ---- Dropout (kVariant bit kDropout) -------------------------------------------------------------
 // The keep bit of score (b, h, i, j) is variants.cuh's Philox function of (seed, offset, b * H + h,
@@ -185,6 +195,7 @@ constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kProducerRegs = 40;     // 40 + 2 x 232 = 504 per thread-slot x 128 <= 64 K registers
 constexpr int kConsumerRegs = 232;
 constexpr int kPanel = 64;            // elements per 128-byte swizzle row
+constexpr u32 kSmemLimit = 232448;    // dynamic + static shared memory per block (227 KB)
 constexpr int kTurnBarrier = 3;       // named barriers 3, 4: ping-pong turns (1, 2: epilogue)
 constexpr float kLn2 = 0.693147180559945309417f;
 constexpr float kNoKeyShift = -1.2676506002282294e30f;  // -2^100: "no key seen yet" (see above)
@@ -654,6 +665,8 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
   // the packed layouts, every consumer thread (see "Packed queries" in the header: their threads
   // write V slots and read sQ with ordinary instructions before the next TMA copy into them).
   constexpr int kEmptyCount = kVarlenLayout ? kConsumers * 128 : kConsumers;
+  // O staged in its own buffer when it fits (see "Shared memory" in the header).
+  constexpr bool kOwnO = 2 * kQBytes + 2 * kStages * kKVBytes + 1024 + 256 <= kSmemLimit;  // 256: static mbarriers
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ uint64_t q_full, q_empty, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
@@ -661,6 +674,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
   u16* const sQ = reinterpret_cast<u16*>(smem);             // [kPanels][128][64]
   u16* const sK = sQ + kBlockM * kHeadDim;                   // [kStages][kPanels][kBlockN][64]
   u16* const sV = sK + kStages * kBlockN * kHeadDim;         // [kStages][kPanels][kBlockN][64]
+  u16* const sO = kOwnO ? sV + kStages * kBlockN * kHeadDim : sQ;  // [kPanels][128][64]
 
   const int rows = kBlockM / pack;                           // R: positions per tile (per head)
   const int m_blocks = (seqlen_q + rows - 1) / rows;
@@ -708,9 +722,9 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         const BlockRange range = kWindowed ? window_range<kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k, va)
                                            : block_range<kCausal, kBlockN>(tile.m_block, rows, span.nq, span.nk);
         const int kv_head = tile.head0 / kv_group;                // the same for all `pack` heads
-        // Q always (even for a fully masked tile): the epilogue stages O in sQ, so the Q copy must
-        // have landed before anyone writes there. sQ is free once both consumers' previous TMA
-        // stores have read it.
+        // Q always (even for a fully masked tile): without sO the epilogue stages O in sQ, so the Q
+        // copy must have landed before anyone writes there. sQ is free once both consumers' last
+        // S = Q K^T of the previous tile retired (kOwnO), else once their TMA stores have read it.
         if (i > 0) s9::mbar_wait(&q_empty, (i - 1) & 1);
         if (producer_lane == 0) {
           s9::mbar_arrive_expect_tx(&q_full, kQBytes);
@@ -770,7 +784,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int diag_arg = seqlen_k - seqlen_q;              // dense: the same for every tile
     const bool releaser = tid == 0;                        // arrives on the empty barriers
-    const bool v_releaser = kVarlenLayout || releaser;     // arrives on v_empty (kEmptyCount)
+    const bool v_releaser = kVarlenLayout || releaser;     // arrives on v_empty and q_empty (kEmptyCount)
 
     // Descriptors: Q rows of this consumer (panel p, k-step within the panel = +32 B = +2 units).
     const u64 desc_q = s9::make_desc_k128_sw128(sQ + c * 64 * kPanel);
@@ -968,6 +982,10 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         if constexpr (kWindowed) {
           for (; it < n_iters; ++it) step(it, true);  // blocks cut by some row's lower edge
         }
+        // The tile's last S = Q K^T has retired: with sO, nothing reads sQ any more.
+        if constexpr (kOwnO) {
+          if (v_releaser) s9::mbar_arrive(&q_empty);
+        }
 
         // ---- tail: P V of the last block visited
         const int gv = g0 + n_iters - 1, sv = gv % kStages;
@@ -980,10 +998,12 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         s9::wgmma_wait<0>();
         s9::fence_accumulators(o);
         if (v_releaser) s9::mbar_arrive(&v_empty[sv]);
+      } else if constexpr (kOwnO) {
+        if (v_releaser) s9::mbar_arrive(&q_empty);  // no S issued: Q (loaded regardless) is not read
       }
       g0 += n_iters;
 
-      // ---- epilogue: normalize, lse, O -> 16 bit -> stmatrix into this consumer's rows of sQ ----
+      // ---- epilogue: normalize, lse, O -> 16 bit -> stmatrix into this consumer's rows of sO ----
       // Varlen: the sequence's first query token, re-read rather than kept across the loop.
       const int q0 = kVarlenLayout ? ld_nc_volatile(vl.cu_q + tile.batch) : 0;
       float inv[2];
@@ -1002,10 +1022,16 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       // 8 (i & 1).., columns 16 j + 8 (i >> 1)..) is accumulator pair 4 (2 j + (i >> 1)) + 2 (i & 1).
       // Lane l addresses row 8 ((l / 8) & 1) + l % 8 of the warp's rows, 16-byte chunk 2 j + l / 16
       // of the row: panel (2 j + l / 16) / 8, swizzled chunk ((2 j + l / 16) % 8) ^ (row % 8).
+      if constexpr (kOwnO) {
+        // This consumer's rows of sO are free once its previous tile's TMA store has read them
+        // (dense), or its threads' row copies out of them are done (packed: the barrier orders them).
+        if (!kVarlenLayout && tid == 0) s9::tma_store_wait_read();
+        s9::named_barrier_sync<128>(1 + c);
+      }
       {
         const int mi = lane / 8, rr = lane % 8;
         const int row = warp * 16 + 8 * (mi & 1) + rr;  // within this consumer's 64 rows
-        const u32 base = s9::smem_u32(sQ + c * 64 * kPanel) + row * 128;
+        const u32 base = s9::smem_u32(sO + c * 64 * kPanel) + row * 128;
 #pragma unroll
         for (int j = 0; j < kHeadDim / 16; ++j) {
           const int chunk = 2 * j + (mi >> 1);
@@ -1020,9 +1046,9 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       s9::named_barrier_sync<128>(1 + c);    // this consumer's 128 threads only (varlen: its copy reads all rows)
       if constexpr (kVarlenLayout) {
         // Every row stored by its own threads under a per-row predicate (no TMA store: see the header).
-        store_rows_masked<kHeadDim, kBlockM>(sQ + c * 64 * kPanel, vl, q0, nq, tile.m_block * rows, rows, tile.head0,
+        store_rows_masked<kHeadDim, kBlockM>(sO + c * 64 * kPanel, vl, q0, nq, tile.m_block * rows, rows, tile.head0,
                                              c, tid);
-        s9::mbar_arrive(&q_empty);  // each thread once its own reads of sQ are done (kEmptyCount)
+        if constexpr (!kOwnO) s9::mbar_arrive(&q_empty);  // each thread once its own reads of sQ are done (kEmptyCount)
         continue;
       }
       if (tid == 0) {
@@ -1031,13 +1057,18 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         if (pos0 < seqlen_q) {
 #pragma unroll
           for (int pnl = 0; pnl < kPanels; ++pnl)
-            s9::tma_store_4d(&tmap_o, sQ + pnl * kBlockM * kPanel + c * 64 * kPanel, pnl * kPanel, pos0, head,
+            s9::tma_store_4d(&tmap_o, sO + pnl * kBlockM * kPanel + c * 64 * kPanel, pnl * kPanel, pos0, head,
                              tile.batch);
           s9::tma_store_commit();
-          s9::tma_store_wait_read();         // sQ must not be refilled (or freed) before the copy read it
+          // Without sO: sQ must not be refilled before the copy read it (with sO the next epilogue
+          // waits, and the end of the kernel below).
+          if constexpr (!kOwnO) s9::tma_store_wait_read();
         }
-        s9::mbar_arrive(&q_empty);           // this consumer is done with sQ for this tile
+        if constexpr (!kOwnO) s9::mbar_arrive(&q_empty);  // this consumer is done with sQ for this tile
       }
+    }
+    if constexpr (kOwnO && !kVarlenLayout) {
+      if (tid == 0) s9::tma_store_wait_read();  // shared memory outlives the last store's reads
     }
     if constexpr (kVarlenLayout) {  // after this CTA's tiles: its share of the rows past the last sequence
       zero_rows_past_last<kHeadDim, 2 * 128>(vl, lse, batches, heads, c * 128 + tid);

@@ -65,8 +65,13 @@ class Sm90Config:
     persistent: bool = False
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Dynamic shared memory: Q tile + `stages` K and V blocks + 1 KB to align to 1024 B."""
-        return 2 * head_dim * (BLOCK_M + 2 * self.stages * self.block_n) + 1024
+        """Dynamic shared memory: Q tile + `stages` K and V blocks + 1 KB to align to 1024 B, plus an
+        O staging tile of the Q tile's size where the total and the static mbarriers (< 256 B) stay
+        within SMEM_LIMIT (the kernel's kOwnO: then the next tile's Q need not wait for the store of
+        this one's O)."""
+        base = 2 * head_dim * (BLOCK_M + 2 * self.stages * self.block_n) + 1024
+        staging = 2 * head_dim * BLOCK_M
+        return base + staging if base + staging + 256 <= SMEM_LIMIT else base
 
     def __str__(self) -> str:
         return f"128x{self.block_n}/s{self.stages}" + ("/pp" if self.pingpong else "") + (
