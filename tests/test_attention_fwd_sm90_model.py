@@ -559,7 +559,7 @@ def test_tiles_cover_every_query_row_once_longest_first(causal, l2_bytes):
 def test_default_config_is_persistent_only_at_the_measured_short_key_ranges(head_dim, causal):
     base = af.DEFAULTS[(head_dim, causal)]
     limit = af.PERSISTENT_MAX_KEYS.get((head_dim, causal))
-    for seqlen_k in (0, 1, 2047, 2048, 2049, 4096, 32768):
+    for seqlen_k in (0, 1, 2047, 2048, 2049, 4096, 8192, 8193, 32768):
         got = af.default_config(head_dim, causal, seqlen_k)
         persistent = limit is not None and seqlen_k <= limit
         assert got == (af.Sm90Config(base.block_n, base.stages, base.pingpong, True) if persistent else base), (

@@ -94,15 +94,17 @@ DEFAULTS: dict[tuple[int, bool], Sm90Config] = {
     (256, False): C(64, 2),
     (256, True): C(64, 2),
 }
-# Short key ranges run the same kernel on a persistent grid (one CTA per SM walking the tiles): a
-# tile of <= 16 key blocks spends a larger share of its time outside the overlapped main loop (Q
-# load, pipeline fill, epilogue), which the persistent schedule overlaps with the next tile (its
-# producer loads the next Q and K/V during the consumers' epilogue). Measured on the H200
-# (2026-12-02, `tileattn bench attention --tune --forward-only --seq 2048 --seq 4096`, B=4 H=32 bf16,
-# docs/runs/tune-fwd-short-d*-h200-2026-12-02-450b883.json), persistent / one CTA per tile: d=128
-# 1.045 / 1.049 (non-causal / causal) at N=2048, 0.978 / 1.006 at 4096; d=64 0.966 / 1.036 at 2048,
-# 0.992 / 1.015 at 4096. So: at most 2048 keys, d=128 either mask and d=64 causal.
-PERSISTENT_MAX_KEYS: dict[tuple[int, bool], int] = {(128, False): 2048, (128, True): 2048, (64, True): 2048}
+# Short and medium key ranges run the same kernel on a persistent grid (one CTA per SM walking the
+# tiles): a tile of few key blocks spends a larger share of its time outside the overlapped main
+# loop (Q load, pipeline fill, epilogue), which the persistent schedule overlaps with the next tile:
+# its producer loads the next Q and K/V during the consumers' last P V and epilogue (O staged in sO,
+# so Q is free once the tile's last S retired; d = 64 and 128 at these tiles). Measured on the H200
+# (2026-12-02, session 14 call T2, `.dev`-style A/B in docs/attention_fwd_sm90.md "O in its own
+# buffer"; B=4 H=32 bf16, median of 2 rounds), persistent / one CTA per tile with sO: d=128
+# non-causal 1.02 / 1.07 / 1.03 at N = 2048 / 4096 / 8192, causal 1.02 / 1.02 / 1.01; d=64
+# non-causal 1.02 / 1.02 / 1.02, causal 1.16 / 1.05 / 1.06. So: persistent up to 8192 keys (the
+# longest length measured), d = 64 and 128, either mask.
+PERSISTENT_MAX_KEYS: dict[tuple[int, bool], int] = {(d, causal): 8192 for d in (64, 128) for causal in (False, True)}
 
 
 def default_config(head_dim: int, causal: bool, seqlen_k: int) -> Sm90Config:
