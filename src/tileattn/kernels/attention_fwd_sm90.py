@@ -99,12 +99,15 @@ DEFAULTS: dict[tuple[int, bool], Sm90Config] = {
 # loop (Q load, pipeline fill, epilogue), which the persistent schedule overlaps with the next tile:
 # its producer loads the next Q and K/V during the consumers' last P V and epilogue (O staged in sO,
 # so Q is free once the tile's last S retired; d = 64 and 128 at these tiles). Measured on the H200
-# (2026-12-02, session 14 call T2, `.dev`-style A/B in docs/attention_fwd_sm90.md "O in its own
-# buffer"; B=4 H=32 bf16, median of 2 rounds), persistent / one CTA per tile with sO: d=128
-# non-causal 1.02 / 1.07 / 1.03 at N = 2048 / 4096 / 8192, causal 1.02 / 1.02 / 1.01; d=64
-# non-causal 1.02 / 1.02 / 1.02, causal 1.16 / 1.05 / 1.06. So: persistent up to 8192 keys (the
-# longest length measured), d = 64 and 128, either mask.
-PERSISTENT_MAX_KEYS: dict[tuple[int, bool], int] = {(d, causal): 8192 for d in (64, 128) for causal in (False, True)}
+# (2026-12-02, session 14, docs/attention_fwd_sm90.md "O in its own buffer"; B=4 H=32 bf16),
+# persistent / one CTA per tile, both with sO (call T2, median of 2 rounds) at N = 2048 / 4096 /
+# 8192: d=64 non-causal 1.02 / 1.02 / 1.02, causal 1.16 / 1.05 / 1.06; d=128 non-causal 1.03 /
+# 1.07 / 1.03, causal 1.02 / 1.02 / 1.01; at 16384 / 32768 (call T3) d=64 0.99-1.07, d=128
+# non-causal 0.98-1.01 and causal 0.88-0.89 (the static tile stride balances long causal tiles
+# worse). Through the public op (call T4, 3 rounds), d=128 causal at 4096 / 8192 read the same
+# with and without (532 / 580 against 531 / 589 TFLOP/s): causal d=128 keeps session 11's 2048.
+PERSISTENT_MAX_KEYS: dict[tuple[int, bool], int] = {(64, False): 8192, (64, True): 8192, (128, False): 8192,
+                                                    (128, True): 2048}
 
 
 def default_config(head_dim: int, causal: bool, seqlen_k: int) -> Sm90Config:

@@ -1,0 +1,79 @@
+"""Time the Hopper forward at a few tile / grid configs beside SDPA cuDNN, interleaved in rounds.
+
+    PYTHONPATH=src python scripts/fwd_sm90_configs.py --label new --rounds 2 --seq 2048 --seq 4096 > new.jsonl
+    PYTHONPATH=OLD_TREE/src python scripts/fwd_sm90_configs.py --label old --rounds 2 ... > old.jsonl
+
+One JSON line per (head dim, mask, N, round, config): B=4 H=32 bf16, TFLOP/s from the harness's
+median. The tileattn imported is whichever PYTHONPATH names, so two trees (e.g. a `git archive` of
+an older commit) can be compared in alternating processes of one machine session; cuDNN, timed in
+each process, anchors them. Each config's output is checked against cuDNN's first (relative error
+< 1e-2). Used for docs/attention_fwd_sm90.md, "O in its own buffer".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import tileattn
+from tileattn.bench.attention import flops
+from tileattn.bench.harness import measure
+from tileattn.kernels import attention_fwd_sm90 as af
+
+C = af.Sm90Config
+# The default tiles of d = 128 / 64: one CTA per tile, persistent, ping-pong + persistent.
+CONFIGS = {128: (C(128, 2), C(128, 2, False, True), C(128, 2, True, True)),
+           64: (C(128, 3), C(128, 3, False, True), C(128, 3, True, True))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--label", required=True, help="the tree's name in the records")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seq", type=int, action="append", help="N (repeatable; default 2048, 4096, 8192)")
+    ap.add_argument("--head-dim", type=int, action="append", choices=sorted(CONFIGS))
+    ap.add_argument("--grids-only", action="store_true", help="one CTA per tile and persistent only, no cuDNN")
+    args = ap.parse_args(argv)
+    print("tileattn from", tileattn.__file__, file=sys.stderr)
+    b, h = 4, 32
+    for d in args.head_dim or (128, 64):
+        configs = CONFIGS[d][:2] if args.grids_only else CONFIGS[d]
+        for causal in (False, True):
+            for n in args.seq or (2048, 4096, 8192):
+                q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                out = torch.empty_like(q)                                   # [B, H, N, d]
+                lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)  # [B, H, N]
+
+                def cudnn():
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
+                        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+                ref = cudnn().float()
+                for cfg in configs:
+                    out.fill_(float("nan"))
+                    af.launch_forward_sm90(q, k, v, out, lse, causal=causal, scale=1 / math.sqrt(d), config=cfg)
+                    err = float((out.float() - ref).norm() / ref.norm())
+                    if not err < 1e-2:
+                        raise SystemExit(f"{cfg} d={d} causal={causal} N={n}: relative error {err} against cuDNN")
+                calls = {str(cfg): (lambda cfg=cfg: af.launch_forward_sm90(q, k, v, out, lse, causal=causal,
+                                                                           scale=1 / math.sqrt(d), config=cfg))
+                         for cfg in configs}
+                if not args.grids_only:
+                    calls["cudnn"] = cudnn
+                for rnd in range(args.rounds):
+                    for name, call in calls.items():
+                        t = measure(call, reps=10, memory=False)
+                        print(json.dumps({"tree": args.label, "d": d, "causal": causal, "n": n, "round": rnd,
+                                          "impl": name, "ms": t.median_ms,
+                                          "tflops": flops(b, h, n, n, d, causal, False) / (t.median_ms * 1e-3) / 1e12}),
+                              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
