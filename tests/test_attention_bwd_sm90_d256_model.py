@@ -29,7 +29,12 @@ import torch
 
 from tileattn.kernels import attention_bwd_sm90 as ab
 
-from .test_attention_bwd_sm90_model import assert_walk_matches_autograd, fragment_order_index, stored_elements
+from .test_attention_bwd_sm90_model import (
+    assert_walk_matches_autograd,
+    fragment_order_index,
+    padded_operands,
+    stored_elements,
+)
 from .test_attention_fwd_sm90_model import (
     MBarrier,
     NamedBarrier,
@@ -178,12 +183,7 @@ def emulate(q, k, v, dout, out, lse, causal: bool, scale: float):
     group, diag = h_ // hkv, nk - nq
     m_blocks, n_blocks = -(-nq // BLOCK_M), -(-nk // BLOCK_N)
     pad_q, pad_k = m_blocks * BLOCK_M - nq, n_blocks * BLOCK_N - nk
-    pad = torch.nn.functional.pad
-    qp, dop = pad(q, (0, 0, 0, pad_q)), pad(dout, (0, 0, 0, pad_q))
-    kp, vp = pad(k, (0, 0, 0, pad_k)), pad(v, (0, 0, 0, pad_k))
-    lse2 = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse * math.log2(math.e))
-    lse2 = pad(lse2, (0, pad_q), value=math.inf)
-    delta = pad((dout * out).sum(-1), (0, pad_q))
+    qp, dop, kp, vp, lse2, delta = padded_operands(q, k, v, dout, out, lse, pad_q, pad_k)
     scale_log2 = scale * math.log2(math.e)
     dq_acc = torch.zeros_like(qp)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)

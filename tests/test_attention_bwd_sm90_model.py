@@ -347,6 +347,16 @@ def tile_step(qt, dot, kt, vt, lse2_t, delta_t, n0: int, m0: int, nk: int, diag:
     return pz[:keys] @ dot, dst[:keys] @ qt, dst[:keys].T @ kt[:keys]
 
 
+def padded_operands(q, k, v, dout, out, lse, pad_q: int, pad_k: int):
+    """What the kernels read, padded to whole tiles: q, dO (pad_q rows), k, v (pad_k rows), lse2 =
+    lse in log2 units with +inf for rows that saw no key and for the padding (so their P is 0), and
+    the preprocess's delta = rowsum(dO * O) (0 in the padding)."""
+    pad = torch.nn.functional.pad
+    lse2 = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse * math.log2(math.e))
+    return (pad(q, (0, 0, 0, pad_q)), pad(dout, (0, 0, 0, pad_q)), pad(k, (0, 0, 0, pad_k)),
+            pad(v, (0, 0, 0, pad_k)), pad(lse2, (0, pad_q), value=math.inf), pad((dout * out).sum(-1), (0, pad_q)))
+
+
 def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int, rotate: bool = False,
             var: Var | None = None):
     """The kernel's arithmetic per (batch, kv head, key block), query head of the group and query
@@ -360,13 +370,7 @@ def emulate(q, k, v, dout, out, lse, causal: bool, scale: float, block_m: int, r
     group, diag = h_ // hkv, nk - nq
     m_blocks, n_blocks = -(-nq // block_m), -(-nk // BLOCK_N)
     pad_q, pad_k = m_blocks * block_m - nq, n_blocks * BLOCK_N - nk
-    qp = torch.nn.functional.pad(q, (0, 0, 0, pad_q))
-    dop = torch.nn.functional.pad(dout, (0, 0, 0, pad_q))
-    kp = torch.nn.functional.pad(k, (0, 0, 0, pad_k))
-    vp = torch.nn.functional.pad(v, (0, 0, 0, pad_k))
-    lse2 = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse * math.log2(math.e))
-    lse2 = torch.nn.functional.pad(lse2, (0, pad_q), value=math.inf)
-    delta = torch.nn.functional.pad((dout * out).sum(-1), (0, pad_q))
+    qp, dop, kp, vp, lse2, delta = padded_operands(q, k, v, dout, out, lse, pad_q, pad_k)
     scale_log2 = scale * math.log2(math.e)
     dq_acc = torch.zeros_like(qp)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)

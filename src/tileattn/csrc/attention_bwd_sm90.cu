@@ -760,6 +760,9 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         s9::fence_accumulators(dp);
         s9::mbar_wait(&q_full[s], parity);
         s9::wgmma_fence();
+        // (Spelled out rather than s9::wgmma_ss_panels: with the helper ptxas schedules these
+        // kernels' SASS differently, and that SASS has not run on a GPU; the d = 256 layout's and the
+        // forward's SASS are the same either way.)
 #pragma unroll
         for (int ks = 0; ks < kKSteps; ++ks) {
           const u64 off_kv = (ks / 4) * kKPanelStep + 2 * (ks % 4);
@@ -1236,12 +1239,7 @@ __device__ __forceinline__ void attention_bwd_sm90_d256_body(
     s9::mbar_wait(role == 0 ? &q_full[s] : &do_full[s], parity);
     const u64 desc_in = s9::make_desc_k128_sw128((role == 0 ? sQ : sdO) + s * kBlockM * kHeadDim);
     s9::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      const u64 off_kv = (ks / 4) * kKPanelStep + 2 * (ks % 4);
-      const u64 off_q = (ks / 4) * kQPanelStep + 2 * (ks % 4);
-      s9::wgmma_ss<kBlockM, kIsBF16>(sd, desc_kv + off_kv, desc_in + off_q, ks > 0 ? 1 : 0);
-    }
+    s9::wgmma_ss_panels<kBlockM, kIsBF16, kKSteps>(sd, desc_kv, kKPanelStep, desc_in, kQPanelStep);
     s9::wgmma_commit();
     s9::wgmma_wait<0>();
     s9::fence_accumulators(sd);

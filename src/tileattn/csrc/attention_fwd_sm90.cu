@@ -802,12 +802,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     auto issue_s = [&](int stage) {
       const u64 desc_k = s9::make_desc_k128_sw128(sK) + stage * kStageStep;
       s9::fence_accumulators(s);
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        const u64 off_q = (ks / 4) * kQPanelStep + 2 * (ks % 4);
-        const u64 off_k = (ks / 4) * kKVPanelStep + 2 * (ks % 4);
-        s9::wgmma_ss<kBlockN, kIsBF16>(s, desc_q + off_q, desc_k + off_k, ks > 0 ? 1 : 0);
-      }
+      s9::wgmma_ss_panels<kBlockN, kIsBF16, kKSteps>(s, desc_q, kQPanelStep, desc_k, kKVPanelStep);
       s9::wgmma_commit();
     };
     // O += P V of slot `stage` (issued, committed, not waited for). V is the MN-major B operand:

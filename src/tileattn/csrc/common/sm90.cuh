@@ -353,6 +353,19 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], u64 desc_a, u64 des
   TILEATTN_WGMMA_SS_CASE(256, "128", "129", "130")
 }
 
+// d = A B^T over kKSteps k16 steps (issued, not committed), A and B K-major in shared memory as
+// TMA writes them with the 128-byte swizzle: 64-column panels, a_panel_step / b_panel_step
+// descriptor units (16 B) apart; k-step ks is panel ks / 4, 32 bytes (2 units) further per step
+// inside it. The first step overwrites d.
+template <int kN, bool kIsBF16, int kKSteps>
+__device__ __forceinline__ void wgmma_ss_panels(float (&d)[kN / 2], u64 desc_a, u64 a_panel_step, u64 desc_b,
+                                                u64 b_panel_step) {
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks)
+    wgmma_ss<kN, kIsBF16>(d, desc_a + (ks / 4) * a_panel_step + 2 * (ks % 4),
+                          desc_b + (ks / 4) * b_panel_step + 2 * (ks % 4), ks > 0 ? 1 : 0);
+}
+
 // Register-A form: A (64 x 16, 16-bit) from four packed registers per thread, B from shared memory.
 // A fragment (PTX "Register Fragments", m64nNk16): warp w of the warpgroup holds rows 16w..16w+15
 // in the mma.sync m16n8k16 A layout: a[0] = row g, columns 2t..2t+1; a[1] = row g + 8, same
