@@ -290,10 +290,25 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
     v_readers = [set() for _ in range(stages)]
     in_flight = []  # (buffer list, index, content, barrier)
     o_store = [None, None]  # per consumer: the tile whose O its TMA store is still reading from sO
+    # The tile hand-off: the producer writes tile i (or -1 after the last) into slot i % 2 and arrives
+    # on sched_full; every consumer thread reads it and arrives on sched_empty.
+    sched_full, sched_empty = [MBarrier(1), MBarrier(1)], [MBarrier(2 * THREADS), MBarrier(2 * THREADS)]
+    sched_tile = [None, None]
+    sched_readers = [set(), set()]  # (consumer, thread) that read the slot's current value
+
+    def publish(i, value):
+        if i >= 2:
+            while not sched_empty[i & 1].passed(((i >> 1) - 1) & 1):
+                yield
+        assert not sched_readers[i & 1], f"producer overwrites tile slot {i & 1} before {sched_readers[i & 1]} read it"
+        sched_tile[i & 1] = value
+        sched_readers[i & 1].update((c, thread) for c in (0, 1) for thread in range(THREADS))
+        sched_full[i & 1].arrive()
 
     def producer():
         g = 0
         for i, n_end in enumerate(n_ends):
+            yield from publish(i, i)
             if i > 0:
                 while not q_empty.passed((i - 1) & 1):
                     yield
@@ -318,6 +333,7 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
                     in_flight.append((slots, s, (i, n_end - 1 - it), full[s]))
                     yield
                 g += 1
+        yield from publish(len(n_ends), -1)
 
     def consumer(c):
         def use(full, slots, readers, gi, want):
@@ -351,8 +367,19 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
         def read_q(i):  # an S = Q K^T of tile i reads sQ
             assert q_slot[0] == i, f"consumer {c} reads Q of tile {q_slot[0]} in tile {i}"
 
+        def take_tile(i):  # wait for slot i % 2, read it (every thread), release it
+            while not sched_full[i & 1].passed((i >> 1) & 1):
+                yield
+            value = sched_tile[i & 1]
+            for thread in range(THREADS):
+                sched_readers[i & 1].discard((c, thread))
+                sched_empty[i & 1].arrive()
+            return value
+
         g0 = 0
         for i, n_end in enumerate(n_ends):
+            tile = yield from take_tile(i)
+            assert tile == i, f"consumer {c} was handed tile {tile} as its tile {i}"
             while not q_full.passed(i & 1):
                 yield
             assert q_slot[0] == i, f"consumer {c} sees Q of tile {q_slot[0]} in tile {i}"
@@ -412,6 +439,8 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
                 q_touched[0].update((c, thread) for thread in range(THREADS))
                 yield
             release_q()
+        last = yield from take_tile(len(n_ends))
+        assert last == -1, f"consumer {c} was handed {last} after the CTA's last tile"
 
     def store_read(c):  # the TMA store's read of sO finishes at a random later time
         for _ in range(rng.randrange(4)):

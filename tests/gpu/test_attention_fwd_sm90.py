@@ -354,6 +354,31 @@ def test_persistent_grid_walks_several_tiles(d, cfg, causal):
         check(out, lse, q, k, v, causal, 1 / math.sqrt(d), what=f"{cfg} B{b} H{h} Nq={nq} Nk={nk}")
 
 
+def test_tile_counter_on_two_streams_is_left_zero():
+    """Persistent grids take tiles from their stream's counter pair (runtime.stream_counters): two
+    streams running persistent launches at once each get the right result, over several launches
+    in a row (each must find the pair zeroed by the one before), and both pairs read 0 after."""
+    from tileattn.kernels import attention_fwd_sm90 as af
+    from tileattn.runtime import launcher
+
+    cfg = af.Sm90Config(af.DEFAULTS[(128, True)].block_n, af.DEFAULTS[(128, True)].stages, False, True)
+    cases = [make_qkv(2, 32, 8, 700, 900, 128, BF16, seed=s) for s in (61, 62)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    results = [[], []]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for _ in range(3):
+        for j, (stream, (q, k, v)) in enumerate(zip(streams, cases)):
+            with torch.cuda.stream(stream):
+                results[j].append(launch(q, k, v, True, 1 / math.sqrt(128), config=cfg))
+    torch.cuda.synchronize()
+    for (q, k, v), runs in zip(cases, results):
+        for n, (out, lse) in enumerate(runs):
+            check(out, lse, q, k, v, True, 1 / math.sqrt(128), what=f"persistent launch {n} on its own stream")
+    pairs = [pair for (dev, _), pair in launcher._stream_counters.items() if dev == 0]
+    assert len(pairs) >= 2 and all(pair.tolist() == [0, 0] for pair in pairs), [p.tolist() for p in pairs]
+
+
 def test_causal_tile_order_in_l2_groups():
     """Causal tiles run longest first inside groups of heads whose K/V fit half the L2: 16 heads of
     4096 keys (2 MB of K/V each) make groups of 15 and 1 on an H200, so a partial last group runs."""

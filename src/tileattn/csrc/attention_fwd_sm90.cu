@@ -22,9 +22,13 @@
 // l2_group at a time (the host sizes l2_group so that their K/V fit in half the L2) and inside a
 // group the tiles go longest first (the last position blocks of all its units, then the ones
 // before): long tiles start early, short ones fill the tail, and K/V is still read from L2.
-// A 1-D grid of CTAs walks tiles blockIdx.x, blockIdx.x + gridDim.x, ...: one tile per CTA when the
-// host launches one CTA per tile, or persistent (grid = #SMs), where each CTA's producer already
-// loads the next tile's Q and K/V while its consumers finish the current one. 384 threads = 3
+// A 1-D grid of CTAs walks the tiles: one tile per CTA when the host launches one CTA per tile, or
+// persistent (grid = #SMs), where each CTA's producer already loads the next tile's Q and K/V while
+// its consumers finish the current one. A persistent CTA takes its first tile by blockIdx.x and the
+// next ones from a grid-wide counter (tile_counter, atomicAdd), so a CTA that finishes early takes
+// more and the CTAs in flight stay on neighbouring tiles (the L2 groups above); without the counter
+// it takes blockIdx.x + k gridDim.x. The producer hands each tile to the consumers through sched_tile
+// (two slots), so they walk exactly the producer's sequence, ending at -1. 384 threads = 3
 // warpgroups, one CTA per SM:
 //   warpgroup 0 (producer)   one thread issues every TMA copy: Q per tile, then K and V blocks into
 //                            kStages-deep rings; setmaxnreg.dec gives its registers away.
@@ -64,6 +68,11 @@
 //                   from slot s has retired (wgmma_wait). The producer refills slot s for use u >= 1
 //   v_empty[s]      after phase u - 1 completed: it waits parity (u - 1) & 1. Packed layouts:
 //                   v_empty[s] 256 arrivals, every consumer thread (clear_rows, see below).
+//   sched_full[2]   1 arrival: the producer's, after writing the i-th tile (or -1) into sched_tile[i % 2];
+//   sched_empty[2]  256 arrivals: every consumer thread after reading it; the producer waits for use
+//                   i - 2 of a slot before writing use i. Consumers wait parity (i / 2) & 1. (The
+//                   q_empty wait before tile i - 1's Q already implies it; the wait is kept so that
+//                   every reading thread releases its own read, the order racecheck follows.)
 // A waiter is never more than one phase behind (the producer waits on every refill, a consumer
 // cannot start use u + 1 of a slot before the producer refilled it), so parities are unambiguous.
 //
@@ -202,6 +211,19 @@ constexpr float kNoKeyShift = -1.2676506002282294e30f;  // -2^100: "no key seen 
 constexpr float kRescaleThreshold = 8.0f;  // row-max growth (log2 units) absorbed without a rescale
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
+// After a CTA's producer took its last index from counter[0] (one past the tiles): the grid's last
+// CTA to get here resets both words, so the next launch on the stream finds zeros (counter[1]
+// counts the CTAs done taking). The first fence orders each CTA's last take before its count, the
+// second the reset after the last count.
+__device__ __forceinline__ void release_tile_counter(int* counter) {
+  __threadfence();
+  if (atomicAdd(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+    __threadfence();
+    atomicExch(counter, 0);
+    atomicExch(counter + 1, 0);
+  }
+}
 
 // Which K/V blocks a query tile visits: [n_begin, n_end), visited from n_end - 1 down; visits
 // [0, n_masked) and [n_unmasked_end, n_end - n_begin) need masking (the Nk edge block, and when
@@ -594,9 +616,11 @@ __device__ __forceinline__ Variants variants_of(float scale_log2, VARIANT_PARAMS
 // 128B swizzle, zero fill. pack: 1 or a divisor of kv_group that divides 128 (GQA packing).
 // tmap_k, tmap_v: k / v [B, Hkv, Nk, d], box (64, kBlockN, 1, 1). tmap_o: out [B, H, Nq, d], box
 // (64, min(R, 64), 64 / min(R, 64), 1). lse: [B, H, Nq] fp32 contiguous, natural log. kv head = head / kv_group.
-// l2_group: units per L2 group (causal tile order, >= 1).
+// l2_group: units per L2 group (causal tile order, >= 1). tile_counter: nullptr (CTA c takes tiles
+// c, c + gridDim.x, ...) or two zeroed ints in global memory that no other kernel uses while this
+// one runs (CTAs take tiles from counter[0]; the kernel leaves both words 0 again).
 // 1-D grid of at most ceil(Nq / R) * (H / pack) * B <= 2^30 CTAs (fewer = persistent), 384 threads;
-// dynamic shared memory 2 d (128 + 2 kStages kBlockN) + 1024.
+// dynamic shared memory 2 d (128 + 2 kStages kBlockN) + 1024 (+ 2 d 128 for sO where it fits).
 //
 // Variants (kVariant: a non-empty set of bits fwd90::kWindow, kSoftcap, kAlibi, kDropout; kCausal
 // false, causal folded into win_right): the parameters above, then VARIANT_PARAMS
@@ -625,7 +649,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
                        const __grid_constant__ sm90::TmaDescriptor tmap_v,
                        const __grid_constant__ sm90::TmaDescriptor tmap_o, float* __restrict__ lse, int batches,
                        int heads, int kv_group, int pack, int l2_group, int seqlen_q, int seqlen_k,
-                       float scale_log2, VariantParams... variant_params) {
+                       float scale_log2, int* __restrict__ tile_counter, VariantParams... variant_params) {
   using namespace fwd90;
   constexpr bool kPagedLayout = kVariant == kPaged;
   constexpr bool kVarlenLayout = kVariant == kVarlen || kPagedLayout;  // packed queries (varlen or paged)
@@ -670,6 +694,8 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ uint64_t q_full, q_empty, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
+  __shared__ uint64_t sched_full[2], sched_empty[2];  // the tile handed to the consumers (see the header)
+  __shared__ int sched_tile[2];
   uint8_t* const smem = smem_raw + ((1024 - (s9::smem_u32(smem_raw) & 1023)) & 1023);
   u16* const sQ = reinterpret_cast<u16*>(smem);             // [kPanels][128][64]
   u16* const sK = sQ + kBlockM * kHeadDim;                   // [kStages][kPanels][kBlockN][64]
@@ -689,6 +715,10 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     s9::tma_prefetch_descriptor(&tmap_o);
     s9::mbar_init(&q_full, 1);
     s9::mbar_init(&q_empty, kEmptyCount);
+    for (int s = 0; s < 2; ++s) {
+      s9::mbar_init(&sched_full[s], 1);
+      s9::mbar_init(&sched_empty[s], kConsumers * 128);
+    }
     for (int s = 0; s < kStages; ++s) {
       s9::mbar_init(&k_full[s], 1);
       s9::mbar_init(&v_full[s], 1);
@@ -706,18 +736,33 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     // rest. So the dense and varlen kernels keep their one-thread producer.
     const int producer_lane = threadIdx.x;
     if (kPagedLayout ? producer_lane < 32 : producer_lane == 0) {
+      // The tile after t: t + gridDim.x, or, with a tile counter (persistent grids), the next index
+      // the grid-wide counter hands out (each once, in order: CTAs that finish early take more).
+      auto next_tile = [&](int t) {
+        if (tile_counter == nullptr) return t + static_cast<int>(gridDim.x);
+        int n = 0;
+        if (producer_lane == 0) n = static_cast<int>(gridDim.x) + atomicAdd(tile_counter, 1);
+        return kPagedLayout ? __shfl_sync(0xffffffffu, n, 0) : n;
+      };
       int g = 0;  // K/V visits so far, across this CTA's tiles: ring slot and phase
-      int i = 0;  // tiles so far: q_full / q_empty phase
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, ++i) {
-        const Tile tile = tile_coords<kReverse>(t, m_blocks, groups, pack, batches, l2_group);
-        // This tile's sequence (dense: the whole batch entry at token 0, the batch coordinate below).
-        const SeqSpan span = tile_span<kLayout>(vl, tile.batch, seqlen_q, seqlen_k);
-        if constexpr (kVarlenLayout) {
-          if (tile.m_block * rows >= span.nq) {  // past its sequence's end: not one of this CTA's tiles
-            --i;
-            continue;
-          }
+      int t = blockIdx.x;
+      for (int i = 0;; ++i) {  // i: tiles so far: the q_full / q_empty and sched_* phases
+        // This CTA's next tile with rows (varlen: a tile past its sequence's end is skipped), and its
+        // sequence (dense: the whole batch entry at token 0, the batch coordinate below).
+        Tile tile{};
+        SeqSpan span{};
+        for (; t < num_tiles; t = next_tile(t)) {
+          tile = tile_coords<kReverse>(t, m_blocks, groups, pack, batches, l2_group);
+          span = tile_span<kLayout>(vl, tile.batch, seqlen_q, seqlen_k);
+          if (!kVarlenLayout || tile.m_block * rows < span.nq) break;
         }
+        // Hand it (-1: none left) to the consumers in slot i % 2, once they have read its last use.
+        if (i >= 2) s9::mbar_wait(&sched_empty[i & 1], ((i >> 1) - 1) & 1);
+        if (producer_lane == 0) {
+          sched_tile[i & 1] = t < num_tiles ? t : -1;
+          s9::mbar_arrive(&sched_full[i & 1]);  // release: the store above before the consumers' read
+        }
+        if (t >= num_tiles) break;
         const int tma_batch = kVarlenLayout ? 0 : tile.batch;
         const BlockRange range = kWindowed ? window_range<kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k, va)
                                            : block_range<kCausal, kBlockN>(tile.m_block, rows, span.nq, span.nk);
@@ -775,7 +820,9 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
             s9::tma_load_4d(sV + (s * kPanels + p) * kBlockN * kPanel, &tmap_v, p * kPanel, span.k0 + n * kBlockN,
                             kv_head, tma_batch, &v_full[s]);
         }
+        t = next_tile(t);
       }
+      if (tile_counter != nullptr && producer_lane == 0) release_tile_counter(tile_counter);
     }
   } else {  // ------------------------------------------------------ consumer warpgroups
     s9::setmaxnreg_inc<kConsumerRegs>();
@@ -826,17 +873,19 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     };
 
     int g0 = 0;  // K/V visits of this CTA before the current tile (the producer counts the same)
-    int i = 0;   // tiles so far: q_full phase
-    for (int tl = blockIdx.x; tl < num_tiles; tl += gridDim.x, ++i) {
+    // The i-th tile the producer handed out (-1: none left); broadcast from lane 0 so that ptxas sees
+    // it warp-uniform, then released by every thread after its own read.
+    auto take_tile = [&](int i) {
+      s9::mbar_wait(&sched_full[i & 1], (i >> 1) & 1);
+      const int handed = __shfl_sync(0xffffffffu, sched_tile[i & 1], 0);
+      s9::mbar_arrive(&sched_empty[i & 1]);
+      return handed;
+    };
+    // i: tiles so far (q_full and sched_full phases)
+    for (int i = 0, tl = take_tile(0); tl >= 0; tl = take_tile(++i)) {
       const Tile tile = tile_coords<kReverse>(tl, m_blocks, groups, pack, batches, l2_group);
       // This tile's query / key lengths (varlen: its sequence's; q0 is re-read in the epilogue).
       const SeqSpan span = tile_span<kLayout>(vl, tile.batch, seqlen_q, seqlen_k);
-      if constexpr (kVarlenLayout) {
-        if (tile.m_block * rows >= __shfl_sync(0xffffffffu, span.nq, 0)) {  // past its end: skipped as the producer does
-          --i;
-          continue;
-        }
-      }
       // Varlen lengths come from memory: broadcast from lane 0 so that ptxas sees them warp-uniform
       // (a branch on a value it cannot prove uniform makes it serialize the wgmmas after it, C7519).
       const int nq = kVarlenLayout ? __shfl_sync(0xffffffffu, span.nq, 0) : span.nq;

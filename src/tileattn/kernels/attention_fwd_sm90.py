@@ -50,6 +50,7 @@ PANEL = 64              # TMA box width in elements: 128 bytes, the 128-byte swi
 LOG2E = 1.4426950408889634
 MAX_TILES = 2**30       # ceil(Nq / 128) * H * B; the kernel steps tile + gridDim.x in int32
 SMEM_LIMIT = 232448     # bytes per block on an H100/H200 (227 KB opt-in)
+TILE_COUNTER_ARG = 13   # the kernel's tile_counter parameter: after 4 tensor maps, lse and 8 scalars
 
 
 @dataclass(frozen=True, order=True)
@@ -332,6 +333,18 @@ def _scalar_args(batch: int, heads: int, kv_heads: int, geo: _Geometry, seqlen_q
             np.int32(seqlen_q), np.int32(seqlen_k), np.float32(scale * LOG2E))
 
 
+def _stream_counters(device_index: int) -> int:
+    from ..runtime import stream_counters
+
+    return stream_counters(device_index)
+
+
+def _tile_counter(config: Sm90Config, device_index: int) -> int:
+    """The kernel's tile_counter argument: a persistent grid takes its tiles from the current
+    stream's counter pair (runtime.stream_counters), one CTA per tile needs none (0)."""
+    return _stream_counters(device_index) if config.persistent else 0
+
+
 def _kernel_runs(head_dim: int, dtype, device) -> bool:
     """The conditions every layout of this kernel shares: head_dim in HEAD_DIMS, dtype fp16/bf16 and,
     when a device is given, a CUDA device of compute capability 9.0. Never raises."""
@@ -452,7 +465,8 @@ def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config
     target = out if _tma_ready(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
     maps = [tensor_map(t, box) for t, box in zip((q, k, v, target), geo.boxes)]  # 128B swizzle, zero fill
     grid = (min(geo.tiles, device_sm_count(q.device.index)) if config.persistent else geo.tiles, 1, 1)
-    args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, seqlen_q, seqlen_k, scale))
+    args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, seqlen_q, seqlen_k, scale),
+            _tile_counter(config, q.device.index))
     launch(kern, grid, (THREADS, 1, 1), args, smem=smem)
     if target is not out:
         out.copy_(target)
@@ -505,8 +519,10 @@ class ForwardPlan:
                                                                                           bool(causal), bf16)
         kern = load(FAMILY_NAME, expr, q.device.index)
         grid = (min(geo.tiles, device_sm_count(q.device.index)) if config.persistent else geo.tiles,)
-        args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, seqlen_q, seqlen_k, scale))
-        dynamic = tuple(range(5))
+        self.persistent, self.device_index = config.persistent, q.device.index
+        args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, seqlen_q, seqlen_k, scale),
+                _tile_counter(config, q.device.index))
+        dynamic = (*range(5), TILE_COUNTER_ARG)
         if flags:  # VARIANT_PARAMS after the plain ones; alibi pointer, seed, offset are per call
             from .attention_fwd_sm80 import VARIANT_DYNAMIC
 
@@ -527,7 +543,9 @@ class ForwardPlan:
             v = v.contiguous()
         target = torch.empty_like(out, memory_format=torch.contiguous_format) if self.copy_out else out
         self.plan.launch(tq.encode(q.data_ptr()), tk.encode(k.data_ptr()), tv.encode(v.data_ptr()),
-                         to.encode(target.data_ptr()), lse.data_ptr(), *(extra if self.variant_values else ()))
+                         to.encode(target.data_ptr()), lse.data_ptr(),
+                         _stream_counters(self.device_index) if self.persistent else 0,
+                         *(extra if self.variant_values else ()))
         if self.copy_out:
             out.copy_(target)
 
@@ -611,12 +629,13 @@ class VarlenPlan:
         maps = [tmpl.encode(t.data_ptr()) for tmpl, t in zip(self.templates, views)]
         kern = load(FAMILY_NAME, varlen_expression(head_dim, config, bool(causal), q.dtype == torch.bfloat16),
                     q.device.index)
+        self.persistent, self.device_index = config.persistent, q.device.index
         args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, max_seqlen_q, 0, scale),
-                cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), out.data_ptr(), np.int64(out.stride(0)),
-                np.int64(out.stride(1)), np.int32(total_q))
+                _tile_counter(config, q.device.index), cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(),
+                out.data_ptr(), np.int64(out.stride(0)), np.int64(out.stride(1)), np.int32(total_q))
         self.grid = (_packed_grid(geo.tiles, config, q.device.index),)
         self.plan = LaunchPlan(kern, self.grid, (THREADS,), args, smem=config.smem_bytes(head_dim),
-                               dynamic=(0, 1, 2, 3, 4, 13, 14, 15))
+                               dynamic=(0, 1, 2, 3, 4, TILE_COUNTER_ARG, 14, 15, 16))
 
     def launch(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int, cu_seqlens_q_ptr: int,
                cu_seqlens_k_ptr: int) -> None:
@@ -628,7 +647,8 @@ class VarlenPlan:
             k_ptr = v_ptr = self.dummy_kv.data_ptr()
         tq, tk, tv, to = self.templates
         self.plan.launch(tq.encode(q_ptr), tk.encode(k_ptr), tv.encode(v_ptr), to.encode(out_ptr), lse_ptr,
-                         cu_seqlens_q_ptr, cu_seqlens_k_ptr, out_ptr)
+                         _stream_counters(self.device_index) if self.persistent else 0, cu_seqlens_q_ptr,
+                         cu_seqlens_k_ptr, out_ptr)
 
 
 def forward_varlen_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, causal: bool,
@@ -764,12 +784,14 @@ class PagedPlan:
         kern = load(FAMILY_NAME, paged_expression(head_dim, config, bool(causal), q.dtype == torch.bfloat16),
                     q.device.index)
         i32 = np.int32
+        self.persistent, self.device_index = config.persistent, q.device.index
         args = (*maps, 0, *_scalar_args(batch, heads, kv_heads, geo, max_seqlen_q, 0, scale),
-                0, 0, 0, np.int64(out.stride(0)), np.int64(out.stride(1)), i32(total_q),
+                _tile_counter(config, q.device.index), 0, 0, 0, np.int64(out.stride(0)), np.int64(out.stride(1)),
+                i32(total_q),
                 0, i32(block_table.stride(0)), i32(max_blocks), i32(num_blocks), i32(block_size.bit_length() - 1))
         self.grid = (_packed_grid(geo.tiles, config, q.device.index),)
         self.plan = LaunchPlan(kern, self.grid, (THREADS,), args, smem=config.smem_bytes(head_dim),
-                               dynamic=(0, 1, 2, 3, 4, 13, 14, 15, 19))
+                               dynamic=(0, 1, 2, 3, 4, TILE_COUNTER_ARG, 14, 15, 16, 20))
 
     def launch(self, q_ptr: int, k_cache_ptr: int, v_cache_ptr: int, block_table_ptr: int, cu_seqlens_q_ptr: int,
                seqlens_k_ptr: int, out_ptr: int, lse_ptr: int) -> None:
@@ -779,7 +801,8 @@ class PagedPlan:
             return
         tq, tk, tv, to = self.templates
         self.plan.launch(tq.encode(q_ptr), tk.encode(k_cache_ptr), tv.encode(v_cache_ptr), to.encode(out_ptr), lse_ptr,
-                         cu_seqlens_q_ptr, seqlens_k_ptr, out_ptr, block_table_ptr)
+                         _stream_counters(self.device_index) if self.persistent else 0, cu_seqlens_q_ptr,
+                         seqlens_k_ptr, out_ptr, block_table_ptr)
 
     def __call__(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, out=None, lse=None,
                  alibi_slopes=None):

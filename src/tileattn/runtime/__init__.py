@@ -14,6 +14,7 @@ from .launcher import (
     launch,
     load_kernel,
     require_gpu,
+    stream_counters,
 )
 from .tma import TensorMap, TensorMapError, TensorMapTemplate, tensor_map, tma_requirements
 
@@ -39,6 +40,7 @@ __all__ = [
     "nvrtc_version",
     "parse_ptxas_log",
     "require_gpu",
+    "stream_counters",
     "tensor_map",
     "tma_requirements",
 ]

@@ -282,6 +282,31 @@ def current_stream_handle(device_index: int):
     return stream
 
 
+_stream_counters: dict[tuple[int, int], object] = {}  # (device, raw stream) -> zeroed int32 [2]
+_graph_counters: list = []  # pairs made under CUDA graph capture: kept for the graphs' lifetime
+
+
+def stream_counters(device_index: int) -> int:
+    """The address of two zeroed int32 in device memory for torch's current stream on
+    `device_index`: the scratch of a kernel that hands out its work through a grid-wide counter
+    and leaves it 0 again when it ends (attention_fwd_sm90's persistent grids). One pair per
+    stream, so launches that share a pair are ordered by their stream; under CUDA graph capture
+    a new pair (zeroed in the graph) that the graph keeps to itself, so a replay on another stream
+    cannot race eager launches on the capturing one."""
+    import torch
+
+    if torch.cuda.is_current_stream_capturing():
+        pair = torch.zeros(2, dtype=torch.int32, device=torch.device("cuda", device_index))
+        _graph_counters.append(pair)
+        return pair.data_ptr()
+    current_stream_handle(device_index)  # makes sure _raw_stream is set
+    key = (device_index, _raw_stream(device_index))
+    pair = _stream_counters.get(key)
+    if pair is None:
+        pair = _stream_counters[key] = torch.zeros(2, dtype=torch.int32, device=torch.device("cuda", device_index))
+    return pair.data_ptr()
+
+
 def launch(kernel: LoadedKernel, grid: Sequence[int], block: Sequence[int], args: Sequence, smem: int = 0) -> None:
     """Launch on torch's current stream of the kernel's device. `args`: pointers and 64-bit integers
     as Python ints, other scalars as numpy scalars of the kernel's width (np.int32, np.float32, ...),
