@@ -2,11 +2,14 @@
 
     python3 scripts/profile_attention.py --out DIR [--seq 4096] [--head-dim 128] [--causal]
                                          [--backward] [--bwd-config NAME] [--set full]
+    python3 scripts/profile_attention.py --out DIR --sm90-variants [--seq 4096] [--head-dim 128]
 
 Runs itself under `ncu` (child mode: `--child`), which profiles exactly one launch of each kernel
 named by KERNELS (tileattn's main kernel, with --bwd-config a tuning candidate's instead of the
 default, and FlashAttention-2's and cuDNN's kernels as PyTorch
-launches them), and writes into DIR:
+launches them), or with --sm90-variants the Hopper forward four times (the plain kernel as
+dispatched, the plain tiles on one CTA per tile as the variant kernels run, ALiBi, softcap 30; in
+that order, non-causal), and writes into DIR:
   profile.ncu-rep   the report (open with `ncu-ui` or `ncu -i`),
   details.txt       every section, as text,
   raw.csv           every collected metric,
@@ -29,7 +32,36 @@ from pathlib import Path
 KERNELS = {
     "backward": ("attn_bwd_main_kernel", "flash_bwd_dq_dk_dv", "cudnn"),
     "forward": ("attention_fwd_sm80", "flash_fwd_kernel", "cudnn"),
+    "sm90_variants": ("attention_fwd_sm90",) * 4,
 }
+
+
+def sm90_variants(args) -> None:
+    """One launch each of the Hopper forward: plain (dispatched config), plain at the variant
+    kernels' config, ALiBi ([H] slopes), softcap 30."""
+    import math
+
+    import torch
+
+    from tileattn.kernels import attention_fwd_sm90 as af
+    from tileattn.kernels.attention_fwd_sm80 import VariantArgs
+
+    b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = torch.empty_like(q)                                        # [B, H, N, d]
+    lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)   # [B, H, N]
+    slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device="cuda")  # [H]
+    scale = 1 / math.sqrt(d)
+    plans = [
+        (af.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale), ()),
+        (af.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, config=af.VARIANT_DEFAULTS[d]), ()),
+        (af.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=VariantArgs(alibi_batch_stride=0)),
+         (slopes.data_ptr(), 0, 0)),
+        (af.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=VariantArgs(softcap=30.0)), (0, 0, 0)),
+    ]
+    for plan, extra in plans:
+        plan.launch(q, k, v, out, lse, *extra)
+    torch.cuda.synchronize()
 
 
 def child(args) -> None:
@@ -76,10 +108,11 @@ def main() -> None:
     p.add_argument("--backward", action="store_true")
     p.add_argument("--bwd-config", default="", help="profile this backward tuning candidate (BwdConfig.name)")
     p.add_argument("--set", default="full", help="ncu section set")
+    p.add_argument("--sm90-variants", action="store_true", help="the Hopper forward: plain, ALiBi, softcap")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args)
+        sm90_variants(args) if args.sm90_variants else child(args)
         return
     if args.out is None:
         p.error("--out is required")
@@ -88,8 +121,8 @@ def main() -> None:
         sys.exit("ncu (Nsight Compute) is not on PATH")
     args.out.mkdir(parents=True, exist_ok=True)
     rep = args.out / "profile"
-    names = KERNELS["backward" if args.backward else "forward"]
-    regex = "regex:" + "|".join(names)
+    names = KERNELS["sm90_variants" if args.sm90_variants else "backward" if args.backward else "forward"]
+    regex = "regex:" + "|".join(sorted(set(names)))
     child_cmd = [sys.executable, os.path.abspath(__file__), "--child"] + [
         a for a in sys.argv[1:] if not a.startswith("--out") and a != str(args.out)
     ]
@@ -102,11 +135,12 @@ def main() -> None:
         subprocess.run([ncu, "-i", report, "--page", "details"], stdout=f, check=True)
     with open(args.out / "raw.csv", "w") as f:
         subprocess.run([ncu, "-i", report, "--page", "raw", "--csv"], stdout=f, check=True)
-    for name in names:
-        path = args.out / f"source_{name}.csv"
+    for i, name in enumerate(names):
+        path = args.out / (f"source_{name}.csv" if len(set(names)) == len(names) else f"source_{name}_{i}.csv")
+        select = ["--launch-skip", str(i), "--launch-count", "1"] if len(set(names)) < len(names) else []
         with open(path, "w") as f:
             r = subprocess.run([ncu, "-i", report, "--page", "source", "--csv", "--print-source", "sass",
-                                "--kernel-name", f"regex:{name}"], stdout=f, stderr=subprocess.STDOUT)
+                                "--kernel-name", f"regex:{name}", *select], stdout=f, stderr=subprocess.STDOUT)
         if r.returncode != 0:
             print(f"no source page for {name} (ncu exit {r.returncode}); see {path}")
 
