@@ -585,16 +585,16 @@ def test_tiles_cover_every_query_row_once_longest_first(causal, l2_bytes):
 
 @pytest.mark.parametrize("head_dim", af.HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_default_config_is_persistent_only_at_the_measured_short_key_ranges(head_dim, causal):
+def test_default_config_is_persistent_where_o_has_its_own_buffer(head_dim, causal):
     base = af.DEFAULTS[(head_dim, causal)]
-    limit = af.PERSISTENT_MAX_KEYS.get((head_dim, causal))
-    for seqlen_k in (0, 1, 2047, 2048, 2049, 4096, 8192, 8193, 32768):
-        got = af.default_config(head_dim, causal, seqlen_k)
-        persistent = limit is not None and seqlen_k <= limit
-        assert got == (af.Sm90Config(base.block_n, base.stages, base.pingpong, True) if persistent else base), (
-            f"d={head_dim} causal={causal} seqlen_k={seqlen_k}: {got}")
-        # the same compiled kernel either way: persistence is a grid choice
-        assert af.expression(head_dim, got, causal, True) == af.expression(head_dim, base, causal, True)
+    got = af.default_config(head_dim, causal)
+    persistent = head_dim in af.PERSISTENT_HEAD_DIMS
+    assert got == (af.Sm90Config(base.block_n, base.stages, base.pingpong, True) if persistent else base), got
+    # persistent pays where the next tile's Q can load during this tile's epilogue: O staged in sO
+    own_o = base.smem_bytes(head_dim) > 2 * head_dim * (af.BLOCK_M + 2 * base.stages * base.block_n) + 1024
+    assert persistent == own_o, f"d={head_dim}: persistent {persistent}, own O buffer {own_o}"
+    # the same compiled kernel either way: persistence is a grid choice
+    assert af.expression(head_dim, got, causal, True) == af.expression(head_dim, base, causal, True)
 
 
 def test_gqa_pack_choice():

@@ -431,6 +431,67 @@ def test_softcap_reciprocal_by_fma_is_as_accurate_as_tanh_needs():
     assert np.all(np.isfinite(got)) and got.min() >= -1.0 and got.max() <= 1.0
 
 
+def _alibi_scores(s, n, pos, t, diag, side, slope_raw, block_n):
+    """fp32 model of attention_fwd_sm90.cu alibi_scores for one thread: s [2, block_n / 4] (row h =
+    g or g + 8, its columns 2t + 8j + e in j, e order); returns (x, shift)."""
+    f32 = np.float32
+    c = np.array([8 * j + e for j in range(block_n // 8) for e in range(2)], dtype=f32)
+    xs, shifts = [], []
+    for h in range(2):
+        dist0 = f32(pos[h] + diag - (n * block_n + 2 * t))
+        if side == 0:
+            x = (np.float64(slope_raw[h]) * np.abs(dist0 - c) + s[h]).astype(f32)  # fmaf: one rounding
+            shift = f32(0)
+        else:
+            k = -slope_raw[h] if side > 0 else slope_raw[h]
+            x = (np.float64(k) * c + s[h]).astype(f32)
+            shift = f32(-k * dist0)
+        xs.append(x)
+        shifts.append(shift)
+    return np.stack(xs), np.array(shifts)
+
+
+def test_sm90_alibi_one_sided_blocks_give_the_exact_bias():
+    # The Hopper forward's ALiBi alone works in raw q.k units: on a block wholly on one side of every tile
+    # row's diagonal key it adds k * (8j + e) per score and leaves the row constant to the softmax's shift.
+    # The side rule must never call a block one-sided that some (row, key) pair crosses, and x + shift must
+    # equal s - slope / scale * |i + diag - j| to fp32 rounding of the row's largest term.
+    rng = np.random.default_rng(151)
+    f32 = np.float32
+    one_sided = 0
+    for _ in range(400):
+        block_n = int(rng.choice([64, 128]))
+        rows = int(rng.choice([128, 64, 16, 1]))
+        nq, nk = int(rng.integers(1, 3000)), int(rng.integers(1, 3000))
+        diag = nk - nq
+        m_block = int(rng.integers(0, (nq + rows - 1) // rows))
+        diag_lo = m_block * rows + diag
+        diag_hi = diag_lo + rows - 1
+        slope_raw = -f32(rng.choice([2.0**-8, 0.0625, 0.5, rng.random()])) / f32(rng.choice([0.125, 0.088388]))
+        n = int(rng.integers(0, (nk + block_n - 1) // block_n))
+        side = 1 if (n + 1) * block_n - 1 <= diag_lo else -1 if n * block_n >= diag_hi else 0
+        positions = np.arange(m_block * rows, m_block * rows + rows)
+        dists = positions[:, None] + diag - np.arange(n * block_n, n * block_n + block_n)[None, :]
+        if side > 0:
+            assert (dists >= 0).all(), (block_n, rows, nq, nk, m_block, n)
+        if side < 0:
+            assert (dists <= 0).all(), (block_n, rows, nq, nk, m_block, n)
+        one_sided += side != 0
+        for t in range(4):
+            for g in (0, 3, 7):
+                r0 = int(rng.integers(0, 8)) * 16 + g  # a warp's row g of one of the 8 warps
+                pos = [m_block * rows + r0 % rows, m_block * rows + (r0 + 8) % rows]
+                s = rng.normal(0, 4, (2, block_n // 4)).astype(f32)
+                x, shift = _alibi_scores(s, n, pos, t, diag, side, [slope_raw, slope_raw], block_n)
+                cols = np.array([n * block_n + 8 * j + 2 * t + e for j in range(block_n // 8) for e in range(2)])
+                for h in range(2):
+                    want = s[h].astype(np.float64) + np.float64(slope_raw) * np.abs(pos[h] + diag - cols)
+                    got = x[h].astype(np.float64) + np.float64(shift[h])
+                    bound = 4 * np.finfo(f32).eps * (1 + np.abs(want).max() + abs(float(shift[h])))
+                    assert np.abs(got - want).max() <= bound, (block_n, rows, nq, nk, m_block, n, side)
+    assert one_sided > 100, f"only {one_sided} one-sided blocks drawn"
+
+
 # ---------------------------------------------------------------------------------------------
 # The traced path (torch.compile, fake tensors): window / softcap / ALiBi as one custom op
 # ---------------------------------------------------------------------------------------------

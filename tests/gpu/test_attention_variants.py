@@ -616,12 +616,16 @@ def test_sm90_fully_masked_rows(nq, nk, window, causal, extra):
 @pytest.mark.parametrize("pack_gqa", [True, False], ids=["packed", "unpacked"])
 @pytest.mark.parametrize("nq", [1, 5, 33, 129])
 @pytest.mark.parametrize("hkv", [1, 2])
-def test_sm90_gqa_packing_per_head_alibi(hkv, nq, pack_gqa):
+@pytest.mark.parametrize("causal, options", [(True, {"window": (50, -1), "softcap": 15.0}), (False, {}), (True, {})],
+                         ids=["window_softcap", "alone", "causal"])
+def test_sm90_gqa_packing_per_head_alibi(hkv, nq, pack_gqa, causal, options):
     # Packed tiles hold H / Hkv heads: a thread's two rows can belong to different heads, each with its slope.
+    # ALiBi alone runs the raw-unit path (one-sided blocks: the tile's position range decides the side).
     b, h, nk, d = 2, 8, 300, 128
     q, k, v, _ = make(b, h, hkv, nq, nk, d, BF16, seed=nq + hkv)
-    opts = _opts({"alibi": "bh", "window": (50, -1), "softcap": 15.0}, b, h)
-    check_sm90(q, k, v, True, opts, BF16, f"sm90 GQA {h}/{hkv} Nq={nq} pack_gqa={pack_gqa}", pack_gqa=pack_gqa)
+    opts = _opts({"alibi": "bh", **options}, b, h)
+    check_sm90(q, k, v, causal, opts, BF16, f"sm90 GQA {h}/{hkv} Nq={nq} pack_gqa={pack_gqa} causal={causal} {options}",
+               pack_gqa=pack_gqa)
 
 
 @needs_sm90

@@ -437,11 +437,11 @@ __device__ __forceinline__ void apply_window(float (&s)[kBlockN / 2], int n, con
   }
 }
 
-// Raw scores q.k of block n -> logits in log2 units (the softmax then runs with scale 1): softcap
-// (cap_out * tanh, or the plain scale) and the ALiBi bias slope[h] * |i + diag - j| (slope[h] =
-// -log2(e) * the slope of row h's head). The same fp32 operations in the same order as the sm_80
-// kernels (variants.cuh), so that their variant backward recomputes these logits against our lse;
-// the only difference is softcap's 1 / (1 + e^2y), by FMA (softcap_tanh_fma) instead of MUFU.RCP:
+// Softcap kernels (with or without ALiBi): raw scores q.k of block n -> logits in log2 units (the
+// softmax then runs with scale 1): cap_out * tanh, and the ALiBi bias slope[h] * |i + diag - j|
+// (slope[h] = -log2(e) * the slope of row h's head). The same fp32 operations in the same order as
+// the sm_80 kernels (variants.cuh), so that their variant backward recomputes these logits against
+// our lse; the only difference is 1 / (1 + e^2y), by FMA (softcap_tanh_fma) instead of MUFU.RCP:
 // both are within ~1 ulp of the true reciprocal. The ALiBi distance of column 2t + 8j + e is
 // dist0 - (8j + e) with dist0 converted once per row and block: an I2F per score would run on the
 // 16/clk/SM conversion pipe, as slow as MUFU (exact while |i + diag - j| < 2^24).
@@ -455,15 +455,48 @@ __device__ __forceinline__ void variant_logits(float (&s)[kBlockN / 2], int n, c
     for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float x = s[4 * j + 2 * h + e];
-        if constexpr ((kVariant & kSoftcap) != 0) {
-          x = va.cap_out * softcap_tanh_fma(va, x);
-        } else {
-          x *= va.scale_log2;
-        }
+        float x = va.cap_out * softcap_tanh_fma(va, s[4 * j + 2 * h + e]);
         if constexpr ((kVariant & kAlibi) != 0) x = fmaf(slope[h], fabsf(dist0 - static_cast<float>(8 * j + e)), x);
         s[4 * j + 2 * h + e] = x;
       }
+  }
+}
+
+// ALiBi without softcap (kAlibiRaw): the scores stay in raw q.k units, where the softmax's scale
+// folds into its exponent FFMA as in the plain kernel, and gain the bias in those units,
+// slope_raw[h] = -slope / scale of row h's head, times |i + diag - j|:
+//   crossing (side 0: the block holds keys on both sides of some row's diagonal key i + diag, or
+//     is masked): x = s + slope_raw |dist0 - c|, c = 8j + e: an FADD and an FFMA per score;
+//   one-sided (side +1: every key at or left of every row's diagonal, |dist| = dist0 - c; side -1:
+//     every key at or right of it, |dist| = c - dist0): x = s + k c with k = -side slope_raw, a
+//     compile-time c and one FFMA per score, and the row constant R = side slope_raw dist0 goes to
+//     softmax_step as the row's shift (added to the block max, folded into the exponent's offset).
+// Per score that is 1 FP32 instruction beyond the plain kernel on one-sided blocks (all but the ~2
+// per tile that the diagonal band crosses) instead of 3 (docs/attention_variants.md, "ALiBi on
+// one-sided blocks"). The logits equal the softcap path's up to fp32 rounding of the same sum.
+template <int kBlockN>
+__device__ __forceinline__ void alibi_scores(float (&s)[kBlockN / 2], float (&shift)[2], int n, const int (&pos)[2],
+                                             int t, int diag, int side, const float (&slope_raw)[2]) {
+  float dist0[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) dist0[h] = static_cast<float>(pos[h] + diag - (n * kBlockN + 2 * t));
+  if (side == 0) {  // block-uniform: one of the two loops runs
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i) {
+      const int h = (i >> 1) & 1;
+      s[i] = fmaf(slope_raw[h], fabsf(dist0[h] - static_cast<float>(8 * (i / 4) + (i & 1))), s[i]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) shift[h] = 0.f;
+  } else {
+    float k[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      k[h] = side > 0 ? -slope_raw[h] : slope_raw[h];
+      shift[h] = -k[h] * dist0[h];
+    }
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i) s[i] = fmaf(k[(i >> 1) & 1], static_cast<float>(8 * (i / 4) + (i & 1)), s[i]);
   }
 }
 
@@ -551,15 +584,16 @@ __device__ __forceinline__ void apply_mask(float (&s)[kBlockN / 2], int n, const
 }
 
 // Online softmax of one score block, in place: s <- p = 2^(s * scale_log2 - m); m, l updated.
+// kShifted: row h's scores are s + shift[h] (ALiBi's row constant on one-sided blocks, alibi_scores).
 // The row max m only moves when some row of the warp would otherwise see p > 2^kRescaleThreshold
 // (one vote per warp and block): a stale max is exact, because O, l and lse all use the same m,
 // and p <= 2^8 is far from fp16/bf16 overflow. Returns whether it moved (warp-uniform); then
 // alpha[h] = 2^(m_old - m_new) is what O must be multiplied by before P V is added to it (l is
 // rescaled here). After a row's first blocks the O rescale (d / 2 FMULs per thread, on the path
 // between the P V wait and the next wgmma issue) is almost always skipped.
-template <int kBlockN>
+template <int kBlockN, bool kShifted = false>
 __device__ __forceinline__ bool softmax_step(float (&s)[kBlockN / 2], float (&m)[2], float (&l)[2],
-                                             float (&alpha)[2], float scale_log2) {
+                                             float (&alpha)[2], float scale_log2, const float (&shift)[2]) {
   float blk[2];
   bool grow = false;
 #pragma unroll
@@ -567,7 +601,8 @@ __device__ __forceinline__ bool softmax_step(float (&s)[kBlockN / 2], float (&m)
     float mx = neg_inf();
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-    blk[h] = quad_max(mx) * scale_log2;  // scale_log2 > 0; -inf for a row that sees nothing here
+    // scale_log2 > 0; -inf for a row that sees nothing here
+    blk[h] = (kShifted ? quad_max(mx) + shift[h] : quad_max(mx)) * scale_log2;
     grow |= blk[h] - m[h] > kRescaleThreshold;
   }
   const bool rescale = __any_sync(0xffffffffu, grow);
@@ -580,11 +615,16 @@ __device__ __forceinline__ bool softmax_step(float (&s)[kBlockN / 2], float (&m)
       l[h] *= alpha[h];
     }
   }
+  // The exponent's row offset: -m, or shift * scale_log2 - m in one rounding (kShifted: a large
+  // shift and m cancel, and fmaf rounds only their difference).
+  float offset[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) offset[h] = kShifted ? fmaf(shift[h], scale_log2, -m[h]) : -m[h];
   float sum[2] = {0.f, 0.f};
 #pragma unroll
   for (int i = 0; i < kBlockN / 2; ++i) {
     const int h = (i >> 1) & 1;
-    s[i] = fast_exp2(fmaf(s[i], scale_log2, -m[h]));
+    s[i] = fast_exp2(fmaf(s[i], scale_log2, offset[h]));
     sum[h] += s[i];
   }
 #pragma unroll
@@ -670,11 +710,12 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
   Packed vl{};
   if constexpr (kVarlenLayout) vl = packed_of(variant_params...);
   constexpr bool kWindowed = (kVariant & kWindow) != 0;
-  constexpr bool kLogits = (kVariant & (kSoftcap | kAlibi)) != 0;  // scores become log2-unit logits first
+  constexpr bool kLogits = (kVariant & kSoftcap) != 0;  // scores become log2-unit logits first
+  constexpr bool kAlibiRaw = (kVariant & (kSoftcap | kAlibi)) == kAlibi;  // ALiBi in raw units (alibi_scores)
   constexpr bool kDropped = (kVariant & kDropout) != 0;
   // Tile order: the causal one (longest tiles first) for windows too, whose first tiles see fewer keys.
   constexpr bool kReverse = kCausal || kWindowed;
-  // The softmax's scale: variant_logits already applied it.
+  // The softmax's scale: softcap's variant_logits already applied it.
   const float sl2 = kLogits ? 1.f : scale_log2;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
   static_assert(sm90::wgmma_n_supported(kBlockN) && kBlockN % 16 == 0,
@@ -843,6 +884,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
     float s[kBlockN / 2];
     u32 p[kPSteps][4];
     float m[2], l[2], alpha[2];
+    float shift[2] = {0.f, 0.f};  // ALiBi (kAlibiRaw): the row constants of a one-sided block
     u32 keep[kDropped ? kBlockN / 64 : 1];  // dropout: keep bits of the block in flight (dropout_keep_bits)
 
     // S = Q K^T of slot `stage` into s (issued, committed, not waited for).
@@ -918,19 +960,43 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       auto drop = [&]() {
         if constexpr (kDropped) apply_dropout<kBlockN>(s, keep);
       };
+      // ALiBi: the tile's query positions span [m_block rows, + rows - 1] (the lowest and highest
+      // diagonal keys, key = position + diag): a block wholly at or left of the lowest, or at or
+      // right of the highest, is one-sided (alibi_scores).
+      const int diag_lo = tile.m_block * rows + diag, diag_hi = diag_lo + rows - 1;
       // Scores of block n -> what the softmax takes: variant logits, then -inf where masked.
-      auto scores = [&](int n, bool masked) {
-        // ALiBi: -log2(e) * the slopes of the heads of rows g, g + 8, re-read per block (L1 hits)
-        // rather than held across the loop: with all three variants at d = 128 the two registers
-        // made NVRTC 13.0's ptxas spill 8 bytes (a shift for the power-of-two `rows` instead of the
-        // division spilled 56 there: ptxas's allocation is that fickle; `tileattn check` and
-        // scripts/check_nvrtc_version.py audit both).
-        float slope[2] = {0.f, 0.f};
-        if constexpr ((kVariant & kAlibi) != 0) {
+      // ALiBi alone (kAlibiRaw): -slope / scale of the heads of rows g, g + 8, held across the
+      // tile's blocks (two registers; a reload per block cost ~100 instructions of address and
+      // division per visit, docs/attention_variants.md "ALiBi on one-sided blocks"), except in the
+      // d = 256 dropout kernels, where the two registers spill (8 bytes, NVRTC 13.5): reloaded there.
+      constexpr bool kHoldSlopes = kAlibiRaw && !(kDropped && kHeadDim == 256);
+      auto raw_slopes = [&](float (&slope_raw)[2]) {
 #pragma unroll
-          for (int h = 0; h < 2; ++h) slope[h] = alibi_slope_log2(va, tile.batch, tile.head0 + (r0 + 8 * h) / rows);
+        for (int h = 0; h < 2; ++h)
+          slope_raw[h] = __fdividef(alibi_slope_log2(va, tile.batch, tile.head0 + (r0 + 8 * h) / rows), va.scale_log2);
+      };
+      float held_slopes[2] = {0.f, 0.f};
+      if constexpr (kHoldSlopes) raw_slopes(held_slopes);
+      auto scores = [&](int n, bool masked) {
+        if constexpr (kLogits) {
+          // Softcap (+ ALiBi): -log2(e) * the slopes of the heads of rows g, g + 8, re-read per
+          // block (L1 hits) rather than held across the loop: with all three variants at d = 128
+          // the two registers made NVRTC 13.0's ptxas spill 8 bytes (a shift for the power-of-two
+          // `rows` instead of the division spilled 56 there: ptxas's allocation is that fickle;
+          // `tileattn check` and scripts/check_nvrtc_version.py audit both).
+          float slope[2] = {0.f, 0.f};
+          if constexpr ((kVariant & kAlibi) != 0) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) slope[h] = alibi_slope_log2(va, tile.batch, tile.head0 + (r0 + 8 * h) / rows);
+          }
+          variant_logits<kBlockN, kVariant>(s, n, pos, t, diag, va, slope);
         }
-        if constexpr (kLogits) variant_logits<kBlockN, kVariant>(s, n, pos, t, diag, va, slope);
+        if constexpr (kAlibiRaw) {
+          float slope_raw[2] = {held_slopes[0], held_slopes[1]};
+          if constexpr (!kHoldSlopes) raw_slopes(slope_raw);
+          const int side = masked ? 0 : (n + 1) * kBlockN - 1 <= diag_lo ? 1 : n * kBlockN >= diag_hi ? -1 : 0;
+          alibi_scores<kBlockN>(s, shift, n, pos, t, diag, side, slope_raw);
+        }
         if constexpr (kWindowed) {
           if (masked) apply_window<kBlockN>(s, n, pos, t, seqlen_k, diag, va);
         } else {
@@ -962,7 +1028,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
         s9::fence_accumulators(s);
         if (releaser) s9::mbar_arrive(&k_empty[s0]);
         scores(range.n_end - 1, n_masked > 0);
-        softmax_step<kBlockN>(s, m, l, alpha, sl2);  // O is still 0: no rescale needed
+        softmax_step<kBlockN, kAlibiRaw>(s, m, l, alpha, sl2, shift);  // O is still 0: no rescale needed
         drop();
         pack_p<kBlockN, kIsBF16>(p, s);
         if constexpr (kVarlenLayout) {
@@ -995,7 +1061,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
           s9::fence_accumulators(s);
           if (releaser) s9::mbar_arrive(&k_empty[sk]);
           scores(range.n_end - 1 - it, masked);
-          const bool rescale = softmax_step<kBlockN>(s, m, l, alpha, sl2);
+          const bool rescale = softmax_step<kBlockN, kAlibiRaw>(s, m, l, alpha, sl2, shift);
           drop();
           // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free. Without dropout the
           // wait sits in both arms of a warpgroup-uniform branch so that it stays after the

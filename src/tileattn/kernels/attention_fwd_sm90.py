@@ -95,30 +95,24 @@ DEFAULTS: dict[tuple[int, bool], Sm90Config] = {
     (256, False): C(64, 2),
     (256, True): C(64, 2),
 }
-# Short and medium key ranges run the same kernel on a persistent grid (one CTA per SM walking the
-# tiles): a tile of few key blocks spends a larger share of its time outside the overlapped main
-# loop (Q load, pipeline fill, epilogue), which the persistent schedule overlaps with the next tile:
-# its producer loads the next Q and K/V during the consumers' last P V and epilogue (O staged in sO,
-# so Q is free once the tile's last S retired; d = 64 and 128 at these tiles). Measured on the H200
-# (2026-12-02, session 14, docs/attention_fwd_sm90.md "O in its own buffer"; B=4 H=32 bf16),
-# persistent / one CTA per tile, both with sO (call T2, median of 2 rounds) at N = 2048 / 4096 /
-# 8192: d=64 non-causal 1.02 / 1.02 / 1.02, causal 1.16 / 1.05 / 1.06; d=128 non-causal 1.03 /
-# 1.07 / 1.03, causal 1.02 / 1.02 / 1.01; at 16384 / 32768 (call T3) d=64 0.99-1.07, d=128
-# non-causal 0.98-1.01 and causal 0.88-0.89 (the static tile stride balances long causal tiles
-# worse). Through the public op (call T4, 3 rounds), d=128 causal at 4096 / 8192 read the same
-# with and without (532 / 580 against 531 / 589 TFLOP/s): causal d=128 keeps session 11's 2048.
-PERSISTENT_MAX_KEYS: dict[tuple[int, bool], int] = {(64, False): 8192, (64, True): 8192, (128, False): 8192,
-                                                    (128, True): 2048}
+# d = 64 and 128 run on a persistent grid (one CTA per SM; each takes its next tile from a
+# grid-wide counter, so tiles go out once each in the schedule's order and a slow CTA takes fewer)
+# at every length, plain and variant kernels alike: the producer loads the next tile's Q and K/V
+# during this one's last P V and epilogue (O staged in sO). Measured on the H200 (2026-12-02,
+# session 15, call D1, `scripts/fwd_sm90_configs.py --grids-only`, B=4 H=32 bf16, median of 2
+# rounds; docs/attention_fwd_sm90.md "A grid-wide tile counter"): persistent / one CTA per tile at
+# N = 4096 / 8192 / 16384 / 32768: d=128 causal 1.06 / 1.02 / 1.05 / 1.01, non-causal 0.98 / 1.04
+# / 1.02 / 1.00; d=64 causal 1.03 / 1.02 / 1.02 / 1.02, non-causal 0.99 / 1.00 / 1.01 / 1.01; the
+# static tile stride it replaced read 0.88-0.94x at causal d=128 16k / 32k. d = 256 has no room for
+# sO and keeps one CTA per tile.
+PERSISTENT_HEAD_DIMS = (64, 128)
 
 
-def default_config(head_dim: int, causal: bool, seqlen_k: int) -> Sm90Config:
-    """The dense forward's config: DEFAULTS[(head_dim, causal)], on a persistent grid where
-    seqlen_k <= PERSISTENT_MAX_KEYS[(head_dim, causal)]. Raises KeyError for a head dim not in
-    HEAD_DIMS."""
+def default_config(head_dim: int, causal: bool) -> Sm90Config:
+    """The dense forward's config: DEFAULTS[(head_dim, causal)], on a persistent grid for a head dim
+    in PERSISTENT_HEAD_DIMS. Raises KeyError for a head dim not in HEAD_DIMS."""
     config = DEFAULTS[(head_dim, bool(causal))]
-    if seqlen_k <= PERSISTENT_MAX_KEYS.get((head_dim, bool(causal)), -1):
-        return replace(config, persistent=True)
-    return config
+    return replace(config, persistent=True) if head_dim in PERSISTENT_HEAD_DIMS else config
 
 
 # Extra candidates for the tuning benchmark (bf16 only): the defaults with ping-pong and/or a
@@ -451,7 +445,7 @@ def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config
     if seqlen_q == 0 or batch == 0 or heads == 0:
         return
     if config is None:
-        config = default_config(head_dim, causal, seqlen_k)
+        config = default_config(head_dim, causal)
     geo = _geometry(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, config, pack_gqa, _l2_bytes(q.device.index))
     if geo.tiles > MAX_TILES:
         raise ValueError(f"{geo.tiles} query tiles (ceil(Nq / (128 / pack)) * H / pack * B); at most {MAX_TILES}")
@@ -505,7 +499,7 @@ class ForwardPlan:
                     raise ValueError(f"the sm90 forward has no dropout instantiation for head_dim {head_dim} with "
                                      f"variant flags {flags}; registered: {DROPOUT_FLAG_SETS}")
                 flags = kernel_flags
-        config = config or (DEFAULTS[(head_dim, bool(causal))] if flags else default_config(head_dim, causal, seqlen_k))
+        config = config or default_config(head_dim, causal)
         self.copy_q, self.copy_k, self.copy_v = (not _tma_ready(t) for t in (q, k, v))
         self.copy_out = not _tma_ready(out)
         dense = [t.contiguous() if copy else t for t, copy in ((q, self.copy_q), (k, self.copy_k), (v, self.copy_v))]
@@ -828,7 +822,7 @@ def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, c
 
 __all__ = [
     "DEFAULTS",
-    "PERSISTENT_MAX_KEYS",
+    "PERSISTENT_HEAD_DIMS",
     "default_config",
     "EXTRA_BF16",
     "FAMILIES",
