@@ -477,10 +477,13 @@ def test_sm90_alibi_one_sided_blocks_give_the_exact_bias():
         if side < 0:
             assert (dists <= 0).all(), (block_n, rows, nq, nk, m_block, n)
         one_sided += side != 0
-        for t in range(4):
-            for g in (0, 3, 7):
-                r0 = int(rng.integers(0, 8)) * 16 + g  # a warp's row g of one of the 8 warps
-                pos = [m_block * rows + r0 % rows, m_block * rows + (r0 + 8) % rows]
+        for g in (0, 3, 7):
+            r0 = int(rng.integers(0, 8)) * 16 + g  # a warp's row g of one of the 8 warps
+            pos = [m_block * rows + r0 % rows, m_block * rows + (r0 + 8) % rows]
+            row_max = [[], []]  # per thread t of the quad: max of its shifted scores (what quad_max takes)
+            true_max = [-np.inf, -np.inf]
+            big = 1.0  # the largest |shift| of the quad
+            for t in range(4):
                 s = rng.normal(0, 4, (2, block_n // 4)).astype(f32)
                 x, shift = _alibi_scores(s, n, pos, t, diag, side, [slope_raw, slope_raw], block_n)
                 cols = np.array([n * block_n + 8 * j + 2 * t + e for j in range(block_n // 8) for e in range(2)])
@@ -489,6 +492,13 @@ def test_sm90_alibi_one_sided_blocks_give_the_exact_bias():
                     got = x[h].astype(np.float64) + np.float64(shift[h])
                     bound = 4 * np.finfo(f32).eps * (1 + np.abs(want).max() + abs(float(shift[h])))
                     assert np.abs(got - want).max() <= bound, (block_n, rows, nq, nk, m_block, n, side)
+                    row_max[h].append(float(x[h].max()) + float(shift[h]))
+                    big = max(big, abs(float(shift[h])))
+                    true_max[h] = max(true_max[h], float(want.max()))
+            # softmax_step's row max: the shift differs between the quad's threads (dist0 holds 2t), so it
+            # is added before the quad reduction; the max of the unshifted scores plus one thread's shift is not it
+            for h in range(2):
+                assert abs(max(row_max[h]) - true_max[h]) <= 4 * np.finfo(f32).eps * (abs(true_max[h]) + big)
     assert one_sided > 100, f"only {one_sided} one-sided blocks drawn"
 
 

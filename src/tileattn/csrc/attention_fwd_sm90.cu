@@ -469,8 +469,9 @@ __device__ __forceinline__ void variant_logits(float (&s)[kBlockN / 2], int n, c
 //     is masked): x = s + slope_raw |dist0 - c|, c = 8j + e: an FADD and an FFMA per score;
 //   one-sided (side +1: every key at or left of every row's diagonal, |dist| = dist0 - c; side -1:
 //     every key at or right of it, |dist| = c - dist0): x = s + k c with k = -side slope_raw, a
-//     compile-time c and one FFMA per score, and the row constant R = side slope_raw dist0 goes to
-//     softmax_step as the row's shift (added to the block max, folded into the exponent's offset).
+//     compile-time c and one FFMA per score, and the constant R = side slope_raw dist0 goes to
+//     softmax_step as the shift of this thread's scores of the row (dist0 holds the thread's column
+//     2t, so the 4 threads of a row have different shifts: each adds its own before the row max).
 // Per score that is 1 FP32 instruction beyond the plain kernel on one-sided blocks (all but the ~2
 // per tile that the diagonal band crosses) instead of 3 (docs/attention_variants.md, "ALiBi on
 // one-sided blocks"). The logits equal the softcap path's up to fp32 rounding of the same sum.
@@ -584,7 +585,8 @@ __device__ __forceinline__ void apply_mask(float (&s)[kBlockN / 2], int n, const
 }
 
 // Online softmax of one score block, in place: s <- p = 2^(s * scale_log2 - m); m, l updated.
-// kShifted: row h's scores are s + shift[h] (ALiBi's row constant on one-sided blocks, alibi_scores).
+// kShifted: this thread's scores of row h are s + shift[h] (ALiBi's constant on one-sided blocks,
+// alibi_scores; it differs between the row's 4 threads).
 // The row max m only moves when some row of the warp would otherwise see p > 2^kRescaleThreshold
 // (one vote per warp and block): a stale max is exact, because O, l and lse all use the same m,
 // and p <= 2^8 is far from fp16/bf16 overflow. Returns whether it moved (warp-uniform); then
@@ -602,7 +604,9 @@ __device__ __forceinline__ bool softmax_step(float (&s)[kBlockN / 2], float (&m)
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
     // scale_log2 > 0; -inf for a row that sees nothing here
-    blk[h] = (kShifted ? quad_max(mx) + shift[h] : quad_max(mx)) * scale_log2;
+    // (the shift differs between the 4 threads of a row, whose keys differ by 2t: added before the
+    // quad's max, so that the row max is the max of the shifted scores)
+    blk[h] = quad_max(kShifted ? mx + shift[h] : mx) * scale_log2;
     grow |= blk[h] - m[h] > kRescaleThreshold;
   }
   const bool rescale = __any_sync(0xffffffffu, grow);
