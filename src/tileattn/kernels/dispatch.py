@@ -100,9 +100,12 @@ SM90_VARLEN_BACKWARD: set[tuple[int, bool, bool]] = {(d, causal, False) for d in
 # with decodes) fell from 25,296 to 18,852 output tok/s with it on (H200, de3f284, 22:00 UTC). So
 # block sizes of 64 and more only (64 and 128 unmeasured, by the box count: 2 and 1 per 128 keys).
 # Since 3f03e23 the producer warp's lanes issue the boxes: block_size 16 forced on reads 455-495
-# TFLOP/s (0.76-0.84x dense) against the sm80 kernel's 303-307 (H200, 2026-12-02 15:38 UTC), but the
-# engine's throughput with it has not been re-measured, so 16 and 32 stay off here.
-SM90_PAGED_PREFILL: set[tuple[int, int]] = {(d, bs) for d in (64, 128, 256) for bs in (64, 128, 256)}
+# TFLOP/s (0.76-0.84x dense) against the sm80 kernel's 303-307 (H200, 2026-12-02 15:38 UTC; with O in
+# its own buffer 463-482 against 299-307, 17:40 UTC), and the engine's Qwen3-0.6B throughput with it
+# forced on read 25,162 output tok/s against 24,771 without (23:55 UTC, 587b997, one process each):
+# it no longer loses there, so block sizes 16 and 32 are on too (their GPU tests: the paged file
+# with TILEATTN_TEST_HOPPER_INFERENCE=1 and the engine's, docs/runs/gpu-check-2026-12-02.md).
+SM90_PAGED_PREFILL: set[tuple[int, int]] = {(d, bs) for d in (64, 128, 256) for bs in (16, 32, 64, 128, 256)}
 # Head dims and modes whose dropout backward runs the Hopper variant backward (attention_bwd_sm90's
 # dropout bit) when SM90_VARIANT_BACKWARD also lists them. Its GPU tests passed and racecheck found 0
 # hazards in tests/gpu/test_attention_bwd_sm90_variants.py's sanitize cases on the H200 (2026-12-01,
@@ -117,7 +120,6 @@ SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(64, False), (128, False), (64, 
 UNMEASURED_SM90_TABLES = (
     (SM90_VARIANT_BACKWARD, {(64, True), (128, True)}),
     (SM90_DROPOUT_FORWARD, {256}),
-    (SM90_PAGED_PREFILL, {(d, bs) for d in (64, 128, 256) for bs in (16, 32)}),
 )
 
 
