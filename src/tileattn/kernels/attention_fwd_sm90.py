@@ -327,16 +327,14 @@ def _scalar_args(batch: int, heads: int, kv_heads: int, geo: _Geometry, seqlen_q
             np.int32(seqlen_q), np.int32(seqlen_k), np.float32(scale * LOG2E))
 
 
-def _stream_counters(device_index: int) -> int:
+def _tile_counter(persistent: bool, device_index: int) -> int:
+    """The kernel's tile_counter argument: a persistent grid takes its tiles from the current
+    stream's counter pair (runtime.stream_counters), one CTA per tile needs none (0)."""
+    if not persistent:
+        return 0
     from ..runtime import stream_counters
 
     return stream_counters(device_index)
-
-
-def _tile_counter(config: Sm90Config, device_index: int) -> int:
-    """The kernel's tile_counter argument: a persistent grid takes its tiles from the current
-    stream's counter pair (runtime.stream_counters), one CTA per tile needs none (0)."""
-    return _stream_counters(device_index) if config.persistent else 0
 
 
 def _kernel_runs(head_dim: int, dtype, device) -> bool:
@@ -460,7 +458,7 @@ def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config
     maps = [tensor_map(t, box) for t, box in zip((q, k, v, target), geo.boxes)]  # 128B swizzle, zero fill
     grid = (min(geo.tiles, device_sm_count(q.device.index)) if config.persistent else geo.tiles, 1, 1)
     args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, seqlen_q, seqlen_k, scale),
-            _tile_counter(config, q.device.index))
+            _tile_counter(config.persistent, q.device.index))
     launch(kern, grid, (THREADS, 1, 1), args, smem=smem)
     if target is not out:
         out.copy_(target)
@@ -515,7 +513,7 @@ class ForwardPlan:
         grid = (min(geo.tiles, device_sm_count(q.device.index)) if config.persistent else geo.tiles,)
         self.persistent, self.device_index = config.persistent, q.device.index
         args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, seqlen_q, seqlen_k, scale),
-                _tile_counter(config, q.device.index))
+                _tile_counter(config.persistent, q.device.index))
         dynamic = (*range(5), TILE_COUNTER_ARG)
         if flags:  # VARIANT_PARAMS after the plain ones; alibi pointer, seed, offset are per call
             from .attention_fwd_sm80 import VARIANT_DYNAMIC
@@ -538,7 +536,7 @@ class ForwardPlan:
         target = torch.empty_like(out, memory_format=torch.contiguous_format) if self.copy_out else out
         self.plan.launch(tq.encode(q.data_ptr()), tk.encode(k.data_ptr()), tv.encode(v.data_ptr()),
                          to.encode(target.data_ptr()), lse.data_ptr(),
-                         _stream_counters(self.device_index) if self.persistent else 0,
+                         _tile_counter(self.persistent, self.device_index),
                          *(extra if self.variant_values else ()))
         if self.copy_out:
             out.copy_(target)
@@ -625,7 +623,7 @@ class VarlenPlan:
                     q.device.index)
         self.persistent, self.device_index = config.persistent, q.device.index
         args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, max_seqlen_q, 0, scale),
-                _tile_counter(config, q.device.index), cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(),
+                _tile_counter(config.persistent, q.device.index), cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(),
                 out.data_ptr(), np.int64(out.stride(0)), np.int64(out.stride(1)), np.int32(total_q))
         self.grid = (_packed_grid(geo.tiles, config, q.device.index),)
         self.plan = LaunchPlan(kern, self.grid, (THREADS,), args, smem=config.smem_bytes(head_dim),
@@ -641,7 +639,7 @@ class VarlenPlan:
             k_ptr = v_ptr = self.dummy_kv.data_ptr()
         tq, tk, tv, to = self.templates
         self.plan.launch(tq.encode(q_ptr), tk.encode(k_ptr), tv.encode(v_ptr), to.encode(out_ptr), lse_ptr,
-                         _stream_counters(self.device_index) if self.persistent else 0, cu_seqlens_q_ptr,
+                         _tile_counter(self.persistent, self.device_index), cu_seqlens_q_ptr,
                          cu_seqlens_k_ptr, out_ptr)
 
 
@@ -780,7 +778,7 @@ class PagedPlan:
         i32 = np.int32
         self.persistent, self.device_index = config.persistent, q.device.index
         args = (*maps, 0, *_scalar_args(batch, heads, kv_heads, geo, max_seqlen_q, 0, scale),
-                _tile_counter(config, q.device.index), 0, 0, 0, np.int64(out.stride(0)), np.int64(out.stride(1)),
+                _tile_counter(config.persistent, q.device.index), 0, 0, 0, np.int64(out.stride(0)), np.int64(out.stride(1)),
                 i32(total_q),
                 0, i32(block_table.stride(0)), i32(max_blocks), i32(num_blocks), i32(block_size.bit_length() - 1))
         self.grid = (_packed_grid(geo.tiles, config, q.device.index),)
@@ -795,7 +793,7 @@ class PagedPlan:
             return
         tq, tk, tv, to = self.templates
         self.plan.launch(tq.encode(q_ptr), tk.encode(k_cache_ptr), tv.encode(v_cache_ptr), to.encode(out_ptr), lse_ptr,
-                         _stream_counters(self.device_index) if self.persistent else 0, cu_seqlens_q_ptr,
+                         _tile_counter(self.persistent, self.device_index), cu_seqlens_q_ptr,
                          seqlens_k_ptr, out_ptr, block_table_ptr)
 
     def __call__(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, out=None, lse=None,

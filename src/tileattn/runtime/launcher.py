@@ -266,16 +266,21 @@ _raw_stream = None
 _stream_objects: dict[int, object] = {}
 
 
-def current_stream_handle(device_index: int):
-    """torch's current stream on `device_index` as a cuda.bindings CUstream, from the raw
-    cudaStream_t (torch._C._cuda_getCurrentRawStream: no torch.cuda.Stream object is built)."""
+def _current_raw_stream(device_index: int) -> int:
+    """torch's current cudaStream_t on `device_index` as an int (torch._C._cuda_getCurrentRawStream:
+    no torch.cuda.Stream object is built)."""
     global _raw_stream
     if _raw_stream is None:
         import torch
 
         _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
             lambda index: torch.cuda.current_stream(index).cuda_stream)
-    handle = _raw_stream(device_index)
+    return _raw_stream(device_index)
+
+
+def current_stream_handle(device_index: int):
+    """torch's current stream on `device_index` as a cuda.bindings CUstream."""
+    handle = _current_raw_stream(device_index)
     stream = _stream_objects.get(handle)
     if stream is None:
         stream = _stream_objects[handle] = _driver().CUstream(handle)
@@ -299,8 +304,7 @@ def stream_counters(device_index: int) -> int:
         pair = torch.zeros(2, dtype=torch.int32, device=torch.device("cuda", device_index))
         _graph_counters.append(pair)
         return pair.data_ptr()
-    current_stream_handle(device_index)  # makes sure _raw_stream is set
-    key = (device_index, _raw_stream(device_index))
+    key = (device_index, _current_raw_stream(device_index))
     pair = _stream_counters.get(key)
     if pair is None:
         pair = _stream_counters[key] = torch.zeros(2, dtype=torch.int32, device=torch.device("cuda", device_index))
