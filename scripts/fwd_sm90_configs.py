@@ -26,9 +26,22 @@ from tileattn.bench.harness import measure
 from tileattn.kernels import attention_fwd_sm90 as af
 
 C = af.Sm90Config
-# The default tiles of d = 128 / 64: one CTA per tile, persistent, ping-pong + persistent.
+# The default tiles of d = 128 / 64: one CTA per tile, persistent, ping-pong + persistent (--config
+# names others: they must be registered instantiations or tuning candidates).
 CONFIGS = {128: (C(128, 2), C(128, 2, False, True), C(128, 2, True, True)),
-           64: (C(128, 3), C(128, 3, False, True), C(128, 3, True, True))}
+           64: (C(128, 3), C(128, 3, False, True), C(128, 3, True, True)),
+           256: (C(64, 2), C(64, 2, False, True), C(64, 2, True))}
+
+
+def parse_config(text: str) -> af.Sm90Config:
+    """'128x192/s2/pp/persistent' -> Sm90Config(192, 2, True, True) (the inverse of its str)."""
+    rows_keys, stages, *flags = text.split("/")
+    if not rows_keys.startswith("128x") or not stages.startswith("s") or not set(flags) <= {"pp", "persistent"}:
+        raise SystemExit(f"--config {text!r}: expected 128xN/sK[/pp][/persistent]")
+    cfg = C(int(rows_keys[4:]), int(stages[1:]), "pp" in flags, "persistent" in flags)
+    if str(cfg) != text:
+        raise SystemExit(f"--config {text!r}: write it as {cfg}")
+    return cfg
 
 
 def main(argv=None) -> int:
@@ -38,11 +51,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, action="append", help="N (repeatable; default 2048, 4096, 8192)")
     ap.add_argument("--head-dim", type=int, action="append", choices=sorted(CONFIGS))
     ap.add_argument("--grids-only", action="store_true", help="one CTA per tile and persistent only, no cuDNN")
+    ap.add_argument("--config", action="append", metavar="128xN/sK[/pp][/persistent]",
+                    help="time these configs (as Sm90Config prints them) instead of the defaults' three; repeatable")
     args = ap.parse_args(argv)
     print("tileattn from", tileattn.__file__, file=sys.stderr)
     b, h = 4, 32
     for d in args.head_dim or (128, 64):
         configs = CONFIGS[d][:2] if args.grids_only else CONFIGS[d]
+        if args.config:
+            configs = tuple(parse_config(text) for text in args.config)
         for causal in (False, True):
             for n in args.seq or (2048, 4096, 8192):
                 q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -631,7 +631,8 @@ def test_sm90_gqa_packing_per_head_alibi(hkv, nq, pack_gqa, causal, options):
 @needs_sm90
 @pytest.mark.sanitize
 @pytest.mark.parametrize("case, nq, nk, pack_gqa", [("all", 33, 70, None), ("alibi_bh_window", 1, 70, True),
-                                                    ("window_causal", 70, 33, None)])
+                                                    ("window_causal", 70, 33, None), ("softcap_extreme", 33, 70, None),
+                                                    ("alibi_h", 70, 33, None)])
 def test_sm90_sanitize_small(case, nq, nk, pack_gqa):
     causal, options = SM90_CASES[case]
     b, h, hkv, d = 1, 4, 1, 64

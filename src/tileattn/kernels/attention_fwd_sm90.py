@@ -118,13 +118,13 @@ def default_config(head_dim: int, causal: bool) -> Sm90Config:
 # Extra candidates for the tuning benchmark (bf16 only): the defaults with ping-pong and/or a
 # persistent grid, deeper rings, smaller key blocks and FA3's tiles (where two consumers fit them).
 _EXTRA = {
-    64: (C(128, 3, True), C(128, 3, False, True), C(128, 4), C(64, 4), C(192, 2), C(192, 2, True)),
+    64: (C(128, 3, True), C(128, 3, False, True), C(128, 4), C(128, 4, False, True), C(64, 4), C(192, 2),
+         C(192, 2, True), C(192, 2, False, True), C(192, 2, True, True), C(192, 3, False, True)),
     128: (C(128, 2, True), C(128, 2, False, True), C(128, 2, True, True), C(64, 4), C(64, 4, True), C(176, 2),
           C(176, 2, True), C(96, 3)),
     256: (C(64, 2, True), C(64, 2, False, True), C(80, 2), C(80, 2, True)),
 }
-# Causal d=64 at 192 keys spills under NVRTC 13.0 (the H200 image's ptxas; 13.5 does not): non-causal only.
-_NON_CAUSAL_ONLY = {(64, C(192, 2)), (64, C(192, 2, True))}
+_NON_CAUSAL_ONLY: set = set()
 EXTRA_BF16: dict[tuple[int, bool], tuple[Sm90Config, ...]] = {
     (d, causal): tuple(c for c in extra if not (causal and (d, c) in _NON_CAUSAL_ONLY))
     for d, extra in _EXTRA.items()
