@@ -44,6 +44,24 @@ def parse_config(text: str) -> af.Sm90Config:
     return cfg
 
 
+def timed_call(q, k, v, out, lse, causal: bool, cfg: af.Sm90Config, variant: str | None):
+    """A no-argument call launching the Hopper forward at `cfg`: launch_forward_sm90 for the plain
+    kernel, a ForwardPlan with VariantArgs for a variant."""
+    d = q.shape[-1]
+    if variant is None:
+        return lambda: af.launch_forward_sm90(q, k, v, out, lse, causal=causal, scale=1 / math.sqrt(d), config=cfg)
+    from tileattn.dropout import UNBOUNDED
+    from tileattn.kernels.attention_fwd_sm80 import VariantArgs
+
+    slopes = torch.exp2(-8.0 * torch.arange(1, q.shape[1] + 1, device=q.device) / q.shape[1])  # [H] fp32
+    va = VariantArgs(window_left=UNBOUNDED, window_right=0 if causal else UNBOUNDED,
+                     softcap=30.0 if variant == "softcap" else 0.0,
+                     alibi_batch_stride=0 if variant == "alibi" else None)
+    plan = af.ForwardPlan(q, k, v, out, lse, causal=False, scale=1 / math.sqrt(d), config=cfg, variants=va)
+    # (alibi pointer, dropout seed, offset); the closure keeps the slopes alive
+    return lambda: plan.launch(q, k, v, out, lse, slopes.data_ptr() if variant == "alibi" else 0, 0, 0)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", required=True, help="the tree's name in the records")
@@ -51,6 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, action="append", help="N (repeatable; default 2048, 4096, 8192)")
     ap.add_argument("--head-dim", type=int, action="append", choices=sorted(CONFIGS))
     ap.add_argument("--grids-only", action="store_true", help="one CTA per tile and persistent only, no cuDNN")
+    ap.add_argument("--variant", choices=("softcap", "alibi"),
+                    help="time the variant kernel (softcap 30 / ALiBi slopes [H]; causal as the window's right edge 0)")
     ap.add_argument("--config", action="append", metavar="128xN/sK[/pp][/persistent]",
                     help="time these configs (as Sm90Config prints them) instead of the defaults' three; repeatable")
     args = ap.parse_args(argv)
@@ -70,22 +90,25 @@ def main(argv=None) -> int:
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
                         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-                ref = cudnn().float()
-                for cfg in configs:
+                calls = {str(cfg): timed_call(q, k, v, out, lse, causal, cfg, args.variant) for cfg in configs}
+                # Plain: every config against cuDNN; a variant (cuDNN has none): against the first config,
+                # whose output the GPU tests check against the float64 reference.
+                ref = cudnn().float() if args.variant is None else None
+                for cfg, call in calls.items():
                     out.fill_(float("nan"))
-                    af.launch_forward_sm90(q, k, v, out, lse, causal=causal, scale=1 / math.sqrt(d), config=cfg)
+                    call()
+                    if ref is None:
+                        ref = out.float().clone()
                     err = float((out.float() - ref).norm() / ref.norm())
                     if not err < 1e-2:
-                        raise SystemExit(f"{cfg} d={d} causal={causal} N={n}: relative error {err} against cuDNN")
-                calls = {str(cfg): (lambda cfg=cfg: af.launch_forward_sm90(q, k, v, out, lse, causal=causal,
-                                                                           scale=1 / math.sqrt(d), config=cfg))
-                         for cfg in configs}
-                if not args.grids_only:
+                        raise SystemExit(f"{cfg} d={d} causal={causal} N={n}: relative error {err} against the reference")
+                if not args.grids_only and args.variant is None:
                     calls["cudnn"] = cudnn
                 for rnd in range(args.rounds):
                     for name, call in calls.items():
                         t = measure(call, reps=10, memory=False)
-                        print(json.dumps({"tree": args.label, "d": d, "causal": causal, "n": n, "round": rnd,
+                        print(json.dumps({"tree": args.label, "variant": args.variant, "d": d, "causal": causal,
+                                          "n": n, "round": rnd,
                                           "impl": name, "ms": t.median_ms,
                                           "tflops": flops(b, h, n, n, d, causal, False) / (t.median_ms * 1e-3) / 1e12}),
                               flush=True)

@@ -262,6 +262,10 @@ TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), e
     varlen_expression(d, cfg, causal, True) for (d, causal), extra in EXTRA_BF16.items() for cfg in extra
     if not cfg.persistent and varlen_expression(d, cfg, causal, True) not in VARLEN_INSTANTIATIONS))
 
+# Ping-pong variant kernels (d = 128 bf16, softcap or ALiBi, causal or not): candidates for
+# scripts/fwd_sm90_configs.py --variant (softcap's softmax phase is twice plain's exponentials).
+TUNING += tuple(variant_expression(128, C(128, 2, True), True, flags)
+                for flags in (SOFTCAP, ALIBI, WINDOW | SOFTCAP, WINDOW | ALIBI))
 FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a",), tuning=TUNING),)
 
 
