@@ -597,6 +597,31 @@ def test_default_config_is_persistent_where_o_has_its_own_buffer(head_dim, causa
     assert af.expression(head_dim, got, causal, True) == af.expression(head_dim, base, causal, True)
 
 
+@pytest.mark.parametrize("head_dim", af.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_tuning_candidate_has_its_dense_and_varlen_kernels_registered(head_dim, causal):
+    # The GPU tests run every candidate, dense in both dtypes and varlen in bf16; a persistent-only
+    # candidate once had no varlen instantiation (UnknownKernelError on the H200, 2026-12-03).
+    registered = set(af.INSTANTIATIONS) | set(af.TUNING)
+    for bf16, dtype in ((False, torch.float16), (True, torch.bfloat16)):
+        for cfg in af.tuning_candidates(head_dim, causal, dtype):
+            assert af.expression(head_dim, cfg, causal, bf16) in registered, cfg
+            assert not bf16 or af.varlen_expression(head_dim, cfg, causal, bf16) in registered, cfg
+
+
+def test_long_keys_switch_the_config_exactly_at_long_keys():
+    for (d, causal), long in af.LONG_DEFAULTS.items():
+        assert af.default_config(d, causal, af.LONG_KEYS - 1) == af.default_config(d, causal)
+        got = af.default_config(d, causal, af.LONG_KEYS)
+        assert (got.block_n, got.stages, got.pingpong) == (long.block_n, long.stages, long.pingpong)
+        assert got.smem_bytes(d) <= af.SMEM_LIMIT
+        for bf16 in (False, True):  # what `tileattn check` compiles: fp16 too, not a tuning candidate
+            assert af.expression(d, long, causal, bf16) in af.INSTANTIATIONS
+    for (d, causal) in af.DEFAULTS:  # pairs without a long entry keep their default at any length
+        if (d, causal) not in af.LONG_DEFAULTS:
+            assert af.default_config(d, causal, 1 << 20) == af.default_config(d, causal)
+
+
 def test_gqa_pack_choice():
     assert af.gqa_pack(8, 1, 1) == 8 and af.gqa_pack(8, 2, 17) == 4  # decode / short chunks: pack
     assert af.gqa_pack(8, 8, 1) == 1 and af.gqa_pack(6, 2, 1) == 1  # no group; group of 3 does not divide 128

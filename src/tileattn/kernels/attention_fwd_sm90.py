@@ -106,12 +106,22 @@ DEFAULTS: dict[tuple[int, bool], Sm90Config] = {
 # static tile stride it replaced read 0.88-0.94x at causal d=128 16k / 32k. d = 256 has no room for
 # sO and keeps one CTA per tile.
 PERSISTENT_HEAD_DIMS = (64, 128)
+# From LONG_KEYS keys on, (head dim, causal) pairs listed here take a config of their own. d = 64
+# non-causal: 192-key blocks (S 96 + P 48 + O 32 registers per consumer thread, 132 KB with sO)
+# halve the per-block overhead against the exponentials, which at d = 64 cost as much issue time
+# as the tensor work. H200, 2026-12-03, call F1 (`scripts/fwd_sm90_configs.py --head-dim 64
+# --config ...`, B=4 H=32 bf16, persistent grids, median of 2 rounds): 128 x 192 / 128 x 128 at
+# 4096 keys 434 / 440, at 16384 470 / 449 TFLOP/s; causal equal within 1 % (not listed).
+LONG_KEYS = 8192
+LONG_DEFAULTS: dict[tuple[int, bool], Sm90Config] = {(64, False): C(192, 2)}
 
 
-def default_config(head_dim: int, causal: bool) -> Sm90Config:
-    """The dense forward's config: DEFAULTS[(head_dim, causal)], on a persistent grid for a head dim
-    in PERSISTENT_HEAD_DIMS. Raises KeyError for a head dim not in HEAD_DIMS."""
-    config = DEFAULTS[(head_dim, bool(causal))]
+def default_config(head_dim: int, causal: bool, seqlen_k: int = 0) -> Sm90Config:
+    """The dense forward's config: DEFAULTS[(head_dim, causal)] (LONG_DEFAULTS' entry from LONG_KEYS
+    keys on), on a persistent grid for a head dim in PERSISTENT_HEAD_DIMS. Raises KeyError for a
+    head dim not in HEAD_DIMS."""
+    key = (head_dim, bool(causal))
+    config = LONG_DEFAULTS.get(key, DEFAULTS[key]) if seqlen_k >= LONG_KEYS else DEFAULTS[key]
     return replace(config, persistent=True) if head_dim in PERSISTENT_HEAD_DIMS else config
 
 
@@ -119,7 +129,7 @@ def default_config(head_dim: int, causal: bool) -> Sm90Config:
 # persistent grid, deeper rings, smaller key blocks and FA3's tiles (where two consumers fit them).
 _EXTRA = {
     64: (C(128, 3, True), C(128, 3, False, True), C(128, 4), C(128, 4, False, True), C(64, 4), C(192, 2),
-         C(192, 2, True), C(192, 2, False, True), C(192, 2, True, True), C(192, 3, False, True)),
+         C(192, 2, True), C(192, 2, False, True), C(192, 2, True, True)),
     128: (C(128, 2, True), C(128, 2, False, True), C(128, 2, True, True), C(64, 4), C(64, 4, True), C(176, 2),
           C(176, 2, True), C(96, 3)),
     256: (C(64, 2, True), C(64, 2, False, True), C(80, 2), C(80, 2, True)),
@@ -174,8 +184,10 @@ def variant_expression(head_dim: int, config: Sm90Config, bf16: bool, flags: int
 
 
 def configs_for(head_dim: int, causal: bool, bf16: bool) -> tuple[Sm90Config, ...]:
-    """Every registered config for one (head dim, causal, dtype), the default first."""
+    """Every registered config for one (head dim, causal, dtype), the defaults (short, long keys) first."""
     out = [DEFAULTS[(head_dim, causal)]]
+    if (head_dim, causal) in LONG_DEFAULTS:
+        out.append(LONG_DEFAULTS[(head_dim, causal)])
     if bf16:
         out += [c for c in EXTRA_BF16.get((head_dim, causal), ()) if c not in out]
     return tuple(out)
@@ -253,19 +265,16 @@ def paged_expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool
 
 PAGED_INSTANTIATIONS = tuple(paged_expression(d, cfg, causal, bf16) for (d, causal), cfg in PAGED_DEFAULTS.items()
                              for bf16 in (False, True))
-INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in DEFAULTS.items() for bf16 in (False, True))
+INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in (*DEFAULTS.items(), *LONG_DEFAULTS.items())
+                               for bf16 in (False, True))
                   + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS + DROPOUT_INSTANTIATIONS)
 # Tuning candidates: the dense extras, and the varlen kernel at each of them (a persistent config
 # is the same kernel as its one-CTA-per-tile twin: a launch choice).
 TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
                                        for cfg in extra) if e not in INSTANTIATIONS) + tuple(dict.fromkeys(
     varlen_expression(d, cfg, causal, True) for (d, causal), extra in EXTRA_BF16.items() for cfg in extra
-    if not cfg.persistent and varlen_expression(d, cfg, causal, True) not in VARLEN_INSTANTIATIONS))
+    if varlen_expression(d, cfg, causal, True) not in VARLEN_INSTANTIATIONS))
 
-# Ping-pong variant kernels (d = 128 bf16, softcap or ALiBi, causal or not): candidates for
-# scripts/fwd_sm90_configs.py --variant (softcap's softmax phase is twice plain's exponentials).
-TUNING += tuple(variant_expression(128, C(128, 2, True), True, flags)
-                for flags in (SOFTCAP, ALIBI, WINDOW | SOFTCAP, WINDOW | ALIBI))
 FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a",), tuning=TUNING),)
 
 
@@ -447,7 +456,7 @@ def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config
     if seqlen_q == 0 or batch == 0 or heads == 0:
         return
     if config is None:
-        config = default_config(head_dim, causal)
+        config = default_config(head_dim, causal, seqlen_k)
     geo = _geometry(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, config, pack_gqa, _l2_bytes(q.device.index))
     if geo.tiles > MAX_TILES:
         raise ValueError(f"{geo.tiles} query tiles (ceil(Nq / (128 / pack)) * H / pack * B); at most {MAX_TILES}")
@@ -501,7 +510,7 @@ class ForwardPlan:
                     raise ValueError(f"the sm90 forward has no dropout instantiation for head_dim {head_dim} with "
                                      f"variant flags {flags}; registered: {DROPOUT_FLAG_SETS}")
                 flags = kernel_flags
-        config = config or default_config(head_dim, causal)
+        config = config or default_config(head_dim, causal, seqlen_k)
         self.copy_q, self.copy_k, self.copy_v = (not _tma_ready(t) for t in (q, k, v))
         self.copy_out = not _tma_ready(out)
         dense = [t.contiguous() if copy else t for t, copy in ((q, self.copy_q), (k, self.copy_k), (v, self.copy_v))]
@@ -515,7 +524,7 @@ class ForwardPlan:
                                                                                           bool(causal), bf16)
         kern = load(FAMILY_NAME, expr, q.device.index)
         grid = (min(geo.tiles, device_sm_count(q.device.index)) if config.persistent else geo.tiles,)
-        self.persistent, self.device_index = config.persistent, q.device.index
+        self.config, self.persistent, self.device_index = config, config.persistent, q.device.index
         args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, seqlen_q, seqlen_k, scale),
                 _tile_counter(config.persistent, q.device.index))
         dynamic = (*range(5), TILE_COUNTER_ARG)
@@ -824,6 +833,8 @@ def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, c
 
 __all__ = [
     "DEFAULTS",
+    "LONG_DEFAULTS",
+    "LONG_KEYS",
     "PERSISTENT_HEAD_DIMS",
     "default_config",
     "EXTRA_BF16",
