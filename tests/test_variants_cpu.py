@@ -306,10 +306,11 @@ def test_sm90_variant_instantiations_cover_every_flag_set():
                 assert e.startswith(k90.expression(d, cfg, False, bf16)[:-1] + f", {flags}, const float*"), e
                 assert e.count(",") == 5 + 1 + 10, e
     # The plain instantiations keep their names (six template arguments: 3 head dims x causal x
-    # dtype); the others (the variants above, and the varlen / paged / dropout bits, which their own
-    # model tests check) name a kVariant after them.
+    # dtype, and the long-keys tiles in both dtypes); the others (the variants above, and the varlen
+    # / paged / dropout bits, which their own model tests check) name a kVariant after them.
     plain = [e for e in k90.INSTANTIATIONS if e.count(",") == 5]
-    assert len(plain) == 12 and not set(plain) & set(exprs), plain
+    assert len(plain) == 2 * (len(k90.DEFAULTS) + len(k90.LONG_DEFAULTS)) == 14, plain
+    assert not set(plain) & set(exprs), plain
     assert all(e.startswith(tuple(p[:-1] + ", " for p in plain)) for e in k90.INSTANTIATIONS if e not in plain)
 
 
