@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 
 import torch
@@ -35,10 +36,10 @@ CONFIGS = {128: (C(128, 2), C(128, 2, False, True), C(128, 2, True, True)),
 
 def parse_config(text: str) -> af.Sm90Config:
     """'128x192/s2/pp/persistent' -> Sm90Config(192, 2, True, True) (the inverse of its str)."""
-    rows_keys, stages, *flags = text.split("/")
-    if not rows_keys.startswith("128x") or not stages.startswith("s") or not set(flags) <= {"pp", "persistent"}:
+    match = re.fullmatch(r"128x(\d+)/s(\d+)((?:/pp)?)((?:/persistent)?)", text)
+    if match is None:
         raise SystemExit(f"--config {text!r}: expected 128xN/sK[/pp][/persistent]")
-    cfg = C(int(rows_keys[4:]), int(stages[1:]), "pp" in flags, "persistent" in flags)
+    cfg = C(int(match[1]), int(match[2]), bool(match[3]), bool(match[4]))
     if str(cfg) != text:
         raise SystemExit(f"--config {text!r}: write it as {cfg}")
     return cfg
