@@ -81,12 +81,12 @@ class Sm90Config:
 
 C = Sm90Config
 
-# Default per (head dim, causal), fp16 and bf16 alike. Starting points from FA3's tiles, limited to
-# the wgmma N this kernel instantiates (64/128/256) and to 227 KB of shared memory; not yet tuned
-# on the GPU (docs/attention_fwd_sm90.md lists what is measured and what is not).
-#   d=64:  S 64 + O 32 fp32 regs per consumer thread; 3 stages = 112 KB + 1 KB.
-#   d=128: S 64 + O 64 regs; 2 stages = 160 KB + 1 KB.
-#   d=256: S 32 + O 128 regs; 2 stages of 64 keys = 192 KB + 1 KB.
+# Default per (head dim, causal), fp16 and bf16 alike: the fastest of the registered candidates in
+# the H200 tuning runs (`bench attention --tune`, docs/BENCHMARKS.md "Hopper forward: tile choice",
+# and the later A/B runs in docs/attention_fwd_sm90.md), within 227 KB of shared memory.
+#   d=64:  S 64 + O 32 fp32 regs per consumer thread; Q + 3 stages = 112 KB, + 16 KB sO, + 1 KB.
+#   d=128: S 64 + O 64 regs; Q + 2 stages = 160 KB, + 32 KB sO, + 1 KB.
+#   d=256: S 32 + O 128 regs; Q + 2 stages of 64 keys = 192 KB + 1 KB (no room for sO).
 DEFAULTS: dict[tuple[int, bool], Sm90Config] = {
     (64, False): C(128, 3),
     (64, True): C(128, 3),
