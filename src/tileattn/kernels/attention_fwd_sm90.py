@@ -135,11 +135,8 @@ _EXTRA = {
           C(176, 2, True), C(96, 3)),
     256: (C(64, 2, True), C(64, 2, False, True), C(80, 2), C(80, 2, True)),
 }
-_NON_CAUSAL_ONLY: set = set()
 EXTRA_BF16: dict[tuple[int, bool], tuple[Sm90Config, ...]] = {
-    (d, causal): tuple(c for c in extra if not (causal and (d, c) in _NON_CAUSAL_ONLY))
-    for d, extra in _EXTRA.items()
-    for causal in (False, True)
+    (d, causal): extra for d, extra in _EXTRA.items() for causal in (False, True)
 }
 
 
@@ -525,7 +522,7 @@ class ForwardPlan:
                                                                                           bool(causal), bf16)
         kern = load(FAMILY_NAME, expr, q.device.index)
         grid = (min(geo.tiles, device_sm_count(q.device.index)) if config.persistent else geo.tiles,)
-        self.config, self.persistent, self.device_index = config, config.persistent, q.device.index
+        self.config, self.device_index = config, q.device.index
         args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, seqlen_q, seqlen_k, scale),
                 _tile_counter(config.persistent, q.device.index))
         dynamic = (*range(5), TILE_COUNTER_ARG)
@@ -550,7 +547,7 @@ class ForwardPlan:
         target = torch.empty_like(out, memory_format=torch.contiguous_format) if self.copy_out else out
         self.plan.launch(tq.encode(q.data_ptr()), tk.encode(k.data_ptr()), tv.encode(v.data_ptr()),
                          to.encode(target.data_ptr()), lse.data_ptr(),
-                         _tile_counter(self.persistent, self.device_index),
+                         _tile_counter(self.config.persistent, self.device_index),
                          *(extra if self.variant_values else ()))
         if self.copy_out:
             out.copy_(target)
