@@ -108,8 +108,8 @@ DEFAULTS: dict[tuple[int, bool], Sm90Config] = {
 PERSISTENT_HEAD_DIMS = (64, 128)
 # From LONG_KEYS keys on, (head dim, causal) pairs listed here take a config of their own. d = 64
 # non-causal: 192-key blocks (S 96 + P 48 + O 32 registers per consumer thread, 132 KB with sO)
-# halve the per-block overhead against the exponentials, which at d = 64 cost as much issue time
-# as the tensor work. H200, 2026-12-03, call F1 (`scripts/fwd_sm90_configs.py --head-dim 64
+# spread the per-block overhead over 1.5x the keys (main loop 7.0 -> 6.3 instructions per score);
+# at d = 64 the exponentials alone take about the tensor work's time. H200, 2026-12-03, call F1 (`scripts/fwd_sm90_configs.py --head-dim 64
 # --config ...`, B=4 H=32 bf16, persistent grids, median of 2 rounds): 128 x 192 / 128 x 128 at
 # 4096 keys 434 / 440, at 16384 470 / 449 TFLOP/s; F3 (3 rounds) at 8192 / 32768 453 / 445 and 471 /
 # 452. Causal read -1 % (F1: 4096, 16384) to +3 % (F3: 8192, 32768): not listed.
