@@ -35,11 +35,15 @@ CONFIGS = {128: (C(128, 2), C(128, 2, False, True), C(128, 2, True, True)),
 
 
 def parse_config(text: str) -> af.Sm90Config:
-    """'128x192/s2/pp/persistent' -> Sm90Config(192, 2, True, True) (the inverse of its str)."""
-    match = re.fullmatch(r"128x(\d+)/s(\d+)((?:/pp)?)((?:/persistent)?)", text)
+    """'128x192/s2/pp/persistent' -> Sm90Config(192, 2, True, True), '192x128/s2' -> three consumer
+    warpgroups (the inverse of its str)."""
+    match = re.fullmatch(r"(128|192)x(\d+)/s(\d+)((?:/pp)?)((?:/persistent)?)", text)
     if match is None:
-        raise SystemExit(f"--config {text!r}: expected 128xN/sK[/pp][/persistent]")
-    cfg = C(int(match[1]), int(match[2]), bool(match[3]), bool(match[4]))
+        raise SystemExit(f"--config {text!r}: expected {{128,192}}xN/sK[/pp][/persistent]")
+    try:
+        cfg = C(int(match[2]), int(match[3]), bool(match[4]), bool(match[5]), int(match[1]) // 64)
+    except ValueError as err:
+        raise SystemExit(f"--config {text!r}: {err}") from None
     if str(cfg) != text:
         raise SystemExit(f"--config {text!r}: write it as {cfg}")
     return cfg
@@ -72,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--grids-only", action="store_true", help="one CTA per tile and persistent only, no cuDNN")
     ap.add_argument("--variant", choices=("softcap", "alibi"),
                     help="time the variant kernel (softcap 30 / ALiBi slopes [H]; causal as the window's right edge 0)")
-    ap.add_argument("--config", action="append", metavar="128xN/sK[/pp][/persistent]",
+    ap.add_argument("--config", action="append", metavar="{128,192}xN/sK[/pp][/persistent]",
                     help="time these configs (as Sm90Config prints them) instead of the defaults' three; repeatable")
     args = ap.parse_args(argv)
     print("tileattn from", tileattn.__file__, file=sys.stderr)

@@ -137,19 +137,19 @@ def mnmajor_element(start: int, lbo: int, sbo: int, n: int, k: int) -> int:
 
 @pytest.mark.parametrize("d,cfg", CONFIGS, ids=lambda x: str(x))
 def test_descriptors_read_what_tma_wrote(d, cfg):
-    bn, stages = cfg.block_n, cfg.stages
+    bn, stages, bm = cfg.block_n, cfg.stages, cfg.block_m
     s_q = 0                                   # 1024-aligned dynamic smem base (the kernel rounds up)
-    s_k = s_q + BLOCK_M * d * 2
+    s_k = s_q + bm * d * 2
     s_v = s_k + stages * bn * d * 2
-    q_panel_step, kv_panel_step, stage_step = BLOCK_M * 64 * 2, bn * 64 * 2, bn * d * 2  # bytes
+    q_panel_step, kv_panel_step, stage_step = bm * 64 * 2, bn * 64 * 2, bn * d * 2  # bytes
     rng = random.Random(d * 1000 + bn)
     for _ in range(400):
-        c, stage = rng.randrange(2), rng.randrange(stages)
+        c, stage = rng.randrange(cfg.consumers), rng.randrange(stages)
         ks, k = rng.randrange(d // 16), rng.randrange(16)
         # S = Q K^T: A = rows 64 c.. of sQ, B = K rows of the stage; k-step ks -> panel ks / 4, +32 B each.
         r = rng.randrange(64)
         start_q = s_q + c * 64 * 128 + (ks // 4) * q_panel_step + 32 * (ks % 4)
-        assert kmajor_element(start_q, 1024, r, k) == tma_panel_addr(s_q, BLOCK_M, 64 * c + r, 16 * ks + k)
+        assert kmajor_element(start_q, 1024, r, k) == tma_panel_addr(s_q, bm, 64 * c + r, 16 * ks + k)
         n = rng.randrange(bn)
         start_k = s_k + stage * stage_step + (ks // 4) * kv_panel_step + 32 * (ks % 4)
         assert kmajor_element(start_k, 1024, n, k) == tma_panel_addr(s_k + stage * stage_step, bn, n, 16 * ks + k)
@@ -494,9 +494,9 @@ def test_o_staging_buffer_where_it_fits(head_dim):
     """smem_bytes has the kernel's kOwnO rule: an O staging tile after the rings exactly when the
     total with it stays within the block limit (static mbarriers reserved), never over it."""
     for cfg in {cfg for d, cfg in CONFIGS if d == head_dim}:
-        base = 2 * head_dim * (af.BLOCK_M + 2 * cfg.stages * cfg.block_n) + 1024
-        own = base + 2 * head_dim * af.BLOCK_M + 256 <= af.SMEM_LIMIT
-        assert cfg.smem_bytes(head_dim) == base + (2 * head_dim * af.BLOCK_M if own else 0) <= af.SMEM_LIMIT
+        base = 2 * head_dim * (cfg.block_m + 2 * cfg.stages * cfg.block_n) + 1024
+        own = base + 2 * head_dim * cfg.block_m + 256 <= af.SMEM_LIMIT
+        assert cfg.smem_bytes(head_dim) == base + (2 * head_dim * cfg.block_m if own else 0) <= af.SMEM_LIMIT
     default = af.DEFAULTS[(head_dim, False)]
     assert (default.smem_bytes(head_dim) > 2 * head_dim * (af.BLOCK_M + 2 * default.stages * default.block_n) + 1024) \
         == (head_dim in (64, 128)), "the default tiles of d = 64 / 128 stage O in sO, d = 256 in sQ"
@@ -606,7 +606,27 @@ def test_every_tuning_candidate_has_its_dense_and_varlen_kernels_registered(head
     for bf16, dtype in ((False, torch.float16), (True, torch.bfloat16)):
         for cfg in af.tuning_candidates(head_dim, causal, dtype):
             assert af.expression(head_dim, cfg, causal, bf16) in registered, cfg
-            assert not bf16 or af.varlen_expression(head_dim, cfg, causal, bf16) in registered, cfg
+            if cfg.consumers == 2:
+                assert not bf16 or af.varlen_expression(head_dim, cfg, causal, bf16) in registered, cfg
+            else:  # three consumer warpgroups: the plain dense kernel only
+                with pytest.raises(ValueError, match="three-consumer"):
+                    af.varlen_expression(head_dim, cfg, causal, bf16)
+
+
+def test_three_consumer_configs():
+    cfg = af.Sm90Config(128, 3, persistent=True, consumers=3)
+    assert (cfg.block_m, cfg.threads, str(cfg)) == (192, 512, "192x128/s3/persistent")
+    assert af.expression(64, cfg, True, True) == "tileattn::attention_fwd_sm90<64, 128, 3, false, true, true, 3>"
+    # Q 24 KB + 3 stages of K and V (96 KB) + 1 KB, and sO 24 KB: within 227 KB
+    assert cfg.smem_bytes(64) == 2 * 64 * (192 + 2 * 3 * 128) + 1024 + 2 * 64 * 192
+    for bad in (dict(consumers=4), dict(consumers=3, pingpong=True)):
+        with pytest.raises(ValueError, match="consumers"):
+            af.Sm90Config(128, 2, **bad)
+    # A consumer's 64 rows (its O box) must be whole heads' runs or one head's: groups 3 and 6
+    # pack into 192 rows, 2, 4 and 8 do not (96, 48, 24 positions per head).
+    assert [g for g in (1, 2, 3, 4, 6, 8) if af.packable(g, 192)] == [1, 3, 6]
+    assert [g for g in (1, 2, 3, 4, 8, 16) if af.packable(g, 128)] == [1, 2, 4, 8, 16]
+    assert af.gqa_pack(32, 16, 1, 192) == 1 and af.gqa_pack(6, 2, 1, 192) == 3
 
 
 def test_long_keys_switch_the_config_exactly_at_long_keys():
@@ -1021,7 +1041,7 @@ def test_varlen_plan_geometry_and_names():
     assert geo.pack == 4 and geo.tiles == 5 * 2
     assert len(af.VARLEN_INSTANTIATIONS) == 12 and set(af.VARLEN_INSTANTIATIONS) <= set(af.INSTANTIATIONS)
     assert af.varlen_expression(64, af.C(128, 3), True, True) == (
-        "tileattn::attention_fwd_sm90<64, 128, 3, false, true, true, 8, const int*, const int*, unsigned short*, "
+        "tileattn::attention_fwd_sm90<64, 128, 3, false, true, true, 2, 8, const int*, const int*, unsigned short*, "
         "long long, long long, int>")
     assert not any(", 8, " in e for e in af.INSTANTIATIONS if e not in af.VARLEN_INSTANTIATIONS)
     assert af.supports_varlen(128, torch.bfloat16) and not af.supports_varlen(96, torch.bfloat16)

@@ -19,7 +19,7 @@ def test_parse_config_inverts_str(cfg):
     assert configs.parse_config(str(cfg)) == cfg
 
 
-@pytest.mark.parametrize("text", ["64x128/s2", "128x128", "128x128/s2/fast", "128x128/s2/persistent/pp", "x/y"])
+@pytest.mark.parametrize("text", ["64x128/s2", "192x128/s2/pp", "128x128", "128x128/s2/fast", "128x128/s2/persistent/pp", "x/y"])
 def test_parse_config_refuses_other_spellings(text):
     with pytest.raises(SystemExit, match="--config"):
         configs.parse_config(text)

@@ -302,12 +302,12 @@ def test_sm90_variant_instantiations_cover_every_flag_set():
             for flags in range(1, 8):
                 e = k90.variant_expression(d, cfg, bf16, flags)
                 assert e in exprs, e
-                # The plain template with kCausal false, then kVariant and VARIANT_PARAMS' ten types.
-                assert e.startswith(k90.expression(d, cfg, False, bf16)[:-1] + f", {flags}, const float*"), e
-                assert e.count(",") == 5 + 1 + 10, e
+                # The plain template with kCausal false, then kConsumers 2, kVariant and VARIANT_PARAMS' ten types.
+                assert e.startswith(k90.expression(d, cfg, False, bf16)[:-1] + f", 2, {flags}, const float*"), e
+                assert e.count(",") == 5 + 2 + 10, e
     # The plain instantiations keep their names (six template arguments: 3 head dims x causal x
     # dtype, and the long-keys tiles in both dtypes); the others (the variants above, and the varlen
-    # / paged / dropout bits, which their own model tests check) name a kVariant after them.
+    # / paged / dropout bits, which their own model tests check) name kConsumers and a kVariant after them.
     plain = [e for e in k90.INSTANTIATIONS if e.count(",") == 5]
     assert len(plain) == 2 * (len(k90.DEFAULTS) + len(k90.LONG_DEFAULTS)) == 14, plain
     assert not set(plain) & set(exprs), plain

@@ -182,6 +182,39 @@ def test_long_keys_tile_small_for_sanitizer():
         check(out, lse, q, k, v, causal, 0.1, what=f"{cfg} small")
 
 
+def _three_consumer_configs():
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    return [(causal, cfg) for causal in (False, True) for cfg in af.tuning_candidates(64, causal, BF16)
+            if cfg.consumers == 3]
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(1, 6, 2, 200, 333), (2, 6, 2, 1, 77), (1, 3, 1, 500, 129)],
+                         ids=lambda s: "B{}H{}Hkv{}_Nq{}_Nk{}".format(*s))
+@pytest.mark.parametrize("causal,cfg", _three_consumer_configs(), ids=lambda x: str(x))
+def test_three_consumers_match_reference(causal, cfg, shape):
+    """192-row tiles (three consumer warpgroups, d = 64) on the main grid's shapes, where the last
+    tile's second and third consumers have partial rows or none, and GQA groups of 3 packed (64
+    positions of each head per tile: one head per consumer) as well as unpacked."""
+    b, h, hkv, nq, nk = shape
+    q, k, v = make_qkv(b, h, hkv, nq, nk, 64, BF16, seed=zlib.crc32(repr(("3wg", causal, str(cfg), shape)).encode()))
+    for pack_gqa in (False, True) if h // hkv == 3 else (None,):
+        out, lse = launch(q, k, v, causal, 0.125, config=cfg, pack_gqa=pack_gqa)
+        check(out, lse, q, k, v, causal, 0.125, what=f"{cfg} {shape} pack_gqa={pack_gqa}")
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_three_consumers_small_for_sanitizer(causal):
+    """A three-consumer config on a small shape: two query tiles per head (the second with 6 of 192
+    rows), a partial K/V edge block, GQA 3 packed and not, several tiles per persistent CTA."""
+    cfg = _three_consumer_configs()[0][1]
+    q, k, v = make_qkv(1, 6, 2, 198, 300, 64, BF16, seed=198 + causal)
+    for pack_gqa in (False, True):
+        out, lse = launch(q, k, v, causal, 0.1, config=cfg, pack_gqa=pack_gqa)
+        check(out, lse, q, k, v, causal, 0.1, what=f"{cfg} small pack_gqa={pack_gqa}")
+
+
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_one_hot_rows_diagnose_layouts(d):
     """Query i = 40 x key i (orthogonal-ish random keys): each row's softmax is ~one-hot on key i,

@@ -29,11 +29,13 @@
 // more and the CTAs in flight stay on neighbouring tiles (the L2 groups above); without the counter
 // it takes blockIdx.x + k gridDim.x. The producer hands each tile to the consumers through sched_tile
 // (two slots), so they walk exactly the producer's sequence, ending at -1. 384 threads = 3
-// warpgroups, one CTA per SM:
+// warpgroups, one CTA per SM (kConsumers = 3, the plain dense kernel at d = 64: 512 threads and
+// 192-row tiles, FlashAttention-3's d = 64 shape: a third warpgroup's softmax to interleave where
+// the exponentials take as long as the GEMMs; its register budget is 160 per consumer thread):
 //   warpgroup 0 (producer)   one thread issues every TMA copy: Q per tile, then K and V blocks into
 //                            kStages-deep rings; setmaxnreg.dec gives its registers away.
-//   warpgroups 1, 2          consumer c owns query rows [64 c, 64 c + 64) of the 128-row tile and
-//   (consumers)              walks all K/V blocks; setmaxnreg.inc to kConsumerRegs.
+//   warpgroups 1 ..          consumer c owns query rows [64 c, 64 c + 64) of the 128-row tile and
+//   (consumers)              walks all K/V blocks; setmaxnreg.inc to kConsumerRegsOf.
 // Both consumers read the same K/V slots, so each slot is released by two arrivals.
 //
 // ---- Shared memory (dynamic, rounded up to 1024 B: the 128-byte swizzle repeats every 1024 B) ---
@@ -107,7 +109,7 @@
 //   S / P fp32     kBlockN / 2                                kBlockN=128: 64
 //   P packed       kBlockN / 4 (16-bit pairs)                 kBlockN=128: 32
 //   softmax state  row max m and partial row sum l for rows g and g + 8: 4
-// plus addressing: 160-200 of the kConsumerRegs = 232 that setmaxnreg grants (ptxas -v: 0 spills).
+// plus addressing: 160-200 of the 232 registers that setmaxnreg grants with two consumers (ptxas -v: 0 spills).
 //
 // ---- Online softmax (fp32, base 2, scale folded) ---------------------------------------------
 // m = running row max of s * scale_log2, allowed to lag the true max by up to kRescaleThreshold
@@ -198,14 +200,20 @@ __device__ __forceinline__ void wgmma_wait_all_in_arm() {
   asm volatile("wgmma.wait_group.sync.aligned 0; // arm %0\n" ::"n"(kArm) : "memory");
 }
 
-constexpr int kBlockM = 128;          // query rows per CTA: two consumer warpgroups x 64
-constexpr int kConsumers = 2;
-constexpr int kThreads = 128 * (1 + kConsumers);
-constexpr int kProducerRegs = 40;     // 40 + 2 x 232 = 504 per thread-slot x 128 <= 64 K registers
-constexpr int kConsumerRegs = 232;
+// Query rows per CTA: kConsumers warpgroups x 64 (a template parameter: 2, or 3 for the plain
+// dense kernel at d = 64). setmaxnreg budgets (multiples of 8; x 128 threads, summed over the
+// warpgroups, within the 64 K register file):
+//   2 consumers: producer 40 + 2 x 232 = 504 per thread slot;
+//   3 consumers: producer 32 + 3 x 160 = 512 (the d = 64 consumer holds S 64 + P 32 + O 32).
+template <int kConsumers>
+constexpr int kThreadsOf = 128 * (1 + kConsumers);
+template <int kConsumers>
+constexpr int kProducerRegsOf = kConsumers == 2 ? 40 : 32;
+template <int kConsumers>
+constexpr int kConsumerRegsOf = kConsumers == 2 ? 232 : 160;
 constexpr int kPanel = 64;            // elements per 128-byte swizzle row
 constexpr u32 kSmemLimit = 232448;    // dynamic + static shared memory per block (227 KB)
-constexpr int kTurnBarrier = 3;       // named barriers 3, 4: ping-pong turns (1, 2: epilogue)
+constexpr int kTurnBarrier = 4;       // named barriers 4, 5: ping-pong turns (1 .. 3: epilogue, 1 + consumer)
 constexpr float kLn2 = 0.693147180559945309417f;
 constexpr float kNoKeyShift = -1.2676506002282294e30f;  // -2^100: "no key seen yet" (see above)
 constexpr float kRescaleThreshold = 8.0f;  // row-max growth (log2 units) absorbed without a rescale
@@ -265,7 +273,7 @@ constexpr int kVariantBits = kWindow | kSoftcap | kAlibi | kDropout;
 // their mangled names and their cubins stay byte-identical).
 constexpr int kVarlen = 8;
 constexpr int kPaged = 16;        // packed queries against a paged K/V cache (see the header)
-constexpr int kClearBarrier = 5;  // named barrier 5: both consumers cleared the edge block's V rows
+constexpr int kClearBarrier = 6;  // named barrier 6: both consumers cleared the edge block's V rows
 
 // The varlen kernel's trailing parameters (after the plain ones): cu_seqlens_q / cu_seqlens_k
 // int32 [B + 1], out [Tq, H, d] (token / head strides in elements) for the per-row stores and the
@@ -685,9 +693,9 @@ __device__ __forceinline__ Variants variants_of(float scale_log2, VARIANT_PARAMS
 // Paged (kVariant == fwd90::kPaged): as varlen with PAGED_PARAMS; tmap_k / tmap_v over k_cache /
 // v_cache [num_blocks, block_size, Hkv, d] as [num_blocks, Hkv, block_size, d], box (64,
 // min(block_size, kBlockN), 1, 1).
-template <int kHeadDim, int kBlockN, int kStages, bool kPingPong, bool kCausal, bool kIsBF16, int kVariant = 0,
-          class... VariantParams>
-__global__ void __launch_bounds__(fwd90::kThreads, 1)
+template <int kHeadDim, int kBlockN, int kStages, bool kPingPong, bool kCausal, bool kIsBF16, int kConsumers = 2,
+          int kVariant = 0, class... VariantParams>
+__global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
     attention_fwd_sm90(const __grid_constant__ sm90::TmaDescriptor tmap_q,
                        const __grid_constant__ sm90::TmaDescriptor tmap_k,
                        const __grid_constant__ sm90::TmaDescriptor tmap_v,
@@ -722,6 +730,9 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
   // The softmax's scale: softcap's variant_logits already applied it.
   const float sl2 = kLogits ? 1.f : scale_log2;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
+  static_assert(kConsumers == 2 || (kConsumers == 3 && kVariant == 0 && !kPingPong),
+                "three consumer warpgroups: the plain dense kernel only, without ping-pong");
+  constexpr int kBlockM = 64 * kConsumers;                   // query rows per tile
   static_assert(sm90::wgmma_n_supported(kBlockN) && kBlockN % 16 == 0,
                 "kBlockN is the wgmma N of S = Q K^T (sm90.cuh) and the K of O += P V (k16 steps)");
   static_assert(kStages >= 2, "at least double buffering");
@@ -775,7 +786,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
   __syncthreads();
 
   if (wg == 0) {  // ------------------------------------------------ producer warpgroup
-    s9::setmaxnreg_dec<kProducerRegs>();
+    s9::setmaxnreg_dec<kProducerRegsOf<kConsumers>>();
     // One thread issues every copy; paged, the whole first warp walks the tiles (every lane the same
     // waits) and each lane issues one K / V box of a visit (see the paged branch below), lane 0 the
     // rest. So the dense and varlen kernels keep their one-thread producer.
@@ -870,7 +881,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       if (tile_counter != nullptr && producer_lane == 0) release_tile_counter(tile_counter);
     }
   } else {  // ------------------------------------------------------ consumer warpgroups
-    s9::setmaxnreg_inc<kConsumerRegs>();
+    s9::setmaxnreg_inc<kConsumerRegsOf<kConsumers>>();
     const int c = wg - 1;                                  // rows [64 c, 64 c + 64) of the tile
     const int tid = threadIdx.x % 128;
     const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
@@ -1185,7 +1196,7 @@ __global__ void __launch_bounds__(fwd90::kThreads, 1)
       if (tid == 0) s9::tma_store_wait_read();  // shared memory outlives the last store's reads
     }
     if constexpr (kVarlenLayout) {  // after this CTA's tiles: its share of the rows past the last sequence
-      zero_rows_past_last<kHeadDim, 2 * 128>(vl, lse, batches, heads, c * 128 + tid);
+      zero_rows_past_last<kHeadDim, kConsumers * 128>(vl, lse, batches, heads, c * 128 + tid);
     }
   }
 }

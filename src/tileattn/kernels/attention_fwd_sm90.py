@@ -2,8 +2,9 @@
 
 Same tensors and contract as attention_fwd_sm80.launch_forward: q [B, H, Nq, d], k/v
 [B, Hkv, Nk, d], out [B, H, Nq, d] (one 16-bit dtype), lse [B, H, Nq] fp32 contiguous, natural
-log. Every CTA has 128 query rows (two consumer warpgroups of 64) and a producer warpgroup; the
-config is the K/V block (kBlockN keys, the N of S = Q K^T) and the depth of the K/V rings.
+log. Every CTA has 128 query rows (two consumer warpgroups of 64; 192 with three, a config of the
+plain dense kernel at d = 64) and a producer warpgroup; the config is the K/V block (kBlockN keys,
+the N of S = Q K^T), the depth of the K/V rings and the consumer count.
 
 GQA packing: with H / Hkv = G query heads per K/V head, a tile may hold G heads x 128 / G
 positions instead of 128 positions of one head, so that each K/V block is read once for all G
@@ -44,8 +45,7 @@ from . import Family
 FAMILY_NAME = "attention_fwd_sm90"
 SOURCE = "attention_fwd_sm90.cu"
 HEAD_DIMS = (64, 128, 256)
-BLOCK_M = 128           # query rows per CTA (two consumer warpgroups x 64)
-THREADS = 384           # producer warpgroup + two consumer warpgroups
+BLOCK_M = 128           # query rows per CTA with the usual two consumer warpgroups x 64
 PANEL = 64              # TMA box width in elements: 128 bytes, the 128-byte swizzle span
 LOG2E = 1.4426950408889634
 MAX_TILES = 2**30       # ceil(Nq / 128) * H * B; the kernel steps tile + gridDim.x in int32
@@ -57,25 +57,42 @@ TILE_COUNTER_ARG = 13   # the kernel's tile_counter parameter: after 4 tensor ma
 class Sm90Config:
     """block_n keys per K/V block (the wgmma N of S = Q K^T: 64, 80, 96, 128, 176, 192 or 256), ring stages,
     whether the two consumer warpgroups take turns issuing their GEMMs (ping-pong), and whether the
-    grid is persistent (one CTA per SM walking the tiles; otherwise one CTA per tile). `persistent`
-    is a launch choice only: both grids run the same compiled kernel."""
+    grid is persistent (one CTA per SM walking the tiles; otherwise one CTA per tile), and the
+    consumer warpgroups (2, or 3 for the plain dense kernel without ping-pong: 192-row tiles).
+    `persistent` is a launch choice only: both grids run the same compiled kernel."""
 
     block_n: int
     stages: int
     pingpong: bool = False
     persistent: bool = False
+    consumers: int = 2
+
+    def __post_init__(self):
+        if self.consumers not in (2, 3) or (self.consumers == 3 and self.pingpong):
+            raise ValueError(f"Sm90Config: consumers must be 2, or 3 without ping-pong; got consumers={self.consumers}, "
+                             f"pingpong={self.pingpong}")
+
+    @property
+    def block_m(self) -> int:
+        """Query rows per tile: 64 per consumer warpgroup."""
+        return 64 * self.consumers
+
+    @property
+    def threads(self) -> int:
+        """Threads per CTA: the producer warpgroup and the consumers."""
+        return 128 * (1 + self.consumers)
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory: Q tile + `stages` K and V blocks + 1 KB to align to 1024 B, plus an
         O staging tile of the Q tile's size where the total and the static mbarriers (< 256 B) stay
         within SMEM_LIMIT (the kernel's kOwnO: then the next tile's Q need not wait for the store of
         this one's O)."""
-        base = 2 * head_dim * (BLOCK_M + 2 * self.stages * self.block_n) + 1024
-        staging = 2 * head_dim * BLOCK_M
+        base = 2 * head_dim * (self.block_m + 2 * self.stages * self.block_n) + 1024
+        staging = 2 * head_dim * self.block_m
         return base + staging if base + staging + 256 <= SMEM_LIMIT else base
 
     def __str__(self) -> str:
-        return f"128x{self.block_n}/s{self.stages}" + ("/pp" if self.pingpong else "") + (
+        return f"{self.block_m}x{self.block_n}/s{self.stages}" + ("/pp" if self.pingpong else "") + (
             "/persistent" if self.persistent else "")
 
 
@@ -127,10 +144,12 @@ def default_config(head_dim: int, causal: bool, seqlen_k: int = 0) -> Sm90Config
 
 
 # Extra candidates for the tuning benchmark (bf16 only): the defaults with ping-pong and/or a
-# persistent grid, deeper rings, smaller key blocks and FA3's tiles (where two consumers fit them).
+# persistent grid, deeper rings, smaller key blocks and FA3's tiles (d = 64: 192 query rows, three
+# consumer warpgroups; the others where two consumers fit them).
 _EXTRA = {
     64: (C(128, 3, True), C(128, 3, False, True), C(128, 4), C(128, 4, False, True), C(64, 4), C(192, 2),
-         C(192, 2, True), C(192, 2, False, True), C(192, 2, True, True)),
+         C(192, 2, True), C(192, 2, False, True), C(192, 2, True, True),
+         C(128, 2, False, True, 3), C(128, 3, False, True, 3)),
     128: (C(128, 2, True), C(128, 2, False, True), C(128, 2, True, True), C(64, 4), C(64, 4, True), C(176, 2),
           C(176, 2, True), C(96, 3)),
     256: (C(64, 2, True), C(64, 2, False, True), C(80, 2), C(80, 2, True)),
@@ -140,11 +159,25 @@ EXTRA_BF16: dict[tuple[int, bool], tuple[Sm90Config, ...]] = {
 }
 
 
-def expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool) -> str:
-    """The NVRTC name expression of one instantiation (must match the registry string exactly)."""
+def _template_args(head_dim: int, config: Sm90Config, causal: bool, bf16: bool) -> str:
     flag = {True: "true", False: "false"}
-    return (f"tileattn::attention_fwd_sm90<{head_dim}, {config.block_n}, {config.stages}, {flag[config.pingpong]}, "
-            f"{flag[causal]}, {flag[bf16]}>")
+    return f"{head_dim}, {config.block_n}, {config.stages}, {flag[config.pingpong]}, {flag[causal]}, {flag[bf16]}"
+
+
+def expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool) -> str:
+    """The NVRTC name expression of one instantiation (must match the registry string exactly);
+    kConsumers is spelled only where it is not the template's default 2."""
+    consumers = "" if config.consumers == 2 else f", {config.consumers}"
+    return f"tileattn::attention_fwd_sm90<{_template_args(head_dim, config, causal, bf16)}{consumers}>"
+
+
+def _flavour_expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool, variant: int,
+                        param_types: str) -> str:
+    """A variant / varlen / paged instantiation: kConsumers (2: these kernels have no three-consumer
+    form), kVariant, then the trailing parameters' types."""
+    if config.consumers != 2:
+        raise ValueError(f"{config}: only the plain dense kernel has a three-consumer form")
+    return f"tileattn::attention_fwd_sm90<{_template_args(head_dim, config, causal, bf16)}, 2, {variant}, {param_types}>"
 
 
 # Variant flags (bits of the kernel's kVariant; fwd90::kWindow, kSoftcap, kAlibi in the .cu file).
@@ -178,7 +211,7 @@ def variant_expression(head_dim: int, config: Sm90Config, bf16: bool, flags: int
     """The NVRTC name expression of a variant instantiation (flags: 1..7, or DROPOUT with any of
     them, see variant_flags): the plain kernel template with kCausal false, kVariant = flags and
     VARIANT_PARAMS' types."""
-    return expression(head_dim, config, False, bf16)[:-1] + f", {flags}, {_VARIANT_PARAM_TYPES}>"
+    return _flavour_expression(head_dim, config, False, bf16, flags, _VARIANT_PARAM_TYPES)
 
 
 def configs_for(head_dim: int, causal: bool, bf16: bool) -> tuple[Sm90Config, ...]:
@@ -240,7 +273,7 @@ VARLEN_DEFAULTS = DEFAULTS
 
 def varlen_expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool) -> str:
     """The NVRTC name expression of a varlen instantiation."""
-    return expression(head_dim, config, causal, bf16)[:-1] + f", {VARLEN}, {_VARLEN_PARAM_TYPES}>"
+    return _flavour_expression(head_dim, config, causal, bf16, VARLEN, _VARLEN_PARAM_TYPES)
 
 
 VARLEN_INSTANTIATIONS = tuple(varlen_expression(d, cfg, causal, bf16) for (d, causal), cfg in VARLEN_DEFAULTS.items()
@@ -258,7 +291,7 @@ PAGED_BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 def paged_expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool) -> str:
     """The NVRTC name expression of a paged instantiation."""
-    return expression(head_dim, config, causal, bf16)[:-1] + f", {PAGED}, {_PAGED_PARAM_TYPES}>"
+    return _flavour_expression(head_dim, config, causal, bf16, PAGED, _PAGED_PARAM_TYPES)
 
 
 PAGED_INSTANTIATIONS = tuple(paged_expression(d, cfg, causal, bf16) for (d, causal), cfg in PAGED_DEFAULTS.items()
@@ -266,25 +299,36 @@ PAGED_INSTANTIATIONS = tuple(paged_expression(d, cfg, causal, bf16) for (d, caus
 INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in (*DEFAULTS.items(), *LONG_DEFAULTS.items())
                                for bf16 in (False, True))
                   + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS + DROPOUT_INSTANTIATIONS)
-# Tuning candidates: the dense extras, and the varlen kernel at each of them (a persistent config
-# is the same kernel as its one-CTA-per-tile twin: a launch choice).
+# Tuning candidates: the dense extras, and the varlen kernel at each two-consumer one (a persistent
+# config is the same kernel as its one-CTA-per-tile twin: a launch choice).
 TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
                                        for cfg in extra) if e not in INSTANTIATIONS) + tuple(dict.fromkeys(
     varlen_expression(d, cfg, causal, True) for (d, causal), extra in EXTRA_BF16.items() for cfg in extra
-    if varlen_expression(d, cfg, causal, True) not in VARLEN_INSTANTIATIONS))
+    if cfg.consumers == 2 and varlen_expression(d, cfg, causal, True) not in VARLEN_INSTANTIATIONS))
 
 FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a",), tuning=TUNING),)
 
 
-def gqa_pack(heads: int, kv_heads: int, seqlen_q: int) -> int:
-    """How many query heads one tile packs: G = heads / kv_heads when G > 1 divides 128 and
-    G heads x 128/G positions pad fewer query rows than 128 positions of one head (few queries per
-    head, e.g. decode: Nq = 1 pads 127 of 128 rows unpacked, 128/G - 1 packed), else 1."""
+def packable(group: int, block_m: int = BLOCK_M) -> bool:
+    """Whether a tile of block_m rows can hold `group` heads x block_m / group positions: the
+    group divides block_m, and each consumer's 64 rows (its O store, one TMA box) are whole heads'
+    position runs or one head's (block_m / group a multiple or a divisor of 64)."""
+    if group < 1 or block_m % group:
+        return False
+    rows = block_m // group
+    return rows % 64 == 0 or 64 % rows == 0
+
+
+def gqa_pack(heads: int, kv_heads: int, seqlen_q: int, block_m: int = BLOCK_M) -> int:
+    """How many query heads one tile packs: G = heads / kv_heads when G > 1 is packable into a
+    block_m-row tile and G heads x block_m/G positions pad fewer query rows than block_m positions
+    of one head (few queries per head, e.g. decode: Nq = 1 pads 127 of 128 rows unpacked, 128/G - 1
+    packed), else 1."""
     group = heads // kv_heads
-    if group <= 1 or BLOCK_M % group:
+    if group <= 1 or not packable(group, block_m):
         return 1
-    rows = BLOCK_M // group
-    return group if -(-seqlen_q // rows) * rows < -(-seqlen_q // BLOCK_M) * BLOCK_M else 1
+    rows = block_m // group
+    return group if -(-seqlen_q // rows) * rows < -(-seqlen_q // block_m) * block_m else 1
 
 
 @dataclass(frozen=True)
@@ -314,15 +358,17 @@ def _l2_bytes(device_index: int) -> int:
 def _geometry(batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
               config: Sm90Config, pack_gqa: bool | None, l2_bytes: int) -> _Geometry:
     group = heads // kv_heads
+    block_m = config.block_m
     if pack_gqa is None:
-        pack = gqa_pack(heads, kv_heads, seqlen_q)
+        pack = gqa_pack(heads, kv_heads, seqlen_q, block_m)
     elif pack_gqa and group > 1:
-        if BLOCK_M % group:
-            raise ValueError(f"pack_gqa needs H / Hkv ({group}) to divide {BLOCK_M}")
+        if not packable(group, block_m):
+            raise ValueError(f"pack_gqa: H / Hkv ({group}) must divide {block_m} query rows into runs that are a "
+                             f"multiple or a divisor of 64 ({config})")
         pack = group
     else:
         pack = 1
-    rows = BLOCK_M // pack                 # positions per tile and head
+    rows = block_m // pack                 # positions per tile and head
     o_rows = min(rows, 64)                 # a consumer stores 64 tile rows: o_rows positions x 64/o_rows heads
     boxes = ((1, pack, rows, PANEL), (1, 1, config.block_n, PANEL), (1, 1, config.block_n, PANEL),
              (1, 64 // o_rows, o_rows, PANEL))
@@ -470,7 +516,7 @@ def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config
     grid = (min(geo.tiles, device_sm_count(q.device.index)) if config.persistent else geo.tiles, 1, 1)
     args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, seqlen_q, seqlen_k, scale),
             _tile_counter(config.persistent, q.device.index))
-    launch(kern, grid, (THREADS, 1, 1), args, smem=smem)
+    launch(kern, grid, (config.threads, 1, 1), args, smem=smem)
     if target is not out:
         out.copy_(target)
 
@@ -532,7 +578,7 @@ class ForwardPlan:
             dynamic += tuple(len(args) + i for i in VARIANT_DYNAMIC)
             args += variants.kernel_args(scale)
         self.variant_values = bool(flags)  # whether launch passes on (alibi, seed, offset)
-        self.plan = LaunchPlan(kern, grid, (THREADS,), args, smem=config.smem_bytes(head_dim), dynamic=dynamic)
+        self.plan = LaunchPlan(kern, grid, (config.threads,), args, smem=config.smem_bytes(head_dim), dynamic=dynamic)
 
     def launch(self, q, k, v, out, lse, *extra) -> None:
         """Launch on q, k, v, out, lse; with variants `extra` = (alibi pointer, seed, offset), which
@@ -637,7 +683,7 @@ class VarlenPlan:
                 _tile_counter(config.persistent, q.device.index), cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(),
                 out.data_ptr(), np.int64(out.stride(0)), np.int64(out.stride(1)), np.int32(total_q))
         self.grid = (_packed_grid(geo.tiles, config, q.device.index),)
-        self.plan = LaunchPlan(kern, self.grid, (THREADS,), args, smem=config.smem_bytes(head_dim),
+        self.plan = LaunchPlan(kern, self.grid, (config.threads,), args, smem=config.smem_bytes(head_dim),
                                dynamic=(0, 1, 2, 3, 4, TILE_COUNTER_ARG, 14, 15, 16))
 
     def launch(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int, cu_seqlens_q_ptr: int,
@@ -793,7 +839,7 @@ class PagedPlan:
                 i32(total_q),
                 0, i32(block_table.stride(0)), i32(max_blocks), i32(num_blocks), i32(block_size.bit_length() - 1))
         self.grid = (_packed_grid(geo.tiles, config, q.device.index),)
-        self.plan = LaunchPlan(kern, self.grid, (THREADS,), args, smem=config.smem_bytes(head_dim),
+        self.plan = LaunchPlan(kern, self.grid, (config.threads,), args, smem=config.smem_bytes(head_dim),
                                dynamic=(0, 1, 2, 3, 4, TILE_COUNTER_ARG, 14, 15, 16, 20))
 
     def launch(self, q_ptr: int, k_cache_ptr: int, v_cache_ptr: int, block_table_ptr: int, cu_seqlens_q_ptr: int,
