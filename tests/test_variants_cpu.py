@@ -309,7 +309,7 @@ def test_sm90_variant_instantiations_cover_every_flag_set():
     # dtype, and the long-keys tiles in both dtypes); the others (the variants above, and the varlen
     # / paged / dropout bits, which their own model tests check) name kConsumers and a kVariant after them.
     plain = [e for e in k90.INSTANTIATIONS if e.count(",") == 5]
-    assert len(plain) == 2 * (len(k90.DEFAULTS) + len(k90.LONG_DEFAULTS)) == 14, plain
+    assert len(plain) == 2 * (len(k90.DEFAULTS) + len(k90.LONG_DEFAULTS)) == 16, plain
     assert not set(plain) & set(exprs), plain
     assert all(e.startswith(tuple(p[:-1] + ", " for p in plain)) for e in k90.INSTANTIATIONS if e not in plain)
 

@@ -170,15 +170,15 @@ def test_small_for_sanitizer(d, causal):
 
 @pytest.mark.sanitize
 def test_long_keys_tile_small_for_sanitizer():
-    """LONG_DEFAULTS' 192-key tile (dispatched from LONG_KEYS keys on) on a small shape: a full block
-    and a 66-key edge block, a partial Q tile, GQA, persistent grid walking more tiles than one."""
+    """LONG_DEFAULTS' tiles (dispatched from LONG_KEYS keys on) on a small shape: full blocks and an
+    edge block, a partial Q tile, GQA, on the grid the dispatcher uses."""
     from dataclasses import replace
 
     from tileattn.kernels import attention_fwd_sm90 as af
 
     for (d, causal), cfg in af.LONG_DEFAULTS.items():
         q, k, v = make_qkv(1, 4, 2, 70, 258, d, BF16, seed=d + 258)
-        out, lse = launch(q, k, v, causal, 0.1, config=replace(cfg, persistent=True))
+        out, lse = launch(q, k, v, causal, 0.1, config=replace(cfg, persistent=d in af.PERSISTENT_HEAD_DIMS))
         check(out, lse, q, k, v, causal, 0.1, what=f"{cfg} small")
 
 
@@ -383,23 +383,29 @@ def test_every_registered_config(d, causal, dtype, cfg):
         check(out, lse, q, k, v, causal, 1 / math.sqrt(d), what=f"{cfg} Nq={nq} Nk={nk}")
 
 
+def _long_head_dims():
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    return sorted(d for d, causal in af.LONG_DEFAULTS if not causal)
+
+
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("nk", [8191, 8193])
-def test_long_keys_take_their_own_config(nk, dtype):
-    """From LONG_KEYS keys on, d = 64 non-causal runs LONG_DEFAULTS' tile (192-key blocks, so 8193
-    keys end in a 129-key edge block); one key fewer runs the short default. Through ForwardPlan,
-    which the dispatcher builds, with NaN-poisoned outputs."""
+@pytest.mark.parametrize("d", _long_head_dims())
+def test_long_keys_take_their_own_config(d, nk, dtype):
+    """From LONG_KEYS keys on, the non-causal head dims in LONG_DEFAULTS run its tile (8193 keys end
+    in a short edge block); one key fewer runs the short default. Through ForwardPlan, which the
+    dispatcher builds, with NaN-poisoned outputs."""
     from dataclasses import replace
 
     from tileattn.kernels import attention_fwd_sm90 as af
 
-    d = 64
-    q, k, v = make_qkv(1, 4, 2, 300, nk, d, dtype, seed=nk)
+    q, k, v = make_qkv(1, 4, 2, 300, nk, d, dtype, seed=nk + d)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda", dtype=torch.float32)
     plan = af.ForwardPlan(q, k, v, out, lse, causal=False, scale=1 / math.sqrt(d))
     table = af.LONG_DEFAULTS if nk >= af.LONG_KEYS else af.DEFAULTS
-    assert plan.config == replace(table[(d, False)], persistent=True), plan.config
+    assert plan.config == replace(table[(d, False)], persistent=d in af.PERSISTENT_HEAD_DIMS), plan.config
     plan.launch(q, k, v, out, lse)
     check(out, lse, q, k, v, False, 1 / math.sqrt(d), what=f"{plan.config} Nk={nk}")
 

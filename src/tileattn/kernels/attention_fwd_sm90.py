@@ -130,8 +130,11 @@ PERSISTENT_HEAD_DIMS = (64, 128)
 # --config ...`, B=4 H=32 bf16, persistent grids, median of 2 rounds): 128 x 192 / 128 x 128 at
 # 4096 keys 434 / 440, at 16384 470 / 449 TFLOP/s; F3 (3 rounds) at 8192 / 32768 453 / 445 and 471 /
 # 452. Causal read -1 % (F1: 4096, 16384) to +3 % (F3: 8192, 32768): not listed.
+# d = 256 non-causal (wip, not yet run as a default): 80-key blocks with ping-pong, 743 against 705
+# TFLOP/s at 16384 keys in F1, 684 against 706 at 4096; at 8192 734 against 728 (tuning run of
+# 2026-12-01). To measure before merging: fp16 (its instantiation is new), 8192 / 32768.
 LONG_KEYS = 8192
-LONG_DEFAULTS: dict[tuple[int, bool], Sm90Config] = {(64, False): C(192, 2)}
+LONG_DEFAULTS: dict[tuple[int, bool], Sm90Config] = {(64, False): C(192, 2), (256, False): C(80, 2, True)}
 
 
 def default_config(head_dim: int, causal: bool, seqlen_k: int = 0) -> Sm90Config:
