@@ -24,9 +24,11 @@ change them together.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -586,12 +588,12 @@ def test_tiles_cover_every_query_row_once_longest_first(causal, l2_bytes):
 @pytest.mark.parametrize("head_dim", af.HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_default_config_is_persistent_where_o_has_its_own_buffer(head_dim, causal):
-    base = af.DEFAULTS[(head_dim, causal)]
+    base = af.WIDE_DEFAULTS.get((head_dim, causal), af.DEFAULTS[(head_dim, causal)])
     got = af.default_config(head_dim, causal)
     persistent = head_dim in af.PERSISTENT_HEAD_DIMS
-    assert got == (af.Sm90Config(base.block_n, base.stages, base.pingpong, True) if persistent else base), got
+    assert got == (replace(base, persistent=True) if persistent else base), got
     # persistent pays where the next tile's Q can load during this tile's epilogue: O staged in sO
-    own_o = base.smem_bytes(head_dim) > 2 * head_dim * (af.BLOCK_M + 2 * base.stages * base.block_n) + 1024
+    own_o = base.smem_bytes(head_dim) > 2 * head_dim * (base.block_m + 2 * base.stages * base.block_n) + 1024
     assert persistent == own_o, f"d={head_dim}: persistent {persistent}, own O buffer {own_o}"
     # the same compiled kernel either way: persistence is a grid choice
     assert af.expression(head_dim, got, causal, True) == af.expression(head_dim, base, causal, True)
@@ -640,6 +642,23 @@ def test_long_keys_switch_the_config_exactly_at_long_keys():
     for (d, causal) in af.DEFAULTS:  # pairs without a long entry keep their default at any length
         if (d, causal) not in af.LONG_DEFAULTS:
             assert af.default_config(d, causal, 1 << 20) == af.default_config(d, causal)
+
+
+def test_wide_tiles_from_wide_min_queries_where_packing_allows():
+    for (d, causal), wide in af.WIDE_DEFAULTS.items():
+        narrow = replace(af.DEFAULTS[(d, causal)], persistent=True)
+        wide = replace(wide, persistent=True)
+        pick = functools.partial(af.default_config, d, causal, 4096)
+        assert pick() == wide  # Nq unknown: a long call
+        assert pick(seqlen_q=af.WIDE_MIN_QUERIES - 1) == narrow and pick(seqlen_q=af.WIDE_MIN_QUERIES) == wide
+        # GQA 4 at 1024 queries does not pack (nothing to save): wide; forced packing needs 128 rows
+        assert pick(seqlen_q=1024, heads=32, kv_heads=8) == wide
+        assert pick(seqlen_q=1024, heads=32, kv_heads=8, pack_gqa=True) == narrow
+        assert pick(seqlen_q=1024, heads=6, kv_heads=2, pack_gqa=True) == wide  # groups of 3: 64 rows each
+        assert pick(seqlen_q=1024, heads=32, kv_heads=8, pack_gqa=False) == wide
+        for bf16 in (False, True):  # both dtypes registered (not tuning candidates)
+            assert af.expression(d, wide, causal, bf16) in af.INSTANTIATIONS
+        assert wide.smem_bytes(d) <= af.SMEM_LIMIT
 
 
 def test_gqa_pack_choice():

@@ -410,6 +410,28 @@ def test_long_keys_take_their_own_config(d, nk, dtype):
     check(out, lse, q, k, v, False, 1 / math.sqrt(d), what=f"{plan.config} Nk={nk}")
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_wide_tiles_from_wide_min_queries(causal, dtype):
+    """d = 64: from WIDE_MIN_QUERIES queries on the plan runs WIDE_DEFAULTS' three-consumer tile (the
+    last of its tiles with 1024 - 960 = 64 of 192 rows), one query fewer the two-consumer default;
+    GQA 4, so the forced-packing plan keeps 128-row tiles. Through ForwardPlan, NaN-poisoned outputs."""
+    from dataclasses import replace
+
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    for nq, pack_gqa in ((af.WIDE_MIN_QUERIES - 1, None), (af.WIDE_MIN_QUERIES, None), (af.WIDE_MIN_QUERIES, True)):
+        q, k, v = make_qkv(1, 8, 2, nq, 1500, 64, dtype, seed=nq + causal)
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full(q.shape[:3], float("nan"), device="cuda", dtype=torch.float32)
+        plan = af.ForwardPlan(q, k, v, out, lse, causal=causal, scale=0.125, pack_gqa=pack_gqa)
+        wide = nq >= af.WIDE_MIN_QUERIES and not pack_gqa
+        table = af.WIDE_DEFAULTS if wide else af.DEFAULTS
+        assert plan.config == replace(table[(64, causal)], persistent=True), plan.config
+        plan.launch(q, k, v, out, lse)
+        check(out, lse, q, k, v, causal, 0.125, what=f"{plan.config} Nq={nq} pack_gqa={pack_gqa}")
+
+
 def _persistent_configs():
     return [(d, cfg) for d, causal, dtype, cfg in _all_configs() if cfg.persistent and not causal and dtype == BF16]
 

@@ -522,16 +522,24 @@ SM90_CASES = {
 }
 
 
-def run_sm90(q, k, v, causal, opts, *, pack_gqa=None):
-    """(out, lse) of the Hopper variant forward, outputs poisoned with NaN; checks the plan runs a
-    variant instantiation (or, for a call with nothing on, the plain kernel)."""
+def _sm90_variant_args(q, causal, opts):
+    """attention_fwd_sm80.VariantArgs of a call's options (no dropout), causal folded into the window."""
     from tileattn import dropout as dr
-    from tileattn.kernels import attention_fwd_sm80, attention_fwd_sm90
+    from tileattn.kernels import attention_fwd_sm80
 
     left, right = dr.check_window(opts.get("window"), causal)
     slopes = opts.get("alibi_slopes")
     sb = None if slopes is None else dr.check_alibi(slopes, q.shape[0], q.shape[1], q.device, dtype_strict=True)
-    va = attention_fwd_sm80.VariantArgs(left, right, dr.check_softcap(opts.get("softcap")), sb, 0.0)
+    return attention_fwd_sm80.VariantArgs(left, right, dr.check_softcap(opts.get("softcap")), sb, 0.0)
+
+
+def run_sm90(q, k, v, causal, opts, *, pack_gqa=None):
+    """(out, lse) of the Hopper variant forward, outputs poisoned with NaN; checks the plan runs a
+    variant instantiation (or, for a call with nothing on, the plain kernel)."""
+    from tileattn.kernels import attention_fwd_sm90
+
+    slopes = opts.get("alibi_slopes")
+    va = _sm90_variant_args(q, causal, opts)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device=q.device, dtype=torch.float32)
     plan = attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=False, scale=q.shape[-1] ** -0.5,
@@ -572,6 +580,27 @@ def test_sm90_variants_dims_dtypes_gqa(d, dtype, case):
     scale_inputs = 8.0 if case == "softcap_extreme" else 1.0
     q, k, v, _ = make(b, h, hkv, nq, nk, d, dtype, seed=d + 3 * len(case), scale_inputs=scale_inputs)
     check_sm90(q, k, v, causal, _opts(options, b, h), dtype, f"sm90 d={d} {dtype} {case} GQA {h}/{hkv}")
+
+
+@needs_sm90
+@pytest.mark.parametrize("d", [64, 256])
+def test_sm90_variants_take_the_variant_tile_at_any_length(d):
+    """The dense defaults switch tiles with the lengths (three consumers from WIDE_MIN_QUERIES queries
+    at d = 64, LONG_DEFAULTS from LONG_KEYS keys at d = 256); the variant kernels exist only at
+    VARIANT_DEFAULTS' tile, which a variant plan must take at any length."""
+    from dataclasses import replace
+
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    nq, nk = af.WIDE_MIN_QUERIES + 76, af.LONG_KEYS + 1
+    q, k, v, _ = make(1, 1, 1, nq, nk, d, BF16, seed=d + nk)
+    got, _ = check_sm90(q, k, v, True, {"window": (300, -1)}, BF16, f"sm90 d={d} Nq={nq} Nk={nk} window")
+    assert replace(af.default_config(d, False, nk, seqlen_q=nq), persistent=False) != af.VARIANT_DEFAULTS[d]  # covered
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    va = _sm90_variant_args(q, True, {"window": (300, -1)})
+    plan = af.ForwardPlan(q, k, v, out, lse, causal=False, scale=d ** -0.5, variants=va)
+    assert plan.config == replace(af.VARIANT_DEFAULTS[d], persistent=d in af.PERSISTENT_HEAD_DIMS), plan.config
 
 
 @needs_sm90

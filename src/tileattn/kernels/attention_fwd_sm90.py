@@ -123,26 +123,46 @@ DEFAULTS: dict[tuple[int, bool], Sm90Config] = {
 # static tile stride it replaced read 0.88-0.94x at causal d=128 16k / 32k. d = 256 has no room for
 # sO and keeps one CTA per tile.
 PERSISTENT_HEAD_DIMS = (64, 128)
-# From LONG_KEYS keys on, (head dim, causal) pairs listed here take a config of their own. d = 64
-# non-causal: 192-key blocks (S 96 + P 48 + O 32 registers per consumer thread, 132 KB with sO)
-# spread the per-block overhead over 1.5x the keys (main loop 7.0 -> 6.3 instructions per score);
-# at d = 64 the exponentials alone take about the tensor work's time. H200, 2026-12-03, call F1 (`scripts/fwd_sm90_configs.py --head-dim 64
-# --config ...`, B=4 H=32 bf16, persistent grids, median of 2 rounds): 128 x 192 / 128 x 128 at
-# 4096 keys 434 / 440, at 16384 470 / 449 TFLOP/s; F3 (3 rounds) at 8192 / 32768 453 / 445 and 471 /
-# 452. Causal read -1 % (F1: 4096, 16384) to +3 % (F3: 8192, 32768): not listed.
-# d = 256 non-causal (wip, not yet run as a default): 80-key blocks with ping-pong, 743 against 705
-# TFLOP/s at 16384 keys in F1, 684 against 706 at 4096; at 8192 734 against 728 (tuning run of
-# 2026-12-01). To measure before merging: fp16 (its instantiation is new), 8192 / 32768.
+# Three consumer warpgroups (192-row tiles) for the plain dense kernel where listed: d = 64, where
+# the exponentials take as long as the GEMMs and a third warpgroup's softmax fills what two leave
+# idle (FlashAttention-3's d = 64 shape). H200, 2026-12-03, call G2 (`scripts/fwd_sm90_configs.py
+# --head-dim 64 --config ...`, B=4 H=32 bf16, persistent grids, median of 2 rounds), TFLOP/s of
+# 128 x 128 / s3 (two consumers) against 192 x 128 / s2 and / s3, cuDNN in the same rounds:
+#   non-causal N = 2048 413 / 444 / 446 (cuDNN 423), 8192 445 / 523 / 512 (458), 32768 449 / 524 / 521 (454)
+#   causal     N = 2048 338 / 323 / 338 (342),       8192 421 / 474 / 474 (432), 32768 442 / 514 / 518 (451)
+# Varlen, paged and variant kernels keep two consumers (DEFAULTS). Below WIDE_MIN_QUERIES queries
+# (and where GQA packing needs a 128-row tile, see default_config) the two-consumer tile stays.
+WIDE_DEFAULTS: dict[tuple[int, bool], Sm90Config] = {(64, False): C(128, 2, consumers=3),
+                                                     (64, True): C(128, 3, consumers=3)}
+WIDE_MIN_QUERIES = 1024
+# From LONG_KEYS keys on, (head dim, causal) pairs listed here take a config of their own. d = 256
+# non-causal: 80-key blocks with ping-pong (tuning runs: 743 against 705 TFLOP/s at 16384 keys in
+# F1, 684 against 706 at 4096; 734 against 728 at 8192 on 2026-12-01). Through the public op
+# (2026-12-03, call G1, `tileattn bench attention --forward-only --head-dim 256 --seq 8192 --seq 16384
+# --rounds 2`, bf16): 723 / 734 TFLOP/s against cuDNN's 671 / 659 (1.08x / 1.11x).
 LONG_KEYS = 8192
-LONG_DEFAULTS: dict[tuple[int, bool], Sm90Config] = {(64, False): C(192, 2), (256, False): C(80, 2, True)}
+LONG_DEFAULTS: dict[tuple[int, bool], Sm90Config] = {(256, False): C(80, 2, True)}
 
 
-def default_config(head_dim: int, causal: bool, seqlen_k: int = 0) -> Sm90Config:
-    """The dense forward's config: DEFAULTS[(head_dim, causal)] (LONG_DEFAULTS' entry from LONG_KEYS
-    keys on), on a persistent grid for a head dim in PERSISTENT_HEAD_DIMS. Raises KeyError for a
-    head dim not in HEAD_DIMS."""
+def default_config(head_dim: int, causal: bool, seqlen_k: int = 0, *, seqlen_q: int | None = None,
+                   heads: int = 1, kv_heads: int = 1, pack_gqa: bool | None = None) -> Sm90Config:
+    """The dense forward's config: LONG_DEFAULTS' entry from LONG_KEYS keys on, else WIDE_DEFAULTS'
+    (three consumers) when the call has at least WIDE_MIN_QUERIES queries (seqlen_q None: assumed
+    long) and its GQA packing (gqa_pack's choice, or pack_gqa's) works with a 192-row tile as with a
+    128-row one, else DEFAULTS'; on a persistent grid for a head dim in PERSISTENT_HEAD_DIMS. Raises
+    KeyError for a head dim not in HEAD_DIMS."""
     key = (head_dim, bool(causal))
-    config = LONG_DEFAULTS.get(key, DEFAULTS[key]) if seqlen_k >= LONG_KEYS else DEFAULTS[key]
+    config = DEFAULTS[key]
+    if key in WIDE_DEFAULTS and (seqlen_q is None or seqlen_q >= WIDE_MIN_QUERIES):
+        wide, group = WIDE_DEFAULTS[key], heads // kv_heads
+        if pack_gqa is None:
+            packs = seqlen_q is not None and gqa_pack(heads, kv_heads, seqlen_q) > 1
+        else:
+            packs = pack_gqa and group > 1
+        if not packs or packable(group, wide.block_m):
+            config = wide
+    if seqlen_k >= LONG_KEYS and key in LONG_DEFAULTS:
+        config = LONG_DEFAULTS[key]
     return replace(config, persistent=True) if head_dim in PERSISTENT_HEAD_DIMS else config
 
 
@@ -220,8 +240,9 @@ def variant_expression(head_dim: int, config: Sm90Config, bf16: bool, flags: int
 def configs_for(head_dim: int, causal: bool, bf16: bool) -> tuple[Sm90Config, ...]:
     """Every registered config for one (head dim, causal, dtype), the defaults (short, long keys) first."""
     out = [DEFAULTS[(head_dim, causal)]]
-    if (head_dim, causal) in LONG_DEFAULTS:
-        out.append(LONG_DEFAULTS[(head_dim, causal)])
+    for table in (WIDE_DEFAULTS, LONG_DEFAULTS):
+        if (head_dim, causal) in table:
+            out.append(table[(head_dim, causal)])
     if bf16:
         out += [c for c in EXTRA_BF16.get((head_dim, causal), ()) if c not in out]
     return tuple(out)
@@ -299,7 +320,8 @@ def paged_expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool
 
 PAGED_INSTANTIATIONS = tuple(paged_expression(d, cfg, causal, bf16) for (d, causal), cfg in PAGED_DEFAULTS.items()
                              for bf16 in (False, True))
-INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in (*DEFAULTS.items(), *LONG_DEFAULTS.items())
+INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in (*DEFAULTS.items(), *WIDE_DEFAULTS.items(),
+                                                                              *LONG_DEFAULTS.items())
                                for bf16 in (False, True))
                   + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS + DROPOUT_INSTANTIATIONS)
 # Tuning candidates: the dense extras, and the varlen kernel at each two-consumer one (a persistent
@@ -503,7 +525,8 @@ def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config
     if seqlen_q == 0 or batch == 0 or heads == 0:
         return
     if config is None:
-        config = default_config(head_dim, causal, seqlen_k)
+        config = default_config(head_dim, causal, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
+                                pack_gqa=pack_gqa)
     geo = _geometry(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, config, pack_gqa, _l2_bytes(q.device.index))
     if geo.tiles > MAX_TILES:
         raise ValueError(f"{geo.tiles} query tiles (ceil(Nq / (128 / pack)) * H / pack * B); at most {MAX_TILES}")
@@ -557,7 +580,10 @@ class ForwardPlan:
                     raise ValueError(f"the sm90 forward has no dropout instantiation for head_dim {head_dim} with "
                                      f"variant flags {flags}; registered: {DROPOUT_FLAG_SETS}")
                 flags = kernel_flags
-        config = config or default_config(head_dim, causal, seqlen_k)
+        if config is None and flags:  # variant kernels exist at VARIANT_DEFAULTS' tiles only
+            config = replace(VARIANT_DEFAULTS[head_dim], persistent=head_dim in PERSISTENT_HEAD_DIMS)
+        config = config or default_config(head_dim, causal, seqlen_k, seqlen_q=seqlen_q, heads=heads,
+                                          kv_heads=kv_heads, pack_gqa=pack_gqa)
         self.copy_q, self.copy_k, self.copy_v = (not _tma_ready(t) for t in (q, k, v))
         self.copy_out = not _tma_ready(out)
         dense = [t.contiguous() if copy else t for t, copy in ((q, self.copy_q), (k, self.copy_k), (v, self.copy_v))]
@@ -881,6 +907,8 @@ def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, c
 __all__ = [
     "DEFAULTS",
     "LONG_DEFAULTS",
+    "WIDE_DEFAULTS",
+    "WIDE_MIN_QUERIES",
     "LONG_KEYS",
     "PERSISTENT_HEAD_DIMS",
     "default_config",
