@@ -651,11 +651,12 @@ def test_wide_tiles_from_wide_min_queries_where_packing_allows():
         pick = functools.partial(af.default_config, d, causal, 4096)
         assert pick() == wide  # Nq unknown: a long call
         assert pick(seqlen_q=af.WIDE_MIN_QUERIES - 1) == narrow and pick(seqlen_q=af.WIDE_MIN_QUERIES) == wide
-        # GQA 4 at 1024 queries does not pack (nothing to save): wide; forced packing needs 128 rows
-        assert pick(seqlen_q=1024, heads=32, kv_heads=8) == wide
-        assert pick(seqlen_q=1024, heads=32, kv_heads=8, pack_gqa=True) == narrow
-        assert pick(seqlen_q=1024, heads=6, kv_heads=2, pack_gqa=True) == wide  # groups of 3: 64 rows each
-        assert pick(seqlen_q=1024, heads=32, kv_heads=8, pack_gqa=False) == wide
+        # GQA 4 at 2048 queries does not pack (nothing to save): wide; forced packing needs 128 rows
+        n = af.WIDE_MIN_QUERIES
+        assert pick(seqlen_q=n, heads=32, kv_heads=8) == wide
+        assert pick(seqlen_q=n, heads=32, kv_heads=8, pack_gqa=True) == narrow
+        assert pick(seqlen_q=n, heads=6, kv_heads=2, pack_gqa=True) == wide  # groups of 3: 64 rows each
+        assert pick(seqlen_q=n, heads=32, kv_heads=8, pack_gqa=False) == wide
         for bf16 in (False, True):  # both dtypes registered (not tuning candidates)
             assert af.expression(d, wide, causal, bf16) in af.INSTANTIATIONS
         assert wide.smem_bytes(d) <= af.SMEM_LIMIT

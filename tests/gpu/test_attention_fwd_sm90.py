@@ -413,8 +413,8 @@ def test_long_keys_take_their_own_config(d, nk, dtype):
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_wide_tiles_from_wide_min_queries(causal, dtype):
-    """d = 64: from WIDE_MIN_QUERIES queries on the plan runs WIDE_DEFAULTS' three-consumer tile (the
-    last of its tiles with 1024 - 960 = 64 of 192 rows), one query fewer the two-consumer default;
+    """d = 64: from WIDE_MIN_QUERIES queries on the plan runs WIDE_DEFAULTS' three-consumer tile (2048
+    queries: the last of 11 tiles holds 128 of 192 rows), one query fewer the two-consumer default;
     GQA 4, so the forced-packing plan keeps 128-row tiles. Through ForwardPlan, NaN-poisoned outputs."""
     from dataclasses import replace
 

@@ -130,11 +130,14 @@ PERSISTENT_HEAD_DIMS = (64, 128)
 # 128 x 128 / s3 (two consumers) against 192 x 128 / s2 and / s3, cuDNN in the same rounds:
 #   non-causal N = 2048 413 / 444 / 446 (cuDNN 423), 8192 445 / 523 / 512 (458), 32768 449 / 524 / 521 (454)
 #   causal     N = 2048 338 / 323 / 338 (342),       8192 421 / 474 / 474 (432), 32768 442 / 514 / 518 (451)
-# Varlen, paged and variant kernels keep two consumers (DEFAULTS). Below WIDE_MIN_QUERIES queries
-# (and where GQA packing needs a 128-row tile, see default_config) the two-consumer tile stays.
+# Shorter (call G3, same command at N = 512 / 1024): non-causal 262 / 264 / 259 and 367 / 365 / 359
+# (a tie), causal 163 / 142 / 148 and 249 / 227 / 224 (two consumers 10 % ahead), so the three stay
+# off below WIDE_MIN_QUERIES queries (causal ties at 2048 in G2 and leads from 4096 on: 416 against
+# 397 TFLOP/s through the public op). Where GQA packing needs a 128-row tile (see default_config)
+# the two-consumer tile stays too. Varlen, paged and variant kernels keep two consumers (DEFAULTS).
 WIDE_DEFAULTS: dict[tuple[int, bool], Sm90Config] = {(64, False): C(128, 2, consumers=3),
                                                      (64, True): C(128, 3, consumers=3)}
-WIDE_MIN_QUERIES = 1024
+WIDE_MIN_QUERIES = 2048
 # From LONG_KEYS keys on, (head dim, causal) pairs listed here take a config of their own. d = 256
 # non-causal: 80-key blocks with ping-pong (tuning runs: 743 against 705 TFLOP/s at 16384 keys in
 # F1, 684 against 706 at 4096; 734 against 728 at 8192 on 2026-12-01). Through the public op
