@@ -29,14 +29,15 @@
 // more and the CTAs in flight stay on neighbouring tiles (the L2 groups above); without the counter
 // it takes blockIdx.x + k gridDim.x. The producer hands each tile to the consumers through sched_tile
 // (two slots), so they walk exactly the producer's sequence, ending at -1. 384 threads = 3
-// warpgroups, one CTA per SM (kConsumers = 3, the plain dense kernel at d = 64: 512 threads and
-// 192-row tiles, FlashAttention-3's d = 64 shape: a third warpgroup's softmax to interleave where
-// the exponentials take as long as the GEMMs; its register budget is 160 per consumer thread):
+// warpgroups, one CTA per SM (kConsumers = 3, the plain dense kernel only: 512 threads and 192-row
+// tiles, FlashAttention-3's d = 64 shape, a third warpgroup's softmax to interleave where the
+// exponentials take as long as the GEMMs; 160 registers per consumer thread, so S + P + O must fit:
+// d = 64 at 128-key blocks, d = 128 at 64 / 80):
 //   warpgroup 0 (producer)   one thread issues every TMA copy: Q per tile, then K and V blocks into
 //                            kStages-deep rings; setmaxnreg.dec gives its registers away.
-//   warpgroups 1 ..          consumer c owns query rows [64 c, 64 c + 64) of the 128-row tile and
+//   warpgroups 1 ..          consumer c owns query rows [64 c, 64 c + 64) of the tile and
 //   (consumers)              walks all K/V blocks; setmaxnreg.inc to kConsumerRegsOf.
-// Both consumers read the same K/V slots, so each slot is released by two arrivals.
+// The consumers read the same K/V slots, so each slot is released by kConsumers arrivals.
 //
 // ---- Shared memory (dynamic, rounded up to 1024 B: the 128-byte swizzle repeats every 1024 B) ---
 // Every tile is stored as TMA writes it with CU_TENSOR_MAP_SWIZZLE_128B: in 64-column panels
@@ -201,10 +202,10 @@ __device__ __forceinline__ void wgmma_wait_all_in_arm() {
 }
 
 // Query rows per CTA: kConsumers warpgroups x 64 (a template parameter: 2, or 3 for the plain
-// dense kernel at d = 64). setmaxnreg budgets (multiples of 8; x 128 threads, summed over the
-// warpgroups, within the 64 K register file):
+// dense kernel). setmaxnreg budgets (multiples of 8; x 128 threads, summed over the warpgroups,
+// within the 64 K register file):
 //   2 consumers: producer 40 + 2 x 232 = 504 per thread slot;
-//   3 consumers: producer 32 + 3 x 160 = 512 (the d = 64 consumer holds S 64 + P 32 + O 32).
+//   3 consumers: producer 32 + 3 x 160 = 512 (d = 64, 128 keys: S 64 + P 32 + O 32 per thread).
 template <int kConsumers>
 constexpr int kThreadsOf = 128 * (1 + kConsumers);
 template <int kConsumers>
