@@ -259,8 +259,9 @@ THREADS = 2  # threads of a consumer warpgroup in the model: thread 0 (the relea
 
 
 def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: bool = False,
-             thread_release: bool = True, own_o: bool = False, q_release_shift: int = 0):
-    """Run the producer and two consumers of one CTA over its tiles (n_ends: the number of K/V
+             thread_release: bool = True, own_o: bool = False, q_release_shift: int = 0, consumers: int = 2,
+             k_release_count: int | None = None):
+    """Run the producer and `consumers` consumers of one CTA over its tiles (n_ends: the number of K/V
     blocks each tile visits) as coroutines, with the kernel's sequence of waits, arrivals, turns
     and copies, under a random schedule; TMA copies land at random later times.
 
@@ -274,16 +275,19 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
     False models one releasing thread per consumer after a named barrier. own_o: the kernel's kOwnO
     (O staged in sO): Q is released once the tile's last S = Q K^T has retired, and each
     consumer's TMA store (dense) of sO must have read it before that consumer's next epilogue
-    writes there. q_release_shift (a mutation, own_o only): release Q that many blocks early."""
+    writes there. q_release_shift (a mutation, own_o only): release Q that many blocks early.
+    consumers: 2, or 3 (the plain dense kernel's 192-row tiles; no ping-pong). k_release_count (a
+    mutation): the arrivals k_empty waits for, instead of one per consumer."""
+    assert consumers == 2 or not pingpong, "ping-pong takes turns between two consumers"
     rng = random.Random(seed)
     turn = [NamedBarrier(), NamedBarrier()]  # kTurnBarrier + c: "consumer c may issue"
-    clear_barrier = NamedBarrier()
+    clear_barrier = NamedBarrier(consumers)
     per_thread = packed and thread_release
-    empty_count = 2 * THREADS if per_thread else 2
+    empty_count = consumers * THREADS if per_thread else consumers
     q_full, q_empty = MBarrier(1), MBarrier(empty_count)
     k_full = [MBarrier(1) for _ in range(stages)]
     v_full = [MBarrier(1) for _ in range(stages)]
-    k_empty = [MBarrier(2) for _ in range(stages)]
+    k_empty = [MBarrier(k_release_count or consumers) for _ in range(stages)]
     v_empty = [MBarrier(empty_count) for _ in range(stages)]
     q_touched, v_touched = [set()], [set() for _ in range(stages)]  # (consumer, thread): ordinary accesses
     q_slot, k_slot, v_slot = [None], [None] * stages, [None] * stages  # what each buffer holds once landed
@@ -291,10 +295,10 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
     k_readers = [set() for _ in range(stages)]  # consumers that may still read the slot
     v_readers = [set() for _ in range(stages)]
     in_flight = []  # (buffer list, index, content, barrier)
-    o_store = [None, None]  # per consumer: the tile whose O its TMA store is still reading from sO
+    o_store = [None] * consumers  # per consumer: the tile whose O its TMA store is still reading from sO
     # The tile hand-off: the producer writes tile i (or -1 after the last) into slot i % 2 and arrives
     # on sched_full; every consumer thread reads it and arrives on sched_empty.
-    sched_full, sched_empty = [MBarrier(1), MBarrier(1)], [MBarrier(2 * THREADS), MBarrier(2 * THREADS)]
+    sched_full, sched_empty = [MBarrier(1), MBarrier(1)], [MBarrier(consumers * THREADS) for _ in range(2)]
     sched_tile = [None, None]
     sched_readers = [set(), set()]  # (consumer, thread) that read the slot's current value
 
@@ -304,7 +308,7 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
                 yield
         assert not sched_readers[i & 1], f"producer overwrites tile slot {i & 1} before {sched_readers[i & 1]} read it"
         sched_tile[i & 1] = value
-        sched_readers[i & 1].update((c, thread) for c in (0, 1) for thread in range(THREADS))
+        sched_readers[i & 1].update((c, thread) for c in range(consumers) for thread in range(THREADS))
         sched_full[i & 1].arrive()
 
     def producer():
@@ -399,11 +403,11 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
                 pass_turn(False)
                 yield
                 release(k_empty, k_readers, g0)
-                if packed:  # clear_rows: both consumers' threads write the V slot, then meet
+                if packed:  # clear_rows: every consumer's threads write the V slot, then meet
                     while not v_full[g0 % stages].passed((g0 // stages) & 1):
                         yield
                     v_touched[g0 % stages].update((c, thread) for thread in range(THREADS))
-                    yield from clear_barrier.sync()  # kClearBarrier: both cleared before any P V
+                    yield from clear_barrier.sync()  # kClearBarrier: all cleared before any P V
                 for it in range(1, n_end):
                     if early and it == n_end - q_release_shift:
                         release_q()
@@ -449,7 +453,7 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
             yield
         o_store[c] = None
 
-    actors = [producer(), consumer(0), consumer(1)]
+    actors = [producer(), *(consumer(c) for c in range(consumers))]
     steps = 0
     while actors or in_flight:
         steps += 1
@@ -479,6 +483,25 @@ def test_pipeline_protocol(stages, pingpong, packed, own_o):
     for n_ends in _protocol_cases(stages):
         for seed in range(20):
             simulate(n_ends, stages, pingpong, seed, packed=packed, own_o=own_o)
+
+
+@pytest.mark.parametrize("own_o", [False, True], ids=["o-in-sq", "own-o"])
+@pytest.mark.parametrize("stages", sorted({cfg.stages for _, cfg in CONFIGS if cfg.consumers == 3}))
+def test_pipeline_protocol_three_consumers(stages, own_o):
+    """The plain dense kernel with three consumer warpgroups: every barrier that counts consumers
+    (k_empty, v_empty, q_empty, sched_empty) waits for the third too, under random schedules."""
+    for n_ends in _protocol_cases(stages):
+        for seed in range(20):
+            simulate(n_ends, stages, False, seed, own_o=own_o, consumers=3)
+
+
+def test_three_consumers_with_two_k_releases_is_caught():
+    """k_empty counting two arrivals with three consumers (the two-consumer count left in place):
+    the model sees a K slot refilled while the third consumer still reads it."""
+    with pytest.raises(AssertionError, match="refills slot"):
+        for n_ends in _protocol_cases(2):
+            for seed in range(40):
+                simulate(n_ends, 2, False, seed, own_o=True, consumers=3, k_release_count=2)
 
 
 @pytest.mark.parametrize("stages", sorted({cfg.stages for _, cfg in CONFIGS}))
