@@ -572,26 +572,33 @@ def store_box(m_block: int, head0: int, rows: int, c: int) -> list[tuple[int, in
     return [(head + i // o_rows, pos0 + i % o_rows) for i in range(64)]
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["128rows", "192rows"])
 @pytest.mark.parametrize("l2_bytes", [60 << 20, 1 << 20], ids=["L2_60MB", "L2_1MB"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_tiles_cover_every_query_row_once_longest_first(causal, l2_bytes):
+def test_tiles_cover_every_query_row_once_longest_first(causal, l2_bytes, wide):
+    d, cfg = (64, af.WIDE_DEFAULTS[(64, causal)]) if wide else (128, af.DEFAULTS[(128, causal)])
     for nq, heads, kv_heads, batches in ((1, 1, 1, 1), (300, 3, 3, 2), (1000, 5, 5, 1), (129, 1, 1, 7), (1, 8, 1, 2),
-                                         (17, 8, 2, 1), (129, 16, 4, 1), (300, 64, 1, 1), (5, 32, 16, 3), (200, 7, 7, 1)):
+                                         (17, 8, 2, 1), (129, 16, 4, 1), (300, 64, 1, 1), (5, 32, 16, 3), (200, 7, 7, 1),
+                                         (70, 6, 2, 2), (40, 12, 2, 1)):
         for pack_gqa in (False, True):
-            geo = af._geometry(batches, heads, kv_heads, nq, nq, 128, af.DEFAULTS[(128, causal)], pack_gqa, l2_bytes)
+            if pack_gqa and heads > kv_heads and not af.packable(heads // kv_heads, cfg.block_m):
+                with pytest.raises(ValueError, match="pack_gqa"):
+                    af._geometry(batches, heads, kv_heads, nq, nq, d, cfg, pack_gqa, l2_bytes)
+                continue
+            geo = af._geometry(batches, heads, kv_heads, nq, nq, d, cfg, pack_gqa, l2_bytes)
             pack = geo.pack
-            rows = BLOCK_M // pack
+            rows = cfg.block_m // pack
             m_blocks = -(-nq // rows)
             units = heads // pack * batches
             assert 1 <= geo.l2_group <= units
-            assert geo.l2_group == 1 or geo.l2_group * nq * 128 * 4 <= l2_bytes // 2, "the group's K/V fit half the L2"
+            assert geo.l2_group == 1 or geo.l2_group * nq * d * 4 <= l2_bytes // 2, "the group's K/V fit half the L2"
             order = [tile_coords(causal, t, m_blocks, heads // pack, pack, batches, geo.l2_group)
                      for t in range(geo.tiles)]
             assert geo.boxes[0] == (1, pack, rows, 64) and (kv_heads == heads or not pack_gqa or pack > 1)
             seen = []
             for m_block, head0, b in order:
                 assert (head0 // (heads // kv_heads)) == ((head0 + pack - 1) // (heads // kv_heads)), "one K/V head"
-                for c in range(2):
+                for c in range(cfg.consumers):
                     stored = store_box(m_block, head0, rows, c)
                     mine = [hp for w in range(4) for lane in range(32) for hp in tile_rows(m_block, head0, rows, c, w, lane)]
                     assert sorted(set(mine)) == sorted(stored), "a consumer stores exactly the rows it computed"
