@@ -187,7 +187,7 @@ def visible(causal: bool, row: int, key: int, nq: int, nk: int) -> bool:
 SIZES = (1, 2, 17, 63, 64, 65, 127, 128, 129, 255, 256, 300, 513)
 
 
-@pytest.mark.parametrize("tile_rows", [128, 32, 8], ids=lambda r: f"R{r}")
+@pytest.mark.parametrize("tile_rows", [192, 128, 64, 32, 8], ids=lambda r: f"R{r}")
 @pytest.mark.parametrize("block_n", sorted({cfg.block_n for _, cfg in CONFIGS}))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_block_range_covers_exactly_the_visible_keys(block_n, causal, tile_rows):
