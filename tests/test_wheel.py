@@ -7,6 +7,7 @@ must be package data.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -28,14 +29,29 @@ print(json.dumps({"file": tileattn.__file__,
 """
 
 
+def _wheel(tmp_path_factory) -> Path:
+    """The wheel of this checkout, built once per test run. Under pytest-xdist every worker that runs
+    this module's tests needs it, and two `pip wheel` builds of one checkout at once collide in its
+    build/ directory (`File exists: build/bdist...`, seen in a fresh clone's `make test`): the first
+    worker builds it into the run's shared temporary directory under a lock, the others reuse it."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's dir, not older runs'
+    dist = shared / "tileattn-wheel"
+    with open(shared / "tileattn-wheel.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not list(dist.glob("tileattn-*.whl")):
+            build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                                    "-w", str(dist), str(ROOT)], capture_output=True, text=True, timeout=600)
+            assert build.returncode == 0, build.stderr[-3000:]
+    (wheel,) = dist.glob("tileattn-*.whl")
+    return wheel
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     """(site dir with the wheel's files, a cwd outside the repository)."""
     tmp = tmp_path_factory.mktemp("wheel")
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(tmp / "dist"), str(ROOT)], capture_output=True, text=True, timeout=600)
-    assert build.returncode == 0, build.stderr[-3000:]
-    (wheel,) = (tmp / "dist").glob("tileattn-*.whl")
+    wheel = _wheel(tmp_path_factory)
     site = tmp / "site"
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site)
