@@ -166,6 +166,11 @@ def default_config(head_dim: int, causal: bool, seqlen_k: int = 0, *, seqlen_q: 
             config = wide
     if seqlen_k >= LONG_KEYS and key in LONG_DEFAULTS:
         config = LONG_DEFAULTS[key]
+    return _default_grid(head_dim, config)
+
+
+def _default_grid(head_dim: int, config: Sm90Config) -> Sm90Config:
+    """A default tile on its default grid: persistent for a head dim in PERSISTENT_HEAD_DIMS."""
     return replace(config, persistent=True) if head_dim in PERSISTENT_HEAD_DIMS else config
 
 
@@ -535,7 +540,7 @@ def launch_forward_sm90(q, k, v, out, lse, *, causal: bool, scale: float, config
                                 pack_gqa=pack_gqa)
     geo = _geometry(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, config, pack_gqa, _l2_bytes(q.device.index))
     if geo.tiles > MAX_TILES:
-        raise ValueError(f"{geo.tiles} query tiles (ceil(Nq / (128 / pack)) * H / pack * B); at most {MAX_TILES}")
+        raise ValueError(f"{geo.tiles} query tiles (ceil(Nq / ({config.block_m} / pack)) * H / pack * B); at most {MAX_TILES}")
     kern, smem = _kernel(q.device.index, head_dim, config, bool(causal), q.dtype == torch.bfloat16)
 
     q = q if _tma_ready(q) else q.contiguous()
@@ -587,7 +592,7 @@ class ForwardPlan:
                                      f"variant flags {flags}; registered: {DROPOUT_FLAG_SETS}")
                 flags = kernel_flags
         if config is None and flags:  # variant kernels exist at VARIANT_DEFAULTS' tiles only
-            config = replace(VARIANT_DEFAULTS[head_dim], persistent=head_dim in PERSISTENT_HEAD_DIMS)
+            config = _default_grid(head_dim, VARIANT_DEFAULTS[head_dim])
         config = config or default_config(head_dim, causal, seqlen_k, seqlen_q=seqlen_q, heads=heads,
                                           kv_heads=kv_heads, pack_gqa=pack_gqa)
         self.copy_q, self.copy_k, self.copy_v = (not _tma_ready(t) for t in (q, k, v))
