@@ -132,8 +132,8 @@ PERSISTENT_HEAD_DIMS = (64, 128)
 #   causal     N = 2048 338 / 323 / 338 (342),       8192 421 / 474 / 474 (432), 32768 442 / 514 / 518 (451)
 # Shorter (call G3, same command at N = 512 / 1024): non-causal 262 / 264 / 259 and 367 / 365 / 359
 # (a tie), causal 163 / 142 / 148 and 249 / 227 / 224 (two consumers 10 % ahead), so the three stay
-# off below WIDE_MIN_QUERIES queries (causal ties at 2048 in G2 and leads from 4096 on: 416 against
-# 397 TFLOP/s through the public op). Where GQA packing needs a 128-row tile (see default_config)
+# off below WIDE_MIN_QUERIES queries (causal ties at 2048 in G2 and leads from 4096 on: call G5, same
+# command, 419 against 401 TFLOP/s at 4096). Where GQA packing needs a 128-row tile (see default_config)
 # the two-consumer tile stays too. Varlen, paged and variant kernels keep two consumers (DEFAULTS).
 WIDE_DEFAULTS: dict[tuple[int, bool], Sm90Config] = {(64, False): C(128, 2, consumers=3),
                                                      (64, True): C(128, 3, consumers=3)}
