@@ -638,11 +638,12 @@ def test_every_tuning_candidate_has_its_dense_and_varlen_kernels_registered(head
     for bf16, dtype in ((False, torch.float16), (True, torch.bfloat16)):
         for cfg in af.tuning_candidates(head_dim, causal, dtype):
             assert af.expression(head_dim, cfg, causal, bf16) in registered, cfg
-            if cfg.consumers == 2:
-                assert not bf16 or af.varlen_expression(head_dim, cfg, causal, bf16) in registered, cfg
-            else:  # three consumer warpgroups: the plain dense kernel only
+            assert not bf16 or af.varlen_expression(head_dim, cfg, causal, bf16) in registered, cfg
+            if cfg.consumers == 3:  # three consumer warpgroups: the dense and varlen kernels only
                 with pytest.raises(ValueError, match="three-consumer"):
-                    af.varlen_expression(head_dim, cfg, causal, bf16)
+                    af.paged_expression(head_dim, cfg, causal, bf16)
+                with pytest.raises(ValueError, match="three-consumer"):
+                    af.variant_expression(head_dim, cfg, bf16, af.WINDOW)
 
 
 def test_three_consumer_configs():

@@ -274,7 +274,7 @@ constexpr int kVariantBits = kWindow | kSoftcap | kAlibi | kDropout;
 // their mangled names and their cubins stay byte-identical).
 constexpr int kVarlen = 8;
 constexpr int kPaged = 16;        // packed queries against a paged K/V cache (see the header)
-constexpr int kClearBarrier = 6;  // named barrier 6: both consumers cleared the edge block's V rows
+constexpr int kClearBarrier = 6;  // named barrier 6: every consumer cleared the edge block's V rows
 
 // The varlen kernel's trailing parameters (after the plain ones): cu_seqlens_q / cu_seqlens_k
 // int32 [B + 1], out [Tq, H, d] (token / head strides in elements) for the per-row stores and the
@@ -348,12 +348,12 @@ __device__ __forceinline__ void page_mask(float (&s)[kBlockN / 2], int n, int t,
 }
 
 // Varlen: zero rows [valid, kBlockN) of a V slot ([d/64][kBlockN][64], swizzled within a row, so
-// whole rows are cleared whatever the swizzle). `thread` in [0, 256): both consumers share the work.
-template <int kHeadDim, int kBlockN>
+// whole rows are cleared whatever the swizzle). `thread` in [0, kThreads): the consumers share the work.
+template <int kHeadDim, int kBlockN, int kThreads>
 __device__ __forceinline__ void clear_rows(u16* slot, int valid, int thread) {
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
   const int count = (kBlockN - valid) * kChunks;
-  for (int idx = thread; idx < count; idx += 256) {
+  for (int idx = thread; idx < count; idx += kThreads) {
     const int r = valid + idx / kChunks, ch = idx % kChunks;
     *reinterpret_cast<uint4*>(slot + ((ch / 8) * kBlockN + r) * 64 + (ch % 8) * 8) = make_uint4(0u, 0u, 0u, 0u);
   }
@@ -731,8 +731,9 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   // The softmax's scale: softcap's variant_logits already applied it.
   const float sl2 = kLogits ? 1.f : scale_log2;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
-  static_assert(kConsumers == 2 || (kConsumers == 3 && kVariant == 0 && !kPingPong),
-                "three consumer warpgroups: the plain dense kernel only, without ping-pong");
+  // Paged with three consumers spills 16 bytes (NVRTC 13.5): its producer warp needs more than 32 registers.
+  static_assert(kConsumers == 2 || (kConsumers == 3 && (kVariant == 0 || kVariant == kVarlen) && !kPingPong),
+                "three consumer warpgroups: the plain dense and varlen kernels only, without ping-pong");
   constexpr int kBlockM = 64 * kConsumers;                   // query rows per tile
   static_assert(sm90::wgmma_n_supported(kBlockN) && kBlockN % 16 == 0,
                 "kBlockN is the wgmma N of S = Q K^T (sm90.cuh) and the K of O += P V (k16 steps)");
@@ -1054,9 +1055,9 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
           const int valid = nk - (range.n_end - 1) * kBlockN;
           if (valid < kBlockN) {
             s9::mbar_wait(&v_full[s0], (g0 / kStages) & 1);
-            clear_rows<kHeadDim, kBlockN>(sV + s0 * kBlockN * kHeadDim, valid, c * 128 + tid);
+            clear_rows<kHeadDim, kBlockN, kConsumers * 128>(sV + s0 * kBlockN * kHeadDim, valid, c * 128 + tid);
             s9::fence_proxy_async();  // generic-proxy stores -> wgmma's async-proxy reads of the slot
-            s9::named_barrier_sync<256>(kClearBarrier);
+            s9::named_barrier_sync<kConsumers * 128>(kClearBarrier);
           }
         }
 

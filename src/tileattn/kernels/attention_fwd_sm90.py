@@ -207,11 +207,12 @@ def expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool) -> s
 
 def _flavour_expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool, variant: int,
                         param_types: str) -> str:
-    """A variant / varlen / paged instantiation: kConsumers (2: these kernels have no three-consumer
-    form), kVariant, then the trailing parameters' types."""
-    if config.consumers != 2:
-        raise ValueError(f"{config}: only the plain dense kernel has a three-consumer form")
-    return f"tileattn::attention_fwd_sm90<{_template_args(head_dim, config, causal, bf16)}, 2, {variant}, {param_types}>"
+    """A variant / varlen / paged instantiation: kConsumers (3 only for the varlen layout: the paged
+    and variant kernels have no three-consumer form), kVariant, then the trailing parameters' types."""
+    if config.consumers != 2 and variant != VARLEN:
+        raise ValueError(f"{config}: only the dense and varlen kernels have a three-consumer form")
+    return (f"tileattn::attention_fwd_sm90<{_template_args(head_dim, config, causal, bf16)}, {config.consumers}, "
+            f"{variant}, {param_types}>")
 
 
 # Variant flags (bits of the kernel's kVariant; fwd90::kWindow, kSoftcap, kAlibi in the .cu file).
@@ -335,12 +336,12 @@ INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in (*
                                                                               *LONG_DEFAULTS.items())
                                for bf16 in (False, True))
                   + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS + DROPOUT_INSTANTIATIONS)
-# Tuning candidates: the dense extras, and the varlen kernel at each two-consumer one (a persistent
-# config is the same kernel as its one-CTA-per-tile twin: a launch choice).
+# Tuning candidates: the dense extras, and the varlen kernel at each of them (a persistent config
+# is the same kernel as its one-CTA-per-tile twin: a launch choice).
 TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
                                        for cfg in extra) if e not in INSTANTIATIONS) + tuple(dict.fromkeys(
     varlen_expression(d, cfg, causal, True) for (d, causal), extra in EXTRA_BF16.items() for cfg in extra
-    if cfg.consumers == 2 and varlen_expression(d, cfg, causal, True) not in VARLEN_INSTANTIATIONS))
+    if varlen_expression(d, cfg, causal, True) not in VARLEN_INSTANTIATIONS))
 
 FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a",), tuning=TUNING),)
 
