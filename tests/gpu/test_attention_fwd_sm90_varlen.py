@@ -530,6 +530,18 @@ def test_sanitize_small(d, causal):
 
 
 @pytest.mark.sanitize
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_three_consumers_sanitize_small(causal):
+    """A three-consumer (192-row) varlen config: partial V edge blocks cleared by all 384 consumer
+    threads, a sequence longer than one tile, an empty one, GQA 3 packed into 192 rows."""
+    config = next(c for c in sm90.tuning_candidates(64, causal, BF16) if c.consumers == 3)
+    case = Case((0, 200, 33, 70), (3, 201, 31, 129), 6, 2, 64, BF16, seed_of("san3", causal), pad_q=3, pad_k=9)
+    for pack_gqa in (False, True):
+        out, lse = case.run_sm90(causal, config=config, pack_gqa=pack_gqa)
+        check(case, out, lse, causal, what=f"{config} pack_gqa={pack_gqa}")
+
+
+@pytest.mark.sanitize
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", sm90.HEAD_DIMS)
