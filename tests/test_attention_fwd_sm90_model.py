@@ -208,6 +208,44 @@ def test_block_range_covers_exactly_the_visible_keys(block_n, causal, tile_rows)
                         assert all(seen), f"{what}: visited without a mask but some key is masked"
 
 
+def unseen_visits(causal: bool, block_n: int, n_end: int, m_block: int, rows: int, c: int, nq: int, nk: int) -> int:
+    """Mirror of fwd90::unseen_visits: how many of the tile's first visits consumer c releases unread."""
+    first = m_block * rows + (c * 64) % rows
+    if first >= nq:
+        return n_end
+    if not causal:
+        return 0
+    last_key = min(first + min(64, rows), nq) - 1 + nk - nq
+    return n_end if last_key < 0 else n_end - min(n_end, last_key // block_n + 1)
+
+
+@pytest.mark.parametrize("block_m,pack", [(192, 1), (192, 3), (192, 6), (128, 1), (128, 2), (128, 4), (128, 8)])
+@pytest.mark.parametrize("block_n", sorted({cfg.block_n for _, cfg in CONFIGS}))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_unseen_visits_hold_no_visible_key_of_the_consumer(block_n, causal, block_m, pack):
+    """Every visit a consumer skips holds no key any of its rows sees (its 64 tile rows: one head's
+    positions, or every packed head's when a head has fewer than 64 rows), and the first visit it
+    makes holds one (nothing more could be skipped)."""
+    rows = block_m // pack
+    for nq in SIZES:
+        for nk in SIZES:
+            for m_block in range(-(-nq // rows)):
+                n_end, _ = block_range(causal, block_n, m_block, nq, nk, rows)
+                for c in range(block_m // 64):
+                    skip = unseen_visits(causal, block_n, n_end, m_block, rows, c, nq, nk)
+                    first = m_block * rows + (c * 64) % rows
+                    mine = range(first, min(first + min(64, rows), nq))  # positions, any of its heads
+                    what = f"nq={nq} nk={nk} m_block={m_block} consumer {c} (n_end={n_end}, skip={skip})"
+                    assert 0 <= skip <= n_end, what
+                    for it in range(n_end):
+                        n = n_end - 1 - it
+                        seen = any(visible(causal, r, k, nq, nk) for r in mine for k in range(n * block_n, (n + 1) * block_n))
+                        if it < skip:
+                            assert not seen, f"{what}: visit {it} skipped but holds a visible key"
+                        elif it == skip:
+                            assert seen, f"{what}: the first visit made holds no visible key"
+
+
 # ---- the mbarrier protocol, simulated ----------------------------------------------------------------
 class MBarrier:
     """Phase-counting model of an mbarrier: a phase completes when `count` arrivals and every
@@ -260,7 +298,7 @@ THREADS = 2  # threads of a consumer warpgroup in the model: thread 0 (the relea
 
 def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: bool = False,
              thread_release: bool = True, own_o: bool = False, q_release_shift: int = 0, consumers: int = 2,
-             k_release_count: int | None = None):
+             k_release_count: int | None = None, skips: bool = False, skip_waits_full: bool = True):
     """Run the producer and `consumers` consumers of one CTA over its tiles (n_ends: the number of K/V
     blocks each tile visits) as coroutines, with the kernel's sequence of waits, arrivals, turns
     and copies, under a random schedule; TMA copies land at random later times.
@@ -277,8 +315,12 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
     consumer's TMA store (dense) of sO must have read it before that consumer's next epilogue
     writes there. q_release_shift (a mutation, own_o only): release Q that many blocks early.
     consumers: 2, or 3 (the plain dense kernel's 192-row tiles; no ping-pong). k_release_count (a
-    mutation): the arrivals k_empty waits for, instead of one per consumer."""
+    mutation): the arrivals k_empty waits for, instead of one per consumer. skips: each consumer
+    releases unread a random number of each tile's first visits (the kernel's unseen_visits, plain
+    dense without ping-pong), waiting for each block's full barrier first; skip_waits_full=False (a
+    mutation) releases them without that wait."""
     assert consumers == 2 or not pingpong, "ping-pong takes turns between two consumers"
+    assert not skips or not (pingpong or packed), "unseen visits are skipped by the plain dense kernel only"
     rng = random.Random(seed)
     turn = [NamedBarrier(), NamedBarrier()]  # kTurnBarrier + c: "consumer c may issue"
     clear_barrier = NamedBarrier(consumers)
@@ -391,24 +433,31 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
             assert q_slot[0] == i, f"consumer {c} sees Q of tile {q_slot[0]} in tile {i}"
             q_readers[0].add(c)
             early = own_o and q_release_shift and n_end > q_release_shift  # the mutation's release point
-            if n_end:
+            skip = random.Random(f"{seed}/{i}/{c}").randint(0, n_end) if skips else 0
+            for it in range(skip):  # unseen visits: released unread
+                for full, empty in ((k_full, k_empty), (v_full, v_empty)):
+                    while skip_waits_full and not full[(g0 + it) % stages].passed(((g0 + it) // stages) & 1):
+                        yield
+                    release(empty, [set()] * stages, g0 + it)
+                    yield
+            if n_end > skip:
                 def block(it):
                     return (i, n_end - 1 - it)
 
                 if c == 1:
                     pass_turn(False)
-                yield from use(k_full, k_slot, k_readers, g0, block(0))
+                yield from use(k_full, k_slot, k_readers, g0 + skip, block(skip))
                 yield from take_turn()
                 read_q(i)
                 pass_turn(False)
                 yield
-                release(k_empty, k_readers, g0)
+                release(k_empty, k_readers, g0 + skip)
                 if packed:  # clear_rows: every consumer's threads write the V slot, then meet
                     while not v_full[g0 % stages].passed((g0 // stages) & 1):
                         yield
                     v_touched[g0 % stages].update((c, thread) for thread in range(THREADS))
                     yield from clear_barrier.sync()  # kClearBarrier: all cleared before any P V
-                for it in range(1, n_end):
+                for it in range(skip + 1, n_end):
                     if early and it == n_end - q_release_shift:
                         release_q()
                     yield from use(k_full, k_slot, k_readers, g0 + it, block(it))
@@ -493,6 +542,27 @@ def test_pipeline_protocol_three_consumers(stages, own_o):
     for n_ends in _protocol_cases(stages):
         for seed in range(20):
             simulate(n_ends, stages, False, seed, own_o=own_o, consumers=3)
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("own_o", [False, True], ids=["o-in-sq", "own-o"])
+@pytest.mark.parametrize("stages", sorted({cfg.stages for _, cfg in CONFIGS}))
+def test_pipeline_protocol_with_unseen_visits_released(stages, own_o, consumers):
+    """Consumers releasing, unread, random numbers of each tile's first visits (unseen_visits), after
+    waiting for each block's full barrier: no slot is refilled while another consumer reads it."""
+    for n_ends in _protocol_cases(stages):
+        for seed in range(20):
+            simulate(n_ends, stages, False, seed, own_o=own_o, consumers=consumers, skips=True)
+
+
+def test_unseen_visits_released_without_waiting_for_full_is_caught():
+    """Releasing an unseen visit before its block's full barrier: the arrival can count toward the
+    slot's previous use, whose other consumers are still reading it: the model sees the early refill
+    (or a consumer reading a block that has not landed)."""
+    with pytest.raises(AssertionError, match="refills slot|more arrivals|reads"):
+        for n_ends in _protocol_cases(2):
+            for seed in range(40):
+                simulate(n_ends, 2, False, seed, own_o=True, consumers=3, skips=True, skip_waits_full=False)
 
 
 def test_three_consumers_with_two_k_releases_is_caught():
@@ -681,9 +751,9 @@ def test_wide_tiles_from_wide_min_queries_where_packing_allows():
         wide = replace(wide, persistent=True)
         pick = functools.partial(af.default_config, d, causal, 4096)
         assert pick() == wide  # Nq unknown: a long call
-        assert pick(seqlen_q=af.WIDE_MIN_QUERIES - 1) == narrow and pick(seqlen_q=af.WIDE_MIN_QUERIES) == wide
-        # GQA 4 at 2048 queries does not pack (nothing to save): wide; forced packing needs 128 rows
-        n = af.WIDE_MIN_QUERIES
+        n = af.WIDE_MIN_QUERIES[d]
+        assert pick(seqlen_q=n - 1) == narrow and pick(seqlen_q=n) == wide
+        # GQA 4 at n queries does not pack (nothing to save): wide; forced packing needs 128 rows
         assert pick(seqlen_q=n, heads=32, kv_heads=8) == wide
         assert pick(seqlen_q=n, heads=32, kv_heads=8, pack_gqa=True) == narrow
         assert pick(seqlen_q=n, heads=6, kv_heads=2, pack_gqa=True) == wide  # groups of 3: 64 rows each

@@ -310,9 +310,9 @@ def test_sm90_variant_instantiations_cover_every_flag_set():
     # others (the variants above, and the varlen / paged / dropout bits, which their own model tests
     # check) name kConsumers 2 and a kVariant after a plain one.
     plain = [e for e in k90.INSTANTIATIONS if e.count(",") == 5]
-    assert len(plain) == 2 * (len(k90.DEFAULTS) + len(k90.LONG_DEFAULTS)) == 14, plain
+    assert len(plain) == 2 * (len(k90.DEFAULTS) + len(k90.LONG_DEFAULTS)) == 16, plain
     wide = [e for e in k90.INSTANTIATIONS if e.endswith(", 3>")]
-    assert len(wide) == 2 * len(k90.WIDE_DEFAULTS) == 4, wide
+    assert len(wide) == 2 * len(k90.WIDE_DEFAULTS) == 8, wide
     assert not set(plain) & set(exprs), plain
     assert all(e.startswith(tuple(p[:-1] + ", 2, " for p in plain)) for e in k90.INSTANTIATIONS
                if e not in plain and e not in wide)

@@ -185,19 +185,19 @@ def test_long_keys_tile_small_for_sanitizer():
 def _three_consumer_configs():
     from tileattn.kernels import attention_fwd_sm90 as af
 
-    return [(causal, cfg) for causal in (False, True) for cfg in af.tuning_candidates(64, causal, BF16)
-            if cfg.consumers == 3]
+    return [(d, causal, cfg) for d in af.HEAD_DIMS for causal in (False, True)
+            for cfg in af.tuning_candidates(d, causal, BF16) if cfg.consumers == 3]
 
 
 @pytest.mark.parametrize("shape", SHAPES + [(1, 6, 2, 200, 333), (2, 6, 2, 1, 77), (1, 3, 1, 500, 129)],
                          ids=lambda s: "B{}H{}Hkv{}_Nq{}_Nk{}".format(*s))
-@pytest.mark.parametrize("causal,cfg", _three_consumer_configs(), ids=lambda x: str(x))
-def test_three_consumers_match_reference(causal, cfg, shape):
-    """192-row tiles (three consumer warpgroups, d = 64) on the main grid's shapes, where the last
-    tile's second and third consumers have partial rows or none, and GQA groups of 3 packed (64
+@pytest.mark.parametrize("d,causal,cfg", _three_consumer_configs(), ids=lambda x: str(x))
+def test_three_consumers_match_reference(d, causal, cfg, shape):
+    """192-row tiles (three consumer warpgroups, d = 64 and 128) on the main grid's shapes, where the
+    last tile's second and third consumers have partial rows or none, and GQA groups of 3 packed (64
     positions of each head per tile: one head per consumer) as well as unpacked."""
     b, h, hkv, nq, nk = shape
-    q, k, v = make_qkv(b, h, hkv, nq, nk, 64, BF16, seed=zlib.crc32(repr(("3wg", causal, str(cfg), shape)).encode()))
+    q, k, v = make_qkv(b, h, hkv, nq, nk, d, BF16, seed=zlib.crc32(repr(("3wg", d, causal, str(cfg), shape)).encode()))
     for pack_gqa in (False, True) if h // hkv == 3 else (None,):
         out, lse = launch(q, k, v, causal, 0.125, config=cfg, pack_gqa=pack_gqa)
         check(out, lse, q, k, v, causal, 0.125, what=f"{cfg} {shape} pack_gqa={pack_gqa}")
@@ -205,11 +205,16 @@ def test_three_consumers_match_reference(causal, cfg, shape):
 
 @pytest.mark.sanitize
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_three_consumers_small_for_sanitizer(causal):
-    """A three-consumer config on a small shape: two query tiles per head (the second with 6 of 192
-    rows), a partial K/V edge block, GQA 3 packed and not, several tiles per persistent CTA."""
-    cfg = _three_consumer_configs()[0][1]
-    q, k, v = make_qkv(1, 6, 2, 198, 300, 64, BF16, seed=198 + causal)
+@pytest.mark.parametrize("d", [64, 128])
+def test_three_consumers_small_for_sanitizer(d, causal):
+    """WIDE_DEFAULTS' three-consumer tile on a small shape: two query tiles per head (the second with
+    6 of 192 rows), a partial K/V edge block, GQA 3 packed and not, several tiles per persistent CTA."""
+    from dataclasses import replace
+
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    cfg = replace(af.WIDE_DEFAULTS[(d, causal)], persistent=True)
+    q, k, v = make_qkv(1, 6, 2, 198, 300, d, BF16, seed=198 + causal + d)
     for pack_gqa in (False, True):
         out, lse = launch(q, k, v, causal, 0.1, config=cfg, pack_gqa=pack_gqa)
         check(out, lse, q, k, v, causal, 0.1, what=f"{cfg} small pack_gqa={pack_gqa}")
@@ -383,51 +388,55 @@ def test_every_registered_config(d, causal, dtype, cfg):
         check(out, lse, q, k, v, causal, 1 / math.sqrt(d), what=f"{cfg} Nq={nq} Nk={nk}")
 
 
-def _long_head_dims():
+def _long_pairs():
     from tileattn.kernels import attention_fwd_sm90 as af
 
-    return sorted(d for d, causal in af.LONG_DEFAULTS if not causal)
+    return sorted(af.LONG_DEFAULTS)
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("nk", [8191, 8193])
-@pytest.mark.parametrize("d", _long_head_dims())
-def test_long_keys_take_their_own_config(d, nk, dtype):
-    """From LONG_KEYS keys on, the non-causal head dims in LONG_DEFAULTS run its tile (8193 keys end
-    in a short edge block); one key fewer runs the short default. Through ForwardPlan, which the
-    dispatcher builds, with NaN-poisoned outputs."""
+@pytest.mark.parametrize("d,causal", _long_pairs(), ids=lambda x: str(x))
+def test_long_keys_take_their_own_config(d, causal, nk, dtype):
+    """From LONG_KEYS keys on, the (head dim, causal) pairs in LONG_DEFAULTS run its tile (8193 keys
+    end in a short edge block; causal with 300 queries: only the last blocks, bottom-right); one key
+    fewer runs the short default. Through ForwardPlan, which the dispatcher builds, with NaN-poisoned
+    outputs."""
     from dataclasses import replace
 
     from tileattn.kernels import attention_fwd_sm90 as af
 
-    q, k, v = make_qkv(1, 4, 2, 300, nk, d, dtype, seed=nk + d)
+    q, k, v = make_qkv(1, 4, 2, 300, nk, d, dtype, seed=nk + d + causal)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda", dtype=torch.float32)
-    plan = af.ForwardPlan(q, k, v, out, lse, causal=False, scale=1 / math.sqrt(d))
+    plan = af.ForwardPlan(q, k, v, out, lse, causal=causal, scale=1 / math.sqrt(d))
     table = af.LONG_DEFAULTS if nk >= af.LONG_KEYS else af.DEFAULTS
-    assert plan.config == replace(table[(d, False)], persistent=d in af.PERSISTENT_HEAD_DIMS), plan.config
+    assert plan.config == replace(table[(d, causal)], persistent=d in af.PERSISTENT_HEAD_DIMS), plan.config
     plan.launch(q, k, v, out, lse)
-    check(out, lse, q, k, v, False, 1 / math.sqrt(d), what=f"{plan.config} Nk={nk}")
+    check(out, lse, q, k, v, causal, 1 / math.sqrt(d), what=f"{plan.config} Nk={nk}")
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_wide_tiles_from_wide_min_queries(causal, dtype):
-    """d = 64: from WIDE_MIN_QUERIES queries on the plan runs WIDE_DEFAULTS' three-consumer tile (2048
-    queries: the last of 11 tiles holds 128 of 192 rows), one query fewer the two-consumer default;
-    GQA 4, so the forced-packing plan keeps 128-row tiles. Through ForwardPlan, NaN-poisoned outputs."""
+@pytest.mark.parametrize("d", [64, 128])
+def test_wide_tiles_from_wide_min_queries(d, causal, dtype):
+    """From WIDE_MIN_QUERIES[d] queries on the plan runs WIDE_DEFAULTS' three-consumer tile (d = 64 at
+    2048 queries: the last of 11 tiles holds 128 of 192 rows; d = 128 at 8192: 32 of 192), one query
+    fewer the two-consumer default; GQA 4, so the forced-packing plan keeps 128-row tiles. Through
+    ForwardPlan, NaN-poisoned outputs."""
     from dataclasses import replace
 
     from tileattn.kernels import attention_fwd_sm90 as af
 
-    for nq, pack_gqa in ((af.WIDE_MIN_QUERIES - 1, None), (af.WIDE_MIN_QUERIES, None), (af.WIDE_MIN_QUERIES, True)):
-        q, k, v = make_qkv(1, 8, 2, nq, 1500, 64, dtype, seed=nq + causal)
+    n = af.WIDE_MIN_QUERIES[d]
+    for nq, pack_gqa in ((n - 1, None), (n, None), (n, True)):
+        q, k, v = make_qkv(1, 8, 2, nq, 1500, d, dtype, seed=nq + causal + d)
         out = torch.full_like(q, float("nan"))
         lse = torch.full(q.shape[:3], float("nan"), device="cuda", dtype=torch.float32)
         plan = af.ForwardPlan(q, k, v, out, lse, causal=causal, scale=0.125, pack_gqa=pack_gqa)
-        wide = nq >= af.WIDE_MIN_QUERIES and not pack_gqa
+        wide = nq >= n and not pack_gqa
         table = af.WIDE_DEFAULTS if wide else af.DEFAULTS
-        assert plan.config == replace(table[(64, causal)], persistent=True), plan.config
+        assert plan.config == replace(table[(d, causal)], persistent=True), plan.config
         plan.launch(q, k, v, out, lse)
         check(out, lse, q, k, v, causal, 0.125, what=f"{plan.config} Nq={nq} pack_gqa={pack_gqa}")
 

@@ -583,16 +583,16 @@ def test_sm90_variants_dims_dtypes_gqa(d, dtype, case):
 
 
 @needs_sm90
-@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_sm90_variants_take_the_variant_tile_at_any_length(d):
-    """The dense defaults switch tiles with the lengths (three consumers from WIDE_MIN_QUERIES queries
-    at d = 64, LONG_DEFAULTS from LONG_KEYS keys at d = 256); the variant kernels exist only at
-    VARIANT_DEFAULTS' tile, which a variant plan must take at any length."""
+    """The dense defaults switch tiles with the lengths (three consumers from WIDE_MIN_QUERIES[d]
+    queries at d = 64 and 128, LONG_DEFAULTS from LONG_KEYS keys at d = 256); the variant kernels exist
+    only at VARIANT_DEFAULTS' tile, which a variant plan must take at any length."""
     from dataclasses import replace
 
     from tileattn.kernels import attention_fwd_sm90 as af
 
-    nq, nk = af.WIDE_MIN_QUERIES + 76, af.LONG_KEYS + 1
+    nq, nk = af.WIDE_MIN_QUERIES.get(d, 0) + 76, af.LONG_KEYS + 1
     q, k, v, _ = make(1, 1, 1, nq, nk, d, BF16, seed=d + nk)
     got, _ = check_sm90(q, k, v, True, {"window": (300, -1)}, BF16, f"sm90 d={d} Nq={nq} Nk={nk} window")
     assert replace(af.default_config(d, False, nk, seqlen_q=nq), persistent=False) != af.VARIANT_DEFAULTS[d]  # covered

@@ -89,6 +89,12 @@
 //                                                     runs while the tensor cores do P_{j-1} V_{j-1})
 //             wait<0> (P V done); release V_{j-1}; O *= alpha if the max moved; pack P_j to 16 bit
 //   tail:     O += P_last V_last; wait; release V.
+// Plain dense kernels without ping-pong: a consumer first releases, unread, the visits none of its
+// rows sees (unseen_visits: causal blocks past its last row's diagonal, or all of them for rows past
+// Nq), waiting for each block's full barrier before its empty arrival so that the arrival counts
+// toward that use's phase and not the previous one (whose other consumers may still be reading),
+// then runs the schedule above from its first seen block. Its tensor-core and MUFU time goes to
+// the other consumers of the SM.
 // P_j is packed only after the wait that retires the P V group still reading P_{j-1}'s registers:
 // the S registers are passed through fence_accumulators after wgmma_wait<0>, so the packing
 // instructions depend on the wait and cannot be hoisted above it. The same fences pin every
@@ -258,6 +264,25 @@ __device__ __forceinline__ BlockRange block_range(int m_block, int rows, int seq
     const int n_unmasked = first_limit + 1 <= 0 ? 0 : min(n_end, (first_limit + 1) / kBlockN);
     const int masked = max(n_end - n_unmasked, n_end == n_total ? edge : 0);
     return {n_end, masked, 0, n_end};
+  }
+}
+
+// How many of a tile's first visits (blocks n_end - 1, n_end - 2, ...) no row of consumer c sees:
+// causal, the blocks past the diagonal of its last row (with 192-row tiles and 128-key blocks the
+// first consumer's rows end a block or more before the tile's); causal or not, every visit when
+// all of its rows lie past Nq (the last tile's third consumer at 2048 queries). The consumer
+// releases those visits unread (see "Consumer schedule"). Its 64 rows are positions
+// [m_block rows + (64 c) % rows, + min(64, rows)) of one head, or of every packed head when a
+// head has fewer than 64 rows in the tile.
+template <bool kCausal, int kBlockN>
+__device__ __forceinline__ int unseen_visits(int n_end, int m_block, int rows, int c, int seqlen_q, int seqlen_k) {
+  const int first = m_block * rows + (c * 64) % rows;
+  if (first >= seqlen_q) return n_end;
+  if constexpr (!kCausal) {
+    return 0;
+  } else {
+    const int last_key = min(first + min(64, rows), seqlen_q) - 1 + seqlen_k - seqlen_q;
+    return last_key < 0 ? n_end : n_end - min(n_end, last_key / kBlockN + 1);
   }
 }
 
@@ -726,6 +751,9 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   constexpr bool kLogits = (kVariant & kSoftcap) != 0;  // scores become log2-unit logits first
   constexpr bool kAlibiRaw = (kVariant & (kSoftcap | kAlibi)) == kAlibi;  // ALiBi in raw units (alibi_scores)
   constexpr bool kDropped = (kVariant & kDropout) != 0;
+  // Consumers release the leading visits none of their rows sees (unseen_visits): plain dense
+  // kernels without ping-pong, where the consumers need not take the same turns.
+  constexpr bool kSkipUnseen = kVariant == 0 && !kPingPong;
   // Tile order: the causal one (longest tiles first) for windows too, whose first tiles see fewer keys.
   constexpr bool kReverse = kCausal || kWindowed;
   // The softmax's scale: softcap's variant_logits already applied it.
@@ -1031,27 +1059,41 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
       s9::mbar_wait(&q_full, i & 1);
       // Blocks visited (n_begin is 0 unless windowed; spelled so that the plain kernel's code is unchanged).
       const int n_iters = kWindowed ? range.n_end - range.n_begin : range.n_end;
-      if (n_iters > 0) {
+      // Leading visits none of this consumer's rows sees: released unread (plain dense, no ping-pong).
+      // Broadcast from lane 0: c comes from threadIdx, and a branch on a value ptxas cannot prove
+      // warp-uniform serializes the wgmmas after it (C7519).
+      const int skip =
+          kSkipUnseen ? __shfl_sync(0xffffffffu, unseen_visits<kCausal, kBlockN>(n_iters, tile.m_block, rows, c, nq, nk), 0)
+                      : 0;
+      for (int it = 0; it < skip; ++it) {
+        const int gs = g0 + it, ss = gs % kStages;
+        s9::mbar_wait(&k_full[ss], (gs / kStages) & 1);
+        if (releaser) s9::mbar_arrive(&k_empty[ss]);
+        s9::mbar_wait(&v_full[ss], (gs / kStages) & 1);
+        if (v_releaser) s9::mbar_arrive(&v_empty[ss]);
+      }
+      if (n_iters > skip) {
         if (c == 1) pass_turn(false);  // consumer 0 issues first
-        // ---- first block (n_end - 1): S, softmax; no P V yet
-        const int s0 = g0 % kStages;
-        s9::mbar_wait(&k_full[s0], (g0 / kStages) & 1);
+        // ---- first block seen (n_end - 1 - skip): S, softmax; no P V yet
+        const int gf = g0 + skip, s0 = gf % kStages;
+        s9::mbar_wait(&k_full[s0], (gf / kStages) & 1);
         take_turn();
         s9::wgmma_fence();
         issue_s(s0);
         pass_turn(false);
-        draw_keep(range.n_end - 1);
+        draw_keep(range.n_end - 1 - skip);
         s9::wgmma_wait<0>();
         s9::fence_accumulators(s);
         if (releaser) s9::mbar_arrive(&k_empty[s0]);
-        scores(range.n_end - 1, n_masked > 0);
+        scores(range.n_end - 1 - skip, n_masked > skip);
         softmax_step<kBlockN, kAlibiRaw>(s, m, l, alpha, sl2, shift);  // O is still 0: no rescale needed
         drop();
         pack_p<kBlockN, kIsBF16>(p, s);
         if constexpr (kVarlenLayout) {
           // The first block visited is the edge block when it holds fewer than kBlockN keys of
           // the sequence: zero its other V rows before the first P V (see the header). The test
-          // is the same in both consumers (same tile), so both meet on the barrier or neither.
+          // is the same in every consumer (same tile; skip is 0), so all meet on the barrier or none.
+          static_assert(!kSkipUnseen, "every consumer visits the edge block first");
           const int valid = nk - (range.n_end - 1) * kBlockN;
           if (valid < kBlockN) {
             s9::mbar_wait(&v_full[s0], (g0 / kStages) & 1);
@@ -1103,7 +1145,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
           }
           pack_p<kBlockN, kIsBF16>(p, s);
         };
-        int it = 1;
+        int it = skip + 1;
         for (; it < n_masked; ++it) step(it, true);
         for (; it < (kWindowed ? range.n_unmasked_end : range.n_end); ++it) step(it, false);
         if constexpr (kWindowed) {

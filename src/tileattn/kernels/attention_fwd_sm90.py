@@ -132,31 +132,42 @@ PERSISTENT_HEAD_DIMS = (64, 128)
 #   causal     N = 2048 338 / 323 / 338 (342),       8192 421 / 474 / 474 (432), 32768 442 / 514 / 518 (451)
 # Shorter (call G3, same command at N = 512 / 1024): non-causal 262 / 264 / 259 and 367 / 365 / 359
 # (a tie), causal 163 / 142 / 148 and 249 / 227 / 224 (two consumers 10 % ahead), so the three stay
-# off below WIDE_MIN_QUERIES queries (causal ties at 2048 in G2 and leads from 4096 on: call G5, same
-# command, 419 against 401 TFLOP/s at 4096). Where GQA packing needs a 128-row tile (see default_config)
-# the two-consumer tile stays too. Varlen, paged and variant kernels keep two consumers (DEFAULTS).
+# off below WIDE_MIN_QUERIES[64] queries (causal ties at 2048 in G2 and leads from 4096 on: call G5, same
+# command, 419 against 401 TFLOP/s at 4096).
+# d = 128: three consumers fit 160 registers with 64- or 80-key blocks (S 40 + O 64 fp32 at 80 keys;
+# 96 keys spill). H200, 2026-12-03, call H1 (same command, --head-dim 128), TFLOP/s of the default
+# 128 x 128 / s2 against 192 x 64 / s3, 192 x 64 / s4, 192 x 80 / s3 (all persistent), cuDNN:
+#   non-causal N = 2048 614 / 569 / 571 / 582 (568), 4096 628 / 596 / 619 / 624 (583), 8192 649 / 647 / 633 / 677 (606)
+#   causal     N = 2048 486 / 453 / 451 / 461 (465), 4096 570 / 528 / 538 / 546 (532), 8192 599 / 602 / 598 / 627 (571)
+# so 192 x 80 / s3 from 8192 queries on.
+# Where GQA packing needs a 128-row tile (see default_config) the two-consumer tile stays. Varlen,
+# paged and variant kernels keep two consumers (DEFAULTS).
 WIDE_DEFAULTS: dict[tuple[int, bool], Sm90Config] = {(64, False): C(128, 2, consumers=3),
-                                                     (64, True): C(128, 3, consumers=3)}
-WIDE_MIN_QUERIES = 2048
+                                                     (64, True): C(128, 3, consumers=3),
+                                                     (128, False): C(80, 3, consumers=3),
+                                                     (128, True): C(80, 3, consumers=3)}
+WIDE_MIN_QUERIES: dict[int, int] = {64: 2048, 128: 8192}  # per head dim: queries from which WIDE_DEFAULTS applies
 # From LONG_KEYS keys on, (head dim, causal) pairs listed here take a config of their own. d = 256
 # non-causal: 80-key blocks with ping-pong (tuning runs: 743 against 705 TFLOP/s at 16384 keys in
 # F1, 684 against 706 at 4096; 734 against 728 at 8192 on 2026-12-01). Through the public op
 # (2026-12-03, call G1, `tileattn bench attention --forward-only --head-dim 256 --seq 8192 --seq 16384
-# --rounds 2`, bf16): 723 / 734 TFLOP/s against cuDNN's 671 / 659 (1.08x / 1.11x).
+# --rounds 2`, bf16): 723 / 734 TFLOP/s against cuDNN's 671 / 659 (1.08x / 1.11x). Causal, the same
+# tile: 687 / 694 TFLOP/s against the short default's 673 / 685 at 8192 / 16384 keys (call H1,
+# `scripts/fwd_sm90_configs.py --head-dim 256`, cuDNN 619 / 633; at 4096 594 against 612).
 LONG_KEYS = 8192
-LONG_DEFAULTS: dict[tuple[int, bool], Sm90Config] = {(256, False): C(80, 2, True)}
+LONG_DEFAULTS: dict[tuple[int, bool], Sm90Config] = {(256, False): C(80, 2, True), (256, True): C(80, 2, True)}
 
 
 def default_config(head_dim: int, causal: bool, seqlen_k: int = 0, *, seqlen_q: int | None = None,
                    heads: int = 1, kv_heads: int = 1, pack_gqa: bool | None = None) -> Sm90Config:
     """The dense forward's config: LONG_DEFAULTS' entry from LONG_KEYS keys on, else WIDE_DEFAULTS'
-    (three consumers) when the call has at least WIDE_MIN_QUERIES queries (seqlen_q None: assumed
+    (three consumers) when the call has at least WIDE_MIN_QUERIES[head_dim] queries (seqlen_q None: assumed
     long) and its GQA packing (gqa_pack's choice, or pack_gqa's) works with a 192-row tile as with a
     128-row one, else DEFAULTS'; on a persistent grid for a head dim in PERSISTENT_HEAD_DIMS. Raises
     KeyError for a head dim not in HEAD_DIMS."""
     key = (head_dim, bool(causal))
     config = DEFAULTS[key]
-    if key in WIDE_DEFAULTS and (seqlen_q is None or seqlen_q >= WIDE_MIN_QUERIES):
+    if key in WIDE_DEFAULTS and (seqlen_q is None or seqlen_q >= WIDE_MIN_QUERIES[head_dim]):
         wide, group = WIDE_DEFAULTS[key], heads // kv_heads
         if pack_gqa is None:
             packs = seqlen_q is not None and gqa_pack(heads, kv_heads, seqlen_q) > 1
@@ -183,9 +194,8 @@ _EXTRA = {
          C(128, 2, False, True, 3), C(128, 3, False, True, 3)),
     128: (C(128, 2, True), C(128, 2, False, True), C(128, 2, True, True), C(64, 4), C(64, 4, True), C(176, 2),
           C(176, 2, True), C(96, 3),
-          # three consumers where S + P + O fit 160 registers (O 64: 64- / 80-key blocks; 96 spills):
-          # not yet timed (session 17 compiled them: 0 spills, NVRTC 13.5)
-          C(64, 3, False, True, 3), C(64, 4, False, True, 3), C(80, 3, False, True, 3)),
+          # three consumers where S + P + O fit 160 registers (O 64: 64- / 80-key blocks; 96 spills)
+          C(64, 3, False, True, 3), C(64, 4, False, True, 3)),
     256: (C(64, 2, True), C(64, 2, False, True), C(80, 2), C(80, 2, True)),
 }
 EXTRA_BF16: dict[tuple[int, bool], tuple[Sm90Config, ...]] = {
@@ -336,11 +346,11 @@ INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in (*
                                                                               *LONG_DEFAULTS.items())
                                for bf16 in (False, True))
                   + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS + DROPOUT_INSTANTIATIONS)
-# Tuning candidates: the dense extras, and the varlen kernel at each of them (a persistent config
-# is the same kernel as its one-CTA-per-tile twin: a launch choice).
+# Tuning candidates: the dense extras, and the varlen kernel at every registered dense config (a
+# persistent config is the same kernel as its one-CTA-per-tile twin: a launch choice).
 TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
                                        for cfg in extra) if e not in INSTANTIATIONS) + tuple(dict.fromkeys(
-    varlen_expression(d, cfg, causal, True) for (d, causal), extra in EXTRA_BF16.items() for cfg in extra
+    varlen_expression(d, cfg, causal, True) for (d, causal) in DEFAULTS for cfg in configs_for(d, causal, True)
     if varlen_expression(d, cfg, causal, True) not in VARLEN_INSTANTIATIONS))
 
 FAMILIES = (Family(FAMILY_NAME, SOURCE, INSTANTIATIONS, archs=("sm_90a",), tuning=TUNING),)
