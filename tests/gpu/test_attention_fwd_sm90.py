@@ -157,15 +157,19 @@ def test_gqa_packing_forced_both_ways(d, causal, shape, pack_gqa):
 
 
 @pytest.mark.sanitize
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_small_for_sanitizer(d, causal):
-    """Small irregular shapes: partial Q tile (second consumer has no rows), partial K/V edge
-    block, GQA, fully masked rows."""
-    q, k, v = make_qkv(1, 4, 2, 70, 45, d, BF16, seed=d + causal)
-    for pack_gqa in (False, True):
-        out, lse = launch(q, k, v, causal, 0.1, pack_gqa=pack_gqa)
-        check(out, lse, q, k, v, causal, 0.1, what=f"small pack_gqa={pack_gqa}")
+    """Small irregular shapes at the default tiles: partial Q tile, partial K/V edge block, GQA,
+    fully masked rows (70 x 45); consumers releasing blocks unread (unseen_visits): 200 x 200 causal
+    at d = 256 (64-key blocks: the first consumer's rows end a block before the tile's), 130 x 300
+    (the second tile's second consumer has no rows; causal, the first consumer of a tile sees one
+    128-key block fewer than the tile)."""
+    for nq, nk in ((70, 45), (200, 200), (130, 300)):
+        q, k, v = make_qkv(1, 4, 2, nq, nk, d, BF16, seed=d + causal + nq + nk)
+        for pack_gqa in (False, True):
+            out, lse = launch(q, k, v, causal, 0.1, pack_gqa=pack_gqa)
+            check(out, lse, q, k, v, causal, 0.1, what=f"small {nq}x{nk} pack_gqa={pack_gqa}")
 
 
 @pytest.mark.sanitize
