@@ -89,12 +89,12 @@
 //                                                     runs while the tensor cores do P_{j-1} V_{j-1})
 //             wait<0> (P V done); release V_{j-1}; O *= alpha if the max moved; pack P_j to 16 bit
 //   tail:     O += P_last V_last; wait; release V.
-// Plain dense kernels without ping-pong: a consumer first releases, unread, the visits none of its
-// rows sees (unseen_visits: causal blocks past its last row's diagonal, or all of them for rows past
-// Nq), waiting for each block's full barrier before its empty arrival so that the arrival counts
-// toward that use's phase and not the previous one (whose other consumers may still be reading),
-// then runs the schedule above from its first seen block. Its tensor-core and MUFU time goes to
-// the other consumers of the SM.
+// The plain dense kernel with three consumers (kSkipUnseen): a consumer first releases, unread,
+// the visits none of its rows sees (unseen_visits: causal blocks past its last row's diagonal, or
+// all of them for rows past Nq), waiting for each block's full barrier before its empty arrival so
+// that the arrival counts toward that use's phase and not the previous one (whose other consumers
+// may still be reading), then runs the schedule above from its first seen block. Its tensor-core
+// and MUFU time goes to the other consumers of the SM.
 // P_j is packed only after the wait that retires the P V group still reading P_{j-1}'s registers:
 // the S registers are passed through fence_accumulators after wgmma_wait<0>, so the packing
 // instructions depend on the wait and cannot be hoisted above it. The same fences pin every
@@ -751,9 +751,13 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   constexpr bool kLogits = (kVariant & kSoftcap) != 0;  // scores become log2-unit logits first
   constexpr bool kAlibiRaw = (kVariant & (kSoftcap | kAlibi)) == kAlibi;  // ALiBi in raw units (alibi_scores)
   constexpr bool kDropped = (kVariant & kDropout) != 0;
-  // Consumers release the leading visits none of their rows sees (unseen_visits): plain dense
-  // kernels without ping-pong, where the consumers need not take the same turns.
-  constexpr bool kSkipUnseen = kVariant == 0 && !kPingPong;
+  // Consumers release the leading visits none of their rows sees (unseen_visits): the plain dense
+  // kernel with three consumers (no ping-pong: the consumers need not take the same turns). H200,
+  // 2026-12-03, call H2, TFLOP/s without / with at d = 64, 192 x 128 / s3: causal 343 / 365 (N =
+  // 2048) and 422 / 440 (4096), non-causal 452 / 468 (2048: the last tile's third consumer has no
+  // rows). The two-consumer kernels gained nothing measurable (d = 256 causal 128 x 64 / s2 526 /
+  // 526 and 614 / 619; d = 128 non-causal 2048 within its round-to-round spread) and keep their code.
+  constexpr bool kSkipUnseen = kVariant == 0 && kConsumers == 3;
   // Tile order: the causal one (longest tiles first) for windows too, whose first tiles see fewer keys.
   constexpr bool kReverse = kCausal || kWindowed;
   // The softmax's scale: softcap's variant_logits already applied it.
