@@ -22,7 +22,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tileattn
-from tileattn.bench.attention import flops
+from tileattn.bench.attention import flops, round_order
 from tileattn.bench.harness import measure
 from tileattn.kernels import attention_fwd_sm90 as af
 
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
                 if not args.grids_only and args.variant is None:
                     calls["cudnn"] = cudnn
                 for rnd in range(args.rounds):
-                    for name, call in calls.items():
+                    for name, call in round_order(calls, rnd):  # each first in turn (bench attention's docstring)
                         t = measure(call, reps=10, memory=False)
                         print(json.dumps({"tree": args.label, "variant": args.variant, "d": d, "causal": causal,
                                           "n": n, "round": rnd,

@@ -85,6 +85,17 @@ def test_bench_attention_refuses_zero_rounds(capsys):
     assert "--rounds must be at least 1" in capsys.readouterr().err
 
 
+def test_rounds_rotate_which_implementation_is_timed_first():
+    from tileattn.bench.attention import round_order
+
+    impls = {"sdpa_cudnn": 1, "tileattn": 2, "sdpa_flash": 3}
+    orders = [[name for name, _ in round_order(impls, rnd)] for rnd in range(4)]
+    assert orders[0] == ["sdpa_cudnn", "tileattn", "sdpa_flash"]
+    assert [o[0] for o in orders[:3]] == ["sdpa_cudnn", "tileattn", "sdpa_flash"]  # each first once
+    assert all(sorted(o) == sorted(impls) for o in orders) and orders[3] == orders[0]
+    assert round_order({}, 5) == []
+
+
 def test_report_table_shows_the_median_round(tmp_path, capsys):
     path = tmp_path / "run.json"
     write_run(path, [_point("tileattn", 4096, t, round=i) for i, t in enumerate((100.0, 505.0, 900.0))],

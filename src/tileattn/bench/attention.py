@@ -9,10 +9,15 @@ backend (flash = FlashAttention-2, cudnn, efficient). FLOPs: forward 4*B*H*N^2*d
 causal; backward 2.5x forward (the convention of every attention benchmark). Backward is timed
 alone: the forward runs once outside the timed region and torch.autograd.grad replays the graph.
 Peak extra memory: the allocator's peak during one call above what was allocated before it.
-`--rounds R` times every point R times, the implementations interleaved within each round (A B A B
-...), and reports per implementation the median of its R round medians: on the H200 the power
-controller moves a single ~0.1 s measurement by up to ~5-10 % (docs/BENCHMARKS.md, 2026-12-02), and
-interleaving gives every implementation the same share of those states. The records keep each
+`--rounds R` times every point R times, the implementations interleaved within each round and the
+order rotated from round to round (A B C, B C A, C A B, ...), and reports per implementation the
+median of its R round medians (the lower middle one for even R): on the H200 the power controller
+moves a single ~0.1 s measurement by up to ~5-10 % (docs/BENCHMARKS.md, 2026-12-02), and
+interleaving gives every implementation the same share of those states. The rotation matters at
+short points: the first implementation timed after the inputs of a new point are made runs at a
+higher clock for a few milliseconds (cuDNN, always first before the rotation, read 12-17 % above
+its other round at N = 2048 on 2026-12-03, tileattn's rounds agreeing within 1 %), and with the
+rotation every implementation gets that slot once in len(impls) rounds. The records keep each
 round (field `round`).
 `--tune` times every registered tile configuration of the tileattn kernels instead.
 """
@@ -126,6 +131,14 @@ def bench_case(impl: str, fn, *, b, h, n, d, dtype, causal, backward, reps) -> d
     rec.update(status="ok", tflops=flops(b, h, n, n, d, causal, backward) / (t.median_ms * 1e-3) / 1e12,
                peak_extra_mib=t.peak_extra_bytes / 2**20, **t.as_dict())
     return rec
+
+
+def round_order(impls: dict, rnd: int) -> list:
+    """The (name, fn) pairs of `impls` in round `rnd`'s order: rotated left by rnd, so that over
+    len(impls) rounds each implementation is timed first at a point once."""
+    items = list(impls.items())
+    shift = rnd % len(items) if items else 0
+    return items[shift:] + items[:shift]
 
 
 def correctness_check(dtype) -> list[str]:
@@ -301,7 +314,7 @@ def main(argv=None) -> int:
         for causal in (False, True):
             for n in seq_lens:
                 for rnd in range(args.rounds):
-                    for name, fn in impls.items():
+                    for name, fn in round_order(impls, rnd):
                         if backward and name in FORCED:
                             continue
                         if name == "naive" and (backward, causal) in oom_naive:
