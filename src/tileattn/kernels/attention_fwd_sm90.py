@@ -191,9 +191,7 @@ def _default_grid(head_dim: int, config: Sm90Config) -> Sm90Config:
 _EXTRA = {
     64: (C(128, 3, True), C(128, 3, False, True), C(128, 4), C(128, 4, False, True), C(64, 4), C(192, 2),
          C(192, 2, True), C(192, 2, False, True), C(192, 2, True, True),
-         C(128, 2, False, True, 3), C(128, 3, False, True, 3),
-         # three consumers with smaller key blocks: the causal diagonal in finer steps (session 18)
-         C(64, 4, False, True, 3), C(96, 3, False, True, 3)),
+         C(128, 2, False, True, 3), C(128, 3, False, True, 3)),
     128: (C(128, 2, True), C(128, 2, False, True), C(128, 2, True, True), C(64, 4), C(64, 4, True), C(176, 2),
           C(176, 2, True), C(96, 3),
           # three consumers where S + P + O fit 160 registers (O 64: 64- / 80-key blocks; 96 spills)
