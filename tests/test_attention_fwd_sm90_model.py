@@ -435,10 +435,10 @@ def simulate(n_ends: list[int], stages: int, pingpong: bool, seed: int, packed: 
             early = own_o and q_release_shift and n_end > q_release_shift  # the mutation's release point
             skip = random.Random(f"{seed}/{i}/{c}").randint(0, n_end) if skips else 0
             for it in range(skip):  # unseen visits: released unread
-                for full, empty in ((k_full, k_empty), (v_full, v_empty)):
+                for full, empty, readers in ((k_full, k_empty, k_readers), (v_full, v_empty, v_readers)):
                     while skip_waits_full and not full[(g0 + it) % stages].passed(((g0 + it) // stages) & 1):
                         yield
-                    release(empty, [set()] * stages, g0 + it)
+                    release(empty, readers, g0 + it)  # never read: the consumer is not among its readers
                     yield
             if n_end > skip:
                 def block(it):

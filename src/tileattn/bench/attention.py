@@ -14,12 +14,11 @@ order rotated from round to round (A B C, B C A, C A B, ...), and reports per im
 median of its R round medians (the lower middle one for even R): on the H200 the power controller
 moves a single ~0.1 s measurement by up to ~5-10 % (docs/BENCHMARKS.md, 2026-12-02), and
 interleaving gives every implementation the same share of those states. The rotation matters at
-short points: the first implementation timed after the inputs of a new point are made runs at a
-higher clock for a few milliseconds (cuDNN, always first before the rotation, read 14-21 % above
-its other round at N = 2048, d = 128 and 256, on 2026-12-03; tileattn's rounds mostly agreed within
-1 %), and with the
-rotation every implementation gets that slot once in len(impls) rounds. The records keep each
-round (field `round`).
+short points, where the first implementation timed after a new point's inputs are made read
+faster than in its other rounds (cuDNN, always first before the rotation, 14-21 % above its other
+round at N = 2048, d = 128 and 256, on 2026-12-03, while tileattn's rounds mostly agreed within 1 %;
+a clock still high after the pause is the likely cause, not measured): with the rotation every
+implementation gets that slot once in len(impls) rounds. The records keep each round (field `round`).
 `--tune` times every registered tile configuration of the tileattn kernels instead.
 """
 

@@ -29,7 +29,7 @@
 // more and the CTAs in flight stay on neighbouring tiles (the L2 groups above); without the counter
 // it takes blockIdx.x + k gridDim.x. The producer hands each tile to the consumers through sched_tile
 // (two slots), so they walk exactly the producer's sequence, ending at -1. 384 threads = 3
-// warpgroups, one CTA per SM (kConsumers = 3, the plain dense kernel only: 512 threads and 192-row
+// warpgroups, one CTA per SM (kConsumers = 3, the plain dense and varlen kernels: 512 threads and 192-row
 // tiles, FlashAttention-3's d = 64 shape, a third warpgroup's softmax to interleave where the
 // exponentials take as long as the GEMMs; 160 registers per consumer thread, so S + P + O must fit:
 // d = 64 at 128-key blocks, d = 128 at 64 / 80):
@@ -211,7 +211,8 @@ __device__ __forceinline__ void wgmma_wait_all_in_arm() {
 // dense kernel). setmaxnreg budgets (multiples of 8; x 128 threads, summed over the warpgroups,
 // within the 64 K register file):
 //   2 consumers: producer 40 + 2 x 232 = 504 per thread slot;
-//   3 consumers: producer 32 + 3 x 160 = 512 (d = 64, 128 keys: S 64 + P 32 + O 32 per thread).
+//   3 consumers: producer 32 + 3 x 160 = 512 (per thread: d = 64 at 128 keys S 64 + P 32 + O 32,
+//                d = 128 at 80 keys S 40 + P 20 + O 64).
 template <int kConsumers>
 constexpr int kThreadsOf = 128 * (1 + kConsumers);
 template <int kConsumers>
@@ -1063,7 +1064,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
       s9::mbar_wait(&q_full, i & 1);
       // Blocks visited (n_begin is 0 unless windowed; spelled so that the plain kernel's code is unchanged).
       const int n_iters = kWindowed ? range.n_end - range.n_begin : range.n_end;
-      // Leading visits none of this consumer's rows sees: released unread (plain dense, no ping-pong).
+      // Leading visits none of this consumer's rows sees: released unread (kSkipUnseen kernels).
       // Broadcast from lane 0: c comes from threadIdx, and a branch on a value ptxas cannot prove
       // warp-uniform serializes the wgmmas after it (C7519).
       const int skip =

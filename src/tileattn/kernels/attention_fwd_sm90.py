@@ -3,7 +3,7 @@
 Same tensors and contract as attention_fwd_sm80.launch_forward: q [B, H, Nq, d], k/v
 [B, Hkv, Nk, d], out [B, H, Nq, d] (one 16-bit dtype), lse [B, H, Nq] fp32 contiguous, natural
 log. Every CTA has 128 query rows (two consumer warpgroups of 64; 192 with three, a config of the
-plain dense kernel at d = 64) and a producer warpgroup; the config is the K/V block (kBlockN keys,
+plain dense kernel at d = 64 and 128 and of the varlen kernel) and a producer warpgroup; the config is the K/V block (kBlockN keys,
 the N of S = Q K^T), the depth of the K/V rings and the consumer count.
 
 GQA packing: with H / Hkv = G query heads per K/V head, a tile may hold G heads x 128 / G
