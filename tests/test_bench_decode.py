@@ -82,6 +82,8 @@ def test_parse_args_sweep_defaults_and_points():
     (["--points", "32/8:8:4096"], "--sweep"),  # sweep options without --sweep
     (["--sweep", "--reps", "0"], "--reps"),
     (["--sweep", "--points", "32/8:8:1000"], "--points"),  # KV not whole blocks of 16
+    (["--rounds", "0"], "--rounds"),
+    (["--prefill-only", "--no-prefill"], "--prefill-only"),
 ])  # fmt: skip
 def test_parse_args_rejects(argv, named, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -89,6 +91,20 @@ def test_parse_args_rejects(argv, named, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert named in err, f"the error should name {named}: {err!r}"
+
+
+def test_prefill_medians_and_table_take_each_implementations_median_over_rounds():
+    base = {"suite": "prefill_chunk", "h": 32, "hkv": 32, "status": "ok"}
+    dense_tf, paged_tf = (600.0, 520.0, 530.0), (500.0, 505.0, 495.0)  # dense's first round reads fast
+    records = [dict(base, impl="tileattn_dense", round=i, tflops=t, us=1e6 / t) for i, t in enumerate(dense_tf)]
+    records += [dict(base, impl="tileattn_paged", block_size=256, config="attention_fwd_sm90", round=i, tflops=t,
+                     us=1e6 / t, rel_err_vs_dense=1e-3) for i, t in enumerate(paged_tf)]
+    rows = decode.prefill_medians(records)
+    assert [(r["impl"], r["tflops"], r["tflops_min"], r["tflops_max"], r["rounds"]) for r in rows] == [
+        ("tileattn_dense", 530.0, 520.0, 600.0, 3), ("tileattn_paged", 500.0, 495.0, 505.0, 3)]
+    table = decode.render(records)
+    paged_row = next(line for line in table.splitlines() if "| tileattn_paged |" in line)
+    assert "| 500 | 495-505 |" in paged_row and f"| {500 / 530:.3g} |" in paged_row, paged_row
 
 
 def test_parse_point_message_names_the_text():

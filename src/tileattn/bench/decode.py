@@ -1,6 +1,6 @@
 """`tileattn bench decode`: paged decode and chunked prefill, tileattn beside SDPA on the same work.
 
-    tileattn bench decode [--quick] [--json PATH] [--markdown PATH] [--reps N]
+    tileattn bench decode [--quick] [--json PATH] [--markdown PATH] [--reps N] [--rounds R] [--prefill-only]
     tileattn bench decode --sweep [--points H/HKV:B:KV ...] [--splits S ...] [--block-sizes BS ...] [--reps N]
 
 Decode (issue #10): one query token per sequence, bf16, d=128, H/Hkv = 32/32 and 32/8,
@@ -21,7 +21,9 @@ table's, when the arch's differs, and the family's tuning candidates) are timed 
 through the launch layer (impl tileattn_paged_tile, the tile in its column). On sm_90a
 attention_paged runs the Hopper paged prefill at the block sizes dispatch.SM90_PAGED_PREFILL lists;
 at the others it is also timed forced on (impl tileattn_paged_sm90; api.hopper_kernels_forced). SDPA is not
-a peer there: its is_causal is aligned top-left, which is a different mask when Nq < Nk.
+a peer there: its is_causal is aligned top-left, which is a different mask when Nq < Nk. The
+prefill implementations are timed in --rounds rounds (default 3) in rotated order and each one's
+median is reported (prefill_point says why).
 
 Every output is compared with a peer's on the same data before timing (rel_err in the record).
 Timing: tileattn.bench.harness.measure (CUDA events, L2 flushed before each repetition).
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import statistics
 import time
 
 import torch
@@ -179,7 +182,14 @@ def prefill_tiles(head_dim: int, arch: str) -> list:
     return [c for c in dict.fromkeys(extra) if c != default]
 
 
-def prefill_point(heads, kv_heads, block_sizes, reps, chunk=512, prefix=4096, batch=8) -> list[dict]:
+def prefill_point(heads, kv_heads, block_sizes, reps, rounds=3, chunk=512, prefix=4096, batch=8) -> list[dict]:
+    """Records of suite prefill_chunk: the dense op, attention_paged at each block size (and, on
+    sm_90a where the Hopper paged prefill is not dispatched, forced on) and the other prefill tiles,
+    each checked against the dense op's output, then timed in `rounds` rounds whose order rotates
+    (bench.attention.round_order), one record per implementation and round (key "round"). The
+    GPU's power cap makes whichever call is timed first after a pause read up to ~15 % fast at this
+    shape (session 19, call J3: the dense op 593 / 608 TFLOP/s first in its process, 522-535
+    after), so a fixed order favoured the dense op; render reports each implementation's median."""
     import tileattn
 
     from ..api_paged import attention_paged
@@ -187,6 +197,7 @@ def prefill_point(heads, kv_heads, block_sizes, reps, chunk=512, prefix=4096, ba
     from ..kernels import dispatch
     from ..kernels.attention_paged_sm80 import PagedLaunch, pick_config
     from ..runtime import device_arch
+    from .attention import round_order
 
     n_k = prefix + chunk
     base = {"suite": "prefill_chunk", "b": batch, "h": heads, "hkv": kv_heads, "chunk": chunk, "prefix": prefix,
@@ -196,13 +207,16 @@ def prefill_point(heads, kv_heads, block_sizes, reps, chunk=512, prefix=4096, ba
     q = torch.randn(batch, heads, chunk, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
     k = torch.randn(batch, kv_heads, n_k, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
     v = torch.randn(batch, kv_heads, n_k, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
-    records = []
+    calls: dict[str, tuple[dict, object]] = {}  # name -> (record fields, no-argument call)
+
+    def forced(call):
+        with hopper_kernels_forced():
+            return call()
+
     with torch.no_grad():
         dense = lambda: tileattn.attention(q, k, v, causal=True)  # noqa: E731
         ref = dense().transpose(1, 2).reshape(batch * chunk, heads, HEAD_DIM)
-        t = measure(dense, reps=reps, max_seconds=3.0, memory=False)
-        records.append(dict(base, impl="tileattn_dense", status="ok", tflops=flops / (t.median_ms * 1e-3) / 1e12,
-                            us=t.median_ms * 1e3, **t.as_dict()))
+        calls["dense"] = (dict(base, impl="tileattn_dense"), dense)
         q_packed = q.transpose(1, 2).reshape(batch * chunk, heads, HEAD_DIM)  # [B * chunk, H, d]
         cu_q = torch.arange(0, batch * chunk + 1, chunk, device="cuda", dtype=torch.int32)
         seqlens = torch.full((batch,), n_k, device="cuda", dtype=torch.int32)
@@ -212,34 +226,49 @@ def prefill_point(heads, kv_heads, block_sizes, reps, chunk=512, prefix=4096, ba
             vp = torch.nn.functional.pad(v, (0, 0, 0, pad))
             k_cache, table = paged_from_dense(kp, bs, torch.Generator().manual_seed(bs))
             v_cache, _ = paged_from_dense(vp, bs, torch.Generator().manual_seed(bs))
+            del kp, vp
             call = functools.partial(attention_paged, q_packed, k_cache, v_cache, table, cu_q, seqlens, chunk, n_k)
-            err = rel_err(call(), ref)
-            t = measure(call, reps=reps, max_seconds=3.0, memory=False)
             hopper = (HEAD_DIM, bs) in dispatch.SM90_PAGED_PREFILL and device_arch() == "sm_90a"
             config = "attention_fwd_sm90" if hopper else pick_config(HEAD_DIM, chunk * heads // kv_heads, device_arch())
-            records.append(dict(base, impl="tileattn_paged", block_size=bs, status="ok", rel_err_vs_dense=err,
-                                config=str(config), tflops=flops / (t.median_ms * 1e-3) / 1e12,
-                                us=t.median_ms * 1e3, **t.as_dict()))
+            calls[f"paged {bs}"] = (dict(base, impl="tileattn_paged", block_size=bs, config=str(config),
+                                         rel_err_vs_dense=rel_err(call(), ref)), call)
             if device_arch() == "sm_90a" and not hopper:  # the Hopper paged prefill where it is not dispatched
-                with hopper_kernels_forced():
-                    err = rel_err(call(), ref)
-                    t = measure(call, reps=reps, max_seconds=3.0, memory=False)
-                records.append(dict(base, impl="tileattn_paged_sm90", block_size=bs, status="ok",
-                                    rel_err_vs_dense=err, config="attention_fwd_sm90",
-                                    tflops=flops / (t.median_ms * 1e-3) / 1e12, us=t.median_ms * 1e3, **t.as_dict()))
+                run = functools.partial(forced, call)
+                calls[f"paged sm90 {bs}"] = (dict(base, impl="tileattn_paged_sm90", block_size=bs,
+                                                  config="attention_fwd_sm90", rel_err_vs_dense=rel_err(run(), ref)),
+                                             run)
             args = (q_packed, k_cache, v_cache, table, cu_q, seqlens)
             for tile in prefill_tiles(HEAD_DIM, device_arch()):  # other tiles, same work (launch layer)
                 launch = PagedLaunch(q_packed, k_cache, v_cache, table, max_seqlen_q=chunk, causal=True,
                                      scale=1 / math.sqrt(HEAD_DIM), return_lse=False, num_splits=None, config=tile)
                 run = functools.partial(launch, *args)
-                err = rel_err(run()[0], ref)
-                t = measure(run, reps=reps, max_seconds=3.0, memory=False)
-                records.append(dict(base, impl="tileattn_paged_tile", block_size=bs, status="ok", config=str(tile),
-                                    rel_err_vs_dense=err, tflops=flops / (t.median_ms * 1e-3) / 1e12,
+                calls[f"tile {tile} {bs}"] = (dict(base, impl="tileattn_paged_tile", block_size=bs, config=str(tile),
+                                                   rel_err_vs_dense=rel_err(run()[0], ref)), run)
+        records = []
+        for rnd in range(rounds):
+            for _, (fields, call) in round_order(calls, rnd):
+                t = measure(call, reps=reps, max_seconds=3.0, memory=False)
+                records.append(dict(fields, status="ok", round=rnd, tflops=flops / (t.median_ms * 1e-3) / 1e12,
                                     us=t.median_ms * 1e3, **t.as_dict()))
-            del call, k_cache, v_cache, kp, vp  # free this block size's cache before the next
-            torch.cuda.empty_cache()
+    del calls
+    torch.cuda.empty_cache()
     return records
+
+
+def prefill_medians(records: list[dict]) -> list[dict]:
+    """One record per prefill implementation (h, hkv, impl, block_size, config): the first round's
+    fields with tflops and us the medians over its rounds, tflops_min / tflops_max their range and
+    rounds their count, in first-seen order."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r["suite"] == "prefill_chunk":
+            groups.setdefault((r["h"], r["hkv"], r["impl"], r.get("block_size"), r.get("config")), []).append(r)
+    out = []
+    for rs in groups.values():
+        tflops = sorted(r["tflops"] for r in rs)
+        out.append(dict(rs[0], tflops=statistics.median(tflops), us=statistics.median(r["us"] for r in rs),
+                        tflops_min=tflops[0], tflops_max=tflops[-1], rounds=len(rs)))
+    return out
 
 
 def host_time(records: list[dict]) -> None:
@@ -289,17 +318,17 @@ def render(records: list[dict]) -> str:
                      f"{ratio} | {splits} |")
     lines += ["", f"(copy bandwidth {COPY_TBPS} TB/s; targets: >= 1.1x the best peer, >= 3.9 TB/s at B >= 8 with "
               "KV >= 4k, B=1 KV=4k <= 30 us)", "",
-              "### chunked prefill: 512 queries after a 4096-key prefix, B=8, causal: TFLOP/s (useful FLOPs)", "",
-              "| H/Hkv | impl | tile | block_size | TFLOP/s | us | vs dense | rel. error vs dense |",
-              "|---|---|---|---|---|---|---|---|"]
-    dense = {(r["h"], r["hkv"]): r["tflops"] for r in records if r["suite"] == "prefill_chunk"
-             and r["impl"] == "tileattn_dense"}
-    for r in records:
-        if r["suite"] == "prefill_chunk":
-            ratio = r["tflops"] / dense[(r["h"], r["hkv"])] if (r["h"], r["hkv"]) in dense else None
-            lines.append(f"| {r['h']}/{r['hkv']} | {r['impl']} | {r.get('config', '-')} | {r.get('block_size', '-')} | "
-                         f"{fmt_number(r['tflops'])} | {fmt_number(r['us'])} | {fmt_number(ratio)} | "
-                         f"{fmt_number(r.get('rel_err_vs_dense'))} |")
+              "### chunked prefill: 512 queries after a 4096-key prefix, B=8, causal: TFLOP/s (useful FLOPs; "
+              "median of the rotated rounds, their range)", "",
+              "| H/Hkv | impl | tile | block_size | TFLOP/s | range | us | vs dense | rel. error vs dense |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    prefill = prefill_medians(records)
+    dense = {(r["h"], r["hkv"]): r["tflops"] for r in prefill if r["impl"] == "tileattn_dense"}
+    for r in prefill:
+        ratio = r["tflops"] / dense[(r["h"], r["hkv"])] if (r["h"], r["hkv"]) in dense else None
+        lines.append(f"| {r['h']}/{r['hkv']} | {r['impl']} | {r.get('config', '-')} | {r.get('block_size', '-')} | "
+                     f"{fmt_number(r['tflops'])} | {fmt_number(r['tflops_min'])}-{fmt_number(r['tflops_max'])} | "
+                     f"{fmt_number(r['us'])} | {fmt_number(ratio)} | {fmt_number(r.get('rel_err_vs_dense'))} |")
     for r in records:
         if r["suite"] == "host_overhead":
             lines.append(f"\nhost time per call, {r['impl']}: {r['host_us_per_call']:.1f} us")
@@ -556,6 +585,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--memory-gb", type=float, default=100.0, help="skip points needing more K+V than this")
     ap.add_argument("--no-prefill", action="store_true", help="decode only")
+    ap.add_argument("--prefill-only", action="store_true", help="chunked prefill only (no decode points)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="chunked prefill: timing rounds, the implementations' order rotated (median reported)")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--markdown", help="write the tables here")
     ap.add_argument("--sweep", action="store_true",
@@ -569,6 +601,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.reps < 1:
         ap.error(f"--reps must be >= 1, got {args.reps}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.prefill_only and (args.no_prefill or args.sweep):
+        ap.error("--prefill-only goes without --no-prefill and --sweep")
     if not args.sweep:
         if args.points or args.splits or args.block_sizes:
             ap.error("--points, --splits and --block-sizes go with --sweep")
@@ -615,7 +651,7 @@ def main(argv=None) -> int:
     block_sizes = QUICK["block_sizes"] if args.quick else BLOCK_SIZES
     records: list[dict] = []
     for heads, kv_heads in HEADS:
-        for batch in batches:
+        for batch in () if args.prefill_only else batches:
             for kv_len in kv_lens:
                 point = decode_point(batch, heads, kv_heads, kv_len, block_sizes, args.reps, args.memory_gb)
                 records += point
@@ -623,8 +659,9 @@ def main(argv=None) -> int:
                     f"{r['impl']}{r.get('block_size', '')} {fmt_number(r.get('us'))} us" if r.get("status") == "ok"
                     else f"{r['impl']} {r.get('status')}" for r in point))
         if not args.no_prefill:
-            records += prefill_point(heads, kv_heads, block_sizes, args.reps)
-    host_time(records)
+            records += prefill_point(heads, kv_heads, block_sizes, args.reps, args.rounds)
+    if not args.prefill_only:
+        host_time(records)
     for r in records:
         err = r.get("rel_err_vs_sdpa", r.get("rel_err_vs_dense"))
         if err is not None and err > 2e-2:
