@@ -1,0 +1,12 @@
+"""CPU tests of `tileattn bench variants`' table: each case's median over the rotated rounds, the
+ratio to plain's median."""
+
+from tileattn.bench import variants
+
+
+def test_overhead_table_takes_medians_over_rounds():
+    base = {"suite": "overhead", "n": 2048, "causal": False, "mode": "fwd", "status": "ok"}
+    rounds = {"plain": (600.0, 540.0, 550.0), "alibi": (500.0, 495.0, 505.0)}  # plain's first round reads fast
+    records = [dict(base, impl=impl, round=i, tflops=t) for impl, ts in rounds.items() for i, t in enumerate(ts)]
+    row = next(line for line in variants.render(records).splitlines() if line.startswith("| 2048 |"))
+    assert row == f"| 2048 | False | fwd | 550 | - | - | 500 ({500 / 550:.3f}) | - |"
