@@ -881,20 +881,17 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
             // its own block-table read first: at block_size 16 a 128-key visit is 8 x kPanels boxes
             // per tensor, which one thread issued back to back (docs/attention_paged.md, "Chunked
             // prefill at block_size 16"). Lane 0's expect_tx is ordered before every lane's copy.
-            // The block id is read before the empty waits, so that the block-table load's latency
-            // runs while the slot is still in use instead of between its release and the copy.
             const int box_rows = min(1 << vl.log2_bs, kBlockN);
             const int row = (producer_lane / kPanels) * box_rows, p = producer_lane % kPanels;
-            const bool issues = row < kBlockN;
-            const int block = issues ? page_block(vl, tile.batch, n * kBlockN + row, span.nk) : 0;
 #pragma unroll
-            for (int pass = 0; pass < 2; ++pass) {  // K, then V: the same block id
+            for (int pass = 0; pass < 2; ++pass) {  // K, then V: the block id is read again (an L1 hit)
               u64* const full = pass == 0 ? &k_full[s] : &v_full[s];
               if (g >= kStages) s9::mbar_wait(pass == 0 ? &k_empty[s] : &v_empty[s], refill_parity);
               if (producer_lane == 0) s9::mbar_arrive_expect_tx(full, kKVBytes);
               __syncwarp();
-              if (issues) {
+              if (row < kBlockN) {
                 u16* const slot = (pass == 0 ? sK : sV) + s * kPanels * kBlockN * kPanel;
+                const int block = page_block(vl, tile.batch, n * kBlockN + row, span.nk);
                 s9::tma_load_4d(slot + (p * kBlockN + row) * kPanel, pass == 0 ? &tmap_k : &tmap_v, p * kPanel,
                                 (n * kBlockN + row) & ((1 << vl.log2_bs) - 1), kv_head, block, full);
               }
