@@ -105,6 +105,7 @@ def test_prefill_medians_and_table_take_each_implementations_median_over_rounds(
     table = decode.render(records)
     paged_row = next(line for line in table.splitlines() if "| tileattn_paged |" in line)
     assert "| 500 | 495-505 |" in paged_row and f"| {500 / 530:.3g} |" in paged_row, paged_row
+    assert table.startswith("### chunked prefill"), "no decode records (--prefill-only): no decode table"
 
 
 def test_parse_point_message_names_the_text():

@@ -317,8 +317,10 @@ def render(records: list[dict]) -> str:
                      f"{cell(cells.get('sdpa_cudnn'))} | {cell(cells.get('bs16'))} | {cell(cells.get('bs256'))} | "
                      f"{ratio} | {splits} |")
     lines += ["", f"(copy bandwidth {COPY_TBPS} TB/s; targets: >= 1.1x the best peer, >= 3.9 TB/s at B >= 8 with "
-              "KV >= 4k, B=1 KV=4k <= 30 us)", "",
-              "### chunked prefill: 512 queries after a 4096-key prefix, B=8, causal: TFLOP/s (useful FLOPs; "
+              "KV >= 4k, B=1 KV=4k <= 30 us)", ""]
+    if not points:  # --prefill-only: no decode table
+        lines = []
+    lines += ["### chunked prefill: 512 queries after a 4096-key prefix, B=8, causal: TFLOP/s (useful FLOPs; "
               "median of the rotated rounds, their range)", "",
               "| H/Hkv | impl | tile | block_size | TFLOP/s | range | us | vs dense | rel. error vs dense |",
               "|---|---|---|---|---|---|---|---|---|"]
