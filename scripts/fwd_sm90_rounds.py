@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from fwd_sm90_configs import parse_config
+    from fwd_sm90_configs import parse_config, timed_call
     from tileattn.bench.attention import round_order
     from tileattn.bench.harness import measure
     from tileattn.kernels import attention_fwd_sm90 as af
@@ -87,9 +87,7 @@ def main(argv=None) -> int:
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
                         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
-                calls = {str(cfg): (lambda cfg=cfg: af.launch_forward_sm90(q, k, v, out, lse, causal=False,
-                                                                           scale=1 / math.sqrt(d), config=cfg))
-                         for cfg in configs}
+                calls = {str(cfg): timed_call(q, k, v, out, lse, False, cfg, None) for cfg in configs}
                 ref = cudnn().float()
                 for name, call in calls.items():
                     out.fill_(float("nan"))

@@ -47,14 +47,13 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import statistics
 import time
 
 import torch
 
 from .harness import host_overhead_us, measure
 from .records import save_run
-from .report import environment_line, fmt_number
+from .report import environment_line, fmt_number, median_rounds
 
 BATCHES = (1, 8, 64, 256)
 KV_LENS = (1024, 4096, 32768)
@@ -256,18 +255,12 @@ def prefill_point(heads, kv_heads, block_sizes, reps, rounds=3, chunk=512, prefi
 
 
 def prefill_medians(records: list[dict]) -> list[dict]:
-    """One record per prefill implementation (h, hkv, impl, block_size, config): the first round's
-    fields with tflops and us the medians over its rounds, tflops_min / tflops_max their range and
-    rounds their count, in first-seen order."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in records:
-        if r["suite"] == "prefill_chunk":
-            groups.setdefault((r["h"], r["hkv"], r["impl"], r.get("block_size"), r.get("config")), []).append(r)
+    """One record per prefill implementation (report.median_rounds: its median round, in first-seen
+    order) with tflops_min / tflops_max the range of its rounds and rounds their count."""
     out = []
-    for rs in groups.values():
-        tflops = sorted(r["tflops"] for r in rs)
-        out.append(dict(rs[0], tflops=statistics.median(tflops), us=statistics.median(r["us"] for r in rs),
-                        tflops_min=tflops[0], tflops_max=tflops[-1], rounds=len(rs)))
+    for r in median_rounds([r for r in records if r["suite"] == "prefill_chunk"]):
+        spread = r.get("tflops_rounds", [r["tflops"]])
+        out.append(dict(r, tflops_min=min(spread), tflops_max=max(spread), rounds=r.get("rounds", 1)))
     return out
 
 

@@ -104,11 +104,13 @@ def plot(records: list[dict], x: str, series: str, value: str, path: str | Path,
 
 
 # The fields that name a benchmark point (a record lacking one has None there); the rest are results.
-MATCH_KEYS = ("suite", "impl", "pass", "b", "h", "hkv", "n", "nk", "d", "dtype", "causal")
+# (mode, block_size, config: the variant, paged-prefill and tuning records' points, absent elsewhere)
+MATCH_KEYS = ("suite", "impl", "pass", "b", "h", "hkv", "n", "nk", "d", "dtype", "causal", "mode", "block_size",
+              "config")
 
 
 def median_rounds(records: list[dict]) -> list[dict]:
-    """Records of repeated rounds (`bench attention --rounds`, field `round`) reduced to one per
+    """Records of repeated rounds (`bench attention / decode / variants --rounds`, field `round`) reduced to one per
     benchmark point (MATCH_KEYS): the round whose TFLOP/s is the median (the lower middle one for
     an even count), with `rounds` and every round's TFLOP/s added; a point where a round failed
     keeps that round's record. Records without `round` pass through unchanged, in order."""

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 
 import torch
 
 from ..api import hopper_kernels_forced
 from .harness import measure
 from .records import save_run
-from .report import environment_line, fmt_number
+from .report import environment_line, fmt_number, median_rounds
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -222,21 +221,18 @@ def render(records: list[dict]) -> str:
             dense = table.get("dense_plain", {}).get(mode, {}).get("ms")
             if mine and dense:
                 lines.append(f"\n{mode}: window / dense plain (same pairs) time {mine / dense:.3f} (target <= 1.2)")
-    over = [r for r in records if r["suite"] == "overhead"]
+    over = median_rounds([r for r in records if r["suite"] == "overhead"])  # each case's median round
     if over:
         lines += ["", "### variants against the plain kernel (dispatched): TFLOP/s, median of the rotated rounds (ratio to "
                   "plain; targets softcap/alibi >= 0.9, dropout >= 0.85)", "", "| N | causal | mode | plain | variant kernel, none | softcap | "
                   "alibi | dropout |", "|---|---|---|---|---|---|---|---|"]
         keys = sorted({(r["n"], r["causal"], r["mode"]) for r in over})
         for n, causal, mode in keys:
-            row: dict[str, list[float]] = {}  # impl -> TFLOP/s of each timing round
-            for r in over:
-                if (r["n"], r["causal"], r["mode"]) == (n, causal, mode) and r.get("status") == "ok":
-                    row.setdefault(r["impl"], []).append(r["tflops"])
-            plain = statistics.median(row["plain"]) if "plain" in row else None
+            row = {r["impl"]: r for r in over if (r["n"], r["causal"], r["mode"]) == (n, causal, mode)}
+            plain = row.get("plain", {}).get("tflops")
             cells = []
             for impl in ("plain", "variant_kernel_none", "softcap", "alibi", "dropout"):
-                t = statistics.median(row[impl]) if impl in row else None
+                t = row.get(impl, {}).get("tflops")
                 ratio = f" ({t / plain:.3f})" if t and plain and impl != "plain" else ""
                 cells.append(f"{fmt_number(t)}{ratio}")
             lines.append(f"| {n} | {causal} | {mode} | " + " | ".join(cells) + " |")
