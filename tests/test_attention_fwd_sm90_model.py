@@ -110,6 +110,42 @@ def test_stmatrix_addresses_match_the_tma_store_layout(head_dim):
         assert addr == panel * panel_bytes + tma_sw128_offset(row, col % 64), (row, col)
 
 
+# ---- paged K/V by cp.async (gather_kv): the chunks land where TMA's boxes put them ------------------
+def gather_copies(head_dim: int, block_n: int):
+    """Mirror of fwd90::gather_kv's indexing: for each instruction `it` and producer thread, the
+    (row, 16-byte chunk of the row) it copies and its destination (elements from the slot's start)."""
+    row_chunks = head_dim // 8
+    for it in range(block_n * row_chunks // 128):
+        for thread in range(128):
+            row, chunk = (it * 128 + thread) // row_chunks, thread % row_chunks
+            dst = ((chunk // 8) * block_n + row) * 64 + ((chunk % 8) ^ (row % 8)) * 8
+            yield it, thread, row, chunk, dst
+
+
+@pytest.mark.parametrize("head_dim", af.HEAD_DIMS)
+def test_gather_kv_fills_the_slot_as_the_tma_boxes_do(head_dim):
+    block_n = af.PAGED_DEFAULTS[(head_dim, False)].block_n
+    seen = {}
+    rows_of_instruction: dict[int, set[int]] = {}
+    for it, thread, row, chunk, dst in gather_copies(head_dim, block_n):
+        assert (row, chunk) not in seen, f"row {row} chunk {chunk} copied twice"
+        seen[(row, chunk)] = dst
+        rows_of_instruction.setdefault(it, set()).add(row)
+        for e in range(8):  # the chunk's 8 elements, columns 8 chunk + e
+            col = 8 * chunk + e
+            assert 2 * (dst + e) == tma_panel_addr(0, block_n, row, col), (row, col)
+    assert len(seen) == block_n * head_dim // 8
+    for it, rows in rows_of_instruction.items():  # one cache block (>= 16 rows) per instruction
+        assert len({r // 16 for r in rows}) == 1, f"instruction {it} spans rows {sorted(rows)}"
+    # a warp's 32 copies of one instruction are whole rows (d / 8 <= 32 chunks each): contiguous reads
+    warps: dict[tuple[int, int], set[tuple[int, int]]] = {}
+    for it, thread, row, chunk, _ in gather_copies(head_dim, block_n):
+        warps.setdefault((it, thread // 32), set()).add((row, chunk))
+    for copies in warps.values():
+        rows = {r for r, _ in copies}
+        assert copies == {(r, c) for r in rows for c in range(head_dim // 8)}
+
+
 # ---- wgmma operand descriptors against the TMA layout ------------------------------------------------
 # The canonical layouts a wgmma descriptor describes (PTX "Shared Memory Matrix Layout"; CUTLASS
 # make_gmma_desc, in 16-byte units), with the 128-byte swizzle applied to the final byte address
@@ -1320,6 +1356,9 @@ def test_packed_plans_refuse_bad_arguments_before_any_launch():
         af.PagedPlan(q, cache[:0], cache[:0], table, **kw)
     with pytest.raises(ValueError, match="v_cache"):
         af.PagedPlan(q, cache, cache.half(), table, **kw)
+    other_layout = torch.zeros(6, 2, 16, 64, dtype=torch.bfloat16).permute(0, 2, 1, 3)  # same shape, other strides
+    with pytest.raises(ValueError, match="same strides"):
+        af.PagedPlan(q, cache, other_layout, table, **kw, gather=True)
     assert not af.supports_paged(128, torch.bfloat16, block_size=16, max_seqlen_q=1, batch=64, heads=32, kv_heads=8)
     assert af.supports_paged(128, torch.bfloat16, block_size=16, max_seqlen_q=512, batch=4, heads=32, kv_heads=8)
     assert not af.supports_paged(128, torch.bfloat16, block_size=8, max_seqlen_q=512, batch=4, heads=32, kv_heads=8)

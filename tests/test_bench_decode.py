@@ -68,6 +68,8 @@ def test_parse_args_sweep_defaults_and_points():
                               "--block-sizes", "16", "--reps", "10"])
     assert args.points == [(32, 8, 8, 4096), (32, 32, 1, 32768)]
     assert args.splits == (4, 8) and args.block_sizes == (16,) and args.reps == 10
+    prefill = decode.parse_args(["--prefill-only", "--block-sizes", "16", "32", "16"])
+    assert prefill.block_sizes == (16, 32) and not prefill.sweep
     plain = decode.parse_args(["--quick", "--no-prefill"])  # without --sweep: the bench as before
     assert not plain.sweep and plain.points is None and plain.quick
 
@@ -80,6 +82,8 @@ def test_parse_args_sweep_defaults_and_points():
     (["--sweep", "--block-sizes", "24"], "--block-sizes"),
     (["--sweep", "--block-sizes", "512"], "--block-sizes"),
     (["--points", "32/8:8:4096"], "--sweep"),  # sweep options without --sweep
+    (["--block-sizes", "16"], "--prefill-only"),  # block sizes without --sweep or --prefill-only
+    (["--prefill-only", "--block-sizes", "48"], "--block-sizes"),
     (["--sweep", "--reps", "0"], "--reps"),
     (["--sweep", "--points", "32/8:8:1000"], "--points"),  # KV not whole blocks of 16
     (["--rounds", "0"], "--rounds"),

@@ -1,6 +1,7 @@
 """`tileattn bench decode`: paged decode and chunked prefill, tileattn beside SDPA on the same work.
 
-    tileattn bench decode [--quick] [--json PATH] [--markdown PATH] [--reps N] [--rounds R] [--prefill-only]
+    tileattn bench decode [--quick] [--json PATH] [--markdown PATH] [--reps N] [--rounds R]
+                          [--prefill-only [--block-sizes BS ...]]
     tileattn bench decode --sweep [--points H/HKV:B:KV ...] [--splits S ...] [--block-sizes BS ...] [--reps N]
 
 Decode (issue #10): one query token per sequence, bf16, d=128, H/Hkv = 32/32 and 32/8,
@@ -20,7 +21,9 @@ forward (tileattn.attention with Nq=512, Nk=4608) on the same work; TFLOP/s of u
 table's, when the arch's differs, and the family's tuning candidates) are timed on the same work
 through the launch layer (impl tileattn_paged_tile, the tile in its column). On sm_90a
 attention_paged runs the Hopper paged prefill at the block sizes dispatch.SM90_PAGED_PREFILL lists;
-at the others it is also timed forced on (impl tileattn_paged_sm90; api.hopper_kernels_forced). SDPA is not
+at the others it is also timed forced on (impl tileattn_paged_sm90; api.hopper_kernels_forced), and where it
+is dispatched, with its other K/V load path too (impl tileattn_paged_sm90_cp_async or _tma: the
+producer's cp.async gather or TMA boxes, attention_fwd_sm90.GATHER_MAX_BLOCK_SIZE). SDPA is not
 a peer there: its is_causal is aligned top-left, which is a different mask when Nq < Nk. The
 prefill implementations are timed in --rounds rounds (default 3) in rotated order and each one's
 median is reported (prefill_point says why).
@@ -231,6 +234,16 @@ def prefill_point(heads, kv_heads, block_sizes, reps, rounds=3, chunk=512, prefi
             config = "attention_fwd_sm90" if hopper else pick_config(HEAD_DIM, chunk * heads // kv_heads, device_arch())
             calls[f"paged {bs}"] = (dict(base, impl="tileattn_paged", block_size=bs, config=str(config),
                                          rel_err_vs_dense=rel_err(call(), ref)), call)
+            if hopper:  # the other K/V load path of the Hopper paged prefill (TMA boxes / cp.async)
+                from ..kernels.attention_fwd_sm90 import GATHER_MAX_BLOCK_SIZE, PagedPlan
+
+                gather = bs > GATHER_MAX_BLOCK_SIZE  # the dispatched plan gathers up to GATHER_MAX_BLOCK_SIZE
+                other = PagedPlan(q_packed, k_cache, v_cache, table, max_seqlen_q=chunk, causal=True,
+                                  scale=1 / math.sqrt(HEAD_DIM), return_lse=False, gather=gather)
+                run = functools.partial(other, q_packed, k_cache, v_cache, table, cu_q, seqlens)
+                name = "tileattn_paged_sm90_" + ("cp_async" if gather else "tma")
+                calls[f"paged other load {bs}"] = (dict(base, impl=name, block_size=bs, config=str(other.config),
+                                                        rel_err_vs_dense=rel_err(run()[0], ref)), run)
             if device_arch() == "sm_90a" and not hopper:  # the Hopper paged prefill where it is not dispatched
                 run = functools.partial(forced, call)
                 calls[f"paged sm90 {bs}"] = (dict(base, impl="tileattn_paged_sm90", block_size=bs,
@@ -592,7 +605,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--splits", nargs="+", type=int, metavar="S",
                     help=f"--sweep forced split counts, beside the automatic one (default: {SWEEP_SPLITS})")
     ap.add_argument("--block-sizes", nargs="+", type=int, metavar="BS",
-                    help=f"--sweep block sizes (default: {QUICK['block_sizes']})")
+                    help=f"--sweep or --prefill-only block sizes (default: {QUICK['block_sizes']})")
     args = ap.parse_args(argv)
     if args.reps < 1:
         ap.error(f"--reps must be >= 1, got {args.reps}")
@@ -600,9 +613,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.prefill_only and (args.no_prefill or args.sweep):
         ap.error("--prefill-only goes without --no-prefill and --sweep")
+    if args.block_sizes is not None:
+        if not (args.sweep or args.prefill_only):
+            ap.error("--block-sizes goes with --sweep or --prefill-only")
+        args.block_sizes = tuple(dict.fromkeys(args.block_sizes))
+        if any(bs < 16 or bs > 256 or bs & (bs - 1) for bs in args.block_sizes):
+            ap.error(f"--block-sizes must be powers of two in 16..256, got {list(args.block_sizes)}")
     if not args.sweep:
-        if args.points or args.splits or args.block_sizes:
-            ap.error("--points, --splits and --block-sizes go with --sweep")
+        if args.points or args.splits:
+            ap.error("--points and --splits go with --sweep")
         return args
     try:
         args.points = [parse_point(p) for p in args.points] if args.points else quick_points()
@@ -611,9 +630,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.splits = tuple(dict.fromkeys(args.splits or SWEEP_SPLITS))
     if min(args.splits) < 1:
         ap.error(f"--splits must be >= 1, got {list(args.splits)}")
-    args.block_sizes = tuple(dict.fromkeys(args.block_sizes or QUICK["block_sizes"]))
-    if any(bs < 16 or bs > 256 or bs & (bs - 1) for bs in args.block_sizes):
-        ap.error(f"--block-sizes must be powers of two in 16..256, got {list(args.block_sizes)}")
+    args.block_sizes = args.block_sizes or QUICK["block_sizes"]
     ragged = [p for p in args.points if any(p[3] % bs for bs in args.block_sizes)]
     if ragged:  # the cache is the dense K/V cut into whole blocks
         ap.error(f"--points: KV {ragged[0][3]} is not a multiple of every block size {list(args.block_sizes)}")
@@ -643,7 +660,7 @@ def main(argv=None) -> int:
         return 0
     batches = QUICK["batches"] if args.quick else BATCHES
     kv_lens = QUICK["kv_lens"] if args.quick else KV_LENS
-    block_sizes = QUICK["block_sizes"] if args.quick else BLOCK_SIZES
+    block_sizes = args.block_sizes or (QUICK["block_sizes"] if args.quick else BLOCK_SIZES)
     records: list[dict] = []
     for heads, kv_heads in HEADS:
         for batch in () if args.prefill_only else batches:
