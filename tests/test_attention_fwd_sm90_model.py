@@ -112,38 +112,35 @@ def test_stmatrix_addresses_match_the_tma_store_layout(head_dim):
 
 # ---- paged K/V by cp.async (gather_kv): the chunks land where TMA's boxes put them ------------------
 def gather_copies(head_dim: int, block_n: int):
-    """Mirror of fwd90::gather_kv's indexing: for each instruction `it` and producer thread, the
-    (row, 16-byte chunk of the row) it copies and its destination (elements from the slot's start)."""
-    row_chunks = head_dim // 8
-    for it in range(block_n * row_chunks // 128):
-        for thread in range(128):
-            row, chunk = (it * 128 + thread) // row_chunks, thread % row_chunks
-            dst = ((chunk // 8) * block_n + row) * 64 + ((chunk % 8) ^ (row % 8)) * 8
-            yield it, thread, row, chunk, dst
+    """Mirror of fwd90::gather_rows / gather_kv's indexing: for each producer thread, pass p and
+    copy j, the (row, 16-byte chunk of the row) it copies and its destination (elements from the
+    slot's start)."""
+    for thread in range(128):
+        for p in range(block_n // 64):
+            row, half = 64 * p + thread // 2, thread % 2
+            for j in range(head_dim // 16):
+                chunk = 2 * j + half
+                dst = row * 64 + (chunk // 8) * block_n * 64 + ((chunk % 8) ^ (row % 8)) * 8
+                yield thread, p, j, row, chunk, dst
 
 
 @pytest.mark.parametrize("head_dim", af.HEAD_DIMS)
 def test_gather_kv_fills_the_slot_as_the_tma_boxes_do(head_dim):
     block_n = af.PAGED_DEFAULTS[(head_dim, False)].block_n
     seen = {}
-    rows_of_instruction: dict[int, set[int]] = {}
-    for it, thread, row, chunk, dst in gather_copies(head_dim, block_n):
+    for _, _, _, row, chunk, dst in gather_copies(head_dim, block_n):
         assert (row, chunk) not in seen, f"row {row} chunk {chunk} copied twice"
         seen[(row, chunk)] = dst
-        rows_of_instruction.setdefault(it, set()).add(row)
         for e in range(8):  # the chunk's 8 elements, columns 8 chunk + e
-            col = 8 * chunk + e
-            assert 2 * (dst + e) == tma_panel_addr(0, block_n, row, col), (row, col)
+            assert 2 * (dst + e) == tma_panel_addr(0, block_n, row, 8 * chunk + e), (row, 8 * chunk + e)
     assert len(seen) == block_n * head_dim // 8
-    for it, rows in rows_of_instruction.items():  # one cache block (>= 16 rows) per instruction
-        assert len({r // 16 for r in rows}) == 1, f"instruction {it} spans rows {sorted(rows)}"
-    # a warp's 32 copies of one instruction are whole rows (d / 8 <= 32 chunks each): contiguous reads
-    warps: dict[tuple[int, int], set[tuple[int, int]]] = {}
-    for it, thread, row, chunk, _ in gather_copies(head_dim, block_n):
-        warps.setdefault((it, thread // 32), set()).add((row, chunk))
+    # one instruction (p, j) of a warp: 16 rows, each one whole 32-byte sector (a lane pair's chunks)
+    warps: dict[tuple[int, int, int], set[tuple[int, int]]] = {}
+    for thread, p, j, row, chunk, _ in gather_copies(head_dim, block_n):
+        warps.setdefault((thread // 32, p, j), set()).add((row, chunk))
     for copies in warps.values():
-        rows = {r for r, _ in copies}
-        assert copies == {(r, c) for r in rows for c in range(head_dim // 8)}
+        assert len(copies) == 32 and all((row, chunk ^ 1) in copies for row, chunk in copies)
+        assert len({row for row, _ in copies}) == 16
 
 
 # ---- wgmma operand descriptors against the TMA layout ------------------------------------------------

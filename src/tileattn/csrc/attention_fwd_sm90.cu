@@ -398,34 +398,44 @@ __device__ __forceinline__ void page_mask(float (&s)[kBlockN / 2], int n, int t,
 // lanes of the producer warp after 16 table reads, and that kernel read 0.84-0.86x the dense forward
 // against 0.93-0.97x at block_size 256 (docs/attention_paged.md, session 19). FlashAttention-3 loads
 // pages smaller than its tile with cp.async from every producer thread instead. Here the 128
-// producer threads copy a K or V block as kBlockN x d / 8 16-byte chunks: chunk it * 128 + thread
-// is (row, chunk of the row), d / 8 consecutive threads cover one row, so one warp instruction reads
-// whole rows (512 contiguous bytes at d = 128 for a warp: 2 rows) and the block is kBlockN d / 1024
-// instructions per thread (16 at d = 128 x 128 keys). Each chunk lands where TMA's 128-byte swizzle
-// puts it (panel chunk / 8, 16-byte slot (chunk % 8) ^ (row % 8) of the row's 128 bytes), so the
-// consumers' wgmma descriptors are unchanged. The rows of one instruction (128 / (d / 8) <= 16,
-// aligned) lie in one cache block (block_size >= 16): one table read per instruction and thread,
-// an L1 hit shared by the row's threads. A key past the length or the table's capacity, or in a bad
-// block, is zero-filled (source size 0), like TMA's out-of-bound box, and never dereferenced.
-// Completion: each thread's cp.async.mbarrier.arrive.noinc fires once its own copies have landed
-// (the full barriers then expect 128 arrivals and no bytes). cp.async writes shared memory through
-// the generic proxy and wgmma reads it through the async proxy, so each consumer thread fences
-// (fence.proxy.async) after its full-barrier wait, before its wgmmas read the slot.
-template <int kHeadDim, int kBlockN>
-__device__ __forceinline__ void gather_kv(u16* slot, const u16* cache, const GatherKV& gk, const Packed& pk, int batch,
-                                          int key0, int nk, int kv_head, int thread) {
-  constexpr int kRowChunks = kHeadDim / 8;  // 16-byte chunks per row
-  static_assert((kBlockN * kRowChunks) % 128 == 0 && 128 / kRowChunks <= 16,
-                "whole instructions of 128 copies, each within one 16-row cache block");
-  const u16* head = cache + kv_head * gk.sh;
-#pragma unroll 4
-  for (int it = 0; it < kBlockN * kRowChunks / 128; ++it) {
-    const int row = (it * 128 + thread) / kRowChunks, chunk = thread % kRowChunks;
-    const int key = key0 + row;
+// producer threads copy a K or V block: thread x owns rows 64 p + x / 2 (p < kBlockN / 64) and, of
+// each, the 16-byte chunks 2 j + x % 2 (j < d / 16), so a lane pair reads one whole 32-byte sector
+// per instruction and a warp 16 rows' sectors. A row's cache address (gather_rows: one table read)
+// serves its K and its V copies (k_cache and v_cache share strides), and its copies differ by
+// immediate offsets: about d / 16 copies per row and tensor, a few instructions each. Each chunk
+// lands where TMA's 128-byte swizzle puts it (panel chunk / 8, 16-byte slot (chunk % 8) ^ (row % 8)
+// of the row's 128 bytes), so the consumers' wgmma descriptors are unchanged. A key past the length
+// or the table's capacity, or in a bad block, is zero-filled (source size 0), like TMA's
+// out-of-bound box, and never dereferenced. Completion: each thread's
+// cp.async.mbarrier.arrive.noinc fires once its own copies have landed (the full barriers then
+// expect 128 arrivals and no bytes). cp.async writes shared memory through the generic proxy and
+// wgmma reads it through the async proxy, so each consumer thread fences (fence.proxy.async) after
+// its full-barrier wait, before its wgmmas read the slot.
+template <int kBlockN>
+__device__ __forceinline__ void gather_rows(int64_t (&row_off)[kBlockN / 64], const GatherKV& gk, const Packed& pk,
+                                            int batch, int key0, int nk, int kv_head, int thread) {
+#pragma unroll
+  for (int p = 0; p < kBlockN / 64; ++p) {
+    const int key = key0 + 64 * p + thread / 2;
     const int block = page_block(pk, batch, key, nk);
-    const bool valid = block < pk.num_blocks;
-    const u16* src = valid ? head + block * gk.sb + (key & ((1 << pk.log2_bs) - 1)) * gk.sr + chunk * 8 : cache;
-    cp_async_16(slot + ((chunk / 8) * kBlockN + row) * kPanel + ((chunk % 8) ^ (row % 8)) * 8, src, valid);
+    row_off[p] = block < pk.num_blocks ? block * gk.sb + (key & ((1 << pk.log2_bs) - 1)) * gk.sr + kv_head * gk.sh : -1;
+  }
+}
+template <int kHeadDim, int kBlockN>
+__device__ __forceinline__ void gather_kv(u16* slot, const u16* cache, const int64_t (&row_off)[kBlockN / 64],
+                                          int thread) {
+  static_assert(kBlockN % 64 == 0, "whole 64-row passes of the 128 producer threads");
+#pragma unroll
+  for (int p = 0; p < kBlockN / 64; ++p) {
+    const int row = 64 * p + thread / 2, half = thread % 2;
+    const bool valid = row_off[p] >= 0;
+    const u16* src = cache + (valid ? row_off[p] : 0) + 8 * half;
+    u16* const dst = slot + row * kPanel;
+#pragma unroll 4
+    for (int j = 0; j < kHeadDim / 16; ++j) {
+      const int chunk = 2 * j + half;
+      cp_async_16(dst + (chunk / 8) * kBlockN * kPanel + ((chunk % 8) ^ (row % 8)) * 8, src + 16 * j, valid);
+    }
   }
 }
 
@@ -945,11 +955,12 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
           const u32 refill_parity = ((g / kStages) - 1) & 1;
           if constexpr (kGatherKV) {
 #pragma unroll
+            int64_t row_off[kBlockN / 64];  // this thread's rows in the caches (or -1: zero-filled)
+            gather_rows<kBlockN>(row_off, gk, vl, tile.batch, n * kBlockN, span.nk, kv_head, producer_lane);
             for (int pass = 0; pass < 2; ++pass) {  // K, then V
               if (g >= kStages) s9::mbar_wait(pass == 0 ? &k_empty[s] : &v_empty[s], refill_parity);
               gather_kv<kHeadDim, kBlockN>((pass == 0 ? sK : sV) + s * kPanels * kBlockN * kPanel,
-                                           pass == 0 ? gk.k_cache : gk.v_cache, gk, vl, tile.batch, n * kBlockN,
-                                           span.nk, kv_head, producer_lane);
+                                           pass == 0 ? gk.k_cache : gk.v_cache, row_off, producer_lane);
               s9::mbar_arrive_cp_async(pass == 0 ? &k_full[s] : &v_full[s]);
             }
             continue;
