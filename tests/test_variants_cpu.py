@@ -314,8 +314,13 @@ def test_sm90_variant_instantiations_cover_every_flag_set():
     wide = [e for e in k90.INSTANTIATIONS if e.endswith(", 3>")]
     assert len(wide) == 2 * len(k90.WIDE_DEFAULTS) == 8, wide
     assert not set(plain) & set(exprs), plain
+    # ALiBi alone also at the non-causal three-consumer tiles (d = 64, 128, both dtypes): kConsumers 3, kVariant 4.
+    alibi_wide = k90.ALIBI_WIDE_INSTANTIATIONS
+    assert len(alibi_wide) == len(set(alibi_wide)) == 4 and set(alibi_wide) <= set(k90.INSTANTIATIONS), alibi_wide
+    assert all(e.startswith(tuple(w[:-1] + f", {k90.ALIBI}, const float*" for w in wide if ", false, false, " in w))
+               for e in alibi_wide), alibi_wide
     assert all(e.startswith(tuple(p[:-1] + ", 2, " for p in plain)) for e in k90.INSTANTIATIONS
-               if e not in plain and e not in wide)
+               if e not in plain and e not in wide and e not in alibi_wide)
 
 
 @pytest.mark.parametrize(
