@@ -4,6 +4,7 @@ work). The kernels themselves are tested in tests/gpu/test_attention_variants.py
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import random
@@ -314,8 +315,13 @@ def test_sm90_variant_instantiations_cover_every_flag_set():
     wide = [e for e in k90.INSTANTIATIONS if e.endswith(", 3>")]
     assert len(wide) == 2 * len(k90.WIDE_DEFAULTS) == 8, wide
     assert not set(plain) & set(exprs), plain
+    # ALiBi alone also at the non-causal three-consumer tiles (d = 64, 128, both dtypes): kConsumers 3, kVariant 4.
+    alibi_wide = k90.ALIBI_WIDE_INSTANTIATIONS
+    assert len(alibi_wide) == len(set(alibi_wide)) == 4 and set(alibi_wide) <= set(k90.INSTANTIATIONS), alibi_wide
+    assert all(e.startswith(tuple(w[:-1] + f", {k90.ALIBI}, const float*" for w in wide if ", false, false, " in w))
+               for e in alibi_wide), alibi_wide
     assert all(e.startswith(tuple(p[:-1] + ", 2, " for p in plain)) for e in k90.INSTANTIATIONS
-               if e not in plain and e not in wide)
+               if e not in plain and e not in wide and e not in alibi_wide)
 
 
 @pytest.mark.parametrize(
@@ -334,6 +340,68 @@ def test_sm90_variant_flags(window, softcap, alibi, expected):
 
     va = attention_fwd_sm80.VariantArgs(*window, softcap, alibi, 0.0)
     assert attention_fwd_sm90.variant_flags(va) == expected, va
+
+
+def test_sm90_variant_config_gives_alibi_alone_the_plain_wide_tile():
+    """variant_config: ALiBi alone (non-causal) takes the plain non-causal kernel's default tile where
+    that is the three-consumer one (from WIDE_MIN_QUERIES[d] queries, where GQA packing allows 192-row
+    tiles); every other flag set, and ALiBi alone elsewhere, VARIANT_DEFAULTS' tile (never
+    LONG_DEFAULTS'). Whatever it picks must be a registered instantiation."""
+    from dataclasses import replace
+
+    from tileattn.kernels import attention_fwd_sm90 as k90
+
+    registered = set(k90.INSTANTIATIONS)
+    widened = 0
+    for d in k90.HEAD_DIMS:
+        flag_sets = (*range(1, 8), *k90.DROPOUT_FLAG_SETS[d])  # the registered sets (dropout: per head dim)
+        variant_tile = replace(k90.VARIANT_DEFAULTS[d], persistent=d in k90.PERSISTENT_HEAD_DIMS)
+        switch = k90.WIDE_MIN_QUERIES.get(d, 2048)
+        for nq in (None, 1, 129, switch - 1, switch, switch + 76, 1 << 16):
+            for nk in (1, 4096, k90.LONG_KEYS, 1 << 16):
+                for heads, kv_heads in ((1, 1), (32, 32), (32, 8), (8, 1), (6, 2), (3, 1), (24, 2)):
+                    group = heads // kv_heads
+                    for pack_gqa in (None, False, True):
+                        kw = dict(seqlen_q=nq, heads=heads, kv_heads=kv_heads, pack_gqa=pack_gqa)
+                        plain = k90.default_config(d, False, nk, **kw)
+                        for flags in flag_sets:
+                            got = k90.variant_config(d, flags, nk, **kw)
+                            what = (d, flags, nq, nk, heads, kv_heads, pack_gqa, str(got))
+                            if flags == k90.ALIBI and plain.consumers == 3:
+                                assert got == plain, what
+                                # the plain kernel's switch: WIDE_MIN_QUERIES, a packing that fits 192 rows
+                                assert nq is None or nq >= k90.WIDE_MIN_QUERIES[d], what
+                                packs = (pack_gqa and group > 1) if pack_gqa is not None else (
+                                    nq is not None and k90.gqa_pack(heads, kv_heads, nq) > 1)
+                                assert not packs or k90.packable(group, 192), what
+                                widened += 1
+                            else:
+                                assert got == variant_tile, what
+                            assert got.persistent == (d in k90.PERSISTENT_HEAD_DIMS), what
+                            assert k90.variant_expression(d, got, False, flags) in registered, what
+                            assert k90.variant_expression(d, got, True, flags) in registered, what
+    assert widened > 0
+    # the switch itself, MHA and GQA 3 (packs 3 heads x 64 positions into 192 rows), and where it stays narrow
+    for d in (64, 128):
+        n = k90.WIDE_MIN_QUERIES[d]
+        wide = replace(k90.WIDE_DEFAULTS[(d, False)], persistent=True)
+        narrow = replace(k90.VARIANT_DEFAULTS[d], persistent=True)
+        assert (wide.consumers, narrow.consumers) == (3, 2)
+        for heads, kv_heads in ((4, 4), (3, 1)):
+            pick = functools.partial(k90.variant_config, d, k90.ALIBI, n + 76, heads=heads, kv_heads=kv_heads)
+            assert pick(seqlen_q=n - 1) == narrow and pick(seqlen_q=n) == wide and pick(seqlen_q=n + 76) == wide
+            if heads > kv_heads:
+                assert pick(seqlen_q=n + 76, pack_gqa=True) == wide
+        assert k90.gqa_pack(3, 1, n + 76, 192) == 3  # GQA 3 past the switch: packed on the wide tile
+        assert k90.variant_config(d, k90.ALIBI, seqlen_q=n, heads=32, kv_heads=8, pack_gqa=True) == narrow
+        assert k90.variant_config(d, k90.ALIBI | k90.WINDOW, seqlen_q=n) == narrow  # causal ALiBi: windowed
+        assert k90.variant_config(d, k90.ALIBI | k90.SOFTCAP, seqlen_q=n) == narrow
+    # three consumers: ALiBi alone and the varlen layout only among the flavoured kernels
+    cfg = k90.WIDE_DEFAULTS[(128, False)]
+    for flags in (*range(1, 8), *k90.DROPOUT_FLAG_SETS[128]):
+        if flags != k90.ALIBI:
+            with pytest.raises(ValueError, match="three-consumer"):
+                k90.variant_expression(128, cfg, True, flags)
 
 
 def test_variant_forward_routing():
@@ -465,8 +533,9 @@ def test_sm90_alibi_one_sided_blocks_give_the_exact_bias():
     f32 = np.float32
     one_sided = 0
     for _ in range(400):
-        block_n = int(rng.choice([64, 128]))
-        rows = int(rng.choice([128, 64, 16, 1]))
+        block_n = int(rng.choice([64, 80, 128]))
+        block_m = int(rng.choice([128, 192]))  # two or three consumer warpgroups (ALiBi alone has both)
+        rows = int(rng.choice([block_m, 64, 16, 1]))
         nq, nk = int(rng.integers(1, 3000)), int(rng.integers(1, 3000))
         diag = nk - nq
         m_block = int(rng.integers(0, (nq + rows - 1) // rows))
@@ -483,7 +552,7 @@ def test_sm90_alibi_one_sided_blocks_give_the_exact_bias():
             assert (dists <= 0).all(), (block_n, rows, nq, nk, m_block, n)
         one_sided += side != 0
         for g in (0, 3, 7):
-            r0 = int(rng.integers(0, 8)) * 16 + g  # a warp's row g of one of the 8 warps
+            r0 = int(rng.integers(0, block_m // 16)) * 16 + g  # a warp's row g of one of the consumers' warps
             pos = [m_block * rows + r0 % rows, m_block * rows + (r0 + 8) % rows]
             row_max = [[], []]  # per thread t of the quad: max of its shifted scores (what quad_max takes)
             true_max = [-np.inf, -np.inf]

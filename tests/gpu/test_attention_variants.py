@@ -533,9 +533,10 @@ def _sm90_variant_args(q, causal, opts):
     return attention_fwd_sm80.VariantArgs(left, right, dr.check_softcap(opts.get("softcap")), sb, 0.0)
 
 
-def run_sm90(q, k, v, causal, opts, *, pack_gqa=None):
+def run_sm90(q, k, v, causal, opts, *, pack_gqa=None, config=None, want_consumers=None):
     """(out, lse) of the Hopper variant forward, outputs poisoned with NaN; checks the plan runs a
-    variant instantiation (or, for a call with nothing on, the plain kernel)."""
+    variant instantiation (or, for a call with nothing on, the plain kernel). `config` forces a tile;
+    `want_consumers`: the consumer warpgroups the plan's tile must have."""
     from tileattn.kernels import attention_fwd_sm90
 
     slopes = opts.get("alibi_slopes")
@@ -543,15 +544,16 @@ def run_sm90(q, k, v, causal, opts, *, pack_gqa=None):
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device=q.device, dtype=torch.float32)
     plan = attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=False, scale=q.shape[-1] ** -0.5,
-                                          pack_gqa=pack_gqa, variants=va)
+                                          config=config, pack_gqa=pack_gqa, variants=va)
     assert plan.variant_values == (attention_fwd_sm90.variant_flags(va) != 0)
+    assert want_consumers is None or plan.config.consumers == want_consumers, plan.config
     plan.launch(q, k, v, out, lse, 0 if slopes is None else slopes.data_ptr(), 0, 0)
     torch.cuda.synchronize()
     return out, lse
 
 
-def check_sm90(q, k, v, causal, opts, dtype, what, *, pack_gqa=None):
-    got = run_sm90(q, k, v, causal, opts, pack_gqa=pack_gqa)
+def check_sm90(q, k, v, causal, opts, dtype, what, *, pack_gqa=None, config=None, want_consumers=None):
+    got = run_sm90(q, k, v, causal, opts, pack_gqa=pack_gqa, config=config, want_consumers=want_consumers)
     q64, k64, v64 = (t.double() for t in (q, k, v))
     ref = reference.attention(q64, k64, v64, causal, compute_dtype=F64, **opts)
     check((got[0], got[1], None), (ref[0], ref[1], None), dtype, what, grads=False)
@@ -601,6 +603,24 @@ def test_sm90_variants_take_the_variant_tile_at_any_length(d):
     va = _sm90_variant_args(q, True, {"window": (300, -1)})
     plan = af.ForwardPlan(q, k, v, out, lse, causal=False, scale=d ** -0.5, variants=va)
     assert plan.config == replace(af.VARIANT_DEFAULTS[d], persistent=d in af.PERSISTENT_HEAD_DIMS), plan.config
+
+
+@needs_sm90
+@pytest.mark.parametrize("h, hkv", [(2, 2), (3, 1)], ids=["MHA", "GQA3"])
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_alibi_alone_takes_the_wide_tile_past_the_switch(d, dtype, h, hkv):
+    """ALiBi alone (non-causal) runs the plain kernel's three-consumer tile from WIDE_MIN_QUERIES[d]
+    queries on (variant_config); GQA 3 packs three heads x 64 positions into its 192 rows. Nk about
+    Nq / 2: the tiles see keys on both sides of their diagonal (one-sided blocks of both signs)."""
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    nq = af.WIDE_MIN_QUERIES[d] + 76
+    nk = nq // 2 + 37
+    assert hkv == h or af.gqa_pack(h, hkv, nq, 192) == 3
+    q, k, v, _ = make(1, h, hkv, nq, nk, d, dtype, seed=d + nq + h)
+    check_sm90(q, k, v, False, _opts({"alibi": "h"}, 1, h), dtype,
+               f"sm90 ALiBi alone d={d} {dtype} H={h}/{hkv} Nq={nq} Nk={nk}", want_consumers=3)
 
 
 @needs_sm90
@@ -668,3 +688,21 @@ def test_sm90_sanitize_small(case, nq, nk, pack_gqa):
     q, k, v, _ = make(b, h, hkv, nq, nk, d, FP16, seed=13 + nq)
     check_sm90(q, k, v, causal, _opts(options, b, h), FP16, f"sm90 sanitize {case} Nq={nq} Nk={nk}",
                pack_gqa=pack_gqa)
+
+
+@needs_sm90
+@pytest.mark.sanitize
+@pytest.mark.parametrize("h, hkv, nq, nk", [(2, 2, 200, 70), (3, 1, 70, 200)], ids=["MHA_200x70", "GQA3_70x200"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_alibi_wide_sanitize_small(d, h, hkv, nq, nk):
+    """The three-consumer ALiBi-alone kernel (ALIBI_WIDE, forced) on small shapes: 200 queries are a
+    full 192-row tile and one of 8 rows (its first consumer's 8, the other two wholly past Nq); GQA 3
+    packed, 70 queries are two tiles of 3 heads x 64 positions (the second with 6 per head)."""
+    from dataclasses import replace
+
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    cfg = replace(af.ALIBI_WIDE[d], persistent=True)
+    q, k, v, _ = make(1, h, hkv, nq, nk, d, FP16, seed=17 + nq + d)
+    check_sm90(q, k, v, False, _opts({"alibi": "h"}, 1, h), FP16, f"sm90 sanitize ALiBi wide d={d} Nq={nq} Nk={nk}",
+               pack_gqa=True if hkv < h else None, config=cfg, want_consumers=3)

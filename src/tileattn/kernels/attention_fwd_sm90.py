@@ -3,8 +3,9 @@
 Same tensors and contract as attention_fwd_sm80.launch_forward: q [B, H, Nq, d], k/v
 [B, Hkv, Nk, d], out [B, H, Nq, d] (one 16-bit dtype), lse [B, H, Nq] fp32 contiguous, natural
 log. Every CTA has 128 query rows (two consumer warpgroups of 64; 192 with three, a config of the
-plain dense kernel at d = 64 and 128 and of the varlen kernel) and a producer warpgroup; the config is the K/V block (kBlockN keys,
-the N of S = Q K^T), the depth of the K/V rings and the consumer count.
+plain dense kernel at d = 64 and 128, of ALiBi alone there and of the varlen kernel) and a producer
+warpgroup; the config is the K/V block (kBlockN keys, the N of S = Q K^T), the depth of the K/V
+rings and the consumer count.
 
 GQA packing: with H / Hkv = G query heads per K/V head, a tile may hold G heads x 128 / G
 positions instead of 128 positions of one head, so that each K/V block is read once for all G
@@ -58,7 +59,8 @@ class Sm90Config:
     """block_n keys per K/V block (the wgmma N of S = Q K^T: 64, 80, 96, 128, 176, 192 or 256), ring stages,
     whether the two consumer warpgroups take turns issuing their GEMMs (ping-pong), and whether the
     grid is persistent (one CTA per SM walking the tiles; otherwise one CTA per tile), and the
-    consumer warpgroups (2, or 3 for the plain dense kernel without ping-pong: 192-row tiles).
+    consumer warpgroups (2, or 3 without ping-pong: 192-row tiles; the plain dense and varlen kernels and
+    ALiBi alone).
     `persistent` is a launch choice only: both grids run the same compiled kernel."""
 
     block_n: int
@@ -141,7 +143,7 @@ PERSISTENT_HEAD_DIMS = (64, 128)
 #   causal     N = 2048 486 / 453 / 451 / 461 (465), 4096 570 / 528 / 538 / 546 (532), 8192 599 / 602 / 598 / 627 (571)
 # so 192 x 80 / s3 from 8192 queries on.
 # Where GQA packing needs a 128-row tile (see default_config) the two-consumer tile stays. Varlen,
-# paged and variant kernels keep two consumers (DEFAULTS).
+# paged and variant kernels keep two consumers (DEFAULTS), except ALiBi alone (ALIBI_WIDE, variant_config).
 WIDE_DEFAULTS: dict[tuple[int, bool], Sm90Config] = {(64, False): C(128, 2, consumers=3),
                                                      (64, True): C(128, 3, consumers=3),
                                                      (128, False): C(80, 3, consumers=3),
@@ -217,19 +219,47 @@ def expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool) -> s
 
 def _flavour_expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool, variant: int,
                         param_types: str) -> str:
-    """A variant / varlen / paged instantiation: kConsumers (3 only for the varlen layout: the paged
-    and variant kernels have no three-consumer form), kVariant, then the trailing parameters' types."""
-    if config.consumers != 2 and variant != VARLEN:
-        raise ValueError(f"{config}: only the dense and varlen kernels have a three-consumer form")
+    """A variant / varlen / paged instantiation: kConsumers (3 only for the varlen layout and ALiBi
+    alone: the paged kernel and the other variant sets have no three-consumer form), kVariant, then
+    the trailing parameters' types."""
+    if config.consumers != 2 and variant not in (VARLEN, ALIBI):
+        raise ValueError(f"{config}: only the dense and varlen kernels and ALiBi alone have a three-consumer form")
     return (f"tileattn::attention_fwd_sm90<{_template_args(head_dim, config, causal, bf16)}, {config.consumers}, "
             f"{variant}, {param_types}>")
 
 
 # Variant flags (bits of the kernel's kVariant; fwd90::kWindow, kSoftcap, kAlibi in the .cu file).
 WINDOW, SOFTCAP, ALIBI = 1, 2, 4
+# The varlen layout bit (fwd90::kVarlen; see "Variable-length batches" below), defined here because
+# _flavour_expression tests it for the instantiations registered from here on.
+VARLEN = 8
 # Tiles of the variant kernels: the non-causal defaults (a window is masked like causal, and the
 # defaults are the same config causal or not).
 VARIANT_DEFAULTS: dict[int, Sm90Config] = {d: DEFAULTS[(d, False)] for d in HEAD_DIMS}
+# ALiBi alone (non-causal: causal ALiBi is WINDOW | ALIBI) also runs WIDE_DEFAULTS' non-causal
+# three-consumer tile where the plain kernel takes it (variant_config): 0 spills at 160 registers
+# (NVRTC 13.5), while WINDOW | ALIBI spills there (56 bytes of spill stores at d = 128, 244 at d = 64)
+# and keeps two. docs/attention_variants.md, "ALiBi alone with three consumers": on the H200 an
+# earlier implementation of this change measured 608 against 582 TFLOP/s (d = 128 bf16 non-causal,
+# N = 8192, median of 3 rounds).
+ALIBI_WIDE: dict[int, Sm90Config] = {d: cfg for (d, causal), cfg in WIDE_DEFAULTS.items() if not causal}
+
+
+def variant_config(head_dim: int, flags: int, seqlen_k: int = 0, *, seqlen_q: int | None = None, heads: int = 1,
+                   kv_heads: int = 1, pack_gqa: bool | None = None) -> Sm90Config:
+    """The variant forward's config for kVariant `flags` (variant_flags, after dropout_kernel_flags):
+    for ALiBi alone, default_config's choice for the plain non-causal kernel of the same call when that
+    is the ALIBI_WIDE tile (three consumers, so from WIDE_MIN_QUERIES[head_dim] queries and where GQA
+    packing allows it, as default_config decides); otherwise, and for every other flag set,
+    VARIANT_DEFAULTS[head_dim] (the variant kernels exist at no other tile: LONG_DEFAULTS' is not taken).
+    On a persistent grid for a head dim in PERSISTENT_HEAD_DIMS. Raises KeyError for a head dim not in
+    HEAD_DIMS."""
+    if flags == ALIBI and head_dim in ALIBI_WIDE:
+        plain = default_config(head_dim, False, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
+                               pack_gqa=pack_gqa)
+        if replace(plain, persistent=False) == ALIBI_WIDE[head_dim]:
+            return plain
+    return _default_grid(head_dim, VARIANT_DEFAULTS[head_dim])
 
 
 # Dropout (fwd90::kDropout): a bit apart from the layout bits 8 (VARLEN) and 16 (PAGED).
@@ -284,6 +314,9 @@ def _expressions(pairs) -> tuple[str, ...]:
 # (compiled by `tileattn check --tuning` and on first use by the tuning benchmark).
 VARIANT_INSTANTIATIONS = tuple(variant_expression(d, cfg, bf16, flags) for d, cfg in VARIANT_DEFAULTS.items()
                                for bf16 in (False, True) for flags in range(1, 8))
+# ALiBi alone at the three-consumer tile (ALIBI_WIDE, variant_config): d = 64 and 128, both dtypes.
+ALIBI_WIDE_INSTANTIATIONS = tuple(variant_expression(d, cfg, bf16, ALIBI) for d, cfg in ALIBI_WIDE.items()
+                                  for bf16 in (False, True))
 # Dropout: the flag sets registered per head dim, at the variant tiles (kBlockN a multiple of 64:
 # whole Philox groups and keep words). Causal dropout is DROPOUT | WINDOW. Without the window bit,
 # softcap or ALiBi with dropout spilled under NVRTC 13.5's ptxas (DROPOUT | SOFTCAP | ALIBI at every
@@ -312,7 +345,6 @@ def dropout_kernel_flags(head_dim: int, flags: int) -> int | None:
 # Variable-length batches: the plain kernel with kVariant = VARLEN (fwd90::kVarlen, a layout bit of
 # that parameter, so the dense kernels keep their names) and VARLEN_PARAMS' types appended
 # (cu_seqlens_q, cu_seqlens_k, out, out's token and head strides, Tq). Tiles: the dense defaults.
-VARLEN = 8
 _VARLEN_PARAM_TYPES = "const int*, const int*, unsigned short*, long long, long long, int"
 VARLEN_DEFAULTS = DEFAULTS
 
@@ -356,7 +388,8 @@ PAGED_INSTANTIATIONS = tuple(paged_expression(d, cfg, causal, bf16, gather)
 INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in (*DEFAULTS.items(), *WIDE_DEFAULTS.items(),
                                                                               *LONG_DEFAULTS.items())
                                for bf16 in (False, True))
-                  + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS + DROPOUT_INSTANTIATIONS)
+                  + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS + DROPOUT_INSTANTIATIONS
+                  + ALIBI_WIDE_INSTANTIATIONS)
 # Tuning candidates: the dense extras, and the varlen kernel at every registered dense config (a
 # persistent config is the same kernel as its one-CTA-per-tile twin: a launch choice).
 TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
@@ -613,8 +646,9 @@ class ForwardPlan:
                     raise ValueError(f"the sm90 forward has no dropout instantiation for head_dim {head_dim} with "
                                      f"variant flags {flags}; registered: {DROPOUT_FLAG_SETS}")
                 flags = kernel_flags
-        if config is None and flags:  # variant kernels exist at VARIANT_DEFAULTS' tiles only
-            config = _default_grid(head_dim, VARIANT_DEFAULTS[head_dim])
+        if config is None and flags:  # variant kernels exist at VARIANT_DEFAULTS' tiles (ALiBi alone: and ALIBI_WIDE's)
+            config = variant_config(head_dim, flags, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
+                                    pack_gqa=pack_gqa)
         config = config or default_config(head_dim, causal, seqlen_k, seqlen_q=seqlen_q, heads=heads,
                                           kv_heads=kv_heads, pack_gqa=pack_gqa)
         self.copy_q, self.copy_k, self.copy_v = (not _tma_ready(t) for t in (q, k, v))
@@ -971,6 +1005,9 @@ __all__ = [
     "dropout_kernel_flags",
     "VARIANT_DEFAULTS",
     "VARIANT_INSTANTIATIONS",
+    "ALIBI_WIDE",
+    "ALIBI_WIDE_INSTANTIATIONS",
+    "variant_config",
     "Sm90Config",
     "configs_for",
     "expression",
