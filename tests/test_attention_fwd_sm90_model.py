@@ -110,39 +110,6 @@ def test_stmatrix_addresses_match_the_tma_store_layout(head_dim):
         assert addr == panel * panel_bytes + tma_sw128_offset(row, col % 64), (row, col)
 
 
-# ---- paged K/V by cp.async (gather_kv): the chunks land where TMA's boxes put them ------------------
-def gather_copies(head_dim: int, block_n: int):
-    """Mirror of fwd90::gather_rows / gather_kv's indexing: for each producer thread, pass p and
-    copy j, the (row, 16-byte chunk of the row) it copies and its destination (elements from the
-    slot's start)."""
-    for thread in range(128):
-        for p in range(block_n // 64):
-            row, half = 64 * p + thread // 2, thread % 2
-            for j in range(head_dim // 16):
-                chunk = 2 * j + half
-                dst = row * 64 + (chunk // 8) * block_n * 64 + ((chunk % 8) ^ (row % 8)) * 8
-                yield thread, p, j, row, chunk, dst
-
-
-@pytest.mark.parametrize("head_dim", af.HEAD_DIMS)
-def test_gather_kv_fills_the_slot_as_the_tma_boxes_do(head_dim):
-    block_n = af.PAGED_DEFAULTS[(head_dim, False)].block_n
-    seen = {}
-    for _, _, _, row, chunk, dst in gather_copies(head_dim, block_n):
-        assert (row, chunk) not in seen, f"row {row} chunk {chunk} copied twice"
-        seen[(row, chunk)] = dst
-        for e in range(8):  # the chunk's 8 elements, columns 8 chunk + e
-            assert 2 * (dst + e) == tma_panel_addr(0, block_n, row, 8 * chunk + e), (row, 8 * chunk + e)
-    assert len(seen) == block_n * head_dim // 8
-    # one instruction (p, j) of a warp: 16 rows, each one whole 32-byte sector (a lane pair's chunks)
-    warps: dict[tuple[int, int, int], set[tuple[int, int]]] = {}
-    for thread, p, j, row, chunk, _ in gather_copies(head_dim, block_n):
-        warps.setdefault((thread // 32, p, j), set()).add((row, chunk))
-    for copies in warps.values():
-        assert len(copies) == 32 and all((row, chunk ^ 1) in copies for row, chunk in copies)
-        assert len({row for row, _ in copies}) == 16
-
-
 # ---- wgmma operand descriptors against the TMA layout ------------------------------------------------
 # The canonical layouts a wgmma descriptor describes (PTX "Shared Memory Matrix Layout"; CUTLASS
 # make_gmma_desc, in 16-byte units), with the 128-byte swizzle applied to the final byte address
@@ -1353,9 +1320,6 @@ def test_packed_plans_refuse_bad_arguments_before_any_launch():
         af.PagedPlan(q, cache[:0], cache[:0], table, **kw)
     with pytest.raises(ValueError, match="v_cache"):
         af.PagedPlan(q, cache, cache.half(), table, **kw)
-    other_layout = torch.zeros(6, 2, 16, 64, dtype=torch.bfloat16).permute(0, 2, 1, 3)  # same shape, other strides
-    with pytest.raises(ValueError, match="same strides"):
-        af.PagedPlan(q, cache, other_layout, table, **kw, gather=True)
     assert not af.supports_paged(128, torch.bfloat16, block_size=16, max_seqlen_q=1, batch=64, heads=32, kv_heads=8)
     assert af.supports_paged(128, torch.bfloat16, block_size=16, max_seqlen_q=512, batch=4, heads=32, kv_heads=8)
     assert not af.supports_paged(128, torch.bfloat16, block_size=8, max_seqlen_q=512, batch=4, heads=32, kv_heads=8)

@@ -369,13 +369,11 @@ def poison_past_lengths(case: PagedCase) -> None:
         case.v_cache[blocks[ok].cuda(), (keys[ok] % bs).cuda()] = math.nan
 
 
-def run_paged(case: PagedCase, causal=True, *, scale=None, config=None, pack_gqa=None, gather=None):
+def run_paged(case: PagedCase, causal=True, *, scale=None, config=None, pack_gqa=None):
     """(out, lse, plan) of PagedPlan on the case, out / lse NaN-poisoned."""
     scale = 1.0 / math.sqrt(case.q.shape[-1]) if scale is None else scale
     plan = sm90.PagedPlan(case.q, case.k_cache, case.v_cache, case.block_table, max_seqlen_q=case.max_seqlen_q,
-                          causal=causal, scale=scale, return_lse=True, config=config, pack_gqa=pack_gqa,
-                          gather=gather)
-    assert gather is None or plan.gather == gather
+                          causal=causal, scale=scale, return_lse=True, config=config, pack_gqa=pack_gqa)
     out = torch.full_like(case.q, math.nan)
     lse = torch.full((case.q.shape[1], case.q.shape[0]), math.nan, device=DEVICE)
     out, lse = plan(*case.tensors(), out=out, lse=lse)
@@ -404,36 +402,6 @@ def test_paged_matches_reference(d, causal, heads, kv_heads, dtype, block_size):
     what = f"sm90 paged d={d} H={heads}/{kv_heads} bs={block_size} {dtype} causal={causal} ({plan.config})"
     check_paged(case, out, lse, ref_out, ref_lse, what)
     check_padding(case, out, lse, what)
-
-
-@pytest.mark.parametrize("block_size,gather", [(16, False), (32, None), (64, True), (256, True)],
-                         ids=["bs16-tma", "bs32-auto", "bs64-gather", "bs256-gather"])
-@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (16, 2)], ids=["G1", "G8"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", sm90.HEAD_DIMS)
-def test_paged_both_load_paths(d, causal, heads, kv_heads, block_size, gather):
-    """K/V by TMA boxes and by the producer's cp.async (gather_kv) at block sizes where the other
-    is the default (test_paged_matches_reference runs the defaults: cp.async at 16, TMA at 64 / 256)."""
-    seed = seed_of("paths", d, causal, heads, kv_heads, block_size, gather)
-    case = PagedCase(prefill_seqs(block_size), heads, kv_heads, d, BF16, block_size, seed, pad_tokens=3)
-    ref_out, ref_lse = case.reference(causal=causal)
-    poison_past_lengths(case)
-    out, lse, plan = run_paged(case, causal, gather=gather)
-    what = f"sm90 paged d={d} H={heads}/{kv_heads} bs={block_size} gather={plan.gather} causal={causal}"
-    check_paged(case, out, lse, ref_out, ref_lse, what)
-    check_padding(case, out, lse, what)
-
-
-def test_paged_gather_reads_caches_of_their_own_strides():
-    """cp.async addresses from the caches' strides: K and V as views of one interleaved [num_blocks,
-    block_size, Hkv, 2, d] buffer (strides not those of a contiguous cache) and TMA's result on them."""
-    case = PagedCase([(100, 300), (64, 64), (17, 33)], 8, 2, 128, BF16, 16, seed=31)
-    both = torch.stack((case.k_cache, case.v_cache), dim=3)  # [num_blocks, 16, Hkv, 2, d]
-    case.k_cache, case.v_cache = both[:, :, :, 0], both[:, :, :, 1]
-    ref_out, ref_lse = case.reference()
-    for gather in (True, False):
-        out, lse, _ = run_paged(case, True, gather=gather)
-        check_paged(case, out, lse, ref_out, ref_lse, f"interleaved caches, gather={gather}")
 
 
 @pytest.mark.parametrize("block_size", [16, 256])
@@ -574,17 +542,14 @@ def test_three_consumers_sanitize_small(causal):
 
 
 @pytest.mark.sanitize
-@pytest.mark.parametrize("block_size,gather", [(16, None), (256, None), (256, True)],
-                         ids=["bs16", "bs256", "bs256-gather"])
+@pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", sm90.HEAD_DIMS)
-def test_paged_sanitize_small(d, causal, block_size, gather):
-    """bs16: K/V by cp.async (the default there), bs256: by TMA, and cp.async at 256 too."""
+def test_paged_sanitize_small(d, causal, block_size):
     case = PagedCase([(70, 70 + 90), (1, 17), (0, 5), (33, 33)], 4, 2, d, BF16, block_size,
                      seed=seed_of("psan", d, causal, block_size), pad_tokens=2)
     ref_out, ref_lse = case.reference(causal=causal)
     poison_past_lengths(case)
-    out, lse, plan = run_paged(case, causal, gather=gather)
-    check_paged(case, out, lse, ref_out, ref_lse,
-                f"sanitize paged d={d} bs={block_size} gather={plan.gather} causal={causal}")
+    out, lse, _ = run_paged(case, causal)
+    check_paged(case, out, lse, ref_out, ref_lse, f"sanitize paged d={d} bs={block_size} causal={causal}")
     check_padding(case, out, lse, "sanitize paged")

@@ -21,9 +21,7 @@ forward (tileattn.attention with Nq=512, Nk=4608) on the same work; TFLOP/s of u
 table's, when the arch's differs, and the family's tuning candidates) are timed on the same work
 through the launch layer (impl tileattn_paged_tile, the tile in its column). On sm_90a
 attention_paged runs the Hopper paged prefill at the block sizes dispatch.SM90_PAGED_PREFILL lists;
-at the others it is also timed forced on (impl tileattn_paged_sm90; api.hopper_kernels_forced), and where it
-is dispatched, with its other K/V load path too (impl tileattn_paged_sm90_cp_async or _tma: the
-producer's cp.async gather or TMA boxes, attention_fwd_sm90.GATHER_MAX_BLOCK_SIZE). SDPA is not
+at the others it is also timed forced on (impl tileattn_paged_sm90; api.hopper_kernels_forced). SDPA is not
 a peer there: its is_causal is aligned top-left, which is a different mask when Nq < Nk. The
 prefill implementations are timed in --rounds rounds (default 3) in rotated order and each one's
 median is reported (prefill_point says why).
@@ -234,16 +232,6 @@ def prefill_point(heads, kv_heads, block_sizes, reps, rounds=3, chunk=512, prefi
             config = "attention_fwd_sm90" if hopper else pick_config(HEAD_DIM, chunk * heads // kv_heads, device_arch())
             calls[f"paged {bs}"] = (dict(base, impl="tileattn_paged", block_size=bs, config=str(config),
                                          rel_err_vs_dense=rel_err(call(), ref)), call)
-            if hopper:  # the other K/V load path of the Hopper paged prefill (TMA boxes / cp.async)
-                from ..kernels.attention_fwd_sm90 import GATHER_MAX_BLOCK_SIZE, PagedPlan
-
-                gather = bs > GATHER_MAX_BLOCK_SIZE  # the dispatched plan gathers up to GATHER_MAX_BLOCK_SIZE
-                other = PagedPlan(q_packed, k_cache, v_cache, table, max_seqlen_q=chunk, causal=True,
-                                  scale=1 / math.sqrt(HEAD_DIM), return_lse=False, gather=gather)
-                run = functools.partial(other, q_packed, k_cache, v_cache, table, cu_q, seqlens)
-                name = "tileattn_paged_sm90_" + ("cp_async" if gather else "tma")
-                calls[f"paged other load {bs}"] = (dict(base, impl=name, block_size=bs, config=str(other.config),
-                                                        rel_err_vs_dense=rel_err(run()[0], ref)), run)
             if device_arch() == "sm_90a" and not hopper:  # the Hopper paged prefill where it is not dispatched
                 run = functools.partial(forced, call)
                 calls[f"paged sm90 {bs}"] = (dict(base, impl="tileattn_paged_sm90", block_size=bs,

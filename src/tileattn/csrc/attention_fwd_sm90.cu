@@ -300,9 +300,7 @@ constexpr int kVariantBits = kWindow | kSoftcap | kAlibi | kDropout;
 // their mangled names and their cubins stay byte-identical).
 constexpr int kVarlen = 8;
 constexpr int kPaged = 16;        // packed queries against a paged K/V cache (see the header)
-constexpr int kGather = 64;       // with kPaged: K/V rows gathered by cp.async (see "Paged K/V by cp.async")
 constexpr int kClearBarrier = 6;  // named barrier 6: every consumer cleared the edge block's V rows
-constexpr int kGatherBarrier = 7; // named barrier 7: the gathering producer's threads read the next tile
 
 // The varlen kernel's trailing parameters (after the plain ones): cu_seqlens_q / cu_seqlens_k
 // int32 [B + 1], out [Tq, H, d] (token / head strides in elements) for the per-row stores and the
@@ -317,11 +315,6 @@ constexpr int kGatherBarrier = 7; // named barrier 7: the gathering producer's t
   const int *__restrict__ cu_seqlens_q, const int *__restrict__ seqlens_k, u16 *__restrict__ out,     \
       int64_t out_sr, int64_t out_sh, int total_q, const int *__restrict__ block_table, int bt_stride, \
       int max_blocks, int num_blocks, int log2_bs
-// The gathering paged kernel's (kPaged | kGather): PAGED_PARAMS, then the caches' base pointers and
-// their element strides per block, row and KV head (k_cache and v_cache share them).
-#define GATHER_PARAMS                                                                                    \
-  PAGED_PARAMS, const u16 *__restrict__ k_cache, const u16 *__restrict__ v_cache, int64_t kv_sb, int64_t kv_sr, \
-      int64_t kv_sh
 // Both packed layouts' parameters (lens_k: cu_seqlens_k, or paged seqlens_k; the paged fields are
 // unused by varlen).
 struct Packed {
@@ -333,13 +326,6 @@ struct Packed {
   const int* block_table;
   int bt_stride, max_blocks, num_blocks, log2_bs;
 };
-// The gathering producer's caches (GATHER_PARAMS' last five), kept out of Packed, which the
-// consumers hold too: ten more live registers there made the d = 128 consumers spill.
-struct GatherKV {
-  const u16* k_cache;
-  const u16* v_cache;
-  int64_t sb, sr, sh;  // element strides per cache block, row, KV head
-};
 __device__ __forceinline__ Packed packed_of(VARLEN_PARAMS) {
   return {cu_seqlens_q, cu_seqlens_k, out, out_sr, out_sh, total_q, nullptr, 0, 0, 0, 0};
 }
@@ -347,11 +333,6 @@ __device__ __forceinline__ Packed packed_of(PAGED_PARAMS) {
   return {cu_seqlens_q, seqlens_k, out, out_sr, out_sh, total_q, block_table, bt_stride, max_blocks, num_blocks,
           log2_bs};
 }
-__device__ __forceinline__ Packed packed_of(GATHER_PARAMS) {
-  return {cu_seqlens_q, seqlens_k, out, out_sr, out_sh, total_q, block_table, bt_stride, max_blocks, num_blocks,
-          log2_bs};
-}
-__device__ __forceinline__ GatherKV gather_of(GATHER_PARAMS) { return {k_cache, v_cache, kv_sb, kv_sr, kv_sh}; }
 
 // Sequence `batch`'s first tokens and lengths for layout kLayout (0 dense, kVarlen, kPaged): dense
 // is the batch entry at token 0 (its batch coordinate does the rest); paged keys have no first
@@ -388,53 +369,6 @@ __device__ __forceinline__ void page_mask(float (&s)[kBlockN / 2], int n, int t,
     if (page_block(pk, batch, n * kBlockN + 8 * j + 2 * t, nk) == pk.num_blocks) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[4 * j + i] = neg_inf();
-    }
-  }
-}
-
-// ---- Paged K/V by cp.async (kPaged | kGather) ----------------------------------------------------
-// TMA needs one box per (cache block, 64-column panel) when cache blocks are smaller than the key
-// block: at block_size 16, d = 128, a 128-key visit is 16 boxes of 2 KB per tensor, issued by 16
-// lanes of the producer warp after 16 table reads, and that kernel read 0.84-0.86x the dense forward
-// against 0.93-0.97x at block_size 256 (docs/attention_paged.md, session 19). FlashAttention-3 loads
-// pages smaller than its tile with cp.async from every producer thread instead. Here the 128
-// producer threads copy a K or V block: thread x owns rows 64 p + x / 2 (p < kBlockN / 64) and, of
-// each, the 16-byte chunks 2 j + x % 2 (j < d / 16), so a lane pair reads one whole 32-byte sector
-// per instruction and a warp 16 rows' sectors. A row's cache address (gather_rows: one table read)
-// serves its K and its V copies (k_cache and v_cache share strides), and its copies differ by
-// immediate offsets: about d / 16 copies per row and tensor, a few instructions each. Each chunk
-// lands where TMA's 128-byte swizzle puts it (panel chunk / 8, 16-byte slot (chunk % 8) ^ (row % 8)
-// of the row's 128 bytes), so the consumers' wgmma descriptors are unchanged. A key past the length
-// or the table's capacity, or in a bad block, is zero-filled (source size 0), like TMA's
-// out-of-bound box, and never dereferenced. Completion: each thread's
-// cp.async.mbarrier.arrive.noinc fires once its own copies have landed (the full barriers then
-// expect 128 arrivals and no bytes). cp.async writes shared memory through the generic proxy and
-// wgmma reads it through the async proxy, so each consumer thread fences (fence.proxy.async) after
-// its full-barrier wait, before its wgmmas read the slot.
-template <int kBlockN>
-__device__ __forceinline__ void gather_rows(int64_t (&row_off)[kBlockN / 64], const GatherKV& gk, const Packed& pk,
-                                            int batch, int key0, int nk, int kv_head, int thread) {
-#pragma unroll
-  for (int p = 0; p < kBlockN / 64; ++p) {
-    const int key = key0 + 64 * p + thread / 2;
-    const int block = page_block(pk, batch, key, nk);
-    row_off[p] = block < pk.num_blocks ? block * gk.sb + (key & ((1 << pk.log2_bs) - 1)) * gk.sr + kv_head * gk.sh : -1;
-  }
-}
-template <int kHeadDim, int kBlockN>
-__device__ __forceinline__ void gather_kv(u16* slot, const u16* cache, const int64_t (&row_off)[kBlockN / 64],
-                                          int thread) {
-  static_assert(kBlockN % 64 == 0, "whole 64-row passes of the 128 producer threads");
-#pragma unroll
-  for (int p = 0; p < kBlockN / 64; ++p) {
-    const int row = 64 * p + thread / 2, half = thread % 2;
-    const bool valid = row_off[p] >= 0;
-    const u16* src = cache + (valid ? row_off[p] : 0) + 8 * half;
-    u16* const dst = slot + row * kPanel;
-#pragma unroll 4
-    for (int j = 0; j < kHeadDim / 16; ++j) {
-      const int chunk = 2 * j + half;
-      cp_async_16(dst + (chunk / 8) * kBlockN * kPanel + ((chunk % 8) ^ (row % 8)) * 8, src + 16 * j, valid);
     }
   }
 }
@@ -796,19 +730,17 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
                        int heads, int kv_group, int pack, int l2_group, int seqlen_q, int seqlen_k,
                        float scale_log2, int* __restrict__ tile_counter, VariantParams... variant_params) {
   using namespace fwd90;
-  constexpr bool kGatherKV = kVariant == (kPaged | kGather);  // paged K/V by cp.async (gather_kv)
-  constexpr bool kPagedLayout = kVariant == kPaged || kGatherKV;
+  constexpr bool kPagedLayout = kVariant == kPaged;
   constexpr bool kVarlenLayout = kVariant == kVarlen || kPagedLayout;  // packed queries (varlen or paged)
-  constexpr int kLayout = kPagedLayout ? kPaged : kVarlenLayout ? kVarlen : 0;
+  constexpr int kLayout = kVarlenLayout ? kVariant : 0;
   static_assert(kVarlenLayout || ((kVariant & ~kVariantBits) == 0 && (kVariant == 0) == (sizeof...(VariantParams) == 0)),
                 "kVariant: a set of kWindow | kSoftcap | kAlibi | kDropout, with VARIANT_PARAMS exactly when "
                 "non-empty, or kVarlen or kPaged alone");
   static_assert((kVariant & kDropout) == 0 || (!kVarlenLayout && kBlockN % 64 == 0),
                 "dropout: dense layout; whole 32-key Philox groups and whole keep words (64 scores) per block");
   static_assert(kVariant != kVarlen || sizeof...(VariantParams) == 6, "varlen: the trailing parameters are VARLEN_PARAMS");
-  static_assert(!kPagedLayout || (sizeof...(VariantParams) == (kGatherKV ? 16 : 11) && (kBlockN & (kBlockN - 1)) == 0),
-                "paged: the trailing parameters are PAGED_PARAMS (GATHER_PARAMS with kGather); kBlockN a power of "
-                "two (whole cache blocks)");
+  static_assert(!kPagedLayout || (sizeof...(VariantParams) == 11 && (kBlockN & (kBlockN - 1)) == 0),
+                "paged: the trailing parameters are PAGED_PARAMS; kBlockN a power of two (whole cache blocks)");
   static_assert(!kPagedLayout || (kBlockN / 16) * (kHeadDim / 64) <= 32,
                 "paged: at most one K / V box per lane of the producer warp (16-row boxes x 64-column panels)");
   static_assert((kVariant & kVariantBits) == 0 || !kCausal, "variants: causal is the window's right edge 0");
@@ -860,7 +792,6 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   __shared__ uint64_t q_full, q_empty, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
   __shared__ uint64_t sched_full[2], sched_empty[2];  // the tile handed to the consumers (see the header)
   __shared__ int sched_tile[2];
-  __shared__ int gather_tile[2];  // kGatherKV with a tile counter: the next tile, for the producer's 4 warps
   uint8_t* const smem = smem_raw + ((1024 - (s9::smem_u32(smem_raw) & 1023)) & 1023);
   u16* const sQ = reinterpret_cast<u16*>(smem);             // [kPanels][128][64]
   u16* const sK = sQ + kBlockM * kHeadDim;                   // [kStages][kPanels][kBlockN][64]
@@ -885,8 +816,8 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
       s9::mbar_init(&sched_empty[s], kConsumers * 128);
     }
     for (int s = 0; s < kStages; ++s) {
-      s9::mbar_init(&k_full[s], kGatherKV ? 128 : 1);  // gathered: every producer thread's copies
-      s9::mbar_init(&v_full[s], kGatherKV ? 128 : 1);
+      s9::mbar_init(&k_full[s], 1);
+      s9::mbar_init(&v_full[s], 1);
       s9::mbar_init(&k_empty[s], kConsumers);
       s9::mbar_init(&v_empty[s], kEmptyCount);
     }
@@ -898,28 +829,17 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
     s9::setmaxnreg_dec<kProducerRegsOf<kConsumers>>();
     // One thread issues every copy; paged, the whole first warp walks the tiles (every lane the same
     // waits) and each lane issues one K / V box of a visit (see the paged branch below), lane 0 the
-    // rest; gathered (kGatherKV), all 128 threads walk them and copy K / V chunks (gather_kv). So the
-    // dense and varlen kernels keep their one-thread producer.
+    // rest. So the dense and varlen kernels keep their one-thread producer.
     const int producer_lane = threadIdx.x;
-    if (kGatherKV || (kPagedLayout ? producer_lane < 32 : producer_lane == 0)) {
+    if (kPagedLayout ? producer_lane < 32 : producer_lane == 0) {
       // The tile after t: t + gridDim.x, or, with a tile counter (persistent grids), the next index
       // the grid-wide counter hands out (each once, in order: CTAs that finish early take more).
-      // Gathered, thread 0's index reaches the other warps through gather_tile[calls % 2]: a slot is
-      // rewritten two calls later, after a barrier that every reader passed after its read.
-      int calls = 0;
       auto next_tile = [&](int t) {
         if (tile_counter == nullptr) return t + static_cast<int>(gridDim.x);
         int n = 0;
         if (producer_lane == 0) n = static_cast<int>(gridDim.x) + atomicAdd(tile_counter, 1);
-        if constexpr (kGatherKV) {
-          if (producer_lane == 0) gather_tile[calls & 1] = n;
-          s9::named_barrier_sync<128>(kGatherBarrier);
-          return gather_tile[calls++ & 1];
-        }
         return kPagedLayout ? __shfl_sync(0xffffffffu, n, 0) : n;
       };
-      GatherKV gk{};
-      if constexpr (kGatherKV) gk = gather_of(variant_params...);
       int g = 0;  // K/V visits so far, across this CTA's tiles: ring slot and phase
       int t = blockIdx.x;
       for (int i = 0;; ++i) {  // i: tiles so far: the q_full / q_empty and sched_* phases
@@ -958,18 +878,6 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
           const int n = range.n_end - 1 - it;
           const int s = g % kStages;
           const u32 refill_parity = ((g / kStages) - 1) & 1;
-          if constexpr (kGatherKV) {
-#pragma unroll
-            int64_t row_off[kBlockN / 64];  // this thread's rows in the caches (or -1: zero-filled)
-            gather_rows<kBlockN>(row_off, gk, vl, tile.batch, n * kBlockN, span.nk, kv_head, producer_lane);
-            for (int pass = 0; pass < 2; ++pass) {  // K, then V
-              if (g >= kStages) s9::mbar_wait(pass == 0 ? &k_empty[s] : &v_empty[s], refill_parity);
-              gather_kv<kHeadDim, kBlockN>((pass == 0 ? sK : sV) + s * kPanels * kBlockN * kPanel,
-                                           pass == 0 ? gk.k_cache : gk.v_cache, row_off, producer_lane);
-              s9::mbar_arrive_cp_async(pass == 0 ? &k_full[s] : &v_full[s]);
-            }
-            continue;
-          }
           if constexpr (kPagedLayout) {
             // Block n of keys from the cache ([num_blocks, Hkv, block_size, d] maps, boxes of
             // box_rows = min(block_size, kBlockN) rows): one box per (cache block it spans, 64-column
@@ -1011,10 +919,6 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
         t = next_tile(t);
       }
       if (tile_counter != nullptr && producer_lane == 0) release_tile_counter(tile_counter);
-      if constexpr (kGatherKV) {  // no thread leaves with copies in flight
-        cp_async_commit();
-        cp_async_wait<0>();
-      }
     }
   } else {  // ------------------------------------------------------ consumer warpgroups
     s9::setmaxnreg_inc<kConsumerRegsOf<kConsumers>>();
@@ -1065,11 +969,6 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
       }
     };
 
-    // A K / V slot's full barrier; gathered slots were written through the generic proxy (gather_kv).
-    auto wait_full = [&](u64* bar, u32 parity) {
-      s9::mbar_wait(bar, parity);
-      if constexpr (kGatherKV) s9::fence_proxy_async();
-    };
     int g0 = 0;  // K/V visits of this CTA before the current tile (the producer counts the same)
     // The i-th tile the producer handed out (-1: none left); broadcast from lane 0 so that ptxas sees
     // it warp-uniform, then released by every thread after its own read.
@@ -1178,16 +1077,16 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
                       : 0;
       for (int it = 0; it < skip; ++it) {
         const int gs = g0 + it, ss = gs % kStages;
-        wait_full(&k_full[ss], (gs / kStages) & 1);
+        s9::mbar_wait(&k_full[ss], (gs / kStages) & 1);
         if (releaser) s9::mbar_arrive(&k_empty[ss]);
-        wait_full(&v_full[ss], (gs / kStages) & 1);
+        s9::mbar_wait(&v_full[ss], (gs / kStages) & 1);
         if (v_releaser) s9::mbar_arrive(&v_empty[ss]);
       }
       if (n_iters > skip) {
         if (c == 1) pass_turn(false);  // consumer 0 issues first
         // ---- first block seen (n_end - 1 - skip): S, softmax; no P V yet
         const int gf = g0 + skip, s0 = gf % kStages;
-        wait_full(&k_full[s0], (gf / kStages) & 1);
+        s9::mbar_wait(&k_full[s0], (gf / kStages) & 1);
         take_turn();
         s9::wgmma_fence();
         issue_s(s0);
@@ -1207,7 +1106,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
           static_assert(!kSkipUnseen, "every consumer visits the edge block first");
           const int valid = nk - (range.n_end - 1) * kBlockN;
           if (valid < kBlockN) {
-            wait_full(&v_full[s0], (g0 / kStages) & 1);
+            s9::mbar_wait(&v_full[s0], (g0 / kStages) & 1);
             clear_rows<kHeadDim, kBlockN, kConsumers * 128>(sV + s0 * kBlockN * kHeadDim, valid, c * 128 + tid);
             s9::fence_proxy_async();  // generic-proxy stores -> wgmma's async-proxy reads of the slot
             s9::named_barrier_sync<kConsumers * 128>(kClearBarrier);
@@ -1218,12 +1117,12 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
         auto step = [&](int it, bool masked) {  // `masked` is a constant at every call site
           const int gk = g0 + it, gv = gk - 1;
           const int sk = gk % kStages, sv = gv % kStages;
-          wait_full(&k_full[sk], (gk / kStages) & 1);
+          s9::mbar_wait(&k_full[sk], (gk / kStages) & 1);
           s9::fence_accumulators(o);
           take_turn();
           s9::wgmma_fence();  // O (rescaled) and P (packed) were written by ordinary instructions
           issue_s(sk);
-          wait_full(&v_full[sv], (gv / kStages) & 1);
+          s9::mbar_wait(&v_full[sv], (gv / kStages) & 1);
           issue_pv(sv);
           pass_turn(false);
           draw_keep(range.n_end - 1 - it);
@@ -1269,7 +1168,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
 
         // ---- tail: P V of the last block visited
         const int gv = g0 + n_iters - 1, sv = gv % kStages;
-        wait_full(&v_full[sv], (gv / kStages) & 1);
+        s9::mbar_wait(&v_full[sv], (gv / kStages) & 1);
         s9::fence_accumulators(o);
         take_turn();
         s9::wgmma_fence();

@@ -365,26 +365,15 @@ PAGED = 16
 _PAGED_PARAM_TYPES = _VARLEN_PARAM_TYPES + ", const int*, int, int, int, int"
 PAGED_DEFAULTS = DEFAULTS
 PAGED_BLOCK_SIZES = (16, 32, 64, 128, 256)
-# GATHER (fwd90::kGather) with PAGED: the producer warpgroup's 128 threads copy K / V rows with
-# cp.async (gather_kv in the .cu file) instead of one TMA box per (cache block, 64-column panel);
-# GATHER_PARAMS append the caches' base pointers and element strides (block, row, KV head), which
-# k_cache and v_cache must share. PagedPlan gathers at block sizes up to GATHER_MAX_BLOCK_SIZE,
-# where a 128-key visit needs 8 or more boxes per panel (docs/attention_paged.md, "Paged K/V by cp.async").
-GATHER = 64
-_GATHER_PARAM_TYPES = _PAGED_PARAM_TYPES + ", const unsigned short*, const unsigned short*, long long, long long, long long"
-GATHER_MAX_BLOCK_SIZE = 32
 
 
-def paged_expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool, gather: bool = False) -> str:
-    """The NVRTC name expression of a paged instantiation (gather: K / V by cp.async)."""
-    if gather:
-        return _flavour_expression(head_dim, config, causal, bf16, PAGED | GATHER, _GATHER_PARAM_TYPES)
+def paged_expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool) -> str:
+    """The NVRTC name expression of a paged instantiation."""
     return _flavour_expression(head_dim, config, causal, bf16, PAGED, _PAGED_PARAM_TYPES)
 
 
-PAGED_INSTANTIATIONS = tuple(paged_expression(d, cfg, causal, bf16, gather)
-                             for (d, causal), cfg in PAGED_DEFAULTS.items() for bf16 in (False, True)
-                             for gather in (False, True))
+PAGED_INSTANTIATIONS = tuple(paged_expression(d, cfg, causal, bf16) for (d, causal), cfg in PAGED_DEFAULTS.items()
+                             for bf16 in (False, True))
 INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in (*DEFAULTS.items(), *WIDE_DEFAULTS.items(),
                                                                               *LONG_DEFAULTS.items())
                                for bf16 in (False, True))
@@ -874,14 +863,11 @@ class PagedPlan:
     the table's capacity or in a block id outside [0, num_blocks) are masked and never read; rows past
     cu_seqlens_q[B] get out 0, lse -inf. Raises ValueError for what the kernel cannot run (head dim,
     dtype, block_size not a power of two in 16..256, num_splits > 1, variants, layouts TMA cannot
-    describe, an empty cache, more than 2^30 tiles). A persistent config launches one CTA per SM.
-    `gather` picks how K / V reach shared memory: TMA boxes (False) or the producer's cp.async
-    (True; k_cache and v_cache must have the same strides); None: cp.async at block sizes up to
-    GATHER_MAX_BLOCK_SIZE when the strides agree."""
+    describe, an empty cache, more than 2^30 tiles). A persistent config launches one CTA per SM."""
 
     def __init__(self, q, k_cache, v_cache, block_table, *, max_seqlen_q: int, causal: bool, scale: float,
                  return_lse: bool, num_splits: int | None = None, config: Sm90Config | None = None, variants=None,
-                 pack_gqa: bool | None = None, gather: bool | None = None):
+                 pack_gqa: bool | None = None):
         from ..runtime import LaunchPlan, TensorMapTemplate
         from . import load
 
@@ -911,13 +897,6 @@ class PagedPlan:
             if t.numel() and not _tma_ready(t):
                 raise ValueError(f"{name} (shape {tuple(t.shape)}) is not TMA-describable: strides must be multiples "
                                  "of 16 bytes, the base 16-byte aligned")
-        same_strides = k_cache.stride() == v_cache.stride()
-        if gather is None:
-            gather = block_size <= GATHER_MAX_BLOCK_SIZE and same_strides
-        elif gather and not same_strides:
-            raise ValueError(f"gather=True needs k_cache and v_cache with the same strides, got {k_cache.stride()} "
-                             f"and {v_cache.stride()}")
-        self.gather = bool(gather)
         self.num_splits = 1
         self.config = config
         self.out_shape = (total_q, heads, head_dim)
@@ -936,21 +915,17 @@ class PagedPlan:
         self.templates = tuple(TensorMapTemplate(t, box) for t, box in zip(
             (*views, _packed_view(out)), (geo.boxes[0], kv_box, kv_box, geo.boxes[3])))
         maps = [tmpl.encode(t.data_ptr()) for tmpl, t in zip(self.templates, (*views, _packed_view(out)))]
-        kern = load(FAMILY_NAME, paged_expression(head_dim, config, bool(causal), q.dtype == torch.bfloat16,
-                                                  self.gather), q.device.index)
+        kern = load(FAMILY_NAME, paged_expression(head_dim, config, bool(causal), q.dtype == torch.bfloat16),
+                    q.device.index)
         i32 = np.int32
         self.persistent, self.device_index = config.persistent, q.device.index
         args = (*maps, 0, *_scalar_args(batch, heads, kv_heads, geo, max_seqlen_q, 0, scale),
                 _tile_counter(config.persistent, q.device.index), 0, 0, 0, np.int64(out.stride(0)), np.int64(out.stride(1)),
                 i32(total_q),
                 0, i32(block_table.stride(0)), i32(max_blocks), i32(num_blocks), i32(block_size.bit_length() - 1))
-        dynamic = (0, 1, 2, 3, 4, TILE_COUNTER_ARG, 14, 15, 16, 20)
-        if self.gather:  # GATHER_PARAMS: k_cache, v_cache (dynamic), strides per block, row, KV head
-            args += (0, 0, *(np.int64(st) for st in k_cache.stride()[:3]))
-            dynamic += (25, 26)
         self.grid = (_packed_grid(geo.tiles, config, q.device.index),)
         self.plan = LaunchPlan(kern, self.grid, (config.threads,), args, smem=config.smem_bytes(head_dim),
-                               dynamic=dynamic)
+                               dynamic=(0, 1, 2, 3, 4, TILE_COUNTER_ARG, 14, 15, 16, 20))
 
     def launch(self, q_ptr: int, k_cache_ptr: int, v_cache_ptr: int, block_table_ptr: int, cu_seqlens_q_ptr: int,
                seqlens_k_ptr: int, out_ptr: int, lse_ptr: int) -> None:
@@ -959,10 +934,9 @@ class PagedPlan:
         if self.plan is None:
             return
         tq, tk, tv, to = self.templates
-        gathered = (k_cache_ptr, v_cache_ptr) if self.gather else ()
         self.plan.launch(tq.encode(q_ptr), tk.encode(k_cache_ptr), tv.encode(v_cache_ptr), to.encode(out_ptr), lse_ptr,
                          _tile_counter(self.persistent, self.device_index), cu_seqlens_q_ptr,
-                         seqlens_k_ptr, out_ptr, block_table_ptr, *gathered)
+                         seqlens_k_ptr, out_ptr, block_table_ptr)
 
     def __call__(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, out=None, lse=None,
                  alibi_slopes=None):
@@ -1021,7 +995,6 @@ __all__ = [
     "variant_flags",
     "PAGED_DEFAULTS",
     "PAGED_INSTANTIATIONS",
-    "GATHER_MAX_BLOCK_SIZE",
     "PagedPlan",
     "paged_expression",
     "supports_paged",

@@ -87,11 +87,6 @@ __device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
 __device__ __forceinline__ void mbar_arrive(u64* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
-// One arrival once all of this thread's earlier cp.async copies have landed, without raising the
-// phase's expected count (.noinc: the barrier was initialized to count these arrivals).
-__device__ __forceinline__ void mbar_arrive_cp_async(u64* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
 // Non-blocking probe: true once the phase with this parity has completed.
 __device__ __forceinline__ bool mbar_try_wait(u64* bar, u32 parity) {
   u32 done;
