@@ -138,6 +138,15 @@ def breakdown(calls: int, rounds: int) -> list[dict]:
         "SDPA flash forward, op level (aten)": lambda: aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True),
         "F.scaled_dot_product_attention (flash)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     }
+    templates = getattr(entry.forward, "templates", None)
+    if templates is not None:  # the Hopper forward: the per-launch pieces of ForwardPlan.launch before the driver call
+        from ..kernels.attention_fwd_sm90 import _tile_counter
+
+        tq, tk, tv, to = templates
+        pieces["4 tensor-map lookups (TensorMapTemplate.encode, cached)"] = lambda: (
+            tq.encode(q.data_ptr()), tk.encode(k.data_ptr()), tv.encode(v.data_ptr()), to.encode(out.data_ptr()))
+        pieces["tile counter (stream_counters: capture check, stream, dict)"] = lambda: _tile_counter(
+            True, q.device.index)
     if plan is not None and hasattr(plan, "_call"):  # the driver call alone, parameters already packed
         from ..runtime import current_stream_handle
 
