@@ -239,9 +239,9 @@ VARIANT_DEFAULTS: dict[int, Sm90Config] = {d: DEFAULTS[(d, False)] for d in HEAD
 # ALiBi alone (non-causal: causal ALiBi is WINDOW | ALIBI) also runs WIDE_DEFAULTS' non-causal
 # three-consumer tile where the plain kernel takes it (variant_config): 0 spills at 160 registers
 # (NVRTC 13.5), while WINDOW | ALIBI spills there (56 bytes of spill stores at d = 128, 244 at d = 64)
-# and keeps two. docs/attention_variants.md, "ALiBi alone with three consumers": on the H200 an
-# earlier implementation of this change measured 608 against 582 TFLOP/s (d = 128 bf16 non-causal,
-# N = 8192, median of 3 rounds).
+# and keeps two. docs/attention_variants.md, "ALiBi alone with three consumers": on the H200 (2026-12-03,
+# bf7717b, `bench variants --suite overhead --rounds 3`) 602 TFLOP/s at d = 128 bf16 non-causal N = 8192,
+# where the two-consumer kernel read 582 (session 19, another process; its same-process A/B: +4.5 %).
 ALIBI_WIDE: dict[int, Sm90Config] = {d: cfg for (d, causal), cfg in WIDE_DEFAULTS.items() if not causal}
 
 
