@@ -324,7 +324,7 @@ def tile_step(qt, dot, kt, vt, lse2_t, delta_t, n0: int, m0: int, nk: int, diag:
     else:
         masked, upper_idle = window_flags(n0, m0, nk, diag, var.left, var.right, block_m)
         hidden = (key >= nk) | (key < query + diag - var.left) | (key > query + diag + var.right)
-        if var.cap > 0:  # the kernel: tanh(s scale / cap) from 2 log2(e) scale / cap, times cap log2(e)
+        if var.cap > 0:  # the kernel: tanh(s scale / cap) (hardware tanh) from scale / cap, times cap log2(e)
             th = torch.tanh(st * (scale_log2 / LOG2E) / var.cap)
             x, dcap = var.cap * LOG2E * th, 1.0 - th * th
         else:

@@ -477,31 +477,20 @@ def test_sm90_window_block_range_covers_every_visible_key_and_masks_every_cut_bl
                 assert it < masked or it >= unmasked_end, f"{case}: block {n} (visit {it}) needs the window test"
 
 
-def _softcap_tanh_fma(s: np.ndarray, cap_in: float) -> np.ndarray:
-    """fp32 model of variants.cuh softcap_tanh_fma (exact ex2 in place of MUFU.EX2; fma = one rounding)."""
-    f32 = np.float32
+def test_softcap_kernel_arguments_give_the_capped_logit_in_log2_units():
+    # Every softcap kernel forms the log2-unit logit as cap_out * tanh(q.k * cap_in) (variants.cuh
+    # softcap_tanh, the hardware tanh); the host's two parameters must make that cap * tanh(scale q.k /
+    # cap) * log2(e), the reference's logit in log2 units, for any scale and cap.
+    from tileattn.kernels.attention_fwd_sm80 import VariantArgs
 
-    def fma(a, b, c):
-        return (a.astype(np.float64) * b + c).astype(f32)
-
-    x = (f32(1) + np.exp2(np.minimum(s * f32(cap_in), f32(64)))).astype(f32)
-    r = (np.uint32(0x7EF311C3) - x.view(np.uint32)).view(f32)
-    for _ in range(2):
-        err = fma(-x, r, f32(1))
-        r = fma(r, fma(err, err, err), r)
-    return fma(f32(-2) * np.ones_like(r), r, f32(1))
-
-
-def test_softcap_reciprocal_by_fma_is_as_accurate_as_tanh_needs():
-    # The Hopper forward's tanh(y) = 1 - 2 / (1 + e^2y) with the reciprocal from a bit-trick seed and two
-    # Newton steps: across |y| up to far past saturation its absolute error must stay at the fp32 level
-    # (the sm_80 backward recomputes tanh with MUFU.RCP, ~1 ulp; lse must agree with it).
-    cap_in = 2.0 * math.log2(math.e)  # y = s
-    s = np.concatenate([np.linspace(-50, 50, 200001), [-1e30, -88.0, 0.0, 88.0, 1e30]]).astype(np.float32)
-    got = _softcap_tanh_fma(s, cap_in).astype(np.float64)
-    err = np.abs(got - np.tanh(s.astype(np.float64)))
-    assert err.max() < 5e-7, f"max |tanh error| {err.max():.3g} at s = {s[err.argmax()]}"
-    assert np.all(np.isfinite(got)) and got.min() >= -1.0 and got.max() <= 1.0
+    qk = np.linspace(-400, 400, 4001)
+    for scale, cap in ((0.125, 30.0), (0.0883883, 5.0), (1.0, 50.0), (0.05, 0.5)):
+        args = VariantArgs(softcap=cap).kernel_args(scale)
+        cap_in, cap_out = float(args[6]), float(args[7])
+        got = cap_out * np.tanh(qk * cap_in)
+        want = cap * np.tanh(scale * qk / cap) * math.log2(math.e)
+        assert np.abs(got - want).max() <= 1e-6 * cap, f"scale={scale} cap={cap}: cap_in={cap_in} cap_out={cap_out}"
+    assert float(VariantArgs().kernel_args(0.125)[6]) == 0.0, "softcap off must pass cap_in = 0"
 
 
 def _alibi_scores(s, n, pos, t, diag, side, slope_raw, block_n):

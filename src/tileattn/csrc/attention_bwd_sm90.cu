@@ -68,7 +68,7 @@
 //   key of the block), so a sliding window costs (window + 128) / kBlockM tiles per key block;
 //   none: dK = dV = 0. `masked` / upper_idle come from the window's edges; the masks go on in a
 //   pass of their own (window_mask) over the finished P^T (and dS^T) before they are packed.
-// - Logits: the forward's variant_logits in the same fp32 order (softcap by softcap_tanh_fma, the
+// - Logits: the forward's variant_logits in the same fp32 order (softcap by softcap_tanh, the
 //   ALiBi bias fmaf(slope, |dist|, x)), P^T = 2^(logit - lse2) against the variant forward's lse.
 // - Softcap: dS^T = P^T (dP^T - D) (1 - tanh^2) (d logit / d(scale q.k)). Its passes pack P^T (and,
 //   one-pass at d = 64, dS^T) pair by pair into the wgmma operand registers; with the dV overlap
@@ -827,7 +827,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
           return masked && 8 * (i / 4) + (i & 1) < lim[(i >> 1) & 1] ? 0.f : p;
         };
         // Variants: the logit of element i in log2 units with the fp32 operations of the Hopper
-        // forward's variant_logits, in its order (softcap by softcap_tanh_fma, else the scale; then
+        // forward's variant_logits, in its order (softcap by softcap_tanh, else the scale; then
         // the ALiBi bias slope * |query + diag - key|, the distance as dist0 + 8 j + e - 8 h: exact
         // integers in fp32, one I2F per tile; one register for both rows h: with one per row, softcap
         // + ALiBi spilled 8 bytes under NVRTC 13.0), so that P^T = 2^(logit - lse2) recomputes the
@@ -842,7 +842,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
           if constexpr (kLogits) {
             float x;
             if constexpr (kSoftcapped) {
-              th = softcap_tanh_fma(var, sp[i]);
+              th = softcap_tanh(var, sp[i]);
               x = var.cap_out * th;
             } else {
               x = sp[i] * var.scale_log2;

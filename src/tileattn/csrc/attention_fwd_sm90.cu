@@ -475,9 +475,8 @@ __device__ __forceinline__ void apply_window(float (&s)[kBlockN / 2], int n, con
 // Softcap kernels (with or without ALiBi): raw scores q.k of block n -> logits in log2 units (the
 // softmax then runs with scale 1): cap_out * tanh, and the ALiBi bias slope[h] * |i + diag - j|
 // (slope[h] = -log2(e) * the slope of row h's head). The same fp32 operations in the same order as
-// the sm_80 kernels (variants.cuh), so that their variant backward recomputes these logits against
-// our lse; the only difference is 1 / (1 + e^2y), by FMA (softcap_tanh_fma) instead of MUFU.RCP:
-// both are within ~1 ulp of the true reciprocal. The ALiBi distance of column 2t + 8j + e is
+// the sm_80 kernels (variants.cuh: the same hardware tanh), so that a variant backward recomputes
+// these logits exactly against our lse. The ALiBi distance of column 2t + 8j + e is
 // dist0 - (8j + e) with dist0 converted once per row and block: an I2F per score would run on the
 // 16/clk/SM conversion pipe, as slow as MUFU (exact while |i + diag - j| < 2^24).
 template <int kBlockN, int kVariant>
@@ -490,7 +489,7 @@ __device__ __forceinline__ void variant_logits(float (&s)[kBlockN / 2], int n, c
     for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float x = va.cap_out * softcap_tanh_fma(va, s[4 * j + 2 * h + e]);
+        float x = va.cap_out * softcap_tanh(va, s[4 * j + 2 * h + e]);
         if constexpr ((kVariant & kAlibi) != 0) x = fmaf(slope[h], fabsf(dist0 - static_cast<float>(8 * j + e)), x);
         s[4 * j + 2 * h + e] = x;
       }

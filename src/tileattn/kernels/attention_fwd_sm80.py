@@ -191,7 +191,7 @@ class VariantArgs:
     def kernel_args(self, scale: float) -> tuple:
         """VARIANT_PARAMS of the kernels, with 0 for the per-call alibi pointer, seed and offset."""
         cap = float(self.softcap)
-        cap_in = 2.0 * LOG2E * scale / cap if cap > 0 else 0.0
+        cap_in = scale / cap if cap > 0 else 0.0
         return (
             0, np.uint64(0), np.uint64(0), np.int64(self.alibi_batch_stride or 0),
             np.int32(self.window_left), np.int32(self.window_right), np.float32(cap_in), np.float32(cap * LOG2E),

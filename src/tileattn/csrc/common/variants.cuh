@@ -34,7 +34,7 @@ struct Variants {
   uint64_t seed;       // dropout: Philox key
   uint64_t offset;     // dropout: Philox counter offset
   int left, right;     // window edges (>= 0, kUnbounded: none)
-  float cap_in;        // softcap: 2 * log2(e) * scale / cap (multiplies q . k); 0: softcap off
+  float cap_in;        // softcap: scale / cap (multiplies q . k); 0: softcap off
   float cap_out;       // softcap: cap * log2(e)
   float scale_log2;    // scale * log2(e): the logit without softcap
   unsigned drop_thr;   // dropout: drop iff 16-bit uniform < drop_thr (= round(p * 65536)); 0: off
@@ -81,32 +81,22 @@ __device__ __forceinline__ bool dropout_keep(const Variants& va, const uint4& bi
 }
 
 // Raw score q . k -> logit in log2 units (softcap or plain scale), and tanh for the backward.
-// tanh(y) = 1 - 2 / (1 + e^(2y)): one EX2 and one RCP; e^(2y) = inf gives 1, 0 gives -1, never NaN,
-// and the absolute error (what the logit needs) stays ~1e-7 (tanh.approx is 2^-11 relative).
-__device__ __forceinline__ float fast_rcp(float x) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
-  return r;
+// tanh by the hardware's tanh.approx.f32 (one MUFU.TANH): the softmax's one MUFU.EX2 per score
+// already keeps the exp unit half as busy as the tensor cores at d = 128, and the exact form
+// 1 - 2 / (1 + e^(2y)) cost a second EX2 plus a reciprocal (a third MUFU, or ~9 FMA-pipe
+// instructions), which capped the softcap forward at ~0.6x of the plain kernel
+// (docs/attention_variants.md, "Softcap by the hardware tanh"). Its error, measured on the H200 in
+// the same doc, bounds the logit's: |logit error| <= cap * tanh's absolute error. Every kernel (the
+// forwards, both backwards, the paged kernel) calls this one function, so a backward recomputes
+// exactly the forward's logits against its lse. Saturates to +-1 (never NaN) for any finite or
+// infinite argument.
+__device__ __forceinline__ float hw_tanh(float y) {
+  float t;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(t) : "f"(y));
+  return t;
 }
-__device__ __forceinline__ float softcap_tanh(const Variants& va, float s) {
-  return fmaf(-2.f, fast_rcp(1.f + fast_exp2(s * va.cap_in)), 1.f);
-}
-// softcap_tanh without MUFU.RCP, for the Hopper forward (attention_fwd_sm90.cu), where the one
-// MUFU.EX2 per score of the softmax already keeps the exp unit as busy as the tensor cores at
-// d = 128: 1 / (1 + e^2y) from a bit-trick seed (relative error <= 5.1%) and two cubic Newton
-// steps r += r (err + err^2), err = 1 - x r (error -> error^3: 1.1e-7, the ~1 ulp of rcp.approx),
-// all on the FMA pipe. e^2y is capped at 2^64 so that the seed stays a normal float (tanh = 1 in
-// fp32 there, as with e^2y = inf); 0 gives x = 1 and tanh = -1.
-__device__ __forceinline__ float softcap_tanh_fma(const Variants& va, float s) {
-  const float x = 1.f + fast_exp2(fminf(s * va.cap_in, 64.f));
-  float r = __int_as_float(0x7ef311c3 - __float_as_int(x));
-#pragma unroll
-  for (int it = 0; it < 2; ++it) {
-    const float err = fmaf(-x, r, 1.f);
-    r = fmaf(r, fmaf(err, err, err), r);
-  }
-  return fmaf(-2.f, r, 1.f);
-}
+// tanh(scale q.k / cap); cap_in = scale / cap.
+__device__ __forceinline__ float softcap_tanh(const Variants& va, float s) { return hw_tanh(s * va.cap_in); }
 __device__ __forceinline__ float variant_logit(const Variants& va, float s) {
   return va.cap_in != 0.f ? va.cap_out * softcap_tanh(va, s) : s * va.scale_log2;
 }
