@@ -1,7 +1,8 @@
 """`tileattn bench variants`: the attention variants (issue #15) against the plain kernels and peers.
 
     tileattn bench variants [--suite window|overhead|all] [--head-dim 128] [--dtype bf16] [--reps N]
-                            [--rounds R] [--quick] [--hopper-forced] [--json PATH] [--markdown PATH]
+                            [--rounds R] [--variant NAME ...] [--forward-only] [--quick] [--hopper-forced]
+                            [--json PATH] [--markdown PATH]
 
 window: a sliding window of 4096 keys (causal, window=(4095, -1)) at N = 32768, B=1, H=32, against
     the work it does as dense attention: non-causal N = 4096 with 8x the batch (8 * 4096^2 query-key
@@ -161,13 +162,18 @@ def _dense_records(base, dense_n, dense_b, heads, head_dim, dtype, reps, gen) ->
     return records
 
 
-def run_overhead(head_dim, dtype, reps, quick, rounds=3) -> list[dict]:
+OVERHEAD_VARIANTS = ("variant_kernel_none", "softcap", "alibi", "dropout")
+
+
+def run_overhead(head_dim, dtype, reps, quick, rounds=3, variants=OVERHEAD_VARIANTS,
+                 backward=True) -> list[dict]:
     """Records of suite overhead: per (N, mask) the plain plans and each variant's, timed in
     `rounds` rounds whose order rotates (bench.attention.round_order), one record per case, mode and
     round (key "round"); render reports the medians. Under the H200's power cap the kernel timed
     first after a pause, or the one doing less work per joule, reads a different clock (the variant
     kernel with nothing on, the plain kernel's own plan, read 0.93-1.01 of plain when every row was
-    timed once in a fixed order with plain first: docs/attention_variants.md)."""
+    timed once in a fixed order with plain first: docs/attention_variants.md). `variants`: the
+    cases timed beside plain; backward=False: forward only."""
     from ..kernels.attention_fwd_sm80 import UNBOUNDED, VariantArgs
     from .attention import round_order
 
@@ -189,6 +195,7 @@ def run_overhead(head_dim, dtype, reps, quick, rounds=3) -> list[dict]:
             }
             base = {"suite": "overhead", "b": batch, "h": heads, "n": n, "d": head_dim, "causal": causal,
                     "dtype": str(dtype).removeprefix("torch.")}
+            cases = {name: spec for name, spec in cases.items() if name == "plain" or name in variants}
             plans = {}
             for name, spec in cases.items():
                 variants, extra = spec if spec is not None else (None, (0, 0, 0))
@@ -196,8 +203,9 @@ def run_overhead(head_dim, dtype, reps, quick, rounds=3) -> list[dict]:
             for rnd in range(rounds):
                 for name, plan in round_order(plans, rnd):
                     records.append(dict(base, impl=name, mode="fwd", round=rnd, **_timed(plan.forward, work, reps)))
-                    records.append(dict(base, impl=name, mode="fwd+bwd", round=rnd,
-                                        **_timed(plan.forward_backward, 3.5 * work, reps)))
+                    if backward:
+                        records.append(dict(base, impl=name, mode="fwd+bwd", round=rnd,
+                                            **_timed(plan.forward_backward, 3.5 * work, reps)))
             del plans
         del q, k, v, dout
         torch.cuda.empty_cache()
@@ -260,6 +268,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="overhead suite: timing rounds, the cases' order rotated (median reported)")
+    ap.add_argument("--variant", action="append", choices=OVERHEAD_VARIANTS, dest="variants",
+                    help="overhead suite: time only these variants beside plain (repeatable; default all)")
+    ap.add_argument("--forward-only", action="store_true", help="overhead suite: no forward+backward rows")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--markdown", help="write the tables here")
     ap.add_argument("--hopper-forced", action="store_true",
@@ -278,7 +289,8 @@ def main(argv=None) -> int:
         if args.suite in ("window", "all"):
             records += run_window(args.head_dim, dtype, args.reps, args.quick)
         if args.suite in ("overhead", "all"):
-            records += run_overhead(args.head_dim, dtype, args.reps, args.quick, args.rounds)
+            records += run_overhead(args.head_dim, dtype, args.reps, args.quick, args.rounds,
+                                    tuple(args.variants or OVERHEAD_VARIANTS), not args.forward_only)
     for r in records:
         r["hopper_forced"] = args.hopper_forced
     text = render(records)
