@@ -807,36 +807,3 @@ def test_varlen_dropout_fake_outputs():
     assert out.requires_grad and not lse.requires_grad and not rng.requires_grad
     grads = torch.ops.tileattn.attention_varlen_dropout_bwd(*_meta_dropout_args("bwd", None))
     assert [g.shape for g in grads] == [(50, 4, 64), (60, 2, 64), (60, 2, 64)]
-
-
-def _exp2_fma(x: np.ndarray) -> np.ndarray:
-    """fp32 model of attention_fwd_sm90.cu exp2_fma (fmaf = one rounding of the exact product-sum)."""
-    f32 = np.float32
-
-    def fma(a, b, c):
-        return (a.astype(np.float64) * b + c).astype(f32)
-
-    k_round = f32(12582912.0)
-    x = np.maximum(x.astype(f32), f32(-125.0))
-    t = (x + k_round).astype(f32)
-    f = (x - (t - k_round).astype(f32)).astype(f32)
-    p = f32(0.009570069)
-    for c in (0.055917807, 0.24024744, 0.69312185, 0.99999928):
-        p = fma(p * np.ones_like(f), f, f32(c))
-    bits = p.view(np.uint32) + (t.view(np.uint32) << np.uint32(23))
-    return bits.astype(np.uint32).view(f32)
-
-
-def test_exp2_on_the_fma_pipe_is_as_accurate_as_the_softmax_needs():
-    # The softcap forward's unmasked visits take a quarter of their exponentials from exp2_fma: over the
-    # softmax's range (scores minus the row max, up to the stale max's +8; down to where 2^x is 0 for
-    # any P) its relative error must stay near ex2.approx's, far below a 16-bit P's rounding (2^-11),
-    # including the rounding ties x = j + 0.5 and the integers.
-    x = np.concatenate([np.linspace(-125.0, 8.0, 2_000_001), np.arange(-125, 9) + 0.5, np.arange(-125, 9),
-                        np.arange(-124, 9) - 0.5]).astype(np.float32)
-    got = _exp2_fma(x).astype(np.float64)
-    want = np.exp2(x.astype(np.float64))
-    rel = np.abs(got / want - 1.0)
-    assert rel.max() < 3e-6, f"max relative error {rel.max():.3g} at x = {x[rel.argmax()]}"
-    below = _exp2_fma(np.array([-126.0, -1000.0, -np.inf], dtype=np.float32))
-    assert np.all(np.abs(below / 2.0**-125 - 1) < 3e-6), f"below the range (clamped to 2^-125): {below}"

@@ -165,14 +165,14 @@ def _dense_records(base, dense_n, dense_b, heads, head_dim, dtype, reps, gen) ->
 OVERHEAD_VARIANTS = ("variant_kernel_none", "softcap", "alibi", "dropout")
 
 
-def run_overhead(head_dim, dtype, reps, quick, rounds=3, variants=OVERHEAD_VARIANTS,
+def run_overhead(head_dim, dtype, reps, quick, rounds=3, timed=OVERHEAD_VARIANTS,
                  backward=True) -> list[dict]:
     """Records of suite overhead: per (N, mask) the plain plans and each variant's, timed in
     `rounds` rounds whose order rotates (bench.attention.round_order), one record per case, mode and
     round (key "round"); render reports the medians. Under the H200's power cap the kernel timed
     first after a pause, or the one doing less work per joule, reads a different clock (the variant
     kernel with nothing on, the plain kernel's own plan, read 0.93-1.01 of plain when every row was
-    timed once in a fixed order with plain first: docs/attention_variants.md). `variants`: the
+    timed once in a fixed order with plain first: docs/attention_variants.md). `timed`: the
     cases timed beside plain; backward=False: forward only."""
     from ..kernels.attention_fwd_sm80 import UNBOUNDED, VariantArgs
     from .attention import round_order
@@ -195,7 +195,7 @@ def run_overhead(head_dim, dtype, reps, quick, rounds=3, variants=OVERHEAD_VARIA
             }
             base = {"suite": "overhead", "b": batch, "h": heads, "n": n, "d": head_dim, "causal": causal,
                     "dtype": str(dtype).removeprefix("torch.")}
-            cases = {name: spec for name, spec in cases.items() if name == "plain" or name in variants}
+            cases = {name: spec for name, spec in cases.items() if name == "plain" or name in timed}
             plans = {}
             for name, spec in cases.items():
                 variants, extra = spec if spec is not None else (None, (0, 0, 0))

@@ -618,26 +618,6 @@ __device__ __forceinline__ void apply_mask(float (&s)[kBlockN / 2], int n, const
   }
 }
 
-// 2^x without the exp unit, for x in [-125, 2^22) (below -125 it returns 2^-125, not 0: only for
-// scores of unmasked visits, which are finite): x = j + f with j = rint(x) read from the low
-// mantissa bits of x + 1.5 * 2^23 and f in [-0.5, 0.5]; 2^f by a degree-4 polynomial (coefficients
-// fitted to the relative error over [-0.5, 0.5]: <= 2.7e-6 evaluated in fp32, against ex2.approx's
-// ~2^-22 and a bf16 / fp16 P's rounding of 2^-9 / 2^-11; tests/test_variants_cpu.py models it); times 2^j by
-// adding j to the exponent field. 9 instructions (FMNMX, 3 FADD, 4 FFMA, 1 integer shift-add), all
-// but the last on the FP32 pipe, against one MUFU.EX2 at 16/clk/SM. With softcap each score needs
-// two MUFU (tanh, then the softmax's EX2): at d = 128 the exp unit's 2048 clk per 128 x 128 block
-// equal the tensor cores' 2048, so a fraction of the EX2s moves here (softmax_step's kExp2Fma).
-__device__ __forceinline__ float exp2_fma(float x) {
-  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: x + kRound lies in [2^23, 2^24), where the ulp is 1
-  x = fmaxf(x, -125.f);
-  const float t = __fadd_rn(x, kRound);               // bits(t) = bits(kRound) + rint(x)
-  const float f = __fsub_rn(x, __fsub_rn(t, kRound));  // x - rint(x), exact
-  const float p = fmaf(fmaf(fmaf(fmaf(0.009570069f, f, 0.055917807f), f, 0.24024744f), f, 0.69312185f), f,
-                       0.99999928f);  // 2^f in [0.707, 1.415]
-  // bits(kRound) << 23 is 0 mod 2^32, so bits(t) << 23 = rint(x) << 23: 2^rint(x) in the exponent field
-  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
 // Online softmax of one score block, in place: s <- p = 2^(s * scale_log2 - m); m, l updated.
 // kShifted: this thread's scores of row h are s + shift[h] (ALiBi's constant on one-sided blocks,
 // alibi_scores; it differs between the row's 4 threads).
@@ -647,12 +627,9 @@ __device__ __forceinline__ float exp2_fma(float x) {
 // alpha[h] = 2^(m_old - m_new) is what O must be multiplied by before P V is added to it (l is
 // rescaled here). After a row's first blocks the O rescale (d / 2 FMULs per thread, on the path
 // between the P V wait and the next wgmma issue) is almost always skipped.
-// kExp2Fma with fma_exp (an unmasked visit; a constant at every call site): the scores of every
-// fourth 8-key group j (j % 4 == 3: a quarter) take exp2_fma instead of MUFU.EX2.
-template <int kBlockN, bool kShifted = false, bool kExp2Fma = false>
+template <int kBlockN, bool kShifted = false>
 __device__ __forceinline__ bool softmax_step(float (&s)[kBlockN / 2], float (&m)[2], float (&l)[2],
-                                             float (&alpha)[2], float scale_log2, const float (&shift)[2],
-                                             bool fma_exp = false) {
+                                             float (&alpha)[2], float scale_log2, const float (&shift)[2]) {
   float blk[2];
   bool grow = false;
 #pragma unroll
@@ -685,8 +662,7 @@ __device__ __forceinline__ bool softmax_step(float (&s)[kBlockN / 2], float (&m)
 #pragma unroll
   for (int i = 0; i < kBlockN / 2; ++i) {
     const int h = (i >> 1) & 1;
-    const float x = fmaf(s[i], scale_log2, offset[h]);
-    s[i] = kExp2Fma && fma_exp && (i / 4) % 4 == 3 ? exp2_fma(x) : fast_exp2(x);
+    s[i] = fast_exp2(fmaf(s[i], scale_log2, offset[h]));
     sum[h] += s[i];
   }
 #pragma unroll
@@ -775,9 +751,6 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   constexpr bool kLogits = (kVariant & kSoftcap) != 0;  // scores become log2-unit logits first
   constexpr bool kAlibiRaw = (kVariant & (kSoftcap | kAlibi)) == kAlibi;  // ALiBi in raw units (alibi_scores)
   constexpr bool kDropped = (kVariant & kDropout) != 0;
-  // Softcap spends two MUFU per score (tanh, EX2): a quarter of the EX2s go to the FP32 pipe
-  // (exp2_fma) on unmasked visits.
-  constexpr bool kExp2Fma = kLogits;
   // Consumers release the leading visits none of their rows sees (unseen_visits): the plain dense
   // kernel with three consumers (no ping-pong: the consumers need not take the same turns). H200,
   // 2026-12-03, call H2, TFLOP/s without / with at d = 64, 192 x 128 / s3: causal 343 / 365 (N =
@@ -1156,7 +1129,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
           s9::fence_accumulators(s);
           if (releaser) s9::mbar_arrive(&k_empty[sk]);
           scores(range.n_end - 1 - it, masked);
-          const bool rescale = softmax_step<kBlockN, kAlibiRaw, kExp2Fma>(s, m, l, alpha, sl2, shift, !masked);
+          const bool rescale = softmax_step<kBlockN, kAlibiRaw>(s, m, l, alpha, sl2, shift);
           drop();
           // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free. Without dropout the
           // wait sits in both arms of a warpgroup-uniform branch so that it stays after the
