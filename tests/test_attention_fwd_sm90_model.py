@@ -709,7 +709,7 @@ def test_every_tuning_candidate_has_its_dense_and_varlen_kernels_registered(head
         for cfg in af.tuning_candidates(head_dim, causal, dtype):
             assert af.expression(head_dim, cfg, causal, bf16) in registered, cfg
             assert not bf16 or af.varlen_expression(head_dim, cfg, causal, bf16) in registered, cfg
-            if cfg.consumers == 3:  # three consumer warpgroups: the dense and varlen kernels and ALiBi alone only
+            if cfg.consumers == 3:  # three consumer warpgroups: the dense and varlen kernels, ALiBi or softcap alone only
                 with pytest.raises(ValueError, match="three-consumer"):
                     af.paged_expression(head_dim, cfg, causal, bf16)
                 with pytest.raises(ValueError, match="three-consumer"):

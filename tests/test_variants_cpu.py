@@ -315,13 +315,17 @@ def test_sm90_variant_instantiations_cover_every_flag_set():
     wide = [e for e in k90.INSTANTIATIONS if e.endswith(", 3>")]
     assert len(wide) == 2 * len(k90.WIDE_DEFAULTS) == 8, wide
     assert not set(plain) & set(exprs), plain
-    # ALiBi alone also at the non-causal three-consumer tiles (d = 64, 128, both dtypes): kConsumers 3, kVariant 4.
-    alibi_wide = k90.ALIBI_WIDE_INSTANTIATIONS
-    assert len(alibi_wide) == len(set(alibi_wide)) == 4 and set(alibi_wide) <= set(k90.INSTANTIATIONS), alibi_wide
-    assert all(e.startswith(tuple(w[:-1] + f", {k90.ALIBI}, const float*" for w in wide if ", false, false, " in w))
-               for e in alibi_wide), alibi_wide
+    # ALiBi alone and softcap alone also at the non-causal three-consumer tiles (d = 64, 128, both
+    # dtypes): kConsumers 3, kVariant 4 or 2.
+    variant_wide = k90.VARIANT_WIDE_INSTANTIATIONS
+    assert len(variant_wide) == len(set(variant_wide)) == 8 and set(variant_wide) <= set(k90.INSTANTIATIONS), variant_wide
+    for flags in (k90.ALIBI, k90.SOFTCAP):
+        these = [e for e in variant_wide if f", 3, {flags}, const float*" in e]
+        assert len(these) == 4 and all(
+            e.startswith(tuple(w[:-1] + f", {flags}, const float*" for w in wide if ", false, false, " in w))
+            for e in these), these
     assert all(e.startswith(tuple(p[:-1] + ", 2, " for p in plain)) for e in k90.INSTANTIATIONS
-               if e not in plain and e not in wide and e not in alibi_wide)
+               if e not in plain and e not in wide and e not in variant_wide)
 
 
 @pytest.mark.parametrize(
@@ -342,11 +346,11 @@ def test_sm90_variant_flags(window, softcap, alibi, expected):
     assert attention_fwd_sm90.variant_flags(va) == expected, va
 
 
-def test_sm90_variant_config_gives_alibi_alone_the_plain_wide_tile():
-    """variant_config: ALiBi alone (non-causal) takes the plain non-causal kernel's default tile where
-    that is the three-consumer one (from WIDE_MIN_QUERIES[d] queries, where GQA packing allows 192-row
-    tiles); every other flag set, and ALiBi alone elsewhere, VARIANT_DEFAULTS' tile (never
-    LONG_DEFAULTS'). Whatever it picks must be a registered instantiation."""
+def test_sm90_variant_config_gives_alibi_or_softcap_alone_the_plain_wide_tile():
+    """variant_config: ALiBi alone and softcap alone (non-causal) take the plain non-causal kernel's
+    default tile where that is the three-consumer one (from WIDE_MIN_QUERIES[d] queries, where GQA
+    packing allows 192-row tiles); every other flag set, and those two elsewhere, VARIANT_DEFAULTS'
+    tile (never LONG_DEFAULTS'). Whatever it picks must be a registered instantiation."""
     from dataclasses import replace
 
     from tileattn.kernels import attention_fwd_sm90 as k90
@@ -367,7 +371,7 @@ def test_sm90_variant_config_gives_alibi_alone_the_plain_wide_tile():
                         for flags in flag_sets:
                             got = k90.variant_config(d, flags, nk, **kw)
                             what = (d, flags, nq, nk, heads, kv_heads, pack_gqa, str(got))
-                            if flags == k90.ALIBI and plain.consumers == 3:
+                            if flags in (k90.ALIBI, k90.SOFTCAP) and plain.consumers == 3:
                                 assert got == plain, what
                                 # the plain kernel's switch: WIDE_MIN_QUERIES, a packing that fits 192 rows
                                 assert nq is None or nq >= k90.WIDE_MIN_QUERIES[d], what
@@ -387,19 +391,21 @@ def test_sm90_variant_config_gives_alibi_alone_the_plain_wide_tile():
         wide = replace(k90.WIDE_DEFAULTS[(d, False)], persistent=True)
         narrow = replace(k90.VARIANT_DEFAULTS[d], persistent=True)
         assert (wide.consumers, narrow.consumers) == (3, 2)
-        for heads, kv_heads in ((4, 4), (3, 1)):
-            pick = functools.partial(k90.variant_config, d, k90.ALIBI, n + 76, heads=heads, kv_heads=kv_heads)
-            assert pick(seqlen_q=n - 1) == narrow and pick(seqlen_q=n) == wide and pick(seqlen_q=n + 76) == wide
-            if heads > kv_heads:
-                assert pick(seqlen_q=n + 76, pack_gqa=True) == wide
+        for flags in (k90.ALIBI, k90.SOFTCAP):
+            for heads, kv_heads in ((4, 4), (3, 1)):
+                pick = functools.partial(k90.variant_config, d, flags, n + 76, heads=heads, kv_heads=kv_heads)
+                assert pick(seqlen_q=n - 1) == narrow and pick(seqlen_q=n) == wide and pick(seqlen_q=n + 76) == wide
+                if heads > kv_heads:
+                    assert pick(seqlen_q=n + 76, pack_gqa=True) == wide
         assert k90.gqa_pack(3, 1, n + 76, 192) == 3  # GQA 3 past the switch: packed on the wide tile
         assert k90.variant_config(d, k90.ALIBI, seqlen_q=n, heads=32, kv_heads=8, pack_gqa=True) == narrow
         assert k90.variant_config(d, k90.ALIBI | k90.WINDOW, seqlen_q=n) == narrow  # causal ALiBi: windowed
+        assert k90.variant_config(d, k90.SOFTCAP | k90.WINDOW, seqlen_q=n) == narrow  # causal softcap: windowed
         assert k90.variant_config(d, k90.ALIBI | k90.SOFTCAP, seqlen_q=n) == narrow
-    # three consumers: ALiBi alone and the varlen layout only among the flavoured kernels
+    # three consumers: ALiBi alone, softcap alone and the varlen layout only among the flavoured kernels
     cfg = k90.WIDE_DEFAULTS[(128, False)]
     for flags in (*range(1, 8), *k90.DROPOUT_FLAG_SETS[128]):
-        if flags != k90.ALIBI:
+        if flags not in (k90.ALIBI, k90.SOFTCAP):
             with pytest.raises(ValueError, match="three-consumer"):
                 k90.variant_expression(128, cfg, True, flags)
 

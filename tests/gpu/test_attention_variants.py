@@ -605,22 +605,28 @@ def test_sm90_variants_take_the_variant_tile_at_any_length(d):
     assert plan.config == replace(af.VARIANT_DEFAULTS[d], persistent=d in af.PERSISTENT_HEAD_DIMS), plan.config
 
 
+# The variants that run the three-consumer tile alone (attention_fwd_sm90.WIDE_VARIANT_FLAGS).
+WIDE_VARIANT_OPTIONS = {"alibi": {"alibi": "h"}, "softcap": {"softcap": 20.0}}
+
+
 @needs_sm90
 @pytest.mark.parametrize("h, hkv", [(2, 2), (3, 1)], ids=["MHA", "GQA3"])
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_sm90_alibi_alone_takes_the_wide_tile_past_the_switch(d, dtype, h, hkv):
-    """ALiBi alone (non-causal) runs the plain kernel's three-consumer tile from WIDE_MIN_QUERIES[d]
-    queries on (variant_config); GQA 3 packs three heads x 64 positions into its 192 rows. Nk about
-    Nq / 2: the tiles see keys on both sides of their diagonal (one-sided blocks of both signs)."""
+@pytest.mark.parametrize("variant", sorted(WIDE_VARIANT_OPTIONS))
+def test_sm90_alibi_or_softcap_alone_takes_the_wide_tile_past_the_switch(variant, d, dtype, h, hkv):
+    """ALiBi alone and softcap alone (non-causal) run the plain kernel's three-consumer tile from
+    WIDE_MIN_QUERIES[d] queries on (variant_config); GQA 3 packs three heads x 64 positions into its
+    192 rows. Nk about Nq / 2: the tiles see keys on both sides of their diagonal (ALiBi: one-sided
+    blocks of both signs)."""
     from tileattn.kernels import attention_fwd_sm90 as af
 
     nq = af.WIDE_MIN_QUERIES[d] + 76
     nk = nq // 2 + 37
     assert hkv == h or af.gqa_pack(h, hkv, nq, 192) == 3
     q, k, v, _ = make(1, h, hkv, nq, nk, d, dtype, seed=d + nq + h)
-    check_sm90(q, k, v, False, _opts({"alibi": "h"}, 1, h), dtype,
-               f"sm90 ALiBi alone d={d} {dtype} H={h}/{hkv} Nq={nq} Nk={nk}", want_consumers=3)
+    check_sm90(q, k, v, False, _opts(WIDE_VARIANT_OPTIONS[variant], 1, h), dtype,
+               f"sm90 {variant} alone d={d} {dtype} H={h}/{hkv} Nq={nq} Nk={nk}", want_consumers=3)
 
 
 @needs_sm90
@@ -694,15 +700,18 @@ def test_sm90_sanitize_small(case, nq, nk, pack_gqa):
 @pytest.mark.sanitize
 @pytest.mark.parametrize("h, hkv, nq, nk", [(2, 2, 200, 70), (3, 1, 70, 200)], ids=["MHA_200x70", "GQA3_70x200"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_sm90_alibi_wide_sanitize_small(d, h, hkv, nq, nk):
-    """The three-consumer ALiBi-alone kernel (ALIBI_WIDE, forced) on small shapes: 200 queries are a
-    full 192-row tile and one of 8 rows (its first consumer's 8, the other two wholly past Nq); GQA 3
-    packed, 70 queries are two tiles of 3 heads x 64 positions (the second with 6 per head)."""
+@pytest.mark.parametrize("variant", sorted(WIDE_VARIANT_OPTIONS))
+def test_sm90_variant_wide_sanitize_small(variant, d, h, hkv, nq, nk):
+    """The three-consumer ALiBi-alone and softcap-alone kernels (VARIANT_WIDE, forced) on small shapes:
+    200 queries are a full 192-row tile and one of 8 rows (its first consumer's 8, the other two wholly
+    past Nq); GQA 3 packed, 70 queries are two tiles of 3 heads x 64 positions (the second with 6 per
+    head)."""
     from dataclasses import replace
 
     from tileattn.kernels import attention_fwd_sm90 as af
 
-    cfg = replace(af.ALIBI_WIDE[d], persistent=True)
+    cfg = replace(af.VARIANT_WIDE[d], persistent=True)
     q, k, v, _ = make(1, h, hkv, nq, nk, d, FP16, seed=17 + nq + d)
-    check_sm90(q, k, v, False, _opts({"alibi": "h"}, 1, h), FP16, f"sm90 sanitize ALiBi wide d={d} Nq={nq} Nk={nk}",
+    check_sm90(q, k, v, False, _opts(WIDE_VARIANT_OPTIONS[variant], 1, h), FP16,
+               f"sm90 sanitize {variant} wide d={d} Nq={nq} Nk={nk}",
                pack_gqa=True if hkv < h else None, config=cfg, want_consumers=3)

@@ -29,7 +29,7 @@
 // more and the CTAs in flight stay on neighbouring tiles (the L2 groups above); without the counter
 // it takes blockIdx.x + k gridDim.x. The producer hands each tile to the consumers through sched_tile
 // (two slots), so they walk exactly the producer's sequence, ending at -1. 384 threads = 3
-// warpgroups, one CTA per SM (kConsumers = 3, the plain dense and varlen kernels and ALiBi alone:
+// warpgroups, one CTA per SM (kConsumers = 3, the plain dense and varlen kernels, ALiBi or softcap alone:
 // 512 threads and 192-row tiles, FlashAttention-3's d = 64 shape, a third warpgroup's softmax to
 // interleave where the exponentials take as long as the GEMMs; 160 registers per consumer thread,
 // so S + P + O must fit: d = 64 at 128-key blocks, d = 128 at 64 / 80):
@@ -208,7 +208,7 @@ __device__ __forceinline__ void wgmma_wait_all_in_arm() {
 }
 
 // Query rows per CTA: kConsumers warpgroups x 64 (a template parameter: 2, or 3 for the plain
-// dense and varlen kernels and ALiBi alone). setmaxnreg budgets (multiples of 8; x 128 threads,
+// dense and varlen kernels, ALiBi or softcap alone). setmaxnreg budgets (multiples of 8; x 128 threads,
 // summed over the warpgroups, within the 64 K register file):
 //   2 consumers: producer 40 + 2 x 232 = 504 per thread slot;
 //   3 consumers: producer 32 + 3 x 160 = 512 (per thread: d = 64 at 128 keys S 64 + P 32 + O 32,
@@ -767,10 +767,12 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   // ALiBi alone (non-causal; causal ALiBi is windowed) fits 160 registers too (its extra live state:
   // the two held slopes and the two one-sided shifts): 0 spills at WIDE_DEFAULTS' non-causal tiles
   // (NVRTC 13.5). The windowed ALiBi kernel spills there (d = 128 192 x 80: 56 bytes of spill stores,
-  // d = 64 192 x 128: 244) and keeps two consumers.
+  // d = 64 192 x 128: 244) and keeps two consumers. Softcap alone (its logits computed in place, tanh
+  // by tanh.approx) fits too: 0 spills at both tiles (NVRTC 13.5).
   static_assert(kConsumers == 2 ||
-                    (kConsumers == 3 && (kVariant == 0 || kVariant == kVarlen || kVariant == kAlibi) && !kPingPong),
-                "three consumer warpgroups: the plain dense and varlen kernels and ALiBi alone only, without ping-pong");
+                    (kConsumers == 3 && (kVariant == 0 || kVariant == kVarlen || kVariant == kAlibi || kVariant == kSoftcap) &&
+                     !kPingPong),
+                "three consumer warpgroups: the plain dense and varlen kernels, ALiBi or softcap alone only, without ping-pong");
   constexpr int kBlockM = 64 * kConsumers;                   // query rows per tile
   static_assert(sm90::wgmma_n_supported(kBlockN) && kBlockN % 16 == 0,
                 "kBlockN is the wgmma N of S = Q K^T (sm90.cuh) and the K of O += P V (k16 steps)");

@@ -3,7 +3,7 @@
 Same tensors and contract as attention_fwd_sm80.launch_forward: q [B, H, Nq, d], k/v
 [B, Hkv, Nk, d], out [B, H, Nq, d] (one 16-bit dtype), lse [B, H, Nq] fp32 contiguous, natural
 log. Every CTA has 128 query rows (two consumer warpgroups of 64; 192 with three, a config of the
-plain dense kernel at d = 64 and 128, of ALiBi alone there and of the varlen kernel) and a producer
+plain dense kernel at d = 64 and 128, of ALiBi or softcap alone there and of the varlen kernel) and a producer
 warpgroup; the config is the K/V block (kBlockN keys, the N of S = Q K^T), the depth of the K/V
 rings and the consumer count.
 
@@ -59,8 +59,8 @@ class Sm90Config:
     """block_n keys per K/V block (the wgmma N of S = Q K^T: 64, 80, 96, 128, 176, 192 or 256), ring stages,
     whether the two consumer warpgroups take turns issuing their GEMMs (ping-pong), and whether the
     grid is persistent (one CTA per SM walking the tiles; otherwise one CTA per tile), and the
-    consumer warpgroups (2, or 3 without ping-pong: 192-row tiles; the plain dense and varlen kernels and
-    ALiBi alone).
+    consumer warpgroups (2, or 3 without ping-pong: 192-row tiles; the plain dense and varlen kernels,
+    ALiBi or softcap alone).
     `persistent` is a launch choice only: both grids run the same compiled kernel."""
 
     block_n: int
@@ -143,7 +143,7 @@ PERSISTENT_HEAD_DIMS = (64, 128)
 #   causal     N = 2048 486 / 453 / 451 / 461 (465), 4096 570 / 528 / 538 / 546 (532), 8192 599 / 602 / 598 / 627 (571)
 # so 192 x 80 / s3 from 8192 queries on.
 # Where GQA packing needs a 128-row tile (see default_config) the two-consumer tile stays. Varlen,
-# paged and variant kernels keep two consumers (DEFAULTS), except ALiBi alone (ALIBI_WIDE, variant_config).
+# paged and variant kernels keep two consumers (DEFAULTS), except ALiBi or softcap alone (VARIANT_WIDE, variant_config).
 WIDE_DEFAULTS: dict[tuple[int, bool], Sm90Config] = {(64, False): C(128, 2, consumers=3),
                                                      (64, True): C(128, 3, consumers=3),
                                                      (128, False): C(80, 3, consumers=3),
@@ -219,11 +219,12 @@ def expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool) -> s
 
 def _flavour_expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool, variant: int,
                         param_types: str) -> str:
-    """A variant / varlen / paged instantiation: kConsumers (3 only for the varlen layout and ALiBi
-    alone: the paged kernel and the other variant sets have no three-consumer form), kVariant, then
-    the trailing parameters' types."""
-    if config.consumers != 2 and variant not in (VARLEN, ALIBI):
-        raise ValueError(f"{config}: only the dense and varlen kernels and ALiBi alone have a three-consumer form")
+    """A variant / varlen / paged instantiation: kConsumers (3 only for the varlen layout and
+    WIDE_VARIANT_FLAGS: the paged kernel and the other variant sets have no three-consumer form),
+    kVariant, then the trailing parameters' types."""
+    if config.consumers != 2 and variant not in (VARLEN, *WIDE_VARIANT_FLAGS):
+        raise ValueError(f"{config}: only the dense and varlen kernels and ALiBi or softcap alone have a "
+                         "three-consumer form")
     return (f"tileattn::attention_fwd_sm90<{_template_args(head_dim, config, causal, bf16)}, {config.consumers}, "
             f"{variant}, {param_types}>")
 
@@ -236,28 +237,31 @@ VARLEN = 8
 # Tiles of the variant kernels: the non-causal defaults (a window is masked like causal, and the
 # defaults are the same config causal or not).
 VARIANT_DEFAULTS: dict[int, Sm90Config] = {d: DEFAULTS[(d, False)] for d in HEAD_DIMS}
-# ALiBi alone (non-causal: causal ALiBi is WINDOW | ALIBI) also runs WIDE_DEFAULTS' non-causal
-# three-consumer tile where the plain kernel takes it (variant_config): 0 spills at 160 registers
-# (NVRTC 13.5), while WINDOW | ALIBI spills there (56 bytes of spill stores at d = 128, 244 at d = 64)
-# and keeps two. docs/attention_variants.md, "ALiBi alone with three consumers": on the H200 (2026-12-03,
-# bf7717b, `bench variants --suite overhead --rounds 3`) 602 TFLOP/s at d = 128 bf16 non-causal N = 8192,
-# where the two-consumer kernel read 582 (session 19, another process; its same-process A/B: +4.5 %).
-ALIBI_WIDE: dict[int, Sm90Config] = {d: cfg for (d, causal), cfg in WIDE_DEFAULTS.items() if not causal}
+# ALiBi alone and softcap alone (non-causal: causal is the WINDOW bit) also run WIDE_DEFAULTS'
+# non-causal three-consumer tile where the plain kernel takes it (variant_config): 0 spills at 160
+# registers (NVRTC 13.5), while WINDOW | ALIBI spills there (56 bytes of spill stores at d = 128, 244
+# at d = 64) and keeps two. docs/attention_variants.md, "ALiBi alone with three consumers": on the
+# H200 (2026-12-03, bf7717b, `bench variants --suite overhead --rounds 3`) ALiBi 602 TFLOP/s at d = 128
+# bf16 non-causal N = 8192, where the two-consumer kernel read 582 (session 19, another process; its
+# same-process A/B: +4.5 %); softcap: "Softcap by the hardware tanh".
+WIDE_VARIANT_FLAGS = (ALIBI, SOFTCAP)
+VARIANT_WIDE: dict[int, Sm90Config] = {d: cfg for (d, causal), cfg in WIDE_DEFAULTS.items() if not causal}
 
 
 def variant_config(head_dim: int, flags: int, seqlen_k: int = 0, *, seqlen_q: int | None = None, heads: int = 1,
                    kv_heads: int = 1, pack_gqa: bool | None = None) -> Sm90Config:
     """The variant forward's config for kVariant `flags` (variant_flags, after dropout_kernel_flags):
-    for ALiBi alone, default_config's choice for the plain non-causal kernel of the same call when that
-    is the ALIBI_WIDE tile (three consumers, so from WIDE_MIN_QUERIES[head_dim] queries and where GQA
-    packing allows it, as default_config decides); otherwise, and for every other flag set,
+    for ALiBi or softcap alone (WIDE_VARIANT_FLAGS), default_config's choice for the plain non-causal
+    kernel of the same call when that is the VARIANT_WIDE tile (three consumers, so from
+    WIDE_MIN_QUERIES[head_dim] queries and where GQA packing allows it, as default_config decides);
+    otherwise, and for every other flag set,
     VARIANT_DEFAULTS[head_dim] (the variant kernels exist at no other tile: LONG_DEFAULTS' is not taken).
     On a persistent grid for a head dim in PERSISTENT_HEAD_DIMS. Raises KeyError for a head dim not in
     HEAD_DIMS."""
-    if flags == ALIBI and head_dim in ALIBI_WIDE:
+    if flags in WIDE_VARIANT_FLAGS and head_dim in VARIANT_WIDE:
         plain = default_config(head_dim, False, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
                                pack_gqa=pack_gqa)
-        if replace(plain, persistent=False) == ALIBI_WIDE[head_dim]:
+        if replace(plain, persistent=False) == VARIANT_WIDE[head_dim]:
             return plain
     return _default_grid(head_dim, VARIANT_DEFAULTS[head_dim])
 
@@ -314,9 +318,10 @@ def _expressions(pairs) -> tuple[str, ...]:
 # (compiled by `tileattn check --tuning` and on first use by the tuning benchmark).
 VARIANT_INSTANTIATIONS = tuple(variant_expression(d, cfg, bf16, flags) for d, cfg in VARIANT_DEFAULTS.items()
                                for bf16 in (False, True) for flags in range(1, 8))
-# ALiBi alone at the three-consumer tile (ALIBI_WIDE, variant_config): d = 64 and 128, both dtypes.
-ALIBI_WIDE_INSTANTIATIONS = tuple(variant_expression(d, cfg, bf16, ALIBI) for d, cfg in ALIBI_WIDE.items()
-                                  for bf16 in (False, True))
+# ALiBi or softcap alone at the three-consumer tile (VARIANT_WIDE, variant_config): d = 64 and 128,
+# both dtypes.
+VARIANT_WIDE_INSTANTIATIONS = tuple(variant_expression(d, cfg, bf16, flags) for flags in WIDE_VARIANT_FLAGS
+                                    for d, cfg in VARIANT_WIDE.items() for bf16 in (False, True))
 # Dropout: the flag sets registered per head dim, at the variant tiles (kBlockN a multiple of 64:
 # whole Philox groups and keep words). Causal dropout is DROPOUT | WINDOW. Without the window bit,
 # softcap or ALiBi with dropout spilled under NVRTC 13.5's ptxas (DROPOUT | SOFTCAP | ALIBI at every
@@ -378,7 +383,7 @@ INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in (*
                                                                               *LONG_DEFAULTS.items())
                                for bf16 in (False, True))
                   + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS + DROPOUT_INSTANTIATIONS
-                  + ALIBI_WIDE_INSTANTIATIONS)
+                  + VARIANT_WIDE_INSTANTIATIONS)
 # Tuning candidates: the dense extras, and the varlen kernel at every registered dense config (a
 # persistent config is the same kernel as its one-CTA-per-tile twin: a launch choice).
 TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
@@ -635,7 +640,7 @@ class ForwardPlan:
                     raise ValueError(f"the sm90 forward has no dropout instantiation for head_dim {head_dim} with "
                                      f"variant flags {flags}; registered: {DROPOUT_FLAG_SETS}")
                 flags = kernel_flags
-        if config is None and flags:  # variant kernels exist at VARIANT_DEFAULTS' tiles (ALiBi alone: and ALIBI_WIDE's)
+        if config is None and flags:  # variant kernels exist at VARIANT_DEFAULTS' tiles (ALiBi or softcap alone: and VARIANT_WIDE's)
             config = variant_config(head_dim, flags, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
                                     pack_gqa=pack_gqa)
         config = config or default_config(head_dim, causal, seqlen_k, seqlen_q=seqlen_q, heads=heads,
@@ -979,8 +984,9 @@ __all__ = [
     "dropout_kernel_flags",
     "VARIANT_DEFAULTS",
     "VARIANT_INSTANTIATIONS",
-    "ALIBI_WIDE",
-    "ALIBI_WIDE_INSTANTIATIONS",
+    "VARIANT_WIDE",
+    "VARIANT_WIDE_INSTANTIATIONS",
+    "WIDE_VARIANT_FLAGS",
     "variant_config",
     "Sm90Config",
     "configs_for",
