@@ -21,7 +21,7 @@ a checked layout (dtype, shape, strides, box, swizzle, fill) and its encoded map
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -44,11 +44,13 @@ class TensorMap:
     box: tuple[int, ...]
     swizzle: int
     dtype: object
+    # Host address of `data`'s 128 bytes (the driver copies them at launch), read once: numpy's
+    # `.ctypes.data` costs ~1 us per read, and a Hopper forward launch passes four maps
+    # (docs/runtime.md, "The Hopper forward's launch").
+    address: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def address(self) -> int:
-        """Host address of the 128 bytes (the driver copies them at launch)."""
-        return int(self.data.ctypes.data)
+    def __post_init__(self):
+        object.__setattr__(self, "address", int(self.data.ctypes.data))
 
 
 def _data_type(dtype):
