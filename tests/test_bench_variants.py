@@ -10,3 +10,18 @@ def test_overhead_table_takes_medians_over_rounds():
     records = [dict(base, impl=impl, round=i, tflops=t) for impl, ts in rounds.items() for i, t in enumerate(ts)]
     row = next(line for line in variants.render(records).splitlines() if line.startswith("| 2048 |"))
     assert row == f"| 2048 | False | fwd | 550 | - | - | 500 ({500 / 550:.3f}) | - |"
+
+
+def test_variant_filter_options_parse_before_the_gpu_is_needed():
+    # --variant takes the overhead suite's case names only; valid options get as far as the GPU check.
+    import pytest
+
+    from tileattn.runtime import NoGPUError
+
+    with pytest.raises(SystemExit):
+        variants.main(["--suite", "overhead", "--variant", "tanh"])
+    import torch
+
+    if not torch.cuda.is_available():  # on a GPU machine the call would run the benchmark
+        with pytest.raises(NoGPUError):
+            variants.main(["--suite", "overhead", "--variant", "softcap", "--variant", "alibi", "--forward-only"])
