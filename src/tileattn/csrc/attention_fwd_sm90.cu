@@ -769,10 +769,11 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   // (NVRTC 13.5). The windowed ALiBi kernel spills there (d = 128 192 x 80: 56 bytes of spill stores,
   // d = 64 192 x 128: 244) and keeps two consumers. Softcap alone (its logits computed in place, tanh
   // by tanh.approx) fits too: 0 spills at both tiles (NVRTC 13.5).
-  static_assert(kConsumers == 2 ||
-                    (kConsumers == 3 && (kVariant == 0 || kVariant == kVarlen || kVariant == kAlibi || kVariant == kSoftcap) &&
-                     !kPingPong),
-                "three consumer warpgroups: the plain dense and varlen kernels, ALiBi or softcap alone only, without ping-pong");
+  constexpr bool kThreeConsumerForm =
+      kVariant == 0 || kVariant == kVarlen || kVariant == kAlibi || kVariant == kSoftcap;
+  static_assert(kConsumers == 2 || (kConsumers == 3 && kThreeConsumerForm && !kPingPong),
+                "three consumer warpgroups: the plain dense and varlen kernels, ALiBi or softcap alone, "
+                "without ping-pong");
   constexpr int kBlockM = 64 * kConsumers;                   // query rows per tile
   static_assert(sm90::wgmma_n_supported(kBlockN) && kBlockN % 16 == 0,
                 "kBlockN is the wgmma N of S = Q K^T (sm90.cuh) and the K of O += P V (k16 steps)");

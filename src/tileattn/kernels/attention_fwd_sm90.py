@@ -254,10 +254,9 @@ def variant_config(head_dim: int, flags: int, seqlen_k: int = 0, *, seqlen_q: in
     for ALiBi or softcap alone (WIDE_VARIANT_FLAGS), default_config's choice for the plain non-causal
     kernel of the same call when that is the VARIANT_WIDE tile (three consumers, so from
     WIDE_MIN_QUERIES[head_dim] queries and where GQA packing allows it, as default_config decides);
-    otherwise, and for every other flag set,
-    VARIANT_DEFAULTS[head_dim] (the variant kernels exist at no other tile: LONG_DEFAULTS' is not taken).
-    On a persistent grid for a head dim in PERSISTENT_HEAD_DIMS. Raises KeyError for a head dim not in
-    HEAD_DIMS."""
+    otherwise, and for every other flag set, VARIANT_DEFAULTS[head_dim] (the variant kernels exist at
+    no other tile: LONG_DEFAULTS' is not taken). On a persistent grid for a head dim in
+    PERSISTENT_HEAD_DIMS. Raises KeyError for a head dim not in HEAD_DIMS."""
     if flags in WIDE_VARIANT_FLAGS and head_dim in VARIANT_WIDE:
         plain = default_config(head_dim, False, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
                                pack_gqa=pack_gqa)

@@ -288,7 +288,6 @@ def current_stream_handle(device_index: int):
 
 
 _stream_counters: dict[tuple[int, int], object] = {}  # (device, raw stream) -> zeroed int32 [2]
-_stream_counter_addresses: dict[tuple[int, int], int] = {}  # the same pairs' device addresses
 _graph_counters: list = []  # pairs made under CUDA graph capture: kept for the graphs' lifetime
 
 
@@ -306,11 +305,10 @@ def stream_counters(device_index: int) -> int:
         _graph_counters.append(pair)
         return pair.data_ptr()
     key = (device_index, _current_raw_stream(device_index))
-    address = _stream_counter_addresses.get(key)
-    if address is None:
+    pair = _stream_counters.get(key)
+    if pair is None:
         pair = _stream_counters[key] = torch.zeros(2, dtype=torch.int32, device=torch.device("cuda", device_index))
-        address = _stream_counter_addresses[key] = pair.data_ptr()
-    return address
+    return pair.data_ptr()
 
 
 def launch(kernel: LoadedKernel, grid: Sequence[int], block: Sequence[int], args: Sequence, smem: int = 0) -> None:
