@@ -472,11 +472,13 @@ __device__ __forceinline__ void apply_window(float (&s)[kBlockN / 2], int n, con
   }
 }
 
-// Softcap kernels (with or without ALiBi): raw scores q.k of block n -> logits in log2 units (the
-// softmax then runs with scale 1): cap_out * tanh, and the ALiBi bias slope[h] * |i + diag - j|
-// (slope[h] = -log2(e) * the slope of row h's head). The same fp32 operations in the same order as
-// the sm_80 kernels (variants.cuh: the same hardware tanh), so that a variant backward recomputes
-// these logits exactly against our lse. The ALiBi distance of column 2t + 8j + e is
+// Softcap kernels: raw scores q.k of block n -> tanh(scale q.k / cap) (softcap alone, with or without
+// a window: the softmax's scale is then cap_out = cap * log2(e), folded into its exponent FFMA the
+// way the plain kernel folds scale_log2, and cap_out > 0 keeps the row max of t the row max of the
+// logits), or, with ALiBi, logits in log2 units (the softmax then runs with scale 1): cap_out * tanh
+// plus the bias slope[h] * |i + diag - j| (slope[h] = -log2(e) * the slope of row h's head). The same
+// hardware tanh as the sm_80 kernels and the backwards (variants.cuh); a backward's logit cap_out * t
+// differs from the folded FFMA's by at most one rounding, as the plain kernels' scale does. The ALiBi distance of column 2t + 8j + e is
 // dist0 - (8j + e) with dist0 converted once per row and block: an I2F per score would run on the
 // 16/clk/SM conversion pipe, as slow as MUFU (exact while |i + diag - j| < 2^24).
 template <int kBlockN, int kVariant>
@@ -489,9 +491,11 @@ __device__ __forceinline__ void variant_logits(float (&s)[kBlockN / 2], int n, c
     for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float x = va.cap_out * softcap_tanh(va, s[4 * j + 2 * h + e]);
-        if constexpr ((kVariant & kAlibi) != 0) x = fmaf(slope[h], fabsf(dist0 - static_cast<float>(8 * j + e)), x);
-        s[4 * j + 2 * h + e] = x;
+        const float t = softcap_tanh(va, s[4 * j + 2 * h + e]);
+        if constexpr ((kVariant & kAlibi) != 0)
+          s[4 * j + 2 * h + e] = fmaf(slope[h], fabsf(dist0 - static_cast<float>(8 * j + e)), va.cap_out * t);
+        else
+          s[4 * j + 2 * h + e] = t;
       }
   }
 }
@@ -748,7 +752,8 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   Packed vl{};
   if constexpr (kVarlenLayout) vl = packed_of(variant_params...);
   constexpr bool kWindowed = (kVariant & kWindow) != 0;
-  constexpr bool kLogits = (kVariant & kSoftcap) != 0;  // scores become log2-unit logits first
+  constexpr bool kLogits = (kVariant & kSoftcap) != 0;  // scores become tanh or log2-unit logits first
+  constexpr bool kCapFolded = kLogits && (kVariant & kAlibi) == 0;  // scores are tanh, scale cap_out
   constexpr bool kAlibiRaw = (kVariant & (kSoftcap | kAlibi)) == kAlibi;  // ALiBi in raw units (alibi_scores)
   constexpr bool kDropped = (kVariant & kDropout) != 0;
   // Consumers release the leading visits none of their rows sees (unseen_visits): the plain dense
@@ -760,8 +765,9 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   constexpr bool kSkipUnseen = kVariant == 0 && kConsumers == 3;
   // Tile order: the causal one (longest tiles first) for windows too, whose first tiles see fewer keys.
   constexpr bool kReverse = kCausal || kWindowed;
-  // The softmax's scale: softcap's variant_logits already applied it.
-  const float sl2 = kLogits ? 1.f : scale_log2;
+  // The softmax's scale: cap_out for softcap alone (variant_logits leaves tanh), 1 with ALiBi too
+  // (variant_logits made log2-unit logits).
+  const float sl2 = kCapFolded ? va.cap_out : kLogits ? 1.f : scale_log2;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
   // Paged with three consumers spills 16 bytes (NVRTC 13.5): its producer warp needs more than 32 registers.
   // ALiBi alone (non-causal; causal ALiBi is windowed) fits 160 registers too (its extra live state:
