@@ -1332,12 +1332,10 @@ def test_packed_plans_refuse_bad_arguments_before_any_launch():
 
 
 # ---- dropout (kDropout): the keep bits the kernel draws are dropout_mask's ----------------------------
-# Mirror of fwd90::dropout_keep_word / apply_dropout: per consumer thread and K/V block n, one Philox
+# Mirror of fwd90::dropout_keep_bits / apply_dropout: per consumer thread and K/V block n, one Philox
 # call per row h and 32-key group (counter (4 G + t, position, b * H + head, offset), variants.cuh's
 # dropout_bits), keep bit i = 4 (4 grp + w) + 2 h + e of word i // 32 from half e of Philox word w
-# (compared in the word's upper half), then element i of the accumulator is that bit. The words are
-# drawn by the 96 keep-bit producers (word w = 256 k + ct: consumer thread ct's word k, producer
-# w % 96) into the ring, where consumer thread ct reads its word k at 256 k + ct.
+# (compared in the word's upper half), then element i of the accumulator is that bit.
 _M32 = 0xFFFFFFFF
 
 
@@ -1383,32 +1381,23 @@ def kernel_dropout_mask(batch: int, heads: int, kv_heads: int, nq: int, nk: int,
     rows = BLOCK_M // geo.pack
     m_blocks = -(-nq // rows)
     thr = drop_threshold(p)
-    threads, words_per_thread, producers = 256, block_n // 64, 96
-    # The keep-bit producers' words (each drawn once per visit) and what each derives from its index:
-    # consumer thread ct = 128 c + 32 warp + lane, its rows r0 = 64 c + 16 warp + lane // 4 and r0 + 8.
-    w = np.concatenate([np.arange(kp, threads * words_per_thread, producers) for kp in range(producers)])
-    assert np.array_equal(np.sort(w), np.arange(threads * words_per_thread)), "a keep word drawn twice or never"
-    k, ct = w // threads, w % threads
-    r = (ct // 32 * 16 + ct % 32 // 4)[:, None] + 8 * np.arange(2)[None, :]  # [W, 2]
-    # The consumer threads (c, warp, lane), their accumulator rows g, g + 8 and lane class t.
+    # The 256 consumer threads (c, warp, lane) and their accumulator rows g, g + 8 (tile rows r0, r0 + 8).
     c, warp, lane = (a.ravel() for a in np.meshgrid(np.arange(2), np.arange(4), np.arange(32), indexing="ij"))
     g, t = lane // 4, lane % 4
-    rc = (c * 64 + warp * 16 + g)[:, None] + 8 * np.arange(2)[None, :]  # [T, 2]
+    r = (c * 64 + warp * 16 + g)[:, None] + 8 * np.arange(2)[None, :]  # [T, 2]
     n_blocks = -(-nk // block_n)
     out = np.zeros((batch, heads, m_blocks * rows, n_blocks * block_n), dtype=bool)
     for tl in range(geo.tiles):
         m_block, head0, b = tile_coords(False, tl, m_blocks, heads // geo.pack, geo.pack, batch, geo.l2_group)
-        pos = m_block * rows + r % rows  # the producers' view, from (m_block, b * H + head0) in sched_keep
-        bh = b * heads + head0 + (0 * r if bug == "no_row_head" else r // rows)  # bug: all in the first head
-        pos_c, head = m_block * rows + rc % rows, head0 + rc // rows  # the consumers' rows
+        pos = m_block * rows + r % rows
+        head = head0 + r // rows  # [T, 2]
+        bh = b * heads + (np.full_like(head, head0) if bug == "no_row_head" else head)  # bug: all in the first head
         for n in range(n_blocks):
-            ring = np.zeros(threads * words_per_thread, dtype=np.uint64)
-            ring[w] = dropout_keep_words(n, block_n, pos, bh, ct % 4, seed, offset, thr, bug=bug)[np.arange(len(w)), k]
-            keep = ring.reshape(words_per_thread, threads).T[c * 128 + warp * 32 + lane]  # [T, words]
+            keep = dropout_keep_words(n, block_n, pos, bh, t, seed, offset, thr, bug=bug)
             for i in range(block_n // 2):  # accumulator element i: row g + 8h, column 8j + 2t + e
                 j, h, e = i // 4, (i >> 1) & 1, i & 1
                 bit = ((keep[:, i // 32] >> np.uint64(i % 32)) & np.uint64(1)).astype(bool)
-                out[b, head[:, h], pos_c[:, h], n * block_n + 8 * j + 2 * t + e] = bit
+                out[b, head[:, h], pos[:, h], n * block_n + 8 * j + 2 * t + e] = bit
     return torch.from_numpy(out[:, :, :nq, :nk].copy())
 
 

@@ -140,20 +140,13 @@
 // ---- Dropout (kVariant bit kDropout) -------------------------------------------------------------
 // The keep bit of score (b, h, i, j) is variants.cuh's Philox function of (seed, offset, b * H + h,
 // i, j), the one the sm_80 kernels and tileattn.dropout.dropout_mask use, so the mask does not
-// depend on the tiles or the GQA packing. The producer warpgroup's three idle warps (96 threads,
-// the keep-bit producers) draw them: they walk the tiles the producer hands out and the visits it
-// loads, and per visit write every consumer thread's keep words (dropout_keep_word: 2 kBlockN / 32
-// Philox calls per consumer thread) into a ring in shared memory (below), so the ~40
-// integer instructions per call leave the consumers' softmax chain (docs/attention_fwd_sm90.md,
-// "Dropout bits from the producer warpgroup"). A consumer thread reads its words right after
-// issuing the block's wgmmas; after softmax_step has added the undropped p to the row sums,
-// apply_dropout zeroes the dropped ones before they are packed for P V; the epilogue multiplies
-// 1 / l by 1 / (1 - p) and writes the undropped lse. The keep words of visit g go into slot
-// s = g % kStages of a ring beside the K/V ring and ride on its barriers: k_full[s] also waits for
-// the 96 producers' arrivals (after their stores), so the consumers' wait before S = Q K^T covers
-// them, and every consumer thread arrives on v_empty[s] (and q_empty) itself, after its reads, so the
-// producers wait on v_empty[s] before rewriting the slot as the TMA thread does before refilling V.
-// sched_empty then also counts the 96 keep-bit producers' reads of the tile.
+// depend on the tiles or the GQA packing. Per block, each consumer thread draws the bits of its 64
+// (kBlockN = 128) scores with 2 kBlockN / 32 Philox calls (dropout_keep_bits) right after issuing
+// the block's wgmmas, before waiting for them: the ~40 integer instructions per call issue while
+// the tensor cores run S_j and P_{j-1} V_{j-1}. After softmax_step has added the undropped p to the
+// row sums, apply_dropout zeroes the dropped ones before they are packed for P V; the epilogue
+// multiplies 1 / l by 1 / (1 - p) and writes the undropped lse. Counts per block and where they
+// run: docs/attention_fwd_sm90.md, "Dropout".
 //
 // ---- Packed queries: variable-length batches (kVariant = kVarlen) and paged K/V (kPaged) -------
 // q [Tq, H, d], out [Tq, H, d], lse [H, Tq]; sequence b owns query tokens cu_seqlens_q[b] ..
@@ -232,8 +225,6 @@ constexpr int kTurnBarrier = 4;       // named barriers 4, 5: ping-pong turns (1
 constexpr float kLn2 = 0.693147180559945309417f;
 constexpr float kNoKeyShift = -1.2676506002282294e30f;  // -2^100: "no key seen yet" (see above)
 constexpr float kRescaleThreshold = 8.0f;  // row-max growth (log2 units) absorbed without a rescale
-// Dropout (see the header): the producer warpgroup's warps 1 .. 3 draw the keep bits.
-constexpr int kKeepProducers = 96;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 
@@ -549,45 +540,38 @@ __device__ __forceinline__ void alibi_scores(float (&s)[kBlockN / 2], float (&sh
 }
 
 // ---- Dropout (kDropout) -------------------------------------------------------------------------
-// Keep word k of the consumer thread whose accumulator rows are r0 and r0 + 8 (query positions
-// pos[0], pos[1]) and lane class t, for block n: bit i % 32 is s[i], i = 32 k + (4 j + 2 h + e) % 32
-// (row r0 + 8 h, key n kBlockN + 8 j + 2 t + e). The counters are variants.cuh's (dropout_bits), a
-// function of (b * H + head, position, key) alone, so neither the tile shape nor GQA packing (a row's
-// head is head0 + (r0 + 8 h) / rows) changes the mask. One Philox call per row and 32-key group gives
-// the 8 uniforms of the thread's 8 scores in it (key 32 G + 8 w + 2 t + e is half e of word w); word k
-// holds groups 2 k and 2 k + 1 of both rows: 4 calls, 40 integer instructions each (10 rounds of 2
-// IMAD.WIDE.U32 + 2 three-input LOP3; the key schedule is warp-uniform, in uniform registers).
+// Keep bits of this thread's scores of block n: bit i % 32 of keep[i / 32] is s[i], i = 4 j + 2 h + e
+// (row g + 8 h at position pos[h], key n kBlockN + 8 j + 2 t + e). The counters are variants.cuh's
+// (dropout_bits), a function of (b * H + head, position, key) alone, so neither the tile shape nor
+// GQA packing (a row's head is head0 + (r0 + 8 h) / rows) changes the mask. One Philox call per
+// row and 32-key group gives the 8 uniforms of the thread's 8 scores in it (key 32 G + 8 w + 2 t + e
+// is half e of word w): 2 kBlockN / 32 calls per block. Nothing here reads S, so the caller runs it
+// between issuing the block's wgmmas and waiting for them: the 40 integer instructions per call
+// (10 rounds of 2 IMAD.WIDE.U32 + 2 three-input LOP3; the key schedule is warp-uniform and stays in
+// uniform registers) issue while the tensor cores work.
 // A 16-bit half >= drop_thr is compared in the word's upper half: (word << 16) for the low half,
 // the word itself for the high half, against drop_thr << 16 (one shift, no mask or second shift).
-// round_keys: the ten (key + r (W0, W1)) pairs of dropout_key(va), in shared memory, read with
-// volatile loads in each call: held in registers across the producers' loops (ptxas hoists them),
-// the twenty words spill the 40-register producer warpgroup.
 template <int kBlockN>
-__device__ __forceinline__ u32 dropout_keep_word(int k, int n, const int (&pos)[2], const int (&bh)[2], int t,
-                                                 const Variants& va, const uint2* round_keys) {
+__device__ __forceinline__ void dropout_keep_bits(u32 (&keep)[kBlockN / 64], int n, const int (&pos)[2], int bh0,
+                                                  int r0, int rows, int t, const Variants& va) {
   const unsigned thr16 = va.drop_thr << 16;
-  u32 keep = 0u;
-  // One call at a time (not unrolled): four calls in flight spill too.
-#pragma unroll 1
-  for (int call = 0; call < 4; ++call) {
-    const int h = call & 1, half = call >> 1;
-    const uint4 bits = philox4x32_10_rounds(
-        dropout_counter(va, h ? bh[1] : bh[0], h ? pos[1] : pos[0], n * (kBlockN / 32) + 2 * k + half, t), [&](int r) {
-          uint2 key;
-          asm volatile("ld.volatile.shared.v2.u32 {%0, %1}, [%2];\n"
-                       : "=r"(key.x), "=r"(key.y)
-                       : "r"(s9::smem_u32(round_keys + r)));
-          return key;
-        });
-    const unsigned words[4] = {bits.x, bits.y, bits.z, bits.w};
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const int i = 16 * half + 4 * w + 2 * h;  // bit of s index 32 k + i: (row h, key 32 grp + 8 w + 2 t)
-      keep |= (words[w] << 16 >= thr16 ? 1u : 0u) << i;
-      keep |= (words[w] >= thr16 ? 1u : 0u) << (i + 1);
+  for (int w = 0; w < kBlockN / 64; ++w) keep[w] = 0u;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int bh = bh0 + (r0 + 8 * h) / rows;
+#pragma unroll
+    for (int grp = 0; grp < kBlockN / 32; ++grp) {
+      const uint4 bits = dropout_bits(va, bh, pos[h], n * (kBlockN / 32) + grp, t);
+      const unsigned words[4] = {bits.x, bits.y, bits.z, bits.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const int i = 4 * (4 * grp + w) + 2 * h;  // s index of (row h, key 32 grp + 8 w + 2 t)
+        keep[i / 32] |= (words[w] << 16 >= thr16 ? 1u : 0u) << (i % 32);
+        keep[i / 32] |= (words[w] >= thr16 ? 1u : 0u) << (i % 32 + 1);
+      }
     }
   }
-  return keep;
 }
 
 // P (after the row sums took it, as the sm_80 kernels do: lse and the normalization stay those of
@@ -807,27 +791,15 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   constexpr int kPSteps = kBlockN / 16;                      // k16 steps of O += P V
   // Arrivals that release sQ (q_empty) and a V slot (v_empty): one thread per consumer, or, with
   // the packed layouts, every consumer thread (see "Packed queries" in the header: their threads
-  // write V slots and read sQ with ordinary instructions before the next TMA copy into them), and
-  // with dropout (every thread's reads of its keep words of the slot's visit, see the header).
-  constexpr int kEmptyCount = kVarlenLayout || kDropped ? kConsumers * 128 : kConsumers;
+  // write V slots and read sQ with ordinary instructions before the next TMA copy into them).
+  constexpr int kEmptyCount = kVarlenLayout ? kConsumers * 128 : kConsumers;
   // O staged in its own buffer when it fits (see "Shared memory" in the header).
   constexpr bool kOwnO = 2 * kQBytes + 2 * kStages * kKVBytes + 1024 + 256 <= kSmemLimit;  // 256: static mbarriers
-  // Dropout keep words per visit (static shared memory, see the header): consumer thread ct's word k
-  // at [k][ct]. Sm90Config.smem_bytes leaves them out of the kOwnO choice; they fit beside it.
-  constexpr int kKeepWords = kDropped ? kConsumers * 128 * (kBlockN / 64) : 1;
-  static_assert(!kDropped || (kBlockN <= 128 && kQBytes * (kOwnO ? 2 : 1) + 2 * kStages * kKVBytes + 1024 + 256 +
-                                                        4 * kStages * kKeepWords <= kSmemLimit),
-                "dropout: at most 128-key blocks (one keep word per 64 scores), and the keep ring fits");
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ uint64_t q_full, q_empty, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
   __shared__ uint64_t sched_full[2], sched_empty[2];  // the tile handed to the consumers (see the header)
   __shared__ int sched_tile[2];
-  __shared__ u32 keep_ring[kDropped ? kStages * kKeepWords : 1];  // dropout keep words, [slot][k][ct]
-  // Dropout: what the keep-bit producers need of the tile in sched_tile[i % 2], written beside it:
-  // (m_block, b * H + head0, n_end, visits), m_block -1 after the last tile.
-  __shared__ int4 sched_keep[kDropped ? 2 : 1];
-  __shared__ uint2 round_keys[kDropped ? 10 : 1];  // dropout: Philox round keys (dropout_keep_word)
   uint8_t* const smem = smem_raw + ((1024 - (s9::smem_u32(smem_raw) & 1023)) & 1023);
   u16* const sQ = reinterpret_cast<u16*>(smem);             // [kPanels][128][64]
   u16* const sK = sQ + kBlockM * kHeadDim;                   // [kStages][kPanels][kBlockN][64]
@@ -849,14 +821,10 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
     s9::mbar_init(&q_empty, kEmptyCount);
     for (int s = 0; s < 2; ++s) {
       s9::mbar_init(&sched_full[s], 1);
-      s9::mbar_init(&sched_empty[s], kConsumers * 128 + (kDropped ? kKeepProducers : 0));
-    }
-    if constexpr (kDropped) {
-      const uint2 key = dropout_key(va);
-      for (int r = 0; r < 10; ++r) round_keys[r] = make_uint2(key.x + r * kPhiloxW0, key.y + r * kPhiloxW1);
+      s9::mbar_init(&sched_empty[s], kConsumers * 128);
     }
     for (int s = 0; s < kStages; ++s) {
-      s9::mbar_init(&k_full[s], 1 + (kDropped ? kKeepProducers : 0));
+      s9::mbar_init(&k_full[s], 1);
       s9::mbar_init(&v_full[s], 1);
       s9::mbar_init(&k_empty[s], kConsumers);
       s9::mbar_init(&v_empty[s], kEmptyCount);
@@ -896,13 +864,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
         if (i >= 2) s9::mbar_wait(&sched_empty[i & 1], ((i >> 1) - 1) & 1);
         if (producer_lane == 0) {
           sched_tile[i & 1] = t < num_tiles ? t : -1;
-          if constexpr (kDropped) {
-            const BlockRange r = kWindowed ? window_range<kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k, va)
-                                           : block_range<kCausal, kBlockN>(tile.m_block, rows, span.nq, span.nk);
-            sched_keep[i & 1] = make_int4(t < num_tiles ? tile.m_block : -1, tile.batch * heads + tile.head0, r.n_end,
-                                          kWindowed ? r.n_end - r.n_begin : r.n_end);
-          }
-          s9::mbar_arrive(&sched_full[i & 1]);  // release: the stores above before the consumers' read
+          s9::mbar_arrive(&sched_full[i & 1]);  // release: the store above before the consumers' read
         }
         if (t >= num_tiles) break;
         const int tma_batch = kVarlenLayout ? 0 : tile.batch;
@@ -966,36 +928,6 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
       }
       if (tile_counter != nullptr && producer_lane == 0) release_tile_counter(tile_counter);
     }
-    // Keep-bit producers (dropout, see the header): warps 1 .. 3 take each tile the producer hands
-    // out (its position block, first row's b * H + head, and visits, from sched_keep), walk the
-    // visits in the producer's order (the ring's g counts them as its g does), and write every
-    // consumer thread's keep words of each visit into slot g % kStages.
-    if constexpr (kDropped) {
-      if (threadIdx.x >= 32) {
-        const int kp = threadIdx.x - 32;  // 0 .. kKeepProducers - 1
-        int g = 0;
-        for (int i = 0;; ++i) {  // i: tiles so far (sched_* phases)
-          s9::mbar_wait(&sched_full[i & 1], (i >> 1) & 1);
-          const int4 tile = sched_keep[i & 1];  // (m_block, b * H + head0, n_end, visits)
-          s9::mbar_arrive(&sched_empty[i & 1]);
-          if (tile.x < 0) break;
-          for (int it = 0; it < tile.w; ++it, ++g) {
-            const int n = tile.z - 1 - it, slot = g % kStages;
-            if (g >= kStages) s9::mbar_wait(&v_empty[slot], ((g / kStages) - 1) & 1);
-            for (int w = kp; w < kKeepWords; w += kKeepProducers) {
-              // Word k of consumer thread ct = 128 c + 32 warp + lane: its rows r0 = 64 c + 16 warp + lane / 4
-              // and r0 + 8, lane class lane % 4 (the consumers' r0, pos and t below).
-              const int k = w / (kConsumers * 128), ct = w % (kConsumers * 128);
-              const int r0 = ct / 32 * 16 + ct % 32 / 4;
-              const int pos[2] = {tile.x * rows + r0 % rows, tile.x * rows + (r0 + 8) % rows};
-              const int bh[2] = {tile.y + r0 / rows, tile.y + (r0 + 8) / rows};
-              keep_ring[slot * kKeepWords + w] = dropout_keep_word<kBlockN>(k, n, pos, bh, ct % 4, va, round_keys);
-            }
-            s9::mbar_arrive(&k_full[slot]);  // release: the stores above before the consumers' reads
-          }
-        }
-      }
-    }
   } else {  // ------------------------------------------------------ consumer warpgroups
     s9::setmaxnreg_inc<kConsumerRegsOf<kConsumers>>();
     const int c = wg - 1;                                  // rows [64 c, 64 c + 64) of the tile
@@ -1003,7 +935,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
     const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int diag_arg = seqlen_k - seqlen_q;              // dense: the same for every tile
     const bool releaser = tid == 0;                        // arrives on the empty barriers
-    const bool v_releaser = kVarlenLayout || kDropped || releaser;  // arrives on v_empty and q_empty (kEmptyCount)
+    const bool v_releaser = kVarlenLayout || releaser;     // arrives on v_empty and q_empty (kEmptyCount)
 
     // Descriptors: Q rows of this consumer (panel p, k-step within the panel = +32 B = +2 units).
     const u64 desc_q = s9::make_desc_k128_sw128(sQ + c * 64 * kPanel);
@@ -1016,7 +948,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
     u32 p[kPSteps][4];
     float m[2], l[2], alpha[2];
     float shift[2] = {0.f, 0.f};  // ALiBi (kAlibiRaw): the row constants of a one-sided block
-    u32 keep[kDropped ? kBlockN / 64 : 1];  // dropout: keep bits of the block in flight (dropout_keep_word)
+    u32 keep[kDropped ? kBlockN / 64 : 1];  // dropout: keep bits of the block in flight (dropout_keep_bits)
 
     // S = Q K^T of slot `stage` into s (issued, committed, not waited for).
     auto issue_s = [&](int stage) {
@@ -1083,16 +1015,10 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
       // positions (the heads, r / rows, are recomputed in the epilogue: registers are scarce).
       const int r0 = c * 64 + warp * 16 + g;
       const int pos[2] = {tile.m_block * rows + r0 % rows, tile.m_block * rows + (r0 + 8) % rows};
-      // Dropout: this thread's keep words of visit gk from the ring (the keep-bit producers drew
-      // them; the k_full wait before S covered their stores), read just before they are applied
-      // (held from the wgmma issue on, the two words made ptxas spill 32-44 bytes in the windowed
-      // d = 128 kernels); released with the V slot.
-      auto draw_keep = [&](int gk) {
-        if constexpr (kDropped) {
-#pragma unroll
-          for (int k = 0; k < kBlockN / 64; ++k)
-            keep[k] = keep_ring[gk % kStages * kKeepWords + k * (kConsumers * 128) + c * 128 + tid];
-        }
+      const int bh0 = tile.batch * heads + tile.head0;  // dropout: b * H + head of tile row 0
+      // Dropout keep bits of block n, computed while the wgmmas just issued run (see dropout_keep_bits).
+      auto draw_keep = [&](int n) {
+        if constexpr (kDropped) dropout_keep_bits<kBlockN>(keep, n, pos, bh0, r0, rows, t, va);
       };
       auto drop = [&]() {
         if constexpr (kDropped) apply_dropout<kBlockN>(s, keep);
@@ -1173,12 +1099,12 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
         s9::wgmma_fence();
         issue_s(s0);
         pass_turn(false);
+        draw_keep(range.n_end - 1 - skip);
         s9::wgmma_wait<0>();
         s9::fence_accumulators(s);
         if (releaser) s9::mbar_arrive(&k_empty[s0]);
         scores(range.n_end - 1 - skip, n_masked > skip);
         softmax_step<kBlockN, kAlibiRaw>(s, m, l, alpha, sl2, shift);  // O is still 0: no rescale needed
-        draw_keep(gf);
         drop();
         pack_p<kBlockN, kIsBF16>(p, s);
         if constexpr (kVarlenLayout) {
@@ -1207,12 +1133,12 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
           s9::mbar_wait(&v_full[sv], (gv / kStages) & 1);
           issue_pv(sv);
           pass_turn(false);
+          draw_keep(range.n_end - 1 - it);
           s9::wgmma_wait<1>();  // S_j retired (groups retire in order); P V still running
           s9::fence_accumulators(s);
           if (releaser) s9::mbar_arrive(&k_empty[sk]);
           scores(range.n_end - 1 - it, masked);
           const bool rescale = softmax_step<kBlockN, kAlibiRaw>(s, m, l, alpha, sl2, shift);
-          draw_keep(gk);
           drop();
           // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free. Without dropout the
           // wait sits in both arms of a warpgroup-uniform branch so that it stays after the

@@ -48,22 +48,17 @@ struct Variants {
   Variants { alibi, alibi_sb, seed, offset, win_left, win_right, cap_in, cap_out, scale_log2, drop_thr, drop_scale }
 
 // ---- Philox4x32-10 (Salmon et al., SC'11): a bijection of the 128-bit counter under a 64-bit key.
-constexpr unsigned kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;  // the key schedule's increments
-// Round r uses round_key(r) = key + r (W0, W1) (mod 2^32 per word).
-template <class RoundKey>
-__device__ __forceinline__ uint4 philox4x32_10_rounds(uint4 c, RoundKey round_key) {
-  constexpr unsigned kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
+  constexpr unsigned kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
 #pragma unroll
   for (int r = 0; r < 10; ++r) {
-    const uint2 k = round_key(r);
     const unsigned hi0 = __umulhi(kM0, c.x), lo0 = kM0 * c.x;
     const unsigned hi1 = __umulhi(kM1, c.z), lo1 = kM1 * c.z;
     c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+    k.x += kW0;
+    k.y += kW1;
   }
   return c;
-}
-__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
-  return philox4x32_10_rounds(c, [&](int r) { return make_uint2(k.x + r * kPhiloxW0, k.y + r * kPhiloxW1); });
 }
 
 // The 8 16-bit uniforms of (query i, 32-key group G = j >> 5, lane class t = (j >> 1) & 3) of head
@@ -71,15 +66,12 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
 // matches the mma accumulator layout: a thread holds keys 8 nb + 2t, 8 nb + 2t + 1 of its rows, so
 // one Philox call serves 8 of its scores (forward, deterministic dQ); the transposed backward tile
 // uses 4 (or 2) of 8.
-__device__ __forceinline__ uint2 dropout_key(const Variants& va) {
-  return make_uint2(static_cast<unsigned>(va.seed), static_cast<unsigned>(va.seed >> 32) + static_cast<unsigned>(va.offset >> 32));
-}
-__device__ __forceinline__ uint4 dropout_counter(const Variants& va, int bh, int i, int group, int t) {
-  return make_uint4(static_cast<unsigned>(4 * group + t), static_cast<unsigned>(i), static_cast<unsigned>(bh),
-                    static_cast<unsigned>(va.offset));
-}
 __device__ __forceinline__ uint4 dropout_bits(const Variants& va, int bh, int i, int group, int t) {
-  return philox4x32_10(dropout_counter(va, bh, i, group, t), dropout_key(va));
+  const uint4 ctr = make_uint4(static_cast<unsigned>(4 * group + t), static_cast<unsigned>(i),
+                               static_cast<unsigned>(bh), static_cast<unsigned>(va.offset));
+  const uint2 key = make_uint2(static_cast<unsigned>(va.seed),
+                               static_cast<unsigned>(va.seed >> 32) + static_cast<unsigned>(va.offset >> 32));
+  return philox4x32_10(ctr, key);
 }
 // Whether key j is kept, from the group's bits.
 __device__ __forceinline__ bool dropout_keep(const Variants& va, const uint4& bits, int j) {
