@@ -1,7 +1,11 @@
 """CPU tests of `tileattn bench variants`' table: each case's median over the rotated rounds, the
 ratio to plain's median."""
 
+import pytest
+import torch
+
 from tileattn.bench import variants
+from tileattn.runtime import NoGPUError
 
 
 def test_overhead_table_takes_medians_over_rounds():
@@ -14,14 +18,8 @@ def test_overhead_table_takes_medians_over_rounds():
 
 def test_variant_filter_options_parse_before_the_gpu_is_needed():
     # --variant takes the overhead suite's case names only; valid options get as far as the GPU check.
-    import pytest
-
-    from tileattn.runtime import NoGPUError
-
     with pytest.raises(SystemExit):
         variants.main(["--suite", "overhead", "--variant", "tanh"])
-    import torch
-
     if not torch.cuda.is_available():  # on a GPU machine the call would run the benchmark
         with pytest.raises(NoGPUError):
             variants.main(["--suite", "overhead", "--variant", "softcap", "--variant", "alibi", "--forward-only"])
