@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,10 +71,14 @@ def test_registry_and_config():
     assert not ab.Sm90BwdConfig(64, 3).fits(256, False)        # nor for a third ring stage
     want = {ab.expression(256, CFG, c, bf16, det) for c in (False, True) for bf16 in (False, True)
             for det in (False, True)}
-    assert {e for e in ab.INSTANTIATIONS if "<256," in e} == want
+    assert {e for e in ab.INSTANTIATIONS if "attention_bwd_sm90<256," in e} == want
     assert not any("<256," in e for e in ab.TUNING)
     assert ab.supports(256, torch.bfloat16, True) and not ab.supports_varlen(256, torch.bfloat16)
-    assert 256 not in ab.VARIANT_SETS
+    # the variant kernels (session 22) on the same tile, every set, both dQ modes
+    assert ab.VARIANT_DEFAULTS[256] == ab.Sm90BwdConfig(64, 2) and ab.VARIANT_SETS[256] == ab.VARIANT_SETS[128]
+    assert {e for e in ab.INSTANTIATIONS if "variants<256," in e} == {
+        ab.variant_expression(256, CFG, bf16, bits, det) for bf16 in (False, True) for bits in ab.VARIANT_SETS[256]
+        for det in (False, True)}
 
 
 def test_smem_layout_fits_and_is_aligned():
@@ -331,3 +336,31 @@ def simulate(n_iters: int, stages: int, seed: int):
 def test_pipeline_protocol(n_iters):
     for seed in range(40):
         simulate(n_iters, CFG.stages, seed)
+
+
+def test_variant_p_handoff_through_sp():
+    """Mirror of the variant kernels' role 0 -> role 1 hand-off in sP (csrc "d = 256"): with softcap
+    role 0 stages P^T (1 - tanh^2), with dropout P^T with the sign bit set where dropped (P^T = 0
+    included: -0.0); role 1's dS^T = P^T (dP^T - D) pass then gives exactly the body's dS^T
+    (softcap: P^T (dP^T - D) (1 - tanh^2); dropout: P^T (keep dP^T / (1 - p) - D)), in fp32."""
+    rng = np.random.default_rng(5)
+    n = 4096
+    p = rng.random(n, dtype=np.float32)
+    p[:512] = 0.0  # hidden / underflowed elements, kept and dropped
+    dp = rng.standard_normal(n).astype(np.float32)
+    d = rng.standard_normal(n).astype(np.float32)
+    th = np.tanh(rng.standard_normal(n).astype(np.float32) * 3).astype(np.float32)
+    keep = rng.random(n) < 0.6
+    drop_scale = np.float32(1 / (1 - 0.4))
+    # softcap: sP = P (1 - tanh^2), role 1 as the plain kernel
+    dcap = (np.float32(1) - th * th).astype(np.float32)
+    staged = (p * dcap).astype(np.float32)
+    assert np.array_equal((staged * (dp - d)).astype(np.float32), ((p * dcap) * (dp - d)).astype(np.float32))
+    # dropout: sP = keep ? P : -P, decoded by the sign bit
+    staged = np.where(keep, p, -p).astype(np.float32)
+    kept = (staged.view(np.uint32) >> 31) == 0
+    assert np.array_equal(kept | (p == 0), keep | (p == 0))  # the sign carries every keep bit where P > 0
+    assert (np.signbit(staged[:512]) == ~keep[:512]).all()   # -0.0 where a zero P^T is dropped
+    got = np.abs(staged) * (np.where(kept, dp, np.float32(0)) * drop_scale - d)
+    want = p * (np.where(keep, dp, np.float32(0)) * drop_scale - d)
+    assert np.array_equal(got.astype(np.float32), want.astype(np.float32))

@@ -274,12 +274,13 @@ class Var:
     dropout: tuple[int, int, float] | None = None
 
 
-def window_tiles(n0: int, nq: int, nk: int, left: int, right: int, block_m: int) -> tuple[int, int]:
+def window_tiles(n0: int, nq: int, nk: int, left: int, right: int, block_m: int,
+                 block_n: int = BLOCK_N) -> tuple[int, int]:
     """Mirror of window_tiles (csrc): query tiles [first, end) whose queries' windows reach a key
-    of the block [n0, min(n0 + BLOCK_N, nk))."""
+    of the block [n0, min(n0 + block_n, nk)) (block_n: keys per CTA, 64 at d = 256)."""
     diag = nk - nq
     i_lo = max(0, n0 - diag - right)
-    i_hi = min(nq - 1, min(n0 + BLOCK_N, nk) - 1 - diag + left)
+    i_hi = min(nq - 1, min(n0 + block_n, nk) - 1 - diag + left)
     first = i_lo // block_m
     return first, first if i_hi < i_lo else i_hi // block_m + 1
 
@@ -688,7 +689,7 @@ def test_emulated_dropout_walk_matches_autograd(nq, nk, heads, kv_heads, window,
 def test_variant_registry_and_supports():
     """The registered variant kernels are VARIANT_SETS x dtypes x atomic / deterministic at the
     variant defaults; supports_variants / variant_bits route exactly those (dropout with a window or
-    none, not with softcap / ALiBi; no d = 256), and a call with nothing on runs the plain kernel."""
+    none, not with softcap / ALiBi; d = 64, 128 and 256), and a call with nothing on runs the plain kernel."""
     from tileattn.kernels.attention_fwd_sm80 import VariantArgs
 
     want = {ab.variant_expression(d, ab.VARIANT_DEFAULTS[d], bf16, bits, det) for d in ab.VARIANT_SETS
@@ -714,19 +715,20 @@ def test_variant_registry_and_supports():
     assert ab.supports_variants(64, torch.float16, VariantArgs(4096, 0, 30.0, 0))
     assert ab.supports_variants(64, bf, VariantArgs(softcap=30.0))
     assert ab.variant_bits(VariantArgs(dropout_p=0.1)) == ab.WINDOW | ab.DROPOUT
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for det in (False, True):
             assert ab.supports_variants(d, bf, VariantArgs(dropout_p=0.1), deterministic=det)
             assert ab.supports_variants(d, torch.float16, VariantArgs(UNBOUNDED, 0, dropout_p=0.5), deterministic=det)
             assert ab.supports_variants(d, bf, VariantArgs(64, 0, dropout_p=0.5), deterministic=det)
         assert not ab.supports_variants(d, bf, VariantArgs(softcap=30.0, dropout_p=0.1))
         assert not ab.supports_variants(d, bf, VariantArgs(alibi_batch_stride=0, dropout_p=0.1))
-    assert not ab.supports_variants(256, bf, VariantArgs(dropout_p=0.1))
+    assert not ab.supports_variants(96, bf, VariantArgs(dropout_p=0.1))
     for causal, window, cap, alibi in ab.VARIANT_BENCH_CASES.values():  # benchmark_variants' cases run here
         va = VariantArgs(UNBOUNDED, 0 if causal else UNBOUNDED, cap, 0 if alibi else None)
         assert all(ab.supports_variants(d, bf, va) for d in ab.VARIANT_SETS), (causal, window, cap, alibi)
     assert ab.supports_variants(128, bf, VariantArgs(64, 0, 30.0, 0), deterministic=True)
-    assert not ab.supports_variants(256, bf, VariantArgs(softcap=30.0))
+    assert ab.supports_variants(256, bf, VariantArgs(softcap=30.0))
+    assert not ab.supports_variants(32, bf, VariantArgs(softcap=30.0))
     assert not ab.supports_variants(128, torch.float32, VariantArgs(softcap=30.0))
 
 
@@ -1230,7 +1232,8 @@ def dq_mode_of(expression: str) -> int:
 
 # ---- deterministic mode: the turn counters across CTAs -----------------------------------------------
 def simulate_turns(nq: int, nk: int, group: int, pairs: int, section: int, block_m: int, causal: bool,
-                   resident: int, dq_buffers: int, seed: int, window: tuple[int, int] | None = None):
+                   resident: int, dq_buffers: int, seed: int, window: tuple[int, int] | None = None,
+                   block_n: int = BLOCK_N):
     """The CTAs of `pairs` (kv head, batch) pairs, dispatched in blockIdx order (block_coords) with at
     most `resident` running at once. Each CTA is its MMA warpgroups, which walk the kernel's (head,
     query tile) sequence and stage each tile's dQ in one of `dq_buffers` buffers (waiting while all
@@ -1238,20 +1241,21 @@ def simulate_turns(nq: int, nk: int, group: int, pairs: int, section: int, block
     counter reads n. Checks: no deadlock, and each (pair, head, tile) receives the additions of key
     blocks 0, 1, ..., last in order. `window` (left, right; causal False): the variant kernel's walk
     (window_tiles), the counters starting at window_first_blocks as the host sets them, and each
-    tile must receive exactly the key blocks with a visible pair in it, in order."""
+    tile must receive exactly the key blocks with a visible pair in it, in order. block_n: keys per
+    CTA (64: d = 256's role-split layout, whose two roles each keep one such counter per tile)."""
     rng = random.Random(seed)
-    m_blocks, n_blocks, diag = -(-nq // block_m), -(-nk // BLOCK_N), nk - nq
+    m_blocks, n_blocks, diag = -(-nq // block_m), -(-nk // block_n), nk - nq
     counters: dict[tuple[int, int, int], int] = {}
     order: dict[tuple[int, int, int], list[int]] = {}
-    first = ab.window_first_blocks(nq, nk, window[0], block_m) if window else [0] * m_blocks
+    first = ab.window_first_blocks(nq, nk, window[0], block_m, block_n) if window else [0] * m_blocks
     for pair, head, m in itertools.product(range(pairs), range(group), range(m_blocks)):
         counters[(pair, head, m)] = first[m]
 
     def cta(n, pair):
         if window:
-            m_first, m_end = window_tiles(n * BLOCK_N, nq, nk, window[0], window[1], block_m)
+            m_first, m_end = window_tiles(n * block_n, nq, nk, window[0], window[1], block_m, block_n)
         else:
-            m_first, m_end = (max(0, n * BLOCK_N - diag) // block_m if causal else 0), m_blocks
+            m_first, m_end = (max(0, n * block_n - diag) // block_m if causal else 0), m_blocks
         m_count = m_end - m_first
         steps = [walk(it, 0, group, m_end, m_count, block_m) for it in range(group * m_count)]
         staged, added = 0, 0  # tiles the MMA warpgroups staged / the dQ warp added
@@ -1286,12 +1290,12 @@ def simulate_turns(nq: int, nk: int, group: int, pairs: int, section: int, block
             qs = torch.arange(m * block_m, min(nq, (m + 1) * block_m))[None, :]
             ks = torch.arange(nk)[:, None]
             vis = (ks >= qs + diag - window[0]) & (ks <= qs + diag + window[1])
-            want = sorted({int(j) // BLOCK_N for j in torch.nonzero(vis.any(1)).flatten()})
+            want = sorted({int(j) // block_n for j in torch.nonzero(vis.any(1)).flatten()})
             assert seen == want, f"tile {m} of head {head}, pair {pair} added by {seen}, want {want}"
             continue
         assert seen == list(range(len(seen))), f"tile {m} of head {head}, pair {pair} added in order {seen}"
         last_key = min(nq, (m + 1) * block_m) - 1 + diag if causal else nk - 1
-        assert len(seen) == min(n_blocks, last_key // BLOCK_N + 1), (m, seen)
+        assert len(seen) == min(n_blocks, last_key // block_n + 1), (m, seen)
     assert causal or window or len(order) == pairs * group * m_blocks
 
 
@@ -1307,8 +1311,8 @@ def test_deterministic_turns(block_m, causal, dq_buffers):
 
 
 @pytest.mark.parametrize("dq_buffers", [1, 2])
-@pytest.mark.parametrize("block_m", [64, 128])
-def test_deterministic_turns_windowed(block_m, dq_buffers):
+@pytest.mark.parametrize("block_m, block_n", [(64, BLOCK_N), (128, BLOCK_N), (64, 64)], ids=["m64", "m128", "d256"])
+def test_deterministic_turns_windowed(block_m, block_n, dq_buffers):
     """The deterministic variant kernel: a window's tiles are visited by consecutive key blocks from
     window_first_blocks on; with the counters started there, no deadlock and every tile gets exactly
     its visiting key blocks, in order (windows smaller than a block, sliding, one-sided, Nq != Nk)."""
@@ -1316,7 +1320,7 @@ def test_deterministic_turns_windowed(block_m, dq_buffers):
                                 (1000, 1000, 300, UNBOUNDED), (640, 640, UNBOUNDED, 0), (129, 4097, 64, 64)):
         for resident in (1, 3):
             simulate_turns(nq, nk, 2, 2, 1, block_m, False, resident, dq_buffers, seed=nq + left + resident,
-                           window=(left, right))
+                           window=(left, right), block_n=block_n)
 
 
 # ---- SASS --------------------------------------------------------------------------------------------

@@ -138,9 +138,9 @@ def _supported(d, dtype, causal, options, b, h):
 
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_variants_dims_dtypes_gqa(d, dtype, case):
-    """Every case at d = 64 / 128, fp16 / bf16, MHA and GQA 4, Nq = 129 != Nk = 200 (edge tiles)."""
+    """Every case at d = 64 / 128 / 256, fp16 / bf16, MHA and GQA 4, Nq = 129 != Nk = 200 (edge tiles)."""
     causal, options, s = CASES[case]
     for h, hkv in ((2, 2), (4, 1)):
         b = 2
@@ -152,7 +152,7 @@ def test_variants_dims_dtypes_gqa(d, dtype, case):
 @pytest.mark.parametrize("nq,nk", [(1, 1), (1, 1000), (31, 33), (127, 129), (129, 127), (300, 100), (100, 300),
                                    (1000, 1000), (4097, 4097)])
 @pytest.mark.parametrize("case", ["window_causal", "softcap_window", "alibi_bh_causal", "window_softcap_alibi"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_variants_lengths(d, nq, nk, case):
     """Lengths around the 64 / 128-row tiles, Nq != Nk both ways, one-query rows, 4097 (bf16)."""
     causal, options, s = CASES[case]
@@ -164,7 +164,7 @@ def test_variants_lengths(d, nq, nk, case):
 @pytest.mark.parametrize("window,causal", [((0, 0), False), ((1, 1), False), ((31, 33), False), ((127, 0), True),
                                            ((128, 128), False), ((999, -1), True), ((1000, 1000), False),
                                            ((4096, 0), True)])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_window_sizes(d, n, window, causal):
     """Windows far smaller than, equal to and larger than N, edges on and off the 64 / 128 boundaries,
     causal and not (fp16: the tighter tolerance)."""
@@ -179,7 +179,7 @@ def test_window_sizes(d, n, window, causal):
     (200, 100, (10, 0), False, {"softcap": 5.0}),
     (64, 300, (0, -1), True, {}),                        # causal window (0, 0): one key per row, Nq < Nk
 ])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_fully_masked_rows(d, nq, nk, window, causal, extra):
     """Rows whose window holds no key: out 0 / lse -inf in the forward, dq exactly 0 here, and the
     keys no query sees get dk = dv = 0 (checked against autograd, which gives exact zeros)."""
@@ -198,7 +198,7 @@ def test_sliding_window_skips_blocks_and_matches_at_long_n():
 
 @pytest.mark.parametrize("case", ["window_causal", "softcap_window", "alibi_window", "window_softcap_alibi",
                                   "window_gt_n"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_deterministic_bitwise_and_correct(d, case):
     """deterministic=True (ordered dQ, the turn counters of a windowed tile starting at its first
     visiting key block): right against float64 autograd, and dq, dk, dv bitwise equal over 5 runs
@@ -254,7 +254,7 @@ def _hopper_dropout_forward(d, dtype, causal, opts, b, h) -> bool:
 @pytest.mark.parametrize("p", [0.1, 0.5])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_dropout_dims_dtypes_gqa(d, dtype, causal, p, forward):
     """Dropout alone (the window bit with unbounded edges; causal: right edge 0) after the dispatcher's
     variant forward (tileattn.attention's) or the Hopper dropout forward: dq, dk, dv against float64
@@ -276,7 +276,7 @@ def test_dropout_dims_dtypes_gqa(d, dtype, causal, p, forward):
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
 @pytest.mark.parametrize("window,causal", [((37, 5), False), ((64, -1), True), ((300, 0), False)])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_dropout_with_window(d, window, causal, p):
     """Dropout with a sliding window (the walk visits only window_tiles; masked tiles' window masks
     before the dropout), bf16, GQA 4, Nq = 300 != Nk = 400."""
@@ -285,7 +285,7 @@ def test_dropout_with_window(d, window, causal, p):
 
 
 @pytest.mark.parametrize("nq,nk", [(1, 1), (1, 1000), (31, 33), (127, 129), (129, 127), (1000, 1000), (4097, 4097)])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_dropout_lengths(d, nq, nk):
     """Lengths around the 64 / 128-row tiles and 32-key Philox groups, one-query rows, 4097 (causal
     bf16, p = 0.5, small seed / offset)."""
@@ -294,7 +294,7 @@ def test_dropout_lengths(d, nq, nk):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d,nq", [(64, 60), (128, 100)])
+@pytest.mark.parametrize("d,nq", [(64, 60), (128, 100), (256, 100)])
 def test_dropout_mask_read_back_exactly(d, nq, causal):
     """The backward's keep mask element for element: with dO[i, i] = 1 (one-hot rows), dV[j, i] =
     P[i, j] keep[i, j] / (1 - p), so dv[..., :Nq] != 0 is the mask the kernel applied (P > 0 where
@@ -317,7 +317,7 @@ def test_dropout_mask_read_back_exactly(d, nq, causal):
                                    f"differ from dropout_mask, first (b, h, i, j) {bad[:4].tolist()}")
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_dropout_seed_matters(d):
     """The backward with the forward's seed matches; with another seed its gradients are far from the
     float64 reference (so the comparisons above do see the mask)."""
@@ -331,7 +331,7 @@ def test_dropout_seed_matters(d):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_dropout_deterministic_bitwise_and_correct(d, causal):
     """deterministic=True with dropout: right against float64 autograd and bitwise equal over 3 runs
     (GQA 4, Nq = 600 != Nk = 700)."""
@@ -349,7 +349,8 @@ def test_dropout_deterministic_bitwise_and_correct(d, causal):
 # ---- small cases that compute-sanitizer re-runs -------------------------------------------------
 @pytest.mark.sanitize
 @pytest.mark.parametrize("d,case", [(128, "softcap_window"), (128, "alibi_window"), (64, "window_causal"),
-                                    (64, "window_softcap_alibi"), (128, "dropout_causal"), (64, "dropout")])
+                                    (64, "window_softcap_alibi"), (128, "dropout_causal"), (64, "dropout"),
+                                    (256, "window_softcap_alibi"), (256, "dropout_causal")])
 def test_sanitize_small(d, case):
     if case.startswith("dropout"):
         causal, options, s = case.endswith("causal"), _dropout_opts(0.5), 1.0

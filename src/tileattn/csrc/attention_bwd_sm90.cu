@@ -396,11 +396,11 @@ __device__ __forceinline__ void pack_kept(u32 (&a)[kBlockM / 16][4], const float
 // (both edges move with j) exactly the queries [n0 - diag - right, last key - diag + left], clipped
 // to [0, Nq). The walk visits only these: a key block costs (window + kBlockN) / kBlockM tiles,
 // not Nq / kBlockM. Empty (x == y): the CTA writes dK = dV = 0.
-template <int kBlockM>
+template <int kBlockM, int kKeys = kBlockN>  // kKeys: keys per CTA (d = 256: kBlockN256)
 __device__ __forceinline__ int2 window_tiles(int n0, int seqlen_q, int seqlen_k, const Variants& va) {
   const int diag = seqlen_k - seqlen_q;
   const int i_lo = max(0, n0 - diag - va.right);
-  const int i_hi = min(seqlen_q - 1, min(n0 + kBlockN, seqlen_k) - 1 - diag + va.left);
+  const int i_hi = min(seqlen_q - 1, min(n0 + kKeys, seqlen_k) - 1 - diag + va.left);
   const int first = i_lo / kBlockM;
   return make_int2(first, i_hi < i_lo ? first : i_hi / kBlockM + 1);
 }
@@ -1148,13 +1148,13 @@ __device__ constexpr int smem_d256() {
          2 * kStages * 64 * 4 + 1024;
 }
 
-template <int kStages, bool kCausal, bool kIsBF16, int kDqMode>
+template <int kStages, bool kCausal, bool kIsBF16, int kDqMode, int kVariant>
 __device__ __forceinline__ void attention_bwd_sm90_d256_body(
     const sm90::TmaDescriptor& tmap_q, const sm90::TmaDescriptor& tmap_k, const sm90::TmaDescriptor& tmap_v,
     const sm90::TmaDescriptor& tmap_do, const sm90::TmaDescriptor& tmap_dk, const sm90::TmaDescriptor& tmap_dv,
     const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_accum,
     int* __restrict__ dq_sem, int heads, int kv_group, int batches, int section, int seqlen_q, int seqlen_k,
-    int nq_pad, float scale_log2, float scale) {
+    int nq_pad, float scale_log2, float scale, const Variants& var) {
   constexpr int kHeadDim = 256, kBlockM = 64, kBlockN = kBlockN256;
   constexpr int kPanels = kHeadDim / kPanel;      // 4
   constexpr int kKSteps = kHeadDim / 16;          // k16 steps of S^T and dP^T
@@ -1166,6 +1166,16 @@ __device__ __forceinline__ void attention_bwd_sm90_d256_body(
   static_assert(kDqMode == 0 || kDqMode == 1, "d = 256: dQ by REDs, unordered (0) or in turn (1)");
   static_assert(kStages >= 2, "at least double buffering");
   static_assert(smem_d256<kStages>() + kStaticSmem <= kSmemLimit, "shared memory over the 227 KB per block");
+  // Variants ("Variants" above; the same logits, masks and dropout bits as the body above): role 0
+  // computes the variant P^T; what role 1 needs of it travels in sP: P^T (1 - tanh^2) with softcap
+  // (so its dS^T = sP (dP^T - D) pass is the plain one), and with dropout P^T with its sign bit set
+  // where dropped (P^T >= 0; a dropped P^T = 0 gives dS^T = 0 either way).
+  constexpr bool kWindowed = (kVariant & kWindow) != 0, kSoftcapped = (kVariant & kSoftcap) != 0;
+  constexpr bool kAlibied = (kVariant & kAlibi) != 0, kLogits = kSoftcapped || kAlibied;
+  constexpr bool kDropped = (kVariant & kDropout) != 0;
+  static_assert(kVariant == 0 || (kVariant > 0 && (kVariant & ~kVariantBits) == 0 && !kCausal),
+                "variants: a set of kWindow | kSoftcap | kAlibi | kDropout, causal folded into the window");
+  static_assert(!kDropped || kVariant == (kDropout | kWindow), "dropout: with the window bit alone (\"Dropout\")");
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ uint64_t kv_full, q_full[kStages], do_full[kStages], empty[kStages];
@@ -1186,12 +1196,16 @@ __device__ __forceinline__ void attention_bwd_sm90_d256_body(
   const int n0 = n_block * kBlockN;
   const int diag = seqlen_k - seqlen_q;  // query i sees keys j <= i + diag
   const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
-  const int m_first = kCausal ? max(0, n0 - diag) / kBlockM : 0;
-  const int m_count = m_blocks - m_first;
+  // Query tiles [m_first, m_end) walked; windowed: those holding a query whose window reaches this
+  // key block (window_tiles; possibly none: then dK = dV = 0).
+  const int2 range = kWindowed ? window_tiles<kBlockM, kBlockN>(n0, seqlen_q, seqlen_k, var)
+                               : make_int2(kCausal ? max(0, n0 - diag) / kBlockM : 0, m_blocks);
+  const int m_first = range.x, m_end = range.y;
+  const int m_count = m_end - m_first;
   const int n_iters = kv_group * m_count;
   // Step `it`: query head kv_head * kv_group + it / m_count, query tiles from the last down.
   auto walk_head = [&](int it) { return kv_head * kv_group + it / m_count; };
-  auto walk_m0 = [&](int it) { return (m_blocks - 1 - it % m_count) * kBlockM; };
+  auto walk_m0 = [&](int it) { return (m_end - 1 - it % m_count) * kBlockM; };
   auto ws_row = [&](int head) { return (static_cast<int64_t>(batch) * heads + head) * nq_pad; };
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 
@@ -1241,35 +1255,91 @@ __device__ __forceinline__ void attention_bwd_sm90_d256_body(
     s9::wgmma_fence();
     s9::wgmma_ss_panels<kBlockM, kIsBF16, kKSteps>(sd, desc_kv, kKPanelStep, desc_in, kQPanelStep);
     s9::wgmma_commit();
+    // Dropout (role 0): the tile's keep bits while the tensor cores run S^T (one word: kBlockM = 64).
+    u32 keep[1] = {0u};
+    if constexpr (kDropped) {
+      if (role == 0) dropout_tile_bits<kBlockM>(keep, var, batch * heads + head, m0, key_h0, lane);
+    }
     s9::wgmma_wait<0>();
     s9::fence_accumulators(sd);
     // Element i = 4 j + 2 h + e of sd: key key_h0 + 8 h, query m0 + 8 j + 2 t + e.
     u64 desc_b;  // B of the register-A product: dO (dV, role 0) or Q (dK, role 1), MN-major
     if (role == 0) {
       // ---- 2a. P^T = 2^(S^T scale_log2 - lse2), hidden elements 0 (the masks of the body above:
-      // element i hidden iff 8 j + e < lim[h]); lse2 = +inf (fully masked or padding query) gives 0.
-      const bool masked = key_edge || (kCausal && m0 + diag < n0 + kBlockN - 1);
+      // element i hidden iff 8 j + e < lim[h]; windowed, window_hidden); lse2 = +inf (fully masked or
+      // padding query) gives 0. Variants: the logit of the body above's vprob, in its order.
+      const bool masked = [&]() {
+        if constexpr (kWindowed) {
+          return key_edge ||
+                 !(n0 >= m0 + kBlockM - 1 + diag - var.left && n0 + kBlockN - 1 <= m0 + diag + var.right);
+        } else {
+          return key_edge || (kCausal && m0 + diag < n0 + kBlockN - 1);
+        }
+      }();
       int lim[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int key = key_h0 + 8 * h;
         lim[h] = key >= seqlen_k ? kBlockM : kCausal ? key - diag - m0 - 2 * t : 0;
       }
+      auto window_hidden = [&](int i) {
+        const int c = 8 * (i / 4) + (i & 1), key = key_h0 + 8 * ((i >> 1) & 1);
+        const int lo = key >= seqlen_k ? kBlockM : key - diag - var.right - m0 - 2 * t;
+        return c < lo || c > key - diag + var.left - m0 - 2 * t;
+      };
+      float slope = 0.f, dist0 = 0.f;
+      if constexpr (kAlibied) {
+        slope = alibi_slope_log2(var, batch, head);
+        dist0 = static_cast<float>(m0 + 2 * t + diag - key_h0);
+      }
       const float* lse_s = sLse + s * kBlockM;
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
         const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
+        float to_role1[4];  // variants: what role 1 reads from sP for elements 4 j .. 4 j + 3 (see above)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int i = 4 * j + r;
-          const float p = fast_exp2(fmaf(sd[i], scale_log2, -((r & 1) ? l2.y : l2.x)));
-          sd[i] = masked && 8 * j + (r & 1) < lim[r >> 1] ? 0.f : p;
+          if constexpr (kVariant == 0) {
+            const float p = fast_exp2(fmaf(sd[i], scale_log2, -((r & 1) ? l2.y : l2.x)));
+            sd[i] = masked && 8 * j + (r & 1) < lim[r >> 1] ? 0.f : p;
+          } else {
+            float p, dcap = 1.f;
+            if constexpr (kLogits) {
+              float x;
+              if constexpr (kSoftcapped) {
+                const float th = softcap_tanh(var, sd[i]);
+                x = var.cap_out * th;
+                dcap = fmaf(-th, th, 1.f);
+              } else {
+                x = sd[i] * var.scale_log2;
+              }
+              if constexpr (kAlibied) x = fmaf(slope, fabsf(dist0 + static_cast<float>(8 * j + (r & 1) - 8 * (r >> 1))), x);
+              p = fast_exp2(x - ((r & 1) ? l2.y : l2.x));
+            } else {
+              p = fast_exp2(fmaf(sd[i], scale_log2, -((r & 1) ? l2.y : l2.x)));
+            }
+            const bool hidden = kWindowed ? masked && window_hidden(i) : masked && 8 * j + (r & 1) < lim[r >> 1];
+            p = hidden ? 0.f : p;  // a select: a hidden score may have overflowed to inf
+            if constexpr (kDropped) {
+              const bool kept = (keep[0] >> i) & 1u;
+              to_role1[r] = kept ? p : -p;
+              sd[i] = kept ? p : 0.f;  // dV takes the dropped P^T (1 / (1 - p) in its epilogue)
+            } else {
+              to_role1[r] = p * dcap;
+              sd[i] = p;
+            }
+          }
         }
+        if constexpr (kVariant != 0)
+          *reinterpret_cast<float4*>(sP + (j * 128 + tid) * 4) = make_float4(to_role1[0], to_role1[1], to_role1[2], to_role1[3]);
       }
+      if constexpr (kVariant == 0) {
 #pragma unroll
-      for (int q4 = 0; q4 < kBlockM / 8; ++q4)
-        *reinterpret_cast<float4*>(sP + (q4 * 128 + tid) * 4) =
-            make_float4(sd[4 * q4], sd[4 * q4 + 1], sd[4 * q4 + 2], sd[4 * q4 + 3]);
+        for (int q4 = 0; q4 < kBlockM / 8; ++q4)
+          *reinterpret_cast<float4*>(sP + (q4 * 128 + tid) * 4) =
+              make_float4(sd[4 * q4], sd[4 * q4 + 1], sd[4 * q4 + 2], sd[4 * q4 + 3]);
+      }
       s9::named_barrier_arrive<256>(kPBarrier);
       pack_acc<kMSteps, kIsBF16>(frag, sd, 1.f);
       s9::mbar_wait(&do_full[s], parity);
@@ -1282,10 +1352,19 @@ __device__ __forceinline__ void attention_bwd_sm90_d256_body(
       for (int j = 0; j < kBlockM / 8; ++j) {
         const float4 p = *reinterpret_cast<const float4*>(sP + (j * 128 + tid) * 4);
         const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
-        sd[4 * j] = p.x * (sd[4 * j] - dd.x);
-        sd[4 * j + 1] = p.y * (sd[4 * j + 1] - dd.y);
-        sd[4 * j + 2] = p.z * (sd[4 * j + 2] - dd.x);
-        sd[4 * j + 3] = p.w * (sd[4 * j + 3] - dd.y);
+        if constexpr (kDropped) {  // dS^T = P^T (dropped dP^T / (1 - p) - D), as the body above
+          const float x[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const bool kept = (__float_as_uint(x[r]) >> 31) == 0u;
+            sd[4 * j + r] = fabsf(x[r]) * fmaf(kept ? sd[4 * j + r] : 0.f, var.drop_scale, -((r & 1) ? dd.y : dd.x));
+          }
+        } else {
+          sd[4 * j] = p.x * (sd[4 * j] - dd.x);
+          sd[4 * j + 1] = p.y * (sd[4 * j + 1] - dd.y);
+          sd[4 * j + 2] = p.z * (sd[4 * j + 2] - dd.x);
+          sd[4 * j + 3] = p.w * (sd[4 * j + 3] - dd.y);
+        }
       }
       pack_acc<kMSteps, kIsBF16>(frag, sd, 1.f);
       s9::mbar_wait(&q_full[s], parity);
@@ -1347,7 +1426,7 @@ __device__ __forceinline__ void attention_bwd_sm90_d256_body(
   u16* const stage = role == 0 ? sV : sK;
   {
     u32 out[kHeadDim / 16][4];
-    pack_acc<kHeadDim / 16, kIsBF16>(out, grad, role == 0 ? 1.f : scale);
+    pack_acc<kHeadDim / 16, kIsBF16>(out, grad, role == 0 ? (kDropped ? var.drop_scale : 1.f) : scale);
     store_fragments<kBlockN, kHeadDim / 16>(stage, 0, out, warp, lane);
   }
   s9::fence_proxy_async();  // generic stmatrix writes -> async-proxy TMA store
@@ -1376,9 +1455,9 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
                        int seqlen_q, int seqlen_k, int nq_pad, float scale_log2, float scale, int rotate) {
   if constexpr (kHeadDim == 256) {  // the role-split layout ("d = 256"); no rotated walk
     static_assert(kBlockM == 64, "d = 256: 64-query tiles");
-    bwd90::attention_bwd_sm90_d256_body<kStages, kCausal, kIsBF16, kDqMode>(
+    bwd90::attention_bwd_sm90_d256_body<kStages, kCausal, kIsBF16, kDqMode, 0>(
         tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, dq_sem, heads, kv_group, batches,
-        section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale);
+        section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale, Variants{});
   } else {
     bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, kCausal, kIsBF16, kDqMode, false, 0>(
         tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, dq_sem, heads, kv_group, batches,
@@ -1406,9 +1485,16 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
                                 VARIANT_PARAMS) {
   static_assert(kVariant > 0 && (kVariant & ~bwd90::kVariantBits) == 0,
                 "kVariant: a non-empty set of kWindow | kSoftcap | kAlibi | kDropout");
-  bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, false, kIsBF16, kDqMode, false, kVariant>(
-      tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, dq_sem, heads, kv_group, batches,
-      section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale, rotate, bwd90::VarlenArgs{}, VARIANTS_FROM_PARAMS);
+  if constexpr (kHeadDim == 256) {  // the role-split layout ("d = 256"); no rotated walk
+    static_assert(kBlockM == 64, "d = 256: 64-query tiles");
+    bwd90::attention_bwd_sm90_d256_body<kStages, false, kIsBF16, kDqMode, kVariant>(
+        tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, dq_sem, heads, kv_group, batches,
+        section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale, VARIANTS_FROM_PARAMS);
+  } else {
+    bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, false, kIsBF16, kDqMode, false, kVariant>(
+        tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, dq_sem, heads, kv_group, batches,
+        section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale, rotate, bwd90::VarlenArgs{}, VARIANTS_FROM_PARAMS);
+  }
 }
 
 // Packed variable-length batches: q, dout [Tq, H, d], k, v, dk, dv [Tk, Hkv, d], sequence b at

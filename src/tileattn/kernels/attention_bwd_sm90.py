@@ -22,7 +22,8 @@ Variants (issue #15; csrc "Variants"): window, softcap, ALiBi and dropout run th
 attention_bwd_sm90_variants instantiations (atomic and deterministic modes), through
 BackwardPlan(..., variants=VariantArgs) or variant_backward_plan, whose launch takes (alibi
 pointer, seed, offset) after the tensors like the sm80 variant backward's; supports_variants says
-which calls they cover (dropout with a window or none, not with softcap / ALiBi; not d = 256). lse
+which calls they cover (dropout with a window or none, not with softcap / ALiBi; d = 256 on the
+role-split layout, csrc "d = 256"). lse
 is the variant forward's (natural log of the transformed logits), as the Hopper and sm80 variant
 forwards write it; with dropout, out is the dropped output and seed / offset the forward's, whose
 keep mask (tileattn.dropout.dropout_mask) the kernel recomputes (docs/attention_bwd_sm90.md, "Dropout").
@@ -43,7 +44,7 @@ SOURCE = "attention_bwd_sm90.cu"
 HEAD_DIMS = (64, 128, 256)
 BLOCK_N = 128           # keys per CTA at d = 64 / 128: two MMA warpgroups x 64
 BLOCK_N_256 = 64        # keys per CTA at d = 256 (csrc "d = 256": the warpgroups split the products)
-VARLEN_HEAD_DIMS = (64, 128)  # the varlen and variant entry points (d = 256 runs attention_bwd_sm80's)
+VARLEN_HEAD_DIMS = (64, 128)  # the varlen entry point (d = 256 varlen runs attention_bwd_sm80's)
 THREADS = 384           # producer warpgroup + two MMA warpgroups
 PANEL = 64              # TMA box width in elements: 128 bytes, the 128-byte swizzle span
 LOG2E = 1.4426950408889634
@@ -160,8 +161,7 @@ WINDOW, SOFTCAP, ALIBI, DROPOUT = 1, 2, 4, 32  # DROPOUT: attention_fwd_sm90.DRO
 # window runs it with both edges unbounded, as the other sets); not with softcap or ALiBi yet (the
 # kernel's static_assert): such calls stay on the sm80 variant backward.
 VARIANT_SETS: dict[int, tuple[int, ...]] = {
-    128: (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI, WINDOW | SOFTCAP | ALIBI, WINDOW | DROPOUT),
-    64: (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI, WINDOW | SOFTCAP | ALIBI, WINDOW | DROPOUT),
+    d: (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI, WINDOW | SOFTCAP | ALIBI, WINDOW | DROPOUT) for d in (128, 64, 256)
 }
 
 
@@ -177,7 +177,7 @@ def variant_bits(variants) -> int:
 
 def supports_variants(head_dim: int, dtype, variants, deterministic: bool = False) -> bool:
     """Whether variant_backward_plan runs a call with these variants (attention_fwd_sm80.VariantArgs,
-    causal folded into the window) on this family: head_dim in VARIANT_SETS (64, 128), float16 /
+    causal folded into the window) on this family: head_dim in VARIANT_SETS (64, 128, 256), float16 /
     bfloat16, the set of variant_bits registered there (dropout: with a window or none, not with
     softcap or ALiBi); atomic or deterministic (the dispatcher decides whether the latter runs here,
     as it does for the plain kernel). The caller still routes only sm_90a devices here. Never
@@ -195,14 +195,15 @@ def variant_expression(head_dim: int, config: Sm90BwdConfig, bf16: bool, bits: i
             f"{'true' if bf16 else 'false'}, {config.dq_mode(deterministic)}, {bits}>")
 
 
-def window_first_blocks(seqlen_q: int, seqlen_k: int, left: int, block_m: int) -> list[int]:
+def window_first_blocks(seqlen_q: int, seqlen_k: int, left: int, block_m: int, block_n: int = BLOCK_N) -> list[int]:
     """Per query tile m, the first key block whose window_tiles range (csrc) holds it: the block of
-    the lowest key the tile's first row sees, max(0, m block_m + Nk - Nq - left) // BLOCK_N (both
-    ends of a key block's range are non-decreasing in the block, so a tile's visitors are
-    consecutive key blocks from there). The deterministic mode starts each tile's turn counter at
-    this value: the kernel's turn code is the plain one, which counts from key block 0. Never raises."""
+    the lowest key the tile's first row sees, max(0, m block_m + Nk - Nq - left) // block_n (keys per
+    CTA: block_n_of(head_dim); both ends of a key block's range are non-decreasing in the block, so a
+    tile's visitors are consecutive key blocks from there). The deterministic mode starts each tile's
+    turn counter at this value: the kernel's turn code is the plain one, which counts from key block 0.
+    Never raises."""
     diag = seqlen_k - seqlen_q
-    return [max(0, m * block_m + diag - left) // BLOCK_N for m in range(-(-seqlen_q // block_m))]
+    return [max(0, m * block_m + diag - left) // block_n for m in range(-(-seqlen_q // block_m))]
 
 
 def expression(head_dim: int, config: Sm90BwdConfig, causal: bool, bf16: bool, deterministic: bool) -> str:
@@ -466,8 +467,11 @@ class BackwardPlan:
         # block (window_first_blocks), copied from this template instead of zeroed per call.
         self.sem_init = None
         if deterministic and bits and variants.window_left != _unbounded():
-            first = window_first_blocks(nq, nk, variants.window_left, config.block_m)
-            self.sem_init = torch.tensor(first, dtype=torch.int32, device=q.device).repeat(batch * heads)
+            first = torch.tensor(window_first_blocks(nq, nk, variants.window_left, config.block_m, block_n_of(d)),
+                                 dtype=torch.int32, device=q.device)
+            if d == 256:  # one counter per role's half of dQ: [.., m, 2]
+                first = first.repeat_interleave(2)
+            self.sem_init = first.repeat(batch * heads)
         self.main = LaunchPlan(load(FAMILY_NAME, expr, device), (n_blocks * kv_heads * batch,), (THREADS,), args,
                                smem=config.smem_bytes(d, deterministic), dynamic=dynamic)
         self.convert = LaunchPlan(

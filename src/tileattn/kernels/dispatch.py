@@ -117,9 +117,12 @@ SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(64, False), (128, False), (64, 
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
+# d = 256's variant backward (the role-split layout with the variants, session 22) waits for its
+# first device run: GPU tests, sanitizers and `bench variants --head-dim 256`.
 UNMEASURED_SM90_TABLES = (
-    (SM90_VARIANT_BACKWARD, {(64, True), (128, True)}),
+    (SM90_VARIANT_BACKWARD, {(64, True), (128, True), (256, False), (256, True)}),
     (SM90_DROPOUT_FORWARD, {256}),
+    (SM90_DROPOUT_BACKWARD, {(256, False), (256, True)}),
 )
 
 
