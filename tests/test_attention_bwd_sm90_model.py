@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from tileattn import reference
-from tileattn.dropout import UNBOUNDED, drop_threshold, dropout_mask, philox4x32_10
+from tileattn.dropout import UNBOUNDED, drop_threshold, dropout_mask, philox4x32_7
 from tileattn.kernels import attention_bwd_sm80 as sm80
 from tileattn.kernels import attention_bwd_sm90 as ab
 
@@ -611,7 +611,7 @@ def dropout_tile_keep(seed: int, offset: int, bh: int, n0: int, m0: int, block_m
             for j in range(block_m // 8):
                 ctr = ((4 * group + lane_class).astype(np.uint64), (m0 + 8 * j + 2 * t + odd).astype(np.uint64),
                        np.uint64(bh & _M32), np.uint64(offset & _M32))
-                words = philox4x32_10(ctr, key)
+                words = philox4x32_7(ctr, key)
                 own0 = np.where(upper == 1, words[2], words[0])
                 own1 = np.where(upper == 1, words[3], words[1])
                 other0, other1 = own0[lane ^ 4], own1[lane ^ 4]  # __shfl_xor_sync(.., 4)

@@ -1344,7 +1344,7 @@ def dropout_keep_words(n: int, block_n: int, pos, bh, t, seed: int, offset: int,
     rows g, g + 8), t [T] (lane % 4)."""
     import numpy as np
 
-    from tileattn.dropout import philox4x32_10
+    from tileattn.dropout import philox4x32_7
 
     u = np.uint64
     groups = block_n // 32
@@ -1353,7 +1353,7 @@ def dropout_keep_words(n: int, block_n: int, pos, bh, t, seed: int, offset: int,
     if bug == "t_for_word":  # the word index where the lane class goes: a wrong counter
         ctr0 = (u(4) * (u(n * groups) + grp))[None, None, :] + u(0) * t.astype(np.uint64)[:, None, None]
     key = (u(seed & _M32), u(((seed >> 32) + (offset >> 32)) & _M32))
-    words = philox4x32_10((ctr0, pos.astype(np.uint64)[:, :, None], bh.astype(np.uint64)[:, :, None],
+    words = philox4x32_7((ctr0, pos.astype(np.uint64)[:, :, None], bh.astype(np.uint64)[:, :, None],
                            u(offset & _M32)), key)  # 4 x [T, 2, G]
     thr16 = u(thr << 16)
     keep = np.zeros((len(t), block_n // 64), dtype=np.uint64)

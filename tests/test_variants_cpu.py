@@ -15,7 +15,7 @@ import torch
 
 import tileattn
 from tileattn import reference
-from tileattn.dropout import UNBOUNDED, dropout_mask, philox4x32_10
+from tileattn.dropout import UNBOUNDED, dropout_mask, philox4x32_7
 
 F64 = torch.float64
 
@@ -26,23 +26,23 @@ F64 = torch.float64
 @pytest.mark.parametrize(
     "counter, key, expected",
     [
-        # Random123's known-answer vectors for philox4x32_10 (kat_vectors).
-        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        # Random123's known-answer vectors for philox4x32 with 7 rounds (kat_vectors).
+        ((0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
         ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+         (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
     ],
 )
 def test_philox_known_answers(counter, key, expected):
-    got = tuple(int(w) for w in philox4x32_10(counter, key))
-    assert got == expected, f"philox4x32_10{counter, key} = {[hex(w) for w in got]}, expected {[hex(w) for w in expected]}"
+    got = tuple(int(w) for w in philox4x32_7(counter, key))
+    assert got == expected, f"philox4x32_7{counter, key} = {[hex(w) for w in got]}, expected {[hex(w) for w in expected]}"
 
 
 def _keep_scalar(seed, offset, b, h, heads, i, j, p):
     """One element of the mask straight from the documented formula (independent of the vectorized layout)."""
     key = (seed & 0xFFFFFFFF, ((seed >> 32) + (offset >> 32)) & 0xFFFFFFFF)
     ctr = (4 * (j >> 5) + ((j >> 1) & 3), i, b * heads + h, offset & 0xFFFFFFFF)
-    word = int(philox4x32_10(ctr, key)[(j >> 3) & 3])
+    word = int(philox4x32_7(ctr, key)[(j >> 3) & 3])
     bits = (word >> 16) if j & 1 else (word & 0xFFFF)
     return bits >= round(p * 65536)
 

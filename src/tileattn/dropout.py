@@ -1,7 +1,8 @@
 """Attention variants shared by the CUDA ops and the reference: the dropout mask and the argument checks.
 
 The dropout mask is a pure function of (seed, offset, batch, head, query, key): the keep bit of
-score (b, h, i, j) comes from Philox4x32-10 (Salmon et al., SC'11) with
+score (b, h, i, j) comes from Philox4x32-7 (Salmon et al., SC'11; seven rounds, as FlashAttention-2's
+and PyTorch's flash-attention dropout) with
     key     = (seed mod 2^32, (seed >> 32) + (offset >> 32) mod 2^32)
     counter = (4 * (j >> 5) + ((j >> 1) & 3), i, b * H + h, offset mod 2^32)
 and is 16-bit half (j & 1) of output word (j >> 3) & 3, kept iff that value >= drop_threshold(p) =
@@ -22,7 +23,7 @@ import numbers
 import numpy as np
 import torch
 
-__all__ = ["dropout_mask", "philox4x32_10"]
+__all__ = ["dropout_mask", "philox4x32_7"]
 
 UNBOUNDED = 1 << 29  # a window edge that never limits (kUnbounded in csrc/common/variants.cuh)
 MAX_VARIANT_SEQLEN = 1 << 28  # window arithmetic i + Nk - Nq +- UNBOUNDED stays inside int32
@@ -32,13 +33,13 @@ _LO32 = np.uint64(0xFFFFFFFF)
 _U64 = 1 << 64
 
 
-def philox4x32_10(counter, key):
-    """Philox4x32-10 of broadcastable uint64 arrays holding 32-bit values: counter (c0, c1, c2, c3),
+def philox4x32_7(counter, key):
+    """Philox4x32-7 of broadcastable uint64 arrays holding 32-bit values: counter (c0, c1, c2, c3),
     key (k0, k1). Returns the four 32-bit output words as uint64 arrays."""
     c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in counter)
     k0, k1 = (np.asarray(k, dtype=np.uint64) for k in key)
     s32 = np.uint64(32)
-    for _ in range(10):
+    for _ in range(7):
         p0, p1 = _M0 * c0, _M1 * c2  # < 2^64: exact
         c0, c1, c2, c3 = (p1 >> s32) ^ c1 ^ k0, p1 & _LO32, (p0 >> s32) ^ c3 ^ k1, p0 & _LO32
         k0, k1 = (k0 + _W0) & _LO32, (k1 + _W1) & _LO32
@@ -89,7 +90,7 @@ def dropout_mask(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, 
     for b in range(batch):
         for h in range(heads):
             bh = np.uint64(((batch_start + b) * heads + h) & 0xFFFFFFFF)
-            words = philox4x32_10((c0, i, bh, np.uint64(offset & 0xFFFFFFFF)), key)  # 4 x [Nq, G, 4]
+            words = philox4x32_7((c0, i, bh, np.uint64(offset & 0xFFFFFFFF)), key)  # 4 x [Nq, G, 4]
             w = np.stack(words, axis=-1)                                 # [Nq, G, t, word]
             halves = np.stack((w & np.uint64(0xFFFF), w >> np.uint64(16)), axis=-1)  # [Nq, G, t, word, half]
             # key j = 32 G + 8 word + 2 t + half

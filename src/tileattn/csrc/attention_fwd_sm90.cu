@@ -546,8 +546,8 @@ __device__ __forceinline__ void alibi_scores(float (&s)[kBlockN / 2], float (&sh
 // GQA packing (a row's head is head0 + (r0 + 8 h) / rows) changes the mask. One Philox call per
 // row and 32-key group gives the 8 uniforms of the thread's 8 scores in it (key 32 G + 8 w + 2 t + e
 // is half e of word w): 2 kBlockN / 32 calls per block. Nothing here reads S, so the caller runs it
-// between issuing the block's wgmmas and waiting for them: the 40 integer instructions per call
-// (10 rounds of 2 IMAD.WIDE.U32 + 2 three-input LOP3; the key schedule is warp-uniform and stays in
+// between issuing the block's wgmmas and waiting for them: the 28 integer instructions per call
+// (7 rounds of 2 IMAD.WIDE.U32 + 2 three-input LOP3; the key schedule is warp-uniform and stays in
 // uniform registers) issue while the tensor cores work.
 // A 16-bit half >= drop_thr is compared in the word's upper half: (word << 16) for the low half,
 // the word itself for the high half, against drop_thr << 16 (one shift, no mask or second shift).
