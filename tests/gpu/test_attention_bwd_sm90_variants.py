@@ -11,8 +11,8 @@ start as NaN, so an element the kernels forget to write fails. Rows whose window
 get dq exactly 0. Skipped with a reason on GPUs other than compute capability 9.0.
 
 Dropout (options dropout_p / seed / offset, as tileattn.attention and reference.attention take
-them): the forward is the dispatcher's variant forward (what tileattn.attention runs: the sm80
-variant forward until SM90_DROPOUT_FORWARD is filled) or the Hopper dropout forward
+them): the forward is the dispatcher's variant forward (what tileattn.attention runs: the Hopper
+dropout forward where SM90_DROPOUT_FORWARD lists the head dim, else the sm80 one) or the Hopper dropout forward
 (attention_fwd_sm90.ForwardPlan with variants); the reference applies tileattn.dropout.dropout_mask,
 so a keep bit of the backward that differs from the forward's shows up as a gradient error.
 """

@@ -68,8 +68,10 @@ SM90_VARIANT_FORWARD = {64, 128, 256}
 # `python -m tileattn.kernels.attention_bwd_sm90 --dropout` timed in one process (p = 0.1, B=4 H=32
 # bf16, N 2048 / 8192, causal and not; 22:56 UTC, 6c74120; docs/BENCHMARKS.md) measured it
 # 1.8-2.2x the sm80 dropout forward (d=128: 323-406 TFLOP/s against 163-201; d=64: 202-267 against
-# 101-125). d = 256 is implemented but was not timed.
-SM90_DROPOUT_FORWARD: set[int] = {64, 128}
+# 101-125). d = 256 (2026-12-03 19:20 UTC, f7d66d4, `tileattn bench variants --suite overhead --head-dim
+# 256 --rounds 3`, with and without --hopper-forced): 0.72-0.83x the plain forward against the sm80
+# kernel's 0.32-0.40x (2.1-2.4x), its GPU tests and sanitize cases clean in the same calls.
+SM90_DROPOUT_FORWARD: set[int] = {64, 128, 256}
 
 
 # (head dim, deterministic) whose variant backward (window, softcap, ALiBi; dropout only with
@@ -77,8 +79,13 @@ SM90_DROPOUT_FORWARD: set[int] = {64, 128}
 # also holds for the call. Its GPU tests and memcheck passed on the H200 (2026-12-01, a1b1c94 and
 # de3f284), and `python -m tileattn.kernels.attention_bwd_sm90 --variants` measured it 2.2-2.5x the
 # sm80 variant backward with ALiBi at d=128, 1.6-1.7x with softcap at d=64, 2.2-3x with a 4096-key
-# window at N=32768. Deterministic mode waits for a racecheck of its windowed turn counters.
-SM90_VARIANT_BACKWARD: set[tuple[int, bool]] = {(64, False), (128, False)}
+# window at N=32768. d = 256 (the role-split layout with the variants): its GPU tests, memcheck,
+# racecheck, synccheck and initcheck passed (2026-12-03, f7d66d4), and `tileattn bench variants
+# --suite overhead --head-dim 256 --rounds 3` read forward+backward 0.95-0.96x plain with softcap and
+# 0.97-1.03x with ALiBi against 0.53-0.58x on the sm80 variant backward (same kernels, the other
+# call of the two, 12 minutes apart). Deterministic mode waits for a racecheck of its windowed turn
+# counters.
+SM90_VARIANT_BACKWARD: set[tuple[int, bool]] = {(64, False), (128, False), (256, False)}
 
 
 # Packed variable-length calls on the Hopper kernels: (head dim, causal) whose varlen forward runs
@@ -111,19 +118,15 @@ SM90_PAGED_PREFILL: set[tuple[int, int]] = {(d, bs) for d in (64, 128, 256) for 
 # hazards in tests/gpu/test_attention_bwd_sm90_variants.py's sanitize cases on the H200 (2026-12-01,
 # 6c74120; memcheck clean at de3f284); the same timing measured the atomic mode 2.0-2.2x the sm80
 # dropout backward (d=128 N=8192: 31.4 ms against 65.2 non-causal, 16.2 against 33.8 causal) and the
-# deterministic one 2.6-2.9x (the deterministic pairs wait with SM90_VARIANT_BACKWARD's).
-SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(64, False), (128, False), (64, True), (128, True)}
+# deterministic one 2.6-2.9x (the deterministic pairs wait with SM90_VARIANT_BACKWARD's). d = 256
+# (2026-12-03, f7d66d4, with the dropout forward above): forward+backward 0.83-0.85x plain against
+# 0.40-0.44x with the sm80 kernels.
+SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256) for mode in (False, True)}
 
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
-# d = 256's variant backward (the role-split layout with the variants, session 22) waits for its
-# first device run: GPU tests, sanitizers and `bench variants --head-dim 256`.
-UNMEASURED_SM90_TABLES = (
-    (SM90_VARIANT_BACKWARD, {(64, True), (128, True), (256, False), (256, True)}),
-    (SM90_DROPOUT_FORWARD, {256}),
-    (SM90_DROPOUT_BACKWARD, {(256, False), (256, True)}),
-)
+UNMEASURED_SM90_TABLES = ((SM90_VARIANT_BACKWARD, {(64, True), (128, True), (256, True)}),)
 
 
 # Rows M up to which tileattn.linear / add_rms_norm_linear run the hand-written GEMV (csrc/gemv.cu)
