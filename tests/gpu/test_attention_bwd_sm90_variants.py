@@ -348,13 +348,16 @@ def test_dropout_deterministic_bitwise_and_correct(d, causal):
 
 # ---- small cases that compute-sanitizer re-runs -------------------------------------------------
 @pytest.mark.sanitize
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
 @pytest.mark.parametrize("d,case", [(128, "softcap_window"), (128, "alibi_window"), (64, "window_causal"),
                                     (64, "window_softcap_alibi"), (128, "dropout_causal"), (64, "dropout"),
                                     (256, "window_softcap_alibi"), (256, "dropout_causal")])
-def test_sanitize_small(d, case):
+def test_sanitize_small(d, case, deterministic):
+    # deterministic: the windowed dQ turn counters (window_first_blocks) under the sanitizers too.
     if case.startswith("dropout"):
         causal, options, s = case.endswith("causal"), _dropout_opts(0.5), 1.0
     else:
         causal, options, s = CASES[case]
     q, k, v, dout = make(1, 2, 1, 130, 70, d, FP16, seed=11, scale_inputs=s)
-    check(q, k, v, dout, causal, _opts(options, 1, 2), FP16, f"sanitize d={d} {case}")
+    check(q, k, v, dout, causal, _opts(options, 1, 2), FP16, f"sanitize d={d} {case} deterministic={deterministic}",
+          deterministic=deterministic)

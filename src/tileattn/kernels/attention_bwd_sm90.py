@@ -957,8 +957,9 @@ VARIANT_BENCH_CASES = {
 def _variant_case_ms(d: int, dtype, n: int, batch: int, heads: int, causal: bool, window, cap: float, alibi: bool,
                      reps: int) -> dict:
     """Median backward-only ms of one variant case: this family's variant plan, the plain sm90 plan on
-    the same shape (causal as the case), the sm80 variant backward. out / lse from the dispatcher's
-    variant forward (the Hopper one on sm_90a). Tensors are freed on return."""
+    the same shape (causal as the case), the sm80 variant backward, and the two variant backwards in
+    deterministic mode (`_det`). out / lse from the dispatcher's variant forward (the Hopper one on
+    sm_90a). Tensors are freed on return."""
     import functools
     import math
 
@@ -977,11 +978,11 @@ def _variant_case_ms(d: int, dtype, n: int, batch: int, heads: int, causal: bool
     dispatch.variant_forward_plan(q, k, v, out, lse, scale=scale, variants=va).launch(q, k, v, out, lse, *extra)
     grads = tuple(torch.empty_like(t) for t in (q, k, v))
     args = (q, k, v, out, lse, dout, *grads)
-    plans = {
-        "sm90_var": variant_backward_plan(*args, scale=scale, deterministic=False, variants=va),
-        "sm80_var": attention_bwd_sm80.backward_plan(*args, causal=False, scale=scale, deterministic=False,
-                                                     variants=va),
-    }
+    plans = {}
+    for suffix, det in (("", False), ("_det", True)):
+        plans["sm90_var" + suffix] = variant_backward_plan(*args, scale=scale, deterministic=det, variants=va)
+        plans["sm80_var" + suffix] = attention_bwd_sm80.backward_plan(*args, causal=False, scale=scale,
+                                                                      deterministic=det, variants=va)
     rec = {name: _measure_ms(functools.partial(plan.launch, *args, *extra), reps) for name, plan in plans.items()}
     plain_out, plain_lse = torch.empty_like(q), torch.empty_like(lse)
     dispatch.attention_forward_plan(q, k, v, plain_out, plain_lse, causal=causal, scale=scale).launch(
@@ -998,7 +999,8 @@ def benchmark_variants(head_dims=(128, 64), dtypes=(torch.bfloat16,), seq_lens=(
     """Issue #15's backward targets on this family (backward only, bench.harness.measure, L2 flushed):
     per VARIANT_BENCH_CASES case, head dim, dtype and N, the variant plan's TFLOP/s (flops()
     convention) beside the plain sm90 plan on the same shape (target sm90_var_vs_plain >= 0.9) and
-    the sm80 variant backward; then the sliding window: a causal `window`-key window at N =
+    the sm80 variant backward, each also in deterministic mode (`*_det` columns, ratios
+    sm90_var_det_vs_sm80_var_det and sm90_var_det_vs_atomic); then the sliding window: a causal `window`-key window at N =
     `window_n` (batch 1) against the dense non-causal plain plan at N = window, batch window_n /
     window, the same work (target window_vs_dense <= 1.2). Prints one line per record and returns
     them; with json_path writes {"environment", "records"} after every record. Needs an sm_90 GPU."""
@@ -1016,13 +1018,16 @@ def benchmark_variants(head_dims=(128, 64), dtypes=(torch.bfloat16,), seq_lens=(
                         rec[col], rec[col + "_ms"] = work / (t * 1e-3) / 1e12, t
                     rec["sm90_var_vs_plain"] = rec["sm90_var"] / rec["sm90_plain"]
                     rec["sm90_var_vs_sm80_var"] = rec["sm90_var"] / rec["sm80_var"]
+                    rec["sm90_var_det_vs_sm80_var_det"] = rec["sm90_var_det"] / rec["sm80_var_det"]
+                    rec["sm90_var_det_vs_atomic"] = rec["sm90_var_det"] / rec["sm90_var"]
                     _keep(rec, records, json_path)
             win_ms = _variant_case_ms(d, dtype, window_n, 1, heads, True, (window - 1, 0), 0.0, False, reps)
             dense_ms = _variant_case_ms(d, dtype, window, window_n // window, heads, False, (-1, -1), 0.0, False,
                                         reps)
             _keep({"suite": "bwd_sm90_variants", "case": f"window{window}_n{window_n}", "d": d,
                   "dtype": str(dtype).split(".")[-1], "window_ms": win_ms["sm90_var"],
-                  "window_sm80_ms": win_ms["sm80_var"], "dense_ms": dense_ms["sm90_plain"],
+                  "window_sm80_ms": win_ms["sm80_var"], "window_det_ms": win_ms["sm90_var_det"],
+                  "window_sm80_det_ms": win_ms["sm80_var_det"], "dense_ms": dense_ms["sm90_plain"],
                   "window_vs_dense": win_ms["sm90_var"] / dense_ms["sm90_plain"]})
     return records
 
