@@ -1028,7 +1028,7 @@ def benchmark_variants(head_dims=(128, 64), dtypes=(torch.bfloat16,), seq_lens=(
                   "dtype": str(dtype).split(".")[-1], "window_ms": win_ms["sm90_var"],
                   "window_sm80_ms": win_ms["sm80_var"], "window_det_ms": win_ms["sm90_var_det"],
                   "window_sm80_det_ms": win_ms["sm80_var_det"], "dense_ms": dense_ms["sm90_plain"],
-                  "window_vs_dense": win_ms["sm90_var"] / dense_ms["sm90_plain"]})
+                  "window_vs_dense": win_ms["sm90_var"] / dense_ms["sm90_plain"]}, records, json_path)
     return records
 
 

@@ -83,9 +83,12 @@ SM90_DROPOUT_FORWARD: set[int] = {64, 128, 256}
 # racecheck, synccheck and initcheck passed (2026-12-03, f7d66d4), and `tileattn bench variants
 # --suite overhead --head-dim 256 --rounds 3` read forward+backward 0.95-0.96x plain with softcap and
 # 0.97-1.03x with ALiBi against 0.53-0.58x on the sm80 variant backward (same kernels, the other
-# call of the two, 12 minutes apart). Deterministic mode waits for a racecheck of its windowed turn
-# counters.
-SM90_VARIANT_BACKWARD: set[tuple[int, bool]] = {(64, False), (128, False), (256, False)}
+# call of the two, 12 minutes apart). Deterministic mode (the windowed dQ turn counters): its
+# bitwise-repeat tests passed at d = 64 / 128 / 256 and its sanitize cases were clean under memcheck
+# and racecheck (2026-12-03, c68b158); `python -m tileattn.kernels.attention_bwd_sm90 --variants`
+# timed it 2.5-3.1x the sm80 deterministic variant backward at d = 128, 2.5-4.3x at d = 64,
+# 1.8-2.0x at d = 256 (softcap and ALiBi, causal and not, N 2048 / 8192).
+SM90_VARIANT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256) for mode in (False, True)}
 
 
 # Packed variable-length calls on the Hopper kernels: (head dim, causal) whose varlen forward runs
@@ -120,13 +123,15 @@ SM90_PAGED_PREFILL: set[tuple[int, int]] = {(d, bs) for d in (64, 128, 256) for 
 # dropout backward (d=128 N=8192: 31.4 ms against 65.2 non-causal, 16.2 against 33.8 causal) and the
 # deterministic one 2.6-2.9x (the deterministic pairs wait with SM90_VARIANT_BACKWARD's). d = 256
 # (2026-12-03, f7d66d4, with the dropout forward above): forward+backward 0.83-0.85x plain against
-# 0.40-0.44x with the sm80 kernels.
+# 0.40-0.44x with the sm80 kernels. Deterministic dropout at d = 256 was not timed on its own (its
+# bitwise-repeat test and sanitize cases passed; the same kernel without dropout is 1.8-2.0x sm80).
 SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256) for mode in (False, True)}
 
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
-UNMEASURED_SM90_TABLES = ((SM90_VARIANT_BACKWARD, {(64, True), (128, True), (256, True)}),)
+# Empty since session 23: every Hopper kernel written so far is measured and dispatched.
+UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ()
 
 
 # Rows M up to which tileattn.linear / add_rms_norm_linear run the hand-written GEMV (csrc/gemv.cu)
