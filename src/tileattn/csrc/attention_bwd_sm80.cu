@@ -515,12 +515,28 @@ __device__ __forceinline__ void attn_bwd_main_body(
         const int il = qry1 + nt * 8 + 2 * t;  // local query of c0 and c2 (c1, c3: il + 1)
         const float2 l2 = *reinterpret_cast<const float2*>(sLse + il);
         const float2 dl = *reinterpret_cast<const float2*>(sDelta + il);
-        uint4 bits[2];  // variants, dropout: bits of queries il, il + 1 for this warp's 32-key group
+        // Variants, dropout: the Philox words of queries il + qe (qe = e & 1) for this warp's 32-key
+        // group. Without kDq they are reduced at once to keep bits (bit 2 mt + (e >> 1) of keep[qe]
+        // for key n0 + key1 + 16 mt + g + 8 (e >> 1)), 2 live registers instead of 8; the kDq kernels
+        // keep the words. Each form is the one that fits 255 registers at d = 128 under NVRTC 13.5
+        // with the 7-round Philox (the words spilled 52 bytes without kDq, the bits 24 with it).
+        uint4 bits[2];
+        unsigned keep[2] = {0u, 0u};
         if constexpr (kVariants) {
           if (va.drop_thr != 0u) {
             const int bh = b * static_cast<int>(gridDim.y) * group + h;
 #pragma unroll
-            for (int qe = 0; qe < 2; ++qe) bits[qe] = dropout_bits(va, bh, m0 + il + qe, (n0 + key1) >> 5, (g >> 1) & 3);
+            for (int qe = 0; qe < 2; ++qe) {
+              bits[qe] = dropout_bits(va, bh, m0 + il + qe, (n0 + key1) >> 5, (g >> 1) & 3);
+              if constexpr (!kDq) {
+#pragma unroll
+                for (int mt = 0; mt < C::MT1; ++mt)
+#pragma unroll
+                  for (int hi = 0; hi < 2; ++hi)
+                    keep[qe] |= (dropout_keep(va, bits[qe], n0 + key1 + mt * 16 + g + 8 * hi) ? 1u : 0u)
+                                << (2 * mt + hi);
+              }
+            }
           }
         }
 #pragma unroll
@@ -546,7 +562,8 @@ __device__ __forceinline__ void attn_bwd_main_body(
               float dpv = dp[mt][nt][e];
               float pz = p;  // the P that multiplied V in the forward (dropout: masked, times 1 / (1 - p))
               if (va.drop_thr != 0u) {
-                const float z = dropout_keep(va, bits[e & 1], j) ? va.drop_scale : 0.f;
+                const bool kept = kDq ? dropout_keep(va, bits[e & 1], j) : (keep[e & 1] >> (2 * mt + (e >> 1))) & 1u;
+                const float z = kept ? va.drop_scale : 0.f;
                 pz = p * z;
                 dpv *= z;
               }
