@@ -70,7 +70,7 @@ SM90_VARIANT_FORWARD = {64, 128, 256}
 # 1.8-2.2x the sm80 dropout forward (d=128: 323-406 TFLOP/s against 163-201; d=64: 202-267 against
 # 101-125). d = 256 (2026-12-03 19:20 UTC, f7d66d4, `tileattn bench variants --suite overhead --head-dim
 # 256 --rounds 3`, with and without --hopper-forced): 0.72-0.83x the plain forward against the sm80
-# kernel's 0.32-0.40x (2.1-2.4x), its GPU tests and sanitize cases clean in the same calls.
+# kernel's 0.32-0.40x (2.1-2.3x), its GPU tests and sanitize cases clean in the same calls.
 SM90_DROPOUT_FORWARD: set[int] = {64, 128, 256}
 
 
@@ -83,7 +83,7 @@ SM90_DROPOUT_FORWARD: set[int] = {64, 128, 256}
 # racecheck, synccheck and initcheck passed (2026-12-03, f7d66d4), and `tileattn bench variants
 # --suite overhead --head-dim 256 --rounds 3` read forward+backward 0.95-0.96x plain with softcap and
 # 0.97-1.03x with ALiBi against 0.53-0.58x on the sm80 variant backward (same kernels, the other
-# call of the two, 12 minutes apart). Deterministic mode (the windowed dQ turn counters): its
+# call of the two, 3 minutes apart). Deterministic mode (the windowed dQ turn counters): its
 # bitwise-repeat tests passed at d = 64 / 128 / 256 and its sanitize cases were clean under memcheck
 # and racecheck (2026-12-03, c68b158); `python -m tileattn.kernels.attention_bwd_sm90 --variants`
 # timed it 2.5-3.1x the sm80 deterministic variant backward at d = 128, 2.5-4.3x at d = 64,
