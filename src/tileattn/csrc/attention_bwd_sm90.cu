@@ -489,6 +489,41 @@ __device__ __forceinline__ void produce(const BwdTiles& t, const sm90::TmaDescri
   }
 }
 
+// Variants: P^T of one raw score s = q.k, 2^(logit - l2) with the logit of variants.cuh in log2
+// units (softcap: cap_out tanh, the tanh also left in th for the derivative; ALiBi: + slope |dist|,
+// dist the signed query - key distance plus diag), or the plain kernel's exponent without either.
+// Both variant bodies (d = 64 / 128 and the d = 256 role split) take their logits from here, so they
+// recompute exactly the forward's.
+template <int kVariant>
+__device__ __forceinline__ float variant_p(const Variants& var, float s, float scale_log2, float slope, float dist,
+                                           float l2, float& th) {
+  constexpr bool kSoftcapped = (kVariant & kSoftcap) != 0, kAlibied = (kVariant & kAlibi) != 0;
+  if constexpr (kSoftcapped || kAlibied) {
+    float x;
+    if constexpr (kSoftcapped) {
+      th = softcap_tanh(var, s);
+      x = var.cap_out * th;
+    } else {
+      x = s * var.scale_log2;
+    }
+    if constexpr (kAlibied) x = fmaf(slope, fabsf(dist), x);
+    return fast_exp2(x - l2);
+  } else {
+    return fast_exp2(fmaf(s, scale_log2, -l2));
+  }
+}
+
+// Whether element i of a thread's S^T accumulator (key key_h0 + 8 ((i >> 1) & 1), query m0 + 8 (i / 4)
+// + 2 t + (i & 1)) is outside the window, or its key past Nk: visible iff key - diag - right <= query
+// <= key - diag + left.
+template <int kBlockM>
+__device__ __forceinline__ bool window_hidden_at(const Variants& var, int i, int key_h0, int seqlen_k, int diag,
+                                                 int m0, int t) {
+  const int c = 8 * (i / 4) + (i & 1), key = key_h0 + 8 * ((i >> 1) & 1);
+  const int lo = key >= seqlen_k ? kBlockM : key - diag - var.right - m0 - 2 * t;
+  return c < lo || c > key - diag + var.left - m0 - 2 * t;
+}
+
 // The body of both entry points below (dense: kVarlen false, `va` all zero and unused, so the dense
 // kernel's code is what it was before the varlen layout existed). Varlen: `seqlen_k` is
 // max_seqlen_k (it sizes the grid's key-block range), `seqlen_q` and `nq_pad` are unused (each
@@ -513,7 +548,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
   // it keeps the in-flight packed P^T (kBlockM / 4) live beside fp32 P^T and dP^T (kBlockM each)
   // and dK, dV. d = 64, kBlockM = 128 would need 64 + 64 + 64 + 32 = 224 and spills.
   constexpr bool kWindowed = (kVariant & kWindow) != 0, kSoftcapped = (kVariant & kSoftcap) != 0;
-  constexpr bool kAlibied = (kVariant & kAlibi) != 0, kLogits = kSoftcapped || kAlibied;
+  constexpr bool kAlibied = (kVariant & kAlibi) != 0;
   constexpr bool kDropped = (kVariant & kDropout) != 0;
   static_assert(kVariant == 0 || (kVariant > 0 && (kVariant & ~kVariantBits) == 0 && !kCausal && !kVarlen),
                 "variants: a set of kWindow | kSoftcap | kAlibi | kDropout on the dense layout, causal folded into the window");
@@ -838,22 +873,8 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
           dist0 = static_cast<float>(m0 + 2 * t + diag_t - key_h0);
         }
         auto vprob = [&](int i, float l2, float& th) {
-          float p;
-          if constexpr (kLogits) {
-            float x;
-            if constexpr (kSoftcapped) {
-              th = softcap_tanh(var, sp[i]);
-              x = var.cap_out * th;
-            } else {
-              x = sp[i] * var.scale_log2;
-            }
-            if constexpr (kAlibied) {
-              x = fmaf(slope, fabsf(dist0 + static_cast<float>(8 * (i / 4) + (i & 1) - 8 * ((i >> 1) & 1))), x);
-            }
-            p = fast_exp2(x - l2);
-          } else {
-            p = fast_exp2(fmaf(sp[i], scale_log2, -l2));
-          }
+          const float dist = dist0 + static_cast<float>(8 * (i / 4) + (i & 1) - 8 * ((i >> 1) & 1));
+          const float p = variant_p<kVariant>(var, sp[i], scale_log2, slope, dist, l2, th);
           return !kWindowed && masked && 8 * (i / 4) + (i & 1) < lim[(i >> 1) & 1] ? 0.f : p;
         };
         // Windowed: the masks of a masked tile go on in a pass of their own over the finished P^T
@@ -863,11 +884,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         // d = 64 (60 bytes); here they are live only beside values that are live anyway (softcap's
         // passes, which pack as they go, test inline with window_hidden). Selects, not products: a
         // hidden score may have overflowed to P^T = inf.
-        auto window_hidden = [&](int i) {
-          const int c = 8 * (i / 4) + (i & 1), key = key_h0 + 8 * ((i >> 1) & 1);
-          const int lo = key >= nk ? kBlockM : key - diag_t - var.right - m0 - 2 * t;
-          return c < lo || c > key - diag_t + var.left - m0 - 2 * t;
-        };
+        auto window_hidden = [&](int i) { return window_hidden_at<kBlockM>(var, i, key_h0, nk, diag_t, m0, t); };
         auto window_mask = [&](float (&x)[kBlockM / 2], float (&y)[kBlockM / 2], bool both) {
 #pragma unroll
           for (int i = 0; i < kBlockM / 2; ++i) {
@@ -1171,7 +1188,7 @@ __device__ __forceinline__ void attention_bwd_sm90_d256_body(
   // (so its dS^T = sP (dP^T - D) pass is the plain one), and with dropout P^T with its sign bit set
   // where dropped (P^T >= 0; a dropped P^T = 0 gives dS^T = 0 either way).
   constexpr bool kWindowed = (kVariant & kWindow) != 0, kSoftcapped = (kVariant & kSoftcap) != 0;
-  constexpr bool kAlibied = (kVariant & kAlibi) != 0, kLogits = kSoftcapped || kAlibied;
+  constexpr bool kAlibied = (kVariant & kAlibi) != 0;
   constexpr bool kDropped = (kVariant & kDropout) != 0;
   static_assert(kVariant == 0 || (kVariant > 0 && (kVariant & ~kVariantBits) == 0 && !kCausal),
                 "variants: a set of kWindow | kSoftcap | kAlibi | kDropout, causal folded into the window");
@@ -1282,11 +1299,7 @@ __device__ __forceinline__ void attention_bwd_sm90_d256_body(
         const int key = key_h0 + 8 * h;
         lim[h] = key >= seqlen_k ? kBlockM : kCausal ? key - diag - m0 - 2 * t : 0;
       }
-      auto window_hidden = [&](int i) {
-        const int c = 8 * (i / 4) + (i & 1), key = key_h0 + 8 * ((i >> 1) & 1);
-        const int lo = key >= seqlen_k ? kBlockM : key - diag - var.right - m0 - 2 * t;
-        return c < lo || c > key - diag + var.left - m0 - 2 * t;
-      };
+      auto window_hidden = [&](int i) { return window_hidden_at<kBlockM>(var, i, key_h0, seqlen_k, diag, m0, t); };
       float slope = 0.f, dist0 = 0.f;
       if constexpr (kAlibied) {
         slope = alibi_slope_log2(var, batch, head);
@@ -1304,21 +1317,10 @@ __device__ __forceinline__ void attention_bwd_sm90_d256_body(
             const float p = fast_exp2(fmaf(sd[i], scale_log2, -((r & 1) ? l2.y : l2.x)));
             sd[i] = masked && 8 * j + (r & 1) < lim[r >> 1] ? 0.f : p;
           } else {
-            float p, dcap = 1.f;
-            if constexpr (kLogits) {
-              float x;
-              if constexpr (kSoftcapped) {
-                const float th = softcap_tanh(var, sd[i]);
-                x = var.cap_out * th;
-                dcap = fmaf(-th, th, 1.f);
-              } else {
-                x = sd[i] * var.scale_log2;
-              }
-              if constexpr (kAlibied) x = fmaf(slope, fabsf(dist0 + static_cast<float>(8 * j + (r & 1) - 8 * (r >> 1))), x);
-              p = fast_exp2(x - ((r & 1) ? l2.y : l2.x));
-            } else {
-              p = fast_exp2(fmaf(sd[i], scale_log2, -((r & 1) ? l2.y : l2.x)));
-            }
+            float th = 0.f;
+            const float dist = dist0 + static_cast<float>(8 * j + (r & 1) - 8 * (r >> 1));
+            float p = variant_p<kVariant>(var, sd[i], scale_log2, slope, dist, (r & 1) ? l2.y : l2.x, th);
+            const float dcap = kSoftcapped ? fmaf(-th, th, 1.f) : 1.f;
             const bool hidden = kWindowed ? masked && window_hidden(i) : masked && 8 * j + (r & 1) < lim[r >> 1];
             p = hidden ? 0.f : p;  // a select: a hidden score may have overflowed to inf
             if constexpr (kDropped) {
