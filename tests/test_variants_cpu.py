@@ -324,8 +324,50 @@ def test_sm90_variant_instantiations_cover_every_flag_set():
         assert len(these) == 4 and all(
             e.startswith(tuple(w[:-1] + f", {flags}, const float*" for w in wide if ", false, false, " in w))
             for e in these), these
+    fixed_max = k90.FIXED_MAX_INSTANTIATIONS  # test_sm90_softcap_fixed_max_kernels checks them
     assert all(e.startswith(tuple(p[:-1] + ", 2, " for p in plain)) for e in k90.INSTANTIATIONS
-               if e not in plain and e not in wide and e not in variant_wide)
+               if e not in plain and e not in wide and e not in variant_wide and e not in fixed_max)
+
+
+def test_sm90_softcap_fixed_max_kernels():
+    """The fixed-max kernels: bf16 SOFTCAP and WINDOW | SOFTCAP at the variant tiles, SOFTCAP at the
+    three-consumer ones, each the online kernel's expression with FIXED_MAX added to kVariant;
+    fixed_max_applies holds exactly for bf16 softcap (alone or windowed) within the exponent budget;
+    ForwardPlan refuses fixed_max anywhere else, before touching a GPU."""
+    import math
+
+    from tileattn.kernels import attention_fwd_sm80, attention_fwd_sm90 as k90
+
+    exprs = k90.FIXED_MAX_INSTANTIATIONS
+    assert len(exprs) == len(set(exprs)) == 3 * 2 + 2 and set(exprs) <= set(k90.INSTANTIATIONS), exprs
+    for d, cfg in k90.VARIANT_DEFAULTS.items():
+        for flags in k90.FIXED_MAX_FLAGS:
+            online = k90.variant_expression(d, cfg, True, flags)
+            assert online.replace(f", 2, {flags}, ", f", 2, {flags | k90.FIXED_MAX}, ") in exprs, online
+    for d, cfg in k90.VARIANT_WIDE.items():
+        online = k90.variant_expression(d, cfg, True, k90.SOFTCAP)
+        assert online.replace(f", 3, {k90.SOFTCAP}, ", f", 3, {k90.SOFTCAP | k90.FIXED_MAX}, ") in exprs, online
+    assert all(", true, 2, " in e or ", true, 3, " in e for e in exprs), "bf16 only"
+
+    bf16, fp16 = torch.bfloat16, torch.float16
+    applies = k90.fixed_max_applies
+    assert applies(bf16, k90.SOFTCAP, 30.0, 8192) and applies(bf16, k90.WINDOW | k90.SOFTCAP, 30.0, 8192)
+    assert applies(bf16, k90.SOFTCAP, 30.0, 1 << 27) and not applies(bf16, k90.SOFTCAP, 30.0, 1 << 28)
+    assert not applies(bf16, k90.SOFTCAP, 50.0, 1)  # Gemma 2's attention cap: 2 x 72 > 114
+    assert not applies(fp16, k90.SOFTCAP, 30.0, 8192)
+    for flags in (k90.ALIBI | k90.SOFTCAP, k90.WINDOW, k90.DROPOUT | k90.WINDOW | k90.SOFTCAP, 0):
+        assert not applies(bf16, flags, 30.0, 8192), flags
+    cap = (k90.FIXED_MAX_LOG2_BUDGET - 12) / (2 * math.log2(math.e))
+    assert applies(bf16, k90.SOFTCAP, cap, 4096) and not applies(bf16, k90.SOFTCAP, cap, 4097)
+
+    def va(left=UNBOUNDED, right=UNBOUNDED, softcap=0.0, alibi=None, p=0.0):
+        return attention_fwd_sm80.VariantArgs(left, right, softcap, alibi, p)
+
+    q, lse = torch.empty(1, 2, 64, 128, dtype=bf16), torch.empty(1, 2, 64)
+    for bad_q, bad in ((q, va(softcap=50.0)), (q, va(softcap=30.0, alibi=0)), (q, va(right=0)),
+                       (q, va(softcap=30.0, p=0.1)), (q.half(), va(softcap=30.0))):
+        with pytest.raises(ValueError, match="fixed_max"):
+            k90.ForwardPlan(bad_q, bad_q, bad_q, bad_q, lse, causal=False, scale=1.0, variants=bad, fixed_max=True)
 
 
 @pytest.mark.parametrize(

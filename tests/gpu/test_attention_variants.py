@@ -533,10 +533,11 @@ def _sm90_variant_args(q, causal, opts):
     return attention_fwd_sm80.VariantArgs(left, right, dr.check_softcap(opts.get("softcap")), sb, 0.0)
 
 
-def run_sm90(q, k, v, causal, opts, *, pack_gqa=None, config=None, want_consumers=None):
+def run_sm90(q, k, v, causal, opts, *, pack_gqa=None, config=None, want_consumers=None, fixed_max=False):
     """(out, lse) of the Hopper variant forward, outputs poisoned with NaN; checks the plan runs a
     variant instantiation (or, for a call with nothing on, the plain kernel). `config` forces a tile;
-    `want_consumers`: the consumer warpgroups the plan's tile must have."""
+    `want_consumers`: the consumer warpgroups the plan's tile must have; `fixed_max`: ForwardPlan's
+    (softcap's fixed row max)."""
     from tileattn.kernels import attention_fwd_sm90
 
     slopes = opts.get("alibi_slopes")
@@ -544,7 +545,7 @@ def run_sm90(q, k, v, causal, opts, *, pack_gqa=None, config=None, want_consumer
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device=q.device, dtype=torch.float32)
     plan = attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=False, scale=q.shape[-1] ** -0.5,
-                                          config=config, pack_gqa=pack_gqa, variants=va)
+                                          config=config, pack_gqa=pack_gqa, variants=va, fixed_max=fixed_max)
     assert plan.variant_values == (attention_fwd_sm90.variant_flags(va) != 0)
     assert want_consumers is None or plan.config.consumers == want_consumers, plan.config
     plan.launch(q, k, v, out, lse, 0 if slopes is None else slopes.data_ptr(), 0, 0)
@@ -552,8 +553,10 @@ def run_sm90(q, k, v, causal, opts, *, pack_gqa=None, config=None, want_consumer
     return out, lse
 
 
-def check_sm90(q, k, v, causal, opts, dtype, what, *, pack_gqa=None, config=None, want_consumers=None):
-    got = run_sm90(q, k, v, causal, opts, pack_gqa=pack_gqa, config=config, want_consumers=want_consumers)
+def check_sm90(q, k, v, causal, opts, dtype, what, *, pack_gqa=None, config=None, want_consumers=None,
+               fixed_max=False):
+    got = run_sm90(q, k, v, causal, opts, pack_gqa=pack_gqa, config=config, want_consumers=want_consumers,
+                   fixed_max=fixed_max)
     q64, k64, v64 = (t.double() for t in (q, k, v))
     ref = reference.attention(q64, k64, v64, causal, compute_dtype=F64, **opts)
     check((got[0], got[1], None), (ref[0], ref[1], None), dtype, what, grads=False)
@@ -627,6 +630,85 @@ def test_sm90_alibi_or_softcap_alone_takes_the_wide_tile_past_the_switch(variant
     q, k, v, _ = make(1, h, hkv, nq, nk, d, dtype, seed=d + nq + h)
     check_sm90(q, k, v, False, _opts(WIDE_VARIANT_OPTIONS[variant], 1, h), dtype,
                f"sm90 {variant} alone d={d} {dtype} H={h}/{hkv} Nq={nq} Nk={nk}", want_consumers=3)
+
+
+# Softcap with the fixed row max (ForwardPlan(fixed_max=True): attention_fwd_sm90.FIXED_MAX, bf16).
+FIXED_MAX_MASKS = {"full": (False, None), "causal": (True, None), "window": (False, (16, 7)),
+                   "window_causal": (True, (100, -1))}
+
+
+@needs_sm90
+@pytest.mark.parametrize("nq, nk", [(1, 1), (1, 1000), (31, 33), (127, 129), (300, 100), (100, 300), (1000, 1000),
+                                    (4097, 4097)])
+@pytest.mark.parametrize("mask", sorted(FIXED_MAX_MASKS))
+@pytest.mark.parametrize("cap, scale_inputs", [(5.0, 8.0), (30.0, 1.0), (30.0, 40.0)], ids=["cap5x8", "cap30", "cap30x40"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_sm90_softcap_fixed_max(d, cap, scale_inputs, mask, nq, nk):
+    """The fixed-max softmax against the float64 reference: saturated tanh (inputs x8 at cap 5, x40 at
+    cap 30: rows whose every logit is near -cap, the fixed max's worst case), fully masked rows
+    (Nq > Nk causal; the window), both edges; and within bf16 rounding of the online-max kernel."""
+    causal, window = FIXED_MAX_MASKS[mask]
+    opts = {"softcap": cap} if window is None else {"softcap": cap, "window": window}
+    q, k, v, _ = make(1, 2, 2, nq, nk, d, BF16, seed=nq + 3 * nk + d, scale_inputs=scale_inputs)
+    got, _ = check_sm90(q, k, v, causal, opts, BF16, f"sm90 fixed max d={d} cap={cap} x{scale_inputs} {mask} "
+                        f"Nq={nq} Nk={nk}", fixed_max=True)
+    online = run_sm90(q, k, v, causal, opts)
+    e = rel_err(got[0].double(), online[0].double())
+    assert e <= 1e-2, f"fixed max vs online max: out differs by {e:.3e}"
+    finite = torch.isfinite(online[1])
+    assert torch.equal(finite, torch.isfinite(got[1])), "rows without keys: lse -inf in both"
+    assert torch.allclose(got[1][finite], online[1][finite], rtol=0, atol=1e-4), "lse"
+
+
+@needs_sm90
+@pytest.mark.parametrize("cap, nk", [(30.0, 1000), (35.0, 4096)])
+def test_sm90_softcap_fixed_max_every_logit_near_minus_cap(cap, nk):
+    """The fixed max's worst case: every key of every row scores near -cap (keys close to one direction,
+    queries opposite), so every p is near 2^(-2 cap log2 e) (2^-87 at cap 30, 2^-101 at cap 35, with
+    log2 Nk = 12 the edge of FIXED_MAX_LOG2_BUDGET): the output is still the average of V the
+    reference gives, not 0."""
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    d = 128
+    assert af.fixed_max_applies(BF16, af.SOFTCAP, cap, nk)
+    g = _gen(nk)
+    u = torch.randn(d, device="cuda", generator=g)
+    k = (u + 0.05 * torch.randn(1, 2, nk, d, device="cuda", generator=g)).to(BF16)
+    q = (-8.0 * u + 0.05 * torch.randn(1, 2, 100, d, device="cuda", generator=g)).to(BF16)
+    v = torch.randn(1, 2, nk, d, device="cuda", generator=g).to(BF16)
+    got, ref = check_sm90(q, k, v, False, {"softcap": cap}, BF16, f"sm90 fixed max, logits near -{cap}",
+                          fixed_max=True)
+    assert float(ref[0].abs().max()) > 0 and float(got[0].abs().max()) > 0
+
+
+@needs_sm90
+@pytest.mark.parametrize("h, hkv", [(2, 2), (3, 1)], ids=["MHA", "GQA3"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_softcap_fixed_max_three_consumers(d, h, hkv):
+    """Past WIDE_MIN_QUERIES[d] queries softcap alone takes the three-consumer tile, fixed max too."""
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    nq = af.WIDE_MIN_QUERIES[d] + 76
+    nk = nq // 2 + 37
+    q, k, v, _ = make(1, h, hkv, nq, nk, d, BF16, seed=d + nq + h)
+    check_sm90(q, k, v, False, {"softcap": 20.0}, BF16, f"sm90 fixed max wide d={d} H={h}/{hkv}", want_consumers=3,
+               fixed_max=True)
+
+
+@needs_sm90
+@pytest.mark.sanitize
+@pytest.mark.parametrize("d, mask, wide", [(64, "full", True), (128, "window_causal", False), (256, "causal", False)])
+def test_sm90_softcap_fixed_max_sanitize_small(d, mask, wide):
+    from dataclasses import replace
+
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    causal, window = FIXED_MAX_MASKS[mask]
+    opts = {"softcap": 20.0} if window is None else {"softcap": 20.0, "window": window}
+    cfg = replace(af.VARIANT_WIDE[d], persistent=True) if wide else None
+    q, k, v, _ = make(1, 2, 2, 200, 70, d, BF16, seed=29 + d)
+    check_sm90(q, k, v, causal, opts, BF16, f"sm90 sanitize fixed max d={d} {mask}", config=cfg,
+               want_consumers=3 if wide else None, fixed_max=True)
 
 
 @needs_sm90

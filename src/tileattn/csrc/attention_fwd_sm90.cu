@@ -294,7 +294,13 @@ constexpr int kWindow = 1;   // sliding window; causal is its right edge 0 (thes
 constexpr int kSoftcap = 2;  // logit = cap * tanh(scale q.k / cap)
 constexpr int kAlibi = 4;    // logit += -slope[b, h] * |i + Nk - Nq - j|
 constexpr int kDropout = 32; // P *= keep(b, h, i, j) / (1 - p), keep from Philox (dropout_bits); lse undropped
-constexpr int kVariantBits = kWindow | kSoftcap | kAlibi | kDropout;
+// Softcap without ALiBi, bf16: the softmax's row max fixed at cap log2(e), the largest logit a capped
+// score can have (scores are t = tanh in [-1, 1], scale cap log2 e), instead of the online max: no
+// row max, no vote, no O rescale per block. p = 2^(cap log2 e (t - 1)) lies in [2^(-2 cap log2 e), 1];
+// the host takes it only where that range, and Nk keys' worth of what ex2.approx.ftz flushes below
+// 2^-126, stay far inside bf16's (and fp32's) exponent range (attention_fwd_sm90.fixed_max_applies).
+constexpr int kFixedMax = 64;
+constexpr int kVariantBits = kWindow | kSoftcap | kAlibi | kDropout | kFixedMax;
 // Layout bit of kVariant (not a variant: the plain kernel's arithmetic on packed sequences; a bit
 // of the existing parameter rather than a new template parameter, so that the dense kernels keep
 // their mangled names and their cubins stay byte-identical).
@@ -631,9 +637,24 @@ __device__ __forceinline__ void apply_mask(float (&s)[kBlockN / 2], int n, const
 // alpha[h] = 2^(m_old - m_new) is what O must be multiplied by before P V is added to it (l is
 // rescaled here). After a row's first blocks the O rescale (d / 2 FMULs per thread, on the path
 // between the P V wait and the next wgmma issue) is almost always skipped.
-template <int kBlockN, bool kShifted = false>
+// kFixed (kFixedMax kernels): m is the constant cap log2 e set at the tile's start; only the
+// exponentials and the row sums remain, and O is never rescaled (returns false).
+template <int kBlockN, bool kShifted = false, bool kFixed = false>
 __device__ __forceinline__ bool softmax_step(float (&s)[kBlockN / 2], float (&m)[2], float (&l)[2],
                                              float (&alpha)[2], float scale_log2, const float (&shift)[2]) {
+  if constexpr (kFixed) {
+    static_assert(!kShifted, "a fixed row max has no ALiBi shift");
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i) {
+      const int h = (i >> 1) & 1;
+      s[i] = fast_exp2(fmaf(s[i], scale_log2, -m[h]));
+      sum[h] += s[i];
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l[h] += sum[h];
+    return false;
+  }
   float blk[2];
   bool grow = false;
 #pragma unroll
@@ -756,6 +777,9 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   constexpr bool kCapFolded = kLogits && (kVariant & kAlibi) == 0;  // scores are tanh, scale cap_out
   constexpr bool kAlibiRaw = (kVariant & (kSoftcap | kAlibi)) == kAlibi;  // ALiBi in raw units (alibi_scores)
   constexpr bool kDropped = (kVariant & kDropout) != 0;
+  constexpr bool kFixed = (kVariant & kFixedMax) != 0;
+  static_assert(!kFixed || (kIsBF16 && ((kVariant & ~kFixedMax) == kSoftcap || (kVariant & ~kFixedMax) == (kWindow | kSoftcap))),
+                "kFixedMax: bf16 softcap alone or with a window (the fixed max is softcap's bound; fp16 P underflows)");
   // Consumers release the leading visits none of their rows sees (unseen_visits): the plain dense
   // kernel with three consumers (no ping-pong: the consumers need not take the same turns). H200,
   // 2026-12-03, call H2, TFLOP/s without / with at d = 64, 192 x 128 / s3: causal 343 / 365 (N =
@@ -776,7 +800,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   // d = 64 192 x 128: 244) and keeps two consumers. Softcap alone (its logits computed in place, tanh
   // by tanh.approx) fits too: 0 spills at both tiles (NVRTC 13.5).
   constexpr bool kThreeConsumerForm =
-      kVariant == 0 || kVariant == kVarlen || kVariant == kAlibi || kVariant == kSoftcap;
+      kVariant == 0 || kVariant == kVarlen || kVariant == kAlibi || (kVariant & ~kFixedMax) == kSoftcap;
   static_assert(kConsumers == 2 || (kConsumers == 3 && kThreeConsumerForm && !kPingPong),
                 "three consumer warpgroups: the plain dense and varlen kernels, ALiBi or softcap alone, "
                 "without ping-pong");
@@ -1072,7 +1096,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
 #pragma unroll
       for (int k = 0; k < kHeadDim / 2; ++k) o[k] = 0.f;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) m[h] = kNoKeyShift, l[h] = 0.f;
+      for (int h = 0; h < 2; ++h) m[h] = kFixed ? sl2 : kNoKeyShift, l[h] = 0.f;
 
       s9::mbar_wait(&q_full, i & 1);
       // Blocks visited (n_begin is 0 unless windowed; spelled so that the plain kernel's code is unchanged).
@@ -1104,7 +1128,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
         s9::fence_accumulators(s);
         if (releaser) s9::mbar_arrive(&k_empty[s0]);
         scores(range.n_end - 1 - skip, n_masked > skip);
-        softmax_step<kBlockN, kAlibiRaw>(s, m, l, alpha, sl2, shift);  // O is still 0: no rescale needed
+        softmax_step<kBlockN, kAlibiRaw, kFixed>(s, m, l, alpha, sl2, shift);  // O is still 0: no rescale needed
         drop();
         pack_p<kBlockN, kIsBF16>(p, s);
         if constexpr (kVarlenLayout) {
@@ -1138,7 +1162,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
           s9::fence_accumulators(s);
           if (releaser) s9::mbar_arrive(&k_empty[sk]);
           scores(range.n_end - 1 - it, masked);
-          const bool rescale = softmax_step<kBlockN, kAlibiRaw>(s, m, l, alpha, sl2, shift);
+          const bool rescale = softmax_step<kBlockN, kAlibiRaw, kFixed>(s, m, l, alpha, sl2, shift);
           drop();
           // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free. Without dropout the
           // wait sits in both arms of a warpgroup-uniform branch so that it stays after the

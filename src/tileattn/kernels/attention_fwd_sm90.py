@@ -35,6 +35,7 @@ attention_fwd_sm80.forward_varlen_plan, so that tileattn.api_varlen can use eith
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -222,7 +223,7 @@ def _flavour_expression(head_dim: int, config: Sm90Config, causal: bool, bf16: b
     """A variant / varlen / paged instantiation: kConsumers (3 only for the varlen layout and
     WIDE_VARIANT_FLAGS: the paged kernel and the other variant sets have no three-consumer form),
     kVariant, then the trailing parameters' types."""
-    if config.consumers != 2 and variant not in (VARLEN, *WIDE_VARIANT_FLAGS):
+    if config.consumers != 2 and (variant & ~FIXED_MAX) not in (VARLEN, *WIDE_VARIANT_FLAGS):
         raise ValueError(f"{config}: only the dense and varlen kernels and ALiBi or softcap alone have a "
                          "three-consumer form")
     return (f"tileattn::attention_fwd_sm90<{_template_args(head_dim, config, causal, bf16)}, {config.consumers}, "
@@ -267,6 +268,29 @@ def variant_config(head_dim: int, flags: int, seqlen_k: int = 0, *, seqlen_q: in
 
 # Dropout (fwd90::kDropout): a bit apart from the layout bits 8 (VARLEN) and 16 (PAGED).
 DROPOUT = 32
+# Softcap's fixed row max (fwd90::kFixedMax): bf16 SOFTCAP or WINDOW | SOFTCAP, where
+# fixed_max_applies. The softmax runs with m = cap log2(e), softcap's largest logit (in log2 units),
+# instead of the online row max. SASS loop census (NVRTC 13.5, bf16, scripts/sass_loop_census.py's
+# loops; the static count includes the online kernels' O-rescale branch, d / 2 FMULs, which runs only
+# when a row's max grows): d = 128 128 x 128 645 -> 491 instructions per visit (plain 517), three
+# consumers 192 x 80 478 -> 347, d = 64 579 -> 457.
+FIXED_MAX = 64
+FIXED_MAX_FLAGS = (SOFTCAP, WINDOW | SOFTCAP)
+# Every row's largest p is at least 2^(-2 cap log2 e) (t = -1 everywhere), and exp2 results below
+# 2^-126 flush to 0: keys below a row's max by more than 126 - 2 cap log2 e (log2 units) are dropped,
+# at most Nk of them, so their total weight relative to the row's largest is below
+# Nk 2^-(126 - 2 cap log2 e). fixed_max_applies asks for that bound to be at most 2^-12 (bf16 rounds
+# at 2^-8): 2 cap log2 e + log2 Nk <= 114 (cap 30: Nk up to 2^27; cap 50, Gemma 2's, never).
+FIXED_MAX_LOG2_BUDGET = 114.0
+
+
+def fixed_max_applies(dtype, flags: int, softcap: float, seqlen_k: int) -> bool:
+    """Whether a forward with variant flags `flags` (variant_flags, no dropout) and this softcap may
+    run the fixed-max kernel: bf16, SOFTCAP or WINDOW | SOFTCAP, and 2 cap log2(e) + log2(Nk) within
+    FIXED_MAX_LOG2_BUDGET (fp16's P would underflow: its smallest normal is 2^-14)."""
+    if dtype != torch.bfloat16 or flags not in FIXED_MAX_FLAGS or softcap <= 0:
+        return False
+    return 2.0 * softcap * math.log2(math.e) + math.log2(max(seqlen_k, 1)) <= FIXED_MAX_LOG2_BUDGET
 
 
 def variant_flags(variants) -> int:
@@ -321,6 +345,11 @@ VARIANT_INSTANTIATIONS = tuple(variant_expression(d, cfg, bf16, flags) for d, cf
 # both dtypes.
 VARIANT_WIDE_INSTANTIATIONS = tuple(variant_expression(d, cfg, bf16, flags) for flags in WIDE_VARIANT_FLAGS
                                     for d, cfg in VARIANT_WIDE.items() for bf16 in (False, True))
+# Softcap's fixed-max kernels (bf16 only): SOFTCAP and WINDOW | SOFTCAP at VARIANT_DEFAULTS' tiles,
+# SOFTCAP at VARIANT_WIDE's.
+FIXED_MAX_INSTANTIATIONS = tuple(
+    [variant_expression(d, cfg, True, flags | FIXED_MAX) for d, cfg in VARIANT_DEFAULTS.items() for flags in FIXED_MAX_FLAGS]
+    + [variant_expression(d, cfg, True, SOFTCAP | FIXED_MAX) for d, cfg in VARIANT_WIDE.items()])
 # Dropout: the flag sets registered per head dim, at the variant tiles (kBlockN a multiple of 64:
 # whole Philox groups and keep words). Causal dropout is DROPOUT | WINDOW. Without the window bit,
 # softcap or ALiBi with dropout spilled under NVRTC 13.5's ptxas (DROPOUT | SOFTCAP | ALIBI at every
@@ -382,7 +411,7 @@ INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in (*
                                                                               *LONG_DEFAULTS.items())
                                for bf16 in (False, True))
                   + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS + DROPOUT_INSTANTIATIONS
-                  + VARIANT_WIDE_INSTANTIATIONS)
+                  + VARIANT_WIDE_INSTANTIATIONS + FIXED_MAX_INSTANTIATIONS)
 # Tuning candidates: the dense extras, and the varlen kernel at every registered dense config (a
 # persistent config is the same kernel as its one-CTA-per-tile twin: a launch choice).
 TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
@@ -618,11 +647,12 @@ class ForwardPlan:
     that is 0, and launch takes three more values: the ALiBi slopes' pointer (0: none) and the
     dropout seed and offset (ints in [0, 2^64); the mask is tileattn.dropout.dropout_mask(seed,
     offset, B, H, Nq, Nk, p), kept values scaled by 1 / (1 - p), lse that of the undropped
-    softmax). Raises ValueError for causal with variants, or dropout_p > 0 with a head dim / flag
-    set that has no dropout instantiation (supports_dropout)."""
+    softmax). fixed_max: run softcap with the fixed row max (FIXED_MAX kernels), which needs
+    fixed_max_applies. Raises ValueError for causal with variants, dropout_p > 0 with a head dim /
+    flag set that has no dropout instantiation (supports_dropout), or fixed_max where it does not apply."""
 
     def __init__(self, q, k, v, out, lse, *, causal: bool, scale: float, config: Sm90Config | None = None,
-                 pack_gqa: bool | None = None, variants=None):
+                 pack_gqa: bool | None = None, variants=None, fixed_max: bool = False):
         from ..runtime import LaunchPlan, TensorMapTemplate, device_sm_count
         from . import load
 
@@ -642,6 +672,11 @@ class ForwardPlan:
         if config is None and flags:  # variant kernels exist at VARIANT_DEFAULTS' tiles (ALiBi or softcap alone: and VARIANT_WIDE's)
             config = variant_config(head_dim, flags, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
                                     pack_gqa=pack_gqa)
+        if fixed_max:
+            if variants is None or not fixed_max_applies(q.dtype, flags, variants.softcap, seqlen_k):
+                raise ValueError(f"fixed_max: bf16 softcap alone or with a window, 2 cap log2(e) + log2(Nk) <= "
+                                 f"{FIXED_MAX_LOG2_BUDGET} (variant flags {flags}, dtype {q.dtype}, Nk {seqlen_k})")
+            flags |= FIXED_MAX
         config = config or default_config(head_dim, causal, seqlen_k, seqlen_q=seqlen_q, heads=heads,
                                           kv_heads=kv_heads, pack_gqa=pack_gqa)
         self.copy_q, self.copy_k, self.copy_v = (not _tma_ready(t) for t in (q, k, v))
@@ -985,6 +1020,11 @@ __all__ = [
     "VARIANT_INSTANTIATIONS",
     "VARIANT_WIDE",
     "VARIANT_WIDE_INSTANTIATIONS",
+    "FIXED_MAX",
+    "FIXED_MAX_FLAGS",
+    "FIXED_MAX_INSTANTIATIONS",
+    "FIXED_MAX_LOG2_BUDGET",
+    "fixed_max_applies",
     "WIDE_VARIANT_FLAGS",
     "variant_config",
     "Sm90Config",

@@ -72,6 +72,12 @@ SM90_VARIANT_FORWARD = {64, 128, 256}
 # 256 --rounds 3`, with and without --hopper-forced): 0.72-0.83x the plain forward against the sm80
 # kernel's 0.32-0.40x (2.1-2.3x), its GPU tests and sanitize cases clean in the same calls.
 SM90_DROPOUT_FORWARD: set[int] = {64, 128, 256}
+# Head dims whose bf16 softcap forward (alone or with a window) runs with the fixed row max
+# (attention_fwd_sm90.FIXED_MAX, where fixed_max_applies: cap log2 e and Nk within the exponent
+# budget). Written in session 23 (0 spills; SASS main loop 645 -> 491 instructions per visit at
+# d = 128); waits in UNMEASURED_SM90_TABLES for its GPU tests and `tileattn bench variants --suite
+# overhead --variant softcap --hopper-forced` against the online-max kernel.
+SM90_SOFTCAP_FIXED_MAX: set[int] = set()
 
 
 # (head dim, deterministic) whose variant backward (window, softcap, ALiBi; dropout only with
@@ -130,8 +136,7 @@ SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
-# Empty since session 23: every Hopper kernel written so far is measured and dispatched.
-UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ()
+UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ((SM90_SOFTCAP_FIXED_MAX, {64, 128, 256}),)
 
 
 # Rows M up to which tileattn.linear / add_rms_norm_linear run the hand-written GEMV (csrc/gemv.cu)
@@ -244,7 +249,10 @@ def variant_forward_plan(q, k, v, out, lse, *, scale: float, variants):
     if family == "attention_fwd_sm90":
         from . import attention_fwd_sm90
 
-        return attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=variants)
+        fixed_max = q.shape[3] in SM90_SOFTCAP_FIXED_MAX and attention_fwd_sm90.fixed_max_applies(
+            q.dtype, attention_fwd_sm90.variant_flags(variants), variants.softcap, k.shape[2])
+        return attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=variants,
+                                              fixed_max=fixed_max)
     return _VariantPointerPlan(attention_fwd_sm80.forward_plan(q, k, v, out, lse, causal=False, scale=scale,
                                                                variants=variants))
 
