@@ -246,6 +246,29 @@ VARIANT_DEFAULTS: dict[int, Sm90Config] = {d: DEFAULTS[(d, False)] for d in HEAD
 # same-process A/B: +4.5 %); softcap: "Softcap by the hardware tanh".
 WIDE_VARIANT_FLAGS = (ALIBI, SOFTCAP)
 VARIANT_WIDE: dict[int, Sm90Config] = {d: cfg for (d, causal), cfg in WIDE_DEFAULTS.items() if not causal}
+# A causal call with ALiBi or softcap alone (window (unbounded, 0), the causal fold) can also run a
+# kCausal kernel (fwd90::kCausalVariant): the plain causal kernel's blocks and mask, at its two-
+# consumer tile (DEFAULTS) or, where the plain causal call takes three consumers (default_config),
+# at CAUSAL_VARIANT_WIDE's; WINDOW | ALIBI and WINDOW | SOFTCAP keep two consumers (they spill on
+# three). d = 64 and 128 (d = 256 has no three-consumer tile). Three consumers at d = 64 take
+# 96-key blocks: with the plain tile's 128 both variants spill (NVRTC 13.5, 192 x 128 / s3: 52 bytes
+# of spill stores and 16 of stack; s2 the same), at 96 and 64 they fit 0 / 0; d = 128's 192 x 80 /
+# s3 fits as it is. The dispatcher takes them where dispatch.SM90_CAUSAL_VARIANT_FORWARD lists the
+# head dim (ForwardPlan's causal_kernel).
+CAUSAL_VARIANT_FLAGS = (ALIBI, SOFTCAP)
+CAUSAL_VARIANT_HEAD_DIMS = (64, 128)
+CAUSAL_VARIANT_WIDE: dict[int, Sm90Config] = {64: C(96, 3, consumers=3), 128: WIDE_DEFAULTS[(128, True)]}
+
+
+def causal_variant_config(head_dim: int, seqlen_k: int = 0, *, seqlen_q: int | None = None, heads: int = 1,
+                          kv_heads: int = 1, pack_gqa: bool | None = None) -> Sm90Config:
+    """The kCausal variant kernel's config: default_config's choice for the plain causal kernel of
+    the same call, with CAUSAL_VARIANT_WIDE's tile where that choice has three consumers (on the same
+    grid). Raises KeyError for a head dim not in CAUSAL_VARIANT_HEAD_DIMS."""
+    wide = CAUSAL_VARIANT_WIDE[head_dim]
+    plain = default_config(head_dim, True, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
+                           pack_gqa=pack_gqa)
+    return replace(wide, persistent=plain.persistent) if plain.consumers == 3 else plain
 
 
 def variant_config(head_dim: int, flags: int, seqlen_k: int = 0, *, seqlen_q: int | None = None, heads: int = 1,
@@ -269,6 +292,19 @@ def variant_config(head_dim: int, flags: int, seqlen_k: int = 0, *, seqlen_q: in
 DROPOUT = 32
 
 
+def causal_variant_flags(variants) -> int | None:
+    """kVariant of the kCausal kernel that runs `variants` (attention_fwd_sm80.VariantArgs, causal
+    folded into the window): ALiBi or softcap alone with the causal window (left unbounded, right 0),
+    i.e. a causal call without a window of its own; None for anything else."""
+    from ..dropout import UNBOUNDED
+
+    flags = variant_flags(variants)
+    if flags & WINDOW and (flags & ~WINDOW) in CAUSAL_VARIANT_FLAGS:
+        if variants.window_left == UNBOUNDED and variants.window_right == 0:
+            return flags & ~WINDOW
+    return None
+
+
 def variant_flags(variants) -> int:
     """kVariant of an attention_fwd_sm80.VariantArgs (0: none of window, softcap, ALiBi, dropout is
     on; a window with both edges unbounded is no window; dropout_p 0 is no dropout)."""
@@ -285,11 +321,13 @@ _VARIANT_PARAM_TYPES = ("const float*, unsigned long long, unsigned long long, l
                         "unsigned int, float")
 
 
-def variant_expression(head_dim: int, config: Sm90Config, bf16: bool, flags: int) -> str:
+def variant_expression(head_dim: int, config: Sm90Config, bf16: bool, flags: int, causal: bool = False) -> str:
     """The NVRTC name expression of a variant instantiation (flags: 1..7, or DROPOUT with any of
-    them, see variant_flags): the plain kernel template with kCausal false, kVariant = flags and
-    VARIANT_PARAMS' types."""
-    return _flavour_expression(head_dim, config, False, bf16, flags, _VARIANT_PARAM_TYPES)
+    them, see variant_flags): the plain kernel template with kCausal `causal` (True only for
+    CAUSAL_VARIANT_FLAGS), kVariant = flags and VARIANT_PARAMS' types."""
+    if causal and flags not in CAUSAL_VARIANT_FLAGS:
+        raise ValueError(f"variant flags {flags}: only ALiBi or softcap alone have a kCausal kernel")
+    return _flavour_expression(head_dim, config, causal, bf16, flags, _VARIANT_PARAM_TYPES)
 
 
 def configs_for(head_dim: int, causal: bool, bf16: bool) -> tuple[Sm90Config, ...]:
@@ -321,6 +359,11 @@ VARIANT_INSTANTIATIONS = tuple(variant_expression(d, cfg, bf16, flags) for d, cf
 # both dtypes.
 VARIANT_WIDE_INSTANTIATIONS = tuple(variant_expression(d, cfg, bf16, flags) for flags in WIDE_VARIANT_FLAGS
                                     for d, cfg in VARIANT_WIDE.items() for bf16 in (False, True))
+# The kCausal ALiBi / softcap kernels (CAUSAL_VARIANT_FLAGS) at the plain causal kernel's tiles.
+CAUSAL_VARIANT_INSTANTIATIONS = tuple(
+    variant_expression(d, cfg, bf16, flags, causal=True) for flags in CAUSAL_VARIANT_FLAGS
+    for d in CAUSAL_VARIANT_HEAD_DIMS for cfg in (DEFAULTS[(d, True)], CAUSAL_VARIANT_WIDE[d])
+    for bf16 in (False, True))
 # Dropout: the flag sets registered per head dim, at the variant tiles (kBlockN a multiple of 64:
 # whole Philox groups and keep words). Causal dropout is DROPOUT | WINDOW. Without the window bit,
 # softcap or ALiBi with dropout spilled under NVRTC 13.5's ptxas (DROPOUT | SOFTCAP | ALIBI at every
@@ -382,7 +425,7 @@ INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in (*
                                                                               *LONG_DEFAULTS.items())
                                for bf16 in (False, True))
                   + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS + DROPOUT_INSTANTIATIONS
-                  + VARIANT_WIDE_INSTANTIATIONS)
+                  + VARIANT_WIDE_INSTANTIATIONS + CAUSAL_VARIANT_INSTANTIATIONS)
 # Tuning candidates: the dense extras, and the varlen kernel at every registered dense config (a
 # persistent config is the same kernel as its one-CTA-per-tile twin: a launch choice).
 TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
@@ -618,11 +661,14 @@ class ForwardPlan:
     that is 0, and launch takes three more values: the ALiBi slopes' pointer (0: none) and the
     dropout seed and offset (ints in [0, 2^64); the mask is tileattn.dropout.dropout_mask(seed,
     offset, B, H, Nq, Nk, p), kept values scaled by 1 / (1 - p), lse that of the undropped
-    softmax). Raises ValueError for causal with variants, or dropout_p > 0 with a head dim / flag
-    set that has no dropout instantiation (supports_dropout)."""
+    softmax). causal_kernel: run a causal call with ALiBi or softcap alone (causal_variant_flags) on
+    the kCausal kernel (causal_variant_config's tile) instead of the windowed one.
+    Raises ValueError for causal with variants, dropout_p > 0 with a head dim / flag set that has no
+    dropout instantiation (supports_dropout), or causal_kernel for variants or a head dim it does not
+    cover (CAUSAL_VARIANT_HEAD_DIMS)."""
 
     def __init__(self, q, k, v, out, lse, *, causal: bool, scale: float, config: Sm90Config | None = None,
-                 pack_gqa: bool | None = None, variants=None):
+                 pack_gqa: bool | None = None, variants=None, causal_kernel: bool = False):
         from ..runtime import LaunchPlan, TensorMapTemplate, device_sm_count
         from . import load
 
@@ -639,6 +685,14 @@ class ForwardPlan:
                     raise ValueError(f"the sm90 forward has no dropout instantiation for head_dim {head_dim} with "
                                      f"variant flags {flags}; registered: {DROPOUT_FLAG_SETS}")
                 flags = kernel_flags
+        if causal_kernel:
+            causal_flags = None if variants is None else causal_variant_flags(variants)
+            if causal_flags is None or head_dim not in CAUSAL_VARIANT_HEAD_DIMS:
+                raise ValueError(f"causal_kernel: ALiBi or softcap alone with the causal window at head dims "
+                                 f"{CAUSAL_VARIANT_HEAD_DIMS} only (variant flags {flags}, head_dim {head_dim})")
+            flags, causal = causal_flags, True
+            config = config or causal_variant_config(head_dim, seqlen_k, seqlen_q=seqlen_q, heads=heads,
+                                                     kv_heads=kv_heads, pack_gqa=pack_gqa)
         if config is None and flags:  # variant kernels exist at VARIANT_DEFAULTS' tiles (ALiBi or softcap alone: and VARIANT_WIDE's)
             config = variant_config(head_dim, flags, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
                                     pack_gqa=pack_gqa)
@@ -653,8 +707,8 @@ class ForwardPlan:
         self.templates = tuple(TensorMapTemplate(t, box) for t, box in zip((*dense, target), geo.boxes))
         maps = [t.encode(x.data_ptr()) for t, x in zip(self.templates, (*dense, target))]
         bf16 = q.dtype == torch.bfloat16
-        expr = variant_expression(head_dim, config, bf16, flags) if flags else expression(head_dim, config,
-                                                                                          bool(causal), bf16)
+        expr = (variant_expression(head_dim, config, bf16, flags, causal=causal_kernel) if flags
+                else expression(head_dim, config, bool(causal), bf16))
         kern = load(FAMILY_NAME, expr, q.device.index)
         grid = (min(geo.tiles, device_sm_count(q.device.index)) if config.persistent else geo.tiles,)
         self.config, self.device_index = config, q.device.index
@@ -985,6 +1039,12 @@ __all__ = [
     "VARIANT_INSTANTIATIONS",
     "VARIANT_WIDE",
     "VARIANT_WIDE_INSTANTIATIONS",
+    "CAUSAL_VARIANT_FLAGS",
+    "CAUSAL_VARIANT_HEAD_DIMS",
+    "CAUSAL_VARIANT_INSTANTIATIONS",
+    "CAUSAL_VARIANT_WIDE",
+    "causal_variant_config",
+    "causal_variant_flags",
     "WIDE_VARIANT_FLAGS",
     "variant_config",
     "Sm90Config",

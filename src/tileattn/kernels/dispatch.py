@@ -72,6 +72,12 @@ SM90_VARIANT_FORWARD = {64, 128, 256}
 # 256 --rounds 3`, with and without --hopper-forced): 0.72-0.83x the plain forward against the sm80
 # kernel's 0.32-0.40x (2.1-2.3x), its GPU tests and sanitize cases clean in the same calls.
 SM90_DROPOUT_FORWARD: set[int] = {64, 128, 256}
+# Head dims whose causal forward with ALiBi or softcap alone (no window of its own) runs the kCausal
+# variant kernel (attention_fwd_sm90.CAUSAL_VARIANT_INSTANTIATIONS: the plain causal kernel's blocks,
+# mask and tiles, three consumers from WIDE_MIN_QUERIES) instead of the windowed two-consumer one.
+# Written in session 23 (compiled: 0 spills); waits in UNMEASURED_SM90_TABLES for its GPU tests and
+# `tileattn bench variants --suite overhead --hopper-forced` against the windowed kernel.
+SM90_CAUSAL_VARIANT_FORWARD: set[int] = set()
 
 
 # (head dim, deterministic) whose variant backward (window, softcap, ALiBi; dropout only with
@@ -130,8 +136,7 @@ SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
-# Empty since session 23: every Hopper kernel written so far is measured and dispatched.
-UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ()
+UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ((SM90_CAUSAL_VARIANT_FORWARD, {64, 128}),)
 
 
 # Rows M up to which tileattn.linear / add_rms_norm_linear run the hand-written GEMV (csrc/gemv.cu)
@@ -244,7 +249,10 @@ def variant_forward_plan(q, k, v, out, lse, *, scale: float, variants):
     if family == "attention_fwd_sm90":
         from . import attention_fwd_sm90
 
-        return attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=variants)
+        causal_kernel = (q.shape[3] in SM90_CAUSAL_VARIANT_FORWARD
+                         and attention_fwd_sm90.causal_variant_flags(variants) is not None)
+        return attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=variants,
+                                              causal_kernel=causal_kernel)
     return _VariantPointerPlan(attention_fwd_sm80.forward_plan(q, k, v, out, lse, causal=False, scale=scale,
                                                                variants=variants))
 
