@@ -325,8 +325,10 @@ def test_sm90_variant_instantiations_cover_every_flag_set():
             e.startswith(tuple(w[:-1] + f", {flags}, const float*" for w in wide if ", false, false, " in w))
             for e in these), these
     fixed_max = k90.FIXED_MAX_INSTANTIATIONS  # test_sm90_softcap_fixed_max_kernels checks them
+    causal_variants = k90.CAUSAL_VARIANT_INSTANTIATIONS  # test_sm90_causal_variant_kernels checks them
     assert all(e.startswith(tuple(p[:-1] + ", 2, " for p in plain)) for e in k90.INSTANTIATIONS
-               if e not in plain and e not in wide and e not in variant_wide and e not in fixed_max)
+               if e not in plain and e not in wide and e not in variant_wide and e not in fixed_max
+               and e not in causal_variants)
 
 
 def test_sm90_softcap_fixed_max_kernels():
@@ -368,6 +370,71 @@ def test_sm90_softcap_fixed_max_kernels():
                        (q, va(softcap=30.0, p=0.1)), (q.half(), va(softcap=30.0))):
         with pytest.raises(ValueError, match="fixed_max"):
             k90.ForwardPlan(bad_q, bad_q, bad_q, bad_q, lse, causal=False, scale=1.0, variants=bad, fixed_max=True)
+
+
+
+def test_sm90_causal_variant_kernels():
+    """ALiBi alone and softcap alone with the causal window have kCausal kernels (d = 64, 128) at the
+    plain causal kernel's two-consumer tile and at CAUSAL_VARIANT_WIDE's; causal_variant_flags finds
+    exactly those calls; causal_variant_config follows the plain causal kernel's consumer count and
+    always names a registered instantiation; ForwardPlan refuses causal_kernel for anything else."""
+    from dataclasses import replace
+
+    from tileattn.kernels import attention_fwd_sm80, attention_fwd_sm90 as k90
+
+    exprs = k90.CAUSAL_VARIANT_INSTANTIATIONS
+    assert len(exprs) == len(set(exprs)) == 2 * 2 * 2 * 2 and set(exprs) <= set(k90.INSTANTIATIONS), exprs
+    for d in k90.CAUSAL_VARIANT_HEAD_DIMS:
+        for bf16 in (False, True):
+            for flags in k90.CAUSAL_VARIANT_FLAGS:
+                two = k90.variant_expression(d, k90.DEFAULTS[(d, True)], bf16, flags, causal=True)
+                assert two.startswith(k90.expression(d, k90.DEFAULTS[(d, True)], True, bf16)[:-1]
+                                      + f", 2, {flags}, const float*") and two in exprs, two
+                wide = k90.variant_expression(d, k90.CAUSAL_VARIANT_WIDE[d], bf16, flags, causal=True)
+                assert k90.CAUSAL_VARIANT_WIDE[d].consumers == 3
+                assert wide.startswith(k90.expression(d, k90.CAUSAL_VARIANT_WIDE[d], True, bf16)[:-1]
+                                       + f", {flags}, const float*") and wide in exprs, wide
+    for flags in (k90.WINDOW, k90.WINDOW | k90.ALIBI, k90.ALIBI | k90.SOFTCAP, k90.DROPOUT | k90.ALIBI):
+        with pytest.raises(ValueError, match="kCausal"):
+            k90.variant_expression(128, k90.DEFAULTS[(128, True)], True, flags, causal=True)
+
+    def va(left, right, softcap=0.0, alibi=None, p=0.0):
+        return attention_fwd_sm80.VariantArgs(left, right, softcap, alibi, p)
+
+    assert k90.causal_variant_flags(va(UNBOUNDED, 0, alibi=0)) == k90.ALIBI
+    assert k90.causal_variant_flags(va(UNBOUNDED, 0, softcap=30.0)) == k90.SOFTCAP
+    for other in (va(UNBOUNDED, 0), va(UNBOUNDED, 0, 30.0, 0), va(100, 0, alibi=0), va(UNBOUNDED, 5, alibi=0),
+                  va(UNBOUNDED, UNBOUNDED, alibi=0), va(UNBOUNDED, UNBOUNDED, softcap=30.0),
+                  va(UNBOUNDED, 0, alibi=0, p=0.1)):
+        assert k90.causal_variant_flags(other) is None, other
+
+    registered = set(k90.INSTANTIATIONS)
+    seen_consumers = set()
+    for d in k90.CAUSAL_VARIANT_HEAD_DIMS:
+        switch = k90.WIDE_MIN_QUERIES[d]
+        for nq in (None, 1, 129, switch - 1, switch, switch + 76, 1 << 16):
+            for heads, kv_heads in ((1, 1), (32, 32), (32, 8), (3, 1), (24, 2)):
+                for pack_gqa in (None, False, True):
+                    kw = dict(seqlen_q=nq, heads=heads, kv_heads=kv_heads, pack_gqa=pack_gqa)
+                    plain = k90.default_config(d, True, 4096, **kw)
+                    got = k90.causal_variant_config(d, 4096, **kw)
+                    want = (replace(k90.CAUSAL_VARIANT_WIDE[d], persistent=plain.persistent)
+                            if plain.consumers == 3 else plain)
+                    assert got == want, (d, nq, heads, kv_heads, pack_gqa, str(got))
+                    seen_consumers.add(got.consumers)
+                    for flags in k90.CAUSAL_VARIANT_FLAGS:
+                        assert k90.variant_expression(d, got, True, flags, causal=True) in registered, str(got)
+    assert seen_consumers == {2, 3}
+
+    q = torch.empty(1, 2, 64, 128, dtype=torch.bfloat16)
+    lse = torch.empty(1, 2, 64)
+    for bad in (va(UNBOUNDED, 0), va(10, 0, alibi=0), va(UNBOUNDED, 0, 30.0, 0)):
+        with pytest.raises(ValueError, match="causal_kernel"):
+            k90.ForwardPlan(q, q, q, q, lse, causal=False, scale=1.0, variants=bad, causal_kernel=True)
+    with pytest.raises(ValueError, match="causal_kernel"):
+        q256 = torch.empty(1, 2, 64, 256, dtype=torch.bfloat16)
+        k90.ForwardPlan(q256, q256, q256, q256, lse, causal=False, scale=1.0, variants=va(UNBOUNDED, 0, alibi=0),
+                        causal_kernel=True)
 
 
 @pytest.mark.parametrize(

@@ -533,11 +533,12 @@ def _sm90_variant_args(q, causal, opts):
     return attention_fwd_sm80.VariantArgs(left, right, dr.check_softcap(opts.get("softcap")), sb, 0.0)
 
 
-def run_sm90(q, k, v, causal, opts, *, pack_gqa=None, config=None, want_consumers=None, fixed_max=False):
+def run_sm90(q, k, v, causal, opts, *, pack_gqa=None, config=None, want_consumers=None, fixed_max=False,
+             causal_kernel=False):
     """(out, lse) of the Hopper variant forward, outputs poisoned with NaN; checks the plan runs a
     variant instantiation (or, for a call with nothing on, the plain kernel). `config` forces a tile;
-    `want_consumers`: the consumer warpgroups the plan's tile must have; `fixed_max`: ForwardPlan's
-    (softcap's fixed row max)."""
+    `want_consumers`: the consumer warpgroups the plan's tile must have; `fixed_max`, `causal_kernel`:
+    ForwardPlan's (softcap's fixed row max; the kCausal ALiBi / softcap kernel)."""
     from tileattn.kernels import attention_fwd_sm90
 
     slopes = opts.get("alibi_slopes")
@@ -545,7 +546,8 @@ def run_sm90(q, k, v, causal, opts, *, pack_gqa=None, config=None, want_consumer
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device=q.device, dtype=torch.float32)
     plan = attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=False, scale=q.shape[-1] ** -0.5,
-                                          config=config, pack_gqa=pack_gqa, variants=va, fixed_max=fixed_max)
+                                          config=config, pack_gqa=pack_gqa, variants=va, fixed_max=fixed_max,
+                                          causal_kernel=causal_kernel)
     assert plan.variant_values == (attention_fwd_sm90.variant_flags(va) != 0)
     assert want_consumers is None or plan.config.consumers == want_consumers, plan.config
     plan.launch(q, k, v, out, lse, 0 if slopes is None else slopes.data_ptr(), 0, 0)
@@ -554,9 +556,9 @@ def run_sm90(q, k, v, causal, opts, *, pack_gqa=None, config=None, want_consumer
 
 
 def check_sm90(q, k, v, causal, opts, dtype, what, *, pack_gqa=None, config=None, want_consumers=None,
-               fixed_max=False):
+               fixed_max=False, causal_kernel=False):
     got = run_sm90(q, k, v, causal, opts, pack_gqa=pack_gqa, config=config, want_consumers=want_consumers,
-                   fixed_max=fixed_max)
+                   fixed_max=fixed_max, causal_kernel=causal_kernel)
     q64, k64, v64 = (t.double() for t in (q, k, v))
     ref = reference.attention(q64, k64, v64, causal, compute_dtype=F64, **opts)
     check((got[0], got[1], None), (ref[0], ref[1], None), dtype, what, grads=False)
@@ -681,6 +683,27 @@ def test_sm90_softcap_fixed_max_every_logit_near_minus_cap(cap, nk):
     assert float(ref[0].abs().max()) > 0 and float(got[0].abs().max()) > 0
 
 
+# ALiBi alone and softcap alone, causal, on the kCausal kernel (ForwardPlan(causal_kernel=True):
+# attention_fwd_sm90.CAUSAL_VARIANT_INSTANTIATIONS), against the float64 reference.
+CAUSAL_KERNEL_OPTIONS = {"alibi_h": {"alibi": "h"}, "alibi_bh": {"alibi": "bh"}, "softcap": {"softcap": 20.0},
+                         "softcap_extreme": {"softcap": 5.0}}
+
+
+@needs_sm90
+@pytest.mark.parametrize("nq, nk", [(1, 1), (1, 1000), (31, 33), (127, 129), (129, 127), (300, 100), (100, 300),
+                                    (1000, 1000), (4097, 4097)])
+@pytest.mark.parametrize("variant", sorted(CAUSAL_KERNEL_OPTIONS))
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_causal_variant_kernel_lengths(d, variant, nq, nk):
+    """Bottom-right causal edges for any Nq, Nk (Nq > Nk: the first Nq - Nk rows see no key, out 0 and
+    lse -inf); two consumers below WIDE_MIN_QUERIES[d] queries, d = 64 at 4097 on three."""
+    b, h = 1, 2
+    scale_inputs = 8.0 if variant == "softcap_extreme" else 1.0
+    q, k, v, _ = make(b, h, h, nq, nk, d, BF16, seed=nq * 5 + nk + d, scale_inputs=scale_inputs)
+    check_sm90(q, k, v, True, _opts(CAUSAL_KERNEL_OPTIONS[variant], b, h), BF16,
+               f"sm90 causal kernel {variant} d={d} Nq={nq} Nk={nk}", causal_kernel=True)
+
+
 @needs_sm90
 @pytest.mark.parametrize("h, hkv", [(2, 2), (3, 1)], ids=["MHA", "GQA3"])
 @pytest.mark.parametrize("d", [64, 128])
@@ -693,6 +716,25 @@ def test_sm90_softcap_fixed_max_three_consumers(d, h, hkv):
     q, k, v, _ = make(1, h, hkv, nq, nk, d, BF16, seed=d + nq + h)
     check_sm90(q, k, v, False, {"softcap": 20.0}, BF16, f"sm90 fixed max wide d={d} H={h}/{hkv}", want_consumers=3,
                fixed_max=True)
+
+
+@needs_sm90
+@pytest.mark.parametrize("h, hkv", [(2, 2), (3, 1)], ids=["MHA", "GQA3"])
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("variant", ["alibi_bh", "softcap"])
+def test_sm90_causal_variant_kernel_three_consumers(variant, d, dtype, h, hkv):
+    """From WIDE_MIN_QUERIES[d] queries the kCausal kernel takes CAUSAL_VARIANT_WIDE's 192-row tile
+    (causal_variant_config); the first consumers of the last tiles skip the visits past their rows'
+    diagonal (unseen visits). Nq > Nk and Nq < Nk both (bottom-right alignment)."""
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    for nq, nk in ((af.WIDE_MIN_QUERIES[d] + 76, af.WIDE_MIN_QUERIES[d] + 300),
+                   (af.WIDE_MIN_QUERIES[d] + 76, af.WIDE_MIN_QUERIES[d] - 500)):
+        q, k, v, _ = make(1, h, hkv, nq, nk, d, dtype, seed=d + nq + nk + h)
+        check_sm90(q, k, v, True, _opts(CAUSAL_KERNEL_OPTIONS[variant], 1, h), dtype,
+                   f"sm90 causal kernel {variant} d={d} {dtype} H={h}/{hkv} Nq={nq} Nk={nk}", want_consumers=3,
+                   causal_kernel=True)
 
 
 @needs_sm90
@@ -709,6 +751,26 @@ def test_sm90_softcap_fixed_max_sanitize_small(d, mask, wide):
     q, k, v, _ = make(1, 2, 2, 200, 70, d, BF16, seed=29 + d)
     check_sm90(q, k, v, causal, opts, BF16, f"sm90 sanitize fixed max d={d} {mask}", config=cfg,
                want_consumers=3 if wide else None, fixed_max=True)
+
+
+@needs_sm90
+@pytest.mark.sanitize
+@pytest.mark.parametrize("d, variant, consumers", [(64, "alibi_bh", 3), (128, "softcap", 3), (64, "softcap", 2),
+                                                   (128, "alibi_h", 2)])
+def test_sm90_causal_variant_kernel_sanitize_small(d, variant, consumers):
+    """The kCausal kernels on small shapes, each tile forced (persistent): 200 queries after 70 keys
+    (130 rows see no key; a 192-row tile's first consumers skip everything) and GQA 3 (packed into the
+    192-row tile; unpacked in the 128-row one, which 3 does not divide)."""
+    from dataclasses import replace
+
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    cfg = replace(af.CAUSAL_VARIANT_WIDE[d] if consumers == 3 else af.DEFAULTS[(d, True)], persistent=True)
+    for h, hkv, nq, nk in ((2, 2, 200, 70), (3, 1, 70, 200)):
+        q, k, v, _ = make(1, h, hkv, nq, nk, d, FP16, seed=23 + nq + d)
+        check_sm90(q, k, v, True, _opts(CAUSAL_KERNEL_OPTIONS[variant], 1, h), FP16,
+                   f"sm90 sanitize causal kernel {variant} d={d} consumers={consumers} Nq={nq} Nk={nk}",
+                   pack_gqa=hkv < h and consumers == 3, config=cfg, want_consumers=consumers, causal_kernel=True)
 
 
 @needs_sm90

@@ -290,7 +290,7 @@ __device__ __forceinline__ int unseen_visits(int n_end, int m_block, int rows, i
 // ---- Variants (attention_fwd_variants_sm90; definitions in common/variants.cuh) -----------------
 // Compile-time flags (bits of kVariant), so that each combination pays only for what it uses and
 // the plain kernel (kVariant = 0) compiles to the code it had.
-constexpr int kWindow = 1;   // sliding window; causal is its right edge 0 (these kernels have kCausal = false)
+constexpr int kWindow = 1;   // sliding window; causal is its right edge 0 (kCausal false), except below
 constexpr int kSoftcap = 2;  // logit = cap * tanh(scale q.k / cap)
 constexpr int kAlibi = 4;    // logit += -slope[b, h] * |i + Nk - Nq - j|
 constexpr int kDropout = 32; // P *= keep(b, h, i, j) / (1 - p), keep from Philox (dropout_bits); lse undropped
@@ -301,6 +301,12 @@ constexpr int kDropout = 32; // P *= keep(b, h, i, j) / (1 - p), keep from Philo
 // 2^-126, stay far inside bf16's (and fp32's) exponent range (attention_fwd_sm90.fixed_max_applies).
 constexpr int kFixedMax = 64;
 constexpr int kVariantBits = kWindow | kSoftcap | kAlibi | kDropout | kFixedMax;
+// ALiBi alone and softcap alone also exist with kCausal true: a causal call without a window takes
+// the plain kernel's causal blocks and mask (block_range, apply_mask, unseen visits skipped on three
+// consumers) instead of the window's per-row edges (window_range, apply_window), whose extra live
+// state makes WINDOW | ALIBI and WINDOW | SOFTCAP spill on three consumers.
+template <int kVariant>
+constexpr bool kCausalVariant = kVariant == kAlibi || kVariant == kSoftcap;
 // Layout bit of kVariant (not a variant: the plain kernel's arithmetic on packed sequences; a bit
 // of the existing parameter rather than a new template parameter, so that the dense kernels keep
 // their mangled names and their cubins stay byte-identical).
@@ -726,7 +732,8 @@ __device__ __forceinline__ Variants variants_of(float scale_log2, VARIANT_PARAMS
 // dynamic shared memory 2 d (128 + 2 kStages kBlockN) + 1024 (+ 2 d 128 for sO where it fits).
 //
 // Variants (kVariant: a non-empty set of bits fwd90::kWindow, kSoftcap, kAlibi, kDropout; kCausal
-// false, causal folded into win_right): the parameters above, then VARIANT_PARAMS
+// false, causal folded into win_right, except ALiBi or softcap alone, fwd90::kCausalVariant, which
+// also exist with kCausal true and then ignore win_left / win_right): the parameters above, then VARIANT_PARAMS
 // (common/variants.cuh), as the trailing pack `variant_params` (the host names their types in the
 // instantiation). The plain kernel (kVariant = 0) has an empty pack: its parameters and code are
 // what they were before the variants existed (a separate variant entry point calling a shared body
@@ -767,7 +774,8 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
                 "paged: the trailing parameters are PAGED_PARAMS; kBlockN a power of two (whole cache blocks)");
   static_assert(!kPagedLayout || (kBlockN / 16) * (kHeadDim / 64) <= 32,
                 "paged: at most one K / V box per lane of the producer warp (16-row boxes x 64-column panels)");
-  static_assert((kVariant & kVariantBits) == 0 || !kCausal, "variants: causal is the window's right edge 0");
+  static_assert((kVariant & kVariantBits) == 0 || !kCausal || kCausalVariant<kVariant>,
+                "variants: causal is the window's right edge 0 (kCausal only for ALiBi or softcap alone)");
   Variants va{};
   if constexpr ((kVariant & kVariantBits) != 0) va = variants_of(scale_log2, variant_params...);
   Packed vl{};
@@ -781,12 +789,13 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   static_assert(!kFixed || (kIsBF16 && ((kVariant & ~kFixedMax) == kSoftcap || (kVariant & ~kFixedMax) == (kWindow | kSoftcap))),
                 "kFixedMax: bf16 softcap alone or with a window (the fixed max is softcap's bound; fp16 P underflows)");
   // Consumers release the leading visits none of their rows sees (unseen_visits): the plain dense
-  // kernel with three consumers (no ping-pong: the consumers need not take the same turns). H200,
+  // kernel with three consumers (no ping-pong: the consumers need not take the same turns), and the
+  // causal ALiBi / softcap kernels on three consumers (whose unseen visits are the plain kernel's). H200,
   // 2026-12-03, call H2, TFLOP/s without / with at d = 64, 192 x 128 / s3: causal 343 / 365 (N =
   // 2048) and 422 / 440 (4096), non-causal 452 / 468 (2048: the last tile's third consumer has no
   // rows). The two-consumer kernels gained nothing measurable (d = 256 causal 128 x 64 / s2 526 /
   // 526 and 614 / 619; d = 128 non-causal 2048 within its round-to-round spread) and keep their code.
-  constexpr bool kSkipUnseen = kVariant == 0 && kConsumers == 3;
+  constexpr bool kSkipUnseen = kConsumers == 3 && (kVariant == 0 || (kCausal && kCausalVariant<kVariant>));
   // Tile order: the causal one (longest tiles first) for windows too, whose first tiles see fewer keys.
   constexpr bool kReverse = kCausal || kWindowed;
   // The softmax's scale: cap_out for softcap alone (variant_logits leaves tanh), 1 with ALiBi too

@@ -726,10 +726,16 @@ def _compile_one(args):
 def precompile(arch: str | None = None, expressions=None, workers: int | None = None) -> float:
     """Fill the disk compile cache for `expressions` (default: every registered instantiation) in
     parallel processes, so the first launch_backward calls only load cubins. Returns the summed
-    NVRTC seconds. `arch` defaults to the current GPU's. Used by the GPU tests and benchmarks."""
+    NVRTC seconds. `arch` defaults to the current GPU's. Used by the GPU tests and benchmarks.
+    Concurrent callers (pytest-xdist workers, each warming the cache for its tests) take turns on a
+    lock file in the cache directory: the first compiles, the others find the cubins cached. Without
+    it 15 workers each ran a 15-process pool over the same 60 programs (H200 call G1, 2026-12-03)."""
+    import fcntl
     import multiprocessing as mp
     import os
     from concurrent.futures import ProcessPoolExecutor
+
+    from ..runtime.compiler import cache_dir
 
     if arch is None:
         from ..runtime import device_arch, require_gpu
@@ -741,6 +747,9 @@ def precompile(arch: str | None = None, expressions=None, workers: int | None = 
     # once, then forks cheap NVRTC-only workers from that clean process.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
-    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        results = list(pool.map(_compile_one, [(e, arch) for e in exprs]))
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / f"precompile-{FAMILY_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            results = list(pool.map(_compile_one, [(e, arch) for e in exprs]))
     return sum(sec for _, sec, cached in results if not cached)

@@ -247,6 +247,29 @@ VARIANT_DEFAULTS: dict[int, Sm90Config] = {d: DEFAULTS[(d, False)] for d in HEAD
 # same-process A/B: +4.5 %); softcap: "Softcap by the hardware tanh".
 WIDE_VARIANT_FLAGS = (ALIBI, SOFTCAP)
 VARIANT_WIDE: dict[int, Sm90Config] = {d: cfg for (d, causal), cfg in WIDE_DEFAULTS.items() if not causal}
+# A causal call with ALiBi or softcap alone (window (unbounded, 0), the causal fold) can also run a
+# kCausal kernel (fwd90::kCausalVariant): the plain causal kernel's blocks and mask, at its two-
+# consumer tile (DEFAULTS) or, where the plain causal call takes three consumers (default_config),
+# at CAUSAL_VARIANT_WIDE's; WINDOW | ALIBI and WINDOW | SOFTCAP keep two consumers (they spill on
+# three). d = 64 and 128 (d = 256 has no three-consumer tile). Three consumers at d = 64 take
+# 96-key blocks: with the plain tile's 128 both variants spill (NVRTC 13.5, 192 x 128 / s3: 52 bytes
+# of spill stores and 16 of stack; s2 the same), at 96 and 64 they fit 0 / 0; d = 128's 192 x 80 /
+# s3 fits as it is. The dispatcher takes them where dispatch.SM90_CAUSAL_VARIANT_FORWARD lists the
+# head dim (ForwardPlan's causal_kernel).
+CAUSAL_VARIANT_FLAGS = (ALIBI, SOFTCAP)
+CAUSAL_VARIANT_HEAD_DIMS = (64, 128)
+CAUSAL_VARIANT_WIDE: dict[int, Sm90Config] = {64: C(96, 3, consumers=3), 128: WIDE_DEFAULTS[(128, True)]}
+
+
+def causal_variant_config(head_dim: int, seqlen_k: int = 0, *, seqlen_q: int | None = None, heads: int = 1,
+                          kv_heads: int = 1, pack_gqa: bool | None = None) -> Sm90Config:
+    """The kCausal variant kernel's config: default_config's choice for the plain causal kernel of
+    the same call, with CAUSAL_VARIANT_WIDE's tile where that choice has three consumers (on the same
+    grid). Raises KeyError for a head dim not in CAUSAL_VARIANT_HEAD_DIMS."""
+    wide = CAUSAL_VARIANT_WIDE[head_dim]
+    plain = default_config(head_dim, True, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
+                           pack_gqa=pack_gqa)
+    return replace(wide, persistent=plain.persistent) if plain.consumers == 3 else plain
 
 
 def variant_config(head_dim: int, flags: int, seqlen_k: int = 0, *, seqlen_q: int | None = None, heads: int = 1,
@@ -293,6 +316,19 @@ def fixed_max_applies(dtype, flags: int, softcap: float, seqlen_k: int) -> bool:
     return 2.0 * softcap * math.log2(math.e) + math.log2(max(seqlen_k, 1)) <= FIXED_MAX_LOG2_BUDGET
 
 
+def causal_variant_flags(variants) -> int | None:
+    """kVariant of the kCausal kernel that runs `variants` (attention_fwd_sm80.VariantArgs, causal
+    folded into the window): ALiBi or softcap alone with the causal window (left unbounded, right 0),
+    i.e. a causal call without a window of its own; None for anything else."""
+    from ..dropout import UNBOUNDED
+
+    flags = variant_flags(variants)
+    if flags & WINDOW and (flags & ~WINDOW) in CAUSAL_VARIANT_FLAGS:
+        if variants.window_left == UNBOUNDED and variants.window_right == 0:
+            return flags & ~WINDOW
+    return None
+
+
 def variant_flags(variants) -> int:
     """kVariant of an attention_fwd_sm80.VariantArgs (0: none of window, softcap, ALiBi, dropout is
     on; a window with both edges unbounded is no window; dropout_p 0 is no dropout)."""
@@ -309,11 +345,13 @@ _VARIANT_PARAM_TYPES = ("const float*, unsigned long long, unsigned long long, l
                         "unsigned int, float")
 
 
-def variant_expression(head_dim: int, config: Sm90Config, bf16: bool, flags: int) -> str:
+def variant_expression(head_dim: int, config: Sm90Config, bf16: bool, flags: int, causal: bool = False) -> str:
     """The NVRTC name expression of a variant instantiation (flags: 1..7, or DROPOUT with any of
-    them, see variant_flags): the plain kernel template with kCausal false, kVariant = flags and
-    VARIANT_PARAMS' types."""
-    return _flavour_expression(head_dim, config, False, bf16, flags, _VARIANT_PARAM_TYPES)
+    them, see variant_flags): the plain kernel template with kCausal `causal` (True only for
+    CAUSAL_VARIANT_FLAGS), kVariant = flags and VARIANT_PARAMS' types."""
+    if causal and flags not in CAUSAL_VARIANT_FLAGS:
+        raise ValueError(f"variant flags {flags}: only ALiBi or softcap alone have a kCausal kernel")
+    return _flavour_expression(head_dim, config, causal, bf16, flags, _VARIANT_PARAM_TYPES)
 
 
 def configs_for(head_dim: int, causal: bool, bf16: bool) -> tuple[Sm90Config, ...]:
@@ -350,6 +388,11 @@ VARIANT_WIDE_INSTANTIATIONS = tuple(variant_expression(d, cfg, bf16, flags) for 
 FIXED_MAX_INSTANTIATIONS = tuple(
     [variant_expression(d, cfg, True, flags | FIXED_MAX) for d, cfg in VARIANT_DEFAULTS.items() for flags in FIXED_MAX_FLAGS]
     + [variant_expression(d, cfg, True, SOFTCAP | FIXED_MAX) for d, cfg in VARIANT_WIDE.items()])
+# The kCausal ALiBi / softcap kernels (CAUSAL_VARIANT_FLAGS) at the plain causal kernel's tiles.
+CAUSAL_VARIANT_INSTANTIATIONS = tuple(
+    variant_expression(d, cfg, bf16, flags, causal=True) for flags in CAUSAL_VARIANT_FLAGS
+    for d in CAUSAL_VARIANT_HEAD_DIMS for cfg in (DEFAULTS[(d, True)], CAUSAL_VARIANT_WIDE[d])
+    for bf16 in (False, True))
 # Dropout: the flag sets registered per head dim, at the variant tiles (kBlockN a multiple of 64:
 # whole Philox groups and keep words). Causal dropout is DROPOUT | WINDOW. Without the window bit,
 # softcap or ALiBi with dropout spilled under NVRTC 13.5's ptxas (DROPOUT | SOFTCAP | ALIBI at every
@@ -411,7 +454,7 @@ INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in (*
                                                                               *LONG_DEFAULTS.items())
                                for bf16 in (False, True))
                   + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS + DROPOUT_INSTANTIATIONS
-                  + VARIANT_WIDE_INSTANTIATIONS + FIXED_MAX_INSTANTIATIONS)
+                  + VARIANT_WIDE_INSTANTIATIONS + FIXED_MAX_INSTANTIATIONS + CAUSAL_VARIANT_INSTANTIATIONS)
 # Tuning candidates: the dense extras, and the varlen kernel at every registered dense config (a
 # persistent config is the same kernel as its one-CTA-per-tile twin: a launch choice).
 TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
@@ -648,11 +691,15 @@ class ForwardPlan:
     dropout seed and offset (ints in [0, 2^64); the mask is tileattn.dropout.dropout_mask(seed,
     offset, B, H, Nq, Nk, p), kept values scaled by 1 / (1 - p), lse that of the undropped
     softmax). fixed_max: run softcap with the fixed row max (FIXED_MAX kernels), which needs
-    fixed_max_applies. Raises ValueError for causal with variants, dropout_p > 0 with a head dim /
-    flag set that has no dropout instantiation (supports_dropout), or fixed_max where it does not apply."""
+    fixed_max_applies. causal_kernel: run a causal call with ALiBi or softcap alone
+    (causal_variant_flags) on the kCausal kernel (causal_variant_config's tile) instead of the
+    windowed one. Raises ValueError for causal with variants, dropout_p > 0 with a head dim / flag
+    set that has no dropout instantiation (supports_dropout), fixed_max where it does not apply,
+    causal_kernel for variants or a head dim it does not cover (CAUSAL_VARIANT_HEAD_DIMS), or both
+    fixed_max and causal_kernel (no kernel has both)."""
 
     def __init__(self, q, k, v, out, lse, *, causal: bool, scale: float, config: Sm90Config | None = None,
-                 pack_gqa: bool | None = None, variants=None, fixed_max: bool = False):
+                 pack_gqa: bool | None = None, variants=None, fixed_max: bool = False, causal_kernel: bool = False):
         from ..runtime import LaunchPlan, TensorMapTemplate, device_sm_count
         from . import load
 
@@ -669,6 +716,17 @@ class ForwardPlan:
                     raise ValueError(f"the sm90 forward has no dropout instantiation for head_dim {head_dim} with "
                                      f"variant flags {flags}; registered: {DROPOUT_FLAG_SETS}")
                 flags = kernel_flags
+        if causal_kernel and fixed_max:
+            raise ValueError("fixed_max and causal_kernel: no kernel has both (a causal bf16 softcap call takes "
+                             "fixed_max alone)")
+        if causal_kernel:
+            causal_flags = None if variants is None else causal_variant_flags(variants)
+            if causal_flags is None or head_dim not in CAUSAL_VARIANT_HEAD_DIMS:
+                raise ValueError(f"causal_kernel: ALiBi or softcap alone with the causal window at head dims "
+                                 f"{CAUSAL_VARIANT_HEAD_DIMS} only (variant flags {flags}, head_dim {head_dim})")
+            flags, causal = causal_flags, True
+            config = config or causal_variant_config(head_dim, seqlen_k, seqlen_q=seqlen_q, heads=heads,
+                                                     kv_heads=kv_heads, pack_gqa=pack_gqa)
         if config is None and flags:  # variant kernels exist at VARIANT_DEFAULTS' tiles (ALiBi or softcap alone: and VARIANT_WIDE's)
             config = variant_config(head_dim, flags, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
                                     pack_gqa=pack_gqa)
@@ -688,8 +746,8 @@ class ForwardPlan:
         self.templates = tuple(TensorMapTemplate(t, box) for t, box in zip((*dense, target), geo.boxes))
         maps = [t.encode(x.data_ptr()) for t, x in zip(self.templates, (*dense, target))]
         bf16 = q.dtype == torch.bfloat16
-        expr = variant_expression(head_dim, config, bf16, flags) if flags else expression(head_dim, config,
-                                                                                          bool(causal), bf16)
+        expr = (variant_expression(head_dim, config, bf16, flags, causal=causal_kernel) if flags
+                else expression(head_dim, config, bool(causal), bf16))
         kern = load(FAMILY_NAME, expr, q.device.index)
         grid = (min(geo.tiles, device_sm_count(q.device.index)) if config.persistent else geo.tiles,)
         self.config, self.device_index = config, q.device.index
@@ -1025,6 +1083,12 @@ __all__ = [
     "FIXED_MAX_INSTANTIATIONS",
     "FIXED_MAX_LOG2_BUDGET",
     "fixed_max_applies",
+    "CAUSAL_VARIANT_FLAGS",
+    "CAUSAL_VARIANT_HEAD_DIMS",
+    "CAUSAL_VARIANT_INSTANTIATIONS",
+    "CAUSAL_VARIANT_WIDE",
+    "causal_variant_config",
+    "causal_variant_flags",
     "WIDE_VARIANT_FLAGS",
     "variant_config",
     "Sm90Config",

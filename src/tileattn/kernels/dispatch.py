@@ -75,9 +75,17 @@ SM90_DROPOUT_FORWARD: set[int] = {64, 128, 256}
 # Head dims whose bf16 softcap forward (alone or with a window) runs with the fixed row max
 # (attention_fwd_sm90.FIXED_MAX, where fixed_max_applies: cap log2 e and Nk within the exponent
 # budget). Written in session 23 (0 spills; SASS main loop 645 -> 491 instructions per visit at
-# d = 128); waits in UNMEASURED_SM90_TABLES for its GPU tests and `tileattn bench variants --suite
-# overhead --variant softcap --hopper-forced` against the online-max kernel.
-SM90_SOFTCAP_FIXED_MAX: set[int] = set()
+# d = 128). H200, 2026-12-03, call G2 (`tileattn bench variants --suite overhead --variant softcap
+# --forward-only --rounds 3`, with and without --hopper-forced, bf16, B=4 H=32, N = 2048 / 8192),
+# softcap / plain: d = 128 0.827-0.847 -> 0.847-0.924, d = 64 0.704-0.765 -> 0.752-0.790. d = 256
+# is not measured yet (UNMEASURED_SM90_TABLES).
+SM90_SOFTCAP_FIXED_MAX: set[int] = {64, 128}
+# Head dims whose causal forward with ALiBi or softcap alone (no window of its own) runs the kCausal
+# variant kernel (attention_fwd_sm90.CAUSAL_VARIANT_INSTANTIATIONS: the plain causal kernel's blocks,
+# mask and tiles, three consumers from WIDE_MIN_QUERIES) instead of the windowed two-consumer one.
+# Written in session 23 (compiled: 0 spills); waits in UNMEASURED_SM90_TABLES for its GPU tests and
+# `tileattn bench variants --suite overhead --hopper-forced` against the windowed kernel.
+SM90_CAUSAL_VARIANT_FORWARD: set[int] = set()
 
 
 # (head dim, deterministic) whose variant backward (window, softcap, ALiBi; dropout only with
@@ -136,7 +144,8 @@ SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
-UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ((SM90_SOFTCAP_FIXED_MAX, {64, 128, 256}),)
+UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ((SM90_SOFTCAP_FIXED_MAX, {64, 128, 256}),
+                                                        (SM90_CAUSAL_VARIANT_FORWARD, {64, 128}))
 
 
 # Rows M up to which tileattn.linear / add_rms_norm_linear run the hand-written GEMV (csrc/gemv.cu)
@@ -249,10 +258,15 @@ def variant_forward_plan(q, k, v, out, lse, *, scale: float, variants):
     if family == "attention_fwd_sm90":
         from . import attention_fwd_sm90
 
+        flags = attention_fwd_sm90.variant_flags(variants)
+        # bf16 softcap takes the fixed-max kernel where it applies (causal too: WINDOW | SOFTCAP);
+        # causal ALiBi, and causal softcap that it does not cover, the kCausal kernel.
         fixed_max = q.shape[3] in SM90_SOFTCAP_FIXED_MAX and attention_fwd_sm90.fixed_max_applies(
-            q.dtype, attention_fwd_sm90.variant_flags(variants), variants.softcap, k.shape[2])
+            q.dtype, flags, variants.softcap, k.shape[2])
+        causal_kernel = (not fixed_max and q.shape[3] in SM90_CAUSAL_VARIANT_FORWARD
+                         and attention_fwd_sm90.causal_variant_flags(variants) is not None)
         return attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=variants,
-                                              fixed_max=fixed_max)
+                                              fixed_max=fixed_max, causal_kernel=causal_kernel)
     return _VariantPointerPlan(attention_fwd_sm80.forward_plan(q, k, v, out, lse, causal=False, scale=scale,
                                                                variants=variants))
 
