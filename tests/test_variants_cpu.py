@@ -922,3 +922,31 @@ def test_varlen_dropout_fake_outputs():
     assert out.requires_grad and not lse.requires_grad and not rng.requires_grad
     grads = torch.ops.tileattn.attention_varlen_dropout_bwd(*_meta_dropout_args("bwd", None))
     assert [g.shape for g in grads] == [(50, 4, 64), (60, 2, 64), (60, 2, 64)]
+
+
+def test_sm90_variant_forward_kind():
+    """Which Hopper variant forward a call takes: bf16 softcap (alone, causal or windowed) the fixed
+    max within its exponent budget; causal ALiBi and the causal softcap the fixed max leaves (fp16, cap
+    50) the kCausal kernel at d = 64 / 128; everything else (a window of its own, ALiBi with softcap,
+    dropout, d = 256 causal ALiBi) neither."""
+    from tileattn.kernels import attention_fwd_sm80, dispatch
+
+    def va(left=UNBOUNDED, right=UNBOUNDED, softcap=0.0, alibi=None, p=0.0):
+        return attention_fwd_sm80.VariantArgs(left, right, softcap, alibi, p)
+
+    bf16, fp16 = torch.bfloat16, torch.float16
+    kind = dispatch.sm90_variant_forward_kind
+    for d in (64, 128, 256):
+        assert kind(bf16, d, 8192, va(softcap=30.0)) == (True, False), d
+        assert kind(bf16, d, 8192, va(right=0, softcap=30.0)) == (True, False), d
+        assert kind(bf16, d, 8192, va(100, 7, softcap=30.0)) == (True, False), d
+        assert kind(bf16, d, 8192, va(softcap=50.0)) == (False, False), d
+        assert kind(bf16, d, 8192, va(softcap=30.0, alibi=0)) == (False, False), d
+        assert kind(bf16, d, 8192, va(right=0, softcap=30.0, p=0.1)) == (False, False), d
+    for d, causal_kernel in ((64, True), (128, True), (256, False)):
+        for dtype in (bf16, fp16):
+            assert kind(dtype, d, 8192, va(right=0, alibi=0)) == (False, causal_kernel), (d, dtype)
+        assert kind(fp16, d, 8192, va(right=0, softcap=30.0)) == (False, causal_kernel), d
+        assert kind(bf16, d, 8192, va(right=0, softcap=50.0)) == (False, causal_kernel), d
+        assert kind(bf16, d, 8192, va(100, 0, alibi=0)) == (False, False), d
+        assert kind(fp16, d, 8192, va(softcap=30.0)) == (False, False), d

@@ -77,15 +77,20 @@ SM90_DROPOUT_FORWARD: set[int] = {64, 128, 256}
 # budget). Written in session 23 (0 spills; SASS main loop 645 -> 491 instructions per visit at
 # d = 128). H200, 2026-12-03, call G2 (`tileattn bench variants --suite overhead --variant softcap
 # --forward-only --rounds 3`, with and without --hopper-forced, bf16, B=4 H=32, N = 2048 / 8192),
-# softcap / plain: d = 128 0.827-0.847 -> 0.847-0.924, d = 64 0.704-0.765 -> 0.752-0.790. d = 256
-# is not measured yet (UNMEASURED_SM90_TABLES).
-SM90_SOFTCAP_FIXED_MAX: set[int] = {64, 128}
+# softcap / plain: d = 128 0.827-0.847 -> 0.847-0.924, d = 64 0.704-0.765 -> 0.752-0.790; call G4
+# (the same command at d = 256): 0.916-0.954 -> 0.932-0.998. GPU tests and the four sanitizers in
+# calls G3 / G2.
+SM90_SOFTCAP_FIXED_MAX: set[int] = {64, 128, 256}
 # Head dims whose causal forward with ALiBi or softcap alone (no window of its own) runs the kCausal
 # variant kernel (attention_fwd_sm90.CAUSAL_VARIANT_INSTANTIATIONS: the plain causal kernel's blocks,
 # mask and tiles, three consumers from WIDE_MIN_QUERIES) instead of the windowed two-consumer one.
-# Written in session 23 (compiled: 0 spills); waits in UNMEASURED_SM90_TABLES for its GPU tests and
-# `tileattn bench variants --suite overhead --hopper-forced` against the windowed kernel.
-SM90_CAUSAL_VARIANT_FORWARD: set[int] = set()
+# Written in session 23 (0 spills). H200, 2026-12-03, call G3 (`tileattn bench variants --suite overhead
+# --variant V --forward-only --head-dim D --dtype T --rounds 3`, with and without --hopper-forced,
+# B=4 H=32, causal N = 2048 / 8192), variant / plain, windowed -> kCausal: ALiBi bf16 d = 64
+# 0.830-0.834 -> 0.894-0.914, d = 128 0.914-0.916 -> 0.951-0.969; softcap fp16 d = 64 0.703-0.760 ->
+# 0.754-0.803 (bf16 causal softcap takes the fixed max first, where it applies). GPU tests
+# (ForwardPlan(causal_kernel=True) at causal_variant_config's tiles) and the four sanitizers in G3.
+SM90_CAUSAL_VARIANT_FORWARD: set[int] = {64, 128}
 
 
 # (head dim, deterministic) whose variant backward (window, softcap, ALiBi; dropout only with
@@ -144,8 +149,8 @@ SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
-UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ((SM90_SOFTCAP_FIXED_MAX, {64, 128, 256}),
-                                                        (SM90_CAUSAL_VARIANT_FORWARD, {64, 128}))
+# Empty since session 24: every Hopper kernel written so far is measured and dispatched.
+UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ()
 
 
 # Rows M up to which tileattn.linear / add_rms_norm_linear run the hand-written GEMV (csrc/gemv.cu)
@@ -247,6 +252,21 @@ class _VariantPointerPlan:
         self.plan.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), alibi, seed, offset)
 
 
+def sm90_variant_forward_kind(dtype, head_dim: int, seqlen_k: int, variants) -> tuple[bool, bool]:
+    """(fixed_max, causal_kernel) for attention_fwd_sm90.ForwardPlan: bf16 softcap takes the
+    fixed-max kernel where SM90_SOFTCAP_FIXED_MAX lists the head dim and fixed_max_applies (causal
+    too: WINDOW | SOFTCAP); causal ALiBi, and causal softcap that the fixed max does not cover, the
+    kCausal kernel where SM90_CAUSAL_VARIANT_FORWARD lists the head dim; at most one of the two."""
+    from . import attention_fwd_sm90
+
+    flags = attention_fwd_sm90.variant_flags(variants)
+    fixed_max = head_dim in SM90_SOFTCAP_FIXED_MAX and attention_fwd_sm90.fixed_max_applies(
+        dtype, flags, variants.softcap, seqlen_k)
+    causal_kernel = (not fixed_max and head_dim in SM90_CAUSAL_VARIANT_FORWARD
+                     and attention_fwd_sm90.causal_variant_flags(variants) is not None)
+    return fixed_max, causal_kernel
+
+
 def variant_forward_plan(q, k, v, out, lse, *, scale: float, variants):
     """The forward plan of a dense call with variants (attention_fwd_sm80.VariantArgs, causal
     folded into the window) for these validated tensors: `.launch(q, k, v, out, lse, alibi
@@ -258,13 +278,7 @@ def variant_forward_plan(q, k, v, out, lse, *, scale: float, variants):
     if family == "attention_fwd_sm90":
         from . import attention_fwd_sm90
 
-        flags = attention_fwd_sm90.variant_flags(variants)
-        # bf16 softcap takes the fixed-max kernel where it applies (causal too: WINDOW | SOFTCAP);
-        # causal ALiBi, and causal softcap that it does not cover, the kCausal kernel.
-        fixed_max = q.shape[3] in SM90_SOFTCAP_FIXED_MAX and attention_fwd_sm90.fixed_max_applies(
-            q.dtype, flags, variants.softcap, k.shape[2])
-        causal_kernel = (not fixed_max and q.shape[3] in SM90_CAUSAL_VARIANT_FORWARD
-                         and attention_fwd_sm90.causal_variant_flags(variants) is not None)
+        fixed_max, causal_kernel = sm90_variant_forward_kind(q.dtype, q.shape[3], k.shape[2], variants)
         return attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=variants,
                                               fixed_max=fixed_max, causal_kernel=causal_kernel)
     return _VariantPointerPlan(attention_fwd_sm80.forward_plan(q, k, v, out, lse, causal=False, scale=scale,
