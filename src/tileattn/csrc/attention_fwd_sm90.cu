@@ -803,9 +803,9 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   const float sl2 = kCapFolded ? va.cap_out : kLogits ? 1.f : scale_log2;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
   // Paged with three consumers spills 16 bytes (NVRTC 13.5): its producer warp needs more than 32 registers.
-  // ALiBi alone (non-causal; causal ALiBi is windowed) fits 160 registers too (its extra live state:
+  // ALiBi alone (non-causal, or causal with kCausal) fits 160 registers too (its extra live state:
   // the two held slopes and the two one-sided shifts): 0 spills at WIDE_DEFAULTS' non-causal tiles
-  // (NVRTC 13.5). The windowed ALiBi kernel spills there (d = 128 192 x 80: 56 bytes of spill stores,
+  // and CAUSAL_VARIANT_WIDE's (NVRTC 13.5). The windowed ALiBi kernel spills there (d = 128 192 x 80: 56 bytes of spill stores,
   // d = 64 192 x 128: 244) and keeps two consumers. Softcap alone (its logits computed in place, tanh
   // by tanh.approx) fits too: 0 spills at both tiles (NVRTC 13.5).
   constexpr bool kThreeConsumerForm =
