@@ -8,6 +8,13 @@ Steps (each logged into REPORT_DIR, a summary table printed last):
   4. benchmarks named with --bench (vector_add always): each a `python3 -m MODULE --json ...`
                                           -> bench-<name>.json
 Exit status is non-zero when a test fails, a GPU test was skipped, or a sanitizer reports errors.
+
+A whole run does not fit one 10-minute device call: run it in parts, each into its own report
+directory (e.g. `--no-sanitizer`; then `--no-tests --no-audit --bench "" --sanitizer-tools
+memcheck,synccheck`; then the same with racecheck,initcheck), then `--merge DIR --merge DIR ...`
+writes one summary of the parts into --report-dir: the counts summed, each sanitizer tool's result,
+and `whole` true only when the parts ran at one commit, the GPU tests ran, and all four sanitizer
+tools did (each in one part); the exit status is 0 only for a whole, passing merge.
 """
 
 from __future__ import annotations
@@ -76,6 +83,60 @@ def sanitizer_summary(log: Path) -> str:
     return "no summary (see log)"
 
 
+def git_commit() -> str | None:
+    """The tree's commit: $TILEATTN_GIT_COMMIT on the GPU machine (its copy has no .git), else git's."""
+    if os.environ.get("TILEATTN_GIT_COMMIT"):
+        return os.environ["TILEATTN_GIT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    commit = out.stdout.strip() if out.returncode == 0 else ""
+    return commit or None
+
+
+def step_table(rows) -> list[str]:
+    return ["| step | result | seconds |", "|---|---|---|"] + [f"| {a} | {b} | {s:.0f} |" for a, b, s in rows]
+
+
+def merge(parts: list[str], out: Path) -> int:
+    """One summary of several parts' report directories (see the module docstring). Raises
+    SystemExit naming the part when a summary is missing or a sanitizer tool ran in two parts."""
+    summaries = []
+    for part in parts:
+        path = Path(part) / "summary.json"
+        if not path.exists():
+            raise SystemExit(f"--merge {part}: no summary.json (did that part finish?)")
+        summaries.append(json.loads(path.read_text()))
+    counts = {k: sum(s["pytest"][k] for s in summaries) for k in ("tests", "failures", "errors", "skipped")}
+    sanitizer, benches, rows = {}, {}, []
+    for part, s in zip(parts, summaries):
+        for tool, result in s["sanitizer"].items():
+            if tool in sanitizer:
+                raise SystemExit(f"--merge: sanitizer {tool} ran in two parts ({sanitizer[tool]['part']} and {part})")
+            sanitizer[tool] = dict(result, part=part)
+        benches.update(s["benches"])
+        rows += [(f"[{Path(part).name}] {a}", b, sec) for a, b, sec in s.get("steps", [])]
+    commits = {s.get("commit") for s in summaries}
+    missing = [t for t in SANITIZER_TOOLS if t not in sanitizer]
+    ok = all(s["ok"] for s in summaries)
+    whole = len(commits) == 1 and None not in commits and counts["tests"] > 0 and not missing
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(
+        {"commit": commits.pop() if len(commits) == 1 else sorted(map(str, commits)), "parts": parts,
+         "pytest": counts, "sanitizer": sanitizer, "benches": benches, "steps": rows, "ok": ok, "whole": whole},
+        indent=1))
+    lines = step_table(rows)
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    why = [] if whole else ([f"commits differ: {sorted(map(str, commits))}"] if len(commits) != 1 else [])
+    why += [] if counts["tests"] else ["no GPU tests ran"]
+    why += [f"sanitizer tools not run: {', '.join(missing)}"] if missing else []
+    print(f"\nGPU CHECK (merged from {len(parts)} parts) " + ("PASSED" if ok else "FAILED") +
+          ("; whole" if whole else "; NOT whole: " + "; ".join(why)) + f" (report in {out})")
+    return 0 if ok and whole else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--report-dir", default="gpu-report")
@@ -94,7 +155,13 @@ def main(argv=None) -> int:
                     help="skip step 1's resource audit with the machine's NVRTC (minutes of compiling every "
                          "program; a device call is capped at 10 minutes)")
     ap.add_argument("--sanitizer-tools", default=",".join(SANITIZER_TOOLS))
+    ap.add_argument("--no-tests", action="store_true", help="skip step 2 (a part that only sanitizes or benchmarks)")
+    ap.add_argument("--merge", action="append", default=[], metavar="DIR",
+                    help="merge the summaries of earlier parts' report directories into --report-dir (repeatable); "
+                         "runs nothing")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, Path(args.report_dir))
     if args.workers < 1:
         ap.error(f"--workers must be at least 1, got {args.workers}")
     if args.workers > 1:
@@ -129,6 +196,8 @@ def main(argv=None) -> int:
     # one process.
     runs = [("gpu", [])] if args.workers == 1 else [("gpu and not exclusive", ["-n", str(args.workers)]),
                                                    ("gpu and exclusive", [])]
+    if args.no_tests:
+        runs = []
     c = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     for i, (marks, workers) in enumerate(runs):
         junit = out / ("junit-gpu.xml" if i == 0 else "junit-gpu-exclusive.xml")
@@ -142,7 +211,7 @@ def main(argv=None) -> int:
         passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
         rows.append((f"pytest -m '{marks}'", f"{passed} passed, {counts['failures'] + counts['errors']} failed, "
                                              f"{counts['skipped']} skipped", sec))
-    failed |= c["skipped"] > 0 or c["tests"] == 0
+    failed |= c["skipped"] > 0 or (c["tests"] == 0 and not args.no_tests)
 
     tools = [] if args.no_sanitizer else [t for t in args.sanitizer_tools.split(",") if t]
     sanitizer = {}
@@ -171,8 +240,9 @@ def main(argv=None) -> int:
         rows.append((f"bench {name}", "ok" if rc == 0 else f"rc={rc}", sec))
 
     (out / "summary.json").write_text(json.dumps(
-        {"pytest": c, "sanitizer": sanitizer, "benches": benches, "ok": not failed}, indent=1))
-    lines = ["| step | result | seconds |", "|---|---|---|"] + [f"| {a} | {b} | {s:.0f} |" for a, b, s in rows]
+        {"commit": git_commit(), "pytest": c, "sanitizer": sanitizer, "benches": benches, "steps": rows,
+         "ok": not failed}, indent=1))
+    lines = step_table(rows)
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     for name in benches:  # the tail of each benchmark's own table, for the reader of this output
         log = (out / f"bench-{name}.log").read_text(errors="replace").splitlines()

@@ -48,3 +48,43 @@ def test_sanitizer_tools_each_run_once(gpu_check, tmp_path):
     tools = [c[c.index("--tool") + 1] for c in gpu_check.commands if "compute-sanitizer" in c]
     assert tools == ["memcheck", "racecheck"]
     assert sys.executable in gpu_check.commands[0]
+
+
+def _part(gpu_check, path, *args, commit="abc1234", monkeypatch):
+    monkeypatch.setenv("TILEATTN_GIT_COMMIT", commit)
+    return gpu_check.main(["--report-dir", str(path), "--bench", "", "--no-audit", *args])
+
+
+def test_no_tests_runs_only_the_sanitizers(gpu_check, tmp_path, monkeypatch):
+    assert _part(gpu_check, tmp_path, "--no-tests", "--sanitizer-tools", "memcheck", monkeypatch=monkeypatch) == 0
+    assert not [c for c in gpu_check.commands if "pytest" in c and "compute-sanitizer" not in c]
+    assert len(_ran(gpu_check.commands, "compute-sanitizer")) == 1
+
+
+def test_merge_of_parts_is_whole_only_with_tests_and_all_four_tools_at_one_commit(gpu_check, tmp_path, monkeypatch):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    assert _part(gpu_check, a, "--no-sanitizer", monkeypatch=monkeypatch) == 0
+    assert _part(gpu_check, b, "--no-tests", "--sanitizer-tools", "memcheck,synccheck", monkeypatch=monkeypatch) == 0
+    assert _part(gpu_check, c, "--no-tests", "--sanitizer-tools", "racecheck,initcheck", monkeypatch=monkeypatch) == 0
+    import json
+
+    out = tmp_path / "merged"
+    assert gpu_check.main(["--report-dir", str(out), "--merge", str(a), "--merge", str(b), "--merge", str(c)]) == 0
+    merged = json.loads((out / "summary.json").read_text())
+    assert merged["whole"] and merged["ok"] and merged["commit"] == "abc1234"
+    assert merged["pytest"]["tests"] == 3 and set(merged["sanitizer"]) == set(gpu_check.SANITIZER_TOOLS)
+
+    # without the racecheck / initcheck part: not whole, exit 1
+    assert gpu_check.main(["--report-dir", str(tmp_path / "m2"), "--merge", str(a), "--merge", str(b)]) == 1
+    assert not json.loads((tmp_path / "m2" / "summary.json").read_text())["whole"]
+    # a part at another commit: not whole
+    d = tmp_path / "d"
+    assert _part(gpu_check, d, "--no-tests", "--sanitizer-tools", "racecheck,initcheck", commit="def5678",
+                 monkeypatch=monkeypatch) == 0
+    assert gpu_check.main(["--report-dir", str(tmp_path / "m3"), "--merge", str(a), "--merge", str(b),
+                           "--merge", str(d)]) == 1
+    # one tool in two parts, or a part without a summary: refused
+    with pytest.raises(SystemExit, match="memcheck ran in two parts"):
+        gpu_check.main(["--report-dir", str(tmp_path / "m4"), "--merge", str(b), "--merge", str(b)])
+    with pytest.raises(SystemExit, match="no summary.json"):
+        gpu_check.main(["--report-dir", str(tmp_path / "m5"), "--merge", str(tmp_path / "nowhere")])
