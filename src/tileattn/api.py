@@ -86,11 +86,11 @@ def attention(
         scale: multiplies q . k; default 1 / sqrt(d). Must be finite and > 0.
         return_lse: also return the log-sum-exp of each query row.
         deterministic: make the backward pass bitwise reproducible (may be slower).
-        Variants (keyword-only; docs/attention_variants.md). The forward runs the Hopper kernel's
-        variant instantiations on sm_90a for d in {64, 128, 256} without dropout, the sm_80 variant
-        kernel otherwise; the backward runs the Hopper variant backward on sm_90a for d in {64, 128}
-        without dropout and not deterministic, the sm_80 variant kernels otherwise. Without
-        variants nothing changes.
+        Variants (keyword-only; docs/attention_variants.md). On sm_90a with d in {64, 128, 256} the
+        forward and the backward run the Hopper kernels' variant instantiations (deterministic and
+        dropout included) wherever one covers the call, the sm_80 variant kernels otherwise (d = 32
+        or 96, other GPUs, dropout combined with softcap or ALiBi where no Hopper instantiation
+        exists; docs/attention_variants.md, "Dispatch"). Without variants nothing changes.
         window: (left, right) ints >= -1 (-1: unbounded): query i sees keys j in
             [i + Nk - Nq - left, i + Nk - Nq + right] (with causal: right <= 0). Whole key blocks
             outside every row's window are skipped.
