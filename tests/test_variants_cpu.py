@@ -326,9 +326,10 @@ def test_sm90_variant_instantiations_cover_every_flag_set():
             for e in these), these
     fixed_max = k90.FIXED_MAX_INSTANTIATIONS  # test_sm90_softcap_fixed_max_kernels checks them
     causal_variants = k90.CAUSAL_VARIANT_INSTANTIATIONS  # test_sm90_causal_variant_kernels checks them
+    causal_fixed_max = k90.CAUSAL_FIXED_MAX_INSTANTIATIONS  # test_sm90_causal_fixed_max_kernels checks them
     assert all(e.startswith(tuple(p[:-1] + ", 2, " for p in plain)) for e in k90.INSTANTIATIONS
                if e not in plain and e not in wide and e not in variant_wide and e not in fixed_max
-               and e not in causal_variants)
+               and e not in causal_variants and e not in causal_fixed_max)
 
 
 def test_sm90_softcap_fixed_max_kernels():
@@ -371,6 +372,37 @@ def test_sm90_softcap_fixed_max_kernels():
         with pytest.raises(ValueError, match="fixed_max"):
             k90.ForwardPlan(bad_q, bad_q, bad_q, bad_q, lse, causal=False, scale=1.0, variants=bad, fixed_max=True)
 
+
+def test_sm90_causal_fixed_max_kernels():
+    """Causal bf16 softcap with the fixed max on the kCausal kernel: one instantiation per kCausal
+    softcap tile (d = 64, 128; two and three consumers), each the online kCausal softcap kernel's
+    expression with FIXED_MAX added; ForwardPlan takes fixed_max and causal_kernel together only for
+    causal softcap where the fixed max applies, and refuses anything else before touching a GPU."""
+    from tileattn.kernels import attention_fwd_sm80, attention_fwd_sm90 as k90
+
+    exprs = k90.CAUSAL_FIXED_MAX_INSTANTIATIONS
+    assert len(exprs) == len(set(exprs)) == 4 and set(exprs) <= set(k90.INSTANTIATIONS), exprs
+    flags = k90.SOFTCAP | k90.FIXED_MAX
+    for d in k90.CAUSAL_VARIANT_HEAD_DIMS:
+        for cfg in (k90.DEFAULTS[(d, True)], k90.CAUSAL_VARIANT_WIDE[d]):
+            online = k90.variant_expression(d, cfg, True, k90.SOFTCAP, causal=True)
+            want = online.replace(f", {cfg.consumers}, {k90.SOFTCAP}, ", f", {cfg.consumers}, {flags}, ")
+            assert want != online and want in exprs, online
+    for bad_flags in (k90.ALIBI | k90.FIXED_MAX, k90.WINDOW | k90.SOFTCAP | k90.FIXED_MAX):
+        with pytest.raises(ValueError, match="kCausal"):
+            k90.variant_expression(128, k90.DEFAULTS[(128, True)], True, bad_flags, causal=True)
+
+    def va(left=UNBOUNDED, right=UNBOUNDED, softcap=0.0, alibi=None, p=0.0):
+        return attention_fwd_sm80.VariantArgs(left, right, softcap, alibi, p)
+
+    q, lse = torch.empty(1, 2, 64, 128, dtype=torch.bfloat16), torch.empty(1, 2, 64)
+    for bad_q, bad, match in ((q, va(right=0, alibi=0), "fixed_max"), (q, va(right=0, softcap=50.0), "fixed_max"),
+                              (q.half(), va(right=0, softcap=30.0), "fixed_max"),
+                              (q, va(100, 0, softcap=30.0), "causal_kernel"),
+                              (q, va(softcap=30.0), "causal_kernel")):
+        with pytest.raises(ValueError, match=match):
+            k90.ForwardPlan(bad_q, bad_q, bad_q, bad_q, lse, causal=False, scale=1.0, variants=bad, fixed_max=True,
+                            causal_kernel=True)
 
 
 def test_sm90_causal_variant_kernels():
@@ -938,7 +970,7 @@ def test_sm90_variant_forward_kind():
     kind = dispatch.sm90_variant_forward_kind
     for d in (64, 128, 256):
         assert kind(bf16, d, 8192, va(softcap=30.0)) == (True, False), d
-        assert kind(bf16, d, 8192, va(right=0, softcap=30.0)) == (True, False), d
+        assert kind(bf16, d, 8192, va(right=0, softcap=30.0)) == (True, d in dispatch.SM90_CAUSAL_FIXED_MAX), d
         assert kind(bf16, d, 8192, va(100, 7, softcap=30.0)) == (True, False), d
         assert kind(bf16, d, 8192, va(softcap=50.0)) == (False, False), d
         assert kind(bf16, d, 8192, va(softcap=30.0, alibi=0)) == (False, False), d
@@ -950,3 +982,18 @@ def test_sm90_variant_forward_kind():
         assert kind(bf16, d, 8192, va(right=0, softcap=50.0)) == (False, causal_kernel), d
         assert kind(bf16, d, 8192, va(100, 0, alibi=0)) == (False, False), d
         assert kind(fp16, d, 8192, va(softcap=30.0)) == (False, False), d
+    # With SM90_CAUSAL_FIXED_MAX holding d = 64 and 128 (what its kernels implement): causal bf16
+    # softcap within the budget takes the kCausal kernel with the fixed max; a window of its own, a
+    # cap past the budget and d = 256 do not.
+    saved = set(dispatch.SM90_CAUSAL_FIXED_MAX)
+    dispatch.SM90_CAUSAL_FIXED_MAX.clear()
+    dispatch.SM90_CAUSAL_FIXED_MAX.update({64, 128})
+    try:
+        for d, both in ((64, True), (128, True), (256, False)):
+            assert kind(bf16, d, 8192, va(right=0, softcap=30.0)) == (True, both), d
+            assert kind(bf16, d, 8192, va(100, 0, softcap=30.0)) == (True, False), d
+            assert kind(bf16, d, 8192, va(right=0, softcap=50.0)) == (False, d != 256), d
+            assert kind(fp16, d, 8192, va(right=0, softcap=30.0)) == (False, d != 256), d
+    finally:
+        dispatch.SM90_CAUSAL_FIXED_MAX.clear()
+        dispatch.SM90_CAUSAL_FIXED_MAX.update(saved)

@@ -652,14 +652,49 @@ def test_sm90_softcap_fixed_max(d, cap, scale_inputs, mask, nq, nk):
     causal, window = FIXED_MAX_MASKS[mask]
     opts = {"softcap": cap} if window is None else {"softcap": cap, "window": window}
     q, k, v, _ = make(1, 2, 2, nq, nk, d, BF16, seed=nq + 3 * nk + d, scale_inputs=scale_inputs)
-    got, _ = check_sm90(q, k, v, causal, opts, BF16, f"sm90 fixed max d={d} cap={cap} x{scale_inputs} {mask} "
-                        f"Nq={nq} Nk={nk}", fixed_max=True)
+    check_fixed_max(q, k, v, causal, opts, f"sm90 fixed max d={d} cap={cap} x{scale_inputs} {mask} Nq={nq} Nk={nk}")
+
+
+def check_fixed_max(q, k, v, causal, opts, what, **plan):
+    """The fixed-max forward (ForwardPlan(fixed_max=True, **plan)) against the float64 reference, and
+    within bf16 rounding of the online-max windowed kernel; rows without keys lse -inf in both."""
+    got, _ = check_sm90(q, k, v, causal, opts, BF16, what, fixed_max=True, **plan)
     online = run_sm90(q, k, v, causal, opts)
     e = rel_err(got[0].double(), online[0].double())
-    assert e <= 1e-2, f"fixed max vs online max: out differs by {e:.3e}"
+    assert e <= 1e-2, f"{what}: fixed max vs online max: out differs by {e:.3e}"
     finite = torch.isfinite(online[1])
-    assert torch.equal(finite, torch.isfinite(got[1])), "rows without keys: lse -inf in both"
-    assert torch.allclose(got[1][finite], online[1][finite], rtol=0, atol=1e-4), "lse"
+    assert torch.equal(finite, torch.isfinite(got[1])), f"{what}: rows without keys: lse -inf in both"
+    assert torch.allclose(got[1][finite], online[1][finite], rtol=0, atol=1e-4), f"{what}: lse"
+
+
+# Causal softcap with the fixed max on the kCausal kernel (ForwardPlan(fixed_max=True,
+# causal_kernel=True): attention_fwd_sm90.CAUSAL_FIXED_MAX_INSTANTIATIONS).
+@needs_sm90
+@pytest.mark.parametrize("nq, nk", [(1, 1), (1, 1000), (31, 33), (127, 129), (129, 127), (300, 100), (100, 300),
+                                    (1000, 1000), (4097, 4097)])
+@pytest.mark.parametrize("cap, scale_inputs", [(5.0, 8.0), (30.0, 1.0), (30.0, 40.0)], ids=["cap5x8", "cap30", "cap30x40"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_causal_fixed_max(d, cap, scale_inputs, nq, nk):
+    """Bottom-right causal edges for any Nq, Nk (Nq > Nk: rows without keys, out 0 and lse -inf),
+    saturated tanh; two consumers below WIDE_MIN_QUERIES[d] queries, d = 64 at 4097 on three."""
+    q, k, v, _ = make(1, 2, 2, nq, nk, d, BF16, seed=nq + 5 * nk + d, scale_inputs=scale_inputs)
+    check_fixed_max(q, k, v, True, {"softcap": cap}, f"sm90 causal fixed max d={d} cap={cap} x{scale_inputs} "
+                    f"Nq={nq} Nk={nk}", causal_kernel=True)
+
+
+@needs_sm90
+@pytest.mark.parametrize("h, hkv", [(2, 2), (3, 1)], ids=["MHA", "GQA3"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_causal_fixed_max_three_consumers(d, h, hkv):
+    """From WIDE_MIN_QUERIES[d] queries the causal fixed-max kernel takes CAUSAL_VARIANT_WIDE's
+    192-row tile, unseen visits skipped; Nq > Nk and Nq < Nk."""
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    for nq, nk in ((af.WIDE_MIN_QUERIES[d] + 76, af.WIDE_MIN_QUERIES[d] + 300),
+                   (af.WIDE_MIN_QUERIES[d] + 76, af.WIDE_MIN_QUERIES[d] - 500)):
+        q, k, v, _ = make(1, h, hkv, nq, nk, d, BF16, seed=d + nq + nk + h)
+        check_fixed_max(q, k, v, True, {"softcap": 20.0}, f"sm90 causal fixed max d={d} H={h}/{hkv} Nq={nq} Nk={nk}",
+                        causal_kernel=True, want_consumers=3)
 
 
 @needs_sm90
@@ -751,6 +786,20 @@ def test_sm90_softcap_fixed_max_sanitize_small(d, mask, wide):
     q, k, v, _ = make(1, 2, 2, 200, 70, d, BF16, seed=29 + d)
     check_sm90(q, k, v, causal, opts, BF16, f"sm90 sanitize fixed max d={d} {mask}", config=cfg,
                want_consumers=3 if wide else None, fixed_max=True)
+
+
+@needs_sm90
+@pytest.mark.sanitize
+@pytest.mark.parametrize("d, consumers", [(64, 3), (128, 2)])
+def test_sm90_causal_fixed_max_sanitize_small(d, consumers):
+    from dataclasses import replace
+
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    cfg = replace(af.CAUSAL_VARIANT_WIDE[d], persistent=True) if consumers == 3 else af.DEFAULTS[(d, True)]
+    q, k, v, _ = make(1, 2, 2, 200, 170, d, BF16, seed=31 + d)
+    check_sm90(q, k, v, True, {"softcap": 20.0}, BF16, f"sm90 sanitize causal fixed max d={d}", config=cfg,
+               want_consumers=consumers, fixed_max=True, causal_kernel=True)
 
 
 @needs_sm90

@@ -301,12 +301,16 @@ constexpr int kDropout = 32; // P *= keep(b, h, i, j) / (1 - p), keep from Philo
 // 2^-126, stay far inside bf16's (and fp32's) exponent range (attention_fwd_sm90.fixed_max_applies).
 constexpr int kFixedMax = 64;
 constexpr int kVariantBits = kWindow | kSoftcap | kAlibi | kDropout | kFixedMax;
-// ALiBi alone and softcap alone also exist with kCausal true: a causal call without a window takes
-// the plain kernel's causal blocks and mask (block_range, apply_mask, unseen visits skipped on three
-// consumers) instead of the window's per-row edges (window_range, apply_window), whose extra live
-// state makes WINDOW | ALIBI and WINDOW | SOFTCAP spill on three consumers.
+// ALiBi alone and softcap alone (with or without the fixed max) also exist with kCausal true: a
+// causal call without a window takes the plain kernel's causal blocks and mask (block_range,
+// apply_mask, unseen visits skipped on three consumers) instead of the window's per-row edges
+// (window_range, apply_window), whose extra live state makes WINDOW | ALIBI and WINDOW | SOFTCAP
+// spill on three consumers. Softcap's fixed max too: its main loop here is 652 instructions per
+// 128-key visit at d = 128 (bf16, 128 x 128 / s2) against the windowed fixed-max kernel's 724 and
+// the plain causal kernel's 678, and it has the three-consumer form (455 per 80-key visit, plain
+// 505) that the windowed kernel lacks (scripts/sass_loop_census.py, NVRTC 13.5).
 template <int kVariant>
-constexpr bool kCausalVariant = kVariant == kAlibi || kVariant == kSoftcap;
+constexpr bool kCausalVariant = kVariant == kAlibi || kVariant == kSoftcap || kVariant == (kSoftcap | kFixedMax);
 // Layout bit of kVariant (not a variant: the plain kernel's arithmetic on packed sequences; a bit
 // of the existing parameter rather than a new template parameter, so that the dense kernels keep
 // their mangled names and their cubins stay byte-identical).
@@ -775,7 +779,8 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   static_assert(!kPagedLayout || (kBlockN / 16) * (kHeadDim / 64) <= 32,
                 "paged: at most one K / V box per lane of the producer warp (16-row boxes x 64-column panels)");
   static_assert((kVariant & kVariantBits) == 0 || !kCausal || kCausalVariant<kVariant>,
-                "variants: causal is the window's right edge 0 (kCausal only for ALiBi or softcap alone)");
+                "variants: causal is the window's right edge 0 (kCausal only for ALiBi or softcap alone, "
+                "softcap with or without the fixed max)");
   Variants va{};
   if constexpr ((kVariant & kVariantBits) != 0) va = variants_of(scale_log2, variant_params...);
   Packed vl{};

@@ -348,9 +348,10 @@ _VARIANT_PARAM_TYPES = ("const float*, unsigned long long, unsigned long long, l
 def variant_expression(head_dim: int, config: Sm90Config, bf16: bool, flags: int, causal: bool = False) -> str:
     """The NVRTC name expression of a variant instantiation (flags: 1..7, or DROPOUT with any of
     them, see variant_flags): the plain kernel template with kCausal `causal` (True only for
-    CAUSAL_VARIANT_FLAGS), kVariant = flags and VARIANT_PARAMS' types."""
-    if causal and flags not in CAUSAL_VARIANT_FLAGS:
-        raise ValueError(f"variant flags {flags}: only ALiBi or softcap alone have a kCausal kernel")
+    CAUSAL_VARIANT_FLAGS, or SOFTCAP | FIXED_MAX), kVariant = flags and VARIANT_PARAMS' types."""
+    if causal and flags not in (*CAUSAL_VARIANT_FLAGS, SOFTCAP | FIXED_MAX):
+        raise ValueError(f"variant flags {flags}: only ALiBi or softcap alone (softcap with or without the fixed "
+                         f"max) have a kCausal kernel")
     return _flavour_expression(head_dim, config, causal, bf16, flags, _VARIANT_PARAM_TYPES)
 
 
@@ -393,6 +394,10 @@ CAUSAL_VARIANT_INSTANTIATIONS = tuple(
     variant_expression(d, cfg, bf16, flags, causal=True) for flags in CAUSAL_VARIANT_FLAGS
     for d in CAUSAL_VARIANT_HEAD_DIMS for cfg in (DEFAULTS[(d, True)], CAUSAL_VARIANT_WIDE[d])
     for bf16 in (False, True))
+# Causal bf16 softcap with the fixed max on the kCausal kernel, at the same two tiles per head dim.
+CAUSAL_FIXED_MAX_INSTANTIATIONS = tuple(
+    variant_expression(d, cfg, True, SOFTCAP | FIXED_MAX, causal=True) for d in CAUSAL_VARIANT_HEAD_DIMS
+    for cfg in (DEFAULTS[(d, True)], CAUSAL_VARIANT_WIDE[d]))
 # Dropout: the flag sets registered per head dim, at the variant tiles (kBlockN a multiple of 64:
 # whole Philox groups and keep words). Causal dropout is DROPOUT | WINDOW. Without the window bit,
 # softcap or ALiBi with dropout spilled under NVRTC 13.5's ptxas (DROPOUT | SOFTCAP | ALIBI at every
@@ -454,7 +459,8 @@ INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in (*
                                                                               *LONG_DEFAULTS.items())
                                for bf16 in (False, True))
                   + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS + DROPOUT_INSTANTIATIONS
-                  + VARIANT_WIDE_INSTANTIATIONS + FIXED_MAX_INSTANTIATIONS + CAUSAL_VARIANT_INSTANTIATIONS)
+                  + VARIANT_WIDE_INSTANTIATIONS + FIXED_MAX_INSTANTIATIONS + CAUSAL_VARIANT_INSTANTIATIONS
+                  + CAUSAL_FIXED_MAX_INSTANTIATIONS)
 # Tuning candidates: the dense extras, and the varlen kernel at every registered dense config (a
 # persistent config is the same kernel as its one-CTA-per-tile twin: a launch choice).
 TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
@@ -693,10 +699,11 @@ class ForwardPlan:
     softmax). fixed_max: run softcap with the fixed row max (FIXED_MAX kernels), which needs
     fixed_max_applies. causal_kernel: run a causal call with ALiBi or softcap alone
     (causal_variant_flags) on the kCausal kernel (causal_variant_config's tile) instead of the
-    windowed one. Raises ValueError for causal with variants, dropout_p > 0 with a head dim / flag
-    set that has no dropout instantiation (supports_dropout), fixed_max where it does not apply,
-    causal_kernel for variants or a head dim it does not cover (CAUSAL_VARIANT_HEAD_DIMS), or both
-    fixed_max and causal_kernel (no kernel has both)."""
+    windowed one; both together: causal bf16 softcap with the fixed max on the kCausal kernel
+    (CAUSAL_FIXED_MAX_INSTANTIATIONS). Raises ValueError for causal with variants, dropout_p > 0 with
+    a head dim / flag set that has no dropout instantiation (supports_dropout), fixed_max where it
+    does not apply, or causal_kernel for variants or a head dim it does not cover
+    (CAUSAL_VARIANT_HEAD_DIMS)."""
 
     def __init__(self, q, k, v, out, lse, *, causal: bool, scale: float, config: Sm90Config | None = None,
                  pack_gqa: bool | None = None, variants=None, fixed_max: bool = False, causal_kernel: bool = False):
@@ -716,9 +723,6 @@ class ForwardPlan:
                     raise ValueError(f"the sm90 forward has no dropout instantiation for head_dim {head_dim} with "
                                      f"variant flags {flags}; registered: {DROPOUT_FLAG_SETS}")
                 flags = kernel_flags
-        if causal_kernel and fixed_max:
-            raise ValueError("fixed_max and causal_kernel: no kernel has both (a causal bf16 softcap call takes "
-                             "fixed_max alone)")
         if causal_kernel:
             causal_flags = None if variants is None else causal_variant_flags(variants)
             if causal_flags is None or head_dim not in CAUSAL_VARIANT_HEAD_DIMS:
@@ -1086,6 +1090,7 @@ __all__ = [
     "CAUSAL_VARIANT_FLAGS",
     "CAUSAL_VARIANT_HEAD_DIMS",
     "CAUSAL_VARIANT_INSTANTIATIONS",
+    "CAUSAL_FIXED_MAX_INSTANTIATIONS",
     "CAUSAL_VARIANT_WIDE",
     "causal_variant_config",
     "causal_variant_flags",

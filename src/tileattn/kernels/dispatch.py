@@ -91,6 +91,10 @@ SM90_SOFTCAP_FIXED_MAX: set[int] = {64, 128, 256}
 # 0.754-0.803 (bf16 causal softcap takes the fixed max first, where it applies). GPU tests
 # (ForwardPlan(causal_kernel=True) at causal_variant_config's tiles) and the four sanitizers in G3.
 SM90_CAUSAL_VARIANT_FORWARD: set[int] = {64, 128}
+# Head dims whose causal bf16 softcap forward (no window of its own), where the fixed max applies,
+# runs the kCausal kernel with the fixed max (attention_fwd_sm90.CAUSAL_FIXED_MAX_INSTANTIATIONS)
+# instead of the windowed fixed-max kernel (WINDOW | SOFTCAP | FIXED_MAX, two consumers).
+SM90_CAUSAL_FIXED_MAX: set[int] = {64, 128}
 
 
 # (head dim, deterministic) whose variant backward (window, softcap, ALiBi; dropout only with
@@ -149,7 +153,7 @@ SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
-# Empty since session 24: every Hopper kernel written so far is measured and dispatched.
+# Empty: every Hopper kernel written so far is measured and dispatched.
 UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ()
 
 
@@ -255,15 +259,16 @@ class _VariantPointerPlan:
 def sm90_variant_forward_kind(dtype, head_dim: int, seqlen_k: int, variants) -> tuple[bool, bool]:
     """(fixed_max, causal_kernel) for attention_fwd_sm90.ForwardPlan: bf16 softcap takes the
     fixed-max kernel where SM90_SOFTCAP_FIXED_MAX lists the head dim and fixed_max_applies (causal
-    too: WINDOW | SOFTCAP); causal ALiBi, and causal softcap that the fixed max does not cover, the
-    kCausal kernel where SM90_CAUSAL_VARIANT_FORWARD lists the head dim; at most one of the two."""
+    too: WINDOW | SOFTCAP, or the kCausal kernel with the fixed max where SM90_CAUSAL_FIXED_MAX lists
+    the head dim); causal ALiBi, and causal softcap that the fixed max does not cover, the kCausal
+    kernel where SM90_CAUSAL_VARIANT_FORWARD lists the head dim."""
     from . import attention_fwd_sm90
 
     flags = attention_fwd_sm90.variant_flags(variants)
     fixed_max = head_dim in SM90_SOFTCAP_FIXED_MAX and attention_fwd_sm90.fixed_max_applies(
         dtype, flags, variants.softcap, seqlen_k)
-    causal_kernel = (not fixed_max and head_dim in SM90_CAUSAL_VARIANT_FORWARD
-                     and attention_fwd_sm90.causal_variant_flags(variants) is not None)
+    causal_table = SM90_CAUSAL_FIXED_MAX if fixed_max else SM90_CAUSAL_VARIANT_FORWARD
+    causal_kernel = head_dim in causal_table and attention_fwd_sm90.causal_variant_flags(variants) is not None
     return fixed_max, causal_kernel
 
 
