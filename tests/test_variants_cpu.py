@@ -405,6 +405,36 @@ def test_sm90_causal_fixed_max_kernels():
                             causal_kernel=True)
 
 
+def test_sm90_fixed_max_three_consumer_switch():
+    """The fixed-max kernels switch to three consumers at FIXED_MAX_WIDE_MIN_QUERIES' queries (d = 128:
+    2048, where the plain kernel waits for 8192), causal and not, unless GQA packing needs the
+    128-row tile; d = 64 keeps the plain switch; every choice names a registered instantiation."""
+    from tileattn.kernels import attention_fwd_sm90 as k90
+
+    registered = set(k90.INSTANTIATIONS)
+    assert k90.FIXED_MAX_WIDE_MIN_QUERIES[128] < k90.WIDE_MIN_QUERIES[128]
+    for d in (64, 128):
+        switch = k90.FIXED_MAX_WIDE_MIN_QUERIES.get(d, k90.WIDE_MIN_QUERIES[d])
+        for nq in (1, switch - 1, switch, k90.WIDE_MIN_QUERIES[d], 1 << 15):
+            for heads, kv_heads, pack in ((32, 32, None), (32, 8, None), (24, 2, True)):
+                kw = dict(seqlen_q=nq, heads=heads, kv_heads=kv_heads, pack_gqa=pack)
+                causal = k90.causal_variant_config(d, nq, fixed_max=True, **kw)
+                full = k90.variant_config(d, k90.SOFTCAP, nq, fixed_max=True, **kw)
+                want = 3 if nq >= switch and k90.default_config(d, False, nq, wide_min_queries=switch, **kw).consumers == 3 else 2
+                assert full.consumers == want, (d, nq, heads, kv_heads, str(full))
+                assert causal.consumers == k90.default_config(d, True, nq, wide_min_queries=switch, **kw).consumers
+                assert k90.variant_expression(d, causal, True, k90.SOFTCAP | k90.FIXED_MAX, causal=True) in registered
+                assert k90.variant_expression(d, full, True, k90.SOFTCAP | k90.FIXED_MAX) in registered
+                # without the fixed max: the plain kernel's switch
+                assert k90.variant_config(d, k90.SOFTCAP, nq, **kw) == k90.variant_config(d, k90.ALIBI, nq, **kw)
+    kw = dict(seqlen_q=2048, heads=32, kv_heads=32)
+    assert k90.causal_variant_config(128, 2048, fixed_max=True, **kw).consumers == 3
+    assert k90.causal_variant_config(128, 2048, **kw).consumers == 2
+    assert k90.variant_config(128, k90.SOFTCAP, 2048, fixed_max=True, **kw).consumers == 3
+    assert k90.variant_config(128, k90.SOFTCAP, 2048, **kw).consumers == 2
+    assert k90.variant_config(128, k90.SOFTCAP, 2047, fixed_max=True, seqlen_q=2047).consumers == 2
+
+
 def test_sm90_causal_variant_kernels():
     """ALiBi alone and softcap alone with the causal window have kCausal kernels (d = 64, 128) at the
     plain causal kernel's two-consumer tile and at CAUSAL_VARIANT_WIDE's; causal_variant_flags finds

@@ -676,7 +676,8 @@ def check_fixed_max(q, k, v, causal, opts, what, **plan):
 @pytest.mark.parametrize("d", [64, 128])
 def test_sm90_causal_fixed_max(d, cap, scale_inputs, nq, nk):
     """Bottom-right causal edges for any Nq, Nk (Nq > Nk: rows without keys, out 0 and lse -inf),
-    saturated tanh; two consumers below WIDE_MIN_QUERIES[d] queries, d = 64 at 4097 on three."""
+    saturated tanh; two consumers below 2048 queries, three at 4097 (causal_variant_config with
+    fixed_max)."""
     q, k, v, _ = make(1, 2, 2, nq, nk, d, BF16, seed=nq + 5 * nk + d, scale_inputs=scale_inputs)
     check_fixed_max(q, k, v, True, {"softcap": cap}, f"sm90 causal fixed max d={d} cap={cap} x{scale_inputs} "
                     f"Nq={nq} Nk={nk}", causal_kernel=True)
