@@ -1,6 +1,7 @@
 # tileattn: `make demo` and `make test` each set up .venv on first use, then run.
 # `make gpu-check` runs on a GPU machine with its own python3 (nothing is installed there);
-# GPU_CHECK_ARGS passes more options to scripts/gpu_check.py (e.g. --no-audit, --ignore FILE).
+# GPU_CHECK_ARGS passes more options to scripts/gpu_check.py (e.g. --no-audit, --ignore FILE); a
+# PYTHONPATH set by the caller (carried wheels unpacked into a folder) is kept after src and the root.
 
 PYTHON   ?= python3
 VENV     := .venv
@@ -45,7 +46,7 @@ test: lint check
 	$(PY) -m pytest -q -rs -n auto
 
 gpu-check:
-	PYTHONPATH=src:. $(PYTHON) scripts/gpu_check.py --report-dir $(REPORT_DIR) --bench $(BENCH) --tests $(TESTS) --workers $(WORKERS) $(GPU_CHECK_ARGS)
+	PYTHONPATH=src:.$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) scripts/gpu_check.py --report-dir $(REPORT_DIR) --bench $(BENCH) --tests $(TESTS) --workers $(WORKERS) $(GPU_CHECK_ARGS)
 
 # The seed benchmark with the same .venv as demo and test (on a GPU machine: make bench TORCH=...);
 # the lent GPU machine, which installs nothing, runs benchmarks through gpu-check (BENCH=...).
