@@ -772,11 +772,11 @@ def test_variants_trace_as_one_custom_op_with_autograd():
             tileattn.attention(q, k, k, alibi_slopes=slopes.double())
     code = graphs[0].code
     assert len(re.findall(r"tileattn\.attention_variants_fwd", code)) == 1, code
-    # causal folded into the window: right edge 0, left 16
-    assert "16, 0, 30.0" in code, code
+    # causal folded into the window: right edge 0, left 16; traced without grad: inference (no backward)
+    assert "16, 0, 30.0, True" in code, code
 
     q, k, v = (torch.empty(2, 4, 20, 64, dtype=torch.bfloat16, device="meta").requires_grad_() for _ in range(3))
-    out, lse = torch.ops.tileattn.attention_variants_fwd(q, k, v, None, 0.125, False, 3, 0, 0.0)
+    out, lse = torch.ops.tileattn.attention_variants_fwd(q, k, v, None, 0.125, False, 3, 0, 0.0, False)
     assert out.requires_grad and not lse.requires_grad
     out.float().sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
@@ -997,8 +997,17 @@ def test_sm90_variant_forward_kind():
         return attention_fwd_sm80.VariantArgs(left, right, softcap, alibi, p)
 
     bf16, fp16 = torch.bfloat16, torch.float16
-    kind = dispatch.sm90_variant_forward_kind
+
+    def kind(*args):
+        return dispatch.sm90_variant_forward_kind(*args, inference=True)
+
     for d in (64, 128, 256):
+        # a forward a backward may follow never takes the fixed max (the kCausal online kernel for
+        # causal softcap where SM90_CAUSAL_VARIANT_FORWARD lists the head dim)
+        for opts in (va(softcap=30.0), va(right=0, softcap=30.0), va(100, 7, softcap=30.0)):
+            want = (False, opts.window_right == 0 and opts.window_left == UNBOUNDED
+                    and d in dispatch.SM90_CAUSAL_VARIANT_FORWARD)
+            assert dispatch.sm90_variant_forward_kind(bf16, d, 8192, opts, inference=False) == want, (d, opts)
         assert kind(bf16, d, 8192, va(softcap=30.0)) == (True, False), d
         assert kind(bf16, d, 8192, va(right=0, softcap=30.0)) == (True, d in dispatch.SM90_CAUSAL_FIXED_MAX), d
         assert kind(bf16, d, 8192, va(100, 7, softcap=30.0)) == (True, False), d

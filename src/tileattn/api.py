@@ -368,11 +368,13 @@ class _AttentionFunction(torch.autograd.Function):
 # Variants (window, softcap, ALiBi, dropout): the sm_80 variant kernels, eager path
 # ---------------------------------------------------------------------------------------------
 class _VariantEntry(_PlanEntry):
-    """A validated combination with variants: the dispatcher's variant forward plan
-    (dispatch.variant_forward_plan; causal folded into the window) and its variant backward plans
-    (dispatch.variant_backward_plan). Their launches take (alibi pointer, seed, offset) last."""
+    """A validated combination with variants: the dispatcher's variant forward plans
+    (dispatch.variant_forward_plan; causal folded into the window): `forward` for calls a backward
+    may follow, and, built on first use, the one for calls none follows (inference_forward: softcap's
+    fixed row max where it applies); and its variant backward plans (dispatch.variant_backward_plan).
+    Their launches take (alibi pointer, seed, offset) last."""
 
-    __slots__ = ("variants",)
+    __slots__ = ("variants", "inference")
 
     def __init__(self, q, k, v, causal: bool, scale, window, softcap, alibi_slopes, dropout_p):
         from .kernels import attention_fwd_sm80, dispatch
@@ -400,7 +402,17 @@ class _VariantEntry(_PlanEntry):
         self.grad_specs = tuple((t.shape, torch.empty_like(t).stride()) for t in (q, k, v))
         with torch.cuda.device(self.device_index):
             self.forward = dispatch.variant_forward_plan(q, k, v, out, lse, scale=self.scale, variants=self.variants)
+        self.inference = None if dispatch.inference_forward_differs(q, k, self.variants) else self.forward
         self.backward: dict[tuple, object] = {}
+
+    def inference_forward(self, q, k, v, out, lse):
+        """The forward plan of a call that no backward follows (built on the first such call)."""
+        if self.inference is None:
+            from .kernels import dispatch
+
+            self.inference = dispatch.variant_forward_plan(q, k, v, out, lse, scale=self.scale, variants=self.variants,
+                                                           inference=True)
+        return self.inference
 
     def _build_backward(self, q, k, v, out, lse, dout, dq, dk, dv, deterministic: bool):
         from .kernels import dispatch
@@ -431,7 +443,9 @@ def _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, 
             out, lse, _ = torch.ops.tileattn.attention_dropout_fwd(q, k, v, alibi_slopes, rng, scale, deterministic,
                                                                    left, right, cap, p)
             return out, lse
-        return torch.ops.tileattn.attention_variants_fwd(q, k, v, alibi_slopes, scale, deterministic, left, right, cap)
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        return torch.ops.tileattn.attention_variants_fwd(q, k, v, alibi_slopes, scale, deterministic, left, right, cap,
+                                                         not needs_grad)
     alibi_key = None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
                                                    alibi_slopes.get_device())
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
@@ -446,7 +460,7 @@ def _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, 
     alibi = 0 if alibi_slopes is None else alibi_slopes.data_ptr()
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _VariantFunction.apply(q, k, v, entry, alibi_slopes, (alibi, seed, offset), deterministic)
-    return _variant_forward(entry, q, k, v, (alibi, seed, offset))
+    return _variant_forward(entry, q, k, v, (alibi, seed, offset), inference=True)
 
 
 @contextlib.contextmanager
@@ -491,7 +505,7 @@ def _cached_entry(key, make):
     return entry
 
 
-def _variant_forward(entry: _VariantEntry, q, k, v, extra):
+def _variant_forward(entry: _VariantEntry, q, k, v, extra, inference: bool = False):
     """(out, lse): `_forward`'s steps with the variant plan's per-call values (kept apart so that the
     plain path pays nothing for them)."""
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
@@ -502,7 +516,8 @@ def _variant_forward(entry: _VariantEntry, q, k, v, extra):
     out = torch.empty_strided(*entry.out_spec, dtype=q.dtype, device=entry.device)
     lse = torch.empty_strided(*entry.lse_spec, dtype=torch.float32, device=entry.device)
     with torch.cuda.device(entry.device_index):
-        entry.forward.launch(q, k, v, out, lse, *extra)
+        plan = entry.inference_forward(q, k, v, out, lse) if inference else entry.forward
+        plan.launch(q, k, v, out, lse, *extra)
     return out, lse
 
 
@@ -537,15 +552,18 @@ class _VariantFunction(torch.autograd.Function):
 @torch.library.custom_op("tileattn::attention_variants_fwd", mutates_args=(), device_types="cuda")
 def _attention_variants_fwd(
     q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], scale: float, deterministic: bool,
-    window_left: int, window_right: int, softcap: float,
+    window_left: int, window_right: int, softcap: float, inference: bool,
 ) -> tuple[Tensor, Tensor]:
-    """(out [B, H, Nq, d], lse [B, H, Nq] fp32) with window / softcap / ALiBi."""
+    """(out [B, H, Nq, d], lse [B, H, Nq] fp32) with window / softcap / ALiBi. inference: no backward
+    follows (the caller traced it without grad), so the entry's inference plan may run."""
     entry = _variant_op_entry(q, k, v, alibi_slopes, scale, window_left, window_right, softcap)
-    return _variant_forward(entry, q, k, v, (0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0, 0))
+    return _variant_forward(entry, q, k, v, (0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0, 0),
+                            inference=inference)
 
 
 @_attention_variants_fwd.register_fake
-def _attention_variants_fwd_fake(q, k, v, alibi_slopes, scale, deterministic, window_left, window_right, softcap):
+def _attention_variants_fwd_fake(q, k, v, alibi_slopes, scale, deterministic, window_left, window_right, softcap,
+                                 inference):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -577,7 +595,7 @@ def _variant_op_entry(q, k, v, alibi_slopes, scale, left, right, softcap, dropou
 
 
 def _variants_setup_context(ctx, inputs, output) -> None:
-    q, k, v, alibi_slopes, scale, deterministic, window_left, window_right, softcap = inputs
+    q, k, v, alibi_slopes, scale, deterministic, window_left, window_right, softcap, _inference = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
     ctx.args = (scale, deterministic, window_left, window_right, softcap)
@@ -587,7 +605,7 @@ def _variants_setup_context(ctx, inputs, output) -> None:
 def _variants_backward_op(ctx, dout, _dlse):
     q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
     dq, dk, dv = torch.ops.tileattn.attention_variants_bwd(dout, q, k, v, out, lse, alibi_slopes, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _attention_variants_fwd.register_autograd(_variants_backward_op, setup_context=_variants_setup_context)

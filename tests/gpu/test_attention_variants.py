@@ -667,6 +667,31 @@ def check_fixed_max(q, k, v, causal, opts, what, **plan):
     assert torch.allclose(got[1][finite], online[1][finite], rtol=0, atol=1e-4), f"{what}: lse"
 
 
+@needs_sm90
+@pytest.mark.parametrize("nq, nk", [(1, 1), (1, 1000), (300, 300)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softcap_fixed_max_runs_only_without_autograd(causal, nq, nk):
+    """tileattn.attention with bf16 softcap: a call without autograd runs the fixed-max kernel (the
+    plan entry's inference plan), a call with autograd the online-max one, whose out and lse the
+    backward reads (dispatch.SM90_SOFTCAP_FIXED_MAX says why); both against the float64 reference,
+    the gradients too (Nq = Nk = 1: dq ~ 0, which the fixed max's out would not give)."""
+    from tileattn import api
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    opts = {"softcap": 20.0}
+    q, k, v, dout = make(1, 2, 2, nq, nk, 128, BF16, seed=nq + nk + causal)
+    ref = run_ref(q, k, v, dout, causal, opts)
+    api._plans.clear()
+    got = run_op(q, k, v, dout, causal, opts, grad=False)
+    check(got, ref, BF16, f"softcap no autograd causal={causal} Nq={nq} Nk={nk}", grads=False)
+    (entry,) = api._plans.values()
+    fixed = f", {af.SOFTCAP | af.FIXED_MAX}, const float*"
+    assert fixed in entry.inference.plan.kernel.expression, entry.inference.plan.kernel.expression
+    assert fixed not in entry.forward.plan.kernel.expression, entry.forward.plan.kernel.expression
+    got = run_op(q, k, v, dout, causal, opts)
+    check(got, ref, BF16, f"softcap autograd causal={causal} Nq={nq} Nk={nk}")
+
+
 # Causal softcap with the fixed max on the kCausal kernel (ForwardPlan(fixed_max=True,
 # causal_kernel=True): attention_fwd_sm90.CAUSAL_FIXED_MAX_INSTANTIATIONS).
 @needs_sm90

@@ -53,7 +53,9 @@ class _Plans:
     """Forward and backward launch plans of one problem, plain or with variants, as the dispatcher
     picks them (on an H200: the Hopper forward, plain or with window/softcap/ALiBi; the variant
     backward of the family dispatch.variant_backward_plan picks: sm80 until the Hopper one is in its
-    table, or under --hopper-forced)."""
+    table, or under --hopper-forced). Forward-only rows time the forward a call without autograd
+    runs (fwd_inference: softcap's fixed max where it applies), forward+backward rows the one a
+    backward follows."""
 
     def __init__(self, q, k, v, dout, *, causal: bool, variants=None, extra=(0, 0, 0)):
         from ..kernels import dispatch
@@ -67,18 +69,21 @@ class _Plans:
             self.fwd = dispatch.attention_forward_plan(q, k, v, self.out, self.lse, causal=causal, scale=scale)
             self.bwd = dispatch.attention_backward_plan(q, k, v, self.out, self.lse, dout, self.dq, self.dk, self.dv,
                                                         causal=causal, scale=scale, deterministic=False)
+            self.fwd_inference = self.fwd
         else:
             self.fwd = dispatch.variant_forward_plan(q, k, v, self.out, self.lse, scale=scale, variants=variants)
+            self.fwd_inference = dispatch.variant_forward_plan(q, k, v, self.out, self.lse, scale=scale,
+                                                               variants=variants, inference=True)
             self.bwd = dispatch.variant_backward_plan(q, k, v, self.out, self.lse, dout, self.dq, self.dk, self.dv,
                                                       scale=scale, deterministic=False, variants=variants)
 
     def forward(self):
         q, k, v, _ = self.t
-        self.fwd.launch(q, k, v, self.out, self.lse, *self.extra)
+        self.fwd_inference.launch(q, k, v, self.out, self.lse, *self.extra)
 
     def forward_backward(self):
         q, k, v, dout = self.t
-        self.forward()
+        self.fwd.launch(q, k, v, self.out, self.lse, *self.extra)
         self.bwd.launch(q, k, v, self.out, self.lse, dout, self.dq, self.dk, self.dv, *self.extra)
 
 

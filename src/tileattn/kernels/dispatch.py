@@ -79,7 +79,13 @@ SM90_DROPOUT_FORWARD: set[int] = {64, 128, 256}
 # --forward-only --rounds 3`, with and without --hopper-forced, bf16, B=4 H=32, N = 2048 / 8192),
 # softcap / plain: d = 128 0.827-0.847 -> 0.847-0.924, d = 64 0.704-0.765 -> 0.752-0.790; call G4
 # (the same command at d = 256): 0.916-0.954 -> 0.932-0.998. GPU tests and the four sanitizers in
-# calls G3 / G2.
+# calls G3 / G2. Only for forwards that no backward follows (variant_forward_plan's inference: calls
+# without autograd, traced ones without grad): with every p rounded to bf16 (the online max keeps the
+# largest exactly 1), the O a backward reads is off by up to an ulp where one key dominates a row, and
+# dq = P (dP - rowsum(dO O)) magnifies that where dP and the row sum nearly cancel: the Hopper
+# variant backward after the fixed-max forward read dq relative errors of 2.2-3.1 against a dq of
+# ~0 (Nq = Nk = 1) and 1.4e-2 at Nq = 1, Nk = 1000 (window (48, 16), cap 20; H200, 2026-12-04,
+# session 25 call 2, tests/gpu/test_attention_bwd_sm90_variants.py::test_variants_lengths).
 SM90_SOFTCAP_FIXED_MAX: set[int] = {64, 128, 256}
 # Head dims whose causal forward with ALiBi or softcap alone (no window of its own) runs the kCausal
 # variant kernel (attention_fwd_sm90.CAUSAL_VARIANT_INSTANTIATIONS: the plain causal kernel's blocks,
@@ -256,38 +262,53 @@ class _VariantPointerPlan:
         self.plan.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), alibi, seed, offset)
 
 
-def sm90_variant_forward_kind(dtype, head_dim: int, seqlen_k: int, variants) -> tuple[bool, bool]:
-    """(fixed_max, causal_kernel) for attention_fwd_sm90.ForwardPlan: bf16 softcap takes the
-    fixed-max kernel where SM90_SOFTCAP_FIXED_MAX lists the head dim and fixed_max_applies (causal
+def sm90_variant_forward_kind(dtype, head_dim: int, seqlen_k: int, variants, *, inference: bool) -> tuple[bool, bool]:
+    """(fixed_max, causal_kernel) for attention_fwd_sm90.ForwardPlan. For a forward that no backward
+    follows (inference), bf16 softcap takes the fixed-max kernel where SM90_SOFTCAP_FIXED_MAX lists
+    the head dim and fixed_max_applies (causal
     too: WINDOW | SOFTCAP, or the kCausal kernel with the fixed max where SM90_CAUSAL_FIXED_MAX lists
     the head dim); causal ALiBi, and causal softcap that the fixed max does not cover, the kCausal
     kernel where SM90_CAUSAL_VARIANT_FORWARD lists the head dim."""
     from . import attention_fwd_sm90
 
     flags = attention_fwd_sm90.variant_flags(variants)
-    fixed_max = head_dim in SM90_SOFTCAP_FIXED_MAX and attention_fwd_sm90.fixed_max_applies(
+    fixed_max = inference and head_dim in SM90_SOFTCAP_FIXED_MAX and attention_fwd_sm90.fixed_max_applies(
         dtype, flags, variants.softcap, seqlen_k)
     causal_table = SM90_CAUSAL_FIXED_MAX if fixed_max else SM90_CAUSAL_VARIANT_FORWARD
     causal_kernel = head_dim in causal_table and attention_fwd_sm90.causal_variant_flags(variants) is not None
     return fixed_max, causal_kernel
 
 
-def variant_forward_plan(q, k, v, out, lse, *, scale: float, variants):
+def variant_forward_plan(q, k, v, out, lse, *, scale: float, variants, inference: bool = False):
     """The forward plan of a dense call with variants (attention_fwd_sm80.VariantArgs, causal
     folded into the window) for these validated tensors: `.launch(q, k, v, out, lse, alibi
     pointer, seed, offset)`. K/V must already be copied where the sm80 kernel needs it
-    (needs_contiguous_kv)."""
+    (needs_contiguous_kv). inference: no backward follows this forward, so softcap's fixed row max
+    may run (sm90_variant_forward_kind; a backward from its output and lse would be less exact, see
+    SM90_SOFTCAP_FIXED_MAX)."""
     from ..runtime import device_arch
 
     family = variant_forward_family(device_arch(q.device.index), q.dtype, q.shape[3], variants.dropout_p, variants)
     if family == "attention_fwd_sm90":
         from . import attention_fwd_sm90
 
-        fixed_max, causal_kernel = sm90_variant_forward_kind(q.dtype, q.shape[3], k.shape[2], variants)
+        fixed_max, causal_kernel = sm90_variant_forward_kind(q.dtype, q.shape[3], k.shape[2], variants, inference=inference)
         return attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=variants,
                                               fixed_max=fixed_max, causal_kernel=causal_kernel)
     return _VariantPointerPlan(attention_fwd_sm80.forward_plan(q, k, v, out, lse, causal=False, scale=scale,
                                                                variants=variants))
+
+
+def inference_forward_differs(q, k, variants) -> bool:
+    """Whether a forward that no backward follows takes another plan than one a backward may follow
+    (variant_forward_plan's inference): the Hopper variant forward with softcap's fixed max."""
+    from ..runtime import device_arch
+
+    if variant_forward_family(device_arch(q.device.index), q.dtype, q.shape[3], variants.dropout_p,
+                              variants) != "attention_fwd_sm90":
+        return False
+    kinds = {sm90_variant_forward_kind(q.dtype, q.shape[3], k.shape[2], variants, inference=i) for i in (False, True)}
+    return len(kinds) == 2
 
 
 def variant_backward_family(arch: str, dtype, head_dim: int, variants, deterministic: bool) -> str:
