@@ -435,6 +435,34 @@ def test_sm90_fixed_max_three_consumer_switch():
     assert k90.variant_config(128, k90.SOFTCAP, 2047, fixed_max=True, seqlen_q=2047).consumers == 2
 
 
+
+def test_sm90_bwd_split_masked_kernels():
+    """The split softcap backward: softcap alone, atomic dQ, d = 64 / 128, both dtypes, each the
+    registered softcap kernel's expression with SPLIT_MASKED added; BackwardPlan refuses it for other
+    variants, the deterministic mode and d = 256, before touching a GPU; the dispatcher asks for it
+    only where SM90_SOFTCAP_BWD_SPLIT lists the head dim (filled: as hopper_kernels_forced fills it)."""
+    from tileattn.kernels import attention_bwd_sm90 as ab, attention_fwd_sm80, dispatch
+
+    exprs = ab.SPLIT_MASKED_INSTANTIATIONS
+    assert len(exprs) == len(set(exprs)) == 4 and set(exprs) <= set(ab.INSTANTIATIONS), exprs
+    bits = ab.WINDOW | ab.SOFTCAP
+    for d in ab.SPLIT_MASKED_HEAD_DIMS:
+        for bf16 in (False, True):
+            plain = ab.variant_expression(d, ab.VARIANT_DEFAULTS[d], bf16, bits, False)
+            assert plain in ab.INSTANTIATIONS and plain[:-2] + f"{bits | ab.SPLIT_MASKED}>" in exprs, plain
+
+    def va(left=UNBOUNDED, right=UNBOUNDED, softcap=0.0, alibi=None):
+        return attention_fwd_sm80.VariantArgs(left, right, softcap, alibi, 0.0)
+
+    for d, opts, det in ((128, va(softcap=30.0, alibi=0), False), (128, va(right=0), False),
+                         (128, va(softcap=30.0), True), (256, va(softcap=30.0), False)):
+        t = torch.empty(1, 2, 64, d, dtype=torch.bfloat16)
+        lse = torch.empty(1, 2, 64)
+        with pytest.raises(ValueError, match="split_masked"):
+            ab.BackwardPlan(t, t, t, t, lse, t, t, t, t, causal=False, scale=1.0, deterministic=det, variants=opts,
+                            split_masked=True)
+    assert (dispatch.SM90_SOFTCAP_BWD_SPLIT, {64, 128}) in dispatch.UNMEASURED_SM90_TABLES
+
 def test_sm90_causal_variant_kernels():
     """ALiBi alone and softcap alone with the causal window have kCausal kernels (d = 64, 128) at the
     plain causal kernel's two-consumer tile and at CAUSAL_VARIANT_WIDE's; causal_variant_flags finds

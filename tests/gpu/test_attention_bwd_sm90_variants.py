@@ -52,11 +52,12 @@ def variant_args(q, causal, opts):
         opts.get("dropout_p", 0.0), None, opts.get("seed"), opts.get("offset")))
 
 
-def run(q, k, v, dout, causal, opts, deterministic=False, forward="dispatch"):
+def run(q, k, v, dout, causal, opts, deterministic=False, forward="dispatch", split_masked=False):
     """(out, lse, (dq, dk, dv), (sm80 dq, dk, dv)): the variant forward (`forward`: "dispatch" the
     dispatcher's, "sm90" attention_fwd_sm90.ForwardPlan), this family's variant backward and the
     sm80 variant backward on the same out / lse, every allocation poisoned and every gradient
-    NaN-filled before its launch. Dropout: seed / offset from opts (0 if absent) for all three."""
+    NaN-filled before its launch. Dropout: seed / offset from opts (0 if absent) for all three.
+    split_masked: this family's softcap kernel with its masked / unmasked passes compiled apart."""
     from tileattn.kernels import attention_bwd_sm80, attention_fwd_sm90, dispatch
 
     va = variant_args(q, causal, opts)
@@ -73,9 +74,10 @@ def run(q, k, v, dout, causal, opts, deterministic=False, forward="dispatch"):
         fwd.launch(q, k, v, out, lse, *extra)
         grads, grads80 = ([torch.full_like(t, float("nan")) for t in (q, k, v)] for _ in range(2))
         plan = _ab().variant_backward_plan(q, k, v, out, lse, dout, *grads, scale=scale,
-                                           deterministic=deterministic, variants=va)
-        bits = _ab().variant_bits(va)
+                                           deterministic=deterministic, variants=va, split_masked=split_masked)
+        bits = _ab().variant_bits(va) | (_ab().SPLIT_MASKED if split_masked else 0)
         assert plan.variant_values == (bits != 0)
+        assert plan.main.kernel.expression.endswith(f", {bits}>") or bits == 0, plan.main.kernel.expression
         assert ("_variants<" in plan.main.kernel.expression) == (bits != 0), plan.main.kernel.expression
         plan.launch(q, k, v, out, lse, dout, *grads, *extra)
         plan80 = attention_bwd_sm80.backward_plan(q, k, v, out, lse, dout, *grads80, causal=False, scale=scale,
@@ -92,10 +94,10 @@ def reference_grads(q, k, v, dout, causal, opts):
     return lse, (q64.grad, k64.grad, v64.grad)
 
 
-def check(q, k, v, dout, causal, opts, dtype, what, deterministic=False, forward="dispatch"):
+def check(q, k, v, dout, causal, opts, dtype, what, deterministic=False, forward="dispatch", split_masked=False):
     """Gradients against float64 autograd and against the sm80 variant backward; dq rows of queries
     that see no key exactly 0. Returns this family's gradients."""
-    _, lse, grads, grads80 = run(q, k, v, dout, causal, opts, deterministic, forward)
+    _, lse, grads, grads80 = run(q, k, v, dout, causal, opts, deterministic, forward, split_masked)
     rlse, rgrads = reference_grads(q, k, v, dout, causal, opts)
     for name, g, r, g80 in zip(("dq", "dk", "dv"), grads, rgrads, grads80):
         bad = ~torch.isfinite(g)
@@ -158,6 +160,23 @@ def test_variants_lengths(d, nq, nk, case):
     causal, options, s = CASES[case]
     q, k, v, dout = make(1, 2, 1, nq, nk, d, BF16, seed=nq + 7 * nk, scale_inputs=s)
     check(q, k, v, dout, causal, _opts(options, 1, 2), BF16, f"d={d} {case} Nq={nq} Nk={nk}")
+
+
+# Softcap alone with its passes compiled apart for masked and unmasked tiles (split_masked:
+# attention_bwd_sm90.SPLIT_MASKED_INSTANTIATIONS): tiles of both kinds in every call below.
+SPLIT_CASES = {"full": (False, {"softcap": 30.0}, 2.0), "causal": (True, {"softcap": 30.0}, 2.0),
+               "extreme": (False, {"softcap": 5.0}, 8.0), "window": (False, {"softcap": 20.0, "window": (300, 40)}, 2.0)}
+
+
+@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 1000), (127, 129), (300, 100), (1000, 1000), (4097, 4097)])
+@pytest.mark.parametrize("case", sorted(SPLIT_CASES))
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_softcap_split_masked(d, dtype, case, nq, nk):
+    causal, options, s = SPLIT_CASES[case]
+    q, k, v, dout = make(1, 2, 1, nq, nk, d, dtype, seed=nq + 5 * nk + d, scale_inputs=s)
+    check(q, k, v, dout, causal, _opts(options, 1, 2), dtype, f"split d={d} {dtype} {case} Nq={nq} Nk={nk}",
+          split_masked=True)
 
 
 @pytest.mark.parametrize("n", [200, 1000])
@@ -361,3 +380,12 @@ def test_sanitize_small(d, case, deterministic):
     q, k, v, dout = make(1, 2, 1, 130, 70, d, FP16, seed=11, scale_inputs=s)
     check(q, k, v, dout, causal, _opts(options, 1, 2), FP16, f"sanitize d={d} {case} deterministic={deterministic}",
           deterministic=deterministic)
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("d", [64, 128])
+def test_sanitize_small_split_masked(d):
+    """The split softcap kernel: 300 queries x 200 keys, causal, masked (diagonal, edge) and unmasked tiles."""
+    causal, options, s = SPLIT_CASES["causal"]
+    q, k, v, dout = make(1, 2, 1, 300, 200, d, FP16, seed=13, scale_inputs=s)
+    check(q, k, v, dout, causal, _opts(options, 1, 2), FP16, f"sanitize split d={d}", split_masked=True)

@@ -339,7 +339,21 @@ constexpr int kWindow = 1;   // sliding window; causal is its right edge 0 (vari
 constexpr int kSoftcap = 2;  // logit = cap * tanh(scale q.k / cap); dS gains the factor 1 - tanh^2
 constexpr int kAlibi = 4;    // logit += -slope[b, h] * |i + Nk - Nq - j| (no gradient: it does not depend on q, k)
 constexpr int kDropout = 32;  // P' = P keep / (1 - p) (the forward's bit value); with kWindow alone ("Dropout")
-constexpr int kVariantBits = kWindow | kSoftcap | kAlibi | kDropout;
+// With kSoftcap: the P^T / dS^T passes compiled twice, for masked tiles and for the others, whose
+// pass then has no window test (softcap's passes test inline, per element, as they pack: with the
+// tile's `masked` a run-time value that test's code sits in every tile's pass). Census
+// (scripts/sass_loop_census.py, NVRTC 13.5, bf16, atomic dQ, instructions per tile visit): d = 128
+// softcap 975 -> 606 unmasked / 724 masked (window alone 608), d = 64 1618 -> 943 / 1106 (923),
+// d = 128 softcap + ALiBi -> 740 / 850. Written in session 25 without a device run:
+// dispatch.SM90_SOFTCAP_BWD_SPLIT.
+constexpr int kSplitMasked = 64;
+constexpr int kVariantBits = kWindow | kSoftcap | kAlibi | kDropout | kSplitMasked;
+// A compile-time bool for the generic lambdas of the P^T / dS^T passes (Const<false>: the window test
+// folds away in a softcap kernel's unmasked tiles).
+template <bool B>
+struct Const {
+  __device__ constexpr operator bool() const { return B; }
+};
 
 // Dropout keep bits of one MMA thread's accumulator elements of a query tile: bit i % 32 of
 // keep[i / 32] for element i = 4 j + 2 h + e (key key_h0 + 8 h, query m0 + 8 j + 2 t + e), exactly
@@ -548,6 +562,8 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
   // it keeps the in-flight packed P^T (kBlockM / 4) live beside fp32 P^T and dP^T (kBlockM each)
   // and dK, dV. d = 64, kBlockM = 128 would need 64 + 64 + 64 + 32 = 224 and spills.
   constexpr bool kWindowed = (kVariant & kWindow) != 0, kSoftcapped = (kVariant & kSoftcap) != 0;
+  constexpr bool kSplit = (kVariant & kSplitMasked) != 0;  // masked / unmasked passes compiled apart
+  static_assert(!kSplit || kSoftcapped, "kSplitMasked: softcap kernels (whose passes test the window inline)");
   constexpr bool kAlibied = (kVariant & kAlibi) != 0;
   constexpr bool kDropped = (kVariant & kDropout) != 0;
   static_assert(kVariant == 0 || (kVariant > 0 && (kVariant & ~kVariantBits) == 0 && !kCausal && !kVarlen),
@@ -905,41 +921,51 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
           s9::wgmma_commit();
         };
         if constexpr (kOverlap) {
-#pragma unroll
-          for (int j = 0; j < kBlockM / 8; ++j) {
-            float2 l2;
-            if constexpr (kPreload) l2 = l2_pre[j];
-            else l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
-            if constexpr (kSoftcapped) {
-              // Softcap: dS^T = P^T (dP^T - D) (1 - tanh^2) needs tanh after S^T has become P^T. So
-              // this pass packs each pair of P^T for dV itself and leaves P^T (1 - tanh^2) in sp,
-              // from which the dS^T pass below is the plain one; a masked tile's window test goes
-              // on here, before the packing (window_hidden: window_mask's thresholds).
-#pragma unroll
-              for (int r2 = 0; r2 < 2; ++r2) {
-                float p[2], dcap[2];
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                  float th;
-                  p[e] = vprob(4 * j + 2 * r2 + e, e ? l2.y : l2.x, th);
-                  if constexpr (kWindowed) p[e] = masked && window_hidden(4 * j + 2 * r2 + e) ? 0.f : p[e];
-                  dcap[e] = fmaf(-th, th, 1.f);
+          // P^T (and softcap's P^T (1 - tanh^2)) of the tile; `hide`: whether the window test runs,
+          // `masked` or, for softcap, a compile-time Const (below: the unmasked tiles' pass has none).
+          auto p_pass = [&](auto hide) {
+  #pragma unroll
+            for (int j = 0; j < kBlockM / 8; ++j) {
+              float2 l2;
+              if constexpr (kPreload) l2 = l2_pre[j];
+              else l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
+              if constexpr (kSoftcapped) {
+                // Softcap: dS^T = P^T (dP^T - D) (1 - tanh^2) needs tanh after S^T has become P^T. So
+                // this pass packs each pair of P^T for dV itself and leaves P^T (1 - tanh^2) in sp,
+                // from which the dS^T pass below is the plain one; a masked tile's window test goes
+                // on here, before the packing (window_hidden: window_mask's thresholds).
+  #pragma unroll
+                for (int r2 = 0; r2 < 2; ++r2) {
+                  float p[2], dcap[2];
+  #pragma unroll
+                  for (int e = 0; e < 2; ++e) {
+                    float th;
+                    p[e] = vprob(4 * j + 2 * r2 + e, e ? l2.y : l2.x, th);
+                    if constexpr (kWindowed) p[e] = hide && window_hidden(4 * j + 2 * r2 + e) ? 0.f : p[e];
+                    dcap[e] = fmaf(-th, th, 1.f);
+                  }
+                  pf[j / 2][2 * (j % 2) + r2] = pack2<kIsBF16>(p[0], p[1]);  // pack_acc's pair order
+                  sp[4 * j + 2 * r2] = p[0] * dcap[0];
+                  sp[4 * j + 2 * r2 + 1] = p[1] * dcap[1];
                 }
-                pf[j / 2][2 * (j % 2) + r2] = pack2<kIsBF16>(p[0], p[1]);  // pack_acc's pair order
-                sp[4 * j + 2 * r2] = p[0] * dcap[0];
-                sp[4 * j + 2 * r2 + 1] = p[1] * dcap[1];
-              }
-            } else {
-#pragma unroll
-              for (int r = 0; r < 4; ++r) {
-                if constexpr (kVariant != 0) {
-                  float th;  // unused without softcap
-                  sp[4 * j + r] = vprob(4 * j + r, (r & 1) ? l2.y : l2.x, th);
-                } else {
-                  sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
+              } else {
+  #pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                  if constexpr (kVariant != 0) {
+                    float th;  // unused without softcap
+                    sp[4 * j + r] = vprob(4 * j + r, (r & 1) ? l2.y : l2.x, th);
+                  } else {
+                    sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
+                  }
                 }
               }
             }
+          };
+          if constexpr (kSplit) {
+            if (masked) p_pass(Const<true>{});
+            else p_pass(Const<false>{});
+          } else {
+            p_pass(masked);
           }
           if constexpr (kWindowed && !kSoftcapped) {
             if (masked) window_mask(sp, dp, false);  // dS^T = P^T (...) follows from the masked P^T
@@ -974,47 +1000,55 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
           }
         } else {  // S^T and dP^T both retired: P^T and dS^T in one pass, then dV
           s9::fence_accumulators(dp);
-#pragma unroll
-          for (int j = 0; j < kBlockM / 8; ++j) {
-            const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
-            const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
-            if constexpr (kSoftcapped) {
-              // Softcap: P^T and dS^T = P^T (dP^T - D) (1 - tanh^2) packed pair by pair into the
-              // dV / dK operand registers (window test inline, before the packing), so each pair's
-              // fp32 S^T / dP^T registers die as the pass goes: computed for the whole tile first
-              // and packed after, the tanh's temporaries made d = 64 spill 168-656 bytes.
-#pragma unroll
-              for (int r2 = 0; r2 < 2; ++r2) {
-                float p[2], ds[2];
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                  const int i = 4 * j + 2 * r2 + e;
-                  float th;
-                  p[e] = vprob(i, e ? l2.y : l2.x, th);
-                  if constexpr (kWindowed) p[e] = masked && window_hidden(i) ? 0.f : p[e];
-                  ds[e] = p[e] * (dp[i] - (e ? dd.y : dd.x)) * fmaf(-th, th, 1.f);
+          auto ds_pass = [&](auto hide) {  // as p_pass
+  #pragma unroll
+            for (int j = 0; j < kBlockM / 8; ++j) {
+              const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
+              const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+              if constexpr (kSoftcapped) {
+                // Softcap: P^T and dS^T = P^T (dP^T - D) (1 - tanh^2) packed pair by pair into the
+                // dV / dK operand registers (window test inline, before the packing), so each pair's
+                // fp32 S^T / dP^T registers die as the pass goes: computed for the whole tile first
+                // and packed after, the tanh's temporaries made d = 64 spill 168-656 bytes.
+  #pragma unroll
+                for (int r2 = 0; r2 < 2; ++r2) {
+                  float p[2], ds[2];
+  #pragma unroll
+                  for (int e = 0; e < 2; ++e) {
+                    const int i = 4 * j + 2 * r2 + e;
+                    float th;
+                    p[e] = vprob(i, e ? l2.y : l2.x, th);
+                    if constexpr (kWindowed) p[e] = hide && window_hidden(i) ? 0.f : p[e];
+                    ds[e] = p[e] * (dp[i] - (e ? dd.y : dd.x)) * fmaf(-th, th, 1.f);
+                  }
+                  pf[j / 2][2 * (j % 2) + r2] = pack2<kIsBF16>(p[0], p[1]);  // pack_acc's pair order
+                  dsf[j / 2][2 * (j % 2) + r2] = pack2<kIsBF16>(ds[0], ds[1]);
                 }
-                pf[j / 2][2 * (j % 2) + r2] = pack2<kIsBF16>(p[0], p[1]);  // pack_acc's pair order
-                dsf[j / 2][2 * (j % 2) + r2] = pack2<kIsBF16>(ds[0], ds[1]);
-              }
-            } else {
-#pragma unroll
-              for (int r = 0; r < 4; ++r) {
-                if constexpr (kDropped) {  // dS^T = P^T (dropped dP^T - D), as the sm80 variant backward
-                  float th;  // unused without softcap
-                  const int i = 4 * j + r;
-                  sp[i] = vprob(i, (r & 1) ? l2.y : l2.x, th);
-                  dp[i] = sp[i] * fmaf(keep_select<kBlockM>(keep, i, dp[i]), var.drop_scale, -((r & 1) ? dd.y : dd.x));
-                } else if constexpr (kVariant != 0) {
-                  float th;  // unused without softcap
-                  sp[4 * j + r] = vprob(4 * j + r, (r & 1) ? l2.y : l2.x, th);
-                  dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
-                } else {
-                  sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
-                  dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
+              } else {
+  #pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                  if constexpr (kDropped) {  // dS^T = P^T (dropped dP^T - D), as the sm80 variant backward
+                    float th;  // unused without softcap
+                    const int i = 4 * j + r;
+                    sp[i] = vprob(i, (r & 1) ? l2.y : l2.x, th);
+                    dp[i] = sp[i] * fmaf(keep_select<kBlockM>(keep, i, dp[i]), var.drop_scale, -((r & 1) ? dd.y : dd.x));
+                  } else if constexpr (kVariant != 0) {
+                    float th;  // unused without softcap
+                    sp[4 * j + r] = vprob(4 * j + r, (r & 1) ? l2.y : l2.x, th);
+                    dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
+                  } else {
+                    sp[4 * j + r] = prob(4 * j + r, (r & 1) ? l2.y : l2.x);
+                    dp[4 * j + r] = sp[4 * j + r] * (dp[4 * j + r] - ((r & 1) ? dd.y : dd.x));
+                  }
                 }
               }
             }
+          };
+          if constexpr (kSplit) {
+            if (masked) ds_pass(Const<true>{});
+            else ds_pass(Const<false>{});
+          } else {
+            ds_pass(masked);
           }
           if constexpr (!kSoftcapped) {
             if constexpr (kWindowed) {
@@ -1188,6 +1222,7 @@ __device__ __forceinline__ void attention_bwd_sm90_d256_body(
   // (so its dS^T = sP (dP^T - D) pass is the plain one), and with dropout P^T with its sign bit set
   // where dropped (P^T >= 0; a dropped P^T = 0 gives dS^T = 0 either way).
   constexpr bool kWindowed = (kVariant & kWindow) != 0, kSoftcapped = (kVariant & kSoftcap) != 0;
+  static_assert((kVariant & kSplitMasked) == 0, "kSplitMasked: the d = 64 / 128 layout only");
   constexpr bool kAlibied = (kVariant & kAlibi) != 0;
   constexpr bool kDropped = (kVariant & kDropout) != 0;
   static_assert(kVariant == 0 || (kVariant > 0 && (kVariant & ~kVariantBits) == 0 && !kCausal),

@@ -249,9 +249,17 @@ def _default_configs(table, head_dims=HEAD_DIMS):
 VARIANT_DEFAULTS: dict[int, Sm90BwdConfig] = {d: _RED_DEFAULTS[(d, False)] for d in VARIANT_SETS}
 VARIANT_INSTANTIATIONS = tuple(variant_expression(d, VARIANT_DEFAULTS[d], bf16, bits, det) for d in VARIANT_SETS
                                for bf16 in (False, True) for bits in VARIANT_SETS[d] for det in (False, True))
+# Softcap's P^T / dS^T passes compiled apart for masked and unmasked tiles (bwd90::kSplitMasked; csrc
+# says why): softcap alone (WINDOW | SOFTCAP) at d = 64 and 128, atomic dQ, both dtypes. The other
+# combinations spill (NVRTC 13.5): d = 64 deterministic 4 bytes, d = 128 atomic with ALiBi too 52.
+SPLIT_MASKED = 64
+SPLIT_MASKED_HEAD_DIMS = (64, 128)
+SPLIT_MASKED_INSTANTIATIONS = tuple(
+    variant_expression(d, VARIANT_DEFAULTS[d], bf16, WINDOW | SOFTCAP | SPLIT_MASKED, False)
+    for d in SPLIT_MASKED_HEAD_DIMS for bf16 in (False, True))
 INSTANTIATIONS = (_expressions(_default_configs(DEFAULTS))
                   + _expressions(_default_configs(VARLEN_DEFAULTS, VARLEN_HEAD_DIMS), varlen=True)
-                  + VARIANT_INSTANTIATIONS)
+                  + VARIANT_INSTANTIATIONS + SPLIT_MASKED_INSTANTIATIONS)
 TUNING = tuple(e for e in _expressions(TUNING_EXTRA.items())
                + _expressions(((d, TUNING_EXTRA[d]) for d in VARLEN_HEAD_DIMS), varlen=True)
                if e not in INSTANTIATIONS)
@@ -381,12 +389,14 @@ class BackwardPlan:
     slopes' pointer (0: none), the dropout seed and offset (the forward's) after dv. Raises ValueError
     for an unsupported head dim or dtype, H not a multiple of Hkv, a grid of 2^31 blocks or more,
     section < 1, a config whose shared memory does not fit in this mode, or variants that
-    supports_variants rejects (or with causal=True).
+    supports_variants rejects (or with causal=True). split_masked: softcap's kernel with its passes
+    compiled apart for masked and unmasked tiles (SPLIT_MASKED_INSTANTIATIONS: ValueError for variants
+    other than softcap alone, the deterministic mode, or a head dim not in SPLIT_MASKED_HEAD_DIMS).
     """
 
     def __init__(self, q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
                  config: Sm90BwdConfig | None = None, section: int | None = None, rotate: bool | None = None,
-                 variants=None):
+                 variants=None, split_masked: bool = False):
         from ..runtime import LaunchPlan
         from . import attention_bwd_sm80 as sm80
         from . import load
@@ -411,6 +421,11 @@ class BackwardPlan:
                                  f"deterministic={bool(deterministic)}, causal={bool(causal)} (see supports_variants; "
                                  "causal must be folded into the window)")
             bits = variant_bits(variants)
+        if split_masked:
+            if bits != WINDOW | SOFTCAP or deterministic or d not in SPLIT_MASKED_HEAD_DIMS:
+                raise ValueError(f"split_masked: softcap alone, atomic dQ, head dims {SPLIT_MASKED_HEAD_DIMS} only "
+                                 f"(variant bits {bits}, deterministic={bool(deterministic)}, head_dim {d})")
+            bits |= SPLIT_MASKED
         self.variant_values = bits != 0  # whether launch passes (alibi, seed, offset) to the kernel
         self.config = config = config or (VARIANT_DEFAULTS[d] if bits else DEFAULTS[(d, bool(causal))])
         if not config.fits(d, deterministic):
@@ -527,7 +542,7 @@ def _windowed(variants) -> bool:
 
 
 def variant_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, deterministic: bool, variants,
-                          config: Sm90BwdConfig | None = None) -> BackwardPlan:
+                          config: Sm90BwdConfig | None = None, split_masked: bool = False) -> BackwardPlan:
     """A BackwardPlan with variants for these (already validated) tensors: the same call as
     attention_bwd_sm80.backward_plan(..., causal=False, variants=variants) without `causal` (folded
     into variants' window). `.launch(q, k, v, out, lse, dout, dq, dk, dv, alibi pointer, seed,
@@ -537,7 +552,7 @@ def variant_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, 
     what BackwardPlan raises."""
     return BackwardPlan(q, k, v, out, lse, dout, dq, dk, dv, causal=False, scale=float(scale),
                         deterministic=bool(deterministic), config=config or VARIANT_DEFAULTS.get(q.shape[3]),
-                        variants=variants)
+                        variants=variants, split_masked=split_masked)
 
 
 def backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
@@ -1145,6 +1160,9 @@ __all__ = [
     "VARIANT_BENCH_CASES",
     "VARIANT_DEFAULTS",
     "VARIANT_INSTANTIATIONS",
+    "SPLIT_MASKED",
+    "SPLIT_MASKED_HEAD_DIMS",
+    "SPLIT_MASKED_INSTANTIATIONS",
     "VARIANT_SETS",
     "WINDOW",
     "Sm90BwdConfig",

@@ -118,6 +118,12 @@ SM90_CAUSAL_FIXED_MAX: set[int] = {64, 128}
 # timed it 2.5-3.1x the sm80 deterministic variant backward at d = 128, 2.5-4.3x at d = 64,
 # 1.8-2.0x at d = 256 (softcap and ALiBi, causal and not, N 2048 / 8192).
 SM90_VARIANT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256) for mode in (False, True)}
+# Head dims whose softcap variant backward (softcap alone, atomic dQ) on the Hopper kernel runs its
+# split form (attention_bwd_sm90.SPLIT_MASKED_INSTANTIATIONS: the P^T / dS^T passes compiled apart for
+# masked and unmasked tiles, the unmasked tiles' without the per-element window test). Written in session 25,
+# 0 spills; census d = 128 975 -> 606 instructions per unmasked tile visit (window alone 608), d = 64
+# 1618 -> 943. Waits for its device run (UNMEASURED_SM90_TABLES).
+SM90_SOFTCAP_BWD_SPLIT: set[int] = set()
 
 
 # Packed variable-length calls on the Hopper kernels: (head dim, causal) whose varlen forward runs
@@ -159,8 +165,7 @@ SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
-# Empty: every Hopper kernel written so far is measured and dispatched.
-UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ()
+UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ((SM90_SOFTCAP_BWD_SPLIT, {64, 128}),)
 
 
 # Rows M up to which tileattn.linear / add_rms_norm_linear run the hand-written GEMV (csrc/gemv.cu)
@@ -333,8 +338,11 @@ def variant_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, 
     if family == "attention_bwd_sm90":
         from . import attention_bwd_sm90
 
+        split = (not deterministic and q.shape[3] in SM90_SOFTCAP_BWD_SPLIT
+                 and attention_bwd_sm90.variant_bits(variants) == attention_bwd_sm90.WINDOW | attention_bwd_sm90.SOFTCAP)
         return attention_bwd_sm90.variant_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, scale=scale,
-                                                        deterministic=deterministic, variants=variants)
+                                                        deterministic=deterministic, variants=variants,
+                                                        split_masked=split)
     return attention_bwd_sm80.backward_plan(q, k, v, out, lse, dout, dq, dk, dv, causal=False, scale=scale,
                                             deterministic=deterministic, variants=variants)
 
