@@ -341,10 +341,10 @@ constexpr int kAlibi = 4;    // logit += -slope[b, h] * |i + Nk - Nq - j| (no gr
 constexpr int kDropout = 32;  // P' = P keep / (1 - p) (the forward's bit value); with kWindow alone ("Dropout")
 // With kSoftcap: the P^T / dS^T passes compiled twice, for masked tiles and for the others, whose
 // pass then has no window test (softcap's passes test inline, per element, as they pack: with the
-// tile's `masked` a run-time value that test's code sits in every tile's pass). Census
-// (scripts/sass_loop_census.py, NVRTC 13.5, bf16, atomic dQ, instructions per tile visit): d = 128
-// softcap 975 -> 606 unmasked / 724 masked (window alone 608), d = 64 1618 -> 943 / 1106 (923),
-// d = 128 softcap + ALiBi -> 740 / 850. Written in session 25 without a device run:
+// tile's `masked` a run-time value, every tile's pass branches around each pair's test). Census
+// (scripts/sass_loop_census.py, NVRTC 13.5, bf16, atomic dQ, static instructions per tile visit):
+// d = 128 softcap 975 (~750 run in an unmasked tile, with 64 uniform branches) -> 606 unmasked /
+// 724 masked (window alone 608), d = 64 1618 -> 943 / 1106 (923), d = 128 softcap + ALiBi -> 740 / 850. Written in session 25 without a device run:
 // dispatch.SM90_SOFTCAP_BWD_SPLIT.
 constexpr int kSplitMasked = 64;
 constexpr int kVariantBits = kWindow | kSoftcap | kAlibi | kDropout | kSplitMasked;

@@ -121,8 +121,9 @@ SM90_VARIANT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256
 # Head dims whose softcap variant backward (softcap alone, atomic dQ) on the Hopper kernel runs its
 # split form (attention_bwd_sm90.SPLIT_MASKED_INSTANTIATIONS: the P^T / dS^T passes compiled apart for
 # masked and unmasked tiles, the unmasked tiles' without the per-element window test). Written in session 25,
-# 0 spills; census d = 128 975 -> 606 instructions per unmasked tile visit (window alone 608), d = 64
-# 1618 -> 943. Waits for its device run (UNMEASURED_SM90_TABLES).
+# 0 spills; census d = 128 ~750 (975 static, branching around the window test) -> 606 instructions
+# per unmasked tile visit (window alone 608), d = 64 1618 static -> 943. Waits for its device run
+# (UNMEASURED_SM90_TABLES).
 SM90_SOFTCAP_BWD_SPLIT: set[int] = set()
 
 
