@@ -9,7 +9,11 @@ Steps (each logged into REPORT_DIR, a summary table printed last):
                                           -> bench-<name>.json
 Exit status is non-zero when a test fails, a GPU test was skipped, or a sanitizer reports errors.
 
-A whole run does not fit one 10-minute device call: run it in parts, each into its own report
+With --sanitizer-jobs N > 1 the sanitizer runs go concurrently: the files holding `sanitize` cases
+(found by `pytest --collect-only`) are split into shards of about equal case counts, one process per
+(tool, shard), at most N at a time; a tool's result sums its shards' error counts (rc: the worst).
+
+A whole run may not fit one 10-minute device call: run it in parts, each into its own report
 directory (e.g. `--no-sanitizer`; then `--no-tests --no-audit --bench "" --sanitizer-tools
 memcheck,synccheck`; then the same with racecheck,initcheck), then `--merge DIR --merge DIR ...`
 writes one summary of the parts into --report-dir: the counts summed, each sanitizer tool's result,
@@ -83,6 +87,35 @@ def sanitizer_summary(log: Path) -> str:
     return "no summary (see log)"
 
 
+def sanitize_files(py: str, targets: list[str], kw: list[str]) -> dict[str, int]:
+    """{test file: number of `sanitize` cases} among the targets (pytest --collect-only)."""
+    out = subprocess.run([py, "-m", "pytest", *targets, "-m", "sanitize", "--collect-only", "-q", "-p",
+                          "no:cacheprovider", *kw], capture_output=True, text=True, timeout=600)
+    files: dict[str, int] = {}
+    for line in out.stdout.splitlines():
+        if "::" in line:
+            name = line.split("::", 1)[0]
+            files[name] = files.get(name, 0) + 1
+    return files
+
+
+def shards(files: dict[str, int], n: int) -> list[list[str]]:
+    """The files in at most n groups of about equal case counts (largest first, each to the lightest)."""
+    groups: list[tuple[int, list[str]]] = [(0, []) for _ in range(max(1, min(n, len(files))))]
+    for name in sorted(files, key=lambda f: (-files[f], f)):
+        i = min(range(len(groups)), key=lambda g: groups[g][0])
+        groups[i] = (groups[i][0] + files[name], groups[i][1] + [name])
+    return [sorted(g) for _, g in groups if g]
+
+
+def combined_summary(summaries: list[str]) -> str:
+    """One tool's summary from its shards' (sanitizer_summary strings)."""
+    counts = [re.fullmatch(r"(\d+) errors", s) for s in summaries]
+    if all(counts):
+        return f"{sum(int(m.group(1)) for m in counts)} errors" + (f" ({len(counts)} shards)" if len(counts) > 1 else "")
+    return "no summary (see logs)"
+
+
 def git_commit() -> str | None:
     """The tree's commit: $TILEATTN_GIT_COMMIT on the GPU machine (its copy has no .git), else git's."""
     if os.environ.get("TILEATTN_GIT_COMMIT"):
@@ -153,6 +186,9 @@ def main(argv=None) -> int:
                     help="skip step 1's resource audit with the machine's NVRTC (minutes of compiling every "
                          "program; a device call is capped at 10 minutes)")
     ap.add_argument("--sanitizer-tools", default=",".join(SANITIZER_TOOLS))
+    ap.add_argument("--sanitizer-jobs", type=int, default=1,
+                    help="sanitizer processes at a time (default 1: the tools one after another over every "
+                         "target); N > 1 shards the files with sanitize cases into N / tools groups per tool")
     ap.add_argument("--no-tests", action="store_true", help="skip step 2 (a part that only sanitizes or benchmarks)")
     ap.add_argument("--merge", action="append", default=[], metavar="DIR",
                     help="merge the summaries of earlier parts' report directories into --report-dir (repeatable); "
@@ -162,6 +198,8 @@ def main(argv=None) -> int:
         return merge(args.merge, Path(args.report_dir))
     if args.workers < 1:
         ap.error(f"--workers must be at least 1, got {args.workers}")
+    if args.sanitizer_jobs < 1:
+        ap.error(f"--sanitizer-jobs must be at least 1, got {args.sanitizer_jobs}")
     if args.workers > 1:
         import importlib.util
 
@@ -212,16 +250,34 @@ def main(argv=None) -> int:
     failed |= c["skipped"] > 0 or (c["tests"] == 0 and not args.no_tests)
 
     tools = [] if args.no_sanitizer else [t for t in args.sanitizer_tools.split(",") if t]
-    sanitizer = {}
-    for tool in tools:
-        log = out / f"sanitizer-{tool}.log"
+    groups = [targets]
+    if tools and args.sanitizer_jobs > 1:
+        files = sanitize_files(py, targets, kw)
+        if not files:
+            raise SystemExit("--sanitizer-jobs: pytest collected no sanitize case among the targets")
+        groups = shards(files, max(1, args.sanitizer_jobs // len(tools)))
+    jobs = [(tool, i, group) for tool in tools for i, group in enumerate(groups)]
+
+    def sanitize(job):
+        tool, i, group = job
+        log = out / (f"sanitizer-{tool}.log" if len(groups) == 1 else f"sanitizer-{tool}-{i}.log")
         cmd = ["compute-sanitizer", "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "1",
-               py, "-m", "pytest", *targets, "-m", "sanitize", "-q", "-p", "no:cacheprovider", *kw]
+               py, "-m", "pytest", *group, "-m", "sanitize", "-q", "-p", "no:cacheprovider", *kw]
         # Tests read TILEATTN_SANITIZER to skip work that only slows the sanitizer down or that it
         # cannot follow (e.g. the backward tests' parallel precompile in child processes, which
         # crashed racecheck; the earlier plain pytest run has already filled the kernel cache).
         rc, sec = run(cmd, log, 900, TILEATTN_SANITIZER=tool)
-        summary = sanitizer_summary(log)
+        return rc, sec, sanitizer_summary(log)
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, args.sanitizer_jobs)) as pool:
+        results = list(pool.map(sanitize, jobs))
+    sanitizer = {}
+    for tool in tools:
+        mine = [r for (t, _, _), r in zip(jobs, results) if t == tool]
+        rc = next((r for r, _, _ in mine if r != 0), 0)
+        summary, sec = combined_summary([m for _, _, m in mine]), max(s for _, s, _ in mine)
         sanitizer[tool] = {"rc": rc, "summary": summary, "seconds": sec}
         failed |= rc != 0
         rows.append((f"sanitizer {tool}", f"{summary}, rc={rc}", sec))

@@ -88,3 +88,37 @@ def test_merge_of_parts_is_whole_only_with_tests_and_all_four_tools_at_one_commi
         gpu_check.main(["--report-dir", str(tmp_path / "m4"), "--merge", str(b), "--merge", str(b)])
     with pytest.raises(SystemExit, match="no summary.json"):
         gpu_check.main(["--report-dir", str(tmp_path / "m5"), "--merge", str(tmp_path / "nowhere")])
+
+
+def test_sanitizer_jobs_shard_the_files_per_tool_and_sum_the_shards(gpu_check, tmp_path, monkeypatch):
+    files = {"tests/gpu/a.py": 10, "tests/gpu/b.py": 5, "tests/gpu/c.py": 5, "tests/gpu/d.py": 1}
+    assert gpu_check.shards(files, 2) == [["tests/gpu/a.py", "tests/gpu/d.py"], ["tests/gpu/b.py", "tests/gpu/c.py"]]
+    assert gpu_check.shards(files, 9) == [[f] for f in sorted(files, key=lambda f: (-files[f], f))]
+    assert gpu_check.combined_summary(["0 errors", "2 errors"]) == "2 errors (2 shards)"
+    assert gpu_check.combined_summary(["0 errors"]) == "0 errors"
+    assert gpu_check.combined_summary(["0 errors", "no summary (see log)"]) == "no summary (see logs)"
+    monkeypatch.setattr(gpu_check, "sanitize_files", lambda py, targets, kw: files)
+    fake = gpu_check.run
+
+    def run(cmd, log, timeout, **env):  # racecheck's shard holding b.py reports an error
+        rc, sec = fake(cmd, log, timeout, **env)
+        if "compute-sanitizer" in cmd:
+            bad = cmd[cmd.index("--tool") + 1] == "racecheck" and "tests/gpu/b.py" in cmd
+            log.write_text(f"========= ERROR SUMMARY: {1 if bad else 0} errors\n")
+            return (1 if bad else 0), sec
+        return rc, sec
+
+    monkeypatch.setattr(gpu_check, "run", run)
+    assert gpu_check.main(["--report-dir", str(tmp_path), "--bench", "", "--no-audit", "--no-tests",
+                           "--sanitizer-tools", "memcheck,racecheck", "--sanitizer-jobs", "4"]) == 1
+    runs = [c for c in gpu_check.commands if "compute-sanitizer" in c]
+    assert len(runs) == 4
+    for tool in ("memcheck", "racecheck"):
+        mine = [c for c in runs if c[c.index("--tool") + 1] == tool]
+        covered = sorted(f for c in mine for f in c if f.startswith("tests/gpu/"))
+        assert covered == sorted(files), (tool, covered)
+    import json
+
+    summary = json.loads((tmp_path / "summary.json").read_text())["sanitizer"]
+    assert summary["memcheck"]["summary"] == "0 errors (2 shards)" and summary["memcheck"]["rc"] == 0
+    assert summary["racecheck"]["summary"] == "1 errors (2 shards)" and summary["racecheck"]["rc"] == 1
