@@ -271,7 +271,7 @@ def main(argv=None) -> int:
 
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=max(1, args.sanitizer_jobs)) as pool:
+    with ThreadPoolExecutor(max_workers=args.sanitizer_jobs) as pool:
         results = list(pool.map(sanitize, jobs))
     sanitizer = {}
     for tool in tools:

@@ -516,7 +516,7 @@ def _variant_forward(entry: _VariantEntry, q, k, v, extra, inference: bool = Fal
     out = torch.empty_strided(*entry.out_spec, dtype=q.dtype, device=entry.device)
     lse = torch.empty_strided(*entry.lse_spec, dtype=torch.float32, device=entry.device)
     with torch.cuda.device(entry.device_index):
-        plan = entry.inference_forward(q, k, v, out, lse) if inference else entry.forward
+        plan = (entry.inference or entry.inference_forward(q, k, v, out, lse)) if inference else entry.forward
         plan.launch(q, k, v, out, lse, *extra)
     return out, lse
 

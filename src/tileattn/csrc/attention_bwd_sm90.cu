@@ -344,8 +344,9 @@ constexpr int kDropout = 32;  // P' = P keep / (1 - p) (the forward's bit value)
 // tile's `masked` a run-time value, every tile's pass branches around each pair's test). Census
 // (scripts/sass_loop_census.py, NVRTC 13.5, bf16, atomic dQ, static instructions per tile visit):
 // d = 128 softcap 975 (~750 run in an unmasked tile, with 64 uniform branches) -> 606 unmasked /
-// 724 masked (window alone 608), d = 64 1618 -> 943 / 1106 (923), d = 128 softcap + ALiBi -> 740 / 850. Written in session 25 without a device run:
-// dispatch.SM90_SOFTCAP_BWD_SPLIT.
+// 724 masked (window alone 608), d = 64 1618 -> 943 / 1106 (923). Registered for softcap alone,
+// atomic dQ (attention_bwd_sm90.split_masked_applies; the other sets spill); written in session 25
+// without a device run: dispatch.SM90_SOFTCAP_BWD_SPLIT.
 constexpr int kSplitMasked = 64;
 constexpr int kVariantBits = kWindow | kSoftcap | kAlibi | kDropout | kSplitMasked;
 // A compile-time bool for the generic lambdas of the P^T / dS^T passes (Const<false>: the window test
@@ -924,7 +925,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
           // P^T (and softcap's P^T (1 - tanh^2)) of the tile; `hide`: whether the window test runs,
           // `masked` or, for softcap, a compile-time Const (below: the unmasked tiles' pass has none).
           auto p_pass = [&](auto hide) {
-  #pragma unroll
+#pragma unroll
             for (int j = 0; j < kBlockM / 8; ++j) {
               float2 l2;
               if constexpr (kPreload) l2 = l2_pre[j];
@@ -934,10 +935,10 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                 // this pass packs each pair of P^T for dV itself and leaves P^T (1 - tanh^2) in sp,
                 // from which the dS^T pass below is the plain one; a masked tile's window test goes
                 // on here, before the packing (window_hidden: window_mask's thresholds).
-  #pragma unroll
+#pragma unroll
                 for (int r2 = 0; r2 < 2; ++r2) {
                   float p[2], dcap[2];
-  #pragma unroll
+#pragma unroll
                   for (int e = 0; e < 2; ++e) {
                     float th;
                     p[e] = vprob(4 * j + 2 * r2 + e, e ? l2.y : l2.x, th);
@@ -949,7 +950,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                   sp[4 * j + 2 * r2 + 1] = p[1] * dcap[1];
                 }
               } else {
-  #pragma unroll
+#pragma unroll
                 for (int r = 0; r < 4; ++r) {
                   if constexpr (kVariant != 0) {
                     float th;  // unused without softcap
@@ -1001,7 +1002,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         } else {  // S^T and dP^T both retired: P^T and dS^T in one pass, then dV
           s9::fence_accumulators(dp);
           auto ds_pass = [&](auto hide) {  // as p_pass
-  #pragma unroll
+#pragma unroll
             for (int j = 0; j < kBlockM / 8; ++j) {
               const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
               const float2 dd = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
@@ -1010,10 +1011,10 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                 // dV / dK operand registers (window test inline, before the packing), so each pair's
                 // fp32 S^T / dP^T registers die as the pass goes: computed for the whole tile first
                 // and packed after, the tanh's temporaries made d = 64 spill 168-656 bytes.
-  #pragma unroll
+#pragma unroll
                 for (int r2 = 0; r2 < 2; ++r2) {
                   float p[2], ds[2];
-  #pragma unroll
+#pragma unroll
                   for (int e = 0; e < 2; ++e) {
                     const int i = 4 * j + 2 * r2 + e;
                     float th;
@@ -1025,7 +1026,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                   dsf[j / 2][2 * (j % 2) + r2] = pack2<kIsBF16>(ds[0], ds[1]);
                 }
               } else {
-  #pragma unroll
+#pragma unroll
                 for (int r = 0; r < 4; ++r) {
                   if constexpr (kDropped) {  // dS^T = P^T (dropped dP^T - D), as the sm80 variant backward
                     float th;  // unused without softcap

@@ -257,6 +257,13 @@ SPLIT_MASKED_HEAD_DIMS = (64, 128)
 SPLIT_MASKED_INSTANTIATIONS = tuple(
     variant_expression(d, VARIANT_DEFAULTS[d], bf16, WINDOW | SOFTCAP | SPLIT_MASKED, False)
     for d in SPLIT_MASKED_HEAD_DIMS for bf16 in (False, True))
+
+
+def split_masked_applies(head_dim: int, variants, deterministic: bool) -> bool:
+    """Whether a split-masked kernel (SPLIT_MASKED_INSTANTIATIONS) runs this call: softcap alone (with
+    the window bit every variant kernel has), atomic dQ, a head dim in SPLIT_MASKED_HEAD_DIMS."""
+    return (not deterministic and head_dim in SPLIT_MASKED_HEAD_DIMS
+            and variant_bits(variants) == WINDOW | SOFTCAP)
 INSTANTIATIONS = (_expressions(_default_configs(DEFAULTS))
                   + _expressions(_default_configs(VARLEN_DEFAULTS, VARLEN_HEAD_DIMS), varlen=True)
                   + VARIANT_INSTANTIATIONS + SPLIT_MASKED_INSTANTIATIONS)
@@ -422,7 +429,7 @@ class BackwardPlan:
                                  "causal must be folded into the window)")
             bits = variant_bits(variants)
         if split_masked:
-            if bits != WINDOW | SOFTCAP or deterministic or d not in SPLIT_MASKED_HEAD_DIMS:
+            if variants is None or not split_masked_applies(d, variants, deterministic):
                 raise ValueError(f"split_masked: softcap alone, atomic dQ, head dims {SPLIT_MASKED_HEAD_DIMS} only "
                                  f"(variant bits {bits}, deterministic={bool(deterministic)}, head_dim {d})")
             bits |= SPLIT_MASKED
@@ -1163,6 +1170,7 @@ __all__ = [
     "SPLIT_MASKED",
     "SPLIT_MASKED_HEAD_DIMS",
     "SPLIT_MASKED_INSTANTIATIONS",
+    "split_masked_applies",
     "VARIANT_SETS",
     "WINDOW",
     "Sm90BwdConfig",

@@ -271,10 +271,10 @@ class _VariantPointerPlan:
 def sm90_variant_forward_kind(dtype, head_dim: int, seqlen_k: int, variants, *, inference: bool) -> tuple[bool, bool]:
     """(fixed_max, causal_kernel) for attention_fwd_sm90.ForwardPlan. For a forward that no backward
     follows (inference), bf16 softcap takes the fixed-max kernel where SM90_SOFTCAP_FIXED_MAX lists
-    the head dim and fixed_max_applies (causal
-    too: WINDOW | SOFTCAP, or the kCausal kernel with the fixed max where SM90_CAUSAL_FIXED_MAX lists
-    the head dim); causal ALiBi, and causal softcap that the fixed max does not cover, the kCausal
-    kernel where SM90_CAUSAL_VARIANT_FORWARD lists the head dim."""
+    the head dim and fixed_max_applies (causal too: WINDOW | SOFTCAP, or the kCausal kernel with the
+    fixed max where SM90_CAUSAL_FIXED_MAX lists the head dim); causal ALiBi, and causal softcap that
+    the fixed max does not take, the kCausal kernel where SM90_CAUSAL_VARIANT_FORWARD lists the head
+    dim."""
     from . import attention_fwd_sm90
 
     flags = attention_fwd_sm90.variant_flags(variants)
@@ -339,8 +339,8 @@ def variant_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, 
     if family == "attention_bwd_sm90":
         from . import attention_bwd_sm90
 
-        split = (not deterministic and q.shape[3] in SM90_SOFTCAP_BWD_SPLIT
-                 and attention_bwd_sm90.variant_bits(variants) == attention_bwd_sm90.WINDOW | attention_bwd_sm90.SOFTCAP)
+        split = q.shape[3] in SM90_SOFTCAP_BWD_SPLIT and attention_bwd_sm90.split_masked_applies(
+            q.shape[3], variants, deterministic)
         return attention_bwd_sm90.variant_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, scale=scale,
                                                         deterministic=deterministic, variants=variants,
                                                         split_masked=split)
