@@ -440,7 +440,7 @@ def test_sm90_bwd_split_masked_kernels():
     """The split softcap backward: softcap alone, atomic dQ, d = 64 / 128, both dtypes, each the
     registered softcap kernel's expression with SPLIT_MASKED added; BackwardPlan refuses it for other
     variants, the deterministic mode and d = 256, before touching a GPU; the dispatcher asks for it
-    only where SM90_SOFTCAP_BWD_SPLIT lists the head dim (filled: as hopper_kernels_forced fills it)."""
+    only where SM90_SOFTCAP_BWD_SPLIT lists the head dim, which is every head dim it implements."""
     from tileattn.kernels import attention_bwd_sm90 as ab, attention_fwd_sm80, dispatch
 
     exprs = ab.SPLIT_MASKED_INSTANTIATIONS
@@ -461,7 +461,7 @@ def test_sm90_bwd_split_masked_kernels():
         with pytest.raises(ValueError, match="split_masked"):
             ab.BackwardPlan(t, t, t, t, lse, t, t, t, t, causal=False, scale=1.0, deterministic=det, variants=opts,
                             split_masked=True)
-    assert (dispatch.SM90_SOFTCAP_BWD_SPLIT, {64, 128}) in dispatch.UNMEASURED_SM90_TABLES
+    assert dispatch.SM90_SOFTCAP_BWD_SPLIT == set(ab.SPLIT_MASKED_HEAD_DIMS)
 
 def test_sm90_causal_variant_kernels():
     """ALiBi alone and softcap alone with the causal window have kCausal kernels (d = 64, 128) at the

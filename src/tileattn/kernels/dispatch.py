@@ -120,11 +120,14 @@ SM90_CAUSAL_FIXED_MAX: set[int] = {64, 128}
 SM90_VARIANT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256) for mode in (False, True)}
 # Head dims whose softcap variant backward (softcap alone, atomic dQ) on the Hopper kernel runs its
 # split form (attention_bwd_sm90.SPLIT_MASKED_INSTANTIATIONS: the P^T / dS^T passes compiled apart for
-# masked and unmasked tiles, the unmasked tiles' without the per-element window test). Written in session 25,
-# 0 spills; census d = 128 ~750 (975 static, branching around the window test) -> 606 instructions
-# per unmasked tile visit (window alone 608), d = 64 1618 static -> 943. Waits for its device run
-# (UNMEASURED_SM90_TABLES).
-SM90_SOFTCAP_BWD_SPLIT: set[int] = set()
+# masked and unmasked tiles, the unmasked tiles' without the per-element window test; census d = 128
+# ~750 -> 606 instructions per unmasked tile visit, d = 64 1618 static -> 943). On the H200
+# (2026-12-04, 84e23d9, session 26 call 1): tests/gpu/test_attention_bwd_sm90_variants.py 482 passed,
+# its 18 sanitize cases clean under all four tools; `tileattn bench variants --suite overhead
+# --variant softcap --head-dim D --rounds 3`, with and without --hopper-forced, bf16 B=4 H=32, N 2048 /
+# 8192: forward+backward d = 128 0.869-0.899x plain against 0.758-0.800 unsplit, d = 64 0.819-0.885
+# against 0.658-0.702.
+SM90_SOFTCAP_BWD_SPLIT: set[int] = {64, 128}
 
 
 # Packed variable-length calls on the Hopper kernels: (head dim, causal) whose varlen forward runs
@@ -166,7 +169,7 @@ SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
-UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ((SM90_SOFTCAP_BWD_SPLIT, {64, 128}),)
+UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ()
 
 
 # Rows M up to which tileattn.linear / add_rms_norm_linear run the hand-written GEMV (csrc/gemv.cu)
