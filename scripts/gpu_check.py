@@ -7,7 +7,8 @@ Steps (each logged into REPORT_DIR, a summary table printed last):
      (the GPU tests' small cases)        -> sanitizer-<tool>.log
   4. benchmarks named with --bench (vector_add always): each a `python3 -m MODULE --json ...`
                                           -> bench-<name>.json
-Exit status is non-zero when a test fails, a GPU test was skipped, or a sanitizer reports errors.
+Exit status is non-zero when a test fails, a GPU test was skipped, or a sanitizer reports errors. A
+case that skips itself under one sanitizer tool is counted in that tool's row ("N case(s) skipped").
 
 With --sanitizer-jobs N > 1 the sanitizer runs go concurrently: the files holding `sanitize` cases
 (found by `pytest --collect-only`) are split into shards of about equal case counts, one process per
@@ -85,6 +86,15 @@ def sanitizer_summary(log: Path) -> str:
     if m:
         return f"{m.group(1)} errors"
     return "no summary (see log)"
+
+
+def pytest_skips(log: Path) -> int:
+    """The skipped count of the last pytest summary line in a sanitizer run's log (0 if none): a case
+    that skips itself under a tool (e.g. initcheck, which cannot see cuBLAS's writes) is reported,
+    not counted as checked."""
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if re.search(r"\d+ (passed|failed)", ln)]
+    m = re.search(r"(\d+) skipped", lines[-1]) if lines else None
+    return int(m.group(1)) if m else 0
 
 
 def sanitize_files(py: str, targets: list[str], kw: list[str]) -> dict[str, int]:
@@ -267,7 +277,7 @@ def main(argv=None) -> int:
         # cannot follow (e.g. the backward tests' parallel precompile in child processes, which
         # crashed racecheck; the earlier plain pytest run has already filled the kernel cache).
         rc, sec = run(cmd, log, 900, TILEATTN_SANITIZER=tool)
-        return rc, sec, sanitizer_summary(log)
+        return rc, sec, sanitizer_summary(log), pytest_skips(log)
 
     from concurrent.futures import ThreadPoolExecutor
 
@@ -276,11 +286,13 @@ def main(argv=None) -> int:
     sanitizer = {}
     for tool in tools:
         mine = [r for (t, _, _), r in zip(jobs, results) if t == tool]
-        rc = next((r for r, _, _ in mine if r != 0), 0)
-        summary, sec = combined_summary([m for _, _, m in mine]), max(s for _, s, _ in mine)
-        sanitizer[tool] = {"rc": rc, "summary": summary, "seconds": sec}
+        rc = next((r for r, _, _, _ in mine if r != 0), 0)
+        summary, sec = combined_summary([m for _, _, m, _ in mine]), max(s for _, s, _, _ in mine)
+        skipped = sum(k for _, _, _, k in mine)
+        sanitizer[tool] = {"rc": rc, "summary": summary, "seconds": sec, "skipped": skipped}
         failed |= rc != 0
-        rows.append((f"sanitizer {tool}", f"{summary}, rc={rc}", sec))
+        rows.append((f"sanitizer {tool}", f"{summary}, rc={rc}" + (f", {skipped} case(s) skipped (see log)" if skipped else ""),
+                     sec))
 
     benches = {}
     for name in [b for b in args.bench.split(",") if b]:

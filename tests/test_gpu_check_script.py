@@ -104,7 +104,9 @@ def test_sanitizer_jobs_shard_the_files_per_tool_and_sum_the_shards(gpu_check, t
         rc, sec = fake(cmd, log, timeout, **env)
         if "compute-sanitizer" in cmd:
             bad = cmd[cmd.index("--tool") + 1] == "racecheck" and "tests/gpu/b.py" in cmd
-            log.write_text(f"========= ERROR SUMMARY: {1 if bad else 0} errors\n")
+            skip = cmd[cmd.index("--tool") + 1] == "memcheck" and "tests/gpu/a.py" in cmd  # a case skips itself
+            log.write_text(f"{'3 passed, 1 skipped' if skip else '4 passed'} in 1.00s\n"
+                           f"========= ERROR SUMMARY: {1 if bad else 0} errors\n")
             return (1 if bad else 0), sec
         return rc, sec
 
@@ -122,3 +124,5 @@ def test_sanitizer_jobs_shard_the_files_per_tool_and_sum_the_shards(gpu_check, t
     summary = json.loads((tmp_path / "summary.json").read_text())["sanitizer"]
     assert summary["memcheck"]["summary"] == "0 errors (2 shards)" and summary["memcheck"]["rc"] == 0
     assert summary["racecheck"]["summary"] == "1 errors (2 shards)" and summary["racecheck"]["rc"] == 1
+    assert (summary["memcheck"]["skipped"], summary["racecheck"]["skipped"]) == (1, 0)
+    assert "1 case(s) skipped" in (tmp_path / "summary.md").read_text()

@@ -405,35 +405,38 @@ def test_sm90_causal_fixed_max_kernels():
                             causal_kernel=True)
 
 
-def test_sm90_fixed_max_three_consumer_switch():
-    """The fixed-max kernels switch to three consumers at FIXED_MAX_WIDE_MIN_QUERIES' queries (d = 128:
-    2048, where the plain kernel waits for 8192), causal and not, unless GQA packing needs the
-    128-row tile; d = 64 keeps the plain switch; every choice names a registered instantiation."""
+def test_sm90_softcap_three_consumer_switch():
+    """Softcap alone switches to three consumers at SOFTCAP_WIDE_MIN_QUERIES' queries (d = 128: 2048,
+    where the plain kernel and ALiBi wait for 8192), causal and not, with the online and the fixed
+    max alike, unless GQA packing needs the 128-row tile; d = 64 keeps the plain switch; every choice
+    names a registered instantiation of both kinds of max."""
     from tileattn.kernels import attention_fwd_sm90 as k90
 
     registered = set(k90.INSTANTIATIONS)
-    assert k90.FIXED_MAX_WIDE_MIN_QUERIES[128] < k90.WIDE_MIN_QUERIES[128]
+    assert k90.SOFTCAP_WIDE_MIN_QUERIES[128] < k90.WIDE_MIN_QUERIES[128]
     for d in (64, 128):
-        switch = k90.FIXED_MAX_WIDE_MIN_QUERIES.get(d, k90.WIDE_MIN_QUERIES[d])
+        switch = k90.SOFTCAP_WIDE_MIN_QUERIES.get(d, k90.WIDE_MIN_QUERIES[d])
         for nq in (1, switch - 1, switch, k90.WIDE_MIN_QUERIES[d], 1 << 15):
             for heads, kv_heads, pack in ((32, 32, None), (32, 8, None), (24, 2, True)):
                 kw = dict(seqlen_q=nq, heads=heads, kv_heads=kv_heads, pack_gqa=pack)
-                causal = k90.causal_variant_config(d, nq, fixed_max=True, **kw)
-                full = k90.variant_config(d, k90.SOFTCAP, nq, fixed_max=True, **kw)
+                causal = k90.causal_variant_config(d, nq, softcap=True, **kw)
+                full = k90.variant_config(d, k90.SOFTCAP, nq, **kw)
                 want = 3 if nq >= switch and k90.default_config(d, False, nq, wide_min_queries=switch, **kw).consumers == 3 else 2
                 assert full.consumers == want, (d, nq, heads, kv_heads, str(full))
                 assert causal.consumers == k90.default_config(d, True, nq, wide_min_queries=switch, **kw).consumers
-                assert k90.variant_expression(d, causal, True, k90.SOFTCAP | k90.FIXED_MAX, causal=True) in registered
-                assert k90.variant_expression(d, full, True, k90.SOFTCAP | k90.FIXED_MAX) in registered
-                # without the fixed max: the plain kernel's switch
-                assert k90.variant_config(d, k90.SOFTCAP, nq, **kw) == k90.variant_config(d, k90.ALIBI, nq, **kw)
+                for extra in (0, k90.FIXED_MAX):
+                    assert k90.variant_expression(d, causal, True, k90.SOFTCAP | extra, causal=True) in registered
+                    assert k90.variant_expression(d, full, True, k90.SOFTCAP | extra) in registered
+                # ALiBi alone keeps the plain kernel's switch
+                assert k90.causal_variant_config(d, nq, **kw) == k90.causal_variant_config(d, nq, softcap=d != 128, **kw)
+                assert k90.variant_config(d, k90.ALIBI, nq, **kw).consumers == k90.default_config(d, False, nq, **kw).consumers
     kw = dict(seqlen_q=2048, heads=32, kv_heads=32)
-    assert k90.causal_variant_config(128, 2048, fixed_max=True, **kw).consumers == 3
+    assert k90.causal_variant_config(128, 2048, softcap=True, **kw).consumers == 3
     assert k90.causal_variant_config(128, 2048, **kw).consumers == 2
-    assert k90.variant_config(128, k90.SOFTCAP, 2048, fixed_max=True, **kw).consumers == 3
-    assert k90.variant_config(128, k90.SOFTCAP, 2048, **kw).consumers == 2
-    assert k90.variant_config(128, k90.SOFTCAP, 2047, fixed_max=True, seqlen_q=2047).consumers == 2
-
+    assert k90.variant_config(128, k90.SOFTCAP, 2048, **kw).consumers == 3
+    assert k90.variant_config(128, k90.ALIBI, 2048, **kw).consumers == 2
+    assert k90.variant_config(128, k90.SOFTCAP | k90.WINDOW, 2048, **kw).consumers == 2
+    assert k90.variant_config(128, k90.SOFTCAP, 2047, seqlen_q=2047).consumers == 2
 
 
 def test_sm90_bwd_split_masked_kernels():
@@ -566,14 +569,16 @@ def test_sm90_variant_config_gives_alibi_or_softcap_alone_the_plain_wide_tile():
                     group = heads // kv_heads
                     for pack_gqa in (None, False, True):
                         kw = dict(seqlen_q=nq, heads=heads, kv_heads=kv_heads, pack_gqa=pack_gqa)
-                        plain = k90.default_config(d, False, nk, **kw)
                         for flags in flag_sets:
+                            # softcap alone: SOFTCAP_WIDE_MIN_QUERIES where listed; ALiBi: the plain switch
+                            own = k90.SOFTCAP_WIDE_MIN_QUERIES.get(d) if flags == k90.SOFTCAP else None
+                            plain = k90.default_config(d, False, nk, wide_min_queries=own, **kw)
                             got = k90.variant_config(d, flags, nk, **kw)
                             what = (d, flags, nq, nk, heads, kv_heads, pack_gqa, str(got))
                             if flags in (k90.ALIBI, k90.SOFTCAP) and plain.consumers == 3:
                                 assert got == plain, what
-                                # the plain kernel's switch: WIDE_MIN_QUERIES, a packing that fits 192 rows
-                                assert nq is None or nq >= k90.WIDE_MIN_QUERIES[d], what
+                                # the switch (own or WIDE_MIN_QUERIES), a packing that fits 192 rows
+                                assert nq is None or nq >= (own or k90.WIDE_MIN_QUERIES[d]), what
                                 packs = (pack_gqa and group > 1) if pack_gqa is not None else (
                                     nq is not None and k90.gqa_pack(heads, kv_heads, nq) > 1)
                                 assert not packs or k90.packable(group, 192), what
@@ -586,16 +591,17 @@ def test_sm90_variant_config_gives_alibi_or_softcap_alone_the_plain_wide_tile():
     assert widened > 0
     # the switch itself, MHA and GQA 3 (packs 3 heads x 64 positions into 192 rows), and where it stays narrow
     for d in (64, 128):
-        n = k90.WIDE_MIN_QUERIES[d]
         wide = replace(k90.WIDE_DEFAULTS[(d, False)], persistent=True)
         narrow = replace(k90.VARIANT_DEFAULTS[d], persistent=True)
         assert (wide.consumers, narrow.consumers) == (3, 2)
         for flags in (k90.ALIBI, k90.SOFTCAP):
+            n = (k90.SOFTCAP_WIDE_MIN_QUERIES.get(d) if flags == k90.SOFTCAP else None) or k90.WIDE_MIN_QUERIES[d]
             for heads, kv_heads in ((4, 4), (3, 1)):
                 pick = functools.partial(k90.variant_config, d, flags, n + 76, heads=heads, kv_heads=kv_heads)
                 assert pick(seqlen_q=n - 1) == narrow and pick(seqlen_q=n) == wide and pick(seqlen_q=n + 76) == wide
                 if heads > kv_heads:
                     assert pick(seqlen_q=n + 76, pack_gqa=True) == wide
+        n = k90.WIDE_MIN_QUERIES[d]
         assert k90.gqa_pack(3, 1, n + 76, 192) == 3  # GQA 3 past the switch: packed on the wide tile
         assert k90.variant_config(d, k90.ALIBI, seqlen_q=n, heads=32, kv_heads=8, pack_gqa=True) == narrow
         assert k90.variant_config(d, k90.ALIBI | k90.WINDOW, seqlen_q=n) == narrow  # causal ALiBi: windowed

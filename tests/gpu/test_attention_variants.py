@@ -701,8 +701,8 @@ def test_softcap_fixed_max_runs_only_without_autograd(causal, nq, nk):
 @pytest.mark.parametrize("d", [64, 128])
 def test_sm90_causal_fixed_max(d, cap, scale_inputs, nq, nk):
     """Bottom-right causal edges for any Nq, Nk (Nq > Nk: rows without keys, out 0 and lse -inf),
-    saturated tanh; two consumers below 2048 queries, three at 4097 (causal_variant_config with
-    fixed_max)."""
+    saturated tanh; two consumers below 2048 queries, three at 4097 (causal_variant_config for
+    softcap)."""
     q, k, v, _ = make(1, 2, 2, nq, nk, d, BF16, seed=nq + 5 * nk + d, scale_inputs=scale_inputs)
     check_fixed_max(q, k, v, True, {"softcap": cap}, f"sm90 causal fixed max d={d} cap={cap} x{scale_inputs} "
                     f"Nq={nq} Nk={nk}", causal_kernel=True)
@@ -757,7 +757,8 @@ CAUSAL_KERNEL_OPTIONS = {"alibi_h": {"alibi": "h"}, "alibi_bh": {"alibi": "bh"},
 @pytest.mark.parametrize("d", [64, 128])
 def test_sm90_causal_variant_kernel_lengths(d, variant, nq, nk):
     """Bottom-right causal edges for any Nq, Nk (Nq > Nk: the first Nq - Nk rows see no key, out 0 and
-    lse -inf); two consumers below WIDE_MIN_QUERIES[d] queries, d = 64 at 4097 on three."""
+    lse -inf); two consumers below WIDE_MIN_QUERIES[d] queries (softcap: SOFTCAP_WIDE_MIN_QUERIES[d]),
+    d = 64 and softcap at d = 128 at 4097 on three."""
     b, h = 1, 2
     scale_inputs = 8.0 if variant == "softcap_extreme" else 1.0
     q, k, v, _ = make(b, h, h, nq, nk, d, BF16, seed=nq * 5 + nk + d, scale_inputs=scale_inputs)
@@ -777,6 +778,25 @@ def test_sm90_softcap_fixed_max_three_consumers(d, h, hkv):
     q, k, v, _ = make(1, h, hkv, nq, nk, d, BF16, seed=d + nq + h)
     check_sm90(q, k, v, False, {"softcap": 20.0}, BF16, f"sm90 fixed max wide d={d} H={h}/{hkv}", want_consumers=3,
                fixed_max=True)
+
+
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("h, hkv", [(2, 2), (3, 1)], ids=["MHA", "GQA3"])
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+def test_sm90_softcap_online_three_consumers_from_its_own_switch(dtype, h, hkv, causal):
+    """Softcap alone with the online max (the forward autograd runs) takes the three-consumer tile from
+    SOFTCAP_WIDE_MIN_QUERIES[128] queries at d = 128, the plain kernel's and ALiBi's switch being
+    higher: non-causal (variant_config) and causal (the kCausal kernel, causal_variant_config), Nq > Nk
+    and Nq < Nk, against float64."""
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    d, n = 128, af.SOFTCAP_WIDE_MIN_QUERIES[128]
+    assert n < af.WIDE_MIN_QUERIES[d]
+    for nq, nk in ((n + 76, n + 300), (n + 76, n - 500)):
+        q, k, v, _ = make(1, h, hkv, nq, nk, d, dtype, seed=d + nq + nk + h + causal)
+        check_sm90(q, k, v, causal, {"softcap": 20.0}, dtype, f"sm90 online softcap d={d} {dtype} H={h}/{hkv} "
+                   f"Nq={nq} Nk={nk} causal={causal}", want_consumers=3, causal_kernel=causal)
 
 
 @needs_sm90

@@ -11,6 +11,8 @@ runs batch differently, so they must match or first differ only at a near-tie
 these checkpoints use head_dim 64 (Qwen3: 128) and block_size 16.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -204,6 +206,14 @@ def test_kv_cache_sized_from_free_memory(llama_path):
 
 @pytest.mark.sanitize
 def test_fp16_logits_match_transformers_fp32(llama):
+    if os.environ.get("TILEATTN_SANITIZER") == "initcheck":
+        # initcheck does not see cuBLAS's writes on the H200: it flags every read of an F.linear
+        # output (the probe F.linear -> y * 2 reports all 1280 of its reads: docs/runs/gpu-check-2026-12-01.md
+        # and gpu-check-2026-12-04.md, session 26), so every layer of the engine reports thousands of
+        # reads that are not ours. The kernels this test launches are initchecked in their own files'
+        # sanitize cases (layer ops, paged attention, KV cache, GEMV); memcheck, racecheck and
+        # synccheck run this case whole.
+        pytest.skip("initcheck cannot see cuBLAS's writes (flags every read of a linear's output)")
     path, hf = llama
     engine = LLMEngine.from_model(path, device="cuda", dtype="float16", max_model_len=256, kv_cache_blocks=32,
                                   enforce_eager=True)

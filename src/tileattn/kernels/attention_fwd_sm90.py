@@ -262,42 +262,44 @@ VARIANT_WIDE: dict[int, Sm90Config] = {d: cfg for (d, causal), cfg in WIDE_DEFAU
 CAUSAL_VARIANT_FLAGS = (ALIBI, SOFTCAP)
 CAUSAL_VARIANT_HEAD_DIMS = (64, 128)
 CAUSAL_VARIANT_WIDE: dict[int, Sm90Config] = {64: C(96, 3, consumers=3), 128: WIDE_DEFAULTS[(128, True)]}
-# Softcap's fixed-max kernels (FIXED_MAX below) take the three-consumer tile from fewer queries than
-# the plain kernel at d = 128, causal (kCausal) and not. H200, 2026-12-04 (session 25, call 1,
-# `.dev/cfm_bench.py`: ForwardPlans timed directly, B=4 H=32 bf16, cap 30, median of 3 rotating
-# rounds; docs/attention_variants.md "Causal softcap on the kCausal kernel"), TFLOP/s relative to
-# the plain kernel of the same shape, two / three consumers: causal N = 2048 0.920 / 0.938, 4096
-# 0.881 / 0.935, 8192 0.858 / 0.909; non-causal 2048 0.900 / 0.921, 4096 0.880 / 0.901, 8192 0.842 /
-# 0.897. d = 64 (causal): 0.791 / 0.790, 0.785 / 0.782, 0.748 / 0.762, so it keeps the plain switch.
-FIXED_MAX_WIDE_MIN_QUERIES: dict[int, int] = {128: 2048}
+# Softcap alone, with the online max or the fixed one (FIXED_MAX below), takes the three-consumer tile
+# from fewer queries than the plain kernel at d = 128, causal (kCausal) and not. Fixed max: H200,
+# 2026-12-04 (session 25, call 1, ForwardPlans timed directly, B=4 H=32 bf16, cap 30, median of 3
+# rotating rounds; docs/attention_variants.md "Causal softcap on the kCausal kernel"), TFLOP/s
+# relative to the plain kernel of the same shape, two / three consumers: causal N = 2048 0.920 /
+# 0.938, 4096 0.881 / 0.935, 8192 0.858 / 0.909; non-causal 2048 0.900 / 0.921, 4096 0.880 / 0.901,
+# 8192 0.842 / 0.897. Online max (the forward autograd runs; session 26, call 3, same method): causal
+# 2048 0.860 / 0.902, 4096 0.855 / 0.913; non-causal 2048 0.828 / 0.837, 4096 0.840 / 0.854. d = 64
+# (fixed max, causal): 0.791 / 0.790, 0.785 / 0.782, 0.748 / 0.762, so it keeps the plain switch.
+SOFTCAP_WIDE_MIN_QUERIES: dict[int, int] = {128: 2048}
 
 
 def causal_variant_config(head_dim: int, seqlen_k: int = 0, *, seqlen_q: int | None = None, heads: int = 1,
-                          kv_heads: int = 1, pack_gqa: bool | None = None, fixed_max: bool = False) -> Sm90Config:
+                          kv_heads: int = 1, pack_gqa: bool | None = None, softcap: bool = False) -> Sm90Config:
     """The kCausal variant kernel's config: default_config's choice for the plain causal kernel of
-    the same call (with fixed_max, switching to three consumers at FIXED_MAX_WIDE_MIN_QUERIES where
+    the same call (for softcap, switching to three consumers at SOFTCAP_WIDE_MIN_QUERIES where
     listed), with CAUSAL_VARIANT_WIDE's tile where that choice has three consumers (on the same
     grid). Raises KeyError for a head dim not in CAUSAL_VARIANT_HEAD_DIMS."""
     wide = CAUSAL_VARIANT_WIDE[head_dim]
-    switch = FIXED_MAX_WIDE_MIN_QUERIES.get(head_dim) if fixed_max else None
+    switch = SOFTCAP_WIDE_MIN_QUERIES.get(head_dim) if softcap else None
     plain = default_config(head_dim, True, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
                            pack_gqa=pack_gqa, wide_min_queries=switch)
     return replace(wide, persistent=plain.persistent) if plain.consumers == 3 else plain
 
 
 def variant_config(head_dim: int, flags: int, seqlen_k: int = 0, *, seqlen_q: int | None = None, heads: int = 1,
-                   kv_heads: int = 1, pack_gqa: bool | None = None, fixed_max: bool = False) -> Sm90Config:
+                   kv_heads: int = 1, pack_gqa: bool | None = None) -> Sm90Config:
     """The variant forward's config for kVariant `flags` (variant_flags, after dropout_kernel_flags):
     for ALiBi or softcap alone (WIDE_VARIANT_FLAGS), default_config's choice for the plain non-causal
     kernel of the same call when that is the VARIANT_WIDE tile (three consumers, so from
     WIDE_MIN_QUERIES[head_dim] queries and where GQA packing allows it, as default_config decides);
     otherwise, and for every other flag set, VARIANT_DEFAULTS[head_dim] (the variant kernels exist at
     no other tile: LONG_DEFAULTS' is not taken). On a persistent grid for a head dim in
-    PERSISTENT_HEAD_DIMS. With fixed_max (softcap alone) the three-consumer tile comes from
-    FIXED_MAX_WIDE_MIN_QUERIES' queries where that lists the head dim. Raises KeyError for a head
-    dim not in HEAD_DIMS."""
+    PERSISTENT_HEAD_DIMS. Softcap alone takes the three-consumer tile from SOFTCAP_WIDE_MIN_QUERIES'
+    queries where that lists the head dim (with or without the fixed max). Raises KeyError for a
+    head dim not in HEAD_DIMS."""
     if flags in WIDE_VARIANT_FLAGS and head_dim in VARIANT_WIDE:
-        switch = FIXED_MAX_WIDE_MIN_QUERIES.get(head_dim) if fixed_max else None
+        switch = SOFTCAP_WIDE_MIN_QUERIES.get(head_dim) if flags == SOFTCAP else None
         plain = default_config(head_dim, False, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
                                pack_gqa=pack_gqa, wide_min_queries=switch)
         if replace(plain, persistent=False) == VARIANT_WIDE[head_dim]:
@@ -746,10 +748,10 @@ class ForwardPlan:
                                  f"{CAUSAL_VARIANT_HEAD_DIMS} only (variant flags {flags}, head_dim {head_dim})")
             flags, causal = causal_flags, True
             config = config or causal_variant_config(head_dim, seqlen_k, seqlen_q=seqlen_q, heads=heads,
-                                                     kv_heads=kv_heads, pack_gqa=pack_gqa, fixed_max=fixed_max)
+                                                     kv_heads=kv_heads, pack_gqa=pack_gqa, softcap=flags == SOFTCAP)
         if config is None and flags:  # variant kernels exist at VARIANT_DEFAULTS' tiles (ALiBi or softcap alone: and VARIANT_WIDE's)
             config = variant_config(head_dim, flags, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
-                                    pack_gqa=pack_gqa, fixed_max=fixed_max)
+                                    pack_gqa=pack_gqa)
         if fixed_max:
             if variants is None or not fixed_max_applies(q.dtype, flags, variants.softcap, seqlen_k):
                 raise ValueError(f"fixed_max: bf16 softcap alone or with a window, 2 cap log2(e) + log2(Nk) <= "
@@ -1107,7 +1109,7 @@ __all__ = [
     "CAUSAL_VARIANT_HEAD_DIMS",
     "CAUSAL_VARIANT_INSTANTIATIONS",
     "CAUSAL_FIXED_MAX_INSTANTIATIONS",
-    "FIXED_MAX_WIDE_MIN_QUERIES",
+    "SOFTCAP_WIDE_MIN_QUERIES",
     "CAUSAL_VARIANT_WIDE",
     "causal_variant_config",
     "causal_variant_flags",
