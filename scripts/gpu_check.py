@@ -291,8 +291,8 @@ def main(argv=None) -> int:
         skipped = sum(k for _, _, _, k in mine)
         sanitizer[tool] = {"rc": rc, "summary": summary, "seconds": sec, "skipped": skipped}
         failed |= rc != 0
-        rows.append((f"sanitizer {tool}", f"{summary}, rc={rc}" + (f", {skipped} case(s) skipped (see log)" if skipped else ""),
-                     sec))
+        skips = f", {skipped} case(s) skipped (see log)" if skipped else ""
+        rows.append((f"sanitizer {tool}", f"{summary}, rc={rc}{skips}", sec))
 
     benches = {}
     for name in [b for b in args.bench.split(",") if b]:

@@ -274,6 +274,12 @@ CAUSAL_VARIANT_WIDE: dict[int, Sm90Config] = {64: C(96, 3, consumers=3), 128: WI
 SOFTCAP_WIDE_MIN_QUERIES: dict[int, int] = {128: 2048}
 
 
+def _variant_wide_switch(head_dim: int, softcap_alone: bool) -> int | None:
+    """default_config's wide_min_queries for a variant kernel: SOFTCAP_WIDE_MIN_QUERIES' entry for
+    softcap alone, else None (the plain kernel's WIDE_MIN_QUERIES)."""
+    return SOFTCAP_WIDE_MIN_QUERIES.get(head_dim) if softcap_alone else None
+
+
 def causal_variant_config(head_dim: int, seqlen_k: int = 0, *, seqlen_q: int | None = None, heads: int = 1,
                           kv_heads: int = 1, pack_gqa: bool | None = None, softcap: bool = False) -> Sm90Config:
     """The kCausal variant kernel's config: default_config's choice for the plain causal kernel of
@@ -281,9 +287,8 @@ def causal_variant_config(head_dim: int, seqlen_k: int = 0, *, seqlen_q: int | N
     listed), with CAUSAL_VARIANT_WIDE's tile where that choice has three consumers (on the same
     grid). Raises KeyError for a head dim not in CAUSAL_VARIANT_HEAD_DIMS."""
     wide = CAUSAL_VARIANT_WIDE[head_dim]
-    switch = SOFTCAP_WIDE_MIN_QUERIES.get(head_dim) if softcap else None
     plain = default_config(head_dim, True, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
-                           pack_gqa=pack_gqa, wide_min_queries=switch)
+                           pack_gqa=pack_gqa, wide_min_queries=_variant_wide_switch(head_dim, softcap))
     return replace(wide, persistent=plain.persistent) if plain.consumers == 3 else plain
 
 
@@ -299,9 +304,8 @@ def variant_config(head_dim: int, flags: int, seqlen_k: int = 0, *, seqlen_q: in
     queries where that lists the head dim (with or without the fixed max). Raises KeyError for a
     head dim not in HEAD_DIMS."""
     if flags in WIDE_VARIANT_FLAGS and head_dim in VARIANT_WIDE:
-        switch = SOFTCAP_WIDE_MIN_QUERIES.get(head_dim) if flags == SOFTCAP else None
         plain = default_config(head_dim, False, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
-                               pack_gqa=pack_gqa, wide_min_queries=switch)
+                               pack_gqa=pack_gqa, wide_min_queries=_variant_wide_switch(head_dim, flags == SOFTCAP))
         if replace(plain, persistent=False) == VARIANT_WIDE[head_dim]:
             return plain
     return _default_grid(head_dim, VARIANT_DEFAULTS[head_dim])
