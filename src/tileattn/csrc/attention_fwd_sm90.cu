@@ -638,6 +638,28 @@ __device__ __forceinline__ void apply_mask(float (&s)[kBlockN / 2], int n, const
   }
 }
 
+// 2^x on the FP32 pipe, for softcap at d = 64, where the exponential unit is the bound: two MUFU
+// per score (tanh, EX2) at 16 per SM and clock. H200 (2026-12-04, ncu, B=4 H=32 N=8192 bf16, the
+// fixed-max kernel at 192 x 128): XU 81 % of peak, tensor pipe 40 %, FP32 pipe 16 %, issue 37 %,
+// the top stall "mio throttle" (MUFU's queue); the plain kernel XU 60 %, tensor 60 %. Softcap's two
+// MUFU per score cannot then run faster than 0.83 of plain, so part of the EX2s move here.
+// x = j + f with j = rint(x), read from the low mantissa bits of x + 1.5 * 2^23, and f = x - j in
+// [-0.5, 0.5]; 2^f by a degree-3 polynomial (relative error <= 7.5e-5 evaluated in fp32, a 26th of
+// a bf16 P's rounding, a 6th of fp16's; tests/test_variants_cpu.py checks it against float64); 2^j
+// added to the exponent field. Seven instructions (3 FADD, 3 FFMA, 1 LEA) against one MUFU.EX2.
+// Domain: x in [-125, 2^22). kClamp raises smaller x to -125 (2^-125 instead of ~0: an unmasked
+// visit's scores are finite); the fixed-max kernels need no clamp (x >= -114, fixed_max_applies).
+template <bool kClamp>
+__device__ __forceinline__ float exp2_poly(float x) {
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: x + kRound lies in [2^23, 2^24), whose ulp is 1
+  if constexpr (kClamp) x = fmaxf(x, -125.f);
+  const float t = __fadd_rn(x, kRound);                // bits(t) = bits(kRound) + rint(x)
+  const float f = __fsub_rn(x, __fsub_rn(t, kRound));  // x - rint(x), exact
+  const float p = fmaf(fmaf(fmaf(0.0551714599f, f, 0.242610857f), f, 0.693260968f), f, 0.999928117f);
+  // bits(kRound) << 23 is 0 mod 2^32, so bits(t) << 23 = rint(x) << 23: 2^rint(x) in the exponent field
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
 // Online softmax of one score block, in place: s <- p = 2^(s * scale_log2 - m); m, l updated.
 // kShifted: this thread's scores of row h are s + shift[h] (ALiBi's constant on one-sided blocks,
 // alibi_scores; it differs between the row's 4 threads).
@@ -649,16 +671,23 @@ __device__ __forceinline__ void apply_mask(float (&s)[kBlockN / 2], int n, const
 // between the P V wait and the next wgmma issue) is almost always skipped.
 // kFixed (kFixedMax kernels): m is the constant cap log2 e set at the tile's start; only the
 // exponentials and the row sums remain, and O is never rescaled (returns false).
-template <int kBlockN, bool kShifted = false, bool kFixed = false>
+// kFmaPer8 (softcap at d = 64, kExp2FmaPer8 in the kernel): on an unmasked visit (`unmasked`, a
+// constant at every call site) the scores of kFmaPer8 of every 8 groups of 4 take exp2_poly on the
+// FP32 pipe instead of MUFU.EX2 (see exp2_poly for why).
+template <int kBlockN, bool kShifted = false, bool kFixed = false, int kFmaPer8 = 0>
 __device__ __forceinline__ bool softmax_step(float (&s)[kBlockN / 2], float (&m)[2], float (&l)[2],
-                                             float (&alpha)[2], float scale_log2, const float (&shift)[2]) {
+                                             float (&alpha)[2], float scale_log2, const float (&shift)[2],
+                                             bool unmasked = false) {
+  auto exp2_of = [&](int i, float x) {  // i: the score's index (a constant after unrolling)
+    return kFmaPer8 > 0 && unmasked && (i / 4) % 8 < kFmaPer8 ? exp2_poly<!kFixed>(x) : fast_exp2(x);
+  };
   if constexpr (kFixed) {
     static_assert(!kShifted, "a fixed row max has no ALiBi shift");
     float sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < kBlockN / 2; ++i) {
       const int h = (i >> 1) & 1;
-      s[i] = fast_exp2(fmaf(s[i], scale_log2, -m[h]));
+      s[i] = exp2_of(i, fmaf(s[i], scale_log2, -m[h]));
       sum[h] += s[i];
     }
 #pragma unroll
@@ -697,7 +726,7 @@ __device__ __forceinline__ bool softmax_step(float (&s)[kBlockN / 2], float (&m)
 #pragma unroll
   for (int i = 0; i < kBlockN / 2; ++i) {
     const int h = (i >> 1) & 1;
-    s[i] = fast_exp2(fmaf(s[i], scale_log2, offset[h]));
+    s[i] = exp2_of(i, fmaf(s[i], scale_log2, offset[h]));
     sum[h] += s[i];
   }
 #pragma unroll
@@ -791,6 +820,9 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   constexpr bool kAlibiRaw = (kVariant & (kSoftcap | kAlibi)) == kAlibi;  // ALiBi in raw units (alibi_scores)
   constexpr bool kDropped = (kVariant & kDropout) != 0;
   constexpr bool kFixed = (kVariant & kFixedMax) != 0;
+  // Softcap (alone or windowed) at d = 64: kExp2FmaPer8 of every 8 exponentials of an unmasked visit
+  // on the FP32 pipe (exp2_poly), the rest on MUFU with the tanh.
+  constexpr int kExp2FmaPer8 = kHeadDim == 64 && (kVariant & ~(kFixedMax | kWindow)) == kSoftcap ? 3 : 0;
   static_assert(!kFixed || (kIsBF16 && ((kVariant & ~kFixedMax) == kSoftcap || (kVariant & ~kFixedMax) == (kWindow | kSoftcap))),
                 "kFixedMax: bf16 softcap alone or with a window (the fixed max is softcap's bound; fp16 P underflows)");
   // Consumers release the leading visits none of their rows sees (unseen_visits): the plain dense
@@ -1176,7 +1208,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
           s9::fence_accumulators(s);
           if (releaser) s9::mbar_arrive(&k_empty[sk]);
           scores(range.n_end - 1 - it, masked);
-          const bool rescale = softmax_step<kBlockN, kAlibiRaw, kFixed>(s, m, l, alpha, sl2, shift);
+          const bool rescale = softmax_step<kBlockN, kAlibiRaw, kFixed, kExp2FmaPer8>(s, m, l, alpha, sl2, shift, !masked);
           drop();
           // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free. Without dropout the
           // wait sits in both arms of a warpgroup-uniform branch so that it stays after the
