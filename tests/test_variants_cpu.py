@@ -1124,12 +1124,13 @@ def test_sm90_exp2_poly_error_bound():
 
 
 def test_sm90_exp2_poly_only_in_softcap_d64_kernels():
-    """kExp2FmaPer8 is non-zero only for softcap alone or windowed (with or without the fixed max) at
-    d = 64, and softmax_step takes it only on unmasked visits (masked scores are -inf, which the
-    polynomial does not map to 0)."""
+    """kExp2FmaPer8 is non-zero only for the fixed-max softcap kernels at d = 64 (kFixed implies softcap,
+    alone or windowed, bf16) but their non-causal three-consumer tile, and softmax_step takes it only
+    on unmasked visits (masked scores are -inf, which the polynomial does not map to 0)."""
     from tileattn.kernels import attention_fwd_sm90 as k90
 
     src = k90.FAMILIES[0].path.read_text()
-    assert "constexpr int kExp2FmaPer8 = kHeadDim == 64 && (kVariant & ~(kFixedMax | kWindow)) == kSoftcap ? 3 : 0;" in src
+    assert "constexpr int kExp2FmaPer8 = kFixed && kHeadDim == 64 && (kCausal || kConsumers == 2) ? 3 : 0;" in src
+    assert "static_assert(!kFixed || (kIsBF16 && ((kVariant & ~kFixedMax) == kSoftcap ||" in src
     assert src.count("softmax_step<kBlockN, kAlibiRaw, kFixed, kExp2FmaPer8>(s, m, l, alpha, sl2, shift, !masked)") == 1
     assert src.count("softmax_step<kBlockN, kAlibiRaw, kFixed>(") == 1  # the first visit: MUFU only

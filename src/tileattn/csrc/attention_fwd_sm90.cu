@@ -820,9 +820,16 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   constexpr bool kAlibiRaw = (kVariant & (kSoftcap | kAlibi)) == kAlibi;  // ALiBi in raw units (alibi_scores)
   constexpr bool kDropped = (kVariant & kDropout) != 0;
   constexpr bool kFixed = (kVariant & kFixedMax) != 0;
-  // Softcap (alone or windowed) at d = 64: kExp2FmaPer8 of every 8 exponentials of an unmasked visit
-  // on the FP32 pipe (exp2_poly), the rest on MUFU with the tanh.
-  constexpr int kExp2FmaPer8 = kHeadDim == 64 && (kVariant & ~(kFixedMax | kWindow)) == kSoftcap ? 3 : 0;
+  // Softcap with the fixed max at d = 64: kExp2FmaPer8 of every 8 exponentials of an unmasked visit on
+  // the FP32 pipe (exp2_poly), the rest on MUFU with the tanh. H200, 2026-12-04 (session 27, call 2,
+  // scripts/fwd_sm90_softcap_kernels.py, B=4 H=32 bf16, median of 6 rounds in two processes per tree;
+  // docs/attention_variants.md "Softcap's exponentials at d = 64, again"), ratio to plain for 0 / 2 / 3
+  // / 4 of 8: non-causal 2048 0.772 / 0.794 / 0.797 / 0.789, 8192 0.757 / 0.770 / 0.785 / 0.781; causal
+  // (kCausal, 192 x 96) 2048 0.788 / 0.814 / 0.836 / 0.822, 8192 0.755 / 0.769 / 0.793 / 0.769. The
+  // online-max kernels lost 1-5 points at every share (their max and rescale already fill the issue
+  // slots the polynomial needs) and keep MUFU. Not at the non-causal three-consumer tile (192 x 128):
+  // there any share spills 8-32 bytes (NVRTC 13.5), so it keeps MUFU too.
+  constexpr int kExp2FmaPer8 = kFixed && kHeadDim == 64 && (kCausal || kConsumers == 2) ? 3 : 0;
   static_assert(!kFixed || (kIsBF16 && ((kVariant & ~kFixedMax) == kSoftcap || (kVariant & ~kFixedMax) == (kWindow | kSoftcap))),
                 "kFixedMax: bf16 softcap alone or with a window (the fixed max is softcap's bound; fp16 P underflows)");
   // Consumers release the leading visits none of their rows sees (unseen_visits): the plain dense
