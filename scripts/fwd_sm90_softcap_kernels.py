@@ -22,6 +22,8 @@ import statistics
 import sys
 from collections import defaultdict
 
+from fwd_sm90_configs import parse_config  # this script's directory is on sys.path
+
 CAP = 30.0
 
 
@@ -42,8 +44,9 @@ def reference(q, k, v, causal: bool):
     return torch.stack(outs)
 
 
-def plans(q, k, v, out, lse, causal: bool):
-    """{name: no-argument launch}: plain, then softcap online / fixed max."""
+def plans(q, k, v, out, lse, causal: bool, fixed_configs=()):
+    """{name: no-argument launch}: plain, then softcap online / fixed max, then (non-causal) the
+    fixed max at each of `fixed_configs` (Sm90Config; registered instantiations)."""
     from tileattn.dropout import UNBOUNDED
     from tileattn.kernels import attention_fwd_sm90 as af
     from tileattn.kernels import dispatch
@@ -61,6 +64,10 @@ def plans(q, k, v, out, lse, causal: bool):
         plan = af.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=va, fixed_max=fixed_max,
                               causal_kernel=causal_kernel)
         calls[name] = (lambda p: lambda: p.launch(q, k, v, out, lse, 0, 0, 0))(plan)
+    if "softcap_fixed" in calls and not causal:
+        for cfg in fixed_configs:
+            plan = af.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=va, fixed_max=True, config=cfg)
+            calls[f"softcap_fixed@{cfg}"] = (lambda p: lambda: p.launch(q, k, v, out, lse, 0, 0, 0))(plan)
     return calls
 
 
@@ -79,7 +86,7 @@ def run(args) -> None:
                 q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 out = torch.empty_like(q)                                       # [B, H, N, d]
                 lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)  # [B, H, N]
-                calls = plans(q, k, v, out, lse, causal)
+                calls = plans(q, k, v, out, lse, causal, [parse_config(c) for c in args.fixed_config])
                 ref = reference(q, k, v, causal)
                 for name, call in calls.items():
                     if name == "plain":
@@ -106,16 +113,16 @@ def summary(paths) -> None:
         for line in open(path):
             r = json.loads(line)
             med[(r["tree"], r["d"], r["causal"], r["n"], r["impl"])].append(r["tflops"])
-    print("| tree | d | causal | N | plain | softcap online (ratio) | softcap fixed max (ratio) |")
-    print("|---|---|---|---|---|---|---|")
-    keys = sorted({key[:4] for key in med})
-    for tree, d, causal, n in keys:
+    impls = sorted({key[4] for key in med} - {"plain"})
+    print("| tree | d | causal | N | plain | " + " | ".join(f"{i} (ratio)" for i in impls) + " |")
+    print("|---" * (5 + len(impls)) + "|")
+    for tree, d, causal, n in sorted({key[:4] for key in med}):
         plain = statistics.median(med[(tree, d, causal, n, "plain")])
         cells = []
-        for impl in ("softcap_online", "softcap_fixed"):
+        for impl in impls:
             vals = med.get((tree, d, causal, n, impl))
             cells.append("-" if not vals else f"{statistics.median(vals):.0f} ({statistics.median(vals) / plain:.3f})")
-        print(f"| {tree} | {d} | {'yes' if causal else 'no'} | {n} | {plain:.0f} | {cells[0]} | {cells[1]} |")
+        print(f"| {tree} | {d} | {'yes' if causal else 'no'} | {n} | {plain:.0f} | " + " | ".join(cells) + " |")
 
 
 def main(argv=None) -> int:
@@ -125,6 +132,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seq", type=int, action="append", help="N (repeatable; default 2048 and 8192)")
     ap.add_argument("--head-dim", type=int, action="append", choices=(64, 128), help="default 64")
+    ap.add_argument("--fixed-config", action="append", default=[], metavar="{128,192}xN/sK[/pp][/persistent]",
+                    help="also time the non-causal fixed-max kernel at this registered config (repeatable)")
     ap.add_argument("--summary", nargs="+", metavar="FILE", help="summarize records instead of timing")
     args = ap.parse_args(argv)
     if args.summary:

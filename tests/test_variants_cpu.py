@@ -342,7 +342,7 @@ def test_sm90_softcap_fixed_max_kernels():
     from tileattn.kernels import attention_fwd_sm80, attention_fwd_sm90 as k90
 
     exprs = k90.FIXED_MAX_INSTANTIATIONS
-    assert len(exprs) == len(set(exprs)) == 3 * 2 + 2 and set(exprs) <= set(k90.INSTANTIATIONS), exprs
+    assert len(exprs) == len(set(exprs)) == 3 * 2 + 2 + len(k90.FIXED_MAX_WIDE) and set(exprs) <= set(k90.INSTANTIATIONS), exprs
     for d, cfg in k90.VARIANT_DEFAULTS.items():
         for flags in k90.FIXED_MAX_FLAGS:
             online = k90.variant_expression(d, cfg, True, flags)
@@ -350,6 +350,8 @@ def test_sm90_softcap_fixed_max_kernels():
     for d, cfg in k90.VARIANT_WIDE.items():
         online = k90.variant_expression(d, cfg, True, k90.SOFTCAP)
         assert online.replace(f", 3, {k90.SOFTCAP}, ", f", 3, {k90.SOFTCAP | k90.FIXED_MAX}, ") in exprs, online
+    for d, cfg in k90.FIXED_MAX_WIDE.items():
+        assert cfg.consumers == 3 and k90.variant_expression(d, cfg, True, k90.SOFTCAP | k90.FIXED_MAX) in exprs
     assert all(", true, 2, " in e or ", true, 3, " in e for e in exprs), "bf16 only"
 
     bf16, fp16 = torch.bfloat16, torch.float16
@@ -430,6 +432,13 @@ def test_sm90_softcap_three_consumer_switch():
                 # ALiBi alone keeps the plain kernel's switch
                 assert k90.causal_variant_config(d, nq, **kw) == k90.causal_variant_config(d, nq, softcap=d != 128, **kw)
                 assert k90.variant_config(d, k90.ALIBI, nq, **kw).consumers == k90.default_config(d, False, nq, **kw).consumers
+                # the non-causal fixed max: FIXED_MAX_WIDE's 96-key tile in place of the 128-key one
+                fixed = k90.fixed_max_tile(d, full)
+                assert k90.variant_expression(d, fixed, True, k90.SOFTCAP | k90.FIXED_MAX) in registered
+                if d in k90.FIXED_MAX_WIDE and full.consumers == 3:
+                    assert (fixed.block_n, fixed.consumers, fixed.persistent) == (96, 3, full.persistent), str(fixed)
+                else:
+                    assert fixed == full
     kw = dict(seqlen_q=2048, heads=32, kv_heads=32)
     assert k90.causal_variant_config(128, 2048, softcap=True, **kw).consumers == 3
     assert k90.causal_variant_config(128, 2048, **kw).consumers == 2
@@ -1125,12 +1134,12 @@ def test_sm90_exp2_poly_error_bound():
 
 def test_sm90_exp2_poly_only_in_softcap_d64_kernels():
     """kExp2FmaPer8 is non-zero only for the fixed-max softcap kernels at d = 64 (kFixed implies softcap,
-    alone or windowed, bf16) but their non-causal three-consumer tile, and softmax_step takes it only
+    alone or windowed, bf16) but those at the three-consumer 128-key tile, and softmax_step takes it only
     on unmasked visits (masked scores are -inf, which the polynomial does not map to 0)."""
     from tileattn.kernels import attention_fwd_sm90 as k90
 
     src = k90.FAMILIES[0].path.read_text()
-    assert "constexpr int kExp2FmaPer8 = kFixed && kHeadDim == 64 && (kCausal || kConsumers == 2) ? 3 : 0;" in src
+    assert "constexpr int kExp2FmaPer8 = kFixed && kHeadDim == 64 && (kConsumers == 2 || kBlockN <= 96) ? 3 : 0;" in src
     assert "static_assert(!kFixed || (kIsBF16 && ((kVariant & ~kFixedMax) == kSoftcap ||" in src
     assert src.count("softmax_step<kBlockN, kAlibiRaw, kFixed, kExp2FmaPer8>(s, m, l, alpha, sl2, shift, !masked)") == 1
     assert src.count("softmax_step<kBlockN, kAlibiRaw, kFixed>(") == 1  # the first visit: MUFU only

@@ -533,12 +533,13 @@ def _sm90_variant_args(q, causal, opts):
     return attention_fwd_sm80.VariantArgs(left, right, dr.check_softcap(opts.get("softcap")), sb, 0.0)
 
 
-def run_sm90(q, k, v, causal, opts, *, pack_gqa=None, config=None, want_consumers=None, fixed_max=False,
-             causal_kernel=False):
+def run_sm90(q, k, v, causal, opts, *, pack_gqa=None, config=None, want_consumers=None, want_block_n=None,
+             fixed_max=False, causal_kernel=False):
     """(out, lse) of the Hopper variant forward, outputs poisoned with NaN; checks the plan runs a
     variant instantiation (or, for a call with nothing on, the plain kernel). `config` forces a tile;
-    `want_consumers`: the consumer warpgroups the plan's tile must have; `fixed_max`, `causal_kernel`:
-    ForwardPlan's (softcap's fixed row max; the kCausal ALiBi / softcap kernel)."""
+    `want_consumers`, `want_block_n`: the consumer warpgroups and key block the plan's tile must have;
+    `fixed_max`, `causal_kernel`: ForwardPlan's (softcap's fixed row max; the kCausal ALiBi / softcap
+    kernel)."""
     from tileattn.kernels import attention_fwd_sm90
 
     slopes = opts.get("alibi_slopes")
@@ -550,15 +551,16 @@ def run_sm90(q, k, v, causal, opts, *, pack_gqa=None, config=None, want_consumer
                                           causal_kernel=causal_kernel)
     assert plan.variant_values == (attention_fwd_sm90.variant_flags(va) != 0)
     assert want_consumers is None or plan.config.consumers == want_consumers, plan.config
+    assert want_block_n is None or plan.config.block_n == want_block_n, plan.config
     plan.launch(q, k, v, out, lse, 0 if slopes is None else slopes.data_ptr(), 0, 0)
     torch.cuda.synchronize()
     return out, lse
 
 
 def check_sm90(q, k, v, causal, opts, dtype, what, *, pack_gqa=None, config=None, want_consumers=None,
-               fixed_max=False, causal_kernel=False):
+               want_block_n=None, fixed_max=False, causal_kernel=False):
     got = run_sm90(q, k, v, causal, opts, pack_gqa=pack_gqa, config=config, want_consumers=want_consumers,
-                   fixed_max=fixed_max, causal_kernel=causal_kernel)
+                   want_block_n=want_block_n, fixed_max=fixed_max, causal_kernel=causal_kernel)
     q64, k64, v64 = (t.double() for t in (q, k, v))
     ref = reference.attention(q64, k64, v64, causal, compute_dtype=F64, **opts)
     check((got[0], got[1], None), (ref[0], ref[1], None), dtype, what, grads=False)
@@ -770,14 +772,16 @@ def test_sm90_causal_variant_kernel_lengths(d, variant, nq, nk):
 @pytest.mark.parametrize("h, hkv", [(2, 2), (3, 1)], ids=["MHA", "GQA3"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_sm90_softcap_fixed_max_three_consumers(d, h, hkv):
-    """Past WIDE_MIN_QUERIES[d] queries softcap alone takes the three-consumer tile, fixed max too."""
+    """Past WIDE_MIN_QUERIES[d] queries softcap alone takes the three-consumer tile, fixed max too (at
+    d = 64 FIXED_MAX_WIDE's 96-key blocks, whose exponentials are partly exp2_poly); Nk not a multiple
+    of the key block."""
     from tileattn.kernels import attention_fwd_sm90 as af
 
     nq = af.WIDE_MIN_QUERIES[d] + 76
     nk = nq // 2 + 37
     q, k, v, _ = make(1, h, hkv, nq, nk, d, BF16, seed=d + nq + h)
     check_sm90(q, k, v, False, {"softcap": 20.0}, BF16, f"sm90 fixed max wide d={d} H={h}/{hkv}", want_consumers=3,
-               fixed_max=True)
+               want_block_n=af.FIXED_MAX_WIDE.get(d, af.VARIANT_WIDE[d]).block_n, fixed_max=True)
 
 
 @needs_sm90
@@ -820,17 +824,19 @@ def test_sm90_causal_variant_kernel_three_consumers(variant, d, dtype, h, hkv):
 
 @needs_sm90
 @pytest.mark.sanitize
-@pytest.mark.parametrize("d, mask, wide", [(64, "full", True), (128, "window_causal", False), (256, "causal", False)])
-def test_sm90_softcap_fixed_max_sanitize_small(d, mask, wide):
+@pytest.mark.parametrize("d, mask, tile", [(64, "full", "variant_wide"), (64, "full", "fixed_max_wide"),
+                                           (128, "window_causal", None), (256, "causal", None)])
+def test_sm90_softcap_fixed_max_sanitize_small(d, mask, tile):
     from dataclasses import replace
 
     from tileattn.kernels import attention_fwd_sm90 as af
 
     causal, window = FIXED_MAX_MASKS[mask]
     opts = {"softcap": 20.0} if window is None else {"softcap": 20.0, "window": window}
-    cfg = replace(af.VARIANT_WIDE[d], persistent=True) if wide else None
+    wide = {"variant_wide": af.VARIANT_WIDE, "fixed_max_wide": af.FIXED_MAX_WIDE}.get(tile)
+    cfg = None if wide is None else replace(wide[d], persistent=True)
     q, k, v, _ = make(1, 2, 2, 200, 70, d, BF16, seed=29 + d)
-    check_sm90(q, k, v, causal, opts, BF16, f"sm90 sanitize fixed max d={d} {mask}", config=cfg,
+    check_sm90(q, k, v, causal, opts, BF16, f"sm90 sanitize fixed max d={d} {mask} {tile}", config=cfg,
                want_consumers=3 if wide else None, fixed_max=True)
 
 

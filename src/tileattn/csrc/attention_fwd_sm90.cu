@@ -827,9 +827,9 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   // / 4 of 8: non-causal 2048 0.772 / 0.794 / 0.797 / 0.789, 8192 0.757 / 0.770 / 0.785 / 0.781; causal
   // (kCausal, 192 x 96) 2048 0.788 / 0.814 / 0.836 / 0.822, 8192 0.755 / 0.769 / 0.793 / 0.769. The
   // online-max kernels lost 1-5 points at every share (their max and rescale already fill the issue
-  // slots the polynomial needs) and keep MUFU. Not at the non-causal three-consumer tile (192 x 128):
-  // there any share spills 8-32 bytes (NVRTC 13.5), so it keeps MUFU too.
-  constexpr int kExp2FmaPer8 = kFixed && kHeadDim == 64 && (kCausal || kConsumers == 2) ? 3 : 0;
+  // slots the polynomial needs) and keep MUFU. Not at the three-consumer 128-key tile (192 x 128):
+  // there any share spills 8-32 bytes (NVRTC 13.5), so it keeps MUFU too; 96-key blocks fit.
+  constexpr int kExp2FmaPer8 = kFixed && kHeadDim == 64 && (kConsumers == 2 || kBlockN <= 96) ? 3 : 0;
   static_assert(!kFixed || (kIsBF16 && ((kVariant & ~kFixedMax) == kSoftcap || (kVariant & ~kFixedMax) == (kWindow | kSoftcap))),
                 "kFixedMax: bf16 softcap alone or with a window (the fixed max is softcap's bound; fp16 P underflows)");
   // Consumers release the leading visits none of their rows sees (unseen_visits): the plain dense

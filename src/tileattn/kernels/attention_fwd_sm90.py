@@ -292,6 +292,15 @@ def causal_variant_config(head_dim: int, seqlen_k: int = 0, *, seqlen_q: int | N
     return replace(wide, persistent=plain.persistent) if plain.consumers == 3 else plain
 
 
+def fixed_max_tile(head_dim: int, config: Sm90Config) -> Sm90Config:
+    """The non-causal fixed-max kernel's tile where variant_config chose `config`: FIXED_MAX_WIDE's
+    (on the same grid) in place of VARIANT_WIDE's for the head dims it lists, `config` otherwise."""
+    wide = FIXED_MAX_WIDE.get(head_dim)
+    if wide is not None and replace(config, persistent=False) == VARIANT_WIDE[head_dim]:
+        return replace(wide, persistent=config.persistent)
+    return config
+
+
 def variant_config(head_dim: int, flags: int, seqlen_k: int = 0, *, seqlen_q: int | None = None, heads: int = 1,
                    kv_heads: int = 1, pack_gqa: bool | None = None) -> Sm90Config:
     """The variant forward's config for kVariant `flags` (variant_flags, after dropout_kernel_flags):
@@ -327,6 +336,10 @@ FIXED_MAX_FLAGS = (SOFTCAP, WINDOW | SOFTCAP)
 # Nk 2^-(126 - 2 cap log2 e). fixed_max_applies asks for that bound to be at most 2^-12 (bf16 rounds
 # at 2^-8): 2 cap log2 e + log2 Nk <= 114 (cap 30: Nk up to 2^27; cap 50, Gemma 2's, never).
 FIXED_MAX_LOG2_BUDGET = 114.0
+# Non-causal softcap with the fixed max where variant_config picks the three-consumer tile: at d = 64
+# 96-key blocks, where the kernel computes 3 of 8 exponentials on the FP32 pipe (kExp2FmaPer8 in the
+# .cu file; at VARIANT_WIDE's 128-key blocks that spills).
+FIXED_MAX_WIDE: dict[int, Sm90Config] = {64: C(96, 3, consumers=3)}
 
 
 def fixed_max_applies(dtype, flags: int, softcap: float, seqlen_k: int) -> bool:
@@ -410,7 +423,8 @@ VARIANT_WIDE_INSTANTIATIONS = tuple(variant_expression(d, cfg, bf16, flags) for 
 # SOFTCAP at VARIANT_WIDE's.
 FIXED_MAX_INSTANTIATIONS = tuple(
     [variant_expression(d, cfg, True, flags | FIXED_MAX) for d, cfg in VARIANT_DEFAULTS.items() for flags in FIXED_MAX_FLAGS]
-    + [variant_expression(d, cfg, True, SOFTCAP | FIXED_MAX) for d, cfg in VARIANT_WIDE.items()])
+    + [variant_expression(d, cfg, True, SOFTCAP | FIXED_MAX) for d, cfg in VARIANT_WIDE.items()]
+    + [variant_expression(d, cfg, True, SOFTCAP | FIXED_MAX) for d, cfg in FIXED_MAX_WIDE.items()])
 # The kCausal ALiBi / softcap kernels (CAUSAL_VARIANT_FLAGS) at the plain causal kernel's tiles.
 CAUSAL_VARIANT_INSTANTIATIONS = tuple(
     variant_expression(d, cfg, bf16, flags, causal=True) for flags in CAUSAL_VARIANT_FLAGS
@@ -719,7 +733,8 @@ class ForwardPlan:
     dropout seed and offset (ints in [0, 2^64); the mask is tileattn.dropout.dropout_mask(seed,
     offset, B, H, Nq, Nk, p), kept values scaled by 1 / (1 - p), lse that of the undropped
     softmax). fixed_max: run softcap with the fixed row max (FIXED_MAX kernels), which needs
-    fixed_max_applies. causal_kernel: run a causal call with ALiBi or softcap alone
+    fixed_max_applies; where variant_config picks the three-consumer tile (non-causal), FIXED_MAX_WIDE's
+    tile replaces it for the head dims it lists (unless `config` is given). causal_kernel: run a causal call with ALiBi or softcap alone
     (causal_variant_flags) on the kCausal kernel (causal_variant_config's tile) instead of the
     windowed one; both together: causal bf16 softcap with the fixed max on the kCausal kernel
     (CAUSAL_FIXED_MAX_INSTANTIATIONS). Raises ValueError for causal with variants, dropout_p > 0 with
@@ -753,6 +768,7 @@ class ForwardPlan:
             flags, causal = causal_flags, True
             config = config or causal_variant_config(head_dim, seqlen_k, seqlen_q=seqlen_q, heads=heads,
                                                      kv_heads=kv_heads, pack_gqa=pack_gqa, softcap=flags == SOFTCAP)
+        chosen = config is None  # the config is ours to pick (not a caller's explicit one)
         if config is None and flags:  # variant kernels exist at VARIANT_DEFAULTS' tiles (ALiBi or softcap alone: and VARIANT_WIDE's)
             config = variant_config(head_dim, flags, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
                                     pack_gqa=pack_gqa)
@@ -761,6 +777,8 @@ class ForwardPlan:
                 raise ValueError(f"fixed_max: bf16 softcap alone or with a window, 2 cap log2(e) + log2(Nk) <= "
                                  f"{FIXED_MAX_LOG2_BUDGET} (variant flags {flags}, dtype {q.dtype}, Nk {seqlen_k})")
             flags |= FIXED_MAX
+            if chosen and not causal_kernel:
+                config = fixed_max_tile(head_dim, config)
         config = config or default_config(head_dim, causal, seqlen_k, seqlen_q=seqlen_q, heads=heads,
                                           kv_heads=kv_heads, pack_gqa=pack_gqa)
         self.copy_q, self.copy_k, self.copy_v = (not _tma_ready(t) for t in (q, k, v))
@@ -1114,6 +1132,8 @@ __all__ = [
     "CAUSAL_VARIANT_INSTANTIATIONS",
     "CAUSAL_FIXED_MAX_INSTANTIATIONS",
     "SOFTCAP_WIDE_MIN_QUERIES",
+    "FIXED_MAX_WIDE",
+    "fixed_max_tile",
     "CAUSAL_VARIANT_WIDE",
     "causal_variant_config",
     "causal_variant_flags",
