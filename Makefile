@@ -46,7 +46,7 @@ test: lint check
 	$(PY) -m pytest -q -rs -n auto
 
 gpu-check:
-	PYTHONPATH=src:.$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) scripts/gpu_check.py --report-dir $(REPORT_DIR) --bench $(BENCH) --tests $(TESTS) --workers $(WORKERS) $(GPU_CHECK_ARGS)
+	PYTHONPATH=src:.$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) scripts/gpu_check.py --report-dir $(REPORT_DIR) --bench "$(BENCH)" --tests "$(TESTS)" --workers $(WORKERS) $(GPU_CHECK_ARGS)
 
 # The seed benchmark with the same .venv as demo and test (on a GPU machine: make bench TORCH=...);
 # the lent GPU machine, which installs nothing, runs benchmarks through gpu-check (BENCH=...).
