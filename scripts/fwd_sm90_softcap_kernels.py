@@ -22,8 +22,6 @@ import statistics
 import sys
 from collections import defaultdict
 
-from fwd_sm90_configs import parse_config  # this script's directory is on sys.path
-
 CAP = 30.0
 
 
@@ -73,6 +71,8 @@ def plans(q, k, v, out, lse, causal: bool, fixed_configs=()):
 
 def run(args) -> None:
     import torch
+
+    from fwd_sm90_configs import parse_config  # run as a script, its directory is on sys.path
 
     import tileattn
     from tileattn.bench.attention import flops, round_order
