@@ -1081,7 +1081,7 @@ def test_sm90_variant_forward_kind():
         dispatch.SM90_CAUSAL_FIXED_MAX.update(saved)
 
 
-def _exp2_poly_model(x: np.ndarray, clamp: bool) -> np.ndarray:
+def _exp2_poly_model(x: np.ndarray) -> np.ndarray:
     """attention_fwd_sm90.cu's exp2_poly in float32, step by step (its coefficients read from the
     source): the rint by adding 1.5 * 2^23, the reduced argument, the degree-3 polynomial by fused
     multiply-adds (each one rounding: the float32 product is exact in float64), and the integer add
@@ -1096,8 +1096,6 @@ def _exp2_poly_model(x: np.ndarray, clamp: bool) -> np.ndarray:
     c3, c2, c1, c0 = coeffs
     f32 = np.float32
     x = x.astype(f32)
-    if clamp:
-        x = np.maximum(x, f32(-125.0))
     rnd = f32(12582912.0)
     t = (x + rnd).astype(f32)
     f = (x - (t - rnd).astype(f32)).astype(f32)
@@ -1112,33 +1110,32 @@ def _exp2_poly_model(x: np.ndarray, clamp: bool) -> np.ndarray:
 
 def test_sm90_exp2_poly_error_bound():
     """exp2_poly (softcap's exponentials on the FP32 pipe at d = 64) is within 7.5e-5 relative of 2^x
-    over its whole domain [-125, 2^22), exact at integers' neighbourhood edges (f = +-0.5, where rint
-    rounds to even) included; the clamped form gives 2^-125 below -125. A wrong coefficient, a
-    truncating rint or a wrong exponent shift each break the bound (checked by mutating the model)."""
+    over [-125, 40] (its domain is [-125, 2^22); the fixed max keeps x >= -114), the half-integers
+    (f = +-0.5, where rint rounds to even) included. A wrong coefficient or a wrong exponent shift
+    breaks the bound (checked by mutating the model)."""
     rng = np.random.default_rng(0)
     x = np.concatenate([np.linspace(-125.0, 40.0, 400_001), rng.uniform(-125.0, 0.0, 200_000),
                         np.arange(-125, 40) + 0.5, np.arange(-125, 40) - 0.5, np.arange(-125, 40, dtype=float)])
     x = x[x >= -125.0].astype(np.float32)
     exact = np.exp2(x.astype(np.float64))
-    for clamp in (False, True):
-        got = _exp2_poly_model(x, clamp).astype(np.float64)
-        rel = np.abs(got - exact) / exact
-        assert rel.max() <= 7.6e-5, (clamp, float(rel.max()), float(x[rel.argmax()]))
-    low = _exp2_poly_model(np.array([-200.0, -126.0, float("-1e30")], np.float32), clamp=True).astype(np.float64)
-    assert np.allclose(low, 2.0**-125, rtol=7.6e-5)
+    got = _exp2_poly_model(x).astype(np.float64)
+    rel = np.abs(got - exact) / exact
+    assert rel.max() <= 7.6e-5, (float(rel.max()), float(x[rel.argmax()]))
     # mutations the bound catches: the model itself must be able to fail
-    shifted = _exp2_poly_model(x, False).view(np.int32) + (1 << 23)  # one power of two off
+    shifted = _exp2_poly_model(x).view(np.int32) + (1 << 23)  # one power of two off
     assert np.abs(shifted.view(np.float32) / exact - 1).max() > 0.5
-    assert np.abs(np.float32(1.0001) * _exp2_poly_model(x, False) / exact - 1).max() > 7.6e-5
+    assert np.abs(np.float32(1.0001) * _exp2_poly_model(x) / exact - 1).max() > 7.6e-5
 
 
 def test_sm90_exp2_poly_only_in_softcap_d64_kernels():
     """kExp2FmaPer8 is non-zero only for the fixed-max softcap kernels at d = 64 (kFixed implies softcap,
-    alone or windowed, bf16) but those at the three-consumer 128-key tile, and softmax_step takes it only
-    on unmasked visits (masked scores are -inf, which the polynomial does not map to 0)."""
+    alone or windowed, bf16) but those at the three-consumer 128-key tile, softmax_step refuses it
+    without the fixed max, and takes it only on unmasked visits (masked scores are -inf, which the
+    polynomial does not map to 0)."""
     from tileattn.kernels import attention_fwd_sm90 as k90
 
     src = k90.FAMILIES[0].path.read_text()
+    assert 'static_assert(kFmaPer8 == 0 || kFixed, "exp2_poly' in src
     assert "constexpr int kExp2FmaPer8 = kFixed && kHeadDim == 64 && (kConsumers == 2 || kBlockN <= 96) ? 3 : 0;" in src
     assert "static_assert(!kFixed || (kIsBF16 && ((kVariant & ~kFixedMax) == kSoftcap ||" in src
     assert src.count("softmax_step<kBlockN, kAlibiRaw, kFixed, kExp2FmaPer8>(s, m, l, alpha, sl2, shift, !masked)") == 1

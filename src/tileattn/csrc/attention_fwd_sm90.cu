@@ -647,12 +647,10 @@ __device__ __forceinline__ void apply_mask(float (&s)[kBlockN / 2], int n, const
 // [-0.5, 0.5]; 2^f by a degree-3 polynomial (relative error <= 7.5e-5 evaluated in fp32, a 26th of
 // a bf16 P's rounding, a 6th of fp16's; tests/test_variants_cpu.py checks it against float64); 2^j
 // added to the exponent field. Seven instructions (3 FADD, 3 FFMA, 1 LEA) against one MUFU.EX2.
-// Domain: x in [-125, 2^22). kClamp raises smaller x to -125 (2^-125 instead of ~0: an unmasked
-// visit's scores are finite); the fixed-max kernels need no clamp (x >= -114, fixed_max_applies).
-template <bool kClamp>
+// Domain: x in [-125, 2^22): the fixed-max kernels, its only users, have x = cap_out t - cap log2 e
+// >= -114 (fixed_max_applies) on unmasked visits (masked scores are -inf, which this does not map to 0).
 __device__ __forceinline__ float exp2_poly(float x) {
   constexpr float kRound = 12582912.f;  // 1.5 * 2^23: x + kRound lies in [2^23, 2^24), whose ulp is 1
-  if constexpr (kClamp) x = fmaxf(x, -125.f);
   const float t = __fadd_rn(x, kRound);                // bits(t) = bits(kRound) + rint(x)
   const float f = __fsub_rn(x, __fsub_rn(t, kRound));  // x - rint(x), exact
   const float p = fmaf(fmaf(fmaf(0.0551714599f, f, 0.242610857f), f, 0.693260968f), f, 0.999928117f);
@@ -671,15 +669,16 @@ __device__ __forceinline__ float exp2_poly(float x) {
 // between the P V wait and the next wgmma issue) is almost always skipped.
 // kFixed (kFixedMax kernels): m is the constant cap log2 e set at the tile's start; only the
 // exponentials and the row sums remain, and O is never rescaled (returns false).
-// kFmaPer8 (softcap at d = 64, kExp2FmaPer8 in the kernel): on an unmasked visit (`unmasked`, a
-// constant at every call site) the scores of kFmaPer8 of every 8 groups of 4 take exp2_poly on the
-// FP32 pipe instead of MUFU.EX2 (see exp2_poly for why).
+// kFmaPer8 (kFixed only: kExp2FmaPer8 in the kernel): on an unmasked visit (`unmasked`, a constant
+// at every call site) the scores of kFmaPer8 of every 8 groups of 4 take exp2_poly on the FP32 pipe
+// instead of MUFU.EX2 (see exp2_poly for why).
 template <int kBlockN, bool kShifted = false, bool kFixed = false, int kFmaPer8 = 0>
 __device__ __forceinline__ bool softmax_step(float (&s)[kBlockN / 2], float (&m)[2], float (&l)[2],
                                              float (&alpha)[2], float scale_log2, const float (&shift)[2],
                                              bool unmasked = false) {
+  static_assert(kFmaPer8 == 0 || kFixed, "exp2_poly's domain needs the fixed max's bound on the exponents");
   auto exp2_of = [&](int i, float x) {  // i: the score's index (a constant after unrolling)
-    return kFmaPer8 > 0 && unmasked && (i / 4) % 8 < kFmaPer8 ? exp2_poly<!kFixed>(x) : fast_exp2(x);
+    return kFmaPer8 > 0 && unmasked && (i / 4) % 8 < kFmaPer8 ? exp2_poly(x) : fast_exp2(x);
   };
   if constexpr (kFixed) {
     static_assert(!kShifted, "a fixed row max has no ALiBi shift");
@@ -828,7 +827,10 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   // (kCausal, 192 x 96) 2048 0.788 / 0.814 / 0.836 / 0.822, 8192 0.755 / 0.769 / 0.793 / 0.769. The
   // online-max kernels lost 1-5 points at every share (their max and rescale already fill the issue
   // slots the polynomial needs) and keep MUFU. Not at the three-consumer 128-key tile (192 x 128):
-  // there any share spills 8-32 bytes (NVRTC 13.5), so it keeps MUFU too; 96-key blocks fit.
+  // there any share spills 8-32 bytes (NVRTC 13.5), so it keeps MUFU too; 96-key blocks fit, and the
+  // non-causal fixed max takes them (FIXED_MAX_WIDE: 0.715-0.747 -> 0.757-0.762 of plain, call 5).
+  // At d = 128 (both pipes at 73 %) 20 % and 40 % of the exponentials moved measured within the
+  // spread (call 7): d = 128 keeps MUFU.
   constexpr int kExp2FmaPer8 = kFixed && kHeadDim == 64 && (kConsumers == 2 || kBlockN <= 96) ? 3 : 0;
   static_assert(!kFixed || (kIsBF16 && ((kVariant & ~kFixedMax) == kSoftcap || (kVariant & ~kFixedMax) == (kWindow | kSoftcap))),
                 "kFixedMax: bf16 softcap alone or with a window (the fixed max is softcap's bound; fp16 P underflows)");
