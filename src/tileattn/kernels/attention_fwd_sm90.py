@@ -310,13 +310,14 @@ def variant_config(head_dim: int, flags: int, seqlen_k: int = 0, *, seqlen_q: in
     otherwise, and for every other flag set, VARIANT_DEFAULTS[head_dim] (the variant kernels exist at
     no other tile: LONG_DEFAULTS' is not taken). On a persistent grid for a head dim in
     PERSISTENT_HEAD_DIMS. Softcap alone takes the three-consumer tile from SOFTCAP_WIDE_MIN_QUERIES'
-    queries where that lists the head dim (with or without the fixed max). Raises KeyError for a
-    head dim not in HEAD_DIMS."""
-    if flags in WIDE_VARIANT_FLAGS and head_dim in VARIANT_WIDE:
+    queries where that lists the head dim (with or without the fixed max); with the FIXED_MAX bit,
+    fixed_max_tile's choice. Raises KeyError for a head dim not in HEAD_DIMS."""
+    base = flags & ~FIXED_MAX
+    if base in WIDE_VARIANT_FLAGS and head_dim in VARIANT_WIDE:
         plain = default_config(head_dim, False, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
-                               pack_gqa=pack_gqa, wide_min_queries=_variant_wide_switch(head_dim, flags == SOFTCAP))
+                               pack_gqa=pack_gqa, wide_min_queries=_variant_wide_switch(head_dim, base == SOFTCAP))
         if replace(plain, persistent=False) == VARIANT_WIDE[head_dim]:
-            return plain
+            return fixed_max_tile(head_dim, plain) if flags & FIXED_MAX else plain
     return _default_grid(head_dim, VARIANT_DEFAULTS[head_dim])
 
 
@@ -420,11 +421,11 @@ VARIANT_INSTANTIATIONS = tuple(variant_expression(d, cfg, bf16, flags) for d, cf
 VARIANT_WIDE_INSTANTIATIONS = tuple(variant_expression(d, cfg, bf16, flags) for flags in WIDE_VARIANT_FLAGS
                                     for d, cfg in VARIANT_WIDE.items() for bf16 in (False, True))
 # Softcap's fixed-max kernels (bf16 only): SOFTCAP and WINDOW | SOFTCAP at VARIANT_DEFAULTS' tiles,
-# SOFTCAP at VARIANT_WIDE's.
+# SOFTCAP at VARIANT_WIDE's and FIXED_MAX_WIDE's.
 FIXED_MAX_INSTANTIATIONS = tuple(
     [variant_expression(d, cfg, True, flags | FIXED_MAX) for d, cfg in VARIANT_DEFAULTS.items() for flags in FIXED_MAX_FLAGS]
-    + [variant_expression(d, cfg, True, SOFTCAP | FIXED_MAX) for d, cfg in VARIANT_WIDE.items()]
-    + [variant_expression(d, cfg, True, SOFTCAP | FIXED_MAX) for d, cfg in FIXED_MAX_WIDE.items()])
+    + [variant_expression(d, cfg, True, SOFTCAP | FIXED_MAX) for table in (VARIANT_WIDE, FIXED_MAX_WIDE)
+       for d, cfg in table.items()])
 # The kCausal ALiBi / softcap kernels (CAUSAL_VARIANT_FLAGS) at the plain causal kernel's tiles.
 CAUSAL_VARIANT_INSTANTIATIONS = tuple(
     variant_expression(d, cfg, bf16, flags, causal=True) for flags in CAUSAL_VARIANT_FLAGS
@@ -733,8 +734,8 @@ class ForwardPlan:
     dropout seed and offset (ints in [0, 2^64); the mask is tileattn.dropout.dropout_mask(seed,
     offset, B, H, Nq, Nk, p), kept values scaled by 1 / (1 - p), lse that of the undropped
     softmax). fixed_max: run softcap with the fixed row max (FIXED_MAX kernels), which needs
-    fixed_max_applies; where variant_config picks the three-consumer tile (non-causal), FIXED_MAX_WIDE's
-    tile replaces it for the head dims it lists (unless `config` is given). causal_kernel: run a causal call with ALiBi or softcap alone
+    fixed_max_applies (variant_config then picks the fixed-max tile: FIXED_MAX_WIDE's where it lists the
+    head dim and the call takes three consumers). causal_kernel: run a causal call with ALiBi or softcap alone
     (causal_variant_flags) on the kCausal kernel (causal_variant_config's tile) instead of the
     windowed one; both together: causal bf16 softcap with the fixed max on the kCausal kernel
     (CAUSAL_FIXED_MAX_INSTANTIATIONS). Raises ValueError for causal with variants, dropout_p > 0 with
@@ -768,17 +769,14 @@ class ForwardPlan:
             flags, causal = causal_flags, True
             config = config or causal_variant_config(head_dim, seqlen_k, seqlen_q=seqlen_q, heads=heads,
                                                      kv_heads=kv_heads, pack_gqa=pack_gqa, softcap=flags == SOFTCAP)
-        chosen = config is None  # the config is ours to pick (not a caller's explicit one)
-        if config is None and flags:  # variant kernels exist at VARIANT_DEFAULTS' tiles (ALiBi or softcap alone: and VARIANT_WIDE's)
-            config = variant_config(head_dim, flags, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
-                                    pack_gqa=pack_gqa)
         if fixed_max:
             if variants is None or not fixed_max_applies(q.dtype, flags, variants.softcap, seqlen_k):
                 raise ValueError(f"fixed_max: bf16 softcap alone or with a window, 2 cap log2(e) + log2(Nk) <= "
                                  f"{FIXED_MAX_LOG2_BUDGET} (variant flags {flags}, dtype {q.dtype}, Nk {seqlen_k})")
             flags |= FIXED_MAX
-            if chosen and not causal_kernel:
-                config = fixed_max_tile(head_dim, config)
+        if config is None and flags:  # variant kernels exist at VARIANT_DEFAULTS' tiles (ALiBi or softcap alone: and VARIANT_WIDE's)
+            config = variant_config(head_dim, flags, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
+                                    pack_gqa=pack_gqa)
         config = config or default_config(head_dim, causal, seqlen_k, seqlen_q=seqlen_q, heads=heads,
                                           kv_heads=kv_heads, pack_gqa=pack_gqa)
         self.copy_q, self.copy_k, self.copy_v = (not _tma_ready(t) for t in (q, k, v))
