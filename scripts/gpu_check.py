@@ -33,6 +33,7 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import NamedTuple
 
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 # Benchmarks runnable by name: module and its arguments ("{out}" = the report directory; the
@@ -86,6 +87,15 @@ def sanitizer_summary(log: Path) -> str:
     if m:
         return f"{m.group(1)} errors"
     return "no summary (see log)"
+
+
+class SanitizerRun(NamedTuple):
+    """One compute-sanitizer process over a shard of the sanitize cases."""
+
+    rc: int
+    seconds: float
+    summary: str   # sanitizer_summary of its log
+    skipped: int   # cases that skipped themselves under this tool (pytest_skips)
 
 
 def pytest_skips(log: Path) -> int:
@@ -277,7 +287,7 @@ def main(argv=None) -> int:
         # cannot follow (e.g. the backward tests' parallel precompile in child processes, which
         # crashed racecheck; the earlier plain pytest run has already filled the kernel cache).
         rc, sec = run(cmd, log, 900, TILEATTN_SANITIZER=tool)
-        return rc, sec, sanitizer_summary(log), pytest_skips(log)
+        return SanitizerRun(rc, sec, sanitizer_summary(log), pytest_skips(log))
 
     from concurrent.futures import ThreadPoolExecutor
 
@@ -286,9 +296,9 @@ def main(argv=None) -> int:
     sanitizer = {}
     for tool in tools:
         mine = [r for (t, _, _), r in zip(jobs, results) if t == tool]
-        rc = next((r for r, _, _, _ in mine if r != 0), 0)
-        summary, sec = combined_summary([m for _, _, m, _ in mine]), max(s for _, s, _, _ in mine)
-        skipped = sum(k for _, _, _, k in mine)
+        rc = next((r.rc for r in mine if r.rc != 0), 0)
+        summary, sec = combined_summary([r.summary for r in mine]), max(r.seconds for r in mine)
+        skipped = sum(r.skipped for r in mine)
         sanitizer[tool] = {"rc": rc, "summary": summary, "seconds": sec, "skipped": skipped}
         failed |= rc != 0
         skips = f", {skipped} case(s) skipped (see log)" if skipped else ""
