@@ -26,15 +26,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 # Substrings of the kernel function names to profile, per direction.
+# "attention_fwd_sm" / "attn_bwd_main_kernel|attention_bwd_sm90": the Hopper kernel on sm_90, the
+# sm_80 one elsewhere (whichever the dispatcher runs).
 KERNELS = {
-    "backward": ("attn_bwd_main_kernel", "flash_bwd_dq_dk_dv", "cudnn"),
-    "forward": ("attention_fwd_sm80", "flash_fwd_kernel", "cudnn"),
+    "backward": ("attn_bwd_main_kernel|attention_bwd_sm90", "flash_bwd_dq_dk_dv", "cudnn"),
+    "forward": ("attention_fwd_sm", "flash_fwd_kernel", "cudnn"),
     "sm90_variants": ("attention_fwd_sm90",) * 4,
     "softcap_op": ("attention_fwd_sm90",) * 2,
 }
@@ -161,7 +164,8 @@ def main() -> None:
     with open(args.out / "raw.csv", "w") as f:
         subprocess.run([ncu, "-i", report, "--page", "raw", "--csv"], stdout=f, check=True)
     for i, name in enumerate(names):
-        path = args.out / (f"source_{name}.csv" if len(set(names)) == len(names) else f"source_{name}_{i}.csv")
+        label = re.sub(r"\W+", "_", name)  # a file name without the regex's "|"
+        path = args.out / (f"source_{label}.csv" if len(set(names)) == len(names) else f"source_{label}_{i}.csv")
         select = ["--launch-skip", str(i), "--launch-count", "1"] if len(set(names)) < len(names) else []
         with open(path, "w") as f:
             r = subprocess.run([ncu, "-i", report, "--page", "source", "--csv", "--print-source", "sass",
