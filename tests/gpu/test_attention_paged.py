@@ -917,6 +917,31 @@ def test_split_kv_in_kernel_combine_eager_graph_and_counters():
         assert nonzero == 0, f"{nonzero} split-KV arrival counters were left non-zero after the launches"
 
 
+def test_counters_born_in_inference_mode_serve_a_later_capture():
+    """An engine captures its decode graphs under torch.inference_mode. Counters first made by such a
+    capture must be a normal tensor: the next capture on the stream outside inference mode records
+    their zeroing again, and zero_() on an inference tensor there raised (H200, 2026-12-04: an
+    engine test ran before test_variants_cuda_graph_replays_with_new_lengths in one worker)."""
+    device = torch.cuda.current_device()
+    stream = torch.cuda.Stream()
+    key = (device, stream.cuda_stream)
+    paged._counters.pop(key, None)
+    with torch.inference_mode():
+        first = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(first, stream=stream):
+            paged.arrival_counters(device, 8)
+    c = paged._counters[key]
+    assert not c.zeroed and not c.tensor.is_inference(), "counters born in the capture: zeroing recorded only"
+    c.tensor.fill_(3)  # what the replays must zero again
+    second = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(second, stream=stream):
+        assert paged.arrival_counters(device, 8) == c.tensor.data_ptr()
+    second.replay()
+    torch.cuda.synchronize()
+    assert int(torch.count_nonzero(c.tensor)) == 0, "the second graph did not record the counters' zeroing"
+    paged._counters.pop(key, None)
+
+
 def test_empty_batch_and_no_queries():
     case = Case([(0, 5), (0, 1)], 4, 4, 64, BF16, 16, seed=1)
     out = api_paged.attention_paged(*case.tensors(), 0, 5)

@@ -260,12 +260,15 @@ class _ArrivalCounters:
     until the first eager use: torch.zeros during CUDA-graph capture only records the memset (it
     runs at each replay of that graph, not now). So a buffer not yet zeroed eagerly records one
     memset into every graph captured with it (at that graph's first split launch: each replay
-    starts from zeros), and is zeroed for good by its first eager use."""
+    starts from zeros), and is zeroed for good by its first eager use. The buffer is a normal tensor
+    even when first made under torch.inference_mode (an engine's graph capture): zero_() on an
+    inference tensor outside inference mode raises, and the buffer outlives the mode."""
 
     __slots__ = ("tensor", "zeroed", "captures")
 
     def __init__(self, count: int, device: int):
-        self.tensor = torch.zeros(count, dtype=torch.int32, device=f"cuda:{device}")
+        with torch.inference_mode(False):
+            self.tensor = torch.zeros(count, dtype=torch.int32, device=f"cuda:{device}")
         self.zeroed = not torch.cuda.is_current_stream_capturing()
         self.captures: set[int] = set() if self.zeroed else {_capture_id(device)}
 
