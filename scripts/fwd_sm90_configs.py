@@ -115,7 +115,9 @@ def main(argv=None) -> int:
                         print(json.dumps({"tree": args.label, "variant": args.variant, "d": d, "causal": causal,
                                           "n": n, "round": rnd,
                                           "impl": name, "ms": t.median_ms,
-                                          "tflops": flops(b, h, n, n, d, causal, False) / (t.median_ms * 1e-3) / 1e12}),
+                                          "tflops": flops(b, h, n, n, d, causal, False) / (t.median_ms * 1e-3) / 1e12,
+                                          # with TILEATTN_BENCH_CLOCKS=MS: the SM clock's median over the measurement
+                                          "sm_mhz": (t.gpu_clocks or {}).get("sm_mhz", {}).get("median")}),
                               flush=True)
     return 0
 
