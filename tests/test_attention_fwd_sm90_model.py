@@ -733,9 +733,11 @@ def test_three_consumer_configs():
 
 
 def test_long_keys_switch_the_config_exactly_at_long_keys():
+    assert set(af.LONG_KEYS) == set(af.LONG_DEFAULTS)
     for (d, causal), long in af.LONG_DEFAULTS.items():
-        assert af.default_config(d, causal, af.LONG_KEYS - 1) == af.default_config(d, causal)
-        got = af.default_config(d, causal, af.LONG_KEYS)
+        switch = af.LONG_KEYS[(d, causal)]
+        assert af.default_config(d, causal, switch - 1) == af.default_config(d, causal)
+        got = af.default_config(d, causal, switch)
         assert (got.block_n, got.stages, got.pingpong) == (long.block_n, long.stages, long.pingpong)
         assert got.smem_bytes(d) <= af.SMEM_LIMIT
         for bf16 in (False, True):  # what `tileattn check` compiles: fp16 too, not a tuning candidate

@@ -573,7 +573,7 @@ def test_sm90_variant_config_gives_alibi_or_softcap_alone_the_plain_wide_tile():
         variant_tile = replace(k90.VARIANT_DEFAULTS[d], persistent=d in k90.PERSISTENT_HEAD_DIMS)
         switch = k90.WIDE_MIN_QUERIES.get(d, 2048)
         for nq in (None, 1, 129, switch - 1, switch, switch + 76, 1 << 16):
-            for nk in (1, 4096, k90.LONG_KEYS, 1 << 16):
+            for nk in (1, *k90.LONG_KEYS.values(), 4096, 1 << 16):
                 for heads, kv_heads in ((1, 1), (32, 32), (32, 8), (8, 1), (6, 2), (3, 1), (24, 2)):
                     group = heads // kv_heads
                     for pack_gqa in (None, False, True):

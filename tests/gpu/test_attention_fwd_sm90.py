@@ -399,22 +399,23 @@ def _long_pairs():
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("nk", [8191, 8193])
+@pytest.mark.parametrize("past", [-1, 1], ids=["below", "above"])
 @pytest.mark.parametrize("d,causal", _long_pairs(), ids=lambda x: str(x))
-def test_long_keys_take_their_own_config(d, causal, nk, dtype):
-    """From LONG_KEYS keys on, the (head dim, causal) pairs in LONG_DEFAULTS run its tile (8193 keys
-    end in a short edge block; causal with 300 queries: only the last blocks, bottom-right); one key
-    fewer runs the short default. Through ForwardPlan, which the dispatcher builds, with NaN-poisoned
-    outputs."""
+def test_long_keys_take_their_own_config(d, causal, past, dtype):
+    """From LONG_KEYS[(d, causal)] keys on, the pairs in LONG_DEFAULTS run its tile (one key past the
+    switch ends in a short edge block; causal with 300 queries: only the last blocks, bottom-right);
+    one key below it runs the short default. Through ForwardPlan, which the dispatcher builds, with
+    NaN-poisoned outputs."""
     from dataclasses import replace
 
     from tileattn.kernels import attention_fwd_sm90 as af
 
+    nk = af.LONG_KEYS[(d, causal)] + past
     q, k, v = make_qkv(1, 4, 2, 300, nk, d, dtype, seed=nk + d + causal)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda", dtype=torch.float32)
     plan = af.ForwardPlan(q, k, v, out, lse, causal=causal, scale=1 / math.sqrt(d))
-    table = af.LONG_DEFAULTS if nk >= af.LONG_KEYS else af.DEFAULTS
+    table = af.LONG_DEFAULTS if past > 0 else af.DEFAULTS
     assert plan.config == replace(table[(d, causal)], persistent=d in af.PERSISTENT_HEAD_DIMS), plan.config
     plan.launch(q, k, v, out, lse)
     check(out, lse, q, k, v, causal, 1 / math.sqrt(d), what=f"{plan.config} Nk={nk}")

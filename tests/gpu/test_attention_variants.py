@@ -601,7 +601,7 @@ def test_sm90_variants_take_the_variant_tile_at_any_length(d):
 
     from tileattn.kernels import attention_fwd_sm90 as af
 
-    nq, nk = af.WIDE_MIN_QUERIES.get(d, 0) + 76, af.LONG_KEYS + 1
+    nq, nk = af.WIDE_MIN_QUERIES.get(d, 0) + 76, max(af.LONG_KEYS.values()) + 1
     q, k, v, _ = make(1, 1, 1, nq, nk, d, BF16, seed=d + nk)
     got, _ = check_sm90(q, k, v, True, {"window": (300, -1)}, BF16, f"sm90 d={d} Nq={nq} Nk={nk} window")
     assert replace(af.default_config(d, False, nk, seqlen_q=nq), persistent=False) != af.VARIANT_DEFAULTS[d]  # covered

@@ -150,21 +150,27 @@ WIDE_DEFAULTS: dict[tuple[int, bool], Sm90Config] = {(64, False): C(128, 2, cons
                                                      (128, False): C(80, 3, consumers=3),
                                                      (128, True): C(80, 3, consumers=3)}
 WIDE_MIN_QUERIES: dict[int, int] = {64: 2048, 128: 8192}  # per head dim: queries from which WIDE_DEFAULTS applies
-# From LONG_KEYS keys on, (head dim, causal) pairs listed here take a config of their own. d = 256
+# From LONG_KEYS[(head dim, causal)] keys on, the pairs listed take a config of their own. d = 256
 # non-causal: 80-key blocks with ping-pong (tuning runs: 743 against 705 TFLOP/s at 16384 keys in
 # F1, 684 against 706 at 4096; 734 against 728 at 8192 on 2026-12-01). Through the public op
 # (2026-12-03, call G1, `tileattn bench attention --forward-only --head-dim 256 --seq 8192 --seq 16384
-# --rounds 2`, bf16): 723 / 734 TFLOP/s against cuDNN's 671 / 659 (1.08x / 1.11x). Causal, the same
-# tile: 687 / 694 TFLOP/s against the short default's 673 / 685 at 8192 / 16384 keys (call H1,
-# `scripts/fwd_sm90_configs.py --head-dim 256`, cuDNN 619 / 633; at 4096 594 against 612).
-LONG_KEYS = 8192
+# --rounds 2`, bf16): 723 / 734 TFLOP/s against cuDNN's 671 / 659 (1.08x / 1.11x). From 2048 keys
+# since 2026-12-04 (session 28, `scripts/fwd_sm90_configs.py --head-dim 256 --seq 2048 --seq 4096
+# --config 128x64/s2 --config 128x64/s2/persistent --config 128x80/s2/pp` with TILEATTN_BENCH_CLOCKS,
+# B = 4 H = 32 bf16, medians of rotated rounds, two machine starts; docs/attention_fwd_sm90.md "cuDNN's
+# tiles at short sequences"): 128 x 80 / pp against 128 x 64 at 2048 keys 634 / 610 and 633 / 606
+# TFLOP/s, at 4096 688 / 663 and 691 / 670 (cuDNN 614-649); session 18's H4 read +4 % and -0.7 %.
+# Causal, the same tile from 8192: 687 / 694 TFLOP/s against the short default's 673 / 685 at 8192 /
+# 16384 keys (call H1, `scripts/fwd_sm90_configs.py --head-dim 256`, cuDNN 619 / 633; at 4096 594
+# against 612, and 598 / 597 in session 28).
+LONG_KEYS: dict[tuple[int, bool], int] = {(256, False): 2048, (256, True): 8192}
 LONG_DEFAULTS: dict[tuple[int, bool], Sm90Config] = {(256, False): C(80, 2, True), (256, True): C(80, 2, True)}
 
 
 def default_config(head_dim: int, causal: bool, seqlen_k: int = 0, *, seqlen_q: int | None = None,
                    heads: int = 1, kv_heads: int = 1, pack_gqa: bool | None = None,
                    wide_min_queries: int | None = None) -> Sm90Config:
-    """The dense forward's config: LONG_DEFAULTS' entry from LONG_KEYS keys on, else WIDE_DEFAULTS'
+    """The dense forward's config: LONG_DEFAULTS' entry from LONG_KEYS[key] keys on, else WIDE_DEFAULTS'
     (three consumers) when the call has at least WIDE_MIN_QUERIES[head_dim] queries (seqlen_q None: assumed
     long) and its GQA packing (gqa_pack's choice, or pack_gqa's) works with a 192-row tile as with a
     128-row one, else DEFAULTS'; on a persistent grid for a head dim in PERSISTENT_HEAD_DIMS.
@@ -181,7 +187,7 @@ def default_config(head_dim: int, causal: bool, seqlen_k: int = 0, *, seqlen_q: 
             packs = pack_gqa and group > 1
         if not packs or packable(group, wide.block_m):
             config = wide
-    if seqlen_k >= LONG_KEYS and key in LONG_DEFAULTS:
+    if key in LONG_DEFAULTS and seqlen_k >= LONG_KEYS[key]:
         config = LONG_DEFAULTS[key]
     return _default_grid(head_dim, config)
 
