@@ -8,7 +8,11 @@ Every benchmark in tileattn and the labs times through `measure`, so their numbe
   1.97-1.98 GHz under the same load (sampled every 20 ms on 2026-12-02, docs/BENCHMARKS.md). A
   measurement of ~0.1 s that starts right after a pause reads that transient, and whichever
   implementation happened to start after one read ~10 % slower: cuDNN's and tileattn's backward at
-  N = 4096 both read 4.66 or 5.1 ms depending on it. The steady state is what a workload sees;
+  N = 4096 both read 4.66 or 5.1 ms depending on it. Another machine start (2026-12-04, session 28)
+  showed the opposite transient: 1965-1980 MHz for the whole first measurement after light work
+  (warm-up included), 1470-1680 MHz at the cap for every later one, so a single round can still
+  favour whichever implementation comes first after a pause; `--rounds` with rotation and the
+  median is the remedy there. The steady state is what a workload sees;
 - each repetition is bracketed by its own pair of CUDA events on torch's current stream, and all
   repetitions are enqueued before one synchronization (the host runs ahead as in real use). The
   warm-up ends with a synchronization, so without help the first repetitions start on an idle
