@@ -71,6 +71,39 @@ def test_median_rounds_picks_the_median_round_per_point():
     assert by[("tileattn", 16384)]["status"] == "out of memory"
 
 
+def test_relative_to_a_peer_cancels_what_moves_both():
+    """--relative-to: tileattn / cuDNN of each run against each other. Both 10 % slower (the machine's
+    clock): the absolute check fails, the relative one passes; tileattn alone 10 % slower: both fail;
+    a point without the peer on either side fails; the peer's own points are not listed."""
+    base = [_point("tileattn", 4096, 500.0), _point("sdpa_cudnn", 4096, 400.0),
+            _point("tileattn", 16384, 600.0), _point("sdpa_cudnn", 16384, 550.0)]
+    both_slow = [dict(r, tflops=r["tflops"] * 0.9) for r in base]
+    assert not report.compare(base, both_slow)[1]
+    rows, ok = report.compare(base, both_slow, relative_to="sdpa_cudnn")
+    assert ok and len(rows) == 2
+    assert rows[0]["baseline"] == pytest.approx(1.25) and rows[0]["ratio"] == pytest.approx(1.0)
+    ours_slow = [dict(r, tflops=r["tflops"] * (0.9 if r["impl"] == "tileattn" else 1.0)) for r in base]
+    rows, ok = report.compare(base, ours_slow, relative_to="sdpa_cudnn")
+    assert not ok and all(r["ratio"] == pytest.approx(0.9) for r in rows)
+    rows, ok = report.compare(base, both_slow[:3], relative_to="sdpa_cudnn")  # 16384 lost its peer
+    assert not ok and [r["run"] for r in rows][1] is None
+    rows, ok = report.compare(base, both_slow, impl=None, relative_to="sdpa_cudnn")
+    assert ok and {r["point"]["impl"] for r in rows} == {"tileattn"}
+
+
+def test_cli_relative_to(tmp_path, capsys):
+    env = {"gpu": "test GPU", "torch": "x", "date_utc": "2026-12-04T00:00:00+00:00", "git_commit": "abc"}
+    base, run = tmp_path / "base.json", tmp_path / "run.json"
+    write_run(base, BASE, env)
+    write_run(run, [dict(r, tflops=r["tflops"] * 0.8) for r in BASE], env)
+    assert report.main([str(run), "--compare", str(base)]) == 1
+    capsys.readouterr()
+    # only the non-causal 4096 point has a cuDNN partner: the other two fail for want of one
+    assert report.main([str(run), "--compare", str(base), "--relative-to", "sdpa_cudnn"]) == 1
+    out = capsys.readouterr().out
+    assert "tflops / sdpa_cudnn's" in out and "1 of 3 points within 3%" in out and "| 1.000 | yes |" in out
+
+
 def test_compare_uses_the_median_round():
     run = [_point("tileattn", 4096, t, round=i) for i, t in enumerate((100.0, 505.0, 900.0))]
     rows, ok = report.compare(BASE[:1], run, tolerance=0.03)

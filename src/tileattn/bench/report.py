@@ -7,6 +7,10 @@ compare a run with a baseline run point by point.
 --compare matches records on MATCH_KEYS and prints value(run) / value(baseline) per point; the exit
 status is 1 when a point of the selected implementation moved by more than the tolerance either
 way, or has no partner (e.g. issue #9: the seed table stays within 3% of docs/BENCHMARKS.md).
+With --relative-to PEER each side's value is first divided by PEER's at the same point of the same
+run, so the check compares tileattn / PEER then with tileattn / PEER now: a machine state that moves
+both (the H200's SM clock stepped 1980 -> ~1620 MHz between measurements of one process on
+2026-12-04, docs/BENCHMARKS.md session 28) cancels; a point whose peer is missing on either side fails.
 """
 
 from __future__ import annotations
@@ -137,26 +141,35 @@ def median_rounds(records: list[dict]) -> list[dict]:
 
 
 def compare(baseline: list[dict], run: list[dict], value: str = "tflops", impl: str | None = "tileattn",
-            tolerance: float = 0.03) -> tuple[list[dict], bool]:
+            tolerance: float = 0.03, relative_to: str | None = None) -> tuple[list[dict], bool]:
     """Points of `run` beside their partners in `baseline` (same MATCH_KEYS, both carrying `value`),
     restricted to `impl` (None: all): [{"point": {...}, "baseline", "run", "ratio", "ok"}] and
     whether every point is within `tolerance` of its baseline. A point on one side only is listed
-    with ratio None and counts as a failure."""
+    with ratio None and counts as a failure. relative_to: compare value / relative_to's value at the
+    same point of the same run instead of value itself (a point without that peer is None there);
+    the peer's own points are not checked."""
     if tolerance < 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    impl_at = MATCH_KEYS.index("impl")
 
     def index(records):
+        values = {tuple(r.get(k) for k in MATCH_KEYS): r[value] for r in records
+                  if value in r and r[value] is not None}
         out = {}
-        for r in records:
-            if value in r and r[value] is not None and (impl is None or r.get("impl") == impl):
-                out[tuple(r.get(k) for k in MATCH_KEYS)] = r[value]
+        for key, v in values.items():
+            if (impl is not None and key[impl_at] != impl) or (relative_to is not None and key[impl_at] == relative_to):
+                continue
+            if relative_to is not None:
+                peer = values.get(key[:impl_at] + (relative_to,) + key[impl_at + 1:])
+                v = v / peer if peer else None
+            out[key] = v
         return out
 
     base, new = index(median_rounds(baseline)), index(median_rounds(run))
     rows, ok = [], True
     for key in sorted(set(base) | set(new), key=_point_order):
         b, n = base.get(key), new.get(key)
-        ratio = n / b if b and n is not None else None
+        ratio = n / b if b and n is not None else None  # b, n: None where a point or its peer is missing
         good = ratio is not None and abs(ratio - 1.0) <= tolerance
         ok &= good
         rows.append({"point": {k: v for k, v in zip(MATCH_KEYS, key) if v is not None}, "baseline": b, "run": n,
@@ -170,6 +183,7 @@ def _point_order(key: tuple) -> tuple:
 
 
 def compare_table(rows: list[dict], value: str, tolerance: float) -> str:
+    """`value`: what the baseline and run columns hold (e.g. "tflops / sdpa_cudnn's")."""
     lines = [f"| point | baseline {value} | run {value} | run / baseline | within {tolerance:.0%} |", "|---|---|---|---|---|"]
     for r in rows:
         point = " ".join(f"{k}={v}" for k, v in r["point"].items())
@@ -189,6 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", metavar="BASELINE", help="a baseline run: print each point's run / baseline ratio")
     ap.add_argument("--tolerance", type=float, default=0.03, help="--compare: allowed relative change (0.03 = 3%%)")
     ap.add_argument("--impl", default="tileattn", help="--compare: the implementation checked ('all': every one)")
+    ap.add_argument("--relative-to", metavar="PEER",
+                    help="--compare: check value / PEER's value at the same point (e.g. sdpa_cudnn), per run")
     args = ap.parse_args(argv)
     if args.tolerance < 0:
         ap.error(f"--tolerance must be >= 0, got {args.tolerance}")
@@ -198,8 +214,9 @@ def main(argv=None) -> int:
         print("run:      " + environment_line(env))
         print("baseline: " + environment_line(base_env) + "\n")
         rows, ok = compare(base_records, records, args.value, None if args.impl == "all" else args.impl,
-                           args.tolerance)
-        print(compare_table(rows, args.value, args.tolerance))
+                           args.tolerance, relative_to=args.relative_to)
+        shown = args.value if args.relative_to is None else f"{args.value} / {args.relative_to}'s"
+        print(compare_table(rows, shown, args.tolerance))
         print(f"\n{sum(r['ok'] for r in rows)} of {len(rows)} points within {args.tolerance:.0%}")
         return 0 if ok and rows else 1
     rows = args.rows.split(",")
