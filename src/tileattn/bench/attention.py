@@ -261,8 +261,10 @@ def main(argv=None) -> int:
     ap.add_argument("--backward-only", action="store_true", help="only the backward pass (with --tune: its configs)")
     ap.add_argument("--impl", action="append", help="only these implementations (repeatable)")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="time each point this many times, implementations interleaved; report the median round")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="time each point this many times, implementations interleaved (each first in turn); "
+                         "report the median round (default 3: on the H200 the first measurement after light "
+                         "work can run at a 20 %% higher clock than the rest, docs/BENCHMARKS.md session 28)")
     ap.add_argument("--json", help="write records here")
     ap.add_argument("--markdown", help="write the Markdown tables here")
     ap.add_argument("--plot", help="write a PNG plot of forward TFLOP/s here")
