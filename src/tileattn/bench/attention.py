@@ -261,16 +261,19 @@ def main(argv=None) -> int:
     ap.add_argument("--backward-only", action="store_true", help="only the backward pass (with --tune: its configs)")
     ap.add_argument("--impl", action="append", help="only these implementations (repeatable)")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--rounds", type=int,
                     help="time each point this many times, implementations interleaved (each first in turn); "
-                         "report the median round (default 3: on the H200 the first measurement after light "
-                         "work can run at a 20 %% higher clock than the rest, docs/BENCHMARKS.md session 28)")
+                         "report the median round (default 3, 1 with --demo: on the H200 the first measurement "
+                         "after light work can run at a 20 %% higher clock than the rest, docs/BENCHMARKS.md "
+                         "session 28)")
     ap.add_argument("--json", help="write records here")
     ap.add_argument("--markdown", help="write the Markdown tables here")
     ap.add_argument("--plot", help="write a PNG plot of forward TFLOP/s here")
     ap.add_argument("--tune", action="store_true", help="time every registered tileattn tile configuration")
     ap.add_argument("--demo", action="store_true", help="correctness check + a quick forward table")
     args = ap.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 1 if args.demo else 3
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
     require_gpu()
