@@ -102,6 +102,12 @@ def test_cli_relative_to(tmp_path, capsys):
     assert report.main([str(run), "--compare", str(base), "--relative-to", "sdpa_cudnn"]) == 1
     out = capsys.readouterr().out
     assert "tflops / sdpa_cudnn's" in out and "1 of 3 points within 3%" in out and "| 1.000 | yes |" in out
+    with pytest.raises(SystemExit):
+        report.main([str(run), "--compare", str(base), "--relative-to", "sdpa_flash"])
+    assert "the run has no record of that implementation" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        report.main([str(run), "--relative-to", "sdpa_cudnn"])
+    assert "--relative-to needs --compare" in capsys.readouterr().err
 
 
 def test_compare_uses_the_median_round():

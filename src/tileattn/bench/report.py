@@ -209,8 +209,14 @@ def main(argv=None) -> int:
     if args.tolerance < 0:
         ap.error(f"--tolerance must be >= 0, got {args.tolerance}")
     env, records = read_run(args.run)
+    if args.relative_to and not args.compare:
+        ap.error("--relative-to needs --compare")
     if args.compare:
         base_env, base_records = read_run(args.compare)
+        for name, recs in (("run", records), ("baseline", base_records)):
+            if args.relative_to and not any(r.get("impl") == args.relative_to for r in recs):
+                ap.error(f"--relative-to {args.relative_to}: the {name} has no record of that implementation "
+                         f"(it has {sorted({str(r.get('impl')) for r in recs})})")
         print("run:      " + environment_line(env))
         print("baseline: " + environment_line(base_env) + "\n")
         rows, ok = compare(base_records, records, args.value, None if args.impl == "all" else args.impl,
