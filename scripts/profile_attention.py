@@ -3,16 +3,16 @@
     python3 scripts/profile_attention.py --out DIR [--seq 4096] [--head-dim 128] [--causal]
                                          [--backward] [--bwd-config NAME] [--set full]
     python3 scripts/profile_attention.py --out DIR --sm90-variants [--seq 4096] [--head-dim 128]
-    python3 scripts/profile_attention.py --out DIR --softcap-op [--seq 8192] [--head-dim 64] [--causal]
+    python3 scripts/profile_attention.py --out DIR --softcap-op|--alibi-op [--seq 8192] [--head-dim 64] [--causal]
 
 Runs itself under `ncu` (child mode: `--child`), which profiles exactly one launch of each kernel
 named by KERNELS (tileattn's main kernel, with --bwd-config a tuning candidate's instead of the
 default, and FlashAttention-2's and cuDNN's kernels as PyTorch
 launches them), or with --sm90-variants the Hopper forward four times (the plain kernel as
 dispatched, the plain tiles on one CTA per tile as the variant kernels run, ALiBi, softcap 30; in
-that order, non-causal), or with --softcap-op `tileattn.attention` without autograd, plain then
-softcap 30, as the dispatcher runs them (bf16 softcap: the fixed-max kernel where it applies; a
-warm-up pair first, not profiled), and writes into DIR:
+that order, non-causal), or with --softcap-op / --alibi-op `tileattn.attention` without autograd,
+plain then softcap 30 / ALiBi (slopes [H], geometric), as the dispatcher runs them (bf16 softcap: the
+fixed-max kernel where it applies; a warm-up pair first, not profiled), and writes into DIR:
   profile.ncu-rep   the report (open with `ncu-ui` or `ncu -i`),
   details.txt       every section, as text,
   raw.csv           every collected metric,
@@ -39,7 +39,7 @@ KERNELS = {
     "backward": ("attn_bwd_main_kernel|attention_bwd_sm90", "flash_bwd_dq_dk_dv", "cudnn"),
     "forward": ("attention_fwd_sm", "flash_fwd_kernel", "cudnn"),
     "sm90_variants": ("attention_fwd_sm90",) * 4,
-    "softcap_op": ("attention_fwd_sm90",) * 2,
+    "variant_op": ("attention_fwd_sm90",) * 2,
 }
 
 
@@ -71,19 +71,21 @@ def sm90_variants(args) -> None:
     torch.cuda.synchronize()
 
 
-def softcap_op(args) -> None:
-    """tileattn.attention without autograd, plain then softcap 30, twice (compile and warm up, then
-    the pair ncu profiles)."""
+def variant_op(args) -> None:
+    """tileattn.attention without autograd, plain then the variant (softcap 30, or ALiBi with the
+    geometric slopes [H]), twice (compile and warm up, then the pair ncu profiles)."""
     import torch
 
     import tileattn
 
     b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device="cuda")  # [H]
+    variant = {"softcap": 30.0} if args.softcap_op else {"alibi_slopes": slopes}
     with torch.no_grad():
         for _ in range(2):
             tileattn.attention(q, k, v, causal=args.causal)
-            tileattn.attention(q, k, v, causal=args.causal, softcap=30.0)
+            tileattn.attention(q, k, v, causal=args.causal, **variant)
     torch.cuda.synchronize()
 
 
@@ -133,27 +135,30 @@ def main() -> None:
     p.add_argument("--set", default="full", help="ncu section set")
     p.add_argument("--sm90-variants", action="store_true", help="the Hopper forward: plain, ALiBi, softcap")
     p.add_argument("--softcap-op", action="store_true", help="tileattn.attention without autograd: plain, softcap 30")
+    p.add_argument("--alibi-op", action="store_true", help="tileattn.attention without autograd: plain, ALiBi [H]")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        (softcap_op if args.softcap_op else sm90_variants if args.sm90_variants else child)(args)
+        (variant_op if args.softcap_op or args.alibi_op else sm90_variants if args.sm90_variants else child)(args)
         return
     if args.out is None:
         p.error("--out is required")
+    if args.softcap_op and args.alibi_op:
+        p.error("--softcap-op and --alibi-op: one variant per profile")
     ncu = shutil.which("ncu")
     if ncu is None:
         sys.exit("ncu (Nsight Compute) is not on PATH")
     args.out.mkdir(parents=True, exist_ok=True)
     rep = args.out / "profile"
-    mode = ("softcap_op" if args.softcap_op else "sm90_variants" if args.sm90_variants
+    mode = ("variant_op" if args.softcap_op or args.alibi_op else "sm90_variants" if args.sm90_variants
             else "backward" if args.backward else "forward")
     names = KERNELS[mode]
     regex = "regex:" + "|".join(sorted(set(names)))
     child_cmd = [sys.executable, os.path.abspath(__file__), "--child"] + [
         a for a in sys.argv[1:] if not a.startswith("--out") and a != str(args.out)
     ]
-    # --softcap-op: skip the warm-up pair
-    window = ["--launch-skip", "2", "--launch-count", "2"] if args.softcap_op else ["--launch-count", str(len(names) + 2)]
+    # --softcap-op / --alibi-op: skip the warm-up pair
+    window = ["--launch-skip", "2", "--launch-count", "2"] if mode == "variant_op" else ["--launch-count", str(len(names) + 2)]
     cmd = [ncu, "--clock-control", "none", "--set", args.set, "--kernel-name", regex, *window,
            "--import-source", "no", "-f", "-o", str(rep)] + child_cmd
     print(" ".join(cmd), flush=True)
