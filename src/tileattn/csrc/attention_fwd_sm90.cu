@@ -245,6 +245,21 @@ __device__ __forceinline__ void release_tile_counter(int* counter) {
 // [0, n_masked) and [n_unmasked_end, n_end - n_begin) need masking (the Nk edge block, and when
 // causal or windowed the blocks that cross an edge of some row of the tile; only a window has
 // masked visits at the bottom). n_end = n_begin: every row of the tile sees nothing.
+// Visit order of the non-causal ALiBi-alone kernel (kDiagonalFirst): the first visit stays block
+// n_end - 1 (the masked edge block, if any, comes first as everywhere), then the block holding the
+// tile's lowest diagonal key (diag_lo) and those right of it, nearest first, then those left of it,
+// nearest first. ALiBi's bias falls with the distance from the diagonal, so after the diagonal block
+// a row's max rarely grows and O is rarely rescaled; in the plain order (right to left) every block
+// right of the diagonal raised the max of a steep head (> 8 in log2 units per 128 keys from slope 0.04:
+// 17 of 32 geometric heads), rescaling O on ~27 % of the visits at d = 64 (ncu, docs/attention_variants.md).
+template <int kBlockN>
+__device__ __forceinline__ int diagonal_first_block(int it, int n_end, int diag_lo) {
+  if (it == 0) return n_end - 1;
+  const int d0 = min(max(diag_lo, 0) / kBlockN, n_end - 2);  // it >= 1 implies n_end >= 2
+  const int r = it - 1, right = n_end - 1 - d0;                 // blocks d0 .. n_end - 2 first
+  return r < right ? d0 + r : d0 - 1 - (r - right);
+}
+
 struct BlockRange {
   int n_end, n_masked, n_begin, n_unmasked_end;
 };
@@ -844,6 +859,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   constexpr bool kSkipUnseen = kConsumers == 3 && (kVariant == 0 || (kCausal && kCausalVariant<kVariant>));
   // Tile order: the causal one (longest tiles first) for windows too, whose first tiles see fewer keys.
   constexpr bool kReverse = kCausal || kWindowed;
+  constexpr bool kDiagonalFirst = kVariant == kAlibi && !kCausal;  // diagonal_first_block's visit order
   // The softmax's scale: cap_out for softcap alone (variant_logits leaves tanh), 1 with ALiBi too
   // (variant_logits made log2-unit logits).
   const float sl2 = kCapFolded ? va.cap_out : kLogits ? 1.f : scale_log2;
@@ -962,7 +978,8 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
                             tma_batch, &q_full);
         }
         for (int it = 0; it < (kWindowed ? range.n_end - range.n_begin : range.n_end); ++it, ++g) {
-          const int n = range.n_end - 1 - it;
+          const int n = kDiagonalFirst ? diagonal_first_block<kBlockN>(it, range.n_end, tile.m_block * rows + span.nk - span.nq)
+                                       : range.n_end - 1 - it;
           const int s = g % kStages;
           const u32 refill_parity = ((g / kStages) - 1) & 1;
           if constexpr (kPagedLayout) {
@@ -1106,6 +1123,10 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
       // diagonal keys, key = position + diag): a block wholly at or left of the lowest, or at or
       // right of the highest, is one-sided (alibi_scores).
       const int diag_lo = tile.m_block * rows + diag, diag_hi = diag_lo + rows - 1;
+      // The key block of visit `it` (the producer's order).
+      auto block_of = [&](int it) {
+        return kDiagonalFirst ? diagonal_first_block<kBlockN>(it, range.n_end, diag_lo) : range.n_end - 1 - it;
+      };
       // Scores of block n -> what the softmax takes: variant logits, then -inf where masked.
       // ALiBi alone (kAlibiRaw): -slope / scale of the heads of rows g, g + 8, held across the
       // tile's blocks (two registers; a reload per block cost ~100 instructions of address and
@@ -1171,18 +1192,18 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
       }
       if (n_iters > skip) {
         if (c == 1) pass_turn(false);  // consumer 0 issues first
-        // ---- first block seen (n_end - 1 - skip): S, softmax; no P V yet
+        // ---- first block seen (block_of(skip)): S, softmax; no P V yet
         const int gf = g0 + skip, s0 = gf % kStages;
         s9::mbar_wait(&k_full[s0], (gf / kStages) & 1);
         take_turn();
         s9::wgmma_fence();
         issue_s(s0);
         pass_turn(false);
-        draw_keep(range.n_end - 1 - skip);
+        draw_keep(block_of(skip));
         s9::wgmma_wait<0>();
         s9::fence_accumulators(s);
         if (releaser) s9::mbar_arrive(&k_empty[s0]);
-        scores(range.n_end - 1 - skip, n_masked > skip);
+        scores(block_of(skip), n_masked > skip);
         softmax_step<kBlockN, kAlibiRaw, kFixed>(s, m, l, alpha, sl2, shift);  // O is still 0: no rescale needed
         drop();
         pack_p<kBlockN, kIsBF16>(p, s);
@@ -1212,11 +1233,11 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
           s9::mbar_wait(&v_full[sv], (gv / kStages) & 1);
           issue_pv(sv);
           pass_turn(false);
-          draw_keep(range.n_end - 1 - it);
+          draw_keep(block_of(it));
           s9::wgmma_wait<1>();  // S_j retired (groups retire in order); P V still running
           s9::fence_accumulators(s);
           if (releaser) s9::mbar_arrive(&k_empty[sk]);
-          scores(range.n_end - 1 - it, masked);
+          scores(block_of(it), masked);
           const bool rescale = softmax_step<kBlockN, kAlibiRaw, kFixed, kExp2FmaPer8>(s, m, l, alpha, sl2, shift, !masked);
           drop();
           // P_{j-1} V_{j-1} retired: O readable, P registers and V slot free. Without dropout the
