@@ -180,6 +180,36 @@ def block_range(causal: bool, block_n: int, m_block: int, nq: int, nk: int, rows
     return n_end, max(n_end - n_unmasked, edge if n_end == n_total else 0)
 
 
+def diagonal_first_block(it: int, n_end: int, diag_lo: int, block_n: int) -> int:
+    """Mirror of fwd90::diagonal_first_block (the non-causal ALiBi-alone kernels' visit order)."""
+    if it == 0:
+        return n_end - 1
+    d0 = min(max(diag_lo, 0) // block_n, n_end - 2)
+    r, right = it - 1, n_end - 1 - d0
+    return d0 + r if r < right else d0 - 1 - (r - right)
+
+
+@pytest.mark.parametrize("block_n", [64, 80, 96, 128])
+def test_diagonal_first_order_walks_outward_from_the_diagonal(block_n):
+    """Every block once, the last (the masked edge, if any) first as in the plain order; after it
+    the walk starts at the block nearest to the tile's lowest diagonal key and each side is visited
+    nearest first, so ALiBi's bias (falling with the distance) never rises along a side."""
+    for n_end in range(1, 14):
+        for diag_lo in range(-3 * block_n, (n_end + 3) * block_n, 11):
+            order = [diagonal_first_block(it, n_end, diag_lo, block_n) for it in range(n_end)]
+            assert sorted(order) == list(range(n_end)) and order[0] == n_end - 1, (n_end, diag_lo, order)
+
+            def gap(n):  # keys between block n and the key diag_lo (0: the block holds it)
+                return max(0, n * block_n - diag_lo, diag_lo - ((n + 1) * block_n - 1))
+
+            walk = order[1:]
+            if walk:
+                assert gap(walk[0]) == min(gap(n) for n in walk), (n_end, diag_lo, order)
+            for side in (lambda n: n >= walk[0], lambda n: n < walk[0]) if walk else ():
+                gaps = [gap(n) for n in walk if side(n)]
+                assert gaps == sorted(gaps), (n_end, diag_lo, order)
+
+
 def visible(causal: bool, row: int, key: int, nq: int, nk: int) -> bool:
     return key < nk and (not causal or key <= row + nk - nq)
 
