@@ -241,26 +241,11 @@ __device__ __forceinline__ void release_tile_counter(int* counter) {
   }
 }
 
-// Which K/V blocks a query tile visits: [n_begin, n_end), visited from n_end - 1 down; visits
-// [0, n_masked) and [n_unmasked_end, n_end - n_begin) need masking (the Nk edge block, and when
-// causal or windowed the blocks that cross an edge of some row of the tile; only a window has
-// masked visits at the bottom). n_end = n_begin: every row of the tile sees nothing.
-// Visit order of the non-causal ALiBi-alone kernel (kDiagonalFirst): the first visit stays block
-// n_end - 1 (the masked edge block, if any, comes first as everywhere), then the block holding the
-// tile's lowest diagonal key (diag_lo) and those right of it, nearest first, then those left of it,
-// nearest first. ALiBi's bias falls with the distance from the diagonal, so after the diagonal block
-// a row's max rarely grows and O is rarely rescaled; in the plain order (right to left) every block
-// right of the diagonal raised the max of a steep head (> 8 in log2 units per 128 keys from slope 0.04:
-// 17 of 32 geometric heads), rescaling O on ~30 % of the visits at d = 64 (ncu, docs/attention_variants.md,
-// "Non-causal ALiBi: the diagonal block first": +2-4 % at d = 64 and 128 on the H200).
-template <int kBlockN>
-__device__ __forceinline__ int diagonal_first_block(int it, int n_end, int diag_lo) {
-  if (it == 0) return n_end - 1;
-  const int d0 = min(max(diag_lo, 0) / kBlockN, n_end - 2);  // it >= 1 implies n_end >= 2
-  const int r = it - 1, right = n_end - 1 - d0;                 // blocks d0 .. n_end - 2 first
-  return r < right ? d0 + r : d0 - 1 - (r - right);
-}
-
+// Which K/V blocks a query tile visits: [n_begin, n_end), visited from n_end - 1 down (the non-causal
+// ALiBi-alone kernel: in diagonal_first_block's order); visits [0, n_masked) and [n_unmasked_end,
+// n_end - n_begin) need masking (the Nk edge block, and when causal or windowed the blocks that cross
+// an edge of some row of the tile; only a window has masked visits at the bottom). n_end = n_begin:
+// every row of the tile sees nothing.
 struct BlockRange {
   int n_end, n_masked, n_begin, n_unmasked_end;
 };
@@ -282,6 +267,22 @@ __device__ __forceinline__ BlockRange block_range(int m_block, int rows, int seq
     const int masked = max(n_end - n_unmasked, n_end == n_total ? edge : 0);
     return {n_end, masked, 0, n_end};
   }
+}
+
+// Visit order of the non-causal ALiBi-alone kernel (kDiagonalFirst): the first visit stays block
+// n_end - 1 (the masked edge block, if any, comes first as everywhere), then the block holding the
+// tile's lowest diagonal key (diag_lo) and those right of it, nearest first, then those left of it,
+// nearest first. ALiBi's bias falls with the distance from the diagonal, so after the diagonal block
+// a row's max rarely grows and O is rarely rescaled; in the plain order (right to left) every block
+// right of the diagonal raised the max of a steep head (> 8 in log2 units per 128 keys from slope 0.04:
+// 17 of 32 geometric heads), rescaling O on ~30 % of the visits at d = 64 (ncu, docs/attention_variants.md,
+// "Non-causal ALiBi: the diagonal block first": +2-4 % at d = 64 and 128 on the H200).
+template <int kBlockN>
+__device__ __forceinline__ int diagonal_first_block(int it, int n_end, int diag_lo) {
+  if (it == 0) return n_end - 1;
+  const int d0 = min(max(diag_lo, 0) / kBlockN, n_end - 2);  // it >= 1 implies n_end >= 2
+  const int r = it - 1, right = n_end - 1 - d0;                 // blocks d0 .. n_end - 2 first
+  return r < right ? d0 + r : d0 - 1 - (r - right);
 }
 
 // How many of a tile's first visits (blocks n_end - 1, n_end - 2, ...) no row of consumer c sees:
