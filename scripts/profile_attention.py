@@ -50,6 +50,7 @@ def sm90_variants(args) -> None:
 
     import torch
 
+    from tileattn.bench.variants import geometric_alibi_slopes
     from tileattn.kernels import attention_fwd_sm90 as af
     from tileattn.kernels.attention_fwd_sm80 import VariantArgs
 
@@ -57,7 +58,7 @@ def sm90_variants(args) -> None:
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     out = torch.empty_like(q)                                        # [B, H, N, d]
     lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)   # [B, H, N]
-    slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device="cuda")  # [H]
+    slopes = geometric_alibi_slopes(h)  # [H]
     scale = 1 / math.sqrt(d)
     plans = [
         (af.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale), ()),
@@ -77,11 +78,11 @@ def variant_op(args) -> None:
     import torch
 
     import tileattn
+    from tileattn.bench.variants import geometric_alibi_slopes
 
     b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device="cuda")  # [H]
-    variant = {"softcap": 30.0} if args.softcap_op else {"alibi_slopes": slopes}
+    variant = {"softcap": 30.0} if args.softcap_op else {"alibi_slopes": geometric_alibi_slopes(h)}
     with torch.no_grad():
         for _ in range(2):
             tileattn.attention(q, k, v, causal=args.causal)

@@ -87,6 +87,12 @@ class _Plans:
         self.bwd.launch(q, k, v, self.out, self.lse, dout, self.dq, self.dk, self.dv, *self.extra)
 
 
+def geometric_alibi_slopes(heads: int) -> torch.Tensor:
+    """ALiBi's standard slopes 2^(-8 (i + 1) / H), i < H, fp32 [H] on the current CUDA device (the
+    slopes every variant benchmark and profile times)."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], device="cuda")
+
+
 def _rnd(gen, dtype, *shape):
     return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
 
@@ -185,7 +191,7 @@ def run_overhead(head_dim, dtype, reps, quick, rounds=3, timed=OVERHEAD_VARIANTS
     batch, heads = (2, 8) if quick else (4, 32)
     records = []
     gen = torch.Generator(device="cuda").manual_seed(1)
-    slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], device="cuda")
+    slopes = geometric_alibi_slopes(heads)
     for n in ((1024,) if quick else (2048, 8192)):
         q, k, v, dout = (_rnd(gen, dtype, batch, heads, n, head_dim) for _ in range(4))
         for causal in (False, True):
