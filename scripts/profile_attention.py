@@ -3,16 +3,17 @@
     python3 scripts/profile_attention.py --out DIR [--seq 4096] [--head-dim 128] [--causal]
                                          [--backward] [--bwd-config NAME] [--set full]
     python3 scripts/profile_attention.py --out DIR --sm90-variants [--seq 4096] [--head-dim 128]
-    python3 scripts/profile_attention.py --out DIR --softcap-op|--alibi-op [--seq 8192] [--head-dim 64] [--causal]
+    python3 scripts/profile_attention.py --out DIR --softcap-op|--alibi-op|--dropout-op [--seq 8192] [--head-dim 64] [--causal]
 
 Runs itself under `ncu` (child mode: `--child`), which profiles exactly one launch of each kernel
 named by KERNELS (tileattn's main kernel, with --bwd-config a tuning candidate's instead of the
 default, and FlashAttention-2's and cuDNN's kernels as PyTorch
 launches them), or with --sm90-variants the Hopper forward four times (the plain kernel as
 dispatched, the plain tiles on one CTA per tile as the variant kernels run, ALiBi, softcap 30; in
-that order, non-causal), or with --softcap-op / --alibi-op `tileattn.attention` without autograd,
-plain then softcap 30 / ALiBi (slopes [H], geometric), as the dispatcher runs them (bf16 softcap: the
-fixed-max kernel where it applies; a warm-up pair first, not profiled), and writes into DIR:
+that order, non-causal), or with --softcap-op / --alibi-op / --dropout-op `tileattn.attention` without
+autograd, plain then softcap 30 / ALiBi (slopes [H], geometric) / dropout 0.1, as the dispatcher runs
+them (bf16 softcap: the fixed-max kernel where it applies; a warm-up pair first, not profiled), and
+writes into DIR:
   profile.ncu-rep   the report (open with `ncu-ui` or `ncu -i`),
   details.txt       every section, as text,
   raw.csv           every collected metric,
@@ -73,8 +74,9 @@ def sm90_variants(args) -> None:
 
 
 def variant_op(args) -> None:
-    """tileattn.attention without autograd, plain then the variant (softcap 30, or ALiBi with the
-    geometric slopes [H]), twice (compile and warm up, then the pair ncu profiles)."""
+    """tileattn.attention without autograd, plain then the variant (softcap 30, ALiBi with the
+    geometric slopes [H], or dropout 0.1 with a fixed seed), twice (compile and warm up, then the
+    pair ncu profiles)."""
     import torch
 
     import tileattn
@@ -82,7 +84,8 @@ def variant_op(args) -> None:
 
     b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    variant = {"softcap": 30.0} if args.softcap_op else {"alibi_slopes": geometric_alibi_slopes(h)}
+    variant = ({"softcap": 30.0} if args.softcap_op else {"dropout_p": 0.1, "seed": 1234, "offset": 0}
+               if args.dropout_op else {"alibi_slopes": geometric_alibi_slopes(h)})
     with torch.no_grad():
         for _ in range(2):
             tileattn.attention(q, k, v, causal=args.causal)
@@ -137,28 +140,29 @@ def main() -> None:
     p.add_argument("--sm90-variants", action="store_true", help="the Hopper forward: plain, ALiBi, softcap")
     p.add_argument("--softcap-op", action="store_true", help="tileattn.attention without autograd: plain, softcap 30")
     p.add_argument("--alibi-op", action="store_true", help="tileattn.attention without autograd: plain, ALiBi [H]")
+    p.add_argument("--dropout-op", action="store_true", help="tileattn.attention without autograd: plain, dropout 0.1")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        (variant_op if args.softcap_op or args.alibi_op else sm90_variants if args.sm90_variants else child)(args)
+        (variant_op if args.softcap_op or args.alibi_op or args.dropout_op else sm90_variants if args.sm90_variants else child)(args)
         return
     if args.out is None:
         p.error("--out is required")
-    if args.softcap_op and args.alibi_op:
-        p.error("--softcap-op and --alibi-op: one variant per profile")
+    if args.softcap_op + args.alibi_op + args.dropout_op > 1:
+        p.error("--softcap-op, --alibi-op, --dropout-op: one variant per profile")
     ncu = shutil.which("ncu")
     if ncu is None:
         sys.exit("ncu (Nsight Compute) is not on PATH")
     args.out.mkdir(parents=True, exist_ok=True)
     rep = args.out / "profile"
-    mode = ("variant_op" if args.softcap_op or args.alibi_op else "sm90_variants" if args.sm90_variants
+    mode = ("variant_op" if args.softcap_op or args.alibi_op or args.dropout_op else "sm90_variants" if args.sm90_variants
             else "backward" if args.backward else "forward")
     names = KERNELS[mode]
     regex = "regex:" + "|".join(sorted(set(names)))
     child_cmd = [sys.executable, os.path.abspath(__file__), "--child"] + [
         a for a in sys.argv[1:] if not a.startswith("--out") and a != str(args.out)
     ]
-    # --softcap-op / --alibi-op: skip the warm-up pair
+    # --softcap-op / --alibi-op / --dropout-op: skip the warm-up pair
     window = ["--launch-skip", "2", "--launch-count", "2"] if mode == "variant_op" else ["--launch-count", str(len(names) + 2)]
     cmd = [ncu, "--clock-control", "none", "--set", args.set, "--kernel-name", regex, *window,
            "--import-source", "no", "-f", "-o", str(rep)] + child_cmd
