@@ -14,12 +14,13 @@ Families, in the order they are considered:
 - attention_bwd_sm90 (backward on Hopper) where SM90_BACKWARD lists (head dim, causal,
   deterministic) as measured faster than the sm80 backward.
 
-Calls with variants (window, softcap, ALiBi, dropout): the dense forward without dropout runs the
-Hopper forward's variant instantiations on sm_90a for the head dims it has (SM90_VARIANT_FORWARD;
-`variant_forward_family`, `variant_forward_plan`); everything else (dropout, other head dims,
-other archs, varlen) runs the sm80 families' variant entry points; the variant backward runs the
-Hopper backward's variant instantiations where SM90_VARIANT_BACKWARD lists (head dim, mode) and
-attention_bwd_sm90.supports_variants accepts the call (`variant_backward_plan`), else sm80's.
+Calls with variants (window, softcap, ALiBi, dropout): the dense forward runs the Hopper forward's
+variant instantiations on sm_90a for the head dims it has (SM90_VARIANT_FORWARD; with dropout also
+SM90_DROPOUT_FORWARD and attention_fwd_sm90.supports_dropout; `variant_forward_family`,
+`variant_forward_plan`); everything else (other head dims, other archs, varlen) runs the sm80
+families' variant entry points; the variant backward runs the Hopper backward's variant
+instantiations where SM90_VARIANT_BACKWARD (with dropout also SM90_DROPOUT_BACKWARD) lists (head dim,
+mode) and attention_bwd_sm90.supports_variants accepts the call (`variant_backward_plan`), else sm80's.
 The variant backward recomputes the scores with the same definitions, so it takes the Hopper
 forward's lse as it is. tileattn.api and api_varlen build those plans.
 
