@@ -33,3 +33,15 @@ def test_tileattn_pattern_names_both_families(direction):
     for module, name in DENSE[direction]:
         assert not any(re.search(p, name) for p in peers), "a peer's pattern must not catch tileattn's kernel"
 
+
+
+@pytest.mark.parametrize("flags", [("--softcap-op", "--dropout-op"), ("--alibi-op", "--dropout-op"),
+                                   ("--softcap-op", "--alibi-op")])
+def test_one_variant_per_profile(flags, tmp_path, monkeypatch, capsys):
+    """Two variant-op modes at once are refused before ncu is looked for (or anything runs)."""
+    monkeypatch.setattr("sys.argv", ["profile_attention.py", "--out", str(tmp_path), *flags])
+    monkeypatch.setattr(profile.shutil, "which", lambda name: pytest.fail("ncu looked up before the flag check"))
+    with pytest.raises(SystemExit) as exc:
+        profile.main()
+    assert exc.value.code == 2
+    assert "one variant per profile" in capsys.readouterr().err
