@@ -143,8 +143,9 @@ def main() -> None:
     p.add_argument("--dropout-op", action="store_true", help="tileattn.attention without autograd: plain, dropout 0.1")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    variant_op_mode = args.softcap_op or args.alibi_op or args.dropout_op
     if args.child:
-        (variant_op if args.softcap_op or args.alibi_op or args.dropout_op else sm90_variants if args.sm90_variants else child)(args)
+        (variant_op if variant_op_mode else sm90_variants if args.sm90_variants else child)(args)
         return
     if args.out is None:
         p.error("--out is required")
@@ -155,7 +156,7 @@ def main() -> None:
         sys.exit("ncu (Nsight Compute) is not on PATH")
     args.out.mkdir(parents=True, exist_ok=True)
     rep = args.out / "profile"
-    mode = ("variant_op" if args.softcap_op or args.alibi_op or args.dropout_op else "sm90_variants" if args.sm90_variants
+    mode = ("variant_op" if variant_op_mode else "sm90_variants" if args.sm90_variants
             else "backward" if args.backward else "forward")
     names = KERNELS[mode]
     regex = "regex:" + "|".join(sorted(set(names)))

@@ -34,7 +34,6 @@ def test_tileattn_pattern_names_both_families(direction):
         assert not any(re.search(p, name) for p in peers), "a peer's pattern must not catch tileattn's kernel"
 
 
-
 @pytest.mark.parametrize("flags", [("--softcap-op", "--dropout-op"), ("--alibi-op", "--dropout-op"),
                                    ("--softcap-op", "--alibi-op")])
 def test_one_variant_per_profile(flags, tmp_path, monkeypatch, capsys):
