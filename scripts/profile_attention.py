@@ -84,8 +84,9 @@ def variant_op(args) -> None:
 
     b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    variant = ({"softcap": 30.0} if args.softcap_op else {"dropout_p": 0.1, "seed": 1234, "offset": 0}
-               if args.dropout_op else {"alibi_slopes": geometric_alibi_slopes(h)})
+    variant = ({"softcap": 30.0} if args.softcap_op else
+               {"dropout_p": 0.1, "seed": 1234, "offset": 0} if args.dropout_op else
+               {"alibi_slopes": geometric_alibi_slopes(h)})
     with torch.no_grad():
         for _ in range(2):
             tileattn.attention(q, k, v, causal=args.causal)
@@ -143,20 +144,20 @@ def main() -> None:
     p.add_argument("--dropout-op", action="store_true", help="tileattn.attention without autograd: plain, dropout 0.1")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    variant_op_mode = args.softcap_op or args.alibi_op or args.dropout_op
+    variant_ops = args.softcap_op + args.alibi_op + args.dropout_op  # how many of the variant-op modes
     if args.child:
-        (variant_op if variant_op_mode else sm90_variants if args.sm90_variants else child)(args)
+        (variant_op if variant_ops else sm90_variants if args.sm90_variants else child)(args)
         return
     if args.out is None:
         p.error("--out is required")
-    if args.softcap_op + args.alibi_op + args.dropout_op > 1:
+    if variant_ops > 1:
         p.error("--softcap-op, --alibi-op, --dropout-op: one variant per profile")
     ncu = shutil.which("ncu")
     if ncu is None:
         sys.exit("ncu (Nsight Compute) is not on PATH")
     args.out.mkdir(parents=True, exist_ok=True)
     rep = args.out / "profile"
-    mode = ("variant_op" if variant_op_mode else "sm90_variants" if args.sm90_variants
+    mode = ("variant_op" if variant_ops else "sm90_variants" if args.sm90_variants
             else "backward" if args.backward else "forward")
     names = KERNELS[mode]
     regex = "regex:" + "|".join(sorted(set(names)))
