@@ -23,3 +23,10 @@ def test_variant_filter_options_parse_before_the_gpu_is_needed():
     if not torch.cuda.is_available():  # on a GPU machine the call would run the benchmark
         with pytest.raises(NoGPUError):
             variants.main(["--suite", "overhead", "--variant", "softcap", "--variant", "alibi", "--forward-only"])
+
+
+@pytest.mark.parametrize("heads", [0, -4])
+def test_geometric_alibi_slopes_rejects_no_heads(heads):
+    """An empty or negative head count is refused before any tensor is made (no GPU needed)."""
+    with pytest.raises(ValueError, match="heads must be >= 1"):
+        variants.geometric_alibi_slopes(heads)

@@ -89,7 +89,9 @@ class _Plans:
 
 def geometric_alibi_slopes(heads: int) -> torch.Tensor:
     """ALiBi's standard slopes 2^(-8 (i + 1) / H), i < H, fp32 [H] on the current CUDA device (the
-    slopes every variant benchmark and profile times)."""
+    slopes every variant benchmark and profile times). ValueError for heads < 1."""
+    if heads < 1:
+        raise ValueError(f"geometric_alibi_slopes: heads must be >= 1, got {heads}")
     return torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], device="cuda")
 
 
