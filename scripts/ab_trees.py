@@ -11,7 +11,8 @@ A tree is a directory holding the `tileattn` package: a checkout's src/, or anot
 machine's state moved by up to 15 % between processes a minute apart (docs/BENCHMARKS.md, session 28),
 so each tree gets processes spread over the same minutes (the order rotates every repetition: A B,
 B A, ...), and the ratio to a peer of the same process (cuDNN) travels with every figure. The trials
-of docs/attention_fwd_sm90.md (sessions 29-31) were run this way.
+of docs/attention_fwd_sm90.md (sessions 29-31) followed this protocol from shell scripts outside the
+repository, before this script existed.
 """
 
 from __future__ import annotations
@@ -127,8 +128,12 @@ def main(argv=None) -> int:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(paths[name].resolve())] + [p for p in [env.get("PYTHONPATH")] if p])
         print(f"== {name}, process {rep + 1}: {' '.join(command)}", flush=True)
-        result = subprocess.run([sys.executable, "-m", "tileattn", *command, "--json", str(path)], env=env,
-                                timeout=args.timeout, capture_output=True, text=True)
+        try:
+            result = subprocess.run([sys.executable, "-m", "tileattn", *command, "--json", str(path)], env=env,
+                                    timeout=args.timeout, capture_output=True, text=True)
+        except subprocess.TimeoutExpired:
+            print(f"{name}, process {rep + 1}: still running after --timeout {args.timeout:g} s, stopped", file=sys.stderr)
+            return 1
         if result.returncode != 0:
             print(result.stdout[-2000:] + result.stderr[-2000:], file=sys.stderr)
             print(f"{name}, process {rep + 1}: exit status {result.returncode}", file=sys.stderr)

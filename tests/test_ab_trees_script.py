@@ -93,3 +93,19 @@ def test_a_whole_run_alternates_trees_on_pythonpath(tmp_path, monkeypatch, capsy
     assert calls[0][1][:3] == ["bench", "attention", "--seq"]
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["a-1.json", "a-2.json", "b-1.json", "b-2.json"]
     assert "| - | tileattn | 200, 200 | 300, 300 | 1.500 |" in capsys.readouterr().out
+
+
+def test_a_failing_or_hanging_process_stops_the_run(tmp_path, monkeypatch, capsys):
+    a, b = tree(tmp_path, "a"), tree(tmp_path, "b")
+    argv = ["--tree", f"a={a}", "--tree", f"b={b}", "--out", str(tmp_path / "o"), "--timeout", "5", "--", "bench", "x"]
+    monkeypatch.setattr(ab.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 3, "", "boom"))
+    assert ab.main(argv) == 1
+    assert "a, process 1: exit status 3" in capsys.readouterr().err
+
+    def hang(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+
+    monkeypatch.setattr(ab.subprocess, "run", hang)
+    assert ab.main(argv) == 1
+    assert "still running after --timeout 5 s" in capsys.readouterr().err
+
