@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tileattn.engine import SamplingParams
-from tileattn.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p, argmax_rows
+from tileattn.engine.sampler import Sampler, apply_logit_bias, apply_penalties, apply_top_k_top_p, argmax_rows
 
 DRAWS = 4000
 
@@ -113,6 +113,31 @@ def test_penalties_follow_their_definitions():
     # token 0: in prompt only -> 2 / 2; token 1: output twice -> -1 * 2 - 0.25 * 2 - 0.5;
     # token 2: output once -> 0.5 / 2 - 0.25 - 0.5; token 3: untouched
     assert torch.allclose(out, torch.tensor([1.0, -3.0, -0.5, 0.0]))
+
+
+def test_logit_bias_shifts_the_distribution_and_greedy():
+    torch.manual_seed(4)
+    bias = {0: -100.0, 5: 2.5}
+    freq = frequencies(LOGITS, SamplingParams(logit_bias=bias))
+    biased = LOGITS.clone()
+    biased[0] -= 100.0
+    biased[5] += 2.5
+    assert_close_distribution(freq, expected(biased, torch.ones(8, dtype=torch.bool)), "logit_bias")
+    # greedy rows: the argmax of the biased logits, in a batch with an unbiased row
+    seqs = [fake_seq(SamplingParams(temperature=0, logit_bias={0: -100.0})), fake_seq(SamplingParams(temperature=0)),
+            fake_seq(SamplingParams(temperature=0, logit_bias={7: 100.0}))]
+    tokens, logprobs = Sampler()(LOGITS.expand(3, -1).clone(), seqs)
+    assert tokens == [1, 0, 7]
+    # bias is added before the penalties, and only to its own row
+    out = apply_penalties(apply_logit_bias(LOGITS.expand(2, -1).clone(), seqs[:2]), seqs[:2])
+    assert out[0, 0] == LOGITS[0] - 100 and torch.equal(out[1], LOGITS)
+
+
+def test_logit_bias_is_checked():
+    for bad in ({-1: 1.0}, {True: 1.0}, {3: 101.0}, {3: "x"}, [(3, 1.0)]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    assert SamplingParams(logit_bias={3: 1}).logit_bias == {3: 1.0}
 
 
 def test_top_k_top_p_masks_are_exact():

@@ -211,6 +211,24 @@ def test_token_id_prompts_batched_prompts_and_echo(server, client):
     assert r.usage.prompt_tokens == len(ids) + len(tok.encode("One two"))
 
 
+def test_logit_bias_bans_and_forces_tokens(server, client):
+    """logit_bias reaches the sampler: +100 on one token makes greedy decoding emit only it, -100 on
+    the greedy text's first token moves the first token elsewhere (chat too); response_format text
+    is accepted."""
+    kw = dict(model=MODEL, prompt="Servers batch", max_tokens=6, temperature=0)
+    plain = client.completions.create(**kw, **_extra(ignore_eos=True, return_token_ids=True)).choices[0]
+    forced = client.completions.create(**kw, logit_bias={"42": 100},
+                                       **_extra(ignore_eos=True, return_token_ids=True)).choices[0]
+    assert forced.token_ids == [42] * 6 and plain.token_ids != forced.token_ids
+    banned = client.completions.create(**kw, logit_bias={str(plain.token_ids[0]): -100},
+                                       **_extra(ignore_eos=True, return_token_ids=True)).choices[0]
+    assert banned.token_ids[0] != plain.token_ids[0]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logit_bias={"42": 100}, response_format={"type": "text"},
+                                          **_extra(ignore_eos=True, return_token_ids=True))
+    assert chat.choices[0].token_ids == [42] * 3
+
+
 def test_stop_strings(server, client):
     kw = dict(model=MODEL, prompt="One two three", max_tokens=24, temperature=0, **_extra(ignore_eos=True))
     full = client.completions.create(**kw).choices[0].text
@@ -328,6 +346,19 @@ def test_errors(server, client):
     with pytest.raises(openai.BadRequestError) as info:  # refused by SamplingParams, not the schema
         client.completions.create(model=MODEL, prompt="hi", extra_body={"stop_token_ids": [-1]})
     assert _error(info.value)["param"] == "stop_token_ids"
+
+    for bias, what in (({"x": 1}, "token ids"), ({"-1": 1}, "logit_bias"), ({"3": 500}, "logit_bias"),
+                       ({"1000000": 1}, "outside the vocabulary")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="hi", logit_bias=bias)
+        assert _error(info.value)["param"] == "logit_bias" and what in _error(info.value)["message"], (bias, info.value)
+    messages = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    for kw, param in (({"tools": [tool]}, "tools"), ({"tool_choice": "required"}, "tool_choice"),
+                      ({"response_format": {"type": "json_object"}}, "response_format")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=messages, **kw)
+        assert _error(info.value)["param"] == param and "not supported" in _error(info.value)["message"], kw
 
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-model", prompt="hi")

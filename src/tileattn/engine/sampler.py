@@ -1,10 +1,10 @@
 """Batched sampling on the logits' device: one set of tensor ops for the whole batch, whatever
-mix of greedy, temperature, top-k, top-p, min-p, penalties and seeds its requests ask for.
+mix of greedy, temperature, top-k, top-p, min-p, logit bias, penalties and seeds its requests ask for.
 
 Sampling uses the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with
 probability p_i, so a seeded request only needs its own noise row (drawn from its own
 torch.Generator) while the selection stays one batched argmax.
-Log-probabilities are those of the model's raw distribution (before penalties and temperature).
+Log-probabilities are those of the model's raw distribution (before logit bias, penalties and temperature).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Sampler:
         per-row parameters go up from pinned memory without waiting for the stream, so a step can
         be sampled while the GPU still runs the previous one (penalties excepted: they read the
         sequences' tokens on the host)."""
-        logits = apply_penalties(logits, seqs)
+        logits = apply_penalties(apply_logit_bias(logits, seqs), seqs)
         if all(s.params.temperature == 0.0 for s in seqs):
             return argmax_rows(logits)  # [N]
         return self._sample(logits, seqs)
@@ -114,6 +114,17 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
         before = probs.cumsum(dim=-1) - probs  # [N, V] mass of the tokens ranked above each
         sorted_logits = sorted_logits.masked_fill(before >= p[:, None], float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs) -> torch.Tensor:
+    """Each row's logit_bias added to its logits. logits [N, V] -> [N, V] (a new tensor when any
+    row has a bias; token ids were checked against the vocabulary when the request came in)."""
+    entries = [(row, token, bias) for row, seq in enumerate(seqs) for token, bias in (seq.params.logit_bias or {}).items()]
+    if not entries:
+        return logits
+    rows, tokens, biases = zip(*entries)
+    index = _on_device([rows, tokens], torch.int64, logits.device)  # [2, E]
+    return logits.index_put((index[0], index[1]), _on_device(biases, logits.dtype, logits.device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, seqs) -> torch.Tensor:

@@ -14,10 +14,12 @@ class SamplingParams:
     probability is at least min_p times the most likely one's. repetition_penalty (> 0, 1 = off)
     divides positive / multiplies negative logits of tokens seen in the prompt or the output;
     presence_penalty / frequency_penalty (in [-2, 2]) subtract from logits of tokens in the output
-    (once / per occurrence). seed: the same seed gives the same tokens. stop: strings that end
-    the output (not included in the text); stop_token_ids: token ids that end it. logprobs /
-    prompt_logprobs: the top-n log-probabilities (of the model's raw distribution, before
-    penalties and temperature) plus the chosen token's, per sampled / prompt token.
+    (once / per occurrence). logit_bias: {token id: bias in [-100, 100]} added to those logits
+    before the penalties (OpenAI's; -100 bans a token, +100 all but forces it). seed: the same seed
+    gives the same tokens. stop: strings that end the output (not included in the text);
+    stop_token_ids: token ids that end it. logprobs / prompt_logprobs: the top-n log-probabilities
+    (of the model's raw distribution, before logit_bias, penalties and temperature) plus the chosen
+    token's, per sampled / prompt token.
     Raises ValueError naming the bad field, from the constructor and from validate().
     """
 
@@ -30,6 +32,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     max_tokens: int = 16
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -82,6 +85,12 @@ class SamplingParams:
                     is_int(t) and t >= 0 for t in self.stop_token_ids):
                 raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
             self.stop_token_ids = list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    is_int(t) and t >= 0 and is_number(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
+                raise ValueError("logit_bias must be a dict of token ids (ints >= 0) to biases in [-100, 100], "
+                                 f"got {self.logit_bias!r}")
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 0):

@@ -248,7 +248,8 @@ class EngineLoop:
 
 
 # ---------------------------------------------------------------------------------------------
-# Requests (bodies); unknown fields are accepted and ignored, as vLLM and OpenAI do.
+# Requests (bodies); unknown fields are accepted and ignored, as vLLM and OpenAI do, except those
+# that would change the answer and that this server cannot honour (_refuse_unsupported).
 
 
 class _Body(BaseModel):
@@ -269,6 +270,7 @@ class _SamplingRequest(_Body):
     repetition_penalty: float | None = Field(None, gt=0)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None        # token id (as a JSON key) -> bias in [-100, 100]
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -440,10 +442,10 @@ class Generation:
             state.generations[rid] = self
         try:
             await asyncio.wrap_future(state.engine_loop.add(list(zip(self.ids, self.prompts)), self.params))
-        except ValueError as exc:
+        except ValueError as exc:  # the engine's checks against the model (vocabulary, length)
             self.unfinished.clear()
             self.close()
-            raise APIError(400, str(exc)) from None
+            raise APIError(400, str(exc), param="logit_bias" if str(exc).startswith("logit_bias") else None) from None
         except EngineDeadError as exc:
             self.unfinished.clear()
             self.close()
@@ -534,6 +536,12 @@ def _sampling_params(state: ServerState, req: _SamplingRequest, max_tokens: int,
         if getattr(req, k) is not None}
     if overrides.get("stop") == []:
         del overrides["stop"]
+    if req.logit_bias is not None:
+        try:
+            overrides["logit_bias"] = {int(token): bias for token, bias in req.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids (integers), got {list(req.logit_bias)[:4]}",
+                           param="logit_bias") from None
     try:
         return SamplingParams.from_generation_config(
             state.defaults, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
@@ -704,10 +712,28 @@ def _stream_error(exc: BaseException) -> str:
 # The two generation endpoints
 
 
+def _refuse_unsupported(req: _Body) -> None:
+    """400 for request fields that would change the answer and that the engine cannot honour (tool
+    calls, structured output): ignoring them, as unknown fields are, would answer a different
+    question without saying so."""
+    extra = req.model_extra or {}
+    for name in ("tools", "functions"):
+        if extra.get(name):
+            raise APIError(400, f"{name} is not supported: this server does no tool calling.", param=name)
+    for name in ("tool_choice", "function_call"):
+        if extra.get(name) not in (None, "none"):
+            raise APIError(400, f"{name} is not supported: this server does no tool calling.", param=name)
+    fmt = extra.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise APIError(400, "response_format other than {\"type\": \"text\"} is not supported: this server does "
+                            "no constrained decoding.", param="response_format")
+
+
 async def serve_completion(state: ServerState, req: CompletionRequest, request: Request):
     """POST /v1/completions: a JSON answer, or an EventStream when req.stream."""
     arrival = time.monotonic()
     state.check_model(req.model)
+    _refuse_unsupported(req)
     if req.suffix:
         raise APIError(400, "suffix is not supported.", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -809,6 +835,7 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
     """POST /v1/chat/completions: a JSON answer, or an EventStream when req.stream."""
     arrival = time.monotonic()
     state.check_model(req.model)
+    _refuse_unsupported(req)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
     if req.top_logprobs and not req.logprobs:
