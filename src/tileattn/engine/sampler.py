@@ -119,9 +119,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
 def apply_logit_bias(logits: torch.Tensor, seqs) -> torch.Tensor:
     """Each row's logit_bias added to its logits. logits [N, V] -> [N, V] (a new tensor when any
     row has a bias; token ids were checked against the vocabulary when the request came in)."""
-    entries = [(row, token, bias) for row, seq in enumerate(seqs) for token, bias in (seq.params.logit_bias or {}).items()]
-    if not entries:
+    if not any(seq.params.logit_bias for seq in seqs):
         return logits
+    entries = [(row, token, bias) for row, seq in enumerate(seqs) for token, bias in (seq.params.logit_bias or {}).items()]
     rows, tokens, biases = zip(*entries)
     index = _on_device([rows, tokens], torch.int64, logits.device)  # [2, E]
     return logits.index_put((index[0], index[1]), _on_device(biases, logits.dtype, logits.device), accumulate=True)
