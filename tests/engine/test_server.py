@@ -355,10 +355,14 @@ def test_errors(server, client):
     messages = [{"role": "user", "content": "hi"}]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
     for kw, param in (({"tools": [tool]}, "tools"), ({"tool_choice": "required"}, "tool_choice"),
-                      ({"response_format": {"type": "json_object"}}, "response_format")):
+                      ({"response_format": {"type": "json_object"}}, "response_format"),
+                      (_extra(guided_choice=["a", "b"]), "guided_choice")):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=messages, **kw)
         assert _error(info.value)["param"] == param and "not supported" in _error(info.value)["message"], kw
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", **_extra(guided_json={"type": "object"}))
+    assert _error(info.value)["param"] == "guided_json"
 
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-model", prompt="hi")

@@ -727,6 +727,9 @@ def _refuse_unsupported(req: _Body) -> None:
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise APIError(400, "response_format other than {\"type\": \"text\"} is not supported: this server does "
                             "no constrained decoding.", param="response_format")
+    for name, value in extra.items():  # vLLM's extra body fields for the same (guided_json, ...)
+        if (name.startswith("guided_") or name == "structured_outputs") and value is not None:
+            raise APIError(400, f"{name} is not supported: this server does no constrained decoding.", param=name)
 
 
 async def serve_completion(state: ServerState, req: CompletionRequest, request: Request):
