@@ -19,15 +19,20 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-# Fields that name a point (those a record has); everything else is a measurement.
-POINT_FIELDS = ("suite", "pass", "variant", "causal", "b", "h", "hkv", "n", "nq", "nk", "d", "dtype")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # tileattn from a checkout
+
+from tileattn.bench.records import read_run  # noqa: E402
+from tileattn.bench.report import MATCH_KEYS  # noqa: E402
+
+# Fields that name a point: the report's matching keys without the implementation (a column here),
+# the mask first so that a point reads "causal=True n=2048".
+POINT_FIELDS = ("suite", "pass", "causal") + tuple(k for k in MATCH_KEYS if k not in ("impl", "suite", "pass", "causal"))
 OURS = "tileattn"
 
 
@@ -56,10 +61,8 @@ def load(paths) -> list[tuple[str, dict]]:
     {"environment", "records"}); the label is the file's stem, e.g. trial-1."""
     out = []
     for path in paths:
-        data = json.loads(Path(path).read_text())
-        for record in data.get("records", []):
-            if record.get("tflops") is not None and record.get("status", "ok") == "ok":
-                out.append((Path(path).stem, record))
+        _, records = read_run(path)
+        out += [(Path(path).stem, r) for r in records if r.get("tflops") is not None and r.get("status", "ok") == "ok"]
     return out
 
 
