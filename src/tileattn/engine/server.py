@@ -445,7 +445,7 @@ class Generation:
         except ValueError as exc:  # the engine's checks against the model (vocabulary, length)
             self.unfinished.clear()
             self.close()
-            raise APIError(400, str(exc), param="logit_bias" if str(exc).startswith("logit_bias") else None) from None
+            raise APIError(400, str(exc), param=_sampling_param(exc)) from None
         except EngineDeadError as exc:
             self.unfinished.clear()
             self.close()
@@ -546,12 +546,18 @@ def _sampling_params(state: ServerState, req: _SamplingRequest, max_tokens: int,
         return SamplingParams.from_generation_config(
             state.defaults, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             **overrides)
-    except ValueError as exc:  # SamplingParams' messages start with the field's name
-        name = str(exc).split(" ", 1)[0]
-        raise APIError(400, str(exc), param=name if name in _SAMPLING_FIELDS else None) from None
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=_sampling_param(exc)) from None
 
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def _sampling_param(exc: ValueError) -> str | None:
+    """The SamplingParams field a ValueError names (SamplingParams' messages and the engine's check of
+    logit_bias against the vocabulary start with it), else None."""
+    name = str(exc).split(" ", 1)[0]
+    return name if name in _SAMPLING_FIELDS else None
 
 
 def _check_length(state: ServerState, prompt_len: int, max_tokens: int | None, what: str) -> int:
