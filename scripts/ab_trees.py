@@ -33,7 +33,6 @@ from tileattn.bench.report import MATCH_KEYS  # noqa: E402
 # Fields that name a point: the report's matching keys without the implementation (a column here),
 # the mask first so that a point reads "causal=True n=2048".
 POINT_FIELDS = ("suite", "pass", "causal") + tuple(k for k in MATCH_KEYS if k not in ("impl", "suite", "pass", "causal"))
-OURS = "tileattn"
 
 
 def parse_tree(text: str) -> tuple[str, Path]:
@@ -68,8 +67,9 @@ def load(paths) -> list[tuple[str, dict]]:
 
 def summary(paths, peer: str = "sdpa_cudnn") -> str:
     """A Markdown table: per point and implementation, each process's median TFLOP/s over its
-    timing rounds (with the ratio to `peer` in the same process, for ours), and per tree the median
-    of its processes against the first tree's."""
+    timing rounds (with the ratio to `peer` in the same process, for every implementation but the
+    peer: tileattn against sdpa_cudnn, or a variant against `plain` in `bench variants`), and per
+    tree the median of its processes against the first tree's."""
     medians = collections.defaultdict(list)  # (point, impl, process) -> TFLOP/s of each round
     for label, r in load(paths):
         point = tuple((f, r[f]) for f in POINT_FIELDS if f in r)
@@ -92,7 +92,7 @@ def summary(paths, peer: str = "sdpa_cudnn") -> str:
                     continue
                 value = statistics.median(rounds)
                 peer_rounds = medians.get((point, peer, label))
-                ratio = f" ({value / statistics.median(peer_rounds):.3f})" if impl == OURS and peer_rounds else ""
+                ratio = f" ({value / statistics.median(peer_rounds):.3f})" if impl != peer and peer_rounds else ""
                 values.append((value, f"{value:.0f}{ratio}"))
             cells.append(", ".join(text for _, text in values) or "-")
             per_tree.append(statistics.median(v for v, _ in values) if values else None)

@@ -52,6 +52,15 @@ def test_summary_medians_peer_ratio_and_tree_ratio(tmp_path):
     assert [r for r in rows if "| sdpa_cudnn |" in r] == ["| - | sdpa_cudnn | 480, 500 | 500, 500 | 1.020 |"]
 
 
+def test_summary_ratio_of_a_variant_to_plain(tmp_path):
+    # `bench variants --suite overhead`: the implementations are the variant and `plain`
+    paths = [write(tmp_path / f"{t}-1.json", [record("alibi", 2048, True, a, 0), record("plain", 2048, True, 500.0, 0)])
+             for t, a in (("main", 450.0), ("trial", 470.0))]
+    rows = ab.summary(paths, peer="plain").splitlines()
+    assert "| - | alibi | 450 (0.900) | 470 (0.940) | 1.044 |" in rows
+    assert "| - | plain | 500 | 500 | 1.000 |" in rows
+
+
 def test_summary_names_points_by_the_fields_that_vary(tmp_path):
     paths = [write(tmp_path / f"{t}-1.json", [record("tileattn", n, c, 100.0 * (2 if t == "b" else 1), 0)
                                                for n in (2048, 4096) for c in (False, True)]) for t in ("a", "b")]
