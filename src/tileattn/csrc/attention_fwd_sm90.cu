@@ -285,6 +285,14 @@ __device__ __forceinline__ int diagonal_first_block(int it, int n_end, int diag_
   return r < right ? d0 + r : d0 - 1 - (r - right);
 }
 
+// The key block of a tile's visit `it`: right to left from n_end - 1, or in diagonal_first_block's
+// order (kDiagonalFirst). The producer loads and the consumers read the visits through this one
+// function; diag = Nk - Nq of the tile's sequence.
+template <bool kDiagonalFirst, int kBlockN>
+__device__ __forceinline__ int visit_block(int it, int n_end, int m_block, int rows, int diag) {
+  return kDiagonalFirst ? diagonal_first_block<kBlockN>(it, n_end, m_block * rows + diag) : n_end - 1 - it;
+}
+
 // How many of a tile's first visits (blocks n_end - 1, n_end - 2, ...) no row of consumer c sees:
 // causal, the blocks past the diagonal of its last row (with 192-row tiles and 128-key blocks the
 // first consumer's rows end a block or more before the tile's); causal or not, every visit when
@@ -980,8 +988,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
                             tma_batch, &q_full);
         }
         for (int it = 0; it < (kWindowed ? range.n_end - range.n_begin : range.n_end); ++it, ++g) {
-          const int n = kDiagonalFirst ? diagonal_first_block<kBlockN>(it, range.n_end, tile.m_block * rows + span.nk - span.nq)
-                                       : range.n_end - 1 - it;
+          const int n = visit_block<kDiagonalFirst, kBlockN>(it, range.n_end, tile.m_block, rows, span.nk - span.nq);
           const int s = g % kStages;
           const u32 refill_parity = ((g / kStages) - 1) & 1;
           if constexpr (kPagedLayout) {
@@ -1126,9 +1133,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
       // right of the highest, is one-sided (alibi_scores).
       const int diag_lo = tile.m_block * rows + diag, diag_hi = diag_lo + rows - 1;
       // The key block of visit `it` (the producer's order).
-      auto block_of = [&](int it) {
-        return kDiagonalFirst ? diagonal_first_block<kBlockN>(it, range.n_end, diag_lo) : range.n_end - 1 - it;
-      };
+      auto block_of = [&](int it) { return visit_block<kDiagonalFirst, kBlockN>(it, range.n_end, tile.m_block, rows, diag); };
       // Scores of block n -> what the softmax takes: variant logits, then -inf where masked.
       // ALiBi alone (kAlibiRaw): -slope / scale of the heads of rows g, g + 8, held across the
       // tile's blocks (two registers; a reload per block cost ~100 instructions of address and
