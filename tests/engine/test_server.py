@@ -363,6 +363,23 @@ def test_errors(server, client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="hi", **_extra(guided_json={"type": "object"}))
     assert _error(info.value)["param"] == "guided_json"
+    # vLLM's answer-changing extras the engine lacks get a 400 when set, and pass when left at their default
+    for name, value in (("min_tokens", 4), ("bad_words", ["x"]), ("allowed_token_ids", [1]), ("prompt_logprobs", 0),
+                        ("use_beam_search", True), ("length_penalty", 0.5), ("include_stop_str_in_output", True),
+                        ("truncate_prompt_tokens", 8), ("logits_processors", ["p"])):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=1, **_extra(**{name: value}))
+        assert _error(info.value)["param"] == name and "not supported" in _error(info.value)["message"], name
+    for name, value in (("chat_template", "{{ messages }}"), ("chat_template_kwargs", {"enable_thinking": False}),
+                        ("continue_final_message", True), ("echo", True), ("modalities", ["text", "audio"]),
+                        ("audio", {"voice": "alloy", "format": "wav"})):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, **_extra(**{name: value}))
+        assert _error(info.value)["param"] == name, name
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0,
+                                         **_extra(min_tokens=0, use_beam_search=False, length_penalty=1.0,
+                                                  modalities=["text"], echo=False, prompt_logprobs=None))
+    assert out.choices[0].message.content is not None
 
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-model", prompt="hi")

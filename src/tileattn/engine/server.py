@@ -736,6 +736,30 @@ def _refuse_unsupported(req: _Body) -> None:
     for name, value in extra.items():  # vLLM's extra body fields for the same (guided_json, ...)
         if (name.startswith("guided_") or name == "structured_outputs") and value is not None:
             raise APIError(400, f"{name} is not supported: this server does no constrained decoding.", param=name)
+    for name, (is_set, why) in _UNHONOURED_EXTRAS.items():
+        if name in extra and is_set(extra[name]):
+            raise APIError(400, f"{name} is not supported: {why}.", param=name)
+
+
+# Other extra body fields (vLLM's sampling and chat extras, OpenAI's audio output) that change the
+# answer when set, and which the engine does not implement: field -> (is it set?, why not).
+_UNHONOURED_EXTRAS = {
+    "min_tokens": (lambda v: v not in (None, 0), "the sampler has no minimum length"),
+    "bad_words": (bool, "the sampler bans token ids only through logit_bias"),
+    "allowed_token_ids": (bool, "the sampler bans token ids only through logit_bias"),
+    "logits_processors": (bool, "the sampler runs no custom logits processors"),
+    "prompt_logprobs": (lambda v: v is not None, "logprobs are reported for generated tokens only"),
+    "use_beam_search": (bool, "the engine samples, it does no beam search"),
+    "length_penalty": (lambda v: v not in (None, 1), "the engine does no beam search"),
+    "include_stop_str_in_output": (bool, "a stop string always ends the text before it"),
+    "truncate_prompt_tokens": (lambda v: v is not None, "prompts are never truncated (a prompt too long is a 400)"),
+    "chat_template": (lambda v: v is not None, "chat prompts use the model's own template"),
+    "chat_template_kwargs": (bool, "chat prompts use the model's own template"),
+    "continue_final_message": (bool, "the template always closes the last message"),
+    "echo": (bool, "a chat answer never repeats the prompt"),
+    "modalities": (lambda v: v is not None and list(v) != ["text"], "the server answers with text only"),
+    "audio": (lambda v: v is not None, "the server answers with text only"),
+}
 
 
 async def serve_completion(state: ServerState, req: CompletionRequest, request: Request):
