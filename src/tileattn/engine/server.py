@@ -748,7 +748,8 @@ _UNHONOURED_EXTRAS = {
     "bad_words": (bool, "the sampler bans token ids only through logit_bias"),
     "allowed_token_ids": (bool, "the sampler bans token ids only through logit_bias"),
     "logits_processors": (bool, "the sampler runs no custom logits processors"),
-    "prompt_logprobs": (lambda v: v is not None, "logprobs are reported for generated tokens only"),
+    "prompt_logprobs": (lambda v: v is not None, "the prompt's log-probabilities come with echo and logprobs "
+                                                 "in /v1/completions"),
     "use_beam_search": (bool, "the engine samples, it does no beam search"),
     "length_penalty": (lambda v: v not in (None, 1), "the engine does no beam search"),
     "include_stop_str_in_output": (bool, "a stop string always ends the text before it"),
