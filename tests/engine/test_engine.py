@@ -103,6 +103,29 @@ def test_stop_token_ids_eos_and_max_tokens(checkpoint, plain):
     assert short.finish_reason == ("length" if len(short.token_ids) == 3 else "stop")
 
 
+def test_min_tokens_holds_off_stop_ids_eos_and_stop_strings(checkpoint, plain):
+    llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=32)
+    eos = min(llm.engine.eos_token_ids)
+    target = plain[0][0][0]
+    for stop_ids, bias_token, ignore_eos, reason in (([target], target, True, target), (None, eos, False, None)):
+        # the bias makes the token the argmax at every step: it ends the output at the first step allowed
+        params = SamplingParams(temperature=0, max_tokens=12, min_tokens=4, stop_token_ids=stop_ids,
+                                logit_bias={bias_token: 100.0}, ignore_eos=ignore_eos)
+        out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 5 and bias_token not in out.token_ids[:4], out.token_ids
+        assert out.token_ids[4] == bias_token and out.finish_reason == "stop" and out.stop_reason == reason
+    # a stop string completed within the first min_tokens tokens is passed over
+    text = llm.tokenizer.decode(plain[0][0][:6])
+    stop = next(text[i:i + 2] for i in range(len(text) - 1) if text.count(text[i:i + 2]) == 1)
+    cut = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, stop=[stop], ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
+    held = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, min_tokens=6, stop=[stop],
+                                                   ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert held.finish_reason == "length" and held.text == text and held.token_ids == plain[0][0][:6]
+    assert_all_free(llm.engine)
+
+
 def test_stop_string_cuts_text_and_streams_consistently(checkpoint, plain):
     llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=32)
     full = llm.tokenizer.decode(plain[0][0])

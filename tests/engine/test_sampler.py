@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tileattn.engine import SamplingParams
-from tileattn.engine.sampler import Sampler, apply_logit_bias, apply_penalties, apply_top_k_top_p, argmax_rows
+from tileattn.engine.sampler import (Sampler, apply_logit_bias, apply_min_tokens, apply_penalties, apply_top_k_top_p,
+                                     argmax_rows)
 
 DRAWS = 4000
 
@@ -14,7 +15,8 @@ DRAWS = 4000
 def fake_seq(params, prompt=(), output=(), index=0):
     tokens = list(prompt) + list(output)
     return SimpleNamespace(params=params, index=index, generator=None, token_ids=tokens,
-                           num_prompt_tokens=len(prompt), output_token_ids=list(output))
+                           num_prompt_tokens=len(prompt), output_token_ids=list(output),
+                           num_output_tokens=len(output))
 
 
 def frequencies(logits_row, params, draws=DRAWS):
@@ -175,3 +177,40 @@ def test_argmax_rows_is_torch_argmax(vocab):
         x[3, 1] = float("nan")
     assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
     assert argmax_rows(x.bfloat16()).tolist() == x.bfloat16().argmax(dim=-1).tolist()
+
+
+def test_min_tokens_bans_stop_ids_and_eos_until_reached():
+    eos, stop = 0, 3  # LOGITS' argmax is token 0; a +10 bias makes token 3 the argmax
+    sampler = Sampler(eos_token_ids=(eos,))
+    rows = [  # (params, output tokens so far, what greedy must pick)
+        (SamplingParams(temperature=0, min_tokens=2, max_tokens=8), (5,), 1),           # EOS banned: the runner-up
+        (SamplingParams(temperature=0, min_tokens=2, max_tokens=8), (5, 6), 0),         # reached: EOS allowed
+        (SamplingParams(temperature=0, min_tokens=2, max_tokens=8, ignore_eos=True), (), 0),  # EOS not a stop here
+        (SamplingParams(temperature=0, min_tokens=3, max_tokens=8, stop_token_ids=[stop], logit_bias={stop: 10.0},
+                        ignore_eos=True), (1, 2), 0),                                   # stop id banned, EOS kept
+        (SamplingParams(temperature=0, min_tokens=3, max_tokens=8, stop_token_ids=[stop], logit_bias={stop: 10.0}),
+         (1, 2), 1),                                                                    # both banned
+        (SamplingParams(temperature=0, min_tokens=3, max_tokens=8, stop_token_ids=[stop], logit_bias={stop: 10.0}),
+         (1, 2, 4), stop),                                                              # reached
+    ]
+    seqs = [fake_seq(p, prompt=(7,), output=out) for p, out, _ in rows]
+    tokens, _ = sampler(LOGITS.expand(len(rows), -1).clone(), seqs)
+    assert tokens == [want for _, _, want in rows]
+    # sampled rows never draw a banned token; the other rows' logits are untouched
+    torch.manual_seed(4)
+    params = SamplingParams(temperature=1.0, min_tokens=1, max_tokens=4, stop_token_ids=[1, 2])
+    draws = [fake_seq(params) for _ in range(DRAWS)]
+    tokens, _ = sampler(LOGITS.expand(DRAWS, -1).clone(), draws)
+    assert not {0, 1, 2} & set(tokens)
+    kept = torch.tensor([False, False, False] + [True] * 5)
+    freq = torch.bincount(torch.tensor(tokens), minlength=8).double() / DRAWS
+    assert_close_distribution(freq, expected(LOGITS, kept), "min_tokens")
+    plain = [fake_seq(SamplingParams(min_tokens=2, max_tokens=4), output=(1, 2))]
+    logits = LOGITS.expand(1, -1).clone()
+    assert apply_min_tokens(logits, plain, (eos,)) is logits
+
+
+def test_min_tokens_is_checked():
+    for bad in (-1, 1.5, True, 9):
+        with pytest.raises(ValueError, match="min_tokens"):
+            SamplingParams(min_tokens=bad, max_tokens=8)

@@ -227,6 +227,12 @@ def test_logit_bias_bans_and_forces_tokens(server, client):
                                           temperature=0, logit_bias={"42": 100}, response_format={"type": "text"},
                                           **_extra(ignore_eos=True, return_token_ids=True))
     assert chat.choices[0].token_ids == [42] * 3
+    # min_tokens (vLLM's extra) reaches the engine: the forced token is also a stop id, held off for 3 tokens
+    held = client.completions.create(**kw, logit_bias={"42": 100},
+                                     **_extra(ignore_eos=True, return_token_ids=True, stop_token_ids=[42],
+                                              min_tokens=3)).choices[0]
+    assert len(held.token_ids) == 4 and 42 not in held.token_ids[:3] and held.token_ids[3] == 42
+    assert held.finish_reason == "stop"
 
 
 def test_stop_strings(server, client):
@@ -363,8 +369,11 @@ def test_errors(server, client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="hi", **_extra(guided_json={"type": "object"}))
     assert _error(info.value)["param"] == "guided_json"
+    with pytest.raises(openai.BadRequestError) as info:  # min_tokens above max_tokens: SamplingParams' check
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **_extra(min_tokens=3))
+    assert _error(info.value)["param"] == "min_tokens"
     # vLLM's answer-changing extras the engine lacks get a 400 when set, and pass when left at their default
-    for name, value in (("min_tokens", 4), ("bad_words", ["x"]), ("allowed_token_ids", [1]), ("prompt_logprobs", 0),
+    for name, value in (("bad_words", ["x"]), ("allowed_token_ids", [1]), ("prompt_logprobs", 0),
                         ("use_beam_search", True), ("length_penalty", 0.5), ("include_stop_str_in_output", True),
                         ("truncate_prompt_tokens", 8), ("logits_processors", ["p"])):
         with pytest.raises(openai.BadRequestError) as info:
@@ -377,7 +386,7 @@ def test_errors(server, client):
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, **_extra(**{name: value}))
         assert _error(info.value)["param"] == name, name
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0,
-                                         **_extra(min_tokens=0, use_beam_search=False, length_penalty=1.0,
+                                         **_extra(use_beam_search=False, length_penalty=1.0,
                                                   modalities=["text"], echo=False, prompt_logprobs=None))
     assert out.choices[0].message.content is not None
 

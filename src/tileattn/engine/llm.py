@@ -272,9 +272,9 @@ class LLMEngine:
         """Async scheduling: launch the decode step that follows ``current`` before current's tokens
         reach the host, so the GPU runs it while the host processes current's tokens. Only when
         that step is known without them: every sequence of current samples, none is waiting to be
-        admitted, no sequence reads its tokens on the host to sample (penalties) or wants logprobs
-        (their host copy would wait for the step ahead), and the cache has room for every next
-        token (otherwise the synchronous path preempts). Sequences that current's token finishes
+        admitted, no sequence reads its tokens on the host to sample (penalties, a min_tokens not yet
+        reached) or wants logprobs (their host copy would wait for the step ahead), and the cache has
+        room for every next token (otherwise the synchronous path preempts). Sequences that current's token finishes
         for certain (max_tokens, max_model_len) are left out; one that stops on EOS / a stop id /
         a stop string costs one dropped token. Returns the handle of the step launched, or None."""
         if self.scheduler.waiting or current.prompt_rows or len(current.sample_seqs) != len(current.scheduled):
@@ -285,7 +285,7 @@ class LLMEngine:
                 continue
             p = seq.params
             if (p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                    or p.frequency_penalty != 0.0):
+                    or p.frequency_penalty != 0.0 or seq.num_output_tokens < p.min_tokens):
                 return None
             length = len(seq.token_ids) + 1  # with current's token
             if length - seq.num_prompt_tokens >= p.max_tokens or length >= self.max_model_len:

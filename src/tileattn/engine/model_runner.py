@@ -122,7 +122,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.sampler = Sampler()
+        self.sampler = Sampler(loaded.eos_token_ids)
         self.profiler = NULL  # LLMEngine.enable_profiling() sets a StepProfiler (rank 0)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         if device.type == "cuda":

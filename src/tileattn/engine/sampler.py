@@ -1,5 +1,6 @@
 """Batched sampling on the logits' device: one set of tensor ops for the whole batch, whatever
-mix of greedy, temperature, top-k, top-p, min-p, logit bias, penalties and seeds its requests ask for.
+mix of greedy, temperature, top-k, top-p, min-p, logit bias, penalties, min_tokens and seeds its
+requests ask for.
 
 Sampling uses the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with
 probability p_i, so a seeded request only needs its own noise row (drawn from its own
@@ -19,6 +20,9 @@ _TINY = torch.finfo(torch.float32).tiny
 
 
 class Sampler:
+    def __init__(self, eos_token_ids=()):
+        self.eos_token_ids = tuple(eos_token_ids)  # banned with the stop ids while min_tokens holds
+
     def __call__(self, logits: torch.Tensor, seqs, profiler=NULL) -> tuple[list[int], list[dict | None]]:
         """logits float32 [N, vocab], one row per sequence in ``seqs`` (its next token).
 
@@ -34,7 +38,7 @@ class Sampler:
         per-row parameters go up from pinned memory without waiting for the stream, so a step can
         be sampled while the GPU still runs the previous one (penalties excepted: they read the
         sequences' tokens on the host)."""
-        logits = apply_penalties(apply_logit_bias(logits, seqs), seqs)
+        logits = apply_min_tokens(apply_penalties(apply_logit_bias(logits, seqs), seqs), seqs, self.eos_token_ids)
         if all(s.params.temperature == 0.0 for s in seqs):
             return argmax_rows(logits)  # [N]
         return self._sample(logits, seqs)
@@ -125,6 +129,23 @@ def apply_logit_bias(logits: torch.Tensor, seqs) -> torch.Tensor:
     rows, tokens, biases = zip(*entries)
     index = _on_device([rows, tokens], torch.int64, logits.device)  # [2, E]
     return logits.index_put((index[0], index[1]), _on_device(biases, logits.dtype, logits.device), accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, seqs, eos_token_ids) -> torch.Tensor:
+    """-inf at the stop token ids (and EOS, unless ignore_eos) of each row whose sequence has fewer
+    than min_tokens output tokens: the token sampled now cannot end it. logits [N, V] -> [N, V] (a
+    new tensor when any row is banned). Counts the sequence's tokens on the host, so a step run
+    ahead, one token behind, must not sample such a row (LLMEngine._run_ahead)."""
+    entries = []
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if seq.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids))
+            entries += [(row, token) for token in banned]
+    if not entries:
+        return logits
+    index = _on_device(list(zip(*entries)), torch.int64, logits.device)  # [2, E]
+    return logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
 def apply_penalties(logits: torch.Tensor, seqs) -> torch.Tensor:

@@ -17,7 +17,8 @@ class SamplingParams:
     (once / per occurrence). logit_bias: {token id: bias in [-100, 100]} added to those logits
     before the penalties (OpenAI's; -100 bans a token, +100 all but forces it). seed: the same seed
     gives the same tokens. stop: strings that end the output (not included in the text);
-    stop_token_ids: token ids that end it. logprobs / prompt_logprobs: the top-n log-probabilities
+    stop_token_ids: token ids that end it. min_tokens (vLLM's): the first min_tokens output tokens
+    are never EOS (unless ignore_eos) or a stop_token_id, and no stop string ends the output before them. logprobs / prompt_logprobs: the top-n log-probabilities
     (of the model's raw distribution, before logit_bias, penalties and temperature) plus the chosen
     token's, per sampled / prompt token.
     Raises ValueError naming the bad field, from the constructor and from validate().
@@ -34,6 +35,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     max_tokens: int = 16
+    min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -74,6 +76,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:

@@ -274,6 +274,7 @@ class _SamplingRequest(_Body):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0)                  # vLLM extra body field
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
@@ -532,7 +533,7 @@ def _sampling_params(state: ServerState, req: _SamplingRequest, max_tokens: int,
                      logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
     overrides = {k: getattr(req, k) for k in (
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-        "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
+        "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "skip_special_tokens")
         if getattr(req, k) is not None}
     if overrides.get("stop") == []:
         del overrides["stop"]
@@ -744,7 +745,6 @@ def _refuse_unsupported(req: _Body) -> None:
 # Other extra body fields (vLLM's sampling and chat extras, OpenAI's audio output) that change the
 # answer when set, and which the engine does not implement: field -> (is it set?, why not).
 _UNHONOURED_EXTRAS = {
-    "min_tokens": (lambda v: v not in (None, 0), "the sampler has no minimum length"),
     "bad_words": (bool, "the sampler bans token ids only through logit_bias"),
     "allowed_token_ids": (bool, "the sampler bans token ids only through logit_bias"),
     "logits_processors": (bool, "the sampler runs no custom logits processors"),
