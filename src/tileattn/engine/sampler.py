@@ -145,7 +145,7 @@ def apply_min_tokens(logits: torch.Tensor, seqs, eos_token_ids) -> torch.Tensor:
     if not entries:
         return logits
     index = _on_device(list(zip(*entries)), torch.int64, logits.device)  # [2, E]
-    return logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+    return logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))  # filled on the device: no copy
 
 
 def apply_penalties(logits: torch.Tensor, seqs) -> torch.Tensor:
