@@ -380,7 +380,7 @@ def test_errors(server, client):
             client.completions.create(model=MODEL, prompt="hi", max_tokens=1, **_extra(**{name: value}))
         assert _error(info.value)["param"] == name and "not supported" in _error(info.value)["message"], name
     for name, value in (("chat_template", "{{ messages }}"), ("chat_template_kwargs", {"enable_thinking": False}),
-                        ("continue_final_message", True), ("echo", True), ("modalities", ["text", "audio"]),
+                        ("continue_final_message", True), ("echo", True), ("modalities", ["text", "audio"]), ("modalities", 3),
                         ("audio", {"voice": "alloy", "format": "wav"})):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, **_extra(**{name: value}))

@@ -274,9 +274,9 @@ class LLMEngine:
         that step is known without them: every sequence of current samples, none is waiting to be
         admitted, no sequence reads its tokens on the host to sample (penalties, a min_tokens not yet
         reached) or wants logprobs (their host copy would wait for the step ahead), and the cache has
-        room for every next token (otherwise the synchronous path preempts). Sequences that current's token finishes
-        for certain (max_tokens, max_model_len) are left out; one that stops on EOS / a stop id /
-        a stop string costs one dropped token. Returns the handle of the step launched, or None."""
+        room for every next token (otherwise the synchronous path preempts). Sequences that
+        current's token finishes for certain (max_tokens, max_model_len) are left out; one that
+        stops on EOS / a stop id / a stop string costs one dropped token. Returns the handle of the step launched, or None."""
         if self.scheduler.waiting or current.prompt_rows or len(current.sample_seqs) != len(current.scheduled):
             return None
         seqs, rows = [], []

@@ -18,9 +18,9 @@ class SamplingParams:
     before the penalties (OpenAI's; -100 bans a token, +100 all but forces it). seed: the same seed
     gives the same tokens. stop: strings that end the output (not included in the text);
     stop_token_ids: token ids that end it. min_tokens (vLLM's): the first min_tokens output tokens
-    are never EOS (unless ignore_eos) or a stop_token_id, and no stop string ends the output before them. logprobs / prompt_logprobs: the top-n log-probabilities
-    (of the model's raw distribution, before logit_bias, penalties and temperature) plus the chosen
-    token's, per sampled / prompt token.
+    are never EOS (unless ignore_eos) or a stop_token_id, and no stop string ends the output before
+    them. logprobs / prompt_logprobs: the top-n log-probabilities (of the model's raw distribution,
+    before logit_bias, penalties and temperature) plus the chosen token's, per sampled / prompt token.
     Raises ValueError naming the bad field, from the constructor and from validate().
     """
 

@@ -758,7 +758,7 @@ _UNHONOURED_EXTRAS = {
     "chat_template_kwargs": (bool, "chat prompts use the model's own template"),
     "continue_final_message": (bool, "the template always closes the last message"),
     "echo": (bool, "a chat answer never repeats the prompt"),
-    "modalities": (lambda v: v is not None and list(v) != ["text"], "the server answers with text only"),
+    "modalities": (lambda v: v not in (None, ["text"]), "the server answers with text only"),
     "audio": (lambda v: v is not None, "the server answers with text only"),
 }
 
