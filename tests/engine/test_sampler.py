@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tileattn.engine import SamplingParams
-from tileattn.engine.sampler import (Sampler, apply_logit_bias, apply_min_tokens, apply_penalties, apply_top_k_top_p,
-                                     argmax_rows)
+from tileattn.engine.sampler import (Sampler, apply_allowed_tokens, apply_logit_bias, apply_min_tokens, apply_penalties,
+                                     apply_top_k_top_p, argmax_rows)
 
 DRAWS = 4000
 
@@ -214,3 +214,23 @@ def test_min_tokens_is_checked():
     for bad in (-1, 1.5, True, 9):
         with pytest.raises(ValueError, match="min_tokens"):
             SamplingParams(min_tokens=bad, max_tokens=8)
+
+
+def test_allowed_token_ids_restrict_the_rows_that_have_them():
+    seqs = [fake_seq(SamplingParams(temperature=0, allowed_token_ids=[2, 5])), fake_seq(SamplingParams(temperature=0)),
+            fake_seq(SamplingParams(temperature=0, allowed_token_ids=[7]))]
+    tokens, _ = Sampler()(LOGITS.expand(3, -1).clone(), seqs)
+    assert tokens == [2, 0, 7]
+    out = apply_allowed_tokens(LOGITS.expand(3, -1).clone(), seqs)
+    assert torch.equal(out[1], LOGITS) and torch.equal(out[0, [2, 5]], LOGITS[[2, 5]])
+    assert out[0].isinf().sum() == 6 and out[2].isinf().sum() == 7
+    torch.manual_seed(5)
+    freq = frequencies(LOGITS, SamplingParams(allowed_token_ids=[1, 3, 4]))
+    keep = torch.zeros(8, dtype=torch.bool)
+    keep[[1, 3, 4]] = True
+    assert_close_distribution(freq, expected(LOGITS, keep), "allowed_token_ids")
+    for bad in ([], [-1], [1.0], "1"):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+    with pytest.raises(ValueError, match="include_stop_str_in_output"):
+        SamplingParams(include_stop_str_in_output=1)

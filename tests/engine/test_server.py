@@ -233,6 +233,9 @@ def test_logit_bias_bans_and_forces_tokens(server, client):
                                               min_tokens=3)).choices[0]
     assert len(held.token_ids) == 4 and 42 not in held.token_ids[:3] and held.token_ids[3] == 42
     assert held.finish_reason == "stop"
+    only = client.completions.create(**kw, **_extra(ignore_eos=True, return_token_ids=True,
+                                                    allowed_token_ids=[42, 43])).choices[0]
+    assert len(only.token_ids) == 6 and set(only.token_ids) <= {42, 43}
 
 
 def test_stop_strings(server, client):
@@ -250,6 +253,9 @@ def test_stop_strings(server, client):
             c = client.completions.create(stop=stop, **kw).choices[0]
             text, finish = c.text, c.finish_reason
         assert (text, finish) == (full[:cut], "stop"), f"stream={stream} stop={stop!r} full={full!r}"
+    kept = client.completions.create(stop=stop, model=MODEL, prompt="One two three", max_tokens=24, temperature=0,
+                                     **_extra(ignore_eos=True, include_stop_str_in_output=True)).choices[0]
+    assert (kept.text, kept.finish_reason) == (full[:cut + len(stop)], "stop")
 
 
 def test_n_and_seed_reproducible(server, client):
@@ -369,13 +375,15 @@ def test_errors(server, client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="hi", **_extra(guided_json={"type": "object"}))
     assert _error(info.value)["param"] == "guided_json"
+    with pytest.raises(openai.BadRequestError) as info:  # the engine's vocabulary check
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **_extra(allowed_token_ids=[10**7]))
+    assert _error(info.value)["param"] == "allowed_token_ids"
     with pytest.raises(openai.BadRequestError) as info:  # min_tokens above max_tokens: SamplingParams' check
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **_extra(min_tokens=3))
     assert _error(info.value)["param"] == "min_tokens"
     # vLLM's answer-changing extras the engine lacks get a 400 when set, and pass when left at their default
-    for name, value in (("bad_words", ["x"]), ("allowed_token_ids", [1]), ("prompt_logprobs", 0),
-                        ("use_beam_search", True), ("length_penalty", 0.5), ("include_stop_str_in_output", True),
-                        ("truncate_prompt_tokens", 8), ("logits_processors", ["p"])):
+    for name, value in (("bad_words", ["x"]), ("prompt_logprobs", 0), ("use_beam_search", True),
+                        ("length_penalty", 0.5), ("truncate_prompt_tokens", 8), ("logits_processors", ["p"])):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=1, **_extra(**{name: value}))
         assert _error(info.value)["param"] == name and "not supported" in _error(info.value)["message"], name

@@ -64,7 +64,8 @@ def finish(tokenizer, seqs, ends) -> None:
 
 def find_stop(seq, new_text: str) -> str | None:
     """If a stop string now occurs in seq.text (searching only where new_text could complete
-    one), cut the text before it and return the string; otherwise None. None while the sequence
+    one), cut the text before it (after it with include_stop_str_in_output) and return the string;
+    otherwise None. None while the sequence
     has fewer than min_tokens output tokens (a stop string completed then is passed over)."""
     stops = seq.params.stop
     if not stops or not new_text or seq.num_output_tokens < seq.params.min_tokens:
@@ -78,8 +79,9 @@ def find_stop(seq, new_text: str) -> str | None:
             best = (at, stop)
     if best is None:
         return None
-    seq.text = seq.text[:best[0]]
-    return best[1]
+    at, stop = best
+    seq.text = seq.text[:at + (len(stop) if seq.params.include_stop_str_in_output else 0)]
+    return stop
 
 
 def visible_text_length(seq) -> int:

@@ -139,6 +139,9 @@ class LLMEngine:
         bad = [t for t in params.logit_bias or () if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:4]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.allowed_token_ids or () if t >= vocab]
+        if bad:
+            raise ValueError(f"allowed_token_ids {bad[:4]} are outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves "
                              "no room for an output token")

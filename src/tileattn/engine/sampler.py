@@ -1,6 +1,6 @@
 """Batched sampling on the logits' device: one set of tensor ops for the whole batch, whatever
-mix of greedy, temperature, top-k, top-p, min-p, logit bias, penalties, min_tokens and seeds its
-requests ask for.
+mix of greedy, temperature, top-k, top-p, min-p, logit bias, penalties, min_tokens, allowed tokens
+and seeds its requests ask for.
 
 Sampling uses the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with
 probability p_i, so a seeded request only needs its own noise row (drawn from its own
@@ -38,7 +38,8 @@ class Sampler:
         per-row parameters go up from pinned memory without waiting for the stream, so a step can
         be sampled while the GPU still runs the previous one (penalties excepted: they read the
         sequences' tokens on the host)."""
-        logits = apply_min_tokens(apply_penalties(apply_logit_bias(logits, seqs), seqs), seqs, self.eos_token_ids)
+        logits = apply_penalties(apply_logit_bias(logits, seqs), seqs)
+        logits = apply_allowed_tokens(apply_min_tokens(logits, seqs, self.eos_token_ids), seqs)
         if all(s.params.temperature == 0.0 for s in seqs):
             return argmax_rows(logits)  # [N]
         return self._sample(logits, seqs)
@@ -146,6 +147,23 @@ def apply_min_tokens(logits: torch.Tensor, seqs, eos_token_ids) -> torch.Tensor:
         return logits
     index = _on_device(list(zip(*entries)), torch.int64, logits.device)  # [2, E]
     return logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))  # filled on the device: no copy
+
+
+def apply_allowed_tokens(logits: torch.Tensor, seqs) -> torch.Tensor:
+    """-inf everywhere but at each row's allowed_token_ids, for the rows that have them. logits
+    [N, V] -> [N, V] (a new tensor when any row has them; ids were checked against the vocabulary
+    when the request came in)."""
+    rows = [row for row, seq in enumerate(seqs) if seq.params.allowed_token_ids]
+    if not rows:
+        return logits
+    entries = [(i, token) for i, row in enumerate(rows) for token in seqs[row].params.allowed_token_ids]
+    index = _on_device(list(zip(*entries)), torch.int64, logits.device)  # [2, E]: (row of `banned`, token)
+    banned = torch.ones(len(rows), logits.shape[-1], dtype=torch.bool, device=logits.device)  # [R, V]
+    banned = banned.index_put((index[0], index[1]), banned.new_zeros(()))
+    out = logits.clone()
+    rows_on_device = _on_device(rows, torch.int64, logits.device)  # [R]
+    out[rows_on_device] = logits[rows_on_device].masked_fill(banned, float("-inf"))
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, seqs) -> torch.Tensor:

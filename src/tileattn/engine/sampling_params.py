@@ -16,10 +16,10 @@ class SamplingParams:
     presence_penalty / frequency_penalty (in [-2, 2]) subtract from logits of tokens in the output
     (once / per occurrence). logit_bias: {token id: bias in [-100, 100]} added to those logits
     before the penalties (OpenAI's; -100 bans a token, +100 all but forces it). seed: the same seed
-    gives the same tokens. stop: strings that end the output (not included in the text);
-    stop_token_ids: token ids that end it. min_tokens (vLLM's): the first min_tokens output tokens
+    gives the same tokens. stop: strings that end the output (not included in the text, unless
+    include_stop_str_in_output); stop_token_ids: token ids that end it. min_tokens (vLLM's): the first min_tokens output tokens
     are never EOS (unless ignore_eos) or a stop_token_id, and no stop string ends the output before
-    them. logprobs / prompt_logprobs: the top-n log-probabilities (of the model's raw distribution,
+    them. allowed_token_ids: the only tokens that may be sampled (None: all). logprobs / prompt_logprobs: the top-n log-probabilities (of the model's raw distribution,
     before logit_bias, penalties and temperature) plus the chosen token's, per sampled / prompt token.
     Raises ValueError naming the bad field, from the constructor and from validate().
     """
@@ -38,6 +38,8 @@ class SamplingParams:
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -89,6 +91,11 @@ class SamplingParams:
                     is_int(t) and t >= 0 for t in self.stop_token_ids):
                 raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
             self.stop_token_ids = list(self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids or not all(
+                    is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of ints >= 0, got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
                     is_int(t) and t >= 0 and is_number(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
@@ -99,8 +106,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 0):
                 raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
-        if not isinstance(self.ignore_eos, bool) or not isinstance(self.skip_special_tokens, bool):
-            raise ValueError("ignore_eos and skip_special_tokens must be bools")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

@@ -275,6 +275,8 @@ class _SamplingRequest(_Body):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     min_tokens: int = Field(0, ge=0)                  # vLLM extra body field
+    include_stop_str_in_output: bool = False          # vLLM extra body field
+    allowed_token_ids: list[int] | None = None        # vLLM extra body field
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
@@ -533,7 +535,8 @@ def _sampling_params(state: ServerState, req: _SamplingRequest, max_tokens: int,
                      logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
     overrides = {k: getattr(req, k) for k in (
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-        "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "skip_special_tokens")
+        "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "include_stop_str_in_output",
+        "allowed_token_ids", "ignore_eos", "skip_special_tokens")
         if getattr(req, k) is not None}
     if overrides.get("stop") == []:
         del overrides["stop"]
@@ -746,13 +749,11 @@ def _refuse_unsupported(req: _Body) -> None:
 # answer when set, and which the engine does not implement: field -> (is it set?, why not).
 _UNHONOURED_EXTRAS = {
     "bad_words": (bool, "the sampler bans token ids only through logit_bias"),
-    "allowed_token_ids": (bool, "the sampler bans token ids only through logit_bias"),
     "logits_processors": (bool, "the sampler runs no custom logits processors"),
     "prompt_logprobs": (lambda v: v is not None, "the prompt's log-probabilities come with echo and logprobs "
                                                  "in /v1/completions"),
     "use_beam_search": (bool, "the engine samples, it does no beam search"),
     "length_penalty": (lambda v: v not in (None, 1), "the engine does no beam search"),
-    "include_stop_str_in_output": (bool, "a stop string always ends the text before it"),
     "truncate_prompt_tokens": (lambda v: v is not None, "prompts are never truncated (a prompt too long is a 400)"),
     "chat_template": (lambda v: v is not None, "chat prompts use the model's own template"),
     "chat_template_kwargs": (bool, "chat prompts use the model's own template"),
