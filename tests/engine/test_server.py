@@ -209,6 +209,19 @@ def test_token_id_prompts_batched_prompts_and_echo(server, client):
     assert r.choices[0].text == tok.decode(ids) + by_text.choices[0].text
     assert r.choices[1].text.startswith(tok.decode(tok.encode("One two")))
     assert r.usage.prompt_tokens == len(ids) + len(tok.encode("One two"))
+    # truncate_prompt_tokens (vLLM's): the last k tokens are the prompt, in the answer, the echo and the usage
+    tail = client.completions.create(model=MODEL, prompt=ids[-3:], max_tokens=6, temperature=0,
+                                     **_extra(ignore_eos=True)).choices[0].text
+    cut = client.completions.create(model=MODEL, prompt="Attention kernels move", max_tokens=6, temperature=0,
+                                    echo=True, **_extra(ignore_eos=True, truncate_prompt_tokens=3))
+    assert cut.choices[0].text == tok.decode(ids[-3:]) + tail and cut.usage.prompt_tokens == 3
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                          **_extra(truncate_prompt_tokens=2))
+    assert chat.usage.prompt_tokens == 2
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **_extra(truncate_prompt_tokens=0))
+    assert _error(info.value)["param"] == "truncate_prompt_tokens"
 
 
 def test_logit_bias_bans_and_forces_tokens(server, client):
@@ -383,7 +396,7 @@ def test_errors(server, client):
     assert _error(info.value)["param"] == "min_tokens"
     # vLLM's answer-changing extras the engine lacks get a 400 when set, and pass when left at their default
     for name, value in (("bad_words", ["x"]), ("prompt_logprobs", 0), ("use_beam_search", True),
-                        ("length_penalty", 0.5), ("truncate_prompt_tokens", 8), ("logits_processors", ["p"])):
+                        ("length_penalty", 0.5), ("logits_processors", ["p"])):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=1, **_extra(**{name: value}))
         assert _error(info.value)["param"] == name and "not supported" in _error(info.value)["message"], name

@@ -277,6 +277,7 @@ class _SamplingRequest(_Body):
     min_tokens: int = Field(0, ge=0)                  # vLLM extra body field
     include_stop_str_in_output: bool = False          # vLLM extra body field
     allowed_token_ids: list[int] | None = None        # vLLM extra body field
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM extra: keep the prompt's last k tokens
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
@@ -754,7 +755,6 @@ _UNHONOURED_EXTRAS = {
                                                  "in /v1/completions"),
     "use_beam_search": (bool, "the engine samples, it does no beam search"),
     "length_penalty": (lambda v: v not in (None, 1), "the engine does no beam search"),
-    "truncate_prompt_tokens": (lambda v: v is not None, "prompts are never truncated (a prompt too long is a 400)"),
     "chat_template": (lambda v: v is not None, "chat prompts use the model's own template"),
     "chat_template_kwargs": (bool, "chat prompts use the model's own template"),
     "continue_final_message": (bool, "the template always closes the last message"),
@@ -775,7 +775,8 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
         raise APIError(400, "best_of is not supported (only best_of == n).", param="best_of")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
-    prompts = _completion_prompts(state, req.prompt)
+    prompts = [p[-req.truncate_prompt_tokens:] if req.truncate_prompt_tokens else p
+               for p in _completion_prompts(state, req.prompt)]
     max_tokens = min(_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts)
     params = _sampling_params(state, req, max_tokens, req.logprobs,
                               req.logprobs if req.echo and req.logprobs is not None else None)
@@ -786,8 +787,10 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
             "model": state.served_model_name}
     n = params.n
 
-    def prompt_text(i):
+    def prompt_text(i):  # echo: the prompt as given, or as the engine saw it once truncated or given as ids
         p = req.prompt
+        if req.truncate_prompt_tokens:
+            return state.tokenizer.decode(prompts[i])
         if isinstance(p, str):
             return p
         if isinstance(p, list) and p and isinstance(p[i], str):
@@ -876,6 +879,8 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
     prompt = _chat_prompt(state, req.messages, req.add_generation_prompt)
+    if req.truncate_prompt_tokens:
+        prompt = prompt[-req.truncate_prompt_tokens:]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None and state.defaults.get("max_new_tokens"):
         max_tokens = min(int(state.defaults["max_new_tokens"]), state.max_model_len - len(prompt))
