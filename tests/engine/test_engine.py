@@ -126,44 +126,33 @@ def test_min_tokens_holds_off_stop_ids_eos_and_stop_strings(checkpoint, plain):
     assert_all_free(llm.engine)
 
 
-def test_include_stop_str_and_allowed_token_ids(checkpoint, plain):
+def test_allowed_token_ids_restrict_the_sampled_tokens(checkpoint, plain):
     llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=32)
-    full = llm.tokenizer.decode(plain[0][0])
-    stop = full[len(full) // 2: len(full) // 2 + 3]
-    engine = llm.engine
-    engine.add_request("s", PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True,
-                                                       include_stop_str_in_output=True))
-    streamed, last = "", None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            streamed += out.outputs[0].new_text
-            last = out
-    completion = last.outputs[0]
-    assert completion.text == full[:full.index(stop) + len(stop)] and streamed == completion.text
-    assert completion.finish_reason == "stop" and completion.stop_reason == stop
     allowed = [plain[0][0][3], 77, 301]
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True,
                                                   allowed_token_ids=allowed), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 16 and set(out.token_ids) <= set(allowed), out.token_ids
     with pytest.raises(ValueError, match="allowed_token_ids"):
         llm.generate(PROMPTS[0], SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
-    assert_all_free(engine)
+    assert_all_free(llm.engine)
 
 
-def test_stop_string_cuts_text_and_streams_consistently(checkpoint, plain):
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "include_stop_str_in_output"])
+def test_stop_string_cuts_text_and_streams_consistently(checkpoint, plain, include):
     llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=32)
     full = llm.tokenizer.decode(plain[0][0])
     stop = full[len(full) // 2: len(full) // 2 + 3]
     assert len(stop) == 3 and stop in full
     engine = llm.engine
-    engine.add_request("s", PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True))
+    engine.add_request("s", PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True,
+                                                       include_stop_str_in_output=include))
     streamed, last = "", None
     while engine.has_unfinished_requests():
         for out in engine.step():
             streamed += out.outputs[0].new_text
             last = out
     completion = last.outputs[0]
-    assert completion.text == full[:full.index(stop)]
+    assert completion.text == full[:full.index(stop) + (len(stop) if include else 0)]
     assert streamed == completion.text, "new_text pieces do not add up to the final text"
     assert completion.finish_reason == "stop" and completion.stop_reason == stop
     assert_all_free(engine)
