@@ -39,7 +39,8 @@ def save_tokenizer(path) -> None:
     tok.train_from_iterator([TEXT] * 20, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
-                          "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+                          "{% if add_generation_prompt %}<s>assistant: "
+                          "{% if enable_thinking is defined and not enable_thinking %}no thinking: {% endif %}{% endif %}")
     fast.save_pretrained(path)
 
 

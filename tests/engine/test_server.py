@@ -162,6 +162,22 @@ def test_models_health_tokenize(server, client):
     assert tokens == server.state.tokenizer.encode("the quick brown fox")
     status, body = server.http("POST", "/detokenize", json.dumps({"tokens": tokens}).encode())
     assert (status, json.loads(body)["prompt"]) == (200, "the quick brown fox")
+    # chat_template_kwargs reach the template (the test checkpoint's reads enable_thinking like Qwen3's)
+    messages = [{"role": "user", "content": "hi"}]
+    rendered = {}
+    for kwargs in (None, {"enable_thinking": False}):
+        status, body = server.http("POST", "/tokenize", json.dumps({"messages": messages,
+                                                                     "chat_template_kwargs": kwargs}).encode())
+        assert status == 200, body
+        rendered[kwargs is None] = server.state.tokenizer.decode(json.loads(body)["tokens"], skip_special_tokens=False)
+    assert rendered[False] == rendered[True] + "no thinking: "
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                          **_extra(chat_template_kwargs={"enable_thinking": False}))
+    assert chat.usage.prompt_tokens == len(server.state.tokenizer.encode(rendered[False], add_special_tokens=False))
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                       **_extra(chat_template_kwargs={"add_generation_prompt": False}))
+    assert _error(info.value)["param"] == "chat_template_kwargs"
 
 
 def test_completion_greedy_stream_matches_non_stream(server, client):
@@ -400,7 +416,7 @@ def test_errors(server, client):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=1, **_extra(**{name: value}))
         assert _error(info.value)["param"] == name and "not supported" in _error(info.value)["message"], name
-    for name, value in (("chat_template", "{{ messages }}"), ("chat_template_kwargs", {"enable_thinking": False}),
+    for name, value in (("chat_template", "{{ messages }}"),
                         ("continue_final_message", True), ("echo", True), ("modalities", ["text", "audio"]), ("modalities", 3),
                         ("audio", {"voice": "alloy", "format": "wav"})):
         with pytest.raises(openai.BadRequestError) as info:

@@ -306,6 +306,7 @@ class ChatRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True                # vLLM extra body field
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra: more variables for the template
 
 
 class TokenizeRequest(_Body):
@@ -313,6 +314,7 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):
@@ -600,7 +602,18 @@ def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
     return out
 
 
-def _chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+# Template variables the server sets itself, which chat_template_kwargs may not replace.
+_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def _chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+                 template_kwargs: dict | None = None) -> list[int]:
+    """The token ids of the conversation rendered by the model's chat template; template_kwargs
+    (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking) are more variables for it."""
+    taken = sorted(_TEMPLATE_VARIABLES & set(template_kwargs or ()))
+    if taken:
+        raise APIError(400, f"chat_template_kwargs may not set {taken}: the server sets them.",
+                       param="chat_template_kwargs")
     conversation = []
     for m in messages:
         content = m.content
@@ -614,7 +627,8 @@ def _chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation
             content = "\n".join(texts)
         conversation.append({"role": m.role, "content": content or ""})
     try:
-        text = state.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        text = state.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                   **(template_kwargs or {}))
     except Exception as exc:  # noqa: BLE001 - template errors (roles it rejects, ...) are the client's
         raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
     return state.tokenizer.encode(text, add_special_tokens=False)
@@ -755,8 +769,8 @@ _UNHONOURED_EXTRAS = {
                                                  "in /v1/completions"),
     "use_beam_search": (bool, "the engine samples, it does no beam search"),
     "length_penalty": (lambda v: v not in (None, 1), "the engine does no beam search"),
-    "chat_template": (lambda v: v is not None, "chat prompts use the model's own template"),
-    "chat_template_kwargs": (bool, "chat prompts use the model's own template"),
+    "chat_template": (lambda v: v is not None, "the server renders the model's own template, not one from a "
+                                               "request"),
     "continue_final_message": (bool, "the template always closes the last message"),
     "echo": (bool, "a chat answer never repeats the prompt"),
     "modalities": (lambda v: v not in (None, ["text"]), "the server answers with text only"),
@@ -878,7 +892,7 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
         raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
-    prompt = _chat_prompt(state, req.messages, req.add_generation_prompt)
+    prompt = _chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
     if req.truncate_prompt_tokens:
         prompt = prompt[-req.truncate_prompt_tokens:]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -1038,7 +1052,7 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "Give exactly one of prompt and messages.", param="prompt")
         if req.messages is not None:
-            ids = _chat_prompt(state, req.messages, req.add_generation_prompt)
+            ids = _chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
         else:
             ids = state.tokenizer.encode(req.prompt)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
