@@ -233,6 +233,9 @@ def test_chat_template_and_text_prompt(checkpoint):
                                                                        ignore_eos=True), use_tqdm=False)
     assert out[0].prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
     assert len(out[0].outputs[0].token_ids) == 5
+    quiet = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=1),
+                     use_tqdm=False, chat_template_kwargs={"enable_thinking": False})
+    assert quiet[0].prompt_token_ids == llm.tokenizer.encode(rendered + "no thinking: ", add_special_tokens=False)
 
 
 def test_detokenizer_never_splits_a_multibyte_character(checkpoint):

@@ -364,11 +364,13 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """messages: one conversation ([{"role", "content"}, ...]) or a list of them; each is rendered
-        with the chat template and encoded without adding special tokens (the template has them)."""
+        with the chat template (chat_template_kwargs: more variables for it, e.g. Qwen3's
+        enable_thinking) and encoded without adding special tokens (the template has them)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt),
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt,
+                                                                            **(chat_template_kwargs or {})),
                                          add_special_tokens=False) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
