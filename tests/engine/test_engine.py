@@ -137,6 +137,22 @@ def test_allowed_token_ids_restrict_the_sampled_tokens(checkpoint, plain):
     assert_all_free(llm.engine)
 
 
+def test_bad_words_never_appear_in_the_output(checkpoint, plain):
+    llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=32)
+
+    def contains(tokens, word):
+        return any(tuple(tokens[i:i + len(word)]) == word for i in range(len(tokens) - len(word) + 1))
+
+    greedy = plain[0][0]
+    word = next(w for w in (llm.tokenizer.decode(greedy[i:i + 2]).strip() for i in range(2, 20)) if w)
+    forms = llm.engine._bad_words_token_ids([word])
+    assert any(contains(greedy, f) for f in forms), (word, forms, greedy)  # the greedy output has it
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words=[word]),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 24 and not any(contains(out.token_ids, f) for f in forms), (forms, out.token_ids)
+    assert_all_free(llm.engine)
+
+
 @pytest.mark.parametrize("include", [False, True], ids=["cut", "include_stop_str_in_output"])
 def test_stop_string_cuts_text_and_streams_consistently(checkpoint, plain, include):
     llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=32)

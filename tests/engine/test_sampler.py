@@ -6,17 +6,18 @@ import pytest
 import torch
 
 from tileattn.engine import SamplingParams
-from tileattn.engine.sampler import (Sampler, apply_allowed_tokens, apply_logit_bias, apply_min_tokens, apply_penalties,
+from tileattn.engine.sampler import (Sampler, apply_allowed_tokens, apply_bans, apply_logit_bias, apply_penalties,
                                      apply_top_k_top_p, argmax_rows)
 
 DRAWS = 4000
 
 
-def fake_seq(params, prompt=(), output=(), index=0):
+def fake_seq(params, prompt=(), output=(), index=0, bad_words_token_ids=()):
     tokens = list(prompt) + list(output)
     return SimpleNamespace(params=params, index=index, generator=None, token_ids=tokens,
                            num_prompt_tokens=len(prompt), output_token_ids=list(output),
-                           num_output_tokens=len(output))
+                           num_output_tokens=len(output),
+                           request=SimpleNamespace(bad_words_token_ids=bad_words_token_ids))
 
 
 def frequencies(logits_row, params, draws=DRAWS):
@@ -207,7 +208,7 @@ def test_min_tokens_bans_stop_ids_and_eos_until_reached():
     assert_close_distribution(freq, expected(LOGITS, kept), "min_tokens")
     plain = [fake_seq(SamplingParams(min_tokens=2, max_tokens=4), output=(1, 2))]
     logits = LOGITS.expand(1, -1).clone()
-    assert apply_min_tokens(logits, plain, (eos,)) is logits
+    assert apply_bans(logits, plain, (eos,)) is logits
 
 
 def test_min_tokens_is_checked():
@@ -234,3 +235,15 @@ def test_allowed_token_ids_restrict_the_rows_that_have_them():
             SamplingParams(allowed_token_ids=bad)
     with pytest.raises(ValueError, match="include_stop_str_in_output"):
         SamplingParams(include_stop_str_in_output=1)
+
+
+def test_bad_words_ban_the_token_that_would_complete_one():
+    params = SamplingParams(temperature=0, bad_words=["w"])  # the words' token ids are the engine's to make
+    words = ((0,), (4, 2, 1))  # a one-token word (the argmax) and a three-token one
+    rows = [((), 1), ((4,), 1), ((4, 2), 2)]  # output so far -> greedy pick: 0 always banned, 1 after 4 2
+    seqs = [fake_seq(params, prompt=(4, 2), output=out, bad_words_token_ids=words) for out, _ in rows]
+    tokens, _ = Sampler()(LOGITS.expand(len(rows), -1).clone(), seqs)
+    assert tokens == [1, 1, 2]  # the prompt's 4 2 does not count: only the output is matched
+    for bad in (["  "], [""], "w", [3]):
+        with pytest.raises(ValueError, match="bad_words"):
+            SamplingParams(bad_words=bad)

@@ -265,6 +265,16 @@ def test_logit_bias_bans_and_forces_tokens(server, client):
     only = client.completions.create(**kw, **_extra(ignore_eos=True, return_token_ids=True,
                                                     allowed_token_ids=[42, 43])).choices[0]
     assert len(only.token_ids) == 6 and set(only.token_ids) <= {42, 43}
+    word = server.state.tokenizer.decode(plain.token_ids[:2]).strip() or "x"
+    forms = server.state.engine._bad_words_token_ids([word])  # the token sequences the sampler bans
+    avoided = client.completions.create(**kw, **_extra(ignore_eos=True, return_token_ids=True,
+                                                       bad_words=[word])).choices[0]
+    ids = avoided.token_ids
+    assert len(ids) == 6 and not any(tuple(ids[i:i + len(f)]) == f for f in forms for i in range(len(ids))), \
+        (word, forms, ids)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**kw, **_extra(bad_words=[" "]))
+    assert _error(info.value)["param"] == "bad_words"
 
 
 def test_stop_strings(server, client):
@@ -411,7 +421,7 @@ def test_errors(server, client):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **_extra(min_tokens=3))
     assert _error(info.value)["param"] == "min_tokens"
     # vLLM's answer-changing extras the engine lacks get a 400 when set, and pass when left at their default
-    for name, value in (("bad_words", ["x"]), ("prompt_logprobs", 0), ("use_beam_search", True),
+    for name, value in (("prompt_logprobs", 0), ("use_beam_search", True),
                         ("length_penalty", 0.5), ("logits_processors", ["p"])):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=1, **_extra(**{name: value}))

@@ -145,10 +145,22 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves "
                              "no room for an output token")
-        request = Request(request_id, ids, params, text)
+        request = Request(request_id, ids, params, text, self._bad_words_token_ids(params.bad_words or ()))
         self.requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
+
+    def _bad_words_token_ids(self, words) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token ids alone and after a space (the word inside a text), the second only
+        where the space changes the first token without changing the count (vLLM's rule)."""
+        out = []
+        for word in words:
+            alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        return tuple(out)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request and free its blocks at once; an unknown id is a no-op."""
@@ -276,7 +288,7 @@ class LLMEngine:
         reach the host, so the GPU runs it while the host processes current's tokens. Only when
         that step is known without them: every sequence of current samples, none is waiting to be
         admitted, no sequence reads its tokens on the host to sample (penalties, a min_tokens not yet
-        reached) or wants logprobs (their host copy would wait for the step ahead), and the cache has
+        reached, bad words of several tokens) or wants logprobs (their host copy would wait for the step ahead), and the cache has
         room for every next token (otherwise the synchronous path preempts). Sequences that
         current's token finishes for certain (max_tokens, max_model_len) are left out; one that
         stops on EOS / a stop id / a stop string costs one dropped token. Returns the handle of the step launched, or None."""
@@ -288,7 +300,8 @@ class LLMEngine:
                 continue
             p = seq.params
             if (p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                    or p.frequency_penalty != 0.0 or seq.num_output_tokens < p.min_tokens):
+                    or p.frequency_penalty != 0.0 or seq.num_output_tokens < p.min_tokens
+                    or any(len(w) > 1 for w in seq.request.bad_words_token_ids)):
                 return None
             length = len(seq.token_ids) + 1  # with current's token
             if length - seq.num_prompt_tokens >= p.max_tokens or length >= self.max_model_len:

@@ -1,6 +1,6 @@
 """Batched sampling on the logits' device: one set of tensor ops for the whole batch, whatever
-mix of greedy, temperature, top-k, top-p, min-p, logit bias, penalties, min_tokens, allowed tokens
-and seeds its requests ask for.
+mix of greedy, temperature, top-k, top-p, min-p, logit bias, penalties, min_tokens, allowed tokens,
+bad words and seeds its requests ask for.
 
 Sampling uses the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with
 probability p_i, so a seeded request only needs its own noise row (drawn from its own
@@ -39,7 +39,7 @@ class Sampler:
         be sampled while the GPU still runs the previous one (penalties excepted: they read the
         sequences' tokens on the host)."""
         logits = apply_penalties(apply_logit_bias(logits, seqs), seqs)
-        logits = apply_allowed_tokens(apply_min_tokens(logits, seqs, self.eos_token_ids), seqs)
+        logits = apply_allowed_tokens(apply_bans(logits, seqs, self.eos_token_ids), seqs)
         if all(s.params.temperature == 0.0 for s in seqs):
             return argmax_rows(logits)  # [N]
         return self._sample(logits, seqs)
@@ -132,17 +132,27 @@ def apply_logit_bias(logits: torch.Tensor, seqs) -> torch.Tensor:
     return logits.index_put((index[0], index[1]), _on_device(biases, logits.dtype, logits.device), accumulate=True)
 
 
-def apply_min_tokens(logits: torch.Tensor, seqs, eos_token_ids) -> torch.Tensor:
-    """-inf at the stop token ids (and EOS, unless ignore_eos) of each row whose sequence has fewer
-    than min_tokens output tokens: the token sampled now cannot end it. logits [N, V] -> [N, V] (a
-    new tensor when any row is banned). Counts the sequence's tokens on the host, so a step run
-    ahead, one token behind, must not sample such a row (LLMEngine._run_ahead)."""
+def apply_bans(logits: torch.Tensor, seqs, eos_token_ids) -> torch.Tensor:
+    """-inf at the tokens each row may not sample now. logits [N, V] -> [N, V] (a new tensor when
+    any row bans one).
+    - min_tokens: while a sequence has fewer output tokens, its stop token ids (and EOS, unless
+      ignore_eos): the token sampled now cannot end it.
+    - bad words: the last token of each bad word's token sequence whose other tokens end the output.
+    Both read the sequence's tokens on the host, so a step run ahead, one token behind, must not
+    sample such a row (LLMEngine._run_ahead)."""
     entries = []
     for row, seq in enumerate(seqs):
         p = seq.params
+        banned = set()
         if seq.num_output_tokens < p.min_tokens:
-            banned = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids))
-            entries += [(row, token) for token in banned]
+            banned |= set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids))
+        if p.bad_words:
+            tokens = seq.token_ids
+            for word in seq.request.bad_words_token_ids:  # the output's last len(word) - 1 tokens
+                start = max(seq.num_prompt_tokens, len(tokens) - (len(word) - 1))
+                if tuple(tokens[start:]) == word[:-1]:
+                    banned.add(word[-1])
+        entries += [(row, token) for token in banned]
     if not entries:
         return logits
     index = _on_device(list(zip(*entries)), torch.int64, logits.device)  # [2, E]

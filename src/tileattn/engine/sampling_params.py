@@ -19,7 +19,9 @@ class SamplingParams:
     gives the same tokens. stop: strings that end the output (not included in the text, unless
     include_stop_str_in_output); stop_token_ids: token ids that end it. min_tokens (vLLM's): the first min_tokens output tokens
     are never EOS (unless ignore_eos) or a stop_token_id, and no stop string ends the output before
-    them. allowed_token_ids: the only tokens that may be sampled (None: all). logprobs / prompt_logprobs: the top-n log-probabilities (of the model's raw distribution,
+    them. allowed_token_ids: the only tokens that may be sampled (None: all). bad_words (vLLM's):
+    words never generated: each is tokenized alone and after a space, and the last token of such a
+    sequence is banned whenever the output ends with the rest of it (a one-token word: always). logprobs / prompt_logprobs: the top-n log-probabilities (of the model's raw distribution,
     before logit_bias, penalties and temperature) plus the chosen token's, per sampled / prompt token.
     Raises ValueError naming the bad field, from the constructor and from validate().
     """
@@ -40,6 +42,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -96,6 +99,11 @@ class SamplingParams:
                     is_int(t) and t >= 0 for t in self.allowed_token_ids):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of ints >= 0, got {self.allowed_token_ids!r}")
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
                     is_int(t) and t >= 0 and is_number(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):

@@ -79,11 +79,12 @@ class Request:
     """A prompt and its n sequences; prompt_logprobs are computed once, by sequence 0."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prompt_text: str | None = None):
+                 prompt_text: str | None = None, bad_words_token_ids: tuple[tuple[int, ...], ...] = ()):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.prompt_text = prompt_text
         self.params = params
+        self.bad_words_token_ids = bad_words_token_ids  # params.bad_words tokenized (LLMEngine.add_request)
         self.arrival_time = time.time()
         self.first_token_time: float | None = None
         self.finished_time: float | None = None

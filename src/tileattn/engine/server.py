@@ -278,6 +278,7 @@ class _SamplingRequest(_Body):
     include_stop_str_in_output: bool = False          # vLLM extra body field
     allowed_token_ids: list[int] | None = None        # vLLM extra body field
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM extra: keep the prompt's last k tokens
+    bad_words: list[str] | None = None                # vLLM extra body field
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
@@ -539,7 +540,7 @@ def _sampling_params(state: ServerState, req: _SamplingRequest, max_tokens: int,
     overrides = {k: getattr(req, k) for k in (
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
         "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "include_stop_str_in_output",
-        "allowed_token_ids", "ignore_eos", "skip_special_tokens")
+        "allowed_token_ids", "bad_words", "ignore_eos", "skip_special_tokens")
         if getattr(req, k) is not None}
     if overrides.get("stop") == []:
         del overrides["stop"]
@@ -763,7 +764,6 @@ def _refuse_unsupported(req: _Body) -> None:
 # Other extra body fields (vLLM's sampling and chat extras, OpenAI's audio output) that change the
 # answer when set, and which the engine does not implement: field -> (is it set?, why not).
 _UNHONOURED_EXTRAS = {
-    "bad_words": (bool, "the sampler bans token ids only through logit_bias"),
     "logits_processors": (bool, "the sampler runs no custom logits processors"),
     "prompt_logprobs": (lambda v: v is not None, "the prompt's log-probabilities come with echo and logprobs "
                                                  "in /v1/completions"),
