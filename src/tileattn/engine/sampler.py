@@ -143,6 +143,8 @@ def apply_bans(logits: torch.Tensor, seqs, eos_token_ids) -> torch.Tensor:
     entries = []
     for row, seq in enumerate(seqs):
         p = seq.params
+        if not (p.min_tokens or p.bad_words):  # the common row: nothing to look up
+            continue
         banned = set()
         if seq.num_output_tokens < p.min_tokens:
             banned |= set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids))
