@@ -351,6 +351,26 @@ def test_completion_logprobs_and_echo(server, client):
     assert e.choices[0].text == "The lazy dog" + r.choices[0].text
     assert elp.text_offset[prompt_len] == len("The lazy dog")
 
+    # vLLM's prompt_logprobs: per prompt token {id: {logprob, rank, decoded_token}}, the echo's values
+    v = client.completions.create(model=MODEL, prompt="The lazy dog", max_tokens=2, temperature=0,
+                                  **_extra(ignore_eos=True, prompt_logprobs=1))
+    plp = v.choices[0].model_extra["prompt_logprobs"]
+    ids = tok.encode("The lazy dog")
+    assert len(plp) == prompt_len and plp[0] is None
+    for i, (tid, entry) in enumerate(zip(ids[1:], plp[1:]), start=1):
+        assert str(tid) in entry and 1 <= len(entry) <= 2, entry
+        assert entry[str(tid)]["logprob"] == pytest.approx(elp.token_logprobs[i], abs=1e-5)
+        assert entry[str(tid)]["decoded_token"] == tok.decode([tid], skip_special_tokens=False)
+        ranks = sorted(x["rank"] for x in entry.values() if x["rank"] is not None)
+        assert ranks == [1] and (len(entry) == 1) == (entry[str(tid)]["rank"] == 1), entry
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                          **_extra(prompt_logprobs=0))
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    for kw in (dict(stream=True, **_extra(prompt_logprobs=1)), dict(echo=True, logprobs=2, **_extra(prompt_logprobs=1))):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="The lazy dog", max_tokens=2, **kw)
+        assert _error(info.value)["param"] == "prompt_logprobs"
+
 
 def test_chat(server, client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fox."}]
@@ -421,7 +441,7 @@ def test_errors(server, client):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **_extra(min_tokens=3))
     assert _error(info.value)["param"] == "min_tokens"
     # vLLM's answer-changing extras the engine lacks get a 400 when set, and pass when left at their default
-    for name, value in (("prompt_logprobs", 0), ("use_beam_search", True),
+    for name, value in (("use_beam_search", True),
                         ("length_penalty", 0.5), ("logits_processors", ["p"])):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=1, **_extra(**{name: value}))

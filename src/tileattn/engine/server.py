@@ -279,6 +279,7 @@ class _SamplingRequest(_Body):
     allowed_token_ids: list[int] | None = None        # vLLM extra body field
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM extra: keep the prompt's last k tokens
     bad_words: list[str] | None = None                # vLLM extra body field
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM extra: per prompt token, non-streamed
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
@@ -662,6 +663,31 @@ def _completion_logprobs(state: ServerState, token_ids: list[int], logprobs: lis
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def _vllm_prompt_logprobs(state: ServerState, prompt: list[int], entries: list | None, top_n: int) -> list:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} of the top_n and the token itself. rank is the place in the vocabulary for the
+    top_n; the token's own rank when it is not among them is not computed (None)."""
+    out = [None]
+    for tid, entry in zip(prompt[1:], (entries or [None])[1:]):
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+        top = [t for t, _ in ranked if t != tid or len(entry) == top_n][:top_n]
+        out.append({str(t): {"logprob": float(lp), "rank": top.index(t) + 1 if t in top else None,
+                             "decoded_token": state.token_text(t)} for t, lp in ranked})
+    return out
+
+
+def _prompt_logprobs_param(req, echo_logprobs: int | None) -> int | None:
+    """The engine's prompt_logprobs for a request: vLLM's prompt_logprobs (non-streamed only) or the
+    echo's logprobs; 400 when both are asked with different counts."""
+    if req.prompt_logprobs is None:
+        return echo_logprobs
+    if req.stream:
+        raise APIError(400, "prompt_logprobs is only returned without stream.", param="prompt_logprobs")
+    if echo_logprobs is not None and echo_logprobs != req.prompt_logprobs:
+        raise APIError(400, "prompt_logprobs and echo with logprobs ask for different counts.", param="prompt_logprobs")
+    return req.prompt_logprobs
+
+
 def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list, top_n: int) -> list[dict]:
     content = []
     for tid, entry in zip(token_ids, logprobs):
@@ -765,8 +791,6 @@ def _refuse_unsupported(req: _Body) -> None:
 # answer when set, and which the engine does not implement: field -> (is it set?, why not).
 _UNHONOURED_EXTRAS = {
     "logits_processors": (bool, "the sampler runs no custom logits processors"),
-    "prompt_logprobs": (lambda v: v is not None, "the prompt's log-probabilities come with echo and logprobs "
-                                                 "in /v1/completions"),
     "use_beam_search": (bool, "the engine samples, it does no beam search"),
     "length_penalty": (lambda v: v not in (None, 1), "the engine does no beam search"),
     "chat_template": (lambda v: v is not None, "the server renders the model's own template, not one from a "
@@ -793,7 +817,7 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
                for p in _completion_prompts(state, req.prompt)]
     max_tokens = min(_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts)
     params = _sampling_params(state, req, max_tokens, req.logprobs,
-                              req.logprobs if req.echo and req.logprobs is not None else None)
+                              _prompt_logprobs_param(req, req.logprobs if req.echo else None))
     rid = f"cmpl-{uuid.uuid4().hex}"
     gen = Generation(state, rid, prompts, params, arrival)
     await gen.start()
@@ -878,6 +902,9 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
                     lp = {k: head[k] + lp[k] for k in lp}
             choice = {"index": p * n + c.index, "text": (prompt_text(p) if req.echo else "") + text,
                       "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(state, prompts[p], out.prompt_logprobs,
+                                                                  req.prompt_logprobs)
             if req.return_token_ids:
                 choice.update(prompt_token_ids=prompts[p], token_ids=token_ids)
             choices.append(choice)
@@ -900,7 +927,7 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
         max_tokens = min(int(state.defaults["max_new_tokens"]), state.max_model_len - len(prompt))
     max_tokens = _check_length(state, len(prompt), max_tokens, "messages")
     top_n = req.top_logprobs or 0
-    params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None, None)
+    params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None, _prompt_logprobs_param(req, None))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(state, rid, [prompt], params, arrival)
     await gen.start()
@@ -954,7 +981,8 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
     if finals is None:
         return Response(status_code=499)
     choices, completion_tokens = [], 0
-    for c in finals[gen.ids[0]].choices:
+    out = finals[gen.ids[0]]
+    for c in out.choices:
         text, token_ids, logprobs = c.final
         completion_tokens += len(token_ids)
         lp = {"content": _chat_logprobs(state, token_ids, logprobs, top_n)} if req.logprobs else None
@@ -963,7 +991,10 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
         if req.return_token_ids:
             choice.update(prompt_token_ids=prompt, token_ids=token_ids)
         choices.append(choice)
-    return {**base, "choices": choices, "usage": _usage([prompt], completion_tokens)}
+    body = {**base, "choices": choices, "usage": _usage([prompt], completion_tokens)}
+    if req.prompt_logprobs is not None:  # vLLM puts the chat prompt's at the top level
+        body["prompt_logprobs"] = _vllm_prompt_logprobs(state, prompt, out.prompt_logprobs, req.prompt_logprobs)
+    return body
 
 
 # ---------------------------------------------------------------------------------------------
