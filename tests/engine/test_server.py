@@ -178,6 +178,20 @@ def test_models_health_tokenize(server, client):
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
                                        **_extra(chat_template_kwargs={"add_generation_prompt": False}))
     assert _error(info.value)["param"] == "chat_template_kwargs"
+    # continue_final_message (vLLM's): the prompt ends right after the last message's content
+    partial = messages + [{"role": "assistant", "content": "The answer is"}]
+    status, body = server.http("POST", "/tokenize", json.dumps({
+        "messages": partial, "add_generation_prompt": False, "continue_final_message": True}).encode())
+    assert status == 200, body
+    text = server.state.tokenizer.decode(json.loads(body)["tokens"], skip_special_tokens=False)
+    assert text == "<s>user: hi</s><s>assistant: The answer is", text
+    cont = client.chat.completions.create(model=MODEL, messages=partial, max_tokens=2,
+                                          **_extra(add_generation_prompt=False, continue_final_message=True))
+    assert cont.usage.prompt_tokens == len(json.loads(body)["tokens"])
+    with pytest.raises(openai.BadRequestError) as info:  # with a generation prompt it would start a new turn
+        client.chat.completions.create(model=MODEL, messages=partial, max_tokens=1,
+                                       **_extra(continue_final_message=True))
+    assert _error(info.value)["param"] == "continue_final_message"
 
 
 def test_completion_greedy_stream_matches_non_stream(server, client):
@@ -447,7 +461,7 @@ def test_errors(server, client):
             client.completions.create(model=MODEL, prompt="hi", max_tokens=1, **_extra(**{name: value}))
         assert _error(info.value)["param"] == name and "not supported" in _error(info.value)["message"], name
     for name, value in (("chat_template", "{{ messages }}"),
-                        ("continue_final_message", True), ("echo", True), ("modalities", ["text", "audio"]), ("modalities", 3),
+                        ("echo", True), ("modalities", ["text", "audio"]), ("modalities", 3),
                         ("audio", {"voice": "alloy", "format": "wav"})):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, **_extra(**{name: value}))

@@ -308,6 +308,7 @@ class ChatRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True                # vLLM extra body field
+    continue_final_message: bool = False              # vLLM extra: the answer continues the last message
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra: more variables for the template
 
 
@@ -316,6 +317,7 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -608,14 +610,20 @@ def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
 _TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
 
-def _chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-                 template_kwargs: dict | None = None) -> list[int]:
-    """The token ids of the conversation rendered by the model's chat template; template_kwargs
-    (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking) are more variables for it."""
-    taken = sorted(_TEMPLATE_VARIABLES & set(template_kwargs or ()))
+def _chat_prompt(state: ServerState, req: ChatRequest | TokenizeRequest) -> list[int]:
+    """The token ids of req.messages rendered by the model's chat template. chat_template_kwargs
+    (vLLM's, e.g. Qwen3's enable_thinking) are more variables for it; continue_final_message
+    (vLLM's) renders without a generation prompt and cuts the text right after the last message's
+    content, so the answer continues that message."""
+    template_kwargs = req.chat_template_kwargs or {}
+    taken = sorted(_TEMPLATE_VARIABLES & set(template_kwargs))
     if taken:
         raise APIError(400, f"chat_template_kwargs may not set {taken}: the server sets them.",
                        param="chat_template_kwargs")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(400, "continue_final_message needs add_generation_prompt: false (the answer continues "
+                            "the last message instead of starting a new one).", param="continue_final_message")
+    messages = req.messages
     conversation = []
     for m in messages:
         content = m.content
@@ -629,10 +637,17 @@ def _chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation
             content = "\n".join(texts)
         conversation.append({"role": m.role, "content": content or ""})
     try:
-        text = state.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                   **(template_kwargs or {}))
+        text = state.tokenizer.apply_chat_template(conversation, add_generation_prompt=req.add_generation_prompt,
+                                                   **template_kwargs)
     except Exception as exc:  # noqa: BLE001 - template errors (roles it rejects, ...) are the client's
         raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
+    if req.continue_final_message:
+        last = conversation[-1]["content"]
+        end = text.rfind(last) if last else -1
+        if end < 0:
+            raise APIError(400, "continue_final_message: the last message's content does not appear in the "
+                                "rendered prompt (empty, or changed by the template).", param="continue_final_message")
+        text = text[:end + len(last)]
     return state.tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -795,7 +810,6 @@ _UNHONOURED_EXTRAS = {
     "length_penalty": (lambda v: v not in (None, 1), "the engine does no beam search"),
     "chat_template": (lambda v: v is not None, "the server renders the model's own template, not one from a "
                                                "request"),
-    "continue_final_message": (bool, "the template always closes the last message"),
     "echo": (bool, "a chat answer never repeats the prompt"),
     "modalities": (lambda v: v not in (None, ["text"]), "the server answers with text only"),
     "audio": (lambda v: v is not None, "the server answers with text only"),
@@ -919,7 +933,7 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
         raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
-    prompt = _chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+    prompt = _chat_prompt(state, req)
     if req.truncate_prompt_tokens:
         prompt = prompt[-req.truncate_prompt_tokens:]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -1083,7 +1097,7 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "Give exactly one of prompt and messages.", param="prompt")
         if req.messages is not None:
-            ids = _chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+            ids = _chat_prompt(state, req)
         else:
             ids = state.tokenizer.encode(req.prompt)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
