@@ -288,10 +288,11 @@ class LLMEngine:
         reach the host, so the GPU runs it while the host processes current's tokens. Only when
         that step is known without them: every sequence of current samples, none is waiting to be
         admitted, no sequence reads its tokens on the host to sample (penalties, a min_tokens not yet
-        reached, bad words of several tokens) or wants logprobs (their host copy would wait for the step ahead), and the cache has
-        room for every next token (otherwise the synchronous path preempts). Sequences that
-        current's token finishes for certain (max_tokens, max_model_len) are left out; one that
-        stops on EOS / a stop id / a stop string costs one dropped token. Returns the handle of the step launched, or None."""
+        reached, bad words of several tokens) or wants logprobs (their host copy would wait for the
+        step ahead), and the cache has room for every next token (otherwise the synchronous path
+        preempts). Sequences that current's token finishes for certain (max_tokens, max_model_len)
+        are left out; one that stops on EOS / a stop id / a stop string costs one dropped token.
+        Returns the handle of the step launched, or None."""
         if self.scheduler.waiting or current.prompt_rows or len(current.sample_seqs) != len(current.scheduled):
             return None
         seqs, rows = [], []
