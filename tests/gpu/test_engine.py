@@ -189,19 +189,22 @@ def test_preemption_matches_eager(llama, eager_tokens):
 def test_logit_bias_and_min_tokens_on_the_device(llama, eager_tokens):
     """The sampler's per-row bans and biases on CUDA logits, CUDA graphs and async scheduling on: a
     +100 bias makes its token the argmax; as a stop id (or EOS) held off by min_tokens = 4 it is the
-    5th token; a row without options in the same batch keeps the eager run's greedy tokens (up to a
-    near-tie that the batch's other shapes may move: assert_same_or_tie)."""
+    5th token; allowed_token_ids keep a sampled row inside the set; a row without options in the
+    same batch keeps the eager run's greedy tokens (up to a near-tie that the batch's other shapes
+    may move: assert_same_or_tie)."""
     llm = LLM(llama[0], device="cuda", dtype="bfloat16", max_model_len=256, kv_cache_blocks=128, max_num_seqs=8)
     eos = min(llm.engine.eos_token_ids)
     target = 300
     params = [SamplingParams(temperature=0, max_tokens=12, min_tokens=4, stop_token_ids=[target],
                              logit_bias={target: 100.0}, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=12, min_tokens=4, logit_bias={eos: 100.0}),
-              GREEDY]
-    outs = [o.outputs[0] for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+              GREEDY,
+              SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True, allowed_token_ids=[5, 9, 300])]
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     for out, token, reason in ((outs[0], target, target), (outs[1], eos, None)):
         assert len(out.token_ids) == 5 and token not in out.token_ids[:4], out.token_ids
         assert out.token_ids[4] == token and out.finish_reason == "stop" and out.stop_reason == reason
+    assert len(outs[3].token_ids) == 12 and set(outs[3].token_ids) <= {5, 9, 300}, outs[3].token_ids
     assert_same_or_tie(llama, llm, eager_tokens[:2] + [outs[2].token_ids], eager_tokens[:3], "beside biased rows")
     stats = llm.engine.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], f"blocks leaked: {stats}"
