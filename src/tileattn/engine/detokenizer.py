@@ -65,8 +65,8 @@ def finish(tokenizer, seqs, ends) -> None:
 def find_stop(seq, new_text: str) -> str | None:
     """If a stop string now occurs in seq.text (searching only where new_text could complete
     one), cut the text before it (after it with include_stop_str_in_output) and return the string;
-    otherwise None. None while the sequence
-    has fewer than min_tokens output tokens (a stop string completed then is passed over)."""
+    otherwise None. None while the sequence has fewer than min_tokens output tokens (a stop string
+    completed then is passed over)."""
     stops = seq.params.stop
     if not stops or not new_text or seq.num_output_tokens < seq.params.min_tokens:
         return None

@@ -133,15 +133,11 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt is empty (no tokens)")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:4]} are outside the vocabulary [0, {vocab})")
-        bad = [t for t in params.logit_bias or () if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias token ids {bad[:4]} are outside the vocabulary [0, {vocab})")
-        bad = [t for t in params.allowed_token_ids or () if t >= vocab]
-        if bad:
-            raise ValueError(f"allowed_token_ids {bad[:4]} are outside the vocabulary [0, {vocab})")
+        for what, tokens in (("prompt token ids", ids), ("logit_bias token ids", params.logit_bias or ()),
+                             ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in tokens if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{what} {bad[:4]} are outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves "
                              "no room for an output token")

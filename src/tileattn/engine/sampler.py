@@ -168,14 +168,11 @@ def apply_allowed_tokens(logits: torch.Tensor, seqs) -> torch.Tensor:
     rows = [row for row, seq in enumerate(seqs) if seq.params.allowed_token_ids]
     if not rows:
         return logits
-    entries = [(i, token) for i, row in enumerate(rows) for token in seqs[row].params.allowed_token_ids]
-    index = _on_device(list(zip(*entries)), torch.int64, logits.device)  # [2, E]: (row of `banned`, token)
-    banned = torch.ones(len(rows), logits.shape[-1], dtype=torch.bool, device=logits.device)  # [R, V]
-    banned = banned.index_put((index[0], index[1]), banned.new_zeros(()))
-    out = logits.clone()
-    rows_on_device = _on_device(rows, torch.int64, logits.device)  # [R]
-    out[rows_on_device] = logits[rows_on_device].masked_fill(banned, float("-inf"))
-    return out
+    entries = [(row, token) for row in rows for token in seqs[row].params.allowed_token_ids]
+    index = _on_device(list(zip(*entries)), torch.int64, logits.device)  # [2, E]: (row, allowed token)
+    kept = logits[index[0], index[1]]  # [E]
+    out = logits.index_fill(0, _on_device(rows, torch.int64, logits.device), float("-inf"))
+    return out.index_put_((index[0], index[1]), kept)
 
 
 def apply_penalties(logits: torch.Tensor, seqs) -> torch.Tensor:

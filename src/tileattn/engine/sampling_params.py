@@ -17,12 +17,14 @@ class SamplingParams:
     (once / per occurrence). logit_bias: {token id: bias in [-100, 100]} added to those logits
     before the penalties (OpenAI's; -100 bans a token, +100 all but forces it). seed: the same seed
     gives the same tokens. stop: strings that end the output (not included in the text, unless
-    include_stop_str_in_output); stop_token_ids: token ids that end it. min_tokens (vLLM's): the first min_tokens output tokens
-    are never EOS (unless ignore_eos) or a stop_token_id, and no stop string ends the output before
-    them. allowed_token_ids: the only tokens that may be sampled (None: all). bad_words (vLLM's):
-    words never generated: each is tokenized alone and after a space, and the last token of such a
-    sequence is banned whenever the output ends with the rest of it (a one-token word: always). logprobs / prompt_logprobs: the top-n log-probabilities (of the model's raw distribution,
-    before logit_bias, penalties and temperature) plus the chosen token's, per sampled / prompt token.
+    include_stop_str_in_output); stop_token_ids: token ids that end it. min_tokens (vLLM's): the
+    first min_tokens output tokens are never EOS (unless ignore_eos) or a stop_token_id, and no stop
+    string ends the output before them. allowed_token_ids: the only tokens that may be sampled
+    (None: all). bad_words (vLLM's): words never generated: each is tokenized alone and after a
+    space, and the last token of such a sequence is banned whenever the output ends with the rest of
+    it (a one-token word: always). logprobs / prompt_logprobs: the top-n log-probabilities (of the
+    model's raw distribution, before logit_bias, penalties and temperature) plus the chosen token's,
+    per sampled / prompt token.
     Raises ValueError naming the bad field, from the constructor and from validate().
     """
 
@@ -89,16 +91,14 @@ class SamplingParams:
             if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
             self.stop = list(self.stop)
-        if self.stop_token_ids is not None:
-            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                    is_int(t) and t >= 0 for t in self.stop_token_ids):
-                raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
-            self.stop_token_ids = list(self.stop_token_ids)
-        if self.allowed_token_ids is not None:
-            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids or not all(
-                    is_int(t) and t >= 0 for t in self.allowed_token_ids):
-                raise ValueError(f"allowed_token_ids must be a non-empty list of ints >= 0, got {self.allowed_token_ids!r}")
-            self.allowed_token_ids = list(self.allowed_token_ids)
+        for name, empty_ok in (("stop_token_ids", True), ("allowed_token_ids", False)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, (list, tuple)) or not (value or empty_ok) or not all(
+                    is_int(t) and t >= 0 for t in value):
+                raise ValueError(f"{name} must be a {'' if empty_ok else 'non-empty '}list of ints >= 0, got {value!r}")
+            setattr(self, name, list(value))
         if self.bad_words is not None:
             if not isinstance(self.bad_words, (list, tuple)) or not all(
                     isinstance(w, str) and w.strip() for w in self.bad_words):

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .sampling_params import SamplingParams
+from .tokenizer import TEMPLATE_VARIABLES
 
 log = logging.getLogger("tileattn.serve")
 
@@ -565,10 +566,15 @@ _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def _sampling_param(exc: ValueError) -> str | None:
-    """The SamplingParams field a ValueError names (SamplingParams' messages and the engine's check of
-    logit_bias against the vocabulary start with it), else None."""
+    """The SamplingParams field a ValueError names (SamplingParams' messages and the engine's checks
+    of token ids against the vocabulary start with it), else None."""
     name = str(exc).split(" ", 1)[0]
     return name if name in _SAMPLING_FIELDS else None
+
+
+def _truncated(req: _SamplingRequest, ids: list[int]) -> list[int]:
+    """The prompt the engine gets: its last truncate_prompt_tokens tokens (vLLM's), or all of it."""
+    return ids[-req.truncate_prompt_tokens:] if req.truncate_prompt_tokens else ids
 
 
 def _check_length(state: ServerState, prompt_len: int, max_tokens: int | None, what: str) -> int:
@@ -606,26 +612,21 @@ def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
     return out
 
 
-# Template variables the server sets itself, which chat_template_kwargs may not replace.
-_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
-
-
 def _chat_prompt(state: ServerState, req: ChatRequest | TokenizeRequest) -> list[int]:
     """The token ids of req.messages rendered by the model's chat template. chat_template_kwargs
     (vLLM's, e.g. Qwen3's enable_thinking) are more variables for it; continue_final_message
     (vLLM's) renders without a generation prompt and cuts the text right after the last message's
     content, so the answer continues that message."""
     template_kwargs = req.chat_template_kwargs or {}
-    taken = sorted(_TEMPLATE_VARIABLES & set(template_kwargs))
+    taken = sorted(TEMPLATE_VARIABLES & set(template_kwargs))
     if taken:
         raise APIError(400, f"chat_template_kwargs may not set {taken}: the server sets them.",
                        param="chat_template_kwargs")
     if req.continue_final_message and req.add_generation_prompt:
         raise APIError(400, "continue_final_message needs add_generation_prompt: false (the answer continues "
                             "the last message instead of starting a new one).", param="continue_final_message")
-    messages = req.messages
     conversation = []
-    for m in messages:
+    for m in req.messages:
         content = m.content
         if isinstance(content, list):  # OpenAI content parts: only text is supported
             texts = []
@@ -781,30 +782,29 @@ def _stream_error(exc: BaseException) -> str:
 
 def _refuse_unsupported(req: _Body) -> None:
     """400 for request fields that would change the answer and that the engine cannot honour (tool
-    calls, structured output): ignoring them, as unknown fields are, would answer a different
+    calls, structured output, ...): ignoring them, as unknown fields are, would answer a different
     question without saying so."""
     extra = req.model_extra or {}
-    for name in ("tools", "functions"):
-        if extra.get(name):
-            raise APIError(400, f"{name} is not supported: this server does no tool calling.", param=name)
-    for name in ("tool_choice", "function_call"):
-        if extra.get(name) not in (None, "none"):
-            raise APIError(400, f"{name} is not supported: this server does no tool calling.", param=name)
-    fmt = extra.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise APIError(400, "response_format other than {\"type\": \"text\"} is not supported: this server does "
-                            "no constrained decoding.", param="response_format")
-    for name, value in extra.items():  # vLLM's extra body fields for the same (guided_json, ...)
-        if (name.startswith("guided_") or name == "structured_outputs") and value is not None:
-            raise APIError(400, f"{name} is not supported: this server does no constrained decoding.", param=name)
-    for name, (is_set, why) in _UNHONOURED_EXTRAS.items():
-        if name in extra and is_set(extra[name]):
-            raise APIError(400, f"{name} is not supported: {why}.", param=name)
+    for name, value in extra.items():
+        refused = _UNHONOURED_EXTRAS.get(name)
+        if refused is None and (name.startswith("guided_") or name == "structured_outputs"):
+            refused = _UNHONOURED_EXTRAS["structured_outputs"]  # vLLM's guided_json, guided_choice, ...
+        if refused is not None and refused[0](value):
+            raise APIError(400, f"{name} is not supported: {refused[1]}.", param=name)
 
 
-# Other extra body fields (vLLM's sampling and chat extras, OpenAI's audio output) that change the
-# answer when set, and which the engine does not implement: field -> (is it set?, why not).
+# Extra body fields (OpenAI's tool calls, structured output and audio, vLLM's guided decoding and
+# sampling / chat extras) that change the answer when set, and which the engine does not implement:
+# field -> (is it set?, why not).
+_NO_TOOLS, _NO_CONSTRAINTS = "this server does no tool calling", "this server does no constrained decoding"
 _UNHONOURED_EXTRAS = {
+    "tools": (bool, _NO_TOOLS),
+    "functions": (bool, _NO_TOOLS),
+    "tool_choice": (lambda v: v not in (None, "none"), _NO_TOOLS),
+    "function_call": (lambda v: v not in (None, "none"), _NO_TOOLS),
+    "response_format": (lambda v: v is not None and not (isinstance(v, dict) and v.get("type") == "text"),
+                        _NO_CONSTRAINTS + " (only {\"type\": \"text\"})"),
+    "structured_outputs": (lambda v: v is not None, _NO_CONSTRAINTS),
     "logits_processors": (bool, "the sampler runs no custom logits processors"),
     "use_beam_search": (bool, "the engine samples, it does no beam search"),
     "length_penalty": (lambda v: v not in (None, 1), "the engine does no beam search"),
@@ -827,8 +827,7 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
         raise APIError(400, "best_of is not supported (only best_of == n).", param="best_of")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
-    prompts = [p[-req.truncate_prompt_tokens:] if req.truncate_prompt_tokens else p
-               for p in _completion_prompts(state, req.prompt)]
+    prompts = [_truncated(req, p) for p in _completion_prompts(state, req.prompt)]
     max_tokens = min(_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts)
     params = _sampling_params(state, req, max_tokens, req.logprobs,
                               _prompt_logprobs_param(req, req.logprobs if req.echo else None))
@@ -933,9 +932,7 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
         raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
-    prompt = _chat_prompt(state, req)
-    if req.truncate_prompt_tokens:
-        prompt = prompt[-req.truncate_prompt_tokens:]
+    prompt = _truncated(req, _chat_prompt(state, req))
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None and state.defaults.get("max_new_tokens"):
         max_tokens = min(int(state.defaults["max_new_tokens"]), state.max_model_len - len(prompt))

@@ -28,6 +28,10 @@ _GGUF_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3":
                 "qwen2": _QWEN2_SPLIT}
 
 
+# The variables apply_chat_template gives every chat template itself; its **kwargs add others.
+TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 class Tokenizer:
     """encode / decode / apply_chat_template over a `tokenizers.Tokenizer`.
 
@@ -67,6 +71,7 @@ class Tokenizer:
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
+        # the variables named in TEMPLATE_VARIABLES
         return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
 
