@@ -252,6 +252,9 @@ def test_chat_template_and_text_prompt(checkpoint):
     quiet = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=1),
                      use_tqdm=False, chat_template_kwargs={"enable_thinking": False})
     assert quiet[0].prompt_token_ids == llm.tokenizer.encode(rendered + "no thinking: ", add_special_tokens=False)
+    for bad in ({"bos_token": "x"}, {"messages": []}, ["enable_thinking"]):
+        with pytest.raises(ValueError, match="chat_template_kwargs"):
+            llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False, chat_template_kwargs=bad)
 
 
 def test_detokenizer_never_splits_a_multibyte_character(checkpoint):

@@ -27,6 +27,7 @@ from .profiler import NULL, StepProfiler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request
+from .tokenizer import TEMPLATE_VARIABLES
 
 
 class LLMEngine:
@@ -377,7 +378,12 @@ class LLM:
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """messages: one conversation ([{"role", "content"}, ...]) or a list of them; each is rendered
         with the chat template (chat_template_kwargs: more variables for it, e.g. Qwen3's
-        enable_thinking) and encoded without adding special tokens (the template has them)."""
+        enable_thinking) and encoded without adding special tokens (the template has them).
+        Raises ValueError for chat_template_kwargs that are not a dict of new variables."""
+        if chat_template_kwargs is not None and (not isinstance(chat_template_kwargs, dict)
+                                                 or TEMPLATE_VARIABLES & set(chat_template_kwargs)):
+            raise ValueError(f"chat_template_kwargs must be a dict of variables other than {sorted(TEMPLATE_VARIABLES)} "
+                             f"(apply_chat_template sets those), got {chat_template_kwargs!r}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt,
                                                                             **(chat_template_kwargs or {})),
