@@ -55,10 +55,10 @@ def make_checkpoint(path: str, kernel_head_dims: bool = False) -> str:
     return path
 
 
-def make_engine(path: str):
+def make_engine(path: str, max_model_len: int = MAX_MODEL_LEN):
     from tileattn.engine import LLMEngine
 
-    return LLMEngine.from_model(path, device="cpu", max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
+    return LLMEngine.from_model(path, device="cpu", max_model_len=max_model_len, max_num_seqs=64,
                                 kv_cache_blocks=256, block_size=16)
 
 
@@ -439,12 +439,20 @@ def test_errors(server, client):
         assert _error(info.value)["param"] == "logit_bias" and what in _error(info.value)["message"], (bias, info.value)
     messages = [{"role": "user", "content": "hi"}]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    for kw, param in (({"tools": [tool]}, "tools"), ({"tool_choice": "required"}, "tool_choice"),
-                      ({"response_format": {"type": "json_object"}}, "response_format"),
+    for kw, param in (({"response_format": {"type": "json_object"}}, "response_format"),
                       (_extra(guided_choice=["a", "b"]), "guided_choice")):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=messages, **kw)
         assert _error(info.value)["param"] == param and "not supported" in _error(info.value)["message"], kw
+    for kw, param, says in (({"tools": [tool]}, "tools", "--tool-call-parser"),  # this server has no parser
+                            ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
+                            ({"parallel_tool_calls": False}, "parallel_tool_calls", "needs tools")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=messages, **kw)
+        assert _error(info.value)["param"] == param and says in _error(info.value)["message"], kw
+    with pytest.raises(openai.BadRequestError) as info:  # tools belong to chat
+        client.completions.create(model=MODEL, prompt="hi", **_extra(tools=[tool]))
+    assert _error(info.value)["param"] == "tools"
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="hi", **_extra(guided_json={"type": "object"}))
     assert _error(info.value)["param"] == "guided_json"
@@ -806,3 +814,178 @@ def test_shutdown_with_a_stream_in_flight_leaves_the_engine_empty(checkpoint):
     assert not engine_loop.running
     stats = engine.stats()
     assert not engine.has_unfinished_requests() and stats["num_free_blocks"] == stats["num_total_blocks"], stats
+
+
+# ---------------------------------------------------------------------------------------------
+# Tool calls: a chat template that renders tools, and a sampler that writes a given answer
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<s>system: tools:{% for t in tools %} {{ t | tojson }}{% endfor %}</s>{% endif %}"
+    "{% for m in messages %}<s>{{ m['role'] }}: "
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}"
+    "{% else %}{{ m['content'] }}{% endif %}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ROME = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+
+
+class ScriptedAnswer:
+    """The engine's model runs as usual, but its sampler returns the tokens of a given answer, then
+    EOS: everything else (scheduler, detokenizer, stop strings, server, stream) is the real path."""
+
+    def __init__(self, engine):
+        import torch
+
+        self.tokenizer, self.ids = engine.tokenizer, []
+        eos = engine.tokenizer.eos_token_id
+        engine.async_scheduling = False  # the sampler reads each sequence's output count
+
+        def sample(logits, seqs):
+            return torch.tensor([self.ids[s.num_output_tokens] if s.num_output_tokens < len(self.ids) else eos
+                                 for s in seqs], device=logits.device)
+
+        engine.runner.sampler.sample = sample
+
+    def __call__(self, text: str) -> int:
+        self.ids = self.tokenizer.encode(text, add_special_tokens=False)
+        assert self.tokenizer.decode(self.ids) == text
+        return len(self.ids)
+
+
+@pytest.fixture(scope="module")
+def tool_server(checkpoint, tmp_path_factory):
+    """A server with --tool-call-parser hermes over the tiny checkpoint with TOOL_TEMPLATE, and the
+    ScriptedAnswer that decides what its model says."""
+    import shutil
+
+    path = str(tmp_path_factory.mktemp("tool_llama") / "ckpt")
+    shutil.copytree(checkpoint, path)
+    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(TOOL_TEMPLATE)
+    engine = make_engine(path, max_model_len=512)  # the tools' JSON takes many of the tiny vocabulary's tokens
+    answer = ScriptedAnswer(engine)
+    with ServerThread(create_app(engine, MODEL, tool_call_parser="hermes")) as s:
+        yield s, answer
+
+
+def _rendered(server, body: dict) -> str:
+    status, out = server.http("POST", "/tokenize", json.dumps(body).encode())
+    assert status == 200, out
+    return server.state.tokenizer.decode(json.loads(out)["tokens"], skip_special_tokens=False)
+
+
+def test_tool_calls_parsed_streamed_and_rendered_back(tool_server):
+    server, answer = tool_server
+    client = server.client()
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    answer("Let me check.\n" + PARIS)
+
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+    (c,) = r.choices
+    assert c.finish_reason == "tool_calls" and c.message.content == "Let me check."
+    (call,) = c.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    # The model saw the tools: the request's prompt is the one /tokenize renders with them.
+    shown = _rendered(server, {"messages": messages, "tools": [WEATHER]})
+    assert '"name": "get_weather"' in shown and "The weather in a city now" in shown
+    assert r.usage.prompt_tokens == len(server.state.tokenizer.encode(shown, add_special_tokens=False))
+
+    # Streamed: the deltas add up to the same message (the openai client's own accumulation).
+    with client.beta.chat.completions.stream(model=MODEL, messages=messages, tools=[WEATHER]) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    (sc,) = final.choices
+    assert sc.finish_reason == "tool_calls" and sc.message.content == "Let me check."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in sc.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+
+    # The next turn: the assistant's call (arguments as the JSON string the API carries) and the
+    # tool's answer render through the template, the arguments as a mapping (not a quoted string).
+    turn = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                       {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}]
+    shown = _rendered(server, {"messages": turn, "tools": [WEATHER]})
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in shown
+    assert "<s>tool: 18 C, sunny</s>" in shown
+    answer("It is 18 C and sunny in Paris.")
+    r = client.chat.completions.create(model=MODEL, messages=turn, tools=[WEATHER])
+    assert r.choices[0].message.content == "It is 18 C and sunny in Paris." and r.choices[0].finish_reason == "stop"
+    assert not r.choices[0].message.tool_calls
+    server.wait_idle()
+
+
+def test_parallel_tool_calls_and_tool_choice(tool_server):
+    server, answer = tool_server
+    client = server.client()
+    messages = [{"role": "user", "content": "Paris and Rome?"}]
+    length = answer(PARIS + "\n" + ROME)
+
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], n=2)
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        assert [json.loads(t.function.arguments)["city"] for t in c.message.tool_calls] == ["Paris", "Rome"]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], stream=True))
+    deltas = [t for ch in chunks for t in (ch.choices[0].delta.tool_calls or [])]
+    assert [(t.index, json.loads(t.function.arguments)["city"]) for t in deltas] == [(0, "Paris"), (1, "Rome")]
+    assert len({t.id for t in deltas}) == 2 and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    # parallel_tool_calls: false ends the answer at the first call's end tag
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], parallel_tool_calls=False)
+    (c,) = r.choices
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+    assert r.usage.completion_tokens < length
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], stream=True,
+                                                 parallel_tool_calls=False))
+    deltas = [t for ch in chunks for t in (ch.choices[0].delta.tool_calls or [])]
+    assert [json.loads(t.function.arguments)["city"] for t in deltas] == ["Paris"]
+
+    # tool_choice "none": the model is not shown the tools, and its answer is plain text
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none")
+    assert r.choices[0].message.content == PARIS + "\n" + ROME and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == json.loads(server.http(
+        "POST", "/tokenize", json.dumps({"messages": messages}).encode())[1])["count"]
+
+    # a block that is not a call stays in the content as written
+    answer("<tool_call>{get_weather Paris}</tool_call>")
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+    assert r.choices[0].message.content == "<tool_call>{get_weather Paris}</tool_call>"
+    assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
+    server.wait_idle()
+
+
+def test_tool_request_errors(tool_server, server):
+    plain_server = server
+    server, _answer = tool_server
+    client = server.client()
+    messages = [{"role": "user", "content": "hi"}]
+    cases = [
+        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "constrained decoding"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+         "tool_choice", "constrained decoding"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "name"),
+        ({"tools": [{"type": "retrieval"}]}, "tools", "function"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools", "parameters"),
+        ({"tools": [WEATHER], "extra_body": {"chat_template_kwargs": {"tools": []}}}, "chat_template_kwargs", "tools"),
+        ({"tools": [WEATHER], "messages": messages + [
+            {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                  "function": {"name": "f", "arguments": "{not json"}}]}]},
+         "messages", "arguments"),
+        ({"tools": [WEATHER], "extra_body": {"functions": [WEATHER["function"]]}}, "functions", "use tools"),
+    ]
+    for kw, param, says in cases:
+        kw = {"messages": messages, **kw}
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, **kw)
+        err = _error(info.value)
+        assert err["param"] == param and says in err["message"], (kw, err)
+    # a template without tools in it (the plain server's): the model would not see them
+    status, body = plain_server.http("POST", "/tokenize", json.dumps({"messages": messages, "tools": [WEATHER]}).encode())
+    assert status == 400 and "does not render tools" in json.loads(body)["error"]["message"], body
+    assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).choices
+    server.wait_idle()

@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .sampling_params import SamplingParams
 from .tokenizer import TEMPLATE_VARIABLES
+from .tool_calls import PARSERS, get_parser
 
 log = logging.getLogger("tileattn.serve")
 
@@ -300,6 +301,9 @@ class CompletionRequest(_SamplingRequest):
 class ChatMessage(_Body):
     role: str
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None   # an assistant message's calls (OpenAI's shape)
+    tool_call_id: str | None = None        # a tool message: the call it answers
+    name: str | None = None
 
 
 class ChatRequest(_SamplingRequest):
@@ -311,12 +315,16 @@ class ChatRequest(_SamplingRequest):
     add_generation_prompt: bool = True                # vLLM extra body field
     continue_final_message: bool = False              # vLLM extra: the answer continues the last message
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra: more variables for the template
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None             # "auto" (default with tools) or "none"
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -378,10 +386,11 @@ class _EngineCollector:
 class ServerState:
     """The engine, its thread, the open generations and the metrics of one app."""
 
-    def __init__(self, engine, served_model_name: str, max_queue_depth: int):
+    def __init__(self, engine, served_model_name: str, max_queue_depth: int, tool_call_parser: str | None):
         self.engine = engine
         self.served_model_name = served_model_name
         self.max_queue_depth = max_queue_depth
+        self.tool_parser = get_parser(tool_call_parser) if tool_call_parser is not None else None
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
         self.defaults: dict = dict(engine.generation_defaults or {})
@@ -540,12 +549,16 @@ class Generation:
 
 
 def _sampling_params(state: ServerState, req: _SamplingRequest, max_tokens: int,
-                     logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+                     logprobs: int | None, prompt_logprobs: int | None, stop_after: str | None = None) -> SamplingParams:
+    """stop_after: one more stop string (the tool-call parser's, for parallel_tool_calls: false)."""
     overrides = {k: getattr(req, k) for k in (
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
         "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "include_stop_str_in_output",
         "allowed_token_ids", "bad_words", "ignore_eos", "skip_special_tokens")
         if getattr(req, k) is not None}
+    if stop_after is not None:
+        stop = overrides.get("stop") or []
+        overrides["stop"] = [*([stop] if isinstance(stop, str) else stop), stop_after]
     if overrides.get("stop") == []:
         del overrides["stop"]
     if req.logit_bias is not None:
@@ -612,31 +625,101 @@ def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
     return out
 
 
-def _chat_prompt(state: ServerState, req: ChatRequest | TokenizeRequest) -> list[int]:
-    """The token ids of req.messages rendered by the model's chat template. chat_template_kwargs
-    (vLLM's, e.g. Qwen3's enable_thinking) are more variables for it; continue_final_message
-    (vLLM's) renders without a generation prompt and cuts the text right after the last message's
-    content, so the answer continues that message."""
-    template_kwargs = req.chat_template_kwargs or {}
-    taken = sorted(TEMPLATE_VARIABLES & set(template_kwargs))
+def _chat_tools(state: ServerState, req: ChatRequest):
+    """(the tools to render, the parser of the answer) for a chat request: (None, None) without
+    tools or with tool_choice "none" (the model is not shown them). 400 for a tool_choice that needs
+    constrained decoding ("required", a named function), for tools on a server started without a
+    tool-call parser, and for tools the model's template does not render."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools.", param="tool_choice")
+        if req.parallel_tool_calls is not None:
+            raise APIError(400, "parallel_tool_calls needs tools.", param="parallel_tool_calls")
+        return None, None
+    _check_tool_schemas(req.tools)
+    if choice not in (None, "auto", "none"):
+        raise APIError(400, f"tool_choice {choice!r} is not supported: forcing a call needs constrained decoding, "
+                            "which this server does not do; use \"auto\" or \"none\".", param="tool_choice")
+    if choice == "none":
+        return None, None
+    if state.tool_parser is None:
+        raise APIError(400, "This server parses no tool calls: start it with --tool-call-parser "
+                            "(hermes for Qwen2.5 / Qwen3 / Hermes, llama3_json for Llama 3.x).", param="tools")
+    _check_template_renders_tools(state)
+    return req.tools, state.tool_parser
+
+
+def _check_tool_schemas(tools: list[dict]) -> None:
+    for i, tool in enumerate(tools):
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict):
+            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}.", param="tools")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise APIError(400, f"tools[{i}].function.name must be a non-empty string.", param="tools")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object.", param="tools")
+
+
+def _check_template_renders_tools(state: ServerState) -> None:
+    if "tools" not in (state.tokenizer.chat_template or ""):
+        raise APIError(400, "The model's chat template does not render tools, so the model would not see them.",
+                       param="tools")
+
+
+def _template_message(i: int, m: ChatMessage) -> dict:
+    """A message as chat templates read it: text content; an assistant's tool calls with their
+    arguments as a mapping (templates write them with tojson), a tool message's tool_call_id."""
+    content = m.content
+    if isinstance(content, list):  # OpenAI content parts: only text is supported
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"Only text content parts are supported, got {part.get('type')!r}.",
+                               param="messages")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    message = {"role": m.role, "content": content or ""}
+    if m.tool_calls is not None:
+        message["tool_calls"] = [_template_tool_call(i, j, call) for j, call in enumerate(m.tool_calls)]
+    for key in ("tool_call_id", "name"):
+        if getattr(m, key) is not None:
+            message[key] = getattr(m, key)
+    return message
+
+
+def _template_tool_call(i: int, j: int, call: dict) -> dict:
+    where = f"messages[{i}].tool_calls[{j}]"
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError(400, f"{where} must have a function with a name.", param="messages")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise APIError(400, f"{where}.function.arguments is not JSON.", param="messages") from None
+    if not isinstance(arguments, dict):
+        raise APIError(400, f"{where}.function.arguments must be a JSON object.", param="messages")
+    return {**call, "type": "function", "function": {**function, "arguments": arguments}}
+
+
+def _chat_prompt(state: ServerState, req: ChatRequest | TokenizeRequest, tools: list[dict] | None) -> list[int]:
+    """The token ids of req.messages rendered by the model's chat template, with ``tools`` when not
+    None. chat_template_kwargs (vLLM's, e.g. Qwen3's enable_thinking) are more variables for it;
+    continue_final_message (vLLM's) renders without a generation prompt and cuts the text right
+    after the last message's content, so the answer continues that message."""
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    taken = sorted((TEMPLATE_VARIABLES | ({"tools"} if tools is not None else set())) & set(template_kwargs))
     if taken:
         raise APIError(400, f"chat_template_kwargs may not set {taken}: the server sets them.",
                        param="chat_template_kwargs")
+    if tools is not None:
+        template_kwargs["tools"] = tools
     if req.continue_final_message and req.add_generation_prompt:
         raise APIError(400, "continue_final_message needs add_generation_prompt: false (the answer continues "
                             "the last message instead of starting a new one).", param="continue_final_message")
-    conversation = []
-    for m in req.messages:
-        content = m.content
-        if isinstance(content, list):  # OpenAI content parts: only text is supported
-            texts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"Only text content parts are supported, got {part.get('type')!r}.",
-                                   param="messages")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        conversation.append({"role": m.role, "content": content or ""})
+    conversation = [_template_message(i, m) for i, m in enumerate(req.messages)]
     try:
         text = state.tokenizer.apply_chat_template(conversation, add_generation_prompt=req.add_generation_prompt,
                                                    **template_kwargs)
@@ -796,12 +879,12 @@ def _refuse_unsupported(req: _Body) -> None:
 # Extra body fields (OpenAI's tool calls, structured output and audio, vLLM's guided decoding and
 # sampling / chat extras) that change the answer when set, and which the engine does not implement:
 # field -> (is it set?, why not).
-_NO_TOOLS, _NO_CONSTRAINTS = "this server does no tool calling", "this server does no constrained decoding"
+_NO_TOOLS, _NO_CONSTRAINTS = "tools are read in chat completions only", "this server does no constrained decoding"
 _UNHONOURED_EXTRAS = {
-    "tools": (bool, _NO_TOOLS),
-    "functions": (bool, _NO_TOOLS),
+    "tools": (bool, _NO_TOOLS),  # a chat request declares tools, tool_choice and parallel_tool_calls
     "tool_choice": (lambda v: v not in (None, "none"), _NO_TOOLS),
-    "function_call": (lambda v: v not in (None, "none"), _NO_TOOLS),
+    "functions": (bool, "the deprecated functions API is not served; use tools"),
+    "function_call": (lambda v: v not in (None, "none"), "the deprecated functions API is not served; use tool_choice"),
     "response_format": (lambda v: v is not None and not (isinstance(v, dict) and v.get("type") == "text"),
                         _NO_CONSTRAINTS + " (only {\"type\": \"text\"})"),
     "structured_outputs": (lambda v: v is not None, _NO_CONSTRAINTS),
@@ -923,6 +1006,12 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
             choices.append(choice)
     return {**base, "choices": choices, "usage": _usage(prompts, completion_tokens)}
 
+
+def _chat_finish_reason(finish_reason: str, num_calls: int) -> str:
+    """OpenAI's "tool_calls" for an answer that ended by itself with calls in it."""
+    return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
+
+
 async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
     """POST /v1/chat/completions: a JSON answer, or an EventStream when req.stream."""
     arrival = time.monotonic()
@@ -932,13 +1021,16 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
         raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
-    prompt = _truncated(req, _chat_prompt(state, req))
+    tools, parser = _chat_tools(state, req)
+    prompt = _truncated(req, _chat_prompt(state, req, tools))
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None and state.defaults.get("max_new_tokens"):
         max_tokens = min(int(state.defaults["max_new_tokens"]), state.max_model_len - len(prompt))
     max_tokens = _check_length(state, len(prompt), max_tokens, "messages")
     top_n = req.top_logprobs or 0
-    params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None, _prompt_logprobs_param(req, None))
+    stop_after = parser.one_call_stop if parser is not None and req.parallel_tool_calls is False else None
+    params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None,
+                              _prompt_logprobs_param(req, None), stop_after)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(state, rid, [prompt], params, arrival)
     await gen.start()
@@ -958,6 +1050,10 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
                 body["usage"] = None
             return _sse(body)
 
+        # per choice: the parser's stream state and the number of calls sent
+        tool_streams = [parser.stream() for _ in range(params.n)] if parser is not None else None
+        calls_sent = [0] * params.n
+
         async def events():
             counts = 0
             try:
@@ -971,13 +1067,25 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
                             lp = None
                             if req.logprobs and c.token_ids:
                                 lp = {"content": _chat_logprobs(state, c.token_ids, c.logprobs, top_n)}
-                            if c.text or c.token_ids or lp is not None:
-                                delta = {"content": c.text}
+                            content, calls = c.text, []
+                            if tool_streams is not None:
+                                stream = tool_streams[c.index]
+                                content, calls = stream.feed(c.text)
+                                if c.finish_reason is not None:
+                                    tail, more = stream.finish(c.stop_reason)
+                                    content, calls = content + tail, calls + more
+                            if content or calls or c.token_ids or lp is not None:
+                                delta = {"content": content} if content or not calls else {}
+                                if calls:
+                                    first = calls_sent[c.index]
+                                    delta["tool_calls"] = [call.to_openai(first + k) for k, call in enumerate(calls)]
+                                    calls_sent[c.index] += len(calls)
                                 if req.return_token_ids:
                                     delta["token_ids"] = c.token_ids
                                 parts.append(chunk(c.index, delta, logprobs=lp))
                             if c.finish_reason is not None:
-                                parts.append(chunk(c.index, {}, c.finish_reason, stop_reason=c.stop_reason))
+                                reason = _chat_finish_reason(c.finish_reason, calls_sent[c.index])
+                                parts.append(chunk(c.index, {}, reason, stop_reason=c.stop_reason))
                     if parts:  # one write for everything this wake-up produced
                         yield "".join(parts)
                 if include_usage:
@@ -997,8 +1105,13 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
         text, token_ids, logprobs = c.final
         completion_tokens += len(token_ids)
         lp = {"content": _chat_logprobs(state, token_ids, logprobs, top_n)} if req.logprobs else None
-        choice = {"index": c.index, "message": {"role": "assistant", "content": text},
-                  "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        message, calls = {"role": "assistant", "content": text}, []
+        if parser is not None:
+            message["content"], calls = parser.parse(text, c.stop_reason)
+            if calls:
+                message["tool_calls"] = [call.to_openai() for call in calls]
+        choice = {"index": c.index, "message": message, "logprobs": lp,
+                  "finish_reason": _chat_finish_reason(c.finish_reason, len(calls)), "stop_reason": c.stop_reason}
         if req.return_token_ids:
             choice.update(prompt_token_ids=prompt, token_ids=token_ids)
         choices.append(choice)
@@ -1012,18 +1125,22 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
 # The app
 
 
-def create_app(engine, served_model_name: str | None = None, *, max_queue_depth: int = 1024) -> FastAPI:
+def create_app(engine, served_model_name: str | None = None, *, max_queue_depth: int = 1024,
+               tool_call_parser: str | None = None) -> FastAPI:
     """A FastAPI app serving ``engine`` (a tileattn.engine.LLMEngine, or anything with its API).
 
     served_model_name: the name clients pass as ``model`` (None -> engine.model_name).
     max_queue_depth: the most engine requests (one per prompt) admitted and unfinished at once,
         running or waiting; beyond it requests get 503 instead of growing memory without bound.
+    tool_call_parser: how chat answers are read for tool calls when a request has ``tools`` (a name
+        in tileattn.engine.tool_calls.PARSERS: "hermes", "llama3_json"); None: requests with tools
+        get a 400.
     The engine thread starts with the app's lifespan and stops (aborting what is left) at shutdown.
-    Raises ValueError for max_queue_depth < 1.
+    Raises ValueError for max_queue_depth < 1 or an unknown tool_call_parser.
     """
     if not isinstance(max_queue_depth, int) or max_queue_depth < 1:
         raise ValueError(f"max_queue_depth must be an int >= 1, got {max_queue_depth!r}")
-    state = ServerState(engine, served_model_name or engine.model_name, max_queue_depth)
+    state = ServerState(engine, served_model_name or engine.model_name, max_queue_depth, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -1094,7 +1211,10 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "Give exactly one of prompt and messages.", param="prompt")
         if req.messages is not None:
-            ids = _chat_prompt(state, req)
+            if req.tools:
+                _check_tool_schemas(req.tools)
+                _check_template_renders_tools(state)
+            ids = _chat_prompt(state, req, req.tools or None)
         else:
             ids = state.tokenizer.encode(req.prompt)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
@@ -1135,6 +1255,9 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
                    help="most requests admitted at once (running + waiting); more get 503")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-access-log", action="store_true", help="no uvicorn line per HTTP request")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                   help="read chat answers for tool calls in this format (hermes: Qwen2.5 / Qwen3 / Hermes; "
+                        "llama3_json: Llama 3.x); without it, requests with tools get a 400")
     g = p.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -1168,7 +1291,8 @@ def serve_main(args: argparse.Namespace) -> int:
     engine = None
     try:
         engine = LLMEngine.from_model(args.model, **{k: getattr(args, k) for k in _ENGINE_OPTIONS})
-        app = create_app(engine, args.served_model_name or args.model, max_queue_depth=args.max_queue_depth)
+        app = create_app(engine, args.served_model_name or args.model, max_queue_depth=args.max_queue_depth,
+                         tool_call_parser=args.tool_call_parser)
     except (ValueError, FileNotFoundError) as exc:  # bad checkpoint or option: say which, no traceback
         if engine is not None:
             engine.shutdown()

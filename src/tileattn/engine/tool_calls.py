@@ -1,0 +1,210 @@
+"""Tool calls: an answer's text -> OpenAI `tool_calls`, in the formats open models are trained on.
+
+Parsers (`tileattn serve --tool-call-parser NAME`, vLLM's names):
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks anywhere in the
+  answer (Qwen2.5, Qwen3, Hermes 2 Pro / 3 and the templates written after them); the text outside
+  the blocks is the message's content.
+- ``llama3_json``: the whole answer is one JSON object ``{"name": ..., "parameters": {...}}``
+  (Llama 3.1 / 3.2's JSON tool calling; ``"arguments"`` is accepted too), optionally after the
+  ``<|python_tag|>`` token's text when special tokens are not skipped.
+
+A block that does not parse as a call (bad JSON, no name, arguments not an object) stays in the
+content as the model wrote it: nothing is dropped. The content is the text outside the calls with
+leading and trailing whitespace removed, None when nothing is left; a stream sends the same text
+(whitespace is held back until more content follows, and dropped at the end), so the deltas of a
+stream add up to the message a non-streamed request gets.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text of an object
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_openai(self, index: int | None = None) -> dict:
+        """The message's tool_calls entry; with index, a stream delta's (which carries its position)."""
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def call_from_json(text: str) -> ToolCall | None:
+    """A call from the JSON text of {"name": str, "arguments" | "parameters": object (or the JSON
+    text of one)}; None when the text is not one."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+class _Content:
+    """The content of a stream: emits what the non-streamed message's content would hold (the
+    text outside the calls, stripped), holding whitespace back until non-whitespace follows."""
+
+    def __init__(self):
+        self.held = ""
+        self.started = False
+
+    def push(self, text: str) -> str:
+        self.held += text
+        body = self.held.rstrip()
+        if not body:
+            return ""
+        self.held = self.held[len(body):]
+        if not self.started:
+            body, self.started = body.lstrip(), True
+        return body
+
+
+class _Parser:
+    name: str
+    one_call_stop: str | None  # a stop string that ends the answer after its first call, if any
+
+    def stream(self):
+        raise NotImplementedError
+
+    def parse(self, text: str, stop_reason=None) -> tuple[str | None, list[ToolCall]]:
+        """A whole answer -> (content or None, calls); stop_reason: the engine's (the stop string
+        that ended the answer, if one did)."""
+        stream = self.stream()
+        content, calls = stream.feed(text)
+        tail, more = stream.finish(stop_reason)
+        return (content + tail) or None, calls + more
+
+
+class HermesParser(_Parser):
+    """<tool_call> JSON </tool_call> blocks (see the module docstring)."""
+
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+    one_call_stop = END
+
+    def stream(self) -> _HermesStream:
+        return _HermesStream()
+
+
+class _HermesStream:
+    def __init__(self):
+        self.pending = ""      # text not yet emitted (a possible start tag's prefix, or a call's body)
+        self.in_call = False
+        self.content = _Content()
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """One delta of the answer -> (content to send, calls completed by it)."""
+        self.pending += text
+        out, calls = [], []
+        start, end = HermesParser.START, HermesParser.END
+        while True:
+            if not self.in_call:
+                i = self.pending.find(start)
+                if i < 0:
+                    keep = _partial_suffix(self.pending, start)
+                    out.append(self.content.push(self.pending[:len(self.pending) - keep]))
+                    self.pending = self.pending[len(self.pending) - keep:]
+                    break
+                out.append(self.content.push(self.pending[:i]))
+                self.pending, self.in_call = self.pending[i + len(start):], True
+            else:
+                j = self.pending.find(end)
+                if j < 0:
+                    break
+                body, self.pending, self.in_call = self.pending[:j], self.pending[j + len(end):], False
+                call = call_from_json(body.strip())
+                if call is None:
+                    out.append(self.content.push(start + body + end))
+                else:
+                    calls.append(call)
+        return "".join(out), calls
+
+    def finish(self, stop_reason=None) -> tuple[str, list[ToolCall]]:
+        """The end of the answer: an open block whose end tag was the stop string that ended the
+        answer (parallel_tool_calls: false) is a call; any other open block is content."""
+        if not self.in_call:
+            text, self.pending = self.pending, ""
+            return self.content.push(text), []
+        body, self.pending, self.in_call = self.pending, "", False
+        call = call_from_json(body.strip()) if stop_reason == HermesParser.END else None
+        if call is not None:
+            return "", [call]
+        return self.content.push(HermesParser.START + body), []
+
+
+class Llama3JsonParser(_Parser):
+    """One JSON object as the whole answer (see the module docstring)."""
+
+    name = "llama3_json"
+    PYTHON_TAG = "<|python_tag|>"
+    one_call_stop = None  # the format holds one call per answer
+
+    def stream(self) -> _Llama3JsonStream:
+        return _Llama3JsonStream()
+
+
+class _Llama3JsonStream:
+    def __init__(self):
+        self.pending = ""
+        self.mode = None       # None: undecided; "call": buffering a JSON answer; "text": content
+        self.content = _Content()
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self.pending += text
+        if self.mode is None:
+            head = self.pending.lstrip()
+            tag = Llama3JsonParser.PYTHON_TAG
+            if head.startswith(tag):
+                head = head[len(tag):].lstrip()
+            elif tag.startswith(head):
+                return "", []  # whitespace, or the start of the tag: undecided
+            if not head:
+                return "", []
+            self.mode = "call" if head.startswith("{") else "text"
+        if self.mode == "call":
+            return "", []
+        text, self.pending = self.pending, ""
+        return self.content.push(text), []
+
+    def finish(self, stop_reason=None) -> tuple[str, list[ToolCall]]:
+        text, self.pending = self.pending, ""
+        if self.mode == "call":
+            body = text.strip()
+            tag = Llama3JsonParser.PYTHON_TAG
+            call = call_from_json(body[len(tag):] if body.startswith(tag) else body)
+            if call is not None:
+                return "", [call]
+        return self.content.push(text), []
+
+
+PARSERS = {p.name: p for p in (HermesParser(), Llama3JsonParser())}
+
+
+def get_parser(name: str):
+    """The parser named ``name``; ValueError naming the choices otherwise."""
+    try:
+        return PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {sorted(PARSERS)}") from None
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

@@ -1,0 +1,105 @@
+"""Tool-call parsers (tileattn.engine.tool_calls): whole answers, and the same answers streamed in
+every way of cutting them into deltas, which must add up to the whole answer's message."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from tileattn.engine.tool_calls import PARSERS, call_from_json, get_parser
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+CALL2 = '{"name": "get_time", "arguments": {}}'
+
+
+def _streamed(parser, text: str, cuts: list[int], stop_reason=None):
+    """The answer fed in pieces cut at ``cuts``: (content joined, calls)."""
+    stream, content, calls = parser.stream(), [], []
+    bounds = [0, *cuts, len(text)]
+    for a, b in zip(bounds, bounds[1:]):
+        piece, new = stream.feed(text[a:b])
+        content.append(piece)
+        calls += new
+    piece, new = stream.finish(stop_reason)
+    content.append(piece)
+    calls += new
+    return "".join(content) or None, calls
+
+
+def _every_cutting(parser, text: str, stop_reason=None):
+    """Whole, one character at a time, and 50 random cuttings agree; returns the whole answer's."""
+    content, calls = parser.parse(text, stop_reason)
+    rng = random.Random(0)
+    cuttings = [list(range(1, len(text)))] + [
+        sorted(rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1)))) for _ in range(50)
+        if len(text) > 1]
+    for cuts in cuttings:
+        got_content, got_calls = _streamed(parser, text, cuts, stop_reason)
+        assert got_content == content, (cuts, got_content, content)
+        assert [(c.name, c.arguments) for c in got_calls] == [(c.name, c.arguments) for c in calls], cuts
+    return content, calls
+
+
+@pytest.mark.parametrize("text, content, names", [
+    (f"<tool_call>\n{CALL}\n</tool_call>", None, ["get_weather"]),
+    (f"Let me look.\n\n<tool_call>\n{CALL}\n</tool_call>\n<tool_call>{CALL2}</tool_call>\n", "Let me look.",
+     ["get_weather", "get_time"]),
+    (f"A <tool_call>{CALL}</tool_call> B", "A  B", ["get_weather"]),
+    ("  no calls at all, 1 < 2 and <tool_ here.  ", "no calls at all, 1 < 2 and <tool_ here.", []),
+    ("<tool_call>not json</tool_call> tail", "<tool_call>not json</tool_call> tail", []),      # kept as written
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
+    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+     []),
+    (f"<tool_call>{CALL}", f"<tool_call>{CALL}", []),   # cut off (max_tokens): not a call
+    ("", None, []),
+    ("\n \n", None, []),
+])
+def test_hermes(text, content, names):
+    got_content, calls = _every_cutting(PARSERS["hermes"], text)
+    assert got_content == content
+    assert [c.name for c in calls] == names
+    if names and names[0] == "get_weather":
+        assert json.loads(calls[0].arguments) == {"city": "Paris", "unit": "celsius"}
+    assert len({c.id for c in calls}) == len(calls) and all(c.id.startswith("call_") for c in calls)
+
+
+def test_hermes_open_block_ended_by_its_stop_string():
+    """parallel_tool_calls: false stops the answer at the first </tool_call>, which the text then
+    lacks: the block is a call only when that stop string is what ended the answer."""
+    hermes = PARSERS["hermes"]
+    text = f"Sure.\n<tool_call>\n{CALL}\n"
+    content, calls = _every_cutting(hermes, text, stop_reason="</tool_call>")
+    assert content == "Sure." and [c.name for c in calls] == ["get_weather"]
+    content, calls = _every_cutting(hermes, text, stop_reason="STOP")
+    assert content == text.strip() and calls == []
+
+
+@pytest.mark.parametrize("text, content, names", [
+    (f" {CALL.replace('arguments', 'parameters')}", None, ["get_weather"]),
+    (f"<|python_tag|>{CALL}", None, ["get_weather"]),
+    ('{"name": "f", "parameters": "{\\"x\\": 2}"}', None, ["f"]),   # arguments as a JSON string
+    ("The weather is fine.", "The weather is fine.", []),
+    ("<|python_tag|> then prose", "<|python_tag|> then prose", []),
+    (f"{CALL}; {CALL2}", f"{CALL}; {CALL2}", []),            # two objects: not this format, kept as text
+    ('{"x": 1}', '{"x": 1}', []),
+    ("{", "{", []),
+    ("", None, []),
+])
+def test_llama3_json(text, content, names):
+    got_content, calls = _every_cutting(PARSERS["llama3_json"], text)
+    assert got_content == content
+    assert [c.name for c in calls] == names
+
+
+def test_call_from_json_and_parser_names():
+    call = call_from_json('{"name": "f", "arguments": {"s": "caf\\u00e9"}}')
+    assert call.name == "f" and call.arguments == '{"s": "café"}'
+    assert call.to_openai() == {"id": call.id, "type": "function", "function": {"name": "f", "arguments": call.arguments}}
+    assert call.to_openai(3)["index"] == 3
+    for bad in ('{"name": ""}', '{"name": 3}', "[]", '{"name": "f", "arguments": "[1]"}', '{"name": "f", '):
+        assert call_from_json(bad) is None, bad
+    assert get_parser("hermes") is PARSERS["hermes"]
+    with pytest.raises(ValueError, match="hermes"):
+        get_parser("mistral")
