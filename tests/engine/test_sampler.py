@@ -14,7 +14,7 @@ DRAWS = 4000
 
 def fake_seq(params, prompt=(), output=(), index=0, bad_words_token_ids=()):
     tokens = list(prompt) + list(output)
-    return SimpleNamespace(params=params, index=index, generator=None, token_ids=tokens,
+    return SimpleNamespace(params=params, index=index, generator=None, matcher=None, token_ids=tokens,
                            num_prompt_tokens=len(prompt), output_token_ids=list(output),
                            num_output_tokens=len(output),
                            request=SimpleNamespace(bad_words_token_ids=bad_words_token_ids))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import os
 import socket
 import sys
@@ -439,11 +440,6 @@ def test_errors(server, client):
         assert _error(info.value)["param"] == "logit_bias" and what in _error(info.value)["message"], (bias, info.value)
     messages = [{"role": "user", "content": "hi"}]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    for kw, param in (({"response_format": {"type": "json_object"}}, "response_format"),
-                      (_extra(guided_choice=["a", "b"]), "guided_choice")):
-        with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model=MODEL, messages=messages, **kw)
-        assert _error(info.value)["param"] == param and "not supported" in _error(info.value)["message"], kw
     for kw, param, says in (({"tools": [tool]}, "tools", "--tool-call-parser"),  # this server has no parser
                             ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
                             ({"parallel_tool_calls": False}, "parallel_tool_calls", "needs tools")):
@@ -454,8 +450,8 @@ def test_errors(server, client):
         client.completions.create(model=MODEL, prompt="hi", **_extra(tools=[tool]))
     assert _error(info.value)["param"] == "tools"
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="hi", **_extra(guided_json={"type": "object"}))
-    assert _error(info.value)["param"] == "guided_json"
+        client.completions.create(model=MODEL, prompt="hi", **_extra(guided_whitespace_pattern=" "))
+    assert _error(info.value)["param"] == "guided_whitespace_pattern"
     with pytest.raises(openai.BadRequestError) as info:  # the engine's vocabulary check
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **_extra(allowed_token_ids=[10**7]))
     assert _error(info.value)["param"] == "allowed_token_ids"
@@ -835,22 +831,29 @@ ROME = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</t
 
 class ScriptedAnswer:
     """The engine's model runs as usual, but its sampler returns the tokens of a given answer, then
-    EOS: everything else (scheduler, detokenizer, stop strings, server, stream) is the real path."""
+    EOS: everything else (scheduler, detokenizer, stop strings, server, stream) is the real path.
+    answer(None): the real sampler again (the random model speaks)."""
 
     def __init__(self, engine):
         import torch
 
-        self.tokenizer, self.ids = engine.tokenizer, []
+        self.tokenizer, self.ids = engine.tokenizer, None
         eos = engine.tokenizer.eos_token_id
         engine.async_scheduling = False  # the sampler reads each sequence's output count
+        real_sample = engine.runner.sampler.sample
 
         def sample(logits, seqs):
+            if self.ids is None:
+                return real_sample(logits, seqs)
             return torch.tensor([self.ids[s.num_output_tokens] if s.num_output_tokens < len(self.ids) else eos
                                  for s in seqs], device=logits.device)
 
         engine.runner.sampler.sample = sample
 
-    def __call__(self, text: str) -> int:
+    def __call__(self, text: str | None) -> int:
+        if text is None:
+            self.ids = None
+            return 0
         self.ids = self.tokenizer.encode(text, add_special_tokens=False)
         assert self.tokenizer.decode(self.ids) == text
         return len(self.ids)
@@ -965,9 +968,11 @@ def test_tool_request_errors(tool_server, server):
     client = server.client()
     messages = [{"role": "user", "content": "hi"}]
     cases = [
-        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "constrained decoding"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-         "tool_choice", "constrained decoding"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "required"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+         "tool_choice", "not among the tools"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format", "cannot be combined"),
         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "name"),
         ({"tools": [{"type": "retrieval"}]}, "tools", "function"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools", "parameters"),
@@ -988,4 +993,76 @@ def test_tool_request_errors(tool_server, server):
     status, body = plain_server.http("POST", "/tokenize", json.dumps({"messages": messages, "tools": [WEATHER]}).encode())
     assert status == 400 and "does not render tools" in json.loads(body)["error"]["message"], body
     assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).choices
+    server.wait_idle()
+
+
+def test_tool_choice_required_and_named_hold_the_answer_to_calls(tool_server):
+    """tool_choice "required" / a named function: the answer is held to calls in the hermes format,
+    whatever the (random) model would say; the arguments follow the tool's schema."""
+    server, answer = tool_server
+    client = server.client()
+    answer(None)  # the random model speaks, under the grammar
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}}, "required": ["city"],
+            "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {
+                 "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+                 "additionalProperties": False}}}]
+    messages = [{"role": "user", "content": "Weather?"}]
+    for choice, names in (("required", {"get_weather", "get_time"}),
+                          ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice=choice, n=3,
+                                           temperature=1.0, seed=5, max_tokens=100, parallel_tool_calls=False)
+        for c in r.choices:
+            assert c.finish_reason == "tool_calls" and c.message.content is None, c
+            (call,) = c.message.tool_calls
+            assert call.function.name in names
+            args = json.loads(call.function.arguments)
+            assert args in ([{"city": x} for x in ("Paris", "Rome", "Oslo")] if call.function.name == "get_weather"
+                            else [{"zone": "UTC"}, {"zone": "CET"}]), args
+    server.wait_idle()
+
+
+def test_structured_outputs_through_the_server(server, client):
+    """response_format (json_schema, json_object) on chat, vLLM's guided_* and structured_outputs
+    on both endpoints: the random model's answers stay inside; bad specs get a 400 naming the field."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "n"],
+              "properties": {"city": {"enum": ["Paris", "Rome"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    messages = [{"role": "user", "content": "A city?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=messages, response_format=fmt, temperature=1.0, seed=3,
+                                       n=2, max_tokens=100)
+    for c in r.choices:
+        value = json.loads(c.message.content)
+        assert c.finish_reason == "stop" and value["city"] in ("Paris", "Rome") and 0 <= value["n"] <= 99, value
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, response_format=fmt, temperature=1.0,
+                                                 seed=3, n=2, max_tokens=100, stream=True))
+    for c in r.choices:  # the same seed streams the same answers
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks
+                       if ch.choices and ch.choices[0].index == c.index) == c.message.content
+    r = client.chat.completions.create(model=MODEL, messages=messages, response_format={"type": "json_object"},
+                                       max_tokens=60)
+    assert r.choices[0].message.content.startswith("{")
+
+    for extra, ok in (({"guided_choice": ["red", "green"]}, lambda t: t in ("red", "green")),
+                      ({"guided_regex": "[0-9]{3}"}, lambda t: re.fullmatch("[0-9]{3}", t)),
+                      ({"structured_outputs": {"choice": ["up", "down"], "regex": None}}, lambda t: t in ("up", "down")),
+                      ({"guided_grammar": 'start: "a" | "b"', "guided_decoding_backend": "xgrammar"},
+                       lambda t: t in ("a", "b"))):
+        out = client.completions.create(model=MODEL, prompt="the quick", max_tokens=20, n=2, temperature=1.0,
+                                        **_extra(**extra))
+        assert all(c.finish_reason == "stop" and ok(c.text) for c in out.choices), (extra, out.choices)
+
+    for kw, param, says in (
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+             "response_format", "not valid"),
+            ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+            ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}}, "response_format", "one way"),
+            ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex", "not valid"),
+            ({"extra_body": {"guided_choice": ["a"], "ignore_eos": True}}, "guided_choice", "ignore_eos"),
+            ({"extra_body": {"structured_outputs": {"xml": "<a/>"}}}, "structured_outputs", "exactly one of")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, **kw)
+        err = _error(info.value)
+        assert err["param"] == param and says in err["message"], (kw, err)
     server.wait_idle()

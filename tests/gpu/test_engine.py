@@ -11,7 +11,9 @@ runs batch differently, so they must match or first differ only at a near-tie
 these checkpoints use head_dim 64 (Qwen3: 128) and block_size 16.
 """
 
+import json
 import os
+import re
 
 import pytest
 import torch
@@ -206,6 +208,29 @@ def test_logit_bias_and_min_tokens_on_the_device(llama, eager_tokens):
         assert out.token_ids[4] == token and out.finish_reason == "stop" and out.stop_reason == reason
     assert len(outs[3].token_ids) == 12 and set(outs[3].token_ids) <= {5, 9, 300}, outs[3].token_ids
     assert_same_or_tie(llama, llm, eager_tokens[:2] + [outs[2].token_ids], eager_tokens[:3], "beside biased rows")
+    stats = llm.engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], f"blocks leaked: {stats}"
+
+
+def test_structured_outputs_on_the_device(llama, eager_tokens):
+    """Grammar masks on CUDA logits (pinned host bitmasks, non-blocking copies), CUDA graphs and async
+    scheduling on: constrained rows stay in their language, a free row in the same batch keeps the
+    eager run's greedy tokens (up to a near-tie: assert_same_or_tie)."""
+    pytest.importorskip("llguidance")
+    llm = LLM(llama[0], device="cuda", dtype="bfloat16", max_model_len=256, kv_cache_blocks=128, max_num_seqs=8)
+    schema = {"type": "object", "additionalProperties": False, "required": ["n"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}}}
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": schema}),
+              SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=40, structured_outputs={"regex": "[a-z]{3}-[0-9]{2}"}),
+              GREEDY,
+              SamplingParams(temperature=0.9, seed=4, max_tokens=40, structured_outputs={"choice": ["yes", "no"]})]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert 0 <= json.loads(outs[0].outputs[0].text)["n"] <= 999
+    assert all(re.fullmatch("[a-z]{3}-[0-9]{2}", c.text) for c in outs[1].outputs), [c.text for c in outs[1].outputs]
+    assert outs[3].outputs[0].text in ("yes", "no")
+    assert all(c.finish_reason == "stop" for i in (0, 1, 3) for c in outs[i].outputs)
+    assert_same_or_tie(llama, llm, eager_tokens[:2] + [outs[2].outputs[0].token_ids], eager_tokens[:3],
+                       "beside constrained rows")
     stats = llm.engine.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], f"blocks leaked: {stats}"
 

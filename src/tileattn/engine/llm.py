@@ -27,6 +27,7 @@ from .profiler import NULL, StepProfiler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request
+from .structured import GrammarCompiler
 from .tokenizer import TEMPLATE_VARIABLES
 
 
@@ -77,6 +78,7 @@ class LLMEngine:
         self.model_name = loaded.name
         self.generation_defaults = dict(loaded.generation_defaults)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.dtype = loaded.dtype
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
@@ -142,7 +144,11 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves "
                              "no room for an output token")
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         request = Request(request_id, ids, params, text, self._bad_words_token_ids(params.bad_words or ()))
+        if grammar is not None:
+            for seq in request.seqs:
+                seq.matcher = self.grammars.matcher(grammar)
         self.requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
@@ -242,6 +248,9 @@ class LLMEngine:
             lazy = finished_only and not params.stop
             if token in eos and not params.ignore_eos:
                 seq.finish_reason = "stop"  # stop_reason None: the model's own end
+            elif seq.matcher is not None and not seq.matcher.consume_token(token):
+                # not reached: the sampler allowed only tokens the grammar accepts
+                raise RuntimeError(f"structured output: the grammar refused token {token}: {seq.matcher.get_error()}")
             elif params.stop_token_ids and token in params.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
             else:
@@ -285,7 +294,7 @@ class LLMEngine:
         reach the host, so the GPU runs it while the host processes current's tokens. Only when
         that step is known without them: every sequence of current samples, none is waiting to be
         admitted, no sequence reads its tokens on the host to sample (penalties, a min_tokens not yet
-        reached, bad words of several tokens) or wants logprobs (their host copy would wait for the
+        reached, bad words of several tokens, a grammar) or wants logprobs (their host copy would wait for the
         step ahead), and the cache has room for every next token (otherwise the synchronous path
         preempts). Sequences that current's token finishes for certain (max_tokens, max_model_len)
         are left out; one that stops on EOS / a stop id / a stop string costs one dropped token.
@@ -299,7 +308,7 @@ class LLMEngine:
             p = seq.params
             if (p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
                     or p.frequency_penalty != 0.0 or seq.num_output_tokens < p.min_tokens
-                    or any(len(w) > 1 for w in seq.request.bad_words_token_ids)):
+                    or any(len(w) > 1 for w in seq.request.bad_words_token_ids) or seq.matcher is not None):
                 return None
             length = len(seq.token_ids) + 1  # with current's token
             if length - seq.num_prompt_tokens >= p.max_tokens or length >= self.max_model_len:

@@ -1,6 +1,6 @@
 """Batched sampling on the logits' device: one set of tensor ops for the whole batch, whatever
 mix of greedy, temperature, top-k, top-p, min-p, logit bias, penalties, min_tokens, allowed tokens,
-bad words and seeds its requests ask for.
+bad words, grammars (structured outputs) and seeds its requests ask for.
 
 Sampling uses the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with
 probability p_i, so a seeded request only needs its own noise row (drawn from its own
@@ -15,6 +15,7 @@ import math
 import torch
 
 from .profiler import NULL
+from .structured import fill_bitmasks
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -40,6 +41,7 @@ class Sampler:
         sequences' tokens on the host)."""
         logits = apply_penalties(apply_logit_bias(logits, seqs), seqs)
         logits = apply_allowed_tokens(apply_bans(logits, seqs, self.eos_token_ids), seqs)
+        logits = apply_grammar_masks(logits, seqs, self.eos_token_ids)
         if all(s.params.temperature == 0.0 for s in seqs):
             return argmax_rows(logits)  # [N]
         return self._sample(logits, seqs)
@@ -159,6 +161,30 @@ def apply_bans(logits: torch.Tensor, seqs, eos_token_ids) -> torch.Tensor:
         return logits
     index = _on_device(list(zip(*entries)), torch.int64, logits.device)  # [2, E]
     return logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))  # filled on the device: no copy
+
+
+def apply_grammar_masks(logits: torch.Tensor, seqs, eos_token_ids) -> torch.Tensor:
+    """-inf at the tokens each constrained row's grammar forbids now (structured outputs). logits
+    [N, V] -> [N, V] (a new tensor when any row is constrained). A grammar that allows no token
+    (one the vocabulary cannot finish) allows EOS: the answer ends there instead of taking a token
+    the grammar refuses. The masks come from the matchers' states on the host, which hold every
+    token sampled so far: a step run ahead must not sample such a row (LLMEngine._run_ahead)."""
+    rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    words = (vocab + 31) // 32
+    bitmask = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=logits.is_cuda)  # [R, W]
+    fill_bitmasks([seqs[row].matcher for row in rows], bitmask)
+    stuck = (bitmask == 0).all(dim=1)  # [R]
+    if stuck.any():
+        for token in eos_token_ids:
+            bitmask[stuck, token // 32] |= torch.tensor(1 << (token % 32)).to(torch.int32)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # made there: no host copy
+    bits = bitmask.to(logits.device, non_blocking=True)[:, :, None] >> shifts  # [R, W, 32]
+    allowed = (bits & 1).view(len(rows), words * 32)[:, :vocab].bool()  # [R, V]: bit j of word w is token 32 w + j
+    index = _on_device(rows, torch.int64, logits.device)
+    return logits.index_put((index,), logits[index].masked_fill(~allowed, float("-inf")))
 
 
 def apply_allowed_tokens(logits: torch.Tensor, seqs) -> torch.Tensor:

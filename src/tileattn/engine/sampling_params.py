@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from .structured import check_spec
+
 
 @dataclass
 class SamplingParams:
@@ -24,7 +26,11 @@ class SamplingParams:
     space, and the last token of such a sequence is banned whenever the output ends with the rest of
     it (a one-token word: always). logprobs / prompt_logprobs: the top-n log-probabilities (of the
     model's raw distribution, before logit_bias, penalties and temperature) plus the chosen token's,
-    per sampled / prompt token.
+    per sampled / prompt token. structured_outputs (vLLM's): {kind: value} with one kind of
+    structured.SPEC_KINDS ("json": a schema, "json_object": True, "regex", "choice": a list of
+    strings, "grammar": Lark or GBNF): the answer is held to it (structured.py); not with
+    ignore_eos, min_tokens, allowed_token_ids or bad_words (an answer the grammar ends must be able
+    to end, and a ban could leave no token the grammar allows).
     Raises ValueError naming the bad field, from the constructor and from validate().
     """
 
@@ -49,6 +55,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: dict | None = None
 
     def __post_init__(self):
         self.validate()
@@ -117,6 +124,14 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.structured_outputs is not None:
+            check_spec(self.structured_outputs)
+            clashes = [name for name, on in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens),
+                                             ("allowed_token_ids", self.allowed_token_ids),
+                                             ("bad_words", self.bad_words)) if on]
+            if clashes:
+                raise ValueError(f"structured_outputs cannot be combined with {', '.join(clashes)}: the grammar "
+                                 "decides which tokens may come and when the answer ends")
 
     @property
     def greedy(self) -> bool:

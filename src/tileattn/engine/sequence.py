@@ -43,6 +43,7 @@ class Sequence:
         self.last_block_hash = None       # chained hash of block num_hashed_blocks - 1
         self.status = SequenceStatus.WAITING
         self.generator = None             # torch.Generator of a seeded request, made by the sampler
+        self.matcher = None               # llguidance matcher of a structured-output request (structured.py)
         self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason = None

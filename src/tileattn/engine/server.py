@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 import sys
 import threading
 import time
@@ -282,6 +283,13 @@ class _SamplingRequest(_Body):
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM extra: keep the prompt's last k tokens
     bad_words: list[str] | None = None                # vLLM extra body field
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM extra: per prompt token, non-streamed
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* extras
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
@@ -548,14 +556,58 @@ class Generation:
 # Request -> engine inputs
 
 
+def _structured_spec(req: _SamplingRequest) -> tuple[dict | None, str | None]:
+    """(the SamplingParams.structured_outputs spec, the request field it came from) of OpenAI's
+    response_format or vLLM's structured_outputs / guided_* fields; (None, None) when none is set.
+    400 for more than one, or for a response_format that is not text, json_object or json_schema."""
+    given = {name: getattr(req, name) for name in ("response_format", "structured_outputs", "guided_json",
+                                                   "guided_regex", "guided_choice", "guided_grammar")
+             if getattr(req, name) is not None}
+    if given.get("response_format", {}).get("type") == "text":
+        del given["response_format"]
+    if len(given) > 1:
+        raise APIError(400, f"Give one way of structuring the output, got {sorted(given)}.", param=sorted(given)[1])
+    if not given:
+        return None, None
+    (name, value), = given.items()
+    if name == "response_format":
+        kind = value.get("type")
+        if kind == "json_object":
+            return {"json_object": True}, name
+        if kind == "json_schema" and isinstance(value.get("json_schema"), dict) and "schema" in value["json_schema"]:
+            return {"json": value["json_schema"]["schema"]}, name
+        raise APIError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                            "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}.",
+                       param=name)
+    if name == "structured_outputs":
+        return {kind: v for kind, v in value.items() if v is not None}, name  # vLLM sends unset kinds as null
+    return {name.removeprefix("guided_"): value}, name
+
+
+@contextlib.contextmanager
+def _structured_errors_named(source: str | None):
+    """A 400 about the structured_outputs spec (its checks in SamplingParams, its compilation in the
+    engine) names the request field the spec came from."""
+    try:
+        yield
+    except APIError as exc:
+        if exc.param == "structured_outputs" and source is not None:
+            exc.param = source
+        raise
+
+
 def _sampling_params(state: ServerState, req: _SamplingRequest, max_tokens: int,
-                     logprobs: int | None, prompt_logprobs: int | None, stop_after: str | None = None) -> SamplingParams:
-    """stop_after: one more stop string (the tool-call parser's, for parallel_tool_calls: false)."""
+                     logprobs: int | None, prompt_logprobs: int | None, stop_after: str | None = None,
+                     structured: dict | None = None) -> SamplingParams:
+    """stop_after: one more stop string (the tool-call parser's, for parallel_tool_calls: false);
+    structured: the structured_outputs spec (_structured_spec, or the one that forces a tool call)."""
     overrides = {k: getattr(req, k) for k in (
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
         "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "include_stop_str_in_output",
         "allowed_token_ids", "bad_words", "ignore_eos", "skip_special_tokens")
         if getattr(req, k) is not None}
+    if structured is not None:
+        overrides["structured_outputs"] = structured
     if stop_after is not None:
         stop = overrides.get("stop") or []
         overrides["stop"] = [*([stop] if isinstance(stop, str) else stop), stop_after]
@@ -581,7 +633,7 @@ _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 def _sampling_param(exc: ValueError) -> str | None:
     """The SamplingParams field a ValueError names (SamplingParams' messages and the engine's checks
     of token ids against the vocabulary start with it), else None."""
-    name = str(exc).split(" ", 1)[0]
+    name = re.split(r"[ \[:]", str(exc), maxsplit=1)[0]  # "structured_outputs['json'] is ...": the field
     return name if name in _SAMPLING_FIELDS else None
 
 
@@ -626,28 +678,47 @@ def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
 
 
 def _chat_tools(state: ServerState, req: ChatRequest):
-    """(the tools to render, the parser of the answer) for a chat request: (None, None) without
-    tools or with tool_choice "none" (the model is not shown them). 400 for a tool_choice that needs
-    constrained decoding ("required", a named function), for tools on a server started without a
-    tool-call parser, and for tools the model's template does not render."""
+    """(the tools to render, the parser of the answer, the structured_outputs spec that forces
+    calls or None) for a chat request: (None, None, None) without tools or with tool_choice "none"
+    (the model is not shown them). tool_choice "required" or {"type": "function", "function":
+    {"name": ...}} holds the answer to calls in the parser's format (all tools / the named one; with
+    "required" one or more unless parallel_tool_calls is false). 400 for another tool_choice, for
+    tools on a server started without a tool-call parser, and for tools the model's template does
+    not render."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools.", param="tool_choice")
         if req.parallel_tool_calls is not None:
             raise APIError(400, "parallel_tool_calls needs tools.", param="parallel_tool_calls")
-        return None, None
+        return None, None, None
     _check_tool_schemas(req.tools)
-    if choice not in (None, "auto", "none"):
-        raise APIError(400, f"tool_choice {choice!r} is not supported: forcing a call needs constrained decoding, "
-                            "which this server does not do; use \"auto\" or \"none\".", param="tool_choice")
+    named = None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        named = function.get("name") if choice.get("type") == "function" and isinstance(function, dict) else None
+        if not isinstance(named, str):
+            raise APIError(400, "tool_choice must be \"none\", \"auto\", \"required\" or "
+                                "{\"type\": \"function\", \"function\": {\"name\": ...}}.", param="tool_choice")
+    elif choice not in (None, "auto", "none", "required"):
+        raise APIError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or a function, got {choice!r}.",
+                       param="tool_choice")
     if choice == "none":
-        return None, None
-    if state.tool_parser is None:
+        return None, None, None
+    parser = state.tool_parser
+    if parser is None:
         raise APIError(400, "This server parses no tool calls: start it with --tool-call-parser "
                             "(hermes for Qwen2.5 / Qwen3 / Hermes, llama3_json for Llama 3.x).", param="tools")
     _check_template_renders_tools(state)
-    return req.tools, state.tool_parser
+    forced = None
+    if choice == "required":
+        forced = parser.forced_calls(req.tools, several=req.parallel_tool_calls is not False)
+    elif named is not None:
+        tools = [t for t in req.tools if t["function"]["name"] == named]
+        if not tools:
+            raise APIError(400, f"tool_choice names {named!r}, which is not among the tools.", param="tool_choice")
+        forced = parser.forced_calls(tools[:1], several=False)
+    return req.tools, parser, forced
 
 
 def _check_tool_schemas(tools: list[dict]) -> None:
@@ -870,8 +941,9 @@ def _refuse_unsupported(req: _Body) -> None:
     extra = req.model_extra or {}
     for name, value in extra.items():
         refused = _UNHONOURED_EXTRAS.get(name)
-        if refused is None and (name.startswith("guided_") or name == "structured_outputs"):
-            refused = _UNHONOURED_EXTRAS["structured_outputs"]  # vLLM's guided_json, guided_choice, ...
+        if refused is None and name.startswith("guided_") and name != "guided_decoding_backend":
+            refused = (lambda v: v is not None, "the guided_* fields served are guided_json, guided_regex, "
+                                                "guided_choice and guided_grammar")  # e.g. guided_whitespace_pattern
         if refused is not None and refused[0](value):
             raise APIError(400, f"{name} is not supported: {refused[1]}.", param=name)
 
@@ -879,15 +951,12 @@ def _refuse_unsupported(req: _Body) -> None:
 # Extra body fields (OpenAI's tool calls, structured output and audio, vLLM's guided decoding and
 # sampling / chat extras) that change the answer when set, and which the engine does not implement:
 # field -> (is it set?, why not).
-_NO_TOOLS, _NO_CONSTRAINTS = "tools are read in chat completions only", "this server does no constrained decoding"
+_NO_TOOLS = "tools are read in chat completions only"
 _UNHONOURED_EXTRAS = {
     "tools": (bool, _NO_TOOLS),  # a chat request declares tools, tool_choice and parallel_tool_calls
     "tool_choice": (lambda v: v not in (None, "none"), _NO_TOOLS),
     "functions": (bool, "the deprecated functions API is not served; use tools"),
     "function_call": (lambda v: v not in (None, "none"), "the deprecated functions API is not served; use tool_choice"),
-    "response_format": (lambda v: v is not None and not (isinstance(v, dict) and v.get("type") == "text"),
-                        _NO_CONSTRAINTS + " (only {\"type\": \"text\"})"),
-    "structured_outputs": (lambda v: v is not None, _NO_CONSTRAINTS),
     "logits_processors": (bool, "the sampler runs no custom logits processors"),
     "use_beam_search": (bool, "the engine samples, it does no beam search"),
     "length_penalty": (lambda v: v not in (None, 1), "the engine does no beam search"),
@@ -912,11 +981,13 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
         raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
     prompts = [_truncated(req, p) for p in _completion_prompts(state, req.prompt)]
     max_tokens = min(_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts)
-    params = _sampling_params(state, req, max_tokens, req.logprobs,
-                              _prompt_logprobs_param(req, req.logprobs if req.echo else None))
+    structured, source = _structured_spec(req)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    gen = Generation(state, rid, prompts, params, arrival)
-    await gen.start()
+    with _structured_errors_named(source):
+        params = _sampling_params(state, req, max_tokens, req.logprobs,
+                                  _prompt_logprobs_param(req, req.logprobs if req.echo else None), None, structured)
+        gen = Generation(state, rid, prompts, params, arrival)
+        await gen.start()
     base = {"id": rid, "object": "text_completion", "created": int(time.time()),
             "model": state.served_model_name}
     n = params.n
@@ -1021,7 +1092,13 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
         raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
-    tools, parser = _chat_tools(state, req)
+    tools, parser, forced = _chat_tools(state, req)
+    structured, source = _structured_spec(req)
+    if forced is not None:
+        if structured is not None:
+            raise APIError(400, f"tool_choice {req.tool_choice!r} cannot be combined with {source}: the answer is "
+                                "held to the tool calls.", param=source)
+        structured, source = forced, "tool_choice"
     prompt = _truncated(req, _chat_prompt(state, req, tools))
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None and state.defaults.get("max_new_tokens"):
@@ -1029,11 +1106,12 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
     max_tokens = _check_length(state, len(prompt), max_tokens, "messages")
     top_n = req.top_logprobs or 0
     stop_after = parser.one_call_stop if parser is not None and req.parallel_tool_calls is False else None
-    params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None,
-                              _prompt_logprobs_param(req, None), stop_after)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = Generation(state, rid, [prompt], params, arrival)
-    await gen.start()
+    with _structured_errors_named(source):
+        params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None,
+                                  _prompt_logprobs_param(req, None), stop_after, structured)
+        gen = Generation(state, rid, [prompt], params, arrival)
+        await gen.start()
     base = {"id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": state.served_model_name}
 

@@ -80,6 +80,12 @@ class _Parser:
     def stream(self):
         raise NotImplementedError
 
+    def forced_calls(self, tools: list[dict], several: bool) -> dict:
+        """The structured_outputs spec (engine/structured.py) of an answer that is nothing but calls
+        of ``tools`` in this format (tool_choice "required" or a named function): one call, or with
+        ``several`` one or more."""
+        raise NotImplementedError
+
     def parse(self, text: str, stop_reason=None) -> tuple[str | None, list[ToolCall]]:
         """A whole answer -> (content or None, calls); stop_reason: the engine's (the stop string
         that ended the answer, if one did)."""
@@ -95,6 +101,10 @@ class HermesParser(_Parser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
     one_call_stop = END
+
+    def forced_calls(self, tools: list[dict], several: bool) -> dict:
+        block = f'block: "{START_LARK}" call "{END_LARK}"\ncall: %json {json.dumps(call_schema(tools, "arguments"))}'
+        return {"grammar": ("start: block (\"\\n\" block)*\n" if several else "start: block\n") + block}
 
     def stream(self) -> _HermesStream:
         return _HermesStream()
@@ -153,6 +163,9 @@ class Llama3JsonParser(_Parser):
     PYTHON_TAG = "<|python_tag|>"
     one_call_stop = None  # the format holds one call per answer
 
+    def forced_calls(self, tools: list[dict], several: bool) -> dict:
+        return {"json": call_schema(tools, "parameters")}
+
     def stream(self) -> _Llama3JsonStream:
         return _Llama3JsonStream()
 
@@ -189,6 +202,21 @@ class _Llama3JsonStream:
             if call is not None:
                 return "", [call]
         return self.content.push(text), []
+
+
+# the hermes block's delimiters as Lark string literals (the newlines Qwen's and Hermes' templates put inside)
+START_LARK, END_LARK = "<tool_call>\\n", "\\n</tool_call>"
+
+
+def call_schema(tools: list[dict], arguments_key: str) -> dict:
+    """The JSON schema of one call of any of ``tools``: {"name": one tool's name, arguments_key:
+    that tool's parameters}, laid out as structured.py lays out JSON (", ", ": ", no free whitespace)."""
+    options = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
+                "properties": {"name": {"const": t["function"]["name"]},
+                               arguments_key: t["function"].get("parameters") or {"type": "object"}}}
+               for t in tools]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
 
 
 PARSERS = {p.name: p for p in (HermesParser(), Llama3JsonParser())}

@@ -1,0 +1,150 @@
+"""Structured outputs on a tiny random-init Llama (CPU): whatever the model would say, the answer
+stays inside the JSON schema, regex, choice list or grammar; free rows of the same batch are
+untouched; bad specs are refused before anything is queued."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("llguidance")
+
+from tileattn.engine import LLMEngine, SamplingParams  # noqa: E402
+from tileattn.engine import sampler as sampler_module  # noqa: E402
+
+from .checkpoints import make_checkpoint  # noqa: E402
+
+PROMPTS = ["hello world", "the quick brown fox", "paged attention keeps"]
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "n", "ok"],
+          "properties": {"city": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 999},
+                         "ok": {"type": "boolean"}, "unit": {"enum": ["C", "F"]}}}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    make_checkpoint(path, "llama3")
+    return LLMEngine.from_model(str(path), device="cpu", max_model_len=256, kv_cache_blocks=128, block_size=8)
+
+
+def generate(engine, prompts, params_list) -> list[list]:
+    """All requests in one batch; per request its completions (CompletionOutput)."""
+    for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+        engine.add_request(f"r{i}", prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step(finished_only=True):
+            done[out.request_id] = out.outputs
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def _check_schema(value):
+    assert isinstance(value, dict) and set(value) - {"unit"} == {"city", "n", "ok"}, value
+    assert isinstance(value["city"], str) and len(value["city"]) <= 6
+    assert isinstance(value["n"], int) and not isinstance(value["n"], bool) and 0 <= value["n"] <= 999
+    assert isinstance(value["ok"], bool) and value.get("unit", "C") in ("C", "F")
+
+
+CASES = {
+    "json": ({"json": SCHEMA}, lambda text: _check_schema(json.loads(text))),
+    "regex": ({"regex": r"[a-z]{2,6}-[0-9]{2}"}, lambda text: re.fullmatch(r"[a-z]{2,6}-[0-9]{2}", text) or 1 / 0),
+    "choice": ({"choice": ["paris", "rome", "lazy dog"]}, lambda text: text in ("paris", "rome", "lazy dog") or 1 / 0),
+    "lark": ({"grammar": 'start: "yes" | "no" " sir" | "n=" /[0-9]{1,3}/'},
+             lambda text: re.fullmatch(r"yes|no sir|n=[0-9]{1,3}", text) or 1 / 0),
+    "gbnf": ({"grammar": 'root ::= "alpha" | "beta" [0-9]'}, lambda text: text in ("alpha", *(f"beta{d}" for d in range(10))) or 1 / 0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_kind_holds_every_answer(engine, case, temperature):
+    spec, check = CASES[case]
+    params = SamplingParams(temperature=temperature, seed=7, n=2, max_tokens=80, structured_outputs=spec)
+    for completions in generate(engine, PROMPTS, [params] * len(PROMPTS)):
+        for c in completions:
+            assert c.finish_reason == "stop" and c.stop_reason is None, (case, c.text, c.finish_reason)
+            check(c.text)
+    assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
+
+
+def test_json_object(engine):
+    """Any JSON object: unbounded, so a random model may run out of tokens inside one; every answer
+    that ended by itself parses to a dict, and every answer starts as one."""
+    params = SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=120, structured_outputs={"json_object": True})
+    outs = [c for completions in generate(engine, PROMPTS, [params] * len(PROMPTS)) for c in completions]
+    ended = [c for c in outs if c.finish_reason == "stop"]
+    assert ended, [c.text for c in outs]
+    for c in ended:
+        assert isinstance(json.loads(c.text), dict), c.text
+    assert all(c.text.startswith("{") for c in outs)
+
+
+def test_constrained_rows_beside_free_rows(engine):
+    """A batch that mixes constrained and free requests (async scheduling on, as by default): the
+    free ones get exactly the tokens they get alone, the constrained ones stay in their language."""
+    assert engine.async_scheduling
+    free = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    alone = [c.token_ids for (c,) in generate(engine, PROMPTS, [free] * 3)]
+    choice = SamplingParams(temperature=0, max_tokens=20, structured_outputs={"choice": ["yes", "no"]})
+    regex = SamplingParams(temperature=1.0, seed=1, max_tokens=20, structured_outputs={"regex": "[0-9]{4}"})
+    mixed = generate(engine, PROMPTS + PROMPTS[:2], [free] * 3 + [choice, regex])
+    assert [c.token_ids for (c,) in mixed[:3]] == alone
+    assert mixed[3][0].text in ("yes", "no") and re.fullmatch("[0-9]{4}", mixed[4][0].text)
+
+
+def test_grammar_masks_unpack_bits_and_fall_back_to_eos(monkeypatch):
+    """apply_grammar_masks on hand-made bitmasks: bit j of word w is token 32 w + j; a row whose
+    grammar allows nothing may take EOS only; rows without a grammar are untouched."""
+    class Seq:
+        def __init__(self, matcher):
+            self.matcher = matcher
+
+    allowed = {"a": [5, 40, 95], "b": []}
+
+    def fill(matchers, bitmask):
+        bitmask.zero_()
+        for k, m in enumerate(matchers):
+            for t in allowed[m]:
+                bitmask[k, t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32)
+
+    monkeypatch.setattr(sampler_module, "fill_bitmasks", fill)
+    logits = torch.randn(3, 100)
+    out = sampler_module.apply_grammar_masks(logits, [Seq("a"), Seq(None), Seq("b")], eos_token_ids=(1, 63))
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [5, 40, 95]
+    assert torch.equal(out[1], logits[1])
+    assert torch.isfinite(out[2]).nonzero().flatten().tolist() == [1, 63]
+    assert torch.equal(out[0, [5, 40, 95]], logits[0, [5, 40, 95]])
+
+
+@pytest.mark.parametrize("spec, says", [
+    ({"json": "{not json"}, "structured_outputs['json'] is not valid"),
+    ({"json": {"type": "strin"}}, "structured_outputs['json'] is not valid"),
+    ({"regex": "a(b"}, "structured_outputs['regex'] is not valid"),
+    ({"grammar": "start: ???"}, "structured_outputs['grammar'] is not valid"),
+])
+def test_bad_specs_raise_before_queueing(engine, spec, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        engine.add_request("bad", "hello", SamplingParams(structured_outputs=spec))
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"structured_outputs": {"json": SCHEMA, "regex": "a"}}, "exactly one of"),
+    ({"structured_outputs": {"xml": "<a/>"}}, "exactly one of"),
+    ({"structured_outputs": ["json"]}, "exactly one of"),
+    ({"structured_outputs": {"choice": []}}, "non-empty list"),
+    ({"structured_outputs": {"json_object": "yes"}}, "true"),
+    ({"structured_outputs": {"regex": ""}}, "regular expression"),
+    ({"structured_outputs": {"choice": ["a"]}, "ignore_eos": True}, "ignore_eos"),
+    ({"structured_outputs": {"choice": ["a"]}, "min_tokens": 2}, "min_tokens"),
+    ({"structured_outputs": {"choice": ["a"]}, "allowed_token_ids": [3]}, "allowed_token_ids"),
+    ({"structured_outputs": {"choice": ["a"]}, "bad_words": ["a"]}, "bad_words"),
+])
+def test_sampling_params_refuse_malformed_specs(fields, says):
+    with pytest.raises(ValueError, match=says) as info:
+        SamplingParams(**fields)
+    assert str(info.value).startswith("structured_outputs")
