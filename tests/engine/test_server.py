@@ -1066,3 +1066,23 @@ def test_structured_outputs_through_the_server(server, client):
         err = _error(info.value)
         assert err["param"] == param and says in err["message"], (kw, err)
     server.wait_idle()
+
+
+def test_api_key(checkpoint):
+    """--api-key: the OpenAI endpoints and /tokenize need the key (a 401 otherwise, before any work);
+    /health and /metrics stay open for monitoring."""
+    with pytest.raises(ValueError, match="api_key"):
+        create_app(make_engine(checkpoint), MODEL, api_key=" ")
+    with ServerThread(create_app(make_engine(checkpoint), MODEL, api_key="s3cret")) as s:
+        for key in ("wrong", "s3cre"):
+            with pytest.raises(openai.AuthenticationError) as info:
+                openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0).completions.create(
+                    model=MODEL, prompt="hi", max_tokens=2)
+            assert _error(info.value)["code"] == "invalid_api_key"
+        assert s.http("POST", "/tokenize", json.dumps({"prompt": "hi"}).encode())[0] == 401
+        assert s.http("GET", "/v1/models")[0] == 401
+        assert s.http("GET", "/health")[0] == 200 and s.http("GET", "/metrics")[0] == 200
+        good = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        assert good.models.list().data[0].id == MODEL
+        assert s.engine_stats()["num_running"] == 0

@@ -21,8 +21,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
+import os
 import re
 import sys
 import threading
@@ -1204,7 +1206,7 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
 
 
 def create_app(engine, served_model_name: str | None = None, *, max_queue_depth: int = 1024,
-               tool_call_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, api_key: str | None = None) -> FastAPI:
     """A FastAPI app serving ``engine`` (a tileattn.engine.LLMEngine, or anything with its API).
 
     served_model_name: the name clients pass as ``model`` (None -> engine.model_name).
@@ -1213,11 +1215,15 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
     tool_call_parser: how chat answers are read for tool calls when a request has ``tools`` (a name
         in tileattn.engine.tool_calls.PARSERS: "hermes", "llama3_json"); None: requests with tools
         get a 400.
+    api_key: when set, every request but GET /health and GET /metrics must carry
+        ``Authorization: Bearer <api_key>`` (OpenAI clients send their api_key so); others get a 401.
     The engine thread starts with the app's lifespan and stops (aborting what is left) at shutdown.
-    Raises ValueError for max_queue_depth < 1 or an unknown tool_call_parser.
+    Raises ValueError for max_queue_depth < 1, an unknown tool_call_parser or an empty api_key.
     """
     if not isinstance(max_queue_depth, int) or max_queue_depth < 1:
         raise ValueError(f"max_queue_depth must be an int >= 1, got {max_queue_depth!r}")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise ValueError("api_key must be a non-empty string (None: no key)")
     state = ServerState(engine, served_model_name or engine.model_name, max_queue_depth, tool_call_parser)
 
     @contextlib.asynccontextmanager
@@ -1234,6 +1240,18 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
 
     app = FastAPI(title="tileattn", lifespan=lifespan)
     app.state.server = state
+
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            open_path = request.method == "GET" and request.url.path in ("/health", "/metrics")
+            given = request.headers.get("authorization", "").encode()
+            if not open_path and not hmac.compare_digest(given, expected):
+                return APIError(401, "Incorrect API key provided: send Authorization: Bearer <the server's "
+                                     "--api-key>.", code="invalid_api_key").response()
+            return await call_next(request)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -1333,6 +1351,9 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
                    help="most requests admitted at once (running + waiting); more get 503")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-access-log", action="store_true", help="no uvicorn line per HTTP request")
+    p.add_argument("--api-key", default=os.environ.get("TILEATTN_API_KEY") or None,
+                   help="require Authorization: Bearer KEY on every endpoint but /health and /metrics "
+                        "(default: $TILEATTN_API_KEY; unset: no key)")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="read chat answers for tool calls in this format (hermes: Qwen2.5 / Qwen3 / Hermes; "
                         "llama3_json: Llama 3.x); without it, requests with tools get a 400")
@@ -1370,7 +1391,7 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         engine = LLMEngine.from_model(args.model, **{k: getattr(args, k) for k in _ENGINE_OPTIONS})
         app = create_app(engine, args.served_model_name or args.model, max_queue_depth=args.max_queue_depth,
-                         tool_call_parser=args.tool_call_parser)
+                         tool_call_parser=args.tool_call_parser, api_key=args.api_key)
     except (ValueError, FileNotFoundError) as exc:  # bad checkpoint or option: say which, no traceback
         if engine is not None:
             engine.shutdown()
