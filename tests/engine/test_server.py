@@ -861,8 +861,8 @@ class ScriptedAnswer:
 
 @pytest.fixture(scope="module")
 def tool_server(checkpoint, tmp_path_factory):
-    """A server with --tool-call-parser hermes over the tiny checkpoint with TOOL_TEMPLATE, and the
-    ScriptedAnswer that decides what its model says."""
+    """A server with --tool-call-parser hermes and --reasoning-parser qwen3 over the tiny checkpoint
+    with TOOL_TEMPLATE, and the ScriptedAnswer that decides what its model says."""
     import shutil
 
     path = str(tmp_path_factory.mktemp("tool_llama") / "ckpt")
@@ -871,7 +871,7 @@ def tool_server(checkpoint, tmp_path_factory):
         f.write(TOOL_TEMPLATE)
     engine = make_engine(path, max_model_len=512)  # the tools' JSON takes many of the tiny vocabulary's tokens
     answer = ScriptedAnswer(engine)
-    with ServerThread(create_app(engine, MODEL, tool_call_parser="hermes")) as s:
+    with ServerThread(create_app(engine, MODEL, tool_call_parser="hermes", reasoning_parser="qwen3")) as s:
         yield s, answer
 
 
@@ -1086,3 +1086,26 @@ def test_api_key(checkpoint):
         assert good.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
         assert good.models.list().data[0].id == MODEL
         assert s.engine_stats()["num_running"] == 0
+
+
+def test_reasoning_apart_from_content_and_calls(tool_server):
+    """--reasoning-parser qwen3: the <think> block goes to reasoning_content, whole and streamed; a
+    tool call after it is still a call; an answer without the block is all content."""
+    server, answer = tool_server
+    client = server.client()
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    for text, reasoning, content, calls in (
+            ("<think>\nThe user wants Paris.\n</think>\n\n" + PARIS, "The user wants Paris.", None, 1),
+            ("<think>\nEasy.\n</think>\n\nIt is sunny.", "Easy.", "It is sunny.", 0),
+            ("It is sunny.", None, "It is sunny.", 0)):
+        answer(text)
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+        message = r.choices[0].message
+        assert (message.reasoning_content, message.content, len(message.tool_calls or [])) == (reasoning, content, calls)
+        assert r.choices[0].finish_reason == ("tool_calls" if calls else "stop")
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], stream=True))
+        deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == (reasoning or "")
+        assert "".join(d.content or "" for d in deltas) == (content or "")
+        assert sum(len(d.tool_calls or []) for d in deltas) == calls
+    server.wait_idle()

@@ -42,6 +42,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .sampling_params import SamplingParams
 from .tokenizer import TEMPLATE_VARIABLES
+from .reasoning import PARSERS as REASONING_PARSERS
+from .reasoning import get_parser as get_reasoning_parser
 from .tool_calls import PARSERS, get_parser
 
 log = logging.getLogger("tileattn.serve")
@@ -396,11 +398,13 @@ class _EngineCollector:
 class ServerState:
     """The engine, its thread, the open generations and the metrics of one app."""
 
-    def __init__(self, engine, served_model_name: str, max_queue_depth: int, tool_call_parser: str | None):
+    def __init__(self, engine, served_model_name: str, max_queue_depth: int, tool_call_parser: str | None,
+                 reasoning_parser: str | None):
         self.engine = engine
         self.served_model_name = served_model_name
         self.max_queue_depth = max_queue_depth
         self.tool_parser = get_parser(tool_call_parser) if tool_call_parser is not None else None
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser is not None else None
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
         self.defaults: dict = dict(engine.generation_defaults or {})
@@ -1080,9 +1084,47 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
     return {**base, "choices": choices, "usage": _usage(prompts, completion_tokens)}
 
 
-def _chat_finish_reason(finish_reason: str, num_calls: int) -> str:
-    """OpenAI's "tool_calls" for an answer that ended by itself with calls in it."""
-    return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
+class _ChatAnswer:
+    """One chat choice's text -> its reasoning, content and tool calls, through the server's
+    reasoning parser (first) and the request's tool-call parser (on the content), whole or delta by
+    delta; the deltas of a stream add up to the whole answer's parts."""
+
+    def __init__(self, reasoning_parser, tool_parser):
+        self.reasoning = reasoning_parser.stream() if reasoning_parser is not None else None
+        self.tools = tool_parser.stream() if tool_parser is not None else None
+        self.calls_sent = 0
+
+    def feed(self, text: str, finish_reason=None, stop_reason=None) -> tuple[str, str, list]:
+        """(reasoning, content, calls) of the next delta; finish_reason set: the answer's last."""
+        reasoning, content, calls = "", text, []
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.feed(text)
+            if finish_reason is not None:
+                more_reasoning, more_content = self.reasoning.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+        if self.tools is not None:
+            content, calls = self.tools.feed(content)
+            if finish_reason is not None:
+                more_content, more_calls = self.tools.finish(stop_reason)
+                content, calls = content + more_content, calls + more_calls
+        self.calls_sent += len(calls)
+        return reasoning, content, calls
+
+    def finish_reason(self, finish_reason: str) -> str:
+        """OpenAI's "tool_calls" for an answer that ended by itself with calls in it."""
+        return "tool_calls" if self.calls_sent and finish_reason == "stop" else finish_reason
+
+    def message(self, text: str, finish_reason: str, stop_reason) -> dict:
+        """The non-streamed message of a whole answer (content None when parsers left nothing)."""
+        reasoning, content, calls = self.feed(text, finish_reason, stop_reason)
+        if self.reasoning is None and self.tools is None:
+            return {"role": "assistant", "content": text}
+        message = {"role": "assistant", "content": content or None}
+        if self.reasoning is not None:
+            message["reasoning_content"] = reasoning or None
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
+        return message
 
 
 async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
@@ -1130,9 +1172,7 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
                 body["usage"] = None
             return _sse(body)
 
-        # per choice: the parser's stream state and the number of calls sent
-        tool_streams = [parser.stream() for _ in range(params.n)] if parser is not None else None
-        calls_sent = [0] * params.n
+        answers = [_ChatAnswer(state.reasoning_parser, parser) for _ in range(params.n)]
 
         async def events():
             counts = 0
@@ -1147,25 +1187,21 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
                             lp = None
                             if req.logprobs and c.token_ids:
                                 lp = {"content": _chat_logprobs(state, c.token_ids, c.logprobs, top_n)}
-                            content, calls = c.text, []
-                            if tool_streams is not None:
-                                stream = tool_streams[c.index]
-                                content, calls = stream.feed(c.text)
-                                if c.finish_reason is not None:
-                                    tail, more = stream.finish(c.stop_reason)
-                                    content, calls = content + tail, calls + more
-                            if content or calls or c.token_ids or lp is not None:
-                                delta = {"content": content} if content or not calls else {}
+                            answer = answers[c.index]
+                            first = answer.calls_sent
+                            reasoning, content, calls = answer.feed(c.text, c.finish_reason, c.stop_reason)
+                            if reasoning or content or calls or c.token_ids or lp is not None:
+                                delta = {"content": content} if content or not (calls or reasoning) else {}
+                                if reasoning:
+                                    delta["reasoning_content"] = reasoning
                                 if calls:
-                                    first = calls_sent[c.index]
                                     delta["tool_calls"] = [call.to_openai(first + k) for k, call in enumerate(calls)]
-                                    calls_sent[c.index] += len(calls)
                                 if req.return_token_ids:
                                     delta["token_ids"] = c.token_ids
                                 parts.append(chunk(c.index, delta, logprobs=lp))
                             if c.finish_reason is not None:
-                                reason = _chat_finish_reason(c.finish_reason, calls_sent[c.index])
-                                parts.append(chunk(c.index, {}, reason, stop_reason=c.stop_reason))
+                                parts.append(chunk(c.index, {}, answer.finish_reason(c.finish_reason),
+                                                   stop_reason=c.stop_reason))
                     if parts:  # one write for everything this wake-up produced
                         yield "".join(parts)
                 if include_usage:
@@ -1185,13 +1221,10 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
         text, token_ids, logprobs = c.final
         completion_tokens += len(token_ids)
         lp = {"content": _chat_logprobs(state, token_ids, logprobs, top_n)} if req.logprobs else None
-        message, calls = {"role": "assistant", "content": text}, []
-        if parser is not None:
-            message["content"], calls = parser.parse(text, c.stop_reason)
-            if calls:
-                message["tool_calls"] = [call.to_openai() for call in calls]
+        answer = _ChatAnswer(state.reasoning_parser, parser)
+        message = answer.message(text, c.finish_reason, c.stop_reason)
         choice = {"index": c.index, "message": message, "logprobs": lp,
-                  "finish_reason": _chat_finish_reason(c.finish_reason, len(calls)), "stop_reason": c.stop_reason}
+                  "finish_reason": answer.finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
         if req.return_token_ids:
             choice.update(prompt_token_ids=prompt, token_ids=token_ids)
         choices.append(choice)
@@ -1206,7 +1239,8 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
 
 
 def create_app(engine, served_model_name: str | None = None, *, max_queue_depth: int = 1024,
-               tool_call_parser: str | None = None, api_key: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+               api_key: str | None = None) -> FastAPI:
     """A FastAPI app serving ``engine`` (a tileattn.engine.LLMEngine, or anything with its API).
 
     served_model_name: the name clients pass as ``model`` (None -> engine.model_name).
@@ -1215,16 +1249,19 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
     tool_call_parser: how chat answers are read for tool calls when a request has ``tools`` (a name
         in tileattn.engine.tool_calls.PARSERS: "hermes", "llama3_json"); None: requests with tools
         get a 400.
+    reasoning_parser: how chat answers are split into reasoning_content and content (a name in
+        tileattn.engine.reasoning.PARSERS: "qwen3", "deepseek_r1"); None: no split.
     api_key: when set, every request but GET /health and GET /metrics must carry
         ``Authorization: Bearer <api_key>`` (OpenAI clients send their api_key so); others get a 401.
     The engine thread starts with the app's lifespan and stops (aborting what is left) at shutdown.
-    Raises ValueError for max_queue_depth < 1, an unknown tool_call_parser or an empty api_key.
+    Raises ValueError for max_queue_depth < 1, an unknown parser or an empty api_key.
     """
     if not isinstance(max_queue_depth, int) or max_queue_depth < 1:
         raise ValueError(f"max_queue_depth must be an int >= 1, got {max_queue_depth!r}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
         raise ValueError("api_key must be a non-empty string (None: no key)")
-    state = ServerState(engine, served_model_name or engine.model_name, max_queue_depth, tool_call_parser)
+    state = ServerState(engine, served_model_name or engine.model_name, max_queue_depth, tool_call_parser,
+                        reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -1351,6 +1388,9 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
                    help="most requests admitted at once (running + waiting); more get 503")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-access-log", action="store_true", help="no uvicorn line per HTTP request")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="send a chat answer's <think> part as reasoning_content (qwen3: Qwen3; deepseek_r1: "
+                        "DeepSeek-R1 and its distillations, whose template opens the block)")
     p.add_argument("--api-key", default=os.environ.get("TILEATTN_API_KEY") or None,
                    help="require Authorization: Bearer KEY on every endpoint but /health and /metrics "
                         "(default: $TILEATTN_API_KEY; unset: no key)")
@@ -1391,7 +1431,8 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         engine = LLMEngine.from_model(args.model, **{k: getattr(args, k) for k in _ENGINE_OPTIONS})
         app = create_app(engine, args.served_model_name or args.model, max_queue_depth=args.max_queue_depth,
-                         tool_call_parser=args.tool_call_parser, api_key=args.api_key)
+                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                         api_key=args.api_key)
     except (ValueError, FileNotFoundError) as exc:  # bad checkpoint or option: say which, no traceback
         if engine is not None:
             engine.shutdown()

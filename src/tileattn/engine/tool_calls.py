@@ -54,7 +54,7 @@ def call_from_json(text: str) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-class _Content:
+class Content:
     """The content of a stream: emits what the non-streamed message's content would hold (the
     text outside the calls, stripped), holding whitespace back until non-whitespace follows."""
 
@@ -114,7 +114,7 @@ class _HermesStream:
     def __init__(self):
         self.pending = ""      # text not yet emitted (a possible start tag's prefix, or a call's body)
         self.in_call = False
-        self.content = _Content()
+        self.content = Content()
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """One delta of the answer -> (content to send, calls completed by it)."""
@@ -125,7 +125,7 @@ class _HermesStream:
             if not self.in_call:
                 i = self.pending.find(start)
                 if i < 0:
-                    keep = _partial_suffix(self.pending, start)
+                    keep = partial_suffix(self.pending, start)
                     out.append(self.content.push(self.pending[:len(self.pending) - keep]))
                     self.pending = self.pending[len(self.pending) - keep:]
                     break
@@ -174,7 +174,7 @@ class _Llama3JsonStream:
     def __init__(self):
         self.pending = ""
         self.mode = None       # None: undecided; "call": buffering a JSON answer; "text": content
-        self.content = _Content()
+        self.content = Content()
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self.pending += text
@@ -230,7 +230,7 @@ def get_parser(name: str):
         raise ValueError(f"unknown tool-call parser {name!r}; choose one of {sorted(PARSERS)}") from None
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

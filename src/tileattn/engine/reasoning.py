@@ -1,0 +1,86 @@
+"""Reasoning: the thinking part of an answer (``<think> ... </think>``) apart from the rest, for
+models that think before they answer (`tileattn serve --reasoning-parser NAME`, vLLM's names).
+
+- ``qwen3``: the answer may open with ``<think>``; what runs to ``</think>`` is the reasoning and the
+  rest the content. An answer without the opening tag (Qwen3 with enable_thinking false, whose
+  template closes an empty block in the prompt) is all content.
+- ``deepseek_r1``: the template opens the block in the prompt, so the answer starts inside it
+  (a ``<think>`` it writes anyway is dropped); everything up to ``</think>`` is reasoning.
+An answer cut off before ``</think>`` is all reasoning. Both parts are stripped of the whitespace at
+their ends; a stream sends the same text (whitespace held back until more follows), so its deltas
+add up to the non-streamed message.
+"""
+
+from __future__ import annotations
+
+from .tool_calls import Content, partial_suffix
+
+START, END = "<think>", "</think>"
+
+
+class ReasoningParser:
+    def __init__(self, name: str, starts_inside: bool):
+        self.name, self.starts_inside = name, starts_inside
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """A whole answer -> (reasoning or None, content)."""
+        stream = self.stream()
+        reasoning, content = stream.feed(text)
+        more_reasoning, more_content = stream.finish()
+        return (reasoning + more_reasoning) or None, content + more_content
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self.starts_inside)
+
+
+class ReasoningStream:
+    def __init__(self, starts_inside: bool):
+        self.pending = ""
+        self.state = "open" if starts_inside else "start"  # start -> (open ->) reasoning -> content
+        self.reasoning, self.content = Content(), Content()
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """One delta of the answer -> (reasoning to send, content to send)."""
+        self.pending += text
+        reasoning = content = ""
+        if self.state in ("start", "open"):  # before the opening tag: does the answer start with it?
+            head = self.pending.lstrip()
+            if head.startswith(START):
+                self.pending, self.state = head[len(START):], "reasoning"
+            elif START.startswith(head):
+                return "", ""  # whitespace, or a part of the tag: undecided
+            else:
+                self.state = "reasoning" if self.state == "open" else "content"
+        if self.state == "reasoning":
+            i = self.pending.find(END)
+            if i < 0:
+                keep = partial_suffix(self.pending, END)
+                reasoning = self.reasoning.push(self.pending[:len(self.pending) - keep])
+                self.pending = self.pending[len(self.pending) - keep:]
+                return reasoning, ""
+            reasoning = self.reasoning.push(self.pending[:i])
+            self.pending, self.state = self.pending[i + len(END):], "content"
+        if self.state == "content":
+            content, self.pending = self.content.push(self.pending), ""
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """The end of the answer: text held back goes where it stood (a block never closed is reasoning)."""
+        text, self.pending = self.pending, ""
+        if self.state == "content" or (self.state == "start" and text.strip()):
+            return "", self.content.push(text)
+        if self.state == "start":
+            return "", ""
+        return self.reasoning.push(text.removeprefix(START) if self.state == "open" else text), ""
+
+
+PARSERS = {p.name: p for p in (ReasoningParser("qwen3", starts_inside=False),
+                               ReasoningParser("deepseek_r1", starts_inside=True))}
+
+
+def get_parser(name: str) -> ReasoningParser:
+    """The parser named ``name``; ValueError naming the choices otherwise."""
+    try:
+        return PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown reasoning parser {name!r}; choose one of {sorted(PARSERS)}") from None
