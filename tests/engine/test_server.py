@@ -1023,9 +1023,21 @@ def test_tool_choice_required_and_named_hold_the_answer_to_calls(tool_server):
     server.wait_idle()
 
 
-def test_structured_outputs_through_the_server(server, client):
+def test_structured_outputs_through_the_server(server, client, monkeypatch):
     """response_format (json_schema, json_object) on chat, vLLM's guided_* and structured_outputs
-    on both endpoints: the random model's answers stay inside; bad specs get a 400 naming the field."""
+    on both endpoints: the random model's answers stay inside; grammars compile outside the engine
+    thread, once per spec; bad specs get a 400 naming the field."""
+    import threading
+
+    grammars = server.state.engine.grammars
+    compiled_on = []
+    real_compile = grammars._compile
+
+    def compile_and_record(spec):
+        compiled_on.append(threading.current_thread().name)
+        return real_compile(spec)
+
+    monkeypatch.setattr(grammars, "_compile", compile_and_record)
     schema = {"type": "object", "additionalProperties": False, "required": ["city", "n"],
               "properties": {"city": {"enum": ["Paris", "Rome"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
     messages = [{"role": "user", "content": "A city?"}]
@@ -1043,6 +1055,7 @@ def test_structured_outputs_through_the_server(server, client):
     r = client.chat.completions.create(model=MODEL, messages=messages, response_format={"type": "json_object"},
                                        max_tokens=60)
     assert r.choices[0].message.content.startswith("{")
+    assert len(compiled_on) == 2 and "tileattn-engine" not in compiled_on, compiled_on  # the schema, then json_object
 
     for extra, ok in (({"guided_choice": ["red", "green"]}, lambda t: t in ("red", "green")),
                       ({"guided_regex": "[0-9]{3}"}, lambda t: re.fullmatch("[0-9]{3}", t)),

@@ -148,3 +148,20 @@ def test_sampling_params_refuse_malformed_specs(fields, says):
     with pytest.raises(ValueError, match=says) as info:
         SamplingParams(**fields)
     assert str(info.value).startswith("structured_outputs")
+
+
+def test_compiled_grammars_are_cached_and_copied(engine):
+    """One compilation per distinct spec (kept for the next requests); each sequence gets its own
+    copy, whose state moves on its own."""
+    grammars = engine.grammars
+    spec = {"regex": "(ab)+c"}
+    before = grammars.compilations
+    first, second = grammars.matchers(spec, 2)
+    grammars.prepare({"regex": "(ab)+c"})
+    assert grammars.compilations == before + 1
+    ids = engine.tokenizer.encode("ab", add_special_tokens=False)
+    assert first.consume_tokens(ids) and not first.is_accepting()
+    assert second.consume_tokens(engine.tokenizer.encode("abc", add_special_tokens=False)) and second.is_accepting()
+    (third,) = grammars.matchers(spec, 1)  # a fresh copy: the cached template was not moved by the others
+    assert third.consume_tokens(engine.tokenizer.encode("abc", add_special_tokens=False)) and third.is_accepting()
+    assert grammars.compilations == before + 1

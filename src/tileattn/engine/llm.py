@@ -144,11 +144,11 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves "
                              "no room for an output token")
-        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
+        matchers = self.grammars.matchers(params.structured_outputs, params.n) if params.structured_outputs else None
         request = Request(request_id, ids, params, text, self._bad_words_token_ids(params.bad_words or ()))
-        if grammar is not None:
-            for seq in request.seqs:
-                seq.matcher = self.grammars.matcher(grammar)
+        if matchers is not None:
+            for seq, matcher in zip(request.seqs, matchers):
+                seq.matcher = matcher
         self.requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)

@@ -590,6 +590,16 @@ def _structured_spec(req: _SamplingRequest) -> tuple[dict | None, str | None]:
     return {name.removeprefix("guided_"): value}, name
 
 
+async def _prepare_grammar(state: ServerState, params: SamplingParams) -> None:
+    """Compile a structured-output request's grammar in a worker thread (the engine caches it), so
+    the engine thread, which every request shares, only copies it; 400 for an invalid one."""
+    if params.structured_outputs is not None:
+        try:
+            await asyncio.to_thread(state.engine.grammars.prepare, params.structured_outputs)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="structured_outputs") from None
+
+
 @contextlib.contextmanager
 def _structured_errors_named(source: str | None):
     """A 400 about the structured_outputs spec (its checks in SamplingParams, its compilation in the
@@ -992,6 +1002,7 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
     with _structured_errors_named(source):
         params = _sampling_params(state, req, max_tokens, req.logprobs,
                                   _prompt_logprobs_param(req, req.logprobs if req.echo else None), None, structured)
+        await _prepare_grammar(state, params)
         gen = Generation(state, rid, prompts, params, arrival)
         await gen.start()
     base = {"id": rid, "object": "text_completion", "created": int(time.time()),
@@ -1154,6 +1165,7 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
     with _structured_errors_named(source):
         params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None,
                                   _prompt_logprobs_param(req, None), stop_after, structured)
+        await _prepare_grammar(state, params)
         gen = Generation(state, rid, [prompt], params, arrival)
         await gen.start()
     base = {"id": rid, "object": "chat.completion", "created": int(time.time()),

@@ -16,6 +16,8 @@ allow between any two tokens.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 
 import torch
 
@@ -44,12 +46,20 @@ def check_spec(spec) -> None:
 
 
 class GrammarCompiler:
-    """Specs -> grammars and matchers for one tokenizer. llguidance is imported on first use, so
-    engines that never constrain an answer do not need it."""
+    """Specs -> matchers for one tokenizer, with the compiled grammars of the last CACHE_SIZE specs
+    kept (one JSON schema is often sent with every request). Compiling a large schema takes up to
+    ~1 s: a server calls ``prepare`` in a worker thread before it hands the request to the engine,
+    whose thread then only copies the prepared matcher. Thread-safe. llguidance is imported on
+    first use, so engines that never constrain an answer do not need it."""
+
+    CACHE_SIZE = 128
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, list(eos_token_ids)
         self._ll_tokenizer = None
+        self._lock = threading.Lock()
+        self._prepared: OrderedDict[str, object] = OrderedDict()  # spec as JSON -> a fresh matcher to copy
+        self.compilations = 0
 
     def _llguidance(self):
         try:
@@ -57,15 +67,35 @@ class GrammarCompiler:
         except ImportError:
             raise ValueError("structured_outputs needs the llguidance package "
                              "(pip install 'tileattn[engine]')") from None
-        if self._ll_tokenizer is None:
-            # the model's vocabulary may be wider than the tokenizer's (padded): those ids are never allowed
-            self._ll_tokenizer = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
-                                                        eos_token=self.eos_token_ids)
+        with self._lock:
+            if self._ll_tokenizer is None:
+                # the model's vocabulary may be wider than the tokenizer's (padded): those ids are never allowed
+                self._ll_tokenizer = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                                                            eos_token=self.eos_token_ids)
         return llguidance
 
-    def compile(self, spec: dict) -> str:
-        """The llguidance grammar of a checked spec; ValueError naming structured_outputs when the
-        schema, regex or grammar is invalid."""
+    def prepare(self, spec: dict):
+        """The template matcher of a checked spec, compiled now unless cached; ValueError naming
+        structured_outputs when the schema, regex or grammar is invalid."""
+        key = json.dumps(spec, sort_keys=True)
+        with self._lock:
+            template = self._prepared.get(key)
+            if template is not None:
+                self._prepared.move_to_end(key)
+                return template
+        template = self._compile(spec)
+        with self._lock:
+            self._prepared[key] = template
+            while len(self._prepared) > self.CACHE_SIZE:
+                self._prepared.popitem(last=False)
+        return template
+
+    def matchers(self, spec: dict, n: int) -> list:
+        """n fresh matchers of a checked spec (one per sequence: each tracks its own answer)."""
+        template = self.prepare(spec)
+        return [template.deep_copy() for _ in range(n)]
+
+    def _compile(self, spec: dict):
         llguidance = self._llguidance()
         (kind, value), = spec.items()
         try:
@@ -79,18 +109,11 @@ class GrammarCompiler:
                 grammar = llguidance.grammar_from(kind, value)
         except (ValueError, TypeError) as exc:  # JSON text that does not parse, a GBNF grammar that does not convert
             raise ValueError(f"structured_outputs[{kind!r}] is not valid: {exc}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._ll_tokenizer)
-        if error and not error.startswith("WARNING"):
-            raise ValueError(f"structured_outputs[{kind!r}] is not valid: {error}")
-        return grammar
-
-    def matcher(self, grammar: str):
-        """A fresh matcher (one per sequence: it tracks that sequence's answer)."""
-        llguidance = self._llguidance()
-        matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"structured_outputs: {matcher.get_error()}")
-        return matcher
+        template = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        self.compilations += 1
+        if template.is_error():
+            raise ValueError(f"structured_outputs[{kind!r}] is not valid: {template.get_error()}")
+        return template
 
 
 _executor = None
