@@ -832,12 +832,13 @@ ROME = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</t
 class ScriptedAnswer:
     """The engine's model runs as usual, but its sampler returns the tokens of a given answer, then
     EOS: everything else (scheduler, detokenizer, stop strings, server, stream) is the real path.
-    answer(None): the real sampler again (the random model speaks)."""
+    answer(None): the real sampler again (the random model speaks); answer(text, then_model=True):
+    the text, then the real sampler."""
 
     def __init__(self, engine):
         import torch
 
-        self.tokenizer, self.ids = engine.tokenizer, None
+        self.tokenizer, self.ids, self.then_model = engine.tokenizer, None, False
         eos = engine.tokenizer.eos_token_id
         engine.async_scheduling = False  # the sampler reads each sequence's output count
         real_sample = engine.runner.sampler.sample
@@ -845,12 +846,14 @@ class ScriptedAnswer:
         def sample(logits, seqs):
             if self.ids is None:
                 return real_sample(logits, seqs)
-            return torch.tensor([self.ids[s.num_output_tokens] if s.num_output_tokens < len(self.ids) else eos
-                                 for s in seqs], device=logits.device)
+            after = real_sample(logits, seqs).tolist() if self.then_model else [eos] * len(seqs)
+            return torch.tensor([self.ids[s.num_output_tokens] if s.num_output_tokens < len(self.ids) else t
+                                 for s, t in zip(seqs, after)], device=logits.device)
 
         engine.runner.sampler.sample = sample
 
-    def __call__(self, text: str | None) -> int:
+    def __call__(self, text: str | None, then_model: bool = False) -> int:
+        self.then_model = then_model
         if text is None:
             self.ids = None
             return 0
@@ -998,10 +1001,11 @@ def test_tool_request_errors(tool_server, server):
 
 def test_tool_choice_required_and_named_hold_the_answer_to_calls(tool_server):
     """tool_choice "required" / a named function: the answer is held to calls in the hermes format,
-    whatever the (random) model would say; the arguments follow the tool's schema."""
+    whatever the (random) model would say after its (scripted) thinking; the arguments follow the
+    tool's schema."""
     server, answer = tool_server
     client = server.client()
-    answer(None)  # the random model speaks, under the grammar
+    answer("<think>\nA call.\n</think>", then_model=True)  # the server's reasoning parser: the grammar starts after
     city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}}, "required": ["city"],
             "additionalProperties": False}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}},
@@ -1121,4 +1125,21 @@ def test_reasoning_apart_from_content_and_calls(tool_server):
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == (reasoning or "")
         assert "".join(d.content or "" for d in deltas) == (content or "")
         assert sum(len(d.tool_calls or []) for d in deltas) == calls
+    server.wait_idle()
+
+
+def test_reasoning_then_structured_answer(tool_server):
+    """With a reasoning parser a response_format's grammar starts after </think>: the model thinks
+    (here scripted), then answers inside the schema (the random model, masked)."""
+    server, answer = tool_server
+    client = server.client()
+    answer("<think>\nA city, as JSON.\n</think>", then_model=True)
+    schema = {"type": "object", "additionalProperties": False, "required": ["city"],
+              "properties": {"city": {"enum": ["Paris", "Rome"]}}}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A city?"}], n=2,
+                                       temperature=1.0, seed=1, max_tokens=100,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    for c in r.choices:
+        assert c.message.reasoning_content == "A city, as JSON." and c.finish_reason == "stop"
+        assert json.loads(c.message.content)["city"] in ("Paris", "Rome"), c.message.content
     server.wait_idle()

@@ -165,3 +165,35 @@ def test_compiled_grammars_are_cached_and_copied(engine):
     (third,) = grammars.matchers(spec, 1)  # a fresh copy: the cached template was not moved by the others
     assert third.consume_tokens(engine.tokenizer.encode("abc", add_special_tokens=False)) and third.is_accepting()
     assert grammars.compilations == before + 1
+
+
+def _script_then_model(engine, script: str):
+    """The engine's sampler writes ``script`` first (whatever the masks say), then samples as usual."""
+    ids = engine.tokenizer.encode(script, add_special_tokens=False)
+    real = engine.runner.sampler.sample
+
+    def sample(logits, seqs):
+        sampled = real(logits, seqs)
+        return torch.tensor([ids[s.num_output_tokens] if s.num_output_tokens < len(ids) else int(t)
+                             for s, t in zip(seqs, sampled.tolist())], device=logits.device)
+
+    return sample
+
+
+def test_grammar_after_lets_the_answer_think_first(engine, monkeypatch):
+    """grammar_after="</think>": the text up to the marker is free (here scripted, and no digits),
+    the rest is held to the grammar; a prompt that already ends with the marker starts it at once."""
+    think = "<think>\nthe lazy dog, no digits at all!\n</think>"
+    monkeypatch.setattr(engine.runner.sampler, "sample", _script_then_model(engine, think))
+    params = SamplingParams(temperature=1.0, seed=2, n=2, max_tokens=80, structured_outputs={"regex": "[0-9]{3}"},
+                            grammar_after="</think>")
+    for c in generate(engine, PROMPTS[:2], [params] * 2)[0] + generate(engine, PROMPTS[2:], [params])[0]:
+        assert c.text.startswith(think) and re.fullmatch("[0-9]{3}", c.text[len(think):]), c.text
+        assert c.finish_reason == "stop"
+    monkeypatch.undo()
+    (c,), = generate(engine, ["hello <think>\nhmm\n</think>\n\n"],
+                     [SamplingParams(temperature=0, max_tokens=20, structured_outputs={"regex": "[0-9]{3}"},
+                                     grammar_after="</think>")])
+    assert re.fullmatch("[0-9]{3}", c.text), c.text
+    with pytest.raises(ValueError, match="grammar_after"):
+        SamplingParams(grammar_after="</think>")

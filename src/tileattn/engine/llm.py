@@ -147,8 +147,15 @@ class LLMEngine:
         matchers = self.grammars.matchers(params.structured_outputs, params.n) if params.structured_outputs else None
         request = Request(request_id, ids, params, text, self._bad_words_token_ids(params.bad_words or ()))
         if matchers is not None:
+            after = params.grammar_after
+            waits = after is not None and not self.tokenizer.decode(
+                ids[-32:], skip_special_tokens=False).rstrip().endswith(after)  # a prompt may close the block itself
+            look_back = len(self.tokenizer.encode(after, add_special_tokens=False)) + 1 if waits else 0
             for seq, matcher in zip(request.seqs, matchers):
-                seq.matcher = matcher
+                if waits:
+                    seq.matcher_after = (matcher, look_back)
+                else:
+                    seq.matcher = matcher
         self.requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
@@ -260,6 +267,10 @@ class LLMEngine:
                     to_detokenize.append(seq)
                 elif seq.finish_reason is not None:
                     catch_up.append((seq, len(tokens)))
+            if seq.matcher_after is not None and seq.finish_reason is None:
+                matcher, look_back = seq.matcher_after
+                if params.grammar_after in self.tokenizer.decode(tokens[-look_back:], skip_special_tokens=False):
+                    seq.matcher, seq.matcher_after = matcher, None  # the grammar holds from the next token on
             if seq.finish_reason is not None:
                 finished.append(seq)
                 if seq.finish_reason == "stop":  # the stop token itself adds no text; held-back text is flushed
@@ -308,7 +319,8 @@ class LLMEngine:
             p = seq.params
             if (p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
                     or p.frequency_penalty != 0.0 or seq.num_output_tokens < p.min_tokens
-                    or any(len(w) > 1 for w in seq.request.bad_words_token_ids) or seq.matcher is not None):
+                    or any(len(w) > 1 for w in seq.request.bad_words_token_ids) or seq.matcher is not None
+                    or seq.matcher_after is not None):
                 return None
             length = len(seq.token_ids) + 1  # with current's token
             if length - seq.num_prompt_tokens >= p.max_tokens or length >= self.max_model_len:

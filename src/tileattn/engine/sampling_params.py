@@ -30,7 +30,9 @@ class SamplingParams:
     structured.SPEC_KINDS ("json": a schema, "json_object": True, "regex", "choice": a list of
     strings, "grammar": Lark or GBNF): the answer is held to it (structured.py); not with
     ignore_eos, min_tokens, allowed_token_ids or bad_words (an answer the grammar ends must be able
-    to end, and a ban could leave no token the grammar allows).
+    to end, and a ban could leave no token the grammar allows). grammar_after: the grammar starts
+    once this text has been generated (e.g. "</think>": a thinking model thinks freely first), or at
+    once when the prompt already ends with it (and whitespace); None: from the first token.
     Raises ValueError naming the bad field, from the constructor and from validate().
     """
 
@@ -56,6 +58,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: dict | None = None
+    grammar_after: str | None = None
 
     def __post_init__(self):
         self.validate()
@@ -132,6 +135,9 @@ class SamplingParams:
             if clashes:
                 raise ValueError(f"structured_outputs cannot be combined with {', '.join(clashes)}: the grammar "
                                  "decides which tokens may come and when the answer ends")
+        if self.grammar_after is not None and (not isinstance(self.grammar_after, str) or not self.grammar_after.strip()
+                                               or self.structured_outputs is None):
+            raise ValueError(f"grammar_after must be a non-blank string, with structured_outputs, got {self.grammar_after!r}")
 
     @property
     def greedy(self) -> bool:

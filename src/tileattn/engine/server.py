@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .sampling_params import SamplingParams
 from .tokenizer import TEMPLATE_VARIABLES
+from .reasoning import END as REASONING_END
 from .reasoning import PARSERS as REASONING_PARSERS
 from .reasoning import get_parser as get_reasoning_parser
 from .tool_calls import PARSERS, get_parser
@@ -614,9 +615,10 @@ def _structured_errors_named(source: str | None):
 
 def _sampling_params(state: ServerState, req: _SamplingRequest, max_tokens: int,
                      logprobs: int | None, prompt_logprobs: int | None, stop_after: str | None = None,
-                     structured: dict | None = None) -> SamplingParams:
+                     structured: dict | None = None, grammar_after: str | None = None) -> SamplingParams:
     """stop_after: one more stop string (the tool-call parser's, for parallel_tool_calls: false);
-    structured: the structured_outputs spec (_structured_spec, or the one that forces a tool call)."""
+    structured: the structured_outputs spec (_structured_spec, or the one that forces a tool call);
+    grammar_after: where that grammar starts (the reasoning's end tag: the model thinks freely first)."""
     overrides = {k: getattr(req, k) for k in (
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
         "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "include_stop_str_in_output",
@@ -624,6 +626,7 @@ def _sampling_params(state: ServerState, req: _SamplingRequest, max_tokens: int,
         if getattr(req, k) is not None}
     if structured is not None:
         overrides["structured_outputs"] = structured
+        overrides["grammar_after"] = grammar_after
     if stop_after is not None:
         stop = overrides.get("stop") or []
         overrides["stop"] = [*([stop] if isinstance(stop, str) else stop), stop_after]
@@ -1163,8 +1166,9 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
     stop_after = parser.one_call_stop if parser is not None and req.parallel_tool_calls is False else None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     with _structured_errors_named(source):
+        grammar_after = REASONING_END if state.reasoning_parser is not None else None
         params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None,
-                                  _prompt_logprobs_param(req, None), stop_after, structured)
+                                  _prompt_logprobs_param(req, None), stop_after, structured, grammar_after)
         await _prepare_grammar(state, params)
         gen = Generation(state, rid, [prompt], params, arrival)
         await gen.start()
