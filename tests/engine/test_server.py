@@ -1143,3 +1143,79 @@ def test_reasoning_then_structured_answer(tool_server):
         assert c.message.reasoning_content == "A city, as JSON." and c.finish_reason == "stop"
         assert json.loads(c.message.content)["city"] in ("Paris", "Rome"), c.message.content
     server.wait_idle()
+
+
+def test_responses_api(server, client):
+    """POST /v1/responses through the openai client: text, instructions, a JSON-schema format,
+    streamed events (numbered, deltas adding up), max_output_tokens giving "incomplete"; the
+    prompt is the chat prompt of the same conversation; what cannot be served gets a 400."""
+    r = client.responses.create(model=MODEL, input="Name a fox.", instructions="Be brief.", max_output_tokens=6,
+                                temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    chat = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fox."}])
+    assert r.output_text == chat.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 6)
+    assert [o.type for o in r.output] == ["message"] and r.output[0].status == "incomplete"
+
+    fmt = {"format": {"type": "json_schema", "name": "pick", "schema": {
+        "type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"], "additionalProperties": False}}}
+    r = client.responses.create(model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": "?"}]}],
+                                text=fmt, max_output_tokens=40, temperature=0)
+    assert r.status == "completed" and json.loads(r.output_text)["a"] in ("x", "y")
+    with client.responses.stream(model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": "?"}]}],
+                                 text=fmt, max_output_tokens=40, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type == "response.completed" and final.output_text == r.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+
+    for kw, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
+                      ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
+                      ({"tools": [{"type": "web_search"}]}, "tools"),
+                      ({"reasoning": {"effort": "high"}}, "reasoning"),
+                      ({"text": {"format": {"type": "xml"}}}, "text"),
+                      ({"extra_body": {"prompt": {"id": "pmpt_1"}}}, "prompt"),
+                      ({"input": []}, "input")):
+        kw = {"input": "hi", **kw}
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model=MODEL, max_output_tokens=2, **kw)
+        assert _error(info.value)["param"] == param, (kw, _error(info.value))
+    server.wait_idle()
+
+
+def test_responses_api_reasoning_and_function_calls(tool_server):
+    """Responses on the server with the hermes and qwen3 parsers: a reasoning item then a
+    function_call item, whole and streamed; the next turn's function_call / function_call_output
+    items render as the chat messages of the same conversation."""
+    server, answer = tool_server
+    client = server.client()
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city now",
+            "parameters": WEATHER["function"]["parameters"]}
+    answer("<think>\nThe user wants Paris.\n</think>\n\n" + PARIS)
+    r = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[tool])
+    assert [o.type for o in r.output] == ["reasoning", "function_call"] and r.status == "completed"
+    assert r.output[0].content[0].text == "The user wants Paris."
+    call = r.output[1]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"} and call.call_id.startswith("call_")
+    with client.responses.stream(model=MODEL, input="Weather in Paris?", tools=[tool]) as stream:
+        types = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert [o.type for o in final.output] == ["reasoning", "function_call"]
+    assert "response.reasoning_text.delta" in types and "response.function_call_arguments.done" in types
+
+    answer("It is 18 C.")
+    turn = [{"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "18 C, sunny"}]
+    r = client.responses.create(model=MODEL, input=turn, tools=[tool])
+    assert r.output_text == "It is 18 C." and [o.type for o in r.output] == ["message"]
+    chat = client.chat.completions.create(model=MODEL, tools=[WEATHER], messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function",
+                                                             "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "18 C, sunny"}])
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    server.wait_idle()

@@ -8,7 +8,8 @@ the event loop hands it work as commands (add, abort, stats) that run between tw
 engine thread hands each step's outputs back with one ``loop.call_soon_threadsafe`` per step, which
 routes them onto per-HTTP-request asyncio queues.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (both with ``stream``), GET /v1/models,
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (responses.py; all
+with ``stream``), GET /v1/models,
 GET /health, GET /metrics (Prometheus text), POST /tokenize, POST /detokenize. Errors use OpenAI's
 body ``{"error": {"message", "type", "param", "code"}}``. A client that disconnects aborts its
 engine requests at once (their KV blocks are freed before the next step).
@@ -1141,8 +1142,9 @@ class _ChatAnswer:
         return message
 
 
-async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
-    """POST /v1/chat/completions: a JSON answer, or an EventStream when req.stream."""
+async def start_chat(state: ServerState, req: ChatRequest, prefix: str):
+    """Check a chat request, render its prompt and hand it to the engine: (request id, Generation,
+    prompt ids, tool-call parser or None). The chat and the Responses endpoints share it."""
     arrival = time.monotonic()
     state.check_model(req.model)
     _refuse_unsupported(req)
@@ -1164,7 +1166,7 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
     max_tokens = _check_length(state, len(prompt), max_tokens, "messages")
     top_n = req.top_logprobs or 0
     stop_after = parser.one_call_stop if parser is not None and req.parallel_tool_calls is False else None
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid = f"{prefix}-{uuid.uuid4().hex}"
     with _structured_errors_named(source):
         grammar_after = REASONING_END if state.reasoning_parser is not None else None
         params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None,
@@ -1172,6 +1174,13 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
         await _prepare_grammar(state, params)
         gen = Generation(state, rid, [prompt], params, arrival)
         await gen.start()
+    return rid, gen, prompt, parser
+
+
+async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
+    """POST /v1/chat/completions: a JSON answer, or an EventStream when req.stream."""
+    rid, gen, prompt, parser = await start_chat(state, req, "chatcmpl")
+    params, top_n = gen.params, req.top_logprobs or 0
     base = {"id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": state.served_model_name}
 
@@ -1385,6 +1394,10 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         return await serve_chat(state, req, request)
+
+    from .responses import add_responses_endpoint  # it builds on this module
+
+    add_responses_endpoint(app, state)
 
     return app
 
