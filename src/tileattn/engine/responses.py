@@ -19,12 +19,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import Field
 
-from .server import (APIError, ChatRequest, EngineDeadError, EventStream, ServerState, _ChatAnswer,
-                     _finals_or_disconnect, _SamplingRequest, start_chat)
+from .server import (APIError, ChatAnswer, ChatRequest, EngineDeadError, EventStream, SamplingRequest, ServerState,
+                     finals_or_disconnect, start_chat)
 
 # Sampling fields that pass from a Responses request to the chat request as they are (vLLM's extras
 # among them: top_k, min_p, seed, stop, ...); n stays 1 (a response has one answer).
-_PASSED = tuple(name for name in _SamplingRequest.model_fields if name not in ("n", "stream", "stream_options"))
+_PASSED = tuple(name for name in SamplingRequest.model_fields if name not in ("n", "stream", "stream_options"))
 # Responses fields that do not change the answer here: not passed on (metadata is echoed back)
 _IGNORED = frozenset({"metadata", "include", "truncation", "user", "service_tier", "prompt_cache_key",
                       "safety_identifier"})
@@ -32,7 +32,7 @@ _IGNORED = frozenset({"metadata", "include", "truncation", "user", "service_tier
 _STORED = ("prompt", "conversation")
 
 
-class ResponsesRequest(_SamplingRequest):
+class ResponsesRequest(SamplingRequest):
     input: str | list[dict]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
@@ -227,7 +227,7 @@ async def serve_responses(state: ServerState, req: ResponsesRequest, request: Re
     chat = to_chat(req)
     rid, gen, prompt, parser = await start_chat(state, chat, "resp")
     created = time.time()
-    answer, items = _ChatAnswer(state.reasoning_parser, parser), _Items(rid)
+    answer, items = ChatAnswer(state.reasoning_parser, parser), _Items(rid)
 
     def response(status: str, output_tokens: int) -> dict:
         body = {"id": rid, "object": "response", "created_at": created, "model": state.served_model_name,
@@ -246,7 +246,7 @@ async def serve_responses(state: ServerState, req: ResponsesRequest, request: Re
         return body
 
     if not req.stream:
-        finals = await _finals_or_disconnect(request, gen)
+        finals = await finals_or_disconnect(request, gen)
         if finals is None:
             return Response(status_code=499)
         (c,) = finals[gen.ids[0]].choices

@@ -269,7 +269,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Body):
+class SamplingRequest(_Body):
     model: str | None = None
     n: int = Field(1, ge=1)
     temperature: float | None = Field(None, ge=0)
@@ -303,7 +303,7 @@ class _SamplingRequest(_Body):
     return_token_ids: bool = False                    # vLLM extra: token ids beside the text
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
@@ -320,7 +320,7 @@ class ChatMessage(_Body):
     name: str | None = None
 
 
-class ChatRequest(_SamplingRequest):
+class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -564,7 +564,7 @@ class Generation:
 # Request -> engine inputs
 
 
-def _structured_spec(req: _SamplingRequest) -> tuple[dict | None, str | None]:
+def _structured_spec(req: SamplingRequest) -> tuple[dict | None, str | None]:
     """(the SamplingParams.structured_outputs spec, the request field it came from) of OpenAI's
     response_format or vLLM's structured_outputs / guided_* fields; (None, None) when none is set.
     400 for more than one, or for a response_format that is not text, json_object or json_schema."""
@@ -614,7 +614,7 @@ def _structured_errors_named(source: str | None):
         raise
 
 
-def _sampling_params(state: ServerState, req: _SamplingRequest, max_tokens: int,
+def _sampling_params(state: ServerState, req: SamplingRequest, max_tokens: int,
                      logprobs: int | None, prompt_logprobs: int | None, stop_after: str | None = None,
                      structured: dict | None = None, grammar_after: str | None = None) -> SamplingParams:
     """stop_after: one more stop string (the tool-call parser's, for parallel_tool_calls: false);
@@ -657,7 +657,7 @@ def _sampling_param(exc: ValueError) -> str | None:
     return name if name in _SAMPLING_FIELDS else None
 
 
-def _truncated(req: _SamplingRequest, ids: list[int]) -> list[int]:
+def _truncated(req: SamplingRequest, ids: list[int]) -> list[int]:
     """The prompt the engine gets: its last truncate_prompt_tokens tokens (vLLM's), or all of it."""
     return ids[-req.truncate_prompt_tokens:] if req.truncate_prompt_tokens else ids
 
@@ -929,7 +929,7 @@ class EventStream(StreamingResponse):
             log.error("streaming response failed", exc_info=error)
 
 
-async def _finals_or_disconnect(request: Request, gen: Generation) -> dict[str, StepOutput] | None:
+async def finals_or_disconnect(request: Request, gen: Generation) -> dict[str, StepOutput] | None:
     """Non-streaming: wait for the whole answer, or return None (after aborting) if the client
     disconnects first."""
     collector = asyncio.ensure_future(gen.finals())
@@ -968,9 +968,8 @@ def _refuse_unsupported(req: _Body) -> None:
             raise APIError(400, f"{name} is not supported: {refused[1]}.", param=name)
 
 
-# Extra body fields (OpenAI's tool calls, structured output and audio, vLLM's guided decoding and
-# sampling / chat extras) that change the answer when set, and which the engine does not implement:
-# field -> (is it set?, why not).
+# Extra body fields that change the answer when set and that the endpoint does not serve (tools on
+# completions, the deprecated functions API, beam search, audio, ...): field -> (is it set?, why not).
 _NO_TOOLS = "tools are read in chat completions only"
 _UNHONOURED_EXTRAS = {
     "tools": (bool, _NO_TOOLS),  # a chat request declares tools, tool_choice and parallel_tool_calls
@@ -1072,7 +1071,7 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
 
         return EventStream(events(), gen)
 
-    finals = await _finals_or_disconnect(request, gen)
+    finals = await finals_or_disconnect(request, gen)
     if finals is None:
         return Response(status_code=499)
     choices, completion_tokens = [], 0
@@ -1099,7 +1098,7 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
     return {**base, "choices": choices, "usage": _usage(prompts, completion_tokens)}
 
 
-class _ChatAnswer:
+class ChatAnswer:
     """One chat choice's text -> its reasoning, content and tool calls, through the server's
     reasoning parser (first) and the request's tool-call parser (on the content), whole or delta by
     delta; the deltas of a stream add up to the whole answer's parts."""
@@ -1197,7 +1196,7 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
                 body["usage"] = None
             return _sse(body)
 
-        answers = [_ChatAnswer(state.reasoning_parser, parser) for _ in range(params.n)]
+        answers = [ChatAnswer(state.reasoning_parser, parser) for _ in range(params.n)]
 
         async def events():
             counts = 0
@@ -1237,7 +1236,7 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
 
         return EventStream(events(), gen)
 
-    finals = await _finals_or_disconnect(request, gen)
+    finals = await finals_or_disconnect(request, gen)
     if finals is None:
         return Response(status_code=499)
     choices, completion_tokens = [], 0
@@ -1246,7 +1245,7 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
         text, token_ids, logprobs = c.final
         completion_tokens += len(token_ids)
         lp = {"content": _chat_logprobs(state, token_ids, logprobs, top_n)} if req.logprobs else None
-        answer = _ChatAnswer(state.reasoning_parser, parser)
+        answer = ChatAnswer(state.reasoning_parser, parser)
         message = answer.message(text, c.finish_reason, c.stop_reason)
         choice = {"index": c.index, "message": message, "logprobs": lp,
                   "finish_reason": answer.finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
