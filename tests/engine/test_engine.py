@@ -58,13 +58,18 @@ def test_chunked_prefill_matches_plain(checkpoint, plain):
 
 def test_prefix_cache_hits_give_same_tokens(checkpoint, plain):
     llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=128, block_size=8)
-    first = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    first_outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     hits_before = llm.engine.stats()["prefix_cache_hits"]
-    second = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    second_outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     stats = llm.engine.stats()
+    first = [[c.token_ids for c in o.outputs] for o in first_outs]
+    second = [[c.token_ids for c in o.outputs] for o in second_outs]
     assert first == plain and second == plain
     # The 101-token prompt alone has 12 full blocks before its last token.
     assert stats["prefix_cache_hits"] - hits_before >= 12 * 8, stats
+    # Per request: nothing cached the first time; the second time every full block before the last token
+    assert [o.num_cached_tokens for o in first_outs] == [0] * len(PROMPTS)
+    assert [o.num_cached_tokens for o in second_outs] == [(len(p) - 1) // 8 * 8 for p in PROMPTS]
     assert_all_free(llm.engine)
 
 

@@ -1219,3 +1219,22 @@ def test_responses_api_reasoning_and_function_calls(tool_server):
         {"role": "tool", "tool_call_id": call.call_id, "content": "18 C, sunny"}])
     assert r.usage.input_tokens == chat.usage.prompt_tokens
     server.wait_idle()
+
+
+def test_usage_counts_prompt_tokens_found_in_the_prefix_cache(server, client):
+    """usage.prompt_tokens_details.cached_tokens (chat, completions, streamed usage) and the Responses
+    API's input_tokens_details: 0 for a new prompt, its full blocks before the last token once cached."""
+    messages = [{"role": "user", "content": "cached tokens: the quick brown fox jumps over the lazy dog " * 3}]
+    block = 16  # make_engine's block_size
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True})
+    usage = list(second)[-1].usage
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert usage.prompt_tokens_details.cached_tokens == (n - 1) // block * block > 0
+    out = client.completions.create(model=MODEL, prompt=["cached prompt " * 10] * 2, max_tokens=1)
+    assert 0 <= out.usage.prompt_tokens_details.cached_tokens <= out.usage.prompt_tokens
+    r = client.responses.create(model=MODEL, input=messages[0]["content"], max_output_tokens=2)
+    assert r.usage.input_tokens_details.cached_tokens == (r.usage.input_tokens - 1) // block * block
+    server.wait_idle()

@@ -351,7 +351,7 @@ class LLMEngine:
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         return RequestOutput(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, outputs=completions,
-            finished=request.finished, prompt=request.prompt_text,
+            finished=request.finished, prompt=request.prompt_text, num_cached_tokens=request.seqs[0].num_cached_tokens,
             prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
             metrics={"arrival_time": request.arrival_time, "first_token_time": request.first_token_time,
                      "finished_time": time.time() if request.finished else None})

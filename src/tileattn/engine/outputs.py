@@ -35,4 +35,5 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list | None = None
     prompt: str | None = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (None: not scheduled yet)
     metrics: dict = field(default_factory=dict)  # arrival_time, first_token_time, finished_time (time.time())

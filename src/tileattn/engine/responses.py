@@ -240,7 +240,8 @@ async def serve_responses(state: ServerState, req: ResponsesRequest, request: Re
                 "usage": None}
         if status in ("completed", "incomplete"):
             body["usage"] = {"input_tokens": len(prompt), "output_tokens": output_tokens,
-                             "total_tokens": len(prompt) + output_tokens}
+                             "total_tokens": len(prompt) + output_tokens,
+                             "input_tokens_details": {"cached_tokens": sum(gen.cached_tokens.values())}}
         if status == "incomplete":
             body["incomplete_details"] = {"reason": "max_output_tokens"}
         return body

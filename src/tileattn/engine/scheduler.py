@@ -59,6 +59,8 @@ class Scheduler:
                 self.block_manager.free(seq)
                 break
             self.block_manager.record_lookup(seq.num_tokens, cached)
+            if seq.num_cached_tokens is None:  # a preempted sequence's own blocks do not count
+                seq.num_cached_tokens = cached
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -37,6 +37,7 @@ class Sequence:
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
+        self.num_cached_tokens = None     # prompt tokens the prefix cache held when first scheduled
         self.block_table: list[int] = []
         self.table_row = None             # (block_table, blocks copied, numpy row): ModelRunner's cache
         self.num_hashed_blocks = 0        # leading full blocks registered in the prefix cache

@@ -108,6 +108,7 @@ class StepOutput:
     choices: list[ChoiceDelta]
     finished: bool
     prompt_logprobs: list | None               # with the first output of a request, when asked
+    num_cached_tokens: int | None = None       # prompt tokens the prefix cache held (None: not scheduled yet)
 
 
 def _snapshot(out) -> StepOutput:
@@ -124,7 +125,7 @@ def _snapshot(out) -> StepOutput:
                                    c.stop_reason, final))
     prompt_logprobs = getattr(out, "prompt_logprobs", None)
     return StepOutput(out.request_id, choices, out.finished,
-                      None if prompt_logprobs is None else list(prompt_logprobs))
+                      None if prompt_logprobs is None else list(prompt_logprobs), out.num_cached_tokens)
 
 
 class EngineLoop:
@@ -458,6 +459,7 @@ class Generation:
         self.unfinished = set(self.ids)
         self._last_token_time: dict[str, float] = {}
         self._reported: set[tuple[str, int]] = set()  # (request id, choice) whose finish went out
+        self.cached_tokens: dict[str, int] = {}  # engine request id -> prompt tokens found in the prefix cache
         self._admitted = False
         self._closed = False
 
@@ -504,7 +506,9 @@ class Generation:
                 self._reported.add(key)
                 m.requests.labels(c.finish_reason).inc()
             choices.append(c)
-        step = StepOutput(step.request_id, choices, step.finished, step.prompt_logprobs)
+        step = StepOutput(step.request_id, choices, step.finished, step.prompt_logprobs, step.num_cached_tokens)
+        if step.num_cached_tokens is not None:
+            self.cached_tokens[step.request_id] = step.num_cached_tokens
         new = sum(len(c.token_ids) for c in choices)
         if new:
             last = self._last_token_time.get(step.request_id)
@@ -890,10 +894,12 @@ def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list, top
     return content
 
 
-def _usage(prompts: list[list[int]], completion_tokens: int) -> dict:
-    prompt_tokens = sum(len(p) for p in prompts)
+def _usage(gen: Generation, completion_tokens: int) -> dict:
+    """OpenAI's usage of a generation, with the prompt tokens its requests found in the prefix cache."""
+    prompt_tokens = sum(len(p) for p in gen.prompts)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(gen.cached_tokens.values())}}
 
 
 def _sse(obj) -> str:
@@ -1064,7 +1070,7 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
                     if chunks:  # one write for everything this wake-up produced
                         yield "".join(_sse(chunk) for chunk in chunks)
                 if include_usage:
-                    yield _sse({**base, "choices": [], "usage": _usage(prompts, counts)})
+                    yield _sse({**base, "choices": [], "usage": _usage(gen, counts)})
                 yield "data: [DONE]\n\n"
             except EngineDeadError as exc:
                 yield _stream_error(exc)
@@ -1095,7 +1101,7 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
             if req.return_token_ids:
                 choice.update(prompt_token_ids=prompts[p], token_ids=token_ids)
             choices.append(choice)
-    return {**base, "choices": choices, "usage": _usage(prompts, completion_tokens)}
+    return {**base, "choices": choices, "usage": _usage(gen, completion_tokens)}
 
 
 class ChatAnswer:
@@ -1229,7 +1235,7 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
                     if parts:  # one write for everything this wake-up produced
                         yield "".join(parts)
                 if include_usage:
-                    yield _sse({**chunk_base, "choices": [], "usage": _usage([prompt], counts)})
+                    yield _sse({**chunk_base, "choices": [], "usage": _usage(gen, counts)})
                 yield "data: [DONE]\n\n"
             except EngineDeadError as exc:
                 yield _stream_error(exc)
@@ -1252,7 +1258,7 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
         if req.return_token_ids:
             choice.update(prompt_token_ids=prompt, token_ids=token_ids)
         choices.append(choice)
-    body = {**base, "choices": choices, "usage": _usage([prompt], completion_tokens)}
+    body = {**base, "choices": choices, "usage": _usage(gen, completion_tokens)}
     if req.prompt_logprobs is not None:  # vLLM puts the chat prompt's at the top level
         body["prompt_logprobs"] = _vllm_prompt_logprobs(state, prompt, out.prompt_logprobs, req.prompt_logprobs)
     return body
