@@ -47,3 +47,22 @@ def test_missing_model_is_a_clean_error(tmp_path, capsys):
     rc = main(["generate", str(tmp_path / "none"), "--prompt", "x", "--device", "cpu"])
     assert rc == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_generate_held_to_a_schema_a_regex_or_choices(checkpoint, capsys, tmp_path):
+    pytest.importorskip("llguidance")
+    base = ["generate", checkpoint, "--prompt", "the quick", "--max-tokens", "40", "--device", "cpu",
+            "--max-model-len", "128"]
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"], '
+                      '"additionalProperties": false}')
+    for extra, answers in ((["--json-schema", str(schema)], ('{"n": 1}', '{"n": 2}')),
+                           (["--regex", "[ab]{2}"], ("aa", "ab", "ba", "bb")),
+                           (["--choice", "yes", "--choice", "no"], ("yes", "no"))):
+        assert main(base + extra) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert ", stop)" in lines[0] and lines[1] in answers, (extra, lines)
+    assert main(base + ["--json-schema", "{not json"]) == 2
+    assert "--json-schema is not JSON" in capsys.readouterr().err
+    assert main(base + ["--regex", "a(b"]) == 2
+    assert "structured_outputs['regex'] is not valid" in capsys.readouterr().err

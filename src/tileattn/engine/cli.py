@@ -8,6 +8,8 @@ stdin until EOF, so it also works with piped input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 
 
@@ -17,6 +19,11 @@ def add_commands(subparsers) -> None:
     _engine_options(p)
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable: one batch)")
     p.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user turn of the chat template")
+    held = p.add_mutually_exclusive_group()  # structured outputs (engine/structured.py)
+    held.add_argument("--json-schema", metavar="SCHEMA", help="answers are JSON of this schema (JSON text, or a file)")
+    held.add_argument("--regex", help="answers match this regular expression (Rust syntax)")
+    held.add_argument("--choice", action="append", help="answers are one of these strings (repeatable)")
+    held.add_argument("--grammar", metavar="FILE", help="answers are sentences of this Lark or GBNF grammar")
     p.set_defaults(fn=cmd_generate)
     p = subparsers.add_parser("chat", help="interactive chat with the engine, streaming tokens")
     _engine_options(p)
@@ -54,16 +61,38 @@ def _build(args):
     return llm, SamplingParams.from_generation_config(defaults, **overrides)
 
 
+def _structured_spec(args) -> dict | None:
+    """The structured_outputs spec of generate's --json-schema / --regex / --choice / --grammar."""
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        try:
+            return {"json": json.loads(text)}
+        except ValueError as exc:
+            raise ValueError(f"--json-schema is not JSON: {exc}") from None
+    if args.grammar is not None:
+        with open(args.grammar, encoding="utf-8") as f:
+            return {"grammar": f.read()}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    return {"choice": args.choice} if args.choice else None
+
+
 def cmd_generate(args) -> int:
     llm = None
     try:
+        spec = _structured_spec(args)
         llm, params = _build(args)
+        if spec is not None:
+            params = dataclasses.replace(params, structured_outputs=spec)
         prompts = args.prompt
         if args.chat_template:
             outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
         else:
             outs = llm.generate(prompts, params)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
