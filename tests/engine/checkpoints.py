@@ -23,6 +23,10 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     # Qwen3: q/k RMSNorm, head_dim (24) != hidden / heads (16), tied embeddings
     "qwen3": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True)),
+    # Gemma 2: sandwich norms with (1 + w), GELU-tanh MLP, scaled embeddings, a window on every other
+    # layer far shorter than the prompts, attention and final logit caps low enough to bite
+    "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8, attn_logit_softcapping=3.0,
+                                    final_logit_softcapping=5.0, query_pre_attn_scalar=24)),
 }
 
 

@@ -49,7 +49,8 @@ OPTIONS = dict(device="cpu", max_model_len=128, kv_cache_blocks=64, block_size=8
 # name -> (architecture, config overrides, KV heads per rank at TP=2)
 CASES = {"llama3-gqa": ("llama3", {}, 1),
          "llama2-biases": ("llama2", {}, 2),
-         "qwen3-replicated-kv": ("qwen3", {"num_key_value_heads": 1}, 1)}
+         "qwen3-replicated-kv": ("qwen3", {"num_key_value_heads": 1}, 1),
+         "gemma2-sandwich-norms": ("gemma2", {}, 1)}
 
 
 def _tokens(outputs):

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tileattn.api_layers import add_rms_norm, add_rms_norm_linear, add_rms_norm_qkv_rope_, linear
@@ -158,17 +159,25 @@ class Rotary(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up in one [2 * ffn, hidden] GEMM. The decoder layer
+    """down(act(gate(x)) * up(x)) with gate and up in one [2 * ffn, hidden] GEMM. The decoder layer
     runs gate_up_proj with the RMSNorm before it (RMSNorm(x, residual, proj)); forward takes its
-    output and hands SiLU * up to down_proj (activation "silu_mul"). Tensor parallel
-    (tp: TensorParallel): ``ffn`` is this rank's part, gate/up column-parallel, down row-parallel."""
+    output. act "silu" (Llama, Qwen, Mistral): SiLU * up inside down_proj's launch (activation
+    "silu_mul"); "gelu_tanh" (Gemma 2): GELU's tanh form * up in torch, then down_proj. Tensor
+    parallel (tp: TensorParallel): ``ffn`` is this rank's part, gate/up column-parallel, down
+    row-parallel."""
 
-    def __init__(self, hidden: int, ffn: int, bias: bool, dtype: torch.dtype, tp):
+    def __init__(self, hidden: int, ffn: int, bias: bool, dtype: torch.dtype, tp, act: str = "silu"):
         super().__init__()
+        if act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"MLP activation must be silu or gelu_tanh, got {act!r}")
+        self.act = act
         self.gate_up_proj = Linear(hidden, 2 * ffn, bias, dtype)
-        self.down_proj = RowParallelLinear(ffn, hidden, bias, dtype, tp, activation="silu_mul")
+        self.down_proj = RowParallelLinear(ffn, hidden, bias, dtype, tp, activation="silu_mul" if act == "silu" else None)
 
     def forward(self, gate_up):  # gate_up [T, 2 ffn] -> [T, hidden]
+        if self.act == "gelu_tanh":
+            gate, up = gate_up.chunk(2, dim=-1)  # [T, ffn] each
+            gate_up = F.gelu(gate, approximate="tanh") * up  # [T, ffn]
         return self.down_proj(gate_up)
 
 
@@ -182,14 +191,19 @@ class PagedAttention(nn.Module):
     Tensor parallel (tp: TensorParallel): this rank's heads and KV heads only (qkv column-parallel,
     o row-parallel), its KV cache holds its KV heads."""
 
-    def __init__(self, cfg, dtype: torch.dtype, tp):
+    def __init__(self, cfg, dtype: torch.dtype, tp, *, sliding_window: int | None = None,
+                 softcap: float | None = None, scale: float | None = None):
+        """sliding_window: this layer's window (default cfg.sliding_window, Mistral v0.1's on every
+        layer); softcap: scores capped as c tanh(s / c) (Gemma 2); scale: default head_dim^-1/2."""
         super().__init__()
         self.heads, self.head_dim = tp.split(cfg.num_heads)[1], cfg.head_dim
         self.kv_heads = tp.kv_heads(cfg.num_kv_heads)[1]
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
-        # Sliding-window attention (Mistral v0.1): a query sees itself and the W - 1 keys before it.
-        self.window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None
+        self.scale = self.head_dim ** -0.5 if scale is None else scale
+        self.softcap = softcap
+        # Sliding-window attention: a query sees itself and the W - 1 keys before it.
+        window = cfg.sliding_window if sliding_window is None else sliding_window
+        self.window = (window - 1, 0) if window else None
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype, tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -221,5 +235,5 @@ class PagedAttention(nn.Module):
         attention_paged = self.ops[0]
         out = attention_paged(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
                               batch.seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k,
-                              causal=True, scale=self.scale, window=self.window)  # [T, H, d]
+                              causal=True, scale=self.scale, window=self.window, softcap=self.softcap)  # [T, H, d]
         return self.o_proj(out.reshape(tokens, self.q_size)), residual

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig, parse_dtype
-from .models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+from .models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, model_class
 from .tokenizer import Tokenizer
 
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 
 
 @dataclass
@@ -161,13 +161,14 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
             rope_theta=float(theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rope_scaling=scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "Gemma2ForCausalLM")),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             o_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=_sliding_window(arch, cfg),
             torch_dtype=_safe_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
+            extra=_gemma2_options(cfg) if arch == "Gemma2ForCausalLM" else {},
         )
     except KeyError as exc:
         raise ValueError(f"config.json lacks {exc.args[0]!r}") from None
@@ -175,8 +176,27 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
     return model
 
 
+def _gemma2_options(cfg) -> dict:
+    """Gemma 2's options for models/gemma2.py: the caps, the attention scale, each layer's window."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"Gemma2ForCausalLM with hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"config.json layer_types must name each of the {layers} layers sliding_attention or "
+                         f"full_attention, got {types!r}")
+    window = cfg.get("sliding_window")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return {"attn_softcap": cfg.get("attn_logit_softcapping"), "final_softcap": cfg.get("final_logit_softcapping"),
+            "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or head_dim),
+            "layer_windows": [window if t == "sliding_attention" and window else None for t in types]}
+
+
 def _sliding_window(arch, cfg):
     window = cfg.get("sliding_window")
+    if arch == "Gemma2ForCausalLM":
+        return None  # on every other layer only: ModelConfig.extra["layer_windows"]
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if cfg.get("use_sliding_window", False):  # a window on some layers only (max_window_layers)
             raise ValueError(f"{arch} with use_sliding_window=true is not supported (a window on the layers "
@@ -214,7 +234,7 @@ def _load_hf(path, device, dtype, max_model_len, tp):
             defaults = json.load(f)
     dtype = parse_dtype(dtype) or default_dtype(device, cfg.torch_dtype)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, dtype, rows, tp)
+        model = model_class(cfg.architecture)(cfg, dtype, rows, tp)
     for file in files:
         try:
             # On CUDA each tensor goes to the GPU as stored and is cast there by the copy.
@@ -360,7 +380,7 @@ def _load_gguf(path, device, dtype, max_model_len, tp):
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     dtype = parse_dtype(dtype) or default_dtype(device, None)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, dtype, rows, tp)
+        model = model_class(cfg.architecture)(cfg, dtype, rows, tp)
     permuted = meta.get("general.architecture") in ("llama", "mistral")
     for name, t in tensors.items():
         hf = _hf_name(name)

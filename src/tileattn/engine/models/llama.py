@@ -28,7 +28,7 @@ from ..layers import (
     rope_inv_freq,
 )
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 # checkpoint projection -> (fused parameter, shard index)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -70,7 +70,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = Rotary(max_positions, inv_freq, dtype)
         self.vocab_start, vocab = tp.split(cfg.vocab_size)
         self.embed_tokens = nn.Parameter(torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False)
@@ -88,6 +88,10 @@ class LlamaForCausalLM(nn.Module):
                         "o_proj.weight": (1, h0 * d, cfg.num_heads * d),
                         "down_proj.weight": (1, f0, cfg.intermediate_size)}
         self._loaded: set[tuple[str, int]] = set()
+
+    def make_layer(self, index: int, dtype: torch.dtype) -> nn.Module:
+        """Decoder layer ``index`` (a subclass builds its family's)."""
+        return DecoderLayer(self.cfg, dtype, self.tp)
 
     def embed(self, input_ids):  # [T] -> [T, hidden]
         if self.tp.size == 1:

@@ -1,0 +1,65 @@
+"""Gemma 2: the Llama-family decoder (llama.py) with Gemma's differences, each mapped onto the
+engine's existing pieces:
+
+- RMSNorm scales by (1 + w): load_weight adds 1 to every norm weight, so the shared RMSNorm runs
+  unchanged (one more rounding of the weight in bf16 / fp16 than transformers' fp32 product).
+- the embeddings are multiplied by sqrt(hidden), rounded to the model dtype as transformers does.
+- sandwich norms: the attention's and the MLP's outputs are normalised (post_attention_layernorm,
+  post_feedforward_layernorm) before they join the residual; pre_feedforward_layernorm precedes the MLP.
+- the MLP gates with GELU's tanh form (GatedMLP(act="gelu_tanh")).
+- attention scale query_pre_attn_scalar^-1/2, scores capped at attn_logit_softcapping (tileattn's
+  softcap), a sliding window on the layers ``layer_types`` names "sliding_attention" (every other
+  layer, from the first, in configs without the list).
+- the logits capped at final_logit_softcapping: c tanh(logits / c).
+The options arrive in ModelConfig.extra (loader.model_config_from_hf).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers import GatedMLP, PagedAttention, RMSNorm
+from .llama import LlamaForCausalLM
+
+
+class Gemma2DecoderLayer(nn.Module):
+    def __init__(self, cfg, dtype: torch.dtype, tp, sliding_window: int | None):
+        super().__init__()
+        extra = cfg.extra
+        self.self_attn = PagedAttention(cfg, dtype, tp, sliding_window=sliding_window, softcap=extra["attn_softcap"],
+                                        scale=extra["query_pre_attn_scalar"] ** -0.5)
+        self.mlp = GatedMLP(cfg.hidden_size, tp.split(cfg.intermediate_size)[1], cfg.mlp_bias, dtype, tp, act="gelu_tanh")
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype))
+
+    def forward(self, rope, x, residual, batch):  # x [T, hidden]; residual [T, hidden] or None (first layer)
+        attn, residual = self.self_attn(rope, x, residual, self.input_layernorm, batch)  # [T, hidden]
+        attn = self.post_attention_layernorm(attn, None)  # [T, hidden]: the branch normalised before the add
+        gate_up, residual = self.pre_feedforward_layernorm(attn, residual, self.mlp.gate_up_proj)  # [T, 2 ffn]
+        return self.post_feedforward_layernorm(self.mlp(gate_up), None), residual
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """LlamaForCausalLM's interface (forward, compute_logits, load_weight) for Gemma 2."""
+
+    def make_layer(self, index: int, dtype: torch.dtype) -> nn.Module:
+        window = self.cfg.extra["layer_windows"][index]
+        return Gemma2DecoderLayer(self.cfg, dtype, self.tp, window)
+
+    def embed(self, input_ids):  # [T] -> [T, hidden]
+        x = super().embed(input_ids)
+        return x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
+
+    def compute_logits(self, hidden):  # [N, hidden] -> [N, vocab] float32 (rank 0; others None)
+        logits = super().compute_logits(hidden)
+        cap = self.cfg.extra["final_softcap"]
+        if logits is None or not cap:
+            return logits
+        return torch.tanh(logits / cap) * cap
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        if name.endswith("norm.weight"):  # Gemma's RMSNorm scales by 1 + w
+            tensor = tensor.float() + 1.0
+        super().load_weight(name, tensor)
