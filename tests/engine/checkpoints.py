@@ -27,6 +27,13 @@ ARCHITECTURES = {
     # layer far shorter than the prompts, attention and final logit caps low enough to bite
     "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8, attn_logit_softcapping=3.0,
                                     final_logit_softcapping=5.0, query_pre_attn_scalar=24)),
+    # Gemma 3 (text): Gemma 2's layers with q/k norms, no caps, sliding layers with their own rope base
+    # (10^4 against the full layers' 10^6 with linear scaling), one full layer in three
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=8, num_hidden_layers=3, query_pre_attn_scalar=24,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                            "rope_theta": 1000000.0}})),
 }
 
 

@@ -50,7 +50,8 @@ OPTIONS = dict(device="cpu", max_model_len=128, kv_cache_blocks=64, block_size=8
 CASES = {"llama3-gqa": ("llama3", {}, 1),
          "llama2-biases": ("llama2", {}, 2),
          "qwen3-replicated-kv": ("qwen3", {"num_key_value_heads": 1}, 1),
-         "gemma2-sandwich-norms": ("gemma2", {}, 1)}
+         "gemma2-sandwich-norms": ("gemma2", {}, 1),
+         "gemma3-local-rope": ("gemma3", {}, 1)}
 
 
 def _tokens(outputs):

@@ -23,12 +23,14 @@ import torch
 
 from .config import ModelConfig, parse_dtype
 from .models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, model_class
+from .models.gemma import GEMMA_ARCHITECTURES
 from .tokenizer import Tokenizer
 
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM"}
 
 
 @dataclass
@@ -161,14 +163,14 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
             rope_theta=float(theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rope_scaling=scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "Gemma2ForCausalLM")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             o_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=_sliding_window(arch, cfg),
             torch_dtype=_safe_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
-            extra=_gemma2_options(cfg) if arch == "Gemma2ForCausalLM" else {},
+            extra=_gemma_options(arch, cfg) if arch in GEMMA_ARCHITECTURES else {},
         )
     except KeyError as exc:
         raise ValueError(f"config.json lacks {exc.args[0]!r}") from None
@@ -176,27 +178,42 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
     return model
 
 
-def _gemma2_options(cfg) -> dict:
-    """Gemma 2's options for models/gemma2.py: the caps, the attention scale, each layer's window."""
+def _gemma_options(arch, cfg) -> dict:
+    """Gemma 2 / 3's options for models/gemma.py: the caps, the attention scale, each layer's
+    window, Gemma 3's rope base for the sliding layers."""
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ValueError(f"Gemma2ForCausalLM with hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+        raise ValueError(f"{arch} with hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"{arch} with use_bidirectional_attention (an embedding model) is not supported")
     layers = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    # configs without layer_types: Gemma 2 alternates from a sliding first layer; in Gemma 3 every
+    # sliding_window_pattern-th layer is the full one
+    types = cfg.get("layer_types")
+    if not types and arch == "Gemma3ForCausalLM":
+        pattern = cfg.get("sliding_window_pattern", 6)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    elif not types:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
         raise ValueError(f"config.json layer_types must name each of the {layers} layers sliding_attention or "
                          f"full_attention, got {types!r}")
     window = cfg.get("sliding_window")
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    local = None
+    if arch == "Gemma3ForCausalLM":  # transformers 5: rope_parameters per layer type; 4: rope_local_base_freq
+        local = ((cfg.get("rope_parameters") or {}).get("sliding_attention") or {}).get(
+            "rope_theta", cfg.get("rope_local_base_freq", 10000.0))
     return {"attn_softcap": cfg.get("attn_logit_softcapping"), "final_softcap": cfg.get("final_logit_softcapping"),
             "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or head_dim),
-            "layer_windows": [window if t == "sliding_attention" and window else None for t in types]}
+            "layer_windows": [window if t == "sliding_attention" and window else None for t in types],
+            "local_rope_theta": None if local is None else float(local)}
 
 
 def _sliding_window(arch, cfg):
     window = cfg.get("sliding_window")
-    if arch == "Gemma2ForCausalLM":
-        return None  # on every other layer only: ModelConfig.extra["layer_windows"]
+    if arch in GEMMA_ARCHITECTURES:
+        return None  # on the sliding layers only: ModelConfig.extra["layer_windows"]
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if cfg.get("use_sliding_window", False):  # a window on some layers only (max_window_layers)
             raise ValueError(f"{arch} with use_sliding_window=true is not supported (a window on the layers "

@@ -1,14 +1,14 @@
-"""Model families the engine runs: Llama and its relatives (llama.py), Gemma 2 (gemma2.py)."""
+"""Model families the engine runs: Llama and its relatives (llama.py), Gemma 2 and 3 (gemma.py)."""
 
-from .gemma2 import Gemma2ForCausalLM
+from .gemma import GEMMA_ARCHITECTURES, GemmaForCausalLM
 from .llama import LLAMA_ARCHITECTURES, LlamaForCausalLM
 
-SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, "Gemma2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, *GEMMA_ARCHITECTURES)
 
 
 def model_class(architecture: str):
     """The model class that runs ``architecture`` (one of SUPPORTED_ARCHITECTURES)."""
-    return Gemma2ForCausalLM if architecture == "Gemma2ForCausalLM" else LlamaForCausalLM
+    return GemmaForCausalLM if architecture in GEMMA_ARCHITECTURES else LlamaForCausalLM
 
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "Gemma2ForCausalLM", "LlamaForCausalLM", "model_class"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "GemmaForCausalLM", "LlamaForCausalLM", "model_class"]

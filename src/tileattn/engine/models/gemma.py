@@ -1,17 +1,19 @@
-"""Gemma 2: the Llama-family decoder (llama.py) with Gemma's differences, each mapped onto the
-engine's existing pieces:
+"""Gemma 2 and Gemma 3 (text): the Llama-family decoder (llama.py) with Gemma's differences, each
+mapped onto the engine's existing pieces:
 
-- RMSNorm scales by (1 + w): load_weight adds 1 to every norm weight, so the shared RMSNorm runs
-  unchanged (one more rounding of the weight in bf16 / fp16 than transformers' fp32 product).
+- RMSNorm scales by (1 + w): load_weight adds 1 to every norm weight (Gemma 3's q/k norms too), so
+  the shared RMSNorm runs unchanged (one more rounding of the weight in bf16 / fp16 than
+  transformers' fp32 product).
 - the embeddings are multiplied by sqrt(hidden), rounded to the model dtype as transformers does.
 - sandwich norms: the attention's and the MLP's outputs are normalised (post_attention_layernorm,
   post_feedforward_layernorm) before they join the residual; pre_feedforward_layernorm precedes the MLP.
 - the MLP gates with GELU's tanh form (GatedMLP(act="gelu_tanh")).
-- attention scale query_pre_attn_scalar^-1/2, scores capped at attn_logit_softcapping (tileattn's
-  softcap), a sliding window on the layers ``layer_types`` names "sliding_attention" (every other
-  layer, from the first, in configs without the list).
-- the logits capped at final_logit_softcapping: c tanh(logits / c).
-The options arrive in ModelConfig.extra (loader.model_config_from_hf).
+- attention scale query_pre_attn_scalar^-1/2; a sliding window on the layers ``layer_types`` names
+  "sliding_attention"; Gemma 2 caps the scores (attn_logit_softcapping: tileattn's softcap) and
+  the logits (final_logit_softcapping: c tanh(logits / c)); Gemma 3 normalises q and k per head
+  (the fused qkv + rotary launch's q/k norm) and rotates the sliding layers with their own rope
+  base (rope_local_base_freq), the full layers with the global one (and its scaling).
+The options arrive in ModelConfig.extra (loader._gemma_options).
 """
 
 from __future__ import annotations
@@ -19,14 +21,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import GatedMLP, PagedAttention, RMSNorm
+from ..layers import GatedMLP, PagedAttention, RMSNorm, Rotary, rope_inv_freq
 from .llama import LlamaForCausalLM
 
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
-class Gemma2DecoderLayer(nn.Module):
+
+class GemmaDecoderLayer(nn.Module):
     def __init__(self, cfg, dtype: torch.dtype, tp, sliding_window: int | None):
         super().__init__()
         extra = cfg.extra
+        self.sliding = sliding_window is not None
         self.self_attn = PagedAttention(cfg, dtype, tp, sliding_window=sliding_window, softcap=extra["attn_softcap"],
                                         scale=extra["query_pre_attn_scalar"] ** -0.5)
         self.mlp = GatedMLP(cfg.hidden_size, tp.split(cfg.intermediate_size)[1], cfg.mlp_bias, dtype, tp, act="gelu_tanh")
@@ -41,16 +46,31 @@ class Gemma2DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(gate_up), None), residual
 
 
-class Gemma2ForCausalLM(LlamaForCausalLM):
-    """LlamaForCausalLM's interface (forward, compute_logits, load_weight) for Gemma 2."""
+class GemmaForCausalLM(LlamaForCausalLM):
+    """LlamaForCausalLM's interface (forward, compute_logits, load_weight) for Gemma 2 and 3."""
+
+    def __init__(self, cfg, dtype: torch.dtype, max_positions: int, tp=None):
+        super().__init__(cfg, dtype, max_positions, tp)
+        local = cfg.extra["local_rope_theta"]  # Gemma 3: the sliding layers' own rotary tables
+        self.local_rotary = None if local is None else Rotary(
+            max_positions, rope_inv_freq(cfg.head_dim, local, None), dtype)
 
     def make_layer(self, index: int, dtype: torch.dtype) -> nn.Module:
-        window = self.cfg.extra["layer_windows"][index]
-        return Gemma2DecoderLayer(self.cfg, dtype, self.tp, window)
+        return GemmaDecoderLayer(self.cfg, dtype, self.tp, self.cfg.extra["layer_windows"][index])
 
     def embed(self, input_ids):  # [T] -> [T, hidden]
         x = super().embed(input_ids)
         return x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
+
+    def forward(self, input_ids, positions, batch):
+        x = self.embed(input_ids)  # [T, hidden]
+        rope = self.rotary(positions)
+        local = rope if self.local_rotary is None else self.local_rotary(positions)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(local if layer.sliding else rope, x, residual, batch)
+        x, _ = self.norm(x, residual)
+        return x  # [T, hidden]
 
     def compute_logits(self, hidden):  # [N, hidden] -> [N, vocab] float32 (rank 0; others None)
         logits = super().compute_logits(hidden)
