@@ -396,18 +396,25 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """messages: one conversation ([{"role", "content"}, ...]) or a list of them; each is rendered
         with the chat template (chat_template_kwargs: more variables for it, e.g. Qwen3's
-        enable_thinking) and encoded without adding special tokens (the template has them).
-        Raises ValueError for chat_template_kwargs that are not a dict of new variables."""
+        enable_thinking; tools: OpenAI-style function tools, the template's ``tools``) and encoded
+        without adding special tokens (the template has them). The answers' tool calls can be read
+        with tileattn.engine.tool_calls.PARSERS[name].parse(text).
+        Raises ValueError for chat_template_kwargs that are not a dict of new variables, or tools
+        that are not a list (or that chat_template_kwargs also sets)."""
+        reserved = TEMPLATE_VARIABLES | ({"tools"} if tools is not None else set())
         if chat_template_kwargs is not None and (not isinstance(chat_template_kwargs, dict)
-                                                 or TEMPLATE_VARIABLES & set(chat_template_kwargs)):
-            raise ValueError(f"chat_template_kwargs must be a dict of variables other than {sorted(TEMPLATE_VARIABLES)} "
+                                                 or reserved & set(chat_template_kwargs)):
+            raise ValueError(f"chat_template_kwargs must be a dict of variables other than {sorted(reserved)} "
                              f"(apply_chat_template sets those), got {chat_template_kwargs!r}")
+        if tools is not None and not isinstance(tools, list):
+            raise ValueError(f"tools must be a list of tool dicts, got {type(tools).__name__}")
+        variables = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt,
-                                                                            **(chat_template_kwargs or {})),
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt, **variables),
                                          add_special_tokens=False) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
