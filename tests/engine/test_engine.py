@@ -264,8 +264,7 @@ def test_chat_template_and_text_prompt(checkpoint):
 
 def test_chat_renders_tools(checkpoint):
     llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=32)
-    llm.tokenizer.chat_template = "{% if tools %}tools: {{ tools | tojson }} {% endif %}{{ messages[0]['content'] }}"
-    llm.tokenizer._template = None  # compiled anew from the template set above
+    llm.tokenizer.set_chat_template("{% if tools %}tools: {{ tools | tojson }} {% endif %}{{ messages[0]['content'] }}")
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False, tools=[tool])
     assert llm.tokenizer.decode(out[0].prompt_token_ids) == 'tools: [{"type": "function", "function": {"name": "f", ' \
@@ -273,6 +272,8 @@ def test_chat_renders_tools(checkpoint):
     for kwargs in ({"tools": tool}, {"tools": [tool], "chat_template_kwargs": {"tools": []}}):
         with pytest.raises(ValueError, match="tools"):
             llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False, **kwargs)
+    with pytest.raises(ValueError, match="does not compile"):
+        llm.tokenizer.set_chat_template("{% if %}")
 
 
 def test_detokenizer_never_splits_a_multibyte_character(checkpoint):

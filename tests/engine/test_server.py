@@ -710,7 +710,11 @@ def test_cli_serve_bad_options_exit_2_with_the_reason(checkpoint, tmp_path, caps
     ap = argparse.ArgumentParser(prog="tileattn")
     add_serve_command(ap.add_subparsers())
     for argv, reason in ((["serve", str(tmp_path / "missing")], "does not exist"),
-                         (["serve", checkpoint, "--device", "cpu", "--max-queue-depth", "0"], "max_queue_depth")):
+                         (["serve", checkpoint, "--device", "cpu", "--max-queue-depth", "0"], "max_queue_depth"),
+                         (["serve", checkpoint, "--device", "cpu", "--chat-template", "{% for m in messages %}"],
+                          "does not compile"),
+                         (["serve", checkpoint, "--device", "cpu", "--chat-template", str(tmp_path / "none.jinja")],
+                          "neither a file nor a jinja2 template")):
         args = ap.parse_args(argv)
         assert args.fn(args) == 2
         assert reason in capsys.readouterr().err

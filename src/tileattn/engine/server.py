@@ -985,8 +985,8 @@ _UNHONOURED_EXTRAS = {
     "logits_processors": (bool, "the sampler runs no custom logits processors"),
     "use_beam_search": (bool, "the engine samples, it does no beam search"),
     "length_penalty": (lambda v: v not in (None, 1), "the engine does no beam search"),
-    "chat_template": (lambda v: v is not None, "the server renders the model's own template, not one from a "
-                                               "request"),
+    "chat_template": (lambda v: v is not None, "the server renders its own template (the model's, or the one "
+                                               "given with --chat-template), not one from a request"),
     "echo": (bool, "a chat answer never repeats the prompt"),
     "modalities": (lambda v: v not in (None, ["text"]), "the server answers with text only"),
     "audio": (lambda v: v is not None, "the server answers with text only"),
@@ -1428,6 +1428,9 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("TILEATTN_API_KEY") or None,
                    help="require Authorization: Bearer KEY on every endpoint but /health and /metrics "
                         "(default: $TILEATTN_API_KEY; unset: no key)")
+    p.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE", default=None,
+                   help="render chats with this jinja2 template (a file, or the template itself) instead of the "
+                        "model's: for checkpoints without one or with a broken one")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="read chat answers for tool calls in this format (hermes: Qwen2.5 / Qwen3 / Hermes; "
                         "llama3_json: Llama 3.x); without it, requests with tools get a 400")
@@ -1452,6 +1455,17 @@ _ENGINE_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "b
                    "tensor_parallel_size")
 
 
+def _template_source(value: str) -> str:
+    """--chat-template's value: a file's contents, or the value itself when it is no file (a
+    template has braces or newlines a path does not)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a jinja2 template")
+    return value
+
+
 def serve_main(args: argparse.Namespace) -> int:
     """Load the engine, then serve until Ctrl-C; the engine thread stops with the server, then the
     engine's tensor-parallel workers (if any)."""
@@ -1464,6 +1478,8 @@ def serve_main(args: argparse.Namespace) -> int:
     engine = None
     try:
         engine = LLMEngine.from_model(args.model, **{k: getattr(args, k) for k in _ENGINE_OPTIONS})
+        if args.chat_template is not None:
+            engine.tokenizer.set_chat_template(_template_source(args.chat_template))
         app = create_app(engine, args.served_model_name or args.model, max_queue_depth=args.max_queue_depth,
                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                          api_key=args.api_key)

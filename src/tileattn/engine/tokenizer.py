@@ -75,6 +75,12 @@ class Tokenizer:
         return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
 
+    def set_chat_template(self, source: str) -> None:
+        """Replace the checkpoint's chat template (jinja2 source, as HF templates are written).
+        Raises ValueError when it does not compile."""
+        self._template = _compile_template(source)
+        self.chat_template = source
+
     @classmethod
     def from_hf_dir(cls, path: str) -> Tokenizer:
         """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) in ``path``.
