@@ -93,6 +93,46 @@ def test_llama3_json(text, content, names):
     assert [c.name for c in calls] == names
 
 
+@pytest.mark.parametrize("text, content, names", [
+    (f"[TOOL_CALLS] [{CALL}, {CALL2}]", None, ["get_weather", "get_time"]),
+    (f" [{CALL}]", None, ["get_weather"]),                        # the tag skipped as a special token
+    ("The weather is fine.", "The weather is fine.", []),
+    ("[1] is a citation.", "[1] is a citation.", []),             # a list, not of calls: kept as text
+    (f"[TOOL_CALLS] [{CALL}", f"[TOOL_CALLS] [{CALL}", []),       # cut off
+    ("[]", "[]", []),
+    ("", None, []),
+])
+def test_mistral(text, content, names):
+    got_content, calls = _every_cutting(PARSERS["mistral"], text)
+    assert got_content == content
+    assert [c.name for c in calls] == names
+
+
+def test_forced_calls_are_what_the_parsers_read(tmp_path):
+    """Each parser's forced_calls spec (tool_choice required / named) admits the answers that
+    parser reads as calls: llguidance's matcher accepts their tokens (the tests' tokenizer)."""
+    pytest.importorskip("llguidance")
+    from tileattn.engine.structured import GrammarCompiler
+    from tileattn.engine.tokenizer import Tokenizer
+
+    from .checkpoints import save_tokenizer
+
+    save_tokenizer(tmp_path)
+    tokenizer = Tokenizer.from_hf_dir(str(tmp_path))
+    grammars = GrammarCompiler(tokenizer, tokenizer.vocab_size, [tokenizer.eos_token_id])
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    answers = {"hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+               "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+               "mistral": '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'}
+    for name, answer in answers.items():
+        parser = PARSERS[name]
+        (matcher,) = grammars.matchers(parser.forced_calls([tool], several=False), 1)
+        assert matcher.consume_tokens(tokenizer.encode(answer, add_special_tokens=False)), (name, matcher.get_error())
+        assert matcher.is_accepting(), name
+        assert [c.name for c in parser.parse(answer)[1]] == ["get_weather"], name
+
+
 def test_call_from_json_and_parser_names():
     call = call_from_json('{"name": "f", "arguments": {"s": "caf\\u00e9"}}')
     assert call.name == "f" and call.arguments == '{"s": "café"}'
@@ -102,4 +142,4 @@ def test_call_from_json_and_parser_names():
         assert call_from_json(bad) is None, bad
     assert get_parser("hermes") is PARSERS["hermes"]
     with pytest.raises(ValueError, match="hermes"):
-        get_parser("mistral")
+        get_parser("pythonic")

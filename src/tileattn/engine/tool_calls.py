@@ -7,6 +7,8 @@ Parsers (`tileattn serve --tool-call-parser NAME`, vLLM's names):
 - ``llama3_json``: the whole answer is one JSON object ``{"name": ..., "parameters": {...}}``
   (Llama 3.1 / 3.2's JSON tool calling; ``"arguments"`` is accepted too), optionally after the
   ``<|python_tag|>`` token's text when special tokens are not skipped.
+- ``mistral``: the whole answer is a JSON list of ``{"name": ..., "arguments": {...}}`` objects,
+  after ``[TOOL_CALLS]`` (Mistral 7B Instruct v0.3; a special token, so usually skipped).
 
 A block that does not parse as a call (bad JSON, no name, arguments not an object) stays in the
 content as the model wrote it: nothing is dropped. The content is the text outside the calls with
@@ -38,9 +40,13 @@ def call_from_json(text: str) -> ToolCall | None:
     """A call from the JSON text of {"name": str, "arguments" | "parameters": object (or the JSON
     text of one)}; None when the text is not one."""
     try:
-        obj = json.loads(text)
+        return call_from_value(json.loads(text))
     except ValueError:
         return None
+
+
+def call_from_value(obj) -> ToolCall | None:
+    """call_from_json of a parsed JSON value."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -156,51 +162,87 @@ class _HermesStream:
         return self.content.push(HermesParser.START + body), []
 
 
-class Llama3JsonParser(_Parser):
-    """One JSON object as the whole answer (see the module docstring)."""
+class _WholeAnswerParser(_Parser):
+    """Formats where the whole answer is the calls' JSON after an optional tag (see the module
+    docstring): ``tag``, the JSON's first characters ``opens``, and ``calls(value)`` -> the calls
+    of the parsed JSON value, or None when it is not this format's."""
 
-    name = "llama3_json"
-    PYTHON_TAG = "<|python_tag|>"
+    tag: str
+    opens: str
+
+    def calls(self, value) -> list[ToolCall] | None:
+        raise NotImplementedError
+
+    def stream(self) -> _WholeAnswerStream:
+        return _WholeAnswerStream(self)
+
+
+class Llama3JsonParser(_WholeAnswerParser):
+    """One JSON object as the whole answer."""
+
+    name, tag, opens = "llama3_json", "<|python_tag|>", "{"
     one_call_stop = None  # the format holds one call per answer
 
     def forced_calls(self, tools: list[dict], several: bool) -> dict:
         return {"json": call_schema(tools, "parameters")}
 
-    def stream(self) -> _Llama3JsonStream:
-        return _Llama3JsonStream()
+    def calls(self, value):
+        call = call_from_value(value)
+        return None if call is None else [call]
 
 
-class _Llama3JsonStream:
-    def __init__(self):
+class MistralParser(_WholeAnswerParser):
+    """A JSON list of calls as the whole answer, after [TOOL_CALLS] (Mistral 7B Instruct v0.3's
+    format; the tag is a special token, so with skip_special_tokens the list stands alone)."""
+
+    name, tag, opens = "mistral", "[TOOL_CALLS]", "["
+    one_call_stop = None  # a forced answer holds one list; parallel_tool_calls false caps it at one call
+
+    def forced_calls(self, tools: list[dict], several: bool) -> dict:
+        schema = call_schema(tools, "arguments")
+        return {"json": {"type": "array", "items": {k: v for k, v in schema.items() if k != "x-guidance"},
+                         "minItems": 1, **({} if several else {"maxItems": 1}), "x-guidance": schema["x-guidance"]}}
+
+    def calls(self, value):
+        if not isinstance(value, list) or not value:
+            return None
+        calls = [call_from_value(item) for item in value]
+        return None if None in calls else calls
+
+
+class _WholeAnswerStream:
+    def __init__(self, parser: _WholeAnswerParser):
+        self.parser = parser
         self.pending = ""
-        self.mode = None       # None: undecided; "call": buffering a JSON answer; "text": content
+        self.mode = None       # None: undecided; "calls": buffering a JSON answer; "text": content
         self.content = Content()
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self.pending += text
         if self.mode is None:
-            head = self.pending.lstrip()
-            tag = Llama3JsonParser.PYTHON_TAG
+            head, tag = self.pending.lstrip(), self.parser.tag
             if head.startswith(tag):
                 head = head[len(tag):].lstrip()
             elif tag.startswith(head):
                 return "", []  # whitespace, or the start of the tag: undecided
             if not head:
                 return "", []
-            self.mode = "call" if head.startswith("{") else "text"
-        if self.mode == "call":
+            self.mode = "calls" if head.startswith(self.parser.opens) else "text"
+        if self.mode == "calls":
             return "", []
         text, self.pending = self.pending, ""
         return self.content.push(text), []
 
     def finish(self, stop_reason=None) -> tuple[str, list[ToolCall]]:
         text, self.pending = self.pending, ""
-        if self.mode == "call":
-            body = text.strip()
-            tag = Llama3JsonParser.PYTHON_TAG
-            call = call_from_json(body[len(tag):] if body.startswith(tag) else body)
-            if call is not None:
-                return "", [call]
+        if self.mode == "calls":
+            body = text.strip().removeprefix(self.parser.tag)
+            try:
+                calls = self.parser.calls(json.loads(body))
+            except ValueError:
+                calls = None
+            if calls is not None:
+                return "", calls
         return self.content.push(text), []
 
 
@@ -219,7 +261,7 @@ def call_schema(tools: list[dict], arguments_key: str) -> dict:
     return {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
 
 
-PARSERS = {p.name: p for p in (HermesParser(), Llama3JsonParser())}
+PARSERS = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser())}
 
 
 def get_parser(name: str):
