@@ -5,6 +5,7 @@ Bound: logits relative error < 1e-4 over the chat prompt (both dequantize to the
 weights; measured 1.5e-6, from summation order across 30 layers).
 """
 
+import json
 import os
 
 import pytest
@@ -70,6 +71,23 @@ def test_greedy_answer_matches_transformers(llm, hf_model):
     assert out.text == hf_tok.decode(ref, skip_special_tokens=True)
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # ended by <|im_end|>, the GGUF's EOS
+
+
+def test_structured_answer_on_the_real_vocabulary(llm):
+    """A JSON schema on SmolLM2's 49,152-token GGUF vocabulary (llguidance reads the tokenizer the
+    engine built from GGUF metadata): the greedy answer is the schema's JSON and names Paris."""
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "additionalProperties": False, "required": ["country", "capital"],
+              "properties": {"country": {"type": "string", "maxLength": 30}, "capital": {"type": "string", "maxLength": 30}}}
+    out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+                   SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": schema}),
+                   use_tqdm=False)[0].outputs[0]
+    value = json.loads(out.text)
+    assert out.finish_reason == "stop" and set(value) == {"country", "capital"} and value["capital"] == "Paris", out.text
+    choice = llm.chat([{"role": "user", "content": "Is Paris in France?"}],
+                      SamplingParams(temperature=0, max_tokens=5, structured_outputs={"choice": ["yes", "no"]}),
+                      use_tqdm=False)[0].outputs[0]
+    assert choice.text == "yes", choice.text
 
 
 def test_32_greedy_tokens_match_teacher_forced_argmax(llm, hf_model):
