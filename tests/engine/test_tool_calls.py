@@ -108,6 +108,23 @@ def test_mistral(text, content, names):
     assert [c.name for c in calls] == names
 
 
+@pytest.mark.parametrize("text, content, calls", [
+    ('[get_weather(city="Paris", unit="celsius"), get_time()]', None,
+     [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {})]),
+    ('<|python_start|>[f(x=[1, 2.5, None], y={"k": True})]<|python_end|>', None, [("f", {"x": [1, 2.5, None], "y": {"k": True}})]),
+    ("[1, 2, 3]", "[1, 2, 3]", []),                                   # a list, not of calls
+    ("[f(1)]", "[f(1)]", []),                                         # positional arguments
+    ("[f(x=open('/etc/passwd'))]", "[f(x=open('/etc/passwd'))]", []),  # not a literal: never evaluated
+    ("[os.system(x='ls')]", "[os.system(x='ls')]", []),               # not a plain name
+    ("[f(x=1)", "[f(x=1)", []),                                       # cut off
+    ("Sunny today.", "Sunny today.", []),
+])
+def test_pythonic(text, content, calls):
+    got_content, got = _every_cutting(PARSERS["pythonic"], text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
 def test_forced_calls_are_what_the_parsers_read(tmp_path):
     """Each parser's forced_calls spec (tool_choice required / named) admits the answers that
     parser reads as calls: llguidance's matcher accepts their tokens (the tests' tokenizer)."""
@@ -142,4 +159,23 @@ def test_call_from_json_and_parser_names():
         assert call_from_json(bad) is None, bad
     assert get_parser("hermes") is PARSERS["hermes"]
     with pytest.raises(ValueError, match="hermes"):
-        get_parser("pythonic")
+        get_parser("xml")
+    assert PARSERS["pythonic"].forced_calls([], several=True) is None
+
+
+def test_a_parser_without_a_grammar_refuses_forced_calls():
+    """tool_choice "required" / a named function needs the parser's grammar; pythonic has none: 400."""
+    pytest.importorskip("fastapi")
+    from types import SimpleNamespace
+
+    from tileattn.engine.server import APIError, ChatRequest, _chat_tools
+
+    state = SimpleNamespace(tool_parser=PARSERS["pythonic"], tokenizer=SimpleNamespace(chat_template="{{ tools }}"))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        req = ChatRequest(messages=[{"role": "user", "content": "hi"}], tools=[tool], tool_choice=choice)
+        with pytest.raises(APIError) as info:
+            _chat_tools(state, req)
+        assert info.value.param == "tool_choice" and "pythonic" in info.value.message
+    req = ChatRequest(messages=[{"role": "user", "content": "hi"}], tools=[tool])
+    assert _chat_tools(state, req)[1:] == (PARSERS["pythonic"], None)

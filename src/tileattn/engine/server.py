@@ -733,7 +733,7 @@ def _chat_tools(state: ServerState, req: ChatRequest):
     if parser is None:
         raise APIError(400, "This server parses no tool calls: start it with --tool-call-parser "
                             "(hermes for Qwen2.5 / Qwen3 / Hermes, llama3_json for Llama 3.x, mistral for Mistral "
-                            "v0.3).", param="tools")
+                            "v0.3, pythonic for Llama 3.2's pythonic calls).", param="tools")
     _check_template_renders_tools(state)
     forced = None
     if choice == "required":
@@ -743,6 +743,10 @@ def _chat_tools(state: ServerState, req: ChatRequest):
         if not tools:
             raise APIError(400, f"tool_choice names {named!r}, which is not among the tools.", param="tool_choice")
         forced = parser.forced_calls(tools[:1], several=False)
+    if choice == "required" or named is not None:
+        if forced is None:
+            raise APIError(400, f"tool_choice {choice!r} is not supported with the {parser.name} tool-call parser "
+                                "(no grammar of its call syntax); use \"auto\".", param="tool_choice")
     return req.tools, parser, forced
 
 
@@ -1278,7 +1282,7 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
     max_queue_depth: the most engine requests (one per prompt) admitted and unfinished at once,
         running or waiting; beyond it requests get 503 instead of growing memory without bound.
     tool_call_parser: how chat answers are read for tool calls when a request has ``tools`` (a name
-        in tileattn.engine.tool_calls.PARSERS: "hermes", "llama3_json", "mistral"); None: requests with tools
+        in tileattn.engine.tool_calls.PARSERS: "hermes", "llama3_json", "mistral", "pythonic"); None: requests with tools
         get a 400.
     reasoning_parser: how chat answers are split into reasoning_content and content (a name in
         tileattn.engine.reasoning.PARSERS: "qwen3", "deepseek_r1"); None: no split.
@@ -1434,7 +1438,8 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
                         "model's: for checkpoints without one or with a broken one")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="read chat answers for tool calls in this format (hermes: Qwen2.5 / Qwen3 / Hermes; "
-                        "llama3_json: Llama 3.x; mistral: Mistral v0.3); without it, requests with tools get a 400")
+                        "llama3_json: Llama 3.x; mistral: Mistral v0.3; pythonic: Llama 3.2's Python-style calls); "
+                        "without it, requests with tools get a 400")
     g = p.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)

@@ -9,6 +9,8 @@ Parsers (`tileattn serve --tool-call-parser NAME`, vLLM's names):
   ``<|python_tag|>`` token's text when special tokens are not skipped.
 - ``mistral``: the whole answer is a JSON list of ``{"name": ..., "arguments": {...}}`` objects,
   after ``[TOOL_CALLS]`` (Mistral 7B Instruct v0.3; a special token, so usually skipped).
+- ``pythonic``: the whole answer is a Python list of calls with literal keyword arguments,
+  ``[get_weather(city="Paris")]`` (Llama 3.2's pythonic format; read by ast, never run).
 
 A block that does not parse as a call (bad JSON, no name, arguments not an object) stays in the
 content as the model wrote it: nothing is dropped. The content is the text outside the calls with
@@ -19,6 +21,7 @@ stream add up to the message a non-streamed request gets.
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -86,10 +89,10 @@ class _Parser:
     def stream(self):
         raise NotImplementedError
 
-    def forced_calls(self, tools: list[dict], several: bool) -> dict:
+    def forced_calls(self, tools: list[dict], several: bool) -> dict | None:
         """The structured_outputs spec (engine/structured.py) of an answer that is nothing but calls
         of ``tools`` in this format (tool_choice "required" or a named function): one call, or with
-        ``several`` one or more."""
+        ``several`` one or more; None when the format has no grammar here."""
         raise NotImplementedError
 
     def parse(self, text: str, stop_reason=None) -> tuple[str | None, list[ToolCall]]:
@@ -163,14 +166,14 @@ class _HermesStream:
 
 
 class _WholeAnswerParser(_Parser):
-    """Formats where the whole answer is the calls' JSON after an optional tag (see the module
-    docstring): ``tag``, the JSON's first characters ``opens``, and ``calls(value)`` -> the calls
-    of the parsed JSON value, or None when it is not this format's."""
+    """Formats where the whole answer is the calls after an optional tag (see the module
+    docstring): ``tag``, the calls' first characters ``opens``, and ``read(body)`` -> the calls
+    written in the body (the answer without the tag), or None when it is not this format's."""
 
     tag: str
     opens: str
 
-    def calls(self, value) -> list[ToolCall] | None:
+    def read(self, body: str) -> list[ToolCall] | None:
         raise NotImplementedError
 
     def stream(self) -> _WholeAnswerStream:
@@ -186,8 +189,8 @@ class Llama3JsonParser(_WholeAnswerParser):
     def forced_calls(self, tools: list[dict], several: bool) -> dict:
         return {"json": call_schema(tools, "parameters")}
 
-    def calls(self, value):
-        call = call_from_value(value)
+    def read(self, body):
+        call = call_from_json(body)
         return None if call is None else [call]
 
 
@@ -203,11 +206,49 @@ class MistralParser(_WholeAnswerParser):
         return {"json": {"type": "array", "items": {k: v for k, v in schema.items() if k != "x-guidance"},
                          "minItems": 1, **({} if several else {"maxItems": 1}), "x-guidance": schema["x-guidance"]}}
 
-    def calls(self, value):
+    def read(self, body):
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None
         if not isinstance(value, list) or not value:
             return None
         calls = [call_from_value(item) for item in value]
         return None if None in calls else calls
+
+
+class PythonicParser(_WholeAnswerParser):
+    """A Python list of calls with keyword arguments as the whole answer,
+    ``[get_weather(city="Paris"), get_time()]`` (Llama 3.2's pythonic tool calling; Llama 4 wraps
+    it in <|python_start|> ... <|python_end|>, special tokens). Arguments must be literals
+    (strings, numbers, booleans, None, lists, dicts): ast.literal_eval reads them, nothing runs."""
+
+    name, tag, opens = "pythonic", "<|python_start|>", "["
+    one_call_stop = None
+
+    def forced_calls(self, tools: list[dict], several: bool) -> dict | None:
+        return None  # no grammar of Python calls here: tool_choice required / named gets a 400
+
+    def read(self, body):
+        body = body.removesuffix("<|python_end|>").strip()
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except SyntaxError:
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                return None
+            try:
+                arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+            except ValueError:  # not a literal
+                return None
+            if len(arguments) != len(node.keywords):
+                return None  # a **mapping
+            calls.append(ToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False)))
+        return calls
 
 
 class _WholeAnswerStream:
@@ -236,11 +277,7 @@ class _WholeAnswerStream:
     def finish(self, stop_reason=None) -> tuple[str, list[ToolCall]]:
         text, self.pending = self.pending, ""
         if self.mode == "calls":
-            body = text.strip().removeprefix(self.parser.tag)
-            try:
-                calls = self.parser.calls(json.loads(body))
-            except ValueError:
-                calls = None
+            calls = self.parser.read(text.strip().removeprefix(self.parser.tag).strip())
             if calls is not None:
                 return "", calls
         return self.content.push(text), []
@@ -261,7 +298,7 @@ def call_schema(tools: list[dict], arguments_key: str) -> dict:
     return {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
 
 
-PARSERS = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser())}
+PARSERS = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser(), PythonicParser())}
 
 
 def get_parser(name: str):
