@@ -49,6 +49,18 @@ SHAPES = {
                        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
                        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True),
+    # Gemma 2 2B: head_dim 256, a 4096-key window on every other layer, attention and final caps
+    # (the paged kernels' softcap + window variants at d = 256)
+    "gemma2-2b": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], hidden_size=2304,
+                      intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=256, vocab_size=256000, rms_norm_eps=1e-6, rope_theta=10000.0,
+                      max_position_embeddings=8192, sliding_window=4096, query_pre_attn_scalar=256,
+                      attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=True),
+    # Gemma 3 1B: head_dim 256, one KV head, 512-key windows on five layers of six, q/k norms
+    "gemma3-1b": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_size=1152,
+                      intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+                      head_dim=256, vocab_size=262144, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                      sliding_window=512, query_pre_attn_scalar=256, tie_word_embeddings=True),
     # Host-overhead profiling on a CPU: the model costs little, the engine's bookkeeping shows.
     "tiny": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=96,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=32000,
