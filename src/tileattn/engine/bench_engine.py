@@ -149,8 +149,9 @@ def bench_engine_main(argv=None) -> int:
 
         args.cprofiler = cProfile.Profile()
     if "decode" in parts:
+        llama_family = not SHAPES[plan["decode_shape"]]["model_type"].startswith("gemma")  # what compile_peer covers
         rows += bench_decode(args, plan["decode_shape"], plan["new_tokens"],
-                             compile_peer=not (quick or args.no_compile_peer or args.no_peers))
+                             compile_peer=llama_family and not (quick or args.no_compile_peer or args.no_peers))
     if "throughput" in parts:
         for shape in plan["throughput_shapes"]:
             rows += bench_throughput(args, shape, plan["requests"], plan["max_len"])
