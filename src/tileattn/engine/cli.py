@@ -44,13 +44,16 @@ def _engine_options(p) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N GPUs (N processes; gloo ranks with --device cpu)")
+    p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                   help="greedy decoding takes up to K prompt-lookup drafts per step (0: off)")
 
 
 def _build(args):
     from . import LLM, SamplingParams
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
+              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+              num_speculative_tokens=args.num_speculative_tokens)
     overrides = {"max_tokens": args.max_tokens}
     for name in ("temperature", "top_p", "top_k", "seed"):
         if getattr(args, name) is not None:

@@ -49,6 +49,8 @@ class EngineConfig:
     tensor_parallel_size: ranks of tensor parallelism (one process and GPU each; gloo ranks on CPU);
         see docs/tensor_parallel.md.
     kv_cache_blocks: an explicit block count (the default on CPU is a 256 MiB cache).
+    num_speculative_tokens: k > 0 drafts per greedy decode step by prompt lookup (speculative.py);
+        0: off.
     Raises ValueError naming the bad field (see validate()).
     """
 
@@ -63,6 +65,7 @@ class EngineConfig:
     device: str | None = None
     tensor_parallel_size: int = 1
     kv_cache_blocks: int | None = None
+    num_speculative_tokens: int = 0
 
     def __post_init__(self):
         self.validate()
@@ -81,6 +84,9 @@ class EngineConfig:
             positive("max_model_len")
         if self.kv_cache_blocks is not None:
             positive("kv_cache_blocks")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be an int in [0, 16], got {k!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.dtype = parse_dtype(self.dtype)

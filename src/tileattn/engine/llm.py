@@ -16,12 +16,13 @@ import weakref
 
 import torch
 
+from . import speculative
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import detokenize, find_stop, finish, visible_text_length
 from .distributed import Workers, check_tensor_parallel, rank_devices
 from .loader import load_model, read_model_config
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, StepResult
 from .outputs import CompletionOutput, RequestOutput
 from .profiler import NULL, StepProfiler
 from .sampling_params import SamplingParams
@@ -89,6 +90,10 @@ class LLMEngine:
         # TILEATTN_ENGINE_ASYNC=0; not with tensor parallel (the workers get their inputs from the host).
         self.async_scheduling = self.workers is None and os.environ.get("TILEATTN_ENGINE_ASYNC", "1") != "0"
         self._pending = None  # the step run ahead, launched, its tokens not processed yet
+        self.num_speculative_tokens = config.num_speculative_tokens
+        if self.num_speculative_tokens:  # drafts come from the tokens on the host: no step runs ahead of them
+            self.async_scheduling = False
+        self.spec_drafted = self.spec_accepted = 0  # draft tokens proposed / accepted so far
         self.profiler = NULL
         if os.environ.get("TILEATTN_ENGINE_PROFILE", "0") not in ("", "0"):
             self.enable_profiling()
@@ -190,7 +195,8 @@ class LLMEngine:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": bm.usage(), "prefix_cache_hits": bm.prefix_cache_hits,
                 "prefix_cache_queries": bm.prefix_cache_queries, "num_free_blocks": bm.num_free_blocks,
-                "num_total_blocks": bm.num_blocks, "num_preemptions": self.scheduler.num_preemptions}
+                "num_total_blocks": bm.num_blocks, "num_preemptions": self.scheduler.num_preemptions,
+                "spec_drafted_tokens": self.spec_drafted, "spec_accepted_tokens": self.spec_accepted}
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -208,6 +214,8 @@ class LLMEngine:
             scheduled = self.scheduler.schedule()
             if not scheduled:
                 return []
+            if self.num_speculative_tokens:
+                scheduled = self._add_drafts(scheduled)
             prof.lap("schedule")
             with self._guard():
                 current = self.runner.launch(scheduled)
@@ -220,6 +228,8 @@ class LLMEngine:
         # their token is dropped and their blocks are already free (later steps' writes to those
         # blocks come after this step's on the same stream).
         scheduled = current.scheduled
+        if self.num_speculative_tokens:
+            scheduled, result = self._verify_drafts(scheduled, result)
         bm, size = self.block_manager, self.block_manager.block_size
         decode = total = 0
         for seq, n in scheduled:
@@ -263,7 +273,7 @@ class LLMEngine:
             else:
                 if len(tokens) - seq.num_prompt_tokens >= params.max_tokens or len(tokens) >= max_model_len:
                     seq.finish_reason = "length"
-                if not lazy:
+                if not lazy and (not to_detokenize or to_detokenize[-1] is not seq):  # once per step
                     to_detokenize.append(seq)
                 elif seq.finish_reason is not None:
                     catch_up.append((seq, len(tokens)))
@@ -299,6 +309,53 @@ class LLMEngine:
         prof.end("decode" if decode == len(scheduled) else "prefill" if decode == 0 else "mixed",
                  total, len(scheduled))
         return outputs
+
+    def _add_drafts(self, scheduled):
+        """Speculative decoding (speculative.py): each eligible decode of ``scheduled`` gets up to
+        num_speculative_tokens drafts appended to its tokens, within the step's token budget, its
+        max_tokens and max_model_len, and only where its blocks can hold them without preempting.
+        Returns the schedule with those sequences feeding 1 + k tokens."""
+        budget = self.config.max_num_batched_tokens - sum(n for _, n in scheduled)
+        out = []
+        for seq, n in scheduled:
+            tokens = seq.token_ids
+            if (n == 1 and budget > 0 and seq.num_computed_tokens == len(tokens) - 1
+                    and seq.num_output_tokens > 0 and speculative.eligible(seq)):
+                k = min(self.num_speculative_tokens, budget, seq.params.max_tokens - seq.num_output_tokens - 1,
+                        self.max_model_len - len(tokens) - 1)
+                drafts = speculative.propose(tokens, k) if k > 0 else []
+                if drafts and self.block_manager.ensure_slots(seq, len(tokens) + len(drafts)):
+                    seq.drafts = drafts
+                    tokens.extend(drafts)
+                    n += len(drafts)
+                    budget -= len(drafts)
+            out.append((seq, n))
+        return out
+
+    def _verify_drafts(self, scheduled, result):
+        """After a step with drafts: each drafting sequence keeps the argmax tokens up to and with
+        the first that differs from its draft (all of them when every draft stood), its drafts
+        leave its tokens, and it counts 1 + accepted tokens as computed. Returns (schedule with
+        those counts, result with those tokens)."""
+        if not any(seq.drafts for seq, _ in scheduled):
+            return scheduled, result
+        rows: dict = {}
+        for seq, token, logprobs in result.sampled:
+            rows.setdefault(seq, []).append((token, logprobs))
+        counts, sampled = {}, []
+        for seq, picks in rows.items():
+            drafts = seq.drafts
+            if drafts:
+                m = speculative.accepted(drafts, [token for token, _ in picks])
+                del seq.token_ids[-len(drafts):]
+                seq.drafts = None
+                counts[seq] = 1 + m
+                picks = picks[:m + 1]
+                self.spec_drafted += len(drafts)
+                self.spec_accepted += m
+            sampled += [(seq, token, logprobs) for token, logprobs in picks]
+        scheduled = [(seq, counts.get(seq, n)) for seq, n in scheduled]
+        return scheduled, StepResult(sampled, result.prompt_logprobs)
 
     def _run_ahead(self, current):
         """Async scheduling: launch the decode step that follows ``current`` before current's tokens

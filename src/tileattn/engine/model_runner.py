@@ -123,6 +123,7 @@ class ModelRunner:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.sampler = Sampler(loaded.eos_token_ids)
+        self.speculative = config.num_speculative_tokens > 0  # steps may carry drafts (speculative.py)
         self.profiler = NULL  # LLMEngine.enable_profiling() sets a StepProfiler (rank 0)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         if device.type == "cuda":
@@ -391,6 +392,9 @@ class ModelRunner:
             sampled = ends == np.fromiter((len(seq.token_ids) for seq in seqs), np.int64, count)  # [B] at the end
         sample_rows = cu[1:][sampled] - 1  # [N]
         sample_seqs = seqs if sampled.all() else [seq for seq, s in zip(seqs, sampled.tolist()) if s]
+        if self.speculative and token is not None and any(seq.drafts for seq in sample_seqs):
+            # a sequence with k drafts samples its last 1 + k rows: the argmax after each input
+            sample_rows, sample_seqs = self._verify_rows(sample_rows, sample_seqs)
         prompt_rows = []
         for row, seq in enumerate(seqs):
             scored = seq.request.prompt_logprobs  # position p scores prompt token p + 1
@@ -411,6 +415,15 @@ class ModelRunner:
                 "max_seqlen_q": max_q, "max_seqlen_k": int(ends.max()),
                 "used_blocks": tables.shape[1],  # columns of block_tables any sequence fills
                 "sample_seqs": sample_seqs, "prompt_rows": prompt_rows}
+
+    @staticmethod
+    def _verify_rows(sample_rows: np.ndarray, sample_seqs: list):
+        rows, owners = [], []
+        for last, seq in zip(sample_rows.tolist(), sample_seqs):
+            k = len(seq.drafts) if seq.drafts else 0
+            rows.extend(range(last - k, last + 1))
+            owners.extend([seq] * (k + 1))
+        return np.asarray(rows, np.int64), owners
 
     def _block_tables(self, seqs) -> np.ndarray:
         """[B, used] int32 block tables (zero-padded), used = the longest table. Each sequence keeps

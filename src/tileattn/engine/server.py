@@ -1452,13 +1452,15 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-blocks", type=int, default=None)
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N GPUs (N processes, NCCL; gloo ranks with --device cpu)")
+    g.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                   help="greedy requests decode up to K prompt-lookup drafts per step (0: off; no async scheduling)")
     p.set_defaults(fn=serve_main)
     return p
 
 
 _ENGINE_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                    "gpu_memory_utilization", "dtype", "enforce_eager", "device", "kv_cache_blocks",
-                   "tensor_parallel_size")
+                   "tensor_parallel_size", "num_speculative_tokens")
 
 
 def _template_source(value: str) -> str:

@@ -1,0 +1,90 @@
+"""Speculative decoding by prompt lookup (engine/speculative.py) on a tiny Llama (CPU): the tokens
+are exactly greedy decoding's, through chunked prefill, small blocks, a tight token budget,
+preemption, stop ids and max_tokens landing inside a step's accepted drafts; drafts are accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from tileattn.engine import LLM, SamplingParams
+from tileattn.engine.config import EngineConfig
+from tileattn.engine.speculative import accepted, propose
+
+from .checkpoints import make_checkpoint
+
+# the random model falls into loops on these, which prompt lookup predicts
+PROMPTS = [[0, 5, 9, 17, 33, 40, 2, 7], [0] + list(range(20, 120)), [0, 300, 301, 302] * 10, [0, 11],
+           [0, 40, 41, 42, 43, 44, 45] * 6]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    make_checkpoint(path, "llama3")
+    return str(path)
+
+
+def _run(checkpoint, params, k, **options):
+    llm = LLM(checkpoint, device="cpu", **{"max_model_len": 256, "kv_cache_blocks": 128, "block_size": 4,
+                                           "num_speculative_tokens": k, **options})
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], f"blocks leaked: {stats}"
+    return [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs], stats
+
+
+def test_propose_and_accept():
+    assert propose([1, 2, 3, 4, 1, 2, 3], 3) == [4, 1, 2]       # the 3-gram [1, 2, 3] seen before
+    assert propose([5, 6, 7, 9, 6, 7], 2) == [9, 6]             # the 2-gram [6, 7]
+    assert propose([5, 6, 7, 9, 8, 7], 4) == [9, 8, 7]          # only the 1-gram [7]; up to the end
+    assert propose([1, 2, 3], 4) == [] and propose([], 2) == []
+    assert propose([1, 2, 1, 2, 1, 2], 2) == [1, 2]             # the latest occurrence
+    assert accepted([4, 5, 6], [4, 5, 9, 1]) == 2 and accepted([4], [3, 0]) == 0 and accepted([], [7]) == 0
+
+
+@pytest.mark.parametrize("options", [
+    {},                                                   # plain
+    {"max_num_batched_tokens": 16},                       # chunked prefill; drafts cut by the budget
+    {"kv_cache_blocks": 64, "max_num_batched_tokens": 64},  # preemption by recompute
+    {"max_num_seqs": 2},                                  # a queue; drafts beside prefills
+], ids=["plain", "budget", "preemption", "queue"])
+def test_tokens_are_greedy_decodings(checkpoint, options):
+    params = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
+    plain, _ = _run(checkpoint, params, 0, **options)
+    drafted, stats = _run(checkpoint, params, 4, **options)
+    assert drafted == plain
+    assert stats["spec_accepted_tokens"] > 0 and stats["spec_drafted_tokens"] >= stats["spec_accepted_tokens"], stats
+    if "kv_cache_blocks" in options:
+        assert stats["num_preemptions"] > 0, stats
+
+
+def test_stops_and_max_tokens_inside_accepted_drafts(checkpoint):
+    """A stop id and max_tokens reached in the middle of a step's accepted tokens end the output
+    there, as one token at a time would."""
+    base, _ = _run(checkpoint, SamplingParams(temperature=0, max_tokens=90, ignore_eos=True), 0)
+    stop = base[4][0][0][60]  # a token the last prompt's greedy output reaches late
+    for params in (SamplingParams(temperature=0, max_tokens=90, ignore_eos=True, stop_token_ids=[stop]),
+                   SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=90)):  # EOS
+        plain, _ = _run(checkpoint, params, 0)
+        drafted, stats = _run(checkpoint, params, 3)
+        assert drafted == plain, params
+    assert any(o[0][1] == "stop" and o[0][2] == stop for o in _run(
+        checkpoint, SamplingParams(temperature=0, max_tokens=90, ignore_eos=True, stop_token_ids=[stop]), 3)[0])
+
+
+def test_ineligible_sequences_decode_one_token_at_a_time(checkpoint):
+    """Sampled, penalised or logprob-asking sequences get no drafts; their tokens are unchanged."""
+    for params in (SamplingParams(temperature=0.8, seed=1, max_tokens=30, ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+                   SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1),
+                   SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=["zz"])):
+        plain, _ = _run(checkpoint, params, 0)
+        drafted, stats = _run(checkpoint, params, 4)
+        assert drafted == plain and stats["spec_drafted_tokens"] == 0, params
+
+
+def test_config_bounds():
+    for bad in (-1, 17, 2.0, True):
+        with pytest.raises(ValueError, match="num_speculative_tokens"):
+            EngineConfig(model="x", num_speculative_tokens=bad)
