@@ -190,6 +190,14 @@ def test_preemption_matches_eager(llama, eager_tokens):
     assert_same_or_tie(llama, llm, tokens, eager_tokens, "preempted run")
 
 
+def test_speculative_decoding_matches_eager(llama, eager_tokens):
+    """Prompt-lookup drafts (bf16, the paged kernels with 1 + k queries per sequence, eager draft
+    steps between graph-replayed ones): greedy tokens as without drafts, up to near-ties."""
+    tokens, llm = _tokens(llama[0], num_speculative_tokens=4)
+    assert llm.engine.stats()["spec_drafted_tokens"] > 0
+    assert_same_or_tie(llama, llm, tokens, eager_tokens, "speculative run")
+
+
 def test_logit_bias_and_min_tokens_on_the_device(llama, eager_tokens):
     """The sampler's per-row bans and biases on CUDA logits, CUDA graphs and async scheduling on: a
     +100 bias makes its token the argmax; as a stop id (or EOS) held off by min_tokens = 4 it is the
