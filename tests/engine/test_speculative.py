@@ -88,3 +88,29 @@ def test_config_bounds():
     for bad in (-1, 17, 2.0, True):
         with pytest.raises(ValueError, match="num_speculative_tokens"):
             EngineConfig(model="x", num_speculative_tokens=bad)
+
+
+def test_streamed_text_with_drafts(checkpoint):
+    """The step API (text every step, several tokens per step with drafts): the streamed deltas add
+    up to the final text, which equals the run without drafts, also when max_tokens ends the output
+    inside a step's accepted drafts."""
+    from tileattn.engine import LLMEngine
+
+    texts = {}
+    for k in (0, 4):
+        engine = LLMEngine.from_model(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=128, block_size=4,
+                                      num_speculative_tokens=k)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=37 + i, ignore_eos=True))
+        streamed, final = {}, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                (c,) = out.outputs
+                streamed[out.request_id] = streamed.get(out.request_id, "") + c.new_text
+                if out.finished:
+                    final[out.request_id] = (c.text, c.token_ids, c.finish_reason)
+        assert all(streamed[r] == final[r][0] for r in final), k
+        texts[k] = final
+        if k:
+            assert engine.stats()["spec_accepted_tokens"] > 0
+    assert texts[4] == texts[0]

@@ -273,8 +273,9 @@ class LLMEngine:
             else:
                 if len(tokens) - seq.num_prompt_tokens >= params.max_tokens or len(tokens) >= max_model_len:
                     seq.finish_reason = "length"
-                if not lazy and (not to_detokenize or to_detokenize[-1] is not seq):  # once per step
-                    to_detokenize.append(seq)
+                if not lazy:
+                    if not to_detokenize or to_detokenize[-1] is not seq:  # once per step (drafts: several tokens)
+                        to_detokenize.append(seq)
                 elif seq.finish_reason is not None:
                     catch_up.append((seq, len(tokens)))
             if seq.matcher_after is not None and seq.finish_reason is None:
