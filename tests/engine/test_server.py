@@ -517,6 +517,7 @@ def test_metrics(server, client):
     for name in ("tileattn:num_requests_running", "tileattn:num_requests_waiting",
                  "tileattn:kv_cache_usage_perc", "tileattn:prefix_cache_hits_total"):
         assert name in samples, name
+    assert samples["tileattn:spec_decode_num_draft_tokens_total"] == 0  # this server drafts nothing
 
 
 def test_cancel_stream_frees_blocks(server, client):
@@ -1243,3 +1244,31 @@ def test_usage_counts_prompt_tokens_found_in_the_prefix_cache(server, client):
     r = client.responses.create(model=MODEL, input=messages[0]["content"], max_output_tokens=2)
     assert r.usage.input_tokens_details.cached_tokens == (r.usage.input_tokens - 1) // block * block
     server.wait_idle()
+
+
+def test_speculative_decoding_through_the_server(checkpoint):
+    """--num-speculative-tokens: a greedy completion (streamed and not) gives the text the server
+    without drafts gives, and /metrics counts the drafts."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tileattn.engine import LLMEngine
+
+    prompt = [0, 300, 301, 302] * 10
+    texts = []
+    for k in (0, 4):
+        engine = LLMEngine.from_model(checkpoint, device="cpu", max_model_len=MAX_MODEL_LEN, kv_cache_blocks=64,
+                                      block_size=16, num_speculative_tokens=k)
+        with ServerThread(create_app(engine, MODEL)) as s:
+            client = s.client()
+            whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=0,
+                                              **_extra(ignore_eos=True)).choices[0].text
+            streamed = "".join(c.choices[0].text for c in client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=60, temperature=0, stream=True, **_extra(ignore_eos=True)))
+            assert streamed == whole
+            texts.append(whole)
+            body = s.http("GET", "/metrics")[1].decode()
+            samples = {m.name: m.value for f in text_string_to_metric_families(body) for m in f.samples}
+            drafted = samples["tileattn:spec_decode_num_draft_tokens_total"]
+            assert (drafted > 0) == bool(k), drafted
+            assert samples["tileattn:spec_decode_num_accepted_tokens_total"] <= drafted
+    assert texts[0] == texts[1]

@@ -394,7 +394,11 @@ class _EngineCollector:
                                 value=float(self.state.in_flight))
         for name, key, doc in (("prefix_cache_hits", "prefix_cache_hits", "Prefix-cache hits (engine's unit)."),
                                ("prefix_cache_queries", "prefix_cache_queries", "Prefix-cache lookups."),
-                               ("num_preemptions", "num_preemptions", "Sequences preempted (recomputed later).")):
+                               ("num_preemptions", "num_preemptions", "Sequences preempted (recomputed later)."),
+                               ("spec_decode_num_draft_tokens", "spec_drafted_tokens",
+                                "Prompt-lookup draft tokens proposed (--num-speculative-tokens)."),
+                               ("spec_decode_num_accepted_tokens", "spec_accepted_tokens",
+                                "Draft tokens the model's argmax accepted.")):
             yield CounterMetricFamily(f"tileattn:{name}", doc, value=float(s.get(key, 0)))
 
 
