@@ -8,7 +8,7 @@ import pytest
 
 from tileattn.engine import LLM, SamplingParams
 from tileattn.engine.config import EngineConfig
-from tileattn.engine.speculative import accepted, propose
+from tileattn.engine.speculative import History, accepted, propose
 
 from .checkpoints import make_checkpoint
 
@@ -40,6 +40,30 @@ def test_propose_and_accept():
     assert propose([1, 2, 3], 4) == [] and propose([], 2) == []
     assert propose([1, 2, 1, 2, 1, 2], 2) == [1, 2]             # the latest occurrence
     assert accepted([4, 5, 6], [4, 5, 9, 1]) == 2 and accepted([4], [3, 0]) == 0 and accepted([], [7]) == 0
+
+
+def _latest_match_drafts(tokens, k):
+    """The proposal rule written out with loops: the latest earlier occurrence of the last 3, else
+    2, else 1 tokens, and the up to k tokens after it."""
+    for n in (3, 2, 1):
+        for i in range(len(tokens) - n - 1, -1, -1):
+            if len(tokens) > n and tokens[i:i + n] == tokens[-n:]:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+def test_proposals_match_the_rule_with_and_without_history():
+    """The vectorised scan, from the list and from the growing array (past its first 256 slots),
+    proposes what the loops above do, step by step."""
+    import random
+
+    rng = random.Random(0)
+    tokens, history = [], History()
+    for _ in range(700):
+        tokens.append(rng.randrange(12))  # a small alphabet: matches of every length
+        want = _latest_match_drafts(tokens, 4)
+        assert propose(tokens, 4, history) == want and propose(tokens, 4) == want, len(tokens)
+    assert history.ids.shape[0] >= 700
 
 
 @pytest.mark.parametrize("options", [

@@ -324,7 +324,9 @@ class LLMEngine:
                     and seq.num_output_tokens > 0 and speculative.eligible(seq)):
                 k = min(self.num_speculative_tokens, budget, seq.params.max_tokens - seq.num_output_tokens - 1,
                         self.max_model_len - len(tokens) - 1)
-                drafts = speculative.propose(tokens, k) if k > 0 else []
+                if seq.history is None:
+                    seq.history = speculative.History()
+                drafts = speculative.propose(tokens, k, seq.history) if k > 0 else []
                 if drafts and self.block_manager.ensure_slots(seq, len(tokens) + len(drafts)):
                     seq.drafts = drafts
                     tokens.extend(drafts)

@@ -46,6 +46,7 @@ class Sequence:
         self.generator = None             # torch.Generator of a seeded request, made by the sampler
         self.matcher = None               # llguidance matcher of a structured-output request (structured.py)
         self.drafts = None                # speculative tokens appended for the step in flight (speculative.py)
+        self.history = None               # speculative.History of token_ids (made at the first proposal)
         self.matcher_after = None         # (matcher, tokens to look back) until SamplingParams.grammar_after appears
         self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
         self.finish_reason: str | None = None

@@ -4,7 +4,7 @@ entries keep the text inside the language).
 
 A request's spec (``SamplingParams.structured_outputs``, one key of SPEC_KINDS) is compiled into a
 grammar when the request comes in (a bad schema, regex or grammar is a ValueError then); each of its
-sequences gets a matcher. Before sampling, `apply_grammar_masks` sets the logits of the tokens a
+sequences gets a matcher. Before sampling, sampler.apply_grammar_masks sets the logits of the tokens a
 sequence's matcher forbids to -inf; after sampling, the engine hands the token to the matcher. When
 the grammar is complete only EOS remains allowed, so the answer ends the way the model ends any.
 
