@@ -76,34 +76,26 @@ def test_hermes_open_block_ended_by_its_stop_string():
     assert content == text.strip() and calls == []
 
 
-@pytest.mark.parametrize("text, content, names", [
-    (f" {CALL.replace('arguments', 'parameters')}", None, ["get_weather"]),
-    (f"<|python_tag|>{CALL}", None, ["get_weather"]),
-    ('{"name": "f", "parameters": "{\\"x\\": 2}"}', None, ["f"]),   # arguments as a JSON string
-    ("The weather is fine.", "The weather is fine.", []),
-    ("<|python_tag|> then prose", "<|python_tag|> then prose", []),
-    (f"{CALL}; {CALL2}", f"{CALL}; {CALL2}", []),            # two objects: not this format, kept as text
-    ('{"x": 1}', '{"x": 1}', []),
-    ("{", "{", []),
-    ("", None, []),
+@pytest.mark.parametrize("parser, text, content, names", [
+    ("llama3_json", f" {CALL.replace('arguments', 'parameters')}", None, ["get_weather"]),
+    ("llama3_json", f"<|python_tag|>{CALL}", None, ["get_weather"]),
+    ("llama3_json", '{"name": "f", "parameters": "{\\"x\\": 2}"}', None, ["f"]),   # arguments as a JSON string
+    ("llama3_json", "The weather is fine.", "The weather is fine.", []),
+    ("llama3_json", "<|python_tag|> then prose", "<|python_tag|> then prose", []),
+    ("llama3_json", f"{CALL}; {CALL2}", f"{CALL}; {CALL2}", []),   # two objects: not this format, kept as text
+    ("llama3_json", '{"x": 1}', '{"x": 1}', []),
+    ("llama3_json", "{", "{", []),
+    ("llama3_json", "", None, []),
+    ("mistral", f"[TOOL_CALLS] [{CALL}, {CALL2}]", None, ["get_weather", "get_time"]),
+    ("mistral", f" [{CALL}]", None, ["get_weather"]),               # the tag skipped as a special token
+    ("mistral", "The weather is fine.", "The weather is fine.", []),
+    ("mistral", "[1] is a citation.", "[1] is a citation.", []),    # a list, not of calls: kept as text
+    ("mistral", f"[TOOL_CALLS] [{CALL}", f"[TOOL_CALLS] [{CALL}", []),  # cut off
+    ("mistral", "[]", "[]", []),
+    ("mistral", "", None, []),
 ])
-def test_llama3_json(text, content, names):
-    got_content, calls = _every_cutting(PARSERS["llama3_json"], text)
-    assert got_content == content
-    assert [c.name for c in calls] == names
-
-
-@pytest.mark.parametrize("text, content, names", [
-    (f"[TOOL_CALLS] [{CALL}, {CALL2}]", None, ["get_weather", "get_time"]),
-    (f" [{CALL}]", None, ["get_weather"]),                        # the tag skipped as a special token
-    ("The weather is fine.", "The weather is fine.", []),
-    ("[1] is a citation.", "[1] is a citation.", []),             # a list, not of calls: kept as text
-    (f"[TOOL_CALLS] [{CALL}", f"[TOOL_CALLS] [{CALL}", []),       # cut off
-    ("[]", "[]", []),
-    ("", None, []),
-])
-def test_mistral(text, content, names):
-    got_content, calls = _every_cutting(PARSERS["mistral"], text)
+def test_whole_answer_formats(parser, text, content, names):
+    got_content, calls = _every_cutting(PARSERS[parser], text)
     assert got_content == content
     assert [c.name for c in calls] == names
 
