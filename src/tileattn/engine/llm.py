@@ -26,6 +26,7 @@ from .model_runner import ModelRunner, StepResult
 from .outputs import CompletionOutput, RequestOutput
 from .profiler import NULL, StepProfiler
 from .sampling_params import SamplingParams
+from .sampler import reads_sampled_tokens
 from .scheduler import Scheduler
 from .sequence import Request
 from .structured import GrammarCompiler
@@ -377,10 +378,7 @@ class LLMEngine:
             if seq.finished:
                 continue
             p = seq.params
-            if (p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                    or p.frequency_penalty != 0.0 or seq.num_output_tokens < p.min_tokens
-                    or any(len(w) > 1 for w in seq.request.bad_words_token_ids) or seq.matcher is not None
-                    or seq.matcher_after is not None):
+            if p.logprobs is not None or reads_sampled_tokens(seq):
                 return None
             length = len(seq.token_ids) + 1  # with current's token
             if length - seq.num_prompt_tokens >= p.max_tokens or length >= self.max_model_len:

@@ -163,6 +163,17 @@ def apply_bans(logits: torch.Tensor, seqs, eos_token_ids) -> torch.Tensor:
     return logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))  # filled on the device: no copy
 
 
+def reads_sampled_tokens(seq) -> bool:
+    """Whether sampling this sequence's next token reads the tokens it sampled before, on the host:
+    penalties, a min_tokens not yet reached, bad words of several tokens, a grammar. Such a row can
+    be sampled neither by a step launched before the previous token reached the host
+    (LLMEngine._run_ahead) nor after drafts that are not its tokens yet (speculative.py)."""
+    p = seq.params
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            or seq.num_output_tokens < p.min_tokens or seq.matcher is not None or seq.matcher_after is not None
+            or any(len(w) > 1 for w in seq.request.bad_words_token_ids))
+
+
 def apply_grammar_masks(logits: torch.Tensor, seqs, eos_token_ids) -> torch.Tensor:
     """-inf at the tokens each constrained row's grammar forbids now (structured outputs). logits
     [N, V] -> [N, V] (a new tensor when any row is constrained). A grammar that allows no token

@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from .sampler import reads_sampled_tokens
+
 NGRAM_SIZES = (3, 2, 1)  # the longest match first
 
 
 def eligible(seq) -> bool:
     """Whether a decoding sequence's next tokens can be verified by argmax alone."""
     p = seq.params
-    return (p.temperature == 0.0 and p.logprobs is None and not p.stop and p.repetition_penalty == 1.0
-            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and not p.logit_bias
-            and not p.allowed_token_ids and not p.bad_words and seq.matcher is None
-            and seq.matcher_after is None and seq.num_output_tokens >= p.min_tokens)
+    return (p.temperature == 0.0 and p.logprobs is None and not p.stop and not p.logit_bias
+            and not p.allowed_token_ids and not p.bad_words and not reads_sampled_tokens(seq))
 
 
 class History:

@@ -54,23 +54,18 @@ class GemmaForCausalLM(LlamaForCausalLM):
         local = cfg.extra["local_rope_theta"]  # Gemma 3: the sliding layers' own rotary tables
         self.local_rotary = None if local is None else Rotary(
             max_positions, rope_inv_freq(cfg.head_dim, local, None), dtype)
+        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype)  # rounded as transformers does
 
     def make_layer(self, index: int, dtype: torch.dtype) -> nn.Module:
         return GemmaDecoderLayer(self.cfg, dtype, self.tp, self.cfg.extra["layer_windows"][index])
 
     def embed(self, input_ids):  # [T] -> [T, hidden]
-        x = super().embed(input_ids)
-        return x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
+        return super().embed(input_ids) * self.embed_scale
 
-    def forward(self, input_ids, positions, batch):
-        x = self.embed(input_ids)  # [T, hidden]
+    def layer_ropes(self, positions):
         rope = self.rotary(positions)
         local = rope if self.local_rotary is None else self.local_rotary(positions)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(local if layer.sliding else rope, x, residual, batch)
-        x, _ = self.norm(x, residual)
-        return x  # [T, hidden]
+        return [local if layer.sliding else rope for layer in self.layers]
 
     def compute_logits(self, hidden):  # [N, hidden] -> [N, vocab] float32 (rank 0; others None)
         logits = super().compute_logits(hidden)

@@ -12,6 +12,8 @@ biases whole.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -103,11 +105,14 @@ class LlamaForCausalLM(nn.Module):
         x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)  # [T, hidden]
         return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
 
+    def layer_ropes(self, positions):
+        """Each layer's rotary tables (every layer the model's one table here; a subclass may differ)."""
+        return itertools.repeat(self.rotary(positions))
+
     def forward(self, input_ids, positions, batch: AttentionBatch):
         x = self.embed(input_ids)  # [T, hidden]
-        rope = self.rotary(positions)
         residual = None
-        for layer in self.layers:
+        for layer, rope in zip(self.layers, self.layer_ropes(positions)):
             x, residual = layer(rope, x, residual, batch)
         x, _ = self.norm(x, residual)
         return x  # [T, hidden]
