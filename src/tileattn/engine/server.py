@@ -331,7 +331,7 @@ class ChatRequest(SamplingRequest):
     continue_final_message: bool = False              # vLLM extra: the answer continues the last message
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra: more variables for the template
     tools: list[dict] | None = None
-    tool_choice: str | dict | None = None             # "auto" (default with tools) or "none"
+    tool_choice: str | dict | None = None             # "auto" (default with tools), "none", "required" or a function
     parallel_tool_calls: bool | None = None
 
 
@@ -510,7 +510,7 @@ class Generation:
                 self._reported.add(key)
                 m.requests.labels(c.finish_reason).inc()
             choices.append(c)
-        step = StepOutput(step.request_id, choices, step.finished, step.prompt_logprobs, step.num_cached_tokens)
+        step = dataclasses.replace(step, choices=choices)
         if step.num_cached_tokens is not None:
             self.cached_tokens[step.request_id] = step.num_cached_tokens
         new = sum(len(c.token_ids) for c in choices)
