@@ -34,6 +34,14 @@ ARCHITECTURES = {
                                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                                          "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                                             "rope_theta": 1000000.0}})),
+    # Mixtral: every layer sparse, 4 experts, top-2 renormalised; w1/w3/w2 expert names
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # Qwen2-MoE: q/k/v biases, 8 experts top-2 not renormalised, a gated shared expert, layer 1 dense
+    "qwen2-moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    # Qwen3-MoE: q/k norms, head_dim 24, 8 experts top-3 renormalised (norm_topk_prob)
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                         norm_topk_prob=True, head_dim=24)),
 }
 
 
@@ -77,7 +85,7 @@ def make_checkpoint(path, arch: str, seed: int = 0, kernel_head_dims: bool = Fal
     std = 1.2 / config.hidden_size ** 0.5
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices and stacked experts
                 p.normal_(0, std)
     model.save_pretrained(path)
     save_tokenizer(path)

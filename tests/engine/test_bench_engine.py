@@ -130,3 +130,28 @@ def test_kernel_profile_splits_a_decode_step(tmp_path, tiny_quick_plan, capsys):
     assert all(g["us_per_step"] > 0 and g["before"] and g["after"] for g in gaps)
     printed = capsys.readouterr().out
     assert "us of CPU op time per decode step" in printed and "of it idle" in printed
+
+
+@pytest.mark.parametrize("shape", ["llama3.2-1b", "qwen1.5-moe-a2.7b"])
+def test_decode_bytes_count_the_weights_a_token_reads(shape):
+    """decode_bytes_per_token against the transformers model's own parameter count (on the meta
+    device): every matrix but the input embedding (the output head read in full), of an MoE's
+    experts the top-k fraction a token picks (the norms' and biases' vectors are not counted)."""
+    import torch
+    import transformers
+
+    from tileattn.engine.loader import model_config_from_hf
+
+    spec = bench_engine.SHAPES[shape]
+    config = transformers.AutoConfig.for_model(**spec)
+    config.architectures = spec["architectures"]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    read = 0.0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or ("embed_tokens" in name and not config.tie_word_embeddings):
+            continue
+        experts = ".mlp.experts." in name  # stacked [E, ...] in transformers 5
+        read += p.numel() * (config.num_experts_per_tok / config.num_experts if experts else 1)
+    ours = bench_engine.decode_bytes_per_token(model_config_from_hf(config.to_dict()), 2, 0)
+    assert ours == pytest.approx(2 * read, rel=1e-9)

@@ -34,7 +34,8 @@ def test_logits_match_transformers(arch_pair):
 
 def test_greedy_tokens_match_transformers(arch_pair):
     arch, hf, engine = arch_pair
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    # min_tokens: EOS masked for all 32 tokens, as transformers' min_new_tokens does
+    params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
     engine.add_request("greedy", PROMPT, params)
     outputs = []
     while engine.has_unfinished_requests():
@@ -53,8 +54,8 @@ def test_config_fields_read(arch_pair):
     cfg = engine.model_config
     assert cfg.head_dim == getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
     assert cfg.tie_word_embeddings == bool(hf.config.tie_word_embeddings), arch
-    assert cfg.qk_norm == (arch in ("qwen3", "gemma3"))
-    assert cfg.qkv_bias == (arch in ("qwen2", "llama2"))
+    assert cfg.qk_norm == (arch in ("qwen3", "gemma3", "qwen3-moe"))
+    assert cfg.qkv_bias == (arch in ("qwen2", "llama2", "qwen2-moe"))
     if arch == "llama3":
         assert cfg.rope_scaling["rope_type"] == "llama3"
 

@@ -94,7 +94,7 @@ def test_gemv_projections_at_tp2(llama, monkeypatch):
         gemv_launches.clear()  # the graph captures' launches
         prompt = PROMPTS[0][:8]
         ours = engine_logits(llm.engine, prompt).cpu()
-        check_every_projection_on_gemv("TP=2 rank 0", gemv_launches, hf.config.num_hidden_layers)
+        check_every_projection_on_gemv("TP=2 rank 0", gemv_launches, llm.engine.runner.model)
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0].float()
         err = rel_error(ours, ref)

@@ -105,18 +105,34 @@ def test_gemv_projections_bf16_match_transformers_fp32(arch, tmp_path, gemv_laun
     assert engine.runner.graphs, "no CUDA graphs were captured"
     gemv_launches.clear()  # the graph captures' launches
     check_logits(arch, hf, engine, PROMPT[:8], "GEMV")
-    check_every_projection_on_gemv(arch, gemv_launches, hf.config.num_hidden_layers)
+    check_every_projection_on_gemv(arch, gemv_launches, engine.runner.model)
     check_greedy_teacher_forced(arch, hf, engine, "GEMV")
 
 
-def check_every_projection_on_gemv(what, launches, layers):
-    """The prologues of one forward's GEMV launches: per layer qkv and gate_up with their norms,
-    o_proj, down_proj with SiLU * up (Gemma: after GELU * up in torch, no prologue); then the LM head."""
+def check_every_projection_on_gemv(what, launches, model):
+    """The prologues of one forward's GEMV launches, counted from the model's layers: qkv with its
+    norm and o_proj; a GatedMLP's gate_up with its norm and down with SiLU * up (Gemma: after GELU *
+    up in torch, no prologue); an MoE layer's router (the norm before it runs alone, the experts on
+    torch's grouped GEMM) and, Qwen2-MoE, its shared expert's gate_up, down and gate; then the LM head."""
+    from tileattn.engine.layers import GatedMLP
     from tileattn.kernels.gemv import PROLOGUE_ADD_RMS_NORM, PROLOGUE_NONE, PROLOGUE_SILU_MUL
 
-    silu = not what.startswith("gemma")
-    want = {PROLOGUE_ADD_RMS_NORM: 2 * layers, PROLOGUE_NONE: layers + 1 + (0 if silu else layers),
-            PROLOGUE_SILU_MUL: layers if silu else 0}
+    want = {PROLOGUE_ADD_RMS_NORM: 0, PROLOGUE_NONE: 1, PROLOGUE_SILU_MUL: 0}
+
+    def gated_mlp(mlp, norm_folded: bool):
+        want[PROLOGUE_ADD_RMS_NORM if norm_folded else PROLOGUE_NONE] += 1  # gate_up
+        want[PROLOGUE_SILU_MUL if mlp.act == "silu" else PROLOGUE_NONE] += 1  # down
+
+    for layer in model.layers:
+        want[PROLOGUE_ADD_RMS_NORM] += 1  # qkv
+        want[PROLOGUE_NONE] += 1  # o
+        if isinstance(layer.mlp, GatedMLP):
+            gated_mlp(layer.mlp, True)
+            continue
+        want[PROLOGUE_NONE] += 1  # the router
+        if layer.mlp.shared_expert is not None:
+            gated_mlp(layer.mlp.shared_expert, False)
+            want[PROLOGUE_NONE] += 1  # the shared expert's gate
     got = {p: launches.count(p) for p in want}
     assert got == want and len(launches) == sum(want.values()), \
         f"{what}: GEMV launches by prologue {got}, expected {want} (all: {launches})"

@@ -61,6 +61,13 @@ SHAPES = {
                       intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
                       head_dim=256, vocab_size=262144, rms_norm_eps=1e-6, max_position_embeddings=32768,
                       sliding_window=512, query_pre_attn_scalar=256, tie_word_embeddings=True),
+    # Qwen1.5-MoE-A2.7B (Qwen2-MoE): 60 experts of ffn 1408, top-4 not renormalised, a shared expert
+    # of ffn 5632 with its gate, q/k/v biases; 14.3 B parameters, 2.7 B of them active per token
+    "qwen1.5-moe-a2.7b": dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], hidden_size=2048,
+                              intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                              num_experts=60, num_experts_per_tok=4, norm_topk_prob=False, num_hidden_layers=24,
+                              num_attention_heads=16, num_key_value_heads=16, vocab_size=151936, rms_norm_eps=1e-6,
+                              rope_theta=1000000.0, max_position_embeddings=8192, tie_word_embeddings=False),
     # Host-overhead profiling on a CPU: the model costs little, the engine's bookkeeping shows.
     "tiny": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=96,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=32000,
@@ -149,7 +156,8 @@ def bench_engine_main(argv=None) -> int:
 
         args.cprofiler = cProfile.Profile()
     if "decode" in parts:
-        llama_family = not SHAPES[plan["decode_shape"]]["model_type"].startswith("gemma")  # what compile_peer covers
+        model_type = SHAPES[plan["decode_shape"]]["model_type"]
+        llama_family = model_type in ("llama", "qwen2", "qwen3")  # what compile_peer covers
         rows += bench_decode(args, plan["decode_shape"], plan["new_tokens"],
                              compile_peer=llama_family and not (quick or args.no_compile_peer or args.no_peers))
     if "throughput" in parts:
@@ -251,11 +259,18 @@ def _run_to_end(engine):
 
 def decode_bytes_per_token(model_cfg, dtype_bytes: int, context: float) -> float:
     """Weights read per decode token (the input embedding table excepted: one row is read; it is
-    read in full as the output head when tied) plus the KV cache of ``context`` tokens."""
+    read in full as the output head when tied; an MoE layer reads its router, the top-k experts a
+    token picks and its shared expert) plus the KV cache of ``context`` tokens."""
     c = model_cfg
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    weights = c.num_layers * layer + c.vocab_size * c.hidden_size  # + the output head
+    attention = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
+    moe = c.extra.get("moe")
+    mlps = [3 * c.hidden_size * c.intermediate_size] * c.num_layers
+    if moe:
+        sparse = c.hidden_size * (moe["num_experts"] + 3 * moe["top_k"] * moe["expert_ffn"]
+                                  + (3 * moe["shared_ffn"] + 1 if moe["shared_ffn"] else 0))
+        mlps = [sparse if is_sparse else dense for is_sparse, dense in zip(moe["sparse_layers"], mlps)]
+    weights = c.num_layers * attention + sum(mlps) + c.vocab_size * c.hidden_size  # + the output head
     kv_cache = 2 * c.num_layers * kv * context
     return (weights + kv_cache) * dtype_bytes
 

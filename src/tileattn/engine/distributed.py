@@ -70,8 +70,9 @@ class TensorParallelError(RuntimeError):
 def check_tensor_parallel(cfg, size: int) -> None:
     """Raise ValueError naming every model dimension that ``size`` ranks cannot split.
 
-    cfg: ModelConfig. Requires num_heads, intermediate_size and vocab_size divisible by size, and
-    num_kv_heads divisible by size or dividing it (then KV heads are replicated)."""
+    cfg: ModelConfig. Requires num_heads, intermediate_size, vocab_size and an MoE's expert (and
+    shared expert) ffn sizes divisible by size, and num_kv_heads divisible by size or dividing it
+    (then KV heads are replicated)."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
     if size == 1:
@@ -85,6 +86,10 @@ def check_tensor_parallel(cfg, size: int) -> None:
         problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by it")
     if cfg.vocab_size % size:
         problems.append(f"vocab_size={cfg.vocab_size} is not divisible by it")
+    moe = cfg.extra.get("moe") or {}
+    for name, key in (("the experts' ffn size", "expert_ffn"), ("the shared expert's ffn size", "shared_ffn")):
+        if moe.get(key, 0) % size:
+            problems.append(f"{name} ({moe[key]}) is not divisible by it")
     if problems:
         raise ValueError(f"tensor_parallel_size={size} cannot split {cfg.architecture}: " + "; ".join(problems))
 

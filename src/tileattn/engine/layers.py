@@ -181,6 +181,82 @@ class GatedMLP(nn.Module):
         return self.down_proj(gate_up)
 
 
+def routed_experts(x, gate_up, down, weights, experts, grouped: bool | None = None):
+    """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for each token t, the experts gated MLPs
+    (SiLU(gate) * up, then down) held stacked: gate_up [E, 2 ffn, hidden], down [E, hidden, ffn].
+
+    x [T, hidden]; weights float32 [T, k]; experts int64 [T, k] -> [T, hidden] in x's dtype. The
+    T k (token, slot) pairs are sorted by expert so each expert's rows are contiguous, then
+    multiplied by torch's grouped GEMM (F.grouped_mm, one launch per projection for all experts;
+    the group ends stay on the device, so a CUDA graph can capture it), and put back in token order
+    before the weighted sum (in float32, in slot order: no atomics). grouped None: the grouped GEMM
+    where torch has it for this device and dtype (every dtype on CPU; bfloat16 on CUDA), else one
+    matmul pair per expert with rows, which reads the group sizes on the host (not capturable)."""
+    tokens, k = experts.shape
+    num_experts, ffn = gate_up.shape[0], down.shape[2]
+    if grouped is None:
+        grouped = grouped_experts_supported(x.device, x.dtype)
+    flat = experts.reshape(-1)  # [T k]
+    order = flat.argsort(stable=True)  # [T k]: pairs grouped by expert
+    rows = x.index_select(0, order // k)  # [T k, hidden]
+    sizes = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E]
+    if grouped:
+        ends = sizes.cumsum(0, dtype=torch.int32)  # [E]
+        h = F.grouped_mm(rows, gate_up.transpose(1, 2), offs=ends)  # [T k, 2 ffn]
+        y = F.grouped_mm(F.silu(h[:, :ffn]) * h[:, ffn:], down.transpose(1, 2), offs=ends)  # [T k, hidden]
+    else:
+        y = torch.empty_like(rows)  # [T k, hidden]
+        start = 0
+        for e, n in enumerate(sizes.tolist()):
+            if n:
+                h = F.linear(rows[start:start + n], gate_up[e])  # [n, 2 ffn]
+                y[start:start + n] = F.linear(F.silu(h[:, :ffn]) * h[:, ffn:], down[e])
+                start += n
+    by_token = torch.empty_like(y).index_copy_(0, order, y).view(tokens, k, x.shape[1])  # [T, k, hidden]
+    return (by_token.float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+def grouped_experts_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether routed_experts can use torch's grouped GEMM here: a torch with F.grouped_mm, on the
+    CPU in any dtype, on CUDA in bfloat16 (the dtype its CUDA kernels take)."""
+    return hasattr(F, "grouped_mm") and (device.type != "cuda" or dtype == torch.bfloat16)
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top_k
+    of num_experts gated MLPs by softmax probability (renormalised over the chosen ones when
+    ``renormalize``: Mixtral always, Qwen when norm_topk_prob) and sums their outputs so weighted
+    (routed_experts). Qwen2-MoE adds a shared expert, a GatedMLP of shared_ffn every token runs,
+    scaled by sigmoid(shared_expert_gate(x)).
+
+    Tensor parallel (tp): every rank holds all experts with its ``ffn`` rows of gate and up and the
+    matching columns of down (``ffn`` is this rank's part), routes every token (the router is
+    replicated), and one all-reduce sums the ranks' partial outputs; the shared expert splits as
+    GatedMLP does. forward(x [T, hidden], already normalised) -> [T, hidden]."""
+
+    def __init__(self, hidden: int, num_experts: int, ffn: int, top_k: int, renormalize: bool,
+                 dtype: torch.dtype, tp, shared_ffn: int = 0):
+        super().__init__()
+        self.top_k, self.renormalize, self.tp = top_k, renormalize, tp
+        self.gate = Linear(hidden, num_experts, False, dtype)  # the router
+        self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden, dtype=dtype), requires_grad=False)
+        self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, ffn, dtype=dtype), requires_grad=False)
+        self.shared_expert = GatedMLP(hidden, shared_ffn, False, dtype, tp) if shared_ffn else None
+        self.shared_expert_gate = Linear(hidden, 1, False, dtype) if shared_ffn else None
+
+    def forward(self, x):  # x [T, hidden] -> [T, hidden]
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k] each
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self.tp.all_reduce(routed_experts(x, self.experts_gate_up, self.experts_down, weights, experts))
+        if self.shared_expert is not None:
+            shared = self.shared_expert(self.shared_expert.gate_up_proj(x))  # [T, hidden]
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out
+
+
 class PagedAttention(nn.Module):
     """Self-attention: fused qkv projection, the optional per-head q/k RMSNorm (Qwen3), rotary and
     the new k/v written into the paged cache in one launch, then attention

@@ -24,13 +24,15 @@ import torch
 from .config import ModelConfig, parse_dtype
 from .models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, model_class
 from .models.gemma import GEMMA_ARCHITECTURES
+from .models.moe import MOE_ARCHITECTURES
 from .tokenizer import Tokenizer
 
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                "gemma3_text": "Gemma3ForCausalLM"}
+                "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass
@@ -164,13 +166,15 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rope_scaling=scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=(arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+                      or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))),
             o_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=_sliding_window(arch, cfg),
             torch_dtype=_safe_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
-            extra=_gemma_options(arch, cfg) if arch in GEMMA_ARCHITECTURES else {},
+            extra=(_gemma_options(arch, cfg) if arch in GEMMA_ARCHITECTURES
+                   else {"moe": _moe_options(arch, cfg)} if arch in MOE_ARCHITECTURES else {}),
         )
     except KeyError as exc:
         raise ValueError(f"config.json lacks {exc.args[0]!r}") from None
@@ -210,11 +214,38 @@ def _gemma_options(arch, cfg) -> dict:
             "local_rope_theta": None if local is None else float(local)}
 
 
+def _moe_options(arch, cfg) -> dict:
+    """The MoE models' options for models/moe.py: experts, top-k, their ffn size, renormalisation,
+    which layers are sparse, the shared expert's ffn size (0: none)."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{arch} with hidden_act {act!r} is not supported (silu)")
+    layers = cfg["num_hidden_layers"]
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    top_k = cfg.get("num_experts_per_tok")
+    if arch == "MixtralForCausalLM":
+        ffn, renormalize, sparse, shared = cfg["intermediate_size"], True, [True] * layers, 0
+    else:
+        step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or [])
+        if not isinstance(step, int) or step < 1:
+            raise ValueError(f"config.json decoder_sparse_step must be a positive int, got {step!r}")
+        ffn, renormalize = cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False))
+        sparse = [i not in dense and (i + 1) % step == 0 for i in range(layers)]
+        shared = (cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    for name, value in (("num_experts", experts), ("num_experts_per_tok", top_k), ("expert ffn size", ffn)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"config.json: {arch}'s {name} must be a positive int, got {value!r}")
+    if top_k > experts:
+        raise ValueError(f"config.json: num_experts_per_tok={top_k} exceeds the {experts} experts")
+    return {"num_experts": experts, "top_k": top_k, "expert_ffn": ffn, "renormalize": renormalize,
+            "sparse_layers": sparse, "shared_ffn": int(shared)}
+
+
 def _sliding_window(arch, cfg):
     window = cfg.get("sliding_window")
     if arch in GEMMA_ARCHITECTURES:
         return None  # on the sliding layers only: ModelConfig.extra["layer_windows"]
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         if cfg.get("use_sliding_window", False):  # a window on some layers only (max_window_layers)
             raise ValueError(f"{arch} with use_sliding_window=true is not supported (a window on the layers "
                              "from max_window_layers on); the released Qwen2/2.5/3 checkpoints set it false")

@@ -148,7 +148,9 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]  # [blocks, bs, Hkv, d]
         self.graphs: dict[int, tuple] = {}
         self._staging = _Staging(1 << 20) if device.type == "cuda" else None  # eager steps' inputs
-        if device.type == "cuda" and not config.enforce_eager:
+        # (a model that cannot be captured, e.g. an MoE in fp16 whose experts size their GEMMs on the
+        # host, runs every step eagerly)
+        if device.type == "cuda" and not config.enforce_eager and self.model.cuda_graphs_supported():
             self._capture_graphs()
 
     # ---- memory ---------------------------------------------------------------------------------

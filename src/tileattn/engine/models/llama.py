@@ -38,16 +38,23 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, dtype: torch.dtype, tp: TensorParallel):
+    """Attention and an MLP, each after an RMSNorm with the residual add. mlp: None for the
+    GatedMLP of cfg.intermediate_size, or another module taking the normalised [T, hidden]
+    (models/moe.py's SparseMoE)."""
+
+    def __init__(self, cfg, dtype: torch.dtype, tp: TensorParallel, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = PagedAttention(cfg, dtype, tp)
-        self.mlp = GatedMLP(cfg.hidden_size, tp.split(cfg.intermediate_size)[1], cfg.mlp_bias, dtype, tp)
+        self.mlp = mlp or GatedMLP(cfg.hidden_size, tp.split(cfg.intermediate_size)[1], cfg.mlp_bias, dtype, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, rope, x, residual, batch):  # x [T, hidden]; residual [T, hidden] or None (first layer)
         # Each norm (with the residual add before it) runs with the projection that reads it.
         x, residual = self.self_attn(rope, x, residual, self.input_layernorm, batch)  # [T, hidden]
+        if not isinstance(self.mlp, GatedMLP):
+            x, residual = self.post_attention_layernorm(x, residual)  # [T, hidden]
+            return self.mlp(x), residual
         gate_up, residual = self.post_attention_layernorm(x, residual, self.mlp.gate_up_proj)  # [T, 2 ffn]
         return self.mlp(gate_up), residual
 
@@ -117,6 +124,10 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x  # [T, hidden]
 
+    def cuda_graphs_supported(self) -> bool:
+        """Whether a decode step of this model can be captured in a CUDA graph (no host sync)."""
+        return True
+
     def compute_logits(self, hidden):  # hidden [N, hidden] -> [N, vocab] float32 (rank 0; others None)
         return self.tp.gather_last_dim(linear(hidden, self.lm_head).float())  # rank's part [N, vocab / N]
 
@@ -133,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         param = self.get_parameter(target)
         dim, first, full = 0, 0, None  # the checkpoint tensor's dim holding this rank's slice
         if shard is not None:
-            start, rows, first, full = self._shard_rows[target.split(".")[-2]][shard]
+            start, rows, first, full = self._fused_rows(target)[shard]
             param = param.narrow(0, start, rows)
         else:
             dim, first, full = next((v for k, v in self._splits.items() if target.endswith(k)), (0, 0, None))
@@ -149,14 +160,22 @@ class LlamaForCausalLM(nn.Module):
 
     def check_loaded(self) -> None:
         """Raises ValueError listing the parameters no checkpoint tensor filled."""
-        missing = []
-        for pname, _ in self.named_parameters():
-            fused = pname.split(".")[-2] if "." in pname else ""
-            shards = range(len(self._shard_rows[fused])) if fused in self._shard_rows else [None]
-            missing += [f"{pname}[{s}]" if s is not None else pname
-                        for s in shards if (pname, s) not in self._loaded]
+        missing = [f"{pname}[{s}]" if s is not None else pname
+                   for pname, _ in self.named_parameters() for s in self._pieces(pname)
+                   if (pname, s) not in self._loaded]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:4])}")
+
+    def _pieces(self, pname: str) -> list:
+        """The shards that fill parameter ``pname`` (load_weight records (pname, shard) for each)."""
+        rows = self._fused_rows(pname)
+        return list(range(len(rows))) if rows else [None]
+
+    def _fused_rows(self, pname: str):
+        """The shard table of fused parameter ``pname`` (the first _shard_rows key its module's
+        dotted name ends with), None for a parameter filled by one checkpoint tensor."""
+        module = "." + pname.rsplit(".", 1)[0]
+        return next((rows for key, rows in self._shard_rows.items() if module.endswith("." + key)), None)
 
     def _target(self, name: str):
         parts = name.split(".")
