@@ -28,7 +28,11 @@ from .models.moe import MOE_ARCHITECTURES
 from .tokenizer import Tokenizer
 
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# llama.cpp's routing when the file does not say ({arch}.expert_weights_norm): its Mixtral ("llama"
+# with experts) and Qwen3-MoE graphs renormalise the top-k weights, its Qwen2-MoE graph does not
+_GGUF_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False}
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -232,11 +236,16 @@ def _moe_options(arch, cfg) -> dict:
         ffn, renormalize = cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False))
         sparse = [i not in dense and (i + 1) % step == 0 for i in range(layers)]
         shared = (cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return _checked_moe(arch, experts, top_k, ffn, renormalize, sparse, shared)
+
+
+def _checked_moe(arch, experts, top_k, ffn, renormalize: bool, sparse: list, shared) -> dict:
+    """The MoE options dict, its sizes checked (ValueError naming the bad one)."""
     for name, value in (("num_experts", experts), ("num_experts_per_tok", top_k), ("expert ffn size", ffn)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"config.json: {arch}'s {name} must be a positive int, got {value!r}")
+            raise ValueError(f"{arch}'s {name} must be a positive int, got {value!r}")
     if top_k > experts:
-        raise ValueError(f"config.json: num_experts_per_tok={top_k} exceeds the {experts} experts")
+        raise ValueError(f"{arch}: num_experts_per_tok={top_k} exceeds the {experts} experts")
     return {"num_experts": experts, "top_k": top_k, "expert_ffn": ffn, "renormalize": renormalize,
             "sparse_layers": sparse, "shared_ffn": int(shared)}
 
@@ -329,7 +338,14 @@ _GGUF_LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixture of experts: the router, the shared expert (Qwen2-MoE) and its gate
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# the experts stacked in one tensor per projection ([E, ffn, hidden]; down [E, hidden, ffn]), loaded
+# expert by expert under their HF names
+_GGUF_STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                       "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
@@ -340,6 +356,9 @@ def _hf_name(gguf_name: str) -> str | None:
     parts = gguf_name.split(".")  # blk.N.attn_q.weight
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    # early Mixtral files: one tensor per expert, blk.N.ffn_gate.E.weight
+    if len(parts) == 5 and parts[0] == "blk" and parts[2] in ("ffn_gate", "ffn_up", "ffn_down") and parts[3].isdigit():
+        return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{parts[2][4:]}_proj.weight"
     return None
 
 
@@ -374,13 +393,14 @@ def model_config_from_gguf(meta: dict, tensor_names: set[str], tensor_shapes: di
         return value
 
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    moe = _gguf_moe_options(arch, meta, tensor_shapes, int(get("block_count")))
     scaling = None
     if meta.get(f"{arch}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
     tokens = meta.get("tokenizer.ggml.tokens") or []
     vocab = meta.get(f"{arch}.vocab_size") or tensor_shapes["token_embd.weight"][0] or len(tokens)
     cfg = ModelConfig(
-        architecture=_GGUF_ARCHITECTURES[arch],
+        architecture="MixtralForCausalLM" if moe and arch == "llama" else _GGUF_ARCHITECTURES[arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -398,9 +418,36 @@ def model_config_from_gguf(meta: dict, tensor_names: set[str], tensor_shapes: di
         mlp_bias="blk.0.ffn_up.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         sliding_window=None,
+        extra={"moe": moe} if moe else {},
     )
     cfg.validate()
     return cfg
+
+
+def _gguf_moe_options(arch: str, meta: dict, shapes: dict, layers: int) -> dict | None:
+    """models/moe.py's options from a GGUF file's expert metadata and tensors (None: no experts).
+    A layer is sparse when it has a router (ffn_gate_inp); the ffn sizes fall back to the expert
+    tensors' shapes when the metadata lacks them."""
+    experts = meta.get(f"{arch}.expert_count")
+    if not experts:
+        if arch in ("qwen2moe", "qwen3moe"):
+            raise ValueError(f"GGUF metadata lacks {arch}.expert_count")
+        return None
+    if arch not in _GGUF_EXPERT_WEIGHTS_NORM:
+        raise ValueError(f"GGUF architecture {arch!r} with experts is not supported (llama as Mixtral, qwen2moe, qwen3moe)")
+    gating = meta.get(f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ValueError(f"GGUF {arch}.expert_gating_func={gating} is not supported (1: softmax)")
+    sparse = [f"blk.{i}.ffn_gate_inp.weight" in shapes for i in range(layers)]
+    if not any(sparse):
+        raise ValueError(f"GGUF file with {arch}.expert_count has no router tensor (blk.N.ffn_gate_inp)")
+    first = sparse.index(True)
+    one_expert = shapes.get(f"blk.{first}.ffn_gate_exps.weight") or shapes.get(f"blk.{first}.ffn_gate.0.weight")
+    shared = shapes.get(f"blk.{first}.ffn_gate_shexp.weight")
+    return _checked_moe(arch, int(experts), meta.get(f"{arch}.expert_used_count"),
+                        meta.get(f"{arch}.expert_feed_forward_length") or (one_expert[-2] if one_expert else None),
+                        bool(meta.get(f"{arch}.expert_weights_norm", _GGUF_EXPERT_WEIGHTS_NORM[arch])), sparse,
+                        meta.get(f"{arch}.expert_shared_feed_forward_length") or (shared[0] if shared else 0))
 
 
 def _gguf_reader(path):
@@ -431,14 +478,22 @@ def _load_gguf(path, device, dtype, max_model_len, tp):
         model = model_class(cfg.architecture)(cfg, dtype, rows, tp)
     permuted = meta.get("general.architecture") in ("llama", "mistral")
     for name, t in tensors.items():
+        parts = name.split(".")  # blk.N.ffn_gate_exps.weight: one tensor per expert
+        stacked = _GGUF_STACKED_EXPERTS.get(parts[2]) if len(parts) == 4 and parts[0] == "blk" else None
         hf = _hf_name(name)
-        if hf is None:
+        if hf is None and stacked is None:
             continue
         w = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(shapes[name]).copy())  # fp32, host
+        if stacked is not None:
+            for expert, weight in enumerate(w):
+                model.load_weight(f"model.layers.{parts[1]}.mlp.experts.{expert}.{stacked}.weight", weight)
+            continue
         if permuted and ".attn_q." in name:
             w = unpermute_rotary_rows(w, cfg.num_heads)
         elif permuted and ".attn_k." in name:
             w = unpermute_rotary_rows(w, cfg.num_kv_heads)
+        elif name.endswith(".ffn_gate_inp_shexp.weight"):
+            w = w.reshape(1, -1)  # llama.cpp stores the shared expert's gate [hidden]; HF [1, hidden]
         model.load_weight(hf, w)
     model.check_loaded()
     eos = _ids(meta.get("tokenizer.ggml.eos_token_id"))
