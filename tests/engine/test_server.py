@@ -1272,3 +1272,52 @@ def test_speculative_decoding_through_the_server(checkpoint):
             assert (drafted > 0) == bool(k), drafted
             assert samples["tileattn:spec_decode_num_accepted_tokens_total"] <= drafted
     assert texts[0] == texts[1]
+
+
+def test_embeddings_endpoint(server, client, checkpoint):
+    """POST /v1/embeddings through the openai client (base64 by default, decoded by the client) and
+    as floats: each input's last-token final hidden state, normalised, against transformers' base
+    model; dimensions; token-id inputs; usage; the 400s and 404 before anything is queued."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tok = server.state.tokenizer
+    texts = ["the quick brown fox", "hello world! paged attention keeps keys"]
+
+    def reference(ids, dims=None):
+        with torch.no_grad():
+            h = hf.model(torch.tensor([ids])).last_hidden_state[0, -1].double()
+        h = h[:dims] if dims else h
+        return (h / h.norm()).numpy()
+
+    def close(vector, ref):
+        vector = np.asarray(vector, dtype=np.float64)
+        return float(np.linalg.norm(vector - ref) / np.linalg.norm(ref)) < 1e-5
+
+    r = client.embeddings.create(model=MODEL, input=texts)  # the client asks for base64
+    assert [d.index for d in r.data] == [0, 1] and r.model == MODEL
+    ids = [tok.encode(t) for t in texts]
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, ids))
+    for d, i in zip(r.data, ids):
+        assert close(d.embedding, reference(i))
+    floats = client.embeddings.create(model=MODEL, input=texts[0], encoding_format="float", dimensions=8)
+    assert len(floats.data) == 1 and len(floats.data[0].embedding) == 8
+    assert close(floats.data[0].embedding, reference(ids[0], 8))
+    by_ids = client.embeddings.create(model=MODEL, input=[ids[1], [5, 6, 7]], encoding_format="float")
+    assert close(by_ids.data[0].embedding, reference(ids[1])) and close(by_ids.data[1].embedding, reference([5, 6, 7]))
+    status, body = server.http("POST", "/v1/embeddings", json.dumps({"input": ids[0]}).encode())
+    assert status == 200 and close(json.loads(body)["data"][0]["embedding"], reference(ids[0]))
+    for bad, param in (({"input": []}, "input"), ({"input": ""}, "input"),
+                       ({"input": "x", "dimensions": 65}, "dimensions"), ({"input": "x", "dimensions": 0}, "dimensions"),
+                       ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+                       ({"input": [[1, 2], [10**6]]}, None), ({"input": list(range(3, MAX_MODEL_LEN + 4))}, "input")):
+        status, body = server.http("POST", "/v1/embeddings", json.dumps(bad).encode())
+        error = json.loads(body)["error"]
+        assert status == 400 and (param is None or error["param"] == param), (bad, status, error)
+    assert json.loads(server.http("POST", "/v1/embeddings", json.dumps(
+        {"input": list(range(3, MAX_MODEL_LEN + 4))}).encode())[1])["error"]["code"] == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="other", input="x")
+    server.wait_idle()

@@ -102,6 +102,15 @@ class TestAgainstSingleRank:
         assert stats["num_free_blocks"] == stats["num_total_blocks"], f"{name}: blocks leaked: {stats}"
 
 
+    def test_embeddings_match_single_rank(self, pair):
+        """Embedding requests (the last prompt token's final hidden state, on rank 0 after the
+        all-reduces) of several prompts, one over several chunked-prefill steps."""
+        name, single, split = pair
+        ref, ours = single.embed(PROMPTS, use_tqdm=False), split.embed(PROMPTS, use_tqdm=False)
+        for a, b in zip(ours, ref):
+            err = rel_error(torch.tensor(a.embedding), torch.tensor(b.embedding))
+            assert err < 1e-5, f"{name}: TP=2 embedding relative error {err:.2e} vs TP=1 (bound 1e-5)"
+
     def test_logprobs_and_seeded_sampling_match_single_rank(self, pair):
         """Prompt logprobs (scored after the step: the workers' logits command), sampled-token logprobs
         and seeded samples (n = 2) against TP=1."""

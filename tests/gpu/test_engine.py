@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.engine.checkpoints import ARCHITECTURES, engine_logits, make_checkpoint, rel_error
-from tileattn.engine import LLM, LLMEngine, SamplingParams
+from tileattn.engine import LLM, LLMEngine, PoolingParams, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -70,6 +70,29 @@ def test_logits_bf16_match_transformers_fp32(arch_pair):
 
 def test_greedy_bf16_teacher_forced(arch_pair):
     check_greedy_teacher_forced(*arch_pair)
+
+
+def test_embeddings_bf16_match_transformers_fp32(arch_pair):
+    """Embedding requests (PoolingParams) beside a greedy generation: each prompt's last-token final
+    hidden state, normalised, against transformers' base model in fp32. The 1-token prompt joins
+    the generation's decode steps, so its step replays a CUDA graph and its row is read from the
+    graph's output buffer (gathered before the next replay)."""
+    arch, hf, engine = arch_pair
+    prompts = [PROMPT, [0, 11], [5]]
+    engine.add_request("gen", PROMPT, GREEDY)
+    engine.step()  # the generation's prefill: the embeddings arrive among its decodes
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"emb-{i}", prompt, PoolingParams())
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf.model(torch.tensor([prompt])).last_hidden_state[0, -1].double()
+        ours = torch.tensor(done[f"emb-{i}"].embedding, dtype=torch.float64)
+        err = rel_error(ours, ref / ref.norm())
+        assert err < 3e-2, f"{arch}: embedding of prompt {i} relative error {err:.2e} (bound 3e-2)"
+    assert len(done["gen"].outputs[0].token_ids) == GREEDY.max_tokens
 
 
 def force_gemv(monkeypatch) -> list:

@@ -13,7 +13,7 @@ from .config import EngineConfig
 from .distributed import TensorParallelError
 from .llm import LLM, LLMEngine
 from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import PoolingParams, SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "PoolingParams", "RequestOutput", "SamplingParams",
            "TensorParallelError"]

@@ -25,7 +25,7 @@ from .loader import load_model, read_model_config
 from .model_runner import ModelRunner, StepResult
 from .outputs import CompletionOutput, RequestOutput
 from .profiler import NULL, StepProfiler
-from .sampling_params import SamplingParams
+from .sampling_params import PoolingParams, SamplingParams
 from .sampler import reads_sampled_tokens
 from .scheduler import Scheduler
 from .sequence import Request
@@ -86,6 +86,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
+        self.pooling_requests: set[str] = set()  # live embedding requests (their rows are pooled, not sampled)
         self.last_step = {"prefill_tokens": 0, "decode_tokens": 0, "seconds": 0.0}
         # Async scheduling (one decode step run ahead, see _run_ahead): on unless
         # TILEATTN_ENGINE_ASYNC=0; not with tensor parallel (the workers get their inputs from the host).
@@ -119,19 +120,27 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
-        """Queue a prompt (text, encoded with the tokenizer's special tokens, or token ids).
+    def add_request(self, request_id: str, prompt, params: SamplingParams | PoolingParams | None = None) -> None:
+        """Queue a prompt (text, encoded with the tokenizer's special tokens, or token ids): a
+        generation (SamplingParams), or an embedding (PoolingParams: its output carries the vector).
 
         Raises ValueError before queueing anything: duplicate or non-string id, empty prompt,
-        token ids outside the vocabulary, a prompt of max_model_len tokens or more, bad params."""
+        token ids outside the vocabulary, a generation prompt of max_model_len tokens or more (an
+        embedding's may have max_model_len), PoolingParams.dimensions above the hidden size, bad params."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        params = SamplingParams() if params is None else params
+        pooling = params if isinstance(params, PoolingParams) else None
+        params = SamplingParams() if params is None else SamplingParams(max_tokens=1) if pooling else params
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
         params.validate()
+        if pooling is not None:
+            pooling.validate()
+            hidden = self.model_config.hidden_size
+            if pooling.dimensions is not None and pooling.dimensions > hidden:
+                raise ValueError(f"dimensions={pooling.dimensions} exceeds the model's hidden size {hidden}")
         text = None
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
@@ -147,11 +156,16 @@ class LLMEngine:
             bad = [t for t in tokens if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{what} {bad[:4]} are outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
+        if pooling is not None and len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
+        if pooling is None and len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves "
                              "no room for an output token")
         matchers = self.grammars.matchers(params.structured_outputs, params.n) if params.structured_outputs else None
-        request = Request(request_id, ids, params, text, self._bad_words_token_ids(params.bad_words or ()))
+        request = Request(request_id, ids, params, text, self._bad_words_token_ids(params.bad_words or ()), pooling)
+        if pooling is not None:
+            self.pooling_requests.add(request_id)
+            self.runner.pooling = True
         if matchers is not None:
             after = params.grammar_after
             waits = after is not None and not self.tokenizer.decode(
@@ -183,10 +197,15 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
+        self._forget_pooling(request_id)
         for seq in request.seqs:
             if not seq.finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
+
+    def _forget_pooling(self, request_id: str) -> None:
+        self.pooling_requests.discard(request_id)
+        self.runner.pooling = bool(self.pooling_requests)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -287,6 +306,15 @@ class LLMEngine:
                 finished.append(seq)
                 if seq.finish_reason == "stop":  # the stop token itself adds no text; held-back text is flushed
                     catch_up.append((seq, len(tokens) - 1))
+        for seq, hidden in result.pooled:  # an embedding request's prompt has ended: its vector, and done
+            if seq.finished:
+                continue
+            request = seq.request
+            request.embedding = request.pooling.apply(hidden)
+            request.first_token_time = now
+            seq.finish_reason = "stop"
+            finished.append(seq)
+            touched[request.request_id] = request
         for seq, new_text in zip(to_detokenize, detokenize(self.tokenizer, to_detokenize)):
             stop = find_stop(seq, new_text)
             if stop is not None:
@@ -305,6 +333,8 @@ class LLMEngine:
             if request.finished:
                 request.finished_time = now
                 del self.requests[request.request_id]
+                if request.pooling is not None:
+                    self._forget_pooling(request.request_id)
         self.last_step = {"prefill_tokens": total - decode, "decode_tokens": decode,
                           "seconds": time.perf_counter() - start}
         prof.lap("postprocess")
@@ -359,7 +389,7 @@ class LLMEngine:
                 self.spec_accepted += m
             sampled += [(seq, token, logprobs) for token, logprobs in picks]
         scheduled = [(seq, counts.get(seq, n)) for seq, n in scheduled]
-        return scheduled, StepResult(sampled, result.prompt_logprobs)
+        return scheduled, StepResult(sampled, result.prompt_logprobs, result.pooled)
 
     def _run_ahead(self, current):
         """Async scheduling: launch the decode step that follows ``current`` before current's tokens
@@ -397,7 +427,7 @@ class LLMEngine:
 
     def _output(self, request: Request) -> RequestOutput:
         completions = []
-        for seq in request.seqs:
+        for seq in request.seqs if request.pooling is None else ():
             visible = visible_text_length(seq)
             new_ids = seq.output_token_ids[seq.num_emitted_tokens:]
             new_text = seq.text[seq.num_emitted_chars:visible]
@@ -412,7 +442,8 @@ class LLMEngine:
             finished=request.finished, prompt=request.prompt_text, num_cached_tokens=request.seqs[0].num_cached_tokens,
             prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
             metrics={"arrival_time": request.arrival_time, "first_token_time": request.first_token_time,
-                     "finished_time": time.time() if request.finished else None})
+                     "finished_time": time.time() if request.finished else None},
+            embedding=request.embedding)
 
 
 class LLM:
@@ -434,8 +465,7 @@ class LLM:
         """prompts: a str, a list of token ids, or a list of either; sampling_params: one for all
         or a list (one per prompt). Returns finished RequestOutputs in prompt order.
         Raises ValueError for a bad prompt or parameter before any request runs."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
@@ -476,6 +506,15 @@ class LLM:
                                          add_special_tokens=False) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def embed(self, prompts, pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[RequestOutput]:
+        """Embeddings of prompts (a str, a list of token ids, or a list of either): the final hidden
+        state of each prompt's last token, normalised unless pooling_params says otherwise
+        (PoolingParams). Returns finished RequestOutputs in prompt order, each with .embedding.
+        Raises ValueError for a bad prompt or parameter before any request runs."""
+        prompts = _prompt_list(prompts)
+        return self.generate(prompts, [pooling_params or PoolingParams()] * len(prompts), use_tqdm)
+
     def _run(self, ids, use_tqdm) -> list[RequestOutput]:
         engine = self.engine
         done: dict[str, RequestOutput] = {}
@@ -504,3 +543,10 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (a str or a list of token ids) as a list of one; a list of prompts as it is."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return prompts

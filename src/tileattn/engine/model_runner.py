@@ -42,6 +42,7 @@ _PROMPT_LOGPROB_ROWS = 512  # logits rows per chunk when scoring prompts ([rows,
 class StepResult:
     sampled: list  # [(seq, token_id, {token_id: logprob} | None)] for sequences that got a token
     prompt_logprobs: dict  # seq -> list of {token_id: logprob} for the prompt tokens scored this step
+    pooled: list  # [(seq, float32 [hidden] on the host)] for embedding requests whose prompt ended
 
 
 class StepHandle:
@@ -54,6 +55,10 @@ class StepHandle:
         self.sample_seqs = inputs["sample_seqs"]
         self.hidden, self.logits = hidden, logits
         self.tokens = self.host_tokens = self.ready = None
+        self.pool_seqs, self.pooled = inputs["pool_seqs"], None
+        if self.pool_seqs:  # gathered now: a graph's output buffer is overwritten by the next replay
+            rows = _h2d(inputs["pool_rows"].numpy(), hidden.device)
+            self.pooled = hidden.index_select(0, rows).float()  # [P, hidden]
         if self.sample_seqs:
             self.tokens = runner.sampler.sample(logits, self.sample_seqs)  # [N] on the device
             runner.profiler.record(2)
@@ -83,8 +88,9 @@ class StepHandle:
         prompt_logprobs = {}
         for seq, rows, targets in self.prompt_rows:
             prompt_logprobs[seq] = runner._score(self.hidden, rows, targets, seq.params.prompt_logprobs)
-        self.hidden = self.logits = None
-        return StepResult(sampled, prompt_logprobs)
+        pooled = list(zip(self.pool_seqs, self.pooled.cpu())) if self.pool_seqs else []
+        self.hidden = self.logits = self.pooled = None
+        return StepResult(sampled, prompt_logprobs, pooled)
 
 
 def _h2d(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -124,6 +130,7 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.sampler = Sampler(loaded.eos_token_ids)
         self.speculative = config.num_speculative_tokens > 0  # steps may carry drafts (speculative.py)
+        self.pooling = False  # set by the engine while embedding requests are live (their rows are pooled)
         self.profiler = NULL  # LLMEngine.enable_profiling() sets a StepProfiler (rank 0)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         if device.type == "cuda":
@@ -392,6 +399,12 @@ class ModelRunner:
             sampled = np.ones(count, bool)
         else:
             sampled = ends == np.fromiter((len(seq.token_ids) for seq in seqs), np.int64, count)  # [B] at the end
+        pool_rows, pool_seqs = None, []
+        if self.pooling and token is not None:  # embedding requests at their last prompt token: pooled, not sampled
+            pooled = sampled & np.fromiter((seq.request.pooling is not None for seq in seqs), bool, count)  # [B]
+            if pooled.any():
+                pool_rows, sampled = cu[1:][pooled] - 1, sampled & ~pooled
+                pool_seqs = [seq for seq, p in zip(seqs, pooled.tolist()) if p]
         sample_rows = cu[1:][sampled] - 1  # [N]
         sample_seqs = seqs if sampled.all() else [seq for seq, s in zip(seqs, sampled.tolist()) if s]
         if self.speculative and token is not None and any(seq.drafts for seq in sample_seqs):
@@ -416,7 +429,9 @@ class ModelRunner:
                 "sample_rows": torch.from_numpy(sample_rows),  # [N] int64
                 "max_seqlen_q": max_q, "max_seqlen_k": int(ends.max()),
                 "used_blocks": tables.shape[1],  # columns of block_tables any sequence fills
-                "sample_seqs": sample_seqs, "prompt_rows": prompt_rows}
+                "sample_seqs": sample_seqs, "prompt_rows": prompt_rows,
+                "pool_rows": None if pool_rows is None else torch.from_numpy(pool_rows),  # [P] int64
+                "pool_seqs": pool_seqs}
 
     @staticmethod
     def _verify_rows(sample_rows: np.ndarray, sample_seqs: list):

@@ -1,4 +1,5 @@
-"""What a step returns (contract B): RequestOutput with one CompletionOutput per sequence."""
+"""What a step returns (contract B): RequestOutput with one CompletionOutput per sequence, or with the
+embedding of an embedding request."""
 
 from __future__ import annotations
 
@@ -37,3 +38,4 @@ class RequestOutput:
     prompt: str | None = None
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (None: not scheduled yet)
     metrics: dict = field(default_factory=dict)  # arrival_time, first_token_time, finished_time (time.time())
+    embedding: list[float] | None = None  # an embedding request's vector (PoolingParams); its outputs are empty

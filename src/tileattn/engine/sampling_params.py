@@ -154,3 +154,32 @@ class SamplingParams:
             values["temperature"] = 0.0
         values.update({k: v for k, v in overrides.items() if k in known})
         return cls(**values)
+
+
+@dataclass
+class PoolingParams:
+    """An embedding request (LLMEngine.add_request with these instead of SamplingParams, LLM.embed):
+    the final hidden state of the prompt's last token (after the model's last norm; the pooling of
+    decoder embedding models such as Qwen3-Embedding and e5-mistral), in float32, cut to its first
+    ``dimensions`` (None: all; Matryoshka-trained models) and then, when ``normalize``, scaled to unit
+    L2 norm. Nothing is sampled. Raises ValueError naming the bad field."""
+
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be a bool, got {self.normalize!r}")
+        d = self.dimensions
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+            raise ValueError(f"dimensions must be a positive int or None, got {d!r}")
+
+    def apply(self, hidden):
+        """hidden float32 [hidden_size] (a torch tensor) -> the embedding as a list of floats."""
+        vector = hidden[:self.dimensions] if self.dimensions is not None else hidden
+        if self.normalize:
+            vector = vector / vector.norm().clamp_min(1e-12)
+        return vector.tolist()

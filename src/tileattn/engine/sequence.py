@@ -81,11 +81,15 @@ class Sequence:
 
 
 class Request:
-    """A prompt and its n sequences; prompt_logprobs are computed once, by sequence 0."""
+    """A prompt and its n sequences; prompt_logprobs are computed once, by sequence 0. An embedding
+    request (pooling set) has one sequence that ends with its prompt."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prompt_text: str | None = None, bad_words_token_ids: tuple[tuple[int, ...], ...] = ()):
+                 prompt_text: str | None = None, bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
+                 pooling=None):
         self.request_id = request_id
+        self.pooling = pooling  # PoolingParams of an embedding request (one sequence, nothing sampled)
+        self.embedding: list[float] | None = None  # its result, set by the step that computes the last prompt token
         self.prompt_token_ids = list(prompt_token_ids)
         self.prompt_text = prompt_text
         self.params = params

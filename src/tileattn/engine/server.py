@@ -9,7 +9,7 @@ engine thread hands each step's outputs back with one ``loop.call_soon_threadsaf
 routes them onto per-HTTP-request asyncio queues.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (responses.py; all
-with ``stream``), GET /v1/models,
+with ``stream``), POST /v1/embeddings (embeddings.py), GET /v1/models,
 GET /health, GET /metrics (Prometheus text), POST /tokenize, POST /detokenize. Errors use OpenAI's
 body ``{"error": {"message", "type", "param", "code"}}``. A client that disconnects aborts its
 engine requests at once (their KV blocks are freed before the next step).
@@ -41,7 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .sampling_params import SamplingParams
+from .sampling_params import PoolingParams, SamplingParams
 from .tokenizer import TEMPLATE_VARIABLES
 from .reasoning import END as REASONING_END
 from .reasoning import PARSERS as REASONING_PARSERS
@@ -109,6 +109,7 @@ class StepOutput:
     finished: bool
     prompt_logprobs: list | None               # with the first output of a request, when asked
     num_cached_tokens: int | None = None       # prompt tokens the prefix cache held (None: not scheduled yet)
+    embedding: list[float] | None = None       # an embedding request's vector, with its (only) output
 
 
 def _snapshot(out) -> StepOutput:
@@ -125,7 +126,8 @@ def _snapshot(out) -> StepOutput:
                                    c.stop_reason, final))
     prompt_logprobs = getattr(out, "prompt_logprobs", None)
     return StepOutput(out.request_id, choices, out.finished,
-                      None if prompt_logprobs is None else list(prompt_logprobs), out.num_cached_tokens)
+                      None if prompt_logprobs is None else list(prompt_logprobs), out.num_cached_tokens,
+                      out.embedding)
 
 
 class EngineLoop:
@@ -262,15 +264,15 @@ class EngineLoop:
 # that would change the answer and that this server cannot honour (_refuse_unsupported).
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class SamplingRequest(_Body):
+class SamplingRequest(RequestBody):
     model: str | None = None
     n: int = Field(1, ge=1)
     temperature: float | None = Field(None, ge=0)
@@ -313,7 +315,7 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: str
     content: str | list[dict] | None = None
     tool_calls: list[dict] | None = None   # an assistant message's calls (OpenAI's shape)
@@ -335,7 +337,7 @@ class ChatRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -345,7 +347,7 @@ class TokenizeRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 
@@ -451,11 +453,12 @@ class ServerState:
 
 
 class Generation:
-    """The engine requests behind one HTTP request (one per prompt, each with n completions) and
-    the asyncio queue their step outputs arrive on. ``close()`` aborts whatever is unfinished."""
+    """The engine requests behind one HTTP request (one per prompt, each with n completions, or
+    each an embedding with PoolingParams) and the asyncio queue their step outputs arrive on.
+    ``close()`` aborts whatever is unfinished."""
 
     def __init__(self, state: ServerState, prefix: str, prompts: list[list[int]],
-                 params: SamplingParams, arrival: float):
+                 params: SamplingParams | PoolingParams, arrival: float):
         self.state, self.params, self.arrival = state, params, arrival
         self.prompts = prompts
         self.ids = [f"{prefix}-{i}" for i in range(len(prompts))]
@@ -551,6 +554,15 @@ class Generation:
                         last[step.request_id][c.index] = c
         return {rid: StepOutput(rid, choices, True, prompt_logprobs.get(rid))
                 for rid, choices in last.items()}
+
+    async def embeddings(self) -> dict[str, list[float]]:
+        """Wait for the end of embedding requests; request id -> its vector."""
+        vectors = {}
+        async for items in self.steps():
+            for step in items:
+                if step.embedding is not None:
+                    vectors[step.request_id] = step.embedding
+        return vectors
 
     def close(self) -> None:
         """Abort unfinished requests (frees their KV blocks before the engine's next step)."""
@@ -688,19 +700,20 @@ def _check_length(state: ServerState, prompt_len: int, max_tokens: int | None, w
     return max_tokens
 
 
-def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
-    """prompt: str | list[str] | list[int] | list[list[int]] -> token-id lists."""
+def prompt_token_ids(state: ServerState, prompt, field: str = "prompt") -> list[list[int]]:
+    """prompt: str | list[str] | list[int] | list[list[int]] -> token-id lists (a 400 naming
+    ``field`` for an empty one)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
-        raise APIError(400, "prompt must not be empty.", param="prompt")
+        raise APIError(400, f"{field} must not be empty.", param=field)
     if isinstance(prompt[0], int):
         prompt = [prompt]
     out = []
     for p in prompt:
         ids = state.tokenizer.encode(p) if isinstance(p, str) else list(p)
         if not ids:
-            raise APIError(400, "prompt must not be empty.", param="prompt")
+            raise APIError(400, f"{field} must not be empty.", param=field)
         out.append(ids)  # the engine checks the ids against the model's vocabulary
     return out
 
@@ -944,10 +957,10 @@ class EventStream(StreamingResponse):
             log.error("streaming response failed", exc_info=error)
 
 
-async def finals_or_disconnect(request: Request, gen: Generation) -> dict[str, StepOutput] | None:
-    """Non-streaming: wait for the whole answer, or return None (after aborting) if the client
-    disconnects first."""
-    collector = asyncio.ensure_future(gen.finals())
+async def finals_or_disconnect(request: Request, gen: Generation, wait=None):
+    """Non-streaming: wait for the whole answer (``wait()``, default gen.finals: dict[str,
+    StepOutput]), or return None (after aborting) if the client disconnects first."""
+    collector = asyncio.ensure_future((wait or gen.finals)())
     watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
     try:
         await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -969,7 +982,7 @@ def _stream_error(exc: BaseException) -> str:
 # The two generation endpoints
 
 
-def _refuse_unsupported(req: _Body) -> None:
+def _refuse_unsupported(req: RequestBody) -> None:
     """400 for request fields that would change the answer and that the engine cannot honour (tool
     calls, structured output, ...): ignoring them, as unknown fields are, would answer a different
     question without saying so."""
@@ -1013,7 +1026,7 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
         raise APIError(400, "best_of is not supported (only best_of == n).", param="best_of")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
-    prompts = [_truncated(req, p) for p in _completion_prompts(state, req.prompt)]
+    prompts = [_truncated(req, p) for p in prompt_token_ids(state, req.prompt)]
     max_tokens = min(_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts)
     structured, source = _structured_spec(req)
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -1409,9 +1422,11 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
     async def chat_completions(req: ChatRequest, request: Request):
         return await serve_chat(state, req, request)
 
-    from .responses import add_responses_endpoint  # it builds on this module
+    from .embeddings import add_embeddings_endpoint  # they build on this module
+    from .responses import add_responses_endpoint
 
     add_responses_endpoint(app, state)
+    add_embeddings_endpoint(app, state)
 
     return app
 
