@@ -23,6 +23,11 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     # Qwen3: q/k RMSNorm, head_dim (24) != hidden / heads (16), tied embeddings
     "qwen3": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True)),
+    # SmolLM3: a NoPE layer (no rotary) every second layer here (every fourth in the released model)
+    "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=2, pad_token_id=None)),
+    # Granite: embedding, attention (the scale), residual and logits multipliers far from 1
+    "granite": ("GraniteConfig", dict(embedding_multiplier=3.0, attention_multiplier=0.1, residual_multiplier=0.5,
+                                      logits_scaling=2.0)),
     # Gemma 2: sandwich norms with (1 + w), GELU-tanh MLP, scaled embeddings, a window on every other
     # layer far shorter than the prompts, attention and final logit caps low enough to bite
     "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8, attn_logit_softcapping=3.0,

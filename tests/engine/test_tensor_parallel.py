@@ -7,8 +7,9 @@ Three tiny checkpoints cover the three KV layouts and the layers that split diff
   added once, after the all-reduce);
 - qwen3: 4 heads / 1 KV head -> the KV head replicated on both ranks; q/k RMSNorm, head_dim 24,
   tied embeddings (the vocab-parallel embedding is the LM head).
-Then Gemma 2 and 3 (sandwich norms, per-layer rotary tables) and Qwen2-MoE (each expert's ffn split
-across the ranks under a replicated router, the shared expert split as an MLP, a dense layer).
+Then Gemma 2 and 3 (sandwich norms, per-layer rotary tables), Qwen2-MoE (each expert's ffn split
+across the ranks under a replicated router, the shared expert split as an MLP, a dense layer) and
+Granite (its residual multiplier folded into each rank's slice of o and down).
 
 Bounds: logits ||tp2 - tp1|| / ||tp1|| < 1e-5 (measured 2.8e-7 to 6.1e-7: the row-parallel sums add two
 fp32 partial products where one rank sums all); greedy tokens identical (batched, chunked prefill,
@@ -54,7 +55,8 @@ CASES = {"llama3-gqa": ("llama3", {}, 1),
          "qwen3-replicated-kv": ("qwen3", {"num_key_value_heads": 1}, 1),
          "gemma2-sandwich-norms": ("gemma2", {}, 1),
          "gemma3-local-rope": ("gemma3", {}, 1),
-         "qwen2-moe-experts": ("qwen2-moe", {}, 1)}
+         "qwen2-moe-experts": ("qwen2-moe", {}, 1),
+         "granite-multipliers": ("granite", {}, 1)}
 
 
 def _tokens(outputs):

@@ -36,7 +36,8 @@ _GGUF_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False}
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM"}
 
 
 @dataclass
@@ -169,7 +170,8 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
             rope_theta=float(theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rope_scaling=scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
+                                             arch in (*GEMMA_ARCHITECTURES, "SmolLM3ForCausalLM"))),
             qkv_bias=(arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
                       or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))),
             o_bias=bool(cfg.get("attention_bias", False)),
@@ -177,8 +179,7 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=_sliding_window(arch, cfg),
             torch_dtype=_safe_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
-            extra=(_gemma_options(arch, cfg) if arch in GEMMA_ARCHITECTURES
-                   else {"moe": _moe_options(arch, cfg)} if arch in MOE_ARCHITECTURES else {}),
+            extra=_extra_options(arch, cfg),
         )
     except KeyError as exc:
         raise ValueError(f"config.json lacks {exc.args[0]!r}") from None
@@ -218,6 +219,24 @@ def _gemma_options(arch, cfg) -> dict:
             "local_rope_theta": None if local is None else float(local)}
 
 
+def _extra_options(arch, cfg) -> dict:
+    """ModelConfig.extra: the options of the architectures beyond the Llama decoder's fields."""
+    if arch in GEMMA_ARCHITECTURES:
+        return _gemma_options(arch, cfg)
+    if arch in MOE_ARCHITECTURES:
+        return {"moe": _moe_options(arch, cfg)}
+    if arch == "SmolLM3ForCausalLM":  # no_rope_layers[i]: 1 = layer i rotates, 0 = NoPE
+        layers, interval = cfg["num_hidden_layers"], cfg.get("no_rope_layer_interval", 4)
+        uses = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+        if len(uses) != layers:
+            raise ValueError(f"config.json no_rope_layers must name each of the {layers} layers, got {uses!r}")
+        return {"rope_layers": [bool(u) for u in uses]}
+    if arch == "GraniteForCausalLM":
+        return {name: float(cfg.get(name, 1.0)) for name in
+                ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")}
+    return {}
+
+
 def _moe_options(arch, cfg) -> dict:
     """The MoE models' options for models/moe.py: experts, top-k, their ffn size, renormalisation,
     which layers are sparse, the shared expert's ffn size (0: none)."""
@@ -254,10 +273,11 @@ def _sliding_window(arch, cfg):
     window = cfg.get("sliding_window")
     if arch in GEMMA_ARCHITECTURES:
         return None  # on the sliding layers only: ModelConfig.extra["layer_windows"]
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                "SmolLM3ForCausalLM"):
         if cfg.get("use_sliding_window", False):  # a window on some layers only (max_window_layers)
-            raise ValueError(f"{arch} with use_sliding_window=true is not supported (a window on the layers "
-                             "from max_window_layers on); the released Qwen2/2.5/3 checkpoints set it false")
+            raise ValueError(f"{arch} with use_sliding_window=true is not supported (a window on some layers "
+                             "only); the released checkpoints set it false")
         return None
     return window if isinstance(window, int) and window > 0 else None
 

@@ -1,8 +1,12 @@
-"""One Llama-family decoder covering Llama 2/3/3.x, Mistral, Qwen2/2.5 and Qwen3.
+"""One Llama-family decoder covering Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM3 and Granite.
 
 The architectures differ only in options of ModelConfig: qkv/o/mlp biases, per-head q/k RMSNorm
-(Qwen3), explicit head_dim, rope scaling, tied embeddings. Weights use the HF parameter names;
-q/k/v and gate/up checkpoint tensors are copied into row ranges of the fused projections.
+(Qwen3), explicit head_dim, rope scaling, tied embeddings; in ModelConfig.extra (loader.py):
+"rope_layers" (SmolLM3: the layers without rotary embedding, NoPE, rotate by an identity table),
+Granite's "embedding_multiplier", "attention_multiplier" (the attention scale), "residual_multiplier"
+(folded into the o and down projections' weights, which feed the residual adds) and
+"logits_scaling" (the logits divided by it). Weights use the HF parameter names; q/k/v and gate/up
+checkpoint tensors are copied into row ranges of the fused projections.
 
 Tensor parallel (a TensorParallel of N > 1 ranks, see distributed.py): every rank builds the model
 with its shard's sizes and load_weight copies the rank's slice of each checkpoint tensor: rows of
@@ -30,7 +34,8 @@ from ..layers import (
     rope_inv_freq,
 )
 
-LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                       "SmolLM3ForCausalLM", "GraniteForCausalLM")
 
 # checkpoint projection -> (fused parameter, shard index)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -44,7 +49,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg, dtype: torch.dtype, tp: TensorParallel, mlp: nn.Module | None = None):
         super().__init__()
-        self.self_attn = PagedAttention(cfg, dtype, tp)
+        self.self_attn = PagedAttention(cfg, dtype, tp, scale=cfg.extra.get("attention_multiplier"))
         self.mlp = mlp or GatedMLP(cfg.hidden_size, tp.split(cfg.intermediate_size)[1], cfg.mlp_bias, dtype, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -77,6 +82,12 @@ class LlamaForCausalLM(nn.Module):
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                  cfg.extra.get("rope_freq_factors"))
         self.rotary = Rotary(max_positions, inv_freq, dtype)
+        rope_layers = cfg.extra.get("rope_layers")  # SmolLM3's NoPE layers rotate by the identity
+        self.identity_rotary = (Rotary(max_positions, torch.zeros_like(inv_freq), dtype)
+                                if rope_layers is not None and not all(rope_layers) else None)
+        self.embedding_multiplier = cfg.extra.get("embedding_multiplier", 1.0)
+        self.logits_scaling = cfg.extra.get("logits_scaling", 1.0)
+        self.residual_multiplier = cfg.extra.get("residual_multiplier", 1.0)
         self.vocab_start, vocab = tp.split(cfg.vocab_size)
         self.embed_tokens = nn.Parameter(torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(self.make_layer(i, dtype) for i in range(cfg.num_layers))
@@ -104,17 +115,23 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids):  # [T] -> [T, hidden]
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.embed_tokens)
-        # Vocab-parallel: ids outside this rank's rows embed to zero; the all-reduce adds the one
-        # rank's row that holds each id.
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.embed_tokens.shape[0])  # [T]
-        x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)  # [T, hidden]
-        return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+            x = F.embedding(input_ids, self.embed_tokens)
+        else:
+            # Vocab-parallel: ids outside this rank's rows embed to zero; the all-reduce adds the one
+            # rank's row that holds each id.
+            local = input_ids - self.vocab_start
+            outside = (local < 0) | (local >= self.embed_tokens.shape[0])  # [T]
+            x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)  # [T, hidden]
+            x = self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+        return x * self.embedding_multiplier if self.embedding_multiplier != 1.0 else x
 
     def layer_ropes(self, positions):
-        """Each layer's rotary tables (every layer the model's one table here; a subclass may differ)."""
-        return itertools.repeat(self.rotary(positions))
+        """Each layer's rotary tables: the model's one table, or the identity on the NoPE layers
+        (a subclass may differ)."""
+        if self.identity_rotary is None:
+            return itertools.repeat(self.rotary(positions))
+        rope, identity = self.rotary(positions), self.identity_rotary(positions)
+        return [rope if use else identity for use in self.cfg.extra["rope_layers"]]
 
     def forward(self, input_ids, positions, batch: AttentionBatch):
         x = self.embed(input_ids)  # [T, hidden]
@@ -129,7 +146,8 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def compute_logits(self, hidden):  # hidden [N, hidden] -> [N, vocab] float32 (rank 0; others None)
-        return self.tp.gather_last_dim(linear(hidden, self.lm_head).float())  # rank's part [N, vocab / N]
+        logits = self.tp.gather_last_dim(linear(hidden, self.lm_head).float())  # rank's part [N, vocab / N]
+        return logits / self.logits_scaling if logits is not None and self.logits_scaling != 1.0 else logits
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -154,6 +172,8 @@ class LlamaForCausalLM(nn.Module):
                              f"implies {expected}")
         if full is not None:
             tensor = tensor.narrow(dim, first, param.shape[dim])
+        if self.residual_multiplier != 1.0 and target.split(".")[-2:-1] in (["o_proj"], ["down_proj"]):
+            tensor = tensor.float() * self.residual_multiplier  # Granite: the branch scaled before the residual add
         with torch.no_grad():
             param.copy_(tensor)
         self._loaded.add((target, shard))
