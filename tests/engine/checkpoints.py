@@ -28,6 +28,12 @@ ARCHITECTURES = {
     # Granite: embedding, attention (the scale), residual and logits multipliers far from 1
     "granite": ("GraniteConfig", dict(embedding_multiplier=3.0, attention_multiplier=0.1, residual_multiplier=0.5,
                                       logits_scaling=2.0)),
+    # Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj tensors, 12 of 16 head dims rotating, longrope
+    # with its short factors (the original context is the whole one here; test_models checks the long
+    # factors and the attention factor on a model whose original context is 32)
+    # (make_checkpoint sizes the factor lists for the head dim)
+    "phi3": ("Phi3Config", dict(pad_token_id=None, partial_rotary_factor=0.75, original_max_position_embeddings=512,
+                                rope_scaling={"rope_type": "longrope"})),
     # Gemma 2: sandwich norms with (1 + w), GELU-tanh MLP, scaled embeddings, a window on every other
     # layer far shorter than the prompts, attention and final logit caps low enough to bite
     "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8, attn_logit_softcapping=3.0,
@@ -82,7 +88,13 @@ def make_checkpoint(path, arch: str, seed: int = 0, kernel_head_dims: bool = Fal
                   bos_token_id=0, eos_token_id=1)
     if kernel_head_dims and "head_dim" in options:
         options = {**options, "head_dim": 128}
-    config = getattr(transformers, class_name)(**{**fields, **options, **(overrides or {})})
+    options = {**options, **(overrides or {})}
+    if (options.get("rope_scaling") or {}).get("rope_type") == "longrope":  # one factor per rotating frequency
+        head_dim = options.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
+        half = int(head_dim * options.get("partial_rotary_factor", 1.0)) // 2
+        options["rope_scaling"] = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                   "long_factor": [2.0 + 0.3 * i for i in range(half)]}
+    config = getattr(transformers, class_name)(**{**fields, **options})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Larger weights than the default init (0.15 at hidden 64, activations of unit scale at any

@@ -94,3 +94,20 @@ def test_layers_use_only_the_returned_residual(tmp_path, monkeypatch):
     assert calls == [(qkv, True), (mlp, False), (qkv, False), (mlp, False)], calls
     err = rel_error(ours, ref)
     assert err < 1e-5, f"logits relative error {err:.2e} vs transformers with the residual consumed (bound 1e-5)"
+
+
+def test_phi3_longrope_factors_by_context(tmp_path):
+    """Phi-3's longrope on a model whose original context is 32 of 512 positions (attention factor
+    sqrt(1 + ln 16 / ln 32) on the rotating dims, 12 of 16). transformers picks the short or the long
+    factors per forward, by its longest position; the engine per instance, by max_model_len: an
+    engine of at most 32 positions uses the short ones (transformers' answer for any prompt it can
+    take), a longer one the long ones (transformers' answer for prompts past 32 positions)."""
+    hf = make_checkpoint(tmp_path, "phi3", overrides={"original_max_position_embeddings": 32})
+    short = LLMEngine.from_model(str(tmp_path), device="cpu", max_model_len=32, kv_cache_blocks=16, block_size=16)
+    long = LLMEngine.from_model(str(tmp_path), device="cpu", max_model_len=256, kv_cache_blocks=64, block_size=16)
+    for engine, prompt in ((short, PROMPT[:20]), (long, PROMPT)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+        err = rel_error(engine_logits(engine, prompt), ref)
+        assert err < 1e-5, f"{len(prompt)}-token prompt on {engine.max_model_len} positions: {err:.2e}"
+    assert rel_error(engine_logits(long, PROMPT[:20]), engine_logits(short, PROMPT[:20])) > 1e-2  # the factors differ

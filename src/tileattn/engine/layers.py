@@ -112,21 +112,26 @@ class RMSNorm(nn.Module):
         return add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias)  # [T, out], [T, dim]
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, freq_factors=None) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, freq_factors=None,
+                  rotary_dim: int | None = None, max_positions: int | None = None) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] (float32) of rotary embedding, with the scaling of
-    ``scaling["rope_type"]``: None/"default", "linear" (positions / factor) or "llama3" (long
-    wavelengths / factor, short ones kept, a smooth blend between). ``freq_factors`` (GGUF's
-    rope_freqs tensor) divides the frequencies instead. Raises ValueError for other rope types."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta ** exponent)  # [head_dim / 2]
-    if freq_factors is not None:
-        return inv_freq / torch.as_tensor(freq_factors, dtype=torch.float32, device=inv_freq.device)
+    ``scaling["rope_type"]``: None/"default", "linear" (positions / factor), "llama3" (long
+    wavelengths / factor, short ones kept, a smooth blend between) or "longrope" (Phi-3: each
+    frequency divided by its short_factor, or by its long_factor when the engine runs past
+    original_max_position_embeddings, i.e. max_positions exceeds it; rope_attention_factor gives the
+    tables' scale). ``freq_factors`` (GGUF's rope_freqs tensor) divides the frequencies instead.
+    rotary_dim < head_dim (partial rotary, Phi-4-mini): the rotary_dim / 2 frequencies of a
+    rotary_dim-wide embedding, then zeros (slots that rotate by nothing; partial_rotary_order puts the
+    dims that do not rotate there). Raises ValueError for other rope types."""
+    rotary_dim = rotary_dim or head_dim
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (theta ** exponent)  # [rotary_dim / 2]
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
+    if freq_factors is not None:
+        inv_freq = inv_freq / torch.as_tensor(freq_factors, dtype=torch.float32, device=inv_freq.device)
+    elif kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
         old_context = float(scaling["original_max_position_embeddings"])
@@ -135,24 +140,59 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, freq_factor
         smooth = (old_context / wavelen - low) / (high - low)
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
-        return torch.where(medium, blended, scaled)
-    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+        inv_freq = torch.where(medium, blended, scaled)
+    elif kind == "longrope":
+        long = max_positions is not None and max_positions > scaling["original_max_position_embeddings"]
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"longrope factors must have {inv_freq.shape[0]} entries, got {factors.shape[0]}")
+        inv_freq = inv_freq / factors
+    elif kind != "default":
+        raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, longrope)")
+    return torch.cat((inv_freq, inv_freq.new_zeros((head_dim - rotary_dim) // 2)))
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The scale of the rotary tables (cos and sin): longrope's attention factor (its given
+    attention_factor, else sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) for factor >
+    1); 1 for the other types."""
+    if (scaling or {}).get("rope_type") != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, original = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's dims for partial rotary: order[j] is the checkpoint dim that slot j of
+    the rotate-half layout reads. transformers rotates dims (i, i + rotary_dim / 2) for i < rotary_dim
+    / 2 and passes the rest; the engine rotates (i, i + head_dim / 2), so the rotated pairs take slots
+    i and i + head_dim / 2 and the passed dims the slots whose frequency is 0. Permuting q's and k's
+    dims alike leaves every q . k unchanged. -> int64 [head_dim]."""
+    half, rot = head_dim // 2, rotary_dim // 2
+    passed = torch.arange(rotary_dim, head_dim)  # [head_dim - rotary_dim]
+    first, second = passed[:half - rot], passed[half - rot:]
+    return torch.cat((torch.arange(rot), first, torch.arange(rot, rotary_dim), second))
 
 
 class Rotary(nn.Module):
     """Rotate-half rotary embedding: per head (x1 cos - x2 sin, x2 cos + x1 sin) for the halves
-    x1, x2. The tables hold cos twice and (-sin, sin) [max_positions, head_dim] (float32);
+    x1, x2; cos and sin times ``scale`` where the frequency is not 0 (longrope's attention factor). The tables hold cos twice and (-sin, sin) [max_positions, head_dim] (float32);
     tileattn's add_rms_norm_qkv_rope_ reads them at each token's position in the one launch after
     the qkv projection, which also applies Qwen3's per-head q/k norm and writes k/v into the cache.
     forward(positions [T]) -> the (positions, cos, sin) every layer passes to it."""
 
-    def __init__(self, max_positions: int, inv_freq: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, max_positions: int, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
         super().__init__()
         self.dtype = dtype
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]  # [max_positions, d/2]
-        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
-        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+        # scale (longrope's attention factor) on the rotating slots only; partial rotary's passed dims stay
+        scale = torch.where(inv_freq.to(positions.device) != 0, scale, 1.0)  # [d/2]
+        cos, sin = freqs.cos() * scale, freqs.sin() * scale
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
 
     def forward(self, positions):  # positions int64 [T]
         return positions, self.cos, self.sin

@@ -37,7 +37,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM"}
+                "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 @dataclass
@@ -153,8 +153,15 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
         rope = rope["full_attention"]  # per-layer-type form; these models have one type
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
-    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
         scaling = None
+    elif kind in ("longrope", "su"):  # Phi-3: the context lengths may sit beside the factors
+        original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        if not original:
+            raise ValueError("config.json: longrope scaling needs original_max_position_embeddings")
+        scaling = {**scaling, "rope_type": "longrope", "original_max_position_embeddings": original,
+                   "factor": scaling.get("factor") or cfg.get("max_position_embeddings", original) / original}
     try:
         heads = cfg["num_attention_heads"]
         model = ModelConfig(
@@ -234,6 +241,14 @@ def _extra_options(arch, cfg) -> dict:
     if arch == "GraniteForCausalLM":
         return {name: float(cfg.get(name, 1.0)) for name in
                 ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")}
+    partial = cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
+    if partial < 1.0:  # Phi-4-mini: only the first rotary_dim dims of each head rotate
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        rotary_dim = int(head_dim * partial)
+        if rotary_dim % 2 or rotary_dim < 2:
+            raise ValueError(f"config.json partial_rotary_factor={partial} gives {rotary_dim} rotary dims of "
+                             f"{head_dim}; rotary needs an even count")
+        return {"rotary_dim": rotary_dim}
     return {}
 
 

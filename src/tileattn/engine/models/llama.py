@@ -1,12 +1,14 @@
-"""One Llama-family decoder covering Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM3 and Granite.
+"""One Llama-family decoder covering Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM3, Granite and Phi-3/4.
 
 The architectures differ only in options of ModelConfig: qkv/o/mlp biases, per-head q/k RMSNorm
 (Qwen3), explicit head_dim, rope scaling, tied embeddings; in ModelConfig.extra (loader.py):
 "rope_layers" (SmolLM3: the layers without rotary embedding, NoPE, rotate by an identity table),
 Granite's "embedding_multiplier", "attention_multiplier" (the attention scale), "residual_multiplier"
 (folded into the o and down projections' weights, which feed the residual adds) and
-"logits_scaling" (the logits divided by it). Weights use the HF parameter names; q/k/v and gate/up
-checkpoint tensors are copied into row ranges of the fused projections.
+"logits_scaling" (the logits divided by it); "rotary_dim" (Phi-4-mini's partial rotary: q and k dims
+reordered at load time, partial_rotary_order). Weights use the HF parameter names; q/k/v and gate/up
+checkpoint tensors are copied into row ranges of the fused projections (Phi-3's fused qkv_proj and
+gate_up_proj are split into those parts first).
 
 Tensor parallel (a TensorParallel of N > 1 ranks, see distributed.py): every rank builds the model
 with its shard's sizes and load_weight copies the rank's slice of each checkpoint tensor: rows of
@@ -31,12 +33,16 @@ from ..layers import (
     PagedAttention,
     RMSNorm,
     Rotary,
+    partial_rotary_order,
+    rope_attention_factor,
     rope_inv_freq,
 )
 
 LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                       "SmolLM3ForCausalLM", "GraniteForCausalLM")
+                       "SmolLM3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM")
 
+# fused checkpoint tensors (Phi-3) -> their parts, in row order
+_CHECKPOINT_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # checkpoint projection -> (fused parameter, shard index)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -79,9 +85,12 @@ class LlamaForCausalLM(nn.Module):
         tp = tp or TensorParallel()
         check_tensor_parallel(cfg, tp.size)
         self.cfg, self.tp = cfg, tp
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                                 cfg.extra.get("rope_freq_factors"))
-        self.rotary = Rotary(max_positions, inv_freq, dtype)
+        rotary_dim = cfg.extra.get("rotary_dim", cfg.head_dim)  # < head_dim: partial rotary (Phi-4-mini)
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors"),
+                                 rotary_dim, max_positions)
+        self.rotary = Rotary(max_positions, inv_freq, dtype, rope_attention_factor(cfg.rope_scaling))
+        # q and k dims in the order the rotate-half launch pairs them (None: the checkpoint's)
+        self.head_dim_order = partial_rotary_order(cfg.head_dim, rotary_dim) if rotary_dim < cfg.head_dim else None
         rope_layers = cfg.extra.get("rope_layers")  # SmolLM3's NoPE layers rotate by the identity
         self.identity_rotary = (Rotary(max_positions, torch.zeros_like(inv_freq), dtype)
                                 if rope_layers is not None and not all(rope_layers) else None)
@@ -158,6 +167,18 @@ class LlamaForCausalLM(nn.Module):
         Raises ValueError for an unknown name or a shape that does not match the config."""
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
             return
+        module, kind = name.rsplit(".", 2)[-2:] if name.count(".") >= 2 else ("", "")
+        if module in _CHECKPOINT_FUSED:  # Phi-3's qkv_proj / gate_up_proj: loaded as their parts
+            pieces = self._checkpoint_fused_sizes(module)
+            if tensor.shape[0] != sum(pieces):
+                raise ValueError(f"checkpoint tensor {name} has {tensor.shape[0]} rows, the config implies {sum(pieces)}")
+            for part, rows in zip(_CHECKPOINT_FUSED[module], tensor.split(pieces)):
+                self.load_weight(f"{name[:-len(module + kind) - 1]}{part}.{kind}", rows)
+            return
+        if self.head_dim_order is not None and module in ("q_proj", "k_proj", "q_norm", "k_norm"):
+            # partial rotary: each head's dims in the rotate-half launch's order
+            d = self.cfg.head_dim
+            tensor = tensor.reshape(-1, d, *tensor.shape[1:])[:, self.head_dim_order].reshape(tensor.shape)
         target, shard = self._target(name)
         param = self.get_parameter(target)
         dim, first, full = 0, 0, None  # the checkpoint tensor's dim holding this rank's slice
@@ -177,6 +198,13 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             param.copy_(tensor)
         self._loaded.add((target, shard))
+
+    def _checkpoint_fused_sizes(self, module: str) -> list[int]:
+        """Rows of each part of a fused checkpoint tensor (all heads, the whole ffn)."""
+        cfg = self.cfg
+        if module == "qkv_proj":
+            return [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+        return [cfg.intermediate_size] * 2
 
     def check_loaded(self) -> None:
         """Raises ValueError listing the parameters no checkpoint tensor filled."""
