@@ -109,14 +109,15 @@ def make_checkpoint(path, arch: str, seed: int = 0, kernel_head_dims: bool = Fal
     return model.eval()
 
 
-def engine_logits(engine, token_ids) -> torch.Tensor:
-    """float32 logits [T, vocab] of the engine's model over a whole prompt, through the paged
-    cache and the same input preparation the engine's steps use (and, tensor parallel, the same
-    broadcast to the workers)."""
+def engine_logits(engine, token_ids, lora: str | None = None) -> torch.Tensor:
+    """float32 logits [T, vocab] of the engine's model (with LoRA adapter ``lora``) over a whole
+    prompt, through the paged cache and the same input preparation the engine's steps use (and,
+    tensor parallel, the same broadcast to the workers)."""
     from tileattn.engine.sampling_params import SamplingParams
     from tileattn.engine.sequence import Request
 
-    seq = Request("logits", token_ids, SamplingParams()).seqs[0]
+    slot = 0 if lora is None else engine.runner.lora.slot(lora)
+    seq = Request("logits", token_ids, SamplingParams(), lora_slot=slot).seqs[0]
     assert engine.block_manager.ensure_slots(seq, len(token_ids))
     try:
         return engine.runner.all_logits([(seq, len(token_ids))])

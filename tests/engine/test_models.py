@@ -111,3 +111,4 @@ def test_phi3_longrope_factors_by_context(tmp_path):
         err = rel_error(engine_logits(engine, prompt), ref)
         assert err < 1e-5, f"{len(prompt)}-token prompt on {engine.max_model_len} positions: {err:.2e}"
     assert rel_error(engine_logits(long, PROMPT[:20]), engine_logits(short, PROMPT[:20])) > 1e-2  # the factors differ
+

@@ -1321,3 +1321,45 @@ def test_embeddings_endpoint(server, client, checkpoint):
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="other", input="x")
     server.wait_idle()
+
+
+def test_lora_adapters_served_by_name(checkpoint, tmp_path):
+    """--lora-modules' path: an engine with an adapter (tests/engine/test_lora.py's writer), its name
+    in /v1/models with the served model as parent, a request whose `model` names it answered by the
+    adapter (the merged model's greedy tokens), the served name still the base model, and
+    --lora-modules values without NAME=PATH refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.test_lora import ALL, write_adapter
+    from tileattn.engine import LLMEngine
+    from tileattn.engine.server import _lora_modules
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    merged = write_adapter(tmp_path / "adapter", hf, ALL, rank=8, alpha=16, seed=11)
+    engine = LLMEngine.from_model(checkpoint, device="cpu", max_model_len=MAX_MODEL_LEN, kv_cache_blocks=64,
+                                  max_loras=1, max_lora_rank=8)
+    engine.add_lora("tuned", str(tmp_path / "adapter"))
+    prompt = [0, 17, 203, 5, 99, 42, 300, 7]
+    want = {}
+    for name, model in (("tuned", merged), (MODEL, hf)):
+        with torch.no_grad():
+            want[name] = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                        pad_token_id=1)[0, len(prompt):].tolist()
+    assert want["tuned"] != want[MODEL]
+    with ServerThread(create_app(engine, MODEL)) as s:
+        client = s.client()
+        models = client.models.list().data
+        assert [m.id for m in models] == [MODEL, "tuned"] and models[1].model_extra["parent"] == MODEL
+        for name in ("tuned", MODEL):
+            r = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0,
+                                          **_extra(min_tokens=8, return_token_ids=True))
+            assert r.choices[0].model_extra["token_ids"] == want[name], name
+        chat = client.chat.completions.create(model="tuned", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert chat.choices[0].message.content is not None
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="untuned", prompt="x", max_tokens=1)
+        s.wait_idle()
+    for bad in (["tuned"], ["=path"], ["tuned="]):
+        with pytest.raises(ValueError, match="NAME=PATH"):
+            _lora_modules(bad)

@@ -95,6 +95,37 @@ def test_embeddings_bf16_match_transformers_fp32(arch_pair):
     assert len(done["gen"].outputs[0].token_ids) == GREEDY.max_tokens
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_lora_adapters_match_the_merged_model(tmp_path, dtype):
+    """Two LoRA adapters and the base model on the GPU (eager; bf16: torch's grouped GEMM, fp16: one
+    GEMM pair per adapter): each prompt's logits against transformers fp32 with the adapter merged,
+    the three run in one step."""
+    from tests.engine.test_lora import ALL, write_adapter
+
+    hf = make_checkpoint(tmp_path / "base", "llama3", kernel_head_dims=True)
+    merged = {None: hf, "a": write_adapter(tmp_path / "a", hf, ALL, rank=8, alpha=16, seed=1),
+              "b": write_adapter(tmp_path / "b", hf, ("q_proj", "v_proj"), rank=16, alpha=16, seed=2)}
+    engine = LLMEngine.from_model(str(tmp_path / "base"), device="cuda", dtype=dtype, max_model_len=256,
+                                  max_num_seqs=8, kv_cache_blocks=64, max_loras=2, max_lora_rank=16)
+    assert not engine.runner.graphs
+    for name in ("a", "b"):
+        engine.add_lora(name, str(tmp_path / name))
+    for lora, model in merged.items():
+        ours = engine_logits(engine, PROMPT, lora).cpu()
+        with torch.no_grad():
+            ref = model(torch.tensor([PROMPT])).logits[0].float()
+        err = rel_error(ours, ref)
+        assert err < 3e-2, f"{dtype} adapter {lora}: logits relative error {err:.2e} (bound 3e-2)"
+    finished = []
+    for i, lora in enumerate(merged):
+        engine.add_request(f"r{i}", PROMPT, GREEDY, lora=lora)
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert len(finished) == 3
+    stats = engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+
+
 def force_gemv(monkeypatch) -> list:
     """tileattn's GEMV kernel forced on in this process for every projection of up to 8 rows (the
     dispatch table keeps it off until it is measured); returns the list that then collects the

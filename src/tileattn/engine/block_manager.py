@@ -52,7 +52,7 @@ class BlockManager:
         use_cache=False looks nothing up (a prompt whose logprobs are wanted is computed whole)."""
         assert not seq.block_table, "allocate_prefix on a sequence that holds blocks"
         size, tokens = self.block_size, seq.token_ids
-        prev, hits = None, []
+        prev, hits = seq.hash_seed, []  # a LoRA request's blocks chain from its adapter (their k/v differ)
         for i in range((len(tokens) - 1) // size if use_cache else 0):
             chunk = tuple(tokens[i * size:(i + 1) * size])
             h = hash((prev, chunk))

@@ -51,6 +51,9 @@ class EngineConfig:
     kv_cache_blocks: an explicit block count (the default on CPU is a 256 MiB cache).
     num_speculative_tokens: k > 0 drafts per greedy decode step by prompt lookup (speculative.py);
         0: off.
+    max_loras: LoRA adapter slots (lora.py; LLMEngine.add_lora); 0: none. With adapters the engine
+        runs eagerly (no CUDA graphs) on one GPU.
+    max_lora_rank: the largest adapter rank the slots take.
     Raises ValueError naming the bad field (see validate()).
     """
 
@@ -66,6 +69,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     kv_cache_blocks: int | None = None
     num_speculative_tokens: int = 0
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         self.validate()
@@ -78,8 +83,12 @@ class EngineConfig:
 
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a checkpoint path, got {self.model!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size", "max_lora_rank"):
             positive(name)
+        if not isinstance(self.max_loras, int) or isinstance(self.max_loras, bool) or self.max_loras < 0:
+            raise ValueError(f"max_loras must be an int >= 0, got {self.max_loras!r}")
+        if self.max_loras and self.tensor_parallel_size > 1:
+            raise ValueError("max_loras > 0 is not served with tensor_parallel_size > 1")
         if self.max_model_len is not None:
             positive("max_model_len")
         if self.kv_cache_blocks is not None:

@@ -36,7 +36,7 @@ class EmbeddingRequest(RequestBody):
 
 async def serve_embeddings(state: ServerState, req: EmbeddingRequest, request: Request):
     arrival = time.monotonic()
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     prompts = [p[-req.truncate_prompt_tokens:] if req.truncate_prompt_tokens else p
                for p in prompt_token_ids(state, req.input, "input")]
     limit = state.max_model_len
@@ -49,7 +49,8 @@ async def serve_embeddings(state: ServerState, req: EmbeddingRequest, request: R
     if req.dimensions is not None and req.dimensions > hidden:
         raise APIError(400, f"dimensions={req.dimensions} exceeds the model's embedding size {hidden}.",
                        param="dimensions")
-    gen = Generation(state, f"embd-{uuid.uuid4().hex}", prompts, PoolingParams(dimensions=req.dimensions), arrival)
+    gen = Generation(state, f"embd-{uuid.uuid4().hex}", prompts, PoolingParams(dimensions=req.dimensions), arrival,
+                     lora)
     await gen.start()
     vectors = await finals_or_disconnect(request, gen, gen.embeddings)
     if vectors is None:

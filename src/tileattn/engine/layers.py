@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tileattn.api_layers import add_rms_norm, add_rms_norm_linear, add_rms_norm_qkv_rope_, linear
+from tileattn.api_layers import (add_rms_norm, add_rms_norm_linear, add_rms_norm_qkv_rope_, linear,
+                                 norm_rotary_write_kv_cache_)
 
 
 @dataclass
@@ -33,6 +34,8 @@ class AttentionBatch:
     block_tables int32 [B, max_blocks]: the cache blocks of each sequence, in order.
     slot_mapping int64 [T]: block * block_size + offset where each token's k/v is written (-1: skip).
     max_seqlen_q, max_seqlen_k: Python ints bounding the two above.
+    lora: the step's LoRA groups (lora.LoRAAdapters.groups: tokens ordered by adapter slot, group
+        ends) when the engine serves adapters, else None.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -41,6 +44,7 @@ class AttentionBatch:
     slot_mapping: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    lora: tuple | None = None
 
 
 def paged_attention_ops(device: torch.device):
@@ -334,7 +338,6 @@ class PagedAttention(nn.Module):
         """rope: Rotary's (positions, cos, sin); x, residual [T, hidden] (residual None in the
         first layer); input_norm: the layer's RMSNorm before attention. -> (out [T, hidden], the
         new residual)."""
-        tokens, d = x.shape[0], self.head_dim
         positions, cos, sin = rope
         norm = self.q_norm is not None
         # The residual add + RMSNorm, the qkv projection, q/k normalised (Qwen3) and rotated, k and
@@ -347,9 +350,28 @@ class PagedAttention(nn.Module):
             slot_mapping=batch.slot_mapping, positions=positions, cos=cos, sin=sin,
             q_weight=self.q_norm.weight if norm else None, k_weight=self.k_norm.weight if norm else None,
             qk_eps=self.q_norm.eps if norm else 1e-6)  # [T, (H + 2 Hkv) d]
-        q = qkv[:, :self.q_size].view(tokens, self.heads, d)  # [T, H, d], a strided view of qkv
+        return self.o_proj(self.attend(qkv, batch)), residual
+
+    def rotate_and_attend(self, rope, qkv, batch: AttentionBatch):
+        """The unfused path's second half (LoRA: the delta joins qkv before the rotary): qkv [T, (H +
+        2 Hkv) d], projected from the normalised input -> q/k normalised (Qwen3) and rotated, k and v
+        written into the cache, attention -> [T, H d] (o_proj's input)."""
+        tokens, d = qkv.shape[0], self.head_dim
+        positions, cos, sin = rope
+        q, k, v = (t.view(tokens, n, d) for t, n in zip(  # column views of qkv
+            qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1), (self.heads, self.kv_heads, self.kv_heads)))
+        norm = self.q_norm is not None
+        norm_rotary_write_kv_cache_(q, k, v, self.k_cache, self.v_cache, batch.slot_mapping, positions, cos, sin,
+                                    self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                                    self.q_norm.eps if norm else 1e-6)
+        return self.attend(qkv, batch)
+
+    def attend(self, qkv, batch: AttentionBatch):
+        """Attention of qkv's (rotated) queries over the cache -> [T, H d]."""
+        tokens = qkv.shape[0]
+        q = qkv[:, :self.q_size].view(tokens, self.heads, self.head_dim)  # [T, H, d], a strided view of qkv
         attention_paged = self.ops[0]
         out = attention_paged(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
                               batch.seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k,
                               causal=True, scale=self.scale, window=self.window, softcap=self.softcap)  # [T, H, d]
-        return self.o_proj(out.reshape(tokens, self.q_size)), residual
+        return out.reshape(tokens, self.q_size)

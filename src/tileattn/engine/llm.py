@@ -120,13 +120,29 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | PoolingParams | None = None) -> None:
+    def add_lora(self, name: str, path: str) -> None:
+        """Load the PEFT LoRA adapter at ``path`` under ``name`` (requests then name it in
+        add_request's ``lora``). Raises ValueError (FileNotFoundError) as lora.LoRAAdapters.load
+        does, and when the engine has no LoRA slots (EngineConfig.max_loras)."""
+        if self.runner.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: create it with max_loras > 0")
+        self.runner.lora.load(name, path)
+
+    @property
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters loaded, in slot order."""
+        return [] if self.runner.lora is None else list(self.runner.lora.names)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | PoolingParams | None = None,
+                    lora: str | None = None) -> None:
         """Queue a prompt (text, encoded with the tokenizer's special tokens, or token ids): a
-        generation (SamplingParams), or an embedding (PoolingParams: its output carries the vector).
+        generation (SamplingParams), or an embedding (PoolingParams: its output carries the vector);
+        ``lora``: the name of a loaded LoRA adapter to run it with (None: the base model).
 
         Raises ValueError before queueing anything: duplicate or non-string id, empty prompt,
         token ids outside the vocabulary, a generation prompt of max_model_len tokens or more (an
-        embedding's may have max_model_len), PoolingParams.dimensions above the hidden size, bad params."""
+        embedding's may have max_model_len), PoolingParams.dimensions above the hidden size, bad params,
+        an adapter name not loaded."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self.requests:
@@ -162,7 +178,11 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves "
                              "no room for an output token")
         matchers = self.grammars.matchers(params.structured_outputs, params.n) if params.structured_outputs else None
-        request = Request(request_id, ids, params, text, self._bad_words_token_ids(params.bad_words or ()), pooling)
+        if lora is not None and self.runner.lora is None:
+            raise ValueError(f"lora={lora!r}: this engine serves no LoRA adapters (max_loras=0)")
+        slot = 0 if lora is None else self.runner.lora.slot(lora)
+        request = Request(request_id, ids, params, text, self._bad_words_token_ids(params.bad_words or ()), pooling,
+                          slot)
         if pooling is not None:
             self.pooling_requests.add(request_id)
             self.runner.pooling = True
@@ -461,22 +481,27 @@ class LLM:
         """The checkpoint's generation_config.json defaults (greedy when it sets do_sample False)."""
         return SamplingParams.from_generation_config(self.engine.generation_defaults)
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
+                 lora: str | list | None = None) -> list[RequestOutput]:
         """prompts: a str, a list of token ids, or a list of either; sampling_params: one for all
-        or a list (one per prompt). Returns finished RequestOutputs in prompt order.
-        Raises ValueError for a bad prompt or parameter before any request runs."""
+        or a list (one per prompt); lora: a loaded LoRA adapter's name for all, or a list (one per
+        prompt, None for the base model). Returns finished RequestOutputs in prompt order.
+        Raises ValueError for a bad prompt, parameter or adapter before any request runs."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        adapters = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(adapters)} LoRA names for {len(prompts)} prompts")
         engine = self.engine
         base = f"generate-{time.monotonic_ns()}-"
         ids = [f"{base}{i}" for i in range(len(prompts))]
         try:
-            for request_id, prompt, p in zip(ids, prompts, params):
-                engine.add_request(request_id, prompt, p)
+            for request_id, prompt, p, adapter in zip(ids, prompts, params, adapters):
+                engine.add_request(request_id, prompt, p, lora=adapter)
         except ValueError:
             for request_id in ids:
                 engine.abort_request(request_id)

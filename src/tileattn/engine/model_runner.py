@@ -131,6 +131,11 @@ class ModelRunner:
         self.sampler = Sampler(loaded.eos_token_ids)
         self.speculative = config.num_speculative_tokens > 0  # steps may carry drafts (speculative.py)
         self.pooling = False  # set by the engine while embedding requests are live (their rows are pooled)
+        self.lora = None  # LoRAAdapters when the engine serves adapters (max_loras > 0)
+        if config.max_loras:
+            from .lora import LoRAAdapters
+
+            self.lora = LoRAAdapters(self.model, config.max_loras, config.max_lora_rank, self.dtype, device)
         self.profiler = NULL  # LLMEngine.enable_profiling() sets a StepProfiler (rank 0)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         if device.type == "cuda":
@@ -157,7 +162,9 @@ class ModelRunner:
         self._staging = _Staging(1 << 20) if device.type == "cuda" else None  # eager steps' inputs
         # (a model that cannot be captured, e.g. an MoE in fp16 whose experts size their GEMMs on the
         # host, runs every step eagerly)
-        if device.type == "cuda" and not config.enforce_eager and self.model.cuda_graphs_supported():
+        # (nor one that serves LoRA adapters: their groups change every step)
+        if (device.type == "cuda" and not config.enforce_eager and self.model.cuda_graphs_supported()
+                and self.lora is None):
             self._capture_graphs()
 
     # ---- memory ---------------------------------------------------------------------------------
@@ -296,7 +303,8 @@ class ModelRunner:
                 dev["input_ids"].copy_(ids)
             batch = AttentionBatch(cu_seqlens_q=dev["cu_seqlens_q"], seqlens_k=dev["seqlens_k"],
                                    block_tables=dev["block_tables"], slot_mapping=dev["slot_mapping"],
-                                   max_seqlen_q=inputs["max_seqlen_q"], max_seqlen_k=inputs["max_seqlen_k"])
+                                   max_seqlen_q=inputs["max_seqlen_q"], max_seqlen_k=inputs["max_seqlen_k"],
+                                   lora=inputs.get("lora_groups"))
             prof.lap("h2d")
             prof.record(0)
             hidden = self.model(dev["input_ids"], dev["positions"], batch)  # [T, hidden]
@@ -431,7 +439,9 @@ class ModelRunner:
                 "used_blocks": tables.shape[1],  # columns of block_tables any sequence fills
                 "sample_seqs": sample_seqs, "prompt_rows": prompt_rows,
                 "pool_rows": None if pool_rows is None else torch.from_numpy(pool_rows),  # [P] int64
-                "pool_seqs": pool_seqs}
+                "pool_seqs": pool_seqs,
+                "lora_groups": None if self.lora is None else self.lora.groups(
+                    np.fromiter((seq.request.lora_slot for seq in seqs), np.int64, count)[owner], self.device)}
 
     @staticmethod
     def _verify_rows(sample_rows: np.ndarray, sample_seqs: list):

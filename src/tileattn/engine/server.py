@@ -174,14 +174,15 @@ class EngineLoop:
         if self._thread.is_alive():
             log.error("engine thread did not stop within %.0f s", timeout)
 
-    def add(self, requests: list[tuple[str, list[int]]], params: SamplingParams) -> concurrent.futures.Future:
-        """Add (request_id, prompt ids) pairs all or none: if the engine refuses one (ValueError),
-        the ones already added are aborted and the future raises that error."""
+    def add(self, requests: list[tuple[str, list[int]]], params: SamplingParams | PoolingParams,
+            lora: str | None = None) -> concurrent.futures.Future:
+        """Add (request_id, prompt ids) pairs all or none (with LoRA adapter ``lora``): if the engine
+        refuses one (ValueError), the ones already added are aborted and the future raises that error."""
         def add_all(engine):
             added = []
             try:
                 for rid, prompt in requests:
-                    engine.add_request(rid, prompt, params)
+                    engine.add_request(rid, prompt, params, lora=lora)
                     added.append(rid)
             except BaseException:
                 for rid in added:
@@ -415,6 +416,7 @@ class ServerState:
         self.tool_parser = get_parser(tool_call_parser) if tool_call_parser is not None else None
         self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser is not None else None
         self.tokenizer = engine.tokenizer
+        self.lora_names: list[str] = engine.lora_names  # served beside the model, by their names
         self.max_model_len: int = engine.max_model_len
         self.defaults: dict = dict(engine.generation_defaults or {})
         self.engine_loop: EngineLoop | None = None
@@ -446,10 +448,14 @@ class ServerState:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.served_model_name:
-            raise APIError(404, f"The model `{name}` does not exist.", param="model",
-                           code="model_not_found")
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the served model itself); 404 for
+        anything else."""
+        if name is None or name == self.served_model_name:
+            return None
+        if name in self.lora_names:
+            return name
+        raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
 
 class Generation:
@@ -458,8 +464,8 @@ class Generation:
     ``close()`` aborts whatever is unfinished."""
 
     def __init__(self, state: ServerState, prefix: str, prompts: list[list[int]],
-                 params: SamplingParams | PoolingParams, arrival: float):
-        self.state, self.params, self.arrival = state, params, arrival
+                 params: SamplingParams | PoolingParams, arrival: float, lora: str | None = None):
+        self.state, self.params, self.arrival, self.lora = state, params, arrival, lora
         self.prompts = prompts
         self.ids = [f"{prefix}-{i}" for i in range(len(prompts))]
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -486,7 +492,7 @@ class Generation:
         for rid in self.ids:
             state.generations[rid] = self
         try:
-            await asyncio.wrap_future(state.engine_loop.add(list(zip(self.ids, self.prompts)), self.params))
+            await asyncio.wrap_future(state.engine_loop.add(list(zip(self.ids, self.prompts)), self.params, self.lora))
         except ValueError as exc:  # the engine's checks against the model (vocabulary, length)
             self.unfinished.clear()
             self.close()
@@ -1018,7 +1024,7 @@ _UNHONOURED_EXTRAS = {
 async def serve_completion(state: ServerState, req: CompletionRequest, request: Request):
     """POST /v1/completions: a JSON answer, or an EventStream when req.stream."""
     arrival = time.monotonic()
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     _refuse_unsupported(req)
     if req.suffix:
         raise APIError(400, "suffix is not supported.", param="suffix")
@@ -1034,7 +1040,7 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
         params = _sampling_params(state, req, max_tokens, req.logprobs,
                                   _prompt_logprobs_param(req, req.logprobs if req.echo else None), None, structured)
         await _prepare_grammar(state, params)
-        gen = Generation(state, rid, prompts, params, arrival)
+        gen = Generation(state, rid, prompts, params, arrival, lora)
         await gen.start()
     base = {"id": rid, "object": "text_completion", "created": int(time.time()),
             "model": state.served_model_name}
@@ -1173,7 +1179,7 @@ async def start_chat(state: ServerState, req: ChatRequest, prefix: str):
     """Check a chat request, render its prompt and hand it to the engine: (request id, Generation,
     prompt ids, tool-call parser or None). The chat and the Responses endpoints share it."""
     arrival = time.monotonic()
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     _refuse_unsupported(req)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
@@ -1199,7 +1205,7 @@ async def start_chat(state: ServerState, req: ChatRequest, prefix: str):
         params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None,
                                   _prompt_logprobs_param(req, None), stop_after, structured, grammar_after)
         await _prepare_grammar(state, params)
-        gen = Generation(state, rid, [prompt], params, arrival)
+        gen = Generation(state, rid, [prompt], params, arrival, lora)
         await gen.start()
     return rid, gen, prompt, parser
 
@@ -1381,9 +1387,10 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": state.served_model_name, "object": "model", "created": state.created,
-            "owned_by": "tileattn", "root": engine.model_name, "max_model_len": state.max_model_len}]}
+        served = {"id": state.served_model_name, "object": "model", "created": state.created,
+                  "owned_by": "tileattn", "root": engine.model_name, "max_model_len": state.max_model_len}
+        adapters = [{**served, "id": name, "root": name, "parent": state.served_model_name} for name in state.lora_names]
+        return {"object": "list", "data": [served, *adapters]}
 
     @app.get("/metrics")
     async def metrics():
@@ -1473,13 +1480,28 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
                    help="split the model over N GPUs (N processes, NCCL; gloo ranks with --device cpu)")
     g.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                    help="greedy requests decode up to K prompt-lookup drafts per step (0: off; no async scheduling)")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="serve these PEFT LoRA adapters beside the model; a request's `model` picks one by NAME "
+                        "(one GPU, no CUDA graphs)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest rank of --lora-modules (default 16)")
     p.set_defaults(fn=serve_main)
     return p
 
 
 _ENGINE_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                    "gpu_memory_utilization", "dtype", "enforce_eager", "device", "kv_cache_blocks",
-                   "tensor_parallel_size", "num_speculative_tokens")
+                   "tensor_parallel_size", "num_speculative_tokens", "max_lora_rank")
+
+
+def _lora_modules(values: list[str]) -> list[tuple[str, str]]:
+    """--lora-modules NAME=PATH ... -> [(name, path)]; ValueError for a value without both."""
+    modules = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {value!r}")
+        modules.append((name, path))
+    return modules
 
 
 def _template_source(value: str) -> str:
@@ -1504,7 +1526,11 @@ def serve_main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     engine = None
     try:
-        engine = LLMEngine.from_model(args.model, **{k: getattr(args, k) for k in _ENGINE_OPTIONS})
+        modules = _lora_modules(args.lora_modules)
+        engine = LLMEngine.from_model(args.model, max_loras=len(modules),
+                                      **{k: getattr(args, k) for k in _ENGINE_OPTIONS})
+        for name, path in modules:
+            engine.add_lora(name, path)
         if args.chat_template is not None:
             engine.tokenizer.set_chat_template(_template_source(args.chat_template))
         app = create_app(engine, args.served_model_name or args.model, max_queue_depth=args.max_queue_depth,

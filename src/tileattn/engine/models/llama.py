@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tileattn.api_layers import linear
+from tileattn.api_layers import linear, silu_mul
 
 from ..distributed import TensorParallel, check_tensor_parallel
 from ..layers import (
@@ -59,8 +59,11 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp or GatedMLP(cfg.hidden_size, tp.split(cfg.intermediate_size)[1], cfg.mlp_bias, dtype, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lora = None  # the layer's adapter stacks (lora.LoRAWeights) when the engine serves LoRA
 
     def forward(self, rope, x, residual, batch):  # x [T, hidden]; residual [T, hidden] or None (first layer)
+        if batch.lora is not None:
+            return self.forward_lora(rope, x, residual, batch)
         # Each norm (with the residual add before it) runs with the projection that reads it.
         x, residual = self.self_attn(rope, x, residual, self.input_layernorm, batch)  # [T, hidden]
         if not isinstance(self.mlp, GatedMLP):
@@ -68,6 +71,23 @@ class DecoderLayer(nn.Module):
             return self.mlp(x), residual
         gate_up, residual = self.post_attention_layernorm(x, residual, self.mlp.gate_up_proj)  # [T, 2 ffn]
         return self.mlp(gate_up), residual
+
+    def forward_lora(self, rope, x, residual, batch):
+        """forward with each projection's LoRA delta (lora.py) added to its output: the norms, the
+        projections, the rotary + cache write and SiLU * up as separate launches."""
+        lora, groups, attn, mlp = self.lora, batch.lora, self.self_attn, self.mlp
+        if residual is None:  # the first layer: x is the residual stream
+            h, residual = self.input_layernorm(x, None), x  # [T, hidden]
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        qkv = attn.qkv_proj(h) + lora.delta("qkv_proj", h, groups)  # [T, (H + 2 Hkv) d]
+        out = attn.rotate_and_attend(rope, qkv, batch)  # [T, H d]
+        x = attn.o_proj(out) + lora.delta("o_proj", out, groups)  # [T, hidden]
+        h, residual = self.post_attention_layernorm(x, residual)
+        gate_up = mlp.gate_up_proj(h) + lora.delta("gate_up_proj", h, groups)  # [T, 2 ffn]
+        act = silu_mul(gate_up)  # [T, ffn]
+        down = linear(act, mlp.down_proj.weight, mlp.down_proj.bias) + lora.delta("down_proj", act, groups)
+        return down, residual
 
 
 class LlamaForCausalLM(nn.Module):

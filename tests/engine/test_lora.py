@@ -1,0 +1,176 @@
+"""LoRA adapters (PEFT's format, lora.py) on the CPU against transformers with the adapter merged into
+the weights (W + s B A: the definition): logits within 1e-5 (float32), greedy tokens identical with
+requests of the base model and of two adapters in the same steps, the prefix cache kept apart per
+adapter, and the errors before anything changes."""
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tileattn.engine import LLM, LLMEngine, SamplingParams
+
+from .checkpoints import engine_logits, make_checkpoint, rel_error
+from .test_models import PROMPT
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PHI3 = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # what Phi-3's adapters target: its fused modules
+GREEDY = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+
+
+def write_adapter(path, hf, targets, rank: int, alpha: float, seed: int, rslora: bool = False, **config):
+    """A PEFT adapter of random A and B for ``targets`` of every layer of ``hf``; returns a copy of
+    ``hf`` with it merged (W += s B A, s = alpha / r or alpha / sqrt(r))."""
+    gen = torch.Generator().manual_seed(seed)
+    merged = copy.deepcopy(hf)
+    scale = alpha / (rank ** 0.5 if rslora else rank)
+    tensors = {}
+    for i, layer in enumerate(merged.model.layers):
+        for module in targets:
+            parent = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj") else "mlp"
+            weight = getattr(getattr(layer, parent), module).weight
+            a = torch.randn(rank, weight.shape[1], generator=gen) / weight.shape[1] ** 0.5
+            b = torch.randn(weight.shape[0], rank, generator=gen) * 0.3 / rank ** 0.5
+            key = f"base_model.model.model.layers.{i}.{parent}.{module}"
+            tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
+            with torch.no_grad():
+                weight += scale * b @ a
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "adapter_model.safetensors")
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none",
+        "use_rslora": rslora, **config}))
+    return merged.eval()
+
+
+def hf_logits(model, prompt):
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "phi3", "granite"])
+def test_adapter_logits_match_the_merged_model(tmp_path, arch):
+    """llama3: GQA; qwen3: q/k norms after the projection; phi3: fused targets, partial rotary (q/k
+    rows reordered); granite: the residual multiplier on o and down."""
+    hf = make_checkpoint(tmp_path / "base", arch)
+    targets = PHI3 if arch == "phi3" else ALL
+    merged_a = write_adapter(tmp_path / "a", hf, targets, rank=8, alpha=16, seed=1)
+    merged_b = write_adapter(tmp_path / "b", hf, targets[:2], rank=4, alpha=8, seed=2, rslora=True)
+    engine = LLMEngine.from_model(str(tmp_path / "base"), device="cpu", max_model_len=256, kv_cache_blocks=64,
+                                  max_loras=2, max_lora_rank=8)
+    engine.add_lora("a", str(tmp_path / "a"))
+    engine.add_lora("b", str(tmp_path / "b"))
+    assert engine.lora_names == ["a", "b"]
+    for lora, model in ((None, hf), ("a", merged_a), ("b", merged_b)):
+        err = rel_error(engine_logits(engine, PROMPT, lora), hf_logits(model, PROMPT))
+        assert err < 1e-5, f"{arch} adapter {lora}: logits relative error {err:.2e} (bound 1e-5)"
+    assert rel_error(hf_logits(merged_a, PROMPT), hf_logits(hf, PROMPT)) > 1e-2  # the adapter changes the answer
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lora")
+    hf = make_checkpoint(path / "base", "llama3")
+    merged = {None: hf, "a": write_adapter(path / "a", hf, ALL, rank=8, alpha=16, seed=1),
+              "b": write_adapter(path / "b", hf, ("q_proj", "v_proj", "down_proj"), rank=16, alpha=16, seed=3)}
+    llm = LLM(str(path / "base"), device="cpu", max_model_len=128, kv_cache_blocks=64, block_size=8,
+              max_num_batched_tokens=24, max_loras=3, max_lora_rank=16)
+    llm.engine.add_lora("a", str(path / "a"))
+    llm.engine.add_lora("b", str(path / "b"))
+    return llm, merged, path
+
+
+def hf_greedy(model, prompt):
+    with torch.no_grad():
+        return model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                              pad_token_id=1)[0, len(prompt):].tolist()
+
+
+def test_base_and_adapters_in_the_same_steps(served):
+    """Six requests, two per model, with a 24-token budget: chunked prefills and decodes of the
+    base model and both adapters mixed in each step; each answer is its own merged model's."""
+    llm, merged, _ = served
+    prompts = [PROMPT, PROMPT[:9], list(range(3, 30)), PROMPT[5:30], [0, 7, 9], PROMPT]
+    adapters = [None, "a", "b", "a", None, "b"]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora=adapters)
+    for prompt, adapter, out in zip(prompts, adapters, outs):
+        assert out.outputs[0].token_ids == hf_greedy(merged[adapter], prompt), adapter
+    assert len({tuple(o.outputs[0].token_ids) for o in (outs[0], outs[5])}) == 2  # the same prompt, two answers
+
+
+def test_prefix_cache_is_kept_apart_per_adapter(served):
+    llm, merged, _ = served
+    prompt = [(5 * i) % 300 + 2 for i in range(40)]
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    other = llm.generate(prompt, GREEDY, use_tqdm=False, lora="a")[0]
+    again = llm.generate(prompt, GREEDY, use_tqdm=False, lora="a")[0]
+    assert other.num_cached_tokens == 0, "the adapter's request reused the base model's blocks"
+    assert again.num_cached_tokens > 0 and first.outputs[0].token_ids == hf_greedy(merged[None], prompt)
+    assert other.outputs[0].token_ids == again.outputs[0].token_ids == hf_greedy(merged["a"], prompt)
+
+
+def test_adapter_errors(served, tmp_path):
+    llm, merged, path = served
+    engine = llm.engine
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'c'"):
+        engine.add_request("x", PROMPT, GREEDY, lora="c")
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.add_lora("a", str(path / "a"))
+    hf = merged[None]
+    cases = {"rank 32": dict(targets=ALL, rank=32),
+             "use_dora=True": dict(targets=ALL, rank=4, use_dora=True),
+             "modules_to_save": dict(targets=ALL, rank=4, modules_to_save=["lm_head"]),
+             "bias='all'": dict(targets=ALL, rank=4, bias="all")}
+    for message, options in cases.items():
+        folder = tmp_path / message.replace(" ", "_").replace("'", "")
+        write_adapter(folder, hf, options.pop("targets"), alpha=8, seed=5, **options)
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+            engine.add_lora("c", str(folder))
+    other = make_checkpoint(tmp_path / "wide", "llama3", overrides={"hidden_size": 96})
+    write_adapter(tmp_path / "wide_adapter", other, ALL, rank=4, alpha=8, seed=6)
+    with pytest.raises(ValueError, match="the model implies"):
+        engine.add_lora("c", str(tmp_path / "wide_adapter"))
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        engine.add_lora("c", str(tmp_path / "nowhere"))
+    assert engine.lora_names == ["a", "b"]  # nothing half-loaded
+    write_adapter(tmp_path / "c", hf, ALL, rank=4, alpha=8, seed=7)
+    engine.add_lora("c", str(tmp_path / "c"))
+    with pytest.raises(ValueError, match="all 3 LoRA slots are taken"):
+        engine.add_lora("d", str(tmp_path / "c"))
+
+
+def test_engines_that_cannot_serve_adapters(tmp_path):
+    make_checkpoint(tmp_path / "llama", "llama3")
+    plain = LLMEngine.from_model(str(tmp_path / "llama"), device="cpu", max_model_len=64, kv_cache_blocks=8)
+    with pytest.raises(ValueError, match="max_loras > 0"):
+        plain.add_lora("a", str(tmp_path))
+    with pytest.raises(ValueError, match="serves no LoRA adapters"):
+        plain.add_request("x", PROMPT, GREEDY, lora="a")
+    make_checkpoint(tmp_path / "gemma", "gemma2")
+    with pytest.raises(ValueError, match="Llama-family decoder only, not Gemma2ForCausalLM"):
+        LLMEngine.from_model(str(tmp_path / "gemma"), device="cpu", max_model_len=64, kv_cache_blocks=8, max_loras=1)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLMEngine.from_model(str(tmp_path / "llama"), device="cpu", max_loras=1, tensor_parallel_size=2)
+
+
+def test_grouped_delta_paths_agree(monkeypatch):
+    """The grouped GEMM and the per-slot loop (CUDA fp16, where torch's grouped GEMM does not run)
+    against the definition, with slots left empty and tokens out of slot order."""
+    from tileattn.engine import lora
+
+    gen = torch.Generator().manual_seed(0)
+    slots_of_tokens = torch.tensor([2, 0, 2, 3, 0, 0, 2])
+    x = torch.randn(7, 16, generator=gen)
+    a, b = torch.randn(4, 8, 16, generator=gen), torch.randn(4, 24, 8, generator=gen)
+    ref = torch.stack([b[s] @ (a[s] @ x[t]) for t, s in enumerate(slots_of_tokens.tolist())])
+    adapters = lora.LoRAAdapters.__new__(lora.LoRAAdapters)
+    adapters.max_loras = 3
+    groups = adapters.groups(slots_of_tokens.numpy(), torch.device("cpu"))
+    assert groups[2] == [3, 3, 6, 7]
+    grouped = lora.grouped_delta(x, a, b, groups)
+    monkeypatch.setattr(lora, "grouped_experts_supported", lambda device, dtype: False)
+    looped = lora.grouped_delta(x, a, b, groups)
+    for y in (grouped, looped):
+        assert rel_error(y, ref) < 1e-6
