@@ -112,3 +112,20 @@ def test_phi3_longrope_factors_by_context(tmp_path):
         assert err < 1e-5, f"{len(prompt)}-token prompt on {engine.max_model_len} positions: {err:.2e}"
     assert rel_error(engine_logits(long, PROMPT[:20]), engine_logits(short, PROMPT[:20])) > 1e-2  # the factors differ
 
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 24, "beta_fast": 16, "beta_slow": 2,
+     "truncate": False},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 24, "mscale": 1.0, "mscale_all_dim": 0.5}],
+    ids=["yarn", "yarn-untruncated", "yarn-mscale"])
+def test_yarn_rope_scaling(tmp_path, rope):
+    """YaRN (Qwen3's long-context setting, gpt-oss, DeepSeek): the frequencies blended over the
+    correction range and the tables scaled by the attention factor, against transformers over a
+    prompt past the original context."""
+    hf = make_checkpoint(tmp_path, "qwen3", overrides={"rope_parameters": {**rope, "rope_theta": 10000.0}})
+    engine = LLMEngine.from_model(str(tmp_path), device="cpu", max_model_len=256, kv_cache_blocks=64, block_size=16)
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0].float()
+    err = rel_error(engine_logits(engine, PROMPT), ref)
+    assert err < 1e-5, f"{rope}: logits relative error {err:.2e}"

@@ -120,7 +120,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, freq_factor
                   rotary_dim: int | None = None, max_positions: int | None = None) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] (float32) of rotary embedding, with the scaling of
     ``scaling["rope_type"]``: None/"default", "linear" (positions / factor), "llama3" (long
-    wavelengths / factor, short ones kept, a smooth blend between) or "longrope" (Phi-3: each
+    wavelengths / factor, short ones kept, a smooth blend between), "yarn" (YaRN: the frequencies
+    that turn fewer than beta_slow times over the original context divided by factor, those that turn
+    more than beta_fast times kept, a linear ramp over the dims between) or "longrope" (Phi-3: each
     frequency divided by its short_factor, or by its long_factor when the engine runs past
     original_max_position_embeddings, i.e. max_positions exceeds it; rope_attention_factor gives the
     tables' scale). ``freq_factors`` (GGUF's rope_freqs tensor) divides the frequencies instead.
@@ -151,21 +153,49 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, freq_factor
         if factors.shape != inv_freq.shape:
             raise ValueError(f"longrope factors must have {inv_freq.shape[0]} entries, got {factors.shape[0]}")
         inv_freq = inv_freq / factors
+    elif kind == "yarn":
+        inv_freq = _yarn_inv_freq(inv_freq, rotary_dim, theta, scaling)
     elif kind != "default":
-        raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, longrope)")
+        raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, longrope, yarn)")
     return torch.cat((inv_freq, inv_freq.new_zeros((head_dim - rotary_dim) // 2)))
 
 
 def rope_attention_factor(scaling: dict | None) -> float:
-    """The scale of the rotary tables (cos and sin): longrope's attention factor (its given
-    attention_factor, else sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) for factor >
-    1); 1 for the other types."""
-    if (scaling or {}).get("rope_type") != "longrope":
+    """The scale of the rotary tables (cos and sin): the given attention_factor, else longrope's
+    sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) and YaRN's 0.1 ln(factor) + 1 (with
+    mscale and mscale_all_dim: the ratio of the two such terms) for factor > 1; 1 for the other types."""
+    kind = (scaling or {}).get("rope_type")
+    if kind not in ("longrope", "yarn"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    if factor <= 1.0:
+        return 1.0
+    if kind == "longrope":
+        return math.sqrt(1 + math.log(factor) / math.log(float(scaling["original_max_position_embeddings"])))
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return (0.1 * mscale * math.log(factor) + 1) / (0.1 * mscale_all_dim * math.log(factor) + 1)
+    return 0.1 * math.log(factor) + 1
+
+
+def _yarn_inv_freq(inv_freq, dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN's blend of the interpolated (inv_freq / factor) and the original frequencies over the
+    dims between the correction bounds (truncated to whole dims unless truncate is false)."""
     factor, original = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):  # the dim whose wavelength fits `rotations` times into the original context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # 0: keep, 1: interpolate
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
 def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:

@@ -156,6 +156,10 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         scaling = None
+    elif kind == "yarn":  # the original context may sit beside the factor (Qwen's configs)
+        original = (scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+                    or cfg.get("max_position_embeddings"))
+        scaling = {**scaling, "rope_type": "yarn", "original_max_position_embeddings": original}
     elif kind in ("longrope", "su"):  # Phi-3: the context lengths may sit beside the factors
         original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
         if not original:
