@@ -34,6 +34,13 @@ ARCHITECTURES = {
     # (make_checkpoint sizes the factor lists for the head dim)
     "phi3": ("Phi3Config", dict(pad_token_id=None, partial_rotary_factor=0.75, original_max_position_embeddings=512,
                                 rope_scaling={"rope_type": "longrope"})),
+    # gpt-oss: attention sinks (drawn large enough to bite), a window on every other layer, q/k/v/o biases,
+    # 4 biased experts top-2 with the clamped SwiGLU, YaRN past a 16-position original context
+    "gpt-oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8, head_dim=16,
+                                     intermediate_size=32, pad_token_id=None,
+                                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                      "original_max_position_embeddings": 16})),
     # Gemma 2: sandwich norms with (1 + w), GELU-tanh MLP, scaled embeddings, a window on every other
     # layer far shorter than the prompts, attention and final logit caps low enough to bite
     "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8, attn_logit_softcapping=3.0,
@@ -101,9 +108,11 @@ def make_checkpoint(path, arch: str, seed: int = 0, kernel_head_dims: bool = Fal
     # width): logits far from uniform, so greedy choices are not near-ties.
     std = 1.2 / config.hidden_size ** 0.5
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() >= 2:  # matrices and stacked experts
                 p.normal_(0, std)
+            elif name.endswith(("sinks", "_proj_bias", "router.bias")):  # gpt-oss's, zero or tiny by default
+                p.normal_(0, 1.0)
     model.save_pretrained(path)
     save_tokenizer(path)
     return model.eval()

@@ -9,8 +9,9 @@ Three tiny checkpoints cover the three KV layouts and the layers that split diff
   tied embeddings (the vocab-parallel embedding is the LM head).
 Then Gemma 2 and 3 (sandwich norms, per-layer rotary tables), Qwen2-MoE (each expert's ffn split
 across the ranks under a replicated router, the shared expert split as an MLP, a dense layer) and
-Granite (its residual multiplier folded into each rank's slice of o and down) and Phi-3 (fused
-checkpoint tensors split into their parts before each rank takes its slice; partial rotary).
+Granite (its residual multiplier folded into each rank's slice of o and down), Phi-3 (fused
+checkpoint tensors split into their parts before each rank takes its slice; partial rotary) and
+gpt-oss (each rank's heads' sinks, the experts' gate/up biases by rank, the down bias added once).
 
 Bounds: logits ||tp2 - tp1|| / ||tp1|| < 1e-5 (measured 2.8e-7 to 6.1e-7: the row-parallel sums add two
 fp32 partial products where one rank sums all); greedy tokens identical (batched, chunked prefill,
@@ -58,7 +59,8 @@ CASES = {"llama3-gqa": ("llama3", {}, 1),
          "gemma3-local-rope": ("gemma3", {}, 1),
          "qwen2-moe-experts": ("qwen2-moe", {}, 1),
          "granite-multipliers": ("granite", {}, 1),
-         "phi3-fused-partial-rotary": ("phi3", {}, 1)}
+         "phi3-fused-partial-rotary": ("phi3", {}, 1),
+         "gpt-oss-sinks-biased-experts": ("gpt-oss", {}, 1)}
 
 
 def _tokens(outputs):

@@ -68,6 +68,15 @@ SHAPES = {
                               num_experts=60, num_experts_per_tok=4, norm_topk_prob=False, num_hidden_layers=24,
                               num_attention_heads=16, num_key_value_heads=16, vocab_size=151936, rms_norm_eps=1e-6,
                               rope_theta=1000000.0, max_position_embeddings=8192, tie_word_embeddings=False),
+    # gpt-oss-20b: 32 biased experts of ffn 2880, top-4, attention sinks, a 128-key window on every other layer,
+    # head_dim 64 with GQA 64/8, YaRN; 20.9 B parameters, 3.6 B of them active per token (bf16 here, MXFP4 released)
+    "gpt-oss-20b": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], hidden_size=2880, intermediate_size=2880,
+                        num_local_experts=32, num_experts_per_tok=4, num_hidden_layers=24, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=64, vocab_size=201088, rms_norm_eps=1e-5, sliding_window=128,
+                        max_position_embeddings=131072, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "rope_theta": 150000.0,
+                                         "original_max_position_embeddings": 4096}),
     # Host-overhead profiling on a CPU: the model costs little, the engine's bookkeeping shows.
     "tiny": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=96,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=32000,

@@ -255,9 +255,28 @@ class GatedMLP(nn.Module):
         return self.down_proj(gate_up)
 
 
-def routed_experts(x, gate_up, down, weights, experts, grouped: bool | None = None):
+def silu_and_mul(h):  # h [n, 2 ffn] = [gate | up] -> SiLU(gate) * up [n, ffn]
+    ffn = h.shape[1] // 2
+    return F.silu(h[:, :ffn]) * h[:, ffn:]
+
+
+def clamped_swiglu(alpha: float, limit: float):
+    """gpt-oss's expert activation on h = [gate | up]: gate clamped above at limit, up to [-limit,
+    limit], then (up + 1) * gate * sigmoid(alpha gate)."""
+    def activation(h):
+        ffn = h.shape[1] // 2
+        gate, up = h[:, :ffn].clamp(max=limit), h[:, ffn:].clamp(-limit, limit)
+        return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+    return activation
+
+
+def routed_experts(x, gate_up, down, weights, experts, grouped: bool | None = None, gate_up_bias=None,
+                   activation=silu_and_mul):
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for each token t, the experts gated MLPs
-    (SiLU(gate) * up, then down) held stacked: gate_up [E, 2 ffn, hidden], down [E, hidden, ffn].
+    (activation([gate | up]), SiLU(gate) * up by default, then down) held stacked: gate_up [E, 2 ffn,
+    hidden] (gate_up_bias [E, 2 ffn] added when given), down [E, hidden, ffn] (a down bias is the
+    caller's: sum_j weights[t, j] b_j).
 
     x [T, hidden]; weights float32 [T, k]; experts int64 [T, k] -> [T, hidden] in x's dtype. The
     T k (token, slot) pairs are sorted by expert so each expert's rows are contiguous, then
@@ -267,7 +286,7 @@ def routed_experts(x, gate_up, down, weights, experts, grouped: bool | None = No
     where torch has it for this device and dtype (every dtype on CPU; bfloat16 on CUDA), else one
     matmul pair per expert with rows, which reads the group sizes on the host (not capturable)."""
     tokens, k = experts.shape
-    num_experts, ffn = gate_up.shape[0], down.shape[2]
+    num_experts = gate_up.shape[0]
     if grouped is None:
         grouped = grouped_experts_supported(x.device, x.dtype)
     flat = experts.reshape(-1)  # [T k]
@@ -275,17 +294,19 @@ def routed_experts(x, gate_up, down, weights, experts, grouped: bool | None = No
     rows = x.index_select(0, order // k)  # [T k, hidden]
     sizes = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E]
+    bias = None if gate_up_bias is None else gate_up_bias.index_select(0, flat.index_select(0, order))  # [T k, 2 ffn]
     if grouped:
         ends = sizes.cumsum(0, dtype=torch.int32)  # [E]
         h = F.grouped_mm(rows, gate_up.transpose(1, 2), offs=ends)  # [T k, 2 ffn]
-        y = F.grouped_mm(F.silu(h[:, :ffn]) * h[:, ffn:], down.transpose(1, 2), offs=ends)  # [T k, hidden]
+        y = F.grouped_mm(activation(h if bias is None else h + bias), down.transpose(1, 2), offs=ends)  # [T k, hidden]
     else:
         y = torch.empty_like(rows)  # [T k, hidden]
         start = 0
         for e, n in enumerate(sizes.tolist()):
             if n:
                 h = F.linear(rows[start:start + n], gate_up[e])  # [n, 2 ffn]
-                y[start:start + n] = F.linear(F.silu(h[:, :ffn]) * h[:, ffn:], down[e])
+                h = h if bias is None else h + bias[start:start + n]
+                y[start:start + n] = F.linear(activation(h), down[e])
                 start += n
     by_token = torch.empty_like(y).index_copy_(0, order, y).view(tokens, k, x.shape[1])  # [T, k, hidden]
     return (by_token.float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
@@ -298,11 +319,12 @@ def grouped_experts_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class SparseMoE(nn.Module):
-    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top_k
-    of num_experts gated MLPs by softmax probability (renormalised over the chosen ones when
-    ``renormalize``: Mixtral always, Qwen when norm_topk_prob) and sums their outputs so weighted
-    (routed_experts). Qwen2-MoE adds a shared expert, a GatedMLP of shared_ffn every token runs,
-    scaled by sigmoid(shared_expert_gate(x)).
+    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): a router picks each token's
+    top_k of num_experts gated MLPs by softmax probability (renormalised over the chosen ones when
+    ``renormalize``: Mixtral and gpt-oss always, Qwen when norm_topk_prob) and sums their outputs so
+    weighted (routed_experts). Qwen2-MoE adds a shared expert, a GatedMLP of shared_ffn every token
+    runs, scaled by sigmoid(shared_expert_gate(x)). gpt-oss: ``biases`` (the router's, each expert's
+    gate/up and down) and its clamped SwiGLU (``activation``).
 
     Tensor parallel (tp): every rank holds all experts with its ``ffn`` rows of gate and up and the
     matching columns of down (``ffn`` is this rank's part), routes every token (the router is
@@ -310,10 +332,14 @@ class SparseMoE(nn.Module):
     GatedMLP does. forward(x [T, hidden], already normalised) -> [T, hidden]."""
 
     def __init__(self, hidden: int, num_experts: int, ffn: int, top_k: int, renormalize: bool,
-                 dtype: torch.dtype, tp, shared_ffn: int = 0):
+                 dtype: torch.dtype, tp, shared_ffn: int = 0, biases: bool = False, activation=silu_and_mul):
         super().__init__()
-        self.top_k, self.renormalize, self.tp = top_k, renormalize, tp
-        self.gate = Linear(hidden, num_experts, False, dtype)  # the router
+        self.top_k, self.renormalize, self.tp, self.activation = top_k, renormalize, tp, activation
+        self.gate = Linear(hidden, num_experts, biases, dtype)  # the router
+        self.experts_gate_up_bias = self.experts_down_bias = None
+        if biases:  # gate/up's follow this rank's rows; down's is whole, added once after the all-reduce
+            self.experts_gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * ffn, dtype=dtype), requires_grad=False)
+            self.experts_down_bias = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden, dtype=dtype), requires_grad=False)
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, ffn, dtype=dtype), requires_grad=False)
         self.shared_expert = GatedMLP(hidden, shared_ffn, False, dtype, tp) if shared_ffn else None
@@ -324,7 +350,11 @@ class SparseMoE(nn.Module):
         weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k] each
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = self.tp.all_reduce(routed_experts(x, self.experts_gate_up, self.experts_down, weights, experts))
+        out = self.tp.all_reduce(routed_experts(x, self.experts_gate_up, self.experts_down, weights, experts,
+                                                gate_up_bias=self.experts_gate_up_bias, activation=self.activation))
+        if self.experts_down_bias is not None:  # sum_j w_j b_j
+            bias = self.experts_down_bias.index_select(0, experts.reshape(-1)).view(*experts.shape, -1)  # [T, k, hidden]
+            out = out + (bias.float() * weights.unsqueeze(-1)).sum(1).to(out.dtype)
         if self.shared_expert is not None:
             shared = self.shared_expert(self.shared_expert.gate_up_proj(x))  # [T, hidden]
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
@@ -342,9 +372,11 @@ class PagedAttention(nn.Module):
     o row-parallel), its KV cache holds its KV heads."""
 
     def __init__(self, cfg, dtype: torch.dtype, tp, *, sliding_window: int | None = None,
-                 softcap: float | None = None, scale: float | None = None):
+                 softcap: float | None = None, scale: float | None = None, sinks: bool = False):
         """sliding_window: this layer's window (default cfg.sliding_window, Mistral v0.1's on every
-        layer); softcap: scores capped as c tanh(s / c) (Gemma 2); scale: default head_dim^-1/2."""
+        layer); softcap: scores capped as c tanh(s / c) (Gemma 2); scale: default head_dim^-1/2;
+        sinks: a learned logit per head that joins every row's softmax without a value (gpt-oss):
+        the output scaled by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)."""
         super().__init__()
         self.heads, self.head_dim = tp.split(cfg.num_heads)[1], cfg.head_dim
         self.kv_heads = tp.kv_heads(cfg.num_kv_heads)[1]
@@ -356,6 +388,7 @@ class PagedAttention(nn.Module):
         self.window = (window - 1, 0) if window else None
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype, tp)
+        self.sinks = nn.Parameter(torch.empty(self.heads, dtype=torch.float32), requires_grad=False) if sinks else None
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         # Set by the model runner: [num_blocks, block_size, Hkv, d] views of its one cache tensor,
@@ -402,6 +435,10 @@ class PagedAttention(nn.Module):
         q = qkv[:, :self.q_size].view(tokens, self.heads, self.head_dim)  # [T, H, d], a strided view of qkv
         attention_paged = self.ops[0]
         out = attention_paged(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
-                              batch.seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k,
-                              causal=True, scale=self.scale, window=self.window, softcap=self.softcap)  # [T, H, d]
+                              batch.seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k, causal=True, scale=self.scale,
+                              window=self.window, softcap=self.softcap, return_lse=self.sinks is not None)  # [T, H, d]
+        if self.sinks is not None:
+            out, lse = out  # lse [H, T] float32, natural log
+            keep = torch.sigmoid(lse.t() - self.sinks)  # [T, H]: the share of the softmax the keys hold
+            out = (out.float() * keep.unsqueeze(-1)).to(out.dtype)
         return out.reshape(tokens, self.q_size)

@@ -37,7 +37,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM"}
+                "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM",
+                "gpt_oss": "GptOssForCausalLM"}
 
 
 @dataclass
@@ -148,6 +149,10 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         named = arch or cfg.get("model_type")
         raise ValueError(f"unsupported architecture {named!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    quantization = (cfg.get("quantization_config") or {}).get("quant_method")
+    if quantization is not None and (quantization, arch) != ("mxfp4", "GptOssForCausalLM"):
+        raise ValueError(f"quantized checkpoints are not supported ({arch} with quant_method {quantization!r}); "
+                         "load an unquantized one (gpt-oss's MXFP4 experts are the exception: dequantized at load)")
     rope = cfg.get("rope_parameters") or {}
     if "rope_theta" not in rope and isinstance(rope.get("full_attention"), dict):
         rope = rope["full_attention"]  # per-layer-type form; these models have one type
@@ -234,6 +239,16 @@ def _extra_options(arch, cfg) -> dict:
     """ModelConfig.extra: the options of the architectures beyond the Llama decoder's fields."""
     if arch in GEMMA_ARCHITECTURES:
         return _gemma_options(arch, cfg)
+    if arch == "GptOssForCausalLM":  # a window on the sliding layers (every other one when not listed)
+        layers, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
+        types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise ValueError(f"config.json layer_types must name each of the {layers} layers sliding_attention or "
+                             f"full_attention, got {types!r}")
+        return {"layer_windows": [window if t == "sliding_attention" and window else None for t in types],
+                "moe": _checked_moe(arch, cfg.get("num_local_experts"), cfg.get("num_experts_per_tok"),
+                                    cfg["intermediate_size"], True, [True] * layers, 0),
+                "swiglu": (float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))}
     if arch in MOE_ARCHITECTURES:
         return {"moe": _moe_options(arch, cfg)}
     if arch == "SmolLM3ForCausalLM":  # no_rope_layers[i]: 1 = layer i rotates, 0 = NoPE
@@ -290,7 +305,7 @@ def _checked_moe(arch, experts, top_k, ffn, renormalize: bool, sparse: list, sha
 
 def _sliding_window(arch, cfg):
     window = cfg.get("sliding_window")
-    if arch in GEMMA_ARCHITECTURES:
+    if arch in (*GEMMA_ARCHITECTURES, "GptOssForCausalLM"):
         return None  # on the sliding layers only: ModelConfig.extra["layer_windows"]
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                 "SmolLM3ForCausalLM"):

@@ -71,12 +71,10 @@ class LoRAAdapters:
     max_lora_rank below 1, and for a model it cannot serve (tensor parallel, another family)."""
 
     def __init__(self, model, max_loras: int, max_lora_rank: int, dtype: torch.dtype, device: torch.device):
-        from .models import GemmaForCausalLM, MoEForCausalLM
-
         for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(model, (GemmaForCausalLM, MoEForCausalLM)):
+        if not model.supports_lora:
             raise ValueError(f"LoRA adapters are served on the Llama-family decoder only, not {model.cfg.architecture}")
         if model.tp.size > 1:
             raise ValueError("LoRA adapters are not served with tensor parallelism (tensor_parallel_size > 1)")

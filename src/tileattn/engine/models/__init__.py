@@ -1,18 +1,20 @@
 """Model families the engine runs: Llama and its relatives (llama.py), Gemma 2 and 3 (gemma.py),
-the mixture-of-experts models Mixtral, Qwen2-MoE and Qwen3-MoE (moe.py)."""
+the mixture-of-experts models Mixtral, Qwen2-MoE and Qwen3-MoE (moe.py), gpt-oss (gpt_oss.py)."""
 
 from .gemma import GEMMA_ARCHITECTURES, GemmaForCausalLM
+from .gpt_oss import GPT_OSS_ARCHITECTURES, GptOssForCausalLM
 from .llama import LLAMA_ARCHITECTURES, LlamaForCausalLM
 from .moe import MOE_ARCHITECTURES, MoEForCausalLM
 
-SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, *GEMMA_ARCHITECTURES, *MOE_ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, *GEMMA_ARCHITECTURES, *MOE_ARCHITECTURES, *GPT_OSS_ARCHITECTURES)
+_CLASSES = {**dict.fromkeys(GEMMA_ARCHITECTURES, GemmaForCausalLM), **dict.fromkeys(MOE_ARCHITECTURES, MoEForCausalLM),
+            **dict.fromkeys(GPT_OSS_ARCHITECTURES, GptOssForCausalLM)}
 
 
 def model_class(architecture: str):
     """The model class that runs ``architecture`` (one of SUPPORTED_ARCHITECTURES)."""
-    if architecture in GEMMA_ARCHITECTURES:
-        return GemmaForCausalLM
-    return MoEForCausalLM if architecture in MOE_ARCHITECTURES else LlamaForCausalLM
+    return _CLASSES.get(architecture, LlamaForCausalLM)
 
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "GemmaForCausalLM", "LlamaForCausalLM", "MoEForCausalLM", "model_class"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "GemmaForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM", "MoEForCausalLM",
+           "model_class"]

@@ -49,6 +49,8 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM's interface (forward, compute_logits, load_weight) for Gemma 2 and 3."""
 
+    supports_lora = False
+
     def __init__(self, cfg, dtype: torch.dtype, max_positions: int, tp=None):
         super().__init__(cfg, dtype, max_positions, tp)
         local = cfg.extra["local_rope_theta"]  # Gemma 3: the sliding layers' own rotary tables

@@ -51,11 +51,13 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 class DecoderLayer(nn.Module):
     """Attention and an MLP, each after an RMSNorm with the residual add. mlp: None for the
     GatedMLP of cfg.intermediate_size, or another module taking the normalised [T, hidden]
-    (models/moe.py's SparseMoE)."""
+    (layers.SparseMoE); attention: None for the model's PagedAttention, or one set up for this
+    layer (gpt-oss: its window and sinks)."""
 
-    def __init__(self, cfg, dtype: torch.dtype, tp: TensorParallel, mlp: nn.Module | None = None):
+    def __init__(self, cfg, dtype: torch.dtype, tp: TensorParallel, mlp: nn.Module | None = None,
+                 attention: PagedAttention | None = None):
         super().__init__()
-        self.self_attn = PagedAttention(cfg, dtype, tp, scale=cfg.extra.get("attention_multiplier"))
+        self.self_attn = attention or PagedAttention(cfg, dtype, tp, scale=cfg.extra.get("attention_multiplier"))
         self.mlp = mlp or GatedMLP(cfg.hidden_size, tp.split(cfg.intermediate_size)[1], cfg.mlp_bias, dtype, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -91,6 +93,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    supports_lora = True  # lora.py serves adapters on this decoder (not on the subclasses that change its layers)
+
     """forward(input_ids [T], positions [T], batch) -> hidden [T, hidden];
     compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab] (tensor parallel: on rank 0,
     None on the others; every rank must call it).

@@ -32,6 +32,8 @@ _EXPERT_PROJECTIONS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3":
 class MoEForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM's interface (forward, compute_logits, load_weight) for the MoE models."""
 
+    supports_lora = False
+
     def __init__(self, cfg, dtype: torch.dtype, max_positions: int, tp=None):
         super().__init__(cfg, dtype, max_positions, tp)
         self.dtype = dtype
