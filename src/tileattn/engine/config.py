@@ -49,7 +49,8 @@ class EngineConfig:
     tensor_parallel_size: ranks of tensor parallelism (one process and GPU each; gloo ranks on CPU);
         see docs/tensor_parallel.md.
     kv_cache_blocks: an explicit block count (the default on CPU is a 256 MiB cache).
-    num_speculative_tokens: k > 0 drafts per greedy decode step by prompt lookup (speculative.py);
+    num_speculative_tokens: k > 0 drafts per decode step by prompt lookup (speculative.py; greedy and
+        sampled requests whose tokens depend on their logits rows alone);
         0: off.
     max_loras: LoRA adapter slots (lora.py; LLMEngine.add_lora); 0: none. With adapters the engine
         runs eagerly (no CUDA graphs) on one GPU.

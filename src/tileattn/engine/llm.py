@@ -387,7 +387,7 @@ class LLMEngine:
         return out
 
     def _verify_drafts(self, scheduled, result):
-        """After a step with drafts: each drafting sequence keeps the argmax tokens up to and with
+        """After a step with drafts: each drafting sequence keeps its picked tokens up to and with
         the first that differs from its draft (all of them when every draft stood), its drafts
         leave its tokens, and it counts 1 + accepted tokens as computed. Returns (schedule with
         those counts, result with those tokens)."""

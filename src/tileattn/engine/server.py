@@ -1479,7 +1479,7 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N GPUs (N processes, NCCL; gloo ranks with --device cpu)")
     g.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
-                   help="greedy requests decode up to K prompt-lookup drafts per step (0: off; no async scheduling)")
+                   help="requests decode up to K prompt-lookup drafts per step (0: off; no async scheduling)")
     g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="serve these PEFT LoRA adapters beside the model; a request's `model` picks one by NAME "
                         "(one GPU, no CUDA graphs)")

@@ -1,19 +1,26 @@
-"""Speculative decoding by prompt lookup (n-gram drafts), for greedy sequences.
+"""Speculative decoding by prompt lookup (n-gram drafts), for greedy and sampled sequences.
 
 A decoding sequence whose last n tokens (n = 3, then 2, then 1) occurred earlier in its prompt or
 output proposes the k tokens that followed that earlier occurrence as drafts. The step feeds the
 last token and the drafts together (1 + k query tokens, like a prefill chunk against the paged
-cache) and takes the argmax at every position: draft i is accepted while it equals the argmax
-before it, and the argmax after the last accepted draft is the step's extra token. The output is
-exactly the tokens greedy decoding gives one at a time (up to the argmax of a differently shaped
-batch: bf16 near-ties); what changes is how many forward passes produce them. Copy-heavy answers
-(quoting the prompt, editing code, repeated structure) accept many drafts; others cost one slightly
-larger step.
+cache) and picks a token at every position as the sequence's sampling would (the argmax, or a
+sample of the row's temperature / top-k / top-p / min-p distribution): draft i is accepted while it
+equals the token picked before it, and the pick after the last accepted draft is the step's extra
+token. Greedy: exactly the tokens greedy decoding gives one at a time (up to the argmax of a
+differently shaped batch: bf16 near-ties). Sampled: a draft is one token, not a distribution, so
+accepting it when the row's sample equals it is the rejection rule of speculative sampling with a
+point-mass draft (accept with probability p(draft); otherwise a sample of p without the draft, which
+is the row's sample itself): every output token is a sample of the distribution decoding one token at
+a time would draw from, given the same earlier tokens. A seeded sequence stays reproducible for a
+given num_speculative_tokens, but draws other samples than without drafts (its generator serves
+more rows). What changes is how many forward passes produce the tokens. Copy-heavy answers (quoting
+the prompt, editing code, repeated structure) accept many drafts; others cost one slightly larger
+step.
 
-Only sequences whose next token depends on nothing but the logits row qualify: greedy, no
-logprobs, no penalties, no logit_bias / allowed_token_ids / bad words, no grammar, min_tokens
-reached, and no stop strings (found in the text once per step, they could end the output inside
-a step's accepted tokens). Drafts are added after the scheduler's choice, within the step's token budget and only
+Only sequences whose next token depends on nothing but the logits row qualify: no logprobs, no
+penalties, no logit_bias / allowed_token_ids / bad words, no grammar, min_tokens reached, and no
+stop strings (found in the text once per step, they could end the output inside a step's accepted
+tokens). Drafts are added after the scheduler's choice, within the step's token budget and only
 where the sequence's blocks have room without preempting anyone (so a preempted sequence never
 holds drafts). Steps with drafts run eagerly (no CUDA graph) and are never run ahead.
 """
@@ -28,10 +35,10 @@ NGRAM_SIZES = (3, 2, 1)  # the longest match first
 
 
 def eligible(seq) -> bool:
-    """Whether a decoding sequence's next tokens can be verified by argmax alone."""
+    """Whether a decoding sequence's next tokens can be verified by its logits rows alone."""
     p = seq.params
-    return (p.temperature == 0.0 and p.logprobs is None and not p.stop and not p.logit_bias
-            and not p.allowed_token_ids and not p.bad_words and not reads_sampled_tokens(seq))
+    return (p.logprobs is None and not p.stop and not p.logit_bias and not p.allowed_token_ids
+            and not p.bad_words and not reads_sampled_tokens(seq))
 
 
 class History:
@@ -78,10 +85,11 @@ def propose(tokens: list[int], k: int, history: History | None = None) -> list[i
     return []
 
 
-def accepted(drafts: list[int], argmax: list[int]) -> int:
-    """How many drafts the target accepts: argmax[i] is the model's token after the step's i-th
-    input (the last real token, then the drafts), so draft i stands while it equals argmax[i]."""
+def accepted(drafts: list[int], picks: list[int]) -> int:
+    """How many drafts the target accepts: picks[i] is the token the sequence's sampling picked
+    after the step's i-th input (the last real token, then the drafts), so draft i stands while it
+    equals picks[i]."""
     m = 0
-    while m < len(drafts) and drafts[m] == argmax[m]:
+    while m < len(drafts) and drafts[m] == picks[m]:
         m += 1
     return m
