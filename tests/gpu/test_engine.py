@@ -156,7 +156,8 @@ def test_gemv_projections_bf16_match_transformers_fp32(arch, tmp_path, gemv_laun
     hf = make_checkpoint(tmp_path, arch, kernel_head_dims=True)
     engine = LLMEngine.from_model(str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=256,
                                   max_num_seqs=8, kv_cache_blocks=64)
-    assert engine.runner.graphs, "no CUDA graphs were captured"
+    # captured unless the model says its decode step syncs (an MoE where torch's grouped GEMM is missing)
+    assert bool(engine.runner.graphs) == engine.runner.model.cuda_graphs_supported(), "CUDA graphs captured or not"
     gemv_launches.clear()  # the graph captures' launches
     check_logits(arch, hf, engine, PROMPT[:8], "GEMV")
     check_every_projection_on_gemv(arch, gemv_launches, engine.runner.model)
