@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tileattn.api_layers import (add_rms_norm, add_rms_norm_linear, add_rms_norm_qkv_rope_, linear,
-                                 norm_rotary_write_kv_cache_)
+                                 norm_rotary_write_kv_cache_, silu_mul)
 
 
 @dataclass
@@ -212,7 +212,8 @@ def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
 
 class Rotary(nn.Module):
     """Rotate-half rotary embedding: per head (x1 cos - x2 sin, x2 cos + x1 sin) for the halves
-    x1, x2; cos and sin times ``scale`` where the frequency is not 0 (longrope's attention factor). The tables hold cos twice and (-sin, sin) [max_positions, head_dim] (float32);
+    x1, x2; cos and sin times ``scale`` where the frequency is not 0 (longrope's or YaRN's attention
+    factor). The tables hold cos twice and (-sin, sin) [max_positions, head_dim] (float32);
     tileattn's add_rms_norm_qkv_rope_ reads them at each token's position in the one launch after
     the qkv projection, which also applies Qwen3's per-head q/k norm and writes k/v into the cache.
     forward(positions [T]) -> the (positions, cos, sin) every layer passes to it."""
@@ -222,7 +223,7 @@ class Rotary(nn.Module):
         self.dtype = dtype
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]  # [max_positions, d/2]
-        # scale (longrope's attention factor) on the rotating slots only; partial rotary's passed dims stay
+        # scale (the attention factor) on the rotating slots only; partial rotary's passed dims stay
         scale = torch.where(inv_freq.to(positions.device) != 0, scale, 1.0)  # [d/2]
         cos, sin = freqs.cos() * scale, freqs.sin() * scale
         self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
@@ -255,11 +256,6 @@ class GatedMLP(nn.Module):
         return self.down_proj(gate_up)
 
 
-def silu_and_mul(h):  # h [n, 2 ffn] = [gate | up] -> SiLU(gate) * up [n, ffn]
-    ffn = h.shape[1] // 2
-    return F.silu(h[:, :ffn]) * h[:, ffn:]
-
-
 def clamped_swiglu(alpha: float, limit: float):
     """gpt-oss's expert activation on h = [gate | up]: gate clamped above at limit, up to [-limit,
     limit], then (up + 1) * gate * sigmoid(alpha gate)."""
@@ -272,9 +268,9 @@ def clamped_swiglu(alpha: float, limit: float):
 
 
 def routed_experts(x, gate_up, down, weights, experts, grouped: bool | None = None, gate_up_bias=None,
-                   activation=silu_and_mul):
+                   activation=silu_mul):
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for each token t, the experts gated MLPs
-    (activation([gate | up]), SiLU(gate) * up by default, then down) held stacked: gate_up [E, 2 ffn,
+    (activation([gate | up]), tileattn's silu_mul by default, then down) held stacked: gate_up [E, 2 ffn,
     hidden] (gate_up_bias [E, 2 ffn] added when given), down [E, hidden, ffn] (a down bias is the
     caller's: sum_j weights[t, j] b_j).
 
@@ -332,7 +328,7 @@ class SparseMoE(nn.Module):
     GatedMLP does. forward(x [T, hidden], already normalised) -> [T, hidden]."""
 
     def __init__(self, hidden: int, num_experts: int, ffn: int, top_k: int, renormalize: bool,
-                 dtype: torch.dtype, tp, shared_ffn: int = 0, biases: bool = False, activation=silu_and_mul):
+                 dtype: torch.dtype, tp, shared_ffn: int = 0, biases: bool = False, activation=silu_mul):
         super().__init__()
         self.top_k, self.renormalize, self.tp, self.activation = top_k, renormalize, tp, activation
         self.gate = Linear(hidden, num_experts, biases, dtype)  # the router

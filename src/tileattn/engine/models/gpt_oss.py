@@ -20,7 +20,7 @@ import re
 import torch
 from torch import nn
 
-from ..layers import PagedAttention, SparseMoE, clamped_swiglu, grouped_experts_supported
+from ..layers import PagedAttention, SparseMoE, clamped_swiglu
 from .llama import DecoderLayer, LlamaForCausalLM
 
 GPT_OSS_ARCHITECTURES = ("GptOssForCausalLM",)
@@ -51,7 +51,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg, dtype: torch.dtype, max_positions: int, tp=None):
         super().__init__(cfg, dtype, max_positions, tp)
-        self.dtype = dtype
         h0, _ = self.tp.split(cfg.num_heads)
         self._splits = {"sinks": (0, h0, cfg.num_heads), **self._splits}
         self._mxfp4: dict[tuple[int, str], dict] = {}  # (layer, projection) -> the blocks or scales seen so far
@@ -63,9 +62,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
         experts = SparseMoE(cfg.hidden_size, moe["num_experts"], self.tp.split(moe["expert_ffn"])[1], moe["top_k"],
                             True, dtype, self.tp, biases=True, activation=clamped_swiglu(alpha, limit))
         return DecoderLayer(cfg, dtype, self.tp, mlp=experts, attention=attention)
-
-    def cuda_graphs_supported(self) -> bool:
-        return grouped_experts_supported(torch.device("cuda"), self.dtype)
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         name = name.replace(".mlp.router.", ".mlp.gate.")  # the router: SparseMoE's gate

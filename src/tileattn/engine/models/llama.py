@@ -33,6 +33,8 @@ from ..layers import (
     PagedAttention,
     RMSNorm,
     Rotary,
+    SparseMoE,
+    grouped_experts_supported,
     partial_rotary_order,
     rope_attention_factor,
     rope_inv_freq,
@@ -108,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
         cfg.validate()
         tp = tp or TensorParallel()
         check_tensor_parallel(cfg, tp.size)
-        self.cfg, self.tp = cfg, tp
+        self.cfg, self.tp, self.dtype = cfg, tp, dtype
         rotary_dim = cfg.extra.get("rotary_dim", cfg.head_dim)  # < head_dim: partial rotary (Phi-4-mini)
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors"),
                                  rotary_dim, max_positions)
@@ -175,8 +177,11 @@ class LlamaForCausalLM(nn.Module):
         return x  # [T, hidden]
 
     def cuda_graphs_supported(self) -> bool:
-        """Whether a decode step of this model can be captured in a CUDA graph (no host sync)."""
-        return True
+        """Whether a decode step of this model can be captured in a CUDA graph (no host sync): yes,
+        unless its mixture-of-experts layers lack torch's grouped GEMM in this dtype (routed_experts'
+        per-expert fallback reads the group sizes on the host)."""
+        experts = any(isinstance(layer.mlp, SparseMoE) for layer in self.layers)
+        return not experts or grouped_experts_supported(torch.device("cuda"), self.dtype)
 
     def compute_logits(self, hidden):  # hidden [N, hidden] -> [N, vocab] float32 (rank 0; others None)
         logits = self.tp.gather_last_dim(linear(hidden, self.lm_head).float())  # rank's part [N, vocab / N]

@@ -18,7 +18,7 @@ import re
 import torch
 from torch import nn
 
-from ..layers import SparseMoE, grouped_experts_supported
+from ..layers import SparseMoE
 from .llama import DecoderLayer, LlamaForCausalLM
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -36,7 +36,6 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg, dtype: torch.dtype, max_positions: int, tp=None):
         super().__init__(cfg, dtype, max_positions, tp)
-        self.dtype = dtype
         shared = cfg.extra["moe"]["shared_ffn"]
         if shared:  # the shared expert's gate/up and down split by its own size
             s0, s = self.tp.split(shared)
@@ -52,10 +51,6 @@ class MoEForCausalLM(LlamaForCausalLM):
                             moe["top_k"], moe["renormalize"], dtype, self.tp,
                             shared_ffn=self.tp.split(moe["shared_ffn"])[1] if moe["shared_ffn"] else 0)
         return DecoderLayer(self.cfg, dtype, self.tp, mlp=experts)
-
-    def cuda_graphs_supported(self) -> bool:
-        # the per-expert fallback of routed_experts reads the group sizes on the host
-        return grouped_experts_supported(torch.device("cuda"), self.dtype)
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         name = name.replace(".block_sparse_moe.", ".mlp.")
