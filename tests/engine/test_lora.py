@@ -122,7 +122,8 @@ def test_adapter_errors(served, tmp_path):
     cases = {"rank 32": dict(targets=ALL, rank=32),
              "use_dora=True": dict(targets=ALL, rank=4, use_dora=True),
              "modules_to_save": dict(targets=ALL, rank=4, modules_to_save=["lm_head"]),
-             "bias='all'": dict(targets=ALL, rank=4, bias="all")}
+             "bias='all'": dict(targets=ALL, rank=4, bias="all"),
+             "rank_pattern": dict(targets=ALL, rank=4, rank_pattern={"q_proj": 2})}
     for message, options in cases.items():
         folder = tmp_path / message.replace(" ", "_").replace("'", "")
         write_adapter(folder, hf, options.pop("targets"), alpha=8, seed=5, **options)

@@ -15,8 +15,10 @@ decoder runs its unfused path: the RMSNorm, the projection and the rotary + cach
 launches (the delta must join the projection's output before the rotary and the activation).
 
 Supported: the Llama-family decoder (llama.py's architectures), targets among q/k/v/o/gate/up/down
-projections (and Phi-3's fused qkv_proj / gate_up_proj: one A, B over all rows), no bias training, no DoRA, nothing in modules_to_save, one GPU (no tensor parallelism),
-no CUDA graphs (the engine runs eagerly with max_loras > 0).
+projections (and Phi-3's fused qkv_proj / gate_up_proj: one A, B over all rows), one rank and scale
+for all modules (no rank_pattern / alpha_pattern), no bias training, no DoRA, nothing in
+modules_to_save, one GPU (no tensor parallelism), no CUDA graphs (the engine runs eagerly with
+max_loras > 0).
 """
 
 from __future__ import annotations
@@ -130,7 +132,9 @@ class LoRAAdapters:
                              "(max_lora_rank)")
         for option, ok in (("use_dora", not config.get("use_dora")), ("bias", config.get("bias", "none") == "none"),
                            ("modules_to_save", not config.get("modules_to_save")),
-                           ("fan_in_fan_out", not config.get("fan_in_fan_out"))):
+                           ("fan_in_fan_out", not config.get("fan_in_fan_out")),
+                           ("rank_pattern", not config.get("rank_pattern")),  # per-module ranks and scales
+                           ("alpha_pattern", not config.get("alpha_pattern"))):
             if not ok:
                 raise ValueError(f"LoRA adapter {name!r}: {option}={config.get(option)!r} is not supported")
         scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
