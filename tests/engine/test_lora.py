@@ -175,3 +175,34 @@ def test_grouped_delta_paths_agree(monkeypatch):
     looped = lora.grouped_delta(x, a, b, groups)
     for y in (grouped, looped):
         assert rel_error(y, ref) < 1e-6
+
+
+def test_adapters_unloaded_and_replaced_at_run_time(tmp_path):
+    """remove_lora frees a slot (refused while a request uses it); an adapter loaded into the freed
+    slot answers as its own merged model, and shares no prefix-cache blocks with the one before it
+    (nor with the base model); cache_salt keeps requests' blocks apart the same way."""
+    hf = make_checkpoint(tmp_path / "base", "llama3")
+    merged = {"a": write_adapter(tmp_path / "a", hf, ALL, rank=8, alpha=16, seed=1),
+              "b": write_adapter(tmp_path / "b", hf, ALL, rank=8, alpha=16, seed=2)}
+    llm = LLM(str(tmp_path / "base"), device="cpu", max_model_len=128, kv_cache_blocks=64, block_size=8,
+              max_loras=1, max_lora_rank=8)
+    engine = llm.engine
+    engine.add_lora("a", str(tmp_path / "a"))
+    prompt = [(5 * i) % 300 + 2 for i in range(40)]
+    assert llm.generate(prompt, GREEDY, use_tqdm=False, lora="a")[0].outputs[0].token_ids == hf_greedy(merged["a"], prompt)
+    engine.add_request("running", prompt, GREEDY, lora="a")
+    with pytest.raises(ValueError, match="in use by 1 unfinished request"):
+        engine.remove_lora("a")
+    engine.abort_request("running")
+    engine.remove_lora("a")
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
+        engine.add_request("x", prompt, GREEDY, lora="a")
+    engine.add_lora("b", str(tmp_path / "b"))  # the same slot
+    out = llm.generate(prompt, GREEDY, use_tqdm=False, lora="b")[0]
+    assert out.num_cached_tokens == 0, "b reused blocks a computed in the same slot"
+    assert out.outputs[0].token_ids == hf_greedy(merged["b"], prompt)
+    base = [llm.generate(prompt, GREEDY, use_tqdm=False, cache_salt=s)[0] for s in (None, "tenant-1", "tenant-1")]
+    assert [o.num_cached_tokens > 0 for o in base] == [False, False, True]
+    assert len({tuple(o.outputs[0].token_ids) for o in base}) == 1
+    with pytest.raises(ValueError, match="cache_salt must be a str"):
+        engine.add_request("y", prompt, GREEDY, cache_salt=3)

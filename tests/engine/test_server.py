@@ -1354,7 +1354,7 @@ def test_lora_adapters_served_by_name(checkpoint, tmp_path):
         for name in ("tuned", MODEL):
             r = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0,
                                           **_extra(min_tokens=8, return_token_ids=True))
-            assert r.choices[0].model_extra["token_ids"] == want[name], name
+            assert r.choices[0].model_extra["token_ids"] == want[name] and r.model == name, name
         chat = client.chat.completions.create(model="tuned", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert chat.choices[0].message.content is not None
         with pytest.raises(openai.NotFoundError):
@@ -1363,3 +1363,50 @@ def test_lora_adapters_served_by_name(checkpoint, tmp_path):
     for bad in (["tuned"], ["=path"], ["tuned="]):
         with pytest.raises(ValueError, match="NAME=PATH"):
             _lora_modules(bad)
+
+
+def test_lora_adapters_loaded_and_unloaded_at_run_time(checkpoint, tmp_path):
+    """lora_updates (--enable-lora-updates): POST /v1/load_lora_adapter adds an adapter that requests
+    then name, /v1/unload_lora_adapter takes it away (404 for it afterwards); bad paths and names are
+    400s; without the option both endpoints are 404. cache_salt (vLLM's extra) reaches the engine."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.test_lora import ALL, write_adapter
+    from tileattn.engine import LLMEngine
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    write_adapter(tmp_path / "adapter", hf, ALL, rank=8, alpha=16, seed=12)
+    engine = LLMEngine.from_model(checkpoint, device="cpu", max_model_len=MAX_MODEL_LEN, kv_cache_blocks=64,
+                                  max_loras=1, max_lora_rank=8)
+
+    def post(s, path, body):
+        status, text = s.http("POST", path, json.dumps(body).encode())
+        return status, text.decode()
+
+    with ServerThread(create_app(engine, MODEL, lora_updates=True)) as s:
+        client = s.client()
+        assert post(s, "/v1/load_lora_adapter", {"lora_name": "live", "lora_path": str(tmp_path / "adapter")}) == (
+            200, "Success: LoRA adapter 'live' added successfully.")
+        assert [m.id for m in client.models.list().data] == [MODEL, "live"]
+        answer = client.completions.create(model="live", prompt=[0, 17, 203], max_tokens=4, temperature=0)
+        assert answer.model == "live"  # the name the request gave
+        for body, param in (({"lora_name": "other", "lora_path": str(tmp_path / "missing")}, "lora_path"),
+                            ({"lora_name": "live", "lora_path": str(tmp_path / "adapter")}, "lora_path"),
+                            ({"lora_name": "other"}, "lora_path"), ({"lora_name": MODEL, "lora_path": "x"}, "lora_name")):
+            status, text = post(s, "/v1/load_lora_adapter", body)
+            assert status == 400 and json.loads(text)["error"]["param"] == param, (body, text)
+        salted = client.completions.create(model=MODEL, prompt=[0, 17, 203] * 12, max_tokens=1, **_extra(cache_salt="t1"))
+        again = client.completions.create(model=MODEL, prompt=[0, 17, 203] * 12, max_tokens=1, **_extra(cache_salt="t1"))
+        other = client.completions.create(model=MODEL, prompt=[0, 17, 203] * 12, max_tokens=1, **_extra(cache_salt="t2"))
+        cached = [r.usage.prompt_tokens_details.cached_tokens for r in (salted, again, other)]
+        assert cached[1] > 0 and cached[2] == 0, cached
+        assert post(s, "/v1/unload_lora_adapter", {"lora_name": "live"}) == (
+            200, "Success: LoRA adapter 'live' removed successfully.")
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="live", prompt="x", max_tokens=1)
+        status, text = post(s, "/v1/unload_lora_adapter", {"lora_name": "live"})
+        assert status == 400 and "unknown LoRA adapter" in text
+        s.wait_idle()
+    with ServerThread(create_app(engine, MODEL)) as s:
+        assert s.http("POST", "/v1/load_lora_adapter", b"{}")[0] == 404

@@ -63,7 +63,7 @@ async def serve_embeddings(state: ServerState, req: EmbeddingRequest, request: R
         data.append({"object": "embedding", "index": i, "embedding": vector})
     tokens = sum(len(p) for p in prompts)
     return {"id": gen.ids[0].rsplit("-", 1)[0], "object": "list", "created": int(time.time()),
-            "model": state.served_model_name, "data": data,
+            "model": gen.lora or state.served_model_name, "data": data,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 

@@ -128,16 +128,30 @@ class LLMEngine:
             raise ValueError("this engine serves no LoRA adapters: create it with max_loras > 0")
         self.runner.lora.load(name, path)
 
+    def remove_lora(self, name: str) -> None:
+        """Unload LoRA adapter ``name``, freeing its slot for another. Raises ValueError for an
+        unknown name, or while an unfinished request runs with it."""
+        lora = self.runner.lora
+        slot = lora.slot(name) if lora is not None else None
+        if slot is None:
+            raise ValueError("this engine serves no LoRA adapters: create it with max_loras > 0")
+        users = sum(request.lora_slot == slot for request in self.requests.values())
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} unfinished request(s)")
+        lora.unload(name)
+
     @property
     def lora_names(self) -> list[str]:
         """The LoRA adapters loaded, in slot order."""
         return [] if self.runner.lora is None else list(self.runner.lora.names)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | PoolingParams | None = None,
-                    lora: str | None = None) -> None:
+                    lora: str | None = None, cache_salt: str | None = None) -> None:
         """Queue a prompt (text, encoded with the tokenizer's special tokens, or token ids): a
         generation (SamplingParams), or an embedding (PoolingParams: its output carries the vector);
-        ``lora``: the name of a loaded LoRA adapter to run it with (None: the base model).
+        ``lora``: the name of a loaded LoRA adapter to run it with (None: the base model);
+        ``cache_salt`` (vLLM's): the request shares prefix-cache blocks only with requests of the same
+        salt (tenants that must not learn from each other's cache hits; an adapter is a salt of its own).
 
         Raises ValueError before queueing anything: duplicate or non-string id, empty prompt,
         token ids outside the vocabulary, a generation prompt of max_model_len tokens or more (an
@@ -180,9 +194,12 @@ class LLMEngine:
         matchers = self.grammars.matchers(params.structured_outputs, params.n) if params.structured_outputs else None
         if lora is not None and self.runner.lora is None:
             raise ValueError(f"lora={lora!r}: this engine serves no LoRA adapters (max_loras=0)")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
         slot = 0 if lora is None else self.runner.lora.slot(lora)
+        salt = (cache_salt, None if lora is None else self.runner.lora.keys[lora])
         request = Request(request_id, ids, params, text, self._bad_words_token_ids(params.bad_words or ()), pooling,
-                          slot)
+                          slot, None if salt == (None, None) else salt)
         if pooling is not None:
             self.pooling_requests.add(request_id)
             self.runner.pooling = True
@@ -482,10 +499,11 @@ class LLM:
         return SamplingParams.from_generation_config(self.engine.generation_defaults)
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
-                 lora: str | list | None = None) -> list[RequestOutput]:
+                 lora: str | list | None = None, cache_salt: str | None = None) -> list[RequestOutput]:
         """prompts: a str, a list of token ids, or a list of either; sampling_params: one for all
         or a list (one per prompt); lora: a loaded LoRA adapter's name for all, or a list (one per
-        prompt, None for the base model). Returns finished RequestOutputs in prompt order.
+        prompt, None for the base model); cache_salt: LLMEngine.add_request's, for all.
+        Returns finished RequestOutputs in prompt order.
         Raises ValueError for a bad prompt, parameter or adapter before any request runs."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:
@@ -501,7 +519,7 @@ class LLM:
         ids = [f"{base}{i}" for i in range(len(prompts))]
         try:
             for request_id, prompt, p, adapter in zip(ids, prompts, params, adapters):
-                engine.add_request(request_id, prompt, p, lora=adapter)
+                engine.add_request(request_id, prompt, p, lora=adapter, cache_salt=cache_salt)
         except ValueError:
             for request_id in ids:
                 engine.abort_request(request_id)

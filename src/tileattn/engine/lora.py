@@ -83,6 +83,8 @@ class LoRAAdapters:
         self.model, self.max_rank = model, max_lora_rank
         self.rank = -(-max_lora_rank // 8) * 8  # the stacks' rank: rows of 16 bytes for the grouped GEMM
         self.names: dict[str, int] = {}  # adapter name -> slot (1..max_loras)
+        self.keys: dict[str, int] = {}  # adapter name -> a number no other load gets (its prefix-cache salt)
+        self._loads = 0
         self.max_loras = max_loras
         slots = max_loras + 1
         cfg = model.cfg
@@ -118,7 +120,8 @@ class LoRAAdapters:
             raise ValueError(f"a LoRA adapter needs a non-empty name, got {name!r}")
         if name in self.names:
             raise ValueError(f"LoRA adapter {name!r} is already loaded")
-        if len(self.names) >= self.max_loras:
+        free = sorted(set(range(1, self.max_loras + 1)) - set(self.names.values()))
+        if not free:
             raise ValueError(f"all {self.max_loras} LoRA slots are taken (max_loras)")
         config_file, weights_file = (os.path.join(path, f) for f in ("adapter_config.json", "adapter_model.safetensors"))
         for f in (config_file, weights_file):
@@ -141,7 +144,7 @@ class LoRAAdapters:
         pieces = {}  # (layer, module) -> {"A": [r, in], "B": [out, r]}
         for key, tensor in load_file(weights_file).items():
             pieces.setdefault(self._place(name, key), {})[key.rsplit(".", 2)[-2][-1]] = tensor
-        slot = len(self.names) + 1
+        slot = free[0]
         staged = []  # (destination view, source): every check passes before a slot changes
         for (layer, module), ab in pieces.items():
             if set(ab) != {"A", "B"}:
@@ -151,7 +154,20 @@ class LoRAAdapters:
             for destination, source in staged:
                 destination.copy_(source)
         self.names[name] = slot
+        self._loads += 1
+        self.keys[name] = self._loads
         return slot
+
+    def unload(self, name: str) -> None:
+        """Free adapter ``name``'s slot (its stacks zeroed; the caller makes sure no request uses
+        it). Raises ValueError for an unknown name."""
+        slot = self.slot(name)
+        with torch.no_grad():
+            for layer in self.model.layers:
+                for a, b in layer.lora.stacks.values():
+                    a[slot].zero_()
+                    b[slot].zero_()
+        del self.names[name], self.keys[name]
 
     def _place(self, name: str, key: str) -> tuple[int, str]:
         """(layer, module) of a PEFT tensor name (...layers.L.<self_attn|mlp>.<module>.lora_<A|B>.weight)."""

@@ -230,7 +230,7 @@ async def serve_responses(state: ServerState, req: ResponsesRequest, request: Re
     answer, items = ChatAnswer(state.reasoning_parser, parser), _Items(rid)
 
     def response(status: str, output_tokens: int) -> dict:
-        body = {"id": rid, "object": "response", "created_at": created, "model": state.served_model_name,
+        body = {"id": rid, "object": "response", "created_at": created, "model": gen.lora or state.served_model_name,
                 "status": status, "output": [json.loads(json.dumps(item)) for item in items.items],
                 "error": None, "incomplete_details": None, "instructions": req.instructions,
                 "max_output_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,

@@ -42,7 +42,7 @@ class Sequence:
         self.table_row = None             # (block_table, blocks copied, numpy row): ModelRunner's cache
         self.num_hashed_blocks = 0        # leading full blocks registered in the prefix cache
         self.last_block_hash = None       # chained hash of block num_hashed_blocks - 1
-        self.hash_seed = None if not request.lora_slot else ("lora", request.lora_slot)  # the chain's start
+        self.hash_seed = request.cache_salt  # the block-hash chain's start: requests of other salts share no blocks
         self.status = SequenceStatus.WAITING
         self.generator = None             # torch.Generator of a seeded request, made by the sampler
         self.matcher = None               # llguidance matcher of a structured-output request (structured.py)
@@ -87,10 +87,11 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prompt_text: str | None = None, bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
-                 pooling=None, lora_slot: int = 0):
+                 pooling=None, lora_slot: int = 0, cache_salt=None):
         self.request_id = request_id
         self.pooling = pooling  # PoolingParams of an embedding request (one sequence, nothing sampled)
         self.lora_slot = lora_slot  # the LoRA adapter's slot (lora.py; 0: the base model)
+        self.cache_salt = cache_salt  # hashable or None: prefix-cache blocks are shared only under the same salt
         self.embedding: list[float] | None = None  # its result, set by the step that computes the last prompt token
         self.prompt_token_ids = list(prompt_token_ids)
         self.prompt_text = prompt_text

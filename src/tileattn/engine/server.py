@@ -175,14 +175,15 @@ class EngineLoop:
             log.error("engine thread did not stop within %.0f s", timeout)
 
     def add(self, requests: list[tuple[str, list[int]]], params: SamplingParams | PoolingParams,
-            lora: str | None = None) -> concurrent.futures.Future:
-        """Add (request_id, prompt ids) pairs all or none (with LoRA adapter ``lora``): if the engine
-        refuses one (ValueError), the ones already added are aborted and the future raises that error."""
+            lora: str | None = None, cache_salt: str | None = None) -> concurrent.futures.Future:
+        """Add (request_id, prompt ids) pairs all or none (with LoRA adapter ``lora`` and prefix-cache
+        salt ``cache_salt``): if the engine refuses one (ValueError), the ones already added are
+        aborted and the future raises that error."""
         def add_all(engine):
             added = []
             try:
                 for rid, prompt in requests:
-                    engine.add_request(rid, prompt, params, lora=lora)
+                    engine.add_request(rid, prompt, params, lora=lora, cache_salt=cache_salt)
                     added.append(rid)
             except BaseException:
                 for rid in added:
@@ -305,6 +306,7 @@ class SamplingRequest(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False                    # vLLM extra: token ids beside the text
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM extra: prefix-cache blocks shared only under the same salt
 
 
 class CompletionRequest(SamplingRequest):
@@ -336,6 +338,22 @@ class ChatRequest(SamplingRequest):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None             # "auto" (default with tools), "none", "required" or a function
     parallel_tool_calls: bool | None = None
+
+
+class LoRAAdapterRequest(RequestBody):
+    lora_name: str = Field(..., min_length=1)
+    lora_path: str | None = None
+
+
+async def _engine_call(state: ServerState, fn, param: str | None = None):
+    """fn(engine) on the engine thread, between two steps; its ValueError or FileNotFoundError is a
+    400 naming ``param``."""
+    if state.engine_loop is None or not state.engine_loop.alive:
+        raise APIError(503, "The engine is not running.", code="engine_unavailable")
+    try:
+        return await asyncio.wrap_future(state.engine_loop.call(fn))
+    except (ValueError, FileNotFoundError) as exc:
+        raise APIError(400, str(exc), param=param) from None
 
 
 class TokenizeRequest(RequestBody):
@@ -464,8 +482,9 @@ class Generation:
     ``close()`` aborts whatever is unfinished."""
 
     def __init__(self, state: ServerState, prefix: str, prompts: list[list[int]],
-                 params: SamplingParams | PoolingParams, arrival: float, lora: str | None = None):
-        self.state, self.params, self.arrival, self.lora = state, params, arrival, lora
+                 params: SamplingParams | PoolingParams, arrival: float, lora: str | None = None,
+                 cache_salt: str | None = None):
+        self.state, self.params, self.arrival, self.lora, self.cache_salt = state, params, arrival, lora, cache_salt
         self.prompts = prompts
         self.ids = [f"{prefix}-{i}" for i in range(len(prompts))]
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -492,7 +511,8 @@ class Generation:
         for rid in self.ids:
             state.generations[rid] = self
         try:
-            await asyncio.wrap_future(state.engine_loop.add(list(zip(self.ids, self.prompts)), self.params, self.lora))
+            await asyncio.wrap_future(state.engine_loop.add(list(zip(self.ids, self.prompts)), self.params, self.lora,
+                                                            self.cache_salt))
         except ValueError as exc:  # the engine's checks against the model (vocabulary, length)
             self.unfinished.clear()
             self.close()
@@ -1040,10 +1060,10 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
         params = _sampling_params(state, req, max_tokens, req.logprobs,
                                   _prompt_logprobs_param(req, req.logprobs if req.echo else None), None, structured)
         await _prepare_grammar(state, params)
-        gen = Generation(state, rid, prompts, params, arrival, lora)
+        gen = Generation(state, rid, prompts, params, arrival, lora, req.cache_salt)
         await gen.start()
     base = {"id": rid, "object": "text_completion", "created": int(time.time()),
-            "model": state.served_model_name}
+            "model": gen.lora or state.served_model_name}
     n = params.n
 
     def prompt_text(i):  # echo: the prompt as given, or as the engine saw it once truncated or given as ids
@@ -1205,7 +1225,7 @@ async def start_chat(state: ServerState, req: ChatRequest, prefix: str):
         params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None,
                                   _prompt_logprobs_param(req, None), stop_after, structured, grammar_after)
         await _prepare_grammar(state, params)
-        gen = Generation(state, rid, [prompt], params, arrival, lora)
+        gen = Generation(state, rid, [prompt], params, arrival, lora, req.cache_salt)
         await gen.start()
     return rid, gen, prompt, parser
 
@@ -1215,7 +1235,7 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
     rid, gen, prompt, parser = await start_chat(state, req, "chatcmpl")
     params, top_n = gen.params, req.top_logprobs or 0
     base = {"id": rid, "object": "chat.completion", "created": int(time.time()),
-            "model": state.served_model_name}
+            "model": gen.lora or state.served_model_name}
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -1298,7 +1318,7 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
 
 def create_app(engine, served_model_name: str | None = None, *, max_queue_depth: int = 1024,
                tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, lora_updates: bool = False) -> FastAPI:
     """A FastAPI app serving ``engine`` (a tileattn.engine.LLMEngine, or anything with its API).
 
     served_model_name: the name clients pass as ``model`` (None -> engine.model_name).
@@ -1311,6 +1331,8 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
         tileattn.engine.reasoning.PARSERS: "qwen3", "deepseek_r1"); None: no split.
     api_key: when set, every request but GET /health and GET /metrics must carry
         ``Authorization: Bearer <api_key>`` (OpenAI clients send their api_key so); others get a 401.
+    lora_updates: serve POST /v1/load_lora_adapter {"lora_name", "lora_path"} and POST
+        /v1/unload_lora_adapter {"lora_name"} (vLLM's), which change the engine's adapters while it runs.
     The engine thread starts with the app's lifespan and stops (aborting what is left) at shutdown.
     Raises ValueError for max_queue_depth < 1, an unknown parser or an empty api_key.
     """
@@ -1421,6 +1443,23 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
                            param="tokens")
         return {"prompt": state.tokenizer.decode(req.tokens)}
 
+    if lora_updates:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(req: LoRAAdapterRequest):
+            if not req.lora_path:
+                raise APIError(400, "lora_path is required.", param="lora_path")
+            if req.lora_name == state.served_model_name:
+                raise APIError(400, "lora_name must differ from the served model's name.", param="lora_name")
+            await _engine_call(state, lambda engine: engine.add_lora(req.lora_name, req.lora_path), "lora_path")
+            state.lora_names = await _engine_call(state, lambda engine: engine.lora_names)
+            return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(req: LoRAAdapterRequest):
+            await _engine_call(state, lambda engine: engine.remove_lora(req.lora_name), "lora_name")
+            state.lora_names = await _engine_call(state, lambda engine: engine.lora_names)
+            return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         return await serve_completion(state, req, request)
@@ -1484,6 +1523,10 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
                    help="serve these PEFT LoRA adapters beside the model; a request's `model` picks one by NAME "
                         "(one GPU, no CUDA graphs)")
     g.add_argument("--max-lora-rank", type=int, default=16, help="the largest rank of --lora-modules (default 16)")
+    g.add_argument("--max-loras", type=int, default=None,
+                   help="LoRA adapter slots (default: as many as --lora-modules; with --enable-lora-updates at least 1)")
+    g.add_argument("--enable-lora-updates", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters changed at run time)")
     p.set_defaults(fn=serve_main)
     return p
 
@@ -1527,7 +1570,10 @@ def serve_main(args: argparse.Namespace) -> int:
     engine = None
     try:
         modules = _lora_modules(args.lora_modules)
-        engine = LLMEngine.from_model(args.model, max_loras=len(modules),
+        max_loras = args.max_loras if args.max_loras is not None else max(len(modules), int(args.enable_lora_updates))
+        if max_loras < len(modules):
+            raise ValueError(f"--max-loras {max_loras} is fewer than the {len(modules)} --lora-modules")
+        engine = LLMEngine.from_model(args.model, max_loras=max_loras,
                                       **{k: getattr(args, k) for k in _ENGINE_OPTIONS})
         for name, path in modules:
             engine.add_lora(name, path)
@@ -1535,7 +1581,7 @@ def serve_main(args: argparse.Namespace) -> int:
             engine.tokenizer.set_chat_template(_template_source(args.chat_template))
         app = create_app(engine, args.served_model_name or args.model, max_queue_depth=args.max_queue_depth,
                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                         api_key=args.api_key)
+                         api_key=args.api_key, lora_updates=args.enable_lora_updates)
     except (ValueError, FileNotFoundError) as exc:  # bad checkpoint or option: say which, no traceback
         if engine is not None:
             engine.shutdown()
