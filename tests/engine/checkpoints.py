@@ -41,6 +41,15 @@ ARCHITECTURES = {
                                      rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                       "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
                                                       "original_max_position_embeddings": 16})),
+    # OLMo 2: branch outputs normalised before the residual adds, q/k RMSNorm over the whole projection
+    "olmo2": ("Olmo2Config", dict(pad_token_id=None)),
+    # OLMo 3: OLMo 2's layers with a window of 8 on two layers of three, YaRN on the full layer only
+    "olmo3": ("Olmo3Config", dict(pad_token_id=None, num_hidden_layers=3, sliding_window=8,
+                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                   "full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                                                      "original_max_position_embeddings": 16,
+                                                                      "rope_theta": 10000.0}})),
     # Gemma 2: sandwich norms with (1 + w), GELU-tanh MLP, scaled embeddings, a window on every other
     # layer far shorter than the prompts, attention and final logit caps low enough to bite
     "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8, attn_logit_softcapping=3.0,

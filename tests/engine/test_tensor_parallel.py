@@ -11,7 +11,9 @@ Then Gemma 2 and 3 (sandwich norms, per-layer rotary tables), Qwen2-MoE (each ex
 across the ranks under a replicated router, the shared expert split as an MLP, a dense layer) and
 Granite (its residual multiplier folded into each rank's slice of o and down), Phi-3 (fused
 checkpoint tensors split into their parts before each rank takes its slice; partial rotary) and
-gpt-oss (each rank's heads' sinks, the experts' gate/up biases by rank, the down bias added once).
+gpt-oss (each rank's heads' sinks, the experts' gate/up biases by rank, the down bias added once)
+and OLMo 2 / 3 (q/k norms over the whole projection: the sum of squares all-reduced, divided by the
+KV head's replication when both ranks hold it).
 
 Bounds: logits ||tp2 - tp1|| / ||tp1|| < 1e-5 (measured 2.8e-7 to 6.1e-7: the row-parallel sums add two
 fp32 partial products where one rank sums all); greedy tokens identical (batched, chunked prefill,
@@ -60,7 +62,9 @@ CASES = {"llama3-gqa": ("llama3", {}, 1),
          "qwen2-moe-experts": ("qwen2-moe", {}, 1),
          "granite-multipliers": ("granite", {}, 1),
          "phi3-fused-partial-rotary": ("phi3", {}, 1),
-         "gpt-oss-sinks-biased-experts": ("gpt-oss", {}, 1)}
+         "gpt-oss-sinks-biased-experts": ("gpt-oss", {}, 1),
+         "olmo2-replicated-kv-whole-k-norm": ("olmo2", {"num_key_value_heads": 1}, 1),
+         "olmo3-windows-local-rope": ("olmo3", {}, 1)}
 
 
 def _tokens(outputs):

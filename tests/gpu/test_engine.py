@@ -166,10 +166,11 @@ def test_gemv_projections_bf16_match_transformers_fp32(arch, tmp_path, gemv_laun
 
 def check_every_projection_on_gemv(what, launches, model):
     """The prologues of one forward's GEMV launches, counted from the model's layers: qkv with its
-    norm and o_proj; a GatedMLP's gate_up with its norm and down with SiLU * up (Gemma: after GELU *
+    norm (OLMo: without, its norms follow the branches) and o_proj; a GatedMLP's gate_up with its norm and down with SiLU * up (Gemma: after GELU *
     up in torch, no prologue); an MoE layer's router (the norm before it runs alone, the experts on
     torch's grouped GEMM) and, Qwen2-MoE, its shared expert's gate_up, down and gate; then the LM head."""
     from tileattn.engine.layers import GatedMLP
+    from tileattn.engine.models.olmo import OlmoDecoderLayer
     from tileattn.kernels.gemv import PROLOGUE_ADD_RMS_NORM, PROLOGUE_NONE, PROLOGUE_SILU_MUL
 
     want = {PROLOGUE_ADD_RMS_NORM: 0, PROLOGUE_NONE: 1, PROLOGUE_SILU_MUL: 0}
@@ -179,10 +180,11 @@ def check_every_projection_on_gemv(what, launches, model):
         want[PROLOGUE_SILU_MUL if mlp.act == "silu" else PROLOGUE_NONE] += 1  # down
 
     for layer in model.layers:
-        want[PROLOGUE_ADD_RMS_NORM] += 1  # qkv
+        folded = not isinstance(layer, OlmoDecoderLayer)  # OLMo normalises the branch outputs, not the inputs
+        want[PROLOGUE_ADD_RMS_NORM if folded else PROLOGUE_NONE] += 1  # qkv
         want[PROLOGUE_NONE] += 1  # o
         if isinstance(layer.mlp, GatedMLP):
-            gated_mlp(layer.mlp, True)
+            gated_mlp(layer.mlp, folded)
             continue
         want[PROLOGUE_NONE] += 1  # the router
         if layer.mlp.shared_expert is not None:

@@ -25,6 +25,7 @@ from .config import ModelConfig, parse_dtype
 from .models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, model_class
 from .models.gemma import GEMMA_ARCHITECTURES
 from .models.moe import MOE_ARCHITECTURES
+from .models.olmo import OLMO_ARCHITECTURES
 from .tokenizer import Tokenizer
 
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -38,7 +39,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM",
-                "gpt_oss": "GptOssForCausalLM"}
+                "gpt_oss": "GptOssForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}
 
 
 @dataclass
@@ -251,6 +252,8 @@ def _extra_options(arch, cfg) -> dict:
                 "swiglu": (float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))}
     if arch in MOE_ARCHITECTURES:
         return {"moe": _moe_options(arch, cfg)}
+    if arch in OLMO_ARCHITECTURES:
+        return _olmo_options(arch, cfg)
     if arch == "SmolLM3ForCausalLM":  # no_rope_layers[i]: 1 = layer i rotates, 0 = NoPE
         layers, interval = cfg["num_hidden_layers"], cfg.get("no_rope_layer_interval", 4)
         uses = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
@@ -269,6 +272,29 @@ def _extra_options(arch, cfg) -> dict:
                              f"{head_dim}; rotary needs an even count")
         return {"rotary_dim": rotary_dim}
     return {}
+
+
+def _olmo_options(arch, cfg) -> dict:
+    """OLMo 2 / 3's options for models/olmo.py: each layer's window (OLMo 3: three layers in four
+    sliding, when layer_types is absent) and the sliding layers' rotary (theta, scaling): their own
+    rope_parameters, or the model's theta without scaling (transformers 4's rope_scaling is the full
+    layers')."""
+    layers, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
+    types = cfg.get("layer_types") or (
+        ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
+        if arch == "Olmo3ForCausalLM" else ["full_attention"] * layers)
+    if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"config.json layer_types must name each of the {layers} layers sliding_attention or "
+                         f"full_attention, got {types!r}")
+    rope = cfg.get("rope_parameters") or {}
+    local = rope.get("sliding_attention") if isinstance(rope.get("sliding_attention"), dict) else {}
+    theta = local.get("rope_theta") or (rope.get("full_attention") or {}).get("rope_theta") or rope.get(
+        "rope_theta") or cfg.get("rope_theta", 10000.0)
+    scaling = {k: v for k, v in local.items() if k != "rope_theta"}
+    if scaling.get("rope_type", "default") == "default":
+        scaling = None
+    return {"layer_windows": [window if t == "sliding_attention" and window else None for t in types],
+            "local_rope": (float(theta), scaling)}
 
 
 def _moe_options(arch, cfg) -> dict:
@@ -305,7 +331,7 @@ def _checked_moe(arch, experts, top_k, ffn, renormalize: bool, sparse: list, sha
 
 def _sliding_window(arch, cfg):
     window = cfg.get("sliding_window")
-    if arch in (*GEMMA_ARCHITECTURES, "GptOssForCausalLM"):
+    if arch in (*GEMMA_ARCHITECTURES, *OLMO_ARCHITECTURES, "GptOssForCausalLM"):
         return None  # on the sliding layers only: ModelConfig.extra["layer_windows"]
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                 "SmolLM3ForCausalLM"):
