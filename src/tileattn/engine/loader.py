@@ -233,7 +233,7 @@ def _gemma_options(arch, cfg) -> dict:
     return {"attn_softcap": cfg.get("attn_logit_softcapping"), "final_softcap": cfg.get("final_logit_softcapping"),
             "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or head_dim),
             "layer_windows": [window if t == "sliding_attention" and window else None for t in types],
-            "local_rope_theta": None if local is None else float(local)}
+            **({} if local is None else {"local_rope": (float(local), None)})}
 
 
 def _extra_options(arch, cfg) -> dict:

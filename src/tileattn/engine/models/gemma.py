@@ -12,7 +12,8 @@ mapped onto the engine's existing pieces:
   "sliding_attention"; Gemma 2 caps the scores (attn_logit_softcapping: tileattn's softcap) and
   the logits (final_logit_softcapping: c tanh(logits / c)); Gemma 3 normalises q and k per head
   (the fused qkv + rotary launch's q/k norm) and rotates the sliding layers with their own rope
-  base (rope_local_base_freq), the full layers with the global one (and its scaling).
+  base (rope_local_base_freq: extra["local_rope"], which LlamaForCausalLM.layer_ropes gives the
+  windowed layers), the full layers with the global one (and its scaling).
 The options arrive in ModelConfig.extra (loader._gemma_options).
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import GatedMLP, PagedAttention, RMSNorm, Rotary, rope_inv_freq
+from ..layers import GatedMLP, PagedAttention, RMSNorm
 from .llama import LlamaForCausalLM
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -31,7 +32,6 @@ class GemmaDecoderLayer(nn.Module):
     def __init__(self, cfg, dtype: torch.dtype, tp, sliding_window: int | None):
         super().__init__()
         extra = cfg.extra
-        self.sliding = sliding_window is not None
         self.self_attn = PagedAttention(cfg, dtype, tp, sliding_window=sliding_window, softcap=extra["attn_softcap"],
                                         scale=extra["query_pre_attn_scalar"] ** -0.5)
         self.mlp = GatedMLP(cfg.hidden_size, tp.split(cfg.intermediate_size)[1], cfg.mlp_bias, dtype, tp, act="gelu_tanh")
@@ -53,9 +53,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg, dtype: torch.dtype, max_positions: int, tp=None):
         super().__init__(cfg, dtype, max_positions, tp)
-        local = cfg.extra["local_rope_theta"]  # Gemma 3: the sliding layers' own rotary tables
-        self.local_rotary = None if local is None else Rotary(
-            max_positions, rope_inv_freq(cfg.head_dim, local, None), dtype)
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype)  # rounded as transformers does
 
     def make_layer(self, index: int, dtype: torch.dtype) -> nn.Module:
@@ -63,11 +60,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def embed(self, input_ids):  # [T] -> [T, hidden]
         return super().embed(input_ids) * self.embed_scale
-
-    def layer_ropes(self, positions):
-        rope = self.rotary(positions)
-        local = rope if self.local_rotary is None else self.local_rotary(positions)
-        return [local if layer.sliding else rope for layer in self.layers]
 
     def compute_logits(self, hidden):  # [N, hidden] -> [N, vocab] float32 (rank 0; others None)
         logits = super().compute_logits(hidden)

@@ -120,6 +120,10 @@ class LlamaForCausalLM(nn.Module):
         rope_layers = cfg.extra.get("rope_layers")  # SmolLM3's NoPE layers rotate by the identity
         self.identity_rotary = (Rotary(max_positions, torch.zeros_like(inv_freq), dtype)
                                 if rope_layers is not None and not all(rope_layers) else None)
+        local = cfg.extra.get("local_rope")  # (theta, scaling) of the windowed layers' own tables (Gemma 3, OLMo 3)
+        self.local_rotary = None if local is None else Rotary(
+            max_positions, rope_inv_freq(cfg.head_dim, local[0], local[1], None, None, max_positions), dtype,
+            rope_attention_factor(local[1]))
         self.embedding_multiplier = cfg.extra.get("embedding_multiplier", 1.0)
         self.logits_scaling = cfg.extra.get("logits_scaling", 1.0)
         self.residual_multiplier = cfg.extra.get("residual_multiplier", 1.0)
@@ -161,12 +165,18 @@ class LlamaForCausalLM(nn.Module):
         return x * self.embedding_multiplier if self.embedding_multiplier != 1.0 else x
 
     def layer_ropes(self, positions):
-        """Each layer's rotary tables: the model's one table, or the identity on the NoPE layers
-        (a subclass may differ)."""
-        if self.identity_rotary is None:
-            return itertools.repeat(self.rotary(positions))
-        rope, identity = self.rotary(positions), self.identity_rotary(positions)
-        return [rope if use else identity for use in self.cfg.extra["rope_layers"]]
+        """Each layer's rotary tables: the model's one table; the identity on the NoPE layers
+        (extra["rope_layers"]); the local tables on the windowed layers (extra["layer_windows"]) when
+        they have their own (extra["local_rope"])."""
+        rope = self.rotary(positions)
+        if self.identity_rotary is None and self.local_rotary is None:
+            return itertools.repeat(rope)
+        extra, layers = self.cfg.extra, range(self.cfg.num_layers)
+        uses = extra.get("rope_layers") or [True for _ in layers]
+        windows = extra.get("layer_windows") or [None for _ in layers]
+        identity = None if self.identity_rotary is None else self.identity_rotary(positions)
+        local = rope if self.local_rotary is None else self.local_rotary(positions)
+        return [local if windows[i] else rope if uses[i] else identity for i in layers]
 
     def forward(self, input_ids, positions, batch: AttentionBatch):
         x = self.embed(input_ids)  # [T, hidden]

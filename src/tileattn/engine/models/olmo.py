@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import GatedMLP, PagedAttention, RMSNorm, Rotary, rope_attention_factor, rope_inv_freq
+from ..layers import GatedMLP, PagedAttention, RMSNorm
 from .llama import LlamaForCausalLM
 
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
@@ -25,7 +25,7 @@ OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 class OlmoDecoderLayer(nn.Module):
     def __init__(self, cfg, dtype: torch.dtype, tp, sliding_window: int | None):
         super().__init__()
-        self.tp, self.sliding = tp, sliding_window is not None
+        self.tp = tp
         self.self_attn = PagedAttention(cfg, dtype, tp, sliding_window=sliding_window)
         self.mlp = GatedMLP(cfg.hidden_size, tp.split(cfg.intermediate_size)[1], cfg.mlp_bias, dtype, tp)
         attn = self.self_attn
@@ -62,9 +62,6 @@ class OlmoForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg, dtype: torch.dtype, max_positions: int, tp=None):
         super().__init__(cfg, dtype, max_positions, tp)
-        theta, scaling = cfg.extra["local_rope"]
-        self.local_rotary = Rotary(max_positions, rope_inv_freq(cfg.head_dim, theta, scaling, None, None, max_positions),
-                                   dtype, rope_attention_factor(scaling))
         d = cfg.head_dim
         (h0, _), (k0, _) = self.tp.split(cfg.num_heads), self.tp.kv_heads(cfg.num_kv_heads)
         self._splits = {"q_norm.weight": (0, h0 * d, cfg.num_heads * d),
@@ -72,10 +69,6 @@ class OlmoForCausalLM(LlamaForCausalLM):
 
     def make_layer(self, index: int, dtype: torch.dtype) -> nn.Module:
         return OlmoDecoderLayer(self.cfg, dtype, self.tp, self.cfg.extra["layer_windows"][index])
-
-    def layer_ropes(self, positions):
-        rope, local = self.rotary(positions), self.local_rotary(positions)
-        return [local if layer.sliding else rope for layer in self.layers]
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         # the whole-projection q/k norms belong to the layer (PagedAttention's own are per head)
