@@ -66,3 +66,32 @@ def test_generate_held_to_a_schema_a_regex_or_choices(checkpoint, capsys, tmp_pa
     assert "--json-schema is not JSON" in capsys.readouterr().err
     assert main(base + ["--regex", "a(b"]) == 2
     assert "structured_outputs['regex'] is not valid" in capsys.readouterr().err
+
+
+def test_generate_and_chat_with_a_lora_adapter(checkpoint, capsys, monkeypatch, tmp_path):
+    """--lora PATH: the answers are the engine's with that adapter (LLM.generate / LLM.chat with it),
+    not the base model's; chat streams the same."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tileattn.engine import LLM, SamplingParams
+
+    from .test_lora import ALL, write_adapter
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    write_adapter(tmp_path / "adapter", hf, ALL, rank=8, alpha=32, seed=4)
+    llm = LLM(checkpoint, device="cpu", max_model_len=128, max_loras=1, max_lora_rank=8)
+    llm.engine.add_lora("a", str(tmp_path / "adapter"))
+    params = SamplingParams(temperature=0, max_tokens=6)
+    tuned = llm.generate("the quick", params, use_tqdm=False, lora="a")[0].outputs[0].text
+    base = llm.generate("the quick", params, use_tqdm=False)[0].outputs[0].text
+    assert tuned != base
+    rc = main(["generate", checkpoint, "--prompt", "the quick", "--max-tokens", "6", "--device", "cpu",
+               "--max-model-len", "128", "--lora", str(tmp_path / "adapter")])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.split("\n", 1)[1].rstrip("\n") == tuned
+    chat = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False, lora="a")[0].outputs[0].text
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    rc = main(["chat", checkpoint, "--max-tokens", "6", "--device", "cpu", "--max-model-len", "128",
+               "--lora", str(tmp_path / "adapter")])
+    assert rc == 0 and capsys.readouterr().out.rstrip("\n") == chat

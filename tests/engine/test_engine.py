@@ -421,3 +421,50 @@ def test_cuda_kernel_limits_named_before_start():
     with pytest.raises(ValueError, match="block_size=8"):
         _check_kernel_support(64, 8)
 
+
+
+def _finish_order(engine, requests):
+    """Add (id, prompt, priority) requests before any step; the ids in the order they finish."""
+    for rid, prompt, priority in requests:
+        engine.add_request(rid, prompt, GREEDY, priority=priority)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step(finished_only=True)]
+    return order
+
+
+def test_priority_scheduling_admits_and_keeps_the_higher_priority(checkpoint, plain):
+    """scheduling_policy "priority": with one sequence at a time, requests run by priority (lower
+    first, ties by arrival) whatever their arrival; with a cache too small for all of them, the
+    lowest-priority running sequence is preempted, never a higher one; the tokens are the plain run's."""
+    one = LLMEngine.from_model(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=128, max_num_seqs=1,
+                               scheduling_policy="priority")
+    order = _finish_order(one, [("p5", PROMPTS[0], 5), ("p0-first", PROMPTS[1], 0), ("m1", PROMPTS[2], -1),
+                                ("p0-second", PROMPTS[3], 0)])
+    assert order == ["m1", "p0-first", "p0-second", "p5"]
+    fcfs = LLMEngine.from_model(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=128, max_num_seqs=1)
+    assert _finish_order(fcfs, [(f"r{i}", p, 0) for i, p in enumerate(PROMPTS)]) == ["r0", "r1", "r2", "r3"]
+    small = LLMEngine.from_model(checkpoint, device="cpu", max_model_len=160, kv_cache_blocks=20, block_size=8,
+                                 scheduling_policy="priority")
+    preempted = []
+    preempt = small.scheduler._preempt
+    small.scheduler._preempt = lambda seq: (preempted.append(seq.request.request_id), preempt(seq))
+    for i, prompt in enumerate(PROMPTS):  # priorities 3, 2, 1, 0: the last arrival is the most urgent
+        small.add_request(f"r{i}", prompt, GREEDY, priority=3 - i)
+    outs = {}
+    while small.has_unfinished_requests():
+        outs.update((o.request_id, o.outputs[0].token_ids) for o in small.step(finished_only=True))
+    assert preempted and "r3" not in preempted, f"preempted {preempted}"
+    assert [outs[f"r{i}"] for i in range(4)] == [p[0] for p in plain]
+    assert_all_free(small)
+
+
+def test_priority_needs_its_policy(checkpoint):
+    engine = LLMEngine.from_model(checkpoint, device="cpu", max_model_len=64, kv_cache_blocks=8)
+    with pytest.raises(ValueError, match="priority needs scheduling_policy='priority'"):
+        engine.add_request("x", PROMPTS[0], GREEDY, priority=1)
+    with pytest.raises(ValueError, match="priority must be an int"):
+        engine.add_request("x", PROMPTS[0], GREEDY, priority=1.5)
+    with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority'"):
+        LLMEngine.from_model(checkpoint, device="cpu", scheduling_policy="lifo")
+    assert not engine.has_unfinished_requests()

@@ -1410,3 +1410,13 @@ def test_lora_adapters_loaded_and_unloaded_at_run_time(checkpoint, tmp_path):
         s.wait_idle()
     with ServerThread(create_app(engine, MODEL)) as s:
         assert s.http("POST", "/v1/load_lora_adapter", b"{}")[0] == 404
+
+
+def test_priority_field_reaches_the_engine(server, client):
+    """vLLM's priority extra: under first-come-first-served scheduling a non-zero one is a 400 naming
+    the policy it needs (the engine's priority tests are in test_engine.py); 0 is the default."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, **_extra(priority=2))
+    assert "scheduling_policy='priority'" in _error(info.value)["message"]
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=1, **_extra(priority=0)).choices
+    server.wait_idle()

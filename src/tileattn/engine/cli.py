@@ -45,15 +45,23 @@ def _engine_options(p) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N GPUs (N processes; gloo ranks with --device cpu)")
     p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
-                   help="greedy decoding takes up to K prompt-lookup drafts per step (0: off)")
+                   help="decoding takes up to K prompt-lookup drafts per step (0: off)")
+    p.add_argument("--lora", metavar="PATH", default=None, help="run with this PEFT LoRA adapter (a directory)")
 
 
 def _build(args):
+    """(LLM, SamplingParams, the LoRA adapter's name or None) from the command's options."""
     from . import LLM, SamplingParams
 
+    lora = {}
+    if args.lora is not None:  # one slot, as large as the adapter's rank
+        with open(f"{args.lora}/adapter_config.json", encoding="utf-8") as f:
+            lora = {"max_loras": 1, "max_lora_rank": int(json.load(f).get("r", 1))}
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-              num_speculative_tokens=args.num_speculative_tokens)
+              num_speculative_tokens=args.num_speculative_tokens, **lora)
+    if lora:
+        llm.engine.add_lora("adapter", args.lora)
     overrides = {"max_tokens": args.max_tokens}
     for name in ("temperature", "top_p", "top_k", "seed"):
         if getattr(args, name) is not None:
@@ -61,7 +69,7 @@ def _build(args):
     defaults = llm.engine.generation_defaults
     if "temperature" not in overrides and defaults.get("temperature") is None:
         overrides["temperature"] = 0.0
-    return llm, SamplingParams.from_generation_config(defaults, **overrides)
+    return llm, SamplingParams.from_generation_config(defaults, **overrides), "adapter" if lora else None
 
 
 def _structured_spec(args) -> dict | None:
@@ -87,14 +95,14 @@ def cmd_generate(args) -> int:
     llm = None
     try:
         spec = _structured_spec(args)
-        llm, params = _build(args)
+        llm, params, lora = _build(args)
         if spec is not None:
             params = dataclasses.replace(params, structured_outputs=spec)
         prompts = args.prompt
         if args.chat_template:
-            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, lora=lora)
         else:
-            outs = llm.generate(prompts, params)
+            outs = llm.generate(prompts, params, lora=lora)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -110,18 +118,18 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     try:
-        llm, params = _build(args)
+        llm, params, lora = _build(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        _chat_loop(llm, params, args.system)
+        _chat_loop(llm, params, args.system, lora)
     finally:
         llm.shutdown()  # tensor-parallel workers
     return 0
 
 
-def _chat_loop(llm, params, system) -> None:
+def _chat_loop(llm, params, system, lora=None) -> None:
     messages = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()
     if interactive:
@@ -135,21 +143,21 @@ def _chat_loop(llm, params, system) -> None:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        reply, stats = stream_reply(llm, messages, params, sys.stdout)
+        reply, stats = stream_reply(llm, messages, params, sys.stdout, lora)
         messages.append({"role": "assistant", "content": reply})
         print(f"[{stats}]", file=sys.stderr)
 
 
-def stream_reply(llm, messages, params, out) -> tuple[str, str]:
-    """Run one chat turn through the engine's step API, writing text to ``out`` as it arrives.
-    Returns (the reply, a one-line summary with prefill and decode tok/s)."""
+def stream_reply(llm, messages, params, out, lora: str | None = None) -> tuple[str, str]:
+    """Run one chat turn through the engine's step API (with LoRA adapter ``lora``), writing text to
+    ``out`` as it arrives. Returns (the reply, a one-line summary with prefill and decode tok/s)."""
     import time
 
     engine = llm.engine
     prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_special_tokens=False)
     request_id = f"chat-{time.monotonic_ns()}"
     start = time.perf_counter()
-    engine.add_request(request_id, prompt, params)
+    engine.add_request(request_id, prompt, params, lora=lora)
     first = None
     text, count = "", 0
     try:

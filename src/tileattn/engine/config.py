@@ -55,6 +55,8 @@ class EngineConfig:
     max_loras: LoRA adapter slots (lora.py; LLMEngine.add_lora); 0: none. With adapters the engine
         runs eagerly (no CUDA graphs) on one GPU.
     max_lora_rank: the largest adapter rank the slots take.
+    scheduling_policy: "fcfs" (arrival order) or "priority" (add_request's priority, lower first,
+        then arrival; the lowest priority is preempted first; scheduler.py).
     Raises ValueError naming the bad field (see validate()).
     """
 
@@ -72,6 +74,7 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     max_loras: int = 0
     max_lora_rank: int = 16
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
         self.validate()
@@ -88,6 +91,8 @@ class EngineConfig:
             positive(name)
         if not isinstance(self.max_loras, int) or isinstance(self.max_loras, bool) or self.max_loras < 0:
             raise ValueError(f"max_loras must be an int >= 0, got {self.max_loras!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_loras and self.tensor_parallel_size > 1:
             raise ValueError("max_loras > 0 is not served with tensor_parallel_size > 1")
         if self.max_model_len is not None:

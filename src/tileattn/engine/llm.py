@@ -84,7 +84,8 @@ class LLMEngine:
         self.dtype = loaded.dtype
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.scheduling_policy)
         self.requests: dict[str, Request] = {}
         self.pooling_requests: set[str] = set()  # live embedding requests (their rows are pooled, not sampled)
         self.last_step = {"prefill_tokens": 0, "decode_tokens": 0, "seconds": 0.0}
@@ -146,12 +147,13 @@ class LLMEngine:
         return [] if self.runner.lora is None else list(self.runner.lora.names)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | PoolingParams | None = None,
-                    lora: str | None = None, cache_salt: str | None = None) -> None:
+                    lora: str | None = None, cache_salt: str | None = None, priority: int = 0) -> None:
         """Queue a prompt (text, encoded with the tokenizer's special tokens, or token ids): a
         generation (SamplingParams), or an embedding (PoolingParams: its output carries the vector);
         ``lora``: the name of a loaded LoRA adapter to run it with (None: the base model);
         ``cache_salt`` (vLLM's): the request shares prefix-cache blocks only with requests of the same
-        salt (tenants that must not learn from each other's cache hits; an adapter is a salt of its own).
+        salt (tenants that must not learn from each other's cache hits; an adapter is a salt of its own);
+        ``priority``: under scheduling_policy "priority", lower runs first (0 otherwise).
 
         Raises ValueError before queueing anything: duplicate or non-string id, empty prompt,
         token ids outside the vocabulary, a generation prompt of max_model_len tokens or more (an
@@ -194,12 +196,16 @@ class LLMEngine:
         matchers = self.grammars.matchers(params.structured_outputs, params.n) if params.structured_outputs else None
         if lora is not None and self.runner.lora is None:
             raise ValueError(f"lora={lora!r}: this engine serves no LoRA adapters (max_loras=0)")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if priority and not self.scheduler.by_priority:
+            raise ValueError("priority needs scheduling_policy='priority' (this engine schedules first come, first served)")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
         slot = 0 if lora is None else self.runner.lora.slot(lora)
         salt = (cache_salt, None if lora is None else self.runner.lora.keys[lora])
         request = Request(request_id, ids, params, text, self._bad_words_token_ids(params.bad_words or ()), pooling,
-                          slot, None if salt == (None, None) else salt)
+                          slot, None if salt == (None, None) else salt, priority)
         if pooling is not None:
             self.pooling_requests.add(request_id)
             self.runner.pooling = True
@@ -528,10 +534,11 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, lora: str | list | None = None) -> list[RequestOutput]:
         """messages: one conversation ([{"role", "content"}, ...]) or a list of them; each is rendered
         with the chat template (chat_template_kwargs: more variables for it, e.g. Qwen3's
-        enable_thinking; tools: OpenAI-style function tools, the template's ``tools``) and encoded
+        enable_thinking; tools: OpenAI-style function tools, the template's ``tools``; lora: as in
+        generate) and encoded
         without adding special tokens (the template has them). The answers' tool calls can be read
         with tileattn.engine.tool_calls.PARSERS[name].parse(text).
         Raises ValueError for chat_template_kwargs that are not a dict of new variables, or tools
@@ -547,7 +554,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt, **variables),
                                          add_special_tokens=False) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora=lora)
 
     def embed(self, prompts, pooling_params: PoolingParams | None = None,
               use_tqdm: bool = True) -> list[RequestOutput]:

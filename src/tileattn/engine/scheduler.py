@@ -7,28 +7,53 @@ prefill: long prompts are split over steps and mixed with other sequences' decod
 running sequence needs a block and none is free, the most recently admitted sequence is preempted:
 its blocks are freed and it goes back to the front of the queue to be recomputed later (its
 full blocks stay in the prefix cache, so the recompute is often mostly cache hits).
+
+With ``priority`` scheduling (vLLM's policy) a request's priority (lower runs first; ties in arrival
+order) orders the waiting queue, a preempted sequence goes back to its place in it, and the running
+sequence preempted is the one that would be admitted last: the lowest priority, the latest arrival.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def _rank(seq: Sequence) -> tuple:
+    """Priority scheduling's order: (priority, arrival, sequence)."""
+    return seq.request.priority, seq.request.arrival_index, seq.index
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs"):
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.by_priority = policy == "priority"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._preempted = False  # in the current schedule() call
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.by_priority:
+            self._enqueue(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Into the waiting queue at its priority's place."""
+        keys = [_rank(s) for s in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, _rank(seq)), seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -38,6 +63,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         self._preempted = False
+        if self.by_priority:  # running in admission order by priority: the back is preempted first
+            self.running.sort(key=_rank)
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -84,7 +111,10 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)  # also resets num_computed_tokens: recompute from the start
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._enqueue(seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:

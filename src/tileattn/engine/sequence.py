@@ -10,6 +10,7 @@ import time
 from .sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
+_arrivals = itertools.count()  # requests in arrival order (priority scheduling's tie-break)
 
 # Tokens decoded again before the new ones, so a token whose text depends on its left neighbour
 # (a leading space, a multi-byte character split over tokens) decodes the way it does in context.
@@ -87,11 +88,13 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prompt_text: str | None = None, bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
-                 pooling=None, lora_slot: int = 0, cache_salt=None):
+                 pooling=None, lora_slot: int = 0, cache_salt=None, priority: int = 0):
         self.request_id = request_id
         self.pooling = pooling  # PoolingParams of an embedding request (one sequence, nothing sampled)
         self.lora_slot = lora_slot  # the LoRA adapter's slot (lora.py; 0: the base model)
         self.cache_salt = cache_salt  # hashable or None: prefix-cache blocks are shared only under the same salt
+        self.priority = priority  # lower runs first under the priority scheduling policy (scheduler.py)
+        self.arrival_index = next(_arrivals)
         self.embedding: list[float] | None = None  # its result, set by the step that computes the last prompt token
         self.prompt_token_ids = list(prompt_token_ids)
         self.prompt_text = prompt_text

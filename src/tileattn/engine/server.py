@@ -175,15 +175,15 @@ class EngineLoop:
             log.error("engine thread did not stop within %.0f s", timeout)
 
     def add(self, requests: list[tuple[str, list[int]]], params: SamplingParams | PoolingParams,
-            lora: str | None = None, cache_salt: str | None = None) -> concurrent.futures.Future:
-        """Add (request_id, prompt ids) pairs all or none (with LoRA adapter ``lora`` and prefix-cache
-        salt ``cache_salt``): if the engine refuses one (ValueError), the ones already added are
-        aborted and the future raises that error."""
+            options: dict | None = None) -> concurrent.futures.Future:
+        """Add (request_id, prompt ids) pairs all or none (``options``: add_request's lora, cache_salt,
+        priority): if the engine refuses one (ValueError), the ones already added are aborted and the
+        future raises that error."""
         def add_all(engine):
             added = []
             try:
                 for rid, prompt in requests:
-                    engine.add_request(rid, prompt, params, lora=lora, cache_salt=cache_salt)
+                    engine.add_request(rid, prompt, params, **(options or {}))
                     added.append(rid)
             except BaseException:
                 for rid in added:
@@ -307,6 +307,7 @@ class SamplingRequest(RequestBody):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False                    # vLLM extra: token ids beside the text
     cache_salt: str | None = Field(None, min_length=1)  # vLLM extra: prefix-cache blocks shared only under the same salt
+    priority: int = 0                                 # vLLM extra: lower runs first (--scheduling-policy priority)
 
 
 class CompletionRequest(SamplingRequest):
@@ -483,8 +484,12 @@ class Generation:
 
     def __init__(self, state: ServerState, prefix: str, prompts: list[list[int]],
                  params: SamplingParams | PoolingParams, arrival: float, lora: str | None = None,
-                 cache_salt: str | None = None):
-        self.state, self.params, self.arrival, self.lora, self.cache_salt = state, params, arrival, lora, cache_salt
+                 req: RequestBody | None = None):
+        """lora: the adapter the request's model names; req: the body whose cache_salt and priority
+        (vLLM's extras) reach the engine."""
+        self.state, self.params, self.arrival, self.lora = state, params, arrival, lora
+        self.options = {"lora": lora, "cache_salt": getattr(req, "cache_salt", None),
+                        "priority": getattr(req, "priority", 0)}
         self.prompts = prompts
         self.ids = [f"{prefix}-{i}" for i in range(len(prompts))]
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -511,8 +516,7 @@ class Generation:
         for rid in self.ids:
             state.generations[rid] = self
         try:
-            await asyncio.wrap_future(state.engine_loop.add(list(zip(self.ids, self.prompts)), self.params, self.lora,
-                                                            self.cache_salt))
+            await asyncio.wrap_future(state.engine_loop.add(list(zip(self.ids, self.prompts)), self.params, self.options))
         except ValueError as exc:  # the engine's checks against the model (vocabulary, length)
             self.unfinished.clear()
             self.close()
@@ -1060,7 +1064,7 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
         params = _sampling_params(state, req, max_tokens, req.logprobs,
                                   _prompt_logprobs_param(req, req.logprobs if req.echo else None), None, structured)
         await _prepare_grammar(state, params)
-        gen = Generation(state, rid, prompts, params, arrival, lora, req.cache_salt)
+        gen = Generation(state, rid, prompts, params, arrival, lora, req)
         await gen.start()
     base = {"id": rid, "object": "text_completion", "created": int(time.time()),
             "model": gen.lora or state.served_model_name}
@@ -1225,7 +1229,7 @@ async def start_chat(state: ServerState, req: ChatRequest, prefix: str):
         params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None,
                                   _prompt_logprobs_param(req, None), stop_after, structured, grammar_after)
         await _prepare_grammar(state, params)
-        gen = Generation(state, rid, [prompt], params, arrival, lora, req.cache_salt)
+        gen = Generation(state, rid, [prompt], params, arrival, lora, req)
         await gen.start()
     return rid, gen, prompt, parser
 
@@ -1525,6 +1529,8 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--max-lora-rank", type=int, default=16, help="the largest rank of --lora-modules (default 16)")
     g.add_argument("--max-loras", type=int, default=None,
                    help="LoRA adapter slots (default: as many as --lora-modules; with --enable-lora-updates at least 1)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: arrival order; priority: requests' priority field (lower first), then arrival")
     g.add_argument("--enable-lora-updates", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters changed at run time)")
     p.set_defaults(fn=serve_main)
@@ -1533,7 +1539,7 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
 
 _ENGINE_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                    "gpu_memory_utilization", "dtype", "enforce_eager", "device", "kv_cache_blocks",
-                   "tensor_parallel_size", "num_speculative_tokens", "max_lora_rank")
+                   "tensor_parallel_size", "num_speculative_tokens", "max_lora_rank", "scheduling_policy")
 
 
 def _lora_modules(values: list[str]) -> list[tuple[str, str]]:
