@@ -206,3 +206,18 @@ def test_adapters_unloaded_and_replaced_at_run_time(tmp_path):
     assert len({tuple(o.outputs[0].token_ids) for o in base}) == 1
     with pytest.raises(ValueError, match="cache_salt must be a str"):
         engine.add_request("y", prompt, GREEDY, cache_salt=3)
+
+
+def test_steps_without_adapter_tokens_keep_the_fused_path(served, monkeypatch):
+    """A step in which no token has an adapter runs the layers' fused path (no LoRA deltas); one with
+    any adapter token runs the unfused path for all its tokens."""
+    from tileattn.engine.models.llama import DecoderLayer
+
+    llm, merged, _ = served
+    calls = []
+    forward_lora = DecoderLayer.forward_lora
+    monkeypatch.setattr(DecoderLayer, "forward_lora", lambda self, *a: (calls.append(1), forward_lora(self, *a))[1])
+    base = engine_logits(llm.engine, PROMPT)
+    assert not calls and rel_error(base, hf_logits(merged[None], PROMPT)) < 1e-5
+    engine_logits(llm.engine, PROMPT, "a")
+    assert len(calls) == len(llm.engine.runner.model.layers)

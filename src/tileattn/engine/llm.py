@@ -557,13 +557,14 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm, lora=lora)
 
     def embed(self, prompts, pooling_params: PoolingParams | None = None,
-              use_tqdm: bool = True) -> list[RequestOutput]:
+              use_tqdm: bool = True, lora: str | list | None = None) -> list[RequestOutput]:
         """Embeddings of prompts (a str, a list of token ids, or a list of either): the final hidden
         state of each prompt's last token, normalised unless pooling_params says otherwise
-        (PoolingParams). Returns finished RequestOutputs in prompt order, each with .embedding.
+        (PoolingParams); lora: as in generate. Returns finished RequestOutputs in prompt order, each
+        with .embedding.
         Raises ValueError for a bad prompt or parameter before any request runs."""
         prompts = _prompt_list(prompts)
-        return self.generate(prompts, [pooling_params or PoolingParams()] * len(prompts), use_tqdm)
+        return self.generate(prompts, [pooling_params or PoolingParams()] * len(prompts), use_tqdm, lora=lora)
 
     def _run(self, ids, use_tqdm) -> list[RequestOutput]:
         engine = self.engine

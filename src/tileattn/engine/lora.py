@@ -212,9 +212,12 @@ class LoRAAdapters:
 
     def groups(self, token_slots, device):
         """token_slots: numpy int [T] (each token's slot) -> the (order, ends, host ends) of
-        grouped_delta: tokens sorted by slot (stable), cumulative counts per slot."""
+        grouped_delta: tokens sorted by slot (stable), cumulative counts per slot; None when no token
+        has an adapter (the step then runs the model's fused path, as without LoRA)."""
         import numpy as np
 
+        if not token_slots.any():
+            return None
         order = np.argsort(token_slots, kind="stable")
         ends = np.cumsum(np.bincount(token_slots, minlength=self.max_loras + 1)).astype(np.int32)
         return (torch.from_numpy(order).to(device), torch.from_numpy(ends).to(device), ends.tolist())
