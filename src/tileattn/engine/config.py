@@ -52,8 +52,8 @@ class EngineConfig:
     num_speculative_tokens: k > 0 drafts per decode step by prompt lookup (speculative.py; greedy and
         sampled requests whose tokens depend on their logits rows alone);
         0: off.
-    max_loras: LoRA adapter slots (lora.py; LLMEngine.add_lora); 0: none. With adapters the engine
-        runs eagerly (no CUDA graphs) on one GPU.
+    max_loras: LoRA adapter slots (lora.py; LLMEngine.add_lora); 0: none. One GPU; steps with adapter
+        tokens run eagerly (the CUDA graphs serve the others).
     max_lora_rank: the largest adapter rank the slots take.
     scheduling_policy: "fcfs" (arrival order) or "priority" (add_request's priority, lower first,
         then arrival; the lowest priority is preempted first; scheduler.py).

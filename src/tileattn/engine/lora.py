@@ -17,8 +17,8 @@ launches (the delta must join the projection's output before the rotary and the 
 Supported: the Llama-family decoder (llama.py's architectures), targets among q/k/v/o/gate/up/down
 projections (and Phi-3's fused qkv_proj / gate_up_proj: one A, B over all rows), one rank and scale
 for all modules (no rank_pattern / alpha_pattern), no bias training, no DoRA, nothing in
-modules_to_save, one GPU (no tensor parallelism), no CUDA graphs (the engine runs eagerly with
-max_loras > 0).
+modules_to_save, one GPU (no tensor parallelism). Decode steps with adapter tokens run eagerly; the
+CUDA graphs serve the steps without them.
 """
 
 from __future__ import annotations

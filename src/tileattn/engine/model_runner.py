@@ -161,10 +161,8 @@ class ModelRunner:
         self.graphs: dict[int, tuple] = {}
         self._staging = _Staging(1 << 20) if device.type == "cuda" else None  # eager steps' inputs
         # (a model that cannot be captured, e.g. an MoE in fp16 whose experts size their GEMMs on the
-        # host, runs every step eagerly)
-        # (nor one that serves LoRA adapters: their groups change every step)
-        if (device.type == "cuda" and not config.enforce_eager and self.model.cuda_graphs_supported()
-                and self.lora is None):
+        # host, runs every step eagerly; with LoRA adapters the graphs serve the steps without adapter tokens)
+        if device.type == "cuda" and not config.enforce_eager and self.model.cuda_graphs_supported():
             self._capture_graphs()
 
     # ---- memory ---------------------------------------------------------------------------------
@@ -482,6 +480,8 @@ class ModelRunner:
             return 0
         if any(n != 1 for _, n in scheduled):
             return 0
+        if self.lora is not None and any(seq.request.lora_slot for seq, _ in scheduled):
+            return 0  # adapter tokens: the unfused path, eagerly (lora.py)
         return next(b for b in self.graph_batch_sizes() if b >= len(scheduled))
 
     def make_static_inputs(self) -> None:

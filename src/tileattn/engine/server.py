@@ -1525,7 +1525,7 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
                    help="requests decode up to K prompt-lookup drafts per step (0: off; no async scheduling)")
     g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="serve these PEFT LoRA adapters beside the model; a request's `model` picks one by NAME "
-                        "(one GPU, no CUDA graphs)")
+                        "(one GPU; steps with adapter tokens run eagerly)")
     g.add_argument("--max-lora-rank", type=int, default=16, help="the largest rank of --lora-modules (default 16)")
     g.add_argument("--max-loras", type=int, default=None,
                    help="LoRA adapter slots (default: as many as --lora-modules; with --enable-lora-updates at least 1)")
