@@ -29,6 +29,18 @@ class CompletionOutput:
 
 
 @dataclass
+class BeamSearchSequence:
+    """One of beam search's answers: its tokens (after the prompt), their text, the sum of their
+    log-probabilities and the score it was ranked by (that sum / length ** length_penalty)."""
+
+    token_ids: list[int]
+    text: str
+    cumulative_logprob: float
+    score: float
+    finished: bool  # ended with EOS (else it reached max_tokens)
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
