@@ -459,12 +459,11 @@ def test_errors(server, client):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **_extra(min_tokens=3))
     assert _error(info.value)["param"] == "min_tokens"
     # vLLM's answer-changing extras the engine lacks get a 400 when set, and pass when left at their default
-    for name, value in (("use_beam_search", True),
-                        ("length_penalty", 0.5), ("logits_processors", ["p"])):
-        with pytest.raises(openai.BadRequestError) as info:
-            client.completions.create(model=MODEL, prompt="hi", max_tokens=1, **_extra(**{name: value}))
-        assert _error(info.value)["param"] == name and "not supported" in _error(info.value)["message"], name
-    for name, value in (("chat_template", "{{ messages }}"),
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, **_extra(logits_processors=["p"]))
+    assert _error(info.value)["param"] == "logits_processors" and "not supported" in _error(info.value)["message"]
+    for name, value in (("use_beam_search", True), ("length_penalty", 0.5),  # beam search: completions only
+                        ("chat_template", "{{ messages }}"),
                         ("echo", True), ("modalities", ["text", "audio"]), ("modalities", 3),
                         ("audio", {"voice": "alloy", "format": "wav"})):
         with pytest.raises(openai.BadRequestError) as info:
@@ -1419,4 +1418,34 @@ def test_priority_field_reaches_the_engine(server, client):
         client.completions.create(model=MODEL, prompt="x", max_tokens=1, **_extra(priority=2))
     assert "scheduling_policy='priority'" in _error(info.value)["message"]
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=1, **_extra(priority=0)).choices
+    server.wait_idle()
+
+
+def test_completions_with_beam_search(server, client, checkpoint):
+    """use_beam_search (vLLM's extra) on /v1/completions: n beams per prompt, the n best answers as
+    its choices, equal to transformers' beam search with EOS an ordinary token (ignore_eos);
+    answer-changing fields with it and n beyond 10 are 400s."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    prompts = [[0, 5, 9, 17, 33, 40, 3, 7], [0, 300, 301, 302] * 3]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, n=3,
+                                  **_extra(use_beam_search=True, ignore_eos=True, return_token_ids=True))
+    assert [c.index for c in r.choices] == list(range(6)) and r.usage.completion_tokens == 30
+    for p, prompt in enumerate(prompts):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=3, max_new_tokens=5,
+                               do_sample=False, pad_token_id=1)[:, len(prompt):].tolist()
+        got = [c.model_extra["token_ids"] for c in r.choices[3 * p:3 * p + 3]]
+        assert got == want and all(c.finish_reason == "length" for c in r.choices[3 * p:3 * p + 3])
+    for name, value in (("stream", True), ("logprobs", 1), ("echo", True), ("stop", ["x"]), ("temperature", 0.5)):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **{name: value},
+                                      **_extra(use_beam_search=True))
+        assert _error(info.value)["param"] == name, name
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=11, **_extra(use_beam_search=True))
+    assert _error(info.value)["param"] == "n"
     server.wait_idle()

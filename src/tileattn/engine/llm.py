@@ -23,6 +23,7 @@ from .detokenizer import detokenize, find_stop, finish, visible_text_length
 from .distributed import Workers, check_tensor_parallel, rank_devices
 from .loader import load_model, read_model_config
 from .model_runner import ModelRunner, StepResult
+from .beam_search import BeamSearch
 from .outputs import BeamSearchSequence, CompletionOutput, RequestOutput
 from .profiler import NULL, StepProfiler
 from .sampling_params import PoolingParams, SamplingParams
@@ -568,51 +569,14 @@ class LLM:
 
     def beam_search(self, prompts, beam_width: int, max_tokens: int, ignore_eos: bool = False,
                     length_penalty: float = 1.0, lora: str | None = None) -> list[list[BeamSearchSequence]]:
-        """Beam search: per prompt the beam_width best answers of up to max_tokens tokens, best first.
-
-        Each step extends every live beam by each of its 2 * beam_width most likely next tokens (the
-        model's raw log-probabilities) and keeps the beam_width highest sums; a candidate ending with
-        EOS (unless ignore_eos) is set aside as finished, and search stops when no live beam remains or
-        after max_tokens steps. The answers are ranked by sum / length ** length_penalty. A step is one
-        engine request of one token per beam (all prompts' beams together), so the beams' shared
-        prefixes come from the prefix cache. Raises ValueError for beam_width outside 1..10 (the
-        engine's top-20 logprobs bound the candidates), max_tokens < 1 or a bad prompt."""
-        if not isinstance(beam_width, int) or isinstance(beam_width, bool) or not 1 <= beam_width <= 10:
-            raise ValueError(f"beam_width must be an int in [1, 10], got {beam_width!r}")
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        """Beam search (beam_search.py): per prompt the beam_width best answers of up to max_tokens
+        tokens, best first. Raises ValueError for beam_width outside 1..10, max_tokens < 1 or a bad prompt."""
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in _prompt_list(prompts)]
-        step = SamplingParams(temperature=0, max_tokens=1, logprobs=2 * beam_width, ignore_eos=True)
-        eos = set(self.engine.eos_token_ids)
-        live = [[((), 0.0)] for _ in prompts]  # per prompt: (tokens, sum of logprobs)
-        done: list[list] = [[] for _ in prompts]  # per prompt: (tokens, sum, finished)
-        for _ in range(max_tokens):
-            beams = [(i, tokens, total) for i, group in enumerate(live) for tokens, total in group]
-            if not beams:
-                break
-            outs = self.generate([prompts[i] + list(tokens) for i, tokens, _ in beams], step, use_tqdm=False,
-                                 lora=lora)
-            candidates: list[list] = [[] for _ in prompts]
-            for (i, tokens, total), out in zip(beams, outs):
-                for token, logprob in out.outputs[0].logprobs[0].items():
-                    candidates[i].append((total + logprob, tokens + (token,)))
-            for i, group in enumerate(candidates):
-                live[i] = []
-                for total, tokens in sorted(group, key=lambda c: -c[0]):
-                    if len(live[i]) == beam_width:
-                        break
-                    if tokens[-1] in eos and not ignore_eos:
-                        done[i].append((tokens, total, True))
-                    else:
-                        live[i].append((tokens, total))
-        results = []
-        for i in range(len(prompts)):
-            answers = done[i] + [(tokens, total, False) for tokens, total in live[i]]
-            ranked = sorted(answers, key=lambda a: -a[1] / len(a[0]) ** length_penalty)[:beam_width]
-            results.append([BeamSearchSequence(list(tokens), self.tokenizer.decode(list(tokens)), total,
-                                               total / len(tokens) ** length_penalty, finished)
-                            for tokens, total, finished in ranked])
-        return results
+        search = BeamSearch(prompts, beam_width, max_tokens, self.engine.eos_token_ids, ignore_eos, length_penalty)
+        while pending := search.pending():
+            outs = self.generate(pending, search.step_params, use_tqdm=False, lora=lora)
+            search.advance([out.outputs[0].logprobs[0] for out in outs])
+        return search.answers(self.tokenizer.decode)
 
     def _run(self, ids, use_tqdm) -> list[RequestOutput]:
         engine = self.engine

@@ -41,6 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .beam_search import BeamSearch
 from .sampling_params import PoolingParams, SamplingParams
 from .tokenizer import TEMPLATE_VARIABLES
 from .reasoning import END as REASONING_END
@@ -313,6 +314,8 @@ class SamplingRequest(RequestBody):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
+    use_beam_search: bool = False                     # vLLM extra: n beams, the n best answers (beam_search.py)
+    length_penalty: float = 1.0                       # vLLM extra: beam answers ranked by sum / length^this
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = None
@@ -1035,8 +1038,8 @@ _UNHONOURED_EXTRAS = {
     "functions": (bool, "the deprecated functions API is not served; use tools"),
     "function_call": (lambda v: v not in (None, "none"), "the deprecated functions API is not served; use tool_choice"),
     "logits_processors": (bool, "the sampler runs no custom logits processors"),
-    "use_beam_search": (bool, "the engine samples, it does no beam search"),
-    "length_penalty": (lambda v: v not in (None, 1), "the engine does no beam search"),
+    "use_beam_search": (bool, "beam search is served on /v1/completions only"),
+    "length_penalty": (lambda v: v not in (None, 1), "beam search is served on /v1/completions only"),
     "chat_template": (lambda v: v is not None, "the server renders its own template (the model's, or the one "
                                                "given with --chat-template), not one from a request"),
     "echo": (bool, "a chat answer never repeats the prompt"),
@@ -1058,6 +1061,8 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
         raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
     prompts = [_truncated(req, p) for p in prompt_token_ids(state, req.prompt)]
     max_tokens = min(_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts)
+    if req.use_beam_search:
+        return await _serve_beam_search(state, req, request, prompts, max_tokens, lora, arrival)
     structured, source = _structured_spec(req)
     rid = f"cmpl-{uuid.uuid4().hex}"
     with _structured_errors_named(source):
@@ -1154,6 +1159,48 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
                 choice.update(prompt_token_ids=prompts[p], token_ids=token_ids)
             choices.append(choice)
     return {**base, "choices": choices, "usage": _usage(gen, completion_tokens)}
+
+
+async def _serve_beam_search(state: ServerState, req: CompletionRequest, request: Request, prompts, max_tokens: int,
+                             lora: str | None, arrival: float):
+    """/v1/completions with use_beam_search (vLLM's): req.n beams per prompt, the n best answers as
+    its choices (best first; finish_reason "stop" for an answer that ended with EOS, else "length").
+    Each step's one-token requests run through the engine thread like any request's, so other
+    requests keep running between them. Sampling fields do not apply; the ones that would change the
+    answer (stream, logprobs, echo, structured outputs, stops) are 400s."""
+    for name, value in (("stream", req.stream), ("logprobs", req.logprobs is not None), ("echo", req.echo),
+                        ("stop", bool(req.stop or req.stop_token_ids)), ("prompt_logprobs", req.prompt_logprobs is not None),
+                        ("response_format", _structured_spec(req)[0] is not None), ("temperature", bool(req.temperature))):
+        if value:
+            raise APIError(400, f"{name} is not supported with use_beam_search.", param=name)
+    try:
+        search = BeamSearch(prompts, req.n, max_tokens, state.engine.eos_token_ids, req.ignore_eos, req.length_penalty)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="n") from None
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    step = 0
+    while pending := search.pending():
+        gen = Generation(state, f"{rid}-{step}", pending, search.step_params, arrival, lora, req)
+        await gen.start()
+        finals = await finals_or_disconnect(request, gen)
+        if finals is None:
+            return Response(status_code=499)
+        search.advance([finals[r].choices[0].final[2][0] for r in gen.ids])
+        step += 1
+    choices, completion_tokens = [], 0
+    for p, answers in enumerate(search.answers(state.tokenizer.decode)):
+        for j, answer in enumerate(answers):
+            completion_tokens += len(answer.token_ids)
+            choice = {"index": p * req.n + j, "text": answer.text, "logprobs": None,
+                      "finish_reason": "stop" if answer.finished else "length", "stop_reason": None}
+            if req.return_token_ids:
+                choice.update(prompt_token_ids=prompts[p], token_ids=answer.token_ids)
+            choices.append(choice)
+    prompt_tokens = sum(map(len, prompts))
+    return {"id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": lora or state.served_model_name, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
 
 
 class ChatAnswer:
