@@ -142,10 +142,27 @@ def _rotary_rows(cfg: ModelConfig, max_model_len: int | None) -> int:
 
 # ---- HF directories ------------------------------------------------------------------------------
 
+# multimodal checkpoints whose language model the engine runs on its own (text in, text out): the
+# architecture -> where its text config and weights sit
+_MULTIMODAL_TEXT = {"Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration"}
+
+
 def model_config_from_hf(cfg: dict) -> ModelConfig:
     """ModelConfig from a config.json dict (transformers 4: rope_theta + rope_scaling; 5:
-    rope_parameters). Raises ValueError naming an unsupported architecture or a missing field."""
+    rope_parameters). A multimodal checkpoint of _MULTIMODAL_TEXT gives its language model's
+    (text_config; extra["text_of"] names the whole). Raises ValueError naming an unsupported
+    architecture or a missing field."""
     archs = cfg.get("architectures") or []
+    if archs and archs[0] in _MULTIMODAL_TEXT:
+        text = dict(cfg.get("text_config") or {})
+        if "tie_word_embeddings" in cfg:  # the whole model's says whether its one LM head is the embedding
+            text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+        text.setdefault("dtype", cfg.get("dtype") or cfg.get("torch_dtype"))
+        text["architectures"] = [_MODEL_TYPES.get(text.get("model_type"), f"{archs[0]}'s text model "
+                                                                            f"{text.get('model_type')!r}")]
+        model = model_config_from_hf(text)
+        model.extra["text_of"] = archs[0]
+        return model
     arch = archs[0] if archs else _MODEL_TYPES.get(cfg.get("model_type"))
     if arch not in SUPPORTED_ARCHITECTURES:
         named = arch or cfg.get("model_type")
@@ -372,17 +389,31 @@ def _load_hf(path, device, dtype, max_model_len, tp):
     dtype = parse_dtype(dtype) or default_dtype(device, cfg.torch_dtype)
     with torch.device(device):
         model = model_class(cfg.architecture)(cfg, dtype, rows, tp)
+    multimodal = "text_of" in cfg.extra
     for file in files:
         try:
             # On CUDA each tensor goes to the GPU as stored and is cast there by the copy.
             with safe_open(file, framework="pt", device=str(device)) as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                    model.load_weight(name, f.get_tensor(name))
+                for stored in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    # a multimodal checkpoint: its language model's tensors under their text-only names, no vision
+                    name = _text_model_name(stored) if multimodal else stored
+                    if name is not None:
+                        model.load_weight(name, f.get_tensor(stored))
         except (OSError, SafetensorError) as exc:
             raise ValueError(f"cannot read weights from {file}: {exc}") from None
     model.check_loaded()
     eos = _ids(defaults.get("eos_token_id")) or _ids(tokenizer.eos_token_id)
     return LoadedModel(model.eval(), cfg, tokenizer, defaults, eos, os.path.basename(os.path.abspath(path)), dtype)
+
+
+def _text_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as the text-only model's (transformers 4's
+    language_model.model.*, 5's model.language_model.*), None for the vision tower and projector."""
+    for prefix, replacement in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                                ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return None
 
 
 def _safetensors_files(path):

@@ -83,7 +83,7 @@ class Tokenizer:
 
     @classmethod
     def from_hf_dir(cls, path: str) -> Tokenizer:
-        """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) in ``path``.
+        """tokenizer.json (+ tokenizer_config.json, chat_template.jinja or chat_template.json) in ``path``.
 
         Raises FileNotFoundError when tokenizer.json is missing, ValueError when it is unreadable.
         """
@@ -110,6 +110,10 @@ class Tokenizer:
         if template is None and os.path.isfile(jinja_file):
             with open(jinja_file, encoding="utf-8") as f:
                 template = f.read()
+        processor_file = os.path.join(path, "chat_template.json")  # multimodal checkpoints' processor template
+        if template is None and os.path.isfile(processor_file):
+            with open(processor_file, encoding="utf-8") as f:
+                template = json.load(f).get("chat_template")
         return cls(backend, chat_template=template, bos_token=_token_text(config.get("bos_token")),
                    eos_token=_token_text(config.get("eos_token")))
 

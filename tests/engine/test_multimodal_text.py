@@ -1,0 +1,76 @@
+"""Multimodal checkpoints run as their language model (text in, text out): Gemma 3 (4B and up:
+Gemma3ForConditionalGeneration) and Mistral Small 3.1/3.2 (Mistral3ForConditionalGeneration), tiny
+random ones written by transformers, against transformers' own multimodal model on text-only input
+(float32, logits within 1e-5); the vision tower's tensors are skipped, the processor's chat template read."""
+
+import json
+
+import pytest
+import torch
+
+from tileattn.engine import LLMEngine
+from tileattn.engine.loader import read_model_config
+
+from .checkpoints import engine_logits, rel_error, save_tokenizer
+from .test_models import PROMPT
+
+TEXT = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=None, bos_token_id=0,
+            eos_token_id=1)
+
+
+def gemma3(path):
+    import transformers
+
+    config = transformers.Gemma3Config(
+        text_config={**TEXT, "sliding_window": 8, "query_pre_attn_scalar": 24},
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=383, boi_token_index=381, eoi_token_index=382)
+    return transformers.Gemma3ForConditionalGeneration(config)
+
+
+def mistral3(path):
+    import transformers
+
+    config = transformers.Mistral3Config(
+        text_config={**TEXT, "model_type": "mistral", "sliding_window": None},
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14, head_dim=16),
+        image_token_index=383, spatial_merge_size=1, vision_feature_layer=-1)
+    return transformers.Mistral3ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("make,text_arch", [(gemma3, "Gemma3ForCausalLM"), (mistral3, "MistralForCausalLM")],
+                         ids=["gemma3-4b-form", "mistral-small-3.1-form"])
+def test_language_model_of_a_multimodal_checkpoint(tmp_path, make, text_arch):
+    torch.manual_seed(0)
+    hf = make(tmp_path).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 1.2 / 64 ** 0.5)
+    hf.save_pretrained(tmp_path)
+    save_tokenizer(tmp_path)
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = read_model_config(str(tmp_path))
+    assert cfg.architecture == text_arch and cfg.extra["text_of"] == type(hf).__name__
+    engine = LLMEngine.from_model(str(tmp_path), device="cpu", max_model_len=128, kv_cache_blocks=16)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([PROMPT])).logits[0].float()
+    err = rel_error(engine_logits(engine, PROMPT), ref)
+    assert err < 1e-5, f"{text_arch} inside {type(hf).__name__}: logits relative error {err:.2e}"
+    assert engine.tokenizer.chat_template == template
+
+
+def test_other_multimodal_text_models_are_refused():
+    from tileattn.engine.loader import model_config_from_hf
+
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        model_config_from_hf({"architectures": ["Mistral3ForConditionalGeneration"],
+                              "text_config": {**TEXT, "model_type": "ministral9"}})
