@@ -1,6 +1,6 @@
 """Multimodal checkpoints run as their language model (text in, text out): Gemma 3 (4B and up:
-Gemma3ForConditionalGeneration) and Mistral Small 3.1/3.2 (Mistral3ForConditionalGeneration), tiny
-random ones written by transformers, against transformers' own multimodal model on text-only input
+Gemma3ForConditionalGeneration), Mistral Small 3.1/3.2 (Mistral3ForConditionalGeneration), Qwen2.5-VL
+and Qwen3-VL (their multimodal rotary is plain rotary on text), tiny random ones written by transformers, against transformers' own multimodal model on text-only input
 (float32, logits within 1e-5); the vision tower's tensors are skipped, the processor's chat template read."""
 
 import json
@@ -41,8 +41,23 @@ def mistral3(path):
     return transformers.Mistral3ForConditionalGeneration(config)
 
 
-@pytest.mark.parametrize("make,text_arch", [(gemma3, "Gemma3ForCausalLM"), (mistral3, "MistralForCausalLM")],
-                         ids=["gemma3-4b-form", "mistral-small-3.1-form"])
+def qwen_vl(version):
+    def make(path):
+        import transformers
+
+        # the t / h / w rotary sections sized for head_dim 16 (8 frequencies)
+        text = {**TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+                **({"head_dim": 16} if version == "3" else {})}
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
+        config = getattr(transformers, f"Qwen{version}VLConfig")(text_config=text, vision_config=vision)
+        return getattr(transformers, f"Qwen{version}VLForConditionalGeneration")(config)
+
+    return make
+
+
+@pytest.mark.parametrize("make,text_arch", [(gemma3, "Gemma3ForCausalLM"), (mistral3, "MistralForCausalLM"),
+                                            (qwen_vl("2_5_"), "Qwen2ForCausalLM"), (qwen_vl("3"), "Qwen3ForCausalLM")],
+                         ids=["gemma3-4b-form", "mistral-small-3.1-form", "qwen2.5-vl", "qwen3-vl"])
 def test_language_model_of_a_multimodal_checkpoint(tmp_path, make, text_arch):
     torch.manual_seed(0)
     hf = make(tmp_path).eval()

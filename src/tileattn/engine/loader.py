@@ -142,9 +142,16 @@ def _rotary_rows(cfg: ModelConfig, max_model_len: int | None) -> int:
 
 # ---- HF directories ------------------------------------------------------------------------------
 
-# multimodal checkpoints whose language model the engine runs on its own (text in, text out): the
-# architecture -> where its text config and weights sit
-_MULTIMODAL_TEXT = {"Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration"}
+# multimodal checkpoints whose language model the engine runs on its own (text in, text out); their
+# text configs' model types (transformers 4's Qwen2-VL configs keep the text fields at the top)
+_MULTIMODAL_TEXT = {"Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
+                    "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                    "Qwen3VLForConditionalGeneration"}
+# Qwen-VL's multimodal rotary (mrope: t / h / w sections) rotates text tokens, whose three positions
+# are equal, as plain rotary does
+_TEXT_MODEL_TYPES = {"qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM",
+                     "qwen2_vl": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM",
+                     "qwen3_vl_text": "Qwen3ForCausalLM"}
 
 
 def model_config_from_hf(cfg: dict) -> ModelConfig:
@@ -154,12 +161,13 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
     architecture or a missing field."""
     archs = cfg.get("architectures") or []
     if archs and archs[0] in _MULTIMODAL_TEXT:
-        text = dict(cfg.get("text_config") or {})
+        text = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k not in ("vision_config", "architectures")})
         if "tie_word_embeddings" in cfg:  # the whole model's says whether its one LM head is the embedding
             text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
         text.setdefault("dtype", cfg.get("dtype") or cfg.get("torch_dtype"))
-        text["architectures"] = [_MODEL_TYPES.get(text.get("model_type"), f"{archs[0]}'s text model "
-                                                                            f"{text.get('model_type')!r}")]
+        model_type = text.get("model_type")
+        text["architectures"] = [_MODEL_TYPES.get(model_type) or _TEXT_MODEL_TYPES.get(model_type)
+                                 or f"{archs[0]}'s text model {model_type!r}"]
         model = model_config_from_hf(text)
         model.extra["text_of"] = archs[0]
         return model
@@ -177,7 +185,7 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
+    if kind in ("default", "mrope"):  # mrope: text-only positions (see _TEXT_MODEL_TYPES)
         scaling = None
     elif kind == "yarn":  # the original context may sit beside the factor (Qwen's configs)
         original = (scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
@@ -408,12 +416,14 @@ def _load_hf(path, device, dtype, max_model_len, tp):
 
 def _text_model_name(name: str) -> str | None:
     """A multimodal checkpoint's tensor name as the text-only model's (transformers 4's
-    language_model.model.*, 5's model.language_model.*), None for the vision tower and projector."""
+    language_model.model.*, 5's model.language_model.*, Qwen2-VL's model.*), None for the vision
+    tower and the projector."""
     for prefix, replacement in (("language_model.model.", "model."), ("model.language_model.", "model."),
                                 ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
         if name.startswith(prefix):
             return replacement + name[len(prefix):]
-    return None
+    vision = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")
+    return name if name.startswith("model.") and not name.startswith(vision) else None
 
 
 def _safetensors_files(path):
