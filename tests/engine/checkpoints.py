@@ -50,6 +50,9 @@ ARCHITECTURES = {
                                                    "full_attention": {"rope_type": "yarn", "factor": 4.0,
                                                                       "original_max_position_embeddings": 16,
                                                                       "rope_theta": 10000.0}})),
+    # GLM-4: four norms per layer, interleaved rotary on half of each head's dims, fused gate_up_proj,
+    # q/k/v biases
+    "glm4": ("Glm4Config", dict(pad_token_id=None, head_dim=16, attention_bias=True)),
     # Gemma 2: sandwich norms with (1 + w), GELU-tanh MLP, scaled embeddings, a window on every other
     # layer far shorter than the prompts, attention and final logit caps low enough to bite
     "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8, attn_logit_softcapping=3.0,

@@ -198,16 +198,19 @@ def _yarn_inv_freq(inv_freq, dim: int, theta: float, scaling: dict) -> torch.Ten
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
-def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
-    """The order of a head's dims for partial rotary: order[j] is the checkpoint dim that slot j of
-    the rotate-half layout reads. transformers rotates dims (i, i + rotary_dim / 2) for i < rotary_dim
-    / 2 and passes the rest; the engine rotates (i, i + head_dim / 2), so the rotated pairs take slots
-    i and i + head_dim / 2 and the passed dims the slots whose frequency is 0. Permuting q's and k's
-    dims alike leaves every q . k unchanged. -> int64 [head_dim]."""
+def partial_rotary_order(head_dim: int, rotary_dim: int, interleaved: bool = False) -> torch.Tensor:
+    """The order of a head's dims for partial or interleaved rotary: order[j] is the checkpoint dim
+    that slot j of the rotate-half layout reads. transformers rotates dims (i, i + rotary_dim / 2)
+    (interleaved, GLM: (2i, 2i + 1)) for i < rotary_dim / 2 and passes the rest; the engine rotates (i,
+    i + head_dim / 2), so the rotated pairs take slots i and i + head_dim / 2 and the passed dims the
+    slots whose frequency is 0. Permuting q's and k's dims alike leaves every q . k unchanged. -> int64
+    [head_dim]."""
     half, rot = head_dim // 2, rotary_dim // 2
     passed = torch.arange(rotary_dim, head_dim)  # [head_dim - rotary_dim]
     first, second = passed[:half - rot], passed[half - rot:]
-    return torch.cat((torch.arange(rot), first, torch.arange(rot, rotary_dim), second))
+    pairs = ((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)) if interleaved
+             else (torch.arange(rot), torch.arange(rot, rotary_dim)))
+    return torch.cat((pairs[0], first, pairs[1], second))
 
 
 class Rotary(nn.Module):

@@ -39,7 +39,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM",
-                "gpt_oss": "GptOssForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}
+                "gpt_oss": "GptOssForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
+                "glm4": "Glm4ForCausalLM"}
 
 
 @dataclass
@@ -216,7 +217,7 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
                                              arch in (*GEMMA_ARCHITECTURES, "SmolLM3ForCausalLM"))),
             qkv_bias=(arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
                       or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))),
-            o_bias=bool(cfg.get("attention_bias", False)),
+            o_bias=bool(cfg.get("attention_bias", False)) and arch != "Glm4ForCausalLM",  # GLM: q/k/v only
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=_sliding_window(arch, cfg),
@@ -288,15 +289,16 @@ def _extra_options(arch, cfg) -> dict:
     if arch == "GraniteForCausalLM":
         return {name: float(cfg.get(name, 1.0)) for name in
                 ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")}
+    options = {"rotary_interleaved": True} if arch == "Glm4ForCausalLM" else {}  # GLM rotates pairs (2i, 2i + 1)
     partial = cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
-    if partial < 1.0:  # Phi-4-mini: only the first rotary_dim dims of each head rotate
+    if partial < 1.0:  # Phi-4-mini, GLM-4: only the first rotary_dim dims of each head rotate
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         rotary_dim = int(head_dim * partial)
         if rotary_dim % 2 or rotary_dim < 2:
             raise ValueError(f"config.json partial_rotary_factor={partial} gives {rotary_dim} rotary dims of "
                              f"{head_dim}; rotary needs an even count")
-        return {"rotary_dim": rotary_dim}
-    return {}
+        options["rotary_dim"] = rotary_dim
+    return options
 
 
 def _olmo_options(arch, cfg) -> dict:

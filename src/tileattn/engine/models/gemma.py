@@ -28,13 +28,16 @@ from .llama import LlamaForCausalLM
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
-class GemmaDecoderLayer(nn.Module):
-    def __init__(self, cfg, dtype: torch.dtype, tp, sliding_window: int | None):
+class SandwichDecoderLayer(nn.Module):
+    """A layer with four norms (Gemma 2/3, GLM-4): input_layernorm before attention,
+    post_attention_layernorm on its output before the residual add, pre_feedforward_layernorm before
+    the MLP, post_feedforward_layernorm on its output before the add. ``attention``: the layer's
+    PagedAttention; ``act``: GatedMLP's activation."""
+
+    def __init__(self, cfg, dtype: torch.dtype, tp, attention: PagedAttention, act: str):
         super().__init__()
-        extra = cfg.extra
-        self.self_attn = PagedAttention(cfg, dtype, tp, sliding_window=sliding_window, softcap=extra["attn_softcap"],
-                                        scale=extra["query_pre_attn_scalar"] ** -0.5)
-        self.mlp = GatedMLP(cfg.hidden_size, tp.split(cfg.intermediate_size)[1], cfg.mlp_bias, dtype, tp, act="gelu_tanh")
+        self.self_attn = attention
+        self.mlp = GatedMLP(cfg.hidden_size, tp.split(cfg.intermediate_size)[1], cfg.mlp_bias, dtype, tp, act=act)
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype))
@@ -56,7 +59,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype)  # rounded as transformers does
 
     def make_layer(self, index: int, dtype: torch.dtype) -> nn.Module:
-        return GemmaDecoderLayer(self.cfg, dtype, self.tp, self.cfg.extra["layer_windows"][index])
+        cfg, extra = self.cfg, self.cfg.extra
+        attention = PagedAttention(cfg, dtype, self.tp, sliding_window=extra["layer_windows"][index],
+                                   softcap=extra["attn_softcap"], scale=extra["query_pre_attn_scalar"] ** -0.5)
+        return SandwichDecoderLayer(cfg, dtype, self.tp, attention, "gelu_tanh")
 
     def embed(self, input_ids):  # [T] -> [T, hidden]
         return super().embed(input_ids) * self.embed_scale

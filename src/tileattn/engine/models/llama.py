@@ -116,7 +116,9 @@ class LlamaForCausalLM(nn.Module):
                                  rotary_dim, max_positions)
         self.rotary = Rotary(max_positions, inv_freq, dtype, rope_attention_factor(cfg.rope_scaling))
         # q and k dims in the order the rotate-half launch pairs them (None: the checkpoint's)
-        self.head_dim_order = partial_rotary_order(cfg.head_dim, rotary_dim) if rotary_dim < cfg.head_dim else None
+        interleaved = cfg.extra.get("rotary_interleaved", False)  # GLM: pairs (2i, 2i + 1)
+        self.head_dim_order = (partial_rotary_order(cfg.head_dim, rotary_dim, interleaved)
+                               if rotary_dim < cfg.head_dim or interleaved else None)
         rope_layers = cfg.extra.get("rope_layers")  # SmolLM3's NoPE layers rotate by the identity
         self.identity_rotary = (Rotary(max_positions, torch.zeros_like(inv_freq), dtype)
                                 if rope_layers is not None and not all(rope_layers) else None)
