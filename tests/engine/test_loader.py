@@ -88,3 +88,30 @@ def test_sliding_window_is_read_and_qwen_layer_windows_refused(llama):
     assert model_config_from_hf({**qwen, "use_sliding_window": False}).sliding_window is None
     with pytest.raises(ValueError, match="use_sliding_window"):
         model_config_from_hf({**qwen, "use_sliding_window": True})
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
+def test_pytorch_bin_checkpoints_load_the_same(llama, tmp_path, sharded):
+    """pytorch_model.bin (older checkpoints; or its shards with pytorch_model.bin.index.json), read with
+    weights_only: the same logits as the safetensors checkpoint; an unreadable one is a ValueError
+    naming the file."""
+    path, model = llama
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(path / name, tmp_path / name)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    if sharded:
+        names = sorted(state)
+        shards = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+        for file, keys in shards.items():
+            torch.save({k: state[k] for k in keys}, tmp_path / file)
+        (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps(
+            {"weight_map": {k: file for file, keys in shards.items() for k in keys}}))
+    else:
+        torch.save(state, tmp_path / "pytorch_model.bin")
+    _, ours = logits(tmp_path)
+    _, ref = logits(path)
+    assert torch.equal(ours, ref)
+    if not sharded:
+        (tmp_path / "pytorch_model.bin").write_bytes(b"not a pickle")
+        with pytest.raises(ValueError, match="cannot read weights from .*pytorch_model.bin"):
+            logits(tmp_path)

@@ -2,7 +2,7 @@
 
 Two formats, both read from disk only:
 - an HF directory: config.json (transformers 4 or 5 field names), model.safetensors or shards
-  listed in model.safetensors.index.json, tokenizer.json + tokenizer_config.json,
+  listed in model.safetensors.index.json (else pytorch_model.bin or its shards, loaded with weights_only), tokenizer.json + tokenizer_config.json,
   generation_config.json (optional);
 - a GGUF file (llama.cpp): metadata -> config and tokenizer, tensors dequantized with the `gguf`
   package. llama.cpp's converter permutes the rows of Q and K of "llama" models so that rotary
@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -385,11 +386,11 @@ def _hf_config(path) -> ModelConfig:
 
 
 def _load_hf(path, device, dtype, max_model_len, tp):
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     cfg = _hf_config(path)
     rows = _rotary_rows(cfg, max_model_len)
-    files = _safetensors_files(path)
+    files = _weight_files(path)
     tokenizer = Tokenizer.from_hf_dir(path)
     defaults = {}
     gen_file = os.path.join(path, "generation_config.json")
@@ -402,14 +403,12 @@ def _load_hf(path, device, dtype, max_model_len, tp):
     multimodal = "text_of" in cfg.extra
     for file in files:
         try:
-            # On CUDA each tensor goes to the GPU as stored and is cast there by the copy.
-            with safe_open(file, framework="pt", device=str(device)) as f:
-                for stored in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                    # a multimodal checkpoint: its language model's tensors under their text-only names, no vision
-                    name = _text_model_name(stored) if multimodal else stored
-                    if name is not None:
-                        model.load_weight(name, f.get_tensor(stored))
-        except (OSError, SafetensorError) as exc:
+            for stored, tensor in _tensors(file, device):
+                # a multimodal checkpoint: its language model's tensors under their text-only names, no vision
+                name = _text_model_name(stored) if multimodal else stored
+                if name is not None:
+                    model.load_weight(name, tensor())
+        except (OSError, SafetensorError, RuntimeError, pickle.UnpicklingError) as exc:
             raise ValueError(f"cannot read weights from {file}: {exc}") from None
     model.check_loaded()
     eos = _ids(defaults.get("eos_token_id")) or _ids(tokenizer.eos_token_id)
@@ -428,23 +427,43 @@ def _text_model_name(name: str) -> str | None:
     return name if name.startswith("model.") and not name.startswith(vision) else None
 
 
-def _safetensors_files(path):
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        files = [os.path.join(path, n) for n in names]
-        missing = [f for f in files if not os.path.isfile(f)]
-        if missing:
-            raise FileNotFoundError(f"shards listed in {index} are missing: {missing[:3]}")
-        return files
-    single = os.path.join(path, "model.safetensors")
-    if os.path.isfile(single):
-        return [single]
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no weights in {path}: neither model.safetensors nor an index")
-    return files
+def _tensors(file: str, device):
+    """(name, load()) for each tensor of a weights file: safetensors read one tensor at a time (on
+    CUDA straight to the GPU, cast there by the copy); a PyTorch pickle (pytorch_model*.bin) memory-
+    mapped with weights_only (no code runs), each tensor read when loaded."""
+    if file.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                yield name, lambda name=name: f.get_tensor(name)
+        return
+    state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    for name, tensor in state.items():
+        yield name, lambda tensor=tensor: tensor
+
+
+def _weight_files(path):
+    """The weight files of an HF directory: safetensors (one file, the shards an index lists, or every
+    *.safetensors), else PyTorch's pytorch_model.bin the same ways."""
+    for index_name, single_name, pattern in (("model.safetensors.index.json", "model.safetensors", "*.safetensors"),
+                                             ("pytorch_model.bin.index.json", "pytorch_model.bin", "pytorch_model*.bin")):
+        index = os.path.join(path, index_name)
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+            files = [os.path.join(path, n) for n in names]
+            missing = [f for f in files if not os.path.isfile(f)]
+            if missing:
+                raise FileNotFoundError(f"shards listed in {index} are missing: {missing[:3]}")
+            return files
+        single = os.path.join(path, single_name)
+        if os.path.isfile(single):
+            return [single]
+        files = sorted(glob.glob(os.path.join(path, pattern)))
+        if files:
+            return files
+    raise FileNotFoundError(f"no weights in {path}: neither model.safetensors nor pytorch_model.bin (nor an index)")
 
 
 def _ids(value) -> tuple[int, ...]:
