@@ -53,6 +53,10 @@ ARCHITECTURES = {
     # GLM-4: four norms per layer, interleaved rotary on half of each head's dims, fused gate_up_proj,
     # q/k/v biases
     "glm4": ("Glm4Config", dict(pad_token_id=None, head_dim=16, attention_bias=True)),
+    # Seed-OSS: q/k/v biases and, separately, an o_proj bias
+    "seed-oss": ("SeedOssConfig", dict(pad_token_id=None, head_dim=16, attention_bias=True, attention_out_bias=True)),
+    # ERNIE 4.5 (dense): biases on every projection, interleaved rotary over the whole head
+    "ernie4.5": ("Ernie4_5Config", dict(pad_token_id=None, head_dim=16, use_bias=True)),
     # Gemma 2: sandwich norms with (1 + w), GELU-tanh MLP, scaled embeddings, a window on every other
     # layer far shorter than the prompts, attention and final logit caps low enough to bite
     "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8, attn_logit_softcapping=3.0,

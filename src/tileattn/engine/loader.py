@@ -41,7 +41,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM",
                 "gpt_oss": "GptOssForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
-                "glm4": "Glm4ForCausalLM"}
+                "glm4": "Glm4ForCausalLM", "seed_oss": "SeedOssForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM"}
 
 
 @dataclass
@@ -216,10 +216,10 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
                                              arch in (*GEMMA_ARCHITECTURES, "SmolLM3ForCausalLM"))),
-            qkv_bias=(arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+            qkv_bias=(arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False) or cfg.get("use_bias", False))
                       or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))),
-            o_bias=bool(cfg.get("attention_bias", False)) and arch != "Glm4ForCausalLM",  # GLM: q/k/v only
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            o_bias=_o_bias(arch, cfg),
+            mlp_bias=bool(cfg.get("mlp_bias", False) or cfg.get("use_bias", False)),  # use_bias: ERNIE 4.5's, all
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=_sliding_window(arch, cfg),
             torch_dtype=_safe_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
@@ -263,6 +263,16 @@ def _gemma_options(arch, cfg) -> dict:
             **({} if local is None else {"local_rope": (float(local), None)})}
 
 
+def _o_bias(arch, cfg) -> bool:
+    """Whether o_proj has a bias: Llama's attention_bias covers q/k/v/o; GLM-4's only q/k/v; Seed-OSS
+    says attention_out_bias; ERNIE 4.5's use_bias covers every projection."""
+    if arch == "SeedOssForCausalLM":
+        return bool(cfg.get("attention_out_bias", False))
+    if arch == "Glm4ForCausalLM":
+        return False
+    return bool(cfg.get("attention_bias", False) or cfg.get("use_bias", False))
+
+
 def _extra_options(arch, cfg) -> dict:
     """ModelConfig.extra: the options of the architectures beyond the Llama decoder's fields."""
     if arch in GEMMA_ARCHITECTURES:
@@ -290,7 +300,8 @@ def _extra_options(arch, cfg) -> dict:
     if arch == "GraniteForCausalLM":
         return {name: float(cfg.get(name, 1.0)) for name in
                 ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")}
-    options = {"rotary_interleaved": True} if arch == "Glm4ForCausalLM" else {}  # GLM rotates pairs (2i, 2i + 1)
+    # GLM-4 and ERNIE 4.5 rotate pairs (2i, 2i + 1)
+    options = {"rotary_interleaved": True} if arch in ("Glm4ForCausalLM", "Ernie4_5ForCausalLM") else {}
     partial = cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
     if partial < 1.0:  # Phi-4-mini, GLM-4: only the first rotary_dim dims of each head rotate
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]

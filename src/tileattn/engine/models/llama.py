@@ -1,4 +1,5 @@
-"""One Llama-family decoder covering Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM3, Granite and Phi-3/4.
+"""One Llama-family decoder covering Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM3, Granite, Phi-3/4,
+Seed-OSS and ERNIE 4.5 (dense).
 
 The architectures differ only in options of ModelConfig: qkv/o/mlp biases, per-head q/k RMSNorm
 (Qwen3), explicit head_dim, rope scaling, tied embeddings; in ModelConfig.extra (loader.py):
@@ -6,7 +7,8 @@ The architectures differ only in options of ModelConfig: qkv/o/mlp biases, per-h
 Granite's "embedding_multiplier", "attention_multiplier" (the attention scale), "residual_multiplier"
 (folded into the o and down projections' weights, which feed the residual adds) and
 "logits_scaling" (the logits divided by it); "rotary_dim" (Phi-4-mini's partial rotary: q and k dims
-reordered at load time, partial_rotary_order). Weights use the HF parameter names; q/k/v and gate/up
+reordered at load time, partial_rotary_order) and "rotary_interleaved" (GLM-4, ERNIE 4.5: pairs (2i, 2i
++ 1) reordered the same way). Weights use the HF parameter names; q/k/v and gate/up
 checkpoint tensors are copied into row ranges of the fused projections (Phi-3's fused qkv_proj and
 gate_up_proj are split into those parts first).
 
@@ -41,7 +43,8 @@ from ..layers import (
 )
 
 LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                       "SmolLM3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM")
+                       "SmolLM3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", "SeedOssForCausalLM",
+                       "Ernie4_5ForCausalLM")
 
 # fused checkpoint tensors (Phi-3) -> their parts, in row order
 _CHECKPOINT_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
