@@ -57,6 +57,10 @@ ARCHITECTURES = {
     "seed-oss": ("SeedOssConfig", dict(pad_token_id=None, head_dim=16, attention_bias=True, attention_out_bias=True)),
     # ERNIE 4.5 (dense): biases on every projection, interleaved rotary over the whole head
     "ernie4.5": ("Ernie4_5Config", dict(pad_token_id=None, head_dim=16, use_bias=True)),
+    # EXAONE 4.0: OLMo's post-branch norms with per-head q/k norms, windows of 8 on three layers of four and no
+    # rotary on the fourth
+    "exaone4": ("Exaone4Config", dict(pad_token_id=None, head_dim=16, num_hidden_layers=4, sliding_window=8,
+                                      sliding_window_pattern=4)),
     # Gemma 2: sandwich norms with (1 + w), GELU-tanh MLP, scaled embeddings, a window on every other
     # layer far shorter than the prompts, attention and final logit caps low enough to bite
     "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8, attn_logit_softcapping=3.0,

@@ -54,7 +54,7 @@ def test_config_fields_read(arch_pair):
     cfg = engine.model_config
     assert cfg.head_dim == getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
     assert cfg.tie_word_embeddings == bool(hf.config.tie_word_embeddings), arch
-    assert cfg.qk_norm == (arch in ("qwen3", "gemma3", "qwen3-moe"))
+    assert cfg.qk_norm == (arch in ("qwen3", "gemma3", "qwen3-moe", "exaone4"))
     assert cfg.qkv_bias == (arch in ("qwen2", "llama2", "qwen2-moe", "gpt-oss", "glm4", "seed-oss", "ernie4.5"))
     if arch == "llama3":
         assert cfg.rope_scaling["rope_type"] == "llama3"

@@ -65,7 +65,8 @@ CASES = {"llama3-gqa": ("llama3", {}, 1),
          "gpt-oss-sinks-biased-experts": ("gpt-oss", {}, 1),
          "olmo2-replicated-kv-whole-k-norm": ("olmo2", {"num_key_value_heads": 1}, 1),
          "olmo3-windows-local-rope": ("olmo3", {}, 1),
-         "glm4-interleaved-partial-rotary": ("glm4", {}, 1)}
+         "glm4-interleaved-partial-rotary": ("glm4", {}, 1),
+         "exaone4-nope-full-layers": ("exaone4", {}, 1)}
 
 
 def _tokens(outputs):

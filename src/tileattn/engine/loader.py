@@ -41,7 +41,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM",
                 "gpt_oss": "GptOssForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
-                "glm4": "Glm4ForCausalLM", "seed_oss": "SeedOssForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM"}
+                "glm4": "Glm4ForCausalLM", "seed_oss": "SeedOssForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
+                "exaone4": "Exaone4ForCausalLM"}
 
 
 @dataclass
@@ -220,7 +221,7 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
                       or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))),
             o_bias=_o_bias(arch, cfg),
             mlp_bias=bool(cfg.get("mlp_bias", False) or cfg.get("use_bias", False)),  # use_bias: ERNIE 4.5's, all
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "Exaone4ForCausalLM"),
             sliding_window=_sliding_window(arch, cfg),
             torch_dtype=_safe_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
             extra=_extra_options(arch, cfg),
@@ -321,7 +322,7 @@ def _olmo_options(arch, cfg) -> dict:
     layers, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
     types = cfg.get("layer_types") or (
         ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
-        if arch == "Olmo3ForCausalLM" else ["full_attention"] * layers)
+        if arch != "Olmo2ForCausalLM" and window else ["full_attention"] * layers)
     if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
         raise ValueError(f"config.json layer_types must name each of the {layers} layers sliding_attention or "
                          f"full_attention, got {types!r}")
@@ -332,8 +333,12 @@ def _olmo_options(arch, cfg) -> dict:
     scaling = {k: v for k, v in local.items() if k != "rope_theta"}
     if scaling.get("rope_type", "default") == "default":
         scaling = None
-    return {"layer_windows": [window if t == "sliding_attention" and window else None for t in types],
-            "local_rope": (float(theta), scaling)}
+    options = {"layer_windows": [window if t == "sliding_attention" and window else None for t in types],
+               "local_rope": (float(theta), scaling)}
+    if arch == "Exaone4ForCausalLM":  # per-head q/k norms; with windows, the full layers have no rotary
+        options.update(whole_qk_norm=False, rope_layers=[t == "sliding_attention" or not window for t in types])
+        del options["local_rope"]
+    return options
 
 
 def _moe_options(arch, cfg) -> dict:
