@@ -89,3 +89,38 @@ def test_other_multimodal_text_models_are_refused():
     with pytest.raises(ValueError, match="unsupported architecture"):
         model_config_from_hf({"architectures": ["Mistral3ForConditionalGeneration"],
                               "text_config": {**TEXT, "model_type": "ministral9"}})
+
+
+@pytest.mark.parametrize("released_layout", [False, True], ids=["transformers-layout", "released-layout"])
+def test_qwen3_vl_moe_language_model_with_stacked_experts(tmp_path, released_layout):
+    """Qwen3-VL-MoE keeps every expert of a layer in one tensor: gate_up_proj [E, 2 ffn, hidden] and
+    down_proj [E, hidden, ffn] as transformers writes them, or transposed as the released checkpoints
+    store them ([E, hidden, 2 ffn], [E, ffn, hidden]); both load to transformers' logits (its router
+    always renormalises)."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    text = {**TEXT, "moe_intermediate_size": 24, "num_experts": 4, "num_experts_per_tok": 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
+    hf = transformers.Qwen3VLMoeForConditionalGeneration(
+        transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 1.2 / 64 ** 0.5)
+    hf.save_pretrained(tmp_path)
+    save_tokenizer(tmp_path)
+    if released_layout:
+        tensors = load_file(tmp_path / "model.safetensors")
+        for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+        save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    cfg = read_model_config(str(tmp_path))
+    assert cfg.architecture == "Qwen3MoeForCausalLM" and cfg.extra["moe"]["renormalize"]
+    engine = LLMEngine.from_model(str(tmp_path), device="cpu", max_model_len=128, kv_cache_blocks=16)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([PROMPT])).logits[0].float()
+    err = rel_error(engine_logits(engine, PROMPT), ref)
+    assert err < 1e-5, f"Qwen3-VL-MoE's language model: logits relative error {err:.2e}"

@@ -149,12 +149,12 @@ def _rotary_rows(cfg: ModelConfig, max_model_len: int | None) -> int:
 # text configs' model types (transformers 4's Qwen2-VL configs keep the text fields at the top)
 _MULTIMODAL_TEXT = {"Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
                     "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                    "Qwen3VLForConditionalGeneration"}
+                    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"}
 # Qwen-VL's multimodal rotary (mrope: t / h / w sections) rotates text tokens, whose three positions
 # are equal, as plain rotary does
 _TEXT_MODEL_TYPES = {"qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM",
                      "qwen2_vl": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM",
-                     "qwen3_vl_text": "Qwen3ForCausalLM"}
+                     "qwen3_vl_text": "Qwen3ForCausalLM", "qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}
 
 
 def model_config_from_hf(cfg: dict) -> ModelConfig:
@@ -169,6 +169,8 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
             text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
         text.setdefault("dtype", cfg.get("dtype") or cfg.get("torch_dtype"))
         model_type = text.get("model_type")
+        if model_type == "qwen3_vl_moe_text":  # its router always renormalises the top-k weights
+            text["norm_topk_prob"] = True
         text["architectures"] = [_MODEL_TYPES.get(model_type) or _TEXT_MODEL_TYPES.get(model_type)
                                  or f"{archs[0]}'s text model {model_type!r}"]
         model = model_config_from_hf(text)

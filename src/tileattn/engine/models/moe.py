@@ -6,6 +6,8 @@ decoder (llama.py) with a SparseMoE (layers.py) in place of the MLP on its spars
 - Qwen2-MoE: q/k/v biases, a shared expert with a sigmoid gate beside the routed ones; Qwen3-MoE:
   per-head q/k norms. Both renormalise only with norm_topk_prob, and run a dense MLP of
   intermediate_size on the layers mlp_only_layers names or that decoder_sparse_step skips.
+- Qwen3-VL-MoE's language model: Qwen3-MoE with its experts stacked in one tensor per layer and
+  projection (experts.gate_up_proj, experts.down_proj; either orientation), split expert by expert.
 The options arrive in ModelConfig.extra["moe"] (loader._moe_options). Each expert's checkpoint
 tensors are copied into its rows of the stacked expert parameters (this rank's ffn slice of them
 under tensor parallelism).
@@ -25,6 +27,8 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 
 # layers.L.mlp.experts.E.<projection>.weight (Mixtral's names after block_sparse_moe -> mlp)
 _EXPERT_WEIGHT = re.compile(r"(?:model\.)?layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
+# layers.L.mlp.experts.<gate_up_proj|down_proj>: every expert in one tensor (Qwen3-VL-MoE)
+_STACKED_EXPERTS = re.compile(r"(?:model\.)?layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _EXPERT_PROJECTIONS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
                        "down_proj": "down", "w2": "down"}
 
@@ -54,6 +58,21 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         name = name.replace(".block_sparse_moe.", ".mlp.")
+        stacked = _STACKED_EXPERTS.fullmatch(name)
+        if stacked is not None:  # each expert's slices, through the per-expert path
+            experts, hidden, full = self.cfg.extra["moe"]["num_experts"], self.cfg.hidden_size, self.cfg.extra["moe"]["expert_ffn"]
+            layer, projection = stacked[1], stacked[2]
+            rows = 2 * full if projection == "gate_up_proj" else hidden  # [E, rows, cols] as the model keeps them
+            if tensor.dim() == 3 and tensor.shape[0] == experts and tensor.shape[1] != rows:
+                tensor = tensor.transpose(1, 2)  # the released checkpoints' [E, in, out]
+            if tensor.dim() != 3 or tensor.shape[:2] != (experts, rows):
+                raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config implies "
+                                 f"{(experts, rows, full if rows == hidden else hidden)} or its transpose")
+            for e in range(experts):
+                parts = tensor[e].chunk(2) if projection == "gate_up_proj" else (tensor[e],)  # gate | up halves
+                for part, proj in zip(parts, ("gate_proj", "up_proj") if len(parts) == 2 else ("down_proj",)):
+                    self.load_weight(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", part)
+            return None
         match = _EXPERT_WEIGHT.fullmatch(name)
         if match is None:
             return super().load_weight(name, tensor)
