@@ -171,7 +171,7 @@ def test_grouped_delta_paths_agree(monkeypatch):
     groups = adapters.groups(slots_of_tokens.numpy(), torch.device("cpu"))
     assert groups[2] == [3, 3, 6, 7]
     grouped = lora.grouped_delta(x, a, b, groups)
-    monkeypatch.setattr(lora, "grouped_experts_supported", lambda device, dtype: False)
+    monkeypatch.setattr(lora, "grouped_mm_supported", lambda device, dtype: False)
     looped = lora.grouped_delta(x, a, b, groups)
     for y in (grouped, looped):
         assert rel_error(y, ref) < 1e-6

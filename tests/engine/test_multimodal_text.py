@@ -19,6 +19,18 @@ TEXT = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_lay
             eos_token_id=1)
 
 
+def save_scaled(hf, path):
+    """hf with its matrices drawn as checkpoints.make_checkpoint draws them (logits far from uniform),
+    saved to path with the tests' tokenizer; returns it in eval mode."""
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 1.2 / TEXT["hidden_size"] ** 0.5)
+    hf.save_pretrained(path)
+    save_tokenizer(path)
+    return hf.eval()
+
+
 def gemma3(path):
     import transformers
 
@@ -60,13 +72,7 @@ def qwen_vl(version):
                          ids=["gemma3-4b-form", "mistral-small-3.1-form", "qwen2.5-vl", "qwen3-vl"])
 def test_language_model_of_a_multimodal_checkpoint(tmp_path, make, text_arch):
     torch.manual_seed(0)
-    hf = make(tmp_path).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 1.2 / 64 ** 0.5)
-    hf.save_pretrained(tmp_path)
-    save_tokenizer(tmp_path)
+    hf = save_scaled(make(tmp_path), tmp_path)
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
     (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
@@ -104,14 +110,8 @@ def test_qwen3_vl_moe_language_model_with_stacked_experts(tmp_path, released_lay
     text = {**TEXT, "moe_intermediate_size": 24, "num_experts": 4, "num_experts_per_tok": 2,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}}
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
-    hf = transformers.Qwen3VLMoeForConditionalGeneration(
-        transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 1.2 / 64 ** 0.5)
-    hf.save_pretrained(tmp_path)
-    save_tokenizer(tmp_path)
+    hf = save_scaled(transformers.Qwen3VLMoeForConditionalGeneration(
+        transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)), tmp_path)
     if released_layout:
         tensors = load_file(tmp_path / "model.safetensors")
         for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:

@@ -287,7 +287,7 @@ def routed_experts(x, gate_up, down, weights, experts, grouped: bool | None = No
     tokens, k = experts.shape
     num_experts = gate_up.shape[0]
     if grouped is None:
-        grouped = grouped_experts_supported(x.device, x.dtype)
+        grouped = grouped_mm_supported(x.device, x.dtype)
     flat = experts.reshape(-1)  # [T k]
     order = flat.argsort(stable=True)  # [T k]: pairs grouped by expert
     rows = x.index_select(0, order // k)  # [T k, hidden]
@@ -311,9 +311,9 @@ def routed_experts(x, gate_up, down, weights, experts, grouped: bool | None = No
     return (by_token.float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
 
 
-def grouped_experts_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether routed_experts can use torch's grouped GEMM here: a torch with F.grouped_mm, on the
-    CPU in any dtype, on CUDA in bfloat16 (the dtype its CUDA kernels take)."""
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM runs here (routed_experts, lora.grouped_delta): a torch with
+    F.grouped_mm, on the CPU in any dtype, on CUDA in bfloat16 (the dtype its CUDA kernels take)."""
     return hasattr(F, "grouped_mm") and (device.type != "cuda" or dtype == torch.bfloat16)
 
 

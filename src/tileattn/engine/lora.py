@@ -30,7 +30,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .layers import grouped_experts_supported
+from .layers import grouped_mm_supported
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
            "qkv_proj", "gate_up_proj")  # the last two: Phi-3's fused modules
@@ -44,7 +44,7 @@ def grouped_delta(x, a, b, groups):
     x's device, ends as a host list) -> [T, out]: row t is b[s] a[s] x[t] for its slot s."""
     order, ends, host_ends = groups
     rows = x.index_select(0, order)  # [T, in], grouped by slot
-    if grouped_experts_supported(x.device, x.dtype):
+    if grouped_mm_supported(x.device, x.dtype):
         y = F.grouped_mm(F.grouped_mm(rows, a.transpose(1, 2), offs=ends), b.transpose(1, 2), offs=ends)
     else:  # one GEMM pair per slot with tokens (eager only: the sizes come from the host)
         y = rows.new_empty(rows.shape[0], b.shape[1])

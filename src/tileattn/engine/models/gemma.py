@@ -22,31 +22,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import GatedMLP, PagedAttention, RMSNorm
-from .llama import LlamaForCausalLM
+from ..layers import PagedAttention
+from .llama import LlamaForCausalLM, SandwichDecoderLayer
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-
-
-class SandwichDecoderLayer(nn.Module):
-    """A layer with four norms (Gemma 2/3, GLM-4): input_layernorm before attention,
-    post_attention_layernorm on its output before the residual add, pre_feedforward_layernorm before
-    the MLP, post_feedforward_layernorm on its output before the add. ``attention``: the layer's
-    PagedAttention; ``act``: GatedMLP's activation."""
-
-    def __init__(self, cfg, dtype: torch.dtype, tp, attention: PagedAttention, act: str):
-        super().__init__()
-        self.self_attn = attention
-        self.mlp = GatedMLP(cfg.hidden_size, tp.split(cfg.intermediate_size)[1], cfg.mlp_bias, dtype, tp, act=act)
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):
-            setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype))
-
-    def forward(self, rope, x, residual, batch):  # x [T, hidden]; residual [T, hidden] or None (first layer)
-        attn, residual = self.self_attn(rope, x, residual, self.input_layernorm, batch)  # [T, hidden]
-        attn = self.post_attention_layernorm(attn, None)  # [T, hidden]: the branch normalised before the add
-        gate_up, residual = self.pre_feedforward_layernorm(attn, residual, self.mlp.gate_up_proj)  # [T, 2 ffn]
-        return self.post_feedforward_layernorm(self.mlp(gate_up), None), residual
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

@@ -1,6 +1,6 @@
 """GLM-4 (Glm4ForCausalLM: GLM-4-9B-0414, GLM-4-32B-0414, GLM-Z1), on llama.py's decoder pieces:
 
-- four norms per layer, as Gemma's (gemma.SandwichDecoderLayer; plain RMSNorm weights): the
+- four norms per layer, as Gemma's (llama.SandwichDecoderLayer; plain RMSNorm weights): the
   checkpoint's post_self_attn_layernorm is the one on the attention's output, its
   post_attention_layernorm the one before the MLP, its post_mlp_layernorm the one on the MLP's output;
 - interleaved partial rotary: half of each head's dims rotate, in pairs (2i, 2i + 1) (the loader's
@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from ..layers import PagedAttention
-from .gemma import SandwichDecoderLayer
-from .llama import LlamaForCausalLM
+from .llama import LlamaForCausalLM, SandwichDecoderLayer
 
 GLM_ARCHITECTURES = ("Glm4ForCausalLM",)
 

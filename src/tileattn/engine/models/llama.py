@@ -20,7 +20,6 @@ biases whole.
 
 from __future__ import annotations
 
-import itertools
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +35,7 @@ from ..layers import (
     RMSNorm,
     Rotary,
     SparseMoE,
-    grouped_experts_supported,
+    grouped_mm_supported,
     partial_rotary_order,
     rope_attention_factor,
     rope_inv_freq,
@@ -97,6 +96,27 @@ class DecoderLayer(nn.Module):
         return down, residual
 
 
+class SandwichDecoderLayer(nn.Module):
+    """A layer with four norms (Gemma 2/3, GLM-4): input_layernorm before attention,
+    post_attention_layernorm on its output before the residual add, pre_feedforward_layernorm before
+    the MLP, post_feedforward_layernorm on its output before the add. ``attention``: the layer's
+    PagedAttention; ``act``: GatedMLP's activation."""
+
+    def __init__(self, cfg, dtype: torch.dtype, tp, attention: PagedAttention, act: str):
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = GatedMLP(cfg.hidden_size, tp.split(cfg.intermediate_size)[1], cfg.mlp_bias, dtype, tp, act=act)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype))
+
+    def forward(self, rope, x, residual, batch):  # x [T, hidden]; residual [T, hidden] or None (first layer)
+        attn, residual = self.self_attn(rope, x, residual, self.input_layernorm, batch)  # [T, hidden]
+        attn = self.post_attention_layernorm(attn, None)  # [T, hidden]: the branch normalised before the add
+        gate_up, residual = self.pre_feedforward_layernorm(attn, residual, self.mlp.gate_up_proj)  # [T, 2 ffn]
+        return self.post_feedforward_layernorm(self.mlp(gate_up), None), residual
+
+
 class LlamaForCausalLM(nn.Module):
     supports_lora = True  # lora.py serves adapters on this decoder (not on the subclasses that change its layers)
 
@@ -129,6 +149,12 @@ class LlamaForCausalLM(nn.Module):
         self.local_rotary = None if local is None else Rotary(
             max_positions, rope_inv_freq(cfg.head_dim, local[0], local[1], None, None, max_positions), dtype,
             rope_attention_factor(local[1]))
+        # each layer's tables, chosen once: the local ones on windowed layers that have them, the
+        # identity on NoPE layers, the model's elsewhere (extra["layer_windows"], extra["rope_layers"])
+        windows = cfg.extra.get("layer_windows") or [None] * cfg.num_layers
+        uses = cfg.extra.get("rope_layers") or [True] * cfg.num_layers
+        self.layer_rotaries = [self.local_rotary if windows[i] and self.local_rotary is not None
+                               else self.rotary if uses[i] else self.identity_rotary for i in range(cfg.num_layers)]
         self.embedding_multiplier = cfg.extra.get("embedding_multiplier", 1.0)
         self.logits_scaling = cfg.extra.get("logits_scaling", 1.0)
         self.residual_multiplier = cfg.extra.get("residual_multiplier", 1.0)
@@ -170,18 +196,9 @@ class LlamaForCausalLM(nn.Module):
         return x * self.embedding_multiplier if self.embedding_multiplier != 1.0 else x
 
     def layer_ropes(self, positions):
-        """Each layer's rotary tables: the model's one table; the identity on the NoPE layers
-        (extra["rope_layers"]); the local tables on the windowed layers (extra["layer_windows"]) when
-        they have their own (extra["local_rope"])."""
-        rope = self.rotary(positions)
-        if self.identity_rotary is None and self.local_rotary is None:
-            return itertools.repeat(rope)
-        extra, layers = self.cfg.extra, range(self.cfg.num_layers)
-        uses = extra.get("rope_layers") or [True for _ in layers]
-        windows = extra.get("layer_windows") or [None for _ in layers]
-        identity = None if self.identity_rotary is None else self.identity_rotary(positions)
-        local = rope if self.local_rotary is None else self.local_rotary(positions)
-        return [local if windows[i] else rope if uses[i] else identity for i in layers]
+        """Each layer's rotary tables (layer_rotaries: the model's one table; the identity on the NoPE
+        layers; the local tables on the windowed layers when they have their own)."""
+        return [rotary(positions) for rotary in self.layer_rotaries]
 
     def forward(self, input_ids, positions, batch: AttentionBatch):
         x = self.embed(input_ids)  # [T, hidden]
@@ -196,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
         unless its mixture-of-experts layers lack torch's grouped GEMM in this dtype (routed_experts'
         per-expert fallback reads the group sizes on the host)."""
         experts = any(isinstance(layer.mlp, SparseMoE) for layer in self.layers)
-        return not experts or grouped_experts_supported(torch.device("cuda"), self.dtype)
+        return not experts or grouped_mm_supported(torch.device("cuda"), self.dtype)
 
     def compute_logits(self, hidden):  # hidden [N, hidden] -> [N, vocab] float32 (rank 0; others None)
         logits = self.tp.gather_last_dim(linear(hidden, self.lm_head).float())  # rank's part [N, vocab / N]

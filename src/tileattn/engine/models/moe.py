@@ -63,8 +63,10 @@ class MoEForCausalLM(LlamaForCausalLM):
             experts, hidden, full = self.cfg.extra["moe"]["num_experts"], self.cfg.hidden_size, self.cfg.extra["moe"]["expert_ffn"]
             layer, projection = stacked[1], stacked[2]
             rows = 2 * full if projection == "gate_up_proj" else hidden  # [E, rows, cols] as the model keeps them
+            # the released checkpoints' [E, in, out], told apart by shape (a square one, hidden == 2 ffn
+            # or == ffn, would read as transformers' layout: no released model has one)
             if tensor.dim() == 3 and tensor.shape[0] == experts and tensor.shape[1] != rows:
-                tensor = tensor.transpose(1, 2)  # the released checkpoints' [E, in, out]
+                tensor = tensor.transpose(1, 2)
             if tensor.dim() != 3 or tensor.shape[:2] != (experts, rows):
                 raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config implies "
                                  f"{(experts, rows, full if rows == hidden else hidden)} or its transpose")
