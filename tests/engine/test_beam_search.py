@@ -52,3 +52,9 @@ def test_bad_arguments(model):
             llm.beam_search(PROMPTS, width, 4)
     with pytest.raises(ValueError, match="max_tokens"):
         llm.beam_search(PROMPTS, 2, 0)
+    for bad in ("1", float("nan"), None):
+        with pytest.raises(ValueError, match="length_penalty"):
+            llm.beam_search(PROMPTS, 2, 4, length_penalty=bad)
+    with pytest.raises(ValueError, match="ignore_eos"):
+        llm.beam_search(PROMPTS, 2, 4, ignore_eos="yes")
+    assert not llm.engine.has_unfinished_requests()

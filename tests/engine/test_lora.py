@@ -135,6 +135,8 @@ def test_adapter_errors(served, tmp_path):
         engine.add_lora("c", str(tmp_path / "wide_adapter"))
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         engine.add_lora("c", str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="path must be a directory path"):
+        engine.add_lora("c", 3)
     assert engine.lora_names == ["a", "b"]  # nothing half-loaded
     write_adapter(tmp_path / "c", hf, ALL, rank=4, alpha=8, seed=7)
     engine.add_lora("c", str(tmp_path / "c"))

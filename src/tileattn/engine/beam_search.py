@@ -11,6 +11,8 @@ the beams' shared prefixes come back from the prefix cache.
 
 from __future__ import annotations
 
+import math
+
 from .outputs import BeamSearchSequence
 from .sampling_params import SamplingParams
 
@@ -20,7 +22,8 @@ MAX_BEAM_WIDTH = 10  # the candidates come from the engine's top-20 logprobs
 class BeamSearch:
     """The search state of several prompts: pending() -> the beams to extend, advance(logprobs) with
     one {token: logprob} per pending beam, answers(decode) at the end. Raises ValueError for
-    beam_width outside 1..MAX_BEAM_WIDTH or max_tokens < 1."""
+    beam_width outside 1..MAX_BEAM_WIDTH, max_tokens < 1, a length_penalty that is not a finite number
+    or an ignore_eos that is not a bool."""
 
     def __init__(self, prompts: list[list[int]], beam_width: int, max_tokens: int, eos_token_ids,
                  ignore_eos: bool = False, length_penalty: float = 1.0):
@@ -28,6 +31,11 @@ class BeamSearch:
             raise ValueError(f"beam_width must be an int in [1, {MAX_BEAM_WIDTH}], got {beam_width!r}")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        if (not isinstance(length_penalty, (int, float)) or isinstance(length_penalty, bool)
+                or not math.isfinite(length_penalty)):
+            raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
+        if not isinstance(ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {ignore_eos!r}")
         self.prompts, self.width, self.steps_left = prompts, beam_width, max_tokens
         self.eos, self.ignore_eos, self.length_penalty = set(eos_token_ids), ignore_eos, length_penalty
         self.live = [[((), 0.0)] for _ in prompts]  # per prompt: (tokens, sum of logprobs)

@@ -118,6 +118,8 @@ class LoRAAdapters:
 
         if not isinstance(name, str) or not name:
             raise ValueError(f"a LoRA adapter needs a non-empty name, got {name!r}")
+        if not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"LoRA adapter {name!r}: path must be a directory path, got {type(path).__name__}")
         if name in self.names:
             raise ValueError(f"LoRA adapter {name!r} is already loaded")
         free = sorted(set(range(1, self.max_loras + 1)) - set(self.names.values()))
