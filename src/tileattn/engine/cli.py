@@ -143,17 +143,26 @@ def _chat_loop(llm, params, system, lora=None) -> None:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        reply, stats = stream_reply(llm, messages, params, sys.stdout, lora)
+        reply, stats = stream_reply(llm, messages, params, sys.stdout, lora, thoughts=sys.stderr)
         messages.append({"role": "assistant", "content": reply})
         print(f"[{stats}]", file=sys.stderr)
 
 
-def stream_reply(llm, messages, params, out, lora: str | None = None) -> tuple[str, str]:
+def stream_reply(llm, messages, params, out, lora: str | None = None, thoughts=None) -> tuple[str, str]:
     """Run one chat turn through the engine's step API (with LoRA adapter ``lora``), writing text to
-    ``out`` as it arrives. Returns (the reply, a one-line summary with prefill and decode tok/s)."""
+    ``out`` as it arrives. Returns (the reply, a one-line summary with prefill and decode tok/s).
+    gpt-oss answers in harmony channels: its analysis goes to ``thoughts`` (None: dropped), its
+    final answer to ``out`` and into the reply."""
+    import dataclasses
     import time
 
     engine = llm.engine
+    harmony = None
+    if getattr(engine.model_config, "architecture", None) == "GptOssForCausalLM":
+        from .harmony import HarmonyParser
+
+        harmony = HarmonyParser().stream(calls=False)
+        params = dataclasses.replace(params, skip_special_tokens=False)  # the channels' markers
     prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_special_tokens=False)
     request_id = f"chat-{time.monotonic_ns()}"
     start = time.perf_counter()
@@ -168,9 +177,15 @@ def stream_reply(llm, messages, params, out, lora: str | None = None) -> tuple[s
                 completion = output.outputs[0]
                 if first is None and completion.token_ids:
                     first = time.perf_counter()
-                out.write(completion.new_text)
+                new_text = completion.new_text
+                if harmony is not None:
+                    new_text = _harmony_delta(harmony, new_text, completion.finish_reason, thoughts)
+                    text += new_text
+                else:
+                    text = completion.text
+                out.write(new_text)
                 out.flush()
-                text, count = completion.text, len(completion.token_ids)
+                count = len(completion.token_ids)
     except KeyboardInterrupt:
         engine.abort_request(request_id)
     end = time.perf_counter()
@@ -180,6 +195,18 @@ def stream_reply(llm, messages, params, out, lora: str | None = None) -> tuple[s
     decode = (count - 1) / (end - first) if count > 1 and end > first else 0.0
     return text, (f"{len(prompt)} prompt tokens at {prefill:,.0f} tok/s (time to first token "
                   f"{(first - start) * 1e3:.0f} ms), {count} tokens at {decode:,.1f} tok/s")
+
+
+def _harmony_delta(harmony, new_text: str, finish_reason, thoughts) -> str:
+    """A harmony stream's next delta: its reasoning written to ``thoughts``, its content returned."""
+    reasoning, content, _ = harmony.feed(new_text)
+    if finish_reason is not None:
+        more = harmony.finish(finish_reason)
+        reasoning, content = reasoning + more[0], content + more[1]
+    if reasoning and thoughts is not None:
+        thoughts.write(reasoning)
+        thoughts.flush()
+    return content
 
 
 def main(argv=None) -> int:

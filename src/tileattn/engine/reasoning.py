@@ -6,6 +6,8 @@ models that think before they answer (`tileattn serve --reasoning-parser NAME`, 
   template closes an empty block in the prompt) is all content.
 - ``deepseek_r1``: the template opens the block in the prompt, so the answer starts inside it
   (a ``<think>`` it writes anyway is dropped); everything up to ``</think>`` is reasoning.
+- ``openai_gptoss``: gpt-oss's harmony channels (tileattn.engine.harmony), which also carry its
+  tool calls.
 An answer cut off before ``</think>`` is all reasoning. Both parts are stripped of the whitespace at
 their ends; a stream sends the same text (whitespace held back until more follows), so its deltas
 add up to the non-streamed message.
@@ -13,12 +15,15 @@ add up to the non-streamed message.
 
 from __future__ import annotations
 
+from .harmony import HarmonyParser
 from .tool_calls import Content, partial_suffix
 
 START, END = "<think>", "</think>"
 
 
 class ReasoningParser:
+    grammar_after = END  # a structured answer's grammar starts after the thinking
+
     def __init__(self, name: str, starts_inside: bool):
         self.name, self.starts_inside = name, starts_inside
 
@@ -75,7 +80,7 @@ class ReasoningStream:
 
 
 PARSERS = {p.name: p for p in (ReasoningParser("qwen3", starts_inside=False),
-                               ReasoningParser("deepseek_r1", starts_inside=True))}
+                               ReasoningParser("deepseek_r1", starts_inside=True), HarmonyParser())}
 
 
 def get_parser(name: str) -> ReasoningParser:

@@ -44,10 +44,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .beam_search import BeamSearch
 from .sampling_params import PoolingParams, SamplingParams
 from .tokenizer import TEMPLATE_VARIABLES
-from .reasoning import END as REASONING_END
+from .harmony import HarmonyParser
 from .reasoning import PARSERS as REASONING_PARSERS
 from .reasoning import get_parser as get_reasoning_parser
-from .tool_calls import PARSERS, get_parser
+from .tool_calls import PARSERS, HarmonyCallsParser, get_parser
 
 log = logging.getLogger("tileattn.serve")
 
@@ -427,6 +427,11 @@ class _EngineCollector:
             yield CounterMetricFamily(f"tileattn:{name}", doc, value=float(s.get(key, 0)))
 
 
+def _architecture(engine) -> str | None:
+    """The engine's model class name (e.g. "GptOssForCausalLM"); None for an engine without one."""
+    return getattr(getattr(engine, "model_config", None), "architecture", None)
+
+
 class ServerState:
     """The engine, its thread, the open generations and the metrics of one app."""
 
@@ -435,8 +440,16 @@ class ServerState:
         self.engine = engine
         self.served_model_name = served_model_name
         self.max_queue_depth = max_queue_depth
+        if tool_call_parser is None and reasoning_parser is None and _architecture(engine) == "GptOssForCausalLM":
+            tool_call_parser, reasoning_parser = HarmonyCallsParser.name, HarmonyParser.name  # harmony answers
+        harmony = reasoning_parser == HarmonyParser.name
+        if tool_call_parser == HarmonyCallsParser.name and not harmony or harmony and tool_call_parser not in (
+                None, HarmonyCallsParser.name):
+            raise ValueError(f"tool-call parser {tool_call_parser!r} with reasoning parser {reasoning_parser!r}: gpt-oss's "
+                             f"harmony answers are read by {HarmonyCallsParser.name!r} and {HarmonyParser.name!r} together")
         self.tool_parser = get_parser(tool_call_parser) if tool_call_parser is not None else None
         self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser is not None else None
+        self.harmony = harmony  # answers decoded with their special tokens, read by the harmony parser
         self.tokenizer = engine.tokenizer
         self.lora_names: list[str] = engine.lora_names  # served beside the model, by their names
         self.max_model_len: int = engine.max_model_len
@@ -669,10 +682,13 @@ def _structured_errors_named(source: str | None):
 
 def _sampling_params(state: ServerState, req: SamplingRequest, max_tokens: int,
                      logprobs: int | None, prompt_logprobs: int | None, stop_after: str | None = None,
-                     structured: dict | None = None, grammar_after: str | None = None) -> SamplingParams:
+                     structured: dict | None = None, grammar_after: str | None = None,
+                     keep_special_tokens: bool = False) -> SamplingParams:
     """stop_after: one more stop string (the tool-call parser's, for parallel_tool_calls: false);
     structured: the structured_outputs spec (_structured_spec, or the one that forces a tool call);
-    grammar_after: where that grammar starts (the reasoning's end tag: the model thinks freely first)."""
+    grammar_after: where that grammar starts (the reasoning's end tag: the model thinks freely first);
+    keep_special_tokens: the text keeps them whatever the request says (a harmony answer's markers,
+    which its parser reads and removes)."""
     overrides = {k: getattr(req, k) for k in (
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
         "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "include_stop_str_in_output",
@@ -681,6 +697,8 @@ def _sampling_params(state: ServerState, req: SamplingRequest, max_tokens: int,
     if structured is not None:
         overrides["structured_outputs"] = structured
         overrides["grammar_after"] = grammar_after
+    if keep_special_tokens:
+        overrides["skip_special_tokens"] = False
     if stop_after is not None:
         stop = overrides.get("stop") or []
         overrides["stop"] = [*([stop] if isinstance(stop, str) else stop), stop_after]
@@ -783,7 +801,8 @@ def _chat_tools(state: ServerState, req: ChatRequest):
     if parser is None:
         raise APIError(400, "This server parses no tool calls: start it with --tool-call-parser "
                             "(hermes for Qwen2.5 / Qwen3 / Hermes, llama3_json for Llama 3.x, mistral for Mistral "
-                            "v0.3, pythonic for Llama 3.2's pythonic calls).", param="tools")
+                            "v0.3, pythonic for Llama 3.2's pythonic calls, openai with --reasoning-parser openai_gptoss for "
+                            "gpt-oss).", param="tools")
     _check_template_renders_tools(state)
     forced = None
     if choice == "required":
@@ -1209,12 +1228,22 @@ class ChatAnswer:
     delta; the deltas of a stream add up to the whole answer's parts."""
 
     def __init__(self, reasoning_parser, tool_parser):
-        self.reasoning = reasoning_parser.stream() if reasoning_parser is not None else None
-        self.tools = tool_parser.stream() if tool_parser is not None else None
+        # harmony (gpt-oss): one reader for the channels and the calls (calls only with tools)
+        self.harmony = reasoning_parser.stream(tool_parser is not None) if isinstance(
+            reasoning_parser, HarmonyParser) else None
+        self.reasoning = reasoning_parser.stream() if reasoning_parser is not None and self.harmony is None else None
+        self.tools = tool_parser.stream() if tool_parser is not None and self.harmony is None else None
         self.calls_sent = 0
 
     def feed(self, text: str, finish_reason=None, stop_reason=None) -> tuple[str, str, list]:
         """(reasoning, content, calls) of the next delta; finish_reason set: the answer's last."""
+        if self.harmony is not None:
+            reasoning, content, calls = self.harmony.feed(text)
+            if finish_reason is not None:
+                parts = self.harmony.finish(finish_reason)
+                reasoning, content, calls = reasoning + parts[0], content + parts[1], calls + parts[2]
+            self.calls_sent += len(calls)
+            return reasoning, content, calls
         reasoning, content, calls = "", text, []
         if self.reasoning is not None:
             reasoning, content = self.reasoning.feed(text)
@@ -1236,10 +1265,10 @@ class ChatAnswer:
     def message(self, text: str, finish_reason: str, stop_reason) -> dict:
         """The non-streamed message of a whole answer (content None when parsers left nothing)."""
         reasoning, content, calls = self.feed(text, finish_reason, stop_reason)
-        if self.reasoning is None and self.tools is None:
+        if self.reasoning is None and self.tools is None and self.harmony is None:
             return {"role": "assistant", "content": text}
         message = {"role": "assistant", "content": content or None}
-        if self.reasoning is not None:
+        if self.reasoning is not None or self.harmony is not None:
             message["reasoning_content"] = reasoning or None
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
@@ -1272,9 +1301,10 @@ async def start_chat(state: ServerState, req: ChatRequest, prefix: str):
     stop_after = parser.one_call_stop if parser is not None and req.parallel_tool_calls is False else None
     rid = f"{prefix}-{uuid.uuid4().hex}"
     with _structured_errors_named(source):
-        grammar_after = REASONING_END if state.reasoning_parser is not None else None
+        grammar_after = state.reasoning_parser.grammar_after if state.reasoning_parser is not None else None
         params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None,
-                                  _prompt_logprobs_param(req, None), stop_after, structured, grammar_after)
+                                  _prompt_logprobs_param(req, None), stop_after, structured, grammar_after,
+                                  keep_special_tokens=state.harmony)
         await _prepare_grammar(state, params)
         gen = Generation(state, rid, [prompt], params, arrival, lora, req)
         await gen.start()
@@ -1376,10 +1406,12 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
     max_queue_depth: the most engine requests (one per prompt) admitted and unfinished at once,
         running or waiting; beyond it requests get 503 instead of growing memory without bound.
     tool_call_parser: how chat answers are read for tool calls when a request has ``tools`` (a name
-        in tileattn.engine.tool_calls.PARSERS: "hermes", "llama3_json", "mistral", "pythonic"); None: requests with tools
-        get a 400.
+        in tileattn.engine.tool_calls.PARSERS: "hermes", "llama3_json", "mistral", "pythonic", "openai"); None:
+        requests with tools get a 400.
     reasoning_parser: how chat answers are split into reasoning_content and content (a name in
-        tileattn.engine.reasoning.PARSERS: "qwen3", "deepseek_r1"); None: no split.
+        tileattn.engine.reasoning.PARSERS: "qwen3", "deepseek_r1", "openai_gptoss"); None: no split.
+        "openai" and "openai_gptoss" read gpt-oss's harmony answers together (the default for a
+        gpt-oss engine when neither parser is given).
     api_key: when set, every request but GET /health and GET /metrics must carry
         ``Authorization: Bearer <api_key>`` (OpenAI clients send their api_key so); others get a 401.
     lora_updates: serve POST /v1/load_lora_adapter {"lora_name", "lora_path"} and POST
@@ -1545,7 +1577,8 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--disable-access-log", action="store_true", help="no uvicorn line per HTTP request")
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="send a chat answer's <think> part as reasoning_content (qwen3: Qwen3; deepseek_r1: "
-                        "DeepSeek-R1 and its distillations, whose template opens the block)")
+                        "DeepSeek-R1 and its distillations, whose template opens the block; openai_gptoss: gpt-oss's "
+                        "harmony channels, the default for gpt-oss with --tool-call-parser openai)")
     p.add_argument("--api-key", default=os.environ.get("TILEATTN_API_KEY") or None,
                    help="require Authorization: Bearer KEY on every endpoint but /health and /metrics "
                         "(default: $TILEATTN_API_KEY; unset: no key)")
@@ -1554,7 +1587,8 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
                         "model's: for checkpoints without one or with a broken one")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="read chat answers for tool calls in this format (hermes: Qwen2.5 / Qwen3 / Hermes; "
-                        "llama3_json: Llama 3.x; mistral: Mistral v0.3; pythonic: Llama 3.2's Python-style calls); "
+                        "llama3_json: Llama 3.x; mistral: Mistral v0.3; pythonic: Llama 3.2's Python-style calls; "
+                        "openai: gpt-oss, with --reasoning-parser openai_gptoss); "
                         "without it, requests with tools get a 400")
     g = p.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, default=None)

@@ -11,6 +11,8 @@ Parsers (`tileattn serve --tool-call-parser NAME`, vLLM's names):
   after ``[TOOL_CALLS]`` (Mistral 7B Instruct v0.3; a special token, so usually skipped).
 - ``pythonic``: the whole answer is a Python list of calls with literal keyword arguments,
   ``[get_weather(city="Paris")]`` (Llama 3.2's pythonic format; read by ast, never run).
+- ``openai``: gpt-oss's harmony calls, read with the answer's channels by the ``openai_gptoss``
+  reasoning parser (tileattn.engine.harmony), which it needs.
 
 A block that does not parse as a call (bad JSON, no name, arguments not an object) stays in the
 content as the model wrote it: nothing is dropped. The content is the text outside the calls with
@@ -298,7 +300,24 @@ def call_schema(tools: list[dict], arguments_key: str) -> dict:
     return {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
 
 
-PARSERS = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser(), PythonicParser())}
+class HarmonyCallsParser(_Parser):
+    """gpt-oss's calls (``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``):
+    the harmony reader (engine/harmony.py) reads them together with the answer's channels, so a
+    server with this parser reads answers through --reasoning-parser openai_gptoss, not ``stream``."""
+
+    name = "openai"
+    one_call_stop = None  # <|call|> is a stop token: an answer holds one call
+
+    def forced_calls(self, tools: list[dict], several: bool) -> None:
+        return None  # no grammar of harmony's headers here: tool_choice "auto" only
+
+    def stream(self):
+        raise ValueError("the openai tool-call parser reads gpt-oss's harmony answers through the openai_gptoss "
+                         "reasoning parser")
+
+
+PARSERS = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser(), PythonicParser(),
+                               HarmonyCallsParser())}
 
 
 def get_parser(name: str):
