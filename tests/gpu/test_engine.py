@@ -4,7 +4,11 @@ Oracle: transformers' fp32 forward of the same tiny checkpoints (tests/engine/ch
 bf16 bounds: logits relative error < 3e-2 (bf16 weights and activations over 2 layers; the
 kernels accumulate in fp32). Greedy tokens are checked teacher-forced: every token the engine
 picks must be within twice the measured logit error of transformers' best token at that
-position, and at least 28 of 32 must be exactly its argmax. CUDA-graph decode must give the eager
+position, and at least 28 of 32 must be exactly its argmax. Mixture-of-experts models: from the
+first token whose fp32 router sees a near-tie between its k-th and (k+1)-th expert on, bf16 may
+route it elsewhere (a different MLP output for it, and through attention for the tokens after):
+those positions are held to 1e-1 (check_logits compares the engine's routing with the oracle's,
+and any token routed elsewhere must be a near-tie; the decode checks use the oracle's near-ties). CUDA-graph decode must give the eager
 path's tokens bitwise (same batch, same kernels); chunked-prefill, prefix-cached and preempted
 runs batch differently, so they must match or first differ only at a near-tie
 (assert_same_or_tie). The CUDA kernels take head_dim 64/128/256 and block sizes 16..256, so
@@ -37,15 +41,87 @@ def arch_pair(request, tmp_path_factory):
     return request.param, hf, engine
 
 
+# A mixture-of-experts router whose k-th and (k+1)-th logits (fp32) are closer than this picks its
+# experts at a near-tie: in bf16 these checkpoints' router logits (std ~1.2) are off by 0.008-0.017
+# rms and up to 0.094 (the engine in bf16 on the CPU against the fp32 oracle, session 35), so the
+# engine may choose the other expert, which changes that token's MLP output outright, and through
+# attention every later position. Positions from the first such token on are held to
+# NEAR_TIE_BOUND only.
+ROUTER_NEAR_TIE = 0.1
+NEAR_TIE_BOUND = 1e-1
+
+
+def _router_logits(hf, engine=None):
+    """Forward hooks that collect each MoE router's logits, one [T, E] float tensor per layer call:
+    the oracle's (modules named *.mlp.gate / *.mlp.router / *.block_sparse_moe.gate, whose output is
+    the logits or a tuple starting with them) and, with ``engine``, its SparseMoE routers'. Returns
+    (oracle list, engine list, hooks to remove)."""
+    from tileattn.engine.layers import SparseMoE
+
+    ours, ref, hooks = [], [], []
+    for name, module in hf.named_modules():
+        if name.endswith(("mlp.gate", "mlp.router", "block_sparse_moe.gate")):
+            hooks.append(module.register_forward_hook(
+                lambda m, a, out: ref.append((out if torch.is_tensor(out) else out[0]).float().flatten(0, -2))))
+    if engine is not None:
+        for module in engine.runner.model.modules():
+            if isinstance(module, SparseMoE):
+                hooks.append(module.gate.register_forward_hook(lambda m, a, out: ours.append(out.float().cpu())))
+    return ref, ours, hooks
+
+
+def _top_k_gaps(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's top-k expert set, sorted [T, k]; the gap between its k-th and (k+1)-th logit [T])."""
+    top = logits.topk(k + 1, dim=-1)
+    return top.indices[:, :k].sort(dim=-1).values, top.values[:, k - 1] - top.values[:, k]
+
+
+def first_router_near_tie(hf, ids: list[int]) -> int:
+    """The first position of ``ids`` at which a mixture-of-experts router of the fp32 oracle sees a
+    near-tie (ROUTER_NEAR_TIE) in any layer; len(ids) for a dense model or none."""
+    k = getattr(hf.config, "num_experts_per_tok", None)
+    ref, _, hooks = _router_logits(hf)
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    near = [int(t) for logits in ref for t in (_top_k_gaps(logits, k)[1] < ROUTER_NEAR_TIE).nonzero().flatten()]
+    return min(near, default=len(ids))
+
+
 def check_logits(arch, hf, engine, prompt, what="bf16"):
-    ours = engine_logits(engine, prompt).cpu()
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0].float()
+    """Relative error < 3e-2 against the fp32 oracle, up to the first token an MoE router of the
+    engine sends to other experts than the oracle's (each such token must be a near-tie of the
+    oracle's router); 1e-1 over the whole prompt then."""
+    ref_routes, our_routes, hooks = _router_logits(hf, engine)
+    try:
+        ours = engine_logits(engine, prompt).cpu()
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    first = len(prompt)
+    for layer, (a, b) in enumerate(zip(our_routes, ref_routes)):
+        k = hf.config.num_experts_per_tok
+        (mine, _), (theirs, gap) = _top_k_gaps(a, k), _top_k_gaps(b, k)
+        moved = (mine != theirs).any(dim=-1).nonzero().flatten()
+        assert (gap[moved] < ROUTER_NEAR_TIE).all(), (
+            f"{arch}: MoE layer {layer} routes tokens {moved.tolist()} elsewhere than the oracle at clear choices "
+            f"(fp32 gaps {gap[moved].tolist()})")
+        first = min([first, *moved.tolist()])
+    err = rel_error(ours[:first], ref[:first]) if first else 0.0
+    assert err < 3e-2, f"{arch}: {what} logits relative error {err:.2e} vs transformers fp32 (bound 3e-2; rows < {first})"
     err = rel_error(ours, ref)
-    assert err < 3e-2, f"{arch}: {what} logits relative error {err:.2e} vs transformers fp32 (bound 3e-2)"
+    assert err < NEAR_TIE_BOUND, f"{arch}: {what} logits relative error {err:.2e} with tokens routed elsewhere from {first}"
 
 
 def check_greedy_teacher_forced(arch, hf, engine, what="bf16"):
+    """Every greedy token within twice the measured logit error of the oracle's argmax (up to the
+    first MoE router near-tie of the whole sequence: decode steps replay CUDA graphs, whose routing
+    no hook sees); at least 28 of 32 its argmax."""
     engine.add_request("g", PROMPT, GREEDY)
     outs = []
     while engine.has_unfinished_requests():
@@ -56,7 +132,9 @@ def check_greedy_teacher_forced(arch, hf, engine, what="bf16"):
     margin = logits.max(-1).values - logits.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
     with torch.no_grad():
         measured = (engine_logits(engine, PROMPT).cpu() - hf(torch.tensor([PROMPT])).logits[0].float()).abs().max()
-    assert (margin <= 2 * measured + 1e-3).all(), \
+    tie = first_router_near_tie(hf, PROMPT + tokens) - (len(PROMPT) - 1)  # output j is predicted at row P - 1 + j
+    held = margin[:max(tie, 0)]
+    assert (held <= 2 * measured + 1e-3).all(), \
         f"{arch} {what}: tokens {tokens} lose to transformers' argmax by {margin.tolist()} (logit error {measured:.3f})"
     exact = int((margin == 0).sum())
     assert exact >= 28, f"{arch} {what}: only {exact}/32 greedy tokens equal transformers' argmax"
@@ -91,7 +169,8 @@ def test_embeddings_bf16_match_transformers_fp32(arch_pair):
             ref = hf.model(torch.tensor([prompt])).last_hidden_state[0, -1].double()
         ours = torch.tensor(done[f"emb-{i}"].embedding, dtype=torch.float64)
         err = rel_error(ours, ref / ref.norm())
-        assert err < 3e-2, f"{arch}: embedding of prompt {i} relative error {err:.2e} (bound 3e-2)"
+        bound = 3e-2 if first_router_near_tie(hf, prompt) == len(prompt) else NEAR_TIE_BOUND
+        assert err < bound, f"{arch}: embedding of prompt {i} relative error {err:.2e} (bound {bound:g})"
     assert len(done["gen"].outputs[0].token_ids) == GREEDY.max_tokens
 
 
