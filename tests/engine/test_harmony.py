@@ -180,11 +180,34 @@ def test_server_reads_harmony_answers(harmony_server):
         assert c.message.reasoning_content == "The user asks for the weather."
         assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == PARIS_CALL
 
-    # tool_choice "required" has no harmony grammar here: refused by name, before any work
-    import openai
+    server.wait_idle()
 
-    with pytest.raises(openai.BadRequestError, match="openai tool-call parser"):
-        client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required")
+
+def test_tool_choice_required_holds_a_harmony_answer_to_a_call(harmony_server):
+    """tool_choice "required" / a named function: after an analysis (scripted here), the random
+    model is held to a call of one of the tools in harmony's header and the tool's schema."""
+    pytest.importorskip("llguidance")
+    server, answer = harmony_server
+    from .test_server import MODEL
+
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+            "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {
+                 "type": "object", "properties": {"zone": {"enum": ["UTC"]}}, "required": ["zone"],
+                 "additionalProperties": False}}}]
+    answer(ANALYSIS + "<|start|>assistant", end=None)
+    for choice, names in (("required", {"get_weather", "get_time"}),
+                          ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
+        r = server.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=tools, tool_choice=choice, n=2,
+            temperature=1.0, seed=3, max_tokens=120)
+        for c in r.choices:
+            assert c.finish_reason == "tool_calls" and c.message.reasoning_content == "The user asks for the weather."
+            (call,) = c.message.tool_calls
+            assert call.function.name in names, call
+            args = json.loads(call.function.arguments)
+            assert args in ({"city": "Paris"}, {"city": "Rome"}, {"zone": "UTC"}), args
     server.wait_idle()
 
 

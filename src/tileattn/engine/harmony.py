@@ -25,8 +25,8 @@ Content and reasoning are stripped at their ends as the other parsers strip them
 sends the same text, so a stream's deltas add up to the non-streamed message.
 
 The markers are special tokens, so the server decodes a harmony answer with skip_special_tokens
-false. Harmony's tool calls have no grammar here: tool_choice "required" or a named function is
-refused with the parser's name (tool_choice "auto" works).
+false. tool_choice "required" or a named function holds the answer to an optional analysis and one
+call (tool_calls.HarmonyCallsParser.forced_calls).
 """
 
 from __future__ import annotations

@@ -1302,6 +1302,8 @@ async def start_chat(state: ServerState, req: ChatRequest, prefix: str):
     rid = f"{prefix}-{uuid.uuid4().hex}"
     with _structured_errors_named(source):
         grammar_after = state.reasoning_parser.grammar_after if state.reasoning_parser is not None else None
+        if forced is not None and parser.grammar_from_start:
+            grammar_after = None
         params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None,
                                   _prompt_logprobs_param(req, None), stop_after, structured, grammar_after,
                                   keep_special_tokens=state.harmony)

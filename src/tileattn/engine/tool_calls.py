@@ -87,6 +87,7 @@ class Content:
 class _Parser:
     name: str
     one_call_stop: str | None  # a stop string that ends the answer after its first call, if any
+    grammar_from_start = False  # a forced call's grammar holds the reasoning too (else it starts after it)
 
     def stream(self):
         raise NotImplementedError
@@ -289,6 +290,12 @@ class _WholeAnswerStream:
 START_LARK, END_LARK = "<tool_call>\\n", "\\n</tool_call>"
 
 
+def _arguments_schema(tool: dict) -> dict:
+    """A tool's parameters schema, laid out as call_schema lays out JSON."""
+    return {**(tool["function"].get("parameters") or {"type": "object"}),
+            "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+
+
 def call_schema(tools: list[dict], arguments_key: str) -> dict:
     """The JSON schema of one call of any of ``tools``: {"name": one tool's name, arguments_key:
     that tool's parameters}, laid out as structured.py lays out JSON (", ", ": ", no free whitespace)."""
@@ -303,13 +310,23 @@ def call_schema(tools: list[dict], arguments_key: str) -> dict:
 class HarmonyCallsParser(_Parser):
     """gpt-oss's calls (``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``):
     the harmony reader (engine/harmony.py) reads them together with the answer's channels, so a
-    server with this parser reads answers through --reasoning-parser openai_gptoss, not ``stream``."""
+    server with this parser reads answers through --reasoning-parser openai_gptoss, not ``stream``.
+    A forced call's grammar holds the whole answer (an analysis may come first)."""
+
+    grammar_from_start = True
 
     name = "openai"
     one_call_stop = None  # <|call|> is a stop token: an answer holds one call
 
-    def forced_calls(self, tools: list[dict], several: bool) -> None:
-        return None  # no grammar of harmony's headers here: tool_choice "auto" only
+    def forced_calls(self, tools: list[dict], several: bool) -> dict:
+        """An optional analysis message, then one call of one of ``tools`` (the markers are special
+        tokens: llguidance's <|...|> in Lark); the <|call|> stop token ends it. The grammar covers the
+        whole answer, so it starts with the answer (grammar_from_start), not after the reasoning."""
+        calls = [f'call_{i}: <|channel|> "commentary to=functions.{t["function"]["name"]} " <|constrain|> "json" '
+                 f'<|message|> %json {json.dumps(_arguments_schema(t))}' for i, t in enumerate(tools)]
+        return {"grammar": "\n".join([
+            "start: analysis? (" + " | ".join(f"call_{i}" for i in range(len(tools))) + ")",
+            'analysis: <|channel|> "analysis" <|message|> /(?s:.*)/ <|end|> <|start|> "assistant"', *calls])}
 
     def stream(self):
         raise ValueError("the openai tool-call parser reads gpt-oss's harmony answers through the openai_gptoss "
