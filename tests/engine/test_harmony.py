@@ -25,13 +25,11 @@ def _every_cutting(text: str, finish_reason: str = "stop", calls: bool = True):
     parser = HarmonyParser()
 
     def run(pieces):
-        stream, r, c, k = parser.stream(calls), [], [], []
-        for piece in pieces:
-            out = stream.feed(piece)
-            r.append(out[0]), c.append(out[1]), k.extend(out[2])
-        out = stream.finish(finish_reason)
-        r.append(out[0]), c.append(out[1]), k.extend(out[2])
-        return "".join(r) or None, "".join(c) or None, [(x.name, json.loads(x.arguments)) for x in k]
+        stream = parser.stream(calls)
+        parts = [stream.feed(piece) for piece in pieces] + [stream.finish(finish_reason)]  # (reasoning, content, calls)
+        reasoning, content = "".join(p[0] for p in parts), "".join(p[1] for p in parts)
+        named = [(call.name, json.loads(call.arguments)) for p in parts for call in p[2]]
+        return reasoning or None, content or None, named
 
     whole = run([text])
     rng = random.Random(0)
