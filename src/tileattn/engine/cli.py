@@ -12,6 +12,8 @@ import dataclasses
 import json
 import sys
 
+from .harmony import HarmonyParser, answers_in_harmony
+
 
 def add_commands(subparsers) -> None:
     """Register `generate` and `chat` on an argparse subparsers object (each sets ``fn``)."""
@@ -153,14 +155,11 @@ def stream_reply(llm, messages, params, out, lora: str | None = None, thoughts=N
     ``out`` as it arrives. Returns (the reply, a one-line summary with prefill and decode tok/s).
     gpt-oss answers in harmony channels: its analysis goes to ``thoughts`` (None: dropped), its
     final answer to ``out`` and into the reply."""
-    import dataclasses
     import time
 
     engine = llm.engine
     harmony = None
-    if getattr(engine.model_config, "architecture", None) == "GptOssForCausalLM":
-        from .harmony import HarmonyParser
-
+    if answers_in_harmony(engine):
         harmony = HarmonyParser().stream(calls=False)
         params = dataclasses.replace(params, skip_special_tokens=False)  # the channels' markers
     prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_special_tokens=False)
@@ -199,10 +198,7 @@ def stream_reply(llm, messages, params, out, lora: str | None = None, thoughts=N
 
 def _harmony_delta(harmony, new_text: str, finish_reason, thoughts) -> str:
     """A harmony stream's next delta: its reasoning written to ``thoughts``, its content returned."""
-    reasoning, content, _ = harmony.feed(new_text)
-    if finish_reason is not None:
-        more = harmony.finish(finish_reason)
-        reasoning, content = reasoning + more[0], content + more[1]
+    reasoning, content, _ = harmony.feed(new_text, finish_reason)
     if reasoning and thoughts is not None:
         thoughts.write(reasoning)
         thoughts.flush()

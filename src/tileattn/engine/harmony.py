@@ -44,6 +44,12 @@ _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([^\s<]+)")
 _MARKER = re.compile(r"<\|[a-z_]+\|>")
 
 
+def answers_in_harmony(engine) -> bool:
+    """Whether ``engine``'s model writes harmony answers (gpt-oss); False for an engine without a
+    model config (a test's stand-in)."""
+    return getattr(getattr(engine, "model_config", None), "architecture", None) == "GptOssForCausalLM"
+
+
 class HarmonyParser:
     """The harmony reader (see the module docstring); ``stream()`` reads one answer."""
 
@@ -52,10 +58,8 @@ class HarmonyParser:
 
     def split(self, text: str, finish_reason: str = "stop") -> tuple[str | None, str | None, list[ToolCall]]:
         """A whole answer -> (reasoning or None, content or None, calls)."""
-        stream = self.stream()
-        r1, c1, k1 = stream.feed(text)
-        r2, c2, k2 = stream.finish(finish_reason)
-        return (r1 + r2) or None, (c1 + c2) or None, k1 + k2
+        reasoning, content, calls = self.stream().feed(text, finish_reason)
+        return reasoning or None, content or None, calls
 
     def stream(self, calls: bool = True) -> HarmonyStream:
         """calls False (a request without tools): a body addressed to a function stays content."""
@@ -70,8 +74,13 @@ class HarmonyStream:
         self.body = ""       # a function call's body, held until its end
         self.reasoning, self.content = Content(), Content()
 
-    def feed(self, text: str) -> tuple[str, str, list[ToolCall]]:
-        """One delta of the answer -> (reasoning, content, calls) to send."""
+    def feed(self, text: str, finish_reason: str | None = None) -> tuple[str, str, list[ToolCall]]:
+        """One delta of the answer -> (reasoning, content, calls) to send; with the engine's
+        finish_reason the answer's last delta (finish's parts included)."""
+        if finish_reason is not None:
+            r1, c1, k1 = self.feed(text)
+            r2, c2, k2 = self.finish(finish_reason)
+            return r1 + r2, c1 + c2, k1 + k2
         self.pending += text
         reasoning, content, calls = [], [], []
         while True:

@@ -52,8 +52,7 @@ class Scheduler:
 
     def _enqueue(self, seq: Sequence) -> None:
         """Into the waiting queue at its priority's place."""
-        keys = [_rank(s) for s in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, _rank(seq)), seq)
+        bisect.insort(self.waiting, seq, key=_rank)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

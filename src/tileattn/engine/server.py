@@ -44,7 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .beam_search import BeamSearch
 from .sampling_params import PoolingParams, SamplingParams
 from .tokenizer import TEMPLATE_VARIABLES
-from .harmony import HarmonyParser
+from .harmony import HarmonyParser, answers_in_harmony
 from .reasoning import PARSERS as REASONING_PARSERS
 from .reasoning import get_parser as get_reasoning_parser
 from .tool_calls import PARSERS, HarmonyCallsParser, get_parser
@@ -427,11 +427,6 @@ class _EngineCollector:
             yield CounterMetricFamily(f"tileattn:{name}", doc, value=float(s.get(key, 0)))
 
 
-def _architecture(engine) -> str | None:
-    """The engine's model class name (e.g. "GptOssForCausalLM"); None for an engine without one."""
-    return getattr(getattr(engine, "model_config", None), "architecture", None)
-
-
 class ServerState:
     """The engine, its thread, the open generations and the metrics of one app."""
 
@@ -440,7 +435,7 @@ class ServerState:
         self.engine = engine
         self.served_model_name = served_model_name
         self.max_queue_depth = max_queue_depth
-        if tool_call_parser is None and reasoning_parser is None and _architecture(engine) == "GptOssForCausalLM":
+        if tool_call_parser is None and reasoning_parser is None and answers_in_harmony(engine):
             tool_call_parser, reasoning_parser = HarmonyCallsParser.name, HarmonyParser.name  # harmony answers
         harmony = reasoning_parser == HarmonyParser.name
         if tool_call_parser == HarmonyCallsParser.name and not harmony or harmony and tool_call_parser not in (
@@ -1238,10 +1233,7 @@ class ChatAnswer:
     def feed(self, text: str, finish_reason=None, stop_reason=None) -> tuple[str, str, list]:
         """(reasoning, content, calls) of the next delta; finish_reason set: the answer's last."""
         if self.harmony is not None:
-            reasoning, content, calls = self.harmony.feed(text)
-            if finish_reason is not None:
-                parts = self.harmony.finish(finish_reason)
-                reasoning, content, calls = reasoning + parts[0], content + parts[1], calls + parts[2]
+            reasoning, content, calls = self.harmony.feed(text, finish_reason)
             self.calls_sent += len(calls)
             return reasoning, content, calls
         reasoning, content, calls = "", text, []
