@@ -196,6 +196,9 @@ def test_adapters_unloaded_and_replaced_at_run_time(tmp_path):
     with pytest.raises(ValueError, match="in use by 1 unfinished request"):
         engine.remove_lora("a")
     engine.abort_request("running")
+    for bad, says in ((None, "an adapter's name"), ("zz", "unknown LoRA adapter 'zz'")):
+        with pytest.raises(ValueError, match=says):
+            engine.remove_lora(bad)  # the base model's slot is not an adapter's
     engine.remove_lora("a")
     with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
         engine.add_request("x", prompt, GREEDY, lora="a")

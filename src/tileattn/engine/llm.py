@@ -134,9 +134,11 @@ class LLMEngine:
         """Unload LoRA adapter ``name``, freeing its slot for another. Raises ValueError for an
         unknown name, or while an unfinished request runs with it."""
         lora = self.runner.lora
-        slot = lora.slot(name) if lora is not None else None
-        if slot is None:
+        if lora is None:
             raise ValueError("this engine serves no LoRA adapters: create it with max_loras > 0")
+        if not isinstance(name, str):
+            raise ValueError(f"name must be an adapter's name (a str), got {name!r}")
+        slot = lora.slot(name)
         users = sum(request.lora_slot == slot for request in self.requests.values())
         if users:
             raise ValueError(f"LoRA adapter {name!r} is in use by {users} unfinished request(s)")
