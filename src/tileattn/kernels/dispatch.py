@@ -216,6 +216,11 @@ class _PointerPlan:
     def launch(self, q, k, v, out, lse) -> None:
         self.plan.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
 
+    def host_slots(self):
+        """(LaunchPlan, slots) for runtime.host_launch: the five values are data pointers
+        (slot kind 0) of q, k, v, out, lse (sources 0-4)."""
+        return self.plan, tuple((0, param, source, None) for source, param in enumerate(self.plan.dynamic))
+
 
 def needs_contiguous_kv(t) -> bool:
     """Whether K or V must be copied before the forward can read it (row stride too large for the

@@ -338,14 +338,15 @@ class LaunchPlan:
     stream capture the attribute becomes a programmatic edge of the graph (CUDA 12.3 and later).
     """
 
-    __slots__ = ("kernel", "grid", "block", "smem", "pdl", "_buffer", "_view", "_addresses", "_keep", "_runs",
-                 "_maps", "_call", "_config", "_lock", "_launch", "_ok", "_params")
+    __slots__ = ("kernel", "grid", "block", "smem", "pdl", "dynamic", "_buffer", "_view", "_addresses", "_keep",
+                 "_runs", "_maps", "_call", "_config", "_lock", "_launch", "_ok", "_params")
 
     def __init__(self, kernel: LoadedKernel, grid, block, args: Sequence, smem: int = 0, dynamic: Sequence[int] = (),
                  pdl: bool = False):
         self.kernel = kernel
         self.grid, self.block = _check_geometry(kernel, grid, block, int(smem))
         self.smem = int(smem)
+        self.dynamic = tuple(int(i) for i in dynamic)  # parameter index of each value launch() takes
         self._buffer, self._addresses, self._keep = _pack(kernel, args)
         self._view = memoryview(self._buffer.view(np.uint8))
         runs: list[list[int]] = []  # [byte offset, count, first value index] of consecutive 64-bit slots
@@ -387,6 +388,16 @@ class LaunchPlan:
             self._call = (kernel.function, *self.grid, *self.block, self.smem)
             self._launch = driver.cuLaunchKernel
         self._lock = threading.Lock()
+
+    def host_fields(self) -> tuple | None:
+        """What runtime.host_launch needs to launch this plan from C++: (CUfunction address, device
+        index, grid, block, shared-memory bytes, the packed parameter buffer, each parameter's byte
+        offset in it); None for a PDL plan (cuLaunchKernelEx: not on the compiled path)."""
+        if self.pdl:
+            return None
+        offsets = tuple(offset for offset, _ in self.kernel.param_layout)
+        return (int(self.kernel.function), self.kernel.device_index, self.grid, self.block, self.smem,
+                self._buffer.tobytes(), offsets)
 
     def launch(self, *values) -> None:
         """Launch with new values for the dynamic parameters, on torch's current stream of the
