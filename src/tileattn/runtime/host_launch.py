@@ -1,0 +1,197 @@
+"""The compiled forward path: host_launch.cpp, built once per (source, torch, Python, compiler).
+
+An eager `tileattn.attention` forward that the Python path has planned is served by one call into
+C++ (`forward(q, k, v, causal, scale, want)`): key, allocation, stream, tensor maps, launch. The
+module is compiled with the system's C++ compiler against torch's and Python's headers (no CUDA
+header or toolkit: the driver entry points come from cuGetProcAddress) and cached under
+`cache_dir()/host/`. Building takes 10-15 s, so it happens in a background thread started by the
+first eager forward; until it is loaded, and wherever it cannot be built (no compiler, no Python
+headers, an unusual torch), every call takes the Python path, which launches the same plans.
+`TILEATTN_HOST_LAUNCH=1` switches it on, `0` off; it is off by default until its first GPU run
+(DEFAULT below). `status()` says which case holds (`tileattn info` prints it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+
+from .compiler import cache_dir
+
+SOURCE = Path(__file__).with_name("host_launch.cpp")
+MODULE_NAME = "_host_launch"  # PyInit__host_launch in the source
+
+_lock = threading.Lock()
+_module = None
+_thread: threading.Thread | None = None
+_status = "not started (the first eager forward on a GPU starts the build)"
+_poison = False
+_failed = False
+
+
+class HostLaunchBuildError(RuntimeError):
+    """The compiled forward path could not be built or loaded (the message has the compiler's output)."""
+
+
+# Off unless TILEATTN_HOST_LAUNCH=1 until the path has passed its GPU tests and been timed on the
+# H200 (written 2026-12-05 when no device was lent; docs/runtime.md, "The compiled forward path").
+# The GPU tests (tests/conftest.py) and `tileattn bench overhead` switch it on.
+DEFAULT = "0"
+
+
+def enabled() -> bool:
+    """Whether the compiled path may be used: TILEATTN_HOST_LAUNCH (read on every call), "1" on,
+    "0" off, DEFAULT when unset."""
+    return os.environ.get("TILEATTN_HOST_LAUNCH", DEFAULT) != "0"
+
+
+def status() -> str:
+    """One line: loaded (and from where), building, off, not started, or why it failed."""
+    return "off (TILEATTN_HOST_LAUNCH=1 switches it on)" if not enabled() else _status
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
+
+
+def _command(output: Path) -> list[str]:
+    import torch
+    from torch.utils import cpp_extension
+
+    includes = [sysconfig.get_paths()["include"], *cpp_extension.include_paths()]
+    libraries = cpp_extension.library_paths()
+    return [
+        _compiler(), "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        *(f"-I{d}" for d in includes), str(SOURCE), "-o", str(output),
+        *(f"-L{d}" for d in libraries), *(f"-Wl,-rpath,{d}" for d in libraries),
+        "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
+    ]
+
+
+def library_path() -> Path:
+    """Where the built module lives: keyed by the source, torch's version and location, Python's
+    version and the compiler, so that a change to any of them builds anew."""
+    import torch
+
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), torch.__file__.encode(), sys.version.encode(),
+                 _compiler().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    return cache_dir() / "host" / digest.hexdigest()[:20] / f"{MODULE_NAME}{suffix}"
+
+
+def build() -> Path:
+    """Compile the module (or find it already built) and return its path; HostLaunchBuildError
+    with the compiler's output when that fails. Safe to run from several processes at once (each
+    writes its own temporary file and renames it into place)."""
+    path = library_path()
+    if path.exists():
+        return path
+    if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        raise HostLaunchBuildError(f"Python's headers are not installed ({sysconfig.get_paths()['include']}/Python.h)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        done = subprocess.run(_command(partial), capture_output=True, text=True)
+    except OSError as exc:
+        raise HostLaunchBuildError(f"could not run the C++ compiler {_compiler()!r}: {exc}") from exc
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise HostLaunchBuildError(f"{_compiler()} exited with {done.returncode}:\n{done.stderr[-3000:]}")
+    os.replace(partial, path)
+    return path
+
+
+def import_built(path: Path):
+    """The built module at `path`, imported but not configured (it launches nothing until load)."""
+    loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def load(path: Path):
+    """Import the built module from `path` and hand it the driver entry points it calls."""
+    from cuda.bindings import driver
+
+    from .launcher import LaunchError, stream_counters
+
+    module = import_built(path)
+    addresses = []
+    for symbol in (b"cuLaunchKernel", b"cuStreamIsCapturing"):
+        # (CUresult, pfn, CUdriverProcAddressQueryResult) in cuda-bindings 12 and 13
+        err, address = driver.cuGetProcAddress(symbol, 12000,
+                                               driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT)[:2]
+        if err != driver.CUresult.CUDA_SUCCESS or not address:
+            raise HostLaunchBuildError(f"cuGetProcAddress({symbol.decode()}) failed: {err}")
+        addresses.append(int(address))
+    from .. import api
+
+    module.configure(*addresses, stream_counters, LaunchError, vars(api))
+    module.set_poison(_poison)
+    return module
+
+
+def _build_and_load() -> None:
+    global _module, _status, _failed
+    try:
+        path = build()
+        module = load(path)
+    except Exception as exc:  # any failure leaves the Python path in charge; status() says why
+        _status = f"unavailable: {type(exc).__name__}: {exc}"
+        _failed = True
+        return
+    _module = module
+    _status = f"loaded ({path})"
+
+
+def set_poison(on: bool) -> None:
+    """Tests: make the compiled path fill its outputs (out, lse) with NaN before each launch, as
+    the GPU tests' poisoned_allocations() makes torch's allocations on the Python path; kept for a
+    module that loads later."""
+    global _poison
+    _poison = bool(on)
+    if _module is not None:
+        _module.set_poison(_poison)
+
+
+def module():
+    """The loaded module, or None while it is not (starting the background build on the first
+    call). Called by tileattn.api on Python-path forwards only, so it costs nothing on calls that
+    the module serves."""
+    global _thread, _status
+    if _module is not None or not enabled():
+        return _module if enabled() else None
+    if _thread is None:
+        with _lock:
+            if _thread is None:
+                _status = "building (in a background thread)"
+                _thread = threading.Thread(target=_build_and_load, name="tileattn-host-launch", daemon=True)
+                _thread.start()
+    return _module
+
+
+def unavailable() -> bool:
+    """True when the module will not load in this process: switched off, or its build failed."""
+    return not enabled() or _failed
+
+
+def wait(timeout: float | None = None):
+    """Start the build if needed, wait for it (up to `timeout` seconds) and return the module or
+    None (disabled, failed, or still building at the timeout). For benchmarks and tests."""
+    module()
+    if _thread is not None:
+        _thread.join(timeout)
+    return _module if enabled() else None
