@@ -13,3 +13,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_forward_path():
+    """On a GPU machine every test runs with the compiled forward path (runtime.host_launch) loaded,
+    as a warmed-up process does, instead of switching paths mid-session when its background build
+    ends; tests/gpu/test_host_launch.py checks that it loads and compares the two paths."""
+    if torch.cuda.is_available():
+        import os
+
+        from tileattn.runtime import host_launch
+
+        os.environ.setdefault("TILEATTN_HOST_LAUNCH", "1")  # on for the tests while its default is off
+        host_launch.wait(600)
+    yield

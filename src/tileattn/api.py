@@ -129,6 +129,10 @@ def attention(
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             out, lse = _AttentionFunction.apply(q, k, v, causal, scale, deterministic)
         else:
+            if _host_forward is not None:  # the compiled path, for a combination already planned
+                hit = _host_forward(q, k, v, causal, scale, 1 if return_lse else 0)
+                if hit is not None:
+                    return hit
             out, lse, _ = _forward(q, k, v, causal, scale, keep_lse=return_lse)
     else:
         _check_args(q, k, v, scale)
@@ -241,7 +245,7 @@ class _PlanEntry:
     strides, deterministic)."""
 
     __slots__ = ("forward", "backward", "causal", "scale", "device_index", "device", "copy_kv", "out_spec",
-                 "lse_spec", "grad_specs", "unread_lse")
+                 "lse_spec", "grad_specs", "unread_lse", "host_offered")
 
     def __init__(self, q, k, v, causal: bool, scale: float | None):
         from .kernels import dispatch
@@ -260,6 +264,7 @@ class _PlanEntry:
         self.out_spec, self.lse_spec = (out.shape, out.stride()), (lse.shape, lse.stride())
         self.grad_specs = tuple((t.shape, torch.empty_like(t).stride()) for t in (q, k, v))
         self.unread_lse = None  # made by the first call that does not need lse (see _forward)
+        self.host_offered = False  # registered with runtime.host_launch, or found not to qualify
         with torch.cuda.device(self.device_index):
             self.forward = dispatch.attention_forward_plan(q, k, v, out, lse, causal=causal, scale=self.scale)
         self.backward: dict[tuple, object] = {}
@@ -295,7 +300,7 @@ def _plan_entry(q, k, v, causal: bool, scale) -> _PlanEntry:
     if entry is None:
         entry = _PlanEntry(q, k, v, causal, scale)  # raises ValueError for bad arguments
         if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
+            clear_plans()
         _plans[key] = entry
     return entry
 
@@ -323,7 +328,53 @@ def _forward(q, k, v, causal: bool, scale, keep_lse: bool = True):
     else:  # cuLaunchKernel uses the thread's current context: make it q's device's
         with torch.cuda.device(entry.device_index):
             entry.forward.launch(q, k, v, out, lse)
+    if not entry.host_offered:
+        _offer_to_host(q, k, v, causal, scale, entry)
     return out, lse, entry
+
+
+def clear_plans() -> None:
+    """Forget every plan entry (the compiled forward path's records too): the next call of each
+    combination checks its arguments and plans again."""
+    _plans.clear()
+    if _host_forward is not None:
+        from .runtime import host_launch
+
+        host_launch.module().clear()
+
+
+# The compiled forward path (runtime/host_launch.cpp): module.forward once a combination has been
+# registered with it, else None. It serves eager forwards of registered combinations in one C++ call
+# and answers None for anything else, which then takes the Python path above.
+_host_forward = None
+
+
+def _offer_to_host(q, k, v, causal: bool, scale, entry: _PlanEntry) -> None:
+    """Register a planned combination with the compiled forward path once its module is loaded
+    (the first call starts its background build; while it builds each Python-path call asks again;
+    switched off or failed, never again). Combinations it cannot serve: a copied K/V, a plan that copies an operand or launches
+    with PDL, a scale that is not a float (the module's key holds None or a float), tensor
+    subclasses."""
+    global _host_forward
+    from .runtime import host_launch
+
+    module = host_launch.module()
+    if module is None:
+        entry.host_offered = host_launch.unavailable()  # asked again on later calls while it builds
+        return
+    entry.host_offered = True
+    if entry.copy_kv or not (scale is None or type(scale) is float) or not all(type(t) is Tensor for t in (q, k, v)):
+        return
+    slots = entry.forward.host_slots()
+    fields = None if slots is None else slots[0].host_fields()
+    if fields is None:
+        return
+    if entry.unread_lse is None:
+        entry.unread_lse = torch.empty_strided(*entry.lse_spec, dtype=torch.float32, device=entry.device)
+    function, device_index, grid, block, smem, buffer, offsets = fields
+    module.register(q, k, v, causal, scale, entry, function, device_index, grid, block, smem, buffer, offsets,
+                    slots[1], *entry.out_spec, *entry.lse_spec, entry.unread_lse)
+    _host_forward = module.forward
 
 
 def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, deterministic: bool, extra=()):
@@ -348,7 +399,8 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, deterministic):
-        out, lse, entry = _forward(q, k, v, causal, scale)
+        hit = None if _host_forward is None else _host_forward(q, k, v, causal, scale, 2)
+        out, lse, entry = hit if hit is not None else _forward(q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.entry, ctx.deterministic = entry, deterministic
         ctx.mark_non_differentiable(lse)
@@ -480,6 +532,7 @@ def hopper_kernels_forced():
         table.update(implemented)
     for cache in caches:
         cache.clear()
+    clear_plans()
     try:
         yield
     finally:
@@ -488,6 +541,7 @@ def hopper_kernels_forced():
             table.update(old)
         for cache in caches:
             cache.clear()
+        clear_plans()
 
 
 def _cached_entry(key, make):
@@ -500,7 +554,7 @@ def _cached_entry(key, make):
     if entry is None:
         entry = make()
         if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
+            clear_plans()
         _plans[key] = entry
     return entry
 

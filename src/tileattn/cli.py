@@ -24,6 +24,12 @@ def cmd_info(args) -> int:
     else:
         print("  no CUDA GPU visible: kernels can still be compiled (tileattn check), not run")
     print(f"  {'kernel cache':<19}{cache_dir()}")
+    from .runtime import host_launch
+
+    built = host_launch.library_path()
+    state = (host_launch.status() if not host_launch.enabled() else
+             f"built ({built})" if built.exists() else "not built yet (the first eager forward on a GPU builds it)")
+    print(f"  {'compiled fwd path':<19}{state}")
     return 0
 
 

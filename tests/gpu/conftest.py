@@ -16,9 +16,9 @@ requires_sm90 = pytest.mark.skipif(
 
 @contextlib.contextmanager
 def poisoned_allocations():
-    """Every tensor made with torch.empty / empty_like / empty_strided inside the block starts
-    out as NaN (floats) or -1 (integers): outputs and workspaces that tileattn allocates are
-    poisoned for sure, so an element a kernel forgets to write, or a workspace it reads before
+    """Every tensor made with torch.empty / empty_like / empty_strided inside the block, and every
+    output of the compiled forward path (runtime.host_launch), starts out as NaN (floats) or -1
+    (integers): outputs and workspaces that tileattn allocates are poisoned for sure, so an element a kernel forgets to write, or a workspace it reads before
     writing, shows up in the result instead of passing on leftover memory."""
     real = {name: getattr(torch, name) for name in ("empty", "empty_like", "empty_strided")}
 
@@ -30,7 +30,13 @@ def poisoned_allocations():
         return t
 
     wrapped = {name: (lambda fn: lambda *a, **kw: poison(fn(*a, **kw)))(fn) for name, fn in real.items()}
-    with pytest.MonkeyPatch.context() as mp:
-        for name, fn in wrapped.items():
-            mp.setattr(torch, name, fn)
-        yield
+    from tileattn.runtime import host_launch
+
+    host_launch.set_poison(True)  # the compiled forward path allocates in C++: it poisons there
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for name, fn in wrapped.items():
+                mp.setattr(torch, name, fn)
+            yield
+    finally:
+        host_launch.set_poison(False)

@@ -275,7 +275,7 @@ def test_calls_without_lse_share_one_unread_buffer(d):
     q2 = make_qkv(2, 4, 2, 77, 131, d, BF16, seed=12)[0]
     ref, ref_lse = reference.attention(q, k, v, causal=True, compute_dtype=torch.float64)
     ref2 = reference.attention(q2, k, v, causal=True, compute_dtype=torch.float64)[0]
-    api_module._plans.clear()
+    api_module.clear_plans()
     with poisoned_allocations():
         out1 = tileattn.attention(q, k, v, causal=True)
         out2 = tileattn.attention(q2, k, v, causal=True)

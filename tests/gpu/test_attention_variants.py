@@ -683,7 +683,7 @@ def test_softcap_fixed_max_runs_only_without_autograd(causal, nq, nk):
     opts = {"softcap": 20.0}
     q, k, v, dout = make(1, 2, 2, nq, nk, 128, BF16, seed=nq + nk + causal)
     ref = run_ref(q, k, v, dout, causal, opts)
-    api._plans.clear()
+    api.clear_plans()
     got = run_op(q, k, v, dout, causal, opts, grad=False)
     check(got, ref, BF16, f"softcap no autograd causal={causal} Nq={nq} Nk={nk}", grads=False)
     (entry,) = api._plans.values()

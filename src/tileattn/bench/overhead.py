@@ -17,6 +17,7 @@ most 0.5x SDPA's host time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -86,16 +87,37 @@ def _sdpa_fn(q, k, v, what):
     return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
 
+@contextlib.contextmanager
+def python_path():
+    """Inside: tileattn.attention without the compiled forward path (runtime.host_launch), every
+    call on the Python path, as with TILEATTN_HOST_LAUNCH=0 from the start."""
+    from .. import api
+
+    saved = api._host_forward
+    api._host_forward = None
+    try:
+        yield
+    finally:
+        api._host_forward = saved
+
+
 def run(calls: int, rounds: int) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from ..runtime import host_launch
+
+    host_launch.wait(300)  # time the compiled path when it can be built here (status printed by main)
     records = []
     for name, shape, make, grad, what in cases():
         q, k, v = make(grad)
         ctx = torch.enable_grad() if grad else torch.no_grad()
         with ctx:
             ours = _burst_us(_tileattn_fn(q, k, v, what), calls, rounds)
-            records.append({"suite": "overhead", "case": name, "shape": shape, "impl": "tileattn", **ours})
+            records.append({"suite": "overhead", "case": name, "shape": shape, "impl": "tileattn",
+                            "host_launch": host_launch.status(), **ours})
+            with python_path():
+                slow = _burst_us(_tileattn_fn(q, k, v, what), calls, rounds)
+            records.append({"suite": "overhead", "case": name, "shape": shape, "impl": "tileattn_python_path", **slow})
             backends = ([SDPBackend.FLASH_ATTENTION] if name != "decode" else
                         [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
             for backend in backends:
@@ -138,6 +160,8 @@ def breakdown(calls: int, rounds: int) -> list[dict]:
         "SDPA flash forward, op level (aten)": lambda: aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True),
         "F.scaled_dot_product_attention (flash)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     }
+    if api._host_forward is not None:  # registered by the api._forward call above
+        pieces["the compiled path alone (host_launch forward)"] = lambda: api._host_forward(q, k, v, True, None, 0)
     templates = getattr(entry.forward, "templates", None)
     if templates is not None:  # the Hopper forward: the per-launch pieces of ForwardPlan.launch before the driver call
         from ..kernels.attention_fwd_sm90 import _tile_counter
@@ -182,20 +206,21 @@ def breakdown(calls: int, rounds: int) -> list[dict]:
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| case | shape | tileattn us | best SDPA us (backend) | ratio | target |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| case | shape | tileattn us | Python path us | best SDPA us (backend) | ratio | target |",
+             "|---|---|---|---|---|---|---|"]
     targets = {"forward": 10.0, "forward+grad": 20.0, "backward": 25.0, "decode": 10.0}
     for name in targets:
         rows = [r for r in records if r["case"] == name and r["suite"] == "overhead"]
         ours = next(r for r in rows if r["impl"] == "tileattn")
-        peers = [r for r in rows if r["impl"] != "tileattn" and "host_us" in r]
+        slow = next((f"{r['host_us']:.1f}" for r in rows if r["impl"] == "tileattn_python_path"), "-")
+        peers = [r for r in rows if r["impl"].startswith("sdpa") and "host_us" in r]
         best = min(peers, key=lambda r: r["host_us"]) if peers else None
         ratio = ours["host_us"] / best["host_us"] if best else float("nan")
         ok = ours["host_us"] < targets[name] and ratio <= 0.5
-        lines.append(f"| {name} | {ours['shape']} | {ours['host_us']:.1f} | "
+        lines.append(f"| {name} | {ours['shape']} | {ours['host_us']:.1f} | {slow} | "
                      f"{best['host_us']:.1f} ({best['impl']}) | {ratio:.2f} | "
                      f"< {targets[name]:g} us and <= 0.5x: {'met' if ok else 'NOT met'} |" if best else
-                     f"| {name} | {ours['shape']} | {ours['host_us']:.1f} | - | - | - |")
+                     f"| {name} | {ours['shape']} | {ours['host_us']:.1f} | {slow} | - | - | - |")
     return "\n".join(lines)
 
 
@@ -207,17 +232,23 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--breakdown", action="store_true", help="also time the pieces of one eager forward/backward")
     args = ap.parse_args(argv)
+    import os
+
     from ..runtime import require_gpu
 
     require_gpu()
+    os.environ.setdefault("TILEATTN_HOST_LAUNCH", "1")  # timed beside the Python path (its default is off)
     records = run(args.calls, args.rounds)
     if args.breakdown:
         records += breakdown(args.calls, args.rounds)
         for r in records:
             if r["suite"] == "overhead-breakdown":
                 print(f"  {r['case']:<52} {r['host_us']:7.2f} us")
+    from ..runtime import host_launch
+
     env = environment()
     print(environment_line(env))
+    print(f"compiled forward path: {host_launch.status()}")
     if args.json:
         write_run(args.json, records, env)
     print(table(records))

@@ -1,0 +1,248 @@
+"""GPU tests of the compiled forward path (src/tileattn/runtime/host_launch.cpp): it loads on the
+GPU machine, serves planned combinations with results that match the float64 reference, and
+declines (returns None, leaving the call to the Python path) wherever it must.
+
+Each comparison runs the compiled call on fresh inputs that no earlier launch saw, with its outputs
+filled with NaN before the launch (host_launch.set_poison through poisoned_allocations), so a result
+left over in reused memory cannot pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tileattn
+from tileattn import api, reference
+from tileattn.runtime import host_launch
+
+from .conftest import poisoned_allocations
+
+pytestmark = pytest.mark.gpu
+
+BF16, FP16 = torch.bfloat16, torch.float16
+TOL = {BF16: 1e-2, FP16: 2e-3}
+
+
+def _inputs(b, h, hkv, nq, nk, d, dtype, seed, layout="bhnd"):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = ((b, h, nq, d), (b, hkv, nk, d), (b, hkv, nk, d))
+    if layout == "bnhd":  # [B, N, H, d] storage seen through .transpose(1, 2)
+        return tuple(torch.randn(s[0], s[2], s[1], s[3], device="cuda", generator=g).to(dtype).transpose(1, 2)
+                     for s in shapes)
+    return tuple(torch.randn(*s, device="cuda", generator=g).to(dtype) for s in shapes)
+
+
+def _rel(out, ref) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _module():
+    module = host_launch.wait(600)
+    assert module is not None, f"the compiled forward path did not load: {host_launch.status()}"
+    return module
+
+
+def _planned(q, k, v, causal, scale=None):
+    """Plan (and register) the combination of these tensors with one Python-path call on inputs of
+    the same layout."""
+    module = _module()
+    warm = tuple(torch.randn_like(t) for t in (q, k, v))
+    tileattn.attention(*warm, causal=causal, scale=scale)
+    assert api._host_forward is module.forward, "no combination was registered"
+    return module
+
+
+def test_the_module_loads_on_the_gpu_machine():
+    module = _module()
+    assert "loaded" in host_launch.status()
+    assert module.record_count() >= 0
+
+
+# d = 32 / 96: the sm80 forward (data pointers); 64 / 128: the Hopper forward on a persistent grid
+# (tensor maps and the stream's tile counter); 256: the Hopper forward, one CTA per tile.
+CASES = [
+    # b, h, hkv, nq, nk, d, dtype, causal, layout
+    (1, 8, 8, 128, 128, 64, BF16, True, "bhnd"),
+    (2, 4, 2, 77, 131, 128, BF16, True, "bhnd"),
+    (2, 8, 1, 1, 1000, 128, FP16, False, "bhnd"),
+    (1, 6, 3, 129, 33, 256, BF16, True, "bhnd"),
+    (3, 4, 4, 31, 4097, 64, FP16, False, "bnhd"),
+    (2, 4, 4, 127, 127, 32, BF16, True, "bhnd"),
+    (1, 2, 1, 1000, 1000, 96, FP16, False, "bnhd"),
+]
+
+
+@pytest.mark.parametrize("b, h, hkv, nq, nk, d, dtype, causal, layout", CASES)
+def test_compiled_forward_matches_the_reference(b, h, hkv, nq, nk, d, dtype, causal, layout):
+    q, k, v = _inputs(b, h, hkv, nq, nk, d, dtype, seed=nq * 7 + nk + d, layout=layout)
+    module = _planned(q, k, v, causal)
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, compute_dtype=torch.float64)
+    with poisoned_allocations():
+        served = module.forward(q, k, v, causal, None, 1)
+        assert served is not None, "a planned combination was not served by the compiled path"
+        out, lse = served
+        public = tileattn.attention(q, k, v, causal=causal)  # the op's own no-lse call, same path
+    torch.cuda.synchronize()
+    what = f"b={b} h={h}/{hkv} nq={nq} nk={nk} d={d} {dtype} causal={causal} {layout}"
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.dtype == torch.float32, what
+    assert not torch.isnan(out).any() and not torch.isnan(public).any(), f"{what}: NaN left in an output"
+    assert _rel(out, ref) <= TOL[dtype], f"{what}: relative error {_rel(out, ref):.3e}"
+    assert torch.equal(out, public), f"{what}: the public call and the direct one differ"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), f"{what}: lse finite pattern"
+    torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=2e-4, atol=2e-4)
+
+
+def test_an_explicit_scale_and_return_lse_through_the_public_op():
+    q, k, v = _inputs(2, 4, 4, 200, 300, 128, BF16, seed=3)
+    scale = 0.05
+    _planned(q, k, v, False, scale)
+    ref, ref_lse = reference.attention(q, k, v, scale=scale, compute_dtype=torch.float64)
+    with poisoned_allocations():
+        out, lse = tileattn.attention(q, k, v, scale=scale, return_lse=True)
+    assert _rel(out, ref) <= TOL[BF16]
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("d", [64, 256])
+def test_autograd_forward_through_the_compiled_path(d):
+    """With inputs that require grad the autograd Function's forward takes (out, lse, entry) from
+    the compiled path; the backward runs on that entry's plans and matches float64 autograd."""
+    q, k, v = _inputs(2, 4, 2, 150, 190, d, BF16, seed=d)
+    module = _planned(q, k, v, True)
+    served = module.forward(q, k, v, True, None, 2)
+    assert served is not None and isinstance(served[2], api._PlanEntry)
+    assert served[2] in api._plans.values(), "the compiled path returned an entry the plan cache does not hold"
+    dout = torch.randn_like(q)
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    with poisoned_allocations():
+        tileattn.attention(qg, kg, vg, causal=True).backward(dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    reference.attention(q64, k64, v64, causal=True, compute_dtype=torch.float64)[0].backward(dout.double())
+    for name, got, want in (("dq", qg.grad, q64.grad), ("dk", kg.grad, k64.grad), ("dv", vg.grad, v64.grad)):
+        assert _rel(got, want) <= 2e-2, f"{name}: relative error {_rel(got, want):.3e}"
+
+
+def test_a_side_stream_gets_its_own_tile_counter():
+    """A persistent grid (d = 64 / 128 on the H200) launched on two streams: each stream's pair of
+    counters, results right on both."""
+    q, k, v = _inputs(2, 8, 8, 512, 512, 128, BF16, seed=5)
+    q2 = torch.randn_like(q)
+    module = _planned(q, k, v, True)
+    ref = reference.attention(q, k, v, causal=True, compute_dtype=torch.float64)[0]
+    ref2 = reference.attention(q2, k, v, causal=True, compute_dtype=torch.float64)[0]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with poisoned_allocations():
+        out = module.forward(q, k, v, True, None, 0)
+        with torch.cuda.stream(side):
+            out2 = module.forward(q2, k, v, True, None, 0)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert out is not None and out2 is not None
+    assert _rel(out, ref) <= TOL[BF16] and _rel(out2, ref2) <= TOL[BF16]
+
+
+def test_cuda_graph_capture_of_a_persistent_grid_takes_the_python_path():
+    """Under capture a persistent grid needs a counter pair of the graph's own: the compiled path
+    declines (None) and the Python path captures; replays with new inputs are right."""
+    q, k, v = _inputs(1, 8, 8, 256, 256, 64, BF16, seed=6)
+    module = _planned(q, k, v, True)
+    static_q = q.clone()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        tileattn.attention(static_q, k, v, causal=True)  # warm-up on the capture stream
+        with torch.cuda.graph(graph, stream=side):
+            assert module.forward(static_q, k, v, True, None, 0) is None
+            static_out = tileattn.attention(static_q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    for seed in (7, 8):
+        fresh = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).to(BF16)
+        static_q.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.attention(fresh, k, v, causal=True, compute_dtype=torch.float64)[0]
+        assert _rel(static_out, ref) <= TOL[BF16], f"replay {seed}"
+
+
+def test_non_persistent_grid_is_served_under_capture():
+    """d = 256 runs one CTA per tile (no counter): its launch is captured from the compiled path."""
+    q, k, v = _inputs(1, 4, 4, 300, 300, 256, BF16, seed=9)
+    module = _planned(q, k, v, False)
+    static_q = q.clone()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        module.forward(static_q, k, v, False, None, 0)
+        with torch.cuda.graph(graph, stream=side):
+            static_out = module.forward(static_q, k, v, False, None, 0)
+    torch.cuda.current_stream().wait_stream(side)
+    assert static_out is not None
+    fresh = torch.randn_like(q)
+    static_q.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference.attention(fresh, k, v, compute_dtype=torch.float64)[0]
+    assert _rel(static_out, ref) <= TOL[BF16]
+
+
+def test_many_output_addresses_cycle_the_tensor_map_cache():
+    """More live outputs than a slot keeps encoded maps for (64): every one computed right."""
+    q, k, v = _inputs(1, 2, 2, 64, 64, 128, BF16, seed=10)
+    module = _planned(q, k, v, False)
+    ref = reference.attention(q, k, v, compute_dtype=torch.float64)[0]
+    outs = [module.forward(q, k, v, False, None, 0) for _ in range(150)]  # all alive: 150 addresses
+    torch.cuda.synchronize()
+    assert len({o.data_ptr() for o in outs}) == 150
+    assert max(_rel(o, ref) for o in outs) <= TOL[BF16]
+
+
+def test_a_misaligned_pointer_reaches_the_python_paths_error():
+    q, k, v = _inputs(1, 2, 2, 64, 64, 64, BF16, seed=11)
+    module = _planned(q, k, v, False)
+    storage = torch.randn(q.numel() + 8, device="cuda").to(BF16)
+    shifted = storage[1:1 + q.numel()].view(q.shape)  # same shape and strides, pointer off by 2 bytes
+    assert module.forward(shifted, k, v, False, None, 0) is None
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        tileattn.attention(shifted, k, v)
+
+
+def test_declines_what_it_does_not_hold():
+    q, k, v = _inputs(1, 2, 2, 72, 72, 64, BF16, seed=12)
+    module = _planned(q, k, v, False)
+    assert module.forward(q, k, v, False, None, 0) is not None
+    assert module.forward(q, k, v, True, None, 0) is None, "causal is part of the key"
+    assert module.forward(q, k, v, False, 1, 0) is None, "an int scale is not in the key"
+    assert module.forward(q.cpu(), k.cpu(), v.cpu(), False, None, 0) is None
+    assert module.forward(q.float(), k.float(), v.float(), False, None, 0) is None
+    with pytest.raises(ValueError, match="want"):
+        module.forward(q, k, v, False, None, 5)
+
+
+def test_a_replaced_plan_cache_is_not_served_from_old_records():
+    q, k, v = _inputs(1, 2, 2, 96, 96, 64, BF16, seed=13)
+    module = _planned(q, k, v, False)
+    assert module.forward(q, k, v, False, None, 0) is not None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(api, "_plans", {})
+        assert module.forward(q, k, v, False, None, 0) is None
+        out = tileattn.attention(q, k, v)  # plans into the new cache and registers again
+        (entry,) = api._plans.values()
+        assert module.forward(q, k, v, False, None, 2)[2] is entry
+    ref = reference.attention(q, k, v, compute_dtype=torch.float64)[0]
+    assert _rel(out, ref) <= TOL[BF16]
+    api.clear_plans()  # the restored cache and the records, together
+    assert module.record_count() == 0 and module.forward(q, k, v, False, None, 0) is None
+
+
+def test_scale_in_the_key_matches_the_python_key():
+    """scale=None and scale=1/sqrt(d) are different keys on both paths (the same numbers)."""
+    q, k, v = _inputs(1, 2, 2, 80, 80, 64, BF16, seed=14)
+    module = _planned(q, k, v, False)
+    assert module.forward(q, k, v, False, 1 / math.sqrt(64), 0) is None
