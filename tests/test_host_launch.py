@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -39,10 +43,10 @@ def test_calls_it_cannot_hold_get_none(built):
 
 def test_bad_calls_raise(built):
     x = torch.zeros(1, 2, 3, 8, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match="6 arguments"):
+    with pytest.raises(TypeError, match="6 or 7 arguments"):
         built.forward(x, x, x)
-    with pytest.raises(ValueError, match="want must be 0, 1 or 2"):
-        built.forward(x, x, x, False, None, 3)
+    with pytest.raises(ValueError, match="want must be 0, 1, 2 or 3"):
+        built.forward(x, x, x, False, None, 4)
     with pytest.raises(RuntimeError, match="configure the module first"):
         built.register(x, x, x, False, None, None, 0, 0, (1, 1, 1), (1, 1, 1), 0, b"", (), (), (), (), (), (), x)
     with pytest.raises(ValueError, match="driver entry points"):
@@ -283,3 +287,62 @@ def test_switched_off_an_entry_is_offered_once(monkeypatch):
     entry.host_offered = False
     api._offer_to_host(x, x, x, False, None, entry)
     assert not entry.host_offered and api._host_forward is None
+
+
+def test_autograd_through_the_compiled_forward(fake):
+    """want 3: out carries a C++ autograd node whose backward calls the namespace's _backward with
+    the entry, dout, the saved q, k, v, out, lse and the deterministic flag; lse is not
+    differentiable; a Python error in the backward reaches the caller."""
+    calls = []
+
+    def backward(entry, dout, q, k, v, out, lse, deterministic):
+        calls.append((entry, dout, q, k, v, out, lse, deterministic))
+        return dout * 2, torch.ones_like(k), torch.zeros_like(v)
+
+    fake.namespace["_backward"] = backward
+    q, k, v = (t.clone().requires_grad_() for t in (fake.q, fake.k, fake.v))
+    out, lse = fake.module.forward(q, k, v, False, None, 3, True)
+    assert out.requires_grad and out.grad_fn is not None and not lse.requires_grad
+    assert fake.driver.launches[-1]["lse"] == lse.data_ptr() != fake.unread.data_ptr()
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ((entry, got_dout, sq, sk, sv, sout, slse, deterministic),) = calls
+    assert entry == "entry" and deterministic is True and torch.equal(got_dout, dout)
+    assert sq.data_ptr() == q.data_ptr() and sout.data_ptr() == out.data_ptr() and slse.data_ptr() == lse.data_ptr()
+    assert torch.equal(q.grad, dout * 2) and torch.equal(k.grad, torch.ones_like(k)) and not v.grad.any()
+    out2, _ = fake.module.forward(q, k, v, False, None, 3)
+    out2.sum().backward()
+    assert calls[-1][7] is False, "deterministic defaults to False"
+
+    def failing(*args):
+        raise KeyError("from the backward")
+
+    fake.namespace["_backward"] = failing
+    out3, _ = fake.module.forward(q, k, v, False, None, 3)
+    with pytest.raises(KeyError, match="from the backward"):
+        out3.sum().backward()
+    fake.namespace["_backward"] = lambda *args: (args[1], None, None)
+    out4, _ = fake.module.forward(q, k, v, False, None, 3)
+    with pytest.raises(RuntimeError, match="must return"):
+        out4.sum().backward()
+
+
+def test_a_graph_alive_at_exit_does_not_crash_the_interpreter(built, tmp_path):
+    """A graph still referenced when the interpreter shuts down frees its plan-entry reference
+    without the GIL machinery that finalization has torn down (it keeps it)."""
+    script = tmp_path / "graph_at_exit.py"
+    script.write_text(
+        "import torch\n"
+        "import tests.test_host_launch as t\n"
+        "from tileattn.runtime import host_launch\n"
+        "built = host_launch.import_built(host_launch.build())\n"
+        "driver = t._configured(built, {'_plans': {}})\n"
+        "q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))\n"
+        "t._register(built, driver, q, k, v)\n"
+        "out, lse = built.forward(q, k, v, False, None, 3)\n"
+        "assert 'AttentionFunction' in out.grad_fn.name()\n"
+        "print('ok')\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "src")])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -127,7 +127,8 @@ def attention(
         return (out, lse) if return_lse else out
     if _eager(q, k, v):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            out, lse = _AttentionFunction.apply(q, k, v, causal, scale, deterministic)
+            hit = None if _host_forward is None else _host_forward(q, k, v, causal, scale, 3, deterministic)
+            out, lse = hit if hit is not None else _AttentionFunction.apply(q, k, v, causal, scale, deterministic)
         else:
             if _host_forward is not None:  # the compiled path, for a combination already planned
                 hit = _host_forward(q, k, v, causal, scale, 1 if return_lse else 0)
@@ -345,6 +346,7 @@ def clear_plans() -> None:
 
 # The compiled forward path (runtime/host_launch.cpp): module.forward once a combination has been
 # registered with it, else None. It serves eager forwards of registered combinations in one C++ call
+# (with inputs that require grad, through a C++ autograd Function whose backward calls _backward)
 # and answers None for anything else, which then takes the Python path above.
 _host_forward = None
 
@@ -399,8 +401,7 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, deterministic):
-        hit = None if _host_forward is None else _host_forward(q, k, v, causal, scale, 2)
-        out, lse, entry = hit if hit is not None else _forward(q, k, v, causal, scale)
+        out, lse, entry = _forward(q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.entry, ctx.deterministic = entry, deterministic
         ctx.mark_non_differentiable(lse)

@@ -109,8 +109,9 @@ def test_an_explicit_scale_and_return_lse_through_the_public_op():
 
 @pytest.mark.parametrize("d", [64, 256])
 def test_autograd_forward_through_the_compiled_path(d):
-    """With inputs that require grad the autograd Function's forward takes (out, lse, entry) from
-    the compiled path; the backward runs on that entry's plans and matches float64 autograd."""
+    """With inputs that require grad the op runs the compiled path's C++ autograd Function (want 3),
+    whose backward runs tileattn.api._backward on the entry's plans: gradients match float64
+    autograd. want 2 returns the entry the plan cache holds."""
     q, k, v = _inputs(2, 4, 2, 150, 190, d, BF16, seed=d)
     module = _planned(q, k, v, True)
     served = module.forward(q, k, v, True, None, 2)
@@ -119,7 +120,10 @@ def test_autograd_forward_through_the_compiled_path(d):
     dout = torch.randn_like(q)
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     with poisoned_allocations():
-        tileattn.attention(qg, kg, vg, causal=True).backward(dout)
+        out = tileattn.attention(qg, kg, vg, causal=True)
+        assert "CppNode" in out.grad_fn.name() and "AttentionFunction" in out.grad_fn.name(), \
+            f"the compiled path's autograd Function did not run: {out.grad_fn.name()}"
+        out.backward(dout)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     reference.attention(q64, k64, v64, causal=True, compute_dtype=torch.float64)[0].backward(dout.double())
     for name, got, want in (("dq", qg.grad, q64.grad), ("dk", kg.grad, k64.grad), ("dv", vg.grad, v64.grad)):

@@ -34,6 +34,7 @@
 #include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
@@ -126,7 +127,9 @@ struct Record {
   }
 };
 
-std::unordered_map<Key, std::shared_ptr<Record>, KeyHash> records;
+// Never destroyed: at process exit the interpreter (whose references the records hold) is gone.
+std::unordered_map<Key, std::shared_ptr<Record>, KeyHash>& records =
+    *new std::unordered_map<Key, std::shared_ptr<Record>, KeyHash>();
 
 // Fills `key` from the call's arguments; false when they are not a combination a record could
 // hold (not plain CUDA tensors of rank 4, causal not a bool, scale neither None nor a float).
@@ -184,100 +187,105 @@ uint64_t int_attribute_or_call(PyObject* callable, PyObject* argument, const cha
   return (value == static_cast<uint64_t>(-1) && PyErr_Occurred()) ? 0 : value;
 }
 
-// ---- forward(q, k, v, causal, scale, want) ----------------------------------------------------------
-PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  if (nargs != 6) {
-    PyErr_SetString(PyExc_TypeError, "forward(q, k, v, causal, scale, want) takes 6 arguments");
-    return nullptr;
-  }
-  const long want = PyLong_AsLong(args[5]);  // 0: out, 1: (out, lse), 2: (out, lse, entry)
-  if (want < 0 || want > 2) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "want must be 0, 1 or 2");
-    return nullptr;
-  }
+// ---- one launch ---------------------------------------------------------------------------------------
+// A call the module serves: its record, the current stream and the operands' data pointers.
+struct Call {
+  std::shared_ptr<Record> record;  // alive even if a callback clears `records`
+  void* stream = nullptr;
+  uint64_t qkv[3] = {0, 0, 0};
+};
+
+// Whether the module serves this call (fills `call`); false with a Python error set on failure,
+// false without one for a call it leaves to the Python path. Nothing here calls back into Python.
+bool find_call(PyObject* const* args, Call& call) {
   Key key;
-  if (!make_key(args, args[3], args[4], key)) Py_RETURN_NONE;
+  if (!make_key(args, args[3], args[4], key)) return false;
   auto found = records.find(key);
-  if (found == records.end()) Py_RETURN_NONE;
-  std::shared_ptr<Record> record = found->second;  // alive even if a callback clears `records`
+  if (found == records.end()) return false;
+  const std::shared_ptr<Record>& record = found->second;
   // tileattn.api's plan cache replaced (a test's monkeypatch): its entries are not the records' entries.
-  if (PyDict_GetItemWithError(plans_namespace, plans_name) != record->plans) {
-    if (PyErr_Occurred()) return nullptr;
-    Py_RETURN_NONE;
-  }
-
-  const at::Tensor& q = THPVariable_Unpack(args[0]);
-  const at::Tensor& k = THPVariable_Unpack(args[1]);
-  const at::Tensor& v = THPVariable_Unpack(args[2]);
-  const uint64_t qkv[3] = {reinterpret_cast<uint64_t>(q.data_ptr()), reinterpret_cast<uint64_t>(k.data_ptr()),
-                           reinterpret_cast<uint64_t>(v.data_ptr())};
-  if ((qkv[0] | qkv[1] | qkv[2]) & 15) Py_RETURN_NONE;  // the Python path raises the alignment error
-
+  if (PyDict_GetItemWithError(plans_namespace, plans_name) != record->plans) return false;
+  for (int i = 0; i < 3; ++i) call.qkv[i] = reinterpret_cast<uint64_t>(THPVariable_Unpack(args[i]).data_ptr());
+  if ((call.qkv[0] | call.qkv[1] | call.qkv[2]) & 15) return false;  // the Python path raises the alignment error
   // cuLaunchKernel uses the thread's current context: only launch on the record's device, on torch's
   // current stream there.
-  void* stream = nullptr;
   if (served_type == c10::DeviceType::CUDA) {
     const c10::impl::DeviceGuardImplInterface* cuda = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
     const c10::Device device = cuda->getDevice();
-    if (device.index() != record->device) Py_RETURN_NONE;
-    stream = cuda->getStream(device).native_handle();
+    if (device.index() != record->device) return false;
+    call.stream = cuda->getStream(device).native_handle();
   }
-
-  // Everything that may call back into Python comes before the first write to record->buffer.
-  uint64_t counter = 0;
   for (const Slot& slot : record->slots) {
     if (slot.kind != kTileCounter) continue;
     int capture_status = 0;
-    if (stream_is_capturing(stream, &capture_status) != 0 || capture_status != 0) {
-      Py_RETURN_NONE;  // under capture the graph needs a pair of its own (runtime.stream_counters)
-    }
-    auto hit = record->counters.find(stream);
-    if (hit != record->counters.end()) {
-      counter = hit->second;
-    } else {
-      PyObject* index = PyLong_FromLong(record->device);
-      if (index == nullptr) return nullptr;
-      counter = int_attribute_or_call(stream_counters, index, nullptr);
-      Py_DECREF(index);
-      if (PyErr_Occurred()) return nullptr;
-      record->counters.emplace(stream, counter);
+    if (stream_is_capturing(call.stream, &capture_status) != 0 || capture_status != 0) {
+      return false;  // under capture the graph needs a counter pair of its own (runtime.stream_counters)
     }
   }
-  at::Tensor out = at::empty_strided(record->out_sizes, record->out_strides, q.options());
-  at::Tensor lse = want == 0 ? record->unread_lse
-                             : at::empty_strided(record->lse_sizes, record->lse_strides, q.options().dtype(at::kFloat));
+  call.record = record;
+  return true;
+}
+
+[[noreturn]] void throw_python_error() {
+  python_error error;  // torch/csrc/Exceptions.h (global namespace)
+  error.persist();  // the current Python exception, re-raised where the C++ exception is caught
+  throw error;
+}
+
+// Allocates out (and a fresh lse, or the record's unread buffer) and launches. Python errors (from a
+// tensor map's encoder, the counter lookup, the driver) are thrown as torch::python_error.
+void launch(const Call& call, const at::Tensor& q, bool fresh_lse, at::Tensor& out, at::Tensor& lse) {
+  Record& record = *call.record;
+  // Everything that may call back into Python comes before the first write to record.buffer.
+  uint64_t counter = 0;
+  for (const Slot& slot : record.slots) {
+    if (slot.kind != kTileCounter) continue;
+    auto hit = record.counters.find(call.stream);
+    if (hit != record.counters.end()) {
+      counter = hit->second;
+      continue;
+    }
+    PyObject* index = PyLong_FromLong(record.device);
+    if (index == nullptr) throw_python_error();
+    counter = int_attribute_or_call(stream_counters, index, nullptr);
+    Py_DECREF(index);
+    if (PyErr_Occurred()) throw_python_error();
+    record.counters.emplace(call.stream, counter);
+  }
+  out = at::empty_strided(record.out_sizes, record.out_strides, q.options());
+  lse = fresh_lse ? at::empty_strided(record.lse_sizes, record.lse_strides, q.options().dtype(at::kFloat))
+                  : record.unread_lse;
   if (poison_outputs) {  // as the GPU tests' poisoned_allocations() does on the Python path
     out.fill_(std::numeric_limits<double>::quiet_NaN());
     lse.fill_(std::numeric_limits<double>::quiet_NaN());
   }
-  const uint64_t sources[5] = {qkv[0], qkv[1], qkv[2], reinterpret_cast<uint64_t>(out.data_ptr()),
+  const uint64_t sources[5] = {call.qkv[0], call.qkv[1], call.qkv[2], reinterpret_cast<uint64_t>(out.data_ptr()),
                                reinterpret_cast<uint64_t>(lse.data_ptr())};
   // Tensor maps are copied out of the per-slot caches: a later callback may clear a cache.
   MapBytes maps[8];
   int map_count = 0;
-  for (Slot& slot : record->slots) {
+  for (Slot& slot : record.slots) {
     if (slot.kind != kTensorMap) continue;
     if (map_count == 8) {
       PyErr_SetString(PyExc_RuntimeError, "host_launch: more than 8 tensor-map parameters");
-      return nullptr;
+      throw_python_error();
     }
     const uint64_t address = sources[slot.source];
     auto hit = slot.maps.find(address);
     if (hit == slot.maps.end()) {
+      // TensorMapTemplate.encode(address).address: the host address of the map's 128 bytes, alive
+      // while the returned TensorMap is; copied before it is released.
       PyObject* py_address = PyLong_FromUnsignedLongLong(address);
-      if (py_address == nullptr) return nullptr;
-      // TensorMapTemplate.encode(address).address: the host address of the map's 128 bytes,
-      // alive while the returned TensorMap is; copied before it is released.
+      if (py_address == nullptr) throw_python_error();
       PyObject* tmap = PyObject_CallOneArg(slot.encode, py_address);
       Py_DECREF(py_address);
-      if (tmap == nullptr) return nullptr;
+      if (tmap == nullptr) throw_python_error();
       PyObject* host = PyObject_GetAttrString(tmap, "address");
       const uint64_t host_address = host == nullptr ? 0 : PyLong_AsUnsignedLongLong(host);
       Py_XDECREF(host);
       if (PyErr_Occurred()) {
         Py_DECREF(tmap);
-        return nullptr;
+        throw_python_error();
       }
       if (slot.maps.size() >= kMaxMapsPerSlot) slot.maps.clear();
       hit = slot.maps.emplace(address, MapBytes{}).first;
@@ -288,33 +296,144 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
 
   // From here on no Python code runs until the launch has returned (the GIL is held throughout).
-  auto* bytes = reinterpret_cast<unsigned char*>(record->buffer.data());
+  auto* bytes = reinterpret_cast<unsigned char*>(record.buffer.data());
   map_count = 0;
-  for (const Slot& slot : record->slots) {
+  for (const Slot& slot : record.slots) {
     if (slot.kind == kTensorMap) {
-      record->params[slot.param] = maps[map_count++].bytes;  // the driver copies the 128 bytes
+      record.params[slot.param] = maps[map_count++].bytes;  // the driver copies the 128 bytes
     } else {
       const uint64_t value = slot.kind == kTileCounter ? counter : sources[slot.source];
-      std::memcpy(bytes + record->param_offsets[slot.param], &value, sizeof(value));
+      std::memcpy(bytes + record.param_offsets[slot.param], &value, sizeof(value));
     }
   }
-  const CUresult err = launch_kernel(record->function, record->grid[0], record->grid[1], record->grid[2],
-                                     record->block[0], record->block[1], record->block[2], record->smem, stream,
-                                     record->params.data(), nullptr);
+  const CUresult err = launch_kernel(record.function, record.grid[0], record.grid[1], record.grid[2], record.block[0],
+                                     record.block[1], record.block[2], record.smem, call.stream, record.params.data(),
+                                     nullptr);
   if (err != 0) {
     PyErr_Format(launch_error, "cuLaunchKernel (compiled forward path) failed: CUresult %d, grid (%u, %u, %u), "
-                 "block (%u, %u, %u), smem %u", err, record->grid[0], record->grid[1], record->grid[2],
-                 record->block[0], record->block[1], record->block[2], record->smem);
+                 "block (%u, %u, %u), smem %u", err, record.grid[0], record.grid[1], record.grid[2],
+                 record.block[0], record.block[1], record.block[2], record.smem);
+    throw_python_error();
+  }
+}
+
+// ---- autograd: the forward through the compiled path, the backward through tileattn.api._backward ----
+// The plan entry travels with the graph (the backward's plans hang off it); its reference is
+// dropped with the GIL held, whichever thread frees the graph (torch may free it without the GIL).
+struct EntryHolder : torch::CustomClassHolder {
+  PyObject* entry;
+  explicit EntryHolder(PyObject* object) : entry(object) { Py_INCREF(entry); }
+  ~EntryHolder() override {
+    // A graph freed while the interpreter shuts down keeps its reference (PyGILState_Ensure may not
+    // run then).
+#if PY_VERSION_HEX >= 0x030D0000
+    const bool finalizing = Py_IsFinalizing();
+#else
+    const bool finalizing = _Py_IsFinalizing();
+#endif
+    if (Py_IsInitialized() && !finalizing) {
+      PyGILState_STATE state = PyGILState_Ensure();
+      Py_DECREF(entry);
+      PyGILState_Release(state);
+    }
+  }
+};
+
+struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+  // call_address: the Call found by find_call (alive for the duration of apply).
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                                                const at::Tensor& k, const at::Tensor& v, int64_t call_address,
+                                                bool deterministic) {
+    const Call& call = *reinterpret_cast<const Call*>(call_address);
+    at::Tensor out, lse;
+    launch(call, q, /*fresh_lse=*/true, out, lse);
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["entry"] = c10::IValue::make_capsule(c10::make_intrusive<EntryHolder>(call.record->entry));
+    ctx->saved_data["deterministic"] = deterministic;
+    ctx->mark_non_differentiable({lse});
+    ctx->set_materialize_grads(false);  // lse never has a gradient: no zeros tensor is made for it
+    return {out, lse};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor& dout = grads[0];
+    if (!dout.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();  // q, k, v, out, lse
+    auto holder = c10::static_intrusive_pointer_cast<EntryHolder>(ctx->saved_data["entry"].toCapsule());
+    const bool deterministic = ctx->saved_data["deterministic"].toBool();
+    pybind11::gil_scoped_acquire gil;
+    // tileattn.api._backward(entry, dout, q, k, v, out, lse, deterministic) -> (dq, dk, dv)
+    PyObject* backward_fn = PyDict_GetItemString(plans_namespace, "_backward");
+    if (backward_fn == nullptr) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "host_launch: tileattn.api has no _backward");
+      throw_python_error();
+    }
+    PyObject* call_args = Py_BuildValue("(ONNNNNNO)", holder->entry, THPVariable_Wrap(dout), THPVariable_Wrap(saved[0]),
+                                        THPVariable_Wrap(saved[1]), THPVariable_Wrap(saved[2]),
+                                        THPVariable_Wrap(saved[3]), THPVariable_Wrap(saved[4]),
+                                        deterministic ? Py_True : Py_False);
+    if (call_args == nullptr) throw_python_error();
+    PyObject* result = PyObject_Call(backward_fn, call_args, nullptr);
+    Py_DECREF(call_args);
+    if (result == nullptr) throw_python_error();
+    torch::autograd::variable_list grads_in{at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const bool triple = PyTuple_Check(result) && PyTuple_GET_SIZE(result) == 3;
+    for (int i = 0; triple && i < 3; ++i) {
+      PyObject* item = PyTuple_GET_ITEM(result, i);
+      if (!THPVariable_Check(item)) break;
+      grads_in[i] = THPVariable_Unpack(item);
+    }
+    Py_DECREF(result);
+    if (!triple || !grads_in[0].defined() || !grads_in[1].defined() || !grads_in[2].defined()) {
+      PyErr_SetString(PyExc_RuntimeError, "host_launch: tileattn.api._backward must return (dq, dk, dv) tensors");
+      throw_python_error();
+    }
+    return grads_in;
+  }
+};
+
+// ---- forward(q, k, v, causal, scale, want, deterministic=False) ---------------------------------------
+// want: 0 out, 1 (out, lse), 2 (out, lse, entry), 3 (out, lse) with out attached to autograd
+// (AttentionFunction; deterministic picks the backward's mode).
+PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 6 && nargs != 7) {
+    PyErr_SetString(PyExc_TypeError, "forward(q, k, v, causal, scale, want, deterministic=False) takes 6 or 7 "
+                    "arguments");
     return nullptr;
   }
+  const long want = PyLong_AsLong(args[5]);
+  if (want < 0 || want > 3) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "want must be 0, 1, 2 or 3");
+    return nullptr;
+  }
+  const int deterministic = nargs == 7 ? PyObject_IsTrue(args[6]) : 0;
+  if (deterministic < 0) return nullptr;
+  Call call;
+  if (!find_call(args, call)) {
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_NONE;
+  }
+  const at::Tensor& q = THPVariable_Unpack(args[0]);
+  at::Tensor out, lse;
+  if (want == 3) {
+    torch::autograd::variable_list outputs = AttentionFunction::apply(
+        q, THPVariable_Unpack(args[1]), THPVariable_Unpack(args[2]), reinterpret_cast<int64_t>(&call),
+        deterministic != 0);
+    out = std::move(outputs[0]);
+    lse = std::move(outputs[1]);
+  } else {
+    launch(call, q, /*fresh_lse=*/want != 0, out, lse);
+  }
   if (want == 0) return THPVariable_Wrap(std::move(out));
-  PyObject* result = PyTuple_New(want == 1 ? 2 : 3);
+  PyObject* result = PyTuple_New(want == 2 ? 3 : 2);
   if (result == nullptr) return nullptr;
   PyTuple_SET_ITEM(result, 0, THPVariable_Wrap(std::move(out)));
   PyTuple_SET_ITEM(result, 1, THPVariable_Wrap(std::move(lse)));
   if (want == 2) {
-    Py_INCREF(record->entry);
-    PyTuple_SET_ITEM(result, 2, record->entry);
+    Py_INCREF(call.record->entry);
+    PyTuple_SET_ITEM(result, 2, call.record->entry);
   }
   if (PyTuple_GET_ITEM(result, 0) == nullptr || PyTuple_GET_ITEM(result, 1) == nullptr) {
     Py_DECREF(result);  // a wrap failed (out of memory): its exception is set
@@ -482,8 +601,9 @@ PyObject* record_count(PyObject*, PyObject*) { return PyLong_FromSize_t(records.
 
 PyMethodDef methods[] = {
     {"forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(forward)), METH_FASTCALL,
-     "forward(q, k, v, causal, scale, want): out (want 0), (out, lse) (1) or (out, lse, entry) (2) for a "
-     "registered combination, launched on torch's current stream; None when the call is not one"},
+     "forward(q, k, v, causal, scale, want, deterministic=False): out (want 0), (out, lse) (1), (out, lse, entry) "
+     "(2) or (out, lse) with autograd (3) for a registered combination, launched on torch's current stream; None "
+     "when the call is not one"},
     {"register", register_record, METH_VARARGS,
      "register(q, k, v, causal, scale, entry, function, device, grid, block, smem, buffer, offsets, slots, "
      "out_sizes, out_strides, lse_sizes, lse_strides, unread_lse): a planned combination"},
