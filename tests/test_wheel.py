@@ -76,6 +76,7 @@ def test_wheel_registry_is_self_contained(installed):
     assert not {"vector_add", "gemm_tc", "reduction", "transpose"} & set(fams), "labs leaked into the package"
     missing = {name: path for name, (path, exists) in fams.items() if not exists}
     assert not missing, f"sources missing from the wheel: {missing}"
+    assert (site / "tileattn" / "runtime" / "host_launch.cpp").exists(), "the compiled path's source is not in the wheel"
 
 
 def test_installed_wheel_passes_tileattn_check(installed):
