@@ -5,7 +5,10 @@ Two paths run the same plans:
   plan for the call's (shapes, strides, dtypes, devices, causal, scale) in a dictionary, allocates
   the outputs and launches; with inputs that require grad it goes through a torch.autograd.Function
   whose backward reuses the forward's plan entry (nothing is validated twice). This keeps the host
-  cost of a call to a few microseconds: no custom-op dispatch, no per-call argument checks.
+  cost of a call to a few microseconds: no custom-op dispatch, no per-call argument checks. Once a
+  combination is planned, the compiled forward path (runtime/host_launch.cpp, TILEATTN_HOST_LAUNCH=1)
+  can serve it in one C++ call, key to launch (with autograd, a C++ autograd Function); anything it
+  does not hold falls back here.
 - Traced (torch.compile, FakeTensor/meta tensors, make_fx): the custom ops `tileattn::attention_fwd`
   and `tileattn::attention_bwd`, with fake implementations (so torch.compile(fullgraph=True) sees
   one opaque node with known output shapes) and `register_autograd`. Their implementations call the
@@ -354,9 +357,9 @@ _host_forward = None
 def _offer_to_host(q, k, v, causal: bool, scale, entry: _PlanEntry) -> None:
     """Register a planned combination with the compiled forward path once its module is loaded
     (the first call starts its background build; while it builds each Python-path call asks again;
-    switched off or failed, never again). Combinations it cannot serve: a copied K/V, a plan that copies an operand or launches
-    with PDL, a scale that is not a float (the module's key holds None or a float), tensor
-    subclasses."""
+    switched off or failed, never again). Combinations it cannot serve: a copied K/V, a plan that
+    copies an operand or launches with PDL, a scale that is not a float (the module's key holds None
+    or a float), tensor subclasses."""
     global _host_forward
     from .runtime import host_launch
 
@@ -528,7 +531,7 @@ def hopper_kernels_forced():
     from .kernels import dispatch
 
     saved = [set(table) for table, _ in dispatch.UNMEASURED_SM90_TABLES]
-    caches = (_plans, api_varlen._plans, api_paged._paged_cache)
+    caches = (api_varlen._plans, api_paged._paged_cache)  # and this module's, by clear_plans
     for table, implemented in dispatch.UNMEASURED_SM90_TABLES:
         table.update(implemented)
     for cache in caches:
