@@ -4,8 +4,8 @@ An eager `tileattn.attention` forward that the Python path has planned is served
 C++ (`forward(q, k, v, causal, scale, want)`): key, allocation, stream, tensor maps, launch. The
 module is compiled with the system's C++ compiler against torch's and Python's headers (no CUDA
 header or toolkit: the driver entry points come from cuGetProcAddress) and cached under
-`cache_dir()/host/`. Building takes 10-15 s, so it happens in a background thread started by the
-first eager forward; until it is loaded, and wherever it cannot be built (no compiler, no Python
+`cache_dir()/host/`. Building takes tens of seconds (torch's autograd headers), so it happens in a
+background thread started by the first eager forward; until it is loaded, and wherever it cannot be built (no compiler, no Python
 headers, an unusual torch), every call takes the Python path, which launches the same plans.
 `TILEATTN_HOST_LAUNCH=1` switches it on, `0` off; it is off by default until its first GPU run
 (DEFAULT below). `status()` says which case holds (`tileattn info` prints it).
