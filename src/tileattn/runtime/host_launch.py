@@ -100,16 +100,19 @@ def build() -> Path:
         return path
     if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
         raise HostLaunchBuildError(f"Python's headers are not installed ({sysconfig.get_paths()['include']}/Python.h)")
+    compiler = _compiler()
+    if shutil.which(compiler) is None:
+        raise HostLaunchBuildError(f"could not run the C++ compiler {compiler!r}: not found")
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        done = subprocess.run(_command(partial), capture_output=True, text=True)
-    except OSError as exc:
-        raise HostLaunchBuildError(f"could not run the C++ compiler {_compiler()!r}: {exc}") from exc
+    # The shell renames the finished library into place itself, so a process that exits while its
+    # background build runs still leaves the cache filled for the next one.
+    script = 'set -e; "$@"; mv -f "$TILEATTN_PARTIAL" "$TILEATTN_LIBRARY"'
+    env = dict(os.environ, TILEATTN_PARTIAL=str(partial), TILEATTN_LIBRARY=str(path))
+    done = subprocess.run(["sh", "-c", script, "sh", *_command(partial)], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise HostLaunchBuildError(f"{_compiler()} exited with {done.returncode}:\n{done.stderr[-3000:]}")
-    os.replace(partial, path)
+        raise HostLaunchBuildError(f"{compiler} exited with {done.returncode}:\n{done.stderr[-3000:]}")
     return path
 
 
