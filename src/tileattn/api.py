@@ -233,6 +233,13 @@ def _check_pointer(name: str, t: Tensor) -> None:
         )
 
 
+def _check_pointers(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Check 8, the only one a planned combination repeats per call (one OR when all is well)."""
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            _check_pointer(name, t)
+
+
 def _kernel_layout_ok(t: Tensor) -> bool:
     """Whether the kernels can read `t` in place (last dim contiguous, 16-byte aligned rows)."""
     s = t.stride()
@@ -315,9 +322,7 @@ def _forward(q, k, v, causal: bool, scale, keep_lse: bool = True):
     keeps for such calls instead of a fresh one, saving an allocation (~2.6 us of host time on the
     H200 machine). Calls on other streams may write it at the same time; nothing ever reads it."""
     entry = _plan_entry(q, k, v, causal, scale)
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            _check_pointer(name, t)
+    _check_pointers(q, k, v)
     if entry.copy_kv:
         k, v = k.contiguous(), v.contiguous()
     out = torch.empty_strided(*entry.out_spec, dtype=q.dtype, device=entry.device)
@@ -566,9 +571,7 @@ def _cached_entry(key, make):
 def _variant_forward(entry: _VariantEntry, q, k, v, extra, inference: bool = False):
     """(out, lse): `_forward`'s steps with the variant plan's per-call values (kept apart so that the
     plain path pays nothing for them)."""
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            _check_pointer(name, t)
+    _check_pointers(q, k, v)
     if entry.copy_kv:
         k, v = k.contiguous(), v.contiguous()
     out = torch.empty_strided(*entry.out_spec, dtype=q.dtype, device=entry.device)
