@@ -235,6 +235,10 @@ def test_register_refuses_malformed_slots(fake):
     with pytest.raises(ValueError, match="slot 0 is malformed"):
         fake.module.register(q, q, q, True, None, "e", 1, -1, (1, 1, 1), (1, 1, 1), 0, bytes(536), OFFSETS, bad,
                              q.shape, q.stride(), q.shape[:3], (64, 16, 1), fake.unread)
+    nine_maps = tuple((1, i % 4, i % 4, len) for i in range(9))
+    with pytest.raises(ValueError, match="9 tensor-map slots, at most 8"):
+        fake.module.register(q, q, q, True, None, "e", 1, -1, (1, 1, 1), (1, 1, 1), 0, bytes(536), OFFSETS, nine_maps,
+                             q.shape, q.stride(), q.shape[:3], (64, 16, 1), fake.unread)
     with pytest.raises(ValueError, match="outside the"):
         fake.module.register(q, q, q, True, None, "e", 1, -1, (1, 1, 1), (1, 1, 1), 0, bytes(16), OFFSETS, (),
                              q.shape, q.stride(), q.shape[:3], (64, 16, 1), fake.unread)

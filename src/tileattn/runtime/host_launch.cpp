@@ -92,7 +92,8 @@ struct KeyHash {
 
 // ---- a record: one planned (key -> kernel launch) -------------------------------------------------
 enum SlotKind : int { kPointer = 0, kTensorMap = 1, kTileCounter = 2 };
-constexpr int kSourceOut = 3, kSourceLse = 4;  // sources 0-2 are q, k, v
+constexpr int kSources = 5;  // q, k, v, out, lse
+constexpr int kMaxTensorMaps = 8;
 
 struct alignas(64) MapBytes {
   unsigned char bytes[128];  // one CUtensorMap
@@ -171,18 +172,11 @@ bool read_int64s(PyObject* sequence, std::vector<int64_t>& out, const char* what
   return true;
 }
 
-uint64_t int_attribute_or_call(PyObject* callable, PyObject* argument, const char* attribute) {
-  // callable(argument), then .attribute when given; the result as an unsigned 64-bit int
-  // (0 with a Python exception set on failure).
+uint64_t call_for_uint64(PyObject* callable, PyObject* argument) {
+  // callable(argument) as an unsigned 64-bit int (0 with a Python exception set on failure).
   PyObject* result = PyObject_CallOneArg(callable, argument);
   if (result == nullptr) return 0;
-  if (attribute != nullptr) {
-    PyObject* value = PyObject_GetAttrString(result, attribute);
-    Py_DECREF(result);
-    if (value == nullptr) return 0;
-    result = value;
-  }
-  uint64_t value = PyLong_AsUnsignedLongLong(result);
+  const uint64_t value = PyLong_AsUnsignedLongLong(result);
   Py_DECREF(result);
   return (value == static_cast<uint64_t>(-1) && PyErr_Occurred()) ? 0 : value;
 }
@@ -247,7 +241,7 @@ void launch(const Call& call, const at::Tensor& q, bool fresh_lse, at::Tensor& o
     }
     PyObject* index = PyLong_FromLong(record.device);
     if (index == nullptr) throw_python_error();
-    counter = int_attribute_or_call(stream_counters, index, nullptr);
+    counter = call_for_uint64(stream_counters, index);
     Py_DECREF(index);
     if (PyErr_Occurred()) throw_python_error();
     record.counters.emplace(call.stream, counter);
@@ -262,14 +256,10 @@ void launch(const Call& call, const at::Tensor& q, bool fresh_lse, at::Tensor& o
   const uint64_t sources[5] = {call.qkv[0], call.qkv[1], call.qkv[2], reinterpret_cast<uint64_t>(out.data_ptr()),
                                reinterpret_cast<uint64_t>(lse.data_ptr())};
   // Tensor maps are copied out of the per-slot caches: a later callback may clear a cache.
-  MapBytes maps[8];
+  MapBytes maps[kMaxTensorMaps];  // register() allows no more map slots than this
   int map_count = 0;
   for (Slot& slot : record.slots) {
     if (slot.kind != kTensorMap) continue;
-    if (map_count == 8) {
-      PyErr_SetString(PyExc_RuntimeError, "host_launch: more than 8 tensor-map parameters");
-      throw_python_error();
-    }
     const uint64_t address = sources[slot.source];
     auto hit = slot.maps.find(address);
     if (hit == slot.maps.end()) {
@@ -510,7 +500,7 @@ PyObject* register_record(PyObject*, PyObject* args) {
     }
     const bool valid = slot.kind >= kPointer && slot.kind <= kTileCounter && slot.param >= 0 &&
                        static_cast<size_t>(slot.param) < record->param_offsets.size() &&
-                       (slot.kind == kTileCounter || (slot.source >= 0 && slot.source <= kSourceLse)) &&
+                       (slot.kind == kTileCounter || (slot.source >= 0 && slot.source < kSources)) &&
                        (slot.kind != kTensorMap || PyCallable_Check(encode)) &&
                        (slot.kind == kTensorMap || record->param_offsets[slot.param] % 8 == 0);
     if (!valid) {
@@ -525,6 +515,12 @@ PyObject* register_record(PyObject*, PyObject* args) {
     record->slots.push_back(std::move(slot));
   }
   Py_DECREF(fast);
+  size_t map_slots = 0;
+  for (const Slot& slot : record->slots) map_slots += slot.kind == kTensorMap;
+  if (map_slots > kMaxTensorMaps) {
+    PyErr_Format(PyExc_ValueError, "register: %zu tensor-map slots, at most %d", map_slots, kMaxTensorMaps);
+    return nullptr;
+  }
   if (!read_int64s(out_sizes, record->out_sizes, "out_sizes") ||
       !read_int64s(out_strides, record->out_strides, "out_strides") ||
       !read_int64s(lse_sizes, record->lse_sizes, "lse_sizes") ||
