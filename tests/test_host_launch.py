@@ -335,8 +335,10 @@ def test_autograd_through_the_compiled_forward(fake):
 
 
 def test_a_graph_alive_at_exit_does_not_crash_the_interpreter(built, tmp_path):
-    """A graph still referenced when the interpreter shuts down frees its plan-entry reference
-    without the GIL machinery that finalization has torn down (it keeps it)."""
+    """A process that exits with a record registered and a graph alive exits cleanly: the records
+    are never destroyed (a static map's destructor dropped their Python references after the
+    interpreter was gone and aborted the process: a CPU run did, and this test does with that map),
+    and a graph freed during shutdown keeps its entry reference."""
     script = tmp_path / "graph_at_exit.py"
     script.write_text(
         "import torch\n"

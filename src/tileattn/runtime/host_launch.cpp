@@ -64,6 +64,7 @@ PyObject* plans_name = nullptr;       // the interned string "_plans"
 // is -1 and the stream null.
 c10::DeviceType served_type = c10::DeviceType::CUDA;
 bool poison_outputs = false;          // tests: fill out and lse with NaN before the launch (set_poison)
+bool interpreter_exiting = false;     // set by the atexit hook that the module's init registers
 
 constexpr size_t kMaxRecords = 8192;  // start over beyond this (tileattn.api clears at 4096 plans first)
 constexpr size_t kMaxMapsPerSlot = 64;  // encoded tensor maps kept per slot (per address)
@@ -315,13 +316,8 @@ struct EntryHolder : torch::CustomClassHolder {
   explicit EntryHolder(PyObject* object) : entry(object) { Py_INCREF(entry); }
   ~EntryHolder() override {
     // A graph freed while the interpreter shuts down keeps its reference (PyGILState_Ensure may not
-    // run then).
-#if PY_VERSION_HEX >= 0x030D0000
-    const bool finalizing = Py_IsFinalizing();
-#else
-    const bool finalizing = _Py_IsFinalizing();
-#endif
-    if (Py_IsInitialized() && !finalizing) {
+    // run then): interpreter_exiting is set by an atexit hook, which runs before modules are torn down.
+    if (!interpreter_exiting) {
       PyGILState_STATE state = PyGILState_Ensure();
       Py_DECREF(entry);
       PyGILState_Release(state);
@@ -595,6 +591,11 @@ PyObject* clear(PyObject*, PyObject*) {
 
 PyObject* record_count(PyObject*, PyObject*) { return PyLong_FromSize_t(records.size()); }
 
+PyObject* mark_exiting(PyObject*, PyObject*) {
+  interpreter_exiting = true;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(forward)), METH_FASTCALL,
      "forward(q, k, v, causal, scale, want, deterministic=False): out (want 0), (out, lse) (1), (out, lse, entry) "
@@ -608,10 +609,26 @@ PyMethodDef methods[] = {
     {"clear", clear, METH_NOARGS, "drop every record"},
     {"set_poison", set_poison, METH_O, "tests: fill every output with NaN before its launch (True) or not"},
     {"record_count", record_count, METH_NOARGS, "how many combinations are registered"},
+    {"_mark_exiting", mark_exiting, METH_NOARGS, "atexit hook: from now on graphs freed keep their entry reference"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_host_launch", "tileattn's compiled forward path", -1, methods};
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__host_launch(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__host_launch(void) {
+  PyObject* created = PyModule_Create(&module);
+  if (created == nullptr) return nullptr;
+  // atexit.register(_mark_exiting)
+  PyObject* atexit = PyImport_ImportModule("atexit");
+  PyObject* hook = atexit == nullptr ? nullptr : PyObject_GetAttrString(created, "_mark_exiting");
+  PyObject* done = hook == nullptr ? nullptr : PyObject_CallMethod(atexit, "register", "O", hook);
+  Py_XDECREF(atexit);
+  Py_XDECREF(hook);
+  if (done == nullptr) {
+    Py_DECREF(created);
+    return nullptr;
+  }
+  Py_DECREF(done);
+  return created;
+}
