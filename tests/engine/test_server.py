@@ -822,6 +822,8 @@ def test_shutdown_with_a_stream_in_flight_leaves_the_engine_empty(checkpoint):
 TOOL_TEMPLATE = (
     "{% if tools %}<s>system: tools:{% for t in tools %} {{ t | tojson }}{% endfor %}</s>{% endif %}"
     "{% for m in messages %}<s>{{ m['role'] }}: "
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{% if m.thinking %}<analysis>{{ m.thinking }}</analysis>{% endif %}"
     "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{\"name\": \"{{ c.function.name }}\", "
     "\"arguments\": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}"
     "{% else %}{{ m['content'] }}{% endif %}</s>{% endfor %}"
@@ -922,6 +924,14 @@ def test_tool_calls_parsed_streamed_and_rendered_back(tool_server):
     shown = _rendered(server, {"messages": turn, "tools": [WEATHER]})
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in shown
     assert "<s>tool: 18 C, sunny</s>" in shown
+    # The assistant's reasoning sent back reaches the template as reasoning_content (Qwen3's
+    # templates) and thinking (gpt-oss's); on a message of another role it is refused.
+    reasoned = [*turn[:1], {**turn[1], "reasoning_content": "I need the weather."}, *turn[2:]]
+    shown = _rendered(server, {"messages": reasoned, "tools": [WEATHER]})
+    assert "<s>assistant: <think>I need the weather.</think><analysis>I need the weather.</analysis><tool_call>" in shown
+    status, out = server.http("POST", "/tokenize", json.dumps(
+        {"messages": [{"role": "user", "content": "hi", "reasoning_content": "no"}]}).encode())
+    assert status == 400 and "reasoning_content belongs to assistant messages" in out.decode()
     answer("It is 18 C and sunny in Paris.")
     r = client.chat.completions.create(model=MODEL, messages=turn, tools=[WEATHER])
     assert r.choices[0].message.content == "It is 18 C and sunny in Paris." and r.choices[0].finish_reason == "stop"

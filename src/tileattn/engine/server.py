@@ -328,6 +328,7 @@ class ChatMessage(RequestBody):
     tool_calls: list[dict] | None = None   # an assistant message's calls (OpenAI's shape)
     tool_call_id: str | None = None        # a tool message: the call it answers
     name: str | None = None
+    reasoning_content: str | None = None   # an assistant message's reasoning, as this server returns it
 
 
 class ChatRequest(SamplingRequest):
@@ -832,8 +833,9 @@ def _check_template_renders_tools(state: ServerState) -> None:
 
 
 def _template_message(i: int, m: ChatMessage) -> dict:
-    """A message as chat templates read it: text content; an assistant's tool calls with their
-    arguments as a mapping (templates write them with tojson), a tool message's tool_call_id."""
+    """A message as chat templates read it: text content; an assistant's reasoning (as
+    reasoning_content and as thinking) and tool calls with their arguments as a mapping (templates
+    write them with tojson), a tool message's tool_call_id."""
     content = m.content
     if isinstance(content, list):  # OpenAI content parts: only text is supported
         texts = []
@@ -844,6 +846,14 @@ def _template_message(i: int, m: ChatMessage) -> dict:
             texts.append(part["text"])
         content = "\n".join(texts)
     message = {"role": m.role, "content": content or ""}
+    if m.reasoning_content is not None:
+        if m.role != "assistant":
+            raise APIError(400, f"messages[{i}]: reasoning_content belongs to assistant messages, not {m.role!r}.",
+                           param="messages")
+        # Qwen3's and DeepSeek's templates read reasoning_content, gpt-oss's reads thinking (each
+        # decides which turns keep it: Qwen3 the ones after the last user message, gpt-oss a turn
+        # that ended in a tool call)
+        message["reasoning_content"] = message["thinking"] = m.reasoning_content
     if m.tool_calls is not None:
         message["tool_calls"] = [_template_tool_call(i, j, call) for j, call in enumerate(m.tool_calls)]
     for key in ("tool_call_id", "name"):
