@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from . import dropout as dr
-from .api import _cached_entry, _check_pointer, _current_device, _eager, _kernel_layout_ok
+from .api import _cached_entry, _check_pointers, _current_device, _eager, _kernel_layout_ok
 
 __all__ = ["attention_varlen"]
 
@@ -310,12 +310,6 @@ def _plan_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             _plans.clear()
         _plans[key] = entry
     return entry
-
-
-def _check_pointers(q, k, v) -> None:
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            _check_pointer(name, t)
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
