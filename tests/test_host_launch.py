@@ -355,3 +355,74 @@ def test_a_graph_alive_at_exit_does_not_crash_the_interpreter(built, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "src")])}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_a_real_launch_plan_through_the_glue(built, monkeypatch):
+    """The sm80 forward's plan shape end to end without a GPU: a LaunchPlan (a stand-in kernel with
+    five pointer parameters and packed scalars) behind dispatch._PointerPlan, registered by
+    api._offer_to_host from its host_fields / host_slots; the compiled call passes q, k, v, out and
+    lse's addresses at the pointer parameters and the plan's packed scalars unchanged."""
+    from cuda.bindings import driver as cuda_driver
+
+    from tileattn import api
+    from tileattn.kernels import dispatch
+    from tileattn.runtime import launcher
+
+    layout = ((0, 8), (8, 8), (16, 8), (24, 8), (32, 8), (40, 8), (48, 4), (52, 4))  # 5 pointers, i64, i32, f32
+    kernel = SimpleNamespace(expression="fake_forward", param_layout=layout, function=cuda_driver.CUfunction(0xF1),
+                             _dynamic_smem_limit=48 * 1024, device_index=-1, resources=None)
+    plan = launcher.LaunchPlan(kernel, (3, 4, 2), (128,), (1, 2, 3, 4, 5, np.int64(-77), np.int32(9),
+                                                            np.float32(0.25)), smem=1024, dynamic=range(5))
+    seen = []
+
+    def launch(function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        seen.append((function, (gx, gy, gz), (bx, by, bz), smem,
+                     [ctypes.c_uint64.from_address(params[i]).value for i in range(5)],
+                     ctypes.c_int64.from_address(params[5]).value, ctypes.c_int32.from_address(params[6]).value,
+                     ctypes.c_float.from_address(params[7]).value))
+        return 0
+
+    if torch.cuda.is_available():  # as _configured: keep a GPU process's real configuration
+        pytest.skip("a GPU is present: tests/gpu/test_host_launch.py runs the real plans")
+    callback = LAUNCH(launch)
+    capture = CAPTURING(lambda stream, status: 0)
+    built.configure(ctypes.cast(callback, ctypes.c_void_p).value, ctypes.cast(capture, ctypes.c_void_p).value,
+                    lambda index: 0, LaunchError, vars(api), "cpu")
+    monkeypatch.setattr(host_launch, "module", lambda: built)
+    monkeypatch.setattr(api, "_host_forward", None)
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    entry = SimpleNamespace(host_offered=False, copy_kv=False, forward=dispatch._PointerPlan(plan), unread_lse=None,
+                            lse_spec=(q.shape[:3], (64, 16, 1)), out_spec=(q.shape, q.stride()), device=q.device)
+    try:
+        api._offer_to_host(q, k, v, True, 0.5, entry)
+        out, lse = tileattn.attention(q, k, v, causal=True, scale=0.5, return_lse=True)
+        ((function, grid, block, smem, pointers, i64, i32, f32),) = seen
+        assert function == 0xF1 and grid == (3, 4, 2) and block == (128, 1, 1) and smem == 1024
+        assert pointers == [t.data_ptr() for t in (q, k, v, out, lse)]
+        assert (i64, i32, f32) == (-77, 9, 0.25), "the plan's packed scalars changed"
+    finally:
+        built.clear()
+
+
+def test_the_hopper_plans_slots():
+    """attention_fwd_sm90.ForwardPlan.host_slots: maps of q, k, v, out with their templates' encoders,
+    lse's pointer, and the tile counter only on a persistent grid; None for a plan that copies an
+    operand or takes a variant kernel's per-call values."""
+    from tileattn.kernels import attention_fwd_sm90 as af
+
+    def plan(persistent, **flags):
+        p = object.__new__(af.ForwardPlan)
+        p.copy_q = p.copy_k = p.copy_v = p.copy_out = p.variant_values = False
+        for name, value in flags.items():
+            setattr(p, name, value)
+        p.templates = tuple(SimpleNamespace(encode=f"encode-{i}") for i in range(4))
+        p.config = SimpleNamespace(persistent=persistent)
+        p.plan = SimpleNamespace(dynamic=(0, 1, 2, 3, 4, af.TILE_COUNTER_ARG))
+        return p
+
+    launch_plan, slots = plan(True).host_slots()
+    assert slots == ((1, 0, 0, "encode-0"), (1, 1, 1, "encode-1"), (1, 2, 2, "encode-2"), (1, 3, 3, "encode-3"),
+                     (0, 4, 4, None), (2, af.TILE_COUNTER_ARG, -1, None))
+    assert plan(False).host_slots()[1] == slots[:5], "a one-CTA-per-tile grid keeps its packed 0 counter"
+    for flag in ("copy_q", "copy_k", "copy_v", "copy_out", "variant_values"):
+        assert plan(True, **{flag: True}).host_slots() is None, flag
