@@ -6,12 +6,14 @@
 // tensor-map and tile-counter lookups, and cuda.bindings' cuLaunchKernel wrapper. This module does
 // the same steps for a combination the Python path has already validated and planned:
 //
-//   forward(q, k, v, causal, scale, want) -> out | (out, lse) | (out, lse, entry) | None
+//   forward(q, k, v, causal, scale, want, deterministic=False)
+//       -> out (want 0) | (out, lse) (1) | (out, lse, entry) (2) | (out, lse) with autograd (3) | None
 //
 // It builds the key from the tensors, finds the record that tileattn.api registered for it (the
 // LaunchPlan's packed parameter buffer, which parameters change per call, and the output specs),
 // allocates out (and lse) with ATen, fills in the data pointers and tensor maps, and calls
-// cuLaunchKernel on torch's current stream. None means "not mine": no record, another current
+// cuLaunchKernel on torch's current stream; with want 3 that launch is the forward of a C++ autograd
+// Function whose backward calls tileattn.api._backward. None means "not mine": no record, another current
 // device, a misaligned pointer, a stream under capture with a persistent grid, an argument of an
 // unexpected type. The caller then takes the Python path, which checks everything and raises the
 // errors. Nothing here validates more than that: a record exists only for a key the Python path
