@@ -1,5 +1,7 @@
 """Shared test setup: the `gpu` marker skips visibly when no CUDA device is present."""
 
+import os
+
 import pytest
 import torch
 
@@ -21,8 +23,6 @@ def compiled_forward_path():
     as a warmed-up process does, instead of switching paths mid-session when its background build
     ends; tests/gpu/test_host_launch.py checks that it loads and compares the two paths."""
     if torch.cuda.is_available():
-        import os
-
         from tileattn.runtime import host_launch
 
         os.environ.setdefault("TILEATTN_HOST_LAUNCH", "1")  # on for the tests while its default is off

@@ -18,8 +18,9 @@ requires_sm90 = pytest.mark.skipif(
 def poisoned_allocations():
     """Every tensor made with torch.empty / empty_like / empty_strided inside the block, and every
     output of the compiled forward path (runtime.host_launch), starts out as NaN (floats) or -1
-    (integers): outputs and workspaces that tileattn allocates are poisoned for sure, so an element a kernel forgets to write, or a workspace it reads before
-    writing, shows up in the result instead of passing on leftover memory."""
+    (integers): outputs and workspaces that tileattn allocates are poisoned for sure, so an element
+    a kernel forgets to write, or a workspace it reads before writing, shows up in the result
+    instead of passing on leftover memory."""
     real = {name: getattr(torch, name) for name in ("empty", "empty_like", "empty_strided")}
 
     def poison(t):
