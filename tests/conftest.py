@@ -1,4 +1,5 @@
-"""Shared test setup: the `gpu` marker skips visibly when no CUDA device is present."""
+"""Shared test setup: the `gpu` marker skips visibly when no CUDA device is present; on a GPU machine
+the compiled forward path (runtime.host_launch) is switched on and loaded before the tests run."""
 
 import os
 
