@@ -31,7 +31,8 @@ from .tokenizer import Tokenizer
 
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                       "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+                       "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                       "phi3": "Phi3ForCausalLM"}
 # llama.cpp's routing when the file does not say ({arch}.expert_weights_norm): its Mixtral ("llama"
 # with experts) and Qwen3-MoE graphs renormalise the top-k weights, its Qwen2-MoE graph does not
 _GGUF_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False}
@@ -125,7 +126,7 @@ def read_model_config(path: str) -> ModelConfig:
     if kind == "gguf":
         reader = _gguf_reader(path)
         shapes = {t.name: tuple(int(s) for s in reversed(t.shape)) for t in reader.tensors}
-        return model_config_from_gguf(_gguf_metadata(reader), set(shapes), shapes)
+        return model_config_from_gguf(_gguf_metadata(reader), set(shapes), shapes, _gguf_rope_factors(reader))
     return _hf_config(path)
 
 
@@ -495,6 +496,7 @@ def _ids(value) -> tuple[int, ...]:
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q, k, v in one tensor (split by the model at load)
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -510,12 +512,15 @@ _GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                       "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, fused_up: bool = False) -> str | None:
+    """The HF name of a GGUF tensor (None: not a weight the model loads). fused_up: ffn_up holds
+    the gate and up projections stacked (Phi-3: gate first), HF's gate_up_proj."""
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")  # blk.N.attn_q.weight
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+        module = "mlp.gate_up_proj" if fused_up and parts[2] == "ffn_up" else _GGUF_LAYER_NAMES[parts[2]]
+        return f"model.layers.{parts[1]}.{module}.{parts[3]}"
     # early Mixtral files: one tensor per expert, blk.N.ffn_gate.E.weight
     if len(parts) == 5 and parts[0] == "blk" and parts[2] in ("ffn_gate", "ffn_up", "ffn_down") and parts[3].isdigit():
         return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{parts[2][4:]}_proj.weight"
@@ -540,8 +545,11 @@ def _gguf_metadata(reader) -> dict:
     return meta
 
 
-def model_config_from_gguf(meta: dict, tensor_names: set[str], tensor_shapes: dict) -> ModelConfig:
-    """ModelConfig from GGUF metadata. Raises ValueError naming an unsupported architecture."""
+def model_config_from_gguf(meta: dict, tensor_names: set[str], tensor_shapes: dict,
+                           rope_factors: dict | None = None) -> ModelConfig:
+    """ModelConfig from GGUF metadata. rope_factors: the rope_factors_long / _short tensors' values
+    by "long" / "short" (_gguf_rope_factors). Raises ValueError naming an unsupported architecture
+    or a malformed Phi-3 rotary."""
     arch = meta.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHITECTURES)}")
@@ -559,6 +567,12 @@ def model_config_from_gguf(meta: dict, tensor_names: set[str], tensor_shapes: di
         scaling = {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
     tokens = meta.get("tokenizer.ggml.tokens") or []
     vocab = meta.get(f"{arch}.vocab_size") or tensor_shapes["token_embd.weight"][0] or len(tokens)
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    extra, window = ({"moe": moe} if moe else {}), None
+    if arch == "phi3":
+        phi3, scaling = _gguf_phi3(meta, head_dim, int(get("context_length", 4096)), rope_factors or {})
+        extra.update(phi3)
+        window = int(meta.get("phi3.attention.sliding_window") or 0) or None  # 0: none (the converter's)
     cfg = ModelConfig(
         architecture="MixtralForCausalLM" if moe and arch == "llama" else _GGUF_ARCHITECTURES[arch],
         vocab_size=int(vocab),
@@ -567,7 +581,7 @@ def model_config_from_gguf(meta: dict, tensor_names: set[str], tensor_shapes: di
         num_layers=int(get("block_count")),
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length", 4096)),
@@ -577,11 +591,51 @@ def model_config_from_gguf(meta: dict, tensor_names: set[str], tensor_shapes: di
         o_bias="blk.0.attn_output.bias" in tensor_names,
         mlp_bias="blk.0.ffn_up.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        sliding_window=None,
-        extra={"moe": moe} if moe else {},
+        sliding_window=window,
+        extra=extra,
     )
     cfg.validate()
     return cfg
+
+
+def _gguf_phi3(meta: dict, head_dim: int, context: int, rope_factors: dict) -> tuple[dict, dict | None]:
+    """Phi-3's (options, rope scaling) from llama.cpp's keys: phi3.rope.dimension_count rotating dims
+    of each head (Phi-4-mini: 3 / 4 of them), and with the rope_factors_long / _short tensors longrope
+    over phi3.rope.scaling.original_context_length positions, its attention factor as the file says."""
+    options = {}
+    rotary = int(meta.get("phi3.rope.dimension_count") or head_dim)
+    if rotary % 2 or not 2 <= rotary <= head_dim:
+        raise ValueError(f"GGUF phi3.rope.dimension_count={rotary}: rotary needs an even count of at most the "
+                         f"head dim {head_dim}")
+    if rotary < head_dim:
+        options["rotary_dim"] = rotary
+    if not rope_factors:
+        return options, None
+    original = meta.get("phi3.rope.scaling.original_context_length")
+    if not original:
+        raise ValueError("GGUF phi3 file with longrope factors lacks phi3.rope.scaling.original_context_length")
+    for kind in ("long", "short"):
+        if len(rope_factors.get(kind, ())) != rotary // 2:
+            raise ValueError(f"GGUF rope_factors_{kind} must hold {rotary // 2} factors (one per rotating frequency), "
+                             f"got {len(rope_factors.get(kind, ()))}")
+    scaling = {"rope_type": "longrope", "long_factor": list(rope_factors["long"]),
+               "short_factor": list(rope_factors["short"]), "original_max_position_embeddings": int(original),
+               "factor": context / int(original)}
+    if meta.get("phi3.rope.scaling.attn_factor") is not None:
+        scaling["attention_factor"] = float(meta["phi3.rope.scaling.attn_factor"])
+    return options, scaling
+
+
+def _gguf_rope_factors(reader) -> dict:
+    """{"long": [...], "short": [...]} from the rope_factors_long / _short tensors (Phi-3's longrope),
+    or {} when the file has none."""
+    from gguf.quants import dequantize
+
+    factors = {}
+    for t in reader.tensors:
+        if t.name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+            factors[t.name.split(".")[0].rsplit("_", 1)[1]] = dequantize(t.data, t.tensor_type).reshape(-1).tolist()
+    return factors
 
 
 def _gguf_moe_options(arch: str, meta: dict, shapes: dict, layers: int) -> dict | None:
@@ -626,7 +680,7 @@ def _load_gguf(path, device, dtype, max_model_len, tp):
     meta = _gguf_metadata(reader)
     # GGUF lists dims innermost first; torch (and the dequantized array) outermost first.
     shapes = {t.name: tuple(int(s) for s in reversed(t.shape)) for t in reader.tensors}
-    cfg = model_config_from_gguf(meta, set(shapes), shapes)
+    cfg = model_config_from_gguf(meta, set(shapes), shapes, _gguf_rope_factors(reader))
     rows = _rotary_rows(cfg, max_model_len)
     tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in tensors:  # llama3-style scaling stored as per-frequency divisors
@@ -640,7 +694,7 @@ def _load_gguf(path, device, dtype, max_model_len, tp):
     for name, t in tensors.items():
         parts = name.split(".")  # blk.N.ffn_gate_exps.weight: one tensor per expert
         stacked = _GGUF_STACKED_EXPERTS.get(parts[2]) if len(parts) == 4 and parts[0] == "blk" else None
-        hf = _hf_name(name)
+        hf = _hf_name(name, fused_up=cfg.architecture == "Phi3ForCausalLM")
         if hf is None and stacked is None:
             continue
         w = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(shapes[name]).copy())  # fp32, host
