@@ -119,3 +119,17 @@ def write_gguf(hf_dir, path, arch: str, per_expert_tensors: bool = False) -> str
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def transformers_logits(hf, path, prompt) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits of transformers' own GGUF loader reading ``path``, the HF model's), float32 [T, V],
+    over ``prompt``. The HF model's config is given to the loader: transformers' GGUF config reader
+    maps only the common fields (not experts' ffn sizes, partial rotary or longrope)."""
+    import os
+
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                              config=hf.config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0], hf(torch.tensor([prompt])).logits[0]

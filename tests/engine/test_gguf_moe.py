@@ -10,7 +10,6 @@ one tensor per expert (blk.N.ffn_gate.E.weight). transformers' own GGUF loader r
 from each file must equal the HF model's within 1e-5 (both float32).
 """
 
-import os
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from tileattn.engine import LLMEngine
 from tileattn.engine.loader import read_model_config
 
 from .checkpoints import engine_logits, make_checkpoint, rel_error
-from .gguf_files import write_gguf
+from .gguf_files import transformers_logits, write_gguf
 from .test_models import PROMPT
 
 pytest.importorskip("gguf")
@@ -67,16 +66,8 @@ def test_transformers_reads_the_written_layout_the_same(written, arch):
     """The file follows the tensor layout transformers' GGUF loader (after llama.cpp) expects: loaded
     by it, the Qwen files give the HF model's logits (transformers reads no GGUF Mixtral: that layout
     rests on the llama permutation the SmolLM2 test checks and the stacked experts checked here)."""
-    import transformers
-
-    _, hf, folder, path = written(arch)
-
-    # config given: transformers' GGUF config reader does not map the experts' ffn sizes
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=os.path.basename(path),
-                                                              config=hf.config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ours, ref = model(torch.tensor([PROMPT])).logits[0], hf(torch.tensor([PROMPT])).logits[0]
-    assert rel_error(ours, ref) < 1e-6
+    _, hf, _, path = written(arch)
+    assert rel_error(*transformers_logits(hf, path, PROMPT)) < 1e-6
 
 
 def test_early_mixtral_files_with_one_tensor_per_expert(tmp_path):
