@@ -10,7 +10,6 @@ one tensor per expert (blk.N.ffn_gate.E.weight). transformers' own GGUF loader r
 from each file must equal the HF model's within 1e-5 (both float32).
 """
 
-
 import pytest
 import torch
 from tileattn.engine import LLMEngine
