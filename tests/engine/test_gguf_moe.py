@@ -12,6 +12,7 @@ from each file must equal the HF model's within 1e-5 (both float32).
 
 import pytest
 import torch
+
 from tileattn.engine import LLMEngine
 from tileattn.engine.loader import read_model_config
 
@@ -20,6 +21,7 @@ from .gguf_files import transformers_logits, write_gguf
 from .test_models import PROMPT
 
 pytest.importorskip("gguf")
+
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
