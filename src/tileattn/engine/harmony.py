@@ -142,7 +142,7 @@ class HarmonyStream:
 
 def _first_end(text: str) -> tuple[str | None, int]:
     """(the first body end marker in text, its index), (None, -1) without one."""
-    found = [(text.find(e), e) for e in BODY_ENDS if e in text]
+    found = [(at, e) for e in BODY_ENDS if (at := text.find(e)) >= 0]
     if not found:
         return None, -1
     at, end = min(found)

@@ -29,7 +29,8 @@ SPEC_KINDS = {
     "choice": "a non-empty list of strings, the answer being exactly one of them",
     "grammar": "a Lark grammar (llguidance's dialect) or a GBNF one (llama.cpp's)",
 }
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# How generated JSON is laid out (", ", ": ", no free whitespace): structured outputs and forced tool calls
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def check_spec(spec) -> None:
@@ -100,9 +101,9 @@ class GrammarCompiler:
         (kind, value), = spec.items()
         try:
             if kind == "json":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(value, defaults=_JSON_LAYOUT)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(value, defaults=JSON_LAYOUT)
             elif kind == "json_object":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_LAYOUT)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
             elif kind == "choice":
                 grammar = llguidance.grammar_from("choice", json.dumps(list(value)))
             else:

@@ -28,6 +28,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from .structured import JSON_LAYOUT
+
 
 @dataclass
 class ToolCall:
@@ -292,8 +294,7 @@ START_LARK, END_LARK = "<tool_call>\\n", "\\n</tool_call>"
 
 def _arguments_schema(tool: dict) -> dict:
     """A tool's parameters schema, laid out as call_schema lays out JSON."""
-    return {**(tool["function"].get("parameters") or {"type": "object"}),
-            "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    return {**(tool["function"].get("parameters") or {"type": "object"}), "x-guidance": JSON_LAYOUT}
 
 
 def call_schema(tools: list[dict], arguments_key: str) -> dict:
@@ -304,7 +305,7 @@ def call_schema(tools: list[dict], arguments_key: str) -> dict:
                                arguments_key: t["function"].get("parameters") or {"type": "object"}}}
                for t in tools]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    return {**schema, "x-guidance": JSON_LAYOUT}
 
 
 class HarmonyCallsParser(_Parser):
