@@ -349,7 +349,7 @@ def clear_plans() -> None:
     if _host_forward is not None:
         from .runtime import host_launch
 
-        host_launch.module().clear()
+        host_launch.loaded().clear()  # loaded(), not module(): the switch may have been turned off since
 
 
 # The compiled forward path (runtime/host_launch.cpp): module.forward once a combination has been

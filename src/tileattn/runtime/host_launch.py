@@ -8,7 +8,9 @@ header or toolkit: the driver entry points come from cuGetProcAddress) and cache
 background thread started by the first eager forward; until it is loaded, and wherever it cannot be built (no compiler, no Python
 headers, an unusual torch), every call takes the Python path, which launches the same plans.
 `TILEATTN_HOST_LAUNCH=1` switches it on, `0` off; it is off by default until its first GPU run
-(DEFAULT below). `status()` says which case holds (`tileattn info` prints it).
+(DEFAULT below). The switch decides whether the module is built and combinations are registered:
+set it before the first forward, since a combination once registered is served by the module for
+the rest of the process. `status()` says which case holds (`tileattn info` prints it).
 """
 
 from __future__ import annotations
@@ -175,14 +177,20 @@ def module():
     call). Called by tileattn.api on Python-path forwards only, so it costs nothing on calls that
     the module serves."""
     global _thread, _status
-    if _module is not None or not enabled():
-        return _module if enabled() else None
-    if _thread is None:
+    if not enabled():
+        return None
+    if _module is None and _thread is None:
         with _lock:
             if _thread is None:
                 _status = "building (in a background thread)"
                 _thread = threading.Thread(target=_build_and_load, name="tileattn-host-launch", daemon=True)
                 _thread.start()
+    return _module
+
+
+def loaded():
+    """The module if this process has loaded it, whatever the switch says now (its records may
+    still serve calls: tileattn.api.clear_plans clears them)."""
     return _module
 
 
