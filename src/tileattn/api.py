@@ -375,15 +375,18 @@ def _offer_to_host(q, k, v, causal: bool, scale, entry: _PlanEntry) -> None:
     entry.host_offered = True
     if entry.copy_kv or not (scale is None or type(scale) is float) or not all(type(t) is Tensor for t in (q, k, v)):
         return
-    slots = entry.forward.host_slots()
-    fields = None if slots is None else slots[0].host_fields()
+    planned = entry.forward.host_slots()  # (LaunchPlan, slots) or None
+    if planned is None:
+        return
+    plan, slots = planned
+    fields = plan.host_fields()
     if fields is None:
         return
     if entry.unread_lse is None:
         entry.unread_lse = torch.empty_strided(*entry.lse_spec, dtype=torch.float32, device=entry.device)
     function, device_index, grid, block, smem, buffer, offsets = fields
     module.register(q, k, v, causal, scale, entry, function, device_index, grid, block, smem, buffer, offsets,
-                    slots[1], *entry.out_spec, *entry.lse_spec, entry.unread_lse)
+                    slots, *entry.out_spec, *entry.lse_spec, entry.unread_lse)
     _host_forward = module.forward
 
 
