@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
+from tileattn.bench.overhead import IdentityFunction, burst_us
 from tileattn.runtime import LaunchError, host_launch
 
 NOOP_C = """
@@ -41,17 +40,6 @@ def _noop_library(folder: Path) -> ctypes.CDLL:
     source.write_text(NOOP_C)
     subprocess.run(["cc", "-O2", "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
     return ctypes.CDLL(str(library))
-
-
-def _burst_us(fn, calls: int, rounds: int) -> float:
-    fn()
-    samples = []
-    for _ in range(rounds):
-        begin = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - begin) / calls * 1e6)
-    return statistics.median(samples)
 
 
 def main(argv=None) -> int:
@@ -77,25 +65,17 @@ def main(argv=None) -> int:
                         slots, q.shape, q.stride(), q.shape[:3], unread.stride(), unread)
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 
-        class Identity(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                return x.view_as(x)
-
-            @staticmethod
-            def backward(ctx, grad):
-                return grad
-
         pieces = {
             "forward, want 0 (key, out, maps, counter, no-op launch)": lambda: module.forward(q, k, v, False, None, 0),
             "forward, want 1 (and a fresh lse)": lambda: module.forward(q, k, v, False, None, 1),
             "forward, want 3 (the C++ autograd Function)": lambda: module.forward(qg, kg, vg, False, None, 3),
             "torch.empty_strided of the same out, from Python": lambda: torch.empty_strided(
                 q.shape, q.stride(), dtype=q.dtype),
-            "Python autograd.Function.apply of an identity": lambda: Identity.apply(qg),
+            "Python autograd.Function.apply of an identity": lambda: IdentityFunction.apply(qg),
         }
         for name, fn in pieces.items():
-            print(f"  {name:<58} {_burst_us(fn, args.calls, args.rounds):6.2f} us")
+            us = burst_us(fn, args.calls, args.rounds, sync=lambda: None)["host_us"]
+            print(f"  {name:<58} {us:6.2f} us")
         module.clear()
     return 0
 

@@ -28,17 +28,33 @@ from .records import write_run
 from .report import environment_line
 
 
-def _burst_us(fn, calls: int, rounds: int) -> dict:
+def burst_us(fn, calls: int, rounds: int, sync=None) -> dict:
+    """Host us per call of ``fn``: the median (and min, max) over ``rounds`` bursts of ``calls`` calls.
+    ``sync`` (default torch.cuda.synchronize) runs between bursts only, so the device never holds the
+    host back inside one."""
+    sync = sync or torch.cuda.synchronize
     fn()
-    torch.cuda.synchronize()
+    sync()
     samples = []
     for _ in range(rounds):
         begin = time.perf_counter()
         for _ in range(calls):
             fn()
         samples.append((time.perf_counter() - begin) / calls * 1e6)
-        torch.cuda.synchronize()  # between bursts only: the device never holds the host back inside one
+        sync()
     return {"host_us": statistics.median(samples), "host_us_min": min(samples), "host_us_max": max(samples)}
+
+
+class IdentityFunction(torch.autograd.Function):
+    """The cheapest autograd.Function: what Function.apply itself costs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 def cases():
@@ -112,11 +128,11 @@ def run(calls: int, rounds: int) -> list[dict]:
         q, k, v = make(grad)
         ctx = torch.enable_grad() if grad else torch.no_grad()
         with ctx:
-            ours = _burst_us(_tileattn_fn(q, k, v, what), calls, rounds)
+            ours = burst_us(_tileattn_fn(q, k, v, what), calls, rounds)
             records.append({"suite": "overhead", "case": name, "shape": shape, "impl": "tileattn",
                             "host_launch": host_launch.status(), **ours})
             with python_path():
-                slow = _burst_us(_tileattn_fn(q, k, v, what), calls, rounds)
+                slow = burst_us(_tileattn_fn(q, k, v, what), calls, rounds)
             records.append({"suite": "overhead", "case": name, "shape": shape, "impl": "tileattn_python_path", **slow})
             backends = ([SDPBackend.FLASH_ATTENTION] if name != "decode" else
                         [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
@@ -124,7 +140,7 @@ def run(calls: int, rounds: int) -> list[dict]:
                 rec = {"suite": "overhead", "case": name, "shape": shape, "impl": f"sdpa_{backend.name.lower()}"}
                 try:
                     with sdpa_kernel(backend):  # chosen once, outside the timed loop
-                        rec.update(_burst_us(_sdpa_fn(q, k, v, what), calls, rounds))
+                        rec.update(burst_us(_sdpa_fn(q, k, v, what), calls, rounds))
                 except RuntimeError as exc:  # a backend that refuses the shape
                     rec.update(status=f"error: {str(exc).splitlines()[0][:100]}")
                 records.append(rec)
@@ -184,24 +200,14 @@ def breakdown(calls: int, rounds: int) -> list[dict]:
     except (RuntimeError, TypeError, ValueError) as exc:
         print(f"SDPA op-level backward not timed: {exc}")
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-
-    class Identity(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
-    pieces["autograd.Function.apply of an identity"] = lambda: Identity.apply(qg)
+    pieces["autograd.Function.apply of an identity"] = lambda: IdentityFunction.apply(qg)
     pieces["tileattn.attention, inputs require grad"] = lambda: api.attention(qg, kg, vg, causal=True)
     records = []
     with torch.no_grad():
         for name, fn in pieces.items():
             ctx = torch.enable_grad() if "require grad" in name or "autograd" in name else torch.no_grad()
             with ctx:
-                records.append({"suite": "overhead-breakdown", "case": name, **_burst_us(fn, calls, rounds)})
+                records.append({"suite": "overhead-breakdown", "case": name, **burst_us(fn, calls, rounds)})
     return records
 
 
