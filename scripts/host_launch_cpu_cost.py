@@ -1,4 +1,4 @@
-"""The compiled forward path's own host cost without a GPU (docs/runtime.md, "The compiled forward path").
+"""The compiled attention path's own host cost without a GPU (docs/runtime.md, "The compiled attention path").
 
     PYTHONPATH=src python scripts/host_launch_cpu_cost.py [--calls 2000] [--rounds 15]
 
@@ -8,8 +8,11 @@ registers one record with the Hopper forward plan's parameter kinds: four 128-by
 k, v, out), lse's pointer, an int32 scalar, the tile counter. Then it times, in bursts (median of
 rounds, us per call): forward(want 0), forward(want 1), forward(want 3) (the C++ autograd Function),
 and beside them in the same process torch.empty_strided of the same out from Python and a Python
-autograd.Function.apply of an identity. What it leaves out: the CUDA caching allocator (CPU
-allocations here) and the driver's launch.
+autograd.Function.apply of an identity. Then a backward record with the Hopper backward plan's
+three launches (pre: six pointers; main: six tensor maps and four pointers; convert: two pointers)
+and the op-level backward(...) (dq, dk, dv, the workspace, the maps, three no-op launches), beside
+the four torch.empty_strided / torch.empty calls that the Python path's backward makes. What it
+leaves out: the CUDA caching allocator (CPU allocations here) and the driver's launches.
 """
 
 from __future__ import annotations
@@ -61,9 +64,24 @@ def main(argv=None) -> int:
         encoders = [lambda address, m=m: SimpleNamespace(address=int(m.ctypes.data)) for m in maps]
         slots = (*((1, i, i, encoders[i]) for i in range(4)), (0, 4, 4, None), (2, 6, -1, None))
         unread = torch.empty(q.shape[:3], dtype=torch.float32)
-        module.register(q, k, v, False, None, "entry", 0xF00D, -1, (1, 1, 1), (384, 1, 1), 0, bytes(536), OFFSETS,
-                        slots, q.shape, q.stride(), q.shape[:3], unread.stride(), unread)
+        module.register(q, k, v, False, None, "entry", -1, (0xF00D, (1, 1, 1), (384, 1, 1), 0, bytes(536), OFFSETS, slots),
+                        (q.shape, q.stride()), (q.shape[:3], unread.stride()), unread)
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = module.forward(q, k, v, False, None, 1)
+        dout = torch.randn_like(out)
+        hl = host_launch
+        ws = [(hl.WORKSPACE, 0), (hl.WORKSPACE, 4096), (hl.WORKSPACE, 8192)]
+        main_maps = [(hl.TENSOR_MAP, i, source, encoders[i % 4])
+                     for i, source in enumerate((hl.Q, hl.K, hl.V, hl.DOUT, hl.DK, hl.DV))]
+        launches = (
+            (0xA1, (1, 1, 1), (128, 1, 1), 0, bytes(80), tuple(range(0, 80, 8)),
+             hl.pointer_slots(range(6), (hl.OUT, hl.DOUT, hl.LSE, *ws))),
+            (0xA2, (1, 1, 1), (384, 1, 1), 0, bytes(896), (*range(0, 768, 128), *range(768, 896, 8)),
+             main_maps + hl.pointer_slots(range(6, 10), (*ws, hl.NULL))),
+            (0xA3, (1, 1, 1), (128, 1, 1), 0, bytes(48), tuple(range(0, 48, 8)), hl.pointer_slots(range(2), (ws[2], hl.DQ))),
+        )
+        grad_specs = tuple((t.shape, t.stride()) for t in (q, k, v))
+        module.register_backward(q, k, v, False, None, dout, False, launches, grad_specs, 3 * 1024 + 8 * 128 * 64, 0)
 
         pieces = {
             "forward, want 0 (key, out, maps, counter, no-op launch)": lambda: module.forward(q, k, v, False, None, 0),
@@ -72,6 +90,11 @@ def main(argv=None) -> int:
             "torch.empty_strided of the same out, from Python": lambda: torch.empty_strided(
                 q.shape, q.stride(), dtype=q.dtype),
             "Python autograd.Function.apply of an identity": lambda: IdentityFunction.apply(qg),
+            "backward(...), op level (3 no-op launches)": lambda: module.backward(q, k, v, out, lse, dout, False, None,
+                                                                                   False),
+            "the Python backward's 4 allocations alone": lambda: (
+                *(torch.empty_strided(*spec, dtype=q.dtype) for spec in grad_specs),
+                torch.empty(3 * 1024 + 8 * 128 * 64, dtype=torch.float32)),
         }
         for name, fn in pieces.items():
             us = burst_us(fn, args.calls, args.rounds, sync=lambda: None)["host_us"]

@@ -1,5 +1,5 @@
 """Shared test setup: the `gpu` marker skips visibly when no CUDA device is present; on a GPU machine
-the compiled forward path (runtime.host_launch) is switched on and loaded before the tests run."""
+the compiled path (runtime.host_launch) is switched on and loaded before the tests run."""
 
 import os
 
@@ -20,7 +20,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def compiled_forward_path():
-    """On a GPU machine every test runs with the compiled forward path (runtime.host_launch) loaded,
+    """On a GPU machine every test runs with the compiled path (runtime.host_launch) loaded,
     as a warmed-up process does, instead of switching paths mid-session when its background build
     ends; tests/gpu/test_host_launch.py checks that it loads and compares the two paths."""
     if torch.cuda.is_available():

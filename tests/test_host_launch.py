@@ -1,4 +1,4 @@
-"""The compiled forward path's module (src/tileattn/runtime/host_launch.cpp) without a GPU: it
+"""The compiled attention path's module (src/tileattn/runtime/host_launch.cpp) without a GPU: it
 compiles with the machine's C++ compiler against torch's headers, imports, and refuses what it must;
 a failing compiler becomes a clear error and leaves the Python path in charge. Its launches are
 tested on the GPU (tests/gpu/test_host_launch.py)."""
@@ -48,7 +48,7 @@ def test_bad_calls_raise(built):
     with pytest.raises(ValueError, match="want must be 0, 1, 2 or 3"):
         built.forward(x, x, x, False, None, 4)
     with pytest.raises(RuntimeError, match="configure the module first"):
-        built.register(x, x, x, False, None, None, 0, 0, (1, 1, 1), (1, 1, 1), 0, b"", (), (), (), (), (), (), x)
+        built.register(x, x, x, False, None, None, 0, (0, (1, 1, 1), (1, 1, 1), 0, b"", (), ()), ((), ()), ((), ()), x)
     with pytest.raises(ValueError, match="driver entry points"):
         built.configure(0, 0, len, RuntimeError, {})
 
@@ -151,8 +151,9 @@ def _register(built, driver, q, k, v, entry="entry", causal=False, scale=None):
     buffer[520:524] = SCALAR.to_bytes(4, "little")
     slots = (*((1, i, i, driver.encoder(i)) for i in range(4)), (0, 4, 4, None), (2, 6, -1, None))
     unread = torch.empty(q.shape[:3], dtype=torch.float32)
-    built.register(q, k, v, causal, scale, entry, 0xF00D, -1, (3, 2, 1), (384, 1, 1), 4096, bytes(buffer), OFFSETS,
-                   slots, q.shape, q.stride(), q.shape[:3], (q.shape[1] * q.shape[2], q.shape[2], 1), unread)
+    launch = (0xF00D, (3, 2, 1), (384, 1, 1), 4096, bytes(buffer), OFFSETS, slots)
+    built.register(q, k, v, causal, scale, entry, -1, launch, (q.shape, q.stride()),
+                   (q.shape[:3], (q.shape[1] * q.shape[2], q.shape[2], 1)), unread)
     return unread
 
 
@@ -231,17 +232,23 @@ def test_poisoned_outputs_are_nan_at_launch(fake):
 
 def test_register_refuses_malformed_slots(fake):
     q = fake.q
-    bad = ((5, 0, 0, None),)
-    with pytest.raises(ValueError, match="slot 0 is malformed"):
-        fake.module.register(q, q, q, True, None, "e", 1, -1, (1, 1, 1), (1, 1, 1), 0, bytes(536), OFFSETS, bad,
-                             q.shape, q.stride(), q.shape[:3], (64, 16, 1), fake.unread)
-    nine_maps = tuple((1, i % 4, i % 4, len) for i in range(9))
+
+    def register(slots, buffer=bytes(536)):
+        fake.module.register(q, q, q, True, None, "e", -1, (1, (1, 1, 1), (1, 1, 1), 0, buffer, OFFSETS, slots),
+                             (q.shape, q.stride()), (q.shape[:3], (64, 16, 1)), fake.unread)
+
+    # an unknown kind; a backward source (dout) in a forward; a map of the workspace; an offset on a
+    # map; a negative offset
+    for bad in [(5, 0, 0, None), (0, 4, 5, None), (1, 0, 9, len), (1, 0, 0, len, 16), (0, 4, 4, None, -8)]:
+        with pytest.raises(ValueError, match="slot 0 is malformed"):
+            register((bad,))
     with pytest.raises(ValueError, match="9 tensor-map slots, at most 8"):
-        fake.module.register(q, q, q, True, None, "e", 1, -1, (1, 1, 1), (1, 1, 1), 0, bytes(536), OFFSETS, nine_maps,
-                             q.shape, q.stride(), q.shape[:3], (64, 16, 1), fake.unread)
+        register(tuple((1, i % 4, i % 4, len) for i in range(9)))
     with pytest.raises(ValueError, match="outside the"):
-        fake.module.register(q, q, q, True, None, "e", 1, -1, (1, 1, 1), (1, 1, 1), 0, bytes(16), OFFSETS, (),
-                             q.shape, q.stride(), q.shape[:3], (64, 16, 1), fake.unread)
+        register((), bytes(16))
+    with pytest.raises(ValueError, match="out_spec must be"):
+        fake.module.register(q, q, q, True, None, "e", -1, (1, (1, 1, 1), (1, 1, 1), 0, bytes(536), OFFSETS, ()),
+                             (q.shape, q.stride()[:3]), (q.shape[:3], (64, 16, 1)), fake.unread)
 
 
 def test_the_public_op_uses_a_registered_combination(built, monkeypatch):
@@ -264,7 +271,8 @@ def test_the_public_op_uses_a_registered_combination(built, monkeypatch):
             return Plan(), (*((1, i, i, driver.encoder(i)) for i in range(4)), (0, 4, 4, None))
 
     entry = SimpleNamespace(host_offered=False, copy_kv=False, forward=Forward(), unread_lse=None,
-                            lse_spec=(q.shape[:3], (64, 32, 1)), out_spec=(q.shape, q.stride()), device=q.device)
+                            lse_spec=(q.shape[:3], (64, 32, 1)), out_spec=(q.shape, q.stride()), device=q.device,
+                            device_index=-1)
     try:
         api._offer_to_host(q, k, v, False, None, entry)
         assert entry.host_offered and entry.unread_lse is not None and api._host_forward is built.forward
@@ -392,7 +400,8 @@ def test_a_real_launch_plan_through_the_glue(built, monkeypatch):
     monkeypatch.setattr(api, "_host_forward", None)
     q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
     entry = SimpleNamespace(host_offered=False, copy_kv=False, forward=dispatch._PointerPlan(plan), unread_lse=None,
-                            lse_spec=(q.shape[:3], (64, 16, 1)), out_spec=(q.shape, q.stride()), device=q.device)
+                            lse_spec=(q.shape[:3], (64, 16, 1)), out_spec=(q.shape, q.stride()), device=q.device,
+                            device_index=-1)
     try:
         api._offer_to_host(q, k, v, True, 0.5, entry)
         out, lse = tileattn.attention(q, k, v, causal=True, scale=0.5, return_lse=True)
@@ -426,3 +435,316 @@ def test_the_hopper_plans_slots():
     assert plan(False).host_slots()[1] == slots[:5], "a one-CTA-per-tile grid keeps its packed 0 counter"
     for flag in ("copy_q", "copy_k", "copy_v", "copy_out", "variant_values"):
         assert plan(True, **{flag: True}).host_slots() is None, flag
+
+
+# ---- the compiled backward -----------------------------------------------------------------------
+# Three stand-in launches shaped as a backward's: "pre" reads out, dout, lse and writes the
+# workspace's three parts; "main" takes tensor maps of q and dK, a workspace part and the semaphore
+# pointer (0 when the mode has none); "convert" reads the accumulator and writes dq.
+PRE, MAIN, CONVERT = 0xA1, 0xA2, 0xA3
+DELTA, ACC = 64, 128  # byte offsets into the workspace
+# p pointer, f pointer to floats (its first value read too), s pointer to 12 int32 semaphores (read
+# too when not null), m map, i int32
+BACKWARD_PARAMS = {PRE: "ppppppi", MAIN: "mmps", CONVERT: "pf"}
+
+
+def _backward_launches(driver):
+    from tileattn.runtime import host_launch as hl
+
+    def launch(function, slots):
+        kinds = BACKWARD_PARAMS[function]
+        offsets, at = [], 0
+        for kind in kinds:
+            offsets.append(at)
+            at += {"m": 128, "i": 4}.get(kind, 8)
+        buffer = bytearray(at + 4)
+        if "i" in kinds:
+            at = offsets[kinds.index("i")]
+            buffer[at:at + 4] = SCALAR.to_bytes(4, "little")
+        return function, (5, 1, 1), (128, 1, 1), 0, bytes(buffer), tuple(offsets), tuple(slots)
+
+    lse2, delta, acc = (hl.WORKSPACE, 0), (hl.WORKSPACE, DELTA), (hl.WORKSPACE, ACC)
+    return (launch(PRE, hl.pointer_slots(range(6), (hl.OUT, hl.DOUT, hl.LSE, lse2, delta, acc))),
+            launch(MAIN, [(hl.TENSOR_MAP, 0, hl.Q, driver.encoder(10)), (hl.TENSOR_MAP, 1, hl.DK, driver.encoder(11)),
+                          *hl.pointer_slots((2, 3), (delta, hl.SEMAPHORES))]),
+            launch(CONVERT, hl.pointer_slots(range(2), (acc, hl.DQ))))
+
+
+class BackwardDriver(FakeDriver):
+    """FakeDriver that also reads the stand-in backward launches' parameters by BACKWARD_PARAMS."""
+
+    def _launch(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        kinds = BACKWARD_PARAMS.get(function)
+        if kinds is None:
+            return super()._launch(function, gx, gy, gz, bx, by, bz, smem, stream, params, extra)
+        values = []
+        for i, kind in enumerate(kinds):
+            if kind == "m":
+                raw = ctypes.string_at(params[i], 128)
+                values.append((int.from_bytes(raw[:8], "little"), raw[8]))
+            elif kind == "i":
+                values.append(ctypes.c_int32.from_address(params[i]).value)
+            else:
+                pointer = ctypes.c_uint64.from_address(params[i]).value
+                if kind == "f":
+                    values.append((pointer, ctypes.c_float.from_address(pointer).value))
+                elif kind == "s" and pointer:
+                    values.append((pointer, ctypes.string_at(pointer, 48)))
+                else:
+                    values.append(pointer)
+        self.launches.append({"function": function, "values": values, "stream": stream})
+        return self.result
+
+
+@pytest.fixture
+def fake_backward(built):
+    namespace = {"_plans": {}}
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: tests/gpu/test_host_launch.py runs the compiled backward on it")
+    driver = BackwardDriver()
+    built.configure(ctypes.cast(driver.launch, ctypes.c_void_p).value, ctypes.cast(driver.capture, ctypes.c_void_p).value,
+                    driver.stream_counters, LaunchError, namespace, "cpu")
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    _register(built, driver, q, k, v)
+    grad_specs = tuple((t.shape, t.stride()) for t in (q, k, v))
+    yield SimpleNamespace(module=built, driver=driver, q=q, k=k, v=v, namespace=namespace, grad_specs=grad_specs)
+    built.clear()
+    built.set_poison(False)
+
+
+def test_the_backward_runs_its_registered_launches(fake_backward):
+    """Op level: after register_backward, backward(...) allocates dq, dk, dv and the workspace and
+    launches pre, main, convert in order with out, dout, lse, the workspace's parts, the maps of q
+    and dK, a null semaphore pointer (none registered) and dq; the packed scalar survives."""
+    f = fake_backward
+    m, q, k, v = f.module, f.q, f.k, f.v
+    out, lse = m.forward(q, k, v, False, None, 1)
+    dout = torch.randn_like(out)
+    assert m.backward(q, k, v, out, lse, dout, False, None, False) is None, "nothing registered yet"
+    assert m.register_backward(q, k, v, False, None, dout, False, _backward_launches(f.driver), f.grad_specs, 96, 0)
+    assert m.backward_record_count() == 1
+    del f.driver.launches[:]
+    dq, dk, dv = m.backward(q, k, v, out, lse, dout, False, None, False)
+    assert [(t.shape, t.stride()) for t in (dq, dk, dv)] == list(f.grad_specs) and dq.dtype == q.dtype
+    pre, main, convert = f.driver.launches
+    assert [x["function"] for x in (pre, main, convert)] == [PRE, MAIN, CONVERT]
+    ws = pre["values"][3]
+    assert pre["values"] == [out.data_ptr(), dout.data_ptr(), lse.data_ptr(), ws, ws + DELTA, ws + ACC, SCALAR]
+    assert main["values"] == [(q.data_ptr(), 10), (dk.data_ptr(), 11), ws + DELTA, 0]
+    assert convert["values"][0] == ws + ACC and convert["values"][1][0] == dq.data_ptr()
+    encoded = len(f.driver.encoded)
+    dq2, dk2, _ = m.backward(q, k, v, out, lse, dout, False, None, False)
+    assert f.driver.encoded[encoded:] == [dk2.data_ptr()], "q's map is encoded once per address, dK's per new one"
+    assert f.driver.launches[-2]["values"][1] == (dk2.data_ptr(), 11)
+
+
+def test_the_backward_declines_what_it_was_not_registered_for(fake_backward):
+    f = fake_backward
+    m, q, k, v = f.module, f.q, f.k, f.v
+    out, lse = m.forward(q, k, v, False, None, 1)
+    dout = torch.randn_like(out)
+    assert m.register_backward(q, k, v, False, None, dout, False, _backward_launches(f.driver), f.grad_specs, 96, 0)
+    del f.driver.launches[:]
+    other_layout = dout.transpose(1, 2).contiguous().transpose(1, 2)
+    shifted = torch.randn(dout.numel() + 1)[1:].view(dout.shape)
+    assert m.backward(q, k, v, out, lse, other_layout, False, None, False) is None
+    assert m.backward(q, k, v, out, lse, shifted, False, None, False) is None  # off by 4 bytes
+    assert m.backward(q, k, v, out, lse, dout.double(), False, None, False) is None
+    assert m.backward(q, k, v, out, lse, dout, False, None, True) is None  # the deterministic mode: not registered
+    assert m.backward(q, k, v, out, lse, dout, True, None, False) is None  # another forward key
+    assert m.backward(q, k, v, out.transpose(1, 2).contiguous().transpose(1, 2), lse, dout, False, None, False) is None
+    assert m.backward(q, k, v, out, lse.double(), dout, False, None, False) is None
+    assert m.backward(q, k, v, out, "lse", dout, False, None, False) is None
+    assert not f.driver.launches
+    assert not m.register_backward(q, k, v, True, None, dout, False, _backward_launches(f.driver), f.grad_specs, 96, 0)
+
+
+def test_register_backward_refuses_malformed_descriptions(fake_backward):
+    from tileattn.runtime import host_launch as hl
+
+    f = fake_backward
+    m, q, k, v = f.module, f.q, f.k, f.v
+    launches = _backward_launches(f.driver)
+
+    def register(launches=launches, grad_specs=f.grad_specs, ws=96, sem=0, dout=q):
+        return m.register_backward(q, k, v, False, None, dout, False, launches, grad_specs, ws, sem)
+
+    counter = (*launches[2][:6], ((hl.TILE_COUNTER, 0, -1, None),))
+    with pytest.raises(ValueError, match="tile-counter slot"):
+        register((launches[0], counter))
+    with pytest.raises(ValueError, match="1 to 4 launches, got 5"):
+        register(launches + launches[:2])
+    with pytest.raises(ValueError, match="grad_specs must hold 3"):
+        register(grad_specs=f.grad_specs[:2])
+    with pytest.raises(ValueError, match=">= 0"):
+        register(sem=-1)
+    with pytest.raises(TypeError, match="rank 4"):
+        register(dout=q[0])
+    assert m.backward_record_count() == 0
+
+
+def test_semaphores_and_poison(fake_backward):
+    """A deterministic registration with semaphores gets a zeroed int32 buffer per call at the
+    SEMAPHORES slot; with poison on, dq is NaN when its kernel launches."""
+    f = fake_backward
+    m, q, k, v = f.module, f.q, f.k, f.v
+    out, lse = m.forward(q, k, v, False, None, 1)
+    dout = torch.randn_like(out)
+    assert m.register_backward(q, k, v, False, None, dout, True, _backward_launches(f.driver), f.grad_specs, 96, 12)
+    m.set_poison(True)
+    m.backward(q, k, v, out, lse, dout, False, None, True)
+    main, convert = f.driver.launches[-2:]
+    semaphores, contents = main["values"][3]
+    assert semaphores != 0 and contents == bytes(48)
+    assert math.isnan(convert["values"][1][1])
+
+
+def test_the_autograd_node_runs_registered_backwards(fake_backward):
+    """want 3: the node's backward calls the namespace's _backward while this dout layout is not
+    registered, and the registered launches afterwards (the stand-in _backward not called)."""
+    f = fake_backward
+    m = f.module
+    calls = []
+
+    def backward(entry, dout, q, k, v, out, lse, deterministic):
+        calls.append(dout)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    f.namespace["_backward"] = backward
+    q, k, v = (t.clone().requires_grad_() for t in (f.q, f.k, f.v))
+    out, _ = m.forward(q, k, v, False, None, 3)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert len(calls) == 1 and not f.driver.launches[1:]
+    assert m.register_backward(q, k, v, False, None, dout, False, _backward_launches(f.driver), f.grad_specs, 96, 0)
+    out, lse = m.forward(q, k, v, False, None, 3)
+    q.grad = k.grad = v.grad = None
+    out.backward(dout)
+    assert len(calls) == 1, "the registered backward did not run"
+    assert [x["function"] for x in f.driver.launches[-3:]] == [PRE, MAIN, CONVERT]
+    assert f.driver.launches[-3]["values"][:3] == [out.data_ptr(), dout.data_ptr(), lse.data_ptr()]
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_the_public_op_registers_and_runs_its_backward(built, monkeypatch):
+    """tileattn.api's glue end to end: a forward registered by _offer_to_host, then
+    tileattn.attention with grad: the first backward runs the entry's plan in Python and
+    _offer_backward_to_host registers its host_launches; the next backward is the module's, with the
+    plan's launches; a stride-0 dout (out.sum()) stays on the Python path and is not registered."""
+    from tileattn import api
+    from tileattn.runtime import host_launch as hl
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: tests/gpu/test_host_launch.py runs the real plans")
+    driver = BackwardDriver()
+    built.configure(ctypes.cast(driver.launch, ctypes.c_void_p).value, ctypes.cast(driver.capture, ctypes.c_void_p).value,
+                    driver.stream_counters, LaunchError, vars(api), "cpu")
+    monkeypatch.setattr(host_launch, "module", lambda: built)
+    monkeypatch.setattr(host_launch, "loaded", lambda: built)
+    monkeypatch.setattr(api, "_host_forward", None)
+    q, k, v = (torch.randn(1, 2, 32, 8, requires_grad=True) for _ in range(3))
+    python_launches = []
+
+    class Plan:  # the forward's LaunchPlan stand-in
+        def host_fields(self):
+            return 0xBEEF, -1, (1, 1, 1), (128, 1, 1), 0, bytes(536), OFFSETS
+
+    class Forward:
+        def host_slots(self):
+            return Plan(), (*((1, i, i, driver.encoder(i)) for i in range(4)), (0, 4, 4, None))
+
+    class Backward:
+        def launch(self, *tensors):
+            python_launches.append(tensors)
+
+        def host_launches(self):
+            return tuple((FixedFields(d[:6]), d[6]) for d in _backward_launches(driver)), 96, 0
+
+    class FixedFields:
+        def __init__(self, fields):
+            self.fields = fields
+
+        def host_fields(self):
+            function, grid, block, smem, buffer, offsets = self.fields
+            return function, -1, grid, block, smem, buffer, offsets
+
+    entry = SimpleNamespace(host_offered=False, copy_kv=False, forward=Forward(), unread_lse=None, host_key=None,
+                            host_backward=set(), lse_spec=(q.shape[:3], (64, 32, 1)), out_spec=(q.shape, q.stride()),
+                            device=q.device, device_index=-1, grad_specs=tuple((t.shape, t.stride()) for t in (q, k, v)),
+                            backward_plan=lambda *args: Backward())
+    monkeypatch.setattr(api, "_current_device", lambda: -1)
+    try:
+        api._offer_to_host(q, k, v, False, None, entry)
+        assert entry.host_key == (False, None)
+        out = tileattn.attention(q, k, v)
+        assert "AttentionFunction" in out.grad_fn.name()
+        dout = torch.randn_like(out)
+        out.backward(dout)
+        assert len(python_launches) == 1 and entry.host_backward == {(dout.stride(), False)}
+        assert built.backward_record_count() == 1
+        out = tileattn.attention(q, k, v)
+        out.backward(dout)
+        assert len(python_launches) == 1, "the second backward took the Python path"
+        assert [x["function"] for x in driver.launches[-3:]] == [PRE, MAIN, CONVERT]
+        tileattn.attention(q, k, v).sum().backward()  # dout expanded from a scalar: stride 0
+        assert len(python_launches) == 2 and built.backward_record_count() == 1
+        assert len(entry.host_backward) == 1, "a dout made contiguous is not registered under its own layout"
+        assert hl.pointer_slots((7,), ((hl.WORKSPACE, 64),)) == [(hl.POINTER, 7, hl.WORKSPACE, None, 64)]
+    finally:
+        built.clear()
+
+
+def test_the_backward_plans_launches():
+    """host_launches of the two backward plans: the Hopper plan's maps of q, k, v, dout, dK, dV
+    and workspace parts (semaphores only in the deterministic mode), the sm80 plan's pointers (its
+    deterministic mode has no accumulator: null); None where the Python path must run."""
+    from tileattn.kernels import attention_bwd_sm80 as b80
+    from tileattn.kernels import attention_bwd_sm90 as b90
+    from tileattn.runtime import host_launch as hl
+
+    W = hl.WORKSPACE
+
+    def plan(cls, deterministic, **attributes):
+        p = object.__new__(cls)
+        p.deterministic, p.variant_values, p.ws_elems, p.sem_elems = deterministic, False, 1000, 7
+        p._delta_offset, p._acc_offset = 256, 512
+        for name, value in attributes.items():
+            setattr(p, name, value)
+        return p
+
+    def hopper(deterministic, **flags):
+        operands = SimpleNamespace(copy=(False,) * 6, templates=tuple(SimpleNamespace(encode=f"e{i}") for i in range(6)))
+        attributes = dict(empty=False, operands=operands, pre=SimpleNamespace(dynamic=range(6)),
+                          main=SimpleNamespace(dynamic=tuple(range(10))), convert=SimpleNamespace(dynamic=range(2)))
+        return plan(b90.BackwardPlan, deterministic, **{**attributes, **flags})
+
+    hopper_plan = hopper(True)
+
+    launches, ws, sem = hopper_plan.host_launches()
+    (pre, pre_slots), (main, main_slots), (convert, convert_slots) = launches
+    assert (pre, main, convert) == (hopper_plan.pre, hopper_plan.main, hopper_plan.convert)
+    assert (ws, sem) == (1000, 7) and hopper(False).host_launches()[2] == 0
+    assert [s[2:] for s in pre_slots] == [(hl.OUT, None, 0), (hl.DOUT, None, 0), (hl.LSE, None, 0), (W, None, 0),
+                                          (W, None, 256), (W, None, 512)]
+    assert main_slots[:6] == [(hl.TENSOR_MAP, i, source, f"e{i}")
+                              for i, source in enumerate((hl.Q, hl.K, hl.V, hl.DOUT, hl.DK, hl.DV))]
+    assert [s[1:] for s in main_slots[6:]] == [(6, W, None, 0), (7, W, None, 256), (8, W, None, 512),
+                                               (9, hl.SEMAPHORES, None, 0)]
+    assert hopper(False).host_launches()[0][1][1][9][2] == hl.NULL, "no semaphores without the deterministic mode"
+    assert [s[2:] for s in convert_slots] == [(W, None, 512), (hl.DQ, None, 0)]
+    copies = SimpleNamespace(copy=(False,) * 5 + (True,), templates=())
+    for flags in ({"empty": True}, {"variant_values": True}, {"operands": copies}):
+        assert hopper(False, **flags).host_launches() is None, flags
+
+    def sm80(deterministic, **flags):
+        attributes = dict(pre=SimpleNamespace(dynamic=range(6)), main=SimpleNamespace(dynamic=range(9)),
+                          last=SimpleNamespace(dynamic=range(7 if deterministic else 2)))
+        return plan(b80.BackwardPlan, deterministic, **{**attributes, **flags})
+
+    launches, ws, sem = sm80(False).host_launches()
+    assert sem == 0 and [s[2] for s in launches[1][1]] == [hl.Q, hl.K, hl.V, hl.DOUT, hl.DK, hl.DV, W, W, W]
+    assert [s[2:] for s in launches[2][1]] == [(W, None, 512), (hl.DQ, None, 0)]
+    launches, _, _ = sm80(True).host_launches()
+    assert launches[0][1][5][2] == hl.NULL and launches[1][1][6][2] == hl.NULL, "no accumulator: a null pointer"
+    assert [s[2] for s in launches[2][1]] == [hl.Q, hl.K, hl.V, hl.DOUT, hl.DQ, W, W]
+    assert sm80(False, variant_values=True).host_launches() is None

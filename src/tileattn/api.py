@@ -6,9 +6,10 @@ Two paths run the same plans:
   the outputs and launches; with inputs that require grad it goes through a torch.autograd.Function
   whose backward reuses the forward's plan entry (nothing is validated twice). This keeps the host
   cost of a call to a few microseconds: no custom-op dispatch, no per-call argument checks. Once a
-  combination is planned, the compiled forward path (runtime/host_launch.cpp, TILEATTN_HOST_LAUNCH=1)
-  can serve it in one C++ call, key to launch (with autograd, a C++ autograd Function); anything it
-  does not hold falls back here.
+  combination is planned, the compiled path (runtime/host_launch.cpp, TILEATTN_HOST_LAUNCH=1) can
+  serve it in one C++ call, key to launch (with autograd, a C++ autograd Function whose backward
+  runs the backward plan's launches once a backward of that dout layout has been planned here);
+  anything it does not hold falls back here.
 - Traced (torch.compile, FakeTensor/meta tensors, make_fx): the custom ops `tileattn::attention_fwd`
   and `tileattn::attention_bwd`, with fake implementations (so torch.compile(fullgraph=True) sees
   one opaque node with known output shapes) and `register_autograd`. Their implementations call the
@@ -256,7 +257,7 @@ class _PlanEntry:
     strides, deterministic)."""
 
     __slots__ = ("forward", "backward", "causal", "scale", "device_index", "device", "copy_kv", "out_spec",
-                 "lse_spec", "grad_specs", "unread_lse", "host_offered")
+                 "lse_spec", "grad_specs", "unread_lse", "host_offered", "host_key", "host_backward")
 
     def __init__(self, q, k, v, causal: bool, scale: float | None):
         from .kernels import dispatch
@@ -276,6 +277,8 @@ class _PlanEntry:
         self.grad_specs = tuple((t.shape, torch.empty_like(t).stride()) for t in (q, k, v))
         self.unread_lse = None  # made by the first call that does not need lse (see _forward)
         self.host_offered = False  # registered with runtime.host_launch, or found not to qualify
+        self.host_key = None  # (causal, scale) as registered there: its backwards are offered too
+        self.host_backward = set()  # (dout strides, deterministic) pairs offered
         with torch.cuda.device(self.device_index):
             self.forward = dispatch.attention_forward_plan(q, k, v, out, lse, causal=causal, scale=self.scale)
         self.backward: dict[tuple, object] = {}
@@ -343,7 +346,7 @@ def _forward(q, k, v, causal: bool, scale, keep_lse: bool = True):
 
 
 def clear_plans() -> None:
-    """Forget every plan entry (the compiled forward path's records too): the next call of each
+    """Forget every plan entry (the compiled path's records too): the next call of each
     combination checks its arguments and plans again."""
     _plans.clear()
     if _host_forward is not None:
@@ -352,15 +355,16 @@ def clear_plans() -> None:
         host_launch.loaded().clear()  # loaded(), not module(): the switch may have been turned off since
 
 
-# The compiled forward path (runtime/host_launch.cpp): module.forward once a combination has been
+# The compiled path (runtime/host_launch.cpp): module.forward once a combination has been
 # registered with it, else None. It serves eager forwards of registered combinations in one C++ call
-# (with inputs that require grad, through a C++ autograd Function whose backward calls _backward)
-# and answers None for anything else, which then takes the Python path above.
+# (with inputs that require grad, through a C++ autograd Function whose backward runs the backward
+# plan's launches registered by _offer_backward_to_host, or calls _backward for a dout layout not
+# registered yet) and answers None for anything else, which then takes the Python path above.
 _host_forward = None
 
 
 def _offer_to_host(q, k, v, causal: bool, scale, entry: _PlanEntry) -> None:
-    """Register a planned combination with the compiled forward path once its module is loaded
+    """Register a planned combination with the compiled path once its module is loaded
     (the first call starts its background build; while it builds each Python-path call asks again;
     switched off or failed, never again). Combinations it cannot serve: a copied K/V, a plan that
     copies an operand or launches with PDL, a scale that is not a float (the module's key holds None
@@ -376,24 +380,44 @@ def _offer_to_host(q, k, v, causal: bool, scale, entry: _PlanEntry) -> None:
     if entry.copy_kv or not (scale is None or type(scale) is float) or not all(type(t) is Tensor for t in (q, k, v)):
         return
     planned = entry.forward.host_slots()  # (LaunchPlan, slots) or None
-    if planned is None:
-        return
-    plan, slots = planned
-    fields = plan.host_fields()
+    fields = None if planned is None else host_launch.launch_fields(*planned)
     if fields is None:
         return
     if entry.unread_lse is None:
         entry.unread_lse = torch.empty_strided(*entry.lse_spec, dtype=torch.float32, device=entry.device)
-    function, device_index, grid, block, smem, buffer, offsets = fields
-    module.register(q, k, v, causal, scale, entry, function, device_index, grid, block, smem, buffer, offsets,
-                    slots, *entry.out_spec, *entry.lse_spec, entry.unread_lse)
+    module.register(q, k, v, causal, scale, entry, entry.device_index, fields, entry.out_spec, entry.lse_spec,
+                    entry.unread_lse)
+    entry.host_key = (causal, scale)
     _host_forward = module.forward
+
+
+def _offer_backward_to_host(entry: _PlanEntry, plan, q, k, v, dout, deterministic: bool) -> None:
+    """Register the backward plan of this dout layout and mode with the compiled path, once per
+    pair, for an entry whose forward is registered there (entry.host_key); the module's autograd
+    node then runs the plan's launches itself. Plans it cannot launch (variant kernels, copied
+    operands, no work, PDL) give None from host_launches and stay on the Python path."""
+    from .runtime import host_launch
+
+    pair = (dout.stride(), deterministic)
+    if pair in entry.host_backward:
+        return
+    entry.host_backward.add(pair)
+    module, planned = host_launch.loaded(), plan.host_launches()
+    if module is None or planned is None:
+        return
+    launches, workspace_elems, semaphore_elems = planned
+    fields = tuple(host_launch.launch_fields(*launch) for launch in launches)
+    if None in fields:
+        return
+    module.register_backward(q, k, v, *entry.host_key, dout, deterministic, fields, entry.grad_specs,
+                             workspace_elems, semaphore_elems)
 
 
 def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, deterministic: bool, extra=()):
     """(dq, dk, dv) in the layouts of q, k, v (contiguous when those are not dense). `extra`: the
     variant plans' per-call values (ALiBi pointer, dropout seed, offset)."""
-    if not _kernel_layout_ok(dout):  # e.g. the stride-0 expanded gradient of out.sum()
+    in_place = _kernel_layout_ok(dout)
+    if not in_place:  # e.g. the stride-0 expanded gradient of out.sum()
         dout = dout.contiguous()
     if entry.copy_kv:
         k, v = k.contiguous(), v.contiguous()
@@ -404,6 +428,8 @@ def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, deterministic: bool, e
     else:
         with torch.cuda.device(entry.device_index):
             plan.launch(q, k, v, out, lse, dout, dq, dk, dv, *extra)
+    if entry.host_key is not None and in_place:  # the compiled path keys its backwards by dout's own layout
+        _offer_backward_to_host(entry, plan, q, k, v, dout, deterministic)
     return dq, dk, dv
 
 
@@ -468,6 +494,7 @@ class _VariantEntry(_PlanEntry):
             self.forward = dispatch.variant_forward_plan(q, k, v, out, lse, scale=self.scale, variants=self.variants)
         self.inference = None if dispatch.inference_forward_differs(q, k, self.variants) else self.forward
         self.backward: dict[tuple, object] = {}
+        self.host_key = None  # never on the compiled path (_backward asks)
 
     def inference_forward(self, q, k, v, out, lse):
         """The forward plan of a call that no backward follows (built on the first such call)."""

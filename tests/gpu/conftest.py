@@ -17,7 +17,7 @@ requires_sm90 = pytest.mark.skipif(
 @contextlib.contextmanager
 def poisoned_allocations():
     """Every tensor made with torch.empty / empty_like / empty_strided inside the block, and every
-    output of the compiled forward path (runtime.host_launch), starts out as NaN (floats) or -1
+    output of the compiled path (runtime.host_launch), starts out as NaN (floats) or -1
     (integers): outputs and workspaces that tileattn allocates are poisoned for sure, so an element
     a kernel forgets to write, or a workspace it reads before writing, shows up in the result
     instead of passing on leftover memory."""
@@ -33,7 +33,7 @@ def poisoned_allocations():
     wrapped = {name: (lambda fn: lambda *a, **kw: poison(fn(*a, **kw)))(fn) for name, fn in real.items()}
     from tileattn.runtime import host_launch
 
-    host_launch.set_poison(True)  # the compiled forward path allocates in C++: it poisons there
+    host_launch.set_poison(True)  # the compiled path allocates in C++: it poisons there
     try:
         with pytest.MonkeyPatch.context() as mp:
             for name, fn in wrapped.items():

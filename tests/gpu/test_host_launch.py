@@ -1,4 +1,4 @@
-"""GPU tests of the compiled forward path (src/tileattn/runtime/host_launch.cpp): it loads on the
+"""GPU tests of the compiled path (src/tileattn/runtime/host_launch.cpp): it loads on the
 GPU machine, serves planned combinations with results that match the float64 reference, and
 declines (returns None, leaving the call to the Python path) wherever it must.
 
@@ -41,7 +41,7 @@ def _rel(out, ref) -> float:
 
 def _module():
     module = host_launch.wait(600)
-    assert module is not None, f"the compiled forward path did not load: {host_launch.status()}"
+    assert module is not None, f"the compiled path did not load: {host_launch.status()}"
     return module
 
 
@@ -110,8 +110,9 @@ def test_an_explicit_scale_and_return_lse_through_the_public_op():
 @pytest.mark.parametrize("d", [64, 256])
 def test_autograd_forward_through_the_compiled_path(d):
     """With inputs that require grad the op runs the compiled path's C++ autograd Function (want 3),
-    whose backward runs tileattn.api._backward on the entry's plans: gradients match float64
-    autograd. want 2 returns the entry the plan cache holds."""
+    whose first backward of a dout layout runs tileattn.api._backward on the entry's plans (later
+    ones: test_compiled_backward_matches_the_reference): gradients match float64 autograd. want 2
+    returns the entry the plan cache holds."""
     q, k, v = _inputs(2, 4, 2, 150, 190, d, BF16, seed=d)
     module = _planned(q, k, v, True)
     served = module.forward(q, k, v, True, None, 2)
@@ -128,6 +129,84 @@ def test_autograd_forward_through_the_compiled_path(d):
     reference.attention(q64, k64, v64, causal=True, compute_dtype=torch.float64)[0].backward(dout.double())
     for name, got, want in (("dq", qg.grad, q64.grad), ("dk", kg.grad, k64.grad), ("dv", vg.grad, v64.grad)):
         assert _rel(got, want) <= 2e-2, f"{name}: relative error {_rel(got, want):.3e}"
+
+
+# The backward's families on the H200: d = 32 / 96 the sm80 backward (pointers; its deterministic mode
+# has a dQ kernel instead of the accumulator), 64 / 128 / 256 the Hopper backward (tensor maps; its
+# deterministic mode zeroes semaphores per call).
+BACKWARD_CASES = [
+    # b, h, hkv, nq, nk, d, causal, deterministic, layout
+    (2, 4, 2, 150, 190, 64, True, False, "bhnd"),
+    (1, 8, 1, 129, 1000, 128, False, False, "bnhd"),
+    (2, 4, 4, 77, 33, 128, True, True, "bhnd"),
+    (1, 4, 2, 200, 200, 256, False, True, "bhnd"),
+    (2, 4, 2, 127, 129, 32, True, False, "bhnd"),
+    (1, 6, 3, 100, 300, 96, False, True, "bnhd"),
+]
+
+
+api_backward = api._backward  # the real one, called through test_compiled_backward's counting wrapper
+
+
+def _reference_grads(q, k, v, dout, causal):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    reference.attention(q64, k64, v64, causal=causal, compute_dtype=torch.float64)[0].backward(dout.double())
+    return q64.grad, k64.grad, v64.grad
+
+
+@pytest.mark.parametrize("b, h, hkv, nq, nk, d, causal, deterministic, layout", BACKWARD_CASES)
+def test_compiled_backward_matches_the_reference(b, h, hkv, nq, nk, d, causal, deterministic, layout):
+    """The first backward after a compiled forward runs tileattn.api._backward, which registers the
+    plan's launches; from then on the module runs them: op level (module.backward) and through the
+    autograd node, on fresh inputs with every output and workspace poisoned, without calling
+    _backward; gradients match float64 autograd; the deterministic mode is bitwise repeatable."""
+    q, k, v = _inputs(b, h, hkv, nq, nk, d, BF16, seed=nq + nk + d, layout=layout)
+    module = _planned(q, k, v, causal)
+    before = module.backward_record_count()
+    warm = tuple(torch.randn_like(t).requires_grad_() for t in (q, k, v))
+    tileattn.attention(*warm, causal=causal, deterministic=deterministic).backward(torch.randn_like(q))
+    assert module.backward_record_count() == before + 1, "the backward was not registered"
+    dout = torch.randn_like(q)
+    want = _reference_grads(q, k, v, dout, causal)
+    what = f"b={b} h={h}/{hkv} nq={nq} nk={nk} d={d} causal={causal} deterministic={deterministic} {layout}"
+    python_calls = []
+    with pytest.MonkeyPatch.context() as mp, poisoned_allocations():
+        mp.setattr(api, "_backward", lambda *args, **kw: python_calls.append(args) or api_backward(*args, **kw))
+        out, lse = module.forward(q, k, v, causal, None, 1)
+        op_level = module.backward(q, k, v, out, lse, dout, causal, None, deterministic)
+        assert op_level is not None, f"{what}: the op-level backward was not served"
+        again = module.backward(q, k, v, out, lse, dout, causal, None, deterministic)
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        tileattn.attention(qg, kg, vg, causal=causal, deterministic=deterministic).backward(dout)
+    torch.cuda.synchronize()
+    assert not python_calls, f"{what}: the autograd node called tileattn.api._backward"
+    for name, got, autograd_got, expected in zip(("dq", "dk", "dv"), op_level, (qg.grad, kg.grad, vg.grad), want):
+        assert not torch.isnan(got).any(), f"{what}: NaN left in {name}"
+        assert _rel(got, expected) <= 2e-2, f"{what}: {name} relative error {_rel(got, expected):.3e}"
+        assert _rel(autograd_got, expected) <= 2e-2, f"{what}: autograd {name} {_rel(autograd_got, expected):.3e}"
+    if deterministic:
+        assert all(torch.equal(x, y) for x, y in zip(op_level, again)), f"{what}: not repeatable"
+
+
+def test_a_backward_layout_it_does_not_hold_takes_the_python_path():
+    """A dout of another layout (transposed storage) or the stride-0 gradient of out.sum(): the
+    op-level call declines, the autograd node runs tileattn.api._backward, gradients right."""
+    q, k, v = _inputs(1, 4, 4, 96, 96, 128, BF16, seed=21)
+    module = _planned(q, k, v, False)
+    warm = tuple(torch.randn_like(t).requires_grad_() for t in (q, k, v))
+    tileattn.attention(*warm).backward(torch.randn_like(q))
+    out, lse = module.forward(q, k, v, False, None, 1)
+    dout = torch.randn(q.shape[0], q.shape[2], q.shape[1], q.shape[3], device="cuda").to(BF16).transpose(1, 2)
+    assert module.backward(q, k, v, out, lse, dout, False, None, False) is None
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    tileattn.attention(qg, kg, vg).backward(dout)
+    want = _reference_grads(q, k, v, dout, False)
+    for name, got, expected in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), want):
+        assert _rel(got, expected) <= 2e-2, f"{name}: relative error {_rel(got, expected):.3e}"
+    qg.grad = None
+    tileattn.attention(qg, kg, vg).sum().backward()
+    want = _reference_grads(q, k, v, torch.ones_like(q), False)
+    assert _rel(qg.grad, want[0]) <= 2e-2
 
 
 def test_a_side_stream_gets_its_own_tile_counter():

@@ -488,7 +488,7 @@ class BackwardPlan:
             (0, 0, 0, 0, 0, 0, *strides(out), *strides(dout), i32(nq), i32(heads), i32(nq_pad)),
             dynamic=range(6),
         )
-        with_variants = variants is not None
+        self.variant_values = with_variants = variants is not None  # launch takes (alibi, seed, offset)
         self.main = _plan(
             load(FAMILY_NAME, cfg.main_expr(bf16, not deterministic, False, with_variants), device),
             (-(-nk // cfg.block_n), kv_heads, batch), (cfg.main_threads,),
@@ -533,6 +533,25 @@ class BackwardPlan:
             self.last.launch(acc_ptr, dq.data_ptr())
         # ws goes back to torch's caching allocator here; its block is reused only by work enqueued
         # later on this stream, which runs after these kernels.
+
+    def host_launches(self):
+        """((LaunchPlan, slots) x 3, workspace fp32 elements, 0 semaphores) for runtime.host_launch,
+        which then runs `launch` in C++; None for a variant plan (per-call values)."""
+        from ..runtime import host_launch as hl
+
+        if self.variant_values:
+            return None
+        lse2, delta = (hl.WORKSPACE, 0), (hl.WORKSPACE, self._delta_offset)
+        acc = hl.NULL if self.deterministic else (hl.WORKSPACE, self._acc_offset)
+        if self.deterministic:
+            last = (hl.Q, hl.K, hl.V, hl.DOUT, hl.DQ, lse2, delta)
+        else:
+            last = (acc, hl.DQ)
+        return (((self.pre, hl.pointer_slots(self.pre.dynamic, (hl.OUT, hl.DOUT, hl.LSE, lse2, delta, acc))),
+                 (self.main, hl.pointer_slots(self.main.dynamic, (hl.Q, hl.K, hl.V, hl.DOUT, hl.DK, hl.DV, acc, lse2,
+                                                                  delta))),
+                 (self.last, hl.pointer_slots(self.last.dynamic, last))),
+                self.ws_elems, 0)
 
 
 def backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
@@ -615,7 +634,7 @@ class BackwardVarlenPlan:
             (0, 0, 0, 0, 0, 0, *strides(out), *strides(dout), 0, i32(total_q), i32(ws_pitch)),
             dynamic=(0, 1, 2, 3, 4, 5, 10),
         )
-        with_variants = variants is not None
+        self.variant_values = with_variants = variants is not None  # launch takes (alibi, seed, offset)
         self.main = _plan(
             load(FAMILY_NAME, cfg.main_expr(bf16, not deterministic, True, with_variants), device),
             (blocks(max_seqlen_k, cfg.block_n), kv_heads, batch + 1), (cfg.main_threads,),

@@ -537,6 +537,26 @@ class BackwardPlan:
         # ws and sem return to torch's caching allocator here; their blocks are reused only by work
         # enqueued later on this stream, which runs after these kernels.
 
+    def host_launches(self):
+        """((LaunchPlan, slots) x 3, workspace fp32 elements, semaphore int32 elements) for
+        runtime.host_launch, which then runs `launch` in C++; None for a plan it cannot run: no work,
+        a copied operand, a variant kernel's per-call values (windowed deterministic plans copy a
+        semaphore template: variants too)."""
+        from ..runtime import host_launch as hl
+
+        if self.empty or self.variant_values or any(self.operands.copy):
+            return None
+        lse2, delta, acc = (hl.WORKSPACE, 0), (hl.WORKSPACE, self._delta_offset), (hl.WORKSPACE, self._acc_offset)
+        maps = [(hl.TENSOR_MAP, param, source, template.encode)
+                for param, source, template in zip(self.main.dynamic[:6], (hl.Q, hl.K, hl.V, hl.DOUT, hl.DK, hl.DV),
+                                                   self.operands.templates, strict=True)]
+        semaphores = hl.SEMAPHORES if self.deterministic else hl.NULL
+        main = maps + hl.pointer_slots(self.main.dynamic[6:], (lse2, delta, acc, semaphores))
+        return (((self.pre, hl.pointer_slots(self.pre.dynamic, (hl.OUT, hl.DOUT, hl.LSE, lse2, delta, acc))),
+                 (self.main, main),
+                 (self.convert, hl.pointer_slots(self.convert.dynamic, (acc, hl.DQ)))),
+                self.ws_elems, self.sem_elems if self.deterministic else 0)
+
 
 def _unbounded() -> int:
     from ..dropout import UNBOUNDED

@@ -833,13 +833,16 @@ class ForwardPlan:
         copies an operand, or a variant kernel's per-call values): four tensor maps (slot kind 1)
         of q, k, v, out with their templates' encoders, lse's pointer (kind 0, source 4), and a
         persistent grid's tile-counter pair (kind 2; a one-CTA-per-tile grid keeps its packed 0)."""
+        from ..runtime import host_launch as hl
+
         if self.copy_q or self.copy_k or self.copy_v or self.copy_out or self.variant_values:
             return None
         params = self.plan.dynamic
-        slots = [(1, params[source], source, template.encode) for source, template in enumerate(self.templates)]
-        slots.append((0, params[4], 4, None))
+        slots = [(hl.TENSOR_MAP, params[source], source, template.encode)
+                 for source, template in zip((hl.Q, hl.K, hl.V, hl.OUT), self.templates)]
+        slots.append((hl.POINTER, params[4], hl.LSE, None))
         if self.config.persistent:
-            slots.append((2, params[5], -1, None))
+            slots.append((hl.TILE_COUNTER, params[5], -1, None))
         return self.plan, tuple(slots)
 
 

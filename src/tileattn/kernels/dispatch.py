@@ -217,9 +217,11 @@ class _PointerPlan:
         self.plan.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
 
     def host_slots(self):
-        """(LaunchPlan, slots) for runtime.host_launch: the five values are data pointers
-        (slot kind 0) of q, k, v, out, lse (sources 0-4)."""
-        return self.plan, tuple((0, param, source, None) for source, param in enumerate(self.plan.dynamic))
+        """(LaunchPlan, slots) for runtime.host_launch: the five values are the data pointers of
+        q, k, v, out, lse."""
+        from ..runtime import host_launch as hl
+
+        return self.plan, tuple(hl.pointer_slots(self.plan.dynamic, (hl.Q, hl.K, hl.V, hl.OUT, hl.LSE)))
 
 
 def needs_contiguous_kv(t) -> bool:

@@ -1,38 +1,44 @@
-// The eager forward's host work in one compiled call (issue #9, docs/runtime.md "The compiled
-// forward path").
+// The eager attention's host work in compiled calls (issue #9, docs/runtime.md "The compiled
+// forward and backward path").
 //
-// tileattn.attention(q, k, v) without autograd spends its host time in Python: the plan key
-// (shapes, strides, dtypes, devices, flags), two torch allocations, the current stream, the
-// tensor-map and tile-counter lookups, and cuda.bindings' cuLaunchKernel wrapper. This module does
-// the same steps for a combination the Python path has already validated and planned:
+// tileattn.attention(q, k, v) spends its host time in Python: the plan key (shapes, strides,
+// dtypes, devices, flags), torch allocations, the current stream, the tensor-map and tile-counter
+// lookups, and cuda.bindings' cuLaunchKernel wrapper; its backward the same for three launches. This
+// module does those steps for a combination the Python path has already validated and planned:
 //
 //   forward(q, k, v, causal, scale, want, deterministic=False)
 //       -> out (want 0) | (out, lse) (1) | (out, lse, entry) (2) | (out, lse) with autograd (3) | None
+//   backward(q, k, v, out, lse, dout, causal, scale, deterministic) -> (dq, dk, dv) | None
 //
-// It builds the key from the tensors, finds the record that tileattn.api registered for it (the
-// LaunchPlan's packed parameter buffer, which parameters change per call, and the output specs),
-// allocates out (and lse) with ATen, fills in the data pointers and tensor maps, and calls
-// cuLaunchKernel on torch's current stream; with want 3 that launch is the forward of a C++ autograd
-// Function whose backward calls tileattn.api._backward. None means "not mine": no record, another current
-// device, a misaligned pointer, a stream under capture with a persistent grid, an argument of an
-// unexpected type. The caller then takes the Python path, which checks everything and raises the
-// errors. Nothing here validates more than that: a record exists only for a key the Python path
-// accepted, and the key holds everything that path checks except the data pointers' alignment.
+// forward builds the key from the tensors, finds the record that tileattn.api registered for it
+// (the LaunchPlan's packed parameter buffer, which parameters change per call, and the output
+// specs), allocates out (and lse) with ATen, fills in the data pointers and tensor maps, and calls
+// cuLaunchKernel on torch's current stream. With want 3 that launch is the forward of a C++ autograd
+// Function; its backward runs the record's backward launches for dout's layout and the
+// deterministic flag (registered by tileattn.api._backward after its first Python-path backward of
+// that layout) and otherwise calls tileattn.api._backward. backward() is the same backward without
+// autograd (benchmarks and tests). None means "not mine": no record, another current device, a
+// misaligned pointer, a stream under capture with a persistent grid, an argument of an unexpected
+// type. The caller then takes the Python path, which checks everything and raises the errors.
+// Nothing here validates more than that: a record exists only for a key the Python path accepted,
+// and the key holds everything that path checks except the data pointers' alignment.
 //
-// It launches the plan's own kernel with the plan's own packed bytes, so it is the Python
+// It launches the plans' own kernels with the plans' own packed bytes, so it is the Python
 // LaunchPlan's launch done in C++, not a second way of setting up a kernel. The driver entry points
 // come from cuGetProcAddress (through cuda.bindings, in Python), so no CUDA header or library is
 // needed to build it: a C++17 compiler, Python's headers and torch's.
 //
-// Thread safety: everything runs under the GIL. The only calls back into Python (a tensor map's
-// encoder on a new address, the stream's tile-counter pair on a new stream) happen before any byte
-// of the shared parameter buffer is written, so another thread that runs while they hold the GIL
-// cannot interleave with a launch.
+// Thread safety: everything runs under the GIL (the autograd backward, on torch's device thread,
+// takes it first). The only calls back into Python (a tensor map's encoder on a new address, the
+// stream's tile-counter pair on a new stream) happen before any byte of a shared parameter buffer
+// is written, so another thread that runs while they hold the GIL cannot interleave with a launch.
 
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Exceptions.h>
@@ -65,11 +71,14 @@ PyObject* plans_name = nullptr;       // the interned string "_plans"
 // caching logic (configure(..., "cpu") with a stand-in for cuLaunchKernel), where the device index
 // is -1 and the stream null.
 c10::DeviceType served_type = c10::DeviceType::CUDA;
-bool poison_outputs = false;          // tests: fill out and lse with NaN before the launch (set_poison)
+bool poison_outputs = false;          // tests: fill outputs and workspaces with NaN before the launch
 bool interpreter_exiting = false;     // set by the atexit hook that the module's init registers
 
 constexpr size_t kMaxRecords = 8192;  // start over beyond this (tileattn.api clears at 4096 plans first)
 constexpr size_t kMaxMapsPerSlot = 64;  // encoded tensor maps kept per slot (per address)
+constexpr size_t kMaxBackwardPerRecord = 8;  // (dout layout, deterministic) pairs kept per record
+constexpr int kMaxTensorMaps = 8;  // per launch
+constexpr size_t kMaxBackwardLaunches = 4;
 
 // ---- the key: everything the Python path's plan key holds ----------------------------------------
 struct Key {
@@ -93,10 +102,13 @@ struct KeyHash {
   }
 };
 
-// ---- a record: one planned (key -> kernel launch) -------------------------------------------------
+// ---- one planned kernel launch ----------------------------------------------------------------------
+// A slot is a parameter whose value changes per call: a data pointer (plus a byte offset), a
+// tensor map of a source tensor, or the stream's tile-counter pair. Sources: the call's tensors and
+// the backward's workspaces, in the order runtime/host_launch.py names them.
 enum SlotKind : int { kPointer = 0, kTensorMap = 1, kTileCounter = 2 };
-constexpr int kSources = 5;  // q, k, v, out, lse
-constexpr int kMaxTensorMaps = 8;
+enum Source : int { kQ, kK, kV, kOut, kLse, kDout, kDq, kDk, kDv, kWorkspace, kSemaphores, kNull, kSources };
+constexpr int kForwardSources = kLse + 1;  // a forward's slots read q, k, v, out, lse only
 
 struct alignas(64) MapBytes {
   unsigned char bytes[128];  // one CUtensorMap
@@ -104,30 +116,62 @@ struct alignas(64) MapBytes {
 
 struct Slot {
   int kind;
-  int param;   // kernel parameter index
-  int source;  // kPointer / kTensorMap: 0 q, 1 k, 2 v, 3 out, 4 lse
-  PyObject* encode = nullptr;  // kTensorMap: TensorMapTemplate.encode (owned reference)
+  int param;           // kernel parameter index
+  int source;          // kPointer / kTensorMap: a Source
+  int64_t offset = 0;  // kPointer: bytes added to the source's address (a workspace's parts)
+  PyObject* encode = nullptr;  // kTensorMap: TensorMapTemplate.encode (owned by the Launch)
   std::unordered_map<uint64_t, MapBytes> maps;  // kTensorMap: encoded maps by address
 };
 
-struct Record {
-  PyObject* entry = nullptr;  // tileattn.api._PlanEntry (owned reference), returned with want == 2
-  PyObject* plans = nullptr;  // the tileattn.api._plans dict the entry was made for (owned reference)
+// One kernel, its geometry and its packed parameters: a LaunchPlan as runtime.host_launch sees it.
+struct Launch {
   void* function = nullptr;
   unsigned grid[3], block[3], smem;
-  int device;
   std::vector<uint64_t> buffer;        // the packed parameters, 8-byte aligned
   std::vector<size_t> param_offsets;   // byte offset of each kernel parameter in buffer
   std::vector<void*> params;           // cuLaunchKernel's kernelParams: into buffer, or a map's bytes
   std::vector<Slot> slots;
-  std::vector<int64_t> out_sizes, out_strides, lse_sizes, lse_strides;
-  at::Tensor unread_lse;                         // lse's target when the caller does not want it
   std::unordered_map<void*, uint64_t> counters;  // stream -> its tile-counter pair's address
 
+  ~Launch() {
+    for (Slot& slot : slots) Py_XDECREF(slot.encode);
+  }
+};
+
+// What a launch needs that may come from Python: its tensor maps (copied out of the per-slot caches,
+// since a later callback may clear a cache) and the tile-counter pair.
+struct Prepared {
+  MapBytes maps[kMaxTensorMaps];
+  uint64_t counter = 0;
+};
+
+// The backward of one forward record for one (dout layout, deterministic) pair: its launches in
+// order, the gradients' specs, and the workspaces' sizes (fp32 elements; int32 semaphores zeroed
+// per call, none when 0).
+struct BackwardRecord {
+  int64_t dout_strides[4];
+  int8_t dout_dtype;
+  bool deterministic;
+  std::vector<std::unique_ptr<Launch>> launches;
+  std::vector<int64_t> grad_sizes[3], grad_strides[3];
+  int64_t workspace_elems = 0, semaphore_elems = 0;
+};
+
+// ---- a record: one planned combination ---------------------------------------------------------------
+struct Record {
+  PyObject* entry = nullptr;  // tileattn.api._PlanEntry (owned reference), returned with want == 2
+  PyObject* plans = nullptr;  // the tileattn.api._plans dict the entry was made for (owned reference)
+  int device;
+  std::unique_ptr<Launch> forward;
+  std::vector<int64_t> out_sizes, out_strides, lse_sizes, lse_strides;
+  at::Tensor unread_lse;  // lse's target when the caller does not want it
+  std::vector<std::shared_ptr<BackwardRecord>> backward;
+
   ~Record() {
+    forward.reset();
+    backward.clear();
     Py_XDECREF(entry);
     Py_XDECREF(plans);
-    for (Slot& slot : slots) Py_XDECREF(slot.encode);
   }
 };
 
@@ -136,7 +180,8 @@ std::unordered_map<Key, std::shared_ptr<Record>, KeyHash>& records =
     *new std::unordered_map<Key, std::shared_ptr<Record>, KeyHash>();
 
 // Fills `key` from the call's arguments; false when they are not a combination a record could
-// hold (not plain CUDA tensors of rank 4, causal not a bool, scale neither None nor a float).
+// hold (not plain tensors of the served device type and rank 4, causal not a bool, scale neither
+// None nor a float).
 bool make_key(PyObject* const* tensors, PyObject* causal, PyObject* scale, Key& key) {
   std::memset(&key, 0, sizeof(Key));
   for (int i = 0; i < 3; ++i) {
@@ -175,6 +220,17 @@ bool read_int64s(PyObject* sequence, std::vector<int64_t>& out, const char* what
   return true;
 }
 
+// Reads (sizes, strides) into the two vectors; false with a Python error set.
+bool read_spec(PyObject* spec, std::vector<int64_t>& sizes, std::vector<int64_t>& strides, const char* what) {
+  PyObject* fast = PySequence_Fast(spec, what);
+  if (fast == nullptr) return false;
+  const bool ok = PySequence_Fast_GET_SIZE(fast) == 2 && read_int64s(PySequence_Fast_GET_ITEM(fast, 0), sizes, what) &&
+                  read_int64s(PySequence_Fast_GET_ITEM(fast, 1), strides, what) && sizes.size() == strides.size();
+  Py_DECREF(fast);
+  if (!ok && !PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "register: %s must be (sizes, strides)", what);
+  return ok;
+}
+
 uint64_t call_for_uint64(PyObject* callable, PyObject* argument) {
   // callable(argument) as an unsigned 64-bit int (0 with a Python exception set on failure).
   PyObject* result = PyObject_CallOneArg(callable, argument);
@@ -184,7 +240,179 @@ uint64_t call_for_uint64(PyObject* callable, PyObject* argument) {
   return (value == static_cast<uint64_t>(-1) && PyErr_Occurred()) ? 0 : value;
 }
 
-// ---- one launch ---------------------------------------------------------------------------------------
+[[noreturn]] void throw_python_error() {
+  python_error error;  // torch/csrc/Exceptions.h (global namespace)
+  error.persist();  // the current Python exception, re-raised where the C++ exception is caught
+  throw error;
+}
+
+// Parses one launch: (function, grid, block, smem, buffer, param_offsets, slots), each slot
+// (kind, param, source, encode[, offset]) with sources below `sources`. nullptr with a Python error
+// set when it is malformed.
+std::unique_ptr<Launch> parse_launch(PyObject* description, int sources) {
+  unsigned long long function;
+  unsigned int smem;
+  PyObject *grid, *block, *offsets, *slots;
+  Py_buffer buffer;
+  if (!PyArg_ParseTuple(description, "KOOIy*OO:launch", &function, &grid, &block, &smem, &buffer, &offsets, &slots)) {
+    return nullptr;
+  }
+  auto launch = std::make_unique<Launch>();
+  launch->buffer.resize((buffer.len + 7) / 8 + 1, 0);
+  std::memcpy(launch->buffer.data(), buffer.buf, buffer.len);
+  const size_t buffer_bytes = static_cast<size_t>(buffer.len);
+  PyBuffer_Release(&buffer);
+  launch->function = reinterpret_cast<void*>(function);
+  launch->smem = smem;
+  std::vector<int64_t> geometry;
+  for (auto [sequence, target, what] : {std::make_tuple(grid, launch->grid, "grid"),
+                                        std::make_tuple(block, launch->block, "block")}) {
+    if (!read_int64s(sequence, geometry, what) || geometry.size() != 3) {
+      if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "register: %s must have 3 entries", what);
+      return nullptr;
+    }
+    for (int i = 0; i < 3; ++i) target[i] = static_cast<unsigned>(geometry[i]);
+  }
+  std::vector<int64_t> param_offsets;
+  if (!read_int64s(offsets, param_offsets, "param_offsets")) return nullptr;
+  for (int64_t offset : param_offsets) {
+    if (offset < 0 || static_cast<size_t>(offset) + 8 > launch->buffer.size() * 8) {
+      PyErr_Format(PyExc_ValueError, "register: parameter offset %lld outside the %zu-byte buffer",
+                   static_cast<long long>(offset), buffer_bytes);
+      return nullptr;
+    }
+    launch->param_offsets.push_back(static_cast<size_t>(offset));
+  }
+  PyObject* fast = PySequence_Fast(slots, "slots");
+  if (fast == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    Slot slot;
+    PyObject* encode = Py_None;
+    long long offset = 0;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "iiiO|L:slot", &slot.kind, &slot.param, &slot.source,
+                          &encode, &offset)) {
+      Py_DECREF(fast);
+      return nullptr;
+    }
+    slot.offset = offset;
+    const bool valid = slot.kind >= kPointer && slot.kind <= kTileCounter && slot.param >= 0 &&
+                       static_cast<size_t>(slot.param) < launch->param_offsets.size() &&
+                       (slot.kind == kTileCounter || (slot.source >= 0 && slot.source < sources)) &&
+                       (slot.kind != kTensorMap || (PyCallable_Check(encode) && slot.source != kWorkspace &&
+                                                    slot.source != kSemaphores && slot.source != kNull)) &&
+                       (slot.kind == kPointer || offset == 0) && offset >= 0 &&
+                       (slot.kind == kTensorMap || launch->param_offsets[slot.param] % 8 == 0);
+    if (!valid) {
+      Py_DECREF(fast);
+      PyErr_Format(PyExc_ValueError, "register: slot %zd is malformed", i);
+      return nullptr;
+    }
+    if (slot.kind == kTensorMap) {
+      Py_INCREF(encode);
+      slot.encode = encode;
+    }
+    launch->slots.push_back(std::move(slot));
+  }
+  Py_DECREF(fast);
+  size_t map_slots = 0;
+  for (const Slot& slot : launch->slots) map_slots += slot.kind == kTensorMap;
+  if (map_slots > kMaxTensorMaps) {
+    PyErr_Format(PyExc_ValueError, "register: %zu tensor-map slots, at most %d", map_slots, kMaxTensorMaps);
+    return nullptr;
+  }
+  launch->params.resize(launch->param_offsets.size());
+  auto* bytes = reinterpret_cast<unsigned char*>(launch->buffer.data());
+  for (size_t i = 0; i < launch->params.size(); ++i) launch->params[i] = bytes + launch->param_offsets[i];
+  return launch;
+}
+
+// The tensor maps and the tile-counter pair of `launch` for these source addresses (may call back
+// into Python: an encoder for a new address, stream_counters for a new stream; their errors are
+// thrown as torch::python_error).
+void prepare(Launch& launch, int device, void* stream, const uint64_t* sources, Prepared& prepared) {
+  int map_count = 0;
+  for (Slot& slot : launch.slots) {
+    if (slot.kind == kTileCounter) {
+      auto hit = launch.counters.find(stream);
+      if (hit == launch.counters.end()) {
+        PyObject* index = PyLong_FromLong(device);
+        if (index == nullptr) throw_python_error();
+        const uint64_t counter = call_for_uint64(stream_counters, index);
+        Py_DECREF(index);
+        if (PyErr_Occurred()) throw_python_error();
+        hit = launch.counters.emplace(stream, counter).first;
+      }
+      prepared.counter = hit->second;
+    } else if (slot.kind == kTensorMap) {
+      const uint64_t address = sources[slot.source];
+      auto hit = slot.maps.find(address);
+      if (hit == slot.maps.end()) {
+        // TensorMapTemplate.encode(address).address: the host address of the map's 128 bytes, alive
+        // while the returned TensorMap is; copied before it is released.
+        PyObject* py_address = PyLong_FromUnsignedLongLong(address);
+        if (py_address == nullptr) throw_python_error();
+        PyObject* tmap = PyObject_CallOneArg(slot.encode, py_address);
+        Py_DECREF(py_address);
+        if (tmap == nullptr) throw_python_error();
+        PyObject* host = PyObject_GetAttrString(tmap, "address");
+        const uint64_t host_address = host == nullptr ? 0 : PyLong_AsUnsignedLongLong(host);
+        Py_XDECREF(host);
+        if (PyErr_Occurred()) {
+          Py_DECREF(tmap);
+          throw_python_error();
+        }
+        if (slot.maps.size() >= kMaxMapsPerSlot) slot.maps.clear();
+        hit = slot.maps.emplace(address, MapBytes{}).first;
+        std::memcpy(hit->second.bytes, reinterpret_cast<const void*>(host_address), sizeof(MapBytes::bytes));
+        Py_DECREF(tmap);
+      }
+      prepared.maps[map_count++] = hit->second;
+    }
+  }
+}
+
+// Writes the call's values into the launch's buffer and launches (no Python code runs here: the
+// GIL is held from the first write until cuLaunchKernel has copied the parameters). A driver error
+// is thrown as runtime.LaunchError.
+void fire(Launch& launch, void* stream, const uint64_t* sources, const Prepared& prepared, const char* what) {
+  auto* bytes = reinterpret_cast<unsigned char*>(launch.buffer.data());
+  int map_count = 0;
+  for (const Slot& slot : launch.slots) {
+    if (slot.kind == kTensorMap) {
+      launch.params[slot.param] = const_cast<unsigned char*>(prepared.maps[map_count++].bytes);  // the driver copies them
+    } else {
+      const uint64_t value = slot.kind == kTileCounter ? prepared.counter
+                             : slot.source == kNull    ? 0
+                                                       : sources[slot.source] + static_cast<uint64_t>(slot.offset);
+      std::memcpy(bytes + launch.param_offsets[slot.param], &value, sizeof(value));
+    }
+  }
+  const CUresult err = launch_kernel(launch.function, launch.grid[0], launch.grid[1], launch.grid[2], launch.block[0],
+                                     launch.block[1], launch.block[2], launch.smem, stream, launch.params.data(),
+                                     nullptr);
+  if (err != 0) {
+    PyErr_Format(launch_error, "cuLaunchKernel (compiled %s path) failed: CUresult %d, grid (%u, %u, %u), "
+                 "block (%u, %u, %u), smem %u", what, err, launch.grid[0], launch.grid[1], launch.grid[2],
+                 launch.block[0], launch.block[1], launch.block[2], launch.smem);
+    throw_python_error();
+  }
+}
+
+uint64_t address_of(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
+
+// The current stream of `device` when it is the current device (cuLaunchKernel uses the thread's
+// current context: the module launches only on the record's device); false otherwise.
+bool current_stream(int device, void*& stream) {
+  stream = nullptr;
+  if (served_type != c10::DeviceType::CUDA) return true;
+  const c10::impl::DeviceGuardImplInterface* cuda = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  const c10::Device current = cuda->getDevice();
+  if (current.index() != device) return false;
+  stream = cuda->getStream(current).native_handle();
+  return true;
+}
+
+// ---- the forward ------------------------------------------------------------------------------------
 // A call the module serves: its record, the current stream and the operands' data pointers.
 struct Call {
   std::shared_ptr<Record> record;  // alive even if a callback clears `records`
@@ -192,140 +420,158 @@ struct Call {
   uint64_t qkv[3] = {0, 0, 0};
 };
 
-// Whether the module serves this call (fills `call`); false with a Python error set on failure,
+// The record of (q, k, v, causal, scale) while tileattn.api's plan cache is the one it was made
+// for (a test's monkeypatch replaces it: then its entries are not the records' entries); nullptr
+// when there is none. Nothing here calls back into Python.
+std::shared_ptr<Record> find_record(PyObject* const* qkv, PyObject* causal, PyObject* scale) {
+  Key key;
+  if (!make_key(qkv, causal, scale, key)) return nullptr;
+  auto found = records.find(key);
+  if (found == records.end()) return nullptr;
+  if (PyDict_GetItemWithError(plans_namespace, plans_name) != found->second->plans) return nullptr;
+  return found->second;
+}
+
+// Whether the module serves this forward (fills `call`); false with a Python error set on failure,
 // false without one for a call it leaves to the Python path. Nothing here calls back into Python.
 bool find_call(PyObject* const* args, Call& call) {
-  Key key;
-  if (!make_key(args, args[3], args[4], key)) return false;
-  auto found = records.find(key);
-  if (found == records.end()) return false;
-  const std::shared_ptr<Record>& record = found->second;
-  // tileattn.api's plan cache replaced (a test's monkeypatch): its entries are not the records' entries.
-  if (PyDict_GetItemWithError(plans_namespace, plans_name) != record->plans) return false;
-  for (int i = 0; i < 3; ++i) call.qkv[i] = reinterpret_cast<uint64_t>(THPVariable_Unpack(args[i]).data_ptr());
+  std::shared_ptr<Record> record = find_record(args, args[3], args[4]);
+  if (record == nullptr) return false;
+  for (int i = 0; i < 3; ++i) call.qkv[i] = address_of(THPVariable_Unpack(args[i]));
   if ((call.qkv[0] | call.qkv[1] | call.qkv[2]) & 15) return false;  // the Python path raises the alignment error
-  // cuLaunchKernel uses the thread's current context: only launch on the record's device, on torch's
-  // current stream there.
-  if (served_type == c10::DeviceType::CUDA) {
-    const c10::impl::DeviceGuardImplInterface* cuda = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-    const c10::Device device = cuda->getDevice();
-    if (device.index() != record->device) return false;
-    call.stream = cuda->getStream(device).native_handle();
-  }
-  for (const Slot& slot : record->slots) {
+  if (!current_stream(record->device, call.stream)) return false;
+  for (const Slot& slot : record->forward->slots) {
     if (slot.kind != kTileCounter) continue;
     int capture_status = 0;
     if (stream_is_capturing(call.stream, &capture_status) != 0 || capture_status != 0) {
       return false;  // under capture the graph needs a counter pair of its own (runtime.stream_counters)
     }
   }
-  call.record = record;
+  call.record = std::move(record);
   return true;
 }
 
-[[noreturn]] void throw_python_error() {
-  python_error error;  // torch/csrc/Exceptions.h (global namespace)
-  error.persist();  // the current Python exception, re-raised where the C++ exception is caught
-  throw error;
-}
+void poison(const at::Tensor& t) { t.fill_(std::numeric_limits<double>::quiet_NaN()); }
 
 // Allocates out (and a fresh lse, or the record's unread buffer) and launches. Python errors (from a
 // tensor map's encoder, the counter lookup, the driver) are thrown as torch::python_error.
-void launch(const Call& call, const at::Tensor& q, bool fresh_lse, at::Tensor& out, at::Tensor& lse) {
+void launch_forward(const Call& call, const at::Tensor& q, bool fresh_lse, at::Tensor& out, at::Tensor& lse) {
   Record& record = *call.record;
-  // Everything that may call back into Python comes before the first write to record.buffer.
-  uint64_t counter = 0;
-  for (const Slot& slot : record.slots) {
-    if (slot.kind != kTileCounter) continue;
-    auto hit = record.counters.find(call.stream);
-    if (hit != record.counters.end()) {
-      counter = hit->second;
-      continue;
-    }
-    PyObject* index = PyLong_FromLong(record.device);
-    if (index == nullptr) throw_python_error();
-    counter = call_for_uint64(stream_counters, index);
-    Py_DECREF(index);
-    if (PyErr_Occurred()) throw_python_error();
-    record.counters.emplace(call.stream, counter);
-  }
   out = at::empty_strided(record.out_sizes, record.out_strides, q.options());
   lse = fresh_lse ? at::empty_strided(record.lse_sizes, record.lse_strides, q.options().dtype(at::kFloat))
                   : record.unread_lse;
   if (poison_outputs) {  // as the GPU tests' poisoned_allocations() does on the Python path
-    out.fill_(std::numeric_limits<double>::quiet_NaN());
-    lse.fill_(std::numeric_limits<double>::quiet_NaN());
+    poison(out);
+    poison(lse);
   }
-  const uint64_t sources[5] = {call.qkv[0], call.qkv[1], call.qkv[2], reinterpret_cast<uint64_t>(out.data_ptr()),
-                               reinterpret_cast<uint64_t>(lse.data_ptr())};
-  // Tensor maps are copied out of the per-slot caches: a later callback may clear a cache.
-  MapBytes maps[kMaxTensorMaps];  // register() allows no more map slots than this
-  int map_count = 0;
-  for (Slot& slot : record.slots) {
-    if (slot.kind != kTensorMap) continue;
-    const uint64_t address = sources[slot.source];
-    auto hit = slot.maps.find(address);
-    if (hit == slot.maps.end()) {
-      // TensorMapTemplate.encode(address).address: the host address of the map's 128 bytes, alive
-      // while the returned TensorMap is; copied before it is released.
-      PyObject* py_address = PyLong_FromUnsignedLongLong(address);
-      if (py_address == nullptr) throw_python_error();
-      PyObject* tmap = PyObject_CallOneArg(slot.encode, py_address);
-      Py_DECREF(py_address);
-      if (tmap == nullptr) throw_python_error();
-      PyObject* host = PyObject_GetAttrString(tmap, "address");
-      const uint64_t host_address = host == nullptr ? 0 : PyLong_AsUnsignedLongLong(host);
-      Py_XDECREF(host);
-      if (PyErr_Occurred()) {
-        Py_DECREF(tmap);
-        throw_python_error();
-      }
-      if (slot.maps.size() >= kMaxMapsPerSlot) slot.maps.clear();
-      hit = slot.maps.emplace(address, MapBytes{}).first;
-      std::memcpy(hit->second.bytes, reinterpret_cast<const void*>(host_address), sizeof(MapBytes::bytes));
-      Py_DECREF(tmap);
-    }
-    maps[map_count++] = hit->second;
-  }
-
-  // From here on no Python code runs until the launch has returned (the GIL is held throughout).
-  auto* bytes = reinterpret_cast<unsigned char*>(record.buffer.data());
-  map_count = 0;
-  for (const Slot& slot : record.slots) {
-    if (slot.kind == kTensorMap) {
-      record.params[slot.param] = maps[map_count++].bytes;  // the driver copies the 128 bytes
-    } else {
-      const uint64_t value = slot.kind == kTileCounter ? counter : sources[slot.source];
-      std::memcpy(bytes + record.param_offsets[slot.param], &value, sizeof(value));
-    }
-  }
-  const CUresult err = launch_kernel(record.function, record.grid[0], record.grid[1], record.grid[2], record.block[0],
-                                     record.block[1], record.block[2], record.smem, call.stream, record.params.data(),
-                                     nullptr);
-  if (err != 0) {
-    PyErr_Format(launch_error, "cuLaunchKernel (compiled forward path) failed: CUresult %d, grid (%u, %u, %u), "
-                 "block (%u, %u, %u), smem %u", err, record.grid[0], record.grid[1], record.grid[2],
-                 record.block[0], record.block[1], record.block[2], record.smem);
-    throw_python_error();
-  }
+  uint64_t sources[kSources] = {call.qkv[0], call.qkv[1], call.qkv[2], address_of(out), address_of(lse)};
+  Prepared prepared;
+  prepare(*record.forward, record.device, call.stream, sources, prepared);
+  fire(*record.forward, call.stream, sources, prepared, "forward");
 }
 
-// ---- autograd: the forward through the compiled path, the backward through tileattn.api._backward ----
-// The plan entry travels with the graph (the backward's plans hang off it); its reference is
-// dropped with the GIL held, whichever thread frees the graph (torch may free it without the GIL).
-struct EntryHolder : torch::CustomClassHolder {
-  PyObject* entry;
-  explicit EntryHolder(PyObject* object) : entry(object) { Py_INCREF(entry); }
-  ~EntryHolder() override {
-    // A graph freed while the interpreter shuts down keeps its reference (PyGILState_Ensure may not
-    // run then): interpreter_exiting is set by an atexit hook, which runs before modules are torn down.
-    if (!interpreter_exiting) {
-      PyGILState_STATE state = PyGILState_Ensure();
-      Py_DECREF(entry);
-      PyGILState_Release(state);
+// ---- the backward -----------------------------------------------------------------------------------
+// The backward record of `record` for this dout and mode, or nullptr (not registered, or a dout the
+// plans were not made for: another layout, dtype or device, a misaligned address).
+std::shared_ptr<BackwardRecord> find_backward(const Record& record, const at::Tensor& dout, bool deterministic) {
+  if (dout.dim() != 4 || dout.layout() != c10::kStrided || dout.device().type() != served_type ||
+      dout.get_device() != record.device || (address_of(dout) & 15) != 0) {
+    return nullptr;
+  }
+  for (int d = 0; d < 4; ++d) {
+    if (dout.size(d) != record.out_sizes[d]) return nullptr;
+  }
+  for (const std::shared_ptr<BackwardRecord>& backward : record.backward) {
+    if (backward->deterministic != deterministic || backward->dout_dtype != static_cast<int8_t>(dout.scalar_type())) {
+      continue;
     }
+    bool same = true;
+    for (int d = 0; d < 4; ++d) same = same && backward->dout_strides[d] == dout.stride(d);
+    if (same) return backward;
+  }
+  return nullptr;
+}
+
+// (dq, dk, dv) from the backward record's launches: allocates the gradients and workspaces with
+// ATen, prepares every launch's maps, then launches them in order on `stream`.
+torch::autograd::variable_list run_backward(const Record& record, BackwardRecord& backward, void* stream,
+                                            const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dout) {
+  torch::autograd::variable_list grads(3);
+  for (int i = 0; i < 3; ++i) grads[i] = at::empty_strided(backward.grad_sizes[i], backward.grad_strides[i], q.options());
+  at::Tensor workspace = at::empty({backward.workspace_elems}, q.options().dtype(at::kFloat));
+  at::Tensor semaphores;
+  if (backward.semaphore_elems > 0) semaphores = at::zeros({backward.semaphore_elems}, q.options().dtype(at::kInt));
+  if (poison_outputs) {
+    for (const at::Tensor& grad : grads) poison(grad);
+    poison(workspace);
+  }
+  const uint64_t sources[kSources] = {
+      address_of(q),        address_of(k),        address_of(v),        address_of(out),
+      address_of(lse),      address_of(dout),     address_of(grads[0]), address_of(grads[1]),
+      address_of(grads[2]), address_of(workspace), semaphores.defined() ? address_of(semaphores) : 0, 0};
+  Prepared prepared[kMaxBackwardLaunches];
+  for (size_t i = 0; i < backward.launches.size(); ++i) {
+    prepare(*backward.launches[i], record.device, stream, sources, prepared[i]);
+  }
+  for (size_t i = 0; i < backward.launches.size(); ++i) {
+    fire(*backward.launches[i], stream, sources, prepared[i], "backward");
+  }
+  return grads;  // the workspaces return to torch's caching allocator, for work enqueued after these kernels
+}
+
+// ---- autograd: the forward through the compiled path, the backward through its backward records or
+// tileattn.api._backward ----------------------------------------------------------------------------------
+// The record travels with the graph (its backward records, and the entry the Python backward
+// takes); it is released with the GIL held, whichever thread frees the graph (torch may free it
+// without the GIL).
+struct RecordHolder : torch::CustomClassHolder {
+  std::shared_ptr<Record> record;
+  explicit RecordHolder(std::shared_ptr<Record> held) : record(std::move(held)) {}
+  ~RecordHolder() override {
+    // A graph freed while the interpreter shuts down keeps the record (PyGILState_Ensure may not
+    // run then): interpreter_exiting is set by an atexit hook, which runs before modules are torn down.
+    if (interpreter_exiting) {
+      new std::shared_ptr<Record>(std::move(record));  // never freed, on purpose
+      return;
+    }
+    PyGILState_STATE state = PyGILState_Ensure();
+    record.reset();
+    PyGILState_Release(state);
   }
 };
+
+// The Python backward: tileattn.api._backward(entry, dout, q, k, v, out, lse, deterministic) ->
+// (dq, dk, dv); it registers the backward records for this dout's layout with the module.
+torch::autograd::variable_list python_backward(const Record& record, const at::Tensor& dout,
+                                               const torch::autograd::variable_list& saved, bool deterministic) {
+  PyObject* backward_fn = PyDict_GetItemString(plans_namespace, "_backward");
+  if (backward_fn == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "host_launch: tileattn.api has no _backward");
+    throw_python_error();
+  }
+  PyObject* call_args = Py_BuildValue("(ONNNNNNO)", record.entry, THPVariable_Wrap(dout), THPVariable_Wrap(saved[0]),
+                                      THPVariable_Wrap(saved[1]), THPVariable_Wrap(saved[2]),
+                                      THPVariable_Wrap(saved[3]), THPVariable_Wrap(saved[4]),
+                                      deterministic ? Py_True : Py_False);
+  if (call_args == nullptr) throw_python_error();
+  PyObject* result = PyObject_Call(backward_fn, call_args, nullptr);
+  Py_DECREF(call_args);
+  if (result == nullptr) throw_python_error();
+  torch::autograd::variable_list grads(3);
+  const bool triple = PyTuple_Check(result) && PyTuple_GET_SIZE(result) == 3;
+  for (int i = 0; triple && i < 3; ++i) {
+    PyObject* item = PyTuple_GET_ITEM(result, i);
+    if (!THPVariable_Check(item)) break;
+    grads[i] = THPVariable_Unpack(item);
+  }
+  Py_DECREF(result);
+  if (!triple || !grads[0].defined() || !grads[1].defined() || !grads[2].defined()) {
+    PyErr_SetString(PyExc_RuntimeError, "host_launch: tileattn.api._backward must return (dq, dk, dv) tensors");
+    throw_python_error();
+  }
+  return grads;
+}
 
 struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   // call_address: the Call found by find_call (alive for the duration of apply).
@@ -334,9 +580,9 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                                 bool deterministic) {
     const Call& call = *reinterpret_cast<const Call*>(call_address);
     at::Tensor out, lse;
-    launch(call, q, /*fresh_lse=*/true, out, lse);
+    launch_forward(call, q, /*fresh_lse=*/true, out, lse);
     ctx->save_for_backward({q, k, v, out, lse});
-    ctx->saved_data["entry"] = c10::IValue::make_capsule(c10::make_intrusive<EntryHolder>(call.record->entry));
+    ctx->saved_data["record"] = c10::IValue::make_capsule(c10::make_intrusive<RecordHolder>(call.record));
     ctx->saved_data["deterministic"] = deterministic;
     ctx->mark_non_differentiable({lse});
     ctx->set_materialize_grads(false);  // lse never has a gradient: no zeros tensor is made for it
@@ -348,36 +594,18 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const at::Tensor& dout = grads[0];
     if (!dout.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     const torch::autograd::variable_list saved = ctx->get_saved_variables();  // q, k, v, out, lse
-    auto holder = c10::static_intrusive_pointer_cast<EntryHolder>(ctx->saved_data["entry"].toCapsule());
+    auto holder = c10::static_intrusive_pointer_cast<RecordHolder>(ctx->saved_data["record"].toCapsule());
     const bool deterministic = ctx->saved_data["deterministic"].toBool();
+    const Record& record = *holder->record;
     pybind11::gil_scoped_acquire gil;
-    // tileattn.api._backward(entry, dout, q, k, v, out, lse, deterministic) -> (dq, dk, dv)
-    PyObject* backward_fn = PyDict_GetItemString(plans_namespace, "_backward");
-    if (backward_fn == nullptr) {
-      if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "host_launch: tileattn.api has no _backward");
-      throw_python_error();
-    }
-    PyObject* call_args = Py_BuildValue("(ONNNNNNO)", holder->entry, THPVariable_Wrap(dout), THPVariable_Wrap(saved[0]),
-                                        THPVariable_Wrap(saved[1]), THPVariable_Wrap(saved[2]),
-                                        THPVariable_Wrap(saved[3]), THPVariable_Wrap(saved[4]),
-                                        deterministic ? Py_True : Py_False);
-    if (call_args == nullptr) throw_python_error();
-    PyObject* result = PyObject_Call(backward_fn, call_args, nullptr);
-    Py_DECREF(call_args);
-    if (result == nullptr) throw_python_error();
-    torch::autograd::variable_list grads_in{at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    const bool triple = PyTuple_Check(result) && PyTuple_GET_SIZE(result) == 3;
-    for (int i = 0; triple && i < 3; ++i) {
-      PyObject* item = PyTuple_GET_ITEM(result, i);
-      if (!THPVariable_Check(item)) break;
-      grads_in[i] = THPVariable_Unpack(item);
-    }
-    Py_DECREF(result);
-    if (!triple || !grads_in[0].defined() || !grads_in[1].defined() || !grads_in[2].defined()) {
-      PyErr_SetString(PyExc_RuntimeError, "host_launch: tileattn.api._backward must return (dq, dk, dv) tensors");
-      throw_python_error();
-    }
-    return grads_in;
+    std::shared_ptr<BackwardRecord> backward = find_backward(record, dout, deterministic);
+    void* stream = nullptr;
+    torch::autograd::variable_list result =
+        backward != nullptr && current_stream(record.device, stream)
+            ? run_backward(record, *backward, stream, saved[0], saved[1], saved[2], saved[3], saved[4], dout)
+            : python_backward(record, dout, saved, deterministic);
+    result.resize(5);  // no gradients for the call address and the deterministic flag
+    return result;
   }
 };
 
@@ -412,7 +640,7 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     out = std::move(outputs[0]);
     lse = std::move(outputs[1]);
   } else {
-    launch(call, q, /*fresh_lse=*/want != 0, out, lse);
+    launch_forward(call, q, /*fresh_lse=*/want != 0, out, lse);
   }
   if (want == 0) return THPVariable_Wrap(std::move(out));
   PyObject* result = PyTuple_New(want == 2 ? 3 : 2);
@@ -431,29 +659,76 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-// ---- register(...): a record for the key of (q, k, v, causal, scale) ------------------------------
+// Whether `t` has these sizes, strides and dtype on the record's device, at a 16-byte aligned address.
+bool laid_out_as(const at::Tensor& t, const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
+                 at::ScalarType dtype, int device) {
+  return t.layout() == c10::kStrided && t.device().type() == served_type && t.get_device() == device &&
+         t.scalar_type() == dtype && t.sizes().vec() == sizes && t.strides().vec() == strides &&
+         (address_of(t) & 15) == 0;
+}
+
+// ---- backward(q, k, v, out, lse, dout, causal, scale, deterministic) -----------------------------------
+// The op-level backward of a registered combination and dout layout, without autograd: (dq, dk, dv),
+// or None for a call it leaves to the Python path (tileattn.api._backward).
+PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 9) {
+    PyErr_SetString(PyExc_TypeError, "backward(q, k, v, out, lse, dout, causal, scale, deterministic) takes 9 "
+                    "arguments");
+    return nullptr;
+  }
+  const int deterministic = PyObject_IsTrue(args[8]);
+  if (deterministic < 0) return nullptr;
+  for (int i = 3; i < 6; ++i) {
+    if (!THPVariable_CheckExact(args[i])) Py_RETURN_NONE;
+  }
+  std::shared_ptr<Record> record = find_record(args, args[6], args[7]);
+  if (record == nullptr) {
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_NONE;
+  }
+  const at::Tensor& q = THPVariable_Unpack(args[0]);
+  const at::Tensor& out = THPVariable_Unpack(args[3]);
+  const at::Tensor& lse = THPVariable_Unpack(args[4]);
+  const at::Tensor& dout = THPVariable_Unpack(args[5]);
+  // out and lse as the forward made them (the autograd backward's are); q, k, v aligned as it checks.
+  if (!laid_out_as(out, record->out_sizes, record->out_strides, q.scalar_type(), record->device) ||
+      !laid_out_as(lse, record->lse_sizes, record->lse_strides, at::kFloat, record->device) ||
+      ((address_of(q) | address_of(THPVariable_Unpack(args[1])) | address_of(THPVariable_Unpack(args[2]))) & 15)) {
+    Py_RETURN_NONE;
+  }
+  std::shared_ptr<BackwardRecord> found = find_backward(*record, dout, deterministic != 0);
+  void* stream = nullptr;
+  if (found == nullptr || !current_stream(record->device, stream)) Py_RETURN_NONE;
+  torch::autograd::variable_list grads =
+      run_backward(*record, *found, stream, q, THPVariable_Unpack(args[1]), THPVariable_Unpack(args[2]), out, lse, dout);
+  PyObject* result = PyTuple_New(3);
+  if (result == nullptr) return nullptr;
+  for (int i = 0; i < 3; ++i) {
+    PyObject* wrapped = THPVariable_Wrap(std::move(grads[i]));
+    if (wrapped == nullptr) {
+      Py_DECREF(result);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(result, i, wrapped);
+  }
+  return result;
+  END_HANDLE_TH_ERRORS
+}
+
+// ---- register(q, k, v, causal, scale, entry, device, launch, out_spec, lse_spec, unread_lse) -------------
 PyObject* register_record(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
   if (plans_namespace == nullptr || launch_kernel == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "register: configure the module first (tileattn.runtime.host_launch.load)");
     return nullptr;
   }
-  PyObject *q, *k, *v, *causal, *scale, *entry, *grid, *block, *offsets, *slots, *out_sizes, *out_strides,
-      *lse_sizes, *lse_strides, *unread_lse;
-  unsigned long long function;
-  unsigned int smem;
+  PyObject *q, *k, *v, *causal, *scale, *entry, *description, *out_spec, *lse_spec, *unread_lse;
   int device;
-  Py_buffer buffer;
-  if (!PyArg_ParseTuple(args, "OOOOOOKiOOIy*OOOOOOO:register", &q, &k, &v, &causal, &scale, &entry, &function,
-                        &device, &grid, &block, &smem, &buffer, &offsets, &slots, &out_sizes, &out_strides,
-                        &lse_sizes, &lse_strides, &unread_lse)) {
+  if (!PyArg_ParseTuple(args, "OOOOOOiOOOO:register", &q, &k, &v, &causal, &scale, &entry, &device, &description,
+                        &out_spec, &lse_spec, &unread_lse)) {
     return nullptr;
   }
-  auto record = std::make_shared<Record>();
-  record->buffer.resize((buffer.len + 7) / 8 + 1, 0);
-  std::memcpy(record->buffer.data(), buffer.buf, buffer.len);
-  const size_t buffer_bytes = static_cast<size_t>(buffer.len);
-  PyBuffer_Release(&buffer);
   PyObject* const qkv[3] = {q, k, v};
   Key key;
   if (!make_key(qkv, causal, scale, key)) {
@@ -465,73 +740,18 @@ PyObject* register_record(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_TypeError, "register: unread_lse must be a tensor");
     return nullptr;
   }
-  std::vector<int64_t> geometry;
-  if (!read_int64s(grid, geometry, "grid") || geometry.size() != 3) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "register: grid must have 3 entries");
+  auto record = std::make_shared<Record>();
+  record->forward = parse_launch(description, kForwardSources);
+  if (record->forward == nullptr || !read_spec(out_spec, record->out_sizes, record->out_strides, "out_spec") ||
+      !read_spec(lse_spec, record->lse_sizes, record->lse_strides, "lse_spec")) {
     return nullptr;
   }
-  for (int i = 0; i < 3; ++i) record->grid[i] = static_cast<unsigned>(geometry[i]);
-  if (!read_int64s(block, geometry, "block") || geometry.size() != 3) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "register: block must have 3 entries");
+  if (record->out_sizes.size() != 4) {
+    PyErr_SetString(PyExc_ValueError, "register: out must have rank 4");
     return nullptr;
   }
-  for (int i = 0; i < 3; ++i) record->block[i] = static_cast<unsigned>(geometry[i]);
-  std::vector<int64_t> param_offsets;
-  if (!read_int64s(offsets, param_offsets, "param_offsets")) return nullptr;
-  for (int64_t offset : param_offsets) {
-    if (offset < 0 || static_cast<size_t>(offset) + 8 > record->buffer.size() * 8) {
-      PyErr_Format(PyExc_ValueError, "register: parameter offset %lld outside the %zu-byte buffer",
-                   static_cast<long long>(offset), buffer_bytes);
-      return nullptr;
-    }
-    record->param_offsets.push_back(static_cast<size_t>(offset));
-  }
-  PyObject* fast = PySequence_Fast(slots, "slots");
-  if (fast == nullptr) return nullptr;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
-    Slot slot;
-    PyObject* encode = Py_None;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "iiiO:slot", &slot.kind, &slot.param, &slot.source,
-                          &encode)) {
-      Py_DECREF(fast);
-      return nullptr;
-    }
-    const bool valid = slot.kind >= kPointer && slot.kind <= kTileCounter && slot.param >= 0 &&
-                       static_cast<size_t>(slot.param) < record->param_offsets.size() &&
-                       (slot.kind == kTileCounter || (slot.source >= 0 && slot.source < kSources)) &&
-                       (slot.kind != kTensorMap || PyCallable_Check(encode)) &&
-                       (slot.kind == kTensorMap || record->param_offsets[slot.param] % 8 == 0);
-    if (!valid) {
-      Py_DECREF(fast);
-      PyErr_Format(PyExc_ValueError, "register: slot %zd is malformed", i);
-      return nullptr;
-    }
-    if (slot.kind == kTensorMap) {
-      Py_INCREF(encode);
-      slot.encode = encode;
-    }
-    record->slots.push_back(std::move(slot));
-  }
-  Py_DECREF(fast);
-  size_t map_slots = 0;
-  for (const Slot& slot : record->slots) map_slots += slot.kind == kTensorMap;
-  if (map_slots > kMaxTensorMaps) {
-    PyErr_Format(PyExc_ValueError, "register: %zu tensor-map slots, at most %d", map_slots, kMaxTensorMaps);
-    return nullptr;
-  }
-  if (!read_int64s(out_sizes, record->out_sizes, "out_sizes") ||
-      !read_int64s(out_strides, record->out_strides, "out_strides") ||
-      !read_int64s(lse_sizes, record->lse_sizes, "lse_sizes") ||
-      !read_int64s(lse_strides, record->lse_strides, "lse_strides")) {
-    return nullptr;
-  }
-  record->function = reinterpret_cast<void*>(function);
-  record->smem = smem;
   record->device = device;
   record->unread_lse = THPVariable_Unpack(unread_lse);
-  record->params.resize(record->param_offsets.size());
-  auto* bytes = reinterpret_cast<unsigned char*>(record->buffer.data());
-  for (size_t i = 0; i < record->params.size(); ++i) record->params[i] = bytes + record->param_offsets[i];
   Py_INCREF(entry);
   record->entry = entry;
   record->plans = PyDict_GetItemWithError(plans_namespace, plans_name);
@@ -543,6 +763,87 @@ PyObject* register_record(PyObject*, PyObject* args) {
   if (records.size() >= kMaxRecords) records.clear();
   records[key] = std::move(record);
   Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// ---- register_backward(q, k, v, causal, scale, dout, deterministic, launches, grad_specs,
+//                        workspace_elems, semaphore_elems) -> bool ----------------------------------------
+// Attaches the backward of dout's layout and the mode to the record of (q, k, v, causal, scale):
+// True, or False when there is no such record.
+PyObject* register_backward(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *q, *k, *v, *causal, *scale, *dout, *launches, *grad_specs;
+  int deterministic;
+  long long workspace_elems, semaphore_elems;
+  if (!PyArg_ParseTuple(args, "OOOOOOpOOLL:register_backward", &q, &k, &v, &causal, &scale, &dout, &deterministic,
+                        &launches, &grad_specs, &workspace_elems, &semaphore_elems)) {
+    return nullptr;
+  }
+  PyObject* const qkv[3] = {q, k, v};
+  std::shared_ptr<Record> record = find_record(qkv, causal, scale);
+  if (record == nullptr) {
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_FALSE;
+  }
+  if (!THPVariable_Check(dout) || THPVariable_Unpack(dout).dim() != 4) {
+    PyErr_SetString(PyExc_TypeError, "register_backward: dout must be a tensor of rank 4");
+    return nullptr;
+  }
+  if (workspace_elems < 0 || semaphore_elems < 0) {
+    PyErr_SetString(PyExc_ValueError, "register_backward: workspace_elems and semaphore_elems must be >= 0");
+    return nullptr;
+  }
+  auto backward = std::make_shared<BackwardRecord>();
+  const at::Tensor& grad_out = THPVariable_Unpack(dout);
+  for (int d = 0; d < 4; ++d) backward->dout_strides[d] = grad_out.stride(d);
+  backward->dout_dtype = static_cast<int8_t>(grad_out.scalar_type());
+  backward->deterministic = deterministic != 0;
+  backward->workspace_elems = workspace_elems;
+  backward->semaphore_elems = semaphore_elems;
+  PyObject* fast = PySequence_Fast(launches, "launches");
+  if (fast == nullptr) return nullptr;
+  const Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
+  if (count < 1 || static_cast<size_t>(count) > kMaxBackwardLaunches) {
+    Py_DECREF(fast);
+    PyErr_Format(PyExc_ValueError, "register_backward: 1 to %zu launches, got %zd", kMaxBackwardLaunches, count);
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    std::unique_ptr<Launch> launch = parse_launch(PySequence_Fast_GET_ITEM(fast, i), kSources);
+    if (launch == nullptr) {
+      Py_DECREF(fast);
+      return nullptr;
+    }
+    for (const Slot& slot : launch->slots) {
+      if (slot.kind == kTileCounter) {  // no backward kernel takes one; the capture check is the forward's
+        Py_DECREF(fast);
+        PyErr_SetString(PyExc_ValueError, "register_backward: a tile-counter slot in a backward launch");
+        return nullptr;
+      }
+    }
+    backward->launches.push_back(std::move(launch));
+  }
+  Py_DECREF(fast);
+  fast = PySequence_Fast(grad_specs, "grad_specs");
+  if (fast == nullptr) return nullptr;
+  bool ok = PySequence_Fast_GET_SIZE(fast) == 3;
+  for (int i = 0; ok && i < 3; ++i) {
+    ok = read_spec(PySequence_Fast_GET_ITEM(fast, i), backward->grad_sizes[i], backward->grad_strides[i], "grad_specs");
+  }
+  Py_DECREF(fast);
+  if (!ok) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "register_backward: grad_specs must hold 3 specs");
+    return nullptr;
+  }
+  auto same = [&](const std::shared_ptr<BackwardRecord>& other) {
+    return other->deterministic == backward->deterministic && other->dout_dtype == backward->dout_dtype &&
+           std::memcmp(other->dout_strides, backward->dout_strides, sizeof(backward->dout_strides)) == 0;
+  };
+  std::vector<std::shared_ptr<BackwardRecord>>& kept = record->backward;
+  for (auto it = kept.begin(); it != kept.end();) it = same(*it) ? kept.erase(it) : it + 1;
+  if (kept.size() >= kMaxBackwardPerRecord) kept.erase(kept.begin());
+  kept.push_back(std::move(backward));
+  Py_RETURN_TRUE;
   END_HANDLE_TH_ERRORS
 }
 
@@ -593,6 +894,12 @@ PyObject* clear(PyObject*, PyObject*) {
 
 PyObject* record_count(PyObject*, PyObject*) { return PyLong_FromSize_t(records.size()); }
 
+PyObject* backward_record_count(PyObject*, PyObject*) {
+  size_t count = 0;
+  for (const auto& item : records) count += item.second->backward.size();
+  return PyLong_FromSize_t(count);
+}
+
 PyObject* mark_exiting(PyObject*, PyObject*) {
   interpreter_exiting = true;
   Py_RETURN_NONE;
@@ -603,18 +910,25 @@ PyMethodDef methods[] = {
      "forward(q, k, v, causal, scale, want, deterministic=False): out (want 0), (out, lse) (1), (out, lse, entry) "
      "(2) or (out, lse) with autograd (3) for a registered combination, launched on torch's current stream; None "
      "when the call is not one"},
+    {"backward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(backward)), METH_FASTCALL,
+     "backward(q, k, v, out, lse, dout, causal, scale, deterministic): (dq, dk, dv) for a registered combination "
+     "and dout layout, launched on torch's current stream; None when the call is not one"},
     {"register", register_record, METH_VARARGS,
-     "register(q, k, v, causal, scale, entry, function, device, grid, block, smem, buffer, offsets, slots, "
-     "out_sizes, out_strides, lse_sizes, lse_strides, unread_lse): a planned combination"},
+     "register(q, k, v, causal, scale, entry, device, launch, out_spec, lse_spec, unread_lse): a planned "
+     "combination; launch = (function, grid, block, smem, buffer, param_offsets, slots)"},
+    {"register_backward", register_backward, METH_VARARGS,
+     "register_backward(q, k, v, causal, scale, dout, deterministic, launches, grad_specs, workspace_elems, "
+     "semaphore_elems): the backward of a registered combination for dout's layout; False when none is registered"},
     {"configure", configure, METH_VARARGS,
      "set the driver entry points, stream_counters, LaunchError and tileattn.api's namespace"},
     {"clear", clear, METH_NOARGS, "drop every record"},
-    {"set_poison", set_poison, METH_O, "tests: fill every output with NaN before its launch (True) or not"},
+    {"set_poison", set_poison, METH_O, "tests: fill every output and workspace with NaN before its launch (True) or not"},
     {"record_count", record_count, METH_NOARGS, "how many combinations are registered"},
-    {"_mark_exiting", mark_exiting, METH_NOARGS, "atexit hook: from now on graphs freed keep their entry reference"},
+    {"backward_record_count", backward_record_count, METH_NOARGS, "how many backward records the combinations hold"},
+    {"_mark_exiting", mark_exiting, METH_NOARGS, "atexit hook: from now on graphs freed keep their records"},
     {nullptr, nullptr, 0, nullptr}};
 
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "_host_launch", "tileattn's compiled forward path", -1, methods};
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_host_launch", "tileattn's compiled attention path", -1, methods};
 
 }  // namespace
 

@@ -1,7 +1,9 @@
-"""The compiled forward path: host_launch.cpp, built once per (source, torch, Python, compiler).
+"""The compiled attention path: host_launch.cpp, built once per (source, torch, Python, compiler).
 
 An eager `tileattn.attention` forward that the Python path has planned is served by one call into
-C++ (`forward(q, k, v, causal, scale, want)`): key, allocation, stream, tensor maps, launch. The
+C++ (`forward(q, k, v, causal, scale, want)`): key, allocation, stream, tensor maps, launch; its
+backward, once the Python path has run the backward of that dout layout, by the C++ autograd node
+(or `backward(...)` without autograd): gradients, workspaces and the three launches. The
 module is compiled with the system's C++ compiler against torch's and Python's headers (no CUDA
 header or toolkit: the driver entry points come from cuGetProcAddress) and cached under
 `cache_dir()/host/`. Building takes tens of seconds (torch's autograd headers), so it happens in a
@@ -39,12 +41,37 @@ _poison = False
 _failed = False
 
 
+# What the plans hand over (LaunchPlan.host_fields plus slots; host_launch.cpp's Slot and Source):
+# a slot is one kernel parameter that changes per call, (kind, parameter index, source, encode,
+# byte offset): a data pointer (POINTER) of a source plus the offset, a tensor map (TENSOR_MAP) of
+# a source encoded by `encode`, or the stream's tile-counter pair (TILE_COUNTER, source -1).
+POINTER, TENSOR_MAP, TILE_COUNTER = 0, 1, 2
+Q, K, V, OUT, LSE, DOUT, DQ, DK, DV, WORKSPACE, SEMAPHORES, NULL = range(12)  # NULL: the value 0
+
+
+def pointer_slots(params, sources) -> list[tuple]:
+    """POINTER slots for kernel parameters `params` (indices, e.g. a LaunchPlan's `dynamic`), one
+    per entry of `sources`: a source, or (source, byte offset) for a part of a workspace."""
+    return [(POINTER, param, *((source, None, 0) if isinstance(source, int) else (source[0], None, source[1])))
+            for param, source in zip(params, sources, strict=True)]
+
+
+def launch_fields(plan, slots) -> tuple | None:
+    """(function, grid, block, smem, buffer, param_offsets, slots) of a LaunchPlan for the module's
+    register / register_backward; None for a plan it cannot launch (PDL)."""
+    fields = plan.host_fields()
+    if fields is None:
+        return None
+    function, _device, grid, block, smem, buffer, offsets = fields
+    return function, grid, block, smem, buffer, offsets, tuple(slots)
+
+
 class HostLaunchBuildError(RuntimeError):
-    """The compiled forward path could not be built or loaded (the message has the compiler's output)."""
+    """The compiled attention path could not be built or loaded (the message has the compiler's output)."""
 
 
 # Off unless TILEATTN_HOST_LAUNCH=1 until the path has passed its GPU tests and been timed on the
-# H200 (written 2026-12-05 when no device was lent; docs/runtime.md, "The compiled forward path").
+# H200 (written 2026-12-05 when no device was lent; docs/runtime.md, "The compiled attention path").
 # The GPU tests (tests/conftest.py) and `tileattn bench overhead` switch it on.
 DEFAULT = "0"
 
