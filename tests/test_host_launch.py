@@ -413,28 +413,58 @@ def test_a_real_launch_plan_through_the_glue(built, monkeypatch):
         built.clear()
 
 
-def test_the_hopper_plans_slots():
-    """attention_fwd_sm90.ForwardPlan.host_slots: maps of q, k, v, out with their templates' encoders,
-    lse's pointer, and the tile counter only on a persistent grid; None for a plan that copies an
-    operand or takes a variant kernel's per-call values."""
+def _recording(dynamic, record):
+    """A LaunchPlan stand-in: its dynamic parameter indices, and launch(*values) recorded."""
+    return SimpleNamespace(dynamic=tuple(dynamic), launch=lambda *values: record.append(values))
+
+
+def _slot_values(slots, sources):
+    """The values the module writes for these slots: data pointers plus offsets, 0 for NULL, and for
+    tensor maps what the slot's encoder returns for the source's address."""
+    from tileattn.runtime import host_launch as hl
+
+    values = []
+    for kind, _param, source, encode, *offset in slots:
+        if kind == hl.TENSOR_MAP:
+            values.append(encode(sources[source]))
+        else:
+            values.append(0 if source == hl.NULL else sources[source] + (offset[0] if offset else 0))
+    return tuple(values)
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_the_hopper_forward_plans_slots_describe_its_launch(persistent, monkeypatch):
+    """attention_fwd_sm90.ForwardPlan.host_slots against its own launch (recording LaunchPlan,
+    encoders that tag the address, a stand-in tile counter): maps of q, k, v, out, lse's pointer and
+    the tile counter, each the value launch passes; a one-CTA-per-tile grid has no counter slot and
+    launch passes the packed 0 there. None for a plan that copies an operand or takes a variant
+    kernel's per-call values."""
     from tileattn.kernels import attention_fwd_sm90 as af
+    from tileattn.runtime import host_launch as hl
 
-    def plan(persistent, **flags):
-        p = object.__new__(af.ForwardPlan)
-        p.copy_q = p.copy_k = p.copy_v = p.copy_out = p.variant_values = False
-        for name, value in flags.items():
-            setattr(p, name, value)
-        p.templates = tuple(SimpleNamespace(encode=f"encode-{i}") for i in range(4))
-        p.config = SimpleNamespace(persistent=persistent)
-        p.plan = SimpleNamespace(dynamic=(0, 1, 2, 3, 4, af.TILE_COUNTER_ARG))
-        return p
-
-    launch_plan, slots = plan(True).host_slots()
-    assert slots == ((1, 0, 0, "encode-0"), (1, 1, 1, "encode-1"), (1, 2, 2, "encode-2"), (1, 3, 3, "encode-3"),
-                     (0, 4, 4, None), (2, af.TILE_COUNTER_ARG, -1, None))
-    assert plan(False).host_slots()[1] == slots[:5], "a one-CTA-per-tile grid keeps its packed 0 counter"
+    monkeypatch.setattr(af, "_tile_counter", lambda persistent, index: 0xC0C0 if persistent else 0)
+    record = []
+    plan = object.__new__(af.ForwardPlan)
+    plan.copy_q = plan.copy_k = plan.copy_v = plan.copy_out = plan.variant_values = False
+    plan.templates = tuple(SimpleNamespace(encode=lambda address, i=i: ("map", i, address)) for i in range(4))
+    plan.config, plan.device_index = SimpleNamespace(persistent=persistent), -1
+    plan.plan = _recording((0, 1, 2, 3, 4, af.TILE_COUNTER_ARG), record)
+    tensors = [torch.randn(2, 4, 16, 8) for _ in range(5)]
+    plan.launch(*tensors)
+    launch_plan, slots = plan.host_slots()
+    assert launch_plan is plan.plan
+    (passed,) = record
+    by_param = dict(zip(launch_plan.dynamic, passed))
+    sources = {i: t.data_ptr() for i, t in enumerate(tensors)}
+    assert _slot_values([s for s in slots if s[0] != hl.TILE_COUNTER], sources) == passed[:5]
+    if persistent:
+        assert slots[-1] == (hl.TILE_COUNTER, af.TILE_COUNTER_ARG, -1, None) and by_param[af.TILE_COUNTER_ARG] == 0xC0C0
+    else:
+        assert len(slots) == 5 and by_param[af.TILE_COUNTER_ARG] == 0, "the packed 0 stays"
     for flag in ("copy_q", "copy_k", "copy_v", "copy_out", "variant_values"):
-        assert plan(True, **{flag: True}).host_slots() is None, flag
+        setattr(plan, flag, True)
+        assert plan.host_slots() is None, flag
+        setattr(plan, flag, False)
 
 
 # ---- the compiled backward -----------------------------------------------------------------------
@@ -694,57 +724,49 @@ def test_the_public_op_registers_and_runs_its_backward(built, monkeypatch):
         built.clear()
 
 
-def test_the_backward_plans_launches():
-    """host_launches of the two backward plans: the Hopper plan's maps of q, k, v, dout, dK, dV
-    and workspace parts (semaphores only in the deterministic mode), the sm80 plan's pointers (its
-    deterministic mode has no accumulator: null); None where the Python path must run."""
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_the_backward_plans_launches_describe_their_launch(arch, deterministic):
+    """Each backward plan's host_launches names, for every dynamic parameter of its three launches
+    in launch order, exactly the value its Python `launch` passes: the plan's real launch runs
+    against recording LaunchPlans (and, for the Hopper plan, its real _TmaOperands with encoders
+    that tag the address), and the slots evaluated on the same tensors and workspace give the same
+    values. None where the Python path must run."""
     from tileattn.kernels import attention_bwd_sm80 as b80
     from tileattn.kernels import attention_bwd_sm90 as b90
     from tileattn.runtime import host_launch as hl
 
-    W = hl.WORKSPACE
-
-    def plan(cls, deterministic, **attributes):
-        p = object.__new__(cls)
-        p.deterministic, p.variant_values, p.ws_elems, p.sem_elems = deterministic, False, 1000, 7
-        p._delta_offset, p._acc_offset = 256, 512
-        for name, value in attributes.items():
-            setattr(p, name, value)
-        return p
-
-    def hopper(deterministic, **flags):
-        operands = SimpleNamespace(copy=(False,) * 6, templates=tuple(SimpleNamespace(encode=f"e{i}") for i in range(6)))
-        attributes = dict(empty=False, operands=operands, pre=SimpleNamespace(dynamic=range(6)),
-                          main=SimpleNamespace(dynamic=tuple(range(10))), convert=SimpleNamespace(dynamic=range(2)))
-        return plan(b90.BackwardPlan, deterministic, **{**attributes, **flags})
-
-    hopper_plan = hopper(True)
-
-    launches, ws, sem = hopper_plan.host_launches()
-    (pre, pre_slots), (main, main_slots), (convert, convert_slots) = launches
-    assert (pre, main, convert) == (hopper_plan.pre, hopper_plan.main, hopper_plan.convert)
-    assert (ws, sem) == (1000, 7) and hopper(False).host_launches()[2] == 0
-    assert [s[2:] for s in pre_slots] == [(hl.OUT, None, 0), (hl.DOUT, None, 0), (hl.LSE, None, 0), (W, None, 0),
-                                          (W, None, 256), (W, None, 512)]
-    assert main_slots[:6] == [(hl.TENSOR_MAP, i, source, f"e{i}")
-                              for i, source in enumerate((hl.Q, hl.K, hl.V, hl.DOUT, hl.DK, hl.DV))]
-    assert [s[1:] for s in main_slots[6:]] == [(6, W, None, 0), (7, W, None, 256), (8, W, None, 512),
-                                               (9, hl.SEMAPHORES, None, 0)]
-    assert hopper(False).host_launches()[0][1][1][9][2] == hl.NULL, "no semaphores without the deterministic mode"
-    assert [s[2:] for s in convert_slots] == [(W, None, 512), (hl.DQ, None, 0)]
-    copies = SimpleNamespace(copy=(False,) * 5 + (True,), templates=())
-    for flags in ({"empty": True}, {"variant_values": True}, {"operands": copies}):
-        assert hopper(False, **flags).host_launches() is None, flags
-
-    def sm80(deterministic, **flags):
-        attributes = dict(pre=SimpleNamespace(dynamic=range(6)), main=SimpleNamespace(dynamic=range(9)),
-                          last=SimpleNamespace(dynamic=range(7 if deterministic else 2)))
-        return plan(b80.BackwardPlan, deterministic, **{**attributes, **flags})
-
-    launches, ws, sem = sm80(False).host_launches()
-    assert sem == 0 and [s[2] for s in launches[1][1]] == [hl.Q, hl.K, hl.V, hl.DOUT, hl.DK, hl.DV, W, W, W]
-    assert [s[2:] for s in launches[2][1]] == [(W, None, 512), (hl.DQ, None, 0)]
-    launches, _, _ = sm80(True).host_launches()
-    assert launches[0][1][5][2] == hl.NULL and launches[1][1][6][2] == hl.NULL, "no accumulator: a null pointer"
-    assert [s[2] for s in launches[2][1]] == [hl.Q, hl.K, hl.V, hl.DOUT, hl.DQ, W, W]
-    assert sm80(False, variant_values=True).host_launches() is None
+    record = []
+    if arch == "sm90":
+        plan = object.__new__(b90.BackwardPlan)
+        operands = object.__new__(b90._TmaOperands)
+        operands.view, operands.copy = b90._dense_view, (False,) * 6
+        operands.templates = tuple(SimpleNamespace(encode=lambda address, i=i: ("map", i, address)) for i in range(6))
+        plan.operands, plan.empty, plan.sem_init, plan.sem_elems = operands, False, None, 12
+        plan.pre, plan.main, plan.convert = (_recording(r, record) for r in (range(6), range(10), range(2)))
+    else:
+        plan = object.__new__(b80.BackwardPlan)
+        plan.pre, plan.main, plan.last = (_recording(r, record) for r in (range(6), range(9),
+                                                                          range(7 if deterministic else 2)))
+    plan.deterministic, plan.variant_values, plan.device = deterministic, False, torch.device("cpu")
+    plan.ws_elems, plan._delta_offset, plan._acc_offset = 5000, 1024, 2048
+    tensors = [torch.randn(2, 4, 16, 8) for _ in range(9)]  # q, k, v, out, lse, dout, dq, dk, dv
+    plan.launch(*tensors[:5], tensors[5], *tensors[6:])
+    launches, workspace_elems, semaphore_elems = plan.host_launches()
+    assert workspace_elems == 5000 and semaphore_elems == (12 if arch == "sm90" and deterministic else 0)
+    assert len(launches) == len(record) == 3
+    sources = {i: t.data_ptr() for i, t in enumerate(tensors)}
+    sources[hl.WORKSPACE] = record[0][3]  # the workspace's base: lse2, the preprocess's fourth pointer
+    if semaphore_elems:
+        sources[hl.SEMAPHORES] = record[1][9]
+    for (launch_plan, slots), passed in zip(launches, record):
+        assert [slot[1] for slot in slots] == list(launch_plan.dynamic), "one slot per dynamic parameter, in order"
+        assert _slot_values(slots, sources) == passed
+    if arch == "sm90":
+        plan.operands.copy = (False,) * 5 + (True,)
+        assert plan.host_launches() is None, "a copied dV"
+        plan.operands.copy, plan.empty = (False,) * 6, True
+        assert plan.host_launches() is None, "no work"
+        plan.empty = False
+    plan.variant_values = True
+    assert plan.host_launches() is None, "a variant kernel's per-call values"
