@@ -634,7 +634,7 @@ class BackwardVarlenPlan:
             (0, 0, 0, 0, 0, 0, *strides(out), *strides(dout), 0, i32(total_q), i32(ws_pitch)),
             dynamic=(0, 1, 2, 3, 4, 5, 10),
         )
-        self.variant_values = with_variants = variants is not None  # launch takes (alibi, seed, offset)
+        with_variants = variants is not None
         self.main = _plan(
             load(FAMILY_NAME, cfg.main_expr(bf16, not deterministic, True, with_variants), device),
             (blocks(max_seqlen_k, cfg.block_n), kv_heads, batch + 1), (cfg.main_threads,),

@@ -830,9 +830,9 @@ class ForwardPlan:
 
     def host_slots(self):
         """(LaunchPlan, slots) for runtime.host_launch, or None for a plan it cannot run (one that
-        copies an operand, or a variant kernel's per-call values): four tensor maps (slot kind 1)
-        of q, k, v, out with their templates' encoders, lse's pointer (kind 0, source 4), and a
-        persistent grid's tile-counter pair (kind 2; a one-CTA-per-tile grid keeps its packed 0)."""
+        copies an operand, or a variant kernel's per-call values): four tensor maps of q, k, v, out
+        with their templates' encoders, lse's pointer, and a persistent grid's tile-counter pair (a
+        one-CTA-per-tile grid keeps its packed 0)."""
         from ..runtime import host_launch as hl
 
         if self.copy_q or self.copy_k or self.copy_v or self.copy_out or self.variant_values:
