@@ -29,7 +29,7 @@ def cmd_info(args) -> int:
     built = host_launch.library_path()
     state = (host_launch.status() if not host_launch.enabled() else
              f"built ({built})" if built.exists() else "not built yet (the first eager forward on a GPU builds it)")
-    print(f"  {'compiled fwd path':<19}{state}")
+    print(f"  {'compiled path':<19}{state}")
     return 0
 
 
