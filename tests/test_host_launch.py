@@ -305,38 +305,42 @@ def test_switched_off_an_entry_is_offered_once(monkeypatch):
 
 
 def test_autograd_through_the_compiled_forward(fake):
-    """want 3: out carries a C++ autograd node whose backward calls the namespace's _backward with
-    the entry, dout, the saved q, k, v, out, lse and the deterministic flag; lse is not
-    differentiable; a Python error in the backward reaches the caller."""
+    """want 3: out carries a C++ autograd node; with no backward registered its backward calls the
+    namespace's _backward_of_saved with dout, the saved q, k, v, out, lse, the key's causal and scale
+    and the deterministic flag; lse is not differentiable; a Python error in the backward reaches
+    the caller; a malformed result is refused."""
     calls = []
 
-    def backward(entry, dout, q, k, v, out, lse, deterministic):
-        calls.append((entry, dout, q, k, v, out, lse, deterministic))
+    def backward(dout, q, k, v, out, lse, causal, scale, deterministic):
+        calls.append((dout, q, k, v, out, lse, causal, scale, deterministic))
         return dout * 2, torch.ones_like(k), torch.zeros_like(v)
 
-    fake.namespace["_backward"] = backward
+    fake.namespace["_backward_of_saved"] = backward
     q, k, v = (t.clone().requires_grad_() for t in (fake.q, fake.k, fake.v))
     out, lse = fake.module.forward(q, k, v, False, None, 3, True)
     assert out.requires_grad and out.grad_fn is not None and not lse.requires_grad
     assert fake.driver.launches[-1]["lse"] == lse.data_ptr() != fake.unread.data_ptr()
     dout = torch.randn_like(out)
     out.backward(dout)
-    ((entry, got_dout, sq, sk, sv, sout, slse, deterministic),) = calls
-    assert entry == "entry" and deterministic is True and torch.equal(got_dout, dout)
+    ((got_dout, sq, sk, sv, sout, slse, causal, scale, deterministic),) = calls
+    assert (causal, scale, deterministic) == (False, None, True) and torch.equal(got_dout, dout)
     assert sq.data_ptr() == q.data_ptr() and sout.data_ptr() == out.data_ptr() and slse.data_ptr() == lse.data_ptr()
     assert torch.equal(q.grad, dout * 2) and torch.equal(k.grad, torch.ones_like(k)) and not v.grad.any()
     out2, _ = fake.module.forward(q, k, v, False, None, 3)
     out2.sum().backward()
-    assert calls[-1][7] is False, "deterministic defaults to False"
+    assert calls[-1][8] is False, "deterministic defaults to False"
+    _register(fake.module, fake.driver, q, k, v, causal=True, scale=0.25)
+    fake.module.forward(q, k, v, True, 0.25, 3)[0].sum().backward()
+    assert calls[-1][6:] == (True, 0.25, False), "the key's causal and scale reach the Python backward"
 
     def failing(*args):
         raise KeyError("from the backward")
 
-    fake.namespace["_backward"] = failing
+    fake.namespace["_backward_of_saved"] = failing
     out3, _ = fake.module.forward(q, k, v, False, None, 3)
     with pytest.raises(KeyError, match="from the backward"):
         out3.sum().backward()
-    fake.namespace["_backward"] = lambda *args: (args[1], None, None)
+    fake.namespace["_backward_of_saved"] = lambda *args: (args[0], None, None)
     out4, _ = fake.module.forward(q, k, v, False, None, 3)
     with pytest.raises(RuntimeError, match="must return"):
         out4.sum().backward()
@@ -345,8 +349,8 @@ def test_autograd_through_the_compiled_forward(fake):
 def test_a_graph_alive_at_exit_does_not_crash_the_interpreter(built, tmp_path):
     """A process that exits with a record registered and a graph alive exits cleanly: the records
     are never destroyed (a static map's destructor dropped their Python references after the
-    interpreter was gone and aborted the process: a CPU run did, and this test does with that map),
-    and a graph freed during shutdown keeps its entry reference."""
+    interpreter was gone and aborted the process: a CPU run did, and this test does with that map);
+    the graph's node holds no Python object."""
     script = tmp_path / "graph_at_exit.py"
     script.write_text(
         "import torch\n"
@@ -636,11 +640,11 @@ def test_the_autograd_node_runs_registered_backwards(fake_backward):
     m = f.module
     calls = []
 
-    def backward(entry, dout, q, k, v, out, lse, deterministic):
+    def backward(dout, q, k, v, out, lse, causal, scale, deterministic):
         calls.append(dout)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
-    f.namespace["_backward"] = backward
+    f.namespace["_backward_of_saved"] = backward
     q, k, v = (t.clone().requires_grad_() for t in (f.q, f.k, f.v))
     out, _ = m.forward(q, k, v, False, None, 3)
     dout = torch.randn_like(out)
@@ -654,6 +658,53 @@ def test_the_autograd_node_runs_registered_backwards(fake_backward):
     assert [x["function"] for x in f.driver.launches[-3:]] == [PRE, MAIN, CONVERT]
     assert f.driver.launches[-3]["values"][:3] == [out.data_ptr(), dout.data_ptr(), lse.data_ptr()]
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_saved_tensors_in_another_layout_take_the_python_backward(fake_backward):
+    """A saved-tensor hook that returns q, k, v or out in another layout (as save_on_cpu may): the
+    registered launches, planned for the forward's strides, are not run; _backward_of_saved gets the
+    tensors as the hook returned them (tileattn.api._backward copies them back into the planned layout)."""
+    f = fake_backward
+    m = f.module
+    calls = []
+    f.namespace["_backward_of_saved"] = lambda dout, q, k, v, out, *rest: calls.append((q, out)) or (
+        torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+    q, k, v = (t.clone().requires_grad_() for t in (f.q, f.k, f.v))
+    dout = torch.randn_like(q)
+    assert m.register_backward(q, k, v, False, None, dout, False, _backward_launches(f.driver), f.grad_specs, 96, 0)
+
+    def other_layout(t):
+        return t.transpose(2, 3).contiguous().transpose(2, 3) if t.dim() == 4 else t
+
+    def lse_only(t):
+        return t if t.dim() == 4 else t.transpose(1, 2).contiguous().transpose(1, 2)
+
+    for unpack, what in ((other_layout, "q, k, v, out"), (lse_only, "lse")):
+        del f.driver.launches[:]
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            out, _ = m.forward(q, k, v, False, None, 3)
+        out.backward(dout)
+        assert not any(x["function"] == PRE for x in f.driver.launches), f"registered launches ran ({what})"
+    assert len(calls) == 2 and calls[0][0].stride() != q.stride()
+    out, _ = m.forward(q, k, v, False, None, 3)  # no hook: the registered launches
+    out.backward(dout)
+    assert len(calls) == 2 and f.driver.launches[-3]["function"] == PRE
+
+
+def test_the_node_runs_under_compiled_autograd(fake_backward):
+    """The node's saved values are plain (bools, a float), so compiled autograd, which hashes them,
+    accepts it; the backward then runs as an opaque call (registered launches or the Python one)."""
+    from torch._dynamo import compiled_autograd
+
+    f = fake_backward
+    m = f.module
+    f.namespace["_backward_of_saved"] = lambda dout, q, k, v, *rest: (torch.zeros_like(q), torch.zeros_like(k),
+                                                                       torch.zeros_like(v))
+    q, k, v = (t.clone().requires_grad_() for t in (f.q, f.k, f.v))
+    out, _ = m.forward(q, k, v, False, None, 3)
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        out.sum().backward()
+    assert q.grad is not None and not q.grad.any()
 
 
 def test_the_public_op_registers_and_runs_its_backward(built, monkeypatch):
@@ -701,8 +752,10 @@ def test_the_public_op_registers_and_runs_its_backward(built, monkeypatch):
     entry = SimpleNamespace(host_offered=False, copy_kv=False, forward=Forward(), unread_lse=None, host_key=None,
                             host_backward=set(), lse_spec=(q.shape[:3], (64, 32, 1)), out_spec=(q.shape, q.stride()),
                             device=q.device, device_index=-1, grad_specs=tuple((t.shape, t.stride()) for t in (q, k, v)),
-                            backward_plan=lambda *args: Backward())
+                            backward_plan=lambda *args: Backward(),
+                            input_strides=(q.stride(), k.stride(), v.stride()))
     monkeypatch.setattr(api, "_current_device", lambda: -1)
+    monkeypatch.setattr(api, "_plan_entry", lambda *args: entry)  # the cache lookup of _backward_of_saved
     try:
         api._offer_to_host(q, k, v, False, None, entry)
         assert entry.host_key == (False, None)

@@ -257,12 +257,13 @@ class _PlanEntry:
     strides, deterministic)."""
 
     __slots__ = ("forward", "backward", "causal", "scale", "device_index", "device", "copy_kv", "out_spec",
-                 "lse_spec", "grad_specs", "unread_lse", "host_offered", "host_key", "host_backward")
+                 "lse_spec", "grad_specs", "unread_lse", "host_offered", "host_key", "host_backward", "input_strides")
 
     def __init__(self, q, k, v, causal: bool, scale: float | None):
         from .kernels import dispatch
 
         _check_args(q, k, v, scale)
+        self.input_strides = (q.stride(), k.stride(), v.stride())  # what the plans were made for
         self.causal = causal
         self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         self.device_index, self.device = q.device.index, q.device
@@ -413,9 +414,21 @@ def _offer_backward_to_host(entry: _PlanEntry, plan, q, k, v, dout, deterministi
                              workspace_elems, semaphore_elems)
 
 
+def _laid_out(t: Tensor, strides: tuple) -> Tensor:
+    """`t` with these strides: itself, or a copy into a new tensor of that layout."""
+    if t.stride() == strides:
+        return t
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, deterministic: bool, extra=()):
     """(dq, dk, dv) in the layouts of q, k, v (contiguous when those are not dense). `extra`: the
-    variant plans' per-call values (ALiBi pointer, dropout seed, offset)."""
+    variant plans' per-call values (ALiBi pointer, dropout seed, offset). Saved tensors that a
+    saved-tensor hook (torch.autograd.graph.save_on_cpu, ...) returned in another layout than the
+    forward's are copied back into it: the plans hold the forward's strides."""
+    if (q.stride(), k.stride(), v.stride()) != entry.input_strides:
+        q, k, v = (_laid_out(t, s) for t, s in zip((q, k, v), entry.input_strides))
+    out, lse = _laid_out(out, entry.out_spec[1]), _laid_out(lse, entry.lse_spec[1])
     in_place = _kernel_layout_ok(dout)
     if not in_place:  # e.g. the stride-0 expanded gradient of out.sum()
         dout = dout.contiguous()
@@ -431,6 +444,13 @@ def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, deterministic: bool, e
     if entry.host_key is not None and in_place:  # the compiled path keys its backwards by dout's own layout
         _offer_backward_to_host(entry, plan, q, k, v, dout, deterministic)
     return dq, dk, dv
+
+
+def _backward_of_saved(dout, q, k, v, out, lse, causal: bool, scale, deterministic: bool):
+    """The backward of the compiled path's autograd node when the module holds no launches for it
+    (the first backward of a dout layout, or saved tensors in another layout): the entry of the
+    saved tensors' combination, as the forward keyed it, and _backward."""
+    return _backward(_plan_entry(q, k, v, causal, scale), dout, q, k, v, out, lse, deterministic)
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -478,6 +498,7 @@ class _VariantEntry(_PlanEntry):
             sb = dr.check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device, dtype_strict=True)
         _check_args(q, k, v, scale)
         dr.check_variant_lengths(q.shape[2], k.shape[2])
+        self.input_strides = (q.stride(), k.stride(), v.stride())
         self.variants = attention_fwd_sm80.VariantArgs(left, right, cap, sb, p)
         self.causal = False  # folded into the window
         self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

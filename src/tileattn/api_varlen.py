@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from . import dropout as dr
-from .api import _cached_entry, _check_pointers, _current_device, _eager, _kernel_layout_ok
+from .api import _cached_entry, _check_pointers, _current_device, _eager, _kernel_layout_ok, _laid_out
 
 __all__ = ["attention_varlen"]
 
@@ -246,7 +246,7 @@ class _PlanEntry:
     backward plans by (dout strides, deterministic)."""
 
     __slots__ = ("forward", "backward", "causal", "scale", "device_index", "device", "lse_shape", "copy_kv",
-                 "max_seqlen_q", "max_seqlen_k", "variants")
+                 "max_seqlen_q", "max_seqlen_k", "variants", "input_strides", "out_strides")
 
     def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                  variants=None):
@@ -257,6 +257,7 @@ class _PlanEntry:
         if variants is not None:
             dr.check_variant_lengths(q.shape[0], k.shape[0])
         self.variants = variants
+        self.input_strides = (q.stride(), k.stride(), v.stride())  # what the plans were made for
         self.causal = causal
         self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         self.max_seqlen_q, self.max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
@@ -270,9 +271,10 @@ class _PlanEntry:
             k, v = k.contiguous(), v.contiguous()
         self.backward: dict[tuple, object] = {}
         self.forward = None
+        out = torch.empty_like(q)
+        self.out_strides = out.stride()
         if q.shape[0] == 0:
             return  # no query token: nothing to launch
-        out = torch.empty_like(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         with torch.cuda.device(self.device_index):
             self.forward = dispatch.varlen_forward_plan(
@@ -334,7 +336,12 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
 def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, deterministic: bool,
               extra=()):
     """(dq, dk, dv) in the layouts of q, k, v (contiguous when those are not dense). `extra`: the
-    variant plans' per-call values (ALiBi pointer, dropout seed, offset)."""
+    variant plans' per-call values (ALiBi pointer, dropout seed, offset). Saved tensors that a
+    saved-tensor hook returned in another layout than the forward's are copied back into it (the
+    plans hold the forward's strides)."""
+    if (q.stride(), k.stride(), v.stride()) != entry.input_strides:
+        q, k, v = (_laid_out(t, s) for t, s in zip((q, k, v), entry.input_strides))
+    out, lse = _laid_out(out, entry.out_strides), lse.contiguous()
     if not _kernel_layout_ok(dout):  # e.g. the stride-0 expanded gradient of out.sum()
         dout = dout.contiguous()
     if entry.copy_kv:

@@ -14,10 +14,11 @@
 // (the LaunchPlan's packed parameter buffer, which parameters change per call, and the output
 // specs), allocates out (and lse) with ATen, fills in the data pointers and tensor maps, and calls
 // cuLaunchKernel on torch's current stream. With want 3 that launch is the forward of a C++ autograd
-// Function; its backward runs the record's backward launches for dout's layout and the
-// deterministic flag (registered by tileattn.api._backward after its first Python-path backward of
-// that layout) and otherwise calls tileattn.api._backward. backward() is the same backward without
-// autograd (benchmarks and tests). None means "not mine": no record, another current device, a
+// Function; its backward finds the record again from the saved tensors and runs its backward
+// launches for dout's layout and the deterministic flag (registered by tileattn.api._backward after
+// its first Python-path backward of that layout), and otherwise calls
+// tileattn.api._backward_of_saved. backward() is the same backward without autograd (benchmarks
+// and tests). None means "not mine": no record, another current device, a
 // misaligned pointer, a stream under capture with a persistent grid, an argument of an unexpected
 // type. The caller then takes the Python path, which checks everything and raises the errors.
 // Nothing here validates more than that: a record exists only for a key the Python path accepted,
@@ -72,7 +73,6 @@ PyObject* plans_name = nullptr;       // the interned string "_plans"
 // is -1 and the stream null.
 c10::DeviceType served_type = c10::DeviceType::CUDA;
 bool poison_outputs = false;          // tests: fill outputs and workspaces with NaN before the launch
-bool interpreter_exiting = false;     // set by the atexit hook that the module's init registers
 
 constexpr size_t kMaxRecords = 8192;  // start over beyond this (tileattn.api clears at 4096 plans first)
 constexpr size_t kMaxMapsPerSlot = 64;  // encoded tensor maps kept per slot (per address)
@@ -179,14 +179,12 @@ struct Record {
 std::unordered_map<Key, std::shared_ptr<Record>, KeyHash>& records =
     *new std::unordered_map<Key, std::shared_ptr<Record>, KeyHash>();
 
-// Fills `key` from the call's arguments; false when they are not a combination a record could
-// hold (not plain tensors of the served device type and rank 4, causal not a bool, scale neither
-// None nor a float).
-bool make_key(PyObject* const* tensors, PyObject* causal, PyObject* scale, Key& key) {
+// Fills `key` from q, k, v and the flags; false when the tensors are not a combination a record
+// could hold (not of the served device type, rank 4 and strided).
+bool key_of(const at::Tensor* const* qkv, bool causal, bool has_scale, double scale, Key& key) {
   std::memset(&key, 0, sizeof(Key));
   for (int i = 0; i < 3; ++i) {
-    if (!THPVariable_CheckExact(tensors[i])) return false;
-    const at::Tensor& t = THPVariable_Unpack(tensors[i]);
+    const at::Tensor& t = *qkv[i];
     if (t.dim() != 4 || t.layout() != c10::kStrided || t.device().type() != served_type) return false;
     for (int d = 0; d < 4; ++d) {
       key.shape_strides[i][d] = t.size(d);
@@ -195,13 +193,22 @@ bool make_key(PyObject* const* tensors, PyObject* causal, PyObject* scale, Key& 
     key.dtype[i] = static_cast<int8_t>(t.scalar_type());
     key.device[i] = static_cast<int8_t>(t.get_device());
   }
-  if (causal != Py_True && causal != Py_False) return false;
-  key.causal = causal == Py_True;
-  if (scale == Py_None) return true;
-  if (!PyFloat_CheckExact(scale)) return false;
-  key.has_scale = 1;
-  key.scale = PyFloat_AS_DOUBLE(scale);
+  key.causal = causal;
+  key.has_scale = has_scale;
+  key.scale = has_scale ? scale : 0.0;
   return true;
+}
+
+// The same from the call's Python arguments; false also when they are not plain tensors, causal is
+// not a bool or scale neither None nor a float.
+bool make_key(PyObject* const* tensors, PyObject* causal, PyObject* scale, Key& key) {
+  const at::Tensor* qkv[3];
+  for (int i = 0; i < 3; ++i) {
+    if (!THPVariable_CheckExact(tensors[i])) return false;
+    qkv[i] = &THPVariable_Unpack(tensors[i]);
+  }
+  if ((causal != Py_True && causal != Py_False) || (scale != Py_None && !PyFloat_CheckExact(scale))) return false;
+  return key_of(qkv, causal == Py_True, scale != Py_None, scale == Py_None ? 0.0 : PyFloat_AS_DOUBLE(scale), key);
 }
 
 bool read_int64s(PyObject* sequence, std::vector<int64_t>& out, const char* what) {
@@ -416,26 +423,32 @@ bool current_stream(int device, void*& stream) {
 // A call the module serves: its record, the current stream and the operands' data pointers.
 struct Call {
   std::shared_ptr<Record> record;  // alive even if a callback clears `records`
+  Key key;
   void* stream = nullptr;
   uint64_t qkv[3] = {0, 0, 0};
+  at::Tensor lse;  // want 3: the autograd forward's lse, handed back beside its one output
 };
 
-// The record of (q, k, v, causal, scale) while tileattn.api's plan cache is the one it was made
-// for (a test's monkeypatch replaces it: then its entries are not the records' entries); nullptr
-// when there is none. Nothing here calls back into Python.
-std::shared_ptr<Record> find_record(PyObject* const* qkv, PyObject* causal, PyObject* scale) {
-  Key key;
-  if (!make_key(qkv, causal, scale, key)) return nullptr;
+// The record of `key` while tileattn.api's plan cache is the one it was made for (a test's
+// monkeypatch replaces it: then its entries are not the records' entries); nullptr when there is
+// none. Nothing here calls back into Python.
+std::shared_ptr<Record> find_record(const Key& key) {
   auto found = records.find(key);
   if (found == records.end()) return nullptr;
   if (PyDict_GetItemWithError(plans_namespace, plans_name) != found->second->plans) return nullptr;
   return found->second;
 }
 
+std::shared_ptr<Record> find_record(PyObject* const* qkv, PyObject* causal, PyObject* scale) {
+  Key key;
+  return make_key(qkv, causal, scale, key) ? find_record(key) : nullptr;
+}
+
 // Whether the module serves this forward (fills `call`); false with a Python error set on failure,
 // false without one for a call it leaves to the Python path. Nothing here calls back into Python.
 bool find_call(PyObject* const* args, Call& call) {
-  std::shared_ptr<Record> record = find_record(args, args[3], args[4]);
+  if (!make_key(args, args[3], args[4], call.key)) return false;
+  std::shared_ptr<Record> record = find_record(call.key);
   if (record == nullptr) return false;
   for (int i = 0; i < 3; ++i) call.qkv[i] = address_of(THPVariable_Unpack(args[i]));
   if ((call.qkv[0] | call.qkv[1] | call.qkv[2]) & 15) return false;  // the Python path raises the alignment error
@@ -492,6 +505,39 @@ std::shared_ptr<BackwardRecord> find_backward(const Record& record, const at::Te
   return nullptr;
 }
 
+// Whether `t` has these sizes, strides and dtype on the record's device, at a 16-byte aligned address.
+bool laid_out_as(const at::Tensor& t, const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
+                 at::ScalarType dtype, int device) {
+  return t.layout() == c10::kStrided && t.device().type() == served_type && t.get_device() == device &&
+         t.scalar_type() == dtype && t.sizes().vec() == sizes && t.strides().vec() == strides &&
+         (address_of(t) & 15) == 0;
+}
+
+// The record and backward record that serve a backward of these tensors (q, k, v as `key` says;
+// out and lse as the record's forward makes them; every address 16-byte aligned) on the current
+// stream of the record's device; false for one the Python path takes (not registered, or tensors
+// that a saved-tensor hook returned in another layout).
+struct BackwardCall {
+  std::shared_ptr<Record> record;
+  std::shared_ptr<BackwardRecord> backward;
+  void* stream = nullptr;
+};
+
+bool find_backward_call(const Key& key, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dout, bool deterministic,
+                        BackwardCall& call) {
+  call.record = find_record(key);
+  if (call.record == nullptr) return false;
+  const Record& record = *call.record;
+  if (!laid_out_as(out, record.out_sizes, record.out_strides, q.scalar_type(), record.device) ||
+      !laid_out_as(lse, record.lse_sizes, record.lse_strides, at::kFloat, record.device) ||
+      ((address_of(q) | address_of(k) | address_of(v)) & 15)) {
+    return false;
+  }
+  call.backward = find_backward(record, dout, deterministic);
+  return call.backward != nullptr && current_stream(record.device, call.stream);
+}
+
 // (dq, dk, dv) from the backward record's launches: allocates the gradients and workspaces with
 // ATen, prepares every launch's maps, then launches them in order on `stream`.
 torch::autograd::variable_list run_backward(const Record& record, BackwardRecord& backward, void* stream,
@@ -521,39 +567,28 @@ torch::autograd::variable_list run_backward(const Record& record, BackwardRecord
 }
 
 // ---- autograd: the forward through the compiled path, the backward through its backward records or
-// tileattn.api._backward ----------------------------------------------------------------------------------
-// The record travels with the graph (its backward records, and the entry the Python backward
-// takes); it is released with the GIL held, whichever thread frees the graph (torch may free it
-// without the GIL).
-struct RecordHolder : torch::CustomClassHolder {
-  std::shared_ptr<Record> record;
-  explicit RecordHolder(std::shared_ptr<Record> held) : record(std::move(held)) {}
-  ~RecordHolder() override {
-    // A graph freed while the interpreter shuts down keeps the record (PyGILState_Ensure may not
-    // run then): interpreter_exiting is set by an atexit hook, which runs before modules are torn down.
-    if (interpreter_exiting) {
-      new std::shared_ptr<Record>(std::move(record));  // never freed, on purpose
-      return;
-    }
-    PyGILState_STATE state = PyGILState_Ensure();
-    record.reset();
-    PyGILState_Release(state);
-  }
-};
+// tileattn.api._backward_of_saved ---------------------------------------------------------------------
+// The node saves q, k, v, out, lse and, as plain values, the key's flags (causal, whether a scale
+// was given, the scale) and the mode; its backward finds the record again from the saved tensors,
+// so tensors that a saved-tensor hook returned in another layout are never run with launches
+// planned for the old one, and the node holds no Python object (compiled autograd lifts its saved
+// values, which must be hashable).
 
-// The Python backward: tileattn.api._backward(entry, dout, q, k, v, out, lse, deterministic) ->
-// (dq, dk, dv); it registers the backward records for this dout's layout with the module.
-torch::autograd::variable_list python_backward(const Record& record, const at::Tensor& dout,
-                                               const torch::autograd::variable_list& saved, bool deterministic) {
-  PyObject* backward_fn = PyDict_GetItemString(plans_namespace, "_backward");
+// The Python backward of a call the module does not serve: tileattn.api._backward_of_saved(dout, q,
+// k, v, out, lse, causal, scale, deterministic) -> (dq, dk, dv), which plans (and registers) it.
+torch::autograd::variable_list python_backward(const at::Tensor& dout, const torch::autograd::variable_list& saved,
+                                               const Key& key, bool deterministic) {
+  PyObject* backward_fn = PyDict_GetItemString(plans_namespace, "_backward_of_saved");
   if (backward_fn == nullptr) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "host_launch: tileattn.api has no _backward");
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "host_launch: tileattn.api has no _backward_of_saved");
     throw_python_error();
   }
-  PyObject* call_args = Py_BuildValue("(ONNNNNNO)", record.entry, THPVariable_Wrap(dout), THPVariable_Wrap(saved[0]),
+  PyObject* scale = key.has_scale ? PyFloat_FromDouble(key.scale) : (Py_INCREF(Py_None), Py_None);
+  if (scale == nullptr) throw_python_error();
+  PyObject* call_args = Py_BuildValue("(NNNNNNONO)", THPVariable_Wrap(dout), THPVariable_Wrap(saved[0]),
                                       THPVariable_Wrap(saved[1]), THPVariable_Wrap(saved[2]),
                                       THPVariable_Wrap(saved[3]), THPVariable_Wrap(saved[4]),
-                                      deterministic ? Py_True : Py_False);
+                                      key.causal ? Py_True : Py_False, scale, deterministic ? Py_True : Py_False);
   if (call_args == nullptr) throw_python_error();
   PyObject* result = PyObject_Call(backward_fn, call_args, nullptr);
   Py_DECREF(call_args);
@@ -567,26 +602,28 @@ torch::autograd::variable_list python_backward(const Record& record, const at::T
   }
   Py_DECREF(result);
   if (!triple || !grads[0].defined() || !grads[1].defined() || !grads[2].defined()) {
-    PyErr_SetString(PyExc_RuntimeError, "host_launch: tileattn.api._backward must return (dq, dk, dv) tensors");
+    PyErr_SetString(PyExc_RuntimeError, "host_launch: tileattn.api._backward_of_saved must return (dq, dk, dv) tensors");
     throw_python_error();
   }
   return grads;
 }
 
 struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
-  // call_address: the Call found by find_call (alive for the duration of apply).
+  // call_address: the Call found by find_call (alive for the duration of apply). The node's one
+  // output is out; lse goes back through call.lse, outside autograd (not differentiable; marking an
+  // output non-differentiable instead is something compiled autograd does not accept).
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
                                                 const at::Tensor& k, const at::Tensor& v, int64_t call_address,
                                                 bool deterministic) {
-    const Call& call = *reinterpret_cast<const Call*>(call_address);
-    at::Tensor out, lse;
-    launch_forward(call, q, /*fresh_lse=*/true, out, lse);
-    ctx->save_for_backward({q, k, v, out, lse});
-    ctx->saved_data["record"] = c10::IValue::make_capsule(c10::make_intrusive<RecordHolder>(call.record));
+    Call& call = *reinterpret_cast<Call*>(call_address);
+    at::Tensor out;
+    launch_forward(call, q, /*fresh_lse=*/true, out, call.lse);
+    ctx->save_for_backward({q, k, v, out, call.lse});
+    ctx->saved_data["causal"] = static_cast<bool>(call.key.causal);
+    ctx->saved_data["has_scale"] = static_cast<bool>(call.key.has_scale);
+    ctx->saved_data["scale"] = call.key.scale;
     ctx->saved_data["deterministic"] = deterministic;
-    ctx->mark_non_differentiable({lse});
-    ctx->set_materialize_grads(false);  // lse never has a gradient: no zeros tensor is made for it
-    return {out, lse};
+    return {out};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -594,16 +631,18 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const at::Tensor& dout = grads[0];
     if (!dout.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     const torch::autograd::variable_list saved = ctx->get_saved_variables();  // q, k, v, out, lse
-    auto holder = c10::static_intrusive_pointer_cast<RecordHolder>(ctx->saved_data["record"].toCapsule());
     const bool deterministic = ctx->saved_data["deterministic"].toBool();
-    const Record& record = *holder->record;
+    const at::Tensor* qkv[3] = {&saved[0], &saved[1], &saved[2]};
+    Key key;
+    const bool keyed = key_of(qkv, ctx->saved_data["causal"].toBool(), ctx->saved_data["has_scale"].toBool(),
+                              ctx->saved_data["scale"].toDouble(), key);
     pybind11::gil_scoped_acquire gil;
-    std::shared_ptr<BackwardRecord> backward = find_backward(record, dout, deterministic);
-    void* stream = nullptr;
+    BackwardCall call;
     torch::autograd::variable_list result =
-        backward != nullptr && current_stream(record.device, stream)
-            ? run_backward(record, *backward, stream, saved[0], saved[1], saved[2], saved[3], saved[4], dout)
-            : python_backward(record, dout, saved, deterministic);
+        keyed && find_backward_call(key, saved[0], saved[1], saved[2], saved[3], saved[4], dout, deterministic, call)
+            ? run_backward(*call.record, *call.backward, call.stream, saved[0], saved[1], saved[2], saved[3],
+                           saved[4], dout)
+            : python_backward(dout, saved, key, deterministic);
     result.resize(5);  // no gradients for the call address and the deterministic flag
     return result;
   }
@@ -638,7 +677,7 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         q, THPVariable_Unpack(args[1]), THPVariable_Unpack(args[2]), reinterpret_cast<int64_t>(&call),
         deterministic != 0);
     out = std::move(outputs[0]);
-    lse = std::move(outputs[1]);
+    lse = std::move(call.lse);
   } else {
     launch_forward(call, q, /*fresh_lse=*/want != 0, out, lse);
   }
@@ -659,14 +698,6 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-// Whether `t` has these sizes, strides and dtype on the record's device, at a 16-byte aligned address.
-bool laid_out_as(const at::Tensor& t, const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
-                 at::ScalarType dtype, int device) {
-  return t.layout() == c10::kStrided && t.device().type() == served_type && t.get_device() == device &&
-         t.scalar_type() == dtype && t.sizes().vec() == sizes && t.strides().vec() == strides &&
-         (address_of(t) & 15) == 0;
-}
-
 // ---- backward(q, k, v, out, lse, dout, causal, scale, deterministic) -----------------------------------
 // The op-level backward of a registered combination and dout layout, without autograd: (dq, dk, dv),
 // or None for a call it leaves to the Python path (tileattn.api._backward).
@@ -682,26 +713,19 @@ PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   for (int i = 3; i < 6; ++i) {
     if (!THPVariable_CheckExact(args[i])) Py_RETURN_NONE;
   }
-  std::shared_ptr<Record> record = find_record(args, args[6], args[7]);
-  if (record == nullptr) {
+  Key key;
+  BackwardCall call;
+  if (!make_key(args, args[6], args[7], key) ||
+      !find_backward_call(key, THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), THPVariable_Unpack(args[2]),
+                          THPVariable_Unpack(args[3]), THPVariable_Unpack(args[4]), THPVariable_Unpack(args[5]),
+                          deterministic != 0, call)) {
     if (PyErr_Occurred()) return nullptr;
     Py_RETURN_NONE;
   }
-  const at::Tensor& q = THPVariable_Unpack(args[0]);
-  const at::Tensor& out = THPVariable_Unpack(args[3]);
-  const at::Tensor& lse = THPVariable_Unpack(args[4]);
-  const at::Tensor& dout = THPVariable_Unpack(args[5]);
-  // out and lse as the forward made them (the autograd backward's are); q, k, v aligned as it checks.
-  if (!laid_out_as(out, record->out_sizes, record->out_strides, q.scalar_type(), record->device) ||
-      !laid_out_as(lse, record->lse_sizes, record->lse_strides, at::kFloat, record->device) ||
-      ((address_of(q) | address_of(THPVariable_Unpack(args[1])) | address_of(THPVariable_Unpack(args[2]))) & 15)) {
-    Py_RETURN_NONE;
-  }
-  std::shared_ptr<BackwardRecord> found = find_backward(*record, dout, deterministic != 0);
-  void* stream = nullptr;
-  if (found == nullptr || !current_stream(record->device, stream)) Py_RETURN_NONE;
   torch::autograd::variable_list grads =
-      run_backward(*record, *found, stream, q, THPVariable_Unpack(args[1]), THPVariable_Unpack(args[2]), out, lse, dout);
+      run_backward(*call.record, *call.backward, call.stream, THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]),
+                   THPVariable_Unpack(args[2]), THPVariable_Unpack(args[3]), THPVariable_Unpack(args[4]),
+                   THPVariable_Unpack(args[5]));
   PyObject* result = PyTuple_New(3);
   if (result == nullptr) return nullptr;
   for (int i = 0; i < 3; ++i) {
@@ -900,11 +924,6 @@ PyObject* backward_record_count(PyObject*, PyObject*) {
   return PyLong_FromSize_t(count);
 }
 
-PyObject* mark_exiting(PyObject*, PyObject*) {
-  interpreter_exiting = true;
-  Py_RETURN_NONE;
-}
-
 PyMethodDef methods[] = {
     {"forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(forward)), METH_FASTCALL,
      "forward(q, k, v, causal, scale, want, deterministic=False): out (want 0), (out, lse) (1), (out, lse, entry) "
@@ -925,26 +944,10 @@ PyMethodDef methods[] = {
     {"set_poison", set_poison, METH_O, "tests: fill every output and workspace with NaN before its launch (True) or not"},
     {"record_count", record_count, METH_NOARGS, "how many combinations are registered"},
     {"backward_record_count", backward_record_count, METH_NOARGS, "how many backward records the combinations hold"},
-    {"_mark_exiting", mark_exiting, METH_NOARGS, "atexit hook: from now on graphs freed keep their records"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_host_launch", "tileattn's compiled attention path", -1, methods};
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__host_launch(void) {
-  PyObject* created = PyModule_Create(&module);
-  if (created == nullptr) return nullptr;
-  // atexit.register(_mark_exiting)
-  PyObject* atexit = PyImport_ImportModule("atexit");
-  PyObject* hook = atexit == nullptr ? nullptr : PyObject_GetAttrString(created, "_mark_exiting");
-  PyObject* done = hook == nullptr ? nullptr : PyObject_CallMethod(atexit, "register", "O", hook);
-  Py_XDECREF(atexit);
-  Py_XDECREF(hook);
-  if (done == nullptr) {
-    Py_DECREF(created);
-    return nullptr;
-  }
-  Py_DECREF(done);
-  return created;
-}
+PyMODINIT_FUNC PyInit__host_launch(void) { return PyModule_Create(&module); }
