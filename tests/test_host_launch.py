@@ -612,6 +612,8 @@ def test_register_backward_refuses_malformed_descriptions(fake_backward):
         register(grad_specs=f.grad_specs[:2])
     with pytest.raises(ValueError, match=">= 0"):
         register(sem=-1)
+    with pytest.raises(ValueError, match="workspace offset 128 past its 128 bytes"):
+        register(ws=32)
     with pytest.raises(TypeError, match="rank 4"):
         register(dout=q[0])
     assert m.backward_record_count() == 0

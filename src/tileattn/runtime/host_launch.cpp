@@ -371,7 +371,9 @@ void prepare(Launch& launch, int device, void* stream, const uint64_t* sources, 
         if (slot.maps.size() >= kMaxMapsPerSlot) slot.maps.clear();
         hit = slot.maps.emplace(address, MapBytes{}).first;
         std::memcpy(hit->second.bytes, reinterpret_cast<const void*>(host_address), sizeof(MapBytes::bytes));
-        Py_DECREF(tmap);
+        prepared.maps[map_count++] = hit->second;
+        Py_DECREF(tmap);  // after the copies: the map's bytes live as long as the TensorMap
+        continue;
       }
       prepared.maps[map_count++] = hit->second;
     }
@@ -842,6 +844,12 @@ PyObject* register_backward(PyObject*, PyObject* args) {
       if (slot.kind == kTileCounter) {  // no backward kernel takes one; the capture check is the forward's
         Py_DECREF(fast);
         PyErr_SetString(PyExc_ValueError, "register_backward: a tile-counter slot in a backward launch");
+        return nullptr;
+      }
+      if (slot.source == kWorkspace && slot.offset >= 4 * workspace_elems) {
+        Py_DECREF(fast);
+        PyErr_Format(PyExc_ValueError, "register_backward: workspace offset %lld past its %lld bytes",
+                     static_cast<long long>(slot.offset), 4 * workspace_elems);
         return nullptr;
       }
     }
