@@ -259,6 +259,22 @@ def test_custom_scale():
     check_forward(out, lse, ref_out, ref_lse, FP16, case.what + " scale=0.37")
 
 
+def test_saved_tensors_offloaded_to_the_cpu():
+    """q, k, v as slices of one fused [T, 3H, d] projection (strided, not dense) under
+    torch.autograd.graph.save_on_cpu(pin_memory=True), which hands the backward contiguous copies:
+    the backward copies them back into the layout its plans were made for; gradients match float64."""
+    lens = (17, 200, 33)
+    case = Case(lens, lens, 4, 4, 64, BF16, seed=6)
+    fused = torch.cat((case.q, case.k, case.v), dim=1)  # [T, 3H, d]
+    q, k, v = (fused[:, i * 4:(i + 1) * 4].detach().requires_grad_() for i in range(3))
+    assert not q.is_contiguous()
+    with torch.autograd.graph.save_on_cpu(pin_memory=True):
+        out = attention_varlen(q, k, v, case.cu_q, case.cu_k, case.max_q, case.max_k, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), case.dout)
+    _, _, refs = case.reference(True)
+    check_grads(grads, refs, BF16, case.what + " save_on_cpu")
+
+
 def test_misaligned_pointer_is_rejected_before_launch():
     buf = torch.randn(64 * 4 * 64 + 8, device=DEVICE).to(BF16)
     q = buf[1:1 + 64 * 4 * 64].view(64, 4, 64)

@@ -210,19 +210,23 @@ def test_a_backward_layout_it_does_not_hold_takes_the_python_path():
 def test_saved_tensors_offloaded_to_the_cpu(d):
     """torch.autograd.graph.save_on_cpu(pin_memory=True) returns every saved tensor contiguous: with
     q, k, v in [B, N, H, d] storage the backward's tensors are no longer in the layout the plans
-    (and the registered launches) were made for; gradients still match float64 (the module
-    declines, tileattn.api._backward copies them back), on the first and a later backward."""
+    (and the registered launches) were made for; gradients still match float64 on the Python path
+    (tileattn.api._backward copies them back) and through the compiled node (which declines them),
+    on a first and a later backward."""
     q, k, v = _inputs(2, 4, 2, 100, 140, d, BF16, seed=30 + d, layout="bnhd")
     _planned(q, k, v, True)
     dout = torch.randn_like(q)
     want = _reference_grads(q, k, v, dout, True)
-    for attempt in range(2):
+    for attempt, path in enumerate(("python", "compiled", "compiled")):
         qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+        with pytest.MonkeyPatch.context() as mp, torch.autograd.graph.save_on_cpu(pin_memory=True):
+            if path == "python":
+                mp.setattr(api, "_host_forward", None)
             out = tileattn.attention(qg, kg, vg, causal=True)
+        assert ("CppNode" in out.grad_fn.name()) == (path == "compiled"), out.grad_fn.name()
         out.backward(dout)
         for name, got, expected in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), want):
-            assert _rel(got, expected) <= 2e-2, f"backward {attempt}: {name} relative error {_rel(got, expected):.3e}"
+            assert _rel(got, expected) <= 2e-2, f"{path} {attempt}: {name} relative error {_rel(got, expected):.3e}"
 
 
 def test_a_side_stream_gets_its_own_tile_counter():
