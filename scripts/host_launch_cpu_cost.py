@@ -35,7 +35,7 @@ int noop_launch(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, uns
                 unsigned smem, void* stream, void** params, void** extra) { return 0; }
 int noop_capture(void* stream, int* status) { *status = 0; return 0; }
 """
-OFFSETS = (0, 128, 256, 384, 512, 520, 528)  # maps q, k, v, out; lse; int32; tile counter
+LAYOUT = ((0, 128), (128, 128), (256, 128), (384, 128), (512, 8), (520, 4), (528, 8))  # maps q, k, v, out; lse; int32; counter
 
 
 def _noop_library(folder: Path) -> ctypes.CDLL:
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         encoders = [lambda address, m=m: SimpleNamespace(address=int(m.ctypes.data)) for m in maps]
         slots = (*((1, i, i, encoders[i]) for i in range(4)), (0, 4, 4, None), (2, 6, -1, None))
         unread = torch.empty(q.shape[:3], dtype=torch.float32)
-        module.register(q, k, v, False, None, "entry", -1, (0xF00D, (1, 1, 1), (384, 1, 1), 0, bytes(536), OFFSETS, slots),
+        module.register(q, k, v, False, None, "entry", -1, (0xF00D, (1, 1, 1), (384, 1, 1), 0, bytes(536), LAYOUT, slots),
                         (q.shape, q.stride()), (q.shape[:3], unread.stride()), unread)
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
         out, lse = module.forward(q, k, v, False, None, 1)
@@ -73,12 +73,14 @@ def main(argv=None) -> int:
         ws = [(hl.WORKSPACE, 0), (hl.WORKSPACE, 4096), (hl.WORKSPACE, 8192)]
         main_maps = [(hl.TENSOR_MAP, i, source, encoders[i % 4])
                      for i, source in enumerate((hl.Q, hl.K, hl.V, hl.DOUT, hl.DK, hl.DV))]
+        pointers = [(offset, 8) for offset in range(0, 64, 8)]
         launches = (
-            (0xA1, (1, 1, 1), (128, 1, 1), 0, bytes(80), tuple(range(0, 80, 8)),
+            (0xA1, (1, 1, 1), (128, 1, 1), 0, bytes(80), pointers[:6],
              hl.pointer_slots(range(6), (hl.OUT, hl.DOUT, hl.LSE, *ws))),
-            (0xA2, (1, 1, 1), (384, 1, 1), 0, bytes(896), (*range(0, 768, 128), *range(768, 896, 8)),
+            (0xA2, (1, 1, 1), (384, 1, 1), 0, bytes(896),
+             (*((offset, 128) for offset in range(0, 768, 128)), *((offset, 8) for offset in range(768, 800, 8))),
              main_maps + hl.pointer_slots(range(6, 10), (*ws, hl.NULL))),
-            (0xA3, (1, 1, 1), (128, 1, 1), 0, bytes(48), tuple(range(0, 48, 8)), hl.pointer_slots(range(2), (ws[2], hl.DQ))),
+            (0xA3, (1, 1, 1), (128, 1, 1), 0, bytes(48), pointers[:2], hl.pointer_slots(range(2), (ws[2], hl.DQ))),
         )
         grad_specs = tuple((t.shape, t.stride()) for t in (q, k, v))
         module.register_backward(q, k, v, False, None, dout, False, launches, grad_specs, 3 * 1024 + 8 * 128 * 64, 0)

@@ -91,7 +91,7 @@ CAPTURING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctype
 
 # A kernel with the Hopper forward's parameter kinds: four 128-byte tensor maps (q, k, v, out),
 # lse's pointer, an int32 scalar, the tile-counter pointer.
-OFFSETS = (0, 128, 256, 384, 512, 520, 528)
+LAYOUT = ((0, 128), (128, 128), (256, 128), (384, 128), (512, 8), (520, 4), (528, 8))  # (offset, size)
 SCALAR = 0x5EED
 
 
@@ -105,7 +105,7 @@ class FakeDriver:
         self._maps = []
 
     def _launch(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-        value = [params[i] for i in range(len(OFFSETS))]
+        value = [params[i] for i in range(len(LAYOUT))]
         self.launches.append({
             "function": function, "grid": (gx, gy, gz), "block": (bx, by, bz), "smem": smem, "stream": stream,
             "maps": [ctypes.string_at(value[i], 128) for i in range(4)],
@@ -151,7 +151,7 @@ def _register(built, driver, q, k, v, entry="entry", causal=False, scale=None):
     buffer[520:524] = SCALAR.to_bytes(4, "little")
     slots = (*((1, i, i, driver.encoder(i)) for i in range(4)), (0, 4, 4, None), (2, 6, -1, None))
     unread = torch.empty(q.shape[:3], dtype=torch.float32)
-    launch = (0xF00D, (3, 2, 1), (384, 1, 1), 4096, bytes(buffer), OFFSETS, slots)
+    launch = (0xF00D, (3, 2, 1), (384, 1, 1), 4096, bytes(buffer), LAYOUT, slots)
     built.register(q, k, v, causal, scale, entry, -1, launch, (q.shape, q.stride()),
                    (q.shape[:3], (q.shape[1] * q.shape[2], q.shape[2], 1)), unread)
     return unread
@@ -233,22 +233,29 @@ def test_poisoned_outputs_are_nan_at_launch(fake):
 def test_register_refuses_malformed_slots(fake):
     q = fake.q
 
-    def register(slots, buffer=bytes(536)):
-        fake.module.register(q, q, q, True, None, "e", -1, (1, (1, 1, 1), (1, 1, 1), 0, buffer, OFFSETS, slots),
-                             (q.shape, q.stride()), (q.shape[:3], (64, 16, 1)), fake.unread)
+    maps = tuple((1, i, i, len) for i in range(4))  # the four 128-byte parameters' slots
+
+    def register(slots, buffer=bytes(536), layout=LAYOUT, out_spec=(q.shape, q.stride())):
+        fake.module.register(q, q, q, True, None, "e", -1, (1, (1, 1, 1), (1, 1, 1), 0, buffer, layout, slots),
+                             out_spec, (q.shape[:3], (64, 16, 1)), fake.unread)
 
     # an unknown kind; a backward source (dout) in a forward; a map of the workspace; an offset on a
-    # map; a negative offset
-    for bad in [(5, 0, 0, None), (0, 4, 5, None), (1, 0, 9, len), (1, 0, 0, len, 16), (0, 4, 4, None, -8)]:
+    # map; a negative offset; a map at an 8-byte parameter; a pointer at a 128-byte one; a pointer
+    # at a 4-byte one
+    for bad in [(5, 0, 0, None), (0, 4, 5, None), (1, 0, 9, len), (1, 0, 0, len, 16), (0, 4, 4, None, -8),
+                (1, 4, 4, len), (0, 0, 0, None), (0, 5, 4, None)]:
         with pytest.raises(ValueError, match="slot 0 is malformed"):
-            register((bad,))
+            register((bad, *maps))
     with pytest.raises(ValueError, match="9 tensor-map slots, at most 8"):
         register(tuple((1, i % 4, i % 4, len) for i in range(9)))
-    with pytest.raises(ValueError, match="outside the"):
-        register((), bytes(16))
+    with pytest.raises(ValueError, match="parameter 3 is a 128-byte tensor map without a tensor-map slot"):
+        register(maps[:3])
+    with pytest.raises(ValueError, match="outside the 16-byte buffer"):
+        register(maps, bytes(16))
+    with pytest.raises(ValueError, match="param_layout holds"):
+        register(maps, layout=(*LAYOUT[:6], (528,)))
     with pytest.raises(ValueError, match="out_spec must be"):
-        fake.module.register(q, q, q, True, None, "e", -1, (1, (1, 1, 1), (1, 1, 1), 0, bytes(536), OFFSETS, ()),
-                             (q.shape, q.stride()[:3]), (q.shape[:3], (64, 16, 1)), fake.unread)
+        register(maps, out_spec=(q.shape, q.stride()[:3]))
 
 
 def test_the_public_op_uses_a_registered_combination(built, monkeypatch):
@@ -264,7 +271,7 @@ def test_the_public_op_uses_a_registered_combination(built, monkeypatch):
 
     class Plan:
         def host_fields(self):
-            return 0xBEEF, -1, (1, 1, 1), (128, 1, 1), 0, bytes(buffer), OFFSETS
+            return 0xBEEF, -1, (1, 1, 1), (128, 1, 1), 0, bytes(buffer), LAYOUT
 
     class Forward:
         def host_slots(self):
@@ -487,15 +494,16 @@ def _backward_launches(driver):
 
     def launch(function, slots):
         kinds = BACKWARD_PARAMS[function]
-        offsets, at = [], 0
+        layout, at = [], 0
         for kind in kinds:
-            offsets.append(at)
-            at += {"m": 128, "i": 4}.get(kind, 8)
+            size = {"m": 128, "i": 4}.get(kind, 8)
+            layout.append((at, size))
+            at += size
         buffer = bytearray(at + 4)
         if "i" in kinds:
-            at = offsets[kinds.index("i")]
+            at = layout[kinds.index("i")][0]
             buffer[at:at + 4] = SCALAR.to_bytes(4, "little")
-        return function, (5, 1, 1), (128, 1, 1), 0, bytes(buffer), tuple(offsets), tuple(slots)
+        return function, (5, 1, 1), (128, 1, 1), 0, bytes(buffer), tuple(layout), tuple(slots)
 
     lse2, delta, acc = (hl.WORKSPACE, 0), (hl.WORKSPACE, DELTA), (hl.WORKSPACE, ACC)
     return (launch(PRE, hl.pointer_slots(range(6), (hl.OUT, hl.DOUT, hl.LSE, lse2, delta, acc))),
@@ -730,7 +738,7 @@ def test_the_public_op_registers_and_runs_its_backward(built, monkeypatch):
 
     class Plan:  # the forward's LaunchPlan stand-in
         def host_fields(self):
-            return 0xBEEF, -1, (1, 1, 1), (128, 1, 1), 0, bytes(536), OFFSETS
+            return 0xBEEF, -1, (1, 1, 1), (128, 1, 1), 0, bytes(536), LAYOUT
 
     class Forward:
         def host_slots(self):
@@ -748,8 +756,8 @@ def test_the_public_op_registers_and_runs_its_backward(built, monkeypatch):
             self.fields = fields
 
         def host_fields(self):
-            function, grid, block, smem, buffer, offsets = self.fields
-            return function, -1, grid, block, smem, buffer, offsets
+            function, grid, block, smem, buffer, layout = self.fields
+            return function, -1, grid, block, smem, buffer, layout
 
     entry = SimpleNamespace(host_offered=False, copy_kv=False, forward=Forward(), unread_lse=None, host_key=None,
                             host_backward=set(), lse_spec=(q.shape[:3], (64, 32, 1)), out_spec=(q.shape, q.stride()),

@@ -253,15 +253,17 @@ uint64_t call_for_uint64(PyObject* callable, PyObject* argument) {
   throw error;
 }
 
-// Parses one launch: (function, grid, block, smem, buffer, param_offsets, slots), each slot
-// (kind, param, source, encode[, offset]) with sources below `sources`. nullptr with a Python error
-// set when it is malformed.
+// Parses one launch: (function, grid, block, smem, buffer, param_layout, slots), param_layout a
+// (byte offset, size) pair per kernel parameter, each slot (kind, param, source, encode[, offset])
+// with sources below `sources`: pointers and the tile counter at 8-byte parameters, maps at 128-byte
+// ones, and every 128-byte parameter a map slot (the buffer holds no bytes of a tensor map: one
+// without a slot would be launched as zeros). nullptr with a Python error set when it is malformed.
 std::unique_ptr<Launch> parse_launch(PyObject* description, int sources) {
   unsigned long long function;
   unsigned int smem;
-  PyObject *grid, *block, *offsets, *slots;
+  PyObject *grid, *block, *param_layout, *slots;
   Py_buffer buffer;
-  if (!PyArg_ParseTuple(description, "KOOIy*OO:launch", &function, &grid, &block, &smem, &buffer, &offsets, &slots)) {
+  if (!PyArg_ParseTuple(description, "KOOIy*OO:launch", &function, &grid, &block, &smem, &buffer, &param_layout, &slots)) {
     return nullptr;
   }
   auto launch = std::make_unique<Launch>();
@@ -280,16 +282,27 @@ std::unique_ptr<Launch> parse_launch(PyObject* description, int sources) {
     }
     for (int i = 0; i < 3; ++i) target[i] = static_cast<unsigned>(geometry[i]);
   }
-  std::vector<int64_t> param_offsets;
-  if (!read_int64s(offsets, param_offsets, "param_offsets")) return nullptr;
-  for (int64_t offset : param_offsets) {
-    if (offset < 0 || static_cast<size_t>(offset) + 8 > launch->buffer.size() * 8) {
-      PyErr_Format(PyExc_ValueError, "register: parameter offset %lld outside the %zu-byte buffer",
-                   static_cast<long long>(offset), buffer_bytes);
+  std::vector<int64_t> param_sizes;
+  PyObject* layout = PySequence_Fast(param_layout, "param_layout");
+  if (layout == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(layout); ++i) {
+    std::vector<int64_t> pair;
+    if (!read_int64s(PySequence_Fast_GET_ITEM(layout, i), pair, "param_layout") || pair.size() != 2) {
+      Py_DECREF(layout);
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "register: param_layout holds (offset, size) pairs");
+      return nullptr;
+    }
+    const int64_t offset = pair[0], size = pair[1];
+    if (offset < 0 || size < 1 || static_cast<size_t>(offset + size) > buffer_bytes) {
+      Py_DECREF(layout);
+      PyErr_Format(PyExc_ValueError, "register: parameter %zd (offset %lld, %lld bytes) outside the %zu-byte buffer",
+                   i, static_cast<long long>(offset), static_cast<long long>(size), buffer_bytes);
       return nullptr;
     }
     launch->param_offsets.push_back(static_cast<size_t>(offset));
+    param_sizes.push_back(size);
   }
+  Py_DECREF(layout);
   PyObject* fast = PySequence_Fast(slots, "slots");
   if (fast == nullptr) return nullptr;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
@@ -302,13 +315,15 @@ std::unique_ptr<Launch> parse_launch(PyObject* description, int sources) {
       return nullptr;
     }
     slot.offset = offset;
-    const bool valid = slot.kind >= kPointer && slot.kind <= kTileCounter && slot.param >= 0 &&
-                       static_cast<size_t>(slot.param) < launch->param_offsets.size() &&
+    const bool in_range = slot.param >= 0 && static_cast<size_t>(slot.param) < launch->param_offsets.size();
+    const bool valid = slot.kind >= kPointer && slot.kind <= kTileCounter && in_range &&
                        (slot.kind == kTileCounter || (slot.source >= 0 && slot.source < sources)) &&
                        (slot.kind != kTensorMap || (PyCallable_Check(encode) && slot.source != kWorkspace &&
-                                                    slot.source != kSemaphores && slot.source != kNull)) &&
+                                                    slot.source != kSemaphores && slot.source != kNull &&
+                                                    param_sizes[slot.param] == 128)) &&
                        (slot.kind == kPointer || offset == 0) && offset >= 0 &&
-                       (slot.kind == kTensorMap || launch->param_offsets[slot.param] % 8 == 0);
+                       (slot.kind == kTensorMap ||
+                        (param_sizes[slot.param] == 8 && launch->param_offsets[slot.param] % 8 == 0));
     if (!valid) {
       Py_DECREF(fast);
       PyErr_Format(PyExc_ValueError, "register: slot %zd is malformed", i);
@@ -322,10 +337,20 @@ std::unique_ptr<Launch> parse_launch(PyObject* description, int sources) {
   }
   Py_DECREF(fast);
   size_t map_slots = 0;
-  for (const Slot& slot : launch->slots) map_slots += slot.kind == kTensorMap;
+  std::vector<bool> mapped(param_sizes.size(), false);
+  for (const Slot& slot : launch->slots) {
+    map_slots += slot.kind == kTensorMap;
+    if (slot.kind == kTensorMap) mapped[slot.param] = true;
+  }
   if (map_slots > kMaxTensorMaps) {
     PyErr_Format(PyExc_ValueError, "register: %zu tensor-map slots, at most %d", map_slots, kMaxTensorMaps);
     return nullptr;
+  }
+  for (size_t i = 0; i < param_sizes.size(); ++i) {
+    if (param_sizes[i] == 128 && !mapped[i]) {
+      PyErr_Format(PyExc_ValueError, "register: parameter %zu is a 128-byte tensor map without a tensor-map slot", i);
+      return nullptr;
+    }
   }
   launch->params.resize(launch->param_offsets.size());
   auto* bytes = reinterpret_cast<unsigned char*>(launch->buffer.data());

@@ -57,13 +57,14 @@ def pointer_slots(params, sources) -> list[tuple]:
 
 
 def launch_fields(plan, slots) -> tuple | None:
-    """(function, grid, block, smem, buffer, param_offsets, slots) of a LaunchPlan for the module's
-    register / register_backward; None for a plan it cannot launch (PDL)."""
+    """(function, grid, block, smem, buffer, param_layout, slots) of a LaunchPlan for the module's
+    register / register_backward (param_layout: each parameter's (byte offset, size)); None for a
+    plan it cannot launch (PDL)."""
     fields = plan.host_fields()
     if fields is None:
         return None
-    function, _device, grid, block, smem, buffer, offsets = fields
-    return function, grid, block, smem, buffer, offsets, tuple(slots)
+    function, _device, grid, block, smem, buffer, layout = fields
+    return function, grid, block, smem, buffer, layout, tuple(slots)
 
 
 class HostLaunchBuildError(RuntimeError):

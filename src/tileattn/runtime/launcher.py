@@ -391,13 +391,12 @@ class LaunchPlan:
 
     def host_fields(self) -> tuple | None:
         """What runtime.host_launch needs to launch this plan from C++: (CUfunction address, device
-        index, grid, block, shared-memory bytes, the packed parameter buffer, each parameter's byte
-        offset in it); None for a PDL plan (cuLaunchKernelEx: not on the compiled path)."""
+        index, grid, block, shared-memory bytes, the packed parameter buffer, each parameter's (byte
+        offset, size) in it); None for a PDL plan (cuLaunchKernelEx: not on the compiled path)."""
         if self.pdl:
             return None
-        offsets = tuple(offset for offset, _ in self.kernel.param_layout)
         return (int(self.kernel.function), self.kernel.device_index, self.grid, self.block, self.smem,
-                self._buffer.tobytes(), offsets)
+                self._buffer.tobytes(), tuple(self.kernel.param_layout))
 
     def launch(self, *values) -> None:
         """Launch with new values for the dynamic parameters, on torch's current stream of the
