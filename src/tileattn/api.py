@@ -430,8 +430,8 @@ def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, deterministic: bool, e
         q, k, v = (_laid_out(t, s) for t, s in zip((q, k, v), entry.input_strides))
     out, lse = _laid_out(out, entry.out_spec[1]), _laid_out(lse, entry.lse_spec[1])
     in_place = _kernel_layout_ok(dout)
-    if not in_place:  # e.g. the stride-0 expanded gradient of out.sum()
-        dout = dout.contiguous()
+    if not in_place:  # e.g. the stride-0 expanded gradient of out.sum(), or a misaligned contiguous one
+        dout = dout.clone(memory_format=torch.contiguous_format)  # fresh storage: aligned
     if entry.copy_kv:
         k, v = k.contiguous(), v.contiguous()
     dq, dk, dv = (torch.empty_strided(*spec, dtype=q.dtype, device=entry.device) for spec in entry.grad_specs)

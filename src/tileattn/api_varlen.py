@@ -342,8 +342,8 @@ def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqle
     if (q.stride(), k.stride(), v.stride()) != entry.input_strides:
         q, k, v = (_laid_out(t, s) for t, s in zip((q, k, v), entry.input_strides))
     out, lse = _laid_out(out, entry.out_strides), lse.contiguous()
-    if not _kernel_layout_ok(dout):  # e.g. the stride-0 expanded gradient of out.sum()
-        dout = dout.contiguous()
+    if not _kernel_layout_ok(dout):  # e.g. the stride-0 expanded gradient of out.sum(), or a misaligned one
+        dout = dout.clone(memory_format=torch.contiguous_format)  # fresh storage: aligned
     if entry.copy_kv:
         k, v = k.contiguous(), v.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
