@@ -218,6 +218,26 @@ def test_what_it_declines(fake):
     assert not d.launches
 
 
+def test_under_capture_an_unread_lse_is_a_fresh_allocation(built):
+    """A call that does not want lse writes the record's buffer, except under stream capture (a
+    one-CTA-per-tile record, which capture does not decline): the graph must own what it writes."""
+    namespace = {"_plans": {}}
+    driver = _configured(built, namespace)
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    unread = torch.empty(q.shape[:3], dtype=torch.float32)
+    slots = (*((1, i, i, driver.encoder(i)) for i in range(4)), (0, 4, 4, None))  # no tile counter
+    built.register(q, k, v, False, None, "entry", -1, (0xF00D, (3, 2, 1), (384, 1, 1), 0, bytes(536), LAYOUT, slots),
+                   (q.shape, q.stride()), (q.shape[:3], unread.stride()), unread)
+    try:
+        built.forward(q, k, v, False, None, 0)
+        assert driver.launches[-1]["lse"] == unread.data_ptr()
+        driver.capturing = 1
+        assert built.forward(q, k, v, False, None, 0) is not None, "a per-tile grid is served under capture"
+        assert driver.launches[-1]["lse"] != unread.data_ptr()
+    finally:
+        built.clear()
+
+
 def test_a_driver_error_is_a_launch_error(fake):
     fake.driver.result = 700
     with pytest.raises(LaunchError, match="CUresult 700"):

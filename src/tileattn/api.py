@@ -305,6 +305,12 @@ _plans: dict[tuple, _PlanEntry] = {}
 _current_device = torch.cuda.current_device  # made torch._C._cuda_getDevice below when it exists
 if hasattr(torch._C, "_cuda_getDevice"):
     _current_device = torch._C._cuda_getDevice
+# Whether torch's current stream is capturing a CUDA graph (a call that none follows then writes its
+# unread lse into a fresh allocation of the graph's pool, not into the entry's buffer, which
+# clear_plans may free while the graph lives).
+_capturing = torch.cuda.is_current_stream_capturing
+if hasattr(torch._C, "_cuda_isCurrentStreamCapturing"):
+    _capturing = torch._C._cuda_isCurrentStreamCapturing
 
 
 def _plan_entry(q, k, v, causal: bool, scale) -> _PlanEntry:
@@ -330,7 +336,7 @@ def _forward(q, k, v, causal: bool, scale, keep_lse: bool = True):
     if entry.copy_kv:
         k, v = k.contiguous(), v.contiguous()
     out = torch.empty_strided(*entry.out_spec, dtype=q.dtype, device=entry.device)
-    if keep_lse:
+    if keep_lse or _capturing():  # a captured graph writes lse on every replay: into memory it owns
         lse = torch.empty_strided(*entry.lse_spec, dtype=torch.float32, device=entry.device)
     else:
         lse = entry.unread_lse

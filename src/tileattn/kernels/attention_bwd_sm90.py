@@ -52,6 +52,11 @@ SMEM_LIMIT = 232448     # bytes per block on an H100/H200 (227 KB opt-in), stati
 STATIC_SMEM = 256       # reserved for the kernel's static mbarriers (kStaticSmem in the .cu)
 L2_SECTION_BYTES = 40 * 2**20  # Q + dO + dq_accum of the (kv head, batch) pairs in flight (FA3's budget)
 _MAX_GRID_X = 2**31 - 1
+# The deterministic windowed plans' semaphore templates, kept for the life of the process: `launch`
+# copies one per call, and a CUDA graph that captured that copy reads the template on every replay,
+# also after tileattn.api.clear_plans (or the plan cache's overflow) has dropped the plan. A few
+# int32 per query tile each, one per such plan made.
+_GRAPH_READ_TEMPLATES: list[torch.Tensor] = []
 
 
 @dataclass(frozen=True, order=True)
@@ -494,6 +499,7 @@ class BackwardPlan:
             if d == 256:  # one counter per role's half of dQ: [.., m, 2]
                 first = first.repeat_interleave(2)
             self.sem_init = first.repeat(batch * heads)
+            _GRAPH_READ_TEMPLATES.append(self.sem_init)  # see _GRAPH_READ_TEMPLATES
         self.main = LaunchPlan(load(FAMILY_NAME, expr, device), (n_blocks * kv_heads * batch,), (THREADS,), args,
                                smem=config.smem_bytes(d, deterministic), dynamic=dynamic)
         self.convert = LaunchPlan(

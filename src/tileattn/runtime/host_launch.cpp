@@ -498,6 +498,10 @@ void poison(const at::Tensor& t) { t.fill_(std::numeric_limits<double>::quiet_Na
 void launch_forward(const Call& call, const at::Tensor& q, bool fresh_lse, at::Tensor& out, at::Tensor& lse) {
   Record& record = *call.record;
   out = at::empty_strided(record.out_sizes, record.out_strides, q.options());
+  // Under stream capture the graph writes lse on every replay: into memory of its own pool, not the
+  // record's buffer, which tileattn.api.clear_plans may free while the graph lives.
+  int capture_status = 0;
+  if (!fresh_lse && (stream_is_capturing(call.stream, &capture_status) != 0 || capture_status != 0)) fresh_lse = true;
   lse = fresh_lse ? at::empty_strided(record.lse_sizes, record.lse_strides, q.options().dtype(at::kFloat))
                   : record.unread_lse;
   if (poison_outputs) {  // as the GPU tests' poisoned_allocations() does on the Python path
