@@ -646,20 +646,28 @@ class _VariantFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, entry, alibi_slopes, extra, deterministic):
         out, lse = _variant_forward(entry, q, k, v, extra)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # The slopes are saved like the tensors: autograd then refuses a backward after an in-place
+        # change to them (the backward reads them again), and a saved-tensor hook's copy is what it reads.
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
         ctx.entry, ctx.extra, ctx.deterministic = entry, extra, deterministic
-        ctx.alibi_slopes = alibi_slopes  # keeps the slopes' memory alive for the backward
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
         if dout is None:
             return (None,) * 7
-        dq, dk, dv = _backward(ctx.entry, dout, q, k, v, out, lse, ctx.deterministic, ctx.extra)
+        dq, dk, dv = _backward(ctx.entry, dout, q, k, v, out, lse, ctx.deterministic,
+                               _with_slopes(ctx.extra, alibi_slopes))
         return dq, dk, dv, None, None, None, None
+
+
+def _with_slopes(extra: tuple, alibi_slopes) -> tuple:
+    """The variant plans' per-call values (ALiBi pointer, seed, offset) with the pointer of these
+    slopes (the saved ones, in a backward)."""
+    return (0 if alibi_slopes is None else alibi_slopes.data_ptr(), *extra[1:])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from . import dropout as dr
-from .api import _cached_entry, _check_pointers, _current_device, _eager, _kernel_layout_ok, _laid_out
+from .api import _cached_entry, _check_pointers, _current_device, _eager, _kernel_layout_ok, _laid_out, _with_slopes
 
 __all__ = ["attention_varlen"]
 
@@ -472,20 +472,19 @@ class _VarlenVariantFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, entry, alibi_slopes, extra, deterministic):
         out, lse = _varlen_variant_forward(entry, (q, k, v, cu_seqlens_q, cu_seqlens_k), extra)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)  # as the dense op
         ctx.entry, ctx.extra, ctx.deterministic = entry, extra, deterministic
-        ctx.alibi_slopes = alibi_slopes  # keeps the slopes' memory alive for the backward
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
         if dout is None:
             return (None,) * 9
         dq, dk, dv = _backward(ctx.entry, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.deterministic,
-                               ctx.extra)
+                               _with_slopes(ctx.extra, alibi_slopes))
         return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -307,6 +307,28 @@ def test_dropout_zero_is_the_plain_kernel():
     assert torch.equal(tileattn.attention(q, k, v, True, dropout_p=0.0), plain), "dropout_p=0.0 changed the result"
 
 
+def test_alibi_slopes_changed_in_place_before_the_backward_are_an_error():
+    """The backward reads the slopes again: autograd's version check refuses a backward after an
+    in-place change (a refilled slopes buffer), dense and varlen, instead of computing with the new
+    values; unchanged, the backward runs."""
+    q, k, v, dout = make(1, 4, 4, 64, 64, 64, BF16, seed=9)
+    slopes = torch.rand(4, device="cuda", dtype=torch.float32)
+    qg = q.detach().requires_grad_()
+    out = tileattn.attention(qg, k, v, True, alibi_slopes=slopes)
+    slopes.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(dout)
+    out = tileattn.attention(qg, k, v, True, alibi_slopes=slopes)
+    out.backward(dout)
+    assert torch.isfinite(qg.grad).all()
+    pq, pk, pv, pdout, cu_q, cu_k = _packed((20, 44), (30, 34), 4, 4, 64, BF16, seed=10)
+    pq.requires_grad_()
+    out = tileattn.attention_varlen(pq, pk, pv, cu_q, cu_k, 44, 34, causal=True, alibi_slopes=slopes)
+    slopes.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(pdout)
+
+
 # ---------------------------------------------------------------------------------------------
 # varlen
 # ---------------------------------------------------------------------------------------------
