@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from tileattn import api, api_varlen
@@ -90,3 +91,18 @@ def test_varlen_saved_tensors_and_dout(monkeypatch):
     for name, got, want in zip(("q", "k", "v"), launched[:3], (q, k, v)):
         assert got.stride() == want.stride() and torch.equal(got, want), name
     assert launched[5].data_ptr() % 16 == 0, "the misaligned dout reached the plan"
+
+
+def test_plan_keys_tell_bools_from_numbers(monkeypatch):
+    """True == 1 == 1.0 with one hash: a cached entry of scale=1.0 must not serve scale=True, which
+    the checks reject (dense, varlen, variant and paged keys hold each such argument's type)."""
+    q = k = v = torch.zeros(1, 1, 8, 32, dtype=torch.float16)
+    planned = SimpleNamespace()
+    real = api._PlanEntry
+    monkeypatch.setattr(api, "_plans", {})
+    monkeypatch.setattr(api, "_PlanEntry", lambda *args: planned)
+    assert api._plan_entry(q, k, v, False, 1.0) is planned
+    monkeypatch.setattr(api, "_PlanEntry", real)
+    with pytest.raises(ValueError):  # the real checks run: the scale=1.0 entry did not serve it
+        api._plan_entry(q, k, v, False, True)
+    assert api._typed_window((True, 0)) != api._typed_window((1, 0))

@@ -316,7 +316,7 @@ if hasattr(torch._C, "_cuda_isCurrentStreamCapturing"):
 def _plan_entry(q, k, v, causal: bool, scale) -> _PlanEntry:
     # get_device(): the CUDA index as an int (-1 on the CPU), cheaper than building torch.device objects
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-           q.get_device(), k.get_device(), v.get_device(), causal, scale)
+           q.get_device(), k.get_device(), v.get_device(), causal, scale, type(scale))  # True == 1 == 1.0: typed
     entry = _plans.get(key)
     if entry is None:
         entry = _PlanEntry(q, k, v, causal, scale)  # raises ValueError for bad arguments
@@ -567,8 +567,8 @@ def _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, 
     alibi_key = None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
                                                    alibi_slopes.get_device())
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-           q.get_device(), k.get_device(), v.get_device(), causal, scale, "variants",
-           tuple(window) if isinstance(window, (tuple, list)) else window, softcap, alibi_key, dropout_p)
+           q.get_device(), k.get_device(), v.get_device(), causal, scale, type(scale), "variants",
+           _typed_window(window), softcap, type(softcap), alibi_key, dropout_p, type(dropout_p))  # True == 1 == 1.0
     entry = _cached_entry(key, lambda: _VariantEntry(q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p))
     if entry.variants.dropout_p > 0:
         dr.check_dropout(dropout_p, generator, seed, offset)
@@ -662,6 +662,12 @@ class _VariantFunction(torch.autograd.Function):
         dq, dk, dv = _backward(ctx.entry, dout, q, k, v, out, lse, ctx.deterministic,
                                _with_slopes(ctx.extra, alibi_slopes))
         return dq, dk, dv, None, None, None, None
+
+
+def _typed_window(window):
+    """A window argument as a plan-cache key part: each edge with its type (True == 1 in a tuple,
+    but a bool edge is an error the checks must see)."""
+    return tuple((w, type(w)) for w in window) if isinstance(window, (tuple, list)) else window
 
 
 def _with_slopes(extra: tuple, alibi_slopes) -> tuple:

@@ -154,6 +154,7 @@ def attention_paged(
             seqlens_k.dtype, q.get_device(), k_cache.get_device(), v_cache.get_device(), block_table.get_device(),
             cu_seqlens_q.get_device(), seqlens_k.get_device(), max_seqlen_q, causal, scale, return_lse, num_splits,
             variants, prior_kernel_writes_only_new_keys,
+            type(max_seqlen_q), type(causal), type(scale), type(return_lse), type(num_splits),  # True == 1 == 1.0
         )  # fmt: skip
         launch = _paged_cache.get(key)
     except (AttributeError, TypeError):  # not tensors / unhashable arguments: the checks say which

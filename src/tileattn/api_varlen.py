@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from . import dropout as dr
-from .api import _cached_entry, _check_pointers, _current_device, _eager, _kernel_layout_ok, _laid_out, _with_slopes
+from .api import _cached_entry, _check_pointers, _current_device, _eager, _kernel_layout_ok, _laid_out, _typed_window, _with_slopes
 
 __all__ = ["attention_varlen"]
 
@@ -304,7 +304,7 @@ def _plan_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
            cu_seqlens_q.shape, cu_seqlens_k.shape, cu_seqlens_q.dtype, cu_seqlens_k.dtype, cu_seqlens_q.stride(),
            cu_seqlens_k.stride(), q.get_device(), k.get_device(), v.get_device(), cu_seqlens_q.get_device(),
            cu_seqlens_k.get_device(), type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k, causal,
-           scale)
+           scale, type(scale))
     entry = _plans.get(key)
     if entry is None:
         entry = _PlanEntry(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
@@ -436,8 +436,8 @@ def _varlen_variants(args, max_seqlen_q, max_seqlen_k, causal, scale, determinis
            cu_seqlens_q.shape, cu_seqlens_k.shape, cu_seqlens_q.dtype, cu_seqlens_k.dtype, cu_seqlens_q.stride(),
            cu_seqlens_k.stride(), q.get_device(), k.get_device(), v.get_device(), cu_seqlens_q.get_device(),
            cu_seqlens_k.get_device(), type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k, causal,
-           scale, "variants", tuple(window) if isinstance(window, (tuple, list)) else window, softcap, alibi_key,
-           dropout_p)
+           scale, type(scale), "variants", _typed_window(window), softcap, type(softcap), alibi_key, dropout_p,
+           type(dropout_p))  # typed: True == 1 == 1.0
     entry = _cached_entry(key, lambda: _VariantEntry(*args, max_seqlen_q, max_seqlen_k, causal, scale, window,
                                                      softcap, alibi_slopes, dropout_p))
     if entry.variants.dropout_p > 0:
