@@ -247,3 +247,22 @@ def test_bad_words_ban_the_token_that_would_complete_one():
     for bad in (["  "], [""], "w", [3]):
         with pytest.raises(ValueError, match="bad_words"):
             SamplingParams(bad_words=bad)
+
+
+def test_extreme_floats_are_rejected_or_sampled_sanely():
+    """Values that made a row NaN (and, with a grammar, killed the engine) : inf (1e999 is a valid JSON
+    number) is an error for every float field; a repetition penalty outside float32's normal range
+    too; a tiny temperature samples the argmax (not token 0 of a NaN row); a top_p that rounds to 0
+    in float32 keeps the most likely token."""
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+            SamplingParams(**{name: float("inf")})
+    for bad in (1e-50, 1e39):
+        with pytest.raises(ValueError, match="repetition_penalty must be > 0 and within float32"):
+            SamplingParams(repetition_penalty=bad)
+    row = LOGITS * 30  # logits / 1e-40 overflowed float32 before the row max was subtracted
+    for params in (SamplingParams(temperature=1e-40), SamplingParams(temperature=1.0, top_p=1e-50)):
+        tokens, _ = Sampler()(row.expand(16, -1).clone(), [fake_seq(params) for _ in range(16)])
+        assert tokens == [0] * 16 and torch.argmax(row) == 0, params
+    tokens, _ = Sampler()((LOGITS.flip(0) * 30).expand(4, -1).clone(), [fake_seq(SamplingParams(temperature=1e-40))] * 4)
+    assert tokens == [7] * 4, "the argmax, not token 0 of a NaN row"

@@ -452,9 +452,18 @@ def test_errors(server, client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="hi", **_extra(guided_whitespace_pattern=" "))
     assert _error(info.value)["param"] == "guided_whitespace_pattern"
-    with pytest.raises(openai.BadRequestError) as info:  # the engine's vocabulary check
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **_extra(allowed_token_ids=[10**7]))
-    assert _error(info.value)["param"] == "allowed_token_ids"
+    for name in ("allowed_token_ids", "stop_token_ids"):  # the engine's vocabulary check
+        with pytest.raises(openai.BadRequestError) as info:  # stop ids past the vocabulary with min_tokens killed the engine
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=4, **_extra(**{name: [10**7], "min_tokens": 2}))
+        assert _error(info.value)["param"] == name
+    for name, value in (("temperature", 1e999), ("top_p", float("inf")), ("repetition_penalty", 1e999),
+                        ("repetition_penalty", 1e-50)):  # inf (a valid JSON number) or past float32: a NaN row
+        status, body = server.http("POST", "/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": "hi", "max_tokens": 2, name: value}).encode())
+        assert status == 400 and json.loads(body)["error"]["param"] == name, (name, value, status, body)
+    with pytest.raises(openai.BadRequestError) as info:  # n sequences are made at once: at most max_num_seqs
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, n=100000)
+    assert _error(info.value)["param"] == "n" and "max_num_seqs" in _error(info.value)["message"]
     with pytest.raises(openai.BadRequestError) as info:  # min_tokens above max_tokens: SamplingParams' check
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **_extra(min_tokens=3))
     assert _error(info.value)["param"] == "min_tokens"
@@ -1450,10 +1459,17 @@ def test_completions_with_beam_search(server, client, checkpoint):
                                do_sample=False, pad_token_id=1)[:, len(prompt):].tolist()
         got = [c.model_extra["token_ids"] for c in r.choices[3 * p:3 * p + 3]]
         assert got == want and all(c.finish_reason == "length" for c in r.choices[3 * p:3 * p + 3])
-    for name, value in (("stream", True), ("logprobs", 1), ("echo", True), ("stop", ["x"]), ("temperature", 0.5)):
+    for name, value in (("stream", True), ("logprobs", 1), ("echo", True), ("stop", ["x"]), ("temperature", 0.5),
+                        ("top_p", 0.5), ("seed", 3), ("presence_penalty", 1.0), ("logit_bias", {"15": -100})):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **{name: value},
                                       **_extra(use_beam_search=True))
+        assert _error(info.value)["param"] == name, name
+    for name, value in (("allowed_token_ids", [7]), ("repetition_penalty", 5.0), ("top_k", 3), ("min_p", 0.1),
+                        ("bad_words", ["x"]), ("min_tokens", 1)):  # were ignored: the same beams came back
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **_extra(use_beam_search=True,
+                                                                                      **{name: value}))
         assert _error(info.value)["param"] == name, name
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=11, **_extra(use_beam_search=True))

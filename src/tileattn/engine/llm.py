@@ -171,6 +171,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
         params.validate()
+        if params.n > self.config.max_num_seqs:  # n sequences are made at once: bounded like a step's batch
+            raise ValueError(f"n ({params.n}) must be at most max_num_seqs ({self.config.max_num_seqs})")
         if pooling is not None:
             pooling.validate()
             hidden = self.model_config.hidden_size
@@ -187,7 +189,8 @@ class LLMEngine:
             raise ValueError("prompt is empty (no tokens)")
         vocab = self.model_config.vocab_size
         for what, tokens in (("prompt token ids", ids), ("logit_bias token ids", params.logit_bias or ()),
-                             ("allowed_token_ids", params.allowed_token_ids or ())):
+                             ("allowed_token_ids", params.allowed_token_ids or ()),
+                             ("stop_token_ids", params.stop_token_ids or ())):
             bad = [t for t in tokens if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{what} {bad[:4]} are outside the vocabulary [0, {vocab})")
@@ -332,8 +335,11 @@ class LLMEngine:
             if token in eos and not params.ignore_eos:
                 seq.finish_reason = "stop"  # stop_reason None: the model's own end
             elif seq.matcher is not None and not seq.matcher.consume_token(token):
-                # not reached: the sampler allowed only tokens the grammar accepts
-                raise RuntimeError(f"structured output: the grammar refused token {token}: {seq.matcher.get_error()}")
+                # Not reached: the sampler allowed only tokens the grammar accepts. Should it be, this
+                # sequence ends (abort), not the engine with every other request.
+                print(f"tileattn engine: request {request.request_id}: the grammar refused token {token} "
+                      f"({seq.matcher.get_error()}); the sequence is aborted", file=sys.stderr)
+                seq.finish_reason = "abort"
             elif params.stop_token_ids and token in params.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
             else:

@@ -60,7 +60,10 @@ class Sampler:
         params = [s.params for s in seqs]
         temperature = _on_device([p.temperature for p in params], torch.float32, device)  # [N]
         is_greedy = temperature == 0
-        scaled = logits / torch.where(is_greedy, 1.0, temperature)[:, None]  # [N, V]
+        # Divided after the row's max is subtracted, so every scaled logit is <= 0: a tiny temperature
+        # sends the others to -inf instead of overflowing to inf (which made softmax NaN).
+        top = logits.amax(dim=-1, keepdim=True)  # [N, 1]
+        scaled = (logits - top) / torch.where(is_greedy, 1.0, temperature)[:, None]  # [N, V]
         scaled = apply_top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
         probs = scaled.softmax(dim=-1)  # [N, V]
         if any(p.min_p > 0 for p in params):
@@ -119,7 +122,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
         p = _on_device(top_p, torch.float32, logits.device)  # [N]
         probs = sorted_logits.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # [N, V] mass of the tokens ranked above each
-        sorted_logits = sorted_logits.masked_fill(before >= p[:, None], float("-inf"))
+        outside = before >= p[:, None]
+        outside[:, 0] = False  # the most likely token always stays (a top_p that rounds to 0 in float32)
+        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from .structured import check_spec
+
+_FLOAT32_TINY, _FLOAT32_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127  # float32's smallest normal, largest finite
 
 
 @dataclass
@@ -72,8 +75,8 @@ class SamplingParams:
 
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
-            if not is_number(getattr(self, name)):
-                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+            if not is_number(getattr(self, name)) or not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
         if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if self.temperature < 0 or self.temperature != self.temperature:
@@ -89,8 +92,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not _FLOAT32_TINY <= self.repetition_penalty <= _FLOAT32_MAX:  # the sampler divides by it in float32
+            raise ValueError(f"repetition_penalty must be > 0 and within float32's normal range "
+                             f"[{_FLOAT32_TINY:.3g}, {_FLOAT32_MAX:.3g}], got {self.repetition_penalty}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

@@ -1190,11 +1190,18 @@ async def _serve_beam_search(state: ServerState, req: CompletionRequest, request
     """/v1/completions with use_beam_search (vLLM's): req.n beams per prompt, the n best answers as
     its choices (best first; finish_reason "stop" for an answer that ended with EOS, else "length").
     Each step's one-token requests run through the engine thread like any request's, so other
-    requests keep running between them. Sampling fields do not apply; the ones that would change the
-    answer (stream, logprobs, echo, structured outputs, stops) are 400s."""
+    requests keep running between them. Sampling fields do not apply; every one that would change the
+    answer (stream, logprobs, echo, structured outputs, stops, the sampling and penalty fields, token
+    restrictions, min_tokens) is a 400 when set, not ignored."""
     for name, value in (("stream", req.stream), ("logprobs", req.logprobs is not None), ("echo", req.echo),
                         ("stop", bool(req.stop or req.stop_token_ids)), ("prompt_logprobs", req.prompt_logprobs is not None),
-                        ("response_format", _structured_spec(req)[0] is not None), ("temperature", bool(req.temperature))):
+                        ("response_format", _structured_spec(req)[0] is not None), ("temperature", bool(req.temperature)),
+                        ("top_p", req.top_p not in (None, 1.0)), ("top_k", req.top_k not in (None, -1, 0)),
+                        ("min_p", bool(req.min_p)), ("seed", req.seed is not None),
+                        ("repetition_penalty", req.repetition_penalty not in (None, 1.0)),
+                        ("presence_penalty", bool(req.presence_penalty)), ("frequency_penalty", bool(req.frequency_penalty)),
+                        ("logit_bias", bool(req.logit_bias)), ("allowed_token_ids", req.allowed_token_ids is not None),
+                        ("bad_words", bool(req.bad_words)), ("min_tokens", bool(req.min_tokens))):
         if value:
             raise APIError(400, f"{name} is not supported with use_beam_search.", param=name)
     try:
