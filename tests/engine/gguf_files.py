@@ -49,9 +49,11 @@ def _phi3_metadata(w, config: dict, out: dict) -> None:
         out["rope_factors_short.weight"] = torch.tensor(rope["short_factor"], dtype=torch.float32)
 
 
-def write_gguf(hf_dir, path, arch: str, per_expert_tensors: bool = False) -> str:
+def write_gguf(hf_dir, path, arch: str, per_expert_tensors: bool = False, edit=None) -> str:
     """Write the checkpoint in ``hf_dir`` (arch: a key of ARCH) as a float32 GGUF file at ``path``
-    with a small SentencePiece-style vocabulary; returns the path."""
+    with a small SentencePiece-style vocabulary; returns the path. ``edit(writer, tensors)``, when
+    given, runs before the tensors are written: more metadata, tensors added to or removed from
+    the name -> tensor dict (malformed files for the loader's tests)."""
     import gguf
 
     config = json.loads((hf_dir / "config.json").read_text())
@@ -112,6 +114,8 @@ def write_gguf(hf_dir, path, arch: str, per_expert_tensors: bool = False) -> str
     if not per_expert_tensors:
         for (layer, projection), by_expert in stacked.items():
             out[f"blk.{layer}.ffn_{projection}_exps.weight"] = torch.stack([by_expert[e] for e in range(experts)])
+    if edit is not None:
+        edit(w, out)
     for gguf_name, t in out.items():
         w.add_tensor(gguf_name, t.float().numpy().astype(np.float32))
     w.write_header_to_file()

@@ -10,6 +10,7 @@ one tensor per expert (blk.N.ffn_gate.E.weight). transformers' own GGUF loader r
 from each file must equal the HF model's within 1e-5 (both float32).
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -101,3 +102,54 @@ def test_gguf_expert_metadata_errors(tmp_path):
     no_router = {k: v for k, v in shapes.items() if "gate_inp" not in k}
     with pytest.raises(ValueError, match="no router tensor"):
         model_config_from_gguf(base, set(no_router), no_router)
+
+
+def _yarn(w, tensors):
+    w.add_string("llama.rope.scaling.type", "yarn")
+    w.add_float32("llama.rope.scaling.factor", 4.0)
+
+
+def _linear_without_factor(w, tensors):
+    w.add_string("llama.rope.scaling.type", "linear")
+
+
+def _unknown_tensor(w, tensors):
+    tensors["blk.0.foo.weight"] = torch.zeros(4)
+
+
+def _no_embedding(w, tensors):
+    del tensors["token_embd.weight"]
+
+
+def _short_rope_freqs(w, tensors):
+    tensors["rope_freqs.weight"] = torch.ones(3)
+
+
+def _q8_1_tensor(w, tensors):
+    import gguf
+
+    shape = tuple(tensors.pop("blk.0.attn_output.weight").shape)  # [rows, cols]: Q8_1 blocks of 32 values, 40 bytes
+    w.add_tensor("blk.0.attn_output.weight", np.zeros((shape[0], shape[1] // 32 * 40), np.uint8),
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+
+
+# Each loaded before this session (2026-12-05) and computed something else than the file means (yarn
+# ignored, an unknown tensor skipped) or failed with a raw KeyError / NotImplementedError /
+# shape error; now a ValueError naming it.
+MALFORMED_GGUF = {
+    "yarn scaling": (_yarn, "rope.scaling.type 'yarn' is not supported"),
+    "linear scaling without its factor": (_linear_without_factor, "lacks llama.rope.scaling.factor"),
+    "an unknown tensor": (_unknown_tensor, "blk.0.foo.weight has no place"),
+    "no embedding": (_no_embedding, "lacks the token_embd.weight tensor"),
+    "rope_freqs of the wrong length": (_short_rope_freqs, "rope_freqs.weight holds 3 factors"),
+    "a tensor type gguf cannot read": (_q8_1_tensor, "blk.0.attn_output.weight has type Q8_1"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED_GGUF))
+def test_malformed_gguf_files_are_refused_at_load(tmp_path, case):
+    edit, message = MALFORMED_GGUF[case]
+    make_checkpoint(tmp_path, "mixtral")  # written with the llama GGUF architecture
+    path = write_gguf(tmp_path, tmp_path / "bad.gguf", "mixtral", edit=edit)
+    with pytest.raises(ValueError, match=message):
+        LLMEngine.from_model(path, device="cpu", max_model_len=64, kv_cache_blocks=8)

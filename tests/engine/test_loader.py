@@ -115,3 +115,77 @@ def test_pytorch_bin_checkpoints_load_the_same(llama, tmp_path, sharded):
         (tmp_path / "pytorch_model.bin").write_bytes(b"not a pickle")
         with pytest.raises(ValueError, match="cannot read weights from .*pytorch_model.bin"):
             logits(tmp_path)
+
+
+def _edited(path, tmp_path, config=None, tensors=None, files=None):
+    """A copy of checkpoint `path` with config.json updated by `config` (a function of the dict),
+    model.safetensors by `tensors` (a function of the name -> tensor dict), and extra files."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    if config is not None:
+        cfg = json.loads((tmp_path / "config.json").read_text())
+        config(cfg)
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+    if tensors is not None:
+        weights = load_file(tmp_path / "model.safetensors")
+        tensors(weights)
+        save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for name, text in (files or {}).items():
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def _int8_projections(weights):
+    for name in [n for n in weights if n.endswith("proj.weight")]:
+        weights[name] = weights[name].mul(100).round().to(torch.int8)
+
+
+def _bias_without_attention_bias(weights):
+    weights["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(weights["model.layers.0.self_attn.q_proj.weight"].shape[0])
+
+
+# Each loaded before this session (2026-12-05) and then computed something else than the checkpoint
+# means, or failed late with a raw KeyError / AttributeError / JSONDecodeError; now a ValueError naming it.
+MALFORMED = {
+    "gelu MLP": (dict(config=lambda c: c.update(hidden_act="gelu")), "hidden_act 'gelu' is not supported"),
+    "tied head that differs": (dict(config=lambda c: c.update(tie_word_embeddings=True)),
+                               "lm_head.weight differs from embed_tokens"),
+    "int8 weights": (dict(tensors=_int8_projections), "weights must be floating point"),
+    "bias the config lacks": (dict(tensors=_bias_without_attention_bias), "q_proj.bias has no place"),
+    "rope without its factor": (dict(config=lambda c: c.update(rope_scaling={"rope_type": "linear"})),
+                                "linear rope scaling lacks factor"),
+    "generation_config not JSON": (dict(files={"generation_config.json": "{bad"}), "is not valid JSON"),
+    "generation_config a list": (dict(files={"generation_config.json": "[1]"}), "must hold a JSON object"),
+    "tokenizer_config not JSON": (dict(files={"tokenizer_config.json": "{bad"}), "is not valid JSON"),
+    "string eos ids": (dict(files={"generation_config.json": '{"eos_token_id": ["1"]}'}),
+                       "eos_token_id must be token ids"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_checkpoints_are_refused_at_load(llama, tmp_path, case):
+    path, _ = llama
+    edits, message = MALFORMED[case]
+    with pytest.raises(ValueError, match=message):
+        LLMEngine.from_model(str(_edited(path, tmp_path, **edits)), device="cpu", max_model_len=128, kv_cache_blocks=16)
+
+
+def test_a_tensor_stored_in_two_shards_is_refused(llama, tmp_path):
+    """The last file read used to win, whatever the index's weight_map said."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = llama
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    weights = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    name = "model.layers.0.mlp.down_proj.weight"
+    save_file(weights, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({name: torch.zeros_like(weights[name])}, tmp_path / "model-00002-of-00002.safetensors")
+    index = {n: "model-00001-of-00002.safetensors" for n in weights} | {"x": "model-00002-of-00002.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    with pytest.raises(ValueError, match=f"{name} is stored twice"):
+        LLMEngine.from_model(str(tmp_path), device="cpu", max_model_len=128, kv_cache_blocks=16)
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match="must map tensor names to shard files"):
+        LLMEngine.from_model(str(tmp_path), device="cpu", max_model_len=128, kv_cache_blocks=16)

@@ -15,7 +15,7 @@ never holds more than one checkpoint tensor in float32.
 from __future__ import annotations
 
 import glob
-import json
+import operator
 import os
 import pickle
 from dataclasses import dataclass
@@ -27,7 +27,7 @@ from .models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, model_class
 from .models.gemma import GEMMA_ARCHITECTURES
 from .models.moe import MOE_ARCHITECTURES
 from .models.olmo import OLMO_ARCHITECTURES
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, read_json_object
 
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -158,6 +158,12 @@ _TEXT_MODEL_TYPES = {"qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qw
                      "qwen3_vl_text": "Qwen3ForCausalLM", "qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}
 
 
+# What each rope scaling kind needs (layers.py reads them), checked at load time
+_ROPE_SCALING_KEYS = {"linear": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
+                      "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                      "longrope": ("long_factor", "short_factor")}
+
+
 def model_config_from_hf(cfg: dict) -> ModelConfig:
     """ModelConfig from a config.json dict (transformers 4: rope_theta + rope_scaling; 5:
     rope_parameters). A multimodal checkpoint of _MULTIMODAL_TEXT gives its language model's
@@ -181,6 +187,10 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         named = arch or cfg.get("model_type")
         raise ValueError(f"unsupported architecture {named!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if arch not in GEMMA_ARCHITECTURES:  # Gemma's GELU is checked with its options; every other MLP here is SiLU-gated
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"config.json: {arch} with hidden_act {act!r} is not supported (silu)")
     quantization = (cfg.get("quantization_config") or {}).get("quant_method")
     if quantization is not None and (quantization, arch) != ("mxfp4", "GptOssForCausalLM"):
         raise ValueError(f"quantized checkpoints are not supported ({arch} with quant_method {quantization!r}); "
@@ -203,6 +213,10 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
             raise ValueError("config.json: longrope scaling needs original_max_position_embeddings")
         scaling = {**scaling, "rope_type": "longrope", "original_max_position_embeddings": original,
                    "factor": scaling.get("factor") or cfg.get("max_position_embeddings", original) / original}
+    lacking = [key for key in _ROPE_SCALING_KEYS.get("longrope" if kind == "su" else kind, ())
+               if scaling is not None and scaling.get(key) is None]
+    if lacking:
+        raise ValueError(f"config.json: {kind} rope scaling lacks {', '.join(lacking)}")
     try:
         heads = cfg["num_attention_heads"]
         model = ModelConfig(
@@ -397,11 +411,7 @@ def _safe_dtype(value):
 
 
 def _hf_config(path) -> ModelConfig:
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            return model_config_from_hf(json.load(f))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}/config.json is not valid JSON: {exc}") from None
+    return model_config_from_hf(read_json_object(os.path.join(path, "config.json")))
 
 
 def _load_hf(path, device, dtype, max_model_len, tp):
@@ -414,15 +424,18 @@ def _load_hf(path, device, dtype, max_model_len, tp):
     defaults = {}
     gen_file = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_file):
-        with open(gen_file, encoding="utf-8") as f:
-            defaults = json.load(f)
+        defaults = read_json_object(gen_file)
     dtype = parse_dtype(dtype) or default_dtype(device, cfg.torch_dtype)
     with torch.device(device):
         model = model_class(cfg.architecture)(cfg, dtype, rows, tp)
     multimodal = "text_of" in cfg.extra
+    seen: dict[str, str] = {}  # tensor name -> the file it came from
     for file in files:
         try:
             for stored, tensor in _tensors(file, device):
+                if stored in seen:  # which copy wins would depend on the files' order
+                    raise ValueError(f"checkpoint tensor {stored} is stored twice: in {seen[stored]} and {file}")
+                seen[stored] = file
                 # a multimodal checkpoint: its language model's tensors under their text-only names, no vision
                 name = _text_model_name(stored) if multimodal else stored
                 if name is not None:
@@ -430,7 +443,8 @@ def _load_hf(path, device, dtype, max_model_len, tp):
         except (OSError, SafetensorError, RuntimeError, pickle.UnpicklingError) as exc:
             raise ValueError(f"cannot read weights from {file}: {exc}") from None
     model.check_loaded()
-    eos = _ids(defaults.get("eos_token_id")) or _ids(tokenizer.eos_token_id)
+    eos = (_ids(defaults.get("eos_token_id"), cfg.vocab_size, "generation_config.json eos_token_id")
+           or _ids(tokenizer.eos_token_id, cfg.vocab_size, "the tokenizer's eos token"))
     return LoadedModel(model.eval(), cfg, tokenizer, defaults, eos, os.path.basename(os.path.abspath(path)), dtype)
 
 
@@ -469,8 +483,10 @@ def _weight_files(path):
                                              ("pytorch_model.bin.index.json", "pytorch_model.bin", "pytorch_model*.bin")):
         index = os.path.join(path, index_name)
         if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                names = sorted(set(json.load(f)["weight_map"].values()))
+            weight_map = read_json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+                raise ValueError(f"{index} must map tensor names to shard files (weight_map)")
+            names = sorted(set(weight_map.values()))
             files = [os.path.join(path, n) for n in names]
             missing = [f for f in files if not os.path.isfile(f)]
             if missing:
@@ -485,10 +501,20 @@ def _weight_files(path):
     raise FileNotFoundError(f"no weights in {path}: neither model.safetensors nor pytorch_model.bin (nor an index)")
 
 
-def _ids(value) -> tuple[int, ...]:
+def _ids(value, vocab: int, what: str) -> tuple[int, ...]:
+    """Token ids given as one int or a list of them (None: none); ValueError naming `what` for
+    anything else or an id outside [0, vocab) (a string id would never match a sampled token)."""
     if value is None:
         return ()
-    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+    try:  # operator.index: Python and numpy ints (GGUF metadata), not strings or floats
+        ids = tuple(operator.index(t) for t in (value if isinstance(value, (list, tuple)) else (value,))
+                    if not isinstance(t, bool))
+    except TypeError:
+        ids = ()
+    if not ids or len(ids) != (len(value) if isinstance(value, (list, tuple)) else 1) or not all(
+            0 <= t < vocab for t in ids):
+        raise ValueError(f"{what} must be token ids (ints in [0, {vocab})), got {value!r}")
+    return ids
 
 
 # ---- GGUF files ---------------------------------------------------------------------------------
@@ -510,6 +536,10 @@ _GGUF_LAYER_NAMES = {
 _GGUF_STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                       "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+# GGUF tensors that are not weights: read into the config (rope frequency factors), not loaded
+_GGUF_READ_ELSEWHERE = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 def _hf_name(gguf_name: str, fused_up: bool = False) -> str | None:
@@ -562,10 +592,14 @@ def model_config_from_gguf(meta: dict, tensor_names: set[str], tensor_shapes: di
 
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     moe = _gguf_moe_options(arch, meta, tensor_shapes, int(get("block_count")))
-    scaling = None
-    if meta.get(f"{arch}.rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    scaling, kind = None, meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "linear":
+        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif kind != "none":  # e.g. yarn: its llama.cpp parameters are not mapped; running unscaled would be wrong
+        raise ValueError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported (none, linear)")
     tokens = meta.get("tokenizer.ggml.tokens") or []
+    if "token_embd.weight" not in tensor_shapes:
+        raise ValueError("GGUF file lacks the token_embd.weight tensor (the embedding)")
     vocab = meta.get(f"{arch}.vocab_size") or tensor_shapes["token_embd.weight"][0] or len(tokens)
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     extra, window = ({"moe": moe} if moe else {}), None
@@ -685,7 +719,12 @@ def _load_gguf(path, device, dtype, max_model_len, tp):
     tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in tensors:  # llama3-style scaling stored as per-frequency divisors
         rope_freqs = tensors["rope_freqs.weight"]
-        cfg.extra["rope_freq_factors"] = dequantize(rope_freqs.data, rope_freqs.tensor_type).reshape(-1)
+        factors = dequantize(rope_freqs.data, rope_freqs.tensor_type).reshape(-1)
+        rotating = int(cfg.extra.get("rotary_dim") or cfg.head_dim) // 2
+        if factors.shape[0] != rotating:
+            raise ValueError(f"GGUF rope_freqs.weight holds {factors.shape[0]} factors; the model rotates "
+                             f"{rotating} frequencies per head")
+        cfg.extra["rope_freq_factors"] = factors
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     dtype = parse_dtype(dtype) or default_dtype(device, None)
     with torch.device(device):
@@ -696,8 +735,13 @@ def _load_gguf(path, device, dtype, max_model_len, tp):
         stacked = _GGUF_STACKED_EXPERTS.get(parts[2]) if len(parts) == 4 and parts[0] == "blk" else None
         hf = _hf_name(name, fused_up=cfg.architecture == "Phi3ForCausalLM")
         if hf is None and stacked is None:
-            continue
-        w = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(shapes[name]).copy())  # fp32, host
+            if name in _GGUF_READ_ELSEWHERE:
+                continue
+            raise ValueError(f"GGUF tensor {name} has no place in {cfg.architecture}")  # as llama.cpp refuses it
+        try:
+            w = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(shapes[name]).copy())  # fp32, host
+        except NotImplementedError as exc:  # a tensor type the gguf package cannot dequantize
+            raise ValueError(f"GGUF tensor {name} has type {t.tensor_type.name}, which cannot be read: {exc}") from None
         if stacked is not None:
             for expert, weight in enumerate(w):
                 model.load_weight(f"model.layers.{parts[1]}.mlp.experts.{expert}.{stacked}.weight", weight)
@@ -710,7 +754,7 @@ def _load_gguf(path, device, dtype, max_model_len, tp):
             w = w.reshape(1, -1)  # llama.cpp stores the shared expert's gate [hidden]; HF [1, hidden]
         model.load_weight(hf, w)
     model.check_loaded()
-    eos = _ids(meta.get("tokenizer.ggml.eos_token_id"))
+    eos = _ids(meta.get("tokenizer.ggml.eos_token_id"), cfg.vocab_size, "GGUF tokenizer.ggml.eos_token_id")
     extra_eos = meta.get("tokenizer.ggml.eot_token_id")
     if extra_eos is not None and extra_eos not in eos:
         eos = eos + (int(extra_eos),)

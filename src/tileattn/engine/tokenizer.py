@@ -32,6 +32,18 @@ _GGUF_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3":
 TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
 
+def read_json_object(file: str) -> dict:
+    """A checkpoint's JSON file that must hold an object; ValueError naming the file otherwise."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} must hold a JSON object, got a {type(value).__name__}")
+    return value
+
+
 class Tokenizer:
     """encode / decode / apply_chat_template over a `tokenizers.Tokenizer`.
 
@@ -100,8 +112,7 @@ class Tokenizer:
         config = {}
         config_file = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(config_file):
-            with open(config_file, encoding="utf-8") as f:
-                config = json.load(f)
+            config = read_json_object(config_file)
         template = config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template}
@@ -112,8 +123,7 @@ class Tokenizer:
                 template = f.read()
         processor_file = os.path.join(path, "chat_template.json")  # multimodal checkpoints' processor template
         if template is None and os.path.isfile(processor_file):
-            with open(processor_file, encoding="utf-8") as f:
-                template = json.load(f).get("chat_template")
+            template = read_json_object(processor_file).get("chat_template")
         return cls(backend, chat_template=template, bos_token=_token_text(config.get("bos_token")),
                    eos_token=_token_text(config.get("eos_token")))
 

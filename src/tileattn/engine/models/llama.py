@@ -178,6 +178,7 @@ class LlamaForCausalLM(nn.Module):
                         "o_proj.weight": (1, h0 * d, cfg.num_heads * d),
                         "down_proj.weight": (1, f0, cfg.intermediate_size)}
         self._loaded: set[tuple[str, int]] = set()
+        self._tied_head = None  # an lm_head.weight stored beside tie_word_embeddings (load_weight)
 
     def make_layer(self, index: int, dtype: torch.dtype) -> nn.Module:
         """Decoder layer ``index`` (a subclass builds its family's)."""
@@ -225,8 +226,14 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensor ``name`` (HF naming), or this rank's slice of it, into its
         parameter, casting to the model dtype on the way (the copy runs on the parameter's device).
 
-        Raises ValueError for an unknown name or a shape that does not match the config."""
-        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+        Raises ValueError for an unknown name, a shape that does not match the config or a tensor
+        that is not floating point."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return
+        if not tensor.is_floating_point():  # copy_ would cast integers silently
+            raise ValueError(f"checkpoint tensor {name} has dtype {tensor.dtype}; weights must be floating point")
+        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            self._tied_head = tensor  # must equal the embedding: check_loaded compares them
             return
         module, kind = name.rsplit(".", 2)[-2:] if name.count(".") >= 2 else ("", "")
         if module in _CHECKPOINT_FUSED:  # Phi-3's qkv_proj / gate_up_proj: loaded as their parts
@@ -268,12 +275,23 @@ class LlamaForCausalLM(nn.Module):
         return [cfg.intermediate_size] * 2
 
     def check_loaded(self) -> None:
-        """Raises ValueError listing the parameters no checkpoint tensor filled."""
+        """Raises ValueError listing the parameters no checkpoint tensor filled, or when the config
+        ties the LM head to the embedding but the checkpoint stores a different lm_head.weight
+        (transformers would untie them; this model would silently compute with the embedding)."""
         missing = [f"{pname}[{s}]" if s is not None else pname
                    for pname, _ in self.named_parameters() for s in self._pieces(pname)
                    if (pname, s) not in self._loaded]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:4])}")
+        head, self._tied_head = self._tied_head, None
+        if head is not None:
+            embedding = self.embed_tokens
+            if tuple(head.shape) == (self.cfg.vocab_size, embedding.shape[1]):
+                head = head.narrow(0, self.vocab_start, embedding.shape[0])  # this rank's vocabulary rows
+            if head.shape != embedding.shape or not torch.equal(head.to(embedding.device, embedding.dtype), embedding):
+                raise ValueError("config.json ties the LM head to the embedding (tie_word_embeddings), but the "
+                                 "checkpoint's lm_head.weight differs from embed_tokens: set tie_word_embeddings "
+                                 "to false to use the stored head")
 
     def _pieces(self, pname: str) -> list:
         """The shards that fill parameter ``pname`` (load_weight records (pname, shard) for each)."""
@@ -294,12 +312,13 @@ class LlamaForCausalLM(nn.Module):
             return "embed_tokens", None
         if parts[:1] == ["lm_head"]:
             return "lm_head", None
+        shard = None
         if len(parts) >= 4 and parts[0] == "layers" and parts[-2] in _FUSED:
             fused, shard = _FUSED[parts[-2]]
-            return ".".join(parts[:-2] + [fused, parts[-1]]), shard
+            parts = parts[:-2] + [fused, parts[-1]]
         target = ".".join(parts)
-        try:
+        try:  # e.g. a bias the config has none of (attention_bias false), or a layer past num_hidden_layers
             self.get_parameter(target)
         except AttributeError:
             raise ValueError(f"checkpoint tensor {name} has no place in {self.cfg.architecture}") from None
-        return target, None
+        return target, shard
