@@ -123,12 +123,46 @@ def test_adapter_errors(served, tmp_path):
              "use_dora=True": dict(targets=ALL, rank=4, use_dora=True),
              "modules_to_save": dict(targets=ALL, rank=4, modules_to_save=["lm_head"]),
              "bias='all'": dict(targets=ALL, rank=4, bias="all"),
-             "rank_pattern": dict(targets=ALL, rank=4, rank_pattern={"q_proj": 2})}
+             "rank_pattern": dict(targets=ALL, rank=4, rank_pattern={"q_proj": 2}),
+             # loaded before 2026-12-05 and computed something else than PEFT: a bias on B dropped, an
+             # activated LoRA applied to every token
+             "lora_bias=True": dict(targets=ALL, rank=4, lora_bias=True),
+             "alora_invocation_tokens": dict(targets=ALL, rank=4, alora_invocation_tokens=[5, 6]),
+             "peft_type='LOHA'": dict(targets=ALL, rank=4, peft_type="LOHA")}
     for message, options in cases.items():
-        folder = tmp_path / message.replace(" ", "_").replace("'", "")
+        folder = tmp_path / message.replace(" ", "_").replace("'", "").replace("=", "")
         write_adapter(folder, hf, options.pop("targets"), alpha=8, seed=5, **options)
         with pytest.raises(ValueError, match=message.replace("(", r"\(")):
             engine.add_lora("c", str(folder))
+    # malformed files and tensors: ValueErrors naming them, not TypeError / AttributeError / SafetensorError
+    write_adapter(tmp_path / "m", hf, ALL[:1], rank=4, alpha=8, seed=8)
+    config = json.loads((tmp_path / "m" / "adapter_config.json").read_text())
+    for text, says in ((json.dumps({**config, "lora_alpha": "16"}), "lora_alpha must be a finite number"),
+                       (json.dumps({**config, "lora_alpha": None}), "lora_alpha must be a finite number"),
+                       ("[1]", "must hold a JSON object"), ("{bad", "is not valid JSON")):
+        (tmp_path / "m" / "adapter_config.json").write_text(text)
+        with pytest.raises(ValueError, match=says):
+            engine.add_lora("c", str(tmp_path / "m"))
+    (tmp_path / "m" / "adapter_config.json").write_text(json.dumps(config))
+    weights = tmp_path / "m" / "adapter_model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[:len(good) // 2])
+    with pytest.raises(ValueError, match="cannot read"):
+        engine.add_lora("c", str(tmp_path / "m"))
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    a, b = torch.randn(4, 64), torch.randn(64, 4)
+    for tensors, says in (({f"{key}.lora_A.weight": a.int(), f"{key}.lora_B.weight": b}, "not a floating-point"),
+                          ({f"{key}.lora_A.default.weight": a, f"{key}.lora_B.default.weight": b}, "PEFT's saved form"),
+                          ({f"{key}.lora_A.weight": a, f"{key}.lora_B.weight": b, f"{key}.lora_B.bias": b[:, 0].clone()},
+                           "not a floating-point lora_A / lora_B weight"),
+                          ({"base_model.model.model.vision_tower.layers.0.self_attn.q_proj.lora_A.weight": a,
+                            "base_model.model.model.vision_tower.layers.0.self_attn.q_proj.lora_B.weight": b},
+                           "adapts a vision module")):
+        save_file(tensors, weights)
+        with pytest.raises(ValueError, match=says):
+            engine.add_lora("c", str(tmp_path / "m"))
+    weights.write_bytes(good)
+    assert json.loads((tmp_path / "m" / "adapter_config.json").read_text()).get("lora_alpha") == 8
     other = make_checkpoint(tmp_path / "wide", "llama3", overrides={"hidden_size": 96})
     write_adapter(tmp_path / "wide_adapter", other, ALL, rank=4, alpha=8, seed=6)
     with pytest.raises(ValueError, match="the model implies"):
@@ -226,3 +260,16 @@ def test_steps_without_adapter_tokens_keep_the_fused_path(served, monkeypatch):
     assert not calls and rel_error(base, hf_logits(merged[None], PROMPT)) < 1e-5
     engine_logits(llm.engine, PROMPT, "a")
     assert len(calls) == len(llm.engine.runner.model.layers)
+
+
+def test_a_missing_lora_alpha_is_peft_default_8(tmp_path):
+    """PEFT's LoraConfig defaults lora_alpha to 8, not to r (the engine took r before 2026-12-05)."""
+    hf = make_checkpoint(tmp_path / "base", "llama3")
+    merged = write_adapter(tmp_path / "a", hf, ALL[:2], rank=16, alpha=8, seed=3)
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    del config["lora_alpha"]
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(config))
+    engine = LLMEngine.from_model(str(tmp_path / "base"), device="cpu", max_model_len=128, kv_cache_blocks=16,
+                                  max_loras=1, max_lora_rank=16)
+    engine.add_lora("a", str(tmp_path / "a"))
+    assert rel_error(engine_logits(engine, PROMPT, lora="a"), hf_logits(merged, PROMPT)) < 1e-5

@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from .harmony import HarmonyParser, answers_in_harmony
+from .tokenizer import read_json_object
 
 
 def add_commands(subparsers) -> None:
@@ -56,9 +58,11 @@ def _build(args):
     from . import LLM, SamplingParams
 
     lora = {}
-    if args.lora is not None:  # one slot, as large as the adapter's rank
-        with open(f"{args.lora}/adapter_config.json", encoding="utf-8") as f:
-            lora = {"max_loras": 1, "max_lora_rank": int(json.load(f).get("r", 1))}
+    if args.lora is not None:  # one slot, as large as the adapter's rank (the adapter's loader checks the rest)
+        rank = read_json_object(os.path.join(args.lora, "adapter_config.json")).get("r")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise ValueError(f"LoRA adapter {args.lora}: r must be a positive int, got {rank!r}")
+        lora = {"max_loras": 1, "max_lora_rank": rank}
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
               num_speculative_tokens=args.num_speculative_tokens, **lora)
@@ -121,7 +125,7 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     try:
         llm, params, lora = _build(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # as cmd_generate: a --lora that is a file, not a directory, too
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:

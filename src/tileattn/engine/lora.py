@@ -23,7 +23,6 @@ CUDA graphs serve the steps without them.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .layers import grouped_mm_supported
+from .tokenizer import read_json_object
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
            "qkv_proj", "gate_up_proj")  # the last two: Phi-3's fused modules
@@ -129,13 +129,19 @@ class LoRAAdapters:
         for f in (config_file, weights_file):
             if not os.path.isfile(f):
                 raise FileNotFoundError(f"LoRA adapter {name!r}: {f} does not exist")
-        with open(config_file, encoding="utf-8") as f:
-            config = json.load(f)
-        rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
-        if not isinstance(rank, int) or rank < 1 or rank > self.max_rank:
+        config = read_json_object(config_file)
+        # PEFT's defaults: lora_alpha 8 (not r), peft_type LORA
+        rank, alpha = config.get("r"), config.get("lora_alpha", 8)
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1 or rank > self.max_rank:
             raise ValueError(f"LoRA adapter {name!r} has rank {rank!r}; this engine serves ranks 1..{self.max_rank} "
                              "(max_lora_rank)")
-        for option, ok in (("use_dora", not config.get("use_dora")), ("bias", config.get("bias", "none") == "none"),
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+            raise ValueError(f"LoRA adapter {name!r}: lora_alpha must be a finite number, got {alpha!r}")
+        for option, ok in (("peft_type", config.get("peft_type", "LORA") == "LORA"),
+                           ("use_dora", not config.get("use_dora")), ("bias", config.get("bias", "none") == "none"),
+                           ("lora_bias", not config.get("lora_bias")),  # a bias on B, scaled like it
+                           ("alora_invocation_tokens", not config.get("alora_invocation_tokens")),  # activated LoRA
+                           ("layer_replication", not config.get("layer_replication")),
                            ("modules_to_save", not config.get("modules_to_save")),
                            ("fan_in_fan_out", not config.get("fan_in_fan_out")),
                            ("rank_pattern", not config.get("rank_pattern")),  # per-module ranks and scales
@@ -143,15 +149,34 @@ class LoRAAdapters:
             if not ok:
                 raise ValueError(f"LoRA adapter {name!r}: {option}={config.get(option)!r} is not supported")
         scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        try:
+            tensors = load_file(weights_file)
+        except Exception as exc:  # safetensors' own error types: a truncated or corrupt file
+            raise ValueError(f"LoRA adapter {name!r}: cannot read {weights_file}: {exc}") from None
         pieces = {}  # (layer, module) -> {"A": [r, in], "B": [out, r]}
-        for key, tensor in load_file(weights_file).items():
-            pieces.setdefault(self._place(name, key), {})[key.rsplit(".", 2)[-2][-1]] = tensor
+        for key, tensor in tensors.items():
+            if not key.endswith(".weight") or not tensor.is_floating_point():
+                raise ValueError(f"LoRA adapter {name!r}: tensor {key} ({tensor.dtype}) is not a floating-point "
+                                 "lora_A / lora_B weight")
+            place = self._place(name, key)
+            ab = key.rsplit(".", 2)[-2][-1]
+            if ab in pieces.setdefault(place, {}):
+                raise ValueError(f"LoRA adapter {name!r}: layer {place[0]} {place[1]} has two lora_{ab} tensors")
+            pieces[place][ab] = tensor
+        for layer, module in pieces:  # a fused module and one of its parts would write the same rows
+            overlap = [part for part in _PARTS.get(module, ()) if part != module and (layer, part) in pieces]
+            if overlap:
+                raise ValueError(f"LoRA adapter {name!r}: layer {layer} has both {module} and {', '.join(overlap)}")
         slot = free[0]
         staged = []  # (destination view, source): every check passes before a slot changes
         for (layer, module), ab in pieces.items():
             if set(ab) != {"A", "B"}:
                 raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_{''.join(ab)} only")
             staged += self._stage(name, slot, layer, module, ab["A"], ab["B"] * scale, rank)
+        for _, source in staged:  # e.g. a huge lora_alpha: an inf in the slot would make every logit of its requests NaN
+            if not torch.isfinite(source).all():
+                raise ValueError(f"LoRA adapter {name!r}: its weights (lora_B scaled by lora_alpha / r = {scale:g}) "
+                                 "are not all finite")
         with torch.no_grad():
             for destination, source in staged:
                 destination.copy_(source)
@@ -179,6 +204,11 @@ class LoRAAdapters:
             layer, module, ab = int(parts[at + 1]), parts[at + 3], parts[at + 4]
         except (ValueError, IndexError):
             raise ValueError(f"LoRA adapter {name!r}: tensor {key} targets no decoder projection") from None
+        if any(p in ("vision_tower", "visual", "vision_model", "multi_modal_projector") for p in parts[:at]):
+            raise ValueError(f"LoRA adapter {name!r}: tensor {key} adapts a vision module (text only here)")
+        if len(parts) != at + 6:  # ...layers.L.<self_attn|mlp>.<module>.lora_<A|B>.weight, PEFT's saved form
+            raise ValueError(f"LoRA adapter {name!r}: tensor {key} is not <...>.layers.L.<block>.<module>.lora_A|B.weight "
+                             "(an adapter name inside the key, as in lora_A.default.weight, is not PEFT's saved form)")
         if module not in TARGETS or ab not in ("lora_A", "lora_B") or not 0 <= layer < len(self.model.layers):
             raise ValueError(f"LoRA adapter {name!r}: tensor {key} has no place (targets served: {', '.join(TARGETS)})")
         return layer, module

@@ -1668,6 +1668,11 @@ def serve_main(args: argparse.Namespace) -> int:
     engine = None
     try:
         modules = _lora_modules(args.lora_modules)
+        served = args.served_model_name or args.model
+        if served in {name for name, _ in modules}:  # requests for it would get the base model
+            raise ValueError(f"--lora-modules: an adapter may not be named like the served model ({served!r})")
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {args.port}")
         max_loras = args.max_loras if args.max_loras is not None else max(len(modules), int(args.enable_lora_updates))
         if max_loras < len(modules):
             raise ValueError(f"--max-loras {max_loras} is fewer than the {len(modules)} --lora-modules")
@@ -1677,7 +1682,7 @@ def serve_main(args: argparse.Namespace) -> int:
             engine.add_lora(name, path)
         if args.chat_template is not None:
             engine.tokenizer.set_chat_template(_template_source(args.chat_template))
-        app = create_app(engine, args.served_model_name or args.model, max_queue_depth=args.max_queue_depth,
+        app = create_app(engine, served, max_queue_depth=args.max_queue_depth,
                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                          api_key=args.api_key, lora_updates=args.enable_lora_updates)
     except (ValueError, FileNotFoundError) as exc:  # bad checkpoint or option: say which, no traceback
