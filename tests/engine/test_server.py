@@ -1419,6 +1419,10 @@ def test_lora_adapters_loaded_and_unloaded_at_run_time(checkpoint, tmp_path):
         other = client.completions.create(model=MODEL, prompt=[0, 17, 203] * 12, max_tokens=1, **_extra(cache_salt="t2"))
         cached = [r.usage.prompt_tokens_details.cached_tokens for r in (salted, again, other)]
         assert cached[1] > 0 and cached[2] == 0, cached
+        s.state.lora_pins["live"] = 1  # as a beam search between two of its engine requests holds it
+        status, text = post(s, "/v1/unload_lora_adapter", {"lora_name": "live"})
+        assert status == 400 and "in use by a running beam search" in text
+        s.state.lora_pins["live"] = 0
         assert post(s, "/v1/unload_lora_adapter", {"lora_name": "live"}) == (
             200, "Success: LoRA adapter 'live' removed successfully.")
         with pytest.raises(openai.NotFoundError):

@@ -448,6 +448,9 @@ class ServerState:
         self.harmony = harmony  # answers decoded with their special tokens, read by the harmony parser
         self.tokenizer = engine.tokenizer
         self.lora_names: list[str] = engine.lora_names  # served beside the model, by their names
+        # adapters held by requests that run as several engine requests one after another (beam
+        # search): between two of them the engine sees none, so the unload endpoint asks here too
+        self.lora_pins: dict[str, int] = {}
         self.max_model_len: int = engine.max_model_len
         self.defaults: dict = dict(engine.generation_defaults or {})
         self.engine_loop: EngineLoop | None = None
@@ -1210,14 +1213,20 @@ async def _serve_beam_search(state: ServerState, req: CompletionRequest, request
         raise APIError(400, str(exc), param="n") from None
     rid = f"cmpl-{uuid.uuid4().hex}"
     step = 0
-    while pending := search.pending():
-        gen = Generation(state, f"{rid}-{step}", pending, search.step_params, arrival, lora, req)
-        await gen.start()
-        finals = await finals_or_disconnect(request, gen)
-        if finals is None:
-            return Response(status_code=499)
-        search.advance([finals[r].choices[0].final[2][0] for r in gen.ids])
-        step += 1
+    if lora is not None:
+        state.lora_pins[lora] = state.lora_pins.get(lora, 0) + 1
+    try:
+        while pending := search.pending():
+            gen = Generation(state, f"{rid}-{step}", pending, search.step_params, arrival, lora, req)
+            await gen.start()
+            finals = await finals_or_disconnect(request, gen)
+            if finals is None:
+                return Response(status_code=499)
+            search.advance([finals[r].choices[0].final[2][0] for r in gen.ids])
+            step += 1
+    finally:
+        if lora is not None:
+            state.lora_pins[lora] -= 1
     choices, completion_tokens = [], 0
     for p, answers in enumerate(search.answers(state.tokenizer.decode)):
         for j, answer in enumerate(answers):
@@ -1550,6 +1559,9 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(req: LoRAAdapterRequest):
+            if state.lora_pins.get(req.lora_name):
+                raise APIError(400, f"LoRA adapter {req.lora_name!r} is in use by a running beam search",
+                               param="lora_name")
             await _engine_call(state, lambda engine: engine.remove_lora(req.lora_name), "lora_name")
             state.lora_names = await _engine_call(state, lambda engine: engine.lora_names)
             return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
