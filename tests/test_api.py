@@ -107,7 +107,13 @@ def test_grid_limits_batch_and_heads():
     raises(r"B=65536, H=1; the launch grid allows at most 65535", q, k, v)
 
 
-@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
+def test_sequence_lengths_fit_int32():
+    """An expanded (stride-0) k of 2^31 keys passed every check and overflowed np.int32 at planning."""
+    q, k, v = qkv(b=1, h=1, hkv=1, nq=1, nk=2**31, device="meta")
+    raises(r"Nq=1 and Nk=2147483648 must be at most 2\^31 - 1", q, k, v)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan"), 1e39, 1e-47])  # the last two: inf / 0 in float32
 def test_bad_scale_value(scale):
     raises(r"^scale must be finite and > 0", *qkv(), scale=scale)
 

@@ -71,8 +71,8 @@ BAD_PAGED = [
     ({"v_cache": torch.zeros(6, 16, 2, 64, dtype=torch.bfloat16)}, "v_cache .* must have k_cache's shape"),
     ({"max_seqlen_q": -1}, "max_seqlen_q must be a non-negative int"),
     ({"max_seqlen_k": 2.0}, "max_seqlen_k must be a non-negative int"),
-    ({"scale": 0.0}, "scale must be a finite number > 0"),
-    ({"scale": float("nan")}, "scale must be a finite number > 0"),
+    ({"scale": 0.0}, "scale must be finite and > 0"),
+    ({"scale": float("nan")}, "scale must be finite and > 0"),
     ({"num_splits": 0}, "num_splits must be None or an int >= 1"),
     ({"num_splits": True}, "num_splits must be None or an int >= 1"),
     (
@@ -108,6 +108,8 @@ BAD_VARIANTS = [
     ({"window": (2.5, 0)}, r"window\[0\] \(left\) must be an int >= -1"),
     ({"softcap": -1.0}, "softcap must be None, 0 .off. or a finite number > 0"),
     ({"softcap": float("inf")}, "softcap must be None, 0 .off. or a finite number > 0"),
+    ({"softcap": 1e-50}, "softcap must be None, 0 .off. or a finite number > 0 within"),  # scale / cap: inf in float32
+    ({"scale": 1e39}, "scale must be finite and > 0 within"),
     ({"alibi_slopes": [0.1] * 8}, "alibi_slopes must be None or a torch.Tensor"),
     ({"alibi_slopes": torch.zeros(4)}, r"alibi_slopes must have shape \[H\]=\[8\] or \[B, H\]=\[2, 8\]"),
     ({"alibi_slopes": torch.zeros(3, 8)}, "alibi_slopes must have shape"),
@@ -191,6 +193,15 @@ BAD_WRITE = [
         "is 4128 bytes; it must be a multiple of 16 bytes and at most 4096",
     ),
     ({"slot_mapping": torch.zeros(6, dtype=torch.int64)[::2]}, "slot_mapping must be contiguous"),
+    (  # d = 0: reached the launch layer's division by the row's 16-byte chunks
+        {
+            "k": torch.zeros(3, 2, 0, dtype=torch.float16),
+            "v": torch.zeros(3, 2, 0, dtype=torch.float16),
+            "k_cache": torch.zeros(4, 16, 2, 0, dtype=torch.float16),
+            "v_cache": torch.zeros(4, 16, 2, 0, dtype=torch.float16),
+        },
+        "is 0 bytes; it must be a multiple of 16 bytes",
+    ),
     ({"k_cache": "cache"}, "k_cache must be a torch.Tensor"),
     ({}, "write_kv_cache needs CUDA tensors, got device cpu"),
 ]

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 from typing import Optional
 
 import torch
@@ -53,6 +52,7 @@ __all__ = ["attention"]
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 _ALIGN_ELEMS = 8  # 16 bytes of a 16-bit dtype: cp.async moves 16-byte chunks
+_INT32_MAX = 2**31 - 1
 _MAX_GRID_YZ = 65535
 _MAX_PLANS = 4096  # plan entries kept before the cache starts over (shapes seen by one process)
 
@@ -191,12 +191,10 @@ def _check_args(q, k, v, scale) -> None:
         raise ValueError(f"k/v heads Hkv={kv_heads} must divide q heads H={heads} (GQA/MQA)")
     if batch > _MAX_GRID_YZ or heads > _MAX_GRID_YZ:
         raise ValueError(f"q has B={batch}, H={heads}; the launch grid allows at most {_MAX_GRID_YZ} of each")
+    if q.shape[2] > _INT32_MAX or k.shape[2] > _INT32_MAX:  # the kernels take them as int32 (an expanded k can be)
+        raise ValueError(f"Nq={q.shape[2]} and Nk={k.shape[2]} must be at most 2^31 - 1")
 
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise ValueError(f"scale must be a positive finite number or None, got {type(scale).__name__}")
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale must be finite and > 0, got {scale}")
+    dr.check_scale(scale)
 
     for name, t in named:
         _check_strides(name, t)

@@ -332,6 +332,8 @@ def _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_
         raise ValueError(f"B={batch} and Hkv={kv_heads} must be at most {_MAX_GRID_YZ} (launch grid limit)")
     if max_blocks * block_size > _INT32_MAX:
         raise ValueError(f"block_table capacity {max_blocks} * {block_size} keys exceeds 2^31 - 1")
+    if block_table.stride(0) > _INT32_MAX:  # the kernels take it as an int32
+        raise ValueError(f"block_table row stride {block_table.stride(0)} exceeds 2^31 - 1")
     if block_size * max(k_cache.stride(1), v_cache.stride(1)) > _INT32_MAX:
         raise ValueError(
             f"one cache block spans more than 2^31 - 1 elements (block_size {block_size} x row stride "
@@ -348,8 +350,10 @@ def _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_
         raise ValueError(f"max_seqlen_q={max_seqlen_q} times the GQA group size exceeds 2^31 - 1")
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a finite number > 0 or None, got {scale!r}")
+    else:
+        from . import dropout as dr
+
+        dr.check_scale(scale)
     if num_splits is not None and (
         isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 1
     ):
@@ -381,13 +385,13 @@ def _check_write(k, v, k_cache, v_cache, slot_mapping) -> None:
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"k_cache block_size (dim 1) must be a power of two, got {block_size}")
     row_bytes = k.shape[2] * k.element_size()
-    if row_bytes % 16 or row_bytes > 4096:
+    if row_bytes == 0 or row_bytes % 16 or row_bytes > 4096:
         raise ValueError(
             f"k: a row of d={k.shape[2]} {k.dtype} elements is {row_bytes} bytes; it must be a multiple of 16 "
             "bytes and at most 4096 (one thread per 16-byte chunk, 256 threads per block)"
         )
-    if k.shape[0] * k.shape[1] > _INT32_MAX:
-        raise ValueError(f"k: T * Hkv = {k.shape[0] * k.shape[1]} rows exceeds 2^31 - 1")
+    if k.shape[0] * k.shape[1] > _INT32_MAX - 256:  # the kernel's int32 row index also counts a last partial block
+        raise ValueError(f"k: T * Hkv = {k.shape[0] * k.shape[1]} rows exceeds 2^31 - 257")
     align = 16 // k.element_size()
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_strides(name, t, align)

@@ -202,11 +202,7 @@ def _check_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         if not 0 <= value <= limit:
             raise ValueError(f"{name}={value} must be in [0, {limit}] (no sequence is longer than the packed tensor)")
 
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise ValueError(f"scale must be a positive finite number or None, got {type(scale).__name__}")
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale must be finite and > 0, got {scale}")
+    dr.check_scale(scale)
 
     for name, t in named:
         strides = t.stride()

@@ -123,12 +123,34 @@ def check_window(window, causal: bool) -> tuple[int, int]:
     return (UNBOUNDED if left == -1 else min(left, UNBOUNDED), UNBOUNDED if right == -1 else min(right, UNBOUNDED))
 
 
+# The kernels take float32 parameters derived from scale and softcap (scale * log2(e), scale / cap,
+# cap * log2(e)): inside this range every one of them is a finite, normal float32.
+PARAMETER_RANGE = (1e-12, 1e12)
+
+
+def check_scale(scale) -> None:
+    """None, or a finite number > 0 within PARAMETER_RANGE; ValueError otherwise."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise ValueError(f"scale must be a positive finite number or None, got {type(scale).__name__}")
+    low, high = PARAMETER_RANGE
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and > 0, got {scale}")
+    if not low <= scale <= high:
+        raise ValueError(f"scale must be finite and > 0 within [{low:g}, {high:g}] (the kernels' float32 "
+                         f"parameters), got {scale}")
+
+
 def check_softcap(softcap) -> float:
     """softcap as a float (0.0: off)."""
     if softcap is None:
         return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be None, 0 (off) or a finite number > 0, got {softcap!r}")
+    low, high = PARAMETER_RANGE
+    if (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0
+            or (softcap != 0 and not low <= softcap <= high)):
+        raise ValueError(f"softcap must be None, 0 (off) or a finite number > 0 within [{low:g}, {high:g}], "
+                         f"got {softcap!r}")
     return float(softcap)
 
 
