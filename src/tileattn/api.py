@@ -87,7 +87,8 @@ def attention(
             d must be one of 32, 64, 96, 128, 256. Nq != Nk is allowed.
         causal: mask aligned bottom-right: query i sees key j iff j <= i + Nk - Nq. Queries that
             see no key (Nq > Nk) get output 0 and lse -inf (and zero gradients).
-        scale: multiplies q . k; default 1 / sqrt(d). Must be finite and > 0.
+        scale: multiplies q . k; default 1 / sqrt(d). Must be finite, > 0 and within [1e-12, 1e12]
+            (the kernels take float32 parameters derived from it).
         return_lse: also return the log-sum-exp of each query row.
         deterministic: make the backward pass bitwise reproducible (may be slower).
         Variants (keyword-only; docs/attention_variants.md). On sm_90a with d in {64, 128, 256} the
@@ -98,7 +99,8 @@ def attention(
         window: (left, right) ints >= -1 (-1: unbounded): query i sees keys j in
             [i + Nk - Nq - left, i + Nk - Nq + right] (with causal: right <= 0). Whole key blocks
             outside every row's window are skipped.
-        softcap: c > 0: scores s = scale * q . k become c * tanh(s / c) (None or 0: off).
+        softcap: c > 0 (within [1e-12, 1e12]): scores s = scale * q . k become c * tanh(s / c) (None
+            or 0: off).
         alibi_slopes: float32 [H] or [B, H] on q's device: scores gain -slope * |i + Nk - Nq - j|.
         dropout_p: probability in [0, 1) of dropping each attention probability (kept ones are
             scaled by 1 / (1 - p)); the mask is tileattn.dropout.dropout_mask(seed, offset, B, H, Nq,
@@ -114,8 +116,8 @@ def attention(
     Raises:
         ValueError: a non-tensor argument; rank other than 4; an empty dimension; a dtype other than
             float16/bfloat16 or mixed dtypes; mismatched batch sizes, k/v shapes or head dims; a
-            head dim outside {32, 64, 96, 128, 256}; Hkv not dividing H; B or H above 65535; a
-            scale that is not finite and positive; stride(-1) != 1; strides or data pointers not
+            head dim outside {32, 64, 96, 128, 256}; Hkv not dividing H; B or H above 65535; Nq or
+            Nk above 2^31 - 1; a scale that is not finite and positive or outside [1e-12, 1e12]; stride(-1) != 1; strides or data pointers not
             16-byte aligned; tensors on different devices or not on a CUDA device; a malformed window,
             softcap, alibi_slopes (shape, dtype, device, layout), dropout_p, generator, seed or offset;
             with any variant, Nq or Nk above 2^28.
