@@ -26,7 +26,7 @@ Order of the argument checks (the first failing one is reported):
   3. dtype is float16 or bfloat16, the same for q, k, v
   4. shapes: batch equal, k and v the same shape, head dims equal and in {32, 64, 96, 128, 256},
      Hkv divides H, batch and heads within the CUDA grid limit (65535)
-  5. scale (when given) is a finite positive number
+  5. scale (when given) is a finite positive number within [1e-12, 1e12]; Nq, Nk at most 2^31 - 1
   6. layout: stride(-1) == 1 and every other stride (of a dimension longer than 1) a multiple of
      8 elements (16 bytes, the cp.async granule)
   7. devices: q, k, v on one device, and that device is CUDA
