@@ -25,8 +25,8 @@ Order of the argument checks (the first failing one is reported):
   2. no dimension has size 0                               ("... has an empty dimension")
   3. dtype is float16 or bfloat16, the same for q, k, v
   4. shapes: batch equal, k and v the same shape, head dims equal and in {32, 64, 96, 128, 256},
-     Hkv divides H, batch and heads within the CUDA grid limit (65535)
-  5. scale (when given) is a finite positive number within [1e-12, 1e12]; Nq, Nk at most 2^31 - 1
+     Hkv divides H, batch and heads within the CUDA grid limit (65535), Nq and Nk at most 2^31 - 1
+  5. scale (when given) is a finite positive number within [1e-12, 1e12]
   6. layout: stride(-1) == 1 and every other stride (of a dimension longer than 1) a multiple of
      8 elements (16 bytes, the cp.async granule)
   7. devices: q, k, v on one device, and that device is CUDA
