@@ -187,3 +187,23 @@ def test_sampled_tokens_keep_their_distribution(checkpoint):
     p_value = float(1 - torch.special.gammainc(torch.tensor(dof / 2, dtype=torch.float64),
                                                torch.tensor(statistic / 2, dtype=torch.float64)))
     assert p_value > 1e-3, f"chi-square {statistic:.1f} with {dof} degrees of freedom: p = {p_value:.2e}"
+
+
+def test_eos_or_stop_id_among_accepted_drafts_ends_the_output_there(checkpoint):
+    """With the model's own greedy loop in the prompt, prompt lookup drafts get accepted; a stop id
+    (or EOS) that arrives as one of a step's accepted drafts must end the output there. Before
+    2026-12-05 the picks after it in the same step were kept (found by a review: ...244, 21)."""
+    llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=128, block_size=4, num_speculative_tokens=0)
+    loop = [0, 40, 41, 42, 43, 44, 45] * 6
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    prompt = loop + llm.generate([loop], greedy, use_tqdm=False)[0].outputs[0].token_ids[:40]
+    base = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    firsts = [j for j, t in enumerate(base) if t not in base[:j]][:24]  # each token's first position
+    drafted = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=128, block_size=4,
+                  num_speculative_tokens=4)
+    params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, stop_token_ids=[base[j]]) for j in firsts]
+    outs = drafted.generate([prompt] * len(firsts), params, use_tqdm=False)
+    assert drafted.engine.stats()["spec_accepted_tokens"] > 0
+    for j, out in zip(firsts, outs):
+        assert out.outputs[0].token_ids == base[:j + 1], f"stop id {base[j]} at {j}"
+        assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", base[j])

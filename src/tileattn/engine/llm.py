@@ -319,7 +319,9 @@ class LLMEngine:
         now = time.time()
         eos, max_model_len = self.eos_token_ids, self.max_model_len
         for seq, token, logprobs in result.sampled:
-            if seq.finished:
+            # finish_reason: a token earlier in this step's accepted drafts ended it (EOS, a stop id,
+            # max_tokens); the picks after it are not the sequence's
+            if seq.finished or seq.finish_reason is not None:
                 continue
             request = seq.request
             if not finished_only:
