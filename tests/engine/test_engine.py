@@ -468,3 +468,24 @@ def test_priority_needs_its_policy(checkpoint):
     with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority'"):
         LLMEngine.from_model(checkpoint, device="cpu", scheduling_policy="lifo")
     assert not engine.has_unfinished_requests()
+
+
+def test_copies_of_a_cached_block_do_not_crowd_the_prefix_cache(checkpoint):
+    """n = 4 computes the prompt's blocks four times; only one copy of each can be found by the
+    cache, so the other copies are freed first. Before 2026-12-05 every copy kept its hash and sat
+    at the protected end of the free list: one unrelated request then evicted the findable blocks
+    and the same prompt again found 28 of its 40 cacheable tokens (found by a review helper)."""
+    engine = LLMEngine.from_model(checkpoint, device="cpu", max_model_len=64, kv_cache_blocks=48, block_size=4)
+
+    def cached_tokens(rid, prompt, n=1):
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1, n=n))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    return out.num_cached_tokens
+
+    prompt = [0] + list(range(100, 140))  # 41 tokens: 10 full blocks before the last one
+    cached_tokens("b", prompt, n=4)
+    cached_tokens("c", [0] + list(range(200, 240)))  # an unrelated request of 11 blocks
+    assert cached_tokens("b2", prompt) == 40
+    assert_all_free(engine)

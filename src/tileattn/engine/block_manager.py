@@ -93,9 +93,13 @@ class BlockManager:
             chunk = tuple(seq.token_ids[i * size:(i + 1) * size])
             h = hash((seq.last_block_hash, chunk))
             block = self.blocks[seq.block_table[i]]
-            if block.hash is None:
+            # A block whose chunk another block already holds in the cache (n > 1 forks, or requests
+            # with one prefix admitted in the same step, each computed it) stays unhashed: nothing can
+            # look it up, so on free it goes to the front of the free list instead of crowding out
+            # blocks the cache can serve.
+            if block.hash is None and h not in self.cached:
                 block.hash, block.token_ids = h, chunk
-                self.cached.setdefault(h, block.block_id)
+                self.cached[h] = block.block_id
             seq.last_block_hash = h
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
