@@ -506,15 +506,20 @@ def _ids(value, vocab: int, what: str) -> tuple[int, ...]:
     anything else or an id outside [0, vocab) (a string id would never match a sampled token)."""
     if value is None:
         return ()
-    try:  # operator.index: Python and numpy ints (GGUF metadata), not strings or floats
-        ids = tuple(operator.index(t) for t in (value if isinstance(value, (list, tuple)) else (value,))
-                    if not isinstance(t, bool))
-    except TypeError:
-        ids = ()
-    if not ids or len(ids) != (len(value) if isinstance(value, (list, tuple)) else 1) or not all(
-            0 <= t < vocab for t in ids):
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not all(_is_token_id(t, vocab) for t in items):
         raise ValueError(f"{what} must be token ids (ints in [0, {vocab})), got {value!r}")
-    return ids
+    return tuple(operator.index(t) for t in items)
+
+
+def _is_token_id(value, vocab: int) -> bool:
+    """An int in [0, vocab): Python's or numpy's (GGUF metadata), not a bool, string or float."""
+    if isinstance(value, bool):
+        return False
+    try:
+        return 0 <= operator.index(value) < vocab
+    except TypeError:
+        return False
 
 
 # ---- GGUF files ---------------------------------------------------------------------------------
