@@ -168,8 +168,6 @@ struct Record {
   std::vector<std::shared_ptr<BackwardRecord>> backward;
 
   ~Record() {
-    forward.reset();
-    backward.clear();
     Py_XDECREF(entry);
     Py_XDECREF(plans);
   }
@@ -540,7 +538,7 @@ std::shared_ptr<BackwardRecord> find_backward(const Record& record, const at::Te
 bool laid_out_as(const at::Tensor& t, const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
                  at::ScalarType dtype, int device) {
   return t.layout() == c10::kStrided && t.device().type() == served_type && t.get_device() == device &&
-         t.scalar_type() == dtype && t.sizes().vec() == sizes && t.strides().vec() == strides &&
+         t.scalar_type() == dtype && t.sizes() == c10::IntArrayRef(sizes) && t.strides() == c10::IntArrayRef(strides) &&
          (address_of(t) & 15) == 0;
 }
 
