@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-ARCH = {"mixtral": "llama", "qwen2-moe": "qwen2moe", "qwen3-moe": "qwen3moe", "phi3": "phi3"}
+ARCH = {"mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2-moe": "qwen2moe", "qwen3-moe": "qwen3moe",
+        "phi3": "phi3"}
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",

@@ -33,6 +33,13 @@ _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                        "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                        "phi3": "Phi3ForCausalLM"}
+# Where llama.cpp rotates NEOX style (pairs (i, i + n_rot / 2) among the first n_rot =
+# rope.dimension_count dims of a head, the rest passed: transformers' partial rotary, the engine's
+# "rotary_dim") on rows stored unpermuted. Not "llama" / "mistral": their rows are permuted for
+# llama.cpp's interleaved rotary over the whole head, and its partial form rotates pairs (2i, 2i + 1)
+# of the permuted rows, a layout the engine's partial rotary does not take; not the MoE
+# architectures, whose engine models take no partial rotary from config.json either.
+_GGUF_PARTIAL_ROTARY = ("qwen2", "qwen3", "phi3")
 # llama.cpp's routing when the file does not say ({arch}.expert_weights_norm): its Mixtral ("llama"
 # with experts) and Qwen3-MoE graphs renormalise the top-k weights, its Qwen2-MoE graph does not
 _GGUF_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False}
@@ -583,8 +590,8 @@ def _gguf_metadata(reader) -> dict:
 def model_config_from_gguf(meta: dict, tensor_names: set[str], tensor_shapes: dict,
                            rope_factors: dict | None = None) -> ModelConfig:
     """ModelConfig from GGUF metadata. rope_factors: the rope_factors_long / _short tensors' values
-    by "long" / "short" (_gguf_rope_factors). Raises ValueError naming an unsupported architecture
-    or a malformed Phi-3 rotary."""
+    by "long" / "short" (_gguf_rope_factors). Raises ValueError naming an unsupported architecture,
+    a malformed Phi-3 rotary or a partial rotary (rope.dimension_count) the architecture cannot run."""
     arch = meta.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHITECTURES)}")
@@ -608,9 +615,11 @@ def model_config_from_gguf(meta: dict, tensor_names: set[str], tensor_shapes: di
     vocab = meta.get(f"{arch}.vocab_size") or tensor_shapes["token_embd.weight"][0] or len(tokens)
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     extra, window = ({"moe": moe} if moe else {}), None
+    rotary = _gguf_rotary_dim(arch, meta, head_dim)
+    if rotary < head_dim:
+        extra["rotary_dim"] = rotary
     if arch == "phi3":
-        phi3, scaling = _gguf_phi3(meta, head_dim, int(get("context_length", 4096)), rope_factors or {})
-        extra.update(phi3)
+        scaling = _gguf_phi3_scaling(meta, rotary, int(get("context_length", 4096)), rope_factors or {})
         window = int(meta.get("phi3.attention.sliding_window") or 0) or None  # 0: none (the converter's)
     cfg = ModelConfig(
         architecture="MixtralForCausalLM" if moe and arch == "llama" else _GGUF_ARCHITECTURES[arch],
@@ -637,19 +646,27 @@ def model_config_from_gguf(meta: dict, tensor_names: set[str], tensor_shapes: di
     return cfg
 
 
-def _gguf_phi3(meta: dict, head_dim: int, context: int, rope_factors: dict) -> tuple[dict, dict | None]:
-    """Phi-3's (options, rope scaling) from llama.cpp's keys: phi3.rope.dimension_count rotating dims
-    of each head (Phi-4-mini: 3 / 4 of them), and with the rope_factors_long / _short tensors longrope
-    over phi3.rope.scaling.original_context_length positions, its attention factor as the file says."""
-    options = {}
-    rotary = int(meta.get("phi3.rope.dimension_count") or head_dim)
+def _gguf_rotary_dim(arch: str, meta: dict, head_dim: int) -> int:
+    """The rotating dims of each head: {arch}.rope.dimension_count (default: all of them). Fewer
+    than head_dim (partial rotary) only for the architectures of _GGUF_PARTIAL_ROTARY; elsewhere a
+    ValueError naming the key and both values, raised before any weight is read."""
+    key = f"{arch}.rope.dimension_count"
+    rotary = int(meta.get(key) or head_dim)
     if rotary % 2 or not 2 <= rotary <= head_dim:
-        raise ValueError(f"GGUF phi3.rope.dimension_count={rotary}: rotary needs an even count of at most the "
-                         f"head dim {head_dim}")
-    if rotary < head_dim:
-        options["rotary_dim"] = rotary
+        raise ValueError(f"GGUF {key}={rotary}: rotary needs an even count of at most the head dim {head_dim}")
+    if rotary < head_dim and arch not in _GGUF_PARTIAL_ROTARY:
+        raise ValueError(f"GGUF {key}={rotary} is less than the head dim {head_dim} (partial rotary), which is "
+                         f"not supported for the {arch!r} architecture (only {', '.join(_GGUF_PARTIAL_ROTARY)})")
+    return rotary
+
+
+def _gguf_phi3_scaling(meta: dict, rotary: int, context: int, rope_factors: dict) -> dict | None:
+    """Phi-3's rope scaling from llama.cpp's keys (None: none): with the rope_factors_long / _short
+    tensors, longrope over phi3.rope.scaling.original_context_length positions, one factor per
+    rotating frequency (rotary: phi3.rope.dimension_count, _gguf_rotary_dim; Phi-4-mini: 3 / 4 of
+    the head dims), its attention factor as the file says."""
     if not rope_factors:
-        return options, None
+        return None
     original = meta.get("phi3.rope.scaling.original_context_length")
     if not original:
         raise ValueError("GGUF phi3 file with longrope factors lacks phi3.rope.scaling.original_context_length")
@@ -662,7 +679,7 @@ def _gguf_phi3(meta: dict, head_dim: int, context: int, rope_factors: dict) -> t
                "factor": context / int(original)}
     if meta.get("phi3.rope.scaling.attn_factor") is not None:
         scaling["attention_factor"] = float(meta["phi3.rope.scaling.attn_factor"])
-    return options, scaling
+    return scaling
 
 
 def _gguf_rope_factors(reader) -> dict:
