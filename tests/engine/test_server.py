@@ -510,6 +510,40 @@ def test_errors(server, client):
     server.wait_idle()
 
 
+def test_request_lists_beyond_their_limits_are_refused(server, client):
+    """stop, bad_words, stop_token_ids, allowed_token_ids and logit_bias hold at most
+    REQUEST_LIST_LIMITS entries, a stop string or bad word at most MAX_STRING_CHARS characters: a 400
+    naming the field and the limit (before 2026-12 any length was taken: each entry is host work on
+    every step of the request, bad words tokenized on the engine thread). At the limits, answered."""
+    from tileattn.engine.server import MAX_STRING_CHARS, REQUEST_LIST_LIMITS as caps
+
+    def lists(extra):  # each list at its limit plus extra entries (repeated ids: the vocabulary has 384)
+        return {"stop": [f"stop{i}" for i in range(caps["stop"] + extra)],
+                "bad_words": [f"word{i}" for i in range(caps["bad_words"] + extra)],
+                "stop_token_ids": [5] * (caps["stop_token_ids"] + extra),
+                "allowed_token_ids": [42] * (caps["allowed_token_ids"] + extra)}
+
+    for name, value in lists(1).items():
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **_extra(**{name: value}))
+        err = _error(info.value)
+        assert err["param"] == name and f"at most {caps[name]} are allowed" in err["message"], (name, err)
+    with pytest.raises(openai.BadRequestError) as info:  # distinct keys: past the vocabulary too, the limit first
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                  logit_bias={str(i): 1 for i in range(caps["logit_bias"] + 1)})
+    assert _error(info.value)["param"] == "logit_bias" and "at most 4096" in _error(info.value)["message"]
+    for name in ("stop", "bad_words"):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           **_extra(**{name: ["ok", "x" * (MAX_STRING_CHARS + 1)]}))
+        err = _error(info.value)
+        assert err["param"] == name and f"{name}[1] has {MAX_STRING_CHARS + 1} characters" in err["message"], err
+    at_limit = lists(0)
+    out = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logit_bias={"42": 1},
+                                    **_extra(**{**at_limit, "stop": at_limit["stop"][:-1] + ["y" * MAX_STRING_CHARS]}))
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
 def test_metrics(server, client):
     from prometheus_client.parser import text_string_to_metric_families
 

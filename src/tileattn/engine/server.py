@@ -679,6 +679,34 @@ def _structured_errors_named(source: str | None):
         raise
 
 
+# The most entries a request's lists may hold (docs/server.md, "Sampling parameters"): each entry costs
+# host work on every step of the request (stop strings searched in the new text, stop ids and bad
+# words looked up, logit_bias and allowed ids sent to the device) or on the engine thread, which all
+# requests share, when it is admitted (bad words tokenized). Beyond them a 400, never a truncation.
+# OpenAI takes at most 4 stop strings; vLLM sets no bound.
+REQUEST_LIST_LIMITS = {"stop": 64, "bad_words": 256, "stop_token_ids": 4096, "allowed_token_ids": 4096,
+                       "logit_bias": 4096}
+# The longest stop string or bad word, in characters: a stop string holds back that many characters
+# of a streamed answer, and each step searches them again.
+MAX_STRING_CHARS = 1024
+
+
+def _check_list_limits(req: SamplingRequest) -> None:
+    """400 naming the field for a list (stop, bad_words, stop_token_ids, allowed_token_ids,
+    logit_bias) longer than REQUEST_LIST_LIMITS allows, or a stop string or bad word longer than
+    MAX_STRING_CHARS."""
+    for name, cap in REQUEST_LIST_LIMITS.items():
+        value = getattr(req, name)
+        items = [value] if isinstance(value, str) else value or ()
+        if len(items) > cap:
+            raise APIError(400, f"{name} has {len(items)} entries; at most {cap} are allowed.", param=name)
+        if name in ("stop", "bad_words"):
+            for i, text in enumerate(items):
+                if isinstance(text, str) and len(text) > MAX_STRING_CHARS:
+                    raise APIError(400, f"{name}[{i}] has {len(text)} characters; at most {MAX_STRING_CHARS} are "
+                                        "allowed.", param=name)
+
+
 def _sampling_params(state: ServerState, req: SamplingRequest, max_tokens: int,
                      logprobs: int | None, prompt_logprobs: int | None, stop_after: str | None = None,
                      structured: dict | None = None, grammar_after: str | None = None,
@@ -688,6 +716,7 @@ def _sampling_params(state: ServerState, req: SamplingRequest, max_tokens: int,
     grammar_after: where that grammar starts (the reasoning's end tag: the model thinks freely first);
     keep_special_tokens: the text keeps them whatever the request says (a harmony answer's markers,
     which its parser reads and removes)."""
+    _check_list_limits(req)
     overrides = {k: getattr(req, k) for k in (
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
         "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "include_stop_str_in_output",
