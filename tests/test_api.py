@@ -8,6 +8,7 @@ error), and shapes are checked with FakeTensorMode / meta tensors.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 
@@ -336,3 +337,43 @@ def test_default_scale_is_inverse_sqrt_d():
         q, k, v = qkv(d=96, device="cuda")
         gm = make_fx(lambda q, k, v: tileattn.attention(q, k, v))(q, k, v)
     assert repr(1 / math.sqrt(96)) in gm.code
+
+
+def _nbhd(b, h, n, d, dtype=torch.float16):
+    """[B, H, N, d] view of [N, B, H, d] storage (sequence first: K/V row stride B * H * d)."""
+    return torch.empty(n, b, h, d, dtype=dtype, device="meta").permute(1, 2, 0, 3)
+
+
+@pytest.mark.parametrize("kv_layout", ["both past the limit", "only k past the limit", "under the limit"])
+@pytest.mark.parametrize("op", ["attention_bwd", "attention_variants_bwd", "attention_dropout_bwd"])
+def test_backward_fakes_lay_out_gradients_as_the_eager_entries_plan(monkeypatch, op, kv_layout):
+    """torch.compile builds the backward against the fake's strides: they must be the layouts the
+    eager entry allocates (grad_specs), including dk / dv of the contiguous K / V copies an entry
+    makes when a row stride is past the kernels' 32-bit offsets (copy_kv)."""
+    from tileattn.kernels import dispatch
+
+    b, h, n, d = (128, 1024, 2, 128) if kv_layout != "under the limit" else (2, 4, 8, 64)  # B*H*d = 2^24 / 2^9
+    q, k, v = _nbhd(b, h, n, d), _nbhd(b, h, n, d), _nbhd(b, h, n, d)
+    if kv_layout == "only k past the limit":
+        v = torch.empty(b, n, h, d, dtype=torch.float16, device="meta").transpose(1, 2)
+    out, dout, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(b, h, n, device="meta")
+    monkeypatch.setattr(api, "_check_args", lambda *a: None)  # its CUDA-device rule; the shapes are valid
+    monkeypatch.setattr(dispatch, "attention_forward_plan", lambda *a, **kw: None)
+    monkeypatch.setattr(dispatch, "variant_forward_plan", lambda *a, **kw: None)
+    monkeypatch.setattr(dispatch, "inference_forward_differs", lambda *a: False)
+    monkeypatch.setattr(torch.cuda, "device", lambda *a: contextlib.nullcontext())
+    scale = 1 / math.sqrt(d)
+    if op == "attention_bwd":
+        entry = api._PlanEntry(q, k, v, False, scale)
+        fake = torch.ops.tileattn.attention_bwd(dout, q, k, v, out, lse, False, scale, False)
+    else:
+        entry = api._VariantEntry(q, k, v, False, scale, (64, 0), 0.0, None, 0.0)
+        tail = (None, scale, False, 64, 0, 0.0)
+        if op == "attention_variants_bwd":
+            fake = torch.ops.tileattn.attention_variants_bwd(dout, q, k, v, out, lse, *tail)
+        else:
+            rng = torch.zeros(2, dtype=torch.int64)
+            fake = torch.ops.tileattn.attention_dropout_bwd(dout, q, k, v, out, lse, None, rng, scale, False, 64, 0,
+                                                            0.0, 0.1)
+    assert entry.copy_kv == (kv_layout != "under the limit")
+    assert [(t.shape, t.stride()) for t in fake] == list(entry.grad_specs)

@@ -509,8 +509,7 @@ class _VariantEntry(_PlanEntry):
         self.causal = False  # folded into the window
         self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         self.device_index, self.device = q.device.index, q.device
-        self.copy_kv = (k.stride(2) >= attention_fwd_sm80.MAX_KV_ROW_STRIDE
-                        or v.stride(2) >= attention_fwd_sm80.MAX_KV_ROW_STRIDE)
+        self.copy_kv = dispatch.needs_contiguous_kv(k) or dispatch.needs_contiguous_kv(v)
         if self.copy_kv:
             k, v = k.contiguous(), v.contiguous()
         out = torch.empty_like(q)
@@ -713,7 +712,7 @@ def _attention_variants_bwd(
 @_attention_variants_bwd.register_fake
 def _attention_variants_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, scale, deterministic, window_left,
                                  window_right, softcap):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _gradients_fake(q, k, v)
 
 
 def _variant_op_entry(q, k, v, alibi_slopes, scale, left, right, softcap, dropout_p=0.0) -> _VariantEntry:
@@ -780,7 +779,7 @@ def _attention_dropout_bwd(
 @_attention_dropout_bwd.register_fake
 def _attention_dropout_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, rng, scale, deterministic, window_left,
                                 window_right, softcap, dropout_p):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _gradients_fake(q, k, v)
 
 
 dr.register_dropout_autograd(_attention_dropout_fwd, torch.ops.tileattn.attention_dropout_bwd, num_extra=1)
@@ -813,6 +812,16 @@ def _attention_bwd(
 
 @_attention_bwd.register_fake
 def _attention_bwd_fake(dout, q, k, v, out, lse, causal, scale, deterministic):
+    return _gradients_fake(q, k, v)
+
+
+def _gradients_fake(q, k, v) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) as the backward ops lay them out: like q, k, v, except that dk and dv follow
+    the contiguous copies of K and V that an entry with copy_kv plans for (grad_specs)."""
+    from .kernels import dispatch
+
+    if dispatch.needs_contiguous_kv(k) or dispatch.needs_contiguous_kv(v):
+        k, v = k.contiguous(), v.contiguous()
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
