@@ -2,14 +2,14 @@
 
 Before 2026-12 only phi3 read the key: a qwen2 / qwen3 file rotating part of each head ran with
 full rotary (other logits, no error), and a llama file too. Now qwen2 / qwen3 (NEOX rotary in
-llama.cpp: the first dimension_count dims rotate in halves, as transformers' partial_rotary_factor)
-run it as the engine runs the same checkpoint's config.json with partial_rotary_factor, and the
+llama.cpp: the first dimension_count dims rotate in halves, as Phi-3's partial rotary in transformers)
+run it as the engine runs the same checkpoint's config.json with that rotary_dim, and the
 other architectures refuse the file by its metadata, naming the key and both counts.
 """
 
 import pytest
 
-from tileattn.engine import LLMEngine
+from tileattn.engine import LLMEngine, loader
 from tileattn.engine.loader import model_config_from_gguf, read_model_config
 
 from .checkpoints import engine_logits, make_checkpoint, rel_error
@@ -26,9 +26,15 @@ def _rotating(count):
 
 
 @pytest.mark.parametrize("arch,head_dim", [("qwen2", 16), ("qwen3", 24)])
-def test_partial_rotary_gguf_runs_as_its_hf_config(tmp_path, arch, head_dim):
-    make_checkpoint(tmp_path, arch, overrides={"partial_rotary_factor": 0.5})
+def test_partial_rotary_gguf_runs_as_its_hf_config(tmp_path, monkeypatch, arch, head_dim):
+    """Oracle: the same checkpoint's config.json run with rotary_dim = the file's count (the partial
+    rotary path test_models checks against transformers' Phi-3). transformers' Qwen2 / Qwen3 ignore
+    partial_rotary_factor, so the engine's config.json path does too; the oracle's rotary_dim is
+    given to it here."""
+    make_checkpoint(tmp_path, arch)
     path = write_gguf(tmp_path, tmp_path / "model.gguf", arch, edit=_rotating(head_dim // 2))
+    extra_options = loader._extra_options
+    monkeypatch.setattr(loader, "_extra_options", lambda *a: {**extra_options(*a), "rotary_dim": head_dim // 2})
     ours, ref = read_model_config(path), read_model_config(str(tmp_path))
     assert ours.extra == ref.extra == {"rotary_dim": head_dim // 2}
     gguf_engine, hf_engine = (LLMEngine.from_model(p, device="cpu", max_model_len=128, kv_cache_blocks=16)

@@ -129,3 +129,17 @@ def test_yarn_rope_scaling(tmp_path, rope):
         ref = hf(torch.tensor([PROMPT])).logits[0].float()
     err = rel_error(engine_logits(engine, PROMPT), ref)
     assert err < 1e-5, f"{rope}: logits relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "mixtral", "phi3"])
+def test_partial_rotary_factor_read_as_transformers_reads_it(tmp_path, arch):
+    """config.json's partial_rotary_factor: transformers' Phi-3 (and GLM-4) rotate that fraction of each
+    head; its Qwen2, Mistral, Mixtral (the Llama family's rotary) ignore the field. The engine
+    follows each: the logits match transformers either way (before 2026-12-05 the engine rotated a
+    Qwen2 or Mistral config.json's heads partially, 0.8 relative from transformers)."""
+    hf = make_checkpoint(tmp_path, arch, overrides={"partial_rotary_factor": 0.5})
+    engine = LLMEngine.from_model(str(tmp_path), device="cpu", max_model_len=128, kv_cache_blocks=16)
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0].float()
+    err = rel_error(engine_logits(engine, PROMPT), ref)
+    assert err < 1e-5, f"{arch} with partial_rotary_factor 0.5: logits relative error {err:.2e} vs transformers"

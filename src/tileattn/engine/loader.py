@@ -298,6 +298,13 @@ def _o_bias(arch, cfg) -> bool:
     return bool(cfg.get("attention_bias", False) or cfg.get("use_bias", False))
 
 
+# The architectures whose transformers implementation reads config.json's partial_rotary_factor
+# (transformers 5.17: Phi3Config, Glm4Config). The others' rotary embedding sizes itself by the head dim
+# and ignores the field, so the engine does too: a Qwen2 config.json with partial_rotary_factor 0.5 runs
+# with full rotary there (test_models), as its reference implementation does.
+PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4ForCausalLM")
+
+
 def _extra_options(arch, cfg) -> dict:
     """ModelConfig.extra: the options of the architectures beyond the Llama decoder's fields."""
     if arch in GEMMA_ARCHITECTURES:
@@ -327,6 +334,8 @@ def _extra_options(arch, cfg) -> dict:
                 ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")}
     # GLM-4 and ERNIE 4.5 rotate pairs (2i, 2i + 1)
     options = {"rotary_interleaved": True} if arch in ("Glm4ForCausalLM", "Ernie4_5ForCausalLM") else {}
+    if arch not in PARTIAL_ROTARY_ARCHITECTURES:
+        return options
     partial = cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
     if partial < 1.0:  # Phi-4-mini, GLM-4: only the first rotary_dim dims of each head rotate
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
