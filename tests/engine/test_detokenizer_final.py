@@ -235,3 +235,24 @@ def test_byte_fallback_stop_tokens_and_stop_strings(sentencepiece):
     _check(s, ids, _length(len(ids), stop=["b\u4e2d"]), "a", "stop", "b\u4e2d", num_tokens=len(ab + zhong + x))
     part = ab + s.byte(b"\xe4\xb8")
     _check(s, part, _length(len(part), stop=["\u4e2d"]), "ab" + FFFD * 2, "length")
+
+
+# ---- min_tokens ---------------------------------------------------------------------------------
+
+def test_stop_string_passed_over_under_min_tokens_stays_passed_over(smollm2):
+    """A stop string completed before min_tokens output tokens is passed over, also once min_tokens
+    is reached and a longer stop string is set beside it (before 2026-12-05 the search for every
+    string reached back by the longest one's length and found the short one completed before: the
+    output ended at the min_tokens-th token, cut before a string completed under min_tokens)."""
+    s = smollm2
+    a, b, c = s.text("a"), s.text("b"), s.text("c")
+    for stops in (["a"], ["a", "wxyz"], ["wxyz", "a"]):
+        ids = a + b + c
+        for mode, out in _runs(s, ids, _length(3, stop=stops, min_tokens=2)).items():
+            got = (out.text, out.token_ids, out.finish_reason, out.stop_reason)
+            assert got == ("abc", ids, "length", None), f"{mode}, stops {stops}: {got}"
+        # The string completed again after min_tokens ends the output there.
+        ids = a + b + a + c
+        for mode, out in _runs(s, ids, _length(4, stop=stops, min_tokens=2)).items():
+            got = (out.text, out.token_ids, out.finish_reason, out.stop_reason)
+            assert got == ("ab", ids[:3], "stop", "a"), f"{mode}, stops {stops}: {got}"

@@ -63,18 +63,18 @@ def finish(tokenizer, seqs, ends) -> None:
 
 
 def find_stop(seq, new_text: str) -> str | None:
-    """If a stop string now occurs in seq.text (searching only where new_text could complete
-    one), cut the text before it (after it with include_stop_str_in_output) and return the string;
-    otherwise None. None while the sequence has fewer than min_tokens output tokens (a stop string
-    completed then is passed over)."""
+    """If new_text completes a stop string in seq.text (an occurrence that ends inside new_text;
+    the earliest one if several do), cut the text before it (after it with
+    include_stop_str_in_output) and return the string; otherwise None. None while the sequence has
+    fewer than min_tokens output tokens: a stop string completed then is passed over, also later
+    (each string is searched from where new_text could complete it, not from where the longest
+    could, which would find a shorter one completed before)."""
     stops = seq.params.stop
     if not stops or not new_text or seq.num_output_tokens < seq.params.min_tokens:
         return None
-    longest = max(len(s) for s in stops)
-    start = max(len(seq.text) - len(new_text) - longest + 1, 0)
     best = None
     for stop in stops:
-        at = seq.text.find(stop, start)
+        at = seq.text.find(stop, max(len(seq.text) - len(new_text) - len(stop) + 1, 0))
         if at >= 0 and (best is None or at < best[0]):
             best = (at, stop)
     if best is None:
