@@ -185,3 +185,23 @@ def test_host_overhead_enters_sdpa_kernel_once_outside_the_timed_calls(monkeypat
     assert all(r["suite"] == "host_overhead" and r["host_us_per_call"] == 1.0 for r in records)
     assert len(entries) == 1
     assert seen == [("sdpa", True, False)] * 5 + [("tileattn",)] * 5
+
+
+@pytest.mark.parametrize("n_q, n_k", [(16, 16), (8, 24), (24, 8), (1, 100), (512, 4608), (129, 1000), (7, 7)])
+def test_attention_flops_count_the_bottom_right_causal_mask(n_q, n_k):
+    """bench attention's FLOP count against the mask itself: 4 d per visible (query, key) pair of
+    tileattn's bottom-right causal mask, the diagonal counted half (N^2 / 2 at Nq = Nk, the
+    convention of the published tables); non-causal Nq * Nk; backward 2.5x."""
+    import torch
+
+    from tileattn.bench.attention import flops
+
+    b, h, d = 2, 3, 8
+    i = torch.arange(n_q)[:, None] + n_k - n_q  # query i sees key j iff j <= i + Nk - Nq
+    visible = int((torch.arange(n_k)[None, :] <= i).sum())
+    diagonal_half = min(n_q, n_k) / 2
+    assert flops(b, h, n_q, n_k, d, True, False) == 4 * b * h * d * (visible - diagonal_half)
+    assert flops(b, h, n_q, n_k, d, False, False) == 4 * b * h * d * n_q * n_k
+    assert flops(b, h, n_q, n_k, d, True, True) == 2.5 * flops(b, h, n_q, n_k, d, True, False)
+    if n_q == n_k:
+        assert flops(b, h, n_q, n_k, d, True, False) == 0.5 * 4 * b * h * d * n_q * n_k
