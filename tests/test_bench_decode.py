@@ -231,3 +231,12 @@ def test_run_sweep_end_to_end_on_cpu(monkeypatch):
     text = decode.render_sweep(records)
     assert "| 32/8 | 2 | 256 | 16 |" in text and "| 32/8 | 2 | 256 | 256 |" in text
     assert "32/32 B=1 KV=1000000000: skipped" in text
+
+
+def test_decode_table_footer_names_the_copy_bandwidth_as_an_h200_reference():
+    """The decode table's footer quotes a bandwidth measured once on an H200 (COPY_TBPS): it must
+    say so, not read as this run's machine's copy bandwidth (a run on an H100 printed it bare)."""
+    base = {"suite": "decode", "h": 32, "hkv": 8, "b": 8, "kv_len": 4096, "status": "ok", "us": 10.0, "tbps": 3.0}
+    records = [dict(base, impl="sdpa_flash"), dict(base, impl="tileattn_paged", block_size=16, num_splits=1)]
+    footer = next(line for line in decode.render(records).splitlines() if f"{decode.COPY_TBPS} TB/s" in line)
+    assert "H200" in footer and "not measured in this run" in footer, footer

@@ -310,7 +310,8 @@ def render(records: list[dict]) -> str:
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {cell(cells.get('sdpa_flash'))} | "
                      f"{cell(cells.get('sdpa_cudnn'))} | {cell(cells.get('bs16'))} | {cell(cells.get('bs256'))} | "
                      f"{ratio} | {splits} |")
-    lines += ["", f"(copy bandwidth {COPY_TBPS} TB/s; targets: >= 1.1x the best peer, >= 3.9 TB/s at B >= 8 with "
+    lines += ["", f"(an H200's device copy bandwidth {COPY_TBPS} TB/s, docs/labs/reduction.md, not measured in this run; "
+              "targets: >= 1.1x the best peer, >= 3.9 TB/s at B >= 8 with "
               "KV >= 4k, B=1 KV=4k <= 30 us)", ""]
     if not points:  # --prefill-only: no decode table
         lines = []
