@@ -123,3 +123,26 @@ def test_measure_samples_clocks_only_when_asked(monkeypatch):
     monkeypatch.setenv("TILEATTN_BENCH_CLOCKS", "fast")
     with pytest.raises(ValueError, match="TILEATTN_BENCH_CLOCKS"):
         harness.measure(lambda: None)
+
+
+def test_git_state_ignores_a_checkout_that_merely_contains_an_installed_copy(tmp_path, monkeypatch):
+    """A copy of the package installed under some other checkout (a wheel in a venv inside a
+    repository) must not record that checkout's commit and dirty flag as the code's: (None, None)."""
+    import importlib.util
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from tileattn.bench import env
+
+    monkeypatch.delenv("TILEATTN_GIT_COMMIT", raising=False)
+    git = ["git", "-C", str(tmp_path), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "another project"], check=True)
+    installed = tmp_path / "venv" / "lib" / "python3" / "site-packages" / "tileattn" / "bench" / "env.py"
+    installed.parent.mkdir(parents=True)
+    shutil.copy(Path(env.__file__), installed)
+    spec = importlib.util.spec_from_file_location("installed_env", installed)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module._git_state() == (None, None)

@@ -40,6 +40,13 @@ def _git_state() -> tuple[str | None, bool | None]:
 
     root = Path(__file__).resolve().parents[3]
     try:
+        # Only a checkout whose top is this package's root (src/tileattn/bench/env.py) names its code:
+        # an installed copy (site-packages/tileattn/...) under some other checkout, e.g. a wheel in a
+        # venv inside a repository, would otherwise record that checkout's commit and dirty flag.
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True,
+                             text=True, timeout=20)
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root:
+            return None, None
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=20)
         if commit.returncode != 0:
