@@ -207,3 +207,34 @@ def test_eos_or_stop_id_among_accepted_drafts_ends_the_output_there(checkpoint):
     for j, out in zip(firsts, outs):
         assert out.outputs[0].token_ids == base[:j + 1], f"stop id {base[j]} at {j}"
         assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", base[j])
+
+
+def test_stop_id_among_accepted_drafts_adds_no_text_when_streaming(checkpoint):
+    """The step API decodes every step; a stop id that arrives after other picks of the same step
+    ends the text before it, as it does one token at a time and offline. Before 2026-12-05 the
+    step's whole pick list was decoded, the stop token's text with it (found by a review)."""
+    from tileattn.engine import LLMEngine
+
+    llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=128, block_size=4, num_speculative_tokens=0)
+    loop = [0, 40, 41, 42, 43, 44, 45] * 6
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    prompt = loop + llm.generate([loop], greedy, use_tqdm=False)[0].outputs[0].token_ids[:40]
+    base = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    firsts = [j for j, t in enumerate(base) if t not in base[:j]][:24]  # each token's first position
+    engine = LLMEngine.from_model(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=128, block_size=4,
+                                  num_speculative_tokens=4)
+    for j in firsts:
+        engine.add_request(f"r{j}", prompt, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True,
+                                                           stop_token_ids=[base[j]]))
+    streamed, final = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            (c,) = out.outputs
+            streamed[out.request_id] = streamed.get(out.request_id, "") + c.new_text
+            if out.finished:
+                final[out.request_id] = c
+    assert engine.stats()["spec_accepted_tokens"] > 0
+    for j in firsts:
+        c = final[f"r{j}"]
+        assert (c.token_ids, c.finish_reason, c.stop_reason) == (base[:j + 1], "stop", base[j])
+        assert c.text == streamed[f"r{j}"] == llm.tokenizer.decode(base[:j]), f"stop id {base[j]} at {j}"

@@ -360,6 +360,10 @@ class LLMEngine:
                 finished.append(seq)
                 if seq.finish_reason == "stop":  # the stop token itself adds no text; held-back text is flushed
                     catch_up.append((seq, len(tokens) - 1))
+                    if to_detokenize and to_detokenize[-1] is seq:
+                        # an earlier pick of this step's accepted drafts queued it, to decode every
+                        # token: the stop token's text would be in the output
+                        to_detokenize.pop()
         for seq, hidden in result.pooled:  # an embedding request's prompt has ended: its vector, and done
             if seq.finished:
                 continue
