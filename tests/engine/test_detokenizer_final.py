@@ -256,3 +256,31 @@ def test_stop_string_passed_over_under_min_tokens_stays_passed_over(smollm2):
         for mode, out in _runs(s, ids, _length(4, stop=stops, min_tokens=2)).items():
             got = (out.text, out.token_ids, out.finish_reason, out.stop_reason)
             assert got == ("ab", ids[:3], "stop", "a"), f"{mode}, stops {stops}: {got}"
+
+
+# ---- prompts that end unsettled -----------------------------------------------------------------
+
+def _check_after_prompt(setup: Setup, prompt_end: list[int], ids, text):
+    """_check of ``ids`` run to max_tokens after the fixture's prompt + prompt_end."""
+    prompt = setup.prompt
+    setup.prompt = prompt + prompt_end
+    try:
+        _check(setup, ids, _length(len(ids)), text, "length")
+    finally:
+        setup.prompt = prompt
+
+
+def test_prompt_ending_inside_a_character_or_a_cut_byte_run(smollm2, sentencepiece):
+    """The detokenizer decodes the output after a few prompt tokens (their context). When those end
+    unsettled, the output is its own decode. Before 2026-12-05: a SentencePiece prompt ending in byte
+    tokens that the context window starts inside of (a text prompt whose characters have no piece,
+    e.g. CJK, cut mid-character) decoded as one U+FFFD per byte, and the output's characters spelled
+    by byte tokens joined that run: the output "\u4e2dx" came out as three U+FFFD and "x"; a prompt
+    ending in 2 of a character's 3 byte tokens lost the output's first piece of text after them."""
+    s = sentencepiece
+    x, ab, zhong = s.text("x"), s.text("ab"), s.byte("\u4e2d".encode())
+    _check_after_prompt(s, s.byte("\u4e2d\u4e2dA".encode()), zhong + x, "\u4e2dx")   # 7 byte tokens: cut
+    _check_after_prompt(s, s.byte("\u4e2d\u4e2d".encode()) + x, zhong + x, "\u4e2dx")  # the run is closed
+    _check_after_prompt(s, s.byte(b"\xe4\xb8"), s.byte(b"\xad") + x + ab, FFFD + "xab")
+    b = smollm2
+    _check_after_prompt(b, b.byte(b"\xe4\xb8"), b.byte(b"\xad") + b.text("x") + b.text("ab"), FFFD + "xab")

@@ -12,6 +12,9 @@ may come, a window whose text can still change is not consumed, so no text is ev
 When a sequence ends (its finish_reason is set), its window is consumed whatever it decodes to:
 the final text is what the tokenizer decodes, invalid or incomplete bytes at the end included as
 U+FFFD, the same as ``tokenizer.decode(output ids)``.
+The first window starts in the prompt (up to 6 of its last tokens, for a first token's leading
+space), unless those decode to text ending in U+FFFD (the prompt ends inside a character, or in a
+SentencePiece byte run the window cuts): the output is then decoded without them.
 """
 
 from __future__ import annotations
@@ -39,6 +42,15 @@ def detokenize(tokenizer, seqs, ends=None) -> list[str]:
         before = tokenizer.decode_batch([s.token_ids[s.prefix_offset:s.read_offset] for s, _ in group], skip)
         after = tokenizer.decode_batch([s.token_ids[s.prefix_offset:end] for s, end in group], skip)
         for (seq, end), old, new in zip(group, before, after):
+            if seq.read_offset == seq.num_prompt_tokens and old.endswith("\ufffd"):
+                # The prompt's context tokens end unsettled: inside a character, or (SentencePiece)
+                # in a run of byte tokens that the context starts inside of, which decodes to one
+                # U+FFFD per byte. The output's first bytes would join that run (its characters
+                # then U+FFFD too) or complete a character whose text is the prompt's, and the
+                # difference from the context's text would not be the output's text. The output
+                # is decoded without the prompt instead, as tokenizer.decode(output ids) does.
+                seq.prefix_offset = seq.read_offset
+                old, new = "", tokenizer.decode(seq.token_ids[seq.read_offset:end], skip)
             # Text that later tokens may still change waits for them, unless none will come.
             unsettled = new.endswith("\ufffd") or (byte_ids and _ends_in_byte_token(
                 seq.token_ids, seq.prefix_offset, end, byte_ids, special_ids if skip else ()))
