@@ -109,6 +109,13 @@ def test_whole_answer_formats(parser, text, content, names):
     ("[f(x=open('/etc/passwd'))]", "[f(x=open('/etc/passwd'))]", []),  # not a literal: never evaluated
     ("[os.system(x='ls')]", "[os.system(x='ls')]", []),               # not a plain name
     ("[f(x=1)", "[f(x=1)", []),                                       # cut off
+    # literals with no JSON spelling: content, not a 500 (TypeError from literal_eval or json.dumps)
+    ("[f(x={[1]: 2})]", "[f(x={[1]: 2})]", []),                       # unhashable key
+    ("[f(x=1j)]", "[f(x=1j)]", []),
+    ("[f(x=b'ab')]", "[f(x=b'ab')]", []),
+    ("[f(x={1, 2})]", "[f(x={1, 2})]", []),
+    ("[f(x=...)]", "[f(x=...)]", []),
+    ("[f(x={(1, 2): 3})]", "[f(x={(1, 2): 3})]", []),                 # a tuple key
     ("Sunny today.", "Sunny today.", []),
 ])
 def test_pythonic(text, content, calls):

@@ -248,11 +248,13 @@ class PythonicParser(_WholeAnswerParser):
                 return None
             try:
                 arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
-            except ValueError:  # not a literal
+                # a literal with no JSON spelling (complex, bytes, a set, Ellipsis, a tuple key) is no call either
+                text = json.dumps(arguments, ensure_ascii=False)
+            except (ValueError, TypeError):  # not a literal, an unhashable key ({[1]: 2}), not JSON
                 return None
             if len(arguments) != len(node.keywords):
                 return None  # a **mapping
-            calls.append(ToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False)))
+            calls.append(ToolCall(node.func.id, text))
         return calls
 
 
