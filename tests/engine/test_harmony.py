@@ -56,6 +56,8 @@ PARIS_CALL = [("get_weather", {"city": "Paris"})]
     (ANALYSIS + CALL[:-3], "length", ("The user asks for the weather.", '{"city": "Pari', [])),
     # arguments that are not a JSON object stay content
     ("<|channel|>commentary to=functions.f <|constrain|>json<|message|>[1, 2]<|call|>", "stop", (None, "[1, 2]", [])),
+    ("<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"x\": NaN}<|call|>", "stop",
+     (None, '{"x": NaN}', [])),  # NaN: not JSON
     # a preamble to the user (commentary without a recipient) is content, then the call
     ("<|channel|>commentary<|message|>Checking.<|end|>" + CALL, "stop", (None, "Checking.", PARIS_CALL)),
     # two analysis messages, reasoning cut off by max_tokens

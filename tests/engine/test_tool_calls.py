@@ -53,6 +53,8 @@ def _every_cutting(parser, text: str, stop_reason=None):
     ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
      []),
     (f"<tool_call>{CALL}", f"<tool_call>{CALL}", []),   # cut off (max_tokens): not a call
+    ('<tool_call>{"name": "f", "arguments": {"x": 1e999}}</tool_call>',          # inf: not JSON
+     '<tool_call>{"name": "f", "arguments": {"x": 1e999}}</tool_call>', []),
     ("", None, []),
     ("\n \n", None, []),
 ])
@@ -86,6 +88,9 @@ def test_hermes_open_block_ended_by_its_stop_string():
     ("llama3_json", '{"x": 1}', '{"x": 1}', []),
     ("llama3_json", "{", "{", []),
     ("llama3_json", "", None, []),
+    # NaN / Infinity, which Python's json reads, are not JSON: such arguments are no call
+    ("llama3_json", '{"name": "f", "parameters": {"x": NaN}}', '{"name": "f", "parameters": {"x": NaN}}', []),
+    ("mistral", '[{"name": "f", "arguments": {"x": -Infinity}}]', '[{"name": "f", "arguments": {"x": -Infinity}}]', []),
     ("mistral", f"[TOOL_CALLS] [{CALL}, {CALL2}]", None, ["get_weather", "get_time"]),
     ("mistral", f" [{CALL}]", None, ["get_weather"]),               # the tag skipped as a special token
     ("mistral", "The weather is fine.", "The weather is fine.", []),
@@ -116,6 +121,7 @@ def test_whole_answer_formats(parser, text, content, names):
     ("[f(x={1, 2})]", "[f(x={1, 2})]", []),
     ("[f(x=...)]", "[f(x=...)]", []),
     ("[f(x={(1, 2): 3})]", "[f(x={(1, 2): 3})]", []),                 # a tuple key
+    ("[f(x=1e999)]", "[f(x=1e999)]", []),                             # inf: not JSON
     ("Sunny today.", "Sunny today.", []),
 ])
 def test_pythonic(text, content, calls):

@@ -64,7 +64,10 @@ def call_from_value(obj) -> ToolCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    try:  # Python's json reads NaN and Infinity, which are not JSON: arguments holding them are no call
+        return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False, allow_nan=False))
+    except ValueError:
+        return None
 
 
 class Content:
@@ -249,7 +252,7 @@ class PythonicParser(_WholeAnswerParser):
             try:
                 arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
                 # a literal with no JSON spelling (complex, bytes, a set, Ellipsis, a tuple key) is no call either
-                text = json.dumps(arguments, ensure_ascii=False)
+                text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)  # 1e999 is inf
             except (ValueError, TypeError):  # not a literal, an unhashable key ({[1]: 2}), not JSON
                 return None
             if len(arguments) != len(node.keywords):
