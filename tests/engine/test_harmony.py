@@ -70,6 +70,13 @@ def test_harmony_answers_whole_and_streamed(text, finish_reason, expected):
     assert _every_cutting(text, finish_reason) == expected
 
 
+def test_harmony_deeply_nested_arguments_are_content():
+    """Arguments nested past the recursion limit are not a call: content, not a RecursionError (a 500)."""
+    deep = "[" * 3000 + "]" * 3000
+    text = f"<|channel|>commentary to=functions.f <|constrain|>json<|message|>{deep}<|call|>"
+    assert HarmonyParser().split(text) == (None, deep, [])
+
+
 def test_harmony_calls_without_tools_stay_content():
     assert _every_cutting(ANALYSIS + CALL, calls=False) == ("The user asks for the weather.", '{"city": "Paris"}', [])
 

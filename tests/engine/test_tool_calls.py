@@ -155,6 +155,22 @@ def test_forced_calls_are_what_the_parsers_read(tmp_path):
         assert [c.name for c in parser.parse(answer)[1]] == ["get_weather"], name
 
 
+DEEP = "[" * 3000 + "]" * 3000  # nested past the interpreter's recursion limit (a model stuck writing "[")
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", f"<tool_call>{DEEP}</tool_call>"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "' + DEEP + '"}</tool_call>'),  # arguments as a JSON string
+    ("llama3_json", '{"name": "f", "parameters": ' + DEEP[:3000]),
+    ("mistral", DEEP),
+    ("pythonic", "[f(x=" + "-" * 5000 + "1)]"),
+])
+def test_deeply_nested_answers_are_content(parser, text):
+    """JSON (or Python) nested deeper than the recursion limit is not a call: content as written, not
+    a RecursionError (a 500)."""
+    assert PARSERS[parser].parse(text) == (text, [])
+
+
 def test_call_from_json_and_parser_names():
     call = call_from_json('{"name": "f", "arguments": {"s": "caf\\u00e9"}}')
     assert call.name == "f" and call.arguments == '{"s": "café"}'

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import re
 
-from .tool_calls import Content, ToolCall, call_from_value, partial_suffix
+from .tool_calls import NOT_A_CALL, Content, ToolCall, call_from_value, partial_suffix
 
 MESSAGE, CHANNEL, START = "<|message|>", "<|channel|>", "<|start|>"
 BODY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -128,7 +128,7 @@ class HarmonyStream:
             if ended:
                 try:
                     call = call_from_value({"name": recipient[len("functions."):], "arguments": json.loads(whole)})
-                except ValueError:
+                except NOT_A_CALL:
                     pass
             if call is not None:
                 calls.append(call)

@@ -30,6 +30,11 @@ from dataclasses import dataclass, field
 
 from .structured import JSON_LAYOUT
 
+# What reading a model's text as JSON (or as Python literals) raises when the text is not a call:
+# malformed text, and nesting deeper than the interpreter's recursion limit (a model stuck writing
+# "[[[[..." reaches it), which would otherwise escape as a 500
+NOT_A_CALL = (ValueError, RecursionError)
+
 
 @dataclass
 class ToolCall:
@@ -48,7 +53,7 @@ def call_from_json(text: str) -> ToolCall | None:
     text of one)}; None when the text is not one."""
     try:
         return call_from_value(json.loads(text))
-    except ValueError:
+    except NOT_A_CALL:
         return None
 
 
@@ -60,13 +65,13 @@ def call_from_value(obj) -> ToolCall | None:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except ValueError:
+        except NOT_A_CALL:
             return None
     if not isinstance(args, dict):
         return None
     try:  # Python's json reads NaN and Infinity, which are not JSON: arguments holding them are no call
         return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False, allow_nan=False))
-    except ValueError:
+    except NOT_A_CALL:
         return None
 
 
@@ -217,7 +222,7 @@ class MistralParser(_WholeAnswerParser):
     def read(self, body):
         try:
             value = json.loads(body)
-        except ValueError:
+        except NOT_A_CALL:
             return None
         if not isinstance(value, list) or not value:
             return None
@@ -241,7 +246,7 @@ class PythonicParser(_WholeAnswerParser):
         body = body.removesuffix("<|python_end|>").strip()
         try:
             tree = ast.parse(body, mode="eval").body
-        except SyntaxError:
+        except (SyntaxError, *NOT_A_CALL, MemoryError):  # MemoryError: the parser's stack, on some versions
             return None
         if not isinstance(tree, ast.List) or not tree.elts:
             return None
@@ -253,7 +258,7 @@ class PythonicParser(_WholeAnswerParser):
                 arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
                 # a literal with no JSON spelling (complex, bytes, a set, Ellipsis, a tuple key) is no call either
                 text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)  # 1e999 is inf
-            except (ValueError, TypeError):  # not a literal, an unhashable key ({[1]: 2}), not JSON
+            except (*NOT_A_CALL, TypeError):  # not a literal, an unhashable key ({[1]: 2}), not JSON
                 return None
             if len(arguments) != len(node.keywords):
                 return None  # a **mapping
