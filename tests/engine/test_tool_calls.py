@@ -200,3 +200,14 @@ def test_a_parser_without_a_grammar_refuses_forced_calls():
         assert info.value.param == "tool_choice" and "pythonic" in info.value.message
     req = ChatRequest(messages=[{"role": "user", "content": "hi"}], tools=[tool])
     assert _chat_tools(state, req)[1:] == (PARSERS["pythonic"], None)
+
+
+def test_sent_back_arguments_nested_too_deep_are_a_400():
+    """An assistant message's tool call whose arguments string nests past the recursion limit is
+    "not JSON" (a 400), not a RecursionError (a 500)."""
+    pytest.importorskip("fastapi")
+    from tileattn.engine.server import APIError, _template_tool_call
+
+    with pytest.raises(APIError) as info:
+        _template_tool_call(0, 0, {"id": "c", "type": "function", "function": {"name": "f", "arguments": DEEP}})
+    assert info.value.status == 400 and "not JSON" in info.value.message

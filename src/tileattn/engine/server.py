@@ -903,7 +903,7 @@ def _template_tool_call(i: int, j: int, call: dict) -> dict:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the recursion limit: a 400 too, not a 500
             raise APIError(400, f"{where}.function.arguments is not JSON.", param="messages") from None
     if not isinstance(arguments, dict):
         raise APIError(400, f"{where}.function.arguments must be a JSON object.", param="messages")
