@@ -101,6 +101,19 @@ def save_tokenizer(path) -> None:
     fast.save_pretrained(path)
 
 
+def add_think_tokens(path) -> None:
+    """Give the tokenizer saved at ``path`` Qwen3's "<think>" and "</think>" as added tokens (one
+    token each, not special: the text keeps them), as reasoning models' tokenizers have them."""
+    import os
+
+    from tokenizers import AddedToken, Tokenizer
+
+    file = os.path.join(path, "tokenizer.json")
+    tok = Tokenizer.from_file(file)
+    tok.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in ("<think>", "</think>")])
+    tok.save(file)
+
+
 def make_checkpoint(path, arch: str, seed: int = 0, kernel_head_dims: bool = False, overrides: dict | None = None):
     """Write a tiny checkpoint of ``arch`` (a key of ARCHITECTURES) to ``path``; returns the
     transformers model (fp32, eval) for use as the oracle. kernel_head_dims: head_dim 64 (128 for

@@ -55,6 +55,7 @@ class HarmonyParser:
 
     name = "openai_gptoss"
     grammar_after = FINAL_HEADER
+    grammar_after_open = None  # the final channel's header always comes: the grammar waits for it
 
     def split(self, text: str, finish_reason: str = "stop") -> tuple[str | None, str | None, list[ToolCall]]:
         """A whole answer -> (reasoning or None, content or None, calls)."""

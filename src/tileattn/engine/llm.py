@@ -200,6 +200,16 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves "
                              "no room for an output token")
         matchers = self.grammars.matchers(params.structured_outputs, params.n) if params.structured_outputs else None
+        # waits: the grammar starts after grammar_after; opening: (the optional block's tag token, look back),
+        # the first token then being the tag (the block opens, the grammar waits) or the grammar's
+        waits, opening = False, None
+        if matchers is not None and params.grammar_after is not None:
+            tail = self.tokenizer.decode(ids[-32:], skip_special_tokens=False).rstrip()
+            waits = not tail.endswith(params.grammar_after)  # a prompt may close the block itself
+            look_back = len(self.tokenizer.encode(params.grammar_after, add_special_tokens=False)) + 1
+            tag = params.grammar_after_open
+            if waits and tag is not None and not tail.endswith(tag):  # the block is optional, not opened yet
+                opening = (self._tag_token(tag), look_back)
         if lora is not None and self.runner.lora is None:
             raise ValueError(f"lora={lora!r}: this engine serves no LoRA adapters (max_loras=0)")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -216,18 +226,26 @@ class LLMEngine:
             self.pooling_requests.add(request_id)
             self.runner.pooling = True
         if matchers is not None:
-            after = params.grammar_after
-            waits = after is not None and not self.tokenizer.decode(
-                ids[-32:], skip_special_tokens=False).rstrip().endswith(after)  # a prompt may close the block itself
-            look_back = len(self.tokenizer.encode(after, add_special_tokens=False)) + 1 if waits else 0
             for seq, matcher in zip(request.seqs, matchers):
-                if waits:
+                if opening is not None:  # the grammar's first tokens or the tag (sampler.apply_grammar_masks)
+                    seq.matcher, seq.grammar_opening = matcher, opening
+                elif waits:
                     seq.matcher_after = (matcher, look_back)
                 else:
                     seq.matcher = matcher
         self.requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
+
+    def _tag_token(self, tag: str) -> int:
+        """The one token whose text is ``tag`` (SamplingParams.grammar_after_open); ValueError naming
+        the tag when the tokenizer spells it in several tokens."""
+        ids = self.tokenizer.encode(tag, add_special_tokens=False)
+        if len(ids) != 1 or self.tokenizer.decode(ids, skip_special_tokens=False) != tag:
+            raise ValueError(f"structured outputs with an optional {tag!r} block need {tag!r} to be one token of "
+                             f"the model's tokenizer, which spells it in {len(ids)} tokens {ids[:8]}: the answer's "
+                             f"first token could not tell whether it opens the block (grammar_after_open)")
+        return ids[0]
 
     def _bad_words_token_ids(self, words) -> tuple[tuple[int, ...], ...]:
         """Each bad word's token ids alone and after a space (the word inside a text), the second only
@@ -334,6 +352,11 @@ class LLMEngine:
                 seq.logprobs.append(logprobs)
             params = seq.params
             lazy = finished_only and not params.stop
+            if seq.grammar_opening is not None:  # the first token: the optional block's tag, or the grammar's
+                tag, look_back = seq.grammar_opening
+                seq.grammar_opening = None
+                if token == tag:  # the block opens: free until grammar_after
+                    seq.matcher, seq.matcher_after = None, (seq.matcher, look_back)
             if token in eos and not params.ignore_eos:
                 seq.finish_reason = "stop"  # stop_reason None: the model's own end
             elif seq.matcher is not None and not seq.matcher.consume_token(token):

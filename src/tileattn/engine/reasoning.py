@@ -26,6 +26,9 @@ class ReasoningParser:
 
     def __init__(self, name: str, starts_inside: bool):
         self.name, self.starts_inside = name, starts_inside
+        # The block is optional unless the prompt opens it: the answer's first token is then either
+        # the opening tag's token or the grammar's (SamplingParams.grammar_after_open).
+        self.grammar_after_open = None if starts_inside else START
 
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole answer -> (reasoning or None, content)."""

@@ -183,8 +183,10 @@ def apply_grammar_masks(logits: torch.Tensor, seqs, eos_token_ids) -> torch.Tens
     """-inf at the tokens each constrained row's grammar forbids now (structured outputs). logits
     [N, V] -> [N, V] (a new tensor when any row is constrained). A grammar that allows no token
     (one the vocabulary cannot finish) allows EOS: the answer ends there instead of taking a token
-    the grammar refuses. The masks come from the matchers' states on the host, which hold every
-    token sampled so far: a step run ahead must not sample such a row (LLMEngine._run_ahead)."""
+    the grammar refuses. A row whose first token decides whether an optional thinking block opens
+    (Sequence.grammar_opening) may also take the block's tag token. The masks come from the
+    matchers' states on the host, which hold every token sampled so far: a step run ahead must not
+    sample such a row (LLMEngine._run_ahead)."""
     rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
     if not rows:
         return logits
@@ -196,6 +198,10 @@ def apply_grammar_masks(logits: torch.Tensor, seqs, eos_token_ids) -> torch.Tens
     if stuck.any():
         for token in eos_token_ids:
             bitmask[stuck, token // 32] |= torch.tensor(1 << (token % 32)).to(torch.int32)
+    for k, row in enumerate(rows):
+        opening = seqs[row].grammar_opening
+        if opening is not None:  # the grammar's first tokens or the block's tag
+            bitmask[k, opening[0] // 32] |= torch.tensor(1 << (opening[0] % 32)).to(torch.int32)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # made there: no host copy
     bits = bitmask.to(logits.device, non_blocking=True)[:, :, None] >> shifts  # [R, W, 32]
     allowed = (bits & 1).view(len(rows), words * 32)[:, :vocab].bool()  # [R, V]: bit j of word w is token 32 w + j

@@ -36,6 +36,14 @@ class SamplingParams:
     to end, and a ban could leave no token the grammar allows). grammar_after: the grammar starts
     once this text has been generated (e.g. "</think>": a thinking model thinks freely first), or at
     once when the prompt already ends with it (and whitespace); None: from the first token.
+    grammar_after_open: the tag that opens the block grammar_after closes, where the answer may
+    skip that block (qwen3's "<think>"; None: the answer starts inside it, or before grammar_after
+    whatever it writes). The first token then decides: this tag's own token (the tokenizer must
+    have the tag as one token, else LLMEngine.add_request refuses the request) opens the block and
+    the grammar waits for grammar_after; any other token is one the grammar allows from its start,
+    and the grammar holds from there. Only that exact token at the first position opens the block
+    (not whitespace first, not the tag in pieces). A prompt that already ends with grammar_after
+    starts the grammar at once, and one that ends with this tag waits for grammar_after, as without it.
     Raises ValueError naming the bad field, from the constructor and from validate().
     """
 
@@ -62,6 +70,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: dict | None = None
     grammar_after: str | None = None
+    grammar_after_open: str | None = None
 
     def __post_init__(self):
         self.validate()
@@ -142,6 +151,10 @@ class SamplingParams:
         if self.grammar_after is not None and (not isinstance(self.grammar_after, str) or not self.grammar_after.strip()
                                                or self.structured_outputs is None):
             raise ValueError(f"grammar_after must be a non-blank string, with structured_outputs, got {self.grammar_after!r}")
+        if self.grammar_after_open is not None and (not isinstance(self.grammar_after_open, str)
+                                                    or not self.grammar_after_open.strip() or self.grammar_after is None):
+            raise ValueError("grammar_after_open must be a non-blank string, with grammar_after, "
+                             f"got {self.grammar_after_open!r}")
 
     @property
     def greedy(self) -> bool:

@@ -50,6 +50,8 @@ class Sequence:
         self.drafts = None                # speculative tokens appended for the step in flight (speculative.py)
         self.history = None               # speculative.History of token_ids (made at the first proposal)
         self.matcher_after = None         # (matcher, tokens to look back) until SamplingParams.grammar_after appears
+        self.grammar_opening = None       # (tag token, tokens to look back) until the first token: with matcher
+                                          # set, that token is the grammar's or the tag (SamplingParams.grammar_after_open)
         self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason = None

@@ -710,10 +710,11 @@ def _check_list_limits(req: SamplingRequest) -> None:
 def _sampling_params(state: ServerState, req: SamplingRequest, max_tokens: int,
                      logprobs: int | None, prompt_logprobs: int | None, stop_after: str | None = None,
                      structured: dict | None = None, grammar_after: str | None = None,
-                     keep_special_tokens: bool = False) -> SamplingParams:
+                     keep_special_tokens: bool = False, grammar_after_open: str | None = None) -> SamplingParams:
     """stop_after: one more stop string (the tool-call parser's, for parallel_tool_calls: false);
     structured: the structured_outputs spec (_structured_spec, or the one that forces a tool call);
     grammar_after: where that grammar starts (the reasoning's end tag: the model thinks freely first);
+    grammar_after_open: the reasoning's opening tag where its block is optional (the first token decides);
     keep_special_tokens: the text keeps them whatever the request says (a harmony answer's markers,
     which its parser reads and removes)."""
     _check_list_limits(req)
@@ -725,6 +726,7 @@ def _sampling_params(state: ServerState, req: SamplingRequest, max_tokens: int,
     if structured is not None:
         overrides["structured_outputs"] = structured
         overrides["grammar_after"] = grammar_after
+        overrides["grammar_after_open"] = grammar_after_open if grammar_after is not None else None
     if keep_special_tokens:
         overrides["skip_special_tokens"] = False
     if stop_after is not None:
@@ -1348,12 +1350,14 @@ async def start_chat(state: ServerState, req: ChatRequest, prefix: str):
     stop_after = parser.one_call_stop if parser is not None and req.parallel_tool_calls is False else None
     rid = f"{prefix}-{uuid.uuid4().hex}"
     with _structured_errors_named(source):
-        grammar_after = state.reasoning_parser.grammar_after if state.reasoning_parser is not None else None
+        reasoning = state.reasoning_parser
+        grammar_after = reasoning.grammar_after if reasoning is not None else None
         if forced is not None and parser.grammar_from_start:
             grammar_after = None
         params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None,
                                   _prompt_logprobs_param(req, None), stop_after, structured, grammar_after,
-                                  keep_special_tokens=state.harmony)
+                                  keep_special_tokens=state.harmony,
+                                  grammar_after_open=reasoning.grammar_after_open if reasoning is not None else None)
         await _prepare_grammar(state, params)
         gen = Generation(state, rid, [prompt], params, arrival, lora, req)
         await gen.start()
