@@ -459,6 +459,115 @@ def test_priority_scheduling_admits_and_keeps_the_higher_priority(checkpoint, pl
     assert_all_free(small)
 
 
+def assert_blocks_consistent(engine):
+    """Between steps: every block's reference count is the number of live sequences' tables holding it,
+    the free list is exactly the unreferenced blocks, a waiting sequence holds none, a running one holds
+    blocks for its computed tokens, and no more than max_num_seqs run."""
+    scheduler, bm = engine.scheduler, engine.block_manager
+    refs = [0] * bm.num_blocks
+    for seq in scheduler.running:
+        assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens, seq
+        for block_id in seq.block_table:
+            refs[block_id] += 1
+    assert all(not seq.block_table and seq.num_computed_tokens == 0 for seq in scheduler.waiting), scheduler.waiting
+    assert [b.ref_count for b in bm.blocks] == refs
+    assert set(bm.free_blocks) == {i for i, r in enumerate(refs) if r == 0}
+    assert len(scheduler.running) <= scheduler.max_num_seqs
+
+
+def _priority_engine(checkpoint, mode, policy="priority", **options):
+    engine = LLMEngine.from_model(checkpoint, device="cpu", scheduling_policy=policy, block_size=8,
+                                  num_speculative_tokens=2 if mode == "speculative" else 0, **options)
+    engine.async_scheduling = mode == "async"
+    preempted = []
+    preempt = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq: (preempted.append(seq.request.request_id), preempt(seq))
+    return engine, preempted
+
+
+def _running(engine, request_id):
+    return any(seq.request.request_id == request_id for seq in engine.scheduler.running)
+
+
+def _drive(engine, outs, steps=None):
+    """Step (all steps, or ``steps``), checking the blocks after each; finished tokens into outs."""
+    while engine.has_unfinished_requests() and (steps is None or steps > 0):
+        outs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step(finished_only=True))
+        assert_blocks_consistent(engine)
+        steps = None if steps is None else steps - 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "speculative"])
+@pytest.mark.parametrize("limit", [{"max_num_seqs": 1, "kv_cache_blocks": 32}, {"kv_cache_blocks": 8}],
+                         ids=["max_num_seqs", "blocks"])
+def test_priority_arrival_preempts_a_lower_priority_running_request(checkpoint, limit, mode):
+    """A request of strictly higher priority that finds no room (max_num_seqs running, or too few free
+    blocks) preempts the lower-priority one running, in the step after it arrives (async: the step run
+    ahead comes first); the preempted request finishes later with its unpreempted tokens. Equal priority
+    and first come, first served wait for it to finish instead. Before 2026-12-05 every case waited."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    low_prompt, high_prompt = PROMPTS[2], [0, 5, 9, 17, 33, 40, 2, 7] * 4 + [3]  # 40 and 33 tokens
+    want = {}
+    for rid, prompt in (("low", low_prompt), ("high", high_prompt)):
+        want[rid] = run(checkpoint, [prompt], params, max_model_len=64, block_size=8)[0][0][0]
+    for policy, high_priority in (("priority", 0), ("priority", 5), ("fcfs", 0)):
+        engine, preempted = _priority_engine(checkpoint, mode, policy, max_model_len=64, **limit)
+        engine.add_request("low", low_prompt, params, priority=5 if policy == "priority" else 0)
+        outs = {}
+        _drive(engine, outs, steps=3)
+        engine.add_request("high", high_prompt, params, priority=high_priority if policy == "priority" else 0)
+        assert not _running(engine, "high")
+        steps = 0
+        while not _running(engine, "high"):
+            _drive(engine, outs, steps=1)
+            steps += 1
+        if policy == "priority" and high_priority < 5:
+            assert steps <= 2 and preempted == ["low"] and "low" not in outs, (steps, preempted)
+            assert engine.stats()["num_preemptions"] == 1
+        else:  # no preemption: high waits for low to finish
+            assert "low" in outs and not preempted and engine.stats()["num_preemptions"] == 0, (steps, preempted)
+        _drive(engine, outs)
+        assert outs == want, (policy, high_priority)
+        assert_all_free(engine)
+
+
+def test_priority_preempts_only_lower_priorities_and_only_what_it_needs(checkpoint):
+    """The arrival preempts the lowest-priority, latest running request and no more; where preempting
+    every lower-priority one would still not make room, nobody is preempted."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = {"a": PROMPTS[0], "b": [0, 11, 12, 13], "c": [0, 21, 22, 23], "h": PROMPTS[3]}
+    want = {rid: run(checkpoint, [p], params, max_model_len=64, block_size=8)[0][0][0] for rid, p in prompts.items()}
+    engine, preempted = _priority_engine(checkpoint, "sync", max_model_len=64, kv_cache_blocks=64, max_num_seqs=3)
+    for rid, priority in (("a", 1), ("b", 5), ("c", 5)):
+        engine.add_request(rid, prompts[rid], params, priority=priority)
+    outs = {}
+    _drive(engine, outs, steps=2)
+    engine.add_request("h", prompts["h"], params, priority=0)
+    _drive(engine, outs, steps=1)
+    assert _running(engine, "h") and preempted == ["c"], preempted
+    assert len(engine.scheduler.running) == 3
+    _drive(engine, outs)
+    assert outs == want
+    assert_all_free(engine)
+
+    # a (priority 0) holds 6 of 10 blocks, b (5) one: b's block and the 3 free ones are not the 6 that
+    # h (1) needs, so b keeps running and h waits
+    prompts = {"a": PROMPTS[2], "b": [0, 11, 12, 13], "h": [0] + list(range(60, 100))}
+    want = {rid: run(checkpoint, [p], params, max_model_len=64, block_size=8)[0][0][0] for rid, p in prompts.items()}
+    engine, preempted = _priority_engine(checkpoint, "sync", max_model_len=64, kv_cache_blocks=10)
+    engine.add_request("a", prompts["a"], params, priority=0)
+    engine.add_request("b", prompts["b"], params, priority=5)
+    outs = {}
+    _drive(engine, outs, steps=3)
+    assert [len(seq.block_table) for seq in engine.scheduler.running] == [6, 1]
+    engine.add_request("h", prompts["h"], params, priority=1)
+    _drive(engine, outs, steps=2)
+    assert not _running(engine, "h") and not preempted and _running(engine, "b")
+    _drive(engine, outs)
+    assert outs == want
+    assert_all_free(engine)
+
+
 def test_priority_needs_its_policy(checkpoint):
     engine = LLMEngine.from_model(checkpoint, device="cpu", max_model_len=64, kv_cache_blocks=8)
     with pytest.raises(ValueError, match="priority needs scheduling_policy='priority'"):

@@ -11,6 +11,9 @@ full blocks stay in the prefix cache, so the recompute is often mostly cache hit
 With ``priority`` scheduling (vLLM's policy) a request's priority (lower runs first; ties in arrival
 order) orders the waiting queue, a preempted sequence goes back to its place in it, and the running
 sequence preempted is the one that would be admitted last: the lowest priority, the latest arrival.
+A waiting sequence that finds no room (too few free blocks, or max_num_seqs running) preempts running
+sequences of strictly lower priority, in that order, as many as it needs and only when they make room
+(never one of its own priority or higher); those are not readmitted in the same step.
 """
 
 from __future__ import annotations
@@ -74,16 +77,26 @@ class Scheduler:
             budget -= n
             index += 1
         # Admit waiting sequences only when nothing was preempted: blocks are short right now.
-        while (not self._preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
+        victims: list[Sequence] = []  # preempted this step to admit a higher priority: not readmitted in it
+        while not self._preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
+            full = len(self.running) >= self.max_num_seqs
+            if (full and not (self.by_priority and self._outranks(seq))) or seq in victims:
+                break
             scored = seq.request.prompt_logprobs
             cached = self.block_manager.allocate_prefix(
                 seq, use_cache=scored is None or len(scored) >= seq.num_prompt_tokens)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + n):
-                self.block_manager.free(seq)
-                break
+            if full or not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + n):
+                preempted = self._preempt_for(seq, n, full)
+                if preempted is None:
+                    self.block_manager.free(seq)
+                    break
+                victims += preempted
+                budget += sum(m for victim, m in scheduled if victim in preempted)
+                scheduled = [(other, m) for other, m in scheduled if other not in preempted]
+                room = self.block_manager.ensure_slots(seq, seq.num_computed_tokens + n)
+                assert room, "preempted for a waiting sequence and still no room"
             self.block_manager.record_lookup(seq.num_tokens, cached)
             if seq.num_cached_tokens is None:  # a preempted sequence's own blocks do not count
                 seq.num_cached_tokens = cached
@@ -106,6 +119,38 @@ class Scheduler:
             if victim is seq:
                 return False
         return True
+
+    def _outranks(self, seq: Sequence) -> bool:
+        """Priority scheduling: waiting seq has a strictly higher priority than some running sequence."""
+        return any(r.request.priority > seq.request.priority for r in self.running)
+
+    def _preempt_for(self, seq: Sequence, n: int, full: bool) -> list[Sequence] | None:
+        """Priority scheduling: make room for waiting seq (its prefix allocated) to compute n tokens
+        by preempting running sequences of strictly lower priority, the lowest (latest arrival) first,
+        only as many as needed. Returns those preempted; None, preempting nobody, when even all of
+        them would not make room (too few blocks freed, or max_num_seqs still reached)."""
+        if not self.by_priority:
+            return None
+        bm = self.block_manager
+        short = -(-(seq.num_computed_tokens + n) // bm.block_size) - len(seq.block_table) - bm.num_free_blocks
+        released: dict[int, int] = {}  # block id -> references the victims hold (shared blocks free with the last)
+        victims = []
+        for victim in sorted(self.running, key=_rank, reverse=True):
+            if short <= 0 and not (full and not victims):
+                break
+            if victim.request.priority <= seq.request.priority:
+                return None
+            victims.append(victim)
+            for block_id in victim.block_table:
+                released[block_id] = released.get(block_id, 0) + 1
+                if bm.blocks[block_id].ref_count == released[block_id]:
+                    short -= 1
+        if short > 0 or (full and not victims):
+            return None
+        for victim in victims:
+            self.running.remove(victim)
+            self._preempt(victim)
+        return victims
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)  # also resets num_computed_tokens: recompute from the start
