@@ -849,13 +849,21 @@ def _chat_tools(state: ServerState, req: ChatRequest):
     return req.tools, parser, forced
 
 
+# A tool's name as OpenAI's API takes it. Names are written into the forced-call grammars (tool_choice
+# "required" / named) and the harmony recipient: a quote or a newline in one broke those with a grammar
+# error instead of naming the field.
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
 def _check_tool_schemas(tools: list[dict]) -> None:
     for i, tool in enumerate(tools):
         function = tool.get("function")
         if tool.get("type") != "function" or not isinstance(function, dict):
             raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}.", param="tools")
-        if not isinstance(function.get("name"), str) or not function["name"]:
-            raise APIError(400, f"tools[{i}].function.name must be a non-empty string.", param="tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise APIError(400, f"tools[{i}].function.name must be 1 to 64 letters, digits, underscores or dashes "
+                                f"(OpenAI's rule), got {name!r}.", param="tools")
         if not isinstance(function.get("parameters", {}), dict):
             raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object.", param="tools")
 
