@@ -108,6 +108,29 @@ def test_stop_token_ids_eos_and_max_tokens(checkpoint, plain):
     assert short.finish_reason == ("length" if len(short.token_ids) == 3 else "stop")
 
 
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "include_stop_str_in_output"])
+def test_stop_token_text_only_with_include_stop_str_in_output(checkpoint, plain, include):
+    """vLLM's rule: the stop id's own text is left out of the output, unless include_stop_str_in_output
+    (before 2026-12-05 it was left out either way); streamed pieces add up to the final text."""
+    llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=32)
+    ids = plain[0][0]
+    target = next(t for t in ids[3:] if llm.tokenizer.decode([t]).strip())  # a stop id with visible text
+    upto = ids[:ids.index(target) + (1 if include else 0)]
+    engine = llm.engine
+    engine.add_request("s", PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[target],
+                                                       ignore_eos=True, include_stop_str_in_output=include))
+    streamed, last = "", None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed += out.outputs[0].new_text
+            last = out
+    completion = last.outputs[0]
+    assert completion.stop_reason == target and completion.token_ids == ids[:ids.index(target) + 1]
+    assert completion.text == llm.tokenizer.decode(upto)
+    assert streamed == completion.text
+    assert_all_free(engine)
+
+
 def test_min_tokens_holds_off_stop_ids_eos_and_stop_strings(checkpoint, plain):
     llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=32)
     eos = min(llm.engine.eos_token_ids)

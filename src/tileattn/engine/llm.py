@@ -381,8 +381,9 @@ class LLMEngine:
                     seq.matcher, seq.matcher_after = matcher, None  # the grammar holds from the next token on
             if seq.finish_reason is not None:
                 finished.append(seq)
-                if seq.finish_reason == "stop":  # the stop token itself adds no text; held-back text is flushed
-                    catch_up.append((seq, len(tokens) - 1))
+                if seq.finish_reason == "stop":  # held-back text is flushed; the stop token (a stop id or
+                    # EOS) adds its text only with include_stop_str_in_output (vLLM's rule)
+                    catch_up.append((seq, len(tokens) - (0 if params.include_stop_str_in_output else 1)))
                     if to_detokenize and to_detokenize[-1] is seq:
                         # an earlier pick of this step's accepted drafts queued it, to decode every
                         # token: the stop token's text would be in the output
