@@ -690,7 +690,9 @@ def test_bench_serve_against_the_server(server, checkpoint, tmp_path):
               "6", "--tokenizer", checkpoint, "--ignore-eos", "--extra-body", '{"return_token_ids": true}',
               "--result-json", str(out)]
     assert bench_serve_main([*common, "--request-rate", "50", "inf", "--max-concurrency", "6"]) == 0
-    runs = json.loads(out.read_text())["runs"]
+    record = json.loads(out.read_text())
+    runs = record["runs"]
+    assert {"git_commit", "git_dirty", "command", "torch", "python"} <= set(record["client_environment"])
     assert [r["request_rate"] for r in runs] == [50.0, "inf"]
     for r in runs:
         assert (r["completed"], r["failed"], r["total_output_tokens"], r["total_input_tokens"]) == (12, 0, 72, 288), r

@@ -301,10 +301,13 @@ def bench_serve_main(argv=None) -> int:
         print(f"tileattn bench serve: {exc}", file=sys.stderr)
         return 2
     if args.result_json:
+        from tileattn.bench.env import environment  # versions, commit, command: what a record must name
+
         config = {k: v for k, v in vars(args).items() if k != "api_key"}
         with open(args.result_json, "w") as f:
+            # the client's environment: the server (its GPU, its commit) may be another machine
             json.dump({"config": config, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                       "runs": summaries}, f, indent=2)
+                       "client_environment": environment(), "runs": summaries}, f, indent=2)
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
 
 
