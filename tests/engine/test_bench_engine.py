@@ -155,3 +155,23 @@ def test_decode_bytes_count_the_weights_a_token_reads(shape):
         read += p.numel() * (config.num_experts_per_tok / config.num_experts if experts else 1)
     ours = bench_engine.decode_bytes_per_token(model_config_from_hf(config.to_dict()), 2, 0)
     assert ours == pytest.approx(2 * read, rel=1e-9)
+
+
+def test_transformers_batch_peer_gets_an_untimed_warm_up():
+    """The generate_batch peer, like the engine, runs once untimed first (before 2026-12-05 it was timed
+    cold: its one-off set-up counted against it); the timed call is the whole workload."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    class Model:
+        device = "cpu"
+
+        def generate_batch(self, inputs, generation_config):
+            calls.append((len(inputs), generation_config.max_new_tokens))
+            n = generation_config.max_new_tokens
+            return {i: SimpleNamespace(generated_tokens=[0] * n) for i in range(len(inputs))}
+
+    row = bench_engine._hf_batch(Model(), [[1, 2]] * 5, 40)
+    assert calls == [(2, 16), (5, 40)]
+    assert row["requests"] == 5 and row["output_tokens"] == 200
