@@ -16,7 +16,8 @@ causal, bf16, d = 128, H = Hkv = 32, forward and forward+backward. Implementatio
 - sdpa_<backend>: torch SDPA (flash, cudnn, efficient, each where it runs) on the padded batch
   [B, H, max_len, d] with is_causal (for Nq = Nk per sequence, top-left and bottom-right causal
   are the same mask, so its rows inside each sequence are the exact result; the padding rows are
-  wasted work, which is what the comparison measures). GQA through enable_gqa when Hkv < H.
+  wasted work, which is what the comparison measures); non-causal (--full) with a key-padding mask
+  (padded_sdpa). GQA through enable_gqa when Hkv < H.
 Throughput counts useful FLOPs only: 4 d H per visible (query, key) pair, n(n+1)/2 pairs for a
 causal sequence of n tokens (n^2 non-causal); forward+backward counts 3.5x the forward (the
 backward does 2.5x the forward's matrix products). Before timing, every implementation's output
@@ -76,6 +77,20 @@ def _fwd_bwd(attn, inputs, dout):
     return call
 
 
+def padded_sdpa(q, k, v, valid, causal: bool, backend):
+    """SDPA (`backend` forced) on a padded batch q, k, v [B, H(kv), L, d] whose first n_b positions of
+    sequence b are real (valid [B, L] bool): causal, the mask alone keeps every real query off the
+    padding keys (they come after it); non-causal, a key-padding mask [B, 1, 1, L] does (without it the
+    zero keys took softmax weight and the output was wrong; the flash backend takes no mask and is
+    reported as refusing the shape)."""
+    from torch.nn.attention import sdpa_kernel
+
+    mask = None if causal else valid[:, None, None, :]
+    with sdpa_kernel(backend):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                                enable_gqa=k.shape[1] != q.shape[1])
+
+
 def _dense_records(base, lengths, heads, kv_heads, head_dim, dtype, causal, reps, gen) -> list[dict]:
     """A dense batch of the same work (dense_equivalent), fwd and fwd+bwd, twice: through
     tileattn.attention (its dispatcher may pick the Hopper kernels: the ratio of the target) and
@@ -124,7 +139,7 @@ def _dense_records(base, lengths, heads, kv_heads, head_dim, dtype, causal, reps
 
 
 def run(lengths, heads, kv_heads, head_dim, dtype, causal, reps, seed) -> list[dict]:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
     from ..api_varlen import attention_varlen
 
@@ -177,9 +192,7 @@ def run(lengths, heads, kv_heads, head_dim, dtype, causal, reps, seed) -> list[d
     for name, backend in backends.items():
 
         def sdpa(q_, k_, v_, backend=backend):
-            with sdpa_kernel(backend):
-                return torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal=causal,
-                                                                        enable_gqa=kv_heads != heads)
+            return padded_sdpa(q_, k_, v_, valid, causal, backend)
 
         sbase = dict(base, impl=f"sdpa_{name}", padded_len=longest)
         mode = "fwd"
