@@ -108,6 +108,16 @@ def test_stop_token_ids_eos_and_max_tokens(checkpoint, plain):
     assert short.finish_reason == ("length" if len(short.token_ids) == 3 else "stop")
 
 
+def _stream(engine):
+    """Step one request to its end: (its new_text pieces joined, its final completion)."""
+    streamed, last = "", None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed += out.outputs[0].new_text
+            last = out
+    return streamed, last.outputs[0]
+
+
 @pytest.mark.parametrize("include", [False, True], ids=["cut", "include_stop_str_in_output"])
 def test_stop_token_text_only_with_include_stop_str_in_output(checkpoint, plain, include):
     """vLLM's rule: the stop id's own text is left out of the output, unless include_stop_str_in_output
@@ -119,12 +129,7 @@ def test_stop_token_text_only_with_include_stop_str_in_output(checkpoint, plain,
     engine = llm.engine
     engine.add_request("s", PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[target],
                                                        ignore_eos=True, include_stop_str_in_output=include))
-    streamed, last = "", None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            streamed += out.outputs[0].new_text
-            last = out
-    completion = last.outputs[0]
+    streamed, completion = _stream(engine)
     assert completion.stop_reason == target and completion.token_ids == ids[:ids.index(target) + 1]
     assert completion.text == llm.tokenizer.decode(upto)
     assert streamed == completion.text
@@ -190,12 +195,7 @@ def test_stop_string_cuts_text_and_streams_consistently(checkpoint, plain, inclu
     engine = llm.engine
     engine.add_request("s", PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True,
                                                        include_stop_str_in_output=include))
-    streamed, last = "", None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            streamed += out.outputs[0].new_text
-            last = out
-    completion = last.outputs[0]
+    streamed, completion = _stream(engine)
     assert completion.text == full[:full.index(stop) + (len(stop) if include else 0)]
     assert streamed == completion.text, "new_text pieces do not add up to the final text"
     assert completion.finish_reason == "stop" and completion.stop_reason == stop

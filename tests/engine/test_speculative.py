@@ -189,16 +189,22 @@ def test_sampled_tokens_keep_their_distribution(checkpoint):
     assert p_value > 1e-3, f"chi-square {statistic:.1f} with {dof} degrees of freedom: p = {p_value:.2e}"
 
 
-def test_eos_or_stop_id_among_accepted_drafts_ends_the_output_there(checkpoint):
-    """With the model's own greedy loop in the prompt, prompt lookup drafts get accepted; a stop id
-    (or EOS) that arrives as one of a step's accepted drafts must end the output there. Before
-    2026-12-05 the picks after it in the same step were kept (found by a review: ...244, 21)."""
+def _own_loop_prompt(checkpoint):
+    """A prompt ending in the model's own greedy loop (so prompt-lookup drafts get accepted): (prompt,
+    its greedy continuation without drafts, the first position of each of its first 24 distinct tokens)."""
     llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=128, block_size=4, num_speculative_tokens=0)
     loop = [0, 40, 41, 42, 43, 44, 45] * 6
     greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     prompt = loop + llm.generate([loop], greedy, use_tqdm=False)[0].outputs[0].token_ids[:40]
     base = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
-    firsts = [j for j, t in enumerate(base) if t not in base[:j]][:24]  # each token's first position
+    return prompt, base, [j for j, t in enumerate(base) if t not in base[:j]][:24]
+
+
+def test_eos_or_stop_id_among_accepted_drafts_ends_the_output_there(checkpoint):
+    """With the model's own greedy loop in the prompt, prompt lookup drafts get accepted; a stop id
+    (or EOS) that arrives as one of a step's accepted drafts must end the output there. Before
+    2026-12-05 the picks after it in the same step were kept (found by a review: ...244, 21)."""
+    prompt, base, firsts = _own_loop_prompt(checkpoint)
     drafted = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=128, block_size=4,
                   num_speculative_tokens=4)
     params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, stop_token_ids=[base[j]]) for j in firsts]
@@ -215,12 +221,7 @@ def test_stop_id_among_accepted_drafts_adds_no_text_when_streaming(checkpoint):
     step's whole pick list was decoded, the stop token's text with it (found by a review)."""
     from tileattn.engine import LLMEngine
 
-    llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=128, block_size=4, num_speculative_tokens=0)
-    loop = [0, 40, 41, 42, 43, 44, 45] * 6
-    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    prompt = loop + llm.generate([loop], greedy, use_tqdm=False)[0].outputs[0].token_ids[:40]
-    base = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
-    firsts = [j for j, t in enumerate(base) if t not in base[:j]][:24]  # each token's first position
+    prompt, base, firsts = _own_loop_prompt(checkpoint)
     engine = LLMEngine.from_model(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=128, block_size=4,
                                   num_speculative_tokens=4)
     for j in firsts:
@@ -237,4 +238,4 @@ def test_stop_id_among_accepted_drafts_adds_no_text_when_streaming(checkpoint):
     for j in firsts:
         c = final[f"r{j}"]
         assert (c.token_ids, c.finish_reason, c.stop_reason) == (base[:j + 1], "stop", base[j])
-        assert c.text == streamed[f"r{j}"] == llm.tokenizer.decode(base[:j]), f"stop id {base[j]} at {j}"
+        assert c.text == streamed[f"r{j}"] == engine.tokenizer.decode(base[:j]), f"stop id {base[j]} at {j}"
