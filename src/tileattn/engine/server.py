@@ -47,7 +47,7 @@ from .tokenizer import TEMPLATE_VARIABLES
 from .harmony import HarmonyParser, answers_in_harmony
 from .reasoning import PARSERS as REASONING_PARSERS
 from .reasoning import get_parser as get_reasoning_parser
-from .tool_calls import PARSERS, HarmonyCallsParser, get_parser
+from .tool_calls import NOT_A_CALL, PARSERS, HarmonyCallsParser, get_parser
 
 log = logging.getLogger("tileattn.serve")
 
@@ -913,7 +913,7 @@ def _template_tool_call(i: int, j: int, call: dict) -> dict:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except (ValueError, RecursionError):  # nested past the recursion limit: a 400 too, not a 500
+        except NOT_A_CALL:  # malformed, or nested past the recursion limit: a 400, not a 500
             raise APIError(400, f"{where}.function.arguments is not JSON.", param="messages") from None
     if not isinstance(arguments, dict):
         raise APIError(400, f"{where}.function.arguments must be a JSON object.", param="messages")
