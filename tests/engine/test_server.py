@@ -293,6 +293,40 @@ def test_logit_bias_bans_and_forces_tokens(server, client):
     assert _error(info.value)["param"] == "bad_words"
 
 
+def test_prompts_are_tokenized_off_the_event_loop(server, client, monkeypatch):
+    """Every endpoint that tokenizes a prompt does it in a worker thread, never on uvicorn's event
+    loop (here server.thread), which streams the other requests' tokens meanwhile; and the
+    tokenizer lets other Python threads run while it works (a long text, tokenized in a thread,
+    leaves the main thread running)."""
+    tokenizer = server.state.tokenizer
+    threads = []
+    encode = tokenizer.encode
+
+    def recording_encode(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", recording_encode)
+    messages = [{"role": "user", "content": "hi"}]
+    client.completions.create(model=MODEL, prompt=["the quick", "brown fox"], max_tokens=1)
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    client.embeddings.create(model=MODEL, input="the quick brown fox")
+    for body in ({"prompt": "the quick brown fox"}, {"messages": messages}):
+        assert server.http("POST", "/tokenize", json.dumps(body).encode())[0] == 200
+    assert len(threads) == 6 and server.thread not in threads, threads
+    monkeypatch.undo()
+
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (tokenizer.encode("the quick brown fox " * 200_000), done.set()))
+    ticks = 0
+    worker.start()
+    while not done.is_set():
+        ticks += 1
+        time.sleep(0.001)
+    worker.join()
+    assert ticks >= 20, f"the main thread ran {ticks} times while 4 MB were tokenized: the GIL was held"
+
+
 def test_stop_strings(server, client):
     kw = dict(model=MODEL, prompt="One two three", max_tokens=24, temperature=0, **_extra(ignore_eos=True))
     full = client.completions.create(**kw).choices[0].text

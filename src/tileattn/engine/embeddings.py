@@ -11,6 +11,7 @@ asks for by default and decodes itself).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 import uuid
@@ -38,7 +39,7 @@ async def serve_embeddings(state: ServerState, req: EmbeddingRequest, request: R
     arrival = time.monotonic()
     lora = state.check_model(req.model)
     prompts = [p[-req.truncate_prompt_tokens:] if req.truncate_prompt_tokens else p
-               for p in prompt_token_ids(state, req.input, "input")]
+               for p in await asyncio.to_thread(prompt_token_ids, state, req.input, "input")]
     limit = state.max_model_len
     for i, ids in enumerate(prompts):
         if len(ids) > limit:

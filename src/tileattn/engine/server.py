@@ -783,7 +783,9 @@ def _check_length(state: ServerState, prompt_len: int, max_tokens: int | None, w
 
 def prompt_token_ids(state: ServerState, prompt, field: str = "prompt") -> list[list[int]]:
     """prompt: str | list[str] | list[int] | list[list[int]] -> token-id lists (a 400 naming
-    ``field`` for an empty one)."""
+    ``field`` for an empty one). The endpoints call it, as _chat_prompt, in a worker thread: the
+    tokenizer runs without the GIL there (Tokenizer.encode), so a long prompt does not hold up the
+    event loop, which streams every other request's tokens."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -1125,7 +1127,7 @@ async def serve_completion(state: ServerState, req: CompletionRequest, request: 
         raise APIError(400, "best_of is not supported (only best_of == n).", param="best_of")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true.", param="stream_options")
-    prompts = [_truncated(req, p) for p in prompt_token_ids(state, req.prompt)]
+    prompts = [_truncated(req, p) for p in await asyncio.to_thread(prompt_token_ids, state, req.prompt)]
     max_tokens = min(_check_length(state, len(p), req.max_tokens, "prompt") for p in prompts)
     if req.use_beam_search:
         return await _serve_beam_search(state, req, request, prompts, max_tokens, lora, arrival)
@@ -1349,7 +1351,7 @@ async def start_chat(state: ServerState, req: ChatRequest, prefix: str):
             raise APIError(400, f"tool_choice {req.tool_choice!r} cannot be combined with {source}: the answer is "
                                 "held to the tool calls.", param=source)
         structured, source = forced, "tool_choice"
-    prompt = _truncated(req, _chat_prompt(state, req, tools))
+    prompt = _truncated(req, await asyncio.to_thread(_chat_prompt, state, req, tools))
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None and state.defaults.get("max_new_tokens"):
         max_tokens = min(int(state.defaults["max_new_tokens"]), state.max_model_len - len(prompt))
@@ -1572,9 +1574,9 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
             if req.tools:
                 _check_tool_schemas(req.tools)
                 _check_template_renders_tools(state)
-            ids = _chat_prompt(state, req, req.tools or None)
+            ids = await asyncio.to_thread(_chat_prompt, state, req, req.tools or None)
         else:
-            ids = state.tokenizer.encode(req.prompt)
+            ids = await asyncio.to_thread(state.tokenizer.encode, req.prompt)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
