@@ -732,11 +732,6 @@ def backward_varlen_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_
                               deterministic=bool(deterministic), config=config)
 
 
-def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
-    """Backward FLOPs by the benchmark convention: 2.5 x the forward's 4 B H Nq Nk d, halved causal."""
-    return 10.0 * batch * heads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0)
-
-
 # Columns of benchmark(): name -> what it times (every one through bench.harness.measure, the timer
 # of `tileattn bench attention`: L2 flushed before each repetition, repetitions enqueued back to back).
 COLUMNS = {
@@ -787,6 +782,7 @@ def _bench_case(d: int, dtype, causal: bool, n: int, batch: int, heads: int, rep
 
     import tileattn
 
+    from ..bench.attention import flops
     from . import attention_bwd_sm80, dispatch
 
     q, k, v, dout = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in range(4))
@@ -798,7 +794,7 @@ def _bench_case(d: int, dtype, causal: bool, n: int, batch: int, heads: int, rep
     args = (q, k, v, out, lse, dout, *grads)
     rec = {"suite": "bwd_sm90", "d": d, "dtype": str(dtype).split(".")[-1], "causal": causal, "n": n,
            "batch": batch, "heads": heads}
-    work = flops(batch, heads, n, n, d, causal)
+    work = flops(batch, heads, n, n, d, causal, backward=True)
     default = DEFAULTS[(d, bool(causal))]
     bulk = Sm90BwdConfig(default.block_m, default.stages, True)
     kw = {"causal": causal, "scale": scale}
@@ -872,7 +868,7 @@ def _keep(rec: dict, records: list, json_path: str | None, line: str | None = No
 def benchmark(seq_lens=(2048, 4096, 8192, 16384, 32768), head_dims=HEAD_DIMS,
               dtypes=(torch.bfloat16, torch.float16), causals=(False, True), batch: int = 4, heads: int = 32,
               reps: int = 10, json_path: str | None = None, columns=tuple(COLUMNS)) -> list[dict]:
-    """Backward-only TFLOP/s (flops() convention) and median ms of the COLUMNS named in `columns`
+    """Backward-only TFLOP/s (bench.attention.flops' convention) and median ms of the COLUMNS named in `columns`
     (default all) on the same inputs [batch, heads, N, d], every one timed by bench.harness.measure
     like `tileattn bench attention` (so `<column>_vs_cudnn` here and the ratios of that benchmark mean
     the same), plus pre_ms / main_ms / convert_ms: the dispatched plan's three launches. Prints one
@@ -1045,13 +1041,14 @@ def benchmark_variants(head_dims=(128, 64), dtypes=(torch.bfloat16,), seq_lens=(
                        heads: int = 32, window_n: int = 32768, window: int = 4096, reps: int = 10,
                        json_path: str | None = None) -> list[dict]:
     """Issue #15's backward targets on this family (backward only, bench.harness.measure, L2 flushed):
-    per VARIANT_BENCH_CASES case, head dim, dtype and N, the variant plan's TFLOP/s (flops()
+    per VARIANT_BENCH_CASES case, head dim, dtype and N, the variant plan's TFLOP/s (bench.attention.flops'
     convention) beside the plain sm90 plan on the same shape (target sm90_var_vs_plain >= 0.9) and
     the sm80 variant backward, each also in deterministic mode (`*_det` columns, ratios
     sm90_var_det_vs_sm80_var_det and sm90_var_det_vs_atomic); then the sliding window: a causal `window`-key window at N =
     `window_n` (batch 1) against the dense non-causal plain plan at N = window, batch window_n /
     window, the same work (target window_vs_dense <= 1.2). Prints one line per record and returns
     them; with json_path writes {"environment", "records"} after every record. Needs an sm_90 GPU."""
+    from ..bench.attention import flops
 
     records = []
     for d in head_dims:
@@ -1059,7 +1056,7 @@ def benchmark_variants(head_dims=(128, 64), dtypes=(torch.bfloat16,), seq_lens=(
             for name, (causal, win, cap, alibi) in VARIANT_BENCH_CASES.items():
                 for n in seq_lens:
                     ms = _variant_case_ms(d, dtype, n, batch, heads, causal, win, cap, alibi, reps)
-                    work = flops(batch, heads, n, n, d, causal)
+                    work = flops(batch, heads, n, n, d, causal, backward=True)
                     rec = {"suite": "bwd_sm90_variants", "case": name, "d": d, "dtype": str(dtype).split(".")[-1],
                            "n": n, "batch": batch, "heads": heads}
                     for col, t in ms.items():
@@ -1092,6 +1089,7 @@ def benchmark_dropout(head_dims=(128, 64), seq_lens=(2048, 8192), p: float = 0.1
     import math
 
     from .. import dropout as dr
+    from ..bench.attention import flops
     from . import attention_bwd_sm80, attention_fwd_sm80, attention_fwd_sm90, dispatch
 
     records = []
@@ -1118,7 +1116,7 @@ def benchmark_dropout(head_dims=(128, 64), seq_lens=(2048, 8192), p: float = 0.1
                                                                     deterministic=det, variants=va)}
                     for name, plan in bwd.items():
                         ms[f"bwd_{name}_det{int(det)}"] = _measure_ms(functools.partial(plan.launch, *args, *extra), reps)
-                work = flops(batch, heads, n, n, d, causal)  # backward convention; the forward's is work / 2.5
+                work = flops(batch, heads, n, n, d, causal, backward=True)  # backward convention; the forward's is work / 2.5
                 rec = {"suite": "dropout_sm90_vs_sm80", "d": d, "n": n, "causal": causal, "p": p, "batch": batch,
                        "heads": heads, **{key + "_ms": t for key, t in ms.items()}}
                 for key, t in ms.items():
@@ -1207,7 +1205,6 @@ __all__ = [
     "benchmark_variants",
     "benchmark_varlen",
     "expression",
-    "flops",
     "main",
     "section_pairs",
     "supports",

@@ -1117,11 +1117,6 @@ class PagedPlan:
         return out, (lse if self.return_lse or given_lse else None)
 
 
-def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
-    """Forward FLOPs by the benchmark convention: 4 * B * H * Nq * Nk * d, halved when causal."""
-    return 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0)
-
-
 __all__ = [
     "DEFAULTS",
     "LONG_DEFAULTS",
