@@ -637,6 +637,40 @@ def test_overload_gets_503(checkpoint):
         assert client.completions.create(model=MODEL, prompt="room again", max_tokens=2).choices
 
 
+def test_request_bodies_beyond_the_limit_get_413_unread(checkpoint):
+    """A body longer than max_request_bytes gets a 413 with OpenAI's error body, whether it
+    declares its Content-Length (refused before it is read) or comes chunked (refused once its
+    bytes pass the limit); one just under the limit is served, and so are requests after."""
+    import http.client
+
+    limit = 4096
+    with ServerThread(create_app(make_engine(checkpoint), MODEL, max_request_bytes=limit)) as s:
+        def post(body: bytes, chunked: bool) -> tuple[int, dict]:
+            conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+            if chunked:  # an iterable body without a length goes out with Transfer-Encoding: chunked
+                conn.request("POST", "/v1/completions", body=iter([body[:1000], body[1000:]]),
+                             headers={"Content-Type": "application/json"}, encode_chunked=True)
+            else:
+                conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            status, answer = r.status, json.loads(r.read())
+            conn.close()
+            return status, answer
+
+        def body(size: int) -> bytes:  # a short prompt, padded to `size` bytes with JSON whitespace
+            short = json.dumps({"model": MODEL, "max_tokens": 1, "prompt": "hi"}).encode()
+            return short[:-1] + b" " * (size - len(short)) + b"}"
+
+        for chunked in (False, True):
+            status, answer = post(body(limit + 1), chunked)
+            assert status == 413, (chunked, answer)
+            assert "4096 bytes" in answer["error"]["message"], answer
+            assert (answer["error"]["type"], answer["error"]["code"]) == ("invalid_request_error", "request_too_large")
+            status, answer = post(body(limit), chunked)
+            assert status == 200 and answer["choices"], (chunked, answer)
+        assert s.client().completions.create(model=MODEL, prompt="still serving", max_tokens=1).choices
+
+
 def test_64_concurrent_streams_match_alone_then_clean_shutdown(checkpoint):
     """64 greedy streams at once, beside 16 clients that hang up after two chunks and 8 bad
     requests: the 64 get exactly their lone tokens, in a few batched steps; nothing leaks."""
@@ -791,6 +825,7 @@ def test_cli_serve_bad_options_exit_2_with_the_reason(checkpoint, tmp_path, caps
     add_serve_command(ap.add_subparsers())
     for argv, reason in ((["serve", str(tmp_path / "missing")], "does not exist"),
                          (["serve", checkpoint, "--device", "cpu", "--max-queue-depth", "0"], "max_queue_depth"),
+                         (["serve", checkpoint, "--device", "cpu", "--max-request-bytes", "0"], "max_request_bytes"),
                          (["serve", checkpoint, "--device", "cpu", "--chat-template", "{% for m in messages %}"],
                           "does not compile"),
                          (["serve", checkpoint, "--device", "cpu", "--chat-template", str(tmp_path / "none.jinja")],

@@ -85,6 +85,40 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (shutdown, or step() raised): no request can make progress."""
 
 
+class BodyLimit:
+    """ASGI middleware: a request body longer than ``limit`` bytes gets a 413 before the JSON
+    parser sees it (a declared Content-Length at once; a chunked body when its bytes pass the
+    limit), so one oversized request cannot fill the server's memory or hold the event loop,
+    which every stream shares, while it is parsed."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    def _error(self) -> APIError:
+        return APIError(413, f"The request body is longer than the server's limit of {self.limit} bytes "
+                             "(tileattn serve --max-request-bytes).", code="request_too_large")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._error().response()(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    # FastAPI re-raises an HTTPException from reading the body: the handler answers 413
+                    raise StarletteHTTPException(413, self._error().message)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
 # ---------------------------------------------------------------------------------------------
 # The engine thread
 
@@ -678,6 +712,11 @@ def _structured_errors_named(source: str | None):
             exc.param = source
         raise
 
+
+# The longest request body the server reads (tileattn serve --max-request-bytes): a prompt of a 128k-token
+# context is about 0.5 MB of text or 1 MB of token ids in JSON, so the default leaves room for batches of
+# long prompts while a body that would take seconds to parse (or GBs to hold) is refused unread.
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 
 # The most entries a request's lists may hold (docs/server.md, "Sampling parameters"): each entry costs
 # host work on every step of the request (stop strings searched in the new text, stop ids and bad
@@ -1462,7 +1501,8 @@ async def serve_chat(state: ServerState, req: ChatRequest, request: Request):
 
 def create_app(engine, served_model_name: str | None = None, *, max_queue_depth: int = 1024,
                tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-               api_key: str | None = None, lora_updates: bool = False) -> FastAPI:
+               api_key: str | None = None, lora_updates: bool = False,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """A FastAPI app serving ``engine`` (a tileattn.engine.LLMEngine, or anything with its API).
 
     served_model_name: the name clients pass as ``model`` (None -> engine.model_name).
@@ -1479,13 +1519,16 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
         ``Authorization: Bearer <api_key>`` (OpenAI clients send their api_key so); others get a 401.
     lora_updates: serve POST /v1/load_lora_adapter {"lora_name", "lora_path"} and POST
         /v1/unload_lora_adapter {"lora_name"} (vLLM's), which change the engine's adapters while it runs.
+    max_request_bytes: the longest request body taken; a longer one gets a 413 before it is parsed.
     The engine thread starts with the app's lifespan and stops (aborting what is left) at shutdown.
-    Raises ValueError for max_queue_depth < 1, an unknown parser or an empty api_key.
+    Raises ValueError for max_queue_depth < 1, max_request_bytes < 1, an unknown parser or an empty api_key.
     """
     if not isinstance(max_queue_depth, int) or max_queue_depth < 1:
         raise ValueError(f"max_queue_depth must be an int >= 1, got {max_queue_depth!r}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
         raise ValueError("api_key must be a non-empty string (None: no key)")
+    if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be an int >= 1, got {max_request_bytes!r}")
     state = ServerState(engine, served_model_name or engine.model_name, max_queue_depth, tool_call_parser,
                         reasoning_parser)
 
@@ -1503,6 +1546,7 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
 
     app = FastAPI(title="tileattn", lifespan=lifespan)
     app.state.server = state
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
 
     if api_key is not None:
         expected = f"Bearer {api_key}".encode()
@@ -1536,7 +1580,8 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return APIError(exc.status_code, str(exc.detail)).response()
+        return APIError(exc.status_code, str(exc.detail),
+                        code="request_too_large" if exc.status_code == 413 else None).response()  # BodyLimit
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError):
@@ -1639,6 +1684,8 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: MODEL)")
     p.add_argument("--max-queue-depth", type=int, default=1024,
                    help="most requests admitted at once (running + waiting); more get 503")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"longest request body taken; longer ones get a 413 unread (default {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-access-log", action="store_true", help="no uvicorn line per HTTP request")
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
@@ -1739,7 +1786,8 @@ def serve_main(args: argparse.Namespace) -> int:
             engine.tokenizer.set_chat_template(_template_source(args.chat_template))
         app = create_app(engine, served, max_queue_depth=args.max_queue_depth,
                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                         api_key=args.api_key, lora_updates=args.enable_lora_updates)
+                         api_key=args.api_key, lora_updates=args.enable_lora_updates,
+                         max_request_bytes=args.max_request_bytes)
     except (ValueError, FileNotFoundError) as exc:  # bad checkpoint or option: say which, no traceback
         if engine is not None:
             engine.shutdown()
