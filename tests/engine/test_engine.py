@@ -153,6 +153,11 @@ def test_min_tokens_holds_off_stop_ids_eos_and_stop_strings(checkpoint, plain):
     cut = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, stop=[stop], ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
+    # a content_stop without a reasoning parser is searched in the whole text, as a stop string
+    as_content = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, content_stop=[stop],
+                                                         ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert (as_content.finish_reason, as_content.stop_reason, as_content.text) == ("stop", stop, cut.text)
+    assert as_content.token_ids == cut.token_ids  # it ended the generation there too
     held = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, min_tokens=6, stop=[stop],
                                                    ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert held.finish_reason == "length" and held.text == text and held.token_ids == plain[0][0][:6]

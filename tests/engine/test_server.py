@@ -1080,6 +1080,23 @@ def test_parallel_tool_calls_and_tool_choice(tool_server):
                                                  parallel_tool_calls=False))
     deltas = [t for ch in chunks for t in (ch.choices[0].delta.tool_calls or [])]
     assert [json.loads(t.function.arguments)["city"] for t in deltas] == ["Paris"]
+    # ... but not at an end tag the model writes while it thinks (the stop is searched in the content)
+    thinking = "<think>I close with </tool_call> after the call.</think>"
+    length = answer(thinking + PARIS + "\n" + ROME)
+    for stream in (False, True):
+        out = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], stream=stream,
+                                             parallel_tool_calls=False)
+        if stream:
+            out = list(out)
+            reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in out)
+            calls = [t for ch in out for t in (ch.choices[0].delta.tool_calls or [])]
+            finish = out[-1].choices[0].finish_reason
+        else:
+            reasoning, calls = out.choices[0].message.reasoning_content, out.choices[0].message.tool_calls
+            finish = out.choices[0].finish_reason
+            assert out.usage.completion_tokens < length
+        assert reasoning == "I close with </tool_call> after the call.", (stream, reasoning)
+        assert [json.loads(t.function.arguments)["city"] for t in calls] == ["Paris"] and finish == "tool_calls"
 
     # tool_choice "none": the model is not shown the tools, and its answer is plain text
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none")

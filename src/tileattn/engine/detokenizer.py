@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import weakref
 
+from .reasoning import content_start
+
 # tokenizer -> (ids of the <0xNN> byte-fallback tokens, ids of special tokens); empty byte ids for
 # vocabularies without byte fallback (byte-level BPE), which then need no token scan.
 _vocab_facts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -76,17 +78,25 @@ def finish(tokenizer, seqs, ends) -> None:
 
 def find_stop(seq, new_text: str) -> str | None:
     """If new_text completes a stop string in seq.text (an occurrence that ends inside new_text;
-    the earliest one if several do), cut the text before it (after it with
+    the earliest one if several do; a content_stop only in the content, from seq.content_from,
+    which the first call that can tell sets), cut the text before it (after it with
     include_stop_str_in_output) and return the string; otherwise None. None while the sequence has
     fewer than min_tokens output tokens: a stop string completed then is passed over, also later
     (each string is searched from where new_text could complete it, not from where the longest
     could, which would find a shorter one completed before)."""
-    stops = seq.params.stop
-    if not stops or not new_text or seq.num_output_tokens < seq.params.min_tokens:
+    params = seq.params
+    if not new_text or not (params.stop or params.content_stop):
         return None
+    if params.content_stop and seq.content_from is None:  # before min_tokens' check: </think> may come first
+        seq.content_from = content_start(seq.text, params.reasoning, len(seq.text) - len(new_text))
+    if seq.num_output_tokens < params.min_tokens:
+        return None
+    searches = [(stop, 0) for stop in params.stop or ()]
+    if seq.content_from is not None:
+        searches += [(stop, seq.content_from) for stop in params.content_stop]
     best = None
-    for stop in stops:
-        at = seq.text.find(stop, max(len(seq.text) - len(new_text) - len(stop) + 1, 0))
+    for stop, begin in searches:
+        at = seq.text.find(stop, max(len(seq.text) - len(new_text) - len(stop) + 1, begin))
         if at >= 0 and (best is None or at < best[0]):
             best = (at, stop)
     if best is None:
@@ -99,9 +109,10 @@ def find_stop(seq, new_text: str) -> str | None:
 def visible_text_length(seq) -> int:
     """Characters that may be shown now: all once finished, else all but those that could still
     be the start of a stop string."""
-    if seq.finished or not seq.params.stop:
+    stops = (seq.params.stop or []) + (seq.params.content_stop or [])
+    if seq.finished or not stops:
         return len(seq.text)
-    return max(len(seq.text) - (max(len(s) for s in seq.params.stop) - 1), 0)
+    return max(len(seq.text) - (max(len(s) for s in stops) - 1), 0)
 
 
 def _byte_tokens(tokenizer) -> tuple[frozenset, frozenset]:

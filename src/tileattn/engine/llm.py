@@ -351,7 +351,7 @@ class LLMEngine:
             if seq.logprobs is not None:
                 seq.logprobs.append(logprobs)
             params = seq.params
-            lazy = finished_only and not params.stop
+            lazy = finished_only and not params.stop and not params.content_stop
             if seq.grammar_opening is not None:  # the first token: the optional block's tag, or the grammar's
                 tag, look_back = seq.grammar_opening
                 seq.grammar_opening = None

@@ -15,10 +15,13 @@ add up to the non-streamed message.
 
 from __future__ import annotations
 
+import re
+
 from .harmony import HarmonyParser
 from .tool_calls import Content, partial_suffix
 
 START, END = "<think>", "</think>"
+_LEADING_SPACE = re.compile(r"\s*")
 
 
 class ReasoningParser:
@@ -80,6 +83,23 @@ class ReasoningStream:
         if self.state == "start":
             return "", ""
         return self.reasoning.push(text.removeprefix(START) if self.state == "open" else text), ""
+
+
+def content_start(text: str, parser: str | None, since: int = 0) -> int | None:
+    """Where the content of answer `text` begins as reasoning parser `parser` (a name in PARSERS
+    with a thinking block) splits it: 0 without a parser, or for a qwen3 answer that does not open
+    with <think> (leading whitespace aside); just after </think> once the block has closed; None
+    while the answer may still be thinking. since: the length of the text an earlier call answered
+    None for (</think> is then searched only where it could end in the rest)."""
+    if parser is None:
+        return 0
+    if not PARSERS[parser].starts_inside:
+        lead = _LEADING_SPACE.match(text).end()  # as ReasoningStream's lstrip, without copying the text
+        head = text[lead:lead + len(START)]
+        if head != START:
+            return None if START.startswith(head) and lead + len(head) == len(text) else 0
+    at = text.find(END, max(since - len(END) + 1, 0))
+    return None if at < 0 else at + len(END)
 
 
 PARSERS = {p.name: p for p in (ReasoningParser("qwen3", starts_inside=False),

@@ -44,6 +44,11 @@ class SamplingParams:
     and the grammar holds from there. Only that exact token at the first position opens the block
     (not whitespace first, not the tag in pieces). A prompt that already ends with grammar_after
     starts the grammar at once, and one that ends with this tag waits for grammar_after, as without it.
+    content_stop: stop strings, like stop, searched only in the answer's content: the text after
+    the thinking block as the reasoning parser named by `reasoning` ("qwen3": an optional <think>
+    block first; "deepseek_r1": the answer starts inside the block; tileattn.engine.reasoning)
+    splits it, so a model that writes one while it thinks goes on (the server's one-call stop of
+    a tool-call parser, for parallel_tool_calls: false); reasoning None: the whole text, as stop.
     Raises ValueError naming the bad field, from the constructor and from validate().
     """
 
@@ -71,6 +76,8 @@ class SamplingParams:
     structured_outputs: dict | None = None
     grammar_after: str | None = None
     grammar_after_open: str | None = None
+    content_stop: str | list[str] | None = None
+    reasoning: str | None = None
 
     def __post_init__(self):
         self.validate()
@@ -108,12 +115,19 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an int in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is not None:
-            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-            self.stop = list(self.stop)
+        for name in ("stop", "content_stop"):
+            stops = getattr(self, name)
+            if isinstance(stops, str):
+                stops = [stops]
+            if stops is not None:
+                if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+                    raise ValueError(f"{name} must be a non-empty string or a list of them, got {stops!r}")
+                setattr(self, name, list(stops))
+        if self.reasoning is not None:
+            from .reasoning import PARSERS, ReasoningParser
+            thinking = sorted(name for name, p in PARSERS.items() if isinstance(p, ReasoningParser))
+            if self.reasoning not in thinking or self.content_stop is None:
+                raise ValueError(f"reasoning must be one of {thinking}, with content_stop, got {self.reasoning!r}")
         for name, empty_ok in (("stop_token_ids", True), ("allowed_token_ids", False)):
             value = getattr(self, name)
             if value is None:

@@ -55,6 +55,7 @@ class Sequence:
         self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason = None
+        self.content_from = None          # where the text's content starts (SamplingParams.content_stop), once known
         # Detokenization: text of the output so far; tokens [prefix_offset, read_offset) are the
         # context decoded again before new tokens (see detokenizer.py).
         self.text = ""

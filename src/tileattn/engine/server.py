@@ -46,6 +46,7 @@ from .sampling_params import PoolingParams, SamplingParams
 from .tokenizer import TEMPLATE_VARIABLES
 from .harmony import HarmonyParser, answers_in_harmony
 from .reasoning import PARSERS as REASONING_PARSERS
+from .reasoning import ReasoningParser
 from .reasoning import get_parser as get_reasoning_parser
 from .tool_calls import NOT_A_CALL, PARSERS, HarmonyCallsParser, get_parser
 
@@ -749,8 +750,11 @@ def _check_list_limits(req: SamplingRequest) -> None:
 def _sampling_params(state: ServerState, req: SamplingRequest, max_tokens: int,
                      logprobs: int | None, prompt_logprobs: int | None, stop_after: str | None = None,
                      structured: dict | None = None, grammar_after: str | None = None,
-                     keep_special_tokens: bool = False, grammar_after_open: str | None = None) -> SamplingParams:
-    """stop_after: one more stop string (the tool-call parser's, for parallel_tool_calls: false);
+                     keep_special_tokens: bool = False, grammar_after_open: str | None = None,
+                     thinking: str | None = None) -> SamplingParams:
+    """stop_after: one more stop string (the tool-call parser's, for parallel_tool_calls: false),
+    searched only after the thinking block that the reasoning parser named `thinking` reads (None:
+    in the whole answer);
     structured: the structured_outputs spec (_structured_spec, or the one that forces a tool call);
     grammar_after: where that grammar starts (the reasoning's end tag: the model thinks freely first);
     grammar_after_open: the reasoning's opening tag where its block is optional (the first token decides);
@@ -769,8 +773,7 @@ def _sampling_params(state: ServerState, req: SamplingRequest, max_tokens: int,
     if keep_special_tokens:
         overrides["skip_special_tokens"] = False
     if stop_after is not None:
-        stop = overrides.get("stop") or []
-        overrides["stop"] = [*([stop] if isinstance(stop, str) else stop), stop_after]
+        overrides["content_stop"], overrides["reasoning"] = [stop_after], thinking
     if overrides.get("stop") == []:
         del overrides["stop"]
     if req.logit_bias is not None:
@@ -1406,7 +1409,8 @@ async def start_chat(state: ServerState, req: ChatRequest, prefix: str):
         params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None,
                                   _prompt_logprobs_param(req, None), stop_after, structured, grammar_after,
                                   keep_special_tokens=state.harmony,
-                                  grammar_after_open=reasoning.grammar_after_open if reasoning is not None else None)
+                                  grammar_after_open=reasoning.grammar_after_open if reasoning is not None else None,
+                                  thinking=reasoning.name if isinstance(reasoning, ReasoningParser) else None)
         await _prepare_grammar(state, params)
         gen = Generation(state, rid, [prompt], params, arrival, lora, req)
         await gen.start()

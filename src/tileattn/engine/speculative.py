@@ -37,7 +37,7 @@ NGRAM_SIZES = (3, 2, 1)  # the longest match first
 def eligible(seq) -> bool:
     """Whether a decoding sequence's next tokens can be verified by its logits rows alone."""
     p = seq.params
-    return (p.logprobs is None and not p.stop and not p.logit_bias and not p.allowed_token_ids
+    return (p.logprobs is None and not p.stop and not p.content_stop and not p.logit_bias and not p.allowed_token_ids
             and not p.bad_words and not reads_sampled_tokens(seq))
 
 
