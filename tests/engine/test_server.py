@@ -468,6 +468,19 @@ def test_errors(server, client):
         client.completions.create(model=MODEL, prompt="hi", extra_body={"stop_token_ids": [-1]})
     assert _error(info.value)["param"] == "stop_token_ids"
 
+    # JSON's \ud800 escape gives Python a lone surrogate, which no tokenizer takes: a 400 naming the field
+    lone = "a\ud800b"
+    for path, body, param in (("/v1/completions", {"prompt": lone}, "prompt"),
+                              ("/v1/completions", {"prompt": ["fine", lone]}, "prompt"),
+                              ("/v1/completions", {"prompt": "hi", "bad_words": [lone]}, "bad_words"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": lone}]}, "messages"),
+                              ("/tokenize", {"prompt": lone}, "prompt"),
+                              ("/tokenize", {"messages": [{"role": "user", "content": lone}]}, "messages"),
+                              ("/v1/embeddings", {"input": lone}, "input")):
+        status, out = server.http("POST", path, json.dumps({"model": MODEL, "max_tokens": 1, **body}).encode())
+        error = json.loads(out)["error"]
+        assert (status, error["param"]) == (400, param) and "lone surrogate" in error["message"], (path, body, out)
+
     for bias, what in (({"x": 1}, "token ids"), ({"-1": 1}, "logit_bias"), ({"3": 500}, "logit_bias"),
                        ({"1000000": 1}, "outside the vocabulary")):
         with pytest.raises(openai.BadRequestError) as info:

@@ -140,6 +140,11 @@ class SamplingParams:
             if not isinstance(self.bad_words, (list, tuple)) or not all(
                     isinstance(w, str) and w.strip() for w in self.bad_words):
                 raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+            for i, word in enumerate(self.bad_words):  # the engine tokenizes them
+                try:
+                    word.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError(f"bad_words[{i}] has a lone surrogate, which is not Unicode text") from None
             self.bad_words = list(self.bad_words)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(

@@ -836,7 +836,7 @@ def prompt_token_ids(state: ServerState, prompt, field: str = "prompt") -> list[
         prompt = [prompt]
     out = []
     for p in prompt:
-        ids = state.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        ids = _encoded(state, p, field, add_special_tokens=True) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, f"{field} must not be empty.", param=field)
         out.append(ids)  # the engine checks the ids against the model's vocabulary
@@ -992,7 +992,15 @@ def _chat_prompt(state: ServerState, req: ChatRequest | TokenizeRequest, tools: 
             raise APIError(400, "continue_final_message: the last message's content does not appear in the "
                                 "rendered prompt (empty, or changed by the template).", param="continue_final_message")
         text = text[:end + len(last)]
-    return state.tokenizer.encode(text, add_special_tokens=False)
+    return _encoded(state, text, "messages", add_special_tokens=False)
+
+
+def _encoded(state: ServerState, text: str, field: str, add_special_tokens: bool) -> list[int]:
+    """The token ids of a request's text; a 400 naming ``field`` for text that is not Unicode."""
+    try:
+        return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except ValueError as exc:
+        raise APIError(400, f"{field}: {exc}", param=field) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1625,7 +1633,7 @@ def create_app(engine, served_model_name: str | None = None, *, max_queue_depth:
                 _check_template_renders_tools(state)
             ids = await asyncio.to_thread(_chat_prompt, state, req, req.tools or None)
         else:
-            ids = await asyncio.to_thread(state.tokenizer.encode, req.prompt)
+            ids = await asyncio.to_thread(_encoded, state, req.prompt, "prompt", True)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")

@@ -64,8 +64,18 @@ class Tokenizer:
         """str -> token ids; add_special_tokens applies the tokenizer's post-processor (e.g. BOS).
         Through encode_batch, whose Rust side runs without the GIL (encode holds it: a 9 MB prompt
         took 7 s with no other Python thread running), so a server thread tokenizing a long prompt
-        leaves the event loop serving the other requests; the ids are encode's."""
-        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        leaves the event loop serving the other requests; the ids are encode's. ValueError for a
+        str that is not Unicode text (a lone surrogate, which JSON's \\ud800 escapes can carry)."""
+        try:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except TypeError:
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise ValueError(f"the text has a lone surrogate (U+{ord(text[exc.start]):04X} at character "
+                                     f"{exc.start}), which is not Unicode text") from None
+            raise
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
