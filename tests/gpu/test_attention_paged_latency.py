@@ -149,6 +149,7 @@ def test_api_flag_reaches_the_kernel(prewait):
     k_rows, v_rows = case.k_cache.view(-1, kv_heads, d), case.v_cache.view(-1, kv_heads, d)
     new_k, new_v = k_rows[slots].clone(), v_rows[slots].clone()
     ref_out, ref_lse = case.reference()
+    tileattn.api_paged._paged_cache.clear()  # the plans cached below are this test's
     for run in range(3):
         k_rows[slots] = float("nan")
         v_rows[slots] = float("nan")
@@ -157,8 +158,12 @@ def test_api_flag_reaches_the_kernel(prewait):
             out, lse = tileattn.attention_paged(*case.tensors(), case.max_seqlen_q, case.max_seqlen_k, return_lse=True,
                                                 prior_kernel_writes_only_new_keys=prewait)
         check(case, out, lse, ref_out, ref_lse, f"api prewait={prewait} run {run}")
-    plans = [v for key, v in tileattn.api_paged._paged_cache.items() if key[-1] is prewait and key[0] == case.q.shape]
-    assert plans and all(p.prewait == prewait for p in plans), f"api prewait={prewait}: cached plans {plans}"
+    plans = list(tileattn.api_paged._paged_cache.values())  # one, planned for this flag value
+    assert len(plans) == 1 and plans[0].prewait == prewait, f"api prewait={prewait}: cached plans {plans}"
+    tileattn.attention_paged(*case.tensors(), case.max_seqlen_q, case.max_seqlen_k,  # the other value: its own plan
+                             return_lse=True, prior_kernel_writes_only_new_keys=not prewait)
+    plans = list(tileattn.api_paged._paged_cache.values())
+    assert [p.prewait for p in plans] == [prewait, not prewait], f"api prewait={prewait}: cached plans {plans}"
 
 
 @pytest.mark.parametrize("unsplit", ["off", "auto"])
