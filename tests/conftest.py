@@ -26,6 +26,6 @@ def compiled_forward_path():
     if torch.cuda.is_available():
         from tileattn.runtime import host_launch
 
-        os.environ.setdefault("TILEATTN_HOST_LAUNCH", "1")  # on for the tests while its default is off
+        os.environ.setdefault("TILEATTN_HOST_LAUNCH", "1")  # on for the tests (the default) unless set to 0
         host_launch.wait(600)
     yield

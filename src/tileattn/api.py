@@ -6,7 +6,7 @@ Two paths run the same plans:
   the outputs and launches; with inputs that require grad it goes through a torch.autograd.Function
   whose backward reuses the forward's plan entry (nothing is validated twice). This keeps the host
   cost of a call to a few microseconds: no custom-op dispatch, no per-call argument checks. Once a
-  combination is planned, the compiled path (runtime/host_launch.cpp, TILEATTN_HOST_LAUNCH=1) can
+  combination is planned, the compiled path (runtime/host_launch.cpp; TILEATTN_HOST_LAUNCH=0: off) can
   serve it in one C++ call, key to launch (with autograd, a C++ autograd Function whose backward
   runs the backward plan's launches once a backward of that dout layout has been planned here);
   anything it does not hold falls back here.

@@ -9,8 +9,7 @@ header or toolkit: the driver entry points come from cuGetProcAddress) and cache
 `cache_dir()/host/`. Building takes tens of seconds (torch's autograd headers), so it happens in a
 background thread started by the first eager forward; until it is loaded, and wherever it cannot be built (no compiler, no Python
 headers, an unusual torch), every call takes the Python path, which launches the same plans.
-`TILEATTN_HOST_LAUNCH=1` switches it on, `0` off; it is off by default until its first GPU run
-(DEFAULT below). The switch decides whether the module is built and combinations are registered:
+`TILEATTN_HOST_LAUNCH=0` switches it off, `1` on (the default, DEFAULT below). The switch decides whether the module is built and combinations are registered:
 set it before the first forward, since a combination once registered is served by the module for
 the rest of the process. `status()` says which case holds (`tileattn info` prints it).
 """
@@ -71,10 +70,10 @@ class HostLaunchBuildError(RuntimeError):
     """The compiled attention path could not be built or loaded (the message has the compiler's output)."""
 
 
-# Off unless TILEATTN_HOST_LAUNCH=1 until the path has passed its GPU tests and been timed on the
-# H200 (written 2026-12-05 when no device was lent; docs/runtime.md, "The compiled attention path").
-# The GPU tests (tests/conftest.py) and `tileattn bench overhead` switch it on.
-DEFAULT = "0"
+# On since its first GPU run (session 39, an H100, sm_90 like the H200: every GPU test passed with it
+# on but one stale test, memcheck clean, host time 2.8-3.2x below the Python path's; docs/runtime.md,
+# "The compiled attention path"); TILEATTN_HOST_LAUNCH=0 keeps every call on the Python path.
+DEFAULT = "1"
 
 
 def enabled() -> bool:
@@ -85,7 +84,7 @@ def enabled() -> bool:
 
 def status() -> str:
     """One line: loaded (and from where), building, off, not started, or why it failed."""
-    return "off (TILEATTN_HOST_LAUNCH=1 switches it on)" if not enabled() else _status
+    return "off (TILEATTN_HOST_LAUNCH=0)" if not enabled() else _status
 
 
 def _compiler() -> str:
