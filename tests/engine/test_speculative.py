@@ -116,6 +116,19 @@ def test_config_bounds():
             EngineConfig(model="x", num_speculative_tokens=bad)
 
 
+def _stream_all(engine):
+    """Step the engine's requests (n = 1 each) to their ends: ({request id: its new_text pieces
+    joined}, {request id: its final completion})."""
+    streamed, final = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            (c,) = out.outputs
+            streamed[out.request_id] = streamed.get(out.request_id, "") + c.new_text
+            if out.finished:
+                final[out.request_id] = c
+    return streamed, final
+
+
 def test_streamed_text_with_drafts(checkpoint):
     """The step API (text every step, several tokens per step with drafts): the streamed deltas add
     up to the final text, which equals the run without drafts, also when max_tokens ends the output
@@ -128,15 +141,9 @@ def test_streamed_text_with_drafts(checkpoint):
                                       num_speculative_tokens=k)
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=37 + i, ignore_eos=True))
-        streamed, final = {}, {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                (c,) = out.outputs
-                streamed[out.request_id] = streamed.get(out.request_id, "") + c.new_text
-                if out.finished:
-                    final[out.request_id] = (c.text, c.token_ids, c.finish_reason)
-        assert all(streamed[r] == final[r][0] for r in final), k
-        texts[k] = final
+        streamed, final = _stream_all(engine)
+        assert all(streamed[r] == final[r].text for r in final), k
+        texts[k] = {r: (c.text, c.token_ids, c.finish_reason) for r, c in final.items()}
         if k:
             assert engine.stats()["spec_accepted_tokens"] > 0
     assert texts[4] == texts[0]
@@ -227,13 +234,7 @@ def test_stop_id_among_accepted_drafts_adds_no_text_when_streaming(checkpoint):
     for j in firsts:
         engine.add_request(f"r{j}", prompt, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True,
                                                            stop_token_ids=[base[j]]))
-    streamed, final = {}, {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            (c,) = out.outputs
-            streamed[out.request_id] = streamed.get(out.request_id, "") + c.new_text
-            if out.finished:
-                final[out.request_id] = c
+    streamed, final = _stream_all(engine)
     assert engine.stats()["spec_accepted_tokens"] > 0
     for j in firsts:
         c = final[f"r{j}"]
