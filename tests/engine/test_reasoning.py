@@ -80,6 +80,8 @@ def test_content_start_is_where_the_parser_puts_the_content(name, text):
         since = end
     assert seen == where
     assert content_start(text, None) == 0
+    with pytest.raises(ValueError, match="reasoning must be one of"):
+        content_start(text, "openai_gptoss")
 
 
 def test_content_stop_params_are_checked():
@@ -89,6 +91,7 @@ def test_content_stop_params_are_checked():
     for fields, says in (({"content_stop": [""]}, "content_stop"), ({"content_stop": 3}, "content_stop"),
                          ({"reasoning": "qwen3"}, "with content_stop"),
                          ({"content_stop": "x", "reasoning": "openai_gptoss"}, "reasoning must be one of"),
-                         ({"content_stop": "x", "reasoning": "llama"}, "reasoning must be one of")):
+                         ({"content_stop": "x", "reasoning": "llama"}, "reasoning must be one of"),
+                         ({"content_stop": "x", "reasoning": ["qwen3"]}, "reasoning must be one of")):
         with pytest.raises(ValueError, match=says):
             SamplingParams(**fields)

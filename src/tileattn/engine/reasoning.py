@@ -93,7 +93,7 @@ def content_start(text: str, parser: str | None, since: int = 0) -> int | None:
     None for (</think> is then searched only where it could end in the rest)."""
     if parser is None:
         return 0
-    if not PARSERS[parser].starts_inside:
+    if not thinking_parser(parser).starts_inside:
         lead = _LEADING_SPACE.match(text).end()  # as ReasoningStream's lstrip, without copying the text
         head = text[lead:lead + len(START)]
         if head != START:
@@ -104,6 +104,16 @@ def content_start(text: str, parser: str | None, since: int = 0) -> int | None:
 
 PARSERS = {p.name: p for p in (ReasoningParser("qwen3", starts_inside=False),
                                ReasoningParser("deepseek_r1", starts_inside=True), HarmonyParser())}
+
+
+def thinking_parser(name: str) -> ReasoningParser:
+    """The parser named ``name`` that splits off a <think> block (not harmony's channels);
+    ValueError naming the choices otherwise."""
+    parser = PARSERS.get(name) if isinstance(name, str) else None
+    if not isinstance(parser, ReasoningParser):
+        choices = sorted(n for n, p in PARSERS.items() if isinstance(p, ReasoningParser))
+        raise ValueError(f"reasoning must be one of {choices}, got {name!r}")
+    return parser
 
 
 def get_parser(name: str) -> ReasoningParser:

@@ -124,10 +124,12 @@ class SamplingParams:
                     raise ValueError(f"{name} must be a non-empty string or a list of them, got {stops!r}")
                 setattr(self, name, list(stops))
         if self.reasoning is not None:
-            from .reasoning import PARSERS, ReasoningParser
-            thinking = sorted(name for name, p in PARSERS.items() if isinstance(p, ReasoningParser))
-            if self.reasoning not in thinking or self.content_stop is None:
-                raise ValueError(f"reasoning must be one of {thinking}, with content_stop, got {self.reasoning!r}")
+            from .reasoning import thinking_parser
+
+            thinking_parser(self.reasoning)
+            if self.content_stop is None:
+                raise ValueError(f"reasoning goes with content_stop (the stops it places), got reasoning="
+                                 f"{self.reasoning!r} alone")
         for name, empty_ok in (("stop_token_ids", True), ("allowed_token_ids", False)):
             value = getattr(self, name)
             if value is None:
