@@ -41,13 +41,15 @@ out = tileattn.attention(q, k, v, causal=True)
 out.sum().backward()
 torch.cuda.synchronize()
 t_first = time.perf_counter()
+from tileattn.runtime import host_launch
 if profile_path:
     prof.disable()
     s = io.StringIO(); pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
     open(profile_path, "w").write(s.getvalue())
 print(json.dumps({"import_torch_s": t_torch - t0, "cuda_context_s": t_ctx - t_torch,
                   "import_tileattn_s": t_import - t_ctx, "first_fwd_bwd_s": t_first - t_inputs,
-                  "beyond_torch_and_context_s": (t_import - t_ctx) + (t_first - t_inputs)}))
+                  "beyond_torch_and_context_s": (t_import - t_ctx) + (t_first - t_inputs),
+                  "host_launch": host_launch.status()}))
 """
 
 
@@ -103,6 +105,9 @@ def main(argv=None) -> int:
 
         write_run(args.json, records)
     print(table(records))
+    for cache in ("warm", "empty"):  # the compiled path builds in the background; its state when the result came
+        states = sorted({r["host_launch"].split(" (")[0] for r in records if r["cache"] == cache})
+        print(f"compiled attention path at the first result, {cache} cache: {', '.join(states)}")
     return 0
 
 
