@@ -373,6 +373,34 @@ def test_autograd_through_the_compiled_forward(fake):
         out4.sum().backward()
 
 
+def test_the_node_is_built_like_function_apply_builds_it(fake):
+    """want 3 builds the CppNode itself (not through Function::apply): its edges lead to exactly the
+    inputs that require grad, in order; without grad mode or a requiring input there is no node and
+    lse is still fresh; a second backward through a freed graph raises torch's error; forward-mode AD
+    takes Function::apply, which refuses it with torch's own message."""
+    import torch.autograd.forward_ad as fwad
+
+    fake.namespace["_backward_of_saved"] = lambda dout, q, k, v, *rest: (dout * 3, torch.ones_like(k), torch.zeros_like(v))
+    q, v = (t.clone().requires_grad_() for t in (fake.q, fake.v))
+    k = fake.k.clone()  # only q and v require grad
+    out, lse = fake.module.forward(q, k, v, False, None, 3)
+    assert "AttentionFunction" in out.grad_fn.name() and out.is_leaf is False
+    edges = [fn for fn, _ in out.grad_fn.next_functions]
+    assert edges[1] is None and edges[0].variable is q and edges[2].variable is v
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert torch.equal(q.grad, dout * 3) and k.grad is None and not v.grad.any()
+    with pytest.raises(RuntimeError, match="second time"):
+        out.backward(dout)
+    with torch.no_grad():
+        out, lse = fake.module.forward(q, k, v, False, None, 3)
+    assert out.grad_fn is None and fake.driver.launches[-1]["lse"] == lse.data_ptr() != fake.unread.data_ptr()
+    out, _ = fake.module.forward(fake.q, fake.k, fake.v, False, None, 3)
+    assert out.grad_fn is None and not out.requires_grad
+    with fwad.dual_level(), pytest.raises(RuntimeError, match="jvp is not implemented"):
+        fake.module.forward(fwad.make_dual(fake.q, torch.ones_like(fake.q)), k, v, False, None, 3)
+
+
 def test_a_graph_alive_at_exit_does_not_crash_the_interpreter(built, tmp_path):
     """A process that exits with a record registered and a graph alive exits cleanly: the records
     are never destroyed (a static map's destructor dropped their Python references after the

@@ -7,7 +7,8 @@
 // module does those steps for a combination the Python path has already validated and planned:
 //
 //   forward(q, k, v, causal, scale, want, deterministic=False)
-//       -> out (want 0) | (out, lse) (1) | (out, lse, entry) (2) | (out, lse) with autograd (3) | None
+//       -> out (want 0) | (out, lse) (1) | (out, lse, entry) (2) | (out, lse) with autograd (3: a node when
+//          grad mode is on and an input requires grad) | None
 //   backward(q, k, v, out, lse, dout, causal, scale, deterministic) -> (dq, dk, dv) | None
 //
 // forward builds the key from the tensors, finds the record that tileattn.api registered for it
@@ -44,13 +45,16 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -637,6 +641,10 @@ torch::autograd::variable_list python_backward(const at::Tensor& dout, const tor
   return grads;
 }
 
+// Saved values: "flags" (bit 0 causal, bit 1 a scale was given, bit 2 deterministic) and "scale"; two
+// entries of the node's hash map rather than four (each insertion costs; measured in docs/runtime.md).
+constexpr int64_t kCausal = 1, kHasScale = 2, kDeterministic = 4;
+
 struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   // call_address: the Call found by find_call (alive for the duration of apply). The node's one
   // output is out; lse goes back through call.lse, outside autograd (not differentiable; marking an
@@ -648,10 +656,9 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     at::Tensor out;
     launch_forward(call, q, /*fresh_lse=*/true, out, call.lse);
     ctx->save_for_backward({q, k, v, out, call.lse});
-    ctx->saved_data["causal"] = static_cast<bool>(call.key.causal);
-    ctx->saved_data["has_scale"] = static_cast<bool>(call.key.has_scale);
+    ctx->saved_data["flags"] = (call.key.causal ? kCausal : 0) | (call.key.has_scale ? kHasScale : 0) |
+                               (deterministic ? kDeterministic : 0);
     ctx->saved_data["scale"] = call.key.scale;
-    ctx->saved_data["deterministic"] = deterministic;
     return {out};
   }
 
@@ -660,10 +667,11 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const at::Tensor& dout = grads[0];
     if (!dout.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     const torch::autograd::variable_list saved = ctx->get_saved_variables();  // q, k, v, out, lse
-    const bool deterministic = ctx->saved_data["deterministic"].toBool();
+    const int64_t flags = ctx->saved_data["flags"].toInt();
+    const bool deterministic = (flags & kDeterministic) != 0;
     const at::Tensor* qkv[3] = {&saved[0], &saved[1], &saved[2]};
     Key key;
-    const bool keyed = key_of(qkv, ctx->saved_data["causal"].toBool(), ctx->saved_data["has_scale"].toBool(),
+    const bool keyed = key_of(qkv, (flags & kCausal) != 0, (flags & kHasScale) != 0,
                               ctx->saved_data["scale"].toDouble(), key);
     pybind11::gil_scoped_acquire gil;
     BackwardCall call;
@@ -676,6 +684,52 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     return result;
   }
 };
+
+// The forward with its autograd node, built here rather than by Function<AttentionFunction>::apply:
+// the node is the same torch::autograd::CppNode<AttentionFunction> (so its backward, its release and
+// compiled autograd are torch's own code), set up with what apply would give it for these arguments,
+// without apply's generic steps (collecting the variable arguments, _wrap_outputs' view, dirty and
+// non-differentiable bookkeeping for one fresh output). That halved the node's cost in a CPU
+// measurement (docs/runtime.md). Forward-mode AD (an input with a tangent) and functorch transforms
+// keep apply, which raises torch's own errors for them.
+using AttentionNode = torch::autograd::CppNode<AttentionFunction>;
+
+template <class NodeType, class NodePtr = decltype(std::declval<const at::Tensor&>().grad_fn())>
+auto new_node() {  // older torch holds nodes in std::shared_ptr, newer torch (2.13) in c10::intrusive_ptr
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
+    // deleteNode (found by argument-dependent lookup, so only where it exists) frees a long chain of
+    // nodes without recursion, as torch's own nodes are freed.
+    return std::shared_ptr<NodeType>(new NodeType(), [](NodeType* node) { deleteNode(node); });
+  } else {
+    return c10::make_intrusive<NodeType>();
+  }
+}
+
+at::Tensor forward_with_node(Call& call, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             bool deterministic) {
+  const int64_t call_address = reinterpret_cast<int64_t>(&call);
+  if (at::functorch::functorchTLSAccessor() || q._fw_grad(0).defined() || k._fw_grad(0).defined() ||
+      v._fw_grad(0).defined()) {
+    return AttentionFunction::apply(q, k, v, call_address, deterministic)[0];
+  }
+  auto node = new_node<AttentionNode>();
+  node->is_variable_input_ = {true, true, true, false, false};  // q, k, v; the address and the flag are not
+  node->set_ctx_grad_fn(node);
+  node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
+  node->input_info_.reserve(3);
+  node->input_info_.emplace_back(q);
+  node->input_info_.emplace_back(k);
+  node->input_info_.emplace_back(v);
+  at::Tensor out;
+  {
+    at::AutoGradMode no_grad(false);
+    out = AttentionFunction::forward(&node->ctx_, q, k, v, call_address, deterministic)[0];
+  }
+  torch::autograd::set_history(out, node);  // out is the node's output 0
+  node->output_info_.emplace_back(out);
+  node->save_variables_to_ctx();  // after set_history: out is saved as the node's own output
+  return out;
+}
 
 // ---- forward(q, k, v, causal, scale, want, deterministic=False) ---------------------------------------
 // want: 0 out, 1 (out, lse), 2 (out, lse, entry), 3 (out, lse) with out attached to autograd
@@ -701,14 +755,13 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   const at::Tensor& q = THPVariable_Unpack(args[0]);
   at::Tensor out, lse;
-  if (want == 3) {
-    torch::autograd::variable_list outputs = AttentionFunction::apply(
-        q, THPVariable_Unpack(args[1]), THPVariable_Unpack(args[2]), reinterpret_cast<int64_t>(&call),
-        deterministic != 0);
-    out = std::move(outputs[0]);
+  const at::Tensor& k = THPVariable_Unpack(args[1]);
+  const at::Tensor& v = THPVariable_Unpack(args[2]);
+  if (want == 3 && at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+    out = forward_with_node(call, q, k, v, deterministic != 0);
     lse = std::move(call.lse);
   } else {
-    launch_forward(call, q, /*fresh_lse=*/want != 0, out, lse);
+    launch_forward(call, q, /*fresh_lse=*/want != 0, out, lse);  // want 3 without grad: (out, lse), no node
   }
   if (want == 0) return THPVariable_Wrap(std::move(out));
   PyObject* result = PyTuple_New(want == 2 ? 3 : 2);
