@@ -377,3 +377,22 @@ def test_backward_fakes_lay_out_gradients_as_the_eager_entries_plan(monkeypatch,
                                                             0.0, 0.1)
     assert entry.copy_kv == (kv_layout != "under the limit")
     assert [(t.shape, t.stride()) for t in fake] == list(entry.grad_specs)
+
+
+@pytest.mark.parametrize("which", ["attention", "attention_varlen"])
+def test_forward_mode_ad_is_refused_not_dropped(which):
+    """An input with a forward-mode tangent gets a NotImplementedError (the kernels have no jvp)
+    rather than a result whose tangent is silently missing; without a dual level nothing is checked."""
+    import torch.autograd.forward_ad as fwad
+
+    q = torch.randn(2, 4, 8, 64, dtype=torch.float16)
+    call = {
+        "attention": lambda q: tileattn.attention(q, q, q),
+        "attention_varlen": lambda q: tileattn.attention_varlen(
+            q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1),
+            torch.tensor([0, 8], dtype=torch.int32), torch.tensor([0, 8], dtype=torch.int32), 8, 8),
+    }[which]
+    with fwad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
+        call(fwad.make_dual(q, torch.ones_like(q)))
+    with pytest.raises(ValueError):  # the usual checks (CPU tensors) once no tangent is involved
+        call(q)

@@ -43,6 +43,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from . import dropout as dr
@@ -150,10 +151,15 @@ def attention(
 
 def _eager(*tensors) -> bool:
     """Whether this call can take the eager path: plain tensors (not FakeTensor or other
-    subclasses), not being traced by torch.compile, no dispatch mode (make_fx, FakeTensorMode)."""
+    subclasses), not being traced by torch.compile, no dispatch mode (make_fx, FakeTensorMode).
+    Raises NotImplementedError for an input with a forward-mode AD tangent: the kernels have no jvp,
+    and a result without its tangent would be silently wrong."""
     for t in tensors:
         if type(t) is not Tensor:
             return False
+    if _forward_ad._current_level >= 0 and any(_forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise NotImplementedError("tileattn's attention has no forward-mode AD (jvp): an input carries a tangent "
+                                  "(torch.autograd.forward_ad.make_dual)")
     return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
 
 
