@@ -695,8 +695,8 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
 using AttentionNode = torch::autograd::CppNode<AttentionFunction>;
 
 template <class NodeType, class NodePtr = decltype(std::declval<const at::Tensor&>().grad_fn())>
-auto new_node() {  // older torch holds nodes in std::shared_ptr, newer torch (2.13) in c10::intrusive_ptr
-  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
+auto new_node() {  // torch up to 2.11 holds nodes in std::shared_ptr, later torch in c10::intrusive_ptr (pytorch#181782)
+  if constexpr (std::is_same_v<std::decay_t<NodePtr>, std::shared_ptr<torch::autograd::Node>>) {
     // deleteNode (found by argument-dependent lookup, so only where it exists) frees a long chain of
     // nodes without recursion, as torch's own nodes are freed.
     return std::shared_ptr<NodeType>(new NodeType(), [](NodeType* node) { deleteNode(node); });
