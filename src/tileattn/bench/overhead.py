@@ -4,7 +4,9 @@
 
 What is timed: the wall time of `calls` back-to-back calls with no synchronization inside, divided
 by `calls`, on shapes small enough that the GPU keeps up (so the figure is the host's cost: Python,
-argument handling, allocation, the driver's launch call); the median of `rounds` such bursts.
+argument handling, allocation, the driver's launch call); the median of `rounds` such bursts, every
+implementation of a case timed in the same rounds (one burst each, rotated), so that a drift of the
+host's speed during the run does not land on one column.
 Cases: forward without grad, forward whose inputs require grad (the autograd node is built),
 backward alone (torch.autograd.grad on a retained graph), the backward at op level (no autograd
 engine: the compiled path's `backward`, or tileattn.api._backward on the Python path, beside aten's
@@ -32,21 +34,37 @@ from .records import write_run
 from .report import environment_line
 
 
-def burst_us(fn, calls: int, rounds: int, sync=None) -> dict:
-    """Host us per call of ``fn``: the median (and min, max) over ``rounds`` bursts of ``calls`` calls.
-    ``sync`` (default torch.cuda.synchronize) runs between bursts only, so the device never holds the
-    host back inside one."""
+def interleaved_bursts(fns: dict, calls: int, rounds: int, sync=None) -> dict[str, dict]:
+    """Host us per call of each ``fns`` entry (name -> (callable, context factory entered around each
+    of its bursts)): the median (and min, max) over ``rounds`` bursts of ``calls`` calls. Every round
+    runs one burst of each, starting at a rotated position, so a host whose speed drifts during the
+    run moves every column alike (the lent H100 of 2026-12-05 ran one process's late pieces 1.5-1.8x
+    slower than its early ones: SDPA's forward 17.0 then 30.2 us). ``sync`` (default
+    torch.cuda.synchronize) runs between bursts only, so the device never holds the host back inside one."""
     sync = sync or torch.cuda.synchronize
-    fn()
-    sync()
-    samples = []
-    for _ in range(rounds):
-        begin = time.perf_counter()
-        for _ in range(calls):
+    names = list(fns)
+    for fn, enter in fns.values():
+        with enter():
             fn()
-        samples.append((time.perf_counter() - begin) / calls * 1e6)
-        sync()
-    return {"host_us": statistics.median(samples), "host_us_min": min(samples), "host_us_max": max(samples)}
+    sync()
+    samples = {name: [] for name in names}
+    for r in range(rounds):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            fn, enter = fns[name]
+            with enter():
+                begin = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                samples[name].append((time.perf_counter() - begin) / calls * 1e6)
+            sync()
+    return {name: {"host_us": statistics.median(x), "host_us_min": min(x), "host_us_max": max(x)}
+            for name, x in samples.items()}
+
+
+def burst_us(fn, calls: int, rounds: int, sync=None) -> dict:
+    """interleaved_bursts of one callable."""
+    return interleaved_bursts({"fn": (fn, contextlib.nullcontext)}, calls, rounds, sync)["fn"]
 
 
 class IdentityFunction(torch.autograd.Function):
@@ -140,6 +158,8 @@ def python_path():
 
 
 def run(calls: int, rounds: int) -> list[dict]:
+    """Each case's implementations timed in the same rounds (interleaved_bursts): tileattn, its Python
+    path and each SDPA backend that accepts the shape."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ..runtime import host_launch
@@ -148,24 +168,29 @@ def run(calls: int, rounds: int) -> list[dict]:
     records = []
     for name, shape, make, grad, what in cases():
         q, k, v = make(grad)
-        ctx = torch.enable_grad() if grad else torch.no_grad()
-        with ctx:
-            ours = burst_us(_tileattn_fn(q, k, v, what), calls, rounds)
-            records.append({"suite": "overhead", "case": name, "shape": shape, "impl": "tileattn",
-                            "host_launch": host_launch.status(), **ours})
-            with python_path():
-                slow = burst_us(_tileattn_fn(q, k, v, what), calls, rounds)
-            records.append({"suite": "overhead", "case": name, "shape": shape, "impl": "tileattn_python_path", **slow})
+        with torch.enable_grad() if grad else torch.no_grad():
+            fns = {"tileattn": (_tileattn_fn(q, k, v, what), contextlib.nullcontext)}
+            with python_path():  # made inside: "bwd_op" picks the Python backward there
+                fns["tileattn_python_path"] = (_tileattn_fn(q, k, v, what), python_path)
             backends = ([SDPBackend.FLASH_ATTENTION] if name != "decode" else
                         [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
-            for backend in backends:
-                rec = {"suite": "overhead", "case": name, "shape": shape, "impl": f"sdpa_{backend.name.lower()}"}
+            refused = {}
+            for backend in backends:  # chosen once per burst, outside the timed loop
+                impl, enter = f"sdpa_{backend.name.lower()}", (lambda b=backend: sdpa_kernel(b))
                 try:
-                    with sdpa_kernel(backend):  # chosen once, outside the timed loop
-                        rec.update(burst_us(_sdpa_fn(q, k, v, what), calls, rounds))
+                    with enter():
+                        fn = _sdpa_fn(q, k, v, what)
+                        fn()
                 except RuntimeError as exc:  # a backend that refuses the shape
-                    rec.update(status=f"error: {str(exc).splitlines()[0][:100]}")
-                records.append(rec)
+                    refused[impl] = f"error: {str(exc).splitlines()[0][:100]}"
+                    continue
+                fns[impl] = (fn, enter)
+            timed = interleaved_bursts(fns, calls, rounds)
+        for impl, result in timed.items():
+            extra = {"host_launch": host_launch.status()} if impl == "tileattn" else {}
+            records.append({"suite": "overhead", "case": name, "shape": shape, "impl": impl, **extra, **result})
+        records += [{"suite": "overhead", "case": name, "shape": shape, "impl": impl, "status": status}
+                    for impl, status in refused.items()]
     return records
 
 
