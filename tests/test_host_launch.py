@@ -881,3 +881,19 @@ def test_the_backward_plans_launches_describe_their_launch(arch, deterministic):
         plan.empty = False
     plan.variant_values = True
     assert plan.host_launches() is None, "a variant kernel's per-call values"
+
+
+def test_the_background_build_runs_in_a_child_process(monkeypatch, tmp_path):
+    """build_in_child: the library built by another Python process into this process's cache, found
+    without a second build; a failing compiler is the child's clear error, and nothing is left behind."""
+    monkeypatch.setenv("TILEATTN_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(host_launch.HostLaunchBuildError, match="(?s)build process exited with 1.*false exited with 1"):
+        host_launch.build_in_child()
+    assert not list(tmp_path.rglob("*.so"))
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(host_launch, "build", lambda: pytest.fail("built in this process"))
+    path = host_launch.build_in_child()
+    assert path == host_launch.library_path() and path.is_relative_to(tmp_path) and path.exists()
+    assert host_launch.build_in_child() == path  # found, not rebuilt
+    assert host_launch.import_built(path).record_count() == 0

@@ -3,8 +3,8 @@
 # H200 the seed table twice against its H200 baseline (docs/BENCHMARKS.md, session 29: two processes of one
 # tree differ by up to 5 % at one point), or on another GPU (where that baseline means nothing) the
 # exclusive GPU tests and racecheck / synccheck / initcheck over the sanitize set, in the time left before
-# DEADLINE seconds (default 540).
-# Usage (carry as scripts/device/prologue.sh says): COMMIT=<sha> [DEADLINE=<s>] bash scripts/device/issue9_benches.sh
+# DEADLINE seconds (default 540; BENCH_ONLY=1: not those).
+# Usage (carry as scripts/device/prologue.sh says): COMMIT=<sha> [DEADLINE=<s>] [BENCH_ONLY=1] bash scripts/device/issue9_benches.sh
 source scripts/device/prologue.sh
 t0=$(date +%s); left() { echo $(( ${DEADLINE:-540} - ($(date +%s) - t0) )); }
 python3 -c "import time; t=time.time(); from tileattn.runtime import host_launch as h; p=h.build(); print('built', p, round(time.time()-t,1), 's')" 2>&1 | tail -3
@@ -22,7 +22,7 @@ if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     python3 -m tileattn.bench.report $OUT/seed-$run.json --compare $BASE 2>&1 | tail -15
     python3 -m tileattn.bench.report $OUT/seed-$run.json --compare $BASE --relative-to sdpa_cudnn 2>&1 | tail -3
   done
-else
+elif [ -z "$BENCH_ONLY" ]; then
   T=$(left); echo "== exclusive GPU tests at $(( $(date +%s)-t0 ))s, $T s left"
   [ $T -gt 60 ] && timeout 100 python3 -m pytest -q -m "gpu and exclusive" -p no:cacheprovider --junitxml=$OUT/junit-exclusive.xml tests/gpu 2>&1 | tail -4
   T=$(left); echo "== racecheck, synccheck, initcheck at $(( $(date +%s)-t0 ))s, $T s left"

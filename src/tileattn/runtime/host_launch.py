@@ -7,8 +7,9 @@ backward, once the Python path has run the backward of that dout layout, by the 
 module is compiled with the system's C++ compiler against torch's and Python's headers (no CUDA
 header or toolkit: the driver entry points come from cuGetProcAddress) and cached under
 `cache_dir()/host/`. Building takes tens of seconds (torch's autograd headers), so it happens in a
-background thread started by the first eager forward; until it is loaded, and wherever it cannot be built (no compiler, no Python
-headers, an unusual torch), every call takes the Python path, which launches the same plans.
+child process (`build_in_child`) that a background thread, started by the first eager forward, waits
+for; until the module is loaded, and wherever it cannot be built (no compiler, no Python headers, an
+unusual torch), every call takes the Python path, which launches the same plans.
 `TILEATTN_HOST_LAUNCH=0` switches it off, `1` on (the default, DEFAULT below). The switch decides whether the module is built and combinations are registered:
 set it before the first forward, since a combination once registered is served by the module for
 the rest of the process. `status()` says which case holds (`tileattn info` prints it).
@@ -145,6 +146,23 @@ def build() -> Path:
     return path
 
 
+def build_in_child() -> Path:
+    """build() in a fresh Python process, as the background build runs it: build() imports
+    torch.utils.cpp_extension for torch's header paths, which imports setuptools (0.37 s on the lent
+    H100's host, with the GIL held, in the middle of a process's first attention call); in a child
+    process that import holds nothing back. HostLaunchBuildError with the child's error otherwise."""
+    path = library_path()
+    if path.exists():
+        return path
+    package_root = str(Path(__file__).resolve().parents[2])  # the directory that holds this tileattn package
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-c", "from tileattn.runtime.host_launch import build; build()"],
+                          capture_output=True, text=True, env=env)
+    if done.returncode != 0 or not path.exists():
+        raise HostLaunchBuildError(f"the build process exited with {done.returncode}:\n{done.stderr[-3000:]}")
+    return path
+
+
 def import_built(path: Path):
     """The built module at `path`, imported but not configured (it launches nothing until load)."""
     loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
@@ -179,7 +197,7 @@ def load(path: Path):
 def _build_and_load() -> None:
     global _module, _status, _failed
     try:
-        path = build()
+        path = build_in_child()
         module = load(path)
     except Exception as exc:  # any failure leaves the Python path in charge; status() says why
         _status = f"unavailable: {type(exc).__name__}: {exc}"
