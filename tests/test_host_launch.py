@@ -45,8 +45,8 @@ def test_bad_calls_raise(built):
     x = torch.zeros(1, 2, 3, 8, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="6 or 7 arguments"):
         built.forward(x, x, x)
-    with pytest.raises(ValueError, match="want must be 0, 1, 2 or 3"):
-        built.forward(x, x, x, False, None, 4)
+    with pytest.raises(ValueError, match="want must be 0, 1, 2, 3 or 4"):
+        built.forward(x, x, x, False, None, 5)
     with pytest.raises(RuntimeError, match="configure the module first"):
         built.register(x, x, x, False, None, None, 0, (0, (1, 1, 1), (1, 1, 1), 0, b"", (), ()), ((), ()), ((), ()), x)
     with pytest.raises(ValueError, match="driver entry points"):
@@ -376,9 +376,11 @@ def test_autograd_through_the_compiled_forward(fake):
 def test_the_node_is_built_like_function_apply_builds_it(fake):
     """want 3 builds the CppNode itself (not through Function::apply): its edges lead to exactly the
     inputs that require grad, in order; without grad mode or a requiring input there is no node and
-    lse is still fresh; a second backward through a freed graph raises torch's error; forward-mode AD
-    takes Function::apply, which refuses it with torch's own message."""
+    lse is still fresh; want 4 is the same with out alone (lse fresh only for a node); a second
+    backward through a freed graph raises torch's error; an input with a forward-mode tangent and a
+    call under a dispatch mode are left to the Python path (None)."""
     import torch.autograd.forward_ad as fwad
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     fake.namespace["_backward_of_saved"] = lambda dout, q, k, v, *rest: (dout * 3, torch.ones_like(k), torch.zeros_like(v))
     q, v = (t.clone().requires_grad_() for t in (fake.q, fake.v))
@@ -397,8 +399,23 @@ def test_the_node_is_built_like_function_apply_builds_it(fake):
     assert out.grad_fn is None and fake.driver.launches[-1]["lse"] == lse.data_ptr() != fake.unread.data_ptr()
     out, _ = fake.module.forward(fake.q, fake.k, fake.v, False, None, 3)
     assert out.grad_fn is None and not out.requires_grad
-    with fwad.dual_level(), pytest.raises(RuntimeError, match="jvp is not implemented"):
-        fake.module.forward(fwad.make_dual(fake.q, torch.ones_like(fake.q)), k, v, False, None, 3)
+    out = fake.module.forward(q, k, v, False, None, 4)
+    assert isinstance(out, torch.Tensor) and "AttentionFunction" in out.grad_fn.name()
+    assert fake.driver.launches[-1]["lse"] != fake.unread.data_ptr(), "the node saves a fresh lse"
+    out = fake.module.forward(fake.q, fake.k, fake.v, False, None, 4)
+    assert out.grad_fn is None and fake.driver.launches[-1]["lse"] == fake.unread.data_ptr()
+    launches = len(fake.driver.launches)
+    with fwad.dual_level():
+        assert fake.module.forward(fwad.make_dual(fake.q, torch.ones_like(fake.q)), k, v, False, None, 3) is None
+        assert fake.module.forward(fwad.make_dual(fake.q, torch.ones_like(fake.q)), k, v, False, None, 4) is None
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():
+        assert fake.module.forward(fake.q, fake.k, fake.v, False, None, 4) is None
+    assert len(fake.driver.launches) == launches, "nothing launched for the calls left to the Python path"
 
 
 def test_a_graph_alive_at_exit_does_not_crash_the_interpreter(built, tmp_path):
@@ -626,6 +643,34 @@ def test_the_backward_runs_its_registered_launches(fake_backward):
     dq2, dk2, _ = m.backward(q, k, v, out, lse, dout, False, None, False)
     assert f.driver.encoded[encoded:] == [dk2.data_ptr()], "q's map is encoded once per address, dK's per new one"
     assert f.driver.launches[-2]["values"][1] == (dk2.data_ptr(), 11)
+
+
+def test_the_gradients_share_one_allocation(fake_backward):
+    """dq, dk, dv come from one allocation: plain tensors (no autograd view) over disjoint parts of one
+    storage, each at a 256-byte multiple of it, with the registered sizes and strides (GQA's smaller
+    dk / dv and a [B, N, H, d] layout included); a grad spec with an empty size or a negative stride
+    is refused at registration."""
+    f = fake_backward
+    m, q, k, v = f.module, f.q, f.k, f.v
+    out, lse = m.forward(q, k, v, False, None, 1)
+    dout = torch.randn_like(out)
+    kv_spec = ((2, 1, 16, 8), (128, 8, 8, 1))  # one kv head, [B, N, H, d] strides
+    specs = (f.grad_specs[0], kv_spec, kv_spec)
+    assert m.register_backward(q, k, v, False, None, dout, False, _backward_launches(f.driver), specs, 96, 0)
+    dq, dk, dv = m.backward(q, k, v, out, lse, dout, False, None, False)
+    assert [(tuple(t.shape), t.stride()) for t in (dq, dk, dv)] == [(tuple(s), tuple(st)) for s, st in specs]
+    storage = dq.untyped_storage()
+    assert all(t.untyped_storage().data_ptr() == storage.data_ptr() and t._base is None for t in (dk, dv))
+    offsets = [t.storage_offset() * t.element_size() for t in (dq, dk, dv)]
+    assert offsets[0] == 0 and all(o % 256 == 0 for o in offsets)
+    assert offsets[1] >= dq.numel() * 4 and offsets[2] >= offsets[1] + dk.numel() * 4  # float32 here: disjoint
+    assert storage.nbytes() >= offsets[2] + dv.numel() * 4
+    dq.fill_(1.0), dk.fill_(2.0), dv.fill_(3.0)
+    assert (dq == 1).all() and (dk == 2).all() and (dv == 3).all()
+    for bad in (((2, 0, 16, 8), (512, 128, 8, 1)), ((2, 4, 16, 8), (512, 128, -8, 1))):
+        with pytest.raises(ValueError, match="sizes >= 1 and strides >= 0"):
+            m.register_backward(q, k, v, False, None, dout, True, _backward_launches(f.driver), (bad, kv_spec, kv_spec),
+                                96, 0)
 
 
 def test_the_backward_declines_what_it_was_not_registered_for(fake_backward):

@@ -132,15 +132,17 @@ def attention(
         out, lse = _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, alibi_slopes,
                                        dropout_p, generator, seed, offset)
         return (out, lse) if return_lse else out
+    if _host_forward is not None and not torch.compiler.is_compiling():
+        # The compiled path, for a combination already planned: it checks what _eager checks (exact
+        # tensors, no dispatch mode, no forward-mode tangent) and builds the autograd node itself when
+        # an input requires grad; None for anything it does not serve.
+        hit = _host_forward(q, k, v, causal, scale, 3 if return_lse else 4, deterministic)
+        if hit is not None:
+            return hit
     if _eager(q, k, v):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            hit = None if _host_forward is None else _host_forward(q, k, v, causal, scale, 3, deterministic)
-            out, lse = hit if hit is not None else _AttentionFunction.apply(q, k, v, causal, scale, deterministic)
+            out, lse = _AttentionFunction.apply(q, k, v, causal, scale, deterministic)
         else:
-            if _host_forward is not None:  # the compiled path, for a combination already planned
-                hit = _host_forward(q, k, v, causal, scale, 1 if return_lse else 0)
-                if hit is not None:
-                    return hit
             out, lse, _ = _forward(q, k, v, causal, scale, keep_lse=return_lse)
     else:
         _check_args(q, k, v, scale)

@@ -7,15 +7,16 @@
 // module does those steps for a combination the Python path has already validated and planned:
 //
 //   forward(q, k, v, causal, scale, want, deterministic=False)
-//       -> out (want 0) | (out, lse) (1) | (out, lse, entry) (2) | (out, lse) with autograd (3: a node when
-//          grad mode is on and an input requires grad) | None
+//       -> out (want 0) | (out, lse) (1) | (out, lse, entry) (2) | (out, lse) (3) | out (4) | None
+//          (3 and 4, tileattn.attention's: out gets an autograd node when grad mode is on and an input
+//          requires grad)
 //   backward(q, k, v, out, lse, dout, causal, scale, deterministic) -> (dq, dk, dv) | None
 //
 // forward builds the key from the tensors, finds the record that tileattn.api registered for it
 // (the LaunchPlan's packed parameter buffer, which parameters change per call, and the output
 // specs), allocates out (and lse) with ATen, fills in the data pointers and tensor maps, and calls
-// cuLaunchKernel on torch's current stream. With want 3 that launch is the forward of a C++ autograd
-// Function; its backward finds the record again from the saved tensors and runs its backward
+// cuLaunchKernel on torch's current stream. With want 3 or 4 and an input that requires grad that
+// launch is the forward of a C++ autograd Function; its backward finds the record again from the saved tensors and runs its backward
 // launches for dout's layout and the deterministic flag (registered by tileattn.api._backward after
 // its first Python-path backward of that layout), and otherwise calls
 // tileattn.api._backward_of_saved. backward() is the same backward without autograd (benchmarks
@@ -43,6 +44,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -158,8 +160,15 @@ struct BackwardRecord {
   bool deterministic;
   std::vector<std::unique_ptr<Launch>> launches;
   std::vector<int64_t> grad_sizes[3], grad_strides[3];
+  int64_t grad_offsets[3] = {0, 0, 0};  // elements: dq, dk, dv share one allocation (run_backward)
+  int64_t grad_storage_elems = 0;
   int64_t workspace_elems = 0, semaphore_elems = 0;
 };
+
+// dq, dk and dv start at multiples of 128 elements (256 bytes for fp16 / bf16) of their shared
+// allocation: the kernels' 16-byte vector accesses and tensor maps need 16, the caching allocator
+// itself hands out 512-byte aligned blocks.
+constexpr int64_t kGradAlignElems = 128;
 
 // ---- a record: one planned combination ---------------------------------------------------------------
 struct Record {
@@ -455,7 +464,7 @@ struct Call {
   Key key;
   void* stream = nullptr;
   uint64_t qkv[3] = {0, 0, 0};
-  at::Tensor lse;  // want 3: the autograd forward's lse, handed back beside its one output
+  at::Tensor lse;  // with autograd: the forward's lse, handed back beside the node's one output
 };
 
 // The record of `key` while tileattn.api's plan cache is the one it was made for (a test's
@@ -576,8 +585,17 @@ bool find_backward_call(const Key& key, const at::Tensor& q, const at::Tensor& k
 torch::autograd::variable_list run_backward(const Record& record, BackwardRecord& backward, void* stream,
                                             const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dout) {
+  // One allocation for the three gradients, each a tensor over its part of that storage (not an autograd
+  // view: a plain tensor sharing the storage, which AccumulateGrad keeps as .grad as it is): two fewer
+  // trips through the caching allocator per backward (~1.5-2 us each on the lent H100's host).
+  const at::Tensor grad_storage = at::empty({backward.grad_storage_elems}, q.options());
   torch::autograd::variable_list grads(3);
-  for (int i = 0; i < 3; ++i) grads[i] = at::empty_strided(backward.grad_sizes[i], backward.grad_strides[i], q.options());
+  for (int i = 0; i < 3; ++i) {
+    auto part = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(grad_storage.storage()),
+                                                     grad_storage.key_set(), grad_storage.dtype());
+    part->set_sizes_and_strides(backward.grad_sizes[i], backward.grad_strides[i], backward.grad_offsets[i]);
+    grads[i] = at::Tensor(std::move(part));
+  }
   at::Tensor workspace = at::empty({backward.workspace_elems}, q.options().dtype(at::kFloat));
   at::Tensor semaphores;
   if (backward.semaphore_elems > 0) semaphores = at::zeros({backward.semaphore_elems}, q.options().dtype(at::kInt));
@@ -689,9 +707,9 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
 // the node is the same torch::autograd::CppNode<AttentionFunction> (so its backward, its release and
 // compiled autograd are torch's own code), set up with what apply would give it for these arguments,
 // without apply's generic steps (collecting the variable arguments, _wrap_outputs' view, dirty and
-// non-differentiable bookkeeping for one fresh output). That halved the node's cost in a CPU
-// measurement (docs/runtime.md). Forward-mode AD (an input with a tangent) and functorch transforms
-// keep apply, which raises torch's own errors for them.
+// non-differentiable bookkeeping for one fresh output): a fifth less of the node's cost in a CPU
+// measurement (docs/runtime.md). Functorch transforms keep apply, which raises torch's own error for
+// them; forward() leaves inputs with a forward-mode tangent to the Python path, which refuses them.
 using AttentionNode = torch::autograd::CppNode<AttentionFunction>;
 
 template <class NodeType, class NodePtr = decltype(std::declval<const at::Tensor&>().grad_fn())>
@@ -708,8 +726,7 @@ auto new_node() {  // torch up to 2.11 holds nodes in std::shared_ptr, later tor
 at::Tensor forward_with_node(Call& call, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              bool deterministic) {
   const int64_t call_address = reinterpret_cast<int64_t>(&call);
-  if (at::functorch::functorchTLSAccessor() || q._fw_grad(0).defined() || k._fw_grad(0).defined() ||
-      v._fw_grad(0).defined()) {
+  if (at::functorch::functorchTLSAccessor()) {  // apply raises torch's error for a functorch transform
     return AttentionFunction::apply(q, k, v, call_address, deterministic)[0];
   }
   auto node = new_node<AttentionNode>();
@@ -732,8 +749,9 @@ at::Tensor forward_with_node(Call& call, const at::Tensor& q, const at::Tensor& 
 }
 
 // ---- forward(q, k, v, causal, scale, want, deterministic=False) ---------------------------------------
-// want: 0 out, 1 (out, lse), 2 (out, lse, entry), 3 (out, lse) with out attached to autograd
-// (AttentionFunction; deterministic picks the backward's mode).
+// want: 0 out, 1 (out, lse), 2 (out, lse, entry); 3 (out, lse) and 4 out, for tileattn.attention's eager
+// call: out attached to autograd (AttentionFunction's node; deterministic picks the backward's mode) when
+// grad mode is on and an input requires grad.
 PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 6 && nargs != 7) {
@@ -742,28 +760,33 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   const long want = PyLong_AsLong(args[5]);
-  if (want < 0 || want > 3) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "want must be 0, 1, 2 or 3");
+  if (want < 0 || want > 4) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "want must be 0, 1, 2, 3 or 4");
     return nullptr;
   }
   const int deterministic = nargs == 7 ? PyObject_IsTrue(args[6]) : 0;
   if (deterministic < 0) return nullptr;
+  // Under a dispatch mode (make_fx, FakeTensorMode) the Python path runs, which takes the custom op.
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) Py_RETURN_NONE;
   Call call;
   if (!find_call(args, call)) {
     if (PyErr_Occurred()) return nullptr;
     Py_RETURN_NONE;
   }
   const at::Tensor& q = THPVariable_Unpack(args[0]);
-  at::Tensor out, lse;
   const at::Tensor& k = THPVariable_Unpack(args[1]);
   const at::Tensor& v = THPVariable_Unpack(args[2]);
-  if (want == 3 && at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+  at::Tensor out, lse;
+  if (want >= 3) {  // tileattn.attention's eager call: an input with a forward-mode tangent is refused there
+    if (q._fw_grad(0).defined() || k._fw_grad(0).defined() || v._fw_grad(0).defined()) Py_RETURN_NONE;
+  }
+  if (want >= 3 && at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())) {
     out = forward_with_node(call, q, k, v, deterministic != 0);
     lse = std::move(call.lse);
   } else {
-    launch_forward(call, q, /*fresh_lse=*/want != 0, out, lse);  // want 3 without grad: (out, lse), no node
+    launch_forward(call, q, /*fresh_lse=*/want != 0 && want != 4, out, lse);
   }
-  if (want == 0) return THPVariable_Wrap(std::move(out));
+  if (want == 0 || want == 4) return THPVariable_Wrap(std::move(out));
   PyObject* result = PyTuple_New(want == 2 ? 3 : 2);
   if (result == nullptr) return nullptr;
   PyTuple_SET_ITEM(result, 0, THPVariable_Wrap(std::move(out)));
@@ -943,9 +966,25 @@ PyObject* register_backward(PyObject*, PyObject* args) {
     ok = read_spec(PySequence_Fast_GET_ITEM(fast, i), backward->grad_sizes[i], backward->grad_strides[i], "grad_specs");
   }
   Py_DECREF(fast);
+  for (int i = 0; ok && i < 3; ++i) {  // every size >= 1 and stride >= 0: the storage span below is then exact
+    for (size_t d = 0; d < backward->grad_sizes[i].size(); ++d) {
+      ok = ok && backward->grad_sizes[i][d] >= 1 && backward->grad_strides[i][d] >= 0;
+    }
+  }
   if (!ok) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "register_backward: grad_specs must hold 3 specs");
+    if (!PyErr_Occurred()) {
+      PyErr_SetString(PyExc_ValueError, "register_backward: grad_specs must hold 3 specs with sizes >= 1 and strides "
+                      ">= 0");
+    }
     return nullptr;
+  }
+  for (int i = 0; i < 3; ++i) {
+    int64_t span = 1;  // elements from the first to one past the last
+    for (size_t d = 0; d < backward->grad_sizes[i].size(); ++d) {
+      span += (backward->grad_sizes[i][d] - 1) * backward->grad_strides[i][d];
+    }
+    backward->grad_offsets[i] = backward->grad_storage_elems;
+    backward->grad_storage_elems += (span + kGradAlignElems - 1) / kGradAlignElems * kGradAlignElems;
   }
   auto same = [&](const std::shared_ptr<BackwardRecord>& other) {
     return other->deterministic == backward->deterministic && other->dout_dtype == backward->dout_dtype &&
@@ -1015,8 +1054,8 @@ PyObject* backward_record_count(PyObject*, PyObject*) {
 PyMethodDef methods[] = {
     {"forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(forward)), METH_FASTCALL,
      "forward(q, k, v, causal, scale, want, deterministic=False): out (want 0), (out, lse) (1), (out, lse, entry) "
-     "(2) or (out, lse) with autograd (3) for a registered combination, launched on torch's current stream; None "
-     "when the call is not one"},
+     "(2), (out, lse) (3) or out (4), 3 and 4 with autograd when an input requires grad, for a registered "
+     "combination, launched on torch's current stream; None when the call is not one"},
     {"backward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(backward)), METH_FASTCALL,
      "backward(q, k, v, out, lse, dout, causal, scale, deterministic): (dq, dk, dv) for a registered combination "
      "and dout layout, launched on torch's current stream; None when the call is not one"},
