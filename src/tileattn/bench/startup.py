@@ -9,8 +9,9 @@ and context creation, with a warm kernel cache (the runs after a first that fill
 empty one (a fresh $TILEATTN_CACHE each run: NVRTC compiles the three to four instantiations the
 call needs, and the compiled attention path starts building in the background). The warm cache is
 filled by a first process that also waits for the compiled path's library (runtime.host_launch),
-as any later process finds it. `--profile` writes a cProfile of the first call in a warm-cache process (cumulative
-time, top 40 entries): where the time goes. Targets (issue #9): warm < 0.5 s, empty < 15 s.
+as any later process finds it. `--profile` writes a cProfile of the first call in a warm-cache
+process (cumulative time, top 40 entries; Python 3.12's cProfile sees every thread): where the time
+goes. Targets (issue #9): warm < 0.5 s, empty < 15 s.
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@
 // (the LaunchPlan's packed parameter buffer, which parameters change per call, and the output
 // specs), allocates out (and lse) with ATen, fills in the data pointers and tensor maps, and calls
 // cuLaunchKernel on torch's current stream. With want 3 or 4 and an input that requires grad that
-// launch is the forward of a C++ autograd Function; its backward finds the record again from the saved tensors and runs its backward
-// launches for dout's layout and the deterministic flag (registered by tileattn.api._backward after
-// its first Python-path backward of that layout), and otherwise calls
-// tileattn.api._backward_of_saved. backward() is the same backward without autograd (benchmarks
-// and tests). None means "not mine": no record, another current device, a
-// misaligned pointer, a stream under capture with a persistent grid, an argument of an unexpected
-// type. The caller then takes the Python path, which checks everything and raises the errors.
+// launch is the forward of a C++ autograd Function; its backward finds the record again from the
+// saved tensors and runs its backward launches for dout's layout and the deterministic flag
+// (registered by tileattn.api._backward after its first Python-path backward of that layout), and
+// otherwise calls tileattn.api._backward_of_saved. backward() is the same backward without autograd
+// (benchmarks and tests). None means "not mine": no record, another current device, a misaligned
+// pointer, a stream under capture with a persistent grid, an argument of an unexpected type, a
+// dispatch mode, a forward-mode tangent. The caller then takes the Python path, which checks everything and raises the errors.
 // Nothing here validates more than that: a record exists only for a key the Python path accepted,
 // and the key holds everything that path checks except the data pointers' alignment.
 //
@@ -712,8 +712,9 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
 // them; forward() leaves inputs with a forward-mode tangent to the Python path, which refuses them.
 using AttentionNode = torch::autograd::CppNode<AttentionFunction>;
 
+// Torch up to 2.11 holds nodes in std::shared_ptr, later torch in c10::intrusive_ptr (pytorch#181782).
 template <class NodeType, class NodePtr = decltype(std::declval<const at::Tensor&>().grad_fn())>
-auto new_node() {  // torch up to 2.11 holds nodes in std::shared_ptr, later torch in c10::intrusive_ptr (pytorch#181782)
+auto new_node() {
   if constexpr (std::is_same_v<std::decay_t<NodePtr>, std::shared_ptr<torch::autograd::Node>>) {
     // deleteNode (found by argument-dependent lookup, so only where it exists) frees a long chain of
     // nodes without recursion, as torch's own nodes are freed.
