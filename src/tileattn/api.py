@@ -132,10 +132,11 @@ def attention(
         out, lse = _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, alibi_slopes,
                                        dropout_p, generator, seed, offset)
         return (out, lse) if return_lse else out
-    if _host_forward is not None and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and _host_forward is not None:
         # The compiled path, for a combination already planned: it checks what _eager checks (exact
         # tensors, no dispatch mode, no forward-mode tangent) and builds the autograd node itself when
-        # an input requires grad; None for anything it does not serve.
+        # an input requires grad; None for anything it does not serve. (is_compiling first: Dynamo then
+        # never reads _host_forward, so the module's loading cannot invalidate a compiled graph's guards.)
         hit = _host_forward(q, k, v, causal, scale, 3 if return_lse else 4, deterministic)
         if hit is not None:
             return hit
