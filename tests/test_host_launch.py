@@ -665,7 +665,8 @@ def test_the_gradients_share_one_allocation(fake_backward):
     assert offsets[0] == 0 and all(o % 256 == 0 for o in offsets)
     assert offsets[1] >= dq.numel() * 4 and offsets[2] >= offsets[1] + dk.numel() * 4  # float32 here: disjoint
     assert storage.nbytes() >= offsets[2] + dv.numel() * 4
-    dq.fill_(1.0), dk.fill_(2.0), dv.fill_(3.0)
+    for value, grad in enumerate((dq, dk, dv), start=1):
+        grad.fill_(float(value))
     assert (dq == 1).all() and (dk == 2).all() and (dv == 3).all()
     for bad in (((2, 0, 16, 8), (512, 128, 8, 1)), ((2, 4, 16, 8), (512, 128, -8, 1))):
         with pytest.raises(ValueError, match="sizes >= 1 and strides >= 0"):
