@@ -109,10 +109,11 @@ def find_stop(seq, new_text: str) -> str | None:
 def visible_text_length(seq) -> int:
     """Characters that may be shown now: all once finished, else all but those that could still
     be the start of a stop string."""
-    stops = (seq.params.stop or []) + (seq.params.content_stop or [])
-    if seq.finished or not stops:
+    stop, content_stop = seq.params.stop, seq.params.content_stop
+    if seq.finished or not (stop or content_stop):
         return len(seq.text)
-    return max(len(seq.text) - (max(len(s) for s in stops) - 1), 0)
+    longest = max(len(s) for stops in (stop, content_stop) if stops for s in stops)
+    return max(len(seq.text) - (longest - 1), 0)
 
 
 def _byte_tokens(tokenizer) -> tuple[frozenset, frozenset]:

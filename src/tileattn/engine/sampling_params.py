@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, fields
 
 from .structured import check_spec
+from .tokenizer import lone_surrogate
 
 _FLOAT32_TINY, _FLOAT32_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127  # float32's smallest normal, largest finite
 
@@ -143,10 +144,8 @@ class SamplingParams:
                     isinstance(w, str) and w.strip() for w in self.bad_words):
                 raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
             for i, word in enumerate(self.bad_words):  # the engine tokenizes them
-                try:
-                    word.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise ValueError(f"bad_words[{i}] has a lone surrogate, which is not Unicode text") from None
+                if lone_surrogate(word) is not None:
+                    raise ValueError(f"bad_words[{i}] has a lone surrogate, which is not Unicode text")
             self.bad_words = list(self.bad_words)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(

@@ -44,6 +44,16 @@ def read_json_object(file: str) -> dict:
     return value
 
 
+def lone_surrogate(text: str) -> int | None:
+    """The index of the first lone surrogate in ``text`` (a str that is not Unicode text, as JSON's
+    \\ud800 escapes can make), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
 class Tokenizer:
     """encode / decode / apply_chat_template over a `tokenizers.Tokenizer`.
 
@@ -69,12 +79,10 @@ class Tokenizer:
         try:
             return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except TypeError:
-            if isinstance(text, str):
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError as exc:
-                    raise ValueError(f"the text has a lone surrogate (U+{ord(text[exc.start]):04X} at character "
-                                     f"{exc.start}), which is not Unicode text") from None
+            at = lone_surrogate(text) if isinstance(text, str) else None
+            if at is not None:
+                raise ValueError(f"the text has a lone surrogate (U+{ord(text[at]):04X} at character {at}), which "
+                                 "is not Unicode text") from None
             raise
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:

@@ -10,9 +10,9 @@ header or toolkit: the driver entry points come from cuGetProcAddress) and cache
 child process (`build_in_child`) that a background thread, started by the first eager forward, waits
 for; until the module is loaded, and wherever it cannot be built (no compiler, no Python headers, an
 unusual torch), every call takes the Python path, which launches the same plans.
-`TILEATTN_HOST_LAUNCH=0` switches it off, `1` on (the default, DEFAULT below). The switch decides whether the module is built and combinations are registered:
-set it before the first forward, since a combination once registered is served by the module for
-the rest of the process. `status()` says which case holds (`tileattn info` prints it).
+`TILEATTN_HOST_LAUNCH=0` switches it off, `1` on (the default, DEFAULT below). The switch decides
+whether the module is built and combinations are registered: set it before the first forward, since
+a combination once registered is served by the module for the rest of the process. `status()` says which case holds (`tileattn info` prints it).
 """
 
 from __future__ import annotations
