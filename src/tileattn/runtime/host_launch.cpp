@@ -588,7 +588,8 @@ torch::autograd::variable_list run_backward(const Record& record, BackwardRecord
                                             const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dout) {
   // One allocation for the three gradients, each a tensor over its part of that storage (not an autograd
   // view: a plain tensor sharing the storage, which AccumulateGrad keeps as .grad as it is): two fewer
-  // trips through the caching allocator per backward (~1.5-2 us each on the lent H100's host).
+  // trips through the caching allocator per backward (an ATen allocation with its Python wrap: 1.93 us in the
+  // H200 machine's probe of session 36, docs/runtime.md).
   const at::Tensor grad_storage = at::empty({backward.grad_storage_elems}, q.options());
   torch::autograd::variable_list grads(3);
   for (int i = 0; i < 3; ++i) {
