@@ -386,7 +386,7 @@ def test_the_node_is_built_like_function_apply_builds_it(fake):
     q, v = (t.clone().requires_grad_() for t in (fake.q, fake.v))
     k = fake.k.clone()  # only q and v require grad
     out, lse = fake.module.forward(q, k, v, False, None, 3)
-    assert "AttentionFunction" in out.grad_fn.name() and out.is_leaf is False
+    assert "AttentionBackward" in out.grad_fn.name() and out.is_leaf is False
     edges = [fn for fn, _ in out.grad_fn.next_functions]
     assert edges[1] is None and edges[0].variable is q and edges[2].variable is v
     dout = torch.randn_like(out)
@@ -400,7 +400,7 @@ def test_the_node_is_built_like_function_apply_builds_it(fake):
     out, _ = fake.module.forward(fake.q, fake.k, fake.v, False, None, 3)
     assert out.grad_fn is None and not out.requires_grad
     out = fake.module.forward(q, k, v, False, None, 4)
-    assert isinstance(out, torch.Tensor) and "AttentionFunction" in out.grad_fn.name()
+    assert isinstance(out, torch.Tensor) and "AttentionBackward" in out.grad_fn.name()
     assert fake.driver.launches[-1]["lse"] != fake.unread.data_ptr(), "the node saves a fresh lse"
     out = fake.module.forward(fake.q, fake.k, fake.v, False, None, 4)
     assert out.grad_fn is None and fake.driver.launches[-1]["lse"] == fake.unread.data_ptr()
@@ -418,6 +418,37 @@ def test_the_node_is_built_like_function_apply_builds_it(fake):
     assert len(fake.driver.launches) == launches, "nothing launched for the calls left to the Python path"
 
 
+def test_the_node_catches_in_place_changes_and_holds_no_cycle(fake):
+    """The node's saved tensors keep their version counters: changing out (or q) in place before the
+    backward is torch's "modified by an inplace operation" error, not a wrong gradient; and the node
+    does not keep out alive through a reference cycle (out is saved as a detached alias)."""
+    import gc
+    import weakref
+
+    fake.namespace["_backward_of_saved"] = lambda dout, q, k, v, *rest: (dout, torch.zeros_like(k), torch.zeros_like(v))
+    q, k, v = (t.clone().requires_grad_() for t in (fake.q, fake.k, fake.v))
+    out, _ = fake.module.forward(q, k, v, False, None, 3)
+    with torch.no_grad():
+        out.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    out, _ = fake.module.forward(q, k, v, False, None, 3)
+    with torch.no_grad():
+        q.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    out, _ = fake.module.forward(q, k, v, False, None, 3)
+    node = weakref.ref(out.grad_fn) if hasattr(out.grad_fn, "__weakref__") else None
+    alive = weakref.ref(out)
+    gc.disable()  # freed by reference counts alone, not by the cycle collector
+    try:
+        del out
+        assert alive() is None
+    finally:
+        gc.enable()
+    assert node is None or node() is None
+
+
 def test_a_graph_alive_at_exit_does_not_crash_the_interpreter(built, tmp_path):
     """A process that exits with a record registered and a graph alive exits cleanly: the records
     are never destroyed (a static map's destructor dropped their Python references after the
@@ -433,7 +464,7 @@ def test_a_graph_alive_at_exit_does_not_crash_the_interpreter(built, tmp_path):
         "q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))\n"
         "t._register(built, driver, q, k, v)\n"
         "out, lse = built.forward(q, k, v, False, None, 3)\n"
-        "assert 'AttentionFunction' in out.grad_fn.name()\n"
+        "assert 'AttentionBackward' in out.grad_fn.name()\n"
         "print('ok')\n")
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "src")])}
@@ -864,7 +895,7 @@ def test_the_public_op_registers_and_runs_its_backward(built, monkeypatch):
         api._offer_to_host(q, k, v, False, None, entry)
         assert entry.host_key == (False, None)
         out = tileattn.attention(q, k, v)
-        assert "AttentionFunction" in out.grad_fn.name()
+        assert "AttentionBackward" in out.grad_fn.name()
         dout = torch.randn_like(out)
         out.backward(dout)
         assert len(python_launches) == 1 and entry.host_backward == {(dout.stride(), False)}

@@ -118,7 +118,7 @@ def test_an_explicit_scale_and_return_lse_through_the_public_op():
 
 @pytest.mark.parametrize("d", [64, 256])
 def test_autograd_forward_through_the_compiled_path(d):
-    """With inputs that require grad the op runs the compiled path's C++ autograd Function (want 3),
+    """With inputs that require grad the op runs the compiled path's C++ autograd node (want 3),
     whose first backward of a dout layout runs tileattn.api._backward on the entry's plans (later
     ones: test_compiled_backward_matches_the_reference): gradients match float64 autograd. want 2
     returns the entry the plan cache holds."""
@@ -131,8 +131,8 @@ def test_autograd_forward_through_the_compiled_path(d):
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     with poisoned_allocations():
         out = tileattn.attention(qg, kg, vg, causal=True)
-        assert "CppNode" in out.grad_fn.name() and "AttentionFunction" in out.grad_fn.name(), \
-            f"the compiled path's autograd Function did not run: {out.grad_fn.name()}"
+        assert out.grad_fn.name() == "tileattn::AttentionBackward", \
+            f"the compiled path's autograd node did not run: {out.grad_fn.name()}"
         out.backward(dout)
     for name, got, want in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), _reference_grads(q, k, v, dout, True)):
         assert _rel(got, want) <= 2e-2, f"{name}: relative error {_rel(got, want):.3e}"
@@ -204,6 +204,32 @@ def test_a_backward_layout_it_does_not_hold_takes_the_python_path():
     tileattn.attention(qg, kg, vg).sum().backward()
     want = _reference_grads(q, k, v, torch.ones_like(q), False)
     assert _rel(qg.grad, want[0]) <= 2e-2
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_node_under_compiled_autograd(d):
+    """The compiled path's node (tileattn::AttentionBackward) under compiled autograd: its backward runs
+    as an opaque call of the compiled graph (the registered launches) for two fresh inputs, gradients
+    against float64 autograd, outputs poisoned as everywhere here."""
+    from torch._dynamo import compiled_autograd
+
+    q, k, v = _inputs(2, 4, 2, 130, 170, d, BF16, seed=40 + d)
+    module = _planned(q, k, v, True)
+    warm = tuple(torch.randn_like(t).requires_grad_() for t in (q, k, v))
+    tileattn.attention(*warm, causal=True).backward(torch.randn_like(q))  # registers the backward
+    assert module.backward_record_count() >= 1
+    for seed in (1, 2):
+        fresh = _inputs(2, 4, 2, 130, 170, d, BF16, seed=40 + d + seed)
+        dout = torch.randn_like(fresh[0])
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in fresh)
+        with poisoned_allocations():
+            out = tileattn.attention(qg, kg, vg, causal=True)
+            assert out.grad_fn.name() == "tileattn::AttentionBackward"
+            with compiled_autograd._enable(torch.compile(backend="eager")):
+                out.backward(dout)
+        want = _reference_grads(*fresh, dout, True)
+        for name, got, expected in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), want):
+            assert _rel(got, expected) <= 2e-2, f"d={d} seed={seed}: {name} relative error {_rel(got, expected):.3e}"
 
 
 @pytest.mark.parametrize("d", [64, 96])

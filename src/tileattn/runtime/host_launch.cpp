@@ -15,11 +15,11 @@
 // forward builds the key from the tensors, finds the record that tileattn.api registered for it
 // (the LaunchPlan's packed parameter buffer, which parameters change per call, and the output
 // specs), allocates out (and lse) with ATen, fills in the data pointers and tensor maps, and calls
-// cuLaunchKernel on torch's current stream. With want 3 or 4 and an input that requires grad that
-// launch is the forward of a C++ autograd Function; its backward finds the record again from the
-// saved tensors and runs its backward launches for dout's layout and the deterministic flag
-// (registered by tileattn.api._backward after its first Python-path backward of that layout), and
-// otherwise calls tileattn.api._backward_of_saved. backward() is the same backward without autograd
+// cuLaunchKernel on torch's current stream. With want 3 or 4 and an input that requires grad, out
+// gets an autograd node (AttentionBackward); its backward finds the record again from the saved
+// tensors and runs its backward launches for dout's layout and the deterministic flag (registered by
+// tileattn.api._backward after its first Python-path backward of that layout), and otherwise calls
+// tileattn.api._backward_of_saved. backward() is the same backward without autograd
 // (benchmarks and tests). None means "not mine": no record, another current device, a misaligned
 // pointer, a stream under capture with a persistent grid, an argument of an unexpected type, a
 // dispatch mode, a forward-mode tangent. The caller then takes the Python path, which checks
@@ -47,8 +47,11 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <ATen/FuncTorchTLS.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
@@ -661,58 +664,98 @@ torch::autograd::variable_list python_backward(const at::Tensor& dout, const tor
   return grads;
 }
 
-// Saved values: "flags" (bit 0 causal, bit 1 a scale was given, bit 2 deterministic) and "scale"; two
-// entries of the node's hash map rather than four (each insertion costs; measured in docs/runtime.md).
+// The node's plain values: flags (bit 0 causal, bit 1 a scale was given, bit 2 deterministic) and the scale.
 constexpr int64_t kCausal = 1, kHasScale = 2, kDeterministic = 4;
 
-struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
-  // call_address: the Call found by find_call (alive for the duration of apply). The node's one
-  // output is out; lse goes back through call.lse, outside autograd (not differentiable; marking an
-  // output non-differentiable instead is something compiled autograd does not accept).
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
-                                                const at::Tensor& k, const at::Tensor& v, int64_t call_address,
-                                                bool deterministic) {
-    Call& call = *reinterpret_cast<Call*>(call_address);
-    at::Tensor out;
-    launch_forward(call, q, /*fresh_lse=*/true, out, call.lse);
-    ctx->save_for_backward({q, k, v, out, call.lse});
-    ctx->saved_data["flags"] = (call.key.causal ? kCausal : 0) | (call.key.has_scale ? kHasScale : 0) |
-                               (deterministic ? kDeterministic : 0);
-    ctx->saved_data["scale"] = call.key.scale;
-    return {out};
+// (dq, dk, dv) for dout from the saved q, k, v, out, lse: the registered launches of the record the
+// saved tensors key, or tileattn.api._backward_of_saved for a dout layout or mode not registered yet
+// (and for saved tensors in another layout, as a saved-tensor hook may return them).
+torch::autograd::variable_list attention_backward(const at::Tensor& dout, const torch::autograd::variable_list& saved,
+                                                  int64_t flags, double scale) {
+  const bool deterministic = (flags & kDeterministic) != 0;
+  const at::Tensor* qkv[3] = {&saved[0], &saved[1], &saved[2]};
+  Key key;
+  const bool keyed = key_of(qkv, (flags & kCausal) != 0, (flags & kHasScale) != 0, scale, key);
+  pybind11::gil_scoped_acquire gil;
+  BackwardCall call;
+  return keyed && find_backward_call(key, saved[0], saved[1], saved[2], saved[3], saved[4], dout, deterministic, call)
+             ? run_backward(*call.record, *call.backward, call.stream, saved[0], saved[1], saved[2], saved[3],
+                            saved[4], dout)
+             : python_backward(dout, saved, key, deterministic);
+}
+
+// The autograd node of a with-grad forward, written as torch's generated nodes are (saved variables as
+// members, no AutogradContext): a torch::autograd::Function's node costs a fifth more to build and free
+// in this module's CPU measurement (docs/runtime.md), its context's hash map, variable lists and input
+// and output info included. Edges to q, k, v; out's data saved through a detached alias (sharing its
+// version counter, so an in-place change of out before the backward is still caught, and no reference
+// from the node back to out's own grad_fn). Compiled autograd: compiled_args and apply_with_saved do
+// what torch's C++ Function node does (CppNode in torch/csrc/autograd/custom_function.h, the same in
+// torch 2.11 and 2.13): the saved tensors and values go into the graph's cache key, and the backward
+// runs as an opaque call (apply_functional) of the compiled graph.
+struct AttentionBackward : public torch::autograd::Node {
+  torch::autograd::SavedVariable q_, k_, v_, out_, lse_;
+  int64_t flags_ = 0;
+  double scale_ = 0.0;
+
+  std::string name() const override { return "tileattn::AttentionBackward"; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);  // as torch's C++ Function nodes: apply may run on several threads
+    if (!grads[0].defined()) return torch::autograd::variable_list(3);
+    return attention_backward(grads[0], {q_.unpack(), k_.unpack(), v_.unpack(), out_.unpack(), lse_.unpack()},
+                              flags_, scale_);
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const at::Tensor& dout = grads[0];
-    if (!dout.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    const torch::autograd::variable_list saved = ctx->get_saved_variables();  // q, k, v, out, lse
-    const int64_t flags = ctx->saved_data["flags"].toInt();
-    const bool deterministic = (flags & kDeterministic) != 0;
-    const at::Tensor* qkv[3] = {&saved[0], &saved[1], &saved[2]};
-    Key key;
-    const bool keyed = key_of(qkv, (flags & kCausal) != 0, (flags & kHasScale) != 0,
-                              ctx->saved_data["scale"].toDouble(), key);
-    pybind11::gil_scoped_acquire gil;
-    BackwardCall call;
-    torch::autograd::variable_list result =
-        keyed && find_backward_call(key, saved[0], saved[1], saved[2], saved[3], saved[4], dout, deterministic, call)
-            ? run_backward(*call.record, *call.backward, call.stream, saved[0], saved[1], saved[2], saved[3],
-                           saved[4], dout)
-            : python_backward(dout, saved, key, deterministic);
-    result.resize(5);  // no gradients for the call address and the deterministic flag
-    return result;
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (torch::autograd::SavedVariable* saved : {&q_, &k_, &v_, &out_, &lse_}) saved->reset_data();
+  }
+
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
+    args.collect(static_cast<uint64_t>(typeid(AttentionBackward).hash_code()));
+    args.collect(name());
+    for (const torch::autograd::SavedVariable* saved : {&q_, &k_, &v_, &out_, &lse_}) args.collect(*saved, false);
+    args.collect(flags_);
+    args.collect(scale_);
+  }
+
+  // compiled autograd's call: the saved tensors (q, k, v, out, lse) and values packed after dout.
+  static torch::autograd::variable_list apply_functional(const torch::autograd::variable_list& grads,
+                                                         const std::vector<c10::IValue>& packed_values) {
+    torch::dynamo::autograd::PackedArgs packed(packed_values);
+    torch::autograd::variable_list saved(5);
+    for (at::Tensor& tensor : saved) tensor = packed.unpack<at::Tensor>();
+    const auto flags = packed.unpack<int64_t>();
+    const auto scale = packed.unpack<double>();
+    if (!grads[0].defined()) return torch::autograd::variable_list(3);
+    return attention_backward(grads[0], saved, flags, scale);
+  }
+
+  torch::autograd::variable_list apply_with_saved(const torch::autograd::variable_list& inputs,
+                                                  torch::dynamo::autograd::SwapSavedVariables& saved) override {
+    torch::autograd::SavedVariable* members[5] = {&q_, &k_, &v_, &out_, &lse_};
+    for (torch::autograd::SavedVariable* member : members) saved.before(*member);
+    torch::dynamo::autograd::PackedArgs packed;
+    for (torch::autograd::SavedVariable* member : members) packed.pack(member->unpack());
+    packed.pack(flags_);
+    packed.pack(scale_);
+    const std::vector<c10::IValue> values = packed.vec();
+    std::vector<at::TypePtr> schema;
+    schema.reserve(values.size());
+    for (const c10::IValue& value : values) schema.push_back(value.isTensor() ? at::TensorType::get() : value.type());
+    const auto& compiler = torch::dynamo::autograd::getPyCompilerInterface();
+    const std::string function = compiler->bind_function(saved.get_py_compiler(), name(), apply_functional, schema,
+                                                         /*is_custom_function=*/true, /*is_traceable=*/false);
+    const c10::IValue output_metadata =
+        torch::dynamo::autograd::IValuePacker<std::vector<std::optional<torch::autograd::InputMetadata>>>::pack(
+            torch::dynamo::autograd::get_input_metadata(next_edges()));
+    torch::autograd::variable_list grads =
+        compiler->call_function(saved.get_py_compiler(), "apply_functional", function, inputs, values, output_metadata);
+    for (torch::autograd::SavedVariable* member : members) saved.after(*member);
+    return grads;
   }
 };
-
-// The forward with its autograd node, built here rather than by Function<AttentionFunction>::apply:
-// the node is the same torch::autograd::CppNode<AttentionFunction> (so its backward, its release and
-// compiled autograd are torch's own code), set up with what apply would give it for these arguments,
-// without apply's generic steps (collecting the variable arguments, _wrap_outputs' view, dirty and
-// non-differentiable bookkeeping for one fresh output): a fifth less of the node's cost in a CPU
-// measurement (docs/runtime.md). Functorch transforms keep apply, which raises torch's own error for
-// them; forward() leaves inputs with a forward-mode tangent to the Python path, which refuses them.
-using AttentionNode = torch::autograd::CppNode<AttentionFunction>;
 
 // Torch up to 2.11 holds nodes in std::shared_ptr, later torch in c10::intrusive_ptr (pytorch#181782).
 template <class NodeType, class NodePtr = decltype(std::declval<const at::Tensor&>().grad_fn())>
@@ -726,34 +769,28 @@ auto new_node() {
   }
 }
 
+// The forward with out attached to a new AttentionBackward node; lse is the call's, saved by the node.
 at::Tensor forward_with_node(Call& call, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              bool deterministic) {
-  const int64_t call_address = reinterpret_cast<int64_t>(&call);
-  if (at::functorch::functorchTLSAccessor()) {  // apply raises torch's error for a functorch transform
-    return AttentionFunction::apply(q, k, v, call_address, deterministic)[0];
-  }
-  auto node = new_node<AttentionNode>();
-  node->is_variable_input_ = {true, true, true, false, false};  // q, k, v; the address and the flag are not
-  node->set_ctx_grad_fn(node);
+  auto node = new_node<AttentionBackward>();
   node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
-  node->input_info_.reserve(3);
-  node->input_info_.emplace_back(q);
-  node->input_info_.emplace_back(k);
-  node->input_info_.emplace_back(v);
   at::Tensor out;
-  {
-    at::AutoGradMode no_grad(false);
-    out = AttentionFunction::forward(&node->ctx_, q, k, v, call_address, deterministic)[0];
-  }
+  launch_forward(call, q, /*fresh_lse=*/true, out, call.lse);
   torch::autograd::set_history(out, node);  // out is the node's output 0
-  node->output_info_.emplace_back(out);
-  node->save_variables_to_ctx();  // after set_history: out is saved as the node's own output
+  node->q_ = torch::autograd::SavedVariable(q, false);
+  node->k_ = torch::autograd::SavedVariable(k, false);
+  node->v_ = torch::autograd::SavedVariable(v, false);
+  node->out_ = torch::autograd::SavedVariable(out.detach(), false);
+  node->lse_ = torch::autograd::SavedVariable(call.lse, false);
+  node->flags_ = (call.key.causal ? kCausal : 0) | (call.key.has_scale ? kHasScale : 0) |
+                 (deterministic ? kDeterministic : 0);
+  node->scale_ = call.key.scale;
   return out;
 }
 
 // ---- forward(q, k, v, causal, scale, want, deterministic=False) ---------------------------------------
 // want: 0 out, 1 (out, lse), 2 (out, lse, entry); 3 (out, lse) and 4 out, for tileattn.attention's eager
-// call: out attached to autograd (AttentionFunction's node; deterministic picks the backward's mode) when
+// call: out attached to autograd (an AttentionBackward node; deterministic picks the backward's mode) when
 // grad mode is on and an input requires grad.
 PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
@@ -780,8 +817,9 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const at::Tensor& k = THPVariable_Unpack(args[1]);
   const at::Tensor& v = THPVariable_Unpack(args[2]);
   at::Tensor out, lse;
-  if (want >= 3) {  // tileattn.attention's eager call: an input with a forward-mode tangent is refused there
+  if (want >= 3) {  // tileattn.attention's eager call: the Python path raises for a tangent or a functorch transform
     if (q._fw_grad(0).defined() || k._fw_grad(0).defined() || v._fw_grad(0).defined()) Py_RETURN_NONE;
+    if (at::functorch::functorchTLSAccessor()) Py_RETURN_NONE;
   }
   if (want >= 3 && at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())) {
     out = forward_with_node(call, q, k, v, deterministic != 0);
