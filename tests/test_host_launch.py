@@ -373,8 +373,8 @@ def test_autograd_through_the_compiled_forward(fake):
         out4.sum().backward()
 
 
-def test_the_node_is_built_like_function_apply_builds_it(fake):
-    """want 3 builds the CppNode itself (not through Function::apply): its edges lead to exactly the
+def test_the_node_and_its_edges(fake):
+    """want 3 attaches out to a tileattn::AttentionBackward node: its edges lead to exactly the
     inputs that require grad, in order; without grad mode or a requiring input there is no node and
     lse is still fresh; want 4 is the same with out alone (lse fresh only for a node); a second
     backward through a freed graph raises torch's error; an input with a forward-mode tangent and a
