@@ -469,6 +469,16 @@ struct Call {
   void* stream = nullptr;
   uint64_t qkv[3] = {0, 0, 0};
   at::Tensor lse;  // with autograd: the forward's lse, handed back beside the node's one output
+  int capturing = -1;  // whether `stream` is capturing a graph (a query failure counts as yes); -1: not asked yet
+
+  // One driver query per call at most (a persistent grid's counter and an unread-lse forward both ask).
+  bool stream_capturing() {
+    if (capturing < 0) {
+      int status = 0;
+      capturing = stream_is_capturing(stream, &status) != 0 || status != 0;
+    }
+    return capturing != 0;
+  }
 };
 
 // The record of `key` while tileattn.api's plan cache is the one it was made for (a test's
@@ -496,11 +506,8 @@ bool find_call(PyObject* const* args, Call& call) {
   if ((call.qkv[0] | call.qkv[1] | call.qkv[2]) & 15) return false;  // the Python path raises the alignment error
   if (!current_stream(record->device, call.stream)) return false;
   for (const Slot& slot : record->forward->slots) {
-    if (slot.kind != kTileCounter) continue;
-    int capture_status = 0;
-    if (stream_is_capturing(call.stream, &capture_status) != 0 || capture_status != 0) {
-      return false;  // under capture the graph needs a counter pair of its own (runtime.stream_counters)
-    }
+    // Under capture the graph needs a counter pair of its own (runtime.stream_counters).
+    if (slot.kind == kTileCounter && call.stream_capturing()) return false;
   }
   call.record = std::move(record);
   return true;
@@ -510,13 +517,12 @@ void poison(const at::Tensor& t) { t.fill_(std::numeric_limits<double>::quiet_Na
 
 // Allocates out (and a fresh lse, or the record's unread buffer) and launches. Python errors (from a
 // tensor map's encoder, the counter lookup, the driver) are thrown as torch::python_error.
-void launch_forward(const Call& call, const at::Tensor& q, bool fresh_lse, at::Tensor& out, at::Tensor& lse) {
+void launch_forward(Call& call, const at::Tensor& q, bool fresh_lse, at::Tensor& out, at::Tensor& lse) {
   Record& record = *call.record;
   out = at::empty_strided(record.out_sizes, record.out_strides, q.options());
   // Under stream capture the graph writes lse on every replay: into memory of its own pool, not the
   // record's buffer, which tileattn.api.clear_plans may free while the graph lives.
-  int capture_status = 0;
-  if (!fresh_lse && (stream_is_capturing(call.stream, &capture_status) != 0 || capture_status != 0)) fresh_lse = true;
+  if (!fresh_lse && call.stream_capturing()) fresh_lse = true;
   lse = fresh_lse ? at::empty_strided(record.lse_sizes, record.lse_strides, q.options().dtype(at::kFloat))
                   : record.unread_lse;
   if (poison_outputs) {  // as the GPU tests' poisoned_allocations() does on the Python path
