@@ -377,8 +377,9 @@ def test_the_node_and_its_edges(fake):
     """want 3 attaches out to a tileattn::AttentionBackward node: its edges lead to exactly the
     inputs that require grad, in order; without grad mode or a requiring input there is no node and
     lse is still fresh; want 4 is the same with out alone (lse fresh only for a node); a second
-    backward through a freed graph raises torch's error; an input with a forward-mode tangent and a
-    call under a dispatch mode are left to the Python path (None)."""
+    backward through a freed graph raises torch's error; an input with a forward-mode tangent, a
+    call under a dispatch mode and one inside a torch.func transform are left to the Python path
+    (None), and calls after a transform has ended are served again (its thread state outlives it)."""
     import torch.autograd.forward_ad as fwad
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -415,7 +416,15 @@ def test_the_node_and_its_edges(fake):
 
     with Passthrough():
         assert fake.module.forward(fake.q, fake.k, fake.v, False, None, 4) is None
+
+    def inside_a_transform(x):
+        assert fake.module.forward(fake.q, fake.k, fake.v, False, None, 4) is None
+        return x.sum()
+
+    torch.func.grad(inside_a_transform)(torch.ones(2))
     assert len(fake.driver.launches) == launches, "nothing launched for the calls left to the Python path"
+    assert isinstance(fake.module.forward(fake.q, fake.k, fake.v, False, None, 4), torch.Tensor)
+    assert len(fake.driver.launches) == launches + 1, "served again once the transform has ended"
 
 
 def test_the_node_catches_in_place_changes_and_holds_no_cycle(fake):

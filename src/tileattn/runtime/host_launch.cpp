@@ -45,9 +45,9 @@
 #include <ATen/ops/zeros.h>
 #include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
-#include <ATen/FuncTorchTLS.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -798,6 +798,13 @@ at::Tensor forward_with_node(Call& call, const at::Tensor& q, const at::Tensor& 
 // want: 0 out, 1 (out, lse), 2 (out, lse, entry); 3 (out, lse) and 4 out, for tileattn.attention's eager
 // call: out attached to autograd (an AttentionBackward node; deterministic picks the backward's mode) when
 // grad mode is on and an input requires grad.
+// Whether a torch.func transform (vmap, grad, jvp, ...) is running on this thread: functorch includes
+// its front-mode dispatch key while its layer stack is not empty. (Its TLS object, once created by any
+// transform or by aot_function, outlives the transform, so that object's presence says nothing.)
+bool functorch_transform_active() {
+  return c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
+}
+
 PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 6 && nargs != 7) {
@@ -825,7 +832,7 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   at::Tensor out, lse;
   if (want >= 3) {  // tileattn.attention's eager call: the Python path raises for a tangent or a functorch transform
     if (q._fw_grad(0).defined() || k._fw_grad(0).defined() || v._fw_grad(0).defined()) Py_RETURN_NONE;
-    if (at::functorch::functorchTLSAccessor()) Py_RETURN_NONE;
+    if (functorch_transform_active()) Py_RETURN_NONE;
   }
   if (want >= 3 && at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())) {
     out = forward_with_node(call, q, k, v, deterministic != 0);
