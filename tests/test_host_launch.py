@@ -388,6 +388,12 @@ def test_the_node_and_its_edges(fake):
     k = fake.k.clone()  # only q and v require grad
     out, lse = fake.module.forward(q, k, v, False, None, 3)
     assert "AttentionBackward" in out.grad_fn.name() and out.is_leaf is False
+    # out and the node's lse from one allocation: lse after out's bytes, at a 256-byte boundary
+    assert out.untyped_storage().data_ptr() == lse.untyped_storage().data_ptr() == out.data_ptr()
+    gap = lse.data_ptr() - out.data_ptr()
+    assert gap % 256 == 0 and out.numel() * out.element_size() <= gap < out.numel() * out.element_size() + 256
+    assert lse.dtype == torch.float32 and lse.stride() == fake.unread.stride() and not lse._is_view()
+    assert fake.driver.launches[-1]["lse"] == lse.data_ptr()
     edges = [fn for fn, _ in out.grad_fn.next_functions]
     assert edges[1] is None and edges[0].variable is q and edges[2].variable is v
     dout = torch.randn_like(out)

@@ -515,16 +515,47 @@ bool find_call(PyObject* const* args, Call& call) {
 
 void poison(const at::Tensor& t) { t.fill_(std::numeric_limits<double>::quiet_NaN()); }
 
+// A tensor of `dtype` over part of `block`'s storage (offset in elements of `dtype`): a plain tensor
+// sharing the storage, not an autograd view, so that autograd keeps it as it is (as .grad, as an output).
+at::Tensor part_of(const at::Tensor& block, c10::ScalarType dtype, at::IntArrayRef sizes, at::IntArrayRef strides,
+                   int64_t offset) {
+  auto part = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(block.storage()),
+                                                   block.key_set(), c10::scalarTypeToTypeMeta(dtype));
+  part->set_sizes_and_strides(sizes, strides, offset);
+  return at::Tensor(std::move(part));
+}
+
+// Elements from a tensor's first to its last element (sizes >= 1), plus one.
+int64_t span_of(const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides) {
+  int64_t span = 1;
+  for (size_t d = 0; d < sizes.size(); ++d) span += (sizes[d] - 1) * strides[d];
+  return span;
+}
+
 // Allocates out (and a fresh lse, or the record's unread buffer) and launches. Python errors (from a
 // tensor map's encoder, the counter lookup, the driver) are thrown as torch::python_error.
-void launch_forward(Call& call, const at::Tensor& q, bool fresh_lse, at::Tensor& out, at::Tensor& lse) {
+// With `one_block` (the autograd node's forward, whose out and lse live as long as each other until the
+// backward) both come from one allocation, lse after out at a 256-byte boundary: one trip through the
+// caching allocator fewer (~1.5 us on the H100 hosts); lse's bytes (2 / d of out's at 16 bits) then stay
+// allocated as long as out does.
+void launch_forward(Call& call, const at::Tensor& q, bool fresh_lse, at::Tensor& out, at::Tensor& lse,
+                    bool one_block = false) {
   Record& record = *call.record;
-  out = at::empty_strided(record.out_sizes, record.out_strides, q.options());
-  // Under stream capture the graph writes lse on every replay: into memory of its own pool, not the
-  // record's buffer, which tileattn.api.clear_plans may free while the graph lives.
-  if (!fresh_lse && call.stream_capturing()) fresh_lse = true;
-  lse = fresh_lse ? at::empty_strided(record.lse_sizes, record.lse_strides, q.options().dtype(at::kFloat))
-                  : record.unread_lse;
+  if (one_block) {
+    const int64_t out_bytes = span_of(record.out_sizes, record.out_strides) * q.element_size();
+    const int64_t lse_offset_bytes = (out_bytes + 255) / 256 * 256;
+    const int64_t lse_bytes = span_of(record.lse_sizes, record.lse_strides) * 4;
+    const at::Tensor block = at::empty({lse_offset_bytes + lse_bytes}, q.options().dtype(at::kByte));
+    out = part_of(block, q.scalar_type(), record.out_sizes, record.out_strides, 0);
+    lse = part_of(block, at::kFloat, record.lse_sizes, record.lse_strides, lse_offset_bytes / 4);
+  } else {
+    out = at::empty_strided(record.out_sizes, record.out_strides, q.options());
+    // Under stream capture the graph writes lse on every replay: into memory of its own pool, not the
+    // record's buffer, which tileattn.api.clear_plans may free while the graph lives.
+    if (!fresh_lse && call.stream_capturing()) fresh_lse = true;
+    lse = fresh_lse ? at::empty_strided(record.lse_sizes, record.lse_strides, q.options().dtype(at::kFloat))
+                    : record.unread_lse;
+  }
   if (poison_outputs) {  // as the GPU tests' poisoned_allocations() does on the Python path
     poison(out);
     poison(lse);
@@ -602,10 +633,8 @@ torch::autograd::variable_list run_backward(const Record& record, BackwardRecord
   const at::Tensor grad_storage = at::empty({backward.grad_storage_elems}, q.options());
   torch::autograd::variable_list grads(3);
   for (int i = 0; i < 3; ++i) {
-    auto part = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(grad_storage.storage()),
-                                                     grad_storage.key_set(), grad_storage.dtype());
-    part->set_sizes_and_strides(backward.grad_sizes[i], backward.grad_strides[i], backward.grad_offsets[i]);
-    grads[i] = at::Tensor(std::move(part));
+    grads[i] = part_of(grad_storage, q.scalar_type(), backward.grad_sizes[i], backward.grad_strides[i],
+                       backward.grad_offsets[i]);
   }
   at::Tensor workspace = at::empty({backward.workspace_elems}, q.options().dtype(at::kFloat));
   at::Tensor semaphores;
@@ -781,12 +810,12 @@ at::Tensor forward_with_node(Call& call, const at::Tensor& q, const at::Tensor& 
   auto node = new_node<AttentionBackward>();
   node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
   at::Tensor out;
-  launch_forward(call, q, /*fresh_lse=*/true, out, call.lse);
+  launch_forward(call, q, /*fresh_lse=*/true, out, call.lse, /*one_block=*/true);
   torch::autograd::set_history(out, node);  // out is the node's output 0
   node->q_ = torch::autograd::SavedVariable(q, false);
   node->k_ = torch::autograd::SavedVariable(k, false);
   node->v_ = torch::autograd::SavedVariable(v, false);
-  node->out_ = torch::autograd::SavedVariable(out.detach(), false);
+  node->out_ = torch::autograd::SavedVariable(out.tensor_data(), false);
   node->lse_ = torch::autograd::SavedVariable(call.lse, false);
   node->flags_ = (call.key.causal ? kCausal : 0) | (call.key.has_scale ? kHasScale : 0) |
                  (deterministic ? kDeterministic : 0);
