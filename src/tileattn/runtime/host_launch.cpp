@@ -22,8 +22,8 @@
 // tileattn.api._backward_of_saved. backward() is the same backward without autograd
 // (benchmarks and tests). None means "not mine": no record, another current device, a misaligned
 // pointer, a stream under capture with a persistent grid, an argument of an unexpected type, a
-// dispatch mode, a forward-mode tangent. The caller then takes the Python path, which checks
-// everything and raises the errors. Nothing here validates more than that: a record exists only for
+// dispatch mode, a forward-mode tangent, a torch.func transform. The caller then takes the Python
+// path, which checks everything and raises the errors. Nothing here validates more than that: a record exists only for
 // a key the Python path accepted, and the key holds everything that path checks except the data
 // pointers' alignment.
 //
@@ -722,9 +722,10 @@ torch::autograd::variable_list attention_backward(const at::Tensor& dout, const 
 // The autograd node of a with-grad forward, written as torch's generated nodes are (saved variables as
 // members, no AutogradContext): a torch::autograd::Function's node costs a fifth more to build and free
 // in this module's CPU measurement (docs/runtime.md), its context's hash map, variable lists and input
-// and output info included. Edges to q, k, v; out's data saved through a detached alias (sharing its
-// version counter, so an in-place change of out before the backward is still caught, and no reference
-// from the node back to out's own grad_fn). Compiled autograd: compiled_args and apply_with_saved do
+// and output info included. Edges to q, k, v; out saved through tensor_data() (a shallow copy without
+// autograd metadata that shares out's version counter, so an in-place change of out before the backward
+// is still caught, and no reference from the node back to out's own grad_fn; detach() would cost a trip
+// through the dispatcher). Compiled autograd: compiled_args and apply_with_saved do
 // what torch's C++ Function node does (CppNode in torch/csrc/autograd/custom_function.h, the same in
 // torch 2.11 and 2.13): the saved tensors and values go into the graph's cache key, and the backward
 // runs as an opaque call (apply_functional) of the compiled graph.
@@ -823,10 +824,6 @@ at::Tensor forward_with_node(Call& call, const at::Tensor& q, const at::Tensor& 
   return out;
 }
 
-// ---- forward(q, k, v, causal, scale, want, deterministic=False) ---------------------------------------
-// want: 0 out, 1 (out, lse), 2 (out, lse, entry); 3 (out, lse) and 4 out, for tileattn.attention's eager
-// call: out attached to autograd (an AttentionBackward node; deterministic picks the backward's mode) when
-// grad mode is on and an input requires grad.
 // Whether a torch.func transform (vmap, grad, jvp, ...) is running on this thread: functorch includes
 // its front-mode dispatch key while its layer stack is not empty. (Its TLS object, once created by any
 // transform or by aot_function, outlives the transform, so that object's presence says nothing.)
@@ -834,6 +831,10 @@ bool functorch_transform_active() {
   return c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
 }
 
+// ---- forward(q, k, v, causal, scale, want, deterministic=False) ---------------------------------------
+// want: 0 out, 1 (out, lse), 2 (out, lse, entry); 3 (out, lse) and 4 out, for tileattn.attention's eager
+// call: out attached to autograd (an AttentionBackward node; deterministic picks the backward's mode) when
+// grad mode is on and an input requires grad.
 PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 6 && nargs != 7) {
