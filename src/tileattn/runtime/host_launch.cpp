@@ -102,13 +102,22 @@ struct Key {
   bool operator==(const Key& other) const { return std::memcmp(this, &other, sizeof(Key)) == 0; }
 };
 
+static_assert(sizeof(Key) % 8 == 0, "KeyHash reads the key as 64-bit words");
+
 struct KeyHash {
   size_t operator()(const Key& key) const {
-    // FNV-1a over the bytes (the struct is memset to 0 first, so padding is deterministic)
-    const auto* bytes = reinterpret_cast<const unsigned char*>(&key);
-    uint64_t h = 1469598103934665603ull;
-    for (size_t i = 0; i < sizeof(Key); ++i) h = (h ^ bytes[i]) * 1099511628211ull;
-    return static_cast<size_t>(h);
+    // Over the key's 26 64-bit words (the struct is memset to 0 first, so padding is deterministic), four
+    // independent multiply-xor lanes, then splitmix64's finalizer. (Byte-wise FNV-1a was one chain of 208
+    // dependent multiplies: 22 % of a forward call's CPU time in `perf` on the CPU machine.)
+    uint64_t words[sizeof(Key) / 8];
+    std::memcpy(words, &key, sizeof(Key));
+    uint64_t lanes[4] = {0x9E3779B97F4A7C15ull, 0xC2B2AE3D27D4EB4Full, 0x165667B19E3779F9ull, 0x27D4EB2F165667C5ull};
+    for (size_t i = 0; i < sizeof(Key) / 8; ++i) lanes[i % 4] = (lanes[i % 4] ^ words[i]) * 0x100000001B3ull;
+    uint64_t h = lanes[0] ^ (lanes[1] << 1 | lanes[1] >> 63) ^ (lanes[2] << 2 | lanes[2] >> 62) ^
+                 (lanes[3] << 3 | lanes[3] >> 61);
+    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9ull;
+    h = (h ^ (h >> 27)) * 0x94D049BB133111EBull;
+    return static_cast<size_t>(h ^ (h >> 31));
   }
 };
 
