@@ -436,7 +436,7 @@ def test_the_node_and_its_edges(fake):
 def test_the_node_catches_in_place_changes_and_holds_no_cycle(fake):
     """The node's saved tensors keep their version counters: changing out (or q) in place before the
     backward is torch's "modified by an inplace operation" error, not a wrong gradient; and the node
-    does not keep out alive through a reference cycle (out is saved as a detached alias)."""
+    does not keep out alive through a reference cycle (out is saved through tensor_data(), without its grad_fn)."""
     import gc
     import weakref
 
