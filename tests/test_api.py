@@ -379,6 +379,24 @@ def test_backward_fakes_lay_out_gradients_as_the_eager_entries_plan(monkeypatch,
     assert [(t.shape, t.stride()) for t in fake] == list(entry.grad_specs)
 
 
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+@pytest.mark.parametrize("which", ["plain", "softcap", "varlen"])
+def test_torch_func_transforms_are_refused_clearly(transform, which):
+    """Inside torch.func.vmap or torch.func.grad the ops raise NotImplementedError naming torch.func
+    (they used to fail on a wrapper tensor (a shape or device error about the unwrapped view), or with
+    autograd.Function's setup_context message); outside a transform the usual checks run again."""
+    seqlens = torch.tensor([0, 8], dtype=torch.int32)
+    op = {"plain": lambda x: tileattn.attention(x, x, x),
+          "softcap": lambda x: tileattn.attention(x, x, x, softcap=30.0),
+          "varlen": lambda x: tileattn.attention_varlen(x[0], x[0], x[0], seqlens, seqlens, 8, 8)}[which]
+    q = torch.randn(2, 4, 8, 64, dtype=torch.float16)
+    call = {"vmap": lambda: torch.func.vmap(op)(q), "grad": lambda: torch.func.grad(lambda x: op(x).float().sum())(q)}
+    with pytest.raises(NotImplementedError, match="torch.func transforms"):
+        call[transform]()
+    with pytest.raises(ValueError):  # CPU tensors, outside a transform
+        op(q)
+
+
 @pytest.mark.parametrize("which", ["attention", "attention_varlen"])
 def test_forward_mode_ad_is_refused_not_dropped(which):
     """An input with a forward-mode tangent gets a NotImplementedError (the kernels have no jvp)

@@ -124,7 +124,8 @@ def attention(
             with any variant, Nq or Nk above 2^28.
         NotImplementedError: dropout_p > 0 with a `generator` under torch.compile / fake tensors
             (window, softcap and ALiBi trace as the tileattn::attention_variants_* custom ops, dropout
-            as tileattn::attention_dropout_*, with seed/offset or the default CUDA generator).
+            as tileattn::attention_dropout_*, with seed/offset or the default CUDA generator); an
+            input with a forward-mode tangent; a call inside a torch.func transform (vmap, grad, ...).
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
     causal, deterministic = bool(causal), bool(deterministic)
@@ -155,15 +156,23 @@ def attention(
 def _eager(*tensors) -> bool:
     """Whether this call can take the eager path: plain tensors (not FakeTensor or other
     subclasses), not being traced by torch.compile, no dispatch mode (make_fx, FakeTensorMode).
-    Raises NotImplementedError for an input with a forward-mode AD tangent: the kernels have no jvp,
-    and a result without its tangent would be silently wrong."""
+    Raises NotImplementedError for an input with a forward-mode AD tangent (the kernels have no jvp,
+    and a result without its tangent would be silently wrong) and inside a torch.func transform (no
+    batching rule, and autograd through torch.func needs what neither path has; the kernels would
+    otherwise meet wrapper tensors without storage)."""
     for t in tensors:
         if type(t) is not Tensor:
             return False
     if _forward_ad._current_level >= 0 and any(_forward_ad.unpack_dual(t).tangent is not None for t in tensors):
         raise NotImplementedError("tileattn's attention has no forward-mode AD (jvp): an input carries a tangent "
                                   "(torch.autograd.forward_ad.make_dual)")
-    return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() != 0:
+        return False
+    if torch._C._are_functorch_transforms_active():
+        raise NotImplementedError("tileattn's attention does not run inside torch.func transforms (vmap, grad, jvp, "
+                                  "jacrev, ...): call it outside the transform (batch by the B dimension; "
+                                  "gradients through torch.autograd)")
+    return True
 
 
 # ---------------------------------------------------------------------------------------------

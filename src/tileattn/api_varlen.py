@@ -118,7 +118,8 @@ def attention_varlen(
             variants (as tileattn.attention); with any variant, Tq or Tk above 2^28.
         NotImplementedError: dropout_p > 0 with a `generator` under torch.compile / fake tensors (there
             dropout traces as the tileattn::attention_varlen_dropout_* custom ops, with seed/offset or
-            the default CUDA generator, as tileattn.attention's does).
+            the default CUDA generator, as tileattn.attention's does); an input with a forward-mode
+            tangent; a call inside a torch.func transform (vmap, grad, ...).
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
     causal, deterministic = bool(causal), bool(deterministic)
