@@ -397,6 +397,48 @@ def test_torch_func_transforms_are_refused_clearly(transform, which):
         op(q)
 
 
+@pytest.fixture
+def cuda_autocast():
+    """torch.autocast("cuda")'s thread state switched on by hand (the context manager disables itself
+    without a GPU), restored afterwards."""
+    enabled, dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    yield lambda dtype: torch.set_autocast_dtype("cuda", dtype)
+    torch.set_autocast_enabled("cuda", enabled)
+    torch.set_autocast_dtype("cuda", dtype)
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_autocast_casts_a_call_with_a_float32_input(cuda_autocast, autocast_dtype):
+    """Under CUDA autocast a call with a float32 (or float64) input runs in the autocast dtype, every
+    floating input cast (a bfloat16 one included, as SDPA casts it); all-float16 / bfloat16 calls and
+    integer tensors are left as they are; without autocast nothing is cast (and the dtype error stays)."""
+    from tileattn.api import _autocast_inputs
+
+    cuda_autocast(autocast_dtype)
+    q32, k16, v64 = torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64, dtype=torch.bfloat16), torch.randn(1, 2, 8, 64,
+                                                                                                           dtype=torch.float64)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    cast = _autocast_inputs(q32.requires_grad_(), k16, v64)
+    assert [t.dtype for t in cast] == [autocast_dtype] * 3
+    assert cast[0].grad_fn is not None, "the cast is differentiable: gradients reach the float32 input"
+    half_precision = (k16, k16.half(), k16)
+    assert all(a is b for a, b in zip(_autocast_inputs(*half_precision), half_precision))
+    got = _autocast_inputs(q32, cu, "not a tensor")  # an integer tensor and a non-tensor: left for the checks
+    assert got[0].dtype == autocast_dtype and got[1] is cu and got[2] == "not a tensor"
+    # through the public ops: the dtype error gives way to the next check (these CPU tensors' device)
+    with pytest.raises(ValueError, match="CUDA"):
+        tileattn.attention(q32, q32, q32)
+    with pytest.raises(ValueError, match="CUDA"):
+        tileattn.attention(q32, q32, q32, softcap=30.0)
+    with pytest.raises(ValueError, match="CUDA"):
+        tileattn.attention_varlen(q32[0].transpose(0, 1), q32[0].transpose(0, 1), q32[0].transpose(0, 1), cu, cu, 8, 8)
+    torch.set_autocast_enabled("cuda", False)
+    assert _autocast_inputs(q32, k16, v64)[0] is q32
+    with pytest.raises(ValueError, match="dtype"):
+        tileattn.attention(q32, q32, q32)
+
+
 @pytest.mark.parametrize("which", ["attention", "attention_varlen"])
 def test_forward_mode_ad_is_refused_not_dropped(which):
     """An input with a forward-mode tangent gets a NotImplementedError (the kernels have no jvp)

@@ -110,6 +110,9 @@ def attention(
             default 0) ints in [0, 2^64), or a torch.Generator (a CUDA one gives its seed and Philox
             offset and advances the offset by 4), by default q's device's default generator.
 
+    Autocast: under torch.autocast("cuda"), a call with a float32 or float64 input runs in the
+    autocast dtype (every input cast to it, as SDPA does); float16 / bfloat16 inputs run as they are.
+
     Returns:
         out [B, H, Nq, d] in the input dtype (laid out like q when q is dense, else contiguous),
         and, when return_lse, lse [B, H, Nq] float32 (natural log; not differentiable).
@@ -130,6 +133,7 @@ def attention(
     """
     causal, deterministic = bool(causal), bool(deterministic)
     if window is not None or softcap or alibi_slopes is not None or dropout_p:
+        q, k, v = _autocast_inputs(q, k, v)
         out, lse = _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, alibi_slopes,
                                        dropout_p, generator, seed, offset)
         return (out, lse) if return_lse else out
@@ -141,6 +145,7 @@ def attention(
         hit = _host_forward(q, k, v, causal, scale, 3 if return_lse else 4, deterministic)
         if hit is not None:
             return hit
+    q, k, v = _autocast_inputs(q, k, v)  # (the compiled path serves float16 / bfloat16 inputs only)
     if _eager(q, k, v):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             out, lse = _AttentionFunction.apply(q, k, v, causal, scale, deterministic)
@@ -151,6 +156,21 @@ def attention(
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         out, lse = torch.ops.tileattn.attention_fwd(q, k, v, causal, scale, deterministic)
     return (out, lse) if return_lse else out
+
+
+def _autocast_inputs(q, k, v) -> tuple:
+    """Under torch.autocast("cuda") a call with a floating input outside float16 / bfloat16 (float32,
+    float64) runs in the autocast dtype, as SDPA does: q, k and v are cast to it (autograd carries the
+    gradients back through the casts). Inputs that are all float16 / bfloat16 run as they are, autocast
+    or not, so the compiled path (which serves only those) needs no autocast check. Anything else (a
+    non-tensor, an integer tensor) is left for the argument checks to name."""
+    tensors = (q, k, v)
+    if all(isinstance(t, Tensor) and t.dtype in SUPPORTED_DTYPES for t in tensors):
+        return tensors
+    if not torch.is_autocast_enabled("cuda"):
+        return tensors
+    dtype = torch.get_autocast_dtype("cuda")
+    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t for t in tensors)
 
 
 def _eager(*tensors) -> bool:

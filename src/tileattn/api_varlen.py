@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from . import dropout as dr
-from .api import _cached_entry, _check_pointers, _current_device, _eager, _kernel_layout_ok, _laid_out, _typed_window, _with_slopes
+from .api import _autocast_inputs, _cached_entry, _check_pointers, _current_device, _eager, _kernel_layout_ok, _laid_out, _typed_window, _with_slopes
 
 __all__ = ["attention_varlen"]
 
@@ -104,6 +104,9 @@ def attention_varlen(
             alibi_slopes [H] or [B, H] (row b for sequence b); dropout's batch index is the
             sequence index b (tileattn.dropout.dropout_mask(..., batch_start=b)).
 
+    Autocast: as tileattn.attention (a float32 / float64 input under torch.autocast("cuda") runs in the
+    autocast dtype).
+
     Returns:
         out [Tq, H, d] in the input dtype (laid out like q when q is dense, else contiguous), and,
         when return_lse, lse [H, Tq] float32 (natural log; not differentiable).
@@ -123,6 +126,7 @@ def attention_varlen(
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
     causal, deterministic = bool(causal), bool(deterministic)
+    q, k, v = _autocast_inputs(q, k, v)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     if window is not None or softcap or alibi_slopes is not None or dropout_p:
         out, lse = _varlen_variants(args, max_seqlen_q, max_seqlen_k, causal, scale, deterministic, window, softcap,

@@ -20,6 +20,7 @@ cached on disk afterwards); the tests themselves take well under a minute.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 
@@ -343,6 +344,36 @@ def test_torch_compile_fullgraph_with_backward():
     torch._dynamo.reset()
     torch.compile(loss, fullgraph=True)(q, k, v).backward()
     assert all(t.grad is not None and torch.isfinite(t.grad.float()).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch.compile"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+def test_autocast_runs_float32_inputs_in_the_autocast_dtype(dtype, compiled):
+    """float32 q, k, v under torch.autocast("cuda", dtype): out comes back in that dtype and matches
+    float64 attention of the inputs rounded to it; the gradients reach the float32 leaves (in float32)
+    and match float64 autograd on the rounded inputs (the cast's gradient is the identity)."""
+    pytest.importorskip("tileattn.kernels.attention_bwd_sm80")
+    q, k, v = (t.float() for t in make_qkv(2, 4, 2, 127, 129, 64, dtype, seed=21))  # exactly representable
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn(2, 4, 127, 64, device="cuda", generator=_gen(22)).to(dtype)
+
+    def run(q, k, v):
+        with torch.autocast("cuda", dtype=dtype):
+            return tileattn.attention(q, k, v, causal=True)
+
+    torch._dynamo.reset()
+    fn = torch.compile(run, fullgraph=True) if compiled else run
+    with contextlib.nullcontext() if compiled else poisoned_allocations():  # (poisoning patches torch.empty)
+        out = fn(*leaves)
+        assert out.dtype == dtype
+        out.backward(dout)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref, _ = reference.attention(q64, k64, v64, causal=True, compute_dtype=torch.float64)
+    ref.backward(dout.double())
+    assert rel_err(out.detach(), ref.detach()) <= 2e-2
+    for name, leaf, want in zip("qkv", leaves, (q64.grad, k64.grad, v64.grad)):
+        assert leaf.grad.dtype == torch.float32, name
+        assert rel_err(leaf.grad, want) <= 2e-2, f"d{name}: relative error {rel_err(leaf.grad, want):.3e}"
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
