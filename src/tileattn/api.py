@@ -162,8 +162,9 @@ def _autocast_inputs(q, k, v) -> tuple:
     """Under torch.autocast("cuda") a call with a floating input outside float16 / bfloat16 (float32,
     float64) runs in the autocast dtype, as SDPA does: q, k and v are cast to it (autograd carries the
     gradients back through the casts). Inputs that are all float16 / bfloat16 run as they are, autocast
-    or not, so the compiled path (which serves only those) needs no autocast check. Anything else (a
-    non-tensor, an integer tensor) is left for the argument checks to name."""
+    or not, so the compiled path (which serves only those) needs no autocast check; a cast call runs
+    on the Python path. Anything else (a non-tensor, an integer tensor) is left for the argument
+    checks to name."""
     tensors = (q, k, v)
     if all(isinstance(t, Tensor) and t.dtype in SUPPORTED_DTYPES for t in tensors):
         return tensors
