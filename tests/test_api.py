@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -395,6 +396,39 @@ def test_torch_func_transforms_are_refused_clearly(transform, which):
         call[transform]()
     with pytest.raises(ValueError):  # CPU tensors, outside a transform
         op(q)
+
+
+@pytest.mark.parametrize("which", ["dense", "varlen"])
+def test_use_deterministic_algorithms_selects_the_deterministic_backward(which):
+    """torch.use_deterministic_algorithms(True), read when the backward runs, plans the deterministic
+    backward whatever the call's own flag (the dense and the varlen _backward; the compiled path's node:
+    tests/test_host_launch.py)."""
+    from tileattn import api_varlen
+
+    modes = []
+
+    class Planned(Exception):
+        pass
+
+    def backward_plan(*args):
+        modes.append(args[-1])
+        raise Planned
+
+    q = torch.randn(8, 2, 64, dtype=torch.float16)
+    entry = SimpleNamespace(input_strides=(q.stride(),) * 3, out_spec=(q.shape, q.stride()),
+                            lse_spec=((2, 8), (8, 1)), out_strides=q.stride(), copy_kv=False, device=q.device,
+                            grad_specs=((q.shape, q.stride()),) * 3, backward_plan=backward_plan)
+    lse, cu = torch.zeros(2, 8), torch.tensor([0, 8], dtype=torch.int32)
+    run = {"dense": lambda: api._backward(entry, q, q, q, q, q, lse, False),
+           "varlen": lambda: api_varlen._backward(entry, q, q, q, q, q, lse.t(), cu, cu, False)}[which]
+    for flag in (False, True):
+        torch.use_deterministic_algorithms(flag)
+        try:
+            with pytest.raises(Planned):
+                run()
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert modes == [False, True]
 
 
 @pytest.fixture

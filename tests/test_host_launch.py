@@ -359,6 +359,13 @@ def test_autograd_through_the_compiled_forward(fake):
     _register(fake.module, fake.driver, q, k, v, causal=True, scale=0.25)
     fake.module.forward(q, k, v, True, 0.25, 3)[0].sum().backward()
     assert calls[-1][6:] == (True, 0.25, False), "the key's causal and scale reach the Python backward"
+    out5, _ = fake.module.forward(q, k, v, False, None, 3)
+    torch.use_deterministic_algorithms(True)
+    try:
+        out5.sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert calls[-1][8] is True, "torch.use_deterministic_algorithms(True) at the backward selects the mode"
 
     def failing(*args):
         raise KeyError("from the backward")
@@ -689,6 +696,11 @@ def test_the_backward_runs_its_registered_launches(fake_backward):
     dq2, dk2, _ = m.backward(q, k, v, out, lse, dout, False, None, False)
     assert f.driver.encoded[encoded:] == [dk2.data_ptr()], "q's map is encoded once per address, dK's per new one"
     assert f.driver.launches[-2]["values"][1] == (dk2.data_ptr(), 11)
+    torch.use_deterministic_algorithms(True)
+    try:  # the deterministic mode, whose launches are not registered: the Python path's
+        assert m.backward(q, k, v, out, lse, dout, False, None, False) is None
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_the_gradients_share_one_allocation(fake_backward):

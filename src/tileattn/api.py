@@ -91,7 +91,8 @@ def attention(
         scale: multiplies q . k; default 1 / sqrt(d). Must be finite, > 0 and within [1e-12, 1e12]
             (the kernels take float32 parameters derived from it).
         return_lse: also return the log-sum-exp of each query row.
-        deterministic: make the backward pass bitwise reproducible (may be slower).
+        deterministic: make the backward pass bitwise reproducible (may be slower); also chosen by
+            torch.use_deterministic_algorithms(True) in force when the backward runs.
         Variants (keyword-only; docs/attention_variants.md). On sm_90a with d in {64, 128, 256} the
         forward and the backward run the Hopper kernels' variant instantiations (deterministic and
         dropout included) wherever one covers the call, the sm_80 variant kernels otherwise (d = 32
@@ -470,7 +471,9 @@ def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, deterministic: bool, e
     """(dq, dk, dv) in the layouts of q, k, v (contiguous when those are not dense). `extra`: the
     variant plans' per-call values (ALiBi pointer, dropout seed, offset). Saved tensors that a
     saved-tensor hook (torch.autograd.graph.save_on_cpu, ...) returned in another layout than the
-    forward's are copied back into it: the plans hold the forward's strides."""
+    forward's are copied back into it: the plans hold the forward's strides. The deterministic mode
+    also runs under torch.use_deterministic_algorithms(True), as torch's own backwards follow it."""
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     if (q.stride(), k.stride(), v.stride()) != entry.input_strides:
         q, k, v = (_laid_out(t, s) for t, s in zip((q, k, v), entry.input_strides))
     out, lse = _laid_out(out, entry.out_spec[1]), _laid_out(lse, entry.lse_spec[1])

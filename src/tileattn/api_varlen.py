@@ -98,7 +98,8 @@ def attention_varlen(
             -inf (and zero gradients).
         scale: multiplies q . k; default 1 / sqrt(d). Must be finite and > 0.
         return_lse: also return the log-sum-exp of each query row.
-        deterministic: make the backward pass bitwise reproducible (dQ without atomics).
+        deterministic: make the backward pass bitwise reproducible (dQ without atomics); also chosen
+            by torch.use_deterministic_algorithms(True) in force when the backward runs.
         window, softcap, alibi_slopes, dropout_p, generator, seed, offset: the variants of
             tileattn.attention, per sequence (i, j count within the sequence, nk - nq its diagonal);
             alibi_slopes [H] or [B, H] (row b for sequence b); dropout's batch index is the
@@ -339,7 +340,9 @@ def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqle
     """(dq, dk, dv) in the layouts of q, k, v (contiguous when those are not dense). `extra`: the
     variant plans' per-call values (ALiBi pointer, dropout seed, offset). Saved tensors that a
     saved-tensor hook returned in another layout than the forward's are copied back into it (the
-    plans hold the forward's strides)."""
+    plans hold the forward's strides). torch.use_deterministic_algorithms(True) selects the
+    deterministic mode too, as in tileattn.api._backward."""
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     if (q.stride(), k.stride(), v.stride()) != entry.input_strides:
         q, k, v = (_laid_out(t, s) for t, s in zip((q, k, v), entry.input_strides))
     out, lse = _laid_out(out, entry.out_strides), lse.contiguous()

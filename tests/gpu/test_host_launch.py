@@ -185,6 +185,35 @@ def test_compiled_backward_matches_the_reference(b, h, hkv, nq, nk, d, causal, d
         assert all(torch.equal(x, y) for x, y in zip(op_level, again)), f"{what}: not repeatable"
 
 
+@pytest.mark.parametrize("d", [64, 96])
+def test_use_deterministic_algorithms_selects_the_deterministic_backward(d):
+    """Under torch.use_deterministic_algorithms(True) a call without deterministic=True gets the
+    deterministic backward (Hopper at d = 64, sm80 at d = 96): the first backward registers its
+    launches, later ones run them through the node; gradients bitwise the same across three
+    backwards and right against float64 (the reference runs outside the flag: cuBLAS needs a
+    workspace setting under it)."""
+    q, k, v = _inputs(2, 4, 2, 150, 190, d, BF16, seed=50 + d)
+    module = _planned(q, k, v, True)
+    dout = torch.randn_like(q)
+    want = _reference_grads(q, k, v, dout, True)
+    grads = []
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(3):
+            qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            with poisoned_allocations():
+                tileattn.attention(qg, kg, vg, causal=True).backward(dout)
+            grads.append((qg.grad, kg.grad, vg.grad))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    out, lse = module.forward(q, k, v, True, None, 1)
+    assert module.backward(q, k, v, out, lse, dout, True, None, True) is not None, "no deterministic launches registered"
+    for name, got, expected in zip(("dq", "dk", "dv"), grads[0], want):
+        assert _rel(got, expected) <= 2e-2, f"d={d}: {name} relative error {_rel(got, expected):.3e}"
+    for later in grads[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(grads[0], later)), f"d={d}: not bitwise repeatable"
+
+
 def test_a_backward_layout_it_does_not_hold_takes_the_python_path():
     """A dout of another layout (transposed storage) or the stride-0 gradient of out.sum(): the
     op-level call declines, the autograd node runs tileattn.api._backward, gradients right."""

@@ -39,6 +39,7 @@
 
 #include <Python.h>
 
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
@@ -716,7 +717,9 @@ constexpr int64_t kCausal = 1, kHasScale = 2, kDeterministic = 4;
 // (and for saved tensors in another layout, as a saved-tensor hook may return them).
 torch::autograd::variable_list attention_backward(const at::Tensor& dout, const torch::autograd::variable_list& saved,
                                                   int64_t flags, double scale) {
-  const bool deterministic = (flags & kDeterministic) != 0;
+  // torch.use_deterministic_algorithms(True) selects the deterministic mode too (read when the backward runs,
+  // as torch's own backwards read it; tileattn.api._backward does the same).
+  const bool deterministic = (flags & kDeterministic) != 0 || at::globalContext().deterministicAlgorithms();
   const at::Tensor* qkv[3] = {&saved[0], &saved[1], &saved[2]};
   Key key;
   const bool keyed = key_of(qkv, (flags & kCausal) != 0, (flags & kHasScale) != 0, scale, key);
@@ -906,8 +909,9 @@ PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                     "arguments");
     return nullptr;
   }
-  const int deterministic = PyObject_IsTrue(args[8]);
+  int deterministic = PyObject_IsTrue(args[8]);
   if (deterministic < 0) return nullptr;
+  deterministic = deterministic || at::globalContext().deterministicAlgorithms();  // as attention_backward
   for (int i = 3; i < 6; ++i) {
     if (!THPVariable_CheckExact(args[i])) Py_RETURN_NONE;
   }
