@@ -8,8 +8,11 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d /tmp/dl "nvidia-cuda-nvrtc==13.5.*" "cuda-core==1.2.0"
 #   mv /tmp/dl/cuda_core-*.whl .dev/whl/; unzip -q /tmp/dl/nvidia_cuda_nvrtc-*.whl -d /tmp/nv
 #   tar cJf .dev/nvrtc.tar.xz -C /tmp/nv nvidia
-# Then e.g. run(command="COMMIT=$(git rev-parse --short HEAD) bash scripts/device/compiled_path.sh",
+# Then e.g. run(command="COMMIT=<local HEAD, written out> bash scripts/device/compiled_path.sh",
 #               carry=[".dev/whl", ".dev/nvrtc.tar.xz"]).
+# COMMIT names the records' tree: write the local `git rev-parse --short HEAD` into the command. The
+# device's copy of .git can be stale, so a $(git rev-parse ...) evaluated there names an older commit
+# (session 41's records say 84543b4 for trees 9bf3186 to df9c7aa).
 mkdir -p /tmp/site /tmp/nv
 python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl || exit 1
 # Bytecode for the tree and the carried wheels, as a pip install leaves it: none was cached on the device
