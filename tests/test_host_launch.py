@@ -313,6 +313,35 @@ def test_the_public_op_uses_a_registered_combination(built, monkeypatch):
         built.clear()
 
 
+def test_an_autocast_call_is_served_after_its_cast(built, monkeypatch):
+    """Under torch.autocast("cuda", bfloat16) float32 inputs are cast, and the bfloat16 call is offered
+    to the compiled path again: a registered bfloat16 combination serves it (one launch, out in
+    bfloat16, the cast recorded by autograd); without autocast float32 stays the Python path's error."""
+    from tileattn import api
+
+    driver = _configured(built, vars(api))
+    monkeypatch.setattr(api, "_host_forward", None)
+    q32, k32, v32 = (torch.randn(1, 2, 32, 8) for _ in range(3))
+    q, k, v = (t.to(torch.bfloat16) for t in (q32, k32, v32))
+    _register(built, driver, q, k, v)
+    monkeypatch.setattr(api, "_host_forward", built.forward)
+    enabled, dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", torch.bfloat16)
+    try:
+        out = tileattn.attention(q32.requires_grad_(), k32, v32)
+        assert out.dtype == torch.bfloat16 and len(driver.launches) == 1
+        q_read = int.from_bytes(driver.launches[-1]["maps"][0][:8], "little")  # q's map holds the address read
+        assert q_read != q32.data_ptr() and q_read != 0, "the kernel reads the cast copy"
+        assert out.grad_fn is not None
+    finally:
+        torch.set_autocast_enabled("cuda", enabled)
+        torch.set_autocast_dtype("cuda", dtype)
+        built.clear()
+    with pytest.raises(ValueError, match="supports torch.float16"):
+        tileattn.attention(q32, k32, v32)
+
+
 def test_switched_off_an_entry_is_offered_once(monkeypatch):
     """Off (the default until the path's first GPU run), the Python path asks once per entry and
     registers nothing; while the module builds it asks again on each call."""

@@ -146,7 +146,10 @@ def attention(
         hit = _host_forward(q, k, v, causal, scale, 3 if return_lse else 4, deterministic)
         if hit is not None:
             return hit
-    q, k, v = _autocast_inputs(q, k, v)  # (the compiled path serves float16 / bfloat16 inputs only)
+    cast = _autocast_inputs(q, k, v)
+    if cast[0] is not q or cast[1] is not k or cast[2] is not v:
+        # torch.autocast cast a float32 input: run the float16 / bfloat16 call, the compiled path first
+        return attention(*cast, causal, scale, return_lse, deterministic)
     if _eager(q, k, v):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             out, lse = _AttentionFunction.apply(q, k, v, causal, scale, deterministic)
@@ -163,9 +166,9 @@ def _autocast_inputs(q, k, v) -> tuple:
     """Under torch.autocast("cuda") a call with a floating input outside float16 / bfloat16 (float32,
     float64) runs in the autocast dtype, as SDPA does: q, k and v are cast to it (autograd carries the
     gradients back through the casts). Inputs that are all float16 / bfloat16 run as they are, autocast
-    or not, so the compiled path (which serves only those) needs no autocast check; a cast call runs
-    on the Python path. Anything else (a non-tensor, an integer tensor) is left for the argument
-    checks to name."""
+    or not, so the compiled path (which serves only those) needs no autocast check; tileattn.attention
+    offers a cast call to it again. Anything else (a non-tensor, an integer tensor) is left for the
+    argument checks to name."""
     tensors = (q, k, v)
     if all(isinstance(t, Tensor) and t.dtype in SUPPORTED_DTYPES for t in tensors):
         return tensors
