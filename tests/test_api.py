@@ -450,8 +450,8 @@ def test_autocast_casts_a_call_with_a_float32_input(cuda_autocast, autocast_dtyp
     from tileattn.api import _autocast_inputs
 
     cuda_autocast(autocast_dtype)
-    q32, k16, v64 = torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64, dtype=torch.bfloat16), torch.randn(1, 2, 8, 64,
-                                                                                                           dtype=torch.float64)
+    q32 = torch.randn(1, 2, 8, 64)
+    k16, v64 = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16), torch.randn(1, 2, 8, 64, dtype=torch.float64)
     cu = torch.tensor([0, 8], dtype=torch.int32)
     cast = _autocast_inputs(q32.requires_grad_(), k16, v64)
     assert [t.dtype for t in cast] == [autocast_dtype] * 3

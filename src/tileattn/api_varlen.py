@@ -43,7 +43,8 @@ import torch
 from torch import Tensor
 
 from . import dropout as dr
-from .api import _autocast_inputs, _cached_entry, _check_pointers, _current_device, _eager, _kernel_layout_ok, _laid_out, _typed_window, _with_slopes
+from .api import (_autocast_inputs, _cached_entry, _check_pointers, _current_device, _eager, _kernel_layout_ok,
+                  _laid_out, _typed_window, _with_slopes)
 
 __all__ = ["attention_varlen"]
 

@@ -207,7 +207,8 @@ def test_use_deterministic_algorithms_selects_the_deterministic_backward(d):
     finally:
         torch.use_deterministic_algorithms(False)
     out, lse = module.forward(q, k, v, True, None, 1)
-    assert module.backward(q, k, v, out, lse, dout, True, None, True) is not None, "no deterministic launches registered"
+    assert module.backward(q, k, v, out, lse, dout, True, None, True) is not None, \
+        "no deterministic launches registered"
     for name, got, expected in zip(("dq", "dk", "dv"), grads[0], want):
         assert _rel(got, expected) <= 2e-2, f"d={d}: {name} relative error {_rel(got, expected):.3e}"
     for later in grads[1:]:

@@ -12,7 +12,8 @@ for; until the module is loaded, and wherever it cannot be built (no compiler, n
 unusual torch), every call takes the Python path, which launches the same plans.
 `TILEATTN_HOST_LAUNCH=0` switches it off, `1` on (the default, DEFAULT below). The switch decides
 whether the module is built and combinations are registered: set it before the first forward, since
-a combination once registered is served by the module for the rest of the process. `status()` says which case holds (`tileattn info` prints it).
+a combination once registered is served by the module for the rest of the process. `status()` says
+which case holds (`tileattn info` prints it).
 """
 
 from __future__ import annotations
