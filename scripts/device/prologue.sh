@@ -1,11 +1,12 @@
 # Sourced at the start of every call on the lent GPU machine (which has no network and NVRTC 13.0):
 # installs the carried wheels and preloads NVRTC 13.5, so that cuda.pathfinder finds it already loaded
-# ahead of the image's own. Carry: .dev/whl (cuda-core 1.2.0, plus any wheels a call needs, e.g. the
-# server's) and .dev/nvrtc.tar.xz (the nvidia-cuda-nvrtc 13.5 wheel's nvidia/ folder, xz: 41 MB
+# ahead of the image's own. Carry: .dev/whl (cuda-core 1.2.0 and llguidance 1.9.1, for the engine's
+# structured-outputs GPU test, plus any wheels a call needs, e.g. the server's) and .dev/nvrtc.tar.xz (the nvidia-cuda-nvrtc 13.5 wheel's nvidia/ folder, xz: 41 MB
 # against the wheel's 58 MB, so that the tree + carry stays under the device's 64 MiB). Made here with:
 #   echo /.dev/ >> .git/info/exclude; mkdir -p .dev/whl /tmp/nv
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d /tmp/dl "nvidia-cuda-nvrtc==13.5.*" "cuda-core==1.2.0"
+#   pip download (the same flags, plus --platform manylinux_2_31_x86_64) -d .dev/whl "llguidance==1.9.1"
 #   mv /tmp/dl/cuda_core-*.whl .dev/whl/; unzip -q /tmp/dl/nvidia_cuda_nvrtc-*.whl -d /tmp/nv
 #   tar cJf .dev/nvrtc.tar.xz -C /tmp/nv nvidia
 # Then e.g. run(command="COMMIT=<local HEAD, written out> bash scripts/device/compiled_path.sh",
