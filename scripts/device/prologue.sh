@@ -1,8 +1,9 @@
 # Sourced at the start of every call on the lent GPU machine (which has no network and NVRTC 13.0):
 # installs the carried wheels and preloads NVRTC 13.5, so that cuda.pathfinder finds it already loaded
 # ahead of the image's own. Carry: .dev/whl (cuda-core 1.2.0 and llguidance 1.9.1, for the engine's
-# structured-outputs GPU test, plus any wheels a call needs, e.g. the server's) and .dev/nvrtc.tar.xz (the nvidia-cuda-nvrtc 13.5 wheel's nvidia/ folder, xz: 41 MB
-# against the wheel's 58 MB, so that the tree + carry stays under the device's 64 MiB). Made here with:
+# structured-outputs GPU test, plus any wheels a call needs, e.g. the server's) and .dev/nvrtc.tar.xz
+# (the nvidia-cuda-nvrtc 13.5 wheel's nvidia/ folder, xz: 41 MB against the wheel's 58 MB, so that the
+# tree + carry stays under the device's 64 MiB). Made here with:
 #   echo /.dev/ >> .git/info/exclude; mkdir -p .dev/whl /tmp/nv
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d /tmp/dl "nvidia-cuda-nvrtc==13.5.*" "cuda-core==1.2.0"
