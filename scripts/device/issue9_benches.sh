@@ -2,8 +2,8 @@
 # compiled path built first), `tileattn bench startup` with the compiled path on (the default); then on an
 # H200 the seed table twice against its H200 baseline (docs/BENCHMARKS.md, session 29: two processes of one
 # tree differ by up to 5 % at one point), or on another GPU (where that baseline means nothing) the
-# exclusive GPU tests and racecheck / synccheck / initcheck over the sanitize set, in the time left before
-# DEADLINE seconds (default 540; BENCH_ONLY=1: not those).
+# exclusive GPU tests and racecheck / synccheck / initcheck over the sanitize set (scripts/device/sanitize.sh),
+# in the time left before DEADLINE seconds (default 540; BENCH_ONLY=1: not those).
 # Usage (carry as scripts/device/prologue.sh says): COMMIT=<sha> [DEADLINE=<s>] [BENCH_ONLY=1] bash scripts/device/issue9_benches.sh
 source scripts/device/prologue.sh
 t0=$(date +%s); left() { echo $(( ${DEADLINE:-540} - ($(date +%s) - t0) )); }
@@ -23,11 +23,7 @@ if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     python3 -m tileattn.bench.report $OUT/seed-$run.json --compare $BASE --relative-to sdpa_cudnn 2>&1 | tail -3
   done
 elif [ -z "$BENCH_ONLY" ]; then
-  T=$(left); echo "== exclusive GPU tests at $(( $(date +%s)-t0 ))s, $T s left"
-  [ $T -gt 60 ] && timeout 100 python3 -m pytest -q -m "gpu and exclusive" -p no:cacheprovider --junitxml=$OUT/junit-exclusive.xml tests/gpu 2>&1 | tail -4
-  T=$(left); echo "== racecheck, synccheck, initcheck at $(( $(date +%s)-t0 ))s, $T s left"
-  [ $T -gt 90 ] && timeout $(( T - 15 )) python3 scripts/gpu_check.py --report-dir $OUT/sanitize --bench "" --no-tests --no-audit \
-    --sanitizer-tools racecheck,synccheck,initcheck --sanitizer-jobs 15 2>&1 | tail -14
+  TOOLS=${TOOLS:-racecheck,synccheck,initcheck} source scripts/device/sanitize.sh
 fi
 echo "== done $(( $(date +%s)-t0 ))s"
 gzip -f $OUT/*.xml $OUT/*.log $OUT/sanitize/*.log 2>/dev/null; true
