@@ -47,6 +47,7 @@ import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from . import dropout as dr
+from .launch_limits import MAX_GRID_YZ
 
 __all__ = ["attention"]
 
@@ -54,7 +55,6 @@ SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 _ALIGN_ELEMS = 8  # 16 bytes of a 16-bit dtype: cp.async moves 16-byte chunks
 _INT32_MAX = 2**31 - 1
-_MAX_GRID_YZ = 65535
 _MAX_PLANS = 4096  # plan entries kept before the cache starts over (shapes seen by one process)
 
 
@@ -234,8 +234,8 @@ def _check_args(q, k, v, scale) -> None:
     kv_heads = k.shape[1]
     if heads % kv_heads != 0:
         raise ValueError(f"k/v heads Hkv={kv_heads} must divide q heads H={heads} (GQA/MQA)")
-    if batch > _MAX_GRID_YZ or heads > _MAX_GRID_YZ:
-        raise ValueError(f"q has B={batch}, H={heads}; the launch grid allows at most {_MAX_GRID_YZ} of each")
+    if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ:
+        raise ValueError(f"q has B={batch}, H={heads}; the launch grid allows at most {MAX_GRID_YZ} of each")
     if q.shape[2] > _INT32_MAX or k.shape[2] > _INT32_MAX:  # the kernels take them as int32 (an expanded k can be)
         raise ValueError(f"Nq={q.shape[2]} and Nk={k.shape[2]} must be at most 2^31 - 1")
 

@@ -24,13 +24,13 @@ import torch
 from torch import Tensor
 
 from . import reference
+from .launch_limits import MAX_GRID_YZ
 
 __all__ = ["attention_paged", "write_kv_cache"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 PAGED_HEAD_DIMS = (32, 64, 96, 128, 256)
 _ALIGN_ELEMS = 8  # 16 bytes of a 16-bit dtype: the kernels move 16-byte chunks
-_MAX_GRID_YZ = 65535
 _INT32_MAX = 2**31 - 1
 
 # Per-shape caches. An eager engine step changes Tq and max_seqlen_q from step to step, so they are
@@ -328,8 +328,8 @@ def _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_
     if block_size & (block_size - 1) or not 16 <= block_size <= 256:
         raise ValueError(f"k_cache block_size (dim 1) must be a power of two in 16..256, got {block_size}")
     batch, max_blocks = block_table.shape
-    if batch > _MAX_GRID_YZ or kv_heads > _MAX_GRID_YZ:
-        raise ValueError(f"B={batch} and Hkv={kv_heads} must be at most {_MAX_GRID_YZ} (launch grid limit)")
+    if batch > MAX_GRID_YZ or kv_heads > MAX_GRID_YZ:
+        raise ValueError(f"B={batch} and Hkv={kv_heads} must be at most {MAX_GRID_YZ} (launch grid limit)")
     if max_blocks * block_size > _INT32_MAX:
         raise ValueError(f"block_table capacity {max_blocks} * {block_size} keys exceeds 2^31 - 1")
     if block_table.stride(0) > _INT32_MAX:  # the kernels take it as an int32

@@ -45,13 +45,13 @@ from torch import Tensor
 from . import dropout as dr
 from .api import (_autocast_inputs, _cached_entry, _check_pointers, _current_device, _eager, _kernel_layout_ok,
                   _laid_out, _typed_window, _with_slopes)
+from .launch_limits import MAX_GRID_YZ
 
 __all__ = ["attention_varlen"]
 
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 _ALIGN_ELEMS = 8  # 16 bytes of a 16-bit dtype: cp.async moves 16-byte chunks
-_MAX_GRID_YZ = 65535
 _MAX_PLANS = 4096
 
 
@@ -186,8 +186,8 @@ def _check_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         raise ValueError(f"q and k need at least one head, got H={heads}, Hkv={kv_heads}")
     if heads % kv_heads != 0:
         raise ValueError(f"k/v heads Hkv={kv_heads} must divide q heads H={heads} (GQA/MQA)")
-    if heads > _MAX_GRID_YZ:
-        raise ValueError(f"q has H={heads} heads; the launch grid allows at most {_MAX_GRID_YZ}")
+    if heads > MAX_GRID_YZ:
+        raise ValueError(f"q has H={heads} heads; the launch grid allows at most {MAX_GRID_YZ}")
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must both be [B + 1], got {cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
@@ -195,8 +195,8 @@ def _check_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     batch = cu_seqlens_q.shape[0] - 1
     if batch < 1:
         raise ValueError(f"cu_seqlens_q must hold B + 1 >= 2 offsets (at least one sequence), got {batch + 1}")
-    if batch + 1 > _MAX_GRID_YZ:
-        raise ValueError(f"B={batch} sequences; the launch grid allows at most {_MAX_GRID_YZ - 1}")
+    if batch + 1 > MAX_GRID_YZ:
+        raise ValueError(f"B={batch} sequences; the launch grid allows at most {MAX_GRID_YZ - 1}")
     from .kernels.attention_bwd_sm80 import VARLEN_WS_GAP  # the backward's workspace rows per sequence
 
     if total_q + 3 + VARLEN_WS_GAP * batch >= 2**31 or total_k >= 2**31:

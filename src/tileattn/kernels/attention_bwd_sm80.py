@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..launch_limits import MAX_GRID_YZ
 from . import Family
 
 __all__ = [
@@ -51,7 +52,6 @@ _NS = "tileattn::bwd::"
 _ROW_PAD = 128
 _PRE_ROWS = 64  # rows per preprocess block (kRowsPerBlock in the kernel)
 _CONVERT_ROWS = 64  # rows per convert block
-_MAX_GRID_YZ = 65535
 # Varlen workspace rows between the starts of consecutive sequences beyond their queries (kVarlenWsGap
 # in the kernel): 128-row padding plus 3 rows of 16-byte alignment, rounded up to a multiple of 4.
 VARLEN_WS_GAP = 132
@@ -386,8 +386,8 @@ def _check_args(q, k, v, out, lse, dout, dq, dk, dv, scale, config) -> None:
         raise ValueError(f"lse must have shape {(batch, heads, nq)}, got {tuple(lse.shape)}")
     if not lse.is_contiguous():
         raise ValueError(f"lse must be contiguous, got strides {lse.stride()}")
-    if max(heads, kv_heads, batch) > _MAX_GRID_YZ:
-        raise ValueError(f"batch and head counts must be <= {_MAX_GRID_YZ}")
+    if max(heads, kv_heads, batch) > MAX_GRID_YZ:
+        raise ValueError(f"batch and head counts must be <= {MAX_GRID_YZ}")
     if max(nq, nk) >= 2**31 - _ROW_PAD:
         raise ValueError(f"sequence lengths must be < 2**31 - {_ROW_PAD}, got Nq={nq}, Nk={nk}")
     # 16-byte cp.async / vector accesses: contiguous last dim, every other stride of a dimension

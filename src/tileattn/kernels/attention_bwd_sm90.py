@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..launch_limits import MAX_GRID_X
 from . import Family
 from .attention_bwd_sm80 import _CONVERT_ROWS, _PRE_ROWS, _ROW_PAD, convert_expr, preprocess_expr
 
@@ -51,7 +52,6 @@ LOG2E = 1.4426950408889634
 SMEM_LIMIT = 232448     # bytes per block on an H100/H200 (227 KB opt-in), static + dynamic
 STATIC_SMEM = 256       # reserved for the kernel's static mbarriers (kStaticSmem in the .cu)
 L2_SECTION_BYTES = 40 * 2**20  # Q + dO + dq_accum of the (kv head, batch) pairs in flight (FA3's budget)
-_MAX_GRID_X = 2**31 - 1
 # The deterministic windowed plans' semaphore templates, kept for the life of the process: `launch`
 # copies one per call, and a CUDA graph that captured that copy reads the template on every replay,
 # also after tileattn.api.clear_plans (or the plan cache's overflow) has dropped the plan. A few
@@ -422,8 +422,8 @@ class BackwardPlan:
             raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
         block_n = block_n_of(d)
         n_blocks = -(-nk // block_n)
-        if n_blocks * kv_heads * batch > _MAX_GRID_X:
-            raise ValueError(f"batch x k/v heads x ceil(Nk / {block_n}) must be <= {_MAX_GRID_X} blocks")
+        if n_blocks * kv_heads * batch > MAX_GRID_X:
+            raise ValueError(f"batch x k/v heads x ceil(Nk / {block_n}) must be <= {MAX_GRID_X} blocks")
         if section is not None and section < 1:
             raise ValueError(f"section must be >= 1, got {section}")
         bits = 0
@@ -647,8 +647,8 @@ class BackwardVarlenPlan:
         # keys exit), then Hkv tail CTAs.
         n_blocks = max(1, -(-int(max_seqlen_k) // BLOCK_N))
         self.grid = n_blocks * kv_heads * batch + kv_heads
-        if self.grid > _MAX_GRID_X:
-            raise ValueError(f"sequences x k/v heads x ceil(max_seqlen_k / {BLOCK_N}) must be < {_MAX_GRID_X} blocks")
+        if self.grid > MAX_GRID_X:
+            raise ValueError(f"sequences x k/v heads x ceil(max_seqlen_k / {BLOCK_N}) must be < {MAX_GRID_X} blocks")
         bf16 = q.dtype == torch.bfloat16
         device = q.device.index
         self.device = q.device

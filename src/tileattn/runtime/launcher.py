@@ -35,11 +35,10 @@ from typing import Sequence
 
 import numpy as np
 
+from ..launch_limits import MAX_GRID_X, MAX_GRID_YZ
 from .compiler import CompiledModule, compile_cuda
 
 _DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in (cuKernelSetAttribute)
-_MAX_GRID_X = 2**31 - 1
-_MAX_GRID_YZ = 65535
 
 
 class NoGPUError(RuntimeError):
@@ -254,7 +253,7 @@ def _check_geometry(kernel: LoadedKernel, grid, block, smem: int) -> tuple[tuple
     block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
     if min(grid) < 1 or min(block) < 1:
         raise LaunchError(f"{kernel.expression}: empty launch geometry grid={grid} block={block}")
-    if grid[0] > _MAX_GRID_X or max(grid[1:]) > _MAX_GRID_YZ or block[0] * block[1] * block[2] > 1024:
+    if grid[0] > MAX_GRID_X or max(grid[1:]) > MAX_GRID_YZ or block[0] * block[1] * block[2] > 1024:
         raise LaunchError(f"{kernel.expression}: launch geometry grid={grid} block={block} exceeds CUDA's limits")
     if smem > kernel._dynamic_smem_limit:
         kernel.reserve_dynamic_smem(smem)
