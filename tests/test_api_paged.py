@@ -89,6 +89,14 @@ BAD_PAGED = [
     ),
     ({"block_table": torch.zeros(3, 2, dtype=torch.int32).t()}, r"block_table must have stride\(1\) == 1"),
     ({"seqlens_k": torch.zeros(4, dtype=torch.int32)[::2]}, "seqlens_k must be contiguous"),
+    (  # one grid row per sequence: 65536 sequences exceed CUDA's 65535 (tileattn.launch_limits)
+        {
+            "block_table": torch.zeros(65536, 1, dtype=torch.int32),
+            "cu_seqlens_q": torch.zeros(65537, dtype=torch.int32),
+            "seqlens_k": torch.zeros(65536, dtype=torch.int32),
+        },
+        r"B=65536 and Hkv=2 must be at most 65535 \(launch grid limit\)",
+    ),
     ({}, "attention_paged needs CUDA tensors, got device cpu"),
 ]
 
