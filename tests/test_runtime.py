@@ -173,3 +173,25 @@ def test_pdl_enabled_reads_the_environment_on_every_call(monkeypatch):
     monkeypatch.setattr(launcher, "_has_griddepcontrol", lambda index: True)
     monkeypatch.setenv("TILEATTN_PDL", "0")
     assert not launcher.pdl_enabled(0)
+
+
+def test_launch_geometry_is_checked_against_cudas_limits_before_the_driver():
+    """`launch` and `LaunchPlan` refuse a grid or block CUDA cannot run with a LaunchError naming the
+    kernel, instead of the driver's CUDA_ERROR_INVALID_VALUE; a valid one comes back padded to 3-D."""
+    from tileattn.launch_limits import MAX_GRID_X, MAX_GRID_YZ
+    from tileattn.runtime import LaunchError
+    from tileattn.runtime.launcher import _check_geometry
+
+    class Kernel:  # the two attributes _check_geometry reads
+        expression = "k<1>"
+        _dynamic_smem_limit = 48 * 1024
+
+    assert _check_geometry(Kernel(), (MAX_GRID_X,), (1024,), 0) == ((MAX_GRID_X, 1, 1), (1024, 1, 1))
+    assert _check_geometry(Kernel(), (1, MAX_GRID_YZ, MAX_GRID_YZ), (32, 32), 0)[0] == (1, MAX_GRID_YZ, MAX_GRID_YZ)
+    for grid, block in (((MAX_GRID_X + 1,), (128,)), ((1, MAX_GRID_YZ + 1), (128,)), ((1, 1, MAX_GRID_YZ + 1), (128,)),
+                        ((4,), (1025,)), ((4,), (32, 32, 2))):
+        with pytest.raises(LaunchError, match=r"^k<1>: launch geometry .* exceeds CUDA's limits"):
+            _check_geometry(Kernel(), grid, block, 0)
+    for grid, block in (((0,), (128,)), ((4,), (0,))):
+        with pytest.raises(LaunchError, match=r"^k<1>: empty launch geometry"):
+            _check_geometry(Kernel(), grid, block, 0)
