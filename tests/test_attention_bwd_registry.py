@@ -156,6 +156,8 @@ BAD = {
     "last dim": (lambda a: a.update(q=torch.zeros(2, 4, 64, 33, dtype=torch.bfloat16).transpose(2, 3)),
                  "contiguous last dim"),
     "row stride": (lambda a: a.update(dout=_strided((2, 4, 33, 64), 68)), "multiples of 8"),
+    "batch over the grid": (lambda a: a.update(_args(b=65536, h=1, hkv=1, nq=1, nk=1, d=32)),
+                            "batch and head counts must be <= 65535"),  # tileattn.launch_limits.MAX_GRID_YZ
     "scale nan": (None, "scale"),
     "config type": (None, "config must be a BwdConfig"),
     "config head dim": (None, "config is for head_dim"),
