@@ -1382,3 +1382,24 @@ def test_benchmark_rejects_unknown_columns():
     assert {"sm90", "sm90_rot", "autograd", "cudnn"} <= set(ab.COLUMNS)
     # BackwardPlan looks ROTATE up for every supported (head dim, causal): a missing key is a KeyError
     assert set(ab.ROTATE) == {(d, c) for d in ab.HEAD_DIMS for c in (False, True)}
+
+
+def test_backward_plans_refuse_a_grid_of_2_31_blocks():
+    """One CTA per (k/v block, k/v head, batch) along x: a call needing 2^31 or more blocks gets a
+    ValueError from BackwardPlan before anything is compiled or allocated (tileattn.launch_limits);
+    a grid under 2^31 - 1 passes that check and stops at the next one."""
+    block_n = ab.block_n_of(128)
+    batch = 65536
+
+    def plan(nk, section):
+        q = torch.empty(batch, 1, 1, 128, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(batch, 1, nk, 128, dtype=torch.bfloat16, device="meta")
+        lse = torch.empty(batch, 1, 1, device="meta")
+        ab.BackwardPlan(q, k, k, q, lse, q, q, k, k, causal=False, scale=1.0, deterministic=False, section=section)
+
+    with pytest.raises(ValueError, match=r"ceil\(Nk / \d+\) must be <= 2147483647 blocks"):
+        plan(block_n * 32768 + 1, None)  # 65536 x 32769 blocks
+    with pytest.raises(ValueError, match=r"ceil\(Nk / \d+\) must be <= 2147483647 blocks"):
+        plan(block_n * 32768, None)  # exactly 2^31 blocks
+    with pytest.raises(ValueError, match="section must be >= 1"):  # the check after the grid's
+        plan(block_n * 32767, 0)  # 65536 x 32767 blocks < 2^31 - 1
