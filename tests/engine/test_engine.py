@@ -242,7 +242,10 @@ def test_prompt_logprobs_and_logprobs(checkpoint):
 def test_bad_inputs_raise_clear_errors(checkpoint, tmp_path):
     for kwargs, field in [({"temperature": -1}, "temperature"), ({"top_p": 0.0}, "top_p"),
                           ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
-                          ({"n": 0}, "n"), ({"min_p": 2.0}, "min_p"), ({"stop": [""]}, "stop")]:
+                          ({"n": 0}, "n"), ({"min_p": 2.0}, "min_p"), ({"stop": [""]}, "stop"),
+                          ({"seed": 1.5}, "^seed must be an int"), ({"presence_penalty": 2.5}, "^presence_penalty"),
+                          ({"frequency_penalty": -3}, "^frequency_penalty"), ({"logprobs": -1}, "^logprobs must"),
+                          ({"prompt_logprobs": 1.0}, "^prompt_logprobs must")]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kwargs)
     with pytest.raises(FileNotFoundError, match="does not exist"):
