@@ -237,6 +237,13 @@ def test_prompt_logprobs_and_logprobs(checkpoint):
     for token, entry in zip(completion.token_ids, completion.logprobs):
         assert max(entry, key=entry.get) == token  # greedy: the chosen token is the most likely
         assert len(entry) == 2
+    # per-prompt lists must match the prompts, refused before any request runs
+    one = SamplingParams(temperature=0, max_tokens=1)
+    with pytest.raises(ValueError, match="^2 sampling params for 1 prompts"):
+        llm.generate([prompt], [one, one], use_tqdm=False)
+    with pytest.raises(ValueError, match="^2 LoRA names for 1 prompts"):
+        llm.generate([prompt], one, lora=[None, None], use_tqdm=False)
+    assert not llm.engine.requests
 
 
 def test_bad_inputs_raise_clear_errors(checkpoint, tmp_path):
@@ -275,6 +282,15 @@ def test_bad_inputs_raise_clear_errors(checkpoint, tmp_path):
     engine.add_request("a", [0, 1], GREEDY)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("a", [0, 1], GREEDY)
+    with pytest.raises(ValueError, match="^request_id must be a str, got int"):
+        engine.add_request(7, [0, 1], GREEDY)
+    with pytest.raises(ValueError, match="^params must be SamplingParams or PoolingParams, got dict"):
+        engine.add_request("b", [0, 1], {"temperature": 0})
+    with pytest.raises(ValueError, match="^prompt must be a str or a list of token ids"):
+        engine.add_request("b", [0, 1.0], GREEDY)
+    with pytest.raises(ValueError, match="^this engine serves no LoRA adapters"):
+        engine.remove_lora("x")
+    assert list(engine.requests) == ["a"]  # none of the refused calls queued anything
 
 
 def test_chat_template_and_text_prompt(checkpoint):
