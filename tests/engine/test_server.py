@@ -842,7 +842,13 @@ def test_cli_serve_bad_options_exit_2_with_the_reason(checkpoint, tmp_path, caps
                          (["serve", checkpoint, "--device", "cpu", "--chat-template", "{% for m in messages %}"],
                           "does not compile"),
                          (["serve", checkpoint, "--device", "cpu", "--chat-template", str(tmp_path / "none.jinja")],
-                          "neither a file nor a jinja2 template")):
+                          "neither a file nor a jinja2 template"),
+                         (["serve", checkpoint, "--port", "65536"], "--port must be in 0..65535, got 65536"),
+                         (["serve", checkpoint, "--lora-modules", "noequals"], "--lora-modules takes NAME=PATH"),
+                         (["serve", checkpoint, "--served-model-name", "m", "--lora-modules", f"m={tmp_path}"],
+                          "an adapter may not be named like the served model ('m')"),
+                         (["serve", checkpoint, "--lora-modules", f"a={tmp_path}", f"b={tmp_path}", "--max-loras", "1"],
+                          "--max-loras 1 is fewer than the 2 --lora-modules")):
         args = ap.parse_args(argv)
         assert args.fn(args) == 2
         assert reason in capsys.readouterr().err
