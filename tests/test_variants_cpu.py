@@ -231,7 +231,11 @@ def test_reference_varlen_variants_match_dense_per_sequence():
         ({"dropout_p": 0.1, "seed": -3}, "seed"),
         ({"dropout_p": 0.1, "offset": 3}, "offset needs a seed"),
         ({"dropout_p": 0.1, "generator": 5}, "generator"),
+        ({"dropout_p": 0.1, "generator": torch.Generator(), "seed": 3}, "^pass either generator or seed"),
+        ({"dropout_p": 0.1, "seed": 2**64}, r"^seed must be None or an int in \[0, 2\^64\)"),
         ({"alibi_slopes": torch.ones(3)}, "alibi_slopes"),
+        ({"alibi_slopes": torch.ones(4, dtype=torch.int32)}, "^alibi_slopes must have a floating dtype"),
+        ({"alibi_slopes": torch.ones(4, device="meta")}, "^alibi_slopes must be on q's device cpu, got meta"),
     ],
 )
 def test_reference_variant_argument_errors(kwargs, match):
