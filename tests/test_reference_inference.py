@@ -409,3 +409,22 @@ def test_argument_errors_name_the_argument():
         ref.write_kv_cache(k, k, kc, kc, torch.zeros(2))
     with pytest.raises(ValueError, match="k .* must be \\[T, Hkv, dim\\] matching k_cache"):
         ref.write_kv_cache(torch.zeros(2, 2, 4), k, kc, kc, torch.zeros(2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize(
+    "cu_q,max_seqlen_q,match",
+    [
+        ([1, 2, 4], 3, "^cu_seqlens_q must start at 0, got 1"),
+        ([0, 3, 1], 3, r"^cu_seqlens_q decreases at sequence 1: 3 -> 1"),
+        ([0, 1, 4], 2, "^sequence 1 has 3 queries, more than max_seqlen_q = 2"),
+    ],
+)
+def test_paged_contents_checks_of_the_query_offsets(cu_q, max_seqlen_q, match):
+    """check_paged_contents is what attention_paged(validate=True) runs on CUDA after the metadata
+    checks (which the reference's own path meets first, so it is called directly here)."""
+    k_cache = torch.zeros(4, 4, 1, 8)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    seqlens_k = torch.tensor([5, 7], dtype=torch.int32)
+    ref.check_paged_contents(k_cache, table, cu([1, 3]), seqlens_k, 3, 8)  # the valid call passes
+    with pytest.raises(ValueError, match=match):
+        ref.check_paged_contents(k_cache, table, torch.tensor(cu_q, dtype=torch.int32), seqlens_k, max_seqlen_q, 8)
