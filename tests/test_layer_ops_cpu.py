@@ -93,6 +93,22 @@ def test_bad_arguments_raise_before_work():
         api_layers.norm_rotary_(torch.randn(3, 2, 7), torch.zeros(3, dtype=torch.int64), cos, sin)
     with pytest.raises(ValueError, match="odd width"):
         api_layers.silu_mul(torch.randn(3, 7))
+    pos, w = torch.zeros(3, dtype=torch.int64), torch.ones(8)
+    for call, match in (
+            (lambda: api_layers.norm_rotary_(q[0], pos, cos, sin), r"^x must be a \[T, heads, d\] tensor"),
+            (lambda: api_layers.norm_rotary_(torch.randn(3, 8, 2).transpose(1, 2), pos, cos, sin),
+             "^x's last dim must be contiguous"),
+            (lambda: api_layers.norm_rotary_(q, pos, cos, sin[:5]), "^cos and sin must have one shape"),
+            (lambda: api_layers.norm_rotary_(q, pos, cos.t().contiguous().t(), sin), "^cos must be contiguous"),
+            (lambda: api_layers.norm_rotary_(q, pos.to("meta"), cos, sin), "^positions is on meta, x on cpu"),
+            (lambda: api_layers.norm_rotary_(q, pos, cos, sin, q_weight=w, k_weight=w),
+             "^a per-head norm needs q_weight, k_weight and q_heads together"),
+            (lambda: api_layers.norm_rotary_(q, pos, cos, sin, q_heads=3, q_weight=w, k_weight=w),
+             r"^q_heads must be in \[0, 2\], got 3")):
+        before = q.clone()
+        with pytest.raises(ValueError, match=match):
+            call()
+        assert torch.equal(q, before), "a refused call changed x"
 
 
 
@@ -186,6 +202,10 @@ def test_norm_rotary_write_kv_cache_rejects_bad_arguments():
         fused(q, k, v, kc, vc, slots, positions, cos, sin, qw, kw[:-2])
     with pytest.raises(ValueError, match="q: head dim must be even"):
         fused(torch.randn(9, 4, 7), k, v, kc, vc, slots, positions, cos, sin)
+    with pytest.raises(ValueError, match=r"^v must have k's shape \[9, 2, 32\]"):  # a v cache of another width
+        fused(q, k, v[..., :16], kc, vc[..., :16], slots, positions, cos, sin)
+    with pytest.raises(ValueError, match="^k, v, caches and slot_mapping are on cpu, q on meta"):
+        fused(q.to("meta"), k, v, kc, vc, slots, *(t.to("meta") for t in (positions, cos, sin)))
     before = (qkv.clone(), caches.clone())
     with pytest.raises(ValueError):
         fused(q, k, v, kc, vc.double(), slots, positions, cos, sin, qw, kw)
