@@ -89,6 +89,21 @@ BAD_PAGED = [
     ),
     ({"block_table": torch.zeros(3, 2, dtype=torch.int32).t()}, r"block_table must have stride\(1\) == 1"),
     ({"seqlens_k": torch.zeros(4, dtype=torch.int32)[::2]}, "seqlens_k must be contiguous"),
+    ({"q": torch.zeros(5, 0, 128, dtype=torch.bfloat16)}, r"^q must have at least one head, got shape \(5, 0, 128\)"),
+    # the kernels' int32 index arithmetic (zero-stride expands and meta tensors: no memory)
+    ({"block_table": torch.zeros(2, 1, dtype=torch.int32).expand(2, 2**27)},
+     r"^block_table capacity 134217728 \* 16 keys exceeds 2\^31 - 1"),
+    ({"k_cache": torch.zeros(1, 16, 2, 128, dtype=torch.bfloat16).expand(2**27, 16, 2, 128),
+      "v_cache": torch.zeros(1, 16, 2, 128, dtype=torch.bfloat16).expand(2**27, 16, 2, 128)},
+     r"^k_cache has 2147483648 slots and q 40 rows; at most 2\^31 - 1"),
+    ({"max_seqlen_q": 2**30}, r"^max_seqlen_q=1073741824 times the GQA group size exceeds 2\^31 - 1"),
+    ({"q": torch.empty(5, 8, 128, dtype=torch.bfloat16, device="meta"),
+      "k_cache": torch.empty(6, 16, 2, 128, dtype=torch.bfloat16, device="meta"),
+      "v_cache": torch.empty(6, 16, 2, 128, dtype=torch.bfloat16, device="meta"),
+      "block_table": torch.empty_strided((2, 3), (2**31, 1), dtype=torch.int32, device="meta"),
+      "cu_seqlens_q": torch.empty(3, dtype=torch.int32, device="meta"),
+      "seqlens_k": torch.empty(2, dtype=torch.int32, device="meta")},
+     r"^block_table row stride 2147483648 exceeds 2\^31 - 1"),
     (  # one grid row per sequence: 65536 sequences exceed CUDA's 65535 (tileattn.launch_limits)
         {
             "block_table": torch.zeros(65536, 1, dtype=torch.int32),
