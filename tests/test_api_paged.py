@@ -226,6 +226,18 @@ BAD_WRITE = [
         "is 0 bytes; it must be a multiple of 16 bytes",
     ),
     ({"k_cache": "cache"}, "k_cache must be a torch.Tensor"),
+    (  # caches of two widths (the shared checks compare only [num_blocks, block_size, Hkv])
+        {"v": torch.zeros(3, 2, 32, dtype=torch.float16), "v_cache": torch.zeros(4, 16, 2, 32, dtype=torch.float16)},
+        r"^v_cache \(4, 16, 2, 32\) must have k_cache's shape \(4, 16, 2, 64\)",
+    ),
+    (  # the kernel's int32 row index: T * Hkv = 2^31 rows (zero-stride expands: no memory)
+        {
+            "k": torch.zeros(1, 2, 64, dtype=torch.float16).expand(2**30, 2, 64),
+            "v": torch.zeros(1, 2, 64, dtype=torch.float16).expand(2**30, 2, 64),
+            "slot_mapping": torch.zeros(1, dtype=torch.int64).expand(2**30),
+        },
+        r"^k: T \* Hkv = 2147483648 rows exceeds 2\^31 - 257",
+    ),
     ({}, "write_kv_cache needs CUDA tensors, got device cpu"),
 ]
 
