@@ -91,6 +91,19 @@ def test_grid_limit_on_heads():
     raises(r"^q has H=65536 heads", q, k, k, cu, cu, 2, 2)
 
 
+def test_grid_limit_on_sequences_and_the_token_budget():
+    """B + 1 offsets index the grid's y dimension (65535 at most); Tq + 132 B + 3 rows of the backward's
+    workspace and Tk must stay below 2^31 (meta tensors: no memory)."""
+    q = torch.empty(2, 4, 32, dtype=BF16, device="meta")
+    k = torch.empty(2, 2, 32, dtype=BF16, device="meta")
+    cu = torch.empty(65536, dtype=torch.int32, device="meta")
+    raises(r"^B=65535 sequences; the launch grid allows at most 65534", q, k, k, cu, cu, 2, 2)
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    big = torch.empty(2**31, 1, 32, dtype=BF16, device="meta")
+    raises(r"^q has Tq=2 and k Tk=2147483648 tokens; Tq \+ 132 B \+ 3 and Tk must be below 2\^31",
+           q[:, :1], big, big, cu, cu, 2, 2)
+
+
 @pytest.mark.parametrize("bad", [True, 3.0, "7", torch.tensor(7)])
 def test_max_seqlen_must_be_a_host_int(bad):
     q, k, v, cq, ck, mq, mk = packed()
