@@ -189,3 +189,48 @@ def test_a_tensor_stored_in_two_shards_is_refused(llama, tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(ValueError, match="must map tensor names to shard files"):
         LLMEngine.from_model(str(tmp_path), device="cpu", max_model_len=128, kv_cache_blocks=16)
+
+
+def _config_cases(cfg):
+    gemma2 = {**cfg, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh"}
+    layers = cfg["num_hidden_layers"]
+    lacking = {k: v for k, v in cfg.items() if k != "num_hidden_layers"}
+    return [
+        (lacking, "^config.json lacks 'num_hidden_layers'"),
+        ({**cfg, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+         "^config.json: longrope scaling needs original_max_position_embeddings"),
+        ({**gemma2, "hidden_activation": "relu"}, r"^Gemma2ForCausalLM with hidden_activation 'relu' is not supported"),
+        ({**gemma2, "use_bidirectional_attention": True}, "^Gemma2ForCausalLM with use_bidirectional_attention"),
+        ({**gemma2, "layer_types": ["full_attention"] * (layers + 1)},
+         f"^config.json layer_types must name each of the {layers} layers"),
+        ({**cfg, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "layer_types": ["global"] * layers},
+         f"^config.json layer_types must name each of the {layers} layers"),
+        ({**cfg, "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "no_rope_layers": [1]},
+         f"^config.json no_rope_layers must name each of the {layers} layers"),
+        ({**cfg, "architectures": ["Glm4ForCausalLM"], "model_type": "glm4", "partial_rotary_factor": 3 / 16},
+         r"^config.json partial_rotary_factor=0.1875 gives 3 rotary dims of 16; rotary needs an even count"),
+    ]
+
+
+def test_unsupported_or_inconsistent_configs_are_refused_by_name(llama):
+    """Configs the engine cannot run as written get a ValueError naming the field, before any weight
+    is read (model_config_from_hf is what load_model reads config.json with)."""
+    path, _ = llama
+    cfg = json.loads((path / "config.json").read_text())
+    model_config_from_hf(cfg)  # the unedited config is accepted
+    for bad, match in _config_cases(cfg):
+        with pytest.raises(ValueError, match=match):
+            model_config_from_hf(bad)
+
+
+def test_a_directory_without_config_json_names_what_it_found(tmp_path):
+    from tileattn.engine.loader import resolve_checkpoint
+
+    with pytest.raises(ValueError, match=r"has no config.json$"):
+        resolve_checkpoint(str(tmp_path))
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=r"has no config.json and 2 .gguf files \(name one\)"):
+        resolve_checkpoint(str(tmp_path))
+    (tmp_path / "b.gguf").unlink()
+    assert resolve_checkpoint(str(tmp_path)) == ("gguf", str(tmp_path / "a.gguf"))
