@@ -150,6 +150,7 @@ def test_adapter_errors(served, tmp_path):
     with pytest.raises(ValueError, match="cannot read"):
         engine.add_lora("c", str(tmp_path / "m"))
     key = "base_model.model.model.layers.0.self_attn.q_proj"
+    fused = "base_model.model.model.layers.0.self_attn.qkv_proj"  # Phi-3's fused module beside its part
     a, b = torch.randn(4, 64), torch.randn(64, 4)
     for tensors, says in (({f"{key}.lora_A.weight": a.int(), f"{key}.lora_B.weight": b}, "not a floating-point"),
                           ({f"{key}.lora_A.default.weight": a, f"{key}.lora_B.default.weight": b}, "PEFT's saved form"),
@@ -157,11 +158,26 @@ def test_adapter_errors(served, tmp_path):
                            "not a floating-point lora_A / lora_B weight"),
                           ({"base_model.model.model.vision_tower.layers.0.self_attn.q_proj.lora_A.weight": a,
                             "base_model.model.model.vision_tower.layers.0.self_attn.q_proj.lora_B.weight": b},
-                           "adapts a vision module")):
+                           "adapts a vision module"),
+                          ({f"{key}.lora_A.weight": a, "model.layers.0.self_attn.q_proj.lora_A.weight": a.clone(),
+                            f"{key}.lora_B.weight": b}, "layer 0 q_proj has two lora_A tensors"),
+                          ({f"{key}.lora_A.weight": a, f"{key}.lora_B.weight": b,
+                            f"{fused}.lora_A.weight": a.clone(), f"{fused}.lora_B.weight": b.clone()},
+                           "layer 0 has both qkv_proj and q_proj"),
+                          ({f"{key}.lora_A.weight": a}, "layer 0 q_proj has lora_A only"),
+                          ({k.replace("layers.0", "layers.99"): t for k, t in
+                            ((f"{key}.lora_A.weight", a), (f"{key}.lora_B.weight", b))}, "has no place"),
+                          ({"base_model.model.lm_head.lora_A.weight": a}, "targets no decoder projection")):
         save_file(tensors, weights)
         with pytest.raises(ValueError, match=says):
             engine.add_lora("c", str(tmp_path / "m"))
     weights.write_bytes(good)
+    (tmp_path / "m" / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 1e41}))
+    with pytest.raises(ValueError, match=r"its weights \(lora_B scaled by lora_alpha / r = 2.5e\+40\) are not all finite"):
+        engine.add_lora("c", str(tmp_path / "m"))
+    (tmp_path / "m" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="a LoRA adapter needs a non-empty name, got ''"):
+        engine.add_lora("", str(tmp_path / "m"))
     assert json.loads((tmp_path / "m" / "adapter_config.json").read_text()).get("lora_alpha") == 8
     other = make_checkpoint(tmp_path / "wide", "llama3", overrides={"hidden_size": 96})
     write_adapter(tmp_path / "wide_adapter", other, ALL, rank=4, alpha=8, seed=6)
