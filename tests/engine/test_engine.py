@@ -268,6 +268,9 @@ def test_bad_inputs_raise_clear_errors(checkpoint, tmp_path):
         (no_tok / name).write_bytes((__import__("pathlib").Path(checkpoint) / name).read_bytes())
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         LLMEngine.from_model(str(no_tok), device="cpu")
+    (no_tok / "tokenizer.json").write_text('{"version": "1.0", "model": 7}')  # JSON, but no tokenizer
+    with pytest.raises(ValueError, match="^cannot read .*tokenizer.json: "):
+        LLMEngine.from_model(str(no_tok), device="cpu")
     with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len=256"):
         LLMEngine.from_model(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=4, block_size=16)
     with pytest.raises(ValueError, match="exceeds the model's limit"):
@@ -307,6 +310,15 @@ def test_chat_template_and_text_prompt(checkpoint):
     for bad in ({"bos_token": "x"}, {"messages": []}, ["enable_thinking"]):
         with pytest.raises(ValueError, match="chat_template_kwargs"):
             llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False, chat_template_kwargs=bad)
+    for bad in ("hi", [{"content": "hi"}], [["user", "hi"]]):
+        with pytest.raises(ValueError, match=r"^messages must be a list of \{'role': ..., 'content': ...\} dicts"):
+            llm.tokenizer.apply_chat_template(bad)
+    template, llm.tokenizer.chat_template = llm.tokenizer.chat_template, None
+    try:
+        with pytest.raises(ValueError, match="^this checkpoint has no chat template"):
+            llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
+    finally:
+        llm.tokenizer.chat_template = template
 
 
 def test_chat_renders_tools(checkpoint):
