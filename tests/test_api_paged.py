@@ -226,6 +226,7 @@ BAD_WRITE = [
         "is 0 bytes; it must be a multiple of 16 bytes",
     ),
     ({"k_cache": "cache"}, "k_cache must be a torch.Tensor"),
+    ({"slot_mapping": torch.tensor([0, 1, 2], device="meta")}, "^k, v, k_cache, v_cache, slot_mapping must be on one device"),
     (  # caches of two widths (the shared checks compare only [num_blocks, block_size, Hkv])
         {"v": torch.zeros(3, 2, 32, dtype=torch.float16), "v_cache": torch.zeros(4, 16, 2, 32, dtype=torch.float16)},
         r"^v_cache \(4, 16, 2, 32\) must have k_cache's shape \(4, 16, 2, 64\)",

@@ -385,10 +385,16 @@ def test_argument_errors_name_the_argument():
         ),
         ("seqlens_k", torch.tensor([1, 2], dtype=torch.int32), "seqlens_k must have B = 1"),
         ("q", torch.zeros(2, 4, 8, dtype=torch.float64), "must share one dtype"),
+        ("q", torch.zeros(2, 4, 8, dtype=torch.int32), "^q must have a floating dtype, got torch.int32"),
+        ("seqlens_k", torch.tensor([2], dtype=torch.int32, device="meta"),
+         "^q, caches, block_table, cu_seqlens_q, seqlens_k must be on one device"),
     ]
     for name, bad, match in cases:
         with pytest.raises(ValueError, match=match):
             ref.attention_paged(**{**good, name: bad}, max_seqlen_q=2, max_seqlen_k=2)
+    kc0 = torch.zeros(3, 0, 2, 8)
+    with pytest.raises(ValueError, match=r"^k_cache block_size \(dim 1\) must be >= 1"):
+        ref.attention_paged(**{**good, "k_cache": kc0, "v_cache": kc0}, max_seqlen_q=2, max_seqlen_k=2)
     kc3 = torch.zeros(3, 16, 3, 8)
     with pytest.raises(ValueError, match=r"kv heads \(3\) must divide q heads \(4\)"):
         ref.attention_paged(
@@ -405,6 +411,8 @@ def test_argument_errors_name_the_argument():
         ref.attention_varlen(q, k, k, seqs, torch.tensor([0, 1, 2]), 2, 2)
     with pytest.raises(ValueError, match="max_seqlen_k"):
         ref.attention_varlen(q, k, k, seqs, seqs, 2, 1)
+    with pytest.raises(ValueError, match="^cu_seqlens_k must be an integer tensor, got torch.float32"):
+        ref.attention_varlen(q, k, k, seqs, seqs.float(), 2, 2)
     with pytest.raises(ValueError, match="slot_mapping must be an integer tensor"):
         ref.write_kv_cache(k, k, kc, kc, torch.zeros(2))
     with pytest.raises(ValueError, match="k .* must be \\[T, Hkv, dim\\] matching k_cache"):
