@@ -141,6 +141,11 @@ def _int8_projections(weights):
         weights[name] = weights[name].mul(100).round().to(torch.int8)
 
 
+def _narrower_down_proj(weights):
+    name = "model.layers.0.mlp.down_proj.weight"
+    weights[name] = weights[name][:, :48].contiguous()
+
+
 def _bias_without_attention_bias(weights):
     weights["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(weights["model.layers.0.self_attn.q_proj.weight"].shape[0])
 
@@ -160,6 +165,15 @@ MALFORMED = {
     "tokenizer_config not JSON": (dict(files={"tokenizer_config.json": "{bad"}), "is not valid JSON"),
     "string eos ids": (dict(files={"generation_config.json": '{"eos_token_id": ["1"]}'}),
                        "eos_token_id must be token ids"),
+    "a rope type not served": (dict(config=lambda c: c.update(rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+                               "rope scaling type 'dynamic' is not supported"),
+    "longrope factors of another length": (
+        dict(config=lambda c: c.update(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 3,
+                                                     "long_factor": [1.0] * 3, "original_max_position_embeddings": 64})),
+        "longrope factors must have 8 entries, got 3"),
+    "a weight of another shape": (
+        dict(tensors=_narrower_down_proj),
+        r"checkpoint tensor model.layers.0.mlp.down_proj.weight has shape \(64, 48\), the config implies \(64, 96\)"),
 }
 
 
