@@ -146,3 +146,21 @@ def test_git_state_ignores_a_checkout_that_merely_contains_an_installed_copy(tmp
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module._git_state() == (None, None)
+
+
+def test_a_json_file_that_is_no_run_and_a_bad_flush_mode_are_refused(tmp_path, monkeypatch):
+    import json
+
+    import pytest
+
+    from tileattn.bench.harness import flush_mode
+
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"records": []}))
+    with pytest.raises(ValueError, match=r"other.json is not a tileattn benchmark run \(needs 'environment' and 'records'\)"):
+        read_run(path)
+    monkeypatch.setenv("TILEATTN_BENCH_FLUSH", "write")
+    assert flush_mode() == "write"
+    monkeypatch.setenv("TILEATTN_BENCH_FLUSH", "dirty")
+    with pytest.raises(ValueError, match="^TILEATTN_BENCH_FLUSH must be one of"):
+        flush_mode()
