@@ -296,6 +296,13 @@ def test_bad_inputs_raise_clear_errors(checkpoint, tmp_path):
     assert list(engine.requests) == ["a"]  # none of the refused calls queued anything
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a CUDA GPU")
+def test_asking_for_cuda_without_a_gpu_is_refused_before_loading(checkpoint):
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(ValueError, match=f"^device='{device}' but torch sees no CUDA GPU \\(use device='cpu'\\)"):
+            LLMEngine.from_model(checkpoint, device=device)
+
+
 def test_chat_template_and_text_prompt(checkpoint):
     llm = LLM(checkpoint, device="cpu", max_model_len=256, kv_cache_blocks=32)
     rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])

@@ -221,6 +221,9 @@ def _config_cases(cfg):
          f"^config.json layer_types must name each of the {layers} layers"),
         ({**cfg, "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "no_rope_layers": [1]},
          f"^config.json no_rope_layers must name each of the {layers} layers"),
+        ({**cfg, "num_key_value_heads": 3}, r"^model config: num_key_value_heads \(3\) must divide num_attention_heads"),
+        ({**cfg, "head_dim": 15}, "^model config: head_dim must be even for rotary, got 15"),
+        ({**cfg, "vocab_size": 0}, "^model config: vocab_size must be a positive int, got 0"),
         ({**cfg, "architectures": ["Glm4ForCausalLM"], "model_type": "glm4", "partial_rotary_factor": 3 / 16},
          r"^config.json partial_rotary_factor=0.1875 gives 3 rotary dims of 16; rotary needs an even count"),
     ]
