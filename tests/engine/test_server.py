@@ -790,6 +790,26 @@ def test_bench_serve_against_the_server(server, checkpoint, tmp_path):
                              "--timeout", "5"]) == 2
 
 
+def test_bench_serve_refuses_bad_options_before_sending(capsys):
+    """Each bad option exits 2 with its reason before any request is sent (nothing listens on port 9)."""
+    from tileattn.engine.bench_serve import bench_serve_main, make_prompts
+
+    base = ["--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--timeout", "5"]
+    for argv, reason in ((base, "give --vocab-size or --tokenizer"),
+                         ([*base, "--vocab-size", "100", "--endpoint", "/v1/chat/completions"],
+                          "chat endpoints take text: use --prompt-format text --tokenizer DIR"),
+                         ([*base, "--vocab-size", "100", "--request-rate", "0"], "request rates must be > 0")):
+        assert bench_serve_main(argv) == 2
+        assert reason in capsys.readouterr().err
+    # the prompt maker's own refusals (it runs once the server answers)
+    for args, kwargs, match in (((0, 8, 8, 0.0, 100), {}, "^num_prompts, input_len, output_len must be >= 1"),
+                                ((1, 8, 8, 0.0, 1), {}, "and vocab_size >= 2, got 1, 8, 8, 1"),
+                                ((1, 8, 8, 1.0, 100), {}, r"^range_ratio must be in \[0, 1\), got 1.0"),
+                                ((1, 8, 8, 0.0, 100), {"as_text": True}, "^text prompts need a tokenizer")):
+        with pytest.raises(ValueError, match=match):
+            make_prompts(*args, **kwargs)
+
+
 def test_bench_percentiles_match_numpy():
     import numpy as np
 
