@@ -215,6 +215,15 @@ def test_sentencepiece_gguf_byte_fallback(tmp_path):
     assert "\ufffd" in ours.decode(emoji_bytes[1:])
 
 
+def test_gguf_architecture_refused_by_name():
+    from tileattn.engine.loader import model_config_from_gguf
+
+    with pytest.raises(ValueError, match="^unsupported GGUF architecture 'falcon'; supported: .*llama"):
+        model_config_from_gguf({"general.architecture": "falcon"}, set(), {})
+    with pytest.raises(ValueError, match="^unsupported GGUF architecture None"):
+        model_config_from_gguf({}, set(), {})
+
+
 def test_gguf_tokenizer_model_refused_by_name():
     from tileattn.engine.tokenizer import Tokenizer
 
@@ -222,6 +231,10 @@ def test_gguf_tokenizer_model_refused_by_name():
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]})
     with pytest.raises(ValueError, match="scores"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a", "b"]})
+    with pytest.raises(ValueError, match=r"^GGUF file has no tokenizer \(tokenizer.ggml.tokens missing\)"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2"})
+    with pytest.raises(ValueError, match=r"^GGUF file has no tokenizer \(tokenizer.ggml.merges missing\)"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"]})
 
 
 def test_sentencepiece_gguf_model_greedy_matches_transformers(tmp_path):
