@@ -1,6 +1,7 @@
 """`generate` and `chat` (tileattn.engine.cli) on a tiny checkpoint, in process."""
 
 import io
+import json
 
 import pytest
 
@@ -95,3 +96,7 @@ def test_generate_and_chat_with_a_lora_adapter(checkpoint, capsys, monkeypatch, 
     rc = main(["chat", checkpoint, "--max-tokens", "6", "--device", "cpu", "--max-model-len", "128",
                "--lora", str(tmp_path / "adapter")])
     assert rc == 0 and capsys.readouterr().out.rstrip("\n") == chat
+    config = tmp_path / "adapter" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "r": 0}))
+    rc = main(["generate", checkpoint, "--prompt", "the quick", "--device", "cpu", "--lora", str(tmp_path / "adapter")])
+    assert rc == 2 and "r must be a positive int, got 0" in capsys.readouterr().err
