@@ -104,6 +104,13 @@ BAD_PAGED = [
       "cu_seqlens_q": torch.empty(3, dtype=torch.int32, device="meta"),
       "seqlens_k": torch.empty(2, dtype=torch.int32, device="meta")},
      r"^block_table row stride 2147483648 exceeds 2\^31 - 1"),
+    ({"q": torch.empty(5, 8, 128, dtype=torch.bfloat16, device="meta"),
+      "k_cache": torch.empty_strided((6, 16, 2, 128), (16 * 2**27, 2**27, 128, 1), dtype=torch.bfloat16, device="meta"),
+      "v_cache": torch.empty_strided((6, 16, 2, 128), (16 * 2**27, 2**27, 128, 1), dtype=torch.bfloat16, device="meta"),
+      "block_table": torch.empty(2, 3, dtype=torch.int32, device="meta"),
+      "cu_seqlens_q": torch.empty(3, dtype=torch.int32, device="meta"),
+      "seqlens_k": torch.empty(2, dtype=torch.int32, device="meta")},
+     r"^one cache block spans more than 2\^31 - 1 elements \(block_size 16 x row stride 134217728\)"),
     (  # one grid row per sequence: 65536 sequences exceed CUDA's 65535 (tileattn.launch_limits)
         {
             "block_table": torch.zeros(65536, 1, dtype=torch.int32),

@@ -279,6 +279,8 @@ def test_varlen_op_variant_argument_errors():
         tileattn.attention_varlen(q, k, v, cu, cu, 6, 6, alibi_slopes=torch.ones(3, 4))
     with pytest.raises(ValueError, match="softcap"):
         tileattn.attention_varlen(q, k, v, cu, cu, 6, 6, softcap=float("nan"))
+    with pytest.raises(ValueError, match="^alibi_slopes must be None or a torch.Tensor, got list"):
+        tileattn.attention_varlen(q, k, v, cu, cu, 6, 6, alibi_slopes=[0.5] * 4)
     with pytest.raises(ValueError, match="CUDA"):
         tileattn.attention_varlen(q, k, v, cu, cu, 6, 6, alibi_slopes=torch.ones(2, 4), window=(2, 2))
 
