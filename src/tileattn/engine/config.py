@@ -6,6 +6,7 @@ loader fills it from an HF config.json (transformers 4 or 5 field names) or from
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -102,8 +103,9 @@ class EngineConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 16:
             raise ValueError(f"num_speculative_tokens must be an int in [0, 16], got {k!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        fraction = self.gpu_memory_utilization
+        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0.0 < fraction <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {fraction!r}")
         self.dtype = parse_dtype(self.dtype)
         if self.device is not None:
             try:
