@@ -30,6 +30,8 @@ BAD_FIELDS = [
     ({"dtype": "int8"}, "^dtype must be 'auto', float32, bfloat16 or float16"),
     ({"dtype": torch.int32}, "^dtype must be float32, bfloat16 or float16"),
     ({"device": "gpu:0"}, "^device 'gpu:0' is not a torch device"),
+    ({"device": 1.5}, "^device 1.5 is not a torch device"),  # a TypeError from torch.device before
+    ({"device": ["cuda"]}, r"^device \['cuda'\] is not a torch device"),
 ]
 
 

@@ -110,7 +110,7 @@ class EngineConfig:
         if self.device is not None:
             try:
                 torch.device(self.device)
-            except RuntimeError as exc:
+            except (RuntimeError, TypeError) as exc:  # TypeError: not a str, int or torch.device
                 raise ValueError(f"device {self.device!r} is not a torch device: {exc}") from None
 
 
