@@ -120,7 +120,7 @@ def test_bad_scale_value(scale):
     raises(r"^scale must be finite and > 0", *qkv(), scale=scale)
 
 
-@pytest.mark.parametrize("scale", ["0.1", True, torch.tensor(0.1)])
+@pytest.mark.parametrize("scale", ["0.1", True, torch.tensor(0.1), [0.1], {}])  # unhashable: a TypeError before
 def test_bad_scale_type(scale):
     raises(r"^scale must be a positive finite number or None", *qkv(), scale=scale)
 

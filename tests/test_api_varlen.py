@@ -122,6 +122,11 @@ def test_bad_scale(scale):
     raises(r"^scale must be finite and > 0", *packed(), scale=scale)
 
 
+@pytest.mark.parametrize("scale", ["0.1", [0.1], {}])  # the unhashable ones escaped as a TypeError before
+def test_bad_scale_type(scale):
+    raises(r"^scale must be a positive finite number or None", *packed(), scale=scale)
+
+
 def test_layout_checks():
     q, k, v, cq, ck, mq, mk = packed(d=64)
     raises(r"^q must have a contiguous last dim", q.transpose(1, 2).contiguous().transpose(1, 2)[..., :64],

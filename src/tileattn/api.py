@@ -360,7 +360,10 @@ def _plan_entry(q, k, v, causal: bool, scale) -> _PlanEntry:
     # get_device(): the CUDA index as an int (-1 on the CPU), cheaper than building torch.device objects
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
            q.get_device(), k.get_device(), v.get_device(), causal, scale, type(scale))  # True == 1 == 1.0: typed
-    entry = _plans.get(key)
+    try:
+        entry = _plans.get(key)
+    except TypeError:  # an unhashable argument (a list as scale): _PlanEntry's checks raise the ValueError
+        return _PlanEntry(q, k, v, causal, scale)
     if entry is None:
         entry = _PlanEntry(q, k, v, causal, scale)  # raises ValueError for bad arguments
         if len(_plans) >= _MAX_PLANS:

@@ -308,7 +308,10 @@ def _plan_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
            cu_seqlens_k.stride(), q.get_device(), k.get_device(), v.get_device(), cu_seqlens_q.get_device(),
            cu_seqlens_k.get_device(), type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k, causal,
            scale, type(scale))
-    entry = _plans.get(key)
+    try:
+        entry = _plans.get(key)
+    except TypeError:  # an unhashable argument (a list as scale): _PlanEntry's checks raise the ValueError
+        return _PlanEntry(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
     if entry is None:
         entry = _PlanEntry(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
         if len(_plans) >= _MAX_PLANS:
