@@ -3,9 +3,12 @@ compare the kernels with) against float64 formulas, and the argument checks."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
+import tileattn
 from tileattn import api_layers
 
 
@@ -93,6 +96,14 @@ def test_bad_arguments_raise_before_work():
         api_layers.norm_rotary_(torch.randn(3, 2, 7), torch.zeros(3, dtype=torch.int64), cos, sin)
     with pytest.raises(ValueError, match="odd width"):
         api_layers.silu_mul(torch.randn(3, 7))
+    for eps in (-1e-6, float("nan"), float("inf"), "1e-6", None, True):
+        with pytest.raises(ValueError, match=f"^eps must be a finite number >= 0, got {re.escape(repr(eps))}"):
+            api_layers.add_rms_norm(x, torch.ones(16), eps)
+        with pytest.raises(ValueError, match="^eps must be a finite number >= 0"):
+            tileattn.add_rms_norm_linear(x, None, torch.ones(16), eps, torch.ones(4, 16))
+    for weight in (None, [1.0] * 16):  # not a tensor: an AttributeError before
+        with pytest.raises(ValueError, match=r"^weight must be \[D\] = \[16\], got (NoneType|list)"):
+            api_layers.add_rms_norm(x, weight, 1e-5)
     pos, w = torch.zeros(3, dtype=torch.int64), torch.ones(8)
     for call, match in (
             (lambda: api_layers.norm_rotary_(q[0], pos, cos, sin), r"^x must be a \[T, heads, d\] tensor"),
@@ -104,7 +115,9 @@ def test_bad_arguments_raise_before_work():
             (lambda: api_layers.norm_rotary_(q, pos, cos, sin, q_weight=w, k_weight=w),
              "^a per-head norm needs q_weight, k_weight and q_heads together"),
             (lambda: api_layers.norm_rotary_(q, pos, cos, sin, q_heads=3, q_weight=w, k_weight=w),
-             r"^q_heads must be in \[0, 2\], got 3")):
+             r"^q_heads must be in \[0, 2\], got 3"),
+            (lambda: api_layers.norm_rotary_(q, pos, cos, sin, q_heads=1, q_weight=w, k_weight=w, eps=-1.0),
+             "^eps must be a finite number >= 0, got -1.0")):
         before = q.clone()
         with pytest.raises(ValueError, match=match):
             call()
@@ -202,6 +215,8 @@ def test_norm_rotary_write_kv_cache_rejects_bad_arguments():
         fused(q, k, v, kc, vc, slots, positions, cos, sin, qw, kw[:-2])
     with pytest.raises(ValueError, match="q: head dim must be even"):
         fused(torch.randn(9, 4, 7), k, v, kc, vc, slots, positions, cos, sin)
+    with pytest.raises(ValueError, match="^eps must be a finite number >= 0, got nan"):
+        fused(q, k, v, kc, vc, slots, positions, cos, sin, qw, kw, eps=float("nan"))
     with pytest.raises(ValueError, match=r"^v must have k's shape \[9, 2, 32\]"):  # a v cache of another width
         fused(q, k, v[..., :16], kc, vc[..., :16], slots, positions, cos, sin)
     with pytest.raises(ValueError, match="^k, v, caches and slot_mapping are on cpu, q on meta"):
