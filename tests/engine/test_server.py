@@ -558,6 +558,42 @@ def test_errors(server, client):
     server.wait_idle()
 
 
+FUZZ_VALUES = [None, "x", 1.5, True, [], {}, -1, 10**30, [1, "a"], {"a": 1}, "", 0, 2.5e308]
+FUZZ_ENDPOINTS = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2},
+     ["prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "logprobs", "echo", "logit_bias",
+      "presence_penalty", "frequency_penalty", "stream", "min_tokens", "stream_options", "suffix", "best_of", "user",
+      "response_format", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+      "priority", "structured_outputs", "return_token_ids", "include_stop_str_in_output", "bad_words",
+      "allowed_token_ids", "prompt_logprobs"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+     ["messages", "max_tokens", "max_completion_tokens", "tools", "tool_choice", "logprobs", "top_logprobs",
+      "response_format", "stream", "n", "chat_template_kwargs", "parallel_tool_calls", "reasoning_effort",
+      "add_generation_prompt", "continue_final_message", "stream_options", "stop"]),
+    ("/v1/embeddings", {"input": "hi"}, ["input", "dimensions", "encoding_format"]),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2},
+     ["input", "max_output_tokens", "instructions", "tools", "text", "reasoning", "stream"]),
+    ("/tokenize", {"prompt": "hi"}, ["prompt", "add_special_tokens", "messages"]),
+    ("/detokenize", {"tokens": [1, 2]}, ["tokens"]),
+]
+
+
+def test_a_field_of_any_wrong_type_gets_a_4xx_never_a_5xx(server):
+    """Every field of every endpoint set to each of FUZZ_VALUES in turn (JSON types a client may send
+    by mistake): the answer is a 2xx (a value the API accepts) or a 4xx naming the problem, never an
+    internal error; the server answers a well-formed request afterwards."""
+    failures = []
+    for path, base, fields in FUZZ_ENDPOINTS:
+        for field in fields:
+            for value in FUZZ_VALUES:
+                code, body = server.http("POST", path, json.dumps({"model": MODEL, **base, field: value}).encode())
+                if code >= 500:
+                    failures.append((path, field, value, code, body[:120]))
+    assert not failures, failures
+    code, _ = server.http("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode())
+    assert code == 200
+
+
 def test_request_lists_beyond_their_limits_are_refused(server, client):
     """stop, bad_words, stop_token_ids, allowed_token_ids and logit_bias hold at most
     REQUEST_LIST_LIMITS entries, a stop string or bad word at most MAX_STRING_CHARS characters: a 400
