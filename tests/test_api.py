@@ -490,3 +490,23 @@ def test_forward_mode_ad_is_refused_not_dropped(which):
         call(fwad.make_dual(q, torch.ones_like(q)))
     with pytest.raises(ValueError):  # the usual checks (CPU tensors) once no tangent is involved
         call(q)
+
+
+FUZZ_VALUES = [None, "x", 1.5, True, [], {}, float("nan"), -1, 10**30, object(), torch.tensor(1.0)]
+FUZZ_KEYWORDS = ["causal", "scale", "return_lse", "deterministic", "window", "softcap", "alibi_slopes", "dropout_p",
+                 "generator", "seed", "offset"]
+
+
+@pytest.mark.parametrize("keyword", FUZZ_KEYWORDS)
+def test_a_keyword_of_any_wrong_type_gets_a_value_error(keyword):
+    """Each keyword of tileattn.attention and attention_varlen set to each of FUZZ_VALUES (CPU tensors:
+    every argument check runs before the device check): a ValueError, never a TypeError or
+    AttributeError from deeper code (an unhashable scale once escaped from the plan cache)."""
+    q, k = torch.randn(1, 4, 16, 64).half(), torch.randn(1, 2, 16, 64).half()
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    packed = (q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous())
+    for value in FUZZ_VALUES:
+        with pytest.raises(ValueError):
+            tileattn.attention(q, k, k, **{keyword: value})
+        with pytest.raises(ValueError):
+            tileattn.attention_varlen(packed[0], packed[1], packed[1], cu, cu, 16, 16, **{keyword: value})
