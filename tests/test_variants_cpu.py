@@ -64,6 +64,25 @@ def test_mask_is_a_pure_function_of_its_indices():
     assert torch.equal(dropout_mask(5, 3, 1, 2, 40, 100, 0.2, batch_start=2), big[2:3]), "batch_start"
 
 
+@pytest.mark.parametrize("change,match", [
+    ({"seed": -1}, r"^seed must be an int in \[0, 2\^64\), got -1"),
+    ({"offset": 2**64}, r"^offset must be an int in \[0, 2\^64\)"),
+    ({"seed": 1.0}, "^seed must be an int"),
+    ({"batch": -1}, "^batch must be an int >= 0, got -1"),
+    ({"heads": 1.5}, "^heads must be an int >= 0, got 1.5"),
+    ({"seqlen_q": True}, "^seqlen_q must be an int >= 0, got True"),
+    ({"batch_start": -2}, "^batch_start must be an int >= 0"),
+    ({"p": 1.0}, r"^p must be a number in \[0, 1\), got 1.0"),
+    ({"p": "0.1"}, r"^p must be a number in \[0, 1\), got '0.1'"),
+    ({"device": "gpu"}, "^device 'gpu' is not a torch device"),  # torch's RuntimeError before
+    ({"device": [0]}, r"^device \[0\] is not a torch device"),  # torch's TypeError before
+])
+def test_mask_refuses_bad_arguments(change, match):
+    args = {"seed": 5, "offset": 3, "batch": 1, "heads": 2, "seqlen_q": 4, "seqlen_k": 4, "p": 0.2, **change}
+    with pytest.raises(ValueError, match=match):
+        dropout_mask(**args)
+
+
 def test_mask_statistics_and_seeds():
     n = 2 * 4 * 256 * 256
     for p in (0.1, 0.5, 0.9):

@@ -68,7 +68,8 @@ def dropout_mask(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, 
         bool [batch, heads, seqlen_q, seqlen_k]: True where the probability is kept (and scaled by
         1 / (1 - p)).
     Raises:
-        ValueError: negative sizes, seed/offset outside [0, 2^64), p outside [0, 1).
+        ValueError: negative sizes, seed/offset outside [0, 2^64), p outside [0, 1), a device that
+            is no torch device.
     """
     for name, value in (("seed", seed), ("offset", offset)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < _U64:
@@ -79,6 +80,11 @@ def dropout_mask(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, 
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
         raise ValueError(f"p must be a number in [0, 1), got {p!r}")
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
     seed, offset = int(seed), int(offset)
     thr = drop_threshold(float(p))
     groups = -(-seqlen_k // 32)
