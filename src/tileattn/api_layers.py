@@ -97,7 +97,6 @@ def norm_rotary_(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, q_heads
     norm = _check_norm_weights(x, q_weight, k_weight)
     if norm:
         _check_eps(eps)
-    if norm:
         if q_heads is None:
             raise ValueError("a per-head norm needs q_weight, k_weight and q_heads together")
         if not 0 <= q_heads <= x.shape[1]:
