@@ -23,9 +23,9 @@
 // (benchmarks and tests). None means "not mine": no record, another current device, a misaligned
 // pointer, a stream under capture with a persistent grid, an argument of an unexpected type, a
 // dispatch mode, a forward-mode tangent, a torch.func transform. The caller then takes the Python
-// path, which checks everything and raises the errors. Nothing here validates more than that: a record exists only for
-// a key the Python path accepted, and the key holds everything that path checks except the data
-// pointers' alignment.
+// path, which checks everything and raises the errors. Nothing here validates more than that: a record
+// exists only for a key the Python path accepted, and the key holds everything that path checks except
+// the data pointers' alignment.
 //
 // It launches the plans' own kernels with the plans' own packed bytes, so it is the Python
 // LaunchPlan's launch done in C++, not a second way of setting up a kernel. The driver entry points
