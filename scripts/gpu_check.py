@@ -8,7 +8,8 @@ Steps (each logged into REPORT_DIR, a summary table printed last):
   4. benchmarks named with --bench (vector_add always): each a `python3 -m MODULE --json ...`
                                           -> bench-<name>.json
 Exit status is non-zero when a test fails, a GPU test was skipped, or a sanitizer reports errors. A
-case that skips itself under one sanitizer tool is counted in that tool's row ("N case(s) skipped").
+sanitizer tool's row says how many cases passed under it and counts a case that skips itself under
+that tool ("N case(s) skipped").
 
 With --sanitizer-jobs N > 1 the sanitizer runs go concurrently: the files holding `sanitize` cases
 (found by `pytest --collect-only`) are split into shards of about equal case counts, one process per
@@ -95,16 +96,18 @@ class SanitizerRun(NamedTuple):
     rc: int
     seconds: float
     summary: str   # sanitizer_summary of its log
-    skipped: int   # cases that skipped themselves under this tool (pytest_skips)
+    passed: int    # cases that passed under this tool (pytest_counts)
+    skipped: int   # cases that skipped themselves under this tool (pytest_counts)
 
 
-def pytest_skips(log: Path) -> int:
-    """The skipped count of the last pytest summary line in a sanitizer run's log (0 if none): a case
-    that skips itself under a tool (e.g. initcheck, which cannot see cuBLAS's writes) is reported,
-    not counted as checked."""
+def pytest_counts(log: Path) -> tuple[int, int]:
+    """(passed, skipped) of the last pytest summary line in a sanitizer run's log ((0, 0) if none): the
+    passed count shows what the tool checked (a row of 0 errors over no cases would say nothing); a
+    case that skips itself under a tool (e.g. initcheck, which cannot see cuBLAS's writes) is
+    reported, not counted as checked."""
     lines = [ln for ln in log.read_text(errors="replace").splitlines() if re.search(r"\d+ (passed|failed)", ln)]
-    m = re.search(r"(\d+) skipped", lines[-1]) if lines else None
-    return int(m.group(1)) if m else 0
+    counts = [re.search(rf"(\d+) {word}", lines[-1]) if lines else None for word in ("passed", "skipped")]
+    return tuple(int(m.group(1)) if m else 0 for m in counts)
 
 
 def sanitize_files(py: str, targets: list[str], kw: list[str]) -> dict[str, int]:
@@ -287,7 +290,7 @@ def main(argv=None) -> int:
         # cannot follow (e.g. the backward tests' parallel precompile in child processes, which
         # crashed racecheck; the earlier plain pytest run has already filled the kernel cache).
         rc, sec = run(cmd, log, 900, TILEATTN_SANITIZER=tool)
-        return SanitizerRun(rc, sec, sanitizer_summary(log), pytest_skips(log))
+        return SanitizerRun(rc, sec, sanitizer_summary(log), *pytest_counts(log))
 
     from concurrent.futures import ThreadPoolExecutor
 
@@ -298,11 +301,11 @@ def main(argv=None) -> int:
         mine = [r for (t, _, _), r in zip(jobs, results) if t == tool]
         rc = next((r.rc for r in mine if r.rc != 0), 0)
         summary, sec = combined_summary([r.summary for r in mine]), max(r.seconds for r in mine)
-        skipped = sum(r.skipped for r in mine)
-        sanitizer[tool] = {"rc": rc, "summary": summary, "seconds": sec, "skipped": skipped}
+        passed, skipped = sum(r.passed for r in mine), sum(r.skipped for r in mine)
+        sanitizer[tool] = {"rc": rc, "summary": summary, "seconds": sec, "passed": passed, "skipped": skipped}
         failed |= rc != 0
         skips = f", {skipped} case(s) skipped (see log)" if skipped else ""
-        rows.append((f"sanitizer {tool}", f"{summary}, rc={rc}{skips}", sec))
+        rows.append((f"sanitizer {tool}", f"{summary}, {passed} cases passed, rc={rc}{skips}", sec))
 
     benches = {}
     for name in [b for b in args.bench.split(",") if b]:

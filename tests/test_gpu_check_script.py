@@ -125,4 +125,6 @@ def test_sanitizer_jobs_shard_the_files_per_tool_and_sum_the_shards(gpu_check, t
     assert summary["memcheck"]["summary"] == "0 errors (2 shards)" and summary["memcheck"]["rc"] == 0
     assert summary["racecheck"]["summary"] == "1 errors (2 shards)" and summary["racecheck"]["rc"] == 1
     assert (summary["memcheck"]["skipped"], summary["racecheck"]["skipped"]) == (1, 0)
-    assert "1 case(s) skipped" in (tmp_path / "summary.md").read_text()
+    assert (summary["memcheck"]["passed"], summary["racecheck"]["passed"]) == (7, 8)  # shards' counts summed
+    table = (tmp_path / "summary.md").read_text()
+    assert "1 case(s) skipped" in table and "8 cases passed" in table
