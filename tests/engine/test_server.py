@@ -594,6 +594,78 @@ def test_a_field_of_any_wrong_type_gets_a_4xx_never_a_5xx(server):
     assert code == 200
 
 
+_USER_PARTS = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+_SCHEMA = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}
+NESTED_FUZZ = [  # (endpoint, a request that is answered, the nested places whose value the fuzz replaces)
+    ("/v1/chat/completions", {"messages": [_USER_PARTS, {"role": "assistant", "content": "", "tool_calls": [_CALL]},
+                                            {"role": "tool", "tool_call_id": "call_1", "content": "ok"}],
+                              "max_tokens": 2, "tools": [_TOOL],
+                              "tool_choice": {"type": "function", "function": {"name": "f"}}, "chat_template_kwargs": {"x": 1}},
+     [("messages", 0), ("messages", 0, "role"), ("messages", 0, "content"), ("messages", 0, "content", 0),
+      ("messages", 0, "content", 0, "type"), ("messages", 0, "content", 0, "text"), ("messages", 1, "tool_calls"),
+      ("messages", 1, "tool_calls", 0), ("messages", 1, "tool_calls", 0, "id"), ("messages", 1, "tool_calls", 0, "function"),
+      ("messages", 1, "tool_calls", 0, "function", "name"), ("messages", 1, "tool_calls", 0, "function", "arguments"),
+      ("messages", 2, "tool_call_id"), ("messages", 2, "content"), ("tools", 0), ("tools", 0, "type"),
+      ("tools", 0, "function"), ("tools", 0, "function", "name"), ("tools", 0, "function", "parameters"),
+      ("tool_choice", "type"), ("tool_choice", "function"), ("tool_choice", "function", "name"),
+      ("chat_template_kwargs", "x")]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "response_format": _SCHEMA},
+     [("response_format", "type"), ("response_format", "json_schema"), ("response_format", "json_schema", "name"),
+      ("response_format", "json_schema", "schema"), ("response_format", "json_schema", "strict")]),
+    ("/v1/completions", {"prompt": ["hi", "yo"], "max_tokens": 2, "logit_bias": {"42": 1},
+                         "structured_outputs": {"choice": ["a", "b"]}, "stop": ["x"]},
+     [("prompt", 0), ("logit_bias", "42"), ("structured_outputs", "choice"), ("structured_outputs", "choice", 0),
+      ("structured_outputs", "regex"), ("structured_outputs", "json"), ("structured_outputs", "grammar"), ("stop", 0)]),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                                 {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                                 {"type": "function_call_output", "call_id": "c", "output": "ok"}],
+                       "max_output_tokens": 2, "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+                       "tool_choice": {"type": "function", "name": "f"}, "reasoning": {"summary": "auto"}},
+     [("input", 0), ("input", 0, "role"), ("input", 0, "content"), ("input", 0, "content", 0),
+      ("input", 0, "content", 0, "type"), ("input", 0, "content", 0, "text"), ("input", 1, "type"),
+      ("input", 1, "call_id"), ("input", 1, "name"), ("input", 1, "arguments"), ("input", 2, "output"),
+      ("tools", 0), ("tools", 0, "type"), ("tools", 0, "name"), ("tools", 0, "parameters"), ("tool_choice", "type"),
+      ("tool_choice", "name"), ("reasoning", "effort"), ("reasoning", "summary")]),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "metadata": {"k": "v"},
+                       "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}}}},
+     [("text", "format"), ("text", "format", "type"), ("text", "format", "name"), ("text", "format", "schema"),
+      ("metadata",), ("metadata", "k")]),
+    ("/v1/embeddings", {"input": ["hi", "yo"]}, [("input", 0)]),
+    ("/tokenize", {"messages": [_USER_PARTS]}, [("messages", 0), ("messages", 0, "role"), ("messages", 0, "content"),
+                                                ("messages", 0, "content", 0), ("messages", 0, "content", 0, "text")]),
+    ("/detokenize", {"tokens": [1, 2]}, [("tokens", 0)]),
+]
+
+
+def test_a_nested_value_of_any_wrong_type_gets_a_4xx_never_a_5xx(tool_server):
+    """As the test above, one level down and further: each place inside a message, a content part, a
+    tool call, a tool, a response format, a Responses input item (NESTED_FUZZ) set to each of
+    FUZZ_VALUES in turn, on the server that parses tool calls. The unchanged requests are answered
+    (2xx), so each place is reached."""
+    import copy
+
+    server, _ = tool_server
+    failures = []
+    for path, base, places in NESTED_FUZZ:
+        code, body = server.http("POST", path, json.dumps({"model": MODEL, **base}).encode())
+        assert code == 200, (path, code, body[:300])
+        for place in places:
+            for value in FUZZ_VALUES:
+                request = copy.deepcopy({"model": MODEL, **base})
+                parent = request
+                for key in place[:-1]:
+                    parent = parent[key]
+                parent[place[-1]] = value
+                code, body = server.http("POST", path, json.dumps(request).encode())
+                if code >= 500:
+                    failures.append((path, place, value, code, body[:120]))
+    assert not failures, failures
+    server.wait_idle()
+
+
 def test_request_lists_beyond_their_limits_are_refused(server, client):
     """stop, bad_words, stop_token_ids, allowed_token_ids and logit_bias hold at most
     REQUEST_LIST_LIMITS entries, a stop string or bad word at most MAX_STRING_CHARS characters: a 400
@@ -1394,6 +1466,8 @@ def test_responses_api(server, client):
     assert r.output_text == chat.choices[0].message.content
     assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 6)
     assert [o.type for o in r.output] == ["message"] and r.output[0].status == "incomplete"
+    metadata = {f"k{i}": "v" * 512 for i in range(16)}  # at the limits: echoed as sent
+    assert client.responses.create(model=MODEL, input="hi", max_output_tokens=1, metadata=metadata).metadata == metadata
 
     fmt = {"format": {"type": "json_schema", "name": "pick", "schema": {
         "type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"], "additionalProperties": False}}}
@@ -1415,7 +1489,12 @@ def test_responses_api(server, client):
                       ({"reasoning": {"effort": "high"}}, "reasoning"),
                       ({"text": {"format": {"type": "xml"}}}, "text"),
                       ({"extra_body": {"prompt": {"id": "pmpt_1"}}}, "prompt"),
-                      ({"input": []}, "input")):
+                      ({"input": []}, "input"),
+                      ({"input": [{"role": "user", "content": ["a bare string, not a content part"]}]}, "input"),
+                      ({"text": {"format": "json_object"}}, "text"),
+                      ({"metadata": {"n": 1}}, "metadata"),
+                      ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+                      ({"metadata": {"k": "v" * 513}}, "metadata")):
         kw = {"input": "hi", **kw}
         with pytest.raises(openai.BadRequestError) as info:
             client.responses.create(model=MODEL, max_output_tokens=2, **kw)

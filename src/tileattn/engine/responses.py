@@ -30,6 +30,8 @@ _IGNORED = frozenset({"metadata", "include", "truncation", "user", "service_tier
                       "safety_identifier"})
 # Responses fields that refer to state stored at OpenAI (prompt templates, conversations)
 _STORED = ("prompt", "conversation")
+# metadata: (pairs, characters per key, characters per value), OpenAI's documented limits
+METADATA_LIMITS = (16, 64, 512)
 
 
 class ResponsesRequest(SamplingRequest):
@@ -63,6 +65,12 @@ def to_chat(req: ResponsesRequest) -> ChatRequest:
                            param=name)
     if req.n != 1:
         raise APIError(400, "n is not supported by the Responses API (one answer per response).", param="n")
+    _check_metadata((req.model_extra or {}).get("metadata"))
+    for name in ("tools", "tool_choice", "text"):  # echoed in the response object, which is strict JSON
+        try:
+            json.dumps(getattr(req, name), allow_nan=False)
+        except ValueError:
+            raise APIError(400, f"{name} holds a number JSON cannot carry (NaN or Infinity).", param=name) from None
     messages = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     if not items:
@@ -78,6 +86,21 @@ def to_chat(req: ResponsesRequest) -> ChatRequest:
     return ChatRequest(**{k: v for k, v in fields.items() if v is not None})
 
 
+def _check_metadata(metadata) -> None:
+    """OpenAI's metadata: at most METADATA_LIMITS' pairs of string keys and values, echoed back as sent."""
+    if metadata is None:
+        return
+    pairs, key_chars, value_chars = METADATA_LIMITS
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise APIError(400, "metadata must be an object of string values.", param="metadata")
+    if len(metadata) > pairs:
+        raise APIError(400, f"metadata has {len(metadata)} pairs; at most {pairs} are allowed.", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > key_chars or len(value) > value_chars:
+            raise APIError(400, f"metadata[{key[:key_chars]!r}]: keys are at most {key_chars} characters and values "
+                                f"at most {value_chars}.", param="metadata")
+
+
 def _message(i: int, item: dict, previous: dict | None) -> list[dict]:
     """One input item -> the chat messages it adds (a function call joins the assistant message
     of the calls right before it)."""
@@ -90,10 +113,15 @@ def _message(i: int, item: dict, previous: dict | None) -> list[dict]:
         content = item.get("content")
         if isinstance(content, list):
             texts = []
-            for part in content:
-                if part.get("type") not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict):
+                    raise APIError(400, f"input[{i}].content[{j}] must be an object (a content part), got "
+                                        f"{type(part).__name__}.", param="input")
+                if part.get("type") not in ("input_text", "output_text"):
                     raise APIError(400, f"input[{i}]: only text content parts are supported, got "
                                         f"{part.get('type')!r}.", param="input")
+                if not isinstance(part.get("text"), str):
+                    raise APIError(400, f"input[{i}].content[{j}].text must be a string.", param="input")
                 texts.append(part["text"])
             content = "\n".join(texts)
         if not isinstance(content, str):
@@ -136,6 +164,8 @@ def _chat_tool_choice(choice):
 
 def _chat_format(text: dict | None) -> dict | None:
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, f"text.format must be an object, got {type(fmt).__name__}.", param="text")
     if fmt is None or fmt.get("type") in ("text", "json_object"):
         return fmt
     if fmt.get("type") == "json_schema":
