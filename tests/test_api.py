@@ -510,3 +510,45 @@ def test_a_keyword_of_any_wrong_type_gets_a_value_error(keyword):
             tileattn.attention(q, k, k, **{keyword: value})
         with pytest.raises(ValueError):
             tileattn.attention_varlen(packed[0], packed[1], packed[1], cu, cu, 16, 16, **{keyword: value})
+
+
+NOT_BOOLS = ["false", "", 1, 0, 1.5, None, [], torch.tensor(True)]
+
+
+@pytest.mark.parametrize("flag", ["causal", "return_lse", "deterministic"])
+def test_a_flag_that_is_no_bool_is_refused_not_read_by_truthiness(flag):
+    """causal="false" once ran causal attention (the string is truthy): a flag of tileattn.attention
+    and attention_varlen must be True or False (numpy's bool too; SDPA's is_causal takes only bool)."""
+    q, k = torch.randn(1, 4, 16, 64).half(), torch.randn(1, 2, 16, 64).half()
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    packed = (q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous())
+    calls = (lambda **kw: tileattn.attention(q, k, k, **kw),
+             lambda **kw: tileattn.attention_varlen(packed[0], packed[1], packed[1], cu, cu, 16, 16, **kw))
+    for call in calls:
+        for value in NOT_BOOLS:
+            with pytest.raises(ValueError, match=f"^{flag} must be a bool"):
+                call(**{flag: value})
+        for value in (True, False, np.True_):  # accepted: the device check comes next
+            with pytest.raises(ValueError, match="CUDA"):
+                call(**{flag: value})
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"softcap": ""}, "^softcap must be"), ({"softcap": []}, "^softcap must be"), ({"dropout_p": ""}, "^dropout_p must"),
+    ({"dropout_p": {}}, "^dropout_p must"), ({"dropout_p": None}, "^dropout_p must"), ({"seed": "x"}, "^seed must"),
+    ({"seed": 1, "offset": -1}, "^offset must"), ({"generator": 7}, "^generator must"), ({"offset": 3}, "offset needs a seed"),
+])
+def test_variant_arguments_read_as_off_are_still_checked(change, match):
+    """The plain path took a falsy softcap or dropout_p of any type ("", [], None) as off and ignored a
+    malformed generator / seed / offset when dropout_p = 0: each is named now. Off values pass."""
+    q = torch.randn(1, 4, 16, 64).half()
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    packed = q[0].transpose(0, 1).contiguous()
+    with pytest.raises(ValueError, match=match):
+        tileattn.attention(q, q, q, **change)
+    with pytest.raises(ValueError, match=match):
+        tileattn.attention_varlen(packed, packed, packed, cu, cu, 16, 16, **change)
+    for off in ({"softcap": 0.0}, {"softcap": 0}, {"dropout_p": 0}, {"seed": 3, "offset": 5}, {"seed": 3},
+                {"generator": torch.Generator()}):
+        with pytest.raises(ValueError, match="CUDA"):
+            tileattn.attention(q, q, q, **off)

@@ -1,6 +1,7 @@
 """CPU tests for tileattn.api_paged: argument checks (ValueError naming the argument, before any
 launch), and the launch decisions that need no GPU (warp layout, split-KV count, registry)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -153,6 +154,12 @@ BAD_VARIANTS = [
     # well-formed variants reach the device check like a plain call
     ({"window": (8, 0), "softcap": 30.0, "alibi_slopes": torch.zeros(2, 8)}, "attention_paged needs CUDA tensors"),
     ({"softcap": 0.0}, "attention_paged needs CUDA tensors"),  # 0: off, the plain path
+    ({"softcap": ""}, "softcap must be None, 0"),  # falsy, but no number: named, not taken as off
+    ({"softcap": []}, "softcap must be None, 0"),
+    # flags are read by value: causal="false" once ran causal attention
+    ({"causal": "false"}, "^causal must be a bool"), ({"causal": 0}, "^causal must be a bool"),
+    ({"return_lse": None}, "^return_lse must be a bool"), ({"validate": "yes"}, "^validate must be a bool"),
+    ({"causal": np.False_, "return_lse": np.True_}, "attention_paged needs CUDA tensors"),
 ]
 
 

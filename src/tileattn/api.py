@@ -119,7 +119,7 @@ def attention(
         and, when return_lse, lse [B, H, Nq] float32 (natural log; not differentiable).
 
     Raises:
-        ValueError: a non-tensor argument; rank other than 4; an empty dimension; a dtype other than
+        ValueError: causal, return_lse or deterministic not a bool; a non-tensor argument; rank other than 4; an empty dimension; a dtype other than
             float16/bfloat16 or mixed dtypes; mismatched batch sizes, k/v shapes or head dims; a
             head dim outside {32, 64, 96, 128, 256}; Hkv not dividing H; B or H above 65535; Nq or
             Nk above 2^31 - 1; a scale that is not finite and positive or outside [1e-12, 1e12]; stride(-1) != 1; strides or data pointers not
@@ -132,12 +132,16 @@ def attention(
             input with a forward-mode tangent; a call inside a torch.func transform (vmap, grad, ...).
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
-    causal, deterministic = bool(causal), bool(deterministic)
+    if type(causal) is not bool or type(return_lse) is not bool or type(deterministic) is not bool:
+        causal, return_lse, deterministic = (dr.check_flag("causal", causal), dr.check_flag("return_lse", return_lse),
+                                             dr.check_flag("deterministic", deterministic))
     if window is not None or softcap or alibi_slopes is not None or dropout_p:
         q, k, v = _autocast_inputs(q, k, v)
         out, lse = _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, alibi_slopes,
                                        dropout_p, generator, seed, offset)
         return (out, lse) if return_lse else out
+    if softcap is not None or dropout_p != 0 or generator is not None or seed is not None or offset is not None:
+        dr.check_off_variants(softcap, dropout_p, generator, seed, offset)
     if not torch.compiler.is_compiling() and _host_forward is not None:
         # The compiled path, for a combination already planned: it checks what _eager checks (exact
         # tensors, no dispatch mode, no forward-mode tangent) and builds the autograd node itself when

@@ -23,6 +23,7 @@ import numbers
 import torch
 from torch import Tensor
 
+from . import dropout as dr
 from . import reference
 from .launch_limits import MAX_GRID_YZ
 
@@ -127,7 +128,7 @@ def attention_paged(
         it); all of out is 0 and lse -inf when nothing is launched (Tq, B or max_seqlen_q is 0).
 
     Raises:
-        ValueError: prior_kernel_writes_only_new_keys not a bool; a malformed window, softcap or alibi_slopes (shape, dtype, device, contiguity;
+        ValueError: causal, return_lse, validate or prior_kernel_writes_only_new_keys not a bool; a malformed window, softcap or alibi_slopes (shape, dtype, device, contiguity;
             checked first, so CPU tensors report them too), or with any of them Tq or the table's
             capacity above 2^28; a non-tensor argument or wrong rank; q/k_cache/v_cache dtypes other than one of
             float16/bfloat16; index tensors that are not int32; shapes that disagree (see above),
@@ -139,12 +140,17 @@ def attention_paged(
             or not on CUDA; with validate=True, bad index contents.
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
-    if type(prior_kernel_writes_only_new_keys) is not bool:
-        raise ValueError(
-            f"prior_kernel_writes_only_new_keys must be a bool, got {prior_kernel_writes_only_new_keys!r}")
+    if (type(causal) is not bool or type(return_lse) is not bool or type(validate) is not bool
+            or type(prior_kernel_writes_only_new_keys) is not bool):
+        causal, return_lse, validate = (dr.check_flag("causal", causal), dr.check_flag("return_lse", return_lse),
+                                        dr.check_flag("validate", validate))
+        prior_kernel_writes_only_new_keys = dr.check_flag("prior_kernel_writes_only_new_keys",
+                                                          prior_kernel_writes_only_new_keys)
     variants = None  # (window left, right with causal folded in, softcap, slopes' metadata)
     if window is not None or softcap or alibi_slopes is not None:
         variants = _variant_key(window, causal, softcap, alibi_slopes)
+    elif softcap is not None:  # a falsy softcap of the wrong type ("", []) is named, not taken as off
+        dr.check_softcap(softcap)
     try:
         # get_device(): the CUDA index as an int (-1 on the CPU), cheaper than torch.device objects.
         key = (
@@ -275,8 +281,6 @@ def _variant_key(window, causal, softcap, alibi_slopes) -> tuple:
     """Checks window and softcap (tileattn.attention's rules) and returns the variants' part of the
     launch key: (left, right) with causal folded in (UNBOUNDED: none), the softcap (0.0: off), and
     the slopes' (shape, stride, dtype, device) or None. The slopes' contents and pointer are per-call."""
-    from . import dropout as dr
-
     left, right = dr.check_window(window, causal)
     cap = dr.check_softcap(softcap)
     if alibi_slopes is None:
@@ -291,16 +295,12 @@ def _check_alibi(alibi_slopes, q, block_table) -> int | None:
     """The slopes' checks (tileattn.attention's: [H] or [B, H] float32, contiguous, on q's device);
     returns their batch stride (0 or H), or None when q / block_table are malformed themselves
     (_check_paged then names them)."""
-    from . import dropout as dr
-
     if not (isinstance(q, Tensor) and q.dim() == 3 and isinstance(block_table, Tensor) and block_table.dim() == 2):
         return None
     return dr.check_alibi(alibi_slopes, block_table.shape[0], q.shape[1], q.device, dtype_strict=True)
 
 
 def _check_variant_sizes(q, k_cache, block_table) -> None:
-    from . import dropout as dr
-
     capacity = block_table.shape[1] * k_cache.shape[1]
     if max(q.shape[0], capacity) > dr.MAX_VARIANT_SEQLEN:
         raise ValueError(
@@ -351,8 +351,6 @@ def _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     else:
-        from . import dropout as dr
-
         dr.check_scale(scale)
     if num_splits is not None and (
         isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 1

@@ -114,7 +114,7 @@ def attention_varlen(
         when return_lse, lse [H, Tq] float32 (natural log; not differentiable).
 
     Raises:
-        ValueError: a non-tensor argument; wrong ranks; dtypes other than float16/bfloat16 (q, k, v)
+        ValueError: causal, return_lse or deterministic not a bool; a non-tensor argument; wrong ranks; dtypes other than float16/bfloat16 (q, k, v)
             or int32 (cu_seqlens), or mixed; mismatched head dims, k/v shapes or cu_seqlens lengths;
             a head dim outside {32, 64, 96, 128, 256}; Hkv not dividing H; H or B too large for the
             grid; max_seqlen_q / max_seqlen_k not ints in [0, Tq] / [0, Tk]; a scale that is not
@@ -127,13 +127,17 @@ def attention_varlen(
             tangent; a call inside a torch.func transform (vmap, grad, ...).
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
-    causal, deterministic = bool(causal), bool(deterministic)
+    if type(causal) is not bool or type(return_lse) is not bool or type(deterministic) is not bool:
+        causal, return_lse, deterministic = (dr.check_flag("causal", causal), dr.check_flag("return_lse", return_lse),
+                                             dr.check_flag("deterministic", deterministic))
     q, k, v = _autocast_inputs(q, k, v)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     if window is not None or softcap or alibi_slopes is not None or dropout_p:
         out, lse = _varlen_variants(args, max_seqlen_q, max_seqlen_k, causal, scale, deterministic, window, softcap,
                                     alibi_slopes, dropout_p, generator, seed, offset)
         return (out, lse) if return_lse else out
+    if softcap is not None or dropout_p != 0 or generator is not None or seed is not None or offset is not None:
+        dr.check_off_variants(softcap, dropout_p, generator, seed, offset)
     if _eager(*args):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             out, lse = _VarlenFunction.apply(*args, max_seqlen_q, max_seqlen_k, causal, scale, deterministic)

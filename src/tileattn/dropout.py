@@ -107,9 +107,20 @@ def dropout_mask(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, 
 # ---------------------------------------------------------------------------------------------
 # Argument checks of the variants (tileattn.attention, attention_varlen, tileattn.reference)
 # ---------------------------------------------------------------------------------------------
-def no_variants(window, softcap, alibi_slopes, dropout_p) -> bool:
-    """Whether a call asks for none of the variants (the plain kernels' fast path)."""
-    return window is None and not softcap and alibi_slopes is None and not dropout_p
+def check_flag(name: str, value) -> bool:
+    """A flag argument (causal, return_lse, ...) as a bool: True, False or numpy's bool_, read by value.
+    Anything else (the string "false", a number, None) is a ValueError, not read by its truthiness."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+
+
+def check_off_variants(softcap, dropout_p, generator, seed, offset) -> None:
+    """The plain path's check of variant arguments it read as off by their truthiness: a falsy value of
+    the wrong type ("", [], {}) is named rather than taken as off, as are a malformed generator, seed
+    or offset that dropout_p = 0 does not use."""
+    check_softcap(softcap)
+    check_dropout(dropout_p, generator, seed, offset)
 
 
 def check_window(window, causal: bool) -> tuple[int, int]:
