@@ -280,6 +280,10 @@ def test_bad_inputs_raise_clear_errors(checkpoint, tmp_path):
         engine.add_request("a", [], GREEDY)
     with pytest.raises(ValueError, match="vocabulary"):
         engine.add_request("a", [0, 10**6], GREEDY)
+    vocab = engine.model_config.vocab_size
+    for name in ("logprobs", "prompt_logprobs"):  # once accepted, then torch.topk failed the step of every request
+        with pytest.raises(ValueError, match=f"^{name}={vocab + 1} exceeds the vocabulary's {vocab} tokens"):
+            engine.add_request("a", [0, 1], SamplingParams(temperature=0, **{name: vocab + 1}))
     with pytest.raises(ValueError, match="64 tokens"):
         engine.add_request("a", [0] * 64, GREEDY)
     engine.add_request("a", [0, 1], GREEDY)

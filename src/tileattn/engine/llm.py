@@ -159,9 +159,9 @@ class LLMEngine:
         ``priority``: under scheduling_policy "priority", lower runs first (0 otherwise).
 
         Raises ValueError before queueing anything: duplicate or non-string id, empty prompt,
-        token ids outside the vocabulary, a generation prompt of max_model_len tokens or more (an
-        embedding's may have max_model_len), PoolingParams.dimensions above the hidden size, bad params,
-        an adapter name not loaded."""
+        token ids outside the vocabulary, logprobs or prompt_logprobs above its size, a generation
+        prompt of max_model_len tokens or more (an embedding's may have max_model_len),
+        PoolingParams.dimensions above the hidden size, bad params, an adapter name not loaded."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self.requests:
@@ -194,6 +194,9 @@ class LLMEngine:
             bad = [t for t in tokens if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{what} {bad[:4]} are outside the vocabulary [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):  # the top-n of the vocabulary (torch.topk in the step)
+            if (getattr(params, name) or 0) > vocab:
+                raise ValueError(f"{name}={getattr(params, name)} exceeds the vocabulary's {vocab} tokens")
         if pooling is not None and len(ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
         if pooling is None and len(ids) >= self.max_model_len:
