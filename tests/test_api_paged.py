@@ -253,6 +253,7 @@ BAD_WRITE = [
         },
         r"^k: T \* Hkv = 2147483648 rows exceeds 2\^31 - 257",
     ),
+    ({"validate": "no"}, "^validate must be a bool"),  # read by value, not truthiness (a sync when true)
     ({}, "write_kv_cache needs CUDA tensors, got device cpu"),
 ]
 

@@ -227,14 +227,16 @@ def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     Returns None. Capturable by CUDA graphs (no sync, no allocation).
 
     Raises:
-        ValueError: non-tensors or wrong ranks; k/v/caches of different dtypes; shapes that
-            disagree (k and v [T, Hkv, d], caches [num_blocks, block_size, Hkv, d] with the same
+        ValueError: validate not a bool; non-tensors or wrong ranks; k/v/caches of different dtypes;
+            shapes that disagree (k and v [T, Hkv, d], caches [num_blocks, block_size, Hkv, d] with the same
             Hkv and d, slot_mapping [T]); a block_size that is not a power of two; a row that is
             not a multiple of 16 bytes or longer than 4096 bytes; slot_mapping not int32/int64 or
             not contiguous; misaligned strides or pointers; tensors on different devices or not
             on CUDA; with validate=True, a slot past the cache.
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
+    if type(validate) is not bool:
+        validate = dr.check_flag("validate", validate)
     try:
         key = (
             k.shape, k.stride(), k.dtype, k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(),
