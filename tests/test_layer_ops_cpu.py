@@ -101,6 +101,9 @@ def test_bad_arguments_raise_before_work():
             api_layers.add_rms_norm(x, torch.ones(16), eps)
         with pytest.raises(ValueError, match="^eps must be a finite number >= 0"):
             tileattn.add_rms_norm_linear(x, None, torch.ones(16), eps, torch.ones(4, 16))
+    big = 10**30  # a valid eps, but an int past int64: torch's fallback raised OverflowError adding it to a tensor
+    assert torch.equal(api_layers.add_rms_norm(x, torch.ones(16), big), api_layers.add_rms_norm(x, torch.ones(16), 1e30))
+    assert tileattn.add_rms_norm_linear(x, None, torch.ones(16), big, torch.ones(4, 16))[0].shape == (x.shape[0], 4)
     for weight in (None, [1.0] * 16):  # not a tensor: an AttributeError before
         with pytest.raises(ValueError, match=r"^weight must be \[D\] = \[16\], got (NoneType|list)"):
             api_layers.add_rms_norm(x, weight, 1e-5)

@@ -43,7 +43,7 @@ def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None 
             read (see above).
     """
     _check_2d("x", x)
-    _check_eps(eps)
+    eps = _check_eps(eps)
     dim = x.shape[1]
     if not isinstance(weight, Tensor) or weight.dim() != 1 or weight.shape[0] != dim:
         raise ValueError(f"weight must be [D] = [{dim}], got {_describe(weight)}")
@@ -96,7 +96,7 @@ def norm_rotary_(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, q_heads
     _check_rotary("x", x, positions, cos, sin)
     norm = _check_norm_weights(x, q_weight, k_weight)
     if norm:
-        _check_eps(eps)
+        eps = _check_eps(eps)
         if q_heads is None:
             raise ValueError("a per-head norm needs q_weight, k_weight and q_heads together")
         if not 0 <= q_heads <= x.shape[1]:
@@ -147,7 +147,7 @@ def norm_rotary_write_kv_cache_(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor
     """
     _check_rotary_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight)
     if q_weight is not None:
-        _check_eps(eps)
+        eps = _check_eps(eps)
     _rotary_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, q_weight, k_weight, eps)
     return q
 
@@ -311,10 +311,12 @@ def _describe(t) -> str:
     return f"{t.dtype} {list(t.shape)} on {t.device}"
 
 
-def _check_eps(eps) -> None:
-    """The norm's epsilon: a finite number >= 0 (the kernels take it as a float32)."""
+def _check_eps(eps) -> float:
+    """The norm's epsilon as a float: a finite number >= 0 (the kernels take it as a float32; torch's
+    fallback could not add an int past int64 to a tensor)."""
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0.0 <= eps < 3.4e38:
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    return float(eps)
 
 
 def _check_2d(name: str, t) -> None:
@@ -435,7 +437,7 @@ def add_rms_norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor,
             [N]), dtypes or devices that differ; on the composition path, what `add_rms_norm`
             raises for a layout its kernel cannot read.
     """
-    _check_eps(eps)
+    eps = _check_eps(eps)
     if _check_norm_linear(x, residual, norm_weight, weight, bias):
         return _norm_linear_kernel(x, residual, norm_weight, eps, weight, bias)
     h, new_residual = _add_rms_norm_consuming(x, residual, norm_weight, eps)
