@@ -415,6 +415,18 @@ def test_argument_errors_name_the_argument():
         ref.attention_varlen(q, k, k, seqs, seqs.float(), 2, 2)
     with pytest.raises(ValueError, match="slot_mapping must be an integer tensor"):
         ref.write_kv_cache(k, k, kc, kc, torch.zeros(2))
+    # flags by value, as the CUDA ops read them: causal="false" is no False
+    for flag, value in (("causal", "false"), ("return_lse", 1), ("deterministic", None)):
+        with pytest.raises(ValueError, match=f"^{flag} must be a bool"):
+            ref.attention_varlen(q, k, k, seqs, seqs, 2, 2, **{flag: value})
+    for flag, value in (("causal", "false"), ("return_lse", []), ("validate", "yes")):
+        with pytest.raises(ValueError, match=f"^{flag} must be a bool"):
+            ref.attention_paged(**good, max_seqlen_q=2, max_seqlen_k=2, **{flag: value})
+    dense = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="^causal must be a bool"):
+        ref.attention(dense, dense, dense, causal="false")
+    with pytest.raises(ValueError, match="^dropout_p must be a number"):  # falsy, but no number: not taken as off
+        ref.attention(dense, dense, dense, dropout_p="")
     with pytest.raises(ValueError, match="k .* must be \\[T, Hkv, dim\\] matching k_cache"):
         ref.write_kv_cache(torch.zeros(2, 2, 4), k, kc, kc, torch.zeros(2, dtype=torch.int64))
 

@@ -51,13 +51,13 @@ def attention(q, k, v, causal=False, scale=None, *, compute_dtype=None, window=N
         with different head counts or key counts, Hkv not dividing H, q and k head dims that
         differ (or are 0), non-floating or mixed dtypes, tensors on different devices, or a
         non-floating ``compute_dtype``; a malformed window, softcap, alibi_slopes, dropout_p,
-        generator, seed or offset (the message names it).
+        generator, seed or offset (the message names it); a ``causal`` that is no bool.
     Works on any device torch supports (CPU, CUDA); nothing here is device specific.
     """
     _check(q, k, v, compute_dtype)
+    causal = _dropout.check_flag("causal", causal)
     keep = None
-    if dropout_p:
-        _dropout.check_dropout(dropout_p, generator, seed, offset)
+    if _dropout.check_dropout(dropout_p, generator, seed, offset):
         seed, offset = _dropout.draw_seed(generator, seed, offset, q.device)
         keep = _keep_scale(seed, offset, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p, q.device)
     return _attention(q, k, v, causal, scale, compute_dtype, window, softcap, alibi_slopes, keep)
@@ -216,7 +216,8 @@ def attention_varlen(
     Raises:
         ValueError: non-tensors, wrong ranks, mismatched heads/dims/dtypes/devices, non-integer or
         malformed cu_seqlens (wrong length, not starting at 0, decreasing, past the packed
-        length), a sequence longer than max_seqlen_q / max_seqlen_k, bad compute_dtype.
+        length), a sequence longer than max_seqlen_q / max_seqlen_k, bad compute_dtype; malformed
+        variants (as ``attention``); a causal / return_lse / deterministic that is no bool.
     Works on any device; the cu_seqlens are read on the host (one sync on CUDA).
     """
     _check_packed(q, k, v, compute_dtype)
@@ -227,8 +228,9 @@ def attention_varlen(
     batch, heads = len(starts_q) - 1, q.shape[1]
     if alibi_slopes is not None:
         _dropout.check_alibi(alibi_slopes, batch, heads, q.device, dtype_strict=False)
-    if dropout_p:
-        _dropout.check_dropout(dropout_p, generator, seed, offset)
+    causal, return_lse = _dropout.check_flag("causal", causal), _dropout.check_flag("return_lse", return_lse)
+    _dropout.check_flag("deterministic", deterministic)
+    if _dropout.check_dropout(dropout_p, generator, seed, offset):
         seed, offset = _dropout.draw_seed(generator, seed, offset, q.device)
     outs, lses = [], []
     for b in range(batch):
@@ -292,11 +294,13 @@ def attention_paged(
     Returns: out [Tq, H, dv], or (out, lse [H, Tq]) when ``return_lse``.
     Raises:
         ValueError: bad shapes, dtypes or devices (``check_paged_args``), malformed cu_seqlens_q,
-        a query length above max_seqlen_q, a malformed window, softcap or alibi_slopes, or
-        (validate=True) bad index contents.
+        a query length above max_seqlen_q, a malformed window, softcap or alibi_slopes, a
+        causal / return_lse / validate that is no bool, or (validate=True) bad index contents.
     Works on any device; the index tensors are read on the host (one sync on CUDA).
     """
     check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, compute_dtype)
+    causal, return_lse = _dropout.check_flag("causal", causal), _dropout.check_flag("return_lse", return_lse)
+    validate = _dropout.check_flag("validate", validate)
     left, right = _dropout.check_window(window, causal)  # causal alone: (unbounded, 0)
     cap = _dropout.check_softcap(softcap)
     if alibi_slopes is not None:
