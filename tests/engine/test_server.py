@@ -645,18 +645,34 @@ NESTED_FUZZ = [  # (endpoint, a request that is answered, the nested places whos
 ]
 
 
-def test_a_nested_value_of_any_wrong_type_gets_a_4xx_never_a_5xx(tool_server):
+def _stream_finished(path: str, body: bytes) -> bool:
+    """Whether a streamed answer ended as its API ends one: chat and completions with data: [DONE],
+    the Responses API with its last event, response.completed or response.incomplete."""
+    if path == "/v1/responses":
+        last = body.rstrip().rsplit(b"\n\n", 1)[-1]
+        return b'"type": "response.completed"' in last or b'"type": "response.incomplete"' in last
+    return body.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_nested_value_of_any_wrong_type_gets_a_4xx_never_a_5xx(tool_server, stream):
     """As the test above, one level down and further: each place inside a message, a content part, a
     tool call, a tool, a response format, a Responses input item (NESTED_FUZZ) set to each of
     FUZZ_VALUES in turn, on the server that parses tool calls. The unchanged requests are answered
-    (2xx), so each place is reached."""
+    (2xx), so each place is reached. Streamed (the generating endpoints), a failure could also come
+    as an error event inside a 200, or as a stream that ends without its [DONE]: those count too."""
     import copy
 
     server, _ = tool_server
     failures = []
     for path, base, places in NESTED_FUZZ:
+        if stream:
+            if path not in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+                continue
+            base = {**base, "stream": True}
         code, body = server.http("POST", path, json.dumps({"model": MODEL, **base}).encode())
-        assert code == 200, (path, code, body[:300])
+        assert code == 200 and b"server_error" not in body and (not stream or _stream_finished(path, body)), (
+            path, code, body[-300:])
         for place in places:
             for value in FUZZ_VALUES:
                 request = copy.deepcopy({"model": MODEL, **base})
@@ -665,8 +681,9 @@ def test_a_nested_value_of_any_wrong_type_gets_a_4xx_never_a_5xx(tool_server):
                     parent = parent[key]
                 parent[place[-1]] = value
                 code, body = server.http("POST", path, json.dumps(request).encode())
-                if code >= 500:
-                    failures.append((path, place, value, code, body[:120]))
+                cut = stream and code == 200 and not _stream_finished(path, body)
+                if code >= 500 or b"server_error" in body or cut:
+                    failures.append((path, place, value, code, body[-160:]))
     assert not failures, failures
     server.wait_idle()
 
