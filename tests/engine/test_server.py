@@ -1305,6 +1305,20 @@ def test_tool_request_errors(tool_server, server):
                                                   "function": {"name": "f", "arguments": "{not json"}}]}]},
          "messages", "arguments"),
         ({"tools": [WEATHER], "extra_body": {"functions": [WEATHER["function"]]}}, "functions", "use tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice", '{"type": "function", "function"'),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": 5}}}, "tool_choice", "must be"),
+        ({"tools": [WEATHER], "messages": messages + [
+            {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"arguments": "{}"}}]}]},
+         "messages", "messages[1].tool_calls[0] must have a function with a name"),
+        ({"tools": [WEATHER], "messages": messages + [
+            {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                  "function": {"name": "f", "arguments": "[1, 2]"}}]}]},
+         "messages", "messages[1].tool_calls[0].function.arguments must be a JSON object"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         "messages", "Only text content parts are supported, got 'image_url'"),
+        ({"messages": messages + [{"role": "assistant", "content": ""}],
+          "extra_body": {"continue_final_message": True, "add_generation_prompt": False}},
+         "continue_final_message", "does not appear in the rendered prompt"),
     ]
     for kw, param, says in cases:
         kw = {"messages": messages, **kw}
@@ -1315,6 +1329,9 @@ def test_tool_request_errors(tool_server, server):
     # a template without tools in it (the plain server's): the model would not see them
     status, body = plain_server.http("POST", "/tokenize", json.dumps({"messages": messages, "tools": [WEATHER]}).encode())
     assert status == 400 and "does not render tools" in json.loads(body)["error"]["message"], body
+    status, body = plain_server.http("POST", "/detokenize", json.dumps({"model": MODEL, "tokens": [1, 10**6]}).encode())
+    err = json.loads(body)["error"]
+    assert status == 400 and err["param"] == "tokens" and "[1000000] are outside the tokenizer's vocabulary" in err["message"]
     assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).choices
     server.wait_idle()
 
@@ -1516,7 +1533,14 @@ def test_responses_api(server, client):
                       ({"text": {"format": "json_object"}}, "text"),
                       ({"metadata": {"n": 1}}, "metadata"),
                       ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
-                      ({"metadata": {"k": "v" * 513}}, "metadata")):
+                      ({"metadata": {"k": "v" * 513}}, "metadata"),
+                      ({"background": True}, "background"),
+                      ({"extra_body": {"n": 2}}, "n"),
+                      ({"input": [{"role": "robot", "content": "hi"}]}, "input"),
+                      ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input"),
+                      ({"input": [{"role": "user", "content": None}]}, "input"),
+                      ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input"),
+                      ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input")):
         kw = {"input": "hi", **kw}
         with pytest.raises(openai.BadRequestError) as info:
             client.responses.create(model=MODEL, max_output_tokens=2, **kw)
