@@ -124,6 +124,22 @@ def test_bench_attention_refuses_zero_rounds(capsys):
     assert "--rounds must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,says", [
+    (["--forward-only", "--backward-only"], "--forward-only and --backward-only exclude each other"),
+    (["--impl", "flash3"], "argument --impl: invalid choice: 'flash3'"),
+])
+def test_bench_attention_refuses_bad_options_before_any_gpu_work(argv, says, capsys, monkeypatch):
+    """Both were refused only after the correctness check and the host-time rows had run on the GPU."""
+    from tileattn.bench import attention
+
+    import tileattn.runtime
+
+    monkeypatch.setattr(tileattn.runtime, "require_gpu", lambda: pytest.fail("reached the GPU check"))
+    with pytest.raises(SystemExit):
+        attention.main(argv)
+    assert says in capsys.readouterr().err
+
+
 def test_rounds_rotate_which_implementation_is_timed_first():
     from tileattn.bench.attention import round_order
 

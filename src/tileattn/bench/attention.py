@@ -95,6 +95,8 @@ def implementations() -> dict[str, Callable]:
     return impls
 
 
+# Every name implementations() may return (--impl's choices): tileattn_sm90 only on sm_90a.
+IMPL_NAMES = ("naive", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "tileattn", "tileattn_sm80", "tileattn_sm90")
 # Columns that run one forward kernel family whatever the dispatcher would pick (forward only):
 # the family the dispatcher does not choose stays visible beside the one it does.
 FORCED = ("tileattn_sm80", "tileattn_sm90")
@@ -287,7 +289,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"N in {QUICK_SEQ_LENS}")
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--backward-only", action="store_true", help="only the backward pass (with --tune: its configs)")
-    ap.add_argument("--impl", action="append", help="only these implementations (repeatable)")
+    ap.add_argument("--impl", action="append", choices=IMPL_NAMES,
+                    help="only these implementations (repeatable; tileattn_sm90 on sm_90a only)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int,
                     help="time each point this many times, implementations interleaved (each first in turn); "
@@ -304,6 +307,8 @@ def main(argv=None) -> int:
         args.rounds = 1 if args.demo else 3
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.forward_only and args.backward_only:
+        ap.error("--forward-only and --backward-only exclude each other")
     require_gpu()
     dtype = DTYPES[args.dtype]
     env = environment()
@@ -312,8 +317,6 @@ def main(argv=None) -> int:
         print(line)
     seq_lens = tuple(args.seq or (QUICK_SEQ_LENS if args.quick or args.demo else SEQ_LENS))
     if args.tune:
-        if args.forward_only and args.backward_only:
-            raise SystemExit("--forward-only and --backward-only exclude each other")
         records = tune(dtype, args.head_dim, seq_lens, args.reps, forward=not args.backward_only,
                        backward=not args.forward_only)
         if args.json:
@@ -335,10 +338,8 @@ def main(argv=None) -> int:
     if args.impl:
         unknown = set(args.impl) - set(impls)
         if unknown:
-            raise SystemExit(f"unknown implementation(s) {sorted(unknown)}; known: {sorted(impls)}")
+            raise SystemExit(f"implementation(s) {sorted(unknown)} do not run on this GPU; here: {sorted(impls)}")
         impls = {k: v for k, v in impls.items() if k in args.impl}
-    if args.forward_only and args.backward_only:
-        raise SystemExit("--forward-only and --backward-only exclude each other")
     passes = (False,) if args.forward_only or args.demo else (True,) if args.backward_only else (False, True)
     oom_naive: set[tuple] = set()
     for backward in passes:
