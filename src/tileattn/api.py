@@ -119,13 +119,13 @@ def attention(
         and, when return_lse, lse [B, H, Nq] float32 (natural log; not differentiable).
 
     Raises:
-        ValueError: causal, return_lse or deterministic not a bool; a non-tensor argument; rank other than 4; an empty dimension; a dtype other than
-            float16/bfloat16 or mixed dtypes; mismatched batch sizes, k/v shapes or head dims; a
-            head dim outside {32, 64, 96, 128, 256}; Hkv not dividing H; B or H above 65535; Nq or
-            Nk above 2^31 - 1; a scale that is not finite and positive or outside [1e-12, 1e12]; stride(-1) != 1; strides or data pointers not
-            16-byte aligned; tensors on different devices or not on a CUDA device; a malformed window,
-            softcap, alibi_slopes (shape, dtype, device, layout), dropout_p, generator, seed or offset;
-            with any variant, Nq or Nk above 2^28.
+        ValueError: causal, return_lse or deterministic not a bool; a non-tensor argument; rank other than 4;
+            an empty dimension; a dtype other than float16/bfloat16 or mixed dtypes; mismatched batch sizes,
+            k/v shapes or head dims; a head dim outside {32, 64, 96, 128, 256}; Hkv not dividing H; B or H
+            above 65535; Nq or Nk above 2^31 - 1; a scale that is not finite and positive or outside [1e-12,
+            1e12]; stride(-1) != 1; strides or data pointers not 16-byte aligned; tensors on different devices
+            or not on a CUDA device; a malformed window, softcap, alibi_slopes (shape, dtype, device, layout),
+            dropout_p, generator, seed or offset; with any variant, Nq or Nk above 2^28.
         NotImplementedError: dropout_p > 0 with a `generator` under torch.compile / fake tensors
             (window, softcap and ALiBi trace as the tileattn::attention_variants_* custom ops, dropout
             as tileattn::attention_dropout_*, with seed/offset or the default CUDA generator); an

@@ -128,16 +128,16 @@ def attention_paged(
         it); all of out is 0 and lse -inf when nothing is launched (Tq, B or max_seqlen_q is 0).
 
     Raises:
-        ValueError: causal, return_lse, validate or prior_kernel_writes_only_new_keys not a bool; a malformed window, softcap or alibi_slopes (shape, dtype, device, contiguity;
-            checked first, so CPU tensors report them too), or with any of them Tq or the table's
-            capacity above 2^28; a non-tensor argument or wrong rank; q/k_cache/v_cache dtypes other than one of
-            float16/bfloat16; index tensors that are not int32; shapes that disagree (see above),
-            a head dim outside {32, 64, 96, 128, 256}, Hkv not dividing H, a block_size that is not a
-            power of two in 16..256, B or Hkv above 65535, more than 2^31 - 1 keys of table
-            capacity, cache slots, elements in one cache block or Tq * H rows; max_seqlen_q / max_seqlen_k not non-negative ints; a bad
-            scale or num_splits; strides or data pointers not 16-byte aligned, block_table with
-            stride(1) != 1, cu_seqlens_q / seqlens_k not contiguous; tensors on different devices
-            or not on CUDA; with validate=True, bad index contents.
+        ValueError: causal, return_lse, validate or prior_kernel_writes_only_new_keys not a bool; a malformed
+            window, softcap or alibi_slopes (shape, dtype, device, contiguity; checked first, so CPU tensors
+            report them too), or with any of them Tq or the table's capacity above 2^28; a non-tensor argument
+            or wrong rank; q/k_cache/v_cache dtypes other than one of float16/bfloat16; index tensors that are
+            not int32; shapes that disagree (see above), a head dim outside {32, 64, 96, 128, 256}, Hkv not
+            dividing H, a block_size that is not a power of two in 16..256, B or Hkv above 65535, more than
+            2^31 - 1 keys of table capacity, cache slots, elements in one cache block or Tq * H rows;
+            max_seqlen_q / max_seqlen_k not non-negative ints; a bad scale or num_splits; strides or data
+            pointers not 16-byte aligned, block_table with stride(1) != 1, cu_seqlens_q / seqlens_k not
+            contiguous; tensors on different devices or not on CUDA; with validate=True, bad index contents.
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
     if (type(causal) is not bool or type(return_lse) is not bool or type(validate) is not bool

@@ -114,13 +114,13 @@ def attention_varlen(
         when return_lse, lse [H, Tq] float32 (natural log; not differentiable).
 
     Raises:
-        ValueError: causal, return_lse or deterministic not a bool; a non-tensor argument; wrong ranks; dtypes other than float16/bfloat16 (q, k, v)
-            or int32 (cu_seqlens), or mixed; mismatched head dims, k/v shapes or cu_seqlens lengths;
-            a head dim outside {32, 64, 96, 128, 256}; Hkv not dividing H; H or B too large for the
-            grid; max_seqlen_q / max_seqlen_k not ints in [0, Tq] / [0, Tk]; a scale that is not
-            finite and positive or outside [1e-12, 1e12]; stride(-1) != 1; strides or data pointers not 16-byte aligned;
-            non-contiguous cu_seqlens; tensors on different devices or not on a CUDA device; malformed
-            variants (as tileattn.attention); with any variant, Tq or Tk above 2^28.
+        ValueError: causal, return_lse or deterministic not a bool; a non-tensor argument; wrong ranks; dtypes
+            other than float16/bfloat16 (q, k, v) or int32 (cu_seqlens), or mixed; mismatched head dims, k/v
+            shapes or cu_seqlens lengths; a head dim outside {32, 64, 96, 128, 256}; Hkv not dividing H; H or
+            B too large for the grid; max_seqlen_q / max_seqlen_k not ints in [0, Tq] / [0, Tk]; a scale that
+            is not finite and positive or outside [1e-12, 1e12]; stride(-1) != 1; strides or data pointers not
+            16-byte aligned; non-contiguous cu_seqlens; tensors on different devices or not on a CUDA device;
+            malformed variants (as tileattn.attention); with any variant, Tq or Tk above 2^28.
         NotImplementedError: dropout_p > 0 with a `generator` under torch.compile / fake tensors (there
             dropout traces as the tileattn::attention_varlen_dropout_* custom ops, with seed/offset or
             the default CUDA generator, as tileattn.attention's does); an input with a forward-mode
