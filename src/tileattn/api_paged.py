@@ -142,10 +142,9 @@ def attention_paged(
     """
     if (type(causal) is not bool or type(return_lse) is not bool or type(validate) is not bool
             or type(prior_kernel_writes_only_new_keys) is not bool):
-        causal, return_lse, validate = (dr.check_flag("causal", causal), dr.check_flag("return_lse", return_lse),
-                                        dr.check_flag("validate", validate))
-        prior_kernel_writes_only_new_keys = dr.check_flag("prior_kernel_writes_only_new_keys",
-                                                          prior_kernel_writes_only_new_keys)
+        causal, return_lse, validate, prior_kernel_writes_only_new_keys = dr.check_flags(
+            causal=causal, return_lse=return_lse, validate=validate,
+            prior_kernel_writes_only_new_keys=prior_kernel_writes_only_new_keys)
     variants = None  # (window left, right with causal folded in, softcap, slopes' metadata)
     if window is not None or softcap or alibi_slopes is not None:
         variants = _variant_key(window, causal, softcap, alibi_slopes)

@@ -128,8 +128,8 @@ def attention_varlen(
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
     if type(causal) is not bool or type(return_lse) is not bool or type(deterministic) is not bool:
-        causal, return_lse, deterministic = (dr.check_flag("causal", causal), dr.check_flag("return_lse", return_lse),
-                                             dr.check_flag("deterministic", deterministic))
+        causal, return_lse, deterministic = dr.check_flags(causal=causal, return_lse=return_lse,
+                                                           deterministic=deterministic)
     q, k, v = _autocast_inputs(q, k, v)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     if window is not None or softcap or alibi_slopes is not None or dropout_p:

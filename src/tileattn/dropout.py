@@ -115,6 +115,11 @@ def check_flag(name: str, value) -> bool:
     raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
 
 
+def check_flags(**flags) -> tuple[bool, ...]:
+    """check_flag over each keyword in order: ``causal, lse = check_flags(causal=causal, return_lse=lse)``."""
+    return tuple(check_flag(name, value) for name, value in flags.items())
+
+
 def check_off_variants(softcap, dropout_p, generator, seed, offset) -> None:
     """The plain path's check of variant arguments it read as off by their truthiness: a falsy value of
     the wrong type ("", [], {}) is named rather than taken as off, as are a malformed generator, seed

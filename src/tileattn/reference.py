@@ -228,8 +228,7 @@ def attention_varlen(
     batch, heads = len(starts_q) - 1, q.shape[1]
     if alibi_slopes is not None:
         _dropout.check_alibi(alibi_slopes, batch, heads, q.device, dtype_strict=False)
-    causal, return_lse = _dropout.check_flag("causal", causal), _dropout.check_flag("return_lse", return_lse)
-    _dropout.check_flag("deterministic", deterministic)
+    causal, return_lse, _ = _dropout.check_flags(causal=causal, return_lse=return_lse, deterministic=deterministic)
     if _dropout.check_dropout(dropout_p, generator, seed, offset):
         seed, offset = _dropout.draw_seed(generator, seed, offset, q.device)
     outs, lses = [], []
@@ -299,8 +298,7 @@ def attention_paged(
     Works on any device; the index tensors are read on the host (one sync on CUDA).
     """
     check_paged_args(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, compute_dtype)
-    causal, return_lse = _dropout.check_flag("causal", causal), _dropout.check_flag("return_lse", return_lse)
-    validate = _dropout.check_flag("validate", validate)
+    causal, return_lse, validate = _dropout.check_flags(causal=causal, return_lse=return_lse, validate=validate)
     left, right = _dropout.check_window(window, causal)  # causal alone: (unbounded, 0)
     cap = _dropout.check_softcap(softcap)
     if alibi_slopes is not None:
