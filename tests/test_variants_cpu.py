@@ -896,6 +896,26 @@ def test_dropout_rng_state_round_trips_uint64(seed, offset):
     assert rng_values(t) == (seed, offset), t
 
 
+def test_a_generator_under_torch_compile_is_drawn_eagerly_on_every_call():
+    # traced_rng with a generator under Dynamo: drawn_rng_state breaks the graph and draws at run time, so
+    # each call of the compiled function advances the generator as the eager draw_seed does; outside
+    # Dynamo (fake tensors alone) a draw would become a graph constant, which stays refused.
+    from tileattn.dropout import draw_seed, rng_values, traced_rng
+
+    def traced(x, generator):
+        return x + 1, traced_rng(generator, None, None, x.device)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(traced, backend="eager")
+    gen, twin = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    drawn = [rng_values(compiled(torch.zeros(3), gen)[1]) for _ in range(3)]
+    assert drawn == [draw_seed(twin, None, None, "cpu") for _ in range(3)], drawn
+    assert len(set(drawn)) == 3, drawn
+    with pytest.raises(NotImplementedError, match="generator under fake tensors outside torch.compile"):
+        traced_rng(gen, None, None, "cpu")
+    assert traced_rng(None, 5, None, "cpu").tolist() == [5, 0] and traced_rng(None, None, None, "cpu") is None
+
+
 def test_varlen_variants_trace_with_autograd():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

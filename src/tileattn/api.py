@@ -126,10 +126,12 @@ def attention(
             1e12]; stride(-1) != 1; strides or data pointers not 16-byte aligned; tensors on different devices
             or not on a CUDA device; a malformed window, softcap, alibi_slopes (shape, dtype, device, layout),
             dropout_p, generator, seed or offset; with any variant, Nq or Nk above 2^28.
-        NotImplementedError: dropout_p > 0 with a `generator` under torch.compile / fake tensors
-            (window, softcap and ALiBi trace as the tileattn::attention_variants_* custom ops, dropout
-            as tileattn::attention_dropout_*, with seed/offset or the default CUDA generator); an
-            input with a forward-mode tangent; a call inside a torch.func transform (vmap, grad, ...).
+        NotImplementedError: dropout_p > 0 with a `generator` under fake tensors outside torch.compile
+            (make_fx, export: window, softcap and ALiBi trace as the tileattn::attention_variants_* custom
+            ops, dropout as tileattn::attention_dropout_*, with seed/offset or the default CUDA generator;
+            under torch.compile a generator is drawn from eagerly, a graph break); dropout_p > 0 without a
+            seed while the current stream captures a CUDA graph (one draw would fix every replay's mask);
+            an input with a forward-mode tangent; a call inside a torch.func transform (vmap, grad, ...).
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
     if type(causal) is not bool or type(return_lse) is not bool or type(deterministic) is not bool:
@@ -608,7 +610,7 @@ def _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, 
         dr.check_variant_lengths(q.shape[2], k.shape[2])
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         if p > 0:
-            rng = dr.traced_rng(generator, seed, offset)
+            rng = dr.traced_rng(generator, seed, offset, q.device)
             out, lse, _ = torch.ops.tileattn.attention_dropout_fwd(q, k, v, alibi_slopes, rng, scale, deterministic,
                                                                    left, right, cap, p)
             return out, lse

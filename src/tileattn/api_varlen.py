@@ -121,10 +121,12 @@ def attention_varlen(
             is not finite and positive or outside [1e-12, 1e12]; stride(-1) != 1; strides or data pointers not
             16-byte aligned; non-contiguous cu_seqlens; tensors on different devices or not on a CUDA device;
             malformed variants (as tileattn.attention); with any variant, Tq or Tk above 2^28.
-        NotImplementedError: dropout_p > 0 with a `generator` under torch.compile / fake tensors (there
-            dropout traces as the tileattn::attention_varlen_dropout_* custom ops, with seed/offset or
-            the default CUDA generator, as tileattn.attention's does); an input with a forward-mode
-            tangent; a call inside a torch.func transform (vmap, grad, ...).
+        NotImplementedError: dropout_p > 0 with a `generator` under fake tensors outside torch.compile
+            (make_fx, export: dropout traces as the tileattn::attention_varlen_dropout_* custom ops, with
+            seed/offset or the default CUDA generator, as tileattn.attention's does; under torch.compile a
+            generator is drawn from eagerly, a graph break); dropout_p > 0 without a seed while the current
+            stream captures a CUDA graph (one draw would fix every replay's mask); an input with a
+            forward-mode tangent; a call inside a torch.func transform (vmap, grad, ...).
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
     if type(causal) is not bool or type(return_lse) is not bool or type(deterministic) is not bool:
@@ -435,7 +437,7 @@ def _varlen_variants(args, max_seqlen_q, max_seqlen_k, causal, scale, determinis
         dr.check_variant_lengths(q.shape[0], k.shape[0])
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         if p > 0:
-            rng = dr.traced_rng(generator, seed, offset)
+            rng = dr.traced_rng(generator, seed, offset, q.device)
             out, lse, _ = torch.ops.tileattn.attention_varlen_dropout_fwd(*args, alibi_slopes, rng, max_seqlen_q,
                                                                           max_seqlen_k, scale, deterministic, left,
                                                                           right, cap, p)

@@ -221,7 +221,10 @@ def check_variant_lengths(seqlen_q: int, seqlen_k: int) -> None:
 def draw_seed(generator, seed, offset, device) -> tuple[int, int]:
     """(seed, offset) of one dropout call: the given ones, or drawn from `generator` (default: the
     default generator of `device`). A CUDA generator gives its seed and current Philox offset and
-    advances the offset by 4 (no host sync); another generator draws a 64-bit seed."""
+    advances the offset by 4 (no host sync); another generator draws a 64-bit seed.
+
+    Raises NotImplementedError for a draw from a CUDA generator while the current stream is capturing a
+    CUDA graph (a seed fixed at capture would give every replay the same mask)."""
     if seed is not None:
         return int(seed), int(offset or 0)
     if generator is None:
@@ -231,6 +234,12 @@ def draw_seed(generator, seed, offset, device) -> tuple[int, int]:
         else:
             generator = torch.default_generator
     if generator.device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            raise NotImplementedError(
+                "dropout_p > 0 drawing its seed from a CUDA generator inside CUDA graph capture: the kernels take "
+                "the Philox seed and offset by value, so one draw would fix the mask of every replay (and the "
+                "generator's offset cannot be read while capturing); pass seed= (and offset=) to capture that "
+                "mask on purpose, or run the dropout call outside the graph")
         off = generator.get_offset()
         generator.set_offset(off + 4)
         return generator.initial_seed() % _U64, off % _U64
@@ -248,7 +257,8 @@ def draw_seed(generator, seed, offset, device) -> tuple[int, int]:
 # implementation, at run time, from the default CUDA generator of q's device (a new mask per call; the
 # generator's Philox offset advances by 4 as on the eager path). The forward returns the state it used
 # and the backward takes it, so both apply the same mask, also when AOTAutograd splits the graph.
-# Under CUDA graph capture the draw happens once, at capture: every replay reuses that mask.
+# Under CUDA graph capture a draw from a CUDA generator is refused (draw_seed): the kernels take the seed by
+# value, so it would fix one mask for every replay; a given seed/offset captures that mask on purpose.
 def rng_state(seed: int, offset: int) -> torch.Tensor:
     """[seed, offset] as int64 [2] (two's complement of the uint64 values), on the CPU."""
     return torch.tensor([(x + (1 << 63)) % _U64 - (1 << 63) for x in (int(seed), int(offset))], dtype=torch.int64)
@@ -260,15 +270,27 @@ def rng_values(rng: torch.Tensor) -> tuple[int, int]:
     return seed % _U64, offset % _U64
 
 
-def traced_rng(generator, seed, offset) -> torch.Tensor | None:
+def traced_rng(generator, seed, offset, device) -> torch.Tensor | None:
     """The `rng` argument of a dropout custom op for a traced call (arguments already checked by
-    check_dropout): rng_state(seed, offset) when a seed is given, None (drawn in the op) otherwise.
+    check_dropout): rng_state(seed, offset) when a seed is given, None (drawn in the op) otherwise, and
+    for a `generator` under torch.compile the state drawn from it eagerly (drawn_rng_state: a graph break).
 
-    Raises NotImplementedError for a generator: Dynamo cannot pass a torch.Generator into a custom op."""
+    Raises NotImplementedError for a generator under fake tensors without torch.compile (make_fx, export):
+    a draw there would become a constant of the graph, the same mask on every call."""
     if generator is not None:
-        raise NotImplementedError("dropout_p with a generator under torch.compile / fake tensors: pass seed "
-                                  "(and offset), or neither (the default CUDA generator), or run eagerly")
+        if not torch.compiler.is_compiling():
+            raise NotImplementedError("dropout_p with a generator under fake tensors outside torch.compile (make_fx, "
+                                      "export): pass seed (and offset), or neither (the default CUDA generator)")
+        return drawn_rng_state(generator, device)
     return None if seed is None else rng_state(seed, offset or 0)
+
+
+@torch.compiler.disable
+def drawn_rng_state(generator, device) -> torch.Tensor:
+    """rng_state of one draw from `generator` (draw_seed), run eagerly: torch.compile cannot pass a
+    torch.Generator into a custom op, so the compiled function breaks its graph here and draws on every
+    call, advancing the generator exactly as the eager path does (a new mask per call)."""
+    return rng_state(*draw_seed(generator, None, None, device))
 
 
 def op_seed(rng: torch.Tensor | None, device) -> tuple[int, int]:

@@ -481,6 +481,99 @@ def test_torch_compile_varlen_dropout_matches_eager(seeded):
           f"compiled varlen dropout seeded={seeded} seed={seed} offset={offset}")
 
 
+@pytest.mark.parametrize("api", ["attention", "attention_varlen"])
+def test_torch_compile_dropout_with_a_generator_draws_eagerly_per_call(api):
+    """A torch.Generator under torch.compile: the compiled function breaks its graph to draw the seed
+    and offset from it eagerly (tileattn.dropout.drawn_rng_state), so each call advances the generator by
+    4 as the eager call does and draws a new mask; out and gradients equal the eager call's bit for bit
+    with a generator in the same state."""
+    lens_q, lens_k, h, hkv, d, p = [70, 0, 129], [100, 5, 129], 4, 2, 64, 0.2
+    if api == "attention":
+        q, k, v, dout = make(1, h, hkv, 100, 130, d, BF16, seed=25)
+
+        def op(q_, k_, v_, generator):
+            return tileattn.attention(q_, k_, v_, True, dropout_p=p, generator=generator, deterministic=True)
+    else:
+        q, k, v, dout, cu_q, cu_k = _packed(lens_q, lens_k, h, hkv, d, BF16, seed=25)
+
+        def op(q_, k_, v_, generator):
+            return tileattn.attention_varlen(q_, k_, v_, cu_q, cu_k, max(lens_q), max(lens_k), True,
+                                             dropout_p=p, generator=generator, deterministic=True)
+
+    def run(fn, generator):
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        out = fn(qg, kg, vg, generator)
+        out.backward(dout)
+        return out.detach(), (qg.grad, kg.grad, vg.grad)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(op)
+    gen, twin = (torch.Generator(device="cuda").manual_seed(1234) for _ in range(2))
+    for call in range(2):
+        offset = gen.get_offset()
+        got = run(compiled, gen)
+        want = run(op, twin)
+        assert gen.get_offset() == twin.get_offset() == offset + 4, (
+            f"call {call}: generator offsets {gen.get_offset()} (compiled) and {twin.get_offset()} (eager), "
+            f"expected {offset + 4}")
+        for name, x, y in zip(("out", "dq", "dk", "dv"), (got[0], *got[1]), (want[0], *want[1])):
+            assert torch.equal(x, y), (f"call {call}: compiled {api} dropout {name} with a generator differs from "
+                                       f"eager: {int((x != y).sum())} of {x.numel()} elements")
+        if call == 0:
+            first = got[0]
+    assert not torch.equal(got[0], first), "two compiled calls with a generator gave the same output"
+
+
+@pytest.mark.parametrize("api", ["attention", "attention_varlen"])
+def test_dropout_under_cuda_graph_capture(api):
+    """With seed/offset given, a captured dropout call replays that mask: each replay equals the eager call
+    with the same seed on the new inputs. Drawing the seed from the CUDA generator while capturing is
+    refused before any work is enqueued (one draw would fix every replay's mask), and the stream is
+    usable afterwards."""
+    lens_q, lens_k, h, hkv, d, p = [70, 0, 129], [100, 5, 129], 4, 2, 64, 0.2
+    seeded = {"dropout_p": p, "seed": (1 << 63) + 3, "offset": 12}
+    if api == "attention":
+        make_inputs = lambda seed: make(1, h, hkv, 100, 130, d, BF16, seed=seed)[:3]  # noqa: E731
+
+        def op(q_, k_, v_, **kw):
+            return tileattn.attention(q_, k_, v_, True, return_lse=True, **kw)
+    else:
+        packed = _packed(lens_q, lens_k, h, hkv, d, BF16, seed=26)
+        cu_q, cu_k = packed[4], packed[5]
+        make_inputs = lambda seed: _packed(lens_q, lens_k, h, hkv, d, BF16, seed=seed)[:3]  # noqa: E731
+
+        def op(q_, k_, v_, **kw):
+            return tileattn.attention_varlen(q_, k_, v_, cu_q, cu_k, max(lens_q), max(lens_k), True, return_lse=True,
+                                             **kw)
+
+    static = [t.clone() for t in make_inputs(26)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # loads the kernel outside the capture
+        op(*static, **seeded)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, static_lse = op(*static, **seeded)
+    for seed in (27, 28):
+        for dst, src in zip(static, make_inputs(seed)):
+            dst.copy_(src)
+        static_out.fill_(float("nan"))
+        graph.replay()
+        want_out, want_lse = op(*static, **seeded)
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, want_out) and torch.equal(static_lse, want_lse), (
+            f"replay on inputs {seed} differs from the eager call with the same seed")
+
+    refused = torch.cuda.CUDAGraph()
+    with pytest.raises(NotImplementedError, match="inside CUDA graph capture"):
+        with torch.cuda.graph(refused):
+            op(*static, dropout_p=p)
+    out, _ = op(*static, dropout_p=p)  # eager, drawn from the default generator, after the refused capture
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+
+
 def test_varlen_dropout_opcheck_on_cuda():
     """torch.library.opcheck of tileattn::attention_varlen_dropout_fwd/bwd on CUDA tensors: the real
     implementation against the fake one (shapes, dtypes, strides, devices of every output, the CPU
