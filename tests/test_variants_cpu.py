@@ -900,10 +900,10 @@ def test_a_generator_under_torch_compile_is_drawn_eagerly_on_every_call():
     # traced_rng with a generator under Dynamo: drawn_rng_state breaks the graph and draws at run time, so
     # each call of the compiled function advances the generator as the eager draw_seed does; outside
     # Dynamo (fake tensors alone) a draw would become a graph constant, which stays refused.
-    from tileattn.dropout import draw_seed, rng_values, traced_rng
+    from tileattn.dropout import check_dropout, draw_seed, rng_values, traced_rng
 
-    def traced(x, generator):
-        return x + 1, traced_rng(generator, None, None, x.device)
+    def traced(x, generator):  # the API's order: the argument checks, then the rng
+        return x + check_dropout(0.1, generator, None, None), traced_rng(generator, None, None, x.device)
 
     torch._dynamo.reset()
     compiled = torch.compile(traced, backend="eager")
