@@ -105,7 +105,16 @@ def main(argv=None) -> int:
         for name, what in ENGINE_COMMANDS.items():
             sub.add_parser(name, help=what)
     args = ap.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except RuntimeError as exc:
+        from .runtime import NoGPUError  # loaded by then: whatever raised it imported the runtime
+
+        if not isinstance(exc, NoGPUError):
+            raise
+        # A machine without a GPU is the user's setting, not a bug: one line, as argparse reports a bad option.
+        print(f"tileattn {' '.join(filter(None, (args.command, getattr(args, 'what', None))))}: {exc}", file=sys.stderr)
+        return 1
 
 
 # The engine's commands (tileattn[engine]); their parsers are built only when one of them runs.

@@ -17,14 +17,13 @@ def main(argv=None) -> int:
     import torch
 
     from tileattn import api_layers
+    from tileattn.runtime import require_gpu
 
     from .env import environment
     from .harness import measure
     from .records import save_run
 
-    if not torch.cuda.is_available():
-        print("tileattn bench layers needs a CUDA GPU; nothing measured")
-        return 1
+    require_gpu()  # NoGPUError, which `tileattn` reports in one line, as for the other kernel benchmarks
     env, records, lines = environment(), [], []
     dtype = torch.bfloat16
     lines += ["### fused steps, one decode token, bf16: median us", "",
