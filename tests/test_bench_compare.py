@@ -121,7 +121,7 @@ def test_bench_attention_refuses_zero_rounds(capsys):
 
     with pytest.raises(SystemExit):
         attention.main(["--rounds", "0"])
-    assert "--rounds must be at least 1" in capsys.readouterr().err
+    assert "--rounds: must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,says", [

@@ -65,7 +65,8 @@ def _compile_one(fam: Family, expr: str, arch: str, use_cache: bool) -> Row:
 def run_check(archs: list[str] | None = None, *, family_filter: str | None = None, use_cache: bool = True,
               jobs: int | None = None, tuning: bool = False) -> list[Row]:
     """Compile every registered instantiation (optionally only families whose name contains
-    `family_filter`; with `tuning`, the tuning candidates too)."""
+    `family_filter`; with `tuning`, the tuning candidates too). Raises ValueError when the filters leave
+    nothing to compile: a check of nothing would read as a pass."""
     work = []
     for fam in families().values():
         if family_filter and family_filter not in fam.name:
@@ -78,6 +79,13 @@ def run_check(archs: list[str] | None = None, *, family_filter: str | None = Non
                 continue
             exprs = fam.instantiations + (tuple(e for e in fam.tuning if e not in fam.instantiations) if tuning else ())
             work.extend((fam, expr, arch) for expr in exprs)
+    if not work:
+        names = sorted(f.name for f in families().values())
+        archs_known = sorted({a for f in families().values() for a in f.archs})
+        asked = " and ".join(x for x in (family_filter and f"--family {family_filter!r}",
+                                         archs and f"--arch {' '.join(archs)}") if x)
+        raise ValueError(f"nothing to compile for {asked or 'no filter'}; families: {', '.join(names)}; archs: "
+                         f"{', '.join(archs_known)}")
     rows: list[Row] = []
     # One process per core: an NVRTC compile holds the GIL, so threads would run one at a time.
     # "spawn": workers start clean (no inherited CUDA or thread state).

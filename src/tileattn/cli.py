@@ -40,7 +40,11 @@ def cmd_check(args) -> int:
 
     for module in args.with_module or ():  # e.g. labs.kernels: registers the repository's lab kernels
         importlib.import_module(module)
-    rows = run_check(args.arch or None, family_filter=args.family, use_cache=not args.no_cache, tuning=args.tuning)
+    try:
+        rows = run_check(args.arch or None, family_filter=args.family, use_cache=not args.no_cache, tuning=args.tuning)
+    except ValueError as exc:  # filters that match nothing
+        print(f"tileattn check: {exc}", file=sys.stderr)
+        return 2
     print(format_table(rows))
     failed = [r for r in rows if not r.ok]
     for r in failed:

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from .harness import host_overhead_us, measure
+from .harness import host_overhead_us, measure, positive_int
 from .records import save_run, write_run
 from .report import environment_line, markdown_table, median_rounds, plot
 
@@ -282,17 +282,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tileattn bench attention", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--seq", type=int, action="append", help="sequence length (repeatable)")
+    ap.add_argument("--head-dim", type=int, default=128, choices=(32, 64, 96, 128, 256))
+    ap.add_argument("--batch", type=positive_int, default=4)
+    ap.add_argument("--heads", type=positive_int, default=32)
+    ap.add_argument("--seq", type=positive_int, action="append", help="sequence length (repeatable)")
     ap.add_argument("--quick", action="store_true", help=f"N in {QUICK_SEQ_LENS}")
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--backward-only", action="store_true", help="only the backward pass (with --tune: its configs)")
     ap.add_argument("--impl", action="append", choices=IMPL_NAMES,
                     help="only these implementations (repeatable; tileattn_sm90 on sm_90a only)")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--rounds", type=int,
+    ap.add_argument("--reps", type=positive_int, default=10)
+    ap.add_argument("--rounds", type=positive_int,
                     help="time each point this many times, implementations interleaved (each first in turn); "
                          "report the median round (default 3, 1 with --demo: on the H200 the first measurement "
                          "after light work can run at a 20 %% higher clock than the rest, docs/BENCHMARKS.md "
@@ -305,8 +305,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.rounds is None:
         args.rounds = 1 if args.demo else 3
-    if args.rounds < 1:
-        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.forward_only and args.backward_only:
         ap.error("--forward-only and --backward-only exclude each other")
     require_gpu()

@@ -85,6 +85,20 @@ LEAD_MAX_SECONDS = 0.25  # the host lead's cap (a slow host then times some of i
 FLUSH_MODES = ("clean", "write")
 
 
+def positive_int(text: str) -> int:
+    """argparse type of the benchmarks' counts and sizes: an int >= 1, refused as an option error (before
+    any GPU work) otherwise."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def clock_interval_ms() -> int | None:
     """nvidia-smi's sampling interval while `measure` runs (TILEATTN_BENCH_CLOCKS, in ms), or None
     when unset or 0."""

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 
+from .harness import positive_int
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tileattn bench layers", description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=positive_int, default=20)
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)

@@ -30,6 +30,7 @@ import time
 import torch
 
 from .env import environment
+from .harness import positive_int
 from .records import write_run
 from .report import environment_line
 
@@ -286,8 +287,8 @@ def table(records: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tileattn bench overhead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calls", type=int, default=200, help="calls per burst (no sync inside)")
-    ap.add_argument("--rounds", type=int, default=15, help="bursts; the median is reported")
+    ap.add_argument("--calls", type=positive_int, default=200, help="calls per burst (no sync inside)")
+    ap.add_argument("--rounds", type=positive_int, default=15, help="bursts; the median is reported")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--breakdown", action="store_true", help="also time the pieces of one eager forward/backward")
     args = ap.parse_args(argv)

@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 
+from .harness import positive_int
+
 CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
@@ -98,7 +100,7 @@ def table(records: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tileattn bench startup", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3, help="processes per cache state")
+    ap.add_argument("--runs", type=positive_int, default=3, help="processes per cache state")
     ap.add_argument("--profile", help="write a cProfile of a warm-cache first call here")
     ap.add_argument("--json", help="write the records here")
     args = ap.parse_args(argv)

@@ -29,7 +29,7 @@ import contextlib
 import torch
 
 from ..api import hopper_kernels_forced
-from .harness import measure
+from .harness import measure, positive_int
 from .records import save_run
 from .report import environment_line, fmt_number, median_rounds
 
@@ -277,9 +277,9 @@ def main(argv=None) -> int:
     ap.add_argument("--suite", choices=("window", "overhead", "all"), default="all")
     ap.add_argument("--head-dim", type=int, default=128, choices=(32, 64, 96, 128, 256))
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=positive_int, default=10)
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--rounds", type=positive_int, default=3,
                     help="overhead suite: timing rounds, the cases' order rotated (median reported)")
     ap.add_argument("--variant", action="append", choices=OVERHEAD_VARIANTS, dest="variants",
                     help="overhead suite: time only these variants beside plain (repeatable; default all)")
@@ -290,8 +290,6 @@ def main(argv=None) -> int:
                     help="with the Hopper kernels not yet in the dispatcher's tables switched on "
                          "(tileattn.api.hopper_kernels_forced; records carry hopper_forced)")
     args = ap.parse_args(argv)
-    if args.rounds < 1:
-        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     require_gpu()
     env = environment()
     env["hopper_forced"] = args.hopper_forced

@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from .harness import measure
+from .harness import measure, positive_int
 from .records import save_run
 from .report import environment_line, fmt_number
 
@@ -258,21 +258,23 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="tileattn bench varlen", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seqs", type=int, default=64, help="number of sequences (default 64)")
-    ap.add_argument("--min-len", type=int, default=100)
-    ap.add_argument("--max-len", type=int, default=4096)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=32)
-    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--seqs", type=positive_int, default=64, help="number of sequences (default 64)")
+    ap.add_argument("--min-len", type=positive_int, default=100)
+    ap.add_argument("--max-len", type=positive_int, default=4096)
+    ap.add_argument("--heads", type=positive_int, default=32)
+    ap.add_argument("--kv-heads", type=positive_int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128, choices=(32, 64, 96, 128, 256))
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--full", action="store_true", help="non-causal (default: causal)")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=positive_int, default=10)
     ap.add_argument("--seed", type=int, default=0, help="seed of the lengths and the data")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--markdown", help="write the table here")
     args = ap.parse_args(argv)
-    if not 1 <= args.min_len <= args.max_len or args.seqs < 1:
-        ap.error("need --seqs >= 1 and 1 <= --min-len <= --max-len")
+    if args.min_len > args.max_len:
+        ap.error(f"--min-len {args.min_len} is above --max-len {args.max_len}")
+    if args.heads % args.kv_heads:
+        ap.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     require_gpu()
     env = environment()
     print(environment_line(env))
