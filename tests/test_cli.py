@@ -44,6 +44,8 @@ def _raise_bug(argv):
     ("varlen", ["--min-len", "10", "--max-len", "5"], "--min-len 10 is above --max-len 5"),
     ("varlen", ["--head-dim", "48"], "--head-dim: invalid choice: 48"),
     ("varlen", ["--seqs", "0"], "--seqs: must be >= 1"),
+    ("decode", ["--memory-gb", "0"], "--memory-gb must be a finite number > 0, got 0.0"),
+    ("decode", ["--memory-gb", "nan"], "--memory-gb must be a finite number > 0, got nan"),
 ])
 def test_benchmark_options_are_refused_before_the_gpu(bench, argv, needle, capsys, monkeypatch):
     # An option no run can use is an argparse error (status 2) before anything needs a GPU: without a GPU

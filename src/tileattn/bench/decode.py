@@ -600,6 +600,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--reps must be >= 1, got {args.reps}")
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    if not 0 < args.memory_gb < float("inf"):  # NaN too: every point would be skipped
+        ap.error(f"--memory-gb must be a finite number > 0, got {args.memory_gb}")
     if args.prefill_only and (args.no_prefill or args.sweep):
         ap.error("--prefill-only goes without --no-prefill and --sweep")
     if args.block_sizes is not None:
