@@ -117,7 +117,8 @@ def main(argv=None) -> int:
         if not isinstance(exc, NoGPUError):
             raise
         # A machine without a GPU is the user's setting, not a bug: one line, as argparse reports a bad option.
-        print(f"tileattn {' '.join(filter(None, (args.command, getattr(args, 'what', None))))}: {exc}", file=sys.stderr)
+        command = " ".join(filter(None, (args.command, getattr(args, "what", None))))  # e.g. "bench attention"
+        print(f"tileattn {command}: {exc}", file=sys.stderr)
         return 1
 
 

@@ -10,6 +10,7 @@ import argparse
 
 from .harness import positive_int
 
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tileattn bench layers", description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=positive_int, default=20)
