@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from ..api import SUPPORTED_HEAD_DIMS
 from .harness import host_overhead_us, measure, positive_int
 from .records import save_run, write_run
 from .report import environment_line, markdown_table, median_rounds, plot
@@ -282,7 +283,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tileattn bench attention", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--head-dim", type=int, default=128, choices=(32, 64, 96, 128, 256))
+    ap.add_argument("--head-dim", type=int, default=128, choices=SUPPORTED_HEAD_DIMS)
     ap.add_argument("--batch", type=positive_int, default=4)
     ap.add_argument("--heads", type=positive_int, default=32)
     ap.add_argument("--seq", type=positive_int, action="append", help="sequence length (repeatable)")

@@ -52,7 +52,7 @@ import time
 
 import torch
 
-from .harness import host_overhead_us, measure
+from .harness import host_overhead_us, measure, positive_int
 from .records import save_run
 from .report import environment_line, fmt_number, median_rounds
 
@@ -579,11 +579,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="tileattn bench decode", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"B in {QUICK['batches']}, KV in {QUICK['kv_lens']}")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=positive_int, default=20)
     ap.add_argument("--memory-gb", type=float, default=100.0, help="skip points needing more K+V than this")
     ap.add_argument("--no-prefill", action="store_true", help="decode only")
     ap.add_argument("--prefill-only", action="store_true", help="chunked prefill only (no decode points)")
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--rounds", type=positive_int, default=3,
                     help="chunked prefill: timing rounds, the implementations' order rotated (median reported)")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--markdown", help="write the tables here")
@@ -591,15 +591,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="time the default decode config and every DECODE_TUNING candidate x split count instead")
     ap.add_argument("--points", nargs="+", metavar="H/HKV:B:KV",
                     help="--sweep points, e.g. 32/8:8:4096 (default: the --quick decode points)")
-    ap.add_argument("--splits", nargs="+", type=int, metavar="S",
+    ap.add_argument("--splits", nargs="+", type=positive_int, metavar="S",
                     help=f"--sweep forced split counts, beside the automatic one (default: {SWEEP_SPLITS})")
     ap.add_argument("--block-sizes", nargs="+", type=int, metavar="BS",
                     help=f"--sweep or --prefill-only block sizes (default: {QUICK['block_sizes']})")
     args = ap.parse_args(argv)
-    if args.reps < 1:
-        ap.error(f"--reps must be >= 1, got {args.reps}")
-    if args.rounds < 1:
-        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if not 0 < args.memory_gb < float("inf"):  # NaN too: every point would be skipped
         ap.error(f"--memory-gb must be a finite number > 0, got {args.memory_gb}")
     if args.prefill_only and (args.no_prefill or args.sweep):
@@ -619,8 +615,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as exc:
         ap.error(f"--points: {exc}")
     args.splits = tuple(dict.fromkeys(args.splits or SWEEP_SPLITS))
-    if min(args.splits) < 1:
-        ap.error(f"--splits must be >= 1, got {list(args.splits)}")
     args.block_sizes = args.block_sizes or QUICK["block_sizes"]
     ragged = [p for p in args.points if any(p[3] % bs for bs in args.block_sizes)]
     if ragged:  # the cache is the dense K/V cut into whole blocks

@@ -28,7 +28,7 @@ import contextlib
 
 import torch
 
-from ..api import hopper_kernels_forced
+from ..api import SUPPORTED_HEAD_DIMS, hopper_kernels_forced
 from .harness import measure, positive_int
 from .records import save_run
 from .report import environment_line, fmt_number, median_rounds
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tileattn bench variants", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", choices=("window", "overhead", "all"), default="all")
-    ap.add_argument("--head-dim", type=int, default=128, choices=(32, 64, 96, 128, 256))
+    ap.add_argument("--head-dim", type=int, default=128, choices=SUPPORTED_HEAD_DIMS)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--reps", type=positive_int, default=10)
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")

@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from ..api import SUPPORTED_HEAD_DIMS
 from .harness import measure, positive_int
 from .records import save_run
 from .report import environment_line, fmt_number
@@ -263,7 +264,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=positive_int, default=4096)
     ap.add_argument("--heads", type=positive_int, default=32)
     ap.add_argument("--kv-heads", type=positive_int, default=32)
-    ap.add_argument("--head-dim", type=int, default=128, choices=(32, 64, 96, 128, 256))
+    ap.add_argument("--head-dim", type=int, default=128, choices=SUPPORTED_HEAD_DIMS)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--full", action="store_true", help="non-causal (default: causal)")
     ap.add_argument("--reps", type=positive_int, default=10)
