@@ -576,4 +576,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from labs import run_lab
+
+    raise SystemExit(run_lab(main, "gemm"))

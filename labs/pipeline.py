@@ -20,7 +20,6 @@ bf16 in, fp32 accumulate, 20 KB of shared memory per stage.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import torch
@@ -147,4 +146,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from labs import run_lab
+
+    raise SystemExit(run_lab(main, "pipeline"))

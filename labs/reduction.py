@@ -354,4 +354,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from labs import run_lab
+
+    raise SystemExit(run_lab(main, "reduction"))

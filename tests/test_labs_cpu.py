@@ -111,6 +111,27 @@ def test_command_lines_refuse_bad_arguments(module, argv):
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize("name", ["vector_add", "gemm", "reduction", "transpose", "pipeline"])
+def test_labs_without_a_gpu_say_so_in_one_line(name, monkeypatch, capsys):
+    """`python -m labs.<name>` on a machine without a GPU: one stderr line naming the lab and status 1
+    (run_lab), not a traceback; any other exception still propagates."""
+    import importlib
+
+    from labs import run_lab
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    lab = importlib.import_module(f"labs.{name}")
+    assert run_lab(lab.main, name, []) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"python -m labs.{name}: ") and "NVIDIA GPU" in err[0], err
+
+    def broken(argv):
+        raise RuntimeError("not a missing GPU")
+
+    with pytest.raises(RuntimeError, match="not a missing GPU"):
+        run_lab(broken, name, [])
+
+
 # ---- the transpose cost model and ncu parsing ---------------------------------------------------------------
 def test_predicted_counters_match_the_textbook():
     p = {v: transpose.predict_counters(v, "fp32", 64, 128) for v in transpose.VERSIONS}
