@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-
 
 def run_lab(main, name: str, argv=None) -> int:
     """A lab's `python -m labs.<name>` entry: main(argv)'s status, or, on a machine without an NVIDIA
-    GPU, one line on stderr and status 1 (as the `tileattn` commands do) instead of a traceback."""
-    from tileattn.runtime import NoGPUError
+    GPU, one line on stderr and status 1 (tileattn.cli.report_missing_gpu, as the `tileattn` commands
+    report it) instead of a traceback."""
+    from tileattn.cli import report_missing_gpu
 
-    try:
-        return main(argv)
-    except NoGPUError as exc:
-        print(f"python -m labs.{name}: {exc}", file=sys.stderr)
-        return 1
+    return report_missing_gpu(lambda: main(argv), f"python -m labs.{name}")

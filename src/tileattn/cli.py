@@ -109,16 +109,22 @@ def main(argv=None) -> int:
         for name, what in ENGINE_COMMANDS.items():
             sub.add_parser(name, help=what)
     args = ap.parse_args(argv)
+    command = " ".join(filter(None, (args.command, getattr(args, "what", None))))  # e.g. "bench attention"
+    return report_missing_gpu(lambda: args.fn(args), f"tileattn {command}")
+
+
+def report_missing_gpu(call, who: str) -> int:
+    """call()'s exit status; on a machine without an NVIDIA GPU (NoGPUError), one line `who: message` on
+    stderr and status 1 instead of a traceback: the user's setting, not a bug, reported as argparse reports
+    a bad option. Any other exception propagates. (The labs' entry, labs.run_lab, uses it too.)"""
     try:
-        return args.fn(args)
+        return call()
     except RuntimeError as exc:
         from .runtime import NoGPUError  # loaded by then: whatever raised it imported the runtime
 
         if not isinstance(exc, NoGPUError):
             raise
-        # A machine without a GPU is the user's setting, not a bug: one line, as argparse reports a bad option.
-        command = " ".join(filter(None, (args.command, getattr(args, "what", None))))  # e.g. "bench attention"
-        print(f"tileattn {command}: {exc}", file=sys.stderr)
+        print(f"{who}: {exc}", file=sys.stderr)
         return 1
 
 
