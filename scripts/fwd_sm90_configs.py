@@ -63,8 +63,8 @@ def timed_call(q, k, v, out, lse, causal: bool, cfg: af.Sm90Config, variant: str
                      softcap=30.0 if variant == "softcap" else 0.0,
                      alibi_batch_stride=0 if variant == "alibi" else None)
     plan = af.ForwardPlan(q, k, v, out, lse, causal=False, scale=1 / math.sqrt(d), config=cfg, variants=va)
-    # (alibi pointer, dropout seed, offset); the closure keeps the slopes alive
-    return lambda: plan.launch(q, k, v, out, lse, slopes.data_ptr() if variant == "alibi" else 0, 0, 0)
+    # (alibi pointer, dropout seed, offset, rng state pointer); the closure keeps the slopes alive
+    return lambda: plan.launch(q, k, v, out, lse, slopes.data_ptr() if variant == "alibi" else 0, 0, 0, 0)
 
 
 def main(argv=None) -> int:

@@ -55,11 +55,11 @@ def plans(q, k, v, out, lse, causal: bool, fixed_configs=()):
             continue
         plan = af.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=va, fixed_max=fixed_max,
                               causal_kernel=causal_kernel)
-        calls[name] = (lambda p: lambda: p.launch(q, k, v, out, lse, 0, 0, 0))(plan)
+        calls[name] = (lambda p: lambda: p.launch(q, k, v, out, lse, 0, 0, 0, 0))(plan)
     if "softcap_fixed" in calls and not causal:
         for cfg in fixed_configs:
             plan = af.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=va, fixed_max=True, config=cfg)
-            calls[f"softcap_fixed@{cfg}"] = (lambda p: lambda: p.launch(q, k, v, out, lse, 0, 0, 0))(plan)
+            calls[f"softcap_fixed@{cfg}"] = (lambda p: lambda: p.launch(q, k, v, out, lse, 0, 0, 0, 0))(plan)
     return calls
 
 

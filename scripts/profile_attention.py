@@ -65,8 +65,9 @@ def sm90_variants(args) -> None:
         (af.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale), ()),
         (af.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, config=af.VARIANT_DEFAULTS[d]), ()),
         (af.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=VariantArgs(alibi_batch_stride=0)),
-         (slopes.data_ptr(), 0, 0)),
-        (af.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=VariantArgs(softcap=30.0)), (0, 0, 0)),
+         (slopes.data_ptr(), 0, 0, 0)),
+        (af.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=VariantArgs(softcap=30.0)),
+         (0, 0, 0, 0)),
     ]
     for plan, extra in plans:
         plan.launch(q, k, v, out, lse, *extra)

@@ -309,9 +309,11 @@ def test_variant_kernels_are_registered_once_per_head_dim():
 
     fwd = [e for e in attention_fwd_sm80.INSTANTIATIONS if "_variants_" in e]
     bwd = [e for e in attention_bwd_sm80.INSTANTIATIONS if "_variants_" in e]
-    # (head dim x dtype x dense/varlen) forward; main atomic + main deterministic + dQ backward.
-    assert len(fwd) == 5 * 2 * 2, fwd
-    assert len(bwd) == 5 * 2 * 2 * 3, bwd
+    # (head dim x dtype x dense/varlen x seed by value / kRngState) forward; main atomic + main deterministic
+    # + dQ backward.
+    assert len(fwd) == len(set(fwd)) == 5 * 2 * 2 * 2, fwd
+    assert len(bwd) == len(set(bwd)) == 5 * 2 * 2 * 2 * 3, bwd
+    assert sum(e.endswith(", true>") and "_variants_sm80<" in e and e.count("true") >= 1 for e in fwd) >= 20
     for cfg in attention_fwd_sm80.VARIANT_DEFAULTS.values():
         assert cfg.block_n % 32 == 0, f"{cfg}: dropout bits come per 32 keys"
 
@@ -328,9 +330,10 @@ def test_sm90_variant_instantiations_cover_every_flag_set():
             for flags in range(1, 8):
                 e = k90.variant_expression(d, cfg, bf16, flags)
                 assert e in exprs, e
-                # The plain template with kCausal false, then kConsumers 2, kVariant and VARIANT_PARAMS' ten types.
+                # The plain template with kCausal false, then kConsumers 2, kVariant and VARIANT_PARAMS' eleven
+                # types (the last: the dropout rng state's pointer).
                 assert e.startswith(k90.expression(d, cfg, False, bf16)[:-1] + f", 2, {flags}, const float*"), e
-                assert e.count(",") == 5 + 2 + 10, e
+                assert e.count(",") == 5 + 2 + 11 and e.endswith("float, const unsigned long long*>"), e
     # The plain instantiations keep their names (six template arguments: 3 head dims x causal x
     # dtype, and the long-keys tiles in both dtypes); the three-consumer ones add kConsumers; the
     # others (the variants above, and the varlen / paged / dropout bits, which their own model tests
@@ -352,9 +355,12 @@ def test_sm90_variant_instantiations_cover_every_flag_set():
     fixed_max = k90.FIXED_MAX_INSTANTIATIONS  # test_sm90_softcap_fixed_max_kernels checks them
     causal_variants = k90.CAUSAL_VARIANT_INSTANTIATIONS  # test_sm90_causal_variant_kernels checks them
     causal_fixed_max = k90.CAUSAL_FIXED_MAX_INSTANTIATIONS  # test_sm90_causal_fixed_max_kernels checks them
+    # The kRngState forms at their own tiles: test_rng_state_kernel_forms_are_registered_where_they_fit.
+    rng_tiles = {k90.variant_expression(d, cfg, bf16, flags) for (d, flags), cfg in k90.RNG_STATE_TILES.items()
+                 for bf16 in (False, True)}
     assert all(e.startswith(tuple(p[:-1] + ", 2, " for p in plain)) for e in k90.INSTANTIATIONS
                if e not in plain and e not in wide and e not in variant_wide and e not in fixed_max
-               and e not in causal_variants and e not in causal_fixed_max)
+               and e not in causal_variants and e not in causal_fixed_max and e not in rng_tiles)
 
 
 def test_sm90_softcap_fixed_max_kernels():
@@ -1185,3 +1191,108 @@ def test_sm90_exp2_poly_only_in_softcap_d64_kernels():
     assert "static_assert(!kFixed || (kIsBF16 && ((kVariant & ~kFixedMax) == kSoftcap ||" in src
     assert src.count("softmax_step<kBlockN, kAlibiRaw, kFixed, kExp2FmaPer8>(s, m, l, alpha, sl2, shift, !masked)") == 1
     assert src.count("softmax_step<kBlockN, kAlibiRaw, kFixed>(") == 1  # the first visit: MUFU only
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout's rng state in device memory (a seed tensor; the draw under CUDA graph capture): the host
+# side. The kernels' kRngState forms are compiled by `tileattn check`; their GPU tests are
+# tests/gpu/test_dropout_device_rng.py.
+# ---------------------------------------------------------------------------------------------
+def test_seed_tensor_arguments_are_checked():
+    from tileattn.dropout import check_dropout, check_seed_device
+
+    ok = torch.tensor([1, -2], dtype=torch.int64)
+    assert check_dropout(0.1, None, ok, None) == 0.1
+    for bad in (ok.to(torch.int32), torch.zeros(3, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)[::2],
+                torch.zeros(1, 2, dtype=torch.int64)):
+        with pytest.raises(ValueError, match=r"int64 of shape \[2\]"):
+            check_dropout(0.1, None, bad, None)
+    with pytest.raises(ValueError, match="pass offset=None"):
+        check_dropout(0.1, None, ok, 3)
+    with pytest.raises(ValueError, match="not both"):
+        check_dropout(0.1, torch.Generator(), ok, None)
+    check_seed_device(ok, "cpu")
+    with pytest.raises(ValueError, match="must be on q's device cuda:0"):
+        check_seed_device(ok, torch.device("cuda:0"))
+
+
+def test_device_state_is_wanted_for_a_seed_tensor_only_outside_capture():
+    from tileattn.dropout import dropout_state, kernel_values, wants_device_state
+
+    state = torch.tensor([7, 9], dtype=torch.int64)
+    assert wants_device_state(None, state, "cpu")
+    assert not wants_device_state(None, 5, "cpu") and not wants_device_state(None, None, "cpu")
+    assert not wants_device_state("not a generator", None, "cpu")
+    assert dropout_state(None, state, None, "cpu") == (0, 0, state)
+    assert dropout_state(None, 5, 3, "cpu") == (5, 3, None)
+    assert kernel_values(5, 3, None) == (5, 3, 0)
+    assert kernel_values(0, 0, state) == (0, 0, state.data_ptr())
+
+
+def test_reference_reads_a_seed_tensor():
+    """The reference's mask for a seed tensor [s, o] is that of the ints s, o (uint64 two's complement)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 33, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    seed, offset = (1 << 63) + 5, (1 << 40) + 1
+    state = torch.tensor([seed - (1 << 64), offset], dtype=torch.int64)
+    want = reference.attention(q, k, v, True, dropout_p=0.4, seed=seed, offset=offset)
+    got = reference.attention(q, k, v, True, dropout_p=0.4, seed=state)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+def test_op_rng_states_keep_their_device():
+    from tileattn.dropout import op_state, rng_state, rng_state_fake, used_rng_state
+
+    cpu = rng_state(11, 4)
+    assert op_state(cpu, "cpu") == (11, 4, None)
+    assert used_rng_state(11, 4, None).tolist() == [11, 4]
+    assert rng_state_fake(None).device.type == "cpu" and rng_state_fake(cpu).device == cpu.device
+    copy = used_rng_state(0, 0, cpu)
+    assert copy.tolist() == cpu.tolist() and copy.data_ptr() != cpu.data_ptr(), "an op output must not alias rng"
+
+
+def test_rng_state_kernel_forms_are_registered_where_they_fit():
+    """Which instantiation a call with a device rng state runs: the kRngState forms of the sm80 variant
+    kernels (every head dim, dense and varlen), of the Hopper forward (the sets RNG_STATE_FLAG_SETS lists,
+    d = 128 windowed at 128 x 64) and of the Hopper backward (WINDOW | DROPOUT); the by-value calls keep
+    their instantiations."""
+    from tileattn.kernels import attention_bwd_sm80 as b80
+    from tileattn.kernels import attention_bwd_sm90 as b90
+    from tileattn.kernels import attention_fwd_sm80 as f80
+    from tileattn.kernels import attention_fwd_sm90 as af
+    from tileattn.kernels import family
+
+    VariantArgs = f80.VariantArgs
+    rng = VariantArgs(UNBOUNDED, 0, dropout_p=0.1, rng_state=True)  # causal: the window (unbounded, 0)
+    assert rng.reads_rng_state and not VariantArgs(rng_state=True).reads_rng_state  # p = 0: nothing to read
+    assert f"constexpr int kRngState = {af.RNG_STATE};" in family(af.FAMILY_NAME).path.read_text()
+    assert f"constexpr int kRngState = {b90.RNG_STATE};" in family(b90.FAMILY_NAME).path.read_text()
+    for d in f80.HEAD_DIMS:
+        for varlen in (False, True):
+            table = f80.VARLEN_VARIANT_DEFAULTS if varlen else f80.VARIANT_DEFAULTS
+            expr = f80.variant_expression(d, table[d], True, varlen, rng_state=True)
+            assert expr.endswith(", true, true>") and expr in f80.INSTANTIATIONS
+        cfg = b80.VARIANT_CONFIGS[d]
+        for varlen in (False, True):
+            assert cfg.main_expr(True, True, varlen, True, True).endswith(", true>")
+            assert {cfg.main_expr(True, dq, varlen, True, True) for dq in (False, True)} <= set(b80.INSTANTIATIONS)
+            assert cfg.dq_expr(False, varlen, True, True) in b80.INSTANTIATIONS
+    flags = af.variant_flags(rng)
+    assert flags == af.DROPOUT | af.WINDOW | af.RNG_STATE
+    assert af.dropout_kernel_flags(128, flags) == flags and af.variant_config(128, flags).block_n == 64
+    assert af.variant_config(128, af.dropout_kernel_flags(128, af.variant_flags(VariantArgs(UNBOUNDED, 0, dropout_p=0.1)))) \
+        == af.variant_config(128, af.DROPOUT | af.WINDOW), "the by-value kernel keeps its tile"
+    for d, sets in af.RNG_STATE_FLAG_SETS.items():
+        for kflags in sets:
+            cfg = af.RNG_STATE_TILES.get((d, kflags), af.VARIANT_DEFAULTS[d])
+            assert af.variant_expression(d, cfg, True, kflags) in af.INSTANTIATIONS
+    bf = torch.bfloat16
+    alibi_rng = VariantArgs(alibi_batch_stride=0, dropout_p=0.1, rng_state=True)
+    assert af.supports_dropout(256, bf, VariantArgs(alibi_batch_stride=0, dropout_p=0.1))
+    assert not af.supports_dropout(256, bf, alibi_rng), "d = 256 ALiBi's kRngState forms spill: sm80 runs them"
+    assert af.supports_dropout(64, bf, alibi_rng) and af.supports_dropout(128, bf, rng)
+    assert b90.variant_bits(rng) == b90.WINDOW | b90.DROPOUT | b90.RNG_STATE
+    assert all(b90.supports_variants(d, bf, rng, det) for d in (64, 128, 256) for det in (False, True)
+               if (d, det) != (256, True))
+    assert not b90.supports_variants(256, bf, rng, True), "d = 256's deterministic kRngState form spills: sm80 runs it"
+    assert b90.variant_expression(128, b90.VARIANT_DEFAULTS[128], True, b90.variant_bits(rng)) in b90.INSTANTIATIONS

@@ -72,7 +72,7 @@ def attention(
     alibi_slopes: Tensor | None = None,
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
-    seed: int | None = None,
+    seed: int | Tensor | None = None,
     offset: int | None = None,
 ):
     """Fused exact attention softmax(scale * q k^T) v on NVIDIA tensor cores, with autograd.
@@ -108,8 +108,13 @@ def attention(
             scaled by 1 / (1 - p)); the mask is tileattn.dropout.dropout_mask(seed, offset, B, H, Nq,
             Nk, dropout_p), the same in the forward and backward. lse stays undropped.
         generator, seed, offset: where the dropout mask's seed comes from: seed (and offset,
-            default 0) ints in [0, 2^64), or a torch.Generator (a CUDA one gives its seed and Philox
-            offset and advances the offset by 4), by default q's device's default generator.
+            default 0) ints in [0, 2^64); or seed an int64 tensor [2] = [seed, offset] (two's
+            complement) on q's device, which the kernels read when they run (offset None), so a CUDA
+            graph replays with whatever it holds then; or a torch.Generator (a CUDA one gives its seed
+            and Philox offset and advances the offset by 4), by default q's device's default
+            generator. While the current stream captures a CUDA graph, a call without a seed draws
+            [seed, offset] on the device from the (CUDA) generator instead, so every replay applies a
+            new mask, as PyTorch's dropout does under capture.
 
     Autocast: under torch.autocast("cuda"), a call with a float32 or float64 input runs in the
     autocast dtype (every input cast to it, as SDPA does); float16 / bfloat16 inputs run as they are.
@@ -129,8 +134,9 @@ def attention(
         NotImplementedError: dropout_p > 0 with a `generator` under fake tensors outside torch.compile
             (make_fx, export: window, softcap and ALiBi trace as the tileattn::attention_variants_* custom
             ops, dropout as tileattn::attention_dropout_*, with seed/offset or the default CUDA generator;
-            under torch.compile a generator is drawn from eagerly, a graph break); dropout_p > 0 without a
-            seed while the current stream captures a CUDA graph (one draw would fix every replay's mask);
+            under torch.compile a generator is drawn from eagerly, a graph break); a traced dropout_p > 0
+            call without a seed tensor run while the stream captures a CUDA graph (the op's host draw would
+            fix every replay's mask);
             an input with a forward-mode tangent; a call inside a torch.func transform (vmap, grad, ...).
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
@@ -481,7 +487,7 @@ def _laid_out(t: Tensor, strides: tuple) -> Tensor:
 
 def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, deterministic: bool, extra=()):
     """(dq, dk, dv) in the layouts of q, k, v (contiguous when those are not dense). `extra`: the
-    variant plans' per-call values (ALiBi pointer, dropout seed, offset). Saved tensors that a
+    variant plans' per-call values (ALiBi pointer, dropout seed, offset, rng state pointer). Saved tensors that a
     saved-tensor hook (torch.autograd.graph.save_on_cpu, ...) returned in another layout than the
     forward's are copied back into it: the plans hold the forward's strides. The deterministic mode
     also runs under torch.use_deterministic_algorithms(True), as torch's own backwards follow it."""
@@ -542,11 +548,11 @@ class _VariantEntry(_PlanEntry):
     (dispatch.variant_forward_plan; causal folded into the window): `forward` for calls a backward
     may follow, and, built on first use, the one for calls none follows (inference_forward: softcap's
     fixed row max where it applies); and its variant backward plans (dispatch.variant_backward_plan).
-    Their launches take (alibi pointer, seed, offset) last."""
+    Their launches take (alibi pointer, seed, offset, rng state pointer) last."""
 
     __slots__ = ("variants", "inference")
 
-    def __init__(self, q, k, v, causal: bool, scale, window, softcap, alibi_slopes, dropout_p):
+    def __init__(self, q, k, v, causal: bool, scale, window, softcap, alibi_slopes, dropout_p, rng_state=False):
         from .kernels import attention_fwd_sm80, dispatch
 
         # The variants' own checks come first, so that they report on CPU tensors too (as checks 1-6).
@@ -559,7 +565,7 @@ class _VariantEntry(_PlanEntry):
         _check_args(q, k, v, scale)
         dr.check_variant_lengths(q.shape[2], k.shape[2])
         self.input_strides = (q.stride(), k.stride(), v.stride())
-        self.variants = attention_fwd_sm80.VariantArgs(left, right, cap, sb, p)
+        self.variants = attention_fwd_sm80.VariantArgs(left, right, cap, sb, p, rng_state)
         self.causal = False  # folded into the window
         self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         self.device_index, self.device = q.device.index, q.device
@@ -619,19 +625,24 @@ def _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, 
                                                          not needs_grad)
     alibi_key = None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
                                                    alibi_slopes.get_device())
+    # Whether the kernels read the dropout seed from device memory (their kRngState forms; dropout.py)
+    rng_state = dr.wants_device_state(generator, seed, q.device) if dropout_p else False
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
            q.get_device(), k.get_device(), v.get_device(), causal, scale, type(scale), "variants",
-           _typed_window(window), softcap, type(softcap), alibi_key, dropout_p, type(dropout_p))  # True == 1 == 1.0
-    entry = _cached_entry(key, lambda: _VariantEntry(q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p))
+           _typed_window(window), softcap, type(softcap), alibi_key, dropout_p, type(dropout_p),
+           rng_state)  # True == 1 == 1.0
+    entry = _cached_entry(key, lambda: _VariantEntry(q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p,
+                                                     rng_state))
+    state = None
     if entry.variants.dropout_p > 0:
         dr.check_dropout(dropout_p, generator, seed, offset)
-        seed, offset = dr.draw_seed(generator, seed, offset, q.device)
+        seed, offset, state = dr.dropout_state(generator, seed, offset, q.device)
     else:
         seed, offset = 0, 0
-    alibi = 0 if alibi_slopes is None else alibi_slopes.data_ptr()
+    extra = (0 if alibi_slopes is None else alibi_slopes.data_ptr(), *dr.kernel_values(seed, offset, state))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _VariantFunction.apply(q, k, v, entry, alibi_slopes, (alibi, seed, offset), deterministic)
-    return _variant_forward(entry, q, k, v, (alibi, seed, offset), inference=True)
+        return _VariantFunction.apply(q, k, v, entry, alibi_slopes, extra, deterministic, state)
+    return _variant_forward(entry, q, k, v, extra, inference=True)
 
 
 @contextlib.contextmanager
@@ -694,15 +705,17 @@ def _variant_forward(entry: _VariantEntry, q, k, v, extra, inference: bool = Fal
 
 class _VariantFunction(torch.autograd.Function):
     """Autograd of a call with variants: the backward reuses the forward's entry and per-call values
-    (the same ALiBi slopes and dropout seed/offset, so the same mask)."""
+    (the same ALiBi slopes and dropout seed/offset, so the same mask; `state`: the device rng state
+    whose pointer `extra` holds, or None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, entry, alibi_slopes, extra, deterministic):
+    def forward(ctx, q, k, v, entry, alibi_slopes, extra, deterministic, state):
         out, lse = _variant_forward(entry, q, k, v, extra)
         # The slopes are saved like the tensors: autograd then refuses a backward after an in-place
         # change to them (the backward reads them again), and a saved-tensor hook's copy is what it reads.
         ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
         ctx.entry, ctx.extra, ctx.deterministic = entry, extra, deterministic
+        ctx.state = _snapshot(state)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -711,10 +724,10 @@ class _VariantFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
         if dout is None:
-            return (None,) * 7
+            return (None,) * 8
         dq, dk, dv = _backward(ctx.entry, dout, q, k, v, out, lse, ctx.deterministic,
-                               _with_slopes(ctx.extra, alibi_slopes))
-        return dq, dk, dv, None, None, None, None
+                               _with_slopes(ctx.extra, alibi_slopes, ctx.state))
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _typed_window(window):
@@ -723,10 +736,18 @@ def _typed_window(window):
     return tuple((w, type(w)) for w in window) if isinstance(window, (tuple, list)) else window
 
 
-def _with_slopes(extra: tuple, alibi_slopes) -> tuple:
-    """The variant plans' per-call values (ALiBi pointer, seed, offset) with the pointer of these
-    slopes (the saved ones, in a backward)."""
-    return (0 if alibi_slopes is None else alibi_slopes.data_ptr(), *extra[1:])
+def _with_slopes(extra: tuple, alibi_slopes, state) -> tuple:
+    """The variant plans' per-call values (ALiBi pointer, seed, offset, rng state pointer) with the pointers
+    of these slopes and this device rng state (the saved ones, in a backward)."""
+    return (0 if alibi_slopes is None else alibi_slopes.data_ptr(), *extra[1:3], 0 if state is None else state.data_ptr())
+
+
+def _snapshot(state):
+    """A device rng state as the forward read it, for the backward: a copy (16 bytes, enqueued on the
+    forward's stream after its kernels, so holding the values they read), since a caller's seed tensor
+    may be rewritten before the backward runs. Holding it also keeps its memory from reuse under
+    capture until the backward's kernels have read it."""
+    return None if state is None else state.clone()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -742,7 +763,7 @@ def _attention_variants_fwd(
     """(out [B, H, Nq, d], lse [B, H, Nq] fp32) with window / softcap / ALiBi. inference: no backward
     follows (the caller traced it without grad), so the entry's inference plan may run."""
     entry = _variant_op_entry(q, k, v, alibi_slopes, scale, window_left, window_right, softcap)
-    return _variant_forward(entry, q, k, v, (0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0, 0),
+    return _variant_forward(entry, q, k, v, (0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0, 0, 0),
                             inference=inference)
 
 
@@ -759,7 +780,7 @@ def _attention_variants_bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of attention_variants_fwd."""
     entry = _variant_op_entry(q, k, v, alibi_slopes, scale, window_left, window_right, softcap)
-    extra = (0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0, 0)
+    extra = (0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0, 0, 0)
     return _backward(entry, dout, q, k, v, out, lse, deterministic, extra)
 
 
@@ -769,14 +790,15 @@ def _attention_variants_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, scale, d
     return _gradients_fake(q, k, v)
 
 
-def _variant_op_entry(q, k, v, alibi_slopes, scale, left, right, softcap, dropout_p=0.0) -> _VariantEntry:
+def _variant_op_entry(q, k, v, alibi_slopes, scale, left, right, softcap, dropout_p=0.0,
+                      rng_state=False) -> _VariantEntry:
     alibi_key = None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
                                                    alibi_slopes.get_device())
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
            q.get_device(), k.get_device(), v.get_device(), False, scale, "variants", (left, right), softcap,
-           alibi_key, dropout_p)
+           alibi_key, dropout_p, rng_state)
     return _cached_entry(key, lambda: _VariantEntry(q, k, v, False, scale, (left, right), softcap, alibi_slopes,
-                                                    dropout_p))
+                                                    dropout_p, rng_state))
 
 
 def _variants_setup_context(ctx, inputs, output) -> None:
@@ -796,25 +818,28 @@ def _variants_backward_op(ctx, dout, _dlse):
 _attention_variants_fwd.register_autograd(_variants_backward_op, setup_context=_variants_setup_context)
 
 
-# Dropout on the traced path: the rng state travels as a CPU int64 tensor [2] (dropout.py, "Dropout on
-# the traced path"), given (seed/offset) or drawn in the op; the backward gets the state the forward used.
+# Dropout on the traced path: the rng state travels as an int64 tensor [2] (dropout.py, "Dropout on the
+# traced path"), given (seed/offset on the CPU, or a seed tensor on q's device) or drawn in the op; the
+# backward gets the state the forward used.
 @torch.library.custom_op("tileattn::attention_dropout_fwd", mutates_args=(), device_types="cuda")
 def _attention_dropout_fwd(
     q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], rng: Optional[Tensor], scale: float,
     deterministic: bool, window_left: int, window_right: int, softcap: float, dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out [B, H, Nq, d], lse [B, H, Nq] fp32, rng state int64 [2] on the CPU) with dropout (and any
-    other variant); rng: the [seed, offset] to use, or None to draw them (see above)."""
-    seed, offset = dr.op_seed(rng, q.device)
-    entry = _variant_op_entry(q, k, v, alibi_slopes, scale, window_left, window_right, softcap, dropout_p)
-    out, lse = _variant_forward(entry, q, k, v, (0 if alibi_slopes is None else alibi_slopes.data_ptr(), seed, offset))
-    return out, lse, dr.rng_state(seed, offset)
+    """(out [B, H, Nq, d], lse [B, H, Nq] fp32, rng state int64 [2] on rng's device, the CPU for None) with
+    dropout (and any other variant); rng: the [seed, offset] to use, or None to draw them (see above)."""
+    seed, offset, state = dr.op_state(rng, q.device)
+    entry = _variant_op_entry(q, k, v, alibi_slopes, scale, window_left, window_right, softcap, dropout_p,
+                              state is not None)
+    out, lse = _variant_forward(entry, q, k, v, (0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+                                                 *dr.kernel_values(seed, offset, state)))
+    return out, lse, dr.used_rng_state(seed, offset, state)
 
 
 @_attention_dropout_fwd.register_fake
 def _attention_dropout_fwd_fake(q, k, v, alibi_slopes, rng, scale, deterministic, window_left, window_right, softcap,
                                 dropout_p):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32), dr.rng_state_fake()
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32), dr.rng_state_fake(rng)
 
 
 @torch.library.custom_op("tileattn::attention_dropout_bwd", mutates_args=(), device_types="cuda")
@@ -824,9 +849,10 @@ def _attention_dropout_bwd(
     dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of attention_dropout_fwd, with the rng state it returned."""
-    seed, offset = dr.rng_values(rng)
-    entry = _variant_op_entry(q, k, v, alibi_slopes, scale, window_left, window_right, softcap, dropout_p)
-    extra = (0 if alibi_slopes is None else alibi_slopes.data_ptr(), seed, offset)
+    seed, offset, state = dr.op_state(rng, q.device)
+    entry = _variant_op_entry(q, k, v, alibi_slopes, scale, window_left, window_right, softcap, dropout_p,
+                              state is not None)
+    extra = (0 if alibi_slopes is None else alibi_slopes.data_ptr(), *dr.kernel_values(seed, offset, state))
     return _backward(entry, dout, q, k, v, out, lse, deterministic, extra)
 
 

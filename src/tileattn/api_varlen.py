@@ -44,7 +44,7 @@ from torch import Tensor
 
 from . import dropout as dr
 from .api import (_autocast_inputs, _cached_entry, _check_pointers, _current_device, _eager, _kernel_layout_ok,
-                  _laid_out, _typed_window, _with_slopes)
+                  _laid_out, _snapshot, _typed_window, _with_slopes)
 from .launch_limits import MAX_GRID_YZ
 
 __all__ = ["attention_varlen"]
@@ -73,7 +73,7 @@ def attention_varlen(
     alibi_slopes: Tensor | None = None,
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
-    seed: int | None = None,
+    seed: int | Tensor | None = None,
     offset: int | None = None,
 ):
     """Fused exact attention over B packed sequences of different lengths, with autograd.
@@ -124,8 +124,9 @@ def attention_varlen(
         NotImplementedError: dropout_p > 0 with a `generator` under fake tensors outside torch.compile
             (make_fx, export: dropout traces as the tileattn::attention_varlen_dropout_* custom ops, with
             seed/offset or the default CUDA generator, as tileattn.attention's does; under torch.compile a
-            generator is drawn from eagerly, a graph break); dropout_p > 0 without a seed while the current
-            stream captures a CUDA graph (one draw would fix every replay's mask); an input with a
+            generator is drawn from eagerly, a graph break); a traced dropout_p > 0 call without a seed tensor
+            run while the stream captures a CUDA graph (the op's host draw would fix every replay's mask); an
+            input with a
             forward-mode tangent; a call inside a torch.func transform (vmap, grad, ...).
         tileattn.runtime.NoGPUError: CUDA tensors but no usable GPU.
     """
@@ -348,7 +349,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
 def _backward(entry: _PlanEntry, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, deterministic: bool,
               extra=()):
     """(dq, dk, dv) in the layouts of q, k, v (contiguous when those are not dense). `extra`: the
-    variant plans' per-call values (ALiBi pointer, dropout seed, offset). Saved tensors that a
+    variant plans' per-call values (ALiBi pointer, dropout seed, offset, rng state pointer). Saved tensors that a
     saved-tensor hook returned in another layout than the forward's are copied back into it (the
     plans hold the forward's strides). torch.use_deterministic_algorithms(True) selects the
     deterministic mode too, as in tileattn.api._backward."""
@@ -398,12 +399,12 @@ class _VarlenFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 class _VariantEntry(_PlanEntry):
     """A validated varlen combination with variants (causal folded into the window); its plans'
-    launches take (alibi pointer, seed, offset) last."""
+    launches take (alibi pointer, seed, offset, rng state pointer) last."""
 
     __slots__ = ()
 
     def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
-                 softcap, alibi_slopes, dropout_p):
+                 softcap, alibi_slopes, dropout_p, rng_state=False):
         from .kernels import attention_fwd_sm80
 
         # The variants' own checks come first, so that they report on CPU tensors too.
@@ -415,7 +416,7 @@ class _VariantEntry(_PlanEntry):
                 and cu_seqlens_q.dim() == 1):
             sb = dr.check_alibi(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, dtype_strict=True)
         super().__init__(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, False, scale,
-                         attention_fwd_sm80.VariantArgs(left, right, cap, sb, p))
+                         attention_fwd_sm80.VariantArgs(left, right, cap, sb, p, rng_state))
 
 
 def _varlen_variants(args, max_seqlen_q, max_seqlen_k, causal, scale, deterministic, window, softcap, alibi_slopes,
@@ -446,22 +447,24 @@ def _varlen_variants(args, max_seqlen_q, max_seqlen_k, causal, scale, determinis
                                                                 deterministic, left, right, cap)
     alibi_key = None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
                                                    alibi_slopes.get_device())
+    rng_state = dr.wants_device_state(generator, seed, q.device) if dropout_p else False  # as the dense op
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
            cu_seqlens_q.shape, cu_seqlens_k.shape, cu_seqlens_q.dtype, cu_seqlens_k.dtype, cu_seqlens_q.stride(),
            cu_seqlens_k.stride(), q.get_device(), k.get_device(), v.get_device(), cu_seqlens_q.get_device(),
            cu_seqlens_k.get_device(), type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k, causal,
            scale, type(scale), "variants", _typed_window(window), softcap, type(softcap), alibi_key, dropout_p,
-           type(dropout_p))  # typed: True == 1 == 1.0
+           type(dropout_p), rng_state)  # typed: True == 1 == 1.0
     entry = _cached_entry(key, lambda: _VariantEntry(*args, max_seqlen_q, max_seqlen_k, causal, scale, window,
-                                                     softcap, alibi_slopes, dropout_p))
+                                                     softcap, alibi_slopes, dropout_p, rng_state))
+    state = None
     if entry.variants.dropout_p > 0:
         dr.check_dropout(dropout_p, generator, seed, offset)
-        seed, offset = dr.draw_seed(generator, seed, offset, q.device)
+        seed, offset, state = dr.dropout_state(generator, seed, offset, q.device)
     else:
         seed, offset = 0, 0
-    extra = (0 if alibi_slopes is None else alibi_slopes.data_ptr(), seed, offset)
+    extra = (0 if alibi_slopes is None else alibi_slopes.data_ptr(), *dr.kernel_values(seed, offset, state))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _VarlenVariantFunction.apply(*args, entry, alibi_slopes, extra, deterministic)
+        return _VarlenVariantFunction.apply(*args, entry, alibi_slopes, extra, deterministic, state)
     return _varlen_variant_forward(entry, args, extra)
 
 
@@ -481,13 +484,14 @@ def _varlen_variant_forward(entry: _VariantEntry, args, extra):
 
 
 class _VarlenVariantFunction(torch.autograd.Function):
-    """Autograd of a varlen call with variants (the same slopes and dropout seed/offset backward)."""
+    """Autograd of a varlen call with variants (the same slopes and dropout seed/offset backward; a
+    device rng state held as the dense op holds it)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, entry, alibi_slopes, extra, deterministic):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, entry, alibi_slopes, extra, deterministic, state):
         out, lse = _varlen_variant_forward(entry, (q, k, v, cu_seqlens_q, cu_seqlens_k), extra)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)  # as the dense op
-        ctx.entry, ctx.extra, ctx.deterministic = entry, extra, deterministic
+        ctx.entry, ctx.extra, ctx.deterministic, ctx.state = entry, extra, deterministic, _snapshot(state)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -496,10 +500,10 @@ class _VarlenVariantFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
         if dout is None:
-            return (None,) * 9
+            return (None,) * 10
         dq, dk, dv = _backward(ctx.entry, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.deterministic,
-                               _with_slopes(ctx.extra, alibi_slopes))
-        return dq, dk, dv, None, None, None, None, None, None
+                               _with_slopes(ctx.extra, alibi_slopes, ctx.state))
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,7 +520,7 @@ def _attention_varlen_variants_fwd(
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     entry = _varlen_variant_op_entry(args, alibi_slopes, max_seqlen_q, max_seqlen_k, scale, window_left,
                                      window_right, softcap)
-    return _varlen_variant_forward(entry, args, (0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0, 0))
+    return _varlen_variant_forward(entry, args, (0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0, 0, 0))
 
 
 @_attention_varlen_variants_fwd.register_fake
@@ -534,7 +538,7 @@ def _attention_varlen_variants_bwd(
     """(dq, dk, dv) of attention_varlen_variants_fwd."""
     entry = _varlen_variant_op_entry((q, k, v, cu_seqlens_q, cu_seqlens_k), alibi_slopes, max_seqlen_q, max_seqlen_k,
                                      scale, window_left, window_right, softcap)
-    extra = (0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0, 0)
+    extra = (0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0, 0, 0)
     return _backward(entry, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, deterministic, extra)
 
 
@@ -546,7 +550,7 @@ def _attention_varlen_variants_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, c
 
 
 def _varlen_variant_op_entry(args, alibi_slopes, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
-                             dropout_p=0.0):
+                             dropout_p=0.0, rng_state=False):
     q, k, v, cu_seqlens_q, cu_seqlens_k = args
     alibi_key = None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
                                                    alibi_slopes.get_device())
@@ -554,9 +558,9 @@ def _varlen_variant_op_entry(args, alibi_slopes, max_seqlen_q, max_seqlen_k, sca
            cu_seqlens_q.shape, cu_seqlens_k.shape, cu_seqlens_q.dtype, cu_seqlens_k.dtype, cu_seqlens_q.stride(),
            cu_seqlens_k.stride(), q.get_device(), k.get_device(), v.get_device(), cu_seqlens_q.get_device(),
            cu_seqlens_k.get_device(), type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k, False,
-           scale, "variants", (left, right), softcap, alibi_key, dropout_p)
+           scale, "variants", (left, right), softcap, alibi_key, dropout_p, rng_state)
     return _cached_entry(key, lambda: _VariantEntry(*args, max_seqlen_q, max_seqlen_k, False, scale, (left, right),
-                                                    softcap, alibi_slopes, dropout_p))
+                                                    softcap, alibi_slopes, dropout_p, rng_state))
 
 
 def _varlen_variants_setup_context(ctx, inputs, output) -> None:
@@ -588,22 +592,22 @@ def _attention_varlen_dropout_fwd(
     rng: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, scale: float, deterministic: bool,
     window_left: int, window_right: int, softcap: float, dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out [Tq, H, d], lse [H, Tq] fp32, rng state int64 [2] on the CPU) with dropout; rng: the
-    [seed, offset] to use, or None to draw them."""
+    """(out [Tq, H, d], lse [H, Tq] fp32, rng state int64 [2] on rng's device, the CPU for None) with
+    dropout; rng: the [seed, offset] to use, or None to draw them."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    seed, offset, state = dr.op_state(rng, q.device)
     entry = _varlen_variant_op_entry(args, alibi_slopes, max_seqlen_q, max_seqlen_k, scale, window_left,
-                                     window_right, softcap, dropout_p)
-    seed, offset = dr.op_seed(rng, q.device)
-    out, lse = _varlen_variant_forward(entry, args, (0 if alibi_slopes is None else alibi_slopes.data_ptr(), seed,
-                                                     offset))
-    return out, lse, dr.rng_state(seed, offset)
+                                     window_right, softcap, dropout_p, state is not None)
+    out, lse = _varlen_variant_forward(entry, args, (0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+                                                     *dr.kernel_values(seed, offset, state)))
+    return out, lse, dr.used_rng_state(seed, offset, state)
 
 
 @_attention_varlen_dropout_fwd.register_fake
 def _attention_varlen_dropout_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng, max_seqlen_q,
                                        max_seqlen_k, scale, deterministic, window_left, window_right, softcap,
                                        dropout_p):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32), dr.rng_state_fake()
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32), dr.rng_state_fake(rng)
 
 
 @torch.library.custom_op("tileattn::attention_varlen_dropout_bwd", mutates_args=(), device_types="cuda")
@@ -613,10 +617,10 @@ def _attention_varlen_dropout_bwd(
     scale: float, deterministic: bool, window_left: int, window_right: int, softcap: float, dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of attention_varlen_dropout_fwd, with the rng state it returned."""
+    seed, offset, state = dr.op_state(rng, q.device)
     entry = _varlen_variant_op_entry((q, k, v, cu_seqlens_q, cu_seqlens_k), alibi_slopes, max_seqlen_q, max_seqlen_k,
-                                     scale, window_left, window_right, softcap, dropout_p)
-    seed, offset = dr.rng_values(rng)
-    extra = (0 if alibi_slopes is None else alibi_slopes.data_ptr(), seed, offset)
+                                     scale, window_left, window_right, softcap, dropout_p, state is not None)
+    extra = (0 if alibi_slopes is None else alibi_slopes.data_ptr(), *dr.kernel_values(seed, offset, state))
     return _backward(entry, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, deterministic, extra)
 
 

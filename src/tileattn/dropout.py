@@ -177,13 +177,22 @@ def check_softcap(softcap) -> float:
 
 
 def check_dropout(dropout_p, generator, seed, offset) -> float:
-    """dropout_p as a float; checks the generator / seed / offset arguments."""
+    """dropout_p as a float; checks the generator / seed / offset arguments (a seed tensor's device is
+    checked against q's by check_seed_device)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if generator is not None and seed is not None:
         raise ValueError("pass either generator or seed (with offset), not both")
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or tuple(seed.shape) != (2,) or seed.stride() != (1,):
+            raise ValueError(f"a seed tensor must be int64 of shape [2] ([seed, offset], two's complement of the "
+                             f"uint64 values) with stride 1, got {seed.dtype} {list(seed.shape)} strides "
+                             f"{seed.stride()}")
+        if offset is not None:
+            raise ValueError("a seed tensor holds the offset as its second element: pass offset=None")
+        return float(dropout_p)
     for name, value in (("seed", seed), ("offset", offset)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
                                   or not 0 <= value < _U64):
@@ -218,13 +227,69 @@ def check_variant_lengths(seqlen_q: int, seqlen_k: int) -> None:
                          f"Nk={seqlen_k}")
 
 
+def check_seed_device(seed, device) -> None:
+    """A seed tensor (see check_dropout) must be on q's device: the kernels read it there."""
+    if isinstance(seed, torch.Tensor) and seed.device != torch.device(device):
+        raise ValueError(f"a seed tensor must be on q's device {device} (the kernels read it when they run), got "
+                         f"{seed.device}")
+
+
+def capturing(device) -> bool:
+    """Whether a CUDA device's current stream is capturing a CUDA graph (False for other devices)."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def wants_device_state(generator, seed, device) -> bool:
+    """Whether dropout_state gives the kernels a device state for these arguments: a seed tensor, or no
+    seed while `device`'s current stream captures a CUDA graph and the generator (default: the device's)
+    is a CUDA one. The plan caches key their entries by it (the kernels' kRngState forms)."""
+    if isinstance(seed, torch.Tensor):
+        return True
+    return seed is None and capturing(device) and (
+        generator is None or (isinstance(generator, torch.Generator) and generator.device.type == "cuda"))
+
+
+def dropout_state(generator, seed, offset, device) -> tuple[int, int, torch.Tensor | None]:
+    """What the dropout kernels take for one call on `device` (arguments checked by check_dropout):
+    (seed, offset, None) with the values by parameter (given, or drawn on the host by draw_seed), or
+    (0, 0, state) with an int64 [2] tensor [seed, offset] on the device that the kernels read when they
+    run: a given seed tensor, or, while the current stream captures a CUDA graph and no seed is given, a
+    fresh device-side draw from `generator` (default: the device's default CUDA generator), so that
+    every replay of the graph draws and applies a new mask, as PyTorch's own dropout does under capture
+    (a non-default generator must be registered with the graph: torch.cuda.CUDAGraph.register_generator_state)."""
+    if isinstance(seed, torch.Tensor):
+        check_seed_device(seed, device)
+        return 0, 0, seed
+    if wants_device_state(generator, seed, device):
+        return 0, 0, device_draw(generator, device)
+    return (*draw_seed(generator, seed, offset, device), None)
+
+
+def device_draw(generator, device) -> torch.Tensor:
+    """A uniformly random [seed, offset] (int64 [2], every 64-bit value possible) drawn on `device` by
+    PyTorch's Philox from `generator` (None: the device's default one): graph-safe, so a captured draw
+    draws anew on each replay."""
+    return torch.randint(-(1 << 63), (1 << 63) - 1, (2,), dtype=torch.int64, device=device, generator=generator)
+
+
+def kernel_values(seed: int, offset: int, state: torch.Tensor | None) -> tuple[int, int, int]:
+    """The dropout values of the variant kernels' per-call parameters: seed, offset and the rng_state
+    pointer (0: the two values apply; csrc/common/variants.cuh) of a dropout_state."""
+    return seed, offset, 0 if state is None else state.data_ptr()
+
+
 def draw_seed(generator, seed, offset, device) -> tuple[int, int]:
-    """(seed, offset) of one dropout call: the given ones, or drawn from `generator` (default: the
-    default generator of `device`). A CUDA generator gives its seed and current Philox offset and
-    advances the offset by 4 (no host sync); another generator draws a 64-bit seed.
+    """(seed, offset) of one dropout call: the given ones (a seed tensor's values, read on the host: the
+    reference's way), or drawn from `generator` (default: the default generator of `device`). A CUDA
+    generator gives its seed and current Philox offset and advances the offset by 4 (no host sync);
+    another generator draws a 64-bit seed.
 
     Raises NotImplementedError for a draw from a CUDA generator while the current stream is capturing a
-    CUDA graph (a seed fixed at capture would give every replay the same mask)."""
+    CUDA graph (a seed fixed at capture would give every replay the same mask; dropout_state draws on the
+    device there instead)."""
+    if isinstance(seed, torch.Tensor):
+        return rng_values(seed)
     if seed is not None:
         return int(seed), int(offset or 0)
     if generator is None:
@@ -236,10 +301,10 @@ def draw_seed(generator, seed, offset, device) -> tuple[int, int]:
     if generator.device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             raise NotImplementedError(
-                "dropout_p > 0 drawing its seed from a CUDA generator inside CUDA graph capture: the kernels take "
-                "the Philox seed and offset by value, so one draw would fix the mask of every replay (and the "
-                "generator's offset cannot be read while capturing); pass seed= (and offset=) to capture that "
-                "mask on purpose, or run the dropout call outside the graph")
+                "dropout_p > 0 drawing its seed on the host from a CUDA generator inside CUDA graph capture: one "
+                "draw would fix the mask of every replay (and the generator's offset cannot be read while "
+                "capturing); pass seed= as an int64 CUDA tensor [seed, offset] that the kernels read when they "
+                "run, or an int seed (and offset) to capture that one mask on purpose")
         off = generator.get_offset()
         generator.set_offset(off + 4)
         return generator.initial_seed() % _U64, off % _U64
@@ -251,32 +316,38 @@ def draw_seed(generator, seed, offset, device) -> tuple[int, int]:
 # Dropout on the traced path: the rng state of the dropout custom ops (tileattn::attention_dropout_*
 # in api.py, tileattn::attention_varlen_dropout_* in api_varlen.py)
 # ---------------------------------------------------------------------------------------------
-# The Philox seed and offset travel as a CPU int64 tensor [2] (the uint64 values in two's complement),
-# as the rng state of PyTorch's own flash-attention ops does: `rng` is either given (seed/offset ints:
-# a constant of the traced graph, the same mask on every call) or None, and then drawn inside the
-# implementation, at run time, from the default CUDA generator of q's device (a new mask per call; the
-# generator's Philox offset advances by 4 as on the eager path). The forward returns the state it used
-# and the backward takes it, so both apply the same mask, also when AOTAutograd splits the graph.
-# Under CUDA graph capture a draw from a CUDA generator is refused (draw_seed): the kernels take the seed by
-# value, so it would fix one mask for every replay; a given seed/offset captures that mask on purpose.
+# The Philox seed and offset travel as an int64 tensor [2] (the uint64 values in two's complement), as
+# the rng state of PyTorch's own flash-attention ops does: `rng` is either given (seed/offset ints: a
+# constant CPU tensor of the traced graph, the same mask on every call; or the caller's seed tensor on
+# q's device, which the kernels read when they run) or None, and then drawn inside the implementation,
+# at run time, from the default CUDA generator of q's device (a new mask per call; the generator's
+# Philox offset advances by 4 as on the eager path). The forward returns the state it used (a copy of a
+# device state) and the backward takes it, so both apply the same mask, also when AOTAutograd splits the
+# graph. A draw in the op while the stream captures a CUDA graph is refused (draw_seed): the fake
+# implementation promised a CPU state, and a host draw would fix every replay's mask; a seed tensor
+# captures fine (the eager path draws such a state itself under capture: dropout_state).
 def rng_state(seed: int, offset: int) -> torch.Tensor:
     """[seed, offset] as int64 [2] (two's complement of the uint64 values), on the CPU."""
     return torch.tensor([(x + (1 << 63)) % _U64 - (1 << 63) for x in (int(seed), int(offset))], dtype=torch.int64)
 
 
 def rng_values(rng: torch.Tensor) -> tuple[int, int]:
-    """(seed, offset) as uint64 ints from an rng_state tensor."""
+    """(seed, offset) as uint64 ints from an rng_state tensor (a device tensor is read back: a sync)."""
     seed, offset = rng.tolist()
     return seed % _U64, offset % _U64
 
 
 def traced_rng(generator, seed, offset, device) -> torch.Tensor | None:
     """The `rng` argument of a dropout custom op for a traced call (arguments already checked by
-    check_dropout): rng_state(seed, offset) when a seed is given, None (drawn in the op) otherwise, and
-    for a `generator` under torch.compile the state drawn from it eagerly (drawn_rng_state: a graph break).
+    check_dropout): a seed tensor itself, rng_state(seed, offset) when an int seed is given, None (drawn in
+    the op) otherwise, and for a `generator` under torch.compile the state drawn from it eagerly
+    (drawn_rng_state: a graph break).
 
     Raises NotImplementedError for a generator under fake tensors without torch.compile (make_fx, export):
     a draw there would become a constant of the graph, the same mask on every call."""
+    if isinstance(seed, torch.Tensor):
+        check_seed_device(seed, device)
+        return seed
     if generator is not None:
         if not torch.compiler.is_compiling():
             raise NotImplementedError("dropout_p with a generator under fake tensors outside torch.compile (make_fx, "
@@ -293,15 +364,27 @@ def drawn_rng_state(generator, device) -> torch.Tensor:
     return rng_state(*draw_seed(generator, None, None, device))
 
 
-def op_seed(rng: torch.Tensor | None, device) -> tuple[int, int]:
-    """(seed, offset) inside a dropout custom op's implementation: rng's values, or, for None, drawn
-    from the default generator of `device` exactly as the eager path draws them (draw_seed)."""
-    return draw_seed(None, None, None, device) if rng is None else rng_values(rng)
+def op_state(rng: torch.Tensor | None, device) -> tuple[int, int, torch.Tensor | None]:
+    """dropout_state inside a dropout custom op's implementation: a device rng's pointer, a CPU rng's
+    values, or, for None, values drawn from the default generator of `device` exactly as the eager path
+    draws them on the host (draw_seed)."""
+    if rng is None:
+        return (*draw_seed(None, None, None, device), None)
+    if rng.device.type == "cuda":
+        return 0, 0, rng
+    return (*rng_values(rng), None)
 
 
-def rng_state_fake() -> torch.Tensor:
-    """The fake (shape-only) rng state a dropout op's fake implementation returns: int64 [2] on the CPU."""
-    return torch.empty(2, dtype=torch.int64, device="cpu")
+def used_rng_state(seed: int, offset: int, state: torch.Tensor | None) -> torch.Tensor:
+    """The rng state a dropout op's forward returns for its backward: the values on the CPU, or a copy of
+    the device state (an op's output may not alias its input)."""
+    return rng_state(seed, offset) if state is None else state.clone()
+
+
+def rng_state_fake(rng: torch.Tensor | None) -> torch.Tensor:
+    """The fake (shape-only) rng state a dropout op's fake implementation returns: int64 [2] where
+    used_rng_state puts it (rng's device; the CPU for a state drawn in the op)."""
+    return torch.empty(2, dtype=torch.int64, device="cpu" if rng is None else rng.device)
 
 
 def register_dropout_autograd(forward_op, backward_op, num_extra: int) -> None:

@@ -36,8 +36,9 @@ def attention(q, k, v, causal=False, scale=None, *, compute_dtype=None, window=N
         slope[b, h] * |i + Nk - Nq - j|; ``window`` (left, right) (-1: unbounded; causal is right = 0):
         keys outside [i + Nk - Nq - left, i + Nk - Nq + right] are masked; ``dropout_p`` p: the
         probabilities are multiplied by tileattn.dropout.dropout_mask(seed, offset, ...) / (1 - p)
-        (seed/offset given, or drawn from ``generator`` / the default generator of q's device as
-        the CUDA op draws them); lse stays that of the undropped softmax.
+        (seed/offset given, ints or a seed tensor [seed, offset] on any device, or drawn from
+        ``generator`` / the default generator of q's device as the CUDA op draws them outside graph
+        capture); lse stays that of the undropped softmax.
     Dtypes:
         q, k, v share one floating dtype. The math runs in ``compute_dtype``: by default float32
         for 16-bit inputs (float16, bfloat16) and the input dtype otherwise; pass torch.float64

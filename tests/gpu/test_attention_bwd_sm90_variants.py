@@ -63,7 +63,7 @@ def run(q, k, v, dout, causal, opts, deterministic=False, forward="dispatch", sp
     va = variant_args(q, causal, opts)
     scale = q.shape[-1] ** -0.5
     slopes = opts.get("alibi_slopes")
-    extra = (0 if slopes is None else slopes.data_ptr(), opts.get("seed") or 0, opts.get("offset") or 0)
+    extra = (0 if slopes is None else slopes.data_ptr(), opts.get("seed") or 0, opts.get("offset") or 0, 0)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device=q.device, dtype=torch.float32)  # [B, H, Nq]
     with poisoned_allocations():

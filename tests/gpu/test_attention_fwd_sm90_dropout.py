@@ -76,7 +76,7 @@ def run_sm90(q, k, v, causal, opts, p, seed, offset, *, pack_gqa=None):
         expr = plan.plan.kernel.expression
         kernel_flags = af.dropout_kernel_flags(q.shape[-1], af.variant_flags(va))
         assert plan.variant_values and f", {kernel_flags}, const float*" in expr, f"not a dropout kernel: {expr}"
-        plan.launch(q, k, v, out, lse, 0 if sl is None else sl.data_ptr(), seed, offset)
+        plan.launch(q, k, v, out, lse, 0 if sl is None else sl.data_ptr(), seed, offset, 0)
     torch.cuda.synchronize()
     return out, lse
 
@@ -91,7 +91,7 @@ def run_sm80(q, k, v, causal, opts, p, seed, offset):
     sl = opts.get("alibi_slopes")
     plan = attention_fwd_sm80.forward_plan(q, k, v, out, lse, causal=False, scale=q.shape[-1] ** -0.5, variants=va)
     plan.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                0 if sl is None else sl.data_ptr(), seed, offset)
+                0 if sl is None else sl.data_ptr(), seed, offset, 0)
     torch.cuda.synchronize()
     return out
 
@@ -309,7 +309,7 @@ def test_sm80_backward_on_this_forward(d, dtype, causal, hkv):
     with poisoned_allocations():
         plan = attention_bwd_sm80.backward_plan(q, k, v, out, lse, dout, *grads, causal=False, scale=d ** -0.5,
                                                 deterministic=False, variants=va)
-        plan.launch(q, k, v, out, lse, dout, *grads, 0, seed, offset)
+        plan.launch(q, k, v, out, lse, dout, *grads, 0, seed, offset, 0)
     torch.cuda.synchronize()
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     rout, rlse = reference.attention(q64, k64, v64, causal, compute_dtype=F64, dropout_p=p, seed=seed, offset=offset)

@@ -385,8 +385,10 @@ struct MainCfg {
 // kVariants: the variant kernels (common/variants.cuh; causal is the window's right edge 0, `causal`
 // is 0): P recomputed from the variant logits, dropout's mask on P^T (dV) and dP, softcap's
 // derivative on dS, and only the query blocks inside the key block's window are walked.
+// kRngState: va's dropout seed and offset are read from va.rng_state, once per query block where the
+// block's Philox words are drawn (read once at the entry, the d = 32 deterministic kernels spilled 16 bytes).
 template <int kD, int kBN, int kBM, int kWarps, int kWN1, int kWN2, int kWM3, bool kIsBF16, bool kDq, int kUnroll,
-          bool kVarlen, bool kVariants = false>
+          bool kVarlen, bool kVariants = false, bool kRngState = false>
 __device__ __forceinline__ void attn_bwd_main_body(
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
     u16* __restrict__ dk, u16* __restrict__ dv, float* __restrict__ dq_accum, const float* __restrict__ lse2,
@@ -525,9 +527,10 @@ __device__ __forceinline__ void attn_bwd_main_body(
         if constexpr (kVariants) {
           if (va.drop_thr != 0u) {
             const int bh = b * static_cast<int>(gridDim.y) * group + h;
+            const Variants vd = resolved_variants<kRngState>(va);
 #pragma unroll
             for (int qe = 0; qe < 2; ++qe) {
-              bits[qe] = dropout_bits(va, bh, m0 + il + qe, (n0 + key1) >> 5, (g >> 1) & 3);
+              bits[qe] = dropout_bits(vd, bh, m0 + il + qe, (n0 + key1) >> 5, (g >> 1) & 3);
               if constexpr (!kDq) {
 #pragma unroll
                 for (int mt = 0; mt < C::MT1; ++mt)
@@ -649,9 +652,10 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_kernel(
       nullptr, 0, Variants{});
 }
 
-// With variants (common/variants.cuh): the dense parameters (causal = 0), then VARIANT_PARAMS.
+// With variants (common/variants.cuh): the dense parameters (causal = 0), then VARIANT_PARAMS; kRngState:
+// the dropout seed and offset from rng_state (device memory), as in attention_fwd_sm80.cu.
 template <int kD, int kBN, int kBM, int kWarps, int kWN1, int kWN2, int kWM3, int kMinBlocks, bool kIsBF16,
-          bool kDq, int kUnroll>
+          bool kDq, int kUnroll, bool kRngState = false>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_variants_kernel(
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
     u16* __restrict__ dk, u16* __restrict__ dv, float* __restrict__ dq_accum, const float* __restrict__ lse2,
@@ -659,7 +663,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_variant
     int64_t k_sr, int64_t v_sb, int64_t v_sh, int64_t v_sr, int64_t do_sb, int64_t do_sh, int64_t do_sr,
     int64_t dk_sb, int64_t dk_sh, int64_t dk_sr, int64_t dv_sb, int64_t dv_sh, int64_t dv_sr, int nq, int nk,
     int heads, int group, int nq_pad, int causal, float scale_log2, float scale, VARIANT_PARAMS) {
-  attn_bwd_main_body<kD, kBN, kBM, kWarps, kWN1, kWN2, kWM3, kIsBF16, kDq, kUnroll, false, true>(
+  attn_bwd_main_body<kD, kBN, kBM, kWarps, kWN1, kWN2, kWM3, kIsBF16, kDq, kUnroll, false, true, kRngState>(
       q, k, v, dout, dk, dv, dq_accum, lse2, delta, q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh,
       do_sr, dk_sb, dk_sh, dk_sr, dv_sb, dv_sh, dv_sr, nq, nk, heads, group, nq_pad, 0, scale_log2, scale, nullptr,
       nullptr, 0, VARIANTS_FROM_PARAMS);
@@ -690,7 +694,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_varlen_
 
 // Varlen with variants: the varlen parameters (causal = 0), then VARIANT_PARAMS.
 template <int kD, int kBN, int kBM, int kWarps, int kWN1, int kWN2, int kWM3, int kMinBlocks, bool kIsBF16,
-          bool kDq, int kUnroll>
+          bool kDq, int kUnroll, bool kRngState = false>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_varlen_variants_kernel(
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
     u16* __restrict__ dk, u16* __restrict__ dv, float* __restrict__ dq_accum, const float* __restrict__ lse2,
@@ -704,7 +708,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_bwd_main_varlen_
     zero_tail_rows<kD, kWarps * 32>(dv + blockIdx.y * dv_sh, dv_sr, nullptr, begin, total_k);
     return;
   }
-  attn_bwd_main_body<kD, kBN, kBM, kWarps, kWN1, kWN2, kWM3, kIsBF16, kDq, kUnroll, true, true>(
+  attn_bwd_main_body<kD, kBN, kBM, kWarps, kWN1, kWN2, kWM3, kIsBF16, kDq, kUnroll, true, true, kRngState>(
       q, k, v, dout, dk, dv, dq_accum, lse2, delta, 0, q_sh, q_sr, 0, k_sh, k_sr, 0, v_sh, v_sr, 0, do_sh, do_sr, 0,
       dk_sh, dk_sr, 0, dv_sh, dv_sr, 0, 0, 0, group, 0, 0, scale_log2, scale, cu_seqlens_q, cu_seqlens_k,
       ws_pitch, VARIANTS_FROM_PARAMS);
@@ -920,7 +924,7 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_kernel(
 }
 
 // With variants: the dense parameters (causal = 0), then VARIANT_PARAMS.
-template <int kD, int kBM, int kBN, bool kIsBF16>
+template <int kD, int kBM, int kBN, bool kIsBF16, bool kRngState = false>
 __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_variants_kernel(
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
     u16* __restrict__ dq, const float* __restrict__ lse2, const float* __restrict__ delta, int64_t q_sb,
@@ -930,7 +934,7 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_variants_kernel(
   attn_bwd_dq_body<kD, kBM, kBN, kIsBF16, false, true>(q, k, v, dout, dq, lse2, delta, q_sb, q_sh, q_sr, k_sb, k_sh,
                                                        k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr, dq_sb, dq_sh,
                                                        dq_sr, nq, nk, heads, group, nq_pad, 0, scale_log2, scale,
-                                                       nullptr, nullptr, 0, VARIANTS_FROM_PARAMS);
+                                                       nullptr, nullptr, 0, resolved_variants<kRngState>(VARIANTS_FROM_PARAMS));
 }
 
 // Varlen: grid (ceil(max_seqlen_q / kBM), H, B + 1); the last z-slice zeroes the rows of dq past the
@@ -952,7 +956,7 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_varlen_kernel(
 }
 
 // Varlen with variants: the varlen parameters (causal = 0), then VARIANT_PARAMS.
-template <int kD, int kBM, int kBN, bool kIsBF16>
+template <int kD, int kBM, int kBN, bool kIsBF16, bool kRngState = false>
 __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_varlen_variants_kernel(
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
     u16* __restrict__ dq, const float* __restrict__ lse2, const float* __restrict__ delta, int64_t q_sh,
@@ -966,7 +970,7 @@ __global__ void __launch_bounds__(kBM / 16 * 32) attn_bwd_dq_varlen_variants_ker
   attn_bwd_dq_body<kD, kBM, kBN, kIsBF16, true, true>(q, k, v, dout, dq, lse2, delta, 0, q_sh, q_sr, 0, k_sh, k_sr, 0,
                                                       v_sh, v_sr, 0, do_sh, do_sr, 0, dq_sh, dq_sr, 0, 0, 0, group, 0,
                                                       0, scale_log2, scale, cu_seqlens_q, cu_seqlens_k, ws_pitch,
-                                                      VARIANTS_FROM_PARAMS);
+                                                      resolved_variants<kRngState>(VARIANTS_FROM_PARAMS));
 }
 
 }  // namespace bwd

@@ -348,7 +348,11 @@ constexpr int kDropout = 32;  // P' = P keep / (1 - p) (the forward's bit value)
 // atomic dQ (attention_bwd_sm90.split_masked_applies; the other sets spill); written in session 25
 // without a device run: dispatch.SM90_SOFTCAP_BWD_SPLIT.
 constexpr int kSplitMasked = 64;
-constexpr int kVariantBits = kWindow | kSoftcap | kAlibi | kDropout | kSplitMasked;
+// With kDropout: the seed and offset are read from VARIANT_PARAMS' rng_state (device memory) at the
+// entry point instead of the seed / offset parameters (common/variants.cuh, with_rng_state); the bodies
+// never see this bit.
+constexpr int kRngState = 128;
+constexpr int kVariantBits = kWindow | kSoftcap | kAlibi | kDropout | kSplitMasked | kRngState;
 // A compile-time bool for the generic lambdas of the P^T / dS^T passes (Const<false>: the window test
 // folds away in a softcap kernel's unmasked tiles).
 template <bool B>
@@ -1504,7 +1508,8 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
 }
 
 // Dense batches with variants (kVariant: a non-empty set of bits bwd90::kWindow, kSoftcap, kAlibi,
-// or kWindow | kDropout; see "Variants" above): the dense kernel's parameters, then VARIANT_PARAMS
+// or kWindow | kDropout, the latter with or without kRngState; see "Variants" above): the dense kernel's
+// parameters, then VARIANT_PARAMS
 // (common/variants.cuh; causal folded into win_right; seed, offset, drop_thr, drop_scale read only
 // by kDropout instantiations, which must get the forward's). lse2 must come from the
 // variant logits' lse (natural log, as the Hopper forward and the sm80 variant forward write it),
@@ -1523,15 +1528,19 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
                                 VARIANT_PARAMS) {
   static_assert(kVariant > 0 && (kVariant & ~bwd90::kVariantBits) == 0,
                 "kVariant: a non-empty set of kWindow | kSoftcap | kAlibi | kDropout");
+  constexpr bool kRngState = (kVariant & bwd90::kRngState) != 0;
+  static_assert(!kRngState || (kVariant & bwd90::kDropout) != 0, "kRngState: a dropout kernel's");
+  constexpr int kBodyVariant = kVariant & ~bwd90::kRngState;
   if constexpr (kHeadDim == 256) {  // the role-split layout ("d = 256"); no rotated walk
     static_assert(kBlockM == 64, "d = 256: 64-query tiles");
-    bwd90::attention_bwd_sm90_d256_body<kStages, false, kIsBF16, kDqMode, kVariant>(
+    bwd90::attention_bwd_sm90_d256_body<kStages, false, kIsBF16, kDqMode, kBodyVariant>(
         tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, dq_sem, heads, kv_group, batches,
-        section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale, VARIANTS_FROM_PARAMS);
+        section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale, resolved_variants<kRngState>(VARIANTS_FROM_PARAMS));
   } else {
-    bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, false, kIsBF16, kDqMode, false, kVariant>(
+    bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, false, kIsBF16, kDqMode, false, kBodyVariant>(
         tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, dq_sem, heads, kv_group, batches,
-        section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale, rotate, bwd90::VarlenArgs{}, VARIANTS_FROM_PARAMS);
+        section, seqlen_q, seqlen_k, nq_pad, scale_log2, scale, rotate, bwd90::VarlenArgs{},
+        resolved_variants<kRngState>(VARIANTS_FROM_PARAMS));
   }
 }
 

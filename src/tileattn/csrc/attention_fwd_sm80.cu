@@ -589,8 +589,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 }
 
 // Dense batches with variants (common/variants.cuh): the plain dense kernel's parameters, then
-// VARIANT_PARAMS. Causal is the window's right edge 0.
-template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kIsBF16>
+// VARIANT_PARAMS. Causal is the window's right edge 0. kRngState: the dropout seed and offset come from
+// rng_state (device memory), not the seed / offset parameters.
+template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kIsBF16, bool kRngState = false>
 __global__ void __launch_bounds__(kWarps * 32, 1)
     attention_fwd_variants_sm80(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                 u16* __restrict__ o, float* __restrict__ lse, int64_t q_sb, int64_t q_sh,
@@ -600,7 +601,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
                                 VARIANT_PARAMS) {
   attention_fwd_body<kHeadDim, kBlockM, kBlockN, kWarps, kStages, false, kIsBF16, false, true>(
       q, k, v, o, lse, q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, o_sb, o_sh, o_sr, heads, kv_group_magic,
-      seqlen_q, seqlen_k, scale_log2, nullptr, nullptr, 0, VARIANTS_FROM_PARAMS);
+      seqlen_q, seqlen_k, scale_log2, nullptr, nullptr, 0, resolved_variants<kRngState>(VARIANTS_FROM_PARAMS));
 }
 
 // Packed variable-length batches: q [Tq, H, d], k/v [Tk, Hkv, d], o [Tq, H, d] (token stride *_sr,
@@ -625,8 +626,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       cu_seqlens_q, cu_seqlens_k, total_q, Variants{});
 }
 
-// Packed variable-length batches with variants: the varlen kernel's parameters, then VARIANT_PARAMS.
-template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kIsBF16>
+// Packed variable-length batches with variants: the varlen kernel's parameters, then VARIANT_PARAMS
+// (kRngState as the dense kernel's).
+template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kIsBF16, bool kRngState = false>
 __global__ void __launch_bounds__(kWarps * 32, 1)
     attention_fwd_varlen_variants_sm80(const u16* __restrict__ q, const u16* __restrict__ k,
                                        const u16* __restrict__ v, u16* __restrict__ o, float* __restrict__ lse,
@@ -641,7 +643,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   }
   attention_fwd_body<kHeadDim, kBlockM, kBlockN, kWarps, kStages, false, kIsBF16, true, true>(
       q, k, v, o, lse, 0, q_sh, q_sr, 0, k_sh, k_sr, 0, v_sh, v_sr, 0, o_sh, o_sr, 0, kv_group_magic, 0, 0, scale_log2,
-      cu_seqlens_q, cu_seqlens_k, total_q, VARIANTS_FROM_PARAMS);
+      cu_seqlens_q, cu_seqlens_k, total_q, resolved_variants<kRngState>(VARIANTS_FROM_PARAMS));
 }
 
 }  // namespace tileattn

@@ -325,7 +325,10 @@ constexpr int kDropout = 32; // P *= keep(b, h, i, j) / (1 - p), keep from Philo
 // the host takes it only where that range, and Nk keys' worth of what ex2.approx.ftz flushes below
 // 2^-126, stay far inside bf16's (and fp32's) exponent range (attention_fwd_sm90.fixed_max_applies).
 constexpr int kFixedMax = 64;
-constexpr int kVariantBits = kWindow | kSoftcap | kAlibi | kDropout | kFixedMax;
+// With kDropout: the seed and offset are read from VARIANT_PARAMS' rng_state (device memory) by the
+// consumers, not taken from the seed / offset parameters (common/variants.cuh, with_rng_state).
+constexpr int kRngState = 256;
+constexpr int kVariantBits = kWindow | kSoftcap | kAlibi | kDropout | kFixedMax | kRngState;
 // ALiBi alone and softcap alone (with or without the fixed max) also exist with kCausal true: a
 // causal call without a window takes the plain kernel's causal blocks and mask (block_range,
 // apply_mask, unseen visits skipped on three consumers) instead of the window's per-row edges
@@ -824,6 +827,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   static_assert(kVarlenLayout || ((kVariant & ~kVariantBits) == 0 && (kVariant == 0) == (sizeof...(VariantParams) == 0)),
                 "kVariant: a set of kWindow | kSoftcap | kAlibi | kDropout, with VARIANT_PARAMS exactly when "
                 "non-empty, or kVarlen or kPaged alone");
+  static_assert((kVariant & kRngState) == 0 || (kVariant & kDropout) != 0, "kRngState: a dropout kernel's");
   static_assert((kVariant & kDropout) == 0 || (!kVarlenLayout && kBlockN % 64 == 0),
                 "dropout: dense layout; whole 32-key Philox groups and whole keep words (64 scores) per block");
   static_assert(kVariant != kVarlen || sizeof...(VariantParams) == 6, "varlen: the trailing parameters are VARLEN_PARAMS");
@@ -1035,6 +1039,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
     }
   } else {  // ------------------------------------------------------ consumer warpgroups
     s9::setmaxnreg_inc<kConsumerRegsOf<kConsumers>>();
+    if constexpr ((kVariant & kRngState) != 0) va = with_rng_state(va);  // after the role split: not the producer's
     const int c = wg - 1;                                  // rows [64 c, 64 c + 64) of the tile
     const int tid = threadIdx.x % 128;
     const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;

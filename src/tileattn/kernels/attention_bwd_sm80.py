@@ -106,15 +106,17 @@ class BwdConfig:
             f"_dq{self.dq_block_m}x{self.dq_block_n}"
         )
 
-    def main_expr(self, bf16: bool, with_dq: bool, varlen: bool = False, variants: bool = False) -> str:
+    def main_expr(self, bf16: bool, with_dq: bool, varlen: bool = False, variants: bool = False,
+                  rng_state: bool = False) -> str:
         return (
             f"{_NS}attn_bwd_main{_v(varlen)}{_var(variants)}_kernel<{self.head_dim}, {self.block_n}, {self.block_m}, {self.warps}, "
             f"{self.warps_n1}, {self.warps_n2}, {self.warps_m3}, {self.min_blocks}, {_b(bf16)}, {_b(with_dq)}, "
-            f"{self.unroll if with_dq else self.unroll_det}>"
+            f"{self.unroll if with_dq else self.unroll_det}{_rng(rng_state)}>"
         )
 
-    def dq_expr(self, bf16: bool, varlen: bool = False, variants: bool = False) -> str:
-        return f"{_NS}attn_bwd_dq{_v(varlen)}{_var(variants)}_kernel<{self.head_dim}, {self.dq_block_m}, {self.dq_block_n}, {_b(bf16)}>"
+    def dq_expr(self, bf16: bool, varlen: bool = False, variants: bool = False, rng_state: bool = False) -> str:
+        return (f"{_NS}attn_bwd_dq{_v(varlen)}{_var(variants)}_kernel<{self.head_dim}, {self.dq_block_m}, "
+                f"{self.dq_block_n}, {_b(bf16)}{_rng(rng_state)}>")
 
     @property
     def main_threads(self) -> int:
@@ -155,6 +157,12 @@ def _v(varlen: bool) -> str:
 def _var(variants: bool) -> str:
     """Name infix of the variant entry points (window, softcap, ALiBi, dropout; issue #15)."""
     return "_variants" if variants else ""
+
+
+def _rng(rng_state: bool) -> str:
+    """Trailing template argument of the variant entry points' kRngState form (seed and offset read
+    from device memory; attention_fwd_sm80.VariantArgs.rng_state)."""
+    return ", true" if rng_state else ""
 
 
 def preprocess_expr(head_dim: int, bf16: bool, varlen: bool = False) -> str:
@@ -336,10 +344,10 @@ def variant_config(head_dim: int) -> BwdConfig:
 
 
 def _variant_instantiations() -> tuple[str, ...]:
-    return tuple(e for varlen in (False, True) for d in HEAD_DIMS for bf16 in (False, True)
-                 for e in (VARIANT_CONFIGS[d].main_expr(bf16, True, varlen, True),
-                           VARIANT_CONFIGS[d].main_expr(bf16, False, varlen, True),
-                           VARIANT_CONFIGS[d].dq_expr(bf16, varlen, True)))
+    return tuple(e for varlen in (False, True) for d in HEAD_DIMS for bf16 in (False, True) for rng in (False, True)
+                 for e in (VARIANT_CONFIGS[d].main_expr(bf16, True, varlen, True, rng),
+                           VARIANT_CONFIGS[d].main_expr(bf16, False, varlen, True, rng),
+                           VARIANT_CONFIGS[d].dq_expr(bf16, varlen, True, rng)))
 
 
 INSTANTIATIONS = _instantiations() + _variant_instantiations()
@@ -488,9 +496,10 @@ class BackwardPlan:
             (0, 0, 0, 0, 0, 0, *strides(out), *strides(dout), i32(nq), i32(heads), i32(nq_pad)),
             dynamic=range(6),
         )
-        self.variant_values = with_variants = variants is not None  # launch takes (alibi, seed, offset)
+        self.variant_values = with_variants = variants is not None  # launch takes (alibi, seed, offset, rng)
+        rng = with_variants and variants.reads_rng_state
         self.main = _plan(
-            load(FAMILY_NAME, cfg.main_expr(bf16, not deterministic, False, with_variants), device),
+            load(FAMILY_NAME, cfg.main_expr(bf16, not deterministic, False, with_variants, rng), device),
             (-(-nk // cfg.block_n), kv_heads, batch), (cfg.main_threads,),
             (0, 0, 0, 0, 0, 0, 0, 0, 0, *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk),
              *strides(dv), i32(nq), i32(nk), i32(heads), i32(group), i32(nq_pad), i32(1 if causal else 0),
@@ -499,7 +508,7 @@ class BackwardPlan:
         )
         if deterministic:
             self.last = _plan(
-                load(FAMILY_NAME, cfg.dq_expr(bf16, False, with_variants), device),
+                load(FAMILY_NAME, cfg.dq_expr(bf16, False, with_variants, rng), device),
                 (-(-nq // cfg.dq_block_m), heads, batch), (cfg.dq_threads,),
                 (0, 0, 0, 0, 0, 0, 0, *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq),
                  i32(nq), i32(nk), i32(heads), i32(group), i32(nq_pad), i32(1 if causal else 0), scale_log2,
@@ -516,7 +525,8 @@ class BackwardPlan:
         self._delta_offset, self._acc_offset = rows * 4, 2 * rows * 4  # bytes into the workspace
 
     def launch(self, q, k, v, out, lse, dout, dq, dk, dv, *variant_values) -> None:
-        """`variant_values` (plans made with variants only): ALiBi slopes' pointer, dropout seed, offset."""
+        """`variant_values` (plans made with variants only): ALiBi slopes' pointer, dropout seed, offset,
+        rng state pointer."""
         import torch
 
         ws = torch.empty(self.ws_elems, dtype=torch.float32, device=self.device)
@@ -635,8 +645,9 @@ class BackwardVarlenPlan:
             dynamic=(0, 1, 2, 3, 4, 5, 10),
         )
         with_variants = variants is not None
+        rng = with_variants and variants.reads_rng_state
         self.main = _plan(
-            load(FAMILY_NAME, cfg.main_expr(bf16, not deterministic, True, with_variants), device),
+            load(FAMILY_NAME, cfg.main_expr(bf16, not deterministic, True, with_variants, rng), device),
             (blocks(max_seqlen_k, cfg.block_n), kv_heads, batch + 1), (cfg.main_threads,),
             (0, 0, 0, 0, 0, 0, 0, 0, 0, *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk),
              *strides(dv), 0, 0, i32(k.shape[0]), i32(group), i32(ws_pitch), i32(1 if causal else 0), scale_log2,
@@ -645,7 +656,7 @@ class BackwardVarlenPlan:
         )
         if deterministic:
             self.last = _plan(
-                load(FAMILY_NAME, cfg.dq_expr(bf16, True, with_variants), device),
+                load(FAMILY_NAME, cfg.dq_expr(bf16, True, with_variants, rng), device),
                 (blocks(max_seqlen_q, cfg.dq_block_m), heads, batch + 1), (cfg.dq_threads,),
                 (0, 0, 0, 0, 0, 0, 0, *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq), 0, 0,
                  i32(total_q), i32(group), i32(ws_pitch), i32(1 if causal else 0), scale_log2, f32(scale)),
@@ -661,7 +672,8 @@ class BackwardVarlenPlan:
         self._delta_offset, self._acc_offset = rows * 4, 2 * rows * 4  # bytes into the workspace
 
     def launch(self, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *variant_values) -> None:
-        """`variant_values` (plans made with variants only): ALiBi slopes' pointer, dropout seed, offset."""
+        """`variant_values` (plans made with variants only): ALiBi slopes' pointer, dropout seed, offset,
+        rng state pointer."""
         import torch
 
         ws = torch.empty(self.ws_elems, dtype=torch.float32, device=self.device)

@@ -21,7 +21,7 @@ as they are.
 Variants (issue #15; csrc "Variants"): window, softcap, ALiBi and dropout run the
 attention_bwd_sm90_variants instantiations (atomic and deterministic modes), through
 BackwardPlan(..., variants=VariantArgs) or variant_backward_plan, whose launch takes (alibi
-pointer, seed, offset) after the tensors like the sm80 variant backward's; supports_variants says
+pointer, seed, offset, rng state pointer) after the tensors like the sm80 variant backward's; supports_variants says
 which calls they cover (dropout with a window or none, not with softcap / ALiBi; d = 256 on the
 role-split layout, csrc "d = 256"). lse
 is the variant forward's (natural log of the transformed logits), as the Hopper and sm80 variant
@@ -165,8 +165,12 @@ WINDOW, SOFTCAP, ALIBI, DROPOUT = 1, 2, 4, 32  # DROPOUT: attention_fwd_sm90.DRO
 # Dropout (docs/attention_bwd_sm90.md, "Dropout"): with the window bit alone (dropout without a
 # window runs it with both edges unbounded, as the other sets); not with softcap or ALiBi yet (the
 # kernel's static_assert): such calls stay on the sm80 variant backward.
+# WINDOW | DROPOUT | RNG_STATE (bwd90::kRngState; VariantArgs.rng_state): the seed and offset read from
+# device memory at the entry point (docs/attention_variants.md, "Dropout's rng state in device memory").
+RNG_STATE = 128
 VARIANT_SETS: dict[int, tuple[int, ...]] = {
-    d: (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI, WINDOW | SOFTCAP | ALIBI, WINDOW | DROPOUT) for d in (128, 64, 256)
+    d: (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI, WINDOW | SOFTCAP | ALIBI, WINDOW | DROPOUT,
+        WINDOW | DROPOUT | RNG_STATE) for d in (128, 64, 256)
 }
 
 
@@ -177,7 +181,7 @@ def variant_bits(variants) -> int:
     from .attention_fwd_sm90 import variant_flags
 
     flags = variant_flags(variants) & (WINDOW | SOFTCAP | ALIBI | DROPOUT)
-    return 0 if flags == 0 else WINDOW | flags
+    return 0 if flags == 0 else WINDOW | flags | (RNG_STATE if variants.reads_rng_state else 0)
 
 
 def supports_variants(head_dim: int, dtype, variants, deterministic: bool = False) -> bool:
@@ -185,13 +189,13 @@ def supports_variants(head_dim: int, dtype, variants, deterministic: bool = Fals
     causal folded into the window) on this family: head_dim in VARIANT_SETS (64, 128, 256), float16 /
     bfloat16, the set of variant_bits registered there (dropout: with a window or none, not with
     softcap or ALiBi); atomic or deterministic (the dispatcher decides whether the latter runs here,
-    as it does for the plain kernel). The caller still routes only sm_90a devices here. Never
-    raises."""
-    del deterministic  # both modes are registered for every set
+    as it does for the plain kernel), except UNREGISTERED_VARIANTS. The caller still routes only sm_90a
+    devices here. Never raises."""
     if dtype not in (torch.float16, torch.bfloat16):
         return False
     bits = variant_bits(variants)
-    return head_dim in VARIANT_SETS and (bits == 0 or bits in VARIANT_SETS[head_dim])
+    return (head_dim in VARIANT_SETS and (bits == 0 or bits in VARIANT_SETS[head_dim])
+            and (head_dim, bits, bool(deterministic)) not in UNREGISTERED_VARIANTS)
 
 
 def variant_expression(head_dim: int, config: Sm90BwdConfig, bf16: bool, bits: int, deterministic: bool = False) -> str:
@@ -252,8 +256,12 @@ def _default_configs(table, head_dims=HEAD_DIMS):
 # causal; the defaults are the same config causal or not), VARIANT_SETS x both dtypes x atomic /
 # deterministic.
 VARIANT_DEFAULTS: dict[int, Sm90BwdConfig] = {d: _RED_DEFAULTS[(d, False)] for d in VARIANT_SETS}
+# (head dim, bits, deterministic) not registered: the kRngState form at d = 256 in the deterministic mode
+# spilled 16 bytes (NVRTC 13.5); such calls run the sm80 kernels' kRngState form.
+UNREGISTERED_VARIANTS = {(256, WINDOW | DROPOUT | RNG_STATE, True)}
 VARIANT_INSTANTIATIONS = tuple(variant_expression(d, VARIANT_DEFAULTS[d], bf16, bits, det) for d in VARIANT_SETS
-                               for bf16 in (False, True) for bits in VARIANT_SETS[d] for det in (False, True))
+                               for bf16 in (False, True) for bits in VARIANT_SETS[d] for det in (False, True)
+                               if (d, bits, det) not in UNREGISTERED_VARIANTS)
 # Softcap's P^T / dS^T passes compiled apart for masked and unmasked tiles (bwd90::kSplitMasked; csrc
 # says why): softcap alone (WINDOW | SOFTCAP) at d = 64 and 128, atomic dQ, both dtypes. The other
 # combinations spill (NVRTC 13.5): d = 64 deterministic 4 bytes, d = 128 atomic with ALiBi too 52.
@@ -438,7 +446,7 @@ class BackwardPlan:
                 raise ValueError(f"split_masked: softcap alone, atomic dQ, head dims {SPLIT_MASKED_HEAD_DIMS} only "
                                  f"(variant bits {bits}, deterministic={bool(deterministic)}, head_dim {d})")
             bits |= SPLIT_MASKED
-        self.variant_values = bits != 0  # whether launch passes (alibi, seed, offset) to the kernel
+        self.variant_values = bits != 0  # whether launch passes (alibi, seed, offset, rng state) to the kernel
         self.config = config = config or (VARIANT_DEFAULTS[d] if bits else DEFAULTS[(d, bool(causal))])
         if not config.fits(d, deterministic):
             raise ValueError(f"config {config} does not fit in shared memory at head_dim {d} with "
@@ -483,7 +491,7 @@ class BackwardPlan:
         args = (*maps, 0, 0, 0, 0, i32(heads), i32(group), i32(batch), i32(section), i32(nq), i32(nk), i32(nq_pad),
                 scale_log2, f32(scale), i32(rotate))
         dynamic = tuple(range(10))
-        if bits:  # VARIANT_PARAMS after the plain ones; the alibi pointer, seed and offset are per call
+        if bits:  # VARIANT_PARAMS after the plain ones; the alibi pointer, seed, offset and rng state are per call
             from .attention_fwd_sm80 import VARIANT_DYNAMIC
 
             dynamic += tuple(len(args) + i for i in VARIANT_DYNAMIC)
@@ -1017,7 +1025,7 @@ def _variant_case_ms(d: int, dtype, n: int, batch: int, heads: int, causal: bool
               if alibi else None)  # [H] fp32
     left, right = dr.check_window(window, causal)
     va = VariantArgs(left, right, cap, 0 if alibi else None, 0.0)
-    extra = (0 if slopes is None else slopes.data_ptr(), 0, 0)
+    extra = (0 if slopes is None else slopes.data_ptr(), 0, 0, 0)
     out, lse = torch.empty_like(q), torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
     dispatch.variant_forward_plan(q, k, v, out, lse, scale=scale, variants=va).launch(q, k, v, out, lse, *extra)
     grads = tuple(torch.empty_like(t) for t in (q, k, v))
@@ -1101,7 +1109,7 @@ def benchmark_dropout(head_dims=(128, 64), seq_lens=(2048, 8192), p: float = 0.1
                 scale = 1.0 / math.sqrt(d)
                 left, right = dr.check_window(None, causal)
                 va = attention_fwd_sm80.VariantArgs(left, right, 0.0, None, p)
-                extra = (0, 1234, 0)  # no ALiBi; seed, offset
+                extra = (0, 1234, 0, 0)  # no ALiBi; seed, offset; no device rng state
                 out, lse = torch.empty_like(q), torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
                 fwd = {"sm90": attention_fwd_sm90.ForwardPlan(q, k, v, out, lse, causal=False, scale=scale, variants=va),
                        "sm80": dispatch._VariantPointerPlan(attention_fwd_sm80.forward_plan(

@@ -180,42 +180,53 @@ class VariantArgs:
     """The variants of one launch plan (hashable: part of the plan key). Window edges in keys
     (UNBOUNDED: none; causal is right = 0), softcap 0.0 = off, alibi_batch_stride None = no ALiBi
     (0: slopes [H], H: slopes [B, H]), dropout_p 0.0 = off. The slopes' pointer and the dropout
-    seed/offset are per-call values (see `VARIANT_DYNAMIC`)."""
+    seed/offset are per-call values (see `VARIANT_DYNAMIC`). rng_state (with dropout): the kernels'
+    kRngState instantiations run, which read the seed and offset from the per-call rng_state pointer
+    (device memory, for CUDA graph replays) instead of the two values."""
 
     window_left: int = UNBOUNDED
     window_right: int = UNBOUNDED
     softcap: float = 0.0
     alibi_batch_stride: int | None = None
     dropout_p: float = 0.0
+    rng_state: bool = False
+
+    @property
+    def reads_rng_state(self) -> bool:
+        """Whether the kernels read the seed and offset from device memory (rng_state with dropout)."""
+        return self.rng_state and self.dropout_p > 0
 
     def kernel_args(self, scale: float) -> tuple:
-        """VARIANT_PARAMS of the kernels, with 0 for the per-call alibi pointer, seed and offset."""
+        """VARIANT_PARAMS of the kernels, with 0 for the per-call alibi pointer, seed, offset and rng_state."""
         cap = float(self.softcap)
         cap_in = scale / cap if cap > 0 else 0.0
         return (
             0, np.uint64(0), np.uint64(0), np.int64(self.alibi_batch_stride or 0),
             np.int32(self.window_left), np.int32(self.window_right), np.float32(cap_in), np.float32(cap * LOG2E),
             np.uint32(drop_threshold(self.dropout_p)),
-            np.float32(1.0 / (1.0 - self.dropout_p)),
+            np.float32(1.0 / (1.0 - self.dropout_p)), 0,
         )
 
 
-# Parameter offsets (after the plain parameters) of the per-call variant values: alibi, seed, offset.
-VARIANT_DYNAMIC = (0, 1, 2)
+# Parameter offsets (after the plain parameters) of the per-call variant values: alibi, seed, offset and
+# rng_state (the device pointer to {seed, offset} that replaces the two values when not 0; variants.cuh).
+VARIANT_DYNAMIC = (0, 1, 2, 10)
 
 
-def variant_expression(head_dim: int, config: FwdConfig, bf16: bool, varlen: bool = False) -> str:
-    """NVRTC name expression of a variant forward instantiation."""
+def variant_expression(head_dim: int, config: FwdConfig, bf16: bool, varlen: bool = False,
+                       rng_state: bool = False) -> str:
+    """NVRTC name expression of a variant forward instantiation (rng_state: its kRngState form)."""
     return (
         f"tileattn::attention_fwd{'_varlen' if varlen else ''}_variants_sm80<{head_dim}, {config.block_m}, "
-        f"{config.block_n}, {config.warps}, {config.stages}, {'true' if bf16 else 'false'}>"
+        f"{config.block_n}, {config.warps}, {config.stages}, {'true' if bf16 else 'false'}"
+        f"{', true' if rng_state else ''}>"
     )
 
 
 VARIANT_INSTANTIATIONS = tuple(
-    variant_expression(d, table[d], bf16, varlen)
+    variant_expression(d, table[d], bf16, varlen, rng_state)
     for varlen, table in ((False, VARIANT_DEFAULTS), (True, VARLEN_VARIANT_DEFAULTS))
-    for d in HEAD_DIMS for bf16 in (False, True))
+    for d in HEAD_DIMS for bf16 in (False, True) for rng_state in (False, True))
 
 INSTANTIATIONS = (_expressions(DEFAULTS.values()) + _expressions(VARLEN_DEFAULTS.values(), varlen=True)
                   + VARIANT_INSTANTIATIONS)
@@ -262,7 +273,8 @@ def forward_plan(q, k, v, out, lse, *, causal: bool, scale: float, config: FwdCo
     bf16 = q.dtype == torch.bfloat16
     if variants is not None:
         config = config or VARIANT_DEFAULTS[head_dim]
-        kern = load(FAMILY_NAME, variant_expression(head_dim, config, bf16), device_index)
+        kern = load(FAMILY_NAME, variant_expression(head_dim, config, bf16, rng_state=variants.reads_rng_state),
+                    device_index)
     else:
         if config is None:
             config = default_config(head_dim, causal, device_arch(device_index))
@@ -337,7 +349,8 @@ def forward_varlen_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     bf16 = q.dtype == torch.bfloat16
     if variants is not None:
         config = config or VARLEN_VARIANT_DEFAULTS[head_dim]
-        kern = load(FAMILY_NAME, variant_expression(head_dim, config, bf16, varlen=True), device_index)
+        kern = load(FAMILY_NAME, variant_expression(head_dim, config, bf16, varlen=True,
+                                                    rng_state=variants.reads_rng_state), device_index)
     else:
         if config is None:
             config = default_varlen_config(head_dim, causal, device_arch(device_index))

@@ -319,6 +319,8 @@ def variant_config(head_dim: int, flags: int, seqlen_k: int = 0, *, seqlen_q: in
     queries where that lists the head dim (with or without the fixed max); with the FIXED_MAX bit,
     fixed_max_tile's choice. Raises KeyError for a head dim not in HEAD_DIMS."""
     base = flags & ~FIXED_MAX
+    if (head_dim, flags) in RNG_STATE_TILES:
+        return _default_grid(head_dim, RNG_STATE_TILES[(head_dim, flags)])
     if base in WIDE_VARIANT_FLAGS and head_dim in VARIANT_WIDE:
         plain = default_config(head_dim, False, seqlen_k, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads,
                                pack_gqa=pack_gqa, wide_min_queries=_variant_wide_switch(head_dim, base == SOFTCAP))
@@ -378,13 +380,15 @@ def variant_flags(variants) -> int:
 
     window = variants.window_left != UNBOUNDED or variants.window_right != UNBOUNDED
     return ((WINDOW if window else 0) | (SOFTCAP if variants.softcap > 0 else 0)
-            | (ALIBI if variants.alibi_batch_stride is not None else 0) | (DROPOUT if variants.dropout_p > 0 else 0))
+            | (ALIBI if variants.alibi_batch_stride is not None else 0) | (DROPOUT if variants.dropout_p > 0 else 0)
+            | (RNG_STATE if variants.reads_rng_state else 0))
 
 
 # The types of VARIANT_PARAMS (common/variants.cuh), in order: the variant kernels' trailing
-# parameter pack (alibi, seed, offset, alibi_sb, win_left, win_right, cap_in, cap_out, drop_thr, drop_scale).
+# parameter pack (alibi, seed, offset, alibi_sb, win_left, win_right, cap_in, cap_out, drop_thr, drop_scale,
+# rng_state).
 _VARIANT_PARAM_TYPES = ("const float*, unsigned long long, unsigned long long, long long, int, int, float, float, "
-                        "unsigned int, float")
+                        "unsigned int, float, const unsigned long long*")
 
 
 def variant_expression(head_dim: int, config: Sm90Config, bf16: bool, flags: int, causal: bool = False) -> str:
@@ -453,15 +457,32 @@ CAUSAL_FIXED_MAX_INSTANTIATIONS = tuple(
 _DROPOUT_ALL = (DROPOUT, DROPOUT | WINDOW, DROPOUT | WINDOW | SOFTCAP, DROPOUT | WINDOW | ALIBI,
                 DROPOUT | WINDOW | SOFTCAP | ALIBI)
 DROPOUT_FLAG_SETS: dict[int, tuple[int, ...]] = {64: _DROPOUT_ALL, 128: _DROPOUT_ALL[:3], 256: _DROPOUT_ALL}
-DROPOUT_INSTANTIATIONS = tuple(variant_expression(d, VARIANT_DEFAULTS[d], bf16, flags)
-                               for d, sets in DROPOUT_FLAG_SETS.items() for bf16 in (False, True) for flags in sets)
+# The kRngState forms (fwd90::kRngState; VariantArgs.rng_state): the consumers read the seed and
+# offset from device memory, so a captured CUDA graph applies whatever state each replay finds there.
+# Registered where they compile with 0 spills (NVRTC 13.5): every set at d = 64; at d = 128 the three
+# sets, the windowed two at 128 x 64 / s2 (RNG_STATE_TILES: at the dropout kernels' 128 x 128 they
+# spilled 120 and 20 bytes); at d = 256 dropout alone (the windowed sets spilled 20 bytes, with ALiBi
+# 20 / 80, at d = 256's only dropout tile, 128 x 64). Calls they do not cover (causal dropout at
+# d = 256 among them) run the sm80 kernels' kRngState form.
+# docs/attention_variants.md, "Dropout's rng state in device memory".
+RNG_STATE = 256
+RNG_STATE_FLAG_SETS: dict[int, tuple[int, ...]] = {
+    d: tuple(flags | RNG_STATE for flags in sets)
+    for d, sets in ((64, _DROPOUT_ALL), (128, _DROPOUT_ALL[:3]), (256, _DROPOUT_ALL[:1]))}
+RNG_STATE_TILES: dict[tuple[int, int], Sm90Config] = {
+    (128, flags | RNG_STATE): C(64, 2) for flags in _DROPOUT_ALL[1:3]}
+DROPOUT_INSTANTIATIONS = tuple(
+    variant_expression(d, RNG_STATE_TILES.get((d, flags), VARIANT_DEFAULTS[d]), bf16, flags)
+    for table in (DROPOUT_FLAG_SETS, RNG_STATE_FLAG_SETS) for d, sets in table.items() for bf16 in (False, True)
+    for flags in sets)
 
 
 def dropout_kernel_flags(head_dim: int, flags: int) -> int | None:
-    """kVariant of the registered instantiation that runs variant flags `flags` (with DROPOUT) at
-    this head dim: the set itself, or the set with WINDOW (run with the window's edges as given:
-    unbounded when the call has no window), or None when neither is registered."""
-    sets = DROPOUT_FLAG_SETS.get(head_dim, ())
+    """kVariant of the registered instantiation that runs variant flags `flags` (with DROPOUT, and
+    RNG_STATE for a kRngState call) at this head dim: the set itself, or the set with WINDOW (run with
+    the window's edges as given: unbounded when the call has no window), or None when neither is
+    registered."""
+    sets = (RNG_STATE_FLAG_SETS if flags & RNG_STATE else DROPOUT_FLAG_SETS).get(head_dim, ())
     for k in (flags, flags | WINDOW):
         if k in sets:
             return k
@@ -736,10 +757,11 @@ class ForwardPlan:
 
     `variants` (attention_fwd_sm80.VariantArgs with causal folded into the window; causal must then
     be False): the variant kernel of variant_flags(variants) runs, or the plain non-causal one when
-    that is 0, and launch takes three more values: the ALiBi slopes' pointer (0: none) and the
+    that is 0, and launch takes four more values: the ALiBi slopes' pointer (0: none), the
     dropout seed and offset (ints in [0, 2^64); the mask is tileattn.dropout.dropout_mask(seed,
     offset, B, H, Nq, Nk, p), kept values scaled by 1 / (1 - p), lse that of the undropped
-    softmax). fixed_max: run softcap with the fixed row max (FIXED_MAX kernels), which needs
+    softmax) and the pointer of a device [seed, offset] that replaces them (0: none).
+    fixed_max: run softcap with the fixed row max (FIXED_MAX kernels), which needs
     fixed_max_applies (variant_config then picks the fixed-max tile: FIXED_MAX_WIDE's where it lists the
     head dim and the call takes three consumers). causal_kernel: run a causal call with ALiBi or softcap alone
     (causal_variant_flags) on the kCausal kernel (causal_variant_config's tile) instead of the
@@ -802,16 +824,16 @@ class ForwardPlan:
         args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, seqlen_q, seqlen_k, scale),
                 _tile_counter(config.persistent, q.device.index))
         dynamic = (*range(5), TILE_COUNTER_ARG)
-        if flags:  # VARIANT_PARAMS after the plain ones; alibi pointer, seed, offset are per call
+        if flags:  # VARIANT_PARAMS after the plain ones; alibi pointer, seed, offset, rng state are per call
             from .attention_fwd_sm80 import VARIANT_DYNAMIC
 
             dynamic += tuple(len(args) + i for i in VARIANT_DYNAMIC)
             args += variants.kernel_args(scale)
-        self.variant_values = bool(flags)  # whether launch passes on (alibi, seed, offset)
+        self.variant_values = bool(flags)  # whether launch passes on (alibi, seed, offset, rng state)
         self.plan = LaunchPlan(kern, grid, (config.threads,), args, smem=config.smem_bytes(head_dim), dynamic=dynamic)
 
     def launch(self, q, k, v, out, lse, *extra) -> None:
-        """Launch on q, k, v, out, lse; with variants `extra` = (alibi pointer, seed, offset), which
+        """Launch on q, k, v, out, lse; with variants `extra` = (alibi pointer, seed, offset, rng state pointer), which
         a plan without variant kernel (flags 0) ignores."""
         tq, tk, tv, to = self.templates
         if self.copy_q:

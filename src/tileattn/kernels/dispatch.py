@@ -268,15 +268,16 @@ def variant_forward_family(arch: str, dtype, head_dim: int, dropout_p: float, va
 
 class _VariantPointerPlan:
     """A variant forward LaunchPlan (sm80) launched like the Hopper ForwardPlan: `launch(q, k, v,
-    out, lse, alibi pointer, seed, offset)`."""
+    out, lse, alibi pointer, seed, offset, rng state pointer)`."""
 
     __slots__ = ("plan",)
 
     def __init__(self, plan):
         self.plan = plan
 
-    def launch(self, q, k, v, out, lse, alibi, seed, offset) -> None:
-        self.plan.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), alibi, seed, offset)
+    def launch(self, q, k, v, out, lse, alibi, seed, offset, rng_state) -> None:
+        self.plan.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), alibi, seed, offset,
+                         rng_state)
 
 
 def sm90_variant_forward_kind(dtype, head_dim: int, seqlen_k: int, variants, *, inference: bool) -> tuple[bool, bool]:
@@ -299,7 +300,7 @@ def sm90_variant_forward_kind(dtype, head_dim: int, seqlen_k: int, variants, *, 
 def variant_forward_plan(q, k, v, out, lse, *, scale: float, variants, inference: bool = False):
     """The forward plan of a dense call with variants (attention_fwd_sm80.VariantArgs, causal
     folded into the window) for these validated tensors: `.launch(q, k, v, out, lse, alibi
-    pointer, seed, offset)`. K/V must already be copied where the sm80 kernel needs it
+    pointer, seed, offset, rng state pointer)`. K/V must already be copied where the sm80 kernel needs it
     (needs_contiguous_kv). inference: no backward follows this forward, so softcap's fixed row max
     may run (sm90_variant_forward_kind; a backward from its output and lse would be less exact, see
     SM90_SOFTCAP_FIXED_MAX)."""
@@ -343,7 +344,7 @@ def variant_backward_family(arch: str, dtype, head_dim: int, variants, determini
 def variant_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, deterministic: bool, variants):
     """The backward plan of a dense call with variants (attention_fwd_sm80.VariantArgs, causal folded
     into the window) for these validated tensors: `.launch(q, k, v, out, lse, dout, dq, dk, dv,
-    alibi pointer, seed, offset)`. lse is the variant forward's, from either forward family."""
+    alibi pointer, seed, offset, rng state pointer)`. lse is the variant forward's, from either forward family."""
     from ..runtime import device_arch
 
     family = variant_backward_family(device_arch(q.device.index), q.dtype, q.shape[3], variants, deterministic)

@@ -26,6 +26,8 @@ first global access (csrc/common/pdl.cuh). Kernel families opt in per launch thr
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import struct
 import threading
@@ -101,6 +103,23 @@ def _driver():
     return driver
 
 
+@contextlib.contextmanager
+def relaxed_capture():
+    """Within: this thread's stream-capture interaction mode is relaxed, so a module load or a kernel
+    attribute set while torch's current stream captures a CUDA graph (a plan first needed inside a
+    capture, e.g. dropout's kRngState kernels, which only a capture or a seed tensor asks for) is not
+    refused as an unsafe call of global-mode capture. Neither enqueues work: the graph is unaffected.
+    The thread's previous mode is restored after."""
+    driver = _driver()
+    err, previous = driver.cuThreadExchangeStreamCaptureMode(driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    _raise_for(err, "cuThreadExchangeStreamCaptureMode(relaxed)")
+    try:
+        yield
+    finally:
+        (err, _) = driver.cuThreadExchangeStreamCaptureMode(previous)
+        _raise_for(err, "cuThreadExchangeStreamCaptureMode(restore)")
+
+
 def pdl_enabled(device_index: int) -> bool:
     """Whether kernels written for programmatic dependent launch (they wait with
     griddepcontrol.wait before touching memory) should be launched with it on `device_index`: a
@@ -152,7 +171,8 @@ class LoadedKernel:
             )
         driver = _driver()
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        (err,) = driver.cuKernelSetAttribute(attr, nbytes, self.kernel.handle, self.device_index)
+        with relaxed_capture():
+            (err,) = driver.cuKernelSetAttribute(attr, nbytes, self.kernel.handle, self.device_index)
         _raise_for(err, f"cuKernelSetAttribute({nbytes} B dynamic smem) for {self.expression}")
         self._dynamic_smem_limit = nbytes
 
@@ -187,7 +207,7 @@ def load_kernel(source_path: Path, expression: str, *, compile_options: dict | N
     from cuda.core import Device, ObjectCode
 
     module = compile_cuda(source_path, [expression], device_arch(device_index), extra_options=compile_options)
-    with torch.cuda.device(device_index):
+    with torch.cuda.device(device_index), relaxed_capture():
         torch.cuda.init()
         Device(device_index).set_current()  # the primary context, which torch uses too
         obj = ObjectCode.from_cubin(module.cubin, symbol_mapping={k: v.encode() for k, v in module.symbols.items()})

@@ -26,13 +26,14 @@ namespace tileattn {
 constexpr int kUnbounded = 1 << 29;
 
 // The variants of one launch. The entry points take them as scalar parameters (VARIANT_PARAMS, in
-// this order; the alibi pointer, seed and offset are the launch plan's dynamic 64-bit slots) and
+// this order; the alibi pointer, seed, offset and rng_state are the launch plan's dynamic 64-bit slots) and
 // pass them on by reference: every field stays a kernel parameter (constant bank) for ptxas.
 struct Variants {
   const float* alibi;  // slopes, [H] (alibi_sb = 0) or [B, H] (alibi_sb = H) fp32; nullptr: off
   int64_t alibi_sb;    // batch stride of the slopes, in elements
   uint64_t seed;       // dropout: Philox key
   uint64_t offset;     // dropout: Philox counter offset
+  const uint64_t* rng_state;  // dropout: nullptr, or {seed, offset} in device memory (replaces the two)
   int left, right;     // window edges (>= 0, kUnbounded: none)
   float cap_in;        // softcap: scale / cap (multiplies q . k); 0: softcap off
   float cap_out;       // softcap: cap * log2(e)
@@ -40,12 +41,47 @@ struct Variants {
   unsigned drop_thr;   // dropout: drop iff 16-bit uniform < drop_thr (= round(p * 65536)); 0: off
   float drop_scale;    // 1 / (1 - p)
 };
+//
+// rng_state: nullptr, or the dropout seed and offset in device memory ({seed, offset}, 16 bytes), read
+// when the kernel runs instead of the seed and offset parameters. A CUDA graph captures parameters by
+// value; through this pointer each replay can apply the mask of whatever state the graph (or the
+// caller) wrote there before the launch. Kernels without dropout never read it (the load is dead).
 #define VARIANT_PARAMS                                                                                       \
   const float *__restrict__ alibi, uint64_t seed, uint64_t offset, int64_t alibi_sb, int win_left, int win_right, \
-      float cap_in, float cap_out, unsigned drop_thr, float drop_scale
+      float cap_in, float cap_out, unsigned drop_thr, float drop_scale, const uint64_t *__restrict__ rng_state
 // The Variants of an entry point with VARIANT_PARAMS and a scale_log2 parameter.
-#define VARIANTS_FROM_PARAMS \
-  Variants { alibi, alibi_sb, seed, offset, win_left, win_right, cap_in, cap_out, scale_log2, drop_thr, drop_scale }
+#define VARIANTS_FROM_PARAMS                                                                              \
+  Variants {                                                                                              \
+    alibi, alibi_sb, seed, offset, rng_state, win_left, win_right, cap_in, cap_out, scale_log2, drop_thr, \
+        drop_scale                                                                                        \
+  }
+
+// A 32-bit value that every lane of the (converged, full) warp holds, through redux.sync: its result is
+// warp-uniform for ptxas, so what is computed from it stays in uniform registers as it does from the
+// constant bank (the dropout key schedule).
+__device__ __forceinline__ unsigned warp_uniform(unsigned v) { return __reduce_or_sync(0xffffffffu, v); }
+// va with the dropout seed and offset read from va.rng_state (never nullptr here), by a full, converged
+// warp. Only the three words Philox takes are kept (dropout_bits: key (seed_lo, seed_hi + offset_hi),
+// counter word offset_lo): the offset's high word becomes 0 and the seed's absorbs it. The kernels call
+// this only in their kRngState instantiations: the ones that take the values as parameters keep their
+// code (reading the state costs registers; docs/attention_variants.md, "Dropout's rng state in device
+// memory").
+__device__ __forceinline__ Variants with_rng_state(const Variants& va) {
+  const unsigned long long* state = reinterpret_cast<const unsigned long long*>(va.rng_state);
+  const uint64_t seed = __ldg(state), offset = __ldg(state + 1);
+  Variants out = va;
+  const unsigned key_x = warp_uniform(static_cast<unsigned>(seed));
+  const unsigned key_y = warp_uniform(static_cast<unsigned>(seed >> 32) + static_cast<unsigned>(offset >> 32));
+  out.seed = (static_cast<uint64_t>(key_y) << 32) | key_x;
+  out.offset = warp_uniform(static_cast<unsigned>(offset));
+  return out;
+}
+// The Variants an entry point runs with: as given, or with_rng_state's for a kRngState instantiation.
+template <bool kRngState>
+__device__ __forceinline__ Variants resolved_variants(const Variants& va) {
+  if constexpr (kRngState) return with_rng_state(va);
+  else return va;
+}
 
 // ---- Philox4x32-7 (Salmon et al., SC'11): a bijection of the 128-bit counter under a 64-bit key.
 // Seven rounds, the fewest with which Philox4x32 passes TestU01's BigCrush in the paper (ten is
