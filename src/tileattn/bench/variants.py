@@ -57,7 +57,7 @@ class _Plans:
     runs (fwd_inference: softcap's fixed max where it applies), forward+backward rows the one a
     backward follows."""
 
-    def __init__(self, q, k, v, dout, *, causal: bool, variants=None, extra=(0, 0, 0)):
+    def __init__(self, q, k, v, dout, *, causal: bool, variants=None, extra=(0, 0, 0, 0)):
         from ..kernels import dispatch
 
         self.t = (q, k, v, dout)
@@ -201,17 +201,17 @@ def run_overhead(head_dim, dtype, reps, quick, rounds=3, timed=OVERHEAD_VARIANTS
             right = 0 if causal else UNBOUNDED
             cases = {
                 "plain": None,
-                "variant_kernel_none": (VariantArgs(window_right=right), (0, 0, 0)),
-                "softcap": (VariantArgs(window_right=right, softcap=30.0), (0, 0, 0)),
-                "alibi": (VariantArgs(window_right=right, alibi_batch_stride=0), (slopes.data_ptr(), 0, 0)),
-                "dropout": (VariantArgs(window_right=right, dropout_p=0.1), (0, 1234, 0)),
+                "variant_kernel_none": (VariantArgs(window_right=right), (0, 0, 0, 0)),
+                "softcap": (VariantArgs(window_right=right, softcap=30.0), (0, 0, 0, 0)),
+                "alibi": (VariantArgs(window_right=right, alibi_batch_stride=0), (slopes.data_ptr(), 0, 0, 0)),
+                "dropout": (VariantArgs(window_right=right, dropout_p=0.1), (0, 1234, 0, 0)),
             }
             base = {"suite": "overhead", "b": batch, "h": heads, "n": n, "d": head_dim, "causal": causal,
                     "dtype": str(dtype).removeprefix("torch.")}
             cases = {name: spec for name, spec in cases.items() if name == "plain" or name in timed}
             plans = {}
             for name, spec in cases.items():
-                variants, extra = spec if spec is not None else (None, (0, 0, 0))
+                variants, extra = spec if spec is not None else (None, (0, 0, 0, 0))
                 plans[name] = _Plans(q, k, v, dout, causal=causal, variants=variants, extra=extra)
             for rnd in range(rounds):
                 for name, plan in round_order(plans, rnd):
