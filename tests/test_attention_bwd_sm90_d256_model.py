@@ -76,9 +76,10 @@ def test_registry_and_config():
     assert ab.supports(256, torch.bfloat16, True) and not ab.supports_varlen(256, torch.bfloat16)
     # the variant kernels (session 22) on the same tile, every set, both dQ modes
     assert ab.VARIANT_DEFAULTS[256] == ab.Sm90BwdConfig(64, 2) and ab.VARIANT_SETS[256] == ab.VARIANT_SETS[128]
+    # (but the deterministic kRngState form, which spilled: UNREGISTERED_VARIANTS)
     assert {e for e in ab.INSTANTIATIONS if "variants<256," in e} == {
         ab.variant_expression(256, CFG, bf16, bits, det) for bf16 in (False, True) for bits in ab.VARIANT_SETS[256]
-        for det in (False, True)}
+        for det in (False, True) if (256, bits, det) not in ab.UNREGISTERED_VARIANTS}
 
 
 def test_smem_layout_fits_and_is_aligned():
