@@ -2,8 +2,9 @@
 CUDA tensor [seed, offset] that the kernels read when they run, and the draw a dropout call makes on
 the device while the current stream captures a CUDA graph, so that every replay applies a new mask.
 
-Oracle: the same call with the state's values as int seed/offset, bitwise (out, lse, dq, dk, dv: the
-kernels are the same instantiations, only where the two 64-bit values come from differs), and that
+Oracle: the same call with the state's values as int seed/offset, bitwise (out, lse, dk, dv; dq too in
+the deterministic mode, within 1e-2 of its largest element in the atomic one, whose adds land in any
+order), and that
 call is checked against the float64 reference in tests/gpu/test_attention_variants.py. One case per
 kernel family that draws dropout bits: the Hopper dropout forward and backward (d = 64, 128, 256;
 atomic and deterministic), the sm_80 variant forward and backward (d = 96; d = 128 with ALiBi, which
@@ -83,8 +84,16 @@ def _forward_backward(op, qkv, dout, **dropout):
     return (out.detach(), lse, *grads)
 
 
-def _assert_equal(got, want, what):
+def _assert_equal(got, want, what, case):
+    """Bitwise, but dQ of an atomic-mode case (its fp32 adds land in any order, so two runs of the same mask
+    may round an element differently: seen once in 102,400 at d = 256) to within 1e-2 of its largest element,
+    while dK and dV (ordered sums of the same mask) stay exact."""
+    deterministic = CASES[case][5]
     for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        if name == "dq" and not deterministic:
+            err = float((x.float() - y.float()).abs().max()) / max(float(y.float().abs().max()), 1e-30)
+            assert err <= 1e-2, f"{what}: dq differs by {err:.2e} of its largest element"
+            continue
         assert torch.equal(x, y), f"{what}: {name} differs in {int((x != y).sum())} of {x.numel()} elements"
 
 
@@ -97,7 +106,7 @@ def test_seed_tensor_equals_the_same_int_seed(case):
     p = 0.3
     want = _forward_backward(op, qkv, dout, dropout_p=p, seed=seed, offset=offset)
     got = _forward_backward(op, qkv, dout, dropout_p=p, seed=_state(seed, offset))
-    _assert_equal(got, want, f"{case}: seed tensor against the int seed")
+    _assert_equal(got, want, f"{case}: seed tensor against the int seed", case)
     other = _forward_backward(op, qkv, dout, dropout_p=p, seed=_state(seed + 1, offset))
     assert not torch.equal(other[0], want[0]), f"{case}: another seed tensor gave the same output"
 
@@ -115,7 +124,7 @@ def test_backward_applies_the_mask_the_forward_read(case):
         grads = torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
     want = _forward_backward(op, qkv, dout, dropout_p=0.3, seed=31, offset=2)
-    _assert_equal((out.detach(), lse, *grads), want, f"{case}: seed tensor rewritten before the backward")
+    _assert_equal((out.detach(), lse, *grads), want, f"{case}: seed tensor rewritten before the backward", case)
 
 
 def _warm_up(fn):
@@ -159,7 +168,7 @@ def test_captured_seed_tensor_is_read_at_each_replay(case):
         torch.cuda.synchronize()
         got = [t.clone() for t in results]
         want = _forward_backward(op, static, dout, dropout_p=p, seed=seed, offset=offset)
-        _assert_equal(got, want, f"{case}: replay with seed {seed}, offset {offset}")
+        _assert_equal(got, want, f"{case}: replay with seed {seed}, offset {offset}", case)
 
 
 @pytest.mark.parametrize("case", ["sm90_d128_gqa", "sm80_d128_alibi", "varlen_d64"])
@@ -191,7 +200,7 @@ def test_capture_without_a_seed_draws_a_new_mask_per_replay(case, monkeypatch):
         seed, offset = dr.rng_values(drawn[0])
         got = [t.clone() for t in results]
         want = _forward_backward(op, static, dout, dropout_p=p, seed=seed, offset=offset)
-        _assert_equal(got, want, f"{case}: replay {replay} against its drawn state ({seed}, {offset})")
+        _assert_equal(got, want, f"{case}: replay {replay} against its drawn state ({seed}, {offset})", case)
         seen.append(got[0])
     assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2]), "replays repeated a mask"
 
@@ -259,7 +268,8 @@ def test_torch_compile_with_a_seed_tensor(api_case):
         out, lse = compiled(q, k, v, _state(seed, offset))
         grads = torch.autograd.grad(out, (q, k, v), dout)
         want = _forward_backward(op, qkv, dout, dropout_p=0.3, seed=seed, offset=offset)
-        _assert_equal((out.detach(), lse, *grads), want, f"compiled {api_case} with seed tensor ({seed}, {offset})")
+        _assert_equal((out.detach(), lse, *grads), want, f"compiled {api_case} with seed tensor ({seed}, {offset})",
+                      api_case)
 
 
 def test_opcheck_with_a_device_rng_state():
@@ -284,4 +294,4 @@ def test_sanitize_seed_tensor(case):
     op, qkv, dout = _inputs(case, 9)
     want = _forward_backward(op, qkv, dout, dropout_p=0.2, seed=3, offset=1)
     got = _forward_backward(op, qkv, dout, dropout_p=0.2, seed=_state(3, 1))
-    _assert_equal(got, want, f"sanitize {case}")
+    _assert_equal(got, want, f"sanitize {case}", case)
