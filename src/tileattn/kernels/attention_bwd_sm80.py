@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ..launch_limits import MAX_GRID_YZ
 from . import Family
+from .attention_fwd_sm80 import rng_template_arg
 
 __all__ = [
     "FAMILIES",
@@ -111,12 +112,12 @@ class BwdConfig:
         return (
             f"{_NS}attn_bwd_main{_v(varlen)}{_var(variants)}_kernel<{self.head_dim}, {self.block_n}, {self.block_m}, {self.warps}, "
             f"{self.warps_n1}, {self.warps_n2}, {self.warps_m3}, {self.min_blocks}, {_b(bf16)}, {_b(with_dq)}, "
-            f"{self.unroll if with_dq else self.unroll_det}{_rng(rng_state)}>"
+            f"{self.unroll if with_dq else self.unroll_det}{rng_template_arg(rng_state)}>"
         )
 
     def dq_expr(self, bf16: bool, varlen: bool = False, variants: bool = False, rng_state: bool = False) -> str:
         return (f"{_NS}attn_bwd_dq{_v(varlen)}{_var(variants)}_kernel<{self.head_dim}, {self.dq_block_m}, "
-                f"{self.dq_block_n}, {_b(bf16)}{_rng(rng_state)}>")
+                f"{self.dq_block_n}, {_b(bf16)}{rng_template_arg(rng_state)}>")
 
     @property
     def main_threads(self) -> int:
@@ -157,12 +158,6 @@ def _v(varlen: bool) -> str:
 def _var(variants: bool) -> str:
     """Name infix of the variant entry points (window, softcap, ALiBi, dropout; issue #15)."""
     return "_variants" if variants else ""
-
-
-def _rng(rng_state: bool) -> str:
-    """Trailing template argument of the variant entry points' kRngState form (seed and offset read
-    from device memory; attention_fwd_sm80.VariantArgs.rng_state)."""
-    return ", true" if rng_state else ""
 
 
 def preprocess_expr(head_dim: int, bf16: bool, varlen: bool = False) -> str:

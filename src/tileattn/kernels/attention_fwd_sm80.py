@@ -213,13 +213,19 @@ class VariantArgs:
 VARIANT_DYNAMIC = (0, 1, 2, 10)
 
 
+def rng_template_arg(rng_state: bool) -> str:
+    """The trailing template argument of the sm80 variant entry points' kRngState form (forward and
+    backward): seed and offset read from device memory (VariantArgs.rng_state); none for the default."""
+    return ", true" if rng_state else ""
+
+
 def variant_expression(head_dim: int, config: FwdConfig, bf16: bool, varlen: bool = False,
                        rng_state: bool = False) -> str:
     """NVRTC name expression of a variant forward instantiation (rng_state: its kRngState form)."""
     return (
         f"tileattn::attention_fwd{'_varlen' if varlen else ''}_variants_sm80<{head_dim}, {config.block_m}, "
         f"{config.block_n}, {config.warps}, {config.stages}, {'true' if bf16 else 'false'}"
-        f"{', true' if rng_state else ''}>"
+        f"{rng_template_arg(rng_state)}>"
     )
 
 

@@ -27,7 +27,6 @@ first global access (csrc/common/pdl.cuh). Kernel families opt in per launch thr
 from __future__ import annotations
 
 import contextlib
-
 import os
 import struct
 import threading
