@@ -181,6 +181,13 @@
 // that pattern in the Hopper backward (docs/attention_bwd_sm90.md, "Racecheck: the lse2 ring
 // slot"), fixed there the same way. The plain kernel's code is unchanged: every difference is
 // under `if constexpr` or a constant-folded choice.
+// Both packed layouts also combine with the window, softcap and ALiBi bits (kVariant = kVarlen or
+// kPaged | a set of kWindow, kSoftcap, kAlibi; kCausal false, causal being the window's right edge
+// 0; two consumers): the trailing parameters are the layout's, then VARIANT_PARAMS. The variant
+// arithmetic is the dense kernel's with each sequence's own lengths (the window's block range and
+// edge test take nq / nk, the ALiBi distance and the window edges the sequence's diag = nk - nq), and
+// ALiBi slopes [B, H] are indexed by sequence. The window's first visit is block n_end - 1, as the
+// plain kernel's, so the edge block's V rows past nk are cleared the same way.
 #include "common/sm80.cuh"
 #include "common/sm90.cuh"
 #include "common/varlen.cuh"
@@ -376,6 +383,14 @@ __device__ __forceinline__ Packed packed_of(VARLEN_PARAMS) {
 __device__ __forceinline__ Packed packed_of(PAGED_PARAMS) {
   return {cu_seqlens_q, seqlens_k, out, out_sr, out_sh, total_q, block_table, bt_stride, max_blocks, num_blocks,
           log2_bs};
+}
+// A packed layout with variants: the layout's parameters, then VARIANT_PARAMS (variants_of below).
+__device__ __forceinline__ Packed packed_of(VARLEN_PARAMS, VARIANT_PARAMS) {
+  return packed_of(cu_seqlens_q, cu_seqlens_k, out, out_sr, out_sh, total_q);
+}
+__device__ __forceinline__ Packed packed_of(PAGED_PARAMS, VARIANT_PARAMS) {
+  return packed_of(cu_seqlens_q, seqlens_k, out, out_sr, out_sh, total_q, block_table, bt_stride, max_blocks,
+                   num_blocks, log2_bs);
 }
 
 // Sequence `batch`'s first tokens and lengths for layout kLayout (0 dense, kVarlen, kPaged): dense
@@ -778,6 +793,13 @@ __device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float 
 
 // The Variants of a variant kernel's trailing parameters (VARIANT_PARAMS' order and widths).
 __device__ __forceinline__ Variants variants_of(float scale_log2, VARIANT_PARAMS) { return VARIANTS_FROM_PARAMS; }
+// ... of a packed layout's variant kernel: the layout's parameters first (packed_of).
+__device__ __forceinline__ Variants variants_of(float scale_log2, VARLEN_PARAMS, VARIANT_PARAMS) {
+  return VARIANTS_FROM_PARAMS;
+}
+__device__ __forceinline__ Variants variants_of(float scale_log2, PAGED_PARAMS, VARIANT_PARAMS) {
+  return VARIANTS_FROM_PARAMS;
+}
 
 }  // namespace fwd90
 
@@ -811,6 +833,8 @@ __device__ __forceinline__ Variants variants_of(float scale_log2, VARIANT_PARAMS
 // Paged (kVariant == fwd90::kPaged): as varlen with PAGED_PARAMS; tmap_k / tmap_v over k_cache /
 // v_cache [num_blocks, block_size, Hkv, d] as [num_blocks, Hkv, block_size, d], box (64,
 // min(block_size, kBlockN), 1, 1).
+// Packed with variants (kVariant == kVarlen or kPaged | a set of kWindow, kSoftcap, kAlibi; kCausal
+// false): the layout's parameters, then VARIANT_PARAMS (dropout stays dense).
 template <int kHeadDim, int kBlockN, int kStages, bool kPingPong, bool kCausal, bool kIsBF16, int kConsumers = 2,
           int kVariant = 0, class... VariantParams>
 __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
@@ -821,25 +845,29 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
                        int heads, int kv_group, int pack, int l2_group, int seqlen_q, int seqlen_k,
                        float scale_log2, int* __restrict__ tile_counter, VariantParams... variant_params) {
   using namespace fwd90;
-  constexpr bool kPagedLayout = kVariant == kPaged;
-  constexpr bool kVarlenLayout = kVariant == kVarlen || kPagedLayout;  // packed queries (varlen or paged)
-  constexpr int kLayout = kVarlenLayout ? kVariant : 0;
-  static_assert(kVarlenLayout || ((kVariant & ~kVariantBits) == 0 && (kVariant == 0) == (sizeof...(VariantParams) == 0)),
-                "kVariant: a set of kWindow | kSoftcap | kAlibi | kDropout, with VARIANT_PARAMS exactly when "
-                "non-empty, or kVarlen or kPaged alone");
+  constexpr int kLayout = kVariant & (kVarlen | kPaged);  // 0 dense, kVarlen or kPaged
+  constexpr int kBits = kVariant & kVariantBits;          // the variants
+  constexpr bool kPagedLayout = kLayout == kPaged;
+  constexpr bool kVarlenLayout = kLayout != 0;            // packed queries (varlen or paged)
+  constexpr int kLayoutParams = kLayout == kVarlen ? 6 : kPagedLayout ? 11 : 0;  // VARLEN_PARAMS, PAGED_PARAMS
+  static_assert((kVariant & ~(kVariantBits | kVarlen | kPaged)) == 0 && kLayout != (kVarlen | kPaged) &&
+                    sizeof...(VariantParams) == kLayoutParams + (kBits != 0 ? 11 : 0),
+                "kVariant: a set of kWindow | kSoftcap | kAlibi | kDropout and at most one layout bit; the "
+                "trailing parameters: the layout's (VARLEN_PARAMS, PAGED_PARAMS), then VARIANT_PARAMS with variants");
+  static_assert(!kVarlenLayout || ((kBits & ~(kWindow | kSoftcap | kAlibi)) == 0 && (kBits == 0 || !kCausal)),
+                "packed layouts: window, softcap and ALiBi only (causal as the window's right edge 0)");
   static_assert((kVariant & kRngState) == 0 || (kVariant & kDropout) != 0, "kRngState: a dropout kernel's");
   static_assert((kVariant & kDropout) == 0 || (!kVarlenLayout && kBlockN % 64 == 0),
                 "dropout: dense layout; whole 32-key Philox groups and whole keep words (64 scores) per block");
-  static_assert(kVariant != kVarlen || sizeof...(VariantParams) == 6, "varlen: the trailing parameters are VARLEN_PARAMS");
-  static_assert(!kPagedLayout || (sizeof...(VariantParams) == 11 && (kBlockN & (kBlockN - 1)) == 0),
-                "paged: the trailing parameters are PAGED_PARAMS; kBlockN a power of two (whole cache blocks)");
+  static_assert(!kPagedLayout || (kBlockN & (kBlockN - 1)) == 0,
+                "paged: kBlockN a power of two (whole cache blocks)");
   static_assert(!kPagedLayout || (kBlockN / 16) * (kHeadDim / 64) <= 32,
                 "paged: at most one K / V box per lane of the producer warp (16-row boxes x 64-column panels)");
   static_assert((kVariant & kVariantBits) == 0 || !kCausal || kCausalVariant<kVariant>,
                 "variants: causal is the window's right edge 0 (kCausal only for ALiBi or softcap alone, "
                 "softcap with or without the fixed max)");
   Variants va{};
-  if constexpr ((kVariant & kVariantBits) != 0) va = variants_of(scale_log2, variant_params...);
+  if constexpr (kBits != 0) va = variants_of(scale_log2, variant_params...);
   Packed vl{};
   if constexpr (kVarlenLayout) vl = packed_of(variant_params...);
   constexpr bool kWindowed = (kVariant & kWindow) != 0;
@@ -886,7 +914,8 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   // by tanh.approx) fits too: 0 spills at both tiles (NVRTC 13.5).
   constexpr bool kThreeConsumerForm =
       kVariant == 0 || kVariant == kVarlen || kVariant == kAlibi || (kVariant & ~kFixedMax) == kSoftcap;
-  static_assert(kConsumers == 2 || (kConsumers == 3 && kThreeConsumerForm && !kPingPong),
+  static_assert(kConsumers == 2 || (kConsumers == 3 && kThreeConsumerForm && !kPingPong &&
+                                     (kBits == 0 || !kVarlenLayout)),
                 "three consumer warpgroups: the plain dense and varlen kernels, ALiBi or softcap alone, "
                 "without ping-pong");
   constexpr int kBlockM = 64 * kConsumers;                   // query rows per tile
@@ -977,7 +1006,8 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
         }
         if (t >= num_tiles) break;
         const int tma_batch = kVarlenLayout ? 0 : tile.batch;
-        const BlockRange range = kWindowed ? window_range<kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k, va)
+        const BlockRange range = kWindowed ? window_range<kBlockN>(tile.m_block, rows, kVarlenLayout ? span.nq : seqlen_q,
+                                                                   kVarlenLayout ? span.nk : seqlen_k, va)
                                            : block_range<kCausal, kBlockN>(tile.m_block, rows, span.nq, span.nk);
         const int kv_head = tile.head0 / kv_group;                // the same for all `pack` heads
         // Q always (even for a fully masked tile): without sO the epilogue stages O in sQ, so the Q
@@ -1106,7 +1136,8 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
       const int nq = kVarlenLayout ? __shfl_sync(0xffffffffu, span.nq, 0) : span.nq;
       const int nk = kVarlenLayout ? __shfl_sync(0xffffffffu, span.nk, 0) : span.nk;
       const int diag = kVarlenLayout ? nk - nq : diag_arg;
-      const BlockRange range = kWindowed ? window_range<kBlockN>(tile.m_block, rows, seqlen_q, seqlen_k, va)
+      const BlockRange range = kWindowed ? window_range<kBlockN>(tile.m_block, rows, kVarlenLayout ? nq : seqlen_q,
+                                                                 kVarlenLayout ? nk : seqlen_k, va)
                                          : block_range<kCausal, kBlockN>(tile.m_block, rows, nq, nk);
       // Paged: whether some cache block of the sequence is bad (page_block: an id outside [0,
       // num_blocks) or keys past the table's capacity). Then every visit is masked, with page_mask;
@@ -1173,7 +1204,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
           alibi_scores<kBlockN>(s, shift, n, pos, t, diag, side, slope_raw);
         }
         if constexpr (kWindowed) {
-          if (masked) apply_window<kBlockN>(s, n, pos, t, seqlen_k, diag, va);
+          if (masked) apply_window<kBlockN>(s, n, pos, t, kVarlenLayout ? nk : seqlen_k, diag, va);
         } else {
           if (masked) apply_mask<kBlockN, kCausal>(s, n, pos, t, nk, diag);
         }

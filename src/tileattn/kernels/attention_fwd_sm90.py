@@ -519,12 +519,47 @@ def paged_expression(head_dim: int, config: Sm90Config, causal: bool, bf16: bool
 
 PAGED_INSTANTIATIONS = tuple(paged_expression(d, cfg, causal, bf16) for (d, causal), cfg in PAGED_DEFAULTS.items()
                              for bf16 in (False, True))
+
+# Both packed layouts with variants: kVariant = VARLEN or PAGED | a set of WINDOW, SOFTCAP, ALIBI
+# (causal is the window's right edge 0, so kCausal false; dropout stays with the dense kernels), the
+# layout's parameters then VARIANT_PARAMS', at the dense variant kernels' tiles (VARIANT_DEFAULTS:
+# two consumers, kBlockN a power of two as the paged layout needs).
+PACKED_VARIANT_FLAGS = tuple(range(1, 8))
+_LAYOUT_PARAM_TYPES = {VARLEN: _VARLEN_PARAM_TYPES, PAGED: _PAGED_PARAM_TYPES}
+
+
+def packed_variant_expression(head_dim: int, config: Sm90Config, bf16: bool, layout: int, flags: int) -> str:
+    """The NVRTC name expression of a packed layout's variant instantiation (layout VARLEN or PAGED,
+    flags in PACKED_VARIANT_FLAGS)."""
+    if flags not in PACKED_VARIANT_FLAGS:
+        raise ValueError(f"variant flags {flags}: the packed layouts take window, softcap and ALiBi only "
+                         f"(one of {PACKED_VARIANT_FLAGS})")
+    return _flavour_expression(head_dim, config, False, bf16, layout | flags,
+                               f"{_LAYOUT_PARAM_TYPES[layout]}, {_VARIANT_PARAM_TYPES}")
+
+
+PACKED_VARIANT_INSTANTIATIONS = tuple(
+    packed_variant_expression(d, cfg, bf16, layout, flags) for layout in (VARLEN, PAGED)
+    for d, cfg in VARIANT_DEFAULTS.items() for bf16 in (False, True) for flags in PACKED_VARIANT_FLAGS)
+
+
+def _packed_variant_flags(variants, causal: bool) -> int:
+    """variant_flags of a packed plan's `variants` (None: 0), checked: causal folded into the window,
+    no dropout."""
+    if variants is None:
+        return 0
+    if causal:
+        raise ValueError("causal must be folded into the window (causal=False) with variants")
+    flags = variant_flags(variants)
+    if flags not in PACKED_VARIANT_FLAGS:
+        raise ValueError(f"the sm90 packed layouts run window, softcap and ALiBi, not dropout (variant flags {flags})")
+    return flags
 INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in (*DEFAULTS.items(), *WIDE_DEFAULTS.items(),
                                                                               *LONG_DEFAULTS.items())
                                for bf16 in (False, True))
                   + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS + DROPOUT_INSTANTIATIONS
                   + VARIANT_WIDE_INSTANTIATIONS + FIXED_MAX_INSTANTIATIONS + CAUSAL_VARIANT_INSTANTIATIONS
-                  + CAUSAL_FIXED_MAX_INSTANTIATIONS)
+                  + CAUSAL_FIXED_MAX_INSTANTIATIONS + PACKED_VARIANT_INSTANTIATIONS)
 # Tuning candidates: the dense extras, and the varlen kernel at every registered dense config (a
 # persistent config is the same kernel as its one-CTA-per-tile twin: a launch choice).
 TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
@@ -903,10 +938,10 @@ class VarlenPlan:
     """The Hopper forward for packed variable-length batches of fixed shapes, strides, dtype and
     device (see forward_varlen_plan): tensor-map templates for q, k, v, out (maps cached per
     address) and a LaunchPlan whose dynamic parameters are the four maps, lse's, cu_seqlens_q's,
-    cu_seqlens_k's and out's pointers."""
+    cu_seqlens_k's and out's pointers (and, with variants, the ALiBi slopes')."""
 
     def __init__(self, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, causal: bool,
-                 scale: float, config: Sm90Config | None = None, pack_gqa: bool | None = None):
+                 scale: float, config: Sm90Config | None = None, pack_gqa: bool | None = None, variants=None):
         from ..runtime import LaunchPlan, TensorMapTemplate
         from . import load
 
@@ -924,7 +959,8 @@ class VarlenPlan:
             raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
         if max_seqlen_q < 0 or batch < 0:
             raise ValueError(f"max_seqlen_q ({max_seqlen_q}) and the number of sequences ({batch}) must be >= 0")
-        config = config or VARLEN_DEFAULTS[(head_dim, bool(causal))]
+        flags = _packed_variant_flags(variants, causal)
+        config = config or (VARIANT_DEFAULTS[head_dim] if flags else VARLEN_DEFAULTS[(head_dim, bool(causal))])
         for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
             if t.shape[0] > 0 and not _tma_ready(_packed_view(t)):
                 raise ValueError(f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) is not TMA-describable: "
@@ -945,32 +981,45 @@ class VarlenPlan:
         views = [_packed_view(t) for t in (q, k, v, out)]
         self.templates = tuple(TensorMapTemplate(t, box) for t, box in zip(views, geo.boxes))
         maps = [tmpl.encode(t.data_ptr()) for tmpl, t in zip(self.templates, views)]
-        kern = load(FAMILY_NAME, varlen_expression(head_dim, config, bool(causal), q.dtype == torch.bfloat16),
-                    q.device.index)
+        bf16 = q.dtype == torch.bfloat16
+        expr = (packed_variant_expression(head_dim, config, bf16, VARLEN, flags) if flags
+                else varlen_expression(head_dim, config, bool(causal), bf16))
+        kern = load(FAMILY_NAME, expr, q.device.index)
         self.persistent, self.device_index = config.persistent, q.device.index
         args = (*maps, lse.data_ptr(), *_scalar_args(batch, heads, kv_heads, geo, max_seqlen_q, 0, scale),
                 _tile_counter(config.persistent, q.device.index), cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(),
                 out.data_ptr(), np.int64(out.stride(0)), np.int64(out.stride(1)), np.int32(total_q))
+        dynamic = (0, 1, 2, 3, 4, TILE_COUNTER_ARG, 14, 15, 16)
+        self.variant_values = bool(flags)
+        if flags:  # VARIANT_PARAMS after VARLEN_PARAMS; the slopes' pointer (their first) is per call
+            dynamic += (len(args),)
+            args += variants.kernel_args(scale)
         self.grid = (_packed_grid(geo.tiles, config, q.device.index),)
         self.plan = LaunchPlan(kern, self.grid, (config.threads,), args, smem=config.smem_bytes(head_dim),
-                               dynamic=(0, 1, 2, 3, 4, TILE_COUNTER_ARG, 14, 15, 16))
+                               dynamic=dynamic)
 
     def launch(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int, cu_seqlens_q_ptr: int,
-               cu_seqlens_k_ptr: int) -> None:
+               cu_seqlens_k_ptr: int, alibi_ptr: int = 0, seed: int = 0, offset: int = 0,
+               rng_state_ptr: int = 0) -> None:
         """Launch on tensors at these addresses (the layouts the plan was made for), on the current
-        stream: the signature of attention_fwd_sm80.forward_varlen_plan's LaunchPlan.launch."""
+        stream: the signature of attention_fwd_sm80.forward_varlen_plan's LaunchPlan.launch. A plan
+        with variants takes the ALiBi slopes' address (0: none); the dropout values (seed, offset,
+        rng_state_ptr) are accepted for that signature and must be 0 (the packed layouts have no dropout)."""
         if self.plan is None:
             return
+        if seed or offset or rng_state_ptr:
+            raise ValueError("the sm90 varlen forward has no dropout: seed, offset and rng_state_ptr must be 0")
         if self.dummy_kv is not None:
             k_ptr = v_ptr = self.dummy_kv.data_ptr()
         tq, tk, tv, to = self.templates
         self.plan.launch(tq.encode(q_ptr), tk.encode(k_ptr), tv.encode(v_ptr), to.encode(out_ptr), lse_ptr,
                          _tile_counter(self.persistent, self.device_index), cu_seqlens_q_ptr,
-                         cu_seqlens_k_ptr, out_ptr)
+                         cu_seqlens_k_ptr, out_ptr, *((alibi_ptr,) if self.variant_values else ()))
 
 
 def forward_varlen_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, causal: bool,
-                        scale: float, config: Sm90Config | None = None, pack_gqa: bool | None = None) -> VarlenPlan:
+                        scale: float, config: Sm90Config | None = None, pack_gqa: bool | None = None,
+                        variants=None) -> VarlenPlan:
     """A plan computing out, lse <- attention_varlen(q, k, v) with the Hopper kernel for tensors of
     these shapes, strides, dtype and device and batches of len(cu_seqlens_q) - 1 sequences whose
     longest query has max_seqlen_q tokens. Launch it with the data pointers of q, k, v, out, lse,
@@ -983,13 +1032,17 @@ def forward_varlen_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     sequence; a sequence of length 0 writes nothing; rows past cu_seqlens_q[B] get out 0 and lse
     -inf; a sequence longer than max_seqlen_q is cut. `config` forces a registered tile config (a
     persistent one launches one CTA per SM, which walk the tiles and skip the empty ones at the
-    cost of an L1 hit); `pack_gqa` forces GQA packing (None: gqa_pack on max_seqlen_q). Needs a
-    compute capability 9.0 GPU. Raises ValueError for an unsupported head dim or dtype, mixed
-    dtypes, H not a multiple of Hkv, a tensor TMA cannot describe in place, or more than 2^30
-    query tiles; TensorMapError (a ValueError) if the driver refuses a map.
+    cost of an L1 hit); `pack_gqa` forces GQA packing (None: gqa_pack on max_seqlen_q).
+    `variants`: None, or an attention_fwd_sm80.VariantArgs without dropout (window edges with causal
+    folded in, so causal False; softcap; the ALiBi slopes' batch stride, slopes [B, H] or [H] fp32):
+    the packed variant kernel at VARIANT_DEFAULTS' tile, whose launch then takes the slopes' address
+    after cu_seqlens_k's. Needs a compute capability 9.0 GPU. Raises ValueError for an unsupported
+    head dim or dtype, mixed dtypes, H not a multiple of Hkv, a tensor TMA cannot describe in place,
+    more than 2^30 query tiles, causal with variants, or dropout; TensorMapError (a ValueError) if
+    the driver refuses a map.
     """
     return VarlenPlan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal, scale=scale,
-                      config=config, pack_gqa=pack_gqa)
+                      config=config, pack_gqa=pack_gqa, variants=variants)
 
 
 # ---- paged K/V cache (prefill) ----------------------------------------------------------------------
@@ -1045,9 +1098,12 @@ class PagedPlan:
     int32 [B] contiguous: key j of sequence b is row j % block_size of cache block
     block_table[b, j // block_size], its queries are its last keys (causal bottom-right). Keys past
     the table's capacity or in a block id outside [0, num_blocks) are masked and never read; rows past
-    cu_seqlens_q[B] get out 0, lse -inf. Raises ValueError for what the kernel cannot run (head dim,
-    dtype, block_size not a power of two in 16..256, num_splits > 1, variants, layouts TMA cannot
-    describe, an empty cache, more than 2^30 tiles). A persistent config launches one CTA per SM."""
+    cu_seqlens_q[B] get out 0, lse -inf. `variants`: None, or an attention_fwd_sm80.VariantArgs
+    without dropout (causal folded into the window, so causal False): the packed variant kernel at
+    VARIANT_DEFAULTS' tile, called with the slopes as PagedLaunch is. Raises ValueError for what the
+    kernel cannot run (head dim, dtype, block_size not a power of two in 16..256, num_splits > 1,
+    causal with variants, dropout, layouts TMA cannot describe, an empty cache, more than 2^30
+    tiles). A persistent config launches one CTA per SM."""
 
     def __init__(self, q, k_cache, v_cache, block_table, *, max_seqlen_q: int, causal: bool, scale: float,
                  return_lse: bool, num_splits: int | None = None, config: Sm90Config | None = None, variants=None,
@@ -1073,9 +1129,8 @@ class PagedPlan:
             raise ValueError("the cache has no block (num_blocks = 0)")
         if num_splits not in (None, 1):
             raise ValueError(f"the sm90 paged forward has no split-KV (num_splits {num_splits}); use the sm80 kernel")
-        if variants is not None:
-            raise ValueError("the sm90 paged forward has no variants (window, softcap, ALiBi); use the sm80 kernel")
-        config = config or PAGED_DEFAULTS[(head_dim, bool(causal))]
+        flags = _packed_variant_flags(variants, causal)
+        config = config or (VARIANT_DEFAULTS[head_dim] if flags else PAGED_DEFAULTS[(head_dim, bool(causal))])
         views = (_packed_view(q), _cache_view(k_cache), _cache_view(v_cache))
         for name, t in zip(("q", "k_cache", "v_cache"), views):
             if t.numel() and not _tma_ready(t):
@@ -1083,6 +1138,7 @@ class PagedPlan:
                                  "of 16 bytes, the base 16-byte aligned")
         self.num_splits = 1
         self.config = config
+        self.variants = variants if flags else None
         self.out_shape = (total_q, heads, head_dim)
         self.lse_shape = (heads, total_q)
         self.return_lse = return_lse
@@ -1099,43 +1155,50 @@ class PagedPlan:
         self.templates = tuple(TensorMapTemplate(t, box) for t, box in zip(
             (*views, _packed_view(out)), (geo.boxes[0], kv_box, kv_box, geo.boxes[3])))
         maps = [tmpl.encode(t.data_ptr()) for tmpl, t in zip(self.templates, (*views, _packed_view(out)))]
-        kern = load(FAMILY_NAME, paged_expression(head_dim, config, bool(causal), q.dtype == torch.bfloat16),
-                    q.device.index)
+        bf16 = q.dtype == torch.bfloat16
+        expr = (packed_variant_expression(head_dim, config, bf16, PAGED, flags) if flags
+                else paged_expression(head_dim, config, bool(causal), bf16))
+        kern = load(FAMILY_NAME, expr, q.device.index)
         i32 = np.int32
         self.persistent, self.device_index = config.persistent, q.device.index
         args = (*maps, 0, *_scalar_args(batch, heads, kv_heads, geo, max_seqlen_q, 0, scale),
                 _tile_counter(config.persistent, q.device.index), 0, 0, 0, np.int64(out.stride(0)), np.int64(out.stride(1)),
                 i32(total_q),
                 0, i32(block_table.stride(0)), i32(max_blocks), i32(num_blocks), i32(block_size.bit_length() - 1))
+        dynamic = (0, 1, 2, 3, 4, TILE_COUNTER_ARG, 14, 15, 16, 20)
+        if flags:  # VARIANT_PARAMS after PAGED_PARAMS; the slopes' pointer (their first) is per call
+            dynamic += (len(args),)
+            args += variants.kernel_args(scale)
         self.grid = (_packed_grid(geo.tiles, config, q.device.index),)
         self.plan = LaunchPlan(kern, self.grid, (config.threads,), args, smem=config.smem_bytes(head_dim),
-                               dynamic=(0, 1, 2, 3, 4, TILE_COUNTER_ARG, 14, 15, 16, 20))
+                               dynamic=dynamic)
 
     def launch(self, q_ptr: int, k_cache_ptr: int, v_cache_ptr: int, block_table_ptr: int, cu_seqlens_q_ptr: int,
-               seqlens_k_ptr: int, out_ptr: int, lse_ptr: int) -> None:
+               seqlens_k_ptr: int, out_ptr: int, lse_ptr: int, alibi_ptr: int = 0) -> None:
         """Launch on tensors at these addresses (the plan's layouts; out contiguous [Tq, H, d], lse
-        [H, Tq] fp32, both always written) on the current stream."""
+        [H, Tq] fp32, both always written) on the current stream; alibi_ptr: the slopes of a plan
+        with variants (0: none; ignored without variants)."""
         if self.plan is None:
             return
         tq, tk, tv, to = self.templates
         self.plan.launch(tq.encode(q_ptr), tk.encode(k_cache_ptr), tv.encode(v_cache_ptr), to.encode(out_ptr), lse_ptr,
                          _tile_counter(self.persistent, self.device_index), cu_seqlens_q_ptr,
-                         seqlens_k_ptr, out_ptr, block_table_ptr)
+                         seqlens_k_ptr, out_ptr, block_table_ptr, *((alibi_ptr,) if self.variants else ()))
 
     def __call__(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, out=None, lse=None,
                  alibi_slopes=None):
         """(out [Tq, H, d], lse [H, Tq] fp32, or None unless return_lse or given), launched on the
         current stream; out / lse (contiguous) are allocated with torch.empty unless given.
-        `alibi_slopes` is accepted for PagedLaunch's signature and must be None."""
-        if alibi_slopes is not None:
-            raise ValueError("the sm90 paged forward has no ALiBi")
+        `alibi_slopes`: the fp32 slopes of a plan made with an ALiBi batch stride (ignored otherwise,
+        as PagedLaunch ignores them)."""
         given_lse = lse is not None
         if out is None:
             out = torch.empty(self.out_shape, dtype=q.dtype, device=self.device)
         if lse is None:  # the kernel always writes lse
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        alibi = 0 if alibi_slopes is None or self.variants is None else alibi_slopes.data_ptr()
         self.launch(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
-                    cu_seqlens_q.data_ptr(), seqlens_k.data_ptr(), out.data_ptr(), lse.data_ptr())
+                    cu_seqlens_q.data_ptr(), seqlens_k.data_ptr(), out.data_ptr(), lse.data_ptr(), alibi)
         return out, (lse if self.return_lse or given_lse else None)
 
 

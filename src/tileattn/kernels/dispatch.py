@@ -156,6 +156,12 @@ SM90_VARLEN_BACKWARD: set[tuple[int, bool, bool]] = {(d, causal, False) for d in
 # it no longer loses there, so block sizes 16 and 32 are on too (their GPU tests: the paged file
 # with TILEATTN_TEST_HOPPER_INFERENCE=1 and the engine's, docs/runs/gpu-check-2026-12-02.md).
 SM90_PAGED_PREFILL: set[tuple[int, int]] = {(d, bs) for d in (64, 128, 256) for bs in (16, 32, 64, 128, 256)}
+# Head dims whose varlen forward with variants (window, softcap, ALiBi: attention_fwd_sm90's packed
+# variant kernels, PACKED_VARIANT_INSTANTIATIONS) runs on sm_90a, and (head dim, block_size) whose
+# paged prefill with variants does (the calls SM90_PAGED_PREFILL's rule takes, variants aside).
+# Dropout stays on the sm80 varlen kernels; the backward of a varlen call with variants too.
+SM90_VARLEN_VARIANT_FORWARD: set[int] = set()
+SM90_PAGED_VARIANT_PREFILL: set[tuple[int, int]] = set()
 # Head dims and modes whose dropout backward runs the Hopper variant backward (attention_bwd_sm90's
 # dropout bit) when SM90_VARIANT_BACKWARD also lists them. Its GPU tests passed and racecheck found 0
 # hazards in tests/gpu/test_attention_bwd_sm90_variants.py's sanitize cases on the H200 (2026-12-01,
@@ -170,7 +176,10 @@ SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
-UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ()
+UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = (
+    (SM90_VARLEN_VARIANT_FORWARD, {64, 128, 256}),
+    (SM90_PAGED_VARIANT_PREFILL, {(d, bs) for d in (64, 128, 256) for bs in (16, 32, 64, 128, 256)}),
+)
 
 
 # Rows M up to which tileattn.linear / add_rms_norm_linear run the hand-written GEMV (csrc/gemv.cu)
@@ -384,19 +393,28 @@ def attention_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool
 def varlen_forward_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, causal: bool,
                         scale: float, variants=None):
     """The packed variable-length forward's plan for these (already validated) tensors:
-    `.launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)` with data pointers. `variants`: the
-    sm80 kernels' VariantArgs (those run the sm80 family on every arch)."""
+    `.launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)` with data pointers, and with variants
+    (the sm80 kernels' VariantArgs, causal folded in) the ALiBi pointer, dropout seed, offset and
+    rng state pointer after them. The Hopper varlen kernel on sm_90a where SM90_VARLEN_FORWARD
+    lists (head dim, causal), or with variants SM90_VARLEN_VARIANT_FORWARD the head dim and the
+    flags are PACKED_VARIANT_FLAGS' (no dropout); the sm80 family otherwise."""
     from ..runtime import device_arch
 
     head_dim = q.shape[2]
-    if variants is None and device_arch(q.device.index) == "sm_90a" and (head_dim, bool(causal)) in SM90_VARLEN_FORWARD:
+    if variants is None:
+        hopper = (head_dim, bool(causal)) in SM90_VARLEN_FORWARD
+    else:
+        from .attention_fwd_sm90 import PACKED_VARIANT_FLAGS, variant_flags
+
+        hopper = head_dim in SM90_VARLEN_VARIANT_FORWARD and variant_flags(variants) in PACKED_VARIANT_FLAGS
+    if hopper and device_arch(q.device.index) == "sm_90a":
         from . import attention_fwd_sm90
 
         if attention_fwd_sm90.supports_varlen(head_dim, q.dtype, tensors=(q, k, v, out),
                                               batch=cu_seqlens_q.shape[0] - 1, heads=q.shape[1],
                                               max_seqlen_q=max_seqlen_q):
             return attention_fwd_sm90.forward_varlen_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                          causal=causal, scale=scale)
+                                                          causal=causal, scale=scale, variants=variants)
     return attention_fwd_sm80.forward_varlen_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                   causal=causal, scale=scale, variants=variants)
 
@@ -426,21 +444,29 @@ def paged_launch(q, k_cache, v_cache, block_table, *, max_seqlen_q: int, causal:
     """The callable that runs attention_paged for these (already validated) tensors:
     `launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, alibi_slopes=...)` ->
     (out, lse or None). The Hopper paged forward for prefill-shaped calls whose (head dim,
-    block_size) SM90_PAGED_PREFILL lists on sm_90a, the sm80 paged kernel (split-KV, variants)
-    otherwise; only the latter uses prior_kernel_writes_only_new_keys (the Hopper one waits first)."""
+    block_size) SM90_PAGED_PREFILL lists on sm_90a (with variants: SM90_PAGED_VARIANT_PREFILL, and
+    flags PACKED_VARIANT_FLAGS takes), the sm80 paged kernel (split-KV) otherwise; only the latter
+    uses prior_kernel_writes_only_new_keys (the Hopper one waits first)."""
     from ..runtime import device_arch
     from .attention_paged_sm80 import PagedLaunch
 
     head_dim = q.shape[2]
-    if (variants is None and num_splits in (None, 1) and (head_dim, k_cache.shape[1]) in SM90_PAGED_PREFILL
-            and device_arch(q.device.index) == "sm_90a"):
+    key = (head_dim, k_cache.shape[1])
+    if variants is None:
+        hopper = key in SM90_PAGED_PREFILL
+    else:
+        from .attention_fwd_sm90 import PACKED_VARIANT_FLAGS, variant_flags
+
+        hopper = key in SM90_PAGED_VARIANT_PREFILL and variant_flags(variants) in PACKED_VARIANT_FLAGS
+    if hopper and num_splits in (None, 1) and device_arch(q.device.index) == "sm_90a":
         from . import attention_fwd_sm90
 
         if attention_fwd_sm90.supports_paged(head_dim, q.dtype, block_size=k_cache.shape[1], max_seqlen_q=max_seqlen_q,
                                              batch=block_table.shape[0], heads=q.shape[1], kv_heads=k_cache.shape[2],
                                              total_q=q.shape[0], device=q.device, tensors=(q, k_cache, v_cache)):
             return attention_fwd_sm90.PagedPlan(q, k_cache, v_cache, block_table, max_seqlen_q=max_seqlen_q,
-                                                causal=causal, scale=scale, return_lse=return_lse)
+                                                causal=causal and variants is None, scale=scale,
+                                                return_lse=return_lse, variants=variants)
     return PagedLaunch(q, k_cache, v_cache, block_table, max_seqlen_q=max_seqlen_q,
                        causal=causal and variants is None, scale=scale, return_lse=return_lse,
                        num_splits=num_splits, variants=variants,
