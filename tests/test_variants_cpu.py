@@ -1296,3 +1296,43 @@ def test_rng_state_kernel_forms_are_registered_where_they_fit():
                if (d, det) != (256, True))
     assert not b90.supports_variants(256, bf, rng, True), "d = 256's deterministic kRngState form spills: sm80 runs it"
     assert b90.variant_expression(128, b90.VARIANT_DEFAULTS[128], True, b90.variant_bits(rng)) in b90.INSTANTIATIONS
+
+
+def test_sm90_packed_variant_kernels():
+    """The packed layouts' variant kernels: VARLEN or PAGED | each flag set of window, softcap and ALiBi,
+    at VARIANT_DEFAULTS' tiles, both dtypes, every head dim, with the layout's parameter types then
+    VARIANT_PARAMS'; dropout and causal are refused before anything reaches a GPU; the dispatcher's
+    tables for them are the kind hopper_kernels_forced fills."""
+    from tileattn.kernels import attention_fwd_sm80, attention_fwd_sm90 as k90, dispatch
+
+    exprs = k90.PACKED_VARIANT_INSTANTIATIONS
+    assert len(exprs) == len(set(exprs)) == 2 * 3 * 2 * 7 and set(exprs) <= set(k90.INSTANTIATIONS), len(exprs)
+    for layout, plain in ((k90.VARLEN, k90.varlen_expression), (k90.PAGED, k90.paged_expression)):
+        for d, cfg in k90.VARIANT_DEFAULTS.items():
+            for flags in k90.PACKED_VARIANT_FLAGS:
+                e = k90.packed_variant_expression(d, cfg, True, layout, flags)
+                base = plain(d, cfg, False, True)  # "..., 2, <layout>, <layout types>>"
+                assert e == base.replace(f", 2, {layout}, ", f", 2, {layout | flags}, ")[:-1] + (
+                    ", const float*, unsigned long long, unsigned long long, long long, int, int, float, float, "
+                    "unsigned int, float, const unsigned long long*>"), e
+                assert e in exprs
+    for flags in (0, k90.DROPOUT, k90.DROPOUT | k90.WINDOW, k90.SOFTCAP | k90.FIXED_MAX):
+        with pytest.raises(ValueError, match="window, softcap and ALiBi only"):
+            k90.packed_variant_expression(128, k90.VARIANT_DEFAULTS[128], True, k90.VARLEN, flags)
+    va = attention_fwd_sm80.VariantArgs
+    q = torch.empty(10, 4, 64, dtype=torch.bfloat16)
+    lse = torch.empty(4, 10)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="not dropout"):
+        k90.VarlenPlan(q, q, q, q, lse, cu, cu, 10, causal=False, scale=1.0, variants=va(dropout_p=0.1))
+    with pytest.raises(ValueError, match="causal must be folded"):
+        k90.VarlenPlan(q, q, q, q, lse, cu, cu, 10, causal=True, scale=1.0, variants=va(window_right=0, softcap=3.0))
+    cache = torch.empty(4, 16, 4, 64, dtype=torch.bfloat16)
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="not dropout"):
+        k90.PagedPlan(q, cache, cache, table, max_seqlen_q=10, causal=False, scale=1.0, return_lse=True,
+                      variants=va(dropout_p=0.1))
+    tables = {id(t): implemented for t, implemented in dispatch.UNMEASURED_SM90_TABLES}
+    for table, implemented in ((dispatch.SM90_VARLEN_VARIANT_FORWARD, set(k90.HEAD_DIMS)),
+                               (dispatch.SM90_PAGED_VARIANT_PREFILL, dispatch.SM90_PAGED_PREFILL)):
+        assert table <= implemented and tables.get(id(table), implemented) == implemented

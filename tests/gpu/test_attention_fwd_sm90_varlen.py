@@ -28,6 +28,7 @@ import zlib
 import pytest
 import torch
 
+from tileattn import dropout as dr
 from tileattn import reference
 from tileattn.kernels import attention_fwd_sm80 as sm80
 from tileattn.kernels import attention_fwd_sm90 as sm90
@@ -84,13 +85,17 @@ class Case:
         lse = torch.full((self.q.shape[1], self.q.shape[0]), math.nan, device=DEVICE)
         return out, lse
 
-    def run_sm90(self, causal, *, scale=None, config=None, pack_gqa=None, out=None):
+    def run_sm90(self, causal, *, scale=None, config=None, pack_gqa=None, out=None, **options):
+        """(out, lse) of the Hopper varlen plan; `options`: window / softcap / alibi_slopes as
+        attention_varlen takes them (the packed variant kernel, causal folded into the window)."""
         scale = 1.0 / math.sqrt(self.d) if scale is None else scale
         out, lse = self.outputs(out)
+        variants, alibi = variant_args(options, causal, len(self.lens_q), self.q.shape[1])
         plan = sm90.forward_varlen_plan(self.q, self.k, self.v, out, lse, self.cu_q, self.cu_k, self.max_q,
-                                        causal=causal, scale=scale, config=config, pack_gqa=pack_gqa)
+                                        causal=causal and variants is None, scale=scale, config=config,
+                                        pack_gqa=pack_gqa, variants=variants)
         plan.launch(self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                    self.cu_q.data_ptr(), self.cu_k.data_ptr())
+                    self.cu_q.data_ptr(), self.cu_k.data_ptr(), *((alibi,) if variants is not None else ()))
         torch.cuda.synchronize()
         return out, lse
 
@@ -104,11 +109,23 @@ class Case:
         torch.cuda.synchronize()
         return out, lse
 
-    def reference(self, causal, *, scale=None):
+    def reference(self, causal, *, scale=None, **options):
         """float64 (out [nq, H, d], lse [H, nq]) of the sequences (padding rows excluded)."""
         return reference.attention_varlen(self.q[:self.nq], self.k[:self.nk], self.v[:self.nk], self.cu_q,
                                           self.cu_k, self.max_q, self.max_k, causal=causal, scale=scale,
-                                          return_lse=True, compute_dtype=torch.float64)
+                                          return_lse=True, compute_dtype=torch.float64, **options)
+
+
+def variant_args(options, causal, batch, heads):
+    """(VariantArgs or None, the slopes' address or 0) of window / softcap / alibi_slopes options,
+    as tileattn.attention_varlen builds them (causal folded into the window)."""
+    if not options:
+        return None, 0
+    left, right = dr.check_window(options.get("window"), causal)
+    slopes = options.get("alibi_slopes")
+    sb = None if slopes is None else dr.check_alibi(slopes, batch, heads, slopes.device, dtype_strict=True)
+    variants = sm80.VariantArgs(left, right, dr.check_softcap(options.get("softcap")), sb)
+    return variants, 0 if slopes is None else slopes.data_ptr()
 
 
 def rel_err(x, ref) -> float:
@@ -118,9 +135,10 @@ def rel_err(x, ref) -> float:
     return num / den if den > 0 else num
 
 
-def check(case: Case, out, lse, causal, *, scale=None, what=""):
-    """out/lse against the float64 reference (sequences) and the padding contract (rows past the
-    last sequence: out 0, lse -inf), with a message that says what differed and where."""
+def check(case: Case, out, lse, causal, *, scale=None, what="", **options):
+    """out/lse against the float64 reference (sequences, with the variant `options`) and the padding
+    contract (rows past the last sequence: out 0, lse -inf), with a message that says what differed
+    and where."""
     what = f"{case.what} causal={causal} {what}"
     n = case.nq
     bad = torch.isnan(out)
@@ -130,7 +148,7 @@ def check(case: Case, out, lse, causal, *, scale=None, what=""):
     assert not bad.any(), f"{what}: {int(bad.sum())} NaN in lse, first (head, token) {tuple(bad.nonzero()[0].tolist())}"
     assert bool((out[n:] == 0).all()), f"{what}: rows past cu_seqlens_q[B] are not 0"
     assert bool((lse[:, n:] == -math.inf).all()), f"{what}: lse past cu_seqlens_q[B] is not -inf"
-    ref, ref_lse = case.reference(causal, scale=scale)
+    ref, ref_lse = case.reference(causal, scale=scale, **options)
     err = rel_err(out[:n], ref)
     if err > TOL[case.dtype]:
         row = (out[:n].double() - ref).norm(dim=-1)  # [nq, H]
@@ -369,14 +387,17 @@ def poison_past_lengths(case: PagedCase) -> None:
         case.v_cache[blocks[ok].cuda(), (keys[ok] % bs).cuda()] = math.nan
 
 
-def run_paged(case: PagedCase, causal=True, *, scale=None, config=None, pack_gqa=None):
-    """(out, lse, plan) of PagedPlan on the case, out / lse NaN-poisoned."""
+def run_paged(case: PagedCase, causal=True, *, scale=None, config=None, pack_gqa=None, **options):
+    """(out, lse, plan) of PagedPlan on the case, out / lse NaN-poisoned; `options`: window / softcap
+    / alibi_slopes as attention_paged takes them (the packed variant kernel)."""
     scale = 1.0 / math.sqrt(case.q.shape[-1]) if scale is None else scale
+    variants, _ = variant_args(options, causal, len(case.seqs), case.q.shape[1])
     plan = sm90.PagedPlan(case.q, case.k_cache, case.v_cache, case.block_table, max_seqlen_q=case.max_seqlen_q,
-                          causal=causal, scale=scale, return_lse=True, config=config, pack_gqa=pack_gqa)
+                          causal=causal and variants is None, scale=scale, return_lse=True, config=config,
+                          pack_gqa=pack_gqa, variants=variants)
     out = torch.full_like(case.q, math.nan)
     lse = torch.full((case.q.shape[1], case.q.shape[0]), math.nan, device=DEVICE)
-    out, lse = plan(*case.tensors(), out=out, lse=lse)
+    out, lse = plan(*case.tensors(), out=out, lse=lse, alibi_slopes=options.get("alibi_slopes"))
     torch.cuda.synchronize()
     return out, lse, plan
 
@@ -515,6 +536,185 @@ def test_paged_argument_errors():
 
 
 # ---------------------------------------------------------------------------------------------
+# Variants on the packed layouts (window, softcap, ALiBi: PACKED_VARIANT_INSTANTIATIONS)
+# ---------------------------------------------------------------------------------------------
+# name -> (options, causal, q multiplier, kVariant flags the call runs). Every flag set of
+# PACKED_VARIANT_FLAGS: windows smaller than, equal to (0, 0: one key) and larger than the sequences,
+# two-sided without causal; softcap 5 with q x 8 (extreme logits: tanh saturates); ALiBi [H] and [B, H]
+# (B = sequences), with softcap and with a window.
+PACKED_VARIANTS = {
+    "window_causal": ({"window": (40, 0)}, True, 1.0, sm90.WINDOW),
+    "window_two_sided": ({"window": (100, 7)}, False, 1.0, sm90.WINDOW),
+    "window_zero": ({"window": (0, 0)}, False, 1.0, sm90.WINDOW),
+    "window_large": ({"window": (5000, 5000)}, False, 1.0, sm90.WINDOW),
+    "softcap_extreme": ({"softcap": 5.0}, False, 8.0, sm90.SOFTCAP),
+    "softcap_causal": ({"softcap": 30.0}, True, 2.0, sm90.WINDOW | sm90.SOFTCAP),
+    "alibi_h": ({"alibi": "h"}, False, 1.0, sm90.ALIBI),
+    "alibi_bh_causal": ({"alibi": "bh"}, True, 1.0, sm90.WINDOW | sm90.ALIBI),
+    "softcap_alibi": ({"softcap": 20.0, "alibi": "bh"}, False, 2.0, sm90.SOFTCAP | sm90.ALIBI),
+    "all": ({"window": (64, 0), "softcap": 20.0, "alibi": "bh"}, True, 2.0, sm90.WINDOW | sm90.SOFTCAP | sm90.ALIBI),
+}
+
+
+def packed_options(name, q, batch, seed):
+    """(options for the plans / the reference, causal, q scaled by the case's multiplier)."""
+    spec, causal, mult, _ = PACKED_VARIANTS[name]
+    options = {k: v for k, v in spec.items() if k != "alibi"}
+    if "alibi" in spec:
+        heads = q.shape[1]
+        shape = (heads,) if spec["alibi"] == "h" else (batch, heads)
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        options["alibi_slopes"] = 0.5 * torch.rand(shape, device=DEVICE, generator=gen)  # fp32
+    return options, causal, q if mult == 1.0 else (q.float() * mult).to(q.dtype)
+
+
+def test_packed_variant_cases_cover_every_flag_set():
+    flags = {sm90.variant_flags(variant_args(packed_options(name, torch.zeros(1, 4, 64, device=DEVICE), 2, 0)[0],
+                                             PACKED_VARIANTS[name][1], 2, 4)[0]) for name in PACKED_VARIANTS}
+    assert flags == set(sm90.PACKED_VARIANT_FLAGS)
+    for name, (_, causal, _, expected) in PACKED_VARIANTS.items():
+        options = packed_options(name, torch.zeros(1, 4, 64, device=DEVICE), 2, 0)[0]
+        assert sm90.variant_flags(variant_args(options, causal, 2, 4)[0]) == expected, name
+
+
+@pytest.mark.parametrize("dtype,group", [(BF16, 4), (FP16, 1)], ids=["bf16-G4", "fp16-G1"])
+@pytest.mark.parametrize("name", list(PACKED_VARIANTS))
+@pytest.mark.parametrize("d", sm90.HEAD_DIMS)
+def test_varlen_variants_match_reference(d, name, dtype, group):
+    seed = seed_of("varlen-variants", d, name, dtype, group)
+    case = Case(LENS_Q, LENS_K, 8, 8 // group, d, dtype, seed)
+    options, causal, case.q = packed_options(name, case.q, len(LENS_Q), seed)
+    out, lse = case.run_sm90(causal, **options)
+    check(case, out, lse, causal, what=name, **options)
+
+
+@pytest.mark.parametrize("name", ["window_causal", "softcap_causal", "all"])
+@pytest.mark.parametrize("d", sm90.HEAD_DIMS)
+def test_varlen_variants_long_sequence(d, name):
+    """One long sequence among short ones: a window visits a band of blocks (the ones below and above
+    it neither loaded nor visited), on the causal tile order."""
+    seed = seed_of("varlen-variants-long", d, name)
+    case = Case((4097, 3, 200), (4097, 600, 100), 4, 2, d, BF16, seed)
+    options, causal, case.q = packed_options(name, case.q, 3, seed)
+    options = {**options, "window": (1000, 0)} if "window" in options else options
+    out, lse = case.run_sm90(causal, **options)
+    check(case, out, lse, causal, what=name, **options)
+
+
+@pytest.mark.parametrize("pack_gqa", [True, False], ids=["pack", "nopack"])
+@pytest.mark.parametrize("name", ["alibi_bh_causal", "all", "window_two_sided"])
+def test_varlen_variants_gqa_packing_forced(name, pack_gqa):
+    """Short query runs with a group's heads packed into one tile: each row's own head slope, position
+    and window edges."""
+    seed = seed_of("varlen-variants-pack", name, pack_gqa)
+    case = Case((1, 2, 17, 0, 5, 33), (300, 2, 17, 9, 70, 128), 16, 2, 128, BF16, seed)
+    options, causal, case.q = packed_options(name, case.q, 6, seed)
+    out, lse = case.run_sm90(causal, pack_gqa=pack_gqa, **options)
+    check(case, out, lse, causal, what=f"{name} pack_gqa={pack_gqa}", **options)
+
+
+@pytest.mark.parametrize("d", sm90.HEAD_DIMS)
+def test_varlen_variants_persistent_grid(d):
+    """The variant tile on a persistent grid: CTAs walk tiles, most of them empty."""
+    base = sm90.VARIANT_DEFAULTS[d]
+    persistent = sm90.Sm90Config(base.block_n, base.stages, False, True)
+    seed = seed_of("varlen-variants-persistent", d)
+    case = Case((1000, 3, 0, 129, 1, 700) * 4, (1000, 40, 7, 129, 1, 900) * 4, 8, 2, d, BF16, seed)
+    options, causal, case.q = packed_options("all", case.q, 24, seed)
+    out, lse = case.run_sm90(causal, config=persistent, **options)
+    check(case, out, lse, causal, what=f"all {persistent}", **options)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("name", ["window_causal", "window_two_sided", "softcap_causal", "alibi_h", "all"])
+@pytest.mark.parametrize("d", sm90.HEAD_DIMS)
+def test_paged_variants_match_reference(d, name, block_size):
+    seed = seed_of("paged-variants", d, name, block_size)
+    case = PagedCase(prefill_seqs(block_size), 8, 2, d, BF16, block_size, seed, pad_tokens=3)
+    options, causal, case.q = packed_options(name, case.q, len(case.seqs), seed)
+    ref_out, ref_lse = case.reference(causal=causal, **options)
+    poison_past_lengths(case)
+    out, lse, plan = run_paged(case, causal, **options)
+    what = f"sm90 paged {name} d={d} bs={block_size} ({plan.config})"
+    check_paged(case, out, lse, ref_out, ref_lse, what)
+    check_padding(case, out, lse, what)
+
+
+def test_paged_variants_bad_block_ids_are_masked():
+    case = PagedCase([(100, 100), (70, 170), (40, 40)], 8, 2, 128, BF16, 16, seed=7, share=False)
+    spoil_block_table(case)
+    case.max_seqlen_k = 10_000
+    options, causal, case.q = packed_options("all", case.q, 3, 7)
+    ref_out, ref_lse = case.reference(causal=causal, **options)
+    out, lse, _ = run_paged(case, causal, **options)
+    check_paged(case, out, lse, ref_out, ref_lse, "sm90 paged variants, bad block ids")
+
+
+def test_packed_variants_through_the_public_ops():
+    """attention_varlen and attention_paged with the packed variant kernels switched on
+    (hopper_kernels_forced, or the dispatcher's tables once measured): the Hopper plans run, the
+    forward matches the reference, and the varlen backward (the sm80 variant backward, reading the
+    Hopper forward's lse) matches the reference's gradients."""
+    import tileattn
+    from tileattn import api, api_paged
+    from tileattn.api import hopper_kernels_forced
+
+    from .conftest import poisoned_allocations
+
+    seed = seed_of("public-variants")
+    case = Case((300, 0, 129, 1), (400, 5, 129, 40), 8, 2, 128, BF16, seed, pad_q=0, pad_k=0)
+    options, causal, case.q = packed_options("all", case.q, 4, seed)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    dout = torch.randn(case.q.shape, device=DEVICE, generator=g).to(BF16)
+    with hopper_kernels_forced():
+        q, k, v = (t.detach().requires_grad_() for t in (case.q, case.k, case.v))
+        with poisoned_allocations():
+            out, lse = tileattn.attention_varlen(q, k, v, case.cu_q, case.cu_k, case.max_q, case.max_k, causal,
+                                                 return_lse=True, **options)
+            out.backward(dout)
+        plans = [getattr(e, "forward", None) for e in api._plans.values()]
+        assert any(isinstance(p, sm90.VarlenPlan) for p in plans), plans
+    check(case, out.detach(), lse, causal, what="public op", **options)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (case.q, case.k, case.v))
+    ref = reference.attention_varlen(q64, k64, v64, case.cu_q, case.cu_k, case.max_q, case.max_k, causal=causal,
+                                     compute_dtype=torch.float64, **options)
+    ref.backward(dout.double())
+    for name, got, want in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):
+        err = rel_err(got, want)
+        assert err < 2e-2, f"public op {name}: relative error {err:.3e}"
+
+    # 5 x 16 x 2 = 160 query tiles: at least one per SM (supports_paged)
+    paged = PagedCase([(600, 600 + 900), (600, 600)], 16, 4, 128, BF16, 16, seed)
+    options, causal, paged.q = packed_options("all", paged.q, 2, seed)
+    ref_out, ref_lse = paged.reference(causal=causal, **options)
+    with hopper_kernels_forced():
+        out, lse = paged.api(causal=causal, **options)
+        assert any(isinstance(p, sm90.PagedPlan) for p in api_paged._paged_cache.values())
+    check_paged(paged, out, lse, ref_out, ref_lse, "public attention_paged with variants")
+
+
+def test_packed_variant_argument_errors():
+    case = Case((5,), (7,), 4, 2, 64, BF16, 3)
+    out, lse = case.outputs()
+    dropout = sm80.VariantArgs(dropout_p=0.1)
+    with pytest.raises(ValueError, match="not dropout"):
+        sm90.forward_varlen_plan(case.q, case.k, case.v, out, lse, case.cu_q, case.cu_k, 5, causal=False, scale=0.1,
+                                 variants=dropout)
+    with pytest.raises(ValueError, match="causal must be folded"):
+        sm90.forward_varlen_plan(case.q, case.k, case.v, out, lse, case.cu_q, case.cu_k, 5, causal=True, scale=0.1,
+                                 variants=sm80.VariantArgs(softcap=5.0))
+    plan = sm90.forward_varlen_plan(case.q, case.k, case.v, out, lse, case.cu_q, case.cu_k, 5, causal=False,
+                                    scale=0.1, variants=sm80.VariantArgs(softcap=5.0))
+    with pytest.raises(ValueError, match="no dropout"):
+        plan.launch(case.q.data_ptr(), case.k.data_ptr(), case.v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                    case.cu_q.data_ptr(), case.cu_k.data_ptr(), 0, 1, 0, 0)
+    paged = PagedCase([(70, 70)], 4, 2, 64, BF16, 16, seed=3)
+    with pytest.raises(ValueError, match="not dropout"):
+        sm90.PagedPlan(paged.q, paged.k_cache, paged.v_cache, paged.block_table, max_seqlen_q=70, causal=False,
+                       scale=0.1, return_lse=True, variants=dropout)
+
+
+# ---------------------------------------------------------------------------------------------
 # Small cases that compute-sanitizer re-runs (memcheck / racecheck / synccheck / initcheck)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.sanitize
@@ -553,3 +753,26 @@ def test_paged_sanitize_small(d, causal, block_size):
     out, lse, _ = run_paged(case, causal)
     check_paged(case, out, lse, ref_out, ref_lse, f"sanitize paged d={d} bs={block_size} causal={causal}")
     check_padding(case, out, lse, "sanitize paged")
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("name", ["all", "alibi_h", "window_two_sided"])
+@pytest.mark.parametrize("d", sm90.HEAD_DIMS)
+def test_packed_variants_sanitize_small(d, name):
+    """The packed variant kernels, varlen (with a packed GQA case) and paged, on small shapes."""
+    seed = seed_of("san-variants", d, name)
+    case = Case((0, 1, 33, 70), (3, 1, 31, 129), 4, 1, d, BF16, seed, pad_q=3, pad_k=9)
+    options, causal, case.q = packed_options(name, case.q, 4, seed)
+    out, lse = case.run_sm90(causal, **options)
+    check(case, out, lse, causal, what=name, **options)
+    packed = Case((1, 2, 0), (65, 3, 1), 8, 1, d, FP16, seed, pad_q=1, pad_k=2)
+    options, causal, packed.q = packed_options(name, packed.q, 3, seed)
+    out, lse = packed.run_sm90(causal, pack_gqa=True, **options)
+    check(packed, out, lse, causal, what=f"{name} packed", **options)
+    paged = PagedCase([(70, 70 + 90), (1, 17), (0, 5), (33, 33)], 4, 2, d, BF16, 16, seed=seed, pad_tokens=2)
+    options, causal, paged.q = packed_options(name, paged.q, 4, seed)
+    ref_out, ref_lse = paged.reference(causal=causal, **options)
+    poison_past_lengths(paged)
+    out, lse, _ = run_paged(paged, causal, **options)
+    check_paged(paged, out, lse, ref_out, ref_lse, f"sanitize paged {name} d={d}")
+    check_padding(paged, out, lse, f"sanitize paged {name}")
