@@ -9,8 +9,8 @@ Workloads (bf16, forward only, no autograd, through the public ops):
 - paged: 512-query chunks after a 4096-key cached prefix (B = 8, H = 32, Hkv = 8, d = 128,
   block_size 16), causal.
 Implementations per (workload, variant): `hopper_variant` (attention_fwd_sm90's packed variant
-kernel, switched on with api.hopper_kernels_forced while its dispatcher tables wait for this run),
-`sm80_variant` (the dispatcher's choice before it: the sm80 varlen / paged variant kernels) and
+kernel, as dispatched on sm_90a), `sm80_variant` (the sm80 varlen / paged variant kernels it
+replaces: the dispatcher's packed-variant tables emptied for the measurement) and
 `hopper_plain` (the same call without the variant: the causal Hopper kernel, for scale). TFLOP/s
 count useful FLOPs, 4 d H per (query, key) pair the call's mask leaves visible (the window's pairs
 for a window, so the plain causal call counts more). One JSON line per (workload, variant,
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import statistics
 import sys
@@ -42,6 +43,32 @@ def visible_pairs(lens_q, lens_k, left: int, right: int) -> int:
     return total
 
 
+@contextlib.contextmanager
+def sm80_variant_kernels():
+    """Within: varlen / paged calls with variants run the sm80 kernels (the dispatcher's packed-variant
+    tables emptied, every plan cache cleared on entry and exit)."""
+    from tileattn import api, api_paged, api_varlen
+    from tileattn.kernels import dispatch
+
+    tables = (dispatch.SM90_VARLEN_VARIANT_FORWARD, dispatch.SM90_PAGED_VARIANT_PREFILL)
+    saved = [set(t) for t in tables]
+
+    def clear():
+        api.clear_plans()
+        api_varlen._plans.clear()
+        api_paged._paged_cache.clear()
+
+    for t in tables:
+        t.clear()
+    clear()
+    try:
+        yield
+    finally:
+        for t, old in zip(tables, saved):
+            t.update(old)
+        clear()
+
+
 VARIANTS = {  # name -> (options, window (left, right) for the pair count; causal everywhere)
     "softcap50": ({"softcap": 50.0}, (-1, 0)),
     "window1024": ({"window": (1023, 0)}, (1023, 0)),
@@ -58,7 +85,6 @@ def main(argv=None) -> int:
     import torch
 
     import tileattn
-    from tileattn.api import hopper_kernels_forced
     from tileattn.bench.harness import measure
 
     dev = "cuda"
@@ -105,8 +131,11 @@ def main(argv=None) -> int:
                 d * heads, call, variants)
 
     workloads = [varlen_workload(128, 32, 32, ("softcap50", "window1024", "alibi")),
-                 varlen_workload(256, 8, 4, ("softcap50",)),
-                 paged_workload(128, 32, 8, 16, ("softcap50", "window1024", "alibi"))]
+                 varlen_workload(64, 32, 32, ("softcap50", "window1024", "alibi")),
+                 varlen_workload(256, 8, 4, ("softcap50", "window1024")),
+                 paged_workload(128, 32, 8, 16, ("softcap50", "window1024", "alibi")),
+                 paged_workload(64, 32, 8, 256, ("softcap50", "window1024")),
+                 paged_workload(256, 8, 4, 16, ("softcap50", "window1024"))]
     impls = ("hopper_variant", "sm80_variant", "hopper_plain")
     with torch.no_grad():
         for rnd in range(args.rounds):
@@ -118,11 +147,8 @@ def main(argv=None) -> int:
                     order = impls[rnd % 3:] + impls[:rnd % 3]
                     for impl in order:
                         fn = call({} if impl == "hopper_plain" else options)
-                        if impl == "sm80_variant":
+                        with sm80_variant_kernels() if impl == "sm80_variant" else contextlib.nullcontext():
                             t = measure(fn, reps=args.reps)
-                        else:
-                            with hopper_kernels_forced():
-                                t = measure(fn, reps=args.reps)
                         rec = {"workload": name, "variant": variant, "impl": impl, "round": rnd, "ms": t.median_ms,
                                "tflops": flops[impl] / t.median_ms / 1e9}
                         records.append(rec)

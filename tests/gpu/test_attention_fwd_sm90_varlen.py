@@ -651,13 +651,12 @@ def test_paged_variants_bad_block_ids_are_masked():
 
 
 def test_packed_variants_through_the_public_ops():
-    """attention_varlen and attention_paged with the packed variant kernels switched on
-    (hopper_kernels_forced, or the dispatcher's tables once measured): the Hopper plans run, the
-    forward matches the reference, and the varlen backward (the sm80 variant backward, reading the
-    Hopper forward's lse) matches the reference's gradients."""
+    """attention_varlen and attention_paged with variants as dispatched on this GPU (the dispatcher's
+    SM90_VARLEN_VARIANT_FORWARD / SM90_PAGED_VARIANT_PREFILL): the Hopper plans run, the forward
+    matches the reference, and the varlen backward (the sm80 variant backward, reading the Hopper
+    forward's lse) matches the reference's gradients."""
     import tileattn
     from tileattn import api, api_paged
-    from tileattn.api import hopper_kernels_forced
 
     from .conftest import poisoned_allocations
 
@@ -666,14 +665,14 @@ def test_packed_variants_through_the_public_ops():
     options, causal, case.q = packed_options("all", case.q, 4, seed)
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     dout = torch.randn(case.q.shape, device=DEVICE, generator=g).to(BF16)
-    with hopper_kernels_forced():
-        q, k, v = (t.detach().requires_grad_() for t in (case.q, case.k, case.v))
-        with poisoned_allocations():
-            out, lse = tileattn.attention_varlen(q, k, v, case.cu_q, case.cu_k, case.max_q, case.max_k, causal,
-                                                 return_lse=True, **options)
-            out.backward(dout)
-        plans = [getattr(e, "forward", None) for e in api._plans.values()]
-        assert any(isinstance(p, sm90.VarlenPlan) for p in plans), plans
+    api.clear_plans()
+    q, k, v = (t.detach().requires_grad_() for t in (case.q, case.k, case.v))
+    with poisoned_allocations():
+        out, lse = tileattn.attention_varlen(q, k, v, case.cu_q, case.cu_k, case.max_q, case.max_k, causal,
+                                             return_lse=True, **options)
+        out.backward(dout)
+    plans = [getattr(e, "forward", None) for e in api._plans.values()]
+    assert any(isinstance(p, sm90.VarlenPlan) for p in plans), plans
     check(case, out.detach(), lse, causal, what="public op", **options)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (case.q, case.k, case.v))
     ref = reference.attention_varlen(q64, k64, v64, case.cu_q, case.cu_k, case.max_q, case.max_k, causal=causal,
@@ -687,9 +686,9 @@ def test_packed_variants_through_the_public_ops():
     paged = PagedCase([(600, 600 + 900), (600, 600)], 16, 4, 128, BF16, 16, seed)
     options, causal, paged.q = packed_options("all", paged.q, 2, seed)
     ref_out, ref_lse = paged.reference(causal=causal, **options)
-    with hopper_kernels_forced():
-        out, lse = paged.api(causal=causal, **options)
-        assert any(isinstance(p, sm90.PagedPlan) for p in api_paged._paged_cache.values())
+    api_paged._paged_cache.clear()
+    out, lse = paged.api(causal=causal, **options)
+    assert any(isinstance(p, sm90.PagedPlan) for p in api_paged._paged_cache.values())
     check_paged(paged, out, lse, ref_out, ref_lse, "public attention_paged with variants")
 
 

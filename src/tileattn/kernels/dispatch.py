@@ -159,9 +159,15 @@ SM90_PAGED_PREFILL: set[tuple[int, int]] = {(d, bs) for d in (64, 128, 256) for 
 # Head dims whose varlen forward with variants (window, softcap, ALiBi: attention_fwd_sm90's packed
 # variant kernels, PACKED_VARIANT_INSTANTIATIONS) runs on sm_90a, and (head dim, block_size) whose
 # paged prefill with variants does (the calls SM90_PAGED_PREFILL's rule takes, variants aside).
-# Dropout stays on the sm80 varlen kernels; the backward of a varlen call with variants too.
-SM90_VARLEN_VARIANT_FORWARD: set[int] = set()
-SM90_PAGED_VARIANT_PREFILL: set[tuple[int, int]] = set()
+# Dropout stays on the sm80 varlen kernels; the backward of a varlen call with variants too. On an
+# H100 (2026-12-06, session 47, 089b614; docs/attention_variants.md "Variants on the packed layouts"):
+# tests/gpu/test_attention_fwd_sm90_varlen.py 361 passed, its packed-variant sanitize cases clean
+# under memcheck and racecheck; scripts/packed_variants_bench.py (causal, bf16, medians of 3
+# rotated rounds) 1.75-1.92x the sm80 varlen variant kernels at d = 128 (issue #10's 64 sequences),
+# 2.26x at d = 256 (softcap 50), paged prefill 2.00-2.71x (512 queries after 4096 keys, d = 128,
+# block_size 16).
+SM90_VARLEN_VARIANT_FORWARD: set[int] = {64, 128, 256}
+SM90_PAGED_VARIANT_PREFILL: set[tuple[int, int]] = set(SM90_PAGED_PREFILL)
 # Head dims and modes whose dropout backward runs the Hopper variant backward (attention_bwd_sm90's
 # dropout bit) when SM90_VARIANT_BACKWARD also lists them. Its GPU tests passed and racecheck found 0
 # hazards in tests/gpu/test_attention_bwd_sm90_variants.py's sanitize cases on the H200 (2026-12-01,
@@ -176,10 +182,7 @@ SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
-UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = (
-    (SM90_VARLEN_VARIANT_FORWARD, {64, 128, 256}),
-    (SM90_PAGED_VARIANT_PREFILL, {(d, bs) for d in (64, 128, 256) for bs in (16, 32, 64, 128, 256)}),
-)
+UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ()
 
 
 # Rows M up to which tileattn.linear / add_rms_norm_linear run the hand-written GEMV (csrc/gemv.cu)
