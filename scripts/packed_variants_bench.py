@@ -1,16 +1,20 @@
 """Window, softcap and ALiBi on the packed layouts: the Hopper packed variant kernels against the sm80
 variant kernels they replace and the Hopper plain kernel, in one process, rotated rounds.
 
-    PYTHONPATH=src python scripts/packed_variants_bench.py [--rounds 3] [--reps 20] > records.jsonl
+    PYTHONPATH=src python scripts/packed_variants_bench.py [--rounds 3] [--reps 20] [--backward] > records.jsonl
 
 Workloads (bf16, forward only, no autograd, through the public ops):
 - varlen: issue #10's batch (64 sequences of 100..4096 tokens, seeded), causal, H = Hkv = 32, d = 128,
   and Gemma 2's head dim (d = 256, H = 8, Hkv = 4) with softcap 50;
 - paged: 512-query chunks after a 4096-key cached prefix (B = 8, H = 32, Hkv = 8, d = 128,
   block_size 16), causal.
+--backward: the varlen workloads forward+backward (autograd, dout random), TFLOP/s counting 3.5x the
+forward's useful FLOPs (the backward does 2.5x its matrix products), as `tileattn bench varlen`.
 Implementations per (workload, variant): `hopper_variant` (attention_fwd_sm90's packed variant
-kernel, as dispatched on sm_90a), `sm80_variant` (the sm80 varlen / paged variant kernels it
-replaces: the dispatcher's packed-variant tables emptied for the measurement) and
+kernel and, with --backward, attention_bwd_sm90's varlen variant kernel, switched on with
+api.hopper_kernels_forced where a dispatcher table still waits for its measurement),
+`sm80_variant` (the sm80 varlen / paged variant kernels they replace, both passes: the dispatcher's
+packed-variant tables emptied for the measurement) and
 `hopper_plain` (the same call without the variant: the causal Hopper kernel, for scale). TFLOP/s
 count useful FLOPs, 4 d H per (query, key) pair the call's mask leaves visible (the window's pairs
 for a window, so the plain causal call counts more). One JSON line per (workload, variant,
@@ -50,7 +54,8 @@ def sm80_variant_kernels():
     from tileattn import api, api_paged, api_varlen
     from tileattn.kernels import dispatch
 
-    tables = (dispatch.SM90_VARLEN_VARIANT_FORWARD, dispatch.SM90_PAGED_VARIANT_PREFILL)
+    tables = (dispatch.SM90_VARLEN_VARIANT_FORWARD, dispatch.SM90_PAGED_VARIANT_PREFILL,
+              dispatch.SM90_VARLEN_VARIANT_BACKWARD)
     saved = [set(t) for t in tables]
 
     def clear():
@@ -80,11 +85,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--backward", action="store_true", help="varlen forward+backward instead of the forwards")
     args = ap.parse_args(argv)
 
     import torch
 
     import tileattn
+    from tileattn.api import hopper_kernels_forced
     from tileattn.bench.harness import measure
 
     dev = "cuda"
@@ -95,16 +102,24 @@ def main(argv=None) -> int:
         lens = torch.randint(100, 4097, (64,), generator=gen).tolist()
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
         total = sum(lens)
-        q = torch.randn(total, heads, d, device=dev, dtype=torch.bfloat16)
-        k = torch.randn(total, kv_heads, d, device=dev, dtype=torch.bfloat16)
-        v = torch.randn(total, kv_heads, d, device=dev, dtype=torch.bfloat16)
+        grad = args.backward
+        q = torch.randn(total, heads, d, device=dev, dtype=torch.bfloat16, requires_grad=grad)
+        k = torch.randn(total, kv_heads, d, device=dev, dtype=torch.bfloat16, requires_grad=grad)
+        v = torch.randn(total, kv_heads, d, device=dev, dtype=torch.bfloat16, requires_grad=grad)
+        dout = torch.randn(total, heads, d, device=dev, dtype=torch.bfloat16)
         slopes = torch.rand(heads, device=dev) * 0.1
 
         def call(options):
             opts = {key: val for key, val in options.items() if key != "alibi"}
             if options.get("alibi"):
                 opts["alibi_slopes"] = slopes
-            return lambda: tileattn.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), True, **opts)
+
+            def step():
+                out = tileattn.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), True, **opts)
+                if grad:
+                    torch.autograd.grad(out, (q, k, v), dout)
+
+            return step
 
         return f"varlen d={d} H={heads}/{kv_heads}", lens, lens, d * heads, call, variants
 
@@ -131,26 +146,31 @@ def main(argv=None) -> int:
                 d * heads, call, variants)
 
     workloads = [varlen_workload(128, 32, 32, ("softcap50", "window1024", "alibi")),
-                 varlen_workload(64, 32, 32, ("softcap50", "window1024", "alibi")),
-                 varlen_workload(256, 8, 4, ("softcap50", "window1024")),
-                 paged_workload(128, 32, 8, 16, ("softcap50", "window1024", "alibi")),
-                 paged_workload(64, 32, 8, 256, ("softcap50", "window1024")),
-                 paged_workload(256, 8, 4, 16, ("softcap50", "window1024"))]
+                 varlen_workload(64, 32, 32, ("softcap50", "window1024", "alibi"))]
+    if not args.backward:
+        workloads += [varlen_workload(256, 8, 4, ("softcap50", "window1024")),
+                      paged_workload(128, 32, 8, 16, ("softcap50", "window1024", "alibi")),
+                      paged_workload(64, 32, 8, 256, ("softcap50", "window1024")),
+                      paged_workload(256, 8, 4, 16, ("softcap50", "window1024"))]
+    passes = 3.5 if args.backward else 1.0
     impls = ("hopper_variant", "sm80_variant", "hopper_plain")
-    with torch.no_grad():
+    contexts = {"hopper_variant": hopper_kernels_forced, "sm80_variant": sm80_variant_kernels,
+                "hopper_plain": contextlib.nullcontext}
+    with torch.set_grad_enabled(args.backward):
         for rnd in range(args.rounds):
             for name, lens_q, lens_k, dh, call, variants in workloads:
                 for variant in variants:
                     options, (left, right) = VARIANTS[variant]
-                    flops = {"hopper_plain": 4 * dh * visible_pairs(lens_q, lens_k, -1, 0)}
-                    flops["hopper_variant"] = flops["sm80_variant"] = 4 * dh * visible_pairs(lens_q, lens_k, left, right)
+                    flops = {"hopper_plain": passes * 4 * dh * visible_pairs(lens_q, lens_k, -1, 0)}
+                    flops["hopper_variant"] = flops["sm80_variant"] = (
+                        passes * 4 * dh * visible_pairs(lens_q, lens_k, left, right))
                     order = impls[rnd % 3:] + impls[:rnd % 3]
                     for impl in order:
                         fn = call({} if impl == "hopper_plain" else options)
-                        with sm80_variant_kernels() if impl == "sm80_variant" else contextlib.nullcontext():
+                        with contexts[impl]():
                             t = measure(fn, reps=args.reps)
                         rec = {"workload": name, "variant": variant, "impl": impl, "round": rnd, "ms": t.median_ms,
-                               "tflops": flops[impl] / t.median_ms / 1e9}
+                               "tflops": flops[impl] / t.median_ms / 1e9, "backward": args.backward}
                         records.append(rec)
                         print(json.dumps(rec), flush=True)
     med = collections.defaultdict(list)

@@ -332,3 +332,135 @@ def test_empty_packed_tensors():
     plan.launch(q2, k2, k2, q2, lse2, q2, dq2, torch.empty_like(k2), torch.empty_like(k2), offsets([6]), offsets([0]))
     torch.cuda.synchronize()
     assert (dq2 == 0).all(), "Tk = 0: dq must be 0"
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants (window, softcap, ALiBi: the varlen variant kernels, VARLEN_VARIANT_INSTANTIATIONS)
+# ---------------------------------------------------------------------------------------------
+# name -> (options, causal, q multiplier): every set of VARLEN_VARIANT_SETS (softcap alone runs with the
+# window bit, both edges unbounded), windows smaller than the sequences, two-sided without causal,
+# softcap 5 with q x 8 (saturated tanh), ALiBi [B, H] by sequence.
+VARIANT_CASES = {
+    "window_causal": ({"window": (40, 0)}, True, 1.0),
+    "window_two_sided": ({"window": (100, 7)}, False, 1.0),
+    "softcap_extreme": ({"softcap": 5.0}, False, 8.0),
+    "alibi_bh_causal": ({"alibi": "bh"}, True, 1.0),
+    "softcap_alibi": ({"softcap": 20.0, "alibi": "h"}, False, 2.0),
+    "all": ({"window": (64, 0), "softcap": 20.0, "alibi": "bh"}, True, 2.0),
+}
+
+
+def variant_case(name, lens_q, lens_k, h, hkv, d, dtype, seed, **kw):
+    """(Case with q scaled by the variant's multiplier, options, causal)."""
+    spec, causal, mult = VARIANT_CASES[name]
+    case = Case(lens_q, lens_k, h, hkv, d, dtype, seed, **kw)
+    if mult != 1.0:
+        case.q = (case.q.float() * mult).to(dtype)
+    options = {key: val for key, val in spec.items() if key != "alibi"}
+    if "alibi" in spec:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        shape = (h,) if spec["alibi"] == "h" else (len(lens_q), h)
+        options["alibi_slopes"] = 0.5 * torch.rand(shape, device="cuda", generator=gen)
+    return case, options, causal
+
+
+def run_variant_backward(case: Case, options, causal, out, lse, *, sm80: bool = False):
+    """dq, dk, dv of the sm90 (or sm80) varlen variant backward plan on the forward's out / lse; the
+    sm90 run gets NaN in every row past the last sequence and NaN-filled gradients."""
+    from tileattn.kernels import attention_bwd_sm80
+
+    from .test_attention_fwd_sm90_varlen import variant_args
+
+    variants, alibi = variant_args(options, causal, len(case.lens_q), case.q.shape[1])
+    q, k, v, dout = (case.q, case.k, case.v, case.dout) if sm80 else poison_tails(case)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    module = attention_bwd_sm80 if sm80 else _mod()
+    with poisoned_allocations():
+        plan = module.backward_varlen_plan(q, k, v, out, lse, dout, dq, dk, dv, case.cu_q, case.max_q, case.max_k,
+                                           causal=False, scale=1.0 / math.sqrt(q.shape[-1]), deterministic=False,
+                                           variants=variants)
+        plan.launch(q, k, v, out, lse, dout, dq, dk, dv, case.cu_q, case.cu_k, alibi, 0, 0, 0)
+    torch.cuda.synchronize()
+    return dq, dk, dv
+
+
+def variant_reference_grads(case: Case, options, causal):
+    q, k, v = (t.detach().double().requires_grad_() for t in (case.q, case.k, case.v))
+    from tileattn import reference
+
+    out = reference.attention_varlen(q, k, v, case.cu_q, case.cu_k, case.max_q, case.max_k, causal=causal,
+                                     compute_dtype=torch.float64, **options)
+    return torch.autograd.grad(out, (q, k, v), case.dout.double())
+
+
+def variant_forward(case: Case, options, causal):
+    from tileattn import attention_varlen
+
+    with torch.no_grad():
+        return attention_varlen(case.q, case.k, case.v, case.cu_q, case.cu_k, case.max_q, case.max_k, causal=causal,
+                                return_lse=True, **options)
+
+
+@pytest.mark.parametrize("batch", ["nq_ne_nk_gqa4", "gqa8_tails", "long"])
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
+@pytest.mark.parametrize("d", [64, 128])
+def test_variant_backward_matches_reference_and_sm80(d, name, dtype, batch):
+    lens_q, lens_k, h, hkv, pad_q, pad_k = BATCHES[batch]
+    seed = seed_of("sm90v-variants", d, name, dtype, batch)
+    case, options, causal = variant_case(name, lens_q, lens_k, h, hkv, d, dtype, seed, pad_q=pad_q, pad_k=pad_k)
+    out, lse = variant_forward(case, options, causal)
+    grads = run_variant_backward(case, options, causal, out, lse)
+    what = f"{case.what} {name} causal={causal}"
+    check_grads(case, grads, variant_reference_grads(case, options, causal), what)
+    sm80 = run_variant_backward(case, options, causal, out, lse, sm80=True)
+    check_grads(case, grads, [g.double() for g in sm80], f"{what} sm90 vs sm80")
+
+
+def test_variant_backward_through_the_public_op():
+    """attention_varlen with variants and autograd, the varlen variant backward switched on in the
+    dispatcher (hopper_kernels_forced while SM90_VARLEN_VARIANT_BACKWARD waits for its measurement,
+    the tables as they are after): the Hopper plan runs and the gradients match the reference."""
+    from tileattn import api
+    from tileattn.api import hopper_kernels_forced
+
+    lens_q, lens_k, h, hkv, pad_q, pad_k = BATCHES["nq_ne_nk_gqa4"]
+    case, options, causal = variant_case("all", lens_q, lens_k, h, hkv, 128, BF16, seed_of("public-vbwd"))
+    from tileattn import attention_varlen
+
+    with hopper_kernels_forced():
+        q, k, v = (t.detach().requires_grad_() for t in (case.q, case.k, case.v))
+        with poisoned_allocations():
+            out = attention_varlen(q, k, v, case.cu_q, case.cu_k, case.max_q, case.max_k, causal=causal, **options)
+            grads = torch.autograd.grad(out, (q, k, v), case.dout)
+        plans = [p for e in api._plans.values() for p in getattr(e, "backward", {}).values()]
+        assert any(isinstance(p, _mod().BackwardVarlenPlan) for p in plans), plans
+    check_grads(case, grads, variant_reference_grads(case, options, causal), "public op with variants")
+
+
+def test_variant_backward_refusals():
+    from tileattn.kernels import attention_fwd_sm80
+
+    va = attention_fwd_sm80.VariantArgs
+    case = Case((3,), (3,), 2, 1, 64, BF16, seed_of("vrefuse"))
+    out, lse = forward(case, False)
+    grads = tuple(torch.empty_like(t) for t in (case.q, case.k, case.v))
+    for variants, causal in ((va(dropout_p=0.1), False), (va(softcap=3.0), True)):
+        with pytest.raises(ValueError, match="supports_varlen_variants"):
+            _mod().backward_varlen_plan(case.q, case.k, case.v, out, lse, case.dout, *grads, case.cu_q, 3, 3,
+                                        causal=causal, scale=0.125, deterministic=False, variants=variants)
+    assert not _mod().supports_varlen_variants(256, BF16, va(softcap=3.0))
+    assert not _mod().supports_varlen_variants(128, BF16, va(softcap=3.0), deterministic=True)
+    assert _mod().supports_varlen_variants(128, FP16, va(window_left=5, window_right=0))
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("name", ["all", "window_two_sided"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_variant_backward_sanitize_small(d, name):
+    seed = seed_of("vsan", d, name)
+    case, options, causal = variant_case(name, (0, 1, 33, 70), (3, 1, 31, 129), 4, 2, d, BF16, seed, pad_q=3,
+                                         pad_k=9)
+    out, lse = variant_forward(case, options, causal)
+    grads = run_variant_backward(case, options, causal, out, lse)
+    check_grads(case, grads, variant_reference_grads(case, options, causal), f"sanitize {name} d={d}")

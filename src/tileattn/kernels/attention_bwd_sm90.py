@@ -272,6 +272,31 @@ SPLIT_MASKED_INSTANTIATIONS = tuple(
     for d in SPLIT_MASKED_HEAD_DIMS for bf16 in (False, True))
 
 
+# The varlen entry point with variants (attention_bwd_sm90_varlen_variants): the sets without dropout
+# at the varlen head dims, the variant tiles, atomic dQ (the deterministic varlen backward is sm80's),
+# both dtypes. The softcap sets run the unsplit passes.
+VARLEN_VARIANT_SETS = (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI, WINDOW | SOFTCAP | ALIBI)
+
+
+def varlen_variant_expression(head_dim: int, config: Sm90BwdConfig, bf16: bool, bits: int) -> str:
+    """The NVRTC name expression of one varlen variant main-kernel instantiation (bits in
+    VARLEN_VARIANT_SETS, atomic dQ)."""
+    return (f"tileattn::attention_bwd_sm90_varlen_variants<{head_dim}, {config.block_m}, {config.stages}, "
+            f"{'true' if bf16 else 'false'}, {config.dq_mode(False)}, {bits}>")
+
+
+VARLEN_VARIANT_INSTANTIATIONS = tuple(varlen_variant_expression(d, VARIANT_DEFAULTS[d], bf16, bits)
+                                      for d in VARLEN_HEAD_DIMS for bf16 in (False, True)
+                                      for bits in VARLEN_VARIANT_SETS)
+
+
+def supports_varlen_variants(head_dim: int, dtype, variants, deterministic: bool = False) -> bool:
+    """Whether BackwardVarlenPlan runs a varlen call with these variants (attention_fwd_sm80.VariantArgs,
+    causal folded into the window): supports_varlen's head dims, dtypes and atomic mode, and
+    variant_bits in VARLEN_VARIANT_SETS (no dropout). Never raises."""
+    return supports_varlen(head_dim, dtype, False, deterministic) and variant_bits(variants) in VARLEN_VARIANT_SETS
+
+
 def split_masked_applies(head_dim: int, variants, deterministic: bool) -> bool:
     """Whether a split-masked kernel (SPLIT_MASKED_INSTANTIATIONS) runs this call: softcap alone (with
     the window bit every variant kernel has), atomic dQ, a head dim in SPLIT_MASKED_HEAD_DIMS."""
@@ -279,7 +304,7 @@ def split_masked_applies(head_dim: int, variants, deterministic: bool) -> bool:
             and variant_bits(variants) == WINDOW | SOFTCAP)
 INSTANTIATIONS = (_expressions(_default_configs(DEFAULTS))
                   + _expressions(_default_configs(VARLEN_DEFAULTS, VARLEN_HEAD_DIMS), varlen=True)
-                  + VARIANT_INSTANTIATIONS + SPLIT_MASKED_INSTANTIATIONS)
+                  + VARIANT_INSTANTIATIONS + SPLIT_MASKED_INSTANTIATIONS + VARLEN_VARIANT_INSTANTIATIONS)
 TUNING = tuple(e for e in _expressions(TUNING_EXTRA.items())
                + _expressions(((d, TUNING_EXTRA[d]) for d in VARLEN_HEAD_DIMS), varlen=True)
                if e not in INSTANTIATIONS)
@@ -623,14 +648,21 @@ class BackwardVarlenPlan:
     they never contribute, whatever they hold; dK / dV edge boxes are stored row by row, so no
     neighbouring sequence's rows are written.
 
+    `variants` (attention_fwd_sm80.VariantArgs, causal folded into the window, so causal False; no
+    dropout: supports_varlen_variants): the varlen variant kernel of variant_bits(variants) at
+    VARIANT_DEFAULTS' tile, lse the variant forward's; `launch` then takes the ALiBi slopes' pointer,
+    the dropout seed, offset and rng state pointer after cu_seqlens_k (as attention_bwd_sm80's varlen
+    variant plans take them; the dropout values unused).
+
     Raises ValueError for deterministic=True (use attention_bwd_sm80.backward_varlen_plan), an
     unsupported head dim or dtype, H not a multiple of Hkv, a grid of 2^31 blocks or more, a config
-    whose shared memory does not fit, or section < 1.
+    whose shared memory does not fit, section < 1, or variants supports_varlen_variants rejects (or
+    with causal=True).
     """
 
     def __init__(self, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int, *,
                  causal: bool, scale: float, deterministic: bool = False, config: Sm90BwdConfig | None = None,
-                 section: int | None = None, rotate: bool | None = None):
+                 section: int | None = None, rotate: bool | None = None, variants=None):
         from ..runtime import LaunchPlan
         from . import attention_bwd_sm80 as sm80
         from . import load
@@ -648,7 +680,14 @@ class BackwardVarlenPlan:
             raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
         if section is not None and section < 1:
             raise ValueError(f"section must be >= 1, got {section}")
-        self.config = config = config or VARLEN_DEFAULTS[(d, bool(causal))]
+        bits = 0
+        if variants is not None:
+            if causal or not supports_varlen_variants(d, q.dtype, variants):
+                raise ValueError(f"the sm90 varlen backward does not run {variants} at head_dim {d}, {q.dtype}, "
+                                 f"causal={bool(causal)} (see supports_varlen_variants; causal folds into the window)")
+            bits = variant_bits(variants)
+        self.variant_values = bool(bits)
+        self.config = config = config or (VARIANT_DEFAULTS[d] if bits else VARLEN_DEFAULTS[(d, bool(causal))])
         if not config.fits(d, False):
             raise ValueError(f"config {config} does not fit in shared memory at head_dim {d}")
         # The grid covers the longest sequence's key blocks (at least one: CTAs past a sequence's
@@ -674,8 +713,9 @@ class BackwardVarlenPlan:
         i32, i64, f32 = np.int32, np.int64, np.float32
         group = heads // kv_heads
         scale_log2 = f32(scale * LOG2E)
-        if section is None:
-            section = section_pairs(max(int(max_seqlen_q), 1), d, group, q.element_size(), causal, False)
+        if section is None:  # a window walks few tiles per key block, as causal: the L2-section order
+            section = section_pairs(max(int(max_seqlen_q), 1), d, group, q.element_size(),
+                                    causal or (bits != 0 and _windowed(variants)), False)
         self.section = section = min(section, kv_heads * batch)
         self.rotate = rotate = bool(ROTATE[(d, bool(causal))] if rotate is None else rotate)
 
@@ -694,14 +734,18 @@ class BackwardVarlenPlan:
         maps = self.operands.encode(staged)
         dk_sr, dk_sh = staged[4].stride()[:2]
         dv_sr, dv_sh = staged[5].stride()[:2]
-        self.main = LaunchPlan(
-            load(FAMILY_NAME, varlen_expression(d, config, causal, bf16), device),
-            (self.grid,), (THREADS,),
-            (*maps, 0, 0, 0, 0, 0, 0, 0, i64(dk_sh), i64(dk_sr), i64(dv_sh), i64(dv_sr), i32(heads), i32(group),
-             i32(batch), i32(section), i32(n_blocks * BLOCK_N), i32(total_k), i32(ws_pitch), scale_log2, f32(scale),
-             i32(rotate)),
-            smem=config.smem_bytes(d, False), dynamic=range(13),
-        )
+        args = (*maps, 0, 0, 0, 0, 0, 0, 0, i64(dk_sh), i64(dk_sr), i64(dv_sh), i64(dv_sr), i32(heads), i32(group),
+                i32(batch), i32(section), i32(n_blocks * BLOCK_N), i32(total_k), i32(ws_pitch), scale_log2, f32(scale),
+                i32(rotate))
+        dynamic = tuple(range(13))
+        if bits:  # VARIANT_PARAMS after the varlen ones; the alibi pointer, seed, offset and rng state are per call
+            from .attention_fwd_sm80 import VARIANT_DYNAMIC
+
+            dynamic += tuple(len(args) + i for i in VARIANT_DYNAMIC)
+            args += variants.kernel_args(scale)
+        expr = varlen_variant_expression(d, config, bf16, bits) if bits else varlen_expression(d, config, causal, bf16)
+        self.main = LaunchPlan(load(FAMILY_NAME, expr, device), (self.grid,), (THREADS,), args,
+                               smem=config.smem_bytes(d, False), dynamic=dynamic)
         self.convert = LaunchPlan(
             load(sm80.FAMILY_NAME, convert_expr(d, bf16, True), device),
             (max(1, -(-int(max_seqlen_q) // _CONVERT_ROWS)), heads, batch + 1), (128,),
@@ -709,8 +753,10 @@ class BackwardVarlenPlan:
             dynamic=(0, 1, 4),
         )
 
-    def launch(self, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k) -> None:
-        """The three launches (see the class) on torch's current stream; nothing synchronizes."""
+    def launch(self, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *variant_values) -> None:
+        """The three launches (see the class) on torch's current stream; nothing synchronizes.
+        `variant_values` (plans with variants): the ALiBi slopes' pointer, seed, offset, rng state
+        pointer (ignored by a plan without variants)."""
         if self.empty:
             _zero_gradients(dq, dk, dv)
             return
@@ -722,7 +768,8 @@ class BackwardVarlenPlan:
         staged = self.operands.stage((q, k, v, dout, dk, dv))
         maps = self.operands.encode(staged)
         self.pre.launch(out.data_ptr(), dout.data_ptr(), lse.data_ptr(), lse2, delta, acc, cu_q)
-        self.main.launch(*maps, lse2, delta, acc, cu_q, cu_k, staged[4].data_ptr(), staged[5].data_ptr())
+        self.main.launch(*maps, lse2, delta, acc, cu_q, cu_k, staged[4].data_ptr(), staged[5].data_ptr(),
+                         *(variant_values if self.variant_values else ()))
         self.convert.launch(acc, dq.data_ptr(), cu_q)
         self.operands.finish(dk, dv, staged)
         # ws returns to torch's caching allocator here; its block is reused only by work enqueued
@@ -730,14 +777,14 @@ class BackwardVarlenPlan:
 
 
 def backward_varlen_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int, *,
-                         causal: bool, scale: float, deterministic: bool,
-                         config: Sm90BwdConfig | None = None) -> BackwardVarlenPlan:
+                         causal: bool, scale: float, deterministic: bool, config: Sm90BwdConfig | None = None,
+                         variants=None) -> BackwardVarlenPlan:
     """A BackwardVarlenPlan for these (already validated) tensors; the same call as
-    attention_bwd_sm80.backward_varlen_plan without `variants`. Raises ValueError for
-    deterministic=True (see supports_varlen) and what BackwardVarlenPlan raises."""
+    attention_bwd_sm80.backward_varlen_plan (`variants` without dropout: supports_varlen_variants).
+    Raises ValueError for deterministic=True (see supports_varlen) and what BackwardVarlenPlan raises."""
     return BackwardVarlenPlan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, int(max_seqlen_q),
                               int(max_seqlen_k), causal=bool(causal), scale=float(scale),
-                              deterministic=bool(deterministic), config=config)
+                              deterministic=bool(deterministic), config=config, variants=variants)
 
 
 # Columns of benchmark(): name -> what it times (every one through bench.harness.measure, the timer

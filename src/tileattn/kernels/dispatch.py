@@ -17,8 +17,11 @@ Families, in the order they are considered:
 Calls with variants (window, softcap, ALiBi, dropout): the dense forward runs the Hopper forward's
 variant instantiations on sm_90a for the head dims it has (SM90_VARIANT_FORWARD; with dropout also
 SM90_DROPOUT_FORWARD and attention_fwd_sm90.supports_dropout; `variant_forward_family`,
-`variant_forward_plan`); everything else (other head dims, other archs, varlen) runs the sm80
-families' variant entry points; the variant backward runs the Hopper backward's variant
+`variant_forward_plan`); the varlen forward and the paged prefill with window, softcap or ALiBi
+(no dropout) run its packed variant instantiations where SM90_VARLEN_VARIANT_FORWARD /
+SM90_PAGED_VARIANT_PREFILL list them (`varlen_forward_plan`, `paged_launch`); everything else
+(other head dims, other archs, varlen dropout, the varlen backward) runs the sm80 families' variant
+entry points; the variant backward runs the Hopper backward's variant
 instantiations where SM90_VARIANT_BACKWARD (with dropout also SM90_DROPOUT_BACKWARD) lists (head dim,
 mode) and attention_bwd_sm90.supports_variants accepts the call (`variant_backward_plan`), else sm80's.
 The variant backward recomputes the scores with the same definitions, so it takes the Hopper
@@ -168,6 +171,9 @@ SM90_PAGED_PREFILL: set[tuple[int, int]] = {(d, bs) for d in (64, 128, 256) for 
 # block_size 16).
 SM90_VARLEN_VARIANT_FORWARD: set[int] = {64, 128, 256}
 SM90_PAGED_VARIANT_PREFILL: set[tuple[int, int]] = set(SM90_PAGED_PREFILL)
+# Head dims whose varlen backward with window, softcap or ALiBi (atomic dQ, no dropout) runs
+# attention_bwd_sm90's varlen variant kernels (VARLEN_VARIANT_INSTANTIATIONS) on sm_90a.
+SM90_VARLEN_VARIANT_BACKWARD: set[int] = set()
 # Head dims and modes whose dropout backward runs the Hopper variant backward (attention_bwd_sm90's
 # dropout bit) when SM90_VARIANT_BACKWARD also lists them. Its GPU tests passed and racecheck found 0
 # hazards in tests/gpu/test_attention_bwd_sm90_variants.py's sanitize cases on the H200 (2026-12-01,
@@ -182,7 +188,7 @@ SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
-UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ()
+UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ((SM90_VARLEN_VARIANT_BACKWARD, {64, 128}),)
 
 
 # Rows M up to which tileattn.linear / add_rms_norm_linear run the hand-written GEMV (csrc/gemv.cu)
@@ -428,14 +434,19 @@ def varlen_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_
     `.launch(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *variant values)`."""
     from ..runtime import device_arch
 
-    key = (q.shape[2], bool(causal), bool(deterministic))
-    if variants is None and device_arch(q.device.index) == "sm_90a" and key in SM90_VARLEN_BACKWARD:
+    head_dim = q.shape[2]
+    if variants is None:
+        hopper = (head_dim, bool(causal), bool(deterministic)) in SM90_VARLEN_BACKWARD
+    else:
+        hopper = head_dim in SM90_VARLEN_VARIANT_BACKWARD
+    if hopper and device_arch(q.device.index) == "sm_90a":
         from . import attention_bwd_sm90
 
-        if attention_bwd_sm90.supports_varlen(q.shape[2], q.dtype, causal, deterministic):
+        if (attention_bwd_sm90.supports_varlen(head_dim, q.dtype, causal, deterministic) if variants is None
+                else attention_bwd_sm90.supports_varlen_variants(head_dim, q.dtype, variants, deterministic)):
             return attention_bwd_sm90.backward_varlen_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q,
                                                            max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
-                                                           deterministic=deterministic)
+                                                           deterministic=deterministic, variants=variants)
     return attention_bwd_sm80.backward_varlen_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_seqlen_q,
                                                    max_seqlen_k, causal=causal, scale=scale,
                                                    deterministic=deterministic, variants=variants)
