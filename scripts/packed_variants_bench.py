@@ -14,7 +14,8 @@ Implementations per (workload, variant): `hopper_variant` (attention_fwd_sm90's 
 kernel and, with --backward, attention_bwd_sm90's varlen variant kernel, switched on with
 api.hopper_kernels_forced where a dispatcher table still waits for its measurement),
 `sm80_variant` (the sm80 varlen / paged variant kernels they replace, both passes: the dispatcher's
-packed-variant tables emptied for the measurement) and
+packed-variant tables emptied for the measurement), with --backward `sm80_backward` (the Hopper
+forward, the sm80 varlen variant backward: the dispatch before the Hopper backward's table) and
 `hopper_plain` (the same call without the variant: the causal Hopper kernel, for scale). TFLOP/s
 count useful FLOPs, 4 d H per (query, key) pair the call's mask leaves visible (the window's pairs
 for a window, so the plain causal call counts more). One JSON line per (workload, variant,
@@ -48,14 +49,15 @@ def visible_pairs(lens_q, lens_k, left: int, right: int) -> int:
 
 
 @contextlib.contextmanager
-def sm80_variant_kernels():
+def sm80_variant_kernels(forward: bool = True):
     """Within: varlen / paged calls with variants run the sm80 kernels (the dispatcher's packed-variant
-    tables emptied, every plan cache cleared on entry and exit)."""
+    tables emptied, every plan cache cleared on entry and exit); forward=False: the backward only."""
     from tileattn import api, api_paged, api_varlen
     from tileattn.kernels import dispatch
 
-    tables = (dispatch.SM90_VARLEN_VARIANT_FORWARD, dispatch.SM90_PAGED_VARIANT_PREFILL,
-              dispatch.SM90_VARLEN_VARIANT_BACKWARD)
+    tables = (dispatch.SM90_VARLEN_VARIANT_BACKWARD,)
+    if forward:
+        tables += (dispatch.SM90_VARLEN_VARIANT_FORWARD, dispatch.SM90_PAGED_VARIANT_PREFILL)
     saved = [set(t) for t in tables]
 
     def clear():
@@ -153,18 +155,18 @@ def main(argv=None) -> int:
                       paged_workload(64, 32, 8, 256, ("softcap50", "window1024")),
                       paged_workload(256, 8, 4, 16, ("softcap50", "window1024"))]
     passes = 3.5 if args.backward else 1.0
-    impls = ("hopper_variant", "sm80_variant", "hopper_plain")
+    impls = ("hopper_variant", "sm80_variant", "hopper_plain") + (("sm80_backward",) if args.backward else ())
     contexts = {"hopper_variant": hopper_kernels_forced, "sm80_variant": sm80_variant_kernels,
-                "hopper_plain": contextlib.nullcontext}
+                "hopper_plain": contextlib.nullcontext, "sm80_backward": lambda: sm80_variant_kernels(forward=False)}
     with torch.set_grad_enabled(args.backward):
         for rnd in range(args.rounds):
             for name, lens_q, lens_k, dh, call, variants in workloads:
                 for variant in variants:
                     options, (left, right) = VARIANTS[variant]
                     flops = {"hopper_plain": passes * 4 * dh * visible_pairs(lens_q, lens_k, -1, 0)}
-                    flops["hopper_variant"] = flops["sm80_variant"] = (
+                    flops["hopper_variant"] = flops["sm80_variant"] = flops["sm80_backward"] = (
                         passes * 4 * dh * visible_pairs(lens_q, lens_k, left, right))
-                    order = impls[rnd % 3:] + impls[:rnd % 3]
+                    order = impls[rnd % len(impls):] + impls[:rnd % len(impls)]
                     for impl in order:
                         fn = call({} if impl == "hopper_plain" else options)
                         with contexts[impl]():
@@ -176,13 +178,16 @@ def main(argv=None) -> int:
     med = collections.defaultdict(list)
     for r in records:
         med[(r["workload"], r["variant"], r["impl"])].append(r["tflops"])
-    print("| workload | variant | hopper variant | sm80 variant | hopper plain (causal) | hopper / sm80 | "
-          "hopper variant / plain |", file=sys.stderr)
-    print("|---|---|---|---|---|---|---|", file=sys.stderr)
+    extra = " | Hopper forward, sm80 backward | hopper / that" if args.backward else ""
+    print(f"| workload | variant | hopper variant | sm80 variant | hopper plain (causal) | hopper / sm80 | "
+          f"hopper variant / plain{extra} |", file=sys.stderr)
+    print("|---" * (9 if args.backward else 7) + "|", file=sys.stderr)
     for name, variant in dict.fromkeys((r["workload"], r["variant"]) for r in records):
         t = {impl: statistics.median(med[(name, variant, impl)]) for impl in impls}
+        cols = (f" | {t['sm80_backward']:.0f} | {t['hopper_variant'] / t['sm80_backward']:.2f}" if args.backward
+                else "")
         print(f"| {name} | {variant} | {t['hopper_variant']:.0f} | {t['sm80_variant']:.0f} | {t['hopper_plain']:.0f} | "
-              f"{t['hopper_variant'] / t['sm80_variant']:.2f} | {t['hopper_variant'] / t['hopper_plain']:.2f} |",
+              f"{t['hopper_variant'] / t['sm80_variant']:.2f} | {t['hopper_variant'] / t['hopper_plain']:.2f}{cols} |",
               file=sys.stderr)
     return 0
 

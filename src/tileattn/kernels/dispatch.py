@@ -172,8 +172,12 @@ SM90_PAGED_PREFILL: set[tuple[int, int]] = {(d, bs) for d in (64, 128, 256) for 
 SM90_VARLEN_VARIANT_FORWARD: set[int] = {64, 128, 256}
 SM90_PAGED_VARIANT_PREFILL: set[tuple[int, int]] = set(SM90_PAGED_PREFILL)
 # Head dims whose varlen backward with window, softcap or ALiBi (atomic dQ, no dropout) runs
-# attention_bwd_sm90's varlen variant kernels (VARLEN_VARIANT_INSTANTIATIONS) on sm_90a.
-SM90_VARLEN_VARIANT_BACKWARD: set[int] = set()
+# attention_bwd_sm90's varlen variant kernels (VARLEN_VARIANT_INSTANTIATIONS) on sm_90a. H100,
+# 2026-12-06 (session 47 call 4, 5b69d6f): tests/gpu/test_attention_bwd_sm90_varlen.py 143 passed, its
+# variant sanitize cases clean under memcheck, racecheck, synccheck, initcheck; forward+backward on
+# issue #10's batch (causal, bf16) 1.64-2.10x the sm80 variant kernels in both passes
+# (scripts/packed_variants_bench.py --backward; docs/attention_variants.md).
+SM90_VARLEN_VARIANT_BACKWARD: set[int] = {64, 128}
 # Head dims and modes whose dropout backward runs the Hopper variant backward (attention_bwd_sm90's
 # dropout bit) when SM90_VARIANT_BACKWARD also lists them. Its GPU tests passed and racecheck found 0
 # hazards in tests/gpu/test_attention_bwd_sm90_variants.py's sanitize cases on the H200 (2026-12-01,
@@ -188,7 +192,7 @@ SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
-UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ((SM90_VARLEN_VARIANT_BACKWARD, {64, 128}),)
+UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ()
 
 
 # Rows M up to which tileattn.linear / add_rms_norm_linear run the hand-written GEMV (csrc/gemv.cu)
