@@ -19,9 +19,10 @@ variant instantiations on sm_90a for the head dims it has (SM90_VARIANT_FORWARD;
 SM90_DROPOUT_FORWARD and attention_fwd_sm90.supports_dropout; `variant_forward_family`,
 `variant_forward_plan`); the varlen forward and the paged prefill with window, softcap or ALiBi
 (no dropout) run its packed variant instantiations where SM90_VARLEN_VARIANT_FORWARD /
-SM90_PAGED_VARIANT_PREFILL list them (`varlen_forward_plan`, `paged_launch`); everything else
-(other head dims, other archs, varlen dropout, the varlen backward) runs the sm80 families' variant
-entry points; the variant backward runs the Hopper backward's variant
+SM90_PAGED_VARIANT_PREFILL list them (`varlen_forward_plan`, `paged_launch`), and the varlen
+backward with them its varlen variant instantiations where SM90_VARLEN_VARIANT_BACKWARD lists the
+head dim (atomic dQ; `varlen_backward_plan`); everything else (other head dims, other archs, varlen
+dropout) runs the sm80 families' variant entry points; the dense variant backward runs the Hopper backward's variant
 instantiations where SM90_VARIANT_BACKWARD (with dropout also SM90_DROPOUT_BACKWARD) lists (head dim,
 mode) and attention_bwd_sm90.supports_variants accepts the call (`variant_backward_plan`), else sm80's.
 The variant backward recomputes the scores with the same definitions, so it takes the Hopper
@@ -435,7 +436,10 @@ def varlen_forward_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
 def varlen_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int, *,
                          causal: bool, scale: float, deterministic: bool, variants=None):
     """The packed variable-length backward's plan for these (already validated) tensors:
-    `.launch(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *variant values)`."""
+    `.launch(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *variant values)`. The
+    Hopper varlen backward on sm_90a where SM90_VARLEN_BACKWARD lists (head dim, causal,
+    deterministic), or with variants (the sm80 kernels' VariantArgs, causal folded in)
+    SM90_VARLEN_VARIANT_BACKWARD the head dim and supports_varlen_variants the call; sm80's otherwise."""
     from ..runtime import device_arch
 
     head_dim = q.shape[2]
