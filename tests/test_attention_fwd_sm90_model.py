@@ -1300,7 +1300,8 @@ def test_sass_register_a_operands_untouched_until_retired(expression):
     assert found >= 2 * block_n // 16, f"expected the P V wgmmas in the SASS, found {found} register-A HGMMAs"
     assert not problems, "\n".join(problems[:10])
     assert "UTMALDG" in sass and "STSM" in sass, "TMA loads and stmatrix expected"
-    packed = af.VARLEN_INSTANTIATIONS + af.PAGED_INSTANTIATIONS + af.PACKED_VARIANT_INSTANTIATIONS
+    packed = (af.VARLEN_INSTANTIATIONS + af.PAGED_INSTANTIATIONS + af.PACKED_VARIANT_INSTANTIATIONS
+              + af.VARLEN_DROPOUT_INSTANTIATIONS)
     if expression in packed:  # O: predicated 16-byte stores, no TMA store
         assert "UTMASTG" not in sass and "STG.E.128" in sass, "packed: no TMA store, predicated STG.E.128 expected"
     else:

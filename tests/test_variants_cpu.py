@@ -358,9 +358,11 @@ def test_sm90_variant_instantiations_cover_every_flag_set():
     # The kRngState forms at their own tiles: test_rng_state_kernel_forms_are_registered_where_they_fit.
     rng_tiles = {k90.variant_expression(d, cfg, bf16, flags) for (d, flags), cfg in k90.RNG_STATE_TILES.items()
                  for bf16 in (False, True)}
+    varlen_dropout = k90.VARLEN_DROPOUT_INSTANTIATIONS  # test_sm90_varlen_dropout_kernels checks them
     assert all(e.startswith(tuple(p[:-1] + ", 2, " for p in plain)) for e in k90.INSTANTIATIONS
                if e not in plain and e not in wide and e not in variant_wide and e not in fixed_max
-               and e not in causal_variants and e not in causal_fixed_max and e not in rng_tiles)
+               and e not in causal_variants and e not in causal_fixed_max and e not in rng_tiles
+               and e not in varlen_dropout)
 
 
 def test_sm90_softcap_fixed_max_kernels():
@@ -1316,20 +1318,23 @@ def test_sm90_packed_variant_kernels():
                     ", const float*, unsigned long long, unsigned long long, long long, int, int, float, float, "
                     "unsigned int, float, const unsigned long long*>"), e
                 assert e in exprs
-    for flags in (0, k90.DROPOUT, k90.DROPOUT | k90.WINDOW, k90.SOFTCAP | k90.FIXED_MAX):
-        with pytest.raises(ValueError, match="window, softcap and ALiBi only"):
-            k90.packed_variant_expression(128, k90.VARIANT_DEFAULTS[128], True, k90.VARLEN, flags)
+    for layout, flags in ((k90.VARLEN, 0), (k90.VARLEN, k90.DROPOUT), (k90.PAGED, k90.DROPOUT | k90.WINDOW),
+                          (k90.VARLEN, k90.SOFTCAP | k90.FIXED_MAX)):
+        with pytest.raises(ValueError, match="the packed layouts take window, softcap and ALiBi"):
+            k90.packed_variant_expression(128, k90.VARIANT_DEFAULTS[128], True, layout, flags)
     va = attention_fwd_sm80.VariantArgs
     q = torch.empty(10, 4, 64, dtype=torch.bfloat16)
     lse = torch.empty(4, 10)
     cu = torch.tensor([0, 10], dtype=torch.int32)
-    with pytest.raises(ValueError, match="not dropout"):
-        k90.VarlenPlan(q, q, q, q, lse, cu, cu, 10, causal=False, scale=1.0, variants=va(dropout_p=0.1))
+    q256 = torch.empty(10, 4, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="not variant flags 36 at head_dim 256"):  # ALiBi + dropout: no d = 256 form
+        k90.VarlenPlan(q256, q256, q256, q256, lse, cu, cu, 10, causal=False, scale=1.0,
+                       variants=va(dropout_p=0.1, alibi_batch_stride=0))
     with pytest.raises(ValueError, match="causal must be folded"):
         k90.VarlenPlan(q, q, q, q, lse, cu, cu, 10, causal=True, scale=1.0, variants=va(window_right=0, softcap=3.0))
     cache = torch.empty(4, 16, 4, 64, dtype=torch.bfloat16)
     table = torch.zeros(1, 4, dtype=torch.int32)
-    with pytest.raises(ValueError, match="not dropout"):
+    with pytest.raises(ValueError, match="not variant flags 32"):
         k90.PagedPlan(q, cache, cache, table, max_seqlen_q=10, causal=False, scale=1.0, return_lse=True,
                       variants=va(dropout_p=0.1))
     tables = {id(t): implemented for t, implemented in dispatch.UNMEASURED_SM90_TABLES}
@@ -1364,3 +1369,33 @@ def test_sm90_varlen_variant_backward_kernels():
     tables = {id(t): implemented for t, implemented in dispatch.UNMEASURED_SM90_TABLES}
     table = dispatch.SM90_VARLEN_VARIANT_BACKWARD
     assert table <= set(ab.VARLEN_HEAD_DIMS) and tables.get(id(table), set(ab.VARLEN_HEAD_DIMS)) == {64, 128}
+
+
+def test_sm90_varlen_dropout_kernels():
+    """Dropout on the Hopper forward's varlen layout: the sets VARLEN_DROPOUT_FLAG_SETS lists (with the
+    window bit, with and without kRngState) at packed_variant_config's tiles, both dtypes; a call's
+    flags map to the windowed set (packed_kernel_flags) or to None where nothing is registered (ALiBi
+    with dropout at d = 256, any dropout on the paged layout); the dispatcher's table waits in
+    UNMEASURED_SM90_TABLES."""
+    from tileattn.kernels import attention_fwd_sm80, attention_fwd_sm90 as k90, dispatch
+
+    exprs = k90.VARLEN_DROPOUT_INSTANTIATIONS
+    assert len(exprs) == len(set(exprs)) == 2 * (6 + 6 + 4) and set(exprs) <= set(k90.INSTANTIATIONS), len(exprs)
+    assert not set(exprs) & set(k90.PACKED_VARIANT_INSTANTIATIONS)
+    for d, sets in k90.VARLEN_DROPOUT_FLAG_SETS.items():
+        for flags in sets:
+            assert flags & k90.DROPOUT and flags & k90.WINDOW, flags
+            cfg = k90.packed_variant_config(d, flags)
+            assert cfg == k90.VARLEN_DROPOUT_TILES.get(d, k90.VARIANT_DEFAULTS[d]) and cfg.block_n % 64 == 0
+            e = k90.packed_variant_expression(d, cfg, True, k90.VARLEN, flags)
+            assert e in exprs and f", 2, {k90.VARLEN | flags}, const int*, const int*" in e, e
+    va = attention_fwd_sm80.VariantArgs
+    assert k90.packed_kernel_flags(128, k90.VARLEN, va(dropout_p=0.1)) == k90.DROPOUT | k90.WINDOW
+    assert k90.packed_kernel_flags(64, k90.VARLEN, va(dropout_p=0.1, rng_state=True, alibi_batch_stride=0)) == (
+        k90.DROPOUT | k90.WINDOW | k90.ALIBI | k90.RNG_STATE)
+    assert k90.packed_kernel_flags(256, k90.VARLEN, va(dropout_p=0.1, alibi_batch_stride=0)) is None
+    assert k90.packed_kernel_flags(128, k90.VARLEN, va(dropout_p=0.1, softcap=3.0, alibi_batch_stride=0)) is None
+    assert k90.packed_kernel_flags(128, k90.PAGED, va(dropout_p=0.1)) is None
+    assert k90.packed_kernel_flags(128, k90.PAGED, va(softcap=3.0)) == k90.SOFTCAP
+    tables = {id(t): implemented for t, implemented in dispatch.UNMEASURED_SM90_TABLES}
+    assert tables[id(dispatch.SM90_VARLEN_DROPOUT_FORWARD)] == set(k90.VARLEN_DROPOUT_FLAG_SETS)

@@ -95,7 +95,8 @@ class Case:
                                         causal=causal and variants is None, scale=scale, config=config,
                                         pack_gqa=pack_gqa, variants=variants)
         plan.launch(self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                    self.cu_q.data_ptr(), self.cu_k.data_ptr(), *((alibi,) if variants is not None else ()))
+                    self.cu_q.data_ptr(), self.cu_k.data_ptr(),
+                    *((alibi, *dropout_values(options)) if variants is not None else ()))
         torch.cuda.synchronize()
         return out, lse
 
@@ -118,14 +119,24 @@ class Case:
 
 def variant_args(options, causal, batch, heads):
     """(VariantArgs or None, the slopes' address or 0) of window / softcap / alibi_slopes options,
-    as tileattn.attention_varlen builds them (causal folded into the window)."""
+    as tileattn.attention_varlen builds them (causal folded into the window); with dropout_p also
+    the kRngState choice (a seed tensor)."""
     if not options:
         return None, 0
     left, right = dr.check_window(options.get("window"), causal)
     slopes = options.get("alibi_slopes")
     sb = None if slopes is None else dr.check_alibi(slopes, batch, heads, slopes.device, dtype_strict=True)
-    variants = sm80.VariantArgs(left, right, dr.check_softcap(options.get("softcap")), sb)
+    variants = sm80.VariantArgs(left, right, dr.check_softcap(options.get("softcap")), sb,
+                                options.get("dropout_p", 0.0), isinstance(options.get("seed"), torch.Tensor))
     return variants, 0 if slopes is None else slopes.data_ptr()
+
+
+def dropout_values(options):
+    """(seed, offset, rng state address) a varlen plan's launch takes for these options."""
+    seed = options.get("seed", 0)
+    if isinstance(seed, torch.Tensor):
+        return 0, 0, seed.data_ptr()
+    return seed, options.get("offset") or 0, 0
 
 
 def rel_err(x, ref) -> float:
@@ -696,9 +707,10 @@ def test_packed_variant_argument_errors():
     case = Case((5,), (7,), 4, 2, 64, BF16, 3)
     out, lse = case.outputs()
     dropout = sm80.VariantArgs(dropout_p=0.1)
-    with pytest.raises(ValueError, match="not dropout"):
-        sm90.forward_varlen_plan(case.q, case.k, case.v, out, lse, case.cu_q, case.cu_k, 5, causal=False, scale=0.1,
-                                 variants=dropout)
+    with pytest.raises(ValueError, match="not variant flags 36"):  # dropout with ALiBi: no d = 256 form
+        q256 = torch.zeros(5, 4, 256, device=DEVICE, dtype=BF16)
+        sm90.forward_varlen_plan(q256, q256[:, :2], q256[:, :2], q256, lse, case.cu_q, case.cu_k, 5, causal=False,
+                                 scale=0.1, variants=sm80.VariantArgs(alibi_batch_stride=0, dropout_p=0.1))
     with pytest.raises(ValueError, match="causal must be folded"):
         sm90.forward_varlen_plan(case.q, case.k, case.v, out, lse, case.cu_q, case.cu_k, 5, causal=True, scale=0.1,
                                  variants=sm80.VariantArgs(softcap=5.0))
@@ -708,9 +720,106 @@ def test_packed_variant_argument_errors():
         plan.launch(case.q.data_ptr(), case.k.data_ptr(), case.v.data_ptr(), out.data_ptr(), lse.data_ptr(),
                     case.cu_q.data_ptr(), case.cu_k.data_ptr(), 0, 1, 0, 0)
     paged = PagedCase([(70, 70)], 4, 2, 64, BF16, 16, seed=3)
-    with pytest.raises(ValueError, match="not dropout"):
+    with pytest.raises(ValueError, match="not variant flags 32"):
         sm90.PagedPlan(paged.q, paged.k_cache, paged.v_cache, paged.block_table, max_seqlen_q=70, causal=False,
                        scale=0.1, return_lse=True, variants=dropout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout on the varlen layout (VARLEN_DROPOUT_INSTANTIATIONS; written in session 47 after its device
+# time was spent: these tests have not run on a GPU yet)
+# ---------------------------------------------------------------------------------------------
+# name -> (options besides dropout, causal): each registered set's variants (the window bit is always
+# the kernel's; ALiBi with dropout has no d = 256 form, so that case runs at d = 64 / 128 only).
+DROPOUT_CASES = {
+    "alone": ({}, False),
+    "causal": ({}, True),
+    "window_softcap": ({"window": (50, 3), "softcap": 20.0}, False),
+    "alibi_causal": ({"alibi": "bh"}, True),
+}
+
+
+def dropout_case(name, d, dtype, seed, *, seed_tensor=False, **pads):
+    case = Case(LENS_Q, LENS_K, 8, 2, d, dtype, seed, **pads)
+    spec, causal = DROPOUT_CASES[name]
+    options = {k: v for k, v in spec.items() if k != "alibi"}
+    if "alibi" in spec:
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        options["alibi_slopes"] = 0.5 * torch.rand(len(LENS_Q), 8, device=DEVICE, generator=gen)
+    drop_seed, drop_offset = 0x1234_5678_9ABC + seed, 4 * (seed % 1000)
+    options["dropout_p"] = 0.2
+    if seed_tensor:
+        options["seed"] = torch.tensor([drop_seed, drop_offset], dtype=torch.int64, device=DEVICE)
+    else:
+        options["seed"], options["offset"] = drop_seed, drop_offset
+    return case, options, causal, (drop_seed, drop_offset)
+
+
+def _dropout_ids():
+    return [(d, name) for d in sm90.HEAD_DIMS for name in DROPOUT_CASES if not (d == 256 and "alibi" in name)]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d,name", _dropout_ids(), ids=lambda x: str(x))
+def test_varlen_dropout_matches_reference(d, name, dtype):
+    """The Hopper varlen dropout kernel against the float64 reference with the same seed and offset
+    (the reference applies tileattn.dropout.dropout_mask per sequence), and the kRngState form (a seed
+    tensor holding the same values) bitwise against the by-value one."""
+    seed = seed_of("varlen-dropout", d, name, dtype)
+    case, options, causal, _ = dropout_case(name, d, dtype, seed)
+    out, lse = case.run_sm90(causal, **options)
+    check(case, out, lse, causal, what=f"dropout {name}", **options)
+    _, tensor_options, _, _ = dropout_case(name, d, dtype, seed, seed_tensor=True)  # the same slopes' values
+    out_t, lse_t = case.run_sm90(causal, **tensor_options)
+    assert torch.equal(out_t, out) and torch.equal(lse_t, lse), f"dropout {name}: seed tensor != int seed"
+
+
+def test_varlen_dropout_keeps_the_expected_fraction_and_seeds_differ():
+    case, options, causal, _ = dropout_case("alone", 64, BF16, 5)
+    ones = Case(LENS_Q, LENS_K, 8, 2, 64, BF16, 5)
+    ones.v = torch.ones_like(ones.v)  # out = kept probability mass / (1 - p) per row
+    first, lse = ones.run_sm90(causal, **options)
+    again, _ = ones.run_sm90(causal, **options)
+    assert torch.equal(first, again), "the same seed and offset gave different masks"
+    other, _ = ones.run_sm90(causal, **{**options, "seed": options["seed"] + 1})
+    assert not torch.equal(first, other), "different seeds gave the same mask"
+    seen = torch.isfinite(lse[:, :ones.nq]).t()  # [nq, H]: rows that see some key
+    rows = first[:ones.nq].float().mean(-1)[seen]
+    kept = float(rows.mean()) * (1 - options["dropout_p"])  # each row's kept probability mass, averaged
+    assert abs(kept - (1 - options["dropout_p"])) < 0.02, f"kept fraction {kept:.4f}, expected 0.8"
+
+
+def test_varlen_dropout_through_the_public_op():
+    """attention_varlen with dropout and autograd, the varlen dropout forward switched on
+    (hopper_kernels_forced): the Hopper plan runs, the forward and the gradients (the sm80 varlen
+    dropout backward, regenerating the mask) match the float64 reference with the same seed."""
+    import tileattn
+    from tileattn import api
+    from tileattn.api import hopper_kernels_forced
+
+    from .conftest import poisoned_allocations
+
+    seed = seed_of("public-varlen-dropout")
+    case, options, causal, _ = dropout_case("window_softcap", 128, BF16, seed, pad_q=0, pad_k=0)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    dout = torch.randn(case.q.shape, device=DEVICE, generator=g).to(BF16)
+    with hopper_kernels_forced():
+        q, k, v = (t.detach().requires_grad_() for t in (case.q, case.k, case.v))
+        with poisoned_allocations():
+            out, lse = tileattn.attention_varlen(q, k, v, case.cu_q, case.cu_k, case.max_q, case.max_k, causal,
+                                                 return_lse=True, **options)
+            out.backward(dout)
+        plans = [getattr(e, "forward", None) for e in api._plans.values()]
+        assert any(isinstance(p, sm90.VarlenPlan) for p in plans), plans
+    check(case, out.detach(), lse, causal, what="public dropout", **options)
+    n, m = case.nq, case.nk
+    q64, k64, v64 = (t[:nn].detach().double().requires_grad_() for t, nn in ((case.q, n), (case.k, m), (case.v, m)))
+    ref = reference.attention_varlen(q64, k64, v64, case.cu_q, case.cu_k, case.max_q, case.max_k, causal=causal,
+                                     compute_dtype=torch.float64, **options)
+    ref.backward(dout[:n].double())
+    for name, got, want in (("dq", q.grad[:n], q64.grad), ("dk", k.grad[:m], k64.grad), ("dv", v.grad[:m], v64.grad)):
+        err = rel_err(got, want)
+        assert err < 2e-2, f"public dropout {name}: relative error {err:.3e}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -775,3 +884,13 @@ def test_packed_variants_sanitize_small(d, name):
     out, lse, _ = run_paged(paged, causal, **options)
     check_paged(paged, out, lse, ref_out, ref_lse, f"sanitize paged {name} d={d}")
     check_padding(paged, out, lse, f"sanitize paged {name}")
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("d", sm90.HEAD_DIMS)
+def test_varlen_dropout_sanitize_small(d):
+    seed = seed_of("san-dropout", d)
+    case = Case((0, 1, 33, 70), (3, 1, 31, 129), 4, 1, d, BF16, seed, pad_q=3, pad_k=9)
+    options = {"dropout_p": 0.3, "seed": 77, "offset": 8}
+    out, lse = case.run_sm90(True, **options)
+    check(case, out, lse, True, what="sanitize dropout", **options)

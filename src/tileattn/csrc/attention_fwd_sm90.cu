@@ -854,11 +854,12 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
                     sizeof...(VariantParams) == kLayoutParams + (kBits != 0 ? 11 : 0),
                 "kVariant: a set of kWindow | kSoftcap | kAlibi | kDropout and at most one layout bit; the "
                 "trailing parameters: the layout's (VARLEN_PARAMS, PAGED_PARAMS), then VARIANT_PARAMS with variants");
-  static_assert(!kVarlenLayout || ((kBits & ~(kWindow | kSoftcap | kAlibi)) == 0 && (kBits == 0 || !kCausal)),
-                "packed layouts: window, softcap and ALiBi only (causal as the window's right edge 0)");
+  static_assert(!kVarlenLayout || ((kBits & ~(kWindow | kSoftcap | kAlibi | kDropout | kRngState)) == 0 &&
+                                    (kBits == 0 || !kCausal)),
+                "packed layouts: window, softcap, ALiBi and (varlen) dropout only (causal as the window's right edge 0)");
   static_assert((kVariant & kRngState) == 0 || (kVariant & kDropout) != 0, "kRngState: a dropout kernel's");
-  static_assert((kVariant & kDropout) == 0 || (!kVarlenLayout && kBlockN % 64 == 0),
-                "dropout: dense layout; whole 32-key Philox groups and whole keep words (64 scores) per block");
+  static_assert((kVariant & kDropout) == 0 || (!kPagedLayout && kBlockN % 64 == 0),
+                "dropout: dense or varlen layout; whole 32-key Philox groups and whole keep words (64 scores) per block");
   static_assert(!kPagedLayout || (kBlockN & (kBlockN - 1)) == 0,
                 "paged: kBlockN a power of two (whole cache blocks)");
   static_assert(!kPagedLayout || (kBlockN / 16) * (kHeadDim / 64) <= 32,

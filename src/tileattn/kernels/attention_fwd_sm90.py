@@ -528,38 +528,80 @@ PACKED_VARIANT_FLAGS = tuple(range(1, 8))
 _LAYOUT_PARAM_TYPES = {VARLEN: _VARLEN_PARAM_TYPES, PAGED: _PAGED_PARAM_TYPES}
 
 
+# Dropout on the varlen layout (not paged: attention_paged has none), with the window bit as the dense
+# dropout kernels (a call without a window runs both edges unbounded; dropout_kernel_flags), and the
+# kRngState forms. Registered where they compile with 0 spills (NVRTC 13.5, both dtypes): every set
+# at d = 64 (128 x 128 / s3) and at d = 128 on 128 x 64 / s2 (at 128 x 128 the varlen state made
+# DROPOUT | WINDOW spill 8 bytes, with SOFTCAP 8, with ALIBI 40); at d = 256 without ALiBi (with it:
+# 4 bytes). The mask is the dense kernels' with the sequence index as the batch and positions inside
+# the sequence (tileattn.dropout.dropout_mask's batch_start rule), which the sm80 varlen backward
+# regenerates.
+_VARLEN_DROPOUT_SETS = (DROPOUT | WINDOW, DROPOUT | WINDOW | SOFTCAP, DROPOUT | WINDOW | ALIBI)
+VARLEN_DROPOUT_FLAG_SETS: dict[int, tuple[int, ...]] = {
+    d: tuple(flags | rng for flags in sets for rng in (0, RNG_STATE))
+    for d, sets in ((64, _VARLEN_DROPOUT_SETS), (128, _VARLEN_DROPOUT_SETS), (256, _VARLEN_DROPOUT_SETS[:2]))}
+VARLEN_DROPOUT_TILES: dict[int, Sm90Config] = {128: C(64, 2)}
+
+
 def packed_variant_expression(head_dim: int, config: Sm90Config, bf16: bool, layout: int, flags: int) -> str:
     """The NVRTC name expression of a packed layout's variant instantiation (layout VARLEN or PAGED,
-    flags in PACKED_VARIANT_FLAGS)."""
-    if flags not in PACKED_VARIANT_FLAGS:
-        raise ValueError(f"variant flags {flags}: the packed layouts take window, softcap and ALiBi only "
-                         f"(one of {PACKED_VARIANT_FLAGS})")
+    flags in PACKED_VARIANT_FLAGS; VARLEN also VARLEN_DROPOUT_FLAG_SETS' sets)."""
+    dropout = layout == VARLEN and flags in VARLEN_DROPOUT_FLAG_SETS.get(head_dim, ())
+    if flags not in PACKED_VARIANT_FLAGS and not dropout:
+        raise ValueError(f"variant flags {flags}: the packed layouts take window, softcap and ALiBi (one of "
+                         f"{PACKED_VARIANT_FLAGS}), the varlen layout also {VARLEN_DROPOUT_FLAG_SETS}")
     return _flavour_expression(head_dim, config, False, bf16, layout | flags,
                                f"{_LAYOUT_PARAM_TYPES[layout]}, {_VARIANT_PARAM_TYPES}")
+
+
+def packed_variant_config(head_dim: int, flags: int) -> Sm90Config:
+    """The tile of a packed variant kernel: VARLEN_DROPOUT_TILES' with dropout where listed,
+    VARIANT_DEFAULTS' otherwise."""
+    return VARLEN_DROPOUT_TILES.get(head_dim, VARIANT_DEFAULTS[head_dim]) if flags & DROPOUT else VARIANT_DEFAULTS[head_dim]
 
 
 PACKED_VARIANT_INSTANTIATIONS = tuple(
     packed_variant_expression(d, cfg, bf16, layout, flags) for layout in (VARLEN, PAGED)
     for d, cfg in VARIANT_DEFAULTS.items() for bf16 in (False, True) for flags in PACKED_VARIANT_FLAGS)
+VARLEN_DROPOUT_INSTANTIATIONS = tuple(
+    packed_variant_expression(d, packed_variant_config(d, flags), bf16, VARLEN, flags)
+    for d, sets in VARLEN_DROPOUT_FLAG_SETS.items() for bf16 in (False, True) for flags in sets)
 
 
-def _packed_variant_flags(variants, causal: bool) -> int:
-    """variant_flags of a packed plan's `variants` (None: 0), checked: causal folded into the window,
-    no dropout."""
+def packed_kernel_flags(head_dim: int, layout: int, variants) -> int | None:
+    """kVariant's variant bits of the packed instantiation that runs `variants` (VariantArgs, causal
+    folded into the window) on `layout` (VARLEN or PAGED): variant_flags itself without dropout, the
+    set with the window bit for varlen dropout (VARLEN_DROPOUT_FLAG_SETS), None where none is
+    registered. Never raises."""
+    flags = variant_flags(variants)
+    if flags in PACKED_VARIANT_FLAGS:
+        return flags
+    if layout == VARLEN and flags & DROPOUT and flags | WINDOW in VARLEN_DROPOUT_FLAG_SETS.get(head_dim, ()):
+        return flags | WINDOW
+    return None
+
+
+def _packed_variant_flags(variants, causal: bool, head_dim: int, layout: int) -> int:
+    """packed_kernel_flags of a packed plan's `variants` (None: 0), checked: causal folded into the
+    window, a registered set."""
     if variants is None:
         return 0
     if causal:
         raise ValueError("causal must be folded into the window (causal=False) with variants")
-    flags = variant_flags(variants)
-    if flags not in PACKED_VARIANT_FLAGS:
-        raise ValueError(f"the sm90 packed layouts run window, softcap and ALiBi, not dropout (variant flags {flags})")
+    flags = packed_kernel_flags(head_dim, layout, variants)
+    if flags is None:
+        raise ValueError(f"the sm90 packed layouts run window, softcap and ALiBi, and on the varlen layout "
+                         f"dropout with at most one of them ({VARLEN_DROPOUT_FLAG_SETS}); not variant flags "
+                         f"{variant_flags(variants)} at head_dim {head_dim}")
     return flags
+
+
 INSTANTIATIONS = (_expressions((d, causal, bf16, cfg) for (d, causal), cfg in (*DEFAULTS.items(), *WIDE_DEFAULTS.items(),
                                                                               *LONG_DEFAULTS.items())
                                for bf16 in (False, True))
                   + VARIANT_INSTANTIATIONS + VARLEN_INSTANTIATIONS + PAGED_INSTANTIATIONS + DROPOUT_INSTANTIATIONS
                   + VARIANT_WIDE_INSTANTIATIONS + FIXED_MAX_INSTANTIATIONS + CAUSAL_VARIANT_INSTANTIATIONS
-                  + CAUSAL_FIXED_MAX_INSTANTIATIONS + PACKED_VARIANT_INSTANTIATIONS)
+                  + CAUSAL_FIXED_MAX_INSTANTIATIONS + PACKED_VARIANT_INSTANTIATIONS + VARLEN_DROPOUT_INSTANTIATIONS)
 # Tuning candidates: the dense extras, and the varlen kernel at every registered dense config (a
 # persistent config is the same kernel as its one-CTA-per-tile twin: a launch choice).
 TUNING = tuple(e for e in _expressions((d, causal, True, cfg) for (d, causal), extra in EXTRA_BF16.items()
@@ -959,8 +1001,8 @@ class VarlenPlan:
             raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
         if max_seqlen_q < 0 or batch < 0:
             raise ValueError(f"max_seqlen_q ({max_seqlen_q}) and the number of sequences ({batch}) must be >= 0")
-        flags = _packed_variant_flags(variants, causal)
-        config = config or (VARIANT_DEFAULTS[head_dim] if flags else VARLEN_DEFAULTS[(head_dim, bool(causal))])
+        flags = _packed_variant_flags(variants, causal, head_dim, VARLEN)
+        config = config or (packed_variant_config(head_dim, flags) if flags else VARLEN_DEFAULTS[(head_dim, bool(causal))])
         for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
             if t.shape[0] > 0 and not _tma_ready(_packed_view(t)):
                 raise ValueError(f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) is not TMA-describable: "
@@ -990,9 +1032,12 @@ class VarlenPlan:
                 _tile_counter(config.persistent, q.device.index), cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(),
                 out.data_ptr(), np.int64(out.stride(0)), np.int64(out.stride(1)), np.int32(total_q))
         dynamic = (0, 1, 2, 3, 4, TILE_COUNTER_ARG, 14, 15, 16)
-        self.variant_values = bool(flags)
-        if flags:  # VARIANT_PARAMS after VARLEN_PARAMS; the slopes' pointer (their first) is per call
-            dynamic += (len(args),)
+        self.variant_values = 4 if flags & DROPOUT else 1 if flags else 0  # per-call values launch passes on
+        if flags:  # VARIANT_PARAMS after VARLEN_PARAMS; the slopes' pointer (their first) is per call, and
+            # with dropout the seed, offset and rng state pointer (VARIANT_DYNAMIC) too
+            from .attention_fwd_sm80 import VARIANT_DYNAMIC
+
+            dynamic += tuple(len(args) + i for i in VARIANT_DYNAMIC[:self.variant_values])
             args += variants.kernel_args(scale)
         self.grid = (_packed_grid(geo.tiles, config, q.device.index),)
         self.plan = LaunchPlan(kern, self.grid, (config.threads,), args, smem=config.smem_bytes(head_dim),
@@ -1003,18 +1048,19 @@ class VarlenPlan:
                rng_state_ptr: int = 0) -> None:
         """Launch on tensors at these addresses (the layouts the plan was made for), on the current
         stream: the signature of attention_fwd_sm80.forward_varlen_plan's LaunchPlan.launch. A plan
-        with variants takes the ALiBi slopes' address (0: none); the dropout values (seed, offset,
-        rng_state_ptr) are accepted for that signature and must be 0 (the packed layouts have no dropout)."""
+        with variants takes the ALiBi slopes' address (0: none), one with dropout the seed, offset and
+        the rng state's address (0: none; a kRngState plan reads the seed and offset there); a plan
+        without dropout refuses non-zero dropout values."""
         if self.plan is None:
             return
-        if seed or offset or rng_state_ptr:
-            raise ValueError("the sm90 varlen forward has no dropout: seed, offset and rng_state_ptr must be 0")
+        if self.variant_values < 4 and (seed or offset or rng_state_ptr):
+            raise ValueError("this sm90 varlen plan has no dropout: seed, offset and rng_state_ptr must be 0")
         if self.dummy_kv is not None:
             k_ptr = v_ptr = self.dummy_kv.data_ptr()
         tq, tk, tv, to = self.templates
         self.plan.launch(tq.encode(q_ptr), tk.encode(k_ptr), tv.encode(v_ptr), to.encode(out_ptr), lse_ptr,
                          _tile_counter(self.persistent, self.device_index), cu_seqlens_q_ptr,
-                         cu_seqlens_k_ptr, out_ptr, *((alibi_ptr,) if self.variant_values else ()))
+                         cu_seqlens_k_ptr, out_ptr, *(alibi_ptr, seed, offset, rng_state_ptr)[:self.variant_values])
 
 
 def forward_varlen_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, causal: bool,
@@ -1033,13 +1079,15 @@ def forward_varlen_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     -inf; a sequence longer than max_seqlen_q is cut. `config` forces a registered tile config (a
     persistent one launches one CTA per SM, which walk the tiles and skip the empty ones at the
     cost of an L1 hit); `pack_gqa` forces GQA packing (None: gqa_pack on max_seqlen_q).
-    `variants`: None, or an attention_fwd_sm80.VariantArgs without dropout (window edges with causal
-    folded in, so causal False; softcap; the ALiBi slopes' batch stride, slopes [B, H] or [H] fp32):
-    the packed variant kernel at VARIANT_DEFAULTS' tile, whose launch then takes the slopes' address
-    after cu_seqlens_k's. Needs a compute capability 9.0 GPU. Raises ValueError for an unsupported
+    `variants`: None, or an attention_fwd_sm80.VariantArgs (window edges with causal folded in, so
+    causal False; softcap; the ALiBi slopes' batch stride, slopes [B, H] or [H] fp32; dropout where
+    packed_kernel_flags finds a kernel): the packed variant kernel at packed_variant_config's tile,
+    whose launch then takes the slopes' address after cu_seqlens_k's, and with dropout the seed, offset
+    and rng state address (the mask of tileattn.dropout.dropout_mask per sequence, batch_start = its
+    index; lse undropped). Needs a compute capability 9.0 GPU. Raises ValueError for an unsupported
     head dim or dtype, mixed dtypes, H not a multiple of Hkv, a tensor TMA cannot describe in place,
-    more than 2^30 query tiles, causal with variants, or dropout; TensorMapError (a ValueError) if
-    the driver refuses a map.
+    more than 2^30 query tiles, causal with variants, or a variant set without a kernel;
+    TensorMapError (a ValueError) if the driver refuses a map.
     """
     return VarlenPlan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal, scale=scale,
                       config=config, pack_gqa=pack_gqa, variants=variants)
@@ -1129,7 +1177,7 @@ class PagedPlan:
             raise ValueError("the cache has no block (num_blocks = 0)")
         if num_splits not in (None, 1):
             raise ValueError(f"the sm90 paged forward has no split-KV (num_splits {num_splits}); use the sm80 kernel")
-        flags = _packed_variant_flags(variants, causal)
+        flags = _packed_variant_flags(variants, causal, head_dim, PAGED)
         config = config or (VARIANT_DEFAULTS[head_dim] if flags else PAGED_DEFAULTS[(head_dim, bool(causal))])
         views = (_packed_view(q), _cache_view(k_cache), _cache_view(v_cache))
         for name, t in zip(("q", "k_cache", "v_cache"), views):

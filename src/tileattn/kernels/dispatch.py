@@ -172,6 +172,11 @@ SM90_PAGED_PREFILL: set[tuple[int, int]] = {(d, bs) for d in (64, 128, 256) for 
 # block_size 16).
 SM90_VARLEN_VARIANT_FORWARD: set[int] = {64, 128, 256}
 SM90_PAGED_VARIANT_PREFILL: set[tuple[int, int]] = set(SM90_PAGED_PREFILL)
+# Head dims whose varlen forward with dropout runs attention_fwd_sm90's varlen dropout kernels
+# (VARLEN_DROPOUT_INSTANTIATIONS, where packed_kernel_flags finds one; the backward stays on the sm80
+# varlen kernels, which regenerate the same mask). Written in session 47 after its device time was
+# spent: compiled (0 spills) and CPU-tested only, so it waits in UNMEASURED_SM90_TABLES.
+SM90_VARLEN_DROPOUT_FORWARD: set[int] = set()
 # Head dims whose varlen backward with window, softcap or ALiBi (atomic dQ, no dropout) runs
 # attention_bwd_sm90's varlen variant kernels (VARLEN_VARIANT_INSTANTIATIONS) on sm_90a. H100,
 # 2026-12-06 (session 47 call 4, 5b69d6f): tests/gpu/test_attention_bwd_sm90_varlen.py 143 passed, its
@@ -193,7 +198,7 @@ SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
-UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ()
+UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ((SM90_VARLEN_DROPOUT_FORWARD, {64, 128, 256}),)
 
 
 # Rows M up to which tileattn.linear / add_rms_norm_linear run the hand-written GEMV (csrc/gemv.cu)
@@ -410,17 +415,19 @@ def varlen_forward_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     `.launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)` with data pointers, and with variants
     (the sm80 kernels' VariantArgs, causal folded in) the ALiBi pointer, dropout seed, offset and
     rng state pointer after them. The Hopper varlen kernel on sm_90a where SM90_VARLEN_FORWARD
-    lists (head dim, causal), or with variants SM90_VARLEN_VARIANT_FORWARD the head dim and the
-    flags are PACKED_VARIANT_FLAGS' (no dropout); the sm80 family otherwise."""
+    lists (head dim, causal), or with variants SM90_VARLEN_VARIANT_FORWARD (with dropout
+    SM90_VARLEN_DROPOUT_FORWARD) the head dim and attention_fwd_sm90.packed_kernel_flags finds a
+    kernel; the sm80 family otherwise."""
     from ..runtime import device_arch
 
     head_dim = q.shape[2]
     if variants is None:
         hopper = (head_dim, bool(causal)) in SM90_VARLEN_FORWARD
     else:
-        from .attention_fwd_sm90 import PACKED_VARIANT_FLAGS, variant_flags
+        from .attention_fwd_sm90 import VARLEN, packed_kernel_flags
 
-        hopper = head_dim in SM90_VARLEN_VARIANT_FORWARD and variant_flags(variants) in PACKED_VARIANT_FLAGS
+        table = SM90_VARLEN_DROPOUT_FORWARD if variants.dropout_p > 0 else SM90_VARLEN_VARIANT_FORWARD
+        hopper = head_dim in table and packed_kernel_flags(head_dim, VARLEN, variants) is not None
     if hopper and device_arch(q.device.index) == "sm_90a":
         from . import attention_fwd_sm90
 
@@ -467,7 +474,7 @@ def paged_launch(q, k_cache, v_cache, block_table, *, max_seqlen_q: int, causal:
     `launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, alibi_slopes=...)` ->
     (out, lse or None). The Hopper paged forward for prefill-shaped calls whose (head dim,
     block_size) SM90_PAGED_PREFILL lists on sm_90a (with variants: SM90_PAGED_VARIANT_PREFILL, and
-    flags PACKED_VARIANT_FLAGS takes), the sm80 paged kernel (split-KV) otherwise; only the latter
+    a kernel attention_fwd_sm90.packed_kernel_flags finds), the sm80 paged kernel (split-KV) otherwise; only the latter
     uses prior_kernel_writes_only_new_keys (the Hopper one waits first)."""
     from ..runtime import device_arch
     from .attention_paged_sm80 import PagedLaunch
@@ -477,9 +484,9 @@ def paged_launch(q, k_cache, v_cache, block_table, *, max_seqlen_q: int, causal:
     if variants is None:
         hopper = key in SM90_PAGED_PREFILL
     else:
-        from .attention_fwd_sm90 import PACKED_VARIANT_FLAGS, variant_flags
+        from .attention_fwd_sm90 import PAGED, packed_kernel_flags
 
-        hopper = key in SM90_PAGED_VARIANT_PREFILL and variant_flags(variants) in PACKED_VARIANT_FLAGS
+        hopper = key in SM90_PAGED_VARIANT_PREFILL and packed_kernel_flags(key[0], PAGED, variants) is not None
     if hopper and num_splits in (None, 1) and device_arch(q.device.index) == "sm_90a":
         from . import attention_fwd_sm90
 
