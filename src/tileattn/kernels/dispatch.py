@@ -22,9 +22,10 @@ SM90_DROPOUT_FORWARD and attention_fwd_sm90.supports_dropout; `variant_forward_f
 SM90_PAGED_VARIANT_PREFILL list them (`varlen_forward_plan`, `paged_launch`), and the varlen
 backward with them its varlen variant instantiations where SM90_VARLEN_VARIANT_BACKWARD lists the
 head dim (atomic dQ; `varlen_backward_plan`); everything else (other head dims, other archs, varlen
-dropout) runs the sm80 families' variant entry points; the dense variant backward runs the Hopper backward's variant
-instantiations where SM90_VARIANT_BACKWARD (with dropout also SM90_DROPOUT_BACKWARD) lists (head dim,
-mode) and attention_bwd_sm90.supports_variants accepts the call (`variant_backward_plan`), else sm80's.
+dropout unless SM90_VARLEN_DROPOUT_FORWARD lists it) runs the sm80 families' variant entry points;
+the dense variant backward runs the Hopper backward's variant instantiations where
+SM90_VARIANT_BACKWARD (with dropout also SM90_DROPOUT_BACKWARD) lists (head dim, mode) and
+attention_bwd_sm90.supports_variants accepts the call (`variant_backward_plan`), else sm80's.
 The variant backward recomputes the scores with the same definitions, so it takes the Hopper
 forward's lse as it is. tileattn.api and api_varlen build those plans.
 
@@ -163,7 +164,7 @@ SM90_PAGED_PREFILL: set[tuple[int, int]] = {(d, bs) for d in (64, 128, 256) for 
 # Head dims whose varlen forward with variants (window, softcap, ALiBi: attention_fwd_sm90's packed
 # variant kernels, PACKED_VARIANT_INSTANTIATIONS) runs on sm_90a, and (head dim, block_size) whose
 # paged prefill with variants does (the calls SM90_PAGED_PREFILL's rule takes, variants aside).
-# Dropout stays on the sm80 varlen kernels; the backward of a varlen call with variants too. On an
+# Dropout: SM90_VARLEN_DROPOUT_FORWARD; the varlen backward: SM90_VARLEN_VARIANT_BACKWARD. On an
 # H100 (2026-12-06, session 47, 089b614; docs/attention_variants.md "Variants on the packed layouts"):
 # tests/gpu/test_attention_fwd_sm90_varlen.py 361 passed, its packed-variant sanitize cases clean
 # under memcheck and racecheck; scripts/packed_variants_bench.py (causal, bf16, medians of 3
@@ -473,9 +474,9 @@ def paged_launch(q, k_cache, v_cache, block_table, *, max_seqlen_q: int, causal:
     """The callable that runs attention_paged for these (already validated) tensors:
     `launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, alibi_slopes=...)` ->
     (out, lse or None). The Hopper paged forward for prefill-shaped calls whose (head dim,
-    block_size) SM90_PAGED_PREFILL lists on sm_90a (with variants: SM90_PAGED_VARIANT_PREFILL, and
-    a kernel attention_fwd_sm90.packed_kernel_flags finds), the sm80 paged kernel (split-KV) otherwise; only the latter
-    uses prior_kernel_writes_only_new_keys (the Hopper one waits first)."""
+    block_size) SM90_PAGED_PREFILL lists on sm_90a (with variants: SM90_PAGED_VARIANT_PREFILL, and a
+    kernel attention_fwd_sm90.packed_kernel_flags finds), the sm80 paged kernel (split-KV) otherwise;
+    only the latter uses prior_kernel_writes_only_new_keys (the Hopper one waits first)."""
     from ..runtime import device_arch
     from .attention_paged_sm80 import PagedLaunch
 
