@@ -8,6 +8,8 @@ Workloads (bf16, forward only, no autograd, through the public ops):
   and Gemma 2's head dim (d = 256, H = 8, Hkv = 4) with softcap 50;
 - paged: 512-query chunks after a 4096-key cached prefix (B = 8, H = 32, Hkv = 8, d = 128,
   block_size 16), causal.
+--dropout: dropout 0.1 (seeded) instead of the other variants, varlen only, d = 64 / 128 / 256 (the
+Hopper varlen dropout forward, switched on by hopper_kernels_forced while its table waits).
 --backward: the varlen workloads forward+backward (autograd, dout random), TFLOP/s counting 3.5x the
 forward's useful FLOPs (the backward does 2.5x its matrix products), as `tileattn bench varlen`.
 Implementations per (workload, variant): `hopper_variant` (attention_fwd_sm90's packed variant
@@ -57,7 +59,8 @@ def sm80_variant_kernels(forward: bool = True):
 
     tables = (dispatch.SM90_VARLEN_VARIANT_BACKWARD,)
     if forward:
-        tables += (dispatch.SM90_VARLEN_VARIANT_FORWARD, dispatch.SM90_PAGED_VARIANT_PREFILL)
+        tables += (dispatch.SM90_VARLEN_VARIANT_FORWARD, dispatch.SM90_PAGED_VARIANT_PREFILL,
+                   dispatch.SM90_VARLEN_DROPOUT_FORWARD)
     saved = [set(t) for t in tables]
 
     def clear():
@@ -80,6 +83,7 @@ VARIANTS = {  # name -> (options, window (left, right) for the pair count; causa
     "softcap50": ({"softcap": 50.0}, (-1, 0)),
     "window1024": ({"window": (1023, 0)}, (1023, 0)),
     "alibi": ({"alibi": True}, (-1, 0)),
+    "dropout0.1": ({"dropout_p": 0.1, "seed": 1234, "offset": 0}, (-1, 0)),  # varlen only (--dropout)
 }
 
 
@@ -88,6 +92,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--backward", action="store_true", help="varlen forward+backward instead of the forwards")
+    ap.add_argument("--dropout", action="store_true",
+                    help="only dropout 0.1 on the varlen workloads (the Hopper varlen dropout forward; with "
+                         "--backward the sm80 varlen dropout backward after it)")
     args = ap.parse_args(argv)
 
     import torch
@@ -147,15 +154,18 @@ def main(argv=None) -> int:
         return (f"paged d={d} H={heads}/{kv_heads} bs={block_size} {chunk} after {prefix}", [chunk] * b, [nk] * b,
                 d * heads, call, variants)
 
-    workloads = [varlen_workload(128, 32, 32, ("softcap50", "window1024", "alibi")),
-                 varlen_workload(64, 32, 32, ("softcap50", "window1024", "alibi"))]
-    if not args.backward:
+    names = ("dropout0.1",) if args.dropout else ("softcap50", "window1024", "alibi")
+    workloads = [varlen_workload(128, 32, 32, names), varlen_workload(64, 32, 32, names)]
+    if args.dropout:
+        workloads.append(varlen_workload(256, 8, 4, names))
+    elif not args.backward:
         workloads += [varlen_workload(256, 8, 4, ("softcap50", "window1024")),
                       paged_workload(128, 32, 8, 16, ("softcap50", "window1024", "alibi")),
                       paged_workload(64, 32, 8, 256, ("softcap50", "window1024")),
                       paged_workload(256, 8, 4, 16, ("softcap50", "window1024"))]
     passes = 3.5 if args.backward else 1.0
-    impls = ("hopper_variant", "sm80_variant", "hopper_plain") + (("sm80_backward",) if args.backward else ())
+    split = args.backward and not args.dropout  # the varlen dropout backward is sm80's either way
+    impls = ("hopper_variant", "sm80_variant", "hopper_plain") + (("sm80_backward",) if split else ())
     contexts = {"hopper_variant": hopper_kernels_forced, "sm80_variant": sm80_variant_kernels,
                 "hopper_plain": contextlib.nullcontext, "sm80_backward": lambda: sm80_variant_kernels(forward=False)}
     with torch.set_grad_enabled(args.backward):
@@ -178,14 +188,13 @@ def main(argv=None) -> int:
     med = collections.defaultdict(list)
     for r in records:
         med[(r["workload"], r["variant"], r["impl"])].append(r["tflops"])
-    extra = " | Hopper forward, sm80 backward | hopper / that" if args.backward else ""
+    extra = " | Hopper forward, sm80 backward | hopper / that" if split else ""
     print(f"| workload | variant | hopper variant | sm80 variant | hopper plain (causal) | hopper / sm80 | "
           f"hopper variant / plain{extra} |", file=sys.stderr)
-    print("|---" * (9 if args.backward else 7) + "|", file=sys.stderr)
+    print("|---" * (9 if split else 7) + "|", file=sys.stderr)
     for name, variant in dict.fromkeys((r["workload"], r["variant"]) for r in records):
         t = {impl: statistics.median(med[(name, variant, impl)]) for impl in impls}
-        cols = (f" | {t['sm80_backward']:.0f} | {t['hopper_variant'] / t['sm80_backward']:.2f}" if args.backward
-                else "")
+        cols = f" | {t['sm80_backward']:.0f} | {t['hopper_variant'] / t['sm80_backward']:.2f}" if split else ""
         print(f"| {name} | {variant} | {t['hopper_variant']:.0f} | {t['sm80_variant']:.0f} | {t['hopper_plain']:.0f} | "
               f"{t['hopper_variant'] / t['sm80_variant']:.2f} | {t['hopper_variant'] / t['hopper_plain']:.2f}{cols} |",
               file=sys.stderr)
