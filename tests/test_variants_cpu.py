@@ -1344,31 +1344,35 @@ def test_sm90_packed_variant_kernels():
 
 
 def test_sm90_varlen_variant_backward_kernels():
-    """The varlen backward's variant kernels: the sets without dropout at d = 64 and 128, atomic dQ,
-    both dtypes, at the dense variant tiles; supports_varlen_variants and BackwardVarlenPlan refuse
-    dropout, causal, the deterministic mode and d = 256 before anything reaches a GPU."""
+    """The varlen backward's variant kernels: the sets without dropout and dropout with the window bit
+    (with and without kRngState) at d = 64 and 128, atomic dQ, both dtypes, at the dense variant tiles;
+    supports_varlen_variants and BackwardVarlenPlan refuse dropout with softcap or ALiBi, causal, the
+    deterministic mode and d = 256 before anything reaches a GPU; the dropout table waits in
+    UNMEASURED_SM90_TABLES."""
     from tileattn.kernels import attention_bwd_sm90 as ab
     from tileattn.kernels import attention_fwd_sm80, dispatch
 
     exprs = ab.VARLEN_VARIANT_INSTANTIATIONS
-    assert len(exprs) == len(set(exprs)) == 2 * 2 * 4 and set(exprs) <= set(ab.INSTANTIATIONS), exprs
+    assert len(exprs) == len(set(exprs)) == 2 * 2 * (4 + 2) and set(exprs) <= set(ab.INSTANTIATIONS), exprs
     assert ab.varlen_variant_expression(128, ab.VARIANT_DEFAULTS[128], True, ab.WINDOW | ab.ALIBI) == (
         "tileattn::attention_bwd_sm90_varlen_variants<128, 64, 2, true, 0, 5>")
     va = attention_fwd_sm80.VariantArgs
     assert ab.supports_varlen_variants(64, torch.float16, va(softcap=3.0, alibi_batch_stride=0))
-    for d, variants, det in ((128, va(dropout_p=0.1), False), (256, va(softcap=3.0), False),
+    assert ab.supports_varlen_variants(128, torch.bfloat16, va(dropout_p=0.1, rng_state=True))
+    for d, variants, det in ((128, va(dropout_p=0.1, softcap=3.0), False), (256, va(softcap=3.0), False),
                              (128, va(softcap=3.0), True), (128, va(), False)):
         assert not ab.supports_varlen_variants(d, torch.bfloat16, variants, det), (d, variants, det)
     q = torch.empty(10, 4, 64, dtype=torch.bfloat16)
     lse = torch.empty(4, 10)
     cu = torch.tensor([0, 10], dtype=torch.int32)
-    for variants, causal in ((va(dropout_p=0.1), False), (va(window_right=0, softcap=3.0), True)):
+    for variants, causal in ((va(dropout_p=0.1, alibi_batch_stride=0), False), (va(window_right=0, softcap=3.0), True)):
         with pytest.raises(ValueError, match="supports_varlen_variants"):
             ab.BackwardVarlenPlan(q, q, q, q, lse, q, q, q, q, cu, 10, 10, causal=causal, scale=1.0,
                                   variants=variants)
     tables = {id(t): implemented for t, implemented in dispatch.UNMEASURED_SM90_TABLES}
     table = dispatch.SM90_VARLEN_VARIANT_BACKWARD
     assert table <= set(ab.VARLEN_HEAD_DIMS) and tables.get(id(table), set(ab.VARLEN_HEAD_DIMS)) == {64, 128}
+    assert tables[id(dispatch.SM90_VARLEN_DROPOUT_BACKWARD)] == set(ab.VARLEN_HEAD_DIMS)
 
 
 def test_sm90_varlen_dropout_kernels():

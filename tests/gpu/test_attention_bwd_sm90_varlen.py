@@ -369,7 +369,7 @@ def run_variant_backward(case: Case, options, causal, out, lse, *, sm80: bool = 
     sm90 run gets NaN in every row past the last sequence and NaN-filled gradients."""
     from tileattn.kernels import attention_bwd_sm80
 
-    from .test_attention_fwd_sm90_varlen import variant_args
+    from .test_attention_fwd_sm90_varlen import dropout_values, variant_args
 
     variants, alibi = variant_args(options, causal, len(case.lens_q), case.q.shape[1])
     q, k, v, dout = (case.q, case.k, case.v, case.dout) if sm80 else poison_tails(case)
@@ -379,7 +379,7 @@ def run_variant_backward(case: Case, options, causal, out, lse, *, sm80: bool = 
         plan = module.backward_varlen_plan(q, k, v, out, lse, dout, dq, dk, dv, case.cu_q, case.max_q, case.max_k,
                                            causal=False, scale=1.0 / math.sqrt(q.shape[-1]), deterministic=False,
                                            variants=variants)
-        plan.launch(q, k, v, out, lse, dout, dq, dk, dv, case.cu_q, case.cu_k, alibi, 0, 0, 0)
+        plan.launch(q, k, v, out, lse, dout, dq, dk, dv, case.cu_q, case.cu_k, alibi, *dropout_values(options))
     torch.cuda.synchronize()
     return dq, dk, dv
 
@@ -452,6 +452,32 @@ def test_variant_backward_refusals():
     assert not _mod().supports_varlen_variants(256, BF16, va(softcap=3.0))
     assert not _mod().supports_varlen_variants(128, BF16, va(softcap=3.0), deterministic=True)
     assert _mod().supports_varlen_variants(128, FP16, va(window_left=5, window_right=0))
+
+
+# Dropout (VARLEN_DROPOUT_SETS; written in session 47 after its device time was spent: these tests have
+# not run on a GPU yet, and SM90_VARLEN_DROPOUT_BACKWARD waits in UNMEASURED_SM90_TABLES).
+@pytest.mark.parametrize("seed_tensor", [False, True], ids=["int_seed", "seed_tensor"])
+@pytest.mark.parametrize("window", [None, (60, 5)], ids=["no_window", "window"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_varlen_dropout_backward_matches_reference_and_sm80(d, causal, window, seed_tensor):
+    """The varlen dropout backward (the same mask as the forward's, regenerated from the seed and
+    offset, or from a seed tensor read on the device) against the float64 reference's gradients with
+    that seed and the sm80 varlen dropout backward's."""
+    lens_q, lens_k, h, hkv, pad_q, pad_k = BATCHES["nq_ne_nk_gqa4"]
+    seed = seed_of("vdrop", d, causal, window, seed_tensor)
+    case = Case(lens_q, lens_k, h, hkv, d, BF16, seed, pad_q=pad_q, pad_k=pad_k)
+    options = {"dropout_p": 0.2, "seed": 1000 + seed % 997, "offset": 8, "window": window}
+    out, lse = variant_forward(case, options, causal)
+    kernel_options = options
+    if seed_tensor:
+        state = torch.tensor([options["seed"], options["offset"]], dtype=torch.int64, device="cuda")
+        kernel_options = {"dropout_p": 0.2, "seed": state, "window": window}
+    grads = run_variant_backward(case, kernel_options, causal, out, lse)
+    what = f"{case.what} dropout window={window} causal={causal} seed_tensor={seed_tensor}"
+    check_grads(case, grads, variant_reference_grads(case, options, causal), what)
+    sm80 = run_variant_backward(case, kernel_options, causal, out, lse, sm80=True)
+    check_grads(case, grads, [g.double() for g in sm80], f"{what} sm90 vs sm80")
 
 
 @pytest.mark.sanitize

@@ -572,9 +572,9 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
   constexpr bool kAlibied = (kVariant & kAlibi) != 0;
   constexpr bool kDropped = (kVariant & kDropout) != 0;
   static_assert(kVariant == 0 || (kVariant > 0 && (kVariant & ~kVariantBits) == 0 && !kCausal &&
-                                   !(kVarlen && (kVariant & (kDropout | kSplitMasked)) != 0)),
+                                   !(kVarlen && (kVariant & kSplitMasked) != 0)),
                 "variants: a set of kWindow | kSoftcap | kAlibi | kDropout, causal folded into the window; "
-                "varlen: without dropout and the split passes");
+                "varlen: without the split passes");
   static_assert(!kDropped || kVariant == (kDropout | kWindow), "dropout: with the window bit alone (\"Dropout\")");
   constexpr bool kOverlap = kBlockM == 64;
   static_assert(kDqMode >= 0 && kDqMode <= 2, "dQ mode: 0 RED, 1 ordered bulk (deterministic), 2 bulk");
@@ -1576,11 +1576,13 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
       section, 0, max_seqlen_k, ws_pitch, scale_log2, scale, rotate, va, Variants{});
 }
 
-// Packed variable-length batches with variants (kVariant: kWindow with any of kSoftcap, kAlibi; no
-// dropout, no split passes): the varlen kernel's parameters, then VARIANT_PARAMS (causal folded into
-// win_right; ALiBi slopes [B, H] by sequence). The walk reads each sequence's lengths as the plain
-// varlen kernel does, so the window's tile range (window_tiles) and every per-score test take the
-// sequence's own Nq, Nk and diag. lse2 from the variant forward's lse, as the dense variant kernel's.
+// Packed variable-length batches with variants (kVariant: kWindow with any of kSoftcap, kAlibi, or
+// kWindow | kDropout with or without kRngState; no split passes): the varlen kernel's parameters,
+// then VARIANT_PARAMS (causal folded into win_right; ALiBi slopes [B, H] by sequence). The walk reads
+// each sequence's lengths as the plain varlen kernel does, so the window's tile range (window_tiles)
+// and every per-score test take the sequence's own Nq, Nk and diag, and the dropout keep bits the
+// sequence index as the batch and positions inside the sequence (the varlen mask's rule). lse2 from
+// the variant forward's lse, as the dense variant kernel's.
 template <int kHeadDim, int kBlockM, int kStages, bool kIsBF16, int kDqMode, int kVariant>
 __global__ void __launch_bounds__(bwd90::kThreads, 1)
     attention_bwd_sm90_varlen_variants(const __grid_constant__ sm90::TmaDescriptor tmap_q,
@@ -1597,12 +1599,17 @@ __global__ void __launch_bounds__(bwd90::kThreads, 1)
                                        int max_seqlen_k, int total_k, int ws_pitch, float scale_log2, float scale,
                                        int rotate, VARIANT_PARAMS) {
   static_assert(kDqMode != 1, "the deterministic varlen backward runs on the sm80 kernels");
-  static_assert((kVariant & bwd90::kWindow) != 0 && (kVariant & ~(bwd90::kWindow | bwd90::kSoftcap | bwd90::kAlibi)) == 0,
-                "kVariant: kWindow with any of kSoftcap, kAlibi");
+  constexpr bool kRngState = (kVariant & bwd90::kRngState) != 0;
+  constexpr int kBodyVariant = kVariant & ~bwd90::kRngState;
+  static_assert((kBodyVariant & bwd90::kWindow) != 0 &&
+                    ((kBodyVariant & ~(bwd90::kWindow | bwd90::kSoftcap | bwd90::kAlibi)) == 0 ||
+                     kBodyVariant == (bwd90::kWindow | bwd90::kDropout)) &&
+                    (!kRngState || (kVariant & bwd90::kDropout) != 0),
+                "kVariant: kWindow with any of kSoftcap, kAlibi, or kWindow | kDropout (kRngState: with dropout)");
   const bwd90::VarlenArgs va{cu_seqlens_q, cu_seqlens_k, dk, dv, dk_sh, dk_sr, dv_sh, dv_sr, total_k};
-  bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, false, kIsBF16, kDqMode, true, kVariant>(
+  bwd90::attention_bwd_sm90_body<kHeadDim, kBlockM, kStages, false, kIsBF16, kDqMode, true, kBodyVariant>(
       tmap_q, tmap_k, tmap_v, tmap_do, tmap_dk, tmap_dv, lse2, delta, dq_accum, nullptr, heads, kv_group, batches,
-      section, 0, max_seqlen_k, ws_pitch, scale_log2, scale, rotate, va, VARIANTS_FROM_PARAMS);
+      section, 0, max_seqlen_k, ws_pitch, scale_log2, scale, rotate, va, resolved_variants<kRngState>(VARIANTS_FROM_PARAMS));
 }
 
 }  // namespace tileattn

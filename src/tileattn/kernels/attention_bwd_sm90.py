@@ -274,27 +274,33 @@ SPLIT_MASKED_INSTANTIATIONS = tuple(
 
 # The varlen entry point with variants (attention_bwd_sm90_varlen_variants): the sets without dropout
 # at the varlen head dims, the variant tiles, atomic dQ (the deterministic varlen backward is sm80's),
-# both dtypes. The softcap sets run the unsplit passes.
+# both dtypes. The softcap sets run the unsplit passes. Dropout (VARLEN_DROPOUT_SETS: with the window
+# bit alone, as the dense kernel, with and without kRngState; 0 spills, NVRTC 13.5): written in
+# session 47 after its device time was spent, not yet GPU-tested (dispatch.SM90_VARLEN_DROPOUT_BACKWARD
+# waits in UNMEASURED_SM90_TABLES).
 VARLEN_VARIANT_SETS = (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI, WINDOW | SOFTCAP | ALIBI)
+VARLEN_DROPOUT_SETS = (WINDOW | DROPOUT, WINDOW | DROPOUT | RNG_STATE)
 
 
 def varlen_variant_expression(head_dim: int, config: Sm90BwdConfig, bf16: bool, bits: int) -> str:
     """The NVRTC name expression of one varlen variant main-kernel instantiation (bits in
-    VARLEN_VARIANT_SETS, atomic dQ)."""
+    VARLEN_VARIANT_SETS or VARLEN_DROPOUT_SETS, atomic dQ)."""
     return (f"tileattn::attention_bwd_sm90_varlen_variants<{head_dim}, {config.block_m}, {config.stages}, "
             f"{'true' if bf16 else 'false'}, {config.dq_mode(False)}, {bits}>")
 
 
 VARLEN_VARIANT_INSTANTIATIONS = tuple(varlen_variant_expression(d, VARIANT_DEFAULTS[d], bf16, bits)
                                       for d in VARLEN_HEAD_DIMS for bf16 in (False, True)
-                                      for bits in VARLEN_VARIANT_SETS)
+                                      for bits in VARLEN_VARIANT_SETS + VARLEN_DROPOUT_SETS)
 
 
 def supports_varlen_variants(head_dim: int, dtype, variants, deterministic: bool = False) -> bool:
     """Whether BackwardVarlenPlan runs a varlen call with these variants (attention_fwd_sm80.VariantArgs,
     causal folded into the window): supports_varlen's head dims, dtypes and atomic mode, and
-    variant_bits in VARLEN_VARIANT_SETS (no dropout). Never raises."""
-    return supports_varlen(head_dim, dtype, False, deterministic) and variant_bits(variants) in VARLEN_VARIANT_SETS
+    variant_bits in VARLEN_VARIANT_SETS or VARLEN_DROPOUT_SETS (dropout with a window or none, not with
+    softcap or ALiBi). Never raises."""
+    return (supports_varlen(head_dim, dtype, False, deterministic)
+            and variant_bits(variants) in VARLEN_VARIANT_SETS + VARLEN_DROPOUT_SETS)
 
 
 def split_masked_applies(head_dim: int, variants, deterministic: bool) -> bool:

@@ -185,6 +185,10 @@ SM90_VARLEN_DROPOUT_FORWARD: set[int] = set()
 # issue #10's batch (causal, bf16) 1.64-2.10x the sm80 variant kernels in both passes
 # (scripts/packed_variants_bench.py --backward; docs/attention_variants.md).
 SM90_VARLEN_VARIANT_BACKWARD: set[int] = {64, 128}
+# ... and whose varlen backward with dropout (with a window or none) runs attention_bwd_sm90's varlen
+# dropout kernels (VARLEN_DROPOUT_SETS). Written in session 47 after its device time was spent:
+# compiled (0 spills) and CPU-tested only, so it waits in UNMEASURED_SM90_TABLES.
+SM90_VARLEN_DROPOUT_BACKWARD: set[int] = set()
 # Head dims and modes whose dropout backward runs the Hopper variant backward (attention_bwd_sm90's
 # dropout bit) when SM90_VARIANT_BACKWARD also lists them. Its GPU tests passed and racecheck found 0
 # hazards in tests/gpu/test_attention_bwd_sm90_variants.py's sanitize cases on the H200 (2026-12-01,
@@ -199,7 +203,8 @@ SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
-UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ((SM90_VARLEN_DROPOUT_FORWARD, {64, 128, 256}),)
+UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ((SM90_VARLEN_DROPOUT_FORWARD, {64, 128, 256}),
+                                                      (SM90_VARLEN_DROPOUT_BACKWARD, {64, 128}))
 
 
 # Rows M up to which tileattn.linear / add_rms_norm_linear run the hand-written GEMV (csrc/gemv.cu)
@@ -447,14 +452,15 @@ def varlen_backward_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_
     `.launch(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *variant values)`. The
     Hopper varlen backward on sm_90a where SM90_VARLEN_BACKWARD lists (head dim, causal,
     deterministic), or with variants (the sm80 kernels' VariantArgs, causal folded in)
-    SM90_VARLEN_VARIANT_BACKWARD the head dim and supports_varlen_variants the call; sm80's otherwise."""
+    SM90_VARLEN_VARIANT_BACKWARD (with dropout SM90_VARLEN_DROPOUT_BACKWARD) the head dim and
+    supports_varlen_variants the call; sm80's otherwise."""
     from ..runtime import device_arch
 
     head_dim = q.shape[2]
     if variants is None:
         hopper = (head_dim, bool(causal), bool(deterministic)) in SM90_VARLEN_BACKWARD
     else:
-        hopper = head_dim in SM90_VARLEN_VARIANT_BACKWARD
+        hopper = head_dim in (SM90_VARLEN_DROPOUT_BACKWARD if variants.dropout_p > 0 else SM90_VARLEN_VARIANT_BACKWARD)
     if hopper and device_arch(q.device.index) == "sm_90a":
         from . import attention_bwd_sm90
 
