@@ -654,11 +654,12 @@ class BackwardVarlenPlan:
     they never contribute, whatever they hold; dK / dV edge boxes are stored row by row, so no
     neighbouring sequence's rows are written.
 
-    `variants` (attention_fwd_sm80.VariantArgs, causal folded into the window, so causal False; no
-    dropout: supports_varlen_variants): the varlen variant kernel of variant_bits(variants) at
-    VARIANT_DEFAULTS' tile, lse the variant forward's; `launch` then takes the ALiBi slopes' pointer,
-    the dropout seed, offset and rng state pointer after cu_seqlens_k (as attention_bwd_sm80's varlen
-    variant plans take them; the dropout values unused).
+    `variants` (attention_fwd_sm80.VariantArgs, causal folded into the window, so causal False; the
+    sets supports_varlen_variants accepts: dropout only with a window or none): the varlen variant
+    kernel of variant_bits(variants) at VARIANT_DEFAULTS' tile, lse the variant forward's; `launch`
+    then takes the ALiBi slopes' pointer, the dropout seed, offset and rng state pointer after
+    cu_seqlens_k (as attention_bwd_sm80's varlen variant plans take them; the forward's values, so the
+    mask is the forward's).
 
     Raises ValueError for deterministic=True (use attention_bwd_sm80.backward_varlen_plan), an
     unsupported head dim or dtype, H not a multiple of Hkv, a grid of 2^31 blocks or more, a config
