@@ -13,7 +13,8 @@ timeout 220 python3 -m pytest -q -p no:cacheprovider -n 15 tests/gpu/test_attent
 echo "rc $?"; grep -E "passed|failed|Error" $OUT/t.log | tail -8
 for tool in memcheck racecheck synccheck initcheck; do echo "== $(el)s $tool"
   timeout 70 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 1 python3 -m pytest -q \
-    -p no:cacheprovider tests/gpu/test_attention_fwd_sm90_varlen.py -m sanitize -k dropout > $OUT/san-$tool.log 2>&1
+    -p no:cacheprovider tests/gpu/test_attention_fwd_sm90_varlen.py tests/gpu/test_attention_bwd_sm90_varlen.py \
+    -m sanitize -k dropout > $OUT/san-$tool.log 2>&1
   echo "$tool rc $?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" $OUT/san-$tool.log | tail -3
 done
 echo "== $(el)s bench"

@@ -490,3 +490,13 @@ def test_variant_backward_sanitize_small(d, name):
     out, lse = variant_forward(case, options, causal)
     grads = run_variant_backward(case, options, causal, out, lse)
     check_grads(case, grads, variant_reference_grads(case, options, causal), f"sanitize {name} d={d}")
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("d", [64, 128])
+def test_varlen_dropout_backward_sanitize_small(d):
+    case = Case((0, 1, 33, 70), (3, 1, 31, 129), 4, 2, d, BF16, seed_of("vdsan", d), pad_q=3, pad_k=9)
+    options = {"dropout_p": 0.3, "seed": 77, "offset": 8}
+    out, lse = variant_forward(case, options, True)
+    grads = run_variant_backward(case, options, True, out, lse)
+    check_grads(case, grads, variant_reference_grads(case, options, True), f"sanitize dropout d={d}")
