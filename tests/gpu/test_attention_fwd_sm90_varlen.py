@@ -661,19 +661,15 @@ def test_paged_variants_bad_block_ids_are_masked():
     check_paged(case, out, lse, ref_out, ref_lse, "sm90 paged variants, bad block ids")
 
 
-def test_packed_variants_through_the_public_ops():
-    """attention_varlen and attention_paged with variants as dispatched on this GPU (the dispatcher's
-    SM90_VARLEN_VARIANT_FORWARD / SM90_PAGED_VARIANT_PREFILL): the Hopper plans run, the forward
-    matches the reference, and the varlen backward (the sm80 variant backward, reading the Hopper
-    forward's lse) matches the reference's gradients."""
+def public_varlen_round_trip(case: Case, options, causal, seed, what):
+    """attention_varlen with `options` and autograd on an unpadded case (allocations poisoned): a Hopper
+    VarlenPlan runs the forward, which matches the float64 reference, and the gradients (the backward as
+    dispatched) match the reference's."""
     import tileattn
-    from tileattn import api, api_paged
+    from tileattn import api
 
     from .conftest import poisoned_allocations
 
-    seed = seed_of("public-variants")
-    case = Case((300, 0, 129, 1), (400, 5, 129, 40), 8, 2, 128, BF16, seed, pad_q=0, pad_k=0)
-    options, causal, case.q = packed_options("all", case.q, 4, seed)
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     dout = torch.randn(case.q.shape, device=DEVICE, generator=g).to(BF16)
     api.clear_plans()
@@ -683,15 +679,27 @@ def test_packed_variants_through_the_public_ops():
                                              return_lse=True, **options)
         out.backward(dout)
     plans = [getattr(e, "forward", None) for e in api._plans.values()]
-    assert any(isinstance(p, sm90.VarlenPlan) for p in plans), plans
-    check(case, out.detach(), lse, causal, what="public op", **options)
+    assert any(isinstance(p, sm90.VarlenPlan) for p in plans), f"{what}: no Hopper varlen plan ran: {plans}"
+    check(case, out.detach(), lse, causal, what=what, **options)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (case.q, case.k, case.v))
     ref = reference.attention_varlen(q64, k64, v64, case.cu_q, case.cu_k, case.max_q, case.max_k, causal=causal,
                                      compute_dtype=torch.float64, **options)
     ref.backward(dout.double())
     for name, got, want in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):
         err = rel_err(got, want)
-        assert err < 2e-2, f"public op {name}: relative error {err:.3e}"
+        assert err < 2e-2, f"{what} {name}: relative error {err:.3e}"
+
+
+def test_packed_variants_through_the_public_ops():
+    """attention_varlen and attention_paged with variants as dispatched on this GPU (the dispatcher's
+    SM90_VARLEN_VARIANT_FORWARD / SM90_PAGED_VARIANT_PREFILL and SM90_VARLEN_VARIANT_BACKWARD): the
+    Hopper plans run, the forward and the varlen gradients match the reference."""
+    from tileattn import api_paged
+
+    seed = seed_of("public-variants")
+    case = Case((300, 0, 129, 1), (400, 5, 129, 40), 8, 2, 128, BF16, seed, pad_q=0, pad_k=0)
+    options, causal, case.q = packed_options("all", case.q, 4, seed)
+    public_varlen_round_trip(case, options, causal, seed, "public op")
 
     # 5 x 16 x 2 = 160 query tiles: at least one per SM (supports_paged)
     paged = PagedCase([(600, 600 + 900), (600, 600)], 16, 4, 128, BF16, 16, seed)
@@ -791,35 +799,14 @@ def test_varlen_dropout_keeps_the_expected_fraction_and_seeds_differ():
 
 def test_varlen_dropout_through_the_public_op():
     """attention_varlen with dropout and autograd, the varlen dropout forward switched on
-    (hopper_kernels_forced): the Hopper plan runs, the forward and the gradients (the sm80 varlen
-    dropout backward, regenerating the mask) match the float64 reference with the same seed."""
-    import tileattn
-    from tileattn import api
+    (hopper_kernels_forced): the Hopper plan runs, the forward and the gradients (the varlen dropout
+    backward, regenerating the mask) match the float64 reference with the same seed."""
     from tileattn.api import hopper_kernels_forced
-
-    from .conftest import poisoned_allocations
 
     seed = seed_of("public-varlen-dropout")
     case, options, causal, _ = dropout_case("window_softcap", 128, BF16, seed, pad_q=0, pad_k=0)
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    dout = torch.randn(case.q.shape, device=DEVICE, generator=g).to(BF16)
     with hopper_kernels_forced():
-        q, k, v = (t.detach().requires_grad_() for t in (case.q, case.k, case.v))
-        with poisoned_allocations():
-            out, lse = tileattn.attention_varlen(q, k, v, case.cu_q, case.cu_k, case.max_q, case.max_k, causal,
-                                                 return_lse=True, **options)
-            out.backward(dout)
-        plans = [getattr(e, "forward", None) for e in api._plans.values()]
-        assert any(isinstance(p, sm90.VarlenPlan) for p in plans), plans
-    check(case, out.detach(), lse, causal, what="public dropout", **options)
-    n, m = case.nq, case.nk
-    q64, k64, v64 = (t[:nn].detach().double().requires_grad_() for t, nn in ((case.q, n), (case.k, m), (case.v, m)))
-    ref = reference.attention_varlen(q64, k64, v64, case.cu_q, case.cu_k, case.max_q, case.max_k, causal=causal,
-                                     compute_dtype=torch.float64, **options)
-    ref.backward(dout[:n].double())
-    for name, got, want in (("dq", q.grad[:n], q64.grad), ("dk", k.grad[:m], k64.grad), ("dv", v.grad[:m], v64.grad)):
-        err = rel_err(got, want)
-        assert err < 2e-2, f"public dropout {name}: relative error {err:.3e}"
+        public_varlen_round_trip(case, options, causal, seed, "public dropout")
 
 
 # ---------------------------------------------------------------------------------------------
