@@ -50,33 +50,17 @@ def visible_pairs(lens_q, lens_k, left: int, right: int) -> int:
     return total
 
 
-@contextlib.contextmanager
 def sm80_variant_kernels(forward: bool = True):
     """Within: varlen / paged calls with variants run the sm80 kernels (the dispatcher's packed-variant
-    tables emptied, every plan cache cleared on entry and exit); forward=False: the backward only."""
-    from tileattn import api, api_paged, api_varlen
+    tables emptied: api.dispatch_tables); forward=False: the backward only."""
+    from tileattn.api import dispatch_tables
     from tileattn.kernels import dispatch
 
-    tables = (dispatch.SM90_VARLEN_VARIANT_BACKWARD,)
+    tables = [dispatch.SM90_VARLEN_VARIANT_BACKWARD, dispatch.SM90_VARLEN_DROPOUT_BACKWARD]
     if forward:
-        tables += (dispatch.SM90_VARLEN_VARIANT_FORWARD, dispatch.SM90_PAGED_VARIANT_PREFILL,
-                   dispatch.SM90_VARLEN_DROPOUT_FORWARD)
-    saved = [set(t) for t in tables]
-
-    def clear():
-        api.clear_plans()
-        api_varlen._plans.clear()
-        api_paged._paged_cache.clear()
-
-    for t in tables:
-        t.clear()
-    clear()
-    try:
-        yield
-    finally:
-        for t, old in zip(tables, saved):
-            t.update(old)
-        clear()
+        tables += [dispatch.SM90_VARLEN_VARIANT_FORWARD, dispatch.SM90_PAGED_VARIANT_PREFILL,
+                   dispatch.SM90_VARLEN_DROPOUT_FORWARD]
+    return dispatch_tables((table, set()) for table in tables)
 
 
 VARIANTS = {  # name -> (options, window (left, right) for the pair count; causal everywhere)

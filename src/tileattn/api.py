@@ -646,32 +646,43 @@ def _attention_variants(q, k, v, causal, scale, deterministic, window, softcap, 
 
 
 @contextlib.contextmanager
-def hopper_kernels_forced():
-    """Within: the dispatcher's tables of Hopper kernels not yet dispatched by default (the varlen,
-    paged-prefill and variant-backward layouts written before their device run:
-    kernels.dispatch.UNMEASURED_SM90_TABLES) hold everything those kernels implement, so the ops take
-    them wherever the device and the call allow; the tables are restored after. The plan caches of
+def dispatch_tables(contents):
+    """Within: for each (table, keys) of `contents`, the dispatcher's table (a set in
+    tileattn.kernels.dispatch) holds exactly `keys`; the tables are restored after. The plan caches of
     tileattn.attention, attention_varlen and attention_paged are emptied on entry and exit, so no plan
-    outlives the choice it was made under. For tests and benchmarks; not thread-safe."""
+    outlives the choice it was made under. For tests and benchmarks (an A/B of kernel choices); not
+    thread-safe."""
     from . import api_paged, api_varlen
-    from .kernels import dispatch
 
-    saved = [set(table) for table, _ in dispatch.UNMEASURED_SM90_TABLES]
-    caches = (api_varlen._plans, api_paged._paged_cache)  # and this module's, by clear_plans
-    for table, implemented in dispatch.UNMEASURED_SM90_TABLES:
-        table.update(implemented)
-    for cache in caches:
-        cache.clear()
-    clear_plans()
+    contents = [(table, set(keys)) for table, keys in contents]
+    saved = [set(table) for table, _ in contents]
+
+    def clear_caches():
+        api_varlen._plans.clear()
+        api_paged._paged_cache.clear()
+        clear_plans()
+
+    for table, keys in contents:
+        table.clear()
+        table.update(keys)
+    clear_caches()
     try:
         yield
     finally:
-        for (table, _), old in zip(dispatch.UNMEASURED_SM90_TABLES, saved):
+        for (table, _), old in zip(contents, saved):
             table.clear()
             table.update(old)
-        for cache in caches:
-            cache.clear()
-        clear_plans()
+        clear_caches()
+
+
+def hopper_kernels_forced():
+    """Within: the dispatcher's tables of Hopper kernels not yet dispatched by default (layouts written
+    before their device run: kernels.dispatch.UNMEASURED_SM90_TABLES) hold everything those kernels
+    implement, so the ops take them wherever the device and the call allow (dispatch_tables: restored
+    after, plan caches emptied on entry and exit). For tests and benchmarks; not thread-safe."""
+    from .kernels import dispatch
+
+    return dispatch_tables((table, table | implemented) for table, implemented in dispatch.UNMEASURED_SM90_TABLES)
 
 
 def _cached_entry(key, make):
