@@ -915,8 +915,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
   // by tanh.approx) fits too: 0 spills at both tiles (NVRTC 13.5).
   constexpr bool kThreeConsumerForm =
       kVariant == 0 || kVariant == kVarlen || kVariant == kAlibi || (kVariant & ~kFixedMax) == kSoftcap;
-  static_assert(kConsumers == 2 || (kConsumers == 3 && kThreeConsumerForm && !kPingPong &&
-                                     (kBits == 0 || !kVarlenLayout)),
+  static_assert(kConsumers == 2 || (kConsumers == 3 && kThreeConsumerForm && !kPingPong),
                 "three consumer warpgroups: the plain dense and varlen kernels, ALiBi or softcap alone, "
                 "without ping-pong");
   constexpr int kBlockM = 64 * kConsumers;                   // query rows per tile
