@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from .conftest import poisoned_allocations, requires_sm90
+from .test_attention_fwd_sm90_varlen import dropout_values, spec_options, variant_args
 from .test_attention_varlen import TOL_BWD, Case, offsets, rel_err, seed_of
 
 pytestmark = [pytest.mark.gpu, requires_sm90]
@@ -356,20 +357,13 @@ def variant_case(name, lens_q, lens_k, h, hkv, d, dtype, seed, **kw):
     case = Case(lens_q, lens_k, h, hkv, d, dtype, seed, **kw)
     if mult != 1.0:
         case.q = (case.q.float() * mult).to(dtype)
-    options = {key: val for key, val in spec.items() if key != "alibi"}
-    if "alibi" in spec:
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        shape = (h,) if spec["alibi"] == "h" else (len(lens_q), h)
-        options["alibi_slopes"] = 0.5 * torch.rand(shape, device="cuda", generator=gen)
-    return case, options, causal
+    return case, spec_options(spec, len(lens_q), h, seed), causal
 
 
 def run_variant_backward(case: Case, options, causal, out, lse, *, sm80: bool = False):
     """dq, dk, dv of the sm90 (or sm80) varlen variant backward plan on the forward's out / lse; the
     sm90 run gets NaN in every row past the last sequence and NaN-filled gradients."""
     from tileattn.kernels import attention_bwd_sm80
-
-    from .test_attention_fwd_sm90_varlen import dropout_values, variant_args
 
     variants, alibi = variant_args(options, causal, len(case.lens_q), case.q.shape[1])
     q, k, v, dout = (case.q, case.k, case.v, case.dout) if sm80 else poison_tails(case)

@@ -567,16 +567,21 @@ PACKED_VARIANTS = {
 }
 
 
+def spec_options(spec, batch, heads, seed):
+    """A case's options for the plans / the reference: `spec` with its "alibi" entry ("h": slopes [H],
+    "bh": [B, H]) replaced by fp32 slopes in [0, 0.5) drawn from `seed`."""
+    options = {k: v for k, v in spec.items() if k != "alibi"}
+    if "alibi" in spec:
+        shape = (heads,) if spec["alibi"] == "h" else (batch, heads)
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        options["alibi_slopes"] = 0.5 * torch.rand(shape, device=DEVICE, generator=gen)
+    return options
+
+
 def packed_options(name, q, batch, seed):
     """(options for the plans / the reference, causal, q scaled by the case's multiplier)."""
     spec, causal, mult, _ = PACKED_VARIANTS[name]
-    options = {k: v for k, v in spec.items() if k != "alibi"}
-    if "alibi" in spec:
-        heads = q.shape[1]
-        shape = (heads,) if spec["alibi"] == "h" else (batch, heads)
-        gen = torch.Generator(device=DEVICE).manual_seed(seed)
-        options["alibi_slopes"] = 0.5 * torch.rand(shape, device=DEVICE, generator=gen)  # fp32
-    return options, causal, q if mult == 1.0 else (q.float() * mult).to(q.dtype)
+    return spec_options(spec, batch, q.shape[1], seed), causal, q if mult == 1.0 else (q.float() * mult).to(q.dtype)
 
 
 def test_packed_variant_cases_cover_every_flag_set():
@@ -750,10 +755,7 @@ DROPOUT_CASES = {
 def dropout_case(name, d, dtype, seed, *, seed_tensor=False, **pads):
     case = Case(LENS_Q, LENS_K, 8, 2, d, dtype, seed, **pads)
     spec, causal = DROPOUT_CASES[name]
-    options = {k: v for k, v in spec.items() if k != "alibi"}
-    if "alibi" in spec:
-        gen = torch.Generator(device=DEVICE).manual_seed(seed)
-        options["alibi_slopes"] = 0.5 * torch.rand(len(LENS_Q), 8, device=DEVICE, generator=gen)
+    options = spec_options(spec, len(LENS_Q), 8, seed)
     drop_seed, drop_offset = 0x1234_5678_9ABC + seed, 4 * (seed % 1000)
     options["dropout_p"] = 0.2
     if seed_tensor:
