@@ -552,3 +552,27 @@ def test_variant_arguments_read_as_off_are_still_checked(change, match):
                 {"generator": torch.Generator()}):
         with pytest.raises(ValueError, match="CUDA"):
             tileattn.attention(q, q, q, **off)
+
+
+def test_dispatch_tables_swaps_and_restores_tables():
+    """api.dispatch_tables: the named dispatcher tables hold the given keys within and their old
+    contents after (an exception inside included); hopper_kernels_forced fills the unmeasured ones; a
+    set that is not a dispatcher table is refused before anything changes."""
+    from tileattn.api import dispatch_tables, hopper_kernels_forced
+    from tileattn.kernels import dispatch
+
+    table = dispatch.SM90_VARLEN_VARIANT_FORWARD
+    before = set(table)
+    with pytest.raises(RuntimeError, match="inside"):
+        with dispatch_tables([(table, {1})]):
+            assert table == {1}
+            raise RuntimeError("inside")
+    assert table == before
+    unmeasured = [(t, set(t), implemented) for t, implemented in dispatch.UNMEASURED_SM90_TABLES]
+    with hopper_kernels_forced():
+        assert all(t == old | implemented for t, old, implemented in unmeasured)
+    assert all(t == old for t, old, _ in unmeasured)
+    with pytest.raises(ValueError, match="not a table"):
+        with dispatch_tables([(table, set()), ({1, 2}, set())]):
+            pass
+    assert table == before

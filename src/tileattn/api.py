@@ -651,10 +651,16 @@ def dispatch_tables(contents):
     tileattn.kernels.dispatch) holds exactly `keys`; the tables are restored after. The plan caches of
     tileattn.attention, attention_varlen and attention_paged are emptied on entry and exit, so no plan
     outlives the choice it was made under. For tests and benchmarks (an A/B of kernel choices); not
-    thread-safe."""
+    thread-safe. Raises ValueError for a table that is not one of tileattn.kernels.dispatch's sets."""
     from . import api_paged, api_varlen
+    from .kernels import dispatch
 
     contents = [(table, set(keys)) for table, keys in contents]
+    known = {id(t) for t in vars(dispatch).values() if isinstance(t, set)}
+    for table, _ in contents:
+        if id(table) not in known:
+            raise ValueError(f"dispatch_tables: {type(table).__name__} {table!r:.60} is not a table (set) of "
+                             "tileattn.kernels.dispatch")
     saved = [set(table) for table, _ in contents]
 
     def clear_caches():
