@@ -9,12 +9,11 @@ Workloads (bf16, forward only, no autograd, through the public ops):
 - paged: 512-query chunks after a 4096-key cached prefix (B = 8, H = 32, Hkv = 8, d = 128,
   block_size 16), causal.
 --dropout: dropout 0.1 (seeded) instead of the other variants, varlen only, d = 64 / 128 / 256 (the
-Hopper varlen dropout forward, switched on by hopper_kernels_forced while its table waits).
+Hopper varlen dropout forward and, at d = 64 / 128, backward).
 --backward: the varlen workloads forward+backward (autograd, dout random), TFLOP/s counting 3.5x the
 forward's useful FLOPs (the backward does 2.5x its matrix products), as `tileattn bench varlen`.
-Implementations per (workload, variant): `hopper_variant` (attention_fwd_sm90's packed variant
-kernel and, with --backward, attention_bwd_sm90's varlen variant kernel, switched on with
-api.hopper_kernels_forced where a dispatcher table still waits for its measurement),
+Implementations per (workload, variant): `hopper_variant` (as dispatched: attention_fwd_sm90's packed
+variant kernel and, with --backward, attention_bwd_sm90's varlen variant kernel where it has one),
 `sm80_variant` (the sm80 varlen / paged variant kernels they replace, both passes: the dispatcher's
 packed-variant tables emptied for the measurement), with --backward `sm80_backward` (the Hopper
 forward, the sm80 varlen variant backward: the dispatch before the Hopper backward's table) and
@@ -84,7 +83,6 @@ def main(argv=None) -> int:
     import torch
 
     import tileattn
-    from tileattn.api import hopper_kernels_forced
     from tileattn.bench.harness import measure
 
     dev = "cuda"
@@ -148,9 +146,9 @@ def main(argv=None) -> int:
                       paged_workload(64, 32, 8, 256, ("softcap50", "window1024")),
                       paged_workload(256, 8, 4, 16, ("softcap50", "window1024"))]
     passes = 3.5 if args.backward else 1.0
-    split = args.backward and not args.dropout  # the varlen dropout backward is sm80's either way
+    split = args.backward
     impls = ("hopper_variant", "sm80_variant", "hopper_plain") + (("sm80_backward",) if split else ())
-    contexts = {"hopper_variant": hopper_kernels_forced, "sm80_variant": sm80_variant_kernels,
+    contexts = {"hopper_variant": contextlib.nullcontext, "sm80_variant": sm80_variant_kernels,
                 "hopper_plain": contextlib.nullcontext, "sm80_backward": lambda: sm80_variant_kernels(forward=False)}
     with torch.set_grad_enabled(args.backward):
         for rnd in range(args.rounds):

@@ -1304,7 +1304,7 @@ def test_sm90_packed_variant_kernels():
     """The packed layouts' variant kernels: VARLEN or PAGED | each flag set of window, softcap and ALiBi,
     at VARIANT_DEFAULTS' tiles, both dtypes, every head dim, with the layout's parameter types then
     VARIANT_PARAMS'; dropout and causal are refused before anything reaches a GPU; the dispatcher's
-    tables for them are the kind hopper_kernels_forced fills."""
+    tables list every head dim and paged block size they implement."""
     from tileattn.kernels import attention_fwd_sm80, attention_fwd_sm90 as k90, dispatch
 
     exprs = k90.PACKED_VARIANT_INSTANTIATIONS
@@ -1337,18 +1337,16 @@ def test_sm90_packed_variant_kernels():
     with pytest.raises(ValueError, match="not variant flags 32"):
         k90.PagedPlan(q, cache, cache, table, max_seqlen_q=10, causal=False, scale=1.0, return_lse=True,
                       variants=va(dropout_p=0.1))
-    tables = {id(t): implemented for t, implemented in dispatch.UNMEASURED_SM90_TABLES}
-    for table, implemented in ((dispatch.SM90_VARLEN_VARIANT_FORWARD, set(k90.HEAD_DIMS)),
-                               (dispatch.SM90_PAGED_VARIANT_PREFILL, dispatch.SM90_PAGED_PREFILL)):
-        assert table <= implemented and tables.get(id(table), implemented) == implemented
+    assert dispatch.SM90_VARLEN_VARIANT_FORWARD == set(k90.HEAD_DIMS)
+    assert dispatch.SM90_PAGED_VARIANT_PREFILL == dispatch.SM90_PAGED_PREFILL
 
 
 def test_sm90_varlen_variant_backward_kernels():
     """The varlen backward's variant kernels: the sets without dropout and dropout with the window bit
     (with and without kRngState) at d = 64 and 128, atomic dQ, both dtypes, at the dense variant tiles;
     supports_varlen_variants and BackwardVarlenPlan refuse dropout with softcap or ALiBi, causal, the
-    deterministic mode and d = 256 before anything reaches a GPU; the dropout table waits in
-    UNMEASURED_SM90_TABLES."""
+    deterministic mode and d = 256 before anything reaches a GPU; the dispatcher's tables list every
+    head dim they implement."""
     from tileattn.kernels import attention_bwd_sm90 as ab
     from tileattn.kernels import attention_fwd_sm80, dispatch
 
@@ -1369,18 +1367,14 @@ def test_sm90_varlen_variant_backward_kernels():
         with pytest.raises(ValueError, match="supports_varlen_variants"):
             ab.BackwardVarlenPlan(q, q, q, q, lse, q, q, q, q, cu, 10, 10, causal=causal, scale=1.0,
                                   variants=variants)
-    tables = {id(t): implemented for t, implemented in dispatch.UNMEASURED_SM90_TABLES}
-    table = dispatch.SM90_VARLEN_VARIANT_BACKWARD
-    assert table <= set(ab.VARLEN_HEAD_DIMS) and tables.get(id(table), set(ab.VARLEN_HEAD_DIMS)) == {64, 128}
-    assert tables[id(dispatch.SM90_VARLEN_DROPOUT_BACKWARD)] == set(ab.VARLEN_HEAD_DIMS)
+    assert dispatch.SM90_VARLEN_VARIANT_BACKWARD == dispatch.SM90_VARLEN_DROPOUT_BACKWARD == set(ab.VARLEN_HEAD_DIMS)
 
 
 def test_sm90_varlen_dropout_kernels():
     """Dropout on the Hopper forward's varlen layout: the sets VARLEN_DROPOUT_FLAG_SETS lists (with the
     window bit, with and without kRngState) at packed_variant_config's tiles, both dtypes; a call's
     flags map to the windowed set (packed_kernel_flags) or to None where nothing is registered (ALiBi
-    with dropout at d = 256, any dropout on the paged layout); the dispatcher's table waits in
-    UNMEASURED_SM90_TABLES."""
+    with dropout at d = 256, any dropout on the paged layout); the dispatcher's table lists every head dim."""
     from tileattn.kernels import attention_fwd_sm80, attention_fwd_sm90 as k90, dispatch
 
     exprs = k90.VARLEN_DROPOUT_INSTANTIATIONS
@@ -1401,5 +1395,4 @@ def test_sm90_varlen_dropout_kernels():
     assert k90.packed_kernel_flags(128, k90.VARLEN, va(dropout_p=0.1, softcap=3.0, alibi_batch_stride=0)) is None
     assert k90.packed_kernel_flags(128, k90.PAGED, va(dropout_p=0.1)) is None
     assert k90.packed_kernel_flags(128, k90.PAGED, va(softcap=3.0)) == k90.SOFTCAP
-    tables = {id(t): implemented for t, implemented in dispatch.UNMEASURED_SM90_TABLES}
-    assert tables[id(dispatch.SM90_VARLEN_DROPOUT_FORWARD)] == set(k90.VARLEN_DROPOUT_FLAG_SETS)
+    assert dispatch.SM90_VARLEN_DROPOUT_FORWARD == set(k90.VARLEN_DROPOUT_FLAG_SETS)

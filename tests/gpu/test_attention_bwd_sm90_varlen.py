@@ -412,23 +412,18 @@ def test_variant_backward_matches_reference_and_sm80(d, name, dtype, batch):
 
 
 def test_variant_backward_through_the_public_op():
-    """attention_varlen with variants and autograd, the varlen variant backward switched on in the
-    dispatcher (hopper_kernels_forced while SM90_VARLEN_VARIANT_BACKWARD waits for its measurement,
-    the tables as they are after): the Hopper plan runs and the gradients match the reference."""
-    from tileattn import api
-    from tileattn.api import hopper_kernels_forced
+    """attention_varlen with variants and autograd as the dispatcher runs it (SM90_VARLEN_VARIANT_BACKWARD):
+    the Hopper plan runs and the gradients match the reference."""
+    from tileattn import api, attention_varlen
 
     lens_q, lens_k, h, hkv, pad_q, pad_k = BATCHES["nq_ne_nk_gqa4"]
     case, options, causal = variant_case("all", lens_q, lens_k, h, hkv, 128, BF16, seed_of("public-vbwd"))
-    from tileattn import attention_varlen
-
-    with hopper_kernels_forced():
-        q, k, v = (t.detach().requires_grad_() for t in (case.q, case.k, case.v))
-        with poisoned_allocations():
-            out = attention_varlen(q, k, v, case.cu_q, case.cu_k, case.max_q, case.max_k, causal=causal, **options)
-            grads = torch.autograd.grad(out, (q, k, v), case.dout)
-        plans = [p for e in api._plans.values() for p in getattr(e, "backward", {}).values()]
-        assert any(isinstance(p, _mod().BackwardVarlenPlan) for p in plans), plans
+    q, k, v = (t.detach().requires_grad_() for t in (case.q, case.k, case.v))
+    with poisoned_allocations():
+        out = attention_varlen(q, k, v, case.cu_q, case.cu_k, case.max_q, case.max_k, causal=causal, **options)
+        grads = torch.autograd.grad(out, (q, k, v), case.dout)
+    plans = [p for e in api._plans.values() for p in getattr(e, "backward", {}).values()]
+    assert any(isinstance(p, _mod().BackwardVarlenPlan) for p in plans), plans
     check_grads(case, grads, variant_reference_grads(case, options, causal), "public op with variants")
 
 
@@ -448,8 +443,7 @@ def test_variant_backward_refusals():
     assert _mod().supports_varlen_variants(128, FP16, va(window_left=5, window_right=0))
 
 
-# Dropout (VARLEN_DROPOUT_SETS; written in session 47 after its device time was spent: these tests have
-# not run on a GPU yet, and SM90_VARLEN_DROPOUT_BACKWARD waits in UNMEASURED_SM90_TABLES).
+# Dropout (VARLEN_DROPOUT_SETS, dispatched by SM90_VARLEN_DROPOUT_BACKWARD).
 @pytest.mark.parametrize("seed_tensor", [False, True], ids=["int_seed", "seed_tensor"])
 @pytest.mark.parametrize("window", [None, (60, 5)], ids=["no_window", "window"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -666,10 +666,11 @@ def test_paged_variants_bad_block_ids_are_masked():
     check_paged(case, out, lse, ref_out, ref_lse, "sm90 paged variants, bad block ids")
 
 
-def public_varlen_round_trip(case: Case, options, causal, seed, what):
+def public_varlen_round_trip(case: Case, options, causal, seed, what, hopper_backward=False):
     """attention_varlen with `options` and autograd on an unpadded case (allocations poisoned): a Hopper
     VarlenPlan runs the forward, which matches the float64 reference, and the gradients (the backward as
-    dispatched) match the reference's."""
+    dispatched; hopper_backward: a Hopper BackwardVarlenPlan) match the reference's."""
+    from tileattn.kernels import attention_bwd_sm90
     import tileattn
     from tileattn import api
 
@@ -685,6 +686,9 @@ def public_varlen_round_trip(case: Case, options, causal, seed, what):
         out.backward(dout)
     plans = [getattr(e, "forward", None) for e in api._plans.values()]
     assert any(isinstance(p, sm90.VarlenPlan) for p in plans), f"{what}: no Hopper varlen plan ran: {plans}"
+    if hopper_backward:
+        plans = [p for e in api._plans.values() for p in getattr(e, "backward", {}).values()]
+        assert any(isinstance(p, attention_bwd_sm90.BackwardVarlenPlan) for p in plans), f"{what}: {plans}"
     check(case, out.detach(), lse, causal, what=what, **options)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (case.q, case.k, case.v))
     ref = reference.attention_varlen(q64, k64, v64, case.cu_q, case.cu_k, case.max_q, case.max_k, causal=causal,
@@ -739,8 +743,7 @@ def test_packed_variant_argument_errors():
 
 
 # ---------------------------------------------------------------------------------------------
-# Dropout on the varlen layout (VARLEN_DROPOUT_INSTANTIATIONS; written in session 47 after its device
-# time was spent: these tests have not run on a GPU yet)
+# Dropout on the varlen layout (VARLEN_DROPOUT_INSTANTIATIONS, dispatched by SM90_VARLEN_DROPOUT_FORWARD)
 # ---------------------------------------------------------------------------------------------
 # name -> (options besides dropout, causal): each registered set's variants (the window bit is always
 # the kernel's; ALiBi with dropout has no d = 256 form, so that case runs at d = 64 / 128 only).
@@ -800,15 +803,14 @@ def test_varlen_dropout_keeps_the_expected_fraction_and_seeds_differ():
 
 
 def test_varlen_dropout_through_the_public_op():
-    """attention_varlen with dropout and autograd, the varlen dropout forward switched on
-    (hopper_kernels_forced): the Hopper plan runs, the forward and the gradients (the varlen dropout
-    backward, regenerating the mask) match the float64 reference with the same seed."""
-    from tileattn.api import hopper_kernels_forced
-
-    seed = seed_of("public-varlen-dropout")
-    case, options, causal, _ = dropout_case("window_softcap", 128, BF16, seed, pad_q=0, pad_k=0)
-    with hopper_kernels_forced():
-        public_varlen_round_trip(case, options, causal, seed, "public dropout")
+    """attention_varlen with dropout and autograd as the dispatcher runs it (SM90_VARLEN_DROPOUT_FORWARD /
+    _BACKWARD): the Hopper plans run, the forward and the gradients (the backward regenerating the mask:
+    the Hopper varlen dropout backward for causal dropout, the sm80 one with softcap) match the float64
+    reference with the same seed."""
+    for name, hopper_backward in (("causal", True), ("window_softcap", False)):
+        seed = seed_of("public-varlen-dropout", name)
+        case, options, causal, _ = dropout_case(name, 128, BF16, seed, pad_q=0, pad_k=0)
+        public_varlen_round_trip(case, options, causal, seed, f"public dropout {name}", hopper_backward)
 
 
 # ---------------------------------------------------------------------------------------------

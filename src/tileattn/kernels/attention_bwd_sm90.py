@@ -275,9 +275,8 @@ SPLIT_MASKED_INSTANTIATIONS = tuple(
 # The varlen entry point with variants (attention_bwd_sm90_varlen_variants): the sets without dropout
 # at the varlen head dims, the variant tiles, atomic dQ (the deterministic varlen backward is sm80's),
 # both dtypes. The softcap sets run the unsplit passes. Dropout (VARLEN_DROPOUT_SETS: with the window
-# bit alone, as the dense kernel, with and without kRngState; 0 spills, NVRTC 13.5): written in
-# session 47 after its device time was spent, not yet GPU-tested (dispatch.SM90_VARLEN_DROPOUT_BACKWARD
-# waits in UNMEASURED_SM90_TABLES).
+# bit alone, as the dense kernel, with and without kRngState; 0 spills, NVRTC 13.5; GPU-tested and
+# dispatched in session 48: dispatch.SM90_VARLEN_DROPOUT_BACKWARD).
 VARLEN_VARIANT_SETS = (WINDOW, WINDOW | SOFTCAP, WINDOW | ALIBI, WINDOW | SOFTCAP | ALIBI)
 VARLEN_DROPOUT_SETS = (WINDOW | DROPOUT, WINDOW | DROPOUT | RNG_STATE)
 

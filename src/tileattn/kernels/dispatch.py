@@ -174,10 +174,15 @@ SM90_PAGED_PREFILL: set[tuple[int, int]] = {(d, bs) for d in (64, 128, 256) for 
 SM90_VARLEN_VARIANT_FORWARD: set[int] = {64, 128, 256}
 SM90_PAGED_VARIANT_PREFILL: set[tuple[int, int]] = set(SM90_PAGED_PREFILL)
 # Head dims whose varlen forward with dropout runs attention_fwd_sm90's varlen dropout kernels
-# (VARLEN_DROPOUT_INSTANTIATIONS, where packed_kernel_flags finds one; the backward stays on the sm80
-# varlen kernels, which regenerate the same mask). Written in session 47 after its device time was
-# spent: compiled (0 spills) and CPU-tested only, so it waits in UNMEASURED_SM90_TABLES.
-SM90_VARLEN_DROPOUT_FORWARD: set[int] = set()
+# (VARLEN_DROPOUT_INSTANTIATIONS, where packed_kernel_flags finds one; d = 256 with ALiBi has none and
+# runs the sm80 varlen kernel). H100, 2026-12-06 (session 48 call 1, 515c255): the varlen dropout tests
+# of tests/gpu/test_attention_fwd_sm90_varlen.py and ..._bwd_sm90_varlen.py 45 passed (against the
+# float64 reference with the helper's mask, seed tensor = int seed bit for bit, kept fraction, the
+# public op with autograd), their 5 sanitize cases clean under memcheck, racecheck, synccheck,
+# initcheck; forward+backward on issue #10's batch (causal, bf16, dropout 0.1) 1.82x (d = 128), 1.83x
+# (d = 64) and 1.13x (d = 256, whose backward is sm80's in both) the sm80 varlen dropout kernels
+# (scripts/packed_variants_bench.py --dropout --backward; docs/attention_variants.md).
+SM90_VARLEN_DROPOUT_FORWARD: set[int] = {64, 128, 256}
 # Head dims whose varlen backward with window, softcap or ALiBi (atomic dQ, no dropout) runs
 # attention_bwd_sm90's varlen variant kernels (VARLEN_VARIANT_INSTANTIATIONS) on sm_90a. H100,
 # 2026-12-06 (session 47 call 4, 5b69d6f): tests/gpu/test_attention_bwd_sm90_varlen.py 143 passed, its
@@ -186,9 +191,9 @@ SM90_VARLEN_DROPOUT_FORWARD: set[int] = set()
 # (scripts/packed_variants_bench.py --backward; docs/attention_variants.md).
 SM90_VARLEN_VARIANT_BACKWARD: set[int] = {64, 128}
 # ... and whose varlen backward with dropout (with a window or none) runs attention_bwd_sm90's varlen
-# dropout kernels (VARLEN_DROPOUT_SETS). Written in session 47 after its device time was spent:
-# compiled (0 spills) and CPU-tested only, so it waits in UNMEASURED_SM90_TABLES.
-SM90_VARLEN_DROPOUT_BACKWARD: set[int] = set()
+# dropout kernels (VARLEN_DROPOUT_SETS): the same session 48 call (gradients against the float64
+# reference and the sm80 varlen dropout backward's, seed tensor and int seed, sanitize cases clean).
+SM90_VARLEN_DROPOUT_BACKWARD: set[int] = {64, 128}
 # Head dims and modes whose dropout backward runs the Hopper variant backward (attention_bwd_sm90's
 # dropout bit) when SM90_VARIANT_BACKWARD also lists them. Its GPU tests passed and racecheck found 0
 # hazards in tests/gpu/test_attention_bwd_sm90_variants.py's sanitize cases on the H200 (2026-12-01,
@@ -203,8 +208,8 @@ SM90_DROPOUT_BACKWARD: set[tuple[int, bool]] = {(d, mode) for d in (64, 128, 256
 # The tables that wait for a device run, each with everything its kernel implements:
 # tileattn.api.hopper_kernels_forced() fills them with it for tests and benchmarks. A table leaves
 # this list when the measurements fill it.
-UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ((SM90_VARLEN_DROPOUT_FORWARD, {64, 128, 256}),
-                                                      (SM90_VARLEN_DROPOUT_BACKWARD, {64, 128}))
+# None waits now (the last two, the varlen dropout tables, were filled in session 48).
+UNMEASURED_SM90_TABLES: tuple[tuple[set, set], ...] = ()
 
 
 # Rows M up to which tileattn.linear / add_rms_norm_linear run the hand-written GEMV (csrc/gemv.cu)
