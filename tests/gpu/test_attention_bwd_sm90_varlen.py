@@ -434,7 +434,7 @@ def test_variant_backward_refusals():
     case = Case((3,), (3,), 2, 1, 64, BF16, seed_of("vrefuse"))
     out, lse = forward(case, False)
     grads = tuple(torch.empty_like(t) for t in (case.q, case.k, case.v))
-    for variants, causal in ((va(dropout_p=0.1), False), (va(softcap=3.0), True)):
+    for variants, causal in ((va(dropout_p=0.1, softcap=3.0), False), (va(softcap=3.0), True)):
         with pytest.raises(ValueError, match="supports_varlen_variants"):
             _mod().backward_varlen_plan(case.q, case.k, case.v, out, lse, case.dout, *grads, case.cu_q, 3, 3,
                                         causal=causal, scale=0.125, deterministic=False, variants=variants)
