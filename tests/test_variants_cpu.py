@@ -1256,7 +1256,7 @@ def test_op_rng_states_keep_their_device():
 def test_rng_state_kernel_forms_are_registered_where_they_fit():
     """Which instantiation a call with a device rng state runs: the kRngState forms of the sm80 variant
     kernels (every head dim, dense and varlen), of the Hopper forward (the sets RNG_STATE_FLAG_SETS lists,
-    d = 128 windowed at 128 x 64) and of the Hopper backward (WINDOW | DROPOUT); the by-value calls keep
+    d = 128 windowed at 128 x 64, d = 256 windowed at 128 x 64 with ping-pong) and of the Hopper backward (WINDOW | DROPOUT); the by-value calls keep
     their instantiations."""
     from tileattn.kernels import attention_bwd_sm80 as b80
     from tileattn.kernels import attention_bwd_sm90 as b90
@@ -1282,6 +1282,8 @@ def test_rng_state_kernel_forms_are_registered_where_they_fit():
     flags = af.variant_flags(rng)
     assert flags == af.DROPOUT | af.WINDOW | af.RNG_STATE
     assert af.dropout_kernel_flags(128, flags) == flags and af.variant_config(128, flags).block_n == 64
+    assert af.dropout_kernel_flags(256, flags) == flags and af.variant_config(256, flags) == af.Sm90Config(
+        64, 2, pingpong=True), "causal dropout at d = 256 with a device state: the Hopper form on ping-pong"
     assert af.variant_config(128, af.dropout_kernel_flags(128, af.variant_flags(VariantArgs(UNBOUNDED, 0, dropout_p=0.1)))) \
         == af.variant_config(128, af.DROPOUT | af.WINDOW), "the by-value kernel keeps its tile"
     for d, sets in af.RNG_STATE_FLAG_SETS.items():

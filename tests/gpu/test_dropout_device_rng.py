@@ -36,12 +36,16 @@ CASES = {
     "sm80_d128_alibi": ("attention", 128, BF16, False, (2, 2), False, {"alibi": True}),
     "varlen_d64": ("attention_varlen", 64, BF16, True, (4, 2), False, {}),
     # A seed tensor runs another tile or family here than the int seed: d = 128 causal the Hopper form at
-    # 128 x 64 (128 x 128 by value), d = 256 causal the sm80 form (the Hopper one by value). Checked
-    # against the float64 reference instead of bitwise.
+    # 128 x 64 (128 x 128 by value), d = 256 causal the Hopper form with ping-pong (without it by value),
+    # d = 256 causal ALiBi the sm80 form (the Hopper one by value). Checked against the float64 reference
+    # instead of bitwise, with the forward kernel that ran (OTHER_KERNEL's expression fragment).
     "sm90_d128_causal_tile64": ("attention", 128, BF16, True, (4, 2), False, {}),
-    "sm80_d256_causal": ("attention", 256, FP16, True, (2, 1), False, {}),
+    "sm90_d256_causal_pingpong": ("attention", 256, FP16, True, (2, 1), False, {}),
+    "sm80_d256_causal_alibi": ("attention", 256, BF16, True, (2, 1), False, {"alibi": True}),
 }
-OTHER_KERNEL = ("sm90_d128_causal_tile64", "sm80_d256_causal")
+OTHER_KERNEL = {"sm90_d128_causal_tile64": "attention_fwd_sm90<128, 64, 2, false, false, true, 2, 289,",
+                "sm90_d256_causal_pingpong": "attention_fwd_sm90<256, 64, 2, true, false, false, 2, 289,",
+                "sm80_d256_causal_alibi": "attention_fwd_variants_sm80<256,"}
 LENS_Q, LENS_K = [70, 0, 129, 1], [100, 5, 129, 40]
 
 
@@ -55,7 +59,8 @@ def _state(seed: int, offset: int) -> torch.Tensor:
 
 
 def _inputs(case, seed):
-    """(op, (q, k, v), dout): op(q, k, v, **dropout) -> (out, lse) for the case's API and options."""
+    """(op, (q, k, v), dout): op(q, k, v, **dropout) -> (out, lse) for the case's API and options (the
+    options, ALiBi slopes included, in op.options)."""
     api, d, dtype, causal, (h, hkv), deterministic, extra = CASES[case]
     g = torch.Generator(device="cuda").manual_seed(seed)
     options = {k: v for k, v in extra.items() if k != "alibi"}
@@ -77,6 +82,7 @@ def _inputs(case, seed):
         def op(q_, k_, v_, **dropout):
             return tileattn.attention_varlen(q_, k_, v_, *cu, max(LENS_Q), max(LENS_K), causal, return_lse=True,
                                              deterministic=deterministic, **options, **dropout)
+    op.options = options
     return op, (q, k, v), dout
 
 
@@ -238,14 +244,25 @@ def test_capture_with_a_registered_generator():
 def test_seed_tensor_matches_the_reference(case):
     """Forward and backward with a seed tensor against the float64 reference given the same tensor (which
     reads its values): relative errors within the variant tests' tolerances (bf16 1e-2, fp16 2e-3
-    forward / 3e-3 gradients), lse within 2e-3, for the kRngState forms at their own tiles too."""
+    forward / 3e-3 gradients), lse within 2e-3, for the kRngState forms at their own tiles too (the
+    forward kernel that ran: OTHER_KERNEL)."""
+    _check_against_the_reference(case)
+
+
+def _check_against_the_reference(case):
+    from tileattn import api
+
     op, qkv, dout = _inputs(case, 5)
     dtype = qkv[0].dtype
     state = _state((1 << 63) + 9, 4)
+    api.clear_plans()
     out, lse, *grads = _forward_backward(op, qkv, dout, dropout_p=0.3, seed=state)
+    if case in OTHER_KERNEL:
+        ran = [e.forward.plan.kernel.expression for e in api._plans.values()]
+        assert any(OTHER_KERNEL[case] in x for x in ran), f"{case}: expected {OTHER_KERNEL[case]!r}, ran {ran}"
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in qkv)
     ref, ref_lse = reference.attention(q64, k64, v64, CASES[case][3], compute_dtype=torch.float64, dropout_p=0.3,
-                                       seed=state)
+                                       seed=state, **op.options)
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
     tol_fwd, tol_bwd = (1e-2, 1e-2) if dtype == BF16 else (2e-3, 3e-3)
     for name, x, y, tol in (("out", out, ref, tol_fwd), *(
@@ -309,3 +326,9 @@ def test_sanitize_seed_tensor(case):
     want = _forward_backward(op, qkv, dout, dropout_p=0.2, seed=3, offset=1)
     got = _forward_backward(op, qkv, dout, dropout_p=0.2, seed=_state(3, 1))
     _assert_equal(got, want, f"sanitize {case}", case)
+
+
+@pytest.mark.sanitize
+def test_sanitize_seed_tensor_other_kernel():
+    """The d = 256 causal kRngState form (its own ping-pong tile) against the reference, for compute-sanitizer."""
+    _check_against_the_reference("sm90_d256_causal_pingpong")

@@ -461,16 +461,18 @@ DROPOUT_FLAG_SETS: dict[int, tuple[int, ...]] = {64: _DROPOUT_ALL, 128: _DROPOUT
 # offset from device memory, so a captured CUDA graph applies whatever state each replay finds there.
 # Registered where they compile with 0 spills (NVRTC 13.5): every set at d = 64; at d = 128 the three
 # sets, the windowed two at 128 x 64 / s2 (RNG_STATE_TILES: at the dropout kernels' 128 x 128 they
-# spilled 120 and 20 bytes); at d = 256 dropout alone (the windowed sets spilled 20 bytes, with ALiBi
-# 20 / 80, at d = 256's only dropout tile, 128 x 64). Calls they do not cover (causal dropout at
-# d = 256 among them) run the sm80 kernels' kRngState form.
+# spilled 120 and 20 bytes); at d = 256 the same three sets, the windowed two (causal dropout among
+# them) on 128 x 64 / s2 with ping-pong (at the by-value tile, 128 x 64 / s2 without it, they spilled
+# 4 bytes; session 48). The d = 256 windowed sets with ALiBi spill on both (4 and 12 bytes with
+# ping-pong): those calls run the sm80 kernels' kRngState form.
 # docs/attention_variants.md, "Dropout's rng state in device memory".
 RNG_STATE = 256
 RNG_STATE_FLAG_SETS: dict[int, tuple[int, ...]] = {
     d: tuple(flags | RNG_STATE for flags in sets)
-    for d, sets in ((64, _DROPOUT_ALL), (128, _DROPOUT_ALL[:3]), (256, _DROPOUT_ALL[:1]))}
+    for d, sets in ((64, _DROPOUT_ALL), (128, _DROPOUT_ALL[:3]), (256, _DROPOUT_ALL[:3]))}
 RNG_STATE_TILES: dict[tuple[int, int], Sm90Config] = {
-    (128, flags | RNG_STATE): C(64, 2) for flags in _DROPOUT_ALL[1:3]}
+    (d, flags | RNG_STATE): tile for d, tile in ((128, C(64, 2)), (256, C(64, 2, pingpong=True)))
+    for flags in _DROPOUT_ALL[1:3]}
 DROPOUT_INSTANTIATIONS = tuple(
     variant_expression(d, RNG_STATE_TILES.get((d, flags), VARIANT_DEFAULTS[d]), bf16, flags)
     for table in (DROPOUT_FLAG_SETS, RNG_STATE_FLAG_SETS) for d, sets in table.items() for bf16 in (False, True)
