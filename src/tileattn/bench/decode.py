@@ -20,8 +20,7 @@ forward (tileattn.attention with Nq=512, Nk=4608) on the same work; TFLOP/s of u
 (each query row counts the keys it sees). The other prefill tiles of the paged kernel (the sm_80
 table's, when the arch's differs, and the family's tuning candidates) are timed on the same work
 through the launch layer (impl tileattn_paged_tile, the tile in its column). On sm_90a
-attention_paged runs the Hopper paged prefill at the block sizes dispatch.SM90_PAGED_PREFILL lists;
-at the others it is also timed forced on (impl tileattn_paged_sm90; api.hopper_kernels_forced). SDPA is not
+attention_paged runs the Hopper paged prefill at the block sizes dispatch.SM90_PAGED_PREFILL lists. SDPA is not
 a peer there: its is_causal is aligned top-left, which is a different mask when Nq < Nk. The
 prefill implementations are timed in --rounds rounds (default 3) in rotated order and each one's
 median is reported (prefill_point says why).
@@ -183,8 +182,7 @@ def prefill_tiles(head_dim: int, arch: str) -> list:
 
 
 def prefill_point(heads, kv_heads, block_sizes, reps, rounds=3, chunk=512, prefix=4096, batch=8) -> list[dict]:
-    """Records of suite prefill_chunk: the dense op, attention_paged at each block size (and, on
-    sm_90a where the Hopper paged prefill is not dispatched, forced on) and the other prefill tiles,
+    """Records of suite prefill_chunk: the dense op, attention_paged at each block size and the other prefill tiles,
     each checked against the dense op's output, then timed in `rounds` rounds whose order rotates
     (bench.attention.round_order), one record per implementation and round (key "round"). The
     GPU's power cap makes whichever call is timed first after a pause read up to ~15 % fast at this
@@ -193,7 +191,6 @@ def prefill_point(heads, kv_heads, block_sizes, reps, rounds=3, chunk=512, prefi
     import tileattn
 
     from ..api_paged import attention_paged
-    from ..api import hopper_kernels_forced
     from ..kernels import dispatch
     from ..kernels.attention_paged_sm80 import PagedLaunch, pick_config
     from ..runtime import device_arch
@@ -208,10 +205,6 @@ def prefill_point(heads, kv_heads, block_sizes, reps, rounds=3, chunk=512, prefi
     k = torch.randn(batch, kv_heads, n_k, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
     v = torch.randn(batch, kv_heads, n_k, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
     calls: dict[str, tuple[dict, object]] = {}  # name -> (record fields, no-argument call)
-
-    def forced(call):
-        with hopper_kernels_forced():
-            return call()
 
     with torch.no_grad():
         dense = lambda: tileattn.attention(q, k, v, causal=True)  # noqa: E731
@@ -232,11 +225,6 @@ def prefill_point(heads, kv_heads, block_sizes, reps, rounds=3, chunk=512, prefi
             config = "attention_fwd_sm90" if hopper else pick_config(HEAD_DIM, chunk * heads // kv_heads, device_arch())
             calls[f"paged {bs}"] = (dict(base, impl="tileattn_paged", block_size=bs, config=str(config),
                                          rel_err_vs_dense=rel_err(call(), ref)), call)
-            if device_arch() == "sm_90a" and not hopper:  # the Hopper paged prefill where it is not dispatched
-                run = functools.partial(forced, call)
-                calls[f"paged sm90 {bs}"] = (dict(base, impl="tileattn_paged_sm90", block_size=bs,
-                                                  config="attention_fwd_sm90", rel_err_vs_dense=rel_err(run(), ref)),
-                                             run)
             args = (q_packed, k_cache, v_cache, table, cu_q, seqlens)
             for tile in prefill_tiles(HEAD_DIM, device_arch()):  # other tiles, same work (launch layer)
                 launch = PagedLaunch(q_packed, k_cache, v_cache, table, max_seqlen_q=chunk, causal=True,
