@@ -786,7 +786,7 @@ def backward_varlen_plan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, max_
                          causal: bool, scale: float, deterministic: bool, config: Sm90BwdConfig | None = None,
                          variants=None) -> BackwardVarlenPlan:
     """A BackwardVarlenPlan for these (already validated) tensors; the same call as
-    attention_bwd_sm80.backward_varlen_plan (`variants` without dropout: supports_varlen_variants).
+    attention_bwd_sm80.backward_varlen_plan (`variants`: the sets supports_varlen_variants accepts).
     Raises ValueError for deterministic=True (see supports_varlen) and what BackwardVarlenPlan raises."""
     return BackwardVarlenPlan(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, int(max_seqlen_q),
                               int(max_seqlen_k), causal=bool(causal), scale=float(scale),

@@ -523,7 +523,7 @@ PAGED_INSTANTIATIONS = tuple(paged_expression(d, cfg, causal, bf16) for (d, caus
                              for bf16 in (False, True))
 
 # Both packed layouts with variants: kVariant = VARLEN or PAGED | a set of WINDOW, SOFTCAP, ALIBI
-# (causal is the window's right edge 0, so kCausal false; dropout stays with the dense kernels), the
+# (causal is the window's right edge 0, so kCausal false; dropout: the varlen sets below), the
 # layout's parameters then VARIANT_PARAMS', at the dense variant kernels' tiles (VARIANT_DEFAULTS:
 # two consumers, kBlockN a power of two as the paged layout needs).
 PACKED_VARIANT_FLAGS = tuple(range(1, 8))
@@ -536,8 +536,8 @@ _LAYOUT_PARAM_TYPES = {VARLEN: _VARLEN_PARAM_TYPES, PAGED: _PAGED_PARAM_TYPES}
 # at d = 64 (128 x 128 / s3) and at d = 128 on 128 x 64 / s2 (at 128 x 128 the varlen state made
 # DROPOUT | WINDOW spill 8 bytes, with SOFTCAP 8, with ALIBI 40); at d = 256 without ALiBi (with it:
 # 4 bytes). The mask is the dense kernels' with the sequence index as the batch and positions inside
-# the sequence (tileattn.dropout.dropout_mask's batch_start rule), which the sm80 varlen backward
-# regenerates.
+# the sequence (tileattn.dropout.dropout_mask's batch_start rule), which the varlen backwards (Hopper's
+# VARLEN_DROPOUT_SETS, sm80's) regenerate.
 _VARLEN_DROPOUT_SETS = (DROPOUT | WINDOW, DROPOUT | WINDOW | SOFTCAP, DROPOUT | WINDOW | ALIBI)
 VARLEN_DROPOUT_FLAG_SETS: dict[int, tuple[int, ...]] = {
     d: tuple(flags | rng for flags in sets for rng in (0, RNG_STATE))
@@ -1150,7 +1150,7 @@ class PagedPlan:
     the table's capacity or in a block id outside [0, num_blocks) are masked and never read; rows past
     cu_seqlens_q[B] get out 0, lse -inf. `variants`: None, or an attention_fwd_sm80.VariantArgs
     without dropout (causal folded into the window, so causal False): the packed variant kernel at
-    VARIANT_DEFAULTS' tile, called with the slopes as PagedLaunch is. Raises ValueError for what the
+    packed_variant_config's tile, called with the slopes as PagedLaunch is. Raises ValueError for what the
     kernel cannot run (head dim, dtype, block_size not a power of two in 16..256, num_splits > 1,
     causal with variants, dropout, layouts TMA cannot describe, an empty cache, more than 2^30
     tiles). A persistent config launches one CTA per SM."""
@@ -1180,7 +1180,7 @@ class PagedPlan:
         if num_splits not in (None, 1):
             raise ValueError(f"the sm90 paged forward has no split-KV (num_splits {num_splits}); use the sm80 kernel")
         flags = _packed_variant_flags(variants, causal, head_dim, PAGED)
-        config = config or (VARIANT_DEFAULTS[head_dim] if flags else PAGED_DEFAULTS[(head_dim, bool(causal))])
+        config = config or (packed_variant_config(head_dim, flags) if flags else PAGED_DEFAULTS[(head_dim, bool(causal))])
         views = (_packed_view(q), _cache_view(k_cache), _cache_view(v_cache))
         for name, t in zip(("q", "k_cache", "v_cache"), views):
             if t.numel() and not _tma_ready(t):
