@@ -29,3 +29,10 @@ PY
 export PYTHONPATH=src:.:/tmp/site PYTHONUNBUFFERED=1 TILEATTN_GIT_COMMIT=${COMMIT:-unknown}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, cuda.core; from tileattn.runtime import nvrtc_version; print('torch', torch.__version__, 'cuda.core', cuda.core.__version__, 'nvrtc', nvrtc_version())" || exit 1
+# After scripts/gpu_check.py's sanitizer half wrote its logs under DIR ($OUT/sanitize): each shard's summary from
+# its own log (printed even when a timeout cut gpu_check.py before its table), then the logs back as one archive
+# (the device returns a limited number of files).
+sanitizer_logs_back() {
+  for f in "$1"/sanitizer-*.log; do [ -f "$f" ] && echo "$(basename "$f"): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY| passed| failed' "$f" | tail -2 | tr '\n' ' ')"; done
+  tar czf "$1-logs.tgz" -C "$(dirname "$1")" "$(basename "$1")" 2>/dev/null && rm -rf "$1"
+}

@@ -11,8 +11,5 @@ T=$(left); echo "== ${TOOLS:=memcheck,racecheck,synccheck,initcheck} at $(( $(da
 [ $T -gt 90 ] && timeout $(( T - 15 )) python3 scripts/gpu_check.py --report-dir $OUT/sanitize --bench "" --no-tests --no-audit \
   --sanitizer-tools $TOOLS --sanitizer-jobs 15 2>&1 | tail -16
 echo "== sanitize done $(( $(date +%s)-t0 ))s"
-# Each shard's own summary, from its log: printed even when the timeout cut gpu_check.py before its table
-# (session 49 call 3); the logs travel back as one archive (the device returns a limited number of files).
-for f in $OUT/sanitize/sanitizer-*.log; do [ -f "$f" ] && echo "$(basename $f): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY| passed| failed' $f | tail -2 | tr '\n' ' ')"; done
-tar czf $OUT/sanitize-logs.tgz -C $OUT sanitize 2>/dev/null && rm -rf $OUT/sanitize
+sanitizer_logs_back $OUT/sanitize
 gzip -f $OUT/*.xml 2>/dev/null; true

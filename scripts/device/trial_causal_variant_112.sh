@@ -26,8 +26,7 @@ if [ "${PART:-tests}" = tests ]; then
   echo "== $(el)s sanitizers"
   (cd /tmp/trial && timeout 300 python3 scripts/gpu_check.py --report-dir $OUT/sanitize --bench "" --no-tests --no-audit \
      --tests tests/gpu/test_attention_variants.py -k "causal and (alibi or softcap or fixed_max)" --sanitizer-jobs 4 2>&1 | tail -8)
-  for f in $OUT/sanitize/sanitizer-*.log; do [ -f "$f" ] && echo "$(basename $f): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY| passed| failed' $f | tail -2 | tr '\n' ' ')"; done
-  tar czf $OUT/sanitize-logs.tgz -C $OUT sanitize 2>/dev/null && rm -rf $OUT/sanitize
+  sanitizer_logs_back $OUT/sanitize
 fi
 if [ "$PART" = bench ]; then
   echo "== $(el)s A/B"
