@@ -1,4 +1,4 @@
-# Trial prepared in session 49 (not yet run): d = 64 causal ALiBi and softcap alone on the kCausal kernel's
+# Trial prepared in session 49, its bench part measured in session 50 (ALiBi +0-2 %, softcap -4 %: not merged; docs/attention_variants.md, "Causal d = 64 on 112-key blocks"): d = 64 causal ALiBi and softcap alone on the kCausal kernel's
 # three-consumer tile with 112-key blocks instead of 96 (CAUSAL_VARIANT_WIDE[64]; the patch beside adds the
 # m64n112k16 wgmma forms to common/sm90.cuh and changes that one entry). Why: issue #15's ALiBi target (>= 0.9
 # of plain) is missed only at d = 64 causal (0.889-0.899, H200, session 29), where the variant kernel runs
