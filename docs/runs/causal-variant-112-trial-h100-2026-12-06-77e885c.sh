@@ -1,4 +1,6 @@
-# Trial prepared in session 49, its bench part measured in session 50 (ALiBi +0-2 %, softcap -4 %: not merged; docs/attention_variants.md, "Causal d = 64 on 112-key blocks"): d = 64 causal ALiBi and softcap alone on the kCausal kernel's
+# Record of a finished trial (run in session 50 as scripts/device/trial_causal_variant_112.sh; moved here with its patch
+# when it was not merged: ALiBi +0-2 %, softcap -4 %; docs/attention_variants.md, "Causal d = 64 on 112-key blocks").
+# d = 64 causal ALiBi and softcap alone on the kCausal kernel's
 # three-consumer tile with 112-key blocks instead of 96 (CAUSAL_VARIANT_WIDE[64]; the patch beside adds the
 # m64n112k16 wgmma forms to common/sm90.cuh and changes that one entry). Why: issue #15's ALiBi target (>= 0.9
 # of plain) is missed only at d = 64 causal (0.889-0.899, H200, session 29), where the variant kernel runs
@@ -11,11 +13,11 @@
 # PART=tests: the causal variant GPU tests and their sanitize cases on the patched tree; PART=bench: the A/B by
 # scripts/ab_trees.py (main and trial in alternating processes, ratio to plain in each). Default: tests (the two
 # parts together would pass the device's 10 minutes per command).
-# Usage (carry as scripts/device/prologue.sh says): COMMIT=<sha> [PART=tests|bench] bash scripts/device/trial_causal_variant_112.sh
+# Usage (carry as scripts/device/prologue.sh says): COMMIT=<sha> [PART=tests|bench] bash docs/runs/causal-variant-112-trial-h100-2026-12-06-77e885c.sh
 source scripts/device/prologue.sh; mkdir -p $OUT; t0=$(date +%s)
 el() { echo $(( $(date +%s)-t0 )); }
 rm -rf /tmp/trial && mkdir -p /tmp/trial && cp -r src tests scripts labs pyproject.toml /tmp/trial/
-(cd /tmp/trial && patch -s -p1 < "$OLDPWD/scripts/device/trial_causal_variant_112.patch") || exit 1
+(cd /tmp/trial && patch -s -p1 < "$OLDPWD/docs/runs/causal-variant-112-trial-h100-2026-12-06-77e885c.patch") || exit 1
 python3 -c "import sys; sys.path.insert(0, '/tmp/trial/src'); from tileattn.kernels import attention_fwd_sm90 as k; print('trial tile', k.CAUSAL_VARIANT_WIDE[64])"
 if [ "${PART:-tests}" = tests ]; then
   echo "== $(el)s trial: causal variant GPU tests"
