@@ -71,6 +71,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", required=True, help="the tree's name in the records")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=10, help="timed repetitions per implementation and round")
     ap.add_argument("--seq", type=int, action="append", help="N (repeatable; default 2048, 4096, 8192)")
     ap.add_argument("--head-dim", type=int, action="append", choices=sorted(CONFIGS))
     ap.add_argument("--grids-only", action="store_true", help="one CTA per tile and persistent only, no cuDNN")
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
                     calls["cudnn"] = cudnn
                 for rnd in range(args.rounds):
                     for name, call in round_order(calls, rnd):  # each first in turn (bench attention's docstring)
-                        t = measure(call, reps=10, memory=False)
+                        t = measure(call, reps=args.reps, memory=False)
                         print(json.dumps({"tree": args.label, "variant": args.variant, "d": d, "causal": causal,
                                           "n": n, "round": rnd,
                                           "impl": name, "ms": t.median_ms,
