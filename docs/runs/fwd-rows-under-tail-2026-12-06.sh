@@ -12,9 +12,9 @@ timeout -s INT ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider -n 15 -m 
   tests/gpu/test_attention_fwd_sm90_varlen.py tests/gpu/test_attention_fwd_sm90_dropout.py --junitxml=$OUT/junit-fwd.xml > $OUT/tests.log 2>&1
 echo "rc $?"; grep -E "passed|failed|error" $OUT/tests.log | tail -3
 echo "== $(el)s A/B d = 128"
-timeout 200 python3 scripts/ab_trees.py --tree main=/tmp/base/src --tree trial=src --repeat 2 --peer sdpa_cudnn --out $OUT/ab128 \
+timeout 170 python3 scripts/ab_trees.py --tree main=/tmp/base/src --tree trial=src --repeat 2 --peer sdpa_cudnn --out $OUT/ab128 \
   -- bench attention --forward-only --head-dim 128 --seq 2048 --seq 4096 --impl tileattn --impl sdpa_cudnn --rounds 3 2>&1 | tail -16
 echo "== $(el)s A/B d = 256"
-timeout 150 python3 scripts/ab_trees.py --tree main=/tmp/base/src --tree trial=src --repeat 2 --peer sdpa_cudnn --out $OUT/ab256 \
+timeout 110 python3 scripts/ab_trees.py --tree main=/tmp/base/src --tree trial=src --repeat 2 --peer sdpa_cudnn --out $OUT/ab256 \
   -- bench attention --forward-only --head-dim 256 --seq 2048 --impl tileattn --impl sdpa_cudnn --rounds 3 2>&1 | tail -10
 echo "== $(el)s done"; gzip -f $OUT/*.xml 2>/dev/null; tar czf $OUT/ab.tgz -C $OUT ab128 ab256 2>/dev/null && rm -rf $OUT/ab128 $OUT/ab256; true
