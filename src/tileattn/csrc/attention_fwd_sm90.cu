@@ -1233,29 +1233,6 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
         s9::mbar_wait(&v_full[ss], (gs / kStages) & 1);
         if (v_releaser) s9::mbar_arrive(&v_empty[ss]);
       }
-      // The rows' sums and maxima are final after the last softmax: 1 / l for the normalization, and lse
-      // written. Called while the tail's P V runs (its ~1.3 k clocks of reductions, division, log and
-      // index arithmetic otherwise sat between the tail's wait and the O store; docs/attention_fwd_sm90.md,
-      // "Where a short tile's time goes"), or at once when the consumer visited nothing. Not in the d = 256
-      // dropout kernels with a window or ALiBi: their registers are full there (68-100 bytes of spill), and
-      // their rows are finished after the tail's wait as before.
-      constexpr bool kRowsUnderTail = !(kDropped && kHeadDim == 256);
-      float inv[2];
-      auto finish_rows = [&]() {
-        // Varlen: the sequence's first query token, re-read rather than kept across the loop.
-        const int q0 = kVarlenLayout ? ld_nc_volatile(vl.cu_q + tile.batch) : 0;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float sum = quad_sum(l[h]);
-          inv[h] = sum > 0.f ? 1.f / sum : 0.f;  // sum == 0 <=> the row saw no key: O = 0
-          if constexpr (kDropped) inv[h] *= va.drop_scale;  // kept P times 1 / (1 - p); lse below is undropped
-          if (t == 0 && pos[h] < nq)
-            lse[kVarlenLayout  // lse [H, Tq] or [B, H, Nq]
-                    ? static_cast<int64_t>(tile.head0 + (r0 + 8 * h) / rows) * vl.total_q + q0 + pos[h]
-                    : (static_cast<int64_t>(tile.batch) * heads + tile.head0 + (r0 + 8 * h) / rows) * seqlen_q + pos[h]] =
-                sum > 0.f ? (m[h] + log2f(sum)) * kLn2 : neg_inf();
-        }
-      };
       if (n_iters > skip) {
         if (c == 1) pass_turn(false);  // consumer 0 issues first
         // ---- first block seen (block_of(skip)): S, softmax; no P V yet
@@ -1340,7 +1317,7 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
           if (v_releaser) s9::mbar_arrive(&q_empty);
         }
 
-        // ---- tail: P V of the last block visited, the rows finished under it
+        // ---- tail: P V of the last block visited
         const int gv = g0 + n_iters - 1, sv = gv % kStages;
         s9::mbar_wait(&v_full[sv], (gv / kStages) & 1);
         s9::fence_accumulators(o);
@@ -1348,22 +1325,29 @@ __global__ void __launch_bounds__(fwd90::kThreadsOf<kConsumers>, 1)
         s9::wgmma_fence();
         issue_pv(sv);
         pass_turn(true);
-        if constexpr (kRowsUnderTail) finish_rows();
         s9::wgmma_wait<0>();
         s9::fence_accumulators(o);
         if (v_releaser) s9::mbar_arrive(&v_empty[sv]);
-      } else {
-        if constexpr (kRowsUnderTail) finish_rows();
-        if constexpr (kOwnO) {
-          if (v_releaser) s9::mbar_arrive(&q_empty);  // no S issued: Q (loaded regardless) is not read
-        }
+      } else if constexpr (kOwnO) {
+        if (v_releaser) s9::mbar_arrive(&q_empty);  // no S issued: Q (loaded regardless) is not read
       }
       g0 += n_iters;
-      if constexpr (!kRowsUnderTail) finish_rows();
 
-      // ---- epilogue: normalize, O -> 16 bit -> stmatrix into this consumer's rows of sO ----
-      // Varlen: the sequence's first query token (as in finish_rows).
+      // ---- epilogue: normalize, lse, O -> 16 bit -> stmatrix into this consumer's rows of sO ----
+      // Varlen: the sequence's first query token, re-read rather than kept across the loop.
       const int q0 = kVarlenLayout ? ld_nc_volatile(vl.cu_q + tile.batch) : 0;
+      float inv[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float sum = quad_sum(l[h]);
+        inv[h] = sum > 0.f ? 1.f / sum : 0.f;  // sum == 0 <=> the row saw no key: O = 0
+        if constexpr (kDropped) inv[h] *= va.drop_scale;  // kept P times 1 / (1 - p); lse below is undropped
+        if (t == 0 && pos[h] < nq)
+          lse[kVarlenLayout  // lse [H, Tq] or [B, H, Nq]
+                  ? static_cast<int64_t>(tile.head0 + (r0 + 8 * h) / rows) * vl.total_q + q0 + pos[h]
+                  : (static_cast<int64_t>(tile.batch) * heads + tile.head0 + (r0 + 8 * h) / rows) * seqlen_q + pos[h]] =
+              sum > 0.f ? (m[h] + log2f(sum)) * kLn2 : neg_inf();
+      }
       // stmatrix.x4 j covers columns 16 j .. 16 j + 15 of the warp's 16 rows: matrix i = (rows
       // 8 (i & 1).., columns 16 j + 8 (i >> 1)..) is accumulator pair 4 (2 j + (i >> 1)) + 2 (i & 1).
       // Lane l addresses row 8 ((l / 8) & 1) + l % 8 of the warp's rows, 16-byte chunk 2 j + l / 16
