@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python scripts/fwd_sm90_configs.py --label new --rounds 2 --seq 2048 --seq 4096 > new.jsonl
     PYTHONPATH=OLD_TREE/src python scripts/fwd_sm90_configs.py --label old --rounds 2 ... > old.jsonl
+    python scripts/fwd_sm90_configs.py --summary new.jsonl
 
 One JSON line per (head dim, mask, N, round, config): B=4 H=32 bf16, TFLOP/s from the harness's
 median. The tileattn imported is whichever PYTHONPATH names, so two trees (e.g. a `git archive` of
@@ -13,9 +14,11 @@ each process, anchors them. Each config's output is checked against cuDNN's firs
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import re
+import statistics
 import sys
 
 import torch
@@ -67,9 +70,25 @@ def timed_call(q, k, v, out, lse, causal: bool, cfg: af.Sm90Config, variant: str
     return lambda: plan.launch(q, k, v, out, lse, slopes.data_ptr() if variant == "alibi" else 0, 0, 0, 0)
 
 
+def summary(paths) -> None:
+    """Per (head dim, mask, N): each config's median TFLOP/s over the rounds, its ratio to cuDNN's median in the
+    same records and its range."""
+    tf = collections.defaultdict(list)
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                tf[(r["d"], r["causal"], r["n"], r["impl"])].append(r["tflops"])
+    for d, causal, n in sorted({key[:3] for key in tf}):
+        cudnn = statistics.median(tf[(d, causal, n, "cudnn")]) if (d, causal, n, "cudnn") in tf else math.nan
+        cells = [f"{impl} {statistics.median(v):.0f} ({statistics.median(v) / cudnn:.3f}; {min(v):.0f}-{max(v):.0f})"
+                 for (dd, cc, nn, impl), v in tf.items() if (dd, cc, nn) == (d, causal, n) and impl != "cudnn"]
+        print(f"d={d} {'causal' if causal else 'nc'} N={n} cudnn {cudnn:.0f}: " + "; ".join(cells))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--label", required=True, help="the tree's name in the records")
+    ap.add_argument("--label", help="the tree's name in the records (required unless --summary)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10, help="timed repetitions per implementation and round")
     ap.add_argument("--seq", type=int, action="append", help="N (repeatable; default 2048, 4096, 8192)")
@@ -79,7 +98,13 @@ def main(argv=None) -> int:
                     help="time the variant kernel (softcap 30 / ALiBi slopes [H]; causal as the window's right edge 0)")
     ap.add_argument("--config", action="append", metavar="{128,192}xN/sK[/pp][/persistent]",
                     help="time these configs (as Sm90Config prints them) instead of the defaults' three; repeatable")
+    ap.add_argument("--summary", nargs="+", metavar="JSONL", help="print the table of earlier records and exit")
     args = ap.parse_args(argv)
+    if args.summary:
+        summary(args.summary)
+        return 0
+    if args.label is None:
+        ap.error("--label is required (unless --summary)")
     print("tileattn from", tileattn.__file__, file=sys.stderr)
     b, h = 4, 32
     for d in args.head_dim or (128, 64):

@@ -6,7 +6,8 @@ tail P V, each step of the epilogue, the store's issue and, without sO, its shar
 the tile index and %globaltimer, into a buffer passed as the persistent grid's tile counter (the counter pair
 first, 16 int64 per tile and consumer 64 bytes on). Prints, per shape and consumer, the median of each segment
 over the tiles in SM clocks, the loop's clocks per visit, and the gap from one tile's store to the next tile.
-Stamps: `trace-stamps.npz` under --out.
+Stamps: `trace-stamps.npz` under --out. The launch time in the summary is the harness's median (call 4's record
+predates that: 20 launches back to back, no L2 flush; the docs quote its clocks, not its times).
 
     PYTHONPATH=<patched tree>/src python fwd-tile-trace-trial-2026-12-06.py --out DIR
 """
@@ -20,6 +21,7 @@ import math
 import numpy as np
 import torch
 
+from tileattn.bench.harness import measure
 from tileattn.kernels import attention_fwd_sm90 as af
 
 TRACE_TILES = 64  # kTraceTiles in the patch
@@ -55,15 +57,7 @@ def main() -> None:
         def call():
             af.launch_forward_sm90(q, k, v, out, lse, causal=causal, scale=1 / math.sqrt(d), config=cfg)
 
-        for _ in range(5):
-            call()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            call()
-        end.record()
-        torch.cuda.synchronize()
-        ms = start.elapsed_time(end) / 20
+        ms = measure(call, warmup=5, reps=20, memory=False).median_ms  # also the stamped launch's warm-up
         buf[8:].zero_()
         call()
         torch.cuda.synchronize()

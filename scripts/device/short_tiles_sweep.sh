@@ -17,18 +17,5 @@ for d in 128 256 64; do
     --head-dim $d $args > $OUT/short-tiles-d$d.jsonl 2> $OUT/short-tiles-d$d.err || tail -5 $OUT/short-tiles-d$d.err
   echo "== d=$d at $(( $(date +%s)-t0 ))s"
 done
-python3 - $OUT/short-tiles-d*.jsonl <<'PY'
-import json, statistics, sys
-from collections import defaultdict
-tf = defaultdict(list)
-for f in sys.argv[1:]:
-    for line in open(f):
-        r = json.loads(line)
-        tf[(r["d"], r["causal"], r["n"], r["impl"])].append(r["tflops"])
-for d, causal, n in sorted({k[:3] for k in tf}):
-    cudnn = statistics.median(tf[(d, causal, n, "cudnn")])
-    cells = [f"{impl} {statistics.median(v):.0f} ({statistics.median(v) / cudnn:.3f}; {min(v):.0f}-{max(v):.0f})"
-             for (dd, cc, nn, impl), v in tf.items() if (dd, cc, nn) == (d, causal, n) and impl != "cudnn"]
-    print(f"d={d} {'causal' if causal else 'nc'} N={n} cudnn {cudnn:.0f}: " + "; ".join(cells))
-PY
+python3 scripts/fwd_sm90_configs.py --summary $OUT/short-tiles-d*.jsonl
 echo "== done $(( $(date +%s)-t0 ))s"
