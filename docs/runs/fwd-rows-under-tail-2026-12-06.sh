@@ -5,7 +5,7 @@
 # Usage (carry as scripts/device/prologue.sh says): COMMIT=<sha> bash docs/runs/fwd-rows-under-tail-2026-12-06.sh
 source scripts/device/prologue.sh; mkdir -p $OUT; t0=$(date +%s)
 el() { echo $(( $(date +%s)-t0 )); }
-rm -rf /tmp/trial && mkdir -p /tmp/trial && cp -r src tests pyproject.toml /tmp/trial/ && (cd /tmp/trial && git apply "$OLDPWD/docs/runs/fwd-rows-under-tail-2026-12-06.patch") || exit 1
+rm -rf /tmp/trial && mkdir -p /tmp/trial && cp -r src tests labs pyproject.toml /tmp/trial/ && (cd /tmp/trial && git apply "$OLDPWD/docs/runs/fwd-rows-under-tail-2026-12-06.patch") || exit 1
 grep -c finish_rows src/tileattn/csrc/attention_fwd_sm90.cu /tmp/trial/src/tileattn/csrc/attention_fwd_sm90.cu
 echo "== $(el)s A/B d = 128"
 timeout ${AB_S:-170} python3 scripts/ab_trees.py --tree main=src --tree trial=/tmp/trial/src --repeat 2 --peer sdpa_cudnn --out $OUT/ab128 \
