@@ -1,6 +1,6 @@
 """Instruction census of a kernel's innermost tensor-core loop, from its SASS (no GPU needed).
 
-    python scripts/sass_loop_census.py --family attention_fwd_sm90 EXPRESSION [EXPRESSION ...]
+    python scripts/sass_loop_census.py --family attention_fwd_sm90 [--all] EXPRESSION [EXPRESSION ...]
 
 Compiles each template instantiation for sm_90a with the project's NVRTC, disassembles it
 (labs.sass: cuobjdump + nvdisasm) and finds the loops: a backward branch and the code from its
@@ -9,6 +9,10 @@ is the main loop; its census (instructions per thread per iteration, by pipe) is
 issue slots, MUFU and FP32 throughput against the tensor-core time works from
 (docs/attention_variants.md, "Where the variants' time goes").
 Static counts: one iteration as compiled, predicated-off instructions included.
+--all prints every innermost loop that issues HGMMAs, in address order: a kernel whose masked and
+unmasked visits compile to two loops with the same exponentials has both, and the main loop's
+tie-break (the longer) may pick the masked one in one build and not in another (session 52: the
+merged-boundary trial against main).
 """
 
 from __future__ import annotations
@@ -65,10 +69,15 @@ def census(body: list[str]) -> dict[str, int]:
     return row
 
 
+def tensor_core_loops(sass: str) -> list[dict[str, int]]:
+    """The census of every innermost loop that issues HGMMAs, in address order."""
+    return [census(body) for body in loops(sass) if any(op.startswith("HGMMA") for op in body)]
+
+
 def main_loop(sass: str) -> dict[str, int]:
     """The census of the main loop: of the innermost loops that issue HGMMAs, the one with the most
     MUFU instructions (the softmax's exponentials live there). ValueError if no loop issues HGMMAs."""
-    rows = [census(body) for body in loops(sass) if any(op.startswith("HGMMA") for op in body)]
+    rows = tensor_core_loops(sass)
     if not rows:
         raise ValueError("no loop with HGMMA in this SASS")
     return max(rows, key=lambda row: (row["MUFU"], row["instructions"]))
@@ -78,6 +87,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", required=True, help="registered kernel family, e.g. attention_fwd_sm90")
     ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--all", action="store_true", help="every innermost HGMMA loop, not only the main loop")
     ap.add_argument("expressions", nargs="+", help="template instantiations, as the family lists them")
     args = ap.parse_args(argv)
     from labs.sass import dump_sass, tools
@@ -88,11 +98,14 @@ def main(argv=None) -> int:
         raise SystemExit("cuobjdump / nvdisasm not found (the nvidia-cuda-cuobjdump and triton wheels)")
     path = family(args.family).path
     columns = ["instructions", *PIPES]
-    print("| instantiation | " + " | ".join(columns) + " |")
-    print("|---|" + "---|" * len(columns))
+    print("| instantiation | " + ("loop | " if args.all else "") + " | ".join(columns) + " |")
+    print("|---|" + "---|" * (len(columns) + args.all))
     for expression in args.expressions:
-        row = main_loop(dump_sass(compile_cuda(path, [expression], args.arch).cubin))
-        print(f"| `{expression}` | " + " | ".join(str(row[c]) for c in columns) + " |")
+        sass = dump_sass(compile_cuda(path, [expression], args.arch).cubin)
+        rows = list(enumerate(tensor_core_loops(sass))) if args.all else [(None, main_loop(sass))]
+        for k, row in rows:
+            loop = f"{k} | " if args.all else ""
+            print(f"| `{expression}` | {loop}" + " | ".join(str(row[c]) for c in columns) + " |")
     return 0
 
 

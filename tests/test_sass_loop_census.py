@@ -39,6 +39,11 @@ def test_main_loop_is_the_one_with_the_exponentials():
     assert row == {"instructions": 6, "MUFU": 2, "FP32": 1, "INT": 1, "MOV": 0, "CVT": 0, "HGMMA": 1}
 
 
+def test_every_tensor_core_loop_in_address_order():
+    rows = census.tensor_core_loops(SASS)
+    assert [row["instructions"] for row in rows] == [3, 6] and rows[1] == census.main_loop(SASS)
+
+
 def test_no_tensor_core_loop_is_an_error():
     with pytest.raises(ValueError, match="no loop with HGMMA"):
         census.main_loop("/*0000*/ FFMA R2, R3, R4, R5 ;\n/*0010*/ BRA 0x0 ;")
