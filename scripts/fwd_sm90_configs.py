@@ -81,8 +81,9 @@ def summary(paths) -> None:
                 tf[(r["d"], r["causal"], r["n"], r["impl"])].append(r["tflops"])
     for d, causal, n in sorted({key[:3] for key in tf}):
         cudnn = statistics.median(tf[(d, causal, n, "cudnn")]) if (d, causal, n, "cudnn") in tf else math.nan
-        cells = [f"{impl} {statistics.median(v):.0f} ({statistics.median(v) / cudnn:.3f}; {min(v):.0f}-{max(v):.0f})"
-                 for (dd, cc, nn, impl), v in tf.items() if (dd, cc, nn) == (d, causal, n) and impl != "cudnn"]
+        medians = {impl: (statistics.median(v), v) for (dd, cc, nn, impl), v in tf.items()
+                   if (dd, cc, nn) == (d, causal, n) and impl != "cudnn"}
+        cells = [f"{impl} {med:.0f} ({med / cudnn:.3f}; {min(v):.0f}-{max(v):.0f})" for impl, (med, v) in medians.items()]
         print(f"d={d} {'causal' if causal else 'nc'} N={n} cudnn {cudnn:.0f}: " + "; ".join(cells))
 
 
